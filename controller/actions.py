@@ -1,0 +1,72 @@
+"""The actions a reconcile pass may take, as small frozen values: `plan()` makes them, the reconciler applies them.
+
+Each action carries the event to record once it has been applied, so the wording of every event is
+decided in the pure planner and tested there. Applying an action twice must be harmless: that is
+what lets a controller killed between two actions converge when it (or another one) comes back.
+This module holds data only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NORMAL = "Normal"
+WARNING = "Warning"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of `describe`'s event list (type Normal | Warning, CamelCase reason)."""
+
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Start slot (role, replica): intent row, backend launch, handle recorded, in that order."""
+
+    role: str
+    replica: int
+    restart: bool
+    event: Event
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """A process launched for worker row `worker_id` whose handle was never recorded: record it."""
+
+    worker_id: int
+    handle: str
+    event: Event
+
+
+@dataclass(frozen=True)
+class EndWorker:
+    """Close a worker row: Succeeded | Failed | Lost | Stopped (later writes of that incarnation are fenced)."""
+
+    worker_id: int
+    state: str
+    exit_code: int | None
+    message: str
+    event: Event | None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ask the backend to stop a process (TERM, then KILL after `grace_seconds`; 0 kills at once)."""
+
+    handle: str
+    grace_seconds: float
+    event: Event | None
+
+
+@dataclass(frozen=True)
+class Purge:
+    """Every worker is gone and the run is being deleted: remove its rows (and files with --purge)."""
+
+    remove_files: bool
+
+
+Action = Launch | Adopt | EndWorker | Stop | Purge

@@ -1,0 +1,129 @@
+"""The backend contract: how the controller launches, lists and stops worker processes.
+
+Who calls it: the controller's reconcile (launch a slot's new incarnation, list what is actually
+running, stop what should not run). Backends (local processes, later Modal) implement it; nothing
+else in mortal knows how a worker is started.
+What it must not do: touch the state store or decide anything. A backend reports what exists; the
+controller compares that with the workers table and acts.
+
+    backend = select_backend("local")
+    handle = backend.launch(WorkerLaunch(run="r", role="actor", replica=0, incarnation=7, ...))
+    store.set_worker_handle(row.id, handle)
+    [w for w in backend.list("r") if not w.alive]     # exited: exit_code when known
+    backend.stop(handle)                               # SIGTERM the group, SIGKILL after grace
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+class BackendError(Exception):
+    """Base of every error a backend raises on purpose."""
+
+
+class BackendNotBuilt(BackendError):
+    """The spec names a backend this version of mortal does not have yet (a permanent condition)."""
+
+
+class UnknownBackend(BackendError):
+    """The name is not a backend at all."""
+
+
+class InsufficientGPUs(BackendError):
+    """A launch asked for more GPUs than the backend can give it now.
+
+    `requested`, `free` and `total` say why; `permanent` is True when the machine does not have
+    that many at all (the run cannot start here: a condition, not a retry), False when they exist
+    but are held by other workers (retry after backoff).
+    """
+
+    def __init__(self, requested: int, free: int, total: int, gpu: str) -> None:
+        self.requested, self.free, self.total, self.gpu = requested, free, total, gpu
+        self.permanent = requested > total
+        if self.permanent:
+            msg = f"asked for {requested} GPU(s) ({gpu}) but this machine has {total}"
+        else:
+            msg = f"asked for {requested} GPU(s) ({gpu}); {free} of {total} are free (others are in use)"
+        super().__init__(msg)
+
+
+class LaunchFailed(BackendError):
+    """The backend could not start the process (bad interpreter, no space for the log, ...)."""
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """Everything a backend needs to start one incarnation of one worker slot.
+
+    `worker_id` is `WorkerRef.id` (`run/role-replica#incarnation`): the marker the backend finds
+    the process by. `env` carries extra variables (the spec's secrets) copied into the worker's
+    environment. `heartbeat_seconds`, when set, becomes MORTAL_HEARTBEAT_SECONDS (the worker
+    otherwise derives its period from lease_seconds in its row).
+    """
+
+    run: str
+    role: str
+    replica: int
+    incarnation: int
+    worker_id: str
+    state_url: str
+    mortal_home: str
+    gpu: str = "none"
+    gpu_count: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    heartbeat_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class BackendWorker:
+    """One worker process as the backend sees it.
+
+    `alive` False means it exited; `exit_code` is its status when the backend knows it (a child it
+    launched; negative -N when signal N killed it, as in subprocess), None otherwise: then the worker
+    row's own `report_exit` is the truth, and no report at all means the worker was lost (or was
+    stopped on request: a worker stopped by SIGTERM exits 0 without a report). A handle missing from `list()` altogether is gone too.
+    """
+
+    worker_id: str
+    handle: str
+    run: str
+    role: str
+    replica: int
+    incarnation: int
+    alive: bool
+    exit_code: int | None = None
+
+
+class Backend(abc.ABC):
+    """Launch, list and stop workers. Every method is idempotent and safe to call after a restart."""
+
+    name: str
+
+    @abc.abstractmethod
+    def launch(self, launch: WorkerLaunch) -> str:
+        """Start the worker; return its handle (stable, never reused for another process)."""
+
+    @abc.abstractmethod
+    def list(self, run: str | None = None) -> list[BackendWorker]:
+        """Workers of `run` (all runs if None): live ones, plus exited ones this backend still knows of.
+
+        Also finds workers launched by an earlier controller process (re-adoption).
+        """
+
+    @abc.abstractmethod
+    def stop(self, handle: str, grace_seconds: float = 5.0) -> None:
+        """Stop the worker and everything it started; returns once they are gone. Unknown or already
+        stopped handles are a no-op."""
+
+
+def select_backend(name: str) -> Backend:
+    """The backend a spec's `backend:` field names."""
+    if name == "local":
+        from mortal.controller.backends.local import LocalBackend
+
+        return LocalBackend()
+    if name == "modal":
+        raise BackendNotBuilt("modal backend not built yet: use `backend: local`")
+    raise UnknownBackend(f"unknown backend {name!r}: use 'local' or 'modal'")

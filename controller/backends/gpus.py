@@ -1,0 +1,76 @@
+"""Local GPUs: which exist, and which of them a new worker may have.
+
+Called by the local backend at launch. Detection asks `nvidia-smi -L` (or torch, only if the
+controller process already imported it; importing torch here would cost seconds and gigabytes).
+What it must not do: remember allocations. Which devices are taken is derived every time from the
+live worker processes (their CUDA_VISIBLE_DEVICES), so a restarted controller computes the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+
+from mortal.controller.backends.base import InsufficientGPUs
+
+CPU_NAMES = ("none", "cpu", "")
+_GPU_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
+
+
+def wants_gpu(gpu: str) -> bool:
+    """False for the spec's 'none' (CPU)."""
+    return gpu.strip().lower() not in CPU_NAMES
+
+
+def detect_gpus() -> list[str]:
+    """Device ids this controller may hand out, as CUDA_VISIBLE_DEVICES entries.
+
+    The controller's own CUDA_VISIBLE_DEVICES, when set, is the pool (an operator restricting the
+    controller restricts its workers); otherwise every GPU nvidia-smi lists.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return [str(i) for i in range(torch.cuda.device_count())]
+    return _nvidia_smi_devices()
+
+
+def _nvidia_smi_devices() -> list[str]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return parse_nvidia_smi_list(out.stdout) if out.returncode == 0 else []
+
+
+def parse_nvidia_smi_list(text: str) -> list[str]:
+    """Device indices from `nvidia-smi -L` ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-...)")."""
+    return _GPU_LINE.findall(text)
+
+
+def assign(gpu: str, count: int, devices: list[str], in_use: Iterable[str]) -> str:
+    """The CUDA_VISIBLE_DEVICES value for a new worker: '' for CPU, else `count` free devices.
+
+    Raises InsufficientGPUs (permanent when the machine has fewer than `count` at all).
+    """
+    if not wants_gpu(gpu):
+        return ""
+    taken = set(in_use)
+    free = [d for d in devices if d not in taken]
+    if count > len(free):
+        raise InsufficientGPUs(count, len(free), len(devices), gpu)
+    return ",".join(free[:count])
+
+
+def parse_visible(value: str | None) -> tuple[str, ...]:
+    """A worker's CUDA_VISIBLE_DEVICES as the devices it holds."""
+    return tuple(d.strip() for d in (value or "").split(",") if d.strip())

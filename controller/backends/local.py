@@ -1,0 +1,322 @@
+"""The local backend: one OS process (own session and process group) per worker on this machine.
+
+Who calls it: the controller, through the `Backend` contract. A worker is
+`python -m mortal.workers.main` with the protocol's MORTAL_* environment; its output is appended to
+mortal.state.paths.worker_log. The handle is "PID:CREATE_TIME" so a reused pid is never mistaken
+for the worker. `list()` finds workers by scanning processes for MORTAL_WORKER_ID and this
+MORTAL_HOME in their environment, so a restarted controller re-adopts workers an earlier one
+launched (even ones it launched and never recorded). GPUs go out with CUDA_VISIBLE_DEVICES.
+What it must not do: touch the store, or leave a process behind: `stop` kills the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+
+from mortal.controller.backends import gpus
+from mortal.controller.backends.base import Backend, BackendWorker, LaunchFailed, WorkerLaunch
+from mortal.state import paths
+
+WORKER_MODULE = "mortal.workers.main"
+EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that exited and was not stop()ped
+# Identity variables of a worker: never inherited from the controller's own environment.
+_IDENTITY = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
+             "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A live worker process seen in the process table."""
+
+    worker: BackendWorker
+    devices: tuple[str, ...]
+
+
+class _Registry:
+    """What this controller process knows beyond the process table about one home's workers,
+    shared by every LocalBackend of that home.
+
+    Children it launched (their Popen: exit codes, and reaping so none stays a zombie), and workers
+    it has seen alive (so one that vanished is reported as exited, exit code unknown). Entries go
+    when `stop` is called on their handle, or EXITED_TTL_SECONDS after the exit was first listed
+    (then the handle is simply absent: gone, as the contract allows).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.children: dict[str, tuple[subprocess.Popen[bytes], _Found]] = {}
+        self.seen: dict[str, BackendWorker] = {}
+        self.exited_at: dict[str, float] = {}
+
+    def forget(self, handle: str) -> None:
+        self.children.pop(handle, None)
+        self.seen.pop(handle, None)
+        self.exited_at.pop(handle, None)
+
+
+_REGISTRIES: dict[str, _Registry] = {}
+_REGISTRIES_LOCK = threading.Lock()
+
+
+def _registry(home: str) -> _Registry:
+    with _REGISTRIES_LOCK:
+        return _REGISTRIES.setdefault(home, _Registry())
+
+
+def make_handle(pid: int, create_time: float) -> str:
+    return f"{pid}:{create_time:.2f}"
+
+
+def parse_handle(handle: str) -> tuple[int, str]:
+    pid, _, ctime = handle.partition(":")
+    return int(pid), ctime
+
+
+class LocalBackend(Backend):
+    """Workers as local processes, scoped to one MORTAL_HOME."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        detect_gpus: Callable[[], list[str]] | None = None,
+        command: list[str] | None = None,
+    ) -> None:
+        """`home` defaults to $MORTAL_HOME; `detect_gpus` and `command` (the worker's argv) are
+        replaceable for tests and for running a worker under another interpreter."""
+        self.home = os.path.realpath(home if home is not None else paths.mortal_home())
+        self._detect_gpus = detect_gpus or gpus.detect_gpus
+        self._command = command or [sys.executable, "-m", WORKER_MODULE]
+        self._reg = _registry(self.home)
+
+    # -- launch ------------------------------------------------------------------------------
+    def launch(self, launch: WorkerLaunch) -> str:
+        """Start the worker (or return the handle of the live process already running this worker id)."""
+        if os.path.realpath(launch.mortal_home) != self.home:
+            raise ValueError(f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}")
+        with self._reg.lock:
+            live = self._live()
+            for f in live.values():
+                if f.worker.worker_id == launch.worker_id:
+                    return f.worker.handle
+            devices = [] if not gpus.wants_gpu(launch.gpu) else self._detect_gpus()
+            in_use = (d for f in live.values() for d in f.devices)
+            visible = gpus.assign(launch.gpu, launch.gpu_count, devices, in_use)
+            proc = self._spawn(launch, visible)
+            handle = make_handle(proc.pid, psutil.Process(proc.pid).create_time())
+            worker = _worker_from(launch, handle)
+            self._reg.children[handle] = (proc, _Found(worker, gpus.parse_visible(visible)))
+            self._reg.seen[handle] = worker
+            return handle
+
+    def _spawn(self, launch: WorkerLaunch, visible: str) -> subprocess.Popen[bytes]:
+        log_path = _log_path(launch)
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:
+                return subprocess.Popen(
+                    self._command,
+                    env=_worker_env(launch, visible),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        except OSError as exc:
+            raise LaunchFailed(f"could not start {launch.worker_id}: {exc}") from exc
+
+    # -- list --------------------------------------------------------------------------------
+    def list(self, run: str | None = None) -> list[BackendWorker]:
+        with self._reg.lock:
+            live = {h: f.worker for h, f in self._live().items()}
+            for handle, worker in live.items():
+                self._reg.seen.setdefault(handle, worker)
+            out = dict(live)
+            now = time.monotonic()
+            for handle, worker in list(self._reg.seen.items()):
+                if handle in live:
+                    continue
+                if now - self._reg.exited_at.setdefault(handle, now) > EXITED_TTL_SECONDS:
+                    self._reg.forget(handle)
+                    continue
+                child = self._reg.children.get(handle)
+                out[handle] = replace(worker, alive=False, exit_code=child[0].returncode if child else None)
+        workers = [w for w in out.values() if run is None or w.run == run]
+        return sorted(workers, key=lambda w: (w.run, w.role, w.replica, w.incarnation))
+
+    def _live(self) -> dict[str, _Found]:
+        """Live workers by handle: the process table, plus our children still running (a process
+        that is just exec'ing shows no environment yet)."""
+        live = {f.worker.handle: f for f in self._scan()}
+        for handle, (proc, found) in self._reg.children.items():
+            if proc.poll() is None:  # polling also reaps: no zombie stays behind
+                live.setdefault(handle, found)
+            else:
+                live.pop(handle, None)
+        return live
+
+    def _scan(self) -> list[_Found]:
+        """Live worker processes of this home: the processes carrying MORTAL_WORKER_ID that lead their
+        process group and whose parent is not the same worker (its descendants inherit the id)."""
+        candidates: dict[int, tuple[psutil.Process, dict[str, str]]] = {}
+        for proc in psutil.process_iter(["environ", "ppid"]):
+            env = proc.info.get("environ")
+            if env and "MORTAL_WORKER_ID" in env and os.path.realpath(env.get("MORTAL_HOME", "")) == self.home:
+                candidates[proc.pid] = (proc, env)
+        found: list[_Found] = []
+        for proc, env in candidates.values():
+            parent = candidates.get(proc.info.get("ppid") or 0)
+            if parent is not None and parent[1]["MORTAL_WORKER_ID"] == env["MORTAL_WORKER_ID"]:
+                continue
+            worker = _inspect(proc, env)
+            if worker is not None:
+                found.append(_Found(worker, gpus.parse_visible(env.get("CUDA_VISIBLE_DEVICES"))))
+        return found
+
+    # -- stop --------------------------------------------------------------------------------
+    def stop(self, handle: str, grace_seconds: float = 5.0) -> None:
+        """SIGTERM the worker's process group, SIGKILL what is left after `grace_seconds`, then kill
+        descendants that left the group (they still carry the worker id), and reap."""
+        pid, ctime = parse_handle(handle)
+        with self._reg.lock:
+            child = self._reg.children.get(handle)
+            known = self._reg.seen.get(handle)
+        popen = child[0] if child else None
+        worker_id = known.worker_id if known else None
+        if _matches(pid, ctime):
+            if worker_id is None:
+                with contextlib.suppress(psutil.Error):
+                    worker_id = psutil.Process(pid).environ().get("MORTAL_WORKER_ID")
+            _signal_group(pid, signal.SIGTERM)
+            if not _wait_group_gone(pid, popen, grace_seconds):
+                _signal_group(pid, signal.SIGKILL)
+                _wait_group_gone(pid, popen, 10.0)
+        self._kill_strays(pid, worker_id)
+        if popen is not None:
+            try:
+                popen.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+        with self._reg.lock:
+            self._reg.forget(handle)
+
+    def _kill_strays(self, pgid: int, worker_id: str | None) -> None:
+        """SIGKILL what the worker left: processes of this home in its group or carrying its id."""
+        strays = []
+        for proc in psutil.process_iter(["environ"]):
+            env = proc.info.get("environ") or {}
+            if "MORTAL_WORKER_ID" not in env or os.path.realpath(env.get("MORTAL_HOME", "")) != self.home:
+                continue
+            try:
+                if env["MORTAL_WORKER_ID"] == worker_id or os.getpgid(proc.pid) == pgid:
+                    proc.kill()
+                    strays.append(proc)
+            except (psutil.Error, ProcessLookupError):
+                continue
+        psutil.wait_procs(strays, timeout=10.0)
+
+
+def _worker_from(launch: WorkerLaunch, handle: str) -> BackendWorker:
+    return BackendWorker(
+        worker_id=launch.worker_id, handle=handle, run=launch.run, role=launch.role,
+        replica=launch.replica, incarnation=launch.incarnation, alive=True,
+    )
+
+
+def _inspect(proc: psutil.Process, env: dict[str, str]) -> BackendWorker | None:
+    """The BackendWorker of a worker's leader process, None for its descendants or on a race."""
+    try:
+        if os.getpgid(proc.pid) != proc.pid or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        handle = make_handle(proc.pid, proc.create_time())
+        return BackendWorker(
+            worker_id=env["MORTAL_WORKER_ID"], handle=handle, run=env.get("MORTAL_RUN", ""),
+            role=env.get("MORTAL_ROLE", ""), replica=int(env.get("MORTAL_REPLICA", "0")),
+            incarnation=int(env.get("MORTAL_INCARNATION", "0")), alive=True,
+        )
+    except (psutil.Error, ProcessLookupError, ValueError):
+        return None
+
+
+def _matches(pid: int, ctime: str) -> bool:
+    """The process `pid` exists (maybe as a zombie) and is the one the handle was made for."""
+    try:
+        return make_handle(pid, psutil.Process(pid).create_time()) == f"{pid}:{ctime}"
+    except psutil.Error:
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _wait_group_gone(pgid: int, popen: subprocess.Popen[bytes] | None, timeout: float) -> bool:
+    """Wait until no process is left in the group (reaping our child leader as it exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if popen is not None:
+            popen.poll()
+        if not _group_alive(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Some process of the group still runs (zombies waiting for another parent to reap them do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return False
+
+
+def _log_path(launch: WorkerLaunch) -> Path:
+    """paths.worker_log, under the launch's MORTAL_HOME (which may differ from this process's)."""
+    rel = paths.worker_log(launch.run, launch.role, launch.replica, launch.incarnation).relative_to(
+        paths.mortal_home()
+    )
+    return Path(launch.mortal_home) / rel
+
+
+def _worker_env(launch: WorkerLaunch, visible: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _IDENTITY}
+    env.update(launch.env)
+    env.update(
+        MORTAL_RUN=launch.run,
+        MORTAL_ROLE=launch.role,
+        MORTAL_REPLICA=str(launch.replica),
+        MORTAL_INCARNATION=str(launch.incarnation),
+        MORTAL_WORKER_ID=launch.worker_id,
+        MORTAL_HOME=str(launch.mortal_home),
+        MORTAL_STATE_URL=launch.state_url,
+        CUDA_VISIBLE_DEVICES=visible,
+        PYTHONUNBUFFERED="1",
+    )
+    if launch.heartbeat_seconds is not None:
+        env["MORTAL_HEARTBEAT_SECONDS"] = str(launch.heartbeat_seconds)
+    return env

@@ -1,0 +1,122 @@
+"""`mortalctl apply -f FILE|DIR|-`: make the store's desired state match TrainingRun documents.
+
+Prints `trainingrun/NAME created | configured | unchanged` per run (unchanged when the normalized
+spec, labels and annotations are equal), nudges or starts a controller, and with --follow/--wait
+stays until the runs finish. Status in the documents is ignored, so `get -o yaml` output applies.
+Also holds `read_documents`, shared with `delete -f`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from mortal.controller.cli import follow
+from mortal.controller.cli.context import CliError, ensure_controller, state, wake_controller
+
+if TYPE_CHECKING:
+    from mortal.specs import TrainingRun
+
+HELP = """Create or update TrainingRuns from YAML or JSON files.
+
+A run that does not exist is created; one whose spec, labels or annotations differ is configured
+(its generation grows when the spec changes); an identical one is left unchanged. Status and
+read-only metadata in the files are ignored, so the output of `get -o yaml` can be applied again.
+Unless --no-controller is given, a background controller is started when none is running.
+
+\b
+Examples:
+  # Train the quickstart example on this machine and watch it
+  mortalctl apply -f specs/examples/quickstart.yaml --follow
+\b
+  # Apply every *.yaml file in a folder
+  mortalctl apply -f runs/
+\b
+  # Apply what another command prints
+  mortalctl get runs -o json | mortalctl apply -f -
+"""
+
+
+def read_documents(filenames: list[str], recursive: bool = False) -> list[TrainingRun]:
+    """Every run in the given files, folders or '-' (stdin); all problems raised together as one SpecError."""
+    from mortal.specs import SpecError, SpecIssue, load_path
+
+    runs: list[TrainingRun] = []
+    issues: list[SpecIssue] = []
+    for filename in filenames:
+        try:
+            runs += load_path(filename, recursive=recursive)
+        except SpecError as err:
+            issues += err.issues
+    seen: set[str] = set()
+    for run in runs:
+        if run.name in seen:
+            issues.append(SpecIssue("<arguments>", None, "metadata.name", f"run {run.name!r} is given twice"))
+        seen.add(run.name)
+    if issues:
+        raise SpecError(issues)
+    return runs
+
+
+def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
+    """Write each run's desired state; returns (name, outcome) pairs in the order given."""
+    results = []
+    for run in runs:
+        meta = run.metadata
+        if dry_run:
+            results.append((run.name, _dry_outcome(store, run)))
+            continue
+        _, outcome = store.apply_run(run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations)
+        results.append((run.name, str(outcome)))
+    return results
+
+
+def _dry_outcome(store, run: TrainingRun) -> str:
+    """What apply would say, computed without writing."""
+    from mortal.state import NotFound
+
+    try:
+        row = store.get_run(run.name)
+    except NotFound:
+        return "created"
+    same = (row.spec, row.labels, row.annotations) == (run.spec_dict(), run.metadata.labels, run.metadata.annotations)
+    return "unchanged" if same else "configured"
+
+
+def apply_command(
+    ctx: typer.Context,
+    filenames: list[str] = typer.Option(
+        ..., "-f", "--filename", metavar="FILE", help="A file, a folder of *.yaml files, or '-' for stdin (repeatable)."
+    ),
+    recursive: bool = typer.Option(False, "-R", "--recursive", help="Read folders given with -f recursively."),
+    follow_: bool = typer.Option(False, "--follow", help="Show live progress until the runs finish."),
+    wait: bool = typer.Option(False, "--wait", help="Wait quietly until the runs finish."),
+    timeout: float = typer.Option(0, "--timeout", metavar="SECONDS", help="With --follow/--wait: give up after this long (0 = never)."),
+    no_controller: bool = typer.Option(
+        False, "--no-controller", help="Do not start a background controller [env: MORTAL_NO_CONTROLLER=1]."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print what would change, without writing."),
+) -> None:
+    cli = state(ctx)
+    runs = read_documents(filenames, recursive)
+    if not runs:
+        raise CliError(f"no TrainingRun documents found in {', '.join(filenames)}")
+    results = apply_runs(cli.store, runs, dry_run)
+    suffix = " (dry run)" if dry_run else ""
+    for name, outcome in results:
+        typer.echo(f"trainingrun/{name} {outcome}{suffix}")
+    if dry_run:
+        return
+    changed = [name for name, outcome in results if outcome != "unchanged"]
+    if changed:
+        wake_controller(*changed)
+    ensure_controller(cli, no_controller)
+    if follow_ or wait:
+        names = [name for name, _ in results]
+        ok = follow.follow_runs(cli.store, names, quiet=wait and not follow_, timeout=timeout or None)
+        raise typer.Exit(0 if ok else 1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("apply", help=HELP, short_help="Create or update runs from YAML or JSON files", no_args_is_help=True)(apply_command)

@@ -1,0 +1,167 @@
+"""`mortalctl describe run NAME`: one run in detail, the way `kubectl describe` shows a pod.
+
+Sections: identity, a summary of the spec, status, conditions, workers, checkpoints and recent
+events. Only reads the store; formats with rich (plain text when not a terminal).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from mortal.controller.cli.context import run_document, state
+from mortal.controller.cli.output import age, console, fmt_float, print_renderable, table
+
+if TYPE_CHECKING:
+    from mortal.specs import TrainingRun, TrainingSpec
+    from mortal.state import RunRow, Store
+
+HELP = """Show details of a run: spec summary, status, conditions, workers, checkpoints and recent events.
+
+\b
+Examples:
+  mortalctl describe run quickstart
+"""
+
+
+def _pairs(values: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(values.items())) or "<none>"
+
+
+def _when(moment) -> str:
+    return f"{moment.isoformat(timespec='seconds')} ({age(moment)} ago)" if moment else "<none>"
+
+
+def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
+    """The spec as a few readable lines."""
+    m, d, a, g = spec.model, spec.dataset, spec.algorithm, spec.generation
+    model = f"{m.name} (dtype {m.dtype}"
+    model += f", LoRA r={m.lora.r} alpha={m.lora.alpha:g}" if m.lora else ", full fine-tuning"
+    model += ", gradient checkpointing)" if m.gradient_checkpointing else ")"
+    dataset = f"{d.name} (split {d.split}, column {d.prompt_column}"
+    dataset += f", first {d.max_samples} rows)" if d.max_samples else ")"
+    algorithm = (
+        f"{a.loss_type}: {a.prompts_per_step} prompts x {a.num_generations} generations = {a.batch_size} "
+        f"completions/step, {a.max_steps} steps, lr {a.learning_rate:g}, beta {a.beta:g}, epsilon {a.epsilon:g}, "
+        f"scaleRewards {a.scale_rewards}, maxStaleness {a.max_staleness}, seed {a.seed}"
+    )
+    generation = f"maxTokens {g.max_tokens}, temperature {g.temperature:g}, topP {g.top_p:g}, engine {g.engine}"
+    if g.top_k:
+        generation += f", topK {g.top_k}"
+    return [
+        ("Model", model),
+        ("Dataset", dataset),
+        ("Algorithm", algorithm),
+        ("Generation", generation),
+        ("Actor", f"{spec.actor.count} x gpu {spec.actor.gpu}"),
+        ("Rollout", f"{spec.rollout.replicas} x gpu {spec.rollout.gpu}"),
+        ("Sync", f"{spec.sync.method}, every {spec.sync.every} step(s)"),
+        ("Checkpoint", f"every {spec.checkpoint.every} steps, keep {spec.checkpoint.keep}"),
+        ("Restart policy", f"maxRestarts {spec.restart_policy.max_restarts}, backoff {spec.restart_policy.backoff_seconds:g}s"),
+        ("Backend", spec.backend),
+        ("Suspend", str(spec.suspend).lower()),
+        ("Secrets", ", ".join(spec.secrets) or "<none>"),
+    ]
+
+
+def reward_rows(spec: TrainingSpec) -> list[tuple[str, ...]]:
+    return [
+        (r.display_name(), f"function {r.function}" if r.function else f"env {r.env}", f"{r.weight:g}")
+        for r in spec.rewards
+    ]
+
+
+def status_lines(run: TrainingRun) -> list[tuple[str, str]]:
+    s = run.status
+    ckpt = f"step {s.last_checkpoint.step} at {s.last_checkpoint.path}" if s.last_checkpoint else "<none>"
+    return [
+        ("Phase", str(s.phase)),
+        ("Step", f"{s.step}/{run.spec.algorithm.max_steps}"),
+        ("Weight version", str(s.weight_version)),
+        ("Reward", fmt_float(s.reward)),
+        ("Replicas", f"actor {s.replicas.actor.ready}/{s.replicas.actor.desired} ready, "
+                     f"rollout {s.replicas.rollout.ready}/{s.replicas.rollout.desired} ready"),
+        ("Restarts", str(s.restarts)),
+        ("Last checkpoint", ckpt),
+        ("Started", _when(s.start_time)),
+        ("Completed", _when(s.completion_time)),
+        ("Message", s.message or "<none>"),
+    ]
+
+
+def print_fields(title: str | None, fields: list[tuple[str, str]], indent: int = 0) -> None:
+    out = console()
+    if title:
+        out.print(f"{' ' * indent}{title}:", markup=False)
+        indent += 2
+    width = max(len(k) for k, _ in fields) + 2
+    for key, value in fields:
+        out.print(f"{' ' * indent}{key + ':':<{width}}{value}", markup=False)
+
+
+def print_section(title: str, headers: tuple[str, ...], rows: list, empty: str = "<none>") -> None:
+    out = console()
+    if not rows:
+        out.print(f"{title}:  {empty}", markup=False)
+        return
+    out.print(f"{title}:", markup=False)
+    print_renderable(table(headers, rows), indent=len(title) - len(title.lstrip()) + 2)
+
+
+def describe_run(store: Store, row: RunRow) -> None:
+    run = run_document(row)
+    identity = [
+        ("Name", row.name),
+        ("Labels", _pairs(row.labels)),
+        ("Annotations", _pairs(row.annotations)),
+        ("UID", row.uid),
+        ("Generation", f"{row.generation} (observed {run.status.observed_generation})"),
+        ("Resource version", str(row.resource_version)),
+        ("Created", _when(row.created_at)),
+    ]
+    if row.deleted_at:
+        identity.append(("Deleting", _when(row.deleted_at) + (", purging checkpoints" if row.purge_requested else "")))
+    print_fields(None, identity)
+    print_fields("Spec", spec_lines(run.spec))
+    print_section("  Rewards", ("NAME", "SOURCE", "WEIGHT"), reward_rows(run.spec))
+    print_fields("Status", status_lines(run))
+    conditions = [(c.type, c.status, c.reason, age(c.last_transition_time), c.message) for c in run.status.conditions]
+    print_section("Conditions", ("TYPE", "STATUS", "REASON", "AGE", "MESSAGE"), conditions)
+    workers = store.list_workers(row.name)[-10:]
+    print_section("Workers", ("ROLE", "REPLICA", "INCARNATION", "STATE", "STEP", "WEIGHTS", "HEARTBEAT", "EXIT",
+                              "HANDLE", "AGE"), [
+        (w.role, w.replica, w.incarnation, w.state, _dash(w.step), _dash(w.weight_version),
+         age(w.heartbeat_at) if w.heartbeat_at else "-", _dash(w.exit_code), _dash(w.handle), age(w.started_at))
+        for w in workers
+    ])
+    checkpoints = store.list_checkpoints(row.name)
+    print_section("Checkpoints", ("STEP", "WEIGHTS", "PATH", "AGE"),
+                  [(c.step, c.weight_version, c.path, age(c.created_at)) for c in checkpoints])
+    events = store.list_events(row.name, limit=15)
+    print_section("Events", ("TYPE", "REASON", "AGE", "MESSAGE"),
+                  [(e.type, e.reason, age(e.time), e.message) for e in events])
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def describe_runs(
+    ctx: typer.Context,
+    names: list[str] = typer.Argument(..., metavar="NAME", help="Runs to describe."),
+) -> None:
+    """Show details of runs (aliases: runs, trainingrun, tr)."""
+    store = state(ctx).store
+    rows = [store.get_run(name) for name in names]
+    for i, row in enumerate(rows):
+        if i:
+            typer.echo("")
+        describe_run(store, row)
+
+
+def register(app: typer.Typer) -> None:
+    describe_app = typer.Typer(help=HELP, short_help="Show the details of a run", no_args_is_help=True, rich_markup_mode=None)
+    for i, alias in enumerate(("run", "runs", "trainingrun", "trainingruns", "tr")):
+        describe_app.command(alias, hidden=i > 0)(describe_runs)
+    app.add_typer(describe_app, name="describe")

@@ -1,0 +1,275 @@
+"""The controller process: leader election, wake-ups, the work queue and its reconcile threads.
+
+Who calls it: `mortalctl controller` and `python -m mortal.controller` (`run_controller`, in the
+foreground), `mortalctl apply` (`ensure_background_controller`: starts one detached when none runs),
+tests (`Controller` in a thread). Wake-ups, so a change is acted on at once and failures within
+seconds: the wake folder (the CLI's `wake.notify`) and a poll of run resource versions every
+`poll_seconds` enqueue runs that changed; a run with live workers asks to be looked at again every
+`plan.active_resync_seconds`; every run is resynced every `resync_seconds`. Stopping a controller
+(SIGTERM, SIGINT) leaves workers running: the next controller adopts them.
+What it must not do: reconcile itself (the Reconciler does) or block a reconcile thread on a timer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psutil
+import watchfiles
+
+from mortal.controller import wake
+from mortal.controller.backends.base import Backend, select_backend
+from mortal.controller.leader import LEASE_NAME, LeaderElector
+from mortal.controller.outcome import Retry
+from mortal.controller.reconciler import ControllerConfig, Reconciler
+from mortal.controller.watchdir import watch_folder
+from mortal.controller.workqueue import WorkQueue, dispatch
+from mortal.state import open_store, paths
+from mortal.state.store import Store
+
+log = logging.getLogger("mortal.controller")
+IDLE_PHASES = frozenset({"Succeeded", "Failed", "Suspended"})
+
+
+class Controller:
+    """One controller's threads over one store; `start()`, then `stop()` (workers keep running)."""
+
+    def __init__(self, store: Store, state_url: str, config: ControllerConfig | None = None,
+                 watch: Path | None = None, backends: Callable[[str], Backend] = select_backend,
+                 holder: str | None = None, idle_exit_seconds: float | None = None):
+        self.store, self.config, self.watch = store, config or ControllerConfig(), watch
+        self.stopped = threading.Event()
+        self.queue = WorkQueue(self.config.retry_base_seconds, self.config.retry_max_seconds)
+        self.leader = LeaderElector(store, holder, self.config.leader_lease_seconds,
+                                    self.config.leader_renew_seconds, on_started_leading=self._enqueue_all)
+        self.reconciler = Reconciler(store, state_url, self.leader, self.config, backends)
+        self.idle_exit_seconds = idle_exit_seconds
+        self._versions: dict[str, int] = {}
+        self._poke = threading.Event()
+        self._leader_stop = threading.Event()  # set only once no reconcile is in flight
+        self._threads: list[threading.Thread] = []
+        self._last_resync = 0.0
+        self._busy_since = time.monotonic()
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> Controller:
+        self._spawn("leader", self.leader.run, self._leader_stop)
+        for i in range(self.config.threads):
+            self._spawn(f"reconcile-{i}", self._work)
+        self._spawn("poll", self._poll_loop)
+        self._spawn("wake", self._watch_wake)
+        if self.watch is not None:
+            self._spawn("watch-dir", watch_folder, self.store, self.watch, self.stopped, lambda _: self._poke.set())
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop reconciling and give the lease up; running workers are left for the next controller."""
+        self.stopped.set()
+        self.queue.shutdown()
+        self._poke.set()
+        deadline = time.monotonic() + timeout
+        leader, *others = self._threads
+        for thread in others:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._leader_stop.set()  # passes are over: now the lease can go to the next controller
+        leader.join(max(0.0, deadline - time.monotonic()))
+
+    def _spawn(self, name: str, target: Callable[..., object], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"mortal-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- reconcile threads ----------------------------------------------------------------------------
+    def _work(self) -> None:
+        while (key := self.queue.get()) is not None:
+            try:
+                outcome = self.reconciler.reconcile(key)
+            except Exception as exc:  # any error of a pass becomes a retry with backoff, logged with its trace
+                log.exception("reconcile %s raised", key)
+                outcome = Retry(f"{type(exc).__name__}: {exc}")
+            try:
+                dispatch(self.queue, key, outcome)
+            finally:
+                self.queue.done(key)
+
+    # -- wake-ups ---------------------------------------------------------------------------------------
+    def _enqueue_all(self) -> None:
+        """Just became the leader: forget what we knew, look at every run."""
+        self._versions.clear()
+        self._last_resync = 0.0
+        self._poke.set()
+
+    def _poll_loop(self) -> None:
+        while not self.stopped.is_set():
+            self._poke.wait(self.config.poll_seconds)
+            self._poke.clear()
+            if self.stopped.is_set():
+                return
+            try:
+                self.poll()
+            except Exception as exc:  # the store is unreachable for a moment: poll again next tick
+                log.warning("poll failed: %s", exc)
+
+    def poll(self) -> None:
+        """Enqueue runs whose resource version moved (not by our own status write); resync all now and then."""
+        rows = self.store.list_runs()
+        self._check_idle(rows)
+        if not self.leader.is_leader:
+            return
+        resync = time.monotonic() - self._last_resync >= self.config.resync_seconds
+        names = {row.name for row in rows}
+        for row in rows:
+            seen = self._versions.get(row.name)
+            mine = self.reconciler.written.get(row.name)
+            if row.resource_version != seen and row.resource_version != mine:
+                self.queue.add(row.name, urgent=seen is not None or not resync)
+            elif resync:
+                self.queue.add(row.name)
+            self._versions[row.name] = row.resource_version
+        for gone in set(self._versions) - names:
+            self._versions.pop(gone, None)
+            self.queue.add(gone, urgent=True)  # deleted under us: a pass sweeps any process left
+        if resync:
+            self._last_resync = time.monotonic()
+            for name in self._orphan_runs(names):
+                self.queue.add(name)
+
+    def _orphan_runs(self, names: set[str]) -> set[str]:
+        """Runs that have live processes but no row any more (a purge raced a launch)."""
+        backend, _ = self.reconciler.backend("local")
+        if backend is None:
+            return set()
+        return {w.run for w in backend.list() if w.alive and w.run not in names}
+
+    def _check_idle(self, rows: list) -> None:
+        """A background controller exits once nothing has needed it for `idle_exit_seconds`."""
+        if self.idle_exit_seconds is None:
+            return
+        busy = any(r.phase not in IDLE_PHASES or r.deleted_at is not None for r in rows) or bool(
+            self.store.list_workers(live_only=True))
+        if busy:
+            self._busy_since = time.monotonic()
+        elif time.monotonic() - self._busy_since >= self.idle_exit_seconds:
+            log.info("idle for %.0fs: exiting", self.idle_exit_seconds)
+            self.stopped.set()
+
+    def _watch_wake(self) -> None:
+        folder = wake.wake_dir()
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+        try:
+            for changes in watchfiles.watch(folder, stop_event=self.stopped, step=20, debounce=200,
+                                            recursive=False, raise_interrupt=False):
+                for _, path in changes:
+                    name = Path(path).name
+                    if name != wake.ALL:
+                        self.queue.add(name, urgent=True)
+                self._poke.set()
+        except (OSError, RuntimeError) as exc:  # no inotify here: the poll still sees every change
+            log.warning("wake folder not watched (%s); changes are seen within %.1fs", exc,
+                        self.config.poll_seconds)
+
+
+# -- processes ----------------------------------------------------------------------------------------
+def pid_file() -> Path:
+    return paths.mortal_home() / "controller.pid"
+
+
+def log_file() -> Path:
+    return paths.mortal_home() / "controller.log"
+
+
+def running_controller_pid() -> int | None:
+    """The pid in controller.pid if that process is alive and is the one that wrote it."""
+    try:
+        pid_text, _, created = pid_file().read_text().strip().partition(" ")
+        proc = psutil.Process(int(pid_text))
+        if created and abs(proc.create_time() - float(created)) > 0.5:
+            return None
+        return proc.pid if proc.status() != psutil.STATUS_ZOMBIE else None
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def _write_pid_file(pid: int) -> None:
+    pid_file().parent.mkdir(parents=True, exist_ok=True)
+    pid_file().write_text(f"{pid} {psutil.Process(pid).create_time()}\n")
+
+
+def _leader_elsewhere(store: Store) -> bool:
+    lease = store.get_lease(LEASE_NAME)
+    if lease is None:
+        return False
+    expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
+    return expires > datetime.now(UTC)
+
+
+def ensure_background_controller(state_url: str | None = None, idle_exit_seconds: float = 600.0) -> tuple[int, Path] | None:
+    """Start `python -m mortal.controller` detached unless a controller runs; (pid, log) if started.
+
+    "Runs" means: the pid file names a live process, or the store's leader lease is unexpired (a
+    controller elsewhere). A lock file keeps two `apply`s from starting two at once. The controller
+    exits by itself after `idle_exit_seconds` with no work.
+    """
+    home = paths.mortal_home()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "controller.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if running_controller_pid() is not None:
+            return None
+        store = open_store(state_url)
+        try:
+            if _leader_elsewhere(store):
+                return None
+        finally:
+            store.close()
+        env = dict(os.environ, MORTAL_HOME=str(home))
+        if state_url:
+            env["MORTAL_STATE_URL"] = state_url
+        with open(log_file(), "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "mortal.controller", "--idle-exit", str(idle_exit_seconds)],
+                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        _write_pid_file(proc.pid)
+        return proc.pid, log_file()
+
+
+def run_controller(state_url: str | None = None, watch: Path | str | None = None,
+                   stop_event: threading.Event | None = None, config: ControllerConfig | None = None,
+                   idle_exit_seconds: float | None = None) -> None:
+    """Run a controller in this process until SIGTERM/SIGINT, `stop_event`, or idleness."""
+    url = state_url or paths.default_state_url()
+    store = open_store(url)
+    controller = Controller(store, url, config, Path(watch) if watch else None, idle_exit_seconds=idle_exit_seconds)
+    own_pid_file = running_controller_pid() in (None, os.getpid())
+    if own_pid_file:
+        _write_pid_file(os.getpid())
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: controller.stopped.set())
+    log.info("controller %s started on %s", controller.leader.holder, store)
+    controller.start()
+    try:
+        while not controller.stopped.wait(0.2):
+            if stop_event is not None and stop_event.is_set():
+                break
+    finally:
+        controller.stop()
+        store.close()
+        if own_pid_file and running_controller_pid() == os.getpid():
+            with contextlib.suppress(OSError):
+                pid_file().unlink()
+        log.info("controller %s stopped; workers keep running", controller.leader.holder)

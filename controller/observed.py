@@ -1,0 +1,141 @@
+"""The planner's inputs: what the spec asks for (`Desired`), what the world shows (`Observed`), the timings.
+
+`reconciler` builds these from the store and the backend listing; `plan` reads them; tests build them
+by hand. Also here: `judge`, the pure verdict on one live worker row (healthy, adoptable, or gone),
+because it is the part of observation that needs the clock. No I/O, no store, no backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from mortal.state.store import WorkerRef
+from mortal.state.tables import CheckpointRow, WorkerRow
+
+LIVE_STATES = frozenset({"Pending", "Running"})
+FAILED_STATES = frozenset({"Lost", "Failed"})
+EXIT_SUCCEEDED = 0
+EXIT_FATAL = 3  # the worker protocol's fatal exit (mortal.workers.runtime): the run cannot succeed
+
+
+class ProcessView(Protocol):
+    """The backend's view of one process (mortal.controller.backends.base.BackendWorker has this shape)."""
+
+    worker_id: str
+    handle: str
+    alive: bool
+    exit_code: int | None
+
+
+@dataclass(frozen=True)
+class Desired:
+    """The parts of a run's spec (and deletion request) the controller acts on."""
+
+    name: str
+    generation: int = 1
+    backend: str = "local"
+    rollout_replicas: int = 1
+    suspend: bool = False
+    max_steps: int = 100
+    max_restarts: int = 10
+    backoff_seconds: float = 5.0
+    deleted: bool = False
+    purge: bool = False
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one pass saw, read backend listing first (so an exit it saw was reported before the rows)."""
+
+    workers: Sequence[WorkerRow]
+    processes: Sequence[ProcessView] = ()
+    status: Mapping[str, Any] = field(default_factory=dict)
+    checkpoint: CheckpointRow | None = None
+    weight_version: int | None = None
+    reward: float | None = None
+    backend_error: str | None = None  # the spec's backend cannot run here (not built, unknown)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Timings of the lifecycle; tests shorten them, nothing else should need to."""
+
+    launch_grace_seconds: float = 15.0  # an intent row with no process is abandoned after this
+    startup_timeout_seconds: float = 300.0  # a live process may take this long to send its first heartbeat
+    stop_grace_seconds: float = 10.0  # TERM -> KILL for a worker we stop on purpose (it checkpoints)
+    orphan_grace_seconds: float = 2.0  # TERM -> KILL for a process no live row owns
+    max_backoff_seconds: float = 300.0  # cap of backoffSeconds * 2^k before a relaunch
+    backoff_reset_seconds: float = 120.0  # a worker that lived this long resets its slot's backoff
+    active_resync_seconds: float = 1.0  # look again this often while workers live (failure detection)
+    stop_poll_seconds: float = 0.5  # look again this soon after asking a process to stop
+
+
+def aware(moment: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every time in the store is UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
+
+
+def worker_ref(row: WorkerRow) -> WorkerRef:
+    return WorkerRef(row.run, row.role, row.replica, row.incarnation)
+
+
+def slot_name(row: WorkerRow) -> str:
+    return f"{row.role}-{row.replica}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one pass concludes about one live row: keep it, adopt a process for it, or end it."""
+
+    kind: str  # "ok" | "wait" | "adopt" | "end"
+    state: str | None = None  # for "end": Succeeded | Failed | Lost
+    exit_code: int | None = None
+    message: str = ""
+    kill: bool = False  # "end" of a process still alive (hung): stop it without grace
+    handle: str | None = None  # for "adopt"
+    recheck_after: float | None = None  # for "wait"
+
+
+def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
+    """The health of a live (Pending/Running) row, from its process and its heartbeat.
+
+    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, else lost);
+    2. no handle recorded -> adopt the process if one carries this worker id, else give up after a grace;
+    3. a handle but no such process any more -> lost (after the same grace, for listings that lag);
+    4. alive but silent longer than its lease (or its startup timeout) -> lost, and kill it.
+    """
+    age = (now - aware(row.started_at)).total_seconds()
+    if proc is not None and not proc.alive:
+        return _exited(row, proc.exit_code)
+    if row.handle is None and proc is not None:
+        return Verdict("adopt", handle=proc.handle, message=f"adopted running process {proc.handle}")
+    if proc is None:
+        if age < cfg.launch_grace_seconds:
+            return Verdict("wait", recheck_after=cfg.launch_grace_seconds - age)
+        what = "launch never completed" if row.handle is None else "process is gone"
+        return Verdict("end", state="Lost", message=what)
+    if row.heartbeat_at is None:
+        if age > cfg.startup_timeout_seconds:
+            return Verdict("end", state="Lost", kill=True,
+                           message=f"no heartbeat within {cfg.startup_timeout_seconds:g}s of start")
+        return Verdict("ok")
+    silent = (now - aware(row.heartbeat_at)).total_seconds()
+    if silent > row.lease_seconds:
+        return Verdict("end", state="Lost", kill=True,
+                       message=f"last heartbeat {silent:.1f}s ago (lease {row.lease_seconds:g}s)")
+    return Verdict("ok")
+
+
+def _exited(row: WorkerRow, code: int | None) -> Verdict:
+    """A process that exited without its row saying so (killed, crashed, or its last write lost)."""
+    if code == EXIT_SUCCEEDED:
+        return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")
+    if code == EXIT_FATAL:
+        return Verdict("end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)")
+    shown = "an unknown code" if code is None else f"code {code}"
+    return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}")

@@ -1,0 +1,394 @@
+"""The pure heart of the controller: `plan(desired, observed, now) -> Plan(actions, status, events, outcome)`.
+
+Called by `mortal.controller.reconciler` once per pass, and by tests with hand-built inputs (it does
+no I/O and reads no clock). It decides, level-triggered, what closes the gap between a run's spec and
+the world: which slots to launch or relaunch (after backoff), which workers are lost, which processes
+to stop, when the run is Recovering, Suspended, Succeeded or Failed, and what its status says.
+
+One pass, in order:
+  1. stop processes no live worker row owns (zombies of ended incarnations, leftovers of a purge);
+  2. a run being deleted: stop every worker, then purge;  a finished run: stop leftovers, stay finished;
+     a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
+  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop;
+  4. a fatal exit fails the run; the actor reaching maxSteps succeeds it;
+  5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
+     the restart limit reached fails the run;
+  6. status is rebuilt from what is left, and the pass asks to be looked at again when something is due.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from mortal.controller.actions import NORMAL, WARNING, Action, Adopt, EndWorker, Event, Launch, Purge, Stop
+from mortal.controller.observed import (
+    EXIT_FATAL,
+    FAILED_STATES,
+    LIVE_STATES,
+    Desired,
+    Observed,
+    PlanConfig,
+    aware,
+    judge,
+    worker_ref,
+)
+from mortal.controller.outcome import Done, Outcome, RequeueAfter
+from mortal.controller.status import (
+    FAILED,
+    PENDING,
+    RECOVERING,
+    RUNNING,
+    STARTING,
+    SUCCEEDED,
+    SUSPENDED,
+    TERMINAL_PHASES,
+    Condition,
+    Progress,
+    build_status,
+    diff_events,
+    iso,
+    legal_phase,
+)
+
+ACTOR, ROLLOUT = "actor", "rollout"
+READY_REASONS = {RUNNING: "WorkersReady", STARTING: "WorkersStarting", RECOVERING: "Recovering", PENDING: "Pending"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one pass decided; `events` are recorded only after `status` was written."""
+
+    actions: tuple[Action, ...]
+    status: dict[str, Any] | None  # None when the run is purged
+    events: tuple[Event, ...]
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class _W:
+    """A worker row as this pass sees it (rows it ends are replaced by their ended copy)."""
+
+    id: int
+    role: str
+    replica: int
+    incarnation: int
+    ref: str
+    handle: str | None
+    state: str
+    heartbeat_at: datetime | None
+    lease_seconds: float
+    step: int | None
+    exit_code: int | None
+    message: str | None
+    started_at: datetime
+    ended_at: datetime | None
+
+    @property
+    def slot(self) -> tuple[str, int]:
+        return (self.role, self.replica)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.replica}"
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    @property
+    def failed(self) -> bool:
+        return self.state in FAILED_STATES
+
+
+def _view(row: Any) -> _W:
+    return _W(
+        id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation, ref=worker_ref(row).id,
+        handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
+        step=row.step, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
+        ended_at=aware(row.ended_at),
+    )
+
+
+def plan(desired: Desired, observed: Observed, now: datetime, config: PlanConfig | None = None) -> Plan:
+    """Decide one reconcile pass of one run. Pure: same inputs, same plan."""
+    return _Pass(desired, observed, now, config or PlanConfig()).run()
+
+
+class _Pass:
+    def __init__(self, d: Desired, o: Observed, now: datetime, cfg: PlanConfig):
+        self.d, self.o, self.now, self.cfg = d, o, now, cfg
+        self.prev = dict(o.status or {})
+        self.prev_phase = self.prev.get("phase") or PENDING
+        self.procs = {p.worker_id: p for p in o.processes}
+        self.rows = sorted((_view(r) for r in o.workers), key=lambda w: w.incarnation)
+        self.actions: list[Action] = []
+        self.wake: list[float] = []
+        self.notes: list[str] = []
+        self.launched: list[Launch] = []
+        self.restarts = _count_restarts(self.rows)
+
+    # -- 1-2: the run as a whole ------------------------------------------------------------------
+    def run(self) -> Plan:
+        self._stop_orphans()
+        if self.d.deleted:
+            return self._delete()
+        if self.prev_phase in TERMINAL_PHASES:
+            cond = next((c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {})
+            return self._finish(self.prev_phase, cond.get("reason", self.prev_phase), cond.get("message", ""))
+        if self.o.backend_error is not None:
+            return self._finish(FAILED, "BackendUnavailable", self.o.backend_error)
+        if self.d.suspend:
+            return self._suspend()
+        self._judge_live()
+        fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
+        if fatal is not None:
+            return self._finish(FAILED, "WorkerFailed", f"{fatal.name} failed: {fatal.message or 'fatal error'}")
+        if self._actor_finished():
+            return self._finish(SUCCEEDED, "MaxStepsReached", f"the actor finished {self.d.max_steps} steps")
+        limit = self._ensure_slots()
+        if limit is not None:
+            return self._finish(FAILED, "RestartLimitReached", f"restart limit reached: {limit}")
+        return self._active()
+
+    def _stop_orphans(self) -> None:
+        """Alive processes with no row, or whose row ended more than a grace ago (a late TERM/zombie)."""
+        by_ref = {w.ref: w for w in self.rows}
+        for proc in self.procs.values():
+            row = by_ref.get(proc.worker_id)
+            if not proc.alive or (row is not None and row.live):
+                continue
+            if row is not None and row.ended_at is not None:
+                left = self.cfg.orphan_grace_seconds - (self.now - row.ended_at).total_seconds()
+                if left > 0:
+                    self.wake.append(left)
+                    continue
+            why = "its worker row ended" if row is not None else "no worker row owns it"
+            self.actions.append(Stop(proc.handle, self.cfg.orphan_grace_seconds,
+                                     Event(WARNING, "OrphanStopped", f"stopped process {proc.worker_id}: {why}")))
+            self.wake.append(self.cfg.stop_poll_seconds)
+
+    def _delete(self) -> Plan:
+        for w in self._live():
+            self._retire(w, "run deleted")
+        if not self._live() and not self.wake:
+            self.actions.append(Purge(remove_files=self.d.purge))
+            return Plan(tuple(self.actions), None, (), Done())
+        return self._plan(self.prev_phase, self._carried_conditions(),
+                          f"deleting: waiting for {len(self._live())} worker(s) to stop")
+
+    def _finish(self, phase: str, reason: str, message: str) -> Plan:
+        for w in self._live():
+            self._retire(w, f"run {phase.lower()}")
+        conditions = [Condition("Ready", False, reason, message), Condition("Suspended", False, "NotSuspended"),
+                      Condition(phase, True, reason, message)]
+        return self._plan(phase, conditions, message)
+
+    def _suspend(self) -> Plan:
+        for w in self._live():
+            self._retire(w, "run suspended")
+        left = len(self._live())
+        message = f"suspending: waiting for {left} worker(s) to stop" if left else "suspended"
+        conditions = [Condition("Ready", False, "Suspended", message),
+                      Condition("Suspended", True, "Suspended", "spec.suspend is true")]
+        return self._plan(SUSPENDED, conditions, message)
+
+    # -- 3-5: workers -----------------------------------------------------------------------------
+    def _judge_live(self) -> None:
+        wanted = set(self._desired_slots())
+        for w in self._live():
+            if w.slot not in wanted:
+                self._retire(w, f"scaled down to {self.d.rollout_replicas} rollout replicas")
+                continue
+            proc = self.procs.get(w.ref)
+            verdict = judge(w, proc, self.now, self.cfg)
+            if verdict.kind == "wait":
+                self.wake.append(verdict.recheck_after or 0.0)
+            elif verdict.kind == "adopt":
+                self.actions.append(Adopt(w.id, verdict.handle or "",
+                                          Event(NORMAL, "Adopted", f"{w.name} #{w.incarnation}: {verdict.message}")))
+            elif verdict.kind == "end":
+                state = verdict.state or "Lost"
+                if state == "Lost" and w.handle is None and proc is None:
+                    state = "Stopped"  # an intent the controller never launched: not the worker's failure
+                kind, reason = (NORMAL, "WorkerSucceeded") if state in ("Succeeded", "Stopped") else (
+                    WARNING, "WorkerLost" if state == "Lost" else "WorkerFailed")
+                event = Event(kind, reason, f"{w.name} #{w.incarnation}: {verdict.message}")
+                self._end(w, state, verdict.exit_code, verdict.message, event)
+                if verdict.kill and proc is not None:
+                    self.actions.append(Stop(proc.handle, 0.0, None))
+
+    def _actor_finished(self) -> bool:
+        """The newest actor ended Succeeded at maxSteps (a Succeeded actor stopped early is relaunched)."""
+        actors = [w for w in self.rows if w.role == ACTOR]
+        if not actors or actors[-1].state != "Succeeded":
+            return False
+        known = [s for s in (actors[-1].step, self.o.checkpoint.step if self.o.checkpoint else None) if s is not None]
+        return not known or max(known) >= self.d.max_steps
+
+    def _ensure_slots(self) -> str | None:
+        """Launch each desired slot without a live row; returns the last failure if the limit is hit."""
+        history: dict[tuple[str, int], list[_W]] = defaultdict(list)
+        for w in self.rows:
+            history[w.slot].append(w)
+        for slot in self._desired_slots():
+            hist = history.get(slot, [])
+            live = [w for w in hist if w.live]
+            for twin in live[:-1]:
+                self._retire(twin, f"superseded by incarnation {live[-1].incarnation}")
+            if live:
+                continue
+            last = hist[-1] if hist else None
+            if last is None or not last.failed:
+                self._launch(slot, restart=False, why="")
+                continue
+            if self.restarts >= self.d.max_restarts:
+                return f"{last.name}: {last.message or last.state}"
+            due = (last.ended_at or self.now).timestamp() + self._backoff(hist) - self.now.timestamp()
+            if due > 0:
+                self.wake.append(due)
+                self.notes.append(f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: {last.message})")
+                continue
+            self.restarts += 1
+            self._launch(slot, restart=True, why=f"{last.state.lower()}: {last.message or 'no message'}")
+        return None
+
+    def _backoff(self, hist: list[_W]) -> float:
+        """backoffSeconds * 2^k for the slot's k-th consecutive failure; a long-lived worker resets k."""
+        k = 0
+        for w in reversed(hist):
+            if not w.failed:
+                break
+            k += 1
+            if ((w.ended_at or self.now) - w.started_at).total_seconds() >= self.cfg.backoff_reset_seconds:
+                break
+        return min(self.cfg.max_backoff_seconds, self.d.backoff_seconds * 2 ** max(0, k - 1))
+
+    def _launch(self, slot: tuple[str, int], restart: bool, why: str) -> None:
+        role, replica = slot
+        if restart:
+            text = f"restarting {role}-{replica} (restart {self.restarts}/{self.d.max_restarts}) after {why}"
+            event = Event(WARNING, "Restarted", text)
+        else:
+            event = Event(NORMAL, "Launched", f"launched {role}-{replica}")
+        launch = Launch(role, replica, restart, event)
+        self.actions.append(launch)
+        self.launched.append(launch)
+
+    # -- 6: status --------------------------------------------------------------------------------
+    def _active(self) -> Plan:
+        history: dict[tuple[str, int], list[_W]] = defaultdict(list)
+        for w in self.rows:
+            history[w.slot].append(w)
+        recovering = [slot for slot in self._desired_slots() if _recovering(history.get(slot, []))]
+        actor_ready, rollout_ready = self._ready()
+        if recovering:
+            phase = RECOVERING
+        elif actor_ready and (rollout_ready >= min(1, self.d.rollout_replicas)
+                              or self.prev_phase in (RUNNING, RECOVERING)):
+            phase = RUNNING
+        else:
+            phase = STARTING if (self.rows or self.launched) else PENDING
+        message = self._active_message(phase, recovering, rollout_ready)
+        conditions = [Condition("Ready", phase == RUNNING, READY_REASONS[phase], message),
+                      Condition("Suspended", False, "NotSuspended")]
+        return self._plan(phase, conditions, message)
+
+    def _active_message(self, phase: str, recovering: list[tuple[str, int]], rollout_ready: int) -> str:
+        if phase == RUNNING:
+            step = self._progress().step
+            return (f"training: step {step if step is not None else 0}/{self.d.max_steps}, "
+                    f"{rollout_ready}/{self.d.rollout_replicas} rollout workers ready")
+        if phase == RECOVERING:
+            waiting = [f"{r}-{i} restarted, waiting for its first heartbeat" for r, i in recovering]
+            return "; ".join(self.notes or waiting)
+        starting = len(self._live()) + len(self.launched)
+        return f"waiting for {starting} worker(s) to start" if starting else "waiting to launch workers"
+
+    def _plan(self, phase: str, conditions: list[Condition], message: str) -> Plan:
+        hop = legal_phase(self.prev_phase, phase)
+        if hop != phase:
+            self.wake.append(0.0)  # write the legal intermediate phase now, the wanted one next pass
+            phase = hop
+        status = build_status(self.prev, phase, conditions, self._progress(phase), self.d.generation, message,
+                              self.now)
+        events = tuple(diff_events(self.prev, status))
+        wake = list(self.wake)
+        if self._live() or self.launched:
+            wake.append(self.cfg.active_resync_seconds)
+        outcome: Outcome = RequeueAfter(max(0.0, min(wake))) if wake else Done()
+        return Plan(tuple(self.actions), status, events, outcome)
+
+    def _progress(self, phase: str | None = None) -> Progress:
+        actors = [w for w in self.rows if w.role == ACTOR and w.step is not None]
+        ckpt = self.o.checkpoint
+        actor_ready, rollout_ready = self._ready()
+        running = phase not in (SUSPENDED, SUCCEEDED, FAILED)
+        steps = [s for s in (actors[-1].step if actors else None, ckpt.step if ckpt else None) if s is not None]
+        return Progress(
+            step=max(steps) if steps else None,  # a checkpoint of step C means C steps are done
+            weight_version=self.o.weight_version,
+            checkpoint={"step": ckpt.step, "path": ckpt.path, "time": iso(aware(ckpt.created_at))} if ckpt else None,
+            reward=self.o.reward,
+            actor=(actor_ready, 1 if running else 0),
+            rollout=(rollout_ready, self.d.rollout_replicas if running else 0),
+            restarts=self.restarts,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _desired_slots(self) -> list[tuple[str, int]]:
+        return [(ACTOR, 0)] + [(ROLLOUT, i) for i in range(self.d.rollout_replicas)]
+
+    def _live(self) -> list[_W]:
+        return [w for w in self.rows if w.live]
+
+    def _ready(self) -> tuple[int, int]:
+        wanted = set(self._desired_slots())
+        ready = {w.slot for w in self.rows if w.state == "Running" and w.slot in wanted}
+        return (sum(1 for r, _ in ready if r == ACTOR), sum(1 for r, _ in ready if r == ROLLOUT))
+
+    def _carried_conditions(self) -> list[Condition]:
+        return [Condition(c["type"], c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+                for c in self.prev.get("conditions") or []]
+
+    def _retire(self, w: _W, reason: str) -> None:
+        """Stop a live worker on purpose: TERM it (it may checkpoint), end its row once the process is gone."""
+        proc = self.procs.get(w.ref)
+        if proc is not None and proc.alive:
+            self.actions.append(Stop(proc.handle, self.cfg.stop_grace_seconds, None))
+            self.wake.append(self.cfg.stop_poll_seconds)
+            return
+        age = (self.now - w.started_at).total_seconds()
+        if w.handle is None and proc is None and age < self.cfg.launch_grace_seconds:
+            self.wake.append(self.cfg.launch_grace_seconds - age)  # a launch may still be in flight
+            return
+        code = proc.exit_code if proc is not None else None
+        self._end(w, "Stopped", code, reason, Event(NORMAL, "WorkerStopped", f"{w.name} #{w.incarnation}: {reason}"))
+
+    def _end(self, w: _W, state: str, code: int | None, message: str, event: Event | None) -> None:
+        self.actions.append(EndWorker(w.id, state, code, message, event))
+        ended = replace(w, state=state, exit_code=code, message=message, ended_at=self.now)
+        self.rows = [ended if r.id == w.id else r for r in self.rows]
+
+
+def _count_restarts(rows: list[_W]) -> int:
+    """Relaunches recorded in the rows: a row whose predecessor in the same slot failed or was lost."""
+    last: dict[tuple[str, int], _W] = {}
+    count = 0
+    for w in rows:
+        before = last.get(w.slot)
+        if before is not None and before.failed:
+            count += 1
+        last[w.slot] = w
+    return count
+
+
+def _recovering(hist: list[_W]) -> bool:
+    """The slot lost its worker and has not got a running replacement yet."""
+    if not hist:
+        return False
+    if hist[-1].failed:
+        return True
+    return hist[-1].state == "Pending" and len(hist) > 1 and hist[-2].failed

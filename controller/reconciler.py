@@ -1,0 +1,270 @@
+"""`Reconciler.reconcile(name)`: one level-triggered pass over one run (controller-runtime's Reconcile).
+
+Who calls it: the manager's worker threads, one run at a time (the work queue guarantees it), and the
+benchmark. Each pass re-reads the world, never trusting an earlier pass:
+  1. the run row and its spec; 2. the backend's listing (before the rows, so an exit it saw was
+  reported first); 3. worker rows, newest checkpoint and weights, latest reward;
+  4. `plan()`; 5. apply its actions: worker-row writes, then stops (in parallel), then launches,
+  then a purge; 6. write status once (guarded by the read resource_version and the leader fence),
+  then the status events.
+Launch protocol, safe against a controller killed at any line: intent row (`create_worker`, new
+incarnation) -> `backend.launch` -> `set_worker_handle`. A later pass adopts a process launched but
+not recorded, closes an intent never launched, and stops processes no live row owns.
+What it must not do: sleep, decide (plan decides), or write without the fence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from mortal.controller import failpoints
+from mortal.controller.actions import Adopt, EndWorker, Event, Launch, Purge, Stop
+from mortal.controller.backends.base import (
+    Backend,
+    BackendError,
+    InsufficientGPUs,
+    WorkerLaunch,
+    select_backend,
+)
+from mortal.controller.leader import LeaderElector
+from mortal.controller.listing import SharedListing
+from mortal.controller.observed import EXIT_FATAL, Desired, Observed, PlanConfig
+from mortal.controller.outcome import Done, Outcome, RequeueAfter, Retry, Terminal
+from mortal.controller.plan import Plan, plan
+from mortal.specs import TrainingSpec
+from mortal.state import paths
+from mortal.state.errors import Conflict, Fenced, NotFound
+from mortal.state.store import LeaderFence, Store, WorkerRef
+from mortal.state.tables import RunRow, WorkerRow
+
+log = logging.getLogger("mortal.controller")
+REWARD_METRIC = "reward"  # TRL's name, which the actor and the simulated workload both write
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Every timing of the controller in one place; tests shorten them."""
+
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    worker_lease_seconds: float = 10.0  # a worker silent this long is lost
+    heartbeat_seconds: float | None = None  # None: the worker beats every min(1 s, lease / 3)
+    leader_lease_seconds: float = 5.0
+    leader_renew_seconds: float = 1.0
+    threads: int = field(default_factory=lambda: min(4, max(2, os.cpu_count() or 2)))  # passes in parallel
+    # (different runs); more threads than cores only add GIL contention to each pass (docs/benchmarks.md)
+    poll_seconds: float = 0.5  # how often run resource versions are compared (changes made elsewhere)
+    resync_seconds: float = 15.0  # every run is reconciled at least this often
+    retry_base_seconds: float = 0.5
+    retry_max_seconds: float = 60.0
+    listing_max_age_seconds: float = 0.5  # one backend listing serves all runs' passes this long
+
+
+class Reconciler:
+    """Reconciles one run per call, with the leader's fence, through a store and the backends."""
+
+    def __init__(
+        self,
+        store: Store,
+        state_url: str,
+        leader: LeaderElector,
+        config: ControllerConfig | None = None,
+        backends: Callable[[str], Backend] = select_backend,
+    ):
+        self.store, self.state_url, self.leader = store, state_url, leader
+        self.config = config or ControllerConfig()
+        self._select = backends
+        self._backends: dict[str, Backend] = {}
+        self._listings: dict[str, SharedListing] = {}
+        self._lock = threading.Lock()
+        self.written: dict[str, int] = {}  # run -> resource_version of our own last status write
+        self.durations: deque[float] = deque(maxlen=200_000)  # seconds per pass (benchmarks)
+
+    # -- the pass ---------------------------------------------------------------------------------
+    def reconcile(self, name: str) -> Outcome:
+        fence = self.leader.fence()
+        if fence is None:
+            return Done()  # not the leader: the leader reconciles; we get everything when we lead
+        started = time.perf_counter()
+        try:
+            return self._reconcile(name, fence)
+        except Fenced as exc:  # another controller leads now: drop the run, it is theirs
+            self.leader.lost()
+            log.warning("reconcile %s fenced: %s", name, exc)
+            return Done()
+        except Conflict as exc:
+            return Retry(f"conflict: {exc}")
+        finally:
+            self.durations.append(time.perf_counter() - started)
+
+    def _reconcile(self, name: str, fence: LeaderFence) -> Outcome:
+        try:
+            run = self.store.get_run(name)
+        except NotFound:
+            return self._sweep(name)
+        try:
+            spec = TrainingSpec.model_validate(run.spec)
+        except ValidationError as exc:
+            return Terminal(f"the stored spec of {name!r} no longer validates: {exc}")
+        backend, backend_error = self.backend(spec.backend)
+        processes = self._listings[backend.name].list(name) if backend is not None else []
+        workers = self.store.list_workers(run=name)
+        weights = self.store.latest_weights(name)
+        observed = Observed(
+            workers=workers, processes=processes, status=run.status, checkpoint=self.store.latest_checkpoint(name),
+            weight_version=weights.version if weights else None, reward=self._reward(name, workers, run.status),
+            backend_error=backend_error,
+        )
+        decided = plan(desired_of(run, spec), observed, datetime.now(UTC), self.config.plan)
+        return self._apply(run, spec, backend, decided, fence)
+
+    def backend(self, name: str) -> tuple[Backend | None, str | None]:
+        """The named backend (made once), or why it cannot run here."""
+        with self._lock:
+            if name not in self._backends:
+                try:
+                    backend = self._select(name)
+                except BackendError as exc:
+                    return None, str(exc)
+                self._backends[name] = backend
+                self._listings[backend.name] = SharedListing(backend, self.config.listing_max_age_seconds)
+            return self._backends[name], None
+
+    def _reward(self, name: str, workers: list[WorkerRow], status: dict[str, Any]) -> float | None:
+        """The latest step's mean reward, read from the last two steps the actor reported (None: the
+        actor has not moved since the status was written, which keeps its reward; no query then)."""
+        steps = [w.step for w in workers if w.role == "actor" and w.step is not None]
+        if not steps or (steps[-1] == status.get("step") and status.get("reward") is not None):
+            return None
+        rows = self.store.list_metrics(name, name=REWARD_METRIC, since_step=max(0, steps[-1] - 1))
+        return max(rows, key=lambda m: m.step).value if rows else None
+
+    # -- applying a plan --------------------------------------------------------------------------
+    def _apply(self, run: RunRow, spec: TrainingSpec, backend: Backend | None, decided: Plan,
+               fence: LeaderFence) -> Outcome:
+        failures: list[str] = []
+        for action in decided.actions:
+            if isinstance(action, Adopt):
+                self.store.set_worker_handle(action.worker_id, action.handle, fence)
+                self._event(run.name, action.event)
+            elif isinstance(action, EndWorker):
+                self.store.end_worker(action.worker_id, action.state, action.exit_code, action.message, fence)
+                self._event(run.name, action.event)
+        self._stop_all(run.name, backend, [a for a in decided.actions if isinstance(a, Stop)])
+        for action in decided.actions:
+            if isinstance(action, Launch) and backend is not None:
+                try:
+                    self._launch(run, spec, backend, action, fence)
+                except BackendError as exc:
+                    failures.append(f"launch of {action.role}-{action.replica}: {exc}")
+        if backend is not None and any(isinstance(a, Stop | Launch) for a in decided.actions):
+            self._listings[backend.name].invalidate()  # the next pass must see what we just did
+        if any(isinstance(a, Purge) for a in decided.actions):
+            return self._purge(run.name, any(a.remove_files for a in decided.actions if isinstance(a, Purge)), fence)
+        if decided.status is not None and decided.status != run.status:
+            try:
+                row = self.store.write_status(run.name, decided.status, run.resource_version, fence)
+            except Conflict:
+                return RequeueAfter(0.0)  # the spec moved under us: look again with the new one
+            self.written[run.name] = row.resource_version
+            for event in decided.events:
+                self._event(run.name, event)
+        return Retry("; ".join(failures)) if failures else decided.outcome
+
+    def _launch(self, run: RunRow, spec: TrainingSpec, backend: Backend, action: Launch, fence: LeaderFence) -> None:
+        """Intent row, launch, handle: a controller killed between any two leaves something a pass repairs."""
+        row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
+                                       self.config.worker_lease_seconds, fence)
+        ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
+        role = spec.actor if action.role == "actor" else spec.rollout
+        launch = WorkerLaunch(
+            run=run.name, role=action.role, replica=action.replica, incarnation=row.incarnation, worker_id=ref.id,
+            state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu, gpu_count=1,
+            env={k: os.environ[k] for k in spec.secrets if k in os.environ},
+            heartbeat_seconds=self.config.heartbeat_seconds,
+        )
+        failpoints.hit("launch:after-intent")
+        if self.leader.fence() != fence:
+            raise Fenced("the leader lease ran out before a launch")
+        try:
+            handle = backend.launch(launch)
+        except BackendError as exc:
+            self._launch_failed(run.name, row, action, exc, fence)
+            raise
+        failpoints.hit("launch:after-launch")
+        self.store.set_worker_handle(row.id, handle, fence)
+        self._event(run.name, Event(action.event.type, action.event.reason,
+                                    f"{action.event.message} as incarnation {row.incarnation}"))
+
+    def _launch_failed(self, name: str, row: WorkerRow, action: Launch, exc: BackendError, fence: LeaderFence) -> None:
+        """Close the intent row: a machine without that many GPUs fails the run (exit 3); GPUs busy for now
+        is no failure of the worker (Stopped: retried with the queue's backoff, no restart counted); any other
+        launch error counts as a failed start (backoff, restarts, maxRestarts)."""
+        if isinstance(exc, InsufficientGPUs) and not exc.permanent:
+            state, code, reason = "Stopped", None, "InsufficientGPUs"
+        else:
+            fatal = isinstance(exc, InsufficientGPUs)
+            state, code, reason = "Failed", EXIT_FATAL if fatal else None, "LaunchFailed"
+        self.store.end_worker(row.id, state, code, f"launch failed: {exc}", fence)
+        self._event(name, Event("Warning", reason, f"{action.role}-{action.replica}: {exc}"))
+
+    def _stop_all(self, name: str, backend: Backend | None, stops: list[Stop]) -> None:
+        """Each stop blocks until its process is gone (up to its grace): run them side by side."""
+        if backend is None or not stops:
+            return
+
+        def stop(action: Stop) -> None:
+            backend.stop(action.handle, action.grace_seconds)
+            self._event(name, action.event)
+
+        if len(stops) == 1:
+            stop(stops[0])
+            return
+        with ThreadPoolExecutor(max_workers=min(8, len(stops))) as pool:
+            for done in [pool.submit(stop, a) for a in stops]:
+                done.result()
+
+    def _purge(self, name: str, remove_files: bool, fence: LeaderFence) -> Outcome:
+        """Files first, rows last: the row going away is what says the deletion is complete."""
+        if remove_files:
+            if self.leader.fence() != fence:
+                raise Fenced("the leader lease ran out before removing files")
+            shutil.rmtree(paths.run_dir(name), ignore_errors=True)
+        self.store.purge_run(name, fence)
+        self.written.pop(name, None)
+        log.info("purged run %s%s", name, " and its files" if remove_files else "")
+        return Done()
+
+    def _sweep(self, name: str) -> Outcome:
+        """The run is gone from the store: stop any process still carrying its name."""
+        for backend in list(self._backends.values()):
+            for worker in backend.list(run=name):
+                if worker.alive:
+                    log.warning("stopping %s: its run no longer exists", worker.worker_id)
+                    backend.stop(worker.handle, self.config.plan.orphan_grace_seconds)
+        return Done()
+
+    def _event(self, run: str, event: Event | None) -> None:
+        if event is not None:
+            self.store.add_event(run, event.type, event.reason, event.message)
+
+
+def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
+    """The parts of a stored run the planner acts on."""
+    return Desired(
+        name=run.name, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
+        suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
+        backoff_seconds=spec.restart_policy.backoff_seconds, deleted=run.deleted_at is not None,
+        purge=run.purge_requested,
+    )

@@ -1,0 +1,255 @@
+"""`MortalTrainer`: the TRL-style Python way in. It builds a TrainingRun, applies it and follows it.
+
+    from mortal import MortalTrainer, SingleNode
+    trainer = MortalTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=[my_rewards.correct],
+                            train_dataset=ds, mode=SingleNode(gpu="A100"), max_steps=50)
+    status = trainer.train()       # applies, starts a controller if none runs, shows progress
+
+The same run `mortalctl apply -f` would create: reward functions become "module:attr" references
+(so they must be importable by the worker processes: a lambda, a closure or a function defined in
+`__main__` is refused with the fix), an in-memory dataset is written to a .jsonl file under
+$MORTAL_HOME/datasets/ (both in mortal.controller.trainer_inputs), and `mode` (mortal.controller.
+modes) fills the actor/rollout/sync blocks. Like the CLI it is a client:
+it writes desired state and reads status; it never trains in this process and never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mortal.controller.modes import Distributed, GPUConfig, SingleNode
+from mortal.controller.trainer_inputs import (
+    RewardNotImportable,
+    TrainerError,
+    dataset_name,
+    dataset_rows,
+    default_run_name,
+    reward_entries,
+    write_dataset,
+)
+from mortal.specs import RunStatus, TrainingRun, to_yaml
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+DEFAULT_DATASET = "builtin:arith"
+DEFAULT_REWARDS = [
+    {"function": "mortal.workers.builtin_rewards:correct_answer", "weight": 1.0},
+    {"function": "mortal.workers.builtin_rewards:short_answer", "weight": 0.2},
+]
+
+__all__ = [
+    "Distributed", "GPUConfig", "MortalTrainer", "RewardNotImportable", "SingleNode", "TrainerError", "TrainingFailed",
+]
+
+
+class TrainingFailed(RuntimeError):
+    """The run ended Failed; `status` is its final status (status.message says why)."""
+
+    def __init__(self, name: str, status: RunStatus) -> None:
+        self.name, self.status = name, status
+        super().__init__(f"trainingrun {name!r} failed: {status.message or 'see `mortalctl describe run ' + name + '`'}")
+
+
+# -- the trainer -----------------------------------------------------------------------------------
+def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _validation_error(exc: Exception) -> TrainerError:
+    """A pydantic ValidationError as one readable TrainerError (field path: message, per problem)."""
+    problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]  # type: ignore[attr-defined]
+    return TrainerError("the arguments do not make a valid TrainingRun:\n  " + "\n  ".join(problems))
+
+
+class MortalTrainer:
+    """Train with GRPO like TRL's GRPOTrainer, run the way `mortalctl apply` runs a TrainingRun.
+
+    Arguments follow the seed's MortalTrainer and TRL's GRPOConfig; a None keeps the spec default
+    (see `mortalctl schema`). Notable ones:
+      mode            SingleNode(...) | Distributed(...) | None (the spec's default: CPU on this machine)
+      reward_funcs    TRL-style functions, RewardEnvironment classes/instances, 'module:attr' strings, or
+                      a built-in env name ('code-execution' / 'sandbox', 'llm-judge', 'math-answer')
+      train_dataset   datasets.Dataset, list of dicts, or a hub id / .jsonl / .parquet path / 'builtin:NAME'
+      batch_size      completions per optimizer step, as in the spec (prompts per step = batch_size /
+                      num_generations)
+      max_steps       optimizer steps; None with num_epochs and an in-memory dataset: computed from them
+      detach          train() returns right after applying; the controller keeps training
+      name            the run's name (default: '<model>-<5 random chars>')
+    Without reward_funcs and train_dataset, the quickstart task is used (builtin:arith, scored by
+    mortal.workers.builtin_rewards).
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        mode: SingleNode | Distributed | None = None,
+        reward_funcs: Any = None,
+        reward_weights: list[float] | None = None,
+        train_dataset: Any = None,
+        *,
+        num_generations: int | None = None,
+        batch_size: int | None = None,
+        learning_rate: float | None = None,
+        max_steps: int | None = None,
+        num_epochs: float | None = None,
+        loss_type: str | None = None,
+        beta: float | None = None,
+        epsilon: float | None = None,
+        epsilon_high: float | None = None,
+        scale_rewards: str | None = None,
+        max_completion_length: int | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        use_lora: bool = False,
+        lora_r: int | None = None,
+        lora_alpha: float | None = None,
+        lora_dropout: float | None = None,
+        lora_target_modules: str | list[str] | None = None,
+        gradient_checkpointing: bool | None = None,
+        dtype: str | None = None,
+        seed: int | None = None,
+        max_staleness: int | None = None,
+        max_grad_norm: float | None = None,
+        prompt_column: str | None = None,
+        system_prompt: str | None = None,
+        max_samples: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_keep: int | None = None,
+        max_restarts: int | None = None,
+        secrets: list[str] | None = None,
+        labels: dict[str, str] | None = None,
+        wandb_project: str | None = None,
+        name: str | None = None,
+        backend: str | None = None,
+        detach: bool = False,
+        quiet: bool = False,
+        start_controller: bool = True,
+        state_url: str | None = None,
+    ) -> None:
+        from mortal.state import paths
+
+        self.detach, self.quiet, self.start_controller, self.state_url = detach, quiet, start_controller, state_url
+        name = name or default_run_name(model)
+        if (reward_funcs is None) != (train_dataset is None):
+            missing = "reward_funcs" if reward_funcs is None else "train_dataset"
+            raise TrainerError(f"{missing} is required when the other is given (leave both out for the "
+                               "built-in arithmetic task)")
+        column = prompt_column or "prompt"
+        rows = dataset_rows(train_dataset) if train_dataset is not None else None
+        if rows is not None:
+            dataset = str(write_dataset(rows, name, column, paths.mortal_home()))
+        else:
+            dataset = dataset_name(train_dataset) if train_dataset is not None else DEFAULT_DATASET
+        rewards = reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else DEFAULT_REWARDS
+        if max_completion_length is not None and max_tokens is not None and max_completion_length != max_tokens:
+            raise TrainerError("max_completion_length and max_tokens mean the same here; give one")
+        lora = _drop_none({"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout,
+                           "target_modules": lora_target_modules}) if use_lora else None
+        algorithm = _drop_none({
+            "loss_type": loss_type, "num_generations": num_generations, "batch_size": batch_size,
+            "learning_rate": learning_rate, "beta": beta, "epsilon": epsilon, "epsilon_high": epsilon_high,
+            "scale_rewards": scale_rewards, "max_staleness": max_staleness, "seed": seed,
+            "max_grad_norm": max_grad_norm,
+        })
+        spec: dict[str, Any] = {
+            "model": _drop_none({"name": model, "dtype": dtype, "lora": lora,
+                                 "gradient_checkpointing": gradient_checkpointing}),
+            "dataset": _drop_none({"name": dataset, "prompt_column": prompt_column, "system_prompt": system_prompt,
+                                   "max_samples": max_samples}),
+            "algorithm": algorithm,
+            "generation": _drop_none({"max_tokens": max_completion_length or max_tokens, "temperature": temperature,
+                                      "top_p": top_p, "top_k": top_k}),
+            "rewards": rewards,
+            **_drop_none({"backend": backend, "secrets": secrets}),
+            "checkpoint": _drop_none({"every": checkpoint_every, "keep": checkpoint_keep}),
+            "restart_policy": _drop_none({"max_restarts": max_restarts}),
+        }
+        if wandb_project:
+            spec["logging"] = {"wandb": {"project": wandb_project}}
+        for block, values in (mode.spec_fields() if mode is not None else {}).items():
+            spec[block] = {**spec.get(block, {}), **values}
+        self.run = self._validate(name, labels or {}, spec)
+        self._set_max_steps(max_steps, num_epochs, rows)
+
+    @staticmethod
+    def _validate(name: str, labels: dict[str, str], spec: dict[str, Any]) -> TrainingRun:
+        from pydantic import ValidationError
+
+        try:
+            return TrainingRun.model_validate({"metadata": {"name": name, "labels": labels}, "spec": spec})
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+
+    def _set_max_steps(self, max_steps: int | None, num_epochs: float | None, rows: list | None) -> None:
+        """max_steps as given; else num_epochs over an in-memory dataset; else the spec default."""
+        algorithm = self.run.spec.algorithm
+        if max_steps is not None and max_steps > 0:
+            steps = max_steps
+        elif num_epochs is not None:
+            if rows is None:
+                raise TrainerError("num_epochs needs an in-memory train_dataset to count its rows; pass max_steps")
+            n = min(len(rows), self.run.spec.dataset.max_samples or len(rows))
+            steps = max(1, math.ceil(num_epochs * n / algorithm.prompts_per_step))
+        else:
+            return
+        try:
+            algorithm.max_steps = steps
+        except ValueError as exc:
+            raise _validation_error(exc) from None
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+    def to_yaml(self) -> str:
+        """The TrainingRun this trainer applies, as YAML for `mortalctl apply -f`."""
+        return to_yaml(self.run, include_status=False)
+
+    def status(self) -> RunStatus:
+        """The run's current status in the store (NotFound before train())."""
+        from mortal.state import open_store
+
+        store = open_store(self.state_url)
+        try:
+            return RunStatus.model_validate(store.get_run(self.name).status)
+        finally:
+            store.close()
+
+    def train(self) -> RunStatus:
+        """Apply the run, make sure a controller runs, and follow it to the end (unless detach).
+
+        Returns the final status (the current one with detach); raises TrainingFailed when the run
+        fails. Ctrl-C stops following only: the run keeps training under the controller.
+        """
+        from mortal.controller.cli import context, follow
+        from mortal.state import open_store
+
+        store = open_store(self.state_url)
+        try:
+            meta = self.run.metadata
+            _, outcome = store.apply_run(self.name, self.run.spec_dict(), labels=meta.labels,
+                                         annotations=meta.annotations)
+            self._say(f"trainingrun/{self.name} {outcome}")
+            if str(outcome) != "unchanged":
+                context.wake_controller(self.name)
+            context.ensure_controller(context.CliState(state_url=self.state_url), not self.start_controller,
+                                      announce=not self.quiet)
+            if self.detach:
+                self._say(f"detached; follow it with `mortalctl get runs {self.name} -w`")
+                return RunStatus.model_validate(store.get_run(self.name).status)
+            try:
+                status = follow.follow_run(store, self.name, quiet=self.quiet)
+            except KeyboardInterrupt:
+                self._say(f"stopped following; the run keeps training (`mortalctl delete run {self.name}` stops it)")
+                raise
+            if str(status.phase) == "Failed":
+                raise TrainingFailed(self.name, status)
+            return status
+        finally:
+            store.close()
+
+    def _say(self, line: str) -> None:
+        if not self.quiet:
+            print(line, flush=True)

@@ -1,0 +1,174 @@
+"""What MortalTrainer turns into spec fields: reward callables -> "module:attr", datasets -> files.
+
+Called by mortal.controller.trainer while it builds a TrainingRun. A reward must be importable by a
+worker process, so each is checked by importing its path back and comparing identity; an
+in-memory dataset is written once to $MORTAL_HOME/datasets/<name>-<hash>.jsonl. It must not
+import torch or datasets (a datasets.Dataset is recognized by duck typing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import re
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+BUILTIN_ENV_NAMES = {"sandbox": "code-execution", "code-execution": "code-execution",
+                     "llm-judge": "llm-judge", "math-answer": "math-answer"}
+"""String reward_funcs that name a built-in environment ('sandbox' is the seed's name)."""
+
+
+class TrainerError(ValueError):
+    """MortalTrainer was given arguments it cannot turn into a TrainingRun."""
+
+
+class RewardNotImportable(TrainerError):
+    """A reward function that the worker processes could not import by its 'module:attr' path."""
+
+
+# -- rewards ---------------------------------------------------------------------------------------
+def reward_entry(reward: Any, weight: float | None = None) -> dict[str, Any]:
+    """One spec.rewards entry for a callable, a RewardEnvironment class or instance, or a string."""
+    entry: dict[str, Any]
+    if isinstance(reward, str):
+        entry = {"env": BUILTIN_ENV_NAMES[reward]} if reward in BUILTIN_ENV_NAMES else {"function": reward}
+    elif isinstance(reward, type):
+        entry = {"function": import_path(reward)}
+    elif _is_reward_environment(reward):
+        entry = {"function": import_path(type(reward)), "args": instance_args(reward)}
+    elif callable(reward):
+        entry = {"function": import_path(reward)}
+    else:
+        raise TrainerError(f"reward_funcs entries must be callables, RewardEnvironment classes or instances, "
+                           f"or 'module:attr' strings (got {reward!r})")
+    if weight is not None:
+        entry["weight"] = float(weight)
+    return entry
+
+
+def _is_reward_environment(obj: Any) -> bool:
+    rewards = sys.modules.get("mortal.workers.rewards")  # an instance exists only if it was imported
+    return rewards is not None and isinstance(obj, rewards.RewardEnvironment)
+
+
+def import_path(obj: Any) -> str:
+    """'module:qualname' of a function or class, checked by importing it back (identity, not name)."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    what = getattr(obj, "__name__", None) or repr(obj)
+    fix = "define it at the top level of a module (e.g. my_rewards.py) and import it from there"
+    if module is None or qualname is None:
+        raise RewardNotImportable(
+            f"reward {what} has no importable name (a functools.partial or a callable object?); {fix}; "
+            "for parameters, subclass RewardEnvironment and take them in __init__"
+        )
+    if qualname == "<lambda>" or "<lambda>" in qualname:
+        raise RewardNotImportable(f"reward {what} is a lambda, which worker processes cannot import; {fix}")
+    if "<locals>" in qualname:
+        raise RewardNotImportable(f"reward {qualname} is defined inside a function, which worker processes "
+                                  f"cannot import; {fix}")
+    if module == "__main__":
+        raise RewardNotImportable(f"reward {qualname} is defined in the script being run (__main__), which "
+                                  f"worker processes cannot import; {fix}")
+    ref = f"{module}:{qualname}"
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        raise RewardNotImportable(f"reward {ref} cannot be imported back ({exc}); {fix}") from None
+    if found is not obj:
+        raise RewardNotImportable(f"importing {ref} gives a different object than the reward passed; {fix}")
+    return ref
+
+
+def instance_args(env: Any) -> dict[str, Any]:
+    """The constructor kwargs of a RewardEnvironment instance, read back from same-named attributes.
+
+    The worker rebuilds the instance as `Class(**args)`, so each __init__ parameter must be stored
+    on the instance under its own name (as dataclasses do) unless it kept its default.
+    """
+    params = list(inspect.signature(type(env).__init__).parameters.values())[1:]
+    attrs = vars(env) if hasattr(env, "__dict__") else {}
+    args: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in attrs:
+            value = attrs[p.name]
+            if p.default is not p.empty and value == p.default:
+                continue
+            try:
+                json.dumps(value)
+            except TypeError:
+                raise TrainerError(f"{type(env).__name__}.{p.name} = {value!r} is not JSON-serializable, so it "
+                                   "cannot travel in a spec; pass plain values (str, numbers, lists, dicts)") from None
+            args[p.name] = value
+        elif p.default is p.empty:
+            raise TrainerError(
+                f"cannot tell which {p.name!r} this {type(env).__name__} was built with: store it as "
+                f"self.{p.name} in __init__ (the worker rebuilds it as {type(env).__name__}(**args))"
+            )
+    return args
+
+
+def reward_entries(reward_funcs: Any, reward_weights: list[float] | None) -> list[dict[str, Any]]:
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        raise TrainerError(f"reward_weights has {len(reward_weights)} entries for {len(funcs)} reward_funcs; "
+                           "give one weight per reward (or none for equal weights)")
+    weights = reward_weights if reward_weights is not None else [None] * len(funcs)
+    return [reward_entry(f, w) for f, w in zip(funcs, weights, strict=True)]
+
+
+# -- datasets --------------------------------------------------------------------------------------
+def dataset_rows(dataset: Any) -> list[dict[str, Any]] | None:
+    """Rows of an in-memory dataset (a datasets.Dataset / DatasetDict, or a list of dicts); None for a name."""
+    if isinstance(dataset, str | Path):
+        return None
+    if hasattr(dataset, "keys") and hasattr(dataset, "__getitem__") and "train" in dataset:
+        dataset = dataset["train"]  # a DatasetDict
+    if hasattr(dataset, "to_list"):
+        return list(dataset.to_list())
+    if isinstance(dataset, list | tuple) and all(isinstance(row, dict) for row in dataset):
+        return list(dataset)
+    raise TrainerError("train_dataset must be a datasets.Dataset, a list of dicts, or a name/path string "
+                       f"(got {type(dataset).__name__})")
+
+
+def write_dataset(rows: list[dict[str, Any]], name: str, prompt_column: str, home: Path) -> Path:
+    """rows -> $MORTAL_HOME/datasets/<name>-<hash>.jsonl (same rows, same file), where workers read it."""
+    if not rows:
+        raise TrainerError("train_dataset is empty")
+    if prompt_column not in rows[0]:
+        raise TrainerError(f"train_dataset has no {prompt_column!r} column (columns: {', '.join(map(str, rows[0]))}); "
+                           "rename it or pass prompt_column=...")
+    try:
+        text = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)
+    except TypeError as exc:
+        raise TrainerError(f"train_dataset rows must be JSON-serializable ({exc})") from None
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = home / "datasets" / f"{name}-{digest}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{uuid.uuid4().hex[:6]}")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
+def dataset_name(dataset: str | Path) -> str:
+    """A local file becomes an absolute path (workers may run elsewhere); hub ids and builtin: stay."""
+    path = Path(dataset).expanduser()
+    return str(path.resolve()) if path.exists() else str(dataset)
+
+
+def default_run_name(model: str) -> str:
+    """kubectl generateName style: '<model slug>-<5 random chars>', a DNS-1123 label."""
+    slug = re.sub(r"[^a-z0-9]+", "-", Path(model).name.lower().removesuffix(".gguf")).strip("-")[:50].strip("-")
+    return f"{slug or 'run'}-{uuid.uuid4().hex[:5]}"

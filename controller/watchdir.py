@@ -1,0 +1,101 @@
+"""GitOps: `mortalctl controller --watch DIR` makes a folder of TrainingRun files the desired state.
+
+Who calls it: the manager, in a thread, when started with a watch folder. Every change in the folder
+(watchfiles) applies every spec in it, like `mortalctl apply -f DIR`, and deletes the runs that came
+from this folder and whose file went away. Runs are marked with the label `mortal.dev/source`
+(a hash of the folder's path, a valid label value) and the annotation `mortal.dev/source-dir` (the
+path, for people). A folder with an unreadable file deletes nothing that round (a half-saved file
+must not delete a run). What it must not do: touch workers; it writes desired state only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import watchfiles
+
+from mortal.specs import SpecError, TrainingRun, load_file
+from mortal.state.errors import Conflict
+from mortal.state.store import Store
+
+log = logging.getLogger("mortal.controller")
+SOURCE_LABEL = "mortal.dev/source"
+SOURCE_ANNOTATION = "mortal.dev/source-dir"
+SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass
+class SyncResult:
+    applied: dict[str, str] = field(default_factory=dict)  # run -> created | configured | unchanged
+    deleted: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def source_id(folder: Path) -> str:
+    return hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+
+
+def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
+    """Every run in the folder's YAML files (sorted by file name), and the errors of unreadable files."""
+    runs: list[TrainingRun] = []
+    errors: list[str] = []
+    for path in sorted(p for p in folder.iterdir() if p.suffix in SUFFIXES and p.is_file()):
+        try:
+            runs.extend(load_file(path))
+        except (SpecError, OSError) as exc:
+            errors.append(str(exc))
+    names = [r.name for r in runs]
+    errors.extend(f"run {n!r} is defined more than once in {folder}" for n in sorted({n for n in names if names.count(n) > 1}))
+    return runs, errors
+
+
+def sync_folder(store: Store, folder: Path) -> SyncResult:
+    """Apply the folder's runs; delete this folder's runs whose files are gone (only if all files read)."""
+    result = SyncResult()
+    runs, result.errors = read_folder(folder)
+    label = {SOURCE_LABEL: source_id(folder)}
+    for run in runs:
+        labels = {**run.metadata.labels, **label}
+        annotations = {**run.metadata.annotations, SOURCE_ANNOTATION: str(folder.resolve())}
+        try:
+            _, outcome = store.apply_run(run.name, run.spec_dict(), labels=labels, annotations=annotations)
+            result.applied[run.name] = str(outcome)
+        except Conflict as exc:  # being deleted: applied again once it is gone
+            result.errors.append(str(exc))
+    if result.errors:
+        return result
+    present = {r.name for r in runs}
+    for row in store.list_runs(labels=label, include_deleted=False):
+        if row.name not in present:
+            store.mark_deleted(row.name)
+            result.deleted.append(row.name)
+    return result
+
+
+def watch_folder(store: Store, folder: Path, stop: threading.Event, on_sync: Callable[[SyncResult], None]) -> None:
+    """Sync now and after every change in the folder, until `stop`."""
+    on_sync(_sync_logged(store, folder))
+    for _changes in watchfiles.watch(folder, stop_event=stop, step=100, debounce=800, recursive=False,
+                                     raise_interrupt=False):
+        on_sync(_sync_logged(store, folder))
+
+
+def _sync_logged(store: Store, folder: Path) -> SyncResult:
+    try:
+        result = sync_folder(store, folder)
+    except Exception as exc:  # the store is down for a moment: the next change or restart syncs again
+        log.error("sync of %s failed: %s", folder, exc)
+        return SyncResult(errors=[str(exc)])
+    for name, outcome in result.applied.items():
+        if outcome != "unchanged":
+            log.info("trainingrun/%s %s (from %s)", name, outcome, folder)
+    for name in result.deleted:
+        log.info("trainingrun/%s deleted (its file left %s)", name, folder)
+    for error in result.errors:
+        log.error("%s", error)
+    return result

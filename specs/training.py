@@ -1,0 +1,256 @@
+"""`spec:` of a TrainingRun: what to train, on what, with which algorithm, on which hardware.
+
+Every field is documented once here (its `description` feeds `mortalctl schema` and the docs).
+Cross-field rules live in the model that owns both fields (TRL style: the message says the fix).
+Read by the controller (layout, scaling, restarts) and the workers (model, data, algorithm); it
+must not import torch, transformers or anything of mortal outside `mortal.specs`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from mortal.specs.base import SpecModel, rule_error
+from mortal.specs.rewards import ENV_VAR, RewardSpec
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
+SYNC_METHODS_BUILT = ("auto", "volume")
+
+
+class LoraSpec(SpecModel):
+    """LoRA adapters (peft): train low-rank adapters instead of all weights."""
+
+    r: int = Field(16, ge=1, description="Rank of the adapter matrices.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input, in [0, 1).")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names."
+    )
+
+
+class ModelSpec(SpecModel):
+    """The policy model to train."""
+
+    name: str = Field(
+        min_length=1,
+        description="Hub id, local directory, .gguf file, or 'package:MODULE/FILE' for a file shipped in an "
+        "installed Python package.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16."
+    )
+    lora: LoraSpec | None = Field(None, description="LoRA adapter settings; absent = full fine-tuning.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+    @field_validator("name")
+    @classmethod
+    def _package_reference_has_a_file(cls, value: str) -> str:
+        if value.startswith("package:") and "/" not in value.removeprefix("package:"):
+            raise rule_error(f"a package model must look like 'package:MODULE/FILE' (got {value!r})")
+        return value
+
+
+class DatasetSpec(SpecModel):
+    """The prompts to train on."""
+
+    name: str = Field(
+        min_length=1, description="Hub id, local .jsonl/.parquet file, or 'builtin:NAME' (e.g. builtin:arith)."
+    )
+    config: str | None = Field(
+        None, min_length=1, description="Hub dataset configuration (subset), e.g. 'main' for openai/gsm8k."
+    )
+    split: str = Field("train", min_length=1, description="Dataset split to read.")
+    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt (text or chat).")
+    max_samples: int | None = Field(None, ge=1, description="Use only the first N rows; absent = all rows.")
+    system_prompt: str | None = Field(None, description="System message prepended to every prompt.")
+
+
+class AlgorithmSpec(SpecModel):
+    """GRPO-family loss and optimizer settings (names follow TRL's GRPOConfig)."""
+
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
+        "dapo", description="Loss variant: grpo, dapo, dr_grpo, bnpo, cispo or sapo (TRL's loss_type)."
+    )
+    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the GRPO group size).")
+    batch_size: int = Field(
+        8,
+        ge=2,
+        description="Completions per optimizer step (TRL's generation batch); a multiple of numGenerations. "
+        "Prompts per step = batchSize / numGenerations.",
+    )
+    learning_rate: float = Field(5e-6, gt=0, description="AdamW learning rate.")
+    beta: float = Field(0.0, ge=0, description="KL penalty coefficient; 0 = no reference model.")
+    epsilon: float = Field(0.2, gt=0, description="Lower clipping range of the importance ratio.")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="Upper clipping range; absent = epsilon (DAPO suggests 0.28)."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage scaling: by the group's std, the batch's std, or none."
+    )
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train; the run Succeeds after the last.")
+    max_staleness: int = Field(
+        0, ge=0, description="How many weight versions rollouts may lag the actor; 0 = on-policy."
+    )
+    seed: int = Field(0, ge=0, description="Seed of data order, sampling and initialization.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
+
+    @model_validator(mode="after")
+    def _batch_holds_whole_groups(self) -> AlgorithmSpec:
+        if self.batch_size % self.num_generations:
+            n = self.num_generations
+            lower, upper = (self.batch_size // n) * n, (self.batch_size // n + 1) * n
+            choices = f"{lower} or {upper}" if lower else str(upper)
+            raise rule_error(
+                f"batchSize ({self.batch_size}) must be divisible by numGenerations ({n}): try {choices}",
+                field="batchSize",
+            )
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise rule_error(
+                f"epsilonHigh ({self.epsilon_high}) must be >= epsilon ({self.epsilon}); omit it to use epsilon",
+                field="epsilonHigh",
+            )
+        return self
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Distinct prompts in one optimizer step."""
+        return self.batch_size // self.num_generations
+
+
+class GenerationSpec(SpecModel):
+    """Sampling settings of the rollout workers."""
+
+    max_tokens: int = Field(256, ge=1, description="Maximum completion length in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (> 0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, in (0, 1]; 1 = off.")
+    top_k: int | None = Field(None, ge=1, description="Top-k sampling; absent = off.")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="Generation engine: auto (vllm where installed on GPU, else transformers)."
+    )
+
+
+class ActorSpec(SpecModel):
+    """The trainer worker."""
+
+    gpu: str = Field("none", min_length=1, description="GPU type (e.g. H100, A100, A10G); 'none' = CPU.")
+    count: int = Field(
+        1,
+        description="Actor workers; must be 1 for now.",
+    )
+
+    @field_validator("count")
+    @classmethod
+    def _one_actor(cls, value: int) -> int:
+        if value != 1:
+            raise rule_error(
+                f"must be 1 for now (got {value}): a run has one actor (trainer) process; "
+                "multi-GPU actors are not built yet. Add rollout.replicas to generate faster"
+            )
+        return value
+
+
+class RolloutSpec(SpecModel):
+    """The generation workers; scale them with `mortalctl scale RUN rollout=N`."""
+
+    gpu: str = Field("none", min_length=1, description="GPU type per rollout replica; 'none' = CPU.")
+    replicas: int = Field(
+        1, ge=0, description="Rollout workers; 0 pauses generation (the actor waits) without stopping the run."
+    )
+
+
+class SyncSpec(SpecModel):
+    """How new weights travel from the actor to the rollout workers."""
+
+    method: Literal["auto", "volume", "ipc", "nccl", "reload"] = Field(
+        "auto", description="auto or volume (safetensors on the shared volume); ipc, nccl and reload are planned."
+    )
+    every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
+
+    @field_validator("method")
+    @classmethod
+    def _method_is_built(cls, value: str) -> str:
+        if value not in SYNC_METHODS_BUILT:
+            raise rule_error(
+                f"sync method {value!r} is not built yet; use 'auto' (picks the fastest built method) "
+                "or 'volume'"
+            )
+        return value
+
+
+class CheckpointSpec(SpecModel):
+    """Checkpoints the run resumes from after a failure."""
+
+    every: int = Field(10, ge=1, description="Write a complete checkpoint every N optimizer steps.")
+    keep: int = Field(3, ge=1, description="Keep the newest N complete checkpoints; older ones are deleted.")
+
+
+class RestartPolicy(SpecModel):
+    """What the controller does when a worker dies."""
+
+    max_restarts: int = Field(10, ge=0, description="Relaunches allowed before the run is Failed.")
+    backoff_seconds: float = Field(5.0, ge=0, description="Base of the exponential backoff between relaunches.")
+
+
+class WandbSpec(SpecModel):
+    """Weights & Biases logging."""
+
+    project: str = Field("mortal", min_length=1, description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); absent = your default.")
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="auto = online when WANDB_API_KEY is set, else offline (files under the run folder); WANDB_MODE=disabled turns it off."
+    )
+
+
+class LoggingSpec(SpecModel):
+    """Where metrics go besides the state store (always written there)."""
+
+    wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases settings.")
+
+
+class TrainingSpec(SpecModel):
+    """The desired state of a TrainingRun; the controller makes the world match it."""
+
+    model: ModelSpec = Field(description="The policy model to train.")
+    dataset: DatasetSpec = Field(description="The prompts to train on.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Loss and optimizer settings.")
+    generation: GenerationSpec = Field(default_factory=GenerationSpec, description="Sampling settings.")
+    rewards: list[RewardSpec] = Field(min_length=1, description="Reward signals, summed with their weights.")
+    actor: ActorSpec = Field(default_factory=ActorSpec, description="The trainer worker.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The generation workers.")
+    sync: SyncSpec = Field(default_factory=SyncSpec, description="Weight sync from actor to rollouts.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    restart_policy: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="Worker relaunch policy (YAML key restartPolicy)."
+    )
+    backend: Literal["local", "modal"] = Field(
+        "local", description="Where workers run: local (processes on this machine) or modal."
+    )
+    suspend: bool = Field(False, description="true stops all workers and keeps the run (resume sets false).")
+    secrets: list[str] = Field(
+        default_factory=list, description="Environment variable NAMES handed to the workers (values never stored)."
+    )
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics logging.")
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets_are_names(cls, value: list[str]) -> list[str]:
+        bad = [name for name in value if not ENV_VAR.match(name)]
+        if bad:
+            raise rule_error(
+                f"must list environment variable NAMES such as HF_TOKEN (got {bad[0]!r}); values are read "
+                "from the controller's environment, never written in a spec"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _reward_names_unique(self) -> TrainingSpec:
+        seen: set[str] = set()
+        for entry in self.rewards:
+            if entry.name is not None and entry.name in seen:
+                raise rule_error(f"two rewards are named {entry.name!r}: give each a distinct 'name'", "rewards")
+            if entry.name is not None:
+                seen.add(entry.name)
+        return self
+

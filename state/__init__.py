@@ -1,0 +1,63 @@
+"""mortal.state: the state store. `open_store()` is the way in; everything else is its vocabulary.
+
+    from mortal.state import open_store, WorkerRef, Conflict
+    store = open_store()                 # $MORTAL_STATE_URL, else SQLite at $MORTAL_HOME/state.db
+    run, outcome = store.apply_run("quickstart", spec_dict, labels={"team": "rl"})
+
+Importing this package connects to nothing; `open_store` connects and migrates.
+"""
+
+from __future__ import annotations
+
+from mortal.state.engine import sqlite_path
+from mortal.state.errors import AlreadyExists, Conflict, Fenced, NotFound, StoreError
+from mortal.state.paths import default_state_url
+from mortal.state.store import ApplyOutcome, LeaderFence, NewTask, Store, WorkerRef
+from mortal.state.tables import (
+    CheckpointRow,
+    EventRow,
+    LeaseRow,
+    MetricRow,
+    RunRow,
+    TaskRow,
+    WeightRow,
+    WorkerRow,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "ApplyOutcome",
+    "CheckpointRow",
+    "Conflict",
+    "EventRow",
+    "Fenced",
+    "LeaderFence",
+    "LeaseRow",
+    "MetricRow",
+    "NewTask",
+    "NotFound",
+    "RunRow",
+    "Store",
+    "StoreError",
+    "TaskRow",
+    "WeightRow",
+    "WorkerRef",
+    "WorkerRow",
+    "open_store",
+]
+
+
+def open_store(url: str | None = None) -> Store:
+    """The store at `url` (default: $MORTAL_STATE_URL, else SQLite under $MORTAL_HOME), migrated.
+
+    URLs: `sqlite:///PATH` (its folder is created) or `postgresql://user@host/db`.
+    """
+    from mortal.state.sql_store import SqlStore
+
+    url = url or default_state_url()
+    path = sqlite_path(url)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    store = SqlStore(url)
+    store.migrate()
+    return store

@@ -1,0 +1,95 @@
+"""SQLAlchemy engines and transactions for the state store: SQLite and PostgreSQL made to behave alike.
+
+Called by SqlStore and the migration runner; nothing else opens a database connection. Creating an
+engine connects to nothing; the first transaction does.
+
+- SQLite: WAL journal (readers never block the writer), a busy timeout (a writer waits instead of
+  failing), foreign keys on, and `BEGIN IMMEDIATE` for write transactions, so two processes that
+  read-then-write serialize on the write lock at BEGIN instead of one failing with "database is
+  locked" half way through.
+- PostgreSQL: `postgresql://` URLs are driven by psycopg 3; READ COMMITTED plus row locks
+  (`FOR UPDATE`, `FOR SHARE`, `SKIP LOCKED`) in the store's queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.pool import StaticPool
+from sqlmodel import Session
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+_WRITE = "mortal_write"
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Map user-facing URLs onto SQLAlchemy drivers: postgres[ql]:// -> postgresql+psycopg://."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a SQLite URL (None for other databases and in-memory SQLite)."""
+    parsed = make_url(sqlalchemy_url(url))
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; nothing is connected yet."""
+    url = sqlalchemy_url(url)
+    if make_url(url).get_backend_name() == "sqlite":
+        # In-memory SQLite exists per connection: keep exactly one (tests and throwaway stores only).
+        pool = {"poolclass": StaticPool} if sqlite_path(url) is None else {}
+        connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+        engine = create_engine(url, connect_args=connect_args, **pool)
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def _sqlite_on_connect(dbapi_connection, connection_record) -> None:
+    # Turn off pysqlite's own transaction handling, so that the "begin" hook decides how to BEGIN.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+
+
+def is_postgres(engine: Engine | Connection) -> bool:
+    return engine.dialect.name == "postgresql"
+
+
+@contextmanager
+def connection(engine: Engine, write: bool = True) -> Iterator[Connection]:
+    """One transaction on one connection: committed on success, rolled back on any error.
+
+    `write=True` takes SQLite's write lock at BEGIN (a no-op distinction on PostgreSQL).
+    """
+    with engine.connect() as conn:
+        conn.execution_options(**{_WRITE: write})
+        with conn.begin():
+            yield conn
+
+
+@contextmanager
+def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
+    """A Session inside `connection(engine, write)`; rows read from it come back detached."""
+    with connection(engine, write) as conn, Session(bind=conn, expire_on_commit=False, autoflush=True) as session:
+        yield session
+        session.flush()

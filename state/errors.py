@@ -1,0 +1,28 @@
+"""Typed errors raised by every Store implementation.
+
+Callers branch on these types (never on message text): the CLI maps them to exit code 1, the
+controller requeues on `Conflict`, a worker exits when it is `Fenced`.
+"""
+
+
+class StoreError(Exception):
+    """Base class of everything the state store raises on purpose."""
+
+
+class NotFound(StoreError):
+    """The named object does not exist (or was deleted)."""
+
+
+class AlreadyExists(StoreError):
+    """A create found the object already there."""
+
+
+class Conflict(StoreError):
+    """A write carried a stale resource_version (or precondition): someone else wrote first.
+
+    Never retried silently by the store; the caller re-reads and decides.
+    """
+
+
+class Fenced(StoreError):
+    """A write came from a superseded incarnation (a zombie worker) or a leader that lost its lease."""

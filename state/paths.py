@@ -1,0 +1,44 @@
+"""Where mortal keeps files: $MORTAL_HOME (default ~/.mortal) and the per-run folders on the volume.
+
+Used by the store (default SQLite path), the backends (log files) and workers (weights,
+checkpoints). Pure path arithmetic: nothing here creates a file.
+
+    $MORTAL_HOME/state.db                         SQLite store (unless MORTAL_STATE_URL)
+    $MORTAL_HOME/controller.log                   a background controller's output
+    $MORTAL_HOME/runs/<run>/logs/<role>-<replica>-<incarnation>.log
+    $MORTAL_HOME/runs/<run>/weights/v<version>/   published weights (sync: volume)
+    $MORTAL_HOME/runs/<run>/checkpoints/step-<step>/
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def mortal_home() -> Path:
+    return Path(os.environ.get("MORTAL_HOME") or Path.home() / ".mortal").expanduser()
+
+
+def default_state_url() -> str:
+    return os.environ.get("MORTAL_STATE_URL") or f"sqlite:///{mortal_home() / 'state.db'}"
+
+
+def run_dir(run: str) -> Path:
+    return mortal_home() / "runs" / run
+
+
+def logs_dir(run: str) -> Path:
+    return run_dir(run) / "logs"
+
+
+def worker_log(run: str, role: str, replica: int, incarnation: int) -> Path:
+    return logs_dir(run) / f"{role}-{replica}-{incarnation}.log"
+
+
+def weights_dir(run: str) -> Path:
+    return run_dir(run) / "weights"
+
+
+def checkpoints_dir(run: str) -> Path:
+    return run_dir(run) / "checkpoints"

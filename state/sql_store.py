@@ -1,0 +1,395 @@
+"""SqlStore: the Store contract on SQLAlchemy/SQLModel, for SQLite and PostgreSQL.
+
+Created by `mortal.state.open_store` (which also migrates); used by the CLI, the controller and the
+workers through the `Store` interface only. It is the only code that writes SQL. It must not decide
+anything: it enforces the invariants of mortal.state.store and nothing else.
+
+Every method is one transaction (`_tx`). Writes to a run row are guarded UPDATEs
+(`... WHERE resource_version = :v`, row count checked); worker writes first check the worker's
+fencing token, controller writes the leader's lease, in the same transaction (mortal.state.fencing).
+The rollout task queue lives in mortal.state.task_queue.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, SQLModel, select
+
+from mortal.state import migrate
+from mortal.state.engine import is_postgres, make_engine, transaction
+from mortal.state.errors import Conflict, NotFound
+from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
+from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef
+from mortal.state.tables import (
+    CheckpointRow,
+    EventRow,
+    LeaseRow,
+    MetricRow,
+    RunRow,
+    TaskRow,
+    WeightRow,
+    WorkerRow,
+    as_utc,
+    utcnow,
+)
+from mortal.state.task_queue import TaskQueue
+
+_RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow)
+
+
+def _json(value: Any) -> Any:
+    """The value as JSON will store it (tuples -> lists, ...), so equality means 'stores the same'."""
+    return json.loads(json.dumps(value))
+
+
+class SqlStore(TaskQueue, Store):
+    """The store on one database URL (sqlite:///..., postgresql://...). Connects on first use."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._engine = make_engine(url)
+
+    def __repr__(self) -> str:
+        return f"SqlStore({self._engine.url.render_as_string(hide_password=True)!r})"
+
+    @contextmanager
+    def _tx(self, write: bool = True) -> Iterator[Session]:
+        """One transaction; a unique-key race surfaces as Conflict (someone else wrote first)."""
+        try:
+            with transaction(self._engine, write) as session:
+                yield session
+        except IntegrityError as err:
+            raise Conflict(f"concurrent write: {err.orig}") from err
+
+    def _insert_ignore(self, session: Session, model: type[SQLModel], values: dict[str, Any]) -> bool:
+        """INSERT ... ON CONFLICT DO NOTHING; True if the row was new."""
+        insert = pg_insert if is_postgres(self._engine) else sqlite_insert
+        table = model.__table__
+        statement = insert(table).values(**values).on_conflict_do_nothing().returning(*table.primary_key)
+        return session.execute(statement).first() is not None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def migrate(self) -> None:
+        migrate.upgrade(self._engine)
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    # -- runs ------------------------------------------------------------------------------
+    def _run(self, session: Session, name: str, lock: bool = False) -> RunRow:
+        query = select(RunRow).where(RunRow.name == name)
+        row = session.exec(query.with_for_update() if lock else query).first()
+        if row is None:
+            raise NotFound(f"trainingrun {name!r} not found")
+        return row
+
+    def _update_run(self, session: Session, row: RunRow, **values: Any) -> RunRow:
+        """The guarded write of a run row: applies only if resource_version is still row's."""
+        result = session.execute(
+            update(RunRow)
+            .where(RunRow.name == row.name, RunRow.resource_version == row.resource_version)
+            .values(resource_version=row.resource_version + 1, updated_at=utcnow(), **values)
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount != 1:
+            raise Conflict(f"trainingrun {row.name!r} changed since resource_version {row.resource_version}")
+        return session.get(RunRow, row.name, populate_existing=True)
+
+    def apply_run(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+    ) -> tuple[RunRow, ApplyOutcome]:
+        spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
+        with self._tx() as s:
+            new = RunRow(name=name, uid=str(uuid.uuid4()), spec=spec, labels=labels, annotations=annotations)
+            if self._insert_ignore(s, RunRow, new.model_dump()):
+                return self._run(s, name), ApplyOutcome.created
+            row = self._run(s, name, lock=True)
+            if row.deleted_at is not None:
+                raise Conflict(f"trainingrun {name!r} is being deleted")
+            if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
+                return row, ApplyOutcome.unchanged
+            generation = row.generation + (row.spec != spec)
+            row = self._update_run(s, row, spec=spec, labels=labels, annotations=annotations, generation=generation)
+            return row, ApplyOutcome.configured
+
+    def get_run(self, name: str) -> RunRow:
+        with self._tx(write=False) as s:
+            return self._run(s, name)
+
+    def list_runs(self, labels: dict[str, str] | None = None, include_deleted: bool = True) -> list[RunRow]:
+        with self._tx(write=False) as s:
+            rows = s.exec(select(RunRow).order_by(RunRow.name)).all()
+        wanted = (labels or {}).items()
+        return [
+            r for r in rows if wanted <= r.labels.items() and (include_deleted or r.deleted_at is None)
+        ]
+
+    def update_spec(self, name: str, spec: dict[str, Any], resource_version: int) -> RunRow:
+        spec = _json(spec)
+        with self._tx() as s:
+            row = self._run(s, name)
+            if row.resource_version != resource_version:
+                raise Conflict(f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}")
+            if row.deleted_at is not None:
+                raise Conflict(f"trainingrun {name!r} is being deleted")
+            return self._update_run(s, row, spec=spec, generation=row.generation + (row.spec != spec))
+
+    def write_status(
+        self,
+        name: str,
+        status: dict[str, Any],
+        resource_version: int | None = None,
+        fence: LeaderFence | None = None,
+    ) -> RunRow:
+        status = _json(status)
+        with self._tx() as s:
+            check_leader(s, fence)
+            row = self._run(s, name, lock=True)
+            if resource_version is not None and row.resource_version != resource_version:
+                raise Conflict(f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}")
+            return self._update_run(s, row, status=status, phase=status.get("phase", row.phase))
+
+    def mark_deleted(self, name: str, purge: bool = False) -> RunRow:
+        with self._tx() as s:
+            row = self._run(s, name, lock=True)
+            if row.deleted_at is not None and (row.purge_requested or not purge):
+                return row
+            return self._update_run(
+                s, row, deleted_at=row.deleted_at or utcnow(), purge_requested=row.purge_requested or purge
+            )
+
+    def purge_run(self, name: str, fence: LeaderFence | None = None) -> None:
+        with self._tx() as s:
+            check_leader(s, fence)
+            self._run(s, name, lock=True)
+            for model in _RUN_OWNED:
+                s.execute(delete(model).where(model.run == name))
+            s.execute(delete(RunRow).where(RunRow.name == name))
+
+    # -- workers ---------------------------------------------------------------------------
+    def create_worker(
+        self,
+        run: str,
+        role: str,
+        replica: int,
+        backend: str,
+        lease_seconds: float,
+        fence: LeaderFence | None = None,
+    ) -> WorkerRow:
+        with self._tx() as s:
+            check_leader(s, fence)
+            if self._run(s, run, lock=True).deleted_at is not None:  # the lock serializes incarnations
+                raise Conflict(f"trainingrun {run!r} is being deleted")
+            # Wait out any write the slot's current incarnation has in flight: its fence check holds a
+            # share lock on that row until commit, so once this lock is granted no write of the old
+            # incarnation can land after the new one exists.
+            s.exec(
+                select(WorkerRow.id)
+                .where(WorkerRow.run == run, WorkerRow.role == role, WorkerRow.replica == replica)
+                .order_by(WorkerRow.incarnation.desc())
+                .limit(1)
+                .with_for_update()
+            ).first()
+            newest = s.exec(select(func.max(WorkerRow.incarnation)).where(WorkerRow.run == run)).one()
+            row = WorkerRow(
+                run=run,
+                role=role,
+                replica=replica,
+                incarnation=(newest or 0) + 1,
+                backend=backend,
+                lease_seconds=lease_seconds,
+            )
+            s.add(row)
+            s.flush()
+            return row
+
+    def _worker(self, session: Session, worker_id: int) -> WorkerRow:
+        row = session.get(WorkerRow, worker_id, with_for_update=True)
+        if row is None:
+            raise NotFound(f"worker {worker_id} not found")
+        return row
+
+    def set_worker_handle(self, worker_id: int, handle: str, fence: LeaderFence | None = None) -> WorkerRow:
+        with self._tx() as s:
+            check_leader(s, fence)
+            row = self._worker(s, worker_id)
+            row.handle = handle
+            s.flush()
+            return row
+
+    def end_worker(
+        self,
+        worker_id: int,
+        state: str,
+        exit_code: int | None = None,
+        message: str | None = None,
+        fence: LeaderFence | None = None,
+    ) -> WorkerRow:
+        if state not in TERMINAL_WORKER_STATES:
+            raise ValueError(f"end_worker: state must be one of {sorted(TERMINAL_WORKER_STATES)}, not {state!r}")
+        with self._tx() as s:
+            check_leader(s, fence)
+            row = self._worker(s, worker_id)
+            if row.state not in TERMINAL_WORKER_STATES:  # the first end wins: it says what happened
+                row.state, row.exit_code, row.message, row.ended_at = state, exit_code, message, utcnow()
+                s.flush()
+            return row
+
+    def list_workers(self, run: str | None = None, live_only: bool = False) -> list[WorkerRow]:
+        query = select(WorkerRow).order_by(WorkerRow.run, WorkerRow.role, WorkerRow.replica, WorkerRow.incarnation)
+        if run is not None:
+            query = query.where(WorkerRow.run == run)
+        if live_only:
+            query = query.where(WorkerRow.state.not_in(TERMINAL_WORKER_STATES))
+        with self._tx(write=False) as s:
+            return list(s.exec(query).all())
+
+    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None) -> WorkerRow:
+        with self._tx() as s:
+            row = check_worker(s, worker, for_update=True)
+            row.heartbeat_at = utcnow()
+            row.state = "Running"
+            row.step = row.step if step is None else step
+            row.weight_version = row.weight_version if weight_version is None else weight_version
+            s.flush()
+            return row
+
+    def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:
+        if state not in ("Succeeded", "Failed"):
+            raise ValueError(f"report_exit: state must be Succeeded or Failed, not {state!r}")
+        with self._tx() as s:
+            row = check_worker(s, worker, for_update=True)
+            row.state, row.exit_code, row.message, row.ended_at = state, exit_code, message, utcnow()
+            s.flush()
+            return row
+
+    # -- checkpoints, weights ----------------------------------------------------------------
+    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int) -> CheckpointRow:
+        with self._tx() as s:
+            check_worker(s, worker)
+            query = select(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step)
+            row = s.exec(query.with_for_update()).first() or CheckpointRow(run=worker.run, step=step, path=path, weight_version=0)
+            row.path, row.weight_version, row.complete, row.created_at = path, weight_version, True, utcnow()
+            s.add(row)
+            s.flush()
+            return row
+
+    def list_checkpoints(self, run: str, complete_only: bool = True) -> list[CheckpointRow]:
+        query = select(CheckpointRow).where(CheckpointRow.run == run).order_by(CheckpointRow.step)
+        if complete_only:
+            query = query.where(CheckpointRow.complete)
+        with self._tx(write=False) as s:
+            return list(s.exec(query).all())
+
+    def latest_checkpoint(self, run: str) -> CheckpointRow | None:
+        query = select(CheckpointRow).where(CheckpointRow.run == run, CheckpointRow.complete)
+        with self._tx(write=False) as s:
+            return s.exec(query.order_by(CheckpointRow.step.desc()).limit(1)).first()
+
+    def delete_checkpoint(self, worker: WorkerRef, step: int) -> None:
+        with self._tx() as s:
+            check_worker(s, worker)
+            s.execute(delete(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step))
+
+    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume") -> WeightRow:
+        with self._tx() as s:
+            check_worker(s, worker)
+            newest = s.exec(select(func.max(WeightRow.version)).where(WeightRow.run == worker.run)).one()
+            if newest is not None and version <= newest:
+                raise Conflict(f"weight version {version} of {worker.run!r} is not newer than {newest}")
+            row = WeightRow(run=worker.run, version=version, step=step, path=path, method=method)
+            s.add(row)
+            s.flush()
+            return row
+
+    def latest_weights(self, run: str) -> WeightRow | None:
+        query = select(WeightRow).where(WeightRow.run == run).order_by(WeightRow.version.desc()).limit(1)
+        with self._tx(write=False) as s:
+            return s.exec(query).first()
+
+    def list_weights(self, run: str) -> list[WeightRow]:
+        with self._tx(write=False) as s:
+            return list(s.exec(select(WeightRow).where(WeightRow.run == run).order_by(WeightRow.version)).all())
+
+    def delete_weights(self, worker: WorkerRef, version: int) -> None:
+        with self._tx() as s:
+            check_worker(s, worker)
+            s.execute(delete(WeightRow).where(WeightRow.run == worker.run, WeightRow.version == version))
+
+    # -- events, metrics ---------------------------------------------------------------------
+    def add_event(self, run: str, type: str, reason: str, message: str) -> EventRow:
+        with self._tx() as s:
+            row = EventRow(run=run, type=type, reason=reason, message=message)
+            s.add(row)
+            s.flush()
+            return row
+
+    def list_events(self, run: str | None = None, limit: int = 50) -> list[EventRow]:
+        query = select(EventRow).order_by(EventRow.time.desc(), EventRow.id.desc()).limit(limit)
+        if run is not None:
+            query = query.where(EventRow.run == run)
+        with self._tx(write=False) as s:
+            return list(reversed(s.exec(query).all()))
+
+    def add_metrics(self, worker: WorkerRef, step: int, values: dict[str, float]) -> None:
+        with self._tx() as s:
+            check_worker(s, worker)
+            same = (MetricRow.run == worker.run, MetricRow.step == step, MetricRow.name.in_(list(values)))
+            s.execute(delete(MetricRow).where(*same))  # a resumed run re-records a step: one value per name
+            s.add_all(MetricRow(run=worker.run, step=step, name=k, value=float(v)) for k, v in values.items())
+
+    def list_metrics(self, run: str, name: str | None = None, since_step: int | None = None) -> list[MetricRow]:
+        query = select(MetricRow).where(MetricRow.run == run).order_by(MetricRow.step, MetricRow.name)
+        if name is not None:
+            query = query.where(MetricRow.name == name)
+        if since_step is not None:
+            query = query.where(MetricRow.step >= since_step)
+        with self._tx(write=False) as s:
+            return list(s.exec(query).all())
+
+    # -- leases ------------------------------------------------------------------------------
+    def acquire_lease(
+        self, name: str, holder: str, duration_seconds: float, now: datetime | None = None
+    ) -> LeaseRow | None:
+        now = as_utc(now) if now else utcnow()
+        expires = now + timedelta(seconds=duration_seconds)
+        with self._tx() as s:
+            fresh = LeaseRow(name=name, holder=holder, token=1, expires_at=expires, renewed_at=now)
+            if self._insert_ignore(s, LeaseRow, fresh.model_dump()):
+                return s.get(LeaseRow, name)
+            lease = s.get(LeaseRow, name, with_for_update=True)
+            if lease.holder != holder:
+                if lease.expires_at > now:
+                    return None
+                lease.holder, lease.token = holder, lease.token + 1  # a takeover: a new fencing token
+            lease.expires_at, lease.renewed_at = expires, now
+            s.flush()
+            return lease
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Expire the lease now (the row stays, so the next holder's token is still larger)."""
+        with self._tx() as s:
+            s.execute(
+                update(LeaseRow)
+                .where(LeaseRow.name == name, LeaseRow.holder == holder)
+                .values(expires_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+
+    def get_lease(self, name: str) -> LeaseRow | None:
+        with self._tx(write=False) as s:
+            return s.get(LeaseRow, name)

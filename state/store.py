@@ -1,0 +1,271 @@
+"""The Store interface: every read and write of mortal's state goes through one of these methods.
+
+Who calls it: the CLI (desired state: apply, scale, suspend, delete), the controller (status,
+workers, events, leases) and workers (heartbeats, metrics, checkpoints, weights, the task queue).
+What it must not do: decide anything. It enforces only invariants that make concurrent writers
+safe: optimistic concurrency on runs (`resource_version`), fencing of stale worker incarnations and
+of a leader that lost its lease, guarded task leases.
+
+Two implementations: `SqlStore` (SQLite or PostgreSQL, mortal.state.sql_store) and, later, the
+same contract served over HTTP for Modal. `tests/state/test_store_contract.py` runs one suite
+against each.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from mortal.state.tables import (
+    CheckpointRow,
+    EventRow,
+    LeaseRow,
+    MetricRow,
+    RunRow,
+    TaskRow,
+    WeightRow,
+    WorkerRow,
+)
+
+
+class ApplyOutcome(StrEnum):
+    """What `apply_run` did, printed by `mortalctl apply` as `trainingrun/NAME <outcome>`."""
+
+    created = "created"
+    configured = "configured"
+    unchanged = "unchanged"
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """Who is writing: a worker identifies itself by its slot and incarnation (the fencing token)."""
+
+    run: str
+    role: str
+    replica: int
+    incarnation: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.run}/{self.role}-{self.replica}#{self.incarnation}"
+
+
+@dataclass(frozen=True)
+class LeaderFence:
+    """Carried by controller writes: valid only while lease `name` is held by `holder` with `token`."""
+
+    name: str
+    holder: str
+    token: int
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """A task as the actor enqueues it."""
+
+    step: int
+    slot: int
+    min_weight_version: int
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+class Store(abc.ABC):
+    """The contract. Methods raise mortal.state.errors types; rows come back detached."""
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def migrate(self) -> None:
+        """Bring the schema to the newest version (idempotent; safe from several processes)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # -- runs: desired state ---------------------------------------------------------------
+    @abc.abstractmethod
+    def apply_run(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+    ) -> tuple[RunRow, ApplyOutcome]:
+        """Create the run, or replace its spec/labels/annotations. All equal -> unchanged (no write).
+
+        A changed spec bumps generation and resource_version; labels or annotations alone bump
+        resource_version. Equality is JSON equality of the normalized dicts. Applying to a run
+        that is being deleted raises Conflict.
+        """
+
+    @abc.abstractmethod
+    def get_run(self, name: str) -> RunRow:
+        """The run, including one marked deleted but not yet purged. NotFound otherwise."""
+
+    @abc.abstractmethod
+    def list_runs(
+        self, labels: dict[str, str] | None = None, include_deleted: bool = True
+    ) -> list[RunRow]:
+        """Runs by name; `labels` is an equality selector (all must match)."""
+
+    @abc.abstractmethod
+    def update_spec(self, name: str, spec: dict[str, Any], resource_version: int) -> RunRow:
+        """Compare-and-swap of the spec (scale, suspend, resume): Conflict if the version moved
+        or the run is being deleted. generation + 1 only if the spec actually changed."""
+
+    @abc.abstractmethod
+    def write_status(
+        self,
+        name: str,
+        status: dict[str, Any],
+        resource_version: int | None = None,
+        fence: LeaderFence | None = None,
+    ) -> RunRow:
+        """Replace status (and the phase column). Generation stays; resource_version + 1.
+
+        With `resource_version`, Conflict if the row moved since it was read. With `fence`, Fenced
+        unless the lease is still held with that token (checked in the same transaction).
+        """
+
+    @abc.abstractmethod
+    def mark_deleted(self, name: str, purge: bool = False) -> RunRow:
+        """Request deletion (sets deleted_at; idempotent); the controller stops workers and then purges."""
+
+    @abc.abstractmethod
+    def purge_run(self, name: str, fence: LeaderFence | None = None) -> None:
+        """Remove the run and every row that belongs to it (workers, tasks, events, ...). NotFound if absent."""
+
+    # -- workers ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def create_worker(
+        self,
+        run: str,
+        role: str,
+        replica: int,
+        backend: str,
+        lease_seconds: float,
+        fence: LeaderFence | None = None,
+    ) -> WorkerRow:
+        """Record the intent to launch a slot, with a new incarnation (greater than any in the run).
+
+        Recorded *before* the launch so a controller killed in between finds the row on restart.
+        The new row is in state Pending. NotFound without the run; Conflict if it is being deleted.
+        """
+
+    @abc.abstractmethod
+    def set_worker_handle(self, worker_id: int, handle: str, fence: LeaderFence | None = None) -> WorkerRow: ...
+
+    @abc.abstractmethod
+    def end_worker(
+        self,
+        worker_id: int,
+        state: str,
+        exit_code: int | None = None,
+        message: str | None = None,
+        fence: LeaderFence | None = None,
+    ) -> WorkerRow:
+        """Mark a worker Succeeded | Failed | Lost | Stopped (terminal; later worker writes are fenced).
+
+        A worker already ended keeps its first terminal state (returned unchanged). NotFound, ValueError.
+        """
+
+    @abc.abstractmethod
+    def list_workers(self, run: str | None = None, live_only: bool = False) -> list[WorkerRow]:
+        """Workers of a run (all runs if None); live_only drops terminal states."""
+
+    @abc.abstractmethod
+    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None) -> WorkerRow:
+        """Record liveness (Pending -> Running). Fenced if `worker` is not the slot's live incarnation."""
+
+    @abc.abstractmethod
+    def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:
+        """A worker's own last word (Succeeded / Failed) before it exits. Fenced like heartbeat."""
+
+    # -- checkpoints, weights ----------------------------------------------------------------
+    @abc.abstractmethod
+    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int) -> CheckpointRow:
+        """Record a checkpoint whose files are already complete on disk (complete=True). Fenced."""
+
+    @abc.abstractmethod
+    def list_checkpoints(self, run: str, complete_only: bool = True) -> list[CheckpointRow]:
+        """Oldest first."""
+
+    @abc.abstractmethod
+    def latest_checkpoint(self, run: str) -> CheckpointRow | None: ...
+
+    @abc.abstractmethod
+    def delete_checkpoint(self, worker: WorkerRef, step: int) -> None:
+        """Forget a checkpoint row (retention); the caller removes its files after. Fenced."""
+
+    @abc.abstractmethod
+    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume") -> WeightRow:
+        """Record weights already written at `path`. Conflict unless version > every earlier one."""
+
+    @abc.abstractmethod
+    def latest_weights(self, run: str) -> WeightRow | None: ...
+
+    @abc.abstractmethod
+    def list_weights(self, run: str) -> list[WeightRow]: ...
+
+    @abc.abstractmethod
+    def delete_weights(self, worker: WorkerRef, version: int) -> None: ...
+
+    # -- events, metrics ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def add_event(self, run: str, type: str, reason: str, message: str) -> EventRow: ...
+
+    @abc.abstractmethod
+    def list_events(self, run: str | None = None, limit: int = 50) -> list[EventRow]:
+        """Newest `limit` events, returned oldest first."""
+
+    @abc.abstractmethod
+    def add_metrics(self, worker: WorkerRef, step: int, values: dict[str, float]) -> None:
+        """Record several scalars for one step (fenced)."""
+
+    @abc.abstractmethod
+    def list_metrics(self, run: str, name: str | None = None, since_step: int | None = None) -> list[MetricRow]:
+        """Ordered by step, then name; `since_step` is inclusive (step >= since_step).
+
+        A step recorded again (after a resume) keeps one value per (step, name): the latest."""
+
+    # -- leases (leader election) ------------------------------------------------------------
+    @abc.abstractmethod
+    def acquire_lease(self, name: str, holder: str, duration_seconds: float, now: datetime | None = None) -> LeaseRow | None:
+        """Take or renew the lease. Returns it when `holder` holds it afterwards, None when another
+        holder's lease is unexpired. A new holder gets token + 1; a renewal keeps the token."""
+
+    @abc.abstractmethod
+    def release_lease(self, name: str, holder: str) -> None:
+        """Expire `holder`'s lease now (no-op if another holds it); the next holder still gets token + 1."""
+
+    @abc.abstractmethod
+    def get_lease(self, name: str) -> LeaseRow | None: ...
+
+    # -- the rollout task queue ----------------------------------------------------------------
+    @abc.abstractmethod
+    def enqueue_tasks(self, worker: WorkerRef, tasks: list[NewTask]) -> int:
+        """Insert tasks not yet present (idempotent on (run, step, slot)); returns how many were new."""
+
+    @abc.abstractmethod
+    def reset_tasks(self, worker: WorkerRef, from_step: int) -> int:
+        """Delete every task of step >= from_step (actor resumed from a checkpoint); returns count."""
+
+    @abc.abstractmethod
+    def lease_task(
+        self, worker: WorkerRef, lease_seconds: float, max_weight_version: int | None = None, now: datetime | None = None
+    ) -> TaskRow | None:
+        """Claim the oldest claimable task: queued, or leased with an expired lease, and (when given)
+        min_weight_version <= max_weight_version. Bumps lease_token and attempts. Fenced."""
+
+    @abc.abstractmethod
+    def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:
+        """Extend a lease still held (False if it was lost)."""
+
+    @abc.abstractmethod
+    def complete_task(self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]) -> bool:
+        """Store the result if the lease is still ours (token matches, task not done). False otherwise."""
+
+    @abc.abstractmethod
+    def step_results(self, run: str, step: int) -> list[TaskRow]:
+        """All tasks of a step, by slot (callers check every one is done)."""

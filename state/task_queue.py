@@ -1,0 +1,101 @@
+"""The rollout task queue in SQL: the task half of SqlStore (a mixin; it needs `_tx`, `_insert_ignore`).
+
+Used through the Store interface by the actor (enqueue, reset, step results) and by rollout workers
+(lease, renew, complete). A task is leased to one worker at a time; a lease that expires makes it
+claimable again, and every lease bumps `lease_token`, so a late completion from a worker that lost
+its lease is refused. Claiming takes the oldest claimable task by (step, slot): PostgreSQL skips rows
+another transaction has locked (`FOR UPDATE SKIP LOCKED`), SQLite has one writer at a time; both
+then write through an UPDATE guarded by the token they read.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, delete, or_, update
+from sqlmodel import select
+
+from mortal.state.fencing import check_worker
+from mortal.state.store import NewTask, WorkerRef
+from mortal.state.tables import TaskRow, as_utc, utcnow
+
+
+class TaskQueue:
+    """Task-queue methods of SqlStore."""
+
+    def enqueue_tasks(self, worker: WorkerRef, tasks: list[NewTask]) -> int:
+        with self._tx() as s:
+            check_worker(s, worker)
+            rows = (
+                TaskRow(run=worker.run, step=t.step, slot=t.slot, min_weight_version=t.min_weight_version, payload=t.payload)
+                for t in tasks
+            )
+            return sum(self._insert_ignore(s, TaskRow, row.model_dump(exclude={"id"})) for row in rows)
+
+    def reset_tasks(self, worker: WorkerRef, from_step: int) -> int:
+        with self._tx() as s:
+            check_worker(s, worker)
+            return s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step)).rowcount
+
+    def lease_task(
+        self,
+        worker: WorkerRef,
+        lease_seconds: float,
+        max_weight_version: int | None = None,
+        now: datetime | None = None,
+    ) -> TaskRow | None:
+        now = as_utc(now) if now else utcnow()
+        claimable = or_(TaskRow.state == "queued", and_(TaskRow.state == "leased", TaskRow.lease_expires_at <= now))
+        query = select(TaskRow).where(TaskRow.run == worker.run, claimable)
+        if max_weight_version is not None:
+            query = query.where(TaskRow.min_weight_version <= max_weight_version)
+        query = query.order_by(TaskRow.step, TaskRow.slot).limit(1).with_for_update(skip_locked=True)
+        with self._tx() as s:
+            check_worker(s, worker)
+            task = s.exec(query).first()
+            if task is None:
+                return None
+            claimed = s.execute(
+                update(TaskRow)
+                .where(TaskRow.id == task.id, TaskRow.lease_token == task.lease_token)
+                .values(
+                    state="leased",
+                    lease_holder=worker.id,
+                    lease_token=task.lease_token + 1,
+                    lease_expires_at=now + timedelta(seconds=lease_seconds),
+                    attempts=task.attempts + 1,
+                )
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            return s.get(TaskRow, task.id, populate_existing=True) if claimed else None
+
+    def _held(self, worker: WorkerRef, task_id: int, lease_token: int) -> Any:
+        """WHERE clause: the task is still leased under this token."""
+        return and_(
+            TaskRow.id == task_id,
+            TaskRow.run == worker.run,
+            TaskRow.lease_token == lease_token,
+            TaskRow.state == "leased",
+        )
+
+    def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:
+        with self._tx() as s:
+            check_worker(s, worker)
+            expires = utcnow() + timedelta(seconds=lease_seconds)
+            statement = update(TaskRow).where(self._held(worker, task_id, lease_token)).values(lease_expires_at=expires)
+            return s.execute(statement.execution_options(synchronize_session=False)).rowcount == 1
+
+    def complete_task(self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]) -> bool:
+        with self._tx() as s:
+            check_worker(s, worker)
+            statement = (
+                update(TaskRow)
+                .where(self._held(worker, task_id, lease_token))
+                .values(state="done", result=result, done_at=utcnow(), lease_expires_at=None)
+            )
+            return s.execute(statement.execution_options(synchronize_session=False)).rowcount == 1
+
+    def step_results(self, run: str, step: int) -> list[TaskRow]:
+        with self._tx(write=False) as s:
+            return list(s.exec(select(TaskRow).where(TaskRow.run == run, TaskRow.step == step).order_by(TaskRow.slot)).all())

@@ -1,0 +1,103 @@
+"""Shared fixtures of the whole suite: a private $MORTAL_HOME and a fresh state store per test.
+
+    mortal_home    a tmp folder set as $MORTAL_HOME ($MORTAL_STATE_URL unset)
+    store_url      parametrized "sqlite" | "postgres": a URL of an empty, not yet migrated database
+    store          open_store(store_url), closed after the test
+    pg_database    the URL of a fresh PostgreSQL database (for subprocess tests), dropped after
+
+PostgreSQL is the local server at $MORTAL_TEST_PG_URL (default postgresql://postgres@127.0.0.1:5432/
+postgres, trust auth); each test gets its own database `mortal_t_<random>`, dropped WITH (FORCE)
+after. Without a reachable server the postgres cases are skipped, except in CI (CI=true): there
+they fail, so a broken CI database cannot pass as green.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from mortal.state import Store, open_store
+
+PG_ADMIN_URL = os.environ.get("MORTAL_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@cache
+def _pg_unreachable() -> str | None:
+    """Why PostgreSQL cannot be used (None when it can); asked once per test session."""
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL, connect_timeout=3):
+            return None
+    except Exception as err:  # any failure means: no usable server
+        return f"PostgreSQL at {PG_ADMIN_URL} is unreachable ({type(err).__name__}: {err})".strip()
+
+
+def require_postgres() -> None:
+    """Skip the calling test without PostgreSQL (fail in CI)."""
+    reason = _pg_unreachable()
+    if reason is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI=true, so the postgres tests fail instead of skipping")
+    pytest.skip(f"{reason}; start it with: pg_ctlcluster --skip-systemctl-redirect 15 main start")
+
+
+def _with_database(admin_url: str, name: str) -> str:
+    base, _, _ = admin_url.rpartition("/")
+    return f"{base}/{name}"
+
+
+@contextmanager
+def new_pg_database() -> Iterator[str]:
+    """Create an empty database on the test server, yield its URL, drop it (FORCE) afterwards."""
+    import psycopg
+
+    require_postgres()
+    name = f"mortal_t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _with_database(PG_ADMIN_URL, name)
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def mortal_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "mortal_home"
+    home.mkdir()
+    monkeypatch.setenv("MORTAL_HOME", str(home))
+    monkeypatch.delenv("MORTAL_STATE_URL", raising=False)
+    return home
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    with new_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, mortal_home: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{mortal_home / 'state.db'}"
+        return
+    with new_pg_database() as url:
+        yield url
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    opened = open_store(store_url)
+    try:
+        yield opened
+    finally:
+        opened.close()

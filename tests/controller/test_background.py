@@ -1,0 +1,60 @@
+"""`mortalctl apply` starts a controller in the background when none runs; one at most; it exits
+gracefully on SIGTERM (workers keep running) and by itself when idle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+
+from mortal.controller import manager
+from mortal.controller.leader import LEASE_NAME
+from mortal.workers.simulated import simulated_run
+
+
+def test_background_controller_starts_once_runs_a_run_and_stops_on_sigterm(harness):  # noqa: F811
+    h = harness
+    h.apply(simulated_run("bg", max_steps=100_000, rollout_replicas=1, step_seconds=0.1))
+    started = manager.ensure_background_controller(h.url)
+    assert started is not None
+    pid, log = started
+    try:
+        assert manager.running_controller_pid() == pid
+        assert manager.ensure_background_controller(h.url) is None  # one is running: not a second
+        wait_for(lambda: (lease := h.store.get_lease(LEASE_NAME)) and lease.holder.split(":")[1] == str(pid), 30,
+                 "the background controller to lead")
+        wait_for(lambda: h.status("bg").get("phase") == "Running", 30, "the run to start")
+        workers = {p.pid for p in worker_processes(h.home)}
+        os.kill(pid, signal.SIGTERM)
+        assert psutil.Process(pid).wait(30) == 0
+        assert {p.pid for p in worker_processes(h.home)} == workers, "stopping the controller stopped workers"
+        assert manager.running_controller_pid() is None
+        assert "stopped; workers keep running" in log.read_text()
+    finally:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+    h.start()  # the next controller adopts and cleans up
+    h.store.mark_deleted("bg")
+    wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")
+
+
+def test_idle_background_controller_exits_by_itself(harness):  # noqa: F811
+    h = harness
+    proc = h.spawn("--idle-exit", "1")
+    assert proc.wait(timeout=30) == 0
+
+
+def test_a_live_lease_elsewhere_means_no_new_controller(harness):  # noqa: F811
+    h = harness
+    h.store.acquire_lease(LEASE_NAME, "elsewhere:1:x", 30)
+    assert manager.ensure_background_controller(h.url) is None
+    assert not manager.pid_file().exists()
+
+
+def test_python_m_mortal_controller_help():
+    out = subprocess.run([sys.executable, "-m", "mortal.controller", "--help"], capture_output=True, text=True, check=True)
+    assert "--watch" in out.stdout and "--idle-exit" in out.stdout

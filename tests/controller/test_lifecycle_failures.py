@@ -1,0 +1,52 @@
+"""A worker that always fails ends the run Failed after maxRestarts, with the reason in describe;
+a fatal exit fails the run at once."""
+
+from __future__ import annotations
+
+from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+
+from mortal.workers.simulated import simulated_run
+
+
+def condition(status, type_):
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_always_failing_actor_fails_after_max_restarts(harness):  # noqa: F811
+    h = harness
+    h.apply(simulated_run("crashy", max_steps=10, rollout_replicas=1, annotations={"mortal.dev/fail": "always"},
+                          spec={"restartPolicy": {"maxRestarts": 2, "backoffSeconds": 0.2}}))
+    h.start()
+    final = h.wait_phase("crashy", "Failed", timeout=60)
+    assert final["restarts"] == 2
+    failed = condition(final, "Failed")
+    assert failed["reason"] == "RestartLimitReached"
+    assert failed["message"].startswith("restart limit reached: actor-0:")
+    actors = [w for w in h.store.list_workers("crashy") if w.role == "actor"]
+    assert [(w.state, w.exit_code) for w in actors] == [("Failed", 75)] * 3
+    wait_for(lambda: not worker_processes(h.home), 20, "the rollout to be stopped")
+    describe_shows(h, "crashy", "RestartLimitReached")
+
+
+def test_fatal_exit_fails_at_once_without_restarts(harness):  # noqa: F811
+    h = harness
+    h.apply(simulated_run("fatal", max_steps=10, rollout_replicas=1,
+                          annotations={"mortal.dev/workload": "no-such-workload"}))
+    h.start()
+    final = h.wait_phase("fatal", "Failed", timeout=60)
+    assert final["restarts"] == 0
+    assert condition(final, "Failed")["reason"] == "WorkerFailed"
+    assert "UnknownWorkload" in final["message"]
+    wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
+
+
+def describe_shows(h, name: str, text: str) -> None:
+    """`mortalctl describe run NAME` prints the failure reason (through the CLI, as a user sees it)."""
+    from typer.testing import CliRunner
+
+    from mortal.controller.cli.main import app
+
+    result = CliRunner().invoke(app, ["describe", "run", name], env={"MORTAL_STATE_URL": h.url,
+                                                                  "MORTAL_HOME": str(h.home)})
+    assert result.exit_code == 0, result.output
+    assert text in result.output

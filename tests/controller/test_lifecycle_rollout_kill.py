@@ -1,0 +1,66 @@
+"""kill -9 of a rollout worker: it is replaced, training continues, and nothing it had claimed is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+
+from mortal.workers.simulated import simulated_run
+
+NAME = "kill-rollout"
+STEPS = 24
+
+
+def test_rollout_kill_is_replaced_and_its_tasks_are_done_by_others(harness):  # noqa: F811
+    h = harness
+    notes = {"mortal.dev/generate-seconds": "0.1", "mortal.dev/task-lease-seconds": "2"}
+    h.apply(simulated_run(NAME, max_steps=STEPS, rollout_replicas=2, step_seconds=0.1, annotations=notes,
+                          spec={"restartPolicy": {"backoffSeconds": 0.5}}))
+    h.start()
+    wait_for(lambda: (h.status(NAME).get("step") or 0) >= 4, 30, "a few steps")
+    victim = next(p for p in worker_processes(h.home, role="rollout") if p.environ()["MORTAL_REPLICA"] == "0")
+    victim_id = victim.environ()["MORTAL_WORKER_ID"]
+    os.killpg(victim.pid, signal.SIGKILL)
+    step_at_kill = h.status(NAME).get("step") or 0
+    claimed = [t for s in range(step_at_kill, step_at_kill + 3) for t in h.store.step_results(NAME, s)
+               if t.state == "leased" and t.lease_holder == victim_id]
+
+    def replaced():
+        rows = [w for w in h.live_rows(NAME, "rollout") if w.replica == 0]
+        return rows and rows[0].state == "Running" and len(worker_processes(h.home, role="rollout")) == 2
+    wait_for(replaced, 20, "rollout-0 to be replaced")
+    final = h.wait_phase(NAME, "Succeeded", timeout=60)
+    assert final["step"] == STEPS
+    assert final["restarts"] == 1
+    for step in range(1, STEPS + 1):
+        tasks = h.store.step_results(NAME, step)
+        assert tasks and all(t.state == "done" for t in tasks), f"step {step} lost a task"
+    for task in claimed:
+        done = next(t for t in h.store.step_results(NAME, task.step) if t.slot == task.slot)
+        assert done.state == "done" and done.lease_holder != victim_id
+    rollout0 = [w for w in h.store.list_workers(NAME) if w.role == "rollout" and w.replica == 0]
+    assert rollout0[0].state == "Lost" and len(rollout0) == 2
+    wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
+
+
+def test_a_frozen_rollout_is_lost_after_its_lease_killed_and_replaced(harness):  # noqa: F811
+    """SIGSTOP: the process is alive but its heartbeat goes stale; past the lease it is lost and killed."""
+    h = harness
+    h.apply(simulated_run("frozen", max_steps=100_000, rollout_replicas=1, step_seconds=0.1,
+                          annotations={"mortal.dev/task-lease-seconds": "2"},
+                          spec={"restartPolicy": {"backoffSeconds": 0.5}}))
+    h.start()
+    wait_for(lambda: (h.status("frozen").get("step") or 0) >= 3, 30, "a few steps")
+    [victim] = worker_processes(h.home, role="rollout")
+    os.kill(victim.pid, signal.SIGSTOP)
+    lost = wait_for(lambda: [w for w in h.store.list_workers("frozen") if w.state == "Lost"], 20, "the lease to run out")
+    assert "heartbeat" in lost[0].message
+    wait_for(lambda: not victim.is_running() or victim.status() == "zombie", 10, "the frozen process to be killed")
+    step = h.status("frozen")["step"]
+    wait_for(lambda: h.status("frozen")["step"] > step + 3 and h.status("frozen")["phase"] == "Running", 30,
+             "training with the replacement")
+    assert len(worker_processes(h.home, role="rollout")) == 1
+    h.store.mark_deleted("frozen")
+    wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")

@@ -1,0 +1,74 @@
+"""Reading worker logs for `mortalctl logs`: which files, prefixes, tail, follow across a relaunch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mortal.controller.logs import log_files, read_logs
+from mortal.state import paths
+
+
+def write(run: str, role: str, replica: int, incarnation: int, text: str) -> Path:
+    path = paths.worker_log(run, role, replica, incarnation)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(text)
+    return path
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_newest_incarnation_per_slot_actor_first(mortal_home: Path) -> None:
+    old = write("r", "actor", 0, 1, "old\n")
+    new = write("r", "actor", 0, 4, "new\n")
+    r0 = write("r", "rollout", 0, 2, "r0\n")
+    r1 = write("r", "rollout", 1, 3, "r1\n")
+    (paths.logs_dir("r") / "notes.txt").write_text("not a log")
+    assert log_files("r") == [new, r0, r1]
+    assert old not in log_files("r")
+    assert log_files("r", role="rollout", replica=1) == [r1]
+    assert log_files("missing") == []
+
+
+def test_lines_are_prefixed_only_when_several_slots(mortal_home: Path) -> None:
+    write("r", "actor", 0, 1, "a1\na2\n")
+    write("r", "rollout", 0, 2, "b1\nhalf-written")
+    assert list(read_logs("r", role="actor")) == ["a1", "a2"]
+    assert list(read_logs("r")) == ["[actor-0] a1", "[actor-0] a2", "[rollout-0] b1", "[rollout-0] half-written"]
+    assert list(read_logs("r", tail=1)) == ["[actor-0] a2", "[rollout-0] half-written"]
+    assert list(read_logs("r", tail=0)) == []
+
+
+def test_tail_of_a_large_file_reads_backwards(mortal_home: Path) -> None:
+    write("big", "actor", 0, 1, "".join(f"line {i}\n" for i in range(50_000)))
+    assert list(read_logs("big", tail=3)) == ["line 49997", "line 49998", "line 49999"]
+
+
+def test_follow_yields_new_lines_and_moves_to_a_relaunched_worker(mortal_home: Path) -> None:
+    write("f", "actor", 0, 1, "start\n")
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def reader() -> None:
+        for line in read_logs("f", follow=True, poll_seconds=0.02, stop=stop):
+            seen.append(line)
+            if line == "done":
+                stop.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    wait_until(lambda: seen == ["start"])
+    write("f", "actor", 0, 1, "more\npart")
+    write("f", "actor", 0, 1, "ial\n")
+    write("f", "actor", 0, 2, "relaunched\ndone\n")  # may appear before the old file's last lines were read
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert seen == ["start", "more", "partial", "relaunched", "done"]

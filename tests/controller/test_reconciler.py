@@ -1,0 +1,176 @@
+"""The reconciler against a real store and an in-memory backend: launch protocol, failures of a launch,
+status written once and only when it changed, conflicts, purge, sweeping a vanished run's processes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from realproc import FAST
+
+from mortal.controller.backends.base import (
+    Backend,
+    BackendWorker,
+    InsufficientGPUs,
+    LaunchFailed,
+    WorkerLaunch,
+)
+from mortal.controller.leader import LeaderElector
+from mortal.controller.outcome import Done, RequeueAfter, Retry
+from mortal.controller.reconciler import Reconciler
+from mortal.state import paths
+from mortal.workers.simulated import simulated_run
+
+
+class MemoryBackend(Backend):
+    name = "local"
+
+    def __init__(self):
+        self.workers: dict[str, BackendWorker] = {}
+        self.fail: Exception | None = None
+        self.on_list = None
+        self.lock = threading.Lock()
+
+    def launch(self, launch: WorkerLaunch) -> str:
+        if self.fail is not None:
+            raise self.fail
+        handle = f"mem:{launch.worker_id}"
+        self.workers[handle] = BackendWorker(launch.worker_id, handle, launch.run, launch.role, launch.replica,
+                                             launch.incarnation, alive=True)
+        return handle
+
+    def list(self, run=None):
+        if self.on_list is not None:
+            self.on_list()
+        return [w for w in self.workers.values() if run is None or w.run == run]
+
+    def stop(self, handle, grace_seconds=5.0):
+        self.workers.pop(handle, None)
+
+
+@pytest.fixture
+def world(store, store_url, mortal_home):
+    backend = MemoryBackend()
+    elector = LeaderElector(store, holder="me")
+    assert elector.try_acquire()
+    reconciler = Reconciler(store, store_url, elector, FAST, backends=lambda _: backend)
+    return store, backend, reconciler
+
+
+def apply(store, name="r", **kw):
+    run = simulated_run(name, **kw)
+    store.apply_run(name, run.spec_dict(), annotations=run.metadata.annotations)
+
+
+def test_first_pass_records_intent_launches_and_records_handles(world):
+    store, backend, rec = world
+    apply(store, rollout_replicas=2)
+    assert rec.reconcile("r") == RequeueAfter(FAST.plan.active_resync_seconds)
+    rows = store.list_workers("r")
+    assert [(w.role, w.replica, w.state) for w in rows] == [("actor", 0, "Pending"), ("rollout", 0, "Pending"),
+                                                           ("rollout", 1, "Pending")]
+    assert {w.handle for w in rows} == set(backend.workers)
+    assert store.get_run("r").status["phase"] == "Starting"
+    assert [e.reason for e in store.list_events("r")] == ["Launched"] * 3 + ["Starting"]
+
+
+def test_an_unchanged_world_writes_no_status(world):
+    store, backend, rec = world
+    apply(store)
+    rec.reconcile("r")
+    version = store.get_run("r").resource_version
+    rec._listings["local"].invalidate()
+    rec.reconcile("r")
+    assert store.get_run("r").resource_version == version
+    assert len(store.list_workers("r")) == 2  # and launched nothing twice
+
+
+def test_a_failed_launch_closes_its_row_and_retries_with_backoff(world):
+    store, backend, rec = world
+    apply(store, rollout_replicas=0, spec={"restartPolicy": {"backoffSeconds": 0.0, "maxRestarts": 1}})
+    backend.fail = LaunchFailed("no python")
+    assert isinstance(rec.reconcile("r"), Retry)
+    assert [(w.state, w.message) for w in store.list_workers("r")] == [("Failed", "launch failed: no python")]
+    rec.reconcile("r")  # the relaunch fails too: restart 1 of 1 used
+    rec.reconcile("r")
+    status = store.get_run("r").status
+    assert (status["phase"], status["restarts"]) == ("Failed", 1)
+    assert "no python" in status["message"]
+
+
+def test_gpus_busy_is_no_worker_failure_but_a_missing_gpu_fails_the_run(world):
+    store, backend, rec = world
+    apply(store, rollout_replicas=0)
+    backend.fail = InsufficientGPUs(requested=1, free=0, total=1, gpu="H100")
+    assert isinstance(rec.reconcile("r"), Retry)
+    assert [w.state for w in store.list_workers("r")] == ["Stopped"]
+    backend.fail = InsufficientGPUs(requested=2, free=0, total=1, gpu="H100")
+    rec.reconcile("r")
+    rec.reconcile("r")
+    status = store.get_run("r").status
+    assert status["phase"] == "Failed" and status["restarts"] == 0
+    assert "this machine has 1" in status["message"]
+
+
+def test_a_spec_change_during_the_pass_is_a_conflict_and_an_immediate_requeue(world):
+    store, backend, rec = world
+    apply(store)
+
+    def scale_behind_our_back():
+        backend.on_list = None
+        row = store.get_run("r")
+        store.update_spec("r", {**row.spec, "rollout": {**row.spec["rollout"], "replicas": 3}}, row.resource_version)
+
+    backend.on_list = scale_behind_our_back
+    assert rec.reconcile("r") == RequeueAfter(0.0)
+    rec.reconcile("r")
+    assert store.get_run("r").status["replicas"]["rollout"]["desired"] == 3
+    assert len(store.list_workers("r", live_only=True)) == 4
+
+
+def test_delete_with_purge_stops_workers_then_removes_rows_and_files(world):
+    store, backend, rec = world
+    apply(store)
+    rec.reconcile("r")
+    paths.checkpoints_dir("r").mkdir(parents=True)
+    store.mark_deleted("r", purge=True)
+    rec.reconcile("r")  # stops both
+    assert backend.workers == {}
+    rec._listings["local"].invalidate()
+    assert rec.reconcile("r") == Done()  # rows ended, then purged
+    assert store.list_runs() == [] and store.list_workers() == []
+    assert not paths.run_dir("r").exists()
+
+
+def test_a_run_gone_from_the_store_has_its_leftover_processes_stopped(world):
+    store, backend, rec = world
+    apply(store)
+    rec.reconcile("r")
+    store.mark_deleted("r")
+    store.purge_run("r")  # as if a purge raced a launch
+    assert rec.reconcile("r") == Done()
+    assert backend.workers == {}
+
+
+def test_not_the_leader_reconciles_nothing(store, store_url, mortal_home):
+    apply(store)
+    backend = MemoryBackend()
+    other = LeaderElector(store, holder="other")
+    assert other.try_acquire()
+    me = LeaderElector(store, holder="me")
+    assert not me.try_acquire()
+    assert Reconciler(store, store_url, me, FAST, backends=lambda _: backend).reconcile("r") == Done()
+    assert store.list_workers("r") == [] and backend.workers == {}
+
+
+def test_one_listing_serves_many_passes(world):
+    store, backend, rec = world
+    for i in range(5):
+        apply(store, f"r{i}")
+        rec.reconcile(f"r{i}")  # launches invalidate the listing
+    listing = rec._listings["local"]
+    listing.invalidate()
+    scans = listing.scans
+    for i in range(5):
+        rec.reconcile(f"r{i}")
+    assert listing.scans == scans + 1

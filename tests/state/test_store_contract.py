@@ -1,0 +1,357 @@
+"""The Store contract, run against every backend through the `store` fixture (SQLite, PostgreSQL).
+
+Written against mortal.state's public interface only (Store, WorkerRef, LeaderFence, NewTask,
+errors), so another implementation (the HTTP store) can run the same suite.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from mortal.state import ApplyOutcome, Conflict, Fenced, LeaderFence, NewTask, NotFound, Store, WorkerRef
+
+SPEC = {"model": {"name": "tiny"}, "rollout": {"replicas": 1}, "algorithm": {"learningRate": 5e-6}}
+
+
+def _spec(**rollout: int) -> dict:
+    return {**SPEC, "rollout": {**SPEC["rollout"], **rollout}}
+
+
+def _worker(store: Store, run: str = "r", role: str = "actor", replica: int = 0) -> WorkerRef:
+    row = store.create_worker(run, role, replica, backend="local", lease_seconds=10)
+    return WorkerRef(run, role, replica, row.incarnation)
+
+
+@pytest.fixture
+def run(store: Store) -> str:
+    store.apply_run("r", SPEC)
+    return "r"
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def test_apply_created_unchanged_configured(store: Store) -> None:
+    row, outcome = store.apply_run("r", SPEC, {"team": "rl"})
+    assert outcome is ApplyOutcome.created
+    assert (row.generation, row.resource_version, row.phase, row.spec) == (1, 1, "Pending", SPEC)
+
+    reordered = {"rollout": {"replicas": 1}, "algorithm": {"learningRate": 5e-6}, "model": {"name": "tiny"}}
+    row, outcome = store.apply_run("r", reordered, {"team": "rl"})
+    assert outcome is ApplyOutcome.unchanged and row.resource_version == 1
+
+    row, outcome = store.apply_run("r", SPEC, {"team": "rl", "tier": "a"})
+    assert outcome is ApplyOutcome.configured
+    assert (row.generation, row.resource_version) == (1, 2), "labels alone: resource_version only"
+
+    row, outcome = store.apply_run("r", _spec(replicas=3), {"team": "rl", "tier": "a"})
+    assert outcome is ApplyOutcome.configured
+    assert (row.generation, row.resource_version, row.spec["rollout"]["replicas"]) == (2, 3, 3)
+
+    row, outcome = store.apply_run("r", _spec(replicas=3), {"team": "rl", "tier": "a"}, annotations={"note": "x"})
+    assert outcome is ApplyOutcome.configured
+    assert (row.generation, row.resource_version, row.annotations) == (2, 4, {"note": "x"})
+    assert store.get_run("r") == row
+
+
+def test_timestamps_are_utc_aware(store: Store, run: str) -> None:
+    row = store.get_run(run)
+    assert row.created_at.tzinfo is not None and row.created_at.utcoffset() == timedelta(0)
+    assert abs(datetime.now(UTC) - row.created_at) < timedelta(minutes=1)
+
+
+def test_update_spec_compare_and_swap(store: Store, run: str) -> None:
+    row = store.update_spec(run, _spec(replicas=4), resource_version=1)
+    assert (row.generation, row.resource_version, row.spec["rollout"]["replicas"]) == (2, 2, 4)
+    with pytest.raises(Conflict):
+        store.update_spec(run, _spec(replicas=5), resource_version=1)
+    assert store.get_run(run).spec["rollout"]["replicas"] == 4
+    same = store.update_spec(run, _spec(replicas=4), resource_version=2)
+    assert (same.generation, same.resource_version) == (2, 3), "an equal spec does not bump generation"
+
+
+def test_write_status(store: Store, run: str) -> None:
+    row = store.write_status(run, {"phase": "Running", "step": 3})
+    assert (row.phase, row.status["step"], row.generation, row.resource_version) == ("Running", 3, 1, 2)
+    row = store.write_status(run, {"phase": "Recovering"}, resource_version=2)
+    assert row.resource_version == 3
+    with pytest.raises(Conflict):
+        store.write_status(run, {"phase": "Failed"}, resource_version=2)
+    assert store.get_run(run).phase == "Recovering"
+    with pytest.raises(Conflict):
+        store.update_spec(run, _spec(replicas=2), resource_version=2)
+
+
+def test_not_found(store: Store) -> None:
+    for call in (
+        lambda: store.get_run("nope"),
+        lambda: store.update_spec("nope", SPEC, 1),
+        lambda: store.write_status("nope", {"phase": "Running"}),
+        lambda: store.mark_deleted("nope"),
+        lambda: store.purge_run("nope"),
+        lambda: store.create_worker("nope", "actor", 0, "local", 10),
+        lambda: store.end_worker(12345, "Lost"),
+        lambda: store.set_worker_handle(12345, "pid:1"),
+    ):
+        with pytest.raises(NotFound):
+            call()
+
+
+def test_list_runs_label_selector(store: Store) -> None:
+    store.apply_run("a", SPEC, {"team": "rl", "tier": "gold"})
+    store.apply_run("b", SPEC, {"team": "rl"})
+    store.apply_run("c", SPEC, {"team": "nlp"})
+    names = lambda **sel: [r.name for r in store.list_runs(labels=sel or None)]  # noqa: E731
+    assert names() == ["a", "b", "c"]
+    assert names(team="rl") == ["a", "b"]
+    assert names(team="rl", tier="gold") == ["a"]
+    assert names(team="vision") == []
+    store.mark_deleted("b")
+    assert [r.name for r in store.list_runs(labels={"team": "rl"}, include_deleted=False)] == ["a"]
+
+
+def test_delete_then_purge(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    store.add_event(run, "Normal", "Created", "hello")
+    store.add_metrics(ref, 1, {"loss": 1.0})
+    store.record_checkpoint(ref, 1, "/ckpt/1", 1)
+    store.publish_weights(ref, 1, 1, "/w/1")
+    store.enqueue_tasks(ref, [NewTask(step=1, slot=0, min_weight_version=0)])
+    store.apply_run("other", SPEC)
+    store.add_event("other", "Normal", "Created", "kept")
+
+    row = store.mark_deleted(run)
+    assert row.deleted_at is not None and not row.purge_requested
+    assert store.mark_deleted(run).resource_version == row.resource_version, "idempotent: no second write"
+    assert store.mark_deleted(run, purge=True).purge_requested
+    with pytest.raises(Conflict):
+        store.apply_run(run, _spec(replicas=2))
+    with pytest.raises(Conflict):
+        store.update_spec(run, SPEC, store.get_run(run).resource_version)
+    with pytest.raises(Conflict):
+        store.create_worker(run, "rollout", 0, "local", 10)
+
+    store.purge_run(run)
+    with pytest.raises(NotFound):
+        store.get_run(run)
+    assert store.list_workers(run) == [] and store.list_events(run) == []
+    assert store.list_metrics(run) == [] and store.list_checkpoints(run) == [] and store.list_weights(run) == []
+    assert store.step_results(run, 1) == []
+    assert [e.message for e in store.list_events("other")] == ["kept"]
+    row, outcome = store.apply_run(run, SPEC)
+    assert outcome is ApplyOutcome.created and row.generation == 1
+
+
+# -- workers and fencing -------------------------------------------------------------------------
+def test_incarnations_increase_across_the_run(store: Store, run: str) -> None:
+    refs = [_worker(store, run, "actor", 0), _worker(store, run, "rollout", 0), _worker(store, run, "rollout", 1)]
+    again = _worker(store, run, "rollout", 0)
+    assert [r.incarnation for r in [*refs, again]] == [1, 2, 3, 4]
+    rows = store.list_workers(run)
+    assert [(w.role, w.replica, w.incarnation, w.state) for w in rows] == [
+        ("actor", 0, 1, "Pending"),
+        ("rollout", 0, 2, "Pending"),
+        ("rollout", 0, 4, "Pending"),
+        ("rollout", 1, 3, "Pending"),
+    ]
+
+
+def test_heartbeat_and_exit(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    row = store.heartbeat(ref, step=2, weight_version=2)
+    assert (row.state, row.step, row.weight_version) == ("Running", 2, 2) and row.heartbeat_at is not None
+    assert store.heartbeat(ref).step == 2, "None leaves step as it was"
+    row = store.report_exit(ref, "Succeeded", 0)
+    assert (row.state, row.exit_code) == ("Succeeded", 0) and row.ended_at is not None
+    with pytest.raises(Fenced):
+        store.heartbeat(ref)
+    assert store.list_workers(run, live_only=True) == []
+    assert store.end_worker(row.id, "Lost").state == "Succeeded", "the first terminal state stays"
+    with pytest.raises(ValueError):
+        store.end_worker(row.id, "Running")
+
+
+def test_stale_incarnation_is_fenced(store: Store, run: str) -> None:
+    old = _worker(store, run)
+    store.heartbeat(old)
+    store.enqueue_tasks(old, [NewTask(step=1, slot=0, min_weight_version=0)])
+    rollout = _worker(store, run, "rollout", 0)
+    task = store.lease_task(rollout, 30)
+    assert task is not None
+
+    new = _worker(store, run)  # relaunch of actor-0 without ending the old row: newest wins
+    for write in (
+        lambda: store.heartbeat(old),
+        lambda: store.report_exit(old, "Failed", 1),
+        lambda: store.add_metrics(old, 1, {"loss": 0.5}),
+        lambda: store.record_checkpoint(old, 1, "/c", 1),
+        lambda: store.publish_weights(old, 1, 1, "/w"),
+        lambda: store.enqueue_tasks(old, [NewTask(step=2, slot=0, min_weight_version=0)]),
+        lambda: store.reset_tasks(old, 0),
+    ):
+        with pytest.raises(Fenced):
+            write()
+    store.heartbeat(new)
+    store.add_metrics(new, 1, {"loss": 0.5})
+
+    store.end_worker(_row_id(store, rollout), "Lost")
+    with pytest.raises(Fenced):
+        store.complete_task(rollout, task.id, task.lease_token, {"reward": 1.0})
+    with pytest.raises(Fenced):
+        store.lease_task(rollout, 30)
+    with pytest.raises(Fenced):  # a slot that never existed
+        store.heartbeat(WorkerRef(run, "rollout", 7, 1))
+
+
+def _row_id(store: Store, ref: WorkerRef) -> int:
+    (row,) = [w for w in store.list_workers(ref.run) if w.incarnation == ref.incarnation]
+    return row.id
+
+
+def test_worker_handle(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    assert store.set_worker_handle(_row_id(store, ref), "pid:42").handle == "pid:42"
+
+
+# -- leases --------------------------------------------------------------------------------------
+def test_lease_acquire_renew_takeover(store: Store, run: str) -> None:
+    t0 = datetime.now(UTC)
+    a = store.acquire_lease("leader", "a", 10, now=t0)
+    assert (a.holder, a.token) == ("a", 1)
+    assert store.acquire_lease("leader", "b", 10, now=t0 + timedelta(seconds=5)) is None
+    renewed = store.acquire_lease("leader", "a", 10, now=t0 + timedelta(seconds=5))
+    assert renewed.token == 1 and renewed.expires_at == t0 + timedelta(seconds=15)
+    fence_a = LeaderFence("leader", "a", 1)
+    store.write_status(run, {"phase": "Running"}, fence=fence_a)
+    store.create_worker(run, "actor", 0, "local", 10, fence=fence_a)
+
+    b = store.acquire_lease("leader", "b", 10, now=datetime.now(UTC) + timedelta(seconds=60))
+    assert (b.holder, b.token) == ("b", 2)
+    assert store.get_lease("leader").holder == "b"
+    for write in (
+        lambda: store.write_status(run, {"phase": "Failed"}, fence=fence_a),
+        lambda: store.create_worker(run, "actor", 0, "local", 10, fence=fence_a),
+        lambda: store.end_worker(store.list_workers(run)[0].id, "Lost", fence=fence_a),
+        lambda: store.purge_run(run, fence=fence_a),
+    ):
+        with pytest.raises(Fenced):
+            write()
+    assert store.get_run(run).phase == "Running"
+    store.write_status(run, {"phase": "Recovering"}, fence=LeaderFence("leader", "b", 2))
+
+
+def test_expired_or_released_lease_fences(store: Store, run: str) -> None:
+    store.acquire_lease("leader", "a", 10, now=datetime.now(UTC) - timedelta(seconds=60))
+    with pytest.raises(Fenced):
+        store.write_status(run, {"phase": "Running"}, fence=LeaderFence("leader", "a", 1))
+    store.acquire_lease("leader", "a", 10)
+    store.release_lease("leader", "b")  # not the holder: nothing happens
+    store.write_status(run, {"phase": "Running"}, fence=LeaderFence("leader", "a", 1))
+    store.release_lease("leader", "a")
+    with pytest.raises(Fenced):
+        store.write_status(run, {"phase": "Running"}, fence=LeaderFence("leader", "a", 1))
+    assert store.acquire_lease("leader", "b", 10).token == 2
+    assert store.get_lease("nope") is None
+    naive = datetime.now(UTC).replace(tzinfo=None)  # naive times are taken as UTC
+    assert store.acquire_lease("other", "a", 10, now=naive).expires_at == (naive + timedelta(seconds=10)).replace(tzinfo=UTC)
+
+
+# -- task queue ----------------------------------------------------------------------------------
+def _tasks(*specs: tuple[int, int, int]) -> list[NewTask]:
+    return [NewTask(step=s, slot=k, min_weight_version=v, payload={"prompt": f"{s}.{k}"}) for s, k, v in specs]
+
+
+def test_task_queue_order_and_idempotent_enqueue(store: Store, run: str) -> None:
+    actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
+    assert store.enqueue_tasks(actor, _tasks((1, 1, 0), (0, 1, 0), (0, 0, 0))) == 3
+    assert store.enqueue_tasks(actor, _tasks((0, 0, 0), (1, 0, 0))) == 1
+    order = [store.lease_task(rollout, 30) for _ in range(4)]
+    assert [(t.step, t.slot) for t in order] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(t.lease_token == 1 and t.attempts == 1 and t.state == "leased" for t in order)
+    assert order[0].payload == {"prompt": "0.0"} and order[0].lease_holder == rollout.id
+    assert store.lease_task(rollout, 30) is None
+    for t in order[:2]:
+        assert store.complete_task(rollout, t.id, t.lease_token, {"reward": t.slot})
+    results = store.step_results(run, 0)
+    assert [(t.slot, t.state, t.result) for t in results] == [(0, "done", {"reward": 0}), (1, "done", {"reward": 1})]
+    assert store.reset_tasks(actor, 1) == 2
+    assert store.step_results(run, 1) == [] and len(store.step_results(run, 0)) == 2
+
+
+def test_task_lease_expiry_and_stale_token(store: Store, run: str) -> None:
+    actor = _worker(store, run)
+    r0, r1 = _worker(store, run, "rollout", 0), _worker(store, run, "rollout", 1)
+    store.enqueue_tasks(actor, _tasks((0, 0, 0)))
+    t0 = datetime.now(UTC)
+    first = store.lease_task(r0, 10, now=t0)
+    assert store.lease_task(r1, 10, now=t0 + timedelta(seconds=5)) is None, "lease still valid"
+    assert store.renew_task(r0, first.id, first.lease_token, 10)
+    second = store.lease_task(r1, 10, now=datetime.now(UTC) + timedelta(seconds=60))
+    assert (second.id, second.lease_token, second.attempts) == (first.id, 2, 2)
+    assert second.lease_holder == r1.id
+    assert not store.renew_task(r0, first.id, first.lease_token, 10)
+    assert not store.complete_task(r0, first.id, first.lease_token, {"late": True}), "stale token"
+    assert store.complete_task(r1, second.id, second.lease_token, {"ok": True})
+    assert not store.complete_task(r1, second.id, second.lease_token, {"twice": True})
+    assert store.step_results(run, 0)[0].result == {"ok": True}
+
+
+def test_task_max_weight_version(store: Store, run: str) -> None:
+    actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
+    store.enqueue_tasks(actor, _tasks((0, 0, 2), (1, 0, 0)))
+    assert store.lease_task(rollout, 30, max_weight_version=0).step == 1
+    assert store.lease_task(rollout, 30, max_weight_version=1) is None
+    assert store.lease_task(rollout, 30, max_weight_version=2).step == 0
+
+
+# -- checkpoints, weights, events, metrics -------------------------------------------------------
+def test_checkpoints(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    assert store.latest_checkpoint(run) is None
+    for step in (20, 10, 30):
+        store.record_checkpoint(ref, step, f"/ckpt/{step}", weight_version=step)
+    assert [c.step for c in store.list_checkpoints(run)] == [10, 20, 30]
+    assert all(c.complete for c in store.list_checkpoints(run))
+    assert store.latest_checkpoint(run).path == "/ckpt/30"
+    store.delete_checkpoint(ref, 30)
+    assert store.latest_checkpoint(run).step == 20
+    again = store.record_checkpoint(ref, 20, "/ckpt/20b", weight_version=21)
+    assert (again.path, again.weight_version) == ("/ckpt/20b", 21)
+    assert [c.step for c in store.list_checkpoints(run, complete_only=False)] == [10, 20]
+
+
+def test_weights(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    assert store.latest_weights(run) is None
+    for version in (1, 2, 3):
+        store.publish_weights(ref, version, step=version, path=f"/w/v{version}")
+    with pytest.raises(Conflict):
+        store.publish_weights(ref, 3, step=3, path="/w/again")
+    with pytest.raises(Conflict):
+        store.publish_weights(ref, 2, step=2, path="/w/older")
+    assert (store.latest_weights(run).version, store.latest_weights(run).method) == (3, "volume")
+    store.delete_weights(ref, 1)
+    assert [w.version for w in store.list_weights(run)] == [2, 3]
+
+
+def test_events_newest_limit_oldest_first(store: Store, run: str) -> None:
+    store.apply_run("other", SPEC)
+    for i in range(5):
+        store.add_event(run, "Normal" if i % 2 else "Warning", f"Reason{i}", f"m{i}")
+    store.add_event("other", "Normal", "Other", "o")
+    assert [e.message for e in store.list_events(run, limit=3)] == ["m2", "m3", "m4"]
+    assert [e.message for e in store.list_events(run)] == ["m0", "m1", "m2", "m3", "m4"]
+    assert store.list_events(run)[0].type == "Warning"
+    assert [e.message for e in store.list_events(limit=2)] == ["m4", "o"]
+
+
+def test_metrics(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    store.add_metrics(ref, 2, {"loss": 0.2, "reward/mean": 0.5})
+    store.add_metrics(ref, 1, {"loss": 0.1, "kl": 0.0})
+    got = [(m.step, m.name, m.value) for m in store.list_metrics(run)]
+    assert got == [(1, "kl", 0.0), (1, "loss", 0.1), (2, "loss", 0.2), (2, "reward/mean", 0.5)]
+    assert [m.step for m in store.list_metrics(run, name="loss")] == [1, 2]
+    assert [m.name for m in store.list_metrics(run, since_step=2)] == ["loss", "reward/mean"]
+    store.add_metrics(ref, 2, {"loss": 0.25})  # a resumed run records step 2 again
+    assert [m.value for m in store.list_metrics(run, name="loss")] == [0.1, 0.25]

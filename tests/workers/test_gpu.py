@@ -1,0 +1,123 @@
+"""The GPU path: the actor trains on CUDA in bfloat16 and a CUDA rollout engine loads what it publishes;
+the transformers engine samples on CUDA deterministically per seed. Skipped without a CUDA device
+(except the device-choice checks at the end, which run everywhere)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from actor_helpers import RolloutThread, actor_spec, create_run, worker_context
+from rollout_helpers import assets_available, make_tiny_model
+
+from mortal.specs.training import ModelSpec
+from mortal.workers import actor
+from mortal.workers.engines import GenerationParams
+from mortal.workers.engines.transformers_engine import TransformersEngine
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.models import encode_prompt, load_tokenizer, worker_device
+from mortal.workers.runtime import EXIT_SUCCEEDED
+from mortal.workers.weights import read_published
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CHAT = [{"role": "user", "content": "What is 2 + 3? Reply with only the number."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "model")
+
+
+@pytest.fixture
+def store(mortal_home: Path, monkeypatch: pytest.MonkeyPatch):
+    from mortal.state import open_store
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    opened = open_store(f"sqlite:///{mortal_home / 'state.db'}")
+    yield opened
+    opened.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(store, tiny_dir: Path, monkeypatch) -> None:
+    spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"}, rollout={"gpu": "H100"},
+                      algorithm={"maxSteps": 2}, checkpoint={"every": 10, "keep": 1})
+    run = create_run(store, "gpu", spec)
+    trainers = []
+    build = actor.build_trainer
+    monkeypatch.setattr(actor, "build_trainer", lambda *a: trainers.append(build(*a)) or trainers[-1])
+    ctx = worker_context(store, run, "actor")
+    ctx.check_fence()
+    with RolloutThread(store, run) as rollout:
+        assert actor.main(ctx) == EXIT_SUCCEEDED
+    param = next(trainers[0].model.parameters())
+    assert (param.device.type, param.dtype) == ("cuda", torch.bfloat16)
+    losses = {row.step: row.value for row in store.list_metrics("gpu") if row.name == "loss"}
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    weights = store.list_weights("gpu")
+    assert [(w.version, w.step) for w in weights] == [(0, 0), (1, 1), (2, 2)]
+    first, last = read_published(weights[0].path), read_published(weights[-1].path)
+    assert all(t.dtype == torch.bfloat16 for t in last.values())
+    assert any(not torch.equal(first[k], last[k]) for k in first), "training did not change the weights"
+
+    worker = rollout.worker
+    worker.refresh_weights()  # the thread may have stopped before it saw the last version
+    assert worker.published_version == 2
+    model = worker.engine.model
+    assert (next(model.parameters()).device.type, model.dtype) == ("cuda", torch.bfloat16)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k].cpu(), v) for k, v in last.items())
+    params = GenerationParams(max_tokens=6)
+    outs = worker.engine.generate(encode_prompt(worker.tokenizer, CHAT), 2, 3, params)
+    assert all(1 <= len(c.ids) == len(c.logprobs) <= 6 for c in outs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_transformers_engine_on_cuda_is_deterministic_and_leaves_the_cuda_rng_alone(tiny_dir: Path) -> None:
+    spec = ModelSpec(name=str(tiny_dir), dtype="bfloat16")
+    tokenizer = load_tokenizer(spec)
+    prompt = encode_prompt(tokenizer, CHAT)
+    params = GenerationParams(max_tokens=16, temperature=0.9)
+    engine = TransformersEngine.create(spec, tokenizer, device="cuda")
+    assert engine.device.type == "cuda" and engine.model.dtype == torch.bfloat16
+    torch.cuda.manual_seed(123)
+    before = torch.rand(1, device="cuda")
+    torch.cuda.manual_seed(123)
+    first = engine.generate(prompt, 4, 7, params)
+    assert torch.equal(torch.rand(1, device="cuda"), before)  # the worker's CUDA RNG is not consumed
+    fresh = TransformersEngine.create(spec, tokenizer, device="cuda")
+    assert [c.ids for c in fresh.generate(prompt, 4, 7, params)] == [c.ids for c in first]
+    assert [c.ids for c in engine.generate(prompt, 4, 8, params)] != [c.ids for c in first]
+    assert len({tuple(c.ids) for c in first}) > 1
+    assert all(len(c.ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs) for c in first)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_logprobs_are_the_sampling_distribution(tiny_dir: Path) -> None:
+    """float32 on CUDA: the engine's logprobs match one plain forward pass of the sampled tokens."""
+    spec = ModelSpec(name=str(tiny_dir), dtype="float32")
+    tokenizer = load_tokenizer(spec)
+    engine = TransformersEngine.create(spec, tokenizer, device="cuda")
+    prompt = encode_prompt(tokenizer, CHAT)
+    outs = engine.generate(prompt, 3, 3, GenerationParams(max_tokens=10, temperature=0.7))
+    for c in outs:
+        full = torch.tensor([prompt + c.ids], device="cuda")
+        with torch.no_grad():
+            logits = engine.model(full).logits[0, len(prompt) - 1 : -1].float() / 0.7
+        expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None]).squeeze(1).cpu()
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_worker_device_follows_the_spec_not_the_machine() -> None:
+    assert worker_device("none", "spec.rollout.gpu") == "cpu"  # even where a GPU is visible
+    if torch.cuda.is_available():
+        assert worker_device("H100", "spec.rollout.gpu") == "cuda"
+    else:
+        with pytest.raises(FatalWorkerError, match="spec.rollout.gpu is 'H100'"):
+            worker_device("H100", "spec.rollout.gpu")

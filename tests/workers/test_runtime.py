@@ -1,0 +1,219 @@
+"""The worker runtime: fencing ends a zombie at once, exit codes and reports, SIGTERM, heartbeats."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sim_helpers import SimCluster, Started, wait_for
+
+from mortal.state import Store, WorkerRef, paths
+from mortal.state.engine import sqlite_path
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.runtime import (
+    EXIT_FATAL,
+    EXIT_FENCED,
+    EXIT_RETRYABLE,
+    WorkerContext,
+    load_run,
+    worker_ref_from_env,
+)
+from mortal.workers.simulated import simulated_run
+
+
+@pytest.fixture
+def cluster(store_url: str, mortal_home: Path) -> Iterator[SimCluster]:
+    c = SimCluster(store_url, mortal_home)
+    yield c
+    c.close()
+
+
+def snapshot(cluster: SimCluster, started: Started) -> dict[str, Any]:
+    """Everything a worker writes: store rows of the run, its own row, and the published files."""
+    run = started.ref.run
+    store = cluster.store
+    files = sorted(p.name for d in (paths.weights_dir(run), paths.checkpoints_dir(run)) if d.is_dir()
+                   for p in d.iterdir() if not p.name.startswith("."))  # in-flight temp dirs: never read
+    return {
+        "metrics": [(m.step, m.name, m.value) for m in store.list_metrics(run)],
+        "weights": [w.version for w in store.list_weights(run)],
+        "checkpoints": [c.step for c in store.list_checkpoints(run)],
+        "tasks": [(t.step, t.slot, t.state, t.lease_token) for s in range(1, 50) for t in store.step_results(run, s)],
+        "row": cluster.row(started).model_dump(),
+        "files": files,
+    }
+
+
+def assert_unchanged_by_zombie(before: dict[str, Any], after: dict[str, Any], zombie: Started) -> None:
+    """The store is exactly as before; on disk, at most the zombie's own unrecorded directories were
+    added (a rename cannot be fenced; they carry its incarnation and the live worker sweeps them)."""
+    assert {k: v for k, v in after.items() if k != "files"} == {k: v for k, v in before.items() if k != "files"}
+    assert set(before["files"]) <= set(after["files"])
+    for name in set(after["files"]) - set(before["files"]):
+        assert f"-i{zombie.ref.incarnation}" in name, f"{name} written by the zombie"
+
+
+def start_long_actor(cluster: SimCluster, name: str) -> Started:
+    run = cluster.apply(simulated_run(name, max_steps=10_000, rollout_replicas=0, step_seconds=0.05))
+    actor = cluster.start(run.name, "actor")
+    cluster.wait_step(actor, 2)
+    return actor
+
+
+def test_fenced_worker_exits_at_once_and_writes_nothing_after(cluster: SimCluster) -> None:
+    actor = start_long_actor(cluster, "fenced")
+    cluster.store.create_worker("fenced", "actor", 0, "local", 5.0)  # a newer incarnation owns the slot
+    before = snapshot(cluster, actor)
+
+    started = time.monotonic()
+    assert cluster.wait_exit(actor) == EXIT_FENCED
+    assert time.monotonic() - started < 5.0, "a fenced worker must exit within about one heartbeat"
+    assert_unchanged_by_zombie(before, snapshot(cluster, actor), actor)
+    assert "fenced" in paths.worker_log("fenced", "actor", 0, actor.ref.incarnation).read_text()
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """SIGSTOP takes effect as each thread next leaves the kernel, not when kill() returns."""
+    states = [Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+    return all(state == "T" for state in states)
+
+
+def pause(pid: int, store_url: str) -> None:
+    """SIGSTOP the worker. On SQLite, at a moment it holds no write transaction: a writer frozen
+    inside one holds the database lock, and every other writer (the controller too) waits for it."""
+    db = sqlite_path(store_url)
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all_threads_stopped(pid), 30, "the worker to stop")
+        if db is None:
+            return
+        try:
+            with sqlite3.connect(db, timeout=0.2, isolation_level=None) as probe:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+
+
+def test_paused_worker_replaced_then_resumed_changes_nothing(cluster: SimCluster) -> None:
+    actor = start_long_actor(cluster, "paused")
+    pid = int(actor.handle.split(":")[0])
+    pause(pid, cluster.url)
+    try:
+        time.sleep(0.3)  # whatever it was doing, it is frozen mid-way
+        cluster.store.create_worker("paused", "actor", 0, "local", 5.0)
+        before = snapshot(cluster, actor)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert cluster.wait_exit(actor) == EXIT_FENCED
+    assert_unchanged_by_zombie(before, snapshot(cluster, actor), actor)
+
+
+def test_fatal_worker_error_exits_3_with_its_message(cluster: SimCluster) -> None:
+    run = cluster.apply(simulated_run("fatal", annotations={"mortal.dev/step-seconds": "soon"}))
+    actor = cluster.start(run.name, "actor")
+    assert cluster.wait_exit(actor) == EXIT_FATAL
+    row = cluster.row(actor)
+    assert (row.state, row.exit_code) == ("Failed", EXIT_FATAL)
+    assert row.message.startswith("InvalidAnnotation:") and "soon" in row.message
+
+
+def test_a_crash_exits_75_with_the_error_recorded(cluster: SimCluster) -> None:
+    run = cluster.apply(simulated_run("crash", rollout_replicas=0))
+    bad = paths.checkpoints_dir(run.name) / "step-2"
+    bad.mkdir(parents=True)
+    (bad / "state.json").write_text(json.dumps({"step": "two", "weight_version": 2}))
+    writer = cluster.store.create_worker(run.name, "actor", 0, "local", 5.0)
+    cluster.store.record_checkpoint(WorkerRef(run.name, "actor", 0, writer.incarnation), 2, str(bad), 2)
+    cluster.store.end_worker(writer.id, "Lost")
+
+    actor = cluster.start(run.name, "actor")
+    assert cluster.wait_exit(actor) == EXIT_RETRYABLE
+    row = cluster.row(actor)
+    assert (row.state, row.exit_code) == ("Failed", EXIT_RETRYABLE)
+    assert row.message.startswith("ValueError:")
+    assert "Traceback" in paths.worker_log(run.name, "actor", 0, actor.ref.incarnation).read_text()
+
+
+def test_nonzero_return_is_reported_failed(cluster: SimCluster) -> None:
+    run = cluster.apply(simulated_run("failing", annotations={"mortal.dev/fail": "always"}))
+    actor = cluster.start(run.name, "actor")
+    assert cluster.wait_exit(actor) == EXIT_RETRYABLE
+    row = cluster.row(actor)
+    assert (row.state, row.exit_code, row.message) == ("Failed", EXIT_RETRYABLE, "exited with code 75")
+
+
+def test_sigterm_stops_gracefully_at_a_step_boundary(cluster: SimCluster) -> None:
+    actor = start_long_actor(cluster, "graceful")
+    os.killpg(int(actor.handle.split(":")[0]), signal.SIGTERM)
+    assert cluster.wait_exit(actor) == 0
+    row = cluster.row(actor)
+    assert row.state == "Running", "stopped on request: no report; whoever stopped it records Stopped"
+    latest = cluster.store.latest_checkpoint("graceful")
+    assert latest is not None and latest.step == row.step, "progress since the last checkpoint is kept"
+    assert "stopped on request" in paths.worker_log("graceful", "actor", 0, actor.ref.incarnation).read_text()
+
+
+# -- in-process --------------------------------------------------------------------------------
+def test_context_heartbeat_sends_reported_progress(store: Store) -> None:
+    run = simulated_run("beat")
+    store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
+    row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=0.9)
+    env = {"MORTAL_RUN": "beat", "MORTAL_ROLE": "actor", "MORTAL_REPLICA": "0", "MORTAL_INCARNATION": str(row.incarnation)}
+
+    ctx = WorkerContext.from_env(store, env)
+    assert ctx.heartbeat_seconds == pytest.approx(0.3), "a third of the lease"
+    assert ctx.run.metadata.annotations["mortal.dev/workload"] == "simulated"
+    assert WorkerContext.from_env(store, {**env, "MORTAL_HEARTBEAT_SECONDS": "0.05"}).heartbeat_seconds == 0.05
+
+    ctx.report(step=3, weight_version=2)
+    ctx.report(step=4)
+    ctx.start()
+    try:
+        beaten = wait_for(lambda: next(w for w in store.list_workers("beat") if w.id == row.id).heartbeat_at, 30)
+        wait_for(lambda: next(w for w in store.list_workers("beat") if w.id == row.id).heartbeat_at > beaten, 30)
+    finally:
+        ctx.close()
+    now = next(w for w in store.list_workers("beat") if w.id == row.id)
+    assert (now.state, now.step, now.weight_version) == ("Running", 4, 2)
+    assert not ctx.stopping.is_set()
+
+
+def test_stored_spec_that_no_longer_validates_is_fatal(store: Store) -> None:
+    store.apply_run("broken", {"model": {"name": "m"}, "bogus": 1})
+    with pytest.raises(FatalWorkerError) as err:
+        load_run(store, "broken")
+    assert err.value.reason == "InvalidSpec"
+
+
+def test_worker_ref_from_env() -> None:
+    env = {"MORTAL_RUN": "r", "MORTAL_ROLE": "rollout", "MORTAL_REPLICA": "2", "MORTAL_INCARNATION": "7"}
+    assert worker_ref_from_env(env).id == "r/rollout-2#7"
+    with pytest.raises(RuntimeError, match="MORTAL_INCARNATION"):
+        worker_ref_from_env({k: v for k, v in env.items() if k != "MORTAL_INCARNATION"})
+
+
+def test_cpu_threads_give_the_actor_every_core_and_split_them_among_rollouts():
+    from mortal.specs import load_text
+    from mortal.workers.runtime import cpu_threads
+
+    def run(actor_gpu: str, replicas: int):
+        return load_text(
+            "apiVersion: mortal/v1\nkind: TrainingRun\nmetadata: {name: t}\n"
+            f"spec: {{model: {{name: m}}, dataset: {{name: 'builtin:arith'}}, actor: {{gpu: {actor_gpu}}},"
+            f" rollout: {{replicas: {replicas}}}, rewards: [{{function: 'a:b'}}]}}\n"
+        )[0]
+
+    assert cpu_threads("actor", run("none", 2), cores=8) == 8
+    assert cpu_threads("rollout", run("none", 2), cores=8) == 4
+    assert cpu_threads("rollout", run("none", 3), cores=2) == 1
+    assert cpu_threads("actor", run("H100", 2), cores=8) is None

@@ -1,0 +1,185 @@
+"""Tripwire for mortal.workers.trl_seam: every TRL behaviour mortal relies on, checked on TRL itself.
+
+A failure here after a TRL upgrade means the seam must be revisited before the pin in
+pyproject.toml (`trl>=1.16,<1.17`) moves.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from actor_helpers import tensors_sha256
+from rollout_helpers import assets_available, make_tiny_model
+
+from mortal.workers import trl_seam
+from mortal.workers.actor import checkpointing_arg
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
+G, BATCH, LENGTH = 4, 8, 5
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    return make_tiny_model(tmp_path_factory.mktemp("seam") / "model")
+
+
+class FakeRollouts:
+    """A rollout_func whose output depends only on the step: random tokens, their true logprobs
+    under the current policy minus `offset` as "sampling" logprobs, fixed rewards."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+        self.calls: list[list[Any]] = []
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        self.calls.append(list(prompts))
+        step = trainer.state.global_step
+        gen = torch.Generator().manual_seed(1000 + step)
+        prompt = torch.randint(3, 500, (6,), generator=gen).tolist()
+        completions = torch.randint(3, 500, (len(prompts), LENGTH), generator=gen)
+        with torch.no_grad():
+            ids = torch.cat([torch.tensor([prompt] * len(prompts)), completions], dim=1)
+            logits = trainer.model(ids).logits[:, len(prompt) - 1 : -1] / trainer.temperature
+            true = torch.log_softmax(logits, -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        rewards = [{"a": float((i + step) % 2), "b": None if i == 0 else 2.0} for i in range(len(prompts))]
+        return trl_seam.rollout_output(
+            [prompt] * len(prompts), completions.tolist(), (true - self.offset).tolist(), rewards, [step] * len(prompts)
+        )
+
+
+class Logs:
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        outer = self
+        self.steps: list[dict[str, float]] = []
+
+        class Callback(TrainerCallback):
+            def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+                if logs and "loss" in logs:
+                    outer.steps.append(dict(logs))
+
+        self.callback = Callback()
+
+
+def _trainer(tiny_dir: Path, out: Path, rollouts: FakeRollouts, logs: Logs | None = None, max_steps: int = 2,
+             **config: Any) -> Any:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=BATCH, num_generations=G, steps_per_generation=1,
+        max_steps=max_steps, learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, bf16=False, disable_tqdm=True, seed=0, **checkpointing_arg(False),
+        max_completion_length=LENGTH, reward_weights=[1.0, 0.5], **config,
+    )
+    dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(max_steps * BATCH // G)]})
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+        processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+        reward_funcs=[trl_seam.PrecomputedReward("a"), trl_seam.PrecomputedReward("b")],
+        args=args, train_dataset=dataset, rollout_func=rollouts, callbacks=[logs.callback] if logs else [],
+    )
+
+
+def test_trl_is_the_tested_version_and_pyproject_pins_that_range() -> None:
+    assert trl_seam.trl_version_tested(), f"TRL {trl_seam.trl_version()} is outside {trl_seam.TESTED_TRL}"
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pins = [d for d in pyproject["project"]["optional-dependencies"]["train"] if d.startswith("trl")]
+    assert pins == [f"trl{trl_seam.TESTED_TRL}"]
+
+
+def test_rollout_func_gets_each_prompt_repeated_and_its_extra_keys_reach_the_rewards(tiny_dir, tmp_path) -> None:
+    rollouts, logs = FakeRollouts(), Logs()
+    _trainer(tiny_dir, tmp_path, rollouts, logs).train()
+    assert [len(c) for c in rollouts.calls] == [BATCH, BATCH]  # once per step, the whole generation batch
+    for prompts in rollouts.calls:
+        groups = [prompts[i : i + G] for i in range(0, BATCH, G)]
+        assert all(len(set(group)) == 1 for group in groups) and len({g[0] for g in groups}) == BATCH // G
+    first = logs.steps[0]
+    assert first["rewards/a/mean"] == pytest.approx(0.5)
+    assert first["rewards/b/mean"] == pytest.approx(2.0)  # None -> NaN, left out of the mean
+    # reward = weighted nansum per completion: a + 0.5 * b, the None row counting b as 0
+    expected = [(i % 2) + (0.0 if i == 0 else 1.0) for i in range(BATCH)]
+    assert first["reward"] == pytest.approx(sum(expected) / BATCH)
+    assert "sampling/importance_sampling_ratio/mean" not in first  # off unless enabled
+
+
+def test_precomputed_reward_fails_loudly_without_its_column() -> None:
+    with pytest.raises(trl_seam.TrlSeamError):
+        trl_seam.PrecomputedReward("a")(completions=["x"], prompts=["p"])
+    with pytest.raises(trl_seam.TrlSeamError):
+        trl_seam.check_rollout_call(["p"] * 3, BATCH)
+
+
+def test_the_sampling_correction_weights_the_loss_by_the_rollout_logprobs(tiny_dir, tmp_path) -> None:
+    rollouts, logs = FakeRollouts(offset=0.25), Logs()
+    trainer = _trainer(tiny_dir, tmp_path, rollouts, logs, max_steps=1)
+    trl_seam.enable_sampling_correction(trainer, clip_max=2.0)
+    trainer.train()
+    ratio = logs.steps[0]["sampling/importance_sampling_ratio/mean"]
+    assert ratio == pytest.approx(math.exp(0.25), rel=1e-4)  # exp(current - sampling), per token
+    assert logs.steps[0]["sampling/importance_sampling_ratio/max"] <= 2.0
+
+
+def test_use_vllm_is_read_only_where_the_seam_expects() -> None:
+    """enable_sampling_correction sets `use_vllm` after __init__; it must gate nothing else."""
+    from trl import GRPOTrainer
+
+    tree = ast.parse(inspect.getsource(GRPOTrainer).lstrip())
+    readers = {
+        fn.name
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef)
+        for node in ast.walk(fn)
+        if isinstance(node, ast.Attribute) and node.attr == "use_vllm" and isinstance(node.ctx, ast.Load)
+    }
+    # __init__ (engine set-up, before the seam runs), _generate_single_turn (not used with rollout_func),
+    # _tool_call_loop (no tools), _generate (a weight sync: a no-op engine), and the correction itself.
+    assert readers == {"__init__", "_generate_single_turn", "_tool_call_loop", "_generate",
+                       "_generate_and_score_completions", "_compute_loss"}
+
+
+def test_checkpoint_then_resume_equals_the_uninterrupted_run_bit_for_bit(tiny_dir, tmp_path) -> None:
+    straight = _trainer(tiny_dir, tmp_path / "a", FakeRollouts(), max_steps=3)
+    straight.train()
+    expected = tensors_sha256(straight.model.state_dict())
+
+    first = _trainer(tiny_dir, tmp_path / "b", FakeRollouts(), max_steps=3)
+    first.add_callback(_StopAt(1))
+    first.train()
+    assert first.state.global_step == 1
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    trl_seam.save_checkpoint(first, ckpt)
+    assert all((ckpt / name).is_file() for name in trl_seam.checkpoint_files(ckpt))
+    assert not (ckpt / "checkpoint-1").exists() and tensors_sha256(first.model.state_dict()) != expected
+
+    resumed = _trainer(tiny_dir, tmp_path / "c", FakeRollouts(), max_steps=3)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == 3
+    assert tensors_sha256(resumed.model.state_dict()) == expected
+
+
+class _StopAt:
+    """A callback that ends training after `step` optimizer steps (like a kill after a checkpoint)."""
+
+    def __new__(cls, step: int) -> Any:
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step >= step:
+                    control.should_training_stop = True
+
+        return Stop()

@@ -1,0 +1,103 @@
+"""The actor's checkpoints: complete, atomic, recorded in the store, pruned to `checkpoint.keep`.
+
+Called by mortal.workers.actor (`Checkpointer.write` every `checkpoint.every` steps, at the last
+step and when asked to stop; `Checkpointer.resume_point` when it starts).
+
+    $MORTAL_HOME/runs/<run>/checkpoints/step-<N>/
+        model.safetensors | adapter_model.safetensors (+ config, tokenizer)
+        optimizer.pt  scheduler.pt  rng_state.pth  trainer_state.json   (the Trainer's own files)
+        mortal.json   {"step", "weight_version", "seed", "run"}         (the data position is the step)
+
+A checkpoint exists for readers only once its directory was renamed into place (after fsync) and
+its row recorded, in that order; a crash at any point leaves either no visible checkpoint or a
+complete one. Pruning deletes the row first, then the files. It must not decide when to write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mortal.state import paths
+from mortal.state.store import Store, WorkerRef
+from mortal.state.tables import CheckpointRow
+from mortal.workers import trl_seam
+from mortal.workers.atomic import atomic_dir, remove_stale_tmp
+
+MORTAL_FILE = "mortal.json"
+log = logging.getLogger("mortal.checkpoint")
+
+
+def checkpoint_dir(run: str, step: int) -> Path:
+    return paths.checkpoints_dir(run) / f"step-{step}"
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    """mortal.json of a checkpoint: what mortal itself needs to resume (step, weight_version, seed)."""
+    return json.loads((Path(path) / MORTAL_FILE).read_text())
+
+
+def is_complete(path: str | Path) -> bool:
+    """Every file a resume needs is there (a checkpoint deleted by hand, or a foreign folder, is not)."""
+    path = Path(path)
+    return (path / MORTAL_FILE).is_file() and all((path / f).is_file() for f in trl_seam.checkpoint_files(path))
+
+
+@dataclass
+class Checkpointer:
+    """Writes, lists and prunes one run's checkpoints on behalf of its (single) actor."""
+
+    store: Store
+    worker: WorkerRef
+    every: int
+    keep: int
+    seed: int
+    fence: Callable[[], None] = lambda: None  # heartbeat-now before writing files (a zombie exits there)
+
+    @property
+    def run(self) -> str:
+        return self.worker.run
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return step > 0 and (step % self.every == 0 or step >= max_steps)
+
+    def has(self, step: int) -> bool:
+        return any(row.step == step for row in self.store.list_checkpoints(self.run))
+
+    def write(self, trainer: Any, step: int, weight_version: int) -> Path:
+        """Write the trainer's state at `step` atomically, record it, prune; returns its directory."""
+        self.fence()
+        final = checkpoint_dir(self.run, step)
+        with atomic_dir(final) as tmp:
+            trl_seam.save_checkpoint(trainer, tmp)
+            marker = {"run": self.run, "step": step, "weight_version": weight_version, "seed": self.seed}
+            (tmp / MORTAL_FILE).write_text(json.dumps(marker, indent=1) + "\n")
+        self.store.record_checkpoint(self.worker, step, str(final), weight_version)
+        log.info("checkpoint step %d (weights v%d) at %s", step, weight_version, final)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        """Keep the newest `keep` checkpoints: forget each older row, then delete its files."""
+        rows = self.store.list_checkpoints(self.run)
+        for row in rows[: max(0, len(rows) - self.keep)]:
+            self.store.delete_checkpoint(self.worker, row.step)
+            shutil.rmtree(row.path, ignore_errors=True)
+
+    def resume_point(self) -> CheckpointRow | None:
+        """The newest recorded checkpoint whose files are complete; newer broken ones are forgotten.
+
+        Also clears temporary directories of a writer that died mid-checkpoint.
+        """
+        remove_stale_tmp(paths.checkpoints_dir(self.run))
+        for row in reversed(self.store.list_checkpoints(self.run)):
+            if is_complete(row.path):
+                return row
+            log.warning("checkpoint step %d at %s is incomplete on disk; forgetting it", row.step, row.path)
+            self.store.delete_checkpoint(self.worker, row.step)
+        return None

@@ -1,0 +1,50 @@
+"""Generation engines behind one interface (base.Engine): `transformers` everywhere, `vllm` where installed.
+
+`select_engine(spec.generation.engine)` returns the Engine class to use; the rollout worker then
+calls `cls.create(spec.model, tokenizer)`. `auto` means vLLM when it is importable and a CUDA GPU
+is visible, else transformers. Asking for vLLM where it cannot run is fatal (it never will).
+Engine modules are imported only when selected (vLLM and torch are heavy).
+"""
+
+from __future__ import annotations
+
+from mortal.workers.engines.base import Completion, Engine, GenerationParams
+from mortal.workers.errors import FatalWorkerError
+
+ENGINES = ("auto", "transformers", "vllm")
+
+__all__ = ["ENGINES", "Completion", "Engine", "GenerationParams", "resolve_engine_name", "select_engine"]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_engine_name(name: str) -> str:
+    """`auto` -> vllm or transformers for this machine; vllm without vLLM or a GPU is fatal."""
+    from mortal.workers.engines.vllm_engine import vllm_available
+
+    if name == "auto":
+        return "vllm" if vllm_available() and _cuda_available() else "transformers"
+    if name == "vllm" and not vllm_available():
+        raise FatalWorkerError("EngineUnavailable", "spec.generation.engine 'vllm': vLLM is not installed on this "
+                               "worker; install it (pip install vllm) or use engine: transformers or auto")
+    if name == "vllm" and not _cuda_available():
+        raise FatalWorkerError("EngineUnavailable", "spec.generation.engine 'vllm' needs a CUDA GPU; set "
+                               "spec.rollout.gpu, or use engine: transformers or auto")
+    if name not in ENGINES:
+        raise FatalWorkerError("EngineUnavailable", f"spec.generation.engine {name!r}: known engines {ENGINES}")
+    return name
+
+
+def select_engine(name: str) -> type[Engine]:
+    """The Engine class for `spec.generation.engine` on this machine."""
+    if resolve_engine_name(name) == "vllm":
+        from mortal.workers.engines.vllm_engine import VllmEngine
+
+        return VllmEngine
+    from mortal.workers.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine

@@ -1,0 +1,83 @@
+"""The one interface every generation engine implements, and what it returns.
+
+Who calls it: mortal.workers.rollout (one `generate` per task: one prompt, `n` completions; one
+`load_weights` per new weight version, between tasks only). Engines: transformers_engine (every
+machine) and vllm_engine (where vLLM is installed); `mortal.workers.engines.select_engine` picks.
+Contract: `generate` is deterministic per (weights, prompt, n, seed, params) on one kind of
+machine, returns each completion cut after its first end-of-sequence token (included, as TRL
+expects) and, per token, the log-probability of the sampled token under the distribution it was
+sampled from (temperature, top-k and top-p applied: vLLM's "processed_logprobs").
+What it must not do: batch several prompts together (padding would make a completion depend on
+which other prompts shared its batch, so results would depend on the worker that ran the task).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mortal.specs.training import GenerationSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling settings, from spec.generation (top_k None = no top-k filter)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec: GenerationSpec) -> GenerationParams:
+        return cls(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: token ids (ending with EOS when it stopped) and their logprobs."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+def eos_token_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]:
+    """The ids that end a completion, as TRL computes them: the tokenizer's EOS, then the model's."""
+    ids = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
+
+
+def cut_at_eos(ids: list[int], logprobs: list[float], eos_ids: list[int]) -> Completion:
+    """Keep tokens up to and including the first EOS; what follows it is padding."""
+    stop = set(eos_ids)
+    for i, token in enumerate(ids):
+        if token in stop:
+            return Completion(ids[: i + 1], logprobs[: i + 1])
+    return Completion(list(ids), list(logprobs))
+
+
+class Engine(abc.ABC):
+    """A generation engine bound to one model; `load_weights` swaps in a published version."""
+
+    name: str = "engine"
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None) -> Engine:
+        """Load the spec's model into a new engine (device None: a GPU when there is one)."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
+        """`n` completions of one prompt, sampled with `seed`."""
+
+    @abc.abstractmethod
+    def load_weights(self, path: str) -> None:
+        """Replace the weights with those published at `path` (a folder with model.safetensors)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the model (the worker is exiting)."""

@@ -1,0 +1,124 @@
+"""The `vllm` engine: vLLM's offline `LLM` on this worker's GPU, through vLLM's public API only.
+
+Who calls it: mortal.workers.rollout through the Engine interface (base.py says the contract),
+when `spec.generation.engine` is vllm (or auto, with vLLM installed and a GPU). vLLM is imported
+lazily, so this module imports everywhere; tests skip cleanly where vLLM is absent.
+- generate: one prompt as token ids, `SamplingParams(n=..., seed=..., logprobs=0)`; vLLM gives
+  each of the n children its own seed (seed + i), so a task's tokens depend on its seed alone.
+  The engine runs with `logprobs_mode="processed_logprobs"`, as TRL does, so logprobs are those of
+  the distribution sampled from (temperature, top-k, top-p applied), like the transformers engine.
+- load_weights: the published safetensors are streamed into the running model on every worker
+  with `LLM.collective_rpc` (the model's own `load_weights`, HF tensor names), then the prefix
+  cache is reset so no KV of the old weights is reused.
+What it must not do: read the model's generation_config defaults (`generation_config="vllm"`):
+the spec alone decides how tokens are sampled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
+
+from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
+from mortal.workers.models import model_location, resolve_dtype
+
+if TYPE_CHECKING:
+    from mortal.specs.training import ModelSpec
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _load_safetensors_on_worker(worker: Any, path: str) -> int:
+    """Runs inside each vLLM worker: stream a published file into its model; returns the tensor count."""
+    from safetensors import safe_open
+
+    model = worker.model_runner.model
+    device = next(model.parameters()).device
+    count = 0
+    with safe_open(path, framework="pt", device=str(device)) as handle:
+        names = list(handle.keys())
+        model.load_weights(weights=((name, handle.get_tensor(name)) for name in names))
+        count = len(names)
+    return count
+
+
+def _generation_eos(location: str) -> int | list[int] | None:
+    """The model's own end-of-sequence ids (generation_config.json, else config.json), as TRL adds them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(location).eos_token_id
+    except OSError:
+        return AutoConfig.from_pretrained(location).eos_token_id
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, llm: Any, tokenizer: Any, generation_eos: int | list[int] | None = None) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, generation_eos)
+
+    @classmethod
+    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
+               gpu_memory_utilization: float = 0.85) -> VllmEngine:
+        # The weight loader is a function sent to vLLM's worker processes (collective_rpc).
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
+
+        location = model_location(model_spec)
+        dtype = str(resolve_dtype(model_spec.dtype, "cuda")).removeprefix("torch.")
+        llm = LLM(
+            model=location,
+            dtype=dtype,
+            seed=0,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            enable_prefix_caching=True,
+        )
+        return cls(llm, tokenizer, _generation_eos(location))
+
+    def _sampling_params(self, n: int, seed: int, params: GenerationParams) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            seed=seed,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k is not None else -1,  # -1 = off in every vLLM release
+            max_tokens=params.max_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=self.eos_ids,
+            detokenize=False,
+        )
+
+    def generate(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        [request] = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt_ids))], self._sampling_params(n, seed, params), use_tqdm=False
+        )
+        completions = []
+        for output in request.outputs:
+            ids = list(output.token_ids)
+            if output.logprobs is None:
+                raise RuntimeError("vLLM returned no logprobs although SamplingParams asked for them")
+            logprobs = [step[token].logprob for step, token in zip(output.logprobs, ids, strict=True)]
+            completions.append(cut_at_eos(ids, logprobs, self.eos_ids))
+        return completions
+
+    def load_weights(self, path: str) -> None:
+        file = os.path.join(path, WEIGHTS_FILE) if os.path.isdir(path) else path
+        self.llm.collective_rpc(_load_safetensors_on_worker, args=(file,))
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.llm = None

@@ -1,0 +1,21 @@
+"""Errors a workload raises to tell the runtime how the worker ended.
+
+Raised by workloads (actor, rollout, rewards, datasets, simulated); read only by
+mortal.workers.main, which turns them into the worker's exit code and its report in the store.
+"""
+
+from __future__ import annotations
+
+
+class FatalWorkerError(Exception):
+    """The run cannot succeed (bad reward path, reward raised, unreadable dataset, bad model).
+
+    The runtime records `"{reason}: {message}"` with report_exit and exits 3 (EXIT_FATAL); the
+    controller fails the run at once instead of relaunching. `reason` is CamelCase, machine-readable
+    (e.g. RewardFailed); `message` says what happened and how to fix it.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message

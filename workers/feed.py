@@ -1,0 +1,159 @@
+"""The actor's side of the rollout queue: enqueue each step's prompts, wait for the scored groups.
+
+Called by mortal.workers.actor from TRL's rollout_func, once per optimizer step. Step s's tasks
+are the rows `schedule.prompt_slots(seed, s, ...)`, one task per prompt carrying a
+`RolloutRequest` (the row, numGenerations, a seed that depends only on (seed, step, slot)). While
+the actor trains step s, the tasks of steps s..s+maxStaleness exist, each asking for weights of
+at least the version current when it was enqueued, so a sample is at most maxStaleness versions
+old when it is trained on (0: on-policy, when weights are published every step). Results come back
+in slot order, flattened to one entry per completion, with the version that generated them.
+It must not train, publish weights or touch TRL; waiting ends early (StopRequested) when the
+worker is asked to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mortal.state.store import NewTask, Store, WorkerRef
+from mortal.state.tables import TaskRow
+from mortal.workers import schedule
+from mortal.workers.messages import RolloutRequest, RolloutResult
+
+log = logging.getLogger("mortal.feed")
+
+
+class StopRequested(Exception):
+    """The worker was asked to stop while waiting for rollouts (the step is abandoned, not trained)."""
+
+
+class BadRollout(RuntimeError):
+    """A rollout result does not have the shape the task asked for (a rollout-side bug)."""
+
+
+@dataclass
+class StepBatch:
+    """One step's completions, flattened in slot order (G consecutive entries per prompt)."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    completion_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    rewards: list[dict[str, float | None]] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    generation_seconds: float = 0.0
+    reward_seconds: float = 0.0
+
+    def metrics(self, step: int, weights_step: Callable[[int], int]) -> dict[str, float]:
+        """Staleness (optimizer steps between the sampling weights and the trained ones) and volumes.
+
+        `weights_step(version)` is the step a version's weights are the result of; with sync.every 1
+        the staleness in steps equals the one in versions."""
+        staleness = [step - weights_step(v) for v in self.weight_versions]
+        return {
+            "staleness/mean": sum(staleness) / len(staleness),
+            "staleness/max": float(max(staleness)),
+            "completion_tokens": float(sum(len(c) for c in self.completion_ids)),
+            "rollout/generation_seconds": self.generation_seconds,
+            "rollout/reward_seconds": self.reward_seconds,
+        }
+
+
+@dataclass
+class RolloutFeed:
+    """Enqueues and collects one run's rollout tasks."""
+
+    store: Store
+    worker: WorkerRef
+    rows: list[dict[str, Any]]
+    seed: int
+    prompts_per_step: int
+    num_generations: int
+    max_staleness: int
+    max_steps: int
+    reward_names: list[str]
+    stopping: threading.Event
+    poll_seconds: float = 0.05
+    _enqueued: set[int] = field(default_factory=set)
+
+    def tasks_for(self, step: int, min_weight_version: int) -> list[NewTask]:
+        slots = schedule.prompt_slots(self.seed, step, self.prompts_per_step, len(self.rows))
+        tasks = []
+        for slot, row_index in enumerate(slots):
+            row = self.rows[row_index]
+            request = RolloutRequest(
+                prompt=row["prompt"],
+                row=row,
+                num_generations=self.num_generations,
+                seed=schedule.task_seed(self.seed, step, slot),
+            )
+            tasks.append(NewTask(step=step, slot=slot, min_weight_version=min_weight_version, payload=request.model_dump()))
+        return tasks
+
+    def enqueue(self, step: int, current_version: int) -> int:
+        """Make sure the tasks of steps step..step+maxStaleness exist; returns how many were new."""
+        new = 0
+        for s in schedule.steps_to_enqueue(step, self.max_staleness, self.max_steps):
+            if s not in self._enqueued:
+                new += self.store.enqueue_tasks(self.worker, self.tasks_for(s, current_version))
+                self._enqueued.add(s)
+        return new
+
+    def forget_from(self, step: int) -> None:
+        """Delete the queue's tasks of steps >= step (a resume starts them again)."""
+        self.store.reset_tasks(self.worker, from_step=step)
+        self._enqueued = {s for s in self._enqueued if s < step}
+
+    def collect(self, step: int, current_version: int, on_stop: Callable[[], None] = lambda: None) -> StepBatch:
+        """Wait until every task of `step` is done; StopRequested (after `on_stop`) if asked to stop."""
+        while True:
+            rows = self.store.step_results(self.worker.run, step)
+            if len(rows) < self.prompts_per_step:  # deleted under us (a reset): ask again
+                self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
+            elif all(r.state == "done" for r in rows):
+                stale = [r for r in rows if r.result.get("weight_version", -1) < r.min_weight_version]
+                if not stale:
+                    return self._flatten(rows)
+                self._requeue(step, current_version, len(stale))
+            if self.stopping.is_set():
+                on_stop()
+                raise StopRequested(f"stopping while waiting for the rollouts of step {step}")
+            time.sleep(self.poll_seconds)
+
+    def _requeue(self, step: int, current_version: int, n_stale: int) -> None:
+        """Results older than their task allows (late answers to a task since reset): redo the step."""
+        log.warning("step %d: %d results came from weights older than their task asked for; redoing it", step, n_stale)
+        self.forget_from(step)
+        self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
+        self._enqueued.add(step)
+
+    def _flatten(self, rows: list[TaskRow]) -> StepBatch:
+        batch = StepBatch()
+        for row in rows:
+            result = RolloutResult.model_validate(row.result)
+            self._check(row, result)
+            for g in range(self.num_generations):
+                batch.prompt_ids.append(list(result.prompt_ids))
+                batch.completion_ids.append(list(result.completion_ids[g]))
+                batch.logprobs.append(list(result.logprobs[g]))
+                batch.rewards.append({name: result.rewards[name][g] for name in self.reward_names})
+                batch.weight_versions.append(result.weight_version)
+            batch.generation_seconds += result.generation_seconds
+            batch.reward_seconds += result.reward_seconds
+        return batch
+
+    def _check(self, row: TaskRow, result: RolloutResult) -> None:
+        g = self.num_generations
+        where = f"step {row.step} slot {row.slot}"
+        if len(result.completion_ids) != g or len(result.logprobs) != g:
+            raise BadRollout(f"{where}: {len(result.completion_ids)} completions, expected {g}")
+        for ids, logps in zip(result.completion_ids, result.logprobs, strict=True):
+            if len(ids) != len(logps):
+                raise BadRollout(f"{where}: {len(ids)} tokens but {len(logps)} logprobs")
+        for name in self.reward_names:
+            if len(result.rewards.get(name, [])) != g:
+                raise BadRollout(f"{where}: reward {name!r} has no score for each of the {g} completions")

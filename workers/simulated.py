@@ -1,0 +1,289 @@
+"""A torch-free workload that speaks the worker protocol for real: for controller tests and benchmarks.
+
+Selected by the run annotation `mortal.dev/workload: simulated` (mortal.workers.main). It uses the
+store exactly as the real actor and rollout do (task queue, weights, checkpoints, metrics, resume),
+but "training" is a sleep and "generation" returns fixed tokens, so a run of a few steps takes
+seconds on a CPU. Annotations tune it:
+
+    mortal.dev/step-seconds: "0.2"        actor: least time per optimizer step
+    mortal.dev/generate-seconds: "0.01"   rollout: time per task
+    mortal.dev/task-lease-seconds: "5"    how long a leased task is a rollout's before others retry it
+    mortal.dev/fail: always               actor exits 75 at once (restart-policy tests)
+
+The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
+run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mortal.specs import TrainingRun
+from mortal.state import NewTask, TaskRow, paths
+from mortal.workers.atomic import atomic_dir
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
+from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
+
+POLL_SECONDS = 0.05
+KEEP_WEIGHTS = 3
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class Settings:
+    step_seconds: float = 0.2
+    generate_seconds: float = 0.01
+    task_lease_seconds: float = 5.0
+    fail: str | None = None
+
+    @classmethod
+    def of(cls, run: TrainingRun) -> Settings:
+        notes = run.metadata.annotations
+        try:
+            return cls(
+                step_seconds=float(notes.get("mortal.dev/step-seconds", cls.step_seconds)),
+                generate_seconds=float(notes.get("mortal.dev/generate-seconds", cls.generate_seconds)),
+                task_lease_seconds=float(notes.get("mortal.dev/task-lease-seconds", cls.task_lease_seconds)),
+                fail=notes.get("mortal.dev/fail"),
+            )
+        except ValueError as exc:
+            raise FatalWorkerError("InvalidAnnotation", f"simulated workload annotation: {exc}") from exc
+
+
+def simulated_run(
+    name: str,
+    *,
+    max_steps: int = 5,
+    rollout_replicas: int = 1,
+    step_seconds: float = 0.05,
+    annotations: dict[str, str] | None = None,
+    spec: dict[str, Any] | None = None,
+) -> TrainingRun:
+    """A TrainingRun this workload runs: tiny batches, checkpoints every 2 steps (tests, benchmarks).
+
+    `spec` entries (camelCase, by top-level section) override the defaults section by section.
+    """
+    doc: dict[str, Any] = {
+        "model": {"name": "simulated"},
+        "dataset": {"name": "builtin:arith"},
+        "algorithm": {"numGenerations": 2, "batchSize": 4, "maxSteps": max_steps},
+        "rewards": [{"function": "mortal.workers.builtin_rewards:correct_answer"}],
+        "rollout": {"replicas": rollout_replicas},
+        "checkpoint": {"every": 2, "keep": 2},
+        "restartPolicy": {"backoffSeconds": 0.5},
+    }
+    for section, value in (spec or {}).items():
+        doc[section] = {**doc[section], **value} if isinstance(value, dict) and section in doc else value
+    notes = {"mortal.dev/workload": "simulated", "mortal.dev/step-seconds": str(step_seconds), **(annotations or {})}
+    return TrainingRun.model_validate({"metadata": {"name": name, "annotations": notes}, "spec": doc})
+
+
+def simulated_reward(step: int) -> float:
+    """The score of every completion generated for step `step`."""
+    return step / (step + 10)
+
+
+def main(ctx: WorkerContext) -> int:
+    if ctx.worker.role == "actor":
+        return run_actor(ctx)
+    if ctx.worker.role == "rollout":
+        return run_rollout(ctx)
+    raise FatalWorkerError("UnknownRole", f"the simulated workload has no role {ctx.worker.role!r}")
+
+
+# -- actor -------------------------------------------------------------------------------------
+def run_actor(ctx: WorkerContext) -> int:
+    """Resume, then per step: enqueue tasks, wait for their results, publish weights, log, checkpoint."""
+    settings = Settings.of(ctx.run)
+    if settings.fail == "always":
+        ctx.log.error("annotation mortal.dev/fail=always: exiting %d", EXIT_RETRYABLE)
+        return EXIT_RETRYABLE
+    spec = ctx.run.spec
+    step, version = resume(ctx)
+    ctx.report(step=step, weight_version=version)
+    ctx.store.reset_tasks(ctx.worker, from_step=step + 1)
+    checkpointed = step
+    while step < spec.algorithm.max_steps and not ctx.stopping.is_set():
+        started = time.monotonic()
+        results = gather(ctx, step + 1, version, settings)
+        if results is None:
+            break
+        ctx.stopping.wait(max(0.0, settings.step_seconds - (time.monotonic() - started)))
+        step += 1
+        if step % spec.sync.every == 0 or step == spec.algorithm.max_steps:
+            version = publish(ctx, step, version + 1)
+        rewards = [_total_reward(ctx.run, r) for r in results]
+        metrics = _metrics(rewards, time.monotonic() - started)
+        ctx.store.add_metrics(ctx.worker, step, metrics)
+        ctx.log.info("step %d: reward %.4f, weight version %d", step, metrics["reward"], version)
+        ctx.report(step=step, weight_version=version)
+        if step % spec.checkpoint.every == 0 or step == spec.algorithm.max_steps:
+            checkpoint(ctx, step, version)
+            checkpointed = step
+    if step > checkpointed:  # stopped between checkpoints: keep the progress
+        checkpoint(ctx, step, version)
+    ctx.log.info("actor done at step %d (weight version %d)", step, version)
+    return EXIT_SUCCEEDED
+
+
+def resume(ctx: WorkerContext) -> tuple[int, int]:
+    """(step, weight version) to continue from: the latest complete checkpoint, newest weights."""
+    step = version = 0
+    ckpt = ctx.store.latest_checkpoint(ctx.worker.run)
+    if ckpt is not None:
+        try:
+            state = json.loads((Path(ckpt.path) / STATE_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise FatalWorkerError("CheckpointUnreadable", f"checkpoint of step {ckpt.step}: {exc}") from exc
+        step, version = int(state["step"]), int(state["weight_version"])
+        ctx.log.info("resuming from checkpoint of step %d", step)
+    latest = ctx.store.latest_weights(ctx.worker.run)
+    return step, max(version, latest.version if latest else 0)
+
+
+def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> list[dict[str, Any]] | None:
+    """Enqueue the step's prompts and wait for every result; None if told to stop first.
+
+    With no rollout replicas (now: the spec is re-read, it scales while running) the actor serves
+    the tasks itself.
+    """
+    algo = ctx.run.spec.algorithm
+    ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, step, slot, version) for slot in range(algo.prompts_per_step)])
+    replicas, checked = ctx.run.spec.rollout.replicas, time.monotonic()
+    while not ctx.stopping.is_set():
+        rows = ctx.store.step_results(ctx.worker.run, step)
+        if len(rows) == algo.prompts_per_step and all(r.state == "done" for r in rows):
+            return [r.result or {} for r in rows]
+        if time.monotonic() - checked > 1.0:
+            replicas, checked = _rollout_replicas(ctx), time.monotonic()
+        if replicas > 0 or serve_one(ctx, settings) is None:
+            ctx.stopping.wait(POLL_SECONDS)
+    return None
+
+
+def _task(run: TrainingRun, step: int, slot: int, version: int) -> NewTask:
+    algo = run.spec.algorithm
+    request = RolloutRequest(
+        prompt=f"simulated prompt {step}.{slot}",
+        row={"step": step, "slot": slot},
+        num_generations=algo.num_generations,
+        seed=algo.seed * 1_000_003 + step * 1_000 + slot,
+    )
+    return NewTask(step=step, slot=slot, min_weight_version=max(0, version - algo.max_staleness),
+                   payload=request.model_dump(mode="json"))
+
+
+def _rollout_replicas(ctx: WorkerContext) -> int:
+    spec = ctx.store.get_run(ctx.worker.run).spec
+    return int(spec.get("rollout", {}).get("replicas", 1))
+
+
+def publish(ctx: WorkerContext, step: int, version: int) -> int:
+    """Write weights v`version`, record them, drop all but the newest few."""
+    final = paths.weights_dir(ctx.worker.run) / f"v{version}-i{ctx.worker.incarnation}"
+    write_dir_atomically(ctx, final, {"weights.json": {"version": version, "step": step}})
+    ctx.store.publish_weights(ctx.worker, version, step, str(final))
+    for old in ctx.store.list_weights(ctx.worker.run)[:-KEEP_WEIGHTS]:
+        ctx.store.delete_weights(ctx.worker, old.version)
+    sweep(final.parent, {w.path for w in ctx.store.list_weights(ctx.worker.run)})
+    return version
+
+
+def checkpoint(ctx: WorkerContext, step: int, version: int) -> None:
+    """Write checkpoint `step`, record it, keep the newest `checkpoint.keep`."""
+    final = paths.checkpoints_dir(ctx.worker.run) / f"step-{step}-i{ctx.worker.incarnation}"
+    write_dir_atomically(ctx, final, {STATE_FILE: {"step": step, "weight_version": version}})
+    ctx.store.record_checkpoint(ctx.worker, step, str(final), version)
+    for old in ctx.store.list_checkpoints(ctx.worker.run)[: -ctx.run.spec.checkpoint.keep]:
+        ctx.store.delete_checkpoint(ctx.worker, old.step)
+    sweep(final.parent, {c.path for c in ctx.store.list_checkpoints(ctx.worker.run, complete_only=False)})
+
+
+def write_dir_atomically(ctx: WorkerContext, final: Path, files: dict[str, Any]) -> None:
+    """JSON files in a directory that appears whole (mortal.workers.atomic).
+
+    Files cannot be fenced the way store writes are: a worker paused between its last fence check
+    and the rename still renames when it wakes. So every directory name carries the incarnation
+    (a zombie can never replace a newer incarnation's files), the store row is the commit point,
+    and `sweep` later removes directories no row points to.
+    """
+    with atomic_dir(final) as tmp:
+        for name, content in files.items():
+            (tmp / name).write_text(json.dumps(content))
+        ctx.check_fence()
+
+
+def sweep(folder: Path, recorded: set[str]) -> None:
+    """Remove what no store row points to: retired versions, leftovers of crashed or fenced writers.
+
+    Only the live incarnation calls this, after its own write was recorded.
+    """
+    for path in folder.iterdir():
+        if str(path) not in recorded:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _total_reward(run: TrainingRun, result: dict[str, Any]) -> float:
+    """Mean over the task's completions of the weighted sum of its reward functions' scores."""
+    weights = dict(zip(reward_names(run.spec.rewards), (r.weight for r in run.spec.rewards), strict=True))
+    scores = result.get("rewards", {})
+    n = len(result.get("completion_ids", [])) or 1
+    return sum(weights.get(name, 1.0) * (s or 0.0) for name, col in scores.items() for s in col) / n
+
+
+def _metrics(rewards: list[float], seconds: float) -> dict[str, float]:
+    mean = statistics.fmean(rewards) if rewards else 0.0
+    std = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+    return {"reward": mean, "reward_std": std, "loss": 1.0 - mean, "step_seconds": seconds}
+
+
+# -- rollout -----------------------------------------------------------------------------------
+def run_rollout(ctx: WorkerContext) -> int:
+    """Serve tasks until told to stop."""
+    settings = Settings.of(ctx.run)
+    while not ctx.stopping.is_set():
+        task = serve_one(ctx, settings)
+        if task is None:
+            ctx.stopping.wait(POLL_SECONDS)
+        else:
+            ctx.report(step=task.step, weight_version=(task.result or {}).get("weight_version"))
+    return EXIT_SUCCEEDED
+
+
+def serve_one(ctx: WorkerContext, settings: Settings) -> TaskRow | None:
+    """Lease one task the newest weights may answer, "generate", complete it; the task, or None if
+    none was free."""
+    latest = ctx.store.latest_weights(ctx.worker.run)
+    version = latest.version if latest else 0
+    task = ctx.store.lease_task(ctx.worker, settings.task_lease_seconds, max_weight_version=version)
+    if task is None:
+        return None
+    started = time.monotonic()
+    time.sleep(settings.generate_seconds)
+    task.result = simulated_result(ctx.run, task, version, time.monotonic() - started)
+    if not ctx.store.complete_task(ctx.worker, task.id, task.lease_token, task.result):
+        ctx.log.warning("task %d.%d: lease lost before completion", task.step, task.slot)
+    return task
+
+
+def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: float) -> dict[str, Any]:
+    """A RolloutResult of fixed tokens, every completion scored simulated_reward(step)."""
+    n = RolloutRequest.model_validate(task.payload).num_generations
+    score = simulated_reward(task.step)
+    result = RolloutResult(
+        prompt_ids=[1, 2, 3],
+        completion_ids=[[task.step, task.slot, g] for g in range(n)],
+        logprobs=[[-1.0, -1.0, -1.0] for _ in range(n)],
+        completions=[f"simulated completion {task.step}.{task.slot}.{g}" for g in range(n)],
+        rewards={name: [score] * n for name in reward_names(run.spec.rewards)},
+        weight_version=version,
+        generation_seconds=seconds,
+    )
+    return result.model_dump(mode="json")

@@ -1,0 +1,176 @@
+"""Weight sync `volume`: the actor publishes each weight version as safetensors on the shared volume.
+
+Called by the actor (`WeightPublisher.publish` after optimizer steps) and by rollout workers
+(`load_published` / `read_published` when a new version is recorded in the store).
+
+    $MORTAL_HOME/runs/<run>/weights/v<version>/model.safetensors   plain base-model tensor names
+                                              /config.json         so `from_pretrained(dir)` works too
+
+A version directory appears atomically (mortal.workers.atomic), then its row is written
+(`store.publish_weights`), so a rollout that reads the store never sees a partial file. LoRA is
+merged out of place (base + B @ A * scale, computed into new tensors; the training model is never
+modified, so publishing cannot perturb training), under the base model's own names, so rollouts
+load plain weights. Tied tensors (embeddings / lm_head) are written once.
+It must not decide when to publish (the actor does) nor touch the task queue.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mortal.state import paths
+from mortal.state.store import Store, WorkerRef
+from mortal.workers.atomic import atomic_dir, remove_stale_tmp
+
+WEIGHTS_FILE = "model.safetensors"
+KEEP_VERSIONS = 3
+_PEFT_MARKERS = ("lora_", "modules_to_save", "original_module")
+
+
+class WeightsError(RuntimeError):
+    """Published weights do not fit the model that loads them (or a model cannot be published)."""
+
+
+def version_dir(run: str, version: int) -> Path:
+    return paths.weights_dir(run) / f"v{version}"
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under the base model's names, LoRA merged out of place, ties written once."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    state = {_clean_name(k): v.detach() for k, v in base.state_dict().items() if not _is_adapter_key(k)}
+    for name, module in base.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "get_delta_weight"):
+            state[f"{name}.weight"] = _merged_weight(module)
+    leftovers = [k for k in state if any(m in k for m in _PEFT_MARKERS)]
+    if leftovers:
+        raise WeightsError(f"cannot publish adapter tensors as plain weights: {leftovers[:3]}")
+    return _drop_shared(state)
+
+
+def _is_adapter_key(key: str) -> bool:
+    return ".lora_" in key  # lora_A / lora_B / lora_embedding_* / lora_magnitude_vector
+
+
+def _clean_name(key: str) -> str:
+    return key.replace(".base_layer.", ".")
+
+
+def _merged_weight(module: Any) -> torch.Tensor:
+    """base weight + each active, unmerged adapter's delta, as a new tensor (vanilla LoRA only)."""
+    weight = module.get_base_layer().weight.detach()
+    merged = weight.clone()
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A or adapter in getattr(module, "merged_adapters", []):
+            continue
+        if adapter in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(adapter):
+            raise WeightsError(f"adapter {adapter!r} is not plain LoRA; only plain LoRA can be published merged")
+        merged += module.get_delta_weight(adapter).detach().to(weight.dtype)
+    return merged
+
+
+def _drop_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of tensors that share storage (tied weights); safetensors refuses aliases."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.to("cpu").contiguous()
+    return out
+
+
+def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int) -> Path:
+    """Write `dest` (a version directory) atomically; returns it."""
+    state = plain_state_dict(model)
+    config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
+    with atomic_dir(dest) as tmp:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "version": str(version), "step": str(step)})
+        if config is not None:
+            config.save_pretrained(tmp)
+    return dest
+
+
+def read_published(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a published version (a version directory or its model.safetensors)."""
+    path = Path(path)
+    return load_file(str(path / WEIGHTS_FILE if path.is_dir() else path), device=device)
+
+
+def load_published(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy a published version into `model` in place; WeightsError unless every weight is covered.
+
+    Tensors the file leaves out must be tied to one it has (lm_head to the embeddings).
+    """
+    device = next(model.parameters()).device
+    state = read_published(path, device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise WeightsError(f"{path}: tensors the model does not have: {sorted(unexpected)[:5]}")
+    current = model.state_dict()
+    loaded = {_ptr(t) for name, t in current.items() if name in state}
+    untied = [name for name in missing if _ptr(current[name]) not in loaded]
+    if untied:
+        raise WeightsError(f"{path}: weights missing from the file: {sorted(untied)[:5]}")
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@dataclass
+class WeightPublisher:
+    """The actor's side of sync `volume`: write a version, record it, keep the newest few on disk."""
+
+    store: Store
+    worker: WorkerRef
+    keep: int = KEEP_VERSIONS
+    steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
+
+    @property
+    def run(self) -> str:
+        return self.worker.run
+
+    def next_version(self) -> int:
+        """One more than any version ever recorded for the run (versions never go backwards)."""
+        latest = self.store.latest_weights(self.run)
+        return 0 if latest is None else latest.version + 1
+
+    def clear_partial(self) -> None:
+        """Remove temporary directories left by an actor that died mid-write (call at start)."""
+        remove_stale_tmp(paths.weights_dir(self.run))
+
+    def publish(self, model: torch.nn.Module, step: int, version: int | None = None) -> int:
+        """Write, record and prune; returns the version published."""
+        version = self.next_version() if version is None else version
+        dest = write_weights(model, version_dir(self.run, version), version, step)
+        self.store.publish_weights(self.worker, version, step, str(dest), method="volume")
+        self.steps[version] = step
+        self.prune()
+        return version
+
+    def step_of(self, version: int) -> int:
+        """The optimizer step whose result `version` is (asked of the store for older versions)."""
+        if version not in self.steps:
+            for row in self.store.list_weights(self.run):
+                self.steps.setdefault(row.version, row.step)
+        return self.steps[version]
+
+    def prune(self) -> None:
+        """Delete all but the newest `keep` versions: row first (rollouts stop choosing it), then files.
+
+        A queued task needs a version >= its min_weight_version, which the newest always satisfies,
+        so no task needs an older one; `keep` > 1 leaves time for a rollout loading one just replaced.
+        """
+        rows = sorted(self.store.list_weights(self.run), key=lambda row: row.version)
+        for row in rows[: max(0, len(rows) - self.keep)]:
+            self.store.delete_weights(self.worker, row.version)
+            shutil.rmtree(row.path, ignore_errors=True)
