@@ -154,6 +154,10 @@ class Reconciler:
     def _apply(self, run: RunRow, spec: TrainingSpec, backend: Backend | None, decided: Plan,
                fence: LeaderFence) -> Outcome:
         failures: list[str] = []
+        stops = [a for a in decided.actions if isinstance(a, Stop)]
+        # A hung process is killed before its row is written: frozen mid-transaction, it may hold the
+        # very row lock that write needs, and only its death releases it.
+        self._stop_all(run.name, backend, [a for a in stops if a.grace_seconds == 0])
         for action in decided.actions:
             if isinstance(action, Adopt):
                 self.store.set_worker_handle(action.worker_id, action.handle, fence)
@@ -161,7 +165,7 @@ class Reconciler:
             elif isinstance(action, EndWorker):
                 self.store.end_worker(action.worker_id, action.state, action.exit_code, action.message, fence)
                 self._event(run.name, action.event)
-        self._stop_all(run.name, backend, [a for a in decided.actions if isinstance(a, Stop)])
+        self._stop_all(run.name, backend, [a for a in stops if a.grace_seconds != 0])
         for action in decided.actions:
             if isinstance(action, Launch) and backend is not None:
                 try:

@@ -23,6 +23,7 @@ from sqlalchemy.pool import StaticPool
 from sqlmodel import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+PG_IDLE_IN_TRANSACTION_TIMEOUT_MS = 30_000
 _WRITE = "mortal_write"
 
 
@@ -53,7 +54,10 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # A process frozen inside a transaction (SIGSTOP, a paused VM) would hold its row locks for ever and
+    # stall every writer behind it, the controller included: the server ends such a session instead.
+    options = f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}"
+    return create_engine(url, pool_pre_ping=True, connect_args={"options": options})
 
 
 def _sqlite_on_connect(dbapi_connection, connection_record) -> None:

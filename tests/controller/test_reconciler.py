@@ -3,7 +3,9 @@ status written once and only when it changed, conflicts, purge, sweeping a vanis
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 
 import pytest
 from realproc import FAST
@@ -18,7 +20,7 @@ from mortal.controller.backends.base import (
 from mortal.controller.leader import LeaderElector
 from mortal.controller.outcome import Done, RequeueAfter, Retry
 from mortal.controller.reconciler import Reconciler
-from mortal.state import paths
+from mortal.state import WorkerRef, paths
 from mortal.workers.simulated import simulated_run
 
 
@@ -174,3 +176,23 @@ def test_one_listing_serves_many_passes(world):
     for i in range(5):
         rec.reconcile(f"r{i}")
     assert listing.scans == scans + 1
+
+
+def test_a_hung_worker_is_killed_before_its_row_is_ended(store, store_url, mortal_home):
+    """Frozen inside a transaction, a worker may hold the lock on its own row: only its death frees it."""
+    backend = MemoryBackend()
+    elector = LeaderElector(store, holder="me")
+    assert elector.try_acquire()
+    rec = Reconciler(store, store_url, elector, dataclasses.replace(FAST, worker_lease_seconds=0.2),
+                     backends=lambda _: backend)
+    apply(store)
+    rec.reconcile("r")
+    actor = next(w for w in store.list_workers("r") if w.role == "actor")
+    store.heartbeat(WorkerRef("r", "actor", 0, actor.incarnation), step=1)
+    states_at_stop = []
+    backend.stop = lambda handle, grace_seconds=5.0: states_at_stop.append(
+        (handle, grace_seconds, next(w.state for w in store.list_workers("r") if w.handle == handle)))
+    time.sleep(0.5)
+    rec.reconcile("r")
+    assert states_at_stop == [(actor.handle, 0.0, "Running")]
+    assert next(w for w in store.list_workers("r") if w.id == actor.id).state == "Lost"
