@@ -196,7 +196,7 @@ class Reconciler:
             run=run.name, role=action.role, replica=action.replica, incarnation=row.incarnation, worker_id=ref.id,
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu, gpu_count=1,
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
-            heartbeat_seconds=self.config.heartbeat_seconds,
+            heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
         )
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:

@@ -11,7 +11,7 @@ from sqlmodel import Session, select
 
 from mortal.state.errors import Fenced
 from mortal.state.store import LeaderFence, WorkerRef
-from mortal.state.tables import LeaseRow, WorkerRow, utcnow
+from mortal.state.tables import LeaseRow, RunRow, WorkerRow, utcnow
 
 TERMINAL_WORKER_STATES = frozenset({"Succeeded", "Failed", "Lost", "Stopped"})
 
@@ -47,4 +47,8 @@ def check_worker(session: Session, worker: WorkerRef, for_update: bool = False) 
         raise Fenced(f"{worker.id} is not the live incarnation of its slot (newest: {current})")
     if newest.state in TERMINAL_WORKER_STATES:
         raise Fenced(f"{worker.id} has ended ({newest.state})")
+    if worker.run_uid is not None:
+        uid = session.exec(select(RunRow.uid).where(RunRow.name == worker.run)).first()
+        if uid != worker.run_uid:
+            raise Fenced(f"{worker.id} was launched for an earlier run named {worker.run!r} (uid {worker.run_uid})")
     return newest

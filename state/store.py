@@ -41,12 +41,18 @@ class ApplyOutcome(StrEnum):
 
 @dataclass(frozen=True)
 class WorkerRef:
-    """Who is writing: a worker identifies itself by its slot and incarnation (the fencing token)."""
+    """Who is writing: a worker identifies itself by its slot and incarnation (the fencing token).
+
+    `run_uid`, when set, is the uid of the run the worker was launched for: incarnations count from 1
+    again when a run is purged and created anew under its name, and the uid is what then tells a
+    leftover worker of the old run from the new run's worker of the same number.
+    """
 
     run: str
     role: str
     replica: int
     incarnation: int
+    run_uid: str | None = field(default=None, compare=False)
 
     @property
     def id(self) -> str:

@@ -71,10 +71,11 @@ class TaskQueue:
             return s.get(TaskRow, task.id, populate_existing=True) if claimed else None
 
     def _held(self, worker: WorkerRef, task_id: int, lease_token: int) -> Any:
-        """WHERE clause: the task is still leased under this token."""
+        """WHERE clause: the task is still leased to this worker under this token."""
         return and_(
             TaskRow.id == task_id,
             TaskRow.run == worker.run,
+            TaskRow.lease_holder == worker.id,  # ids can be reused after reset_tasks on SQLite; holders cannot
             TaskRow.lease_token == lease_token,
             TaskRow.state == "leased",
         )

@@ -108,6 +108,7 @@ def worker_ref_from_env(environ: Mapping[str, str]) -> WorkerRef:
             role=environ["MORTAL_ROLE"],
             replica=int(environ["MORTAL_REPLICA"]),
             incarnation=int(environ["MORTAL_INCARNATION"]),
+            run_uid=environ.get("MORTAL_RUN_UID") or None,
         )
     except (KeyError, ValueError) as exc:
         raise RuntimeError(f"not started as a mortal worker: bad or missing environment {exc}") from exc

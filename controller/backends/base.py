@@ -74,6 +74,7 @@ class WorkerLaunch:
     gpu_count: int = 1
     env: dict[str, str] = field(default_factory=dict)
     heartbeat_seconds: float | None = None
+    run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ WORKER_MODULE = "mortal.workers.main"
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that exited and was not stop()ped
 # Identity variables of a worker: never inherited from the controller's own environment.
 _IDENTITY = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
-             "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL", "CUDA_VISIBLE_DEVICES")
+             "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)
@@ -312,6 +312,7 @@ def _worker_env(launch: WorkerLaunch, visible: str) -> dict[str, str]:
         MORTAL_REPLICA=str(launch.replica),
         MORTAL_INCARNATION=str(launch.incarnation),
         MORTAL_WORKER_ID=launch.worker_id,
+        MORTAL_RUN_UID=launch.run_uid,
         MORTAL_HOME=str(launch.mortal_home),
         MORTAL_STATE_URL=launch.state_url,
         CUDA_VISIBLE_DEVICES=visible,

@@ -203,6 +203,33 @@ def test_stale_incarnation_is_fenced(store: Store, run: str) -> None:
         store.heartbeat(WorkerRef(run, "rollout", 7, 1))
 
 
+def test_a_worker_of_a_purged_run_is_fenced_from_its_successor_of_the_same_name(store: Store, run: str) -> None:
+    """Incarnations count from 1 again in a run created anew: the run's uid tells the two apart."""
+    old_uid = store.get_run(run).uid
+    old = WorkerRef(run, "actor", 0, _worker(store, run).incarnation, run_uid=old_uid)
+    store.heartbeat(old)
+    store.mark_deleted(run)
+    store.purge_run(run)
+    store.apply_run(run, SPEC)
+    new_uid = store.get_run(run).uid
+    assert new_uid != old_uid
+    new = WorkerRef(run, "actor", 0, _worker(store, run).incarnation, run_uid=new_uid)
+    assert (new.run, new.role, new.replica, new.incarnation) == (old.run, old.role, old.replica, old.incarnation)
+    with pytest.raises(Fenced, match="earlier run"):
+        store.heartbeat(old)
+    assert store.heartbeat(new).state == "Running"
+
+
+def test_a_task_is_completed_only_by_the_worker_holding_its_lease(store: Store, run: str) -> None:
+    actor = _worker(store, run)
+    store.enqueue_tasks(actor, [NewTask(step=1, slot=0, min_weight_version=0)])
+    holder, other = _worker(store, run, "rollout", 0), _worker(store, run, "rollout", 1)
+    task = store.lease_task(holder, 30)
+    assert not store.complete_task(other, task.id, task.lease_token, {"reward": 1.0})
+    assert not store.renew_task(other, task.id, task.lease_token, 30)
+    assert store.complete_task(holder, task.id, task.lease_token, {"reward": 1.0})
+
+
 def _row_id(store: Store, ref: WorkerRef) -> int:
     (row,) = [w for w in store.list_workers(ref.run) if w.incarnation == ref.incarnation]
     return row.id
