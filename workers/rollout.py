@@ -158,10 +158,11 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     spec = ctx.run.spec
     rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps)
     set_threads()
-    engine_cls = select_engine(spec.generation.engine)
+    device = worker_device(spec.rollout.gpu, "spec.rollout.gpu")
+    engine_cls = select_engine(spec.generation.engine, device)
     tokenizer = load_tokenizer(spec.model)
     started = time.monotonic()
-    engine = engine_cls.create(spec.model, tokenizer, device=worker_device(spec.rollout.gpu, "spec.rollout.gpu"))
+    engine = engine_cls.create(spec.model, tokenizer, device=device)
     ctx.log.info("engine %s ready in %.1f s; rewards: %s", engine.name, time.monotonic() - started,
                  ", ".join(rewards.names))
     return RolloutWorker(ctx, engine, tokenizer, rewards)

@@ -156,6 +156,9 @@ def test_load_weights_of_another_architecture_is_fatal(engine, tmp_path: Path) -
 
 def test_engine_selection() -> None:
     assert select_engine("transformers") is TransformersEngine
+    assert resolve_engine_name("auto", device="cpu") == "transformers", "a CPU rollout never picks vLLM"
+    with pytest.raises(FatalWorkerError, match="needs a CUDA GPU|not installed"):
+        resolve_engine_name("vllm", device="cpu")
     if not torch.cuda.is_available():
         assert resolve_engine_name("auto") == "transformers"
     try:

@@ -22,16 +22,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_engine_name(name: str) -> str:
-    """`auto` -> vllm or transformers for this machine; vllm without vLLM or a GPU is fatal."""
+def resolve_engine_name(name: str, device: str = "cuda") -> str:
+    """`auto` -> vllm where vLLM is installed and the rollout runs on a GPU (`device` from
+    spec.rollout.gpu), else transformers; vllm without vLLM or a GPU is fatal."""
     from mortal.workers.engines.vllm_engine import vllm_available
 
     if name == "auto":
-        return "vllm" if vllm_available() and _cuda_available() else "transformers"
+        return "vllm" if device == "cuda" and vllm_available() and _cuda_available() else "transformers"
     if name == "vllm" and not vllm_available():
         raise FatalWorkerError("EngineUnavailable", "spec.generation.engine 'vllm': vLLM is not installed on this "
                                "worker; install it (pip install vllm) or use engine: transformers or auto")
-    if name == "vllm" and not _cuda_available():
+    if name == "vllm" and (device != "cuda" or not _cuda_available()):
         raise FatalWorkerError("EngineUnavailable", "spec.generation.engine 'vllm' needs a CUDA GPU; set "
                                "spec.rollout.gpu, or use engine: transformers or auto")
     if name not in ENGINES:
@@ -39,9 +40,9 @@ def resolve_engine_name(name: str) -> str:
     return name
 
 
-def select_engine(name: str) -> type[Engine]:
-    """The Engine class for `spec.generation.engine` on this machine."""
-    if resolve_engine_name(name) == "vllm":
+def select_engine(name: str, device: str = "cuda") -> type[Engine]:
+    """The Engine class for `spec.generation.engine` on this machine and the rollout's device."""
+    if resolve_engine_name(name, device) == "vllm":
         from mortal.workers.engines.vllm_engine import VllmEngine
 
         return VllmEngine
