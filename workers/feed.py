@@ -47,14 +47,17 @@ class StepBatch:
     weight_versions: list[int] = field(default_factory=list)
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
 
     def metrics(self, step: int, weights_step: Callable[[int], int]) -> dict[str, float]:
         """Staleness (optimizer steps between the sampling weights and the trained ones) and volumes.
 
         `weights_step(version)` is the step a version's weights are the result of; with sync.every 1
-        the staleness in steps equals the one in versions."""
+        the staleness in steps equals the one in versions. Values reward functions passed to
+        `log_metric` are averaged over the step under their own names, as TRL reports them."""
         staleness = [step - weights_step(v) for v in self.weight_versions]
-        return {
+        logged = {name: sum(values) / len(values) for name, values in self.logged_metrics.items() if values}
+        return logged | {
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
             "completion_tokens": float(sum(len(c) for c in self.completion_ids)),
@@ -144,6 +147,8 @@ class RolloutFeed:
                 batch.weight_versions.append(result.weight_version)
             batch.generation_seconds += result.generation_seconds
             batch.reward_seconds += result.reward_seconds
+            for name, values in result.logged_metrics.items():
+                batch.logged_metrics.setdefault(name, []).extend(values)
         return batch
 
     def _check(self, row: TaskRow, result: RolloutResult) -> None:

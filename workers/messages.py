@@ -28,6 +28,8 @@ class RolloutResult(BaseModel):
     weight_version: int = Field(description="the weight version that generated these completions")
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
+    logged_metrics: dict[str, list[float]] = Field(
+        default_factory=dict, description="what reward functions passed to TRL's log_metric, by metric name")
 
 
 def reward_names(rewards: list[Any]) -> list[str]:

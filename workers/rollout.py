@@ -111,8 +111,8 @@ class RolloutWorker:
         self.ctx.log.info("task %d.%d: %d tokens in %.2f s (%.1f tokens/s), rewards in %.3f s, weights v%d",
                           task.step, task.slot, tokens, generated, tokens / max(generated, 1e-9), scored,
                           self.loaded_version)
-        if self.rewards.logs.metrics or self.rewards.logs.extra:
-            self.ctx.log.info("task %d.%d reward logs: %s", task.step, task.slot, self.rewards.logs)
+        if self.rewards.logs.extra:  # TRL shows these in its completions table; here they go to the log
+            self.ctx.log.info("task %d.%d log_extra: %s", task.step, task.slot, self.rewards.logs.extra)
         return RolloutResult(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
@@ -122,6 +122,7 @@ class RolloutWorker:
             weight_version=self.loaded_version,
             generation_seconds=generated,
             reward_seconds=scored,
+            logged_metrics=self.rewards.logs.metrics,
         ).model_dump(mode="json")
 
     @contextlib.contextmanager

@@ -43,6 +43,7 @@ def _answer_all(store: Any, rollout: Any, version: int, completions: int = G,
             logprobs=[[-0.1] * 3 for _ in range(completions)], completions=["x"] * completions,
             rewards={"a": [float(g) for g in range(completions)], "b": [None] * completions},
             weight_version=version if reported_version is None else reported_version,
+            logged_metrics={"judge_calls": [float(task.slot + 1)]},
         )
         assert request.num_generations == G and request.row["prompt"] == request.prompt
         assert store.complete_task(rollout.worker, task.id, task.lease_token, result.model_dump())
@@ -74,6 +75,7 @@ def test_collect_flattens_groups_in_slot_order_with_their_versions(setup) -> Non
     metrics = batch.metrics(step=1, weights_step=lambda version: version)
     assert metrics["staleness/mean"] == 1.0 and metrics["staleness/max"] == 1.0
     assert metrics["completion_tokens"] == 12.0
+    assert metrics["judge_calls"] == 1.5, "a reward's log_metric values are averaged over the step, as in TRL"
 
 
 def test_a_result_older_than_its_task_allows_is_redone(setup) -> None:
