@@ -31,14 +31,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def store(mortal_home: Path, monkeypatch: pytest.MonkeyPatch):
-    """SQLite only: these tests are about the actor, the store contract is tested on both databases."""
-    from mortal.state import open_store
-
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    opened = open_store(f"sqlite:///{mortal_home / 'state.db'}")
-    yield opened
-    opened.close()
+def store(sqlite_store):
+    """SQLite only (tests/workers/conftest.py)."""
+    return sqlite_store
 
 
 def _metrics(store, run: str) -> dict[int, dict[str, float]]:

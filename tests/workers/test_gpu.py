@@ -32,13 +32,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def store(mortal_home: Path, monkeypatch: pytest.MonkeyPatch):
-    from mortal.state import open_store
-
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    opened = open_store(f"sqlite:///{mortal_home / 'state.db'}")
-    yield opened
-    opened.close()
+def store(sqlite_store):
+    """SQLite only (tests/workers/conftest.py)."""
+    return sqlite_store
 
 
 @pytest.mark.gpu

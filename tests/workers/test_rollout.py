@@ -17,7 +17,7 @@ from rollout_helpers import (
 )
 
 from mortal.specs.training import ModelSpec
-from mortal.state import Store, open_store
+from mortal.state import Store
 from mortal.workers import rollout
 from mortal.workers.data import load_rows
 from mortal.workers.engines import GenerationParams
@@ -39,13 +39,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "other", seed=1)
-
-
-@pytest.fixture
-def sqlite_store(mortal_home: Path):
-    opened = open_store(f"sqlite:///{mortal_home / 'state.db'}")
-    yield opened
-    opened.close()
 
 
 class Serving:
