@@ -84,7 +84,8 @@ class AlgorithmSpec(SpecModel):
     beta: float = Field(0.0, ge=0, description="KL penalty coefficient; 0 = no reference model.")
     epsilon: float = Field(0.2, gt=0, description="Lower clipping range of the importance ratio.")
     epsilon_high: float | None = Field(
-        None, gt=0, description="Upper clipping range; absent = epsilon (DAPO suggests 0.28)."
+        None, gt=0, description="Upper clipping range; absent = epsilon (DAPO suggests 0.28). With lossType cispo "
+        "it is the cap of the importance weights (TRL recommends 5.0 there)."
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scaling: by the group's std, the batch's std, or none."
