@@ -25,6 +25,7 @@ from mortal.controller.trainer_inputs import (
     dataset_name,
     dataset_rows,
     default_run_name,
+    is_code_execution,
     reward_entries,
     write_dataset,
 )
@@ -36,6 +37,8 @@ DEFAULT_REWARDS = [
     {"function": "mortal.workers.builtin_rewards:correct_answer", "weight": 1.0},
     {"function": "mortal.workers.builtin_rewards:short_answer", "weight": 0.2},
 ]
+CODE_DATASET = "builtin:mbpp-mini"
+CODE_SYSTEM_PROMPT = "Answer with one Python code block."
 
 __all__ = [
     "Distributed", "GPUConfig", "MortalTrainer", "RewardNotImportable", "SingleNode", "TrainerError", "TrainingFailed",
@@ -68,7 +71,9 @@ class MortalTrainer:
     (see `mortalctl schema`). Notable ones:
       mode            SingleNode(...) | Distributed(...) | None (the spec's default: CPU on this machine)
       reward_funcs    TRL-style functions, RewardEnvironment classes/instances, 'module:attr' strings, or
-                      a built-in env name ('code-execution' / 'sandbox', 'llm-judge', 'math-answer')
+                      a built-in env name ('code-execution' / 'sandbox', 'llm-judge', 'math-answer');
+                      'sandbox' alone without train_dataset trains on builtin:mbpp-mini, and None with a
+                      train_dataset means 'sandbox' (the seed's default): the rows need a `tests` column
       train_dataset   datasets.Dataset, list of dicts, or a hub id / .jsonl / .parquet path / 'builtin:NAME'
       batch_size      completions per optimizer step, as in the spec (prompts per step = batch_size /
                       num_generations)
@@ -132,17 +137,31 @@ class MortalTrainer:
 
         self.detach, self.quiet, self.start_controller, self.state_url = detach, quiet, start_controller, state_url
         name = name or default_run_name(model)
-        if (reward_funcs is None) != (train_dataset is None):
-            missing = "reward_funcs" if reward_funcs is None else "train_dataset"
-            raise TrainerError(f"{missing} is required when the other is given (leave both out for the "
-                               "built-in arithmetic task)")
+        code_only = reward_funcs is not None and is_code_execution(reward_funcs)
+        if train_dataset is None and reward_funcs is not None and not code_only:
+            raise TrainerError("train_dataset is required when reward_funcs is given (leave both out for the "
+                               "built-in arithmetic task; reward_funcs='sandbox' alone trains on builtin:mbpp-mini)")
+        if reward_funcs is None and train_dataset is not None:
+            reward_funcs, code_only = "sandbox", True  # the seed's default: code execution with the rows' tests
         column = prompt_column or "prompt"
         rows = dataset_rows(train_dataset) if train_dataset is not None else None
         if rows is not None:
+            funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+            needed = {getattr(f, "tests_column", "tests") for f in funcs if not isinstance(f, type)} if code_only else set()
+            missing = sorted(needed - set(rows[0] if rows else needed))
+            if missing:
+                raise TrainerError(f"code-execution rewards ('sandbox') run each row's {missing[0]!r} column (a list "
+                                   "of assert statements), and train_dataset has none; add it, or pass reward_funcs")
             dataset = str(write_dataset(rows, name, column, paths.mortal_home()))
+        elif train_dataset is not None:
+            dataset = dataset_name(train_dataset)
+        elif code_only:
+            dataset, system_prompt = CODE_DATASET, system_prompt or CODE_SYSTEM_PROMPT
         else:
-            dataset = dataset_name(train_dataset) if train_dataset is not None else DEFAULT_DATASET
+            dataset = DEFAULT_DATASET
         rewards = reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else DEFAULT_REWARDS
+        judge_keys = [r["api_key_env"] for r in rewards if r.get("api_key_env")]  # the judge's key travels as a secret
+        secrets = list(dict.fromkeys([*(secrets or []), *judge_keys])) or None
         if max_completion_length is not None and max_tokens is not None and max_completion_length != max_tokens:
             raise TrainerError("max_completion_length and max_tokens mean the same here; give one")
         lora = _drop_none({"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout,

@@ -35,10 +35,14 @@ class RewardNotImportable(TrainerError):
 def reward_entry(reward: Any, weight: float | None = None) -> dict[str, Any]:
     """One spec.rewards entry for a callable, a RewardEnvironment class or instance, or a string."""
     entry: dict[str, Any]
+    builtin = getattr(reward, "spec_entry", None) if _is_reward_environment(reward) else None
     if isinstance(reward, str):
         entry = {"env": BUILTIN_ENV_NAMES[reward]} if reward in BUILTIN_ENV_NAMES else {"function": reward}
     elif isinstance(reward, type):
-        entry = {"function": import_path(reward)}
+        env = reward.__dict__.get("ENV")  # a built-in environment class itself (not a subclass): its env name
+        entry = {"env": env} if isinstance(env, str) and env != "llm-judge" else {"function": import_path(reward)}
+    elif builtin is not None and builtin() is not None:  # a built-in environment instance: env + args
+        entry = builtin()
     elif _is_reward_environment(reward):
         entry = {"function": import_path(type(reward)), "args": instance_args(reward)}
     elif callable(reward):
@@ -115,6 +119,20 @@ def instance_args(env: Any) -> dict[str, Any]:
                 f"self.{p.name} in __init__ (the worker rebuilds it as {type(env).__name__}(**args))"
             )
     return args
+
+
+def is_code_execution(reward_funcs: Any) -> bool:
+    """reward_funcs that ask for code execution only: 'sandbox' (the seed's name), 'code-execution',
+    or the CodeExecutionEnvironment (class or instance), alone or in a list."""
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+
+    def one(reward: Any) -> bool:
+        if isinstance(reward, str):
+            return BUILTIN_ENV_NAMES.get(reward) == "code-execution"
+        cls = reward if isinstance(reward, type) else type(reward)
+        return cls.__dict__.get("ENV") == "code-execution"
+
+    return bool(funcs) and all(one(f) for f in funcs)
 
 
 def reward_entries(reward_funcs: Any, reward_weights: list[float] | None) -> list[dict[str, Any]]:

@@ -13,8 +13,12 @@ import re
 from typing import Any
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-HASH_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-BOXED_ANSWER = re.compile(r"\\boxed\{\s*(-?[\d,]*\.?\d+)\s*\}")
+# A final answer may be a number, a fraction 'a/b' or a LaTeX \frac{a}{b} (math_answer and the math-answer env).
+VALUE = re.compile(r"-?\\d?frac\{\s*-?[\d,]*\.?\d+\s*\}\{\s*-?[\d,]*\.?\d+\s*\}|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+BOXED_ANSWER = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+LATEX_FRACTION = re.compile(r"(-?)\\d?frac\{\s*(-?[\d,]*\.?\d+)\s*\}\{\s*(-?[\d,]*\.?\d+)\s*\}")
+FRACTION = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)/(\d[\d,]*(?:\.\d+)?)")
 
 
 def completion_text(completion: Any) -> str:
@@ -39,14 +43,35 @@ def parse_number(text: Any) -> float | None:
         return None
 
 
-def _equal(found: float | None, expected: Any) -> bool:
-    target = parse_number(expected)
-    return found is not None and target is not None and abs(found - target) < 1e-6
+def parse_value(text: Any) -> float | None:
+    """The first number, fraction ('3/4') or LaTeX fraction ('\\frac{3}{4}') in `text`, as a float."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = VALUE.search(str(text))
+    if match is None:
+        return None
+    found = match.group()
+    for pattern in (LATEX_FRACTION, FRACTION):
+        parts = pattern.fullmatch(found)
+        if parts is not None:
+            *sign, top, bottom = parts.groups()
+            numerator, denominator = float(top.replace(",", "")), float(bottom.replace(",", ""))
+            if denominator == 0:
+                return None
+            return (-1.0 if sign and sign[0] else 1.0) * numerator / denominator
+    return parse_number(found)
+
+
+def answers_match(found: float | None, expected: Any, tolerance: float = 1e-6) -> bool:
+    """`found` (a parsed answer) equals the value in `expected` within `tolerance`; False if either is missing."""
+    target = parse_value(expected)
+    return found is not None and target is not None and abs(found - target) <= tolerance
 
 
 def correct_answer(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float]:
     """1.0 when the first number in the completion equals `answer` (the arith anchor's reward)."""
-    return [1.0 if _equal(parse_number(completion_text(c)), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+    return [1.0 if answers_match(parse_number(completion_text(c)), a) else 0.0
+            for c, a in zip(completions, answer, strict=True)]
 
 
 def short_answer(completions: list[Any], max_chars: int = 4, **kwargs: Any) -> list[float]:
@@ -60,15 +85,16 @@ def format_number(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 def final_number(text: str) -> float | None:
-    """The answer a GSM8K-style solution gives: '#### n', else '\\boxed{n}', else its last number."""
+    """The answer a solution gives: '#### x', else '\\boxed{x}', else its last value (x: number or fraction)."""
     for pattern in (HASH_ANSWER, BOXED_ANSWER):
-        found = pattern.findall(text)
+        found = [v for v in map(parse_value, pattern.findall(text)) if v is not None]
         if found:
-            return parse_number(found[-1])
-    numbers = NUMBER.findall(text)
-    return parse_number(numbers[-1]) if numbers else None
+            return found[-1]
+    values = VALUE.findall(text)
+    return parse_value(values[-1]) if values else None
 
 
-def math_answer(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float]:
-    """1.0 when the completion's final answer ('#### n', boxed, or last number) equals `answer`."""
-    return [1.0 if _equal(final_number(completion_text(c)), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+def math_answer(completions: list[Any], answer: list[Any], tolerance: float = 1e-6, **kwargs: Any) -> list[float]:
+    """1.0 when the completion's final answer ('#### x', boxed, or last value) equals `answer` within `tolerance`."""
+    return [1.0 if answers_match(final_number(completion_text(c)), a, tolerance) else 0.0
+            for c, a in zip(completions, answer, strict=True)]

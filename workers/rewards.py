@@ -10,6 +10,9 @@ weights (TRL's reward_weights) and logs `rewards/<name>/mean` as TRL does.
 What it must not do: let a broken reward look like a crash to retry. A wrong path, a function that
 raises, or one that returns the wrong length or a non-number is a FatalWorkerError that names the
 reward and says what to fix, so the run fails at once with that reason.
+Built-in environments (`env: code-execution | llm-judge | math-answer`) are built by
+mortal.workers.environments.factory; RewardEnvironment's execute_* helpers run code through
+mortal.workers.sandbox.
 """
 
 from __future__ import annotations
@@ -22,11 +25,20 @@ import math
 import numbers
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
+from mortal.workers.sandbox import (
+    ExecutionResult,
+    Executor,
+    FunctionConfig,
+    Job,
+    SandboxConfig,
+    make_executor,
+)
 
 if TYPE_CHECKING:
     from mortal.specs.rewards import RewardSpec
@@ -56,10 +68,14 @@ class RewardEnvironment:
     Reference the class from a spec (`function: my_module:MyEnv`, with constructor kwargs under
     `args`), or pass an instance to TRL directly: an instance is a TRL reward function. `score`
     sees text: the completion's content and the prompt (the last user message of a chat), plus
-    this completion's dataset columns as keyword arguments.
+    this completion's dataset columns as keyword arguments. To run code, use the execute_* helpers:
+    `execute_in_sandbox` for model-written code (confined, limits from the `sandbox_config` class
+    attribute), `execute_in_function` for your own trusted code (a plain subprocess, timeout only).
     """
 
     name: str | None = None
+    sandbox_config: SandboxConfig = SandboxConfig()
+    function_config: FunctionConfig = FunctionConfig()
 
     def score(self, completion: str, prompt: str, **kwargs: Any) -> float | None:
         raise NotImplementedError(f"{type(self).__name__} must override score() or score_batch()")
@@ -78,6 +94,30 @@ class RewardEnvironment:
         prompts = prompts if prompts is not None else [""] * len(completions)
         kwargs.pop("completion_ids", None)
         return self.score_batch([_completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
+
+    # -- execution helpers (the seed's "Remote Execution Tools") -------------------------------------
+    # sandbox: untrusted code, confined, under `sandbox_config` (mortal.workers.sandbox);
+    # function: trusted code (yours), a plain subprocess with `function_config.timeout` and no confinement.
+    def _executor(self, trusted: bool) -> Executor:
+        attr = "_function_executor" if trusted else "_sandbox_executor"
+        config = self.function_config.as_sandbox() if trusted else self.sandbox_config
+        current = self.__dict__.get(attr)
+        if current is None or current.config != config:  # built on first use; rebuilt if the config changed
+            current = make_executor(config, trusted=trusted)
+            self.__dict__[attr] = current
+        return current
+
+    def execute_in_sandbox(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
+        return self._executor(trusted=False).run(code, stdin, files)
+
+    def execute_batch_in_sandbox(self, codes: list[str | Job]) -> list[ExecutionResult]:
+        return self._executor(trusted=False).run_batch(codes)
+
+    def execute_in_function(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
+        return self._executor(trusted=True).run(code, stdin, files)
+
+    def execute_batch_in_function(self, codes: list[str | Job]) -> list[ExecutionResult]:
+        return self._executor(trusted=True).run_batch(codes)
 
 
 @dataclass(frozen=True)
@@ -131,24 +171,41 @@ def _is_async(func: Any) -> bool:
     return callable(target) and not inspect.isfunction(target) and inspect.iscoroutinefunction(target.__call__)
 
 
-def load_reward(entry: RewardSpec, index: int, name: str) -> LoadedReward:
-    """One spec entry -> a callable reward (a class is constructed with `args`)."""
+def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
+    """Limits the spec sets away from their defaults win over the class's sandbox_config.
+
+    (A stored spec always carries the defaults, so "was it written?" cannot be told from the entry.)
+    """
+    default = type(entry.sandbox)()
+    changes = {}
+    if entry.sandbox.timeout_seconds != default.timeout_seconds:
+        changes["timeout"] = entry.sandbox.timeout_seconds
+    if entry.sandbox.memory_mb != default.memory_mb:
+        changes["memory_mb"] = entry.sandbox.memory_mb
+    if changes:
+        env.sandbox_config = replace(env.sandbox_config, **changes)
+
+
+def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None = None) -> LoadedReward:
+    """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory)."""
     if entry.env is not None:
-        raise FatalWorkerError(
-            "RewardNotBuilt",
-            f"spec.rewards[{index}].env {entry.env!r}: built-in environment {entry.env!r} is not built yet "
-            "(a separate issue builds code-execution, llm-judge and math-answer); use a `function:` reward, "
-            "e.g. mortal.workers.builtin_rewards:math_answer",
-        )
+        from mortal.workers.environments.factory import build_environment  # it imports this module
+
+        env = build_environment(entry, index, run_dir)
+        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env {entry.env!r}", func=env, is_async=False)
     where = f"spec.rewards[{index}].function {entry.function!r}"
     obj = _import_attr(entry.function, where)
     if inspect.isclass(obj):
         try:
             obj = obj(**entry.args)
+        except FatalWorkerError:
+            raise
         except Exception as exc:
             raise FatalWorkerError(
                 "RewardNotFound", f"{where}: constructing it with args {entry.args} failed: {type(exc).__name__}: {exc}"
             ) from exc
+        if isinstance(obj, RewardEnvironment):
+            _apply_sandbox_spec(obj, entry)
     elif entry.args:
         obj = functools.partial(obj, **entry.args) if callable(obj) else obj
     if not callable(obj):
@@ -208,11 +265,13 @@ class RewardSet:
         return [r.name for r in self.rewards]
 
     @classmethod
-    def from_spec(cls, entries: list[RewardSpec], max_steps: int = 0) -> RewardSet:
+    def from_spec(cls, entries: list[RewardSpec], max_steps: int = 0, run_dir: Path | None = None) -> RewardSet:
+        """`run_dir`: the run's folder, where `cache: sqlite` keeps rewards.cache.sqlite."""
         if not entries:
             raise FatalWorkerError("RewardNotFound", "spec.rewards is empty; GRPO needs at least one reward")
         names = reward_names(entries)
-        return cls([load_reward(e, i, n) for i, (e, n) in enumerate(zip(entries, names, strict=True))], max_steps)
+        return cls([load_reward(e, i, n, run_dir) for i, (e, n) in enumerate(zip(entries, names, strict=True))],
+                   max_steps)
 
     def _kwargs(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
                 step: int) -> dict[str, Any]:

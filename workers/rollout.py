@@ -157,7 +157,7 @@ class RolloutWorker:
 def build(ctx: WorkerContext) -> RolloutWorker:
     """Rewards first (a wrong path fails in a second, before any model is loaded), then model and engine."""
     spec = ctx.run.spec
-    rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps)
+    rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps, run_dir=ctx.run_dir)
     set_threads()
     device = worker_device(spec.rollout.gpu, "spec.rollout.gpu")
     engine_cls = select_engine(spec.generation.engine, device)

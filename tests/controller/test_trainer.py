@@ -246,3 +246,32 @@ def test_facade_exports():
                                    "RewardEnvironment"}
     with pytest.raises(AttributeError):
         mortal.NoSuchThing  # noqa: B018
+
+
+def test_sandbox_rewards_map_to_the_code_execution_env_as_in_the_seed():
+    alone = MortalTrainer(reward_funcs="sandbox", name="code1", quiet=True).run.spec
+    assert alone.dataset.name == "builtin:mbpp-mini" and alone.dataset.system_prompt
+    assert [(r.env, r.weight) for r in alone.rewards] == [("code-execution", 1.0)]
+    rows = [{"prompt": "Write f() returning 1.", "tests": ["assert f() == 1"]}] * 4
+    spec = trainer(reward_funcs=None, train_dataset=rows).run.spec  # None + a dataset: the seed's default
+    assert [r.env for r in spec.rewards] == ["code-execution"] and spec.dataset.name.endswith(".jsonl")
+    with pytest.raises(TrainerError, match="'tests' column"):
+        trainer(reward_funcs="sandbox")  # ROWS have no tests
+
+
+def test_builtin_environment_instances_become_env_entries():
+    from mortal.rewards.examples import CodeExecutionEnvironment, LLMJudgeEnvironment
+
+    rows = [{"prompt": "p", "checks": ["assert True"]}] * 4
+    judge = LLMJudgeEnvironment(model="gpt-4o-mini", base_url="http://judge:8000/v1", score_range=(1, 5))
+    run = trainer(reward_funcs=[CodeExecutionEnvironment(tests_column="checks", partial_credit=True, timeout=5),
+                                judge, CodeExecutionEnvironment],
+                  train_dataset=rows, reward_weights=[1.0, 0.5, 0.1], secrets=["HF_TOKEN"]).run
+    code, graded, plain = run.spec_dict()["rewards"]
+    assert code["env"] == "code-execution" and code["args"] == {"tests_column": "checks", "partial_credit": True}
+    assert code["sandbox"]["timeoutSeconds"] == 5
+    assert (graded["env"], graded["model"], graded["baseURL"], graded["apiKeyEnv"]) == (
+        "llm-judge", "gpt-4o-mini", "http://judge:8000/v1", "OPENAI_API_KEY")
+    assert graded["args"] == {"score_range": [1, 5]} and graded["weight"] == 0.5
+    assert plain["env"] == "code-execution"
+    assert run.spec.secrets == ["HF_TOKEN", "OPENAI_API_KEY"]  # the judge's key travels to the workers

@@ -91,7 +91,7 @@ def test_a_reward_environment_instance_is_a_trl_reward_function() -> None:
         ({"function": "reward_fixtures:missing"}, "module reward_fixtures has no attribute missing"),
         ({"function": "reward_fixtures:NOT_CALLABLE"}, "is not callable"),
         ({"function": "reward_fixtures:ContainsWord", "args": {"bad": 1}}, "constructing it with args"),
-        ({"env": "code-execution"}, "built-in environment 'code-execution' is not built yet"),
+        ({"env": "code-execution", "args": {"bogus": 1}}, "env code-execution takes no argument 'bogus'"),
     ],
 )
 def test_loading_errors_are_fatal_and_name_the_entry(entry: dict, message: str) -> None:

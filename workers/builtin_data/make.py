@@ -1,16 +1,19 @@
-"""Regenerate mortal's built-in datasets (`builtin:arith`, `builtin:wordproblems`) deterministically.
+"""Regenerate mortal's built-in datasets (`builtin:arith`, `builtin:wordproblems`, `builtin:mbpp-mini`).
 
-    python workers/builtin_data/make.py          # rewrites arith.jsonl and wordproblems.jsonl here
+    python workers/builtin_data/make.py          # rewrites every <name>.jsonl here
 
 Who uses the files: mortal.workers.data (`dataset.name: builtin:NAME`). Every row has a chat
-`prompt` ([{"role": "user", ...}]) and a numeric `answer` (a string, as GSM8K keeps it); word
-problems also carry a worked `solution` ending in "#### <answer>". The same seed always writes
+`prompt` ([{"role": "user", ...}]); arith and word problems have a numeric `answer` (a string, as
+GSM8K keeps it), word problems also a worked `solution` ending in "#### <answer>"; mbpp-mini rows
+(tasks in mbpp_mini_tasks.py) have `tests` (assert strings, run by `env: code-execution`) and a
+reference `solution` that passes them. The same seed always writes
 the same bytes (tests/workers/test_data.py checks), so the files are reviewable and never drift.
 Not imported by the package: it is a developer's script.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from collections.abc import Callable
@@ -140,11 +143,25 @@ def wordproblem_rows(per_template: int = 30, seed: int = 0) -> list[dict]:
     return rows
 
 
+MBPP_INSTRUCTION = "Write a Python function such that {task}\nYour code should pass this test:\n{example}"
+
+
+def mbpp_mini_rows() -> list[dict]:
+    """Small Python tasks with assert tests (mbpp_mini_tasks.py, loaded by path: this is a script)."""
+    spec = importlib.util.spec_from_file_location("mbpp_mini_tasks", HERE / "mbpp_mini_tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    return [{"prompt": [{"role": "user", "content": MBPP_INSTRUCTION.format(task=task, example=tests[0])}],
+             "tests": tests, "solution": solution}
+            for task, solution, tests in tasks.TASKS]
+
+
 def render(rows: list[dict]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
-BUILDERS: dict[str, Callable[[], list[dict]]] = {"arith": arith_rows, "wordproblems": wordproblem_rows}
+BUILDERS: dict[str, Callable[[], list[dict]]] = {"arith": arith_rows, "wordproblems": wordproblem_rows,
+                                                 "mbpp-mini": mbpp_mini_rows}
 
 
 def main() -> None:

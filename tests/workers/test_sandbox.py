@@ -1,0 +1,214 @@
+"""The local sandbox for real: network gone, memory/CPU/time/process limits hold, files stay inside.
+
+Every confinement mode that works on this machine is tested (bubblewrap, unshare); a mode that
+does not is skipped with the probe's reason. The network checks connect to the PostgreSQL that
+the store tests use (127.0.0.1:5432): reachable outside, unreachable inside.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mortal.workers import confinement
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.sandbox import (
+    ExecutionResult,
+    FunctionConfig,
+    Job,
+    LocalExecutor,
+    SandboxConfig,
+    SandboxUnavailable,
+    make_executor,
+)
+
+PG = ("127.0.0.1", 5432)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _mode(name: str) -> str:
+    reason = confinement.probe(name)
+    if reason is not None:
+        pytest.skip(f"{name} does not work here: {reason}")
+    return name
+
+
+@pytest.fixture(params=["bubblewrap", "unshare"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return _mode(request.param)
+
+
+def run(mode: str, code: str, **config) -> ExecutionResult:
+    return LocalExecutor(SandboxConfig(confinement=mode, **{"timeout": 5, **config})).run(code)
+
+
+def reachable(address: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(address, timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def leftover(marker: str) -> list[int]:
+    """Host pids whose command line carries `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_code_runs_with_stdin_and_files(mode: str) -> None:
+    code = "import helper, sys\nprint(helper.twice(int(sys.stdin.read())), open('data/x.txt').read())"
+    result = LocalExecutor(SandboxConfig(confinement=mode)).run(
+        code, stdin="21", files={"helper.py": "def twice(n):\n    return 2 * n\n", "data/x.txt": "ok"})
+    assert result.success and result.exit_code == 0 and not result.timed_out
+    assert result.stdout == "42 ok\n" and result.confinement == mode
+    failing = run(mode, "raise ValueError('nope')")
+    assert not failing.success and failing.exit_code == 1 and "ValueError: nope" in failing.stderr
+
+
+def test_the_network_is_unreachable_inside_but_not_outside(mode: str) -> None:
+    if not reachable(PG):
+        pytest.skip("nothing listens on 127.0.0.1:5432 (the test PostgreSQL) to prove the difference")
+    code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 5432), timeout=2)\n    print('connected')\n"
+            "except OSError as exc:\n    print('blocked', exc.errno)")
+    result = run(mode, code)
+    assert result.success and result.stdout.startswith("blocked"), result
+
+
+def test_memory_limit_holds(mode: str) -> None:
+    big = run(mode, "x = bytearray(512 * 1024 * 1024)\nprint('allocated')", memory_mb=256)
+    assert not big.success and "MemoryError" in big.stderr and "allocated" not in big.stdout
+    small = run(mode, "x = bytearray(64 * 1024 * 1024)\nprint('allocated')", memory_mb=256)
+    assert small.success and small.stdout == "allocated\n"
+
+
+def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock(mode: str) -> None:
+    result = run(mode, "while True:\n    pass", timeout=20, cpu_seconds=1)
+    assert not result.success and not result.timed_out and result.duration_seconds < 10
+
+
+def test_timeout_kills_the_whole_tree(mode: str) -> None:
+    marker = f"mortal-test-{uuid.uuid4().hex}"
+    code = ("import os, subprocess, sys, time\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'], start_new_session=True)\n"
+            "time.sleep(60)")
+    started = time.monotonic()
+    result = run(mode, code, timeout=1.5)
+    assert result.timed_out and not result.success and result.signal == "SIGKILL"
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 5
+    while leftover(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftover(marker) == [], "a process of the sandbox outlived its timeout"
+
+
+def test_a_fork_bomb_is_contained(mode: str) -> None:
+    if not confinement.processes_capped():
+        pytest.skip("root without a writable pids cgroup: the process count cannot be capped here")
+    linear = ("import os, time\nkids = 0\nfor _ in range(200):\n    try:\n        if os.fork() == 0:\n"
+              "            time.sleep(3)\n            os._exit(0)\n        kids += 1\n    except OSError:\n        break\n"
+              "print(kids)")
+    result = run(mode, linear, max_processes=16)
+    assert result.success and 0 < int(result.stdout) < 16, result
+    marker = f"mortal-bomb-{uuid.uuid4().hex}"  # the real thing: exponential, until the timeout
+    bomb = f"import os\n# {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    before = len(list(Path("/proc").glob("[0-9]*")))
+    result = run(mode, bomb, max_processes=16, timeout=2)
+    assert result.timed_out
+    assert len(list(Path("/proc").glob("[0-9]*"))) < before + 16
+
+
+def test_code_cannot_write_outside_its_temp_dir_with_bubblewrap(tmp_path: Path) -> None:
+    _mode("bubblewrap")
+    target = tmp_path / "escaped.txt"
+    code = (f"import os\nfor path in [{str(target)!r}, '/usr/escaped', {str(Path.home() / 'escaped')!r}]:\n"
+            "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+            "    except OSError as exc:\n        print('refused', exc.errno)\n"
+            "open('inside.txt', 'w').write('fine')\n"
+            f"print('repo visible' if os.path.exists({str(REPO / 'pyproject.toml')!r}) else 'repo hidden')")
+    result = run("bubblewrap", code)
+    assert result.success and "wrote" not in result.stdout, result.stdout
+    assert result.stdout.count("refused") == 3 and "repo hidden" in result.stdout
+    assert not target.exists() and not (Path.home() / "escaped").exists()
+
+
+def test_unshare_does_not_confine_the_file_system(tmp_path: Path) -> None:
+    """Documented weakness: with plain unshare, host files are writable (the docs say so)."""
+    _mode("unshare")
+    target = tmp_path / "written-by-sandbox.txt"
+    result = run("unshare", f"open({str(target)!r}, 'w').write('x')")
+    assert result.success and target.read_text() == "x"
+
+
+def test_output_is_capped_and_the_environment_has_no_secrets(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORTAL_TEST_SECRET", "hunter2")
+    result = run(mode, "import os, sys\nprint(os.environ.get('MORTAL_TEST_SECRET'))\nsys.stdout.write('x' * 10**6)",
+                 max_output_bytes=1000)
+    assert result.success and result.stdout.startswith("None\n") and len(result.stdout) == 1000
+    assert result.stdout_truncated and not result.stderr_truncated
+
+
+def test_run_batch_runs_in_parallel_and_keeps_order(mode: str) -> None:
+    executor = make_executor(SandboxConfig(confinement=mode, workers=4))
+    started = time.monotonic()
+    results = executor.run_batch([f"import time\ntime.sleep(0.6)\nprint({i})" for i in range(4)] + [Job("print(input())", "z")])
+    assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "3\n", "z\n"]
+    assert time.monotonic() - started < 2.0  # sequential would take 2.4 s of sleeping
+    assert executor.run_batch([]) == []
+
+
+def test_bad_file_names_are_refused_without_running() -> None:
+    executor = LocalExecutor(SandboxConfig(confinement="none", allow_unconfined=True))
+    for name in ("../up.txt", "/etc/x", "main.py"):
+        result = executor.run("print(1)", files={name: ""})
+        assert not result.success and result.exit_code is None and "relative path" in result.error
+
+
+def test_unconfined_execution_needs_explicit_permission(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(SandboxUnavailable) as refused:
+        LocalExecutor(SandboxConfig(confinement="none")).run("print(1)")
+    assert isinstance(refused.value, FatalWorkerError) and refused.value.reason == "SandboxUnavailable"
+    monkeypatch.setattr(confinement, "_probed", {})  # as on a machine with neither tool
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SandboxUnavailable, match="bwrap is not on PATH.*unshare is not on PATH.*allow_unconfined"):
+        LocalExecutor(SandboxConfig()).check()
+    allowed = LocalExecutor(SandboxConfig(allow_unconfined=True))
+    result = allowed.run("print('ran')")
+    assert result.success and result.confinement == "none"
+    assert "UNCONFINED" in caplog.text
+
+
+def test_trusted_function_execution_has_the_timeout_but_no_confinement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORTAL_TEST_SECRET", "visible")
+    executor = make_executor(FunctionConfig(timeout=1).as_sandbox(), trusted=True)
+    result = executor.run("import os\nprint(os.environ['MORTAL_TEST_SECRET'])")
+    assert result.success and result.stdout == "visible\n" and result.confinement == "none"
+    assert executor.run("import time\ntime.sleep(30)").timed_out
+    if reachable(PG):
+        assert executor.run("import socket\nsocket.create_connection(('127.0.0.1', 5432), timeout=2)").success
+
+
+def test_config_maps_from_the_spec_and_keeps_the_image() -> None:
+    from mortal.specs.rewards import SandboxSpec
+
+    config = SandboxConfig.from_spec(SandboxSpec.model_validate({"timeoutSeconds": 3, "memoryMB": 256}), workers=2)
+    assert (config.timeout, config.memory_mb, config.workers) == (3, 256, 2)
+    image = object()  # a modal.Image on Modal; kept, not used locally
+    assert SandboxConfig(image=image, timeout=60).image is image
+    assert "image" not in SandboxConfig(image=image).limits()
+    with pytest.raises(ValueError, match="no sandbox backend 'modal'"):
+        make_executor(SandboxConfig(backend="modal"))
+    assert os.cpu_count()
