@@ -2,6 +2,7 @@
 
     from mortal.state import open_store, WorkerRef, Conflict
     store = open_store()                 # $MORTAL_STATE_URL, else SQLite at $MORTAL_HOME/state.db
+    store = open_store("https://...")    # the store served over HTTP (token: $MORTAL_STATE_TOKEN)
     run, outcome = store.apply_run("quickstart", spec_dict, labels={"team": "rl"})
 
 Importing this package connects to nothing; `open_store` connects and migrates.
@@ -50,11 +51,16 @@ __all__ = [
 def open_store(url: str | None = None) -> Store:
     """The store at `url` (default: $MORTAL_STATE_URL, else SQLite under $MORTAL_HOME), migrated.
 
-    URLs: `sqlite:///PATH` (its folder is created) or `postgresql://user@host/db`.
+    URLs: `sqlite:///PATH` (its folder is created), `postgresql://user@host/db`, or `http(s)://HOST`
+    (mortal.state.http_store: the server owns the database and migrated it when it started).
     """
+    url = url or default_state_url()
+    if url.startswith(("http://", "https://")):
+        from mortal.state.http_store import HttpStore
+
+        return HttpStore(url)
     from mortal.state.sql_store import SqlStore
 
-    url = url or default_state_url()
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

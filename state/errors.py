@@ -26,3 +26,14 @@ class Conflict(StoreError):
 
 class Fenced(StoreError):
     """A write came from a superseded incarnation (a zombie worker) or a leader that lost its lease."""
+
+
+class Unavailable(StoreError):
+    """The store could not answer: unreachable, timed out, or failed inside (an HTTP store's 5xx).
+
+    Retrying may help; the caller cannot know whether a write that raised this was applied.
+    """
+
+
+class Unauthorized(StoreError):
+    """The HTTP store refused the request's bearer token (MORTAL_STATE_TOKEN)."""

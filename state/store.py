@@ -6,9 +6,9 @@ What it must not do: decide anything. It enforces only invariants that make conc
 safe: optimistic concurrency on runs (`resource_version`), fencing of stale worker incarnations and
 of a leader that lost its lease, guarded task leases.
 
-Two implementations: `SqlStore` (SQLite or PostgreSQL, mortal.state.sql_store) and, later, the
-same contract served over HTTP for Modal. `tests/state/test_store_contract.py` runs one suite
-against each.
+Two implementations: `SqlStore` (SQLite or PostgreSQL, mortal.state.sql_store) and `HttpStore`
+(mortal.state.http_store: the same contract served over HTTP by mortal.state.http_server, for
+workers on Modal). `tests/state/test_store_contract.py` runs one suite against each.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Shared fixtures of the whole suite: a private $MORTAL_HOME and a fresh state store per test.
 
     mortal_home    a tmp folder set as $MORTAL_HOME ($MORTAL_STATE_URL unset)
-    store_url      parametrized "sqlite" | "postgres": a URL of an empty, not yet migrated database
+    store_url      parametrized "sqlite" | "postgres" | "http": a URL of an empty store (sqlite and
+                   postgres: a database not yet migrated; http: mortal.state.http_server serving a fresh
+                   SQLite file from a thread of this process, $MORTAL_STATE_TOKEN set to its token, so
+                   worker subprocesses reach it too)
+    sql_store_url  the same, sqlite and postgres only: for tests of SQL itself (engines, migrations)
     store          open_store(store_url), closed after the test
     pg_database    the URL of a fresh PostgreSQL database (for subprocess tests), dropped after
 
@@ -14,6 +18,7 @@ they fail, so a broken CI database cannot pass as green.
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,12 +90,34 @@ def pg_database() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, mortal_home: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{mortal_home / 'state.db'}"
-        return
-    with new_pg_database() as url:
+SQL_STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@contextmanager
+def new_store_url(kind: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if kind == "sqlite":
+        yield f"sqlite:///{home / 'state.db'}"
+    elif kind == "postgres":
+        with new_pg_database() as url:
+            yield url
+    else:
+        from mortal.state.http_server import TOKEN_ENV, serve
+
+        token = secrets.token_hex(16)
+        monkeypatch.setenv(TOKEN_ENV, token)
+        with serve(f"sqlite:///{home / 'state.db'}", token) as served:
+            yield served.url
+
+
+@pytest.fixture(params=[*SQL_STORES, "http"])
+def store_url(request: pytest.FixtureRequest, mortal_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    with new_store_url(request.param, mortal_home, monkeypatch) as url:
+        yield url
+
+
+@pytest.fixture(params=SQL_STORES)
+def sql_store_url(request: pytest.FixtureRequest, mortal_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    with new_store_url(request.param, mortal_home, monkeypatch) as url:
         yield url
 
 

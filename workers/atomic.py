@@ -5,19 +5,57 @@ Used by mortal.workers.weights (published weight versions) and mortal.workers.ch
 `os.rename` of a directory is atomic on one filesystem, and every file and the directory itself are
 fsynced first, so a crash (kill -9, power loss) never exposes a partial one. Temporary directories
 start with `.tmp-`; `remove_stale_tmp` clears the leftovers of a writer that died.
+
+On Modal the run folder is a modal.Volume, whose changes other containers see only once committed
+(and, in a container already running, after a reload). `volume_sync` commits after every rename
+(before the caller records the directory in the store, so a reader that finds the row finds the
+files); `volume_refresh` reloads when a reader misses a path another container published. Both are
+no-ops unless MORTAL_MODAL_VOLUME names the volume (the Modal app sets it).
 It must not know what is inside the directories.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 TMP_PREFIX = ".tmp-"
+VOLUME_ENV = "MORTAL_MODAL_VOLUME"
+log = logging.getLogger("mortal.worker")
+
+
+def _volume() -> Any:
+    name = os.environ.get(VOLUME_ENV)
+    if not name:
+        return None
+    import modal  # only in a Modal container, where the app installed it
+
+    return modal.Volume.from_name(name)
+
+
+def volume_sync() -> None:
+    """Commit the shared volume (Modal), so other containers can see what was just written."""
+    volume = _volume()
+    if volume is not None:
+        volume.commit()
+
+
+def volume_refresh() -> None:
+    """Reload the shared volume (Modal) to see what other containers committed; best effort (a
+    reload fails while this container has files of the volume open)."""
+    volume = _volume()
+    if volume is None:
+        return
+    try:
+        volume.reload()
+    except Exception as exc:  # the caller reads on and reports a missing file as it would anyway
+        log.warning("could not reload volume %s: %s", os.environ.get(VOLUME_ENV), exc)
 
 
 def fsync_tree(root: Path) -> None:
@@ -61,6 +99,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
+        volume_sync()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

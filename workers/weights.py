@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
-from mortal.workers.atomic import atomic_dir, remove_stale_tmp
+from mortal.workers.atomic import atomic_dir, remove_stale_tmp, volume_refresh
 
 WEIGHTS_FILE = "model.safetensors"
 KEEP_VERSIONS = 3
@@ -102,6 +102,8 @@ def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int) -
 def read_published(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The tensors of a published version (a version directory or its model.safetensors)."""
     path = Path(path)
+    if not path.exists():
+        volume_refresh()  # published from another container since this one mounted the volume
     return load_file(str(path / WEIGHTS_FILE if path.is_dir() else path), device=device)
 
 

@@ -1,7 +1,7 @@
 """The backend contract: how the controller launches, lists and stops worker processes.
 
 Who calls it: the controller's reconcile (launch a slot's new incarnation, list what is actually
-running, stop what should not run). Backends (local processes, later Modal) implement it; nothing
+running, stop what should not run). Backends (local processes, Modal function calls) implement it; nothing
 else in mortal knows how a worker is started.
 What it must not do: touch the state store or decide anything. A backend reports what exists; the
 controller compares that with the workers table and acts.
@@ -16,7 +16,13 @@ controller compares that with the workers table and acts.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+# Identity variables of a worker: never inherited from the launching process's own environment.
+WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
+                       "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
+                       "CUDA_VISIBLE_DEVICES")
 
 
 class BackendError(Exception):
@@ -29,6 +35,10 @@ class BackendNotBuilt(BackendError):
 
 class UnknownBackend(BackendError):
     """The name is not a backend at all."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend exists but cannot run from here: a missing package or credentials (the message says the fix)."""
 
 
 class InsufficientGPUs(BackendError):
@@ -75,6 +85,34 @@ class WorkerLaunch:
     env: dict[str, str] = field(default_factory=dict)
     heartbeat_seconds: float | None = None
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
+
+    def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
+                mortal_home: str | None = None) -> dict[str, str]:
+        """The worker process's environment (the protocol of mortal.workers.runtime).
+
+        `inherited` (the launcher's environment) without any worker identity, then the spec's
+        secrets, then the protocol's variables. `cuda_visible_devices` None leaves the GPUs as the
+        machine gives them (Modal attaches exactly the requested ones); `mortal_home` overrides the
+        launch's (a Modal container sees the shared volume at its own mount point).
+        """
+        env = {k: v for k, v in inherited.items() if k not in WORKER_IDENTITY_ENV}
+        env.update(self.env)
+        env.update(
+            MORTAL_RUN=self.run,
+            MORTAL_ROLE=self.role,
+            MORTAL_REPLICA=str(self.replica),
+            MORTAL_INCARNATION=str(self.incarnation),
+            MORTAL_WORKER_ID=self.worker_id,
+            MORTAL_RUN_UID=self.run_uid,
+            MORTAL_HOME=str(mortal_home or self.mortal_home),
+            MORTAL_STATE_URL=self.state_url,
+            PYTHONUNBUFFERED="1",
+        )
+        if cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        if self.heartbeat_seconds is not None:
+            env["MORTAL_HEARTBEAT_SECONDS"] = str(self.heartbeat_seconds)
+        return env
 
 
 @dataclass(frozen=True)
@@ -126,5 +164,7 @@ def select_backend(name: str) -> Backend:
 
         return LocalBackend()
     if name == "modal":
-        raise BackendNotBuilt("modal backend not built yet: use `backend: local`")
+        from mortal.controller.backends.modal import ModalBackend
+
+        return ModalBackend()
     raise UnknownBackend(f"unknown backend {name!r}: use 'local' or 'modal'")

@@ -30,9 +30,6 @@ from mortal.state import paths
 
 WORKER_MODULE = "mortal.workers.main"
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that exited and was not stop()ped
-# Identity variables of a worker: never inherited from the controller's own environment.
-_IDENTITY = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
-             "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)
@@ -128,7 +125,7 @@ class LocalBackend(Backend):
             with open(log_path, "ab") as log:
                 return subprocess.Popen(
                     self._command,
-                    env=_worker_env(launch, visible),
+                    env=launch.environ(os.environ, visible),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -301,23 +298,3 @@ def _log_path(launch: WorkerLaunch) -> Path:
         paths.mortal_home()
     )
     return Path(launch.mortal_home) / rel
-
-
-def _worker_env(launch: WorkerLaunch, visible: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _IDENTITY}
-    env.update(launch.env)
-    env.update(
-        MORTAL_RUN=launch.run,
-        MORTAL_ROLE=launch.role,
-        MORTAL_REPLICA=str(launch.replica),
-        MORTAL_INCARNATION=str(launch.incarnation),
-        MORTAL_WORKER_ID=launch.worker_id,
-        MORTAL_RUN_UID=launch.run_uid,
-        MORTAL_HOME=str(launch.mortal_home),
-        MORTAL_STATE_URL=launch.state_url,
-        CUDA_VISIBLE_DEVICES=visible,
-        PYTHONUNBUFFERED="1",
-    )
-    if launch.heartbeat_seconds is not None:
-        env["MORTAL_HEARTBEAT_SECONDS"] = str(launch.heartbeat_seconds)
-    return env

@@ -11,6 +11,7 @@ import signal
 import time
 
 import psutil
+import pytest
 from realproc import FAST, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 
 from mortal.workers.simulated import simulated_run
@@ -22,6 +23,9 @@ SOAK_SECONDS = float(os.environ.get("MORTAL_SOAK_SECONDS", "60"))
 SOAK = dataclasses.replace(FAST, plan=dataclasses.replace(FAST.plan, backoff_reset_seconds=3.0))
 
 
+# SQL stores only: the soak costs its full window per store, and the HTTP store passed it (86 s when
+# tried) but is held to the same kills, cheaper, by the lifecycle tests' http cases.
+@pytest.mark.parametrize("store_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_soak_random_kills_still_succeed(harness):  # noqa: F811
     h = harness
     rng = random.Random(int(os.environ.get("MORTAL_SOAK_SEED", "7")))

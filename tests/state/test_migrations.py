@@ -1,5 +1,6 @@
 """Migrations: upgrades keep every row, the migrated schema equals the models, opening is cheap and
-safe from several processes at once. Run on SQLite and PostgreSQL (the `store_url` fixture)."""
+safe from several processes at once. Run on SQLite and PostgreSQL (the `sql_store_url` fixture: these
+tests are about SQL engines and schemas, which the HTTP store's clients never see)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ ROWS_0001 = {
 }
 
 
-def test_upgrade_from_0001_keeps_every_row(store_url: str) -> None:
-    engine = make_engine(store_url)
+def test_upgrade_from_0001_keeps_every_row(sql_store_url: str) -> None:
+    engine = make_engine(sql_store_url)
     migrate.upgrade(engine, "0001")
     with connection(engine) as conn:
         assert current_revision(conn) == "0001"
@@ -56,9 +57,9 @@ def test_upgrade_from_0001_keeps_every_row(store_url: str) -> None:
             conn.execute(tables.tables[name].insert(), rows)
     engine.dispose()
 
-    store = open_store(store_url)
+    store = open_store(sql_store_url)
     try:
-        engine = make_engine(store_url)
+        engine = make_engine(sql_store_url)
         with connection(engine, write=False) as conn:
             assert current_revision(conn) == head_revision()
             tables = MetaData()
@@ -77,23 +78,23 @@ def test_upgrade_from_0001_keeps_every_row(store_url: str) -> None:
         store.close()
 
 
-def test_models_match_the_migrated_schema(store_url: str) -> None:
-    open_store(store_url).close()
-    engine = make_engine(store_url)
+def test_models_match_the_migrated_schema(sql_store_url: str) -> None:
+    open_store(sql_store_url).close()
+    engine = make_engine(sql_store_url)
     with connection(engine, write=False) as conn:
         context = MigrationContext.configure(conn, opts={"compare_type": True, "version_table": VERSION_TABLE})
         assert compare_metadata(context, SQLModel.metadata) == []
     engine.dispose()
 
 
-def test_open_is_cheap_when_current(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    open_store(store_url).close()
+def test_open_is_cheap_when_current(sql_store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    open_store(sql_store_url).close()
 
     def no_upgrade(*args: object, **kwargs: object) -> None:
         raise AssertionError("alembic ran on an up-to-date database")
 
     monkeypatch.setattr(migrate.command, "upgrade", no_upgrade)
-    open_store(store_url).close()
+    open_store(sql_store_url).close()
 
 
 def _open_and_count(url: str) -> int:
@@ -105,10 +106,10 @@ def _open_and_count(url: str) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_concurrent_first_open_migrates_once(store_url: str) -> None:
+def test_concurrent_first_open_migrates_once(sql_store_url: str) -> None:
     with mp.get_context("spawn").Pool(3) as pool:
-        assert pool.map(_open_and_count, [store_url] * 3) == [0, 0, 0]
-    engine = make_engine(store_url)
+        assert pool.map(_open_and_count, [sql_store_url] * 3) == [0, 0, 0]
+    engine = make_engine(sql_store_url)
     with connection(engine, write=False) as conn:
         assert current_revision(conn) == head_revision()
     engine.dispose()

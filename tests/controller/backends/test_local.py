@@ -15,7 +15,7 @@ import pytest
 from polling import wait_for
 
 from mortal.controller.backends import (
-    BackendNotBuilt,
+    BackendUnavailable,
     InsufficientGPUs,
     UnknownBackend,
     WorkerLaunch,
@@ -215,9 +215,10 @@ def test_gpus_are_handed_out_from_the_live_listing(mortal_home: Path, cleanup: N
     assert _visible(cpu) == ""
 
 
-def test_select_backend() -> None:
+def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(select_backend("local"), LocalBackend)
-    with pytest.raises(BackendNotBuilt, match="modal backend not built yet"):
+    monkeypatch.setitem(sys.modules, "modal", None)  # `import modal` fails, as where it is not installed
+    with pytest.raises(BackendUnavailable, match=r"pip install 'mortal\[cloud\]'"):
         select_backend("modal")
     with pytest.raises(UnknownBackend):
         select_backend("k8s")

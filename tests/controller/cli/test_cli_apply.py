@@ -134,7 +134,7 @@ def test_applying_to_a_run_being_deleted_is_a_conflict(cli):
     assert out.exit_code == 1 and "conflict" in out.stderr and "deleted" in out.stderr
 
 
-def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home):
+def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home, store_url):
     import mortal.controller.manager as manager
 
     started = []
@@ -148,7 +148,7 @@ def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home
     out = cli("apply", "-f", str(QUICKSTART))
     assert out.exit_code == 0, out.output
     assert f"controller started (pid 4242, log: {mortal_home / 'controller.log'})" in out.stderr
-    assert len(started) == 1 and started[0].startswith(("sqlite", "postgresql"))
+    assert started == [store_url], "the controller is started on the store the CLI wrote to"
     assert (mortal_home / "wake" / "quickstart").exists()
     assert cli("apply", "-f", str(QUICKSTART), "--no-controller").exit_code == 0
     assert len(started) == 1

@@ -24,7 +24,7 @@ def mortalctl(mortal_home, store_url):
     return run
 
 
-@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # both stores: test_cli_apply (CliRunner)
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # every store: test_cli_apply (CliRunner)
 def test_apply_created_unchanged_configured(mortalctl, spec_file):
     first = mortalctl("apply", "-f", str(QUICKSTART))
     assert (first.returncode, first.stdout) == (0, "trainingrun/quickstart created\n"), first.stderr

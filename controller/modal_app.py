@@ -1,0 +1,95 @@
+"""mortal's Modal app: `modal deploy -m mortal.controller.modal_app` (from a checkout; see docs/modal.md).
+
+Three functions on one image (this checkout, pip-installed with its `train` extra):
+
+    worker(launch) -> int   one mortal worker per call; ModalBackend spawns it, on the spec's GPU via
+                            `with_options(gpu=...)`, and reads the exit code it returns
+    store                   the state store over HTTPS (`@modal.wsgi_app`): mortal.state.http_server
+                            over SQLite on the `mortal-state` volume (one container), or over
+                            $MORTAL_STORE_BACKING_URL (PostgreSQL) when a secret sets it
+    controller              the controller, hosted: each scheduled call runs it for ~10 minutes; the
+                            next one takes the leader lease over (workers never notice)
+
+Runs, checkpoints and weights live on the `mortal-data` volume at /mortal (MORTAL_HOME), committed by
+the workers after every checkpoint and weights write (mortal.workers.atomic.volume_sync).
+Secrets: `mortal-state` (MORTAL_STATE_TOKEN, required; `<app>-state` for another app name set with
+$MORTAL_MODAL_APP) and the names in $MORTAL_MODAL_SECRETS (comma
+separated, e.g. `huggingface,wandb`), read when deploying, attached to workers and the controller.
+What it must not do: hold logic of its own. Each function is a thin wrapper of code tested here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import modal
+
+from mortal.controller.backends.modal import APP_ENV, APP_NAME, WORKER_FUNCTION
+
+APP = os.environ.get(APP_ENV) or APP_NAME
+DATA_MOUNT, STATE_MOUNT = "/mortal", "/mortal-state"
+DATA_VOLUME, STATE_VOLUME = f"{APP}-data", f"{APP}-state"
+STATE_SECRET = f"{APP}-state"  # holds MORTAL_STATE_TOKEN
+WORKER_TIMEOUT_SECONDS = 24 * 3600  # Modal's longest; a worker cut off here is relaunched and resumes
+CONTROLLER_RUN_SECONDS = 9 * 60 + 30  # one scheduled call; the schedule starts the next every 10 minutes
+REPO = Path(__file__).resolve().parents[1]  # this checkout: controller/ is one of its top-level folders
+
+data_volume = modal.Volume.from_name(DATA_VOLUME, create_if_missing=True)
+state_volume = modal.Volume.from_name(STATE_VOLUME, create_if_missing=True)
+secrets = [modal.Secret.from_name(STATE_SECRET)] + [
+    modal.Secret.from_name(name.strip()) for name in os.environ.get("MORTAL_MODAL_SECRETS", "").split(",") if name.strip()
+]
+image = (
+    modal.Image.debian_slim(python_version="3.11")
+    .pip_install("torch>=2.4")
+    .add_local_dir(REPO, "/opt/mortal", copy=True,
+                   ignore=[".git", ".venv", "**/__pycache__", "**/*.egg-info", "tests", "bench", "docs"])
+    .run_commands("pip install '/opt/mortal[train,cloud]'")
+    .env({"MORTAL_HOME": DATA_MOUNT, "MORTAL_MODAL_VOLUME": DATA_VOLUME, "MORTAL_MODAL_APP": APP,
+          "PYTHONUNBUFFERED": "1"})
+)
+app = modal.App(APP, image=image, include_source=False)  # mortal is installed in the image
+
+
+@app.function(name=WORKER_FUNCTION, volumes={DATA_MOUNT: data_volume}, secrets=secrets,
+              timeout=WORKER_TIMEOUT_SECONDS, retries=0)
+def worker(launch: dict) -> int:
+    from mortal.controller.backends.modal_worker import run_worker
+
+    data_volume.reload()  # a warm container reused for this call sees what others committed since
+    return run_worker(launch)
+
+
+@app.function(volumes={STATE_MOUNT: state_volume}, secrets=[modal.Secret.from_name(STATE_SECRET)],
+              min_containers=1, max_containers=1)
+@modal.concurrent(max_inputs=64)
+@modal.wsgi_app()
+def store():
+    """One container only: SQLite has one writer, and a volume merges no concurrent edits of one file."""
+    from mortal.state.http_server import TOKEN_ENV, make_app
+
+    backing = os.environ.get("MORTAL_STORE_BACKING_URL") or f"sqlite:///{STATE_MOUNT}/state.db"
+    return make_app(backing, os.environ[TOKEN_ENV])
+
+
+@app.function(volumes={DATA_MOUNT: data_volume}, secrets=secrets, schedule=modal.Period(minutes=10),
+              timeout=CONTROLLER_RUN_SECONDS + 300)
+def controller() -> None:
+    """Run a controller for CONTROLLER_RUN_SECONDS, then give the lease up for the next scheduled call.
+
+    In a thread of its own: run_controller sets SIGTERM/SIGINT handlers only on the main thread,
+    and Modal's container runtime keeps those (a cancellation here stops the controller cleanly)."""
+    from mortal.controller.manager import run_controller
+
+    url = os.environ.get("MORTAL_STATE_URL") or modal.Function.from_name(APP, "store").get_web_url()
+    stop = threading.Event()
+    thread = threading.Thread(target=run_controller, kwargs={"state_url": url, "stop_event": stop},
+                              name="mortal-controller")
+    thread.start()
+    try:
+        thread.join(CONTROLLER_RUN_SECONDS)
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,184 @@
+"""The state store served over HTTP: a WSGI app that answers every Store method from a SqlStore.
+
+Who runs it: the Modal app's store endpoint (`@modal.wsgi_app`, over SQLite on a modal.Volume;
+mortal.controller.modal_app), `python -m mortal.state.http_server` anywhere else, and tests
+(`serve()`, a threaded stdlib server). Workers and controllers elsewhere reach it with
+MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store).
+
+    POST /v1/<method>  {"args": {...}}  Authorization: Bearer <token>  -> {"result": ...} | {"error": ...}
+    GET  /healthz                                                       -> {"ok": true} (no token needed)
+
+Every request is one Store call, so the invariants (fencing, compare-and-swap, task leases) are the
+SqlStore's, checked inside its transactions; a request the client sends twice is two calls.
+What it must not do: decide anything, keep state between requests, or answer without the token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from pydantic import ValidationError
+
+from mortal.state import wire
+from mortal.state.errors import StoreError
+from mortal.state.paths import default_state_url
+from mortal.state.store import Store
+
+TOKEN_ENV = "MORTAL_STATE_TOKEN"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+log = logging.getLogger("mortal.state.http")
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            409: "Conflict", 412: "Precondition Failed", 413: "Content Too Large", 422: "Unprocessable Content",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class StoreApp:
+    """The WSGI application: routes /v1/<method> to `store`, guarded by a bearer token."""
+
+    def __init__(self, store: Store, token: str) -> None:
+        if not token:
+            raise ValueError(f"the HTTP store needs a token: set {TOKEN_ENV} (e.g. `openssl rand -hex 32`)")
+        self.store = store
+        self._token = token.encode()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        status, body = self.handle(environ)
+        payload = json.dumps(body).encode()
+        start_response(f"{status} {_REASONS.get(status, 'Error')}",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        return [payload]
+
+    def handle(self, environ: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        path, verb = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
+        if path == wire.HEALTH_PATH:
+            return 200, {"ok": True}
+        method = wire.methods().get(path.removeprefix(wire.PREFIX)) if path.startswith(wire.PREFIX) else None
+        if method is None:
+            return _error(404, "UnknownMethod", f"no store method at {path!r}")
+        if verb != "POST":
+            return _error(405, "BadRequest", f"{path} takes POST, not {verb}")
+        if not self._authorized(environ.get("HTTP_AUTHORIZATION", "")):
+            return _error(401, "Unauthorized", f"missing or wrong bearer token (the server's {TOKEN_ENV})")
+        try:
+            kwargs = wire.decode_args(method, _read_args(environ))
+        except _TooLarge as exc:
+            return _error(413, "BadRequest", str(exc))
+        except (ValueError, TypeError, ValidationError) as exc:
+            return _error(400, "BadRequest", f"{method.name}: {exc}")
+        return self._call(method, kwargs)
+
+    def _call(self, method: wire.Method, kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        try:
+            result = getattr(self.store, method.name)(**kwargs)
+        except (StoreError, ValueError) as exc:
+            return wire.error_body(exc)
+        except Exception as exc:  # the client gets a 500 it can act on; the trace stays in the server's log
+            log.exception("store call %s failed", method.name)
+            return wire.error_body(exc)
+        return 200, {"result": wire.encode(result)}
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, given = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _read_args(environ: dict[str, Any]) -> dict[str, Any]:
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError as exc:
+        raise ValueError("bad Content-Length") from exc
+    if length > MAX_BODY_BYTES:
+        raise _TooLarge(f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
+    body = json.loads(environ["wsgi.input"].read(length) or b"{}")
+    args = body.get("args", {}) if isinstance(body, dict) else None
+    if not isinstance(args, dict):
+        raise ValueError('the body must be {"args": {...}}')
+    return args
+
+
+def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"type": kind, "message": message}}
+
+
+def make_app(backing_url: str, token: str) -> StoreApp:
+    """The app over the SQL store at `backing_url` (opened and migrated now)."""
+    from mortal.state import open_store
+
+    if backing_url.startswith(("http://", "https://")):
+        raise ValueError(f"the HTTP store must be backed by a SQL database, not another HTTP store ({backing_url})")
+    return StoreApp(open_store(backing_url), token)
+
+
+# -- a threaded stdlib server (tests, and running the store outside Modal) -----------------------------
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # one line per request would drown the logs
+        log.debug("%s - %s", self.address_string(), format % args)
+
+
+class Served:
+    """A running server: `url`, and `close()` (stops it and closes its store)."""
+
+    def __init__(self, server: WSGIServer, app: StoreApp, thread: threading.Thread) -> None:
+        self._server, self.app, self._thread = server, app, thread
+        host, port = server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+        self.app.store.close()
+
+
+@contextmanager
+def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0) -> Iterator[Served]:
+    """Serve the store in a background thread for the duration of the block (port 0: any free port)."""
+    app = make_app(backing_url, token)
+    server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                              name="mortal-http-store", daemon=True)
+    thread.start()
+    served = Served(server, app, thread)
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mortal.state.http_server",
+                                     description="Serve a mortal state store over HTTP (token: $MORTAL_STATE_TOKEN).")
+    parser.add_argument("--backing-url", default=None, help="SQL store to serve (default: $MORTAL_STATE_URL or SQLite)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8470)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        parser.error(f"set {TOKEN_ENV} to the token clients must send")
+    with serve(args.backing_url or default_state_url(), token, args.host, args.port) as served:
+        log.info("serving the state store at %s", served.url)
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

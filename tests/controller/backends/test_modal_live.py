@@ -1,0 +1,82 @@
+"""Live on Modal: deploy the app (as `mortal-test`, its own volumes and secret), then run a tiny simulated
+run end to end: a controller here, workers as Modal calls, the store behind the deployed endpoint,
+the checkpoint on the volume. Runs only with MODAL_TOKEN_ID (and MODAL_TOKEN_SECRET) set; the first
+deploy builds the image, which takes several minutes.
+
+    MODAL_TOKEN_ID=... MODAL_TOKEN_SECRET=... pytest -m modal_live tests/controller/backends/test_modal_live.py
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from polling import wait_for
+
+from mortal.controller.backends.modal import ModalBackend
+from mortal.controller.manager import Controller
+from mortal.state.http_store import HttpStore
+from mortal.workers.simulated import simulated_run
+
+pytestmark = [
+    pytest.mark.modal_live,
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.environ.get("MODAL_TOKEN_ID"), reason="talks to Modal: set MODAL_TOKEN_ID/SECRET"),
+]
+APP = "mortal-test"
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def deployed() -> tuple[str, str]:
+    """(store URL, token): the secret written, the app deployed, the store endpoint answering."""
+    modal = pytest.importorskip("modal")
+    token = os.environ.get("MORTAL_STATE_TOKEN") or secrets.token_hex(24)
+    env = {**os.environ, "MORTAL_MODAL_APP": APP}
+    modal_cli = [sys.executable, "-m", "modal"]
+    subprocess.run([*modal_cli, "secret", "create", f"{APP}-state", f"MORTAL_STATE_TOKEN={token}", "--force"],
+                   env=env, check=True, cwd=REPO)
+    subprocess.run([*modal_cli, "deploy", "-m", "mortal.controller.modal_app"], env=env, check=True, cwd=REPO,
+                   timeout=1800)
+    url = modal.Function.from_name(APP, "store").get_web_url()
+    store = HttpStore(url, token=token, read_retry_seconds=300)
+    store.list_runs()  # waits out the endpoint's cold start
+    store.close()
+    return url, token
+
+
+def test_a_simulated_run_succeeds_on_modal(deployed: tuple[str, str], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import modal
+
+    url, token = deployed
+    monkeypatch.setenv("MORTAL_STATE_TOKEN", token)
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path))  # the workers' home is the volume, whatever this is
+    name = f"live-{uuid.uuid4().hex[:8]}"
+    run = simulated_run(name, max_steps=4, rollout_replicas=1, step_seconds=0.2, spec={"backend": "modal"})
+    store = HttpStore(url, token=token)
+    store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
+    controller = Controller(store, url, holder=f"live-test-{name}",
+                            backends=lambda _: ModalBackend(modal=modal, app_name=APP)).start()
+    try:
+        final = wait_for(lambda: (s := store.get_run(name).status).get("phase") in ("Succeeded", "Failed") and s,
+                         900, f"{name} to finish on Modal", interval=2.0)
+        assert final["phase"] == "Succeeded", final
+        assert final["step"] == 4
+        rows = store.list_workers(name)
+        assert rows and all(w.handle.startswith("modal:fc-") for w in rows)
+        ckpt = store.latest_checkpoint(name)
+        entries = modal.Volume.from_name(f"{APP}-data").listdir(f"/runs/{name}/checkpoints")
+        assert Path(ckpt.path).name in {Path(e.path).name for e in entries}, "the checkpoint was committed"
+    finally:
+        store.mark_deleted(name, purge=True)
+        wait_for(lambda: name not in {r.name for r in store.list_runs()}, 300, f"{name} purged")
+        controller.stop()
+        store.close()
+        # A controller off Modal purges files under its own MORTAL_HOME, not the volume's: tidy up here.
+        modal.Volume.from_name(f"{APP}-data").remove_file(f"/runs/{name}", recursive=True)
