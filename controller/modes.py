@@ -38,8 +38,8 @@ def as_gpu(gpu: str | GPUConfig) -> GPUConfig:
 class SingleNode:
     """Everything on one machine: the trainer and one generation worker on the same GPU type.
 
-    `use_vllm` selects the vLLM engine. `vllm_mode="colocate"` shares the GPU type with the trainer
-    (one rollout worker); `"serve"` gives generation its own GPUs: with GPUConfig(type, count=N) the
+    `use_vllm` selects the vLLM engine. `vllm_mode="colocate"` runs one rollout worker on the
+    trainer's own GPU (spec rollout.colocate); `"serve"` gives generation its own GPUs: with GPUConfig(type, count=N) the
     trainer takes one and N-1 rollout workers take the rest (N >= 2).
     """
 
@@ -59,7 +59,7 @@ class SingleNode:
         replicas = gpu.count - 1 if self.vllm_mode == "serve" else 1
         return {
             "actor": {"gpu": gpu.type},
-            "rollout": {"gpu": gpu.type, "replicas": replicas},
+            "rollout": {"gpu": gpu.type, "replicas": replicas, "colocate": self.vllm_mode == "colocate"},
             "generation": {"engine": "vllm" if self.use_vllm else "auto"},
         }
 

@@ -197,6 +197,7 @@ class Reconciler:
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu, gpu_count=1,
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
+            colocate=action.role == "rollout" and spec.rollout.colocate,
         )
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:

@@ -28,5 +28,6 @@ class SpecModel(BaseModel):
 
 
 def rule_error(message: str, field: str | None = None) -> PydanticCustomError:
-    """An error for a broken spec rule; `message` says the fix, `field` is the camelCase key it blames."""
+    """An error for a broken spec rule; `message` says the fix, `field` is the camelCase key it blames
+    (dotted for a key below the validated model, e.g. "rollout.colocate")."""
     return PydanticCustomError(RULE_ERROR, "{message}", {"message": message, "field": field})

@@ -34,7 +34,7 @@ def issues_from_errors(
         loc = tuple(err["loc"])
         field = (err.get("ctx") or {}).get("field") if err["type"] == RULE_ERROR else None
         if field:
-            loc += (field,)
+            loc += tuple(field.split("."))
         path = locate(loc, data)
         issue = SpecIssue(source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc))
         if issue not in issues:

@@ -159,6 +159,12 @@ class RolloutSpec(SpecModel):
     replicas: int = Field(
         1, ge=0, description="Rollout workers; 0 pauses generation (the actor waits) without stopping the run."
     )
+    colocate: bool = Field(
+        False,
+        description="Share the actor's GPU instead of taking GPUs of their own (a one-GPU machine; "
+        "SingleNode's vllm_mode='colocate'); rollout.gpu must equal actor.gpu. On Modal every worker has a "
+        "container of its own, so each rollout gets a GPU of that type.",
+    )
 
 
 class SyncSpec(SpecModel):
@@ -244,6 +250,18 @@ class TrainingSpec(SpecModel):
                 "from the controller's environment, never written in a spec"
             )
         return value
+
+    @model_validator(mode="after")
+    def _colocation_is_possible(self) -> TrainingSpec:
+        if not self.rollout.colocate:
+            return self
+        if self.actor.gpu == "none" or self.rollout.gpu != self.actor.gpu:
+            raise rule_error(
+                f"colocated rollouts share the actor's GPU: set rollout.gpu to actor.gpu ({self.actor.gpu!r}), "
+                "and both to a GPU type (on the CPU there is nothing to share: drop colocate)",
+                "rollout.colocate",
+            )
+        return self
 
     @model_validator(mode="after")
     def _reward_names_unique(self) -> TrainingSpec:

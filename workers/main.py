@@ -74,7 +74,7 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     worker = worker_ref_from_env(env)
     configure_logging(worker)
-    log.info("starting (pid %d)", os.getpid())
+    log.info("starting (pid %d, CUDA_VISIBLE_DEVICES=%r)", os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     store = open_store(env.get("MORTAL_STATE_URL"))
     ctx: WorkerContext | None = None
     try:

@@ -164,7 +164,7 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     tokenizer = load_tokenizer(spec.model)
     started = time.monotonic()
     engine = engine_cls.create(spec.model, tokenizer, device=device)
-    ctx.log.info("engine %s ready in %.1f s; rewards: %s", engine.name, time.monotonic() - started,
+    ctx.log.info("engine %s on %s ready in %.1f s; rewards: %s", engine.name, device, time.monotonic() - started,
                  ", ".join(rewards.names))
     return RolloutWorker(ctx, engine, tokenizer, rewards)
 

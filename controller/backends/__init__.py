@@ -3,12 +3,12 @@
 from mortal.controller.backends.base import (
     Backend,
     BackendError,
-    BackendNotBuilt,
     BackendUnavailable,
     BackendWorker,
     InsufficientGPUs,
     LaunchFailed,
     UnknownBackend,
+    WaitingForActorGPU,
     WorkerLaunch,
     select_backend,
 )
@@ -16,12 +16,12 @@ from mortal.controller.backends.base import (
 __all__ = [
     "Backend",
     "BackendError",
-    "BackendNotBuilt",
     "BackendUnavailable",
     "BackendWorker",
     "InsufficientGPUs",
     "LaunchFailed",
     "UnknownBackend",
+    "WaitingForActorGPU",
     "WorkerLaunch",
     "select_backend",
 ]

@@ -22,15 +22,11 @@ from dataclasses import dataclass, field
 # Identity variables of a worker: never inherited from the launching process's own environment.
 WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
                        "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
-                       "CUDA_VISIBLE_DEVICES")
+                       "MORTAL_GPU_SHARED", "CUDA_VISIBLE_DEVICES")
 
 
 class BackendError(Exception):
     """Base of every error a backend raises on purpose."""
-
-
-class BackendNotBuilt(BackendError):
-    """The spec names a backend this version of mortal does not have yet (a permanent condition)."""
 
 
 class UnknownBackend(BackendError):
@@ -59,6 +55,14 @@ class InsufficientGPUs(BackendError):
         super().__init__(msg)
 
 
+class WaitingForActorGPU(InsufficientGPUs):
+    """A colocated rollout cannot start before its run's actor holds a GPU to share (retried, no failure)."""
+
+    def __init__(self, run: str, gpu: str) -> None:
+        BackendError.__init__(self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the actor to hold one")
+        self.requested, self.free, self.total, self.gpu, self.permanent = 1, 0, 0, gpu, False
+
+
 class LaunchFailed(BackendError):
     """The backend could not start the process (bad interpreter, no space for the log, ...)."""
 
@@ -85,6 +89,7 @@ class WorkerLaunch:
     env: dict[str, str] = field(default_factory=dict)
     heartbeat_seconds: float | None = None
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
+    colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:
@@ -112,6 +117,8 @@ class WorkerLaunch:
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         if self.heartbeat_seconds is not None:
             env["MORTAL_HEARTBEAT_SECONDS"] = str(self.heartbeat_seconds)
+        if self.colocate:
+            env["MORTAL_GPU_SHARED"] = "1"
         return env
 
 

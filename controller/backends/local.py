@@ -25,7 +25,13 @@ from pathlib import Path
 import psutil
 
 from mortal.controller.backends import gpus
-from mortal.controller.backends.base import Backend, BackendWorker, LaunchFailed, WorkerLaunch
+from mortal.controller.backends.base import (
+    Backend,
+    BackendWorker,
+    LaunchFailed,
+    WaitingForActorGPU,
+    WorkerLaunch,
+)
 from mortal.state import paths
 
 WORKER_MODULE = "mortal.workers.main"
@@ -38,6 +44,7 @@ class _Found:
 
     worker: BackendWorker
     devices: tuple[str, ...]
+    shared: bool = False  # colocated: uses its actor's devices, holds none of its own
 
 
 class _Registry:
@@ -108,15 +115,31 @@ class LocalBackend(Backend):
             for f in live.values():
                 if f.worker.worker_id == launch.worker_id:
                     return f.worker.handle
-            devices = [] if not gpus.wants_gpu(launch.gpu) else self._detect_gpus()
-            in_use = (d for f in live.values() for d in f.devices)
-            visible = gpus.assign(launch.gpu, launch.gpu_count, devices, in_use)
+            visible = self._devices_for(launch, live)
             proc = self._spawn(launch, visible)
             handle = make_handle(proc.pid, psutil.Process(proc.pid).create_time())
             worker = _worker_from(launch, handle)
-            self._reg.children[handle] = (proc, _Found(worker, gpus.parse_visible(visible)))
+            self._reg.children[handle] = (proc, _Found(worker, gpus.parse_visible(visible), shared=launch.colocate))
             self._reg.seen[handle] = worker
             return handle
+
+    def _devices_for(self, launch: WorkerLaunch, live: dict[str, _Found]) -> str:
+        """CUDA_VISIBLE_DEVICES of a new worker. A colocated rollout takes its live actor's devices;
+        anyone else takes free ones, where colocated workers hold none, and the devices the run's
+        colocated rollouts already use come first (a relaunched actor returns to them)."""
+        if not gpus.wants_gpu(launch.gpu):
+            return ""
+        if launch.colocate:
+            actor = [f for f in live.values() if f.worker.run == launch.run and f.worker.role == "actor"
+                     and not f.shared and f.devices]
+            if not actor:
+                raise WaitingForActorGPU(launch.run, launch.gpu)
+            return ",".join(actor[0].devices)
+        devices = self._detect_gpus()
+        mine = {d for f in live.values() if f.shared and f.worker.run == launch.run for d in f.devices}
+        devices = [d for d in devices if d in mine] + [d for d in devices if d not in mine]
+        in_use = (d for f in live.values() if not f.shared for d in f.devices)
+        return gpus.assign(launch.gpu, launch.gpu_count, devices, in_use)
 
     def _spawn(self, launch: WorkerLaunch, visible: str) -> subprocess.Popen[bytes]:
         log_path = _log_path(launch)
@@ -180,7 +203,8 @@ class LocalBackend(Backend):
                 continue
             worker = _inspect(proc, env)
             if worker is not None:
-                found.append(_Found(worker, gpus.parse_visible(env.get("CUDA_VISIBLE_DEVICES"))))
+                found.append(_Found(worker, gpus.parse_visible(env.get("CUDA_VISIBLE_DEVICES")),
+                                    shared=env.get("MORTAL_GPU_SHARED") == "1"))
         return found
 
     # -- stop --------------------------------------------------------------------------------

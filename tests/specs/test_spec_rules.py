@@ -67,6 +67,9 @@ CASES = [
     ("suspend: maybe", 0, "spec.suspend", "must be true or false (got 'maybe')"),
     ("secrets: [hf_token=abc]", 0, "spec.secrets", "must list environment variable NAMES"),
     ("logging:\n  wandb:\n    mode: loud", 2, "spec.logging.wandb.mode", "must be one of auto, online, offline"),
+    ("actor: {gpu: H100}\nrollout:\n  gpu: A10G\n  colocate: true", 3, "spec.rollout.colocate",
+     "set rollout.gpu to actor.gpu ('H100')"),
+    ("rollout:\n  colocate: true", 1, "spec.rollout.colocate", "on the CPU there is nothing to share"),
 ]
 
 

@@ -117,3 +117,43 @@ def test_worker_device_follows_the_spec_not_the_machine() -> None:
     else:
         with pytest.raises(FatalWorkerError, match="spec.rollout.gpu is 'H100'"):
             worker_device("H100", "spec.rollout.gpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_colocated_run_trains_on_one_gpu_through_the_controller(mortal_home: Path, tiny_dir: Path) -> None:
+    """rollout.colocate on a machine's first GPU: the actor and both rollouts see the same device."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from mortal.specs import TrainingRun
+    from mortal.state import open_store, paths
+
+    url = f"sqlite:///{mortal_home / 'state.db'}"
+    store = open_store(url)
+    spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"},
+                      rollout={"gpu": "H100", "replicas": 2, "colocate": True}, algorithm={"maxSteps": 3})
+    run = TrainingRun.model_validate({"metadata": {"name": "colo"}, "spec": spec})
+    store.apply_run("colo", run.spec_dict())
+    env = dict(os.environ, MORTAL_HOME=str(mortal_home), MORTAL_STATE_URL=url, CUDA_VISIBLE_DEVICES="0",
+               WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                                 os.environ.get("PYTHONPATH", "")]))
+    with open(mortal_home / "controller.log", "ab") as log:
+        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while store.get_run("colo").phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        row = store.get_run("colo")
+        assert row.phase == "Succeeded", (row.status, [e.message for e in store.list_events("colo")])
+    finally:
+        controller.terminate()
+        controller.wait(timeout=30)
+        store.close()
+    for role, replica in (("actor", 0), ("rollout", 0), ("rollout", 1)):
+        logs = sorted(paths.run_dir("colo").rglob(f"{role}-{replica}-*.log"))
+        assert logs and "CUDA_VISIBLE_DEVICES='0'" in logs[0].read_text(), f"{role}-{replica} was not on GPU 0"
+    assert "engine transformers on cuda" in logs[0].read_text()

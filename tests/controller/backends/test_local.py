@@ -18,6 +18,7 @@ from mortal.controller.backends import (
     BackendUnavailable,
     InsufficientGPUs,
     UnknownBackend,
+    WaitingForActorGPU,
     WorkerLaunch,
     select_backend,
 )
@@ -213,6 +214,28 @@ def test_gpus_are_handed_out_from_the_live_listing(mortal_home: Path, cleanup: N
     assert _visible(c) == freed
     cpu = fresh.launch(launch_spec(mortal_home, replica=4, gpu="none"))
     assert _visible(cpu) == ""
+
+
+def test_colocated_rollouts_share_the_actors_gpu_and_a_relaunched_actor_returns_to_it(
+        mortal_home: Path, cleanup: None) -> None:
+    def one_gpu() -> list[str]:
+        return ["0"]
+
+    backend = LocalBackend(mortal_home, detect_gpus=one_gpu, command=SLEEPER)
+    with pytest.raises(WaitingForActorGPU) as waiting:  # nothing to share yet: retried, not a failure
+        backend.launch(launch_spec(mortal_home, replica=0, gpu="H100", colocate=True))
+    assert isinstance(waiting.value, InsufficientGPUs) and not waiting.value.permanent
+    actor = backend.launch(launch_spec(mortal_home, role="actor", gpu="H100"))
+    rollouts = [backend.launch(launch_spec(mortal_home, replica=i, gpu="H100", colocate=True, incarnation=2 + i))
+                for i in range(2)]
+    assert [_visible(h) for h in (actor, *rollouts)] == ["0", "0", "0"]
+    with pytest.raises(InsufficientGPUs):  # the GPU is the actor's: another run cannot take it
+        backend.launch(launch_spec(mortal_home, run="other", role="actor", gpu="H100"))
+
+    backend.stop(actor)  # the rollouts live on and hold nothing: the new actor gets the same GPU
+    fresh = LocalBackend(mortal_home, detect_gpus=lambda: ["1", "0"], command=SLEEPER)
+    again = fresh.launch(launch_spec(mortal_home, role="actor", gpu="H100", incarnation=9))
+    assert _visible(again) == "0", "a relaunched actor goes back to the GPU its colocated rollouts use"
 
 
 def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
