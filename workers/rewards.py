@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mortal.workers.builtin_rewards import completion_text
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
 from mortal.workers.sandbox import (
@@ -54,12 +55,6 @@ def prompt_text(prompt: Any) -> str:
     users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
     chosen = users[-1] if users else (prompt[-1] if prompt else {})
     return str(chosen.get("content", "")) if isinstance(chosen, dict) else str(chosen)
-
-
-def _completion_text(completion: Any) -> str:
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    return str(completion)
 
 
 class RewardEnvironment:
@@ -93,7 +88,7 @@ class RewardEnvironment:
     def __call__(self, completions: list[Any], prompts: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
         prompts = prompts if prompts is not None else [""] * len(completions)
         kwargs.pop("completion_ids", None)
-        return self.score_batch([_completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
+        return self.score_batch([completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
 
     # -- execution helpers (the seed's "Remote Execution Tools") -------------------------------------
     # sandbox: untrusted code, confined, under `sandbox_config` (mortal.workers.sandbox);
