@@ -11,7 +11,7 @@ from rollout_helpers import assets_available, make_tiny_model
 from mortal.specs.training import ModelSpec
 from mortal.workers.engines import GenerationParams, resolve_engine_name, select_engine
 from mortal.workers.engines.base import cut_at_eos, eos_token_ids
-from mortal.workers.engines.transformers_engine import TransformersEngine
+from mortal.workers.engines.transformers_engine import PROMPT_BUCKET, TransformersEngine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import encode_prompt, load_model, load_tokenizer
 from mortal.workers.weights import write_weights
@@ -78,6 +78,18 @@ def test_logprobs_are_the_sampling_distribution(engine, tokenizer, temperature: 
     for c in outs:
         assert len(c.logprobs) == len(c.ids) == 10
         expected = _recomputed_logprobs(engine.model, prompt, c.ids, temperature)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_gpu_paths_padded_prompt_and_static_cache_sample_the_same_distribution(engine, tokenizer) -> None:
+    """What the compiled CUDA path changes (left padding to PROMPT_BUCKET, a static KV cache), run on the
+    CPU where transformers does not compile: the logprobs still match a forward pass of the unpadded text."""
+    padded = TransformersEngine(engine.model, tokenizer, compiled=True)
+    prompt = encode_prompt(tokenizer, CHAT)
+    assert len(prompt) % PROMPT_BUCKET, "the prompt must need padding for this test to mean anything"
+    outs = padded.generate(prompt, 3, seed=3, params=GenerationParams(max_tokens=10, temperature=0.8))
+    for c in outs:
+        expected = _recomputed_logprobs(engine.model, prompt, c.ids, 0.8)
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=1e-4)
 
 

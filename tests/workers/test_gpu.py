@@ -95,19 +95,31 @@ def test_transformers_engine_on_cuda_is_deterministic_and_leaves_the_cuda_rng_al
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_logprobs_are_the_sampling_distribution(tiny_dir: Path) -> None:
-    """float32 on CUDA: the engine's logprobs match one plain forward pass of the sampled tokens."""
+def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weights(
+        tiny_dir: Path, tmp_path: Path) -> None:
+    """float32 on CUDA, compiled decoding over a static cache: the engine's logprobs match one plain
+    forward pass of the sampled tokens, and still do once other weights are loaded (the compiled graphs
+    read the same parameter tensors, refilled in place)."""
     spec = ModelSpec(name=str(tiny_dir), dtype="float32")
     tokenizer = load_tokenizer(spec)
     engine = TransformersEngine.create(spec, tokenizer, device="cuda")
+    assert engine.compiled
     prompt = encode_prompt(tokenizer, CHAT)
-    outs = engine.generate(prompt, 3, 3, GenerationParams(max_tokens=10, temperature=0.7))
-    for c in outs:
-        full = torch.tensor([prompt + c.ids], device="cuda")
-        with torch.no_grad():
-            logits = engine.model(full).logits[0, len(prompt) - 1 : -1].float() / 0.7
-        expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None]).squeeze(1).cpu()
-        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-3, rtol=1e-3)
+
+    def check() -> list:
+        outs = engine.generate(prompt, 3, 3, GenerationParams(max_tokens=10, temperature=0.7))
+        for c in outs:
+            full = torch.tensor([prompt + c.ids], device="cuda")
+            with torch.no_grad():
+                logits = engine.model(full).logits[0, len(prompt) - 1 : -1].float() / 0.7
+            expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None]).squeeze(1).cpu()
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-3, rtol=1e-3)
+        return outs
+
+    before = check()
+    engine.load_weights(str(make_tiny_model(tmp_path / "other", seed=1)))
+    after = check()
+    assert [c.ids for c in after] != [c.ids for c in before], "the new weights were not used"
 
 
 def test_worker_device_follows_the_spec_not_the_machine() -> None:
