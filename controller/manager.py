@@ -31,11 +31,13 @@ import watchfiles
 from mortal.controller import wake
 from mortal.controller.backends.base import Backend, select_backend
 from mortal.controller.leader import LEASE_NAME, LeaderElector
+from mortal.controller.lockwatch import FrozenLockHolderWatch
 from mortal.controller.outcome import Retry
 from mortal.controller.reconciler import ControllerConfig, Reconciler
 from mortal.controller.watchdir import watch_folder
 from mortal.controller.workqueue import WorkQueue, dispatch
 from mortal.state import open_store, paths
+from mortal.state.engine import sqlite_path
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -54,6 +56,7 @@ class Controller:
         self.leader = LeaderElector(store, holder, self.config.leader_lease_seconds,
                                     self.config.leader_renew_seconds, on_started_leading=self._enqueue_all)
         self.reconciler = Reconciler(store, state_url, self.leader, self.config, backends)
+        self.state_url = state_url
         self.idle_exit_seconds = idle_exit_seconds
         self._versions: dict[str, int] = {}
         self._poke = threading.Event()
@@ -71,6 +74,10 @@ class Controller:
         self._spawn("wake", self._watch_wake)
         if self.watch is not None:
             self._spawn("watch-dir", watch_folder, self.store, self.watch, self.stopped, lambda _: self._poke.set())
+        database = sqlite_path(self.state_url)
+        if database is not None:
+            lock_watch = FrozenLockHolderWatch(database, str(paths.mortal_home()), self.config.worker_lease_seconds)
+            self._spawn("lock-watch", lock_watch.run, self.stopped)
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
