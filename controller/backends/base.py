@@ -16,8 +16,13 @@ controller compares that with the workers table and acts.
 from __future__ import annotations
 
 import abc
+import contextlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
+EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
 
 # Identity variables of a worker: never inherited from the launching process's own environment.
 WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
@@ -175,3 +180,9 @@ def select_backend(name: str) -> Backend:
 
         return ModalBackend()
     raise UnknownBackend(f"unknown backend {name!r}: use 'local' or 'modal'")
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send `sig` to a worker's process group; one already gone (or not ours) is no error."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

@@ -26,16 +26,16 @@ import psutil
 
 from mortal.controller.backends import gpus
 from mortal.controller.backends.base import (
+    EXITED_TTL_SECONDS,
+    WORKER_MODULE,
     Backend,
     BackendWorker,
     LaunchFailed,
     WaitingForActorGPU,
     WorkerLaunch,
+    signal_group,
 )
 from mortal.state import paths
-
-WORKER_MODULE = "mortal.workers.main"
-EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that exited and was not stop()ped
 
 
 @dataclass(frozen=True)
@@ -221,9 +221,9 @@ class LocalBackend(Backend):
             if worker_id is None:
                 with contextlib.suppress(psutil.Error):
                     worker_id = psutil.Process(pid).environ().get("MORTAL_WORKER_ID")
-            _signal_group(pid, signal.SIGTERM)
+            signal_group(pid, signal.SIGTERM)
             if not _wait_group_gone(pid, popen, grace_seconds):
-                _signal_group(pid, signal.SIGKILL)
+                signal_group(pid, signal.SIGKILL)
                 _wait_group_gone(pid, popen, 10.0)
         self._kill_strays(pid, worker_id)
         if popen is not None:
@@ -279,11 +279,6 @@ def _matches(pid: int, ctime: str) -> bool:
         return make_handle(pid, psutil.Process(pid).create_time()) == f"{pid}:{ctime}"
     except psutil.Error:
         return False
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _wait_group_gone(pgid: int, popen: subprocess.Popen[bytes] | None, timeout: float) -> bool:

@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from mortal.controller.backends.base import (
+    EXITED_TTL_SECONDS,
     Backend,
     BackendError,
     BackendUnavailable,
@@ -45,7 +46,6 @@ APP_NAME = "mortal"
 APP_ENV = "MORTAL_MODAL_APP"  # the deployed app's name, when not "mortal"
 WORKER_FUNCTION = "worker"
 HANDLE_PREFIX = "modal:"
-EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a call that ended and was not stop()ped
 CANCEL_MARGIN_SECONDS = 5.0  # after the grace: the worker function's own cleanup, then containers are ended
 TERMINATE_WAIT_SECONDS = 60.0
 # The GPU types Modal's `gpu=` accepts (modal.com/docs/guide/gpu), upper case as Modal normalizes them.

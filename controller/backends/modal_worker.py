@@ -23,10 +23,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from mortal.controller.backends.base import WorkerLaunch
+from mortal.controller.backends.base import WORKER_MODULE, WorkerLaunch, signal_group
 
 STOP_GRACE_SECONDS = 10.0
-WORKER_MODULE = "mortal.workers.main"
 
 
 def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS) -> int:
@@ -48,13 +47,8 @@ def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS
 
 def stop_worker(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM the worker's group, SIGKILL it after `grace` seconds, reap."""
-    _signal_group(proc.pid, signal.SIGTERM)
+    signal_group(proc.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    _signal_group(proc.pid, signal.SIGKILL)  # also what the worker left behind in its group
+    signal_group(proc.pid, signal.SIGKILL)  # also what the worker left behind in its group
     proc.wait()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
