@@ -34,7 +34,7 @@ from mortal.state.errors import StoreError
 from mortal.state.paths import default_state_url
 from mortal.state.store import Store
 
-TOKEN_ENV = "MORTAL_STATE_TOKEN"
+TOKEN_ENV = wire.TOKEN_ENV
 MAX_BODY_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("mortal.state.http")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",

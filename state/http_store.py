@@ -35,7 +35,7 @@ from mortal.state import wire
 from mortal.state.errors import Unavailable
 from mortal.state.store import Store
 
-TOKEN_ENV = "MORTAL_STATE_TOKEN"
+TOKEN_ENV = wire.TOKEN_ENV
 CONNECT_RETRIES = 3
 TRANSIENT_STATUS = frozenset({502, 503, 504})
 

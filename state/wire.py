@@ -36,6 +36,7 @@ from mortal.state.errors import (
 from mortal.state.store import Store
 
 PREFIX = "/v1/"
+TOKEN_ENV = "MORTAL_STATE_TOKEN"  # the bearer token, on both sides
 HEALTH_PATH = "/healthz"
 LOCAL_ONLY = frozenset({"close"})  # a client closes its own connections; nothing travels
 # Calls that change nothing: safe to send again after a connection broke mid-request.
