@@ -19,11 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from through_controller import run_through_controller
 
 REWARD = "mortal.workers.builtin_rewards:short_answer"  # any cheap reward: throughput is what is timed
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
@@ -95,30 +94,11 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
 
 def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     from mortal.specs import TrainingRun
-    from mortal.state import open_store
 
-    home = work / "mortal-home"
-    url = f"sqlite:///{home / 'state.db'}"
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     run = TrainingRun.model_validate({"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)})
-    store = open_store(url)
-    store.apply_run(run.name, run.spec_dict())
-    env = {**os.environ, "MORTAL_HOME": str(home), "MORTAL_STATE_URL": url, "WANDB_MODE": "disabled"}
-    with open(work / "controller.log", "w") as log:
-        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT)
-        try:
-            while (phase := store.get_run(run.name).phase) not in ("Succeeded", "Failed"):
-                time.sleep(1)
-        finally:
-            controller.terminate()
-            controller.wait(60)
-    if phase != "Succeeded":
-        raise SystemExit(f"mortal run ended {phase}: {store.get_run(run.name).status}")
-    by_step: dict[int, dict] = {}
-    for m in store.list_metrics(run.name):
-        by_step.setdefault(m.step, {})[m.name] = m.value
+    by_step, _ = run_through_controller(run, work)
     return [{"step": s, "seconds": v["step_seconds"], "tokens": v["completion_tokens"]}
             for s, v in sorted(by_step.items()) if "step_seconds" in v]
 

