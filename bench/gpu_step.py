@@ -1,15 +1,22 @@
-"""Step throughput on one GPU: TRL's GRPOTrainer and mortal, same model and token counts, in one run.
+"""Step throughput: TRL's GRPOTrainer on one GPU and mortal, same model and token counts, in one run.
 
-    python bench/gpu_step.py [--steps 5] [--rollouts 2] [--only trl|mortal] [--json out.json]
+    python bench/gpu_step.py [--steps 6] [--gpus 1] [--rollouts 1] [--staleness 0] [--sync auto]
+                             [--only trl|mortal] [--json out.json]
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
 8 generations x 256 completion tokens per step, bf16, beta 0. TRL generates with transformers'
 `generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal runs
-through the controller on the same single GPU: the actor and `--rollouts` colocated rollout workers
-(spec rollout.colocate) with the transformers engine, on-policy. A random-init model almost never
+through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
+GPU (spec rollout.colocate; sync auto = ipc); with `--gpus N` > 1 the actor on one GPU and
+`--rollouts` rollout workers on GPUs of their own (sync auto = ipc: GPU to GPU). Transformers engine, each
+step's prompts split evenly over the rollouts (one batch each), `--staleness` = maxStaleness.
+Per step it prints where mortal's time went: the actor waiting for rollouts, training (TRL's loss,
+backward, optimizer step), publishing weights, the rollouts' generation and reward seconds (summed
+over tasks) and their weight loads, and the GPUs' busy fraction (nvidia-smi, sampled every 100 ms
+while mortal trains). A random-init model almost never
 samples its EOS token, so mortal's completions are 256 tokens long too; the script reports the
 tokens it actually trained on. Prints completion tokens per second for both and their ratio, from
-the median step after the first (the first carries start-up and compilation).
+the median step from the third on (the first two carry start-up, compilation and graph capture).
 Needs a CUDA GPU, TRL and datasets, and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -23,6 +30,10 @@ import tempfile
 from pathlib import Path
 
 from through_controller import run_through_controller
+
+BREAKDOWN = {"wait": "actor/wait_seconds", "train": "actor/train_seconds", "publish": "weights/publish_seconds",
+             "generate": "rollout/generation_seconds", "reward": "rollout/reward_seconds",
+             "load": "weights/load_seconds"}
 
 REWARD = "mortal.workers.builtin_rewards:short_answer"  # any cheap reward: throughput is what is timed
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
@@ -82,11 +93,12 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "model": {"name": str(model), "dtype": "bfloat16"},
         "dataset": {"name": str(data)},
         "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
-                      "beta": 0.0, "maxSteps": args.steps, "maxStaleness": 0},
+                      "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "H100"},
-        "rollout": {"gpu": "H100", "replicas": args.rollouts, "colocate": True},
+        "rollout": {"gpu": "H100", "replicas": args.rollouts, "colocate": args.gpus == 1},
+        "sync": {"method": args.sync},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
     }
@@ -98,13 +110,62 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     run = TrainingRun.model_validate({"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)})
-    by_step, _ = run_through_controller(run, work)
-    return [{"step": s, "seconds": v["step_seconds"], "tokens": v["completion_tokens"]}
-            for s, v in sorted(by_step.items()) if "step_seconds" in v]
+    with GpuBusy() as busy:
+        by_step, _ = run_through_controller(run, work)
+    steps = []
+    for s, v in sorted(by_step.items()):
+        if "step_seconds" not in v:
+            continue
+        parts = {part: round(v.get(name, 0.0), 4) for part, name in BREAKDOWN.items()}
+        steps.append({"step": s, "seconds": v["step_seconds"], "tokens": v["completion_tokens"], **parts})
+        print(f"  step {s}: {v['step_seconds']:.2f} s = wait {parts['wait']:.2f} + train {parts['train']:.2f} + "
+              f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
+              f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
+    timed = [v for s, v in sorted(by_step.items()) if "ended_at" in v][2:]
+    if timed:  # the steps the summary's median is taken over, start-up and compilation left out
+        args.gpu_busy = busy.fractions(timed[0]["ended_at"] - timed[0]["step_seconds"], timed[-1]["ended_at"])
+        print(f"  GPU busy fraction over the steps from the third on: {args.gpu_busy}", flush=True)
+    return steps
+
+
+class GpuBusy:
+    """Samples nvidia-smi's utilization of every GPU every 100 ms while the block runs, each sample
+    stamped with this process's clock as it arrives."""
+
+    def __enter__(self) -> GpuBusy:
+        import subprocess
+        import threading
+        import time
+
+        self.samples: list[tuple[float, str, float]] = []
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                                      "-lms", "100"], stdout=subprocess.PIPE, text=True)
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                index, _, value = line.partition(",")
+                if value.strip().isdigit():
+                    self.samples.append((time.time(), index.strip(), float(value) / 100))
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.reader.join(5)
+
+    def fractions(self, start: float, end: float) -> dict[str, float]:
+        """GPU index -> mean busy fraction (the share of time a kernel ran) between two epoch times."""
+        by_gpu: dict[str, list[float]] = {}
+        for stamp, index, value in self.samples:
+            if start <= stamp <= end:
+                by_gpu.setdefault(index, []).append(value)
+        return {k: round(sum(v) / len(v), 3) for k, v in by_gpu.items()}
 
 
 def summarize(name: str, steps: list[dict]) -> dict:
-    timed = steps[1:] or steps
+    timed = steps[2:] or steps  # the first steps carry start-up, compilation and graph capture
     seconds = statistics.median(s["seconds"] for s in timed)
     tokens = statistics.median(s["tokens"] for s in timed)
     summary = {"median_step_seconds": seconds, "completion_tokens_per_step": tokens,
@@ -116,25 +177,33 @@ def summarize(name: str, steps: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--rollouts", type=int, default=2, help="colocated rollout workers of mortal")
+    parser.add_argument("--rollouts", type=int, default=1, help="rollout workers of mortal")
+    parser.add_argument("--gpus", type=int, default=1, help="1: rollouts colocated with the actor; N: 1 actor GPU "
+                        "+ rollouts on their own GPUs")
+    parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
+                        "while training step s)")
+    parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc"])
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
 
-    out: dict = {"device": torch.cuda.get_device_name(0), **{k: v for k, v in vars(args).items() if k != "json"}}
+    out: dict = {"device": torch.cuda.get_device_name(0), "gpus_visible": torch.cuda.device_count(),
+                 **{k: v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         model = make_model(work / "model")
         if args.only != "mortal":
             out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
         if args.only != "trl":
-            out["mortal"] = summarize(f"mortal (actor + {args.rollouts} colocated rollouts)",
-                                      run_mortal(model, args, work))
+            where = "colocated" if args.gpus == 1 else f"on {args.gpus - 1} GPU(s) of their own"
+            out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
+                                      f"{args.staleness})", run_mortal(model, args, work))
+            out["gpu_busy"] = args.gpu_busy
     if "trl" in out and "mortal" in out:
         out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
                                   / out["trl"]["completion_tokens_per_second"])

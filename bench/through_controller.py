@@ -42,5 +42,7 @@ def run_through_controller(run: Any, work: Path, poll_seconds: float = 1.0) -> t
     by_step: dict[int, dict[str, float]] = {}
     for metric in store.list_metrics(run.name):
         by_step.setdefault(metric.step, {})[metric.name] = metric.value
+        if metric.name == "step_seconds":  # when the step ended (UTC epoch seconds), for time windows
+            by_step[metric.step]["ended_at"] = metric.time.timestamp()
     store.close()
     return by_step, wall

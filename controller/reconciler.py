@@ -198,6 +198,7 @@ class Reconciler:
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocate,
+            sees_actor_gpus=action.role == "rollout" and not spec.rollout.colocate and spec.sync_method() == "ipc",
         )
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:

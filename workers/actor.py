@@ -57,9 +57,10 @@ def main(ctx: WorkerContext) -> int:
         ctx.store, ctx.worker, rows, spec.algorithm.seed, spec.algorithm.prompts_per_step,
         spec.algorithm.num_generations, spec.algorithm.max_staleness, spec.algorithm.max_steps,
         reward_names(spec.rewards), ctx.stopping,
+        prompts_per_task=spec.rollout.task_size(spec.algorithm.prompts_per_step),
     )
     feed.forget_from(start)
-    publisher = WeightPublisher(ctx.store, ctx.worker)
+    publisher = WeightPublisher(ctx.store, ctx.worker, method=spec.sync_method())
     publisher.clear_partial()
     wandb_run = open_wandb(
         spec.logging.wandb, ctx.run.name, ctx.run.metadata.uid, ctx.run_dir, ctx.run.spec_dict()
@@ -186,8 +187,10 @@ class ActorLoop(TrainerCallback):
         trl_seam.check_rollout_call(prompts, self.spec.algorithm.batch_size)
         step = trainer.state.global_step
         self.feed.enqueue(step, self.version)
+        started = time.perf_counter()
         batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
         self._rollout_metrics = batch.metrics(step, self.publisher.step_of)
+        self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
         return trl_seam.rollout_output(
             batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions
         )
@@ -202,11 +205,16 @@ class ActorLoop(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
-        self._rollout_metrics["step_seconds"] = time.perf_counter() - self._step_started
+        if torch.cuda.is_available():  # queued GPU work of the step is training time
+            torch.cuda.synchronize()
+        trained = time.perf_counter() - self._step_started - self._rollout_metrics.get("actor/wait_seconds", 0.0)
+        self._rollout_metrics["actor/train_seconds"] = trained  # TRL's loss, backward and optimizer step
+        self._rollout_metrics["weights/publish_seconds"] = 0.0
         if step % self.spec.sync.every == 0 or step >= self.spec.algorithm.max_steps:
             self._publish(step)
         else:
             self.ctx.report(step=step)
+        self._rollout_metrics["step_seconds"] = time.perf_counter() - self._step_started
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:  # the end-of-training summary, not a step
@@ -225,6 +233,8 @@ class ActorLoop(TrainerCallback):
 
     # -- helpers ---------------------------------------------------------------------------------
     def _publish(self, step: int) -> None:
+        if torch.cuda.is_available():  # the step's queued GPU work counts as training, not as publishing
+            torch.cuda.synchronize()
         started = time.perf_counter()
         self.ctx.check_fence()
         self.version = self.publisher.publish(self.trainer.model, step)

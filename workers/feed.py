@@ -1,8 +1,9 @@
 """The actor's side of the rollout queue: enqueue each step's prompts, wait for the scored groups.
 
-Called by mortal.workers.actor from TRL's rollout_func, once per optimizer step. Step s's tasks
-are the rows `schedule.prompt_slots(seed, s, ...)`, one task per prompt carrying a
-`RolloutRequest` (the row, numGenerations, a seed that depends only on (seed, step, slot)). While
+Called by mortal.workers.actor from TRL's rollout_func, once per optimizer step. Step s's prompts
+are the rows `schedule.prompt_slots(seed, s, ...)`, cut into fixed chunks (`schedule.task_chunks`,
+rollout.promptsPerTask): one task per chunk, a `RolloutTask` of `RolloutRequest`s (the row,
+numGenerations, a seed that depends only on (seed, step, slot)), generated in one batch. While
 the actor trains step s, the tasks of steps s..s+maxStaleness exist, each asking for weights of
 at least the version current when it was enqueued, so a sample is at most maxStaleness versions
 old when it is trained on (0: on-policy, when weights are published every step). Results come back
@@ -23,7 +24,7 @@ from typing import Any
 from mortal.state.store import NewTask, Store, WorkerRef
 from mortal.state.tables import TaskRow
 from mortal.workers import schedule
-from mortal.workers.messages import RolloutRequest, RolloutResult
+from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask
 
 log = logging.getLogger("mortal.feed")
 
@@ -47,6 +48,7 @@ class StepBatch:
     weight_versions: list[int] = field(default_factory=list)
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
+    weight_load_seconds: float = 0.0
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)
 
     def metrics(self, step: int, weights_step: Callable[[int], int]) -> dict[str, float]:
@@ -63,6 +65,7 @@ class StepBatch:
             "completion_tokens": float(sum(len(c) for c in self.completion_ids)),
             "rollout/generation_seconds": self.generation_seconds,
             "rollout/reward_seconds": self.reward_seconds,
+            "weights/load_seconds": self.weight_load_seconds,
         }
 
 
@@ -80,22 +83,27 @@ class RolloutFeed:
     max_steps: int
     reward_names: list[str]
     stopping: threading.Event
-    poll_seconds: float = 0.05
+    prompts_per_task: int = 1
+    poll_seconds: float = 0.02  # between looks at the step's tasks (one indexed query each)
     _enqueued: set[int] = field(default_factory=set)
 
+    @property
+    def tasks_per_step(self) -> int:
+        return len(schedule.task_chunks(self.prompts_per_step, self.prompts_per_task))
+
     def tasks_for(self, step: int, min_weight_version: int) -> list[NewTask]:
-        slots = schedule.prompt_slots(self.seed, step, self.prompts_per_step, len(self.rows))
+        """Step `step`'s tasks; a task's `slot` is its chunk's index, its payload says the first prompt slot."""
+        rows = schedule.prompt_slots(self.seed, step, self.prompts_per_step, len(self.rows))
         tasks = []
-        for slot, row_index in enumerate(slots):
-            row = self.rows[row_index]
-            request = RolloutRequest(
-                prompt=row["prompt"],
-                row=row,
-                num_generations=self.num_generations,
-                seed=schedule.task_seed(self.seed, step, slot),
-            )
-            tasks.append(NewTask(step=step, slot=slot, min_weight_version=min_weight_version, payload=request.model_dump()))
+        for index, chunk in enumerate(schedule.task_chunks(self.prompts_per_step, self.prompts_per_task)):
+            requests = [self._request(step, slot, self.rows[rows[slot]]) for slot in chunk]
+            payload = RolloutTask(requests=requests, first_slot=chunk.start).model_dump()
+            tasks.append(NewTask(step=step, slot=index, min_weight_version=min_weight_version, payload=payload))
         return tasks
+
+    def _request(self, step: int, slot: int, row: dict[str, Any]) -> RolloutRequest:
+        return RolloutRequest(prompt=row["prompt"], row=row, num_generations=self.num_generations,
+                              seed=schedule.task_seed(self.seed, step, slot))
 
     def enqueue(self, step: int, current_version: int) -> int:
         """Make sure the tasks of steps step..step+maxStaleness exist; returns how many were new."""
@@ -115,10 +123,10 @@ class RolloutFeed:
         """Wait until every task of `step` is done; StopRequested (after `on_stop`) if asked to stop."""
         while True:
             rows = self.store.step_results(self.worker.run, step)
-            if len(rows) < self.prompts_per_step:  # deleted under us (a reset): ask again
+            if len(rows) < self.tasks_per_step:  # deleted under us (a reset): ask again
                 self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
             elif all(r.state == "done" for r in rows):
-                stale = [r for r in rows if r.result.get("weight_version", -1) < r.min_weight_version]
+                stale = [r for r in rows if _weight_version(r.result) < r.min_weight_version]
                 if not stale:
                     return self._flatten(rows)
                 self._requeue(step, current_version, len(stale))
@@ -137,23 +145,32 @@ class RolloutFeed:
     def _flatten(self, rows: list[TaskRow]) -> StepBatch:
         batch = StepBatch()
         for row in rows:
-            result = RolloutResult.model_validate(row.result)
-            self._check(row, result)
-            for g in range(self.num_generations):
-                batch.prompt_ids.append(list(result.prompt_ids))
-                batch.completion_ids.append(list(result.completion_ids[g]))
-                batch.logprobs.append(list(result.logprobs[g]))
-                batch.rewards.append({name: result.rewards[name][g] for name in self.reward_names})
-                batch.weight_versions.append(result.weight_version)
-            batch.generation_seconds += result.generation_seconds
-            batch.reward_seconds += result.reward_seconds
-            for name, values in result.logged_metrics.items():
-                batch.logged_metrics.setdefault(name, []).extend(values)
+            answer = RolloutAnswer.model_validate(row.result)
+            task = RolloutTask.model_validate(row.payload)
+            if len(answer.results) != len(task.requests):
+                raise BadRollout(f"step {row.step} task {row.slot}: {len(answer.results)} results for "
+                                 f"{len(task.requests)} prompts")
+            for offset, result in enumerate(answer.results):
+                self._check(row.step, task.first_slot + offset, result)
+                self._add(batch, result)
         return batch
 
-    def _check(self, row: TaskRow, result: RolloutResult) -> None:
+    def _add(self, batch: StepBatch, result: RolloutResult) -> None:
+        for g in range(self.num_generations):
+            batch.prompt_ids.append(list(result.prompt_ids))
+            batch.completion_ids.append(list(result.completion_ids[g]))
+            batch.logprobs.append(list(result.logprobs[g]))
+            batch.rewards.append({name: result.rewards[name][g] for name in self.reward_names})
+            batch.weight_versions.append(result.weight_version)
+        batch.generation_seconds += result.generation_seconds
+        batch.reward_seconds += result.reward_seconds
+        batch.weight_load_seconds = max(batch.weight_load_seconds, result.weight_load_seconds)
+        for name, values in result.logged_metrics.items():
+            batch.logged_metrics.setdefault(name, []).extend(values)
+
+    def _check(self, step: int, slot: int, result: RolloutResult) -> None:
         g = self.num_generations
-        where = f"step {row.step} slot {row.slot}"
+        where = f"step {step} slot {slot}"
         if len(result.completion_ids) != g or len(result.logprobs) != g:
             raise BadRollout(f"{where}: {len(result.completion_ids)} completions, expected {g}")
         for ids, logps in zip(result.completion_ids, result.logprobs, strict=True):
@@ -162,3 +179,9 @@ class RolloutFeed:
         for name in self.reward_names:
             if len(result.rewards.get(name, [])) != g:
                 raise BadRollout(f"{where}: reward {name!r} has no score for each of the {g} completions")
+
+
+def _weight_version(result: dict[str, Any] | None) -> int:
+    """The weight version a task's answer was generated with (-1: none or unreadable)."""
+    results = (result or {}).get("results") or [{}]
+    return results[0].get("weight_version", -1)

@@ -1,8 +1,11 @@
 """What travels through the task queue between the actor and rollout workers.
 
-The actor enqueues one `RolloutRequest` per prompt (as a task payload); a rollout worker answers it
-with one `RolloutResult` (as the task result): `num_generations` completions, their sampling
-logprobs and every reward function's score. Both sides import only this module to agree.
+A task is a `RolloutTask` (the task payload): a fixed chunk of one step's prompts, each a
+`RolloutRequest`. A rollout worker answers it with a `RolloutAnswer` (the task result): one
+`RolloutResult` per request, in order (`num_generations` completions, their sampling logprobs and
+every reward function's score). A chunk is generated in one engine call on a GPU, so which prompts
+share a batch follows from the run's seed and step alone (mortal.workers.schedule). Both sides
+import only this module to agree.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ class RolloutRequest(BaseModel):
     seed: int = Field(description="sampling seed: same weights + same seed -> same tokens (on CPU)")
 
 
+class RolloutTask(BaseModel):
+    requests: list[RolloutRequest] = Field(min_length=1, description="the chunk's prompts, in slot order")
+    first_slot: int = Field(0, ge=0, description="the step slot of requests[0]; the rest follow it")
+
+
 class RolloutResult(BaseModel):
     prompt_ids: list[int]
     completion_ids: list[list[int]]
@@ -28,8 +36,13 @@ class RolloutResult(BaseModel):
     weight_version: int = Field(description="the weight version that generated these completions")
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
+    weight_load_seconds: float = Field(0.0, description="how long loading this weight version took the worker")
     logged_metrics: dict[str, list[float]] = Field(
         default_factory=dict, description="what reward functions passed to TRL's log_metric, by metric name")
+
+
+class RolloutAnswer(BaseModel):
+    results: list[RolloutResult] = Field(description="one per request of the task, in the same order")
 
 
 def reward_names(rewards: list[Any]) -> list[str]:

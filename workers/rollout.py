@@ -1,12 +1,15 @@
-"""The rollout worker: lease a prompt, sample `numGenerations` completions, score them, hand them back.
+"""The rollout worker: lease a task (a chunk of prompts), sample `numGenerations` completions of each
+in one batch, score them, hand them back.
 
 Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until ctx.stopping:
 
     1. newer weights recorded in the store?   -> engine.load_weights (between tasks only)
     2. lease the oldest task these weights may answer (min_weight_version <= loaded version)
-    3. encode the prompt (chat template), generate n completions with the task's seed
+    3. encode its prompts (chat template), generate n completions of each in one engine call, each
+       prompt with its own seed (the engine batches them; the chunk is fixed by the actor's schedule)
     4. score them with every reward (TRL-style, beside generation: scoring scales with replicas)
-    5. complete the task with a RolloutResult (ids, sampling logprobs, texts, per-reward scores)
+    5. complete the task with a RolloutAnswer: a RolloutResult per prompt (ids, sampling logprobs,
+       texts, per-reward scores)
 
 Until the store records a version, the model loaded from spec.model.name serves as version 0
 (the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's lease is renewed while it is
@@ -25,9 +28,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from mortal.state import TaskRow
+from mortal.workers import ipc_weights
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.messages import RolloutRequest, RolloutResult
+from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask
 from mortal.workers.models import (
     completion_message,
     encode_prompt,
@@ -38,7 +42,7 @@ from mortal.workers.models import (
 from mortal.workers.rewards import RewardSet
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
 
-IDLE_SECONDS = 0.1
+IDLE_SECONDS = 0.02  # between looks for a task: on a GPU a whole step takes about a second, so this is latency
 LEASE_ANNOTATION = "mortal.dev/task-lease-seconds"
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -63,6 +67,7 @@ class RolloutWorker:
         self.params = GenerationParams.from_spec(ctx.run.spec.generation)
         self.lease_seconds = task_lease_seconds(ctx)
         self.published_version: int | None = None  # None: still the weights of spec.model.name
+        self.load_seconds = 0.0  # how long loading the current version took
 
     @property
     def loaded_version(self) -> int:
@@ -80,9 +85,20 @@ class RolloutWorker:
             self.ctx.log.info("weight version %d was removed before it loaded; reading the store again",
                               latest.version)
             return
+        if ipc_weights.is_shared(latest.path) and not self._intact(latest.path):
+            return
         self.published_version = latest.version
+        self.load_seconds = time.monotonic() - started
         self.ctx.report(weight_version=latest.version)
-        self.ctx.log.info("loaded weight version %d in %.2f s", latest.version, time.monotonic() - started)
+        self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
+
+    def _intact(self, path: str) -> bool:
+        """An ipc version read while the actor may have reused its slot is loaded again (ipc_weights)."""
+        newest = self.ctx.store.latest_weights(self.ctx.worker.run)
+        if newest is None or ipc_weights.intact(path, newest.version):
+            return True
+        self.ctx.log.info("weight version in %s may have been overwritten while it loaded; loading the newest", path)
+        return False
 
     def serve_one(self) -> bool:
         """Answer one task; False when none was claimable."""
@@ -97,20 +113,29 @@ class RolloutWorker:
         return True
 
     def answer(self, task: TaskRow) -> dict[str, Any]:
-        """Generate and score one task: the RolloutResult as JSON."""
-        request = RolloutRequest.model_validate(task.payload)
-        prompt_ids = encode_prompt(self.tokenizer, request.prompt)
+        """Generate and score one task: the RolloutAnswer as JSON."""
+        requests = RolloutTask.model_validate(task.payload).requests
+        prompts = [encode_prompt(self.tokenizer, r.prompt) for r in requests]
+        n = requests[0].num_generations
         started = time.monotonic()
-        outs = self.engine.generate(prompt_ids, request.num_generations, request.seed, self.params)
+        groups = self.engine.generate(prompts, n, [r.seed for r in requests], self.params)
         generated = time.monotonic() - started
+        results = [self._scored(task, request, ids, outs, generated / len(requests))
+                   for request, ids, outs in zip(requests, prompts, groups, strict=True)]
+        scored = time.monotonic() - started - generated
+        tokens = sum(len(c) for r in results for c in r.completion_ids)
+        self.ctx.log.info("task %d.%d: %d prompts, %d tokens in %.2f s (%.1f tokens/s), rewards in %.3f s, "
+                          "weights v%d", task.step, task.slot, len(requests), tokens, generated,
+                          tokens / max(generated, 1e-9), scored, self.loaded_version)
+        return RolloutAnswer(results=results).model_dump(mode="json")
+
+    def _scored(self, task: TaskRow, request: RolloutRequest, prompt_ids: list[int], outs: list[Any],
+                generation_seconds: float) -> RolloutResult:
+        """One prompt's group, scored by every reward; `generation_seconds` is its share of the batch."""
+        started = time.monotonic()
         completion_ids = [c.ids for c in outs]
         completions = [completion_message(self.tokenizer, request.prompt, ids) for ids in completion_ids]
         scores = self.rewards.score(request.prompt, completions, completion_ids, request.row, step=task.step)
-        scored = time.monotonic() - started - generated
-        tokens = sum(len(ids) for ids in completion_ids)
-        self.ctx.log.info("task %d.%d: %d tokens in %.2f s (%.1f tokens/s), rewards in %.3f s, weights v%d",
-                          task.step, task.slot, tokens, generated, tokens / max(generated, 1e-9), scored,
-                          self.loaded_version)
         if self.rewards.logs.extra:  # TRL shows these in its completions table; here they go to the log
             self.ctx.log.info("task %d.%d log_extra: %s", task.step, task.slot, self.rewards.logs.extra)
         return RolloutResult(
@@ -120,10 +145,11 @@ class RolloutWorker:
             completions=completions,
             rewards=scores,
             weight_version=self.loaded_version,
-            generation_seconds=generated,
-            reward_seconds=scored,
+            generation_seconds=generation_seconds,
+            reward_seconds=time.monotonic() - started,
+            weight_load_seconds=self.load_seconds,
             logged_metrics=self.rewards.logs.metrics,
-        ).model_dump(mode="json")
+        )
 
     @contextlib.contextmanager
     def keep_leased(self, task: TaskRow) -> Iterator[None]:

@@ -44,6 +44,15 @@ def prompt_slots(seed: int, step: int, prompts_per_step: int, n_rows: int) -> li
     return rows
 
 
+def task_chunks(prompts_per_step: int, prompts_per_task: int) -> list[range]:
+    """The slots each rollout task of a step holds: consecutive runs of `prompts_per_task` (the last may
+    be shorter). A chunk is one engine batch on a GPU, so it depends on the spec alone, never on timing."""
+    if prompts_per_task < 1:
+        raise ValueError(f"bad prompts_per_task {prompts_per_task}")
+    return [range(start, min(start + prompts_per_task, prompts_per_step))
+            for start in range(0, prompts_per_step, prompts_per_task)]
+
+
 def task_seed(seed: int, step: int, slot: int) -> int:
     """Sampling seed of a task: independent of which worker runs it or when (63 bits, torch-safe)."""
     return _digest(seed, step, slot) >> 1

@@ -1,7 +1,10 @@
-"""Weight sync `volume`: the actor publishes each weight version as safetensors on the shared volume.
+"""Publishing weight versions: `volume` (safetensors on the shared volume) and, through
+mortal.workers.ipc_weights, `ipc` (a snapshot on the actor's GPU, for rollouts sharing it).
 
 Called by the actor (`WeightPublisher.publish` after optimizer steps) and by rollout workers
-(`load_published` / `read_published` when a new version is recorded in the store).
+(`load_published` / `read_published` when a new version is recorded in the store). The method is
+`spec.sync_method()` (auto picks ipc for rollouts colocated on the actor's GPU, else volume); a
+rollout needs no setting: a version directory says what it holds.
 
     $MORTAL_HOME/runs/<run>/weights/v<version>/model.safetensors   plain base-model tensor names
                                               /config.json         so `from_pretrained(dir)` works too
@@ -26,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
+from mortal.workers import ipc_weights
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, volume_refresh
 
 WEIGHTS_FILE = "model.safetensors"
@@ -84,19 +88,23 @@ def _drop_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if key in seen:
             continue
         seen.add(key)
-        out[name] = tensor.to("cpu").contiguous()
+        out[name] = tensor
     return out
 
 
 def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int) -> Path:
     """Write `dest` (a version directory) atomically; returns it."""
-    state = plain_state_dict(model)
-    config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
+    state = {name: tensor.to("cpu").contiguous() for name, tensor in plain_state_dict(model).items()}
+    config = model_config(model)
     with atomic_dir(dest) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "version": str(version), "step": str(step)})
         if config is not None:
             config.save_pretrained(tmp)
     return dest
+
+
+def model_config(model: torch.nn.Module) -> Any:
+    return getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
 
 
 def read_published(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -108,20 +116,26 @@ def read_published(path: str | Path, device: str = "cpu") -> dict[str, torch.Ten
 
 
 def load_published(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy a published version into `model` in place; WeightsError unless every weight is covered.
-
-    Tensors the file leaves out must be tied to one it has (lm_head to the embeddings).
-    """
+    """Copy a published version (on the volume, or shared over CUDA IPC) into `model` in place;
+    WeightsError unless every weight is covered. Tensors a version leaves out must be tied to one it
+    has (lm_head to the embeddings)."""
     device = next(model.parameters()).device
-    state = read_published(path, device=str(device))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise WeightsError(f"{path}: tensors the model does not have: {sorted(unexpected)[:5]}")
+    if ipc_weights.is_shared(path):
+        state = ipc_weights.open_shared(path, device)
+    else:
+        state = read_published(path, device=str(device))
     current = model.state_dict()
+    unexpected = sorted(set(state) - set(current))
+    if unexpected:
+        raise WeightsError(f"{path}: tensors the model does not have: {unexpected[:5]}")
+    wrong = [n for n, t in state.items() if tuple(t.shape) != tuple(current[n].shape)]
+    if wrong:
+        raise WeightsError(f"{path}: shapes differ from the model's for {wrong[:5]}")
     loaded = {_ptr(t) for name, t in current.items() if name in state}
-    untied = [name for name in missing if _ptr(current[name]) not in loaded]
+    untied = [name for name in current if name not in state and _ptr(current[name]) not in loaded]
     if untied:
         raise WeightsError(f"{path}: weights missing from the file: {sorted(untied)[:5]}")
+    ipc_weights.copy_into(model, state)
 
 
 def _ptr(tensor: torch.Tensor) -> int:
@@ -130,12 +144,16 @@ def _ptr(tensor: torch.Tensor) -> int:
 
 @dataclass
 class WeightPublisher:
-    """The actor's side of sync `volume`: write a version, record it, keep the newest few on disk."""
+    """The actor's side of weight sync: write or share a version, record it, keep the newest few."""
 
     store: Store
     worker: WorkerRef
     keep: int = KEEP_VERSIONS
+    method: str = "volume"  # or "ipc" (spec.sync_method())
     steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
+
+    def __post_init__(self) -> None:
+        self._sharer = ipc_weights.IpcWeightSharer(ring=self.keep)
 
     @property
     def run(self) -> str:
@@ -151,10 +169,14 @@ class WeightPublisher:
         remove_stale_tmp(paths.weights_dir(self.run))
 
     def publish(self, model: torch.nn.Module, step: int, version: int | None = None) -> int:
-        """Write, record and prune; returns the version published."""
+        """Write (or share), record and prune; returns the version published."""
         version = self.next_version() if version is None else version
-        dest = write_weights(model, version_dir(self.run, version), version, step)
-        self.store.publish_weights(self.worker, version, step, str(dest), method="volume")
+        dest = version_dir(self.run, version)
+        if self.method == "ipc":
+            self._sharer.share(plain_state_dict(model), dest, version, step, model_config(model))
+        else:
+            write_weights(model, dest, version, step)
+        self.store.publish_weights(self.worker, version, step, str(dest), method=self.method)
         self.steps[version] = step
         self.prune()
         return version

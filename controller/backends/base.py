@@ -25,9 +25,10 @@ WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WOR
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
 
 # Identity variables of a worker: never inherited from the launching process's own environment.
+GPU_PEERS_ENV = "MORTAL_GPU_PEERS"  # devices a worker sees but does not hold (its actor's, for sync ipc)
 WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
                        "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
-                       "MORTAL_GPU_SHARED", "CUDA_VISIBLE_DEVICES")
+                       "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES")
 
 
 class BackendError(Exception):
@@ -95,6 +96,7 @@ class WorkerLaunch:
     heartbeat_seconds: float | None = None
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
     colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
+    sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc to rollouts on GPUs of their own)
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:
@@ -125,6 +127,7 @@ class WorkerLaunch:
         if self.colocate:
             env["MORTAL_GPU_SHARED"] = "1"
         return env
+
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import psutil
 from mortal.controller.backends import gpus
 from mortal.controller.backends.base import (
     EXITED_TTL_SECONDS,
+    GPU_PEERS_ENV,
     WORKER_MODULE,
     Backend,
     BackendWorker,
@@ -116,7 +117,8 @@ class LocalBackend(Backend):
                 if f.worker.worker_id == launch.worker_id:
                     return f.worker.handle
             visible = self._devices_for(launch, live)
-            proc = self._spawn(launch, visible)
+            peers = self._actor_devices(launch, live) if launch.sees_actor_gpus and visible else ()
+            proc = self._spawn(launch, ",".join(filter(None, [visible, *peers])), peers)
             handle = make_handle(proc.pid, psutil.Process(proc.pid).create_time())
             worker = _worker_from(launch, handle)
             self._reg.children[handle] = (proc, _Found(worker, gpus.parse_visible(visible), shared=launch.colocate))
@@ -130,25 +132,34 @@ class LocalBackend(Backend):
         if not gpus.wants_gpu(launch.gpu):
             return ""
         if launch.colocate:
-            actor = [f for f in live.values() if f.worker.run == launch.run and f.worker.role == "actor"
-                     and not f.shared and f.devices]
-            if not actor:
-                raise WaitingForActorGPU(launch.run, launch.gpu)
-            return ",".join(actor[0].devices)
+            return ",".join(self._actor_devices(launch, live))
         devices = self._detect_gpus()
         mine = {d for f in live.values() if f.shared and f.worker.run == launch.run for d in f.devices}
         devices = [d for d in devices if d in mine] + [d for d in devices if d not in mine]
         in_use = (d for f in live.values() if not f.shared for d in f.devices)
         return gpus.assign(launch.gpu, launch.gpu_count, devices, in_use)
 
-    def _spawn(self, launch: WorkerLaunch, visible: str) -> subprocess.Popen[bytes]:
+    @staticmethod
+    def _actor_devices(launch: WorkerLaunch, live: dict[str, _Found]) -> tuple[str, ...]:
+        """The devices the run's live actor holds; WaitingForActorGPU until it holds some."""
+        actor = [f for f in live.values() if f.worker.run == launch.run and f.worker.role == "actor"
+                 and not f.shared and f.devices]
+        if not actor:
+            raise WaitingForActorGPU(launch.run, launch.gpu)
+        return actor[0].devices
+
+    def _spawn(self, launch: WorkerLaunch, visible: str, peers: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        """Start the worker; `peers` (in `visible` after its own devices) are seen but not held."""
         log_path = _log_path(launch)
+        env = launch.environ(os.environ, visible)
+        if peers:
+            env[GPU_PEERS_ENV] = ",".join(peers)
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as log:
                 return subprocess.Popen(
                     self._command,
-                    env=launch.environ(os.environ, visible),
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -203,8 +214,9 @@ class LocalBackend(Backend):
                 continue
             worker = _inspect(proc, env)
             if worker is not None:
-                found.append(_Found(worker, gpus.parse_visible(env.get("CUDA_VISIBLE_DEVICES")),
-                                    shared=env.get("MORTAL_GPU_SHARED") == "1"))
+                peers = set(gpus.parse_visible(env.get(GPU_PEERS_ENV)))
+                held = tuple(d for d in gpus.parse_visible(env.get("CUDA_VISIBLE_DEVICES")) if d not in peers)
+                found.append(_Found(worker, held, shared=env.get("MORTAL_GPU_SHARED") == "1"))
         return found
 
     # -- stop --------------------------------------------------------------------------------

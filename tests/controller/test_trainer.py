@@ -58,7 +58,8 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
     )
     spec = t.run.spec_dict()
     assert spec["actor"] == {"gpu": "A100", "count": 1}
-    assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True}
+    assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True,
+                               "promptsPerTask": None}
     assert spec["generation"]["engine"] == "vllm" and spec["generation"]["maxTokens"] == 128
     assert spec["generation"]["temperature"] == 0.9
     a = spec["algorithm"]
@@ -76,7 +77,8 @@ def test_distributed_mode():
     spec = trainer(mode=Distributed(actor="H100", rollout="A10G", num_rollout_workers=3,
                                     weight_sync_method="volume", sync_weights_every=2)).run.spec_dict()
     assert spec["actor"]["gpu"] == "H100"
-    assert spec["rollout"] == {"gpu": "A10G", "replicas": 3, "colocate": False}
+    assert spec["rollout"] == {"gpu": "A10G", "replicas": 3, "colocate": False,
+                               "promptsPerTask": None}
     assert spec["sync"] == {"method": "volume", "every": 2}
 
 
@@ -89,12 +91,14 @@ def test_single_node_serve_needs_two_gpus():
     with pytest.raises(ValueError, match="count=2"):
         trainer(mode=SingleNode(gpu="A100", use_vllm=True, vllm_mode="serve"))
     spec = trainer(mode=SingleNode(gpu=GPUConfig("A100", count=3), use_vllm=True, vllm_mode="serve")).run.spec_dict()
-    assert spec["rollout"] == {"gpu": "A100", "replicas": 2, "colocate": False}
+    assert spec["rollout"] == {"gpu": "A100", "replicas": 2, "colocate": False,
+                               "promptsPerTask": None}
 
 
 def test_no_mode_keeps_the_spec_defaults():
     spec = trainer().run.spec_dict()
-    assert spec["actor"]["gpu"] == "none" and spec["rollout"] == {"gpu": "none", "replicas": 1, "colocate": False}
+    assert spec["actor"]["gpu"] == "none"
+    assert spec["rollout"] == {"gpu": "none", "replicas": 1, "colocate": False, "promptsPerTask": None}
 
 
 def test_invalid_combination_is_reported_with_the_spec_message():

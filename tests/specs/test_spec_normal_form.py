@@ -70,6 +70,37 @@ def test_defaults_are_filled_in():
     assert spec.logging.wandb.project == "mortal" and spec.rewards[0].sandbox.memory_mb == 512
 
 
+def with_rollout(block: str) -> TrainingRun:
+    return one(MINIMAL + f"  rollout: {block}\n")
+
+
+def test_prompts_per_task_is_optional_and_read_from_yaml():
+    assert one(MINIMAL).spec.rollout.prompts_per_task is None
+    assert with_rollout("{promptsPerTask: 3}").spec.rollout.prompts_per_task == 3
+
+
+def test_task_size_on_cpu_defaults_to_one_prompt_per_task():
+    """On CPU each prompt is generated alone, so one prompt a task: any idle replica can take the next."""
+    rollout = one(MINIMAL).spec.rollout
+    assert rollout.gpu == "none"
+    assert [rollout.task_size(p) for p in (1, 2, 8)] == [1, 1, 1]
+    assert with_rollout("{replicas: 4}").spec.rollout.task_size(8) == 1
+
+
+def test_task_size_on_a_gpu_defaults_to_one_chunk_per_replica():
+    assert with_rollout("{gpu: H100, replicas: 2}").spec.rollout.task_size(8) == 4
+    assert with_rollout("{gpu: H100, replicas: 3}").spec.rollout.task_size(8) == 3  # ceil: chunks 3, 3, 2
+    assert with_rollout("{gpu: H100, replicas: 1}").spec.rollout.task_size(8) == 8
+    assert with_rollout("{gpu: H100, replicas: 16}").spec.rollout.task_size(8) == 1
+    assert with_rollout("{gpu: H100, replicas: 0}").spec.rollout.task_size(8) == 8  # paused: as if one replica
+
+
+def test_an_explicit_prompts_per_task_wins_capped_at_the_steps_prompts():
+    assert with_rollout("{promptsPerTask: 2}").spec.rollout.task_size(8) == 2  # on CPU too
+    assert with_rollout("{gpu: H100, replicas: 2, promptsPerTask: 3}").spec.rollout.task_size(8) == 3
+    assert with_rollout("{gpu: H100, promptsPerTask: 64}").spec.rollout.task_size(8) == 8
+
+
 def test_empty_lora_block_means_lora_with_default_settings():
     run = one(MINIMAL.replace("{name: tiny}", "{name: tiny, lora: {}}"))
     assert (run.spec.model.lora.r, run.spec.model.lora.alpha, run.spec.model.lora.target_modules) == (16, 32, "all-linear")

@@ -57,6 +57,7 @@ CASES = [
     ("generation:\n  topP: 0", 1, "spec.generation.topP", "must be > 0 (got 0)"),
     ("generation:\n  engine: sglang", 1, "spec.generation.engine", "must be one of auto, vllm, transformers"),
     ("rollout:\n  replicas: -1", 1, "spec.rollout.replicas", "must be >= 0 (got -1)"),
+    ("rollout:\n  promptsPerTask: 0", 1, "spec.rollout.promptsPerTask", "must be >= 1 (got 0)"),
     ("actor:\n  count: 2", 1, "spec.actor.count", "must be 1 for now (got 2)"),
     ("sync:\n  method: nccl", 1, "spec.sync.method", "sync method 'nccl' is not built yet; use 'auto'"),
     ("sync:\n  method: carrier-pigeon", 1, "spec.sync.method", "must be one of auto, volume, ipc, nccl, reload"),

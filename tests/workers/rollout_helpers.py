@@ -120,9 +120,36 @@ def new_worker(store: Any, run: Any, role: str, replica: int = 0, lease: float =
 
 
 def arith_task(step: int, slot: int, row: dict[str, Any], n: int = 4, min_version: int = 0) -> Any:
-    """The task the actor enqueues for one dataset row."""
-    from mortal.state import NewTask
-    from mortal.workers.messages import RolloutRequest
+    """The task the actor enqueues for one dataset row (a chunk of one prompt, as on CPU)."""
+    return chunk_task(step, slot, [row], n=n, min_version=min_version, first_slot=slot)
 
-    request = RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=1000 * step + slot)
-    return NewTask(step=step, slot=slot, min_weight_version=min_version, payload=request.model_dump(mode="json"))
+
+def chunk_task(step: int, slot: int, rows: list[dict[str, Any]], n: int = 4, min_version: int = 0,
+               first_slot: int = 0) -> Any:
+    """A task of several prompts (one RolloutTask, generated in one engine call); request i has the
+    seed of step slot `first_slot + i`, as the actor's feed gives it."""
+    from mortal.state import NewTask
+    from mortal.workers.messages import RolloutRequest, RolloutTask
+
+    requests = [RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=1000 * step + first_slot + i)
+                for i, row in enumerate(rows)]
+    task = RolloutTask(requests=requests, first_slot=first_slot)
+    return NewTask(step=step, slot=slot, min_weight_version=min_version, payload=task.model_dump(mode="json"))
+
+
+def task_results(task: Any) -> list[Any]:
+    """The RolloutResults of a done task row (its RolloutAnswer), one per request, in order."""
+    from mortal.workers.messages import RolloutAnswer
+
+    return RolloutAnswer.model_validate(task.result).results
+
+
+def only_result(task: Any) -> Any:
+    """The RolloutResult of a done one-prompt task."""
+    [result] = task_results(task)
+    return result
+
+
+def task_seeds(task: Any) -> list[int]:
+    """The sampling seed of each request of a task row, in order."""
+    return [request["seed"] for request in task.payload["requests"]]

@@ -14,7 +14,7 @@ from actor_helpers import (
     run_actor_with_rollout,
     worker_context,
 )
-from rollout_helpers import assets_available, make_tiny_model
+from rollout_helpers import assets_available, make_tiny_model, task_results
 
 from mortal.workers import actor
 from mortal.workers.checkpoint import read_marker
@@ -85,7 +85,25 @@ def test_lora_trains_and_rollouts_load_its_merged_weights(store, tiny_dir: Path)
     ckpt = Path(store.latest_checkpoint("lora").path)
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
     # step 1's tasks asked for v1 (the merged weights after step 0): the rollout loaded it to answer them
-    assert {r.result["weight_version"] for r in store.step_results("lora", 1)} == {1}
+    assert {res.weight_version for r in store.step_results("lora", 1) for res in task_results(r)} == {1}
+
+
+def test_on_cpu_prompts_per_task_cuts_steps_into_chunks_without_changing_training(store, tiny_dir: Path) -> None:
+    """rollout.promptsPerTask reaches the feed (3 prompts a step in tasks of 2: two tasks a step); on the CPU
+    each prompt is still generated alone with its own seed, so the trained weights are bit for bit those
+    of one prompt a task."""
+    algorithm = {"batchSize": 12, "maxSteps": 2}
+    single = create_run(store, "single", actor_spec(str(tiny_dir), algorithm=algorithm))
+    assert run_actor_with_rollout(store, single) == EXIT_SUCCEEDED
+    chunked = create_run(store, "chunked", actor_spec(str(tiny_dir), algorithm=algorithm,
+                                                      rollout={"promptsPerTask": 2}))
+    assert run_actor_with_rollout(store, chunked) == EXIT_SUCCEEDED
+    for step in (0, 1):
+        tasks = store.step_results("chunked", step)
+        assert [(t.slot, t.payload["first_slot"], len(t.payload["requests"])) for t in tasks] == [(0, 0, 2), (1, 2, 1)]
+        assert [len(task_results(t)) for t in tasks] == [2, 1]
+        assert len(store.step_results("single", step)) == 3
+    assert final_weights_hash(store, "chunked") == final_weights_hash(store, "single")
 
 
 def test_beta_trains_against_a_reference_model(store, tiny_dir: Path) -> None:

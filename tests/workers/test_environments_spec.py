@@ -144,12 +144,12 @@ def test_a_rollout_worker_scores_with_the_sandbox(sqlite_store, mortal_home: Pat
         create_run,
         make_tiny_model,
         new_worker,
+        only_result,
         training_spec,
     )
     from test_rollout import Serving, wait_done
 
     from mortal.workers.environments import CodeExecutionEnvironment, extract_code
-    from mortal.workers.messages import RolloutResult
 
     if not assets_available():
         pytest.skip("SmolLM2 tokenizer/config assets not found")
@@ -166,7 +166,7 @@ def test_a_rollout_worker_scores_with_the_sandbox(sqlite_store, mortal_home: Pat
         done = wait_done(store, "code", 1, 2)
     reference = CodeExecutionEnvironment(partial_credit=True, cache="off")
     for task, row in zip(done, rows, strict=True):
-        result = RolloutResult.model_validate(task.result)
+        result = only_result(task)
         texts = [c[0]["content"] for c in result.completions]
         assert result.rewards["tests_passed"] == reference(completions=texts, prompts=["p"] * 4,
                                                            tests=[row["tests"]] * 4)

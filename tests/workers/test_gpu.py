@@ -39,9 +39,12 @@ def store(sqlite_store):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(store, tiny_dir: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("sync", ["volume", "ipc"])
+def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(store, tiny_dir: Path, monkeypatch,
+                                                                   sync: str) -> None:
+    """ipc with the rollout in the actor's own process: it reads the actor's snapshot ring directly."""
     spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"}, rollout={"gpu": "H100"},
-                      algorithm={"maxSteps": 2}, checkpoint={"every": 10, "keep": 1})
+                      algorithm={"maxSteps": 2}, checkpoint={"every": 10, "keep": 1}, sync={"method": sync})
     run = create_run(store, "gpu", spec)
     trainers = []
     build = actor.build_trainer
@@ -55,10 +58,13 @@ def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(store, tiny_d
     losses = {row.step: row.value for row in store.list_metrics("gpu") if row.name == "loss"}
     assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
     weights = store.list_weights("gpu")
-    assert [(w.version, w.step) for w in weights] == [(0, 0), (1, 1), (2, 2)]
-    first, last = read_published(weights[0].path), read_published(weights[-1].path)
+    assert [(w.version, w.step, w.method) for w in weights] == [(0, 0, sync), (1, 1, sync), (2, 2, sync)]
+    if sync == "volume":
+        first, last = read_published(weights[0].path), read_published(weights[-1].path)
+        assert any(not torch.equal(first[k], last[k]) for k in first), "training did not change the weights"
+    else:
+        last = {k: v.detach().cpu() for k, v in trainers[0].model.state_dict().items()}
     assert all(t.dtype == torch.bfloat16 for t in last.values())
-    assert any(not torch.equal(first[k], last[k]) for k in first), "training did not change the weights"
 
     worker = rollout.worker
     worker.refresh_weights()  # the thread may have stopped before it saw the last version
@@ -68,7 +74,7 @@ def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(store, tiny_d
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k].cpu(), v) for k, v in last.items())
     params = GenerationParams(max_tokens=6)
-    outs = worker.engine.generate(encode_prompt(worker.tokenizer, CHAT), 2, 3, params)
+    [outs] = worker.engine.generate([encode_prompt(worker.tokenizer, CHAT)], 2, [3], params)
     assert all(1 <= len(c.ids) == len(c.logprobs) <= 6 for c in outs)
 
 
@@ -84,11 +90,11 @@ def test_transformers_engine_on_cuda_is_deterministic_and_leaves_the_cuda_rng_al
     torch.cuda.manual_seed(123)
     before = torch.rand(1, device="cuda")
     torch.cuda.manual_seed(123)
-    first = engine.generate(prompt, 4, 7, params)
+    [first] = engine.generate([prompt], 4, [7], params)
     assert torch.equal(torch.rand(1, device="cuda"), before)  # the worker's CUDA RNG is not consumed
     fresh = TransformersEngine.create(spec, tokenizer, device="cuda")
-    assert [c.ids for c in fresh.generate(prompt, 4, 7, params)] == [c.ids for c in first]
-    assert [c.ids for c in engine.generate(prompt, 4, 8, params)] != [c.ids for c in first]
+    assert [c.ids for c in fresh.generate([prompt], 4, [7], params)[0]] == [c.ids for c in first]
+    assert [c.ids for c in engine.generate([prompt], 4, [8], params)[0]] != [c.ids for c in first]
     assert len({tuple(c.ids) for c in first}) > 1
     assert all(len(c.ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs) for c in first)
 
@@ -107,7 +113,7 @@ def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weight
     prompt = encode_prompt(tokenizer, CHAT)
 
     def check() -> list:
-        outs = engine.generate(prompt, 3, 3, GenerationParams(max_tokens=10, temperature=0.7))
+        [outs] = engine.generate([prompt], 3, [3], GenerationParams(max_tokens=10, temperature=0.7))
         for c in outs:
             full = torch.tensor([prompt + c.ids], device="cuda")
             with torch.no_grad():
@@ -120,6 +126,32 @@ def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weight
     engine.load_weights(str(make_tiny_model(tmp_path / "other", seed=1)))
     after = check()
     assert [c.ids for c in after] != [c.ids for c in before], "the new weights were not used"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_task_of_several_prompts_is_one_batch_matching_each_prompts_forward_pass(tiny_dir: Path) -> None:
+    """The compiled path's batch holds every prompt x n of a task, left-padded: each group's logprobs match a
+    plain forward pass of its own unpadded prompt, and the same task with the same seeds gives the same tokens."""
+    spec = ModelSpec(name=str(tiny_dir), dtype="float32")
+    tokenizer = load_tokenizer(spec)
+    engine = TransformersEngine.create(spec, tokenizer, device="cuda")
+    assert engine.compiled
+    long = [{"role": "user", "content": "Add these up: " + " + ".join(str(i) for i in range(40))}]
+    prompts = [encode_prompt(tokenizer, "What is 2 + 3?"), encode_prompt(tokenizer, CHAT), encode_prompt(tokenizer, long)]
+    assert len({len(p) for p in prompts}) == 3
+    params = GenerationParams(max_tokens=12, temperature=0.8)
+    groups = engine.generate(prompts, 3, [5, 6, 7], params)
+    assert [len(group) for group in groups] == [3, 3, 3]
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            full = torch.tensor([prompt + c.ids], device="cuda")
+            with torch.no_grad():
+                logits = engine.model(full).logits[0, len(prompt) - 1 : -1].float() / 0.8
+            expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None]).squeeze(1).cpu()
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-3, rtol=1e-3)
+    again = engine.generate(prompts, 3, [5, 6, 7], params)
+    assert [[c.ids for c in g] for g in again] == [[c.ids for c in g] for g in groups]
 
 
 def test_worker_device_follows_the_spec_not_the_machine() -> None:

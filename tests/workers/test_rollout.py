@@ -10,9 +10,13 @@ import pytest
 from rollout_helpers import (
     arith_task,
     assets_available,
+    chunk_task,
     create_run,
     make_tiny_model,
     new_worker,
+    only_result,
+    task_results,
+    task_seeds,
     training_spec,
 )
 
@@ -23,7 +27,6 @@ from mortal.workers.data import load_rows
 from mortal.workers.engines import GenerationParams
 from mortal.workers.engines.transformers_engine import TransformersEngine
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.messages import RolloutResult
 from mortal.workers.models import encode_prompt, load_model, load_tokenizer
 from mortal.workers.runtime import WorkerContext
 from mortal.workers.weights import WeightPublisher
@@ -90,7 +93,7 @@ def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir
     tokenizer = load_tokenizer(spec)
     reference = TransformersEngine.create(spec, tokenizer, device="cpu")
     for task, row in zip(done, rows, strict=True):
-        result = RolloutResult.model_validate(task.result)
+        result = only_result(task)
         assert result.weight_version == 0
         assert result.prompt_ids == encode_prompt(tokenizer, row["prompt"])
         assert list(result.rewards) == ["correct_answer", "short_answer"]
@@ -99,8 +102,32 @@ def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir
         assert result.completions[0][0]["role"] == "assistant"  # chat prompt -> TRL's chat completion
         assert result.completions[0][0]["content"] == tokenizer.decode(result.completion_ids[0], skip_special_tokens=True)
         # The same (weights, prompt, seed) gives the same tokens in any process: a retried task is identical.
-        again = reference.generate(result.prompt_ids, 4, task.payload["seed"], GenerationParams(max_tokens=8))
+        [again] = reference.generate([result.prompt_ids], 4, task_seeds(task), GenerationParams(max_tokens=8))
         assert [c.ids for c in again] == result.completion_ids
+
+
+def test_a_task_of_several_prompts_is_answered_with_one_result_per_prompt_in_order(
+        sqlite_store: Store, tiny_dir: Path) -> None:
+    """One RolloutAnswer per task, its results in request order; on CPU each prompt's group is what
+    generating that prompt alone with its own seed gives (so it does not matter which prompts share a task)."""
+    store = sqlite_store
+    run = create_run(store, "r6", training_spec(str(tiny_dir)))
+    actor = new_worker(store, run, "actor")
+    rows = load_rows(run.spec.dataset)[:3]
+    store.enqueue_tasks(actor, [chunk_task(1, 0, rows, first_slot=0)])
+    with Serving(store, run):
+        [task] = wait_done(store, "r6", 1, 1)
+    results = task_results(task)
+    assert len(results) == 3
+    tokenizer = load_tokenizer(run.spec.model)
+    reference = TransformersEngine.create(run.spec.model, tokenizer, device="cpu")
+    assert task_seeds(task) == [1000, 1001, 1002]
+    for result, row, seed in zip(results, rows, task_seeds(task), strict=True):
+        assert result.prompt_ids == encode_prompt(tokenizer, row["prompt"])
+        assert result.weight_version == 0 and all(len(v) == 4 for v in result.rewards.values())
+        [alone] = reference.generate([result.prompt_ids], 4, [seed], GenerationParams(max_tokens=8))
+        assert [c.ids for c in alone] == result.completion_ids
+        assert [c.logprobs for c in alone] == result.logprobs
 
 
 def test_new_weight_versions_are_loaded_between_tasks(sqlite_store: Store, tiny_dir: Path, other_dir: Path) -> None:
@@ -122,10 +149,10 @@ def test_new_weight_versions_are_loaded_between_tasks(sqlite_store: Store, tiny_
         assert publisher.publish(load_model(other_spec, "cpu"), step=2) == 2
         [task] = wait_done(store, "r2", 2, 1)
         assert serving.worker.loaded_version == 2
-    result = RolloutResult.model_validate(task.result)
+    result = only_result(task)
     assert result.weight_version == 2
     reference = TransformersEngine.create(other_spec, load_tokenizer(other_spec), device="cpu")
-    expected = reference.generate(result.prompt_ids, 4, task.payload["seed"], GenerationParams(max_tokens=8))
+    [expected] = reference.generate([result.prompt_ids], 4, task_seeds(task), GenerationParams(max_tokens=8))
     assert [c.ids for c in expected] == result.completion_ids
 
 

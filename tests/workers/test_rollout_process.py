@@ -19,12 +19,12 @@ from rollout_helpers import (
     create_run,
     make_tiny_model,
     new_worker,
+    only_result,
     training_spec,
 )
 
 from mortal.state import Store, WorkerRef, open_store
 from mortal.workers.data import load_rows
-from mortal.workers.messages import RolloutResult
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 HERE = Path(__file__).resolve().parent
@@ -85,7 +85,7 @@ def test_a_rollout_process_answers_tasks_and_stops_on_sigterm(url: str, mortal_h
                         "tasks done", **watching(proc, mortal_home))
         assert done
         for task in store.step_results("proc", 1):
-            result = RolloutResult.model_validate(task.result)
+            result = only_result(task)
             assert len(result.completion_ids) == 4 and set(result.rewards) == {"correct_answer", "short_answer"}
         # The next heartbeat (about a second) carries the version it generated with: the spec's model, v0.
         wait_for(lambda: worker_row(store, worker).weight_version == 0, 10, "a heartbeat with v0",

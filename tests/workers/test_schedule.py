@@ -1,4 +1,5 @@
-"""mortal.workers.schedule: which rows each step trains on, and task seeds (pure functions)."""
+"""mortal.workers.schedule: which rows each step trains on, how a step is cut into tasks, and task seeds
+(pure functions)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,29 @@ def test_steps_to_enqueue_stop_at_max_steps() -> None:
     assert list(schedule.steps_to_enqueue(3, 0, 10)) == [3]
     assert list(schedule.steps_to_enqueue(3, 2, 10)) == [3, 4, 5]
     assert list(schedule.steps_to_enqueue(8, 3, 10)) == [8, 9]
+
+
+def test_task_chunks_cover_every_slot_once_in_order() -> None:
+    for per_step in range(1, 12):
+        for per_task in range(1, 14):
+            chunks = schedule.task_chunks(per_step, per_task)
+            assert [slot for chunk in chunks for slot in chunk] == list(range(per_step))
+            assert len(chunks) == -(-per_step // per_task)
+            assert all(len(chunk) == per_task for chunk in chunks[:-1])
+            assert 1 <= len(chunks[-1]) <= per_task
+
+
+def test_task_chunks_are_consecutive_runs_and_the_last_may_be_shorter() -> None:
+    assert schedule.task_chunks(8, 4) == [range(0, 4), range(4, 8)]
+    assert schedule.task_chunks(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert schedule.task_chunks(3, 1) == [range(0, 1), range(1, 2), range(2, 3)]  # one prompt a task (CPU)
+    assert schedule.task_chunks(3, 8) == [range(0, 3)]  # a task bigger than the step: one task
+
+
+def test_task_chunks_refuse_a_task_of_no_prompts() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="prompts_per_task"):
+            schedule.task_chunks(4, bad)
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -1,14 +1,17 @@
 """The one interface every generation engine implements, and what it returns.
 
-Who calls it: mortal.workers.rollout (one `generate` per task: one prompt, `n` completions; one
-`load_weights` per new weight version, between tasks only). Engines: transformers_engine (every
-machine) and vllm_engine (where vLLM is installed); `mortal.workers.engines.select_engine` picks.
-Contract: `generate` is deterministic per (weights, prompt, n, seed, params) on one kind of
+Who calls it: mortal.workers.rollout (one `generate` per task: the task's prompts, `n` completions
+each, with one seed per prompt; one `load_weights` per new weight version, between tasks only).
+Engines: transformers_engine (every machine) and vllm_engine (where vLLM is installed);
+`mortal.workers.engines.select_engine` picks.
+Contract: `generate` is deterministic per (weights, prompts, n, seeds, params) on one kind of
 machine, returns each completion cut after its first end-of-sequence token (included, as TRL
 expects) and, per token, the log-probability of the sampled token under the distribution it was
 sampled from (temperature, top-k and top-p applied: vLLM's "processed_logprobs").
-What it must not do: batch several prompts together (padding would make a completion depend on
-which other prompts shared its batch, so results would depend on the worker that ran the task).
+An engine may batch a task's prompts together (on a GPU, all of them in one batch: that is where
+the speed is). A task's prompts are fixed by the run's seed and step (mortal.workers.schedule), so
+the batch, and with it the tokens, never depends on which worker ran the task or when.
+What it must not do: batch prompts of different tasks together.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ class Engine(abc.ABC):
         """Load the spec's model into a new engine (device None: a GPU when there is one)."""
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
-        """`n` completions of one prompt, sampled with `seed`."""
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
+                 params: GenerationParams) -> list[list[Completion]]:
+        """`n` completions of each prompt (prompt i sampled with seeds[i]), one list per prompt."""
 
     @abc.abstractmethod
     def load_weights(self, path: str) -> None:

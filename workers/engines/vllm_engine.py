@@ -3,8 +3,9 @@
 Who calls it: mortal.workers.rollout through the Engine interface (base.py says the contract),
 when `spec.generation.engine` is vllm (or auto, with vLLM installed and a GPU). vLLM is imported
 lazily, so this module imports everywhere; tests skip cleanly where vLLM is absent.
-- generate: one prompt as token ids, `SamplingParams(n=..., seed=..., logprobs=0)`; vLLM gives
-  each of the n children its own seed (seed + i), so a task's tokens depend on its seed alone.
+- generate: one `LLM.generate` over all the task's prompts (token ids), each with its own
+  `SamplingParams(n=..., seed=..., logprobs=0)`; vLLM batches them itself and gives each of a
+  prompt's n children its own seed (seed + i), so a prompt's tokens depend on its seed alone.
   The engine runs with `logprobs_mode="processed_logprobs"`, as TRL does, so logprobs are those of
   the distribution sampled from (temperature, top-k, top-p applied), like the transformers engine.
 - load_weights: the published safetensors are streamed into the running model on every worker
@@ -100,12 +101,18 @@ class VllmEngine(Engine):
             detokenize=False,
         )
 
-    def generate(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
+                 params: GenerationParams) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        [request] = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt_ids))], self._sampling_params(n, seed, params), use_tqdm=False
+        requests = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts],
+            [self._sampling_params(n, seed, params) for seed in seeds],
+            use_tqdm=False,
         )
+        return [self._completions(request) for request in requests]
+
+    def _completions(self, request: Any) -> list[Completion]:
         completions = []
         for output in request.outputs:
             ids = list(output.token_ids)

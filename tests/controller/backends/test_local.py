@@ -238,6 +238,25 @@ def test_colocated_rollouts_share_the_actors_gpu_and_a_relaunched_actor_returns_
     assert _visible(again) == "0", "a relaunched actor goes back to the GPU its colocated rollouts use"
 
 
+def test_a_rollout_that_syncs_over_ipc_sees_the_actors_gpu_after_its_own_without_holding_it(
+        mortal_home: Path, cleanup: None) -> None:
+    def two_gpus() -> list[str]:
+        return ["0", "1"]
+
+    backend = LocalBackend(mortal_home, detect_gpus=two_gpus, command=SLEEPER)
+    with pytest.raises(WaitingForActorGPU):  # no actor GPU to show yet: retried, not a failure
+        backend.launch(launch_spec(mortal_home, gpu="H100", sees_actor_gpus=True))
+    actor = backend.launch(launch_spec(mortal_home, role="actor", gpu="H100"))
+    rollout = backend.launch(launch_spec(mortal_home, gpu="H100", sees_actor_gpus=True, incarnation=2))
+    assert (_visible(actor), _visible(rollout)) == ("0", "1,0")  # its own GPU is its cuda:0
+    assert _environ(rollout)["MORTAL_GPU_PEERS"] == "0"
+
+    backend.stop(actor)  # a restarted controller sees the rollout holding GPU 1 only: GPU 0 is free again
+    fresh = LocalBackend(mortal_home, detect_gpus=two_gpus, command=SLEEPER)
+    again = fresh.launch(launch_spec(mortal_home, role="actor", gpu="H100", incarnation=9))
+    assert _visible(again) == "0"
+
+
 def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(select_backend("local"), LocalBackend)
     monkeypatch.setitem(sys.modules, "modal", None)  # `import modal` fails, as where it is not installed
@@ -257,10 +276,13 @@ def test_parse_nvidia_smi_list() -> None:
     assert parse_nvidia_smi_list("") == []
 
 
+def _environ(handle: str) -> dict[str, str]:
+    """The worker's environment (waiting out the instant after exec when /proc shows none)."""
+    return wait_for(lambda: psutil.Process(pid_of(handle)).environ(), what="environment")
+
+
 def _visible(handle: str) -> str:
-    """The worker's CUDA_VISIBLE_DEVICES (waiting out the instant after exec when /proc shows no environment)."""
-    env = wait_for(lambda: psutil.Process(pid_of(handle)).environ(), what="environment")
-    return env.get("CUDA_VISIBLE_DEVICES", "")  # psutil drops empty values
+    return _environ(handle).get("CUDA_VISIBLE_DEVICES", "")  # psutil drops empty values
 
 
 def _row(store: Store, worker_id: int):  # noqa: ANN202

@@ -1,0 +1,92 @@
+"""Generation alone on one GPU: transformers' compiled `generate` against mortal's StaticDecoder.
+
+    python bench/decode_speed.py [--batch 64] [--tokens 256] [--repeats 3] [--json out.json]
+
+Same model as bench/gpu_step.py (Qwen2.5-0.5B's shape, random init, bf16), `--batch` rows of a
+~40-token prompt left-padded to 64, `--tokens` completion tokens each (a random-init model rarely
+samples EOS, so every row runs to the end). Each engine is warmed up once (compilation), then timed
+`--repeats` times; the median is printed. Also checks that the decoder's sampling logprobs agree
+with one plain forward pass over the sampled sequences (the number TRL's importance correction and
+the loss read), as the max absolute difference.
+Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from gpu_step import make_model
+
+
+def timed(fn, repeats: int) -> tuple[list[float], object]:
+    import torch
+
+    fn()  # warm-up: compiles
+    seconds, out = [], None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return seconds, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+
+    out: dict = {"device": torch.cuda.get_device_name(0), **{k: v for k, v in vars(args).items() if k != "json"}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16).cuda().eval()
+    prompt = torch.randint(100, 40000, (args.batch, 40), device="cuda")
+    ids = torch.cat([torch.full((args.batch, 24), 2, device="cuda"), prompt], 1)
+    mask = torch.cat([torch.zeros(args.batch, 24, dtype=torch.long, device="cuda"), torch.ones_like(prompt)], 1)
+
+    def hf_generate():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.tokens,
+                                  min_new_tokens=args.tokens, do_sample=True, top_k=0, pad_token_id=2,
+                                  cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+
+    decoder = StaticDecoder(model)
+    sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+    for name, fn in (("transformers_generate_static_compiled", hf_generate),
+                     ("static_decoder", lambda: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]))):
+        seconds, result = timed(fn, args.repeats)
+        out[name] = {"seconds": seconds, "median": statistics.median(seconds),
+                     "tokens_per_second": args.batch * args.tokens / statistics.median(seconds)}
+        print(f"{name}: {statistics.median(seconds):.3f} s ({out[name]['tokens_per_second']:.0f} tokens/s) {seconds}",
+              flush=True)
+    tokens, logprobs = result
+    with torch.no_grad():
+        full = torch.cat([ids, tokens], 1)
+        positions = (torch.cat([mask, torch.ones_like(tokens)], 1).cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(tokens)], 1),
+                       position_ids=positions).logits[:, ids.shape[1] - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    out["logprob_max_abs_diff"] = float((ref - logprobs).abs().max())
+    out["logprob_mean_abs_diff"] = float((ref - logprobs).abs().mean())
+    print(f"decoder logprobs vs one forward pass: max |diff| {out['logprob_max_abs_diff']:.4f}, "
+          f"mean {out['logprob_mean_abs_diff']:.5f}")
+    out["speedup"] = out["transformers_generate_static_compiled"]["median"] / out["static_decoder"]["median"]
+    print(f"static decoder / transformers generate: {out['speedup']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
