@@ -13,9 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SEED_SYNC_METHODS = {"checkpoint": "volume", "direct": "nccl"}
-"""Seed weight-sync names -> the spec's (auto, volume, ipc, nccl, reload are the spec's own)."""
-
 
 @dataclass(frozen=True)
 class GPUConfig:
@@ -69,7 +66,8 @@ class Distributed:
     """A trainer (actor) and `num_rollout_workers` generation workers, each on its own GPU type.
 
     `weight_sync_method`: auto (the fastest built method) or one of the spec's sync methods; the
-    seed's names are accepted ("checkpoint" = volume, "direct" = nccl). Scale the rollout workers
+    seeds' names are accepted as the spec accepts them (reload and checkpoint = volume, direct = ipc:
+    specs/training.py SYNC_ALIASES). Scale the rollout workers
     later with `mortalctl scale NAME rollout=N`.
     """
 
@@ -83,9 +81,8 @@ class Distributed:
         actor, rollout = as_gpu(self.actor), as_gpu(self.rollout)
         if actor.count != 1:
             raise ValueError(f"Distributed(actor=...) takes one GPU for now (got count={actor.count})")
-        method = SEED_SYNC_METHODS.get(self.weight_sync_method, self.weight_sync_method)
         return {
             "actor": {"gpu": actor.type},
             "rollout": {"gpu": rollout.type, "replicas": self.num_rollout_workers * rollout.count},
-            "sync": {"method": method, "every": self.sync_weights_every},
+            "sync": {"method": self.weight_sync_method, "every": self.sync_weights_every},
         }

@@ -15,7 +15,6 @@ it writes desired state and reads status; it never trains in this process and ne
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from mortal.controller.modes import Distributed, GPUConfig, SingleNode
@@ -29,16 +28,10 @@ from mortal.controller.trainer_inputs import (
     reward_entries,
     write_dataset,
 )
-from mortal.specs import RunStatus, TrainingRun, to_yaml
+from mortal.specs import RunStatus, TrainingRun, epochs, to_yaml
+from mortal.specs.training import CODE_DATASET, CODE_SYSTEM_PROMPT
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-DEFAULT_DATASET = "builtin:arith"
-DEFAULT_REWARDS = [
-    {"function": "mortal.workers.builtin_rewards:correct_answer", "weight": 1.0},
-    {"function": "mortal.workers.builtin_rewards:short_answer", "weight": 0.2},
-]
-CODE_DATASET = "builtin:mbpp-mini"
-CODE_SYSTEM_PROMPT = "Answer with one Python code block."
 
 __all__ = [
     "Distributed", "GPUConfig", "MortalTrainer", "RewardNotImportable", "SingleNode", "TrainerError", "TrainingFailed",
@@ -77,11 +70,12 @@ class MortalTrainer:
       train_dataset   datasets.Dataset, list of dicts, or a hub id / .jsonl / .parquet path / 'builtin:NAME'
       batch_size      completions per optimizer step, as in the spec (prompts per step = batch_size /
                       num_generations)
-      max_steps       optimizer steps; None with num_epochs and an in-memory dataset: computed from them
+      max_steps       optimizer steps; None with num_epochs: computed from the dataset's rows (an in-memory,
+                      builtin or local-file dataset)
       detach          train() returns right after applying; the controller keeps training
       name            the run's name (default: '<model>-<5 random chars>')
-    Without reward_funcs and train_dataset, the quickstart task is used (builtin:arith, scored by
-    mortal.workers.builtin_rewards).
+    Without reward_funcs and train_dataset, the seeds' default: sandboxed code execution on
+    builtin:mbpp-mini (as a spec that names only its model).
     """
 
     def __init__(
@@ -137,12 +131,12 @@ class MortalTrainer:
 
         self.detach, self.quiet, self.start_controller, self.state_url = detach, quiet, start_controller, state_url
         name = name or default_run_name(model)
-        code_only = reward_funcs is not None and is_code_execution(reward_funcs)
-        if train_dataset is None and reward_funcs is not None and not code_only:
-            raise TrainerError("train_dataset is required when reward_funcs is given (leave both out for the "
-                               "built-in arithmetic task; reward_funcs='sandbox' alone trains on builtin:mbpp-mini)")
-        if reward_funcs is None and train_dataset is not None:
-            reward_funcs, code_only = "sandbox", True  # the seed's default: code execution with the rows' tests
+        if reward_funcs is None:
+            reward_funcs = "sandbox"  # the seeds' default: code execution with the rows' tests
+        code_only = is_code_execution(reward_funcs)
+        if train_dataset is None and not code_only:
+            raise TrainerError("train_dataset is required when reward_funcs is given (leave both out, or give "
+                               "reward_funcs='sandbox' alone, to train with code execution on builtin:mbpp-mini)")
         column = prompt_column or "prompt"
         rows = dataset_rows(train_dataset) if train_dataset is not None else None
         if rows is not None:
@@ -155,11 +149,9 @@ class MortalTrainer:
             dataset = str(write_dataset(rows, name, column, paths.mortal_home()))
         elif train_dataset is not None:
             dataset = dataset_name(train_dataset)
-        elif code_only:
-            dataset, system_prompt = CODE_DATASET, system_prompt or CODE_SYSTEM_PROMPT
         else:
-            dataset = DEFAULT_DATASET
-        rewards = reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else DEFAULT_REWARDS
+            dataset, system_prompt = CODE_DATASET, system_prompt or CODE_SYSTEM_PROMPT
+        rewards = reward_entries(reward_funcs, reward_weights)
         judge_keys = [r["api_key_env"] for r in rewards if r.get("api_key_env")]  # the judge's key travels as a secret
         secrets = list(dict.fromkeys([*(secrets or []), *judge_keys])) or None
         if max_completion_length is not None and max_tokens is not None and max_completion_length != max_tokens:
@@ -202,19 +194,20 @@ class MortalTrainer:
             raise _validation_error(exc) from None
 
     def _set_max_steps(self, max_steps: int | None, num_epochs: float | None, rows: list | None) -> None:
-        """max_steps as given; else num_epochs over an in-memory dataset; else the spec default."""
+        """max_steps as given; else num_epochs over the dataset's rows (specs/epochs.py); else the default."""
         algorithm = self.run.spec.algorithm
-        if max_steps is not None and max_steps > 0:
-            steps = max_steps
-        elif num_epochs is not None:
-            if rows is None:
-                raise TrainerError("num_epochs needs an in-memory train_dataset to count its rows; pass max_steps")
-            n = min(len(rows), self.run.spec.dataset.max_samples or len(rows))
-            steps = max(1, math.ceil(num_epochs * n / algorithm.prompts_per_step))
-        else:
-            return
         try:
-            algorithm.max_steps = steps
+            if num_epochs is not None:
+                algorithm.num_epochs = num_epochs
+            if max_steps is not None and max_steps > 0:
+                algorithm.max_steps = max_steps
+            elif num_epochs is not None and rows is not None:  # written to a .jsonl above: count the rows given
+                n = min(len(rows), self.run.spec.dataset.max_samples or len(rows))
+                algorithm.max_steps = epochs.steps_for(num_epochs, n, algorithm.prompts_per_step)
+            else:
+                epochs.resolve(self.run.spec)
+        except epochs.RowsUncountable as exc:
+            raise TrainerError(f"num_epochs: {exc}") from None
         except ValueError as exc:
             raise _validation_error(exc) from None
 

@@ -23,6 +23,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
+from mortal.specs import epochs
 from mortal.specs.diagnostics import dotted, issues_from_errors, line_of
 from mortal.specs.errors import SpecError, SpecIssue
 from mortal.specs.run import API_VERSION, KIND, TrainingRun
@@ -130,10 +131,17 @@ def _validate(data: Any, lines: Lines, source: str, prefix: tuple, issues: list[
         issues += header
         return None
     try:
-        return TrainingRun.model_validate(data)
+        run = TrainingRun.model_validate(data)
     except ValidationError as exc:
         issues += issues_from_errors(exc.errors(), TrainingRun, data, lines, source, prefix)
         return None
+    try:
+        epochs.resolve(run.spec)
+    except epochs.RowsUncountable as exc:
+        where = prefix + ("spec", "algorithm", "numEpochs")
+        issues.append(SpecIssue(source, line_of(where, lines), dotted(where), str(exc)))
+        return None
+    return run
 
 
 def _header_issues(data: Any, lines: Lines, source: str, prefix: tuple) -> list[SpecIssue]:

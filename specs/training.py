@@ -8,15 +8,27 @@ must not import torch, transformers or anything of mortal outside `mortal.specs`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
 from mortal.specs.rewards import ENV_VAR, RewardSpec
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
 SYNC_METHODS_BUILT = ("auto", "volume", "ipc")
+# The seeds' weight_sync_method names, accepted in spec.sync.method: what each becomes here, and why.
+SYNC_ALIASES = {
+    "reload": ("volume", "the seeds' reload has rollouts load each version from the shared volume in place; "
+                         "mortal's volume does that for every engine"),
+    "checkpoint": ("volume", "the seeds' checkpoint has rollouts reload from saved weights on the volume, "
+                             "which is mortal's volume"),
+    "direct": ("ipc", "the seeds' direct is an in-memory transfer with no disk, which is mortal's ipc "
+                      "(same host, GPUs)"),
+}
+# The seeds' smallest run names only a model: it trains with sandboxed code execution on a coding set.
+CODE_DATASET = "builtin:mbpp-mini"
+CODE_SYSTEM_PROMPT = "Answer with one Python code block."
 
 
 class LoraSpec(SpecModel):
@@ -90,7 +102,15 @@ class AlgorithmSpec(SpecModel):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scaling: by the group's std, the batch's std, or none."
     )
-    max_steps: int = Field(100, ge=1, description="Optimizer steps to train; the run Succeeds after the last.")
+    max_steps: int = Field(
+        100, ge=1, description="Optimizer steps to train; the run Succeeds after the last. Absent with numEpochs: "
+        "computed from it when the spec is applied."
+    )
+    num_epochs: float | None = Field(
+        None, gt=0, description="Passes over the dataset (the seeds' num_epochs). When maxSteps is absent, `apply` "
+        "sets maxSteps = ceil(numEpochs x rows / prompts per step), rows counted then (after maxSamples); "
+        "builtin and local file datasets only, as a hub dataset cannot be counted without downloading it.",
+    )
     max_staleness: int = Field(
         0, ge=0,
         description="How many weight versions rollouts may lag the actor; 0 = on-policy (exactly reproducible "
@@ -188,14 +208,26 @@ class RolloutSpec(SpecModel):
 class SyncSpec(SpecModel):
     """How new weights travel from the actor to the rollout workers."""
 
-    method: Literal["auto", "volume", "ipc", "nccl", "reload"] = Field(
+    method: Literal["auto", "volume", "ipc", "nccl", "reload", "direct", "checkpoint"] = Field(
         "auto",
         description="auto: ipc when actor and rollouts have GPUs on this host (local backend, transformers "
         "engine), else volume. volume: safetensors on the shared volume (everywhere). ipc: each version is a "
         "snapshot on the actor's GPU that rollouts copy over CUDA IPC, GPU to GPU, no disk (same host). "
-        "nccl (across hosts) and reload are planned.",
+        "nccl (a broadcast across hosts) is planned. The seeds' names are accepted and stored as what they "
+        "are here: reload and checkpoint as volume, direct as ipc.",
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
+    _alias: str | None = PrivateAttr(None)  # the seeds' name the spec used, for `notes()`
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _seed_names(cls, data: Any, handler: Any) -> SyncSpec:
+        alias = data.get("method") if isinstance(data, dict) else None
+        if alias in SYNC_ALIASES:
+            data = {**data, "method": SYNC_ALIASES[alias][0]}
+        spec = handler(data)
+        spec._alias = alias if alias in SYNC_ALIASES else None
+        return spec
 
     @field_validator("method")
     @classmethod
@@ -206,6 +238,13 @@ class SyncSpec(SpecModel):
                 "'ipc' or 'volume'"
             )
         return value
+
+    def notes(self) -> list[str]:
+        """What a seeds' method name became, said once when the spec is applied."""
+        if self._alias is None:
+            return []
+        method, why = SYNC_ALIASES[self._alias]
+        return [f"spec.sync.method: {self._alias!r} is stored as {method!r}: {why}"]
 
 
 class CheckpointSpec(SpecModel):
@@ -242,10 +281,18 @@ class TrainingSpec(SpecModel):
     """The desired state of a TrainingRun; the controller makes the world match it."""
 
     model: ModelSpec = Field(description="The policy model to train.")
-    dataset: DatasetSpec = Field(description="The prompts to train on.")
+    dataset: DatasetSpec = Field(
+        default_factory=lambda: DatasetSpec(name=CODE_DATASET, system_prompt=CODE_SYSTEM_PROMPT),
+        description=f"The prompts to train on. Absent: the seeds' default, {CODE_DATASET} (small Python tasks "
+        "whose rows carry assert tests), with the system prompt '" + CODE_SYSTEM_PROMPT + "'.",
+    )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Loss and optimizer settings.")
     generation: GenerationSpec = Field(default_factory=GenerationSpec, description="Sampling settings.")
-    rewards: list[RewardSpec] = Field(min_length=1, description="Reward signals, summed with their weights.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(env="code-execution")], min_length=1,
+        description="Reward signals, summed with their weights. Absent: the seeds' default, env code-execution "
+        "(each completion's code run in the sandbox against its row's tests).",
+    )
     actor: ActorSpec = Field(default_factory=ActorSpec, description="The trainer worker.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The generation workers.")
     sync: SyncSpec = Field(default_factory=SyncSpec, description="Weight sync from actor to rollouts.")
@@ -261,6 +308,17 @@ class TrainingSpec(SpecModel):
         default_factory=list, description="Environment variable NAMES handed to the workers (values never stored)."
     )
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics logging.")
+    _notes: list[str] = PrivateAttr(default_factory=list)  # what admission changed (specs/epochs.py)
+
+    def seed_defaults(self) -> list[str]:
+        """The blocks (dataset, rewards) that hold the seeds' default: `describe` says so."""
+        return [name for name in ("dataset", "rewards")
+                if getattr(self, name) == type(self).model_fields[name].default_factory()]
+
+    def notes(self) -> list[str]:
+        """What applying this spec changed from what it says (a seeds' name mapped, maxSteps computed):
+        `apply` prints them, as kubectl prints warnings."""
+        return [*self.sync.notes(), *self._notes]
 
     @field_validator("secrets")
     @classmethod
@@ -301,8 +359,9 @@ class TrainingSpec(SpecModel):
     @model_validator(mode="after")
     def _ipc_is_possible(self) -> TrainingSpec:
         if self.sync.method == "ipc" and not self.ipc_possible():
+            said = f"{self.sync._alias!r} is ipc here, which " if self.sync._alias else "sync ipc "
             raise rule_error(
-                "sync ipc shares the actor's GPU memory with rollouts on the same host: it needs backend local, "
+                f"{said}shares the actor's GPU memory with rollouts on the same host: it needs backend local, "
                 "GPUs for actor and rollout, and generation.engine transformers; use 'auto' or 'volume' otherwise",
                 "sync.method",
             )

@@ -58,6 +58,7 @@ def main(ctx: WorkerContext) -> int:
         spec.algorithm.num_generations, spec.algorithm.max_staleness, spec.algorithm.max_steps,
         reward_names(spec.rewards), ctx.stopping,
         prompts_per_task=spec.rollout.task_size(spec.algorithm.prompts_per_step),
+        poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,  # a GPU step is ~1 s: waits there are latency
     )
     feed.forget_from(start)
     publisher = WeightPublisher(ctx.store, ctx.worker, method=spec.sync_method())

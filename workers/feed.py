@@ -84,7 +84,7 @@ class RolloutFeed:
     reward_names: list[str]
     stopping: threading.Event
     prompts_per_task: int = 1
-    poll_seconds: float = 0.02  # between looks at the step's tasks (one indexed query each)
+    poll_seconds: float = 0.05  # between looks at the step's tasks (one indexed query each); actor.py: 0.02 on a GPU
     _enqueued: set[int] = field(default_factory=set)
 
     @property

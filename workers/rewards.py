@@ -18,9 +18,11 @@ mortal.workers.sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import inspect
+import io
 import math
 import numbers
 import traceback
@@ -129,6 +131,19 @@ class LoadedReward:
     ref: str  # e.g. "spec.rewards[0].function 'pkg.mod:f'", for messages
     func: Callable[..., Any]
     is_async: bool
+
+
+@dataclass
+class RewardReport:
+    """One reward's verdict on one completion, for `mortalctl test reward`: its score, or the error a
+    training run would fail with, and what the function printed and logged meanwhile."""
+
+    name: str
+    score: float | None
+    error: str | None
+    stdout: str
+    stderr: str
+    logged: RewardLogs
 
 
 @dataclass
@@ -291,6 +306,24 @@ class RewardSet:
             raise
         except Exception as exc:
             raise _fatal_raise(reward, exc) from exc
+
+    def report(self, prompt: Any, completion: Any, completion_ids: list[int], row: dict[str, Any]
+               ) -> list[RewardReport]:
+        """Each reward on one completion on its own, output captured: where `score` stops at the first
+        broken reward (as a run must), this says what every one of them did."""
+        kwargs = self._kwargs(prompt, [completion], [completion_ids], row, step=0)
+        reports = []
+        for reward in self.rewards:
+            self.logs = RewardLogs()
+            out, err = io.StringIO(), io.StringIO()
+            score, error = None, None
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    [score] = check_scores(reward, self._call(reward, kwargs), 1)
+                except FatalWorkerError as exc:
+                    error = str(exc)
+            reports.append(RewardReport(reward.name, score, error, out.getvalue(), err.getvalue(), self.logs))
+        return reports
 
     def score(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
               step: int = 0) -> dict[str, list[float | None]]:

@@ -42,7 +42,9 @@ from mortal.workers.models import (
 from mortal.workers.rewards import RewardSet
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
 
-IDLE_SECONDS = 0.02  # between looks for a task: on a GPU a whole step takes about a second, so this is latency
+# Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
+# cutting; on a CPU a step takes seconds and each look is a store query that competes for its cores.
+IDLE_SECONDS = {"gpu": 0.02, "cpu": 0.1}
 LEASE_ANNOTATION = "mortal.dev/task-lease-seconds"
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -177,7 +179,7 @@ class RolloutWorker:
         while not self.ctx.stopping.is_set():
             self.refresh_weights()
             if not self.serve_one():
-                self.ctx.stopping.wait(IDLE_SECONDS)
+                self.ctx.stopping.wait(IDLE_SECONDS["cpu" if self.ctx.run.spec.rollout.gpu == "none" else "gpu"])
 
 
 def build(ctx: WorkerContext) -> RolloutWorker:

@@ -102,6 +102,9 @@ def apply_command(
     runs = read_documents(filenames, recursive)
     if not runs:
         raise CliError(f"no TrainingRun documents found in {', '.join(filenames)}")
+    for run in runs:
+        for note in run.spec.notes():
+            typer.echo(f"note: trainingrun/{run.name}: {note}", err=True)
     results = apply_runs(cli.store, runs, dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:

@@ -46,10 +46,13 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
         f"completions/step, {a.max_steps} steps, lr {a.learning_rate:g}, beta {a.beta:g}, epsilon {a.epsilon:g}, "
         f"scaleRewards {a.scale_rewards}, maxStaleness {a.max_staleness}, seed {a.seed}"
     )
+    if a.num_epochs is not None:
+        algorithm += f", numEpochs {a.num_epochs:g}"
     generation = f"maxTokens {g.max_tokens}, temperature {g.temperature:g}, topP {g.top_p:g}, engine {g.engine}"
     if g.top_k:
         generation += f", topK {g.top_k}"
-    return [
+    defaults = spec.seed_defaults()
+    lines = [
         ("Model", model),
         ("Dataset", dataset),
         ("Algorithm", algorithm),
@@ -63,6 +66,10 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
         ("Suspend", str(spec.suspend).lower()),
         ("Secrets", ", ".join(spec.secrets) or "<none>"),
     ]
+    if defaults:
+        lines.insert(2, ("Defaults", f"{' and '.join(defaults)} not given: the seeds' code execution in the sandbox "
+                                     "on builtin:mbpp-mini"))
+    return lines
 
 
 def reward_rows(spec: TrainingSpec) -> list[tuple[str, ...]]:

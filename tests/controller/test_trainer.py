@@ -82,9 +82,16 @@ def test_distributed_mode():
     assert spec["sync"] == {"method": "volume", "every": 2}
 
 
-def test_seed_sync_methods_that_are_not_built_say_so():
+@pytest.mark.parametrize("seed_name", ["reload", "checkpoint"])
+def test_seed_sync_names_become_the_spec_method_they_are(seed_name):
+    t = trainer(mode=Distributed(weight_sync_method=seed_name))
+    assert t.run.spec_dict()["sync"]["method"] == "volume"
+    assert any(f"{seed_name!r} is stored as 'volume'" in note for note in t.run.spec.notes())
+
+
+def test_sync_methods_that_are_not_built_say_so():
     with pytest.raises(TrainerError, match="not built yet"):
-        trainer(mode=Distributed(weight_sync_method="reload"))
+        trainer(mode=Distributed(weight_sync_method="nccl"))
 
 
 def test_single_node_serve_needs_two_gpus():
@@ -192,11 +199,19 @@ def test_num_epochs_sets_max_steps():
     assert trainer(max_steps=5, num_epochs=2).run.spec.algorithm.max_steps == 5
 
 
-def test_defaults_train_the_builtin_task_under_a_generated_name():
-    t = MortalTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", quiet=True)
-    assert t.run.spec.dataset.name == "builtin:arith"
-    assert [r.function for r in t.run.spec.rewards] == ["mortal.workers.builtin_rewards:correct_answer",
-                                                         "mortal.workers.builtin_rewards:short_answer"]
+def test_num_epochs_counts_a_builtin_dataset_and_refuses_a_hub_one():
+    spec = MortalTrainer(model="m", num_epochs=2, batch_size=8, num_generations=4, quiet=True).run.spec
+    assert spec.algorithm.max_steps == 51  # 2 passes over builtin:mbpp-mini's 51 rows, 2 prompts per step
+    with pytest.raises(TrainerError, match="num_epochs: .*hub dataset.*give maxSteps"):
+        MortalTrainer(model="m", train_dataset="openai/gsm8k", reward_funcs="sandbox", num_epochs=1, quiet=True)
+
+
+def test_the_seeds_minimal_form_trains_code_execution_on_the_builtin_coding_set_under_a_generated_name():
+    t = MortalTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", mode=SingleNode(gpu="A100"), max_steps=5,
+                      quiet=True)
+    assert t.run.spec.dataset.name == "builtin:mbpp-mini" and t.run.spec.dataset.system_prompt
+    assert [r.env for r in t.run.spec.rewards] == ["code-execution"]
+    assert t.run.spec.algorithm.max_steps == 5
     assert t.name.startswith("smollm2-135m-instruct-") and len(t.name) == len("smollm2-135m-instruct-") + 5
 
 

@@ -174,3 +174,14 @@ def test_weights_published_every_n_steps_are_importance_corrected(store, tiny_di
     metrics = _metrics(store, "every")
     assert [metrics[s]["staleness/max"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]  # step 1 trains on v0
     assert "sampling/importance_sampling_ratio/mean" in metrics[2]
+
+
+def test_a_spec_with_only_a_model_trains_with_the_seeds_defaults(store, tiny_dir: Path) -> None:
+    """No dataset, no rewards: code execution in the sandbox on builtin:mbpp-mini (the seeds' default)."""
+    spec = {"model": {"name": str(tiny_dir)}, "algorithm": {"maxSteps": 1, "numGenerations": 2, "batchSize": 4},
+            "generation": {"maxTokens": 8}, "logging": {"wandb": {"mode": "disabled"}}}
+    run = create_run(store, "seed", spec)
+    assert run.spec.dataset.name == "builtin:mbpp-mini" and [r.env for r in run.spec.rewards] == ["code-execution"]
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    names = {row.name for row in store.list_metrics("seed")}
+    assert "loss" in names and any(name.startswith("rewards/code-execution") for name in names), sorted(names)
