@@ -19,7 +19,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from mortal.controller.cli import apply, describe, get, lifecycle, ops, scale
+from mortal.controller.cli import apply, components, cp, describe, get, lifecycle, ops, scale
 from mortal.controller.cli.context import CliError, CliState
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
@@ -37,6 +37,7 @@ Examples:
 
 SECTIONS = {
     "Basic commands": ("apply", "get", "describe", "scale", "delete", "suspend", "resume", "logs"),
+    "Trying parts of a run": ("test", "sandbox", "cp"),
     "Operations": ("controller", "schema", "version"),
 }
 
@@ -152,6 +153,8 @@ describe.register(app)
 scale.register(app)
 lifecycle.register(app)
 ops.register(app)
+components.register(app)
+cp.register(app)
 
 
 def main() -> None:
