@@ -53,7 +53,10 @@ class ModelSpec(SpecModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16."
     )
-    lora: LoraSpec | None = Field(None, description="LoRA adapter settings; absent = full fine-tuning.")
+    lora: LoraSpec | None = Field(
+        None, description="LoRA adapter settings; absent = full fine-tuning. With sync volume, each weight version "
+        "holds only the adapters and rollouts apply them onto the base weights (the seeds' LoRA hot-swap)."
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
 
     @field_validator("name")
@@ -272,9 +275,16 @@ class WandbSpec(SpecModel):
 
 
 class LoggingSpec(SpecModel):
-    """Where metrics go besides the state store (always written there)."""
+    """Where metrics go besides the state store (always written there), and how many samples are kept."""
 
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases settings.")
+    completions_per_step: int = Field(
+        64, ge=0,
+        description="Sampled completions the actor records per optimizer step (prompt, completion, each "
+        "reward, the advantage, the weight version, log_extra columns): the first N of the step's batch, in "
+        "prompt order, so whole groups. `mortalctl get completions` reads them; with W&B on they are also a "
+        "wandb.Table per step. 0 records none.",
+    )
 
 
 class TrainingSpec(SpecModel):

@@ -7,18 +7,25 @@ Called by the actor (`WeightPublisher.publish` after optimizer steps) and by rol
 rollout needs no setting: a version directory says what it holds.
 
     $MORTAL_HOME/runs/<run>/weights/v<version>/model.safetensors   plain base-model tensor names
+                                              /adapter.safetensors LoRA runs: A and B of each adapted
+                                                                   module instead (a few MB, not GBs)
                                               /config.json         so `from_pretrained(dir)` works too
 
 A version directory appears atomically (mortal.workers.atomic), then its row is written
-(`store.publish_weights`), so a rollout that reads the store never sees a partial file. LoRA is
-merged out of place (base + B @ A * scale, computed into new tensors; the training model is never
-modified, so publishing cannot perturb training), under the base model's own names, so rollouts
-load plain weights. Tied tensors (embeddings / lm_head) are written once.
+(`store.publish_weights`), so a rollout that reads the store never sees a partial file. With plain
+LoRA (the seeds' LoRA hot-swap mode) only the adapters travel: the rollout keeps the base weights of
+the adapted modules and writes base + B @ A * scale into its model in place (`apply_adapters`);
+this matters most on a network volume (Modal), where a version is a file every rollout reads. Any
+other adapter (DoRA, biases, embeddings, modules_to_save) is merged out of place instead (base + B @
+A * scale computed into new tensors; the training model is never modified, so publishing cannot
+perturb training) and written under the base model's own names. Tied tensors (embeddings / lm_head)
+are written once.
 It must not decide when to publish (the actor does) nor touch the task queue.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +40,7 @@ from mortal.workers import ipc_weights
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, volume_refresh
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter.safetensors"
 KEEP_VERSIONS = 3
 _PEFT_MARKERS = ("lora_", "modules_to_save", "original_module")
 
@@ -103,6 +111,96 @@ def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int) -
     return dest
 
 
+def lora_adapters(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, float]] | None:
+    """Plain LoRA's factors under the base model's module names (`<module>.lora_A` / `.lora_B`) and
+    each module's scale; None when there is no adapter, or one a rollout could not apply as
+    base + B @ A * scale (then the version is published merged)."""
+    if not hasattr(model, "get_base_model"):
+        return None
+    base = model.get_base_model()
+    if any("modules_to_save" in key or "original_module" in key for key in base.state_dict()):
+        return None
+    tensors, scales = {}, {}
+    for name, module in base.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        factors = _plain_lora(module)
+        if factors is None:
+            return None
+        tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"], scales[name] = factors
+    return (tensors, scales) if tensors else None
+
+
+def _plain_lora(module: Any) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scale) of a Linear layer's one active, unmerged, plain LoRA adapter; else None."""
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    plain = (len(active) == 1 and not getattr(module, "merged_adapters", []) and not getattr(module, "lora_variant", {})
+             and not any(getattr(module, "lora_bias", {}).values()) and not getattr(module, "fan_in_fan_out", False)
+             and not getattr(module, "lora_embedding_A", {}) and isinstance(module.get_base_layer(), torch.nn.Linear))
+    if not plain:
+        return None
+    adapter = active[0]
+    return module.lora_A[adapter].weight.detach(), module.lora_B[adapter].weight.detach(), float(module.scaling[adapter])
+
+
+def write_adapters(model: torch.nn.Module, adapters: tuple[dict[str, torch.Tensor], dict[str, float]], dest: Path,
+                   version: int, step: int) -> Path:
+    """Write `dest` (a version directory of LoRA factors) atomically; returns it."""
+    tensors, scales = adapters
+    state = {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()}
+    config = model_config(model)
+    metadata = {"format": "pt", "version": str(version), "step": str(step), "scales": json.dumps(scales)}
+    with atomic_dir(dest) as tmp:
+        save_file(state, str(tmp / ADAPTER_FILE), metadata=metadata)
+        if config is not None:
+            config.save_pretrained(tmp)
+    return dest
+
+
+def is_adapter_version(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_FILE).is_file()
+
+
+def read_adapters(path: str | Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The factors and scales of an adapter version."""
+    from safetensors import safe_open
+
+    file = str(Path(path) / ADAPTER_FILE)
+    with safe_open(file, framework="pt", device=device) as handle:
+        scales = json.loads(handle.metadata()["scales"])
+        return {name: handle.get_tensor(name) for name in handle.keys()}, scales  # noqa: SIM118 (not a dict)
+
+
+def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """base + B @ A * scale, as peft's merge computes it (in float32 where the weights are half precision)."""
+    delta = (lora_b.float() @ lora_a.float()) * scale if base.dtype != torch.float32 else (lora_b @ lora_a) * scale
+    return base + delta.to(base.dtype)
+
+
+@torch.no_grad()
+def apply_adapters(model: torch.nn.Module, path: str | Path) -> None:
+    """Write base + B @ A * scale into each adapted weight of a plain (rollout) model, in place.
+
+    The base weights are those the model held when it first applied an adapter version (a rollout
+    starts from spec.model, which is the base); they are kept for the adapted modules only.
+    WeightsError when the adapters do not fit the model."""
+    params = dict(model.named_parameters())
+    tensors, scales = read_adapters(path, device=str(next(model.parameters()).device))
+    base = model.__dict__.setdefault("_mortal_lora_base", {})
+    for module, scale in scales.items():
+        name = f"{module}.weight"
+        lora_a, lora_b = tensors[f"{module}.lora_A"], tensors[f"{module}.lora_B"]
+        if name not in params or tuple(params[name].shape) != (lora_b.shape[0], lora_a.shape[1]):
+            raise WeightsError(f"{path}: the adapter of {module!r} does not fit the model "
+                               f"({tuple(params[name].shape) if name in params else 'no such weight'})")
+        if name not in base:
+            if model.__dict__.get("_mortal_full_loaded"):
+                raise WeightsError(f"{path}: an adapter version after full weights; the base of {module!r} is "
+                                   "gone from memory (a relaunched rollout starts from the base model)")
+            base[name] = params[name].detach().clone()
+        params[name].copy_(merged_weight(base[name], lora_a, lora_b, scale))
+
+
 def model_config(model: torch.nn.Module) -> Any:
     return getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
 
@@ -120,6 +218,10 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
     WeightsError unless every weight is covered. Tensors a version leaves out must be tied to one it
     has (lm_head to the embeddings)."""
     device = next(model.parameters()).device
+    if is_adapter_version(path):
+        apply_adapters(model, path)
+        return
+    model.__dict__["_mortal_full_loaded"] = True
     if ipc_weights.is_shared(path):
         state = ipc_weights.open_shared(path, device)
     else:
@@ -172,8 +274,11 @@ class WeightPublisher:
         """Write (or share), record and prune; returns the version published."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version)
+        adapters = lora_adapters(model) if self.method == "volume" else None
         if self.method == "ipc":
             self._sharer.share(plain_state_dict(model), dest, version, step, model_config(model))
+        elif adapters is not None:
+            write_adapters(model, adapters, dest, version, step)
         else:
             write_weights(model, dest, version, step)
         self.store.publish_weights(self.worker, version, step, str(dest), method=self.method)

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from actor_helpers import (
     RolloutThread,
     actor_spec,
@@ -20,7 +21,14 @@ from mortal.workers import actor
 from mortal.workers.checkpoint import read_marker
 from mortal.workers.feed import RolloutFeed
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.weights import read_published
+from mortal.workers.weights import (
+    WeightsError,
+    is_adapter_version,
+    load_published,
+    plain_state_dict,
+    read_adapters,
+    read_published,
+)
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -73,19 +81,45 @@ def test_every_loss_type_trains(store, tiny_dir: Path, loss_type: str) -> None:
     assert any(not (first[k] == last[k]).all() for k in first), "training did not change the weights"
 
 
-def test_lora_trains_and_rollouts_load_its_merged_weights(store, tiny_dir: Path) -> None:
+def test_lora_publishes_only_adapters_and_rollouts_apply_them_onto_the_base(store, tiny_dir: Path) -> None:
+    """The seeds' LoRA hot-swap: a version holds A and B of each adapted module (not the whole
+    model); a rollout writes base + B @ A * scale into its own weights, equal to peft's merge."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     spec = actor_spec(str(tiny_dir), model={"lora": {"r": 4, "alpha": 8}, "gradientCheckpointing": True},
                       algorithm={"maxSteps": 2})
     run = create_run(store, "lora", spec)
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
-    base = read_published(store.list_weights("lora")[0].path)  # v0: B = 0, the base model
-    last = read_published(store.latest_weights("lora").path)
-    assert set(last) == set(base) and not any("lora" in k for k in last)
-    assert any(not (base[k] == last[k]).all() for k in base)
+    last = Path(store.latest_weights("lora").path)
+    assert is_adapter_version(last) and not (last / "model.safetensors").exists()
+    factors, scales = read_adapters(last)
+    assert set(factors) == {f"{m}.lora_{ab}" for m in scales for ab in "AB"} and set(scales.values()) == {2.0}
     ckpt = Path(store.latest_checkpoint("lora").path)
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
-    # step 1's tasks asked for v1 (the merged weights after step 0): the rollout loaded it to answer them
+    trained = plain_state_dict(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), ckpt))
+    rollout_model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for row in store.list_weights("lora"):  # every kept version in turn, as a rollout sees them
+        load_published(rollout_model, row.path)
+    loaded = rollout_model.state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in trained.items())
+    assert any(not torch.equal(loaded[f"{m}.weight"], AutoModelForCausalLM.from_pretrained(tiny_dir)
+                               .state_dict()[f"{m}.weight"]) for m in scales), "training did not move the weights"
+    # step 1's tasks asked for v1 (the adapters after step 0): the rollout loaded it to answer them
     assert {res.weight_version for r in store.step_results("lora", 1) for res in task_results(r)} == {1}
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_refused(tmp_path: Path, tiny_dir: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    (tmp_path / "v1").mkdir()
+    save_file({"model.layers.0.self_attn.q_proj.lora_A": torch.zeros(2, 3),
+               "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(5, 2)}, str(tmp_path / "v1" / "adapter.safetensors"),
+              metadata={"scales": '{"model.layers.0.self_attn.q_proj": 1.0}'})
+    with pytest.raises(WeightsError, match="the adapter of 'model.layers.0.self_attn.q_proj' does not fit"):
+        load_published(model, tmp_path / "v1")
 
 
 def test_on_cpu_prompts_per_task_cuts_steps_into_chunks_without_changing_training(store, tiny_dir: Path) -> None:

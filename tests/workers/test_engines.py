@@ -7,6 +7,7 @@ tested against a fake `vllm` module (the real one only on a GPU)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -382,6 +383,65 @@ def test_vllm_engine_generates_a_whole_task_in_one_call_with_a_seed_per_prompt(f
             assert c.ids == full
             assert c.logprobs == [-0.5 - k for k in range(len(full))]
         assert group[1].ids[-1] == 2 and len(group[1].ids) == 3  # ends at its EOS, included
+
+
+class FakeVllmWorker:
+    """What a function sent with `collective_rpc` sees in a vLLM worker: `model_runner.model`, whose
+    `load_weights(weights=...)` takes (HF name, tensor) pairs; this one loads them into a transformers
+    model of the same architecture, as vLLM's would into its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(
+            parameters=model.parameters, load_weights=self.load_weights))
+        self.model, self.loaded = model, []
+
+    def load_weights(self, weights: Any) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            self.loaded.append(name)
+            params[name].data.copy_(tensor)
+
+
+class RpcLLM(FakeLLM):
+    def __init__(self, worker: FakeVllmWorker) -> None:
+        super().__init__()
+        self.worker, self.resets = worker, 0
+
+    def collective_rpc(self, method: Any, args: tuple = ()) -> list[Any]:
+        return [method(self.worker, *args)]
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_model_files(tiny_dir, tmp_path) -> None:
+    """A LoRA version holds only A and B: each vLLM worker reads the adapted modules' base weights
+    from the model's own files once, then loads base + B @ A * scale for those modules only."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from mortal.workers.engines import vllm_engine
+    from mortal.workers.weights import load_published
+
+    module = "model.layers.0.self_attn.q_proj"
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()[f"{module}.weight"]
+    torch.manual_seed(0)
+    lora_a, lora_b = torch.randn(2, base.shape[1]), torch.randn(base.shape[0], 2)
+    for version in ("v1", "v2"):
+        (tmp_path / version).mkdir()
+        save_file({f"{module}.lora_A": lora_a, f"{module}.lora_B": lora_b * (2 if version == "v2" else 1)},
+                  str(tmp_path / version / "adapter.safetensors"), metadata={"scales": json.dumps({module: 0.5})})
+    worker = FakeVllmWorker(AutoModelForCausalLM.from_pretrained(tiny_dir))
+    llm = RpcLLM(worker)
+    engine = vllm_engine.VllmEngine(llm, types.SimpleNamespace(eos_token_id=2), location=str(tiny_dir))
+    vllm_engine._LORA_BASE.clear()
+    engine.load_weights(str(tmp_path / "v1"))
+    engine.load_weights(str(tmp_path / "v2"))  # applied onto the base, not onto v1
+    assert worker.loaded == [f"{module}.weight"] * 2 and llm.resets == 2
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    load_published(reference, tmp_path / "v2")  # the transformers engine's way: the same weights
+    assert torch.equal(worker.model.state_dict()[f"{module}.weight"], reference.state_dict()[f"{module}.weight"])
+    assert torch.equal(reference.state_dict()[f"{module}.weight"], base + (lora_b * 2 @ lora_a) * 0.5)
 
 
 def test_vllm_engine_passes_top_k_and_refuses_missing_logprobs(fake_vllm) -> None:

@@ -10,7 +10,9 @@ lazily, so this module imports everywhere; tests skip cleanly where vLLM is abse
   the distribution sampled from (temperature, top-k, top-p applied), like the transformers engine.
 - load_weights: the published safetensors are streamed into the running model on every worker
   with `LLM.collective_rpc` (the model's own `load_weights`, HF tensor names), then the prefix
-  cache is reset so no KV of the old weights is reused.
+  cache is reset so no KV of the old weights is reused. A LoRA run's version holds only adapters:
+  each worker reads the adapted modules' base weights from the model's own files once, and loads
+  base + B @ A * scale for those modules (mortal.workers.weights.merged_weight).
 What it must not do: read the model's generation_config defaults (`generation_config="vllm"`):
 the spec alone decides how tokens are sampled.
 """
@@ -18,7 +20,10 @@ the spec alone decides how tokens are sampled.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections import defaultdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
@@ -28,6 +33,9 @@ if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# In each vLLM worker process: the base weights of the modules a LoRA run adapts, read once.
+_LORA_BASE: dict[str, Any] = {}
 
 
 def vllm_available() -> bool:
@@ -48,6 +56,38 @@ def _load_safetensors_on_worker(worker: Any, path: str) -> int:
     return count
 
 
+def base_tensors(location: str, names: list[str], device: str) -> dict[str, Any]:
+    """The named tensors from a model folder's own safetensors (one file, or shards and their index)."""
+    from safetensors import safe_open
+
+    index = Path(location) / INDEX_FILE
+    shard_of = json.loads(index.read_text())["weight_map"] if index.is_file() else dict.fromkeys(names, WEIGHTS_FILE)
+    by_shard: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_shard[shard_of[name]].append(name)
+    found = {}
+    for shard, shard_names in by_shard.items():
+        with safe_open(str(Path(location) / shard), framework="pt", device=device) as handle:
+            found.update({name: handle.get_tensor(name) for name in shard_names})
+    return found
+
+
+def _load_adapters_on_worker(worker: Any, path: str, location: str) -> int:
+    """Runs inside each vLLM worker: base + B @ A * scale into the adapted modules; returns their count."""
+    from mortal.workers.weights import merged_weight, read_adapters
+
+    model = worker.model_runner.model
+    device = str(next(model.parameters()).device)
+    factors, scales = read_adapters(path, device=device)
+    missing = [f"{module}.weight" for module in scales if f"{module}.weight" not in _LORA_BASE]
+    _LORA_BASE.update(base_tensors(location, missing, device) if missing else {})
+    model.load_weights(weights=(
+        (f"{module}.weight", merged_weight(_LORA_BASE[f"{module}.weight"], factors[f"{module}.lora_A"],
+                                           factors[f"{module}.lora_B"], scale))
+        for module, scale in scales.items()))
+    return len(scales)
+
+
 def _generation_eos(location: str) -> int | list[int] | None:
     """The model's own end-of-sequence ids (generation_config.json, else config.json), as TRL adds them."""
     from transformers import AutoConfig, GenerationConfig
@@ -61,9 +101,11 @@ def _generation_eos(location: str) -> int | list[int] | None:
 class VllmEngine(Engine):
     name = "vllm"
 
-    def __init__(self, llm: Any, tokenizer: Any, generation_eos: int | list[int] | None = None) -> None:
+    def __init__(self, llm: Any, tokenizer: Any, generation_eos: int | list[int] | None = None,
+                 location: str | None = None) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
+        self.location = location  # the model's folder: where a LoRA run's base weights are read from
         self.eos_ids = eos_token_ids(tokenizer, generation_eos)
 
     @classmethod
@@ -84,7 +126,7 @@ class VllmEngine(Engine):
             generation_config="vllm",
             enable_prefix_caching=True,
         )
-        return cls(llm, tokenizer, _generation_eos(location))
+        return cls(llm, tokenizer, _generation_eos(location), location)
 
     def _sampling_params(self, n: int, seed: int, params: GenerationParams) -> Any:
         from vllm import SamplingParams
@@ -123,8 +165,13 @@ class VllmEngine(Engine):
         return completions
 
     def load_weights(self, path: str) -> None:
-        file = os.path.join(path, WEIGHTS_FILE) if os.path.isdir(path) else path
-        self.llm.collective_rpc(_load_safetensors_on_worker, args=(file,))
+        from mortal.workers.weights import is_adapter_version
+
+        if is_adapter_version(path):
+            self.llm.collective_rpc(_load_adapters_on_worker, args=(path, self.location))
+        else:
+            file = os.path.join(path, WEIGHTS_FILE) if os.path.isdir(path) else path
+            self.llm.collective_rpc(_load_safetensors_on_worker, args=(file,))
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
