@@ -13,9 +13,18 @@ from __future__ import annotations
 from mortal.state.engine import sqlite_path
 from mortal.state.errors import AlreadyExists, Conflict, Fenced, NotFound, StoreError
 from mortal.state.paths import default_state_url
-from mortal.state.store import ApplyOutcome, LeaderFence, NewTask, Store, WorkerRef
+from mortal.state.store import (
+    ApplyOutcome,
+    CompletionOrder,
+    LeaderFence,
+    NewCompletion,
+    NewTask,
+    Store,
+    WorkerRef,
+)
 from mortal.state.tables import (
     CheckpointRow,
+    CompletionRow,
     EventRow,
     LeaseRow,
     MetricRow,
@@ -29,12 +38,15 @@ __all__ = [
     "AlreadyExists",
     "ApplyOutcome",
     "CheckpointRow",
+    "CompletionOrder",
+    "CompletionRow",
     "Conflict",
     "EventRow",
     "Fenced",
     "LeaderFence",
     "LeaseRow",
     "MetricRow",
+    "NewCompletion",
     "NewTask",
     "NotFound",
     "RunRow",

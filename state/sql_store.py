@@ -7,7 +7,8 @@ anything: it enforces the invariants of mortal.state.store and nothing else.
 Every method is one transaction (`_tx`). Writes to a run row are guarded UPDATEs
 (`... WHERE resource_version = :v`, row count checked); worker writes first check the worker's
 fencing token, controller writes the leader's lease, in the same transaction (mortal.state.fencing).
-The rollout task queue lives in mortal.state.task_queue.
+The rollout task queue lives in mortal.state.task_queue, the sampled completions in
+mortal.state.completions.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, select
 
 from mortal.state import migrate
+from mortal.state.completions import CompletionLog
 from mortal.state.engine import is_postgres, make_engine, transaction
 from mortal.state.errors import Conflict, NotFound
 from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef
 from mortal.state.tables import (
     CheckpointRow,
+    CompletionRow,
     EventRow,
     LeaseRow,
     MetricRow,
@@ -44,7 +47,7 @@ from mortal.state.tables import (
 )
 from mortal.state.task_queue import TaskQueue
 
-_RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow)
+_RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow, CompletionRow)
 
 
 def _json(value: Any) -> Any:
@@ -52,7 +55,7 @@ def _json(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-class SqlStore(TaskQueue, Store):
+class SqlStore(TaskQueue, CompletionLog, Store):
     """The store on one database URL (sqlite:///..., postgresql://...). Connects on first use."""
 
     def __init__(self, url: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from mortal.state.tables import (
     CheckpointRow,
+    CompletionRow,
     EventRow,
     LeaseRow,
     MetricRow,
@@ -37,6 +38,14 @@ class ApplyOutcome(StrEnum):
     created = "created"
     configured = "configured"
     unchanged = "unchanged"
+
+
+class CompletionOrder(StrEnum):
+    """How `list_completions` orders samples: as sampled, or by total reward (unscored ones last)."""
+
+    sample = "sample"  # by step, then position in the step's batch
+    worst = "worst"  # lowest total reward first
+    best = "best"  # highest total reward first
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,20 @@ class NewTask:
     slot: int
     min_weight_version: int
     payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NewCompletion:
+    """A sampled completion as the actor records it (mortal.state.tables.CompletionRow says each field)."""
+
+    sample: int
+    prompt: str
+    completion: str
+    rewards: dict[str, float | None]
+    reward: float | None
+    advantage: float | None
+    weight_version: int
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Store(abc.ABC):
@@ -234,6 +257,24 @@ class Store(abc.ABC):
         """Ordered by step, then name; `since_step` is inclusive (step >= since_step).
 
         A step recorded again (after a resume) keeps one value per (step, name): the latest."""
+
+    @abc.abstractmethod
+    def add_completions(self, worker: WorkerRef, step: int, completions: list[NewCompletion]) -> None:
+        """Record a step's sampled completions (fenced); they replace any the step had (a resume)."""
+
+    @abc.abstractmethod
+    def list_completions(
+        self,
+        run: str,
+        step: int | None = None,
+        order: CompletionOrder = CompletionOrder.sample,
+        limit: int | None = None,
+    ) -> list[CompletionRow]:
+        """The samples of `step` (every step if None) in `order`, the first `limit` of them (ValueError if < 1)."""
+
+    @abc.abstractmethod
+    def completion_steps(self, run: str) -> list[int]:
+        """The steps that have recorded completions, ascending."""
 
     # -- leases (leader election) ------------------------------------------------------------
     @abc.abstractmethod

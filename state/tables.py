@@ -192,6 +192,40 @@ class MetricRow(SQLModel, table=True):
     time: datetime = _time()
 
 
+class CompletionRow(SQLModel, table=True):
+    """One sampled completion as the actor trained on it: what `mortalctl get completions` shows.
+
+    The actor records at most spec.logging.completionsPerStep of them per step; a step recorded
+    again (after a resume) replaces that step's rows, as metrics do.
+    """
+
+    __tablename__ = "completions"
+    __table_args__ = (UniqueConstraint("run", "step", "sample", name="uq_completions_run_step_sample"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    run: str
+    step: int = Field(description="the optimizer step that trained on this sample")
+    sample: int = Field(description="position in the step's batch: prompt slot x numGenerations + generation")
+    prompt: str = Field(description="the prompt as text (chat messages as 'role: content' blocks)")
+    completion: str = Field(description="the completion as text, in full")
+    rewards: dict[str, float | None] = Field(
+        default_factory=dict,
+        sa_column=Column(JSON, nullable=False),
+        description="each reward's own score by reward name (None: that reward did not score it)",
+    )
+    reward: float | None = Field(
+        default=None, description="the weighted sum of `rewards`, as TRL sums them; None when none scored it"
+    )
+    advantage: float | None = Field(default=None, description="the advantage TRL trained with; None if unknown")
+    weight_version: int = Field(description="the weight version that generated the completion")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        sa_column=Column(JSON, nullable=False),
+        description="the columns reward functions passed to TRL's log_extra, one value each",
+    )
+    time: datetime = _time()
+
+
 class LeaseRow(SQLModel, table=True):
     """A named lease (controller leader election). `token` grows with each new holder: a fencing token."""
 

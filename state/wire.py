@@ -43,6 +43,7 @@ LOCAL_ONLY = frozenset({"close"})  # a client closes its own connections; nothin
 READS = frozenset({
     "migrate", "get_run", "list_runs", "list_workers", "list_checkpoints", "latest_checkpoint",
     "latest_weights", "list_weights", "list_events", "list_metrics", "get_lease", "step_results",
+    "list_completions", "completion_steps",
 })
 
 # Typed errors and their HTTP status. The client raises the same class again from the "type" field.

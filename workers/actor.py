@@ -8,7 +8,8 @@ run's actor slot. One step, in order:
    TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
 2. TRL computes the loss and takes the optimizer step.
 3. `on_step_end`: publish the new weights (mortal.workers.weights), report step and version.
-4. `on_log`: record the step's metrics; every checkpoint.every steps, at the last step and when
+4. `on_log`: record the step's metrics and a sample of its completions with the advantages TRL
+   trained on (mortal.workers.samples); every checkpoint.every steps, at the last step and when
    asked to stop, write a complete checkpoint (mortal.workers.checkpoint).
 On start it resumes from the newest complete checkpoint (`train(resume_from_checkpoint=...)`
 restores weights, optimizer, scheduler, RNG and step), forgets queued tasks from that step on, and
@@ -27,9 +28,9 @@ import torch
 from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
-from mortal.workers import data, models, trl_seam
+from mortal.workers import data, models, samples, trl_seam
 from mortal.workers.checkpoint import Checkpointer
-from mortal.workers.feed import RolloutFeed, StopRequested
+from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
@@ -182,6 +183,8 @@ class ActorLoop(TrainerCallback):
         self.version = -1
         self._step_started = time.perf_counter()
         self._rollout_metrics: dict[str, float] = {}
+        self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
+        self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
 
     # -- TRL's rollout_func --------------------------------------------------------------------
     def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -192,6 +195,7 @@ class ActorLoop(TrainerCallback):
         batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
         self._rollout_metrics = batch.metrics(step, self.publisher.step_of)
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
+        self._batch = batch
         return trl_seam.rollout_output(
             batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions
         )
@@ -226,6 +230,7 @@ class ActorLoop(TrainerCallback):
         if seconds > 0:
             extra["tokens_per_second"] = extra.get("completion_tokens", 0.0) / seconds
         self.reporter.report(step, {**logs, **extra, "weight_version": self.version})
+        self._record_completions(step)
         stopping = self.ctx.stopping.is_set()
         if self.checkpointer.due(step, self.spec.algorithm.max_steps) or stopping:
             self._checkpoint_once(step)
@@ -241,6 +246,15 @@ class ActorLoop(TrainerCallback):
         self.version = self.publisher.publish(self.trainer.model, step)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)
+
+    def _record_completions(self, step: int) -> None:
+        """The first logging.completionsPerStep completions of the step just trained, with its advantages."""
+        batch, self._batch = self._batch, None
+        limit = self.spec.logging.completions_per_step
+        if batch is None or limit == 0:
+            return
+        advantages = trl_seam.step_advantages(self.trainer, len(batch.completion_ids))
+        self.reporter.report_completions(step, samples.step_completions(batch, advantages, self._reward_weights, limit))
 
     def _checkpoint_once(self, step: int) -> None:
         """Checkpoint at a step boundary unless this step has one (e.g. the one just resumed from);

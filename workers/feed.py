@@ -46,6 +46,9 @@ class StepBatch:
     logprobs: list[list[float]] = field(default_factory=list)
     rewards: list[dict[str, float | None]] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    prompts: list[Any] = field(default_factory=list)  # the dataset's prompt (text or chat messages)
+    completions: list[Any] = field(default_factory=list)  # decoded text or [{'role': 'assistant', ...}]
+    extra: list[dict[str, Any]] = field(default_factory=list)  # log_extra columns, this completion's values
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
     weight_load_seconds: float = 0.0
@@ -152,16 +155,20 @@ class RolloutFeed:
                                  f"{len(task.requests)} prompts")
             for offset, result in enumerate(answer.results):
                 self._check(row.step, task.first_slot + offset, result)
-                self._add(batch, result)
+                self._add(batch, task.requests[offset].prompt, result)
         return batch
 
-    def _add(self, batch: StepBatch, result: RolloutResult) -> None:
+    def _add(self, batch: StepBatch, prompt: Any, result: RolloutResult) -> None:
         for g in range(self.num_generations):
             batch.prompt_ids.append(list(result.prompt_ids))
             batch.completion_ids.append(list(result.completion_ids[g]))
             batch.logprobs.append(list(result.logprobs[g]))
             batch.rewards.append({name: result.rewards[name][g] for name in self.reward_names})
             batch.weight_versions.append(result.weight_version)
+            batch.prompts.append(prompt)
+            batch.completions.append(result.completions[g] if g < len(result.completions) else "")
+            batch.extra.append({column: values[g] for column, values in result.logged_extra.items()
+                                if g < len(values)})
         batch.generation_seconds += result.generation_seconds
         batch.reward_seconds += result.reward_seconds
         batch.weight_load_seconds = max(batch.weight_load_seconds, result.weight_load_seconds)

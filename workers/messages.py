@@ -10,6 +10,7 @@ import only this module to agree.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -39,6 +40,9 @@ class RolloutResult(BaseModel):
     weight_load_seconds: float = Field(0.0, description="how long loading this weight version took the worker")
     logged_metrics: dict[str, list[float]] = Field(
         default_factory=dict, description="what reward functions passed to TRL's log_metric, by metric name")
+    logged_extra: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="what reward functions passed to TRL's log_extra: column -> one value per completion")
 
 
 class RolloutAnswer(BaseModel):
@@ -62,3 +66,21 @@ def reward_names(rewards: list[Any]) -> list[str]:
             name = f"{base}_{n}"
         names.append(name)
     return names
+
+
+def extra_columns(logged: dict[str, list[Any]], n: int) -> dict[str, list[Any]]:
+    """What reward functions passed to `log_extra` for a group of `n` completions, one value each.
+
+    A column logged short is padded with None (TRL pads a column a reward did not log the same way),
+    one logged long is cut to `n`; a value JSON cannot hold (a NaN, an object) becomes None or its
+    str(), so the answer always travels and stores.
+    """
+    return {column: [_plain(v) for v in (list(values) + [None] * n)[:n]] for column, values in logged.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

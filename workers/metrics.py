@@ -10,6 +10,9 @@ W&B (`spec.logging.wandb.mode`): `auto` = online when WANDB_API_KEY is set, offl
 environment (the tests), = off. wandb is imported only when used; `auto` without the package
 installed is off with a log line, an explicit online/offline without it is a fatal spec error.
 A resumed actor logs into the same W&B run (id from the run's uid) and may log a step again.
+A step's sampled completions (mortal.workers.samples) go the same two ways: to the store, and to
+W&B as a wandb.Table under COMPLETIONS_KEY, with TRL's columns (step, prompt, completion, each
+reward, advantage, the log_extra columns) plus the sample's position and weight version.
 It must not compute metrics (TRL and the actor do) nor decide when to report.
 """
 
@@ -19,16 +22,17 @@ import importlib
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mortal.state.store import Store, WorkerRef
+from mortal.state.store import NewCompletion, Store, WorkerRef
 from mortal.workers.errors import FatalWorkerError
 
 log = logging.getLogger("mortal.metrics")
 DROPPED = frozenset({"epoch"})
 STEP_KEY = "train/step"
+COMPLETIONS_KEY = "completions"
 
 
 def finite_values(values: Mapping[str, Any]) -> dict[str, float]:
@@ -85,6 +89,27 @@ def open_wandb(wandb_spec: Any, run_name: str, run_uid: str | None, run_dir: Pat
     return wb
 
 
+def _columns(names: Sequence[str], taken: list[str]) -> list[str]:
+    """`names` as table columns: one already taken (a reward named 'prompt') gets a prefix."""
+    return [name if name not in taken else f"extra/{name}" for name in names]
+
+
+def completions_table(step: int, completions: Sequence[NewCompletion]) -> Any:
+    """One step's samples as a wandb.Table: a row per completion, a column per reward and extra column."""
+    wandb = importlib.import_module("wandb")
+    rewards = list(dict.fromkeys(name for c in completions for name in c.rewards))
+    extra = list(dict.fromkeys(name for c in completions for name in c.extra))
+    fixed = ["step", "sample", "prompt", "completion", "reward"]
+    columns = fixed + _columns(rewards, fixed) + ["advantage", "weight_version"]
+    columns += _columns(extra, columns)
+    data = [
+        [step, c.sample, c.prompt, c.completion, c.reward, *(c.rewards.get(r) for r in rewards), c.advantage,
+         c.weight_version, *(c.extra.get(e) for e in extra)]
+        for c in completions
+    ]
+    return wandb.Table(columns=columns, data=data)
+
+
 class MetricsReporter:
     """One actor's metric sink: the store (fenced writes) and, optionally, a W&B run."""
 
@@ -101,6 +126,14 @@ class MetricsReporter:
             if self.wandb_run is not None:
                 self.wandb_run.log({STEP_KEY: step, **clean})
         return clean
+
+    def report_completions(self, step: int, completions: Sequence[NewCompletion]) -> None:
+        """Record one step's sampled completions (none: nothing is written)."""
+        if not completions:
+            return
+        self.store.add_completions(self.worker, step, list(completions))
+        if self.wandb_run is not None:
+            self.wandb_run.log({STEP_KEY: step, COMPLETIONS_KEY: completions_table(step, completions)})
 
     def close(self) -> None:
         if self.wandb_run is not None:

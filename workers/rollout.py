@@ -9,7 +9,7 @@ Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until c
        prompt with its own seed (the engine batches them; the chunk is fixed by the actor's schedule)
     4. score them with every reward (TRL-style, beside generation: scoring scales with replicas)
     5. complete the task with a RolloutAnswer: a RolloutResult per prompt (ids, sampling logprobs,
-       texts, per-reward scores)
+       texts, per-reward scores, what rewards passed to log_metric and log_extra)
 
 Until the store records a version, the model loaded from spec.model.name serves as version 0
 (the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's lease is renewed while it is
@@ -31,7 +31,7 @@ from mortal.state import TaskRow
 from mortal.workers import ipc_weights
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask
+from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
 from mortal.workers.models import (
     completion_message,
     encode_prompt,
@@ -138,8 +138,6 @@ class RolloutWorker:
         completion_ids = [c.ids for c in outs]
         completions = [completion_message(self.tokenizer, request.prompt, ids) for ids in completion_ids]
         scores = self.rewards.score(request.prompt, completions, completion_ids, request.row, step=task.step)
-        if self.rewards.logs.extra:  # TRL shows these in its completions table; here they go to the log
-            self.ctx.log.info("task %d.%d log_extra: %s", task.step, task.slot, self.rewards.logs.extra)
         return RolloutResult(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
@@ -151,6 +149,7 @@ class RolloutWorker:
             reward_seconds=time.monotonic() - started,
             weight_load_seconds=self.load_seconds,
             logged_metrics=self.rewards.logs.metrics,
+            logged_extra=extra_columns(self.rewards.logs.extra, len(completions)),  # the actor records them
         )
 
     @contextlib.contextmanager

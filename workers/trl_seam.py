@@ -20,6 +20,9 @@ What mortal relies on (TRL 1.16):
 4. `Trainer._save_checkpoint(model, trial)` writes model or adapter, optimizer, scheduler, RNG
    states and trainer_state.json into `<output_dir>/checkpoint-<global_step>`, and
    `train(resume_from_checkpoint=dir)` restores all of them (public API).
+5. The advantages TRL trained a step on are the newest entries of `trainer._logs["advantages"]`
+   (a deque it fills for its completions table whether or not it logs one), in rollout_func's order
+   (pinned by tests/workers/test_actor_completions.py against the group-normalized rewards).
 """
 
 from __future__ import annotations
@@ -96,6 +99,16 @@ def rollout_output(
         REWARDS_KEY: rewards,
         VERSION_KEY: weight_versions,
     }
+
+
+def step_advantages(trainer: Any, n: int) -> list[float] | None:
+    """The advantages of the step just trained, one per completion in rollout_func's order; None when
+    TRL kept fewer than `n` (an untested TRL: test_trl_seam pins that 1.16 keeps them)."""
+    logs = getattr(trainer, "_logs", None)
+    kept = logs.get("advantages") if isinstance(logs, dict) else None
+    if kept is None or len(kept) < n:
+        return None
+    return [float(a) for a in list(kept)[-n:]]
 
 
 class _NoEngine:

@@ -1,8 +1,9 @@
-"""`mortalctl get runs|events|checkpoints`: list what the store holds, as a table or as documents.
+"""`mortalctl get runs|events|checkpoints|completions|metrics`: list what the store holds, as a table or as documents.
 
 `get runs` prints NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (`-o wide` adds more), or the
 runs as YAML/JSON that `apply -f -` reads back, and with `-w` keeps reprinting as they change. Only
-reads the store. Resource names accept kubectl's singular, plural and short forms.
+reads the store. Resource names accept kubectl's singular, plural and short forms. A step's sampled
+completions and a run's metrics have modules of their own (completions.py, metrics.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.live import Live
 
+from mortal.controller.cli import completions, metrics
 from mortal.controller.cli.context import parse_selector, run_document, state
 from mortal.controller.cli.output import (
     OUTPUT_FORMATS,
@@ -33,7 +35,7 @@ RUN_ALIASES = ("runs", "run", "trainingruns", "trainingrun", "tr")
 RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", "AGE")
 WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL")
 
-HELP = """Display one or many resources: runs, events, checkpoints.
+HELP = """Display one or many resources: runs, events, checkpoints, completions, metrics.
 
 \b
 Examples:
@@ -51,6 +53,10 @@ Examples:
   # What happened to a run, and its checkpoints
   mortalctl get events quickstart
   mortalctl get checkpoints quickstart
+\b
+  # What the model wrote at the newest step (the worst five), and how training went
+  mortalctl get completions quickstart --worst 5
+  mortalctl get metrics quickstart --name reward,loss --plot
 """
 
 OutputOpt = typer.Option(None, "-o", "--output", metavar="FORMAT", help="Output format: wide, yaml, json or name.")
@@ -235,7 +241,8 @@ def get_checkpoints(
 
 
 def register(app: typer.Typer) -> None:
-    get_app = typer.Typer(help=HELP, short_help="Show runs, events or checkpoints", no_args_is_help=True, rich_markup_mode=None)
+    get_app = typer.Typer(help=HELP, short_help="Show runs, events, checkpoints, completions or metrics",
+                          no_args_is_help=True, rich_markup_mode=None)
     for i, alias in enumerate(RUN_ALIASES):
         get_app.command(alias, hidden=i > 0)(get_runs)
     get_app.command("events")(get_events)
@@ -244,5 +251,7 @@ def register(app: typer.Typer) -> None:
     get_app.command("checkpoints")(get_checkpoints)
     get_app.command("checkpoint", hidden=True)(get_checkpoints)
     get_app.command("ckpt", hidden=True)(get_checkpoints)
+    completions.register(get_app)
+    metrics.register(get_app)
     app.add_typer(get_app, name="get")
 
