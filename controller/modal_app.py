@@ -15,12 +15,18 @@ the workers after every checkpoint and weights write (mortal.workers.atomic.volu
 Secrets: `mortal-state` (MORTAL_STATE_TOKEN, required; `<app>-state` for another app name set with
 $MORTAL_MODAL_APP) and the names in $MORTAL_MODAL_SECRETS (comma
 separated, e.g. `huggingface,wandb`), read when deploying, attached to workers and the controller.
+Every function is `serialized=True` (shipped by value, cloudpickled): modal would otherwise import it
+in the container by module name, and at definition it looks for this file under the `mortal` package's
+folder (modal._utils.function_utils.FunctionSourceInfo), which fails in the editable install the
+README sets up: package-dir maps controller/ into `mortal.controller` from outside mortal/. Pickled code
+runs only on the Python series it was pickled on, so the image's Python is the deployer's.
 What it must not do: hold logic of its own. Each function is a thin wrapper of code tested here.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -35,6 +41,7 @@ STATE_SECRET = f"{APP}-state"  # holds MORTAL_STATE_TOKEN
 WORKER_TIMEOUT_SECONDS = 24 * 3600  # Modal's longest; a worker cut off here is relaunched and resumes
 CONTROLLER_RUN_SECONDS = 9 * 60 + 30  # one scheduled call; the schedule starts the next every 10 minutes
 REPO = Path(__file__).resolve().parents[1]  # this checkout: controller/ is one of its top-level folders
+PYTHON = "{}.{}".format(*sys.version_info)  # the deployer's: serialized functions need the same series
 
 data_volume = modal.Volume.from_name(DATA_VOLUME, create_if_missing=True)
 state_volume = modal.Volume.from_name(STATE_VOLUME, create_if_missing=True)
@@ -42,7 +49,7 @@ secrets = [modal.Secret.from_name(STATE_SECRET)] + [
     modal.Secret.from_name(name.strip()) for name in os.environ.get("MORTAL_MODAL_SECRETS", "").split(",") if name.strip()
 ]
 image = (
-    modal.Image.debian_slim(python_version="3.11")
+    modal.Image.debian_slim(python_version=PYTHON)
     .pip_install("torch>=2.4")
     .add_local_dir(REPO, "/opt/mortal", copy=True,
                    ignore=[".git", ".venv", "**/__pycache__", "**/*.egg-info", "tests", "bench", "docs"])
@@ -54,7 +61,7 @@ app = modal.App(APP, image=image, include_source=False)  # mortal is installed i
 
 
 @app.function(name=WORKER_FUNCTION, volumes={DATA_MOUNT: data_volume}, secrets=secrets,
-              timeout=WORKER_TIMEOUT_SECONDS, retries=0)
+              timeout=WORKER_TIMEOUT_SECONDS, retries=0, serialized=True)
 def worker(launch: dict) -> int:
     from mortal.controller.backends.modal_worker import run_worker
 
@@ -63,7 +70,7 @@ def worker(launch: dict) -> int:
 
 
 @app.function(volumes={STATE_MOUNT: state_volume}, secrets=[modal.Secret.from_name(STATE_SECRET)],
-              min_containers=1, max_containers=1)
+              min_containers=1, max_containers=1, serialized=True)
 @modal.concurrent(max_inputs=64)
 @modal.wsgi_app()
 def store():
@@ -75,7 +82,7 @@ def store():
 
 
 @app.function(volumes={DATA_MOUNT: data_volume}, secrets=secrets, schedule=modal.Period(minutes=10),
-              timeout=CONTROLLER_RUN_SECONDS + 300)
+              timeout=CONTROLLER_RUN_SECONDS + 300, serialized=True)
 def controller() -> None:
     """Run a controller for CONTROLLER_RUN_SECONDS, then give the lease up for the next scheduled call.
 

@@ -10,6 +10,9 @@ MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store)
 
 Every request is one Store call, so the invariants (fencing, compare-and-swap, task leases) are the
 SqlStore's, checked inside its transactions; a request the client sends twice is two calls.
+The endpoint is public on Modal, so whatever reaches it gets a JSON answer: bad input a 4xx before the
+store sees it (a body over MAX_BODY_BYTES, nested deeper than MAX_JSON_DEPTH, or not JSON), a client
+that stalls mid-request 408 after READ_TIMEOUT_SECONDS (here; on Modal its web proxy times requests).
 What it must not do: decide anything, keep state between requests, or answer without the token.
 """
 
@@ -23,6 +26,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from http import HTTPStatus
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -36,9 +40,11 @@ from mortal.state.store import Store
 
 TOKEN_ENV = wire.TOKEN_ENV
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_JSON_DEPTH = 64  # a store call's body is a few levels deep; json and pydantic recurse once per level
+READ_TIMEOUT_SECONDS = 30.0  # the stdlib server drops a client silent this long (mid-headers or mid-body)
 log = logging.getLogger("mortal.state.http")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            409: "Conflict", 412: "Precondition Failed", 413: "Content Too Large", 422: "Unprocessable Content",
+            408: "Request Timeout", 409: "Conflict", 412: "Precondition Failed", 413: "Content Too Large", 422: "Unprocessable Content",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -52,7 +58,11 @@ class StoreApp:
         self._token = token.encode()
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        status, body = self.handle(environ)
+        try:
+            status, body = self.handle(environ)
+        except Exception as exc:  # a bug here still answers in JSON; the trace stays in the server's log
+            log.exception("request to %s failed", environ.get("PATH_INFO"))
+            status, body = _error(500, "Internal", f"the store server failed: {type(exc).__name__}")
         payload = json.dumps(body).encode()
         start_response(f"{status} {_REASONS.get(status, 'Error')}",
                        [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
@@ -73,6 +83,8 @@ class StoreApp:
             kwargs = wire.decode_args(method, _read_args(environ))
         except _TooLarge as exc:
             return _error(413, "BadRequest", str(exc))
+        except _Stalled as exc:
+            return _error(408, "BadRequest", str(exc))
         except (ValueError, TypeError, ValidationError) as exc:
             return _error(400, "BadRequest", f"{method.name}: {exc}")
         return self._call(method, kwargs)
@@ -93,21 +105,63 @@ class StoreApp:
 
 
 class _TooLarge(Exception):
-    pass
+    """The body is over MAX_BODY_BYTES (413)."""
+
+
+class _Stalled(Exception):
+    """The client stopped sending before its body was complete (408)."""
+
+
+class _TooDeep(ValueError):
+    """The body nests deeper than MAX_JSON_DEPTH (400): refused before anything recurses into it."""
 
 
 def _read_args(environ: dict[str, Any]) -> dict[str, Any]:
-    try:
-        length = int(environ.get("CONTENT_LENGTH") or 0)
-    except ValueError as exc:
-        raise ValueError("bad Content-Length") from exc
-    if length > MAX_BODY_BYTES:
-        raise _TooLarge(f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
-    body = json.loads(environ["wsgi.input"].read(length) or b"{}")
+    """The call's arguments from the request body; ValueError (400) for anything but {"args": {...}}."""
+    body = _parse(_read_body(environ))
     args = body.get("args", {}) if isinstance(body, dict) else None
     if not isinstance(args, dict):
         raise ValueError('the body must be {"args": {...}}')
     return args
+
+
+def _read_body(environ: dict[str, Any]) -> bytes:
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError as exc:
+        raise ValueError("bad Content-Length") from exc
+    if length < 0:
+        raise ValueError("bad Content-Length")
+    if length > MAX_BODY_BYTES:
+        raise _TooLarge(f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
+    try:
+        raw = environ["wsgi.input"].read(length) if length else b""
+    except OSError as exc:  # TimeoutError: the server's read timeout; or the connection broke
+        raise _Stalled(f"the request body did not arrive ({type(exc).__name__}: {exc})") from exc
+    if len(raw) < length:
+        raise ValueError(f"the body ended after {len(raw)} of its {length} bytes")
+    return raw
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise _TooDeep(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise _TooDeep(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+    return body
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value` (counted without recursion; stops past the limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_JSON_DEPTH:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -130,8 +184,23 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_SECONDS  # socket timeout: a client stalled mid-request frees its thread
+
     def log_message(self, format: str, *args: Any) -> None:  # one line per request would drown the logs
         log.debug("%s - %s", self.address_string(), format % args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """What the stdlib answers itself (a request line or headers it cannot parse), in JSON as the app does."""
+        reason = _REASONS.get(code) or HTTPStatus(code).phrase
+        payload = json.dumps({"error": {"type": "BadRequest", "message": message or reason}}).encode()
+        self.close_connection = True
+        self.send_response(code, reason)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
 
 
 class Served:
@@ -150,10 +219,12 @@ class Served:
 
 
 @contextmanager
-def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0) -> Iterator[Served]:
+def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
+          read_timeout: float = READ_TIMEOUT_SECONDS) -> Iterator[Served]:
     """Serve the store in a background thread for the duration of the block (port 0: any free port)."""
     app = make_app(backing_url, token)
-    server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
+    handler = type("_Handler", (_QuietHandler,), {"timeout": read_timeout})
+    server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=handler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                               name="mortal-http-store", daemon=True)
     thread.start()

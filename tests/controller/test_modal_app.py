@@ -1,107 +1,216 @@
-"""The Modal app module's wiring, imported under a recorder of Modal's definition API (no Modal here):
-the names the backend looks up, the volume at MORTAL_HOME, one store container, and the store
-endpoint's WSGI app answering for real. What only a deploy can show is in backends/test_modal_live.py."""
+"""The Modal app module built by the real `modal` library, offline (no network, no token).
+
+What the library builds from mortal.controller.modal_app: the names the backend looks up, each
+function's volumes, secrets, timeout, retries, schedule, web endpoint and concurrency (Function.info()),
+the options the library is handed where info() has no field (one store container, serialized=True),
+and the image's recipe. The same in the editable install the README sets up and in a built wheel,
+and `modal deploy -m mortal.controller.modal_app` from a checkout getting as far as the token. Functions
+ship by value: unpickled where the app module cannot be imported, the store endpoint still answers.
+What only a live deploy can show is in backends/test_modal_live.py.
+"""
 
 from __future__ import annotations
 
 import importlib
 import io
 import json
+import os
+import subprocess
 import sys
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+import modal
 import pytest
+from modal._serialization import Pickler  # the pickler modal deploys serialized functions with
+from modal_offline import APP_MODULE, REFUSAL, RefusingModalAPI, describe
 
 from mortal.controller.backends.modal import APP_NAME, WORKER_FUNCTION
 
-
-class Recorded:
-    """Whatever a definition call returns: remembers its arguments, chains, and decorates."""
-
-    def __init__(self, kind: str, *args: Any, **kwargs: Any) -> None:
-        self.kind, self.args, self.kwargs, self.calls = kind, args, kwargs, []
-
-    def __getattr__(self, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Recorded:
-            self.calls.append((name, args, kwargs))
-            return self
-
-        return call
+REPO = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("modal_offline.py")
+RECORDED = {modal.App: ("function",), modal.Image: ("pip_install", "add_local_dir", "run_commands", "env")}
 
 
-class RecordingApp:
-    def __init__(self, name: str, **kwargs: Any) -> None:
-        self.name, self.kwargs, self.functions = name, kwargs, {}
-
-    def function(self, **options: Any) -> Any:
-        def register(fn: Any) -> Any:
-            raw = getattr(fn, "raw", fn)
-            self.functions[options.get("name") or raw.__name__] = SimpleNamespace(
-                raw=raw, options=options, web=getattr(fn, "web", None), concurrent=getattr(fn, "concurrent", None))
-            return raw
-
-        return register
-
-
-def _decorator(attribute: str) -> Any:
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        def wrap(fn: Any) -> Any:
-            wrapped = SimpleNamespace(raw=getattr(fn, "raw", fn), web=getattr(fn, "web", None),
-                                      concurrent=getattr(fn, "concurrent", None))
-            setattr(wrapped, attribute, kwargs or True)
-            return wrapped
-
-        return wrap
-
-    return factory
+def _recording(original: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Any:
+    def record(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args[1:], kwargs))  # without self
+        return original(*args, **kwargs)
+    return record
 
 
 @pytest.fixture
-def modal_app(monkeypatch: pytest.MonkeyPatch) -> Any:
-    volumes: dict[str, Recorded] = {}
-    stub = SimpleNamespace(
-        App=RecordingApp,
-        Image=SimpleNamespace(debian_slim=lambda **kw: Recorded("image", **kw)),
-        Volume=SimpleNamespace(from_name=lambda name, **kw: volumes.setdefault(name, Recorded("volume", name, **kw))),
-        Secret=SimpleNamespace(from_name=lambda name: Recorded("secret", name)),
-        Period=lambda **kw: Recorded("period", **kw),
-        concurrent=_decorator("concurrent"),
-        wsgi_app=_decorator("web"),
-    )
-    monkeypatch.setitem(sys.modules, "modal", stub)
+def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The app module freshly imported with the real library; `built.handed[name]` holds the arguments
+    the module handed to modal's App.function and Image builders (the library still does the building)."""
+    handed: dict[str, list[Any]] = defaultdict(list)
+    for cls, names in RECORDED.items():
+        for name in names:
+            monkeypatch.setattr(cls, name, _recording(getattr(cls, name), handed[name]))
+    slim = modal.Image.debian_slim
+    monkeypatch.setattr(modal.Image, "debian_slim",
+                        staticmethod(lambda **kw: handed["debian_slim"].append(((), kw)) or slim(**kw)))
     monkeypatch.delenv("MORTAL_MODAL_APP", raising=False)
     monkeypatch.setenv("MORTAL_MODAL_SECRETS", "huggingface, wandb")
-    monkeypatch.delitem(sys.modules, "mortal.controller.modal_app", raising=False)
-    module = importlib.import_module("mortal.controller.modal_app")
+    monkeypatch.delitem(sys.modules, APP_MODULE, raising=False)
+    module = importlib.import_module(APP_MODULE)
+    module.handed = handed
     yield module
-    sys.modules.pop("mortal.controller.modal_app", None)
+    sys.modules.pop(APP_MODULE, None)
 
 
-def test_the_app_defines_what_the_backend_looks_up(modal_app: Any) -> None:
-    app = modal_app.app
-    assert app.name == APP_NAME and set(app.functions) == {WORKER_FUNCTION, "store", "controller"}
-    worker = app.functions[WORKER_FUNCTION].options
-    assert worker["volumes"] == {"/mortal": modal_app.data_volume} and worker["retries"] == 0
-    assert "gpu" not in worker, "the GPU comes per call, from with_options(gpu=...)"
-    assert [s.args[0] for s in worker["secrets"]] == ["mortal-state", "huggingface", "wandb"]
-    store = app.functions["store"]
-    assert store.options["max_containers"] == 1 and store.web is True and store.concurrent == {"max_inputs": 64}
-    env = next(args[0] for name, args, _ in modal_app.image.calls if name == "env")
-    assert env["MORTAL_HOME"] == "/mortal" and env["MORTAL_MODAL_VOLUME"] == modal_app.data_volume.args[0]
-    copied = next(args for name, args, _ in modal_app.image.calls if name == "add_local_dir")
-    assert (Path(copied[0]) / "controller" / "modal_app.py").is_file(), "the image is built from this checkout"
+def test_the_app_defines_what_the_backend_looks_up(built: Any) -> None:
+    assert isinstance(built.app, modal.App) and built.app.name == APP_NAME
+    functions = describe(built)["functions"]
+    assert set(functions) == {WORKER_FUNCTION, "store", "controller"}
+    assert all(isinstance(getattr(built, name), modal.Function) for name in ("worker", "store", "controller"))
+    worker = functions[WORKER_FUNCTION]
+    assert worker["volumes"]["/mortal"]["name"] == "mortal-data" and worker["max_retries"] == 0
+    assert worker["gpus"] == [], "the GPU comes per call, from with_options(gpu=...)"
+    assert worker["timeout"] == 24 * 3600
+    secrets = ["modal.Secret.from_name('mortal-state')", "modal.Secret.from_name('huggingface')",
+               "modal.Secret.from_name('wandb')"]
+    assert worker["secrets"] == secrets and functions["controller"]["secrets"] == secrets
 
 
-def test_the_store_endpoint_serves_the_store(modal_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_store_container_serves_the_web_endpoint(built: Any) -> None:
+    store = describe(built)["functions"]["store"]
+    assert store["web_info"] is not None and store["concurrency_info"]["max_inputs"] == 64
+    assert store["volumes"]["/mortal-state"]["name"] == "mortal-state"
+    assert store["secrets"] == ["modal.Secret.from_name('mortal-state')"]
+    options = next(kw for _, kw in built.handed["function"] if "max_containers" in kw)
+    assert options["min_containers"] == options["max_containers"] == 1, "SQLite has one writer"
+
+
+def test_the_controller_is_scheduled_and_every_function_ships_serialized(built: Any) -> None:
+    controller = describe(built)["functions"]["controller"]
+    assert controller["schedule"] == "Period(minutes=10)" and controller["volumes"]["/mortal"]["name"] == "mortal-data"
+    assert controller["timeout"] > built.CONTROLLER_RUN_SECONDS
+    assert [kw.get("serialized") for _, kw in built.handed["function"]] == [True, True, True]
+
+
+def test_the_image_is_this_checkout_on_the_deployers_python(built: Any) -> None:
+    assert isinstance(built.image, modal.Image)
+    assert built.handed["debian_slim"] == [((), {"python_version": "{}.{}".format(*sys.version_info)})]
+    (source, target), options = built.handed["add_local_dir"][0]
+    assert Path(source) == REPO and target == "/opt/mortal" and options["copy"] is True
+    assert built.handed["run_commands"][0][0] == ("pip install '/opt/mortal[train,cloud]'",)
+    env = built.handed["env"][0][0][0]
+    assert env["MORTAL_HOME"] == "/mortal" and env["MORTAL_MODAL_VOLUME"] == "mortal-data"
+
+
+def test_the_store_endpoint_serves_the_store(built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MORTAL_STATE_TOKEN", "tok")
     monkeypatch.setenv("MORTAL_STORE_BACKING_URL", f"sqlite:///{tmp_path / 'state.db'}")
-    wsgi = modal_app.app.functions["store"].raw()
+    with pytest.warns(UserWarning, match="will not have access to the mounted Volume"):
+        wsgi = built.store.local()  # the library's own local call of the function's body
+    status, answer = _apply_run(wsgi)
+    assert status == "200 OK" and answer["result"][1] == "created"
+    wsgi.store.close()
+
+
+def _apply_run(wsgi: Any) -> tuple[str, Any]:
     body = json.dumps({"args": {"name": "r", "spec": {"model": {"name": "m"}}}}).encode()
     environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST", "HTTP_AUTHORIZATION": "Bearer tok",
                "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
     seen = []
     answer = json.loads(b"".join(wsgi(environ, lambda status, headers: seen.append(status))))
-    assert seen == ["200 OK"] and answer["result"][1] == "created"
-    wsgi.store.close()
+    return seen[0], answer
+
+
+class _VolumeAsReference(Pickler):
+    """Modal's deploy pickler, with a placeholder for the volume the worker names (offline, it has no id yet)."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return ("modal-object", repr(obj)) if isinstance(obj, modal.Volume) else super().persistent_id(obj)
+
+
+CONTAINER = """
+import io, json, pickle, sys
+sys.modules["mortal.controller.modal_app"] = None  # a container has the installed mortal, not this module
+class Load(pickle.Unpickler):
+    def persistent_load(self, pid):
+        return type("Volume", (), {"ref": pid[1]})()
+functions = {name: Load(open(path, "rb")).load() for name, path in zip(("worker", "store", "controller"), sys.argv[1:])}
+body = json.dumps({"args": {"name": "r", "spec": {"model": {"name": "m"}}}}).encode()
+environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST", "HTTP_AUTHORIZATION": "Bearer tok",
+           "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
+seen = []
+answer = json.loads(b"".join(functions["store"]()(environ, lambda status, headers: seen.append(status))))
+print(json.dumps({"status": seen[0], "result": answer["result"][1], "controller": functions["controller"].__name__,
+                  "volume": functions["worker"].__globals__["data_volume"].ref}))
+"""
+
+
+def _shipped(function: Any, path: Path) -> Path:
+    """The bytes a deploy sends for a serialized function. modal's FunctionSourceInfo and Pickler are
+    private: these tests are pinned to a modal minor (pyproject's test extra) and say so when it moves."""
+    info = function._get_source_info()
+    assert info.is_serialized(), "modal would import the function by module name in the container"
+    if "data_volume" in info.get_globals():
+        with path.open("wb") as out:
+            _VolumeAsReference(out).dump(info.raw_f)
+    else:
+        path.write_bytes(info.serialized_function())
+    return path
+
+
+def test_functions_ship_by_value_and_run_without_the_app_module(built: Any, tmp_path: Path) -> None:
+    """What serialized=True means in the container: no import of this module, only the installed mortal."""
+    paths = [str(_shipped(getattr(built, name), tmp_path / f"{name}.pkl")) for name in ("worker", "store", "controller")]
+    env = {**os.environ, "MORTAL_STATE_TOKEN": "tok", "MORTAL_STORE_BACKING_URL": f"sqlite:///{tmp_path / 's.db'}"}
+    out = subprocess.run([sys.executable, "-c", CONTAINER, *paths], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"status": "200 OK", "result": "created", "controller": "controller",
+                                      "volume": "modal.Volume.from_name('mortal-data')"}
+
+
+# -- installs: the README's editable one and a built wheel ------------------------------------------------------
+def _probe(env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, str(PROBE)], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _deploy(env: dict[str, str], cwd: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """The documented command, against the refusing API: it fails at the token, after building the app."""
+    env = {**env, "MODAL_SERVER_URL": url, "MODAL_TOKEN_ID": "ak-test", "MODAL_TOKEN_SECRET": "as-test",
+           "MODAL_CONFIG_PATH": str(cwd / "absent.toml")}
+    return subprocess.run([sys.executable, "-m", "modal", "deploy", "-m", APP_MODULE], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mortal built as a wheel and installed into a folder of its own (as tests/test_packaging.py does)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp),
+                    str(REPO)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp / "site"),
+                    str(next(tmp.glob("mortal-*.whl")))], check=True, capture_output=True)
+    return tmp / "site"
+
+
+def _installs(wheel_site: Path) -> dict[str, tuple[dict[str, str], Path]]:
+    base = {k: v for k, v in os.environ.items() if k not in ("MORTAL_MODAL_APP", "MORTAL_MODAL_SECRETS", "PYTHONPATH")}
+    return {"editable": ({**base}, REPO / "controller"), "wheel": ({**base, "PYTHONPATH": str(wheel_site)}, wheel_site)}
+
+
+def test_editable_and_wheel_installs_build_the_same_app(wheel_site: Path, tmp_path: Path) -> None:
+    built = {name: _probe(env, tmp_path) for name, (env, _) in _installs(wheel_site).items()}
+    for name, (_, root) in _installs(wheel_site).items():
+        assert Path(built[name].pop("file")).is_relative_to(root), f"the {name} install's module was imported"
+    assert built["editable"] == built["wheel"]
+    assert set(built["wheel"]["functions"]) == {WORKER_FUNCTION, "store", "controller"}
+
+
+def test_modal_deploy_from_a_checkout_gets_as_far_as_the_token(wheel_site: Path, tmp_path: Path) -> None:
+    with RefusingModalAPI() as url:
+        for name, (env, _) in _installs(wheel_site).items():
+            out = _deploy(env, tmp_path, url)
+            assert out.returncode != 0 and REFUSAL in out.stdout + out.stderr, (name, out.stdout, out.stderr)
+            assert "Traceback" not in out.stderr, (name, out.stderr)
+

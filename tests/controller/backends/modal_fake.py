@@ -17,13 +17,23 @@ Only what mortal.controller.backends.modal calls, behaving as Modal documents it
   container and everything in it.
 - `Dict.from_name(name, create_if_missing=True)`: get / put / pop / items over values that are
   copied in and out, as Modal serializes them; it outlives every backend object (Modal's server).
+- `Volume.from_name(name)`: commit() / reload(), counted in `fake.commits` / `fake.reloads`.
 Set `fake.unreachable = True` and every call raises modal.exception.ConnectionError.
+
+Faithful to the installed `modal` (the test extra installs the real library): every call is bound to
+that library's own signature (`inspect.signature(modal.Function.spawn)`, ...: `conform`), a spawn's
+arguments also to the deployed function's (the app module's `worker(launch)`), Dict values must
+pickle, and the errors raised are modal.exception's own classes. A call that would fail against the
+real client raises ModalAPIMisuse (a BaseException, like pytest's own failures, so no `except
+Exception` in the code under test swallows it) and is kept in `fake.misuses`: `shutdown()`, which
+every fixture calls, fails the test on any.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import os
 import pickle
 import signal
@@ -33,6 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,59 +51,42 @@ from typing import Any
 import psutil
 
 WORKER_BODY = "mortal.controller.backends.modal_worker:run_worker"
-_NO_DEFAULT = object()
-
-
-class Error(Exception):
-    pass
-
-
-class NotFoundError(Error):
-    pass
-
-
-class ConnectionError(Error):  # noqa: A001 - Modal's own name
-    pass
-
-
-class ModalTimeoutError(Error):  # modal.exception.TimeoutError: not the builtin one
-    pass
-
-
-class OutputExpiredError(ModalTimeoutError):
-    pass
-
-
-class FunctionTimeoutError(ModalTimeoutError):
-    pass
-
-
-class RemoteError(Error):
-    pass
-
-
-class InternalFailure(Error):
-    pass
-
-
-class ExecutionError(Error):
-    pass
-
-
-class DeserializationError(Error):
-    pass
 
 
 class InputCancellation(BaseException):
-    pass
+    """The container's side only (modal.exception.InputCancellation, without importing modal there)."""
 
 
-EXCEPTIONS = SimpleNamespace(
-    Error=Error, NotFoundError=NotFoundError, ConnectionError=ConnectionError, TimeoutError=ModalTimeoutError,
-    OutputExpiredError=OutputExpiredError, FunctionTimeoutError=FunctionTimeoutError, RemoteError=RemoteError,
-    InternalFailure=InternalFailure, ExecutionError=ExecutionError, DeserializationError=DeserializationError,
-    InputCancellation=InputCancellation,
-)
+class ModalAPIMisuse(BaseException):  # noqa: N818 - reads as what happened
+    """A call the installed modal library would refuse: wrong names, arguments, or unpicklable values."""
+
+
+def _api_signature(api: Callable[..., Any]) -> inspect.Signature:
+    """The signature a caller binds to: without the `self`/`cls` that modal's wrappers still list."""
+    signature = inspect.signature(api)
+    params = list(signature.parameters.values())
+    if params and params[0].name in ("self", "cls"):
+        signature = signature.replace(parameters=params[1:])
+    return signature
+
+
+def conform(api: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments by name (defaults filled in) as the installed library's `api` binds them;
+    ModalAPIMisuse when they do not bind."""
+    signature = _api_signature(api)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ModalAPIMisuse(f"{api.__qualname__}{signature} refuses {args!r}, {kwargs!r}: {exc}") from None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _deployed_worker() -> Callable[..., Any]:
+    """The body `modal deploy` ships as the app's worker function (its signature is what spawn binds)."""
+    from mortal.controller import modal_app
+
+    return modal_app.worker._get_source_info().raw_f
 
 
 class _Container:
@@ -112,7 +106,13 @@ class FakeModal:
 
     def __init__(self, volume: Path, app: str = "mortal", functions: dict[str, str] | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self.exception = EXCEPTIONS
+        import modal  # the real library: its signatures and its exception classes
+
+        self.api, self.exception = modal, modal.exception
+        self.deployed_worker = _deployed_worker()
+        self.misuses: list[ModalAPIMisuse] = []
+        self.commits: dict[str, int] = {}
+        self.reloads: dict[str, int] = {}
         self.apps = {app: functions or {"worker": WORKER_BODY}}
         self.env = {"MORTAL_HOME": str(volume), **(env or {})}  # the app's environment (volume mount)
         self.dicts: dict[str, dict[Any, Any]] = {}
@@ -122,25 +122,50 @@ class FakeModal:
         self._tmp = Path(tempfile.mkdtemp(prefix="fake-modal-"))
         self._lock = threading.Lock()
         self.Function = SimpleNamespace(from_name=self._function_from_name)
-        self.FunctionCall = SimpleNamespace(from_id=lambda call_id: _FunctionCall(self, call_id))
+        self.FunctionCall = SimpleNamespace(from_id=lambda *a, **kw: _FunctionCall.from_id(self, *a, **kw))
         self.Dict = SimpleNamespace(from_name=self._dict_from_name)
+        self.Volume = SimpleNamespace(from_name=self._volume_from_name)
+
+    def conform(self, api: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`conform`, remembering a misuse for shutdown() in case the code under test swallowed it."""
+        try:
+            return conform(api, *args, **kwargs)
+        except ModalAPIMisuse as exc:
+            self.misuses.append(exc)
+            raise
+
+    def serializable(self, value: Any) -> Any:
+        """A copy of `value` as Modal stores it (pickled); an unpicklable one is a misuse."""
+        try:
+            return pickle.loads(pickle.dumps(value))
+        except Exception as exc:  # noqa: BLE001 - whatever pickle raises, Modal would refuse it too
+            self.misuses.append(ModalAPIMisuse(f"not serializable for Modal: {value!r}: {exc}"))
+            raise self.misuses[-1] from None
 
     def _check(self) -> None:
         if self.unreachable:
-            raise ConnectionError("could not connect to Modal (fake: unreachable)")
+            raise self.exception.ConnectionError("could not connect to Modal (fake: unreachable)")
 
-    def _function_from_name(self, app_name: str, name: str) -> _Function:
+    def _function_from_name(self, *args: Any, **kwargs: Any) -> _Function:
+        bound = self.conform(self.api.Function.from_name, *args, **kwargs)
         self._check()
-        return _Function(self, app_name, name, gpu=None)
+        return _Function(self, bound["app_name"], bound["name"], gpu=None)
 
-    def _dict_from_name(self, name: str, create_if_missing: bool = False) -> _Dict:
+    def _dict_from_name(self, *args: Any, **kwargs: Any) -> _Dict:
+        bound = self.conform(self.api.Dict.from_name, *args, **kwargs)
         self._check()
+        name = bound["name"]
         with self._lock:
             if name not in self.dicts:
-                if not create_if_missing:
-                    raise NotFoundError(f"Dict {name!r} not found")
+                if not bound["create_if_missing"]:
+                    raise self.exception.NotFoundError(f"Dict {name!r} not found")
                 self.dicts[name] = {}
         return _Dict(self, name)
+
+    def _volume_from_name(self, *args: Any, **kwargs: Any) -> _Volume:
+        bound = self.conform(self.api.Volume.from_name, *args, **kwargs)
+        self._check()
+        return _Volume(self, bound["name"])
 
     # -- containers ----------------------------------------------------------------------------
     def start(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -160,7 +185,7 @@ class FakeModal:
         with self._lock:
             found = self.calls.get(call_id)
         if found is None:
-            raise NotFoundError(f"function call {call_id} not found")
+            raise self.exception.NotFoundError(f"function call {call_id} not found")
         return found
 
     def kill_container(self, call_id: str) -> None:
@@ -188,25 +213,33 @@ class FakeModal:
         return children[0].pid
 
     def shutdown(self) -> None:
+        """End every container; then fail if any call misused the library (see ModalAPIMisuse)."""
         for call_id in list(self.calls):
             if self.calls[call_id].proc.poll() is None:
                 self.kill_container(call_id)
+        if self.misuses:
+            raise ModalAPIMisuse(f"{len(self.misuses)} call(s) the real modal would refuse: {self.misuses}")
 
 
 class _Function:
     def __init__(self, fake: FakeModal, app: str, name: str, gpu: str | None) -> None:
         self._fake, self._app, self._name, self._gpu = fake, app, name, gpu
 
-    def with_options(self, *, gpu: str | None = None, **others: Any) -> _Function:
-        assert not others, f"the fake has only gpu=, not {sorted(others)}"
+    def with_options(self, *args: Any, **options: Any) -> _Function:
+        gpu = self._fake.conform(self._fake.api.Function.with_options, *args, **options)["gpu"]
+        assert set(options) <= {"gpu"}, f"the fake has only gpu=, not {sorted(set(options) - {'gpu'})}"
         return _Function(self._fake, self._app, self._name, gpu if gpu is not None else self._gpu)
 
     def spawn(self, *args: Any, **kwargs: Any) -> _FunctionCall:
+        self._fake.conform(self._fake.api.Function.spawn, *args, **kwargs)
+        if self._name == "worker":
+            self._fake.conform(self._fake.deployed_worker, *args, **kwargs)
         self._fake._check()
         target = self._fake.apps.get(self._app, {}).get(self._name)
         if target is None:
-            raise NotFoundError(f"Lookup failed for Function '{self._name}' from the '{self._app}' app")
-        call_id = self._fake.start(target, copy.deepcopy(args), copy.deepcopy(kwargs))
+            raise self._fake.exception.NotFoundError(
+                f"Lookup failed for Function '{self._name}' from the '{self._app}' app")
+        call_id = self._fake.start(target, self._fake.serializable(args), self._fake.serializable(kwargs))
         self._fake.spawned.append((self._name, self._gpu, args))
         return _FunctionCall(self._fake, call_id)
 
@@ -215,33 +248,40 @@ class _FunctionCall:
     def __init__(self, fake: FakeModal, call_id: str) -> None:
         self._fake, self.object_id = fake, call_id
 
-    def get(self, timeout: float | None = None, *, index: int = 0) -> Any:
+    @classmethod
+    def from_id(cls, fake: FakeModal, *args: Any, **kwargs: Any) -> _FunctionCall:
+        return cls(fake, fake.conform(fake.api.FunctionCall.from_id, *args, **kwargs)["function_call_id"])
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        timeout = self._fake.conform(self._fake.api.FunctionCall.get, *args, **kwargs)["timeout"]
         self._fake._check()
+        errors = self._fake.exception
         box = self._fake.container(self.object_id)
         try:
             box.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise TimeoutError() from None  # the builtin, as modal's poll_function raises it
         if box.expired:
-            raise OutputExpiredError()
+            raise errors.OutputExpiredError()
         if not box.result.exists() and box.cancelled:
-            raise RemoteError("input was cancelled")
+            raise errors.RemoteError("input was cancelled")
         if not box.result.exists():
-            raise RemoteError(f"container of {self.object_id} exited with {box.proc.returncode} without output")
+            raise errors.RemoteError(f"container of {self.object_id} exited with {box.proc.returncode} without output")
         kind, value = pickle.loads(box.result.read_bytes())
         if kind == "ok":
             return value
         if kind == "cancelled":
-            raise RemoteError("input was cancelled")
+            raise errors.RemoteError("input was cancelled")
         raise RuntimeError(value)  # the body's own exception, as deserialized from the remote
 
-    def cancel(self, terminate_containers: bool = False) -> None:
+    def cancel(self, *args: Any, **kwargs: Any) -> None:
+        terminate = self._fake.conform(self._fake.api.FunctionCall.cancel, *args, **kwargs)["terminate_containers"]
         self._fake._check()
         box = self._fake.container(self.object_id)
         if box.proc.poll() is not None:
             return
-        if terminate_containers or not box.started:  # an input not yet started is just dropped
-            box.cancelled = not terminate_containers
+        if terminate or not box.started:  # an input not yet started is just dropped
+            box.cancelled = not terminate
             self._fake.kill_container(self.object_id)
         else:
             os.kill(box.proc.pid, signal.SIGUSR1)
@@ -251,34 +291,55 @@ class _Dict:
     def __init__(self, fake: FakeModal, name: str) -> None:
         self._fake, self._name = fake, name
 
-    def _data(self) -> dict[Any, Any]:
+    def _data(self, method: str, *args: Any, **kwargs: Any) -> tuple[dict[Any, Any], dict[str, Any]]:
+        """The Dict's contents and the call's arguments, bound as modal.Dict.<method> binds them."""
+        bound = self._fake.conform(getattr(self._fake.api.Dict, method), *args, **kwargs)
         self._fake._check()
-        return self._fake.dicts[self._name]
+        return self._fake.dicts[self._name], bound
 
-    def get(self, key: Any, default: Any = None) -> Any:
+    def get(self, *args: Any, **kwargs: Any) -> Any:
         with self._fake._lock:
-            return copy.deepcopy(self._data().get(key, default))
+            data, bound = self._data("get", *args, **kwargs)
+            return copy.deepcopy(data.get(self._fake.serializable(bound["key"]), bound["default"]))
 
-    def put(self, key: Any, value: Any, *, skip_if_exists: bool = False) -> bool:
+    def put(self, *args: Any, **kwargs: Any) -> bool:
         with self._fake._lock:
-            data = self._data()
-            if skip_if_exists and key in data:
+            data, bound = self._data("put", *args, **kwargs)
+            if bound["skip_if_exists"] and bound["key"] in data:
                 return False
-            data[key] = copy.deepcopy(value)
+            data[self._fake.serializable(bound["key"])] = self._fake.serializable(bound["value"])
             return True
 
-    def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
+    def pop(self, *args: Any, **kwargs: Any) -> Any:
         with self._fake._lock:
-            data = self._data()
-            if key not in data:
-                if default is _NO_DEFAULT:
-                    raise KeyError(key)
-                return default
-            return data.pop(key)
+            data, bound = self._data("pop", *args, **kwargs)
+            if bound["key"] not in data:
+                if bound["default"] is _api_signature(self._fake.api.Dict.pop).parameters["default"].default:
+                    raise KeyError(bound["key"])
+                return bound["default"]
+            return data.pop(bound["key"])
 
-    def items(self) -> Any:
+    def items(self, *args: Any, **kwargs: Any) -> Any:
         with self._fake._lock:
-            return iter(copy.deepcopy(list(self._data().items())))
+            data, _ = self._data("items", *args, **kwargs)
+            return iter(copy.deepcopy(list(data.items())))
+
+
+class _Volume:
+    def __init__(self, fake: FakeModal, name: str) -> None:
+        self._fake, self._name = fake, name
+
+    def commit(self, *args: Any, **kwargs: Any) -> None:
+        self._count("commit", self._fake.commits, *args, **kwargs)
+
+    def reload(self, *args: Any, **kwargs: Any) -> None:
+        self._count("reload", self._fake.reloads, *args, **kwargs)
+
+    def _count(self, method: str, counts: dict[str, int], *args: Any, **kwargs: Any) -> None:
+        self._fake.conform(getattr(self._fake.api.Volume, method), *args, **kwargs)
+        self._fake._check()
+        with self._fake._lock:
+            counts[self._name] = counts.get(self._name, 0) + 1
 
 
 # -- the container's side: `python modal_fake.py RESULT` -------------------------------------------------
