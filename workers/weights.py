@@ -276,7 +276,7 @@ class WeightPublisher:
         dest = version_dir(self.run, version)
         adapters = lora_adapters(model) if self.method == "volume" else None
         if self.method == "ipc":
-            self._sharer.share(plain_state_dict(model), dest, version, step, model_config(model))
+            self._sharer.share(plain_state_dict(model), dest, version, step)  # no config.json: it delays the record
         elif adapters is not None:
             write_adapters(model, adapters, dest, version, step)
         else:
