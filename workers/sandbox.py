@@ -7,12 +7,14 @@
 
 Who calls it: RewardEnvironment.execute_in_sandbox / execute_in_function (mortal.workers.rewards)
 and the code-execution environment. `make_executor` picks a backend by `SandboxConfig.backend`;
-"local" (here) runs a fresh temp dir per execution with `python3 -I` of this very interpreter
-(so the packages of this environment are importable, read-only), RLIMITs set between fork and exec
-(address space = memory_mb, CPU seconds, processes, file size, open files, no core files), a
-wall-clock timeout that kills the whole process group (and pid namespace), capped stdout/stderr,
-an environment without the worker's variables (no API keys leak in), and a confinement mode from
-mortal.workers.confinement (bubblewrap > unshare > refuse; see there for what each confines). A
+"local" (here) writes each execution's files to a fresh temp dir (confined code gets a private
+in-memory copy of it as its cwd, so what it writes never reaches the disk) and runs `python3 -I`
+of this very interpreter (so the packages of this environment are importable, read-only), RLIMITs
+set between fork and exec (address space = memory_mb, CPU seconds, processes, file size, open
+files, no core files), a wall-clock timeout that kills the whole process group (and pid
+namespace), capped stdout/stderr, an environment without the worker's variables (no API keys leak
+in), and a confinement mode from mortal.workers.confinement (bubblewrap > unshare > refuse; see
+there for what each confines). A
 Modal backend registers itself with `register_executor("modal", factory)` and is chosen with
 `SandboxConfig(backend="modal")`; `image` is for it and is ignored by the local backend.
 `trusted=True` (the "function" variants) runs the same way with the timeout and output cap only:
@@ -285,7 +287,8 @@ class LocalExecutor(Executor):
     def _execute(self, mode: Mode, workdir: Path, stdin: str, started: float) -> ExecutionResult:
         argv = mode.wrap([sys.executable, "-I", "-c", BOOT], str(workdir))
         cap = None if self.trusted else confinement.process_cap(self.config.max_processes)
-        with tempfile.TemporaryFile() as stdin_file:
+        # stdin in memory, not in a file on disk: the code may write to its fd 0 (up to max_file_mb).
+        with os.fdopen(os.memfd_create("mortal-sandbox-stdin"), "w+b") as stdin_file:
             stdin_file.write(stdin.encode("utf-8"))
             stdin_file.seek(0)
             try:

@@ -19,7 +19,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from mortal.controller.cli import apply, components, cp, describe, get, lifecycle, ops, scale
+from mortal.controller.cli import apply, components, cp, describe, get, lifecycle, ops, sandbox, scale
 from mortal.controller.cli.context import CliError, CliState
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
@@ -154,6 +154,7 @@ scale.register(app)
 lifecycle.register(app)
 ops.register(app)
 components.register(app)
+sandbox.register(app)
 cp.register(app)
 
 

@@ -71,6 +71,7 @@ def test_env_mistakes_are_fatal_and_name_the_field(entry: dict, reason: str, mes
 
 def test_no_sandbox_fails_the_run_when_the_rewards_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(confinement, "_probed", {})
+    monkeypatch.setattr(confinement, "bundled_bwrap", lambda: None)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(FatalWorkerError) as caught:
         reward_set({"env": "code-execution"})

