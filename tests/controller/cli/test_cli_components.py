@@ -140,3 +140,15 @@ def test_test_reward_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> No
                                             "correct_answer   1        1            ",
                                             "short_answer     0.2      1            "]
     assert "weighted sum: 1.2" in done.stdout and "note" not in done.stdout  # the tiny model's tokenizer is here
+
+
+@needs_assets
+def test_test_rollout_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> None:
+    path = spec_file("tiny", **{"spec.model": {"name": str(tiny_model), "dtype": "float32"}})
+    env = {**os.environ, "MORTAL_HOME": str(mortal_home)}
+    args = [sys.executable, "-m", "mortal.controller.cli.main", "test", "rollout", "-f", str(path), "--row", "1",
+            "-n", "2", "--max-tokens", "4"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("prompt (transformers on cpu): ")
+    assert done.stdout.count("--- completion ") == 2 and "correct_answer" in done.stdout
