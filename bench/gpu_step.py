@@ -35,7 +35,7 @@ BREAKDOWN = {"wait": "actor/wait_seconds", "train": "actor/train_seconds", "publ
              "generate": "rollout/generation_seconds", "reward": "rollout/reward_seconds",
              "load": "weights/load_seconds"}
 
-REWARD = "mortal.workers.builtin_rewards:short_answer"  # any cheap reward: throughput is what is timed
+REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: throughput is what is timed
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
 
 
@@ -64,7 +64,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers import builtin_rewards
+    from mortal.workers.rewards import builtin as builtin_rewards
 
     steps: list[dict] = []
 

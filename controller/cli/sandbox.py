@@ -3,7 +3,7 @@
 What the code-execution reward does to each completion, on demand: the file runs as `main.py` in a
 fresh private working directory, with the limits a spec's `rewards[i].sandbox` sets (--timeout,
 --memory-mb; the defaults are SandboxSpec's) and the confinement the rewards would get on this
-machine (mortal.workers.sandbox, mortal.workers.confinement), so a user can see what a reward's code
+machine (mortal.workers.rewards.sandbox, mortal.workers.rewards.confinement), so a user can see what a reward's code
 meets, and an operator can see which confinement works here, before a run depends on it. It
 writes nothing to the store and never runs the file unconfined.
 What it must not do: run the file unconfined, or hide how it ended (exit 1 unless it succeeded).
@@ -22,8 +22,8 @@ from mortal.controller.cli.output import to_json
 
 if TYPE_CHECKING:
     from mortal.specs import SandboxSpec
-    from mortal.workers.confinement import Mode
-    from mortal.workers.sandbox import ExecutionResult
+    from mortal.workers.rewards.confinement import Mode
+    from mortal.workers.rewards.sandbox import ExecutionResult
 
 HELP = "Run code in the reward sandbox of this machine."
 RUN_HELP = """Run FILE.py in the reward sandbox and print the result as JSON.
@@ -99,7 +99,7 @@ def run_command(
     confinement: str = typer.Option("auto", "--confinement", metavar="MODE",
                                     help="auto (bubblewrap, else unshare), bubblewrap or unshare."),
 ) -> None:
-    from mortal.workers.sandbox import LocalExecutor, SandboxConfig, SandboxUnavailable
+    from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig, SandboxUnavailable
 
     if confinement not in CONFINEMENTS:
         raise CliError(f"--confinement {confinement}: choose {', '.join(CONFINEMENTS)}")

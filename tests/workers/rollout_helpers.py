@@ -92,8 +92,8 @@ def training_spec(model: str, rewards: list[dict[str, Any]] | None = None, **ove
         "algorithm": {"numGenerations": 4, "batchSize": 8, "maxSteps": 2},
         "generation": {"maxTokens": 8, "engine": "transformers"},
         "rewards": rewards or [
-            {"function": "mortal.workers.builtin_rewards:correct_answer"},
-            {"function": "mortal.workers.builtin_rewards:short_answer", "weight": 0.2},
+            {"function": "mortal.workers.rewards.builtin:correct_answer"},
+            {"function": "mortal.workers.rewards.builtin:short_answer", "weight": 0.2},
         ],
         "rollout": {"replicas": 1},
     }

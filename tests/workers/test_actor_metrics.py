@@ -18,7 +18,7 @@ from mortal.workers.metrics import MetricsReporter, finite_values, open_wandb, w
 SPEC = {
     "model": {"name": "/nonexistent/model"},
     "dataset": {"name": "builtin:arith"},
-    "rewards": [{"function": "mortal.workers.builtin_rewards:correct_answer"}],
+    "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
 }
 
 

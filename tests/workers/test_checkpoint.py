@@ -21,7 +21,7 @@ from mortal.workers.checkpoint import Checkpointer, checkpoint_dir, is_complete,
 SPEC = {
     "model": {"name": "/nonexistent/model"},
     "dataset": {"name": "builtin:arith"},
-    "rewards": [{"function": "mortal.workers.builtin_rewards:correct_answer"}],
+    "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
 }
 
 

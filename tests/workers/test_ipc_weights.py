@@ -50,7 +50,7 @@ def test_a_copy_is_whole_unless_the_slot_may_have_been_written_again(tmp_path: P
 
 def _spec(**overrides) -> dict:
     spec = {"model": {"name": "m"}, "dataset": {"name": "builtin:arithmetic"},
-            "rewards": [{"function": "mortal.workers.builtin_rewards:short_answer"}],
+            "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
             "actor": {"gpu": "H100"}, "rollout": {"gpu": "H100", "colocate": True},
             "generation": {"engine": "transformers"}}
     for key, value in overrides.items():

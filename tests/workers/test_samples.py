@@ -25,7 +25,7 @@ from mortal.workers.samples import as_text, step_completions, total_reward
 SPEC = {
     "model": {"name": "/nonexistent/model"},
     "dataset": {"name": "builtin:arith"},
-    "rewards": [{"function": "mortal.workers.builtin_rewards:correct_answer"}],
+    "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
 }
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
 

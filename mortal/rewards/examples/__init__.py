@@ -2,7 +2,7 @@
 
     from mortal.rewards.examples import CodeExecutionEnvironment, LLMJudgeEnvironment, MathAnswerEnvironment
 
-Lazy re-exports of mortal.workers.environments (a spec names them `env: code-execution`,
+Lazy re-exports of mortal.workers.rewards.environments (a spec names them `env: code-execution`,
 `env: llm-judge`, `env: math-answer`).
 """
 
@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mortal.workers.environments import (
+    from mortal.workers.rewards.environments import (
         CodeExecutionEnvironment,
         LLMJudgeEnvironment,
         MathAnswerEnvironment,
@@ -26,7 +26,7 @@ __all__ = ["CodeExecutionEnvironment", "LLMJudgeEnvironment", "MathAnswerEnviron
 def __getattr__(name: str) -> Any:
     if name not in _NAMES:
         raise AttributeError(f"module 'mortal.rewards.examples' has no attribute {name!r}")
-    value = getattr(importlib.import_module("mortal.workers.environments"), name)
+    value = getattr(importlib.import_module("mortal.workers.rewards.environments"), name)
     globals()[name] = value
     return value
 

@@ -35,7 +35,7 @@ UNCACHED = {"name": "example-org/not-on-this-machine"}  # its tokenizer is absen
 
 @pytest.fixture
 def reward_spec(spec_file):
-    rewards = [{"function": "mortal.workers.builtin_rewards:correct_answer", "weight": 1.0},
+    rewards = [{"function": "mortal.workers.rewards.builtin:correct_answer", "weight": 1.0},
                {"function": NOISY, "weight": 0.5}]
     return spec_file("scored", **{"spec.rewards": rewards, "spec.model": UNCACHED})
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from mortal.controller.cli.main import app
 from mortal.specs import SandboxSpec
-from mortal.workers import confinement
+from mortal.workers.rewards import confinement
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mortal.workers import confinement
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.sandbox import (
+from mortal.workers.rewards import confinement
+from mortal.workers.rewards.sandbox import (
     ExecutionResult,
     FunctionConfig,
     Job,
@@ -29,7 +29,7 @@ from mortal.workers.sandbox import (
 )
 
 PG = ("127.0.0.1", 5432)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _mode(name: str) -> str:

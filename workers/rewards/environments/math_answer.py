@@ -1,9 +1,9 @@
 """`env: math-answer`: does the completion's final answer equal the row's answer?
 
 Who calls it: RewardSet (a spec's `env: math-answer`), or TRL directly. The comparison is
-mortal.workers.builtin_rewards' (`final_number`: '#### x', else '\\boxed{x}', else the last number,
+mortal.workers.rewards.builtin' (`final_number`: '#### x', else '\\boxed{x}', else the last number,
 fraction or \\frac in the text; numeric equality within `tolerance`), so the function reward
-`mortal.workers.builtin_rewards:math_answer` and this environment always agree. Score 1.0 or 0.0;
+`mortal.workers.rewards.builtin:math_answer` and this environment always agree. Score 1.0 or 0.0;
 None when the row's answer holds no number. Cache: off by default (scoring is cheaper than hashing).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from mortal.workers.builtin_rewards import answers_match, final_number, parse_value
-from mortal.workers.environments.base import BuiltinEnvironment, Item, Log, Outcome, column
+from mortal.workers.rewards.builtin import answers_match, final_number, parse_value
+from mortal.workers.rewards.environments.base import BuiltinEnvironment, Item, Log, Outcome, column
 
 
 class MathAnswerEnvironment(BuiltinEnvironment):

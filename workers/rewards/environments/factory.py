@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mortal.workers.environments import ENVIRONMENTS
-from mortal.workers.environments.base import BuiltinEnvironment, sqlite_cache_path
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rewards.environments import ENVIRONMENTS
+from mortal.workers.rewards.environments.base import BuiltinEnvironment, sqlite_cache_path
 
 if TYPE_CHECKING:
     from mortal.specs.rewards import RewardSpec

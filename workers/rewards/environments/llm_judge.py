@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from mortal.workers.environments.base import BuiltinEnvironment, Item, Log, Outcome
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rewards.environments.base import BuiltinEnvironment, Item, Log, Outcome
 
 log = logging.getLogger("mortal.rewards.judge")
 DEFAULT_BASE_URL = "https://api.openai.com/v1"

@@ -6,9 +6,9 @@ import pytest
 import reward_fixtures
 
 from mortal.specs.rewards import RewardSpec
-from mortal.workers import builtin_rewards as br
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.rewards import RewardEnvironment, RewardSet
+from mortal.workers.rewards import builtin as br
 
 CHAT = [{"role": "user", "content": "What is 1 + 2?"}]
 ROW = {"prompt": CHAT, "answer": "3", "level": 1}
@@ -138,3 +138,8 @@ def test_math_answer_reads_hash_boxed_or_last_number() -> None:
     texts = ["3 + 4 = 7\n#### 7", "so \\boxed{12}.", "first 3 then 5", "no number", "#### 1,234"]
     assert br.math_answer(texts, ["7", "12", "5", "1", "1234"]) == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert br.final_number("#### 7 and later 9") == 7.0
+
+
+def test_a_spec_stored_with_the_old_builtin_path_still_loads() -> None:
+    old = RewardSet.from_spec([RewardSpec(function="mortal.workers.builtin_rewards:correct_answer")])
+    assert old.rewards[0].func is br.correct_answer

@@ -25,8 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mortal.workers import confinement
-from mortal.workers.sandbox import ExecutionResult, LocalExecutor, SandboxConfig
+from mortal.workers.rewards import confinement
+from mortal.workers.rewards.sandbox import ExecutionResult, LocalExecutor, SandboxConfig
 
 SLACK = 3.0  # seconds past the timeout allowed for the kill and the clean-up
 MEMORY_MB = 256

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from mortal.workers import confinement
-from mortal.workers.environments import (
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rewards import RewardEnvironment, confinement
+from mortal.workers.rewards.environments import (
     CodeExecutionEnvironment,
     LLMJudgeEnvironment,
     MathAnswerEnvironment,
     extract_code,
     parse_score,
 )
-from mortal.workers.errors import FatalWorkerError
-from mortal.workers.rewards import RewardEnvironment
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"]
 
 
@@ -248,7 +247,7 @@ def test_judge_mistakes_that_retrying_cannot_fix_fail_the_run(judge_url: str, mo
 
 # -- math answers ----------------------------------------------------------------------------------
 def test_math_answer_environment_agrees_with_the_function_reward() -> None:
-    from mortal.workers.builtin_rewards import math_answer
+    from mortal.workers.rewards.builtin import math_answer
 
     texts = ["so 3 + 4 = 7\n#### 7", "\\boxed{\\frac{3}{4}}", "it is 3/4", "no idea", "#### 1,234"]
     answers = ["7", "0.75", "3/4", "5", "1234"]

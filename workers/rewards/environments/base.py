@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mortal.workers.environments.cache import RewardCache
 from mortal.workers.rewards import RewardEnvironment
+from mortal.workers.rewards.environments.cache import RewardCache
 
 # TRL's plumbing, passed to every reward function: not part of what a score depends on.
 PLUMBING = ("trainer_state", "log_metric", "log_extra", "completion_ids")

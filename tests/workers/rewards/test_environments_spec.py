@@ -12,12 +12,11 @@ import pytest
 from mortal.rewards import SandboxConfig
 from mortal.specs import load_file
 from mortal.specs.rewards import RewardSpec
-from mortal.workers import confinement
 from mortal.workers.data import load_rows
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.rewards import RewardEnvironment, RewardSet
+from mortal.workers.rewards import RewardEnvironment, RewardSet, confinement
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RIGHT = "```python\ndef add(a, b):\n    return a + b\n```"
 ROW = {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"], "answer": "4"}
 
@@ -97,7 +96,7 @@ def test_the_seed_imports_and_execution_helpers() -> None:
     from mortal.rewards import FunctionConfig
     from mortal.rewards import RewardEnvironment as Facade
     from mortal.rewards.examples import CodeExecutionEnvironment, LLMJudgeEnvironment, MathAnswerEnvironment
-    from mortal.workers import environments
+    from mortal.workers.rewards import environments
 
     assert Facade is RewardEnvironment is mortal.RewardEnvironment
     assert CodeExecutionEnvironment is environments.CodeExecutionEnvironment
@@ -150,7 +149,7 @@ def test_a_rollout_worker_scores_with_the_sandbox(sqlite_store, mortal_home: Pat
     )
     from test_rollout import Serving, wait_done
 
-    from mortal.workers.environments import CodeExecutionEnvironment, extract_code
+    from mortal.workers.rewards.environments import CodeExecutionEnvironment, extract_code
 
     if not assets_available():
         pytest.skip("SmolLM2 tokenizer/config assets not found")

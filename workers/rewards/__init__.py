@@ -11,8 +11,8 @@ What it must not do: let a broken reward look like a crash to retry. A wrong pat
 raises, or one that returns the wrong length or a non-number is a FatalWorkerError that names the
 reward and says what to fix, so the run fails at once with that reason.
 Built-in environments (`env: code-execution | llm-judge | math-answer`) are built by
-mortal.workers.environments.factory; RewardEnvironment's execute_* helpers run code through
-mortal.workers.sandbox.
+mortal.workers.rewards.environments.factory; RewardEnvironment's execute_* helpers run code through
+mortal.workers.rewards.sandbox.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mortal.workers.builtin_rewards import completion_text
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
-from mortal.workers.sandbox import (
+from mortal.workers.rewards.builtin import completion_text
+from mortal.workers.rewards.sandbox import (
     ExecutionResult,
     Executor,
     FunctionConfig,
@@ -93,7 +93,7 @@ class RewardEnvironment:
         return self.score_batch([completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
 
     # -- execution helpers (the seed's "Remote Execution Tools") -------------------------------------
-    # sandbox: untrusted code, confined, under `sandbox_config` (mortal.workers.sandbox);
+    # sandbox: untrusted code, confined, under `sandbox_config` (mortal.workers.rewards.sandbox);
     # function: trusted code (yours), a plain subprocess with `function_config.timeout` and no confinement.
     def _executor(self, trusted: bool) -> Executor:
         attr = "_function_executor" if trusted else "_sandbox_executor"
@@ -199,7 +199,7 @@ def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
 def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None = None) -> LoadedReward:
     """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory)."""
     if entry.env is not None:
-        from mortal.workers.environments.factory import build_environment  # it imports this module
+        from mortal.workers.rewards.environments.factory import build_environment  # it imports this module
 
         env = build_environment(entry, index, run_dir)
         return LoadedReward(name=name, ref=f"spec.rewards[{index}].env {entry.env!r}", func=env, is_async=False)
