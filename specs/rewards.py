@@ -25,6 +25,10 @@ class SandboxSpec(SpecModel):
     memory_mb: int = Field(
         512, ge=16, alias="memoryMB", description="Address-space limit per execution, in MiB (YAML key memoryMB)."
     )
+    backend: Literal["local", "modal"] = Field(
+        "local", description="Where the code runs: local (the worker's machine, bubblewrap or unshare) or modal "
+        "(a modal.Sandbox per execution, no network; needs the modal client and a token on the worker).",
+    )
 
 
 class RewardSpec(SpecModel):

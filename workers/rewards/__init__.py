@@ -192,6 +192,8 @@ def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
         changes["timeout"] = entry.sandbox.timeout_seconds
     if entry.sandbox.memory_mb != default.memory_mb:
         changes["memory_mb"] = entry.sandbox.memory_mb
+    if entry.sandbox.backend != default.backend:
+        changes["backend"] = entry.sandbox.backend
     if changes:
         env.sandbox_config = replace(env.sandbox_config, **changes)
 

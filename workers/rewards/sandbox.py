@@ -15,7 +15,7 @@ files, no core files), a wall-clock timeout that kills the whole process group (
 namespace), capped stdout/stderr, an environment without the worker's variables (no API keys leak
 in), and a confinement mode from mortal.workers.rewards.confinement (bubblewrap > unshare > refuse; see
 there for what each confines). A
-Modal backend registers itself with `register_executor("modal", factory)` and is chosen with
+Modal backend (mortal.workers.rewards.modal_sandbox, imported when first asked for) is chosen with
 `SandboxConfig(backend="modal")`; `image` is for it and is ignored by the local backend.
 `trusted=True` (the "function" variants) runs the same way with the timeout and output cap only:
 no confinement, no rlimits, the worker's environment; it is for code you wrote, not the model.
@@ -25,6 +25,7 @@ What it must not do: let the code reach the network, outlive its timeout, or see
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import resource
@@ -164,8 +165,14 @@ def register_executor(backend: str, factory: Callable[[SandboxConfig, bool], Exe
     _FACTORIES[backend] = factory
 
 
+# Backends shipped with mortal but imported only when a config asks for them (modal's client is optional).
+_BACKEND_MODULES = {"modal": "mortal.workers.rewards.modal_sandbox"}
+
+
 def make_executor(config: SandboxConfig | None = None, trusted: bool = False) -> Executor:
     config = config or SandboxConfig()
+    if config.backend not in _FACTORIES and config.backend in _BACKEND_MODULES:
+        importlib.import_module(_BACKEND_MODULES[config.backend])
     if config.backend not in _FACTORIES:
         raise ValueError(f"no sandbox backend {config.backend!r}; registered: {', '.join(sorted(_FACTORIES))}")
     return _FACTORIES[config.backend](config, trusted)

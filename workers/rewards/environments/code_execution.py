@@ -122,13 +122,14 @@ class CodeExecutionEnvironment(BuiltinEnvironment):
     def __init__(self, tests_column: str = "tests", partial_credit: bool = False, timeout: float | None = None,
                  memory_mb: int | None = None, max_processes: int | None = None, workers: int | None = None,
                  confinement: str = "auto", allow_unconfined: bool = False, cache: str | None = None,
-                 cache_size: int = 4096, cache_path: str | None = None) -> None:
+                 cache_size: int = 4096, cache_path: str | None = None, backend: str | None = None) -> None:
         super().__init__(cache, cache_size, cache_path)
         self.tests_column, self.partial_credit = tests_column, partial_credit
         self.timeout, self.memory_mb, self.max_processes, self.workers = timeout, memory_mb, max_processes, workers
         self.confinement, self.allow_unconfined = confinement, allow_unconfined
         base = type(self).sandbox_config
-        overrides = {"timeout": timeout, "memory_mb": memory_mb, "max_processes": max_processes, "workers": workers}
+        overrides = {"timeout": timeout, "memory_mb": memory_mb, "max_processes": max_processes, "workers": workers,
+                     "backend": backend}
         self.sandbox_config = SandboxConfig(**{
             **base.__dict__,
             **{k: v for k, v in overrides.items() if v is not None},

@@ -66,7 +66,8 @@ def build_environment(entry: RewardSpec, index: int, run_dir: Path | None = None
             if getattr(entry, field) is not None:
                 raise _bad(f"spec.rewards[{index}].{yaml_key}", f"only env llm-judge reads it (this is {entry.env})")
     if entry.env == "code-execution":
-        kwargs.update(timeout=entry.sandbox.timeout_seconds, memory_mb=entry.sandbox.memory_mb)
+        kwargs.update(timeout=entry.sandbox.timeout_seconds, memory_mb=entry.sandbox.memory_mb,
+                      backend=entry.sandbox.backend)
     if kwargs.get("cache") == "sqlite" and not kwargs.get("cache_path"):
         if run_dir is None:
             raise _bad(f"spec.rewards[{index}].args.cache", "'sqlite' needs a run folder (or args.cache_path)")
