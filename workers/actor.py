@@ -191,6 +191,7 @@ class ActorLoop(TrainerCallback):
         trl_seam.check_rollout_call(prompts, self.spec.algorithm.batch_size)
         step = trainer.state.global_step
         self.feed.enqueue(step, self.version)
+        self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
         batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
         self._rollout_metrics = batch.metrics(step, self.publisher.step_of)
@@ -204,6 +205,9 @@ class ActorLoop(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Weights are loaded (fresh or from the checkpoint): publish them before the first rollout."""
         self._publish(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.publisher.prune()  # the last version's publish left one more than `keep`
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
@@ -243,7 +247,7 @@ class ActorLoop(TrainerCallback):
             torch.cuda.synchronize()
         started = time.perf_counter()
         self.ctx.check_fence()
-        self.version = self.publisher.publish(self.trainer.model, step)
+        self.version = self.publisher.publish(self.trainer.model, step, prune=False)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)
 

@@ -270,8 +270,9 @@ class WeightPublisher:
         """Remove temporary directories left by an actor that died mid-write (call at start)."""
         remove_stale_tmp(paths.weights_dir(self.run))
 
-    def publish(self, model: torch.nn.Module, step: int, version: int | None = None) -> int:
-        """Write (or share), record and prune; returns the version published."""
+    def publish(self, model: torch.nn.Module, step: int, version: int | None = None, prune: bool = True) -> int:
+        """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
+        rollouts, off the path a new version takes to them) prune; returns the version published."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version)
         adapters = lora_adapters(model) if self.method == "volume" else None
@@ -283,7 +284,8 @@ class WeightPublisher:
             write_weights(model, dest, version, step)
         self.store.publish_weights(self.worker, version, step, str(dest), method=self.method)
         self.steps[version] = step
-        self.prune()
+        if prune:
+            self.prune()
         return version
 
     def step_of(self, version: int) -> int:
