@@ -1,7 +1,10 @@
-"""Worker logs on this machine: which files belong to a run, and their lines (for `mortalctl logs`).
+"""Worker logs: which files belong to a run, and their lines (for `mortalctl logs`).
 
 Called by the CLI: `mortalctl logs NAME [--role R] [--replica I] [--tail N] [-f]`. Files are
-mortal.state.paths.worker_log: `<role>-<replica>-<incarnation>.log` under the run's logs folder.
+mortal.state.paths.worker_log: `<role>-<replica>-<incarnation>.log` under the run's logs folder,
+read from where the run's workers write them: this machine's MORTAL_HOME (`LocalLogs`, the local
+backend), or the Modal data volume through the client library (`VolumeLogs`: the Modal worker
+function writes the same files there and commits them every few seconds).
 By default each slot shows its newest incarnation; `-f` keeps reading, and moves to a slot's new
 file when the worker is relaunched. What it must not do: open the store or touch the files.
 """
@@ -13,17 +16,19 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol
 
 from mortal.state import paths
 
 _LOG_NAME = re.compile(r"^(?P<role>[a-z]+)-(?P<replica>\d+)-(?P<incarnation>\d+)\.log$")
 _ROLE_ORDER = {"actor": 0, "rollout": 1}
+VOLUME_POLL_SECONDS = 2.0  # `-f` on a Modal run: each poll lists the folder on the volume
 
 
 @dataclass(frozen=True)
 class LogFile:
-    path: Path
+    path: PurePosixPath | Path  # on this machine (LocalLogs), or inside the volume (VolumeLogs)
     role: str
     replica: int
     incarnation: int
@@ -33,18 +38,94 @@ class LogFile:
         return f"{self.role}-{self.replica}"
 
 
-def worker_logs(run: str, role: str | None = None, replica: int | None = None, all_incarnations: bool = False) -> list[LogFile]:
+class LogSource(Protocol):
+    """Where a run's log files are: their names, and their bytes from an offset."""
+
+    def names(self, run: str) -> list[PurePosixPath | Path]:
+        """The files of the run's logs folder (none when it does not exist)."""
+
+    def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
+        """The file's bytes from `offset` (none when it does not exist)."""
+
+    def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:
+        """Where the file's last `n` lines begin (see _tail_start)."""
+
+
+class LocalLogs:
+    """The log files under this machine's MORTAL_HOME (the local backend's workers write them)."""
+
+    def names(self, run: str) -> list[PurePosixPath | Path]:
+        folder = paths.logs_dir(run)
+        return list(folder.iterdir()) if folder.is_dir() else []
+
+    def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                return fh.read()
+        except FileNotFoundError:
+            return b""
+
+    def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool, block: int = 65536) -> int:
+        """Reads backwards, a growing block at a time, so the tail of a huge log costs little."""
+        try:
+            with open(path, "rb") as fh:
+                size = fh.seek(0, 2)
+                while True:
+                    start = max(0, size - block)
+                    fh.seek(start)
+                    found = _tail_start(fh.read(size - start), n, partial)
+                    if found is not None:
+                        return start + found
+                    if start == 0:
+                        return 0
+                    block *= 4
+        except FileNotFoundError:
+            return 0
+
+
+class VolumeLogs:
+    """The log files on a Modal volume (`runs/<run>/logs/`), read through the client library.
+
+    `volume` is a modal.Volume (listdir, read_file); `missing` the errors that mean "no such path"
+    (FileNotFoundError, and modal.exception.NotFoundError). A volume has no ranged read: a file is
+    read whole, and only when its listed size grew past what was already read."""
+
+    def __init__(self, volume: Any, missing: tuple[type[BaseException], ...] = (FileNotFoundError,)) -> None:
+        self._volume, self._missing = volume, missing
+        self._sizes: dict[str, int] = {}
+
+    def names(self, run: str) -> list[PurePosixPath | Path]:
+        try:
+            entries = self._volume.listdir(f"runs/{run}/logs")
+        except self._missing:
+            return []
+        self._sizes.update((entry.path, entry.size) for entry in entries)
+        return [PurePosixPath(entry.path) for entry in entries]
+
+    def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
+        if self._sizes.get(str(path), offset + 1) <= offset:
+            return b""
+        try:
+            return b"".join(self._volume.read_file(str(path)))[offset:]
+        except self._missing:
+            return b""
+
+    def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:
+        return _tail_start(self.read(path, 0), n, partial) or 0
+
+
+def worker_logs(run: str, role: str | None = None, replica: int | None = None, all_incarnations: bool = False,
+                source: LogSource | None = None) -> list[LogFile]:
     """The run's log files matching role/replica, newest incarnation per slot unless all_incarnations."""
-    folder = paths.logs_dir(run)
     found: list[LogFile] = []
-    if folder.is_dir():
-        for path in folder.iterdir():
-            m = _LOG_NAME.match(path.name)
-            if m is None:
-                continue
-            log = LogFile(path, m["role"], int(m["replica"]), int(m["incarnation"]))
-            if (role is None or log.role == role) and (replica is None or log.replica == replica):
-                found.append(log)
+    for path in (source or LocalLogs()).names(run):
+        m = _LOG_NAME.match(path.name)
+        if m is None:
+            continue
+        log = LogFile(path, m["role"], int(m["replica"]), int(m["incarnation"]))
+        if (role is None or log.role == role) and (replica is None or log.replica == replica):
+            found.append(log)
     if not all_incarnations:
         newest: dict[str, LogFile] = {}
         for log in found:
@@ -59,8 +140,8 @@ def _order(log: LogFile) -> tuple[int, str, int, int]:
 
 
 def log_files(run: str, role: str | None = None, replica: int | None = None) -> list[Path]:
-    """Paths of the newest log file of each matching slot."""
-    return [f.path for f in worker_logs(run, role, replica)]
+    """Paths of the newest log file of each matching slot (on this machine)."""
+    return [Path(f.path) for f in worker_logs(run, role, replica)]
 
 
 def read_logs(
@@ -71,70 +152,54 @@ def read_logs(
     tail: int | None = None,
     poll_seconds: float = 0.5,
     stop: threading.Event | None = None,
+    source: LogSource | None = None,
 ) -> Iterator[str]:
     """Lines (without newline) of the matching logs, `[slot] ` in front when several slots match.
 
     `tail` keeps the last N lines of each file. `follow` then keeps yielding lines as they are
     written (and from new incarnations' files) until `stop` is set or the caller stops iterating.
     """
-    files = worker_logs(run, role, replica)
+    source = source or LocalLogs()
+    files = worker_logs(run, role, replica, source=source)
     prefixed = len(files) > 1
-    offsets: dict[Path, int] = {}
+    offsets: dict[PurePosixPath | Path, int] = {}
     for log in files:
-        start = 0 if tail is None else _tail_offset(log.path, tail, partial=not follow)
-        text, offsets[log.path] = _read_from(log.path, start, partial=not follow)
+        start = 0 if tail is None else source.tail_offset(log.path, tail, partial=not follow)
+        text, offsets[log.path] = _lines(source.read(log.path, start), start, partial=not follow)
         for line in text.splitlines():
             yield _prefix(log, line, prefixed)
     tracked = {log.path: log for log in files}
     while follow and not (stop is not None and stop.is_set()):
         time.sleep(poll_seconds)
-        current = worker_logs(run, role, replica)
+        current = worker_logs(run, role, replica, source=source)
         prefixed = prefixed or len(current) > 1
         tracked.update((log.path, log) for log in current)  # an old incarnation's last lines still come
         for log in sorted(tracked.values(), key=_order):
-            text, offsets[log.path] = _read_from(log.path, offsets.get(log.path, 0))
+            offset = offsets.get(log.path, 0)
+            text, offsets[log.path] = _lines(source.read(log.path, offset), offset)
             for line in text.splitlines():
                 yield _prefix(log, line, prefixed)
 
 
-def _read_from(path: Path, offset: int, partial: bool = False) -> tuple[str, int]:
-    """Lines written after `offset`, and the offset after them; a half-written last line waits
-    unless `partial` (a log read once, whose writer may have died mid-line)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            data = fh.read()
-    except FileNotFoundError:
-        return "", offset
+def _lines(data: bytes, offset: int, partial: bool = False) -> tuple[str, int]:
+    """The lines of `data` (read at `offset`), and the offset after them; a half-written last line
+    waits unless `partial` (a log read once, whose writer may have died mid-line)."""
     end = len(data) if partial else data.rfind(b"\n") + 1
     return data[:end].decode("utf-8", errors="replace"), offset + end
 
 
-def _tail_offset(path: Path, n: int, partial: bool = False, block: int = 65536) -> int:
-    """Offset where the last `n` lines begin (reads backwards, so a huge log costs little); a
+def _tail_start(data: bytes, n: int, partial: bool) -> int | None:
+    """Where the last `n` lines of `data` begin; None when it holds fewer (read further back). A
     half-written last line counts as one only with `partial`."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, 2)
-            if n <= 0 and partial:
-                return size
-            while True:
-                start = max(0, size - block)
-                fh.seek(start)
-                data = fh.read(size - start)
-                pos = data.rfind(b"\n")  # end of the last complete line
-                count = n - 1 if partial and data and not data.endswith(b"\n") else n
-                for _ in range(count):
-                    if pos < 0:
-                        break
-                    pos = data.rfind(b"\n", 0, pos)
-                if pos >= 0:
-                    return start + pos + 1
-                if start == 0:
-                    return 0
-                block *= 4
-    except FileNotFoundError:
-        return 0
+    if n <= 0 and partial:
+        return len(data)
+    pos = data.rfind(b"\n")  # end of the last complete line
+    count = n - 1 if partial and data and not data.endswith(b"\n") else n
+    for _ in range(count):
+        if pos < 0:
+            break
+        pos = data.rfind(b"\n", 0, pos)
+    return pos + 1 if pos >= 0 else None
 
 
 def _prefix(log: LogFile, line: str, prefixed: bool) -> str:

@@ -1,17 +1,22 @@
 """mortal's Modal app: `modal deploy -m mortal.controller.modal_app` (from a checkout; see docs/modal.md).
 
-Three functions on one image (this checkout, pip-installed with its `train` extra):
+Four functions on two images (this checkout, pip-installed with its `train` extra; torch pinned to
+TORCH_VERSION in both, the one VLLM_VERSION requires, so trainer and rollouts agree):
 
     worker(launch) -> int   one mortal worker per call; ModalBackend spawns it, on the spec's GPU via
                             `with_options(gpu=...)`, and reads the exit code it returns
+    rollout_vllm(launch)    the same, on the image with vLLM: rollouts whose generation.engine is
+                            vllm, or auto on a GPU (ModalBackend picks the function per launch)
     store                   the state store over HTTPS (`@modal.wsgi_app`): mortal.state.http_server
                             over SQLite on the `mortal-state` volume (one container), or over
                             $MORTAL_STORE_BACKING_URL (PostgreSQL) when a secret sets it
-    controller              the controller, hosted: each scheduled call runs it for ~10 minutes; the
-                            next one takes the leader lease over (workers never notice)
+    controller              the controller, hosted: a call starts every SCHEDULE_MINUTES and runs
+                            CONTROLLER_OVERLAP_SECONDS longer than that, so the next call is up and
+                            waiting for the leader lease when this one hands it on (workers never notice)
 
-Runs, checkpoints and weights live on the `mortal-data` volume at /mortal (MORTAL_HOME), committed by
-the workers after every checkpoint and weights write (mortal.workers.atomic.volume_sync).
+Runs, checkpoints, weights and worker logs live on the `mortal-data` volume at /mortal (MORTAL_HOME),
+committed by the workers after every checkpoint and weights write (mortal.workers.atomic.volume_sync)
+and by the worker functions while their worker prints (mortal.controller.backends.modal_worker).
 Secrets: `mortal-state` (MORTAL_STATE_TOKEN, required; `<app>-state` for another app name set with
 $MORTAL_MODAL_APP) and the names in $MORTAL_MODAL_SECRETS (comma
 separated, e.g. `huggingface,wandb`), read when deploying, attached to workers and the controller.
@@ -32,31 +37,51 @@ from pathlib import Path
 
 import modal
 
-from mortal.controller.backends.modal import APP_ENV, APP_NAME, WORKER_FUNCTION
+from mortal.controller.backends.modal import (
+    DATA_MOUNT,
+    VLLM_FUNCTION,
+    WORKER_FUNCTION,
+    data_volume_name,
+    deployed_app_name,
+)
 
-APP = os.environ.get(APP_ENV) or APP_NAME
-DATA_MOUNT, STATE_MOUNT = "/mortal", "/mortal-state"
-DATA_VOLUME, STATE_VOLUME = f"{APP}-data", f"{APP}-state"
+APP = deployed_app_name()
+STATE_MOUNT = "/mortal-state"
+DATA_VOLUME, STATE_VOLUME = data_volume_name(APP), f"{APP}-state"
 STATE_SECRET = f"{APP}-state"  # holds MORTAL_STATE_TOKEN
+# The one place the two pins live: vLLM 0.32.0 requires torch==2.13.0 (its wheel's metadata), the torch
+# scripts/setup-env.sh installs here too; the trainer's image gets the same torch.
+VLLM_VERSION, TORCH_VERSION = "0.32.0", "2.13.0"
 WORKER_TIMEOUT_SECONDS = 24 * 3600  # Modal's longest; a worker cut off here is relaunched and resumes
-CONTROLLER_RUN_SECONDS = 9 * 60 + 30  # one scheduled call; the schedule starts the next every 10 minutes
+SCHEDULE_MINUTES = 10  # a controller call starts this often
+CONTROLLER_OVERLAP_SECONDS = 90  # ... and runs this much longer: the next one (started, standing by) takes over
+CONTROLLER_RUN_SECONDS = SCHEDULE_MINUTES * 60 + CONTROLLER_OVERLAP_SECONDS
 REPO = Path(__file__).resolve().parents[1]  # this checkout: controller/ is one of its top-level folders
 PYTHON = "{}.{}".format(*sys.version_info)  # the deployer's: serialized functions need the same series
+IGNORED = [".git", ".venv", "**/__pycache__", "**/*.egg-info", "tests", "bench", "docs", "build", "dist"]
 
 data_volume = modal.Volume.from_name(DATA_VOLUME, create_if_missing=True)
 state_volume = modal.Volume.from_name(STATE_VOLUME, create_if_missing=True)
 secrets = [modal.Secret.from_name(STATE_SECRET)] + [
     modal.Secret.from_name(name.strip()) for name in os.environ.get("MORTAL_MODAL_SECRETS", "").split(",") if name.strip()
 ]
-image = (
-    modal.Image.debian_slim(python_version=PYTHON)
-    .pip_install("torch>=2.4")
-    .add_local_dir(REPO, "/opt/mortal", copy=True,
-                   ignore=[".git", ".venv", "**/__pycache__", "**/*.egg-info", "tests", "bench", "docs"])
-    .run_commands("pip install '/opt/mortal[train,cloud]'")
-    .env({"MORTAL_HOME": DATA_MOUNT, "MORTAL_MODAL_VOLUME": DATA_VOLUME, "MORTAL_MODAL_APP": APP,
-          "PYTHONUNBUFFERED": "1"})
-)
+
+
+def mortal_image(*pins: str) -> modal.Image:
+    """This checkout installed with its train and cloud extras over `pins` (pip requirements), which
+    the same pip command holds to, so nothing mortal needs moves them."""
+    return (
+        modal.Image.debian_slim(python_version=PYTHON)
+        .pip_install(*pins)  # a layer of its own: a code change does not reinstall torch (or vLLM)
+        .add_local_dir(REPO, "/opt/mortal", copy=True, ignore=IGNORED)
+        .run_commands(" ".join(["pip install '/opt/mortal[train,cloud]'", *pins]))
+        .env({"MORTAL_HOME": DATA_MOUNT, "MORTAL_MODAL_VOLUME": DATA_VOLUME, "MORTAL_MODAL_APP": APP,
+              "PYTHONUNBUFFERED": "1"})
+    )
+
+
+image = mortal_image(f"torch=={TORCH_VERSION}")
+vllm_image = mortal_image(f"torch=={TORCH_VERSION}", f"vllm=={VLLM_VERSION}")
 app = modal.App(APP, image=image, include_source=False)  # mortal is installed in the image
 
 
@@ -66,7 +91,17 @@ def worker(launch: dict) -> int:
     from mortal.controller.backends.modal_worker import run_worker
 
     data_volume.reload()  # a warm container reused for this call sees what others committed since
-    return run_worker(launch)
+    return run_worker(launch, commit=data_volume.commit)
+
+
+@app.function(name=VLLM_FUNCTION, image=vllm_image, volumes={DATA_MOUNT: data_volume}, secrets=secrets,
+              timeout=WORKER_TIMEOUT_SECONDS, retries=0, serialized=True)
+def rollout_vllm(launch: dict) -> int:
+    """`worker` on the image with vLLM: the rollout's engine `auto` resolves to vllm there on a GPU."""
+    from mortal.controller.backends.modal_worker import run_worker
+
+    data_volume.reload()
+    return run_worker(launch, commit=data_volume.commit)
 
 
 @app.function(volumes={STATE_MOUNT: state_volume}, secrets=[modal.Secret.from_name(STATE_SECRET)],
@@ -81,10 +116,12 @@ def store():
     return make_app(backing, os.environ[TOKEN_ENV])
 
 
-@app.function(volumes={DATA_MOUNT: data_volume}, secrets=secrets, schedule=modal.Period(minutes=10),
+@app.function(volumes={DATA_MOUNT: data_volume}, secrets=secrets, schedule=modal.Period(minutes=SCHEDULE_MINUTES),
               timeout=CONTROLLER_RUN_SECONDS + 300, serialized=True)
 def controller() -> None:
-    """Run a controller for CONTROLLER_RUN_SECONDS, then give the lease up for the next scheduled call.
+    """Run a controller for CONTROLLER_RUN_SECONDS, then give the lease up to the next scheduled call,
+    which started CONTROLLER_OVERLAP_SECONDS earlier and waits for it as a standby (docs/modal.md,
+    Failures: how fast a failure is noticed).
 
     In a thread of its own: run_controller sets SIGTERM/SIGINT handlers only on the main thread,
     and Modal's container runtime keeps those (a cancellation here stops the controller cleanly)."""

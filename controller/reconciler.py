@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -175,7 +174,8 @@ class Reconciler:
         if backend is not None and any(isinstance(a, Stop | Launch) for a in decided.actions):
             self._listings[backend.name].invalidate()  # the next pass must see what we just did
         if any(isinstance(a, Purge) for a in decided.actions):
-            return self._purge(run.name, any(a.remove_files for a in decided.actions if isinstance(a, Purge)), fence)
+            remove_files = any(a.remove_files for a in decided.actions if isinstance(a, Purge))
+            return self._purge(run.name, remove_files, spec.backend, fence)
         if decided.status is not None and decided.status != run.status:
             try:
                 row = self.store.write_status(run.name, decided.status, run.resource_version, fence)
@@ -199,6 +199,7 @@ class Reconciler:
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocate,
             sees_actor_gpus=action.role == "rollout" and not spec.rollout.colocate and spec.sync_method() == "ipc",
+            engine=spec.generation.engine,
         )
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
@@ -241,12 +242,17 @@ class Reconciler:
             for done in [pool.submit(stop, a) for a in stops]:
                 done.result()
 
-    def _purge(self, name: str, remove_files: bool, fence: LeaderFence) -> Outcome:
-        """Files first, rows last: the row going away is what says the deletion is complete."""
+    def _purge(self, name: str, remove_files: bool, backend_name: str, fence: LeaderFence) -> Outcome:
+        """Files first, where the run's backend keeps them (a Modal run's are on its volume), rows last:
+        the row going away is what says the deletion is complete. A run whose backend cannot run here
+        keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove."""
         if remove_files:
+            backend, why = self.backend(backend_name)
+            if backend is None:
+                raise BackendError(f"cannot remove the files of run {name!r}: {why}")
             if self.leader.fence() != fence:
                 raise Fenced("the leader lease ran out before removing files")
-            shutil.rmtree(paths.run_dir(name), ignore_errors=True)
+            backend.remove_run_files(name)
         self.store.purge_run(name, fence)
         self.written.pop(name, None)
         log.info("purged run %s%s", name, " and its files" if remove_files else "")

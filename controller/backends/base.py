@@ -11,6 +11,7 @@ controller compares that with the workers table and acts.
     store.set_worker_handle(row.id, handle)
     [w for w in backend.list("r") if not w.alive]     # exited: exit_code when known
     backend.stop(handle)                               # SIGTERM the group, SIGKILL after grace
+    backend.remove_run_files("r")                      # delete --purge: the run's folder, where its workers write
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -97,6 +99,7 @@ class WorkerLaunch:
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
     colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
     sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc to rollouts on GPUs of their own)
+    engine: str = "auto"  # spec.generation.engine: a backend may run a rollout that uses vLLM on an image with it
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:
@@ -170,6 +173,13 @@ class Backend(abc.ABC):
     def stop(self, handle: str, grace_seconds: float = 5.0) -> None:
         """Stop the worker and everything it started; returns once they are gone. Unknown or already
         stopped handles are a no-op."""
+
+    def remove_run_files(self, run: str) -> None:
+        """Remove the run's folder (checkpoints, weights, logs) where this backend's workers write it
+        (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""
+        from mortal.state import paths
+
+        shutil.rmtree(paths.run_dir(run), ignore_errors=True)
 
 
 def select_backend(name: str) -> Backend:

@@ -9,6 +9,12 @@ worker's exit code. The Modal calls made here, and only these (the tests' fake p
     modal.FunctionCall.from_id(id).get(timeout=0)   TimeoutError while running; the exit code after
     modal.FunctionCall.from_id(id).cancel(terminate_containers=...)
     modal.Dict.from_name(f"{app}-workers", create_if_missing=True): get / put / pop / items
+    modal.Volume.from_name(f"{app}-data").remove_file(f"runs/{run}", recursive=True)   (delete --purge)
+
+Which function: rollouts that generate with vLLM (`generation.engine` vllm, or auto on a GPU) are
+calls of `rollout_vllm`, whose image adds vLLM to the trainer's (same torch); every other worker is a
+call of `worker`. The names of the app's volume and its mount live here too (DATA_MOUNT,
+data_volume_name), for the app module and the CLI alike: importing this module never imports modal.
 
 The handle is "modal:<function call id>". Each launch is recorded in the Dict (worker_id -> call id,
 run, role, replica, incarnation), so a restarted controller, here or hosted on Modal, lists the
@@ -45,6 +51,8 @@ from mortal.controller.backends.gpus import wants_gpu
 APP_NAME = "mortal"
 APP_ENV = "MORTAL_MODAL_APP"  # the deployed app's name, when not "mortal"
 WORKER_FUNCTION = "worker"
+VLLM_FUNCTION = "rollout_vllm"  # the same body on the image with vLLM (rollouts that generate with it)
+DATA_MOUNT = "/mortal"  # where the app's containers mount the data volume (their MORTAL_HOME)
 HANDLE_PREFIX = "modal:"
 CANCEL_MARGIN_SECONDS = 5.0  # after the grace: the worker function's own cleanup, then containers are ended
 TERMINATE_WAIT_SECONDS = 60.0
@@ -61,6 +69,26 @@ _GPU = re.compile(r"^(?P<name>[A-Z0-9!+-]+?)(?::(?P<count>\d+))?$")
 
 class UnsupportedGPU(LaunchFailed):
     """The spec names a GPU type Modal does not have."""
+
+
+def deployed_app_name() -> str:
+    """The deployed app's name: $MORTAL_MODAL_APP, else 'mortal'."""
+    return os.environ.get(APP_ENV) or APP_NAME
+
+
+def data_volume_name(app: str) -> str:
+    """The app's volume of runs, checkpoints, weights and logs (mounted at DATA_MOUNT)."""
+    return f"{app}-data"
+
+
+def worker_function(launch: WorkerLaunch) -> str:
+    """The app function a launch is a call of: rollouts that will generate with vLLM need its image.
+
+    `auto` means vLLM on a GPU (mortal.workers.engines.resolve_engine_name); on the CPU it is
+    transformers, which the trainer's image has."""
+    if launch.role == "rollout" and (launch.engine == "vllm" or (launch.engine == "auto" and wants_gpu(launch.gpu))):
+        return VLLM_FUNCTION
+    return WORKER_FUNCTION
 
 
 def modal_gpu(gpu: str, count: int = 1) -> str | None:
@@ -91,6 +119,11 @@ def load_modal() -> ModuleType:
     return modal
 
 
+def data_volume(modal: ModuleType | Any | None = None) -> Any:
+    """The deployed app's data volume, for clients outside the containers (`mortalctl logs`, `cp`)."""
+    return (modal or load_modal()).Volume.from_name(data_volume_name(deployed_app_name()))
+
+
 def has_modal_credentials(environ: dict[str, str] | None = None) -> bool:
     """Where Modal's client finds credentials: inside a Modal container, the MODAL_TOKEN_* variables,
     or the token file `modal token new` writes (~/.modal.toml, or $MODAL_CONFIG_PATH)."""
@@ -110,10 +143,10 @@ class ModalBackend(Backend):
                  exited_ttl_seconds: float = EXITED_TTL_SECONDS, clock: Callable[[], float] = time.time) -> None:
         """`modal` is the modal package (tests pass a fake); `app_name` defaults to $MORTAL_MODAL_APP or 'mortal'."""
         self._modal = modal if modal is not None else load_modal()
-        self.app_name = app_name or os.environ.get(APP_ENV) or APP_NAME
+        self.app_name = app_name or deployed_app_name()
         self.exited_ttl_seconds, self._clock = exited_ttl_seconds, clock
         self._registry = self._modal.Dict.from_name(f"{self.app_name}-workers", create_if_missing=True)
-        self._functions: dict[str | None, Any] = {}
+        self._functions: dict[tuple[str, str | None], Any] = {}
         self._ended: dict[str, int | None] = {}  # call id -> exit code, for calls seen ended (never polled again)
         self._lock = threading.Lock()
 
@@ -126,11 +159,12 @@ class ModalBackend(Backend):
                 "controller with MORTAL_STATE_URL=https://<workspace>--mortal-store.modal.run (docs/modal.md)"
             )
         gpu = modal_gpu(launch.gpu, launch.gpu_count)
+        function = worker_function(launch)
         known = self._modal_call(self._registry.get, launch.worker_id)
         if _is_entry(known) and self._status(known["call_id"])[0]:
             return HANDLE_PREFIX + known["call_id"]
         try:
-            call = self._function(gpu).spawn(dataclasses.asdict(launch))
+            call = self._function(function, gpu).spawn(dataclasses.asdict(launch))
         except self._modal.exception.NotFoundError as exc:
             raise LaunchFailed(
                 f"the Modal app {self.app_name!r} is not deployed ({exc}): modal deploy -m mortal.controller.modal_app"
@@ -138,18 +172,19 @@ class ModalBackend(Backend):
         except self._modal.exception.Error as exc:
             raise LaunchFailed(f"could not spawn {launch.worker_id} on Modal: {exc}") from exc
         entry = {"call_id": call.object_id, "worker_id": launch.worker_id, "run": launch.run, "role": launch.role,
-                 "replica": launch.replica, "incarnation": launch.incarnation, "gpu": gpu,
+                 "replica": launch.replica, "incarnation": launch.incarnation, "gpu": gpu, "function": function,
                  "launched_at": self._clock(), "ended_at": None}
         self._modal_call(self._registry.put, launch.worker_id, entry)
         return HANDLE_PREFIX + call.object_id
 
-    def _function(self, gpu: str | None) -> Any:
+    def _function(self, name: str, gpu: str | None) -> Any:
+        """The app's function `name` with `gpu` (looked up once; with_options per GPU type)."""
         with self._lock:
-            if gpu not in self._functions:
-                base = self._functions.get(None) or self._modal.Function.from_name(self.app_name, WORKER_FUNCTION)
-                self._functions[None] = base
-                self._functions[gpu] = base if gpu is None else base.with_options(gpu=gpu)
-            return self._functions[gpu]
+            if (name, gpu) not in self._functions:
+                base = self._functions.get((name, None)) or self._modal.Function.from_name(self.app_name, name)
+                self._functions[(name, None)] = base
+                self._functions[(name, gpu)] = base if gpu is None else base.with_options(gpu=gpu)
+            return self._functions[(name, gpu)]
 
     # -- list --------------------------------------------------------------------------------
     def list(self, run: str | None = None) -> list[BackendWorker]:
@@ -226,6 +261,19 @@ class ModalBackend(Backend):
             if time.monotonic() >= deadline:
                 return False
         return True
+
+    # -- files -------------------------------------------------------------------------------
+    def remove_run_files(self, run: str) -> None:
+        """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works
+        from a controller anywhere; a folder already gone is no error."""
+        volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
+        try:
+            volume.remove_file(f"runs/{run}", recursive=True)
+        except (FileNotFoundError, self._modal.exception.NotFoundError):  # modal 1.6 raises the former
+            return
+        except self._modal.exception.Error as exc:
+            raise BackendError(f"Modal: could not remove runs/{run} from the volume "
+                               f"{data_volume_name(self.app_name)}: {exc}") from exc
 
     def _modal_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A call into Modal; its failures are BackendErrors (the reconcile pass is retried)."""

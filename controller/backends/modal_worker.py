@@ -1,15 +1,21 @@
-"""The body of the Modal worker function: one mortal worker process per Modal function call.
+"""The body of the Modal worker functions: one mortal worker process per Modal function call.
 
-Who calls it: the `worker` function of mortal.controller.modal_app (in a Modal container, once per
-`ModalBackend.launch`), and the tests' Modal fake, which runs it in a subprocess as its "container".
-It starts `python -m mortal.workers.main` with the worker protocol's environment and returns the
-worker's exit code, which `FunctionCall.get` then hands to the controller (negative -N when signal N
-killed it, as in subprocess).
+Who calls it: the `worker` and `rollout_vllm` functions of mortal.controller.modal_app (in a Modal
+container, once per `ModalBackend.launch`), and the tests' Modal fake, which runs it in a subprocess
+as its "container". It starts `python -m mortal.workers.main` with the worker protocol's environment
+and returns the worker's exit code, which `FunctionCall.get` then hands to the controller (negative
+-N when signal N killed it, as in subprocess).
+
+Logs: the worker's output goes both to this container's stdout (Modal's logs) and to the run's log
+file on the data volume, `runs/<run>/logs/<role>-<replica>-<incarnation>.log` (the path the local
+backend writes, mortal.state.paths.worker_log), which `mortalctl logs` reads through the client
+library. Other containers and clients see a volume's files only once committed: `commit` (the app
+passes the volume's) runs every LOG_COMMIT_SECONDS while new output came, and once at the end.
 
 Stopping: `FunctionCall.cancel()` raises `modal.exception.InputCancellation` in this function (a
-SIGUSR1 handler Modal installs); so does anything else that interrupts the wait. The worker's process
-group is then sent SIGTERM (it stops at a step boundary and exits 0 without a report), and SIGKILL
-after `stop_grace` seconds, before the exception goes on.
+SIGUSR1 handler Modal installs); so does anything else that interrupts the wait (a preemption's
+SIGINT). The worker's process group is then sent SIGTERM (it stops at a step boundary and exits 0
+without a report), and SIGKILL after `stop_grace` seconds, before the exception goes on.
 What it must not do: import modal (the fake runs it without), decide anything, or relaunch the worker.
 """
 
@@ -20,29 +26,54 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from mortal.controller.backends.base import WORKER_MODULE, WorkerLaunch, signal_group
+from mortal.state import paths
 
 STOP_GRACE_SECONDS = 10.0
+LOG_COMMIT_SECONDS = 10.0  # how stale `mortalctl logs` may be for a worker on Modal
+DRAIN_SECONDS = 5.0  # after the worker exits, how long its last output may take to arrive (a child kept the pipe)
 
 
-def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS) -> int:
+def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS,
+               commit: Callable[[], None] | None = None) -> int:
     """Run the worker `launch` describes (WorkerLaunch fields) to its end; its exit code.
 
     MORTAL_HOME is this container's own when set (the app mounts the shared volume there), so a
-    controller elsewhere, with another home, still gets checkpoints onto the volume.
+    controller elsewhere, with another home, still gets checkpoints and logs onto the volume.
     """
     spec = WorkerLaunch(**launch)
-    env = spec.environ(os.environ, cuda_visible_devices=None, mortal_home=os.environ.get("MORTAL_HOME"))
-    proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    home = os.environ.get("MORTAL_HOME") or spec.mortal_home
+    env = spec.environ(os.environ, cuda_visible_devices=None, mortal_home=home)
+    log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation).relative_to(
+        paths.mortal_home())
+    return run_logged([sys.executable, "-m", WORKER_MODULE], env, log, stop_grace, commit)
+
+
+def run_logged(command: Sequence[str], env: Mapping[str, str], log: Path, stop_grace: float = STOP_GRACE_SECONDS,
+               commit: Callable[[], None] | None = None, commit_every: float = LOG_COMMIT_SECONDS) -> int:
+    """Run `command` in a process group of its own, its output teed to stdout and appended to `log`,
+    `commit` called while output grows and at the end; its exit code. Stopped as the module says."""
+    tee = _Tee(log, commit, commit_every)  # the log opens first: a volume that refuses it starts nothing
+    try:
+        proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    except BaseException:
+        tee.close()
+        raise
+    assert proc.stdout is not None
+    tee.start(proc.stdout)
     try:
         return proc.wait()
     except BaseException:
         stop_worker(proc, stop_grace)
         raise
+    finally:
+        tee.close()
 
 
 def stop_worker(proc: subprocess.Popen[bytes], grace: float) -> None:
@@ -52,3 +83,69 @@ def stop_worker(proc: subprocess.Popen[bytes], grace: float) -> None:
         proc.wait(timeout=grace)
     signal_group(proc.pid, signal.SIGKILL)  # also what the worker left behind in its group
     proc.wait()
+
+
+class _Tee:
+    """Copies a pipe to stdout and a log file (thread `copy`); commits the file's volume (thread `sync`)."""
+
+    def __init__(self, log: Path, commit: Callable[[], None] | None, every: float) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(log, "ab")  # noqa: SIM115 - closed in close(), after the copy thread
+        self._commit, self._every = commit, every
+        self._pipe: BinaryIO | None = None
+        self._written, self._committed = 0, 0
+        self._closed = threading.Event()
+        self._copy = threading.Thread(target=self._copy_all, name="mortal-log-copy", daemon=True)
+        self._sync = threading.Thread(target=self._sync_while_running, name="mortal-log-commit", daemon=True)
+
+    def start(self, pipe: BinaryIO) -> None:
+        self._pipe = pipe
+        self._copy.start()
+        self._sync.start()
+
+    def _copy_all(self) -> None:
+        assert self._pipe is not None
+        while chunk := os.read(self._pipe.fileno(), 65536):
+            self._file.write(chunk)
+            self._file.flush()
+            self._written += len(chunk)
+            _echo(chunk)
+
+    def _sync_while_running(self) -> None:
+        while not self._closed.wait(self._every):
+            self._sync_once()
+
+    def _sync_once(self) -> None:
+        """Commit if there is output the last commit did not include; a failure only costs staleness."""
+        written = self._written
+        if self._commit is None or written == self._committed:
+            return
+        try:
+            if not self._file.closed:
+                os.fsync(self._file.fileno())  # a commit may leave out what a file open for writing holds unsynced
+            self._commit()
+            self._committed = written
+        except Exception as exc:  # noqa: BLE001 - the worker's run matters more than its log's freshness
+            print(f"mortal: could not commit the log to the volume: {exc}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """The last output (waiting at most DRAIN_SECONDS), then the last commit. A pipe some leftover
+        process still holds stays open (its copy thread dies with this process)."""
+        if self._pipe is not None:
+            self._copy.join(DRAIN_SECONDS)
+            self._closed.set()
+            self._sync.join()
+            self._sync_once()
+        if not self._copy.is_alive():
+            self._file.close()
+            if self._pipe is not None:
+                self._pipe.close()
+
+
+def _echo(chunk: bytes) -> None:
+    """To file descriptor 1, where the worker's output went before it was teed (Modal's logs capture
+    it); a closed stdout only loses the echo."""
+    view = memoryview(chunk)
+    with contextlib.suppress(OSError):
+        while view:
+            view = view[os.write(1, view):]

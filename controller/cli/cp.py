@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
+from mortal.controller.backends.modal import data_volume
 from mortal.controller.cli.context import CliError, state
 
 if TYPE_CHECKING:
@@ -35,7 +37,6 @@ Examples:
   mortalctl cp quickstart:step-20 ./quickstart-step-20
 """
 SOURCE = re.compile(r"^(?P<run>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(:step-(?P<step>\d+))?$")
-MODAL_DATA_MOUNT = "/mortal"  # where the Modal workers mount the data volume (mortal.controller.modal_app)
 
 
 def parse_source(source: str) -> tuple[str, int | None]:
@@ -95,10 +96,7 @@ def copy_from_modal(source: str, into: Path, volume: Any) -> int:
 
 
 def modal_data_volume() -> Any:
-    from mortal.controller.backends.modal import APP_ENV, APP_NAME, load_modal
-
-    app = os.environ.get(APP_ENV) or APP_NAME
-    return load_modal().Volume.from_name(f"{app}-data")
+    return data_volume()
 
 
 def cp_command(

@@ -1,7 +1,7 @@
 """`mortalctl logs | controller | schema | version`: the verbs that are not about desired state.
 
-`logs` reads worker log files through mortal.controller.logs (and, with -f, stops when the run
-finishes); `controller` runs mortal.controller.manager.run_controller in the foreground; `schema`
+`logs` reads worker log files through mortal.controller.logs, from this machine or, for a run on
+Modal, from the app's data volume (and, with -f, stops when the run finishes); `controller` runs mortal.controller.manager.run_controller in the foreground; `schema`
 prints the TrainingRun JSON Schema; `version` the package version. Nothing here imports torch.
 """
 
@@ -12,7 +12,9 @@ import json
 import logging
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -30,6 +32,9 @@ Examples:
 \b
   # The last 20 lines of rollout replica 1
   mortalctl logs quickstart --role rollout --replica 1 --tail 20
+
+A run on Modal (backend: modal) has its logs on the app's data volume, read with your Modal
+token; they lag the workers by up to 10 seconds (how often the workers commit them).
 """
 
 CONTROLLER_HELP = """Run the controller in the foreground (apply starts one in the background when none runs).
@@ -46,14 +51,14 @@ Examples:
 """
 
 
-def _stop_when_finished(store, name: str, stop: threading.Event, every: float = 2.0) -> None:
+def _stop_when_finished(store, name: str, stop: threading.Event, every: float = 2.0, linger: float = 2.0) -> None:
     """Set `stop` once the run is Succeeded/Failed or gone, so `logs -f` ends like kubectl's."""
     from mortal.state import NotFound
 
     while not stop.wait(every):
         try:
             if store.get_run(name).phase in TERMINAL_PHASES:
-                stop.wait(every)  # let the workers' last lines reach the files
+                stop.wait(linger)  # let the workers' last lines reach the files (on Modal: the volume)
                 stop.set()
         except NotFound:
             stop.set()
@@ -67,30 +72,64 @@ def logs_command(
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until the run finishes."),
     tail: int | None = typer.Option(None, "--tail", min=0, metavar="N", help="Only the last N lines of each log."),
 ) -> None:
-    from mortal.controller.logs import read_logs, worker_logs
+    from mortal.controller.logs import VOLUME_POLL_SECONDS, read_logs, worker_logs
     from mortal.state import NotFound
 
     if role is not None and role not in ("actor", "rollout"):
         raise typer.BadParameter(f"{role!r} is not a role; use actor or rollout", param_hint="'--role'")
     store = state(ctx).store
-    if not worker_logs(name, role, replica):
-        try:
-            store.get_run(name)
-        except NotFound:
-            raise
+    try:
+        backend = store.get_run(name).spec.get("backend", "local")
+    except NotFound as exc:
+        backend, missing = None, exc  # a deleted run's local logs (kept unless --purge) still print
+    on_modal = backend == "modal"
+    source, errors = _log_source(on_modal)
+    if not _guarded(lambda: worker_logs(name, role, replica, source=source), errors):
+        if backend is None:
+            raise missing
         which = " ".join(filter(None, [role, None if replica is None else f"replica {replica}"]))
         if not follow:
             raise CliError(f"no logs of trainingrun/{name}{' ' + which if which else ''} yet; is a controller running?")
     stop = threading.Event()
     if follow:
-        threading.Thread(target=_stop_when_finished, args=(store, name, stop), daemon=True).start()
+        linger = 2 * VOLUME_POLL_SECONDS + 2.0 if on_modal else 2.0  # Modal: the worker function's last commit
+        threading.Thread(target=_stop_when_finished, args=(store, name, stop), kwargs={"linger": linger},
+                         daemon=True).start()
+    lines = read_logs(name, role, replica, follow=follow, tail=tail, stop=stop, source=source,
+                      poll_seconds=VOLUME_POLL_SECONDS if on_modal else 0.5)
     try:
-        for line in read_logs(name, role, replica, follow=follow, tail=tail, stop=stop):
+        while (line := _guarded(lambda: next(lines, None), errors)) is not None:
             typer.echo(line)
     except KeyboardInterrupt:
         pass
     finally:
         stop.set()
+
+
+def _log_source(on_modal: bool) -> tuple[Any, tuple[type[Exception], ...]]:
+    """Where the run's logs are (this machine's files, or for a run on Modal the app's data volume, read
+    through the client library), and the errors that mean Modal could not be asked."""
+    from mortal.controller.backends import BackendError
+    from mortal.controller.backends.modal import data_volume, load_modal
+    from mortal.controller.logs import LocalLogs, VolumeLogs
+
+    if not on_modal:
+        return LocalLogs(), ()
+    try:
+        modal = load_modal()
+    except BackendError as exc:
+        raise CliError(f"the run's logs are on its Modal volume, which cannot be read from here: {exc}") from exc
+    errors = (modal.exception.Error,)
+    volume = _guarded(lambda: data_volume(modal), errors)
+    return VolumeLogs(volume, missing=(FileNotFoundError, modal.exception.NotFoundError)), errors
+
+
+def _guarded(read: Callable[[], Any], errors: tuple[type[Exception], ...]) -> Any:
+    """`read()`, with a failure of the Modal client (unreachable, no such volume) as a CliError."""
+    try:
+        return read()
+    except errors as exc:
+        raise CliError(f"could not read the logs from the Modal volume: {exc}") from exc
 
 
 def controller_command(

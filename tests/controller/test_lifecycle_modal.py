@@ -1,22 +1,39 @@
 """`backend: modal` end to end: a real controller, the Modal backend, the fake of the Modal calls it
 makes (backends/modal_fake.py: each call's body and worker are real processes) and the HTTP store
-(workers on Modal reach the store only over HTTP). A simulated run succeeds; a killed worker is
-detected and relaunched; a restarted controller re-adopts the calls from the modal.Dict."""
+(workers on Modal reach the store only over HTTP). A simulated run succeeds, its logs read from the
+volume and its folder purged from it; recovery with the same guarantees as locally: a killed worker,
+a call that ends with an error, one that vanishes, a preempted one (Modal restarts its input: soon,
+or after the worker's lease), each noticed and relaunched (or resumed) from the checkpoint; a restarted
+controller re-adopts the calls from the modal.Dict, and a standby controller takes over from one
+that died holding the lease."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from realproc import FAST, Harness, harness, wait_for, wait_no_workers, worker_processes  # noqa: F401
+from realproc import (  # noqa: F401
+    FAST,
+    Harness,
+    delete_and_wait,
+    harness,
+    wait_for,
+    wait_no_workers,
+    worker_processes,
+)
+from typer.testing import CliRunner
 
 from mortal.controller.backends import Backend, select_backend
 from mortal.controller.backends.modal import ModalBackend
+from mortal.controller.cli.main import app
 from mortal.controller.manager import Controller
+from mortal.controller.reconciler import ControllerConfig
 from mortal.workers.simulated import simulated_run
 
 sys.path.insert(0, str(Path(__file__).parent / "backends"))
@@ -32,14 +49,24 @@ def fake(mortal_home: Path) -> Iterator[FakeModal]:
     modal.shutdown()
 
 
-def start(h: Harness, fake: FakeModal) -> Controller:
+def start(h: Harness, fake: FakeModal, config: ControllerConfig = FAST) -> Controller:
     """A controller whose modal backend is a new ModalBackend over the fake (a new controller process)."""
     def backends(name: str) -> Backend:
         return ModalBackend(modal=fake) if name == "modal" else select_backend(name)
 
-    controller = Controller(h.store, h.url, FAST, backends=backends).start()
+    controller = Controller(h.store, h.url, config, backends=backends).start()
     h.controllers.append(controller)
     return controller
+
+
+def call_of(h: Harness, run: str, role: str) -> str:
+    """The Modal call id of the role's live worker (its row's handle)."""
+    [row] = [w for w in h.live_rows(run, role) if w.handle]
+    return row.handle.removeprefix("modal:")
+
+
+def relaunched(h: Harness, run: str, role: str, incarnation: int = 2) -> bool:
+    return any(w.incarnation >= incarnation and w.handle for w in h.live_rows(run, role))
 
 
 def modal_run(name: str, max_steps: int):
@@ -63,6 +90,30 @@ def test_a_modal_run_succeeds_through_the_controller(harness: Harness, fake: Fak
     assert box.result.exists() and box.proc.returncode == 0, "stopped by cancellation, not by ending its container"
     ckpt = h.store.latest_checkpoint("on-modal")
     assert ckpt.step == 6 and Path(ckpt.path).is_relative_to(h.home / "runs" / "on-modal" / "checkpoints")
+
+
+def test_logs_are_read_from_the_volume_and_a_purge_removes_the_runs_folder(
+        harness: Harness, fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """`mortalctl logs` and `delete --purge` of a Modal run reach the app's volume through the client
+    library: the CLI here has another MORTAL_HOME, with no logs of its own."""
+    h = harness
+    h.apply(modal_run("seen", max_steps=4))
+    start(h, fake)
+    h.wait_phase("seen", "Succeeded", timeout=40)
+    wait_no_workers(h)
+    monkeypatch.setitem(sys.modules, "modal", fake)
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-test")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-test")
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path / "elsewhere"))
+    out = CliRunner().invoke(app, ["--state-url", h.url, "logs", "seen", "--role", "actor", "--tail", "2"])
+    assert out.exit_code == 0, out.output
+    done, exited = out.stdout.splitlines()
+    assert done.endswith("actor done at step 4 (weight version 4)") and exited.endswith("exiting with code 0")
+    both = CliRunner().invoke(app, ["--state-url", h.url, "logs", "seen"]).stdout.splitlines()
+    assert any(line.startswith("[actor-0] ") for line in both) and any(line.startswith("[rollout-0] ") for line in both)
+    assert (h.home / "runs" / "seen" / "checkpoints").is_dir()
+    delete_and_wait(h, "seen", purge=True)
+    assert not (h.home / "runs" / "seen").exists(), "the run's folder is gone from the volume"
 
 
 def test_a_killed_worker_is_detected_and_relaunched(harness: Harness, fake: FakeModal) -> None:  # noqa: F811
@@ -90,4 +141,87 @@ def test_a_restarted_controller_readopts_the_calls(harness: Harness, fake: FakeM
     assert len(fake.spawned) == 2, "no twin was launched"
     assert [w.state for w in h.store.list_workers("readopt") if w.role == "actor"] == ["Succeeded"]
     assert final.get("restarts", 0) == 0
+    wait_no_workers(h)
+
+
+def test_calls_that_end_with_an_error_or_vanish_are_relaunched(harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    """A container that dies (the call raises RemoteError) and a call Modal no longer knows (NotFoundError):
+    both read as a worker that exited without a report, i.e. lost, relaunched from the checkpoint."""
+    h = harness
+    h.apply(modal_run("errors", max_steps=24))
+    start(h, fake)
+    wait_for(lambda: (h.status("errors").get("step") or 0) >= 3, 30, "a few steps")
+    fake.kill_container(call_of(h, "errors", "actor"))  # the container is gone: no exit code, no report
+    wait_for(lambda: relaunched(h, "errors", "actor"), 20, "the actor relaunched")
+    fake.vanish(call_of(h, "errors", "rollout"))  # FunctionCall.from_id(id).get(): NotFoundError
+    wait_for(lambda: relaunched(h, "errors", "rollout"), 20, "the rollout relaunched")
+    final = h.wait_phase("errors", "Succeeded", timeout=60)
+    rows = h.store.list_workers("errors")
+    actors = [w for w in rows if w.role == "actor"]
+    assert [(w.state, w.exit_code) for w in actors] == [("Lost", None), ("Succeeded", 0)]
+    assert [w.state for w in rows if w.role == "rollout"][0] == "Lost"
+    assert final["restarts"] == 2 and final["step"] == 24
+    assert h.resumed_from("errors", actors[1].incarnation), "the new actor resumed (its log, on the volume, says so)"
+    wait_no_workers(h)
+
+
+def test_a_preempted_call_that_restarts_within_the_lease_resumes_as_the_same_worker(
+        harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    """Modal interrupts a preempted container and starts the same input again: the same incarnation comes
+    back, resumes from its checkpoint, and nothing is relaunched (the call never ended)."""
+    h = harness
+    h.apply(modal_run("preempted", max_steps=16))
+    start(h, fake, dataclasses.replace(FAST, worker_lease_seconds=20.0))
+    wait_for(lambda: (h.status("preempted").get("step") or 0) >= 3, 30, "a few steps")
+    call = call_of(h, "preempted", "actor")
+    [call_incarnation] = [w.incarnation for w in h.live_rows("preempted", "actor")]
+    fake.preempt(call)
+    final = h.wait_phase("preempted", "Succeeded", timeout=60)
+    assert fake.calls[call].attempts == 2 and len(fake.spawned) == 2, "the same call, nothing relaunched"
+    assert final.get("restarts", 0) == 0 and final["step"] == 16
+    assert [w.state for w in h.store.list_workers("preempted") if w.role == "actor"] == ["Succeeded"]
+    assert h.resumed_from("preempted", call_incarnation), "the restarted input resumed from the checkpoint"
+    wait_no_workers(h)
+
+
+def test_a_preempted_call_silent_past_the_lease_is_relaunched_and_its_input_dropped(
+        harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    """A restart slower than the worker lease (a GPU container can take that long): the heartbeat decides,
+    as for a hung process. The slot gets a new incarnation; the old input is cancelled before it runs again."""
+    h = harness
+    h.apply(modal_run("slow-restart", max_steps=16))
+    start(h, fake)
+    wait_for(lambda: (h.status("slow-restart").get("step") or 0) >= 3, 30, "a few steps")
+    call = call_of(h, "slow-restart", "actor")
+    preempted = time.monotonic()
+    fake.preempt(call, restart_after=FAST.worker_lease_seconds + 3)
+    assert relaunched(h, "slow-restart", "actor"), "relaunched while the old input waited for a container"
+    final = h.wait_phase("slow-restart", "Succeeded", timeout=60)
+    assert fake.calls[call].attempts == 1, "the cancelled input never started again"
+    actors = [w for w in h.store.list_workers("slow-restart") if w.role == "actor"]
+    assert [w.state for w in actors] == ["Lost", "Succeeded"] and "last heartbeat" in actors[0].message
+    assert final["restarts"] == 1 and time.monotonic() - preempted < 60
+    wait_no_workers(h)
+
+
+def test_a_standby_controller_takes_over_from_one_that_died_holding_the_lease(
+        harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    """The hosted controller's overlap: the next scheduled call stands by; when the leader dies without
+    giving the lease up, the standby leads once it expires and notices a failure that came meanwhile."""
+    h = harness
+    h.apply(modal_run("handover", max_steps=16))
+    leader = start(h, fake)
+    wait_for(lambda: (h.status("handover").get("step") or 0) >= 3, 30, "a few steps")
+    standby = start(h, fake)
+    assert leader.leader.is_leader and not standby.leader.is_leader
+    leader.leader.release = lambda: None  # dies: the lease is left to expire
+    leader.stop()
+    died = time.monotonic()
+    fake.kill_container(call_of(h, "handover", "actor"))
+    wait_for(lambda: relaunched(h, "handover", "actor"), 20, "the standby to relaunch the actor")
+    noticed = time.monotonic() - died
+    bound = FAST.leader_lease_seconds + FAST.leader_renew_seconds + FAST.plan.active_resync_seconds + 2
+    assert standby.leader.is_leader and noticed < bound, f"noticed after {noticed:.1f}s (bound {bound}s)"
+    final = h.wait_phase("handover", "Succeeded", timeout=60)
+    assert final["restarts"] == 1 and len(fake.spawned) == 3, "one relaunch, no twin of the rollout"
     wait_no_workers(h)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
-from mortal.controller.logs import log_files, read_logs
+from mortal.controller.logs import VolumeLogs, log_files, read_logs
 from mortal.state import paths
 
 
@@ -72,3 +73,53 @@ def test_follow_yields_new_lines_and_moves_to_a_relaunched_worker(mortal_home: P
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert seen == ["start", "more", "partial", "relaunched", "done"]
+
+
+class Volume:
+    """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts reads."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.reads = root, 0
+
+    def listdir(self, path: str, *, recursive: bool = False) -> list[SimpleNamespace]:
+        folder = self.root / path
+        if not folder.is_dir():
+            raise FileNotFoundError(path)
+        return [SimpleNamespace(path=str(p.relative_to(self.root)), size=p.stat().st_size) for p in folder.iterdir()]
+
+    def read_file(self, path: str) -> Iterator[bytes]:
+        self.reads += 1
+        data = (self.root / path).read_bytes()
+        return iter([data[:3], data[3:]])
+
+
+def test_logs_on_a_modal_volume_read_alike_and_only_when_they_grew(tmp_path: Path) -> None:
+    """VolumeLogs: the same files, names, tail and follow as on this machine, through listdir/read_file."""
+    volume = Volume(tmp_path)
+    source = VolumeLogs(volume)
+    logs = tmp_path / "runs" / "v" / "logs"
+    assert list(read_logs("v", source=source)) == []
+    logs.mkdir(parents=True)
+    (logs / "actor-0-1.log").write_text("a1\na2\n")
+    (logs / "rollout-0-2.log").write_text("r1\n")
+    assert list(read_logs("v", tail=1, source=source)) == ["[actor-0] a2", "[rollout-0] r1"]
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def reader() -> None:
+        for line in read_logs("v", role="actor", follow=True, poll_seconds=0.02, stop=stop, source=source):
+            seen.append(line)
+            if line == "done":
+                stop.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    wait_until(lambda: seen == ["a1", "a2"])
+    reads = volume.reads
+    time.sleep(0.2)
+    assert volume.reads == reads, "an unchanged file is not read again"
+    with open(logs / "actor-0-1.log", "a") as fh:
+        fh.write("a3\n")
+    (logs / "actor-0-4.log").write_text("relaunched\ndone\n")
+    thread.join(timeout=10)
+    assert seen == ["a1", "a2", "a3", "relaunched", "done"]

@@ -27,11 +27,13 @@ import pytest
 from modal._serialization import Pickler  # the pickler modal deploys serialized functions with
 from modal_offline import APP_MODULE, REFUSAL, RefusingModalAPI, describe
 
-from mortal.controller.backends.modal import APP_NAME, WORKER_FUNCTION
+from mortal.controller.backends.modal import APP_NAME, VLLM_FUNCTION, WORKER_FUNCTION
+from mortal.controller.reconciler import ControllerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("modal_offline.py")
 RECORDED = {modal.App: ("function",), modal.Image: ("pip_install", "add_local_dir", "run_commands", "env")}
+FUNCTIONS = {WORKER_FUNCTION, VLLM_FUNCTION, "store", "controller"}
 
 
 def _recording(original: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Any:
@@ -64,15 +66,60 @@ def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def test_the_app_defines_what_the_backend_looks_up(built: Any) -> None:
     assert isinstance(built.app, modal.App) and built.app.name == APP_NAME
     functions = describe(built)["functions"]
-    assert set(functions) == {WORKER_FUNCTION, "store", "controller"}
-    assert all(isinstance(getattr(built, name), modal.Function) for name in ("worker", "store", "controller"))
-    worker = functions[WORKER_FUNCTION]
-    assert worker["volumes"]["/mortal"]["name"] == "mortal-data" and worker["max_retries"] == 0
-    assert worker["gpus"] == [], "the GPU comes per call, from with_options(gpu=...)"
-    assert worker["timeout"] == 24 * 3600
+    assert set(functions) == FUNCTIONS
+    assert all(isinstance(getattr(built, name), modal.Function) for name in ("worker", "rollout_vllm", "store",
+                                                                          "controller"))
     secrets = ["modal.Secret.from_name('mortal-state')", "modal.Secret.from_name('huggingface')",
                "modal.Secret.from_name('wandb')"]
-    assert worker["secrets"] == secrets and functions["controller"]["secrets"] == secrets
+    for name in (WORKER_FUNCTION, VLLM_FUNCTION):
+        worker = functions[name]
+        assert worker["volumes"]["/mortal"]["name"] == "mortal-data" and worker["max_retries"] == 0
+        assert worker["gpus"] == [], "the GPU comes per call, from with_options(gpu=...)"
+        assert worker["timeout"] == 24 * 3600 and worker["secrets"] == secrets
+    assert functions["controller"]["secrets"] == secrets
+
+
+def test_vllm_rollouts_run_on_an_image_with_vllm_and_the_trainers_torch(built: Any) -> None:
+    """Two images, one recipe: the vLLM release and the torch it requires, pinned in one place."""
+    options = {kw.get("name"): kw for _, kw in built.handed["function"] if kw.get("name")}
+    assert options[VLLM_FUNCTION]["image"] is built.vllm_image and "image" not in options[WORKER_FUNCTION]
+    torch, vllm = f"torch=={built.TORCH_VERSION}", f"vllm=={built.VLLM_VERSION}"
+    assert [args for args, _ in built.handed["pip_install"]] == [(torch,), (torch, vllm)]
+    assert [args for args, _ in built.handed["run_commands"]] == [
+        (f"pip install '/opt/mortal[train,cloud]' {torch}",), (f"pip install '/opt/mortal[train,cloud]' {torch} {vllm}",)]
+    setup = (REPO / "scripts" / "setup-env.sh").read_text()
+    assert f"MORTAL_TORCH_VERSION:-{built.TORCH_VERSION}" in setup, "the torch tested here is the images' torch"
+
+
+def test_the_worker_functions_run_the_worker_and_commit_its_log(built: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each body does, run by the library's own local call: reload the volume, then run_worker with
+    the volume's commit (the log's way onto the volume)."""
+    from mortal.controller.backends import modal_worker
+
+    volume = _Recorder()
+    monkeypatch.setattr(built, "data_volume", volume)
+    seen = []
+    monkeypatch.setattr(modal_worker, "run_worker", lambda launch, **kw: seen.append((launch, kw)) or 7)
+    for function in (built.worker, built.rollout_vllm):
+        with pytest.warns(UserWarning, match="will not have access to the mounted Volume"):
+            assert function.local({"run": "r"}) == 7
+    assert volume.calls == ["reload", "reload"]
+    assert [(launch, kw["commit"].__name__) for launch, kw in seen] == [({"run": "r"}, "commit")] * 2
+    seen[0][1]["commit"]()
+    assert volume.calls[-1] == "commit"
+
+
+class _Recorder:
+    """Stands in for the data volume inside a container: records reload() and commit()."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def reload(self) -> None:
+        self.calls.append("reload")
+
+    def commit(self) -> None:
+        self.calls.append("commit")
 
 
 def test_one_store_container_serves_the_web_endpoint(built: Any) -> None:
@@ -88,17 +135,33 @@ def test_the_controller_is_scheduled_and_every_function_ships_serialized(built: 
     controller = describe(built)["functions"]["controller"]
     assert controller["schedule"] == "Period(minutes=10)" and controller["volumes"]["/mortal"]["name"] == "mortal-data"
     assert controller["timeout"] > built.CONTROLLER_RUN_SECONDS
-    assert [kw.get("serialized") for _, kw in built.handed["function"]] == [True, True, True]
+    assert [kw.get("serialized") for _, kw in built.handed["function"]] == [True] * len(FUNCTIONS)
 
 
-def test_the_image_is_this_checkout_on_the_deployers_python(built: Any) -> None:
-    assert isinstance(built.image, modal.Image)
-    assert built.handed["debian_slim"] == [((), {"python_version": "{}.{}".format(*sys.version_info)})]
-    (source, target), options = built.handed["add_local_dir"][0]
-    assert Path(source) == REPO and target == "/opt/mortal" and options["copy"] is True
-    assert built.handed["run_commands"][0][0] == ("pip install '/opt/mortal[train,cloud]'",)
-    env = built.handed["env"][0][0][0]
-    assert env["MORTAL_HOME"] == "/mortal" and env["MORTAL_MODAL_VOLUME"] == "mortal-data"
+def test_a_controller_always_leads_so_a_failure_is_noticed_well_within_a_minute(built: Any) -> None:
+    """The bound docs/modal.md states, from the constants: each scheduled call outlives the schedule's
+    period, so the next one is up and standing by for the lease when this one hands it on (or dies).
+
+    Worst case: a worker's container is preempted and Modal restarts the input elsewhere, so the call
+    never ends and only the heartbeat says so (worker lease), just as the leader dies without releasing
+    the lease (the standby waits for it to expire, then renews); then one pass, on a listing at most
+    listing_max_age old. A call that ends (crash, error, vanished) is seen sooner: no heartbeat wait."""
+    config = ControllerConfig()
+    assert built.CONTROLLER_RUN_SECONDS - built.SCHEDULE_MINUTES * 60 == built.CONTROLLER_OVERLAP_SECONDS >= 60, (
+        "the next call needs time to start before this one stops")
+    takeover = config.leader_lease_seconds + config.leader_renew_seconds
+    one_pass = config.plan.active_resync_seconds + config.listing_max_age_seconds
+    noticed = config.worker_lease_seconds + takeover + one_pass
+    assert noticed == 17.5 and noticed < 20
+
+
+def test_the_images_are_this_checkout_on_the_deployers_python(built: Any) -> None:
+    assert isinstance(built.image, modal.Image) and isinstance(built.vllm_image, modal.Image)
+    assert built.handed["debian_slim"] == [((), {"python_version": "{}.{}".format(*sys.version_info)})] * 2
+    for (source, target), options in built.handed["add_local_dir"]:
+        assert Path(source) == REPO and target == "/opt/mortal" and options["copy"] is True
+    for ((env,), _) in built.handed["env"]:
+        assert env["MORTAL_HOME"] == "/mortal" and env["MORTAL_MODAL_VOLUME"] == "mortal-data"
 
 
 def test_the_store_endpoint_serves_the_store(built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,14 +196,15 @@ sys.modules["mortal.controller.modal_app"] = None  # a container has the install
 class Load(pickle.Unpickler):
     def persistent_load(self, pid):
         return type("Volume", (), {"ref": pid[1]})()
-functions = {name: Load(open(path, "rb")).load() for name, path in zip(("worker", "store", "controller"), sys.argv[1:])}
+functions = {name: Load(open(path, "rb")).load()
+             for name, path in zip(("worker", "rollout_vllm", "store", "controller"), sys.argv[1:])}
 body = json.dumps({"args": {"name": "r", "spec": {"model": {"name": "m"}}}}).encode()
 environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST", "HTTP_AUTHORIZATION": "Bearer tok",
            "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
 seen = []
 answer = json.loads(b"".join(functions["store"]()(environ, lambda status, headers: seen.append(status))))
 print(json.dumps({"status": seen[0], "result": answer["result"][1], "controller": functions["controller"].__name__,
-                  "volume": functions["worker"].__globals__["data_volume"].ref}))
+                  "volumes": [functions[name].__globals__["data_volume"].ref for name in ("worker", "rollout_vllm")]}))
 """
 
 
@@ -159,13 +223,14 @@ def _shipped(function: Any, path: Path) -> Path:
 
 def test_functions_ship_by_value_and_run_without_the_app_module(built: Any, tmp_path: Path) -> None:
     """What serialized=True means in the container: no import of this module, only the installed mortal."""
-    paths = [str(_shipped(getattr(built, name), tmp_path / f"{name}.pkl")) for name in ("worker", "store", "controller")]
+    paths = [str(_shipped(getattr(built, name), tmp_path / f"{name}.pkl"))
+             for name in ("worker", "rollout_vllm", "store", "controller")]
     env = {**os.environ, "MORTAL_STATE_TOKEN": "tok", "MORTAL_STORE_BACKING_URL": f"sqlite:///{tmp_path / 's.db'}"}
     out = subprocess.run([sys.executable, "-c", CONTAINER, *paths], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"status": "200 OK", "result": "created", "controller": "controller",
-                                      "volume": "modal.Volume.from_name('mortal-data')"}
+                                      "volumes": ["modal.Volume.from_name('mortal-data')"] * 2}
 
 
 # -- installs: the README's editable one and a built wheel ------------------------------------------------------
@@ -204,7 +269,7 @@ def test_editable_and_wheel_installs_build_the_same_app(wheel_site: Path, tmp_pa
     for name, (_, root) in _installs(wheel_site).items():
         assert Path(built[name].pop("file")).is_relative_to(root), f"the {name} install's module was imported"
     assert built["editable"] == built["wheel"]
-    assert set(built["wheel"]["functions"]) == {WORKER_FUNCTION, "store", "controller"}
+    assert set(built["wheel"]["functions"]) == FUNCTIONS
 
 
 def test_modal_deploy_from_a_checkout_gets_as_far_as_the_token(wheel_site: Path, tmp_path: Path) -> None:

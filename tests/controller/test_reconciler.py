@@ -144,6 +144,42 @@ def test_delete_with_purge_stops_workers_then_removes_rows_and_files(world):
     assert not paths.run_dir("r").exists()
 
 
+def test_a_purge_goes_where_the_backend_keeps_the_files_and_waits_for_a_backend_that_cannot_run_here(
+        store, store_url, mortal_home):
+    """A Modal run's files are on its volume: only its backend can remove them. Without one here, the run
+    stays (the pass fails and is retried) rather than disappear with its files left behind."""
+    from mortal.controller.backends.base import BackendError, BackendUnavailable
+
+    removed = []
+
+    class Remote(MemoryBackend):
+        name = "modal"
+
+        def remove_run_files(self, run):
+            removed.append(run)
+
+    remote = [None]
+
+    def backends(name):
+        if remote[0] is None:
+            raise BackendUnavailable("no Modal token here")
+        return remote[0]
+
+    elector = LeaderElector(store, holder="me")
+    assert elector.try_acquire()
+    rec = Reconciler(store, store_url, elector, FAST, backends=backends)
+    apply(store, spec={"backend": "modal"})
+    paths.checkpoints_dir("r").mkdir(parents=True)  # not where a Modal run's checkpoints are
+    store.mark_deleted("r", purge=True)
+    with pytest.raises(BackendError, match="cannot remove the files of run 'r': no Modal token here"):
+        rec.reconcile("r")
+    assert [r.name for r in store.list_runs()] == ["r"]
+    remote[0] = Remote()
+    assert Reconciler(store, store_url, elector, FAST, backends=backends).reconcile("r") == Done()
+    assert removed == ["r"] and store.list_runs() == []
+    assert paths.checkpoints_dir("r").is_dir(), "the Modal backend removes the volume's folder, not this machine's"
+
+
 def test_a_run_gone_from_the_store_has_its_leftover_processes_stopped(world):
     store, backend, rec = world
     apply(store)

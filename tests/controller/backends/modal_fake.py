@@ -17,7 +17,12 @@ Only what mortal.controller.backends.modal calls, behaving as Modal documents it
   container and everything in it.
 - `Dict.from_name(name, create_if_missing=True)`: get / put / pop / items over values that are
   copied in and out, as Modal serializes them; it outlives every backend object (Modal's server).
-- `Volume.from_name(name)`: commit() / reload(), counted in `fake.commits` / `fake.reloads`.
+- `Volume.from_name(name)`: commit() / reload(), counted in `fake.commits` / `fake.reloads`; and, as a
+  client outside the containers sees it, listdir / read_file / remove_file over the folder the app
+  mounts (`volume`: the same files the containers write), missing paths raising what modal 1.6 raises.
+- Preemption, as Modal does it: `fake.preempt(id)` interrupts the call's container (SIGINT, its
+  grace) and starts the same input again in a new one (same call id); `fake.vanish(id)` ends the
+  container and forgets the call (`get` raises NotFoundError).
 Set `fake.unreachable = True` and every call raises modal.exception.ConnectionError.
 
 Faithful to the installed `modal` (the test extra installs the real library): every call is bound to
@@ -36,6 +41,7 @@ import importlib
 import inspect
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +49,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -82,18 +88,23 @@ def conform(api: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any
     return bound.arguments
 
 
-def _deployed_worker() -> Callable[..., Any]:
-    """The body `modal deploy` ships as the app's worker function (its signature is what spawn binds)."""
+WORKER_FUNCTIONS = ("worker", "rollout_vllm")  # the app's functions that run a worker (mortal.controller.modal_app)
+
+
+def _deployed_workers() -> dict[str, Callable[..., Any]]:
+    """The bodies `modal deploy` ships as the app's worker functions (their signatures are what spawn binds)."""
     from mortal.controller import modal_app
 
-    return modal_app.worker._get_source_info().raw_f
+    return {name: getattr(modal_app, name)._get_source_info().raw_f for name in WORKER_FUNCTIONS}
 
 
 class _Container:
     """One spawned call: the body's process and where it leaves its result."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], result: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], result: Path, target: str, payload: bytes) -> None:
         self.proc, self.result, self.expired, self.cancelled = proc, result, False, False
+        self.target, self.payload, self.attempts = target, payload, 1
+        self.restarting = False  # preempted, its input not yet started again: the call still runs
 
     @property
     def started(self) -> bool:
@@ -109,14 +120,16 @@ class FakeModal:
         import modal  # the real library: its signatures and its exception classes
 
         self.api, self.exception = modal, modal.exception
-        self.deployed_worker = _deployed_worker()
+        self.deployed_workers = _deployed_workers()
+        self.volume = volume
         self.misuses: list[ModalAPIMisuse] = []
         self.commits: dict[str, int] = {}
         self.reloads: dict[str, int] = {}
-        self.apps = {app: functions or {"worker": WORKER_BODY}}
+        self.apps = {app: functions or dict.fromkeys(WORKER_FUNCTIONS, WORKER_BODY)}
         self.env = {"MORTAL_HOME": str(volume), **(env or {})}  # the app's environment (volume mount)
         self.dicts: dict[str, dict[Any, Any]] = {}
         self.calls: dict[str, _Container] = {}
+        self.gone: dict[str, _Container] = {}  # vanished calls (their containers, for shutdown's checks)
         self.spawned: list[tuple[str, str | None, tuple[Any, ...]]] = []  # (function, gpu, args)
         self.unreachable = False
         self._tmp = Path(tempfile.mkdtemp(prefix="fake-modal-"))
@@ -170,16 +183,44 @@ class FakeModal:
     # -- containers ----------------------------------------------------------------------------
     def start(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         call_id = f"fc-{uuid.uuid4().hex[:20]}"
+        payload = pickle.dumps((target, args, kwargs))
         result = self._tmp / f"{call_id}.result"
-        env = {**os.environ, **self.env}
-        proc = subprocess.Popen([sys.executable, __file__, str(result)], stdin=subprocess.PIPE, env=env,
-                                start_new_session=True)
-        assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps((target, args, kwargs)))
-        proc.stdin.close()
         with self._lock:
-            self.calls[call_id] = _Container(proc, result)
+            self.calls[call_id] = _Container(self._boot(result, payload), result, target, payload)
         return call_id
+
+    def _boot(self, result: Path, payload: bytes) -> subprocess.Popen[bytes]:
+        """A container running the body the payload names."""
+        proc = subprocess.Popen([sys.executable, __file__, str(result)], stdin=subprocess.PIPE,
+                                env={**os.environ, **self.env}, start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        return proc
+
+    def preempt(self, call_id: str, grace: float = 30.0, restart_after: float = 0.0) -> None:
+        """What a preemption does: SIGINT to the container (the body's handlers run, within `grace`),
+        then, `restart_after` seconds later, the same input in a new container under the same call id."""
+        box = self.container(call_id)
+        box.restarting = True
+        os.kill(box.proc.pid, signal.SIGINT)
+        try:
+            box.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.kill_container(call_id)
+        for leftover in (box.result, box.result.with_suffix(".ready")):
+            leftover.unlink(missing_ok=True)
+        time.sleep(restart_after)
+        with self._lock:
+            if not box.restarting:  # cancelled meanwhile: the input is not started again
+                return
+            box.proc, box.attempts, box.restarting = self._boot(box.result, box.payload), box.attempts + 1, False
+
+    def vanish(self, call_id: str) -> None:
+        """The call is gone from Modal altogether: its container ended, its id unknown (NotFoundError)."""
+        self.kill_container(call_id)
+        with self._lock:
+            self.gone[call_id] = self.calls.pop(call_id)
 
     def container(self, call_id: str) -> _Container:
         with self._lock:
@@ -217,6 +258,8 @@ class FakeModal:
         for call_id in list(self.calls):
             if self.calls[call_id].proc.poll() is None:
                 self.kill_container(call_id)
+        for box in self.gone.values():
+            box.proc.wait()
         if self.misuses:
             raise ModalAPIMisuse(f"{len(self.misuses)} call(s) the real modal would refuse: {self.misuses}")
 
@@ -232,8 +275,8 @@ class _Function:
 
     def spawn(self, *args: Any, **kwargs: Any) -> _FunctionCall:
         self._fake.conform(self._fake.api.Function.spawn, *args, **kwargs)
-        if self._name == "worker":
-            self._fake.conform(self._fake.deployed_worker, *args, **kwargs)
+        if self._name in self._fake.deployed_workers:
+            self._fake.conform(self._fake.deployed_workers[self._name], *args, **kwargs)
         self._fake._check()
         target = self._fake.apps.get(self._app, {}).get(self._name)
         if target is None:
@@ -261,6 +304,9 @@ class _FunctionCall:
             box.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise TimeoutError() from None  # the builtin, as modal's poll_function raises it
+        if box.restarting:  # a preempted input waiting for its next container: still running
+            time.sleep(timeout or 0)
+            raise TimeoutError()
         if box.expired:
             raise errors.OutputExpiredError()
         if not box.result.exists() and box.cancelled:
@@ -278,6 +324,10 @@ class _FunctionCall:
         terminate = self._fake.conform(self._fake.api.FunctionCall.cancel, *args, **kwargs)["terminate_containers"]
         self._fake._check()
         box = self._fake.container(self.object_id)
+        with self._fake._lock:
+            if box.restarting:  # a preempted input not yet started again is dropped
+                box.restarting, box.cancelled = False, True
+                return
         if box.proc.poll() is not None:
             return
         if terminate or not box.started:  # an input not yet started is just dropped
@@ -335,6 +385,40 @@ class _Volume:
     def reload(self, *args: Any, **kwargs: Any) -> None:
         self._count("reload", self._fake.reloads, *args, **kwargs)
 
+    def _path(self, method: str, *args: Any, **kwargs: Any) -> tuple[Path, dict[str, Any]]:
+        """The local file behind the volume path the call names (checked like every call)."""
+        bound = self._fake.conform(getattr(self._fake.api.Volume, method), *args, **kwargs)
+        self._fake._check()
+        path = bound["path"]
+        if path.startswith("/") or ".." in Path(path).parts:
+            raise ModalAPIMisuse(f"Volume.{method}: {path!r} is not a path inside the volume")
+        return self._fake.volume / path, bound
+
+    def listdir(self, *args: Any, **kwargs: Any) -> list[Any]:
+        from modal.volume import FileEntry, FileEntryType
+
+        local, bound = self._path("listdir", *args, **kwargs)
+        if not local.exists():
+            raise self._fake.exception.NotFoundError(f"No such file or directory: {bound['path']}")
+        found = local.rglob("*") if bound["recursive"] else local.iterdir() if local.is_dir() else [local]
+        return [FileEntry(path=str(p.relative_to(self._fake.volume)), mtime=int(p.stat().st_mtime),
+                          type=FileEntryType.DIRECTORY if p.is_dir() else FileEntryType.FILE,
+                          size=p.stat().st_size if p.is_file() else 0) for p in sorted(found)]
+
+    def read_file(self, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        local, bound = self._path("read_file", *args, **kwargs)
+        if not local.is_file():
+            raise FileNotFoundError(f"No such file: {bound['path']}")  # modal 1.6 turns its NotFoundError into this
+        data = local.read_bytes()
+        return iter([data[i:i + 4096] for i in range(0, len(data), 4096)])
+
+    def remove_file(self, *args: Any, **kwargs: Any) -> None:
+        local, bound = self._path("remove_file", *args, **kwargs)
+        if not local.exists():
+            raise FileNotFoundError(f"No such file or directory: {bound['path']}")
+        assert not local.is_dir() or bound["recursive"], "the fake removes folders only recursively"
+        shutil.rmtree(local) if local.is_dir() else local.unlink()
+
     def _count(self, method: str, counts: dict[str, int], *args: Any, **kwargs: Any) -> None:
         self._fake.conform(getattr(self._fake.api.Volume, method), *args, **kwargs)
         self._fake._check()
@@ -376,6 +460,21 @@ def ignore_cancellation(launch: dict[str, Any]) -> int:
     Path(launch["env"]["MARKER"]).touch()
     time.sleep(600)
     return 0
+
+
+def logged(launch: dict[str, Any]) -> int:
+    """The worker function's own log path (modal_worker.run_logged) around the script `SCRIPT`, writing
+    `LOG`, its commits recorded as lines of `COMMITS` (each: the log's size when committed)."""
+    from mortal.controller.backends.modal_worker import run_logged
+
+    env, log, commits = launch["env"], Path(launch["env"]["LOG"]), Path(launch["env"]["COMMITS"])
+
+    def commit() -> None:
+        with commits.open("a") as out:
+            out.write(f"{log.stat().st_size}\n")
+
+    return run_logged([sys.executable, "-c", env["SCRIPT"]], os.environ, log, stop_grace=5, commit=commit,
+                      commit_every=float(env.get("EVERY", "0.2")))
 
 
 if __name__ == "__main__":

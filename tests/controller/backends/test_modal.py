@@ -22,7 +22,7 @@ from mortal.controller.backends import (
 from mortal.controller.backends import modal as modal_backend
 from mortal.controller.backends.modal import ModalBackend, UnsupportedGPU, modal_gpu
 
-BODIES = {"worker": "modal_fake:exit_after"}
+BODIES = {"worker": "modal_fake:exit_after", "rollout_vllm": "modal_fake:exit_after"}
 
 
 @pytest.fixture
@@ -61,12 +61,12 @@ def test_select_backend_needs_the_package_and_a_token(monkeypatch: pytest.Monkey
 
 def test_launch_is_recorded_idempotent_and_readopted_by_a_new_backend(fake: FakeModal) -> None:
     backend = ModalBackend(modal=fake)
-    handle = backend.launch(spec(gpu="A100"))
+    handle = backend.launch(spec(gpu="A100", engine="transformers"))
     assert handle.startswith("modal:fc-") and fake.spawned[0][:2] == ("worker", "A100")
     assert backend.launch(spec(gpu="A100")) == handle and len(fake.spawned) == 1, "the running call is reused"
     entry = fake.dicts["mortal-workers"]["r/rollout-0#1"]
-    assert (entry["call_id"], entry["run"], entry["role"], entry["replica"], entry["incarnation"]) == (
-        handle.removeprefix("modal:"), "r", "rollout", 0, 1)
+    assert (entry["call_id"], entry["run"], entry["role"], entry["replica"], entry["incarnation"], entry["function"]) == (
+        handle.removeprefix("modal:"), "r", "rollout", 0, 1, "worker")
 
     restarted = ModalBackend(modal=fake)  # a new controller: nothing in memory, the Dict remembers
     [worker] = restarted.list("r")
@@ -143,3 +143,36 @@ def test_launch_failures_say_the_fix(fake: FakeModal) -> None:
     with pytest.raises(BackendError):
         backend.launch(spec())
     assert fake.spawned == []
+
+
+@pytest.mark.parametrize("role, engine, gpu, function", [
+    ("rollout", "vllm", "A10G", "rollout_vllm"),
+    ("rollout", "auto", "H100", "rollout_vllm"),      # auto on a GPU is vLLM: the image must have it
+    ("rollout", "auto", "none", "worker"),            # auto on the CPU is transformers
+    ("rollout", "transformers", "A10G", "worker"),
+    ("actor", "vllm", "H100", "worker"),              # the trainer never generates with vLLM
+])
+def test_each_launch_is_a_call_of_the_function_whose_image_it_needs(fake: FakeModal, role, engine, gpu,
+                                                                    function) -> None:
+    backend = ModalBackend(modal=fake)
+    launch = dataclasses.replace(spec(gpu=gpu), role=role, engine=engine, worker_id=f"r/{role}-0#1")
+    handle = backend.launch(launch)
+    assert fake.spawned[0][:2] == (function, modal_gpu(gpu))
+    assert fake.dicts["mortal-workers"][f"r/{role}-0#1"]["function"] == function
+    assert [w.handle for w in backend.list("r")] == [handle]
+
+
+def test_purging_a_run_removes_its_folder_from_the_volume(fake: FakeModal, tmp_path: Path) -> None:
+    """`delete --purge` of a Modal run: through the client library, from a controller anywhere."""
+    for run in ("gone", "kept"):
+        (tmp_path / "runs" / run / "checkpoints" / "step-1-i1").mkdir(parents=True)
+        (tmp_path / "runs" / run / "logs").mkdir()
+        (tmp_path / "runs" / run / "logs" / "actor-0-1.log").write_text("step 1\n")
+    backend = ModalBackend(modal=fake)
+    backend.remove_run_files("gone")
+    assert not (tmp_path / "runs" / "gone").exists() and (tmp_path / "runs" / "kept" / "logs").is_dir()
+    backend.remove_run_files("gone")  # already gone: no error (a pass retried after a lost answer)
+    fake.unreachable = True
+    with pytest.raises(BackendError, match="could not connect"):
+        backend.remove_run_files("kept")
+    assert (tmp_path / "runs" / "kept").is_dir()

@@ -39,6 +39,9 @@ def fake(tmp_path: Path) -> Iterator[FakeModal]:
     (modal.Dict.pop, ("k", None), {}),
     (modal.Volume.commit, (), {}),
     (modal.Volume.reload, (), {}),
+    (modal.Volume.listdir, ("runs/r/logs",), {}),
+    (modal.Volume.read_file, ("runs/r/logs/actor-0-1.log",), {}),
+    (modal.Volume.remove_file, ("runs/r",), {"recursive": True}),
 ])
 def test_what_the_backend_calls_binds_to_the_installed_library(api, args, kwargs) -> None:
     bound = conform(api, *args, **kwargs)
@@ -54,6 +57,8 @@ def test_what_the_backend_calls_binds_to_the_installed_library(api, args, kwargs
     (lambda f: f.Dict.from_name("d", True), "from_name"),
     (lambda f: f.Dict.from_name("d", create_if_missing=True).put("k"), "put"),
     (lambda f: f.Volume.from_name("v").commit(wait=True), "commit"),
+    (lambda f: f.Volume.from_name("v").listdir("runs", True), "listdir"),  # recursive is keyword-only
+    (lambda f: f.Volume.from_name("v").remove_file("runs/r", recursive=True, force=True), "remove_file"),
 ])
 def test_a_call_the_real_client_refuses_fails(fake: FakeModal, misuse, match) -> None:
     with pytest.raises(ModalAPIMisuse, match=match):
@@ -106,3 +111,20 @@ def test_the_volume_hook_commits_and_reloads_through_the_checked_volume(
     atomic.volume_refresh()
     assert fake.commits == {"mortal-data": 1} and fake.reloads == {"mortal-data": 1}
     assert fake.misuses == []
+
+
+def test_the_volume_as_a_client_sees_it_answers_as_modal_does(fake: FakeModal, tmp_path: Path) -> None:
+    """listdir / read_file / remove_file over the folder the containers write; missing paths fail as in 1.6."""
+    (tmp_path / "runs" / "r" / "logs").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "logs" / "actor-0-1.log").write_bytes(b"x" * 5000)
+    volume = fake.Volume.from_name("mortal-data")
+    [entry] = volume.listdir("runs/r/logs")
+    assert (entry.path, entry.size, entry.type) == ("runs/r/logs/actor-0-1.log", 5000, modal.volume.FileEntryType.FILE)
+    assert b"".join(volume.read_file(entry.path)) == b"x" * 5000
+    volume.remove_file("runs/r", recursive=True)
+    with pytest.raises(fake.exception.NotFoundError):
+        volume.listdir("runs/r/logs")
+    with pytest.raises(FileNotFoundError):
+        b"".join(volume.read_file(entry.path))
+    with pytest.raises(FileNotFoundError):
+        volume.remove_file("runs/r", recursive=True)

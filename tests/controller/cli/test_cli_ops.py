@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from clihelpers import QUICKSTART, set_status
@@ -126,3 +128,38 @@ def test_home_option_puts_the_default_store_there(tmp_path, monkeypatch):
     assert out.exit_code == 0, out.output
     assert (home / "state.db").exists()
     assert "quickstart" in CliRunner().invoke(app, ["--home", str(home), "get", "runs"]).stdout
+
+
+@pytest.fixture
+def modal_volume(tmp_path, monkeypatch):
+    """The Modal fake as the `modal` package, with a token: its volume is a folder of this test."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
+    from modal_fake import FakeModal
+
+    fake = FakeModal(volume=tmp_path / "volume", functions={})
+    monkeypatch.setitem(sys.modules, "modal", fake)
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-test")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-test")
+    yield fake
+    fake.shutdown()
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_logs_of_a_modal_run_are_read_from_its_volume(cli, spec_file, modal_volume, monkeypatch):
+    assert cli("apply", "-f", str(spec_file(**{"spec.backend": "modal"}))).exit_code == 0
+    write_log("quickstart", "actor", 0, 1, ["on this machine, not the run's"])
+    logs = modal_volume.volume / "runs" / "quickstart" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "actor-0-2.log").write_text("step 1\nstep 2\n")
+    (logs / "rollout-0-3.log").write_text("generated 8\n")
+    out = cli("logs", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines() == ["[actor-0] step 1", "[actor-0] step 2", "[rollout-0] generated 8"]
+    assert cli("logs", "quickstart", "--role", "actor", "--tail", "1").stdout == "step 2\n"
+    modal_volume.unreachable = True
+    broken = cli("logs", "quickstart")
+    assert broken.exit_code == 1 and "could not read the logs from the Modal volume" in broken.stderr
+    monkeypatch.delenv("MODAL_TOKEN_ID")
+    monkeypatch.setenv("MODAL_CONFIG_PATH", str(modal_volume.volume / "absent.toml"))
+    no_token = cli("logs", "quickstart")
+    assert no_token.exit_code == 1 and "modal token new" in no_token.stderr, no_token.stderr
