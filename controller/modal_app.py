@@ -1,12 +1,14 @@
 """mortal's Modal app: `modal deploy -m mortal.controller.modal_app` (from a checkout; see docs/modal.md).
 
-Four functions on two images (this checkout, pip-installed with its `train` extra; torch pinned to
+Five functions on two images (this checkout, pip-installed with its `train` extra; torch pinned to
 TORCH_VERSION in both, the one VLLM_VERSION requires, so trainer and rollouts agree):
 
     worker(launch) -> int   one mortal worker per call; ModalBackend spawns it, on the spec's GPU via
                             `with_options(gpu=...)`, and reads the exit code it returns
     rollout_vllm(launch)    the same, on the image with vLLM: rollouts whose generation.engine is
                             vllm, or auto on a GPU (ModalBackend picks the function per launch)
+    execute(payload) -> dict  a reward's trusted code (execute_in_function, sandbox backend modal):
+                            mortal.workers.rewards.modal_sandbox.execute_trusted
     store                   the state store over HTTPS (`@modal.wsgi_app`): mortal.state.http_server
                             over SQLite on the `mortal-state` volume (one container), or over
                             $MORTAL_STORE_BACKING_URL (PostgreSQL) when a secret sets it
@@ -44,6 +46,7 @@ from mortal.controller.backends.modal import (
     data_volume_name,
     deployed_app_name,
 )
+from mortal.workers.rewards.modal_sandbox import EXECUTE_FUNCTION
 
 APP = deployed_app_name()
 STATE_MOUNT = "/mortal-state"
@@ -52,6 +55,7 @@ STATE_SECRET = f"{APP}-state"  # holds MORTAL_STATE_TOKEN
 # The one place the two pins live: vLLM 0.32.0 requires torch==2.13.0 (its wheel's metadata), the torch
 # scripts/setup-env.sh installs here too; the trainer's image gets the same torch.
 VLLM_VERSION, TORCH_VERSION = "0.32.0", "2.13.0"
+EXECUTE_TIMEOUT_SECONDS = 10 * 60  # one trusted reward job; the job's own timeout ends it sooner
 WORKER_TIMEOUT_SECONDS = 24 * 3600  # Modal's longest; a worker cut off here is relaunched and resumes
 SCHEDULE_MINUTES = 10  # a controller call starts this often
 CONTROLLER_OVERLAP_SECONDS = 90  # ... and runs this much longer: the next one (started, standing by) takes over
@@ -102,6 +106,15 @@ def rollout_vllm(launch: dict) -> int:
 
     data_volume.reload()
     return run_worker(launch, commit=data_volume.commit)
+
+
+@app.function(name=EXECUTE_FUNCTION, timeout=EXECUTE_TIMEOUT_SECONDS, retries=0, serialized=True)
+def execute(payload: dict) -> dict:
+    """Trusted code of a reward (`execute_in_function` with SandboxConfig(backend="modal")): one job run
+    unconfined on this container's local backend; its ExecutionResult as a dict."""
+    from mortal.workers.rewards.modal_sandbox import execute_trusted
+
+    return execute_trusted(payload)
 
 
 @app.function(volumes={STATE_MOUNT: state_volume}, secrets=[modal.Secret.from_name(STATE_SECRET)],

@@ -13,7 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"specs": "mortal.specs", "state": "mortal.state", "controller": "mortal.controller", "workers": "mortal.workers"}
-CLIENT = ("mortal.controller.cli", "mortal.controller.trainer", "mortal.controller.trainer_inputs", "mortal.controller.modes")
+# modal_app is the Modal deployment's composition root: its functions wrap controller and worker code alike.
+CLIENT = ("mortal.controller.cli", "mortal.controller.trainer", "mortal.controller.trainer_inputs", "mortal.controller.modes",
+          "mortal.controller.modal_app")
 
 ALLOWED = {
     "mortal.specs": {"mortal.specs"},

@@ -33,7 +33,7 @@ from mortal.controller.reconciler import ControllerConfig
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("modal_offline.py")
 RECORDED = {modal.App: ("function",), modal.Image: ("pip_install", "add_local_dir", "run_commands", "env")}
-FUNCTIONS = {WORKER_FUNCTION, VLLM_FUNCTION, "store", "controller"}
+FUNCTIONS = {WORKER_FUNCTION, VLLM_FUNCTION, "execute", "store", "controller"}
 
 
 def _recording(original: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Any:
@@ -107,6 +107,18 @@ def test_the_worker_functions_run_the_worker_and_commit_its_log(built: Any, monk
     assert [(launch, kw["commit"].__name__) for launch, kw in seen] == [({"run": "r"}, "commit")] * 2
     seen[0][1]["commit"]()
     assert volume.calls[-1] == "commit"
+
+
+def test_the_execute_function_runs_a_rewards_trusted_code_on_its_container(built: Any) -> None:
+    """What ModalFunctionExecutor maps its jobs over (mortal.workers.rewards.modal_sandbox)."""
+    from mortal.workers.rewards.modal_sandbox import job_payload
+    from mortal.workers.rewards.sandbox import Job, SandboxConfig
+
+    info = describe(built)["functions"]["execute"]
+    assert info["gpus"] == [] and info["max_retries"] == 0
+    payload = job_payload(Job("import sys; print(sys.stdin.read())", stdin="x"), SandboxConfig(timeout=5))
+    result = built.execute.local(payload)
+    assert (result["success"], result["stdout"], result["confinement"]) == (True, "x\n", "none")
 
 
 class _Recorder:
