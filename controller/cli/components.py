@@ -12,7 +12,6 @@ reported next to the others (`RewardSet.report`), with what it printed, and the 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,10 +96,13 @@ def parse_row(run: TrainingRun, value: str | None) -> dict[str, Any]:
     return row
 
 
-def weighted_sum(run: TrainingRun, scores: list[float | None]) -> float | None:
-    """The sum GRPO optimizes: weights times scores, a None score (not applicable) left out, as TRL's nansum."""
-    terms = [entry.weight * score for entry, score in zip(run.spec.rewards, scores, strict=True) if score is not None]
-    return math.fsum(terms) if terms else None
+def weighted_sum(run: TrainingRun, scores: dict[str, float | None]) -> float | None:
+    """The sum GRPO optimizes (mortal.workers.samples.total_reward): a None score adds nothing."""
+    from mortal.workers.messages import reward_names
+    from mortal.workers.samples import total_reward
+
+    weights = dict(zip(reward_names(run.spec.rewards), (r.weight for r in run.spec.rewards), strict=True))
+    return total_reward(scores, weights)
 
 
 def completion_ids(run: TrainingRun, text: str) -> tuple[list[int], str | None]:
@@ -151,7 +153,7 @@ def test_reward(
         "rewards": [{"name": r.name, "weight": entry.weight, "score": r.score, "error": r.error, "stdout": r.stdout,
                      "stderr": r.stderr, "logMetric": r.logged.metrics, "logExtra": r.logged.extra}
                     for r, entry in zip(reports, run.spec.rewards, strict=True)],
-        "weightedSum": weighted_sum(run, [r.score for r in reports]),
+        "weightedSum": weighted_sum(run, {r.name: r.score for r in reports}),
         **({"note": note} if note else {}),
     }
     _print_reward_result(result, output)
@@ -246,7 +248,8 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
         messages = [completion_message(tokenizer, the_prompt, i) for i in ids]
         scores = rewards.score(the_prompt, messages, ids, columns)
         result["rewards"] = scores
-        result["weightedSums"] = [weighted_sum(run, [scores[r][k] for r in scores]) for k in range(len(ids))]
+        result["weightedSums"] = [weighted_sum(run, {name: values[k] for name, values in scores.items()})
+                                  for k in range(len(ids))]
     return result
 
 
