@@ -101,9 +101,16 @@ def test_bad_parquet_unknown_builtin_and_folders_are_fatal(tmp_path: Path) -> No
 
 
 def test_a_hub_id_that_cannot_be_reached_is_fatal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import datasets
+    import huggingface_hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    # Read when those libraries were first imported (maybe by an earlier test): set here too, or the
+    # hub's retries take half a minute before the same error.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     with pytest.raises(FatalWorkerError, match="cannot load it from the hub"):
         load_rows(spec("mortal-test/no-such-dataset"))
 
