@@ -38,6 +38,9 @@ class Descendants(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True, name="descendants")
+        # Children this process already had (an earlier test's server, multiprocessing's resource
+        # tracker) are not the execution's.
+        self.before = {_key(p) for p in psutil.Process().children(recursive=True) if _key(p) is not None}
         self.seen: dict[tuple[int, float], psutil.Process] = {}
         self.commands: set[str] = set()  # every argv seen, joined (a process may exec after it is first seen)
         self.peak = 0
@@ -46,7 +49,7 @@ class Descendants(threading.Thread):
     def run(self) -> None:
         me = psutil.Process()
         while not self._done.is_set():
-            kids = me.children(recursive=True)
+            kids = [kid for kid in me.children(recursive=True) if _key(kid) not in self.before]
             self.peak = max(self.peak, len(kids))
             for kid in kids:
                 try:
@@ -68,6 +71,13 @@ class Descendants(threading.Thread):
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.05)
+
+
+def _key(process: psutil.Process) -> tuple[int, float] | None:
+    try:
+        return process.pid, process.create_time()
+    except psutil.Error:
+        return None
 
 
 def _alive(process: psutil.Process) -> bool:
