@@ -204,9 +204,11 @@ def _on_device(args: tuple, device: int) -> tuple:
 
 
 @torch.no_grad()
-def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy mapped tensors into the model's own parameters in place (captured graphs keep working)."""
-    current = model.state_dict()
+def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+              current: dict[str, torch.Tensor] | None = None) -> None:
+    """Copy mapped tensors into the model's own parameters in place (captured graphs keep working);
+    `current`: the model's state_dict when the caller has it already (it is rebuilt otherwise)."""
+    current = model.state_dict() if current is None else current
     pairs = [(current[name], tensor) for name, tensor in tensors.items()]
     torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
     if any(dst.is_cuda for dst, _ in pairs):

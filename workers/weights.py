@@ -237,7 +237,7 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
     untied = [name for name in current if name not in state and _ptr(current[name]) not in loaded]
     if untied:
         raise WeightsError(f"{path}: weights missing from the file: {sorted(untied)[:5]}")
-    ipc_weights.copy_into(model, state)
+    ipc_weights.copy_into(model, state, current)
 
 
 def _ptr(tensor: torch.Tensor) -> int:
