@@ -8,7 +8,8 @@ The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's
 `generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal runs
 through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
 GPU (spec rollout.colocate; sync auto = ipc); with `--gpus N` > 1 the actor on one GPU and
-`--rollouts` rollout workers on GPUs of their own (sync auto = ipc: GPU to GPU). Transformers engine, each
+`--rollouts` rollout workers on GPUs of their own (sync auto = ipc: GPU to GPU; `--sync nccl`: the actor
+sends each version over NCCL). Transformers engine, each
 step's prompts split evenly over the rollouts (one batch each), `--staleness` = maxStaleness.
 Per step it prints where mortal's time went: the actor waiting for rollouts, training (TRL's loss,
 backward, optimizer step), publishing weights, the rollouts' generation and reward seconds (summed
@@ -175,6 +176,23 @@ def summarize(name: str, steps: list[dict]) -> dict:
     return summary
 
 
+def sync_summary(steps: list[dict], method: str) -> dict:
+    """Weight sync per version from the third step on, in ms: the actor's publish (snapshot, manifest,
+    store record) and the rollout's load (fetch or copy into its model), and their sum."""
+    timed = steps[2:] or steps
+    out = {}
+    for part in ("publish", "load"):
+        values = [s[part] * 1000 for s in timed if part in s]
+        if values:
+            out[part] = {"median": round(statistics.median(values), 2), "max": round(max(values), 2)}
+    if len(out) == 2:
+        out["sum_median"] = round(out["publish"]["median"] + out["load"]["median"], 2)
+        print(f"weight sync ({method}): publish {out['publish']['median']:.1f} ms (max {out['publish']['max']:.1f}), "
+              f"load {out['load']['median']:.1f} ms (max {out['load']['max']:.1f}), "
+              f"together {out['sum_median']:.1f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
@@ -186,7 +204,7 @@ def main() -> None:
                         "+ rollouts on their own GPUs")
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
-    parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc"])
+    parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -204,6 +222,7 @@ def main() -> None:
             out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
                                       f"{args.staleness})", run_mortal(model, args, work))
             out["gpu_busy"] = args.gpu_busy
+            out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
     if "trl" in out and "mortal" in out:
         out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
                                   / out["trl"]["completion_tokens_per_second"])

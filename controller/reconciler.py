@@ -198,7 +198,8 @@ class Reconciler:
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocate,
-            sees_actor_gpus=action.role == "rollout" and not spec.rollout.colocate and spec.sync_method() == "ipc",
+            sees_actor_gpus=(action.role == "rollout" and not spec.rollout.colocate
+                             and spec.sync_method() in ("ipc", "nccl")),
             engine=spec.generation.engine,
         )
         failpoints.hit("launch:after-intent")

@@ -16,7 +16,6 @@ from mortal.specs.base import SpecModel, rule_error
 from mortal.specs.rewards import ENV_VAR, RewardSpec
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
-SYNC_METHODS_BUILT = ("auto", "volume", "ipc")
 # The seeds' weight_sync_method names, accepted in spec.sync.method: what each becomes here, and why.
 SYNC_ALIASES = {
     "reload": ("volume", "the seeds' reload has rollouts load each version from the shared volume in place; "
@@ -216,8 +215,9 @@ class SyncSpec(SpecModel):
         description="auto: ipc when actor and rollouts have GPUs on this host (local backend, transformers "
         "engine), else volume. volume: safetensors on the shared volume (everywhere). ipc: each version is a "
         "snapshot on the actor's GPU that rollouts copy over CUDA IPC, GPU to GPU, no disk (same host). "
-        "nccl (a broadcast across hosts) is planned. The seeds' names are accepted and stored as what they "
-        "are here: reload and checkpoint as volume, direct as ipc.",
+        "nccl: the actor sends each rollout the snapshot over NCCL when it asks (rollouts on GPUs of their own "
+        "on this host; no mapping of the actor's memory). The seeds' names are accepted and stored as what "
+        "they are here: reload and checkpoint as volume, direct as ipc.",
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
     _alias: str | None = PrivateAttr(None)  # the seeds' name the spec used, for `notes()`
@@ -231,16 +231,6 @@ class SyncSpec(SpecModel):
         spec = handler(data)
         spec._alias = alias if alias in SYNC_ALIASES else None
         return spec
-
-    @field_validator("method")
-    @classmethod
-    def _method_is_built(cls, value: str) -> str:
-        if value not in SYNC_METHODS_BUILT:
-            raise rule_error(
-                f"sync method {value!r} is not built yet; use 'auto' (picks the fastest built method), "
-                "'ipc' or 'volume'"
-            )
-        return value
 
     def notes(self) -> list[str]:
         """What a seeds' method name became, said once when the spec is applied."""
@@ -375,6 +365,21 @@ class TrainingSpec(SpecModel):
                 "GPUs for actor and rollout, and generation.engine transformers; use 'auto' or 'volume' otherwise",
                 "sync.method",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_is_possible(self) -> TrainingSpec:
+        if self.sync.method != "nccl":
+            return self
+        if not self.ipc_possible():
+            raise rule_error(
+                "sync nccl sends weights from the actor's GPU to rollout GPUs of the same host: it needs backend "
+                "local, GPUs for actor and rollout, and generation.engine transformers; use 'auto' or 'volume' "
+                "otherwise", "sync.method")
+        if self.rollout.colocate:
+            raise rule_error(
+                "sync nccl needs each rollout on a GPU of its own (NCCL joins distinct GPUs); colocated rollouts "
+                "share the actor's GPU: use 'ipc' (or 'auto')", "sync.method")
         return self
 
     @model_validator(mode="after")

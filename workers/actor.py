@@ -77,6 +77,7 @@ def main(ctx: WorkerContext) -> int:
         ctx.log.info("%s", exc)
     finally:
         loop.reporter.close()
+        publisher.close()
     return EXIT_SUCCEEDED
 
 
@@ -90,7 +91,7 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str) -> Any:
 
     algo, gen = spec.algorithm, spec.generation
     dtype = models.resolve_dtype(spec.model.dtype, device)
-    return GRPOConfig(
+    config = GRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=algo.batch_size,
         num_generations=algo.num_generations,
@@ -120,6 +121,12 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str) -> Any:
         save_strategy="no",
         disable_tqdm=True,
     )
+    if device != "cpu":
+        _ = config.device  # resolves the devices, which counts the GPUs this process sees
+        # One GPU per actor (spec.actor.gpu): a process that sees several (tests, a worker run by hand)
+        # would have Trainer wrap the model in nn.DataParallel, which GRPOTrainer refuses.
+        config._n_gpu = 1
+    return config
 
 
 def checkpointing_arg(enabled: bool) -> dict[str, bool]:

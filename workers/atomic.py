@@ -82,8 +82,11 @@ def _fsync_dir(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
+def atomic_dir(final: Path, durable: bool = True) -> Iterator[Path]:
     """Yield an empty temporary directory next to `final`; on success it becomes `final` atomically.
+
+    `durable=False` skips the fsyncs (the rename stays atomic): for what means nothing after a crash
+    anyway, such as the manifest of weights held in a process's GPU memory (ipc, nccl).
 
     An exception inside the block removes the temporary directory and leaves `final` untouched. A
     `final` already present (left by a writer that crashed after its rename but before recording
@@ -94,12 +97,14 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        fsync_tree(tmp)
+        if durable:
+            fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
-        volume_sync()
+        if durable:
+            _fsync_dir(final.parent)
+            volume_sync()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mortal.state import TaskRow
-from mortal.workers import ipc_weights
+from mortal.workers import weight_ring, weights
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -87,7 +87,7 @@ class RolloutWorker:
             self.ctx.log.info("weight version %d was removed before it loaded; reading the store again",
                               latest.version)
             return
-        if ipc_weights.is_shared(latest.path) and not self._intact(latest.path):
+        if not self._intact(latest.path):
             return
         self.published_version = latest.version
         self.load_seconds = time.monotonic() - started
@@ -95,9 +95,13 @@ class RolloutWorker:
         self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
 
     def _intact(self, path: str) -> bool:
-        """An ipc version read while the actor may have reused its slot is loaded again (ipc_weights)."""
+        """A version read from the actor's ring while the actor may have reused its slot is loaded
+        again (weight_ring says why); a version on the volume is always whole."""
+        ring = weights.in_ring(path)
+        if ring is None:
+            return True
         newest = self.ctx.store.latest_weights(self.ctx.worker.run)
-        if newest is None or ipc_weights.intact(path, newest.version):
+        if newest is None or weight_ring.intact(*ring, newest.version):
             return True
         self.ctx.log.info("weight version in %s may have been overwritten while it loaded; loading the newest", path)
         return False

@@ -1,10 +1,11 @@
-"""Publishing weight versions: `volume` (safetensors on the shared volume) and, through
-mortal.workers.ipc_weights, `ipc` (a snapshot on the actor's GPU, for rollouts sharing it).
+"""Publishing weight versions: `volume` (safetensors on the shared volume) and, from a ring of
+snapshots on the actor's GPU (mortal.workers.weight_ring), `ipc` (rollouts map it: ipc_weights) and
+`nccl` (the actor sends it to each rollout: nccl_weights).
 
 Called by the actor (`WeightPublisher.publish` after optimizer steps) and by rollout workers
 (`load_published` / `read_published` when a new version is recorded in the store). The method is
-`spec.sync_method()` (auto picks ipc for rollouts colocated on the actor's GPU, else volume); a
-rollout needs no setting: a version directory says what it holds.
+`spec.sync_method()` (auto picks ipc for GPU rollouts on the actor's host, else volume); a rollout
+needs no setting: a version directory says what it holds.
 
     $MORTAL_HOME/runs/<run>/weights/v<version>/model.safetensors   plain base-model tensor names
                                               /adapter.safetensors LoRA runs: A and B of each adapted
@@ -36,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
-from mortal.workers import ipc_weights
+from mortal.workers import ipc_weights, nccl_weights, weight_ring
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, volume_refresh
 
 WEIGHTS_FILE = "model.safetensors"
@@ -224,6 +225,8 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
     model.__dict__["_mortal_full_loaded"] = True
     if ipc_weights.is_shared(path):
         state = ipc_weights.open_shared(path, device)
+    elif nccl_weights.is_served(path):
+        state = nccl_weights.receive(path, device)
     else:
         state = read_published(path, device=str(device))
     current = model.state_dict()
@@ -237,7 +240,17 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
     untied = [name for name in current if name not in state and _ptr(current[name]) not in loaded]
     if untied:
         raise WeightsError(f"{path}: weights missing from the file: {sorted(untied)[:5]}")
-    ipc_weights.copy_into(model, state, current)
+    weight_ring.copy_into(model, state, current)
+
+
+def in_ring(path: str | Path) -> tuple[int, int] | None:
+    """(version, ring size) of a version served from the actor's snapshot ring (ipc, nccl); None for
+    one on the volume, which nothing overwrites."""
+    if ipc_weights.is_shared(path):
+        return ipc_weights.manifest_version(path)
+    if nccl_weights.is_served(path):
+        return nccl_weights.manifest_version(path)
+    return None
 
 
 def _ptr(tensor: torch.Tensor) -> int:
@@ -251,11 +264,22 @@ class WeightPublisher:
     store: Store
     worker: WorkerRef
     keep: int = KEEP_VERSIONS
-    method: str = "volume"  # or "ipc" (spec.sync_method())
+    method: str = "volume"  # or "ipc", "nccl" (spec.sync_method())
     steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
 
     def __post_init__(self) -> None:
-        self._sharer = ipc_weights.IpcWeightSharer(ring=self.keep)
+        self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
+
+    def _ring_server(self) -> Any:
+        if self._sharer is None:
+            server = ipc_weights.IpcWeightSharer if self.method == "ipc" else nccl_weights.NcclWeightServer
+            self._sharer = server(ring=self.keep)
+        return self._sharer
+
+    def close(self) -> None:
+        """Stop serving versions (nccl's threads); the actor calls it as it exits."""
+        if isinstance(self._sharer, nccl_weights.NcclWeightServer):
+            self._sharer.close()
 
     @property
     def run(self) -> str:
@@ -276,8 +300,8 @@ class WeightPublisher:
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version)
         adapters = lora_adapters(model) if self.method == "volume" else None
-        if self.method == "ipc":
-            self._sharer.share(plain_state_dict(model), dest, version, step)  # no config.json: it delays the record
+        if self.method in ("ipc", "nccl"):
+            self._ring_server().share(plain_state_dict(model), dest, version, step)  # no config.json: it delays the record
         elif adapters is not None:
             write_adapters(model, adapters, dest, version, step)
         else:

@@ -98,7 +98,7 @@ class WorkerLaunch:
     heartbeat_seconds: float | None = None
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
     colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
-    sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc to rollouts on GPUs of their own)
+    sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc and nccl to rollouts on GPUs of their own)
     engine: str = "auto"  # spec.generation.engine: a backend may run a rollout that uses vLLM on an image with it
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,

@@ -59,7 +59,7 @@ CASES = [
     ("rollout:\n  replicas: -1", 1, "spec.rollout.replicas", "must be >= 0 (got -1)"),
     ("rollout:\n  promptsPerTask: 0", 1, "spec.rollout.promptsPerTask", "must be >= 1 (got 0)"),
     ("actor:\n  count: 2", 1, "spec.actor.count", "must be 1 for now (got 2)"),
-    ("sync:\n  method: nccl", 1, "spec.sync.method", "sync method 'nccl' is not built yet; use 'auto'"),
+    ("sync:\n  method: nccl", 1, "spec.sync.method", "sync nccl sends weights from the actor's GPU"),
     ("sync:\n  method: carrier-pigeon", 1, "spec.sync.method", "must be one of auto, volume, ipc, nccl, reload"),
     ("checkpoint:\n  every: 0", 1, "spec.checkpoint.every", "must be >= 1 (got 0)"),
     ("checkpoint:\n  keep: 0", 1, "spec.checkpoint.keep", "must be >= 1 (got 0)"),

@@ -1,6 +1,7 @@
 """Weight sync `ipc`: a version is a snapshot on the actor's GPU that another process on that GPU copies
 bit for bit, the actor's later training does not change a shared version, and a spec says when ipc
-is possible. The snapshot layout runs everywhere; sharing needs a CUDA GPU (skipped without one)."""
+is possible. The spec checks run everywhere; sharing needs a CUDA GPU (skipped without one). The ring
+itself is in test_weight_ring."""
 
 from __future__ import annotations
 
@@ -19,33 +20,6 @@ from mortal.workers.weights import load_published, plain_state_dict
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
-
-
-def test_a_snapshot_is_one_flat_buffer_per_dtype_and_its_slots_give_back_every_tensor() -> None:
-    state = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.full((2,), 7.0)}
-    buffers, slots = ipc_weights.snapshot(state)
-    assert sorted(buffers) == ["bfloat16", "float32"] and buffers["float32"].numel() == 8
-    for slot in slots:
-        view = buffers[slot.dtype][slot.offset : slot.offset + slot.numel].view(slot.shape)
-        assert torch.equal(view, state[slot.name])
-    state["a"].add_(1)  # the source changes after the snapshot: the snapshot does not
-    assert buffers["float32"][0] == 0
-
-
-def test_copy_into_writes_the_models_own_tensors_in_place() -> None:
-    model = torch.nn.Linear(3, 2)
-    weight = model.weight
-    ipc_weights.copy_into(model, {"weight": torch.ones(2, 3), "bias": torch.zeros(2)})
-    assert model.weight is weight and torch.equal(model.weight, torch.ones(2, 3))
-
-
-@pytest.mark.parametrize(("newest", "whole"), [(5, True), (6, True), (7, False), (9, False)])
-def test_a_copy_is_whole_unless_the_slot_may_have_been_written_again(tmp_path: Path, newest: int, whole: bool) -> None:
-    """Version 5 in a ring of 3 shares its slot with 8, written only after 7 is recorded."""
-    import pickle
-
-    (tmp_path / ipc_weights.IPC_FILE).write_bytes(pickle.dumps({"version": 5, "ring": 3}))
-    assert ipc_weights.intact(tmp_path, newest_recorded=newest) is whole
 
 
 def _spec(**overrides) -> dict:
@@ -151,25 +125,28 @@ needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [
-    pytest.param("colocated", marks=needs_cuda),
-    pytest.param("two-gpus", marks=needs_two_gpus),
+@pytest.mark.parametrize(("layout", "method"), [
+    pytest.param("colocated", "ipc", marks=needs_cuda),
+    pytest.param("two-gpus", "ipc", marks=needs_two_gpus),
+    pytest.param("two-gpus", "nccl", marks=needs_two_gpus),
 ])
 @needs_assets
-def test_a_run_with_sync_ipc_trains_the_same_loss_curve_as_volume(tmp_path: Path, layout: str) -> None:
-    """One GPU shared (colocated), or the actor on GPU 0 and the rollout on GPU 1 (GPU-to-GPU copy)."""
+def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(tmp_path: Path, layout: str,
+                                                                       method: str) -> None:
+    """One GPU shared (colocated, ipc), or the actor on GPU 0 and the rollout on GPU 1 (ipc: a GPU-to-GPU
+    copy from the mapped ring; nccl: the actor sends the ring's slot)."""
     from actor_helpers import actor_spec
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0)
     losses = {}
-    for method in ("volume", "ipc"):
+    for sync in ("volume", method):
         spec = actor_spec(str(model_dir), model={"dtype": "float32"}, actor={"gpu": "H100"},
                           rollout={"gpu": "H100", "replicas": 1, "colocate": layout == "colocated"},
                           generation={"engine": "transformers"}, algorithm={"maxSteps": 4},
-                          sync={"method": method}, checkpoint={"every": 10, "keep": 1})
-        (tmp_path / method).mkdir()
-        losses[method] = _train_through_controller(tmp_path / method, f"sync-{method}", spec,
-                                                   gpus="0" if layout == "colocated" else "0,1")
-    assert sorted(losses["ipc"]) == sorted(losses["volume"]) == [1, 2, 3, 4]
+                          sync={"method": sync}, checkpoint={"every": 10, "keep": 1})
+        (tmp_path / sync).mkdir()
+        losses[sync] = _train_through_controller(tmp_path / sync, f"sync-{sync}", spec,
+                                                 gpus="0" if layout == "colocated" else "0,1")
+    assert sorted(losses[method]) == sorted(losses["volume"]) == [1, 2, 3, 4]
     for step, loss in losses["volume"].items():
-        assert losses["ipc"][step] == pytest.approx(loss, rel=1e-3, abs=1e-5), (step, losses)
+        assert losses[method][step] == pytest.approx(loss, rel=1e-3, abs=1e-5), (step, losses)

@@ -1,0 +1,175 @@
+"""Weight sync `nccl`: the actor serves each version from its snapshot ring, and a rollout asks for it
+and receives it bit for bit; rollouts join and leave without disturbing one another; a version that
+left the ring, or an actor that is gone, reads as a missing version (FileNotFoundError), never as a
+hang; and a spec says when nccl is possible.
+
+Between CPU tensors the same protocol runs over gloo, so all of this runs without a GPU; the NCCL
+path itself (two GPUs, through the controller) is in test_ipc_weights' loss-curve test."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mortal.specs import TrainingRun
+from mortal.specs.dump import dump_yaml
+from mortal.specs.errors import SpecError
+from mortal.specs.loader import load_text
+from mortal.workers import nccl_weights, weight_ring
+from mortal.workers.weights import WeightPublisher, in_ring, load_published
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"embed": torch.full((4, 3), value), "head": torch.arange(5, dtype=torch.bfloat16) + value,
+            "norm": torch.full((3,), -value)}
+
+
+@pytest.fixture
+def server():
+    server = nccl_weights.NcclWeightServer(ring=2)
+    yield server
+    server.close()
+    nccl_weights._Peer.drop()
+
+
+def _assert_same(received: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    assert received.keys() == state.keys()
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def test_a_rollout_receives_each_version_bit_for_bit_and_training_after_sharing_does_not_change_it(
+        server, tmp_path: Path) -> None:
+    live = _state(1.0)
+    path = server.share(live, tmp_path / "v0", version=0, step=0)
+    expected = {k: v.clone() for k, v in live.items()}
+    for tensor in live.values():  # the actor trains on after sharing
+        tensor.add_(10)
+    _assert_same(nccl_weights.receive(path, torch.device("cpu")), expected)
+    path = server.share(_state(2.0), tmp_path / "v1", version=1, step=1)
+    _assert_same(nccl_weights.receive(path, torch.device("cpu")), _state(2.0))
+    assert in_ring(path) == (1, 2)
+
+
+def test_a_version_that_left_the_ring_reads_as_missing(server, tmp_path: Path) -> None:
+    oldest = server.share(_state(0.0), tmp_path / "v0", version=0, step=0)
+    for version in (1, 2):  # a ring of 2: version 2 takes version 0's slot
+        server.share(_state(float(version)), tmp_path / f"v{version}", version=version, step=version)
+    with pytest.raises(FileNotFoundError, match="left the actor's ring"):
+        nccl_weights.receive(oldest, torch.device("cpu"))
+    _assert_same(nccl_weights.receive(tmp_path / "v2", torch.device("cpu")), _state(2.0))  # the pair still works
+
+
+def _share_and_exit(folder: str, ready) -> None:
+    server = nccl_weights.NcclWeightServer(ring=2)
+    server.share(_state(3.0), Path(folder) / "v0", version=0, step=0)
+    ready.put("shared")
+
+
+def test_the_version_of_an_actor_that_exited_reads_as_missing_at_once(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    ready = context.Queue()
+    actor = context.Process(target=_share_and_exit, args=(str(tmp_path), ready))
+    actor.start()
+    assert ready.get(timeout=120) == "shared"
+    actor.join(60)
+    started = time.monotonic()
+    with pytest.raises(nccl_weights.SyncPeerGone, match="rendezvous"):
+        nccl_weights.receive(tmp_path / "v0", torch.device("cpu"))
+    assert time.monotonic() - started < 5
+
+
+def _rollout(path: str, asks, answers) -> None:
+    """A rollout process: receive the version named on `asks` (by path), answer its tensors; exit on None."""
+    while (version_dir := asks.get(timeout=120)) is not None:
+        try:
+            answers.put({k: v.clone() for k, v in nccl_weights.receive(version_dir, torch.device("cpu")).items()})
+        except FileNotFoundError as exc:
+            answers.put(repr(exc))
+
+
+def test_rollouts_join_and_leave_while_the_actor_serves_the_others(server, tmp_path: Path) -> None:
+    """Pairs, not one group: a rollout that exits or one that joins late changes nothing for the rest."""
+    context = multiprocessing.get_context("spawn")
+    rollouts = {name: (context.Queue(), context.Queue()) for name in ("first", "second", "late")}
+    processes = {name: context.Process(target=_rollout, args=(str(tmp_path), *queues), daemon=True)
+                 for name, queues in rollouts.items()}
+    try:
+        for name in ("first", "second"):
+            processes[name].start()
+        v0 = server.share(_state(0.0), tmp_path / "v0", version=0, step=0)
+        for name in ("first", "second"):
+            rollouts[name][0].put(str(v0))
+            _assert_same(rollouts[name][1].get(timeout=120), _state(0.0))
+        rollouts["first"][0].put(None)  # leaves (says bye as it exits)
+        processes["first"].join(60)
+        v1 = server.share(_state(1.0), tmp_path / "v1", version=1, step=1)
+        processes["late"].start()
+        for name in ("second", "late"):
+            rollouts[name][0].put(str(v1))
+            _assert_same(rollouts[name][1].get(timeout=120), _state(1.0))
+        senders = [t for t in server._threads if t.name.startswith("nccl-send")]
+        deadline = time.monotonic() + 10
+        while senders[0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not senders[0].is_alive() and all(t.is_alive() for t in senders[1:])
+    finally:
+        for name, process in processes.items():
+            if process.is_alive():
+                rollouts[name][0].put(None)
+                process.join(30)
+
+
+def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_place(tmp_path: Path, monkeypatch
+                                                                                  ) -> None:
+    from unittest import mock
+
+    from mortal.state import paths
+
+    monkeypatch.setattr(paths, "weights_dir", lambda run: tmp_path / run)
+    store = mock.Mock()
+    store.latest_weights.return_value = None
+    actor_model, rollout_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    publisher = WeightPublisher(store, mock.Mock(run="r"), keep=2, method="nccl")
+    try:
+        version = publisher.publish(actor_model, step=0, prune=False)
+        path = store.publish_weights.call_args.args[3]
+        weight = rollout_model.weight
+        load_published(rollout_model, path)
+    finally:
+        publisher.close()
+        nccl_weights._Peer.drop()
+    assert version == 0 and store.publish_weights.call_args.kwargs == {"method": "nccl"}
+    assert rollout_model.weight is weight  # in place: captured graphs keep pointing at it
+    _assert_same(rollout_model.state_dict(), {k: v.detach() for k, v in actor_model.state_dict().items()})
+    assert weight_ring.intact(*in_ring(path), newest_recorded=0)
+
+
+def _spec(**overrides) -> dict:
+    spec = {"model": {"name": "m"}, "dataset": {"name": "builtin:arithmetic"},
+            "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
+            "actor": {"gpu": "H100"}, "rollout": {"gpu": "H100"}, "generation": {"engine": "transformers"},
+            "sync": {"method": "nccl"}}
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return {"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "r"}, "spec": spec}
+
+
+def test_nccl_is_accepted_for_rollouts_on_gpus_of_their_own_on_this_host() -> None:
+    assert TrainingRun.model_validate(_spec()).spec.sync_method() == "nccl"
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"rollout": {"colocate": True}}, "GPU of its own"),
+    ({"backend": "modal"}, "same host"),
+    ({"rollout": {"gpu": "none"}}, "same host"),
+    ({"generation": {"engine": "vllm"}}, "same host"),
+])
+def test_nccl_where_it_cannot_work_is_refused_naming_the_file_and_field(overrides: dict, says: str) -> None:
+    text = dump_yaml([_spec(**overrides)])
+    with pytest.raises(SpecError, match=rf"run\.yaml.*sync\.method.*{says}"):
+        load_text(text, "run.yaml")

@@ -1,0 +1,48 @@
+"""The actor's snapshot ring: a snapshot is one flat buffer per dtype that later training does not
+change, a slot says which version it holds, and a read is whole unless the slot may have been
+written again (the ring rule). Runs on the CPU; the GPU paths are in test_ipc_weights and
+test_nccl_weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mortal.workers import weight_ring
+
+
+def test_a_snapshot_is_one_flat_buffer_per_dtype_and_its_slots_give_back_every_tensor() -> None:
+    state = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.full((2,), 7.0)}
+    buffers, slots = weight_ring.snapshot(state)
+    assert sorted(buffers) == ["bfloat16", "float32"] and buffers["float32"].numel() == 8
+    assert weight_ring.sizes_of(slots) == {d: b.numel() for d, b in buffers.items()}
+    for name, view in weight_ring.views(buffers, slots).items():
+        assert torch.equal(view, state[name])
+    state["a"].add_(1)  # the source changes after the snapshot: the snapshot does not
+    assert buffers["float32"][0] == 0
+
+
+def test_copy_into_writes_the_models_own_tensors_in_place() -> None:
+    model = torch.nn.Linear(3, 2)
+    weight = model.weight
+    weight_ring.copy_into(model, {"weight": torch.ones(2, 3), "bias": torch.zeros(2)})
+    assert model.weight is weight and torch.equal(model.weight, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize(("newest", "whole"), [(5, True), (6, True), (7, False), (9, False)])
+def test_a_read_is_whole_unless_the_slot_may_have_been_written_again(newest: int, whole: bool) -> None:
+    """Version 5 in a ring of 3 shares its slot with 8, written only after 7 is recorded."""
+    assert weight_ring.intact(5, 3, newest_recorded=newest) is whole
+
+
+def test_a_slot_holds_its_version_until_the_version_ring_later_replaces_it() -> None:
+    ring = weight_ring.SnapshotRing(ring=2)
+    for version in range(3):
+        ring.write({"w": torch.full((2,), float(version))}, version)
+    assert ring.holding(0) is None  # slot 0 now holds version 2
+    assert torch.equal(ring.holding(1)["float32"], torch.full((2,), 1.0))
+    assert torch.equal(ring.holding(2)["float32"], torch.full((2,), 2.0))
+    assert ring.holding(3) is None  # not written yet
+    first = ring.buffers
+    ring.write({"w": torch.zeros(2)}, 3)
+    assert ring.buffers is first  # allocated once: readers keep their mappings

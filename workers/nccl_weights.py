@@ -1,0 +1,292 @@
+"""Weight sync `nccl`: a version is a slot of the actor's snapshot ring that the actor sends to each
+rollout over NCCL when the rollout asks for it.
+
+Called by the actor (`NcclWeightServer.share`, through WeightPublisher when spec.sync resolves to
+nccl) and by rollout workers (`receive`, through weights.load_published, when a version directory
+holds NCCL_FILE). The ring (mortal.workers.weight_ring) says why a snapshot and why reading a slot is
+safe; this module only moves a slot from the actor's GPU to a rollout's.
+
+    $MORTAL_HOME/runs/<run>/weights/v<version>/nccl.pkl   names, shapes, dtypes and offsets, and the
+                                                           address of the actor's rendezvous store
+
+How a version travels:
+1. At its first share the actor opens a rendezvous: a torch.distributed TCPStore on a free port,
+   and a thread that accepts rollouts.
+2. A rollout that meets a version of an actor it has not joined takes the next pair number from that
+   store and builds a two-rank process group with the actor (the actor is rank 0) under the number's
+   prefix; the actor's accept thread starts a sender thread for the pair.
+3. To load version v the rollout writes `ask/<k>` = v. The sender answers `reply/<k>` = "send" and
+   sends the slot's flat buffers (one per dtype, in layout order), or "gone" when the ring no longer
+   holds v (the rollout raises FileNotFoundError, as for a pruned version: a newer one exists).
+4. The rollout receives into flat buffers of its own (allocated once) and copies them into its model.
+   The copy is whole unless the actor wrote the slot again meanwhile (weight_ring.intact), which
+   the rollout checks against the store, as with ipc.
+
+Why one group per rollout rather than one broadcast group of all (as veRL and TRL's vLLM sync do):
+rollouts join and leave on `scale` and on preemption; a group of all must re-form, with every member,
+each time one changes, and one dead member stalls every broadcast. A pair needs nothing of the other
+rollouts: a newcomer joins and asks for the newest version, a rollout that exits says "bye" and its
+sender ends, and one that dies leaves an idle sender thread until the actor exits. On one host the
+actor's links bound a broadcast and N sends alike. Beside ipc, nccl needs no mapping of the actor's
+memory: only its TCP port, and NCCL between the GPUs (NVLink, PCIe, or host memory without peer
+access).
+
+The group is NCCL between CUDA tensors and gloo between CPU tensors: the protocol is the same, so
+the tests exercise it without a GPU. A sender sends on a CUDA stream of its own, so a send does not
+wait for the training queued on the actor's stream.
+What it must not do: block the actor's training (the threads wait on the store with the GIL
+released), send a slot before its snapshot is complete (SnapshotRing.write synchronizes first), or
+write tensor data to disk.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mortal.workers.atomic import atomic_dir
+from mortal.workers.weight_ring import SnapshotRing, TensorSlot, empty_buffers, sizes_of, views
+
+NCCL_FILE = "nccl.pkl"
+HOST_ENV = "MORTAL_SYNC_HOST"  # the address rollouts reach the actor's rendezvous at (default: loopback)
+POLL = timedelta(seconds=0.25)  # how long a waiting thread sleeps in the store before it looks at `stop`
+REPLY_TIMEOUT = timedelta(seconds=60)  # a sender that has not answered by then is taken for gone
+TRANSFER_TIMEOUT = timedelta(minutes=5)  # a send or receive that hangs this long fails (its peer died)
+log = logging.getLogger(__name__)
+
+
+class SyncPeerGone(FileNotFoundError):
+    """The actor that served this version no longer answers (a newer version exists, or will).
+
+    A FileNotFoundError, as a pruned version is, so that rollouts treat both alike: read the store again."""
+
+
+def _group(store: dist.Store, rank: int, device: torch.device) -> Any:
+    """A two-rank process group over `store`'s prefix: NCCL for CUDA tensors, gloo for CPU ones.
+
+    Built directly rather than through init_process_group, which allows one default group per process
+    and would tie every rollout to one group (the module docstring says why pairs)."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TRANSFER_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, TRANSFER_TIMEOUT)
+
+
+def _waited(store: dist.Store, key: str, timeout: timedelta) -> bool:
+    """Whether `key` appeared within `timeout` (False on timeout; other store errors propagate)."""
+    try:
+        store.wait([key], timeout)
+    except dist.DistStoreError as exc:
+        if "timeout" not in str(exc).lower():
+            raise
+        return False
+    return True
+
+
+@dataclass
+class NcclWeightServer:
+    """The actor's side: the snapshot ring, the rendezvous store, and one sender thread per rollout."""
+
+    ring: int
+    host: str = field(default_factory=lambda: os.environ.get(HOST_ENV, "127.0.0.1"))
+    _snapshots: SnapshotRing = field(init=False)
+    _store: Any = None
+    _producer: str = field(default_factory=lambda: uuid.uuid4().hex)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._snapshots = SnapshotRing(self.ring)
+
+    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int) -> Path:
+        """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically."""
+        buffers = self._snapshots.write(state, version)
+        if self._store is None:
+            self._open(next(iter(buffers.values())).device)
+        manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "ring": self.ring,
+                    "address": (self.host, self._store.port), "producer": self._producer}
+        with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
+            (tmp / NCCL_FILE).write_bytes(pickle.dumps(manifest))
+        return dest
+
+    def _open(self, device: torch.device) -> None:
+        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=REPLY_TIMEOUT)
+        self._store.set("producer", self._producer)
+        self._start(self._accept, device, "nccl-accept")
+
+    def _start(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args[:-1], name=args[-1], daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self, device: torch.device) -> None:
+        pair = 0
+        while not self._stop.is_set():
+            if _waited(self._store, f"join/{pair}", POLL):
+                self._start(self._serve, pair, device, f"nccl-send-{pair}")
+                pair += 1
+
+    def _serve(self, pair: int, device: torch.device) -> None:
+        """Answer one rollout's asks until it says bye (or the actor stops).
+
+        On a connection of its own: a TCPStore client serves one call at a time, so threads sharing
+        one would each wait behind another's blocking wait."""
+        client = dist.TCPStore(self.host, self._store.port, is_master=False, timeout=REPLY_TIMEOUT)
+        store = dist.PrefixStore(f"pair/{pair}/", client)
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.device(device) if stream else contextlib.nullcontext(), \
+                torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            group = _group(store, 0, device)
+            ask = 0
+            try:
+                while not self._stop.is_set():
+                    if not _waited(store, f"ask/{ask}", POLL):
+                        continue
+                    wanted = store.get(f"ask/{ask}").decode()
+                    if wanted == "bye":
+                        return
+                    self._send(store, group, ask, int(wanted))
+                    ask += 1
+            except (dist.DistError, RuntimeError) as exc:  # the rollout went away mid-conversation
+                log.info("weight sender for rollout pair %d ends: %s", pair, exc)
+
+    def _send(self, store: dist.Store, group: Any, ask: int, version: int) -> None:
+        buffers = self._snapshots.holding(version)
+        if buffers is None:
+            store.set(f"reply/{ask}", "gone")
+            return
+        store.set(f"reply/{ask}", "send")
+        for buffer in buffers.values():
+            group.send([buffer], 1, 0).wait()
+
+    def close(self) -> None:
+        """Stop accepting and serving (the actor is exiting); idempotent."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=POLL.total_seconds() * 2)
+        self._threads.clear()
+
+
+def is_served(path: str | Path) -> bool:
+    return (Path(path) / NCCL_FILE).is_file()
+
+
+def _manifest(path: str | Path) -> dict[str, Any]:
+    return pickle.loads((Path(path) / NCCL_FILE).read_bytes())
+
+
+def manifest_version(path: str | Path) -> tuple[int, int]:
+    """(version, ring size) of a served version."""
+    manifest = _manifest(path)
+    return manifest["version"], manifest["ring"]
+
+
+@dataclass
+class _Pair:
+    """A rollout's end of its pair with one actor: the store client, the group, its receive buffers."""
+
+    producer: str
+    store: Any
+    group: Any
+    device: torch.device
+    asks: int = 0
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def join(cls, manifest: dict[str, Any], device: torch.device) -> _Pair:
+        host, port = manifest["address"]
+        _check_listening(host, port)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=REPLY_TIMEOUT)
+            if store.get("producer").decode() != manifest["producer"]:
+                raise SyncPeerGone(f"the actor at {host}:{port} is not the one that served version {manifest['version']}")
+            pair = store.add("joins", 1) - 1
+            store.set(f"join/{pair}", str(os.getpid()))
+        except dist.DistError as exc:
+            raise SyncPeerGone(f"the actor's rendezvous at {host}:{port} does not answer ({exc})") from exc
+        prefixed = dist.PrefixStore(f"pair/{pair}/", store)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            group = _group(prefixed, 1, device)
+        return cls(manifest["producer"], prefixed, group, device)
+
+    def fetch(self, version: int, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+        """Ask for `version` and receive its flat buffers (valid until the next fetch)."""
+        sizes = sizes_of(slots)
+        if {d: b.numel() for d, b in self.buffers.items()} != sizes:
+            self.buffers = empty_buffers(sizes, self.device)
+        ask, self.asks = self.asks, self.asks + 1
+        try:
+            self.store.set(f"ask/{ask}", str(version))
+            if not _waited(self.store, f"reply/{ask}", REPLY_TIMEOUT):
+                raise SyncPeerGone(f"the actor did not answer the ask for version {version} in {REPLY_TIMEOUT}")
+            if self.store.get(f"reply/{ask}").decode() == "gone":
+                raise FileNotFoundError(f"version {version} has left the actor's ring (a newer one exists)")
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                for buffer in self.buffers.values():
+                    self.group.recv([buffer], 0, 0).wait()
+        except dist.DistError as exc:
+            raise SyncPeerGone(f"the actor went away while version {version} was asked for ({exc})") from exc
+        return self.buffers
+
+    def leave(self) -> None:
+        with contextlib.suppress(dist.DistError, RuntimeError):
+            self.store.set(f"ask/{self.asks}", "bye")
+
+
+def _check_listening(host: str, port: int) -> None:
+    """Fail at once when nothing listens at the address (TCPStore's client would retry for its timeout)."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        raise SyncPeerGone(f"the actor's rendezvous at {host}:{port} is gone ({exc})") from exc
+
+
+class _Peer:
+    """This process's one pair (a rollout loads from one actor at a time; a new actor means a new pair)."""
+
+    current: _Pair | None = None
+
+    @classmethod
+    def for_manifest(cls, manifest: dict[str, Any], device: torch.device) -> _Pair:
+        if cls.current is not None and (cls.current.producer, cls.current.device) == (manifest["producer"], device):
+            return cls.current
+        cls.drop()
+        cls.current = _Pair.join(manifest, device)
+        return cls.current
+
+    @classmethod
+    def drop(cls) -> None:
+        if cls.current is not None:
+            cls.current.leave()
+            cls.current = None
+
+
+atexit.register(_Peer.drop)
+
+
+def receive(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of a served version, received from the actor onto `device` (views of this
+    process's receive buffers, valid until the next receive). FileNotFoundError (SyncPeerGone when
+    the actor is gone) when it cannot be had: a newer version exists, or will."""
+    manifest = _manifest(path)
+    pair = _Peer.for_manifest(manifest, device)
+    try:
+        buffers = pair.fetch(manifest["version"], manifest["slots"])
+    except SyncPeerGone:
+        _Peer.drop()
+        raise
+    return views(buffers, manifest["slots"])
