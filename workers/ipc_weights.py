@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import SnapshotRing, views
+from mortal.workers.weight_ring import SnapshotRing, ViewCache, views
 
 IPC_FILE = "ipc.pkl"
 DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
@@ -98,19 +98,35 @@ def manifest_version(path: str | Path) -> tuple[int, int]:
 
 
 class _Mappings:
-    """This process's open mappings of one producer's buffers, kept so each is opened only once."""
+    """This process's open mappings of one producer's buffers, kept so each is opened only once, with
+    the views of them, and the buffers they are copied into when the rollout's GPU is another."""
 
     producer: str | None = None
     buffers: dict[tuple, torch.Tensor] = {}
+    staging: dict[str, torch.Tensor] = {}
+    views = ViewCache()
 
     @classmethod
     def get(cls, producer: str, handle: tuple, open_buffer: Any) -> torch.Tensor:
         """`handle`: the allocation's IPC handle, size and offset (one allocation may hold several)."""
         if producer != cls.producer:  # a relaunched actor: its predecessor's memory is gone
-            cls.producer, cls.buffers = producer, {}
+            cls.producer, cls.buffers, cls.staging, cls.views = producer, {}, {}, ViewCache()
         if handle not in cls.buffers:
             cls.buffers[handle] = open_buffer()
         return cls.buffers[handle]
+
+    @classmethod
+    def on_device(cls, buffers: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
+        """The buffers, copied (one transfer per dtype, into buffers kept for the next load) when
+        `device` is another GPU than theirs."""
+        if device is None or device.type != "cuda" or all(b.device == device for b in buffers.values()):
+            return buffers
+        for dtype, buffer in buffers.items():
+            staged = cls.staging.get(dtype)
+            if staged is None or staged.numel() != buffer.numel() or staged.device != device:
+                cls.staging[dtype] = staged = torch.empty_like(buffer, device=device)
+            staged.copy_(buffer)
+        return {dtype: cls.staging[dtype] for dtype in buffers}
 
 
 def open_shared(path: str | Path, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -128,7 +144,7 @@ def open_shared(path: str | Path, device: torch.device | None = None) -> dict[st
                    for dtype, (rebuild, args) in manifest["handles"].items()}
     except RuntimeError as exc:  # cudaIpcOpenMemHandle failed: the sharing process has exited
         raise FileNotFoundError(f"{path}: the shared weights can no longer be opened ({exc})") from exc
-    return views(buffers, manifest["slots"], device)
+    return _Mappings.views.get(_Mappings.on_device(buffers, device), manifest["slots"])
 
 
 def _on_device(args: tuple, device: int) -> tuple:

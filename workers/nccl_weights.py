@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import SnapshotRing, TensorSlot, empty_buffers, sizes_of, views
+from mortal.workers.weight_ring import SnapshotRing, TensorSlot, ViewCache, empty_buffers, sizes_of
 
 NCCL_FILE = "nccl.pkl"
 HOST_ENV = "MORTAL_SYNC_HOST"  # the address rollouts reach the actor's rendezvous at (default: loopback)
@@ -205,6 +205,7 @@ class _Pair:
     device: torch.device
     asks: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    views: ViewCache = field(default_factory=ViewCache)
 
     @classmethod
     def join(cls, manifest: dict[str, Any], device: torch.device) -> _Pair:
@@ -289,4 +290,4 @@ def receive(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
     except SyncPeerGone:
         _Peer.drop()
         raise
-    return views(buffers, manifest["slots"])
+    return pair.views.get(buffers, manifest["slots"])

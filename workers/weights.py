@@ -229,6 +229,18 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
         state = nccl_weights.receive(path, device)
     else:
         state = read_published(path, device=str(device))
+    weight_ring.copy_pairs(_destinations(model, state, path), list(state.values()))
+
+
+def _destinations(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str | Path) -> list[torch.Tensor]:
+    """The model's own tensors that `state`'s go into, in its order; WeightsError unless they fit.
+    Checked once per set of names and kept on the model: a rollout's model and a run's published
+    names do not change, and the check and state_dict cost milliseconds a load need not spend."""
+    names = list(state)
+    planned = model.__dict__.get("_mortal_load_plan")
+    if planned is not None and planned[0] == names and all(
+            tuple(t.shape) == tuple(d.shape) for t, d in zip(state.values(), planned[1], strict=True)):
+        return planned[1]
     current = model.state_dict()
     unexpected = sorted(set(state) - set(current))
     if unexpected:
@@ -240,7 +252,9 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
     untied = [name for name in current if name not in state and _ptr(current[name]) not in loaded]
     if untied:
         raise WeightsError(f"{path}: weights missing from the file: {sorted(untied)[:5]}")
-    weight_ring.copy_into(model, state, current)
+    destinations = [current[name] for name in names]
+    model.__dict__["_mortal_load_plan"] = (names, destinations)
+    return destinations
 
 
 def in_ring(path: str | Path) -> tuple[int, int] | None:
@@ -269,6 +283,7 @@ class WeightPublisher:
 
     def __post_init__(self) -> None:
         self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
+        self._plain_state: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None
 
     def _ring_server(self) -> Any:
         if self._sharer is None:
@@ -301,7 +316,7 @@ class WeightPublisher:
         dest = version_dir(self.run, version)
         adapters = lora_adapters(model) if self.method == "volume" else None
         if self.method in ("ipc", "nccl"):
-            self._ring_server().share(plain_state_dict(model), dest, version, step)  # no config.json: it delays the record
+            self._ring_server().share(self._plain(model), dest, version, step)  # no config.json: it delays the record
         elif adapters is not None:
             write_adapters(model, adapters, dest, version, step)
         else:
@@ -311,6 +326,17 @@ class WeightPublisher:
         if prune:
             self.prune()
         return version
+
+    def _plain(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """plain_state_dict, kept between publishes of a model without adapters: its tensors are the
+        parameters themselves (the optimizer updates them in place), and building the dict costs
+        2-4 ms per publish. Built again if the parameters are other objects (a new model)."""
+        if hasattr(model, "get_base_model"):  # LoRA: merged weights are new tensors each time
+            return plain_state_dict(model)
+        key = tuple(map(id, model.parameters()))
+        if self._plain_state is None or self._plain_state[0] != key:
+            self._plain_state = (key, plain_state_dict(model))
+        return self._plain_state[1]
 
     def step_of(self, version: int) -> int:
         """The optimizer step whose result `version` is (asked of the store for older versions)."""

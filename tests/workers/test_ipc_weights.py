@@ -12,6 +12,7 @@ import pytest
 import torch
 from actor_helpers import tensors_sha256
 from rollout_helpers import assets_available, make_tiny_model
+from run_helpers import needs_two_gpus, train_through_controller
 
 from mortal.specs import TrainingRun
 from mortal.specs.errors import SpecError
@@ -88,42 +89,6 @@ def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_tra
     assert child.exitcode == 0 and digest == expected
 
 
-def _train_through_controller(home: Path, name: str, spec: dict, gpus: str = "0") -> dict[int, float]:
-    """Train `spec` to the end under a real controller given GPUs `gpus`; the loss by step."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from mortal.state import open_store
-
-    url = f"sqlite:///{home / 'state.db'}"
-    store = open_store(url)
-    store.apply_run(name, TrainingRun.model_validate({"metadata": {"name": name}, "spec": spec}).spec_dict())
-    env = dict(os.environ, MORTAL_HOME=str(home), MORTAL_STATE_URL=url, CUDA_VISIBLE_DEVICES=gpus,
-               WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),  # the test rewards
-                                                                  os.environ.get("PYTHONPATH", "")]))
-    with open(home / "controller.log", "ab") as log:
-        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while store.get_run(name).phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
-            time.sleep(0.5)
-        row = store.get_run(name)
-        assert row.phase == "Succeeded", (row.status, [e.message for e in store.list_events(name)])
-        assert {w.method for w in store.list_weights(name)} == {spec["sync"]["method"]}
-        return {m.step: m.value for m in store.list_metrics(name) if m.name == "loss"}
-    finally:
-        controller.terminate()
-        controller.wait(timeout=30)
-        store.close()
-
-
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs two CUDA GPUs")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("layout", "method"), [
     pytest.param("colocated", "ipc", marks=needs_cuda),
@@ -145,7 +110,7 @@ def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(tmp_path
                           generation={"engine": "transformers"}, algorithm={"maxSteps": 4},
                           sync={"method": sync}, checkpoint={"every": 10, "keep": 1})
         (tmp_path / sync).mkdir()
-        losses[sync] = _train_through_controller(tmp_path / sync, f"sync-{sync}", spec,
+        losses[sync] = train_through_controller(tmp_path / sync, f"sync-{sync}", spec,
                                                  gpus="0" if layout == "colocated" else "0,1")
     assert sorted(losses[method]) == sorted(losses["volume"]) == [1, 2, 3, 4]
     for step, loss in losses["volume"].items():

@@ -4,7 +4,8 @@ left the ring, or an actor that is gone, reads as a missing version (FileNotFoun
 hang; and a spec says when nccl is possible.
 
 Between CPU tensors the same protocol runs over gloo, so all of this runs without a GPU; the NCCL
-path itself (two GPUs, through the controller) is in test_ipc_weights' loss-curve test."""
+path itself runs on two GPUs, through the controller: here a rollout killed mid-run, and in
+test_ipc_weights the loss curve against volume."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from rollout_helpers import assets_available
+from run_helpers import needs_two_gpus, train_through_controller
 
 from mortal.specs import TrainingRun
 from mortal.specs.dump import dump_yaml
@@ -21,6 +24,8 @@ from mortal.specs.errors import SpecError
 from mortal.specs.loader import load_text
 from mortal.workers import nccl_weights, weight_ring
 from mortal.workers.weights import WeightPublisher, in_ring, load_published
+
+needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -173,3 +178,42 @@ def test_nccl_where_it_cannot_work_is_refused_naming_the_file_and_field(override
     text = dump_yaml([_spec(**overrides)])
     with pytest.raises(SpecError, match=rf"run\.yaml.*sync\.method.*{says}"):
         load_text(text, "run.yaml")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@needs_assets
+def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_run_finishes(tmp_path: Path) -> None:
+    """Preemption of a rollout under nccl: its pair dies with it; the relaunched rollout joins a new
+    pair and loads the newest version; the actor's other work goes on."""
+    import os
+    import signal
+
+    from actor_helpers import actor_spec
+    from rollout_helpers import make_tiny_model
+
+    from mortal.controller.backends.local import parse_handle
+
+    spec = actor_spec(str(make_tiny_model(tmp_path / "model", seed=0)), model={"dtype": "float32"},
+                      actor={"gpu": "H100"}, rollout={"gpu": "H100", "replicas": 1},
+                      generation={"engine": "transformers"}, algorithm={"maxSteps": 6},
+                      sync={"method": "nccl"}, checkpoint={"every": 10, "keep": 1})
+    killed: list[int] = []
+
+    def kill_the_rollout_after_step_2(store) -> None:
+        if killed or not any(m.name == "loss" and m.step >= 2 for m in store.list_metrics("nccl-kill")):
+            return
+        [rollout] = [w for w in store.list_workers("nccl-kill", live_only=True) if w.role == "rollout"]
+        pid, _ = parse_handle(rollout.handle)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(rollout.incarnation)
+
+    (tmp_path / "home").mkdir()
+    losses = train_through_controller(tmp_path / "home", "nccl-kill", spec, gpus="0,1",
+                                      while_running=kill_the_rollout_after_step_2)
+    assert killed and sorted(losses) == [1, 2, 3, 4, 5, 6]
+    from mortal.state import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'home' / 'state.db'}")
+    later = [w for w in store.list_workers("nccl-kill") if w.role == "rollout" and w.incarnation > killed[0]]
+    assert later and max(w.weight_version or 0 for w in later) >= 3, later

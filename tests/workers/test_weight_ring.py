@@ -46,3 +46,14 @@ def test_a_slot_holds_its_version_until_the_version_ring_later_replaces_it() -> 
     first = ring.buffers
     ring.write({"w": torch.zeros(2)}, 3)
     assert ring.buffers is first  # allocated once: readers keep their mappings
+
+
+def test_views_are_made_once_per_buffers_and_layout_and_again_for_another_layout() -> None:
+    buffers, slots = weight_ring.snapshot({"a": torch.arange(6.0), "b": torch.ones(2)})
+    cache = weight_ring.ViewCache()
+    first = cache.get(buffers, slots)
+    assert cache.get(buffers, list(slots)) is first  # an equal layout (a fresh manifest's) reuses them
+    buffers["float32"].add_(1)
+    assert torch.equal(first["a"], torch.arange(6.0) + 1)  # views: they see the buffer's new contents
+    other = [weight_ring.TensorSlot("a", "float32", 0, (2, 3)), weight_ring.TensorSlot("b", "float32", 6, (2,))]
+    assert cache.get(buffers, other)["a"].shape == (2, 3)

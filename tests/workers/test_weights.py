@@ -122,3 +122,36 @@ def test_weights_of_another_model_are_refused(tmp_path: Path, tiny_dir: Path) ->
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightsError, match="missing"):
         load_published(_model(other), tmp_path / "v0")
+
+
+def test_a_model_that_loaded_one_version_still_refuses_a_version_that_does_not_fit(tmp_path: Path,
+                                                                                 tiny_dir: Path) -> None:
+    """The fit is checked once per set of names and kept on the model: another set is checked again."""
+    from safetensors.torch import load_file, save_file
+
+    model = _model(tiny_dir)
+    weights.write_weights(model, tmp_path / "v0", 0, 0)
+    rollout = _model(tiny_dir)
+    load_published(rollout, tmp_path / "v0")
+    tensors = load_file(str(tmp_path / "v0" / weights.WEIGHTS_FILE))
+    (tmp_path / "v1").mkdir()
+    save_file({k: v for k, v in tensors.items() if "layers.0." not in k}, str(tmp_path / "v1" / weights.WEIGHTS_FILE))
+    with pytest.raises(WeightsError, match="missing"):
+        load_published(rollout, tmp_path / "v1")
+    (tmp_path / "v2").mkdir()
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    save_file({**tensors, name: torch.zeros(1, 1)}, str(tmp_path / "v2" / weights.WEIGHTS_FILE))
+    with pytest.raises(WeightsError, match="shapes differ"):
+        load_published(rollout, tmp_path / "v2")
+
+
+def test_the_publisher_reuses_a_models_tensors_between_versions_but_not_across_models(store, tiny_dir: Path) -> None:
+    publisher = _publisher(store, tiny_dir)
+    model = _model(tiny_dir)
+    first = publisher._plain(model)
+    _perturb(model, 2)  # the optimizer's in-place update: the kept tensors see it
+    assert publisher._plain(model) is first
+    assert torch.equal(first["model.norm.weight"], model.model.norm.weight)
+    other = _model(tiny_dir)
+    assert publisher._plain(other) is not first
+    assert publisher._plain(other)["model.norm.weight"].data_ptr() == other.model.norm.weight.data_ptr()
