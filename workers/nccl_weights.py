@@ -126,10 +126,10 @@ class NcclWeightServer:
     def _open(self, device: torch.device) -> None:
         self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=REPLY_TIMEOUT)
         self._store.set("producer", self._producer)
-        self._start(self._accept, device, "nccl-accept")
+        self._start("nccl-accept", self._accept, device)
 
-    def _start(self, target: Any, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args[:-1], name=args[-1], daemon=True)
+    def _start(self, name: str, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
@@ -137,7 +137,7 @@ class NcclWeightServer:
         pair = 0
         while not self._stop.is_set():
             if _waited(self._store, f"join/{pair}", POLL):
-                self._start(self._serve, pair, device, f"nccl-send-{pair}")
+                self._start(f"nccl-send-{pair}", self._serve, pair, device)
                 pair += 1
 
     def _serve(self, pair: int, device: torch.device) -> None:
