@@ -92,7 +92,7 @@ def test_seed_sync_names_become_the_spec_method_they_are(seed_name):
 def test_a_sync_method_the_mode_cannot_use_says_why():
     """nccl sends from the actor's GPU to rollout GPUs of this host, with the transformers engine;
     Distributed's engine is auto (vLLM where installed)."""
-    with pytest.raises(TrainerError, match=r"sync\.method.*generation\.engine transformers"):
+    with pytest.raises(TrainerError, match=r"sync nccl.*generation\.engine transformers"):
         trainer(mode=Distributed(weight_sync_method="nccl"))
 
 
