@@ -9,6 +9,9 @@
     store          open_store(store_url), closed after the test
     pg_database    the URL of a fresh PostgreSQL database (for subprocess tests), dropped after
 
+A test whose subject is not the store narrows `store_url` with a mark of tests/store_kinds.py
+(`sqlite_only`, `sql_stores`), which says why one store suffices there.
+
 PostgreSQL is the local server at $MORTAL_TEST_PG_URL (default postgresql://postgres@127.0.0.1:5432/
 postgres, trust auth); each test gets its own database `mortal_t_<random>`, dropped WITH (FORCE)
 after. Without a reachable server the postgres cases are skipped, except in CI (CI=true): there

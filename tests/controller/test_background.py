@@ -1,5 +1,6 @@
 """`mortalctl apply` starts a controller in the background when none runs; one at most; it exits
-gracefully on SIGTERM (workers keep running) and by itself when idle."""
+gracefully on SIGTERM (workers keep running) and by itself when idle. On SQLite only: starting and
+stopping the controller does not depend on the store (tests/store_kinds.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import sys
 
 import psutil
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sqlite_only
 
 from mortal.controller import manager
 from mortal.controller.leader import LEASE_NAME
 from mortal.workers.simulated import simulated_run
 
 
+@sqlite_only
 def test_background_controller_starts_once_runs_a_run_and_stops_on_sigterm(harness):  # noqa: F811
     h = harness
     h.apply(simulated_run("bg", max_steps=100_000, rollout_replicas=1, step_seconds=0.1))
@@ -42,12 +45,14 @@ def test_background_controller_starts_once_runs_a_run_and_stops_on_sigterm(harne
     wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")
 
 
+@sqlite_only
 def test_idle_background_controller_exits_by_itself(harness):  # noqa: F811
     h = harness
     proc = h.spawn("--idle-exit", "1")
     assert proc.wait(timeout=30) == 0
 
 
+@sqlite_only
 def test_a_live_lease_elsewhere_means_no_new_controller(harness):  # noqa: F811
     h = harness
     h.store.acquire_lease(LEASE_NAME, "elsewhere:1:x", 30)

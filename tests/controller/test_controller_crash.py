@@ -2,6 +2,7 @@
 
 The crash is injected with a failpoint (MORTAL_FAILPOINT): the controller SIGKILLs itself right after
 recording the intent row (nothing launched), or right after the launch (handle never recorded).
+On SQLite only: what is checked is the controller's launch protocol and re-adoption (tests/store_kinds.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import signal
 
 import pytest
 from realproc import harness, wait_for, worker_ids, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sqlite_only
 
 from mortal.workers.simulated import simulated_run
 
 NAME = "crashy-controller"
+pytestmark = sqlite_only
 
 
 def one_process_per_live_row(h) -> bool:

@@ -9,6 +9,7 @@ import time
 from datetime import timedelta
 
 from realproc import FAST, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sql_stores
 
 from mortal.controller.leader import LEASE_NAME, LeaderElector
 from mortal.controller.outcome import Done
@@ -26,6 +27,7 @@ def holder_pid(h) -> int | None:
     return int(lease.holder.split(":")[1])
 
 
+@sql_stores  # a leader frozen inside a transaction holds SQLite's write lock or a PostgreSQL session
 def test_two_controllers_one_leader_takeover_after_sigstop_and_kill(harness):  # noqa: F811
     h = harness
     h.apply(simulated_run(NAME, max_steps=100_000, rollout_replicas=1, step_seconds=0.1))

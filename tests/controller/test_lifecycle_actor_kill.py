@@ -1,5 +1,8 @@
 """kill -9 of the actor: Recovering within 5 s, training again within 30 s, resumed from the last
-checkpoint, weight version never backwards, exactly one restart, and the run still succeeds."""
+checkpoint, weight version never backwards, exactly one restart, and the run still succeeds.
+
+On every store (SQLite, PostgreSQL, HTTP): the one lifecycle test that takes each store through the
+whole controller and its workers (most others run on SQLite only: tests/store_kinds.py)."""
 
 from __future__ import annotations
 

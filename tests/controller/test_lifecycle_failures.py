@@ -1,12 +1,15 @@
 """A worker that always fails ends the run Failed after maxRestarts, with the reason in describe;
-a fatal exit fails the run at once."""
+a fatal exit fails the run at once. On SQLite only: the restart policy is the controller's
+(tests/store_kinds.py)."""
 
 from __future__ import annotations
 
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sqlite_only
 
 from mortal.workers.simulated import simulated_run
 
+pytestmark = sqlite_only
 
 def condition(status, type_):
     return next(c for c in status["conditions"] if c["type"] == type_)

@@ -1,4 +1,5 @@
-"""kill -9 of a rollout worker: it is replaced, training continues, and nothing it had claimed is lost."""
+"""kill -9 of a rollout worker: it is replaced, training continues, and nothing it had claimed is lost;
+a frozen one is lost after its lease, killed and replaced."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sql_stores, sqlite_only
 
 from mortal.workers.simulated import simulated_run
 
@@ -13,6 +15,7 @@ NAME = "kill-rollout"
 STEPS = 24
 
 
+@sqlite_only  # replacing the worker is the controller's; re-leasing its tasks is in the store contract
 def test_rollout_kill_is_replaced_and_its_tasks_are_done_by_others(harness):  # noqa: F811
     h = harness
     notes = {"mortal.dev/generate-seconds": "0.1", "mortal.dev/task-lease-seconds": "2"}
@@ -45,6 +48,7 @@ def test_rollout_kill_is_replaced_and_its_tasks_are_done_by_others(harness):  # 
     wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
 
 
+@sql_stores  # frozen inside a transaction, it holds SQLite's write lock or a PostgreSQL session
 def test_a_frozen_rollout_is_lost_after_its_lease_killed_and_replaced(harness):  # noqa: F811
     """SIGSTOP: the process is alive but its heartbeat goes stale; past the lease it is lost and killed."""
     h = harness

@@ -1,12 +1,15 @@
-"""`scale rollout=3` -> exactly 3 live rollout processes while training continues; back to 1 -> exactly 1."""
+"""`scale rollout=3` -> exactly 3 live rollout processes while training continues; back to 1 -> exactly 1.
+On SQLite only: scaling is the controller's (tests/store_kinds.py)."""
 
 from __future__ import annotations
 
 from realproc import delete_and_wait, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sqlite_only
 
 from mortal.workers.simulated import simulated_run
 
 NAME = "scale"
+pytestmark = sqlite_only
 
 
 def replicas(n: int):

@@ -1,15 +1,19 @@
 """suspend stops every worker and keeps what resuming needs; resume continues from the latest
-checkpoint; delete stops every worker, leaves no process and keeps checkpoints unless --purge."""
+checkpoint; delete stops every worker, leaves no process and keeps checkpoints unless --purge.
+On SQLite only: suspend, resume and delete are the controller's (tests/store_kinds.py); the store's own
+delete and purge are in its contract (tests/state/test_store_contract.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from realproc import delete_and_wait, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sqlite_only
 
 from mortal.state import paths
 from mortal.workers.simulated import simulated_run
 
+pytestmark = sqlite_only
 
 def suspend(value: bool):
     def change(spec):

@@ -11,8 +11,8 @@ import signal
 import time
 
 import psutil
-import pytest
 from realproc import FAST, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sql_stores
 
 from mortal.workers.simulated import simulated_run
 
@@ -24,8 +24,8 @@ SOAK = dataclasses.replace(FAST, plan=dataclasses.replace(FAST.plan, backoff_res
 
 
 # SQL stores only: the soak costs its full window per store, and the HTTP store passed it (86 s when
-# tried) but is held to the same kills, cheaper, by the lifecycle tests' http cases.
-@pytest.mark.parametrize("store_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+# tried) but is held to kills, cheaper, by test_lifecycle_actor_kill.py and test_lifecycle_modal.py.
+@sql_stores
 def test_soak_random_kills_still_succeed(harness):  # noqa: F811
     h = harness
     rng = random.Random(int(os.environ.get("MORTAL_SOAK_SEED", "7")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
+from store_kinds import sqlite_only
 
 from mortal.controller.watchdir import SOURCE_ANNOTATION, SOURCE_LABEL, source_id, sync_folder
 from mortal.specs import to_yaml
@@ -54,6 +55,7 @@ def test_an_unreadable_file_deletes_nothing(store, tmp_path):
     assert store.get_run("a").deleted_at is None
 
 
+@sqlite_only  # the folder's sync is tested on every store above; this is the controller watching it
 def test_controller_watch_runs_a_file_and_deletes_it_when_the_file_goes(harness, tmp_path):  # noqa: F811
     h = harness
     folder = tmp_path / "gitops"

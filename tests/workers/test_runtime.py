@@ -1,4 +1,7 @@
-"""The worker runtime: fencing ends a zombie at once, exit codes and reports, SIGTERM, heartbeats."""
+"""The worker runtime: fencing ends a zombie at once, exit codes and reports, SIGTERM, heartbeats.
+
+A zombie's writes are refused by the store, so the fencing tests run on every store; exit codes,
+reports, SIGTERM and heartbeats are the runtime's, on SQLite only (tests/store_kinds.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 from sim_helpers import SimCluster, Started, wait_for
+from store_kinds import sqlite_only
 
 from mortal.state import Store, WorkerRef, paths
 from mortal.state.engine import sqlite_path
@@ -118,6 +122,7 @@ def test_paused_worker_replaced_then_resumed_changes_nothing(cluster: SimCluster
     assert_unchanged_by_zombie(before, snapshot(cluster, actor), actor)
 
 
+@sqlite_only
 def test_fatal_worker_error_exits_3_with_its_message(cluster: SimCluster) -> None:
     run = cluster.apply(simulated_run("fatal", annotations={"mortal.dev/step-seconds": "soon"}))
     actor = cluster.start(run.name, "actor")
@@ -127,6 +132,7 @@ def test_fatal_worker_error_exits_3_with_its_message(cluster: SimCluster) -> Non
     assert row.message.startswith("InvalidAnnotation:") and "soon" in row.message
 
 
+@sqlite_only
 def test_a_crash_exits_75_with_the_error_recorded(cluster: SimCluster) -> None:
     run = cluster.apply(simulated_run("crash", rollout_replicas=0))
     bad = paths.checkpoints_dir(run.name) / "step-2"
@@ -144,6 +150,7 @@ def test_a_crash_exits_75_with_the_error_recorded(cluster: SimCluster) -> None:
     assert "Traceback" in paths.worker_log(run.name, "actor", 0, actor.ref.incarnation).read_text()
 
 
+@sqlite_only
 def test_nonzero_return_is_reported_failed(cluster: SimCluster) -> None:
     run = cluster.apply(simulated_run("failing", annotations={"mortal.dev/fail": "always"}))
     actor = cluster.start(run.name, "actor")
@@ -152,6 +159,7 @@ def test_nonzero_return_is_reported_failed(cluster: SimCluster) -> None:
     assert (row.state, row.exit_code, row.message) == ("Failed", EXIT_RETRYABLE, "exited with code 75")
 
 
+@sqlite_only
 def test_sigterm_stops_gracefully_at_a_step_boundary(cluster: SimCluster) -> None:
     actor = start_long_actor(cluster, "graceful")
     os.killpg(int(actor.handle.split(":")[0]), signal.SIGTERM)
@@ -164,6 +172,7 @@ def test_sigterm_stops_gracefully_at_a_step_boundary(cluster: SimCluster) -> Non
 
 
 # -- in-process --------------------------------------------------------------------------------
+@sqlite_only
 def test_context_heartbeat_sends_reported_progress(store: Store) -> None:
     run = simulated_run("beat")
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)

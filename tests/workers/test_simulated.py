@@ -1,4 +1,5 @@
-"""The simulated workload: a whole run through the real protocol, resume after kill -9, rollout loss."""
+"""The simulated workload: a whole run through the real protocol, resume after kill -9, rollout loss.
+The worker processes run on SQLite only: they are the subject, not the store (tests/store_kinds.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from sim_helpers import SimCluster, Started
+from store_kinds import sqlite_only
 
 from mortal.state import TaskRow, paths
 from mortal.workers.errors import FatalWorkerError
@@ -31,6 +33,7 @@ def rewards_by_step(cluster: SimCluster, run: str) -> dict[int, float]:
     return {m.step: m.value for m in cluster.store.list_metrics(run, name="reward")}
 
 
+@sqlite_only
 def test_actor_and_rollout_complete_a_run(cluster: SimCluster) -> None:
     run = cluster.apply(simulated_run("full", max_steps=5, rollout_replicas=1, spec={
         "rewards": [{"function": "m:a", "weight": 1.0}, {"function": "m:b", "weight": 0.5}],
@@ -54,6 +57,7 @@ def test_actor_and_rollout_complete_a_run(cluster: SimCluster) -> None:
     assert cluster.row(rollout).state == "Running", "stopped on request: no report of its own"
 
 
+@sqlite_only
 def test_actor_resumes_after_kill_9_and_weight_versions_keep_growing(cluster: SimCluster) -> None:
     run = cluster.apply(simulated_run("resume", max_steps=6, rollout_replicas=0, step_seconds=0.1))
     first = cluster.start(run.name, "actor")
@@ -74,6 +78,7 @@ def test_actor_resumes_after_kill_9_and_weight_versions_keep_growing(cluster: Si
     assert "resuming from checkpoint" in log
 
 
+@sqlite_only
 def test_a_killed_rollout_loses_no_task(cluster: SimCluster) -> None:
     run = cluster.apply(simulated_run(
         "lossless", max_steps=8, rollout_replicas=1, step_seconds=0.05,

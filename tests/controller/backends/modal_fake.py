@@ -434,6 +434,9 @@ def _cancel_input(signum: int, frame: Any) -> None:
 def _container_main(result: Path) -> None:
     target, args, kwargs = pickle.loads(sys.stdin.buffer.read())
     signal.signal(signal.SIGUSR1, _cancel_input)  # Modal's container entrypoint does this for sync bodies
+    # A preemption's SIGINT raises KeyboardInterrupt, as in a fresh container, also when the tests were
+    # started as a background job (which inherits SIGINT ignored, and Python then keeps it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     result.with_suffix(".ready").touch()
     module, _, name = target.partition(":")
     try:

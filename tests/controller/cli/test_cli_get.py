@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from clihelpers import QUICKSTART, actor, set_status
 from ruamel.yaml import YAML
+from store_kinds import sqlite_only
 
 from mortal.controller.cli.output import age
 from mortal.state import open_store
@@ -140,6 +141,7 @@ def test_get_checkpoints(cli, store_of):
     assert [c["step"] for c in items] == [10, 20]
 
 
+@sqlite_only  # seconds of the CLI's watch loop; the resource versions it compares: store contract
 def test_watch_prints_until_timeout(cli):
     cli("apply", "-f", str(QUICKSTART))
     out = cli("get", "runs", "-w", "--timeout", "1.5")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from clihelpers import QUICKSTART, set_status
+from store_kinds import sqlite_only
 from typer.testing import CliRunner
 
 from mortal.controller.cli.main import app
@@ -82,6 +83,7 @@ def test_logs_errors(cli):
     assert cli("logs", "quickstart", "--role", "critic").exit_code == 2
 
 
+@sqlite_only  # seconds of following log files; the store only tells the phase
 def test_logs_follow_ends_when_the_run_finishes(cli, store_url):
     cli("apply", "-f", str(QUICKSTART))
     write_log("quickstart", "actor", 0, 1, ["step 1"])
