@@ -252,8 +252,7 @@ class ActorLoop(TrainerCallback):
     def _publish(self, step: int) -> None:
         if torch.cuda.is_available():  # the step's queued GPU work counts as training, not as publishing
             torch.cuda.synchronize()
-        started = time.perf_counter()
-        self.ctx.check_fence()
+        started = time.perf_counter()  # no fence check first: version directories are per incarnation
         self.version = self.publisher.publish(self.trainer.model, step, prune=False)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)

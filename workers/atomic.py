@@ -110,6 +110,18 @@ def atomic_dir(final: Path, durable: bool = True) -> Iterator[Path]:
         raise
 
 
+def sweep(folder: Path, recorded: set[str]) -> int:
+    """Remove the directories under `folder` that no store row points to: retired versions, and what
+    a crashed or fenced writer of an older incarnation left. Call only from the live incarnation,
+    after its own write was recorded; temporary directories are remove_stale_tmp's."""
+    if not folder.is_dir():
+        return 0
+    stray = [p for p in folder.iterdir() if not p.name.startswith(TMP_PREFIX) and str(p) not in recorded]
+    for path in stray:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(stray)
+
+
 def remove_stale_tmp(parent: Path) -> int:
     """Delete leftover temporary directories under `parent` (call only where one writer lives)."""
     if not parent.is_dir():

@@ -29,15 +29,16 @@ from typing import Any
 import torch
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import SnapshotRing, ViewCache, views
+from mortal.workers.weight_ring import SnapshotRing, ViewCache, read_manifest, views
 
 IPC_FILE = "ipc.pkl"
+STAMPS = "stamps"  # the ring's slot stamps (weight_ring.SnapshotRing.stamps), shared beside the buffers
 DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
 
 
 # This process's own rings, by producer: a rollout thread in the actor's process (tests, a future
 # single-process mode) reads them directly, as CUDA cannot open an IPC handle in the process that made it.
-_OWN_RINGS: dict[str, list[dict[str, torch.Tensor]]] = {}
+_OWN_RINGS: dict[str, SnapshotRing] = {}
 
 
 class ActorGpuNotVisible(RuntimeError):
@@ -66,21 +67,34 @@ class IpcWeightSharer:
 
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
+        self._handles: dict[tuple, dict[str, Any]] = {}
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         buffers = self._snapshots.write(state, version)
-        handles = {dtype: reduce_tensor(buffer) for dtype, buffer in buffers.items()}
+        handles = self._handles_of(buffers)
         device = next(iter(buffers.values())).device.index
         producer = f"{os.getpid()}@{device_uuid(device)}"
-        _OWN_RINGS[producer] = self._snapshots.buffers
+        _OWN_RINGS[producer] = self._snapshots
         manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "handles": handles,
+                    "stamps": self._handles_of({STAMPS: self._snapshots.stamps})[STAMPS],
                     "ring": self.ring, "producer": producer, "device_uuid": device_uuid(device)}
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / IPC_FILE).write_bytes(pickle.dumps(manifest))
         return dest
+
+    def _handles_of(self, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The IPC handles of a slot's buffers, made once per buffer: a slot is reused every `ring`
+        versions, and each new handle costs a shared-memory reference counter and an IPC event in
+        torch, which a rollout that mapped the buffer once never needs again."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        key = tuple((dtype, buffer.data_ptr()) for dtype, buffer in buffers.items())
+        if key not in self._handles:
+            if len(self._handles) > self.ring:  # the ring was allocated again (a new model)
+                self._handles.clear()
+            self._handles[key] = {dtype: reduce_tensor(buffer) for dtype, buffer in buffers.items()}
+        return self._handles[key]
 
 
 def is_shared(path: str | Path) -> bool:
@@ -88,7 +102,7 @@ def is_shared(path: str | Path) -> bool:
 
 
 def _manifest(path: str | Path) -> dict[str, Any]:
-    return pickle.loads((Path(path) / IPC_FILE).read_bytes())
+    return read_manifest(Path(path) / IPC_FILE)
 
 
 def manifest_version(path: str | Path) -> tuple[int, int]:
@@ -137,14 +151,31 @@ def open_shared(path: str | Path, device: torch.device | None = None) -> dict[st
     source = local_index(manifest["device_uuid"])
     own = _OWN_RINGS.get(manifest["producer"])
     if own is not None:
-        return views(own[manifest["version"] % manifest["ring"]], manifest["slots"], device)
+        return views(own.buffers[manifest["version"] % manifest["ring"]], manifest["slots"], device)
+    buffers = {dtype: _mapped(path, manifest, handle, source) for dtype, handle in manifest["handles"].items()}
+    return _Mappings.views.get(_Mappings.on_device(buffers, device), manifest["slots"])
+
+
+def slot_holds(path: str | Path) -> bool:
+    """Whether the ring slot of the version at `path` holds that version now; asked after a load's
+    copy finished, True means no write of a newer version overlapped it (SnapshotRing.stamps). One
+    8-byte read from the actor's GPU, where the store's ring check (weight_ring.intact) is a query."""
+    manifest = _manifest(path)
+    index = manifest["version"] % manifest["ring"]
+    own = _OWN_RINGS.get(manifest["producer"])
+    stamps = own.stamps if own is not None else _mapped(path, manifest, manifest["stamps"],
+                                                        local_index(manifest["device_uuid"]))
+    return int(stamps[index]) == manifest["version"]
+
+
+def _mapped(path: str | Path, manifest: dict[str, Any], handle: tuple, source: int) -> torch.Tensor:
+    """The actor's tensor behind an IPC handle, opened once in this process (on the actor's GPU)."""
+    rebuild, args = handle
     try:
-        buffers = {dtype: _Mappings.get(manifest["producer"], args[DEVICE_ARG + 1: DEVICE_ARG + 4],
-                                        lambda rebuild=rebuild, args=args: rebuild(*_on_device(args, source)))
-                   for dtype, (rebuild, args) in manifest["handles"].items()}
+        return _Mappings.get(manifest["producer"], args[DEVICE_ARG + 1: DEVICE_ARG + 4],
+                             lambda: rebuild(*_on_device(args, source)))
     except RuntimeError as exc:  # cudaIpcOpenMemHandle failed: the sharing process has exited
         raise FileNotFoundError(f"{path}: the shared weights can no longer be opened ({exc})") from exc
-    return _Mappings.views.get(_Mappings.on_device(buffers, device), manifest["slots"])
 
 
 def _on_device(args: tuple, device: int) -> tuple:

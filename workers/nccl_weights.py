@@ -58,11 +58,22 @@ import torch
 import torch.distributed as dist
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import SnapshotRing, TensorSlot, ViewCache, empty_buffers, sizes_of
+from mortal.workers.weight_ring import (
+    SnapshotRing,
+    TensorSlot,
+    ViewCache,
+    empty_buffers,
+    read_manifest,
+    sizes_of,
+)
 
 NCCL_FILE = "nccl.pkl"
 HOST_ENV = "MORTAL_SYNC_HOST"  # the address rollouts reach the actor's rendezvous at (default: loopback)
-POLL = timedelta(seconds=0.25)  # how long a waiting thread sleeps in the store before it looks at `stop`
+# How long the actor's threads wait in the store before they look again. They are woken at once by
+# what they wait for (a join, an ask) and by `close`, so this only bounds how often torch logs a
+# wait that timed out (a warning line each) while a pair is idle.
+IDLE_WAIT = timedelta(minutes=10)
+STOP = "stop"  # what `close` writes where the accept thread waits
 REPLY_TIMEOUT = timedelta(seconds=60)  # a sender that has not answered by then is taken for gone
 TRANSFER_TIMEOUT = timedelta(minutes=5)  # a send or receive that hangs this long fails (its peer died)
 log = logging.getLogger(__name__)
@@ -108,6 +119,7 @@ class NcclWeightServer:
     _producer: str = field(default_factory=lambda: uuid.uuid4().hex)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _awaited: dict[str, str] = field(default_factory=dict)  # thread name -> the key it waits for now
 
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
@@ -136,9 +148,15 @@ class NcclWeightServer:
     def _accept(self, device: torch.device) -> None:
         pair = 0
         while not self._stop.is_set():
-            if _waited(self._store, f"join/{pair}", POLL):
+            if self._wait(self._store, f"join/{pair}") and self._store.get(f"join/{pair}").decode() != STOP:
                 self._start(f"nccl-send-{pair}", self._serve, pair, device)
                 pair += 1
+
+    def _wait(self, store: dist.Store, key: str, prefix: str = "") -> bool:
+        """_waited for IDLE_WAIT, noting first where this thread waits (`prefix`: its PrefixStore's),
+        so that `close` can wake it."""
+        self._awaited[threading.current_thread().name] = prefix + key
+        return _waited(store, key, IDLE_WAIT)
 
     def _serve(self, pair: int, device: torch.device) -> None:
         """Answer one rollout's asks until it says bye (or the actor stops).
@@ -146,7 +164,8 @@ class NcclWeightServer:
         On a connection of its own: a TCPStore client serves one call at a time, so threads sharing
         one would each wait behind another's blocking wait."""
         client = dist.TCPStore(self.host, self._store.port, is_master=False, timeout=REPLY_TIMEOUT)
-        store = dist.PrefixStore(f"pair/{pair}/", client)
+        prefix = f"pair/{pair}/"
+        store = dist.PrefixStore(prefix, client)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.device(device) if stream else contextlib.nullcontext(), \
                 torch.cuda.stream(stream) if stream else contextlib.nullcontext():
@@ -154,7 +173,7 @@ class NcclWeightServer:
             ask = 0
             try:
                 while not self._stop.is_set():
-                    if not _waited(store, f"ask/{ask}", POLL):
+                    if not self._wait(store, f"ask/{ask}", prefix):
                         continue
                     wanted = store.get(f"ask/{ask}").decode()
                     if wanted == "bye":
@@ -174,10 +193,15 @@ class NcclWeightServer:
             group.send([buffer], 1, 0).wait()
 
     def close(self) -> None:
-        """Stop accepting and serving (the actor is exiting); idempotent."""
+        """Stop accepting and serving (the actor is exiting), waking each thread where it waits; idempotent."""
         self._stop.set()
+        if self._store is not None:
+            with contextlib.suppress(dist.DistError, RuntimeError):  # a thread busy elsewhere ends at its next look
+                waker = dist.TCPStore(self.host, self._store.port, is_master=False, timeout=REPLY_TIMEOUT)
+                for key in list(self._awaited.values()):
+                    waker.compare_set(key, "", STOP if key.startswith("join/") else "bye")  # never over a real ask
         for thread in self._threads:
-            thread.join(timeout=POLL.total_seconds() * 2)
+            thread.join(timeout=5)
         self._threads.clear()
 
 
@@ -186,7 +210,7 @@ def is_served(path: str | Path) -> bool:
 
 
 def _manifest(path: str | Path) -> dict[str, Any]:
-    return pickle.loads((Path(path) / NCCL_FILE).read_bytes())
+    return read_manifest(Path(path) / NCCL_FILE)
 
 
 def manifest_version(path: str | Path) -> tuple[int, int]:

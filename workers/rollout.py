@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mortal.state import TaskRow
-from mortal.workers import weight_ring, weights
+from mortal.workers import weights
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -97,14 +97,14 @@ class RolloutWorker:
     def _intact(self, path: str) -> bool:
         """A version read from the actor's ring while the actor may have reused its slot is loaded
         again (weight_ring says why); a version on the volume is always whole."""
-        ring = weights.in_ring(path)
-        if ring is None:
-            return True
-        newest = self.ctx.store.latest_weights(self.ctx.worker.run)
-        if newest is None or weight_ring.intact(*ring, newest.version):
+        if weights.loaded_whole(path, self._newest_recorded):
             return True
         self.ctx.log.info("weight version in %s may have been overwritten while it loaded; loading the newest", path)
         return False
+
+    def _newest_recorded(self) -> int | None:
+        latest = self.ctx.store.latest_weights(self.ctx.worker.run)
+        return None if latest is None else latest.version
 
     def serve_one(self) -> bool:
         """Answer one task; False when none was claimable."""

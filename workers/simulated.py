@@ -17,7 +17,6 @@ run's metrics equal an uninterrupted one's. What it must not do: import torch or
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any
 
 from mortal.specs import TrainingRun
 from mortal.state import NewTask, TaskRow, paths
-from mortal.workers.atomic import atomic_dir
+from mortal.workers.atomic import atomic_dir, sweep
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
 from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
@@ -218,16 +217,6 @@ def write_dir_atomically(ctx: WorkerContext, final: Path, files: dict[str, Any])
         for name, content in files.items():
             (tmp / name).write_text(json.dumps(content))
         ctx.check_fence()
-
-
-def sweep(folder: Path, recorded: set[str]) -> None:
-    """Remove what no store row points to: retired versions, leftovers of crashed or fenced writers.
-
-    Only the live incarnation calls this, after its own write was recorded.
-    """
-    for path in folder.iterdir():
-        if str(path) not in recorded:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _total_reward(run: TrainingRun, result: dict[str, Any]) -> float:

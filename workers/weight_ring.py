@@ -17,7 +17,12 @@ What it must not do: modify the training model, or touch the store (callers reco
 
 from __future__ import annotations
 
+import functools
+import os
+import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,6 +107,20 @@ class ViewCache:
         return made
 
 
+def read_manifest(file: Path) -> dict[str, Any]:
+    """A version's manifest (ipc, nccl), parsed once per file: a load reads it, and the ring check
+    after the load reads it again. A manifest never changes once its directory appears (a version
+    directory is written once, by one incarnation); the key has the inode and mtime all the same, so
+    a directory replaced by a writer's retry is read afresh. Callers must not modify what it returns."""
+    stat = os.stat(file)
+    return _parsed_manifest(str(file), stat.st_ino, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_manifest(file: str, inode: int, mtime_ns: int) -> dict[str, Any]:
+    return pickle.loads(Path(file).read_bytes())
+
+
 def intact(version: int, ring: int, newest_recorded: int) -> bool:
     """Whether a read of `version`'s slot, finished now, cannot have been overwritten, given the
     newest version the store records now (the ring rule in the module docstring)."""
@@ -116,20 +135,30 @@ class SnapshotRing:
     slots: list[TensorSlot] | None = None
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
     held: list[int | None] = field(default_factory=list)  # the version each slot holds
+    # The same, on the ring's device, for readers in other processes (ipc's `slot_holds`): -1 while a
+    # slot is written. Written in stream order around the slot's copy, so a reader that finds its
+    # version here after its own copy finished read a slot no write overlapped (a seqlock).
+    stamps: torch.Tensor | None = None
+    _laid_out: tuple[Any, dict[str, int], list[TensorSlot]] = field(default=(None, {}, []), repr=False)  # last layout
 
     def write(self, state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
         """Snapshot `state` as `version` and wait until the copy is complete (so that no reader can
         see it half written once the caller records it); returns the slot's buffers."""
-        sizes, slots = layout(state)
+        if state is not self._laid_out[0]:  # the publisher passes the same dict while the model is the same
+            self._laid_out = (state, *layout(state))
+        _, sizes, slots = self._laid_out
         if slots != self.slots:  # first version (or a new model): allocate the ring
             device = next(iter(state.values())).device
             self.slots = slots
             self.buffers = [empty_buffers(sizes, device) for _ in range(self.ring)]
             self.held = [None] * self.ring
+            self.stamps = torch.full((self.ring,), -1, dtype=torch.int64, device=device)
         index = version % self.ring
         self.held[index] = None  # being written: no longer the version it held
+        self.stamps[index].fill_(-1)
         fill(self.buffers[index], state, slots)
-        if self.buffers[index] and next(iter(self.buffers[index].values())).is_cuda:
+        self.stamps[index].fill_(version)
+        if self.stamps.is_cuda:
             torch.cuda.synchronize()
         self.held[index] = version
         return self.buffers[index]

@@ -7,10 +7,11 @@ Called by the actor (`WeightPublisher.publish` after optimizer steps) and by rol
 `spec.sync_method()` (auto picks ipc for GPU rollouts on the actor's host, else volume); a rollout
 needs no setting: a version directory says what it holds.
 
-    $MORTAL_HOME/runs/<run>/weights/v<version>/model.safetensors   plain base-model tensor names
-                                              /adapter.safetensors LoRA runs: A and B of each adapted
-                                                                   module instead (a few MB, not GBs)
-                                              /config.json         so `from_pretrained(dir)` works too
+    $MORTAL_HOME/runs/<run>/weights/v<version>-i<actor incarnation>/
+                                        model.safetensors   plain base-model tensor names
+                                        adapter.safetensors LoRA runs: A and B of each adapted
+                                                            module instead (a few MB, not GBs)
+                                        config.json         so `from_pretrained(dir)` works too
 
 A version directory appears atomically (mortal.workers.atomic), then its row is written
 (`store.publish_weights`), so a rollout that reads the store never sees a partial file. With plain
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
 from mortal.workers import ipc_weights, nccl_weights, weight_ring
-from mortal.workers.atomic import atomic_dir, remove_stale_tmp, volume_refresh
+from mortal.workers.atomic import atomic_dir, remove_stale_tmp, sweep, volume_refresh
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
@@ -50,8 +52,11 @@ class WeightsError(RuntimeError):
     """Published weights do not fit the model that loads them (or a model cannot be published)."""
 
 
-def version_dir(run: str, version: int) -> Path:
-    return paths.weights_dir(run) / f"v{version}"
+def version_dir(run: str, version: int, incarnation: int) -> Path:
+    """A version's directory, named for the actor incarnation that writes it: a fenced actor still
+    writing cannot replace its successor's files (it can only leave a directory no row points to,
+    which `prune` sweeps), so a publish needs no fence check of its own before it writes."""
+    return paths.weights_dir(run) / f"v{version}-i{incarnation}"
 
 
 def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -257,18 +262,41 @@ def _destinations(model: torch.nn.Module, state: dict[str, torch.Tensor], path: 
     return destinations
 
 
-def in_ring(path: str | Path) -> tuple[int, int] | None:
-    """(version, ring size) of a version served from the actor's snapshot ring (ipc, nccl); None for
-    one on the volume, which nothing overwrites."""
+def loaded_whole(path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:
+    """Whether the version just loaded from `path` was read whole (weight_ring says why it may not
+    be). A version on the volume always is: nothing overwrites it. From the ring over ipc the slot's
+    stamp says (no store query); over nccl the newest version the store records does
+    (`newest_recorded`, asked only then)."""
     if ipc_weights.is_shared(path):
-        return ipc_weights.manifest_version(path)
+        return ipc_weights.slot_holds(path)
     if nccl_weights.is_served(path):
-        return nccl_weights.manifest_version(path)
-    return None
+        newest = newest_recorded()
+        return newest is None or weight_ring.intact(*nccl_weights.manifest_version(path), newest)
+    return True
 
 
 def _ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+# Parameter registrations in this process (any module's); WeightPublisher._plain's kept state is
+# from before the last one or not. A global hook rather than a walk of the model at each publish.
+_registrations = [0]
+
+
+def _count_registration(module: torch.nn.Module, name: str, parameter: Any) -> None:
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
+@dataclass
+class _KeptState:
+    model: torch.nn.Module
+    registrations: int
+    storages: list[tuple[torch.Tensor, int]]  # each parameter and its data_ptr when the state was built
+    state: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -283,7 +311,8 @@ class WeightPublisher:
 
     def __post_init__(self) -> None:
         self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
-        self._plain_state: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None
+        self._last_version: int | None = None  # the last version this publisher recorded
+        self._plain_state: _KeptState | None = None
 
     def _ring_server(self) -> Any:
         if self._sharer is None:
@@ -301,7 +330,11 @@ class WeightPublisher:
         return self.worker.run
 
     def next_version(self) -> int:
-        """One more than any version ever recorded for the run (versions never go backwards)."""
+        """One more than any version ever recorded for the run (versions never go backwards). Asked of
+        the store once: after that only this publisher records versions (another incarnation would
+        have fenced it, and its record would fail)."""
+        if self._last_version is not None:
+            return self._last_version + 1
         latest = self.store.latest_weights(self.run)
         return 0 if latest is None else latest.version + 1
 
@@ -313,7 +346,7 @@ class WeightPublisher:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
         rollouts, off the path a new version takes to them) prune; returns the version published."""
         version = self.next_version() if version is None else version
-        dest = version_dir(self.run, version)
+        dest = version_dir(self.run, version, self.worker.incarnation)
         adapters = lora_adapters(model) if self.method == "volume" else None
         if self.method in ("ipc", "nccl"):
             self._ring_server().share(self._plain(model), dest, version, step)  # no config.json: it delays the record
@@ -322,6 +355,7 @@ class WeightPublisher:
         else:
             write_weights(model, dest, version, step)
         self.store.publish_weights(self.worker, version, step, str(dest), method=self.method)
+        self._last_version = version
         self.steps[version] = step
         if prune:
             self.prune()
@@ -330,13 +364,19 @@ class WeightPublisher:
     def _plain(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """plain_state_dict, kept between publishes of a model without adapters: its tensors are the
         parameters themselves (the optimizer updates them in place), and building the dict costs
-        2-4 ms per publish. Built again if the parameters are other objects (a new model)."""
+        2-4 ms per publish. Built again for another model, after any parameter was registered in
+        this process (a module's parameter replaced), or when a kept parameter's storage moved
+        (`.data` replaced, as `model.to` does): what is checked costs microseconds, where walking
+        the model's modules again costs about a millisecond on a slow host."""
         if hasattr(model, "get_base_model"):  # LoRA: merged weights are new tensors each time
             return plain_state_dict(model)
-        key = tuple(map(id, model.parameters()))
-        if self._plain_state is None or self._plain_state[0] != key:
-            self._plain_state = (key, plain_state_dict(model))
-        return self._plain_state[1]
+        kept = self._plain_state
+        if (kept is None or kept.model is not model or kept.registrations != _registrations[0]
+                or any(p.data_ptr() != ptr for p, ptr in kept.storages)):
+            kept = self._plain_state = _KeptState(model, _registrations[0],
+                                                  [(p, p.data_ptr()) for p in model.parameters()],
+                                                  plain_state_dict(model))
+        return kept.state
 
     def step_of(self, version: int) -> int:
         """The optimizer step whose result `version` is (asked of the store for older versions)."""
@@ -352,6 +392,8 @@ class WeightPublisher:
         so no task needs an older one; `keep` > 1 leaves time for a rollout loading one just replaced.
         """
         rows = sorted(self.store.list_weights(self.run), key=lambda row: row.version)
-        for row in rows[: max(0, len(rows) - self.keep)]:
+        retired = rows[: max(0, len(rows) - self.keep)]
+        for row in retired:
             self.store.delete_weights(self.worker, row.version)
             shutil.rmtree(row.path, ignore_errors=True)
+        sweep(paths.weights_dir(self.run), {row.path for row in rows[len(retired):]})

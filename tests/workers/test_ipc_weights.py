@@ -54,19 +54,23 @@ def test_ipc_where_it_cannot_reach_the_rollouts_is_refused_naming_the_field() ->
         load_text(text, "run.yaml")
 
 
-def _load_in_child(model_dir: str, version_dir: str, queue) -> None:
-    """Runs in a fresh process on the same GPU: load the shared version, report the tensors' digest."""
+def _load_in_child(model_dir: str, version_dir: str, queue, go_on) -> None:
+    """Runs in a fresh process on the same GPU: load the shared version, report the tensors' digest and
+    whether the slot still holds the version; once the actor has written on, whether it still does."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     load_published(model, version_dir)
-    queue.put(tensors_sha256({k: v.cpu() for k, v in model.state_dict().items()}))
+    queue.put((tensors_sha256({k: v.cpu() for k, v in model.state_dict().items()}), ipc_weights.slot_holds(version_dir)))
+    go_on.wait(120)
+    queue.put(ipc_weights.slot_holds(version_dir))
 
 
 @pytest.mark.gpu
 @needs_cuda
 @needs_assets
-def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_trains_on(tmp_path: Path) -> None:
+def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_trains_on_and_sees_its_slot_reused(
+        tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = make_tiny_model(tmp_path / "model", seed=1)
@@ -81,12 +85,17 @@ def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_tra
         for p in actor_model.parameters():
             p.add_(1.0)
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=_load_in_child, args=(str(model_dir), str(dest), queue))
+    queue, go_on = context.Queue(), context.Event()
+    child = context.Process(target=_load_in_child, args=(str(model_dir), str(dest), queue, go_on))
     child.start()
-    digest = queue.get(timeout=120)
+    digest, held = queue.get(timeout=120)
+    for version in (2, 3):  # a ring of 2: version 3 is written into version 1's slot
+        sharer.share(plain_state_dict(actor_model), tmp_path / f"v{version}", version=version, step=version)
+    go_on.set()
+    held_after = queue.get(timeout=120)
     child.join(60)
     assert child.exitcode == 0 and digest == expected
+    assert held and not held_after
 
 
 @pytest.mark.gpu

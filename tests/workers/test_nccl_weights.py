@@ -22,8 +22,8 @@ from mortal.specs import TrainingRun
 from mortal.specs.dump import dump_yaml
 from mortal.specs.errors import SpecError
 from mortal.specs.loader import load_text
-from mortal.workers import nccl_weights, weight_ring
-from mortal.workers.weights import WeightPublisher, in_ring, load_published
+from mortal.workers import nccl_weights
+from mortal.workers.weights import WeightPublisher, load_published, loaded_whole
 
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -57,7 +57,7 @@ def test_a_rollout_receives_each_version_bit_for_bit_and_training_after_sharing_
     _assert_same(nccl_weights.receive(path, torch.device("cpu")), expected)
     path = server.share(_state(2.0), tmp_path / "v1", version=1, step=1)
     _assert_same(nccl_weights.receive(path, torch.device("cpu")), _state(2.0))
-    assert in_ring(path) == (1, 2)
+    assert nccl_weights.manifest_version(path) == (1, 2)
 
 
 def test_a_version_that_left_the_ring_reads_as_missing(server, tmp_path: Path) -> None:
@@ -151,7 +151,8 @@ def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_pla
     assert version == 0 and store.publish_weights.call_args.kwargs == {"method": "nccl"}
     assert rollout_model.weight is weight  # in place: captured graphs keep pointing at it
     _assert_same(rollout_model.state_dict(), {k: v.detach() for k, v in actor_model.state_dict().items()})
-    assert weight_ring.intact(*in_ring(path), newest_recorded=0)
+    assert loaded_whole(path, newest_recorded=lambda: 0)
+    assert not loaded_whole(path, newest_recorded=lambda: 1)  # a ring of 2: version 2 may be in its slot now
 
 
 def _spec(**overrides) -> dict:

@@ -48,6 +48,23 @@ def test_a_slot_holds_its_version_until_the_version_ring_later_replaces_it() -> 
     assert ring.buffers is first  # allocated once: readers keep their mappings
 
 
+def test_a_slots_stamp_is_minus_one_while_it_is_written_and_its_version_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stamps are what a reader in another process checks after its copy (ipc_weights.slot_holds)."""
+    ring = weight_ring.SnapshotRing(ring=2)
+    seen_while_filling = []
+    fill = weight_ring.fill
+
+    def watched(buffers, state, slots):
+        seen_while_filling.append(ring.stamps.tolist())
+        fill(buffers, state, slots)
+
+    monkeypatch.setattr(weight_ring, "fill", watched)
+    for version in range(3):
+        ring.write({"w": torch.full((2,), float(version))}, version)
+    assert seen_while_filling == [[-1, -1], [0, -1], [-1, 1]]
+    assert ring.stamps.tolist() == [2, 1]
+
+
 def test_views_are_made_once_per_buffers_and_layout_and_again_for_another_layout() -> None:
     buffers, slots = weight_ring.snapshot({"a": torch.arange(6.0), "b": torch.ones(2)})
     cache = weight_ring.ViewCache()

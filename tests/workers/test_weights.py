@@ -11,6 +11,7 @@ from actor_helpers import create_run, tensors_sha256, worker_context
 from rollout_helpers import assets_available, make_tiny_model, training_spec
 
 from mortal.state import paths
+from mortal.state.errors import Fenced
 from mortal.workers import weights
 from mortal.workers.weights import WeightPublisher, WeightsError, load_published, plain_state_dict
 
@@ -49,7 +50,7 @@ def test_a_version_round_trips_bit_for_bit_with_ties_written_once(store, tiny_di
     row = store.latest_weights("w")
     assert (version, row.version, row.step) == (0, 0, 3)
     folder = Path(row.path)
-    assert folder == paths.weights_dir("w") / "v0" and (folder / "config.json").is_file()
+    assert folder == paths.weights_dir("w") / "v0-i1" and (folder / "config.json").is_file()
     written = weights.read_published(folder)
     assert "lm_head.weight" not in written  # tied to the embeddings
     fresh = _model(tiny_dir)
@@ -63,7 +64,27 @@ def test_versions_only_grow_and_the_newest_three_stay(store, tiny_dir: Path) -> 
     model = _model(tiny_dir)
     assert [publisher.publish(model, step=s) for s in range(5)] == [0, 1, 2, 3, 4]
     assert [r.version for r in store.list_weights("w")] == [2, 3, 4]
-    assert sorted(p.name for p in paths.weights_dir("w").iterdir()) == ["v2", "v3", "v4"]
+    assert sorted(p.name for p in paths.weights_dir("w").iterdir()) == ["v2-i1", "v3-i1", "v4-i1"]
+
+
+def test_a_fenced_actor_still_writing_cannot_replace_its_successors_version(store, tiny_dir: Path) -> None:
+    """Publishing checks no fence before it writes: directories carry the incarnation, the record is
+    refused, and what the fenced actor left is swept by its successor's next prune."""
+    run = create_run(store, "w", training_spec(str(tiny_dir)))
+    old, new = (WeightPublisher(store, worker_context(store, run, "actor").worker) for _ in range(2))
+    model = _model(tiny_dir)
+    assert new.publish(model, step=0) == 0
+    successors = Path(store.latest_weights("w").path)
+    before = tensors_sha256(weights.read_published(successors))
+    _perturb(model, 2)
+    with pytest.raises(Fenced):
+        old.publish(model, step=0, version=1)
+    assert [r.version for r in store.list_weights("w")] == [0]
+    assert tensors_sha256(weights.read_published(successors)) == before
+    stray = paths.weights_dir("w") / "v1-i1"
+    assert stray.is_dir()  # written before the refused record
+    new.publish(model, step=1)
+    assert not stray.exists() and sorted(p.name for p in paths.weights_dir("w").iterdir()) == ["v0-i2", "v1-i2"]
 
 
 def test_a_crash_mid_write_leaves_no_version(store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,3 +176,15 @@ def test_the_publisher_reuses_a_models_tensors_between_versions_but_not_across_m
     other = _model(tiny_dir)
     assert publisher._plain(other) is not first
     assert publisher._plain(other)["model.norm.weight"].data_ptr() == other.model.norm.weight.data_ptr()
+
+
+def test_the_publisher_builds_its_tensors_again_when_a_parameter_is_replaced_or_moved(store, tiny_dir: Path) -> None:
+    publisher = _publisher(store, tiny_dir)
+    model = _model(tiny_dir)
+    first = publisher._plain(model)
+    model.model.norm.weight = torch.nn.Parameter(torch.full_like(model.model.norm.weight, 3.0))
+    replaced = publisher._plain(model)
+    assert replaced is not first and torch.equal(replaced["model.norm.weight"], model.model.norm.weight)
+    model.model.norm.weight.data = torch.full_like(model.model.norm.weight, 4.0)  # what `model.to` does
+    moved = publisher._plain(model)
+    assert moved is not replaced and torch.equal(moved["model.norm.weight"], model.model.norm.weight)
