@@ -148,6 +148,7 @@ def actor_side(home: Path, method: str, model_dir: Path, versions: int, child: t
     timers.wrap(publisher, "_plain", "plain state dict")
     timers.wrap(weight_ring, "layout", "  layout")
     timers.wrap(weight_ring.SnapshotRing, "write", "snapshot into the ring (with its synchronize)")
+    timers.wrap(weight_ring, "fill_views", "  the copy launched")
     timers.wrap(ipc_weights.IpcWeightSharer, "_handles_of", "ipc handles")
     timers.wrap(ipc_weights, "atomic_dir", "manifest directory (atomic_dir entered)")
     timers.wrap(nccl_weights, "atomic_dir", "manifest directory (atomic_dir entered)")

@@ -52,13 +52,13 @@ def test_a_slots_stamp_is_minus_one_while_it_is_written_and_its_version_after(mo
     """The stamps are what a reader in another process checks after its copy (ipc_weights.slot_holds)."""
     ring = weight_ring.SnapshotRing(ring=2)
     seen_while_filling = []
-    fill = weight_ring.fill
+    fill = weight_ring.fill_views
 
-    def watched(buffers, state, slots):
+    def watched(destinations, sources):
         seen_while_filling.append(ring.stamps.tolist())
-        fill(buffers, state, slots)
+        fill(destinations, sources)
 
-    monkeypatch.setattr(weight_ring, "fill", watched)
+    monkeypatch.setattr(weight_ring, "fill_views", watched)
     for version in range(3):
         ring.write({"w": torch.full((2,), float(version))}, version)
     assert seen_while_filling == [[-1, -1], [0, -1], [-1, 1]]
