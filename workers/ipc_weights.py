@@ -5,7 +5,7 @@ ipc) and by rollout workers (`open_shared`, through weights.load_published, when
 directory holds IPC_FILE). The ring (mortal.workers.weight_ring) says why a snapshot, why a ring and
 why a read of it is safe.
 
-    $MORTAL_HOME/runs/<run>/weights/v<version>/ipc.pkl   names, shapes, dtypes and offsets, and one
+    $MORTAL_HOME/runs/<run>/weights/v<version>-i<incarnation>/ipc.pkl   names, shapes, dtypes and offsets, and one
                                                           CUDA IPC handle per dtype's flat buffer
 
 The directory appears atomically, as with `volume`, so a rollout never reads half a manifest. Only

@@ -6,7 +6,7 @@ nccl) and by rollout workers (`receive`, through weights.load_published, when a 
 holds NCCL_FILE). The ring (mortal.workers.weight_ring) says why a snapshot and why reading a slot is
 safe; this module only moves a slot from the actor's GPU to a rollout's.
 
-    $MORTAL_HOME/runs/<run>/weights/v<version>/nccl.pkl   names, shapes, dtypes and offsets, and the
+    $MORTAL_HOME/runs/<run>/weights/v<version>-i<incarnation>/nccl.pkl   names, shapes, dtypes and offsets, and the
                                                            address of the actor's rendezvous store
 
 How a version travels:
