@@ -67,8 +67,8 @@ class Distributed:
 
     `weight_sync_method`: auto (the fastest built method) or one of the spec's sync methods; the
     seeds' names are accepted as the spec accepts them (reload and checkpoint = volume, direct = ipc:
-    specs/training.py SYNC_ALIASES). Scale the rollout workers
-    later with `mortalctl scale NAME rollout=N`.
+    specs/training.py SYNC_ALIASES). `engine`: the spec's generation.engine (nccl needs
+    "transformers"). Scale the rollout workers later with `mortalctl scale NAME rollout=N`.
     """
 
     actor: str | GPUConfig = "A100"
@@ -76,6 +76,7 @@ class Distributed:
     num_rollout_workers: int = 2
     weight_sync_method: str = "auto"
     sync_weights_every: int = 1
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
 
     def spec_fields(self) -> dict[str, Any]:
         actor, rollout = as_gpu(self.actor), as_gpu(self.rollout)
@@ -85,4 +86,5 @@ class Distributed:
             "actor": {"gpu": actor.type},
             "rollout": {"gpu": rollout.type, "replicas": self.num_rollout_workers * rollout.count},
             "sync": {"method": self.weight_sync_method, "every": self.sync_weights_every},
+            "generation": {"engine": self.engine},
         }

@@ -89,11 +89,14 @@ def test_seed_sync_names_become_the_spec_method_they_are(seed_name):
     assert any(f"{seed_name!r} is stored as 'volume'" in note for note in t.run.spec.notes())
 
 
-def test_a_sync_method_the_mode_cannot_use_says_why():
+def test_a_sync_method_the_mode_cannot_use_says_why_naming_the_field():
     """nccl sends from the actor's GPU to rollout GPUs of this host, with the transformers engine;
-    Distributed's engine is auto (vLLM where installed)."""
-    with pytest.raises(TrainerError, match=r"sync nccl.*generation\.engine transformers"):
-        trainer(mode=Distributed(weight_sync_method="nccl"))
+    Distributed's engine is auto (vLLM where installed) unless it says otherwise."""
+    with pytest.raises(TrainerError, match=r"spec\.sync\.method: sync nccl.*generation\.engine transformers"):
+        trainer(mode=Distributed(actor="H100", rollout="H100", weight_sync_method="nccl"))
+    spec = trainer(mode=Distributed(actor="H100", rollout="H100", weight_sync_method="nccl",
+                                    engine="transformers")).run.spec_dict()
+    assert (spec["sync"]["method"], spec["generation"]["engine"]) == ("nccl", "transformers")
 
 
 def test_single_node_serve_needs_two_gpus():
