@@ -78,7 +78,7 @@ class PartTimers:
 
 
 def run_context(home: Path, role: str) -> Any:
-    """A WorkerContext of a fresh incarnation of `role` in the bench's run (made once, by the actor)."""
+    """A WorkerContext of a fresh incarnation of `role` in the bench's run (which `main` applied)."""
     from mortal.specs import TrainingRun
     from mortal.state import open_store
     from mortal.state.store import WorkerRef
@@ -136,7 +136,7 @@ def actor_side(home: Path, method: str, model_dir: Path, versions: int, child: t
     """This process: publish `versions` versions, each after the rollout loaded the one before."""
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers import ipc_weights, nccl_weights, weight_ring, weights
+    from mortal.workers import ipc_weights, weight_ring, weights
 
     asks, answers = child
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(actor_device())
@@ -149,9 +149,7 @@ def actor_side(home: Path, method: str, model_dir: Path, versions: int, child: t
     timers.wrap(weight_ring, "layout", "  layout")
     timers.wrap(weight_ring.SnapshotRing, "write", "snapshot into the ring (with its synchronize)")
     timers.wrap(weight_ring, "fill_views", "  the copy launched")
-    timers.wrap(ipc_weights.IpcWeightSharer, "_handles_of", "ipc handles")
-    timers.wrap(ipc_weights, "atomic_dir", "manifest directory (atomic_dir entered)")
-    timers.wrap(nccl_weights, "atomic_dir", "manifest directory (atomic_dir entered)")
+    timers.wrap(ipc_weights.IpcWeightSharer, "_handle", "ipc handles")
     for version in range(versions):
         with torch.no_grad():
             for parameter in model.parameters():

@@ -32,7 +32,6 @@ from mortal.workers.atomic import atomic_dir
 from mortal.workers.weight_ring import SnapshotRing, ViewCache, read_manifest, views
 
 IPC_FILE = "ipc.pkl"
-STAMPS = "stamps"  # the ring's slot stamps (weight_ring.SnapshotRing.stamps), shared beside the buffers
 DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
 
 
@@ -67,34 +66,34 @@ class IpcWeightSharer:
 
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
-        self._handles: dict[tuple, dict[str, Any]] = {}
+        self._handles: dict[int, Any] = {}  # data_ptr -> IPC handle, for the ring's current allocation
+        self._handles_for: list[dict[str, torch.Tensor]] | None = None  # that allocation (SnapshotRing.buffers)
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically."""
         buffers = self._snapshots.write(state, version)
-        handles = self._handles_of(buffers)
+        handles = {dtype: self._handle(buffer) for dtype, buffer in buffers.items()}
         device = next(iter(buffers.values())).device.index
         producer = f"{os.getpid()}@{device_uuid(device)}"
         _OWN_RINGS[producer] = self._snapshots
         manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "handles": handles,
-                    "stamps": self._handles_of({STAMPS: self._snapshots.stamps})[STAMPS],
+                    "stamps": self._handle(self._snapshots.stamps),
                     "ring": self.ring, "producer": producer, "device_uuid": device_uuid(device)}
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / IPC_FILE).write_bytes(pickle.dumps(manifest))
         return dest
 
-    def _handles_of(self, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The IPC handles of a slot's buffers, made once per buffer: a slot is reused every `ring`
-        versions, and each new handle costs a shared-memory reference counter and an IPC event in
-        torch, which a rollout that mapped the buffer once never needs again."""
+    def _handle(self, tensor: torch.Tensor) -> Any:
+        """The IPC handle of one of the ring's tensors (a slot's buffer, the stamps), made once: a slot
+        is reused every `ring` versions, and each new handle costs a shared-memory reference counter
+        and an IPC event in torch, which a rollout that mapped the tensor once never needs again."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        key = tuple((dtype, buffer.data_ptr()) for dtype, buffer in buffers.items())
-        if key not in self._handles:
-            if len(self._handles) > self.ring:  # the ring was allocated again (a new model)
-                self._handles.clear()
-            self._handles[key] = {dtype: reduce_tensor(buffer) for dtype, buffer in buffers.items()}
-        return self._handles[key]
+        if self._handles_for is not self._snapshots.buffers:  # the ring was allocated again (a new model)
+            self._handles, self._handles_for = {}, self._snapshots.buffers
+        if tensor.data_ptr() not in self._handles:
+            self._handles[tensor.data_ptr()] = reduce_tensor(tensor)
+        return self._handles[tensor.data_ptr()]
 
 
 def is_shared(path: str | Path) -> bool:

@@ -29,7 +29,8 @@ import torch
 
 class TensorSlot(NamedTuple):
     """Where one named tensor lives inside its dtype's flat buffer. A named tuple, not a dataclass:
-    every manifest carries a few hundred, and a rollout unpickles them at each load (twice as fast)."""
+    every manifest carries a few hundred, which a rollout unpickles at each load, and a tuple is
+    rebuilt from its fields without a per-object state dict."""
 
     name: str
     dtype: str
@@ -64,12 +65,6 @@ def empty_buffers(sizes: dict[str, int], device: torch.device | str) -> dict[str
     return {dtype: torch.empty(n, dtype=getattr(torch, dtype), device=device) for dtype, n in sizes.items()}
 
 
-def fill(buffers: dict[str, torch.Tensor], state: dict[str, torch.Tensor], slots: list[TensorSlot]) -> None:
-    """Copy `state` into the flat buffers, one concatenation per dtype."""
-    for dtype, buffer in buffers.items():
-        torch.cat([state[slot.name].detach().reshape(-1) for slot in slots if slot.dtype == dtype], out=buffer)
-
-
 @torch.no_grad()
 def fill_views(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """destinations[i] <- sources[i] in one fused copy, not waited for: how a ring slot is written,
@@ -82,7 +77,7 @@ def snapshot(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], l
     """A copy of `state` in new flat buffers (one per dtype); returns buffers and slots."""
     sizes, slots = layout(state)
     buffers = empty_buffers(sizes, next(iter(state.values())).device)
-    fill(buffers, state, slots)
+    fill_views(list(views(buffers, slots).values()), [state[slot.name] for slot in slots])
     return buffers, slots
 
 
