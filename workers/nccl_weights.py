@@ -119,7 +119,7 @@ class NcclWeightServer:
     _producer: str = field(default_factory=lambda: uuid.uuid4().hex)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
-    _awaited: dict[str, str] = field(default_factory=dict)  # thread name -> the key it waits for now
+    _awaited: dict[str, tuple[str, str]] = field(default_factory=dict)  # thread -> (store prefix, key) it waits for
 
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
@@ -155,7 +155,7 @@ class NcclWeightServer:
     def _wait(self, store: dist.Store, key: str, prefix: str = "") -> bool:
         """_waited for IDLE_WAIT, noting first where this thread waits (`prefix`: its PrefixStore's),
         so that `close` can wake it."""
-        self._awaited[threading.current_thread().name] = prefix + key
+        self._awaited[threading.current_thread().name] = (prefix, key)
         return _waited(store, key, IDLE_WAIT)
 
     def _serve(self, pair: int, device: torch.device) -> None:
@@ -198,8 +198,9 @@ class NcclWeightServer:
         if self._store is not None:
             with contextlib.suppress(dist.DistError, RuntimeError):  # a thread busy elsewhere ends at its next look
                 waker = dist.TCPStore(self.host, self._store.port, is_master=False, timeout=REPLY_TIMEOUT)
-                for key in list(self._awaited.values()):
-                    waker.compare_set(key, "", STOP if key.startswith("join/") else "bye")  # never over a real ask
+                for prefix, key in list(self._awaited.values()):
+                    store = dist.PrefixStore(prefix, waker) if prefix else waker  # the key as the waiter's store names it
+                    store.compare_set(key, "", "bye" if prefix else STOP)  # never over a real ask or join
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()

@@ -97,6 +97,20 @@ def _rollout(path: str, asks, answers) -> None:
             answers.put(repr(exc))
 
 
+def test_closing_wakes_the_accept_and_sender_threads_where_they_wait_idle(tmp_path: Path) -> None:
+    """They wait in the store for minutes at a time (so torch logs no timeout every fraction of a
+    second): close must not wait that out."""
+    server = nccl_weights.NcclWeightServer(ring=2)
+    path = server.share(_state(0.0), tmp_path / "v0", version=0, step=0)
+    nccl_weights.receive(path, torch.device("cpu"))  # a rollout joined: a sender thread waits for its next ask
+    threads = list(server._threads)
+    assert len(threads) == 2
+    started = time.monotonic()
+    server.close()
+    assert time.monotonic() - started < 3 and not any(thread.is_alive() for thread in threads)
+    nccl_weights._Peer.drop()
+
+
 def test_rollouts_join_and_leave_while_the_actor_serves_the_others(server, tmp_path: Path) -> None:
     """Pairs, not one group: a rollout that exits or one that joins late changes nothing for the rest."""
     context = multiprocessing.get_context("spawn")

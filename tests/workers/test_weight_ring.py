@@ -74,3 +74,18 @@ def test_views_are_made_once_per_buffers_and_layout_and_again_for_another_layout
     assert torch.equal(first["a"], torch.arange(6.0) + 1)  # views: they see the buffer's new contents
     other = [weight_ring.TensorSlot("a", "float32", 0, (2, 3)), weight_ring.TensorSlot("b", "float32", 6, (2,))]
     assert cache.get(buffers, other)["a"].shape == (2, 3)
+
+
+def test_a_manifest_is_parsed_once_and_again_when_its_file_was_replaced(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    file = tmp_path / "ipc.pkl"
+    file.write_bytes(pickle.dumps({"version": 1}))
+    loads, parse = [], pickle.loads
+    monkeypatch.setattr(weight_ring.pickle, "loads", lambda data: loads.append(data) or parse(data))
+    assert weight_ring.read_manifest(file) == {"version": 1}
+    assert weight_ring.read_manifest(file) == {"version": 1} and len(loads) == 1
+    replacement = tmp_path / "new.pkl"  # a writer's retry renames a new file into place
+    replacement.write_bytes(pickle.dumps({"version": 2}))
+    replacement.rename(file)
+    assert weight_ring.read_manifest(file) == {"version": 2} and len(loads) == 2
