@@ -210,6 +210,21 @@ def test_row_schedule_hands_out_sequences_in_order_and_checks_when_a_row_reaches
     assert RowSchedule(rows=1, sequences=1, max_tokens=100).steps_to_check(0) == SYNC_EVERY
 
 
+@pytest.mark.slow
+def test_the_torch_compiled_step_traces_the_row_cache_on_the_cpu(model, monkeypatch) -> None:
+    """What the GPU path adds before its graph capture: the step's forward through torch.compile (inductor
+    on the CPU here), the row cache's per-row writes traced by dynamo. The same tokens as the eager step,
+    refills included. (About half a minute of compilation, hence `slow`.)"""
+    monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
+    prompts = _prompts([5, 11, 3, 8])
+    compiled = _decode(StaticDecoder(model, compile=True, max_rows=3, sync_every=4), prompts, 2, 12,
+                       FREQUENT_EOS, seed=1, width=16)
+    eager = _decode(StaticDecoder(model, compile=False, max_rows=3, sync_every=4), prompts, 2, 12,
+                    FREQUENT_EOS, seed=1, width=16)
+    assert [c.ids for c in compiled] == [c.ids for c in eager]
+    torch.testing.assert_close([c.logprobs for c in compiled], [c.logprobs for c in eager], atol=1e-4, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pass(model) -> None:

@@ -126,6 +126,7 @@ class RowWrites:
 
     def __init__(self, columns: torch.Tensor) -> None:
         self.columns = columns
+        self.every_row = torch.arange(columns.shape[0], device=columns.device)
         self.prefill_rows: torch.Tensor | None = None
 
 
@@ -133,8 +134,8 @@ class RowScatterLayer(StaticLayer):
     """A StaticLayer whose rows are written at their own columns instead of one shared position.
 
     Allocated for all R rows up front (never lazily from the first prefill, which fills fewer), so a
-    graph can be captured before any prefill. The decode update is one scatter per tensor: fixed
-    shapes, indices read from `writes.columns`, safe to record in a CUDA graph."""
+    graph can be captured before any prefill. The decode update is one indexed write per tensor:
+    fixed shapes, indices read from `writes.columns`, safe to record in a CUDA graph."""
 
     def __init__(self, max_cache_len: int, rows: int, writes: RowWrites, **kwargs: Any) -> None:
         super().__init__(max_cache_len=max_cache_len, **kwargs)
@@ -165,10 +166,12 @@ class RowScatterLayer(StaticLayer):
         return self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
     def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new K/V per row at that row's own column (graph-safe); returns the whole cache."""
-        column = self.writes.columns.view(-1, 1, 1, 1)
-        self.keys.scatter_(2, column.expand(-1, key_states.shape[1], 1, key_states.shape[3]), key_states)
-        self.values.scatter_(2, column.expand(-1, value_states.shape[1], 1, value_states.shape[3]), value_states)
+        """One new K/V per row at that row's own column (graph-safe); returns the whole cache.
+
+        Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
+        scatter_ may be compiled as a copy of the whole cache per layer and step."""
+        self.keys[self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
+        self.values[self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
         return self.keys, self.values
 
 
@@ -369,16 +372,25 @@ class StaticDecoder:
         rows = min(sequences, self.max_rows)
         shape = self._prepare(rows, prompt_len, max_tokens, sampling)
         shape.cache.reset()
-        state = shape.state
-        state.stop.zero_()
-        state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
+        shape.state.stop.zero_()
+        shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
         prompts = _Prompts(input_ids.to(self.device), attention_mask.to(self.device, torch.bool), max_tokens,
                            self.dtype)
-        out_tokens = torch.zeros(sequences, max_tokens, dtype=torch.long, device=self.device)
-        out_logprobs = torch.zeros(sequences, max_tokens, dtype=torch.float32, device=self.device)
+        outputs = _Outputs(sequences, max_tokens, self.device)
         schedule = RowSchedule(rows, sequences, max_tokens, self.sync_every)
+        steps = self._decode(shape, prompts, schedule, sampling, outputs)
+        outputs.take(shape.state, [(row, seq) for row, seq in enumerate(schedule.held) if seq is not None])
+        lengths = outputs.lengths(shape.state.stop)
+        self.last_stats = DecodeStats(rows=rows, sequences=sequences, decode_steps=steps,
+                                      refills=schedule.refills, useful_tokens=sum(lengths))
+        longest = max(lengths)
+        return outputs.tokens[:, :longest].clone(), outputs.logprobs[:, :longest].clone()
+
+    def _decode(self, shape: PreparedShape, prompts: _Prompts, schedule: RowSchedule, sampling: Sampling,
+                outputs: _Outputs) -> int:
+        """The loop of the module docstring; returns the decode steps run."""
         # 1. fill every row
-        self._fill(shape, prompts, schedule.assign(list(range(rows))), sampling, out_tokens, out_logprobs)
+        self._fill(shape, prompts, schedule.assign(list(range(len(schedule.held)))), sampling, outputs)
         steps = 0
         while True:
             # 2. replay until the next check
@@ -388,29 +400,21 @@ class StaticDecoder:
             schedule.advance(steps_run)
             steps += steps_run
             # 3. check: which live rows have finished (one read-back)
-            finished = schedule.finish(state.ended.tolist())
+            finished = schedule.finish(shape.state.ended.tolist())
             # 4. refill them with waiting sequences
-            if finished:
-                self._fill(shape, prompts, schedule.assign(finished), sampling, out_tokens, out_logprobs)
+            self._fill(shape, prompts, schedule.assign(finished), sampling, outputs)
             # 5. stop once no row is live
             if not schedule.any_live:
-                break
-        held = [(row, seq) for row, seq in enumerate(schedule.held) if seq is not None]
-        self._copy_out(state, held, out_tokens, out_logprobs)
-        lengths = self._lengths(state, out_tokens)
-        self.last_stats = DecodeStats(rows=rows, sequences=sequences, decode_steps=steps,
-                                      refills=schedule.refills, useful_tokens=sum(lengths))
-        longest = max(lengths)
-        return out_tokens[:, :longest].clone(), out_logprobs[:, :longest].clone()
+                return steps
 
     def _fill(self, shape: PreparedShape, prompts: _Prompts, given: list[tuple[int, int, int | None]],
-              sampling: Sampling, out_tokens: torch.Tensor, out_logprobs: torch.Tensor) -> None:
+              sampling: Sampling, outputs: _Outputs) -> None:
         """Eager: copy out what the rows held, prefill their new sequences' prompts into them, sample each
         one's first token and reset the rows' state (t = 1, position, mask, ended)."""
         if not given:
             return
         state = shape.state
-        self._copy_out(state, [(row, old) for row, _, old in given if old is not None], out_tokens, out_logprobs)
+        outputs.take(state, [(row, old) for row, _, old in given if old is not None])
         rows = torch.tensor([row for row, _, _ in given], device=self.device)
         chosen = torch.tensor([seq for _, seq, _ in given], device=self.device)
         ids, real = prompts.ids[chosen], prompts.real[chosen]
@@ -429,21 +433,28 @@ class StaticDecoder:
         state.ended[rows] = state.stop[token]
         state.mask[rows] = prompts.decode_mask(real)
 
-    def _copy_out(self, state: DecodeState, held: list[tuple[int, int]], out_tokens: torch.Tensor,
-                  out_logprobs: torch.Tensor) -> None:
-        """The tokens rows hold, into their sequences' places (a GPU copy, no read-back)."""
+
+class _Outputs:
+    """Every sequence's tokens and logprobs [S, T], in the task's order, copied out of the rows."""
+
+    def __init__(self, sequences: int, max_tokens: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(sequences, max_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(sequences, max_tokens, dtype=torch.float32, device=device)
+
+    def take(self, state: DecodeState, held: list[tuple[int, int]]) -> None:
+        """What rows hold, into their sequences' places: (row, sequence) pairs; a GPU copy, no read-back."""
         if not held:
             return
-        rows = torch.tensor([row for row, _ in held], device=self.device)
-        sequences = torch.tensor([seq for _, seq in held], device=self.device)
-        out_tokens.index_copy_(0, sequences, state.tokens[rows, : state.max_tokens])
-        out_logprobs.index_copy_(0, sequences, state.logprobs[rows, : state.max_tokens])
+        rows = torch.tensor([row for row, _ in held], device=self.tokens.device)
+        sequences = torch.tensor([seq for _, seq in held], device=self.tokens.device)
+        self.tokens.index_copy_(0, sequences, state.tokens[rows, : state.max_tokens])
+        self.logprobs.index_copy_(0, sequences, state.logprobs[rows, : state.max_tokens])
 
-    def _lengths(self, state: DecodeState, tokens: torch.Tensor) -> list[int]:
-        """Each sequence's length up to and including its first EOS (T if none)."""
-        stops = state.stop[tokens]
+    def lengths(self, stop: torch.Tensor) -> list[int]:
+        """Each sequence's length up to and including its first stop id (T if none); one read-back."""
+        stops = stop[self.tokens]
         first = stops.long().argmax(-1) + 1
-        return torch.where(stops.any(-1), first, tokens.shape[1]).tolist()
+        return torch.where(stops.any(-1), first, self.tokens.shape[1]).tolist()
 
 
 class _Prompts:
