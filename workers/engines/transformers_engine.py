@@ -10,9 +10,10 @@ Who calls it: mortal.workers.rollout through the Engine interface (base.py says 
   PROMPT_BUCKET tokens, so a handful of shapes cover every prompt (the decoder keeps the most recent
   shapes captured); the call is seeded with its first prompt's seed. Its tokens depend on
   `max_rows` too (which sequences share a step): keep it the same across a run's workers.
-  Measured on an H100 (bench/decode_speed.py): 64 x 256 tokens in 0.82 s, against 1.55 s for
-  transformers' own compiled `generate`. The graphs belong to the thread that captured them, so
-  every batched generate of the process runs on one thread of its own, whichever thread asks.
+  Measured on an H100 (bench/decode_speed.py, before rows were refilled; not measured since): 64 x
+  256 tokens in 0.82 s, against 1.55 s for transformers' own compiled `generate`. The graphs
+  belong to the thread that captured them, so every batched generate of the process runs on one
+  thread of its own, whichever thread asks.
 The model's own generation_config (hub defaults such as top_k=50 or a repetition penalty) is never
 read: the spec alone decides how tokens are sampled, as TRL's GenerationConfig does. Logprobs are
 those of the distribution sampled from, temperature, top-k and top-p applied. New weights are
