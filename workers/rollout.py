@@ -130,9 +130,11 @@ class RolloutWorker:
                    for request, ids, outs in zip(requests, prompts, groups, strict=True)]
         scored = time.monotonic() - started - generated
         tokens = sum(len(c) for r in results for c in r.completion_ids)
-        self.ctx.log.info("task %d.%d: %d prompts, %d tokens in %.2f s (%.1f tokens/s), rewards in %.3f s, "
+        decode = " ".join(f"{key}={value}" for key, value in self.engine.generation_stats().items())
+        self.ctx.log.info("task %d.%d: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s, rewards in %.3f s, "
                           "weights v%d", task.step, task.slot, len(requests), tokens, generated,
-                          tokens / max(generated, 1e-9), scored, self.loaded_version)
+                          tokens / max(generated, 1e-9), f" [decode {decode}]" if decode else "", scored,
+                          self.loaded_version)
         return RolloutAnswer(results=results).model_dump(mode="json")
 
     def _scored(self, task: TaskRow, request: RolloutRequest, prompt_ids: list[int], outs: list[Any],

@@ -2,8 +2,9 @@
 
 `Engine.generate(prompts, n, seeds, params)` answers a whole rollout task: one group of n completions
 per prompt, in order. The transformers engine's batched path (StaticDecoder, the default on CUDA) runs
-eagerly on the CPU with `compiled=True`, so its padding, masking and sampling are tested here; vLLM is
-tested against a fake `vllm` module (the real one only on a GPU)."""
+eagerly on the CPU with `compiled=True`, so its padding, masking, sampling and row refills are tested
+here (test_static_decode.py tests the decoder itself); vLLM is tested against a fake `vllm` module
+(the real one only on a GPU)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,26 @@ def test_the_batched_path_gives_the_same_tokens_for_the_same_seeds(batched, engi
     assert [[c.logprobs for c in group] for group in again] == [[c.logprobs for c in group] for group in first]
     assert [[c.ids for c in group] for group in fresh] == ids
     assert [[c.ids for c in group] for group in batched.generate(prompts, 2, [9, 5, 6], params)] != ids
+
+
+def test_with_fewer_rows_than_completions_each_prompt_still_gets_its_n_completions_in_order(engine, spec,
+                                                                                          tokenizer) -> None:
+    """max_rows=4 for 3 prompts x 3: rows are refilled as completions end (every odd id is an EOS here), and
+    each group is still its own prompt's n completions: each one's logprobs are those of that prompt."""
+    prompts = _prompts(tokenizer)
+    model = load_model(spec, "cpu")
+    model.generation_config.eos_token_id = list(range(1, 49152, 2))
+    refilling = TransformersEngine(model, tokenizer, compiled=True, max_rows=4)
+    groups = refilling.generate(prompts, 3, [5, 6, 7], GenerationParams(max_tokens=10, temperature=0.8))
+    assert [len(group) for group in groups] == [3, 3, 3]
+    stats = refilling.generation_stats()
+    assert stats["rows"] == 4 and stats["refills"] == 9 - 4 and 0 < stats["useful_fraction"] <= 1
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            assert len(c.ids) == len(c.logprobs) <= 10
+            expected = _recomputed_logprobs(refilling.model, prompt, c.ids, 0.8)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=1e-4)
+    assert engine.generation_stats() == {}  # the per-prompt path measures nothing
 
 
 def test_the_batched_path_cuts_each_completion_at_its_first_eos(spec, tokenizer) -> None:

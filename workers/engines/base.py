@@ -78,6 +78,10 @@ class Engine(abc.ABC):
                  params: GenerationParams) -> list[list[Completion]]:
         """`n` completions of each prompt (prompt i sampled with seeds[i]), one list per prompt."""
 
+    def generation_stats(self) -> dict[str, float]:
+        """What the last `generate` measured about itself, for the worker's log (empty: nothing)."""
+        return {}
+
     @abc.abstractmethod
     def load_weights(self, path: str) -> None:
         """Replace the weights with those published at `path` (a folder with model.safetensors)."""

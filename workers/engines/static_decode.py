@@ -1,39 +1,68 @@
-"""A decode loop over a static KV cache whose every step is one compiled CUDA graph, sampling included.
+"""A decode loop over a static KV cache of fixed rows, refilled as sequences end; every decode step
+is one compiled CUDA graph, sampling included.
 
 Who calls it: mortal.workers.engines.transformers_engine on CUDA, one `StaticDecoder.generate` per
-batch of left-padded prompts (all completions of all the prompts of a rollout task at once).
+rollout task: all completions of all its prompts (each prompt repeated n times, left-padded to one
+width P) are the task's SEQUENCES, decoded in a fixed order.
 
 Why not transformers' `generate` (even with its static cache and auto-compile): per token it runs
 logits processors, stopping criteria and score bookkeeping in Python and reads a flag back from the
 GPU, so the GPU waits for Python at every token. Measured on an H100, 64 sequences x 256 tokens of a
 0.5B model took 1.2 s that way, most of it idle GPU. Here one decode step (the model's forward over
 the static cache, temperature / top-k / top-p, sampling, the sampled token's logprob) is compiled
-with `mode="reduce-overhead"` into a CUDA graph; Python only replays it and reads the GPU back every
-`SYNC_EVERY` tokens to stop early once every sequence has ended. vLLM does the same with its own
-kernels; this keeps the transformers model (any architecture it supports, new weights copied into
-the same tensors) and needs nothing else installed.
+and recorded as a CUDA graph; Python only replays it and reads the GPU back every `sync_every`
+steps. vLLM does the same with its own kernels; this keeps the transformers model (any
+architecture whose layers are all full attention, new weights copied into the same tensors).
 
-The loop, for a batch of B rows left-padded to P tokens and T = max_tokens:
-    1. prefill (eager): the prompt through the model into a fresh StaticCache of P + T slots, with a
-       4-D additive mask (a row's padding is never attended) and positions counted from each row's
-       first real token; sample token 1 from the last position.
-    2. decode t = 2..T (graph replays): feed token t-1 at slot P + t - 2, unmask that slot, sample.
-       A row that has sampled an end-of-sequence id keeps running (fixed shapes) but its later
-       tokens are discarded by the caller's cut at the first EOS.
-Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which picks token i with
-probability p_i, from torch's CUDA generator: the same seed, batch and weights give the same tokens
-on one machine. What it must not do: change the model's weights or parameters (the engine owns them)
-or hold more than one cache per shape (each costs B x (P + T) x layers of KV memory).
+Continuous batching: the cache has R ROWS (R = the sequences when they are at most `max_rows`, else
+`max_rows`), each of P + T columns (T = max_tokens): a row holds one sequence, its prompt in columns
+0..P-1 and its token j written at column P + j. Completions end at EOS at very different lengths;
+instead of running a batch until its longest row ends, a row whose sequence has ended is refilled
+with the next waiting sequence. Each row keeps its own token index t, position and attention mask,
+all tensors of the DecodeState, so the step stays one fixed-shape graph (RowCache scatters each
+row's new K/V at that row's own column). The loop, for S sequences:
+    1. fill (eager): prefill the first R sequences into the R rows, sample each one's first token.
+    2. replay the step until the next check: each live row feeds its last token at column
+       P + t - 1, unmasks that column and samples token t; a row at t = T (max_tokens reached) keeps
+       replaying but writes nowhere that is read. Rows that sampled an EOS keep going too (fixed
+       shapes); what follows their EOS is cut by the caller (cut_at_eos).
+    3. check (one GPU read-back) every sync_every steps, and at the step a row reaches T (Python
+       counts each row's t itself, no read-back needed for that): a row whose sequence sampled an
+       EOS or reached T has finished.
+    4. copy each finished row's tokens out to its sequence, refill those rows with the next waiting
+       sequences (one eager prefill of them all, into their rows only); rows with none to take idle.
+    5. stop once no row is live.
+With R = S nothing is refilled and the decode is the single batch it was before this change (the
+same tokens, bit for bit). With S > R the GPU keeps R live sequences running instead of running
+batch after batch to each one's longest row.
+
+Determinism: sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which picks
+token i with probability p_i, from torch's generator; which sequence goes into which row and when
+depends only on the tokens sampled. So the same sequences, seed, weights and `max_rows` give the
+same tokens on one machine; `max_rows` is part of what the tokens depend on (as the GPU model is).
+Shapes: a step is captured per (R, P, T, sampling) and the `kept_shapes` most recent are kept, so a
+worker whose tasks alternate between two prompt widths replays both without capturing again. Each
+kept shape costs its KV cache, R x (P + T) x layers x 2 x kv_heads x head_dim x dtype bytes (for a
+0.5B Qwen2.5 in bf16 at R=256, P+T=576: 256 x 576 x 24 x 2 x 2 x 64 x 2 B = 1.7 GB), plus its
+graph's private memory pool (one step's activations and R x vocab float32 logits, a few hundred MB).
+What it must not do: change the model's weights or parameters (the engine owns them), mix sequences
+of different tasks in one call (exact resume replays a task as one unit), or read the GPU back
+inside the step (no .item(), no Python branching on tensor values: the graph replays blind).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import StaticCache, StaticLayer
 
-SYNC_EVERY = 32  # decode steps between checks that every row has ended (each check waits for the GPU)
+SYNC_EVERY = 32  # decode steps between checks for ended rows (each check waits for the GPU)
+DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
+DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 
 
 @dataclass(frozen=True)
@@ -68,78 +97,265 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-class DecodeState:
-    """The tensors one decode step reads and writes in place: a captured graph replays over exactly these."""
+@dataclass(frozen=True)
+class DecodeStats:
+    """How much of one generate's sampling was useful; the engine hands it to the worker's log."""
 
-    def __init__(self, batch: int, prompt_len: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
+    rows: int
+    sequences: int
+    decode_steps: int  # step replays; each samples one token in every row
+    refills: int  # sequences prefilled into a row that had held another sequence
+    useful_tokens: int  # tokens up to and including each sequence's first EOS (or all T)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the GPU sampled: every row at every step, and each sequence's first token at its prefill."""
+        return self.rows * self.decode_steps + self.sequences
+
+    @property
+    def useful_fraction(self) -> float:
+        return self.useful_tokens / max(self.sampled_tokens, 1)
+
+
+class RowWrites:
+    """Where the layers of one RowCache write: shared by all of them, set by the decoder.
+
+    `columns` [R]: in a decode step, the cache column each row writes its one new K/V to (a tensor of
+    the DecodeState, updated in place inside the step). `prefill_rows`: during an eager prefill, the
+    rows being filled (their prompts go to columns 0..P-1); None during decode steps."""
+
+    def __init__(self, columns: torch.Tensor) -> None:
+        self.columns = columns
+        self.every_row = torch.arange(columns.shape[0], device=columns.device)
+        self.prefill_rows: torch.Tensor | None = None
+
+
+class RowScatterLayer(StaticLayer):
+    """A StaticLayer whose rows are written at their own columns instead of one shared position.
+
+    Allocated for all R rows up front (never lazily from the first prefill, which fills fewer), so a
+    graph can be captured before any prefill. The decode update is one indexed write per tensor:
+    fixed shapes, indices read from `writes.columns`, safe to record in a CUDA graph."""
+
+    def __init__(self, max_cache_len: int, rows: int, writes: RowWrites, **kwargs: Any) -> None:
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.rows = rows
+        self.writes = writes
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate [R, heads, P + T, head_dim] whatever batch the first call brings."""
+        heads = key_states.shape[1]
+        keys = key_states.new_zeros(self.rows, heads, 0, key_states.shape[-1])
+        values = value_states.new_zeros(self.rows, heads, 0, value_states.shape[-1])
+        super().lazy_initialization(keys, values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.writes.prefill_rows is not None:
+            return self._prefill(self.writes.prefill_rows, key_states, value_states)
+        return self._decode(key_states, value_states)
+
+    def _prefill(self, rows: torch.Tensor, key_states: torch.Tensor,
+                 value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager: the prompts of `rows` into columns 0..P-1; returns those rows' full K/V."""
+        width = key_states.shape[2]
+        self.keys[rows, :, :width] = key_states
+        self.values[rows, :, :width] = value_states
+        return self.keys.index_select(0, rows), self.values.index_select(0, rows)
+
+    def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new K/V per row at that row's own column (graph-safe); returns the whole cache.
+
+        Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
+        scatter_ may be compiled as a copy of the whole cache per layer and step."""
+        self.keys[self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
+        self.values[self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
+        return self.keys, self.values
+
+
+class RowCache(StaticCache):
+    """transformers' StaticCache with every layer a RowScatterLayer; allocated at construction."""
+
+    def __init__(self, model: Any, rows: int, max_cache_len: int, writes: RowWrites) -> None:
+        super().__init__(config=model.config, max_cache_len=max_cache_len)
+        kinds = {type(layer) for layer in self.layers}
+        if kinds != {StaticLayer}:
+            raise ValueError(f"StaticDecoder refills rows of full-attention layers only; this model's cache has "
+                             f"{sorted(kind.__name__ for kind in kinds)} layers: use the vllm engine, or the "
+                             f"transformers engine with compiled=False")
+        self.layers = [RowScatterLayer(max_cache_len, rows, writes) for _ in self.layers]
+        self.writes = writes
+        config = model.config.get_text_config(decoder=True)
+        param = next(model.parameters())
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.early_initialization(rows, kv_heads, head_dim, param.dtype, param.device)
+
+
+class DecodeState:
+    """The tensors one decode step reads and writes in place, one entry per row: a captured graph
+    replays over exactly these, and Python refills rows by writing into them between replays."""
+
+    def __init__(self, rows: int, prompt_len: int, max_tokens: int, vocab: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         length = prompt_len + max_tokens
-        self.prompt_len = prompt_len
-        self.last_token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.mask = torch.zeros(batch, 1, 1, length, dtype=dtype, device=device)  # additive
-        self.t = torch.zeros(1, dtype=torch.long, device=device)  # index of the token being sampled
-        self.tokens = torch.zeros(batch, max_tokens, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(batch, max_tokens, dtype=torch.float32, device=device)
+        self.prompt_len, self.max_tokens = prompt_len, max_tokens
+        self.last_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.t = torch.zeros(rows, dtype=torch.long, device=device)  # index of the token each row samples next
+        self.columns = torch.zeros(rows, dtype=torch.long, device=device)  # the cache column each row writes
+        self.mask = torch.zeros(rows, 1, 1, length, dtype=dtype, device=device)  # additive
+        self.ended = torch.zeros(rows, dtype=torch.bool, device=device)  # sampled a stop id
+        self.stop = torch.zeros(vocab, dtype=torch.bool, device=device)  # per token id: ends a sequence
+        # Column T is where a row that reached max_tokens writes (never read).
+        self.tokens = torch.zeros(rows, max_tokens + 1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, max_tokens + 1, dtype=torch.float32, device=device)
+
+
+@dataclass
+class PreparedShape:
+    """Everything kept for one (rows, prompt width, max_tokens, sampling)."""
+
+    cache: RowCache
+    state: DecodeState
+    advance: Callable[[], None]  # replays (or runs) one decode step over `state`
+
+
+class RowSchedule:
+    """Which sequence each row holds and when Python must look at the GPU again; pure bookkeeping.
+
+    Sequences are handed out in order. Every step advances every live row's token index t by one
+    until T, so t is known here without a read-back; only "sampled an EOS" needs one."""
+
+    def __init__(self, rows: int, sequences: int, max_tokens: int, sync_every: int = SYNC_EVERY) -> None:
+        self.max_tokens = max_tokens
+        self.sync_every = sync_every
+        self.sequences = sequences
+        self.held: list[int | None] = [None] * rows  # the sequence whose tokens are in the row's buffer
+        self.live = [False] * rows
+        self.t = [0] * rows
+        self.next_waiting = 0
+        self.refills = 0
+
+    def assign(self, rows: list[int]) -> list[tuple[int, int, int | None]]:
+        """Give the next waiting sequences to these free rows, in order: (row, sequence, sequence it held)."""
+        given = []
+        for row in rows:
+            if self.next_waiting == self.sequences:
+                break
+            given.append((row, self.next_waiting, self.held[row]))
+            self.refills += self.held[row] is not None
+            self.held[row], self.live[row], self.t[row] = self.next_waiting, True, 1
+            self.next_waiting += 1
+        return given
+
+    def advance(self, steps: int) -> None:
+        self.t = [min(t + steps, self.max_tokens) if live else t
+                  for t, live in zip(self.t, self.live, strict=True)]
+
+    def steps_to_check(self, steps_done: int) -> int:
+        """Steps until the next check: the next multiple of sync_every, or sooner if a live row reaches T."""
+        to_sync = self.sync_every - steps_done % self.sync_every
+        to_limit = min((self.max_tokens - t for t, live in zip(self.t, self.live, strict=True) if live),
+                       default=to_sync)
+        return min(to_sync, to_limit)
+
+    def finish(self, ended: list[bool]) -> list[int]:
+        """Mark live rows that sampled an EOS or reached T as finished; returns them, in row order."""
+        done = [row for row, live in enumerate(self.live)
+                if live and (ended[row] or self.t[row] >= self.max_tokens)]
+        for row in done:
+            self.live[row] = False
+        return done
+
+    @property
+    def any_live(self) -> bool:
+        return any(self.live)
 
 
 class StaticDecoder:
-    """Batched sampling for one model on one device; one graph is captured per shape and sampling.
+    """Continuous-batched sampling for one model on one device; a step is captured per shape and sampling.
 
-    `compile` False runs the same step eagerly, without a graph (CPU tests of the loop itself)."""
+    `compile` False runs the same step eagerly, without a graph (CPU tests of the loop itself).
+    `max_rows`: the most rows decoded at once (more sequences wait and refill ended rows).
+    `kept_shapes`: how many prepared shapes (cache + graph) are kept; the least recently used goes.
+    `sync_every`: decode steps between read-backs that look for ended rows.
+    After each generate, `last_stats` says how much of the sampling was useful; `preparations`
+    counts the shapes prepared (captured, on CUDA) since construction."""
 
-    def __init__(self, model: Any, compile: bool = True) -> None:
+    def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
+                 kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY) -> None:
+        if min(max_rows, kept_shapes, sync_every) < 1:
+            raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
+                             f"must be at least 1")
         self.model = model
         self.compile = compile
+        self.max_rows = max_rows
+        self.kept_shapes = kept_shapes
+        self.sync_every = sync_every
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._shape: tuple[int, int, int, Sampling] | None = None
-        self._cache: Any = None
-        self._state: DecodeState | None = None
-        self._advance: Any = None  # replays (or runs) one decode step over self._state
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self._shapes: OrderedDict[tuple[int, int, int, Sampling], PreparedShape] = OrderedDict()
+        self.preparations = 0
+        self.last_stats: DecodeStats | None = None
 
-    def _prepare(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> None:
-        """Cache, state and captured step for this shape (one shape at a time: KV memory is the cost)."""
-        from transformers import StaticCache
+    def _prepare(self, rows: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> PreparedShape:
+        """The kept cache, state and step for this shape, or new ones (evicting the least recently used)."""
+        key = (rows, prompt_len, max_tokens, sampling)
+        if key in self._shapes:
+            self._shapes.move_to_end(key)
+            return self._shapes[key]
+        while len(self._shapes) >= self.kept_shapes:
+            self._shapes.popitem(last=False)
+        state = DecodeState(rows, prompt_len, max_tokens, self.vocab, self.dtype, self.device)
+        cache = RowCache(self.model, rows, prompt_len + max_tokens, RowWrites(state.columns))
+        step = self._step_function(cache, state, sampling)
+        prepared = PreparedShape(cache, state, self._capture(cache, step) if self.compile else step)
+        self._shapes[key] = prepared
+        self.preparations += 1
+        return prepared
 
-        shape = (batch, prompt_len, max_tokens, sampling)
-        if shape == self._shape:
-            return
-        self._shape, self._advance = None, None
-        self._cache = StaticCache(config=self.model.config, max_cache_len=prompt_len + max_tokens)
-        self._state = DecodeState(batch, prompt_len, max_tokens, self.dtype, self.device)
-        step = self._step_function(self._cache, self._state, sampling)
-        self._advance = self._capture(step) if self.compile else step
-        self._shape = shape
-
-    def _step_function(self, cache: Any, state: DecodeState, sampling: Sampling) -> Any:
-        model = self.model
-        forward = torch.compile(model, dynamic=False) if self.compile else model
+    def _step_function(self, cache: RowCache, state: DecodeState, sampling: Sampling) -> Callable[[], None]:
+        """One decode step over every row: fixed-shape tensor ops only (it is recorded as a CUDA graph)."""
+        forward = torch.compile(self.model, dynamic=False) if self.compile else self.model
+        last_column = state.prompt_len - 1
+        max_tokens = state.max_tokens
 
         def step() -> None:
-            slot = state.t + (state.prompt_len - 1)  # the cache slot the previous token is written to
-            state.mask.index_fill_(3, slot, 0.0)
+            # 1. each row writes the token it sampled last at its own column (P + t - 1) and unmasks it
+            torch.add(state.t, last_column, out=state.columns)
+            state.mask.scatter_(3, state.columns.view(-1, 1, 1, 1), 0.0)
+            # 2. one token per row through the model, sampled
             logits = forward(input_ids=state.last_token, position_ids=state.positions, attention_mask=state.mask,
                              past_key_values=cache, use_cache=True).logits[:, -1]
             token, logprob = sample(logits, sampling)
-            state.tokens.index_copy_(1, state.t, token[:, None])
-            state.logprobs.index_copy_(1, state.t, logprob[:, None])
+            # 3. recorded at each row's t (a row past max_tokens writes the spare column T)
+            out = state.t.clamp(max=max_tokens)[:, None]
+            state.tokens.scatter_(1, out, token[:, None])
+            state.logprobs.scatter_(1, out, logprob[:, None])
+            state.ended.logical_or_(state.stop[token])
+            # 4. rows below max_tokens move on; a row at T stays there
+            live = (state.t < max_tokens).long()
             state.last_token.copy_(token[:, None])
-            state.positions.add_(1)
-            state.t.add_(1)
+            state.positions.add_(live[:, None])
+            state.t.add_(live)
 
         return step
 
-    def _capture(self, step: Any) -> Any:
+    def _capture(self, cache: RowCache, step: Callable[[], None]) -> Callable[[], None]:
         """Warm up (compiles) on a side stream, then record one step as a CUDA graph; returns its replay.
 
-        The warm-up runs write the cache and state; generate() resets both before every batch."""
+        The warm-ups write the cache and state; generate() resets both before every call."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         # The warm-ups sample too: in a forked RNG, so the caller's seeded stream is the same whether or not
         # this call captured (else a worker's first batch of a shape would differ from a warm worker's).
         with torch.random.fork_rng(devices=[self.device]), torch.cuda.stream(side):
             for _ in range(2):
-                self._cache.reset()
+                cache.reset()
                 step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -150,36 +366,125 @@ class StaticDecoder:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int,
                  sampling: Sampling, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, T], logprobs [B, T]) for left-padded prompts; rows run on past their EOS."""
-        batch, prompt_len = input_ids.shape
-        self._prepare(batch, prompt_len, max_tokens, sampling)
-        cache, state = self._cache, self._state
-        cache.reset()
-        real = attention_mask.to(self.device, torch.bool)
-        length = prompt_len + max_tokens
-        blocked = torch.finfo(self.dtype).min
-        visible = torch.zeros(batch, length, dtype=torch.bool, device=self.device)
-        visible[:, :prompt_len] = real
-        causal = torch.ones(prompt_len, length, dtype=torch.bool, device=self.device).tril()
-        pad_rows_see_themselves = torch.eye(prompt_len, length, dtype=torch.bool, device=self.device)
-        prefill_mask = (visible[:, None, None, :] & causal[None, None]) | pad_rows_see_themselves[None, None]
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=input_ids.to(self.device), position_ids=positions,
-                            attention_mask=self._additive(prefill_mask, blocked), past_key_values=cache,
-                            use_cache=True).logits[:, -1]
-        token, logprob = sample(logits, sampling)
-        state.tokens[:, 0], state.logprobs[:, 0] = token, logprob
-        state.last_token.copy_(token[:, None])
-        state.positions.copy_(positions[:, -1:] + 1)
-        state.mask.copy_(self._additive(visible[:, None, None, :], blocked))
-        state.t.fill_(1)
-        stop = torch.tensor(eos_ids, device=self.device)
-        for t in range(1, max_tokens):
-            self._advance()
-            if t % SYNC_EVERY == 0 and bool(torch.isin(state.tokens[:, : t + 1], stop).any(-1).all()):
-                return state.tokens[:, : t + 1].clone(), state.logprobs[:, : t + 1].clone()
-        return state.tokens.clone(), state.logprobs.clone()
+        """(tokens [S, T'], logprobs [S, T']) for S left-padded prompts, in their order; T' is the longest
+        completion's length. What follows a sequence's first EOS is junk the caller cuts (cut_at_eos)."""
+        sequences, prompt_len = input_ids.shape
+        rows = min(sequences, self.max_rows)
+        shape = self._prepare(rows, prompt_len, max_tokens, sampling)
+        shape.cache.reset()
+        shape.state.stop.zero_()
+        shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
+        prompts = _Prompts(input_ids.to(self.device), attention_mask.to(self.device, torch.bool), max_tokens,
+                           self.dtype)
+        outputs = _Outputs(sequences, max_tokens, self.device)
+        schedule = RowSchedule(rows, sequences, max_tokens, self.sync_every)
+        steps = self._decode(shape, prompts, schedule, sampling, outputs)
+        outputs.take(shape.state, [(row, seq) for row, seq in enumerate(schedule.held) if seq is not None])
+        lengths = outputs.lengths(shape.state.stop)
+        self.last_stats = DecodeStats(rows=rows, sequences=sequences, decode_steps=steps,
+                                      refills=schedule.refills, useful_tokens=sum(lengths))
+        longest = max(lengths)
+        return outputs.tokens[:, :longest].clone(), outputs.logprobs[:, :longest].clone()
 
-    def _additive(self, allowed: torch.Tensor, blocked: float) -> torch.Tensor:
+    def _decode(self, shape: PreparedShape, prompts: _Prompts, schedule: RowSchedule, sampling: Sampling,
+                outputs: _Outputs) -> int:
+        """The loop of the module docstring; returns the decode steps run."""
+        # 1. fill every row
+        self._fill(shape, prompts, schedule.assign(list(range(len(schedule.held)))), sampling, outputs)
+        steps = 0
+        while True:
+            # 2. replay until the next check
+            steps_run = schedule.steps_to_check(steps)
+            for _ in range(steps_run):
+                shape.advance()
+            schedule.advance(steps_run)
+            steps += steps_run
+            # 3. check: which live rows have finished (one read-back)
+            finished = schedule.finish(shape.state.ended.tolist())
+            # 4. refill them with waiting sequences
+            self._fill(shape, prompts, schedule.assign(finished), sampling, outputs)
+            # 5. stop once no row is live
+            if not schedule.any_live:
+                return steps
+
+    def _fill(self, shape: PreparedShape, prompts: _Prompts, given: list[tuple[int, int, int | None]],
+              sampling: Sampling, outputs: _Outputs) -> None:
+        """Eager: copy out what the rows held, prefill their new sequences' prompts into them, sample each
+        one's first token and reset the rows' state (t = 1, position, mask, ended)."""
+        if not given:
+            return
+        state = shape.state
+        outputs.take(state, [(row, old) for row, _, old in given if old is not None])
+        rows = torch.tensor([row for row, _, _ in given], device=self.device)
+        chosen = torch.tensor([seq for _, seq, _ in given], device=self.device)
+        ids, real = prompts.ids[chosen], prompts.real[chosen]
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+        shape.cache.writes.prefill_rows = rows
+        try:
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=prompts.prefill_mask(real),
+                                past_key_values=shape.cache, use_cache=True).logits[:, -1]
+        finally:
+            shape.cache.writes.prefill_rows = None
+        token, logprob = sample(logits, sampling)
+        state.tokens[rows, 0], state.logprobs[rows, 0] = token, logprob
+        state.last_token[rows] = token[:, None]
+        state.positions[rows] = positions[:, -1:] + 1
+        state.t[rows] = 1
+        state.ended[rows] = state.stop[token]
+        state.mask[rows] = prompts.decode_mask(real)
+
+
+class _Outputs:
+    """Every sequence's tokens and logprobs [S, T], in the task's order, copied out of the rows."""
+
+    def __init__(self, sequences: int, max_tokens: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(sequences, max_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(sequences, max_tokens, dtype=torch.float32, device=device)
+
+    def take(self, state: DecodeState, held: list[tuple[int, int]]) -> None:
+        """What rows hold, into their sequences' places: (row, sequence) pairs; a GPU copy, no read-back."""
+        if not held:
+            return
+        rows = torch.tensor([row for row, _ in held], device=self.tokens.device)
+        sequences = torch.tensor([seq for _, seq in held], device=self.tokens.device)
+        self.tokens.index_copy_(0, sequences, state.tokens[rows, : state.max_tokens])
+        self.logprobs.index_copy_(0, sequences, state.logprobs[rows, : state.max_tokens])
+
+    def lengths(self, stop: torch.Tensor) -> list[int]:
+        """Each sequence's length up to and including its first stop id (T if none); one read-back."""
+        stops = stop[self.tokens]
+        first = stops.long().argmax(-1) + 1
+        return torch.where(stops.any(-1), first, self.tokens.shape[1]).tolist()
+
+
+class _Prompts:
+    """The task's left-padded prompts and the masks a row needs when one of them is prefilled into it."""
+
+    def __init__(self, ids: torch.Tensor, real: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> None:
+        self.ids, self.real = ids, real
+        self.width = ids.shape[1]
+        self.length = self.width + max_tokens
+        self.dtype = dtype
+        self.blocked = torch.finfo(dtype).min
+        device = ids.device
+        self.causal = torch.ones(self.width, self.length, dtype=torch.bool, device=device).tril()
+        self.pad_rows_see_themselves = torch.eye(self.width, self.length, dtype=torch.bool, device=device)
+
+    def _visible(self, real: torch.Tensor) -> torch.Tensor:
+        """[k, P + T]: a row's real prompt columns (padding and not yet written columns are hidden)."""
+        visible = torch.zeros(real.shape[0], self.length, dtype=torch.bool, device=real.device)
+        visible[:, : self.width] = real
+        return visible
+
+    def prefill_mask(self, real: torch.Tensor) -> torch.Tensor:
+        """[k, 1, P, P + T] additive: causal over real tokens; a padding query sees itself (no empty row)."""
+        allowed = (self._visible(real)[:, None, None, :] & self.causal[None, None]) | self.pad_rows_see_themselves
+        return self._additive(allowed)
+
+    def decode_mask(self, real: torch.Tensor) -> torch.Tensor:
+        """[k, 1, 1, P + T] additive: the prompt's real columns; each step unmasks the column it writes."""
+        return self._additive(self._visible(real)[:, None, None, :])
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """An additive mask in the model's dtype (works for eager and SDPA attention alike)."""
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, blocked)
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(~allowed, self.blocked)

@@ -4,13 +4,16 @@ Who calls it: mortal.workers.rollout through the Engine interface (base.py says 
 - CPU (and `compiled=False`): `model.generate` on one prompt at a time, `num_return_sequences=n`,
   no padding, seeded inside a forked RNG so the worker's global RNG is untouched: a prompt's tokens
   are bit-for-bit reproducible whichever worker runs it, which exact resume relies on.
-- CUDA: all completions of all the task's prompts in ONE batch through `StaticDecoder` (a static
-  KV cache and one CUDA graph per decode step, sampling included; static_decode.py says why).
-  Prompts are left-padded to a multiple of PROMPT_BUCKET tokens, so a handful of shapes cover
-  every prompt (each new shape is captured once); the batch is seeded with its first prompt's seed.
-  Measured on an H100 (bench/decode_speed.py): 64 x 256 tokens in 0.82 s, against 1.55 s for
-  transformers' own compiled `generate`. The graphs belong to the thread that captured them, so
-  every batched generate of the process runs on one thread of its own, whichever thread asks.
+- CUDA: all completions of all the task's prompts in ONE `StaticDecoder.generate` (a static KV
+  cache of at most `max_rows` rows, refilled as completions end, and one CUDA graph per decode
+  step, sampling included; static_decode.py says why). Prompts are left-padded to a multiple of
+  PROMPT_BUCKET tokens, so a handful of shapes cover every prompt (the decoder keeps the most recent
+  shapes captured); the call is seeded with its first prompt's seed. Its tokens depend on
+  `max_rows` too (which sequences share a step): keep it the same across a run's workers.
+  Measured on an H100 (bench/decode_speed.py, before rows were refilled; not measured since): 64 x
+  256 tokens in 0.82 s, against 1.55 s for transformers' own compiled `generate`. The graphs
+  belong to the thread that captured them, so every batched generate of the process runs on one
+  thread of its own, whichever thread asks.
 The model's own generation_config (hub defaults such as top_k=50 or a repetition penalty) is never
 read: the spec alone decides how tokens are sampled, as TRL's GenerationConfig does. Logprobs are
 those of the distribution sampled from, temperature, top-k and top-p applied. New weights are
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
-from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+from mortal.workers.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import default_device, load_model
 from mortal.workers.weights import WeightsError, load_published
@@ -42,8 +45,10 @@ _GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mortal-bat
 class TransformersEngine(Engine):
     name = "transformers"
 
-    def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None) -> None:
-        """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere."""
+    def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None,
+                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere.
+        `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows)."""
         from transformers import GenerationConfig
 
         self.model = model
@@ -57,7 +62,8 @@ class TransformersEngine(Engine):
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=pad
         )
-        self.decoder = StaticDecoder(model, compile=self.device.type == "cuda") if self.compiled else None
+        self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows)
+                        if self.compiled else None)
 
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None) -> TransformersEngine:
@@ -87,6 +93,15 @@ class TransformersEngine(Engine):
         if self.decoder is not None:
             return _GRAPH_THREAD.submit(self._generate_batch, prompts, n, seeds[0], params).result()
         return [self._generate_one(prompt, n, seed, params) for prompt, seed in zip(prompts, seeds, strict=True)]
+
+    def generation_stats(self) -> dict[str, float]:
+        """The batched path's last decode: rows, steps, refills and the share of sampled tokens that were
+        kept (up to each completion's EOS); empty on the per-prompt path."""
+        stats = self.decoder.last_stats if self.decoder is not None else None
+        if stats is None:
+            return {}
+        return {"rows": stats.rows, "decode_steps": stats.decode_steps, "refills": stats.refills,
+                "useful_fraction": round(stats.useful_fraction, 3)}
 
     def _left_padded(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask of every prompt repeated n times, left-padded to the bucket."""

@@ -1,0 +1,259 @@
+"""StaticDecoder: continuous batching over a fixed number of rows, refilled as sequences end.
+
+A task's sequences (each prompt x n, left-padded to one width) are decoded R rows at a time; a row
+whose sequence has sampled an EOS or reached max_tokens takes the next waiting sequence. These tests
+run the eager step (`compile=False`) on the CPU with a tiny random-init model: a refilled row's
+tokens have the model's own logprobs, the refill schedule is deterministic per seed, R = all
+sequences is the single batch of before, and alternating prompt widths reuse the kept shapes. The
+compiled CUDA-graph path is checked by the GPU test at the end (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import assets_available, make_tiny_model
+
+from mortal.workers.engines.base import cut_at_eos
+from mortal.workers.engines.static_decode import (
+    SYNC_EVERY,
+    RowSchedule,
+    Sampling,
+    StaticDecoder,
+    processed_logprobs,
+    sample,
+)
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+FREQUENT_EOS = list(range(3, 49152, 9))  # one id in nine ends a sequence: most end within a few tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("decode") / "model", seed=0)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _left_padded(prompts: list[list[int]], n: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt n times, left-padded to `width` (default: the longest), as the engine builds them."""
+    width = width or max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts for _ in range(n)])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(n)])
+    return ids, mask
+
+
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int]) -> list:
+    return [cut_at_eos(ids, lps, eos_ids) for ids, lps in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+
+
+def _teacher_forced(model, prompt: list[int], ids: list[int], sampling: Sampling) -> torch.Tensor:
+    """The processed logprobs of `ids` after the unpadded `prompt`, from one plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    return processed_logprobs(logits, sampling).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+
+
+def _decode(decoder: StaticDecoder, prompts, n: int, max_tokens: int, eos_ids: list[int], seed: int = 0,
+            sampling: Sampling = PLAIN, width: int | None = None) -> list:
+    ids, mask = _left_padded(prompts, n, width)
+    torch.manual_seed(seed)
+    return _completions(*decoder.generate(ids, mask, max_tokens, sampling, eos_ids), eos_ids)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_every_sequence_of_a_refilled_row_has_the_logprobs_of_a_plain_forward_pass(model, temperature) -> None:
+    """4 rows, 15 sequences of three prompt lengths: rows are refilled many times (a new prompt's K/V
+    over the columns a longer or shorter one had written), and each sequence's logprobs are still
+    those of its own unpadded prompt + completion in one teacher-forced forward."""
+    prompts, n, max_tokens = _prompts([5, 11, 3, 8, 13]), 3, 24
+    sampling = Sampling(temperature=temperature, top_k=0, top_p=1.0)
+    decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=4)
+    outs = _decode(decoder, prompts, n, max_tokens, FREQUENT_EOS, seed=1, sampling=sampling)
+    stats = decoder.last_stats
+    assert (stats.rows, stats.sequences) == (4, 15)
+    assert stats.refills == 15 - 4, "every sequence after the first four went into a row that held another"
+    lengths = [len(c.ids) for c in outs]
+    assert min(lengths) < max_tokens and len(set(lengths)) > 3, "completions end at EOS at different lengths"
+    for i, c in enumerate(outs):
+        expected = _teacher_forced(model, prompts[i // n], c.ids, sampling)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sequence_ends_at_its_first_eos_or_at_max_tokens_and_the_stats_count_what_was_kept(model) -> None:
+    prompts, max_tokens = _prompts([6, 9, 4]), 12
+    decoder = StaticDecoder(model, compile=False, max_rows=2, sync_every=3)
+    ids, mask = _left_padded(prompts, 4)
+    torch.manual_seed(3)
+    tokens, logprobs = decoder.generate(ids, mask, max_tokens, PLAIN, FREQUENT_EOS)
+    outs = _completions(tokens, logprobs, FREQUENT_EOS)
+    stop = set(FREQUENT_EOS)
+    assert len(outs) == 12 and tokens.shape[1] == max(len(c.ids) for c in outs) <= max_tokens
+    for c in outs:
+        assert len(c.ids) == len(c.logprobs) and not stop & set(c.ids[:-1])
+        assert c.ids[-1] in stop or len(c.ids) == max_tokens
+    stats = decoder.last_stats
+    assert stats.useful_tokens == sum(len(c.ids) for c in outs)
+    assert stats.sampled_tokens == 2 * stats.decode_steps + 12
+    assert 0 < stats.useful_fraction <= 1
+
+
+def test_the_same_seed_gives_the_same_tokens_and_refill_schedule(model) -> None:
+    prompts = _prompts([5, 11, 3])
+    first_decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=4)
+    first = _decode(first_decoder, prompts, 4, 20, FREQUENT_EOS, seed=7)
+    again = _decode(first_decoder, prompts, 4, 20, FREQUENT_EOS, seed=7)
+    fresh_decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=4)
+    fresh = _decode(fresh_decoder, prompts, 4, 20, FREQUENT_EOS, seed=7)
+    assert again == first and fresh == first  # ids and logprobs, bit for bit
+    assert fresh_decoder.last_stats == first_decoder.last_stats
+    assert _decode(first_decoder, prompts, 4, 20, FREQUENT_EOS, seed=8) != first
+
+
+def _single_batch_reference(model, input_ids, mask, max_tokens: int, sampling: Sampling):
+    """The decoder before rows were refilled, eagerly: one StaticCache batch, every row writing the same
+    slot at every step, all T tokens (what follows an EOS included)."""
+    from transformers import StaticCache
+
+    batch, width = input_ids.shape
+    length = width + max_tokens
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    real = mask.bool()
+    visible = torch.zeros(batch, length, dtype=torch.bool)
+    visible[:, :width] = real
+    causal = torch.ones(width, length, dtype=torch.bool).tril()
+    allowed = (visible[:, None, None] & causal) | torch.eye(width, length, dtype=torch.bool)
+
+    def additive(keep: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=additive(allowed),
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        token, logprob = sample(logits, sampling)
+        tokens, logprobs = [token], [logprob]
+        step_mask, position = additive(visible[:, None, None]), positions[:, -1:] + 1
+        for t in range(1, max_tokens):
+            step_mask[..., width + t - 1] = 0.0
+            logits = model(input_ids=token[:, None], position_ids=position, attention_mask=step_mask,
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+            token, logprob = sample(logits, sampling)
+            tokens.append(token), logprobs.append(logprob)
+            position = position + 1
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+@pytest.mark.parametrize("eos_ids", [[-1], FREQUENT_EOS], ids=["no-eos", "frequent-eos"])
+def test_rows_for_all_sequences_decode_the_single_batch_of_before(model, eos_ids) -> None:
+    """When every sequence has a row nothing is refilled: the same tokens and logprobs as the single
+    batch decoded to its longest row (the same random draws, in the same order)."""
+    prompts, max_tokens = _prompts([5, 11, 3]), 16
+    ids, mask = _left_padded(prompts, 3)
+    torch.manual_seed(4)
+    expected = _completions(*_single_batch_reference(model, ids, mask, max_tokens, PLAIN), eos_ids)
+    decoder = StaticDecoder(model, compile=False)  # max_rows 256 >= 9 sequences
+    got = _decode(decoder, prompts, 3, max_tokens, eos_ids, seed=4)
+    assert [c.ids for c in got] == [c.ids for c in expected]
+    torch.testing.assert_close([c.logprobs for c in got], [c.logprobs for c in expected], atol=1e-6, rtol=0)
+    assert decoder.last_stats.refills == 0 and decoder.last_stats.rows == 9
+
+
+def test_alternating_prompt_widths_reuse_the_kept_shapes(model) -> None:
+    """Tasks alternate between two prompt widths: each shape is prepared (captured, on CUDA) once and
+    kept; a third shape evicts the least recently used; kept_shapes=1 prepares at every switch."""
+    prompts = _prompts([5, 9])
+    decoder = StaticDecoder(model, compile=False, max_rows=4)
+    first = [_decode(decoder, prompts, 2, 6, [-1], seed=1, width=width) for width in (16, 32, 16, 32)]
+    assert decoder.preparations == 2
+    assert first[2] == first[0] and first[3] == first[1], "a kept shape decodes as a fresh one"
+    _decode(decoder, prompts, 2, 6, [-1], width=48)  # evicts width 16
+    _decode(decoder, prompts, 2, 6, [-1], width=32)
+    assert decoder.preparations == 3
+    _decode(decoder, prompts, 2, 6, [-1], width=16)
+    assert decoder.preparations == 4
+    single = StaticDecoder(model, compile=False, max_rows=4, kept_shapes=1)
+    for width in (16, 32, 16, 32):
+        _decode(single, prompts, 2, 6, [-1], width=width)
+    assert single.preparations == 4
+
+
+def test_one_token_completions_refill_every_row_at_once(model) -> None:
+    """max_tokens=1: every sequence is done at its prefill; rows are refilled without a decode step."""
+    decoder = StaticDecoder(model, compile=False, max_rows=2)
+    outs = _decode(decoder, _prompts([4, 7, 5]), 2, 1, [-1])
+    assert [len(c.ids) for c in outs] == [1] * 6
+    assert (decoder.last_stats.decode_steps, decoder.last_stats.refills) == (0, 4)
+
+
+def test_row_schedule_hands_out_sequences_in_order_and_checks_when_a_row_reaches_max_tokens() -> None:
+    schedule = RowSchedule(rows=3, sequences=5, max_tokens=10, sync_every=4)
+    assert schedule.assign([0, 1, 2]) == [(0, 0, None), (1, 1, None), (2, 2, None)]
+    assert schedule.steps_to_check(0) == 4
+    schedule.advance(4)
+    assert schedule.finish([False, True, False]) == [1]  # row 1 sampled an EOS
+    assert schedule.assign([1]) == [(1, 3, 1)] and schedule.refills == 1
+    assert schedule.steps_to_check(4) == 4
+    schedule.advance(4)  # rows 0 and 2 at t=9, row 1 at t=5
+    assert schedule.steps_to_check(8) == 1, "row 0 and 2 reach max_tokens before the next sync"
+    schedule.advance(1)
+    assert schedule.finish([False, False, False]) == [0, 2]
+    assert schedule.assign([0, 2]) == [(0, 4, 0)], "one sequence left: row 2 idles"
+    assert schedule.held == [4, 3, 2] and schedule.live == [True, True, False]
+    assert schedule.steps_to_check(9) == 3  # the next multiple of sync_every
+    assert RowSchedule(rows=1, sequences=1, max_tokens=100).steps_to_check(0) == SYNC_EVERY
+
+
+@pytest.mark.slow
+def test_the_torch_compiled_step_traces_the_row_cache_on_the_cpu(model, monkeypatch) -> None:
+    """What the GPU path adds before its graph capture: the step's forward through torch.compile (inductor
+    on the CPU here), the row cache's per-row writes traced by dynamo. The same tokens as the eager step,
+    refills included. (About half a minute of compilation, hence `slow`.)"""
+    monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
+    prompts = _prompts([5, 11, 3, 8])
+    compiled = _decode(StaticDecoder(model, compile=True, max_rows=3, sync_every=4), prompts, 2, 12,
+                       FREQUENT_EOS, seed=1, width=16)
+    eager = _decode(StaticDecoder(model, compile=False, max_rows=3, sync_every=4), prompts, 2, 12,
+                    FREQUENT_EOS, seed=1, width=16)
+    assert [c.ids for c in compiled] == [c.ids for c in eager]
+    torch.testing.assert_close([c.logprobs for c in compiled], [c.logprobs for c in eager], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pass(model) -> None:
+    """The CUDA path: the step captured as a graph (per-row scatter into the cache, per-row masks and
+    positions), rows refilled between replays; logprobs match a teacher-forced forward (float32), the
+    same seed gives the same tokens, and alternating widths replay the kept graphs."""
+    cuda_model = model.to("cuda")
+    try:
+        prompts, n, max_tokens = _prompts([5, 11, 3, 8, 13]), 3, 24
+        decoder = StaticDecoder(cuda_model, compile=True, max_rows=4, sync_every=4)
+        ids, mask = _left_padded(prompts, n, width=16)
+        torch.manual_seed(1)
+        tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)
+        outs = _completions(tokens.cpu(), logprobs.cpu(), FREQUENT_EOS)
+        assert decoder.last_stats.refills == 15 - 4
+        assert min(len(c.ids) for c in outs) < max_tokens
+        for i, c in enumerate(outs):
+            with torch.no_grad():
+                full = torch.tensor([prompts[i // n] + c.ids], device="cuda")
+                logits = cuda_model(full).logits[0, len(prompts[i // n]) - 1 : -1]
+            expected = processed_logprobs(logits, PLAIN).gather(1, torch.tensor(c.ids, device="cuda")[:, None])
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected.squeeze(1).cpu(), atol=2e-3, rtol=2e-3)
+        torch.manual_seed(1)
+        again = _completions(*(x.cpu() for x in decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN,
+                                                                 FREQUENT_EOS)), FREQUENT_EOS)
+        assert [c.ids for c in again] == [c.ids for c in outs]
+        wide_ids, wide_mask = _left_padded(prompts, n, width=32)
+        for width_ids, width_mask in ((wide_ids, wide_mask), (ids, mask), (wide_ids, wide_mask)):
+            decoder.generate(width_ids.cuda(), width_mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)
+        assert decoder.preparations == 2
+    finally:
+        model.to("cpu")
