@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import getpass
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +136,8 @@ class WorkerLaunch:
             env["MORTAL_HEARTBEAT_SECONDS"] = str(self.heartbeat_seconds)
         if self.colocate:
             env["MORTAL_GPU_SHARED"] = "1"
+        if env.get("TORCHINDUCTOR_CACHE_DIR") == torch_default_cache_dir():
+            del env["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written back by a launcher that imported torch
         for name, value in compile_cache_environ(self.run, mortal_home or self.mortal_home).items():
             env.setdefault(name, value)  # a user's own setting (inherited, or the spec's env) wins
         return env
@@ -170,6 +175,18 @@ def compile_cache_environ(run: str, home: str | Path) -> dict[str, str]:
         "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
     }
+
+
+def torch_default_cache_dir() -> str:
+    """torch's own default for TORCHINDUCTOR_CACHE_DIR (torch/_inductor/runtime/cache_dir_utils.py, outside
+    fbcode), computed without importing torch. torch writes the folder it uses back into os.environ, so
+    a process that imported torch and compiled (a test, a notebook running the controller) carries this
+    value without anyone having chosen it: it is not taken for the user's choice."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 @dataclass(frozen=True)

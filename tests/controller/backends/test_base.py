@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from mortal.controller.backends import WorkerLaunch
+from mortal.controller.backends.base import torch_default_cache_dir
 from mortal.controller.backends.local import LocalBackend
 from mortal.state import paths
 
@@ -37,6 +40,16 @@ def test_what_the_user_set_wins_each_variable_on_its_own() -> None:
     env = launch(env={"TRITON_CACHE_DIR": "/spec/triton"}).environ({}, None)
     assert env["TRITON_CACHE_DIR"] == "/spec/triton"
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/runs/r/compile-cache/inductor"
+
+
+def test_torchs_own_default_written_back_by_a_launcher_that_imported_torch_is_no_users_choice() -> None:
+    env = launch().environ({"TORCHINDUCTOR_CACHE_DIR": torch_default_cache_dir()}, None)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/runs/r/compile-cache/inductor"
+
+
+def test_the_default_is_computed_as_torch_computes_it() -> None:
+    cache_dir_utils = pytest.importorskip("torch._inductor.runtime.cache_dir_utils")
+    assert torch_default_cache_dir() == cache_dir_utils.default_cache_dir()
 
 
 def test_delete_purge_takes_the_compile_cache_with_the_run(mortal_home: Path) -> None:
