@@ -8,6 +8,7 @@ checkpoints). Pure path arithmetic: nothing here creates a file.
     $MORTAL_HOME/runs/<run>/logs/<role>-<replica>-<incarnation>.log
     $MORTAL_HOME/runs/<run>/weights/v<version>/   published weights (sync: volume)
     $MORTAL_HOME/runs/<run>/checkpoints/step-<step>/
+    $MORTAL_HOME/runs/<run>/compile-cache/{inductor,triton}/   torch.compile's on-disk caches (backends/base.py)
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def default_state_url() -> str:
     return os.environ.get("MORTAL_STATE_URL") or f"sqlite:///{mortal_home() / 'state.db'}"
 
 
-def run_dir(run: str) -> Path:
-    return mortal_home() / "runs" / run
+def run_dir(run: str, home: str | Path | None = None) -> Path:
+    """The run's folder under `home` (default: this process's $MORTAL_HOME; a Modal container's differs)."""
+    return (Path(home) if home is not None else mortal_home()) / "runs" / run
 
 
 def logs_dir(run: str) -> Path:
@@ -42,3 +44,8 @@ def weights_dir(run: str) -> Path:
 
 def checkpoints_dir(run: str) -> Path:
     return run_dir(run) / "checkpoints"
+
+
+def compile_cache_dir(run: str, home: str | Path | None = None) -> Path:
+    """torch.compile's caches of the run's workers: a relaunched worker reuses what an earlier one compiled."""
+    return run_dir(run, home) / "compile-cache"

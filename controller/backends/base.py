@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import getpass
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from mortal.state import paths
 
 WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
@@ -106,7 +112,8 @@ class WorkerLaunch:
         """The worker process's environment (the protocol of mortal.workers.runtime).
 
         `inherited` (the launcher's environment) without any worker identity, then the spec's
-        secrets, then the protocol's variables. `cuda_visible_devices` None leaves the GPUs as the
+        secrets, then the protocol's variables, then torch.compile's cache folders in the run's folder
+        where neither set them (compile_cache_environ). `cuda_visible_devices` None leaves the GPUs as the
         machine gives them (Modal attaches exactly the requested ones); `mortal_home` overrides the
         launch's (a Modal container sees the shared volume at its own mount point).
         """
@@ -129,8 +136,57 @@ class WorkerLaunch:
             env["MORTAL_HEARTBEAT_SECONDS"] = str(self.heartbeat_seconds)
         if self.colocate:
             env["MORTAL_GPU_SHARED"] = "1"
+        if env.get("TORCHINDUCTOR_CACHE_DIR") == torch_default_cache_dir():
+            del env["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written back by a launcher that imported torch
+        for name, value in compile_cache_environ(self.run, mortal_home or self.mortal_home).items():
+            env.setdefault(name, value)  # a user's own setting (inherited, or the spec's env) wins
         return env
 
+
+
+def compile_cache_environ(run: str, home: str | Path) -> dict[str, str]:
+    """torch.compile's on-disk caches in the run's folder, so a relaunched worker reuses what an earlier one
+    compiled (the rollout's decode step: about a minute on an H100 cold; see workers/compile_cache.py).
+
+    Set here, in the environment the backend gives the process, so torch reads it before it is imported
+    and so it holds on every backend alike: the local one (the run's folder on this machine) and Modal's
+    (`home` is the container's mount of the data volume, where the run's folder lives).
+
+    Why torch's own caches on disk and not `torch.compiler.save_cache_artifacts()` ("mega-cache"):
+    - The run's folder is already shared by every worker of the run (this machine's disk; the Modal
+      volume), and mega-cache exists to move caches where there is no shared folder: it would add a
+      save (when? shapes appear one by one over a run), a load before the first compile, and a blob per
+      process that concurrent rollouts would each have to write and someone to merge.
+    - Correctness rests on torch's keys, which we rely on rather than add our own: an FX graph cache
+      entry is keyed by the graph, its inputs' shapes, dtypes and strides, the inductor config, the
+      device and the torch (and Triton) versions; AOTAutograd's by the graph and versions as well;
+      Triton's by the kernel's source, the target GPU and Triton's version. So a different model
+      shape, dtype, GPU or torch cannot be served a wrong artifact: it misses and compiles.
+    - Writes are atomic already: inductor writes a temporary file and renames it (codecache.write_atomic),
+      Triton likewise (a temporary file and os.replace). Two rollouts compiling the same graph at once
+      both miss and both write the same entry; the last rename wins, a reader never sees half a file.
+    The FX graph and AOTAutograd caches are on by default in torch 2.13; they are asked for anyway (a
+    user's "0" still wins). `delete --purge` removes the run's folder, and the caches with it.
+    """
+    folder = paths.compile_cache_dir(run, home)
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+        "TRITON_CACHE_DIR": str(folder / "triton"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
+
+
+def torch_default_cache_dir() -> str:
+    """torch's own default for TORCHINDUCTOR_CACHE_DIR (torch/_inductor/runtime/cache_dir_utils.py, outside
+    fbcode), computed without importing torch. torch writes the folder it uses back into os.environ, so
+    a process that imported torch and compiled (a test, a notebook running the controller) carries this
+    value without anyone having chosen it: it is not taken for the user's choice."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 @dataclass(frozen=True)
@@ -175,10 +231,8 @@ class Backend(abc.ABC):
         stopped handles are a no-op."""
 
     def remove_run_files(self, run: str) -> None:
-        """Remove the run's folder (checkpoints, weights, logs) where this backend's workers write it
-        (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""
-        from mortal.state import paths
-
+        """Remove the run's folder (checkpoints, weights, logs, compile caches) where this backend's workers
+        write it (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""
         shutil.rmtree(paths.run_dir(run), ignore_errors=True)
 
 

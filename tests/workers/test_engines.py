@@ -515,3 +515,19 @@ def test_vllm_engine_generates_and_reloads(spec, tokenizer, tmp_path: Path) -> N
     engine.load_weights(str(write_weights(load_model(ModelSpec(name=str(other)), "cpu"), tmp_path / "v1", 1, 1)))
     assert [c.ids for c in engine.generate([prompt], 4, [7], params)[0]] != [c.ids for c in first]
     engine.close()
+
+
+def test_the_batched_path_logs_each_shapes_first_preparation_once(engine, tokenizer, caplog) -> None:
+    """What `mortalctl logs` shows of the decode step's compile: one line per new shape, with its seconds
+    and the compile cache's verdict (on the CPU the decoder runs eagerly: nothing is compiled)."""
+    batched = TransformersEngine(engine.model, tokenizer, compiled=True)
+    prompts = _prompts(tokenizer)
+    with caplog.at_level("INFO", logger="mortal.worker"):
+        batched.generate(prompts, 2, [1, 2, 3], GenerationParams(max_tokens=4))
+        batched.generate(prompts, 2, [4, 5, 6], GenerationParams(max_tokens=4))  # same shape: no new line
+        batched.generate(prompts, 2, [4, 5, 6], GenerationParams(max_tokens=5))
+    lines = [r.getMessage() for r in caplog.records if "prepared in" in r.getMessage()]
+    assert len(lines) == 2, lines
+    width = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+    assert lines[0].startswith(f"decode shape 6 rows x {width}+4 tokens prepared in ")
+    assert lines[0].endswith("s (no compile)") and f"x {width}+5 tokens" in lines[1]

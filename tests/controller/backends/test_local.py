@@ -112,7 +112,8 @@ def test_launched_worker_heartbeats_is_listed_and_stops(store_url: str, mortal_h
 
 
 def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> None:
-    printer = [sys.executable, "-c", "import os; print({k: v for k, v in os.environ.items() if k.startswith(('MORTAL_', 'CUDA', 'SECRET'))})"]
+    printer = [sys.executable, "-c", "import os; print({k: v for k, v in os.environ.items() "
+               "if k.startswith(('MORTAL_', 'CUDA', 'SECRET', 'TORCHINDUCTOR_', 'TRITON_'))})"]
     backend = LocalBackend(mortal_home, command=printer)
     spec = launch_spec(mortal_home, "envrun", role="actor", incarnation=4, env={"SECRET_TOKEN": "s3"})
     handle = backend.launch(spec)
@@ -121,6 +122,8 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     assert env["MORTAL_WORKER_ID"] == "envrun/actor-0#4" and env["MORTAL_INCARNATION"] == "4"
     assert env["MORTAL_HOME"] == str(mortal_home) and env["SECRET_TOKEN"] == "s3"
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # gpu "none"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(paths.compile_cache_dir("envrun") / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(paths.compile_cache_dir("envrun") / "triton")
     backend.stop(handle)
 
 
