@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,8 @@ from through_controller import run_through_controller  # noqa: E402
 
 REWARD = "math_answer"
 REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
+BREAKDOWN = {"wait": "actor/wait_seconds", "train": "actor/train_seconds", "publish": "weights/publish_seconds",
+             "generate": "rollout/generation_seconds", "step_seconds": "step_seconds"}
 WINDOW = 20  # steps in "final reward" and in the trailing mean that must reach it
 
 
@@ -121,8 +124,13 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
     launched = time.time()
     by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
     curve = [{"step": s, "seconds": v["ended_at"] - launched, "reward": v.get(f"rewards/{REWARD}/mean"),
-              "mean_length": v.get("completions/mean_length")}
+              "mean_length": v.get("completions/mean_length"),
+              **{part: round(v[name], 4) for part, name in BREAKDOWN.items() if name in v}}
              for s, v in sorted(by_step.items()) if "ended_at" in v]
+    if args.logs:  # the controller's and workers' logs (start-up, compile lines), before the folder goes
+        args.logs.mkdir(parents=True, exist_ok=True)
+        for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log")]:
+            shutil.copy(log, args.logs / log.name)
     return {"curve": curve, "wall_seconds": wall}
 
 
@@ -220,13 +228,11 @@ def main() -> None:
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
-    if args.report:
-        out = report(args.report, args.plot)
-    else:
-        out = run(args)
+    out = report(args.report, args.plot) if args.report else run(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
@@ -237,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = task_rows()
     model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
     out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "report")}}
+                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "report", "logs")}}
     with tempfile.TemporaryDirectory(prefix="mortal-learning-gpu-") as tmp:
         work = Path(tmp)
         for side, runner in (("trl", run_trl), ("mortal", run_mortal)):
