@@ -21,8 +21,9 @@ from the kill to the next step's end; and what the relaunched rollout logged of 
 first preparation ("prepared in 4.1 s (compile cache hit ...)"). `--cold-relaunch` empties the run's
 compile cache just before each kill: the relaunch then pays the whole compile, as before the cache.
 The controller runs with its defaults (restartPolicy backoff included: --backoff changes it). A task
-the killed rollout held is leased again only when its lease expires (60 s unless --task-lease): the
-JSON says when that was, so the compile's share and the lease's can be told apart.
+the killed rollout held is queued again when the controller marks the rollout Lost (end_worker
+releases its leases), not when its lease would have expired (60 s unless --task-lease): the JSON says
+when that would have been, for comparison with the measured next step.
 Needs a CUDA GPU (unless --device cpu), transformers, and SmolLM2's tokenizer (MORTAL_TEST_ASSETS).
 """
 
@@ -196,7 +197,7 @@ def measure_kill(watch: Watch, role: str, cache: Path, cold: bool, timeout: floa
         "noticed_to_relaunched_s": round(t_launched - t_noticed, 3),
         "launch_to_up_s": round(t_up - t_launched, 3),
         "kill_to_next_step_end_s": round(t_next_step - killed, 3),
-        # a task the dead worker held is leased again only once its lease expires (nothing releases it sooner)
+        # when the dead worker's task lease would have run out (the controller releases it sooner, at Lost)
         "kill_to_dead_workers_task_lease_expiry_s": round(max(held) - killed, 3) if held else None,
     }
     if role == "rollout":

@@ -44,7 +44,10 @@ class Adopt:
 
 @dataclass(frozen=True)
 class EndWorker:
-    """Close a worker row: Succeeded | Failed | Lost | Stopped (later writes of that incarnation are fenced)."""
+    """Close a worker row: Succeeded | Failed | Lost | Stopped (later writes of that incarnation are fenced).
+
+    The same store call (`end_worker`) queues again the tasks that incarnation still had leased, so a
+    lost rollout's work is taken up at once rather than when its task lease runs out."""
 
     worker_id: int
     state: str

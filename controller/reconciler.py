@@ -4,7 +4,8 @@ Who calls it: the manager's worker threads, one run at a time (the work queue gu
 benchmark. Each pass re-reads the world, never trusting an earlier pass:
   1. the run row and its spec; 2. the backend's listing (before the rows, so an exit it saw was
   reported first); 3. worker rows, newest checkpoint and weights, latest reward;
-  4. `plan()`; 5. apply its actions: worker-row writes, then stops (in parallel), then launches,
+  4. `plan()`; 5. apply its actions: worker-row writes (ending a row also releases the task leases of
+  that incarnation, in the store's same transaction), then stops (in parallel), then launches,
   then a purge; 6. write status once (guarded by the read resource_version and the leader fence),
   then the status events.
 Launch protocol, safe against a controller killed at any line: intent row (`create_worker`, new

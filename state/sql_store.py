@@ -250,6 +250,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             if row.state not in TERMINAL_WORKER_STATES:  # the first end wins: it says what happened
                 row.state, row.exit_code, row.message, row.ended_at = state, exit_code, message, utcnow()
                 s.flush()
+            self._release_leases(s, WorkerRef(row.run, row.role, row.replica, row.incarnation))
             return row
 
     def list_workers(self, run: str | None = None, live_only: bool = False) -> list[WorkerRow]:
@@ -278,6 +279,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = check_worker(s, worker, for_update=True)
             row.state, row.exit_code, row.message, row.ended_at = state, exit_code, message, utcnow()
             s.flush()
+            self._release_leases(s, worker)
             return row
 
     # -- checkpoints, weights ----------------------------------------------------------------

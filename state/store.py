@@ -196,6 +196,8 @@ class Store(abc.ABC):
     ) -> WorkerRow:
         """Mark a worker Succeeded | Failed | Lost | Stopped (terminal; later worker writes are fenced).
 
+        The tasks still leased to this incarnation are queued again in the same transaction, claimable
+        at once (not when their leases run out); other workers' and newer incarnations' leases stay.
         A worker already ended keeps its first terminal state (returned unchanged). NotFound, ValueError.
         """
 
@@ -209,7 +211,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:
-        """A worker's own last word (Succeeded / Failed) before it exits. Fenced like heartbeat."""
+        """A worker's own last word (Succeeded / Failed) before it exits; its task leases are released
+        as by end_worker. Fenced like heartbeat."""
 
     # -- checkpoints, weights ----------------------------------------------------------------
     @abc.abstractmethod
@@ -302,8 +305,9 @@ class Store(abc.ABC):
     def lease_task(
         self, worker: WorkerRef, lease_seconds: float, max_weight_version: int | None = None, now: datetime | None = None
     ) -> TaskRow | None:
-        """Claim the oldest claimable task: queued, or leased with an expired lease, and (when given)
-        min_weight_version <= max_weight_version. Bumps lease_token and attempts. Fenced."""
+        """Claim the oldest claimable task: queued (new, or released when its holder ended), or leased
+        with an expired lease, and (when given) min_weight_version <= max_weight_version. Bumps
+        lease_token and attempts. Fenced."""
 
     @abc.abstractmethod
     def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:

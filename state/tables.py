@@ -242,7 +242,8 @@ class TaskRow(SQLModel, table=True):
     """A rollout task: one prompt to be answered `numGenerations` times and scored.
 
     Leased to one rollout worker at a time; a lease that expires makes the task claimable again, so a
-    dead worker loses nothing. `lease_token` grows with each lease: a completion carrying an older
+    dead worker loses nothing, and a worker whose row ends (end_worker, report_exit) has its leased
+    tasks queued again at once. `lease_token` grows with each lease: a completion carrying an older
     token is refused (a zombie's late result never overwrites a newer one).
     """
 

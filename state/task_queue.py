@@ -3,7 +3,9 @@
 Used through the Store interface by the actor (enqueue, reset, step results) and by rollout workers
 (lease, renew, complete). A task is leased to one worker at a time; a lease that expires makes it
 claimable again, and every lease bumps `lease_token`, so a late completion from a worker that lost
-its lease is refused. Claiming takes the oldest claimable task by (step, slot): PostgreSQL skips rows
+its lease is refused. A worker that ends (the controller's end_worker, its own report_exit) gives its
+leases back in the same transaction (`_release_leases`): its tasks are queued again at once instead
+of after their lease runs out, and only that incarnation's, named by its holder id. Claiming takes the oldest claimable task by (step, slot): PostgreSQL skips rows
 another transaction has locked (`FOR UPDATE SKIP LOCKED`), SQLite has one writer at a time; both
 then write through an UPDATE guarded by the token they read.
 """
@@ -14,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, delete, or_, update
-from sqlmodel import select
+from sqlmodel import Session, select
 
 from mortal.state.fencing import check_worker
 from mortal.state.store import NewTask, WorkerRef
@@ -79,6 +81,22 @@ class TaskQueue:
             TaskRow.lease_token == lease_token,
             TaskRow.state == "leased",
         )
+
+    def _release_leases(self, session: Session, worker: WorkerRef) -> int:
+        """Queue again every task still leased to exactly this incarnation (it has ended); returns how many.
+
+        Called inside the transaction that ends the worker's row, so no moment exists where the row has
+        ended but its tasks wait for their leases to run out. The holder id names run, slot and
+        incarnation: a newer incarnation of the slot, or another worker, keeps its leases. A late
+        complete_task of the ended incarnation is refused twice over: it is fenced, and the task is no
+        longer leased to it (the next lease bumps lease_token too).
+        """
+        statement = (
+            update(TaskRow)
+            .where(TaskRow.run == worker.run, TaskRow.lease_holder == worker.id, TaskRow.state == "leased")
+            .values(state="queued", lease_holder=None, lease_expires_at=None)
+        )
+        return session.execute(statement.execution_options(synchronize_session=False)).rowcount
 
     def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:
         with self._tx() as s:

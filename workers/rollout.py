@@ -13,8 +13,9 @@ Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until c
 
 Until the store records a version, the model loaded from spec.model.name serves as version 0
 (the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's lease is renewed while it is
-worked on, so a slow generation is not taken over; a worker that dies loses nothing (the lease
-expires and another replica answers the task, with the same seed).
+worked on, so a slow generation is not taken over; a worker that dies loses nothing (its tasks are
+queued again when the controller ends its row, or at the latest when their leases expire, and another
+replica, or its relaunch, answers them with the same seed).
 What it must not do: write anything but its tasks' results and its heartbeat, or swallow a broken
 reward, dataset or model (those are FatalWorkerError: the run fails with the reason).
 """

@@ -1,10 +1,14 @@
 """kill -9 of a rollout worker: it is replaced, training continues, and nothing it had claimed is lost;
-a frozen one is lost after its lease, killed and replaced."""
+the only rollout killed while it holds a task: training goes on well within the task lease (the
+controller releases the dead worker's task when it marks it Lost); a frozen one is lost after its
+lease, killed and replaced."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from datetime import UTC, datetime
 
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sql_stores, sqlite_only
@@ -46,6 +50,41 @@ def test_rollout_kill_is_replaced_and_its_tasks_are_done_by_others(harness):  # 
     rollout0 = [w for w in h.store.list_workers(NAME) if w.role == "rollout" and w.replica == 0]
     assert rollout0[0].state == "Lost" and len(rollout0) == 2
     wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
+
+
+@sqlite_only  # the release itself is in the store contract (every store); here: the time it saves
+def test_the_only_rollout_killed_holding_a_task_trains_again_well_within_its_lease(harness):  # noqa: F811
+    """With the real rollout's default 60 s task lease, the next step ends in seconds, not after 60 s."""
+    h = harness
+    lease = 60.0  # mortal.workers.rollout.DEFAULT_LEASE_SECONDS
+    notes = {"mortal.dev/generate-seconds": "1.0", "mortal.dev/task-lease-seconds": f"{lease:g}"}
+    h.apply(simulated_run("sole", max_steps=100_000, rollout_replicas=1, step_seconds=0.1, annotations=notes,
+                          spec={"restartPolicy": {"backoffSeconds": 0.5}}))
+    h.start()
+    wait_for(lambda: (h.status("sole").get("step") or 0) >= 2, 30, "a few steps")
+    [victim] = worker_processes(h.home, role="rollout")
+    victim_id = victim.environ()["MORTAL_WORKER_ID"]
+
+    def just_leased():  # a task the victim leased less than 0.3 s ago: about 0.7 s of its 1 s generation left
+        now = datetime.now(UTC).timestamp()
+        step = h.status("sole").get("step") or 0
+        return [t for s in (step, step + 1) for t in h.store.step_results("sole", s)
+                if t.state == "leased" and t.lease_holder == victim_id
+                and now - (t.lease_expires_at.timestamp() - lease) < 0.3]
+    [held] = wait_for(just_leased, 20, "the rollout to lease a task", interval=0.02)
+    os.killpg(victim.pid, signal.SIGKILL)
+    killed = time.time()
+
+    def next_step_end():
+        return [m.time.timestamp() for m in h.store.list_metrics("sole", name="step_seconds", since_step=held.step)
+                if m.time.timestamp() > killed]
+    ended = min(wait_for(next_step_end, lease / 2, "a step to end after the kill"))
+    assert ended - killed < lease / 2, f"the next step ended {ended - killed:.1f}s after the kill"
+    redone = next(t for t in h.store.step_results("sole", held.step) if t.slot == held.slot)
+    assert redone.state == "done" and redone.lease_holder not in (None, victim_id)
+    assert redone.done_at.timestamp() - killed < lease / 2
+    h.store.mark_deleted("sole")
+    wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")
 
 
 @sql_stores  # frozen inside a transaction, it holds SQLite's write lock or a PostgreSQL session

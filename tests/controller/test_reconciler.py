@@ -20,7 +20,7 @@ from mortal.controller.backends.base import (
 from mortal.controller.leader import LeaderElector
 from mortal.controller.outcome import Done, RequeueAfter, Retry
 from mortal.controller.reconciler import Reconciler
-from mortal.state import WorkerRef, paths
+from mortal.state import Fenced, NewTask, WorkerRef, paths
 from mortal.workers.simulated import simulated_run
 
 
@@ -232,3 +232,29 @@ def test_a_hung_worker_is_killed_before_its_row_is_ended(store, store_url, morta
     rec.reconcile("r")
     assert states_at_stop == [(actor.handle, 0.0, "Running")]
     assert next(w for w in store.list_workers("r") if w.id == actor.id).state == "Lost"
+
+
+def test_a_lost_rollouts_task_is_released_when_the_pass_ends_its_row(world):
+    """kill -9 of a rollout holding a task: the pass that sees the process gone marks it Lost and, in the
+    same store call, queues its task again, so another rollout leases it now, not when the lease runs out."""
+    store, backend, rec = world
+    apply(store, rollout_replicas=2)
+    rec.reconcile("r")
+    refs = {(w.role, w.replica): WorkerRef("r", w.role, w.replica, w.incarnation) for w in store.list_workers("r")}
+    for ref in refs.values():
+        store.heartbeat(ref)
+    actor, victim, other = refs["actor", 0], refs["rollout", 0], refs["rollout", 1]
+    store.enqueue_tasks(actor, [NewTask(step=1, slot=0, min_weight_version=0)])
+    held = store.lease_task(victim, 60)
+    handle = f"mem:{victim.id}"
+    backend.workers[handle] = dataclasses.replace(backend.workers[handle], alive=False, exit_code=-9)
+    rec._listings["local"].invalidate()
+    rec.reconcile("r")
+    lost = next(w for w in store.list_workers("r") if w.incarnation == victim.incarnation)
+    assert (lost.state, lost.message) == ("Lost", "process exited with code -9")
+    [task] = store.step_results("r", 1)
+    assert task.state == "queued"
+    again = store.lease_task(other, 60)
+    assert (again.id, again.lease_holder) == (held.id, other.id)
+    with pytest.raises(Fenced):
+        store.complete_task(victim, held.id, held.lease_token, {"late": True})

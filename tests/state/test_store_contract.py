@@ -323,6 +323,55 @@ def test_task_lease_expiry_and_stale_token(store: Store, run: str) -> None:
     assert store.step_results(run, 0)[0].result == {"ok": True}
 
 
+def test_ending_a_worker_releases_exactly_its_incarnations_leases(store: Store, run: str) -> None:
+    """The controller ends a lost rollout: its tasks are claimable at once, long before their leases run
+    out; another worker's lease and the slot's newer incarnation's lease are untouched."""
+    actor = _worker(store, run)
+    dead, other = _worker(store, run, "rollout", 0), _worker(store, run, "rollout", 1)
+    store.enqueue_tasks(actor, _tasks((0, 0, 0), (0, 1, 0), (0, 2, 0)))
+    held = store.lease_task(dead, 600)
+    kept = store.lease_task(other, 600)
+    row = store.end_worker(_row_id(store, dead), "Lost", message="process is gone")
+    assert row.state == "Lost"
+    by_slot = {t.slot: t for t in store.step_results(run, 0)}
+    assert (by_slot[held.slot].state, by_slot[held.slot].lease_holder) == ("queued", None)
+    assert (by_slot[kept.slot].state, by_slot[kept.slot].lease_holder) == ("leased", other.id)
+
+    newer = _worker(store, run, "rollout", 0)  # the relaunch, leasing the released task first (oldest slot)
+    again = store.lease_task(newer, 600)
+    assert (again.id, again.lease_holder, again.attempts) == (held.id, newer.id, 2)
+    assert again.lease_token > held.lease_token
+    with pytest.raises(Fenced):  # the dead incarnation's late answer is refused
+        store.complete_task(dead, held.id, held.lease_token, {"late": True})
+    with pytest.raises(Fenced):
+        store.renew_task(dead, held.id, held.lease_token, 600)
+    assert store.end_worker(row.id, "Lost").state == "Lost"  # ending it again releases nothing more
+    assert store.step_results(run, 0)[held.slot].lease_holder == newer.id
+    assert store.complete_task(newer, again.id, again.lease_token, {"ok": True})
+    assert store.complete_task(other, kept.id, kept.lease_token, {"ok": True})
+    assert [t.state for t in store.step_results(run, 0)] == ["done", "done", "queued"]
+
+
+def test_a_worker_reporting_its_own_exit_releases_its_leases(store: Store, run: str) -> None:
+    actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
+    store.enqueue_tasks(actor, _tasks((0, 0, 0)))
+    held = store.lease_task(rollout, 600)
+    store.report_exit(rollout, "Failed", 1, "reward function raised")
+    other = _worker(store, run, "rollout", 1)
+    assert store.lease_task(other, 600).id == held.id
+
+
+def test_ending_a_worker_leaves_its_done_tasks_done(store: Store, run: str) -> None:
+    """Only leased tasks go back to the queue: one its holder completed stays done, with its result."""
+    actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
+    store.enqueue_tasks(actor, _tasks((0, 0, 0)))
+    task = store.lease_task(rollout, 600)
+    assert store.complete_task(rollout, task.id, task.lease_token, {"ok": True})
+    store.end_worker(_row_id(store, rollout), "Lost")
+    [row] = store.step_results(run, 0)
+    assert (row.state, row.result, row.lease_holder) == ("done", {"ok": True}, rollout.id)
+
+
 def test_task_max_weight_version(store: Store, run: str) -> None:
     actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
     store.enqueue_tasks(actor, _tasks((0, 0, 2), (1, 0, 0)))
