@@ -156,6 +156,13 @@ class GenerationSpec(SpecModel):
     engine: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="Generation engine: auto (vllm where installed on GPU, else transformers)."
     )
+    max_num_seqs: int | None = Field(
+        None, ge=1,
+        description="Most sequences a rollout decodes at once (vLLM's max_num_seqs). A task with more "
+        "completions than this refills a row as soon as its sequence ends. Absent: 256 on the transformers "
+        "engine, vLLM's own default on vllm. It decides which sequences share a decode step, so it is part "
+        "of what a seed reproduces: change it and the same seed gives other tokens on a GPU.",
+    )
 
 
 class ActorSpec(SpecModel):

@@ -197,7 +197,7 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     engine_cls = select_engine(spec.generation.engine, device)
     tokenizer = load_tokenizer(spec.model)
     started = time.monotonic()
-    engine = engine_cls.create(spec.model, tokenizer, device=device)
+    engine = engine_cls.create(spec.model, tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs)
     ctx.log.info("engine %s on %s ready in %.1f s; rewards: %s", engine.name, device, time.monotonic() - started,
                  ", ".join(rewards.names))
     return RolloutWorker(ctx, engine, tokenizer, rewards)

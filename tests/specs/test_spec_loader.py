@@ -226,3 +226,9 @@ def test_a_training_run_list_yields_its_items_and_locates_their_errors():
 def test_yaml_anchors_and_merge_keys_work():
     text = doc() + "  generation: &g {maxTokens: 8}\n"
     assert load_text(text)[0].spec.generation.max_tokens == 8
+
+
+def test_generation_max_num_seqs_is_a_positive_count_named_at_its_line():
+    assert load_text(doc() + "  generation: {maxNumSeqs: 64}\n", "run.yaml")[0].spec.generation.max_num_seqs == 64
+    [issue] = errors_of(doc() + "  generation: {maxNumSeqs: 0}\n")
+    assert (issue.line, issue.path) == (10, "spec.generation.maxNumSeqs")

@@ -187,3 +187,21 @@ def test_a_bad_task_lease_annotation_is_fatal(sqlite_store: Store, tiny_dir: Pat
     ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
     with pytest.raises(FatalWorkerError, match="is not a number"):
         rollout.task_lease_seconds(ctx)
+
+
+def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(sqlite_store: Store, tiny_dir: Path,
+                                                                        monkeypatch) -> None:
+    """spec.generation.maxNumSeqs reaches the engine the worker builds (the refilling decoder's row budget)."""
+    spec = training_spec(str(tiny_dir), generation={"maxTokens": 4, "maxNumSeqs": 8})
+    run = create_run(sqlite_store, "r6", spec)
+    built: list[dict] = []
+    create = TransformersEngine.create.__func__
+
+    def recording_create(cls, *args, **kwargs):
+        built.append(kwargs)
+        return create(cls, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersEngine, "create", classmethod(recording_create))
+    ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
+    worker = rollout.build(ctx)
+    assert built[0]["max_num_seqs"] == 8 and worker.engine.max_rows == 8

@@ -70,8 +70,10 @@ class Engine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None) -> Engine:
-        """Load the spec's model into a new engine (device None: a GPU when there is one)."""
+    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
+               max_num_seqs: int | None = None) -> Engine:
+        """Load the spec's model into a new engine (device None: a GPU when there is one); `max_num_seqs`
+        (spec.generation.maxNumSeqs) caps the sequences decoded at once, None: the engine's default."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int],

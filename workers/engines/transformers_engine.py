@@ -9,7 +9,7 @@ Who calls it: mortal.workers.rollout through the Engine interface (base.py says 
   step, sampling included; static_decode.py says why). Prompts are left-padded to a multiple of
   PROMPT_BUCKET tokens, so a handful of shapes cover every prompt (the decoder keeps the most recent
   shapes captured); the call is seeded with its first prompt's seed. Its tokens depend on
-  `max_rows` too (which sequences share a step): keep it the same across a run's workers.
+  `max_rows` too (which sequences share a step): spec.generation.maxNumSeqs sets it for every worker.
   Measured on an H100 (bench/decode_speed.py, before rows were refilled; not measured since): 64 x
   256 tokens in 0.82 s, against 1.55 s for transformers' own compiled `generate`. The graphs
   belong to the thread that captured them, so every batched generate of the process runs on one
@@ -67,13 +67,16 @@ class TransformersEngine(Engine):
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=pad
         )
+        self.max_rows = max_rows
         self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows)
                         if self.compiled else None)
         self._prepared: set[tuple[int, int, int, Sampling]] = set()  # decode shapes prepared once (logged)
 
     @classmethod
-    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None) -> TransformersEngine:
-        return cls(load_model(model_spec, device or default_device(), for_training=False), tokenizer)
+    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
+               max_num_seqs: int | None = None) -> TransformersEngine:
+        return cls(load_model(model_spec, device or default_device(), for_training=False), tokenizer,
+                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS)
 
     def _generation_config(self, n: int, params: GenerationParams) -> Any:
         from transformers import GenerationConfig

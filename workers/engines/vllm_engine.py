@@ -110,7 +110,7 @@ class VllmEngine(Engine):
 
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               gpu_memory_utilization: float = 0.85) -> VllmEngine:
+               max_num_seqs: int | None = None, gpu_memory_utilization: float = 0.85) -> VllmEngine:
         # The weight loader is a function sent to vLLM's worker processes (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
@@ -125,6 +125,7 @@ class VllmEngine(Engine):
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             enable_prefix_caching=True,
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
         )
         return cls(llm, tokenizer, _generation_eos(location), location)
 
