@@ -265,12 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backing-url", default=None, help="SQL store to serve (default: $MORTAL_STATE_URL or SQLite)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--threads", type=int, default=WORKER_THREADS, help="store calls served at once")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"set {TOKEN_ENV} to the token clients must send")
-    with serve(args.backing_url or default_state_url(), token, args.host, args.port) as served:
+    with serve(args.backing_url or default_state_url(), token, args.host, args.port, threads=args.threads) as served:
         log.info("serving the state store at %s", served.url)
         threading.Event().wait()
 
