@@ -79,13 +79,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def store_server(backing_url: str, token: str, threads: int) -> Any:
-    """`python -m mortal.state.http_server` on a free port of 127.0.0.1; its URL once /healthz answers."""
+def store_server(backing_url: str, token: str, threads: int, log: Path) -> Any:
+    """`python -m mortal.state.http_server` on a free port of 127.0.0.1; its URL once /healthz answers.
+    Its log goes to a file (a pipe nobody reads would fill and stall the server)."""
     port = _free_port()
     env = {**os.environ, "MORTAL_STATE_TOKEN": token}
     cmd = [sys.executable, "-m", "mortal.state.http_server", "--backing-url", backing_url,
            "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -96,7 +97,7 @@ def store_server(backing_url: str, token: str, threads: int) -> Any:
             except requests.ConnectionError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the store server did not start: {proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"the store server did not start: {log.read_text()[-2000:]}")
             time.sleep(0.2)
         yield url
     finally:
@@ -149,7 +150,7 @@ def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: 
         try:
             result = fn(*args)
         except Exception as exc:  # counted by kind: the point is to see every failure
-            records.append((name, time.monotonic() - started, type(exc).__name__))
+            records.append((name, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:160]}"))
             return None
         records.append((name, time.monotonic() - started, None))
         return result
@@ -197,7 +198,7 @@ def pct(values: list[float], q: float) -> float:
 
 def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     token = secrets.token_hex(16)
-    with backing_store(kind, tmp) as backing, store_server(backing, token, args.threads) as url:
+    with backing_store(kind, tmp) as backing, store_server(backing, token, args.threads, tmp / "server.log") as url:
         rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))

@@ -232,6 +232,7 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
     except ImportError as exc:
         raise ImportError("serving the store needs waitress: pip install 'mortal[server]'") from exc
 
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # a line per request queued behind busy threads
     channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task()})
     app = make_app(backing_url, token)
     sockets: dict[int, Any] = {}  # waitress's asyncore map, ours so that the loop below can close it
