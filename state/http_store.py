@@ -6,14 +6,20 @@ app this way (mortal.state.http_server serves it). Every method of `Store` is on
 format is mortal.state.wire); typed errors come back as the same classes (Conflict, NotFound, Fenced,
 ValueError, ...); transport failures and server errors raise `Unavailable`.
 
-Retries. Reads (wire.READS) are sent again on connection errors, timeouts and 502/503/504 (a cold or
-restarting endpoint) for up to `read_retry_seconds`: they change nothing. Writes are not: when a
-connection breaks after the request left, the client cannot know whether the server applied it, and
-sending it again is a second call: `create_worker` would take a second incarnation, `lease_task` a
-second task, `add_event` a duplicate line, and a `publish_weights` that landed would come back as a
-Conflict. The caller, who knows what the write meant, re-reads and decides (the controller's next
-pass; a worker's relaunch). A write is retried only when the connection could not be opened at all
-(urllib3's `connect` retries: the request never left this machine).
+Retries (tenacity; bounded by `retry_attempts` and `retry_seconds`, with jittered exponential waits so
+that many workers do not retry in step). What is sent again depends on whether the first request may
+have been applied:
+- The connection could not be opened (refused, no route, a connect timeout): nothing left this machine,
+  so every call is sent again, writes included (a store restarting, a node's network coming back).
+- The request may have reached the server (a connection reset or closed mid-request, a read timeout,
+  a 502/503/504 from the server or a gateway in front of it): only calls that are safe to apply twice
+  are sent again: the reads (wire.READS) and the writes the protocol makes idempotent
+  (wire.IDEMPOTENT_WRITES: heartbeats, renewals guarded by a lease token, metric and completion
+  upserts, ...; wire.py says why for each). The others (`create_worker` would take a second
+  incarnation, `lease_task` a second task, `add_event` a duplicate line, `complete_task` would answer
+  False for the task it completed) raise `Unavailable`: the caller, who knows what the write meant,
+  re-reads and decides (the controller's next pass; a worker's relaunch).
+Any other answer (4xx, 500) is final: it says what the store did.
 What it must not do: decide anything, or cache what it read.
 """
 
@@ -28,20 +34,33 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 from tenacity import Retrying as TenacityRetrying
-from tenacity import retry_if_exception_type, stop_after_delay, wait_exponential
-from urllib3.util.retry import Retry
+from tenacity import retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential, wait_random
+from urllib3.exceptions import NewConnectionError
 
 from mortal.state import wire
 from mortal.state.errors import Unavailable
 from mortal.state.store import Store
 
 TOKEN_ENV = wire.TOKEN_ENV
-CONNECT_RETRIES = 3
 TRANSIENT_STATUS = frozenset({502, 503, 504})
+RETRY_ATTEMPTS = 30  # with waits of 0.1 s doubling to 2 s (jittered): about a minute, as retry_seconds
 
 
 class _Transient(Unavailable):
-    """A failure a read may be retried after: no connection, a timeout, a gateway or cold-start answer."""
+    """A failure worth another try: no connection, a broken one, a timeout, a gateway or cold-start answer.
+    `sent`: whether the request may have reached the server (False only when no connection was opened)."""
+
+    def __init__(self, message: str, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+def _never_sent(exc: requests.RequestException) -> bool:
+    """The connection could not be opened (refused, unreachable, DNS, connect timeout): nothing was sent."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return True
+    reason = getattr(exc.args[0], "reason", None) if exc.args else None  # urllib3's MaxRetryError
+    return isinstance(reason, NewConnectionError)
 
 
 def _remote(method: wire.Method) -> Any:
@@ -73,13 +92,17 @@ class HttpStore(Store):
         url: str,
         token: str | None = None,
         timeout: tuple[float, float] = (10.0, 90.0),
-        read_retry_seconds: float = 60.0,
+        retry_seconds: float = 60.0,
+        retry_attempts: int = RETRY_ATTEMPTS,
     ) -> None:
-        """`timeout` is (connect, read) seconds per request; the read part covers a cold endpoint's start."""
+        """`timeout` is (connect, read) seconds per request; the read part covers a cold endpoint's start.
+        A call that can be sent again (see the module's docstring) is, until `retry_attempts` tries or
+        `retry_seconds` have passed, whichever comes first; then its last failure is raised."""
         self.url = url.rstrip("/")
         self._token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self.timeout = timeout
-        self.read_retry_seconds = read_retry_seconds
+        self.retry_seconds = retry_seconds
+        self.retry_attempts = retry_attempts
         self._local = threading.local()  # one requests.Session per thread (Session is not thread-safe)
 
     def __repr__(self) -> str:
@@ -95,22 +118,22 @@ class HttpStore(Store):
         session = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
-            retry = Retry(total=None, connect=CONNECT_RETRIES, read=0, redirect=0, status=0, other=0,
-                          backoff_factor=0.2)
-            session.mount("http://", HTTPAdapter(max_retries=retry))
-            session.mount("https://", HTTPAdapter(max_retries=retry))
+            # no retries inside urllib3: every retry is decided in _call, where the method is known
+            session.mount("http://", HTTPAdapter(max_retries=0))
+            session.mount("https://", HTTPAdapter(max_retries=0))
             if self._token:
                 session.headers["Authorization"] = f"Bearer {self._token}"
             self._local.session = session
         return session
 
     def _call(self, method: wire.Method, args: dict[str, Any]) -> Any:
-        if not method.read_only:
-            return self._send(method.name, args)
+        def again(exc: BaseException) -> bool:
+            return isinstance(exc, _Transient) and (method.idempotent or not exc.sent)
+
         for attempt in TenacityRetrying(
-            retry=retry_if_exception_type(_Transient),
-            stop=stop_after_delay(self.read_retry_seconds),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
+            retry=retry_if_exception(again),
+            stop=stop_after_attempt(self.retry_attempts) | stop_after_delay(self.retry_seconds),
+            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
             reraise=True,
         ):
             with attempt:
@@ -122,13 +145,13 @@ class HttpStore(Store):
         try:
             response = self._session().post(url, json={"args": args}, timeout=self.timeout)
         except (requests.ConnectionError, requests.Timeout) as exc:
-            raise _Transient(f"state store at {self.url} unreachable ({name}): {exc}") from exc
+            raise _Transient(f"state store at {self.url} unreachable ({name}): {exc}", sent=not _never_sent(exc)) from exc
         body = _json(response)
         if response.status_code == 200 and isinstance(body, dict) and "result" in body:
             return body["result"]
         error = wire.error_from(response.status_code, body)
         if response.status_code in TRANSIENT_STATUS:
-            raise _Transient(str(error)) from error
+            raise _Transient(str(error), sent=True) from error
         raise error
 
 

@@ -45,6 +45,25 @@ READS = frozenset({
     "latest_weights", "list_weights", "list_events", "list_metrics", "get_lease", "step_results",
     "list_completions", "completion_steps",
 })
+# Writes whose second delivery leaves the store as the first did and answers the caller as the first
+# did: safe to send again after a connection broke mid-request, as reads are. Each one, and why:
+IDEMPOTENT_WRITES = frozenset({
+    "heartbeat",  # sets heartbeat_at/state/step to the same values; fenced by the incarnation either way
+    "renew_task",  # guarded by (task, lease_token): extends the same lease again; True while it is held
+    "add_metrics",  # replaces the (run, step, name) values: one value per name, the latest
+    "add_completions",  # replaces the step's completions
+    "acquire_lease",  # the holder's renewal keeps its token: the same lease comes back
+    "release_lease",  # expiring an expired lease, or one another holds, is a no-op
+    "mark_deleted",  # documented idempotent: deleted_at is set once
+    "end_worker",  # a worker already ended keeps its first terminal state, returned unchanged
+    "set_worker_handle",  # sets the same handle
+})
+# Not retried after the request may have reached the server (each gives a different answer, or a second
+# effect, the second time): create_worker (a second incarnation), lease_task (a second task),
+# complete_task (False: the task is done, and the worker would think its lease lost), add_event (a
+# duplicate), publish_weights / update_spec / write_status with a resource_version (Conflict: the version
+# moved), report_exit (Fenced: the worker has ended), apply_run (unchanged, not created), purge_run,
+# record_checkpoint, delete_* (NotFound), enqueue_tasks / reset_tasks (a count of 0).
 
 # Typed errors and their HTTP status. The client raises the same class again from the "type" field.
 STATUS: dict[str, int] = {
@@ -81,6 +100,11 @@ class Method:
     @property
     def read_only(self) -> bool:
         return self.name in READS
+
+    @property
+    def idempotent(self) -> bool:
+        """Safe to send again when the client cannot know whether the first one was applied."""
+        return self.name in READS or self.name in IDEMPOTENT_WRITES
 
 
 @cache

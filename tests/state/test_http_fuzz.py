@@ -240,7 +240,9 @@ def test_a_stalled_client_is_dropped_and_others_are_served_meanwhile(served: Ser
         assert post(served, "get_run", args_body({"name": "r"}))[0] == 200, "one stalled client blocks no one"
         answer = _closed_within(stalled, READ_TIMEOUT + 5)
     assert time.monotonic() - started < READ_TIMEOUT + 5
-    if b"Content-Length: 100" in sent:
+    # waitress reads a request in full before the app sees it, so a body that stops short never reaches
+    # the store: the connection is closed unanswered (a server that answers must answer a JSON 408).
+    if answer:
         status_line, _, rest = answer.partition(b"\r\n")
         assert status_line.split()[1] == b"408" and json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
 

@@ -93,7 +93,7 @@ def test_a_server_error_is_unavailable_and_not_retried(served: Served, monkeypat
 
     monkeypatch.setattr(served.app.store, "get_run", broken)
     with pytest.raises(Unavailable, match="disk on fire"):
-        HttpStore(served.url, token=TOKEN, read_retry_seconds=5).get_run("r")
+        HttpStore(served.url, token=TOKEN, retry_seconds=5).get_run("r")
     assert calls == ["r"], "a 500 is an answer, not a lost request: reads retry only transport failures"
 
 
@@ -110,7 +110,7 @@ def _free_port() -> int:
 
 def test_a_read_waits_for_a_server_that_comes_up(tmp_path: Path) -> None:
     port = _free_port()
-    store = HttpStore(f"http://127.0.0.1:{port}", token=TOKEN, read_retry_seconds=20)
+    store = HttpStore(f"http://127.0.0.1:{port}", token=TOKEN, retry_seconds=20)
     up, done = threading.Event(), threading.Event()
 
     def late_server() -> None:
@@ -160,7 +160,7 @@ class HangUp:
 def test_reads_are_sent_again_but_writes_only_once() -> None:
     server = HangUp()
     try:
-        store = HttpStore(server.url, token=TOKEN, read_retry_seconds=0.6)
+        store = HttpStore(server.url, token=TOKEN, retry_seconds=0.6)
         with pytest.raises(Unavailable):
             store.list_runs()
         reads = len(server.requests)
@@ -170,3 +170,90 @@ def test_reads_are_sent_again_but_writes_only_once() -> None:
         assert server.requests[reads:] == [b"POST /v1/add_event HTTP/1.1"], "a write is never sent twice"
     finally:
         server.close()
+
+
+def test_every_idempotent_write_is_a_store_write() -> None:
+    assert wire.IDEMPOTENT_WRITES.issubset(set(wire.methods()) - wire.READS)
+
+
+def test_any_call_is_sent_again_while_the_connection_is_refused(tmp_path: Path) -> None:
+    """Refused: nothing reached the server, so even a write that is not idempotent is sent again."""
+    port = _free_port()
+    store = HttpStore(f"http://127.0.0.1:{port}", token=TOKEN, retry_seconds=20)
+    up, done = threading.Event(), threading.Event()
+
+    def late_server() -> None:
+        time.sleep(0.5)
+        with serve(f"sqlite:///{tmp_path / 'state.db'}", TOKEN, port=port) as server:
+            server.app.store.apply_run("r", SPEC)
+            up.set()
+            done.wait(20)
+
+    thread = threading.Thread(target=late_server, daemon=True)
+    thread.start()
+    try:
+        assert store.add_event("r", "Normal", "Hello", "once").reason == "Hello"
+        assert [e.reason for e in store.list_events("r")] == ["Hello"], "sent again, applied once"
+    finally:
+        done.set()
+        thread.join(10)
+
+
+def test_retries_are_bounded_in_attempts_and_time() -> None:
+    refused = f"http://127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="unreachable"):
+        HttpStore(refused, token=TOKEN, retry_attempts=3, retry_seconds=60).list_runs()
+    assert time.monotonic() - started < 5, "three tries, not a minute"
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="unreachable"):
+        HttpStore(refused, token=TOKEN, retry_attempts=1000, retry_seconds=1).list_runs()
+    assert time.monotonic() - started < 5, "a second, not a thousand tries"
+
+
+def unavailable_at_first(served: Served, monkeypatch: pytest.MonkeyPatch, times: int) -> list[str]:
+    """The server answers 503 to the first `times` calls (a store starting up), then as usual; the calls
+    that reached it, by name."""
+    calls: list[str] = []
+    real = served.app._call
+
+    def call(method: wire.Method, kwargs: dict) -> tuple[int, dict]:
+        calls.append(method.name)
+        if len(calls) <= times:
+            return 503, {"error": {"type": "Unavailable", "message": "starting up"}}
+        return real(method, kwargs)
+
+    monkeypatch.setattr(served.app, "_call", call)
+    return calls
+
+
+def test_reads_and_idempotent_writes_are_sent_again_after_a_503(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = HttpStore(served.url, token=TOKEN, retry_seconds=20)
+    store.apply_run("r", SPEC)
+    worker = store.create_worker("r", "actor", 0, "local", 10)
+    ref = WorkerRef("r", "actor", 0, worker.incarnation)
+
+    calls = unavailable_at_first(served, monkeypatch, times=2)
+    assert store.get_run("r").name == "r"
+    assert calls == ["get_run"] * 3
+    calls.clear()
+    assert store.heartbeat(ref, step=3).step == 3  # an idempotent write: the same values set again
+    assert calls == ["heartbeat"] * 3
+    calls.clear()
+    store.add_metrics(ref, 3, {"loss": 0.5})  # an upsert: one value per (step, name)
+    assert calls == ["add_metrics"] * 3
+    assert [(m.step, m.value) for m in store.list_metrics("r")] == [(3, 0.5)]
+
+
+def test_a_write_that_is_not_idempotent_is_not_sent_again_after_a_503(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = HttpStore(served.url, token=TOKEN, retry_seconds=20)
+    store.apply_run("r", SPEC)
+    calls = unavailable_at_first(served, monkeypatch, times=2)
+    with pytest.raises(Unavailable, match="starting up"):
+        store.create_worker("r", "actor", 0, "local", 10)  # a second try would take a second incarnation
+    with pytest.raises(Unavailable, match="starting up"):
+        store.add_event("r", "Normal", "Hello", "once")  # a 503 from a gateway may follow a call that landed
+    assert calls == ["create_worker", "add_event"], "each sent once"
+    assert store.list_workers("r") == [] and store.list_events("r") == []

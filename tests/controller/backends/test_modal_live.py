@@ -44,7 +44,7 @@ def deployed() -> tuple[str, str]:
     subprocess.run([*modal_cli, "deploy", "-m", "mortal.controller.modal_app"], env=env, check=True, cwd=REPO,
                    timeout=1800)
     url = modal.Function.from_name(APP, "store").get_web_url()
-    store = HttpStore(url, token=token, read_retry_seconds=300)
+    store = HttpStore(url, token=token, retry_seconds=300)
     store.list_runs()  # waits out the endpoint's cold start
     store.close()
     return url, token

@@ -1,0 +1,269 @@
+"""Store server load benchmark: N workers' worth of clients against the HTTP store on 127.0.0.1.
+
+    python bench/store_load.py --store sqlite --store postgres --clients 16,64,256 --seconds 15
+
+For each backing store and number of clients N: a fresh database, the store server started by this
+script as its own process (`python -m mortal.state.http_server`, waitress, on 127.0.0.1 only), one run
+with N rollout workers and an actor's queue of tasks, then N clients for --seconds, each one worker
+going through a worker's round of calls, one call at a time:
+
+    heartbeat, lease_task, renew_task and complete_task (when a task was leased), add_metrics,
+    get_run, latest_weights
+
+Clients are threads in --procs processes (one process of 256 threads measures its own GIL more than
+the server). Each client is paced at --rate calls per second (a real worker calls far less often:
+a heartbeat every few seconds, a task per generation); a call that comes back late delays the next,
+so an overloaded server shows as fewer calls per second, not as a queue inside the client. --rate 0:
+as fast as each client can (the server's capacity, at the price of latency).
+The clients do not retry (HttpStore(retry_attempts=1)): every refused, reset, timed-out or 5xx call
+counts as failed. Reported per case: calls per second, p50/p99/max latency in ms, failures (by
+kind), and per-call p99. Table on stdout, JSON in --out. Nothing leaves 127.0.0.1; every case is
+bounded by --seconds (plus start-up), and each client by its own deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from mortal.state import WorkerRef
+from mortal.state.http_store import HttpStore
+from mortal.state.store import NewTask
+
+PG_ADMIN = os.environ.get("MORTAL_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+RUN = "bench"
+SPEC = {"model": {"name": "tiny"}}
+
+
+# -- the server, as its own process --------------------------------------------------------------------------
+@contextmanager
+def backing_store(kind: str, tmp: Path) -> Any:
+    """A fresh, empty database: a SQLite file, or a new PostgreSQL database dropped afterwards."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp / f'state-{uuid.uuid4().hex[:8]}.db'}"
+        return
+    import psycopg
+
+    name = f"mortal_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def store_server(backing_url: str, token: str, threads: int, log: Path) -> Any:
+    """`python -m mortal.state.http_server` on a free port of 127.0.0.1; its URL once /healthz answers.
+    Its log goes to a file (a pipe nobody reads would fill and stall the server)."""
+    port = _free_port()
+    env = {**os.environ, "MORTAL_STATE_TOKEN": token}
+    cmd = [sys.executable, "-m", "mortal.state.http_server", "--backing-url", backing_url,
+           "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/healthz", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the store server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def prepare(url: str, token: str, clients: int, tasks: int) -> list[tuple[str, str, int, int]]:
+    """One run, its actor with `tasks` queued tasks, and one rollout worker per client (their refs)."""
+    store = HttpStore(url, token=token)
+    store.apply_run(RUN, SPEC)
+    actor = store.create_worker(RUN, "actor", 0, "local", 600)
+    actor_ref = WorkerRef(RUN, "actor", 0, actor.incarnation)
+    for start in range(0, tasks, 500):
+        batch = [NewTask(step=i // 8, slot=i % 8, min_weight_version=0, payload={"prompt": f"p{i}"})
+                 for i in range(start, min(tasks, start + 500))]
+        store.enqueue_tasks(actor_ref, batch)
+    refs = []
+    for replica in range(clients):
+        row = store.create_worker(RUN, "rollout", replica, "local", 600)
+        refs.append((RUN, "rollout", replica, row.incarnation))
+    store.close()
+    return refs
+
+
+# -- the clients ---------------------------------------------------------------------------------------------
+class _Over(Exception):
+    """The case's time is up."""
+
+
+def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: list, lock: threading.Lock) -> None:
+    """One worker's round of calls until `stop_at`; (call, seconds, error kind or None) into `out`."""
+    interval = 1.0 / rate if rate > 0 else 0.0
+    next_at = time.monotonic() + (interval * (ref.replica % 97) / 97 if interval else 0.0)  # spread the starts
+    step, records = 0, []
+
+    def call(name: str, fn: Any, *args: Any) -> Any:
+        nonlocal next_at
+        now = time.monotonic()
+        if next_at > now:
+            time.sleep(next_at - now)
+        started = time.monotonic()
+        if started >= stop_at:
+            raise _Over
+        next_at = max(next_at + interval, started)  # late: go on from now, never catch up in a burst
+        try:
+            result = fn(*args)
+        except Exception as exc:  # counted by kind: the point is to see every failure
+            records.append((name, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:160]}"))
+            return None
+        records.append((name, time.monotonic() - started, None))
+        return result
+
+    try:
+        while True:
+            step += 1
+            call("heartbeat", store.heartbeat, ref, step)
+            task = call("lease_task", store.lease_task, ref, 30.0)
+            if task is not None:
+                call("renew_task", store.renew_task, ref, task.id, task.lease_token, 30.0)
+                call("complete_task", store.complete_task, ref, task.id, task.lease_token, {"reward": 1.0})
+            call("add_metrics", store.add_metrics, ref, step, {"reward": 0.5, "loss": 0.1})
+            call("get_run", store.get_run, RUN)
+            call("latest_weights", store.latest_weights, RUN)
+    except _Over:
+        pass
+    with lock:
+        out.extend(records)
+
+
+def client_process(url: str, token: str, refs: list[tuple[str, str, int, int]], rate: float, start_at: float,
+                   seconds: float) -> list[tuple[str, float, str | None]]:
+    """Threads, one per worker ref, all starting at `start_at` (time.time()) for `seconds`."""
+    store = HttpStore(url, token=token, timeout=(10.0, 30.0), retry_attempts=1)  # no retries: failures show
+    out: list = []
+    lock = threading.Lock()
+    time.sleep(max(0.0, start_at - time.time()))
+    stop_at = time.monotonic() + seconds
+    threads = [threading.Thread(target=_client, args=(store, WorkerRef(*ref), rate, stop_at, out, lock), daemon=True)
+               for ref in refs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    token = secrets.token_hex(16)
+    with backing_store(kind, tmp) as backing, store_server(backing, token, args.threads, tmp / "server.log") as url:
+        rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
+        refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
+        procs = max(1, min(args.procs, clients))
+        shares = [refs[i::procs] for i in range(procs)]
+        start_at = time.time() + 2.0
+        load_before = os.getloadavg()[0]
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(procs) as pool:
+            parts = [pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
+                     for share in shares]
+            records = [r for part in parts for r in part.get(args.seconds + 120)]
+        load_after = os.getloadavg()[0]
+    ok = [sec for _, sec, err in records if err is None]
+    failures = Counter(err for _, _, err in records if err is not None)
+    by_call: dict[str, list[float]] = defaultdict(list)
+    for name, sec, err in records:
+        if err is None:
+            by_call[name].append(sec)
+    return {
+        "store": kind, "clients": clients, "seconds": args.seconds, "rate_per_client": args.rate,
+        "server_threads": args.threads, "client_procs": procs,
+        "calls": len(records), "failed": sum(failures.values()), "failures": dict(failures),
+        "calls_per_s": round(len(records) / args.seconds, 1),
+        "offered_per_s": round(clients * args.rate, 1) if args.rate > 0 else None,
+        "p50_ms": round(pct(ok, 0.50) * 1000, 1), "p99_ms": round(pct(ok, 0.99) * 1000, 1),
+        "max_ms": round(max(ok, default=float("nan")) * 1000, 1),
+        "mean_ms": round(statistics.fmean(ok) * 1000, 1) if ok else None,
+        "p99_ms_by_call": {name: round(pct(v, 0.99) * 1000, 1) for name, v in sorted(by_call.items())},
+        "calls_by_call": {name: len(v) for name, v in sorted(by_call.items())},
+        "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--store", action="append", choices=["sqlite", "postgres"])
+    parser.add_argument("--clients", default="16,64,256", help="comma-separated numbers of clients")
+    parser.add_argument("--seconds", type=float, default=15.0, help="per case (at most 120)")
+    parser.add_argument("--rate", type=float, default=1.0, help="calls per second per client; 0: unpaced")
+    parser.add_argument("--procs", type=int, default=4, help="client processes (clients split among them)")
+    parser.add_argument("--threads", type=int, default=8, help="the server's worker threads")
+    parser.add_argument("--out", default="bench/results/store_load.json")
+    args = parser.parse_args()
+    if not 0 < args.seconds <= 120:
+        parser.error("--seconds must be in (0, 120]")
+    clients = [int(c) for c in args.clients.split(",")]
+    if any(not 0 < c <= 1024 for c in clients):
+        parser.error("--clients: each between 1 and 1024")
+    results = []
+    print("| store | clients | calls/s | offered/s | p50 ms | p99 ms | max ms | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="mortal-store-load-") as tmp:
+        for kind in args.store or ["sqlite"]:
+            for n in clients:
+                r = run_case(kind, n, args, Path(tmp))
+                results.append(r)
+                print(f"| {kind} | {n} | {r['calls_per_s']} | {r['offered_per_s'] or '-'} | {r['p50_ms']} | "
+                      f"{r['p99_ms']} | {r['max_ms']} | {r['failed']} {r['failures'] or ''} |", flush=True)
+    machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+               "processor": platform.processor() or platform.uname().machine}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine, "results": results},
+                                         indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
