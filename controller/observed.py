@@ -42,6 +42,9 @@ class Desired:
     max_steps: int = 100
     max_restarts: int = 10
     backoff_seconds: float = 5.0
+    max_staleness: int = 0
+    sync_every: int = 1
+    checkpoint_every: int = 10
     deleted: bool = False
     purge: bool = False
 
@@ -55,7 +58,9 @@ class Observed:
     status: Mapping[str, Any] = field(default_factory=dict)
     checkpoint: CheckpointRow | None = None
     weight_version: int | None = None
+    weights_at: datetime | None = None  # when the newest weight version was published
     reward: float | None = None
+    metrics: Mapping[int, Mapping[str, float]] | None = None  # the newest steps' metrics; None: not read this pass
     backend_error: str | None = None  # the spec's backend cannot run here (not built, unknown)
 
 
@@ -71,6 +76,12 @@ class PlanConfig:
     backoff_reset_seconds: float = 120.0  # a worker that lived this long resets its slot's backoff
     active_resync_seconds: float = 1.0  # look again this often while workers live (failure detection)
     stop_poll_seconds: float = 0.5  # look again this soon after asking a process to stop
+    metrics_window_steps: int = 10  # the newest steps whose metrics a pass reads when the step moved
+    reward_stuck_steps: int = 10  # a reward with the same value for every sample this many steps: not healthy
+    checkpoint_slack_steps: int = 1  # CheckpointFresh: a checkpoint may be this many steps late
+    progress_deadline_min_seconds: float = 60.0  # Progressing: deadline = max(this, factor x median step time)
+    progress_deadline_factor: float = 10.0
+    progress_deadline_default_seconds: float = 600.0  # while no step time is known
 
 
 def aware(moment: datetime | None) -> datetime | None:

@@ -13,7 +13,9 @@ One pass, in order:
   4. a fatal exit fails the run; the actor reaching maxSteps succeeds it;
   5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
      the restart limit reached fails the run;
-  6. status is rebuilt from what is left, and the pass asks to be looked at again when something is due.
+  6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
+     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing) beside Ready and Suspended, and the
+     pass asks to be looked at again when something is due.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from mortal.controller import conditions as rl
 from mortal.controller.actions import NORMAL, WARNING, Action, Adopt, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.observed import (
     EXIT_FATAL,
@@ -48,6 +51,7 @@ from mortal.controller.status import (
     Condition,
     Progress,
     build_status,
+    condition_status,
     diff_events,
     iso,
     legal_phase,
@@ -81,6 +85,7 @@ class _W:
     heartbeat_at: datetime | None
     lease_seconds: float
     step: int | None
+    weight_version: int | None
     exit_code: int | None
     message: str | None
     started_at: datetime
@@ -107,7 +112,7 @@ def _view(row: Any) -> _W:
     return _W(
         id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation, ref=worker_ref(row).id,
         handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
-        step=row.step, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
+        step=row.step, weight_version=row.weight_version, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
         ended_at=aware(row.ended_at),
     )
 
@@ -129,6 +134,7 @@ class _Pass:
         self.notes: list[str] = []
         self.launched: list[Launch] = []
         self.restarts = _count_restarts(self.rows)
+        self.timing: tuple[str | None, float | None] = (self.prev.get("lastStepTime"), self.prev.get("stepSeconds"))
 
     # -- 1-2: the run as a whole ------------------------------------------------------------------
     def run(self) -> Plan:
@@ -184,7 +190,7 @@ class _Pass:
             self._retire(w, f"run {phase.lower()}")
         conditions = [Condition("Ready", False, reason, message), Condition("Suspended", False, "NotSuspended"),
                       Condition(phase, True, reason, message)]
-        return self._plan(phase, conditions, message)
+        return self._plan(phase, conditions + self._final_conditions(), message)
 
     def _suspend(self) -> Plan:
         for w in self._live():
@@ -193,7 +199,7 @@ class _Pass:
         message = f"suspending: waiting for {left} worker(s) to stop" if left else "suspended"
         conditions = [Condition("Ready", False, "Suspended", message),
                       Condition("Suspended", True, "Suspended", "spec.suspend is true")]
-        return self._plan(SUSPENDED, conditions, message)
+        return self._plan(SUSPENDED, conditions + self._training_conditions(suspended=True), message)
 
     # -- 3-5: workers -----------------------------------------------------------------------------
     def _judge_live(self) -> None:
@@ -294,7 +300,7 @@ class _Pass:
         message = self._active_message(phase, recovering, rollout_ready)
         conditions = [Condition("Ready", phase == RUNNING, READY_REASONS[phase], message),
                       Condition("Suspended", False, "NotSuspended")]
-        return self._plan(phase, conditions, message)
+        return self._plan(phase, conditions + self._training_conditions(suspended=False), message)
 
     def _active_message(self, phase: str, recovering: list[tuple[str, int]], rollout_ready: int) -> str:
         if phase == RUNNING:
@@ -335,7 +341,53 @@ class _Pass:
             actor=(actor_ready, 1 if running else 0),
             rollout=(rollout_ready, self.d.rollout_replicas if running else 0),
             restarts=self.restarts,
+            last_step_time=self.timing[0],
+            step_seconds=self.timing[1],
         )
+
+    # -- 6: the training conditions -----------------------------------------------------------------
+    def _training_conditions(self, suspended: bool) -> list[Condition]:
+        """WeightsInSync, RewardHealthy, CheckpointFresh, Progressing from what this pass observed."""
+        d, o, cfg = self.d, self.o, self.cfg
+        step, prev_step = self._progress().step, self.prev.get("step")
+        last, seconds = self.timing
+        if o.metrics is not None:
+            seconds = rl.step_seconds(o.metrics) or seconds
+        if suspended:
+            last = None  # the clock starts again with the first step after a resume
+        elif step is not None and step > (prev_step if prev_step is not None else 0):
+            last = iso(self.now)
+        self.timing = (last, seconds)
+        if suspended:
+            weights = Condition(rl.WEIGHTS, None, "Suspended", "not evaluated while suspended")
+        else:
+            wanted = set(self._desired_slots())
+            rollouts = [rl.RolloutVersion(w.name, w.weight_version, w.heartbeat_at)
+                        for w in self.rows if w.role == ROLLOUT and w.state == "Running" and w.slot in wanted]
+            weights = rl.weights_in_sync(rollouts, o.weight_version, aware(o.weights_at), d.max_staleness,
+                                         d.sync_every)
+        if o.metrics is not None:
+            reward = rl.reward_healthy(o.metrics, cfg.reward_stuck_steps)
+        else:
+            reward = self._prev_condition(rl.REWARD) or rl.reward_healthy({}, cfg.reward_stuck_steps)
+        ckpt = o.checkpoint.step if o.checkpoint else None
+        deadline = rl.progress_deadline(seconds, cfg.progress_deadline_min_seconds, cfg.progress_deadline_factor,
+                                        cfg.progress_deadline_default_seconds)
+        last_time = datetime.fromisoformat(last) if last else None
+        return [weights, reward, rl.checkpoint_fresh(step, ckpt, d.checkpoint_every, cfg.checkpoint_slack_steps),
+                rl.progressing(suspended, aware(last_time), deadline, self.now)]
+
+    def _final_conditions(self) -> list[Condition]:
+        """A finished run keeps its training conditions as they were, but a reward that failed it says so."""
+        carried = [c for c in self._carried_conditions() if c.type in rl.TYPES]
+        fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
+        failure = rl.reward_failure(fatal.message) if fatal is not None else None
+        if failure is None:
+            return carried
+        return [c for c in carried if c.type != rl.REWARD] + [failure]
+
+    def _prev_condition(self, type_: str) -> Condition | None:
+        return next((c for c in self._carried_conditions() if c.type == type_), None)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _desired_slots(self) -> list[tuple[str, int]]:
@@ -350,7 +402,8 @@ class _Pass:
         return (sum(1 for r, _ in ready if r == ACTOR), sum(1 for r, _ in ready if r == ROLLOUT))
 
     def _carried_conditions(self) -> list[Condition]:
-        return [Condition(c["type"], c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+        status = {condition_status(v): v for v in (True, False, None)}
+        return [Condition(c["type"], status.get(c.get("status")), c.get("reason", ""), c.get("message", ""))
                 for c in self.prev.get("conditions") or []]
 
     def _retire(self, w: _W, reason: str) -> None:

@@ -3,7 +3,9 @@
 Who calls it: the manager's worker threads, one run at a time (the work queue guarantees it), and the
 benchmark. Each pass re-reads the world, never trusting an earlier pass:
   1. the run row and its spec; 2. the backend's listing (before the rows, so an exit it saw was
-  reported first); 3. worker rows, newest checkpoint and weights, latest reward;
+  reported first); 3. worker rows, newest checkpoint and weights, and (only when the actor's step
+  moved since the status was written) the metrics of the newest `metrics_window_steps` steps, for
+  the reward, step times and reward health;
   4. `plan()`; 5. apply its actions: worker-row writes (ending a row also releases the task leases of
   that incarnation, in the store's same transaction), then stops (in parallel), then launches,
   then a purge; 6. write status once (guarded by the read resource_version and the leader fence),
@@ -121,10 +123,12 @@ class Reconciler:
         processes = self._listings[backend.name].list(name) if backend is not None else []
         workers = self.store.list_workers(run=name)
         weights = self.store.latest_weights(name)
+        metrics = self._metrics(name, workers, run.status)
+        newest = metrics[max(metrics)] if metrics else {}
         observed = Observed(
             workers=workers, processes=processes, status=run.status, checkpoint=self.store.latest_checkpoint(name),
-            weight_version=weights.version if weights else None, reward=self._reward(name, workers, run.status),
-            backend_error=backend_error,
+            weight_version=weights.version if weights else None, weights_at=weights.created_at if weights else None,
+            reward=newest.get(REWARD_METRIC), metrics=metrics, backend_error=backend_error,
         )
         decided = plan(desired_of(run, spec), observed, datetime.now(UTC), self.config.plan)
         return self._apply(run, spec, backend, decided, fence)
@@ -141,14 +145,17 @@ class Reconciler:
                 self._listings[backend.name] = SharedListing(backend, self.config.listing_max_age_seconds)
             return self._backends[name], None
 
-    def _reward(self, name: str, workers: list[WorkerRow], status: dict[str, Any]) -> float | None:
-        """The latest step's mean reward, read from the last two steps the actor reported (None: the
-        actor has not moved since the status was written, which keeps its reward; no query then)."""
+    def _metrics(self, name: str, workers: list[WorkerRow], status: dict[str, Any]) -> dict[int, dict[str, float]] | None:
+        """{step: {metric: value}} of the newest steps the actor reported (one bounded query), or None when
+        the actor has not moved since the status was written: the status keeps what they said, no query."""
         steps = [w.step for w in workers if w.role == "actor" and w.step is not None]
         if not steps or (steps[-1] == status.get("step") and status.get("reward") is not None):
             return None
-        rows = self.store.list_metrics(name, name=REWARD_METRIC, since_step=max(0, steps[-1] - 1))
-        return max(rows, key=lambda m: m.step).value if rows else None
+        window = self.config.plan.metrics_window_steps
+        by_step: dict[int, dict[str, float]] = {}
+        for row in self.store.list_metrics(name, since_step=max(0, steps[-1] - window + 1)):
+            by_step.setdefault(row.step, {})[row.name] = row.value
+        return by_step
 
     # -- applying a plan --------------------------------------------------------------------------
     def _apply(self, run: RunRow, spec: TrainingSpec, backend: Backend | None, decided: Plan,
@@ -279,6 +286,7 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
     return Desired(
         name=run.name, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
         suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
-        backoff_seconds=spec.restart_policy.backoff_seconds, deleted=run.deleted_at is not None,
+        backoff_seconds=spec.restart_policy.backoff_seconds, max_staleness=spec.algorithm.max_staleness,
+        sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, deleted=run.deleted_at is not None,
         purge=run.purge_requested,
     )

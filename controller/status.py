@@ -19,6 +19,7 @@ from mortal.specs import TRANSITIONS, Phase
 PENDING, STARTING, RUNNING, RECOVERING = "Pending", "Starting", "Running", "Recovering"
 SUSPENDED, SUCCEEDED, FAILED = "Suspended", "Succeeded", "Failed"
 TERMINAL_PHASES = frozenset({SUCCEEDED, FAILED})
+EVENTED = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing")  # conditions whose flips are events
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Condition:
     """A condition as the planner wants it now; `build_status` keeps its transition time if unchanged."""
 
     type: str
-    status: bool
+    status: bool | None  # None: Unknown (not evaluated now, or nothing to judge yet)
     reason: str
     message: str = ""
 
@@ -42,6 +43,8 @@ class Progress:
     actor: tuple[int, int]  # (ready, desired)
     rollout: tuple[int, int]
     restarts: int
+    last_step_time: str | None = None  # when the controller first saw the current step (ISO)
+    step_seconds: float | None = None  # median duration of the recent steps
 
 
 def legal_phase(prev: str, wanted: str) -> str:
@@ -96,6 +99,8 @@ def build_status(
         "restarts": progress.restarts,
         "reward": progress.reward if progress.reward is not None else prev.get("reward"),
         "conditions": _merge_conditions(prev.get("conditions") or [], conditions, now),
+        "lastStepTime": progress.last_step_time,
+        "stepSeconds": progress.step_seconds,
         "startTime": started,
         "completionTime": completed,
         "message": message,
@@ -107,7 +112,7 @@ def _merge_conditions(prev: list[dict[str, Any]], wanted: list[Condition], now: 
     before = {c.get("type"): c for c in prev}
     merged = []
     for cond in wanted:
-        status = "True" if cond.status else "False"
+        status = condition_status(cond.status)
         old = before.get(cond.type)
         moved = old is None or old.get("status") != status
         merged.append({
@@ -120,8 +125,13 @@ def _merge_conditions(prev: list[dict[str, Any]], wanted: list[Condition], now: 
     return merged
 
 
+def condition_status(value: bool | None) -> str:
+    return "Unknown" if value is None else "True" if value else "False"
+
+
 def diff_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
-    """Events for what changed between two status blocks: phase, newest checkpoint, rollout scale."""
+    """Events for what changed between two status blocks: phase, newest checkpoint, rollout scale, and
+    each training condition (`EVENTED`) turning False (Warning) or True (Normal) from False or Unknown."""
     events: list[Event] = []
     old_phase, phase = prev.get("phase") or PENDING, new["phase"]
     if old_phase != phase:
@@ -137,4 +147,12 @@ def diff_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
         now_ = new["replicas"]["rollout"]["desired"]
         if was is not None and was != now_:
             events.append(Event(NORMAL, "Scaled", f"rollout replicas {was} -> {now_}"))
+    before = {c.get("type"): c.get("status") for c in prev.get("conditions") or []}
+    for cond in new.get("conditions") or []:
+        if cond["type"] not in EVENTED or cond["status"] == before.get(cond["type"]) or cond["status"] == "Unknown":
+            continue
+        if cond["status"] == "True" and before.get(cond["type"]) is None:
+            continue  # first seen healthy: nothing happened
+        kind = NORMAL if cond["status"] == "True" else WARNING
+        events.append(Event(kind, cond["reason"], f"{cond['type']} is {cond['status']}: {cond['message']}"))
     return events

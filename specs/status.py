@@ -111,7 +111,13 @@ class RunStatus(SpecModel):
     replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="Ready/desired workers per role.")
     restarts: int = Field(0, ge=0, description="Worker relaunches so far (counted against maxRestarts).")
     reward: float | None = Field(None, description="Mean total reward of the latest step.")
-    conditions: list[Condition] = Field(default_factory=list, description="Health aspects.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Health aspects: Ready, Suspended, and in RL terms WeightsInSync, RewardHealthy, CheckpointFresh, "
+        "Progressing (True, False, or Unknown when not evaluated).",
+    )
+    last_step_time: datetime | None = Field(None, description="When the controller saw the latest step end.")
+    step_seconds: float | None = Field(None, ge=0, description="Median duration of the recent steps.")
     start_time: datetime | None = Field(None, description="When the first worker started.")
     completion_time: datetime | None = Field(None, description="When the run reached a terminal phase.")
     message: str | None = Field(None, description="Human-readable summary of the latest transition.")

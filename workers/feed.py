@@ -59,10 +59,16 @@ class StepBatch:
 
         `weights_step(version)` is the step a version's weights are the result of; with sync.every 1
         the staleness in steps equals the one in versions. Values reward functions passed to
-        `log_metric` are averaged over the step under their own names, as TRL reports them."""
+        `log_metric` are averaged over the step under their own names, as TRL reports them.
+        `rewards/<name>/scored` is the fraction of samples each reward scored (not None): TRL's own
+        `rewards/<name>/mean` is NaN, so dropped, when it scored none, and the controller's
+        RewardHealthy condition needs to tell that from a step without metrics."""
         staleness = [step - weights_step(v) for v in self.weight_versions]
         logged = {name: sum(values) / len(values) for name, values in self.logged_metrics.items() if values}
-        return logged | {
+        names = dict.fromkeys(name for scores in self.rewards for name in scores)
+        scored = {f"rewards/{name}/scored": sum(s.get(name) is not None for s in self.rewards) / len(self.rewards)
+                  for name in names}
+        return logged | scored | {
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
             "completion_tokens": float(sum(len(c) for c in self.completion_ids)),

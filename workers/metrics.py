@@ -1,8 +1,9 @@
 """Per-step training metrics: always to the state store, and to Weights & Biases when configured.
 
 Called by the actor once per optimizer step with TRL's logged values (reward, reward_std,
-rewards/<name>/mean, loss, kl, entropy, clip ratios, completions/mean_length, ...) plus its own
-(staleness, tokens_per_second, step_seconds, weight_version). Non-finite values are dropped (a
+rewards/<name>/mean and /std, loss, kl, entropy, clip ratios, completions/mean_length, ...) plus its own
+(staleness, tokens_per_second, step_seconds, weight_version, rewards/<name>/scored: the controller's
+RewardHealthy condition reads /std and /scored). Non-finite values are dropped (a
 store column cannot hold NaN; TRL logs NaN for a reward no completion was scored by).
 
 W&B (`spec.logging.wandb.mode`): `auto` = online when WANDB_API_KEY is set, offline otherwise

@@ -91,6 +91,8 @@ def status_lines(run: TrainingRun) -> list[tuple[str, str]]:
                      f"rollout {s.replicas.rollout.ready}/{s.replicas.rollout.desired} ready"),
         ("Restarts", str(s.restarts)),
         ("Last checkpoint", ckpt),
+        ("Last step", _when(s.last_step_time) + (f", steps take {s.step_seconds:.3g}s (median)"
+                                                 if s.step_seconds is not None else "")),
         ("Started", _when(s.start_time)),
         ("Completed", _when(s.completion_time)),
         ("Message", s.message or "<none>"),

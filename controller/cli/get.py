@@ -1,6 +1,7 @@
 """`mortalctl get runs|events|checkpoints|completions|metrics`: list what the store holds, as a table or as documents.
 
-`get runs` prints NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (`-o wide` adds more), or the
+`get runs` prints NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (`-o wide` adds more, ending with
+the training conditions that are False), or the
 runs as YAML/JSON that `apply -f -` reads back, and with `-w` keeps reprinting as they change. Only
 reads the store. Resource names accept kubectl's singular, plural and short forms. A step's sampled
 completions and a run's metrics have modules of their own (completions.py, metrics.py).
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 RUN_ALIASES = ("runs", "run", "trainingruns", "trainingrun", "tr")
 RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", "AGE")
-WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL")
+WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL", "CONDITIONS")
+TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing")
 
 HELP = """Display one or many resources: runs, events, checkpoints, completions, metrics.
 
@@ -63,7 +65,7 @@ OutputOpt = typer.Option(None, "-o", "--output", metavar="FORMAT", help="Output 
 
 
 def run_row(row: RunRow, wide: bool = False) -> list[str]:
-    """One table row of a run (wide adds actor, restarts, generations, loss, backend, model)."""
+    """One table row of a run (wide adds actor, restarts, generations, loss, backend, model, conditions)."""
     from mortal.specs import SpecError
 
     try:
@@ -92,8 +94,18 @@ def run_row(row: RunRow, wide: bool = False) -> list[str]:
             spec.algorithm.loss_type,
             spec.backend,
             spec.model.name,
+            training_conditions(s.conditions),
         ]
     return cells
+
+
+def training_conditions(conditions: list) -> str:
+    """The training conditions that are False (`WeightsInSync=False,...`), `ok` when none is, `-` before any."""
+    known = [c for c in conditions if c.type in TRAINING_CONDITIONS]
+    failing = [f"{c.type}=False" for c in known if c.status == "False"]
+    if failing:
+        return ",".join(failing)
+    return "ok" if any(c.status == "True" for c in known) else "-"
 
 
 def check_format(output: str | None, allowed: tuple[str, ...] = OUTPUT_FORMATS) -> str | None:

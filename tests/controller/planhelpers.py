@@ -24,14 +24,15 @@ def ago(seconds: float) -> datetime:
 
 def row(role: str = "actor", replica: int = 0, inc: int = 1, state: str = "Running", *, handle: str | None = "h",
         beat: float | None = 0.5, started: float = 100.0, ended: float | None = None, step: int | None = None,
-        code: int | None = None, message: str | None = None, lease: float = 10.0) -> WorkerRow:
+        code: int | None = None, message: str | None = None, lease: float = 10.0,
+        version: int | None = None) -> WorkerRow:
     """A worker row; times are seconds before NOW. Ended states get ended_at (default: 1 s ago)."""
     if state not in ("Pending", "Running") and ended is None:
         ended = 1.0
     return WorkerRow(
         id=next(_ids), run=RUN, role=role, replica=replica, incarnation=inc, backend="local",
         handle=(f"{handle}{inc}" if handle else None), state=state, heartbeat_at=None if beat is None else ago(beat),
-        lease_seconds=lease, step=step, exit_code=code, message=message, started_at=ago(started),
+        lease_seconds=lease, step=step, weight_version=version, exit_code=code, message=message, started_at=ago(started),
         ended_at=None if ended is None else ago(ended),
     )
 
@@ -55,11 +56,12 @@ def status(phase: str, **extra: Any) -> dict[str, Any]:
 
 def run_plan(rows: list[WorkerRow], procs: list[BackendWorker] = (), prev: dict[str, Any] | None = None,
              ckpt: CheckpointRow | None = None, cfg: PlanConfig = CFG, weights: int | None = None,
-             reward: float | None = None, **desired: Any) -> Plan:
+             reward: float | None = None, metrics: dict[int, dict[str, float]] | None = None,
+             weights_at: datetime | None = None, now: datetime = NOW, **desired: Any) -> Plan:
     d = Desired(name=RUN, **desired)
     o = Observed(workers=rows, processes=procs, status=prev or {}, checkpoint=ckpt, weight_version=weights,
-                 reward=reward)
-    return plan(d, o, NOW, cfg)
+                 weights_at=weights_at, reward=reward, metrics=metrics)
+    return plan(d, o, now, cfg)
 
 
 def kinds(p: Plan) -> list[str]:

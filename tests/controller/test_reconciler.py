@@ -258,3 +258,55 @@ def test_a_lost_rollouts_task_is_released_when_the_pass_ends_its_row(world):
     assert (again.id, again.lease_holder) == (held.id, other.id)
     with pytest.raises(Fenced):
         store.complete_task(victim, held.id, held.lease_token, {"late": True})
+
+
+def _refs(store):
+    return {(w.role, w.replica): WorkerRef("r", w.role, w.replica, w.incarnation) for w in store.list_workers("r")}
+
+
+def _condition(store, type_):
+    return next(c for c in store.get_run("r").status["conditions"] if c["type"] == type_)
+
+
+def test_a_rollout_serving_stale_weights_makes_weights_in_sync_false_with_a_warning(world):
+    store, backend, rec = world
+    apply(store, rollout_replicas=2)
+    rec.reconcile("r")
+    refs = _refs(store)
+    actor = refs[("actor", 0)]
+    for version in range(6):
+        store.publish_weights(actor, version, version, f"/w/{version}")
+    store.heartbeat(actor, step=5, weight_version=5)
+    store.heartbeat(refs[("rollout", 0)], weight_version=5)
+    store.heartbeat(refs[("rollout", 1)], weight_version=2)  # loaded v2 and never again
+    rec.reconcile("r")
+    cond = _condition(store, "WeightsInSync")
+    assert (cond["status"], cond["reason"]) == ("False", "RolloutLagging")
+    assert "rollout-1 at v2; actor at v5" in cond["message"]
+    assert ("Warning", "RolloutLagging") in [(e.type, e.reason) for e in store.list_events("r")]
+    store.heartbeat(refs[("rollout", 1)], weight_version=5)
+    rec.reconcile("r")
+    assert _condition(store, "WeightsInSync")["status"] == "True"
+    assert [(e.type, e.reason) for e in store.list_events("r")][-1] == ("Normal", "WeightsCurrent")
+
+
+def test_the_newest_steps_metrics_are_read_once_per_step_and_judge_reward_health(world):
+    store, backend, rec = world
+    apply(store)
+    rec.reconcile("r")
+    actor = _refs(store)[("actor", 0)]
+    for step in range(1, 13):
+        store.add_metrics(actor, step, {"reward": 0.0, "step_seconds": 0.5, "rewards/acc/mean": 0.0,
+                                        "rewards/acc/std": 0.0, "rewards/acc/scored": 1.0})
+    store.heartbeat(actor, step=12)
+    rec.reconcile("r")
+    status = store.get_run("r").status
+    cond = _condition(store, "RewardHealthy")
+    assert (cond["status"], cond["reason"]) == ("False", "RewardConstant")
+    assert "'acc'" in cond["message"] and "steps 3-12" in cond["message"]
+    assert (status["reward"], status["stepSeconds"], _condition(store, "Progressing")["status"]) == (0.0, 0.5, "True")
+    calls = []
+    original = store.list_metrics
+    store.list_metrics = lambda *a, **kw: calls.append(a) or original(*a, **kw)
+    rec.reconcile("r")  # the step did not move: no metrics query, the verdict stays
+    assert calls == [] and _condition(store, "RewardHealthy")["reason"] == "RewardConstant"

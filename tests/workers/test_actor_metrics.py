@@ -94,3 +94,12 @@ def test_a_missing_wandb_is_fatal_only_when_asked_for_explicitly(monkeypatch: py
     assert open_wandb(WandbSpec(mode="auto"), "m", None, tmp_path, {}, environ={}) is None
     with pytest.raises(FatalWorkerError, match="not installed"):
         open_wandb(WandbSpec(mode="offline"), "m", None, tmp_path, {}, environ={})
+
+
+def test_a_step_says_what_fraction_of_its_samples_each_reward_scored() -> None:
+    from mortal.workers.feed import StepBatch
+
+    batch = StepBatch(rewards=[{"acc": 1.0, "fmt": None}, {"acc": 0.0, "fmt": None}, {"acc": None, "fmt": None},
+                               {"acc": 1.0, "fmt": None}], weight_versions=[3, 3, 3, 3], completion_ids=[[1]] * 4)
+    values = batch.metrics(step=3, weights_step=lambda v: v)
+    assert (values["rewards/acc/scored"], values["rewards/fmt/scored"]) == (0.75, 0.0)

