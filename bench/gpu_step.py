@@ -18,6 +18,22 @@ while mortal trains). A random-init model almost never
 samples its EOS token, so mortal's completions are 256 tokens long too; the script reports the
 tokens it actually trained on. Prints completion tokens per second for both and their ratio, from
 the median step from the third on (the first two carry start-up, compilation and graph capture).
+
+Figures against the physical limit (issue 14 §4), printed after the throughput and under "limits"
+in the JSON, from mortal's steps from the third on:
+- decode ms per step at the bench's batch: each rollout task's generation seconds over its decode
+  steps, both read from the rollout's log line ("task s.k: ... in Y s ... [decode rows=R
+  decode_steps=D ...]"); Y is the engine's whole generate (prefill, the decoder's read-backs, the copy
+  to Python), so this is an upper bound on one step replay. Median over tasks.
+- the HBM floor for a decode step: weight bytes (parameters, tied ones once, x bytes per bf16) over
+  the GPU's memory bandwidth; every step reads every weight once (the KV cache reads come on top).
+- training MFU: 6 x parameters x trained tokens per step (completion tokens, as the actor logs them,
+  plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / the GPU's
+  dense bf16 peak. 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
+  these lengths, left out), so this is model FLOPs, not hardware FLOPs.
+The GPU's figures come from GPU_LIMITS, keyed by torch.cuda.get_device_name: NVIDIA's H100 and H200
+datasheets (H100 SXM5 80GB HBM3: 3.35 TB/s, 989 TFLOPS dense bf16 (1,979 with sparsity); H200:
+4.8 TB/s, 989 TFLOPS dense bf16). A GPU not in the table prints n/a for the floor and MFU.
 Needs a CUDA GPU, TRL and datasets, and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -26,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -53,6 +70,71 @@ def make_model(folder: Path) -> Path:
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     AutoTokenizer.from_pretrained(assets / "smollm2-tok").save_pretrained(folder)
     return folder
+
+
+# name fragment of torch.cuda.get_device_name -> (memory bandwidth B/s, dense bf16 peak FLOP/s); NVIDIA's
+# datasheets (H100 SXM5: 3.35 TB/s, 989.4 TFLOPS bf16 dense; H200 SXM: 4.8 TB/s, 989 TFLOPS bf16 dense)
+GPU_LIMITS = {"H100 80GB HBM3": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
+DECODE_LOG = re.compile(r"task (\d+)\.(\d+): .*? in ([\d.]+) s .*\[decode [^]]*decode_steps=(\d+)")
+
+
+def gpu_limits(device_name: str) -> tuple[float, float] | None:
+    """(bandwidth B/s, dense bf16 FLOP/s) of the GPU named, or None when it is not in GPU_LIMITS."""
+    return next((v for k, v in GPU_LIMITS.items() if k in device_name), None)
+
+
+def model_parameters(model: Path) -> int:
+    """Parameters of the model folder (tied ones once), counted on the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+
+
+def prompt_tokens_per_step(model: Path, args: argparse.Namespace) -> int:
+    """Real prompt tokens in one step's sequences (prompts x gens), the step's prompts taken as the first rows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return args.gens * sum(len(tokenizer(r["prompt"])["input_ids"]) for r in prompt_rows()[: args.prompts])
+
+
+def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
+    """Per rollout task from `first_step` on: its generation seconds / its decode steps, in ms."""
+    out = []
+    for log in logs:
+        for match in DECODE_LOG.finditer(log.read_text(errors="replace")):
+            step, _, seconds, steps = match.groups()
+            if int(step) >= first_step and int(steps) > 0:
+                out.append(1000 * float(seconds) / int(steps))
+    return out
+
+
+def limits(device_name: str, parameters: int, decode_ms: list[float], steps: list[dict],
+           prompt_tokens: int) -> dict:
+    """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown."""
+    known = gpu_limits(device_name)
+    timed = [s for s in steps[2:] if s.get("train")]
+    out: dict = {"parameters": parameters, "weight_bytes": 2 * parameters,
+                 "bandwidth_bytes_per_second": known[0] if known else None,
+                 "peak_bf16_flops": known[1] if known else None,
+                 "decode_ms_per_step": statistics.median(decode_ms) if decode_ms else None,
+                 "hbm_floor_ms_per_step": 1000 * 2 * parameters / known[0] if known else None}
+    if timed:
+        tokens = statistics.median(s["tokens"] + prompt_tokens for s in timed)
+        train = statistics.median(s["train"] for s in timed)
+        flops = 6 * parameters * tokens
+        out.update(trained_tokens_per_step=tokens, train_seconds=train, model_flops_per_step=flops,
+                   mfu=flops / train / known[1] if known else None)
+    def shown(value: float | None, form: str, unit: str = "") -> str:
+        return "n/a" if value is None else format(value, form) + unit
+
+    trained = (f" ({out['trained_tokens_per_step']:.0f} tokens in {out['train_seconds']:.2f} s)" if timed else "")
+    print(f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step (HBM floor "
+          f"{shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: {2 * parameters / 1e9:.2f} GB of weights); training "
+          f"MFU {shown(out.get('mfu'), '.1%')}{trained}", flush=True)
+    return out
 
 
 def prompt_rows(n: int = 64) -> list[dict]:
@@ -122,6 +204,7 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         print(f"  step {s}: {v['step_seconds']:.2f} s = wait {parts['wait']:.2f} + train {parts['train']:.2f} + "
               f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
               f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
+    args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
     timed = [v for s, v in sorted(by_step.items()) if "ended_at" in v][2:]
     if timed:  # the steps the summary's median is taken over, start-up and compilation left out
         args.gpu_busy = busy.fractions(timed[0]["ended_at"] - timed[0]["step_seconds"], timed[-1]["ended_at"])
@@ -212,6 +295,7 @@ def main() -> None:
 
     out: dict = {"device": torch.cuda.get_device_name(0), "gpus_visible": torch.cuda.device_count(),
                  **{k: v for k, v in vars(args).items() if k != "json"}}
+    args.decode_ms = []
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         model = make_model(work / "model")
@@ -223,6 +307,8 @@ def main() -> None:
                                       f"{args.staleness})", run_mortal(model, args, work))
             out["gpu_busy"] = args.gpu_busy
             out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
+            out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
+                                   prompt_tokens_per_step(model, args))
     if "trl" in out and "mortal" in out:
         out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
                                   / out["trl"]["completion_tokens_per_second"])
