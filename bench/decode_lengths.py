@@ -102,7 +102,7 @@ def force_lengths(model, prompt_len: int) -> None:
             length = input_ids[:, -q:] % MODULUS  # [B, q]
             index = position_ids[:, -q:] - prompt_len + 1  # the completion token these logits sample
             keep = torch.where((index == length - 1)[..., None], only_eos, allowed[length])
-            out.logits = logits.masked_fill(~keep, float("-inf"))
+            logits.masked_fill_(~keep, float("-inf"))  # in place: no attribute set on the output (graph breaks)
             return out
 
     LengthForced.__name__ = f"LengthForced{base.__name__}"
@@ -174,11 +174,12 @@ def bench_source(name: str, model, ids, mask, eos_ids: list[int], pad: int, bos:
 
     sequences = ids.shape[0]
     ways = {"trl": lambda: trl_generate(model, ids, mask, eos_ids, pad, bos, args.tokens)}
-    for rows in (sequences, args.rows):
-        if rows <= sequences and (rows == sequences or f"mortal_rows_{rows}" not in ways):
-            decoder = StaticDecoder(model, compile=not args.cpu, max_rows=rows)
-            label = "mortal_all_rows" if rows == sequences else f"mortal_rows_{rows}"
-            ways[label] = lambda d=decoder: mortal_generate(d, ids, mask, eos_ids, args.tokens)
+    labels = {"mortal_all_rows": sequences}
+    if args.rows < sequences:
+        labels[f"mortal_rows_{args.rows}"] = args.rows
+    for label, rows in labels.items():
+        decoder = StaticDecoder(model, compile=not args.cpu, max_rows=rows)
+        ways[label] = lambda d=decoder: mortal_generate(d, ids, mask, eos_ids, args.tokens)
     out: dict = {"sequences": sequences, "prompt_width": ids.shape[1]}
     for way, fn in ways.items():
         torch.manual_seed(args.seed)
@@ -292,6 +293,8 @@ def main() -> None:
         if args.model is None:
             raise SystemExit("--source real needs --model (the SmolLM2 GGUF)")
         out["real"] = real_source(args, device, dtype)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the real model's decoders (caches, graphs) are gone with it
     if args.source in ("drawn", "both"):
         out["drawn"] = drawn_source(args, device, dtype)
     if args.json:

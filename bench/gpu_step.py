@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py [--steps 6] [--gpus 1] [--rollouts 1] [--staleness 0] [--sync auto]
                              [--only trl|mortal] [--json out.json]
+    python bench/gpu_step.py --cpu      # a smoke test of the script: a tiny model, no figures
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
 8 generations x 256 completion tokens per step, bf16, beta 0. TRL generates with transformers'
@@ -44,6 +45,7 @@ import json
 import os
 import re
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,14 +59,16 @@ REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: thro
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
 
 
-def make_model(folder: Path) -> Path:
-    """Qwen2.5-0.5B's shape with random weights, and SmolLM2's tokenizer (its vocabulary size)."""
+def make_model(folder: Path, tiny: bool = False) -> Path:
+    """Qwen2.5-0.5B's shape with random weights, and SmolLM2's tokenizer (its vocabulary size);
+    `tiny`: 2 layers of width 64 instead (the --cpu smoke test)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if tiny else
+             dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14))
+    config = Qwen2Config(**shape, num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
@@ -160,7 +164,8 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
         num_generations=args.gens, max_completion_length=args.tokens, learning_rate=1e-6, beta=0.0,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=True,
+        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
+        use_cpu=args.cpu,
         generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
@@ -173,14 +178,15 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     return {
-        "model": {"name": str(model), "dtype": "bfloat16"},
+        "model": {"name": str(model), "dtype": "float32" if args.cpu else "bfloat16"},
         "dataset": {"name": str(data)},
         "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
                       "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "H100"},
-        "rollout": {"gpu": "H100", "replicas": args.rollouts, "colocate": args.gpus == 1},
+        "actor": {"gpu": "none" if args.cpu else "H100"},
+        "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
+                    "colocate": args.gpus == 1 and not args.cpu},
         "sync": {"method": args.sync},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
@@ -193,7 +199,7 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     run = TrainingRun.model_validate({"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)})
-    with GpuBusy() as busy:
+    with GpuBusy(enabled=not args.cpu) as busy:
         by_step, _ = run_through_controller(run, work)
     steps = []
     for s, v in sorted(by_step.items()):
@@ -214,7 +220,10 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 class GpuBusy:
     """Samples nvidia-smi's utilization of every GPU every 100 ms while the block runs, each sample
-    stamped with this process's clock as it arrives."""
+    stamped with this process's clock as it arrives; `enabled` False samples nothing (no GPU)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
 
     def __enter__(self) -> GpuBusy:
         import subprocess
@@ -222,6 +231,8 @@ class GpuBusy:
         import time
 
         self.samples: list[tuple[float, str, float]] = []
+        if not self.enabled:
+            return self
         self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
                                       "-lms", "100"], stdout=subprocess.PIPE, text=True)
 
@@ -236,6 +247,8 @@ class GpuBusy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
         self.proc.terminate()
         self.reader.join(5)
 
@@ -289,16 +302,24 @@ def main() -> None:
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
     parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
+                        "unless given (figures meaningless, limits n/a)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
 
-    out: dict = {"device": torch.cuda.get_device_name(0), "gpus_visible": torch.cuda.device_count(),
+    if args.cpu:
+        given = set(sys.argv)
+        for flag, value in (("--steps", 4), ("--prompts", 2), ("--gens", 2), ("--tokens", 8)):
+            if flag not in given:
+                setattr(args, flag[2:], value)
+    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                 "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
                  **{k: v for k, v in vars(args).items() if k != "json"}}
-    args.decode_ms = []
+    args.decode_ms, args.gpu_busy = [], {}
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
-        model = make_model(work / "model")
+        model = make_model(work / "model", tiny=args.cpu)
         if args.only != "mortal":
             out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
         if args.only != "trl":
