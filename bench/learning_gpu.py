@@ -27,7 +27,8 @@ end, the callback asks the Trainer to save a checkpoint (control.should_save: mo
 scheduler, RNG state) and stop; once the checkpoint is written (on_save) it writes the curve so far
 and the seconds elapsed to DIR/curve.json (a temporary file renamed over it). A later invocation
 with the same DIR and the same settings builds the trainer again and runs
-`trainer.train(resume_from_checkpoint=True)`; its steps are appended to the curve. The stitched
+`trainer.train(resume_from_checkpoint=DIR/checkpoint-N)`, N the curve's last step (the checkpoint
+the curve was written beside; two are kept); its steps are appended to the curve. The stitched
 wall clock counts what an uninterrupted TRL run would pay and nothing else: the first segment from
 before GRPOTrainer is built (model load included) to its last step's end; each resumed segment
 from its own train's launch (the Trainer's on_train_begin, which comes after the checkpoint's model,
@@ -36,7 +37,9 @@ resumed segment's process start, model reload, trainer build and checkpoint load
 segment's checkpoint save, are subtracted (not counted against TRL, which would not pay them in one
 run); the resumed segment's first step (data skipping, cold caches) is counted. The JSON of an
 invocation that stopped early has "complete": false under "trl"; the one that finishes has the
-whole stitched curve, as an uninterrupted run would. The report mode joins the JSONs of several invocations: TRL's final
+whole stitched curve, as an uninterrupted run would.
+
+The report mode joins the JSONs of several invocations: TRL's final
 reward (mean of its last 20 steps, averaged over its seeds), its seed-to-seed spread, when each
 mortal run first reaches that reward (trailing 20-step mean), and draws reward against seconds.
 """
@@ -131,14 +134,16 @@ def run_trl(model: Path, rows: list[dict], args: argparse.Namespace, work: Path)
         num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_completion_length=args.tokens, learning_rate=args.lr, beta=0.0, loss_type="dapo", temperature=1.0,
         top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed, logging_steps=1, report_to="none",
-        save_strategy="no", save_total_limit=1, bf16=False, fp16=False, disable_tqdm=True, use_cpu=args.cpu,
+        save_strategy="no", save_total_limit=2, bf16=False, fp16=False, disable_tqdm=True, use_cpu=args.cpu,
     )
     record = Record()
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.math_answer], args=config,
                           train_dataset=Dataset.from_list(rows), callbacks=[record])
     if earlier:
         print(f"trl: resuming from step {curve[-1]['step']} ({offset:.1f} s elapsed before)", flush=True)
-    trainer.train(resume_from_checkpoint=True if earlier else None)
+    # the checkpoint the curve ends at (not merely the newest: a call killed while saving leaves a partial one;
+    # two are kept, so rotation never removes the one curve.json names before curve.json moves on)
+    trainer.train(resume_from_checkpoint=str(resume_dir / f"checkpoint-{curve[-1]['step']}") if earlier else None)
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
