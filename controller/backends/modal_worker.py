@@ -94,6 +94,10 @@ class _Tee:
         self._commit, self._every = commit, every
         self._pipe: BinaryIO | None = None
         self._written, self._committed = 0, 0
+        # Held while a chunk is written and counted, and while a commit runs: so a commit covers exactly the
+        # bytes counted (no second commit of the same content when output lands during one). A slow commit
+        # makes output wait in the pipe meanwhile (64 KB before the worker's own writes would block).
+        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._copy = threading.Thread(target=self._copy_all, name="mortal-log-copy", daemon=True)
         self._sync = threading.Thread(target=self._sync_while_running, name="mortal-log-commit", daemon=True)
@@ -106,9 +110,10 @@ class _Tee:
     def _copy_all(self) -> None:
         assert self._pipe is not None
         while chunk := os.read(self._pipe.fileno(), 65536):
-            self._file.write(chunk)
-            self._file.flush()
-            self._written += len(chunk)
+            with self._lock:
+                self._file.write(chunk)
+                self._file.flush()
+                self._written += len(chunk)
             _echo(chunk)
 
     def _sync_while_running(self) -> None:
@@ -117,14 +122,15 @@ class _Tee:
 
     def _sync_once(self) -> None:
         """Commit if there is output the last commit did not include; a failure only costs staleness."""
-        written = self._written
-        if self._commit is None or written == self._committed:
+        if self._commit is None or self._written == self._committed:
             return
         try:
-            if not self._file.closed:
-                os.fsync(self._file.fileno())  # a commit may leave out what a file open for writing holds unsynced
-            self._commit()
-            self._committed = written
+            with self._lock:
+                written = self._written
+                if not self._file.closed:
+                    os.fsync(self._file.fileno())  # a commit may leave out what a file open for writing holds unsynced
+                self._commit()
+                self._committed = written
         except Exception as exc:  # noqa: BLE001 - the worker's run matters more than its log's freshness
             print(f"mortal: could not commit the log to the volume: {exc}", file=sys.stderr, flush=True)
 
