@@ -531,3 +531,14 @@ def test_the_batched_path_logs_each_shapes_first_preparation_once(engine, tokeni
     width = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
     assert lines[0].startswith(f"decode shape 6 rows x {width}+4 tokens prepared in ")
     assert lines[0].endswith("s (no compile)") and f"x {width}+5 tokens" in lines[1]
+
+
+def test_a_shape_the_decoder_evicted_and_prepares_again_is_logged_again(engine, tokenizer, caplog) -> None:
+    """The log follows the decoder's real preparations: a shape pushed out of its kept shapes pays again."""
+    batched = TransformersEngine(engine.model, tokenizer, compiled=True)
+    prompts = _prompts(tokenizer)
+    with caplog.at_level("INFO", logger="mortal.worker"):
+        for max_tokens in (4, 5, 6, 4):  # two shapes are kept: the third evicts the first
+            batched.generate(prompts, 2, [1, 2, 3], GenerationParams(max_tokens=max_tokens))
+    lines = [r.getMessage() for r in caplog.records if "prepared in" in r.getMessage()]
+    assert [line.split(" tokens")[0].rsplit("+", 1)[1] for line in lines] == ["4", "5", "6", "4"]

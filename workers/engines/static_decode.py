@@ -201,7 +201,7 @@ class DecodeState:
     def __init__(self, rows: int, prompt_len: int, max_tokens: int, vocab: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         length = prompt_len + max_tokens
-        self.prompt_len, self.max_tokens = prompt_len, max_tokens
+        self.rows, self.prompt_len, self.max_tokens = rows, prompt_len, max_tokens
         self.last_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.t = torch.zeros(rows, dtype=torch.long, device=device)  # index of the token each row samples next
@@ -302,8 +302,10 @@ class StaticDecoder:
         self.preparations = 0
         self.last_stats: DecodeStats | None = None
 
-    def _prepare(self, rows: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> PreparedShape:
-        """The kept cache, state and step for this shape, or new ones (evicting the least recently used)."""
+    def prepare(self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> PreparedShape:
+        """The kept cache, state and step for `sequences` prompts of this width, or new ones (evicting the least
+        recently used; `preparations` counts them). Callable before generate() to time the compile apart."""
+        rows = min(sequences, self.max_rows)
         key = (rows, prompt_len, max_tokens, sampling)
         if key in self._shapes:
             self._shapes.move_to_end(key)
@@ -369,8 +371,8 @@ class StaticDecoder:
         """(tokens [S, T'], logprobs [S, T']) for S left-padded prompts, in their order; T' is the longest
         completion's length. What follows a sequence's first EOS is junk the caller cuts (cut_at_eos)."""
         sequences, prompt_len = input_ids.shape
-        rows = min(sequences, self.max_rows)
-        shape = self._prepare(rows, prompt_len, max_tokens, sampling)
+        shape = self.prepare(sequences, prompt_len, max_tokens, sampling)
+        rows = shape.state.rows
         shape.cache.reset()
         shape.state.stop.zero_()
         shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True

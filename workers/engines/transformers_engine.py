@@ -70,7 +70,6 @@ class TransformersEngine(Engine):
         self.max_rows = max_rows
         self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows)
                         if self.compiled else None)
-        self._prepared: set[tuple[int, int, int, Sampling]] = set()  # decode shapes prepared once (logged)
 
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
@@ -129,25 +128,23 @@ class TransformersEngine(Engine):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             # where the decoder's generate() would prepare: the RNG sees the same calls in the same order
-            self._prepare_once(input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling)
+            self._prepare_logged(input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling)
             tokens, logprobs = self.decoder.generate(input_ids, attention_mask, params.max_tokens, sampling,
                                                      self.eos_ids)
         ids, lps = tokens.tolist(), logprobs.tolist()
         return [[cut_at_eos(ids[i * n + g], lps[i * n + g], self.eos_ids) for g in range(n)]
                 for i in range(len(prompts))]
 
-    def _prepare_once(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> None:
-        """The first time a shape comes: the decoder's preparation (compile, graph capture) timed apart from
-        decoding, logged with whether the run's compile cache served it, and committed to the volume.
-        Later batches of the shape skip this; the decoder's own generate() prepares again if it must."""
-        rows = min(batch, self.decoder.max_rows)  # as the decoder's generate() sizes its rows
-        shape = (rows, prompt_len, max_tokens, sampling)
-        if shape in self._prepared:
-            return
+    def _prepare_logged(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> None:
+        """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
+        prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
+        served it, and committed to the volume. generate() then reuses the kept shape."""
+        before = self.decoder.preparations
         with CompileWatch() as watch:
-            self.decoder._prepare(rows, prompt_len, max_tokens, sampling)  # idempotent: generate() then reuses it
-        self._prepared.add(shape)
-        log.info("decode shape %d rows x %d+%d tokens prepared in %s", rows, prompt_len, max_tokens,
+            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling)
+        if self.decoder.preparations == before:
+            return
+        log.info("decode shape %d rows x %d+%d tokens prepared in %s", shape.state.rows, prompt_len, max_tokens,
                  watch.report.describe())
         persist(watch.report)
 
