@@ -29,11 +29,10 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from scratch_database import fresh_database
 from sqlalchemy import create_engine, update
 
 from mortal.controller import wake
@@ -45,8 +44,6 @@ from mortal.state import WorkerRef, open_store
 from mortal.state.engine import sqlalchemy_url
 from mortal.state.tables import WorkerRow, utcnow
 from mortal.workers.simulated import simulated_run
-
-PG_ADMIN = os.environ.get("MORTAL_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 class InMemoryBackend(Backend):
@@ -100,23 +97,6 @@ class HeartbeatPump:
         self.engine.dispose()
 
 
-@contextmanager
-def database(kind: str, home: Path):
-    if kind == "sqlite":
-        yield f"sqlite:///{home / 'state.db'}"
-        return
-    import psycopg
-
-    name = f"mortal_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"{PG_ADMIN.rpartition('/')[0]}/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 def stats(seconds: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000 for s in seconds)
     if not ms:
@@ -147,7 +127,7 @@ def seed_history(store, names: list[str]) -> None:
 
 
 def bench_one(kind: str, n: int, steady: float, react: int, threads: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, database(kind, Path(tmp)) as url:
+    with tempfile.TemporaryDirectory() as tmp, fresh_database(kind, Path(tmp)) as url:
         os.environ["MORTAL_HOME"] = tmp
         store = open_store(url)
         names = [f"run-{i:05d}" for i in range(n)]

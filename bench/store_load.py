@@ -36,42 +36,23 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import requests
+from scratch_database import fresh_database
 
 from mortal.state import WorkerRef
 from mortal.state.http_store import HttpStore
 from mortal.state.store import NewTask
 
-PG_ADMIN = os.environ.get("MORTAL_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RUN = "bench"
 SPEC = {"model": {"name": "tiny"}}
 
 
 # -- the server, as its own process --------------------------------------------------------------------------
-@contextmanager
-def backing_store(kind: str, tmp: Path) -> Any:
-    """A fresh, empty database: a SQLite file, or a new PostgreSQL database dropped afterwards."""
-    if kind == "sqlite":
-        yield f"sqlite:///{tmp / f'state-{uuid.uuid4().hex[:8]}.db'}"
-        return
-    import psycopg
-
-    name = f"mortal_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -198,7 +179,7 @@ def pct(values: list[float], q: float) -> float:
 
 def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     token = secrets.token_hex(16)
-    with backing_store(kind, tmp) as backing, store_server(backing, token, args.threads, tmp / "server.log") as url:
+    with fresh_database(kind, tmp) as backing, store_server(backing, token, args.threads, tmp / "server.log") as url:
         rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))
