@@ -1,0 +1,185 @@
+"""Where the actor's training step goes: TRL's GRPOTrainer step, the code mortal's actor runs, on a
+fixed rollout, once per precision, in one process.
+
+    python bench/train_step.py --model PATH.gguf [--precision fp32 tf32 bf16-autocast] [--steps 6]
+                               [--prompts 8] [--gens 8] [--prompt-len 128] [--completion-len 96]
+                               [--profile] [--json out.json]
+    python bench/train_step.py --cpu --model PATH.gguf     # a smoke test of the script, tiny sizes
+
+Why: on the learning bench (bench/learning_gpu.py) mortal's step on an H100 is bounded by the
+actor's training step (TRL's loss, backward and optimizer step, about 0.97 s in float32 for 64
+completions of SmolLM2-135M), the same code TRL's own trainer runs. This measures that step apart
+from generation and the controller, so a change to it (precision, a chunked loss) is judged on
+the step alone.
+
+What runs: GRPOTrainer with a `rollout_func` that returns the same completions every step (prompts
+of --prompt-len random tokens, completion lengths drawn once, seeded, uniformly between a quarter of
+--completion-len and all of it, with sampling logprobs) and a reward that returns a seeded 0/1 per
+completion, so advantages are not zero and the loss has a gradient. The settings are the learning
+bench's: prompts x gens completions per optimizer step, one step per generation batch, lr 2e-5,
+beta 0, loss dapo, float32 weights. Precisions:
+- fp32: float32 matmuls (TF32 off), as the learning bench ran;
+- tf32: float32 weights, TF32 matmuls (TrainingArguments' tf32, set here per variant because that
+  flag is process-wide);
+- bf16-autocast: float32 weights under bf16 autocast (TrainingArguments' bf16 on a float32 model).
+Timing: wall clock between consecutive steps' ends (on_step_end, after a CUDA synchronize), the first
+--warmup steps left out; the median is reported. Peak GPU memory is torch's max_memory_allocated over
+the timed steps. --profile adds torch.profiler over one timed step and prints the kernels that took
+the most GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRECISIONS = ("fp32", "tf32", "bf16-autocast")
+
+
+def load_model(path: Path, device: str):
+    """A float32 model and its tokenizer: from a GGUF through mortal's own converter (cached), as
+    bench/learning_gpu.py loads it on both sides; from a model folder; or, for a folder that holds only
+    a config.json (MORTAL_TEST_ASSETS' smollm2-cfg), random weights of that shape with SmolLM2's
+    tokenizer (the step's time does not depend on the weights' values)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if path.suffix == ".gguf":
+        from mortal.specs.training import ModelSpec
+        from mortal.workers.models import model_location
+
+        path = Path(model_location(ModelSpec(name=str(path))))
+    if not any(path.glob("*.safetensors")):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
+        return model.to(device), AutoTokenizer.from_pretrained(assets / "smollm2-tok")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def fixed_rollout(args: argparse.Namespace, vocab: int):
+    """rollout_func for TRL: the same completions and scores every step (module docstring)."""
+    draw = random.Random(args.seed)
+    n = args.prompts * args.gens
+    prompt_ids = [[draw.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    lengths = [draw.randint(max(1, args.completion_len // 4), args.completion_len) for _ in range(n)]
+    completions = [[draw.randrange(3, vocab) for _ in range(k)] for k in lengths]
+    logprobs = [[-draw.random() for _ in range(k)] for k in lengths]
+    scores = [float(draw.random() < 0.4) for _ in range(n)]
+
+    def rollout(prompts, trainer):
+        return {"prompt_ids": [prompt_ids[i // args.gens] for i in range(n)], "completion_ids": completions,
+                "logprobs": logprobs, "score": scores}
+
+    def reward(completions, **kwargs):
+        return kwargs["score"]
+
+    return rollout, reward, sum(lengths)
+
+
+def run_variant(precision: str, args: argparse.Namespace, device: str, work: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = load_model(args.model, device)
+    rollout, reward, completion_tokens = fixed_rollout(args, model.config.vocab_size)
+    config = GRPOConfig(
+        output_dir=str(work / precision), per_device_train_batch_size=args.prompts * args.gens,
+        num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
+        max_steps=args.steps, learning_rate=2e-5, loss_type="dapo", beta=0.0, max_completion_length=args.completion_len,
+        bf16=precision == "bf16-autocast", fp16=False, use_cpu=device == "cpu", logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, seed=args.seed,
+    )
+    if device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+        _ = config.device
+        config._n_gpu = 1
+    ends: list[float] = []
+    profiled: dict[str, object] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kwargs):
+            if args.profile and state.global_step == args.steps - 1 and device != "cpu":
+                profiled["profiler"] = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                profiled["profiler"].__enter__()
+            if state.global_step == args.warmup and device != "cpu":
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+            if "profiler" in profiled and state.global_step == args.steps:
+                profiled["profiler"].__exit__(None, None, None)
+
+    dataset = Dataset.from_dict({"prompt": [""] * (args.steps * args.prompts * args.gens)})
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Clock()], rollout_func=rollout)
+    trainer.train()
+    step_seconds = [b - a for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:], strict=False)]
+    out = {"precision": precision, "step_seconds": step_seconds,
+           "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
+           "completion_tokens": completion_tokens,
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None}
+    if "profiler" in profiled:
+        table = profiled["profiler"].key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top)
+        print(table, flush=True)
+        out["profile"] = table
+    del trainer, model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    shown = f"{out['median_step_seconds']:.3f} s" if step_seconds else "n/a"
+    memory = f", peak {out['peak_memory_gib']:.2f} GiB" if out["peak_memory_gib"] is not None else ""
+    print(f"{precision}: median step {shown} over {len(step_seconds)} steps{memory}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="the SmolLM2 GGUF file, a model folder, or a folder with only a config.json "
+                        "(random weights of that shape)")
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--gens", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--completion-len", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (GPU only)")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
+    parser.add_argument("--cpu", action="store_true", help="smoke test on the CPU: tiny sizes, figures meaningless")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    device = "cpu" if args.cpu else "cuda"
+    if args.cpu:
+        args.prompts, args.gens, args.prompt_len, args.completion_len, args.steps = 2, 2, 8, 8, 4
+        args.precision = ["fp32"]
+    elif not torch.cuda.is_available():
+        sys.exit("bench/train_step.py needs a CUDA GPU (or --cpu for a smoke test)")
+    if args.steps < args.warmup + 2:
+        sys.exit(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + 2 to time a step")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [run_variant(p, args, device, Path(tmp)) for p in args.precision]
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "settings": {k: str(v) for k, v in vars(args).items()}, "variants": results}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
