@@ -60,6 +60,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
+from mortal.workers.engines import decode_attention
+
 SYNC_EVERY = 32  # decode steps between checks for ended rows (each check waits for the GPU)
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
@@ -290,6 +292,7 @@ class StaticDecoder:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
+        decode_attention.install(model)  # one query token per row reads each key/value head once
         self.model = model
         self.compile = compile
         self.max_rows = max_rows
