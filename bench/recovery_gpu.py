@@ -263,7 +263,7 @@ def main() -> None:
     run = TrainingRun.model_validate({"metadata": {"name": "bench-recovery", "annotations": annotations(args)},
                                       "spec": spec(model, data, args)})
     home = work / "mortal-home"
-    cache = paths.compile_cache_dir(run.name, home)
+    cache = paths.compile_cache_dir(home)
     result: dict[str, Any] = {"device": args.device, "model": size, "rollouts": args.rollouts, "gpus": args.gpus,
                               "task_lease_seconds": args.task_lease, "backoff_seconds": args.backoff,
                               "prompts_x_gens_x_tokens": [args.prompts, args.gens, args.tokens],

@@ -8,7 +8,7 @@ checkpoints). Pure path arithmetic: nothing here creates a file.
     $MORTAL_HOME/runs/<run>/logs/<role>-<replica>-<incarnation>.log
     $MORTAL_HOME/runs/<run>/weights/v<version>/   published weights (sync: volume)
     $MORTAL_HOME/runs/<run>/checkpoints/step-<step>/
-    $MORTAL_HOME/runs/<run>/compile-cache/{inductor,triton}/   torch.compile's on-disk caches (backends/base.py)
+    $MORTAL_HOME/compile-cache/{inductor,triton}/     torch.compile's on-disk caches, shared by runs (backends/base.py)
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def checkpoints_dir(run: str) -> Path:
     return run_dir(run) / "checkpoints"
 
 
-def compile_cache_dir(run: str, home: str | Path | None = None) -> Path:
-    """torch.compile's caches of the run's workers: a relaunched worker reuses what an earlier one compiled."""
-    return run_dir(run, home) / "compile-cache"
+def compile_cache_dir(home: str | Path | None = None) -> Path:
+    """torch.compile's caches, shared by every run's workers under this home: a relaunched worker, and a
+    later run of the same model and shapes, loads what an earlier process compiled."""
+    return (Path(home) if home is not None else mortal_home()) / "compile-cache"

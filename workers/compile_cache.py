@@ -7,7 +7,7 @@ shape (StaticDecoder: torch.compile of the decode step, then its CUDA graph capt
 
 so `mortalctl logs RUN --role rollout` shows what a relaunch paid. The caches themselves are set up
 by the backend, before torch is imported: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR under
-<run dir>/compile-cache/ (mortal.controller.backends.base.compile_cache_environ says why torch's own
+$MORTAL_HOME/compile-cache/, shared by every run (mortal.controller.backends.base.compile_cache_environ says why torch's own
 on-disk caches and not mega-cache). Hit or miss is read from torch's counters, names as in torch 2.13:
 counters["inductor"]["fxgraph_cache_hit" | "fxgraph_cache_miss" | "fxgraph_cache_bypass"] and
 counters["aot_autograd"]["autograd_cache_hit" | "autograd_cache_miss" | "autograd_cache_bypass"].

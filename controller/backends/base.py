@@ -112,7 +112,7 @@ class WorkerLaunch:
         """The worker process's environment (the protocol of mortal.workers.runtime).
 
         `inherited` (the launcher's environment) without any worker identity, then the spec's
-        secrets, then the protocol's variables, then torch.compile's cache folders in the run's folder
+        secrets, then the protocol's variables, then torch.compile's cache folders under MORTAL_HOME
         where neither set them (compile_cache_environ). `cuda_visible_devices` None leaves the GPUs as the
         machine gives them (Modal attaches exactly the requested ones); `mortal_home` overrides the
         launch's (a Modal container sees the shared volume at its own mount point).
@@ -138,23 +138,26 @@ class WorkerLaunch:
             env["MORTAL_GPU_SHARED"] = "1"
         if env.get("TORCHINDUCTOR_CACHE_DIR") == torch_default_cache_dir():
             del env["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written back by a launcher that imported torch
-        for name, value in compile_cache_environ(self.run, mortal_home or self.mortal_home).items():
+        for name, value in compile_cache_environ(mortal_home or self.mortal_home).items():
             env.setdefault(name, value)  # a user's own setting (inherited, or the spec's env) wins
         return env
 
 
 
-def compile_cache_environ(run: str, home: str | Path) -> dict[str, str]:
-    """torch.compile's on-disk caches in the run's folder, so a relaunched worker reuses what an earlier one
-    compiled (the rollout's decode step: about a minute on an H100 cold; see workers/compile_cache.py).
+def compile_cache_environ(home: str | Path) -> dict[str, str]:
+    """torch.compile's on-disk caches in <home>/compile-cache/, shared by every run under that home, so a
+    relaunched worker, and a later run of the same model and shapes, loads what an earlier process
+    compiled (the rollout's decode step: 30-35 s on an H100 cold, 11-13 s served by the cache; see
+    workers/compile_cache.py). Shared across runs, not kept per run, because nothing in an entry
+    belongs to a run (the keys below) and a user's second run of a model would otherwise pay the
+    whole compile again: on the learning bench that was most of mortal's start.
 
     Set here, in the environment the backend gives the process, so torch reads it before it is imported
     and so it holds on every backend alike: the local one (the run's folder on this machine) and Modal's
     (`home` is the container's mount of the data volume, where the run's folder lives).
 
     Why torch's own caches on disk and not `torch.compiler.save_cache_artifacts()` ("mega-cache"):
-    - The run's folder is already shared by every worker of the run (this machine's disk; the Modal
-      volume), and mega-cache exists to move caches where there is no shared folder: it would add a
+    - The home is already shared by every worker (this machine's disk; the Modal volume), and mega-cache exists to move caches where there is no shared folder: it would add a
       save (when? shapes appear one by one over a run), a load before the first compile, and a blob per
       process that concurrent rollouts would each have to write and someone to merge.
     - Correctness rests on torch's keys, which we rely on rather than add our own: an FX graph cache
@@ -166,9 +169,10 @@ def compile_cache_environ(run: str, home: str | Path) -> dict[str, str]:
       Triton likewise (a temporary file and os.replace). Two rollouts compiling the same graph at once
       both miss and both write the same entry; the last rename wins, a reader never sees half a file.
     The FX graph and AOTAutograd caches are on by default in torch 2.13; they are asked for anyway (a
-    user's "0" still wins). `delete --purge` removes the run's folder, and the caches with it.
+    user's "0" still wins). Nothing evicts entries: the folder is a cache, safe to delete at any time
+    (workers then compile again); `delete --purge` of one run leaves it to the others.
     """
-    folder = paths.compile_cache_dir(run, home)
+    folder = paths.compile_cache_dir(home)
     return {
         "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
         "TRITON_CACHE_DIR": str(folder / "triton"),

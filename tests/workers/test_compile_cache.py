@@ -53,7 +53,7 @@ def _in_a_worker_process(home: Path, code: str) -> dict:
 
 
 def test_torch_in_a_worker_uses_the_runs_folder_with_both_caches_on(tmp_path: Path) -> None:
-    folder = paths.compile_cache_dir("cc", tmp_path)
+    folder = paths.compile_cache_dir(tmp_path)
     assert _in_a_worker_process(tmp_path, RESOLVES) == {
         "inductor": str(folder / "inductor"), "triton": str(folder / "triton"),
         "fx_graph_cache": True, "autograd_cache": True}
@@ -63,7 +63,7 @@ def test_torch_in_a_worker_uses_the_runs_folder_with_both_caches_on(tmp_path: Pa
 def test_a_relaunched_process_is_served_what_the_first_compiled(tmp_path: Path) -> None:
     first = _in_a_worker_process(tmp_path, COMPILES)
     assert (first["verdict"], first["fx_miss"], first["fx_hit"], first["aot_miss"]) == ("cache miss", 1, 0, 1)
-    inductor = paths.compile_cache_dir("cc", tmp_path) / "inductor"
+    inductor = paths.compile_cache_dir(tmp_path) / "inductor"
     assert any((inductor / "fxgraph").iterdir()) and any((inductor / "aotautograd").iterdir())
 
     second = _in_a_worker_process(tmp_path, COMPILES)

@@ -1,4 +1,5 @@
-"""WorkerLaunch.environ puts torch.compile's caches in the run's folder, unless the user chose their own."""
+"""WorkerLaunch.environ puts torch.compile's caches in MORTAL_HOME's compile-cache folder, shared by every run,
+unless the user chose their own."""
 
 from __future__ import annotations
 
@@ -17,34 +18,37 @@ def launch(**kw: object) -> WorkerLaunch:
                         state_url="sqlite:///unused.db", mortal_home="/home/m", **kw)  # type: ignore[arg-type]
 
 
-def test_compile_caches_are_in_the_runs_folder_with_both_caches_on() -> None:
+def test_compile_caches_are_in_the_homes_folder_shared_by_runs_with_both_caches_on() -> None:
     env = launch().environ({}, None)
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/runs/r/compile-cache/inductor"
-    assert env["TRITON_CACHE_DIR"] == "/home/m/runs/r/compile-cache/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/compile-cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == "/home/m/compile-cache/triton"
     assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1" and env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
-    assert Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent == paths.compile_cache_dir("r", "/home/m")
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent == paths.compile_cache_dir("/home/m")
+    other_run = WorkerLaunch(run="other", role="actor", replica=0, incarnation=0, worker_id="other/actor-0#0",
+                             state_url="sqlite:///unused.db", mortal_home="/home/m").environ({}, None)
+    assert other_run["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_a_modal_container_keeps_them_on_its_own_mount_of_the_volume() -> None:
     env = launch().environ({}, None, mortal_home="/vol")
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/vol/runs/r/compile-cache/inductor"
-    assert env["TRITON_CACHE_DIR"] == "/vol/runs/r/compile-cache/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/vol/compile-cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == "/vol/compile-cache/triton"
 
 
 def test_what_the_user_set_wins_each_variable_on_its_own() -> None:
     inherited = {"TORCHINDUCTOR_CACHE_DIR": "/mine/inductor", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
     env = launch().environ(inherited, None)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/mine/inductor" and env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"
-    assert env["TRITON_CACHE_DIR"] == "/home/m/runs/r/compile-cache/triton"
+    assert env["TRITON_CACHE_DIR"] == "/home/m/compile-cache/triton"
     # the spec's env (secrets, extra variables) is the user's too
     env = launch(env={"TRITON_CACHE_DIR": "/spec/triton"}).environ({}, None)
     assert env["TRITON_CACHE_DIR"] == "/spec/triton"
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/runs/r/compile-cache/inductor"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/compile-cache/inductor"
 
 
 def test_torchs_own_default_written_back_by_a_launcher_that_imported_torch_is_no_users_choice() -> None:
     env = launch().environ({"TORCHINDUCTOR_CACHE_DIR": torch_default_cache_dir()}, None)
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/runs/r/compile-cache/inductor"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/m/compile-cache/inductor"
 
 
 def test_the_default_is_computed_as_torch_computes_it() -> None:
@@ -52,9 +56,11 @@ def test_the_default_is_computed_as_torch_computes_it() -> None:
     assert torch_default_cache_dir() == cache_dir_utils.default_cache_dir()
 
 
-def test_delete_purge_takes_the_compile_cache_with_the_run(mortal_home: Path) -> None:
-    entry = paths.compile_cache_dir("r") / "inductor" / "fxgraph" / "entry"
+def test_delete_purge_of_a_run_leaves_the_shared_compile_cache_to_the_others(mortal_home: Path) -> None:
+    entry = paths.compile_cache_dir() / "inductor" / "fxgraph" / "entry"
     entry.parent.mkdir(parents=True)
     entry.write_text("compiled")
+    paths.run_dir("r").mkdir(parents=True)
     LocalBackend(mortal_home).remove_run_files("r")
     assert not paths.run_dir("r").exists()
+    assert entry.read_text() == "compiled"

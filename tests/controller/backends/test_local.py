@@ -122,8 +122,8 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     assert env["MORTAL_WORKER_ID"] == "envrun/actor-0#4" and env["MORTAL_INCARNATION"] == "4"
     assert env["MORTAL_HOME"] == str(mortal_home) and env["SECRET_TOKEN"] == "s3"
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # gpu "none"
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(paths.compile_cache_dir("envrun") / "inductor")
-    assert env["TRITON_CACHE_DIR"] == str(paths.compile_cache_dir("envrun") / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(paths.compile_cache_dir() / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(paths.compile_cache_dir() / "triton")
     backend.stop(handle)
 
 
