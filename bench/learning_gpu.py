@@ -19,7 +19,10 @@ colocated on the same GPU (transformers engine, CUDA-graph decoding, CUDA IPC we
 Time is wall-clock from launch: for TRL from before GRPOTrainer is built (its model load included)
 to the end of each step (a callback's on_step_end); for mortal from the moment the run is applied
 to the store (worker start-up, model load and CUDA-graph capture included) to the time the store
-recorded each step's end.
+recorded each step's end. Each invocation starts mortal with an empty compile cache (a first run on a machine: the decode step
+is compiled); `--compile-cache DIR` keeps torch's caches in DIR across invocations instead (a user's
+later run of the same model, served by the cache). The JSON's "decode_prepared" has the rollout's
+log line for each decode shape it prepared: its seconds and compile cache hit or miss.
 
 TRL in parts (`--trl-resume-dir DIR`, for a TRL run longer than one 10-minute device call): TRL's
 output_dir is DIR. When `--max-seconds` (this invocation's own wall clock) is reached at a step's
@@ -199,11 +202,14 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
               "mean_length": v.get("completions/mean_length"),
               **{part: round(v[name], 4) for part, name in BREAKDOWN.items() if name in v}}
              for s, v in sorted(by_step.items()) if "ended_at" in v]
+    # whether the decode step was compiled or served by the compile cache (the rollout logs each preparation)
+    prepared = [line.split("] ", 1)[-1].strip() for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log"))
+                for line in log.read_text(errors="replace").splitlines() if "decode shape" in line and "prepared in" in line]
     if args.logs:  # the controller's and workers' logs (start-up, compile lines), before the folder goes
         args.logs.mkdir(parents=True, exist_ok=True)
         for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log")]:
             shutil.copy(log, args.logs / log.name)
-    return {"curve": curve, "wall_seconds": wall}
+    return {"curve": curve, "wall_seconds": wall, "decode_prepared": prepared}
 
 
 def local_model(gguf: Path) -> Path:
@@ -303,6 +309,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
+    parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches for mortal's workers in this "
+                        "folder, kept across invocations (a user's later run); default: a fresh one per invocation")
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -313,6 +321,10 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> dict:
     import torch
+
+    if args.compile_cache:  # inherited by the workers, where a user's own setting wins over MORTAL_HOME's folder
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.compile_cache.resolve() / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(args.compile_cache.resolve() / "triton")
 
     rows = task_rows()
     model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
