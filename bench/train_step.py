@@ -1,8 +1,8 @@
 """Where the actor's training step goes: TRL's GRPOTrainer step, the code mortal's actor runs, on a
 fixed rollout, once per precision, in one process.
 
-    python bench/train_step.py --model PATH.gguf [--precision fp32 tf32 bf16-autocast] [--steps 6]
-                               [--prompts 8] [--gens 8] [--prompt-len 128] [--completion-len 96]
+    python bench/train_step.py --model PATH.gguf [--precision fp32 tf32 bf16-autocast] [--loss fused full]
+                               [--steps 6] [--prompts 8] [--gens 8] [--prompt-len 128] [--completion-len 96]
                                [--profile] [--json out.json]
     python bench/train_step.py --cpu --model PATH.gguf     # a smoke test of the script, tiny sizes
 
@@ -22,6 +22,13 @@ beta 0, loss dapo, float32 weights. Precisions:
 - tf32: float32 weights, TF32 matmuls (TrainingArguments' tf32, set here per variant because that
   flag is process-wide);
 - bf16-autocast: float32 weights under bf16 autocast (TrainingArguments' bf16 on a float32 model).
+Losses (--loss, each precision with each):
+- fused: TRL 1.16's own, what the actor runs: the completion tokens' logprobs and entropies from the
+  final hidden states through lm_head in tiles (4,096 tokens x 32,768 vocabulary columns), recomputed
+  in backward, never the [tokens x vocab] logits (mortal.workers.trl_seam, assumption 6);
+- full: the plain path it replaced, for comparison only: the model's logits over the whole vocabulary
+  for every completion token, divided by the temperature, log-softmax, gather and entropy (what TRL
+  before the fused head did, and what the figures of a memory-lean step are measured against).
 Timing: wall clock between consecutive steps' ends (on_step_end, after a CUDA synchronize), the first
 --warmup steps left out; the median is reported. Peak GPU memory is torch's max_memory_allocated over
 the timed steps. --profile adds torch.profiler over one timed step and prints the kernels that took
@@ -41,6 +48,7 @@ import time
 from pathlib import Path
 
 PRECISIONS = ("fp32", "tf32", "bf16-autocast")
+LOSSES = ("fused", "full")
 
 
 def load_model(path: Path, device: str):
@@ -85,7 +93,30 @@ def fixed_rollout(args: argparse.Namespace, vocab: int):
     return rollout, reward, sum(lengths)
 
 
-def run_variant(precision: str, args: argparse.Namespace, device: str, work: Path) -> dict:
+def use_full_logits(trainer) -> None:
+    """Replace TRL's fused LM head in this trainer's loss with full logits (the `full` loss; text only)."""
+    import torch
+
+    def full_logits(model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                    compute_aux_loss=False, **unused):
+        if compute_aux_loss or any(v is not None for v in unused.values()):
+            raise ValueError("the full-logits loss of this bench scores text models only")
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            with trainer.accelerator.autocast():
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, -logits_to_keep - 1:-1]
+            log_softmax = torch.log_softmax(logits.float() / trainer.temperature, dim=-1)
+            logps.append(log_softmax.gather(-1, ids[:, -logits_to_keep:, None]).squeeze(-1))
+            if compute_entropy:
+                entropies.append(-(log_softmax.exp() * log_softmax).sum(-1))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    trainer._get_per_token_logps_and_entropies = full_logits
+
+
+def run_variant(precision: str, loss: str, args: argparse.Namespace, device: str, work: Path) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -94,7 +125,7 @@ def run_variant(precision: str, args: argparse.Namespace, device: str, work: Pat
     model, tokenizer = load_model(args.model, device)
     rollout, reward, completion_tokens = fixed_rollout(args, model.config.vocab_size)
     config = GRPOConfig(
-        output_dir=str(work / precision), per_device_train_batch_size=args.prompts * args.gens,
+        output_dir=str(work / f"{precision}-{loss}"), per_device_train_batch_size=args.prompts * args.gens,
         num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_steps=args.steps, learning_rate=2e-5, loss_type="dapo", beta=0.0, max_completion_length=args.completion_len,
         bf16=precision == "bf16-autocast", fp16=False, use_cpu=device == "cpu", logging_steps=1, report_to="none",
@@ -126,11 +157,16 @@ def run_variant(precision: str, args: argparse.Namespace, device: str, work: Pat
     dataset = Dataset.from_dict({"prompt": [""] * (args.steps * args.prompts * args.gens)})
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock()], rollout_func=rollout)
+    if loss == "full":
+        use_full_logits(trainer)
     trainer.train()
     step_seconds = [b - a for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:], strict=False)]
-    out = {"precision": precision, "step_seconds": step_seconds,
+    out = {"precision": precision, "loss": loss, "step_seconds": step_seconds,
            "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
            "completion_tokens": completion_tokens,
+           # equal across --loss up to float summation order: the same step computed two ways
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None}
     if "profiler" in profiled:
         table = profiled["profiler"].key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top)
@@ -141,7 +177,7 @@ def run_variant(precision: str, args: argparse.Namespace, device: str, work: Pat
         torch.cuda.empty_cache()
     shown = f"{out['median_step_seconds']:.3f} s" if step_seconds else "n/a"
     memory = f", peak {out['peak_memory_gib']:.2f} GiB" if out["peak_memory_gib"] is not None else ""
-    print(f"{precision}: median step {shown} over {len(step_seconds)} steps{memory}", flush=True)
+    print(f"{precision}, {loss} loss: median step {shown} over {len(step_seconds)} steps{memory}", flush=True)
     return out
 
 
@@ -150,6 +186,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True, help="the SmolLM2 GGUF file, a model folder, or a folder with only a config.json "
                         "(random weights of that shape)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--loss", nargs="+", choices=LOSSES, default=["fused"],
+                        help="fused: TRL's own (the actor's); full: whole-vocabulary logits, for comparison")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--prompts", type=int, default=8)
@@ -167,13 +205,13 @@ def main() -> None:
     device = "cpu" if args.cpu else "cuda"
     if args.cpu:
         args.prompts, args.gens, args.prompt_len, args.completion_len, args.steps = 2, 2, 8, 8, 4
-        args.precision = ["fp32"]
+        args.precision, args.loss = ["fp32"], list(LOSSES)
     elif not torch.cuda.is_available():
         sys.exit("bench/train_step.py needs a CUDA GPU (or --cpu for a smoke test)")
     if args.steps < args.warmup + 2:
         sys.exit(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + 2 to time a step")
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run_variant(p, args, device, Path(tmp)) for p in args.precision]
+        results = [run_variant(p, loss, args, device, Path(tmp)) for p in args.precision for loss in args.loss]
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "settings": {k: str(v) for k, v in vars(args).items()}, "variants": results}
     if args.json:

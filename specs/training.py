@@ -37,8 +37,20 @@ class LoraSpec(SpecModel):
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input, in [0, 1).")
     target_modules: str | list[str] = Field(
-        "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names."
+        "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names. Not "
+        "lm_head: the loss reads its weight directly (TRL's fused LM head), so an adapter there would not train."
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _not_lm_head(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if any(name == "lm_head" or name.endswith(".lm_head") for name in names):
+            raise rule_error(
+                "lm_head cannot take a LoRA adapter: the loss computes log-probabilities from lm_head's weight "
+                "in chunks (TRL's fused LM head), so the adapter would never train. Remove it from targetModules"
+            )
+        return value
 
 
 class ModelSpec(SpecModel):

@@ -173,6 +173,7 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
         rollout_func=loop.rollout,
     )
     trainer.remove_callback(PrinterCallback)
+    trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
         trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)
     loop.trainer = trainer

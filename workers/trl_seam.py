@@ -23,11 +23,22 @@ What mortal relies on (TRL 1.16):
 5. The advantages TRL trained a step on are the newest entries of `trainer._logs["advantages"]`
    (a deque it fills for its completions table whether or not it logs one), in rollout_func's order
    (pinned by tests/workers/test_actor_completions.py against the group-normalized rewards).
+6. The loss never holds [tokens x vocab] logits (issue 15): GRPOTrainer.__init__ patches the model's
+   forward with TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, on the base model under
+   peft), and `_get_per_token_logps_and_entropies` calls it with `fused_lm_head=True`. The head
+   (`trl.kernels.chunked_logprob.ChunkedLogProbFunction`) projects the final hidden states through
+   lm_head in tiles of 4,096 tokens x 32,768 vocabulary columns, folds each tile into an online
+   log-sum-exp (log-probabilities after dividing by the temperature, entropies, logit scale,
+   softcapping and lm_head bias included), saves only hidden states, weights and per-token
+   statistics for backward, and recomputes each tile there. TRL refuses a LoRA adapter on lm_head
+   (the head reads `lm_head.weight`). `check_fused_lm_head` checks the patch is in place; the tests
+   pin that the values and gradients equal full logits' and that nothing of vocabulary width is saved.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import shutil
 from pathlib import Path
@@ -133,6 +144,18 @@ def enable_sampling_correction(trainer: Any, mode: str = "token_truncate", clip_
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_max = clip_max
     trainer.vllm_importance_sampling_clip_min = None
+
+
+def check_fused_lm_head(trainer: Any) -> None:
+    """The trainer's loss goes through TRL's fused LM head, never full logits (assumption 6)."""
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the patched model
+    forward = vars(base).get("forward")
+    if forward is None or "fused_lm_head" not in inspect.signature(forward, follow_wrapped=False).parameters:
+        raise TrlSeamError(
+            f"{type(base).__name__}.forward is not TRL's fused LM head (add_fused_lm_head): the loss would "
+            "hold the [tokens x vocab] logits"
+        )
 
 
 def save_checkpoint(trainer: Any, dest: Path) -> None:

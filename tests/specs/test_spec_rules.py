@@ -154,6 +154,14 @@ def test_lora_dropout_must_be_below_one():
     assert (issue.line, issue.path) == (6, "spec.model.lora.dropout")
 
 
+def test_lora_adapter_on_lm_head_is_refused():
+    lora = "lora: {targetModules: [q_proj, lm_head]}"
+    issue = only_issue(spec_with("").replace("model: {name: tiny}", "model: {name: tiny, " + lora + "}"))
+    assert (issue.line, issue.path) == (6, "spec.model.lora.targetModules")
+    assert "lm_head cannot take a LoRA adapter" in issue.message and "Remove it from targetModules" in issue.message
+    load_text(spec_with("").replace("model: {name: tiny}", "model: {name: tiny, lora: {targetModules: [q_proj]}}"))
+
+
 def test_sandbox_memory_uses_the_memoryMB_key():
     issue = only_issue(HEAD + "    - {env: code-execution, sandbox: {memoryMB: 1}}\n")
     assert issue.path == "spec.rewards[1].sandbox.memoryMB" and "must be >= 16 (got 1)" in issue.message

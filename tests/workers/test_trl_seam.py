@@ -183,3 +183,152 @@ class _StopAt:
                     control.should_training_stop = True
 
         return Stop()
+
+
+# -- assumption 6: the loss's logprobs and entropies come from TRL's fused LM head, never full logits --
+ROWS, SEQ, KEEP = 3, 12, 5  # TRL scores every position off the GPU: 3 x 11 = 33 tokens
+
+
+def _loss_trainer(tiny_dir: Path, out: Path, tied: bool, lora: bool, temperature: float) -> Any:
+    """A GRPOTrainer as the actor builds one (TRL patches the head in __init__), on a tiny model whose
+    lm_head is tied to the embeddings or its own (random) matrix, with or without LoRA adapters."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, tie_word_embeddings=tied)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=BATCH, num_generations=G, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no", disable_tqdm=True, temperature=temperature,
+        max_completion_length=KEEP, **checkpointing_arg(False),
+    )
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if lora else None
+    trainer = GRPOTrainer(
+        model=model, processing_class=AutoTokenizer.from_pretrained(tiny_dir), reward_funcs=[trl_seam.PrecomputedReward("a")],
+        args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}), rollout_func=FakeRollouts(),
+        peft_config=peft_config,
+    )
+    if lora:  # B starts at zero, which would leave A without a gradient
+        with torch.no_grad():
+            for name, param in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    return trainer
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 40000, (ROWS, SEQ), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # a completion that ended early: right padding
+    return ids, mask
+
+
+def _full_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain path: every completion position's logits over the whole vocabulary, then log-softmax."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -KEEP - 1 : -1] / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, ids[:, -KEEP:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _values_and_grads(model: Any, compute: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """logprobs, entropies and every trainable parameter's gradient of a weighted sum of both (random
+    cotangents stand for whatever GRPO's loss makes of them), on the unpadded positions."""
+    ids, mask = _batch()
+    valid = mask[:, -KEEP:].bool()
+    gen = torch.Generator().manual_seed(11)
+    d_logps, d_entropies = torch.randn(ROWS, KEEP, generator=gen), torch.randn(ROWS, KEEP, generator=gen)
+    model.zero_grad(set_to_none=True)
+    logps, entropies = compute(ids, mask)
+    ((logps * d_logps)[valid].sum() + (entropies * d_entropies)[valid].sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    return logps.detach() * valid, entropies.detach() * valid, grads
+
+
+@pytest.mark.parametrize(("tied", "lora", "temperature", "tiles"), [
+    (True, False, 0.7, None),  # TRL's tiles: one of tokens, vocabulary 32768 + 16384 (not a divisor)
+    (True, False, 0.7, (7, 5000)),  # tiles that divide neither 33 tokens nor 49152 columns
+    (True, False, 1.0, (11, 16384)),  # tiles that divide both
+    (False, False, 0.7, (7, 5000)),
+    (True, True, 0.7, (7, 5000)),
+    (False, True, 1.3, None),
+])
+def test_the_loss_logprobs_entropies_and_gradients_equal_full_logits(tiny_dir, tmp_path, monkeypatch, tied, lora,
+                                                                    temperature, tiles) -> None:
+    import trl.kernels.chunked_logprob
+    import trl.trainer.utils
+
+    if tiles is not None:  # both read at call time; setattr fails if TRL renamed them
+        monkeypatch.setattr(trl.kernels.chunked_logprob, "TOKEN_CHUNK_SIZE", tiles[0])
+        monkeypatch.setattr(trl.trainer.utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", tiles[1])
+    trainer = _loss_trainer(tiny_dir, tmp_path, tied, lora, temperature)
+    model = trainer.model
+    trl_seam.check_fused_lm_head(trainer)
+
+    def fused(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, KEEP, compute_entropy=True)
+        return logps, entropies
+
+    logps, entropies, grads = _values_and_grads(model, fused)
+    want_logps, want_entropies, want_grads = _values_and_grads(model, lambda i, m: _full_logits(model, i, m, temperature))
+    torch.testing.assert_close(logps, want_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies, want_entropies, rtol=1e-5, atol=1e-5)
+    assert set(grads) == set(want_grads) and (not lora or all("lora_" in name for name in grads))
+    for name, grad in grads.items():  # float32 sums in another order: errors relative to the gradient's scale
+        want = want_grads[name]
+        assert want.abs().max() > 0, f"{name}: a zero gradient compares nothing"
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _vocab_wide_saved(model: Any, compute: Any) -> list[tuple[int, ...]]:
+    """Shapes of the tensors autograd saves for backward that span the vocabulary and are not a
+    parameter (or a view of one, as the plain head's weight.t())."""
+    vocab = model.config.get_text_config().vocab_size
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    found: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if vocab in tensor.shape and tensor.untyped_storage().data_ptr() not in weights:
+            found.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compute(*_batch())
+    return found
+
+
+@pytest.mark.parametrize(("tied", "lora"), [(True, False), (False, False), (True, True)])
+def test_the_loss_saves_nothing_of_vocabulary_width_for_backward(tiny_dir, tmp_path, tied, lora) -> None:
+    trainer = _loss_trainer(tiny_dir, tmp_path, tied, lora, 0.7)
+    model = trainer.model
+    fused = _vocab_wide_saved(model, lambda i, m: trainer._get_per_token_logps_and_entropies(model, i, m, KEEP, compute_entropy=True))
+    assert fused == []
+    plain = _vocab_wide_saved(model, lambda i, m: _full_logits(model, i, m, 0.7))
+    assert (ROWS, KEEP, model.config.vocab_size) in plain  # the check sees logits where they are saved
+
+
+def test_check_fused_lm_head_refuses_a_model_whose_forward_is_its_own(tiny_dir, tmp_path) -> None:
+    trainer = _loss_trainer(tiny_dir, tmp_path, True, True, 1.0)
+    trl_seam.check_fused_lm_head(trainer)
+    del trainer.model.get_base_model().forward  # the class's forward again: full logits
+    with pytest.raises(trl_seam.TrlSeamError, match="fused LM head"):
+        trl_seam.check_fused_lm_head(trainer)
+
+
+def test_trl_refuses_a_lora_adapter_on_lm_head(tiny_dir, tmp_path) -> None:
+    """The fused head reads lm_head.weight, so an adapter there would never train; TRL says so."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_generations=G, use_cpu=True,
+                      bf16=False, report_to="none")
+    with pytest.raises(ValueError, match="lm_head"):
+        GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_dir), processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+                    reward_funcs=[trl_seam.PrecomputedReward("a")], args=args, rollout_func=FakeRollouts(),
+                    train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}),
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"))
