@@ -9,7 +9,8 @@ One pass, in order:
   1. stop processes no live worker row owns (zombies of ended incarnations, leftovers of a purge);
   2. a run being deleted: stop every worker, then purge;  a finished run: stop leftovers, stay finished;
      a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
-  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop;
+  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop
+     (not when a limit is reached: then every worker is stopped on purpose, as in a suspend);
   4. a fatal exit fails the run; the actor reaching maxSteps succeeds it; a limit reached (spec.limits:
      maxDuration of active time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor
      writes a final checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded,
