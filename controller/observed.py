@@ -47,6 +47,8 @@ class Desired:
     checkpoint_every: int = 10
     deleted: bool = False
     purge: bool = False
+    max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time
+    max_gpu_hours: float | None = None  # spec.limits.maxGPUHours
 
 
 @dataclass(frozen=True)

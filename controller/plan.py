@@ -9,8 +9,12 @@ One pass, in order:
   1. stop processes no live worker row owns (zombies of ended incarnations, leftovers of a purge);
   2. a run being deleted: stop every worker, then purge;  a finished run: stop leftovers, stay finished;
      a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
-  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop;
-  4. a fatal exit fails the run; the actor reaching maxSteps succeeds it;
+  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop
+     (not when a limit is reached: then every worker is stopped on purpose, as in a suspend);
+  4. a fatal exit fails the run; the actor reaching maxSteps succeeds it; a limit reached (spec.limits:
+     maxDuration of active time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor
+     writes a final checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded,
+     BudgetExceeded);
   5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
      the restart limit reached fails the run;
   6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
@@ -25,6 +29,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from mortal.controller import budgets
 from mortal.controller import conditions as rl
 from mortal.controller.actions import NORMAL, WARNING, Action, Adopt, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.observed import (
@@ -90,6 +95,7 @@ class _W:
     message: str | None
     started_at: datetime
     ended_at: datetime | None
+    gpus: int = 0
 
     @property
     def slot(self) -> tuple[str, int]:
@@ -113,7 +119,7 @@ def _view(row: Any) -> _W:
         id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation, ref=worker_ref(row).id,
         handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
         step=row.step, weight_version=row.weight_version, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
-        ended_at=aware(row.ended_at),
+        ended_at=aware(row.ended_at), gpus=row.gpus or 0,
     )
 
 
@@ -148,15 +154,19 @@ class _Pass:
             return self._finish(FAILED, "BackendUnavailable", self.o.backend_error)
         if self.d.suspend:
             return self._suspend()
-        self._judge_live()
+        limit = self._limit_reached()
+        if limit is None:
+            self._judge_live()  # (a run over a limit stops its workers on purpose, as a suspend: no loss to judge)
         fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
         if fatal is not None:
             return self._finish(FAILED, "WorkerFailed", f"{fatal.name} failed: {fatal.message or 'fatal error'}")
         if self._actor_finished():
             return self._finish(SUCCEEDED, "MaxStepsReached", f"the actor finished {self.d.max_steps} steps")
-        limit = self._ensure_slots()
         if limit is not None:
-            return self._finish(FAILED, "RestartLimitReached", f"restart limit reached: {limit}")
+            return self._stop_for_limit(limit)
+        restart_limit = self._ensure_slots()
+        if restart_limit is not None:
+            return self._finish(FAILED, "RestartLimitReached", f"restart limit reached: {restart_limit}")
         return self._active()
 
     def _stop_orphans(self) -> None:
@@ -200,6 +210,36 @@ class _Pass:
         conditions = [Condition("Ready", False, "Suspended", message),
                       Condition("Suspended", True, "Suspended", "spec.suspend is true")]
         return self._plan(SUSPENDED, conditions + self._training_conditions(suspended=True), message)
+
+    def _limit_reached(self) -> budgets.Exceeded | None:
+        """A limit of spec.limits reached by now; else ask to be looked at again when the first one will be."""
+        if self.d.max_duration is None and self.d.max_gpu_hours is None:
+            return None
+        active = budgets.active_time(self.prev, self.now) if budgets.is_active(self.prev_phase) else (
+            float(self.prev.get("activeSeconds") or 0.0))
+        used = budgets.gpu_seconds(self.rows, self.now)
+        ready = self._prev_condition("Ready")
+        already = ready.reason if ready is not None and self.prev.get("observedGeneration") == self.d.generation \
+            else None  # the same spec as when a limit was found reached: it stays reached
+        reached = budgets.exceeded(self.d.max_duration, active, self.d.max_gpu_hours, used, already)
+        if reached is None:
+            live_gpus = sum(w.gpus for w in self._live())
+            left = budgets.seconds_left(self.d.max_duration, active, self.d.max_gpu_hours, used, live_gpus)
+            if left is not None:
+                self.wake.append(left)
+        return reached
+
+    def _stop_for_limit(self, limit: budgets.Exceeded) -> Plan:
+        """Stop every worker as a suspend does (TERM: the actor checkpoints at its step boundary and exits),
+        and fail the run once none is left, so that its final checkpoint is recorded by then."""
+        for w in self._live():
+            self._retire(w, limit.message)
+        left = len(self._live())
+        if not left:
+            return self._finish(FAILED, limit.reason, limit.message)
+        message = f"{limit.message}; stopping {left} worker(s), the actor writes a final checkpoint"
+        conditions = [Condition("Ready", False, limit.reason, message), Condition("Suspended", False, "NotSuspended")]
+        return self._plan(self.prev_phase, conditions + self._training_conditions(suspended=False), message)
 
     # -- 3-5: workers -----------------------------------------------------------------------------
     def _judge_live(self) -> None:
@@ -333,6 +373,7 @@ class _Pass:
         actor_ready, rollout_ready = self._ready()
         running = phase not in (SUSPENDED, SUCCEEDED, FAILED)
         steps = [s for s in (actors[-1].step if actors else None, ckpt.step if ckpt else None) if s is not None]
+        active_seconds, active_since = budgets.next_clock(self.prev, phase or self.prev_phase, self.now)
         return Progress(
             step=max(steps) if steps else None,  # a checkpoint of step C means C steps are done
             weight_version=self.o.weight_version,
@@ -343,6 +384,9 @@ class _Pass:
             restarts=self.restarts,
             last_step_time=self.timing[0],
             step_seconds=self.timing[1],
+            active_seconds=active_seconds,
+            active_since=active_since,
+            gpu_hours=budgets.gpu_hours(budgets.gpu_seconds(self.rows, self.now)),
         )
 
     # -- 6: the training conditions -----------------------------------------------------------------

@@ -18,6 +18,7 @@ What it must not do: sleep, decide (plan decides), or write without the fence.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -196,12 +197,9 @@ class Reconciler:
 
     def _launch(self, run: RunRow, spec: TrainingSpec, backend: Backend, action: Launch, fence: LeaderFence) -> None:
         """Intent row, launch, handle: a controller killed between any two leaves something a pass repairs."""
-        row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
-                                       self.config.worker_lease_seconds, fence)
-        ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
         role = spec.actor if action.role == "actor" else spec.rollout
         launch = WorkerLaunch(
-            run=run.name, role=action.role, replica=action.replica, incarnation=row.incarnation, worker_id=ref.id,
+            run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu, gpu_count=1,
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
@@ -210,6 +208,10 @@ class Reconciler:
                              and spec.sync_method() in ("ipc", "nccl")),
             engine=spec.generation.engine,
         )
+        row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
+                                       self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
+        ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
+        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id)
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
             raise Fenced("the leader lease ran out before a launch")
@@ -288,5 +290,5 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
         backoff_seconds=spec.restart_policy.backoff_seconds, max_staleness=spec.algorithm.max_staleness,
         sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, deleted=run.deleted_at is not None,
-        purge=run.purge_requested,
+        purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
     )

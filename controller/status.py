@@ -45,6 +45,9 @@ class Progress:
     restarts: int
     last_step_time: str | None = None  # when the controller first saw the current step (ISO)
     step_seconds: float | None = None  # median duration of the recent steps
+    active_seconds: float = 0.0  # active time before active_since (mortal.controller.budgets)
+    active_since: str | None = None  # when the current active period began (ISO); None while not active
+    gpu_hours: float = 0.0  # GPU time of every worker of the run
 
 
 def legal_phase(prev: str, wanted: str) -> str:
@@ -102,6 +105,9 @@ def build_status(
         "lastStepTime": progress.last_step_time,
         "stepSeconds": progress.step_seconds,
         "startTime": started,
+        "activeSeconds": progress.active_seconds,
+        "activeSince": progress.active_since,
+        "gpuHours": progress.gpu_hours,
         "completionTime": completed,
         "message": message,
     }

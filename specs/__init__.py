@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mortal.specs.dump import dump_runs, to_yaml
 from mortal.specs.errors import SpecError, SpecIssue
+from mortal.specs.limits import Duration, LimitsSpec, format_duration, parse_duration
 from mortal.specs.loader import load_file, load_path, load_text
 from mortal.specs.metadata import Metadata, is_dns1123_label
 from mortal.specs.rewards import BUILTIN_ENVS, RewardSpec, SandboxSpec
@@ -62,7 +63,9 @@ __all__ = [
     "CheckpointSpec",
     "Condition",
     "DatasetSpec",
+    "Duration",
     "GenerationSpec",
+    "LimitsSpec",
     "LoggingSpec",
     "LoraSpec",
     "Metadata",
@@ -82,10 +85,12 @@ __all__ = [
     "TrainingSpec",
     "WandbSpec",
     "dump_runs",
+    "format_duration",
     "is_dns1123_label",
     "json_schema",
     "load_file",
     "load_path",
     "load_text",
+    "parse_duration",
     "to_yaml",
 ]

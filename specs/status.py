@@ -119,6 +119,18 @@ class RunStatus(SpecModel):
     last_step_time: datetime | None = Field(None, description="When the controller saw the latest step end.")
     step_seconds: float | None = Field(None, ge=0, description="Median duration of the recent steps.")
     start_time: datetime | None = Field(None, description="When the first worker started.")
+    active_seconds: float | None = Field(
+        None, ge=0, description="Active time (every phase but Suspended) before activeSince, in seconds. The time "
+        "counted against spec.limits.maxDuration is this plus the time since activeSince (`active_time`).",
+    )
+    active_since: datetime | None = Field(
+        None, description="When the current active period began (start, or resume); absent while Suspended or finished.",
+    )
+    gpu_hours: float | None = Field(
+        None, ge=0,
+        description="GPU-hours the run's workers used so far (each worker's wall time x the GPUs it holds, from "
+        "the workers table), to 0.01; counted against spec.limits.maxGPUHours. 0 for a CPU run.",
+    )
     completion_time: datetime | None = Field(None, description="When the run reached a terminal phase.")
     message: str | None = Field(None, description="Human-readable summary of the latest transition.")
 
@@ -127,6 +139,11 @@ class RunStatus(SpecModel):
     def _null_counter_is_zero(cls, value: object) -> object:
         """A counter the controller has not seen yet may be written as null; it means none so far."""
         return 0 if value is None else value
+
+    def active_time(self, now: datetime) -> float:
+        """Seconds the run has been active (not Suspended) up to `now`: what limits.maxDuration counts."""
+        since = self.active_since
+        return (self.active_seconds or 0.0) + (max(0.0, (now - since).total_seconds()) if since else 0.0)
 
     def condition(self, type_: str) -> Condition | None:
         """The condition of this type, if set."""

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
+from mortal.specs.limits import LimitsSpec
 from mortal.specs.rewards import ENV_VAR, RewardSpec
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
@@ -318,6 +319,11 @@ class TrainingSpec(SpecModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
     restart_policy: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Worker relaunch policy (YAML key restartPolicy)."
+    )
+    limits: LimitsSpec = Field(
+        default_factory=LimitsSpec,
+        description="Budgets: maxDuration (active time) and maxGPUHours. Reaching one writes a final checkpoint "
+        "and ends the run Failed (DeadlineExceeded, BudgetExceeded).",
     )
     backend: Literal["local", "modal"] = Field(
         "local", description="Where workers run: local (processes on this machine) or modal."

@@ -192,6 +192,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         backend: str,
         lease_seconds: float,
         fence: LeaderFence | None = None,
+        gpus: int = 0,
     ) -> WorkerRow:
         with self._tx() as s:
             check_leader(s, fence)
@@ -215,6 +216,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                 incarnation=(newest or 0) + 1,
                 backend=backend,
                 lease_seconds=lease_seconds,
+                gpus=gpus,
             )
             s.add(row)
             s.flush()

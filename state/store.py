@@ -175,11 +175,13 @@ class Store(abc.ABC):
         backend: str,
         lease_seconds: float,
         fence: LeaderFence | None = None,
+        gpus: int = 0,
     ) -> WorkerRow:
         """Record the intent to launch a slot, with a new incarnation (greater than any in the run).
 
         Recorded *before* the launch so a controller killed in between finds the row on restart.
         The new row is in state Pending. NotFound without the run; Conflict if it is being deleted.
+        `gpus`: the GPUs the worker will hold (Backend.gpus_held), for its GPU time.
         """
 
     @abc.abstractmethod

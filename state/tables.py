@@ -134,6 +134,12 @@ class WorkerRow(SQLModel, table=True):
     message: str | None = None
     started_at: datetime = _time()
     ended_at: datetime | None = _time(False)
+    gpus: int = Field(
+        default=0, sa_column_kwargs={"server_default": "0"},
+        description="GPUs this worker holds (its own; a colocated rollout's share of its actor's is 0), as the "
+        "backend gives them at launch: its wall time x this is its GPU time (spec.limits.maxGPUHours; added in "
+        "migration 0004)",
+    )
 
 
 class CheckpointRow(SQLModel, table=True):

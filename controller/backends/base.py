@@ -234,6 +234,14 @@ class Backend(abc.ABC):
         """Stop the worker and everything it started; returns once they are gone. Unknown or already
         stopped handles are a no-op."""
 
+    def gpus_held(self, launch: WorkerLaunch) -> int:
+        """GPUs the worker of `launch` will hold, recorded in its row for its GPU time (limits.maxGPUHours):
+        `gpu_count` of its GPU type; none on the CPU; none for a colocated rollout, which shares its actor's
+        (the local backend). A backend that gives every worker devices of its own says so (Modal)."""
+        if launch.gpu.strip().lower() in ("none", "cpu", "") or launch.colocate:
+            return 0
+        return launch.gpu_count
+
     def remove_run_files(self, run: str) -> None:
         """Remove the run's folder (checkpoints, weights, logs, compile caches) where this backend's workers
         write it (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""

@@ -177,6 +177,10 @@ class ModalBackend(Backend):
         self._modal_call(self._registry.put, launch.worker_id, entry)
         return HANDLE_PREFIX + call.object_id
 
+    def gpus_held(self, launch: WorkerLaunch) -> int:
+        """Every call is a container with GPUs of its own, a colocated rollout's too (docs/modal.md)."""
+        return launch.gpu_count if wants_gpu(launch.gpu) else 0
+
     def _function(self, name: str, gpu: str | None) -> Any:
         """The app's function `name` with `gpu` (looked up once; with_options per GPU type)."""
         with self._lock:

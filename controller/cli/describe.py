@@ -6,6 +6,7 @@ events. Only reads the store; formats with rich (plain text when not a terminal)
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import typer
@@ -62,6 +63,7 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
         ("Sync", f"{spec.sync.method}, every {spec.sync.every} step(s)"),
         ("Checkpoint", f"every {spec.checkpoint.every} steps, keep {spec.checkpoint.keep}"),
         ("Restart policy", f"maxRestarts {spec.restart_policy.max_restarts}, backoff {spec.restart_policy.backoff_seconds:g}s"),
+        ("Limits", limits_line(spec)),
         ("Backend", spec.backend),
         ("Suspend", str(spec.suspend).lower()),
         ("Secrets", ", ".join(spec.secrets) or "<none>"),
@@ -70,6 +72,34 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
         lines.insert(2, ("Defaults", f"{' and '.join(defaults)} not given: the seeds' code execution in the sandbox "
                                      "on builtin:mbpp-mini"))
     return lines
+
+
+def limits_line(spec: TrainingSpec) -> str:
+    from mortal.specs import format_duration
+
+    limits = spec.limits
+    parts = ([f"maxDuration {format_duration(limits.max_duration)}"] if limits.max_duration is not None else []) + (
+        [f"maxGPUHours {limits.max_gpu_hours:g}"] if limits.max_gpu_hours is not None else [])
+    return ", ".join(parts) or "<none>"
+
+
+def usage_lines(run: TrainingRun, now: datetime | None = None) -> list[tuple[str, str]]:
+    """Active time (what limits.maxDuration counts) and GPU-hours (limits.maxGPUHours), with their limits."""
+    from mortal.specs import Phase, format_duration
+
+    s, limits = run.status, run.spec.limits
+    active = s.active_time(now or datetime.now(UTC))
+    minutes, secs = divmod(int(active), 60)
+    hours, minutes = divmod(minutes, 60)
+    shown = f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{active:.1f}s"
+    if limits.max_duration is not None:
+        shown += f" of maxDuration {format_duration(limits.max_duration)}"
+    if s.phase == Phase.SUSPENDED:
+        shown += " (the clock stops while Suspended)"
+    gpu = f"{s.gpu_hours or 0.0:.2f}"
+    if limits.max_gpu_hours is not None:
+        gpu += f" of maxGPUHours {limits.max_gpu_hours:g}"
+    return [("Active time", shown), ("GPU-hours", gpu)]
 
 
 def reward_rows(spec: TrainingSpec) -> list[tuple[str, ...]]:
@@ -90,6 +120,7 @@ def status_lines(run: TrainingRun) -> list[tuple[str, str]]:
         ("Replicas", f"actor {s.replicas.actor.ready}/{s.replicas.actor.desired} ready, "
                      f"rollout {s.replicas.rollout.ready}/{s.replicas.rollout.desired} ready"),
         ("Restarts", str(s.restarts)),
+        *usage_lines(run),
         ("Last checkpoint", ckpt),
         ("Last step", _when(s.last_step_time) + (f", steps take {s.step_seconds:.3g}s (median)"
                                                  if s.step_seconds is not None else "")),
@@ -139,9 +170,10 @@ def describe_run(store: Store, row: RunRow) -> None:
     print_section("Conditions", ("TYPE", "STATUS", "REASON", "AGE", "MESSAGE"), conditions)
     workers = store.list_workers(row.name)[-10:]
     print_section("Workers", ("ROLE", "REPLICA", "INCARNATION", "STATE", "STEP", "WEIGHTS", "HEARTBEAT", "EXIT",
-                              "HANDLE", "AGE"), [
+                              "GPUS", "HANDLE", "AGE"), [
         (w.role, w.replica, w.incarnation, w.state, _dash(w.step), _dash(w.weight_version),
-         age(w.heartbeat_at) if w.heartbeat_at else "-", _dash(w.exit_code), _dash(w.handle), age(w.started_at))
+         age(w.heartbeat_at) if w.heartbeat_at else "-", _dash(w.exit_code), w.gpus, _dash(w.handle),
+         age(w.started_at))
         for w in workers
     ])
     checkpoints = store.list_checkpoints(row.name)

@@ -73,6 +73,7 @@ def test_upgrade_from_0001_keeps_every_row(sql_store_url: str) -> None:
         assert run.created_at == NOW
         assert [m.value for m in store.list_metrics("a")] == [1.0, 0.5, 1.0 / 3]
         assert store.get_lease("leader").token == 3
+        assert [w.gpus for w in store.list_workers("a")] == [0]  # 0004: GPUs of workers recorded before it unknown
         assert [t.payload for t in store.step_results("a", 8)] == [{"p": 0}, {"p": 1}, {"p": 2}]
     finally:
         store.close()

@@ -176,3 +176,10 @@ def test_purging_a_run_removes_its_folder_from_the_volume(fake: FakeModal, tmp_p
     with pytest.raises(BackendError, match="could not connect"):
         backend.remove_run_files("kept")
     assert (tmp_path / "runs" / "kept").is_dir()
+
+
+def test_every_call_holds_gpus_of_its_own_for_gpu_time(fake: FakeModal) -> None:
+    backend = ModalBackend(modal=fake)
+    assert [backend.gpus_held(spec(gpu=g, colocate=c)) for g, c in (("none", False), ("H100", False), ("H100", True))] \
+        == [0, 1, 1]  # a colocated rollout is still a container with its own GPU on Modal
+    assert backend.gpus_held(spec(gpu="A100", gpu_count=2)) == 2
