@@ -297,4 +297,5 @@ def test_a_browser_runs_no_model_text_and_draws_the_page(populated: str, tmp_pat
     assert "<title>quickstart · mortal</title>" in dom, out.stderr[-2000:]
     assert "pwned" not in dom.split("</title>")[0]
     assert "<polyline" in dom and "Completions of step 6" in dom
+    assert "live · " in dom  # the script refreshed the sections from the JSON endpoint
     assert "&lt;script&gt;document.title" in dom
