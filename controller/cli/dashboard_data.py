@@ -5,8 +5,10 @@ dicts it returns are both the JSON endpoints' bodies and what controller/cli/das
 Cost: one store query per table per refresh, never one per run: the runs list is a single
 `list_runs` (phase, step, reward and conditions are in each run's status block); a run's page is one
 query each on runs, metrics, events, workers and checkpoints, and two on completions (the steps that
-have samples, then the chosen step's samples, sorted once). Unknown metric names cost nothing extra:
-the reward and loss series are cut from the one `list_metrics`.
+have samples, then the chosen step's samples, sorted once). The reward and loss series are cut from
+one `list_metrics` of the whole run, which returns every metric of every step: a small read for runs of
+hundreds of steps, a large one per refresh for runs of many thousands (not cached or read incrementally
+yet: a resumed actor records earlier steps again, which a read `since_step` would miss).
 What it must not do: write. It is handed a `ReadOnlyStore`, which has no write methods to call.
 """
 
