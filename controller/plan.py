@@ -262,8 +262,8 @@ class _Pass:
             history[w.slot].append(w)
         exits = []
         for slot in sorted(history):
-            ended = [w for w in history[slot] if not w.live]
             hist = history[slot]
+            ended = [w for w in hist if not w.live]
             if not ended or not (ended[-1].failed and ended[-1].exit_code == EXIT_OUT_OF_MEMORY):
                 continue
             last = ended[-1]
