@@ -1,4 +1,4 @@
-"""The run's conditions in RL terms: WeightsInSync, RewardHealthy, CheckpointFresh, Progressing.
+"""The run's conditions in RL terms: WeightsInSync, RewardHealthy, CheckpointFresh, Progressing; and MemoryFits.
 
 Called only by `plan` (which adds them beside Ready and Suspended); tests call each function with
 hand-built inputs. Each function reads what one pass observed and returns one `Condition` (status
@@ -15,6 +15,9 @@ Events for their transitions are made by `mortal.controller.status.diff_events`.
   value (`rewards/<name>/std` == 0) for `stuck_steps` steps in a row.
 - CheckpointFresh: the newest complete checkpoint is at most checkpoint.every (+ slack) steps old.
 - Progressing: a step ended within the progress deadline, max(min, factor x median step time).
+- MemoryFits: False while the newest ended worker of some slot ended out of GPU memory (exit 4, as a
+  Pod's lastState says OOMKilled); the message names the worker, what it tried to allocate, how full
+  the GPU was, and what to change in the spec, by role (`memory_advice`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from datetime import datetime
 from mortal.controller.status import Condition
 
 WEIGHTS, REWARD, CHECKPOINT, PROGRESSING = "WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing"
-TYPES = (WEIGHTS, REWARD, CHECKPOINT, PROGRESSING)
+MEMORY, OUT_OF_MEMORY = "MemoryFits", "OutOfMemory"
+TYPES = (WEIGHTS, REWARD, CHECKPOINT, PROGRESSING, MEMORY)
+OOM_RELAUNCHES = 1  # relaunches of a slot after an out-of-memory exit; the next one fails the run (see plan)
 REWARD_FATAL_REASONS = ("RewardFailed", "RewardBadOutput", "RewardNotFound")  # mortal.workers.rewards' reasons
 STD_METRIC, SCORED_METRIC, STEP_SECONDS_METRIC = "std", "scored", "step_seconds"
 
@@ -151,3 +156,62 @@ def progressing(suspended: bool, last_step_time: datetime | None, deadline: floa
                          f"no step has ended for {quiet:.0f}s (deadline {deadline:.0f}s)")
     return Condition(PROGRESSING, True, "StepsAdvancing",
                      f"last step ended {quiet:.0f}s ago (deadline {deadline:.0f}s)")
+
+
+@dataclass(frozen=True)
+class OomExit:
+    """A slot whose newest ended worker ran out of GPU memory."""
+
+    name: str  # e.g. rollout-0
+    role: str  # actor | rollout
+    replica: int
+    incarnation: int
+    details: str  # the worker's own words: what it tried to allocate, the GPU's figures
+    count: int  # out-of-memory exits of this slot so far (1: it gets its one relaunch)
+
+
+@dataclass(frozen=True)
+class MemoryKnobs:
+    """The spec's memory settings already chosen, so the advice names only what is left to change."""
+
+    colocate: bool = False
+    lora: bool = False
+    gradient_checkpointing: bool = False
+
+
+def memory_advice(role: str, knobs: MemoryKnobs) -> str:
+    """What to change in the spec so that a worker of `role` fits its GPU, most direct first."""
+    if role == "rollout":
+        tips = ["lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
+                "lower generation.maxTokens (the KV cache grows with it)"]
+        if knobs.colocate:
+            tips.append("give the rollouts GPUs of their own (rollout.colocate: false; the actor's weights, "
+                        "gradients and optimizer state share this GPU now)")
+        tips.append("or pick a GPU with more memory (rollout.gpu)")
+    else:
+        tips = ["lower algorithm.batchSize (completions per optimizer step)"]
+        if not knobs.gradient_checkpointing:
+            tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
+        if not knobs.lora:
+            tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full gradients "
+                        "or AdamW state")
+        if knobs.colocate:
+            tips.append("give the rollouts GPUs of their own (rollout.colocate: false)")
+        tips.append("or pick a GPU with more memory (actor.gpu)")
+    return "; ".join(tips)
+
+
+def memory_fits(exits: Sequence[OomExit], knobs: MemoryKnobs) -> Condition:
+    """False when a slot's newest ended worker ran out of GPU memory, naming it, its figures and the fix."""
+    if not exits:
+        return Condition(MEMORY, True, "NoOutOfMemory", "no worker has run out of GPU memory")
+    lines = []
+    for e in exits:
+        if e.count > OOM_RELAUNCHES:
+            verdict = f"{e.count} times with this spec, so it will not fit as it is"
+        else:
+            verdict = "relaunched once, as a transient (a neighbour's peak, a predecessor not yet gone); " \
+                      "a second out-of-memory fails the run"
+        lines.append(f"{e.name} #{e.incarnation} ran out of GPU memory: {e.details}; {verdict}. "
+                     f"To fit: {memory_advice(e.role, knobs)}")
+    return Condition(MEMORY, False, OUT_OF_MEMORY, " | ".join(lines))

@@ -19,6 +19,7 @@ LIVE_STATES = frozenset({"Pending", "Running"})
 FAILED_STATES = frozenset({"Lost", "Failed"})
 EXIT_SUCCEEDED = 0
 EXIT_FATAL = 3  # the worker protocol's fatal exit (mortal.workers.runtime): the run cannot succeed
+EXIT_OUT_OF_MEMORY = 4  # the worker ran out of GPU memory (mortal.workers.oom): relaunched at most once
 
 
 class ProcessView(Protocol):
@@ -45,6 +46,9 @@ class Desired:
     max_staleness: int = 0
     sync_every: int = 1
     checkpoint_every: int = 10
+    colocate: bool = False  # rollout.colocate: the rollouts share the actor's GPU
+    lora: bool = False  # model.lora is set
+    gradient_checkpointing: bool = False  # model.gradientCheckpointing
     deleted: bool = False
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time
@@ -117,7 +121,7 @@ class Verdict:
 def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
     """The health of a live (Pending/Running) row, from its process and its heartbeat.
 
-    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, else lost);
+    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, 4 out of memory, else lost);
     2. no handle recorded -> adopt the process if one carries this worker id, else give up after a grace;
     3. a handle but no such process any more -> lost (after the same grace, for listings that lag);
     4. alive but silent longer than its lease (or its startup timeout) -> lost, and kill it.
@@ -150,5 +154,8 @@ def _exited(row: WorkerRow, code: int | None) -> Verdict:
         return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")
     if code == EXIT_FATAL:
         return Verdict("end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)")
+    if code == EXIT_OUT_OF_MEMORY:
+        return Verdict("end", state="Failed", exit_code=code,
+                       message=row.message or "exited with code 4 (out of GPU memory)")
     shown = "an unknown code" if code is None else f"code {code}"
     return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}")

@@ -11,15 +11,15 @@ One pass, in order:
      a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
   3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop
      (not when a limit is reached: then every worker is stopped on purpose, as in a suspend);
-  4. a fatal exit fails the run; the actor reaching maxSteps succeeds it; a limit reached (spec.limits:
-     maxDuration of active time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor
-     writes a final checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded,
-     BudgetExceeded);
+  4. a fatal exit fails the run; so does a slot out of GPU memory a second time (`_out_of_memory`);
+     the actor reaching maxSteps succeeds it; a limit reached (spec.limits: maxDuration of active
+     time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor writes a final
+     checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded, BudgetExceeded);
   5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
      the restart limit reached fails the run;
   6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
-     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing) beside Ready and Suspended, and the
-     pass asks to be looked at again when something is due.
+     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing) and MemoryFits beside Ready and
+     Suspended, and the pass asks to be looked at again when something is due.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from mortal.controller import conditions as rl
 from mortal.controller.actions import NORMAL, WARNING, Action, Adopt, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.observed import (
     EXIT_FATAL,
+    EXIT_OUT_OF_MEMORY,
     FAILED_STATES,
     LIVE_STATES,
     Desired,
@@ -160,6 +161,9 @@ class _Pass:
         fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
         if fatal is not None:
             return self._finish(FAILED, "WorkerFailed", f"{fatal.name} failed: {fatal.message or 'fatal error'}")
+        memory = self._out_of_memory()
+        if memory is not None:
+            return self._finish(FAILED, rl.OUT_OF_MEMORY, memory)
         if self._actor_finished():
             return self._finish(SUCCEEDED, "MaxStepsReached", f"the actor finished {self.d.max_steps} steps")
         if limit is not None:
@@ -265,6 +269,51 @@ class _Pass:
                 self._end(w, state, verdict.exit_code, verdict.message, event)
                 if verdict.kill and proc is not None:
                     self.actions.append(Stop(proc.handle, 0.0, None))
+
+    def _out_of_memory(self) -> str | None:
+        """The run's failure message when a slot ran out of GPU memory and must not be relaunched, else None.
+
+        An out-of-memory exit is not a crash to retry in a loop: the same spec on the same GPU makes
+        the same tensors, and ten relaunches over minutes only hide the cause. A slot gets ONE relaunch
+        (after the usual backoff, counted against maxRestarts): on a GPU the memory a worker finds also
+        depends on things outside its spec (a predecessor whose CUDA context is not torn down yet, a
+        colocated neighbour's peak, allocator fragmentation), and one try tells those from a spec that
+        cannot fit. Its second out-of-memory fails the run with reason OutOfMemory, and so does the
+        first when no restart is left, as a Job's podFailurePolicy fails it on an exit code it knows
+        retrying cannot fix, rather than a Pod's OOMKilled going round CrashLoopBackOff forever. The
+        MemoryFits condition (and its one Warning event, on the flip) says what to change before
+        `apply`ing again.
+        """
+        exits = self._oom_exits()
+        condition = rl.memory_fits(exits, self._memory_knobs())
+        newest = {w.slot: w for w in self.rows}
+        for e in exits:
+            last = newest[(e.role, e.replica)]
+            pending_relaunch = last.exit_code == EXIT_OUT_OF_MEMORY and last.failed
+            if e.count > rl.OOM_RELAUNCHES or (pending_relaunch and self.restarts >= self.d.max_restarts):
+                return condition.message
+        return None
+
+    def _oom_exits(self) -> list[rl.OomExit]:
+        """Slots whose newest ended worker ran out of GPU memory, with how often that slot did."""
+        history: dict[tuple[str, int], list[_W]] = defaultdict(list)
+        for w in self.rows:
+            history[w.slot].append(w)
+        exits = []
+        for slot in sorted(history):
+            hist = history[slot]
+            ended = [w for w in hist if not w.live]
+            if not ended or not (ended[-1].failed and ended[-1].exit_code == EXIT_OUT_OF_MEMORY):
+                continue
+            last = ended[-1]
+            details = (last.message or "no figures reported").removeprefix(f"{rl.OUT_OF_MEMORY}: ")
+            count = sum(1 for w in hist if w.failed and w.exit_code == EXIT_OUT_OF_MEMORY)
+            exits.append(rl.OomExit(last.name, last.role, last.replica, last.incarnation, details, count))
+        return exits
+
+    def _memory_knobs(self) -> rl.MemoryKnobs:
+        return rl.MemoryKnobs(colocate=self.d.colocate, lora=self.d.lora,
+                              gradient_checkpointing=self.d.gradient_checkpointing)
 
     def _actor_finished(self) -> bool:
         """The newest actor ended Succeeded at maxSteps (a Succeeded actor stopped early is relaunched)."""
@@ -419,11 +468,13 @@ class _Pass:
                                         cfg.progress_deadline_default_seconds)
         last_time = datetime.fromisoformat(last) if last else None
         return [weights, reward, rl.checkpoint_fresh(step, ckpt, d.checkpoint_every, cfg.checkpoint_slack_steps),
-                rl.progressing(suspended, aware(last_time), deadline, self.now)]
+                rl.progressing(suspended, aware(last_time), deadline, self.now),
+                rl.memory_fits(self._oom_exits(), self._memory_knobs())]
 
     def _final_conditions(self) -> list[Condition]:
         """A finished run keeps its training conditions as they were, but a reward that failed it says so."""
-        carried = [c for c in self._carried_conditions() if c.type in rl.TYPES]
+        carried = [c for c in self._carried_conditions() if c.type in rl.TYPES and c.type != rl.MEMORY]
+        carried.append(rl.memory_fits(self._oom_exits(), self._memory_knobs()))
         fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
         failure = rl.reward_failure(fatal.message) if fatal is not None else None
         if failure is None:

@@ -289,6 +289,8 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         name=run.name, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
         suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
         backoff_seconds=spec.restart_policy.backoff_seconds, max_staleness=spec.algorithm.max_staleness,
-        sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, deleted=run.deleted_at is not None,
+        sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.colocate,
+        lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
+        deleted=run.deleted_at is not None,
         purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
     )

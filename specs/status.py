@@ -113,7 +113,8 @@ class RunStatus(SpecModel):
     reward: float | None = Field(None, description="Mean total reward of the latest step.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Health aspects: Ready, Suspended, and in RL terms WeightsInSync, RewardHealthy, CheckpointFresh, "
+        description="Health aspects: Ready, Suspended, MemoryFits (False: a worker ran out of GPU memory; the "
+        "message says what to change), and in RL terms WeightsInSync, RewardHealthy, CheckpointFresh, "
         "Progressing (True, False, or Unknown when not evaluated).",
     )
     last_step_time: datetime | None = Field(None, description="When the controller saw the latest step end.")

@@ -8,6 +8,8 @@ into the worker's last report and exit code:
     returned 0               report Succeeded, exit 0   (stopped on request: no report, exit 0)
     returned n != 0          report Failed n, exit n
     FatalWorkerError         report Failed 3 "Reason: message", exit 3
+    out of GPU memory        report Failed 4 "OutOfMemory: tried to allocate ... on GPU 0 (...)", exit 4
+                             (torch.cuda.OutOfMemoryError, CUDA's or NCCL's out-of-memory: mortal.workers.oom)
     Fenced anywhere          no report, exit 76 at once
     any other exception      traceback to the log, report Failed 75, exit 75
 
@@ -28,8 +30,11 @@ from mortal.state import open_store
 from mortal.state.errors import Fenced
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.oom import REASON as OUT_OF_MEMORY
+from mortal.workers.oom import out_of_memory
 from mortal.workers.runtime import (
     EXIT_FATAL,
+    EXIT_OUT_OF_MEMORY,
     EXIT_RETRYABLE,
     EXIT_SUCCEEDED,
     WorkerContext,
@@ -90,6 +95,10 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
         return _finish(store, worker, ctx, EXIT_FATAL, str(exc))
     except Exception as exc:
         log.error("crashed:\n%s", traceback.format_exc())
+        oom = out_of_memory(exc)
+        if oom is not None:
+            log.error("out of GPU memory: %s", oom.describe())
+            return _finish(store, worker, ctx, EXIT_OUT_OF_MEMORY, f"{OUT_OF_MEMORY}: {oom.describe()}")
         return _finish(store, worker, ctx, EXIT_RETRYABLE, f"{type(exc).__name__}: {exc}"[:500])
     stopped = ctx.stopping.is_set()
     return _finish(store, worker, ctx, code, None if code == 0 else f"exited with code {code}", stopped)

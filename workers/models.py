@@ -87,6 +87,51 @@ def resolve_model_source(name: str) -> ModelSource:
     return ModelSource("hub", name, name)
 
 
+def count_parameters(name: str) -> int | None:
+    """Parameters of `spec.model.name` from its safetensors headers, without loading it; None when unknown.
+
+    For `mortalctl apply`'s memory check (mortal.controller.fit). A local folder is read as it is;
+    a hub id only if it is already in the Hugging Face cache (local_files_only: no network). Only
+    each file's header is read (8 bytes of length, then JSON of names, dtypes and shapes). GGUF
+    files, and folders without safetensors, are unknown.
+    """
+    try:
+        source = resolve_model_source(name)
+    except FatalWorkerError:
+        return None
+    if source.kind == "local":
+        folder = Path(source.location)
+    elif source.kind == "hub":
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(source.location, local_files_only=True,
+                                            allow_patterns=["*.safetensors", "*.json"]))
+        except Exception:  # not cached, no huggingface_hub, a bad id: nothing certain to say
+            return None
+    else:
+        return None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    try:
+        return sum(_safetensors_parameters(f) for f in files)
+    except (OSError, ValueError):
+        return None
+
+
+def _safetensors_parameters(path: Path) -> int:
+    import json
+    import math
+
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 100 * 2**20:
+            raise ValueError(f"{path}: not a safetensors header")
+        header = json.loads(f.read(size))
+    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+
+
 def gguf_cache_dir(gguf_path: str) -> Path:
     """Cache folder of a GGUF's float32 conversion, keyed by path, size and mtime (a new file -> new key)."""
     st = os.stat(gguf_path)

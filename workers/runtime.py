@@ -33,6 +33,7 @@ from mortal.workers.errors import FatalWorkerError
 
 EXIT_SUCCEEDED = 0
 EXIT_FATAL = 3
+EXIT_OUT_OF_MEMORY = 4  # out of GPU memory (mortal.workers.oom): relaunched at most once
 EXIT_RETRYABLE = 75
 EXIT_FENCED = 76
 

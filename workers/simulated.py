@@ -9,9 +9,12 @@ seconds on a CPU. Annotations tune it:
     mortal.dev/generate-seconds: "0.01"   rollout: time per task
     mortal.dev/task-lease-seconds: "5"    how long a leased task is a rollout's before others retry it
     mortal.dev/fail: always               actor exits 75 at once (restart-policy tests)
+    mortal.dev/fail: oom-actor|oom-rollout  that role raises torch.cuda.OutOfMemoryError with torch's own
+                                          message (2.00 GiB on an 80 GB H100) at its first step or task
 
 The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
-run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy.
+run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy
+(the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ def main(ctx: WorkerContext) -> int:
 def run_actor(ctx: WorkerContext) -> int:
     """Resume, then per step: enqueue tasks, wait for their results, publish weights, log, checkpoint."""
     settings = Settings.of(ctx.run)
+    if settings.fail == "oom-actor":
+        raise_torch_out_of_memory()
     if settings.fail == "always":
         ctx.log.error("annotation mortal.dev/fail=always: exiting %d", EXIT_RETRYABLE)
         return EXIT_RETRYABLE
@@ -254,6 +259,8 @@ def serve_one(ctx: WorkerContext, settings: Settings) -> TaskRow | None:
     task = ctx.store.lease_task(ctx.worker, settings.task_lease_seconds, max_weight_version=version)
     if task is None:
         return None
+    if settings.fail == "oom-rollout" and ctx.worker.role == "rollout":
+        raise_torch_out_of_memory()
     started = time.monotonic()
     time.sleep(settings.generate_seconds)
     task.result = simulated_result(ctx.run, task, version, time.monotonic() - started)
@@ -276,3 +283,20 @@ def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: flo
         generation_seconds=seconds,
     )
     return result.model_dump(mode="json")
+
+
+# torch 2.x's caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), as an H100 prints it.
+TORCH_OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.23 GiB "
+    "is free. Process 48213 has 77.95 GiB memory in use. Of the allocated memory 70.10 GiB is allocated by "
+    "PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+    "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+    "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+def raise_torch_out_of_memory() -> None:
+    """Raise what a real worker gets when an allocation does not fit (torch.cuda.OutOfMemoryError)."""
+    import torch
+
+    raise torch.cuda.OutOfMemoryError(TORCH_OOM_MESSAGE)

@@ -18,12 +18,26 @@ from collections.abc import Iterable
 from mortal.controller.backends.base import InsufficientGPUs
 
 CPU_NAMES = ("none", "cpu", "")
+# Memory of one GPU of each type the spec may name (Modal's names, mortal.controller.backends.modal), in
+# bytes as sold (80 GB is 80e9; torch reports a little less, e.g. 79.19 GiB = 85.0e9 for an H100's 80 GiB).
+# A name that covers several sizes maps to the largest, so a check against it can only be too lenient.
+GB = 10**9
+GPU_MEMORY = {
+    "T4": 16 * GB, "L4": 24 * GB, "A10": 24 * GB, "A10G": 24 * GB, "L40S": 48 * GB,
+    "A100": 80 * GB, "A100-40GB": 40 * GB, "A100-80GB": 80 * GB, "RTX-PRO-6000": 96 * GB,
+    "H100": 80 * GB, "H100!": 80 * GB, "H200": 141 * GB, "B200": 180 * GB, "B200+": 180 * GB,
+}
 _GPU_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
 
 
 def wants_gpu(gpu: str) -> bool:
     """False for the spec's 'none' (CPU)."""
     return gpu.strip().lower() not in CPU_NAMES
+
+
+def gpu_memory(gpu: str) -> int | None:
+    """Bytes of one GPU of type `gpu` (e.g. "H100", "a100-40gb"), None for CPU or a type not in the table."""
+    return GPU_MEMORY.get(gpu.strip().upper())
 
 
 def detect_gpus() -> list[str]:

@@ -3,7 +3,8 @@
 Prints `trainingrun/NAME created | configured | unchanged` per run (unchanged when the normalized
 spec, labels and annotations are equal), nudges or starts a controller, and with --follow/--wait
 stays until the runs finish. Status in the documents is ignored, so `get -o yaml` output applies.
-Also holds `read_documents`, shared with `delete -f`.
+Refuses, before writing anything, a run whose model certainly cannot fit the GPU it names
+(`refuse_what_cannot_fit`, mortal.controller.fit). Also holds `read_documents`, shared with `delete -f`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,26 @@ def read_documents(filenames: list[str], recursive: bool = False) -> list[Traini
     return runs
 
 
+def refuse_what_cannot_fit(runs: list[TrainingRun]) -> None:
+    """Raise CliError naming the field when a run's model certainly cannot fit the GPU it asks for
+    (mortal.controller.fit); the parameter count comes from the model's files, when they are here."""
+    from mortal.controller.backends.gpus import gpu_memory
+    from mortal.controller.fit import certain_misfits
+    from mortal.workers.models import count_parameters
+
+    problems = []
+    for run in runs:
+        spec = run.spec
+        if gpu_memory(spec.actor.gpu) is None and gpu_memory(spec.rollout.gpu) is None:
+            continue  # CPU, or a GPU type whose memory is not in the table: nothing certain to say
+        parameters = count_parameters(spec.model.name)
+        if parameters is None:
+            continue
+        problems += [f"trainingrun/{run.name}: {m.field}: {m.message}" for m in certain_misfits(spec, parameters)]
+    if problems:
+        raise CliError("the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems))
+
+
 def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
     """Write each run's desired state; returns (name, outcome) pairs in the order given."""
     results = []
@@ -105,6 +126,7 @@ def apply_command(
     for run in runs:
         for note in run.spec.notes():
             typer.echo(f"note: trainingrun/{run.name}: {note}", err=True)
+    refuse_what_cannot_fit(runs)
     results = apply_runs(cli.store, runs, dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:

@@ -43,6 +43,34 @@ def test_fatal_exit_fails_at_once_without_restarts(harness):  # noqa: F811
     wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
 
 
+def test_rollout_out_of_gpu_memory_is_diagnosed_relaunched_once_then_fails_the_run(harness):  # noqa: F811
+    """A real rollout process raises torch.cuda.OutOfMemoryError (torch's own H100 message) on every launch:
+    it reports exit 4 with the figures, MemoryFits turns False with one Warning event, the slot is
+    relaunched once, and its second out-of-memory ends the run Failed (OutOfMemory) instead of a loop."""
+    h = harness
+    h.apply(simulated_run("oom", max_steps=10, rollout_replicas=1, annotations={"mortal.dev/fail": "oom-rollout"},
+                          spec={"restartPolicy": {"maxRestarts": 10, "backoffSeconds": 0.2}}))
+    h.start()
+    final = h.wait_phase("oom", "Failed", timeout=90)
+    assert final["restarts"] == 1
+    failed = condition(final, "Failed")
+    assert failed["reason"] == "OutOfMemory"
+    assert failed["message"].startswith("rollout-0 #3 ran out of GPU memory: tried to allocate 2.00 GiB on GPU 0 "
+                                        "(total 79.19 GiB, 77.96 GiB in use, 1.23 GiB free, 70.10 GiB allocated "
+                                        "by PyTorch, 6.50 GiB reserved by PyTorch but unallocated)")
+    assert "generation.maxNumSeqs" in failed["message"] and "rollout.gpu" in failed["message"]
+    memory = condition(final, "MemoryFits")
+    assert (memory["status"], memory["reason"], memory["message"]) == ("False", "OutOfMemory", failed["message"])
+    rollouts = [w for w in h.store.list_workers("oom") if w.role == "rollout"]
+    assert [(w.state, w.exit_code) for w in rollouts] == [("Failed", 4), ("Failed", 4)]
+    assert rollouts[0].message.startswith("OutOfMemory: tried to allocate 2.00 GiB on GPU 0")
+    events = h.store.list_events("oom", limit=200)
+    assert [e.type for e in events if e.reason == "OutOfMemory"] == ["Warning"]
+    assert sum(1 for e in events if e.reason == "Restarted") == 1
+    wait_for(lambda: not worker_processes(h.home), 20, "the actor to be stopped")
+    describe_shows(h, "oom", "MemoryFits")
+
+
 def describe_shows(h, name: str, text: str) -> None:
     """`mortalctl describe run NAME` prints the failure reason (through the CLI, as a user sees it)."""
     from typer.testing import CliRunner

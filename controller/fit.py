@@ -1,0 +1,77 @@
+"""Will the model fit the GPU the spec asks for? A lower bound, refused only when it is certain not to.
+
+Who calls it: `mortalctl apply` (mortal.controller.cli.apply), with the parameter count it read from
+the model's safetensors headers (mortal.workers.models.count_parameters); tests call it directly.
+Pure: no I/O. What it must not do: guess. It adds only what every run of that spec must hold at
+once, and leaves out everything that depends on the data (activations, the KV cache, the CUDA
+context, allocator slack), so when it says "does not fit", no setting of batch sizes can make it fit;
+when it says nothing, the run may still run out of memory (the MemoryFits condition says so then).
+
+The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU, 2):
+  actor, full fine-tuning: weights + gradients + AdamW's two moments, each of the weights' dtype
+                           (TRL/torch keep them so): 4 x b x parameters
+  actor, LoRA:             the frozen base weights: b x parameters
+  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU)
+  rollout on its own GPU:  b x parameters
+compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mortal.controller.backends.gpus import GPU_MEMORY, gpu_memory, wants_gpu
+from mortal.specs.training import TrainingSpec
+
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto on a GPU is bfloat16
+ADAMW_COPIES = 4  # weights, gradients, exp_avg, exp_avg_sq
+AMBIGUOUS = ("A100", "H100!", "B200+")  # names not to suggest: several sizes, or a variant of another name
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """A spec field whose GPU cannot hold what the spec asks of it."""
+
+    field: str  # e.g. spec.actor.gpu
+    message: str
+
+
+def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
+    """Each worker whose GPU is smaller than the least it must hold (see the module docstring)."""
+    per = DTYPE_BYTES[spec.model.dtype]
+    found = []
+    actor = spec.actor.gpu
+    if wants_gpu(actor) and gpu_memory(actor) is not None:
+        full = spec.model.lora is None
+        copies = ADAMW_COPIES if full else 1
+        parts = ["weights, gradients and AdamW's two moments" if full else "the frozen base weights (LoRA)"]
+        colocated = spec.rollout.replicas if spec.rollout.colocate else 0
+        if colocated:
+            parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
+        need = (copies + colocated) * per * parameters
+        if need > gpu_memory(actor):
+            fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full else []
+            if colocated:
+                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false)")
+            fixes.append(f"a GPU with more memory ({_larger(actor, need)})")
+            found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
+    rollout = spec.rollout.gpu
+    if spec.rollout.replicas and not spec.rollout.colocate and wants_gpu(rollout) and gpu_memory(rollout) is not None:
+        need = per * parameters
+        if need > gpu_memory(rollout):
+            found.append(Misfit("spec.rollout.gpu", _message(rollout, parameters, per, spec.model.dtype, need,
+                                                             ["the weights"], [f"a GPU with more memory "
+                                                                               f"({_larger(rollout, need)})"])))
+    return found
+
+
+def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]) -> str:
+    shown = "bfloat16" if dtype == "auto" else dtype  # auto is bfloat16 on a GPU
+    return (f"{gpu} has {gpu_memory(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in {shown} "
+            f"({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, before any "
+            f"activation or KV cache. Fix: {'; or '.join(fixes)}")
+
+
+def _larger(gpu: str, need: int) -> str:
+    bigger = sorted((size, name) for name, size in GPU_MEMORY.items() if size >= need and name not in AMBIGUOUS)
+    return f"e.g. {bigger[0][1]}" if bigger else f"none of {', '.join(sorted(GPU_MEMORY))} is large enough"

@@ -1,0 +1,72 @@
+"""The pre-launch memory bound (mortal.controller.fit) and the parameter count it is given
+(mortal.workers.models.count_parameters, from safetensors headers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mortal.controller.backends.gpus import gpu_memory
+from mortal.controller.fit import certain_misfits
+from mortal.specs import TrainingRun
+from mortal.workers.models import count_parameters
+
+B = 10**9
+
+
+def spec(**sections):
+    doc = {"model": {"name": "some/model"}, "actor": {"gpu": "H100"}, "rollout": {"gpu": "H100"}}
+    for key, value in sections.items():
+        doc[key] = {**doc.get(key, {}), **value}
+    return TrainingRun.model_validate({"metadata": {"name": "r"}, "spec": doc}).spec
+
+
+def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A safetensors file's header only (what count_parameters reads), for shapes too large to write."""
+    header = json.dumps({name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
+                         for name, shape in shapes.items()}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+@pytest.mark.parametrize("sections, parameters, fields", [
+    ({}, int(7.6 * B), []),  # 7.6B x 8 bytes = 61 GB < 80 GB: may fit, so nothing is said
+    ({}, 14 * B, ["spec.actor.gpu"]),  # 112 GB of weights + grads + AdamW on an 80 GB H100
+    ({"model": {"lora": {"r": 16}}}, 14 * B, []),  # LoRA: 28 GB of frozen weights
+    ({"model": {"lora": {"r": 16}}}, 45 * B, ["spec.actor.gpu", "spec.rollout.gpu"]),  # 90 GB of weights alone
+    ({"rollout": {"colocate": True}}, int(7.6 * B), []),  # 76 GB: still not certain
+    ({"rollout": {"colocate": True, "replicas": 2}}, int(7.6 * B), ["spec.actor.gpu"]),  # 91 GB
+    ({"actor": {"gpu": "H200"}}, 14 * B, []),  # 141 GB
+    ({"actor": {"gpu": "none"}, "rollout": {"gpu": "none"}}, 100 * B, []),  # CPU: not judged
+    ({"actor": {"gpu": "MI300X"}}, 100 * B, ["spec.rollout.gpu"]),  # a type not in the table: not judged
+])
+def test_refused_only_when_the_lower_bound_exceeds_the_gpu(sections, parameters, fields):
+    assert [m.field for m in certain_misfits(spec(**sections), parameters)] == fields
+
+
+def test_the_message_names_the_need_and_the_fixes():
+    (misfit,) = certain_misfits(spec(), 14 * B)
+    assert misfit.message.startswith("H100 has 80 GB; a model of 14.00B parameters in bfloat16 (2 bytes each) needs at "
+                                     "least 112.0 GB on it for weights, gradients and AdamW's two moments")
+    assert "model.lora" in misfit.message and "e.g. H200" in misfit.message
+
+
+def test_gpu_memory_table():
+    assert gpu_memory("h100") == 80 * B and gpu_memory("A10G") == 24 * B
+    assert gpu_memory("none") is None and gpu_memory("MI300X") is None
+
+
+def test_parameters_are_counted_from_safetensors_headers(tmp_path):
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model-00001.safetensors"))
+    fake_safetensors(tmp_path / "model-00002.safetensors", {"c": [1000, 2000]})
+    assert count_parameters(str(tmp_path)) == 12 + 5 + 2_000_000
+
+
+def test_unknown_models_have_no_count(tmp_path):
+    assert count_parameters(str(tmp_path)) is None  # a folder without safetensors
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    assert count_parameters(str(tmp_path)) is None
+    assert count_parameters("no-such-org/no-such-model-xyz") is None  # not in the cache; no network

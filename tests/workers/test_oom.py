@@ -1,0 +1,74 @@
+"""Out-of-memory recognition and torch's message parsed into figures (mortal.workers.oom), and main's exit code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mortal.workers.oom import OutOfMemory, out_of_memory, parse_torch_message
+from mortal.workers.simulated import TORCH_OOM_MESSAGE
+
+GiB = 2**30
+# torch 2.0's wording (no "of which ... is free" clause order change, "reserved in total")
+TORCH_20 = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total capacity; 6.43 GiB already "
+            "allocated; 3.44 MiB free; 6.59 GiB reserved in total by PyTorch)")
+COLOCATED = ("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+             "512.00 MiB is free. Process 1201 has 40.00 GiB memory in use. Process 1305 has 38.62 GiB memory in "
+             "use. Of the allocated memory 36.00 GiB is allocated by PyTorch, and 1.25 GiB is reserved by PyTorch "
+             "but unallocated.")
+
+
+def test_torch_message_gives_every_figure():
+    oom = parse_torch_message(TORCH_OOM_MESSAGE)
+    assert oom == OutOfMemory(source="torch", tried=2 * GiB, device=0, total=round(79.19 * GiB),
+                              free=round(1.23 * GiB), by_torch=round(70.10 * GiB),
+                              reserved_unallocated=round(6.50 * GiB), processes=(("process 48213", round(77.95 * GiB)),))
+    assert oom.describe() == ("tried to allocate 2.00 GiB on GPU 0 (total 79.19 GiB, 77.96 GiB in use, 1.23 GiB free, "
+                              "70.10 GiB allocated by PyTorch, 6.50 GiB reserved by PyTorch but unallocated)")
+
+
+def test_two_processes_on_one_gpu_are_named():
+    oom = parse_torch_message(COLOCATED)
+    assert oom.free == 512 * 2**20
+    assert oom.processes == (("process 1201", 40 * GiB), ("process 1305", round(38.62 * GiB)))
+    assert "in use by process 1201 40.00 GiB, process 1305 38.62 GiB" in oom.describe()
+
+
+def test_an_older_message_keeps_what_it_can_read():
+    oom = parse_torch_message(TORCH_20)
+    assert oom.tried == 20 * 2**20
+    assert (oom.device, oom.total, oom.free) == (None, None, None)
+    assert oom.describe() == "tried to allocate 0.02 GiB"
+
+
+@pytest.mark.parametrize("exc, source", [
+    (torch.cuda.OutOfMemoryError(TORCH_OOM_MESSAGE), "torch"),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "cuda"),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "cuda"),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                  "details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                  "Last error:\nFailed to CUDA calloc 6291456 bytes"), "nccl"),
+])
+def test_out_of_memory_is_recognised_by_type_or_by_cuda_and_nccl_text(exc, source):
+    found = out_of_memory(exc)
+    assert found is not None and found.source == source
+
+
+def test_an_out_of_memory_raised_from_inside_another_error_is_found():
+    try:
+        try:
+            raise torch.cuda.OutOfMemoryError(TORCH_OOM_MESSAGE)
+        except torch.cuda.OutOfMemoryError as inner:
+            raise RuntimeError("generation failed") from inner
+    except RuntimeError as outer:
+        assert out_of_memory(outer).tried == 2 * GiB
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("CUDA error: device-side assert triggered"),
+    ValueError("CUDA out of memory"),  # not an error torch or CUDA raise
+    MemoryError(),  # host memory: a different problem
+    KeyError("memory"),
+])
+def test_other_errors_are_not_out_of_memory(exc):
+    assert out_of_memory(exc) is None
