@@ -19,7 +19,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from mortal.controller.cli import apply, components, cp, describe, get, lifecycle, ops, sandbox, scale
+from mortal.controller.cli import apply, components, cp, describe, fork, get, lifecycle, ops, sandbox, scale
 from mortal.controller.cli.context import CliError, CliState
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
@@ -37,6 +37,7 @@ Examples:
 
 SECTIONS = {
     "Basic commands": ("apply", "get", "describe", "scale", "delete", "suspend", "resume", "logs"),
+    "Lineage": ("fork", "rollback"),
     "Trying parts of a run": ("test", "sandbox", "cp"),
     "Operations": ("controller", "schema", "version"),
 }
@@ -156,6 +157,7 @@ ops.register(app)
 components.register(app)
 sandbox.register(app)
 cp.register(app)
+fork.register(app)
 
 
 def main() -> None:
