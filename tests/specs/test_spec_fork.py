@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mortal.specs import SpecError, TrainingRun
-from mortal.specs.fork import carry_over_problems, forked_document, load_fragment, merge_patch, parse_set
+from mortal.specs.fork import carry_over_problems, forked_document, load_fragment, merge_patch
 
 PARENT = TrainingRun.model_validate({
     "metadata": {"name": "parent", "labels": {"team": "rl"}},
