@@ -240,6 +240,7 @@ def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *,
     store.add_event(run, "Normal", "RolledBack", f"rolled back to step {step} ({what}); training resumes from "
                                                  f"the checkpoint of step {step}")
     if not was_suspended:
+        _wait_status_step(store, run, step, min(stop_timeout, 15.0), poll_seconds)
         _set_suspend(store, run, False)
     wake_controller(run)
     return RolledBack(run, step, steps, kept_in, not was_suspended)
@@ -260,6 +261,24 @@ def _set_suspend(store: Store, run: str, value: bool, retries: int = 5) -> None:
             if attempt == retries - 1:
                 raise
     wake_controller(run)
+
+
+def _wait_status_step(store: Store, run: str, step: int, timeout: float, poll_seconds: float) -> None:
+    """Give a running controller the pass that rebuilds the suspended run's status at `step` before it is
+    resumed, so that the steps trained again count as progress (Progressing) from there, not from the
+    step the run had reached. Without a leader (no controller runs) there is nothing to wait for."""
+    from mortal.controller.leader import LEASE_NAME
+
+    wake_controller(run)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lease = store.get_lease(LEASE_NAME)
+        expires = lease.expires_at if lease is not None else None
+        if expires is None or (expires if expires.tzinfo else expires.replace(tzinfo=UTC)) <= datetime.now(UTC):
+            return
+        if store.get_run(run).status.get("step") == step:
+            return
+        time.sleep(poll_seconds)
 
 
 def _wait_stopped(store: Store, run: str, timeout: float, poll_seconds: float) -> None:
