@@ -76,6 +76,12 @@ def parse_source(source: str) -> tuple[str, int | None]:
 def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointRow:
     """The run's recorded checkpoint of `step` (the newest with None), its files checked on disk."""
     from mortal.workers.checkpoint import is_complete
+    from mortal.workers.main import WORKLOAD_ANNOTATION
+
+    if store.get_run(run).annotations.get(WORKLOAD_ANNOTATION):  # another workload (simulated) has its own files
+
+        def is_complete(path: str) -> bool:  # noqa: F811 - the workload's own resume judges the files
+            return Path(path).is_dir()
 
     rows = store.list_checkpoints(run)
     if step is None:
@@ -157,6 +163,7 @@ def fork_run(
     store.add_event(name, "Normal", "Forked", f"forked from {source} at step {checkpoint.step} (checkpoint {how} "
                                               f"to {dest}); the first step trained is {checkpoint.step + 1}")
     store.add_event(source, "Normal", "ForkCreated", f"trainingrun {name} forked from step {checkpoint.step}")
+    wake_controller(name)
     return Forked(row.document(), source, checkpoint.step, dest, linked)
 
 
@@ -179,9 +186,10 @@ def _copy_checkpoint(source: Path, dest: Path, run: str) -> bool:
 
     try:
         shutil.copytree(source, tmp, copy_function=link_or_copy)
-        marker = json.loads((source / MORTAL_FILE).read_text())
-        (tmp / MORTAL_FILE).unlink()
-        (tmp / MORTAL_FILE).write_text(json.dumps({**marker, "run": run}, indent=1) + "\n")
+        if (source / MORTAL_FILE).is_file():  # the actor's marker (a simulated workload writes none)
+            marker = json.loads((source / MORTAL_FILE).read_text())
+            (tmp / MORTAL_FILE).unlink()
+            (tmp / MORTAL_FILE).write_text(json.dumps({**marker, "run": run}, indent=1) + "\n")
         os.rename(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -345,7 +353,6 @@ def fork_command(
     forked = fork_run(cli.store, run, step, name, fragment=fragment, fragment_source=str(filename or "<overrides>"),
                       fragment_lines=lines, sets=list(sets or []))
     typer.echo(f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})")
-    wake_controller(name)
     ensure_controller(cli, no_controller)
 
 
