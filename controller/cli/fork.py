@@ -78,22 +78,22 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
     from mortal.workers.checkpoint import is_complete
     from mortal.workers.main import WORKLOAD_ANNOTATION
 
-    if store.get_run(run).annotations.get(WORKLOAD_ANNOTATION):  # another workload (simulated) has its own files
+    other_workload = bool(store.get_run(run).annotations.get(WORKLOAD_ANNOTATION))  # e.g. simulated: own files
 
-        def is_complete(path: str) -> bool:  # noqa: F811 - the workload's own resume judges the files
-            return Path(path).is_dir()
+    def whole(path: str) -> bool:
+        return Path(path).is_dir() if other_workload else is_complete(path)
 
     rows = store.list_checkpoints(run)
     if step is None:
-        whole = [row for row in rows if is_complete(row.path)]
-        if not whole:
+        complete = [row for row in rows if whole(row.path)]
+        if not complete:
             raise CheckpointNotFound(f"trainingrun {run!r} has no complete checkpoint yet")
-        return whole[-1]
+        return complete[-1]
     row = next((r for r in rows if r.step == step), None)
     if row is None:
         kept = ", ".join(f"step-{r.step}" for r in rows) or "none"
         raise CheckpointNotFound(f"trainingrun {run!r} has no complete checkpoint of step {step} (it keeps {kept})")
-    if not is_complete(row.path):
+    if not whole(row.path):
         raise CheckpointIncomplete(f"checkpoint step-{step} of trainingrun {run!r} at {row.path} is incomplete "
                                    "on disk (files missing)")
     return row
