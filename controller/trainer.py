@@ -48,6 +48,24 @@ class TrainingFailed(RuntimeError):
 
 
 # -- the trainer -----------------------------------------------------------------------------------
+def _checkpoint_source(value: str | bool | None) -> tuple[str, int | None] | None:
+    """resume_from_checkpoint -> (run, step or None); None for None/True (a run resumes by itself)."""
+    from pathlib import Path
+
+    from mortal.controller.cli.fork import parse_source
+
+    if value is None or value is True or value is False:
+        return None
+    text = str(value)
+    parts = Path(text).parts
+    if len(parts) >= 4 and parts[-4] == "runs" and parts[-2] == "checkpoints" and parts[-1].startswith("step-"):
+        text = f"{parts[-3]}:{parts[-1]}"
+    try:
+        return parse_source(text)
+    except Exception as exc:
+        raise TrainerError(f"resume_from_checkpoint: {exc}") from None
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -236,20 +254,45 @@ class MortalTrainer:
         finally:
             store.close()
 
-    def train(self) -> RunStatus:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> RunStatus:
         """Apply the run, make sure a controller runs, and follow it to the end (unless detach).
+
+        `resume_from_checkpoint`, as in TRL's `Trainer.train`: "RUN" or "RUN:step-N" (or the folder of
+        such a checkpoint, $MORTAL_HOME/runs/RUN/checkpoints/step-N) starts this run from another run's
+        checkpoint (the newest complete one for "RUN"): weights, optimizer, scheduler, RNG and data
+        position, so the first step trained is N+1, with this trainer's arguments (its learning rate
+        replaces the checkpoint's). This is `mortalctl fork` with this trainer's spec in place of
+        overrides; what cannot change (the model, LoRA on/off, rank, alpha, target modules) raises
+        `CannotCarryOver`. Calling it again once the run exists just applies it. True or None: a run
+        always resumes from its own newest checkpoint, so nothing more is done.
 
         Returns the final status (the current one with detach); raises TrainingFailed when the run
         fails. Ctrl-C stops following only: the run keeps training under the controller.
         """
         from mortal.controller.cli import context, follow
-        from mortal.state import open_store
+        from mortal.state import NotFound, open_store
 
         store = open_store(self.state_url)
         try:
             meta = self.run.metadata
-            _, outcome = store.apply_run(self.name, self.run.spec_dict(), labels=meta.labels,
-                                         annotations=meta.annotations)
+            source = _checkpoint_source(resume_from_checkpoint)
+            try:
+                existing = store.get_run(self.name)
+            except NotFound:
+                existing = None
+            if source is not None and existing is None:
+                from mortal.controller.cli.fork import fork_run
+
+                forked = fork_run(store, source[0], source[1], self.name, document=self.run)
+                outcome = f"created, forked from {forked.parent} at step {forked.step}"
+            else:
+                if source is not None and existing is not None and existing.forked_from != source[0]:
+                    from mortal.controller.cli.fork import RunExists
+
+                    raise RunExists(f"trainingrun {self.name!r} already exists and was not forked from "
+                                    f"{source[0]!r}; pick another name")
+                _, outcome = store.apply_run(self.name, self.run.spec_dict(), labels=meta.labels,
+                                             annotations=meta.annotations)
             self._say(f"trainingrun/{self.name} {outcome}")
             if str(outcome) != "unchanged":
                 context.wake_controller(self.name)

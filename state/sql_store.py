@@ -129,6 +129,50 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = self._update_run(s, row, spec=spec, labels=labels, annotations=annotations, generation=generation)
             return row, ApplyOutcome.configured
 
+    def fork_run(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        labels: dict[str, str],
+        annotations: dict[str, str],
+        parent: str,
+        parent_step: int,
+        checkpoint_path: str,
+        weight_version: int,
+    ) -> RunRow:
+        spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
+        with self._tx() as s:
+            new = RunRow(name=name, uid=str(uuid.uuid4()), spec=spec, labels=labels, annotations=annotations,
+                         forked_from=parent, forked_from_step=parent_step)
+            if not self._insert_ignore(s, RunRow, new.model_dump()):
+                raise Conflict(f"trainingrun {name!r} already exists")
+            s.add(CheckpointRow(run=name, step=parent_step, path=checkpoint_path, weight_version=weight_version,
+                                complete=True))
+            s.flush()
+            return self._run(s, name)
+
+    def rollback_run(self, name: str, step: int) -> list[CheckpointRow]:
+        with self._tx() as s:
+            row = self._run(s, name, lock=True)
+            if row.deleted_at is not None:
+                raise Conflict(f"trainingrun {name!r} is being deleted")
+            live = s.exec(select(WorkerRow).where(WorkerRow.run == name,
+                                                  WorkerRow.state.not_in(TERMINAL_WORKER_STATES))).all()
+            if live:
+                listed = ", ".join(f"{w.role}-{w.replica} #{w.incarnation} ({w.state})" for w in live)
+                raise Conflict(f"trainingrun {name!r} still has live workers: {listed}; suspend it first")
+            target = s.exec(select(CheckpointRow).where(CheckpointRow.run == name, CheckpointRow.step == step,
+                                                        CheckpointRow.complete)).first()
+            if target is None:
+                raise NotFound(f"trainingrun {name!r} has no complete checkpoint of step {step}")
+            later = list(s.exec(select(CheckpointRow).where(CheckpointRow.run == name, CheckpointRow.step > step)
+                                .order_by(CheckpointRow.step)).all())
+            for model in (CheckpointRow, MetricRow, CompletionRow, TaskRow):
+                s.execute(delete(model).where(model.run == name, model.step > step))
+            s.execute(update(WorkerRow).where(WorkerRow.run == name, WorkerRow.step > step).values(step=step)
+                      .execution_options(synchronize_session=False))
+            return later
+
     def get_run(self, name: str) -> RunRow:
         with self._tx(write=False) as s:
             return self._run(s, name)

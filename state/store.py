@@ -129,6 +129,31 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    def fork_run(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        labels: dict[str, str],
+        annotations: dict[str, str],
+        parent: str,
+        parent_step: int,
+        checkpoint_path: str,
+        weight_version: int,
+    ) -> RunRow:
+        """Create run `name` forked from `parent` at `parent_step` (its lineage columns set) together with
+        its complete checkpoint row of that step at `checkpoint_path` (files already in place), in one
+        transaction: the controller never sees the run without the checkpoint it resumes from.
+        Conflict if a run of that name exists (being deleted or not)."""
+
+    @abc.abstractmethod
+    def rollback_run(self, name: str, step: int) -> list[CheckpointRow]:
+        """Forget what the run did after `step`, so it resumes from its checkpoint of `step` as if the
+        later steps never ran: checkpoint rows of later steps (returned: the caller moves or removes their
+        files after), metrics, completions and tasks of later steps; ended worker rows that reported a
+        later step report `step`. Weight versions stay (they only grow). NotFound without the run or its
+        complete checkpoint of `step`; Conflict while a worker of the run is live or it is being deleted."""
+
+    @abc.abstractmethod
     def get_run(self, name: str) -> RunRow:
         """The run, including one marked deleted but not yet purged. NotFound otherwise."""
 

@@ -83,6 +83,13 @@ class RunRow(SQLModel, table=True):
         False, description="deletion requested; the controller stops workers, then purges the row"
     )
     purge_requested: bool = Field(default=False, description="delete --purge: remove checkpoints too")
+    forked_from: str | None = Field(
+        default=None, description="lineage: the run this one was forked from (its name then; it may be gone "
+        "since); None for a run applied from scratch (added in migration 0004)"
+    )
+    forked_from_step: int | None = Field(
+        default=None, description="lineage: the step of forked_from's checkpoint this run started from"
+    )
 
     def document(self) -> TrainingRun:
         """This row as the TrainingRun document `get -o yaml` prints and workers read their spec from.

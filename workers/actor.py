@@ -211,7 +211,12 @@ class ActorLoop(TrainerCallback):
 
     # -- Trainer callbacks -----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Weights are loaded (fresh or from the checkpoint): publish them before the first rollout."""
+        """Weights, optimizer and scheduler are loaded (fresh or from the checkpoint): the spec's learning
+        rate replaces a resumed checkpoint's (a fork or an apply may have changed it), then the weights
+        are published before the first rollout."""
+        if trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate):
+            self.ctx.log.info("learning rate set to the spec's %g (the checkpoint's differed)",
+                              self.spec.algorithm.learning_rate)
         self._publish(state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

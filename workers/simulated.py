@@ -111,6 +111,8 @@ def run_actor(ctx: WorkerContext) -> int:
         return EXIT_RETRYABLE
     spec = ctx.run.spec
     step, version = resume(ctx)
+    if step > 0 and ctx.store.latest_weights(ctx.worker.run) is None:  # a fork's first start: no weights yet
+        version = publish(ctx, step, version)
     ctx.report(step=step, weight_version=version)
     ctx.store.reset_tasks(ctx.worker, from_step=step + 1)
     checkpointed = step

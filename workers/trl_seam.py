@@ -158,6 +158,29 @@ def check_fused_lm_head(trainer: Any) -> None:
         )
 
 
+def set_learning_rate(trainer: Any, learning_rate: float) -> bool:
+    """Make `learning_rate` the base rate of the trainer's optimizer and scheduler, keeping the schedule's
+    position (a group at lr = base x f(step) goes to learning_rate x f(step)); True if anything changed.
+
+    A resume loads the optimizer's and scheduler's state, base rates included, from the checkpoint,
+    so without this a run resumed under a changed spec.algorithm.learningRate (a fork, an apply) would
+    train on at the checkpoint's rate. Call it after the Trainer loaded them (on_train_begin).
+    """
+    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
+    bases = list(getattr(scheduler, "base_lrs", None) or [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups])
+    if all(base == learning_rate for base in bases):
+        return False
+    for i, group in enumerate(optimizer.param_groups):
+        base = bases[i]
+        group["lr"] = group["lr"] / base * learning_rate if base else learning_rate
+        group["initial_lr"] = learning_rate
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return True
+
+
 def save_checkpoint(trainer: Any, dest: Path) -> None:
     """Write the trainer's complete state (model or adapter, optimizer, scheduler, RNG, trainer state)
     into the existing empty directory `dest`, using the Trainer's own checkpoint writer."""

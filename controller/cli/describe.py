@@ -160,6 +160,8 @@ def describe_run(store: Store, row: RunRow) -> None:
         ("Resource version", str(row.resource_version)),
         ("Created", _when(row.created_at)),
     ]
+    if row.forked_from is not None:
+        identity.append(("Forked from", f"{row.forked_from} at step {row.forked_from_step}"))
     if row.deleted_at:
         identity.append(("Deleting", _when(row.deleted_at) + (", purging checkpoints" if row.purge_requested else "")))
     print_fields(None, identity)

@@ -25,6 +25,7 @@ from mortal.controller.cli import (
     cp,
     dashboard,
     describe,
+    fork,
     get,
     lifecycle,
     ops,
@@ -48,6 +49,7 @@ Examples:
 
 SECTIONS = {
     "Basic commands": ("apply", "get", "describe", "scale", "delete", "suspend", "resume", "logs", "dashboard"),
+    "Lineage": ("fork", "rollback"),
     "Trying parts of a run": ("test", "sandbox", "cp"),
     "Operations": ("controller", "schema", "version"),
 }
@@ -168,6 +170,7 @@ components.register(app)
 sandbox.register(app)
 cp.register(app)
 dashboard.register(app)
+fork.register(app)
 
 
 def main() -> None:

@@ -299,3 +299,48 @@ def test_builtin_environment_instances_become_env_entries():
     assert graded["args"] == {"score_range": [1, 5]} and graded["weight"] == 0.5
     assert plain["env"] == "code-execution"
     assert run.spec.secrets == ["HF_TOKEN", "OPENAI_API_KEY"]  # the judge's key travels to the workers
+
+
+def _checkpointed_parent(store, spec: dict, step: int) -> None:
+    """Run 'parent' with the given spec and a complete (fake) checkpoint of `step`, its actor ended."""
+    from mortal.state import WorkerRef, paths
+
+    store.apply_run("parent", spec)
+    row = store.create_worker("parent", "actor", 0, "local", lease_seconds=30)
+    folder = paths.checkpoints_dir("parent") / f"step-{step}"
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        (folder / name).write_bytes(b"x")
+    (folder / "mortal.json").write_text(json.dumps({"run": "parent", "step": step, "weight_version": 1, "seed": 0}))
+    store.record_checkpoint(WorkerRef("parent", "actor", 0, row.incarnation), step, str(folder), 1)
+    store.end_worker(row.id, "Stopped")
+
+
+def test_resume_from_checkpoint_forks_another_runs_checkpoint_with_this_trainers_spec(store_url):
+    from mortal.controller.cli.fork import CannotCarryOver, CheckpointNotFound, RunExists
+    from mortal.state import paths
+
+    store = open_store(store_url)
+    try:
+        _checkpointed_parent(store, trainer(max_steps=30).run.spec_dict(), 10)
+        t = trainer(detach=True, state_url=store_url, learning_rate=1e-7, max_steps=40, quiet=True)
+        t.train(resume_from_checkpoint="parent:step-10")
+        row = store.get_run("t1")
+        assert (row.forked_from, row.forked_from_step) == ("parent", 10)
+        assert row.spec == t.run.spec_dict() and row.spec["algorithm"]["learningRate"] == 1e-7
+        assert [c.step for c in store.list_checkpoints("t1")] == [10]
+        t.train(resume_from_checkpoint="parent:step-10")  # the script run again: just applied
+        assert [c.step for c in store.list_checkpoints("t1")] == [10]
+        folder = str(paths.checkpoints_dir("parent") / "step-10")
+        trainer(name="t2", detach=True, state_url=store_url, quiet=True).train(resume_from_checkpoint=folder)
+        assert store.get_run("t2").forked_from_step == 10
+        with pytest.raises(CheckpointNotFound, match="no complete checkpoint of step 5"):
+            trainer(name="t3", detach=True, state_url=store_url).train(resume_from_checkpoint="parent:step-5")
+        with pytest.raises(CannotCarryOver, match="spec.model.lora"):
+            trainer(name="t3", detach=True, state_url=store_url, use_lora=True).train(resume_from_checkpoint="parent")
+        with pytest.raises(RunExists, match="'parent' already exists and was not forked from 't1'"):
+            trainer(name="parent", detach=True, state_url=store_url).train(resume_from_checkpoint="t1")
+        with pytest.raises(TrainerError, match="resume_from_checkpoint"):
+            trainer(name="t3", detach=True, state_url=store_url).train(resume_from_checkpoint="Not A Run")
+    finally:
+        store.close()

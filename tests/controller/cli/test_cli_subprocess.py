@@ -109,3 +109,23 @@ def test_controller_runs_in_the_foreground_until_idle(mortalctl):
     out = mortalctl("controller", "--idle-exit", "1")
     assert out.returncode == 0, out.stderr
     assert "started" in out.stderr and "idle" in out.stderr
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # every store: test_cli_fork (CliRunner)
+def test_fork_and_rollback_exit_codes_and_no_ml_library(mortalctl, mortal_home):
+    mortalctl("apply", "-f", str(QUICKSTART))
+    missing = mortalctl("fork", "nope:step-3", "new")
+    assert missing.returncode == 1 and missing.stderr == "error: trainingrun 'nope' not found\n"
+    none = mortalctl("fork", "quickstart", "new")
+    assert none.returncode == 1 and "trainingrun 'quickstart' has no complete checkpoint yet" in none.stderr
+    back = mortalctl("rollback", "quickstart", "--to", "step-3")
+    assert back.returncode == 1 and "has no complete checkpoint of step 3" in back.stderr
+    assert mortalctl("rollback", "quickstart", "--to", "three").returncode == 2
+    code = ("import sys\nfrom mortal.controller.cli.main import app\nfrom typer.testing import CliRunner\n"
+            "assert CliRunner().invoke(app, ['fork', 'quickstart', 'new']).exit_code == 1\n"
+            "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets', 'vllm') if m in sys.modules))")
+    env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_NO_CONTROLLER": "1",
+           "MORTAL_STATE_URL": f"sqlite:///{mortal_home / 'state.db'}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
