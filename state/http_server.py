@@ -188,16 +188,42 @@ WORKER_THREADS = 8  # calls in flight at once; each holds a pooled connection (S
 CONNECTION_LIMIT = 2048  # open connections (mostly idle keep-alives of pooled clients); waitress's default is 100
 
 
+def run_in_thread(server: Any, sockets: dict[int, Any], name: str) -> Callable[[], None]:
+    """Loop a waitress server (created with `map=sockets`) on a daemon thread; returns what stops it.
+
+    Why not waitress's own run(): it loops until the process ends, and the store server and the
+    dashboard must stop with the block that serves them (tests, `mortalctl dashboard`'s Ctrl-C)."""
+    from waitress import wasyncore
+
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                wasyncore.loop(timeout=0.1, map=sockets, use_poll=True, count=1)
+        finally:
+            server.task_dispatcher.shutdown()
+            wasyncore.close_all(sockets)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+
+    def halt() -> None:
+        stop.set()
+        thread.join(timeout=10)
+
+    return halt
+
+
 class Served:
     """A running server: `url`, and `close()` (stops it and closes its store)."""
 
-    def __init__(self, server: Any, app: StoreApp, thread: threading.Thread, stop: threading.Event) -> None:
-        self._server, self.app, self._thread, self._stop = server, app, thread, stop
+    def __init__(self, server: Any, app: StoreApp, halt: Callable[[], None]) -> None:
+        self._server, self.app, self._halt = server, app, halt
         self.url = f"http://{server.effective_host}:{server.effective_port}"
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        self._halt()
         self.app.store.close()
 
 
@@ -226,7 +252,6 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
     """Serve the store with waitress in a background thread for the duration of the block (port 0: any
     free port). A connection silent for `read_timeout` (mid-request, or idle between requests) is closed."""
     try:
-        from waitress import wasyncore
         from waitress.channel import HTTPChannel
         from waitress.server import create_server
     except ImportError as exc:
@@ -241,19 +266,7 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
                            connection_limit=CONNECTION_LIMIT, max_request_body_size=MAX_BODY_BYTES,
                            asyncore_use_poll=True, ident="mortal", clear_untrusted_proxy_headers=True)
     server.channel_class = channel
-    stop = threading.Event()
-
-    def run() -> None:  # waitress's own run() loops until the process ends; this one stops on `stop`
-        try:
-            while not stop.is_set():
-                wasyncore.loop(timeout=0.1, map=sockets, use_poll=True, count=1)
-        finally:
-            server.task_dispatcher.shutdown()
-            wasyncore.close_all(sockets)
-
-    thread = threading.Thread(target=run, name="mortal-http-store", daemon=True)
-    thread.start()
-    served = Served(server, app, thread, stop)
+    served = Served(server, app, run_in_thread(server, sockets, "mortal-http-store"))
     try:
         yield served
     finally:

@@ -176,31 +176,20 @@ def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAUL
     """Serve the dashboard with waitress from a background thread for the duration of the block; yields its URL
     (port 0: any free port)."""
     try:
-        from waitress import wasyncore
         from waitress.server import create_server
+
+        from mortal.state.http_server import run_in_thread
     except ImportError as exc:
         raise CliError("the dashboard is served by waitress: pip install 'mortal[server]'") from exc
 
     sockets: dict[int, Any] = {}
     server = create_server(DashboardApp(store, refresh_seconds), map=sockets, host=host, port=port,
                            threads=threads, ident="mortal-dashboard", asyncore_use_poll=True)
-    stop = threading.Event()
-
-    def run() -> None:  # waitress's run() loops until the process ends; this one stops on `stop`
-        try:
-            while not stop.is_set():
-                wasyncore.loop(timeout=0.1, map=sockets, use_poll=True, count=1)
-        finally:
-            server.task_dispatcher.shutdown()
-            wasyncore.close_all(sockets)
-
-    thread = threading.Thread(target=run, name="mortal-dashboard", daemon=True)
-    thread.start()
+    halt = run_in_thread(server, sockets, "mortal-dashboard")
     try:
         yield f"http://{server.effective_host}:{server.effective_port}"
     finally:
-        stop.set()
-        thread.join(timeout=10)
+        halt()
 
 
 def dashboard(
