@@ -287,7 +287,7 @@ def main() -> None:
         args.prompts, args.gens, args.tokens, args.rows, args.prompt_len, args.median = 2, 4, 40, 3, 8, 24
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else getattr(torch, args.dtype)
-    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "gpus": 0 if args.cpu else 1,
                  **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
     if args.source in ("real", "both"):
         if args.model is None:

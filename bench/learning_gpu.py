@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> dict:
 
     rows = task_rows()
     model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
-    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "gpus": 0 if args.cpu else 1,
                  **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "report", "logs")}}
     with tempfile.TemporaryDirectory(prefix="mortal-learning-gpu-") as tmp:
         work = Path(tmp)

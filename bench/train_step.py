@@ -212,7 +212,7 @@ def main() -> None:
         sys.exit(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + 2 to time a step")
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_variant(p, loss, args, device, Path(tmp)) for p in args.precision for loss in args.loss]
-    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": int(device == "cuda"),
            "settings": {k: str(v) for k, v in vars(args).items()}, "variants": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
