@@ -5,6 +5,7 @@ every limit is table-tested in test_plan_budgets.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
@@ -29,7 +30,9 @@ def test_a_run_reaching_max_duration_checkpoints_and_fails_with_deadline_exceede
     status = h.wait_phase(name, "Failed", timeout=30)
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "DeadlineExceeded"
-    assert failed["message"].startswith("limits.maxDuration (8s) reached: active for 8.")
+    # the pass that notices the limit comes a little after it (a slow CI machine: seconds): a bound, not a figure
+    reached = re.fullmatch(r"limits\.maxDuration \(8s\) reached: active for (\d+\.\d)s.*", failed["message"], re.S)
+    assert reached and 8.0 <= float(reached.group(1)) < 16.0, failed["message"]
     assert worker_processes(h.home, run=name) == []
     assert {w.state for w in h.store.list_workers(name)} == {"Stopped"}
 
