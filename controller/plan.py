@@ -160,7 +160,8 @@ class _Pass:
             self._judge_live()  # (a run over a limit stops its workers on purpose, as a suspend: no loss to judge)
         fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
         if fatal is not None:
-            return self._finish(FAILED, "WorkerFailed", f"{fatal.name} failed: {fatal.message or 'fatal error'}")
+            return self._finish(FAILED, rl.run_failure_reason(fatal.message),
+                                f"{fatal.name} failed: {fatal.message or 'fatal error'}")
         memory = self._out_of_memory()
         if memory is not None:
             return self._finish(FAILED, rl.OUT_OF_MEMORY, memory)

@@ -139,6 +139,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         parent_step: int,
         checkpoint_path: str,
         weight_version: int,
+        provenance: dict[str, Any] | None = None,
     ) -> RunRow:
         spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
         with self._tx() as s:
@@ -147,7 +148,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             if not self._insert_ignore(s, RunRow, new.model_dump()):
                 raise Conflict(f"trainingrun {name!r} already exists")
             s.add(CheckpointRow(run=name, step=parent_step, path=checkpoint_path, weight_version=weight_version,
-                                complete=True))
+                                complete=True, provenance=_json(provenance) if provenance is not None else None))
             s.flush()
             return self._run(s, name)
 
@@ -329,12 +330,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     # -- checkpoints, weights ----------------------------------------------------------------
-    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int) -> CheckpointRow:
+    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int,
+                          provenance: dict[str, Any] | None = None) -> CheckpointRow:
         with self._tx() as s:
             check_worker(s, worker)
             query = select(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step)
             row = s.exec(query.with_for_update()).first() or CheckpointRow(run=worker.run, step=step, path=path, weight_version=0)
             row.path, row.weight_version, row.complete, row.created_at = path, weight_version, True, utcnow()
+            row.provenance = provenance
             s.add(row)
             s.flush()
             return row
@@ -356,13 +359,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             check_worker(s, worker)
             s.execute(delete(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step))
 
-    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume") -> WeightRow:
+    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume",
+                        provenance: dict[str, Any] | None = None) -> WeightRow:
         with self._tx() as s:
             check_worker(s, worker)
             newest = s.exec(select(func.max(WeightRow.version)).where(WeightRow.run == worker.run)).one()
             if newest is not None and version <= newest:
                 raise Conflict(f"weight version {version} of {worker.run!r} is not newer than {newest}")
-            row = WeightRow(run=worker.run, version=version, step=step, path=path, method=method)
+            row = WeightRow(run=worker.run, version=version, step=step, path=path, method=method, provenance=provenance)
             s.add(row)
             s.flush()
             return row

@@ -139,10 +139,12 @@ class Store(abc.ABC):
         parent_step: int,
         checkpoint_path: str,
         weight_version: int,
+        provenance: dict[str, Any] | None = None,
     ) -> RunRow:
         """Create run `name` forked from `parent` at `parent_step` (its lineage columns set) together with
         its complete checkpoint row of that step at `checkpoint_path` (files already in place), in one
-        transaction: the controller never sees the run without the checkpoint it resumes from.
+        transaction: the controller never sees the run without the checkpoint it resumes from. `provenance`
+        is the parent checkpoint's, so the child's resume is verified against what made it.
         Conflict if a run of that name exists (being deleted or not)."""
 
     @abc.abstractmethod
@@ -243,8 +245,10 @@ class Store(abc.ABC):
 
     # -- checkpoints, weights ----------------------------------------------------------------
     @abc.abstractmethod
-    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int) -> CheckpointRow:
-        """Record a checkpoint whose files are already complete on disk (complete=True). Fenced."""
+    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int,
+                          provenance: dict[str, Any] | None = None) -> CheckpointRow:
+        """Record a checkpoint whose files are already complete on disk (complete=True), with what made it
+        (`provenance`, mortal.workers.provenance). Fenced."""
 
     @abc.abstractmethod
     def list_checkpoints(self, run: str, complete_only: bool = True) -> list[CheckpointRow]:
@@ -258,8 +262,10 @@ class Store(abc.ABC):
         """Forget a checkpoint row (retention); the caller removes its files after. Fenced."""
 
     @abc.abstractmethod
-    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume") -> WeightRow:
-        """Record weights already written at `path`. Conflict unless version > every earlier one."""
+    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume",
+                        provenance: dict[str, Any] | None = None) -> WeightRow:
+        """Record weights already written at `path`, with what made them (`provenance`). Conflict unless
+        version > every earlier one."""
 
     @abc.abstractmethod
     def latest_weights(self, run: str) -> WeightRow | None: ...

@@ -162,6 +162,11 @@ class CheckpointRow(SQLModel, table=True):
     weight_version: int
     complete: bool = False
     created_at: datetime = _time()
+    provenance: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True),
+        description="what made it (mortal.workers.provenance): spec generation, reward code and dataset "
+                    "hashes, data position; None for checkpoints written before migration 0006",
+    )
 
 
 class WeightRow(SQLModel, table=True):
@@ -175,6 +180,10 @@ class WeightRow(SQLModel, table=True):
     path: str = Field(description="where the (atomically written) weights lie on the shared volume")
     method: str = Field(default="volume")
     created_at: datetime = _time()
+    provenance: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True),
+        description="what made these weights (as CheckpointRow.provenance); None before migration 0006",
+    )
 
 
 class EventRow(SQLModel, table=True):

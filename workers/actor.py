@@ -7,12 +7,14 @@ run's actor slot. One step, in order:
    sampling logprobs, and each reward's precomputed score through PrecomputedReward functions, so
    TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
 2. TRL computes the loss and takes the optimizer step.
-3. `on_step_end`: publish the new weights (mortal.workers.weights), report step and version.
+3. `on_step_end`: publish the new weights (mortal.workers.weights) with what made them
+   (mortal.workers.provenance), report step and version.
 4. `on_log`: record the step's metrics and a sample of its completions with the advantages TRL
    trained on (mortal.workers.samples); every checkpoint.every steps, at the last step and when
    asked to stop, write a complete checkpoint (mortal.workers.checkpoint).
 On start it resumes from the newest complete checkpoint (`train(resume_from_checkpoint=...)`
-restores weights, optimizer, scheduler, RNG and step), forgets queued tasks from that step on, and
+restores weights, optimizer, scheduler, RNG and step) once mortal.workers.resume_check found that
+resuming redoes and skips nothing, forgets queued tasks from that step on, and
 publishes the weights it starts from (a version above every earlier one) before the first rollout.
 What it must not do: generate, score, or reach into TRL outside mortal.workers.trl_seam.
 """
@@ -20,6 +22,7 @@ What it must not do: generate, score, or reach into TRL outside mortal.workers.t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -28,8 +31,9 @@ import torch
 from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
-from mortal.workers import data, models, samples, trl_seam
+from mortal.workers import data, models, provenance, resume_check, samples, trl_seam
 from mortal.workers.checkpoint import Checkpointer
+from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
@@ -54,6 +58,11 @@ def main(ctx: WorkerContext) -> int:
         ctx.log.info("checkpoint at step %d already reaches maxSteps: nothing to train", start)
         return EXIT_SUCCEEDED
     rows = data.load_rows(spec.dataset)
+    made_by = current_provenance(ctx, rows)
+    if resume is not None:
+        verify_resume(ctx, resume, made_by.at(start, spec.algorithm.prompts_per_step, spec.algorithm.seed))
+    record = functools.partial(_provenance_at, made_by, spec)
+    checkpointer.provenance = record
     feed = RolloutFeed(
         ctx.store, ctx.worker, rows, spec.algorithm.seed, spec.algorithm.prompts_per_step,
         spec.algorithm.num_generations, spec.algorithm.max_staleness, spec.algorithm.max_steps,
@@ -62,7 +71,7 @@ def main(ctx: WorkerContext) -> int:
         poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,  # a GPU step is ~1 s: waits there are latency
     )
     feed.forget_from(start)
-    publisher = WeightPublisher(ctx.store, ctx.worker, method=spec.sync_method())
+    publisher = WeightPublisher(ctx.store, ctx.worker, method=spec.sync_method(), provenance=record)
     publisher.clear_partial()
     wandb_run = open_wandb(
         spec.logging.wandb, ctx.run.name, ctx.run.metadata.uid, ctx.run_dir, ctx.run.spec_dict()
@@ -79,6 +88,35 @@ def main(ctx: WorkerContext) -> int:
         loop.reporter.close()
         publisher.close()
     return EXIT_SUCCEEDED
+
+
+def current_provenance(ctx: WorkerContext, rows: list[dict[str, Any]]) -> provenance.Provenance:
+    """What this actor trains with: its spec's generation, its rewards' code and the rows it read."""
+    spec = ctx.run.spec
+    entries = [r.model_dump(by_alias=True, mode="json", exclude_none=True) for r in spec.rewards]
+    return provenance.Provenance.of(
+        ctx.run.metadata.generation,
+        provenance.reward_hashes(entries, reward_names(spec.rewards)),
+        provenance.dataset_fingerprint(spec.dataset.model_dump(by_alias=True, mode="json", exclude_none=True), rows),
+    )
+
+
+def _provenance_at(made_by: provenance.Provenance, spec: TrainingSpec, step: int) -> dict[str, Any]:
+    return made_by.at(step, spec.algorithm.prompts_per_step, spec.algorithm.seed).dump()
+
+
+def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -> None:
+    """Refuse (FatalWorkerError) a resume that would silently redo or skip work; record a Warning event for
+    each deliberate change it goes on through (mortal.workers.resume_check)."""
+    spec = ctx.run.spec
+    findings = resume_check.verify(resume.path, resume.step, resume.provenance, now, spec.algorithm.num_epochs,
+                                   spec.algorithm.max_steps)
+    refused = resume_check.refusal_message(findings)
+    if refused:
+        raise FatalWorkerError(resume_check.REFUSED, refused)
+    for finding in findings:
+        ctx.log.warning("resuming from step %d: %s", resume.step, finding.message)
+        ctx.store.add_event(ctx.run.name, "Warning", finding.reason, finding.message)
 
 
 def actor_device(spec: TrainingSpec) -> str:

@@ -6,7 +6,7 @@ step and when asked to stop; `Checkpointer.resume_point` when it starts).
     $MORTAL_HOME/runs/<run>/checkpoints/step-<N>/
         model.safetensors | adapter_model.safetensors (+ config, tokenizer)
         optimizer.pt  scheduler.pt  rng_state.pth  trainer_state.json   (the Trainer's own files)
-        mortal.json   {"step", "weight_version", "seed", "run"}         (the data position is the step)
+        mortal.json   {"step", "weight_version", "seed", "run", "provenance"} (mortal.workers.provenance)
 
 A checkpoint exists for readers only once its directory was renamed into place (after fsync) and
 its row recorded, in that order; a crash at any point leaves either no visible checkpoint or a
@@ -58,6 +58,7 @@ class Checkpointer:
     keep: int
     seed: int
     fence: Callable[[], None] = lambda: None  # heartbeat-now before writing files (a zombie exits there)
+    provenance: Callable[[int], dict[str, Any]] | None = None  # what made the state at a step (workers.provenance)
 
     @property
     def run(self) -> str:
@@ -73,11 +74,14 @@ class Checkpointer:
         """Write the trainer's state at `step` atomically, record it, prune; returns its directory."""
         self.fence()
         final = checkpoint_dir(self.run, step)
+        made_by = self.provenance(step) if self.provenance is not None else None
         with atomic_dir(final) as tmp:
             trl_seam.save_checkpoint(trainer, tmp)
             marker = {"run": self.run, "step": step, "weight_version": weight_version, "seed": self.seed}
+            if made_by is not None:  # also in the row; here so the folder alone says what made it (fork, cp)
+                marker["provenance"] = made_by
             (tmp / MORTAL_FILE).write_text(json.dumps(marker, indent=1) + "\n")
-        self.store.record_checkpoint(self.worker, step, str(final), weight_version)
+        self.store.record_checkpoint(self.worker, step, str(final), weight_version, provenance=made_by)
         log.info("checkpoint step %d (weights v%d) at %s", step, weight_version, final)
         self.prune()
         return final

@@ -308,6 +308,7 @@ class WeightPublisher:
     keep: int = KEEP_VERSIONS
     method: str = "volume"  # or "ipc", "nccl" (spec.sync_method())
     steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
+    provenance: Callable[[int], dict[str, Any]] | None = None  # what made the weights of a step (workers.provenance)
 
     def __post_init__(self) -> None:
         self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
@@ -354,7 +355,8 @@ class WeightPublisher:
             write_adapters(model, adapters, dest, version, step)
         else:
             write_weights(model, dest, version, step)
-        self.store.publish_weights(self.worker, version, step, str(dest), method=self.method)
+        made_by = self.provenance(step) if self.provenance is not None else None
+        self.store.publish_weights(self.worker, version, step, str(dest), method=self.method, provenance=made_by)
         self._last_version = version
         self.steps[version] = step
         if prune:

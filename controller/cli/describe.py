@@ -179,11 +179,25 @@ def describe_run(store: Store, row: RunRow) -> None:
         for w in workers
     ])
     checkpoints = store.list_checkpoints(row.name)
-    print_section("Checkpoints", ("STEP", "WEIGHTS", "PATH", "AGE"),
-                  [(c.step, c.weight_version, c.path, age(c.created_at)) for c in checkpoints])
+    print_section("Checkpoints", ("STEP", "WEIGHTS", "SPEC GEN", "DATA POSITION", "DATASET", "REWARD CODE", "PATH",
+                                  "AGE"),
+                  [(c.step, c.weight_version, *_provenance_columns(c.provenance), c.path, age(c.created_at))
+                   for c in checkpoints])
     events = store.list_events(row.name, limit=15)
     print_section("Events", ("TYPE", "REASON", "AGE", "MESSAGE"),
                   [(e.type, e.reason, age(e.time), e.message) for e in events])
+
+
+def _provenance_columns(record: dict | None) -> tuple[str, str, str, str]:
+    """A checkpoint's provenance (mortal.workers.provenance, camelCase JSON) as describe's columns; dashes for a
+    checkpoint written before it was kept."""
+    if not record:
+        return "-", "-", "-", "-"
+    position, dataset = record.get("position") or {}, record.get("dataset") or {}
+    where = (f"prompt {position['consumed']} (pass {position['epoch']}, index {position['index']})"
+             if position else "-")
+    data = f"{dataset.get('rows', '?')} rows {str(dataset.get('sha256', ''))[:12]}"
+    return _dash(record.get("specGeneration")), where, data, str(record.get("rewardCode", "-"))[:12]
 
 
 def _dash(value) -> str:

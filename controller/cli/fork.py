@@ -155,7 +155,7 @@ def fork_run(
     meta = child.metadata
     try:
         row = store.fork_run(name, child.spec_dict(), meta.labels, meta.annotations, source, checkpoint.step,
-                             str(dest), checkpoint.weight_version)
+                             str(dest), checkpoint.weight_version, provenance=checkpoint.provenance)
     except Conflict:
         shutil.rmtree(dest, ignore_errors=True)
         raise RunExists(f"trainingrun {name!r} already exists; pick another name for the fork") from None
