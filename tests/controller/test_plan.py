@@ -165,6 +165,17 @@ def test_fatal_exit_fails_the_run_at_once():
     assert launches(p) == []
 
 
+def test_a_refused_resume_fails_the_run_with_its_own_reason_and_is_not_relaunched():
+    rows, procs = running()
+    rows[0] = row("actor", 0, 1, "Failed", code=3,
+                  message="ResumeRefused: the dataset's rows changed since the checkpoint of step 2")
+    p = run_plan(rows, procs[1:], prev=status("Running"))
+    assert p.status["phase"] == "Failed"
+    assert cond(p, "Failed")["reason"] == "ResumeRefused" == cond(p, "Ready")["reason"]
+    assert "actor-0 failed: ResumeRefused: the dataset's rows changed" in p.status["message"]
+    assert launches(p) == []
+
+
 def test_process_exit_code_3_without_report_is_fatal():
     rows, procs = running()
     procs[0] = proc(rows[0], alive=False, code=3)

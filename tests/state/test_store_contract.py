@@ -396,6 +396,19 @@ def test_checkpoints(store: Store, run: str) -> None:
     assert [c.step for c in store.list_checkpoints(run, complete_only=False)] == [10, 20]
 
 
+def test_checkpoints_and_weights_keep_what_made_them(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    made = {"specGeneration": 2, "rewardCode": "ab" * 32, "dataset": {"name": "d.jsonl", "rows": 3},
+            "position": {"step": 5, "consumed": 10}}
+    store.record_checkpoint(ref, 5, "/ckpt/5", weight_version=5, provenance=made)
+    store.record_checkpoint(ref, 6, "/ckpt/6", weight_version=6)
+    assert [c.provenance for c in store.list_checkpoints(run)] == [made, None]
+    store.publish_weights(ref, 5, step=5, path="/w/v5", provenance=made)
+    assert store.latest_weights(run).provenance == made
+    again = store.record_checkpoint(ref, 5, "/ckpt/5b", weight_version=7, provenance={**made, "specGeneration": 3})
+    assert again.provenance["specGeneration"] == 3 == store.list_checkpoints(run)[0].provenance["specGeneration"]
+
+
 def test_weights(store: Store, run: str) -> None:
     ref = _worker(store, run)
     assert store.latest_weights(run) is None

@@ -22,7 +22,7 @@ def create_run(store: Store, name: str, spec: dict[str, Any], annotations: dict[
     """Apply a run (validated through TrainingRun first) and return it as workers see it."""
     run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations or {}}, "spec": spec})
     row, _ = store.apply_run(name, run.spec_dict(), annotations=annotations or {})
-    return TrainingRun.from_record(row.name, row.spec, row.status, annotations=row.annotations, uid=row.uid)
+    return row.document()  # as workers read it (mortal.workers.runtime.load_run): generation and all
 
 
 def worker_context(store: Store, run: TrainingRun, role: str, replica: int = 0, lease: float = 60.0) -> WorkerContext:

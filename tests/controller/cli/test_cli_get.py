@@ -32,7 +32,10 @@ def running_quickstart(cli, store):
     """quickstart applied, with the status a controller would write mid-run, a checkpoint and events."""
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     ref = actor(store, "quickstart")
-    store.record_checkpoint(ref, 10, "/volume/quickstart/checkpoints/step-10", 10)
+    store.record_checkpoint(ref, 10, "/volume/quickstart/checkpoints/step-10", 10, provenance={
+        "specGeneration": 1, "rewardCode": "c0ffee" * 10 + "abcd", "rewards": {},
+        "dataset": {"name": "builtin:arith", "rows": 2000, "sha256": "5eed" * 16, "spec": {}},
+        "position": {"step": 10, "promptsPerStep": 4, "seed": 0, "consumed": 40, "epoch": 0, "index": 40}})
     store.add_event("quickstart", "Normal", "WorkerStarted", "actor-0 started (incarnation 1)")
     store.add_event("quickstart", "Warning", "WorkerLost", "rollout-1 lost: no heartbeat for 10s")
     set_status(store, "quickstart", phase="Running", observedGeneration=1, step=12, weightVersion=12,
@@ -182,7 +185,9 @@ def test_describe_run(cli, store_of):
                      "Status:", "Running", "12/30", "0.421", "Conditions:", "WorkersReady", "Workers:",
                      "WeightsInSync", "RolloutLagging", "rollout-1 at v9; actor at v12", "AwaitingFirstStep",
                      "Last step:", "2026-01-01T00:00:00+00:00", "steps take 1.25s (median)",
-                     "actor", "HANDLE", "4242:1795315222.5", "Checkpoints:", "step-10", "Events:", "WorkerLost"):
+                     "actor", "HANDLE", "4242:1795315222.5", "Checkpoints:", "step-10", "Events:", "WorkerLost",
+                     "SPEC GEN", "DATA POSITION", "prompt 40 (pass 0, index 40)", "2000 rows 5eed5eed5eed",
+                     "c0ffeec0ffee"):
         assert expected in text, expected
 
 
