@@ -183,8 +183,12 @@ def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAUL
         raise CliError("the dashboard is served by waitress: pip install 'mortal[server]'") from exc
 
     sockets: dict[int, Any] = {}
-    server = create_server(DashboardApp(store, refresh_seconds), map=sockets, host=host, port=port,
-                           threads=threads, ident="mortal-dashboard", asyncore_use_poll=True)
+    try:
+        server = create_server(DashboardApp(store, refresh_seconds), map=sockets, host=host, port=port,
+                               threads=threads, ident="mortal-dashboard", asyncore_use_poll=True)
+    except OSError as exc:  # in use, a privileged port, an address this machine does not have
+        raise CliError(f"--port {port} / --host {host}: cannot listen there ({exc.strerror or exc}); "
+                       "pick another --port (0: any free one)") from exc
     halt = run_in_thread(server, sockets, "mortal-dashboard")
     try:
         yield f"http://{server.effective_host}:{server.effective_port}"

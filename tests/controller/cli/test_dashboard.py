@@ -257,6 +257,22 @@ def test_an_unmigrated_or_missing_store_is_refused_not_created(mortal_home: Path
         open_read_only(f"sqlite:///{empty}")
 
 
+def test_a_port_in_use_is_a_clear_error_naming_the_flag(populated: str) -> None:
+    import socket
+
+    from typer.testing import CliRunner
+
+    from mortal.controller.cli.main import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["--state-url", populated, "dashboard", "--port", str(port)])
+    assert result.exit_code == 1, result.output
+    assert f"--port {port}" in result.output and "in use" in result.output and "Traceback" not in result.output
+
+
 def test_as_a_process_on_the_port_it_was_given(populated: str, mortal_home: Path) -> None:
     """`mortalctl dashboard --port P` as a user starts it: it serves the store until it is stopped."""
     import socket
