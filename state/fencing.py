@@ -34,21 +34,24 @@ def check_worker(session: Session, worker: WorkerRef, for_update: bool = False) 
     `for_update` when the caller writes the worker row itself (two share locks upgraded to
     write locks by two transactions would deadlock on PostgreSQL).
     """
+    # One round trip: the run's uid comes along (outer join: a run row deleted by a purge reads as None).
+    # Only the worker row is locked (OF workers): a FOR SHARE on the run row would make every worker
+    # write wait for the controller's status write, and the other way round.
     query = (
-        select(WorkerRow)
+        select(WorkerRow, RunRow.uid)
+        .join(RunRow, RunRow.name == WorkerRow.run, isouter=True)
         .where(WorkerRow.run == worker.run, WorkerRow.role == worker.role, WorkerRow.replica == worker.replica)
         .order_by(WorkerRow.incarnation.desc())
         .limit(1)
-        .with_for_update(read=not for_update)
+        .with_for_update(read=not for_update, of=WorkerRow)
     )
-    newest = session.exec(query).first()
+    found = session.exec(query).first()
+    newest, uid = found if found is not None else (None, None)
     if newest is None or newest.incarnation != worker.incarnation:
         current = "none" if newest is None else newest.incarnation
         raise Fenced(f"{worker.id} is not the live incarnation of its slot (newest: {current})")
     if newest.state in TERMINAL_WORKER_STATES:
         raise Fenced(f"{worker.id} has ended ({newest.state})")
-    if worker.run_uid is not None:
-        uid = session.exec(select(RunRow.uid).where(RunRow.name == worker.run)).first()
-        if uid != worker.run_uid:
-            raise Fenced(f"{worker.id} was launched for an earlier run named {worker.run!r} (uid {worker.run_uid})")
+    if worker.run_uid is not None and uid != worker.run_uid:
+        raise Fenced(f"{worker.id} was launched for an earlier run named {worker.run!r} (uid {worker.run_uid})")
     return newest
