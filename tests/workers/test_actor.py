@@ -58,7 +58,10 @@ def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_d
     assert versions == [(1, 1), (2, 2), (3, 3)]  # v0 = the start, pruned to the newest 3
     checkpoints = store.list_checkpoints("basic")
     assert [c.step for c in checkpoints] == [2, 3]  # every 2 and the last, keep 2
-    assert read_marker(checkpoints[-1].path) == {"run": "basic", "step": 3, "weight_version": 3, "seed": 0}
+    marker = read_marker(checkpoints[-1].path)
+    assert {k: v for k, v in marker.items() if k != "provenance"} == {"run": "basic", "step": 3, "weight_version": 3,
+                                                                       "seed": 0}
+    assert marker["provenance"] == checkpoints[-1].provenance and marker["provenance"]["position"]["step"] == 3
     metrics = _metrics(store, "basic")
     assert sorted(metrics) == [1, 2, 3]
     for name in ("reward", "reward_std", "rewards/parity_reward/mean", "rewards/correct_answer/mean", "loss",
