@@ -187,6 +187,7 @@ class MemoryKnobs:
     colocate: bool = False
     lora: bool = False
     gradient_checkpointing: bool = False
+    micro_batch_size: int = 0  # completions per forward/backward pass now; 0: not known
 
 
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
@@ -199,7 +200,12 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
                         "gradients and optimizer state share this GPU now)")
         tips.append("or pick a GPU with more memory (rollout.gpu)")
     else:
-        tips = ["lower algorithm.batchSize (completions per optimizer step)"]
+        tips = []
+        if knobs.micro_batch_size != 1:
+            now = f" (now {knobs.micro_batch_size})" if knobs.micro_batch_size else ""
+            tips.append(f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "
+                        "gradients accumulated, the same step")
+        tips.append("lower algorithm.batchSize (completions per optimizer step)")
         if not knobs.gradient_checkpointing:
             tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
         if not knobs.lora:

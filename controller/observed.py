@@ -49,6 +49,7 @@ class Desired:
     colocate: bool = False  # rollout.colocate: the rollouts share the actor's GPU
     lora: bool = False  # model.lora is set
     gradient_checkpointing: bool = False  # model.gradientCheckpointing
+    micro_batch_size: int = 0  # completions per forward/backward pass of the actor (algorithm.microBatchSize)
     deleted: bool = False
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time

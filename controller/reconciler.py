@@ -291,6 +291,7 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         backoff_seconds=spec.restart_policy.backoff_seconds, max_staleness=spec.algorithm.max_staleness,
         sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.colocate,
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
+        micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
         deleted=run.deleted_at is not None,
         purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
     )

@@ -95,6 +95,8 @@ class MortalTrainer:
       train_dataset   datasets.Dataset, list of dicts, or a hub id / .jsonl / .parquet path / 'builtin:NAME'
       batch_size      completions per optimizer step, as in the spec (prompts per step = batch_size /
                       num_generations)
+      micro_batch_size completions per forward/backward pass (gradient accumulation up to batch_size;
+                      TRL's per_device_train_batch_size): lower it when the actor runs out of GPU memory
       max_steps       optimizer steps; None with num_epochs: computed from the dataset's rows (an in-memory,
                       builtin or local-file dataset)
       detach          train() returns right after applying; the controller keeps training
@@ -113,6 +115,7 @@ class MortalTrainer:
         *,
         num_generations: int | None = None,
         batch_size: int | None = None,
+        micro_batch_size: int | None = None,
         learning_rate: float | None = None,
         max_steps: int | None = None,
         num_epochs: float | None = None,
@@ -185,6 +188,7 @@ class MortalTrainer:
                            "target_modules": lora_target_modules}) if use_lora else None
         algorithm = _drop_none({
             "loss_type": loss_type, "num_generations": num_generations, "batch_size": batch_size,
+            "micro_batch_size": micro_batch_size,
             "learning_rate": learning_rate, "beta": beta, "epsilon": epsilon, "epsilon_high": epsilon_high,
             "scale_rewards": scale_rewards, "max_staleness": max_staleness, "seed": seed,
             "max_grad_norm": max_grad_norm,

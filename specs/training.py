@@ -107,6 +107,14 @@ class AlgorithmSpec(SpecModel):
         description="Completions per optimizer step (TRL's generation batch); a multiple of numGenerations. "
         "Prompts per step = batchSize / numGenerations.",
     )
+    micro_batch_size: int | None = Field(
+        None, ge=1,
+        description="Completions per forward and backward pass: the step's batchSize is trained in batchSize / "
+        "microBatchSize passes whose gradients add up before the one optimizer step (TRL's "
+        "per_device_train_batch_size, with gradient_accumulation_steps = steps_per_generation = their ratio). "
+        "Activation memory scales with it, not with batchSize: lower it when the actor runs out of GPU memory. "
+        "A divisor of batchSize; absent = batchSize (one pass).",
+    )
     learning_rate: float = Field(5e-6, gt=0, description="AdamW learning rate.")
     beta: float = Field(0.0, ge=0, description="KL penalty coefficient; 0 = no reference model.")
     epsilon: float = Field(0.2, gt=0, description="Lower clipping range of the importance ratio.")
@@ -146,12 +154,24 @@ class AlgorithmSpec(SpecModel):
                 f"batchSize ({self.batch_size}) must be divisible by numGenerations ({n}): try {choices}",
                 field="batchSize",
             )
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+            below = max(d for d in divisors if d <= self.micro_batch_size) if self.micro_batch_size > 1 else 1
+            raise rule_error(
+                f"microBatchSize ({self.micro_batch_size}) must divide batchSize ({self.batch_size}): "
+                f"try {below}", field="microBatchSize",
+            )
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise rule_error(
                 f"epsilonHigh ({self.epsilon_high}) must be >= epsilon ({self.epsilon}); omit it to use epsilon",
                 field="epsilonHigh",
             )
         return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward and backward passes per optimizer step (batchSize / microBatchSize)."""
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
 
     @property
     def prompts_per_step(self) -> int:

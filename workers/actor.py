@@ -131,10 +131,12 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str) -> Any:
     dtype = models.resolve_dtype(spec.model.dtype, device)
     config = GRPOConfig(
         output_dir=output_dir,
-        per_device_train_batch_size=algo.batch_size,
+        # One generation batch (batchSize completions) per optimizer step, trained in accumulation_steps
+        # passes of microBatchSize: TRL splits the batch it got from rollout_func and adds the gradients up.
+        per_device_train_batch_size=algo.batch_size // algo.accumulation_steps,
         num_generations=algo.num_generations,
-        steps_per_generation=1,
-        gradient_accumulation_steps=1,
+        steps_per_generation=algo.accumulation_steps,
+        gradient_accumulation_steps=algo.accumulation_steps,
         num_iterations=1,
         max_steps=algo.max_steps,
         learning_rate=algo.learning_rate,

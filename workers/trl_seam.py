@@ -6,9 +6,10 @@ tested range is TESTED_TRL (also pinned in pyproject's `train` extra). It must n
 store, the queue or the spec.
 
 What mortal relies on (TRL 1.16):
-1. `rollout_func(prompts, trainer)` is called once per optimizer step (steps_per_generation = 1)
-   with the generation batch: batch_size entries, each prompt already repeated num_generations
-   times. Its dict must hold prompt_ids / completion_ids / logprobs, one entry per completion;
+1. `rollout_func(prompts, trainer)` is called once per optimizer step (steps_per_generation =
+   gradient_accumulation_steps = batchSize / microBatchSize) with the generation batch: batch_size
+   entries, each prompt already repeated num_generations times; TRL then shuffles the scored batch
+   and trains it in steps_per_generation micro-batches whose gradients add up to one step's. Its dict must hold prompt_ids / completion_ids / logprobs, one entry per completion;
    every other key reaches the reward functions as a keyword argument, one value per completion.
 2. Reward functions are called as f(prompts=, completions=, completion_ids=, **columns) and a
    callable is named by its `__name__` in metrics (`rewards/<name>/mean`); None becomes NaN.

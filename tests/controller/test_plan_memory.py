@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from planhelpers import CFG, kinds, proc, row, run_plan, running, status
 
 from mortal.controller.actions import EndWorker, Launch
@@ -91,6 +93,18 @@ def test_an_out_of_memory_with_no_restart_left_fails_with_its_own_reason():
     assert "actor-0 #1 ran out of GPU memory: tried to allocate 512.00 MiB" in message
     assert "lower algorithm.batchSize" in message and "model.gradientCheckpointing: true" in message
     assert "model.lora" in message
+
+
+@pytest.mark.parametrize(("micro", "advised"), [(16, "lower algorithm.microBatchSize (now 16)"), (1, None)])
+def test_the_actors_advice_starts_with_smaller_micro_batches_until_there_are_none(micro, advised):
+    rows, procs = running(rollouts=1)
+    rows[0] = row("actor", 0, 1, "Failed", code=OOM, message="OutOfMemory: tried to allocate 2.00 GiB", ended=30)
+    message = cond(run_plan(rows, procs[1:], prev=status("Running"), max_restarts=0, micro_batch_size=micro),
+                   "Failed")["message"]
+    if advised:
+        assert message.index(advised) < message.index("lower algorithm.batchSize")
+    else:
+        assert "microBatchSize" not in message
 
 
 def test_a_process_that_exited_4_without_its_report_is_an_out_of_memory():
