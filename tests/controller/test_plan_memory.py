@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from planhelpers import CFG, kinds, proc, row, run_plan, running, status
 
 from mortal.controller.actions import EndWorker, Launch
