@@ -42,15 +42,20 @@ def _hammer(engine, errors: list[BaseException], start: threading.Barrier) -> No
         errors.append(exc)
 
 
-def test_writers_of_one_process_never_meet_sqlites_busy_handler(impatient_engine) -> None:
+def _writers_together(engine) -> list[BaseException]:
+    """THREADS threads, started together, each making WRITES read-modify-write transactions; their errors."""
     errors: list[BaseException] = []
     start = threading.Barrier(THREADS)
-    threads = [threading.Thread(target=_hammer, args=(impatient_engine, errors, start)) for _ in range(THREADS)]
+    threads = [threading.Thread(target=_hammer, args=(engine, errors, start)) for _ in range(THREADS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert errors == []
+    return errors
+
+
+def test_writers_of_one_process_never_meet_sqlites_busy_handler(impatient_engine) -> None:
+    assert _writers_together(impatient_engine) == []
     with connection(impatient_engine, write=False) as conn:
         assert conn.execute(text("SELECT n FROM counter")).scalar_one() == THREADS * WRITES
 
@@ -62,13 +67,7 @@ def test_without_the_lock_the_same_writers_collide(impatient_engine, monkeypatch
     from mortal.state import engine as engine_module
 
     monkeypatch.setattr(engine_module, "_writer_lock", lambda engine, write: contextlib.nullcontext())
-    errors: list[BaseException] = []
-    start = threading.Barrier(THREADS)
-    threads = [threading.Thread(target=_hammer, args=(impatient_engine, errors, start)) for _ in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = _writers_together(impatient_engine)
     assert errors and all("database is locked" in str(e) for e in errors)
 
 
