@@ -179,25 +179,35 @@ def describe_run(store: Store, row: RunRow) -> None:
         for w in workers
     ])
     checkpoints = store.list_checkpoints(row.name)
-    print_section("Checkpoints", ("STEP", "WEIGHTS", "SPEC GEN", "DATA POSITION", "DATASET", "REWARD CODE", "PATH",
-                                  "AGE"),
-                  [(c.step, c.weight_version, *_provenance_columns(c.provenance), c.path, age(c.created_at))
-                   for c in checkpoints])
+    print_section("Checkpoints", ("STEP", "WEIGHTS", "GEN", "PROMPTS", "AGE", "PATH"),
+                  [(c.step, c.weight_version, *_drawn(c.provenance), age(c.created_at), c.path) for c in checkpoints])
+    if checkpoints and checkpoints[-1].provenance:
+        print_fields(f"Made by (step {checkpoints[-1].step})", provenance_lines(checkpoints[-1].provenance), indent=2)
     events = store.list_events(row.name, limit=15)
     print_section("Events", ("TYPE", "REASON", "AGE", "MESSAGE"),
                   [(e.type, e.reason, age(e.time), e.message) for e in events])
 
 
-def _provenance_columns(record: dict | None) -> tuple[str, str, str, str]:
-    """A checkpoint's provenance (mortal.workers.provenance, camelCase JSON) as describe's columns; dashes for a
+def _drawn(record: dict | None) -> tuple[str, str]:
+    """GEN and PROMPTS of a checkpoint's provenance (mortal.workers.provenance's camelCase JSON); dashes for a
     checkpoint written before it was kept."""
-    if not record:
-        return "-", "-", "-", "-"
+    position = (record or {}).get("position") or {}
+    return _dash((record or {}).get("specGeneration")), _dash(position.get("consumed"))
+
+
+def provenance_lines(record: dict) -> list[tuple[str, str]]:
+    """What made a checkpoint, as describe's fields; the hashes shortened to 12 hex digits."""
     position, dataset = record.get("position") or {}, record.get("dataset") or {}
-    where = (f"prompt {position['consumed']} (pass {position['epoch']}, index {position['index']})"
-             if position else "-")
-    data = f"{dataset.get('rows', '?')} rows {str(dataset.get('sha256', ''))[:12]}"
-    return _dash(record.get("specGeneration")), where, data, str(record.get("rewardCode", "-"))[:12]
+    rewards = ", ".join(f"{name} {str(digest)[:12]}" for name, digest in (record.get("rewards") or {}).items())
+    lines = [("Spec generation", _dash(record.get("specGeneration")))]
+    if position:
+        lines.append(("Data position", f"prompt {position['consumed']} drawn (pass {position['epoch']}, index "
+                                       f"{position['index']}), seed {position['seed']}, "
+                                       f"{position['promptsPerStep']} prompts per step"))
+    lines.append(("Dataset", f"{dataset.get('name', '?')}: {dataset.get('rows', '?')} rows, sha256 "
+                             f"{str(dataset.get('sha256', ''))[:12]}"))
+    lines.append(("Reward code", f"{str(record.get('rewardCode', ''))[:12]}" + (f" ({rewards})" if rewards else "")))
+    return lines
 
 
 def _dash(value) -> str:

@@ -186,8 +186,9 @@ def test_describe_run(cli, store_of):
                      "WeightsInSync", "RolloutLagging", "rollout-1 at v9; actor at v12", "AwaitingFirstStep",
                      "Last step:", "2026-01-01T00:00:00+00:00", "steps take 1.25s (median)",
                      "actor", "HANDLE", "4242:1795315222.5", "Checkpoints:", "step-10", "Events:", "WorkerLost",
-                     "SPEC GEN", "DATA POSITION", "prompt 40 (pass 0, index 40)", "2000 rows 5eed5eed5eed",
-                     "c0ffeec0ffee"):
+                     "GEN", "PROMPTS", "Made by (step 10):", "Data position:",
+                     "prompt 40 drawn (pass 0, index 40), seed 0, 4 prompts per step",
+                     "builtin:arith: 2000 rows, sha256 5eed5eed5eed", "Reward code:", "c0ffeec0ffee"):
         assert expected in text, expected
 
 
