@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from mortal.controller import failpoints
 from mortal.controller.actions import Adopt, EndWorker, Event, Launch, Purge, Stop
-from mortal.controller.backends.base import (
+from mortal.controller.backends import (
     Backend,
     BackendError,
     InsufficientGPUs,

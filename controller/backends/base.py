@@ -6,7 +6,7 @@ else in mortal knows how a worker is started.
 What it must not do: touch the state store or decide anything. A backend reports what exists; the
 controller compares that with the workers table and acts.
 
-    backend = select_backend("local")
+    backend = select_backend("local")                 # the factory lives in the package: mortal.controller.backends
     handle = backend.launch(WorkerLaunch(run="r", role="actor", replica=0, incarnation=7, ...))
     store.set_worker_handle(row.id, handle)
     [w for w in backend.list("r") if not w.alive]     # exited: exit_code when known
@@ -246,19 +246,6 @@ class Backend(abc.ABC):
         """Remove the run's folder (checkpoints, weights, logs, compile caches) where this backend's workers
         write it (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""
         shutil.rmtree(paths.run_dir(run), ignore_errors=True)
-
-
-def select_backend(name: str) -> Backend:
-    """The backend a spec's `backend:` field names."""
-    if name == "local":
-        from mortal.controller.backends.local import LocalBackend
-
-        return LocalBackend()
-    if name == "modal":
-        from mortal.controller.backends.modal import ModalBackend
-
-        return ModalBackend()
-    raise UnknownBackend(f"unknown backend {name!r}: use 'local' or 'modal'")
 
 
 def signal_group(pgid: int, sig: int) -> None:
