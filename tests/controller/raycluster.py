@@ -5,7 +5,8 @@
     cluster.stop()                         # `ray stop --force`
 
 Each node carries a custom resource named after it (node_head, node_a, node_b: 1 each), so a test can
-place a worker on a node and read which node a worker's actor runs on. Nodes are small (2 logical
+place a worker on a node; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
+head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2 logical
 CPUs, 80 MB object store, no dashboard) to fit this 2-core machine, and the head's GCS declares a node
 dead after ~1.5 s without health-check answers (Ray's default is ~15 s).
 
@@ -16,6 +17,7 @@ does it), where loopback is the only interface: Ray then binds 127.0.0.1 and no 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,6 +29,7 @@ from pathlib import Path
 import psutil
 
 NODES = ("node_head", "node_a", "node_b")
+ROLLOUT_SLOTS = 2  # the worker nodes' "rollout_node" resource: a rollout asking 1 runs on node_a or node_b
 # The GCS's health checks of raylets (Ray system config, read from the environment at `ray start --head`).
 FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
                    "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "0"}
@@ -55,8 +58,9 @@ class RayCluster:
     def _start(self, node: str, *head_or_join: str) -> None:
         before = set(_raylets())
         log = self.root / f"{node}.log"
+        resources = {node: 1} if node == "node_head" else {node: 1, "rollout_node": ROLLOUT_SLOTS}
         cmd = [ray_cli(), "start", *head_or_join, "--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus),
-               "--resources", f'{{"{node}": 1}}', "--object-store-memory", str(80 * 1024 * 1024),
+               "--resources", json.dumps(resources), "--object-store-memory", str(80 * 1024 * 1024),
                "--disable-usage-stats"]
         with open(log, "ab") as out:
             subprocess.run(cmd, env=self._env(), stdout=out, stderr=subprocess.STDOUT, check=True, timeout=120)
@@ -85,6 +89,14 @@ class RayCluster:
                 continue
         psutil.wait_procs(procs, timeout=10)
         return [p.pid for p in procs]
+
+    def node_of(self, proc: psutil.Process) -> str | None:
+        """Which node a process runs under (its ancestor raylet), None if no raylet of ours is one."""
+        try:
+            pids = {p.pid for p in proc.parents()}
+        except psutil.Error:
+            return None
+        return next((node for node, raylet in self.raylets.items() if raylet in pids), None)
 
     def stop(self) -> None:
         subprocess.run([ray_cli(), "stop", "--force"], env=self._env(), stdout=subprocess.DEVNULL,

@@ -44,19 +44,13 @@ def processes_of(home: Path) -> dict[str, psutil.Process]:
     return found
 
 
-def node_of(cluster: RayCluster, proc: psutil.Process) -> str:
-    """Which node's raylet the process runs under."""
-    pids = {p.pid for p in proc.parents()}
-    return next(node for node, raylet in cluster.raylets.items() if raylet in pids)
-
-
 def test_launch_spreads_rollouts_lists_adopts_and_stops(ray_cluster: RayCluster, mortal_home: Path) -> None:
     backend = RayBackend(home=mortal_home, command=SLEEPER)
     on_workers = {"resources": {"node_a": 0.1}}, {"resources": {"node_b": 0.1}}
     handles = [backend.launch(launch_of(mortal_home, "spread", replica=i, cpus=0.5, **on_workers[i])) for i in (0, 1)]
     actor = backend.launch(launch_of(mortal_home, "spread", role="actor", cpus=0.5, resources={"node_head": 0.1}))
     procs = wait_for(lambda: len(p := processes_of(mortal_home)) == 3 and p, 60, "three worker processes")
-    assert {node_of(ray_cluster, p) for p in procs.values()} == {"node_head", "node_a", "node_b"}
+    assert {ray_cluster.node_of(p) for p in procs.values()} == {"node_head", "node_a", "node_b"}
     rollout = procs["spread/rollout-0#1"]
     assert rollout.environ()["MORTAL_RUN"] == "spread" and rollout.environ()["CUDA_VISIBLE_DEVICES"] == ""
     log = paths.worker_log("spread", "rollout", 0, 1)
