@@ -5,7 +5,10 @@ with the simulated workload (real worker processes, fake training: seconds per r
 - a worker node is killed mid-run (its raylet and every process under it): the run goes Recovering and
   finishes on the nodes left;
 - the controller is killed (SIGKILL) mid-run and another started: the same actors are adopted, no twin, no orphan;
-- rollouts are scaled 1 -> 3 -> 1 while training;
+- the node that runs the actor is killed: the actor is relaunched on another node and resumes from the
+  newest checkpoint, no step's metrics lost;
+- rollouts are scaled 1 -> 3 -> 1 while training, then the run is suspended (nothing left in the cluster),
+  resumed, and deleted with --purge;
 - bad input: no cluster at spec.ray.address, and a request no node can ever hold, fail the run saying which field.
 
 On SQLite only (the subject is the backend and the controller, tests/store_kinds.py), in a private network
@@ -23,7 +26,7 @@ from raycluster import RayCluster
 from realproc import delete_and_wait, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sqlite_only
 
-from mortal.state import paths
+from mortal.controller.logs import read_logs
 from mortal.workers.simulated import simulated_run
 
 ray = pytest.importorskip("ray")
@@ -62,8 +65,8 @@ def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness)
     assert final["step"] == 30 and final["restarts"] == 0
     wait_for(lambda: not worker_processes(h.home, run=name) and not named_actors(name), 30,
              "no worker process and no actor left in the cluster")
-    actor_log = paths.worker_log(name, "actor", 0, 1)
-    assert actor_log.exists() and actor_log.stat().st_size > 0, "the worker's log is where `mortalctl logs` reads it"
+    lines = list(read_logs(name, role="actor"))  # what `mortalctl logs` prints
+    assert any("actor done at step 30" in line for line in lines), lines[-5:]
 
 
 def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, harness):  # noqa: F811
@@ -86,6 +89,34 @@ def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, h
         wait_for(lambda: not worker_processes(h.home, run=name) and not named_actors(name), 30, "nothing left")
     finally:
         ray_cluster.add_node("node_a")
+
+
+def test_a_killed_node_with_the_actor_resumes_from_the_newest_checkpoint(ray_cluster, harness):  # noqa: F811
+    h, name = harness, "ray-actor-node-kill"
+    # The actor on a worker node (where rollout_node is), the rollout on the head.
+    placement = {"actor": {"cpus": 0.5, "resources": {"rollout_node": 1}},
+                 "rollout": {"cpus": 0.5, "resources": {"node_head": 0.1}}}
+    h.apply(ray_run(name, placement, max_steps=40, rollout_replicas=1, step_seconds=0.1))
+    h.start()
+    wait_for(lambda: (h.status(name).get("step") or 0) >= 5 and h.store.latest_checkpoint(name), 60,
+             "training past a checkpoint")
+    [actor] = worker_processes(h.home, role="actor", run=name)
+    node = ray_cluster.node_of(actor)
+    assert node in ("node_a", "node_b")
+    try:
+        ray_cluster.kill_node(node)
+        newest = h.store.latest_checkpoint(name).step  # nothing can write one any more
+        h.wait_phase(name, "Recovering", timeout=20)
+        other = ({"node_a", "node_b"} - {node}).pop()
+        wait_for(lambda: nodes(h, ray_cluster, "actor", name) == [other], 60, f"the actor relaunched on {other}")
+        final = h.wait_phase(name, "Succeeded", timeout=90)
+        assert final["step"] == 40 and final["restarts"] >= 1
+        actors = [(w.incarnation, w.state, w.message) for w in h.store.list_workers(name) if w.role == "actor"]
+        assert h.resumed_from(name, actors[-1][0]) == newest, ("not resumed from the newest checkpoint", actors)
+        steps = {m.step for m in h.store.list_metrics(name, name="reward")}
+        assert steps == set(range(1, 41)), "a step's metrics were lost"
+    finally:
+        ray_cluster.add_node(node)
 
 
 def test_a_killed_controller_is_replaced_without_twins_or_orphans(ray_cluster, harness):  # noqa: F811
@@ -131,6 +162,19 @@ def test_scale_rollouts_1_3_1_while_training(ray_cluster, harness):  # noqa: F81
         wait_for(lambda step=step: h.status(name)["step"] > step + 2, 30, f"training to continue at {n} replicas")
     assert [p.pid for p in worker_processes(h.home, role="actor", run=name)] == [actor_pid]
     assert h.status(name)["restarts"] == 0
+
+    def suspend(value: bool):
+        def change(spec):
+            spec["suspend"] = value
+        return change
+
+    h.change_spec(name, suspend(True))
+    h.wait_phase(name, "Suspended", timeout=30)
+    wait_for(lambda: not worker_processes(h.home, run=name) and not named_actors(name), 30, "nothing left running")
+    step = h.status(name)["step"]
+    h.change_spec(name, suspend(False))
+    wait_for(lambda: h.status(name)["step"] > step + 2, 60, "training again after resume")
+    assert len(named_actors(name)) == 2
     delete_and_wait(h, name, purge=True)
     assert named_actors(name) == [] and not (h.home / "runs" / name).exists()
 
