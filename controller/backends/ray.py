@@ -62,7 +62,8 @@ HANDLE_PREFIX = "ray:"
 NAMESPACE_PREFIX = "mortal-"
 ADDRESS_FIELD = "spec.ray.address"
 CONNECT_TIMEOUT_SECONDS = 5.0  # a cluster's head that does not accept a connection by then is not there
-STATUS_TIMEOUT_SECONDS = 0.5  # a status call not answered by then: the actor is starting (or its node is slow)
+STATUS_TIMEOUT_SECONDS = 0.2  # a status call not answered by then: the actor is starting (or its node is slow)
+ANSWER_SECONDS = 2.0  # stop: an actor that does not answer a status call by then is not running a worker
 STOP_MARGIN_SECONDS = 10.0  # after the grace: SIGKILL, reaping, the reply
 GONE_WAIT_SECONDS = 10.0  # after ray.kill: until the name is free
 ACCELERATOR_TYPE_UNIT = 0.001  # what Ray reserves of "accelerator_type:<T>" for an actor that names a type
@@ -160,6 +161,7 @@ class RayBackend(Backend):
         self._seen: dict[str, BackendWorker] = {}  # handle -> worker, for every actor seen alive
         self._ended: dict[str, tuple[int | None, float]] = {}  # handle -> (exit code, when first seen ended)
         self._nodes: dict[str, str] = {}  # run -> node id its actor last ran on (the actor's placement kept)
+        self._asked: dict[str, Any] = {}  # handle -> a status() call not answered yet
 
     def namespace(self, run: str) -> str:
         return self._prefix + run
@@ -273,26 +275,31 @@ class RayBackend(Backend):
 
     def _statuses(self, handles: list[str]) -> dict[str, dict[str, Any]]:
         """Each actor's status() ({'dead': True} when Ray says it died); actors that do not answer in time
-        (starting, or their node is slow) are left out: alive, as far as anyone knows."""
-        refs: dict[Any, str] = {}
+        (starting, waiting for resources, or on a slow node) are left out: alive, as far as anyone knows.
+        An unanswered call is kept and looked at again by the next listing, not sent again."""
         found: dict[str, dict[str, Any]] = {}
         errors = self._ray.exceptions
         for handle in handles:
+            if handle in self._asked:
+                continue
             actor = self._lookup(handle)
             if actor is None:
                 found[handle] = {"dead": True}
                 continue
-            refs[actor.status.remote()] = handle
+            self._asked[handle] = actor.status.remote()
+        refs = {ref: handle for handle, ref in self._asked.items() if handle in handles}
         if not refs:
             return found
         ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=STATUS_TIMEOUT_SECONDS)
         for ref in ready:
+            handle = refs[ref]
+            del self._asked[handle]
             try:
-                found[refs[ref]] = self._ray.get(ref)
+                found[handle] = self._ray.get(ref)
             except errors.ActorUnavailableError:
                 continue  # unreachable for now (its node restarts, a network blip): no verdict
             except (errors.ActorDiedError, errors.RayActorError):
-                found[refs[ref]] = {"dead": True}
+                found[handle] = {"dead": True}
         return found
 
     def _end(self, handle: str, code: int | None, now: float) -> None:
@@ -327,9 +334,12 @@ class RayBackend(Backend):
             actor = self._lookup(handle)
         if actor is not None:
             errors = self._ray.exceptions
-            # dead already, or its node is gone: killing the actor below is all there is to do
-            with contextlib.suppress(errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError):
-                self._ray.get(actor.stop.remote(grace_seconds), timeout=grace_seconds + STOP_MARGIN_SECONDS)
+            # An actor that does not answer (still waiting for resources, dead, its node gone) has no worker we
+            # could ask to stop: killing the actor below is all there is to do (its worker dies with it).
+            answered, _ = self._ray.wait([actor.status.remote()], timeout=ANSWER_SECONDS)
+            if answered:
+                with contextlib.suppress(errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError):
+                    self._ray.get(actor.stop.remote(grace_seconds), timeout=grace_seconds + STOP_MARGIN_SECONDS)
             self._kill(actor)
             namespace, _, name = handle.removeprefix(HANDLE_PREFIX).partition("/")
             deadline = time.monotonic() + GONE_WAIT_SECONDS
@@ -350,6 +360,7 @@ class RayBackend(Backend):
             self._ray.kill(actor, no_restart=True)
 
     def _forget(self, handle: str) -> None:
+        self._asked.pop(handle, None)
         self._handles.pop(handle, None)
         self._seen.pop(handle, None)
         self._ended.pop(handle, None)

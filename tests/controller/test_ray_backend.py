@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -92,6 +93,22 @@ def test_an_exit_code_is_listed_and_the_actor_freed(ray_cluster: RayCluster, mor
     assert [(w.alive, w.exit_code) for w in backend.list("exits")] == [(False, 7)]  # remembered, for the planner
     backend.stop(handle)
     assert backend.list("exits") == []
+
+
+def test_an_actor_waiting_for_resources_is_alive_and_stops_at_once(ray_cluster: RayCluster, mortal_home: Path) -> None:
+    backend = RayBackend(home=mortal_home, command=SLEEPER)
+    first = backend.launch(launch_of(mortal_home, "busy", replica=0, cpus=0, resources={"node_a": 1}))
+    waiting = backend.launch(launch_of(mortal_home, "busy", replica=1, cpus=0, resources={"node_a": 1}))
+    wait_for(lambda: "busy/rollout-0#1" in processes_of(mortal_home), 60, "the first worker's process")
+    started = time.monotonic()
+    assert [(w.handle, w.alive) for w in backend.list("busy")] == [(first, True), (waiting, True)]
+    assert time.monotonic() - started < 2, "a pending actor held up the listing"
+    assert list(processes_of(mortal_home)) == ["busy/rollout-0#1"]
+    started = time.monotonic()
+    backend.stop(waiting, grace_seconds=5)
+    assert time.monotonic() - started < 5, "stopping an actor that never started waited for it"
+    backend.stop(first, grace_seconds=5)
+    assert backend.list("busy") == [] and processes_of(mortal_home) == {}
 
 
 def test_a_lost_node_lists_its_worker_as_exited(ray_cluster: RayCluster, mortal_home: Path) -> None:
