@@ -1,4 +1,4 @@
-"""`backend: ray` through the whole controller, on a real three-node Ray cluster (tests/controller/raycluster.py),
+"""`backend: ray` through the whole controller, on a real three-node Ray cluster (tests/raycluster.py),
 with the simulated workload (real worker processes, fake training: seconds per run):
 
 - a run Succeeds with its rollouts spread over both worker nodes and its actor on the head;

@@ -1,4 +1,4 @@
-"""The Ray backend on a real three-node Ray cluster (tests/controller/raycluster.py): launch, list, adopt,
+"""The Ray backend on a real three-node Ray cluster (tests/raycluster.py): launch, list, adopt,
 exit codes, stop, a lost node, requests no node can hold, and the errors of a missing package or cluster.
 
 Runs in a private network namespace (scripts/test.sh: `unshare -rn`); the `ray_cluster` fixture says so.

@@ -12,7 +12,7 @@ dead after ~1.5 s without health-check answers (Ray's default is ~15 s).
 
 It must run in a private network namespace (`unshare -rn`, then `ip link set lo up`: scripts/test.sh
 does it), where loopback is the only interface: Ray then binds 127.0.0.1 and no packet leaves it.
-`in_private_network()` says whether this process is in one. Who calls it: tests/controller/conftest.py.
+`in_private_network()` says whether this process is in one. Who calls it: tests/conftest.py (the ray_cluster fixture) and the Ray tests.
 """
 
 from __future__ import annotations
@@ -97,6 +97,14 @@ class RayCluster:
         except psutil.Error:
             return None
         return next((node for node, raylet in self.raylets.items() if raylet in pids), None)
+
+    def node_of_worker(self, home: Path, worker_id: str) -> str | None:
+        """The node a mortal worker (by its MORTAL_WORKER_ID, under MORTAL_HOME `home`) runs on."""
+        for proc in psutil.process_iter(["environ"]):
+            env = proc.info.get("environ") or {}
+            if env.get("MORTAL_WORKER_ID") == worker_id and env.get("MORTAL_HOME") == str(home):
+                return self.node_of(proc)
+        return None
 
     def stop(self) -> None:
         subprocess.run([ray_cli(), "stop", "--force"], env=self._env(), stdout=subprocess.DEVNULL,
