@@ -29,7 +29,7 @@ import psutil
 import watchfiles
 
 from mortal.controller import wake
-from mortal.controller.backends.base import Backend, select_backend
+from mortal.controller.backends import Backend, select_backend
 from mortal.controller.leader import LEASE_NAME, LeaderElector
 from mortal.controller.lockwatch import FrozenLockHolderWatch
 from mortal.controller.outcome import Retry

@@ -34,11 +34,13 @@ from pydantic import ValidationError
 
 from mortal.controller import failpoints
 from mortal.controller.actions import Adopt, EndWorker, Event, Launch, Purge, Stop
-from mortal.controller.backends.base import (
+from mortal.controller.backends import (
     Backend,
     BackendError,
     InsufficientGPUs,
+    Unschedulable,
     WorkerLaunch,
+    backend_key,
     select_backend,
 )
 from mortal.controller.leader import LeaderElector
@@ -120,8 +122,9 @@ class Reconciler:
             spec = TrainingSpec.model_validate(run.spec)
         except ValidationError as exc:
             return Terminal(f"the stored spec of {name!r} no longer validates: {exc}")
-        backend, backend_error = self.backend(spec.backend)
-        processes = self._listings[backend.name].list(name) if backend is not None else []
+        key = backend_key(spec)
+        backend, backend_error = self.backend(key)
+        processes = self._listings[key].list(name) if backend is not None else []
         workers = self.store.list_workers(run=name)
         weights = self.store.latest_weights(name)
         metrics = self._metrics(name, workers, run.status)
@@ -135,7 +138,8 @@ class Reconciler:
         return self._apply(run, spec, backend, decided, fence)
 
     def backend(self, name: str) -> tuple[Backend | None, str | None]:
-        """The named backend (made once), or why it cannot run here."""
+        """The backend of a key (`backends.backend_key`: the spec's backend, with its Ray address), made once,
+        or why it cannot run here."""
         with self._lock:
             if name not in self._backends:
                 try:
@@ -143,7 +147,7 @@ class Reconciler:
                 except BackendError as exc:
                     return None, str(exc)
                 self._backends[name] = backend
-                self._listings[backend.name] = SharedListing(backend, self.config.listing_max_age_seconds)
+                self._listings[name] = SharedListing(backend, self.config.listing_max_age_seconds)
             return self._backends[name], None
 
     def _metrics(self, name: str, workers: list[WorkerRow], status: dict[str, Any]) -> dict[int, dict[str, float]] | None:
@@ -181,10 +185,10 @@ class Reconciler:
                 except BackendError as exc:
                     failures.append(f"launch of {action.role}-{action.replica}: {exc}")
         if backend is not None and any(isinstance(a, Stop | Launch) for a in decided.actions):
-            self._listings[backend.name].invalidate()  # the next pass must see what we just did
+            self._listings[backend_key(spec)].invalidate()  # the next pass must see what we just did
         if any(isinstance(a, Purge) for a in decided.actions):
             remove_files = any(a.remove_files for a in decided.actions if isinstance(a, Purge))
-            return self._purge(run.name, remove_files, spec.backend, fence)
+            return self._purge(run.name, remove_files, backend_key(spec), fence)
         if decided.status is not None and decided.status != run.status:
             try:
                 row = self.store.write_status(run.name, decided.status, run.resource_version, fence)
@@ -208,6 +212,10 @@ class Reconciler:
                              and spec.sync_method() in ("ipc", "nccl")),
             engine=spec.generation.engine,
         )
+        if spec.backend == "ray":
+            wants = spec.ray.actor if action.role == "actor" else spec.ray.rollout
+            launch = dataclasses.replace(launch, cpus=wants.cpus, resources=dict(wants.resources),
+                                         memory_bytes=None if wants.memory_gb is None else int(wants.memory_gb * 2**30))
         row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
@@ -226,13 +234,14 @@ class Reconciler:
                                     f"{action.event.message} as incarnation {row.incarnation}"))
 
     def _launch_failed(self, name: str, row: WorkerRow, action: Launch, exc: BackendError, fence: LeaderFence) -> None:
-        """Close the intent row: a machine without that many GPUs fails the run (exit 3); GPUs busy for now
+        """Close the intent row: a machine without that many GPUs, or a cluster with no node that can ever hold
+        the worker (Unschedulable), fails the run (exit 3); GPUs busy for now
         is no failure of the worker (Stopped: retried with the queue's backoff, no restart counted); any other
         launch error counts as a failed start (backoff, restarts, maxRestarts)."""
         if isinstance(exc, InsufficientGPUs) and not exc.permanent:
             state, code, reason = "Stopped", None, "InsufficientGPUs"
         else:
-            fatal = isinstance(exc, InsufficientGPUs)
+            fatal = isinstance(exc, InsufficientGPUs | Unschedulable)
             state, code, reason = "Failed", EXIT_FATAL if fatal else None, "LaunchFailed"
         self.store.end_worker(row.id, state, code, f"launch failed: {exc}", fence)
         self._event(name, Event("Warning", reason, f"{action.role}-{action.replica}: {exc}"))

@@ -18,6 +18,7 @@ from mortal.specs.errors import SpecError, SpecIssue
 from mortal.specs.limits import Duration, LimitsSpec, format_duration, parse_duration
 from mortal.specs.loader import load_file, load_path, load_text
 from mortal.specs.metadata import Metadata, is_dns1123_label
+from mortal.specs.ray import RaySpec, RayWorkerSpec
 from mortal.specs.rewards import BUILTIN_ENVS, RewardSpec, SandboxSpec
 from mortal.specs.run import API_VERSION, KIND, TrainingRun
 from mortal.specs.schema import json_schema
@@ -73,6 +74,8 @@ __all__ = [
     "Phase",
     "ReplicaCount",
     "ReplicaStatus",
+    "RaySpec",
+    "RayWorkerSpec",
     "RestartPolicy",
     "RewardSpec",
     "RolloutSpec",

@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
 from mortal.specs.limits import LimitsSpec
+from mortal.specs.ray import RaySpec
 from mortal.specs.rewards import ENV_VAR, RewardSpec
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
@@ -345,8 +346,13 @@ class TrainingSpec(SpecModel):
         description="Budgets: maxDuration (active time) and maxGPUHours. Reaching one writes a final checkpoint "
         "and ends the run Failed (DeadlineExceeded, BudgetExceeded).",
     )
-    backend: Literal["local", "modal"] = Field(
-        "local", description="Where workers run: local (processes on this machine) or modal."
+    backend: Literal["local", "modal", "ray"] = Field(
+        "local", description="Where workers run: local (processes on this machine), modal (Modal function "
+        "calls) or ray (actors on a Ray cluster: see ray)."
+    )
+    ray: RaySpec = Field(
+        default_factory=RaySpec,
+        description="With backend ray: the cluster's address and each role's CPUs, memory and custom resources.",
     )
     suspend: bool = Field(False, description="true stops all workers and keeps the run (resume sets false).")
     secrets: list[str] = Field(
@@ -375,6 +381,17 @@ class TrainingSpec(SpecModel):
                 "from the controller's environment, never written in a spec"
             )
         return value
+
+    @model_validator(mode="after")
+    def _ray_block_needs_ray(self) -> TrainingSpec:
+        if self.backend != "ray" and "ray" in self.model_fields_set and self.ray != RaySpec():
+            raise rule_error(f"ray settings apply only to backend ray (this run's backend is {self.backend!r}): "
+                             "set backend: ray, or remove the ray block", "ray")
+        if self.backend == "ray" and self.rollout.colocate:
+            raise rule_error("colocated rollouts share the actor's GPU within one machine's processes, which the ray "
+                             "backend does not build: give rollouts GPUs of their own (drop colocate)",
+                             "rollout.colocate")
+        return self
 
     @model_validator(mode="after")
     def _colocation_is_possible(self) -> TrainingSpec:

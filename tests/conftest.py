@@ -8,6 +8,9 @@
     sql_store_url  the same, sqlite and postgres only: for tests of SQL itself (engines, migrations)
     store          open_store(store_url), closed after the test
     pg_database    the URL of a fresh PostgreSQL database (for subprocess tests), dropped after
+    ray_cluster    one real three-node Ray cluster per session (tests/raycluster.py), RAY_ADDRESS set to it;
+                   only in a private network namespace: scripts/test.sh runs RAY_TEST_FILES in `unshare -rn`
+                   (elsewhere they skip, saying how to run them; with CI=true they fail instead)
 
 A test whose subject is not the store narrows `store_url` with a mark of tests/store_kinds.py
 (`sqlite_only`, `sql_stores`), which says why one store suffices there.
@@ -29,6 +32,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from raycluster import RayCluster, in_private_network
 
 from mortal.state import Store, open_store
 
@@ -131,3 +135,30 @@ def store(store_url: str) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
+
+
+RAY_TEST_FILES = ("tests/controller/test_ray_backend.py", "tests/controller/test_lifecycle_ray.py",
+                  "tests/workers/test_exact_resume_ray.py")  # scripts/test.sh lists the same
+
+
+@pytest.fixture(scope="session")
+def ray_session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    pytest.importorskip("ray", reason="the ray backend's tests need ray: pip install 'mortal[ray]'")
+    if not in_private_network():
+        why = ("the Ray tests run a real cluster and must run in a private network namespace, loopback only: "
+               f"unshare -rn sh -c 'ip link set lo up && python -m pytest {' '.join(RAY_TEST_FILES)}'")
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    cluster = RayCluster(Path(tmp_path_factory.mktemp("ray")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def ray_cluster(ray_session_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> RayCluster:
+    monkeypatch.setenv("RAY_ADDRESS", ray_session_cluster.address)
+    return ray_session_cluster

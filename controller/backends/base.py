@@ -1,12 +1,12 @@
 """The backend contract: how the controller launches, lists and stops worker processes.
 
 Who calls it: the controller's reconcile (launch a slot's new incarnation, list what is actually
-running, stop what should not run). Backends (local processes, Modal function calls) implement it; nothing
+running, stop what should not run). Backends (local processes, Modal function calls, Ray actors) implement it; nothing
 else in mortal knows how a worker is started.
 What it must not do: touch the state store or decide anything. A backend reports what exists; the
 controller compares that with the workers table and acts.
 
-    backend = select_backend("local")
+    backend = select_backend("local")                 # the factory lives in the package: mortal.controller.backends
     handle = backend.launch(WorkerLaunch(run="r", role="actor", replica=0, incarnation=7, ...))
     store.set_worker_handle(row.id, handle)
     [w for w in backend.list("r") if not w.alive]     # exited: exit_code when known
@@ -81,6 +81,11 @@ class LaunchFailed(BackendError):
     """The backend could not start the process (bad interpreter, no space for the log, ...)."""
 
 
+class Unschedulable(LaunchFailed):
+    """No node of the cluster can ever hold the worker (it asks for more CPUs, GPUs, memory or custom
+    resources than any node has): the run cannot start there, a condition for the user, not a retry."""
+
+
 @dataclass(frozen=True)
 class WorkerLaunch:
     """Everything a backend needs to start one incarnation of one worker slot.
@@ -106,6 +111,10 @@ class WorkerLaunch:
     colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
     sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc and nccl to rollouts on GPUs of their own)
     engine: str = "auto"  # spec.generation.engine: a backend may run a rollout that uses vLLM on an image with it
+    # What a backend that schedules onto a cluster's nodes (ray) reserves besides GPUs; others ignore them.
+    cpus: float | None = None
+    memory_bytes: int | None = None
+    resources: dict[str, float] = field(default_factory=dict)  # custom scheduler resources (spec.ray.<role>)
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:
@@ -246,19 +255,6 @@ class Backend(abc.ABC):
         """Remove the run's folder (checkpoints, weights, logs, compile caches) where this backend's workers
         write it (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""
         shutil.rmtree(paths.run_dir(run), ignore_errors=True)
-
-
-def select_backend(name: str) -> Backend:
-    """The backend a spec's `backend:` field names."""
-    if name == "local":
-        from mortal.controller.backends.local import LocalBackend
-
-        return LocalBackend()
-    if name == "modal":
-        from mortal.controller.backends.modal import ModalBackend
-
-        return ModalBackend()
-    raise UnknownBackend(f"unknown backend {name!r}: use 'local' or 'modal'")
 
 
 def signal_group(pgid: int, sig: int) -> None:

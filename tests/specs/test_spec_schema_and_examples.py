@@ -54,7 +54,14 @@ def test_schema_documents_every_field():
 
 
 def test_the_shipped_examples_are_there():
-    assert {p.name for p in EXAMPLES} >= {"quickstart.yaml", "gpu.yaml", "modal.yaml", "code-execution.yaml"}
+    assert {p.name for p in EXAMPLES} >= {"quickstart.yaml", "gpu.yaml", "modal.yaml", "code-execution.yaml",
+                                          "ray.yaml"}
+
+
+def test_the_ray_example_is_the_quickstart_on_a_ray_cluster():
+    quick, on_ray = (load_file(EXAMPLES_DIR / f)[0].spec for f in ("quickstart.yaml", "ray.yaml"))
+    assert (on_ray.backend, on_ray.ray.address, on_ray.ray.actor.cpus, on_ray.ray.rollout.cpus) == ("ray", None, 2, 1)
+    assert on_ray.model_dump(exclude={"backend", "ray"}) == quick.model_dump(exclude={"backend", "ray"})
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
