@@ -17,4 +17,4 @@ if [ "$#" -eq 0 ]; then
   set -- "${RAY_TESTS[@]/#/--ignore=}"
 fi
 # pytest exits 5 when it collected no test: that is a failure here, as every non-zero exit is.
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"
