@@ -432,9 +432,6 @@ class TrainingSpec(SpecModel):
         if self.model.lora is not None:
             raise rule_error(f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
                              "actor.count")
-        if self.sync_method() != "volume":
-            raise rule_error(f"an actor of {count} ranks publishes weights through the volume only: set "
-                             "sync.method to auto or volume", "sync.method")
         micro = self.algorithm.batch_size // self.algorithm.accumulation_steps
         if micro % count:
             what = "microBatchSize" if self.algorithm.micro_batch_size else "batchSize"

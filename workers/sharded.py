@@ -95,11 +95,12 @@ class Ranks:
         self.channel = Channel(dist.new_group(backend="gloo"), self.rank)
 
     def watch(self, on_lost: Callable[[RankLost], None]) -> None:
-        """Rank 0: call `on_lost` (from a daemon thread) as soon as a child rank has ended."""
+        """Rank 0: call `on_lost` (from a daemon thread) as soon as a child rank has failed or been killed."""
         def loop() -> None:
             while not self._closed.wait(WATCH_SECONDS):
                 for index, proc in enumerate(self._children.processes):
-                    if proc.exitcode is not None and not self._closed.is_set():
+                    # 0 is a rank that finished training as rank 0 said: only rank 0's own end follows it
+                    if proc.exitcode not in (None, 0) and not self._closed.is_set():
                         on_lost(RankLost(f"actor rank {index + 1} of {self.world} ended with exit code {proc.exitcode}"))
                         return
 
