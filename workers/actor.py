@@ -24,6 +24,7 @@ What it must not do: generate, score, or reach into TRL outside mortal.workers.t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -100,6 +101,11 @@ def main(ctx: WorkerContext) -> int:
     except StopRequested as exc:
         ctx.log.info("%s", exc)
         finished = True
+    except RuntimeError as exc:  # gloo or NCCL saw a peer go before the watcher did: name the rank
+        lost = ranks.lost() if ranks is not None else None
+        if lost is None:
+            raise
+        raise lost from exc
     finally:
         loop.reporter.close()
         publisher.close()
@@ -277,6 +283,7 @@ class ActorLoop(TrainerCallback):
         self.trainer: Any = None
         self.ranks: sharded.Ranks | None = None  # rank 0 of a sharded actor: the other ranks follow it
         self.resume_from: str | None = None  # a sharded actor's checkpoint, restored in on_train_begin
+        self._rng_from: Path | None = None  # ... whose RNG states are restored as the first step begins
         self.version = -1
         self._step_started = time.perf_counter()
         self._rollout_metrics: dict[str, float] = {}
@@ -318,6 +325,7 @@ class ActorLoop(TrainerCallback):
             self.ranks.channel.send("begin", self.resume_from)
             if self.resume_from is not None:
                 state.global_step = sharded.load_sharded(self.trainer, Path(self.resume_from), 0)
+                self._rng_from = Path(self.resume_from)
         if trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate):
             self.ctx.log.info("learning rate set to the spec's %g (the checkpoint's differed)",
                               self.spec.algorithm.learning_rate)
@@ -328,6 +336,9 @@ class ActorLoop(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
+        if self._rng_from is not None:  # a sharded actor's resume: the RNG goes back as the step starts
+            sharded.restore_rng(self._rng_from, 0)
+            self._rng_from = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
@@ -402,10 +413,8 @@ def follow(run: Any, ranks: sharded.Ranks) -> None:
     follower = Follower(spec, ranks)
     follower.trainer = make_trainer(spec, str(paths.run_dir(run.name) / "actor"), follower, follower.rollout,
                                     ranks.world)
-    try:
+    with contextlib.suppress(StopRequested):  # rank 0 stopped while waiting for rollouts: it checkpointed first
         follower.trainer.train()
-    except StopRequested:
-        pass
 
 
 class Follower(TrainerCallback):
@@ -414,6 +423,7 @@ class Follower(TrainerCallback):
     def __init__(self, spec: TrainingSpec, ranks: sharded.Ranks) -> None:
         self.spec, self.ranks = spec, ranks
         self.trainer: Any = None
+        self._rng_from: Path | None = None
 
     def _serve(self, until: str) -> Any:
         """Do rank 0's checkpoints until its message of kind `until` (or "stop") comes; its payload."""
@@ -435,8 +445,14 @@ class Follower(TrainerCallback):
         resume_from = self._serve("begin")
         if resume_from is not None:
             state.global_step = sharded.load_sharded(self.trainer, Path(resume_from), self.ranks.rank)
+            self._rng_from = Path(resume_from)
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
         sharded.full_state_dict(self.trainer.model)  # rank 0 publishes the weights it starts from
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._rng_from is not None:
+            sharded.restore_rng(self._rng_from, self.ranks.rank)
+            self._rng_from = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if publishes_at(self.spec, state.global_step):

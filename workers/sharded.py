@@ -106,6 +106,16 @@ class Ranks:
 
         threading.Thread(target=loop, name="mortal-rank-watch", daemon=True).start()
 
+    def lost(self, wait: float = 2.0) -> RankLost | None:
+        """Rank 0, after a collective failed: the child rank that ended under it, if one did (waiting up
+        to `wait` s for a dying one's exit to be seen); None when they all still run."""
+        deadline = time.monotonic() + wait
+        for index, proc in enumerate(self._children.processes):
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode not in (None, 0):
+                return RankLost(f"actor rank {index + 1} of {self.world} ended with exit code {proc.exitcode}")
+        return None
+
     def close(self, timeout: float = 60.0) -> None:
         """Leave the group; rank 0 waits for its children to end (they end after the last collective)."""
         import torch.distributed as dist
@@ -209,10 +219,10 @@ def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
 
 
 def load_sharded(trainer: Any, path: Path, rank: int) -> int:
-    """Every rank, once the Trainer made its optimizer and scheduler (on_train_begin): restore what
-    save_sharded wrote; returns the checkpoint's step (the caller sets it as the Trainer's)."""
+    """Every rank, once the Trainer made its optimizer and scheduler (on_train_begin): restore model,
+    optimizer and scheduler; returns the checkpoint's step (the caller sets it as the Trainer's). The RNG
+    comes later (restore_rng)."""
     import json
-    import random
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -223,10 +233,19 @@ def load_sharded(trainer: Any, path: Path, rank: int) -> int:
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     trainer.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+
+
+def restore_rng(path: Path, rank: int) -> None:
+    """Every rank, at the first step's start after load_sharded (on_step_begin), not at on_train_begin:
+    the Trainer makes its data iterator in between, which draws from torch's RNG (the Trainer's own
+    resume restores its RNG after that too). TRL shuffles each batch with that RNG, and the order
+    decides float sums: restored earlier, a resumed run ends ~1e-7 away from an uninterrupted one."""
+    import random
+
     rng = torch.load(path / f"rng_state_{rank}.pth", weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["cpu"])
-    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
 
 
 def sharded_files(rank_count: int) -> list[str]:

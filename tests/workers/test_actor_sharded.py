@@ -5,9 +5,10 @@ both runs of a pair get the same rollouts.
 
 - one sharded step equals one unsharded step: TRL's logged grad norm (the norm of the whole gradient,
   which FSDP computes from the shards) and loss, and the published weights (gathered by rank 0);
-- a sharded checkpoint (torch.distributed.checkpoint) resumes: a run stopped after step 2 and resumed
-  ends where an uninterrupted sharded run ends;
-- a rank killed mid-run makes the worker exit 75 with the rank named (the controller relaunches it).
+- a rank killed mid-run makes the worker exit 75 with the rank named (the controller relaunches it), and
+  the relaunched actor resumes from its sharded checkpoint (torch.distributed.checkpoint) and ends with
+  the weights of the same run never interrupted, bit for bit.
+The runs are made once for the module (each actor process costs ~20 s of imports on 2 cores).
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from actor_helpers import RolloutThread, actor_spec, create_run
+import torch
+from actor_helpers import RolloutThread, actor_spec, create_run, final_weights_hash, run_actor_with_rollout
 from rollout_helpers import assets_available, make_tiny_model
+from safetensors.torch import load_file
 
+from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.checkpoint import is_complete, read_marker
 from mortal.workers.weights import read_published
@@ -37,8 +41,37 @@ DEADLINE = 240.0
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("sharded") / "model")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("sharded")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MORTAL_HOME", str(folder / "home"))
+        patch.setenv("WANDB_MODE", "disabled")
+        patch.delenv("MORTAL_STATE_URL", raising=False)
+        yield folder / "home"
+
+
+@pytest.fixture(scope="module")
+def store(home: Path) -> Iterator[Store]:
+    home.mkdir(parents=True, exist_ok=True)
+    opened = open_store(f"sqlite:///{home / 'state.db'}")
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(home: Path) -> Path:
+    return make_tiny_model(home.parent / "model")
+
+
+SHARDED = {"algorithm": {"maxSteps": 3, "batchSize": 8}, "actor": {"count": 2}, "checkpoint": {"every": 1, "keep": 3}}
+
+
+@pytest.fixture(scope="module")
+def straight(store: Store, home: Path, tiny_dir: Path) -> str:
+    """A sharded run of 3 steps, never interrupted."""
+    run = create_run(store, "straight", actor_spec(str(tiny_dir), **SHARDED))
+    assert train(store, run, home) == 0, _log_tail(home, "straight")
+    return run.name
 
 
 def launch_actor(store: Store, run, home: Path) -> tuple[WorkerRef, subprocess.Popen]:
@@ -53,23 +86,15 @@ def launch_actor(store: Store, run, home: Path) -> tuple[WorkerRef, subprocess.P
     return ref, subprocess.Popen([sys.executable, "-m", "mortal.workers.main"], env=env, stdout=log, stderr=log)
 
 
-def train(store: Store, run, home: Path, stop_after: int | None = None) -> int:
-    """Run the actor process with a rollout thread to its end (SIGTERM once it reports `stop_after`)."""
-    ref, proc = launch_actor(store, run, home)
+def train(store: Store, run, home: Path) -> int:
+    """Run the actor process with a rollout thread to its end; its exit code."""
+    _, proc = launch_actor(store, run, home)
     with RolloutThread(store, run):
-        deadline = time.monotonic() + DEADLINE
-        while proc.poll() is None:
-            assert time.monotonic() < deadline, _log_tail(home, run.name)
-            if stop_after is not None and _reported_step(store, ref) >= stop_after:
-                proc.send_signal(signal.SIGTERM)
-                stop_after = None
-            time.sleep(0.1)
-    return proc.returncode
-
-
-def _reported_step(store: Store, ref: WorkerRef) -> int:
-    rows = [r for r in store.list_workers(ref.run) if r.incarnation == ref.incarnation]
-    return (rows[0].step or 0) if rows else 0
+        try:
+            return proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(_log_tail(home, run.name)) from None
 
 
 def _log_tail(home: Path, name: str) -> str:
@@ -80,64 +105,61 @@ def _step_metrics(store: Store, name: str, step: int) -> dict[str, float]:
     return {m.name: m.value for m in store.list_metrics(name) if m.step == step}
 
 
-def test_one_sharded_step_equals_one_unsharded_step(sqlite_store, mortal_home: Path, tiny_dir: Path) -> None:
-    algorithm = {"maxSteps": 1, "batchSize": 8}
-    whole = create_run(sqlite_store, "whole", actor_spec(str(tiny_dir), algorithm=algorithm))
-    split = create_run(sqlite_store, "split", actor_spec(str(tiny_dir), algorithm=algorithm, actor={"count": 2}))
-    assert train(sqlite_store, whole, mortal_home) == 0, _log_tail(mortal_home, "whole")
-    assert train(sqlite_store, split, mortal_home) == 0, _log_tail(mortal_home, "split")
-    held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights", _log_tail(
-        mortal_home, "split")).groups())
+def _checkpointed_weights(store: Store, name: str, step: int, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model of a sharded checkpoint, as full tensors (torch's own DCP -> torch.save converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    [row] = [c for c in store.list_checkpoints(name) if c.step == step]
+    dcp_to_torch_save(Path(row.path) / "dcp", scratch / f"{name}-{step}.pt")
+    return torch.load(scratch / f"{name}-{step}.pt", weights_only=False)["model"]
+
+
+def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, tiny_dir: Path, straight: str) -> None:
+    whole = create_run(store, "whole", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8}))
+    assert run_actor_with_rollout(store, whole) == 0  # in this process: the unsharded actor as it always runs
+    held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights",
+                                     _log_tail(home, straight)).groups())
     assert abs(held - total / 2) < total / 100, (held, total)  # sharded: each rank holds its half
-    a, b = _step_metrics(sqlite_store, "whole", 1), _step_metrics(sqlite_store, "split", 1)
+    a, b = _step_metrics(store, "whole", 1), _step_metrics(store, straight, 1)
     assert a["completion_tokens"] == b["completion_tokens"]  # the same rollouts
     assert a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-6), (a["loss"], b["loss"])
-    wa = read_published(sqlite_store.latest_weights("whole").path)
-    wb = read_published(sqlite_store.latest_weights("split").path)
-    assert wa.keys() == wb.keys()
-    start = read_published(sqlite_store.list_weights("split")[0].path)  # v0: the weights rank 0 started from
-    moved = max(float((wb[k] - start[k]).abs().max()) for k in wb)
+    start = load_file(tiny_dir / "model.safetensors")
+    wa = read_published(store.latest_weights("whole").path)  # after step 1
+    wb = _checkpointed_weights(store, straight, 1, home.parent)
+    assert wa.keys() == start.keys() and wa.keys() <= wb.keys()
+    moved = max(float((wb[k] - start[k]).abs().max()) for k in wa)
     # AdamW's first step moves each weight by about learningRate (1e-2) in its gradient's sign: a rank's
     # half of the batch left out or counted twice would move many weights the other way
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert moved > 5e-3 and worst < 1e-4, (moved, worst)
 
 
-def test_a_sharded_checkpoint_resumes_where_the_run_would_have_gone(sqlite_store, mortal_home: Path,
-                                                                    tiny_dir: Path) -> None:
-    spec = {"algorithm": {"maxSteps": 3, "batchSize": 8}, "actor": {"count": 2}, "checkpoint": {"every": 2, "keep": 2}}
-    straight = create_run(sqlite_store, "straight", actor_spec(str(tiny_dir), **spec))
-    assert train(sqlite_store, straight, mortal_home) == 0, _log_tail(mortal_home, "straight")
-    resumed = create_run(sqlite_store, "resumed", actor_spec(str(tiny_dir), **spec))
-    assert train(sqlite_store, resumed, mortal_home, stop_after=1) == 0, _log_tail(mortal_home, "resumed")
-    [first] = sqlite_store.list_checkpoints("resumed")
-    assert first.step in (1, 2) and is_complete(first.path), first
-    assert read_marker(first.path)["ranks"] == 2 and (Path(first.path) / "dcp" / ".metadata").is_file()
-    assert train(sqlite_store, resumed, mortal_home) == 0, _log_tail(mortal_home, "resumed")
-    assert "resuming from" in _log_tail(mortal_home, "resumed")
-    a = read_published(sqlite_store.latest_weights("straight").path)
-    b = read_published(sqlite_store.latest_weights("resumed").path)
-    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert worst < 1e-5, worst
-    assert json.loads((Path(sqlite_store.list_checkpoints("resumed")[-1].path) / "trainer_state.json")
-                      .read_text())["global_step"] == 3
-
-
-def test_a_rank_killed_mid_run_makes_the_worker_exit_retryable(sqlite_store, mortal_home: Path,
-                                                               tiny_dir: Path) -> None:
-    run = create_run(sqlite_store, "killed", actor_spec(str(tiny_dir), algorithm={"maxSteps": 50, "batchSize": 8},
-                                                        actor={"count": 2}))
-    ref, proc = launch_actor(sqlite_store, run, mortal_home)
-    with RolloutThread(sqlite_store, run):
+def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly(
+        store: Store, home: Path, tiny_dir: Path, straight: str) -> None:
+    run = create_run(store, "killed", actor_spec(str(tiny_dir), **SHARDED))
+    with RolloutThread(store, run):
+        ref, proc = launch_actor(store, run, home)
         deadline = time.monotonic() + DEADLINE
-        while _reported_step(sqlite_store, ref) < 1:
-            assert proc.poll() is None and time.monotonic() < deadline, _log_tail(mortal_home, "killed")
-            time.sleep(0.1)
+        while not any(c.step >= 1 for c in store.list_checkpoints("killed")):
+            assert proc.poll() is None and time.monotonic() < deadline, _log_tail(home, "killed")
+            time.sleep(0.05)
         [rank1] = [c for c in psutil.Process(proc.pid).children()
                    if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
         rank1.kill()
-        assert proc.wait(timeout=60) == 75, _log_tail(mortal_home, "killed")
-    [row] = [r for r in sqlite_store.list_workers("killed") if r.incarnation == ref.incarnation]
-    assert (row.state, row.exit_code) == ("Failed", 75) and "actor rank 1 of 2 ended" in (row.message or ""), row
+        assert proc.wait(timeout=60) == 75, _log_tail(home, "killed")
+        [row] = [r for r in store.list_workers("killed") if r.incarnation == ref.incarnation]
+        assert (row.state, row.exit_code) == ("Failed", 75), row
+        assert "actor rank 1 of 2 ended with exit code -9" in (row.message or ""), row.message
+        checkpoint = store.list_checkpoints("killed")[-1]
+        assert checkpoint.step < 3 and is_complete(checkpoint.path), checkpoint
+        assert read_marker(checkpoint.path)["ranks"] == 2 and (Path(checkpoint.path) / "dcp" / ".metadata").is_file()
+        _, again = launch_actor(store, run, home)  # as the controller relaunches the slot
+        assert again.wait(timeout=DEADLINE) == 0, _log_tail(home, "killed")
+    assert f"resuming from {checkpoint.path}" in _log_tail(home, "killed")
+    a, b = read_published(store.latest_weights(straight).path), read_published(store.latest_weights("killed").path)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert final_weights_hash(store, "killed") == final_weights_hash(store, straight), worst
+    last = store.list_checkpoints("killed")[-1]
+    assert json.loads((Path(last.path) / "trainer_state.json").read_text())["global_step"] == 3
