@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -165,6 +166,31 @@ def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly
     assert final_weights_hash(store, "killed") == final_weights_hash(store, straight), worst
     last = store.list_checkpoints("killed")[-1]
     assert json.loads((Path(last.path) / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_them(
+        store: Store, home: Path, tiny_dir: Path) -> None:
+    run = create_run(store, "stopped", actor_spec(str(tiny_dir), algorithm={"maxSteps": 3, "batchSize": 8},
+                                                  actor={"count": 2}, checkpoint={"every": 5, "keep": 2}))
+    ref, proc = launch_actor(store, run, home)
+    with RolloutThread(store, run):
+        deadline = time.monotonic() + DEADLINE
+        while not _step_metrics(store, "stopped", 1):
+            assert proc.poll() is None and time.monotonic() < deadline, _log_tail(home, "stopped")
+            time.sleep(0.05)
+    # the rollouts are gone and step 1's log has passed (no checkpoint due before step 3): rank 0 waits
+    # for step 2's rollouts while rank 1 waits for rank 0's batch
+    time.sleep(2.0)
+    assert not store.list_checkpoints("stopped")
+    ranks = psutil.Process(proc.pid).children()
+    proc.send_signal(signal.SIGTERM)  # the local backend signals the group: rank 1 ignores it
+    for rank in ranks:
+        rank.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, _log_tail(home, "stopped")
+    assert psutil.wait_procs(ranks, timeout=10)[1] == []  # every rank ended with rank 0
+    [checkpoint] = store.list_checkpoints("stopped")
+    assert checkpoint.step == 1 and is_complete(checkpoint.path), checkpoint
+    assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
 
 
 def test_a_checkpoint_resumes_only_on_the_actor_count_that_wrote_it(tmp_path: Path) -> None:
