@@ -429,6 +429,10 @@ class TrainingSpec(SpecModel):
             raise rule_error(
                 f"an actor of {count} ranks runs on CPU ranks only for now (gpu: none): sharding over GPUs is not "
                 "built yet; use count 1 on a GPU", "actor.count")
+        if self.backend != "local":
+            raise rule_error(f"an actor of {count} ranks runs on the local backend only for now (its ranks are "
+                             f"processes it starts itself, untried inside a {self.backend} worker); use count 1",
+                             "actor.count")
         if self.model.lora is not None:
             raise rule_error(f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
                              "actor.count")

@@ -186,6 +186,7 @@ def test_every_error_of_a_document_is_reported_at_once():
 def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_ranks():
     lora = HEAD.replace("model: {name: tiny}", "model: {name: tiny, lora: {r: 8}}")
     assert "trains the full model" in only_issue(lora + "  actor: {count: 2}\n").message
+    assert "local backend only for now" in only_issue(spec_with("actor: {count: 2}\nbackend: modal")).message
     spec = load_text(spec_with("actor: {count: 2}\nalgorithm: {batchSize: 8, microBatchSize: 4}"), "run.yaml")[0].spec
     assert (spec.actor.count, spec.sync_method()) == (2, "volume")
     assert "microBatchSize (2) must divide over the actor's 4 ranks" in only_issue(
