@@ -7,7 +7,9 @@ both runs of a pair get the same rollouts.
   which FSDP computes from the shards) and loss, and the published weights (gathered by rank 0);
 - a rank killed mid-run makes the worker exit 75 with the rank named (the controller relaunches it), and
   the relaunched actor resumes from its sharded checkpoint (torch.distributed.checkpoint) and ends with
-  the weights of the same run never interrupted, bit for bit.
+  the weights of the same run never interrupted, bit for bit;
+- SIGTERM while rank 0 waits for rollouts: every rank writes its shards of that step's checkpoint and ends;
+- a rank whose rank 0 was SIGKILLed exits at once; a checkpoint resumes only on the count that wrote it.
 The runs are made once for the module (each actor process costs ~20 s of imports on 2 cores).
 """
 
@@ -191,6 +193,30 @@ def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_
     [checkpoint] = store.list_checkpoints("stopped")
     assert checkpoint.step == 1 and is_complete(checkpoint.path), checkpoint
     assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+
+
+PARENT = """
+import multiprocessing, os, sys, time
+from mortal.workers import sharded
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=sharded._exit_with_parent, args=(os.getpid(),))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(4)  # imports done: the child watches its parent, alive while the parent is
+    print(child.is_alive(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
+    (tmp_path / "parent.py").write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    assert parent.stdout.readline().strip() == "True"  # it waits while rank 0 lives
+    parent.kill()  # SIGKILL: rank 0 gets no chance to end its children
+    parent.wait()
+    gone, alive = psutil.wait_procs([child], timeout=10)  # not our child: its exit code is not ours to read
+    assert not alive, alive
 
 
 def test_a_checkpoint_resumes_only_on_the_actor_count_that_wrote_it(tmp_path: Path) -> None:
