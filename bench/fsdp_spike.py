@@ -94,10 +94,7 @@ def build(model_dir: Path, out: Path, world: int, mode: str, steps: int):
         loss_type="dapo", beta=0.0, max_completion_length=8, use_cpu=True, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=0, optim=OPTIM, **extra,
     )
-    calls = {"step": 0}
-
     def rollout(prompts, trainer):
-        calls["step"] += 1
         return fixed_rollout(trainer.state.global_step, prompts, trainer)
 
     return GRPOTrainer(
@@ -108,14 +105,14 @@ def build(model_dir: Path, out: Path, world: int, mode: str, steps: int):
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor (DTensors gathered: a collective, so every rank calls it)."""
+    """Every parameter as a full tensor under the plain model's names (DTensors gathered: a collective,
+    so every rank calls it; a DDP wrapper's `module.` prefix dropped)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        out[name.replace("_fsdp_wrapped_module.", "").replace("module.", "", 1) if name.startswith("module.") else name] = (
-            t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        out[name.removeprefix("module.")] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).clone()
     return out
 
 
@@ -173,7 +170,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model")
-        ref = run(1, "pre-sharded", opts.steps, model_dir, Path(tmp) / "ref")  # 1 rank: no sharding
+        # the reference: 1 rank, where "pre-sharded" shards nothing (accelerate wraps it in a 1-rank DDP)
+        ref = run(1, "pre-sharded", opts.steps, model_dir, Path(tmp) / "ref")
         print("reference (1 process):", json.dumps(ref[0]))
         got = run(2, opts.mode, opts.steps, model_dir, Path(tmp) / "sharded")
         for report in got:
