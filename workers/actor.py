@@ -121,7 +121,7 @@ def _rank_lost(ctx: WorkerContext, lost: sharded.RankLost) -> None:
     ctx.log.error("%s: exiting so the actor is relaunched", lost)
     ctx.close()
     try:
-        ctx.store.report_exit(ctx.worker, "Failed", EXIT_RETRYABLE, str(lost))
+        ctx.store.report_exit(ctx.worker, "Failed", EXIT_RETRYABLE, f"{type(lost).__name__}: {lost}")  # as main's
     finally:
         for handler in logging.getLogger().handlers:
             handler.flush()

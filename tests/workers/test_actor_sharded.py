@@ -8,6 +8,8 @@ both runs of a pair get the same rollouts.
 - a rank killed mid-run makes the worker exit 75 with the rank named (the controller relaunches it), and
   the relaunched actor resumes from its sharded checkpoint (torch.distributed.checkpoint) and ends with
   the weights of the same run never interrupted, bit for bit;
+- the same under the real controller (local backend, marked slow): it relaunches the actor on its own and
+  the run ends bit for bit where the uninterrupted one did;
 - SIGTERM while rank 0 waits for rollouts: every rank writes its shards of that step's checkpoint and ends;
 - a rank whose rank 0 was SIGKILLed exits at once; a checkpoint resumes only on the count that wrote it.
 The runs are made once for the module (each actor process costs ~20 s of imports on 2 cores).
@@ -31,6 +33,7 @@ import pytest
 import torch
 from actor_helpers import RolloutThread, actor_spec, create_run, final_weights_hash, run_actor_with_rollout
 from rollout_helpers import assets_available, make_tiny_model
+from run_helpers import train_through_controller
 from safetensors.torch import load_file
 
 from mortal.state import open_store
@@ -193,6 +196,33 @@ def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_
     [checkpoint] = store.list_checkpoints("stopped")
     assert checkpoint.step == 1 and is_complete(checkpoint.path), checkpoint
     assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+
+
+@pytest.mark.slow
+def test_through_the_controller_a_killed_rank_is_relaunched_and_the_run_ends_exactly(
+        home: Path, tiny_dir: Path, store: Store, straight: str) -> None:
+    """The same, with the real controller (local backend) doing the relaunch: ~40 s."""
+    killed: list[int] = []
+
+    def kill_rank_1(runs: Store) -> None:
+        actors = [w for w in runs.list_workers("ctl") if w.role == "actor" and w.state == "Running" and w.handle
+                  and (w.step or 0) >= 1]
+        if actors and not killed:
+            children = psutil.Process(int(actors[0].handle.split(":")[0])).children()
+            [rank1] = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+            rank1.kill()
+            killed.append(actors[0].incarnation)
+
+    spec = actor_spec(str(tiny_dir), **SHARDED, sync={"method": "volume"}, restartPolicy={"backoffSeconds": 1})
+    train_through_controller(home.parent / "ctl", "ctl", spec, gpus="", while_running=kill_rank_1)
+    runs = open_store(f"sqlite:///{home.parent / 'ctl' / 'state.db'}")
+    try:
+        [first] = [w for w in runs.list_workers("ctl") if w.role == "actor" and w.incarnation == killed[0]]
+        assert (first.state, first.exit_code) == ("Failed", 75) and "RankLost: actor rank 1 of 2" in first.message
+        assert any(e.reason == "Restarted" for e in runs.list_events("ctl"))
+        assert final_weights_hash(runs, "ctl") == final_weights_hash(store, straight)
+    finally:
+        runs.close()
 
 
 PARENT = """
