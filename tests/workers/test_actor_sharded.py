@@ -4,7 +4,8 @@ spawns rank 1), the real rollout worker in a thread of this test; a tiny random-
 both runs of a pair get the same rollouts.
 
 - one sharded step equals one unsharded step: TRL's logged grad norm (the norm of the whole gradient,
-  which FSDP computes from the shards) and loss, and the published weights (gathered by rank 0);
+  which FSDP computes from the shards) and loss, and the weights (rank 0's gathered publish, and the
+  sharded checkpoint read back with torch's DCP converter); so does one in micro-batches (2 per rank);
 - a rank killed mid-run makes the worker exit 75 with the rank named (the controller relaunches it), and
   the relaunched actor resumes from its sharded checkpoint (torch.distributed.checkpoint) and ends with
   the weights of the same run never interrupted, bit for bit;
@@ -82,6 +83,14 @@ def straight(store: Store, home: Path, tiny_dir: Path) -> str:
     return run.name
 
 
+@pytest.fixture(scope="module")
+def whole(store: Store, tiny_dir: Path) -> str:
+    """One unsharded step, in this process: the actor as it runs with count 1."""
+    run = create_run(store, "whole", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8}))
+    assert run_actor_with_rollout(store, run) == 0
+    return run.name
+
+
 def launch_actor(store: Store, run, home: Path) -> tuple[WorkerRef, subprocess.Popen]:
     """The actor slot's next incarnation, started as the local backend starts a worker."""
     row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=60.0)
@@ -122,19 +131,18 @@ def _checkpointed_weights(store: Store, name: str, step: int, scratch: Path) -> 
     return torch.load(scratch / f"{name}-{step}.pt", weights_only=False)["model"]
 
 
-def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, tiny_dir: Path, straight: str) -> None:
-    whole = create_run(store, "whole", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8}))
-    assert run_actor_with_rollout(store, whole) == 0  # in this process: the unsharded actor as it always runs
+def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, tiny_dir: Path, straight: str,
+                                                    whole: str) -> None:
     held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights",
                                      _log_tail(home, straight)).groups())
     assert abs(held - total / 2) < total / 100, (held, total)  # sharded: each rank holds its half
-    a, b = _step_metrics(store, "whole", 1), _step_metrics(store, straight, 1)
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, straight, 1)
     assert a["completion_tokens"] == b["completion_tokens"]  # the same rollouts
     assert a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-6), (a["loss"], b["loss"])
     start = load_file(tiny_dir / "model.safetensors")
-    wa = read_published(store.latest_weights("whole").path)  # after step 1
+    wa = read_published(store.latest_weights(whole).path)  # after step 1
     wb = _checkpointed_weights(store, straight, 1, home.parent)
     assert wa.keys() == start.keys() and wa.keys() <= wb.keys()
     moved = max(float((wb[k] - start[k]).abs().max()) for k in wa)
@@ -142,6 +150,20 @@ def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, ti
     # half of the batch left out or counted twice would move many weights the other way
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert moved > 5e-3 and worst < 1e-4, (moved, worst)
+
+
+def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store: Store, home: Path,
+                                                                         tiny_dir: Path, whole: str) -> None:
+    """microBatchSize 4 over 2 ranks: each rank trains 2 completions a pass, 2 passes (TRL's accumulation)."""
+    micro = create_run(store, "micro", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8,
+                                                                            "microBatchSize": 4}, actor={"count": 2}))
+    assert train(store, micro, home) == 0, _log_tail(home, "micro")
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, "micro", 1)
+    assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
+    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("micro").path)
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst < 1e-4, worst
 
 
 def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly(
