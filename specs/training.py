@@ -204,19 +204,11 @@ class ActorSpec(SpecModel):
 
     gpu: str = Field("none", min_length=1, description="GPU type (e.g. H100, A100, A10G); 'none' = CPU.")
     count: int = Field(
-        1,
-        description="Actor workers; must be 1 for now.",
+        1, ge=1,
+        description="Ranks of the actor: > 1 shards the model, gradients and optimizer state over that many "
+        "processes with FSDP2 (one worker; each rank trains batchSize / count of each step). On CPU only "
+        "for now: sharding over GPUs is not built yet (docs/fsdp.md).",
     )
-
-    @field_validator("count")
-    @classmethod
-    def _one_actor(cls, value: int) -> int:
-        if value != 1:
-            raise rule_error(
-                f"must be 1 for now (got {value}): a run has one actor (trainer) process; "
-                "multi-GPU actors are not built yet. Add rollout.replicas to generate faster"
-            )
-        return value
 
 
 class RolloutSpec(SpecModel):
@@ -442,6 +434,30 @@ class TrainingSpec(SpecModel):
             raise rule_error(
                 "sync nccl needs each rollout on a GPU of its own (NCCL joins distinct GPUs); colocated rollouts "
                 "share the actor's GPU: use 'ipc' (or 'auto')", "sync.method")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_is_possible(self) -> TrainingSpec:
+        """actor.count > 1 (mortal.workers.sharded): what a sharded actor does not do yet, and how it splits a batch."""
+        count = self.actor.count
+        if count == 1:
+            return self
+        if self.actor.gpu != "none":
+            raise rule_error(
+                f"an actor of {count} ranks runs on CPU ranks only for now (gpu: none): sharding over GPUs is not "
+                "built yet; use count 1 on a GPU", "actor.count")
+        if self.backend != "local":
+            raise rule_error(f"an actor of {count} ranks runs on the local backend only for now (its ranks are "
+                             f"processes it starts itself, untried inside a {self.backend} worker); use count 1",
+                             "actor.count")
+        if self.model.lora is not None:
+            raise rule_error(f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
+                             "actor.count")
+        micro = self.algorithm.batch_size // self.algorithm.accumulation_steps
+        if micro % count:
+            what = "microBatchSize" if self.algorithm.micro_batch_size else "batchSize"
+            raise rule_error(f"{what} ({micro}) must divide over the actor's {count} ranks: each rank trains "
+                             f"{what} / count completions of a pass", "actor.count")
         return self
 
     @model_validator(mode="after")

@@ -16,28 +16,35 @@ On start it resumes from the newest complete checkpoint (`train(resume_from_chec
 restores weights, optimizer, scheduler, RNG and step) once mortal.workers.resume_check found that
 resuming redoes and skips nothing, forgets queued tasks from that step on, and
 publishes the weights it starts from (a version above every earlier one) before the first rollout.
+With `actor.count` N > 1 this process is rank 0 of N (mortal.workers.sharded): the model is sharded with
+FSDP2, ranks 1..N-1 are its children running `follow`, each trains on its slice of the batch rank 0
+collected, and only rank 0 talks to the store.
 What it must not do: generate, score, or reach into TRL outside mortal.workers.trl_seam.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
-from mortal.workers import data, models, provenance, resume_check, samples, trl_seam
-from mortal.workers.checkpoint import Checkpointer
+from mortal.state import paths
+from mortal.workers import data, models, provenance, resume_check, samples, sharded, trl_seam
+from mortal.workers.checkpoint import Checkpointer, read_marker
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
-from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
+from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
 from mortal.workers.weights import WeightPublisher
 
 STALENESS_CLIP = 2.0  # truncation of the per-token importance ratio for stale samples (TIS)
@@ -60,6 +67,7 @@ def main(ctx: WorkerContext) -> int:
     rows = data.load_rows(spec.dataset)
     made_by = current_provenance(ctx, rows)
     if resume is not None:
+        check_ranks(resume.path, spec.actor.count)
         verify_resume(ctx, resume, made_by.at(start, spec.algorithm.prompts_per_step, spec.algorithm.seed))
     record = functools.partial(_provenance_at, made_by, spec)
     checkpointer.provenance = record
@@ -77,17 +85,47 @@ def main(ctx: WorkerContext) -> int:
         spec.logging.wandb, ctx.run.name, ctx.run.metadata.uid, ctx.run_dir, ctx.run.spec_dict()
     )
     loop = ActorLoop(ctx, spec, feed, publisher, checkpointer, MetricsReporter(ctx.store, ctx.worker, wandb_run))
+    ranks, finished = None, False
     try:
+        if spec.actor.count > 1:
+            ranks = sharded.start(ctx.run, spec.actor.count, actor_device(spec))
+            ranks.watch(functools.partial(_rank_lost, ctx))
+            loop.ranks = ranks
+            loop.resume_from = resume.path if resume else None
         trainer = build_trainer(ctx, spec, loop)
-        ctx.log.info("training from step %d to %d%s", start, spec.algorithm.max_steps,
-                     f" (resuming from {resume.path})" if resume else "")
-        trainer.train(resume_from_checkpoint=resume.path if resume else None)
+        ctx.log.info("training from step %d to %d%s%s", start, spec.algorithm.max_steps,
+                     f" (resuming from {resume.path})" if resume else "",
+                     f" on {spec.actor.count} ranks (FSDP2)" if ranks else "")
+        # a sharded checkpoint is restored by the loop (on_train_begin): Trainer's resume refuses load-time sharding
+        trainer.train(resume_from_checkpoint=resume.path if resume and ranks is None else None)
+        finished = True
     except StopRequested as exc:
         ctx.log.info("%s", exc)
+        finished = True
+    except RuntimeError as exc:  # gloo or NCCL saw a peer go before the watcher did: name the rank
+        lost = ranks.lost() if ranks is not None else None
+        if lost is None:
+            raise
+        raise lost from exc
     finally:
         loop.reporter.close()
         publisher.close()
+        if ranks is not None:  # after a crash the other ranks wait in a collective that never comes: end them
+            ranks.close(timeout=60.0 if finished else 0.0)
     return EXIT_SUCCEEDED
+
+
+def _rank_lost(ctx: WorkerContext, lost: sharded.RankLost) -> None:
+    """A rank of a sharded actor ended under it: the others would wait in a collective forever, so the
+    worker reports it and exits retryable (the controller relaunches the actor, which resumes)."""
+    ctx.log.error("%s: exiting so the actor is relaunched", lost)
+    ctx.close()
+    try:
+        ctx.store.report_exit(ctx.worker, "Failed", EXIT_RETRYABLE, f"{type(lost).__name__}: {lost}")  # as main's
+    finally:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_RETRYABLE)
 
 
 def current_provenance(ctx: WorkerContext, rows: list[dict[str, Any]]) -> provenance.Provenance:
@@ -103,6 +141,18 @@ def current_provenance(ctx: WorkerContext, rows: list[dict[str, Any]]) -> proven
 
 def _provenance_at(made_by: provenance.Provenance, spec: TrainingSpec, step: int) -> dict[str, Any]:
     return made_by.at(step, spec.algorithm.prompts_per_step, spec.algorithm.seed).dump()
+
+
+def check_ranks(path: str, count: int) -> None:
+    """A checkpoint resumes on the actor count that wrote it (FatalWorkerError otherwise): a sharded one
+    holds torch.distributed.checkpoint shards and one RNG file per rank, an unsharded one the Trainer's
+    files; moving between them is not built (docs/fsdp.md)."""
+    marker = read_marker(path)
+    written = int(marker.get("ranks", 1))
+    if written != count:
+        raise FatalWorkerError(resume_check.REFUSED, (
+            f"the checkpoint of step {marker.get('step')} at {path} was written by an actor of {written} rank(s) and "
+            f"this one has actor.count {count}: resuming on another count is not built; set actor.count to {written}"))
 
 
 def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -> None:
@@ -123,8 +173,9 @@ def actor_device(spec: TrainingSpec) -> str:
     return models.worker_device(spec.actor.gpu, "spec.actor.gpu")
 
 
-def training_args(spec: TrainingSpec, output_dir: str, device: str) -> Any:
-    """TRL's GRPOConfig for the spec: one generation batch per optimizer step, reporting by mortal."""
+def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int = 1) -> Any:
+    """TRL's GRPOConfig for the spec: one generation batch per optimizer step, reporting by mortal;
+    over `world` ranks each trains batchSize / world of it (TRL adds the ranks' shares up)."""
     from trl import GRPOConfig
 
     algo, gen = spec.algorithm, spec.generation
@@ -133,7 +184,7 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str) -> Any:
         output_dir=output_dir,
         # One generation batch (batchSize completions) per optimizer step, trained in accumulation_steps
         # passes of microBatchSize: TRL splits the batch it got from rollout_func and adds the gradients up.
-        per_device_train_batch_size=algo.batch_size // algo.accumulation_steps,
+        per_device_train_batch_size=algo.batch_size // algo.accumulation_steps // world,
         num_generations=algo.num_generations,
         steps_per_generation=algo.accumulation_steps,
         gradient_accumulation_steps=algo.accumulation_steps,
@@ -193,31 +244,46 @@ def lora_config(spec: TrainingSpec) -> Any:
 
 def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> Any:
     """The GRPOTrainer, wired to the loop: rollouts in through rollout_func, results out by callback."""
+    world = loop.ranks.world if loop.ranks is not None else 1
+    loop.trainer = make_trainer(spec, str(ctx.run_dir / "actor"), loop, loop.rollout, world)
+    if world > 1:
+        held, total = sharded.local_share(loop.trainer.model)
+        ctx.log.info("rank 0 of %d holds %d of the model's %d weights (FSDP2)", world, held, total)
+    return loop.trainer
+
+
+def make_trainer(spec: TrainingSpec, output_dir: str, callback: TrainerCallback, rollout_func: Any, world: int) -> Any:
+    """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
     device = actor_device(spec)
     tokenizer = models.load_tokenizer(spec.model)
-    model = models.load_model(spec.model, device, for_training=True)
+    model = models.load_model(spec.model, device, for_training=True, fsdp_size=world)
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],
-        args=training_args(spec, str(ctx.run_dir / "actor"), device),
+        args=training_args(spec, output_dir, device, world),
         train_dataset=placeholders,
         processing_class=tokenizer,
-        callbacks=[loop],
+        callbacks=[callback],
         peft_config=lora_config(spec),
-        rollout_func=loop.rollout,
+        rollout_func=rollout_func,
     )
     trainer.remove_callback(PrinterCallback)
     trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
         trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)
-    loop.trainer = trainer
     return trainer
+
+
+def publishes_at(spec: TrainingSpec, step: int) -> bool:
+    """Whether the actor publishes weights after optimizer step `step` (every rank asks: a sharded
+    publish is a collective)."""
+    return step % spec.sync.every == 0 or step >= spec.algorithm.max_steps
 
 
 class ActorLoop(TrainerCallback):
@@ -228,6 +294,9 @@ class ActorLoop(TrainerCallback):
         self.ctx, self.spec, self.feed = ctx, spec, feed
         self.publisher, self.checkpointer, self.reporter = publisher, checkpointer, reporter
         self.trainer: Any = None
+        self.ranks: sharded.Ranks | None = None  # rank 0 of a sharded actor: the other ranks follow it
+        self.resume_from: str | None = None  # a sharded actor's checkpoint, restored in on_train_begin
+        self._rng_from: Path | None = None  # ... whose RNG states are restored as the first step begins
         self.version = -1
         self._step_started = time.perf_counter()
         self._rollout_metrics: dict[str, float] = {}
@@ -236,24 +305,40 @@ class ActorLoop(TrainerCallback):
 
     # -- TRL's rollout_func --------------------------------------------------------------------
     def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        trl_seam.check_rollout_call(prompts, self.spec.algorithm.batch_size)
+        world = self.ranks.world if self.ranks is not None else 1
+        trl_seam.check_rollout_call(prompts, self.spec.algorithm.batch_size // world)
         step = trainer.state.global_step
         self.feed.enqueue(step, self.version)
         self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
-        batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
+        try:
+            batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
+        except StopRequested:
+            if self.ranks is not None:
+                self.ranks.channel.send("stop")
+            raise
         self._rollout_metrics = batch.metrics(step, self.publisher.step_of)
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
         self._batch = batch
-        return trl_seam.rollout_output(
+        output = trl_seam.rollout_output(
             batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions
         )
+        if self.ranks is None:
+            return output
+        self.ranks.channel.send("batch", output)  # every rank trains its slice; TRL gathers the rewards
+        return sharded.output_slice(output, 0, self.ranks.world)
 
     # -- Trainer callbacks -----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Weights, optimizer and scheduler are loaded (fresh or from the checkpoint): the spec's learning
         rate replaces a resumed checkpoint's (a fork or an apply may have changed it), then the weights
-        are published before the first rollout."""
+        are published before the first rollout. A sharded actor restores its checkpoint here, every
+        rank at once (rank 0 names it to the others)."""
+        if self.ranks is not None:
+            self.ranks.channel.send("begin", self.resume_from)
+            if self.resume_from is not None:
+                state.global_step = sharded.load_sharded(self.trainer, Path(self.resume_from), 0)
+                self._rng_from = Path(self.resume_from)
         if trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate):
             self.ctx.log.info("learning rate set to the spec's %g (the checkpoint's differed)",
                               self.spec.algorithm.learning_rate)
@@ -264,6 +349,9 @@ class ActorLoop(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
+        if self._rng_from is not None:  # a sharded actor's resume: the RNG goes back as the step starts
+            sharded.restore_rng(self._rng_from, 0)
+            self._rng_from = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
@@ -272,7 +360,7 @@ class ActorLoop(TrainerCallback):
         trained = time.perf_counter() - self._step_started - self._rollout_metrics.get("actor/wait_seconds", 0.0)
         self._rollout_metrics["actor/train_seconds"] = trained  # TRL's loss, backward and optimizer step
         self._rollout_metrics["weights/publish_seconds"] = 0.0
-        if step % self.spec.sync.every == 0 or step >= self.spec.algorithm.max_steps:
+        if publishes_at(self.spec, step):
             self._publish(step)
         else:
             self.ctx.report(step=step)
@@ -291,6 +379,8 @@ class ActorLoop(TrainerCallback):
         stopping = self.ctx.stopping.is_set()
         if self.checkpointer.due(step, self.spec.algorithm.max_steps) or stopping:
             self._checkpoint_once(step)
+        if self.ranks is not None:
+            self.ranks.channel.send("go", stopping)
         if stopping:
             control.should_training_stop = True
 
@@ -299,7 +389,8 @@ class ActorLoop(TrainerCallback):
         if torch.cuda.is_available():  # the step's queued GPU work counts as training, not as publishing
             torch.cuda.synchronize()
         started = time.perf_counter()  # no fence check first: version directories are per incarnation
-        self.version = self.publisher.publish(self.trainer.model, step, prune=False)
+        full = sharded.full_state_dict(self.trainer.model) if self.ranks is not None else None
+        self.version = self.publisher.publish(self.trainer.model, step, prune=False, state=full)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)
 
@@ -316,4 +407,72 @@ class ActorLoop(TrainerCallback):
         """Checkpoint at a step boundary unless this step has one (e.g. the one just resumed from);
         step 0 needs none (a restart from nothing is the same run)."""
         if step > 0 and not self.checkpointer.has(step):
-            self.checkpointer.write(self.trainer, step, self.version)
+            if self.ranks is None:
+                self.checkpointer.write(self.trainer, step, self.version)
+            else:
+                self.checkpointer.write(self.trainer, step, self.version, save=self._save_sharded,
+                                        ranks=self.ranks.world)
+
+    def _save_sharded(self, trainer: Any, dest: Path) -> None:
+        assert self.ranks is not None
+        self.ranks.channel.send("checkpoint", str(dest))  # every rank writes its shards into dest
+        sharded.save_sharded(trainer, dest, 0)
+
+
+def follow(run: Any, ranks: sharded.Ranks) -> None:
+    """Ranks 1..N-1 of a sharded actor (mortal.workers.sharded.follower_main): the same trainer as rank 0,
+    trained on this rank's slice of each batch, in step with rank 0's collectives. No store."""
+    spec = run.spec
+    follower = Follower(spec, ranks)
+    follower.trainer = make_trainer(spec, str(paths.run_dir(run.name) / "actor"), follower, follower.rollout,
+                                    ranks.world)
+    with contextlib.suppress(StopRequested):  # rank 0 stopped while waiting for rollouts: it checkpointed first
+        follower.trainer.train()
+
+
+class Follower(TrainerCallback):
+    """What a rank other than 0 does around each TRL step: what rank 0 tells it, and the collectives."""
+
+    def __init__(self, spec: TrainingSpec, ranks: sharded.Ranks) -> None:
+        self.spec, self.ranks = spec, ranks
+        self.trainer: Any = None
+        self._rng_from: Path | None = None
+
+    def _serve(self, until: str) -> Any:
+        """Do rank 0's checkpoints until its message of kind `until` (or "stop") comes; its payload."""
+        while True:
+            kind, payload = self.ranks.channel.recv()
+            if kind == "checkpoint":
+                sharded.save_sharded(self.trainer, Path(payload), self.ranks.rank)
+            elif kind == "stop":
+                raise StopRequested("rank 0 stopped")
+            elif kind == until:
+                return payload
+            else:
+                raise sharded.ShardedError(f"rank {self.ranks.rank} expected {until!r} from rank 0, got {kind!r}")
+
+    def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        return sharded.output_slice(self._serve("batch"), self.ranks.rank, self.ranks.world)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        resume_from = self._serve("begin")
+        if resume_from is not None:
+            state.global_step = sharded.load_sharded(self.trainer, Path(resume_from), self.ranks.rank)
+            self._rng_from = Path(resume_from)
+        trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
+        sharded.full_state_dict(self.trainer.model)  # rank 0 publishes the weights it starts from
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._rng_from is not None:
+            sharded.restore_rng(self._rng_from, self.ranks.rank)
+            self._rng_from = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if publishes_at(self.spec, state.global_step):
+            sharded.full_state_dict(self.trainer.model)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not logs or "loss" not in logs:
+            return
+        if self._serve("go"):
+            control.should_training_stop = True

@@ -6,6 +6,9 @@ step and when asked to stop; `Checkpointer.resume_point` when it starts).
     $MORTAL_HOME/runs/<run>/checkpoints/step-<N>/
         model.safetensors | adapter_model.safetensors (+ config, tokenizer)
         optimizer.pt  scheduler.pt  rng_state.pth  trainer_state.json   (the Trainer's own files)
+      or, from a sharded actor (actor.count > 1, mortal.workers.sharded):
+        dcp/  model and optimizer shards (torch.distributed.checkpoint)
+        scheduler.pt  rng_state_<rank>.pth  trainer_state.json
         mortal.json   {"step", "weight_version", "seed", "run", "provenance"} (mortal.workers.provenance)
 
 A checkpoint exists for readers only once its directory was renamed into place (after fsync) and
@@ -26,7 +29,7 @@ from typing import Any
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
 from mortal.state.tables import CheckpointRow
-from mortal.workers import trl_seam
+from mortal.workers import sharded, trl_seam
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp
 
 MORTAL_FILE = "mortal.json"
@@ -42,10 +45,22 @@ def read_marker(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / MORTAL_FILE).read_text())
 
 
+def is_sharded(path: str | Path) -> bool:
+    """A sharded actor's checkpoint (torch.distributed.checkpoint, mortal.workers.sharded), not the Trainer's."""
+    return (Path(path) / sharded.DCP_DIR).is_dir()
+
+
+def checkpoint_files(path: str | Path) -> list[str]:
+    path = Path(path)
+    if is_sharded(path):
+        return sharded.sharded_files(int(read_marker(path).get("ranks", 1)))
+    return trl_seam.checkpoint_files(path)
+
+
 def is_complete(path: str | Path) -> bool:
     """Every file a resume needs is there (a checkpoint deleted by hand, or a foreign folder, is not)."""
     path = Path(path)
-    return (path / MORTAL_FILE).is_file() and all((path / f).is_file() for f in trl_seam.checkpoint_files(path))
+    return (path / MORTAL_FILE).is_file() and all((path / f).is_file() for f in checkpoint_files(path))
 
 
 @dataclass
@@ -70,14 +85,19 @@ class Checkpointer:
     def has(self, step: int) -> bool:
         return any(row.step == step for row in self.store.list_checkpoints(self.run))
 
-    def write(self, trainer: Any, step: int, weight_version: int) -> Path:
-        """Write the trainer's state at `step` atomically, record it, prune; returns its directory."""
+    def write(self, trainer: Any, step: int, weight_version: int,
+              save: Callable[[Any, Path], None] | None = None, ranks: int = 1) -> Path:
+        """Write the trainer's state at `step` atomically, record it, prune; returns its directory.
+        `save` writes the state into the temporary directory (default: the Trainer's own writer; a
+        sharded actor's writes its `ranks` ranks' shards, mortal.workers.sharded.save_sharded)."""
         self.fence()
         final = checkpoint_dir(self.run, step)
         made_by = self.provenance(step) if self.provenance is not None else None
         with atomic_dir(final) as tmp:
-            trl_seam.save_checkpoint(trainer, tmp)
+            (save or trl_seam.save_checkpoint)(trainer, tmp)
             marker = {"run": self.run, "step": step, "weight_version": weight_version, "seed": self.seed}
+            if ranks > 1:
+                marker["ranks"] = ranks
             if made_by is not None:  # also in the row; here so the folder alone says what made it (fork, cp)
                 marker["provenance"] = made_by
             (tmp / MORTAL_FILE).write_text(json.dumps(marker, indent=1) + "\n")

@@ -244,17 +244,27 @@ def worker_device(gpu: str, field: str) -> str:
     return "cuda"
 
 
-def load_model(model_spec: ModelSpec, device: str | None = None, for_training: bool = False) -> Any:
-    """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training."""
+def load_model(model_spec: ModelSpec, device: str | None = None, for_training: bool = False,
+               fsdp_size: int = 1) -> Any:
+    """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training.
+
+    fsdp_size > 1: sharded with FSDP2 over that many ranks as it loads (transformers' DistributedConfig;
+    the process group is up, mortal.workers.sharded), the model placing its own shards."""
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
     location = model_location(model_spec)
+    extra: dict[str, Any] = {}
+    if fsdp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(fsdp_size=fsdp_size)
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(model_spec.dtype, device))
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(model_spec.dtype, device), **extra)
     except (OSError, ValueError) as exc:
         raise _fatal(model_spec.name, f"cannot load the model from {location}: {exc}") from exc
-    model.to(device)
+    if fsdp_size == 1:
+        model.to(device)
     if for_training:
         model.train()
     else:

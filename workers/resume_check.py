@@ -61,18 +61,43 @@ class CheckpointFacts:
         marker = _json(folder / "mortal.json")
         trainer_state = _json(folder / "trainer_state.json")
         scheduler = torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
-        # mmap: the moments of a large model are not read, only the small step counters are touched
-        optimizer = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
-        counters = {int(s["step"]) for s in optimizer.get("state", {}).values() if isinstance(s, dict) and "step" in s}
+        if (folder / DCP_DIR).is_dir():  # a sharded actor's (mortal.workers.sharded)
+            counters = _sharded_step_counters(folder / DCP_DIR)
+            has_state = bool(counters)
+        else:
+            # mmap: the moments of a large model are not read, only the small step counters are touched
+            optimizer = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
+            counters = {int(s["step"]) for s in optimizer.get("state", {}).values()
+                        if isinstance(s, dict) and "step" in s}
+            has_state = bool(optimizer.get("state"))
         return cls(
             path=str(folder),
             marker_step=marker.get("step"),
             trainer_step=trainer_state.get("global_step"),
             scheduler_step=scheduler.get("last_epoch") if isinstance(scheduler, dict) else None,
             optimizer_steps=frozenset(counters),
-            optimizer_has_state=bool(optimizer.get("state")),
+            optimizer_has_state=has_state,
             marker_provenance=marker.get("provenance"),
         )
+
+
+DCP_DIR = "dcp"  # mortal.workers.sharded.DCP_DIR (not imported: this module stays free of torch.distributed)
+
+
+def _sharded_step_counters(dcp_dir: Path) -> set[int]:
+    """AdamW's step counters in a torch.distributed.checkpoint folder: only those entries are read,
+    in this one process (no process group), never the moments."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(dcp_dir))
+    names = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("optimizer.state.")
+             and k.endswith(".step")]
+    if not names:
+        return set()
+    counters = {name: torch.zeros(()) for name in names}
+    dcp.load(counters, storage_reader=reader, no_dist=True)
+    return {int(value) for value in counters.values()}
 
 
 def verify(path: str | Path, step: int, recorded: dict[str, Any] | None, now: Provenance,

@@ -106,9 +106,24 @@ def _drop_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int) -> Path:
-    """Write `dest` (a version directory) atomically; returns it."""
-    state = {name: tensor.to("cpu").contiguous() for name, tensor in plain_state_dict(model).items()}
+def _drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of each tensor the model ties (one Parameter under two names): a gathered
+    state has a copy per name, so storage cannot tell them apart as it does in _drop_shared."""
+    seen: set[int] = set()
+    first: set[str] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            first.add(name)
+    return {name: tensor for name, tensor in state.items() if name in first}
+
+
+def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int,
+                  state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `dest` (a version directory) atomically; returns it. `state`: the weights, already full
+    tensors (a sharded actor's, gathered by mortal.workers.sharded.full_state_dict), else the model's."""
+    state = plain_state_dict(model) if state is None else _drop_tied(model, state)
+    state = {name: tensor.to("cpu").contiguous() for name, tensor in state.items()}
     config = model_config(model)
     with atomic_dir(dest) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "version": str(version), "step": str(step)})
@@ -343,13 +358,19 @@ class WeightPublisher:
         """Remove temporary directories left by an actor that died mid-write (call at start)."""
         remove_stale_tmp(paths.weights_dir(self.run))
 
-    def publish(self, model: torch.nn.Module, step: int, version: int | None = None, prune: bool = True) -> int:
+    def publish(self, model: torch.nn.Module, step: int, version: int | None = None, prune: bool = True,
+                state: dict[str, torch.Tensor] | None = None) -> int:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
-        rollouts, off the path a new version takes to them) prune; returns the version published."""
+        rollouts, off the path a new version takes to them) prune; returns the version published.
+        `state`: a sharded actor's weights gathered to full CPU tensors (volume only)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
-        adapters = lora_adapters(model) if self.method == "volume" else None
-        if self.method in ("ipc", "nccl"):
+        adapters = lora_adapters(model) if self.method == "volume" and state is None else None
+        if state is not None:
+            if self.method != "volume":
+                raise WeightsError(f"a sharded actor publishes through the volume only, not {self.method!r}")
+            write_weights(model, dest, version, step, state=state)
+        elif self.method in ("ipc", "nccl"):
             self._ring_server().share(self._plain(model), dest, version, step)  # no config.json: it delays the record
         elif adapters is not None:
             write_adapters(model, adapters, dest, version, step)

@@ -88,7 +88,7 @@ def run_row(row: RunRow, wide: bool = False) -> list[str]:
     ]
     if wide:
         cells += [
-            f"{s.replicas.actor.ready}/{s.replicas.actor.desired if s.observed_generation else spec.actor.count}",
+            f"{s.replicas.actor.ready}/{s.replicas.actor.desired if s.observed_generation else 1}",  # one worker, any ranks
             str(s.restarts),
             f"{s.observed_generation}/{row.generation}",
             spec.algorithm.loss_type,

@@ -58,7 +58,9 @@ CASES = [
     ("generation:\n  engine: sglang", 1, "spec.generation.engine", "must be one of auto, vllm, transformers"),
     ("rollout:\n  replicas: -1", 1, "spec.rollout.replicas", "must be >= 0 (got -1)"),
     ("rollout:\n  promptsPerTask: 0", 1, "spec.rollout.promptsPerTask", "must be >= 1 (got 0)"),
-    ("actor:\n  count: 2", 1, "spec.actor.count", "must be 1 for now (got 2)"),
+    ("actor:\n  count: 0", 1, "spec.actor.count", "must be >= 1 (got 0)"),
+    ("actor:\n  gpu: H100\n  count: 2", 2, "spec.actor.count", "runs on CPU ranks only for now"),
+    ("actor:\n  count: 3", 1, "spec.actor.count", "batchSize (8) must divide over the actor's 3 ranks"),
     ("sync:\n  method: nccl", 1, "spec.sync.method", "sync nccl sends weights from the actor's GPU"),
     ("sync:\n  method: carrier-pigeon", 1, "spec.sync.method", "must be one of auto, volume, ipc, nccl, reload"),
     ("checkpoint:\n  every: 0", 1, "spec.checkpoint.every", "must be >= 1 (got 0)"),
@@ -184,3 +186,13 @@ def test_every_error_of_a_document_is_reported_at_once():
     assert [i.path for i in caught.value.issues] == [
         "spec.algorithm.numGenerations", "spec.algorithm.maxSteps", "spec.rollout.replicas"]
     assert [i.line for i in caught.value.issues] == [11, 12, 14]
+
+
+def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_ranks():
+    lora = HEAD.replace("model: {name: tiny}", "model: {name: tiny, lora: {r: 8}}")
+    assert "trains the full model" in only_issue(lora + "  actor: {count: 2}\n").message
+    assert "local backend only for now" in only_issue(spec_with("actor: {count: 2}\nbackend: modal")).message
+    spec = load_text(spec_with("actor: {count: 2}\nalgorithm: {batchSize: 8, microBatchSize: 4}"), "run.yaml")[0].spec
+    assert (spec.actor.count, spec.sync_method()) == (2, "volume")
+    assert "microBatchSize (2) must divide over the actor's 4 ranks" in only_issue(
+        spec_with("actor: {count: 4}\nalgorithm: {batchSize: 8, microBatchSize: 2}")).message

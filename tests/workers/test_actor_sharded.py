@@ -1,0 +1,282 @@
+"""actor.count: 2 (issue 19, CPU): the actor worker trains with FSDP2 over 2 ranks (gloo), rank 0 alone
+talking to the store. The actor runs as the local backend runs it (`python -m mortal.workers.main`, which
+spawns rank 1), the real rollout worker in a thread of this test; a tiny random-init model, on-policy, so
+both runs of a pair get the same rollouts.
+
+- one sharded step equals one unsharded step: TRL's logged grad norm (the norm of the whole gradient,
+  which FSDP computes from the shards) and loss, and the weights (rank 0's gathered publish, and the
+  sharded checkpoint read back with torch's DCP converter); so does one in micro-batches (2 per rank);
+- a rank killed mid-run makes the worker exit 75 with the rank named (the controller relaunches it), and
+  the relaunched actor resumes from its sharded checkpoint (torch.distributed.checkpoint) and ends with
+  the weights of the same run never interrupted, bit for bit;
+- the same under the real controller (local backend, marked slow): it relaunches the actor on its own and
+  the run ends bit for bit where the uninterrupted one did;
+- SIGTERM while rank 0 waits for rollouts: every rank writes its shards of that step's checkpoint and ends;
+- a rank whose rank 0 was SIGKILLed exits at once; a checkpoint resumes only on the count that wrote it.
+The runs are made once for the module (each actor process costs ~20 s of imports on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from actor_helpers import RolloutThread, actor_spec, create_run, final_weights_hash, run_actor_with_rollout
+from rollout_helpers import assets_available, make_tiny_model
+from run_helpers import train_through_controller
+from safetensors.torch import load_file
+
+from mortal.state import open_store
+from mortal.state.store import Store, WorkerRef
+from mortal.workers.actor import check_ranks
+from mortal.workers.checkpoint import is_complete, read_marker
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.weights import read_published
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
+HERE = Path(__file__).resolve().parent
+DEADLINE = 240.0
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("sharded")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MORTAL_HOME", str(folder / "home"))
+        patch.setenv("WANDB_MODE", "disabled")
+        patch.delenv("MORTAL_STATE_URL", raising=False)
+        yield folder / "home"
+
+
+@pytest.fixture(scope="module")
+def store(home: Path) -> Iterator[Store]:
+    home.mkdir(parents=True, exist_ok=True)
+    opened = open_store(f"sqlite:///{home / 'state.db'}")
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(home: Path) -> Path:
+    return make_tiny_model(home.parent / "model")
+
+
+SHARDED = {"algorithm": {"maxSteps": 3, "batchSize": 8}, "actor": {"count": 2}, "checkpoint": {"every": 1, "keep": 3}}
+
+
+@pytest.fixture(scope="module")
+def straight(store: Store, home: Path, tiny_dir: Path) -> str:
+    """A sharded run of 3 steps, never interrupted."""
+    run = create_run(store, "straight", actor_spec(str(tiny_dir), **SHARDED))
+    assert train(store, run, home) == 0, _log_tail(home, "straight")
+    return run.name
+
+
+@pytest.fixture(scope="module")
+def whole(store: Store, tiny_dir: Path) -> str:
+    """One unsharded step, in this process: the actor as it runs with count 1."""
+    run = create_run(store, "whole", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8}))
+    assert run_actor_with_rollout(store, run) == 0
+    return run.name
+
+
+def launch_actor(store: Store, run, home: Path) -> tuple[WorkerRef, subprocess.Popen]:
+    """The actor slot's next incarnation, started as the local backend starts a worker."""
+    row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=60.0)
+    ref = WorkerRef(run=run.name, role="actor", replica=0, incarnation=row.incarnation)
+    env = {**os.environ, "MORTAL_RUN": run.name, "MORTAL_ROLE": "actor", "MORTAL_REPLICA": "0",
+           "MORTAL_INCARNATION": str(row.incarnation), "MORTAL_HOME": str(home), "MORTAL_THREADS": "2",
+           "MORTAL_STATE_URL": f"sqlite:///{home / 'state.db'}", "MORTAL_WORKER_ID": ref.id, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    log = open(home / f"{run.name}-actor-{row.incarnation}.log", "ab")  # noqa: SIM115 - closed with the process
+    return ref, subprocess.Popen([sys.executable, "-m", "mortal.workers.main"], env=env, stdout=log, stderr=log)
+
+
+def train(store: Store, run, home: Path) -> int:
+    """Run the actor process with a rollout thread to its end; its exit code."""
+    _, proc = launch_actor(store, run, home)
+    with RolloutThread(store, run):
+        try:
+            return proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(_log_tail(home, run.name)) from None
+
+
+def _log_tail(home: Path, name: str) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(home.glob(f"{name}-actor-*.log")))
+
+
+def _step_metrics(store: Store, name: str, step: int) -> dict[str, float]:
+    return {m.name: m.value for m in store.list_metrics(name) if m.step == step}
+
+
+def _checkpointed_weights(store: Store, name: str, step: int, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model of a sharded checkpoint, as full tensors (torch's own DCP -> torch.save converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    [row] = [c for c in store.list_checkpoints(name) if c.step == step]
+    dcp_to_torch_save(Path(row.path) / "dcp", scratch / f"{name}-{step}.pt")
+    return torch.load(scratch / f"{name}-{step}.pt", weights_only=False)["model"]
+
+
+def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, tiny_dir: Path, straight: str,
+                                                    whole: str) -> None:
+    held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights",
+                                     _log_tail(home, straight)).groups())
+    assert abs(held - total / 2) < total / 100, (held, total)  # sharded: each rank holds its half
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, straight, 1)
+    assert a["completion_tokens"] == b["completion_tokens"]  # the same rollouts
+    assert a["grad_norm"] > 0
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-6), (a["loss"], b["loss"])
+    start = load_file(tiny_dir / "model.safetensors")
+    wa = read_published(store.latest_weights(whole).path)  # after step 1
+    wb = _checkpointed_weights(store, straight, 1, home.parent)
+    assert wa.keys() == start.keys() and wa.keys() <= wb.keys()
+    moved = max(float((wb[k] - start[k]).abs().max()) for k in wa)
+    # AdamW's first step moves each weight by about learningRate (1e-2) in its gradient's sign: a rank's
+    # half of the batch left out or counted twice would move many weights the other way
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert moved > 5e-3 and worst < 1e-4, (moved, worst)
+
+
+def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store: Store, home: Path,
+                                                                         tiny_dir: Path, whole: str) -> None:
+    """microBatchSize 4 over 2 ranks: each rank trains 2 completions a pass, 2 passes (TRL's accumulation)."""
+    micro = create_run(store, "micro", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8,
+                                                                            "microBatchSize": 4}, actor={"count": 2}))
+    assert train(store, micro, home) == 0, _log_tail(home, "micro")
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, "micro", 1)
+    assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
+    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("micro").path)
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst < 1e-4, worst
+
+
+def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly(
+        store: Store, home: Path, tiny_dir: Path, straight: str) -> None:
+    run = create_run(store, "killed", actor_spec(str(tiny_dir), **SHARDED))
+    with RolloutThread(store, run):
+        ref, proc = launch_actor(store, run, home)
+        deadline = time.monotonic() + DEADLINE
+        while not any(c.step >= 1 for c in store.list_checkpoints("killed")):
+            assert proc.poll() is None and time.monotonic() < deadline, _log_tail(home, "killed")
+            time.sleep(0.05)
+        [rank1] = [c for c in psutil.Process(proc.pid).children()
+                   if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+        rank1.kill()
+        assert proc.wait(timeout=60) == 75, _log_tail(home, "killed")
+        [row] = [r for r in store.list_workers("killed") if r.incarnation == ref.incarnation]
+        assert (row.state, row.exit_code) == ("Failed", 75), row
+        assert "actor rank 1 of 2 ended with exit code -9" in (row.message or ""), row.message
+        checkpoint = store.list_checkpoints("killed")[-1]
+        assert checkpoint.step < 3 and is_complete(checkpoint.path), checkpoint
+        assert read_marker(checkpoint.path)["ranks"] == 2 and (Path(checkpoint.path) / "dcp" / ".metadata").is_file()
+        _, again = launch_actor(store, run, home)  # as the controller relaunches the slot
+        assert again.wait(timeout=DEADLINE) == 0, _log_tail(home, "killed")
+    assert f"resuming from {checkpoint.path}" in _log_tail(home, "killed")
+    a, b = read_published(store.latest_weights(straight).path), read_published(store.latest_weights("killed").path)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert final_weights_hash(store, "killed") == final_weights_hash(store, straight), worst
+    last = store.list_checkpoints("killed")[-1]
+    assert json.loads((Path(last.path) / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_them(
+        store: Store, home: Path, tiny_dir: Path) -> None:
+    run = create_run(store, "stopped", actor_spec(str(tiny_dir), algorithm={"maxSteps": 3, "batchSize": 8},
+                                                  actor={"count": 2}, checkpoint={"every": 5, "keep": 2}))
+    ref, proc = launch_actor(store, run, home)
+    with RolloutThread(store, run):
+        deadline = time.monotonic() + DEADLINE
+        while not _step_metrics(store, "stopped", 1):
+            assert proc.poll() is None and time.monotonic() < deadline, _log_tail(home, "stopped")
+            time.sleep(0.05)
+    # the rollouts are gone and step 1's log has passed (no checkpoint due before step 3): rank 0 waits
+    # for step 2's rollouts while rank 1 waits for rank 0's batch
+    time.sleep(2.0)
+    assert not store.list_checkpoints("stopped")
+    ranks = psutil.Process(proc.pid).children()
+    proc.send_signal(signal.SIGTERM)  # the local backend signals the group: rank 1 ignores it
+    for rank in ranks:
+        rank.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, _log_tail(home, "stopped")
+    assert psutil.wait_procs(ranks, timeout=10)[1] == []  # every rank ended with rank 0
+    [checkpoint] = store.list_checkpoints("stopped")
+    assert checkpoint.step == 1 and is_complete(checkpoint.path), checkpoint
+    assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+
+
+@pytest.mark.slow
+def test_through_the_controller_a_killed_rank_is_relaunched_and_the_run_ends_exactly(
+        home: Path, tiny_dir: Path, store: Store, straight: str) -> None:
+    """The same, with the real controller (local backend) doing the relaunch: ~40 s."""
+    killed: list[int] = []
+
+    def kill_rank_1(runs: Store) -> None:
+        actors = [w for w in runs.list_workers("ctl") if w.role == "actor" and w.state == "Running" and w.handle
+                  and (w.step or 0) >= 1]
+        if actors and not killed:
+            children = psutil.Process(int(actors[0].handle.split(":")[0])).children()
+            [rank1] = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+            rank1.kill()
+            killed.append(actors[0].incarnation)
+
+    spec = actor_spec(str(tiny_dir), **SHARDED, sync={"method": "volume"}, restartPolicy={"backoffSeconds": 1})
+    train_through_controller(home.parent / "ctl", "ctl", spec, gpus="", while_running=kill_rank_1)
+    runs = open_store(f"sqlite:///{home.parent / 'ctl' / 'state.db'}")
+    try:
+        [first] = [w for w in runs.list_workers("ctl") if w.role == "actor" and w.incarnation == killed[0]]
+        assert (first.state, first.exit_code) == ("Failed", 75) and "RankLost: actor rank 1 of 2" in first.message
+        assert any(e.reason == "Restarted" for e in runs.list_events("ctl"))
+        assert final_weights_hash(runs, "ctl") == final_weights_hash(store, straight)
+    finally:
+        runs.close()
+
+
+PARENT = """
+import multiprocessing, os, sys, time
+from mortal.workers import sharded
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=sharded._exit_with_parent, args=(os.getpid(),))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(4)  # imports done: the child watches its parent, alive while the parent is
+    print(child.is_alive(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
+    (tmp_path / "parent.py").write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    assert parent.stdout.readline().strip() == "True"  # it waits while rank 0 lives
+    parent.kill()  # SIGKILL: rank 0 gets no chance to end its children
+    parent.wait()
+    gone, alive = psutil.wait_procs([child], timeout=10)  # not our child: its exit code is not ours to read
+    assert not alive, alive
+
+
+def test_a_checkpoint_resumes_only_on_the_actor_count_that_wrote_it(tmp_path: Path) -> None:
+    (tmp_path / "mortal.json").write_text(json.dumps({"step": 4, "ranks": 2}))
+    check_ranks(str(tmp_path), 2)
+    with pytest.raises(FatalWorkerError, match="written by an actor of 2 rank.*set actor.count to 2"):
+        check_ranks(str(tmp_path), 1)
+    (tmp_path / "mortal.json").write_text(json.dumps({"step": 4}))  # an unsharded actor's: no "ranks"
+    check_ranks(str(tmp_path), 1)
+    with pytest.raises(FatalWorkerError, match="this one has actor.count 2"):
+        check_ranks(str(tmp_path), 2)

@@ -1,0 +1,286 @@
+"""The actor's ranks: one actor worker trains with FSDP2 over `spec.actor.count` processes of one host.
+
+Who calls it: mortal.workers.actor. Rank 0 is the worker process a backend launched; `start` spawns
+ranks 1..N-1 as its children (torch.multiprocessing, spawn), which run `follower_main`: they build the
+same GRPOTrainer on the same model, sharded by transformers at load (`from_pretrained(distributed_config=
+DistributedConfig(fsdp_size=N))`, docs/fsdp.md says why that route), train on their slice of each
+generation batch and take part in rank 0's collectives when rank 0 says so (`Channel`).
+
+    rank 0 (the worker: store, heartbeat, fencing, feed, metrics, publish, checkpoint rows)
+        rollout_func: collect step s's batch from the store -> Channel.send(("batch", output)) -> own slice
+        publish:      full_state_dict (every rank; torch gathers one tensor at a time to rank 0's CPU)
+        checkpoint:   Channel.send(("checkpoint", dir)) -> save_sharded (every rank writes its shards)
+        after a log:  Channel.send(("go", stop))
+    ranks 1..N-1 (no store): the same TRL step on their slice; the same collectives in the same order
+
+If a rank dies, rank 0's watcher calls the actor's `on_lost` (which reports and exits the worker 75, so
+the controller relaunches the whole actor); a rank whose rank 0 is gone exits at once.
+What it must not do: let a rank other than 0 talk to the store; decide when to publish or checkpoint
+(mortal.workers.actor decides, on rank 0, and tells the others).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("mortal.sharded")
+DCP_DIR = "dcp"  # torch.distributed.checkpoint's folder inside a checkpoint of a sharded actor
+WATCH_SECONDS = 0.2
+
+
+class RankLost(RuntimeError):
+    """A rank of the actor ended while the others trained (a collective would wait for it forever)."""
+
+
+class ShardedError(RuntimeError):
+    """The ranks disagree about what comes next (a message of the wrong kind): a bug, never retried silently."""
+
+
+def backend_for(device: str) -> str:
+    return "gloo" if device == "cpu" else "cuda:nccl,cpu:gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torch.distributed, accelerate and transformers read to find their rank and the rendezvous."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+
+
+def threads_per_rank(world: int) -> int:
+    """A CPU actor's cores split between its ranks (MORTAL_THREADS is the whole actor's, runtime.cpu_threads)."""
+    total = int(os.environ.get("MORTAL_THREADS") or os.cpu_count() or 1)
+    return max(1, total // world)
+
+
+@dataclass
+class Ranks:
+    """This process's place among the actor's ranks, and (on rank 0) the children it started."""
+
+    rank: int
+    world: int
+    device: str
+    channel: Channel = field(init=False)
+    _children: Any = None
+    _closed: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def join(self) -> None:
+        """Join the process group (every rank, in the same order) and make the message channel."""
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads_per_rank(self.world))
+        dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world)
+        self.channel = Channel(dist.new_group(backend="gloo"), self.rank)
+
+    def watch(self, on_lost: Callable[[RankLost], None]) -> None:
+        """Rank 0: call `on_lost` (from a daemon thread) as soon as a child rank has failed or been killed."""
+        def loop() -> None:
+            while not self._closed.wait(WATCH_SECONDS):
+                for index, proc in enumerate(self._children.processes):
+                    # 0 is a rank that finished training as rank 0 said: only rank 0's own end follows it
+                    if proc.exitcode not in (None, 0) and not self._closed.is_set():
+                        on_lost(RankLost(f"actor rank {index + 1} of {self.world} ended with exit code {proc.exitcode}"))
+                        return
+
+        threading.Thread(target=loop, name="mortal-rank-watch", daemon=True).start()
+
+    def lost(self, wait: float = 2.0) -> RankLost | None:
+        """Rank 0, after a collective failed: the child rank that ended under it, if one did (waiting up
+        to `wait` s for a dying one's exit to be seen); None when they all still run."""
+        deadline = time.monotonic() + wait
+        for index, proc in enumerate(self._children.processes):
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode not in (None, 0):
+                return RankLost(f"actor rank {index + 1} of {self.world} ended with exit code {proc.exitcode}")
+        return None
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Leave the group; rank 0 waits for its children to end (they end after the last collective)."""
+        import torch.distributed as dist
+
+        self._closed.set()
+        if self._children is not None:
+            deadline = time.monotonic() + timeout
+            for proc in self._children.processes:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.exitcode is None:
+                    log.warning("actor rank (pid %d) still running after %.0f s: killing it", proc.pid, timeout)
+                    proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(run: Any, world: int, device: str) -> Ranks:
+    """Rank 0: spawn ranks 1..world-1 (each runs `follower_main`), then join the group with them.
+
+    The rendezvous variables are set in this process's environment too: accelerate and transformers
+    read RANK / WORLD_SIZE / LOCAL_RANK from it."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    os.environ.update(rank_environment(0, world, port))
+    children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid()), nprocs=world - 1,
+                                  join=False, start_method="spawn")
+    ranks = Ranks(0, world, device, _children=children)
+    ranks.join()
+    return ranks
+
+
+class Channel:
+    """Rank 0 tells the others what comes next: (kind, payload) messages over a gloo group (CPU objects)."""
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self.group, self.rank = group, rank
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([(kind, payload)], src=0, group=self.group)
+
+    def recv(self) -> tuple[str, Any]:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight as a full CPU tensor on rank 0 ({} elsewhere); a collective, so every rank calls it.
+
+    torch's get_model_state_dict gathers one parameter at a time (full_tensor) and, with cpu_offload,
+    moves it to rank 0's CPU before the next: an accelerator never holds more than one gathered tensor
+    beside its shards, never a second full copy of the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def local_share(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole model): about 1 / world of it when sharded."""
+    from torch.distributed.tensor import DTensor
+
+    held = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        held += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+    return held, total
+
+
+def output_slice(output: dict[str, list[Any]], rank: int, world: int) -> dict[str, list[Any]]:
+    """This rank's share of a generation batch, in rank order: TRL gathers the ranks' rewards in that
+    order for the group advantages and slices them back by process_index x len(prompts)."""
+    n = len(output["completion_ids"])
+    if n % world:
+        raise ShardedError(f"a generation batch of {n} completions does not split over {world} ranks")
+    part = slice(rank * (n // world), (rank + 1) * (n // world))
+    return {key: values[part] for key, values in output.items()}
+
+
+def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
+    """Every rank: model and optimizer through torch.distributed.checkpoint (each rank writes its shards
+    into dest/dcp), each rank's RNG states; rank 0 also the scheduler and trainer_state.json."""
+    import random
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(dest / DCP_DIR))
+    torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()},
+               dest / f"rng_state_{rank}.pth")
+    if rank == 0:
+        torch.save(trainer.lr_scheduler.state_dict(), dest / "scheduler.pt")
+        trainer.state.save_to_json(str(dest / "trainer_state.json"))
+    dist.barrier()
+
+
+def load_sharded(trainer: Any, path: Path, rank: int) -> int:
+    """Every rank, once the Trainer made its optimizer and scheduler (on_train_begin): restore model,
+    optimizer and scheduler; returns the checkpoint's step (the caller sets it as the Trainer's). The RNG
+    comes later (restore_rng)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    trainer.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+
+
+def restore_rng(path: Path, rank: int) -> None:
+    """Every rank, at the first step's start after load_sharded (on_step_begin), not at on_train_begin:
+    the Trainer makes its data iterator in between, which draws from torch's RNG (the Trainer's own
+    resume restores its RNG after that too). TRL shuffles each batch with that RNG, and the order
+    decides float sums: restored earlier, a resumed run ends ~1e-7 away from an uninterrupted one."""
+    import random
+
+    rng = torch.load(path / f"rng_state_{rank}.pth", weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["cpu"])
+
+
+def sharded_files(rank_count: int) -> list[str]:
+    """The files a sharded checkpoint must hold to resume (mortal.workers.trl_seam.checkpoint_files' twin)."""
+    return [f"{DCP_DIR}/.metadata", "scheduler.pt", "trainer_state.json",
+            *(f"rng_state_{r}.pth" for r in range(rank_count))]
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose rank 0 is gone can never finish a collective: leave at once."""
+    while True:
+        time.sleep(WATCH_SECONDS)
+        if os.getppid() != parent:
+            os._exit(75)
+
+
+def follower_main(index: int, world: int, port: int, run: Any, device: str, parent: int) -> None:
+    """Ranks 1..N-1: the trainer rank 0 has, fed and steered by rank 0 (mortal.workers.actor.follow)."""
+    rank = index + 1
+    os.environ.update(rank_environment(rank, world, port))
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when to stop, at a step boundary
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="mortal-parent-watch", daemon=True).start()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s %(levelname)s actor-rank{rank} %(name)s: %(message)s")
+    try:
+        from mortal.workers import actor
+
+        ranks = Ranks(rank, world, device)
+        ranks.join()
+        actor.follow(run, ranks)
+        ranks.close()
+    except BaseException:
+        log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(75)
+    sys.stderr.flush()
+    os._exit(0)
