@@ -206,7 +206,8 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
         self._batch = batch
         return trl_seam.rollout_output(
-            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions
+            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions,
+            env_masks=batch.env_masks(),
         )
 
     # -- Trainer callbacks -----------------------------------------------------------------------
