@@ -1,0 +1,296 @@
+"""Tool-calling rollouts (mortal.workers.multiturn, mortal.workers.tools) against TRL's own tool loop.
+
+The central test runs TRL 1.16's `GRPOTrainer._tool_call_loop` (unbound, on a stand-in that holds only
+what it reads) and mortal's `MultiTurn` on the same scripted model turns, with SmolLM2's tokenizer and
+TRL's qwen2_5 template, and requires the same completion ids, tool masks, logprobs and tool counts:
+multi-call turns, unknown tools, tools that raise, the iteration limit and the token budget included.
+The scripted "model" answers from the conversation's text, so both loops see exactly what they build.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from rollout_helpers import assets_available, assets_dir
+
+from mortal.workers.builtin_tools import ArithEnvironment, CalculatorError, calculator
+from mortal.workers.engines import Completion, Engine, GenerationParams
+from mortal.workers.messages import RolloutRequest
+from mortal.workers.multiturn import MultiTurn, ToolTemplateError, tool_suffix_ids
+from mortal.workers.tools import EnvironmentReward, Toolbox, run_with_timeout
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
+MAX_MODEL_LEN = 2048
+
+
+def _call(name: str, **arguments: Any) -> str:
+    import json
+
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+# What the scripted model says: by the task word in the user's message, then by how many tool results
+# the conversation already holds. No entry left: a final answer.
+SCRIPTS = {
+    "plain": ["The answer is 5."],
+    "chain": [_call("calculator", expression="2 + 3"), _call("calculator", expression="5 * 2"), "It is 10."],
+    "broken": [_call("nope", x=1), _call("calculator", expression="import os"), "I give up."],
+    "double": [_call("calculator", expression="1 + 1") + "\n" + _call("calculator", expression="2 + 2"), "2 and 4."],
+    "long": [_call("calculator", expression="7 - 1"), "six " * 200],
+    "loop": [_call("calculator", expression="1 + 1")] * 10,
+}
+
+
+def _tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets_dir() / "smollm2-tok")
+
+
+class ScriptedEngine(Engine):
+    """A deterministic stand-in for a model: each turn's text comes from SCRIPTS (ids end with EOS unless cut
+    by max_tokens); token i's logprob is -(i + 1) / 100 + the turn, so misplaced logprobs show."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[tuple[int, int]] = []  # (prompts, n) per generate
+
+    @classmethod
+    def create(cls, *args: Any, **kwargs: Any) -> Engine:
+        raise NotImplementedError
+
+    def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
+        text = self.tokenizer.decode(history)
+        user = text.split("<|im_start|>user\n")[1]
+        task = next(word for word in SCRIPTS if word in user.split("<|im_end|>")[0])
+        done = text.count("<tool_response>")
+        said = SCRIPTS[task][done] if done < len(SCRIPTS[task]) else "Done."
+        ids = self.tokenizer(said, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        ids = ids[:limit]
+        return ids, [-(i + 1) / 100 + done for i in range(len(ids))]
+
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
+                 params: GenerationParams) -> list[list[Completion]]:
+        self.calls.append((len(prompts), n))
+        return [[Completion(*self.turn(p, params.max_tokens)) for _ in range(n)] for p in prompts]
+
+    def max_model_len(self) -> int | None:
+        return MAX_MODEL_LEN
+
+    def load_weights(self, path: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+def _trl_loop(tokenizer: Any, engine: ScriptedEngine, prompts: list[list[dict[str, Any]]], tools: list[Any],
+              max_tokens: int, max_iterations: int) -> tuple[Any, ...]:
+    """TRL's own tool loop on the scripted turns: first turn as GRPOTrainer._generate makes it, then
+    GRPOTrainer._tool_call_loop, unbound, on a stand-in trainer holding what it reads."""
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import parse_response
+
+    prompt_ids = [tokenizer.apply_chat_template(p, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"] for p in prompts]
+    first = [engine.turn(ids, max_tokens) for ids in prompt_ids]
+    completion_ids = [ids for ids, _ in first]
+    logprobs = [lps for _, lps in first]
+    completions = [[parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=tools)]
+                   for i, ids in enumerate(completion_ids)]
+
+    def single_turn(histories: list[list[int]], *args: Any, **kwargs: Any) -> tuple[list, list]:
+        outs = [engine.turn(h, max_tokens) for h in histories]
+        return [ids for ids, _ in outs], [lps for _, lps in outs]
+
+    stand_in = SimpleNamespace(
+        processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
+        use_vllm=False, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=MAX_MODEL_LEN)),
+        max_completion_length=max_tokens, max_tool_calling_iterations=max_iterations, tools=tools,
+        environment_factories=None, _generate_single_turn=single_turn,
+        _sync_tool_dicts=[{t.__name__: t for t in tools} for _ in prompts], _async_tool_dicts=[{} for _ in prompts],
+    )
+    stand_in._get_tool_suffix_ids = functools.partial(GRPOTrainer._get_tool_suffix_ids, stand_in)
+    return GRPOTrainer._tool_call_loop(stand_in, [list(p) for p in prompts], prompt_ids, completion_ids,
+                                       completions, logprobs, None, {})
+
+
+@pytest.mark.parametrize(("max_tokens", "max_iterations"), [(160, 5), (160, 1), (40, 5)])
+def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterations: int) -> None:
+    tokenizer = _tokenizer()
+    mortal_engine = ScriptedEngine(tokenizer)
+    multiturn = MultiTurn(mortal_engine, tokenizer, Toolbox(tools=[calculator], max_iterations=max_iterations),
+                          GenerationParams(max_tokens=max_tokens), chat_template="qwen2_5")
+    requests = [RolloutRequest(prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2,
+                               seed=i) for i, task in enumerate(SCRIPTS)]
+    groups = multiturn.rollouts(requests)
+    ours = [r for group in groups for r in group]
+
+    prompts = [r.prompt for r in requests for _ in range(2)]
+    mask, completions, ids, logprobs, calls, failures, _ = _trl_loop(
+        tokenizer, ScriptedEngine(tokenizer), prompts, [calculator], max_tokens, max_iterations)
+
+    assert [r.completion_ids for r in ours] == ids
+    assert [r.mask for r in ours] == mask
+    assert [r.logprobs for r in ours] == logprobs
+    assert sum(r.tool_calls for r in ours) == calls
+    assert sum(r.tool_failures for r in ours) == failures
+    assert [r.messages for r in ours] == completions
+    if max_tokens < 60:  # no tool result fits: each is dropped, its call still counted (TRL's rollback)
+        assert calls > 0 and not any(0 in m for m in mask) and all(len(i) <= max_tokens for i in ids)
+    else:
+        assert any(0 in m for m in mask), "no tool result was appended: the scripts no longer exercise the loop"
+    if max_tokens >= 160 and max_iterations > 1:
+        chain = ours[2]
+        assert chain.turns == 3 and chain.tool_calls == 2 and chain.mask.count(0) > 0
+        assert ours[4].tool_failures == 2  # an unknown tool and a calculator that raised
+    # each turn is one engine call over the task's rollouts still in the loop
+    assert mortal_engine.calls[0] == (len(SCRIPTS), 2)
+    assert all(n == 1 for _, n in mortal_engine.calls[1:])
+
+
+def test_tool_suffix_equals_trls() -> None:
+    from trl import GRPOTrainer
+
+    tokenizer = _tokenizer()
+    MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5")
+    stand_in = SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
+                               chat_template_kwargs={}, _is_vlm=False)
+    for messages in ([{"role": "tool", "name": "calculator", "content": "5"}],
+                     [{"role": "tool", "name": "a", "content": "{'error': 'x'}"},
+                      {"role": "tool", "name": "b", "content": "line\nbreak"}]):
+        assert tool_suffix_ids(tokenizer, None, messages) == GRPOTrainer._get_tool_suffix_ids(stand_in, messages)
+
+
+def test_a_model_template_without_tools_is_refused_with_the_fix() -> None:
+    tokenizer = _tokenizer()  # SmolLM2's own template drops tool calls
+    with pytest.raises(ToolTemplateError, match="chatTemplate"):
+        MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams())
+    with pytest.raises(ToolTemplateError, match="no such file or TRL template"):
+        MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "nope")
+
+
+# -- tools: errors, timeouts, parsing ------------------------------------------------------------------
+def _sleepy(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def test_a_tool_that_hangs_answers_with_a_timeout_and_the_rollout_goes_on() -> None:
+    box = Toolbox(tools=[_sleepy, calculator], timeout_seconds=0.2)
+    started = time.monotonic()
+    outcome = box.call(box.tools, {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 5}}})
+    assert time.monotonic() - started < 2
+    assert outcome.failed and "timed out after 0.2 s" in outcome.content
+    ok = box.call(box.tools, {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}})
+    assert (ok.content, ok.failed) == ("42", False)
+
+
+def test_tool_errors_become_the_answer() -> None:
+    box = Toolbox(tools=[calculator])
+    raised = box.call(box.tools, {"type": "function", "function": {"name": "calculator",
+                                                                   "arguments": {"expression": "__import__('os')"}}})
+    assert raised.failed and raised.content.startswith("{'error': ") and "not arithmetic" in raised.content
+    unknown = box.call(box.tools, {"type": "function", "function": {"name": "rm", "arguments": {}}})
+    assert unknown.failed and unknown.content == "{'error': 'Tool rm not found.'}"
+    odd = box.call(box.tools, {"type": "code", "name": "x"})
+    assert odd.failed and "Unsupported tool call type" in odd.content
+    assert run_with_timeout(calculator, {"expression": "1/0"}, 1.0) == (None, "division by zero")
+
+
+def test_calculator_parses_and_never_evaluates_code() -> None:
+    assert calculator("13 + 14") == "27"
+    assert calculator("(2 + 3) * 4 / 8") == "2.5"
+    for bad in ("__import__('os').system('true')", "2 ** 100000", "x + 1", "10**13 * 10"):
+        with pytest.raises(CalculatorError):
+            calculator(bad)
+
+
+def test_parsed_tool_calls_are_typed_by_the_tools_schema() -> None:
+    from trl.chat_template_utils import parse_response
+
+    tokenizer = _tokenizer()
+    MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5")
+    env = ArithEnvironment()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[env.add], tokenize=True,
+                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = tokenizer(_call("add", a="2", b=3) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    message = parse_response(tokenizer, ids, prefix=prompt, tools=[env.add])
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    broken = tokenizer("<tool_call>\n{nope</tool_call><|im_end|>", add_special_tokens=False)["input_ids"]
+    assert "tool_calls" not in parse_response(tokenizer, broken, prefix=prompt, tools=[env.add])
+
+
+# -- environments ------------------------------------------------------------------------------------
+class _Counter:
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset(self, **row: Any) -> str:
+        self.resets += 1
+        return f" (row {row['i']})"
+
+    def peek(self) -> str:
+        """Look."""
+        return "x"
+
+
+def test_environments_are_pooled_reset_per_generation_and_their_methods_are_tools() -> None:
+    tokenizer = _tokenizer()
+    box = Toolbox(environments={None: _Counter}, max_iterations=0)
+    box._pool[None] = [_Counter()]
+    multiturn = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5")
+    request = RolloutRequest(prompt=[{"role": "user", "content": "Task: plain."}], row={"i": 7}, num_generations=3,
+                             seed=0)
+    for _ in range(2):
+        group = multiturn.rollouts([request])[0]
+    assert len(box._pool[None]) == 3 and [e.resets for e in box._pool[None]] == [2, 2, 2]
+    assert group[0].prompt[-1]["content"] == "Task: plain. (row 7)"
+    assert [t.__name__ for t in group[0].tools] == ["peek"] and group[0].tools[0].__self__ is group[0].environment
+
+
+def test_environment_reward_is_get_reward_of_each_rollouts_environment() -> None:
+    envs = [ArithEnvironment(), ArithEnvironment(), None]
+    for env in envs[:2]:
+        env.reset(answer="27", prompt="x")
+    envs[0].submit("27")
+    reward = EnvironmentReward("ArithEnvironment", "mortal.workers.builtin_tools:ArithEnvironment")
+    assert reward(completions=[[], [], []], environments=envs) == [1.0, 0.0, None]
+
+
+def test_a_dict_of_environments_is_picked_by_the_rows_environment_column() -> None:
+    from mortal.workers.errors import FatalWorkerError
+
+    box = Toolbox(environments={"arith": ArithEnvironment, "count": _Counter})
+    assert box.environment_name({"environment": "count"}) == "count"
+    with pytest.raises(FatalWorkerError, match="not among"):
+        box.environment_name({"environment": "other"})
+
+
+def test_spec_and_trainer_map_tools_and_environments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mortal import MortalTrainer
+
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path))
+    trainer = MortalTrainer(model="m", train_dataset="builtin:arith", reward_funcs=None, tools=[calculator],
+                            environment_factory=ArithEnvironment, max_tool_calling_iterations=3,
+                            chat_template="qwen2_5", name="calc")
+    rollout = trainer.run.spec.rollout
+    assert rollout.tools == ["mortal.workers.builtin_tools:calculator"]
+    assert rollout.environment == "mortal.workers.builtin_tools:ArithEnvironment"
+    assert rollout.max_tool_calling_iterations == 3 and rollout.chat_template == "qwen2_5"
+    [reward] = trainer.run.spec.rewards  # get_reward is the only reward, named after the class as in TRL
+    assert (reward.env, reward.name, reward.args) == ("environment", "ArithEnvironment",
+                                                       {"class": "mortal.workers.builtin_tools:ArithEnvironment"})
+    assert "maxToolCallingIterations: 3" in trainer.to_yaml()
