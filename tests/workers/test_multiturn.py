@@ -294,3 +294,106 @@ def test_spec_and_trainer_map_tools_and_environments(tmp_path: Path, monkeypatch
     assert (reward.env, reward.name, reward.args) == ("environment", "ArithEnvironment",
                                                        {"class": "mortal.workers.builtin_tools:ArithEnvironment"})
     assert "maxToolCallingIterations: 3" in trainer.to_yaml()
+
+
+# -- whole runs on CPU -------------------------------------------------------------------------------
+class ArithScript(ScriptedEngine):
+    """A scripted model for builtin:arith: it asks the calculator for the sum in the question, then answers
+    with the tool's result (by construction right: this checks the plumbing, not learning)."""
+
+    @classmethod
+    def create(cls, model_spec: Any, tokenizer: Any, device: str | None = None, max_num_seqs: int | None = None):
+        return cls(tokenizer)
+
+    def load_weights(self, path: str) -> None:
+        """The script has no weights: each version the actor publishes is taken and ignored."""
+
+    def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
+        import re
+
+        text = self.tokenizer.decode(history)
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+        if results:
+            said = results[-1]
+        else:
+            a, b = re.search(r"What is (\d+) \+ (\d+)\?", text).groups()
+            said = _call("calculator", expression=f"{a} + {b}")
+        ids = self.tokenizer(said, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return ids[:limit], [-0.5] * len(ids[:limit])
+
+
+def _tool_spec(model_dir: str, **overrides: Any) -> dict[str, Any]:
+    from actor_helpers import actor_spec
+
+    return actor_spec(model_dir, generation={"maxTokens": 96, "engine": "transformers"},
+                      rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"],
+                               "chatTemplate": "qwen2_5", "maxToolCallingIterations": 2},
+                      algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 2, "learningRate": 1e-2},
+                      checkpoint={"every": 2, "keep": 1}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollout_helpers import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("multiturn") / "model")
+
+
+def _metrics(store: Any, run: str) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for row in store.list_metrics(run):
+        out.setdefault(row.step, {})[row.name] = row.value
+    return out
+
+
+def test_a_tool_run_trains_end_to_end_with_tool_results_masked(sqlite_store: Any, tiny_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole path on CPU: spec -> rollout worker (tool loop, calculator) -> queue -> actor -> TRL's loss with
+    the tool tokens masked -> metrics and stored completions that show the turns."""
+    from actor_helpers import create_run, run_actor_with_rollout
+    from rollout_helpers import task_results
+
+    from mortal.workers import rollout
+    from mortal.workers.runtime import EXIT_SUCCEEDED
+
+    monkeypatch.setattr(rollout, "select_engine", lambda *args, **kwargs: ArithScript)
+    run = create_run(sqlite_store, "calc", _tool_spec(str(tiny_dir)))
+    assert run_actor_with_rollout(sqlite_store, run) == EXIT_SUCCEEDED
+    metrics = _metrics(sqlite_store, "calc")
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        assert metrics[step]["tools/call_frequency"] == 1.0 and metrics[step]["tools/failure_frequency"] == 0.0
+        assert metrics[step]["tools/turns"] == 2.0
+        assert metrics[step]["rewards/correct_answer/mean"] == 1.0  # the calculator's sums are right
+    # TRL counts only the model's tokens (mask 1): the call and the answer, never the tool's result
+    results = [r for task in sqlite_store.step_results("calc", 0) for r in task_results(task)]
+    masks = [m for r in results for m in r.tool_masks]
+    assert len(masks) == 8 and all(0 in m for m in masks)
+    model_tokens = sum(map(sum, masks)) / len(masks)
+    all_tokens = sum(len(ids) for r in results for ids in r.completion_ids) / len(masks)
+    assert metrics[1]["completions/mean_length"] == pytest.approx(model_tokens) and model_tokens < all_tokens
+    [sample, *_] = sqlite_store.list_completions("calc", step=2)
+    assert (sample.extra["turns"], sample.extra["tool_calls"], sample.extra["tool_failures"]) == (2, 1, 0)
+    assert "-> calculator(expression=" in sample.completion and "tool calculator: " in sample.completion
+
+
+def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Path) -> None:
+    """A random tiny model through the transformers engine: the loop runs, and the same weights and seeds
+    give the same trajectories (what exact resume needs); turn 1 is the single-turn path's tokens."""
+    from mortal.specs.training import ModelSpec
+    from mortal.workers.engines.transformers_engine import TransformersEngine
+    from mortal.workers.models import load_tokenizer
+
+    spec = ModelSpec(name=str(tiny_dir), dtype="float32")
+    requests = [RolloutRequest(prompt=[{"role": "user", "content": f"What is {i} + 2?"}], row={"answer": str(i + 2)},
+                               num_generations=3, seed=100 + i) for i in range(2)]
+    runs = []
+    for _ in range(2):
+        tokenizer = load_tokenizer(spec)
+        engine = TransformersEngine.create(spec, tokenizer, device="cpu")
+        multiturn = MultiTurn(engine, tokenizer, Toolbox(tools=[calculator]), GenerationParams(max_tokens=12),
+                              "qwen2_5")
+        runs.append([[(r.completion_ids, r.logprobs, r.mask) for r in group] for group in multiturn.rollouts(requests)])
+    assert runs[0] == runs[1]
+    single = engine.generate([multiturn._start(requests[0])[0].prompt_ids], 3, [100], GenerationParams(max_tokens=12))
+    assert [c.ids for c in single[0]] == [ids for ids, _, _ in runs[0][0]]
