@@ -16,79 +16,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from rollout_helpers import assets_available, assets_dir
+from rollout_helpers import assets_available
+from tool_helpers import MAX_MODEL_LEN, SCRIPTS, ArithScript, ScriptedEngine, smollm2_tokenizer, tool_call
 
 from mortal.workers.builtin_tools import ArithEnvironment, CalculatorError, calculator
-from mortal.workers.engines import Completion, Engine, GenerationParams
+from mortal.workers.engines import GenerationParams
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.multiturn import MultiTurn, ToolTemplateError, tool_suffix_ids
 from mortal.workers.tools import EnvironmentReward, Toolbox, run_with_timeout
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
-MAX_MODEL_LEN = 2048
-
-
-def _call(name: str, **arguments: Any) -> str:
-    import json
-
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
-
-
-# What the scripted model says: by the task word in the user's message, then by how many tool results
-# the conversation already holds. No entry left: a final answer.
-SCRIPTS = {
-    "plain": ["The answer is 5."],
-    "chain": [_call("calculator", expression="2 + 3"), _call("calculator", expression="5 * 2"), "It is 10."],
-    "broken": [_call("nope", x=1), _call("calculator", expression="import os"), "I give up."],
-    "double": [_call("calculator", expression="1 + 1") + "\n" + _call("calculator", expression="2 + 2"), "2 and 4."],
-    "long": [_call("calculator", expression="7 - 1"), "six " * 200],
-    "loop": [_call("calculator", expression="1 + 1")] * 10,
-}
-
-
-def _tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(assets_dir() / "smollm2-tok")
-
-
-class ScriptedEngine(Engine):
-    """A deterministic stand-in for a model: each turn's text comes from SCRIPTS (ids end with EOS unless cut
-    by max_tokens); token i's logprob is -(i + 1) / 100 + the turn, so misplaced logprobs show."""
-
-    name = "scripted"
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.calls: list[tuple[int, int]] = []  # (prompts, n) per generate
-
-    @classmethod
-    def create(cls, *args: Any, **kwargs: Any) -> Engine:
-        raise NotImplementedError
-
-    def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
-        text = self.tokenizer.decode(history)
-        user = text.split("<|im_start|>user\n")[1]
-        task = next(word for word in SCRIPTS if word in user.split("<|im_end|>")[0])
-        done = text.count("<tool_response>")
-        said = SCRIPTS[task][done] if done < len(SCRIPTS[task]) else "Done."
-        ids = self.tokenizer(said, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        ids = ids[:limit]
-        return ids, [-(i + 1) / 100 + done for i in range(len(ids))]
-
-    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
-                 params: GenerationParams) -> list[list[Completion]]:
-        self.calls.append((len(prompts), n))
-        return [[Completion(*self.turn(p, params.max_tokens)) for _ in range(n)] for p in prompts]
-
-    def max_model_len(self) -> int | None:
-        return MAX_MODEL_LEN
-
-    def load_weights(self, path: str) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        return None
 
 
 def _trl_loop(tokenizer: Any, engine: ScriptedEngine, prompts: list[list[dict[str, Any]]], tools: list[Any],
@@ -124,7 +61,7 @@ def _trl_loop(tokenizer: Any, engine: ScriptedEngine, prompts: list[list[dict[st
 
 @pytest.mark.parametrize(("max_tokens", "max_iterations"), [(160, 5), (160, 1), (40, 5)])
 def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterations: int) -> None:
-    tokenizer = _tokenizer()
+    tokenizer = smollm2_tokenizer()
     mortal_engine = ScriptedEngine(tokenizer)
     multiturn = MultiTurn(mortal_engine, tokenizer, Toolbox(tools=[calculator], max_iterations=max_iterations),
                           GenerationParams(max_tokens=max_tokens), chat_template="qwen2_5")
@@ -159,7 +96,7 @@ def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterat
 def test_tool_suffix_equals_trls() -> None:
     from trl import GRPOTrainer
 
-    tokenizer = _tokenizer()
+    tokenizer = smollm2_tokenizer()
     MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5")
     stand_in = SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
                                chat_template_kwargs={}, _is_vlm=False)
@@ -170,7 +107,7 @@ def test_tool_suffix_equals_trls() -> None:
 
 
 def test_a_model_template_without_tools_is_refused_with_the_fix() -> None:
-    tokenizer = _tokenizer()  # SmolLM2's own template drops tool calls
+    tokenizer = smollm2_tokenizer()  # SmolLM2's own template drops tool calls
     with pytest.raises(ToolTemplateError, match="chatTemplate"):
         MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams())
     with pytest.raises(ToolTemplateError, match="no such file or TRL template"):
@@ -221,12 +158,12 @@ def test_calculator_parses_and_never_evaluates_code() -> None:
 def test_parsed_tool_calls_are_typed_by_the_tools_schema() -> None:
     from trl.chat_template_utils import parse_response
 
-    tokenizer = _tokenizer()
+    tokenizer = smollm2_tokenizer()
     MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5")
     env = ArithEnvironment()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[env.add], tokenize=True,
                                            add_generation_prompt=True, return_dict=True)["input_ids"]
-    ids = tokenizer(_call("add", a="2", b=3) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids = tokenizer(tool_call("add", a="2", b=3) + "<|im_end|>", add_special_tokens=False)["input_ids"]
     message = parse_response(tokenizer, ids, prefix=prompt, tools=[env.add])
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     broken = tokenizer("<tool_call>\n{nope</tool_call><|im_end|>", add_special_tokens=False)["input_ids"]
@@ -248,7 +185,7 @@ class _Counter:
 
 
 def test_environments_are_pooled_reset_per_generation_and_their_methods_are_tools() -> None:
-    tokenizer = _tokenizer()
+    tokenizer = smollm2_tokenizer()
     box = Toolbox(environments={None: _Counter}, max_iterations=0)
     box._pool[None] = [_Counter()]
     multiturn = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5")
@@ -297,31 +234,6 @@ def test_spec_and_trainer_map_tools_and_environments(tmp_path: Path, monkeypatch
 
 
 # -- whole runs on CPU -------------------------------------------------------------------------------
-class ArithScript(ScriptedEngine):
-    """A scripted model for builtin:arith: it asks the calculator for the sum in the question, then answers
-    with the tool's result (by construction right: this checks the plumbing, not learning)."""
-
-    @classmethod
-    def create(cls, model_spec: Any, tokenizer: Any, device: str | None = None, max_num_seqs: int | None = None):
-        return cls(tokenizer)
-
-    def load_weights(self, path: str) -> None:
-        """The script has no weights: each version the actor publishes is taken and ignored."""
-
-    def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
-        import re
-
-        text = self.tokenizer.decode(history)
-        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
-        if results:
-            said = results[-1]
-        else:
-            a, b = re.search(r"What is (\d+) \+ (\d+)\?", text).groups()
-            said = _call("calculator", expression=f"{a} + {b}")
-        ids = self.tokenizer(said, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return ids[:limit], [-0.5] * len(ids[:limit])
-
-
 def _tool_spec(model_dir: str, **overrides: Any) -> dict[str, Any]:
     from actor_helpers import actor_spec
 
