@@ -141,7 +141,11 @@ class MultiTurn:
 
     def rollouts(self, requests: list[RolloutRequest]) -> list[list[Rollout]]:
         """numGenerations rollouts of each request, in order, each run to its end."""
-        groups = [self._start(request) for request in requests]  # steps 1-2
+        names = [self.toolbox.environment_name(r.row) for r in requests]
+        environments = iter(self.toolbox.environments_for([n for n, r in zip(names, requests, strict=True)
+                                                           for _ in range(r.num_generations)]))
+        groups = [self._start(request, name, [next(environments) for _ in range(request.num_generations)])
+                  for request, name in zip(requests, names, strict=True)]  # steps 1-2: one instance per rollout
         self._first_turn(requests, groups)  # step 3
         flat = [r for group in groups for r in group]
         seeds = [(request.seed, g) for request in requests for g in range(request.num_generations)]
@@ -157,12 +161,11 @@ class MultiTurn:
         return groups
 
     # -- steps ---------------------------------------------------------------------------------------
-    def _start(self, request: RolloutRequest) -> list[Rollout]:
+    def _start(self, request: RolloutRequest, name: str | None, environments: list[Any]) -> list[Rollout]:
+        """A request's rollouts: each environment reset with the row, each prompt rendered with its tools."""
         if isinstance(request.prompt, str):
             raise FatalWorkerError("PromptUnencodable", "tool-calling rollouts need chat prompts (a list of "
                                    "messages), as TRL's tool loop does; the dataset's prompt is text")
-        name = self.toolbox.environment_name(request.row)
-        environments = self.toolbox.environments_for([name] * request.num_generations)
         reset_row = {k: v for k, v in request.row.items() if k != "environment"} if name is not None else request.row
         group = []
         for environment in environments:

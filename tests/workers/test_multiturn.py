@@ -192,8 +192,8 @@ def test_environments_are_pooled_reset_per_generation_and_their_methods_are_tool
     request = RolloutRequest(prompt=[{"role": "user", "content": "Task: plain."}], row={"i": 7}, num_generations=3,
                              seed=0)
     for _ in range(2):
-        group = multiturn.rollouts([request])[0]
-    assert len(box._pool[None]) == 3 and [e.resets for e in box._pool[None]] == [2, 2, 2]
+        group = multiturn.rollouts([request, request])[0]
+    assert len(box._pool[None]) == 6 and [e.resets for e in box._pool[None]] == [2] * 6  # one per rollout of the task
     assert group[0].prompt[-1]["content"] == "Task: plain. (row 7)"
     assert [t.__name__ for t in group[0].tools] == ["peek"] and group[0].tools[0].__self__ is group[0].environment
 
@@ -234,12 +234,13 @@ def test_spec_and_trainer_map_tools_and_environments(tmp_path: Path, monkeypatch
 
 
 # -- whole runs on CPU -------------------------------------------------------------------------------
-def _tool_spec(model_dir: str, **overrides: Any) -> dict[str, Any]:
+def _tool_spec(model_dir: str, max_tokens: int = 96, rollout: dict[str, Any] | None = None,
+               **overrides: Any) -> dict[str, Any]:
     from actor_helpers import actor_spec
 
-    return actor_spec(model_dir, generation={"maxTokens": 96, "engine": "transformers"},
+    return actor_spec(model_dir, generation={"maxTokens": max_tokens, "engine": "transformers"},
                       rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"],
-                               "chatTemplate": "qwen2_5", "maxToolCallingIterations": 2},
+                               "chatTemplate": "qwen2_5", "maxToolCallingIterations": 2, **(rollout or {})},
                       algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 2, "learningRate": 1e-2},
                       checkpoint={"every": 2, "keep": 1}, **overrides)
 
@@ -289,6 +290,34 @@ def test_a_tool_run_trains_end_to_end_with_tool_results_masked(sqlite_store: Any
     assert "-> calculator(expression=" in sample.completion and "tool calculator: " in sample.completion
 
 
+def test_an_environment_run_stopped_and_resumed_ends_bit_for_bit(sqlite_store: Any, tiny_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """environment_factory through a whole run: one ArithEnvironment per rollout, reset per generation, its
+    `submit` a tool, its get_reward a reward; a run stopped after step 1 and resumed from its checkpoint ends
+    with the same weights as one never stopped (nothing of an environment outlives its rollout)."""
+    from actor_helpers import create_run, final_weights_hash, run_actor_with_rollout
+
+    from mortal.workers import rollout
+    from mortal.workers.runtime import EXIT_SUCCEEDED
+
+    monkeypatch.setattr(rollout, "select_engine", lambda *args, **kwargs: ArithScript)
+    env_ref = "mortal.workers.builtin_tools:ArithEnvironment"
+    spec = _tool_spec(str(tiny_dir), max_tokens=160, rollout={"environment": env_ref},
+                      rewards=[{"function": "actor_helpers:parity_reward"},
+                               {"env": "environment", "name": "ArithEnvironment", "args": {"class": env_ref}}])
+    straight = create_run(sqlite_store, "straight", spec)
+    assert run_actor_with_rollout(sqlite_store, straight) == EXIT_SUCCEEDED
+    metrics = _metrics(sqlite_store, "straight")
+    assert metrics[2]["rewards/ArithEnvironment/mean"] == 1.0  # every rollout submitted the calculator's sum
+    assert metrics[2]["tools/turns"] == 3.0 and metrics[2]["tools/call_frequency"] == 2.0
+
+    stopped = create_run(sqlite_store, "stopped", spec)
+    assert run_actor_with_rollout(sqlite_store, stopped, stop_after_step=1) == EXIT_SUCCEEDED
+    assert [c.step for c in sqlite_store.list_checkpoints("stopped")] == [1]
+    assert run_actor_with_rollout(sqlite_store, stopped) == EXIT_SUCCEEDED
+    assert final_weights_hash(sqlite_store, "stopped") == final_weights_hash(sqlite_store, "straight")
+
+
 def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Path) -> None:
     """A random tiny model through the transformers engine: the loop runs, and the same weights and seeds
     give the same trajectories (what exact resume needs); turn 1 is the single-turn path's tokens."""
@@ -307,5 +336,6 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
                               "qwen2_5")
         runs.append([[(r.completion_ids, r.logprobs, r.mask) for r in group] for group in multiturn.rollouts(requests)])
     assert runs[0] == runs[1]
-    single = engine.generate([multiturn._start(requests[0])[0].prompt_ids], 3, [100], GenerationParams(max_tokens=12))
+    prompt_ids = multiturn._start(requests[0], None, [None] * 3)[0].prompt_ids
+    single = engine.generate([prompt_ids], 3, [100], GenerationParams(max_tokens=12))
     assert [c.ids for c in single[0]] == [ids for ids, _, _ in runs[0][0]]
