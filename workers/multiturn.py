@@ -20,7 +20,8 @@ single-turn rollouts use (so transformers and vLLM both serve it). The loop, for
        (generation.maxTokens counts the whole completion) or the model's length keeps its completion
        as it is and leaves the loop (its tool messages are dropped, its calls still counted)
     6. one engine call generates the next turn of every rollout still in the loop (n=1 each, a seed
-       per rollout and turn: schedule.turn_seed), cut to its remaining budget, appended with mask 1
+       per rollout and turn: schedule.turn_seed, maxTokens each), cut to its remaining budget,
+       appended with mask 1
 The completion a rollout returns is everything after its prompt: model tokens, tool-result tokens,
 model tokens..., with one mask entry per token (TRL's tool_mask: 1 = trained, 0 = not). Every choice
 above follows TRL's `_tool_call_loop`; tests/workers/test_multiturn.py runs TRL's own loop on the
@@ -33,7 +34,6 @@ tools that answer the same), or retry a tool.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,10 +215,10 @@ class MultiTurn:
         return True
 
     def _next_turn(self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int) -> None:
-        budget = max(self.params.max_tokens - len(r.completion_ids) for r in rollouts)
-        params = dataclasses.replace(self.params, max_tokens=max(budget, 1))
+        # maxTokens for every turn, then cut to each rollout's budget (as TRL does): one decode length, so the
+        # batched CUDA path keeps its captured shapes instead of capturing one per remaining budget
         outs = self.engine.generate([r.history_ids for r in rollouts], 1,
-                                    [schedule.turn_seed(seed, g, turn) for seed, g in seeds], params)
+                                    [schedule.turn_seed(seed, g, turn) for seed, g in seeds], self.params)
         for rollout, [completion] in zip(rollouts, outs, strict=True):
             room = self.params.max_tokens - len(rollout.completion_ids)
             self._append_turn(rollout, completion.ids[:room], completion.logprobs[:room])
