@@ -86,3 +86,46 @@ class ArithEnvironment:
             return float(float(self.submitted) == float(self.answer))
         except ValueError:
             return 0.0
+
+
+class CodeAgentEnvironment:
+    """A code agent for builtin:mbpp-mini (TRL's environment_factory shape): its one tool, `run_tests`, runs the
+    model's code against the row's asserts in the reward sandbox (confined: no network, time and memory
+    limits; mortal.workers.rewards.sandbox) and answers with the failure, so the model can fix it and try
+    again; `get_reward` is 1.0 once a run passed every test. Model-written code never runs in the worker."""
+
+    def __init__(self) -> None:
+        self.tests: list[str] = []
+        self.passed = False
+        self._sandbox: Any = None
+
+    def reset(self, tests: Any = None, **row: Any) -> None:
+        from mortal.workers.rewards.environments.code_execution import as_tests
+
+        self.tests, self.passed = as_tests(tests or []), False
+
+    def run_tests(self, code: str) -> str:
+        """Run Python code against the task's tests.
+
+        Args:
+            code: The complete Python code (the function definitions), without the tests.
+        """
+        import secrets
+
+        if self._sandbox is None:
+            from mortal.workers.rewards import RewardEnvironment
+
+            self._sandbox = RewardEnvironment()  # only for its execute_in_sandbox
+        token = secrets.token_hex(8)  # printed after the asserts; the model never sees it, so cannot fake it
+        program = f"{code}\n\n" + "\n".join(self.tests) + f"\nprint({token!r})\n"
+        result = self._sandbox.execute_in_sandbox(program)
+        if result.success and token in result.stdout:
+            self.passed = True
+            return "All tests passed."
+        if result.timed_out:
+            return "Failed: the code timed out."
+        detail = (result.error or result.stderr or result.stdout).strip()
+        return "Failed:\n" + detail[-800:]
+
+    def get_reward(self) -> float:
+        return 1.0 if self.passed else 0.0

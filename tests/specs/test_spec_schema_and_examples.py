@@ -55,7 +55,7 @@ def test_schema_documents_every_field():
 
 def test_the_shipped_examples_are_there():
     assert {p.name for p in EXAMPLES} >= {"quickstart.yaml", "gpu.yaml", "modal.yaml", "code-execution.yaml",
-                                         "calculator-tools.yaml"}
+                                         "calculator-tools.yaml", "code-agent.yaml"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -339,3 +339,23 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
     prompt_ids = multiturn._start(requests[0], None, [None] * 3)[0].prompt_ids
     single = engine.generate([prompt_ids], 3, [100], GenerationParams(max_tokens=12))
     assert [c.ids for c in single[0]] == [ids for ids, _, _ in runs[0][0]]
+
+
+def test_the_code_agent_runs_the_models_code_in_the_sandbox_and_reports_failures() -> None:
+    from mortal.specs.training import DatasetSpec
+    from mortal.workers.builtin_tools import CodeAgentEnvironment
+    from mortal.workers.data import load_rows
+    from mortal.workers.tools import environment_methods
+
+    row = load_rows(DatasetSpec(name="builtin:mbpp-mini"))[0]
+    env = CodeAgentEnvironment()
+    assert [t.__name__ for t in environment_methods(env)] == ["run_tests"]  # reset / get_reward are not tools
+    env.reset(**row)
+    name = row["tests"][0].split("assert ")[1].split("(")[0]
+    failed = env.run_tests(f"def {name}(*args):\n    return None\n")
+    assert failed.startswith("Failed:") and "AssertionError" in failed and env.get_reward() == 0.0
+    early = env.run_tests("raise SystemExit(0)")
+    assert early.startswith("Failed:") and env.get_reward() == 0.0  # exiting before the asserts never passes
+    assert env.run_tests(row["solution"]) == "All tests passed." and env.get_reward() == 1.0
+    env.reset(**row)
+    assert env.get_reward() == 0.0
