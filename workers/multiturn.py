@@ -28,7 +28,8 @@ above follows TRL's `_tool_call_loop`; tests/workers/test_multiturn.py runs TRL'
 same scripted turns and compares ids, masks and logprobs.
 What it must not do: batch rollouts of different tasks, read the clock or anything but tokens and
 seeds to decide what is generated (exact resume: same weights and seeds, same trajectories, given
-tools that answer the same), or retry a tool.
+tools that answer the same), retry a tool, or swallow a broken environment (a reset that raises is
+a FatalWorkerError: the run fails with the reason, as a broken reward does).
 """
 
 from __future__ import annotations
@@ -171,7 +172,11 @@ class MultiTurn:
         for environment in environments:
             prompt = copy.deepcopy(request.prompt)
             if environment is not None:
-                observation = environment.reset(**reset_row)
+                try:
+                    observation = environment.reset(**reset_row)
+                except Exception as exc:  # the user's environment is broken: fail the run with its reason
+                    raise FatalWorkerError("EnvironmentFailed", f"{type(environment).__name__}.reset(**row) raised "
+                                           f"{type(exc).__name__}: {exc}") from exc
                 if isinstance(observation, str) and prompt:
                     prompt = [*prompt[:-1], {**prompt[-1], "content": str(prompt[-1]["content"]) + observation}]
             tools = self.toolbox.tools_for(environment)

@@ -359,3 +359,20 @@ def test_the_code_agent_runs_the_models_code_in_the_sandbox_and_reports_failures
     assert env.run_tests(row["solution"]) == "All tests passed." and env.get_reward() == 1.0
     env.reset(**row)
     assert env.get_reward() == 0.0
+
+
+class _BrokenReset:
+    def reset(self, **row: Any) -> None:
+        raise KeyError("no such column")
+
+
+def test_an_environment_whose_reset_raises_fails_the_run_with_the_reason() -> None:
+    from mortal.workers.errors import FatalWorkerError
+
+    tokenizer = smollm2_tokenizer()
+    multiturn = MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(environments={None: _BrokenReset}),
+                          GenerationParams(max_tokens=8), "qwen2_5")
+    request = RolloutRequest(prompt=[{"role": "user", "content": "Task: plain."}], row={}, num_generations=1, seed=0)
+    with pytest.raises(FatalWorkerError, match="_BrokenReset.reset.*KeyError") as caught:
+        multiturn.rollouts([request])
+    assert caught.value.reason == "EnvironmentFailed"
