@@ -154,8 +154,9 @@ class Toolbox:
         result, error = run_with_timeout(by_name[name], arguments, self.timeout_seconds)
         if error is not None:
             return ToolOutcome(name, arguments, str({"error": error}), True)
-        content = result if isinstance(result, list) else str(result)
-        return ToolOutcome(name, arguments, content if isinstance(content, str) else str(content), False)
+        # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
+        # rollouts are text only)
+        return ToolOutcome(name, arguments, str(result), False)
 
 
 def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], seconds: float) -> tuple[Any, str | None]:
