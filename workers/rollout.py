@@ -178,9 +178,10 @@ class RolloutWorker:
         as TRL hands them to reward functions; environments are passed as `environments`)."""
         started = time.monotonic()
         completion_ids = [r.completion_ids for r in group]
-        environments = [r.environment for r in group] if self.multiturn.toolbox.environments else None
+        with_environments = bool(self.multiturn.toolbox.environments)
         scores = self.rewards.score(request.prompt, [r.messages for r in group], completion_ids, request.row,
-                                    step=task.step, environments=environments)
+                                    step=task.step, environments=[r.environment for r in group] if with_environments
+                                    else None, prompts=[r.prompt for r in group] if with_environments else None)
         prompt_ids = group[0].prompt_ids
         differ = any(r.prompt_ids != prompt_ids for r in group)
         return RolloutResult(

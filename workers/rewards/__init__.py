@@ -333,11 +333,15 @@ class RewardSet:
         return reports
 
     def score(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
-              step: int = 0, environments: list[Any] | None = None) -> dict[str, list[float | None]]:
-        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}; `environments`
-        (one per completion, tool-calling runs with spec.rollout.environment) are passed as TRL passes them."""
+              step: int = 0, environments: list[Any] | None = None,
+              prompts: list[Any] | None = None) -> dict[str, list[float | None]]:
+        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. Tool-calling runs
+        with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts` (each
+        completion's prompt after its environment's reset appended what it returned)."""
         self.logs = RewardLogs()
         kwargs = self._kwargs(prompt, completions, completion_ids, row, step)
         if environments is not None:
             kwargs["environments"] = environments
+        if prompts is not None:
+            kwargs["prompts"] = prompts
         return {r.name: check_scores(r, self._call(r, kwargs), len(completions)) for r in self.rewards}
