@@ -24,8 +24,10 @@ from mortal.controller.trainer_inputs import (
     dataset_name,
     dataset_rows,
     default_run_name,
+    environment_rewards,
     is_code_execution,
     reward_entries,
+    tool_fields,
     write_dataset,
 )
 from mortal.specs import RunStatus, TrainingRun, epochs, to_yaml
@@ -99,6 +101,11 @@ class MortalTrainer:
                       TRL's per_device_train_batch_size): lower it when the actor runs out of GPU memory
       max_steps       optimizer steps; None with num_epochs: computed from the dataset's rows (an in-memory,
                       builtin or local-file dataset)
+      tools, environment_factory, max_tool_calling_iterations
+                      as in TRL's GRPOTrainer: multi-turn, tool-calling rollouts (spec.rollout.tools /
+                      environment / maxToolCallingIterations); functions and classes must be importable, as
+                      rewards; an environment class with get_reward() adds a reward named after the class.
+                      chat_template names the template that renders tool calls (spec.rollout.chatTemplate)
       detach          train() returns right after applying; the controller keeps training
       name            the run's name (default: '<model>-<5 random chars>')
     Without reward_funcs and train_dataset, the seeds' default: sandboxed code execution on
@@ -142,6 +149,11 @@ class MortalTrainer:
         prompt_column: str | None = None,
         system_prompt: str | None = None,
         max_samples: int | None = None,
+        tools: list[Any] | None = None,
+        environment_factory: Any = None,
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout_seconds: float | None = None,
+        chat_template: str | None = None,
         checkpoint_every: int | None = None,
         checkpoint_keep: int | None = None,
         max_restarts: int | None = None,
@@ -159,9 +171,10 @@ class MortalTrainer:
 
         self.detach, self.quiet, self.start_controller, self.state_url = detach, quiet, start_controller, state_url
         name = name or default_run_name(model)
-        if reward_funcs is None:
+        env_rewards = environment_rewards(environment_factory)
+        if reward_funcs is None and not env_rewards:
             reward_funcs = "sandbox"  # the seeds' default: code execution with the rows' tests
-        code_only = is_code_execution(reward_funcs)
+        code_only = reward_funcs is not None and is_code_execution(reward_funcs)
         if train_dataset is None and not code_only:
             raise TrainerError("train_dataset is required when reward_funcs is given (leave both out, or give "
                                "reward_funcs='sandbox' alone, to train with code execution on builtin:mbpp-mini)")
@@ -179,7 +192,7 @@ class MortalTrainer:
             dataset = dataset_name(train_dataset)
         else:
             dataset, system_prompt = CODE_DATASET, system_prompt or CODE_SYSTEM_PROMPT
-        rewards = reward_entries(reward_funcs, reward_weights)
+        rewards = (reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else []) + env_rewards
         judge_keys = [r["api_key_env"] for r in rewards if r.get("api_key_env")]  # the judge's key travels as a secret
         secrets = list(dict.fromkeys([*(secrets or []), *judge_keys])) or None
         if max_completion_length is not None and max_tokens is not None and max_completion_length != max_tokens:
@@ -202,6 +215,8 @@ class MortalTrainer:
             "generation": _drop_none({"max_tokens": max_completion_length or max_tokens, "temperature": temperature,
                                       "top_p": top_p, "top_k": top_k}),
             "rewards": rewards,
+            "rollout": tool_fields(tools, environment_factory, max_tool_calling_iterations, tool_timeout_seconds,
+                                   chat_template),
             **_drop_none({"backend": backend, "secrets": secrets}),
             "checkpoint": _drop_none({"every": checkpoint_every, "keep": checkpoint_keep}),
             "restart_policy": _drop_none({"max_restarts": max_restarts}),

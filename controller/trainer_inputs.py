@@ -60,24 +60,25 @@ def _is_reward_environment(obj: Any) -> bool:
     return rewards is not None and isinstance(obj, rewards.RewardEnvironment)
 
 
-def import_path(obj: Any) -> str:
-    """'module:qualname' of a function or class, checked by importing it back (identity, not name)."""
+def import_path(obj: Any, kind: str = "reward") -> str:
+    """'module:qualname' of a function or class, checked by importing it back (identity, not name);
+    `kind` names it in the error (reward, tool, environment)."""
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
     what = getattr(obj, "__name__", None) or repr(obj)
     fix = "define it at the top level of a module (e.g. my_rewards.py) and import it from there"
     if module is None or qualname is None:
         raise RewardNotImportable(
-            f"reward {what} has no importable name (a functools.partial or a callable object?); {fix}; "
+            f"{kind} {what} has no importable name (a functools.partial or a callable object?); {fix}; "
             "for parameters, subclass RewardEnvironment and take them in __init__"
         )
     if qualname == "<lambda>" or "<lambda>" in qualname:
-        raise RewardNotImportable(f"reward {what} is a lambda, which worker processes cannot import; {fix}")
+        raise RewardNotImportable(f"{kind} {what} is a lambda, which worker processes cannot import; {fix}")
     if "<locals>" in qualname:
-        raise RewardNotImportable(f"reward {qualname} is defined inside a function, which worker processes "
+        raise RewardNotImportable(f"{kind} {qualname} is defined inside a function, which worker processes "
                                   f"cannot import; {fix}")
     if module == "__main__":
-        raise RewardNotImportable(f"reward {qualname} is defined in the script being run (__main__), which "
+        raise RewardNotImportable(f"{kind} {qualname} is defined in the script being run (__main__), which "
                                   f"worker processes cannot import; {fix}")
     ref = f"{module}:{qualname}"
     try:
@@ -85,9 +86,9 @@ def import_path(obj: Any) -> str:
         for part in qualname.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError) as exc:
-        raise RewardNotImportable(f"reward {ref} cannot be imported back ({exc}); {fix}") from None
+        raise RewardNotImportable(f"{kind} {ref} cannot be imported back ({exc}); {fix}") from None
     if found is not obj:
-        raise RewardNotImportable(f"importing {ref} gives a different object than the reward passed; {fix}")
+        raise RewardNotImportable(f"importing {ref} gives a different object than the {kind} passed; {fix}")
     return ref
 
 
@@ -142,6 +143,44 @@ def reward_entries(reward_funcs: Any, reward_weights: list[float] | None) -> lis
                            "give one weight per reward (or none for equal weights)")
     weights = reward_weights if reward_weights is not None else [None] * len(funcs)
     return [reward_entry(f, w) for f, w in zip(funcs, weights, strict=True)]
+
+
+# -- tools and environments ------------------------------------------------------------------------
+def tool_fields(tools: Any, environment_factory: Any, max_tool_calling_iterations: int | None,
+                tool_timeout_seconds: float | None, chat_template: str | None) -> dict[str, Any]:
+    """TRL's `tools=` / `environment_factory=` / `max_tool_calling_iterations=` as spec.rollout fields."""
+    fields: dict[str, Any] = {}
+    if tools:
+        if not isinstance(tools, list | tuple) or not all(callable(t) or isinstance(t, str) for t in tools):
+            raise TrainerError("tools must be a list of functions (or 'module:function' strings)")
+        fields["tools"] = [t if isinstance(t, str) else import_path(t, "tool") for t in tools]
+    if environment_factory is not None:
+        if isinstance(environment_factory, dict):
+            fields["environment"] = {str(k): _environment_ref(v) for k, v in environment_factory.items()}
+        else:
+            fields["environment"] = _environment_ref(environment_factory)
+    return fields | {k: v for k, v in (("max_tool_calling_iterations", max_tool_calling_iterations),
+                                         ("tool_timeout_seconds", tool_timeout_seconds),
+                                         ("chat_template", chat_template)) if v is not None}
+
+
+def _environment_ref(factory: Any) -> str:
+    if isinstance(factory, str):
+        return factory
+    if not isinstance(factory, type):
+        raise TrainerError(f"environment_factory must be a class (or a dict of classes) that workers can import and "
+                           f"build with no arguments, as TRL calls it (got {factory!r})")
+    return import_path(factory, "environment")
+
+
+def environment_rewards(environment_factory: Any) -> list[dict[str, Any]]:
+    """TRL's extra reward per environment class that defines get_reward: named after the class, weight 1."""
+    if environment_factory is None:
+        return []
+    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    classes = list(dict.fromkeys(f for f in factories if isinstance(f, type) and callable(getattr(f, "get_reward", None))))
+    return [{"env": "environment", "name": cls.__name__, "args": {"class": import_path(cls, "environment")}}
+            for cls in classes]
 
 
 # -- datasets --------------------------------------------------------------------------------------

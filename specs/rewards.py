@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
 
-BUILTIN_ENVS = ("code-execution", "llm-judge", "math-answer")
+BUILTIN_ENVS = ("code-execution", "llm-judge", "math-answer", "environment")
 FUNCTION_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 ENV_VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -39,8 +39,10 @@ class RewardSpec(SpecModel):
         description="Python reference 'module:attr' to a TRL-style reward function "
         "f(completions, prompts=..., **columns) -> list[float | None], or to a RewardEnvironment subclass.",
     )
-    env: Literal["code-execution", "llm-judge", "math-answer"] | None = Field(
-        None, description="A built-in reward environment: code-execution, llm-judge or math-answer."
+    env: Literal["code-execution", "llm-judge", "math-answer", "environment"] | None = Field(
+        None, description="A built-in reward environment: code-execution, llm-judge or math-answer; or environment: "
+        "the score of rollout.environment's get_reward() (TRL's environment reward; `args: {class: 'module:Class'}` "
+        "scores only rollouts of that exact class, as TRL adds one reward per class).",
     )
     name: str | None = Field(
         None,

@@ -16,6 +16,7 @@ from mortal.specs.base import SpecModel, rule_error
 from mortal.specs.limits import LimitsSpec
 from mortal.specs.ray import RaySpec
 from mortal.specs.rewards import ENV_VAR, RewardSpec
+from mortal.specs.tools import check_environment, check_tools
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
 # The seeds' weight_sync_method names, accepted in spec.sync.method: what each becomes here, and why.
@@ -230,6 +231,53 @@ class RolloutSpec(SpecModel):
         "at once) on a GPU. Absent: on a GPU, a step's prompts split evenly over the replicas; on CPU, 1 "
         "(each prompt is generated alone there, so results do not depend on this).",
     )
+
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the model may call, as 'module:function' references (TRL's `tools`): each function's "
+        "name, type hints and Google-style docstring become its schema in the chat template. A rollout generates, "
+        "parses tool calls with the chat template, calls them (in the rollout worker, trusted code, under "
+        "toolTimeoutSeconds: a tool that raises or hangs answers the model with an error), appends the results and "
+        "generates again; tool-result tokens are masked out of the loss. A tool that runs model-written code should "
+        "run it through the reward sandbox (RewardEnvironment.execute_in_sandbox).",
+    )
+    environment: str | dict[str, str] | None = Field(
+        None,
+        description="TRL's `environment_factory`: a class 'module:Class' built once per rollout (no arguments) and "
+        "reused; `reset(**row)` is called before each generation (a string it returns is appended to the last "
+        "prompt message) and its public methods are tools. A method `get_reward()` scores the rollout when a "
+        "reward entry says `env: environment`. A dict {name: 'module:Class'} lets the dataset's `environment` "
+        "column pick one per row.",
+    )
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0,
+        description="Most rounds of tool calls per completion (TRL's max_tool_calling_iterations); absent = no "
+        "limit but the token budget (generation.maxTokens counts the whole completion: model and tool tokens).",
+    )
+    tool_timeout_seconds: float = Field(
+        30.0, gt=0, description="Wall-clock limit of one tool call; past it the model is told the tool timed out."
+    )
+    chat_template: str | None = Field(
+        None, min_length=1,
+        description="The chat template that renders tool conversations: a TRL template name (e.g. qwen2_5, one of "
+        "trl/chat_templates/*.jinja) or a .jinja file. Absent: the model's own, which must render tool calls and "
+        "tool messages (SmolLM2's does not: use qwen2_5, which speaks the same ChatML tokens).",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_references(cls, value: list[str]) -> list[str]:
+        return check_tools(value)
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_is_a_reference(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        return check_environment(value)
+
+    @property
+    def uses_tools(self) -> bool:
+        """Rollouts are multi-turn: tools or an environment are set."""
+        return bool(self.tools) or self.environment is not None
 
     def task_size(self, prompts_per_step: int) -> int:
         """Prompts per rollout task: the spec's value, else one chunk per replica on GPU, 1 on CPU."""
@@ -458,6 +506,20 @@ class TrainingSpec(SpecModel):
             what = "microBatchSize" if self.algorithm.micro_batch_size else "batchSize"
             raise rule_error(f"{what} ({micro}) must divide over the actor's {count} ranks: each rank trains "
                              f"{what} / count completions of a pass", "actor.count")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_fields_fit(self) -> TrainingSpec:
+        rollout = self.rollout
+        for key, value in (("maxToolCallingIterations", rollout.max_tool_calling_iterations),
+                           ("chatTemplate", rollout.chat_template)):
+            if value is not None and not rollout.uses_tools:
+                raise rule_error(f"rollout.{key} applies to tool-calling rollouts: set rollout.tools or "
+                                 "rollout.environment, or drop it", f"rollout.{key}")
+        for i, entry in enumerate(self.rewards):
+            if entry.env == "environment" and self.rollout.environment is None:
+                raise rule_error(f"rewards[{i}] has env 'environment', which scores with the environment's "
+                                 "get_reward(): set rollout.environment ('module:Class')", "rewards")
         return self
 
     @model_validator(mode="after")

@@ -321,7 +321,8 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
         self._batch = batch
         output = trl_seam.rollout_output(
-            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions
+            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions,
+            env_masks=batch.env_masks(),
         )
         if self.ranks is None:
             return output

@@ -49,6 +49,10 @@ class StepBatch:
     prompts: list[Any] = field(default_factory=list)  # the dataset's prompt (text or chat messages)
     completions: list[Any] = field(default_factory=list)  # decoded text or [{'role': 'assistant', ...}]
     extra: list[dict[str, Any]] = field(default_factory=list)  # log_extra columns, this completion's values
+    tool_masks: list[list[int]] = field(default_factory=list)  # tool-calling runs: 0 on tool-result tokens
+    turns: list[int] = field(default_factory=list)  # tool-calling runs: model turns, calls, failed calls
+    tool_calls: list[int] = field(default_factory=list)
+    tool_failures: list[int] = field(default_factory=list)
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
     weight_load_seconds: float = 0.0
@@ -68,7 +72,7 @@ class StepBatch:
         names = dict.fromkeys(name for scores in self.rewards for name in scores)
         scored = {f"rewards/{name}/scored": sum(s.get(name) is not None for s in self.rewards) / len(self.rewards)
                   for name in names}
-        return logged | scored | {
+        return logged | scored | self._tool_metrics() | {
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
             "completion_tokens": float(sum(len(c) for c in self.completion_ids)),
@@ -76,6 +80,23 @@ class StepBatch:
             "rollout/reward_seconds": self.reward_seconds,
             "weights/load_seconds": self.weight_load_seconds,
         }
+
+
+    def _tool_metrics(self) -> dict[str, float]:
+        """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls, 0
+        without calls), and the mean model turns per completion; nothing when the run calls no tools."""
+        if not self.turns:
+            return {}
+        calls = sum(self.tool_calls)
+        return {
+            "tools/call_frequency": calls / len(self.tool_calls),
+            "tools/failure_frequency": sum(self.tool_failures) / calls if calls else 0.0,
+            "tools/turns": sum(self.turns) / len(self.turns),
+        }
+
+    def env_masks(self) -> list[list[int]] | None:
+        """One loss mask per completion (TRL's env_mask) when the run calls tools, else None."""
+        return self.tool_masks or None
 
 
 @dataclass
@@ -166,7 +187,8 @@ class RolloutFeed:
 
     def _add(self, batch: StepBatch, prompt: Any, result: RolloutResult) -> None:
         for g in range(self.num_generations):
-            batch.prompt_ids.append(list(result.prompt_ids))
+            prompt_ids = result.sample_prompt_ids[g] if result.sample_prompt_ids else result.prompt_ids
+            batch.prompt_ids.append(list(prompt_ids))
             batch.completion_ids.append(list(result.completion_ids[g]))
             batch.logprobs.append(list(result.logprobs[g]))
             batch.rewards.append({name: result.rewards[name][g] for name in self.reward_names})
@@ -175,6 +197,11 @@ class RolloutFeed:
             batch.completions.append(result.completions[g] if g < len(result.completions) else "")
             batch.extra.append({column: values[g] for column, values in result.logged_extra.items()
                                 if g < len(values)})
+            if result.tool_masks is not None:
+                batch.tool_masks.append(list(result.tool_masks[g]))
+                batch.turns.append(result.turns[g])
+                batch.tool_calls.append(result.tool_calls[g])
+                batch.tool_failures.append(result.tool_failures[g])
         batch.generation_seconds += result.generation_seconds
         batch.reward_seconds += result.reward_seconds
         batch.weight_load_seconds = max(batch.weight_load_seconds, result.weight_load_seconds)
@@ -189,6 +216,14 @@ class RolloutFeed:
         for ids, logps in zip(result.completion_ids, result.logprobs, strict=True):
             if len(ids) != len(logps):
                 raise BadRollout(f"{where}: {len(ids)} tokens but {len(logps)} logprobs")
+        if result.tool_masks is not None:
+            if len(result.tool_masks) != g or any(len(m) != len(ids) for m, ids in
+                                                  zip(result.tool_masks, result.completion_ids, strict=True)):
+                raise BadRollout(f"{where}: the tool masks do not have one entry per completion token")
+            if not (len(result.turns) == len(result.tool_calls) == len(result.tool_failures) == g):
+                raise BadRollout(f"{where}: turns or tool counts missing for some of the {g} completions")
+        if result.sample_prompt_ids is not None and len(result.sample_prompt_ids) != g:
+            raise BadRollout(f"{where}: {len(result.sample_prompt_ids)} per-completion prompts, expected {g}")
         for name in self.reward_names:
             if len(result.rewards.get(name, [])) != g:
                 raise BadRollout(f"{where}: reward {name!r} has no score for each of the {g} completions")

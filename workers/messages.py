@@ -43,6 +43,15 @@ class RolloutResult(BaseModel):
     logged_extra: dict[str, list[Any]] = Field(
         default_factory=dict,
         description="what reward functions passed to TRL's log_extra: column -> one value per completion")
+    tool_masks: list[list[int]] | None = Field(
+        None, description="tool-calling rollouts: per completion token, 1 = the model's (trained), 0 = a tool "
+        "result's (TRL's tool_mask, passed to it as env_mask); None: every token is the model's")
+    sample_prompt_ids: list[list[int]] | None = Field(
+        None, description="per completion, its own prompt ids, when environments' reset() made a group's prompts "
+        "differ; None: prompt_ids for all")
+    turns: list[int] = Field(default_factory=list, description="model turns per completion (tool-calling rollouts)")
+    tool_calls: list[int] = Field(default_factory=list, description="tool calls per completion")
+    tool_failures: list[int] = Field(default_factory=list, description="tool calls that failed, per completion")
 
 
 class RolloutAnswer(BaseModel):

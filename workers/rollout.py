@@ -6,7 +6,9 @@ Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until c
     1. newer weights recorded in the store?   -> engine.load_weights (between tasks only)
     2. lease the oldest task these weights may answer (min_weight_version <= loaded version)
     3. encode its prompts (chat template), generate n completions of each in one engine call, each
-       prompt with its own seed (the engine batches them; the chunk is fixed by the actor's schedule)
+       prompt with its own seed (the engine batches them; the chunk is fixed by the actor's schedule);
+       with spec.rollout.tools or environment, mortal.workers.multiturn runs TRL's tool loop instead:
+       turn after turn, each batched across the task's rollouts, tool results masked out of the loss
     4. score them with every reward (TRL-style, beside generation: scoring scales with replicas)
     5. complete the task with a RolloutAnswer: a RolloutResult per prompt (ids, sampling logprobs,
        texts, per-reward scores, what rewards passed to log_metric and log_extra)
@@ -40,8 +42,10 @@ from mortal.workers.models import (
     set_threads,
     worker_device,
 )
+from mortal.workers.multiturn import MultiTurn, Rollout
 from mortal.workers.rewards import RewardSet
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
+from mortal.workers.tools import Toolbox
 
 # Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
 # cutting; on a CPU a step takes seconds and each look is a store query that competes for its cores.
@@ -62,12 +66,15 @@ def task_lease_seconds(ctx: WorkerContext) -> float:
 class RolloutWorker:
     """The worker's state between tasks: engine, tokenizer, rewards, loaded weight version."""
 
-    def __init__(self, ctx: WorkerContext, engine: Engine, tokenizer: Any, rewards: RewardSet) -> None:
+    def __init__(self, ctx: WorkerContext, engine: Engine, tokenizer: Any, rewards: RewardSet,
+                 toolbox: Toolbox | None = None) -> None:
         self.ctx = ctx
         self.engine = engine
         self.tokenizer = tokenizer
         self.rewards = rewards
         self.params = GenerationParams.from_spec(ctx.run.spec.generation)
+        self.multiturn = (MultiTurn(engine, tokenizer, toolbox, self.params, ctx.run.spec.rollout.chat_template)
+                          if toolbox is not None else None)
         self.lease_seconds = task_lease_seconds(ctx)
         self.published_version: int | None = None  # None: still the weights of spec.model.name
         self.load_seconds = 0.0  # how long loading the current version took
@@ -122,13 +129,19 @@ class RolloutWorker:
     def answer(self, task: TaskRow) -> dict[str, Any]:
         """Generate and score one task: the RolloutAnswer as JSON."""
         requests = RolloutTask.model_validate(task.payload).requests
-        prompts = [encode_prompt(self.tokenizer, r.prompt) for r in requests]
-        n = requests[0].num_generations
         started = time.monotonic()
-        groups = self.engine.generate(prompts, n, [r.seed for r in requests], self.params)
-        generated = time.monotonic() - started
-        results = [self._scored(task, request, ids, outs, generated / len(requests))
-                   for request, ids, outs in zip(requests, prompts, groups, strict=True)]
+        if self.multiturn is not None:
+            conversations = self.multiturn.rollouts(requests)
+            generated = time.monotonic() - started
+            results = [self._scored_turns(task, request, group, generated / len(requests))
+                       for request, group in zip(requests, conversations, strict=True)]
+        else:
+            prompts = [encode_prompt(self.tokenizer, r.prompt) for r in requests]
+            groups = self.engine.generate(prompts, requests[0].num_generations, [r.seed for r in requests],
+                                          self.params)
+            generated = time.monotonic() - started
+            results = [self._scored(task, request, ids, outs, generated / len(requests))
+                       for request, ids, outs in zip(requests, prompts, groups, strict=True)]
         scored = time.monotonic() - started - generated
         tokens = sum(len(c) for r in results for c in r.completion_ids)
         decode = " ".join(f"{key}={value}" for key, value in self.engine.generation_stats().items())
@@ -157,6 +170,37 @@ class RolloutWorker:
             weight_load_seconds=self.load_seconds,
             logged_metrics=self.rewards.logs.metrics,
             logged_extra=extra_columns(self.rewards.logs.extra, len(completions)),  # the actor records them
+        )
+
+    def _scored_turns(self, task: TaskRow, request: RolloutRequest, group: list[Rollout],
+                      generation_seconds: float) -> RolloutResult:
+        """One prompt's tool-calling rollouts, scored (each completion is its assistant and tool messages,
+        as TRL hands them to reward functions; environments are passed as `environments`)."""
+        started = time.monotonic()
+        completion_ids = [r.completion_ids for r in group]
+        with_environments = bool(self.multiturn.toolbox.environments)
+        scores = self.rewards.score(request.prompt, [r.messages for r in group], completion_ids, request.row,
+                                    step=task.step, environments=[r.environment for r in group] if with_environments
+                                    else None, prompts=[r.prompt for r in group] if with_environments else None)
+        prompt_ids = group[0].prompt_ids
+        differ = any(r.prompt_ids != prompt_ids for r in group)
+        return RolloutResult(
+            prompt_ids=prompt_ids,
+            sample_prompt_ids=[r.prompt_ids for r in group] if differ else None,
+            completion_ids=completion_ids,
+            logprobs=[r.logprobs for r in group],
+            tool_masks=[r.mask for r in group],
+            turns=[r.turns for r in group],
+            tool_calls=[r.tool_calls for r in group],
+            tool_failures=[r.tool_failures for r in group],
+            completions=[r.messages for r in group],
+            rewards=scores,
+            weight_version=self.loaded_version,
+            generation_seconds=generation_seconds,
+            reward_seconds=time.monotonic() - started,
+            weight_load_seconds=self.load_seconds,
+            logged_metrics=self.rewards.logs.metrics,
+            logged_extra=extra_columns(self.rewards.logs.extra, len(group)),
         )
 
     @contextlib.contextmanager
@@ -192,15 +236,17 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     """Rewards first (a wrong path fails in a second, before any model is loaded), then model and engine."""
     spec = ctx.run.spec
     rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps, run_dir=ctx.run_dir)
+    toolbox = Toolbox.from_spec(spec.rollout) if spec.rollout.uses_tools else None
     set_threads()
     device = worker_device(spec.rollout.gpu, "spec.rollout.gpu")
     engine_cls = select_engine(spec.generation.engine, device)
     tokenizer = load_tokenizer(spec.model)
     started = time.monotonic()
     engine = engine_cls.create(spec.model, tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs)
-    ctx.log.info("engine %s on %s ready in %.1f s; rewards: %s", engine.name, device, time.monotonic() - started,
-                 ", ".join(rewards.names))
-    return RolloutWorker(ctx, engine, tokenizer, rewards)
+    ctx.log.info("engine %s on %s ready in %.1f s; rewards: %s%s", engine.name, device, time.monotonic() - started,
+                 ", ".join(rewards.names), f"; tools: {len(toolbox.tools)}, environments: {len(toolbox.environments)}"
+                 if toolbox is not None else "")
+    return RolloutWorker(ctx, engine, tokenizer, rewards, toolbox)
 
 
 def main(ctx: WorkerContext) -> int:

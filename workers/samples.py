@@ -20,14 +20,28 @@ from mortal.workers.feed import StepBatch
 
 def as_text(value: Any) -> str:
     """A prompt or completion as text: a string as is; chat messages as their content when there is
-    one message, else as 'role: content' blocks separated by a blank line."""
+    one message without tool calls, else as 'role: content' blocks separated by a blank line, each
+    tool call written as `-> name(arguments)` (the turns of a tool-calling rollout)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-        if len(value) == 1:
+        if len(value) == 1 and not value[0].get("tool_calls"):
             return str(value[0].get("content", ""))
-        return "\n\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in value)
+        return "\n\n".join(_message_text(m) for m in value)
     return str(value)
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    role = message.get("role", "?")
+    if role == "tool":
+        role = f"tool {message.get('name', '')}".rstrip()
+    lines = [f"{role}: {message.get('content') or ''}".rstrip()]
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        args = ", ".join(f"{k}={v!r}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
+        lines.append(f"  -> {function.get('name')}({args})")
+    return "\n".join(lines)
 
 
 def _finite(value: float | None) -> float | None:
@@ -60,6 +74,13 @@ def step_completions(
             reward=total_reward(scores, weights),
             advantage=_finite(advantages[i]) if advantages is not None else None,
             weight_version=batch.weight_versions[i],
-            extra=dict(batch.extra[i]) if i < len(batch.extra) else {},
+            extra=(dict(batch.extra[i]) if i < len(batch.extra) else {}) | _tool_columns(batch, i),
         ))
     return out
+
+
+def _tool_columns(batch: StepBatch, i: int) -> dict[str, Any]:
+    """A tool-calling completion's turns, tool calls and failed calls (empty for single-turn runs)."""
+    if i >= len(batch.turns):
+        return {}
+    return {"turns": batch.turns[i], "tool_calls": batch.tool_calls[i], "tool_failures": batch.tool_failures[i]}

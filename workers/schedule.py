@@ -58,6 +58,12 @@ def task_seed(seed: int, step: int, slot: int) -> int:
     return _digest(seed, step, slot) >> 1
 
 
+def turn_seed(seed: int, sample: int, turn: int) -> int:
+    """Sampling seed of turn `turn` (>= 1) of a tool-calling rollout: sample `sample` of the prompt whose
+    task seed is `seed`; like task_seed, it depends only on what the spec, step and tokens decide."""
+    return _digest(seed, sample, turn) >> 1
+
+
 def steps_to_enqueue(step: int, max_staleness: int, max_steps: int) -> range:
     """The steps whose tasks should exist while the actor trains `step`: step .. step + k (< max_steps)."""
     return range(step, min(step + max_staleness, max_steps - 1) + 1)

@@ -34,6 +34,10 @@ What mortal relies on (TRL 1.16):
    statistics for backward, and recomputes each tile there. TRL refuses a LoRA adapter on lm_head
    (the head reads `lm_head.weight`). `check_fused_lm_head` checks the patch is in place; the tests
    pin that the values and gradients equal full logits' and that nothing of vocabulary width is saved.
+7. Tool-calling rollouts: a rollout_func output key "env_mask" (one list per completion, 1 = a model
+   token, 0 = a token the model did not write) is popped by `_generate` and used as TRL's tool_mask
+   when the trainer has no tools of its own (the actor never has: rollouts call them): the loss mask
+   is completion_mask x env_mask, and completion lengths count only mask-1 tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from packaging.specifiers import SpecifierSet
 TESTED_TRL = ">=1.16,<1.17"
 REWARDS_KEY = "mortal_rewards"
 VERSION_KEY = "mortal_weight_version"
+ENV_MASK_KEY = "env_mask"  # TRL's name (assumption 7)
 REQUIRED_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
@@ -99,12 +104,16 @@ def rollout_output(
     logprobs: list[list[float]],
     rewards: list[dict[str, float | None]],
     weight_versions: list[int],
+    env_masks: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """What rollout_func returns: one entry per completion in every list."""
+    """What rollout_func returns: one entry per completion in every list (`env_masks`: assumption 7)."""
     n = len(completion_ids)
     if not (len(prompt_ids) == len(logprobs) == len(rewards) == len(weight_versions) == n):
         raise ValueError("rollout output lists differ in length")
-    return {
+    if env_masks is not None and (len(env_masks) != n or any(
+            len(m) != len(c) for m, c in zip(env_masks, completion_ids, strict=True))):
+        raise ValueError("env_masks must hold one mask entry per completion token")
+    return ({ENV_MASK_KEY: env_masks} if env_masks is not None else {}) | {
         "prompt_ids": prompt_ids,
         "completion_ids": completion_ids,
         "logprobs": logprobs,

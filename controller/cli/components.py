@@ -227,6 +227,7 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
     from mortal.workers.engines import GenerationParams, select_engine
     from mortal.workers.models import completion_message, encode_prompt, load_tokenizer
     from mortal.workers.rewards import RewardSet
+    from mortal.workers.samples import as_text
 
     columns = dataset_row(run, row) if row is not None else {}
     the_prompt = columns["prompt"] if row is not None else normalize_prompt(prompt, run.spec.dataset.system_prompt)
@@ -237,20 +238,45 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
         params = GenerationParams.from_spec(run.spec.generation)
         if max_tokens is not None:
             params = replace(params, max_tokens=max_tokens)
-        [outs] = engine.generate([encode_prompt(tokenizer, the_prompt)], n, [seed], params)
+        if run.spec.rollout.uses_tools:
+            rollouts = _tool_rollouts(run, engine, tokenizer, params, the_prompt, columns, n, seed)
+        else:
+            [outs] = engine.generate([encode_prompt(tokenizer, the_prompt)], n, [seed], params)
     finally:
         engine.close()
-    ids = [c.ids for c in outs]
-    texts = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    if run.spec.rollout.uses_tools:
+        ids = [r.completion_ids for r in rollouts]
+        messages = [r.messages for r in rollouts]
+        texts = [as_text(m) for m in messages]
+        environments = [r.environment for r in rollouts] if run.spec.rollout.environment else None
+    else:
+        ids = [c.ids for c in outs]
+        texts = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+        messages = [completion_message(tokenizer, the_prompt, i) for i in ids]
+        environments = None
     result: dict[str, Any] = {"prompt": the_prompt, "engine": engine.name, "device": where, "completions": texts}
+    if run.spec.rollout.uses_tools:
+        result |= {"turns": [r.turns for r in rollouts], "toolCalls": [r.tool_calls for r in rollouts],
+                   "toolFailures": [r.tool_failures for r in rollouts], "messages": messages}
     if row is not None:
         rewards = RewardSet.from_spec(run.spec.rewards, max_steps=run.spec.algorithm.max_steps)
-        messages = [completion_message(tokenizer, the_prompt, i) for i in ids]
-        scores = rewards.score(the_prompt, messages, ids, columns)
+        scores = rewards.score(the_prompt, messages, ids, columns, environments=environments)
         result["rewards"] = scores
         result["weightedSums"] = [weighted_sum(run, {name: values[k] for name, values in scores.items()})
                                   for k in range(len(ids))]
     return result
+
+
+def _tool_rollouts(run: TrainingRun, engine: Any, tokenizer: Any, params: Any, prompt: Any, row: dict[str, Any],
+                   n: int, seed: int) -> list[Any]:
+    """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop (mortal.workers.multiturn)."""
+    from mortal.workers.messages import RolloutRequest
+    from mortal.workers.multiturn import MultiTurn
+    from mortal.workers.tools import Toolbox
+
+    multiturn = MultiTurn(engine, tokenizer, Toolbox.from_spec(run.spec.rollout), params, run.spec.rollout.chat_template)
+    request = RolloutRequest(prompt=prompt, row=row or {"prompt": prompt}, num_generations=n, seed=seed)
+    return multiturn.rollouts([request])[0]
 
 
 def _device(device: str) -> str:
@@ -274,6 +300,9 @@ def _print_rollout_result(result: dict[str, Any]) -> None:
         if rewards:
             parts = [f"{name} {_score(values[k])}" for name, values in rewards.items()]
             scored = f"  [{', '.join(parts)}; weighted {_score(result['weightedSums'][k])}]"
+        if "turns" in result:
+            scored += (f"  [{result['turns'][k]} turns, {result['toolCalls'][k]} tool calls, "
+                       f"{result['toolFailures'][k]} failed]")
         out.print(f"--- completion {k}{scored} ---\n{text}", markup=False)
 
 

@@ -55,7 +55,8 @@ def test_schema_documents_every_field():
 
 def test_the_shipped_examples_are_there():
     assert {p.name for p in EXAMPLES} >= {"quickstart.yaml", "gpu.yaml", "modal.yaml", "code-execution.yaml",
-                                          "ray.yaml"}
+                                          "ray.yaml",
+                                          "calculator-tools.yaml", "code-agent.yaml"}
 
 
 def test_the_ray_example_is_the_quickstart_on_a_ray_cluster():

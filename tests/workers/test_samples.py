@@ -49,6 +49,15 @@ def test_text_is_the_string_the_single_message_or_role_blocks() -> None:
     assert as_text(CHAT) == "system: Be brief.\n\nuser: What is 2 + 2?"
 
 
+def test_a_tool_calling_completion_shows_each_turn() -> None:
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 2"}}}
+    turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "name": "calculator", "content": "4"}, {"role": "assistant", "content": "4"}]
+    assert as_text(turns) == ("assistant:\n  -> calculator(expression='2 + 2')\n\ntool calculator: 4\n\n"
+                              "assistant: 4")
+    assert as_text(turns[:1]) == "assistant:\n  -> calculator(expression='2 + 2')"
+
+
 def test_the_total_is_trl_s_weighted_sum_and_none_when_nothing_scored() -> None:
     assert total_reward({"a": 1.0, "b": 0.5}, {"a": 1.0, "b": 0.2}) == pytest.approx(1.1)
     assert total_reward({"a": 1.0, "b": None}, {"a": 2.0}) == 2.0

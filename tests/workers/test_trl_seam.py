@@ -115,6 +115,30 @@ def test_rollout_func_gets_each_prompt_repeated_and_its_extra_keys_reach_the_rew
     assert "sampling/importance_sampling_ratio/mean" not in first  # off unless enabled
 
 
+class MaskedRollouts(FakeRollouts):
+    """FakeRollouts whose output carries an env_mask: tokens 1..2 of every odd completion are a tool's."""
+
+    masks = [[1, 0, 0, 1, 1] if i % 2 else [1] * LENGTH for i in range(BATCH)]
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        out = super().__call__(prompts, trainer)
+        return trl_seam.rollout_output(out["prompt_ids"], out["completion_ids"], out["logprobs"],
+                                       out[trl_seam.REWARDS_KEY], out[trl_seam.VERSION_KEY], env_masks=self.masks)
+
+
+def test_env_mask_becomes_trls_tool_mask_and_leaves_the_loss_and_the_lengths(tiny_dir, tmp_path) -> None:
+    """Assumption 7: rollout_func's env_mask is TRL's tool_mask (loss mask = completion mask x it)."""
+    trainer = _trainer(tiny_dir, tmp_path, MaskedRollouts())
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([{"prompt": "p0"}] * BATCH)
+    assert batch["tool_mask"].tolist() == MaskedRollouts.masks
+    assert "env_mask" not in batch
+    model_tokens = sum(map(sum, MaskedRollouts.masks)) / BATCH
+    assert trainer._metrics["train"]["completions/mean_length"][-1] == pytest.approx(model_tokens)
+    with pytest.raises(ValueError, match="one mask entry per completion token"):
+        trl_seam.rollout_output([[1]], [[5, 6]], [[0.0, 0.0]], [{}], [0], env_masks=[[1]])
+
+
 def test_precomputed_reward_fails_loudly_without_its_column() -> None:
     with pytest.raises(trl_seam.TrlSeamError):
         trl_seam.PrecomputedReward("a")(completions=["x"], prompts=["p"])

@@ -80,6 +80,11 @@ class Engine(abc.ABC):
                  params: GenerationParams) -> list[list[Completion]]:
         """`n` completions of each prompt (prompt i sampled with seeds[i]), one list per prompt."""
 
+    def max_model_len(self) -> int | None:
+        """The longest sequence (prompt + completion) the model takes; None: no known limit. Multi-turn
+        rollouts stop appending tool results before a conversation reaches it (as TRL's loop does)."""
+        return None
+
     def generation_stats(self) -> dict[str, float]:
         """What the last `generate` measured about itself, for the worker's log (empty: nothing)."""
         return {}

@@ -102,6 +102,9 @@ class TransformersEngine(Engine):
             return _GRAPH_THREAD.submit(self._generate_batch, prompts, n, seeds[0], params).result()
         return [self._generate_one(prompt, n, seed, params) for prompt, seed in zip(prompts, seeds, strict=True)]
 
+    def max_model_len(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def generation_stats(self) -> dict[str, float]:
         """The batched path's last decode: rows, steps, refills and the share of sampled tokens that were
         kept (up to each completion's EOS); empty on the per-prompt path."""

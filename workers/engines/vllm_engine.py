@@ -165,6 +165,9 @@ class VllmEngine(Engine):
             completions.append(cut_at_eos(ids, logprobs, self.eos_ids))
         return completions
 
+    def max_model_len(self) -> int | None:
+        return self.llm.llm_engine.model_config.max_model_len
+
     def load_weights(self, path: str) -> None:
         from mortal.workers.weights import is_adapter_version
 

@@ -200,6 +200,11 @@ def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
 
 def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None = None) -> LoadedReward:
     """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory)."""
+    if entry.env == "environment":
+        from mortal.workers.tools import EnvironmentReward
+
+        reward = EnvironmentReward(name, entry.args.get("class"))
+        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env 'environment'", func=reward, is_async=False)
     if entry.env is not None:
         from mortal.workers.rewards.environments.factory import build_environment  # it imports this module
 
@@ -328,8 +333,15 @@ class RewardSet:
         return reports
 
     def score(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
-              step: int = 0) -> dict[str, list[float | None]]:
-        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}."""
+              step: int = 0, environments: list[Any] | None = None,
+              prompts: list[Any] | None = None) -> dict[str, list[float | None]]:
+        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. Tool-calling runs
+        with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts` (each
+        completion's prompt after its environment's reset appended what it returned)."""
         self.logs = RewardLogs()
         kwargs = self._kwargs(prompt, completions, completion_ids, row, step)
+        if environments is not None:
+            kwargs["environments"] = environments
+        if prompts is not None:
+            kwargs["prompts"] = prompts
         return {r.name: check_scores(r, self._call(r, kwargs), len(completions)) for r in self.rewards}

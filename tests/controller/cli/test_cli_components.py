@@ -152,3 +152,28 @@ def test_test_rollout_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> N
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("prompt (transformers on cpu): ")
     assert done.stdout.count("--- completion ") == 2 and "correct_answer" in done.stdout
+
+
+@needs_assets
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(cli, spec_file, tiny_model, monkeypatch) -> None:
+    """The model is scripted (tool_helpers.ArithScript: it calls the calculator, then answers with its result),
+    since a random tiny model never calls a tool; the loop, the tool, parsing and scoring are the worker's own."""
+    from tool_helpers import ArithScript
+
+    import mortal.workers.engines as engines
+
+    monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
+    path = spec_file("calc", **{"spec.model": {"name": str(tiny_model), "dtype": "float32"},
+                                "spec.dataset": {"name": "builtin:arith"},
+                                "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
+                                "spec.generation.maxTokens": 96,
+                                "spec.rollout.tools": ["mortal.workers.builtin_tools:calculator"],
+                                "spec.rollout.chatTemplate": "qwen2_5"})
+    doc = json.loads(cli("test", "rollout", "-f", str(path), "--row", "0", "-n", "2", "-o", "json").stdout)
+    assert doc["turns"] == [2, 2] and doc["toolCalls"] == [1, 1] and doc["toolFailures"] == [0, 0]
+    assert doc["rewards"] == {"correct_answer": [1.0, 1.0]}
+    assert [m["role"] for m in doc["messages"][0]] == ["assistant", "tool", "assistant"]
+    text = cli("test", "rollout", "-f", str(path), "--row", "0", "-n", "1").output
+    assert "[2 turns, 1 tool calls, 0 failed]" in text
+    assert "  -> calculator(expression='13 + 14')" in text and "tool calculator: 27" in text
