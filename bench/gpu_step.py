@@ -161,12 +161,14 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
                 tokens = logs.get("completions/mean_length", 0.0) * args.prompts * args.gens
                 steps.append({"step": state.global_step, "seconds": logs["step_time"], "tokens": tokens})
 
+    batch = args.prompts * args.gens
+    micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
+        output_dir=str(work / "trl"), per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
         num_generations=args.gens, max_completion_length=args.tokens, learning_rate=1e-6, beta=0.0,
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
         use_cpu=args.cpu,
-        generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=False,
+        generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=args.gradient_checkpointing,
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
                           train_dataset=Dataset.from_list(prompt_rows()), callbacks=[Record()])
@@ -178,10 +180,12 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     return {
-        "model": {"name": str(model), "dtype": "float32" if args.cpu else "bfloat16"},
+        "model": {"name": str(model), "dtype": "float32" if args.cpu else "bfloat16",
+                  "gradientCheckpointing": args.gradient_checkpointing},
         "dataset": {"name": str(data)},
         "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
-                      "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness},
+                      "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness,
+                      **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else "H100"},
@@ -301,11 +305,18 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
+                             "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
                         "unless given (figures meaningless, limits n/a)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
+                     f"{args.prompts * args.gens})")
     import torch
 
     if args.cpu:
