@@ -29,10 +29,11 @@ from typing import Any
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
 from mortal.state.tables import CheckpointRow
-from mortal.workers import sharded, trl_seam
+from mortal.workers import trl_seam
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp
 
 MORTAL_FILE = "mortal.json"
+DCP_DIR = "dcp"  # torch.distributed.checkpoint's folder inside a checkpoint of a sharded actor
 log = logging.getLogger("mortal.checkpoint")
 
 
@@ -47,13 +48,21 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 
 def is_sharded(path: str | Path) -> bool:
     """A sharded actor's checkpoint (torch.distributed.checkpoint, mortal.workers.sharded), not the Trainer's."""
-    return (Path(path) / sharded.DCP_DIR).is_dir()
+    return (Path(path) / DCP_DIR).is_dir()
+
+
+def sharded_files(rank_count: int) -> list[str]:
+    """The files a sharded checkpoint must hold to resume (mortal.workers.trl_seam.checkpoint_files' twin).
+    Here, with the layout, and not in mortal.workers.sharded: readers of checkpoints (the CLI's fork and cp,
+    resume_check) must not import torch.distributed to know what a complete checkpoint is."""
+    return [f"{DCP_DIR}/.metadata", "scheduler.pt", "trainer_state.json",
+            *(f"rng_state_{r}.pth" for r in range(rank_count))]
 
 
 def checkpoint_files(path: str | Path) -> list[str]:
     path = Path(path)
     if is_sharded(path):
-        return sharded.sharded_files(int(read_marker(path).get("ranks", 1)))
+        return sharded_files(int(read_marker(path).get("ranks", 1)))
     return trl_seam.checkpoint_files(path)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mortal.workers.checkpoint import DCP_DIR
 from mortal.workers.provenance import Provenance, short
 
 REFUSED = "ResumeRefused"
@@ -81,7 +82,6 @@ class CheckpointFacts:
         )
 
 
-DCP_DIR = "dcp"  # mortal.workers.sharded.DCP_DIR (not imported: this module stays free of torch.distributed)
 
 
 def _sharded_step_counters(dcp_dir: Path) -> set[int]:

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from mortal.workers.checkpoint import DCP_DIR
+
 log = logging.getLogger("mortal.sharded")
-DCP_DIR = "dcp"  # torch.distributed.checkpoint's folder inside a checkpoint of a sharded actor
 WATCH_SECONDS = 0.2
 
 
@@ -246,12 +247,6 @@ def restore_rng(path: Path, rank: int) -> None:
     rng = torch.load(path / f"rng_state_{rank}.pth", weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["cpu"])
-
-
-def sharded_files(rank_count: int) -> list[str]:
-    """The files a sharded checkpoint must hold to resume (mortal.workers.trl_seam.checkpoint_files' twin)."""
-    return [f"{DCP_DIR}/.metadata", "scheduler.pt", "trainer_state.json",
-            *(f"rng_state_{r}.pth" for r in range(rank_count))]
 
 
 def _exit_with_parent(parent: int) -> None:
