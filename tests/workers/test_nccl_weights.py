@@ -162,7 +162,7 @@ def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_pla
     finally:
         publisher.close()
         nccl_weights._Peer.drop()
-    assert version == 0 and store.publish_weights.call_args.kwargs == {"method": "nccl"}
+    assert version == 0 and store.publish_weights.call_args.kwargs == {"method": "nccl", "provenance": None}
     assert rollout_model.weight is weight  # in place: captured graphs keep pointing at it
     _assert_same(rollout_model.state_dict(), {k: v.detach() for k, v in actor_model.state_dict().items()})
     assert loaded_whole(path, newest_recorded=lambda: 0)
