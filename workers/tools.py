@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
 
 NOT_TOOLS = ("reset", "get_reward")
@@ -49,16 +50,10 @@ class ToolOutcome:
 
 
 def _import(ref: str, where: str) -> Any:
-    import importlib
-
-    module_name, _, attr_path = ref.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr_path.split("."):
-            obj = getattr(obj, part)
+        return references.resolve(ref)
     except (ImportError, AttributeError) as exc:
         raise ToolLoadError(f"{where} {ref!r} cannot be imported on the rollout worker: {exc}") from exc
-    return obj
 
 
 def environment_methods(environment: Any) -> list[Callable[..., Any]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib
 import inspect
 import io
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
 from mortal.workers.rewards.builtin import completion_text
@@ -155,9 +155,11 @@ class RewardLogs:
 
 
 def _import_attr(ref: str, where: str) -> Any:
-    module_name, _, attr_path = ref.partition(":")
+    module_name = ref.partition(":")[0]
     try:
-        obj: Any = importlib.import_module(module_name)
+        return references.resolve(ref)
+    except references.MissingAttribute as exc:
+        raise FatalWorkerError("RewardNotFound", f"{where}: {exc}") from None
     except ModuleNotFoundError as exc:
         raise FatalWorkerError(
             "RewardNotFound",
@@ -167,11 +169,6 @@ def _import_attr(ref: str, where: str) -> Any:
         raise FatalWorkerError(
             "RewardNotFound", f"{where}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise FatalWorkerError("RewardNotFound", f"{where}: module {module_name} has no attribute {attr_path}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def _is_async(func: Any) -> bool:
