@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from mortal.specs.training import TrainingSpec
 from mortal.state import paths
 from mortal.workers import data, models, provenance, resume_check, samples, sharded, trl_seam
-from mortal.workers.checkpoint import Checkpointer, read_marker
+from mortal.workers.checkpoint import Checkpointer
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
@@ -67,7 +67,6 @@ def main(ctx: WorkerContext) -> int:
     rows = data.load_rows(spec.dataset)
     made_by = current_provenance(ctx, rows)
     if resume is not None:
-        check_ranks(resume.path, spec.actor.count)
         verify_resume(ctx, resume, made_by.at(start, spec.algorithm.prompts_per_step, spec.algorithm.seed))
     record = functools.partial(_provenance_at, made_by, spec)
     checkpointer.provenance = record
@@ -143,24 +142,12 @@ def _provenance_at(made_by: provenance.Provenance, spec: TrainingSpec, step: int
     return made_by.at(step, spec.algorithm.prompts_per_step, spec.algorithm.seed).dump()
 
 
-def check_ranks(path: str, count: int) -> None:
-    """A checkpoint resumes on the actor count that wrote it (FatalWorkerError otherwise): a sharded one
-    holds torch.distributed.checkpoint shards and one RNG file per rank, an unsharded one the Trainer's
-    files; moving between them is not built (docs/fsdp.md)."""
-    marker = read_marker(path)
-    written = int(marker.get("ranks", 1))
-    if written != count:
-        raise FatalWorkerError(resume_check.REFUSED, (
-            f"the checkpoint of step {marker.get('step')} at {path} was written by an actor of {written} rank(s) and "
-            f"this one has actor.count {count}: resuming on another count is not built; set actor.count to {written}"))
-
-
 def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -> None:
     """Refuse (FatalWorkerError) a resume that would silently redo or skip work; record a Warning event for
     each deliberate change it goes on through (mortal.workers.resume_check)."""
     spec = ctx.run.spec
     findings = resume_check.verify(resume.path, resume.step, resume.provenance, now, spec.algorithm.num_epochs,
-                                   spec.algorithm.max_steps)
+                                   spec.algorithm.max_steps, spec.actor.count)
     refused = resume_check.refusal_message(findings)
     if refused:
         raise FatalWorkerError(resume_check.REFUSED, refused)

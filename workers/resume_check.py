@@ -7,6 +7,8 @@ left as it was. A change the user made on purpose (spec.dataset, the seed or the
 apply or a fork, a reward module edited) is allowed with a Warning event saying what it does.
 
 The checks, in order:
+0. The ranks: a checkpoint resumes on the actor count that wrote it (mortal.json's "ranks";
+   moving between sharded and unsharded, or to another count, is not built: docs/fsdp.md).
 1. The step: the row's, mortal.json's and trainer_state.json's global_step agree (a checkpoint folder
    copied or renamed by hand would otherwise start TRL at one step and mortal's data at another).
 2. Optimizer and scheduler: AdamW's step counters and the scheduler's last_epoch equal that step (a
@@ -53,6 +55,7 @@ class CheckpointFacts:
     optimizer_steps: frozenset[int] = field(default_factory=frozenset)
     optimizer_has_state: bool = True
     marker_provenance: dict[str, Any] | None = None
+    ranks: int = 1  # the actor ranks that wrote it (mortal.json's "ranks"; an unsharded actor's: 1)
 
     @classmethod
     def read(cls, path: str | Path) -> CheckpointFacts:
@@ -79,9 +82,8 @@ class CheckpointFacts:
             optimizer_steps=frozenset(counters),
             optimizer_has_state=has_state,
             marker_provenance=marker.get("provenance"),
+            ranks=int(marker.get("ranks", 1)),
         )
-
-
 
 
 def _sharded_step_counters(dcp_dir: Path) -> set[int]:
@@ -101,18 +103,19 @@ def _sharded_step_counters(dcp_dir: Path) -> set[int]:
 
 
 def verify(path: str | Path, step: int, recorded: dict[str, Any] | None, now: Provenance,
-           num_epochs: float | None, max_steps: int) -> list[Finding]:
+           num_epochs: float | None, max_steps: int, actor_count: int = 1) -> list[Finding]:
     """The findings for resuming at `step` from the checkpoint at `path`, whose row recorded `recorded`."""
     facts = CheckpointFacts.read(path)
     record = recorded if recorded is not None else facts.marker_provenance
-    return judge(step, facts, Provenance.read(record), now, num_epochs, max_steps)
+    return judge(step, facts, Provenance.read(record), now, num_epochs, max_steps, actor_count)
 
 
 def judge(step: int, facts: CheckpointFacts, recorded: Provenance | None, now: Provenance,
-          num_epochs: float | None, max_steps: int) -> list[Finding]:
+          num_epochs: float | None, max_steps: int, actor_count: int = 1) -> list[Finding]:
     """The checks of the module docstring, on facts already read. `now` is the actor's provenance at `step`
-    (its spec's generation, rewards and rows, and the position it would resume at). Pure."""
-    findings = _step_findings(step, facts) + _optimizer_findings(step, facts)
+    (its spec's generation, rewards and rows, and the position it would resume at); `actor_count` the
+    resuming actor's ranks (spec.actor.count). Pure."""
+    findings = _ranks_findings(step, facts, actor_count) + _step_findings(step, facts) + _optimizer_findings(step, facts)
     if recorded is None:
         findings.append(Finding("ProvenanceUnknown", f"the checkpoint of step {step} at {facts.path} records no "
                                 "provenance (written before mortal kept it): its dataset and reward code are not verified"))
@@ -125,6 +128,15 @@ def judge(step: int, facts: CheckpointFacts, recorded: Provenance | None, now: P
 
 def refusal_message(findings: list[Finding]) -> str:
     return " | ".join(f.message for f in findings if f.refuse)
+
+
+def _ranks_findings(step: int, facts: CheckpointFacts, actor_count: int) -> list[Finding]:
+    if facts.ranks == actor_count:
+        return []
+    return [Finding(REFUSED, f"the checkpoint of step {step} at {facts.path} was written by an actor of {facts.ranks} "
+                    f"rank(s) and this one has actor.count {actor_count}: resuming on another count is not built "
+                    f"(a sharded checkpoint holds torch.distributed.checkpoint shards and an RNG file per rank, an "
+                    f"unsharded one the Trainer's files); set actor.count to {facts.ranks}", refuse=True)]
 
 
 def _step_findings(step: int, facts: CheckpointFacts) -> list[Finding]:

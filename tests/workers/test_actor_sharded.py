@@ -39,9 +39,7 @@ from safetensors.torch import load_file
 
 from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
-from mortal.workers.actor import check_ranks
 from mortal.workers.checkpoint import is_complete, read_marker
-from mortal.workers.errors import FatalWorkerError
 from mortal.workers.weights import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
@@ -269,14 +267,3 @@ def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
     parent.wait()
     gone, alive = psutil.wait_procs([child], timeout=10)  # not our child: its exit code is not ours to read
     assert not alive, alive
-
-
-def test_a_checkpoint_resumes_only_on_the_actor_count_that_wrote_it(tmp_path: Path) -> None:
-    (tmp_path / "mortal.json").write_text(json.dumps({"step": 4, "ranks": 2}))
-    check_ranks(str(tmp_path), 2)
-    with pytest.raises(FatalWorkerError, match="written by an actor of 2 rank.*set actor.count to 2"):
-        check_ranks(str(tmp_path), 1)
-    (tmp_path / "mortal.json").write_text(json.dumps({"step": 4}))  # an unsharded actor's: no "ranks"
-    check_ranks(str(tmp_path), 1)
-    with pytest.raises(FatalWorkerError, match="this one has actor.count 2"):
-        check_ranks(str(tmp_path), 2)

@@ -4,6 +4,7 @@ real actor and real checkpoint files, are in test_resume_verified.py."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -74,3 +75,12 @@ def test_a_refusal_names_the_checkpoint_what_differs_and_the_way_out() -> None:
 def test_the_steps_a_file_does_not_state_are_not_held_against_it() -> None:
     silent = CheckpointFacts(path="/c", marker_step=None, trainer_step=None, scheduler_step=None)
     assert judge(STEP, silent, made(), made(), None, 100) == []
+
+
+def test_a_checkpoint_resumes_only_on_the_actor_count_that_wrote_it() -> None:
+    sharded = replace(FACTS, ranks=2)
+    assert judge(STEP, sharded, made(), made(), None, 100, actor_count=2) == []
+    assert re.search("written by an actor of 2 rank.*set actor.count to 2",
+                     refusal_message(judge(STEP, sharded, made(), made(), None, 100, actor_count=1)))
+    assert judge(STEP, FACTS, made(), made(), None, 100, actor_count=1) == []  # an unsharded actor's: 1 rank
+    assert "this one has actor.count 2" in refusal_message(judge(STEP, FACTS, made(), made(), None, 100, actor_count=2))
