@@ -165,22 +165,21 @@ def _optimizer_findings(step: int, facts: CheckpointFacts) -> list[Finding]:
 
 def _dataset_findings(step: int, recorded: Provenance, now: Provenance) -> list[Finding]:
     was, new = recorded.dataset, now.dataset
-    findings = []
-    if was.sha256 != new.sha256:
-        change = (f"{was.name!r}: {was.rows} rows (sha256 {short(was.sha256)}) at the checkpoint, {new.rows} rows "
-                  f"(sha256 {short(new.sha256)}) now")
-        if was.spec == new.spec:
-            findings.append(Finding(REFUSED, f"the dataset's rows changed since the checkpoint of step {step} while "
-                                    f"spec.dataset did not ({change}): the data position would index other rows, "
-                                    "redoing some and skipping others. Restore the data, or change spec.dataset "
-                                    "(or fork the run) to train on the new rows on purpose", refuse=True))
-        else:
-            position = now.position
-            findings.append(Finding("DatasetChanged", f"spec.dataset changed since the checkpoint of step {step} "
-                                    f"({change}); training goes on at prompt {position.consumed} of the new rows "
-                                    f"(pass {position.epoch}, index {position.index})" if position else
-                                    f"spec.dataset changed since the checkpoint of step {step} ({change})"))
-    return findings
+    if was.sha256 == new.sha256:
+        return []
+    change = (f"{was.name!r}: {was.rows} rows (sha256 {short(was.sha256)}) at the checkpoint, {new.rows} rows "
+              f"(sha256 {short(new.sha256)}) now")
+    if was.spec == new.spec:
+        return [Finding(REFUSED, f"the dataset's rows changed since the checkpoint of step {step} while "
+                        f"spec.dataset did not ({change}): the data position would index other rows, "
+                        "redoing some and skipping others. Restore the data, or change spec.dataset "
+                        "(or fork the run) to train on the new rows on purpose", refuse=True)]
+    message = f"spec.dataset changed since the checkpoint of step {step} ({change})"
+    if now.position is not None:
+        position = now.position
+        message += (f"; training goes on at prompt {position.consumed} of the new rows (pass {position.epoch}, "
+                    f"index {position.index})")
+    return [Finding("DatasetChanged", message)]
 
 
 def _reward_findings(recorded: Provenance, now: Provenance) -> list[Finding]:
