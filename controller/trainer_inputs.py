@@ -9,7 +9,6 @@ import torch or datasets (a datasets.Dataset is recognized by duck typing).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import re
@@ -17,6 +16,8 @@ import sys
 import uuid
 from pathlib import Path
 from typing import Any
+
+from mortal.workers import references
 
 BUILTIN_ENV_NAMES = {"sandbox": "code-execution", "code-execution": "code-execution",
                      "llm-judge": "llm-judge", "math-answer": "math-answer"}
@@ -82,9 +83,7 @@ def import_path(obj: Any, kind: str = "reward") -> str:
                                   f"worker processes cannot import; {fix}")
     ref = f"{module}:{qualname}"
     try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        found = references.resolve(ref)
     except (ImportError, AttributeError) as exc:
         raise RewardNotImportable(f"{kind} {ref} cannot be imported back ({exc}); {fix}") from None
     if found is not obj:
