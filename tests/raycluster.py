@@ -7,8 +7,10 @@
 Each node carries a custom resource named after it (node_head, node_a, node_b: 1 each), so a test can
 place a worker on a node; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
 head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2 logical
-CPUs, 80 MB object store, no dashboard) to fit this 2-core machine, and the head's GCS declares a node
-dead after ~1.5 s without health-check answers (Ray's default is ~15 s).
+CPUs, 80 MB object store, no dashboard) to fit this 2-core machine. The head's GCS declares a node dead after
+5 failed health checks a second apart: a killed raylet refuses the check at once, so its loss is seen in ~5 s
+(Ray's default is ~15 s), while a live one starved of CPU gets 5 s per answer before a check counts as failed
+(at 0.5 s x 3, the tolerance once used, a loaded CI machine saw live nodes declared dead).
 
 It must run in a private network namespace (`unshare -rn`, then `ip link set lo up`: scripts/test.sh
 does it), where loopback is the only interface: Ray then binds 127.0.0.1 and no packet leaves it.
@@ -31,8 +33,8 @@ import psutil
 NODES = ("node_head", "node_a", "node_b")
 ROLLOUT_SLOTS = 2  # the worker nodes' "rollout_node" resource: a rollout asking 1 runs on node_a or node_b
 # The GCS's health checks of raylets (Ray system config, read from the environment at `ray start --head`).
-FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-                   "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "0"}
+NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
+              "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "0"}
 
 
 def in_private_network() -> bool:
@@ -53,7 +55,7 @@ class RayCluster:
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MORTAL_", "RAY_ADDRESS"))}
-        return {**env, **FAST_NODE_DEATH, "RAY_USAGE_STATS_ENABLED": "0"}
+        return {**env, **NODE_DEATH, "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _start(self, node: str, *head_or_join: str) -> None:
         before = set(_raylets())

@@ -44,9 +44,20 @@ def nodes(h, cluster: RayCluster, role: str, run: str) -> list[str | None]:
     return sorted(cluster.node_of(p) or "?" for p in worker_processes(h.home, role=role, run=run))
 
 
+def placed(h, cluster: RayCluster, run: str) -> dict[str, list[str | None]]:
+    return {role: nodes(h, cluster, role, run) for role in ("actor", "rollout")}
+
+
 def named_actors(run: str) -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"].endswith(f"-{run}"))
+
+
+def run_state(h, cluster: RayCluster, run: str) -> str:
+    """What a failed wait prints: where the workers run, their rows, the run's events and Ray's named actors."""
+    rows = [(w.role, w.replica, w.incarnation, w.state, w.message) for w in h.store.list_workers(run)]
+    events = [(e.reason, e.message) for e in h.store.list_events(run, limit=30)]
+    return f"placed: {placed(h, cluster, run)}\nrows: {rows}\nevents: {events}\nactors: {named_actors(run)}"
 
 
 def live_ids(h, run: str) -> list[str]:
@@ -57,9 +68,9 @@ def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness)
     h, name = harness, "ray-e2e"
     h.apply(ray_run(name, max_steps=30, rollout_replicas=2, step_seconds=0.1))
     h.start()
-    wait_for(lambda: nodes(h, ray_cluster, "rollout", name) == ["node_a", "node_b"], 60,
-             "one rollout on each worker node", details=lambda: str(nodes(h, ray_cluster, "rollout", name)))
-    assert nodes(h, ray_cluster, "actor", name) == ["node_head"]
+    # Each worker's process appears once its Ray actor has started (seconds apart on a busy machine).
+    wait_for(lambda: placed(h, ray_cluster, name) == {"actor": ["node_head"], "rollout": ["node_a", "node_b"]}, 60,
+             "the actor on the head and one rollout on each worker node", details=lambda: run_state(h, ray_cluster, name))
     assert named_actors(name) == live_ids(h, name)  # one actor per live worker row, named by its worker id
     final = h.wait_phase(name, "Succeeded", timeout=90)
     assert final["step"] == 30 and final["restarts"] == 0
@@ -79,7 +90,7 @@ def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, h
         ray_cluster.kill_node("node_a")
         h.wait_phase(name, "Recovering", timeout=20)
         wait_for(lambda: nodes(h, ray_cluster, "rollout", name) == ["node_b", "node_b"], 60,
-                 "both rollouts on the node left", details=lambda: str(nodes(h, ray_cluster, "rollout", name)))
+                 "both rollouts on the node left", details=lambda: run_state(h, ray_cluster, name))
         step = h.status(name)["step"]
         wait_for(lambda: h.status(name).get("step", 0) > step + 2, 30, "training again after the node loss")
         final = h.wait_phase(name, "Succeeded", timeout=90)
