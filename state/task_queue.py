@@ -52,25 +52,27 @@ class TaskQueue:
         query = select(TaskRow).where(TaskRow.run == worker.run, claimable)
         if max_weight_version is not None:
             query = query.where(TaskRow.min_weight_version <= max_weight_version)
-        query = query.order_by(TaskRow.step, TaskRow.slot).limit(1).with_for_update(skip_locked=True)
+        oldest = query.order_by(TaskRow.step, TaskRow.slot).limit(1).with_for_update(skip_locked=True)
+        # One statement claims it: the subquery locks the oldest claimable row (PostgreSQL skips rows other
+        # transactions hold; SQLite has one writer at a time) and the UPDATE takes it, returning the row.
+        # Two round trips per lease with the fence check, where a read, a write and a re-read made four.
+        claim = (
+            update(TaskRow)
+            .where(TaskRow.id == oldest.with_only_columns(TaskRow.id).scalar_subquery())
+            .values(
+                state="leased",
+                lease_holder=worker.id,
+                lease_token=TaskRow.lease_token + 1,
+                lease_expires_at=now + timedelta(seconds=lease_seconds),
+                attempts=TaskRow.attempts + 1,
+            )
+            .returning(*TaskRow.__table__.columns)
+            .execution_options(synchronize_session=False)
+        )
         with self._tx() as s:
             check_worker(s, worker)
-            task = s.exec(query).first()
-            if task is None:
-                return None
-            claimed = s.execute(
-                update(TaskRow)
-                .where(TaskRow.id == task.id, TaskRow.lease_token == task.lease_token)
-                .values(
-                    state="leased",
-                    lease_holder=worker.id,
-                    lease_token=task.lease_token + 1,
-                    lease_expires_at=now + timedelta(seconds=lease_seconds),
-                    attempts=task.attempts + 1,
-                )
-                .execution_options(synchronize_session=False)
-            ).rowcount
-            return s.get(TaskRow, task.id, populate_existing=True) if claimed else None
+            claimed = s.execute(claim).mappings().first()
+            return None if claimed is None else TaskRow.model_validate(dict(claimed))
 
     def _held(self, worker: WorkerRef, task_id: int, lease_token: int) -> Any:
         """WHERE clause: the task is still leased to this worker under this token."""
