@@ -99,6 +99,18 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
     return row
 
 
+# Backends whose checkpoints are files under this machine's MORTAL_HOME: local, and ray, whose nodes share
+# MORTAL_HOME with the controller (docs/ray.md). Modal's lie on its volume, out of this machine's reach.
+FILES_HERE = ("local", "ray")
+
+
+def _refuse_files_elsewhere(run: str, backend: str, doing: str, error: type[ForkError] = ForkError) -> None:
+    if backend not in FILES_HERE:
+        raise error(f"trainingrun {run!r} runs on backend {backend!r}, whose checkpoints are not on this machine; "
+                    f"{doing} checkpoint files under MORTAL_HOME and is built for backends "
+                    f"{' and '.join(FILES_HERE)}")
+
+
 # -- fork --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Forked:
@@ -128,9 +140,7 @@ def fork_run(
 
     parent = store.get_run(source)  # NotFound: "trainingrun 'x' not found"
     parent_doc = parent.document()
-    if parent_doc.spec.backend != "local":
-        raise ForkError(f"trainingrun {source!r} runs on backend {parent_doc.spec.backend!r}; forking copies "
-                        "checkpoints on this machine and is built for backend: local only")
+    _refuse_files_elsewhere(source, parent_doc.spec.backend, "forking copies")
     checkpoint = complete_checkpoint(store, source, step)
     try:
         store.get_run(name)
@@ -218,9 +228,7 @@ def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *,
     if row.phase in TERMINAL_PHASES:
         raise RollbackRefused(f"trainingrun {run!r} is {row.phase}; a finished run cannot be rolled back: fork it "
                               f"instead (mortalctl fork {run}:step-{step} NEW)")
-    if row.spec.get("backend", "local") != "local":
-        raise RollbackRefused(f"trainingrun {run!r} runs on backend {row.spec.get('backend')!r}; rollback is built "
-                              "for backend: local only")
+    _refuse_files_elsewhere(run, row.spec.get("backend", "local"), "rolling back moves", RollbackRefused)
     complete_checkpoint(store, run, step)
     was_suspended = bool(row.spec.get("suspend"))
     if not was_suspended:

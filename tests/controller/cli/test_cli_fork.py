@@ -125,3 +125,13 @@ def test_rollback_refuses_finished_runs_missing_steps_and_runs_whose_workers_do_
     set_status(store, "quickstart", phase="Succeeded")
     fails(cli("rollback", "quickstart", "--to", "step-10"), "is Succeeded; a finished run cannot be rolled back: "
                                                             "fork it instead (mortalctl fork quickstart:step-10 NEW)")
+
+
+def test_fork_and_rollback_refuse_a_run_whose_checkpoints_are_on_modals_volume(cli, checkpointed, tmp_path) -> None:
+    on_modal = tmp_path / "modal.yaml"
+    on_modal.write_text(QUICKSTART.read_text().replace("name: quickstart", "name: far") + "\n  backend: modal\n")
+    assert cli("apply", "-f", str(on_modal)).exit_code == 0
+    refused = "trainingrun 'far' runs on backend 'modal', whose checkpoints are not on this machine"
+    fails(cli("fork", "far", "x"), refused)
+    fails(cli("rollback", "far", "--to", "step-10"), refused)
+    assert not paths.run_dir("x").exists()
