@@ -2,7 +2,7 @@
 
     cluster = RayCluster(tmp).start()      # `ray start` x3, loopback only; cluster.address = "127.0.0.1:<port>"
     cluster.kill_node("node_a")            # SIGKILL its raylet and every process under it (a lost machine)
-    cluster.stop()                         # `ray stop --force`
+    cluster.stop()                         # SIGKILL this cluster's processes (and only this cluster's)
 
 Each node carries a custom resource named after it (node_head, node_a, node_b: 1 each), so a test can
 place a worker on a node; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
@@ -19,6 +19,7 @@ does it), where loopback is the only interface: Ray then binds 127.0.0.1 and no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -58,7 +59,7 @@ class RayCluster:
         return {**env, **NODE_DEATH, "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _start(self, node: str, *head_or_join: str) -> None:
-        before = set(_raylets())
+        before = set(_raylets(self.root))
         log = self.root / f"{node}.log"
         resources = {node: 1} if node == "node_head" else {node: 1, "rollout_node": ROLLOUT_SLOTS}
         cmd = [ray_cli(), "start", *head_or_join, "--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus),
@@ -66,7 +67,7 @@ class RayCluster:
                "--disable-usage-stats"]
         with open(log, "ab") as out:
             subprocess.run(cmd, env=self._env(), stdout=out, stderr=subprocess.STDOUT, check=True, timeout=120)
-        [raylet] = set(_raylets()) - before
+        [raylet] = set(_raylets(self.root)) - before
         self.raylets[node] = raylet
 
     def start(self) -> RayCluster:
@@ -109,9 +110,24 @@ class RayCluster:
         return None
 
     def stop(self) -> None:
-        subprocess.run([ray_cli(), "stop", "--force"], env=self._env(), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=120, check=False)
+        """SIGKILL every process of this cluster and what runs under them. Not `ray stop --force`: that
+        kills every Ray process of the machine, another session's cluster included (namespaces made with
+        `unshare -rn` share the process table)."""
+        ours = [p for p in psutil.process_iter(["cmdline"]) if str(self.root / "ray") in " ".join(p.info["cmdline"] or [])]
+        procs = {p.pid: p for p in ours}
+        for proc in ours:
+            with contextlib.suppress(psutil.Error):
+                procs.update({c.pid: c for c in proc.children(recursive=True)})
+        for proc in procs.values():
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+        psutil.wait_procs(list(procs.values()), timeout=10)
+        self.raylets.clear()
 
 
-def _raylets() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["name"]) if p.info.get("name") == "raylet"]
+def _raylets(root: Path) -> list[int]:
+    """This cluster's raylets: every node's raylet runs with the head's temp dir (under `root`) on its command
+    line, so another cluster on the machine (another test session, in its own namespace) is never counted."""
+    temp_dir = f"--temp_dir={root / 'ray'}"
+    return [p.pid for p in psutil.process_iter(["name", "cmdline"])
+            if p.info.get("name") == "raylet" and temp_dir in (p.info.get("cmdline") or [])]

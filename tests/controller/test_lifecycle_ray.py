@@ -7,6 +7,8 @@ with the simulated workload (real worker processes, fake training: seconds per r
 - the controller is killed (SIGKILL) mid-run and another started: the same actors are adopted, no twin, no orphan;
 - the node that runs the actor is killed: the actor is relaunched on another node and resumes from the
   newest checkpoint, no step's metrics lost;
+- a run is rolled back while it trains and goes on from there; its last checkpoint is forked into a new run
+  (tests/controller/test_lifecycle_rollback.py's story, on the cluster);
 - rollouts are scaled 1 -> 3 -> 1 while training, then the run is suspended (nothing left in the cluster),
   resumed, and deleted with --purge;
 - bad input: no cluster at spec.ray.address, and a request no node can ever hold, fail the run saying which field.
@@ -25,6 +27,7 @@ import pytest
 from raycluster import RayCluster
 from realproc import delete_and_wait, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sqlite_only
+from test_lifecycle_rollback import roll_back_and_fork
 
 from mortal.controller.logs import read_logs
 from mortal.workers.simulated import simulated_run
@@ -82,7 +85,9 @@ def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness)
 
 def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, harness):  # noqa: F811
     h, name = harness, "ray-node-kill"
-    h.apply(ray_run(name, max_steps=60, rollout_replicas=2, step_seconds=0.1))
+    # Steps enough that the run is still training when the relaunched rollout is seen (on a loaded machine
+    # the loss is noticed and the relaunch started seconds after the kill; 60 steps were over by then).
+    h.apply(ray_run(name, max_steps=150, rollout_replicas=2, step_seconds=0.1))
     h.start()
     wait_for(lambda: nodes(h, ray_cluster, "rollout", name) == ["node_a", "node_b"], 60, "a rollout on each node")
     wait_for(lambda: (h.status(name).get("step") or 0) >= 4, 30, "training")
@@ -93,8 +98,8 @@ def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, h
                  "both rollouts on the node left", details=lambda: run_state(h, ray_cluster, name))
         step = h.status(name)["step"]
         wait_for(lambda: h.status(name).get("step", 0) > step + 2, 30, "training again after the node loss")
-        final = h.wait_phase(name, "Succeeded", timeout=90)
-        assert final["step"] == 60 and final["restarts"] >= 1
+        final = h.wait_phase(name, "Succeeded", timeout=120)
+        assert final["step"] == 150 and final["restarts"] >= 1
         lost = [e.message for e in h.store.list_events(name, limit=200) if e.reason == "WorkerLost"]
         assert lost and all("rollout" in m for m in lost), lost
         wait_for(lambda: not worker_processes(h.home, run=name) and not named_actors(name), 30, "nothing left")
@@ -102,12 +107,17 @@ def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, h
         ray_cluster.add_node("node_a")
 
 
+def test_a_run_rolled_back_while_it_trains_goes_on_and_its_checkpoint_forks(ray_cluster, harness):  # noqa: F811
+    roll_back_and_fork(harness, "ray-rollback", {"backend": "ray", "ray": PLACEMENT})
+    wait_for(lambda: not named_actors("ray-rollback") and not named_actors("ray-rollback-more"), 30, "no actor left")
+
+
 def test_a_killed_node_with_the_actor_resumes_from_the_newest_checkpoint(ray_cluster, harness):  # noqa: F811
     h, name = harness, "ray-actor-node-kill"
     # The actor on a worker node (where rollout_node is), the rollout on the head.
     placement = {"actor": {"cpus": 0.5, "resources": {"rollout_node": 1}},
                  "rollout": {"cpus": 0.5, "resources": {"node_head": 0.1}}}
-    h.apply(ray_run(name, placement, max_steps=40, rollout_replicas=1, step_seconds=0.1))
+    h.apply(ray_run(name, placement, max_steps=120, rollout_replicas=1, step_seconds=0.1))  # still training when seen
     h.start()
     wait_for(lambda: (h.status(name).get("step") or 0) >= 5 and h.store.latest_checkpoint(name), 60,
              "training past a checkpoint")
@@ -120,12 +130,12 @@ def test_a_killed_node_with_the_actor_resumes_from_the_newest_checkpoint(ray_clu
         h.wait_phase(name, "Recovering", timeout=20)
         other = ({"node_a", "node_b"} - {node}).pop()
         wait_for(lambda: nodes(h, ray_cluster, "actor", name) == [other], 60, f"the actor relaunched on {other}")
-        final = h.wait_phase(name, "Succeeded", timeout=90)
-        assert final["step"] == 40 and final["restarts"] >= 1
+        final = h.wait_phase(name, "Succeeded", timeout=120)
+        assert final["step"] == 120 and final["restarts"] >= 1
         actors = [(w.incarnation, w.state, w.message) for w in h.store.list_workers(name) if w.role == "actor"]
         assert h.resumed_from(name, actors[-1][0]) == newest, ("not resumed from the newest checkpoint", actors)
         steps = {m.step for m in h.store.list_metrics(name, name="reward")}
-        assert steps == set(range(1, 41)), "a step's metrics were lost"
+        assert steps == set(range(1, 121)), "a step's metrics were lost"
     finally:
         ray_cluster.add_node(node)
 
