@@ -28,7 +28,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,7 @@ class Checkpointer:
     fence: Callable[[], None] = lambda: None  # heartbeat-now before writing files (a zombie exits there)
     provenance: Callable[[int], dict[str, Any]] | None = None  # what made the state at a step (workers.provenance)
     storage: CheckpointStorage | None = None  # spec.checkpoint.uri: where every checkpoint is uploaded
+    _uploaded: set[int] = field(default_factory=set, init=False, repr=False)  # steps this process uploaded
 
     @property
     def run(self) -> str:
@@ -119,6 +120,8 @@ class Checkpointer:
                 marker["provenance"] = made_by
             (tmp / MORTAL_FILE).write_text(json.dumps(marker, indent=1) + "\n")
         where = str(final) if self.storage is None else self.storage.upload(final, step)
+        if self.storage is not None:
+            self._uploaded.add(step)
         self.store.record_checkpoint(self.worker, step, where, weight_version, provenance=made_by)
         log.info("checkpoint step %d (weights v%d) at %s", step, weight_version, where)
         self.prune()
@@ -137,8 +140,10 @@ class Checkpointer:
 
     def resume_point(self) -> CheckpointRow | None:
         """The newest recorded checkpoint whose files are complete; newer broken ones are forgotten.
-        One in storage (a URL) is downloaded into this node's MORTAL_HOME unless a complete copy is here;
-        the row returned then has that folder as its path (the store's row keeps the URL).
+        One in storage (a URL) is downloaded into this node's MORTAL_HOME, unless this process uploaded it
+        from there: a folder of that step found here may be another incarnation's unrecorded write, or a
+        deleted run's of the same name, never to be trusted for the recorded one. The row returned then
+        has the local folder as its path (the store's row keeps the URL).
 
         Also clears temporary directories of a writer that died mid-checkpoint. A storage that cannot be
         read raises StorageError rather than forgetting checkpoints it could not see.
@@ -150,7 +155,7 @@ class Checkpointer:
                     return row
             elif self._storage(row.path).complete(row.path):
                 local = checkpoint_dir(self.run, row.step)
-                if not is_complete(local):
+                if row.step not in self._uploaded or not is_complete(local):
                     log.info("downloading checkpoint step %d from %s", row.step, row.path)
                     self._storage(row.path).download(row.path, local)
                 if is_complete(local):

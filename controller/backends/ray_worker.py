@@ -6,11 +6,15 @@ Who calls it: Ray, on a node of the cluster, when `RayBackend.launch` creates th
 that was started (a controller killed between "create" and "start" cannot leave an idle actor).
 
 The process: the launch's environment (`WorkerLaunch.environ`, the same protocol every backend
-gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), its own session and
-process group, output appended to the run's log file under MORTAL_HOME (`mortalctl logs` reads it:
-the cluster's nodes share that folder, docs/ray.md), and on Linux a parent-death signal: if this
-actor's process dies (its node is lost, Ray kills it), the worker dies with it instead of running on
-as an orphan nobody lists.
+gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), the cluster's address
+and the run's namespace (RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV: sync ray connects there as a driver), its
+own session and process group, output appended to the run's log file under MORTAL_HOME, and on Linux a
+parent-death signal: if this actor's process dies (its node is lost, Ray kills it), the worker dies
+with it instead of running on as an orphan nobody lists.
+MORTAL_HOME is the controller's (the launch's) when the nodes share that folder (`mortalctl logs` reads
+the log there); with `node_home` (spec.ray.sharedFilesystem false) it is this node's own: the MORTAL_HOME
+that `ray start` ran with on the node, else ~/.mortal of the node's user. The log file is then on
+the node, and the controller reads it through this actor (`read_log`) while the actor lives.
 What it must not do: import the store, decide anything, or restart the worker (the controller does).
 """
 
@@ -27,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mortal.controller.backends.base import WorkerLaunch, signal_group
+from mortal.controller.backends.base import RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, WorkerLaunch, signal_group
 from mortal.controller.backends.gpus import wants_gpu
 from mortal.state import paths
 
@@ -38,13 +42,19 @@ class WorkerHost:
     """One worker process and what is known of it; Ray calls the methods from its threads (max_concurrency > 1)."""
 
     def __init__(self, launch: dict[str, Any], command: Sequence[str]) -> None:
+        import ray
+
         spec = WorkerLaunch(**launch)
         self.worker_id = spec.worker_id
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
-        env = spec.environ(os.environ, cuda_visible_devices=devices)
-        log = Path(spec.mortal_home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
+        home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
+        env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
+        context = ray.get_runtime_context()
+        env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: context.namespace})
+        log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
             .relative_to(paths.mortal_home())
         log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
         self._exit_code: int | None = None
         self._lock = threading.Lock()
         started = threading.Event()

@@ -135,6 +135,17 @@ def test_another_machine_downloads_the_newest_checkpoint(made, store, tmp_path: 
 
 
 @sqlite_only
+def test_a_copy_found_on_this_machine_is_replaced_by_the_recorded_one(made, store) -> None:
+    checkpointer, storage = made
+    checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
+    uploaded = (checkpoint_dir("c", 2) / "optimizer.pt").read_bytes()
+    (checkpoint_dir("c", 2) / "optimizer.pt").write_bytes(b"another incarnation's unrecorded write")
+    relaunched = Checkpointer(store, checkpointer.worker, every=2, keep=2, seed=5, storage=storage)
+    resume = relaunched.resume_point()
+    assert resume.step == 2 and (Path(resume.path) / "optimizer.pt").read_bytes() == uploaded
+
+
+@sqlite_only
 def test_a_storage_that_cannot_be_read_is_an_error_not_a_lost_checkpoint(made, store, monkeypatch) -> None:
     checkpointer, storage = made
     checkpointer.write(FakeTrainer(2), step=2, weight_version=2)

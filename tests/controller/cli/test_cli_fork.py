@@ -135,3 +135,22 @@ def test_fork_and_rollback_refuse_a_run_whose_checkpoints_are_on_modals_volume(c
     fails(cli("fork", "far", "x"), refused)
     fails(cli("rollback", "far", "--to", "step-10"), refused)
     assert not paths.run_dir("x").exists()
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_fork_reads_a_checkpoint_in_mounted_storage_and_refuses_a_remote_one(cli, store, tmp_path) -> None:
+    """spec.checkpoint.uri: a row holds the URL. file:// is a folder here; s3:// is not, and fork says how to get it."""
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    ref = actor(store, "quickstart")
+    mounted = checkpoint_folder("quickstart", 10)
+    store.record_checkpoint(ref, 10, f"file://{mounted}", 10)
+    store.record_checkpoint(ref, 20, "s3://bucket/prefix/quickstart/step-20", 20)
+    store.heartbeat(ref, step=20)
+    for row in store.list_workers("quickstart", live_only=True):
+        store.end_worker(row.id, "Stopped")
+    forked = cli("fork", "quickstart:step-10", "child")
+    assert forked.exit_code == 0, forked.output
+    assert (paths.checkpoints_dir("child") / "step-10" / "optimizer.pt").read_bytes() == bytes([10]) * 100
+    fails(cli("fork", "quickstart", "other"), "checkpoint step-20 of trainingrun 'quickstart' is in the storage of "
+          "spec.checkpoint.uri (s3://bucket/prefix/quickstart/step-20); fork reads checkpoints on this machine only: "
+          "download it with `mortalctl cp quickstart:step-20 DIR`")
