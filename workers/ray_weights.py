@@ -45,6 +45,7 @@ NAMESPACE_ENV = "MORTAL_RAY_NAMESPACE"  # the run's namespace (mortal-<home>-<ru
 RECEIVED = "received"  # the folder of versions a node received, under the run's weights folder
 KEEP = 3  # versions the hub holds (WeightPublisher.keep rows are recorded; a rollout needs the newest)
 _HUB_OPTIONS = {"num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
+_HUBS: dict[int, Any] = {}  # incarnation -> the hub's handle, held for the process's life (Ray ends an actor no handle refers to)
 
 
 class RayWeightsError(RuntimeError):
@@ -98,11 +99,12 @@ def connect() -> Any:
 def share(folder: Path, incarnation: int) -> str:
     """Put a written version folder's files into the object store and the hub; the path to record."""
     ray = connect()
-    hub = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True, **_HUB_OPTIONS).remote(KEEP)
+    if incarnation not in _HUBS:
+        _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
+                                                           **_HUB_OPTIONS).remote(KEEP)
     files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-    ray.get(hub.put.remote(folder.name, [ray.put(files)]))
-    namespace = ray.get_runtime_context().namespace
-    return f"{SCHEME}{namespace}/{hub_name(incarnation)}/{folder.name}"
+    ray.get(_HUBS[incarnation].put.remote(folder.name, [ray.put(files)]))
+    return f"{SCHEME}{os.environ[NAMESPACE_ENV]}/{hub_name(incarnation)}/{folder.name}"
 
 
 def receive(path: str, run: str, uid: str) -> Path:

@@ -41,7 +41,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class WorkerHost:
     """One worker process and what is known of it; Ray calls the methods from its threads (max_concurrency > 1)."""
 
-    def __init__(self, launch: dict[str, Any], command: Sequence[str]) -> None:
+    def __init__(self, launch: dict[str, Any], command: Sequence[str], namespace: str = "") -> None:
+        """`namespace`: the run's (the actor's name is in it; Ray's runtime context gives the creating job's)."""
         import ray
 
         spec = WorkerLaunch(**launch)
@@ -49,8 +50,7 @@ class WorkerHost:
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
         home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
         env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
-        context = ray.get_runtime_context()
-        env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: context.namespace})
+        env.update({RAY_ADDRESS_ENV: ray.get_runtime_context().gcs_address, RAY_NAMESPACE_ENV: namespace})
         log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
             .relative_to(paths.mortal_home())
         log.parent.mkdir(parents=True, exist_ok=True)
