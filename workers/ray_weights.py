@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -84,7 +86,11 @@ def hub_name(incarnation: int) -> str:
 
 
 def connect() -> Any:
-    """`ray`, connected to the cluster this worker's Ray actor runs in, in the run's namespace (once)."""
+    """`ray`, connected to the cluster this worker's Ray actor runs in, in the run's namespace (once).
+
+    `ray.init` replaces the process's SIGTERM handler (Ray's exits at once; its C++ logging's prints a
+    stack): the worker's own (mortal.workers.runtime: stop at the next step boundary, the actor after a
+    checkpoint) is put back, or a suspend would lose the steps since the last checkpoint."""
     import ray
 
     if not ray.is_initialized():
@@ -92,7 +98,11 @@ def connect() -> Any:
         if not address or not namespace:
             raise RayWeightsError(f"sync ray needs {ADDRESS_ENV} and {NAMESPACE_ENV}: the ray backend sets them; "
                                   "this worker was not started by it (use sync volume elsewhere)")
+        main = threading.current_thread() is threading.main_thread()
+        own = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+        if main:
+            signal.signal(signal.SIGTERM, own if own is not None else signal.SIG_DFL)
     return ray
 
 
