@@ -119,6 +119,7 @@ class WorkerLaunch:
     memory_bytes: int | None = None
     resources: dict[str, float] = field(default_factory=dict)  # custom scheduler resources (spec.ray.<role>)
     node_home: bool = False  # the worker uses its node's own MORTAL_HOME, not mortal_home (spec.ray.sharedFilesystem false)
+    log_uri: str | None = None  # storage the worker's log is uploaded to (spec.checkpoint.uri, with node_home)
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:

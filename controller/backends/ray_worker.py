@@ -14,7 +14,9 @@ with it instead of running on as an orphan nobody lists.
 MORTAL_HOME is the controller's (the launch's) when the nodes share that folder (`mortalctl logs` reads
 the log there); with `node_home` (spec.ray.sharedFilesystem false) it is this node's own: the MORTAL_HOME
 that `ray start` ran with on the node, else ~/.mortal of the node's user. The log file is then on
-the node, and the controller reads it through this actor (`read_log`) while the actor lives.
+the node, and this actor uploads it to the run's storage (spec.checkpoint.uri, `log_uri`) every
+LOG_UPLOAD_SECONDS and once more when the worker ends, before its exit code is known (so before the
+controller kills this actor): `mortalctl logs` reads it there (mortal.controller.logs.StorageLogs).
 What it must not do: import the store, decide anything, or restart the worker (the controller does).
 """
 
@@ -33,6 +35,7 @@ from typing import Any
 
 from mortal.controller.backends.base import RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, WorkerLaunch, signal_group
 from mortal.controller.backends.gpus import wants_gpu
+from mortal.controller.logs import LOG_UPLOAD_SECONDS, storage_log_url
 from mortal.state import paths
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -55,6 +58,8 @@ class WorkerHost:
             .relative_to(paths.mortal_home())
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
+        self._log_url = storage_log_url(spec.log_uri, spec.run, log.name) if spec.log_uri else None
+        self._uploaded = -1  # the log's size when last uploaded
         self._exit_code: int | None = None
         self._lock = threading.Lock()
         started = threading.Event()
@@ -80,9 +85,33 @@ class WorkerHost:
             started.set()
             return
         started.set()
-        code = self._proc.wait()
+        while True:
+            try:
+                code = self._proc.wait(timeout=LOG_UPLOAD_SECONDS if self._log_url else None)
+                break
+            except subprocess.TimeoutExpired:
+                self._upload_log()
+        self._upload_log()  # the last lines, before the exit code tells the controller to kill this actor
         with self._lock:
             self._exit_code = code
+
+    def _upload_log(self) -> None:
+        """Copy the log file to the run's storage when it grew; best effort (a failed upload is said in this
+        actor's own output and tried again later: the worker must not fail for its log)."""
+        if self._log_url is None:
+            return
+        import fsspec
+
+        try:
+            size = self.log.stat().st_size
+            if size == self._uploaded:
+                return
+            fs, path = fsspec.core.url_to_fs(self._log_url)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(self.log), path)
+            self._uploaded = size
+        except (OSError, ValueError, ImportError) as exc:
+            print(f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True)
 
     def status(self) -> dict[str, Any]:
         """The worker's exit code (None while it runs; -N when signal N ended it) and this actor's node."""

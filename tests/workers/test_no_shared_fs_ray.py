@@ -8,7 +8,8 @@ each weight version travels from one node to another through the object store. A
 checkpoint (uploaded to a file:// URL, standing for a bucket), the node running its actor is SIGKILLed;
 the actor is relaunched on the other worker node, downloads the checkpoint into that node's home and
 resumes. Both runs Succeed, their final checkpoints' tensors hash the same, the workers wrote nothing
-under the controller's MORTAL_HOME, and no actor of either run is left in the cluster. Runs in `unshare -rn`
+under the controller's MORTAL_HOME, the relaunched actor's log is in the storage (`mortalctl logs`
+reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. Runs in `unshare -rn`
 (scripts/test.sh).
 """
 
@@ -24,6 +25,7 @@ from store_kinds import sqlite_only
 from test_exact_resume_ray import CONFIG, HANDED, _apply
 
 from mortal.controller.backends import select_backend
+from mortal.controller.logs import StorageLogs, read_logs
 from mortal.controller.manager import Controller
 from mortal.state import Store, open_store
 from mortal.workers.ray_weights import SCHEME
@@ -75,6 +77,9 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         assert (ray_cluster.home(other) / "runs/node-kill/checkpoints" / f"step-{EVERY}" / "mortal.json").is_file()
         assert all(row.path.startswith(SCHEME) for name in RUNS for row in store.list_weights(name))
         assert not (mortal_home / "runs").exists(), "a worker wrote under the controller's MORTAL_HOME"
+        # `mortalctl logs` reads what each worker's Ray actor uploaded next to the checkpoints.
+        logs = list(read_logs("node-kill", role="actor", source=StorageLogs(f"file://{bucket}")))
+        assert any(f"actor-0#{actors[-1].incarnation}" in line and "exiting with code 0" in line for line in logs), logs[-5:]
         wait_for(lambda: not _named_actors(), 30, "no actor (worker or weights hub) of either run left")
     finally:
         controller.stop()
