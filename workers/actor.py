@@ -61,7 +61,10 @@ def main(ctx: WorkerContext) -> int:
         ctx.store, ctx.worker, spec.checkpoint.every, spec.checkpoint.keep, spec.algorithm.seed, fence=ctx.check_fence,
         storage=checkpoint_storage(ctx),
     )
-    resume = checkpointer.resume_point()
+    try:
+        resume = checkpointer.resume_point()
+    except StorageError as exc:  # recorded in a storage the spec no longer names (an unreachable one: OSError, retried)
+        raise FatalWorkerError(STORAGE_UNAVAILABLE, str(exc)) from exc
     start = resume.step if resume else 0
     ctx.report(step=start)
     if start >= spec.algorithm.max_steps:

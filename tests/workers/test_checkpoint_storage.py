@@ -187,3 +187,15 @@ def test_local_path_of_a_row() -> None:
     assert local_path("/home/x/runs/r/checkpoints/step-2") == Path("/home/x/runs/r/checkpoints/step-2")
     assert local_path("file:///mnt/bucket/p/r/step-2") == Path("/mnt/bucket/p/r/step-2")
     assert local_path("s3://bucket/p/r/step-2") is None
+
+
+@sqlite_only
+def test_checkpoints_recorded_under_another_uri_fail_the_actor_naming_the_field(made, store, monkeypatch) -> None:
+    checkpointer, _ = made
+    checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
+    elsewhere = CheckpointStorage("memory://elsewhere/p", "c")
+    with pytest.raises(StorageError, match="spec.checkpoint.uri 'memory://elsewhere/p'"):
+        Checkpointer(store, checkpointer.worker, every=2, keep=2, seed=5, storage=elsewhere).resume_point()
+    with pytest.raises(StorageError, match="this run's spec.checkpoint.uri is not set"):
+        Checkpointer(store, checkpointer.worker, every=2, keep=2, seed=5).resume_point()
+    assert [r.step for r in store.list_checkpoints("c")] == [2], "a checkpoint was forgotten"
