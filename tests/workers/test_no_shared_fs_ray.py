@@ -15,6 +15,9 @@ reads it there), and no actor of either run (workers, weights hubs) is left in t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,12 +34,13 @@ from mortal.state import Store, open_store
 from mortal.workers.ray_weights import SCHEME
 from mortal.workers.storage import local_path
 
-pytestmark = [sqlite_only, pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")]
 ray = pytest.importorskip("ray")
 MAX_STEPS, EVERY = 4, 2
 RUNS = ("straight", "node-kill")
 
 
+@sqlite_only
+@pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         ray_cluster, store_url, mortal_home: Path, tmp_path: Path, monkeypatch) -> None:
     for key, value in HANDED.items():
@@ -89,6 +93,58 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         if killed is not None:
             ray_cluster.add_node(killed)
         store.close()
+
+
+PUBLISHER = """
+import os, signal, sys, time
+from pathlib import Path
+stopped = []
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))  # as mortal.workers.runtime's: stop at a step boundary
+from mortal.workers import ray_weights
+folder = Path(sys.argv[1])
+print(ray_weights.share(folder, 7), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("handler kept" if stopped else "handler lost", flush=True)
+sys.stdin.readline()  # until the test has received the version
+"""
+
+
+def test_a_published_version_reaches_another_process_and_ends_with_its_publisher(
+        ray_cluster, mortal_home: Path, tmp_path: Path) -> None:
+    """ray_weights on the real cluster: the bytes arrive whole, joining Ray keeps the worker's SIGTERM handler (a
+    suspended actor checkpoints), and the hub and its objects end with the process that published them."""
+    from mortal.controller.backends.base import RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV
+
+    folder = tmp_path / "v3-i7"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    (folder / "config.json").write_text("{}")
+    env = {**os.environ, RAY_ADDRESS_ENV: ray_cluster.address, RAY_NAMESPACE_ENV: "mortal-test-hub"}
+    publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(folder)], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        path = publisher.stdout.readline().strip()
+        assert path == f"{SCHEME}mortal-test-hub/weights-i7/v3-i7", path
+        assert publisher.stdout.readline().strip() == "handler kept"
+        received = Path(receive_elsewhere(env, path, tmp_path / "node-home").stdout.strip().splitlines()[-1])
+        assert {p.name: p.read_bytes() for p in received.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+        publisher.stdin.write("\n")
+        publisher.stdin.flush()
+        assert publisher.wait(timeout=60) == 0
+        wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                              if a["namespace"] == "mortal-test-hub"], 30, "the hub ended with its publisher")
+        gone = receive_elsewhere(env, path, tmp_path / "other-home", check=False)
+        assert gone.returncode != 0 and "FileNotFoundError" in gone.stderr and "no longer held" in gone.stderr
+    finally:
+        publisher.kill()
+
+
+def receive_elsewhere(env: dict[str, str], path: str, home: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """`receive` in a process of its own (another worker, on another MORTAL_HOME): it prints the folder it wrote."""
+    script = "import sys; from mortal.workers import ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
+    return subprocess.run([sys.executable, "-c", script, path], env={**env, "MORTAL_HOME": str(home)}, text=True,
+                          capture_output=True, timeout=120, check=check)
 
 
 def _named_actors() -> list[str]:
