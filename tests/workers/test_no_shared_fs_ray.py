@@ -9,8 +9,8 @@ checkpoint (uploaded to a file:// URL, standing for a bucket), the node running 
 the actor is relaunched on the other worker node, downloads the checkpoint into that node's home and
 resumes. Both runs Succeed, their final checkpoints' tensors hash the same, the workers wrote nothing
 under the controller's MORTAL_HOME, the relaunched actor's log is in the storage (`mortalctl logs`
-reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. Runs in `unshare -rn`
-(scripts/test.sh).
+reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. A second, short test
+drives mortal.workers.ray_weights alone between processes on the cluster. Runs in `unshare -rn` (scripts/test.sh).
 """
 
 from __future__ import annotations
