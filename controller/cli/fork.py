@@ -180,19 +180,36 @@ def fork_run(
         raise RunExists(f"{dest} already exists (left by an earlier run named {name!r}); remove it or pick "
                         "another name")
     linked = _copy_checkpoint(checkpoint_folder(source, checkpoint), dest, name)
+    recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
     try:
         row = store.fork_run(name, child.spec_dict(), meta.labels, meta.annotations, source, checkpoint.step,
-                             str(dest), checkpoint.weight_version, provenance=checkpoint.provenance)
+                             recorded, checkpoint.weight_version, provenance=checkpoint.provenance)
     except Conflict:
         shutil.rmtree(dest, ignore_errors=True)
         raise RunExists(f"trainingrun {name!r} already exists; pick another name for the fork") from None
     how = "hard-linked" if linked else "copied"
     store.add_event(name, "Normal", "Forked", f"forked from {source} at step {checkpoint.step} (checkpoint {how} "
-                                              f"to {dest}); the first step trained is {checkpoint.step + 1}")
+                                              f"to {recorded}); the first step trained is {checkpoint.step + 1}")
     store.add_event(source, "Normal", "ForkCreated", f"trainingrun {name} forked from step {checkpoint.step}")
     wake_controller(name)
     return Forked(row.document(), source, checkpoint.step, dest, linked)
+
+
+def _upload_for_nodes(child: TrainingRun, dest: Path, step: int) -> str:
+    """What NEW's checkpoint row records: the copy here, or, for a Ray run whose nodes do not see this
+    machine's MORTAL_HOME (ray.sharedFilesystem false), that copy uploaded to NEW's spec.checkpoint.uri
+    (mortal.workers.storage: the marker last, before the row), where its relaunched actor looks."""
+    spec = child.spec
+    if spec.backend != "ray" or spec.ray.shared_filesystem:
+        return str(dest)
+    from mortal.workers.storage import CheckpointStorage, StorageError
+
+    try:
+        return CheckpointStorage(spec.checkpoint.uri, child.metadata.name).upload(dest, step)
+    except StorageError as exc:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise ForkError(f"cannot upload the fork's checkpoint: {exc}") from exc
 
 
 def _copy_checkpoint(source: Path, dest: Path, run: str) -> bool:
