@@ -124,8 +124,11 @@ class CheckpointStorage:
         return self.url(step)
 
     def complete(self, url: str) -> bool:
-        """The marker is there: every file of the checkpoint was uploaded before it."""
-        return bool(self.fs.exists(posixpath.join(self._path(url), MARKER)))
+        """The marker is there: every file of the checkpoint was uploaded before it. (Asked of the storage
+        itself: object-store filesystems cache listings, and another node may have uploaded since.)"""
+        marker = posixpath.join(self._path(url), MARKER)
+        self.fs.invalidate_cache(posixpath.dirname(marker))
+        return bool(self.fs.exists(marker))
 
     def download(self, url: str, dest: Path) -> Path:
         """Copy the checkpoint at `url` into `dest` (a folder on this node), whole or not at all."""
@@ -142,6 +145,7 @@ class CheckpointStorage:
         self._remove(self._path(url))
 
     def _remove(self, path: str) -> None:
+        self.fs.invalidate_cache(path)
         with contextlib.suppress(FileNotFoundError):
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
