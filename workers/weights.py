@@ -366,7 +366,7 @@ class WeightPublisher:
                 state: dict[str, torch.Tensor] | None = None) -> int:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
         rollouts, off the path a new version takes to them) prune; returns the version published.
-        `state`: a sharded actor's weights gathered to full CPU tensors (volume only)."""
+        `state`: a sharded actor's weights gathered to full CPU tensors (volume or ray)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
         adapters = lora_adapters(model) if self.method in ("volume", "ray") and state is None else None
