@@ -19,7 +19,9 @@ node differs.
 
 The hub is a small named Ray actor, `weights-i<actor incarnation>`, in the run's namespace, that keeps
 the ObjectRefs of the newest KEEP versions (it drops older ones as new ones come, and Ray frees an object
-nobody refers to). It is created by the publishing actor process, *not* detached: Ray ends it, and the
+nobody refers to). It is placed on the publishing actor's node (NODE_ENV), so that no other node's loss
+takes it (and with it the run's newest weights) from an actor that lives on; one that dies anyway is made
+again at the next publish. It is created by the publishing actor process, *not* detached: Ray ends it, and the
 objects that process put, when that process (the Ray job it is) ends, however it ends: finished,
 stopped for a suspend or delete, killed, or lost with its node. Nothing of a run outlives its actor in
 the cluster, with no controller involved (a controller may be dead when it happens). What dies with it
@@ -44,6 +46,7 @@ from mortal.state import paths
 SCHEME = "mortal-ray-weights://"
 ADDRESS_ENV = "MORTAL_RAY_ADDRESS"  # the cluster's GCS address, as the worker's Ray actor sees it
 NAMESPACE_ENV = "MORTAL_RAY_NAMESPACE"  # the run's namespace (mortal-<home>-<run>)
+NODE_ENV = "MORTAL_RAY_NODE_ID"  # the node the worker's Ray actor runs on: the hub is kept there
 RECEIVED = "received"  # the folder of versions a node received, under the run's weights folder
 KEEP = 3  # versions the hub holds (WeightPublisher.keep rows are recorded; a rollout needs the newest)
 _HUB_OPTIONS = {"num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
@@ -109,12 +112,25 @@ def connect() -> Any:
 def share(folder: Path, incarnation: int) -> str:
     """Put a written version folder's files into the object store and the hub; the path to record."""
     ray = connect()
-    if incarnation not in _HUBS:
-        _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
-                                                           **_HUB_OPTIONS).remote(KEEP)
     files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-    ray.get(_HUBS[incarnation].put.remote(folder.name, [ray.put(files)]))
+    ref = [ray.put(files)]
+    try:
+        ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
+    except ray.exceptions.RayActorError:  # the hub died under a live publisher (killed by hand, say): a new one
+        _HUBS.pop(incarnation, None)
+        ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
     return f"{SCHEME}{os.environ[NAMESPACE_ENV]}/{hub_name(incarnation)}/{folder.name}"
+
+
+def _hub(ray: Any, incarnation: int) -> Any:
+    """This publisher's hub (made, on this worker's node, at the first publish)."""
+    if incarnation not in _HUBS:
+        node = os.environ.get(NODE_ENV)
+        placement = {} if not node else {"scheduling_strategy": ray.util.scheduling_strategies
+                                         .NodeAffinitySchedulingStrategy(node_id=node, soft=True)}
+        _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
+                                                           **_HUB_OPTIONS, **placement).remote(KEEP)
+    return _HUBS[incarnation]
 
 
 def receive(path: str, run: str, uid: str) -> Path:

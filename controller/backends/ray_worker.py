@@ -6,8 +6,9 @@ Who calls it: Ray, on a node of the cluster, when `RayBackend.launch` creates th
 that was started (a controller killed between "create" and "start" cannot leave an idle actor).
 
 The process: the launch's environment (`WorkerLaunch.environ`, the same protocol every backend
-gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), the cluster's address
-and the run's namespace (RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV: sync ray connects there as a driver), its
+gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), the cluster's address,
+the run's namespace and this node's id (RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV: sync ray connects
+there as a driver and keeps its weights hub on this node), its
 own session and process group, output appended to the run's log file under MORTAL_HOME, and on Linux a
 parent-death signal: if this actor's process dies (its node is lost, Ray kills it), the worker dies
 with it instead of running on as an orphan nobody lists.
@@ -33,7 +34,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mortal.controller.backends.base import RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, WorkerLaunch, signal_group
+from mortal.controller.backends.base import (
+    RAY_ADDRESS_ENV,
+    RAY_NAMESPACE_ENV,
+    RAY_NODE_ENV,
+    WorkerLaunch,
+    signal_group,
+)
 from mortal.controller.backends.gpus import wants_gpu
 from mortal.controller.logs import LOG_UPLOAD_SECONDS, storage_log_url
 from mortal.state import paths
@@ -53,7 +60,9 @@ class WorkerHost:
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
         home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
         env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
-        env.update({RAY_ADDRESS_ENV: ray.get_runtime_context().gcs_address, RAY_NAMESPACE_ENV: namespace})
+        context = ray.get_runtime_context()
+        env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: namespace,
+                    RAY_NODE_ENV: context.get_node_id()})
         log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
             .relative_to(paths.mortal_home())
         log.parent.mkdir(parents=True, exist_ok=True)

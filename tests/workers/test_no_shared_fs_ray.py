@@ -35,7 +35,7 @@ from mortal.workers.ray_weights import SCHEME
 from mortal.workers.storage import local_path
 
 ray = pytest.importorskip("ray")
-MAX_STEPS, EVERY = 4, 2
+MAX_STEPS, EVERY = 3, 1
 RUNS = ("straight", "node-kill")
 
 
@@ -71,6 +71,8 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         for name in RUNS:
             wait_for(lambda name=name: store.get_run(name).phase in ("Succeeded", "Failed"), 600, f"{name} done")
             assert store.get_run(name).phase == "Succeeded", store.get_run(name).status
+        straight = [w.incarnation for w in store.list_workers("straight") if w.role == "actor"]
+        assert len(straight) == 1, f"the reference run was interrupted too (actor incarnations {straight})"
         finals = {name: _checkpoint_tensors_hash(store, name) for name in RUNS}
         assert finals["straight"] == finals["node-kill"], finals
 
