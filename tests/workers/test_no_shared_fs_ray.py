@@ -7,7 +7,8 @@ actor and rollout on the head, "node-kill" with its rollout on the head and its 
 each weight version travels from one node to another through the object store. After node-kill's first
 checkpoint (uploaded to a file:// URL, standing for a bucket), the node running its actor is SIGKILLed;
 the actor is relaunched on the other worker node, downloads the checkpoint into that node's home and
-resumes. Both runs Succeed, their final checkpoints' tensors hash the same, the workers wrote nothing
+resumes. Both runs Succeed ("straight" never interrupted: its weights hub lives on its own actor's node),
+their final checkpoints' tensors hash the same, the workers wrote nothing
 under the controller's MORTAL_HOME, the relaunched actor's log is in the storage (`mortalctl logs`
 reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. A second, short test
 drives mortal.workers.ray_weights alone between processes on the cluster. Runs in `unshare -rn` (scripts/test.sh).
