@@ -1,0 +1,87 @@
+"""Statements per store call: what each call of a worker's round sends to the database, on each store.
+
+    python bench/store_statements.py [--store sqlite --store postgres] [--rounds 200] [--done 2000]
+
+A fresh database per store (bench/scratch_database.py), one run, an actor's queue of tasks of which
+--done are already done (a run some steps old: a lease must not get slower as they pile up), and one
+rollout worker going through the round bench/store_load.py's clients make: heartbeat, lease_task,
+renew_task, complete_task, add_metrics, get_run, latest_weights. Counted with SQLAlchemy's
+before_cursor_execute event: the statements the store itself sends (SQLite's BEGIN IMMEDIATE is one;
+psycopg's implicit BEGIN, the COMMIT and the pool's pre-ping are not counted). Single-threaded, in process,
+no HTTP: per call the median milliseconds too, which are for comparing calls, not for claims (the load
+bench measures latency under load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch_database import fresh_database  # noqa: E402
+
+from mortal.state import WorkerRef, open_store  # noqa: E402
+from mortal.state.store import NewTask  # noqa: E402
+
+RUN = "bench"
+
+
+def measure(kind: str, rounds: int, done: int) -> dict[str, dict[str, float]]:
+    with tempfile.TemporaryDirectory() as tmp, fresh_database(kind, Path(tmp)) as url:
+        store = open_store(url)
+        sent = {"n": 0}
+        event.listen(store._engine, "before_cursor_execute", lambda *a, **k: sent.__setitem__("n", sent["n"] + 1))
+        store.apply_run(RUN, {"model": {"name": "tiny"}})
+        actor = store.create_worker(RUN, "actor", 0, "local", 600)
+        actor_ref = WorkerRef(RUN, "actor", 0, actor.incarnation)
+        tasks = done + rounds + 8
+        for start in range(0, tasks, 500):
+            store.enqueue_tasks(actor_ref, [NewTask(step=i // 8, slot=i % 8, min_weight_version=0, payload={"p": i})
+                                            for i in range(start, min(tasks, start + 500))])
+        row = store.create_worker(RUN, "rollout", 0, "local", 600)
+        ref = WorkerRef(RUN, "rollout", 0, row.incarnation)
+        for _ in range(done):
+            task = store.lease_task(ref, 30.0)
+            store.complete_task(ref, task.id, task.lease_token, {"reward": 1.0})
+        calls: dict[str, list[tuple[float, int]]] = {}
+
+        def timed(name: str, fn: Any, *args: Any) -> Any:
+            before, started = sent["n"], time.perf_counter()
+            out = fn(*args)
+            calls.setdefault(name, []).append((time.perf_counter() - started, sent["n"] - before))
+            return out
+
+        for i in range(rounds):
+            timed("heartbeat", store.heartbeat, ref, i)
+            task = timed("lease_task", store.lease_task, ref, 30.0)
+            timed("renew_task", store.renew_task, ref, task.id, task.lease_token, 30.0)
+            timed("complete_task", store.complete_task, ref, task.id, task.lease_token, {"reward": 1.0})
+            timed("add_metrics", store.add_metrics, ref, i, {"reward": 0.5, "loss": 0.1})
+            timed("get_run", store.get_run, RUN)
+            timed("latest_weights", store.latest_weights, RUN)
+        store.close()
+    return {name: {"statements": max(n for _, n in values),
+                   "median_ms": round(statistics.median(s for s, _ in values) * 1000, 2)}
+            for name, values in calls.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", action="append", choices=["sqlite", "postgres"])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--done", type=int, default=2000, help="tasks already done before the rounds")
+    args = parser.parse_args()
+    for kind in args.store or ["sqlite", "postgres"]:
+        for name, row in measure(kind, args.rounds, args.done).items():
+            print(f"{kind:9s} {name:15s} statements {row['statements']}  median {row['median_ms']:6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
