@@ -84,13 +84,16 @@ class StepBatch:
 
     def _tool_metrics(self) -> dict[str, float]:
         """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls, 0
-        without calls), and the mean model turns per completion; nothing when the run calls no tools."""
+        without calls), the fraction of completions that called a tool at least once (tools/call_rate: what
+        rises while a model learns to use one) and the mean model turns per completion; nothing when the run
+        calls no tools."""
         if not self.turns:
             return {}
         calls = sum(self.tool_calls)
         return {
             "tools/call_frequency": calls / len(self.tool_calls),
             "tools/failure_frequency": sum(self.tool_failures) / calls if calls else 0.0,
+            "tools/call_rate": sum(n > 0 for n in self.tool_calls) / len(self.tool_calls),
             "tools/turns": sum(self.turns) / len(self.turns),
         }
 

@@ -239,3 +239,12 @@ def test_a_chunked_step_deleted_under_collect_is_enqueued_again(chunked) -> None
     helper.join()
     assert len(store.step_results("f", 0)) == 3
     assert batch.prompt_ids == [[slot] for slot in range(5) for _ in range(G)]
+
+
+def test_tool_metrics_count_calls_per_completion_and_the_completions_that_called() -> None:
+    from mortal.workers.feed import StepBatch
+
+    batch = StepBatch(turns=[1, 3, 2, 1], tool_calls=[0, 2, 1, 0], tool_failures=[0, 1, 0, 0])
+    assert batch._tool_metrics() == {"tools/call_frequency": 0.75, "tools/failure_frequency": 1 / 3,
+                                     "tools/call_rate": 0.5, "tools/turns": 1.75}
+    assert StepBatch()._tool_metrics() == {}  # a run without tools reports none
