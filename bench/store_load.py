@@ -93,6 +93,13 @@ def store_server(backing_url: str, token: str, threads: int, log: Path) -> Any:
 def prepare(url: str, token: str, clients: int, tasks: int) -> list[tuple[str, str, int, int]]:
     """One run, its actor with `tasks` queued tasks, and one rollout worker per client (their refs)."""
     store = HttpStore(url, token=token)
+    refs = seed_run(store, clients, tasks)
+    store.close()
+    return refs
+
+
+def seed_run(store: Any, clients: int, tasks: int) -> list[tuple[str, str, int, int]]:
+    """On any Store: the run, its actor's `tasks` queued tasks, and `clients` rollout workers (their refs)."""
     store.apply_run(RUN, SPEC)
     actor = store.create_worker(RUN, "actor", 0, "local", 600)
     actor_ref = WorkerRef(RUN, "actor", 0, actor.incarnation)
@@ -104,8 +111,19 @@ def prepare(url: str, token: str, clients: int, tasks: int) -> list[tuple[str, s
     for replica in range(clients):
         row = store.create_worker(RUN, "rollout", replica, "local", 600)
         refs.append((RUN, "rollout", replica, row.incarnation))
-    store.close()
     return refs
+
+
+def worker_round(store: Any, ref: WorkerRef, step: int, call: Any) -> None:
+    """A worker's round of calls, each made through `call(name, fn, *args)` (which times or paces it)."""
+    call("heartbeat", store.heartbeat, ref, step)
+    task = call("lease_task", store.lease_task, ref, 30.0)
+    if task is not None:
+        call("renew_task", store.renew_task, ref, task.id, task.lease_token, 30.0)
+        call("complete_task", store.complete_task, ref, task.id, task.lease_token, {"reward": 1.0})
+    call("add_metrics", store.add_metrics, ref, step, {"reward": 0.5, "loss": 0.1})
+    call("get_run", store.get_run, RUN)
+    call("latest_weights", store.latest_weights, RUN)
 
 
 # -- the clients ---------------------------------------------------------------------------------------------
@@ -139,14 +157,7 @@ def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: 
     try:
         while True:
             step += 1
-            call("heartbeat", store.heartbeat, ref, step)
-            task = call("lease_task", store.lease_task, ref, 30.0)
-            if task is not None:
-                call("renew_task", store.renew_task, ref, task.id, task.lease_token, 30.0)
-                call("complete_task", store.complete_task, ref, task.id, task.lease_token, {"reward": 1.0})
-            call("add_metrics", store.add_metrics, ref, step, {"reward": 0.5, "loss": 0.1})
-            call("get_run", store.get_run, RUN)
-            call("latest_weights", store.latest_weights, RUN)
+            worker_round(store, ref, step, call)
     except _Over:
         pass
     with lock:

@@ -4,8 +4,8 @@
 
 A fresh database per store (bench/scratch_database.py), one run, an actor's queue of tasks of which
 --done are already done (a run some steps old: a lease must not get slower as they pile up), and one
-rollout worker going through the round bench/store_load.py's clients make: heartbeat, lease_task,
-renew_task, complete_task, add_metrics, get_run, latest_weights. Counted with SQLAlchemy's
+rollout worker going through the round bench/store_load.py's clients make (`worker_round`: heartbeat,
+lease_task, renew_task, complete_task, add_metrics, get_run, latest_weights). Counted with SQLAlchemy's
 before_cursor_execute event: the statements the store itself sends (SQLite's BEGIN IMMEDIATE is one;
 psycopg's implicit BEGIN, the COMMIT and the pool's pre-ping are not counted). Single-threaded, in process,
 no HTTP: per call the median milliseconds too, which are for comparing calls, not for claims (the load
@@ -26,11 +26,9 @@ from sqlalchemy import event
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch_database import fresh_database  # noqa: E402
+from store_load import RUN, seed_run, worker_round  # noqa: E402
 
 from mortal.state import WorkerRef, open_store  # noqa: E402
-from mortal.state.store import NewTask  # noqa: E402
-
-RUN = "bench"
 
 
 def measure(kind: str, rounds: int, done: int) -> dict[str, dict[str, float]]:
@@ -38,15 +36,8 @@ def measure(kind: str, rounds: int, done: int) -> dict[str, dict[str, float]]:
         store = open_store(url)
         sent = {"n": 0}
         event.listen(store._engine, "before_cursor_execute", lambda *a, **k: sent.__setitem__("n", sent["n"] + 1))
-        store.apply_run(RUN, {"model": {"name": "tiny"}})
-        actor = store.create_worker(RUN, "actor", 0, "local", 600)
-        actor_ref = WorkerRef(RUN, "actor", 0, actor.incarnation)
-        tasks = done + rounds + 8
-        for start in range(0, tasks, 500):
-            store.enqueue_tasks(actor_ref, [NewTask(step=i // 8, slot=i % 8, min_weight_version=0, payload={"p": i})
-                                            for i in range(start, min(tasks, start + 500))])
-        row = store.create_worker(RUN, "rollout", 0, "local", 600)
-        ref = WorkerRef(RUN, "rollout", 0, row.incarnation)
+        [(_, role, replica, incarnation)] = seed_run(store, clients=1, tasks=done + rounds + 8)
+        ref = WorkerRef(RUN, role, replica, incarnation)
         for _ in range(done):
             task = store.lease_task(ref, 30.0)
             store.complete_task(ref, task.id, task.lease_token, {"reward": 1.0})
@@ -58,14 +49,8 @@ def measure(kind: str, rounds: int, done: int) -> dict[str, dict[str, float]]:
             calls.setdefault(name, []).append((time.perf_counter() - started, sent["n"] - before))
             return out
 
-        for i in range(rounds):
-            timed("heartbeat", store.heartbeat, ref, i)
-            task = timed("lease_task", store.lease_task, ref, 30.0)
-            timed("renew_task", store.renew_task, ref, task.id, task.lease_token, 30.0)
-            timed("complete_task", store.complete_task, ref, task.id, task.lease_token, {"reward": 1.0})
-            timed("add_metrics", store.add_metrics, ref, i, {"reward": 0.5, "loss": 0.1})
-            timed("get_run", store.get_run, RUN)
-            timed("latest_weights", store.latest_weights, RUN)
+        for step in range(rounds):
+            worker_round(store, ref, step, timed)
         store.close()
     return {name: {"statements": max(n for _, n in values),
                    "median_ms": round(statistics.median(s for s, _ in values) * 1000, 2)}
