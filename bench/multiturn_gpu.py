@@ -68,7 +68,7 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -99,7 +99,7 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict
 
     torch.manual_seed(args.seed)
     config = GRPOConfig(
-        output_dir=str(args.work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
+        output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
         num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_completion_length=generation.get("maxTokens", 256), learning_rate=args.lr, beta=0.0, loss_type="dapo",
         temperature=generation.get("temperature", 1.0), top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed,
@@ -113,12 +113,12 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict
     return {"curve": curve, "wall_seconds": time.time() - invoked}
 
 
-def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from mortal.specs import TrainingRun
 
     run = TrainingRun.model_validate({"metadata": {"name": "bench-multiturn"}, "spec": spec})
     launched = time.time()
-    by_step, wall = run_through_controller(run, args.work, poll_seconds=0.5)
+    by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
     curve = [{"step": s, "seconds": v["ended_at"] - launched, **{k: v[k] for k in SHOWN if k in v}}
              for s, v in sorted(by_step.items()) if "ended_at" in v]
     return {"curve": curve, "wall_seconds": wall}
@@ -157,16 +157,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mortal-multiturn-") as tmp:
         for side, runner in (("trl", run_trl), ("mortal", run_mortal)):
             if args.only in (None, side):
-                args.work = Path(tmp) / side
-                args.work.mkdir()
-                result = runner(model, bench_spec(model, args), args)
+                work = Path(tmp) / side
+                work.mkdir()
+                result = runner(model, bench_spec(model, args), args, work)
                 out[side] = {**result, **summary(result["curve"], args.prompts * args.gens)}
                 shown = {k: v for k, v in out[side].items() if k != "curve"}
                 print(f"{side}: {json.dumps(shown)}", flush=True)
     if "trl" in out and "mortal" in out and out["trl"]["tokens_per_second"]:
         out["ratio"] = round(out["mortal"]["tokens_per_second"] / out["trl"]["tokens_per_second"], 2)
         print(f"mortal / TRL, completion tokens per second: {out['ratio']}x", flush=True)
-    out.pop("work", None)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))
 
