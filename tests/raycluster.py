@@ -113,7 +113,7 @@ class RayCluster:
         """SIGKILL every process of this cluster and what runs under them. Not `ray stop --force`: that
         kills every Ray process of the machine, another session's cluster included (namespaces made with
         `unshare -rn` share the process table)."""
-        ours = [p for p in psutil.process_iter(["cmdline"]) if str(self.root / "ray") in " ".join(p.info["cmdline"] or [])]
+        ours = _processes(self.root)
         procs = {p.pid: p for p in ours}
         for proc in ours:
             with contextlib.suppress(psutil.Error):
@@ -125,9 +125,13 @@ class RayCluster:
         self.raylets.clear()
 
 
+def _processes(root: Path) -> list[psutil.Process]:
+    """This cluster's own processes (Ray workers below them are their children): each names the head's temp
+    dir (under `root`) on its command line, so another cluster of the machine (another test session, in its
+    own namespace) is never counted."""
+    temp_dir = str(root / "ray")
+    return [p for p in psutil.process_iter(["name", "cmdline"]) if temp_dir in " ".join(p.info.get("cmdline") or [])]
+
+
 def _raylets(root: Path) -> list[int]:
-    """This cluster's raylets: every node's raylet runs with the head's temp dir (under `root`) on its command
-    line, so another cluster on the machine (another test session, in its own namespace) is never counted."""
-    temp_dir = f"--temp_dir={root / 'ray'}"
-    return [p.pid for p in psutil.process_iter(["name", "cmdline"])
-            if p.info.get("name") == "raylet" and temp_dir in (p.info.get("cmdline") or [])]
+    return [p.pid for p in _processes(root) if p.info.get("name") == "raylet"]
