@@ -5,7 +5,13 @@
     python bench/gpu_step.py --cpu      # a smoke test of the script: a tiny model, no figures
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
-8 generations x 256 completion tokens per step, bf16, beta 0. TRL generates with transformers'
+8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b` takes Qwen2.5's
+larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides.
+A step's seconds, on both sides, are the wall clock between its end and the previous step's end
+(TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
+step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
+Peak GPU memory is nvidia-smi's memory used on each GPU while each side trains (every process's
+CUDA context and reserved memory). A TRL run that runs out of GPU memory is recorded as such. TRL generates with transformers'
 `generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal runs
 through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
 GPU (spec rollout.colocate; sync auto = ipc); with `--gpus N` > 1 the actor on one GPU and
@@ -41,12 +47,14 @@ Needs a CUDA GPU, TRL and datasets, and SmolLM2's tokenizer (MORTAL_TEST_ASSETS,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from through_controller import run_through_controller
@@ -59,16 +67,27 @@ REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: thro
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
 
 
-def make_model(folder: Path, tiny: bool = False) -> Path:
-    """Qwen2.5-0.5B's shape with random weights, and SmolLM2's tokenizer (its vocabulary size);
-    `tiny`: 2 layers of width 64 instead (the --cpu smoke test)."""
+# Qwen2.5's published configs (hidden, MLP, layers, heads, key/value heads), vocabulary aside: the bench uses
+# SmolLM2's tokenizer, so every shape has its 49,152-token vocabulary. "tiny" is the --cpu smoke test's.
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2),
+}
+
+
+def make_model(folder: Path, shape: str = "0.5b") -> Path:
+    """A random-init model of one of SHAPES, and SmolLM2's tokenizer (its vocabulary size)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
-    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if tiny else
-             dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14))
-    config = Qwen2Config(**shape, num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
+    config = Qwen2Config(**SHAPES[shape], vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
@@ -156,10 +175,21 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     steps: list[dict] = []
 
     class Record(TrainerCallback):
+        """Each step's wall-clock end (on_step_end, after the optimizer step) and, from its log, TRL's own
+        step_time (which leaves the optimizer step out) and the completion tokens."""
+
+        def on_train_begin(self, _args, state, control, **kwargs):
+            self.last_end = time.time()
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            now = time.time()
+            steps.append({"step": state.global_step, "seconds": now - self.last_end, "ended_at": now, "tokens": 0.0})
+            self.last_end = now
+
         def on_log(self, _args, state, control, logs=None, **kwargs):
-            if logs and "step_time" in logs:
-                tokens = logs.get("completions/mean_length", 0.0) * args.prompts * args.gens
-                steps.append({"step": state.global_step, "seconds": logs["step_time"], "tokens": tokens})
+            if logs and "step_time" in logs and steps and steps[-1]["step"] == state.global_step:
+                steps[-1]["tokens"] = logs.get("completions/mean_length", 0.0) * args.prompts * args.gens
+                steps[-1]["step_time"] = logs["step_time"]
 
     batch = args.prompts * args.gens
     micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
@@ -172,7 +202,9 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
                           train_dataset=Dataset.from_list(prompt_rows()), callbacks=[Record()])
-    trainer.train()
+    with GpuBusy(enabled=not args.cpu) as busy:
+        trainer.train()
+    args.peak_memory_mib["trl"] = busy.memory_mib
     del trainer
     torch.cuda.empty_cache()
     return steps
@@ -205,13 +237,19 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     run = TrainingRun.model_validate({"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)})
     with GpuBusy(enabled=not args.cpu) as busy:
         by_step, _ = run_through_controller(run, work)
+    args.peak_memory_mib["mortal"] = busy.memory_mib
     steps = []
+    last_end = None
     for s, v in sorted(by_step.items()):
         if "step_seconds" not in v:
             continue
         parts = {part: round(v.get(name, 0.0), 4) for part, name in BREAKDOWN.items()}
-        steps.append({"step": s, "seconds": v["step_seconds"], "tokens": v["completion_tokens"], **parts})
-        print(f"  step {s}: {v['step_seconds']:.2f} s = wait {parts['wait']:.2f} + train {parts['train']:.2f} + "
+        # wall clock between this step's end and the last one's, as for TRL; the first step has only its metric
+        between = v["step_seconds"] if last_end is None else v["ended_at"] - last_end
+        last_end = v["ended_at"]
+        steps.append({"step": s, "seconds": between, "step_seconds": v["step_seconds"], "ended_at": v["ended_at"],
+                      "tokens": v["completion_tokens"], **parts})
+        print(f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = wait {parts['wait']:.2f} + train {parts['train']:.2f} + "
               f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
               f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
     args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
@@ -223,8 +261,10 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 
 class GpuBusy:
-    """Samples nvidia-smi's utilization of every GPU every 100 ms while the block runs, each sample
-    stamped with this process's clock as it arrives; `enabled` False samples nothing (no GPU)."""
+    """Samples nvidia-smi's utilization and memory used of every GPU every 100 ms while the block runs, each
+    sample stamped with this process's clock as it arrives; `enabled` False samples nothing (no GPU).
+    Memory is nvidia-smi's, not torch's allocator's, so that TRL (in this process) and mortal (in worker
+    processes) are measured alike: every process's CUDA context and reserved memory on that GPU."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -235,16 +275,19 @@ class GpuBusy:
         import time
 
         self.samples: list[tuple[float, str, float]] = []
+        self.memory_mib: dict[str, float] = {}  # GPU index -> the most memory used in any sample
         if not self.enabled:
             return self
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
-                                      "-lms", "100"], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
+                                      "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
 
         def read() -> None:
             for line in self.proc.stdout:
-                index, _, value = line.partition(",")
-                if value.strip().isdigit():
-                    self.samples.append((time.time(), index.strip(), float(value) / 100))
+                index, busy, used = (field.strip() for field in (line.split(",") + ["", ""])[:3])
+                if busy.isdigit():
+                    self.samples.append((time.time(), index, float(busy) / 100))
+                if used.isdigit():
+                    self.memory_mib[index] = max(self.memory_mib.get(index, 0.0), float(used))
 
         self.reader = threading.Thread(target=read, daemon=True)
         self.reader.start()
@@ -266,6 +309,7 @@ class GpuBusy:
 
 
 def summarize(name: str, steps: list[dict]) -> dict:
+    """Median wall-clock seconds between step ends and completion tokens, from the third step on."""
     timed = steps[2:] or steps  # the first steps carry start-up, compilation and graph capture
     seconds = statistics.median(s["seconds"] for s in timed)
     tokens = statistics.median(s["tokens"] for s in timed)
@@ -310,6 +354,8 @@ def main() -> None:
                              "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
     parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",
+                        help="Qwen2.5's shape of this size, random weights (the anchor's is 0.5b)")
     parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
                         "unless given (figures meaningless, limits n/a)")
     parser.add_argument("--json", type=Path)
@@ -327,12 +373,18 @@ def main() -> None:
     out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
                  "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
                  **{k: v for k, v in vars(args).items() if k != "json"}}
-    args.decode_ms, args.gpu_busy = [], {}
+    args.decode_ms, args.gpu_busy, args.peak_memory_mib = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
-        model = make_model(work / "model", tiny=args.cpu)
+        model = make_model(work / "model", "tiny" if args.cpu else args.shape)
         if args.only != "mortal":
-            out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
+            try:
+                out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
+            except torch.OutOfMemoryError as error:  # a finding at the larger shapes, not a failure of the bench
+                out["trl"] = {"out_of_memory": str(error).splitlines()[0]}
+                print(f"TRL GRPOTrainer ran out of GPU memory: {out['trl']['out_of_memory']}", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
         if args.only != "trl":
             where = "colocated" if args.gpus == 1 else f"on {args.gpus - 1} GPU(s) of their own"
             out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
@@ -341,7 +393,9 @@ def main() -> None:
             out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
             out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
                                    prompt_tokens_per_step(model, args))
-    if "trl" in out and "mortal" in out:
+    out["peak_gpu_memory_mib"] = args.peak_memory_mib  # side -> GPU index -> MiB (nvidia-smi, every process)
+    print(f"peak GPU memory (MiB, nvidia-smi): {args.peak_memory_mib}")
+    if "completion_tokens_per_second" in out.get("trl", {}) and "mortal" in out:
         out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
                                   / out["trl"]["completion_tokens_per_second"])
         print(f"mortal / TRL throughput: {out['mortal_over_trl']:.2f}x")
