@@ -11,8 +11,10 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
   actor, full fine-tuning: weights + gradients + AdamW's two moments, each of the weights' dtype
                            (TRL/torch keep them so): 4 x b x parameters
   actor, LoRA:             the frozen base weights: b x parameters
-  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU)
-  rollout on its own GPU:  b x parameters
+  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU),
+                           or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
+                           each one may hold, weights included; then it must hold the weights)
+  rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
 """
 
@@ -46,23 +48,42 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
         copies = ADAMW_COPIES if full else 1
         parts = ["weights, gradients and AdamW's two moments" if full else "the frozen base weights (LoRA)"]
         colocated = spec.rollout.replicas if spec.rollout.colocate else 0
-        if colocated:
+        share = spec.rollout.gpu_memory_utilization
+        rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else per * parameters)
+        if colocated and share:
+            parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
+                         f"rollout{'s' if colocated > 1 else ''}")
+        elif colocated:
             parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
-        need = (copies + colocated) * per * parameters
+        need = copies * per * parameters + rollouts_hold
         if need > gpu_memory(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full else []
+            if share:
+                fixes.append("a smaller rollout.gpuMemoryUtilization")
             if colocated:
                 fixes.append("give the rollouts GPUs of their own (rollout.colocate: false)")
             fixes.append(f"a GPU with more memory ({_larger(actor, need)})")
             found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
     rollout = spec.rollout.gpu
-    if spec.rollout.replicas and not spec.rollout.colocate and wants_gpu(rollout) and gpu_memory(rollout) is not None:
-        need = per * parameters
-        if need > gpu_memory(rollout):
-            found.append(Misfit("spec.rollout.gpu", _message(rollout, parameters, per, spec.model.dtype, need,
-                                                             ["the weights"], [f"a GPU with more memory "
-                                                                               f"({_larger(rollout, need)})"])))
+    if spec.rollout.replicas and wants_gpu(rollout) and gpu_memory(rollout) is not None:
+        found.extend(_rollout_misfits(spec, parameters, per))
     return found
+
+
+def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misfit]:
+    """A rollout on its own GPU that cannot hold the weights; any rollout whose share cannot."""
+    gpu, share, need = spec.rollout.gpu, spec.rollout.gpu_memory_utilization, per * parameters
+    if share is not None and need > share * gpu_memory(gpu):
+        return [Misfit("spec.rollout.gpuMemoryUtilization",
+                       f"{share} of {gpu}'s {gpu_memory(gpu) / 1e9:.0f} GB is {share * gpu_memory(gpu) / 1e9:.1f} GB; "
+                       f"the rollout's copy of a model of {parameters / 1e9:.2f}B parameters needs at least "
+                       f"{need / 1e9:.1f} GB of it, before any KV cache. Fix: a larger rollout.gpuMemoryUtilization "
+                       f"(at least {need / gpu_memory(gpu):.2f})"
+                       + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
+    if not spec.rollout.colocate and need > gpu_memory(gpu):
+        return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
+                                                    [f"a GPU with more memory ({_larger(gpu, need)})"]))]
+    return []
 
 
 def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]) -> str:

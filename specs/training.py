@@ -30,6 +30,8 @@ SYNC_ALIASES = {
 }
 # The seeds' smallest run names only a model: it trains with sandboxed code execution on a coding set.
 CODE_DATASET = "builtin:mbpp-mini"
+VLLM_SHARE = 0.85  # vLLM's gpu_memory_utilization on a GPU of its own (vLLM's default, and the engine's before)
+COLOCATED_VLLM_SHARE = 0.3  # beside the actor on one GPU: TRL's vllm_gpu_memory_utilization default
 CODE_SYSTEM_PROMPT = "Answer with one Python code block."
 
 
@@ -224,6 +226,15 @@ class RolloutSpec(SpecModel):
         description="Share the actor's GPU instead of taking GPUs of their own (a one-GPU machine; "
         "SingleNode's vllm_mode='colocate'); rollout.gpu must equal actor.gpu. On Modal every worker has a "
         "container of its own, so each rollout gets a GPU of that type.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, lt=1,
+        description="Share of its GPU's memory one rollout worker may hold: weights, KV cache and workspace "
+        "(vLLM's gpu_memory_utilization, TRL's vllm_gpu_memory_utilization). vLLM reserves it; the transformers "
+        "engine caps its allocator at it and decodes at once only the rows whose KV caches fit in it beside the "
+        "weights (the other sequences wait and refill rows as they end), so colocated rollouts leave the rest of "
+        "the GPU to the actor's training. Absent: vLLM takes 0.85 of a GPU of its own and 0.3 of a shared one "
+        "(TRL's colocate default); the transformers engine is not capped.",
     )
     prompts_per_task: int | None = Field(
         None, ge=1,
@@ -457,6 +468,33 @@ class TrainingSpec(SpecModel):
         if self.sync.method == "auto":
             return "ipc" if self.ipc_possible() else "volume"
         return self.sync.method
+
+    @model_validator(mode="after")
+    def _memory_share_is_possible(self) -> TrainingSpec:
+        share = self.rollout.gpu_memory_utilization
+        if share is None:
+            return self
+        if self.rollout.gpu == "none":
+            raise rule_error("rollout.gpuMemoryUtilization shares a GPU's memory: set rollout.gpu to a GPU type, "
+                             "or drop it on the CPU", "rollout.gpuMemoryUtilization")
+        if self.rollout.colocate and self.rollout.replicas * share >= 1:
+            raise rule_error(f"{self.rollout.replicas} colocated rollouts x {share} of the GPU each leave nothing for "
+                             f"the actor's training on the same GPU: lower rollout.gpuMemoryUtilization below "
+                             f"{1 / self.rollout.replicas:.2f} (TRL's colocate default is 0.3), or fewer replicas",
+                             "rollout.gpuMemoryUtilization")
+        return self
+
+    def rollout_memory_share(self, engine: str) -> float | None:
+        """The share of its GPU a rollout worker of `engine` (the one it resolved: "vllm" or "transformers")
+        holds: rollout.gpuMemoryUtilization, else vLLM's default (0.85 alone, TRL's 0.3 colocated); None
+        for the transformers engine by default (uncapped) and on the CPU."""
+        if self.rollout.gpu == "none":
+            return None
+        if self.rollout.gpu_memory_utilization is not None:
+            return self.rollout.gpu_memory_utilization
+        if engine == "vllm":
+            return COLOCATED_VLLM_SHARE if self.rollout.colocate else VLLM_SHARE
+        return None
 
     @model_validator(mode="after")
     def _ipc_is_possible(self) -> TrainingSpec:

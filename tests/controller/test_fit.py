@@ -42,6 +42,13 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"actor": {"gpu": "H200"}}, 14 * B, []),  # 141 GB
     ({"actor": {"gpu": "none"}, "rollout": {"gpu": "none"}}, 100 * B, []),  # CPU: not judged
     ({"actor": {"gpu": "MI300X"}}, 100 * B, ["spec.rollout.gpu"]),  # a type not in the table: not judged
+    # rollout.gpuMemoryUtilization: a colocated rollout holds its share of the GPU, its weights inside it
+    ({"rollout": {"colocate": True, "gpuMemoryUtilization": 0.3}}, int(1.5 * B), []),  # 12 GB + 24 GB
+    ({"rollout": {"colocate": True, "gpuMemoryUtilization": 0.5}}, 7 * B, ["spec.actor.gpu"]),  # 56 GB + 40 GB
+    ({"rollout": {"colocate": True, "gpuMemoryUtilization": 0.05}}, 3 * B,  # 6 GB of weights in a 4 GB share
+     ["spec.rollout.gpuMemoryUtilization"]),
+    ({"rollout": {"gpuMemoryUtilization": 0.1}}, 7 * B, ["spec.rollout.gpuMemoryUtilization"]),  # 14 GB in 8 GB
+    ({"rollout": {"gpuMemoryUtilization": 0.9}}, 7 * B, []),  # its own GPU: 14 GB in 72 GB
 ])
 def test_refused_only_when_the_lower_bound_exceeds_the_gpu(sections, parameters, fields):
     assert [m.field for m in certain_misfits(spec(**sections), parameters)] == fields
@@ -70,3 +77,17 @@ def test_unknown_models_have_no_count(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
     assert count_parameters(str(tmp_path)) is None
     assert count_parameters("no-such-org/no-such-model-xyz") is None  # not in the cache; no network
+
+
+def test_a_share_too_small_for_the_weights_says_the_least_share_that_holds_them():
+    (misfit,) = certain_misfits(spec(rollout={"gpuMemoryUtilization": 0.1}), 7 * B)
+    assert misfit.message.startswith("0.1 of H100's 80 GB is 8.0 GB; the rollout's copy of a model of 7.00B "
+                                     "parameters needs at least 14.0 GB of it")
+    assert "(at least 0.17)" in misfit.message
+
+
+def test_a_colocated_share_that_crowds_out_the_actor_names_the_share_among_the_fixes():
+    (misfit,) = certain_misfits(spec(rollout={"colocate": True, "gpuMemoryUtilization": 0.5}), 7 * B)
+    assert "needs at least 96.0 GB on it for weights, gradients and AdamW's two moments + 0.5 of the GPU for 1 " \
+           "colocated rollout," in misfit.message
+    assert "a smaller rollout.gpuMemoryUtilization" in misfit.message

@@ -87,6 +87,11 @@ CASES = [
     ("actor: {gpu: H100}\nrollout:\n  gpu: A10G\n  colocate: true", 3, "spec.rollout.colocate",
      "set rollout.gpu to actor.gpu ('H100')"),
     ("rollout:\n  colocate: true", 1, "spec.rollout.colocate", "on the CPU there is nothing to share"),
+    ("rollout:\n  gpuMemoryUtilization: 0.3", 1, "spec.rollout.gpuMemoryUtilization",
+     "shares a GPU's memory: set rollout.gpu"),
+    ("actor: {gpu: H100}\nrollout:\n  gpu: H100\n  colocate: true\n  replicas: 2\n  gpuMemoryUtilization: 0.5", 5,
+     "spec.rollout.gpuMemoryUtilization", "2 colocated rollouts x 0.5 of the GPU each leave nothing for the actor"),
+    ("rollout:\n  gpu: H100\n  gpuMemoryUtilization: 1.0", 2, "spec.rollout.gpuMemoryUtilization", "must be < 1"),
 ]
 
 
@@ -205,3 +210,16 @@ def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_r
     assert (spec.actor.count, spec.sync_method()) == (2, "volume")
     assert "microBatchSize (2) must divide over the actor's 4 ranks" in only_issue(
         spec_with("actor: {count: 4}\nalgorithm: {batchSize: 8, microBatchSize: 2}")).message
+
+
+@pytest.mark.parametrize(("extra", "engine", "share"), [
+    ("", "vllm", None),  # on the CPU nothing is shared
+    ("actor: {gpu: H100}\nrollout: {gpu: H100}", "vllm", 0.85),  # vLLM on a GPU of its own: its default
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocate: true}", "vllm", 0.3),  # beside the actor: TRL's colocate
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocate: true}", "transformers", None),  # not capped unless asked
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocate: true, gpuMemoryUtilization: 0.4}", "transformers", 0.4),
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocate: true, gpuMemoryUtilization: 0.4}", "vllm", 0.4),
+])
+def test_a_rollout_holds_its_share_of_the_gpu_else_its_engines_default(extra, engine, share):
+    spec = load_text(spec_with(extra), "run.yaml")[0].spec
+    assert spec.rollout_memory_share(engine) == share

@@ -15,11 +15,17 @@ from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.workers.engines.base import cut_at_eos
 from mortal.workers.engines.static_decode import (
+    DEFAULT_KEPT_SHAPES,
+    SAMPLING_COPIES,
     SYNC_EVERY,
+    WORKSPACE_SHARE,
+    MemoryBudgetTooSmall,
     RowSchedule,
     Sampling,
     StaticDecoder,
+    kv_bytes_per_token,
     processed_logprobs,
+    rows_within_budget,
     sample,
 )
 
@@ -257,3 +263,45 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
         assert decoder.preparations == 2
     finally:
         model.to("cpu")
+
+
+# A memory budget (rollout.gpuMemoryUtilization x the GPU): the rows come from the spec's and the model's
+# sizes alone, so that a relaunched worker decodes with the same rows and samples the same tokens.
+
+@pytest.mark.parametrize(("budget", "weights", "row_bytes", "kept", "wanted", "rows"), [
+    (1000, 0, 10, 1, 500, 85),  # 15% of the budget is workspace: 850 bytes of rows
+    (1000, 0, 10, 1, 64, 64),  # room for more than wanted: wanted
+    (1000, 450, 10, 1, 64, 40),  # the weights come first
+    (1000, 450, 10, 2, 64, 20),  # room for two kept shapes' caches at once
+    (1000, 850, 10, 1, 64, 0),  # nothing left for a row
+    (1000, 900, 10, 1, 64, 0),  # weights past the budget: still 0, never negative
+])
+def test_rows_within_budget_leaves_workspace_weights_and_every_kept_cache_room(budget, weights, row_bytes, kept,
+                                                                              wanted, rows) -> None:
+    assert rows_within_budget(budget, weights, row_bytes, kept, wanted) == rows
+
+
+def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
+    """The planned rows are the rows: the same tokens as max_rows=2, every sequence still decoded (refills)."""
+    prompts, n, max_tokens = _prompts([5, 9]), 3, 10
+    width = 9
+    unbudgeted = StaticDecoder(model, compile=False, sync_every=4)
+    length_bytes = (width + max_tokens) * kv_bytes_per_token(model) + SAMPLING_COPIES * 4 * unbudgeted.vocab
+    budget = int((unbudgeted.weight_bytes + 2 * DEFAULT_KEPT_SHAPES * length_bytes) / (1 - WORKSPACE_SHARE)) + 1
+    budgeted = StaticDecoder(model, compile=False, sync_every=4, memory_budget=budget)
+    two_rows = StaticDecoder(model, compile=False, sync_every=4, max_rows=2)
+    outs = _decode(budgeted, prompts, n, max_tokens, FREQUENT_EOS, seed=2)
+    assert budgeted.last_stats.rows == 2 and len(outs) == 6
+    assert outs == _decode(two_rows, prompts, n, max_tokens, FREQUENT_EOS, seed=2)
+
+
+def test_a_budget_without_room_for_one_row_is_an_out_of_memory_naming_the_field(model) -> None:
+    decoder = StaticDecoder(model, compile=False, memory_budget=decoder_weights(model))
+    ids, mask = _left_padded(_prompts([4]), 2)
+    with pytest.raises(MemoryBudgetTooSmall, match="raise rollout.gpuMemoryUtilization") as raised:
+        decoder.generate(ids, mask, 8, PLAIN, FREQUENT_EOS)
+    assert isinstance(raised.value, torch.OutOfMemoryError)  # so the worker reports it as one (workers/oom.py)
+
+
+def decoder_weights(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

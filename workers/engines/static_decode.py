@@ -63,8 +63,37 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from mortal.workers.engines import decode_attention
 
 SYNC_EVERY = 32  # decode steps between checks for ended rows (each check waits for the GPU)
+# A memory budget's share kept for what the row plan does not count: the CUDA graphs' private pools
+# (one step's activations), a prefill's activations, the allocator's rounding and fragmentation.
+WORKSPACE_SHARE = 0.15
+SAMPLING_COPIES = 4  # float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
+
+
+class MemoryBudgetTooSmall(torch.OutOfMemoryError):
+    """Not even one row's KV cache fits in the rollout's memory budget beside the weights. A subclass of
+    torch's out-of-memory so that the worker reports it as one (workers/oom.py: exit 4, MemoryFits), with
+    a message that names the spec field to change."""
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token of one row takes in the KV cache: layers x (K and V) x kv_heads x head_dim x dtype."""
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * element
+
+
+def rows_within_budget(budget: int, weights: int, row_bytes: int, kept_shapes: int, wanted: int) -> int:
+    """The most rows (at most `wanted`) whose caches fit in `budget` bytes beside `weights`, with
+    WORKSPACE_SHARE of the budget kept aside and room for `kept_shapes` such caches at once (a worker
+    keeps that many shapes). Counted from the spec's and the model's sizes only, never from the memory
+    in use at the time: the rows are part of what the sampled tokens depend on (module docstring), so
+    they must come out the same in a relaunched worker."""
+    free = int(budget * (1 - WORKSPACE_SHARE)) - weights
+    return max(0, min(wanted, free // (kept_shapes * row_bytes)))
 
 
 @dataclass(frozen=True)
@@ -284,11 +313,14 @@ class StaticDecoder:
     `max_rows`: the most rows decoded at once (more sequences wait and refill ended rows).
     `kept_shapes`: how many prepared shapes (cache + graph) are kept; the least recently used goes.
     `sync_every`: decode steps between read-backs that look for ended rows.
+    `memory_budget`: bytes this decoder's model and kept caches must fit in (the rollout's share of its GPU);
+    a shape then gets no more rows than rows_within_budget allows, and MemoryBudgetTooSmall when not one fits.
     After each generate, `last_stats` says how much of the sampling was useful; `preparations`
     counts the shapes prepared (captured, on CUDA) since construction."""
 
     def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
-                 kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY) -> None:
+                 kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY,
+                 memory_budget: int | None = None) -> None:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
@@ -301,6 +333,8 @@ class StaticDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.memory_budget = memory_budget
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self._shapes: OrderedDict[tuple[int, int, int, Sampling], PreparedShape] = OrderedDict()
         self.preparations = 0
         self.last_stats: DecodeStats | None = None
@@ -308,7 +342,7 @@ class StaticDecoder:
     def prepare(self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> PreparedShape:
         """The kept cache, state and step for `sequences` prompts of this width, or new ones (evicting the least
         recently used; `preparations` counts them). Callable before generate() to time the compile apart."""
-        rows = min(sequences, self.max_rows)
+        rows = self.rows_for(sequences, prompt_len + max_tokens)
         key = (rows, prompt_len, max_tokens, sampling)
         if key in self._shapes:
             self._shapes.move_to_end(key)
@@ -322,6 +356,23 @@ class StaticDecoder:
         self._shapes[key] = prepared
         self.preparations += 1
         return prepared
+
+    def rows_for(self, sequences: int, length: int) -> int:
+        """Rows for `sequences` of `length` (prompt + max tokens) columns: all of them up to max_rows, and no
+        more than the memory budget holds (each row: its KV cache and its share of the sampling tensors)."""
+        rows = min(sequences, self.max_rows)
+        if self.memory_budget is None:
+            return rows
+        row_bytes = length * kv_bytes_per_token(self.model) + SAMPLING_COPIES * 4 * self.vocab
+        fit = rows_within_budget(self.memory_budget, self.weight_bytes, row_bytes, self.kept_shapes, rows)
+        if fit < 1:
+            raise MemoryBudgetTooSmall(
+                f"the rollout's memory budget ({self.memory_budget / 2**30:.2f} GiB, rollout.gpuMemoryUtilization "
+                f"of the GPU) holds {self.weight_bytes / 2**30:.2f} GiB of weights and {WORKSPACE_SHARE:.0%} "
+                f"workspace, and no room for {self.kept_shapes} KV caches of one row of {length} tokens "
+                f"({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
+                f"generation.maxTokens")
+        return fit
 
     def _step_function(self, cache: RowCache, state: DecodeState, sampling: Sampling) -> Callable[[], None]:
         """One decode step over every row: fixed-shape tensor ops only (it is recorded as a CUDA graph)."""
@@ -426,8 +477,9 @@ class StaticDecoder:
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         shape.cache.writes.prefill_rows = rows
         try:
+            # logits_to_keep=1: the last position's logits only, not [rows, P, vocab] (GBs at 256 rows)
             logits = self.model(input_ids=ids, position_ids=positions, attention_mask=prompts.prefill_mask(real),
-                                past_key_values=shape.cache, use_cache=True).logits[:, -1]
+                                past_key_values=shape.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         finally:
             shape.cache.writes.prefill_rows = None
         token, logprob = sample(logits, sampling)

@@ -47,13 +47,26 @@ log = logging.getLogger("mortal.worker")
 _GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mortal-batched-generate")
 
 
+def cap_memory(device: str, share: float | None) -> int | None:
+    """On a CUDA device, cap this process's caching allocator at `share` of the GPU (an allocation past it
+    raises torch's out-of-memory here, naming this worker, instead of starving the colocated actor) and
+    return the cap in bytes for the decoder to plan its rows in; None (no cap) elsewhere or without a share."""
+    if share is None or not str(device).startswith("cuda"):
+        return None
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    torch.cuda.set_per_process_memory_fraction(share, index)
+    return int(share * torch.cuda.get_device_properties(index).total_memory)
+
+
 class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None,
-                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+                 max_rows: int = DEFAULT_MAX_ROWS, memory_budget: int | None = None) -> None:
         """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere.
-        `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows)."""
+        `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows).
+        `memory_budget`: bytes the batched path's weights and KV caches must fit in (StaticDecoder)."""
         from transformers import GenerationConfig
 
         self.model = model
@@ -68,14 +81,17 @@ class TransformersEngine(Engine):
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=pad
         )
         self.max_rows = max_rows
-        self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows)
+        self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows,
+                                      memory_budget=memory_budget)
                         if self.compiled else None)
 
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None) -> TransformersEngine:
-        return cls(load_model(model_spec, device or default_device(), for_training=False), tokenizer,
-                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS)
+               max_num_seqs: int | None = None, memory_share: float | None = None) -> TransformersEngine:
+        where = device or default_device()
+        budget = cap_memory(where, memory_share)
+        return cls(load_model(model_spec, where, for_training=False), tokenizer,
+                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS, memory_budget=budget)
 
     def _generation_config(self, n: int, params: GenerationParams) -> Any:
         from transformers import GenerationConfig

@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mortal.specs.training import VLLM_SHARE
 from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
 from mortal.workers.models import model_location, resolve_dtype
 
@@ -110,7 +111,7 @@ class VllmEngine(Engine):
 
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None, gpu_memory_utilization: float = 0.85) -> VllmEngine:
+               max_num_seqs: int | None = None, memory_share: float | None = None) -> VllmEngine:
         # The weight loader is a function sent to vLLM's worker processes (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
@@ -121,7 +122,7 @@ class VllmEngine(Engine):
             model=location,
             dtype=dtype,
             seed=0,
-            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=memory_share or VLLM_SHARE,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             enable_prefix_caching=True,
