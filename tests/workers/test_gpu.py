@@ -201,3 +201,33 @@ def test_a_colocated_run_trains_on_one_gpu_through_the_controller(mortal_home: P
         logs = sorted(paths.run_dir("colo").rglob(f"{role}-{replica}-*.log"))
         assert logs and "CUDA_VISIBLE_DEVICES='0'" in logs[0].read_text(), f"{role}-{replica} was not on GPU 0"
     assert "engine transformers on cuda" in logs[0].read_text()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_memory_share_caps_the_rollout_and_plans_its_decode_rows_on_cuda(tiny_dir: Path) -> None:
+    """rollout.gpuMemoryUtilization on the transformers engine: the process's allocator is capped at the
+    share, and a share sized for three rows decodes a task's eight sequences three rows at a time."""
+    from mortal.workers.engines.static_decode import (
+        DEFAULT_KEPT_SHAPES,
+        SAMPLING_COPIES,
+        WORKSPACE_SHARE,
+        kv_bytes_per_token,
+    )
+
+    spec = ModelSpec(name=str(tiny_dir), dtype="float32")
+    tokenizer = load_tokenizer(spec)
+    prompt = encode_prompt(tokenizer, CHAT)
+    probe = TransformersEngine.create(spec, tokenizer, device="cuda")
+    width = -(-len(prompt) // 64) * 64  # the engine's prompt bucket
+    row = (width + 12) * kv_bytes_per_token(probe.model) + SAMPLING_COPIES * 4 * probe.decoder.vocab
+    need = (probe.decoder.weight_bytes + 3 * DEFAULT_KEPT_SHAPES * row) / (1 - WORKSPACE_SHARE) + 1
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        engine = TransformersEngine.create(spec, tokenizer, device="cuda", memory_share=need / total)
+        [outs] = engine.generate([prompt], 8, [5], GenerationParams(max_tokens=12, temperature=1.0))
+        assert len(outs) == 8 and engine.decoder.last_stats.rows == 3
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(need) * 4, dtype=torch.uint8, device="cuda")  # past the cap, though the GPU has room
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
