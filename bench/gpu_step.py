@@ -5,8 +5,9 @@
     python bench/gpu_step.py --cpu      # a smoke test of the script: a tiny model, no figures
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
-8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b` takes Qwen2.5's
-larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides.
+8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b|7b` takes Qwen2.5's
+larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides;
+`--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's).
 A step's seconds, on both sides, are the wall clock between its end and the previous step's end
 (TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
 step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
@@ -78,6 +79,8 @@ SHAPES = {
                  num_key_value_heads=2),
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
 }
 
 
@@ -87,7 +90,7 @@ def make_model(folder: Path, shape: str = "0.5b") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
-    config = Qwen2Config(**SHAPES[shape], vocab_size=49152, tie_word_embeddings=True,
+    config = Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=49152,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
@@ -200,8 +203,13 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         use_cpu=args.cpu,
         generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=args.gradient_checkpointing,
     )
+    peft = None
+    if args.lora:  # the same adapters as mortal's model.lora (alpha 2r, every linear layer but the LM head)
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
-                          train_dataset=Dataset.from_list(prompt_rows()), callbacks=[Record()])
+                          train_dataset=Dataset.from_list(prompt_rows()), callbacks=[Record()], peft_config=peft)
     with GpuBusy(enabled=not args.cpu) as busy:
         trainer.train()
     args.peak_memory_mib["trl"] = busy.memory_mib
@@ -213,7 +221,8 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     return {
         "model": {"name": str(model), "dtype": "float32" if args.cpu else "bfloat16",
-                  "gradientCheckpointing": args.gradient_checkpointing},
+                  "gradientCheckpointing": args.gradient_checkpointing,
+                  **({"lora": {"r": args.lora, "alpha": 2.0 * args.lora}} if args.lora else {})},
         "dataset": {"name": str(data)},
         "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
                       "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness,
@@ -354,6 +363,8 @@ def main() -> None:
                              "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
     parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",
                         help="Qwen2.5's shape of this size, random weights (the anchor's is 0.5b)")
     parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
