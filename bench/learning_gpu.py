@@ -10,7 +10,8 @@ shipped data, 300 "What is a + b?" rows (builtin:arith) and the 300 word problem
 (builtin:wordproblems, answers as '#### n'), shuffled together with a fixed seed. One reward,
 `math_answer` (1.0 when the completion's final number is the answer). Both sides use the same
 settings: 8 prompts x 8 generations per step, at most --tokens completion tokens, temperature 1,
-lr 2e-5, beta 0, loss dapo, one optimizer step per generation batch, float32 weights, --steps
+lr 2e-5, beta 0, loss dapo, one optimizer step per generation batch, float32 weights (TF32
+matmuls with --tf32, on both sides), --steps
 steps, the same training seed. TRL's GRPOTrainer generates inside its trainer with transformers'
 `generate`; mortal runs through the controller with one actor and --rollouts rollout workers
 colocated on the same GPU (transformers engine, CUDA-graph decoding, CUDA IPC weight sync),
@@ -139,6 +140,7 @@ def run_trl(model: Path, rows: list[dict], args: argparse.Namespace, work: Path)
         max_completion_length=args.tokens, learning_rate=args.lr, beta=0.0, loss_type="dapo", temperature=1.0,
         top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed, logging_steps=1, report_to="none",
         save_strategy="no", save_total_limit=2, bf16=False, fp16=False, disable_tqdm=True, use_cpu=args.cpu,
+        **({"tf32": True} if args.tf32 and not args.cpu else {}),
     )
     record = Record()
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.math_answer], args=config,
@@ -176,7 +178,7 @@ def write_curve(folder: Path, curve: list[dict], elapsed: float, complete: bool)
 
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     return {
-        "model": {"name": str(model), "dtype": "float32"},
+        "model": {"name": str(model), "dtype": "float32", "tf32": args.tf32},
         "dataset": {"name": str(data)},
         "algorithm": {"lossType": "dapo", "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
                       "learningRate": args.lr, "beta": 0.0, "maxSteps": args.steps,
@@ -321,6 +323,8 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=0, help="stop TRL after this many seconds (0: never)")
     parser.add_argument("--trl-resume-dir", type=Path, help="TRL's output_dir: at --max-seconds save a checkpoint "
                         "and the curve there; a later invocation with the same folder resumes (see above)")
+    parser.add_argument("--tf32", action="store_true",
+                        help="TF32 matmuls on both sides (TRL's tf32, mortal's model.tf32); default: plain float32")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
     parser.add_argument("--json", type=Path)

