@@ -188,6 +188,7 @@ class MemoryKnobs:
     lora: bool = False
     gradient_checkpointing: bool = False
     micro_batch_size: int = 0  # completions per forward/backward pass now; 0: not known
+    rollout_share: float | None = None  # rollout.gpuMemoryUtilization, None: not set
 
 
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
@@ -195,6 +196,12 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
     if role == "rollout":
         tips = ["lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
                 "lower generation.maxTokens (the KV cache grows with it)"]
+        if knobs.colocate and knobs.rollout_share is None:
+            tips.append("set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows that "
+                        "fit in that share of the GPU, beside the actor")
+        elif knobs.rollout_share is not None:
+            tips.append(f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the GPU the "
+                        "rollout may hold")
         if knobs.colocate:
             tips.append("give the rollouts GPUs of their own (rollout.colocate: false; the actor's weights, "
                         "gradients and optimizer state share this GPU now)")
@@ -212,6 +219,9 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
             tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full gradients "
                         "or AdamW state")
         if knobs.colocate:
+            share = (f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})" if knobs.rollout_share
+                     else "set rollout.gpuMemoryUtilization (e.g. 0.3)")
+            tips.append(f"{share}: the colocated rollouts' share of this GPU")
             tips.append("give the rollouts GPUs of their own (rollout.colocate: false)")
         tips.append("or pick a GPU with more memory (actor.gpu)")
     return "; ".join(tips)

@@ -50,6 +50,7 @@ class Desired:
     lora: bool = False  # model.lora is set
     gradient_checkpointing: bool = False  # model.gradientCheckpointing
     micro_batch_size: int = 0  # completions per forward/backward pass of the actor (algorithm.microBatchSize)
+    rollout_share: float | None = None  # rollout.gpuMemoryUtilization as the user set it (None: not set)
     deleted: bool = False
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time

@@ -6,6 +6,7 @@ import pytest
 from planhelpers import CFG, kinds, proc, row, run_plan, running, status
 
 from mortal.controller.actions import EndWorker, Launch
+from mortal.controller.conditions import MemoryKnobs, memory_advice
 from mortal.controller.outcome import RequeueAfter
 from mortal.specs import RunStatus
 
@@ -142,3 +143,14 @@ def test_memory_fits_turns_true_once_the_slot_ends_another_way():
                  prev=status("Running", conditions=[{"type": "MemoryFits", "status": "False"}]))
     assert cond(p, "MemoryFits")["status"] == "True"
     assert memory_events(p) == [("Normal", "NoOutOfMemory")]
+
+
+@pytest.mark.parametrize(("role", "share", "advised"), [
+    ("rollout", None, "set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows"),
+    ("rollout", 0.2, "raise rollout.gpuMemoryUtilization (now 0.2)"),
+    ("actor", None, "set rollout.gpuMemoryUtilization (e.g. 0.3): the colocated rollouts' share of this GPU"),
+    ("actor", 0.4, "lower rollout.gpuMemoryUtilization (now 0.4): the colocated rollouts' share"),
+])
+def test_colocated_advice_names_the_rollouts_share_of_the_gpu(role, share, advised):
+    assert advised in memory_advice(role, MemoryKnobs(colocate=True, rollout_share=share))
+    assert "gpuMemoryUtilization" not in memory_advice(role, MemoryKnobs(colocate=False))
