@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mortal.state import TaskRow
-from mortal.workers import weights
+from mortal.workers import ray_weights, weights
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -90,7 +90,7 @@ class RolloutWorker:
             return
         started = time.monotonic()
         try:
-            self.engine.load_weights(latest.path)
+            self.engine.load_weights(self._local(latest.path))
         except FileNotFoundError:  # pruned by the actor between the read and the load: a newer one exists
             self.ctx.log.info("weight version %d was removed before it loaded; reading the store again",
                               latest.version)
@@ -101,6 +101,13 @@ class RolloutWorker:
         self.load_seconds = time.monotonic() - started
         self.ctx.report(weight_version=latest.version)
         self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
+
+    def _local(self, path: str) -> str:
+        """The folder to load a version from: itself, or (sync ray) this node's copy of what the object
+        store holds, fetched first (FileNotFoundError when it is gone)."""
+        if not ray_weights.is_hub_path(path):
+            return path
+        return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
 
     def _intact(self, path: str) -> bool:
         """A version read from the actor's ring while the actor may have reused its slot is loaded

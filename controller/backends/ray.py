@@ -9,7 +9,7 @@ worker code is the same on every backend. Ray APIs used, and only these:
 
     ray.init(address=..., log_to_driver=False)                  connect (BackendUnavailable if no cluster answers)
     ray.remote(WorkerHost).options(name=worker id, namespace=..., lifetime="detached", max_restarts=0,
-        num_cpus, num_gpus, accelerator_type, memory, resources, scheduling_strategy).remote(launch, argv)
+        num_cpus, num_gpus, accelerator_type, memory, resources, scheduling_strategy).remote(launch, argv, namespace)
     ray.util.list_named_actors(all_namespaces=True)             the listing: Ray's named actors are the process table
     ray.get_actor(name, namespace) / actor.status.remote() / actor.stop.remote(grace) / ray.kill(actor)
     ray.nodes()                                                 is there a node that can ever hold the request?
@@ -181,7 +181,7 @@ class RayBackend(Backend):
             self._check_feasible(launch, options)
             argv = self._command or [sys.executable, "-m", WORKER_MODULE]
             try:
-                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv)
+                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv, namespace)
             except (ValueError, TypeError) as exc:  # Ray refused the options (a bad resource name, ...)
                 raise LaunchFailed(f"Ray refused to create {launch.worker_id}: {exc}") from exc
             except self._ray.exceptions.RaySystemError as exc:
