@@ -243,16 +243,17 @@ class RayBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - Ray unreachable: never read as "every worker exited"
             raise BackendError(f"Ray: could not list the named actors: {exc}") from exc
         prefix = self._prefix if run is None else self.namespace(run)
-        listed = {f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}": a for a in named
-                  if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))}
+        # Only names that are worker ids: a run's namespace also holds its weights hub (sync ray), which is
+        # no WorkerHost (it has no status() to ask) and is not ours to judge (it ends with its actor).
+        listed = {handle: worker for a in named
+                  if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))
+                  for handle in [f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}"]
+                  for worker in [_worker(a["name"], handle)] if worker is not None}
         with self._lock:
             statuses = self._statuses([h for h in listed if h not in self._ended])
             out: dict[str, BackendWorker] = {}
             now = self._clock()
-            for handle in listed:
-                worker = _worker(listed[handle]["name"], handle)
-                if worker is None:
-                    continue  # not a worker id: not ours to judge
+            for handle, worker in listed.items():
                 self._seen.setdefault(handle, worker)
                 state = statuses.get(handle, {})
                 if handle in self._ended or "exit_code" in state and state["exit_code"] is not None \
