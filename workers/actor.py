@@ -320,7 +320,8 @@ class ActorLoop(TrainerCallback):
         self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
         try:
-            batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
+            batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step),
+                                      while_waiting=self.publisher.ensure_held)
         except StopRequested:
             if self.ranks is not None:
                 self.ranks.channel.send("stop")

@@ -28,6 +28,14 @@ the cluster, with no controller involved (a controller may be dead when it happe
 is never needed: a relaunched actor publishes the weights it resumes from, as a version above every
 earlier one, before any rollout task needs them; a rollout that asks a gone hub for a version gets
 FileNotFoundError, as for a version pruned under it on a volume, and reads the store again.
+
+A hub can also be lost while its publisher lives (killed by hand, its worker process OOM-killed, its node
+lost when soft placement put it elsewhere). The rollouts cannot fix that: only the publisher holds the
+versions (it owns their objects and keeps its own refs of the newest KEEP). So the publisher checks its
+hub while it waits for rollouts (`ensure_held`, through WeightPublisher.ensure_held, every
+HUB_CHECK_SECONDS) and, when the hub is gone or no longer holds the newest version, makes it again and
+puts the versions it keeps back into it: the same bytes under the same names, so the rows in the store
+stay right and a waiting rollout's next try loads them.
 What it must not do: record rows (the publisher does) or know what the files hold.
 """
 
@@ -51,6 +59,9 @@ RECEIVED = "received"  # the folder of versions a node received, under the run's
 KEEP = 3  # versions the hub holds (WeightPublisher.keep rows are recorded; a rollout needs the newest)
 _HUB_OPTIONS = {"num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
 _HUBS: dict[int, Any] = {}  # incarnation -> the hub's handle, held for the process's life (Ray ends an actor no handle refers to)
+_SHARED: dict[int, dict[str, list[Any]]] = {}  # incarnation -> {version folder: [ref]}, the newest KEEP this process put
+HUB_CHECK_SECONDS = 5.0  # how often a publisher waiting for rollouts checks that its hub still holds its versions
+HUB_ANSWER_SECONDS = 30.0  # a hub that does not answer a check in this long is left alone (asked again later)
 
 
 class RayWeightsError(RuntimeError):
@@ -114,12 +125,44 @@ def share(folder: Path, incarnation: int) -> str:
     ray = connect()
     files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
     ref = [ray.put(files)]
+    kept = _SHARED.setdefault(incarnation, {})
+    kept[folder.name] = ref
+    for old in sorted(kept, key=_version_of)[: max(0, len(kept) - KEEP)]:
+        del kept[old]
     try:
         ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
     except ray.exceptions.RayActorError:  # the hub died under a live publisher (killed by hand, say): a new one
         _HUBS.pop(incarnation, None)
         ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
     return f"{SCHEME}{os.environ[NAMESPACE_ENV]}/{hub_name(incarnation)}/{folder.name}"
+
+
+class HubLost(Exception):
+    """The publisher's hub is dead, or no longer holds the newest version this publisher put."""
+
+
+def ensure_held(incarnation: int) -> list[str]:
+    """Check that this publisher's hub holds the newest version it put; if the hub is gone (or lost it),
+    make the hub again and put back every version this process keeps. Returns the names put back
+    ([] when the hub was fine, or this process has published nothing through Ray)."""
+    kept = _SHARED.get(incarnation)
+    if not kept:
+        return []
+    ray = connect()
+    newest = max(kept, key=_version_of)
+    try:
+        held = ray.get(_hub(ray, incarnation).names.remote(), timeout=HUB_ANSWER_SECONDS)
+        if newest not in held:
+            raise HubLost(f"the hub holds {held}, not {newest}")
+    except ray.exceptions.GetTimeoutError:  # busy, or its node is slow: not known to be lost
+        return []
+    except (ray.exceptions.RayActorError, HubLost):
+        _HUBS.pop(incarnation, None)  # a dead actor's handle: the next _hub makes (or finds) a live one
+        hub = _hub(ray, incarnation)
+        names = sorted(kept, key=_version_of)
+        ray.get([hub.put.remote(name, kept[name]) for name in names])
+        return names
+    return []
 
 
 def _hub(ray: Any, incarnation: int) -> Any:

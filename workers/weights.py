@@ -32,7 +32,9 @@ It must not decide when to publish (the actor does) nor touch the task queue.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ from mortal.workers.atomic import atomic_dir, remove_stale_tmp, sweep, volume_re
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
 KEEP_VERSIONS = 3
+log = logging.getLogger("mortal.weights")
 _PEFT_MARKERS = ("lora_", "modules_to_save", "original_module")
 
 
@@ -333,6 +336,7 @@ class WeightPublisher:
         self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
         self._last_version: int | None = None  # the last version this publisher recorded
         self._plain_state: _KeptState | None = None
+        self._hub_checked = 0.0  # time.monotonic() of the last ensure_held look at the hub (sync ray)
 
     def _ring_server(self) -> Any:
         if self._sharer is None:
@@ -391,6 +395,19 @@ class WeightPublisher:
         if prune:
             self.prune()
         return version
+
+    def ensure_held(self) -> None:
+        """sync ray, while the actor waits for rollouts: if the hub lost the versions this publisher recorded
+        (its actor died while this one lives), put them back (mortal.workers.ray_weights.ensure_held); at
+        most every ray_weights.HUB_CHECK_SECONDS. Without it a rollout waiting for the newest version
+        would ask for it forever, and the actor would wait forever for that rollout."""
+        if self.method != "ray" or time.monotonic() - self._hub_checked < ray_weights.HUB_CHECK_SECONDS:
+            return
+        self._hub_checked = time.monotonic()
+        put_back = ray_weights.ensure_held(self.worker.incarnation)
+        if put_back:
+            log.warning("the weights hub had lost the versions %s (its Ray actor ended); made it again and put "
+                        "them back", ", ".join(put_back))
 
     def _plain(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """plain_state_dict, kept between publishes of a model without adapters: its tensors are the

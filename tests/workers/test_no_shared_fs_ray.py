@@ -7,11 +7,14 @@ actor and rollout on the head, "node-kill" with its rollout on the head and its 
 each weight version travels from one node to another through the object store. After node-kill's first
 checkpoint (uploaded to a file:// URL, standing for a bucket), the node running its actor is SIGKILLed;
 the actor is relaunched on the other worker node, downloads the checkpoint into that node's home and
-resumes. Both runs Succeed ("straight" never interrupted: its weights hub lives on its own actor's node),
+resumes. "straight"'s weights hub is killed once its first version is recorded, before its rollout fetched it (a
+hub lost under a live actor, for which a rollout once waited forever): its actor puts the version back in a new
+hub. Both runs Succeed ("straight" never interrupted: its weights hub lives on its own actor's node),
 their final checkpoints' tensors hash the same, the workers wrote nothing
 under the controller's MORTAL_HOME, the relaunched actor's log is in the storage (`mortalctl logs`
 reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. A second, short test
-drives mortal.workers.ray_weights alone between processes on the cluster. Runs in `unshare -rn` (scripts/test.sh).
+drives mortal.workers.ray_weights alone between processes on the cluster (a hub killed under its publisher
+included). Runs in `unshare -rn` (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:
+        # "straight"'s hub is killed as soon as its first version is recorded, before its rollout (still loading
+        # its model) fetched it: the rollout cannot have that version until the actor puts it back.
+        wait_for(lambda: store.latest_weights("straight") is not None, 600, "straight's first weight version",
+                 give_up=lambda: store.get_run("straight").phase == "Failed")
+        received = ray_cluster.home("node_head") / "runs/straight/weights/received"
+        fetched_first = any(received.glob("*/v0-*"))
+        [hub] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"].endswith("-straight") and a["name"].startswith("weights-")]
+        ray.kill(ray.get_actor(hub["name"], namespace=hub["namespace"]))
         wait_for(lambda: store.latest_checkpoint("node-kill") is not None, 600, "node-kill's first checkpoint",
                  give_up=lambda: store.get_run("node-kill").phase == "Failed")
         first = store.latest_checkpoint("node-kill")
@@ -87,6 +99,9 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         # `mortalctl logs` reads what each worker's Ray actor uploaded next to the checkpoints.
         logs = list(read_logs("node-kill", role="actor", source=StorageLogs(f"file://{bucket}")))
         assert any(f"actor-0#{actors[-1].incarnation}" in line and "exiting with code 0" in line for line in logs), logs[-5:]
+        if not fetched_first:  # (else the rollout was quicker than this test: only the run's success is shown)
+            logs = list(read_logs("straight", role="actor", source=StorageLogs(f"file://{bucket}")))
+            assert any("the weights hub had lost the versions v0-" in line for line in logs), logs[-5:]
         wait_for(lambda: not _named_actors(), 30, "no actor (worker or weights hub) of either run left")
     finally:
         controller.stop()
@@ -109,34 +124,52 @@ print(ray_weights.share(folder, 7), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)
 print("handler kept" if stopped else "handler lost", flush=True)
-sys.stdin.readline()  # until the test has received the version
+while sys.stdin.readline().strip() == "check":  # the actor's look at its hub while it waits for rollouts
+    print(",".join(ray_weights.ensure_held(7)) or "-", flush=True)
 """
 
 
 def test_a_published_version_reaches_another_process_and_ends_with_its_publisher(
         ray_cluster, mortal_home: Path, tmp_path: Path) -> None:
     """ray_weights on the real cluster: the bytes arrive whole, joining Ray keeps the worker's SIGTERM handler (a
-    suspended actor checkpoints), and the hub and its objects end with the process that published them."""
+    suspended actor checkpoints), a hub killed under its live publisher is made again with the same version (and
+    the controller's listing of the run's namespace, which holds the hub, is not upset by it), and the hub and
+    its objects end with the process that published them."""
     from mortal.controller.backends.base import RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV
 
+    backend = select_backend("ray")
+    namespace = backend.namespace("hub-run")
     folder = tmp_path / "v3-i7"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
     (folder / "config.json").write_text("{}")
-    env = {**os.environ, RAY_ADDRESS_ENV: ray_cluster.address, RAY_NAMESPACE_ENV: "mortal-test-hub"}
+    env = {**os.environ, RAY_ADDRESS_ENV: ray_cluster.address, RAY_NAMESPACE_ENV: namespace}
     publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(folder)], env=env, text=True,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(line: str) -> str:
+        publisher.stdin.write(line + "\n")
+        publisher.stdin.flush()
+        return publisher.stdout.readline().strip() if line else ""
+
     try:
         path = publisher.stdout.readline().strip()
-        assert path == f"{SCHEME}mortal-test-hub/weights-i7/v3-i7", path
+        assert path == f"{SCHEME}{namespace}/weights-i7/v3-i7", path
         assert publisher.stdout.readline().strip() == "handler kept"
         received = Path(receive_elsewhere(env, path, tmp_path / "node-home").stdout.strip().splitlines()[-1])
         assert {p.name: p.read_bytes() for p in received.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
-        publisher.stdin.write("\n")
-        publisher.stdin.flush()
+        assert backend.list("hub-run") == [], "the hub was taken for a worker"
+        assert ask("check") == "-", "a hub that holds the version was made again"
+        ray.kill(ray.get_actor("weights-i7", namespace=namespace))  # lost under its live publisher
+        lost = receive_elsewhere(env, path, tmp_path / "lost-home", check=False)
+        assert lost.returncode != 0 and "FileNotFoundError" in lost.stderr
+        assert ask("check") == "v3-i7"
+        again = Path(receive_elsewhere(env, path, tmp_path / "later-home").stdout.strip().splitlines()[-1])
+        assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+        ask("")
         assert publisher.wait(timeout=60) == 0
         wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
-                              if a["namespace"] == "mortal-test-hub"], 30, "the hub ended with its publisher")
+                              if a["namespace"] == namespace], 30, "the hub ended with its publisher")
         gone = receive_elsewhere(env, path, tmp_path / "other-home", check=False)
         assert gone.returncode != 0 and "FileNotFoundError" in gone.stderr and "no longer held" in gone.stderr
     finally:
