@@ -74,12 +74,13 @@ def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newe
                      f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}")
 
 
-RUN_FAILURE_REASONS = ("ResumeRefused",)  # a fatal worker reason that names the run's failure itself
+RUN_FAILURE_REASONS = ("ResumeRefused", "CheckpointStorageUnavailable")  # fatal worker reasons that name the run's failure itself
 
 
 def run_failure_reason(worker_message: str | None) -> str:
     """The Failed condition's reason for a worker's fatal exit: its own reason where it says why the run
-    cannot go on (a refused resume: mortal.workers.resume_check), else WorkerFailed."""
+    cannot go on (a refused resume: mortal.workers.resume_check; checkpoint storage it cannot use:
+    mortal.workers.storage), else WorkerFailed."""
     reason = (worker_message or "").split(":", 1)[0]
     return reason if reason in RUN_FAILURE_REASONS else "WorkerFailed"
 

@@ -3,8 +3,10 @@
 Called by the CLI: `mortalctl logs NAME [--role R] [--replica I] [--tail N] [-f]`. Files are
 mortal.state.paths.worker_log: `<role>-<replica>-<incarnation>.log` under the run's logs folder,
 read from where the run's workers write them: this machine's MORTAL_HOME (`LocalLogs`, the local
-backend), or the Modal data volume through the client library (`VolumeLogs`: the Modal worker
-function writes the same files there and commits them every few seconds).
+backend), the Modal data volume through the client library (`VolumeLogs`: the Modal worker
+function writes the same files there and commits them every few seconds), or, for a Ray run whose nodes
+share no filesystem, the run's storage (`StorageLogs`: `<spec.checkpoint.uri>/<run>/logs/`, where each
+worker's Ray actor uploads the node's file every LOG_UPLOAD_SECONDS and once more when the worker ends).
 By default each slot shows its newest incarnation; `-f` keeps reading, and moves to a slot's new
 file when the worker is relaunched. What it must not do: open the store or touch the files.
 """
@@ -109,6 +111,46 @@ class VolumeLogs:
         try:
             return b"".join(self._volume.read_file(str(path)))[offset:]
         except self._missing:
+            return b""
+
+    def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:
+        return _tail_start(self.read(path, 0), n, partial) or 0
+
+
+LOG_UPLOAD_SECONDS = 5.0  # how often a Ray worker's actor uploads its log to the run's storage (StorageLogs)
+
+
+def storage_log_url(uri: str, run: str, name: str) -> str:
+    """Where a worker's log file `name` (<role>-<replica>-<incarnation>.log) is kept in the run's storage."""
+    return f"{uri.rstrip('/')}/{run}/logs/{name}"
+
+
+class StorageLogs:
+    """The log files in a run's storage (spec.checkpoint.uri, read with fsspec): a Ray run's whose nodes share
+    no filesystem. Like a volume's, a file is read whole (object stores have ranged reads, but the files
+    are small and replaced whole on each upload), and only when its listed size grew."""
+
+    def __init__(self, uri: str) -> None:
+        import fsspec
+
+        self._uri = uri.rstrip("/")
+        self._fs, self._root = fsspec.core.url_to_fs(self._uri)
+        self._sizes: dict[str, int] = {}
+
+    def names(self, run: str) -> list[PurePosixPath | Path]:
+        try:
+            entries = self._fs.ls(f"{self._root}/{run}/logs", detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        self._sizes.update((entry["name"], entry.get("size") or 0) for entry in entries)
+        return [PurePosixPath(entry["name"]) for entry in entries if entry.get("type") == "file"]
+
+    def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
+        if self._sizes.get(str(path), offset + 1) <= offset:
+            return b""
+        try:
+            return self._fs.cat_file(str(path))[offset:]
+        except FileNotFoundError:
             return b""
 
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:

@@ -215,7 +215,9 @@ class Reconciler:
         if spec.backend == "ray":
             wants = spec.ray.actor if action.role == "actor" else spec.ray.rollout
             launch = dataclasses.replace(launch, cpus=wants.cpus, resources=dict(wants.resources),
-                                         memory_bytes=None if wants.memory_gb is None else int(wants.memory_gb * 2**30))
+                                         memory_bytes=None if wants.memory_gb is None else int(wants.memory_gb * 2**30),
+                                         node_home=not spec.ray.shared_filesystem,
+                                         log_uri=None if spec.ray.shared_filesystem else spec.checkpoint.uri)
         row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)

@@ -11,7 +11,8 @@ ruff check .
 # The Ray backend's tests start a real three-node Ray cluster (tests/raycluster.py): they run in a
 # private network namespace, where loopback is the only interface, so Ray binds 127.0.0.1 and nothing leaves it.
 # That namespace has its own loopback (no PostgreSQL there): those tests use SQLite. Then everything else.
-RAY_TESTS=(tests/controller/test_ray_backend.py tests/controller/test_lifecycle_ray.py tests/workers/test_exact_resume_ray.py)
+RAY_TESTS=(tests/controller/test_ray_backend.py tests/controller/test_lifecycle_ray.py tests/workers/test_exact_resume_ray.py
+           tests/workers/test_no_shared_fs_ray.py)
 if [ "$#" -eq 0 ]; then
   unshare -rn sh -c 'ip link set lo up && exec python -m pytest -q -p no:cacheprovider "$@"' sh "${RAY_TESTS[@]}"
   set -- "${RAY_TESTS[@]/#/--ignore=}"

@@ -3,6 +3,7 @@
     backend: ray
     ray:
       address: 10.0.0.5:6379            # absent: $RAY_ADDRESS of the controller
+      sharedFilesystem: false           # no shared MORTAL_HOME: needs checkpoint.uri
       actor:   {cpus: 4, memoryGB: 32}
       rollout: {cpus: 2, resources: {rollout_node: 1}}
 
@@ -52,6 +53,13 @@ class RayWorkerSpec(SpecModel):
 class RaySpec(SpecModel):
     """The Ray cluster a `backend: ray` run uses, and each role's resource request there."""
 
+    shared_filesystem: bool = Field(
+        True, alias="sharedFilesystem",
+        description="true: every node and the controller mount one MORTAL_HOME (NFS, a ReadWriteMany volume) and "
+        "workers use the controller's. false: each worker uses its node's own MORTAL_HOME (the value `ray start` "
+        "was run with, else ~/.mortal on the node); checkpoints then go to checkpoint.uri (required) and weights "
+        "through Ray's object store (sync auto or ray).",
+    )
     address: str | None = Field(
         None, min_length=1,
         description="The Ray cluster's address as `ray.init` takes it: host:port of the head's GCS (e.g. "

@@ -308,10 +308,12 @@ class RolloutSpec(SpecModel):
 class SyncSpec(SpecModel):
     """How new weights travel from the actor to the rollout workers."""
 
-    method: Literal["auto", "volume", "ipc", "nccl", "reload", "direct", "checkpoint"] = Field(
+    method: Literal["auto", "volume", "ipc", "nccl", "ray", "reload", "direct", "checkpoint"] = Field(
         "auto",
         description="auto: ipc when actor and rollouts have GPUs on this host (local backend, transformers "
-        "engine), else volume. volume: safetensors on the shared volume (everywhere). ipc: each version is a "
+        "engine), ray when the Ray nodes share no filesystem (ray.sharedFilesystem false), else volume. "
+        "volume: safetensors on the shared volume (everywhere). ray: the same safetensors through Ray's object "
+        "store (backend ray; no shared disk needed). ipc: each version is a "
         "snapshot on the actor's GPU that rollouts copy over CUDA IPC, GPU to GPU, no disk (same host). "
         "nccl: the actor sends each rollout the snapshot over NCCL when it asks (rollouts on GPUs of their own "
         "on this host; no mapping of the actor's memory). The seeds' names are accepted and stored as what "
@@ -343,6 +345,29 @@ class CheckpointSpec(SpecModel):
 
     every: int = Field(10, ge=1, description="Write a complete checkpoint every N optimizer steps.")
     keep: int = Field(3, ge=1, description="Keep the newest N complete checkpoints; older ones are deleted.")
+    uri: str | None = Field(
+        None, min_length=1,
+        description="Storage every checkpoint is uploaded to, as an fsspec URL: s3://bucket/prefix, gs://bucket/prefix, "
+        "file:///mnt/bucket/prefix (the backend's package, e.g. s3fs or gcsfs, must be installed where the actor "
+        "runs). The run's checkpoints go to <uri>/<run>/step-<N>/ and a relaunched actor on any machine downloads "
+        "the newest from there. Absent: checkpoints stay under MORTAL_HOME. Required with ray.sharedFilesystem false.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_is_storage_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        protocol, sep, rest = value.partition("://")
+        if not sep or not protocol or not rest.strip("/"):
+            raise rule_error(f"must be a storage URL with a protocol and a path, such as s3://bucket/prefix or "
+                             f"file:///mnt/bucket/prefix (got {value!r})")
+        from fsspec.registry import known_implementations, registry  # the names only: no backend is imported
+
+        if protocol not in known_implementations and protocol not in registry:
+            raise rule_error(f"unknown storage protocol {protocol!r} in {value!r}: use one fsspec knows, such as "
+                             "s3, gs, az, hdfs or file")
+        return value.rstrip("/")
 
 
 class RestartPolicy(SpecModel):
@@ -472,7 +497,9 @@ class TrainingSpec(SpecModel):
     def sync_method(self) -> str:
         """The weight-sync method this run uses (`auto` resolved)."""
         if self.sync.method == "auto":
-            return "ipc" if self.ipc_possible() else "volume"
+            if self.ipc_possible():
+                return "ipc"
+            return "ray" if self.backend == "ray" and not self.ray.shared_filesystem else "volume"
         return self.sync.method
 
     @model_validator(mode="after")
@@ -508,6 +535,24 @@ class TrainingSpec(SpecModel):
         if engine == "vllm":
             return COLOCATED_VLLM_SHARE if self.rollout.colocate else VLLM_SHARE
         return None
+
+    @model_validator(mode="after")
+    def _no_shared_filesystem(self) -> TrainingSpec:
+        """ray.sharedFilesystem false: nothing a node writes under its MORTAL_HOME is seen by another, so
+        checkpoints need a storage URL and weights go through Ray's object store."""
+        if self.sync.method == "ray" and self.backend != "ray":
+            raise rule_error(f"sync ray sends weights through Ray's object store: it needs backend ray (this run's "
+                             f"backend is {self.backend!r}); use 'auto' or 'volume'", "sync.method")
+        if self.backend != "ray" or self.ray.shared_filesystem:
+            return self
+        if self.checkpoint.uri is None:
+            raise rule_error("ray.sharedFilesystem is false, so a checkpoint written on one node cannot be read on "
+                             "another: set checkpoint.uri to storage every node reaches (s3://bucket/prefix, "
+                             "gs://..., file:///mounted/path)", "ray.sharedFilesystem")
+        if self.sync.method not in ("auto", "ray"):
+            raise rule_error(f"ray.sharedFilesystem is false: weights cannot travel through a volume "
+                             f"({self.sync.method!r}); use 'auto' or 'ray' (Ray's object store)", "sync.method")
+        return self
 
     @model_validator(mode="after")
     def _ipc_is_possible(self) -> TrainingSpec:

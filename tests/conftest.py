@@ -138,7 +138,7 @@ def store(store_url: str) -> Iterator[Store]:
 
 
 RAY_TEST_FILES = ("tests/controller/test_ray_backend.py", "tests/controller/test_lifecycle_ray.py",
-                  "tests/workers/test_exact_resume_ray.py")  # scripts/test.sh lists the same
+                  "tests/workers/test_exact_resume_ray.py", "tests/workers/test_no_shared_fs_ray.py")  # scripts/test.sh lists the same
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,9 @@
     cluster.stop()                         # SIGKILL this cluster's processes (and only this cluster's)
 
 Each node carries a custom resource named after it (node_head, node_a, node_b: 1 each), so a test can
-place a worker on a node; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
+place a worker on a node, and a MORTAL_HOME of its own (`cluster.home(node)`, set in its `ray start`
+environment): a run with ray.sharedFilesystem false keeps its files there, so nothing can travel between
+nodes by disk; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
 head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2 logical
 CPUs, 80 MB object store, no dashboard) to fit this 2-core machine. The head's GCS declares a node dead after
 5 failed health checks a second apart: a killed raylet refuses the check at once, so its loss is seen in ~5 s
@@ -58,6 +60,10 @@ class RayCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MORTAL_", "RAY_ADDRESS"))}
         return {**env, **NODE_DEATH, "RAY_USAGE_STATS_ENABLED": "0"}
 
+    def home(self, node: str) -> Path:
+        """The node's own MORTAL_HOME (what workers of a run with ray.sharedFilesystem false use there)."""
+        return self.root / f"home-{node}"
+
     def _start(self, node: str, *head_or_join: str) -> None:
         before = set(_raylets(self.root))
         log = self.root / f"{node}.log"
@@ -66,7 +72,8 @@ class RayCluster:
                "--resources", json.dumps(resources), "--object-store-memory", str(80 * 1024 * 1024),
                "--disable-usage-stats"]
         with open(log, "ab") as out:
-            subprocess.run(cmd, env=self._env(), stdout=out, stderr=subprocess.STDOUT, check=True, timeout=120)
+            subprocess.run(cmd, env={**self._env(), "MORTAL_HOME": str(self.home(node))}, stdout=out,
+                           stderr=subprocess.STDOUT, check=True, timeout=120)
         [raylet] = set(_raylets(self.root)) - before
         self.raylets[node] = raylet
 
@@ -101,11 +108,13 @@ class RayCluster:
             return None
         return next((node for node, raylet in self.raylets.items() if raylet in pids), None)
 
-    def node_of_worker(self, home: Path, worker_id: str) -> str | None:
-        """The node a mortal worker (by its MORTAL_WORKER_ID, under MORTAL_HOME `home`) runs on."""
+    def node_of_worker(self, home: Path | None, worker_id: str) -> str | None:
+        """The node a mortal worker (by its MORTAL_WORKER_ID, under MORTAL_HOME `home`; None: under the home of
+        whichever of this cluster's nodes it runs on) runs on."""
+        homes = {str(home)} if home is not None else {str(self.home(node)) for node in NODES}
         for proc in psutil.process_iter(["environ"]):
             env = proc.info.get("environ") or {}
-            if env.get("MORTAL_WORKER_ID") == worker_id and env.get("MORTAL_HOME") == str(home):
+            if env.get("MORTAL_WORKER_ID") == worker_id and env.get("MORTAL_HOME") in homes:
                 return self.node_of(proc)
         return None
 

@@ -45,8 +45,10 @@ from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
 from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
+from mortal.workers.storage import CheckpointStorage, StorageError
 from mortal.workers.weights import WeightPublisher
 
+STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
 STALENESS_CLIP = 2.0  # truncation of the per-token importance ratio for stale samples (TIS)
 
 
@@ -56,9 +58,13 @@ def main(ctx: WorkerContext) -> int:
     models.set_threads()
     spec = ctx.run.spec
     checkpointer = Checkpointer(
-        ctx.store, ctx.worker, spec.checkpoint.every, spec.checkpoint.keep, spec.algorithm.seed, fence=ctx.check_fence
+        ctx.store, ctx.worker, spec.checkpoint.every, spec.checkpoint.keep, spec.algorithm.seed, fence=ctx.check_fence,
+        storage=checkpoint_storage(ctx),
     )
-    resume = checkpointer.resume_point()
+    try:
+        resume = checkpointer.resume_point()
+    except StorageError as exc:  # recorded in a storage the spec no longer names (an unreachable one: OSError, retried)
+        raise FatalWorkerError(STORAGE_UNAVAILABLE, str(exc)) from exc
     start = resume.step if resume else 0
     ctx.report(step=start)
     if start >= spec.algorithm.max_steps:
@@ -112,6 +118,21 @@ def main(ctx: WorkerContext) -> int:
         if ranks is not None:  # after a crash the other ranks wait in a collective that never comes: end them
             ranks.close(timeout=60.0 if finished else 0.0)
     return EXIT_SUCCEEDED
+
+
+def checkpoint_storage(ctx: WorkerContext) -> CheckpointStorage | None:
+    """The run's checkpoint storage (spec.checkpoint.uri), probed with a write before anything is trained, so
+    a URL this node cannot write (unknown protocol, its package missing here, no permission) fails the run at
+    once, naming the field, rather than at the first checkpoint with steps trained for nothing."""
+    uri = ctx.run.spec.checkpoint.uri
+    if uri is None:
+        return None
+    try:
+        storage = CheckpointStorage(uri, ctx.run.name)
+        storage.probe()
+    except StorageError as exc:
+        raise FatalWorkerError(STORAGE_UNAVAILABLE, str(exc)) from exc
+    return storage
 
 
 def _rank_lost(ctx: WorkerContext, lost: sharded.RankLost) -> None:
@@ -299,7 +320,8 @@ class ActorLoop(TrainerCallback):
         self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
         try:
-            batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step))
+            batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step),
+                                      while_waiting=self.publisher.ensure_held)
         except StopRequested:
             if self.ranks is not None:
                 self.ranks.channel.send("stop")

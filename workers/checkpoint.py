@@ -14,6 +14,12 @@ step and when asked to stop; `Checkpointer.resume_point` when it starts).
 A checkpoint exists for readers only once its directory was renamed into place (after fsync) and
 its row recorded, in that order; a crash at any point leaves either no visible checkpoint or a
 complete one. Pruning deletes the row first, then the files. It must not decide when to write.
+
+With spec.checkpoint.uri (mortal.workers.storage) the folder is written here as above, then uploaded to
+`<uri>/<run>/step-<N>/` (the marker last), and the row records that URL: every node can resume from it.
+`resume_point` downloads the newest one into this node's MORTAL_HOME when its copy is not here, and
+returns the row with the local folder as its path, so what reads the checkpoint after it (resume_check,
+the Trainer) reads a folder on this machine as always.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +37,9 @@ from mortal.state.store import Store, WorkerRef
 from mortal.state.tables import CheckpointRow
 from mortal.workers import trl_seam
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp
+from mortal.workers.storage import MARKER, CheckpointStorage, StorageError, is_url
 
-MORTAL_FILE = "mortal.json"
+MORTAL_FILE = MARKER  # also the completion marker of an uploaded checkpoint (uploaded last)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint's folder inside a checkpoint of a sharded actor
 log = logging.getLogger("mortal.checkpoint")
 
@@ -83,6 +90,8 @@ class Checkpointer:
     seed: int
     fence: Callable[[], None] = lambda: None  # heartbeat-now before writing files (a zombie exits there)
     provenance: Callable[[int], dict[str, Any]] | None = None  # what made the state at a step (workers.provenance)
+    storage: CheckpointStorage | None = None  # spec.checkpoint.uri: where every checkpoint is uploaded
+    _uploaded: set[int] = field(default_factory=set, init=False, repr=False)  # steps this process uploaded
 
     @property
     def run(self) -> str:
@@ -110,8 +119,11 @@ class Checkpointer:
             if made_by is not None:  # also in the row; here so the folder alone says what made it (fork, cp)
                 marker["provenance"] = made_by
             (tmp / MORTAL_FILE).write_text(json.dumps(marker, indent=1) + "\n")
-        self.store.record_checkpoint(self.worker, step, str(final), weight_version, provenance=made_by)
-        log.info("checkpoint step %d (weights v%d) at %s", step, weight_version, final)
+        where = str(final) if self.storage is None else self.storage.upload(final, step)
+        if self.storage is not None:
+            self._uploaded.add(step)
+        self.store.record_checkpoint(self.worker, step, where, weight_version, provenance=made_by)
+        log.info("checkpoint step %d (weights v%d) at %s", step, weight_version, where)
         self.prune()
         return final
 
@@ -120,17 +132,42 @@ class Checkpointer:
         rows = self.store.list_checkpoints(self.run)
         for row in rows[: max(0, len(rows) - self.keep)]:
             self.store.delete_checkpoint(self.worker, row.step)
-            shutil.rmtree(row.path, ignore_errors=True)
+            if is_url(row.path):
+                self._storage(row.path).remove(row.path)
+                shutil.rmtree(checkpoint_dir(self.run, row.step), ignore_errors=True)  # this node's copy
+            else:
+                shutil.rmtree(row.path, ignore_errors=True)
 
     def resume_point(self) -> CheckpointRow | None:
         """The newest recorded checkpoint whose files are complete; newer broken ones are forgotten.
+        One in storage (a URL) is downloaded into this node's MORTAL_HOME, unless this process uploaded it
+        from there: a folder of that step found here may be another incarnation's unrecorded write, or a
+        deleted run's of the same name, never to be trusted for the recorded one. The row returned then
+        has the local folder as its path (the store's row keeps the URL).
 
-        Also clears temporary directories of a writer that died mid-checkpoint.
+        Also clears temporary directories of a writer that died mid-checkpoint. A storage that cannot be
+        read raises StorageError rather than forgetting checkpoints it could not see.
         """
         remove_stale_tmp(paths.checkpoints_dir(self.run))
         for row in reversed(self.store.list_checkpoints(self.run)):
-            if is_complete(row.path):
-                return row
-            log.warning("checkpoint step %d at %s is incomplete on disk; forgetting it", row.step, row.path)
+            if not is_url(row.path):
+                if is_complete(row.path):
+                    return row
+            elif self._storage(row.path).complete(row.path):
+                local = checkpoint_dir(self.run, row.step)
+                if row.step not in self._uploaded or not is_complete(local):
+                    log.info("downloading checkpoint step %d from %s", row.step, row.path)
+                    self._storage(row.path).download(row.path, local)
+                if is_complete(local):
+                    return row.model_copy(update={"path": str(local)})
+            log.warning("checkpoint step %d at %s is incomplete; forgetting it", row.step, row.path)
             self.store.delete_checkpoint(self.worker, row.step)
         return None
+
+    def _storage(self, url: str) -> CheckpointStorage:
+        """The storage a recorded URL is in: the spec's (a row written under another checkpoint.uri is refused
+        by CheckpointStorage, naming the field, rather than read from a storage the spec no longer names)."""
+        if self.storage is None:
+            raise StorageError(f"checkpoint {url} is in storage, but this run's spec.checkpoint.uri is not set: set it "
+                               "back to the storage the checkpoints were written to")
+        return self.storage

@@ -152,8 +152,11 @@ class RolloutFeed:
         self.store.reset_tasks(self.worker, from_step=step)
         self._enqueued = {s for s in self._enqueued if s < step}
 
-    def collect(self, step: int, current_version: int, on_stop: Callable[[], None] = lambda: None) -> StepBatch:
-        """Wait until every task of `step` is done; StopRequested (after `on_stop`) if asked to stop."""
+    def collect(self, step: int, current_version: int, on_stop: Callable[[], None] = lambda: None,
+                while_waiting: Callable[[], None] = lambda: None) -> StepBatch:
+        """Wait until every task of `step` is done; StopRequested (after `on_stop`) if asked to stop.
+        `while_waiting` is called at each look (the actor's check that its published weights are still
+        held: WeightPublisher.ensure_held, which decides itself how often to look)."""
         while True:
             rows = self.store.step_results(self.worker.run, step)
             if len(rows) < self.tasks_per_step:  # deleted under us (a reset): ask again
@@ -166,6 +169,7 @@ class RolloutFeed:
             if self.stopping.is_set():
                 on_stop()
                 raise StopRequested(f"stopping while waiting for the rollouts of step {step}")
+            while_waiting()
             time.sleep(self.poll_seconds)
 
     def _requeue(self, step: int, current_version: int, n_stale: int) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mortal.state import TaskRow
-from mortal.workers import weights
+from mortal.workers import ray_weights, weights
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -50,6 +50,9 @@ from mortal.workers.tools import Toolbox
 # Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
 # cutting; on a CPU a step takes seconds and each look is a store query that competes for its cores.
 IDLE_SECONDS = {"gpu": 0.02, "cpu": 0.1}
+# A version that is still the newest but cannot be fetched (sync ray: the actor's hub lost it, until the
+# actor puts it back) is tried again after 0.1 s, then twice as late each time, at most every 5 s.
+MISSING_RETRY_SECONDS, MISSING_RETRY_MAX_SECONDS = 0.1, 5.0
 LEASE_ANNOTATION = "mortal.dev/task-lease-seconds"
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -78,6 +81,7 @@ class RolloutWorker:
         self.lease_seconds = task_lease_seconds(ctx)
         self.published_version: int | None = None  # None: still the weights of spec.model.name
         self.load_seconds = 0.0  # how long loading the current version took
+        self._missing: tuple[int, int, float] | None = None  # (newest version, failed loads, monotonic time of the next try)
 
     @property
     def loaded_version(self) -> int:
@@ -88,19 +92,33 @@ class RolloutWorker:
         latest = self.ctx.store.latest_weights(self.ctx.worker.run)
         if latest is None or (self.published_version is not None and latest.version <= self.published_version):
             return
+        missing = self._missing if self._missing is not None and self._missing[0] == latest.version else None
+        if missing is not None and time.monotonic() < missing[2]:
+            return  # backing off: the actor has not put this version back yet
         started = time.monotonic()
         try:
-            self.engine.load_weights(latest.path)
-        except FileNotFoundError:  # pruned by the actor between the read and the load: a newer one exists
-            self.ctx.log.info("weight version %d was removed before it loaded; reading the store again",
-                              latest.version)
+            self.engine.load_weights(self._local(latest.path))
+        except FileNotFoundError as exc:  # pruned by the actor between the read and the load (a newer one
+            tries = 1 if missing is None else missing[1] + 1  # exists), or lost by sync ray's hub (put back soon)
+            delay = min(MISSING_RETRY_MAX_SECONDS, MISSING_RETRY_SECONDS * 2 ** (tries - 1))
+            self._missing = (latest.version, tries, time.monotonic() + delay)
+            self.ctx.log.info("weight version %d could not be loaded (%s); reading the store again in %.1f s "
+                              "(try %d)", latest.version, exc, delay, tries)
             return
+        self._missing = None
         if not self._intact(latest.path):
             return
         self.published_version = latest.version
         self.load_seconds = time.monotonic() - started
         self.ctx.report(weight_version=latest.version)
         self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
+
+    def _local(self, path: str) -> str:
+        """The folder to load a version from: itself, or (sync ray) this node's copy of what the object
+        store holds, fetched first (FileNotFoundError when it is gone)."""
+        if not ray_weights.is_hub_path(path):
+            return path
+        return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
 
     def _intact(self, path: str) -> bool:
         """A version read from the actor's ring while the actor may have reused its slot is loaded

@@ -13,6 +13,10 @@ needs no setting: a version directory says what it holds.
                                                             module instead (a few MB, not GBs)
                                         config.json         so `from_pretrained(dir)` works too
 
+With `ray` (Ray nodes sharing no disk) the directory is written the same way on the actor's node, then
+its files go into Ray's object store (mortal.workers.ray_weights) and the row records where; a rollout
+writes them into its own node's folder before loading them.
+
 A version directory appears atomically (mortal.workers.atomic), then its row is written
 (`store.publish_weights`), so a rollout that reads the store never sees a partial file. With plain
 LoRA (the seeds' LoRA hot-swap mode) only the adapters travel: the rollout keeps the base weights of
@@ -28,7 +32,9 @@ It must not decide when to publish (the actor does) nor touch the task queue.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,12 +45,13 @@ from safetensors.torch import load_file, save_file
 
 from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
-from mortal.workers import ipc_weights, nccl_weights, weight_ring
+from mortal.workers import ipc_weights, nccl_weights, ray_weights, weight_ring
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, sweep, volume_refresh
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
 KEEP_VERSIONS = 3
+log = logging.getLogger("mortal.weights")
 _PEFT_MARKERS = ("lora_", "modules_to_save", "original_module")
 
 
@@ -321,7 +328,7 @@ class WeightPublisher:
     store: Store
     worker: WorkerRef
     keep: int = KEEP_VERSIONS
-    method: str = "volume"  # or "ipc", "nccl" (spec.sync_method())
+    method: str = "volume"  # or "ray", "ipc", "nccl" (spec.sync_method())
     steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
     provenance: Callable[[int], dict[str, Any]] | None = None  # what made the weights of a step (workers.provenance)
 
@@ -329,6 +336,7 @@ class WeightPublisher:
         self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
         self._last_version: int | None = None  # the last version this publisher recorded
         self._plain_state: _KeptState | None = None
+        self._hub_checked = 0.0  # time.monotonic() of the last ensure_held look at the hub (sync ray)
 
     def _ring_server(self) -> Any:
         if self._sharer is None:
@@ -362,13 +370,13 @@ class WeightPublisher:
                 state: dict[str, torch.Tensor] | None = None) -> int:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
         rollouts, off the path a new version takes to them) prune; returns the version published.
-        `state`: a sharded actor's weights gathered to full CPU tensors (volume only)."""
+        `state`: a sharded actor's weights gathered to full CPU tensors (volume or ray)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
-        adapters = lora_adapters(model) if self.method == "volume" and state is None else None
+        adapters = lora_adapters(model) if self.method in ("volume", "ray") and state is None else None
         if state is not None:
-            if self.method != "volume":
-                raise WeightsError(f"a sharded actor publishes through the volume only, not {self.method!r}")
+            if self.method not in ("volume", "ray"):
+                raise WeightsError(f"a sharded actor publishes through files only (volume, ray), not {self.method!r}")
             write_weights(model, dest, version, step, state=state)
         elif self.method in ("ipc", "nccl"):
             self._ring_server().share(self._plain(model), dest, version, step)  # no config.json: it delays the record
@@ -376,13 +384,30 @@ class WeightPublisher:
             write_adapters(model, adapters, dest, version, step)
         else:
             write_weights(model, dest, version, step)
+        where = str(dest)
+        if self.method == "ray":  # the object store holds it now: this node's folder is not read again
+            where = ray_weights.share(dest, self.worker.incarnation)
+            shutil.rmtree(dest, ignore_errors=True)
         made_by = self.provenance(step) if self.provenance is not None else None
-        self.store.publish_weights(self.worker, version, step, str(dest), method=self.method, provenance=made_by)
+        self.store.publish_weights(self.worker, version, step, where, method=self.method, provenance=made_by)
         self._last_version = version
         self.steps[version] = step
         if prune:
             self.prune()
         return version
+
+    def ensure_held(self) -> None:
+        """sync ray, while the actor waits for rollouts: if the hub lost the versions this publisher recorded
+        (its actor died while this one lives), put them back (mortal.workers.ray_weights.ensure_held); at
+        most every ray_weights.HUB_CHECK_SECONDS. Without it a rollout waiting for the newest version
+        would ask for it forever, and the actor would wait forever for that rollout."""
+        if self.method != "ray" or time.monotonic() - self._hub_checked < ray_weights.HUB_CHECK_SECONDS:
+            return
+        self._hub_checked = time.monotonic()
+        put_back = ray_weights.ensure_held(self.worker.incarnation)
+        if put_back:
+            log.warning("the weights hub had lost the versions %s (its Ray actor ended); made it again and put "
+                        "them back", ", ".join(put_back))
 
     def _plain(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """plain_state_dict, kept between publishes of a model without adapters: its tensors are the
@@ -418,5 +443,7 @@ class WeightPublisher:
         retired = rows[: max(0, len(rows) - self.keep)]
         for row in retired:
             self.store.delete_weights(self.worker, row.version)
-            shutil.rmtree(row.path, ignore_errors=True)
-        sweep(paths.weights_dir(self.run), {row.path for row in rows[len(retired):]})
+            if not ray_weights.is_hub_path(row.path):  # the hub drops its own (ray_weights.KEEP)
+                shutil.rmtree(row.path, ignore_errors=True)
+        if self.method != "ray":  # (with ray, the folder holds what rollouts of this node received)
+            sweep(paths.weights_dir(self.run), {row.path for row in rows[len(retired):]})

@@ -34,9 +34,13 @@ EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ende
 
 # Identity variables of a worker: never inherited from the launching process's own environment.
 GPU_PEERS_ENV = "MORTAL_GPU_PEERS"  # devices a worker sees but does not hold (its actor's, for sync ipc)
+# The Ray cluster and run namespace a worker of the ray backend connects to as a driver, and the node it
+# runs on (sync ray: mortal.workers.ray_weights reads them); set by the worker's Ray actor (ray_worker.WorkerHost).
+RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = "MORTAL_RAY_ADDRESS", "MORTAL_RAY_NAMESPACE", "MORTAL_RAY_NODE_ID"
 WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
                        "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
-                       "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES")
+                       "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES", RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV,
+                       RAY_NODE_ENV)
 
 
 class BackendError(Exception):
@@ -115,6 +119,8 @@ class WorkerLaunch:
     cpus: float | None = None
     memory_bytes: int | None = None
     resources: dict[str, float] = field(default_factory=dict)  # custom scheduler resources (spec.ray.<role>)
+    node_home: bool = False  # the worker uses its node's own MORTAL_HOME, not mortal_home (spec.ray.sharedFilesystem false)
+    log_uri: str | None = None  # storage the worker's log is uploaded to (spec.checkpoint.uri, with node_home)
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:

@@ -9,7 +9,7 @@ worker code is the same on every backend. Ray APIs used, and only these:
 
     ray.init(address=..., log_to_driver=False)                  connect (BackendUnavailable if no cluster answers)
     ray.remote(WorkerHost).options(name=worker id, namespace=..., lifetime="detached", max_restarts=0,
-        num_cpus, num_gpus, accelerator_type, memory, resources, scheduling_strategy).remote(launch, argv)
+        num_cpus, num_gpus, accelerator_type, memory, resources, scheduling_strategy).remote(launch, argv, namespace)
     ray.util.list_named_actors(all_namespaces=True)             the listing: Ray's named actors are the process table
     ray.get_actor(name, namespace) / actor.status.remote() / actor.stop.remote(grace) / ray.kill(actor)
     ray.nodes()                                                 is there a node that can ever hold the request?
@@ -181,7 +181,7 @@ class RayBackend(Backend):
             self._check_feasible(launch, options)
             argv = self._command or [sys.executable, "-m", WORKER_MODULE]
             try:
-                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv)
+                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv, namespace)
             except (ValueError, TypeError) as exc:  # Ray refused the options (a bad resource name, ...)
                 raise LaunchFailed(f"Ray refused to create {launch.worker_id}: {exc}") from exc
             except self._ray.exceptions.RaySystemError as exc:
@@ -243,16 +243,17 @@ class RayBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - Ray unreachable: never read as "every worker exited"
             raise BackendError(f"Ray: could not list the named actors: {exc}") from exc
         prefix = self._prefix if run is None else self.namespace(run)
-        listed = {f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}": a for a in named
-                  if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))}
+        # Only names that are worker ids: a run's namespace also holds its weights hub (sync ray), which is
+        # no WorkerHost (it has no status() to ask) and is not ours to judge (it ends with its actor).
+        listed = {handle: worker for a in named
+                  if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))
+                  for handle in [f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}"]
+                  for worker in [_worker(a["name"], handle)] if worker is not None}
         with self._lock:
             statuses = self._statuses([h for h in listed if h not in self._ended])
             out: dict[str, BackendWorker] = {}
             now = self._clock()
-            for handle in listed:
-                worker = _worker(listed[handle]["name"], handle)
-                if worker is None:
-                    continue  # not a worker id: not ours to judge
+            for handle, worker in listed.items():
                 self._seen.setdefault(handle, worker)
                 state = statuses.get(handle, {})
                 if handle in self._ended or "exit_code" in state and state["exit_code"] is not None \

@@ -6,11 +6,18 @@ Who calls it: Ray, on a node of the cluster, when `RayBackend.launch` creates th
 that was started (a controller killed between "create" and "start" cannot leave an idle actor).
 
 The process: the launch's environment (`WorkerLaunch.environ`, the same protocol every backend
-gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), its own session and
-process group, output appended to the run's log file under MORTAL_HOME (`mortalctl logs` reads it:
-the cluster's nodes share that folder, docs/ray.md), and on Linux a parent-death signal: if this
-actor's process dies (its node is lost, Ray kills it), the worker dies with it instead of running on
-as an orphan nobody lists.
+gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), the cluster's address,
+the run's namespace and this node's id (RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV: sync ray connects
+there as a driver and keeps its weights hub on this node), its
+own session and process group, output appended to the run's log file under MORTAL_HOME, and on Linux a
+parent-death signal: if this actor's process dies (its node is lost, Ray kills it), the worker dies
+with it instead of running on as an orphan nobody lists.
+MORTAL_HOME is the controller's (the launch's) when the nodes share that folder (`mortalctl logs` reads
+the log there); with `node_home` (spec.ray.sharedFilesystem false) it is this node's own: the MORTAL_HOME
+that `ray start` ran with on the node, else ~/.mortal of the node's user. The log file is then on
+the node, and this actor uploads it to the run's storage (spec.checkpoint.uri, `log_uri`) every
+LOG_UPLOAD_SECONDS and once more when the worker ends, before its exit code is known (so before the
+controller kills this actor): `mortalctl logs` reads it there (mortal.controller.logs.StorageLogs).
 What it must not do: import the store, decide anything, or restart the worker (the controller does).
 """
 
@@ -27,8 +34,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mortal.controller.backends.base import WorkerLaunch, signal_group
+from mortal.controller.backends.base import (
+    RAY_ADDRESS_ENV,
+    RAY_NAMESPACE_ENV,
+    RAY_NODE_ENV,
+    WorkerLaunch,
+    signal_group,
+)
 from mortal.controller.backends.gpus import wants_gpu
+from mortal.controller.logs import LOG_UPLOAD_SECONDS, storage_log_url
 from mortal.state import paths
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -37,14 +51,24 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class WorkerHost:
     """One worker process and what is known of it; Ray calls the methods from its threads (max_concurrency > 1)."""
 
-    def __init__(self, launch: dict[str, Any], command: Sequence[str]) -> None:
+    def __init__(self, launch: dict[str, Any], command: Sequence[str], namespace: str = "") -> None:
+        """`namespace`: the run's (the actor's name is in it; Ray's runtime context gives the creating job's)."""
+        import ray
+
         spec = WorkerLaunch(**launch)
         self.worker_id = spec.worker_id
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
-        env = spec.environ(os.environ, cuda_visible_devices=devices)
-        log = Path(spec.mortal_home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
+        home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
+        env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
+        context = ray.get_runtime_context()
+        env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: namespace,
+                    RAY_NODE_ENV: context.get_node_id()})
+        log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
             .relative_to(paths.mortal_home())
         log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self._log_url = storage_log_url(spec.log_uri, spec.run, log.name) if spec.log_uri else None
+        self._uploaded = -1  # the log's size when last uploaded
         self._exit_code: int | None = None
         self._lock = threading.Lock()
         started = threading.Event()
@@ -70,9 +94,33 @@ class WorkerHost:
             started.set()
             return
         started.set()
-        code = self._proc.wait()
+        while True:
+            try:
+                code = self._proc.wait(timeout=LOG_UPLOAD_SECONDS if self._log_url else None)
+                break
+            except subprocess.TimeoutExpired:
+                self._upload_log()
+        self._upload_log()  # the last lines, before the exit code tells the controller to kill this actor
         with self._lock:
             self._exit_code = code
+
+    def _upload_log(self) -> None:
+        """Copy the log file to the run's storage when it grew; best effort (a failed upload is said in this
+        actor's own output and tried again later: the worker must not fail for its log)."""
+        if self._log_url is None:
+            return
+        import fsspec
+
+        try:
+            size = self.log.stat().st_size
+            if size == self._uploaded:
+                return
+            fs, path = fsspec.core.url_to_fs(self._log_url)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(self.log), path)
+            self._uploaded = size
+        except (OSError, ValueError, ImportError) as exc:
+            print(f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True)
 
     def status(self) -> dict[str, Any]:
         """The worker's exit code (None while it runs; -N when signal N ended it) and this actor's node."""

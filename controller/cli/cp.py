@@ -3,7 +3,8 @@
 Like `kubectl cp`, the source names something the cluster keeps, the destination a local folder.
 The checkpoint is the newest complete one unless a step is named (the store lists only complete
 checkpoints, so a half-written one is never copied). For `backend: modal` the files are read from
-the run's Modal volume through the client library (`Volume.listdir`, `Volume.read_file`).
+the run's Modal volume through the client library (`Volume.listdir`, `Volume.read_file`); a checkpoint
+uploaded to spec.checkpoint.uri (its row holds the URL) is downloaded from there with fsspec.
 What it must not do: leave a half-copied folder where the user looks. Files land in a temporary
 folder beside DIR, renamed to DIR when all of them are there; DIR must not exist yet, or be empty.
 """
@@ -22,6 +23,7 @@ import typer
 from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
 from mortal.controller.backends.modal import data_volume
 from mortal.controller.cli.context import CliError, state
+from mortal.workers.storage import StorageError, is_url, open_filesystem
 
 if TYPE_CHECKING:
     from mortal.state.tables import CheckpointRow
@@ -73,6 +75,21 @@ def copy_local(source: Path, into: Path) -> None:
     shutil.copytree(source, into, dirs_exist_ok=True)
 
 
+def copy_from_storage(url: str, into: Path) -> None:
+    """Every file of the checkpoint at `url` (spec.checkpoint.uri's storage), downloaded with fsspec."""
+    try:
+        fs, root = open_filesystem(url)
+        files = fs.find(root)
+        for remote in files:
+            target = into / os.path.relpath(remote, root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(remote, str(target))
+    except (StorageError, OSError) as exc:
+        raise CliError(f"cannot download the checkpoint at {url}: {exc}") from exc
+    if not files:
+        raise CliError(f"the checkpoint at {url} is empty or gone (pruned, or removed from the storage)")
+
+
 def copy_from_modal(source: str, into: Path, volume: Any) -> int:
     """Every file under `source` (a path inside the workers' mount) from `volume`; the bytes copied."""
     from modal.volume import FileEntryType
@@ -112,7 +129,9 @@ def cp_command(
     check_destination(dest)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        if row.spec.get("backend") == "modal":
+        if is_url(checkpoint.path):
+            copy_from_storage(checkpoint.path, staging)
+        elif row.spec.get("backend") == "modal":
             copy_from_modal(checkpoint.path, staging, modal_data_volume())
         else:
             copy_local(Path(checkpoint.path), staging)

@@ -52,6 +52,10 @@ class CheckpointIncomplete(ForkError):
     """The checkpoint is recorded but some of its files are gone from disk."""
 
 
+class CheckpointInStorage(ForkError):
+    """The checkpoint is in remote storage (spec.checkpoint.uri: s3://, gs://, ...), not on this machine."""
+
+
 class RunExists(ForkError):
     """NEW is the name of an existing run."""
 
@@ -80,12 +84,13 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
 
     other_workload = bool(store.get_run(run).annotations.get(WORKLOAD_ANNOTATION))  # e.g. simulated: own files
 
-    def whole(path: str) -> bool:
-        return Path(path).is_dir() if other_workload else is_complete(path)
+    def whole(row: CheckpointRow) -> bool:
+        folder = checkpoint_folder(run, row)
+        return folder.is_dir() if other_workload else is_complete(folder)
 
     rows = store.list_checkpoints(run)
     if step is None:
-        complete = [row for row in rows if whole(row.path)]
+        complete = [row for row in rows if whole(row)]
         if not complete:
             raise CheckpointNotFound(f"trainingrun {run!r} has no complete checkpoint yet")
         return complete[-1]
@@ -93,7 +98,7 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
     if row is None:
         kept = ", ".join(f"step-{r.step}" for r in rows) or "none"
         raise CheckpointNotFound(f"trainingrun {run!r} has no complete checkpoint of step {step} (it keeps {kept})")
-    if not whole(row.path):
+    if not whole(row):
         raise CheckpointIncomplete(f"checkpoint step-{step} of trainingrun {run!r} at {row.path} is incomplete "
                                    "on disk (files missing)")
     return row
@@ -109,6 +114,19 @@ def _refuse_files_elsewhere(run: str, backend: str, doing: str, error: type[Fork
         raise error(f"trainingrun {run!r} runs on backend {backend!r}, whose checkpoints are not on this machine; "
                     f"{doing} checkpoint files under MORTAL_HOME and is built for backends "
                     f"{' and '.join(FILES_HERE)}")
+
+
+def checkpoint_folder(run: str, row: CheckpointRow) -> Path:
+    """The folder on this machine of a recorded checkpoint: its path, or a file:// URL's (spec.checkpoint.uri
+    on a mounted filesystem). CheckpointInStorage for remote storage, which fork reads nothing from."""
+    from mortal.workers.storage import local_path
+
+    folder = local_path(row.path)
+    if folder is None:
+        raise CheckpointInStorage(
+            f"checkpoint step-{row.step} of trainingrun {run!r} is in the storage of spec.checkpoint.uri ({row.path}); "
+            f"fork reads checkpoints on this machine only: download it with `mortalctl cp {run}:step-{row.step} DIR`")
+    return folder
 
 
 # -- fork --------------------------------------------------------------------------------------------
@@ -161,20 +179,37 @@ def fork_run(
     if dest.exists():
         raise RunExists(f"{dest} already exists (left by an earlier run named {name!r}); remove it or pick "
                         "another name")
-    linked = _copy_checkpoint(Path(checkpoint.path), dest, name)
+    linked = _copy_checkpoint(checkpoint_folder(source, checkpoint), dest, name)
+    recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
     try:
         row = store.fork_run(name, child.spec_dict(), meta.labels, meta.annotations, source, checkpoint.step,
-                             str(dest), checkpoint.weight_version, provenance=checkpoint.provenance)
+                             recorded, checkpoint.weight_version, provenance=checkpoint.provenance)
     except Conflict:
         shutil.rmtree(dest, ignore_errors=True)
         raise RunExists(f"trainingrun {name!r} already exists; pick another name for the fork") from None
     how = "hard-linked" if linked else "copied"
     store.add_event(name, "Normal", "Forked", f"forked from {source} at step {checkpoint.step} (checkpoint {how} "
-                                              f"to {dest}); the first step trained is {checkpoint.step + 1}")
+                                              f"to {recorded}); the first step trained is {checkpoint.step + 1}")
     store.add_event(source, "Normal", "ForkCreated", f"trainingrun {name} forked from step {checkpoint.step}")
     wake_controller(name)
     return Forked(row.document(), source, checkpoint.step, dest, linked)
+
+
+def _upload_for_nodes(child: TrainingRun, dest: Path, step: int) -> str:
+    """What NEW's checkpoint row records: the copy here, or, for a Ray run whose nodes do not see this
+    machine's MORTAL_HOME (ray.sharedFilesystem false), that copy uploaded to NEW's spec.checkpoint.uri
+    (mortal.workers.storage: the marker last, before the row), where its relaunched actor looks."""
+    spec = child.spec
+    if spec.backend != "ray" or spec.ray.shared_filesystem:
+        return str(dest)
+    from mortal.workers.storage import CheckpointStorage, StorageError
+
+    try:
+        return CheckpointStorage(spec.checkpoint.uri, child.metadata.name).upload(dest, step)
+    except StorageError as exc:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise ForkError(f"cannot upload the fork's checkpoint: {exc}") from exc
 
 
 def _copy_checkpoint(source: Path, dest: Path, run: str) -> bool:

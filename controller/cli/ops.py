@@ -79,11 +79,13 @@ def logs_command(
         raise typer.BadParameter(f"{role!r} is not a role; use actor or rollout", param_hint="'--role'")
     store = state(ctx).store
     try:
-        backend = store.get_run(name).spec.get("backend", "local")
+        spec = store.get_run(name).spec
     except NotFound as exc:
-        backend, missing = None, exc  # a deleted run's local logs (kept unless --purge) still print
+        spec, missing = {}, exc  # a deleted run's local logs (kept unless --purge) still print
+    backend = spec.get("backend", "local") if spec else None
     on_modal = backend == "modal"
-    source, errors = _log_source(on_modal)
+    in_storage = backend == "ray" and (spec.get("ray") or {}).get("sharedFilesystem") is False
+    source, errors = _log_source(on_modal, spec.get("checkpoint", {}).get("uri") if in_storage else None)
     if not _guarded(lambda: worker_logs(name, role, replica, source=source), errors):
         if backend is None:
             raise missing
@@ -96,7 +98,7 @@ def logs_command(
         threading.Thread(target=_stop_when_finished, args=(store, name, stop), kwargs={"linger": linger},
                          daemon=True).start()
     lines = read_logs(name, role, replica, follow=follow, tail=tail, stop=stop, source=source,
-                      poll_seconds=VOLUME_POLL_SECONDS if on_modal else 0.5)
+                      poll_seconds=VOLUME_POLL_SECONDS if on_modal or in_storage else 0.5)
     try:
         while (line := _guarded(lambda: next(lines, None), errors)) is not None:
             typer.echo(line)
@@ -106,13 +108,20 @@ def logs_command(
         stop.set()
 
 
-def _log_source(on_modal: bool) -> tuple[Any, tuple[type[Exception], ...]]:
-    """Where the run's logs are (this machine's files, or for a run on Modal the app's data volume, read
-    through the client library), and the errors that mean Modal could not be asked."""
+def _log_source(on_modal: bool, storage: str | None = None) -> tuple[Any, tuple[type[Exception], ...]]:
+    """Where the run's logs are (this machine's files; for a run on Modal the app's data volume, read
+    through the client library; for a Ray run whose nodes share no filesystem, `storage`, its
+    spec.checkpoint.uri), and the errors that mean they could not be asked."""
     from mortal.controller.backends import BackendError
     from mortal.controller.backends.modal import data_volume, load_modal
-    from mortal.controller.logs import LocalLogs, VolumeLogs
+    from mortal.controller.logs import LocalLogs, StorageLogs, VolumeLogs
 
+    if storage is not None:
+        try:
+            return StorageLogs(storage), (OSError,)
+        except (ImportError, ValueError) as exc:
+            raise CliError(f"the run's logs are in spec.checkpoint.uri {storage!r}, which cannot be read from "
+                           f"here: {exc}") from exc
     if not on_modal:
         return LocalLogs(), ()
     try:

@@ -165,14 +165,17 @@ def test_fatal_exit_fails_the_run_at_once():
     assert launches(p) == []
 
 
-def test_a_refused_resume_fails_the_run_with_its_own_reason_and_is_not_relaunched():
+@pytest.mark.parametrize(("reason", "message"), [
+    ("ResumeRefused", "the dataset's rows changed since the checkpoint of step 2"),
+    ("CheckpointStorageUnavailable", "spec.checkpoint.uri 's3://b/p': this machine lacks the package of that storage"),
+])
+def test_a_refused_resume_fails_the_run_with_its_own_reason_and_is_not_relaunched(reason, message):
     rows, procs = running()
-    rows[0] = row("actor", 0, 1, "Failed", code=3,
-                  message="ResumeRefused: the dataset's rows changed since the checkpoint of step 2")
+    rows[0] = row("actor", 0, 1, "Failed", code=3, message=f"{reason}: {message}")
     p = run_plan(rows, procs[1:], prev=status("Running"))
     assert p.status["phase"] == "Failed"
-    assert cond(p, "Failed")["reason"] == "ResumeRefused" == cond(p, "Ready")["reason"]
-    assert "actor-0 failed: ResumeRefused: the dataset's rows changed" in p.status["message"]
+    assert cond(p, "Failed")["reason"] == reason == cond(p, "Ready")["reason"]
+    assert f"actor-0 failed: {reason}: {message}" in p.status["message"]
     assert launches(p) == []
 
 

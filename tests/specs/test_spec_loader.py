@@ -62,7 +62,7 @@ def test_did_you_mean_ignores_case_and_underscores(written, suggested):
 def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     [issue] = errors_of(doc() + "  checkpoint: {zzz: 1}\n")
     assert (issue.line, issue.path) == (10, "spec.checkpoint.zzz")
-    assert issue.message == "unknown field; valid fields here: every, keep"
+    assert issue.message == "unknown field; valid fields here: every, keep, uri"
 
 
 def test_unknown_key_inside_a_list_item_is_found():

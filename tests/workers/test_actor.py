@@ -187,11 +187,11 @@ def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(sto
     rollout = RolloutThread(store, run)
     real_collect = RolloutFeed.collect
 
-    def collect(feed: RolloutFeed, step: int, current_version: int, on_stop=lambda: None):
+    def collect(feed: RolloutFeed, step: int, current_version: int, on_stop=lambda: None, while_waiting=lambda: None):
         if step == 2:  # the rollouts are gone before step 2's tasks are answered, then SIGTERM comes
             rollout.stop()
             ctx.stopping.set()
-        return real_collect(feed, step, current_version, on_stop)
+        return real_collect(feed, step, current_version, on_stop, while_waiting)
 
     monkeypatch.setattr(RolloutFeed, "collect", collect)
     with rollout:

@@ -148,3 +148,24 @@ def test_cp_as_a_user_runs_it(checkpointed, mortal_home, store_url) -> None:
     again = subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", "cp", "quickstart",
                             str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 1 and "exists and is not an empty folder" in again.stderr
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_cp_downloads_a_checkpoint_from_its_storage_url(cli, store, tmp_path) -> None:
+    """spec.checkpoint.uri: the row holds the URL (mortal.workers.storage); cp downloads it with fsspec."""
+    import fsspec
+
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    source = checkpoint_folder(tmp_path / "ckpts", 10)
+    bucket = fsspec.filesystem("memory")
+    for path in source.rglob("*"):
+        if path.is_file():
+            bucket.pipe_file(f"/cp-test/quickstart/step-10/{path.relative_to(source).as_posix()}", path.read_bytes())
+    store.record_checkpoint(actor(store, "quickstart"), 10, "memory://cp-test/quickstart/step-10", 10)
+    copied = cli("cp", "quickstart", str(tmp_path / "out"))
+    assert copied.exit_code == 0, copied.output
+    assert files(tmp_path / "out") == files(source)
+    store.record_checkpoint(actor(store, "quickstart"), 20, "memory://cp-test/quickstart/step-20", 20)  # not there
+    gone = cli("cp", "quickstart", str(tmp_path / "out2"))
+    assert gone.exit_code == 1 and "the checkpoint at memory://cp-test/quickstart/step-20 is empty or gone" in gone.output
+    assert not (tmp_path / "out2").exists()

@@ -135,3 +135,43 @@ def test_fork_and_rollback_refuse_a_run_whose_checkpoints_are_on_modals_volume(c
     fails(cli("fork", "far", "x"), refused)
     fails(cli("rollback", "far", "--to", "step-10"), refused)
     assert not paths.run_dir("x").exists()
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_fork_reads_a_checkpoint_in_mounted_storage_and_refuses_a_remote_one(cli, store, tmp_path) -> None:
+    """spec.checkpoint.uri: a row holds the URL. file:// is a folder here; s3:// is not, and fork says how to get it."""
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    ref = actor(store, "quickstart")
+    mounted = checkpoint_folder("quickstart", 10)
+    store.record_checkpoint(ref, 10, f"file://{mounted}", 10)
+    store.record_checkpoint(ref, 20, "s3://bucket/prefix/quickstart/step-20", 20)
+    store.heartbeat(ref, step=20)
+    for row in store.list_workers("quickstart", live_only=True):
+        store.end_worker(row.id, "Stopped")
+    forked = cli("fork", "quickstart:step-10", "child")
+    assert forked.exit_code == 0, forked.output
+    assert (paths.checkpoints_dir("child") / "step-10" / "optimizer.pt").read_bytes() == bytes([10]) * 100
+    fails(cli("fork", "quickstart", "other"), "checkpoint step-20 of trainingrun 'quickstart' is in the storage of "
+          "spec.checkpoint.uri (s3://bucket/prefix/quickstart/step-20); fork reads checkpoints on this machine only: "
+          "download it with `mortalctl cp quickstart:step-20 DIR`")
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_fork_of_a_ray_run_without_shared_disk_is_uploaded_where_its_nodes_look(cli, store, spec_file,
+                                                                                  tmp_path) -> None:
+    """ray.sharedFilesystem false: NEW's actor runs on a node that does not see this machine's MORTAL_HOME, so
+    the forked checkpoint goes to NEW's spec.checkpoint.uri, and NEW's row records that URL."""
+    bucket = tmp_path / "bucket"
+    edits = {"spec.backend": "ray", "spec.ray": {"sharedFilesystem": False}, "spec.checkpoint.uri": f"file://{bucket}"}
+    assert cli("apply", "-f", str(spec_file(**edits))).exit_code == 0
+    ref = actor(store, "quickstart")
+    store.record_checkpoint(ref, 10, f"file://{checkpoint_folder('quickstart', 10)}", 10)
+    store.heartbeat(ref, step=10)
+    for row in store.list_workers("quickstart", live_only=True):
+        store.end_worker(row.id, "Stopped")
+    forked = cli("fork", "quickstart", "child")
+    assert forked.exit_code == 0, forked.output
+    [row] = store.list_checkpoints("child")
+    assert row.path == f"file://{bucket}/child/step-10"
+    assert (bucket / "child" / "step-10" / "optimizer.pt").read_bytes() == bytes([10]) * 100
+    assert json.loads((bucket / "child" / "step-10" / "mortal.json").read_text())["run"] == "child"

@@ -165,3 +165,22 @@ def test_logs_of_a_modal_run_are_read_from_its_volume(cli, spec_file, modal_volu
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(modal_volume.volume / "absent.toml"))
     no_token = cli("logs", "quickstart")
     assert no_token.exit_code == 1 and "modal token new" in no_token.stderr, no_token.stderr
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_logs_of_a_ray_run_without_shared_disk_are_read_from_its_storage(cli, spec_file, tmp_path):
+    """ray.sharedFilesystem false: each worker's Ray actor uploads its node's log under <checkpoint.uri>/<run>/logs/
+    (controller/backends/ray_worker.py); `logs` reads them there, not under this machine's MORTAL_HOME."""
+    bucket = tmp_path / "bucket"
+    edits = {"spec.backend": "ray", "spec.ray": {"sharedFilesystem": False}, "spec.checkpoint": {"uri": f"file://{bucket}"}}
+    assert cli("apply", "-f", str(spec_file(**edits))).exit_code == 0
+    write_log("quickstart", "actor", 0, 1, ["on this machine, not the run's"])
+    assert cli("logs", "quickstart").exit_code == 1  # nothing uploaded yet
+    logs = bucket / "quickstart" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "actor-0-2.log").write_text("step 1\nstep 2\n")
+    (logs / "rollout-0-3.log").write_text("generated 8\n")
+    out = cli("logs", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines() == ["[actor-0] step 1", "[actor-0] step 2", "[rollout-0] generated 8"]
+    assert cli("logs", "quickstart", "--role", "actor", "--tail", "1").stdout == "step 2\n"

@@ -1,0 +1,223 @@
+"""Weight versions through Ray's object store (`sync: ray`, what auto picks when spec.ray.sharedFilesystem
+is false): no disk shared between the actor's node and the rollouts'.
+
+Called by mortal.workers.weights (`WeightPublisher.publish` with method "ray": `share`) and by the rollout
+worker (`receive`, before the engine loads a version). Both are processes started by a Ray actor of the
+ray backend (controller/backends/ray_worker.py), which hands them the cluster's address and the run's
+namespace (ADDRESS_ENV, NAMESPACE_ENV); each connects to the cluster as a Ray driver once (`connect`).
+
+    actor:   write the version folder as `volume` does (model.safetensors or adapter.safetensors, config.json),
+             files = {name: bytes}; ref = ray.put(files); hub.put(name, [ref]); record the row
+             "mortal-ray-weights://<namespace>/<hub>/<version folder>"
+    rollout: hub.get(name) -> [ref]; ray.get(ref) -> files, written into this node's MORTAL_HOME under
+             runs/<run>/weights/received/<run uid>/<version folder>/ (whole or not at all), loaded from
+             there (the uid: a deleted run's versions of the same names may still be on the node)
+
+So a rollout loads the very bytes the volume method writes, through the same loading code
+(mortal.workers.weights.load_published / the vLLM engine's path): only the way the folder reaches its
+node differs.
+
+The hub is a small named Ray actor, `weights-i<actor incarnation>`, in the run's namespace, that keeps
+the ObjectRefs of the newest KEEP versions (it drops older ones as new ones come, and Ray frees an object
+nobody refers to). It is placed on the publishing actor's node (NODE_ENV), so that no other node's loss
+takes it (and with it the run's newest weights) from an actor that lives on; one that dies anyway is made
+again at the next publish. It is created by the publishing actor process, *not* detached: Ray ends it, and the
+objects that process put, when that process (the Ray job it is) ends, however it ends: finished,
+stopped for a suspend or delete, killed, or lost with its node. Nothing of a run outlives its actor in
+the cluster, with no controller involved (a controller may be dead when it happens). What dies with it
+is never needed: a relaunched actor publishes the weights it resumes from, as a version above every
+earlier one, before any rollout task needs them; a rollout that asks a gone hub for a version gets
+FileNotFoundError, as for a version pruned under it on a volume, and reads the store again.
+
+A hub can also be lost while its publisher lives (killed by hand, its worker process OOM-killed, its node
+lost when soft placement put it elsewhere). The rollouts cannot fix that: only the publisher holds the
+versions (it owns their objects and keeps its own refs of the newest KEEP). So the publisher checks its
+hub while it waits for rollouts (`ensure_held`, through WeightPublisher.ensure_held, every
+HUB_CHECK_SECONDS) and, when the hub is gone or no longer holds the newest version, makes it again and
+puts the versions it keeps back into it: the same bytes under the same names, so the rows in the store
+stay right and a waiting rollout's next try loads them.
+What it must not do: record rows (the publisher does) or know what the files hold.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mortal.state import paths
+
+SCHEME = "mortal-ray-weights://"
+ADDRESS_ENV = "MORTAL_RAY_ADDRESS"  # the cluster's GCS address, as the worker's Ray actor sees it
+NAMESPACE_ENV = "MORTAL_RAY_NAMESPACE"  # the run's namespace (mortal-<home>-<run>)
+NODE_ENV = "MORTAL_RAY_NODE_ID"  # the node the worker's Ray actor runs on: the hub is kept there
+RECEIVED = "received"  # the folder of versions a node received, under the run's weights folder
+KEEP = 3  # versions the hub holds (WeightPublisher.keep rows are recorded; a rollout needs the newest)
+_HUB_OPTIONS = {"num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
+_HUBS: dict[int, Any] = {}  # incarnation -> the hub's handle, held for the process's life (Ray ends an actor no handle refers to)
+_SHARED: dict[int, dict[str, list[Any]]] = {}  # incarnation -> {version folder: [ref]}, the newest KEEP this process put
+HUB_CHECK_SECONDS = 5.0  # how often a publisher waiting for rollouts checks that its hub still holds its versions
+HUB_ANSWER_SECONDS = 30.0  # a hub that does not answer a check in this long is left alone (asked again later)
+
+
+class RayWeightsError(RuntimeError):
+    """A process that should publish or receive through Ray cannot reach it (not started by the ray backend)."""
+
+
+class WeightsHub:
+    """The named Ray actor that maps a version folder's name to the ObjectRef of its files."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._refs: dict[str, list[Any]] = {}
+
+    def put(self, name: str, ref: list[Any]) -> None:
+        self._refs[name] = ref
+        for old in sorted(self._refs, key=_version_of)[: max(0, len(self._refs) - self._keep)]:
+            del self._refs[old]
+
+    def get(self, name: str) -> list[Any] | None:
+        return self._refs.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._refs, key=_version_of)
+
+
+def _version_of(name: str) -> int:
+    return int(name.removeprefix("v").split("-", 1)[0])
+
+
+def is_hub_path(path: str | Path) -> bool:
+    return str(path).startswith(SCHEME)
+
+
+def hub_name(incarnation: int) -> str:
+    return f"weights-i{incarnation}"
+
+
+def connect() -> Any:
+    """`ray`, connected to the cluster this worker's Ray actor runs in, in the run's namespace (once).
+
+    `ray.init` replaces the process's SIGTERM handler (Ray's exits at once; its C++ logging's prints a
+    stack): the worker's own (mortal.workers.runtime: stop at the next step boundary, the actor after a
+    checkpoint) is put back, or a suspend would lose the steps since the last checkpoint."""
+    import ray
+
+    if not ray.is_initialized():
+        address, namespace = os.environ.get(ADDRESS_ENV), os.environ.get(NAMESPACE_ENV)
+        if not address or not namespace:
+            raise RayWeightsError(f"sync ray needs {ADDRESS_ENV} and {NAMESPACE_ENV}: the ray backend sets them; "
+                                  "this worker was not started by it (use sync volume elsewhere)")
+        main = threading.current_thread() is threading.main_thread()
+        own = signal.getsignal(signal.SIGTERM) if main else None
+        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+        if main:
+            signal.signal(signal.SIGTERM, own if own is not None else signal.SIG_DFL)
+    return ray
+
+
+def share(folder: Path, incarnation: int) -> str:
+    """Put a written version folder's files into the object store and the hub; the path to record."""
+    ray = connect()
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    ref = [ray.put(files)]
+    kept = _SHARED.setdefault(incarnation, {})
+    kept[folder.name] = ref
+    for old in sorted(kept, key=_version_of)[: max(0, len(kept) - KEEP)]:
+        del kept[old]
+    try:
+        ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
+    except ray.exceptions.RayActorError:  # the hub died under a live publisher (killed by hand, say): a new one
+        _HUBS.pop(incarnation, None)
+        ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
+    return f"{SCHEME}{os.environ[NAMESPACE_ENV]}/{hub_name(incarnation)}/{folder.name}"
+
+
+class HubLost(Exception):
+    """The publisher's hub is dead, or no longer holds the newest version this publisher put."""
+
+
+def ensure_held(incarnation: int) -> list[str]:
+    """Check that this publisher's hub holds the newest version it put; if the hub is gone (or lost it),
+    make the hub again and put back every version this process keeps. Returns the names put back
+    ([] when the hub was fine, or this process has published nothing through Ray)."""
+    kept = _SHARED.get(incarnation)
+    if not kept:
+        return []
+    ray = connect()
+    newest = max(kept, key=_version_of)
+    try:
+        held = ray.get(_hub(ray, incarnation).names.remote(), timeout=HUB_ANSWER_SECONDS)
+        if newest not in held:
+            raise HubLost(f"the hub holds {held}, not {newest}")
+    except ray.exceptions.GetTimeoutError:  # busy, or its node is slow: not known to be lost
+        return []
+    except (ray.exceptions.RayActorError, HubLost):
+        _HUBS.pop(incarnation, None)  # a dead actor's handle: the next _hub makes (or finds) a live one
+        hub = _hub(ray, incarnation)
+        names = sorted(kept, key=_version_of)
+        ray.get([hub.put.remote(name, kept[name]) for name in names])
+        return names
+    return []
+
+
+def _hub(ray: Any, incarnation: int) -> Any:
+    """This publisher's hub (made, on this worker's node, at the first publish)."""
+    if incarnation not in _HUBS:
+        node = os.environ.get(NODE_ENV)
+        placement = {} if not node else {"scheduling_strategy": ray.util.scheduling_strategies
+                                         .NodeAffinitySchedulingStrategy(node_id=node, soft=True)}
+        _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
+                                                           **_HUB_OPTIONS, **placement).remote(KEEP)
+    return _HUBS[incarnation]
+
+
+def receive(path: str, run: str, uid: str) -> Path:
+    """The folder on this node holding the version at `path` (fetched from the hub unless already here);
+    FileNotFoundError when the hub no longer has it (pruned, or its actor ended): read the store again."""
+    namespace, hub, name = path.removeprefix(SCHEME).split("/")
+    folder = paths.weights_dir(run) / RECEIVED / (uid or "-") / name
+    if folder.is_dir():
+        return folder
+    ray = connect()
+    try:
+        ref = ray.get(ray.get_actor(hub, namespace=namespace).get.remote(name))
+        files = ray.get(ref[0]) if ref else None
+    except ValueError:  # no actor of that name: the actor that published it has ended
+        files = None
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+        raise FileNotFoundError(f"{path}: its publisher is gone ({type(exc).__name__})") from exc
+    if files is None:
+        raise FileNotFoundError(f"{path}: no longer held by the run's weights hub")
+    _write_whole(folder, files)
+    _keep_newest(folder.parent)
+    return folder
+
+
+def _write_whole(folder: Path, files: dict[str, bytes]) -> None:
+    """Write the files into a temporary sibling, then rename it into place; another process of this node that
+    wrote the same version first wins (its folder is the same bytes)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        for name, data in files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(data)
+        os.rename(tmp, folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _keep_newest(received: Path) -> None:
+    """Delete received versions older than the newest KEEP on this node (a rollout loading one of them
+    gets FileNotFoundError and reads the store again, as on a volume)."""
+    folders = sorted((p for p in received.iterdir() if not p.name.startswith(".")), key=lambda p: _version_of(p.name))
+    for old in folders[: max(0, len(folders) - KEEP)]:
+        shutil.rmtree(old, ignore_errors=True)
