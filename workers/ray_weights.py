@@ -158,9 +158,13 @@ def ensure_held(incarnation: int) -> list[str]:
         return []
     except (ray.exceptions.RayActorError, HubLost):
         _HUBS.pop(incarnation, None)  # a dead actor's handle: the next _hub makes (or finds) a live one
-        hub = _hub(ray, incarnation)
         names = sorted(kept, key=_version_of)
-        ray.get([hub.put.remote(name, kept[name]) for name in names])
+        try:
+            hub = _hub(ray, incarnation)
+            ray.get([hub.put.remote(name, kept[name]) for name in names], timeout=HUB_ANSWER_SECONDS)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            _HUBS.pop(incarnation, None)  # the new hub died too, or is not up yet: the next look tries again
+            return []
         return names
     return []
 
@@ -169,8 +173,11 @@ def _hub(ray: Any, incarnation: int) -> Any:
     """This publisher's hub (made, on this worker's node, at the first publish)."""
     if incarnation not in _HUBS:
         node = os.environ.get(NODE_ENV)
+        # Hard affinity: the hub lives and dies with the publisher's node (its CPU need is 0, so the node always
+        # takes it). A soft one let Ray place a rebuilt hub on another node, which the test cluster then lost
+        # under the live publisher.
         placement = {} if not node else {"scheduling_strategy": ray.util.scheduling_strategies
-                                         .NodeAffinitySchedulingStrategy(node_id=node, soft=True)}
+                                         .NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
         _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
                                                            **_HUB_OPTIONS, **placement).remote(KEEP)
     return _HUBS[incarnation]
