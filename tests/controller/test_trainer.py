@@ -20,6 +20,7 @@ ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1
 
 NO_TOOLS = {"tools": [], "environment": None, "maxToolCallingIterations": None, "toolTimeoutSeconds": 30.0,
             "chatTemplate": None}  # spec.rollout's tool-calling fields, at their defaults
+UNCAPPED = {"gpuMemoryUtilization": None}  # spec.rollout's share of its GPU, at its default
 
 
 def format_reward(completions, **kwargs):
@@ -62,7 +63,7 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
     spec = t.run.spec_dict()
     assert spec["actor"] == {"gpu": "A100", "count": 1}
     assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True, "promptsPerTask": None,
-                               **NO_TOOLS}
+                               **NO_TOOLS, **UNCAPPED}
     assert spec["generation"]["engine"] == "vllm" and spec["generation"]["maxTokens"] == 128
     assert spec["generation"]["temperature"] == 0.9
     a = spec["algorithm"]
@@ -81,7 +82,7 @@ def test_distributed_mode():
                                     weight_sync_method="volume", sync_weights_every=2)).run.spec_dict()
     assert spec["actor"]["gpu"] == "H100"
     assert spec["rollout"] == {"gpu": "A10G", "replicas": 3, "colocate": False,
-                               "promptsPerTask": None, **NO_TOOLS}
+                               "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
     assert spec["sync"] == {"method": "volume", "every": 2}
 
 
@@ -107,13 +108,13 @@ def test_single_node_serve_needs_two_gpus():
         trainer(mode=SingleNode(gpu="A100", use_vllm=True, vllm_mode="serve"))
     spec = trainer(mode=SingleNode(gpu=GPUConfig("A100", count=3), use_vllm=True, vllm_mode="serve")).run.spec_dict()
     assert spec["rollout"] == {"gpu": "A100", "replicas": 2, "colocate": False,
-                               "promptsPerTask": None, **NO_TOOLS}
+                               "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
 
 
 def test_no_mode_keeps_the_spec_defaults():
     spec = trainer().run.spec_dict()
     assert spec["actor"]["gpu"] == "none"
-    assert spec["rollout"] == {"gpu": "none", "replicas": 1, "colocate": False, "promptsPerTask": None, **NO_TOOLS}
+    assert spec["rollout"] == {"gpu": "none", "replicas": 1, "colocate": False, "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
 
 
 def test_invalid_combination_is_reported_with_the_spec_message():

@@ -87,7 +87,8 @@ class ArithScript(ScriptedEngine):
     include ArithEnvironment's `submit`, it submits the result before answering."""
 
     @classmethod
-    def create(cls, model_spec: Any, tokenizer: Any, device: str | None = None, max_num_seqs: int | None = None):
+    def create(cls, model_spec: Any, tokenizer: Any, device: str | None = None, max_num_seqs: int | None = None,
+               memory_share: float | None = None):
         return cls(tokenizer)
 
     def load_weights(self, path: str) -> None:
