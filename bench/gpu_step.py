@@ -38,7 +38,8 @@ in the JSON, from mortal's steps from the third on:
 - training MFU: 6 x parameters x trained tokens per step (completion tokens, as the actor logs them,
   plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / the GPU's
   dense bf16 peak. 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
-  these lengths, left out), so this is model FLOPs, not hardware FLOPs.
+  these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is 4N: the
+  frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
 The GPU's figures come from GPU_LIMITS, keyed by torch.cuda.get_device_name: NVIDIA's H100 and H200
 datasheets (H100 SXM5 80GB HBM3: 3.35 TB/s, 989 TFLOPS dense bf16 (1,979 with sparsity); H200:
 4.8 TB/s, 989 TFLOPS dense bf16). A GPU not in the table prints n/a for the floor and MFU.
@@ -138,8 +139,9 @@ def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
 
 
 def limits(device_name: str, parameters: int, decode_ms: list[float], steps: list[dict],
-           prompt_tokens: int) -> dict:
-    """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown."""
+           prompt_tokens: int, lora: bool = False) -> dict:
+    """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown.
+    With LoRA a token costs 4N, not 6N: the frozen weights get no gradient (forward 2N, input grads 2N)."""
     known = gpu_limits(device_name)
     timed = [s for s in steps[2:] if s.get("train")]
     out: dict = {"parameters": parameters, "weight_bytes": 2 * parameters,
@@ -150,7 +152,7 @@ def limits(device_name: str, parameters: int, decode_ms: list[float], steps: lis
     if timed:
         tokens = statistics.median(s["tokens"] + prompt_tokens for s in timed)
         train = statistics.median(s["train"] for s in timed)
-        flops = 6 * parameters * tokens
+        flops = (4 if lora else 6) * parameters * tokens
         out.update(trained_tokens_per_step=tokens, train_seconds=train, model_flops_per_step=flops,
                    mfu=flops / train / known[1] if known else None)
     def shown(value: float | None, form: str, unit: str = "") -> str:
@@ -214,6 +216,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         trainer.train()
     args.peak_memory_mib["trl"] = busy.memory_mib
     del trainer
+    gc.collect()  # the trainer's reference cycles (callbacks, accelerator) hold its model and AdamW state
     torch.cuda.empty_cache()
     return steps
 
@@ -398,12 +401,16 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if args.only != "trl":
             where = "colocated" if args.gpus == 1 else f"on {args.gpus - 1} GPU(s) of their own"
+            if not args.cpu:  # what TRL's side left behind in this process is memory mortal's workers lack
+                out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
+                print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
+                      f"mortal starts", flush=True)
             out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
                                       f"{args.staleness})", run_mortal(model, args, work))
             out["gpu_busy"] = args.gpu_busy
             out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
             out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
-                                   prompt_tokens_per_step(model, args))
+                                   prompt_tokens_per_step(model, args), lora=bool(args.lora))
     out["peak_gpu_memory_mib"] = args.peak_memory_mib  # side -> GPU index -> MiB (nvidia-smi, every process)
     print(f"peak GPU memory (MiB, nvidia-smi): {args.peak_memory_mib}")
     if "completion_tokens_per_second" in out.get("trl", {}) and "mortal" in out:

@@ -15,6 +15,7 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
                            or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
                            each one may hold, weights included; then it must hold the weights)
   rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
+  sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
 """
 
@@ -27,6 +28,9 @@ from mortal.specs.training import TrainingSpec
 
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto on a GPU is bfloat16
 ADAMW_COPIES = 4  # weights, gradients, exp_avg, exp_avg_sq
+# Snapshots in the actor's ring for sync ipc and nccl: workers.weights.KEEP_VERSIONS (not imported: that
+# module loads torch, and `mortalctl apply` runs this without it; a test keeps the two equal).
+SNAPSHOT_RING = 3
 AMBIGUOUS = ("A100", "H100!", "B200+")  # names not to suggest: several sizes, or a variant of another name
 
 
@@ -55,11 +59,16 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
                          f"rollout{'s' if colocated > 1 else ''}")
         elif colocated:
             parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
-        need = copies * per * parameters + rollouts_hold
+        ring = SNAPSHOT_RING if spec.sync_method() in ("ipc", "nccl") else 0
+        if ring:
+            parts.append(f"{ring} snapshots of the weights for sync {spec.sync_method()}")
+        need = (copies + ring) * per * parameters + rollouts_hold
         if need > gpu_memory(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full else []
             if share:
                 fixes.append("a smaller rollout.gpuMemoryUtilization")
+            if ring:
+                fixes.append("sync.method: volume (no snapshots on the GPU)")
             if colocated:
                 fixes.append("give the rollouts GPUs of their own (rollout.colocate: false)")
             fixes.append(f"a GPU with more memory ({_larger(actor, need)})")

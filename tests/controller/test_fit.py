@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from mortal.controller.backends.gpus import gpu_memory
-from mortal.controller.fit import certain_misfits
+from mortal.controller.fit import SNAPSHOT_RING, certain_misfits
 from mortal.specs import TrainingRun
 from mortal.workers.models import count_parameters
+from mortal.workers.weights import KEEP_VERSIONS
 
 B = 10**9
 
@@ -49,6 +50,11 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
      ["spec.rollout.gpuMemoryUtilization"]),
     ({"rollout": {"gpuMemoryUtilization": 0.1}}, 7 * B, ["spec.rollout.gpuMemoryUtilization"]),  # 14 GB in 8 GB
     ({"rollout": {"gpuMemoryUtilization": 0.9}}, 7 * B, []),  # its own GPU: 14 GB in 72 GB
+    # sync ipc (auto, for transformers rollouts on GPUs): + 3 snapshots of the weights on the actor's GPU
+    ({"generation": {"engine": "transformers"}}, int(5.5 * B), []),  # 44 GB + 33 GB
+    ({"generation": {"engine": "transformers"}}, 6 * B, ["spec.actor.gpu"]),  # 48 GB + 36 GB
+    ({"generation": {"engine": "transformers"}, "sync": {"method": "volume"}}, 6 * B, []),  # no snapshots
+    ({"generation": {"engine": "transformers"}, "model": {"lora": {"r": 16}}}, 30 * B, []),  # LoRA: volume
 ])
 def test_refused_only_when_the_lower_bound_exceeds_the_gpu(sections, parameters, fields):
     assert [m.field for m in certain_misfits(spec(**sections), parameters)] == fields
@@ -59,6 +65,16 @@ def test_the_message_names_the_need_and_the_fixes():
     assert misfit.message.startswith("H100 has 80 GB; a model of 14.00B parameters in bfloat16 (2 bytes each) needs at "
                                      "least 112.0 GB on it for weights, gradients and AdamW's two moments")
     assert "model.lora" in misfit.message and "e.g. H200" in misfit.message
+
+
+def test_the_snapshot_ring_is_the_actors_kept_versions():
+    assert SNAPSHOT_RING == KEEP_VERSIONS
+
+
+def test_a_ring_that_does_not_fit_names_it_and_the_volume_fix():
+    (misfit,) = certain_misfits(spec(generation={"engine": "transformers"}), 6 * B)
+    assert "+ 3 snapshots of the weights for sync ipc" in misfit.message
+    assert "sync.method: volume" in misfit.message
 
 
 def test_gpu_memory_table():

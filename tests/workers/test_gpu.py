@@ -4,20 +4,21 @@ the transformers engine samples on CUDA deterministically per seed. Skipped with
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from actor_helpers import RolloutThread, actor_spec, create_run, worker_context
-from rollout_helpers import assets_available, make_tiny_model
+from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
 
 from mortal.specs.training import ModelSpec
 from mortal.workers import actor
 from mortal.workers.engines import GenerationParams
 from mortal.workers.engines.transformers_engine import TransformersEngine
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.models import encode_prompt, load_tokenizer, worker_device
+from mortal.workers.models import encode_prompt, load_model, load_tokenizer, worker_device
 from mortal.workers.runtime import EXIT_SUCCEEDED
 from mortal.workers.weights import read_published
 
@@ -211,23 +212,25 @@ def test_a_memory_share_caps_the_rollout_and_plans_its_decode_rows_on_cuda(tiny_
     from mortal.workers.engines.static_decode import (
         DEFAULT_KEPT_SHAPES,
         SAMPLING_COPIES,
-        WORKSPACE_SHARE,
+        StaticDecoder,
         kv_bytes_per_token,
     )
 
     spec = ModelSpec(name=str(tiny_dir), dtype="float32")
     tokenizer = load_tokenizer(spec)
     prompt = encode_prompt(tokenizer, CHAT)
-    probe = TransformersEngine.create(spec, tokenizer, device="cuda")
+    sizes = StaticDecoder(load_model(spec, "cpu", for_training=False), compile=False)  # sizes only, off the GPU
     width = -(-len(prompt) // 64) * 64  # the engine's prompt bucket
-    row = (width + 12) * kv_bytes_per_token(probe.model) + SAMPLING_COPIES * 4 * probe.decoder.vocab
-    need = (probe.decoder.weight_bytes + 3 * DEFAULT_KEPT_SHAPES * row) / (1 - WORKSPACE_SHARE) + 1
+    row = (width + 12) * kv_bytes_per_token(sizes.model) + SAMPLING_COPIES * 4 * sizes.vocab
+    need = budget_for_rows(sizes.weight_bytes, row, DEFAULT_KEPT_SHAPES, 3)
+    gc.collect()
+    torch.cuda.empty_cache()  # the cap counts memory this process's allocator holds, earlier tests' included
     total = torch.cuda.get_device_properties(0).total_memory
     try:
         engine = TransformersEngine.create(spec, tokenizer, device="cuda", memory_share=need / total)
         [outs] = engine.generate([prompt], 8, [5], GenerationParams(max_tokens=12, temperature=1.0))
         assert len(outs) == 8 and engine.decoder.last_stats.rows == 3
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(int(need) * 4, dtype=torch.uint8, device="cuda")  # past the cap, though the GPU has room
+            torch.empty(need, dtype=torch.uint8, device="cuda")  # past the cap, though the GPU has room
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)

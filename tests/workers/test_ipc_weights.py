@@ -40,6 +40,8 @@ def _spec(**overrides) -> dict:
     ({"generation": {"engine": "auto"}}, "volume"),
     ({"backend": "modal"}, "volume"),
     ({"sync": {"method": "volume"}}, "volume"),
+    ({"model": {"lora": {"r": 16}}}, "volume"),  # only the adapters travel, not three merged snapshots
+    ({"model": {"lora": {"r": 16}}, "sync": {"method": "ipc"}}, "ipc"),  # asked for: kept
 ])
 def test_auto_picks_ipc_only_for_gpu_transformers_rollouts_on_the_local_backend(overrides, method) -> None:
     assert TrainingRun.model_validate(_spec(**overrides)).spec.sync_method() == method

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import assets_available, make_tiny_model
+from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
 
 from mortal.workers.engines.base import cut_at_eos
 from mortal.workers.engines.static_decode import (
     DEFAULT_KEPT_SHAPES,
     SAMPLING_COPIES,
     SYNC_EVERY,
-    WORKSPACE_SHARE,
     MemoryBudgetTooSmall,
     RowSchedule,
     Sampling,
@@ -268,17 +267,19 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
 # A memory budget (rollout.gpuMemoryUtilization x the GPU): the rows come from the spec's and the model's
 # sizes alone, so that a relaunched worker decodes with the same rows and samples the same tokens.
 
-@pytest.mark.parametrize(("budget", "weights", "row_bytes", "kept", "wanted", "rows"), [
-    (1000, 0, 10, 1, 500, 85),  # 15% of the budget is workspace: 850 bytes of rows
-    (1000, 0, 10, 1, 64, 64),  # room for more than wanted: wanted
-    (1000, 450, 10, 1, 64, 40),  # the weights come first
-    (1000, 450, 10, 2, 64, 20),  # room for two kept shapes' caches at once
-    (1000, 850, 10, 1, 64, 0),  # nothing left for a row
-    (1000, 900, 10, 1, 64, 0),  # weights past the budget: still 0, never negative
+@pytest.mark.parametrize(("budget", "weights", "row_bytes", "kept", "wanted", "floor", "rows"), [
+    (1000, 0, 10, 1, 500, 0, 85),  # 15% of the budget is workspace: 850 bytes of rows
+    (1000, 0, 10, 1, 64, 0, 64),  # room for more than wanted: wanted
+    (1000, 450, 10, 1, 64, 0, 40),  # the weights come first
+    (1000, 450, 10, 2, 64, 0, 20),  # room for two kept shapes' caches at once
+    (1000, 850, 10, 1, 64, 0, 0),  # nothing left for a row
+    (1000, 900, 10, 1, 64, 0, 0),  # weights past the budget: still 0, never negative
+    (1000, 0, 10, 1, 500, 400, 60),  # a small budget keeps the workspace floor, more than its 15%
+    (10000, 0, 10, 1, 5000, 400, 850),  # a large one keeps 15%, more than the floor
 ])
 def test_rows_within_budget_leaves_workspace_weights_and_every_kept_cache_room(budget, weights, row_bytes, kept,
-                                                                              wanted, rows) -> None:
-    assert rows_within_budget(budget, weights, row_bytes, kept, wanted) == rows
+                                                                              wanted, floor, rows) -> None:
+    assert rows_within_budget(budget, weights, row_bytes, kept, wanted, workspace_floor=floor) == rows
 
 
 def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
@@ -287,7 +288,7 @@ def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
     width = 9
     unbudgeted = StaticDecoder(model, compile=False, sync_every=4)
     length_bytes = (width + max_tokens) * kv_bytes_per_token(model) + SAMPLING_COPIES * 4 * unbudgeted.vocab
-    budget = int((unbudgeted.weight_bytes + 2 * DEFAULT_KEPT_SHAPES * length_bytes) / (1 - WORKSPACE_SHARE)) + 1
+    budget = budget_for_rows(unbudgeted.weight_bytes, length_bytes, DEFAULT_KEPT_SHAPES, 2)
     budgeted = StaticDecoder(model, compile=False, sync_every=4, memory_budget=budget)
     two_rows = StaticDecoder(model, compile=False, sync_every=4, max_rows=2)
     outs = _decode(budgeted, prompts, n, max_tokens, FREQUENT_EOS, seed=2)

@@ -64,8 +64,11 @@ from mortal.workers.engines import decode_attention
 
 SYNC_EVERY = 32  # decode steps between checks for ended rows (each check waits for the GPU)
 # A memory budget's share kept for what the row plan does not count: the CUDA graphs' private pools
-# (one step's activations), a prefill's activations, the allocator's rounding and fragmentation.
+# (one step's activations), a prefill's activations, the allocator's rounding and fragmentation. The
+# floor is for what does not shrink with the budget (cuBLAS's workspaces, torch.compile's autotuning
+# buffers): a 15% share of a small budget does not hold them, and the first step ran out of memory.
 WORKSPACE_SHARE = 0.15
+WORKSPACE_FLOOR = 512 * 2**20
 SAMPLING_COPIES = 4  # float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
@@ -86,13 +89,15 @@ def kv_bytes_per_token(model: Any) -> int:
     return config.num_hidden_layers * 2 * kv_heads * head_dim * element
 
 
-def rows_within_budget(budget: int, weights: int, row_bytes: int, kept_shapes: int, wanted: int) -> int:
+def rows_within_budget(budget: int, weights: int, row_bytes: int, kept_shapes: int, wanted: int,
+                       workspace_floor: int = WORKSPACE_FLOOR) -> int:
     """The most rows (at most `wanted`) whose caches fit in `budget` bytes beside `weights`, with
-    WORKSPACE_SHARE of the budget kept aside and room for `kept_shapes` such caches at once (a worker
+    WORKSPACE_SHARE of the budget (at least `workspace_floor` bytes) kept aside and room for `kept_shapes`
+    such caches at once (a worker
     keeps that many shapes). Counted from the spec's and the model's sizes only, never from the memory
     in use at the time: the rows are part of what the sampled tokens depend on (module docstring), so
     they must come out the same in a relaunched worker."""
-    free = int(budget * (1 - WORKSPACE_SHARE)) - weights
+    free = budget - max(int(budget * WORKSPACE_SHARE), workspace_floor) - weights
     return max(0, min(wanted, free // (kept_shapes * row_bytes)))
 
 
@@ -369,7 +374,7 @@ class StaticDecoder:
             raise MemoryBudgetTooSmall(
                 f"the rollout's memory budget ({self.memory_budget / 2**30:.2f} GiB, rollout.gpuMemoryUtilization "
                 f"of the GPU) holds {self.weight_bytes / 2**30:.2f} GiB of weights and {WORKSPACE_SHARE:.0%} "
-                f"workspace, and no room for {self.kept_shapes} KV caches of one row of {length} tokens "
+                f"workspace (at least {WORKSPACE_FLOOR / 2**20:.0f} MiB), and no room for {self.kept_shapes} KV caches of one row of {length} tokens "
                 f"({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
                 f"generation.maxTokens")
         return fit
