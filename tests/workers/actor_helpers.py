@@ -102,6 +102,18 @@ def final_weights_hash(store: Store, run: str) -> tuple[int, str]:
     return latest.step, tensors_sha256(read_published(latest.path))
 
 
+def final_checkpoint_hash(store: Store, run: str, step: int) -> str:
+    """sha256 of the tensors of the run's newest checkpoint, which must be of `step` (a local path or a
+    file:// storage URL)."""
+    from safetensors.torch import load_file
+
+    from mortal.workers.storage import local_path
+
+    row = store.latest_checkpoint(run)
+    assert row is not None and row.step == step, (run, row)
+    return tensors_sha256(load_file(str(local_path(row.path) / "model.safetensors")))
+
+
 def tensors_sha256(state: dict[str, Any]) -> str:
     """sha256 over names, dtypes and raw bytes: equal only for bit-for-bit equal weights."""
     import torch

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from actor_helpers import actor_spec, final_weights_hash, tensors_sha256
+from actor_helpers import actor_spec, final_checkpoint_hash, final_weights_hash
 from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.specs import TrainingRun
@@ -117,17 +117,10 @@ def test_a_run_killed_at_a_random_step_resumes_bit_for_bit(controller, tmp_path:
     print(f"killed at steps {killed}")
     hashes = {name: final_weights_hash(store, name) for name in ("straight", *kill_at)}
     assert set(hashes.values()) == {hashes["straight"]} and hashes["straight"][0] == MAX_STEPS, hashes
-    finals = {name: _checkpoint_tensors_hash(store, name) for name in hashes}
+    finals = {name: final_checkpoint_hash(store, name, MAX_STEPS) for name in hashes}
     assert len(set(finals.values())) == 1, finals
     for name in kill_at:  # the killed worker really was relaunched
         roles = [w.role for w in store.list_workers(name)]
         victim_role = "actor" if name == "kill-actor" else "rollout"
         assert roles.count(victim_role) >= 2, (name, roles)
 
-
-def _checkpoint_tensors_hash(store: Store, run: str) -> str:
-    from safetensors.torch import load_file
-
-    row = store.latest_checkpoint(run)
-    assert row.step == MAX_STEPS
-    return tensors_sha256(load_file(str(Path(row.path) / "model.safetensors")))

@@ -13,38 +13,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from actor_helpers import actor_spec, final_weights_hash, tensors_sha256
+from actor_helpers import actor_spec, final_checkpoint_hash, final_weights_hash
 from polling import wait_for
+from ray_run_helpers import CONFIG, HANDED, apply_run, hand_over, leave_cluster_as_found
 from rollout_helpers import assets_available, make_tiny_model
 from store_kinds import sqlite_only
 
-from mortal.controller.backends import select_backend
 from mortal.controller.manager import Controller
-from mortal.controller.observed import PlanConfig
-from mortal.controller.reconciler import ControllerConfig
-from mortal.specs import TrainingRun
-from mortal.state import Store, open_store
+from mortal.state import open_store
 
 pytestmark = [sqlite_only, pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")]
 ray = pytest.importorskip("ray")
 MAX_STEPS, EVERY = 4, 2
-HERE = Path(__file__).parent
-# Worker environment the spec hands over by name (spec.secrets): the test's reward module, one torch thread.
-HANDED = {"PYTHONPATH": str(HERE), "MORTAL_THREADS": "1", "WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1"}
-CONFIG = ControllerConfig(plan=PlanConfig(launch_grace_seconds=5.0, active_resync_seconds=0.5),
-                          worker_lease_seconds=10.0, poll_seconds=0.25, retry_base_seconds=0.2, retry_max_seconds=5.0)
-
-
-def _apply(store: Store, name: str, spec: dict) -> None:
-    annotations = {"mortal.dev/task-lease-seconds": "4"}
-    run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations}, "spec": spec})
-    store.apply_run(name, run.spec_dict(), annotations=annotations)
 
 
 def test_a_killed_worker_node_leaves_the_final_weights_bit_equal(ray_cluster, store_url, mortal_home: Path,
                                                                  tmp_path: Path, monkeypatch) -> None:
-    for key, value in HANDED.items():
-        monkeypatch.setenv(key, value)
+    hand_over(monkeypatch)
     model = make_tiny_model(tmp_path / "model")
     store = open_store(store_url)
     head = {"cpus": 0.5, "resources": {"node_head": 0.1}}
@@ -53,7 +38,7 @@ def test_a_killed_worker_node_leaves_the_final_weights_bit_equal(ray_cluster, st
         spec = actor_spec(str(model), algorithm={"maxSteps": MAX_STEPS, "maxStaleness": 0},
                           checkpoint={"every": EVERY, "keep": 3}, restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
                           backend="ray", ray={"actor": head, "rollout": rollout}, secrets=sorted(HANDED))
-        _apply(store, name, spec)
+        apply_run(store, name, spec)
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:
@@ -69,22 +54,9 @@ def test_a_killed_worker_node_leaves_the_final_weights_bit_equal(ray_cluster, st
             assert store.get_run(name).phase == "Succeeded", store.get_run(name).status
         hashes = {name: final_weights_hash(store, name) for name in ("straight", "node-kill")}
         assert hashes["straight"] == hashes["node-kill"] and hashes["straight"][0] == MAX_STEPS, hashes
-        finals = {name: _checkpoint_tensors_hash(store, name) for name in hashes}
+        finals = {name: final_checkpoint_hash(store, name, MAX_STEPS) for name in hashes}
         assert finals["straight"] == finals["node-kill"], finals
         assert [w.role for w in store.list_workers("node-kill")].count("rollout") >= 2, "the rollout was not relaunched"
     finally:
-        controller.stop()
-        backend = select_backend("ray")  # a failed test leaves no worker in the cluster
-        for worker in backend.list():
-            backend.stop(worker.handle, grace_seconds=0)
-        if killed is not None:
-            ray_cluster.add_node(killed)
-        store.close()
+        leave_cluster_as_found(controller, store, ray_cluster, killed)
 
-
-def _checkpoint_tensors_hash(store: Store, run: str) -> str:
-    from safetensors.torch import load_file
-
-    row = store.latest_checkpoint(run)
-    assert row.step == MAX_STEPS
-    return tensors_sha256(load_file(str(Path(row.path) / "model.safetensors")))

@@ -25,18 +25,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from actor_helpers import actor_spec, tensors_sha256
+from actor_helpers import actor_spec, final_checkpoint_hash
 from polling import wait_for
+from ray_run_helpers import CONFIG, HANDED, apply_run, hand_over, leave_cluster_as_found
 from rollout_helpers import assets_available, make_tiny_model
 from store_kinds import sqlite_only
-from test_exact_resume_ray import CONFIG, HANDED, _apply
 
 from mortal.controller.backends import select_backend
 from mortal.controller.logs import StorageLogs, read_logs
 from mortal.controller.manager import Controller
-from mortal.state import Store, open_store
+from mortal.state import open_store
 from mortal.workers.ray_weights import SCHEME
-from mortal.workers.storage import local_path
 
 ray = pytest.importorskip("ray")
 MAX_STEPS, EVERY = 3, 1
@@ -47,8 +46,7 @@ RUNS = ("straight", "node-kill")
 @pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         ray_cluster, store_url, mortal_home: Path, tmp_path: Path, monkeypatch) -> None:
-    for key, value in HANDED.items():
-        monkeypatch.setenv(key, value)
+    hand_over(monkeypatch)
     model = make_tiny_model(tmp_path / "model")
     bucket = tmp_path / "bucket"
     store = open_store(store_url)
@@ -59,7 +57,7 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
                           checkpoint={"every": EVERY, "keep": 3, "uri": f"file://{bucket}"},
                           restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5}, backend="ray", secrets=sorted(HANDED),
                           ray={"sharedFilesystem": False, "actor": actor, "rollout": head})
-        _apply(store, name, spec)
+        apply_run(store, name, spec)
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:
@@ -88,7 +86,7 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
             assert store.get_run(name).phase == "Succeeded", store.get_run(name).status
         straight = [w.incarnation for w in store.list_workers("straight") if w.role == "actor"]
         assert len(straight) == 1, f"the reference run was interrupted too (actor incarnations {straight})"
-        finals = {name: _checkpoint_tensors_hash(store, name) for name in RUNS}
+        finals = {name: final_checkpoint_hash(store, name, MAX_STEPS) for name in RUNS}
         assert finals["straight"] == finals["node-kill"], finals
 
         other = ({"node_a", "node_b"} - {killed}).pop()
@@ -103,13 +101,7 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         assert any(f"actor-0#{actors[-1].incarnation}" in line and "exiting with code 0" in line for line in logs), logs[-5:]
         wait_for(lambda: not _named_actors(), 30, "no actor (worker or weights hub) of either run left")
     finally:
-        controller.stop()
-        backend = select_backend("ray")  # a failed test leaves no worker in the cluster
-        for worker in backend.list():
-            backend.stop(worker.handle, grace_seconds=0)
-        if killed is not None:
-            ray_cluster.add_node(killed)
-        store.close()
+        leave_cluster_as_found(controller, store, ray_cluster, killed)
 
 
 PUBLISHER = """
@@ -186,10 +178,3 @@ def _named_actors() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"].endswith(tuple(f"-{run}" for run in RUNS))]
 
-
-def _checkpoint_tensors_hash(store: Store, run: str) -> str:
-    from safetensors.torch import load_file
-
-    row = store.latest_checkpoint(run)
-    assert row.step == MAX_STEPS
-    return tensors_sha256(load_file(str(local_path(row.path) / "model.safetensors")))
