@@ -150,14 +150,7 @@ def modal_volume(tmp_path, monkeypatch):
 def test_logs_of_a_modal_run_are_read_from_its_volume(cli, spec_file, modal_volume, monkeypatch):
     assert cli("apply", "-f", str(spec_file(**{"spec.backend": "modal"}))).exit_code == 0
     write_log("quickstart", "actor", 0, 1, ["on this machine, not the run's"])
-    logs = modal_volume.volume / "runs" / "quickstart" / "logs"
-    logs.mkdir(parents=True)
-    (logs / "actor-0-2.log").write_text("step 1\nstep 2\n")
-    (logs / "rollout-0-3.log").write_text("generated 8\n")
-    out = cli("logs", "quickstart")
-    assert out.exit_code == 0, out.output
-    assert out.stdout.splitlines() == ["[actor-0] step 1", "[actor-0] step 2", "[rollout-0] generated 8"]
-    assert cli("logs", "quickstart", "--role", "actor", "--tail", "1").stdout == "step 2\n"
+    assert_logs_are_read_from(cli, modal_volume.volume / "runs" / "quickstart" / "logs")
     modal_volume.unreachable = True
     broken = cli("logs", "quickstart")
     assert broken.exit_code == 1 and "could not read the logs from the Modal volume" in broken.stderr
@@ -176,7 +169,11 @@ def test_logs_of_a_ray_run_without_shared_disk_are_read_from_its_storage(cli, sp
     assert cli("apply", "-f", str(spec_file(**edits))).exit_code == 0
     write_log("quickstart", "actor", 0, 1, ["on this machine, not the run's"])
     assert cli("logs", "quickstart").exit_code == 1  # nothing uploaded yet
-    logs = bucket / "quickstart" / "logs"
+    assert_logs_are_read_from(cli, bucket / "quickstart" / "logs")
+
+
+def assert_logs_are_read_from(cli, logs: Path) -> None:
+    """Worker logs written under `logs` (as the run's workers leave them there) are what `logs` prints."""
     logs.mkdir(parents=True)
     (logs / "actor-0-2.log").write_text("step 1\nstep 2\n")
     (logs / "rollout-0-3.log").write_text("generated 8\n")
