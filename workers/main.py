@@ -31,7 +31,7 @@ from mortal.state.errors import Fenced
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
-from mortal.workers.oom import out_of_memory
+from mortal.workers.oom import out_of_memory, with_device_state
 from mortal.workers.runtime import (
     EXIT_FATAL,
     EXIT_OUT_OF_MEMORY,
@@ -97,6 +97,7 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
         log.error("crashed:\n%s", traceback.format_exc())
         oom = out_of_memory(exc)
         if oom is not None:
+            oom = with_device_state(oom)
             log.error("out of GPU memory: %s", oom.describe())
             return _finish(store, worker, ctx, EXIT_OUT_OF_MEMORY, f"{OUT_OF_MEMORY}: {oom.describe()}")
         return _finish(store, worker, ctx, EXIT_RETRYABLE, f"{type(exc).__name__}: {exc}"[:500])

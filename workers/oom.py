@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 REASON = "OutOfMemory"
 _SIZE = r"([\d.]+)\s*(B|KiB|MiB|GiB|TiB|bytes)"
@@ -77,6 +77,25 @@ class OutOfMemory:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def with_device_state(oom: OutOfMemory) -> OutOfMemory:
+    """`oom`, its missing GPU figures read from the device now, in this process. CUDA's and cuBLAS's own
+    out-of-memory errors ("CUDA error: out of memory") carry no figures, and the actor's step ran out so
+    at 3B: the report said only "CUDA out of memory". Read as the worker reports, while the exception (and
+    its frames' tensors) is still held, so close to what the device held when it failed. Left as it is where
+    torch is not loaded, CUDA never started in this process, or the query itself fails."""
+    torch = sys.modules.get("torch")
+    if oom.total is not None or torch is None or not torch.cuda.is_initialized():
+        return oom
+    try:
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    except RuntimeError:  # a CUDA context the error broke
+        return oom
+    return replace(oom, device=device, total=total, free=free, by_torch=allocated,
+                   reserved_unallocated=reserved - allocated)
 
 
 def _bytes(number: str, unit: str) -> int:

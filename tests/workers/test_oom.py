@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mortal.workers.oom import OutOfMemory, out_of_memory, parse_torch_message
+from mortal.workers.oom import OutOfMemory, out_of_memory, parse_torch_message, with_device_state
 from mortal.workers.simulated import TORCH_OOM_MESSAGE
 
 GiB = 2**30
@@ -72,3 +72,40 @@ def test_an_out_of_memory_raised_from_inside_another_error_is_found():
 ])
 def test_other_errors_are_not_out_of_memory(exc):
     assert out_of_memory(exc) is None
+
+
+class FakeCuda:
+    """torch.cuda's memory queries on a GPU that is 70 GiB full, 12 GiB of it this process's allocator's."""
+
+    def __init__(self, initialized: bool = True) -> None:
+        self.initialized = initialized
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def current_device(self) -> int:
+        return 0
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        return 10 * GiB, 80 * GiB
+
+    def memory_allocated(self, device: int) -> int:
+        return 12 * GiB
+
+    def memory_reserved(self, device: int) -> int:
+        return 13 * GiB
+
+
+def test_a_cuda_out_of_memory_without_figures_gets_the_devices_state_now(monkeypatch):
+    monkeypatch.setattr(torch, "cuda", FakeCuda())
+    oom = with_device_state(out_of_memory(RuntimeError("CUDA error: out of memory")))
+    assert oom.describe() == ("CUDA out of memory on GPU 0 (total 80.00 GiB, 70.00 GiB in use, 10.00 GiB free, "
+                              "12.00 GiB allocated by PyTorch, 1.00 GiB reserved by PyTorch but unallocated)")
+
+
+def test_figures_torch_gave_are_kept_and_a_process_without_cuda_is_left_alone(monkeypatch):
+    monkeypatch.setattr(torch, "cuda", FakeCuda())
+    assert with_device_state(parse_torch_message(TORCH_OOM_MESSAGE)) == parse_torch_message(TORCH_OOM_MESSAGE)
+    monkeypatch.setattr(torch, "cuda", FakeCuda(initialized=False))
+    bare = out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert with_device_state(bare) == bare
