@@ -188,7 +188,7 @@ class Reconciler:
             self._listings[backend_key(spec)].invalidate()  # the next pass must see what we just did
         if any(isinstance(a, Purge) for a in decided.actions):
             remove_files = any(a.remove_files for a in decided.actions if isinstance(a, Purge))
-            return self._purge(run.name, remove_files, backend_key(spec), fence)
+            return self._purge(run.name, remove_files, backend_key(spec), spec.checkpoint.uri, fence)
         if decided.status is not None and decided.status != run.status:
             try:
                 row = self.store.write_status(run.name, decided.status, run.resource_version, fence)
@@ -264,17 +264,19 @@ class Reconciler:
             for done in [pool.submit(stop, a) for a in stops]:
                 done.result()
 
-    def _purge(self, name: str, remove_files: bool, backend_name: str, fence: LeaderFence) -> Outcome:
-        """Files first, where the run's backend keeps them (a Modal run's are on its volume), rows last:
-        the row going away is what says the deletion is complete. A run whose backend cannot run here
-        keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove."""
+    def _purge(self, name: str, remove_files: bool, backend_name: str, storage_uri: str | None,
+               fence: LeaderFence) -> Outcome:
+        """Files first, where the run's backend keeps them (a Modal run's are on its volume) and in its
+        checkpoint storage (spec.checkpoint.uri: checkpoints and uploaded logs), rows last: the row going
+        away is what says the deletion is complete. A run whose backend or storage cannot be reached from
+        here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove."""
         if remove_files:
             backend, why = self.backend(backend_name)
             if backend is None:
                 raise BackendError(f"cannot remove the files of run {name!r}: {why}")
             if self.leader.fence() != fence:
                 raise Fenced("the leader lease ran out before removing files")
-            backend.remove_run_files(name)
+            backend.remove_run_files(name, storage_uri)
         self.store.purge_run(name, fence)
         self.written.pop(name, None)
         log.info("purged run %s%s", name, " and its files" if remove_files else "")

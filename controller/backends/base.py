@@ -11,7 +11,7 @@ controller compares that with the workers table and acts.
     store.set_worker_handle(row.id, handle)
     [w for w in backend.list("r") if not w.alive]     # exited: exit_code when known
     backend.stop(handle)                               # SIGTERM the group, SIGKILL after grace
-    backend.remove_run_files("r")                      # delete --purge: the run's folder, where its workers write
+    backend.remove_run_files("r", storage_uri)         # delete --purge: its folder where its workers write, its storage
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import abc
 import contextlib
 import getpass
 import os
+import posixpath
 import re
 import shutil
 import tempfile
@@ -257,10 +258,37 @@ class Backend(abc.ABC):
             return 0
         return launch.gpu_count
 
-    def remove_run_files(self, run: str) -> None:
-        """Remove the run's folder (checkpoints, weights, logs, compile caches) where this backend's workers
-        write it (`delete --purge`, once every worker is gone): here, this machine's $MORTAL_HOME/runs/<run>."""
+    def remove_run_files(self, run: str, storage_uri: str | None = None) -> None:
+        """Remove everything of the run's on disk (`delete --purge`, once every worker is gone): its folder
+        where this backend's workers write it (`remove_run_folder`) and, with `storage_uri`
+        (spec.checkpoint.uri), its prefix there (checkpoints, and the logs Ray workers upload)."""
+        self.remove_run_folder(run)
+        if storage_uri is not None:
+            remove_from_storage(run, storage_uri)
+
+    def remove_run_folder(self, run: str) -> None:
+        """The run's folder (checkpoints, weights, logs, compile caches): here, this machine's
+        $MORTAL_HOME/runs/<run>."""
         shutil.rmtree(paths.run_dir(run), ignore_errors=True)
+
+
+def remove_from_storage(run: str, uri: str) -> None:
+    """`<uri>/<run>/` removed with fsspec (as the workers' CheckpointStorage lays it out); a prefix already
+    gone is no error. A storage this controller cannot use (its fsspec package missing here, no
+    permission) is a BackendError: the purge is retried and the run's row kept, not its files lost track of."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(uri.rstrip("/"))
+        prefix = posixpath.join(root, run)
+        fs.invalidate_cache(prefix)
+        if fs.exists(prefix):
+            fs.rm(prefix, recursive=True)
+    except FileNotFoundError:
+        return
+    except (ImportError, OSError, ValueError) as exc:
+        raise BackendError(f"cannot remove run {run!r}'s checkpoints under spec.checkpoint.uri {uri!r}: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def signal_group(pgid: int, sig: int) -> None:

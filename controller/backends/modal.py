@@ -267,7 +267,7 @@ class ModalBackend(Backend):
         return True
 
     # -- files -------------------------------------------------------------------------------
-    def remove_run_files(self, run: str) -> None:
+    def remove_run_folder(self, run: str) -> None:
         """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works
         from a controller anywhere; a folder already gone is no error."""
         volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))

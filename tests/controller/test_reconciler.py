@@ -144,6 +144,50 @@ def test_delete_with_purge_stops_workers_then_removes_rows_and_files(world):
     assert not paths.run_dir("r").exists()
 
 
+def test_a_purge_also_removes_the_runs_prefix_in_its_checkpoint_storage(world, tmp_path):
+    """spec.checkpoint.uri: the run's checkpoints (and a Ray run's uploaded logs) live in storage, not under
+    MORTAL_HOME; --purge removes <uri>/<run>/ and leaves other runs' prefixes there."""
+    store, backend, rec = world
+    bucket = tmp_path / "bucket"
+    for run in ("r", "other"):
+        (bucket / run / "step-2").mkdir(parents=True)
+        (bucket / run / "step-2" / "model.safetensors").write_bytes(b"weights")
+    (bucket / "r" / "logs").mkdir()
+    apply(store, spec={"checkpoint": {"every": 2, "keep": 2, "uri": f"file://{bucket}"}})
+    rec.reconcile("r")
+    store.mark_deleted("r", purge=True)
+    rec.reconcile("r")  # stops both
+    rec._listings["local"].invalidate()
+    assert rec.reconcile("r") == Done()
+    assert store.list_runs() == []
+    assert sorted(p.name for p in bucket.iterdir()) == ["other"]
+
+
+def test_a_purge_whose_storage_cannot_be_reached_keeps_the_run_and_says_why(world, monkeypatch):
+    import fsspec
+
+    from mortal.controller.backends.base import BackendError
+
+    class Denied:
+        def invalidate_cache(self, path):
+            pass
+
+        def exists(self, path):
+            raise PermissionError(f"{path}: access denied")
+
+    store, backend, rec = world
+    apply(store, spec={"checkpoint": {"every": 2, "keep": 2, "uri": "memory://bucket/prefix"}})
+    rec.reconcile("r")
+    store.mark_deleted("r", purge=True)
+    rec.reconcile("r")  # stops both
+    rec._listings["local"].invalidate()
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda uri: (Denied(), "bucket/prefix"))
+    with pytest.raises(BackendError, match="cannot remove run 'r'.s checkpoints under spec.checkpoint.uri "
+                                           "'memory://bucket/prefix': PermissionError"):
+        rec.reconcile("r")
+    assert [r.name for r in store.list_runs()] == ["r"]  # kept: the next pass tries again
+
+
 def test_a_purge_goes_where_the_backend_keeps_the_files_and_waits_for_a_backend_that_cannot_run_here(
         store, store_url, mortal_home):
     """A Modal run's files are on its volume: only its backend can remove them. Without one here, the run
@@ -155,7 +199,7 @@ def test_a_purge_goes_where_the_backend_keeps_the_files_and_waits_for_a_backend_
     class Remote(MemoryBackend):
         name = "modal"
 
-        def remove_run_files(self, run):
+        def remove_run_files(self, run, storage_uri=None):
             removed.append(run)
 
     remote = [None]
