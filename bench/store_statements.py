@@ -9,7 +9,9 @@ lease_task, renew_task, complete_task, add_metrics, get_run, latest_weights). Co
 before_cursor_execute event: the statements the store itself sends (SQLite's BEGIN IMMEDIATE is one;
 psycopg's implicit BEGIN, the COMMIT and the pool's pre-ping are not counted). Single-threaded, in process,
 no HTTP: per call the median milliseconds too, which are for comparing calls, not for claims (the load
-bench measures latency under load).
+bench measures latency under load), and the mean CPU time this process spent in it (time.process_time:
+the store's Python, SQLAlchemy and the driver; not the database server's), which says how many calls a
+second one Python process can serve at most.
 """
 
 from __future__ import annotations
@@ -41,19 +43,21 @@ def measure(kind: str, rounds: int, done: int) -> dict[str, dict[str, float]]:
         for _ in range(done):
             task = store.lease_task(ref, 30.0)
             store.complete_task(ref, task.id, task.lease_token, {"reward": 1.0})
-        calls: dict[str, list[tuple[float, int]]] = {}
+        calls: dict[str, list[tuple[float, float, int]]] = {}
 
         def timed(name: str, fn: Any, *args: Any) -> Any:
-            before, started = sent["n"], time.perf_counter()
+            before, started, cpu = sent["n"], time.perf_counter(), time.process_time()
             out = fn(*args)
-            calls.setdefault(name, []).append((time.perf_counter() - started, sent["n"] - before))
+            calls.setdefault(name, []).append((time.perf_counter() - started, time.process_time() - cpu,
+                                               sent["n"] - before))
             return out
 
         for step in range(rounds):
             worker_round(store, ref, step, timed)
         store.close()
-    return {name: {"statements": max(n for _, n in values),
-                   "median_ms": round(statistics.median(s for s, _ in values) * 1000, 2)}
+    return {name: {"statements": max(n for _, _, n in values),
+                   "median_ms": round(statistics.median(s for s, _, _ in values) * 1000, 2),
+                   "cpu_ms": round(sum(c for _, c, _ in values) / len(values) * 1000, 2)}
             for name, values in calls.items()}
 
 
@@ -65,7 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     for kind in args.store or ["sqlite", "postgres"]:
         for name, row in measure(kind, args.rounds, args.done).items():
-            print(f"{kind:9s} {name:15s} statements {row['statements']}  median {row['median_ms']:6.2f} ms")
+            print(f"{kind:9s} {name:15s} statements {row['statements']}  median {row['median_ms']:6.2f} ms  "
+                  f"this process's CPU {row['cpu_ms']:5.2f} ms")
 
 
 if __name__ == "__main__":
