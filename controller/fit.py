@@ -59,9 +59,10 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
                          f"rollout{'s' if colocated > 1 else ''}")
         elif colocated:
             parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
-        ring = SNAPSHOT_RING if spec.sync_method() in ("ipc", "nccl") else 0
+        sync = spec.sync_method()
+        ring = SNAPSHOT_RING if sync in ("ipc", "nccl") else 0
         if ring:
-            parts.append(f"{ring} snapshots of the weights for sync {spec.sync_method()}")
+            parts.append(f"{ring} snapshots of the weights for sync {sync}")
         need = (copies + ring) * per * parameters + rollouts_hold
         if need > gpu_memory(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full else []

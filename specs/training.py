@@ -311,7 +311,8 @@ class SyncSpec(SpecModel):
     method: Literal["auto", "volume", "ipc", "nccl", "ray", "reload", "direct", "checkpoint"] = Field(
         "auto",
         description="auto: ipc when actor and rollouts have GPUs on this host (local backend, transformers "
-        "engine) and every weight trains (LoRA: volume, the adapters alone), ray when the Ray nodes share no filesystem (ray.sharedFilesystem false), else volume. "
+        "engine) and every weight trains (LoRA: volume, the adapters alone), ray when the Ray nodes share no "
+        "filesystem (ray.sharedFilesystem false), else volume. "
         "volume: safetensors on the shared volume (everywhere). ray: the same safetensors through Ray's object "
         "store (backend ray; no shared disk needed). ipc: each version is a "
         "snapshot on the actor's GPU that rollouts copy over CUDA IPC, GPU to GPU, no disk (same host). "

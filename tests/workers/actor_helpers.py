@@ -17,6 +17,9 @@ from mortal.specs import TrainingRun
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.runtime import WorkerContext
 
+# A task lease short enough that a killed worker's task is taken again within seconds (the kill tests).
+SHORT_TASK_LEASE = {"mortal.dev/task-lease-seconds": "4"}
+
 
 def create_run(store: Store, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None) -> TrainingRun:
     """Apply a run (validated through TrainingRun first) and return it as workers see it."""

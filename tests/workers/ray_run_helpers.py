@@ -9,7 +9,6 @@ from mortal.controller.backends import select_backend
 from mortal.controller.manager import Controller
 from mortal.controller.observed import PlanConfig
 from mortal.controller.reconciler import ControllerConfig
-from mortal.specs import TrainingRun
 from mortal.state import Store
 
 HERE = Path(__file__).parent
@@ -17,13 +16,6 @@ HERE = Path(__file__).parent
 HANDED = {"PYTHONPATH": str(HERE), "MORTAL_THREADS": "1", "WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1"}
 CONFIG = ControllerConfig(plan=PlanConfig(launch_grace_seconds=5.0, active_resync_seconds=0.5),
                           worker_lease_seconds=10.0, poll_seconds=0.25, retry_base_seconds=0.2, retry_max_seconds=5.0)
-
-
-def apply_run(store: Store, name: str, spec: dict) -> None:
-    """The run, with task leases short enough that a killed node's task is taken again within seconds."""
-    annotations = {"mortal.dev/task-lease-seconds": "4"}
-    run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations}, "spec": spec})
-    store.apply_run(name, run.spec_dict(), annotations=annotations)
 
 
 def hand_over(monkeypatch) -> None:

@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from actor_helpers import actor_spec, final_checkpoint_hash, final_weights_hash
+from actor_helpers import SHORT_TASK_LEASE, actor_spec, create_run, final_checkpoint_hash, final_weights_hash
 from rollout_helpers import assets_available, make_tiny_model
 
-from mortal.specs import TrainingRun
 from mortal.state import Store, open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")]
@@ -67,12 +66,6 @@ def _kill(handle: str) -> None:
         pass
 
 
-def _apply(store: Store, name: str, spec: dict) -> None:
-    annotations = {"mortal.dev/task-lease-seconds": "4"}
-    run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations}, "spec": spec})
-    store.apply_run(name, run.spec_dict(), annotations=annotations)
-
-
 def _live(store: Store, run: str, role: str):
     return next((w for w in store.list_workers(run) if w.role == role and w.state == "Running" and w.handle), None)
 
@@ -92,7 +85,7 @@ def test_a_run_killed_at_a_random_step_resumes_bit_for_bit(controller, tmp_path:
         restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
     )
     for name in ("straight", *kill_at):
-        _apply(store, name, spec)
+        create_run(store, name, spec, SHORT_TASK_LEASE)
 
     killed: dict[str, int] = {}
     deadline = time.monotonic() + DEADLINE_SECONDS

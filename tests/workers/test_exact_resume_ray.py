@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from actor_helpers import actor_spec, final_checkpoint_hash, final_weights_hash
+from actor_helpers import SHORT_TASK_LEASE, actor_spec, create_run, final_checkpoint_hash, final_weights_hash
 from polling import wait_for
-from ray_run_helpers import CONFIG, HANDED, apply_run, hand_over, leave_cluster_as_found
+from ray_run_helpers import CONFIG, HANDED, hand_over, leave_cluster_as_found
 from rollout_helpers import assets_available, make_tiny_model
 from store_kinds import sqlite_only
 
@@ -38,7 +38,7 @@ def test_a_killed_worker_node_leaves_the_final_weights_bit_equal(ray_cluster, st
         spec = actor_spec(str(model), algorithm={"maxSteps": MAX_STEPS, "maxStaleness": 0},
                           checkpoint={"every": EVERY, "keep": 3}, restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
                           backend="ray", ray={"actor": head, "rollout": rollout}, secrets=sorted(HANDED))
-        apply_run(store, name, spec)
+        create_run(store, name, spec, SHORT_TASK_LEASE)
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:

@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from actor_helpers import actor_spec, final_checkpoint_hash
+from actor_helpers import SHORT_TASK_LEASE, actor_spec, create_run, final_checkpoint_hash
 from polling import wait_for
-from ray_run_helpers import CONFIG, HANDED, apply_run, hand_over, leave_cluster_as_found
+from ray_run_helpers import CONFIG, HANDED, hand_over, leave_cluster_as_found
 from rollout_helpers import assets_available, make_tiny_model
 from store_kinds import sqlite_only
 
@@ -57,7 +57,7 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
                           checkpoint={"every": EVERY, "keep": 3, "uri": f"file://{bucket}"},
                           restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5}, backend="ray", secrets=sorted(HANDED),
                           ray={"sharedFilesystem": False, "actor": actor, "rollout": head})
-        apply_run(store, name, spec)
+        create_run(store, name, spec, SHORT_TASK_LEASE)
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:

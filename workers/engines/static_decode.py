@@ -93,8 +93,7 @@ def rows_within_budget(budget: int, weights: int, row_bytes: int, kept_shapes: i
                        workspace_floor: int = WORKSPACE_FLOOR) -> int:
     """The most rows (at most `wanted`) whose caches fit in `budget` bytes beside `weights`, with
     WORKSPACE_SHARE of the budget (at least `workspace_floor` bytes) kept aside and room for `kept_shapes`
-    such caches at once (a worker
-    keeps that many shapes). Counted from the spec's and the model's sizes only, never from the memory
+    such caches at once (a worker keeps that many shapes). Counted from the spec's and the model's sizes only, never from the memory
     in use at the time: the rows are part of what the sampled tokens depend on (module docstring), so
     they must come out the same in a relaunched worker."""
     free = budget - max(int(budget * WORKSPACE_SHARE), workspace_floor) - weights
@@ -374,8 +373,8 @@ class StaticDecoder:
             raise MemoryBudgetTooSmall(
                 f"the rollout's memory budget ({self.memory_budget / 2**30:.2f} GiB, rollout.gpuMemoryUtilization "
                 f"of the GPU) holds {self.weight_bytes / 2**30:.2f} GiB of weights and {WORKSPACE_SHARE:.0%} "
-                f"workspace (at least {WORKSPACE_FLOOR / 2**20:.0f} MiB), and no room for {self.kept_shapes} KV caches of one row of {length} tokens "
-                f"({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
+                f"workspace (at least {WORKSPACE_FLOOR / 2**20:.0f} MiB), and no room for {self.kept_shapes} KV "
+                f"caches of one row of {length} tokens ({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
                 f"generation.maxTokens")
         return fit
 
