@@ -21,7 +21,13 @@ beta 0, loss dapo, float32 weights. Precisions:
 - fp32: float32 matmuls (TF32 off), as the learning bench ran;
 - tf32: float32 weights, TF32 matmuls (TrainingArguments' tf32, set here per variant because that
   flag is process-wide);
-- bf16-autocast: float32 weights under bf16 autocast (TrainingArguments' bf16 on a float32 model).
+- bf16-autocast: float32 weights under bf16 autocast (TrainingArguments' bf16 on a float32 model);
+- bf16: bfloat16 weights and TrainingArguments' bf16, as mortal's actor trains a `dtype: bfloat16` model
+  (bench/gpu_step.py's setting).
+Kernels (--kernels, each precision and loss with each): eager (what the actor runs); liger
+(TrainingArguments' use_liger_kernel: Liger's fused RMSNorm, SwiGLU and RoPE; TRL keeps its own fused
+LM head); compile (TrainingArguments' torch_compile on the model). They say what the same step would
+take with a kernel library or a compiler, before the actor is given either.
 Losses (--loss, each precision with each):
 - fused: TRL 1.16's own, what the actor runs: the completion tokens' logprobs and entropies from the
   final hidden states through lm_head in tiles (4,096 tokens x 32,768 vocabulary columns), recomputed
@@ -47,11 +53,12 @@ import tempfile
 import time
 from pathlib import Path
 
-PRECISIONS = ("fp32", "tf32", "bf16-autocast")
+PRECISIONS = ("fp32", "tf32", "bf16-autocast", "bf16")
+KERNELS = ("eager", "liger", "compile")
 LOSSES = ("fused", "full")
 
 
-def load_model(path: Path, device: str):
+def load_model(path: Path, device: str, dtype_name: str = "float32"):
     """A float32 model and its tokenizer: from a GGUF through mortal's own converter (cached), as
     bench/learning_gpu.py loads it on both sides; from a model folder; or, for a folder that holds only
     a config.json (MORTAL_TEST_ASSETS' smollm2-cfg), random weights of that shape with SmolLM2's
@@ -59,6 +66,7 @@ def load_model(path: Path, device: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    dtype = getattr(torch, dtype_name)
     if path.suffix == ".gguf":
         from mortal.specs.training import ModelSpec
         from mortal.workers.models import model_location
@@ -66,10 +74,10 @@ def load_model(path: Path, device: str):
         path = Path(model_location(ModelSpec(name=str(path))))
     if not any(path.glob("*.safetensors")):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
         assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
         return model.to(device), AutoTokenizer.from_pretrained(assets / "smollm2-tok")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -78,7 +86,8 @@ def fixed_rollout(args: argparse.Namespace, vocab: int):
     draw = random.Random(args.seed)
     n = args.prompts * args.gens
     prompt_ids = [[draw.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-    lengths = [draw.randint(max(1, args.completion_len // 4), args.completion_len) for _ in range(n)]
+    shortest = args.completion_len if args.fixed_lengths else max(1, args.completion_len // 4)
+    lengths = [draw.randint(shortest, args.completion_len) for _ in range(n)]
     completions = [[draw.randrange(3, vocab) for _ in range(k)] for k in lengths]
     logprobs = [[-draw.random() for _ in range(k)] for k in lengths]
     scores = [float(draw.random() < 0.4) for _ in range(n)]
@@ -116,19 +125,20 @@ def use_full_logits(trainer) -> None:
     trainer._get_per_token_logps_and_entropies = full_logits
 
 
-def run_variant(precision: str, loss: str, args: argparse.Namespace, device: str, work: Path) -> dict:
+def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespace, device: str, work: Path) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    model, tokenizer = load_model(args.model, device)
+    model, tokenizer = load_model(args.model, device, "bfloat16" if precision == "bf16" else "float32")
     rollout, reward, completion_tokens = fixed_rollout(args, model.config.vocab_size)
     config = GRPOConfig(
-        output_dir=str(work / f"{precision}-{loss}"), per_device_train_batch_size=args.prompts * args.gens,
+        output_dir=str(work / f"{precision}-{loss}-{kernels}"), per_device_train_batch_size=args.prompts * args.gens,
         num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_steps=args.steps, learning_rate=2e-5, loss_type="dapo", beta=0.0, max_completion_length=args.completion_len,
-        bf16=precision == "bf16-autocast", fp16=False, use_cpu=device == "cpu", logging_steps=1, report_to="none",
+        bf16=precision in ("bf16-autocast", "bf16"), fp16=False, use_liger_kernel=kernels == "liger",
+        torch_compile=kernels == "compile", use_cpu=device == "cpu", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=args.seed,
     )
     if device != "cpu":
@@ -161,7 +171,7 @@ def run_variant(precision: str, loss: str, args: argparse.Namespace, device: str
         use_full_logits(trainer)
     trainer.train()
     step_seconds = [b - a for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:], strict=False)]
-    out = {"precision": precision, "loss": loss, "step_seconds": step_seconds,
+    out = {"precision": precision, "loss": loss, "kernels": kernels, "step_seconds": step_seconds,
            "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
            "completion_tokens": completion_tokens,
            # equal across --loss up to float summation order: the same step computed two ways
@@ -177,7 +187,7 @@ def run_variant(precision: str, loss: str, args: argparse.Namespace, device: str
         torch.cuda.empty_cache()
     shown = f"{out['median_step_seconds']:.3f} s" if step_seconds else "n/a"
     memory = f", peak {out['peak_memory_gib']:.2f} GiB" if out["peak_memory_gib"] is not None else ""
-    print(f"{precision}, {loss} loss: median step {shown} over {len(step_seconds)} steps{memory}", flush=True)
+    print(f"{precision}, {loss} loss, {kernels} kernels: median step {shown} over {len(step_seconds)} steps{memory}", flush=True)
     return out
 
 
@@ -188,12 +198,16 @@ def main() -> None:
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--loss", nargs="+", choices=LOSSES, default=["fused"],
                         help="fused: TRL's own (the actor's); full: whole-vocabulary logits, for comparison")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=["eager"],
+                        help="eager: the actor's; liger, compile: TRL's own options, for comparison")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--completion-len", type=int, default=96)
+    parser.add_argument("--fixed-lengths", action="store_true",
+                        help="every completion --completion-len tokens (bench/gpu_step.py's forced lengths)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (GPU only)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
@@ -211,7 +225,8 @@ def main() -> None:
     if args.steps < args.warmup + 2:
         sys.exit(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + 2 to time a step")
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run_variant(p, loss, args, device, Path(tmp)) for p in args.precision for loss in args.loss]
+        results = [run_variant(p, loss, k, args, device, Path(tmp))
+                   for p in args.precision for loss in args.loss for k in args.kernels]
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": int(device == "cuda"),
            "settings": {k: str(v) for k, v in vars(args).items()}, "variants": results}
     if args.json:
