@@ -1,6 +1,6 @@
 """Tool-calling rollouts beside TRL's own tool loop: multi-turn throughput, one invocation, same settings.
 
-    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--only trl|mortal] [--json out.json]
+    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--only trl|mortal] [--json out.json]
     python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2   # a smoke test, no figures
 
 What runs is specs/examples/calculator-tools.yaml, read from that file so the bench measures what a user
@@ -16,6 +16,15 @@ batch, the same seed on both sides.
 - mortal: through a real controller, one actor and one rollout colocated on the GPU (transformers engine,
   CUDA-graph decoding, CUDA IPC weights; on --cpu two CPU processes), the rollout running mortal's tool
   loop (mortal.workers.multiturn): each turn batched across the task's rollouts.
+
+A warm start (--warm-start N, on by default): SmolLM2-135M never calls a tool at first (0 calls in 20
+steps of 64 completions on both sides, bench/results/multiturn_gpu_h100_run1_no_tool_calls.json), so the
+bench would time single-turn generation. As a TRL user does before RL, it first fine-tunes the model with
+TRL's SFTTrainer for N steps on demonstrations of the example's task solved with its tools (the
+dataset's last --demonstrations rows: the question, a calculator call, its result, a submit call, the
+answer; rendered with the example's chat template and tool schemas, loss on the assistant's tokens),
+and both sides start from that model. The demonstrations and the SFT are the same for both sides and
+are not timed.
 
 Time is wall clock between step ends on both sides (TRL: a callback's on_step_end; mortal: the store's
 record of each step's end). Reported per side: the median step seconds from the third step on (the
@@ -66,6 +75,64 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec["checkpoint"] = {"every": args.steps, "keep": 1}
     spec["logging"] = {"wandb": {"mode": "disabled"}}
     return spec
+
+
+def demonstration(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]:
+    """One builtin:arith row solved with the example's tools, as TRL's conversational messages."""
+    import re
+
+    question = row["prompt"][-1]["content"]
+    expression = re.search(r"What is (.+?)\?", question)
+    if expression is None:
+        raise SystemExit(f"--warm-start: cannot find the expression in {question!r} (builtin:arith rows only)")
+    answer = str(row["answer"])
+
+    def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+    environment.reset(**row)
+    return [*row["prompt"], call("calculator", {"expression": expression.group(1)}),
+            {"role": "tool", "name": "calculator", "content": answer},
+            call("submit", {"answer": answer}), {"role": "tool", "name": "submit", "content": environment.submit(answer)},
+            {"role": "assistant", "content": answer}]
+
+
+def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> Path:
+    """The model after --warm-start steps of TRL's SFTTrainer on tool-calling demonstrations (docstring)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from mortal.specs.training import DatasetSpec
+    from mortal.workers.data import load_rows
+    from mortal.workers.multiturn import resolve_chat_template
+    from mortal.workers.references import resolve
+    from mortal.workers.tools import environment_methods
+
+    rollout = spec["rollout"]
+    environment = resolve(rollout["environment"])()
+    tools = [resolve(ref) for ref in rollout.get("tools", [])] + environment_methods(environment)
+    rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))[-args.demonstrations:]
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    template = resolve_chat_template(tokenizer, rollout.get("chatTemplate"))  # as the rollouts render
+    texts = [tokenizer.apply_chat_template(demonstration(row, environment), tools=tools, chat_template=template,
+                                           tokenize=False) for row in rows]
+    torch.manual_seed(args.seed)
+    config = SFTConfig(output_dir=str(work / "sft"), max_steps=args.warm_start, per_device_train_batch_size=16,
+                       learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=10, report_to="none",
+                       save_strategy="no", bf16=False, fp16=False, use_cpu=args.cpu, seed=args.seed,
+                       disable_tqdm=True, dataset_text_field="text", max_length=1024)
+    trainer = SFTTrainer(model=str(model), args=config, train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=tokenizer)
+    trainer.train()
+    folder = work / "warm-started"
+    trainer.save_model(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    print(f"warm start: {args.warm_start} SFT steps on {len(texts)} demonstrations, final loss "
+          f"{trainer.state.log_history[-1].get('train_loss')}", flush=True)
+    return folder
 
 
 def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -144,6 +211,9 @@ def main() -> None:
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-start", type=int, default=60, metavar="N",
+                        help="SFT steps on tool-calling demonstrations before both sides (0: none)")
+    parser.add_argument("--demonstrations", type=int, default=400, help="dataset rows (its last) to demonstrate")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
     parser.add_argument("--json", type=Path)
@@ -155,6 +225,8 @@ def main() -> None:
     out: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "example": str(EXAMPLE),
                            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="mortal-multiturn-") as tmp:
+        if args.warm_start:
+            model = warm_start(model, bench_spec(model, args), args, Path(tmp))
         for side, runner in (("trl", run_trl), ("mortal", run_mortal)):
             if args.only in (None, side):
                 work = Path(tmp) / side
