@@ -22,6 +22,9 @@ single-turn rollouts use (so transformers and vLLM both serve it). The loop, for
     6. one engine call generates the next turn of every rollout still in the loop (n=1 each, a seed
        per rollout and turn: schedule.turn_seed, maxTokens each), cut to its remaining budget,
        appended with mask 1
+Every engine call of a task asks for prompts padded to one width (the longest prompt + maxTokens,
+which every history fits in: GenerationParams.min_prompt_width), so the GPU decoder replays one
+captured shape for all turns instead of compiling one per history length.
 The completion a rollout returns is everything after its prompt: model tokens, tool-result tokens,
 model tokens..., with one mask entry per token (TRL's tool_mask: 1 = trained, 0 = not). Every choice
 above follows TRL's `_tool_call_loop`; tests/workers/test_multiturn.py runs TRL's own loop on the
@@ -35,7 +38,7 @@ a FatalWorkerError: the run fails with the reason, as a broken reward does).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +150,10 @@ class MultiTurn:
                                                            for _ in range(r.num_generations)]))
         groups = [self._start(request, name, [next(environments) for _ in range(request.num_generations)])
                   for request, name in zip(requests, names, strict=True)]  # steps 1-2: one instance per rollout
-        self._first_turn(requests, groups)  # step 3
         flat = [r for group in groups for r in group]
+        # every turn's history fits in the longest prompt + maxTokens: padded to that, all turns share one shape
+        params = replace(self.params, min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens)
+        self._first_turn(requests, groups, params)  # step 3
         seeds = [(request.seed, g) for request in requests for g in range(request.num_generations)]
         iteration = 0
         active = [i for i, r in enumerate(flat) if r.pending]
@@ -156,7 +161,7 @@ class MultiTurn:
             active = [i for i in active if self._answer_tools(flat[i])]  # step 5
             if not active:
                 break
-            self._next_turn([flat[i] for i in active], [seeds[i] for i in active], iteration + 1)  # step 6
+            self._next_turn([flat[i] for i in active], [seeds[i] for i in active], iteration + 1, params)  # step 6
             active = [i for i in active if flat[i].pending]
             iteration += 1
         return groups
@@ -186,17 +191,17 @@ class MultiTurn:
                                  environment=environment))
         return group
 
-    def _first_turn(self, requests: list[RolloutRequest], groups: list[list[Rollout]]) -> None:
+    def _first_turn(self, requests: list[RolloutRequest], groups: list[list[Rollout]], params: GenerationParams) -> None:
         alike = all(all(r.prompt_ids == group[0].prompt_ids for r in group) for group in groups)
         if alike:  # the single-turn call: each prompt once, n completions, the task's seeds
             outs = self.engine.generate([g[0].prompt_ids for g in groups], requests[0].num_generations,
-                                        [r.seed for r in requests], self.params)
+                                        [r.seed for r in requests], params)
             completions = [c for group in outs for c in group]
         else:
             flat = [(r, request.seed, g) for request, group in zip(requests, groups, strict=True)
                     for g, r in enumerate(group)]
             outs = self.engine.generate([r.prompt_ids for r, _, _ in flat], 1,
-                                        [schedule.turn_seed(seed, g, 0) for _, seed, g in flat], self.params)
+                                        [schedule.turn_seed(seed, g, 0) for _, seed, g in flat], params)
             completions = [group[0] for group in outs]
         for rollout, completion in zip([r for g in groups for r in g], completions, strict=True):
             self._append_turn(rollout, completion.ids, completion.logprobs)
@@ -219,11 +224,12 @@ class MultiTurn:
         rollout.mask += [0] * len(suffix)
         return True
 
-    def _next_turn(self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int) -> None:
+    def _next_turn(self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int,
+                   params: GenerationParams) -> None:
         # maxTokens for every turn, then cut to each rollout's budget (as TRL does): one decode length, so the
         # batched CUDA path keeps its captured shapes instead of capturing one per remaining budget
         outs = self.engine.generate([r.history_ids for r in rollouts], 1,
-                                    [schedule.turn_seed(seed, g, turn) for seed, g in seeds], self.params)
+                                    [schedule.turn_seed(seed, g, turn) for seed, g in seeds], params)
         for rollout, [completion] in zip(rollouts, outs, strict=True):
             room = self.params.max_tokens - len(rollout.completion_ids)
             self._append_turn(rollout, completion.ids[:room], completion.logprobs[:room])

@@ -93,6 +93,32 @@ def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterat
     assert all(n == 1 for _, n in mortal_engine.calls[1:])
 
 
+class _WidthRecorder(ScriptedEngine):
+    """The scripted model, noting the prompt width each engine call asks for."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.widths: list[int] = []
+
+    def generate(self, prompts, n, seeds, params):
+        self.widths.append(params.min_prompt_width)
+        return super().generate(prompts, n, seeds, params)
+
+
+def test_every_turn_of_a_task_asks_for_one_prompt_width_that_every_history_fits_in() -> None:
+    """So that the GPU decoder replays one captured shape for all turns (GenerationParams.min_prompt_width)."""
+    tokenizer = smollm2_tokenizer()
+    engine = _WidthRecorder(tokenizer)
+    multiturn = MultiTurn(engine, tokenizer, Toolbox(tools=[calculator], max_iterations=5),
+                          GenerationParams(max_tokens=160), chat_template="qwen2_5")
+    requests = [RolloutRequest(prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2,
+                               seed=i) for i, task in enumerate(SCRIPTS)]
+    rollouts = [r for group in multiturn.rollouts(requests) for r in group]
+    assert len(engine.widths) > 1, "the scripts call tools: more than one turn"
+    assert set(engine.widths) == {max(len(r.prompt_ids) for r in rollouts) + 160}
+    assert all(len(r.prompt_ids) + len(r.completion_ids) <= engine.widths[0] for r in rollouts)
+
+
 def test_tool_suffix_equals_trls() -> None:
     from trl import GRPOTrainer
 

@@ -22,6 +22,7 @@ from mortal.workers.engines.static_decode import (
     RowSchedule,
     Sampling,
     StaticDecoder,
+    graph_rows,
     kv_bytes_per_token,
     processed_logprobs,
     rows_within_budget,
@@ -262,6 +263,46 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
         assert decoder.preparations == 2
     finally:
         model.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fewer_sequences_replay_the_one_compiled_shape_with_idle_rows(model) -> None:
+    """A tool loop's later turns have fewer live rollouts each time: 7, 6 and 5 sequences all replay one
+    captured 8-row shape (graph_rows), the rows past them idle, and each completion keeps the logprobs of
+    a plain forward pass."""
+    cuda_model = model.to("cuda")
+    try:
+        decoder = StaticDecoder(cuda_model, compile=True, sync_every=4)
+        for sequences in (7, 6, 5):
+            prompts = _prompts([5, 11, 3, 8, 13, 6, 9][:sequences], seed=sequences)
+            ids, mask = _left_padded(prompts, 1, width=16)
+            torch.manual_seed(sequences)
+            tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), 24, PLAIN, FREQUENT_EOS)
+            outs = _completions(tokens.cpu(), logprobs.cpu(), FREQUENT_EOS)
+            assert len(outs) == sequences and decoder.last_stats.rows == 8
+            for prompt, c in zip(prompts, outs, strict=True):
+                with torch.no_grad():
+                    logits = cuda_model(torch.tensor([prompt + c.ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
+                expected = processed_logprobs(logits, PLAIN).gather(1, torch.tensor(c.ids, device="cuda")[:, None])
+                torch.testing.assert_close(torch.tensor(c.logprobs), expected.squeeze(1).cpu(), atol=2e-3, rtol=2e-3)
+        assert decoder.preparations == 1
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.parametrize(("sequences", "max_rows", "rows"), [
+    (64, 256, 64),  # a task of 8 prompts x 8: its own count, as before
+    (61, 256, 64),  # a later turn with 61 rollouts left: the same shape
+    (33, 256, 64),
+    (32, 256, 32),
+    (1, 256, 1),
+    (65, 256, 128),
+    (300, 256, 256),  # more sequences than rows: max_rows, refilled
+    (3, 2, 2),
+])
+def test_graph_rows_round_the_sequences_up_to_a_power_of_two_within_max_rows(sequences, max_rows, rows) -> None:
+    assert graph_rows(sequences, max_rows) == rows
 
 
 # A memory budget (rollout.gpuMemoryUtilization x the GPU): the rows come from the spec's and the model's

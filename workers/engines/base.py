@@ -32,6 +32,9 @@ class GenerationParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    # The batched GPU path left-pads prompts to at least this many tokens: the tool loop sets it so that
+    # every turn of a task, its history growing, replays one captured shape. Other paths ignore it.
+    min_prompt_width: int = 0
 
     @classmethod
     def from_spec(cls, spec: GenerationSpec) -> GenerationParams:

@@ -41,7 +41,9 @@ token i with probability p_i, from torch's generator; which sequence goes into w
 depends only on the tokens sampled. So the same sequences, seed, weights and `max_rows` give the
 same tokens on one machine; `max_rows` is part of what the tokens depend on (as the GPU model is).
 Shapes: a step is captured per (R, P, T, sampling) and the `kept_shapes` most recent are kept, so a
-worker whose tasks alternate between two prompt widths replays both without capturing again. Each
+worker whose tasks alternate between two prompt widths replays both without capturing again. R is the
+sequences rounded up to a power of two (graph_rows) and P is padded by the caller (the engine's prompt
+bucket; the tool loop pads every turn of a task to one width), so that a few shapes serve many calls. Each
 kept shape costs its KV cache, R x (P + T) x layers x 2 x kv_heads x head_dim x dtype bytes (for a
 0.5B Qwen2.5 in bf16 at R=256, P+T=576: 256 x 576 x 24 x 2 x 2 x 64 x 2 B = 1.7 GB), plus its
 graph's private memory pool (one step's activations and R x vocab float32 logits, a few hundred MB).
@@ -72,6 +74,14 @@ WORKSPACE_FLOOR = 512 * 2**20
 SAMPLING_COPIES = 4  # float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
+
+
+def graph_rows(sequences: int, max_rows: int) -> int:
+    """Rows of a captured shape for `sequences`: the next power of two, at most max_rows; the rows past
+    the sequences idle. Why: each row count is a shape of its own, compiled and captured anew (30 s
+    for SmolLM2 on an H100, then torch.compile's recompile limit), and a tool loop's later turns have a
+    different count of live rollouts every time (61, 58, ...). A task's 64 sequences keep 64 rows."""
+    return min(max_rows, 1 << max(0, sequences - 1).bit_length())
 
 
 class MemoryBudgetTooSmall(torch.OutOfMemoryError):
@@ -362,9 +372,10 @@ class StaticDecoder:
         return prepared
 
     def rows_for(self, sequences: int, length: int) -> int:
-        """Rows for `sequences` of `length` (prompt + max tokens) columns: all of them up to max_rows, and no
-        more than the memory budget holds (each row: its KV cache and its share of the sampling tensors)."""
-        rows = min(sequences, self.max_rows)
+        """Rows for `sequences` of `length` (prompt + max tokens) columns: all of them up to max_rows (with
+        captured graphs, rounded up as graph_rows says), and no more than the memory budget holds (each row:
+        its KV cache and its share of the sampling tensors)."""
+        rows = graph_rows(sequences, self.max_rows) if self.compile else min(sequences, self.max_rows)
         if self.memory_budget is None:
             return rows
         row_bytes = length * kv_bytes_per_token(self.model) + SAMPLING_COPIES * 4 * self.vocab

@@ -130,9 +130,10 @@ class TransformersEngine(Engine):
         return {"rows": stats.rows, "decode_steps": stats.decode_steps, "refills": stats.refills,
                 "useful_fraction": round(stats.useful_fraction, 3)}
 
-    def _left_padded(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids and attention_mask of every prompt repeated n times, left-padded to the bucket."""
-        width = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+    def _left_padded(self, prompts: list[list[int]], n: int, min_width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and attention_mask of every prompt repeated n times, left-padded to the bucket (and to
+        at least `min_width`)."""
+        width = -(-max(min_width, *(len(p) for p in prompts)) // PROMPT_BUCKET) * PROMPT_BUCKET
         rows = [[self.pad_id] * (width - len(p)) + p for p in prompts for _ in range(n)]
         masks = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(n)]
         return (torch.tensor(rows, dtype=torch.long, device=self.device),
@@ -141,7 +142,7 @@ class TransformersEngine(Engine):
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], n: int, seed: int,
                         params: GenerationParams) -> list[list[Completion]]:
-        input_ids, attention_mask = self._left_padded(prompts, n)
+        input_ids, attention_mask = self._left_padded(prompts, n, params.min_prompt_width)
         sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
         devices = [self._cuda_index()] if self.device.type == "cuda" else []  # CPU: the eager decoder, no CUDA
         with torch.random.fork_rng(devices=devices):
