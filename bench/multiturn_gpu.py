@@ -48,6 +48,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_step import BREAKDOWN  # noqa: E402
 from learning_gpu import local_model  # noqa: E402
 from through_controller import run_through_controller  # noqa: E402
 
@@ -186,7 +187,8 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
     run = TrainingRun.model_validate({"metadata": {"name": "bench-multiturn"}, "spec": spec})
     launched = time.time()
     by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
-    curve = [{"step": s, "seconds": v["ended_at"] - launched, **{k: v[k] for k in SHOWN if k in v}}
+    curve = [{"step": s, "seconds": v["ended_at"] - launched, **{k: v[k] for k in SHOWN if k in v},
+              **{part: v[name] for part, name in BREAKDOWN.items() if name in v}}
              for s, v in sorted(by_step.items()) if "ended_at" in v]
     return {"curve": curve, "wall_seconds": wall}
 
@@ -198,9 +200,14 @@ def summary(curve: list[dict[str, Any]], completions: int) -> dict[str, Any]:
     step_seconds = statistics.median(g for g, _ in gaps)
     tokens = statistics.median(p.get("completions/mean_length", 0.0) for _, p in gaps) * completions
     calls = [p["tools/call_frequency"] for _, p in gaps if "tools/call_frequency" in p]
+    # mortal's step in parts (gpu_step.py's BREAKDOWN: the actor's wait, train and publish; the rollout's
+    # generation, tool calls included, reward and weight load), medians over the same steps
+    parts = {part: round(statistics.median(p[part] for _, p in gaps), 3) for part in BREAKDOWN
+             if all(part in p for _, p in gaps)}
     return {"steps": len(curve), "step_seconds": round(step_seconds, 3), "tokens_per_step": round(tokens, 1),
             "tokens_per_second": round(tokens / step_seconds, 1) if step_seconds else None,
-            "tool_calls_per_completion": round(statistics.mean(calls), 3) if calls else None}
+            "tool_calls_per_completion": round(statistics.mean(calls), 3) if calls else None,
+            **({"parts": parts} if parts else {})}
 
 
 def main() -> None:
