@@ -23,8 +23,9 @@ single-turn rollouts use (so transformers and vLLM both serve it). The loop, for
        per rollout and turn: schedule.turn_seed, maxTokens each), cut to its remaining budget,
        appended with mask 1
 Every engine call of a task asks for prompts padded to one width (the longest prompt + maxTokens,
-which every history fits in: GenerationParams.min_prompt_width), so the GPU decoder replays one
-captured shape for all turns instead of compiling one per history length.
+which every history fits in: GenerationParams.min_prompt_width) and for the rows of its first turn
+(min_rows), so the GPU decoder replays one captured shape for all turns instead of compiling one per
+history length and count of rollouts still talking.
 The completion a rollout returns is everything after its prompt: model tokens, tool-result tokens,
 model tokens..., with one mask entry per token (TRL's tool_mask: 1 = trained, 0 = not). Every choice
 above follows TRL's `_tool_call_loop`; tests/workers/test_multiturn.py runs TRL's own loop on the
@@ -151,8 +152,10 @@ class MultiTurn:
         groups = [self._start(request, name, [next(environments) for _ in range(request.num_generations)])
                   for request, name in zip(requests, names, strict=True)]  # steps 1-2: one instance per rollout
         flat = [r for group in groups for r in group]
-        # every turn's history fits in the longest prompt + maxTokens: padded to that, all turns share one shape
-        params = replace(self.params, min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens)
+        # every turn's history fits in the longest prompt + maxTokens, and every turn's rollouts in the first's
+        # rows: padded to both, all turns share one shape
+        params = replace(self.params, min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens,
+                         min_rows=len(flat))
         self._first_turn(requests, groups, params)  # step 3
         seeds = [(request.seed, g) for request in requests for g in range(request.num_generations)]
         iteration = 0

@@ -93,22 +93,25 @@ def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterat
     assert all(n == 1 for _, n in mortal_engine.calls[1:])
 
 
-class _WidthRecorder(ScriptedEngine):
-    """The scripted model, noting the prompt width each engine call asks for."""
+class _ShapeRecorder(ScriptedEngine):
+    """The scripted model, noting the prompt width and rows each engine call asks for."""
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self.widths: list[int] = []
+        self.rows: list[int] = []
 
     def generate(self, prompts, n, seeds, params):
         self.widths.append(params.min_prompt_width)
+        self.rows.append(params.min_rows)
         return super().generate(prompts, n, seeds, params)
 
 
-def test_every_turn_of_a_task_asks_for_one_prompt_width_that_every_history_fits_in() -> None:
-    """So that the GPU decoder replays one captured shape for all turns (GenerationParams.min_prompt_width)."""
+def test_every_turn_of_a_task_asks_for_one_shape_that_every_history_and_rollout_fits_in() -> None:
+    """So that the GPU decoder replays one captured shape for all turns (GenerationParams.min_prompt_width
+    and min_rows): the longest prompt + maxTokens, and the first turn's rollouts."""
     tokenizer = smollm2_tokenizer()
-    engine = _WidthRecorder(tokenizer)
+    engine = _ShapeRecorder(tokenizer)
     multiturn = MultiTurn(engine, tokenizer, Toolbox(tools=[calculator], max_iterations=5),
                           GenerationParams(max_tokens=160), chat_template="qwen2_5")
     requests = [RolloutRequest(prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2,
@@ -117,6 +120,7 @@ def test_every_turn_of_a_task_asks_for_one_prompt_width_that_every_history_fits_
     assert len(engine.widths) > 1, "the scripts call tools: more than one turn"
     assert set(engine.widths) == {max(len(r.prompt_ids) for r in rollouts) + 160}
     assert all(len(r.prompt_ids) + len(r.completion_ids) <= engine.widths[0] for r in rollouts)
+    assert set(engine.rows) == {len(rollouts)}
 
 
 def test_tool_suffix_equals_trls() -> None:

@@ -291,6 +291,20 @@ def test_fewer_sequences_replay_the_one_compiled_shape_with_idle_rows(model) -> 
         model.to("cpu")
 
 
+def test_min_rows_decodes_fewer_sequences_in_a_larger_shape_with_idle_rows(model) -> None:
+    """A later turn of a tool loop asks for its first turn's rows: the rows past its sequences idle, and
+    each completion keeps the logprobs of a plain forward pass."""
+    decoder = StaticDecoder(model, compile=False, sync_every=4)
+    prompts = _prompts([5, 11, 3])
+    ids, mask = _left_padded(prompts, 1, width=16)
+    torch.manual_seed(2)
+    outs = _completions(*decoder.generate(ids, mask, 12, PLAIN, FREQUENT_EOS, min_rows=6), FREQUENT_EOS)
+    assert len(outs) == 3 and decoder.last_stats.rows == 6 and decoder.last_stats.refills == 0
+    for prompt, c in zip(prompts, outs, strict=True):
+        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, prompt, c.ids, PLAIN),
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("sequences", "max_rows", "rows"), [
     (64, 256, 64),  # a task of 8 prompts x 8: its own count, as before
     (61, 256, 64),  # a later turn with 61 rollouts left: the same shape

@@ -32,9 +32,11 @@ class GenerationParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
-    # The batched GPU path left-pads prompts to at least this many tokens: the tool loop sets it so that
-    # every turn of a task, its history growing, replays one captured shape. Other paths ignore it.
+    # The batched GPU path left-pads prompts to at least min_prompt_width tokens and decodes with at least
+    # min_rows rows: the tool loop sets both so that every turn of a task, its history growing and its
+    # live rollouts fewer, replays one captured shape. Other paths ignore them.
     min_prompt_width: int = 0
+    min_rows: int = 0
 
     @classmethod
     def from_spec(cls, spec: GenerationSpec) -> GenerationParams:

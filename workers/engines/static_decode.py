@@ -353,10 +353,12 @@ class StaticDecoder:
         self.preparations = 0
         self.last_stats: DecodeStats | None = None
 
-    def prepare(self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> PreparedShape:
-        """The kept cache, state and step for `sequences` prompts of this width, or new ones (evicting the least
-        recently used; `preparations` counts them). Callable before generate() to time the compile apart."""
-        rows = self.rows_for(sequences, prompt_len + max_tokens)
+    def prepare(self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling,
+                min_rows: int = 0) -> PreparedShape:
+        """The kept cache, state and step for `sequences` prompts of this width (and at least rows for
+        `min_rows`), or new ones (evicting the least recently used; `preparations` counts them). Callable
+        before generate() to time the compile apart."""
+        rows = self.rows_for(max(sequences, min_rows), prompt_len + max_tokens)
         key = (rows, prompt_len, max_tokens, sampling)
         if key in self._shapes:
             self._shapes.move_to_end(key)
@@ -436,11 +438,12 @@ class StaticDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int,
-                 sampling: Sampling, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                 sampling: Sampling, eos_ids: list[int], min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S, T'], logprobs [S, T']) for S left-padded prompts, in their order; T' is the longest
-        completion's length. What follows a sequence's first EOS is junk the caller cuts (cut_at_eos)."""
+        completion's length. What follows a sequence's first EOS is junk the caller cuts (cut_at_eos).
+        `min_rows`: decode in the shape of that many sequences (the rows past these S idle)."""
         sequences, prompt_len = input_ids.shape
-        shape = self.prepare(sequences, prompt_len, max_tokens, sampling)
+        shape = self.prepare(sequences, prompt_len, max_tokens, sampling, min_rows)
         rows = shape.state.rows
         shape.cache.reset()
         shape.state.stop.zero_()

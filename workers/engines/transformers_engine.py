@@ -148,20 +148,21 @@ class TransformersEngine(Engine):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             # where the decoder's generate() would prepare: the RNG sees the same calls in the same order
-            self._prepare_logged(input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling)
+            self._prepare_logged(input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, params.min_rows)
             tokens, logprobs = self.decoder.generate(input_ids, attention_mask, params.max_tokens, sampling,
-                                                     self.eos_ids)
+                                                     self.eos_ids, params.min_rows)
         ids, lps = tokens.tolist(), logprobs.tolist()
         return [[cut_at_eos(ids[i * n + g], lps[i * n + g], self.eos_ids) for g in range(n)]
                 for i in range(len(prompts))]
 
-    def _prepare_logged(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling) -> None:
+    def _prepare_logged(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling,
+                        min_rows: int = 0) -> None:
         """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
         prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
         served it, and committed to the volume. generate() then reuses the kept shape."""
         before = self.decoder.preparations
         with CompileWatch() as watch:
-            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling)
+            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows)
         if self.decoder.preparations == before:
             return
         log.info("decode shape %d rows x %d+%d tokens prepared in %s", shape.state.rows, prompt_len, max_tokens,
