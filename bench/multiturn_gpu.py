@@ -1,6 +1,7 @@
 """Tool-calling rollouts beside TRL's own tool loop: multi-turn throughput, one invocation, same settings.
 
-    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--only trl|mortal] [--json out.json]
+    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--staleness 0] [--only trl|mortal]
+                                  [--json out.json]
     python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2   # a smoke test, no figures
 
 What runs is specs/examples/calculator-tools.yaml, read from that file so the bench measures what a user
@@ -69,7 +70,7 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec["model"] = {**spec["model"], "name": str(model), "dtype": "float32"}
     spec["algorithm"] = {**spec.get("algorithm", {}), "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
                          "learningRate": args.lr, "beta": 0.0, "lossType": "dapo", "maxSteps": args.steps,
-                         "maxStaleness": 0, "seed": args.seed}
+                         "maxStaleness": args.staleness, "seed": args.seed}
     spec["generation"] = {**spec.get("generation", {}), "engine": "transformers"}
     spec["actor"] = {"gpu": gpu}
     spec["rollout"] = {**spec["rollout"], "gpu": gpu, "replicas": 1, "colocate": not args.cpu}
@@ -221,6 +222,8 @@ def main() -> None:
     parser.add_argument("--warm-start", type=int, default=60, metavar="N",
                         help="SFT steps on tool-calling demonstrations before both sides (0: none)")
     parser.add_argument("--demonstrations", type=int, default=400, help="dataset rows (its last) to demonstrate")
+    parser.add_argument("--staleness", type=int, default=0,
+                        help="mortal's maxStaleness (1: turns of step s+1 generated while step s trains; TRL has no such mode)")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
     parser.add_argument("--json", type=Path)
