@@ -59,7 +59,7 @@ LOSSES = ("fused", "full")
 
 
 def load_model(path: Path, device: str, dtype_name: str = "float32"):
-    """A float32 model and its tokenizer: from a GGUF through mortal's own converter (cached), as
+    """A model in `dtype_name` (float32 unless --precision bf16) and its tokenizer: from a GGUF through mortal's own converter (cached), as
     bench/learning_gpu.py loads it on both sides; from a model folder; or, for a folder that holds only
     a config.json (MORTAL_TEST_ASSETS' smollm2-cfg), random weights of that shape with SmolLM2's
     tokenizer (the step's time does not depend on the weights' values)."""

@@ -60,10 +60,12 @@ def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int
 
 
 def _teacher_forced(model, prompt: list[int], ids: list[int], sampling: Sampling) -> torch.Tensor:
-    """The processed logprobs of `ids` after the unpadded `prompt`, from one plain forward pass."""
+    """The processed logprobs of `ids` after the unpadded `prompt`, from one plain forward pass on the
+    model's device; returned on the CPU."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-    return processed_logprobs(logits, sampling).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        logits = model(torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1 : -1]
+    return processed_logprobs(logits, sampling).gather(1, torch.tensor(ids, device=device)[:, None]).squeeze(1).cpu()
 
 
 def _decode(decoder: StaticDecoder, prompts, n: int, max_tokens: int, eos_ids: list[int], seed: int = 0,
@@ -248,11 +250,8 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
         assert decoder.last_stats.refills == 15 - 4
         assert min(len(c.ids) for c in outs) < max_tokens
         for i, c in enumerate(outs):
-            with torch.no_grad():
-                full = torch.tensor([prompts[i // n] + c.ids], device="cuda")
-                logits = cuda_model(full).logits[0, len(prompts[i // n]) - 1 : -1]
-            expected = processed_logprobs(logits, PLAIN).gather(1, torch.tensor(c.ids, device="cuda")[:, None])
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected.squeeze(1).cpu(), atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(cuda_model, prompts[i // n], c.ids, PLAIN),
+                                       atol=2e-3, rtol=2e-3)
         torch.manual_seed(1)
         again = _completions(*(x.cpu() for x in decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN,
                                                                  FREQUENT_EOS)), FREQUENT_EOS)
@@ -282,10 +281,8 @@ def test_fewer_sequences_replay_the_one_compiled_shape_with_idle_rows(model) -> 
             outs = _completions(tokens.cpu(), logprobs.cpu(), FREQUENT_EOS)
             assert len(outs) == sequences and decoder.last_stats.rows == 8
             for prompt, c in zip(prompts, outs, strict=True):
-                with torch.no_grad():
-                    logits = cuda_model(torch.tensor([prompt + c.ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
-                expected = processed_logprobs(logits, PLAIN).gather(1, torch.tensor(c.ids, device="cuda")[:, None])
-                torch.testing.assert_close(torch.tensor(c.logprobs), expected.squeeze(1).cpu(), atol=2e-3, rtol=2e-3)
+                torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(cuda_model, prompt, c.ids, PLAIN),
+                                           atol=2e-3, rtol=2e-3)
         assert decoder.preparations == 1
     finally:
         model.to("cpu")
