@@ -232,7 +232,9 @@ def main() -> None:
     import torch
 
     model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
-    out: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "example": str(EXAMPLE),
+    out: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                           "gpus": 0 if args.cpu else 1,  # both sides on one GPU (mortal's rollout colocated)
+                           "example": str(EXAMPLE),
                            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="mortal-multiturn-") as tmp:
         if args.warm_start:
