@@ -23,6 +23,7 @@ import pytest
 from polling import wait_for
 
 from mortal.controller import wake
+from mortal.controller.cli.context import modify_spec
 from mortal.controller.manager import Controller
 from mortal.controller.observed import PlanConfig
 from mortal.controller.reconciler import ControllerConfig
@@ -86,11 +87,16 @@ class Harness:
         return row
 
     def change_spec(self, name: str, change: Callable[[dict[str, Any]], None]) -> RunRow:
-        """What `mortalctl scale/suspend/resume` do: compare-and-swap of the spec, then a wake."""
-        row = self.store.get_run(name)
-        spec = dict(row.spec)
-        change(spec)
-        row = self.store.update_spec(name, spec, row.resource_version)
+        """What `mortalctl scale/suspend/resume` do, through their own modify_spec: compare-and-swap of the
+        spec, read again and retried when a status write of the running controller came in between, then a
+        wake."""
+
+        def changed(row: RunRow) -> dict[str, Any]:
+            spec = dict(row.spec)
+            change(spec)
+            return spec
+
+        _, row = modify_spec(self.store, name, changed)
         wake.notify(name)
         return row
 
