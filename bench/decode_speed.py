@@ -1,6 +1,6 @@
 """Generation alone on one GPU: transformers' compiled `generate` against mortal's StaticDecoder.
 
-    python bench/decode_speed.py [--batch 64] [--tokens 256] [--repeats 3] [--json out.json]
+    python bench/decode_speed.py [--batch 64] [--tokens 256] [--repeats 3] [--profile] [--json out.json]
 
 Same model as bench/gpu_step.py (Qwen2.5-0.5B's shape, random init, bf16), `--batch` rows of a
 ~40-token prompt left-padded to 64, `--tokens` completion tokens each (a random-init model rarely
@@ -8,6 +8,9 @@ samples EOS, so every row runs to the end). Each engine is warmed up once (compi
 `--repeats` times; the median is printed. Also checks that the decoder's sampling logprobs agree
 with one plain forward pass over the sampled sequences (the number TRL's importance correction and
 the loss read), as the max absolute difference.
+`--profile` then records one more decoder generate with torch's profiler and prints its GPU kernels by
+total time (the kernels inside the replayed CUDA graphs included), with the count of kernels per
+decode step: where a step's milliseconds go, which bench/gpu_step.py's `limits` only totals.
 Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -37,11 +40,37 @@ def timed(fn, repeats: int) -> tuple[list[float], object]:
     return seconds, out
 
 
+def profile_decoder(generate, decoder, top: int) -> dict:
+    """One generate under torch's profiler: GPU time by kernel name, per decode step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate()
+        torch.cuda.synchronize()
+    steps = decoder.last_stats.decode_steps
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    rows = sorted(((name, sum(t), len(t)) for name, t in kernels.items()), key=lambda r: -r[1])
+    total_us = sum(r[1] for r in rows)
+    count = sum(r[2] for r in rows)
+    print(f"profile: {steps} decode steps, GPU kernel time {total_us / 1e3:.1f} ms "
+          f"({total_us / steps / 1e3:.3f} ms a step), {count / steps:.0f} kernels a step")
+    for name, us, n in rows[:top]:
+        print(f"  {us / steps:8.1f} us/step  {n / steps:6.1f}/step  {us / n:7.2f} us each  {name[:110]}")
+    return {"decode_steps": steps, "gpu_ms_per_step": total_us / steps / 1e3, "kernels_per_step": count / steps,
+            "top": [{"name": name, "us_per_step": us / steps, "calls_per_step": n / steps} for name, us, n in rows[:top]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="profile one more decoder generate, by kernel")
+    parser.add_argument("--top", type=int, default=30, help="kernels printed with --profile")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
@@ -84,6 +113,9 @@ def main() -> None:
           f"mean {out['logprob_mean_abs_diff']:.5f}")
     out["speedup"] = out["transformers_generate_static_compiled"]["median"] / out["static_decoder"]["median"]
     print(f"static decoder / transformers generate: {out['speedup']:.2f}x")
+    if args.profile:
+        out["profile"] = profile_decoder(lambda: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]),
+                                         decoder, args.top)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -47,7 +47,10 @@ bucket; the tool loop pads every turn of a task to one width), so that a few sha
 kept shape costs its KV cache, R x (P + T) x layers x 2 x kv_heads x head_dim x dtype bytes (for a
 0.5B Qwen2.5 in bf16 at R=256, P+T=576: 256 x 576 x 24 x 2 x 2 x 64 x 2 B = 1.7 GB), plus its
 graph's private memory pool (one step's activations and R x vocab float32 logits, a few hundred MB).
-What it must not do: change the model's weights or parameters (the engine owns them), mix sequences
+Construction installs two things on the model, both with its values unchanged: the packed decode
+attention (decode_attention.py) and fused projections (fused_projections.py: q/k/v and gate/up
+parameters become views of one tensor per group), so it is made before the engine loads any weights.
+What it must not do: change the model's weight values (the engine owns them), mix sequences
 of different tasks in one call (exact resume replays a task as one unit), or read the GPU back
 inside the step (no .item(), no Python branching on tensor values: the graph replays blind).
 """
@@ -62,7 +65,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from mortal.workers.engines import decode_attention
+from mortal.workers.engines import decode_attention, fused_projections
 
 SYNC_EVERY = 32  # decode steps between checks for ended rows (each check waits for the GPU)
 # A memory budget's share kept for what the row plan does not count: the CUDA graphs' private pools
@@ -339,6 +342,7 @@ class StaticDecoder:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
         decode_attention.install(model)  # one query token per row reads each key/value head once
+        fused_projections.fuse(model)  # q/k/v and gate/up as one matmul each (before any weight load)
         self.model = model
         self.compile = compile
         self.max_rows = max_rows
