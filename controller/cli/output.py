@@ -16,10 +16,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from ruamel.yaml import YAML
 
 OUTPUT_FORMATS = ("wide", "yaml", "json", "name")
+UNBOUNDED_WIDTH = 100_000  # what a table is measured in when it is not printed to a terminal
 
 
 def console(stderr: bool = False) -> Console:
@@ -76,8 +78,14 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], empty: st
 
 
 def print_renderable(renderable: Any, indent: int = 0) -> None:
-    """Print a rich renderable with trailing spaces stripped from every line (as kubectl's tables)."""
+    """Print a rich renderable with trailing spaces stripped from every line (as kubectl's tables).
+    Not to a terminal (a pipe, a file, a test's runner), a table is printed at its full width whatever
+    COLUMNS says, as kubectl does: rich would otherwise narrow a column to fit, cutting a reason or a
+    name in half where a long event message (a path, say) shares its row."""
     out = console()
+    if not out.is_terminal:
+        unbounded = out.options.update_width(UNBOUNDED_WIDTH)
+        out.width = max(out.width, Measurement.get(out, unbounded, renderable).maximum)
     with out.capture() as captured:
         out.print(renderable)
     pad = " " * indent

@@ -11,7 +11,7 @@ from ruamel.yaml import YAML
 from store_kinds import sqlite_only
 
 from mortal.controller.cli.get import training_conditions
-from mortal.controller.cli.output import age
+from mortal.controller.cli.output import age, print_table
 from mortal.state import open_store
 
 
@@ -60,6 +60,16 @@ def test_age_is_kubectl_short():
     for delta, want in cases.items():
         assert age(now - delta, now) == want
     assert age(None) == "<unknown>"
+
+
+def test_a_table_not_printed_to_a_terminal_keeps_every_column_whole(capsys, monkeypatch):
+    """Piped, kubectl prints a table's full lines: a long message (a path, say) must not squeeze the
+    reason beside it, whatever COLUMNS says."""
+    monkeypatch.setenv("COLUMNS", "60")
+    print_table(("TYPE", "REASON", "AGE", "MESSAGE"), [("Warning", "RestartLimitReached", "5s", "m" * 150)], "none")
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["TYPE", "REASON", "AGE", "MESSAGE"]
+    assert row.split() == ["Warning", "RestartLimitReached", "5s", "m" * 150]
 
 
 def test_get_runs_table(cli, store_of):
