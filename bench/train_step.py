@@ -26,7 +26,9 @@ beta 0, loss dapo, float32 weights. Precisions:
   (bench/gpu_step.py's setting).
 Kernels (--kernels, each precision and loss with each): eager (what the actor runs); liger
 (TrainingArguments' use_liger_kernel: Liger's fused RMSNorm, SwiGLU and RoPE; TRL keeps its own fused
-LM head); compile (TrainingArguments' torch_compile on the model). They say what the same step would
+LM head); compile (TrainingArguments' torch_compile on the model); compile-graphs (the same in torch's
+"reduce-overhead" mode: CUDA graphs over the compiled forward and backward, replayed without the
+host's per-kernel work). They say what the same step would
 take with a kernel library or a compiler, before the actor is given either.
 Losses (--loss, each precision with each):
 - fused: TRL 1.16's own, what the actor runs: the completion tokens' logprobs and entropies from the
@@ -47,6 +49,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -54,7 +57,7 @@ import time
 from pathlib import Path
 
 PRECISIONS = ("fp32", "tf32", "bf16-autocast", "bf16")
-KERNELS = ("eager", "liger", "compile")
+KERNELS = ("eager", "liger", "compile", "compile-graphs")
 LOSSES = ("fused", "full")
 
 
@@ -138,7 +141,8 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
         num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_steps=args.steps, learning_rate=2e-5, loss_type="dapo", beta=0.0, max_completion_length=args.completion_len,
         bf16=precision in ("bf16-autocast", "bf16"), fp16=False, use_liger_kernel=kernels == "liger",
-        torch_compile=kernels == "compile", use_cpu=device == "cpu", logging_steps=1, report_to="none",
+        torch_compile=kernels.startswith("compile"),
+        torch_compile_mode="reduce-overhead" if kernels == "compile-graphs" else None, use_cpu=device == "cpu", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=args.seed,
     )
     if device != "cpu":
@@ -152,7 +156,8 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
         def on_step_begin(self, _args, state, control, **kwargs):
             if args.profile and state.global_step == args.steps - 1 and device != "cpu":
                 profiled["profiler"] = torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                    with_stack=True)
                 profiled["profiler"].__enter__()
             if state.global_step == args.warmup and device != "cpu":
                 torch.cuda.reset_peak_memory_stats()
@@ -182,6 +187,7 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
         table = profiled["profiler"].key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top)
         print(table, flush=True)
         out["profile"] = table
+        out["host"] = host_summary(profiled["profiler"], args.top)
     del trainer, model
     if device != "cpu":
         torch.cuda.empty_cache()
@@ -189,6 +195,66 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
     memory = f", peak {out['peak_memory_gib']:.2f} GiB" if out["peak_memory_gib"] is not None else ""
     print(f"{precision}, {loss} loss, {kernels} kernels: median step {shown} over {len(step_seconds)} steps{memory}", flush=True)
     return out
+
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+PYTHON_FRAME = re.compile(r".+\(\d+\): ")  # how the profiler names a Python line: "file.py(12): function"
+CALLER_EVENTS = ("aten::item", "aten::nonzero", "aten::to", "aten::_to_copy")  # ops whose Python caller a wait is traced to
+
+
+def host_summary(profiler, top: int) -> dict:
+    """Where the profiled step's host time goes: the ops by self CPU time, the points where the host waited
+    for the GPU (a .item(), a synchronize: the GPU then idles until the host launches again), with the
+    Python lines that asked for them, and how much of the step the GPU was busy."""
+    import torch
+
+    events = profiler.events()
+    syncs = {}
+    for event in events:
+        if event.name in SYNC_EVENTS:
+            count, micros = syncs.get(event.name, (0, 0.0))
+            syncs[event.name] = (count + 1, micros + event.cpu_time_total)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach = 0.0, None
+    for start, end in kernels:  # union of kernel intervals
+        if reach is None or start > reach:
+            busy, reach = busy + (end - start), end
+        elif end > reach:
+            busy, reach = busy + (end - reach), end
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    cpu_table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    grouped: dict[tuple[str, ...], list[float]] = {}
+    for event in events:
+        if event.name in CALLER_EVENTS and _waits(event):
+            key = (event.name, *_python_frames(event, 6))
+            grouped.setdefault(key, []).append(event.cpu_time_total)
+    callers = [{"event": key[0], "calls": len(us), "cpu_ms": sum(us) / 1e3, "stack": list(key[1:])}
+               for key, us in sorted(grouped.items(), key=lambda kv: -sum(kv[1]))[:top]]
+    print(cpu_table, flush=True)
+    print("host waits for the GPU:", {k: f"{n} calls, {us / 1e3:.1f} ms" for k, (n, us) in syncs.items()}, flush=True)
+    print(f"GPU busy {busy / 1e3:.1f} ms of the {span / 1e3:.1f} ms from its first kernel to its last", flush=True)
+    for caller in callers:
+        print(f"  {caller['event']}: {caller['calls']} calls, {caller['cpu_ms']:.1f} ms, from", flush=True)
+        for line in caller["stack"]:
+            print(f"      {line}", flush=True)
+    return {"syncs": {k: {"calls": n, "cpu_ms": us / 1e3} for k, (n, us) in syncs.items()},
+            "gpu_busy_ms": busy / 1e3, "gpu_span_ms": span / 1e3, "cpu_table": cpu_table, "sync_callers": callers}
+
+
+def _waits(event) -> bool:
+    """Whether the host waited for the GPU inside `event` (a synchronize or a scalar read below it)."""
+    return event.name in SYNC_EVENTS or any(_waits(child) for child in event.cpu_children)
+
+
+def _python_frames(event, depth: int) -> list[str]:
+    """The Python lines (profiler's 'file.py(line): function' events) above `event`, innermost first."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < depth:
+        if PYTHON_FRAME.match(parent.name):
+            frames.append(parent.name)
+        parent = parent.cpu_parent
+    return frames
 
 
 def main() -> None:
