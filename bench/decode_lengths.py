@@ -12,7 +12,7 @@ stop a sequence at its first EOS or at --tokens. Three ways of generating them, 
   cache_implementation None, disable_compile=True); generate stops when every row has sampled an EOS
   (finished rows are fed padding until then).
 - mortal_all_rows: mortal's StaticDecoder (CUDA graph per step) with max_rows = S: one batch, a row
-  that ended idles until the check (every 32 steps) finds every row ended.
+  that ended idles until the check (every SYNC_EVERY steps) finds every row ended.
 - mortal_rows_R: the same decoder with max_rows = --rows < S: an ended row is refilled with the next
   waiting sequence.
 Each is run once to warm up (compilation and graph capture, not timed), then --repeats times; the

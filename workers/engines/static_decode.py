@@ -67,7 +67,11 @@ from transformers.cache_utils import StaticCache, StaticLayer
 
 from mortal.workers.engines import decode_attention, fused_projections
 
-SYNC_EVERY = 32  # decode steps between checks for ended rows (each check waits for the GPU)
+# Decode steps between checks for ended rows. A check waits for the GPU once (tens of microseconds of idle
+# GPU while Python enqueues the next replays); a row that ended just after one keeps sampling junk until
+# the next. A tool loop's turns are short (10-30 tokens in the calculator bench, a 5 ms step in float32),
+# so at 32 each turn ran about 20 junk steps after its longest row ended.
+SYNC_EVERY = 8
 # A memory budget's share kept for what the row plan does not count: the CUDA graphs' private pools
 # (one step's activations), a prefill's activations, the allocator's rounding and fragmentation. The
 # floor is for what does not shrink with the budget (cuBLAS's workspaces, torch.compile's autotuning
