@@ -22,6 +22,7 @@ from mortal.workers.engines.static_decode import (
     RowSchedule,
     Sampling,
     StaticDecoder,
+    compiled_model,
     graph_rows,
     kv_bytes_per_token,
     processed_logprobs,
@@ -358,3 +359,23 @@ def test_a_budget_without_room_for_one_row_is_an_out_of_memory_naming_the_field(
 
 def decoder_weights(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def test_a_model_compiles_past_dynamos_default_limit_of_eight_shapes(tmp_path) -> None:
+    """Each decode shape is a compilation of its own; past dynamo's default of 8 a shape would run eagerly."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model"), dtype=torch.float32).eval()
+    compiled_graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        compiled_graphs.append(graph_module)
+        return graph_module
+
+    torch._dynamo.reset()
+    forward = compiled_model(model, backend=counting_backend)
+    with torch.no_grad():
+        for width in range(1, 11):
+            forward(input_ids=torch.ones(1, width, dtype=torch.long))
+    assert len(compiled_graphs) == 10
+

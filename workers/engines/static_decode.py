@@ -81,6 +81,25 @@ WORKSPACE_FLOOR = 512 * 2**20
 SAMPLING_COPIES = 4  # float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
+COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
+
+
+def compiled_model(model: Any, backend: str = "inductor") -> Callable[..., Any]:
+    """`model` compiled for decode steps of fixed shapes, up to COMPILED_SHAPES of them.
+
+    Why the limit is raised: compiled with dynamic=False, every shape (rows, P + T) is a compilation of its
+    own, and past dynamo's recompile_limit (8 per code object by default) a new shape is not compiled at
+    all: dynamo runs it eagerly, with a warning in the log, and the CUDA graph then records the
+    unfused kernels. A run whose prompts fall into more than 8 buckets of 64 tokens (prompts of a few
+    to 600 tokens, say) would decode its later shapes that way. The limit is raised only around this
+    model's calls (CUDA graph replays do not call it; the captures' warm-ups do)."""
+    compiled = torch.compile(model, dynamic=False, backend=backend)
+
+    def forward(**kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
+            return compiled(**kwargs)
+
+    return forward
 
 
 def graph_rows(sequences: int, max_rows: int) -> int:
@@ -401,7 +420,7 @@ class StaticDecoder:
 
     def _step_function(self, cache: RowCache, state: DecodeState, sampling: Sampling) -> Callable[[], None]:
         """One decode step over every row: fixed-shape tensor ops only (it is recorded as a CUDA graph)."""
-        forward = torch.compile(self.model, dynamic=False) if self.compile else self.model
+        forward = compiled_model(self.model) if self.compile else self.model
         last_column = state.prompt_len - 1
         max_tokens = state.max_tokens
 
