@@ -361,8 +361,10 @@ def decoder_weights(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def test_a_model_compiles_past_dynamos_default_limit_of_eight_shapes(tmp_path) -> None:
-    """Each decode shape is a compilation of its own; past dynamo's default of 8 a shape would run eagerly."""
+@pytest.mark.parametrize("dynamic,graphs", [(False, 10), (None, 2)])
+def test_a_model_compiles_past_dynamos_default_limit_of_eight_shapes(tmp_path, dynamic, graphs) -> None:
+    """With fixed shapes each width is a compilation of its own (past dynamo's default of 8 a width would
+    run eagerly); automatic dynamic compiles a second width with symbolic sizes that serves the rest."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model"), dtype=torch.float32).eval()
@@ -373,9 +375,9 @@ def test_a_model_compiles_past_dynamos_default_limit_of_eight_shapes(tmp_path) -
         return graph_module
 
     torch._dynamo.reset()
-    forward = compiled_model(model, backend=counting_backend)
+    forward = compiled_model(model, backend=counting_backend, dynamic=dynamic)
     with torch.no_grad():
         for width in range(1, 11):
             forward(input_ids=torch.ones(1, width, dtype=torch.long))
-    assert len(compiled_graphs) == 10
+    assert len(compiled_graphs) == graphs
 

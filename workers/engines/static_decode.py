@@ -84,8 +84,10 @@ DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
 
 
-def compiled_model(model: Any, backend: str = "inductor") -> Callable[..., Any]:
-    """`model` compiled for decode steps of fixed shapes, up to COMPILED_SHAPES of them.
+def compiled_model(model: Any, backend: Any = "inductor", dynamic: bool | None = False) -> Callable[..., Any]:
+    """`model` compiled for decode steps of fixed shapes, up to COMPILED_SHAPES of them. `dynamic`: torch.compile's;
+    None (automatic dynamic) compiles a second shape with symbolic sizes that serves every later one (on
+    the CPU, 2 graphs for 4 prompt widths against 4), untried on a GPU: StaticDecoder keeps False.
 
     Why the limit is raised: compiled with dynamic=False, every shape (rows, P + T) is a compilation of its
     own, and past dynamo's recompile_limit (8 per code object by default) a new shape is not compiled at
@@ -93,7 +95,7 @@ def compiled_model(model: Any, backend: str = "inductor") -> Callable[..., Any]:
     unfused kernels. A run whose prompts fall into more than 8 buckets of 64 tokens (prompts of a few
     to 600 tokens, say) would decode its later shapes that way. The limit is raised only around this
     model's calls (CUDA graph replays do not call it; the captures' warm-ups do)."""
-    compiled = torch.compile(model, dynamic=False, backend=backend)
+    compiled = torch.compile(model, dynamic=dynamic, backend=backend)
 
     def forward(**kwargs: Any) -> Any:
         with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
@@ -360,7 +362,7 @@ class StaticDecoder:
 
     def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
                  kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, dynamic: bool | None = False) -> None:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
@@ -375,6 +377,7 @@ class StaticDecoder:
         self.dtype = next(model.parameters()).dtype
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.memory_budget = memory_budget
+        self.dynamic = dynamic  # torch.compile's, for the decode step (compiled_model); bench/decode_shapes.py compares
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self._shapes: OrderedDict[tuple[int, int, int, Sampling], PreparedShape] = OrderedDict()
         self.preparations = 0
@@ -420,7 +423,7 @@ class StaticDecoder:
 
     def _step_function(self, cache: RowCache, state: DecodeState, sampling: Sampling) -> Callable[[], None]:
         """One decode step over every row: fixed-shape tensor ops only (it is recorded as a CUDA graph)."""
-        forward = compiled_model(self.model) if self.compile else self.model
+        forward = compiled_model(self.model, dynamic=self.dynamic) if self.compile else self.model
         last_column = state.prompt_len - 1
         max_tokens = state.max_tokens
 

@@ -1,0 +1,97 @@
+"""What a new prompt width costs the decoder on one GPU: fixed shapes (the decoder's default) against
+torch.compile's automatic dynamic shapes.
+
+    python bench/decode_shapes.py [--widths 64 128 192 256] [--batch 64] [--tokens 256] [--json out.json]
+
+Why: every decode shape (rows, prompt width P + max tokens T) is compiled on its own with fixed shapes,
+30 s each for SmolLM2 on an H100; a tool loop whose prompts cross a 64-token bucket stalls that long
+mid-run (docs/benchmarks.md, the multi-turn bench's step 14). With dynamic=None torch compiles a second
+width with symbolic sizes that serves every later one (on the CPU: 2 graphs for 4 widths, against 4;
+tests/workers/test_static_decode.py). Open questions this answers on a GPU: does the CUDA graph capture
+of a dynamic-shape step work, what does each new width cost to prepare, and how fast is a decode step
+with symbolic sizes compared with fixed ones.
+
+For each mode (fixed, auto), in a fresh dynamo cache and a fresh StaticDecoder over the same model
+(Qwen2.5-0.5B's shape as bench/gpu_step.py makes it, bf16, random init): for each width in turn, the
+seconds to prepare the shape (compile and capture), then two generates of --batch rows x --tokens
+tokens (the slower is kept), as ms per decode step; and, at the last width, the largest difference
+between the decoder's logprobs and one plain forward over the sampled tokens.
+Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from gpu_step import make_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 192, 256])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+
+    out: dict = {"device": torch.cuda.get_device_name(0), **{k: v for k, v in vars(args).items() if k != "json"},
+                 "modes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16).cuda().eval()
+    sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+    for mode, dynamic in (("fixed", False), ("auto", None)):
+        torch._dynamo.reset()
+        decoder = StaticDecoder(model, dynamic=dynamic, kept_shapes=len(args.widths))
+        rows = []
+        for width in args.widths:
+            ids, mask = _prompts(torch, args.batch, width)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            decoder.prepare(args.batch, width, args.tokens, sampling)
+            torch.cuda.synchronize()
+            prepared = time.perf_counter() - started
+            seconds = []
+            for _ in range(2):
+                started = time.perf_counter()
+                tokens, logprobs = decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2])
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - started)
+            ms = max(seconds) * 1e3 / decoder.last_stats.decode_steps
+            rows.append({"width": width, "prepare_seconds": prepared, "ms_per_decode_step": ms})
+            print(f"{mode}: width {width}: prepared in {prepared:.1f} s, {ms:.3f} ms a decode step", flush=True)
+        diff = _logprob_diff(torch, model, ids, mask, tokens, logprobs)
+        print(f"{mode}: decoder logprobs vs one forward pass at width {args.widths[-1]}: max |diff| {diff:.4f}", flush=True)
+        out["modes"][mode] = {"widths": rows, "logprob_max_abs_diff": diff}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def _prompts(torch, batch: int, width: int):
+    """`batch` prompts of width - 8 random tokens, left-padded to `width`."""
+    real = width - 8
+    prompt = torch.randint(100, 40000, (batch, real), device="cuda")
+    ids = torch.cat([torch.full((batch, width - real), 2, device="cuda"), prompt], 1)
+    mask = torch.cat([torch.zeros(batch, width - real, dtype=torch.long, device="cuda"), torch.ones_like(prompt)], 1)
+    return ids, mask
+
+
+def _logprob_diff(torch, model, ids, mask, tokens, logprobs) -> float:
+    with torch.no_grad():
+        full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full_mask,
+                       position_ids=positions).logits[:, ids.shape[1] - 1 : -1].float()
+        reference = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    return float((reference - logprobs).abs().max())
+
+
+if __name__ == "__main__":
+    main()
