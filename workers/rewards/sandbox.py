@@ -130,6 +130,13 @@ class ExecutionResult:
     error: str | None = None  # why it could not run at all (bad file name, ...)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def ran_out_of_time(self) -> bool:
+        """Ended by the wall clock (timed_out) or by the CPU-seconds limit (SIGXCPU). Why both: the CPU
+        limit defaults to the timeout, so code that spins ends by whichever comes first, and which one
+        does depends on how busy the machine is; to whoever reads the result both are a timeout."""
+        return self.timed_out or self.signal == "SIGXCPU"
+
 
 class Executor(ABC):
     """Runs code somewhere confined. Subclass it for another backend (Modal sandboxes)."""

@@ -23,8 +23,6 @@ from mortal.workers.rewards.environments import (
     extract_code,
     parse_score,
 )
-from mortal.workers.rewards.environments.code_execution import ran_out_of_time
-from mortal.workers.rewards.sandbox import ExecutionResult
 
 REPO = Path(__file__).resolve().parents[3]
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"]
@@ -98,17 +96,6 @@ def test_demo_code_under_main_does_not_run_and_rows_without_tests_are_not_applic
     assert score(env, [with_demo], tests=[])[0] == [None]
     with pytest.raises(ValueError, match="no column 'tests'"):
         env(completions=[with_demo], prompts=["p"], checks=[ADD_TESTS])
-
-
-@pytest.mark.parametrize("timed_out,signal,out_of_time", [
-    (True, "SIGKILL", True),    # the wall clock
-    (False, "SIGXCPU", True),   # the CPU-seconds limit, which defaults to the timeout: a spin may hit it first
-    (False, None, False),
-    (False, "SIGSEGV", False),
-])
-def test_the_wall_clock_and_the_cpu_limit_both_mean_the_code_ran_out_of_time(timed_out, signal, out_of_time) -> None:
-    result = ExecutionResult(False, None, "", "", timed_out, 1.0, signal=signal)
-    assert ran_out_of_time(result) is out_of_time
 
 
 @pytest.mark.usefixtures("sandbox")

@@ -95,6 +95,17 @@ def test_memory_limit_holds(mode: str) -> None:
     assert small.success and small.stdout == "allocated\n"
 
 
+@pytest.mark.parametrize("timed_out,signal,out_of_time", [
+    (True, "SIGKILL", True),    # the wall clock
+    (False, "SIGXCPU", True),   # the CPU-seconds limit, which defaults to the timeout: a spin may hit it first
+    (False, None, False),
+    (False, "SIGSEGV", False),
+])
+def test_the_wall_clock_and_the_cpu_limit_both_mean_the_code_ran_out_of_time(timed_out, signal, out_of_time) -> None:
+    result = ExecutionResult(False, None, "", "", timed_out, 1.0, signal=signal)
+    assert result.ran_out_of_time is out_of_time
+
+
 def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock(mode: str) -> None:
     result = run(mode, "while True:\n    pass", timeout=20, cpu_seconds=1)
     assert not result.success and not result.timed_out and result.duration_seconds < 10

@@ -27,7 +27,7 @@ import secrets
 from typing import Any, ClassVar
 
 from mortal.workers.rewards.environments.base import BuiltinEnvironment, Item, Log, Outcome, column
-from mortal.workers.rewards.sandbox import ExecutionResult, Job, SandboxConfig
+from mortal.workers.rewards.sandbox import Job, SandboxConfig
 
 FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
 OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)$", re.S | re.I)
@@ -93,14 +93,6 @@ def as_tests(value: Any) -> list[str]:
     if isinstance(value, list | tuple) and all(isinstance(t, str) for t in value):
         return [t for t in value if t.strip()]
     raise ValueError(f"code-execution: tests must be a list of assert strings or one string (got {type(value).__name__})")
-
-
-def ran_out_of_time(result: ExecutionResult) -> bool:
-    """Whether the code ran out of its time: the wall clock (timed_out) or the CPU-seconds limit (SIGXCPU).
-    Why both: the CPU limit defaults to the timeout, so code that spins ends by whichever comes first,
-    and which one does depends on how busy the machine is. Both count as a timeout, and neither is
-    cached: another run may have finished in time."""
-    return result.timed_out or result.signal == "SIGXCPU"
 
 
 def _passed(stdout: str, token: str, count: int) -> tuple[set[int], bool]:
@@ -183,13 +175,12 @@ class CodeExecutionEnvironment(BuiltinEnvironment):
         timeouts = 0
         for i, token, count, result in zip(where, tokens, counts, results, strict=True):
             passed, broken = _passed(result.stdout, token, count)
-            out_of_time = ran_out_of_time(result)
-            timeouts += out_of_time
+            timeouts += result.ran_out_of_time
             if self.partial_credit:
                 score = 0.0 if broken else len(passed) / count
             else:
                 score = 1.0 if len(passed) == count and not broken else 0.0
-            outcomes[i] = Outcome(score, cacheable=not out_of_time and result.error is None)
+            outcomes[i] = Outcome(score, cacheable=not result.ran_out_of_time and result.error is None)
         log(f"{self.name}/timeouts", float(timeouts))
         log(f"{self.name}/executions", float(len(jobs)))
         return [o if o is not None else Outcome(None) for o in outcomes]
