@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from decode_speed import forward_logprobs, left_padded_prompts
 from gpu_step import make_model
 
 
@@ -52,7 +53,7 @@ def main() -> None:
         decoder = StaticDecoder(model, dynamic=dynamic, kept_shapes=len(args.widths))
         rows = []
         for width in args.widths:
-            ids, mask = _prompts(torch, args.batch, width)
+            ids, mask = left_padded_prompts(args.batch, real=width - 8, padding=8)
             torch.cuda.synchronize()
             started = time.perf_counter()
             decoder.prepare(args.batch, width, args.tokens, sampling)
@@ -67,30 +68,11 @@ def main() -> None:
             ms = max(seconds) * 1e3 / decoder.last_stats.decode_steps
             rows.append({"width": width, "prepare_seconds": prepared, "ms_per_decode_step": ms})
             print(f"{mode}: width {width}: prepared in {prepared:.1f} s, {ms:.3f} ms a decode step", flush=True)
-        diff = _logprob_diff(torch, model, ids, mask, tokens, logprobs)
+        diff = float((forward_logprobs(model, ids, mask, tokens) - logprobs).abs().max())
         print(f"{mode}: decoder logprobs vs one forward pass at width {args.widths[-1]}: max |diff| {diff:.4f}", flush=True)
         out["modes"][mode] = {"widths": rows, "logprob_max_abs_diff": diff}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
-
-
-def _prompts(torch, batch: int, width: int):
-    """`batch` prompts of width - 8 random tokens, left-padded to `width`."""
-    real = width - 8
-    prompt = torch.randint(100, 40000, (batch, real), device="cuda")
-    ids = torch.cat([torch.full((batch, width - real), 2, device="cuda"), prompt], 1)
-    mask = torch.cat([torch.zeros(batch, width - real, dtype=torch.long, device="cuda"), torch.ones_like(prompt)], 1)
-    return ids, mask
-
-
-def _logprob_diff(torch, model, ids, mask, tokens, logprobs) -> float:
-    with torch.no_grad():
-        full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
-        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full_mask,
-                       position_ids=positions).logits[:, ids.shape[1] - 1 : -1].float()
-        reference = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    return float((reference - logprobs).abs().max())
 
 
 if __name__ == "__main__":

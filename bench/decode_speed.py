@@ -40,6 +40,29 @@ def timed(fn, repeats: int) -> tuple[list[float], object]:
     return seconds, out
 
 
+def left_padded_prompts(batch: int, real: int, padding: int):
+    """(ids, attention mask) on CUDA: `batch` prompts of `real` random tokens after `padding` pad tokens (id 2)."""
+    import torch
+
+    prompt = torch.randint(100, 40000, (batch, real), device="cuda")
+    ids = torch.cat([torch.full((batch, padding), 2, device="cuda"), prompt], 1)
+    mask = torch.cat([torch.zeros(batch, padding, dtype=torch.long, device="cuda"), torch.ones_like(prompt)], 1)
+    return ids, mask
+
+
+def forward_logprobs(model, ids, mask, tokens):
+    """The logprobs of `tokens` after the left-padded prompts `ids`, from one plain forward pass: what the
+    decoder's sampling logprobs are checked against."""
+    import torch
+
+    with torch.no_grad():
+        full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full_mask,
+                       position_ids=positions).logits[:, ids.shape[1] - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
 def profile_decoder(generate, decoder, top: int) -> dict:
     """One generate under torch's profiler: GPU time by kernel name, per decode step."""
     import torch
@@ -81,9 +104,7 @@ def main() -> None:
     out: dict = {"device": torch.cuda.get_device_name(0), **{k: v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16).cuda().eval()
-    prompt = torch.randint(100, 40000, (args.batch, 40), device="cuda")
-    ids = torch.cat([torch.full((args.batch, 24), 2, device="cuda"), prompt], 1)
-    mask = torch.cat([torch.zeros(args.batch, 24, dtype=torch.long, device="cuda"), torch.ones_like(prompt)], 1)
+    ids, mask = left_padded_prompts(args.batch, real=40, padding=24)
 
     def hf_generate():
         with torch.no_grad():
@@ -101,12 +122,7 @@ def main() -> None:
         print(f"{name}: {statistics.median(seconds):.3f} s ({out[name]['tokens_per_second']:.0f} tokens/s) {seconds}",
               flush=True)
     tokens, logprobs = result
-    with torch.no_grad():
-        full = torch.cat([ids, tokens], 1)
-        positions = (torch.cat([mask, torch.ones_like(tokens)], 1).cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(tokens)], 1),
-                       position_ids=positions).logits[:, ids.shape[1] - 1 : -1].float()
-        ref = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    ref = forward_logprobs(model, ids, mask, tokens)
     out["logprob_max_abs_diff"] = float((ref - logprobs).abs().max())
     out["logprob_mean_abs_diff"] = float((ref - logprobs).abs().mean())
     print(f"decoder logprobs vs one forward pass: max |diff| {out['logprob_max_abs_diff']:.4f}, "
