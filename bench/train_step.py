@@ -142,7 +142,8 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
         max_steps=args.steps, learning_rate=2e-5, loss_type="dapo", beta=0.0, max_completion_length=args.completion_len,
         bf16=precision in ("bf16-autocast", "bf16"), fp16=False, use_liger_kernel=kernels == "liger",
         torch_compile=kernels.startswith("compile"),
-        torch_compile_mode="reduce-overhead" if kernels == "compile-graphs" else None, use_cpu=device == "cpu", logging_steps=1, report_to="none",
+        torch_compile_mode="reduce-overhead" if kernels == "compile-graphs" else None,
+        use_cpu=device == "cpu", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=args.seed,
     )
     if device != "cpu":

@@ -380,4 +380,3 @@ def test_a_model_compiles_past_dynamos_default_limit_of_eight_shapes(tmp_path, d
         for width in range(1, 11):
             forward(input_ids=torch.ones(1, width, dtype=torch.long))
     assert len(compiled_graphs) == graphs
-
