@@ -1,6 +1,7 @@
 """Generation alone on one GPU: transformers' compiled `generate` against mortal's StaticDecoder.
 
-    python bench/decode_speed.py [--batch 64] [--tokens 256] [--repeats 3] [--profile] [--json out.json]
+    python bench/decode_speed.py [--batch 64] [--tokens 256] [--repeats 3] [--attention sdpa kernel]
+                                 [--no-transformers] [--profile] [--json out.json]
 
 Same model as bench/gpu_step.py (Qwen2.5-0.5B's shape, random init, bf16), `--batch` rows of a
 ~40-token prompt left-padded to 64, `--tokens` completion tokens each (a random-init model rarely
@@ -11,6 +12,9 @@ the loss read), as the max absolute difference.
 `--profile` then records one more decoder generate with torch's profiler and prints its GPU kernels by
 total time (the kernels inside the replayed CUDA graphs included), with the count of kernels per
 decode step: where a step's milliseconds go, which bench/gpu_step.py's `limits` only totals.
+`--attention`: the decode step's attention, each in a fresh decoder: `kernel` (decode_attention_kernel's
+split-column Triton kernel, the default on a GPU) and `sdpa` (the packed SDPA call before it,
+MORTAL_DECODE_KERNEL=0). `--no-transformers` leaves transformers' generate out.
 Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -87,6 +92,16 @@ def profile_decoder(generate, decoder, top: int) -> dict:
             "top": [{"name": name, "us_per_step": us / steps, "calls_per_step": n / steps} for name, us, n in rows[:top]]}
 
 
+def time_engine(out: dict, name: str, fn, args: argparse.Namespace):
+    """Times `fn` (after one warm-up) into out[name]; returns its last result."""
+    seconds, result = timed(fn, args.repeats)
+    out[name] = {"seconds": seconds, "median": statistics.median(seconds),
+                 "tokens_per_second": args.batch * args.tokens / statistics.median(seconds)}
+    print(f"{name}: {statistics.median(seconds):.3f} s ({out[name]['tokens_per_second']:.0f} tokens/s) {seconds}",
+          flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
@@ -94,6 +109,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile one more decoder generate, by kernel")
     parser.add_argument("--top", type=int, default=30, help="kernels printed with --profile")
+    parser.add_argument("--attention", nargs="+", choices=["kernel", "sdpa"], default=["kernel"])
+    parser.add_argument("--no-transformers", action="store_true", help="time the decoder only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
@@ -112,23 +129,26 @@ def main() -> None:
                                   min_new_tokens=args.tokens, do_sample=True, top_k=0, pad_token_id=2,
                                   cache_implementation="static", return_dict_in_generate=True, output_scores=True)
 
-    decoder = StaticDecoder(model)
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
-    for name, fn in (("transformers_generate_static_compiled", hf_generate),
-                     ("static_decoder", lambda: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]))):
-        seconds, result = timed(fn, args.repeats)
-        out[name] = {"seconds": seconds, "median": statistics.median(seconds),
-                     "tokens_per_second": args.batch * args.tokens / statistics.median(seconds)}
-        print(f"{name}: {statistics.median(seconds):.3f} s ({out[name]['tokens_per_second']:.0f} tokens/s) {seconds}",
-              flush=True)
-    tokens, logprobs = result
-    ref = forward_logprobs(model, ids, mask, tokens)
-    out["logprob_max_abs_diff"] = float((ref - logprobs).abs().max())
-    out["logprob_mean_abs_diff"] = float((ref - logprobs).abs().mean())
-    print(f"decoder logprobs vs one forward pass: max |diff| {out['logprob_max_abs_diff']:.4f}, "
-          f"mean {out['logprob_mean_abs_diff']:.5f}")
-    out["speedup"] = out["transformers_generate_static_compiled"]["median"] / out["static_decoder"]["median"]
-    print(f"static decoder / transformers generate: {out['speedup']:.2f}x")
+    if not args.no_transformers:
+        time_engine(out, "transformers_generate_static_compiled", hf_generate, args)
+    for attention in args.attention:
+        os.environ["MORTAL_DECODE_KERNEL"] = "1" if attention == "kernel" else "0"
+        torch._dynamo.reset()
+        decoder = StaticDecoder(model)
+        name = "static_decoder" if attention == "kernel" else "static_decoder_sdpa"
+        tokens, logprobs = time_engine(
+            out, name, lambda decoder=decoder: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]), args)
+        out[name]["ms_per_decode_step"] = out[name]["median"] * 1e3 / decoder.last_stats.decode_steps
+        ref = forward_logprobs(model, ids, mask, tokens)
+        out[name]["logprob_max_abs_diff"] = float((ref - logprobs).abs().max())
+        out[name]["logprob_mean_abs_diff"] = float((ref - logprobs).abs().mean())
+        print(f"{name}: {out[name]['ms_per_decode_step']:.3f} ms a decode step (wall clock, prefill included); "
+              f"logprobs vs one forward pass: max |diff| {out[name]['logprob_max_abs_diff']:.4f}, "
+              f"mean {out[name]['logprob_mean_abs_diff']:.5f}", flush=True)
+        if not args.no_transformers:
+            out[name]["speedup"] = out["transformers_generate_static_compiled"]["median"] / out[name]["median"]
+            print(f"{name} / transformers generate: {out[name]['speedup']:.2f}x")
     if args.profile:
         out["profile"] = profile_decoder(lambda: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]),
                                          decoder, args.top)

@@ -134,6 +134,8 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from mortal.workers.actor import checkpointing_arg
+
     model, tokenizer = load_model(args.model, device, "bfloat16" if precision == "bf16" else "float32")
     rollout, reward, completion_tokens = fixed_rollout(args, model.config.vocab_size)
     config = GRPOConfig(
@@ -145,6 +147,9 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
         torch_compile_mode="reduce-overhead" if kernels == "compile-graphs" else None,
         use_cpu=device == "cpu", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=args.seed,
+        # the actor's default (spec.model.gradientCheckpointing: false), not GRPOConfig's (true); toggled
+        # per step, checkpointing's embedding hooks also made the compile variants recompile at every step
+        **checkpointing_arg(args.gradient_checkpointing),
     )
     if device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
@@ -276,6 +281,8 @@ def main() -> None:
     parser.add_argument("--fixed-lengths", action="store_true",
                         help="every completion --completion-len tokens (bench/gpu_step.py's forced lengths)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations in backward (spec.model.gradientCheckpointing; off by default, as in the actor)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (GPU only)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
     parser.add_argument("--cpu", action="store_true", help="smoke test on the CPU: tiny sizes, figures meaningless")

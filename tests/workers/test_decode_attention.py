@@ -12,7 +12,7 @@ import torch
 from rollout_helpers import assets_available, make_tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mortal.workers.engines import decode_attention
+from mortal.workers.engines import decode_attention, decode_attention_kernel
 from mortal.workers.engines.static_decode import StaticDecoder
 
 
@@ -90,3 +90,62 @@ def test_the_decoders_steps_take_the_packed_path(tmp_path, monkeypatch) -> None:
     decode_calls = [shape for shape in seen if shape[1:3] == (kv_heads, groups)]
     assert len(decode_calls) == layers * decoder.last_stats.decode_steps > 0
     assert all(shape[1] == model.config.num_attention_heads for shape in seen if shape not in decode_calls)
+
+
+@pytest.mark.parametrize("pairs,columns,processors,expected", [
+    (128, 512, 132, 3),   # 64 rows x 2 heads on an H100: three slices make two programs a processor
+    (4, 96, 132, 2),      # few rows: as many slices as blocks of columns, no more
+    (512, 512, 132, 1),   # many rows fill the GPU unsplit
+    (1, 10, 132, 1),      # a short cache is one block
+])
+def test_the_kernel_splits_columns_until_every_processor_has_two_programs(pairs, columns, processors, expected) -> None:
+    assert decode_attention_kernel.slices_for(pairs, columns, processors) == expected
+
+
+def test_the_kernel_is_not_used_off_a_gpu() -> None:
+    q, k, v, _ = _inputs(batch=2, heads=6, kv_heads=2, q_len=1, length=8)
+    assert not decode_attention_kernel.supports(q.reshape(2, 2, 3, 16), k, v)
+
+
+needs_kernel = pytest.mark.skipif(not torch.cuda.is_available() or decode_attention_kernel.triton is None,
+                                  reason="needs a CUDA GPU and Triton")
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows,heads,kv_heads,length", [(64, 14, 2, 512), (5, 9, 3, 70), (2, 8, 1, 1030)])
+def test_the_kernel_gives_sdpas_attention(dtype, tolerance, rows, heads, kv_heads, length) -> None:
+    """Against SDPA on the same packed query, with rows whose padding, unreached columns and scattered
+    hidden columns are masked, and an idle row that sees nothing (zeros from the kernel: it is junk)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    groups = heads // kv_heads
+    q = torch.randn(rows, kv_heads, groups, 64, device="cuda", generator=generator, dtype=dtype)
+    k, v = (torch.randn(rows, kv_heads, length, 64, device="cuda", generator=generator, dtype=dtype) for _ in range(2))
+    hidden = torch.rand(rows, length, device="cuda", generator=generator) < 0.2
+    hidden[:, length // 2:] = True  # columns no row has reached
+    hidden[0, : length // 3] = True  # a long left padding
+    hidden[:, length // 2 - 1] = False
+    hidden[-1] = True  # idle
+    mask = torch.zeros(rows, length, device="cuda", dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
+    got = torch.ops.mortal.decode_attention(q, k, v, mask, 0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None], scale=0.125)
+    torch.testing.assert_close(got[:-1], expected[:-1], atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_the_packed_path_takes_the_kernel_on_a_gpu_compiled_and_graphed() -> None:
+    """Inside torch.compile and a CUDA graph, as the decode step runs it: the same output as SDPA's path."""
+    module = SimpleNamespace(num_key_value_groups=7, is_causal=True, training=False)
+    q, k, v, mask = (t.cuda().to(torch.bfloat16) for t in _inputs(batch=8, heads=14, kv_heads=2, q_len=1, length=300))
+    q, k, v = (torch.nn.functional.pad(t, (0, 48)) for t in (q, k, v))  # head size 64
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)
+    compiled = torch.compile(lambda *a: decode_attention.packed_decode_attention(module, *a, scaling=0.125)[0])
+    compiled(q, k, v, mask)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(q, k, v, mask)
+    graph.replay()
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)

@@ -15,7 +15,8 @@ G = 7, both took about 10 ms per decode step on an H100, bench/decode_lengths.py
 query token, the G query heads of one key/value head can instead be laid out as G query positions of
 that head: SDPA then reads each head's K and V once and computes the same scores. The mask a decode
 step passes ([rows, 1, 1, P + T], one row of columns shared by every head) broadcasts over them
-unchanged, so nothing else in the decoder changes.
+unchanged, so nothing else in the decoder changes. On a CUDA GPU with Triton the packed call goes to
+decode_attention_kernel's split-column kernel instead of SDPA (it skips the columns a row cannot see).
 
 What it must not do: change the model's weights, its results beyond floating-point summation order
 (tests/workers/engines/test_decode_attention.py compares it with transformers' sdpa), or the
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from mortal.workers.engines import decode_attention_kernel
 
 NAME = "mortal_decode_sdpa"
 
@@ -48,8 +51,19 @@ def packed_decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     # query head h reads key/value head h // G (repeat_kv's order), so [B, H, 1, D] -> [B, H_kv, G, D]
     packed = query.reshape(batch, heads // groups, groups, dim)
     mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    if decode_attention_kernel.supports(packed, key, value) and mask is not None:
+        out = torch.ops.mortal.decode_attention(packed, key, value, additive(mask, query.dtype)[:, 0, 0].expand(batch, -1),
+                                                dim ** -0.5 if scaling is None else scaling)
+        return out.view(batch, 1, heads, dim), None
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: seen) as SDPA's additive one; an additive mask as it is."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def install(model: Any) -> bool:
