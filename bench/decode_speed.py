@@ -14,7 +14,7 @@ total time (the kernels inside the replayed CUDA graphs included), with the coun
 decode step: where a step's milliseconds go, which bench/gpu_step.py's `limits` only totals.
 `--attention`: the decode step's attention, each in a fresh decoder: `kernel` (decode_attention_kernel's
 split-column Triton kernel, the default on a GPU) and `sdpa` (the packed SDPA call before it,
-MORTAL_DECODE_KERNEL=0). `--no-transformers` leaves transformers' generate out.
+MORTAL_DECODE_KERNEL=0). `--no-transformers` leaves transformers' generate out. `--profile` records the first `--attention`'s decoder.
 Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -132,10 +132,11 @@ def main() -> None:
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
     if not args.no_transformers:
         time_engine(out, "transformers_generate_static_compiled", hf_generate, args)
+    decoders = {}
     for attention in args.attention:
         os.environ["MORTAL_DECODE_KERNEL"] = "1" if attention == "kernel" else "0"
         torch._dynamo.reset()
-        decoder = StaticDecoder(model)
+        decoder = decoders[attention] = StaticDecoder(model)
         name = "static_decoder" if attention == "kernel" else "static_decoder_sdpa"
         tokens, logprobs = time_engine(
             out, name, lambda decoder=decoder: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]), args)
@@ -149,9 +150,10 @@ def main() -> None:
         if not args.no_transformers:
             out[name]["speedup"] = out["transformers_generate_static_compiled"]["median"] / out[name]["median"]
             print(f"{name} / transformers generate: {out[name]['speedup']:.2f}x")
-    if args.profile:
-        out["profile"] = profile_decoder(lambda: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]),
-                                         decoder, args.top)
+    if args.profile:  # the first --attention's decoder: its graphs are captured, replays need no compiling
+        decoder = decoders[args.attention[0]]
+        out["profile"] = {"attention": args.attention[0], **profile_decoder(
+            lambda: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[2]), decoder, args.top)}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
