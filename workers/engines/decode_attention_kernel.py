@@ -99,7 +99,8 @@ if triton is not None:
             if tl.max(hidden, axis=0) > -1.0e30:  # a block of columns this row cannot see is not read
                 k = tl.load(k_base + cols[:, None] * stride_kl + d[None, :], mask=inside[:, None], other=0.0)
                 v = tl.load(v_base + cols[:, None] * stride_vl + d[None, :], mask=inside[:, None], other=0.0)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                # (cast: compiled by inductor, scale_log2 may arrive as a float64 constant)
+                scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2).to(tl.float32)
                 scores = tl.where(hidden[None, :] > -1.0e30, scores + hidden[None, :] * 1.4426950408889634,
                                   float("-inf"))
                 new_max = tl.maximum(running_max, tl.max(scores, axis=1))
