@@ -122,7 +122,7 @@ class CodeAgentEnvironment:
         if result.success and token in result.stdout:
             self.passed = True
             return "All tests passed."
-        if result.timed_out:
+        if result.ran_out_of_time:  # the wall clock or the CPU-seconds limit, whichever ended it first
             return "Failed: the code timed out."
         detail = (result.error or result.stderr or result.stdout).strip()
         return "Failed:\n" + detail[-800:]

@@ -391,6 +391,25 @@ def test_the_code_agent_runs_the_models_code_in_the_sandbox_and_reports_failures
     assert env.get_reward() == 0.0
 
 
+@pytest.mark.parametrize("timed_out,signal", [(True, "SIGKILL"), (False, "SIGXCPU")])
+def test_the_code_agent_reports_a_timeout_whichever_limit_ended_the_code(timed_out, signal) -> None:
+    """The CPU-seconds limit defaults to the wall-clock timeout, so a spinning loop is ended by either:
+    the model is told "timed out" both ways, not SIGXCPU's empty stderr."""
+    from mortal.workers.builtin_tools import CodeAgentEnvironment
+    from mortal.workers.rewards.sandbox import ExecutionResult
+
+    class Ended:
+        def execute_in_sandbox(self, program: str) -> ExecutionResult:
+            return ExecutionResult(success=False, exit_code=None, stdout="", stderr="", timed_out=timed_out,
+                                   duration_seconds=1.0, signal=signal)
+
+    env = CodeAgentEnvironment()
+    env.reset(tests=["assert f() == 1"])
+    env._sandbox = Ended()
+    assert env.run_tests("def f():\n    while True: pass\n") == "Failed: the code timed out."
+    assert env.get_reward() == 0.0
+
+
 class _BrokenReset:
     def reset(self, **row: Any) -> None:
         raise KeyError("no such column")
