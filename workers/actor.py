@@ -212,6 +212,7 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int =
         top_p=gen.top_p,
         top_k=gen.top_k or 0,
         **checkpointing_arg(spec.model.gradient_checkpointing),
+        torch_compile=spec.actor.compile,
         use_cpu=device == "cpu",
         bf16=dtype == torch.bfloat16,
         fp16=False,
