@@ -7,7 +7,8 @@
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
 8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b|7b` takes Qwen2.5's
 larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides;
-`--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's).
+`--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
+`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile).
 A step's seconds, on both sides, are the wall clock between its end and the previous step's end
 (TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
 step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
@@ -204,6 +205,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
         use_cpu=args.cpu,
         generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=args.gradient_checkpointing,
+        torch_compile=args.compile,
     )
     peft = None
     if args.lora:  # the same adapters as mortal's model.lora (alpha 2r, every linear layer but the LM head)
@@ -232,7 +234,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
                       **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "none" if args.cpu else "H100"},
+        "actor": {"gpu": "none" if args.cpu else "H100", "compile": args.compile},
         "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
                     "colocate": args.gpus == 1 and not args.cpu},
         "sync": {"method": args.sync},
@@ -365,6 +367,8 @@ def main() -> None:
                         help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
                              "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the trained model on both sides (TRL's torch_compile, mortal's actor.compile)")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
