@@ -31,13 +31,15 @@ from pathlib import Path
 from decode_speed import forward_logprobs, left_padded_prompts
 from gpu_step import make_model
 
+MODES = {"fixed": False, "auto": None}  # --modes: StaticDecoder's `dynamic` (torch.compile's) for each
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 192, 256])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", choices=["fixed", "auto"], default=["fixed", "auto"],
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="fixed: dynamic=False (the decoder's default); auto: dynamic=None")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -51,9 +53,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16).cuda().eval()
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
-    for mode, dynamic in [(m, {"fixed": False, "auto": None}[m]) for m in args.modes]:
+    for mode in args.modes:
         torch._dynamo.reset()
-        decoder = StaticDecoder(model, dynamic=dynamic, kept_shapes=len(args.widths))
+        decoder = StaticDecoder(model, dynamic=MODES[mode], kept_shapes=len(args.widths))
         rows = []
         for width in args.widths:
             ids, mask = left_padded_prompts(args.batch, real=width - 8, padding=8)
