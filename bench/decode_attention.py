@@ -37,7 +37,7 @@ def main() -> None:
 
     heads, kv_heads, dim = 14, 2, 64
     groups = heads // kv_heads
-    out: dict = {"device": torch.cuda.get_device_name(0), "columns": args.columns, "results": {}}
+    out: dict = {"device": torch.cuda.get_device_name(0), "gpus": 1, "columns": args.columns, "results": {}}
 
     def packed(q, k, v, mask):
         b = q.shape[0]

@@ -118,7 +118,7 @@ def main() -> None:
 
     from mortal.workers.engines.static_decode import Sampling, StaticDecoder
 
-    out: dict = {"device": torch.cuda.get_device_name(0), **{k: v for k, v in vars(args).items() if k != "json"}}
+    out: dict = {"device": torch.cuda.get_device_name(0), "gpus": 1, **{k: v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16).cuda().eval()
     ids, mask = left_padded_prompts(args.batch, real=40, padding=24)
