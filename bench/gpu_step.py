@@ -8,7 +8,8 @@ The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's
 8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b|7b` takes Qwen2.5's
 larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides;
 `--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
-`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile).
+`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile mortal`
+on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster: docs/benchmarks.md).
 A step's seconds, on both sides, are the wall clock between its end and the previous step's end
 (TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
 step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
@@ -128,6 +129,14 @@ def prompt_tokens_per_step(model: Path, args: argparse.Namespace) -> int:
     return args.gens * sum(len(tokenizer(r["prompt"])["input_ids"]) for r in prompt_rows()[: args.prompts])
 
 
+def use_compile_cache(folder: Path) -> None:
+    """torch.compile's caches in `folder` for this process and the workers it starts (who inherit it: a user's
+    own TORCHINDUCTOR_CACHE_DIR wins over MORTAL_HOME's compile-cache folder), so a later invocation with
+    the same folder finds what an earlier one compiled, on both sides."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve() / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder.resolve() / "triton")
+
+
 def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
     """Per rollout task from `first_step` on: its generation seconds / its decode steps, in ms."""
     out = []
@@ -205,7 +214,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
         use_cpu=args.cpu,
         generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=args.gradient_checkpointing,
-        torch_compile=args.compile,
+        torch_compile=args.compile == "both",
     )
     peft = None
     if args.lora:  # the same adapters as mortal's model.lora (alpha 2r, every linear layer but the LM head)
@@ -234,7 +243,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
                       **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "none" if args.cpu else "H100", "compile": args.compile},
+        "actor": {"gpu": "none" if args.cpu else "H100", "compile": args.compile is not None},
         "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
                     "colocate": args.gpus == 1 and not args.cpu},
         "sync": {"method": args.sync},
@@ -367,8 +376,10 @@ def main() -> None:
                         help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
                              "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the trained model on both sides (TRL's torch_compile, mortal's actor.compile)")
+    parser.add_argument("--compile", nargs="?", const="both", choices=["both", "mortal"],
+                        help="torch.compile the trained model: on both sides (TRL's torch_compile, mortal's "
+                        "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
+                        "faster: docs/benchmarks.md)")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
@@ -376,6 +387,8 @@ def main() -> None:
                         help="Qwen2.5's shape of this size, random weights (the anchor's is 0.5b)")
     parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
                         "unless given (figures meaningless, limits n/a)")
+    parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches (both sides') in this folder, "
+                        "kept across invocations; default: TRL's in torch's default folder, mortal's fresh per invocation")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
@@ -390,8 +403,10 @@ def main() -> None:
                 setattr(args, flag[2:], value)
     out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
                  "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
-                 **{k: v for k, v in vars(args).items() if k != "json"}}
+                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
     args.decode_ms, args.gpu_busy, args.peak_memory_mib = [], {}, {}
+    if args.compile_cache:
+        use_compile_cache(args.compile_cache)
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         model = make_model(work / "model", "tiny" if args.cpu else args.shape)

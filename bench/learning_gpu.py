@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_step import use_compile_cache  # noqa: E402
 from through_controller import run_through_controller  # noqa: E402
 
 REWARD = "math_answer"
@@ -346,9 +347,8 @@ def main() -> None:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    if args.compile_cache:  # inherited by the workers, where a user's own setting wins over MORTAL_HOME's folder
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.compile_cache.resolve() / "inductor")
-        os.environ["TRITON_CACHE_DIR"] = str(args.compile_cache.resolve() / "triton")
+    if args.compile_cache:
+        use_compile_cache(args.compile_cache)
 
     rows = task_rows()
     model = local_model(args.model) if args.model.suffix == ".gguf" else args.model

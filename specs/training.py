@@ -221,9 +221,11 @@ class ActorSpec(SpecModel):
     compile: bool = Field(
         False,
         description="Compile the model the actor trains with torch.compile (TRL's torch_compile): fused kernels in "
-        "forward and backward. Qwen2.5-0.5B's shape in bf16 on an H100: 0.176 s a training step against 0.210 s "
-        "eager, and 21 GiB peak against 27, after a first step of 79 s that compiles (one run of "
-        "bench/train_step.py). Each new sequence length may compile again until torch marks it dynamic.",
+        "forward and backward. Qwen2.5-0.5B's shape in bf16 on one H100, actor and rollout colocated: the actor "
+        "trains a step in 0.15-0.21 s against 0.21-0.38 s eager, and the run steps 16.1-21.1x faster than TRL "
+        "against 11.3-16.7x (bench/gpu_step.py --compile mortal, docs/benchmarks.md). It pays at the start: the "
+        "first step compiles (68 s) and the second again with symbolic lengths (109 s); 22 s and 36 s with the "
+        "run's compile cache warm. Worth it for runs of thousands of steps, not for short ones.",
     )
 
 
