@@ -44,7 +44,7 @@ from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
-from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
+from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
 from mortal.workers.storage import CheckpointStorage, StorageError
 from mortal.workers.weights import WeightPublisher
 
@@ -102,7 +102,8 @@ def main(ctx: WorkerContext) -> int:
                      f" (resuming from {resume.path})" if resume else "",
                      f" on {spec.actor.count} ranks (FSDP2)" if ranks else "")
         # a sharded checkpoint is restored by the loop (on_train_begin): Trainer's resume refuses load-time sharding
-        trainer.train(resume_from_checkpoint=resume.path if resume and ranks is None else None)
+        with startup_objects_frozen():
+            trainer.train(resume_from_checkpoint=resume.path if resume and ranks is None else None)
         finished = True
     except StopRequested as exc:
         ctx.log.info("%s", exc)
@@ -437,8 +438,8 @@ def follow(run: Any, ranks: sharded.Ranks) -> None:
     follower = Follower(spec, ranks)
     follower.trainer = make_trainer(spec, str(paths.run_dir(run.name) / "actor"), follower, follower.rollout,
                                     ranks.world)
-    with contextlib.suppress(StopRequested):  # rank 0 stopped while waiting for rollouts: it checkpointed first
-        follower.trainer.train()
+    with contextlib.suppress(StopRequested), startup_objects_frozen():
+        follower.trainer.train()  # StopRequested: rank 0 stopped while waiting for rollouts, checkpointed first
 
 
 class Follower(TrainerCallback):

@@ -44,7 +44,7 @@ from mortal.workers.models import (
 )
 from mortal.workers.multiturn import MultiTurn, Rollout
 from mortal.workers.rewards import RewardSet
-from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext
+from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
 from mortal.workers.tools import Toolbox
 
 # Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
@@ -272,7 +272,8 @@ def main(ctx: WorkerContext) -> int:
     worker = build(ctx)
     ctx.report(weight_version=worker.loaded_version)
     try:
-        worker.run()
+        with startup_objects_frozen():
+            worker.run()
     finally:
         worker.engine.close()
     return EXIT_SUCCEEDED

@@ -5,11 +5,13 @@ reports, SIGTERM and heartbeats are the runtime's, on SQLite only (tests/store_k
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import sqlite3
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from mortal.workers.runtime import (
     EXIT_RETRYABLE,
     WorkerContext,
     load_run,
+    startup_objects_frozen,
     worker_ref_from_env,
 )
 from mortal.workers.simulated import simulated_run
@@ -226,3 +229,26 @@ def test_cpu_threads_give_the_actor_every_core_and_split_them_among_rollouts():
     assert cpu_threads("rollout", run("none", 2), cores=8) == 4
     assert cpu_threads("rollout", run("none", 3), cores=2) == 1
     assert cpu_threads("actor", run("H100", 2), cores=8) is None
+
+
+class _Node:
+    """An object in a reference cycle: only the garbage collector frees it."""
+
+    def __init__(self) -> None:
+        self.itself = self
+
+
+def test_a_workers_loop_runs_with_its_startup_objects_out_of_full_collections() -> None:
+    """What was alive as the loop started (imports, model, trainer) is frozen: full collections skip it.
+    Start-up's garbage is collected first rather than frozen, and everything is put back after the loop."""
+    garbage, alive = _Node(), _Node()
+    garbage_ref = weakref.ref(garbage)
+    del garbage
+    with startup_objects_frozen():
+        assert garbage_ref() is None
+        assert gc.get_freeze_count() > 0
+        assert not any(obj is alive for obj in gc.get_objects())  # frozen objects are not tracked
+        during = _Node()
+        assert any(obj is during for obj in gc.get_objects())  # what the loop makes is collected as usual
+    assert gc.get_freeze_count() == 0
+    assert any(obj is alive for obj in gc.get_objects())
