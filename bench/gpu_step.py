@@ -61,7 +61,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from through_controller import run_through_controller
+from through_controller import copy_logs, exit_on_sigterm, run_through_controller
 
 BREAKDOWN = {"wait": "actor/wait_seconds", "train": "actor/train_seconds", "publish": "weights/publish_seconds",
              "generate": "rollout/generation_seconds", "reward": "rollout/reward_seconds",
@@ -390,6 +390,7 @@ def main() -> None:
     parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches (both sides') in this folder, "
                         "kept across invocations; default: TRL's in torch's default folder, mortal's fresh per invocation")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     args = parser.parse_args()
     if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
@@ -403,41 +404,64 @@ def main() -> None:
                 setattr(args, flag[2:], value)
     out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
                  "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
-                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
+                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "logs")}}
     args.decode_ms, args.gpu_busy, args.peak_memory_mib = [], {}, {}
     if args.compile_cache:
         use_compile_cache(args.compile_cache)
+    exit_on_sigterm()
+    try:
+        measure(args, out)
+    except BaseException as exc:  # a time limit (SIGTERM), an error: what was measured is written all the same
+        out["interrupted"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+
+
+def measure(args: argparse.Namespace, out: dict) -> None:
+    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio."""
+
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
-        model = make_model(work / "model", "tiny" if args.cpu else args.shape)
-        if args.only != "mortal":
-            try:
-                out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
-            except torch.OutOfMemoryError as error:  # a finding at the larger shapes, not a failure of the bench
-                out["trl"] = {"out_of_memory": str(error).splitlines()[0]}
-                print(f"TRL GRPOTrainer ran out of GPU memory: {out['trl']['out_of_memory']}", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-        if args.only != "trl":
-            where = "colocated" if args.gpus == 1 else f"on {args.gpus - 1} GPU(s) of their own"
-            if not args.cpu:  # what TRL's side left behind in this process is memory mortal's workers lack
-                out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
-                print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
-                      f"mortal starts", flush=True)
-            out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
-                                      f"{args.staleness})", run_mortal(model, args, work))
-            out["gpu_busy"] = args.gpu_busy
-            out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
-            out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
-                                   prompt_tokens_per_step(model, args), lora=bool(args.lora))
+        try:
+            run_both_sides(work, args, out)
+        finally:
+            if args.logs:
+                copy_logs(work, args.logs)
     out["peak_gpu_memory_mib"] = args.peak_memory_mib  # side -> GPU index -> MiB (nvidia-smi, every process)
     print(f"peak GPU memory (MiB, nvidia-smi): {args.peak_memory_mib}")
     if "completion_tokens_per_second" in out.get("trl", {}) and "mortal" in out:
         out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
                                   / out["trl"]["completion_tokens_per_second"])
         print(f"mortal / TRL throughput: {out['mortal_over_trl']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+
+
+def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
+    """TRL, then mortal, each into `out` as it ends (a run cut short keeps what had ended)."""
+    import torch
+
+    model = make_model(work / "model", "tiny" if args.cpu else args.shape)
+    if args.only != "mortal":
+        try:
+            out["trl"] = summarize("TRL GRPOTrainer", run_trl(model, args, work))
+        except torch.OutOfMemoryError as error:  # a finding at the larger shapes, not a failure of the bench
+            out["trl"] = {"out_of_memory": str(error).splitlines()[0]}
+            print(f"TRL GRPOTrainer ran out of GPU memory: {out['trl']['out_of_memory']}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    if args.only != "trl":
+        where = "colocated" if args.gpus == 1 else f"on {args.gpus - 1} GPU(s) of their own"
+        if not args.cpu:  # what TRL's side left behind in this process is memory mortal's workers lack
+            out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
+            print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
+                  f"mortal starts", flush=True)
+        out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
+                                  f"{args.staleness})", run_mortal(model, args, work))
+        out["gpu_busy"] = args.gpu_busy
+        out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
+        out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
+                               prompt_tokens_per_step(model, args), lora=bool(args.lora))
 
 
 if __name__ == "__main__":

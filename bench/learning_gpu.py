@@ -55,7 +55,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -64,7 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import use_compile_cache  # noqa: E402
-from through_controller import run_through_controller  # noqa: E402
+from through_controller import copy_logs, run_through_controller  # noqa: E402
 
 REWARD = "math_answer"
 REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
@@ -210,9 +209,7 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
     prepared = [line.split("] ", 1)[-1].strip() for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log"))
                 for line in log.read_text(errors="replace").splitlines() if "decode shape" in line and "prepared in" in line]
     if args.logs:  # the controller's and workers' logs (start-up, compile lines), before the folder goes
-        args.logs.mkdir(parents=True, exist_ok=True)
-        for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log")]:
-            shutil.copy(log, args.logs / log.name)
+        copy_logs(work, args.logs)
     return {"curve": curve, "wall_seconds": wall, "decode_prepared": prepared}
 
 

@@ -7,19 +7,33 @@
 
 The run goes into a fresh SQLite store under `work/mortal-home`, a `python -m mortal.controller`
 subprocess (log: work/controller.log) trains it to the end, and the store's metrics come back by
-step. A run that does not succeed stops the benchmark with its status.
+step. A run that does not succeed stops the benchmark with its status. A bench cut short (SIGTERM from
+`timeout` or the device's limit, an error) deletes the unfinished run, so the controller stops its
+workers before it is terminated itself: nothing is left running on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this bench as SystemExit (exit status 143), so its `finally` blocks run.
+
+    Why: `timeout` and the device's per-call limit end a bench with SIGTERM, which by default ends Python
+    at once: the controller subprocess and its workers would be left running on the GPU, and what the
+    bench had measured so far would be lost with it. Call it from the main thread."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 @contextlib.contextmanager
@@ -33,14 +47,46 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
     store = open_store(url)
     store.apply_run(run.name, run.spec_dict(), run.metadata.labels, run.metadata.annotations)
     env = {**os.environ, "MORTAL_HOME": str(home), "MORTAL_STATE_URL": url, "WANDB_MODE": "disabled"}
+    if threading.current_thread() is threading.main_thread():
+        exit_on_sigterm()  # a time limit ends the block through its finally, which stops the workers
     with open(work / "controller.log", "w") as log:
+        # A session of its own: `timeout` signals its whole process group, and the controller must outlive
+        # the bench's SIGTERM long enough to stop the workers (stop_workers) before it is terminated.
         controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT)
+                                      stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield store
         finally:
+            if store.get_run(run.name).phase not in ("Succeeded", "Failed"):
+                stop_workers(store, run.name)
             controller.terminate()
             controller.wait(60)
+
+
+def stop_workers(store: Any, name: str, seconds: float = 60.0) -> None:
+    """Delete a run the bench is leaving unfinished (a time limit, an error) and wait until the controller
+    has stopped its workers: a controller that is terminated leaves its workers running (a new one adopts
+    them), and nothing would adopt these. Waits `seconds` at most."""
+    from mortal.state import NotFound
+
+    store.mark_deleted(name, purge=False)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if not store.list_workers(name, live_only=True):
+                return
+        except NotFound:
+            return
+        time.sleep(0.5)
+
+
+def copy_logs(work: Path, dest: Path) -> None:
+    """The controller's log and every worker's (work/controller.log, work/mortal-home/runs/*/logs/) into
+    `dest`: start-up and compile lines, and why a run cut short had not finished, outlive `work`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log")]:
+        if log.exists():
+            shutil.copy(log, dest / log.name)
 
 
 def run_through_controller(run: Any, work: Path, poll_seconds: float = 1.0) -> tuple[dict[int, dict[str, float]], float]:
