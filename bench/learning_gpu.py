@@ -200,7 +200,11 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
     run = TrainingRun.model_validate({"metadata": {"name": "bench-learning-gpu"},
                                       "spec": mortal_spec(model, data, args)})
     launched = time.time()
-    by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
+    try:
+        by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
+    finally:  # the controller's and workers' logs (start-up, compile lines), before the folder goes
+        if args.logs:
+            copy_logs(work, args.logs)
     curve = [{"step": s, "seconds": v["ended_at"] - launched, "reward": v.get(f"rewards/{REWARD}/mean"),
               "mean_length": v.get("completions/mean_length"),
               **{part: round(v[name], 4) for part, name in BREAKDOWN.items() if name in v}}
@@ -208,8 +212,6 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
     # whether the decode step was compiled or served by the compile cache (the rollout logs each preparation)
     prepared = [line.split("] ", 1)[-1].strip() for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log"))
                 for line in log.read_text(errors="replace").splitlines() if "decode shape" in line and "prepared in" in line]
-    if args.logs:  # the controller's and workers' logs (start-up, compile lines), before the folder goes
-        copy_logs(work, args.logs)
     return {"curve": curve, "wall_seconds": wall, "decode_prepared": prepared}
 
 
