@@ -129,6 +129,14 @@ def prompt_tokens_per_step(model: Path, args: argparse.Namespace) -> int:
     return args.gens * sum(len(tokenizer(r["prompt"])["input_ids"]) for r in prompt_rows()[: args.prompts])
 
 
+def smoke_sizes(args: argparse.Namespace, sizes: dict[str, int]) -> None:
+    """`--cpu`'s smoke-test sizes, each where its flag was not given on the command line."""
+    given = set(sys.argv)
+    for name, value in sizes.items():
+        if f"--{name}" not in given:
+            setattr(args, name, value)
+
+
 def use_compile_cache(folder: Path) -> None:
     """torch.compile's caches in `folder` for this process and the workers it starts (who inherit it: a user's
     own TORCHINDUCTOR_CACHE_DIR wins over MORTAL_HOME's compile-cache folder), so a later invocation with
@@ -398,10 +406,7 @@ def main() -> None:
     import torch
 
     if args.cpu:
-        given = set(sys.argv)
-        for flag, value in (("--steps", 4), ("--prompts", 2), ("--gens", 2), ("--tokens", 8)):
-            if flag not in given:
-                setattr(args, flag[2:], value)
+        smoke_sizes(args, {"steps": 4, "prompts": 2, "gens": 2, "tokens": 8})
     out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
                  "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
                  **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "logs")}}
