@@ -426,7 +426,6 @@ def main() -> None:
 
 def measure(args: argparse.Namespace, out: dict) -> None:
     """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio."""
-
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         try:
