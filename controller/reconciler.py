@@ -191,12 +191,11 @@ class Reconciler:
             return self._purge(run.name, remove_files, backend_key(spec), spec.checkpoint.uri, fence)
         if decided.status is not None and decided.status != run.status:
             try:
-                row = self.store.write_status(run.name, decided.status, run.resource_version, fence)
+                row = self.store.write_status(run.name, decided.status, run.resource_version, fence,
+                                              events=[(e.type, e.reason, e.message) for e in decided.events])
             except Conflict:
                 return RequeueAfter(0.0)  # the spec moved under us: look again with the new one
             self.written[run.name] = row.resource_version
-            for event in decided.events:
-                self._event(run.name, event)
         return Retry("; ".join(failures)) if failures else decided.outcome
 
     def _launch(self, run: RunRow, spec: TrainingSpec, backend: Backend, action: Launch, fence: LeaderFence) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -202,6 +202,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         status: dict[str, Any],
         resource_version: int | None = None,
         fence: LeaderFence | None = None,
+        events: Sequence[tuple[str, str, str]] = (),
     ) -> RunRow:
         status = _json(status)
         with self._tx() as s:
@@ -209,6 +210,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = self._run(s, name, lock=True)
             if resource_version is not None and row.resource_version != resource_version:
                 raise Conflict(f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}")
+            for type_, reason, message in events:
+                s.add(EventRow(run=name, type=type_, reason=reason, message=message))
             return self._update_run(s, row, status=status, phase=status.get("phase", row.phase))
 
     def mark_deleted(self, name: str, purge: bool = False) -> RunRow:

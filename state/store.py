@@ -14,6 +14,7 @@ workers on Modal). `tests/state/test_store_contract.py` runs one suite against e
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -177,11 +178,15 @@ class Store(abc.ABC):
         status: dict[str, Any],
         resource_version: int | None = None,
         fence: LeaderFence | None = None,
+        events: Sequence[tuple[str, str, str]] = (),
     ) -> RunRow:
         """Replace status (and the phase column). Generation stays; resource_version + 1.
 
         With `resource_version`, Conflict if the row moved since it was read. With `fence`, Fenced
         unless the lease is still held with that token (checked in the same transaction).
+        `events` are (type, reason, message) lines that this status change explains, added in the same
+        transaction: a reader who sees phase Succeeded also sees the event that says so, and a
+        controller killed after the write cannot lose them.
         """
 
     @abc.abstractmethod

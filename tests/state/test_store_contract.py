@@ -82,6 +82,16 @@ def test_write_status(store: Store, run: str) -> None:
         store.update_spec(run, _spec(replicas=2), resource_version=2)
 
 
+def test_a_status_and_the_events_that_explain_it_land_together_or_not_at_all(store: Store, run: str) -> None:
+    phase_event = ("Normal", "Succeeded", "phase Running -> Succeeded")
+    row = store.write_status(run, {"phase": "Succeeded"}, resource_version=1, events=[phase_event])
+    assert row.phase == "Succeeded"
+    assert [(e.type, e.reason, e.message) for e in store.list_events(run)] == [phase_event]
+    with pytest.raises(Conflict):
+        store.write_status(run, {"phase": "Failed"}, resource_version=1, events=[("Warning", "Failed", "lost")])
+    assert [e.reason for e in store.list_events(run)] == ["Succeeded"], "a refused status wrote its event"
+
+
 def test_not_found(store: Store) -> None:
     for call in (
         lambda: store.get_run("nope"),
