@@ -14,7 +14,8 @@ single-turn rollouts use (so transformers and vLLM both serve it). The loop, for
     4. each new assistant turn is parsed with TRL's parse_response (transformers' response parsing with
        the template's response schema: TRL's add_response_schema when the tokenizer has none)
     5. while some rollouts called tools and fewer than maxToolCallingIterations rounds ran: call each
-       of their tool calls (Toolbox.call: timeout, errors become the tool's answer), render the tool
+       of their tool calls (Toolbox.call: timeout, errors become the tool's answer; each rollout's calls
+       in order, different rollouts' at once: Toolbox.call_each), render the tool
        messages as the tokens that follow the assistant's end of turn (`tool_suffix_ids`) and append
        them with loss mask 0 and logprob 0.0; a rollout whose tool results would pass the token budget
        (generation.maxTokens counts the whole completion) or the model's length keeps its completion
@@ -161,7 +162,8 @@ class MultiTurn:
         iteration = 0
         active = [i for i, r in enumerate(flat) if r.pending]
         while active and iteration < self.max_iterations:
-            active = [i for i in active if self._answer_tools(flat[i])]  # step 5
+            outcomes = self.toolbox.call_each([(flat[i].tools, flat[i].pending) for i in active])  # step 5
+            active = [i for i, answered in zip(active, outcomes, strict=True) if self._answer_tools(flat[i], answered)]
             if not active:
                 break
             self._next_turn([flat[i] for i in active], [seeds[i] for i in active], iteration + 1, params)  # step 6
@@ -209,9 +211,8 @@ class MultiTurn:
         for rollout, completion in zip([r for g in groups for r in g], completions, strict=True):
             self._append_turn(rollout, completion.ids, completion.logprobs)
 
-    def _answer_tools(self, rollout: Rollout) -> bool:
-        """Call the pending tool calls and append their results; False when they would not fit (step 5)."""
-        outcomes: list[ToolOutcome] = [self.toolbox.call(rollout.tools, call) for call in rollout.pending]
+    def _answer_tools(self, rollout: Rollout, outcomes: list[ToolOutcome]) -> bool:
+        """Append the outcomes of the rollout's pending tool calls; False when they would not fit (step 5)."""
         rollout.pending = []
         rollout.tool_calls += len(outcomes)
         rollout.tool_failures += sum(o.failed for o in outcomes)

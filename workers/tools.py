@@ -12,7 +12,11 @@ wrong reference fails the run in a second); mortal.workers.multiturn asks it for
   3. a tool that raises, is unknown, or is not a function call yields {'error': message} as the result
      and counts as a failure; the rollout goes on.
 mortal adds a timeout: each call runs on a daemon thread and is abandoned after toolTimeoutSeconds
-(Python cannot stop a thread: a hung tool keeps its thread, never the rollout).
+(Python cannot stop a thread: a hung tool keeps its thread, never the rollout). And where TRL calls one
+rollout's tools after another's, mortal calls different rollouts' at once (`call_each`): a code agent's
+sandbox runs overlap instead of queueing. Each rollout's own calls keep their order, and the standalone
+tools, shared by every rollout and maybe not written for threads, still run one call at a time; an
+environment's methods run concurrently only on different instances, which share nothing through it.
 What it must not do: run model-written code itself (a tool that executes code must go through the
 reward sandbox), or let a user's broken reference look like a retryable crash (FatalWorkerError).
 """
@@ -22,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +35,9 @@ from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
 
 NOT_TOOLS = ("reset", "get_reward")
+# Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
+# than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
+CONCURRENT_ROLLOUTS = 16
 
 
 class ToolLoadError(FatalWorkerError):
@@ -72,6 +80,7 @@ class Toolbox:
     timeout_seconds: float = 30.0
     max_iterations: int | None = None
     _pool: dict[str | None, list[Any]] = field(default_factory=dict)
+    _standalone_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
@@ -134,6 +143,20 @@ class Toolbox:
         """The tools a rollout may call: the standalone ones, then its environment's methods."""
         return self.tools + (environment_methods(environment) if environment is not None else [])
 
+    def call_each(self, rollouts: Sequence[tuple[list[Callable[..., Any]], list[dict[str, Any]]]]
+                  ) -> list[list[ToolOutcome]]:
+        """The outcomes of each rollout's (tools, tool calls), in order: one rollout's calls one after the
+        other, different rollouts' at once (this module's docstring says what stays serial)."""
+        def answer(rollout: tuple[list[Callable[..., Any]], list[dict[str, Any]]]) -> list[ToolOutcome]:
+            tools, calls = rollout
+            return [self.call(tools, call) for call in calls]
+
+        if len(rollouts) <= 1:
+            return [answer(r) for r in rollouts]
+        with ThreadPoolExecutor(max_workers=min(len(rollouts), CONCURRENT_ROLLOUTS),
+                                thread_name_prefix="mortal-tools") as pool:
+            return list(pool.map(answer, rollouts))
+
     def call(self, tools: list[Callable[..., Any]], tool_call: dict[str, Any]) -> ToolOutcome:
         """One parsed tool call ({'type': 'function', 'function': {'name', 'arguments'}}) -> its outcome."""
         if tool_call.get("type") != "function":
@@ -146,7 +169,12 @@ class Toolbox:
             return ToolOutcome(name, arguments, str({"error": f"Tool {name} not found."}), True)
         if not isinstance(arguments, dict):
             return ToolOutcome(name, arguments, str({"error": f"arguments of {name} must be an object"}), True)
-        result, error = run_with_timeout(by_name[name], arguments, self.timeout_seconds)
+        tool = by_name[name]
+        if any(tool is shared for shared in self.tools):
+            with self._standalone_lock:
+                result, error = run_with_timeout(tool, arguments, self.timeout_seconds)
+        else:
+            result, error = run_with_timeout(tool, arguments, self.timeout_seconds)
         if error is not None:
             return ToolOutcome(name, arguments, str({"error": error}), True)
         # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's

@@ -10,6 +10,7 @@ The scripted "model" answers from the conversation's text, so both loops see exa
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -163,6 +164,56 @@ def test_a_tool_that_hangs_answers_with_a_timeout_and_the_rollout_goes_on() -> N
     assert outcome.failed and "timed out after 0.2 s" in outcome.content
     ok = box.call(box.tools, {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}})
     assert (ok.content, ok.failed) == ("42", False)
+
+
+class _Meeting:
+    """An environment whose `meet` returns only once two instances are in it at the same time."""
+
+    barrier = threading.Barrier(2, timeout=5)
+
+    def reset(self, **row: Any) -> None:
+        pass
+
+    def meet(self, who: str) -> str:
+        self.barrier.wait()
+        return who
+
+
+def _call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_different_rollouts_tools_run_at_once_and_one_rollouts_calls_in_order() -> None:
+    box = Toolbox(environments={None: _Meeting}, timeout_seconds=10)
+    first, second = (_Meeting(), _Meeting())
+    outcomes = box.call_each([(box.tools_for(first), [_call("meet", who="a"), _call("meet", who="b")]),
+                              (box.tools_for(second), [_call("meet", who="c"), _call("meet", who="d")])])
+    # one after the other, each rollout's first call would wait for the other's forever (the barrier's 5 s)
+    assert [[o.content for o in rollout] for rollout in outcomes] == [["a", "b"], ["c", "d"]]
+    assert not any(o.failed for rollout in outcomes for o in rollout)
+
+
+def test_standalone_tools_shared_by_every_rollout_never_run_at_once() -> None:
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def shared(n: int) -> int:
+        """A tool that counts how many of its calls overlap.
+
+        Args:
+            n: Anything.
+        """
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return n
+
+    box = Toolbox(tools=[shared])
+    outcomes = box.call_each([(box.tools, [_call("shared", n=i)]) for i in range(8)])
+    assert [o.content for [o] in outcomes] == [str(i) for i in range(8)] and most[0] == 1
 
 
 def test_tool_errors_become_the_answer() -> None:
