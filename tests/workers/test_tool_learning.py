@@ -13,7 +13,7 @@ from rollout_helpers import assets_available
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
-STEPS = 16
+CALCULATOR_STEPS = 16
 CODE_STEPS = 8
 CODE_TASKS = 6
 
@@ -45,15 +45,15 @@ def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sql
         rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
                  "maxToolCallingIterations": 2},
         rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
-        algorithm={"numGenerations": 8, "batchSize": 64, "maxSteps": STEPS, "learningRate": 1e-3},
-        checkpoint={"every": STEPS, "keep": 1},
+        algorithm={"numGenerations": 8, "batchSize": 64, "maxSteps": CALCULATOR_STEPS, "learningRate": 1e-3},
+        checkpoint={"every": CALCULATOR_STEPS, "keep": 1},
     )
     run = create_run(sqlite_store, "calculator", spec)
     assert run_actor_with_rollout(sqlite_store, run) == EXIT_SUCCEEDED
     reward = _per_step(sqlite_store, "calculator", "rewards/math_answer/mean")
     calls = _per_step(sqlite_store, "calculator", "tools/call_rate")
     shown = f"reward by step {[round(r, 2) for r in reward]}, tool call rate {[round(c, 2) for c in calls]}"
-    assert len(reward) == STEPS, shown
+    assert len(reward) == CALCULATOR_STEPS, shown
     assert sum(calls[:3]) / 3 < 0.75 and sum(reward[:3]) / 3 < 0.75, f"the warm start already solves it: {shown}"
     # Learning rate 1e-9 (sampling alone): means of three steps stayed within 0.47-0.72. Warm starts of seeds
     # 0, 1 and 2 learning: 0.57 -> 0.85, 0.55 -> 0.91, 0.58 -> 0.90 (first three steps -> last three).
