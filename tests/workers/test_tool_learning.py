@@ -62,6 +62,37 @@ def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sql
 
 
 
+def test_a_stale_tool_run_is_importance_corrected_over_the_tool_masked_tokens(sqlite_store: Any,
+                                                                              calculator_dir: Path) -> None:
+    """maxStaleness 1 with tool calls: steps train on rollouts of the version before, and TRL's importance
+    ratio is taken over the model's tokens only (tool results carry logprob 0.0 and mask 0)."""
+    from actor_helpers import actor_spec, create_run, run_actor_with_rollout
+    from tool_learning import CALCULATOR_PROMPT
+
+    from mortal.workers.runtime import EXIT_SUCCEEDED
+
+    spec = actor_spec(
+        str(calculator_dir),
+        dataset={"name": "builtin:arith", "systemPrompt": CALCULATOR_PROMPT},
+        generation={"maxTokens": 48, "engine": "transformers"},
+        rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
+                 "maxToolCallingIterations": 2},
+        rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
+        algorithm={"numGenerations": 4, "batchSize": 16, "maxSteps": 4, "learningRate": 1e-3, "maxStaleness": 1},
+        checkpoint={"every": 4, "keep": 1},
+    )
+    run = create_run(sqlite_store, "stale-calculator", spec)
+    assert run_actor_with_rollout(sqlite_store, run) == EXIT_SUCCEEDED
+    steps = sorted({row.step for row in sqlite_store.list_metrics("stale-calculator")})
+    metric = {(row.step, row.name): row.value for row in sqlite_store.list_metrics("stale-calculator")}
+    assert steps == [1, 2, 3, 4]
+    assert max(metric[s, "staleness/max"] for s in steps) == 1
+    assert all(metric[s, "tools/call_rate"] > 0 for s in steps)
+    ratios = [metric[s, "sampling/importance_sampling_ratio/mean"] for s in steps]
+    # were tool results counted (sampling logprob 0.0, so a ratio of exp(the actor's logprob)), the mean would be 0.56
+    assert all(0.9 < r < 1.1 for r in ratios), ratios
+
+
 @pytest.fixture(scope="module")
 def code_tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first CODE_TASKS rows of builtin:mbpp-mini as a dataset file (the model memorises their solutions)."""
