@@ -13,6 +13,9 @@ Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until c
     5. complete the task with a RolloutAnswer: a RolloutResult per prompt (ids, sampling logprobs,
        texts, per-reward scores, what rewards passed to log_metric and log_extra)
 
+It ends when SIGTERM sets ctx.stopping (the controller stops it once the actor is done, or scales it
+down), or by itself when, while idle, it finds the run's newest actor Succeeded at maxSteps: no task
+will come any more, and with the controller gone (killed, never restarted) nothing else would stop it.
 Until the store records a version, the model loaded from spec.model.name serves as version 0
 (the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's lease is renewed while it is
 worked on, so a slow generation is not taken over; a worker that dies loses nothing (its tasks are
@@ -53,6 +56,8 @@ IDLE_SECONDS = {"gpu": 0.02, "cpu": 0.1}
 # A version that is still the newest but cannot be fetched (sync ray: the actor's hub lost it, until the
 # actor puts it back) is tried again after 0.1 s, then twice as late each time, at most every 5 s.
 MISSING_RETRY_SECONDS, MISSING_RETRY_MAX_SECONDS = 0.1, 5.0
+# While idle, how often it looks whether the run's training has ended (one store query).
+FINISHED_CHECK_SECONDS = 5.0
 LEASE_ANNOTATION = "mortal.dev/task-lease-seconds"
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -244,10 +249,26 @@ class RolloutWorker:
             thread.join()
 
     def run(self) -> None:
+        idle = IDLE_SECONDS["cpu" if self.ctx.run.spec.rollout.gpu == "none" else "gpu"]
+        next_check = time.monotonic() + FINISHED_CHECK_SECONDS
         while not self.ctx.stopping.is_set():
             self.refresh_weights()
-            if not self.serve_one():
-                self.ctx.stopping.wait(IDLE_SECONDS["cpu" if self.ctx.run.spec.rollout.gpu == "none" else "gpu"])
+            if self.serve_one():
+                continue
+            if time.monotonic() >= next_check:
+                if self.training_finished():
+                    self.ctx.log.info("the actor finished at maxSteps: no task will come; exiting")
+                    return
+                next_check = time.monotonic() + FINISHED_CHECK_SECONDS
+            self.ctx.stopping.wait(idle)
+
+    def training_finished(self) -> bool:
+        """The run's newest actor ended Succeeded at maxSteps (the controller's own test, controller/plan.py)."""
+        actors = [w for w in self.ctx.store.list_workers(self.ctx.worker.run) if w.role == "actor"]
+        if not actors:
+            return False
+        newest = max(actors, key=lambda w: w.incarnation)  # incarnations increase across all of a run's slots
+        return newest.state == "Succeeded" and (newest.step or 0) >= self.ctx.run.spec.algorithm.max_steps
 
 
 def build(ctx: WorkerContext) -> RolloutWorker:
