@@ -74,9 +74,9 @@ def first_attempt(solution: str) -> str:
 
 
 class FixScript(ScriptedEngine):
-    """The code agent that earns the reward: run a first attempt, read the failure, run the row's solution,
-    answer with it (`fixes`); or answer with the failing code at once (not `fixes`). `solutions` maps each
-    user message to its row's solution."""
+    """A scripted code agent. It runs a first attempt that fails; then, with `fixes`, it runs the row's solution
+    and answers with it (the reward), else it answers with the failing code (no reward). `solutions` maps
+    each user message to its row's solution."""
 
     def __init__(self, tokenizer: Any, solutions: dict[str, str], fixes: bool) -> None:
         super().__init__(tokenizer)
