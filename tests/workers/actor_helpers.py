@@ -135,6 +135,18 @@ def parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]
     return [float(sum(ids) % 2) for ids in completion_ids]
 
 
+FREEZE_COUNTS: list[int] = []
+
+
+def freeze_probe_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+    """parity_reward that also records how many objects the garbage collector has frozen as it scores (an
+    in-process rollout scores while the actor's loop runs: see test_actor.py)."""
+    import gc
+
+    FREEZE_COUNTS.append(gc.get_freeze_count())
+    return parity_reward(completion_ids)
+
+
 def actor_spec(model_dir: str, **overrides: Any) -> dict[str, Any]:
     """A tiny CPU run: 2 prompts x 4 completions of 6 tokens per step, a reward with variance."""
     from rollout_helpers import training_spec

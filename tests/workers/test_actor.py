@@ -150,6 +150,21 @@ def test_beta_trains_against_a_reference_model(store, tiny_dir: Path) -> None:
     assert metrics[1]["kl"] == 0.0 and metrics[2]["kl"] > 0.0  # the policy moved away from the reference
 
 
+def test_the_actor_trains_with_its_startup_objects_frozen_and_puts_them_back_after(store, tiny_dir: Path) -> None:
+    """runtime.startup_objects_frozen around trainer.train(): full collections skip what start-up made.
+    The in-process rollout thread runs its loop without main(), so only the actor freezes here."""
+    import gc
+
+    import actor_helpers
+
+    actor_helpers.FREEZE_COUNTS.clear()
+    spec = actor_spec(str(tiny_dir), rewards=[{"function": "actor_helpers:freeze_probe_reward"}],
+                      algorithm={"maxSteps": 2})
+    assert run_actor_with_rollout(store, create_run(store, "frozen", spec)) == EXIT_SUCCEEDED
+    assert actor_helpers.FREEZE_COUNTS and min(actor_helpers.FREEZE_COUNTS) > 10_000, actor_helpers.FREEZE_COUNTS
+    assert gc.get_freeze_count() == 0
+
+
 def test_stale_rollouts_are_recorded_and_importance_corrected(store, tiny_dir: Path) -> None:
     spec = actor_spec(str(tiny_dir), algorithm={"maxStaleness": 2, "maxSteps": 4})
     run = create_run(store, "stale", spec)

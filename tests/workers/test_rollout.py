@@ -216,6 +216,22 @@ def test_a_rollout_waits_on_while_the_actor_stopped_early_is_to_be_relaunched(sq
     assert not thread.is_alive()
 
 
+def test_the_rollout_loop_runs_with_its_startup_objects_frozen(sqlite_store: Store, tiny_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """main(): model, engine and imports are out of the collector's full collections while it serves."""
+    import gc
+
+    run = create_run(sqlite_store, "frozen", training_spec(str(tiny_dir)))
+    ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
+    ctx.check_fence()
+    built = rollout.build(ctx)
+    seen: list[int] = []
+    monkeypatch.setattr(built, "run", lambda: seen.append(gc.get_freeze_count()))
+    monkeypatch.setattr(rollout, "build", lambda ctx: built)
+    assert rollout.main(ctx) == 0
+    assert seen and seen[0] > 10_000 and gc.get_freeze_count() == 0
+
+
 def test_a_wrong_reward_path_fails_before_the_model_loads(sqlite_store: Store) -> None:
     spec = training_spec("/no/such/model", rewards=[{"function": "reward_fixtures:missing"}])
     run = create_run(sqlite_store, "r4", spec)
