@@ -54,12 +54,13 @@ def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sql
     calls = _per_step(sqlite_store, "calculator", "tools/call_rate")
     shown = f"reward by step {[round(r, 2) for r in reward]}, tool call rate {[round(c, 2) for c in calls]}"
     assert len(reward) == CALCULATOR_STEPS, shown
-    assert sum(calls[:3]) / 3 < 0.75 and sum(reward[:3]) / 3 < 0.75, f"the warm start already solves it: {shown}"
-    # Learning rate 1e-9 (sampling alone): means of three steps stayed within 0.47-0.72. Warm starts of seeds
-    # 0, 1 and 2 learning: 0.57 -> 0.85, 0.55 -> 0.91, 0.58 -> 0.90 (first three steps -> last three).
-    assert sum(calls[-3:]) / 3 > max(0.75, sum(calls[:3]) / 3 + 0.2), f"the tool is not called more often: {shown}"
-    assert sum(reward[-3:]) / 3 > max(0.75, sum(reward[:3]) / 3 + 0.2), f"the reward did not rise: {shown}"
-
+    # Step 1 samples the warm start itself. Learning rate 1e-9 (sampling alone, seed 0): reward 0.50 at step 1
+    # and 0.51 over the last three steps (three-step means within 0.49-0.62), call rate 0.53 -> 0.49. Warm starts of seeds 0, 1 and 2 learning,
+    # step 1 -> the last three: reward 0.50 -> 0.85, 0.48 -> 0.91, 0.47 -> 0.90; call rate 0.53 -> 0.86,
+    # 0.52 -> 0.92, 0.50 -> 0.93.
+    assert calls[0] < 0.7 and reward[0] < 0.7, f"the warm start already solves it: {shown}"
+    assert sum(calls[-3:]) / 3 > max(0.75, calls[0] + 0.2), f"the tool is not called more often: {shown}"
+    assert sum(reward[-3:]) / 3 > max(0.75, reward[0] + 0.2), f"the reward did not rise: {shown}"
 
 
 def test_a_stale_tool_run_is_importance_corrected_over_the_tool_masked_tokens(sqlite_store: Any,
