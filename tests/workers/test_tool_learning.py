@@ -30,13 +30,24 @@ def _per_step(store: Any, run: str, name: str) -> list[float]:
     return [values[step] for step in sorted(values)]
 
 
+def _train(store: Any, name: str, spec: dict[str, Any], reward: str, calls: str) -> tuple[list[float], list[float], str]:
+    """Run the actor and an in-process rollout to maxSteps; the two metrics by step, and both as a message."""
+    from actor_helpers import create_run, run_actor_with_rollout
+
+    from mortal.workers.runtime import EXIT_SUCCEEDED
+
+    assert run_actor_with_rollout(store, create_run(store, name, spec)) == EXIT_SUCCEEDED
+    rewards, tool_calls = _per_step(store, name, reward), _per_step(store, name, calls)
+    shown = f"{reward} by step {[round(r, 2) for r in rewards]}, {calls} {[round(c, 2) for c in tool_calls]}"
+    assert len(rewards) == spec["algorithm"]["maxSteps"], shown
+    return rewards, tool_calls, shown
+
+
 def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sqlite_store: Any, calculator_dir: Path) -> None:
     """The example's tool, template and reward on the shipped arith data, through the real actor and rollout
     worker: a model that calls the calculator half the time learns to call it nearly always."""
-    from actor_helpers import actor_spec, create_run, run_actor_with_rollout
+    from actor_helpers import actor_spec
     from tool_learning import CALCULATOR_PROMPT
-
-    from mortal.workers.runtime import EXIT_SUCCEEDED
 
     spec = actor_spec(
         str(calculator_dir),
@@ -48,12 +59,7 @@ def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sql
         algorithm={"numGenerations": 8, "batchSize": 64, "maxSteps": CALCULATOR_STEPS, "learningRate": 1e-3},
         checkpoint={"every": CALCULATOR_STEPS, "keep": 1},
     )
-    run = create_run(sqlite_store, "calculator", spec)
-    assert run_actor_with_rollout(sqlite_store, run) == EXIT_SUCCEEDED
-    reward = _per_step(sqlite_store, "calculator", "rewards/math_answer/mean")
-    calls = _per_step(sqlite_store, "calculator", "tools/call_rate")
-    shown = f"reward by step {[round(r, 2) for r in reward]}, tool call rate {[round(c, 2) for c in calls]}"
-    assert len(reward) == CALCULATOR_STEPS, shown
+    reward, calls, shown = _train(sqlite_store, "calculator", spec, "rewards/math_answer/mean", "tools/call_rate")
     # Step 1 samples the warm start itself. Learning rate 1e-9 (sampling alone, seed 0): reward 0.50 at step 1
     # and 0.51 over the last three steps (three-step means within 0.49-0.62), call rate 0.53 -> 0.49. Warm starts of seeds 0, 1 and 2 learning,
     # step 1 -> the last three: reward 0.50 -> 0.85, 0.48 -> 0.91, 0.47 -> 0.90; call rate 0.53 -> 0.86,
@@ -109,10 +115,8 @@ def test_grpo_teaches_the_code_agent_to_fix_its_code_after_a_failed_run(sqlite_s
     """The code-agent example's environment (run_tests in the reward sandbox) and reward, through the real actor
     and rollout worker: a model that fixes its code after the first failure half the time, and gives up the
     other half, learns to fix it."""
-    from actor_helpers import actor_spec, create_run, run_actor_with_rollout
+    from actor_helpers import actor_spec
     from tool_learning import CODE_AGENT_PROMPT, code_agent_model
-
-    from mortal.workers.runtime import EXIT_SUCCEEDED
 
     rows = [json.loads(line) for line in code_tasks.read_text().splitlines()]
     model = code_agent_model(tmp_path / "model", rows)
@@ -127,12 +131,8 @@ def test_grpo_teaches_the_code_agent_to_fix_its_code_after_a_failed_run(sqlite_s
         algorithm={"numGenerations": 8, "batchSize": 16, "maxSteps": CODE_STEPS, "learningRate": 5e-4},
         checkpoint={"every": CODE_STEPS, "keep": 1},
     )
-    run = create_run(sqlite_store, "code-agent", spec)
-    assert run_actor_with_rollout(sqlite_store, run) == EXIT_SUCCEEDED
-    reward = _per_step(sqlite_store, "code-agent", "rewards/CodeAgentEnvironment/mean")
-    calls = _per_step(sqlite_store, "code-agent", "tools/call_frequency")
-    shown = f"reward by step {[round(r, 2) for r in reward]}, tool calls per rollout {[round(c, 2) for c in calls]}"
-    assert len(reward) == CODE_STEPS, shown
+    reward, calls, shown = _train(sqlite_store, "code-agent", spec, "rewards/CodeAgentEnvironment/mean",
+                                  "tools/call_frequency")
     # Learning rate 1e-9 (sampling alone): the last four steps' mean reward 0.58, tool calls 1.58 a rollout.
     # Warm starts of seeds 0, 1 and 2 learning: reward 0.38 -> 0.86, 0.50 -> 0.95, 0.56 -> 0.84 (first step ->
     # last four), tool calls 1.38-1.56 -> 2.0-2.46. Above 3e-3 one step of AdamW wipes what the warm start
