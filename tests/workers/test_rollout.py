@@ -174,30 +174,20 @@ def test_a_slow_task_keeps_its_lease(sqlite_store: Store, tiny_dir: Path) -> Non
     assert store.complete_task(ctx.worker, task.id, task.lease_token, {"ok": True})
 
 
-def _idle_rollout(store: Store, run) -> tuple[threading.Thread, WorkerContext]:
-    """A rollout loop with nothing to do (no engine is needed until a task comes), running in a thread."""
-    ctx = WorkerContext(store, new_worker(store, run, "rollout"), run)
-    ctx.check_fence()
-    worker = rollout.RolloutWorker(ctx, engine=None, tokenizer=None, rewards=None)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    return thread, ctx
-
-
 def test_an_idle_rollout_exits_once_the_actor_succeeded_at_max_steps(sqlite_store: Store, tiny_dir: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing else would stop it when the controller is gone: no task can come once the actor is done."""
     monkeypatch.setattr(rollout, "FINISHED_CHECK_SECONDS", 0.1)
     run = create_run(sqlite_store, "done", training_spec(str(tiny_dir)))  # maxSteps 2
     actor = new_worker(sqlite_store, run, "actor")
-    thread, _ = _idle_rollout(sqlite_store, run)
-    sqlite_store.heartbeat(actor, step=1)
-    time.sleep(0.5)
-    assert thread.is_alive(), "it left while the actor was still training"
-    sqlite_store.heartbeat(actor, step=2)
-    sqlite_store.report_exit(actor, "Succeeded", 0)
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    with Serving(sqlite_store, run) as serving:
+        sqlite_store.heartbeat(actor, step=1)
+        time.sleep(0.5)
+        assert serving.thread.is_alive(), "it left while the actor was still training"
+        sqlite_store.heartbeat(actor, step=2)
+        sqlite_store.report_exit(actor, "Succeeded", 0)
+        serving.thread.join(timeout=10)
+        assert not serving.thread.is_alive(), "it is still waiting for tasks that cannot come"
 
 
 def test_a_rollout_waits_on_while_the_actor_stopped_early_is_to_be_relaunched(sqlite_store: Store, tiny_dir: Path,
@@ -208,12 +198,9 @@ def test_a_rollout_waits_on_while_the_actor_stopped_early_is_to_be_relaunched(sq
     actor = new_worker(sqlite_store, run, "actor")
     sqlite_store.heartbeat(actor, step=1)
     sqlite_store.report_exit(actor, "Succeeded", 0)
-    thread, ctx = _idle_rollout(sqlite_store, run)
-    time.sleep(0.5)
-    assert thread.is_alive()
-    ctx.stopping.set()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    with Serving(sqlite_store, run) as serving:
+        time.sleep(0.5)
+        assert serving.thread.is_alive()
 
 
 def test_the_rollout_loop_runs_with_its_startup_objects_frozen(sqlite_store: Store, tiny_dir: Path,

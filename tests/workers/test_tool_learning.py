@@ -30,6 +30,24 @@ def _per_step(store: Any, run: str, name: str) -> list[float]:
     return [values[step] for step in sorted(values)]
 
 
+def _calculator_spec(model: Path, **algorithm: Any) -> dict[str, Any]:
+    """The calculator example's tool, template and reward (specs/examples/calculator-tools.yaml) on `model`,
+    learning rate 1e-3, sampled at temperature 1 (the default), checkpointed only at the end."""
+    from actor_helpers import actor_spec
+    from tool_learning import CALCULATOR_PROMPT
+
+    return actor_spec(
+        str(model),
+        dataset={"name": "builtin:arith", "systemPrompt": CALCULATOR_PROMPT},
+        generation={"maxTokens": 48, "engine": "transformers", "temperature": 1.0},
+        rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
+                 "maxToolCallingIterations": 2},
+        rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
+        algorithm={"learningRate": 1e-3, **algorithm},
+        checkpoint={"every": algorithm["maxSteps"], "keep": 1},
+    )
+
+
 def _train(store: Any, name: str, spec: dict[str, Any], reward: str, calls: str) -> tuple[list[float], list[float], str]:
     """Run the actor and an in-process rollout to maxSteps; the two metrics by step, and both as a message."""
     from actor_helpers import create_run, run_actor_with_rollout
@@ -46,24 +64,12 @@ def _train(store: Any, name: str, spec: dict[str, Any], reward: str, calls: str)
 def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sqlite_store: Any, calculator_dir: Path) -> None:
     """The example's tool, template and reward on the shipped arith data, through the real actor and rollout
     worker: a model that calls the calculator half the time learns to call it nearly always."""
-    from actor_helpers import actor_spec
-    from tool_learning import CALCULATOR_PROMPT
-
-    spec = actor_spec(
-        str(calculator_dir),
-        dataset={"name": "builtin:arith", "systemPrompt": CALCULATOR_PROMPT},
-        generation={"maxTokens": 48, "engine": "transformers", "temperature": 1.0},
-        rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
-                 "maxToolCallingIterations": 2},
-        rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
-        algorithm={"numGenerations": 8, "batchSize": 64, "maxSteps": CALCULATOR_STEPS, "learningRate": 1e-3},
-        checkpoint={"every": CALCULATOR_STEPS, "keep": 1},
-    )
+    spec = _calculator_spec(calculator_dir, numGenerations=8, batchSize=64, maxSteps=CALCULATOR_STEPS)
     reward, calls, shown = _train(sqlite_store, "calculator", spec, "rewards/math_answer/mean", "tools/call_rate")
     # Step 1 samples the warm start itself. Learning rate 1e-9 (sampling alone, seed 0): reward 0.50 at step 1
-    # and 0.51 over the last three steps (three-step means within 0.49-0.62), call rate 0.53 -> 0.49. Warm starts of seeds 0, 1 and 2 learning,
-    # step 1 -> the last three: reward 0.50 -> 0.85, 0.48 -> 0.91, 0.47 -> 0.90; call rate 0.53 -> 0.86,
-    # 0.52 -> 0.92, 0.50 -> 0.93.
+    # and 0.51 over the last three steps (three-step means within 0.49-0.62), call rate 0.53 -> 0.49.
+    # Warm starts of seeds 0, 1 and 2 learning, step 1 -> the last three: reward 0.50 -> 0.85, 0.48 -> 0.91,
+    # 0.47 -> 0.90; call rate 0.53 -> 0.86, 0.52 -> 0.92, 0.50 -> 0.93.
     assert calls[0] < 0.7 and reward[0] < 0.7, f"the warm start already solves it: {shown}"
     assert sum(calls[-3:]) / 3 > max(0.75, calls[0] + 0.2), f"the tool is not called more often: {shown}"
     assert sum(reward[-3:]) / 3 > max(0.75, reward[0] + 0.2), f"the reward did not rise: {shown}"
@@ -73,21 +79,11 @@ def test_a_stale_tool_run_is_importance_corrected_over_the_tool_masked_tokens(sq
                                                                               calculator_dir: Path) -> None:
     """maxStaleness 1 with tool calls: steps train on rollouts of the version before, and TRL's importance
     ratio is taken over the model's tokens only (tool results carry logprob 0.0 and mask 0)."""
-    from actor_helpers import actor_spec, create_run, run_actor_with_rollout
-    from tool_learning import CALCULATOR_PROMPT
+    from actor_helpers import create_run, run_actor_with_rollout
 
     from mortal.workers.runtime import EXIT_SUCCEEDED
 
-    spec = actor_spec(
-        str(calculator_dir),
-        dataset={"name": "builtin:arith", "systemPrompt": CALCULATOR_PROMPT},
-        generation={"maxTokens": 48, "engine": "transformers"},
-        rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
-                 "maxToolCallingIterations": 2},
-        rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
-        algorithm={"numGenerations": 4, "batchSize": 16, "maxSteps": 4, "learningRate": 1e-3, "maxStaleness": 1},
-        checkpoint={"every": 4, "keep": 1},
-    )
+    spec = _calculator_spec(calculator_dir, numGenerations=4, batchSize=16, maxSteps=4, maxStaleness=1)
     run = create_run(sqlite_store, "stale-calculator", spec)
     assert run_actor_with_rollout(sqlite_store, run) == EXIT_SUCCEEDED
     steps = sorted({row.step for row in sqlite_store.list_metrics("stale-calculator")})

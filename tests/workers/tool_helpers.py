@@ -1,7 +1,7 @@
 """Scripted stand-ins for a model that calls tools, shared by the tool-calling tests.
 
-Imported by tests/workers/test_multiturn.py and tests/controller/cli/test_cli_components.py. A
-ScriptedEngine implements the Engine interface and answers from the conversation's text, so a test
+Imported by tests/workers/test_multiturn.py, tests/workers/tool_learning.py and
+tests/controller/cli/test_cli_components.py. A ScriptedEngine implements the Engine interface and answers from the conversation's text, so a test
 can run mortal's tool loop (and TRL's) on turns that really call tools, which a random tiny model never does.
 """
 
@@ -33,6 +33,17 @@ SCRIPTS = {
     "long": [tool_call("calculator", expression="7 - 1"), "six " * 200],
     "loop": [tool_call("calculator", expression="1 + 1")] * 10,
 }
+
+
+def tool_results(text: str) -> list[str]:
+    """The tool results a conversation rendered by the qwen2_5 template holds, in order."""
+    return re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+
+
+def scripted_turn(tokenizer: Any, said: str, limit: int) -> tuple[list[int], list[float]]:
+    """A scripted model turn: `said`'s ids and EOS, cut to `limit`, each with logprob -0.5."""
+    ids = (tokenizer(said, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:limit]
+    return ids, [-0.5] * len(ids)
 
 
 def smollm2_tokenizer() -> Any:
@@ -96,7 +107,7 @@ class ArithScript(ScriptedEngine):
 
     def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
         text = self.tokenizer.decode(history)
-        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+        results = tool_results(text)
         submits = '"name": "submit"' in text.split("<|im_start|>user")[0]
         if results and submits and len(results) == 1:
             said = tool_call("submit", answer=results[0])
@@ -105,7 +116,6 @@ class ArithScript(ScriptedEngine):
         else:
             a, b = re.search(r"What is (\d+) \+ (\d+)\?", text).groups()
             said = tool_call("calculator", expression=f"{a} + {b}")
-        ids = self.tokenizer(said, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return ids[:limit], [-0.5] * len(ids[:limit])
+        return scripted_turn(self.tokenizer, said, limit)
 
 

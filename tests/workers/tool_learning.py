@@ -23,12 +23,18 @@ and trains on exactly the token ids and masks the rollout worker's loop produces
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tool_helpers import ArithScript, ScriptedEngine, smollm2_tokenizer, tool_call
+from tool_helpers import (
+    ArithScript,
+    ScriptedEngine,
+    scripted_turn,
+    smollm2_tokenizer,
+    tool_call,
+    tool_results,
+)
 
 from mortal.workers.builtin_tools import CodeAgentEnvironment, calculator
 from mortal.workers.engines import GenerationParams
@@ -52,20 +58,11 @@ def builtin_rows(name: str) -> list[dict[str, Any]]:
 
 
 # -- the scripted behaviours -------------------------------------------------------------------------------
-def _said(tokenizer: Any, text: str, limit: int) -> tuple[list[int], list[float]]:
-    ids = (tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:limit]
-    return ids, [-0.5] * len(ids)
-
-
 class GuessScript(ArithScript):
     """Answers at once with a number drawn from the conversation: no tool, mostly wrong."""
 
     def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
-        return _said(self.tokenizer, str(random.Random(len(history) * 7919 + sum(history)).randint(2, 40)), limit)
-
-
-def _tool_results(text: str) -> list[str]:
-    return re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+        return scripted_turn(self.tokenizer, str(random.Random(len(history) * 7919 + sum(history)).randint(2, 40)), limit)
 
 
 def first_attempt(solution: str) -> str:
@@ -85,13 +82,13 @@ class FixScript(ScriptedEngine):
     def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
         text = self.tokenizer.decode(history)
         solution = self.solutions[text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]]
-        results = _tool_results(text)
+        results = tool_results(text)
         if not results:
-            return _said(self.tokenizer, tool_call("run_tests", code=first_attempt(solution)), limit)
+            return scripted_turn(self.tokenizer, tool_call("run_tests", code=first_attempt(solution)), limit)
         if len(results) == 1 and self.fixes:
-            return _said(self.tokenizer, tool_call("run_tests", code=solution), limit)
+            return scripted_turn(self.tokenizer, tool_call("run_tests", code=solution), limit)
         answer = solution if results[-1] == "All tests passed." else first_attempt(solution)
-        return _said(self.tokenizer, f"```python\n{answer}```", limit)
+        return scripted_turn(self.tokenizer, f"```python\n{answer}```", limit)
 
 
 # -- demonstrations, vocabulary, model -----------------------------------------------------------------------
