@@ -55,28 +55,29 @@ class OutOfMemory:
         """One line for the worker's report: what it tried, on which GPU, how full the GPU was."""
         what = {"torch": "out of GPU memory", "cuda": "CUDA out of memory",
                 "nccl": "NCCL could not allocate GPU memory"}[self.source]
-        parts = [f"tried to allocate {gib(self.tried)}" if self.tried is not None else what]
+        parts = [f"tried to allocate {readable_size(self.tried)}" if self.tried is not None else what]
         gpu = "the GPU" if self.device is None else f"GPU {self.device}"
         figures = []
         if self.total is not None:
-            figures.append(f"total {gib(self.total)}")
+            figures.append(f"total {readable_size(self.total)}")
         if self.total is not None and self.free is not None:
-            figures.append(f"{gib(self.total - self.free)} in use")
+            figures.append(f"{readable_size(self.total - self.free)} in use")
         if self.free is not None:
-            figures.append(f"{gib(self.free)} free")
+            figures.append(f"{readable_size(self.free)} free")
         if self.by_torch is not None:
-            figures.append(f"{gib(self.by_torch)} allocated by PyTorch")
+            figures.append(f"{readable_size(self.by_torch)} allocated by PyTorch")
         if self.reserved_unallocated is not None:
-            figures.append(f"{gib(self.reserved_unallocated)} reserved by PyTorch but unallocated")
+            figures.append(f"{readable_size(self.reserved_unallocated)} reserved by PyTorch but unallocated")
         if len(self.processes) > 1:  # one process is this one; more say who shares the GPU (colocated workers)
-            figures.append("in use by " + ", ".join(f"{who} {gib(n)}" for who, n in self.processes))
+            figures.append("in use by " + ", ".join(f"{who} {readable_size(n)}" for who, n in self.processes))
         if figures or self.device is not None:
             parts.append(f"on {gpu}" + (f" ({', '.join(figures)})" if figures else ""))
         return " ".join(parts)
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def readable_size(n: int) -> str:
+    """In torch's own units: GiB from 1 GiB up, MiB below (a capped rollout fails on megabytes)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def with_device_state(oom: OutOfMemory) -> OutOfMemory:

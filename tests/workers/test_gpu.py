@@ -5,7 +5,9 @@ the transformers engine samples on CUDA deterministically per seed. Skipped with
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,20 +169,58 @@ def test_worker_device_follows_the_spec_not_the_machine() -> None:
 @needs_cuda
 def test_a_colocated_run_trains_on_one_gpu_through_the_controller(mortal_home: Path, tiny_dir: Path) -> None:
     """rollout.colocate on a machine's first GPU: the actor and both rollouts see the same device."""
+    from mortal.state import paths
+
+    spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"},
+                      rollout={"gpu": "H100", "replicas": 2, "colocate": True}, algorithm={"maxSteps": 3})
+    row, events = _run_through_a_controller(mortal_home, "colo", spec)
+    assert row.phase == "Succeeded", (row.status, [e.message for e in events])
+    for role, replica in (("actor", 0), ("rollout", 0), ("rollout", 1)):
+        logs = sorted(paths.run_dir("colo").rglob(f"{role}-{replica}-*.log"))
+        assert logs and "CUDA_VISIBLE_DEVICES='0'" in logs[0].read_text(), f"{role}-{replica} was not on GPU 0"
+    assert "engine transformers on cuda" in logs[0].read_text()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_real_cuda_out_of_memory_is_diagnosed_relaunched_once_then_fails_the_run(mortal_home: Path,
+                                                                                   tiny_dir: Path) -> None:
+    """A colocated rollout whose share of the GPU (rollout.gpuMemoryUtilization) cannot hold the model: the
+    CUDA caching allocator refuses its weights (a real torch out-of-memory, not a simulated one), the
+    worker reports the figures torch gave, MemoryFits turns False with one Warning event naming the
+    field to change, the slot is relaunched once and the run then ends Failed instead of looping."""
+    share = 0.0001  # about 8 MB of an 80 GB GPU; the tiny model's embedding alone is 12 MB in float32
+    spec = actor_spec(str(tiny_dir), actor={"gpu": "H100"},
+                      rollout={"gpu": "H100", "replicas": 1, "colocate": True, "gpuMemoryUtilization": share},
+                      restartPolicy={"maxRestarts": 10, "backoffSeconds": 0.2})
+    row, events = _run_through_a_controller(mortal_home, "oom", spec)
+    assert row.phase == "Failed", (row.status, [e.message for e in events])
+    failed = next(c for c in row.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "OutOfMemory"
+    assert re.match(r"rollout-0 #\d+ ran out of GPU memory: tried to allocate [\d.]+ MiB on GPU 0 \(total ",
+                    failed["message"]), failed["message"]
+    assert f"raise rollout.gpuMemoryUtilization (now {share})" in failed["message"]
+    memory = next(c for c in row.status["conditions"] if c["type"] == "MemoryFits")
+    assert (memory["status"], memory["reason"]) == ("False", "OutOfMemory")
+    assert [e.type for e in events if e.reason == "OutOfMemory"] == ["Warning"]
+    assert sum(1 for e in events if e.reason == "Restarted") == 1
+
+
+def _run_through_a_controller(mortal_home: Path, name: str, spec: dict) -> tuple[Any, list[Any]]:
+    """Apply `spec` as run `name`, run a controller process on GPU 0 until the run ends (4 minutes at
+    most), stop it; returns the run's row and its events."""
     import os
     import subprocess
     import sys
     import time
 
     from mortal.specs import TrainingRun
-    from mortal.state import open_store, paths
+    from mortal.state import open_store
 
     url = f"sqlite:///{mortal_home / 'state.db'}"
     store = open_store(url)
-    spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"},
-                      rollout={"gpu": "H100", "replicas": 2, "colocate": True}, algorithm={"maxSteps": 3})
-    run = TrainingRun.model_validate({"metadata": {"name": "colo"}, "spec": spec})
-    store.apply_run("colo", run.spec_dict())
+    run = TrainingRun.model_validate({"metadata": {"name": name}, "spec": spec})
+    store.apply_run(name, run.spec_dict())
     env = dict(os.environ, MORTAL_HOME=str(mortal_home), MORTAL_STATE_URL=url, CUDA_VISIBLE_DEVICES="0",
                WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
                                                                  os.environ.get("PYTHONPATH", "")]))
@@ -189,18 +229,13 @@ def test_a_colocated_run_trains_on_one_gpu_through_the_controller(mortal_home: P
                                       stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
-        while store.get_run("colo").phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+        while store.get_run(name).phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
             time.sleep(0.5)
-        row = store.get_run("colo")
-        assert row.phase == "Succeeded", (row.status, [e.message for e in store.list_events("colo")])
+        return store.get_run(name), store.list_events(name, limit=200)
     finally:
         controller.terminate()
         controller.wait(timeout=30)
         store.close()
-    for role, replica in (("actor", 0), ("rollout", 0), ("rollout", 1)):
-        logs = sorted(paths.run_dir("colo").rglob(f"{role}-{replica}-*.log"))
-        assert logs and "CUDA_VISIBLE_DEVICES='0'" in logs[0].read_text(), f"{role}-{replica} was not on GPU 0"
-    assert "engine transformers on cuda" in logs[0].read_text()
 
 
 def _decode_under_a_share(model_dir: str) -> tuple[int, int, bool]:

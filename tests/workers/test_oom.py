@@ -38,7 +38,7 @@ def test_an_older_message_keeps_what_it_can_read():
     oom = parse_torch_message(TORCH_20)
     assert oom.tried == 20 * 2**20
     assert (oom.device, oom.total, oom.free) == (None, None, None)
-    assert oom.describe() == "tried to allocate 0.02 GiB"
+    assert oom.describe() == "tried to allocate 20.00 MiB"  # in MiB below a GiB, not "0.02 GiB"
 
 
 @pytest.mark.parametrize("exc, source", [
