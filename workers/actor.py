@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from mortal.specs.training import TrainingSpec
 from mortal.state import paths
 from mortal.workers import data, models, provenance, resume_check, samples, sharded, trl_seam
-from mortal.workers.checkpoint import Checkpointer
+from mortal.workers.checkpoint import Checkpointer, is_sharded
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
@@ -96,14 +96,16 @@ def main(ctx: WorkerContext) -> int:
             ranks = sharded.start(ctx.run, spec.actor.count, actor_device(spec))
             ranks.watch(functools.partial(_rank_lost, ctx))
             loop.ranks = ranks
-            loop.resume_from = resume.path if resume else None
+        # The Trainer resumes its own checkpoints in an unsharded actor. It refuses a model sharded at load,
+        # and cannot read a sharded checkpoint: the loop restores those in on_train_begin, whatever the count.
+        trainer_resumes = resume is not None and ranks is None and not is_sharded(resume.path)
+        loop.resume_from = resume.path if resume is not None and not trainer_resumes else None
         trainer = build_trainer(ctx, spec, loop)
         ctx.log.info("training from step %d to %d%s%s", start, spec.algorithm.max_steps,
                      f" (resuming from {resume.path})" if resume else "",
                      f" on {spec.actor.count} ranks (FSDP2)" if ranks else "")
-        # a sharded checkpoint is restored by the loop (on_train_begin): Trainer's resume refuses load-time sharding
         with startup_objects_frozen():
-            trainer.train(resume_from_checkpoint=resume.path if resume and ranks is None else None)
+            trainer.train(resume_from_checkpoint=resume.path if trainer_resumes else None)
         finished = True
     except StopRequested as exc:
         ctx.log.info("%s", exc)
@@ -305,7 +307,7 @@ class ActorLoop(TrainerCallback):
         self.publisher, self.checkpointer, self.reporter = publisher, checkpointer, reporter
         self.trainer: Any = None
         self.ranks: sharded.Ranks | None = None  # rank 0 of a sharded actor: the other ranks follow it
-        self.resume_from: str | None = None  # a sharded actor's checkpoint, restored in on_train_begin
+        self.resume_from: str | None = None  # a checkpoint the Trainer cannot resume, restored in on_train_begin
         self._rng_from: Path | None = None  # ... whose RNG states are restored as the first step begins
         self.version = -1
         self._step_started = time.perf_counter()
@@ -344,13 +346,18 @@ class ActorLoop(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Weights, optimizer and scheduler are loaded (fresh or from the checkpoint): the spec's learning
         rate replaces a resumed checkpoint's (a fork or an apply may have changed it), then the weights
-        are published before the first rollout. A sharded actor restores its checkpoint here, every
-        rank at once (rank 0 names it to the others)."""
+        are published before the first rollout. A checkpoint the Trainer does not resume (a sharded
+        actor's, or one written by another actor count) is restored here, on every rank at once (rank 0
+        names it to the others)."""
+        world = self.ranks.world if self.ranks is not None else 1
         if self.ranks is not None:
             self.ranks.channel.send("begin", self.resume_from)
-            if self.resume_from is not None:
-                state.global_step = sharded.load_sharded(self.trainer, Path(self.resume_from), 0)
-                self._rng_from = Path(self.resume_from)
+        if self.resume_from is not None:
+            state.global_step = sharded.restore_checkpoint(self.trainer, Path(self.resume_from))
+            self._rng_from = _rng_source(Path(self.resume_from), world)
+            if self._rng_from is None:
+                self.ctx.log.info("resumed on %d rank(s) from a checkpoint of %d: model and optimizer resharded, "
+                                  "RNG states not restored", world, sharded.written_by(Path(self.resume_from)))
         if trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate):
             self.ctx.log.info("learning rate set to the spec's %g (the checkpoint's differed)",
                               self.spec.algorithm.learning_rate)
@@ -469,8 +476,8 @@ class Follower(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         resume_from = self._serve("begin")
         if resume_from is not None:
-            state.global_step = sharded.load_sharded(self.trainer, Path(resume_from), self.ranks.rank)
-            self._rng_from = Path(resume_from)
+            state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
+            self._rng_from = _rng_source(Path(resume_from), self.ranks.world)
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
         sharded.full_state_dict(self.trainer.model)  # rank 0 publishes the weights it starts from
 
@@ -488,3 +495,10 @@ class Follower(TrainerCallback):
             return
         if self._serve("go"):
             control.should_training_stop = True
+
+
+def _rng_source(checkpoint: Path, world: int) -> Path | None:
+    """The checkpoint whose per-rank RNG files a resume on `world` ranks restores: only one written by as
+    many ranks. On another count rank r's file is some other slice's stream, so every rank keeps its seeded
+    RNG: the run goes on equivalently, not bit for bit (resume_check warns the user)."""
+    return checkpoint if sharded.written_by(checkpoint) == world else None

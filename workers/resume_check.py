@@ -7,8 +7,8 @@ left as it was. A change the user made on purpose (spec.dataset, the seed or the
 apply or a fork, a reward module edited) is allowed with a Warning event saying what it does.
 
 The checks, in order:
-0. The ranks: a checkpoint resumes on the actor count that wrote it (mortal.json's "ranks";
-   moving between sharded and unsharded, or to another count, is not built: docs/fsdp.md).
+0. The ranks: a checkpoint written by another actor count (mortal.json's "ranks") resumes with its model
+   and optimizer resharded, but without its RNG states: a warning, the run goes on but not bit for bit.
 1. The step: the row's, mortal.json's and trainer_state.json's global_step agree (a checkpoint folder
    copied or renamed by hand would otherwise start TRL at one step and mortal's data at another).
 2. Optimizer and scheduler: AdamW's step counters and the scheduler's last_epoch equal that step (a
@@ -133,10 +133,10 @@ def refusal_message(findings: list[Finding]) -> str:
 def _ranks_findings(step: int, facts: CheckpointFacts, actor_count: int) -> list[Finding]:
     if facts.ranks == actor_count:
         return []
-    return [Finding(REFUSED, f"the checkpoint of step {step} at {facts.path} was written by an actor of {facts.ranks} "
-                    f"rank(s) and this one has actor.count {actor_count}: resuming on another count is not built "
-                    f"(a sharded checkpoint holds torch.distributed.checkpoint shards and an RNG file per rank, an "
-                    f"unsharded one the Trainer's files); set actor.count to {facts.ranks}", refuse=True)]
+    return [Finding("ActorCountChanged", f"the checkpoint of step {step} was written by an actor of {facts.ranks} "
+                    f"rank(s) and this one has actor.count {actor_count}: its model and optimizer are resharded "
+                    f"to {actor_count} rank(s); its RNG states belong to the old ranks and are not restored, so the "
+                    f"run goes on from step {step} but not bit for bit as it would have on {facts.ranks}")]
 
 
 def _step_findings(step: int, facts: CheckpointFacts) -> list[Finding]:

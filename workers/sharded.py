@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from mortal.workers.checkpoint import DCP_DIR
+from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
 
 log = logging.getLogger("mortal.sharded")
 WATCH_SECONDS = 0.2
@@ -219,12 +219,29 @@ def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
     dist.barrier()
 
 
-def load_sharded(trainer: Any, path: Path, rank: int) -> int:
-    """Every rank, once the Trainer made its optimizer and scheduler (on_train_begin): restore model,
-    optimizer and scheduler; returns the checkpoint's step (the caller sets it as the Trainer's). The RNG
-    comes later (restore_rng)."""
+def restore_checkpoint(trainer: Any, path: Path) -> int:
+    """Once the Trainer made its optimizer and scheduler (on_train_begin), on every rank of a sharded actor
+    and in an unsharded actor resuming from a sharded checkpoint: model, optimizer and scheduler from a
+    checkpoint written by an actor of any count; returns its step (the caller sets it as the Trainer's).
+    A sharded checkpoint is read through torch.distributed.checkpoint, which reshards it to this actor's
+    ranks (or to a whole model); an unsharded one (the Trainer's files) is read whole and each rank keeps
+    its shards. The RNG comes later, and only on the count that wrote it (restore_rng)."""
     import json
 
+    if is_sharded(path):
+        _load_dcp(trainer, path)
+    else:
+        _load_trainer_files(trainer, path)
+    trainer.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+
+
+def written_by(path: Path) -> int:
+    """How many actor ranks wrote the checkpoint at `path` (mortal.json's "ranks"; an unsharded actor: 1)."""
+    return int(read_marker(path).get("ranks", 1))
+
+
+def _load_dcp(trainer: Any, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -233,12 +250,49 @@ def load_sharded(trainer: Any, path: Path, rank: int) -> int:
     dcp.load(state, checkpoint_id=str(path / DCP_DIR))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    trainer.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+
+
+def _load_trainer_files(trainer: Any, path: Path) -> None:
+    """An unsharded actor's checkpoint (model.safetensors, optimizer.pt) into this sharded model. The
+    optimizer file keys its state by each parameter's index in the optimizer's groups; the Trainer builds
+    its groups in the same order for the same model, sharded or not, so index i is the i-th parameter of
+    this optimizer's groups, which torch's loader wants by name. Every rank reads the files whole."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, optimizer = trainer.model, trainer.optimizer
+    weights = load_file(str(path / "model.safetensors"))
+    names = {id(param): name for name, param in model.named_parameters()}  # a tied weight once, by its owner
+    missing = sorted(set(names.values()) - weights.keys())
+    if missing:
+        raise ShardedError(f"{path}/model.safetensors lacks {len(missing)} of the model's weights, e.g. {missing[:3]}")
+    # not strict: the file holds a tied weight once (the LM head is the embedding), the model's state dict twice
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    ours = [param for group in optimizer.param_groups for param in group["params"]]
+    indices = [index for group in saved["param_groups"] for index in group["params"]]
+    if len(indices) != len(ours):
+        raise ShardedError(f"{path}/optimizer.pt holds {len(indices)} parameters in its groups, the trainer's "
+                           f"optimizer {len(ours)}: not this model's optimizer")
+    by_index = dict(zip(indices, ours, strict=True))
+    for index, moments in saved["state"].items():
+        shape = tuple(by_index[index].shape)  # a sharded parameter's shape is the whole tensor's
+        if "exp_avg" in moments and tuple(moments["exp_avg"].shape) != shape:
+            raise ShardedError(f"{path}/optimizer.pt: the state of parameter {index} ({names[id(by_index[index])]}) "
+                               f"has shape {tuple(moments['exp_avg'].shape)}, the parameter {shape}")
+    named = {"state": {names[id(by_index[index])]: moments for index, moments in saved["state"].items()},
+             "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                               "params": [names[id(by_index[index])] for index in group["params"]]}
+                              for group in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def restore_rng(path: Path, rank: int) -> None:
-    """Every rank, at the first step's start after load_sharded (on_step_begin), not at on_train_begin:
+    """Every rank, at the first step's start after restore_checkpoint (on_step_begin), not at on_train_begin:
     the Trainer makes its data iterator in between, which draws from torch's RNG (the Trainer's own
     resume restores its RNG after that too). TRL shuffles each batch with that RNG, and the order
     decides float sums: restored earlier, a resumed run ends ~1e-7 away from an uninterrupted one."""

@@ -12,7 +12,9 @@ both runs of a pair get the same rollouts.
 - the same under the real controller (local backend, marked slow): it relaunches the actor on its own and
   the run ends bit for bit where the uninterrupted one did;
 - SIGTERM while rank 0 waits for rollouts: every rank writes its shards of that step's checkpoint and ends;
-- a rank whose rank 0 was SIGKILLed exits at once; a checkpoint resumes only on the count that wrote it.
+- a rank whose rank 0 was SIGKILLed exits at once;
+- a checkpoint resumes on another count (2 ranks -> 1, 1 -> 2) and the next step trains as the run it came
+  from does: the weights and the AdamW moments were restored, resharded.
 The runs are made once for the module (each actor process costs ~20 s of imports on 2 cores).
 """
 
@@ -37,6 +39,7 @@ from rollout_helpers import assets_available, make_tiny_model
 from run_helpers import train_through_controller
 from safetensors.torch import load_file
 
+from mortal.controller.cli.fork import fork_run
 from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.checkpoint import is_complete, read_marker
@@ -216,6 +219,42 @@ def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_
     [checkpoint] = store.list_checkpoints("stopped")
     assert checkpoint.step == 1 and is_complete(checkpoint.path), checkpoint
     assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+
+
+def test_a_sharded_checkpoint_resumes_on_one_rank_and_trains_on_as_the_sharded_run_did(
+        store: Store, straight: str) -> None:
+    """`mortalctl fork straight:step-2 down --set spec.actor.count=1`: the unsharded actor reads the
+    2 ranks' DCP shards whole (model and AdamW state) and its step 3 is the sharded run's step 3."""
+    fork_run(store, straight, 2, "down", sets=["spec.actor.count=1"])
+    assert run_actor_with_rollout(store, store.get_run("down").document()) == 0
+    _trains_on_as(store, "down", straight, step=3)
+    [warning] = [e for e in store.list_events("down") if e.reason == "ActorCountChanged"]
+    assert "written by an actor of 2 rank(s) and this one has actor.count 1" in warning.message
+
+
+def test_an_unsharded_checkpoint_resumes_on_two_ranks_and_trains_on_as_the_unsharded_run_does(
+        store: Store, home: Path, whole: str) -> None:
+    """A fork of the unsharded run's step 1 onto 2 ranks (the Trainer's model.safetensors and optimizer.pt,
+    each rank keeping its shards) against the same fork on 1 rank."""
+    fork_run(store, whole, 1, "onwards", sets=["spec.algorithm.maxSteps=2"])
+    assert run_actor_with_rollout(store, store.get_run("onwards").document()) == 0
+    fork_run(store, whole, 1, "up", sets=["spec.algorithm.maxSteps=2", "spec.actor.count=2"])
+    assert train(store, store.get_run("up").document(), home) == 0, _log_tail(home, "up")
+    assert "resumed on 2 rank(s) from a checkpoint of 1" in _log_tail(home, "up")
+    _trains_on_as(store, "up", "onwards", step=2)
+
+
+def _trains_on_as(store: Store, resumed: str, reference: str, step: int) -> None:
+    """`resumed` trained `step` as `reference` did: the same rollouts (so the same weights were restored),
+    the same gradient, and an update that needed the restored AdamW moments (a fresh optimizer's first
+    step moves every weight by about learningRate, 1e-2)."""
+    a, b = _step_metrics(store, reference, step), _step_metrics(store, resumed, step)
+    assert a["completion_tokens"] == b["completion_tokens"]
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4, abs_tol=1e-9), (a["grad_norm"], b["grad_norm"])
+    wa, wb = read_published(store.latest_weights(reference).path), read_published(store.latest_weights(resumed).path)
+    assert store.latest_weights(resumed).step == step
+    far = sum(int(((wa[k] - wb[k]).abs() > 1e-4).sum()) for k in wa) / sum(wa[k].numel() for k in wa)
+    assert far < 1e-2, far
 
 
 @pytest.mark.slow
