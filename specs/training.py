@@ -218,6 +218,13 @@ class ActorSpec(SpecModel):
         "processes with FSDP2 (one worker; each rank trains batchSize / count of each step). On CPU only "
         "for now: sharding over GPUs is not built yet (docs/fsdp.md).",
     )
+    mixed_precision: bool = Field(
+        False,
+        description="A sharded actor (count > 1) keeps its weights, gradients and AdamW state in float32 shards and "
+        "computes forward and backward in bfloat16 (FSDP2's MixedPrecisionPolicy: parameters gathered in bfloat16, "
+        "gradients reduced in float32), as TRL does under FSDP with bf16. Needs model.dtype float32 (the master "
+        "weights); an unsharded actor trains in model.dtype throughout.",
+    )
     compile: bool = Field(
         False,
         description="Compile the model the actor trains with torch.compile (TRL's torch_compile): fused kernels in "
@@ -596,6 +603,12 @@ class TrainingSpec(SpecModel):
     def _sharding_is_possible(self) -> TrainingSpec:
         """actor.count > 1 (mortal.workers.sharded): what a sharded actor does not do yet, and how it splits a batch."""
         count = self.actor.count
+        if self.actor.mixed_precision and count == 1:
+            raise rule_error("mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or train an "
+                             "unsharded actor in bfloat16 with model.dtype: bfloat16", "actor.mixedPrecision")
+        if self.actor.mixed_precision and self.model.dtype != "float32":
+            raise rule_error(f"mixedPrecision keeps float32 master weights and computes in bfloat16; this model's "
+                             f"dtype is {self.model.dtype!r}: set model.dtype: float32", "actor.mixedPrecision")
         if count == 1:
             return self
         if self.actor.gpu != "none":

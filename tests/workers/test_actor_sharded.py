@@ -167,6 +167,21 @@ def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store:
     assert worst < 1e-4, worst
 
 
+def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: Store, home: Path, tiny_dir: Path,
+                                                                     whole: str) -> None:
+    """actor.mixedPrecision: the step's gradient is the float32 one up to bfloat16's rounding (further from it
+    than the float32 sharded step, which agrees to 1e-4), and the checkpointed shards stay float32."""
+    mixed = create_run(store, "mixed", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
+                                                  actor={"count": 2, "mixedPrecision": True}))
+    assert train(store, mixed, home) == 0, _log_tail(home, "mixed")
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, "mixed", 1)
+    assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
+    off = abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+    assert 1e-4 < off < 5e-2, (a["grad_norm"], b["grad_norm"])
+    weights = _checkpointed_weights(store, "mixed", 1, home.parent)
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
 def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly(
         store: Store, home: Path, tiny_dir: Path, straight: str) -> None:
     run = create_run(store, "killed", actor_spec(str(tiny_dir), **SHARDED))
