@@ -321,6 +321,7 @@ class ActorLoop(TrainerCallback):
         world = self.ranks.world if self.ranks is not None else 1
         trl_seam.check_rollout_call(prompts, self.spec.algorithm.batch_size // world)
         step = trainer.state.global_step
+        entered = time.perf_counter()
         self.feed.enqueue(step, self.version)
         self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
@@ -333,6 +334,7 @@ class ActorLoop(TrainerCallback):
             raise
         self._rollout_metrics = batch.metrics(step, self.publisher.step_of)
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
+        self._rollout_metrics["actor/bookkeeping_seconds"] = started - entered  # the store's tasks and versions
         self._batch = batch
         output = trl_seam.rollout_output(
             batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions,
@@ -377,8 +379,9 @@ class ActorLoop(TrainerCallback):
         step = state.global_step
         if torch.cuda.is_available():  # queued GPU work of the step is training time
             torch.cuda.synchronize()
-        trained = time.perf_counter() - self._step_started - self._rollout_metrics.get("actor/wait_seconds", 0.0)
-        self._rollout_metrics["actor/train_seconds"] = trained  # TRL's loss, backward and optimizer step
+        elsewhere = sum(self._rollout_metrics.get(f"actor/{part}_seconds", 0.0) for part in ("wait", "bookkeeping"))
+        # TRL's loss, backward and optimizer step: not the store's work before the wait, which MFU must leave out
+        self._rollout_metrics["actor/train_seconds"] = time.perf_counter() - self._step_started - elsewhere
         self._rollout_metrics["weights/publish_seconds"] = 0.0
         if publishes_at(self.spec, step):
             self._publish(step)
