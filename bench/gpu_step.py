@@ -63,7 +63,7 @@ from pathlib import Path
 
 from through_controller import copy_logs, exit_on_sigterm, run_through_controller
 
-BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds",
+BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
              "train": "actor/train_seconds", "publish": "weights/publish_seconds",
              "generate": "rollout/generation_seconds", "reward": "rollout/reward_seconds",
              "load": "weights/load_seconds"}
@@ -281,7 +281,7 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         last_end = v["ended_at"]
         steps.append({"step": s, "seconds": between, "step_seconds": v["step_seconds"], "ended_at": v["ended_at"],
                       "tokens": v["completion_tokens"], **parts})
-        print(f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + train {parts['train']:.2f} + "
+        print(f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + train {parts['train']:.2f} (gc {parts['gc']:.3f}) + "
               f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
               f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
     args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)

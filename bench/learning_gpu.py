@@ -67,7 +67,7 @@ from through_controller import copy_logs, run_through_controller  # noqa: E402
 
 REWARD = "math_answer"
 REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
-BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds",
+BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
              "train": "actor/train_seconds", "publish": "weights/publish_seconds",
              "generate": "rollout/generation_seconds", "step_seconds": "step_seconds"}
 WINDOW = 20  # steps in "final reward" and in the trailing mean that must reach it

@@ -44,7 +44,13 @@ from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
-from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
+from mortal.workers.runtime import (
+    EXIT_RETRYABLE,
+    EXIT_SUCCEEDED,
+    CollectionClock,
+    WorkerContext,
+    startup_objects_frozen,
+)
 from mortal.workers.storage import CheckpointStorage, StorageError
 from mortal.workers.weights import WeightPublisher
 
@@ -104,7 +110,7 @@ def main(ctx: WorkerContext) -> int:
         ctx.log.info("training from step %d to %d%s%s", start, spec.algorithm.max_steps,
                      f" (resuming from {resume.path})" if resume else "",
                      f" on {spec.actor.count} ranks (FSDP2)" if ranks else "")
-        with startup_objects_frozen():
+        with startup_objects_frozen(), CollectionClock() as loop.collections:
             trainer.train(resume_from_checkpoint=resume.path if trainer_resumes else None)
         finished = True
     except StopRequested as exc:
@@ -310,6 +316,7 @@ class ActorLoop(TrainerCallback):
         self.ranks: sharded.Ranks | None = None  # rank 0 of a sharded actor: the other ranks follow it
         self.resume_from: str | None = None  # a checkpoint the Trainer cannot resume, restored in on_train_begin
         self._rng_from: Path | None = None  # ... whose RNG states are restored as the first step begins
+        self.collections: CollectionClock | None = None  # the garbage collector's time, step by step
         self.version = -1
         self._step_started = time.perf_counter()
         self._rollout_metrics: dict[str, float] = {}
@@ -383,6 +390,8 @@ class ActorLoop(TrainerCallback):
         # TRL's loss, backward and optimizer step: not the store's work before the wait, which MFU must leave out
         self._rollout_metrics["actor/train_seconds"] = time.perf_counter() - self._step_started - elsewhere
         self._rollout_metrics["weights/publish_seconds"] = 0.0
+        if self.collections is not None:
+            self._rollout_metrics["actor/gc_seconds"] = self.collections.take()
         if publishes_at(self.spec, step):
             self._publish(step)
         else:

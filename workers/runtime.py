@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -120,6 +121,35 @@ def startup_objects_frozen() -> Any:
         yield
     finally:
         gc.unfreeze()
+
+
+class CollectionClock:
+    """The seconds the garbage collector spent collecting (every generation), taken step by step: a
+    step's time that none of its timers explains may be a collection in the middle of it (a metric,
+    actor/gc_seconds). gc.callbacks runs in whichever thread triggered the collection, under the GIL."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self._spent = 0.0
+
+    def __enter__(self) -> CollectionClock:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self._spent += time.perf_counter() - self._started
+            self._started = None
+
+    def take(self) -> float:
+        """Seconds spent collecting since the last take."""
+        spent, self._spent = self._spent, 0.0
+        return spent
 
 
 def worker_ref_from_env(environ: Mapping[str, str]) -> WorkerRef:

@@ -72,6 +72,7 @@ def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_d
     for step in metrics.values():  # a step's seconds in parts: the store's work, waiting, TRL's step, publishing
         parts = [step[f"actor/{p}_seconds"] for p in ("bookkeeping", "wait", "train")] + [step["weights/publish_seconds"]]
         assert min(parts) >= 0 and sum(parts) <= step["step_seconds"] + 1e-6, (parts, step["step_seconds"])
+        assert 0 <= step["actor/gc_seconds"] <= step["step_seconds"]
     assert all(r.state == "done" for r in store.step_results("basic", 2))
 
 

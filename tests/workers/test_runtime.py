@@ -27,6 +27,7 @@ from mortal.workers.runtime import (
     EXIT_FATAL,
     EXIT_FENCED,
     EXIT_RETRYABLE,
+    CollectionClock,
     WorkerContext,
     load_run,
     startup_objects_frozen,
@@ -252,3 +253,15 @@ def test_a_workers_loop_runs_with_its_startup_objects_out_of_full_collections() 
         assert any(obj is during for obj in gc.get_objects())  # what the loop makes is collected as usual
     assert gc.get_freeze_count() == 0
     assert any(obj is alive for obj in gc.get_objects())
+
+
+def test_the_collection_clock_counts_the_collectors_time_since_it_was_last_read() -> None:
+    callbacks = list(gc.callbacks)
+    with CollectionClock() as clock:
+        clock.take()  # whatever was collected before counts for no step here
+        cycles = [_Node() for _ in range(50_000)]
+        del cycles
+        gc.collect()
+        assert clock.take() > 0
+        assert clock.take() == 0.0  # read, so reset
+    assert gc.callbacks == callbacks  # left as it found them
