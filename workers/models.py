@@ -269,6 +269,7 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
     use_tf32(model_spec, device)
     if for_training:
         model.train()
+        train_attention_without_cudnn(device)
     else:
         model.eval()
         model.requires_grad_(False)
@@ -284,6 +285,23 @@ def use_tf32(model_spec: ModelSpec, device: str) -> bool:
 
     torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls (cuBLAS)
     torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def train_attention_without_cudnn(device: str) -> bool:
+    """Keep PyTorch's scaled-dot-product attention off cuDNN's kernel in a training process on CUDA; whether
+    it did. A process-wide switch (a worker holds one model); flash or memory-efficient attention is used.
+
+    Why: cuDNN builds an execution plan for each new sequence length the first time it sees one, and a
+    training batch's padded length changes from step to step. On an H100 (bench/gpu_step.py, Qwen2.5-0.5B's
+    shape in bf16) the actor's training pass took 2.0-3.0 s in the steps whose length was new (steps 2 and 5
+    of every run) against 0.21-0.23 s in the others; with cuDNN's attention off, 0.22-0.27 s in every step
+    (docs/benchmarks.md). The rollout's decoder keeps cuDNN: it compiles a few fixed shapes once."""
+    if not str(device).startswith("cuda"):
+        return False
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
     return True
 
 
