@@ -11,11 +11,15 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
   actor, full fine-tuning: weights + gradients + AdamW's two moments, each of the weights' dtype
                            (TRL/torch keep them so): 4 x b x parameters
   actor, LoRA:             the frozen base weights: b x parameters
-  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU),
+  actor of N ranks:        each of its N GPUs holds 1 / N of that (FSDP2 shards all four), none of it
+                           with actor.cpuOffload (the shards live in host memory)
+  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU;
+                           with N ranks, replica r on the actor's GPU r % N, so ceil(replicas / N) a GPU),
                            or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
                            each one may hold, weights included; then it must hold the weights)
   rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
-  sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots)
+  sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots;
+                           with N ranks, on rank 0's GPU, the one counted here)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
 """
 
@@ -49,9 +53,13 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     actor = spec.actor.gpu
     if wants_gpu(actor) and gpu_memory(actor) is not None:
         full = spec.model.lora is None
-        copies = ADAMW_COPIES if full else 1
+        ranks = spec.actor.count
+        copies = (0 if spec.actor.cpu_offload else ADAMW_COPIES / ranks) if full else 1
         parts = ["weights, gradients and AdamW's two moments" if full else "the frozen base weights (LoRA)"]
-        colocated = spec.rollout.replicas if spec.rollout.colocate else 0
+        if ranks > 1:
+            parts[0] = (f"{parts[0]} in host memory (cpuOffload)" if spec.actor.cpu_offload
+                        else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
+        colocated = spec.colocated_per_gpu()
         share = spec.rollout.gpu_memory_utilization
         rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else per * parameters)
         if colocated and share:
@@ -63,9 +71,11 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
         ring = SNAPSHOT_RING if sync in ("ipc", "nccl") else 0
         if ring:
             parts.append(f"{ring} snapshots of the weights for sync {sync}")
-        need = (copies + ring) * per * parameters + rollouts_hold
+        need = int((copies + ring) * per * parameters) + rollouts_hold
         if need > gpu_memory(actor):
-            fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full else []
+            fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
+            if full and not spec.actor.cpu_offload:
+                fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:
                 fixes.append("a smaller rollout.gpuMemoryUtilization")
             if ring:

@@ -203,11 +203,13 @@ class Reconciler:
         role = spec.actor if action.role == "actor" else spec.rollout
         launch = WorkerLaunch(
             run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
-            state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu, gpu_count=1,
+            state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
+            gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocate,
-            sees_actor_gpus=(action.role == "rollout" and not spec.rollout.colocate
+            # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
+            sees_actor_gpus=(action.role == "rollout" and (not spec.rollout.colocate or spec.actor.count > 1)
                              and spec.sync_method() in ("ipc", "nccl")),
             engine=spec.generation.engine,
         )

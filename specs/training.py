@@ -215,8 +215,16 @@ class ActorSpec(SpecModel):
     count: int = Field(
         1, ge=1,
         description="Ranks of the actor: > 1 shards the model, gradients and optimizer state over that many "
-        "processes with FSDP2 (one worker; each rank trains batchSize / count of each step). On CPU only "
-        "for now: sharding over GPUs is not built yet (docs/fsdp.md).",
+        "processes of one host with FSDP2 (one worker; each rank trains batchSize / count of each step). With a "
+        "GPU, each rank has a GPU of its own (actor.gpu, count of them), joined over NCCL; colocated rollouts "
+        "spread over those GPUs, one GPU after the other (docs/fsdp.md).",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="A sharded actor on GPUs keeps its parameter shards, gradients and AdamW state in host memory "
+        "and brings each layer's to its GPU only for its forward and backward (FSDP2's CPUOffloadPolicy, TRL's "
+        "fsdp_offload_params): for a model whose shards do not fit its GPUs, at the cost of host-device copies "
+        "every step. Needs count > 1 and a GPU.",
     )
     mixed_precision: bool = Field(
         False,
@@ -536,12 +544,20 @@ class TrainingSpec(SpecModel):
         if self.rollout.gpu == "none":
             raise rule_error("rollout.gpuMemoryUtilization shares a GPU's memory: set rollout.gpu to a GPU type, "
                              "or drop it on the CPU", "rollout.gpuMemoryUtilization")
-        if self.rollout.colocate and self.rollout.replicas * share >= 1:
-            raise rule_error(f"{self.rollout.replicas} colocated rollouts x {share} of the GPU each leave nothing for "
+        per_gpu = self.colocated_per_gpu()
+        if per_gpu and per_gpu * share >= 1:
+            raise rule_error(f"{per_gpu} colocated rollouts x {share} of the GPU each leave nothing for "
                              f"the actor's training on the same GPU: lower rollout.gpuMemoryUtilization below "
-                             f"{1 / self.rollout.replicas:.2f} (TRL's colocate default is 0.3), or fewer replicas",
+                             f"{1 / per_gpu:.2f} (TRL's colocate default is 0.3), or fewer replicas",
                              "rollout.gpuMemoryUtilization")
         return self
+
+    def colocated_per_gpu(self) -> int:
+        """Colocated rollouts on the busiest of the actor's GPUs: replica r shares the actor's GPU r % count
+        (one after the other), so ceil(replicas / count); 0 when the rollouts have GPUs of their own."""
+        if not self.rollout.colocate:
+            return 0
+        return -(-self.rollout.replicas // self.actor.count)
 
     def rollout_memory_share(self, engine: str) -> float | None:
         """The share of its GPU a rollout worker of `engine` (the one it resolved: "vllm" or "transformers")
@@ -609,12 +625,11 @@ class TrainingSpec(SpecModel):
         if self.actor.mixed_precision and self.model.dtype != "float32":
             raise rule_error(f"mixedPrecision keeps float32 master weights and computes in bfloat16; this model's "
                              f"dtype is {self.model.dtype!r}: set model.dtype: float32", "actor.mixedPrecision")
+        if self.actor.cpu_offload and (count == 1 or self.actor.gpu == "none"):
+            raise rule_error("cpuOffload moves a sharded actor's shards from its GPUs to host memory: set actor.count "
+                             "> 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")
         if count == 1:
             return self
-        if self.actor.gpu != "none":
-            raise rule_error(
-                f"an actor of {count} ranks runs on CPU ranks only for now (gpu: none): sharding over GPUs is not "
-                "built yet; use count 1 on a GPU", "actor.count")
         if self.backend != "local":
             raise rule_error(f"an actor of {count} ranks runs on the local backend only for now (its ranks are "
                              f"processes it starts itself, untried inside a {self.backend} worker); use count 1",

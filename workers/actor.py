@@ -52,7 +52,7 @@ from mortal.workers.runtime import (
     startup_objects_frozen,
 )
 from mortal.workers.storage import CheckpointStorage, StorageError
-from mortal.workers.weights import WeightPublisher
+from mortal.workers.weights import RING_METHODS, WeightPublisher
 
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
 STALENESS_CLIP = 2.0  # truncation of the per-token importance ratio for stale samples (TIS)
@@ -279,7 +279,7 @@ def make_trainer(spec: TrainingSpec, output_dir: str, callback: TrainerCallback,
     device = actor_device(spec)
     tokenizer = models.load_tokenizer(spec.model)
     model = models.load_model(spec.model, device, for_training=True, fsdp_size=world,
-                              mixed_precision=spec.actor.mixed_precision)
+                              mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload)
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     trainer = GRPOTrainer(
@@ -421,8 +421,14 @@ class ActorLoop(TrainerCallback):
         if torch.cuda.is_available():  # the step's queued GPU work counts as training, not as publishing
             torch.cuda.synchronize()
         started = time.perf_counter()  # no fence check first: version directories are per incarnation
-        full = sharded.full_state_dict(self.trainer.model) if self.ranks is not None else None
-        self.version = self.publisher.publish(self.trainer.model, step, prune=False, state=full)
+        model = self.trainer.model
+        if self.ranks is None:
+            self.version = self.publisher.publish(model, step, prune=False)
+        else:  # every rank takes part (sharded.join_publish); the ring, if any, is on rank 0's device
+            ring = self.publisher.method in RING_METHODS
+            self.version = self.publisher.publish(model, step, prune=False, state=sharded.publish_state(model, ring),
+                                                  gather=sharded.whole if ring else None,
+                                                  device=sharded.rank_device(self.ranks.device, 0))
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)
 
@@ -469,6 +475,7 @@ class Follower(TrainerCallback):
         self.spec, self.ranks = spec, ranks
         self.trainer: Any = None
         self._rng_from: Path | None = None
+        self._ring = spec.sync_method() in RING_METHODS  # how rank 0 publishes, so which collectives to join
 
     def _serve(self, until: str) -> Any:
         """Do rank 0's checkpoints until its message of kind `until` (or "stop") comes; its payload."""
@@ -492,7 +499,7 @@ class Follower(TrainerCallback):
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
             self._rng_from = _rng_source(Path(resume_from), self.ranks.world)
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
-        sharded.full_state_dict(self.trainer.model)  # rank 0 publishes the weights it starts from
+        sharded.join_publish(self.trainer.model, self._ring)  # rank 0 publishes the weights it starts from
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._rng_from is not None:
@@ -501,7 +508,7 @@ class Follower(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if publishes_at(self.spec, state.global_step):
-            sharded.full_state_dict(self.trainer.model)
+            sharded.join_publish(self.trainer.model, self._ring)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import SnapshotRing, ViewCache, read_manifest, views
+from mortal.workers.weight_ring import Gather, SnapshotRing, ViewCache, read_manifest, views
 
 IPC_FILE = "ipc.pkl"
 DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
@@ -69,9 +69,11 @@ class IpcWeightSharer:
         self._handles: dict[int, Any] = {}  # data_ptr -> IPC handle, for the ring's current allocation
         self._handles_for: list[dict[str, torch.Tensor]] | None = None  # that allocation (SnapshotRing.buffers)
 
-    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int) -> Path:
-        """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically."""
-        buffers = self._snapshots.write(state, version)
+    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
+              device: torch.device | None = None) -> Path:
+        """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically; `gather` and
+        `device`: a sharded actor's, as SnapshotRing.write takes them."""
+        buffers = self._snapshots.write(state, version, gather, device)
         handles = {dtype: self._handle(buffer) for dtype, buffer in buffers.items()}
         device = next(iter(buffers.values())).device.index
         producer = f"{os.getpid()}@{device_uuid(device)}"

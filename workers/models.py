@@ -245,12 +245,13 @@ def worker_device(gpu: str, field: str) -> str:
 
 
 def load_model(model_spec: ModelSpec, device: str | None = None, for_training: bool = False,
-               fsdp_size: int = 1, mixed_precision: bool = False) -> Any:
+               fsdp_size: int = 1, mixed_precision: bool = False, cpu_offload: bool = False) -> Any:
     """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training.
 
     fsdp_size > 1: sharded with FSDP2 over that many ranks as it loads (transformers' DistributedConfig;
-    the process group is up, mortal.workers.sharded), the model placing its own shards; with
-    `mixed_precision`, its shards computing in bfloat16 (spec.actor.mixedPrecision)."""
+    the process group is up, mortal.workers.sharded), the model placing its own shards on its rank's
+    device; with `mixed_precision`, its shards computing in bfloat16 (spec.actor.mixedPrecision); with
+    `cpu_offload`, its shards kept in host memory (spec.actor.cpuOffload)."""
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
@@ -259,7 +260,8 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
     if fsdp_size > 1:
         from transformers.distributed import DistributedConfig
 
-        extra["distributed_config"] = DistributedConfig(fsdp_size=fsdp_size, fsdp_mixed_precision=mixed_precision)
+        extra["distributed_config"] = DistributedConfig(fsdp_size=fsdp_size, fsdp_mixed_precision=mixed_precision,
+                                                        fsdp_cpu_offload=cpu_offload)
     try:
         model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(model_spec.dtype, device), **extra)
     except (OSError, ValueError) as exc:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from mortal.workers.atomic import atomic_dir
 from mortal.workers.weight_ring import (
+    Gather,
     SnapshotRing,
     TensorSlot,
     ViewCache,
@@ -124,9 +125,11 @@ class NcclWeightServer:
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
 
-    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int) -> Path:
-        """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically."""
-        buffers = self._snapshots.write(state, version)
+    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
+              device: torch.device | None = None) -> Path:
+        """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically; `gather` and
+        `device`: a sharded actor's, as SnapshotRing.write takes them."""
+        buffers = self._snapshots.write(state, version, gather, device)
         if self._store is None:
             self._open(next(iter(buffers.values())).device)
         manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "ring": self.ring,

@@ -54,6 +54,16 @@ def backend_for(device: str) -> str:
     return "gloo" if device == "cpu" else "cuda:nccl,cpu:gloo"
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device rank `rank` trains on: the CPU, or the rank-th GPU of those the worker sees."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if rank >= torch.cuda.device_count():
+        raise ShardedError(f"actor rank {rank} has no GPU: this worker sees {torch.cuda.device_count()} "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}), one a rank is needed")
+    return torch.device("cuda", rank)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -88,11 +98,17 @@ class Ranks:
         return self.rank == 0
 
     def join(self) -> None:
-        """Join the process group (every rank, in the same order) and make the message channel."""
+        """Join the process group (every rank, in the same order) and make the message channel. On GPUs rank
+        r binds the r-th GPU the worker sees (the backend gave the actor one per rank, CUDA_VISIBLE_DEVICES),
+        before the group exists, so NCCL's communicator is made for that device and no other."""
         import torch.distributed as dist
 
         torch.set_num_threads(threads_per_rank(self.world))
-        dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world)
+        device_id = rank_device(self.device, self.rank)
+        if device_id.type == "cuda":
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world,
+                                device_id=device_id if device_id.type == "cuda" else None)
         self.channel = Channel(dist.new_group(backend="gloo"), self.rank)
 
     def watch(self, on_lost: Callable[[RankLost], None]) -> None:
@@ -179,6 +195,43 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as FSDP2 holds them (DTensor shards; buffers whole), under the names a rollout
+    loads them by, a tied weight once (under its first name, as the volume's files hold it). Every rank
+    builds the same dict in the same order: the ring gathers its tensors in that order (`whole`)."""
+    seen: set[int] = set()
+    state = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            state[name] = tensor.detach()
+    return state
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """One weight made whole: a DTensor shard all-gathered (a collective: every rank makes each weight whole
+    in the same order, rank 0 keeping it), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def publish_state(model: torch.nn.Module, ring: bool) -> dict[str, torch.Tensor]:
+    """Every rank, when rank 0 publishes: for a ring (sync ipc, nccl), the shards (rank 0 hands them to the
+    ring with `whole`, and the other ranks join its gathers through `join_publish`); for the files of
+    volume and ray, every weight whole on rank 0's CPU (full_state_dict; {} on the others)."""
+    return shard_state(model) if ring else full_state_dict(model)
+
+
+def join_publish(model: torch.nn.Module, ring: bool) -> None:
+    """Ranks 1..N-1: the collectives of rank 0's publish, in its order (nothing is kept)."""
+    if not ring:
+        full_state_dict(model)
+        return
+    for tensor in shard_state(model).values():
+        whole(tensor)
+
+
 def local_share(model: torch.nn.Module) -> tuple[int, int]:
     """(elements this rank holds, elements of the whole model): about 1 / world of it when sharded."""
     from torch.distributed.tensor import DTensor
@@ -211,8 +264,10 @@ def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
 
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(dest / DCP_DIR))
-    torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()},
-               dest / f"rng_state_{rank}.pth")
+    rng = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's GPU (dropout, sampling on it)
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, dest / f"rng_state_{rank}.pth")
     if rank == 0:
         torch.save(trainer.lr_scheduler.state_dict(), dest / "scheduler.pt")
         trainer.state.save_to_json(str(dest / "trainer_state.json"))
@@ -301,6 +356,8 @@ def restore_rng(path: Path, rank: int) -> None:
     rng = torch.load(path / f"rng_state_{rank}.pth", weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 def _exit_with_parent(parent: int) -> None:

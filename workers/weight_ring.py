@@ -20,11 +20,14 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+Gather = Callable[[torch.Tensor], torch.Tensor]  # a shard -> the whole tensor (a collective: mortal.workers.sharded)
 
 
 class TensorSlot(NamedTuple):
@@ -145,14 +148,20 @@ class SnapshotRing:
     _views: list[list[torch.Tensor]] = field(default_factory=list, repr=False)  # each slot's tensors, in slot order
     _laid_out: tuple[Any, dict[str, int], list[TensorSlot]] = field(default=(None, {}, []), repr=False)  # last layout
 
-    def write(self, state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    def write(self, state: dict[str, torch.Tensor], version: int, gather: Gather | None = None,
+              device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """Snapshot `state` as `version` and wait until the copy is complete (so that no reader can
-        see it half written once the caller records it); returns the slot's buffers."""
+        see it half written once the caller records it); returns the slot's buffers.
+
+        `gather` (a sharded actor's: `state` holds its FSDP2 shards) makes each tensor whole, one at a
+        time in `state`'s order, and it is copied into the slot before the next is made, so the ring's
+        device never holds a second whole model beside the slot; `device`: where the ring lives when it
+        is not where `state`'s tensors are (shards offloaded to host memory)."""
         if state is not self._laid_out[0]:  # the publisher passes the same dict while the model is the same
             self._laid_out = (state, *layout(state))
         _, sizes, slots = self._laid_out
         if slots != self.slots:  # first version (or a new model): allocate the ring
-            device = next(iter(state.values())).device
+            device = device or next(iter(state.values())).device
             self.slots = slots
             self.buffers = [empty_buffers(sizes, device) for _ in range(self.ring)]
             self._views = [list(views(buffers, slots).values()) for buffers in self.buffers]
@@ -161,7 +170,11 @@ class SnapshotRing:
         index = version % self.ring
         self.held[index] = None  # being written: no longer the version it held
         self.stamps[index].fill_(-1)
-        fill_views(self._views[index], [state[slot.name] for slot in slots])
+        if gather is None:
+            fill_views(self._views[index], [state[slot.name] for slot in slots])
+        else:
+            for view, slot in zip(self._views[index], slots, strict=True):
+                view.copy_(gather(state[slot.name]))
         self.stamps[index].fill_(version)
         if self.stamps.is_cuda:
             torch.cuda.synchronize()

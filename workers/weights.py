@@ -47,10 +47,12 @@ from mortal.state import paths
 from mortal.state.store import Store, WorkerRef
 from mortal.workers import ipc_weights, nccl_weights, ray_weights, weight_ring
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, sweep, volume_refresh
+from mortal.workers.weight_ring import Gather
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
 KEEP_VERSIONS = 3
+RING_METHODS = ("ipc", "nccl")  # a version is a slot of the actor's snapshot ring (mortal.workers.weight_ring)
 log = logging.getLogger("mortal.weights")
 _PEFT_MARKERS = ("lora_", "modules_to_save", "original_module")
 
@@ -367,18 +369,23 @@ class WeightPublisher:
         remove_stale_tmp(paths.weights_dir(self.run))
 
     def publish(self, model: torch.nn.Module, step: int, version: int | None = None, prune: bool = True,
-                state: dict[str, torch.Tensor] | None = None) -> int:
+                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
+                device: torch.device | None = None) -> int:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
         rollouts, off the path a new version takes to them) prune; returns the version published.
-        `state`: a sharded actor's weights gathered to full CPU tensors (volume or ray)."""
+        `state`: a sharded actor's weights, gathered to full CPU tensors for the files of volume and ray, or
+        its shards for the ring of ipc and nccl, with the `gather` that makes each whole and the ring's
+        `device` (mortal.workers.sharded.publish says which)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
         adapters = lora_adapters(model) if self.method in ("volume", "ray") and state is None else None
-        if state is not None:
-            if self.method not in ("volume", "ray"):
-                raise WeightsError(f"a sharded actor publishes through files only (volume, ray), not {self.method!r}")
+        if state is not None and self.method in RING_METHODS:
+            if gather is None:
+                raise WeightsError("a sharded actor's shards reach the ring only through a gather")
+            self._ring_server().share(state, dest, version, step, gather=gather, device=device)
+        elif state is not None:
             write_weights(model, dest, version, step, state=state)
-        elif self.method in ("ipc", "nccl"):
+        elif self.method in RING_METHODS:
             self._ring_server().share(self._plain(model), dest, version, step)  # no config.json: it delays the record
         elif adapters is not None:
             write_adapters(model, adapters, dest, version, step)

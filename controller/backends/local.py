@@ -117,7 +117,8 @@ class LocalBackend(Backend):
                 if f.worker.worker_id == launch.worker_id:
                     return f.worker.handle
             visible = self._devices_for(launch, live)
-            peers = self._actor_devices(launch, live) if launch.sees_actor_gpus and visible else ()
+            peers = tuple(d for d in self._actor_devices(launch, live) if d not in gpus.parse_visible(visible)
+                          ) if launch.sees_actor_gpus and visible else ()
             proc = self._spawn(launch, ",".join(filter(None, [visible, *peers])), peers)
             handle = make_handle(proc.pid, psutil.Process(proc.pid).create_time())
             worker = _worker_from(launch, handle)
@@ -126,13 +127,15 @@ class LocalBackend(Backend):
             return handle
 
     def _devices_for(self, launch: WorkerLaunch, live: dict[str, _Found]) -> str:
-        """CUDA_VISIBLE_DEVICES of a new worker. A colocated rollout takes its live actor's devices;
+        """CUDA_VISIBLE_DEVICES of a new worker. A colocated rollout shares one of its live actor's devices
+        (replica r the actor's r-th, round the actor's devices: one actor GPU, or each rank's in turn);
         anyone else takes free ones, where colocated workers hold none, and the devices the run's
         colocated rollouts already use come first (a relaunched actor returns to them)."""
         if not gpus.wants_gpu(launch.gpu):
             return ""
         if launch.colocate:
-            return ",".join(self._actor_devices(launch, live))
+            actor = self._actor_devices(launch, live)
+            return actor[launch.replica % len(actor)]
         devices = self._detect_gpus()
         mine = {d for f in live.values() if f.shared and f.worker.run == launch.run for d in f.devices}
         devices = [d for d in devices if d in mine] + [d for d in devices if d not in mine]

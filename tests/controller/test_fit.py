@@ -55,6 +55,14 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"generation": {"engine": "transformers"}}, 6 * B, ["spec.actor.gpu"]),  # 48 GB + 36 GB
     ({"generation": {"engine": "transformers"}, "sync": {"method": "volume"}}, 6 * B, []),  # no snapshots
     ({"generation": {"engine": "transformers"}, "model": {"lora": {"r": 16}}}, 30 * B, []),  # LoRA: volume
+    # an actor of N ranks: each GPU holds 1/N of the weights, gradients and AdamW state
+    ({"actor": {"count": 2}}, 14 * B, []),  # 56 GB a GPU
+    ({"actor": {"count": 2}}, 24 * B, ["spec.actor.gpu"]),  # 96 GB a GPU
+    ({"actor": {"count": 2, "cpuOffload": True}}, 24 * B, []),  # in host memory
+    ({"actor": {"count": 2}, "sync": {"method": "ipc"}, "generation": {"engine": "transformers"}},
+     9 * B, ["spec.actor.gpu"]),  # 36 GB + 3 snapshots (54 GB) on rank 0's GPU
+    ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 2}}, 12 * B, []),  # 48 + 24 GB a GPU
+    ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 3}}, 12 * B, ["spec.actor.gpu"]),  # 2 on one
 ])
 def test_refused_only_when_the_lower_bound_exceeds_the_gpu(sections, parameters, fields):
     assert [m.field for m in certain_misfits(spec(**sections), parameters)] == fields
@@ -65,6 +73,12 @@ def test_the_message_names_the_need_and_the_fixes():
     assert misfit.message.startswith("H100 has 80 GB; a model of 14.00B parameters in bfloat16 (2 bytes each) needs at "
                                      "least 112.0 GB on it for weights, gradients and AdamW's two moments")
     assert "model.lora" in misfit.message and "e.g. H200" in misfit.message
+
+
+def test_a_sharded_actor_that_does_not_fit_is_told_to_shard_wider_or_offload():
+    (misfit,) = certain_misfits(spec(actor={"count": 2}), 24 * B)
+    assert "1/2 of the weights, gradients and AdamW's two moments (FSDP2 shards)" in misfit.message
+    assert "actor.count: 4" in misfit.message and "model.lora" not in misfit.message
 
 
 def test_the_snapshot_ring_is_the_actors_kept_versions():

@@ -32,10 +32,12 @@ class MemoryBackend(Backend):
         self.fail: Exception | None = None
         self.on_list = None
         self.lock = threading.Lock()
+        self.launched: list[WorkerLaunch] = []
 
     def launch(self, launch: WorkerLaunch) -> str:
         if self.fail is not None:
             raise self.fail
+        self.launched.append(launch)
         handle = f"mem:{launch.worker_id}"
         self.workers[handle] = BackendWorker(launch.worker_id, handle, launch.run, launch.role, launch.replica,
                                              launch.incarnation, alive=True)
@@ -74,6 +76,18 @@ def test_first_pass_records_intent_launches_and_records_handles(world):
     assert {w.handle for w in rows} == set(backend.workers)
     assert store.get_run("r").status["phase"] == "Starting"
     assert [e.reason for e in store.list_events("r")] == ["Launched"] * 3 + ["Starting"]
+
+
+def test_a_sharded_actor_is_launched_with_a_gpu_per_rank_and_colocated_rollouts_to_see_its_weights(world):
+    store, backend, rec = world
+    apply(store, rollout_replicas=2, spec={"actor": {"gpu": "H100", "count": 2},
+                                           "rollout": {"gpu": "H100", "colocate": True},
+                                           "generation": {"engine": "transformers"}})
+    rec.reconcile("r")
+    launched = {(w.role, w.replica): w for w in backend.launched}
+    assert launched["actor", 0].gpu_count == 2
+    assert [(w.gpu_count, w.colocate, w.sees_actor_gpus) for w in (launched["rollout", 0], launched["rollout", 1])] \
+        == [(1, True, True)] * 2  # the ring of weights is on rank 0's GPU, which replica 1 does not share
 
 
 def test_an_unchanged_world_writes_no_status(world):

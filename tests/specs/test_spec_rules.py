@@ -59,7 +59,8 @@ CASES = [
     ("rollout:\n  replicas: -1", 1, "spec.rollout.replicas", "must be >= 0 (got -1)"),
     ("rollout:\n  promptsPerTask: 0", 1, "spec.rollout.promptsPerTask", "must be >= 1 (got 0)"),
     ("actor:\n  count: 0", 1, "spec.actor.count", "must be >= 1 (got 0)"),
-    ("actor:\n  gpu: H100\n  count: 2", 2, "spec.actor.count", "runs on CPU ranks only for now"),
+    ("actor:\n  count: 2\n  cpuOffload: true", 2, "spec.actor.cpuOffload", "set actor.count > 1 and actor.gpu"),
+    ("actor:\n  gpu: H100\n  cpuOffload: true", 2, "spec.actor.cpuOffload", "set actor.count > 1 and actor.gpu"),
     ("actor:\n  count: 3", 1, "spec.actor.count", "batchSize (8) must divide over the actor's 3 ranks"),
     ("actor:\n  mixedPrecision: true", 1, "spec.actor.mixedPrecision", "sharded actor: set actor.count > 1"),
     ("actor:\n  count: 2\n  mixedPrecision: true", 2, "spec.actor.mixedPrecision",
@@ -223,6 +224,17 @@ def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_r
     assert (spec.actor.count, spec.sync_method()) == (2, "volume")
     assert "microBatchSize (2) must divide over the actor's 4 ranks" in only_issue(
         spec_with("actor: {count: 4}\nalgorithm: {batchSize: 8, microBatchSize: 2}")).message
+
+
+def test_a_sharded_actor_on_gpus_syncs_in_memory_and_spreads_its_colocated_rollouts_over_its_gpus():
+    spec = load_text(spec_with("actor: {gpu: H100, count: 2, cpuOffload: true}\n"
+                               "rollout: {gpu: H100, replicas: 3, colocate: true}\ngeneration: {engine: transformers}"),
+                     "run.yaml")[0].spec
+    assert (spec.actor.count, spec.actor.cpu_offload, spec.sync_method()) == (2, True, "ipc")
+    assert spec.colocated_per_gpu() == 2  # replicas 0 and 2 on the actor's first GPU, 1 on its second
+    issue = only_issue(spec_with("actor: {gpu: H100, count: 2}\n"
+                                 "rollout: {gpu: H100, replicas: 4, colocate: true, gpuMemoryUtilization: 0.5}"))
+    assert issue.path == "spec.rollout.gpuMemoryUtilization" and "2 colocated rollouts x 0.5" in issue.message
 
 
 @pytest.mark.parametrize(("extra", "engine", "share"), [

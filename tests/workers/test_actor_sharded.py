@@ -312,6 +312,36 @@ if __name__ == "__main__":
 """
 
 
+def test_a_sharded_model_reaches_a_rollout_through_the_ring_one_gathered_weight_at_a_time(tiny_dir: Path,
+                                                                                           tmp_path: Path) -> None:
+    """Sync ipc and nccl from a sharded actor: rank 0 gathers each weight whole (the other rank joining each
+    gather in the same order) into its ring's slot, and a rollout receives the whole model, tied weight once,
+    equal to the unsharded model bit for bit (nccl's protocol, over gloo between CPU tensors)."""
+    import torch.multiprocessing as mp
+    from sharded_helpers import RECEIVED, publish_into_ring
+
+    from mortal.specs.training import ModelSpec
+    from mortal.workers import models, nccl_weights, sharded
+    from mortal.workers.weights import plain_state_dict
+
+    ranks = mp.start_processes(publish_into_ring, args=(str(tiny_dir), sharded._free_port(), str(tmp_path)),
+                               nprocs=2, join=False, start_method="spawn")
+    try:
+        version = tmp_path / "v0"
+        deadline = time.monotonic() + 120
+        while not (version / nccl_weights.NCCL_FILE).exists():
+            assert time.monotonic() < deadline and all(p.exitcode in (None, 0) for p in ranks.processes)
+            time.sleep(0.1)
+        received = {k: v.clone() for k, v in nccl_weights.receive(version, torch.device("cpu")).items()}
+        nccl_weights._Peer.drop()
+    finally:
+        (tmp_path / RECEIVED).touch()
+        ranks.join(timeout=120)
+    expected = plain_state_dict(models.load_model(ModelSpec.model_validate({"name": str(tiny_dir)}), "cpu"))
+    assert received.keys() == expected.keys()  # the tied LM head once, under the embedding's name
+    assert all(torch.equal(received[name], tensor) for name, tensor in expected.items())
+
+
 def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
     (tmp_path / "parent.py").write_text(PARENT)
     parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True)

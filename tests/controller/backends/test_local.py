@@ -241,6 +241,28 @@ def test_colocated_rollouts_share_the_actors_gpu_and_a_relaunched_actor_returns_
     assert _visible(again) == "0", "a relaunched actor goes back to the GPU its colocated rollouts use"
 
 
+def test_a_sharded_actor_holds_a_gpu_per_rank_and_its_colocated_rollouts_take_them_in_turn(
+        mortal_home: Path, cleanup: None) -> None:
+    def three_gpus() -> list[str]:
+        return ["0", "1", "2"]
+
+    backend = LocalBackend(mortal_home, detect_gpus=three_gpus, command=SLEEPER)
+    actor = backend.launch(launch_spec(mortal_home, role="actor", gpu="H100", gpu_count=2))
+    assert _visible(actor) == "0,1" and backend.gpus_held(launch_spec(mortal_home, gpu="H100", gpu_count=2)) == 2
+    colocated = [backend.launch(launch_spec(mortal_home, replica=i, gpu="H100", colocate=True, sees_actor_gpus=True,
+                                            incarnation=2 + i)) for i in range(3)]
+    # each on one of the actor's GPUs, seeing the others (the weights' ring is on rank 0's), holding none
+    assert [_visible(h) for h in colocated] == ["0,1", "1,0", "0,1"]
+    assert [_environ(h)["MORTAL_GPU_PEERS"] for h in colocated] == ["1", "0", "1"]
+    own = backend.launch(launch_spec(mortal_home, replica=3, gpu="H100", sees_actor_gpus=True, incarnation=5))
+    assert (_visible(own), _environ(own)["MORTAL_GPU_PEERS"]) == ("2,0,1", "0,1")
+
+    backend.stop(actor)  # a restarted controller: the colocated rollouts hold nothing, the relaunch takes 0 and 1
+    fresh = LocalBackend(mortal_home, detect_gpus=three_gpus, command=SLEEPER)
+    again = fresh.launch(launch_spec(mortal_home, role="actor", gpu="H100", gpu_count=2, incarnation=9))
+    assert _visible(again) == "0,1"
+
+
 def test_a_rollout_that_syncs_over_ipc_sees_the_actors_gpu_after_its_own_without_holding_it(
         mortal_home: Path, cleanup: None) -> None:
     def two_gpus() -> list[str]:
