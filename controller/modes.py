@@ -35,9 +35,11 @@ def as_gpu(gpu: str | GPUConfig) -> GPUConfig:
 class SingleNode:
     """Everything on one machine: the trainer and one generation worker on the same GPU type.
 
-    `use_vllm` selects the vLLM engine. `vllm_mode="colocate"` runs one rollout worker on the
-    trainer's own GPU (spec rollout.colocate); `"serve"` gives generation its own GPUs: with GPUConfig(type, count=N) the
-    trainer takes one and N-1 rollout workers take the rest (N >= 2).
+    `use_vllm` selects the vLLM engine. `vllm_mode="colocate"` runs a rollout worker on each of the
+    trainer's GPUs (spec rollout.colocate): with GPUConfig(type, count=N) the trainer is sharded over N
+    GPUs (actor.count, FSDP2) and N rollout workers share them, one a GPU, as TRL's colocate mode runs a
+    vLLM beside each training process. `"serve"` gives generation its own GPUs: with GPUConfig(type,
+    count=N) the trainer takes one and N-1 rollout workers take the rest (N >= 2).
     """
 
     gpu: str | GPUConfig = "A100"
@@ -53,17 +55,18 @@ class SingleNode:
                 f"vllm_mode='serve' puts generation on its own GPU and needs at least 2: "
                 f"SingleNode(gpu=GPUConfig({gpu.type!r}, count=2), vllm_mode='serve')"
             )
-        replicas = gpu.count - 1 if self.vllm_mode == "serve" else 1
+        colocate = self.vllm_mode == "colocate"
         return {
-            "actor": {"gpu": gpu.type},
-            "rollout": {"gpu": gpu.type, "replicas": replicas, "colocate": self.vllm_mode == "colocate"},
+            "actor": {"gpu": gpu.type, "count": gpu.count} if colocate else {"gpu": gpu.type},
+            "rollout": {"gpu": gpu.type, "replicas": gpu.count if colocate else gpu.count - 1, "colocate": colocate},
             "generation": {"engine": "vllm" if self.use_vllm else "auto"},
         }
 
 
 @dataclass(frozen=True)
 class Distributed:
-    """A trainer (actor) and `num_rollout_workers` generation workers, each on its own GPU type.
+    """A trainer (actor) and `num_rollout_workers` generation workers, each on its own GPU type; with
+    actor=GPUConfig(type, count=N) the trainer is sharded over N GPUs (actor.count, FSDP2).
 
     `weight_sync_method`: auto (the fastest built method) or one of the spec's sync methods; the
     seeds' names are accepted as the spec accepts them (reload and checkpoint = volume, direct = ipc:
@@ -80,10 +83,8 @@ class Distributed:
 
     def spec_fields(self) -> dict[str, Any]:
         actor, rollout = as_gpu(self.actor), as_gpu(self.rollout)
-        if actor.count != 1:
-            raise ValueError(f"Distributed(actor=...) takes one GPU for now (got count={actor.count})")
         return {
-            "actor": {"gpu": actor.type},
+            "actor": {"gpu": actor.type, "count": actor.count},
             "rollout": {"gpu": rollout.type, "replicas": self.num_rollout_workers * rollout.count},
             "sync": {"method": self.weight_sync_method, "every": self.sync_weights_every},
             "generation": {"engine": self.engine},

@@ -61,7 +61,8 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
         lora_alpha=16, gradient_checkpointing=True, torch_compile=True, seed=3, labels={"team": "rl"},
     )
     spec = t.run.spec_dict()
-    assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True}  # TRL's torch_compile
+    assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True,  # TRL's torch_compile
+                             "mixedPrecision": False, "cpuOffload": False}
     assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True, "promptsPerTask": None,
                                **NO_TOOLS, **UNCAPPED}
     assert spec["generation"]["engine"] == "vllm" and spec["generation"]["maxTokens"] == 128
@@ -101,6 +102,17 @@ def test_a_sync_method_the_mode_cannot_use_says_why_naming_the_field():
     spec = trainer(mode=Distributed(actor="H100", rollout="H100", weight_sync_method="nccl",
                                     engine="transformers")).run.spec_dict()
     assert (spec["sync"]["method"], spec["generation"]["engine"]) == ("nccl", "transformers")
+
+
+def test_modes_with_several_trainer_gpus_shard_the_actor_over_them():
+    """SingleNode colocate on N GPUs: the trainer sharded over all N, a rollout beside it on each (TRL runs a
+    vLLM beside each training process); Distributed's actor=GPUConfig(type, N): the trainer sharded over N."""
+    spec = trainer(mode=SingleNode(gpu=GPUConfig("H100", count=2)), batch_size=16).run.spec_dict()
+    assert (spec["actor"]["gpu"], spec["actor"]["count"]) == ("H100", 2)
+    assert (spec["rollout"]["replicas"], spec["rollout"]["colocate"]) == (2, True)
+    spec = trainer(mode=Distributed(actor=GPUConfig("H200", count=2), rollout="H200", num_rollout_workers=2),
+                   batch_size=16).run.spec_dict()
+    assert (spec["actor"]["gpu"], spec["actor"]["count"], spec["rollout"]["replicas"]) == ("H200", 2, 2)
 
 
 def test_single_node_serve_needs_two_gpus():
