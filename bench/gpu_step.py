@@ -189,6 +189,53 @@ def prompt_rows(n: int = 64) -> list[dict]:
 
 
 def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
+    """TRL's GRPOTrainer in this process on one GPU, or, with --actor-gpus N > 1, in N processes of one GPU
+    each with FSDP2 (TRL's documented route: GRPOConfig(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+    through accelerate), as `accelerate launch --num_processes N` runs it."""
+    if args.actor_gpus == 1:
+        with GpuBusy(enabled=not args.cpu) as busy:
+            steps = train_trl(model, args, work)
+        args.peak_memory_mib["trl"] = busy.memory_mib
+        return steps
+    import torch.multiprocessing as mp
+
+    from mortal.workers.sharded import _free_port
+
+    with GpuBusy(enabled=not args.cpu) as busy:
+        mp.start_processes(trl_rank, args=(args.actor_gpus, _free_port(), model, args, work), nprocs=args.actor_gpus,
+                           join=True, start_method="spawn")
+    args.peak_memory_mib["trl"] = busy.memory_mib
+    result = json.loads((work / TRL_RESULT).read_text())
+    if "out_of_memory" in result:
+        import torch
+
+        raise torch.OutOfMemoryError(result["out_of_memory"])
+    return result["steps"]
+
+
+TRL_RESULT = "trl_steps.json"  # rank 0 of a TRL run over several GPUs writes its steps here
+
+
+def trl_rank(rank: int, world: int, port: int, model: Path, args: argparse.Namespace, work: Path) -> None:
+    """One process of TRL over `world` GPUs: the rendezvous accelerate reads, this rank's GPU, the trainer;
+    rank 0 writes the steps (or the out-of-memory it met) for the bench process."""
+    import torch
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    if not args.cpu:
+        torch.cuda.set_device(rank)
+    try:
+        result: dict = {"steps": train_trl(model, args, work, world)}
+    except torch.OutOfMemoryError as error:
+        result = {"out_of_memory": str(error).splitlines()[0]}
+    if rank == 0:
+        (work / TRL_RESULT).write_text(json.dumps(result))
+
+
+def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1) -> list[dict]:
+    """TRL's GRPOTrainer trained to --steps in this process (one of `world`, each training its share of a
+    step's completions); each step's wall-clock end and tokens."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -217,8 +264,10 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
     batch = args.prompts * args.gens
     micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
+    sharded = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if world > 1 and not args.cpu else {}
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        output_dir=str(work / "trl"), per_device_train_batch_size=micro // world,
+        gradient_accumulation_steps=batch // micro, **sharded,
         num_generations=args.gens, max_completion_length=args.tokens, learning_rate=1e-6, beta=0.0,
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
         use_cpu=args.cpu,
@@ -232,9 +281,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         peft = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
                           train_dataset=Dataset.from_list(prompt_rows()), callbacks=[Record()], peft_config=peft)
-    with GpuBusy(enabled=not args.cpu) as busy:
-        trainer.train()
-    args.peak_memory_mib["trl"] = busy.memory_mib
+    trainer.train()
     del trainer
     gc.collect()  # the trainer's reference cycles (callbacks, accelerator) hold its model and AdamW state
     torch.cuda.empty_cache()
@@ -252,9 +299,9 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
                       **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "none" if args.cpu else "H100", "compile": args.compile is not None},
+        "actor": {"gpu": "none" if args.cpu else "H100", "count": args.actor_gpus, "compile": args.compile is not None},
         "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
-                    "colocate": args.gpus == 1 and not args.cpu},
+                    "colocate": args.gpus == args.actor_gpus and not args.cpu},
         "sync": {"method": args.sync},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
@@ -377,7 +424,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rollouts", type=int, default=1, help="rollout workers of mortal")
     parser.add_argument("--gpus", type=int, default=1, help="1: rollouts colocated with the actor; N: 1 actor GPU "
-                        "+ rollouts on their own GPUs")
+                        "+ rollouts on their own GPUs (with --actor-gpus K: K actor GPUs + rollouts on the N - K others; "
+                        "N = K: rollouts colocated on the actor's K GPUs, replica r on its GPU r %% K)")
+    parser.add_argument("--actor-gpus", type=int, default=1, help="GPUs of the trainer on both sides: mortal's "
+                        "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp full_shard, "
+                        "version 2); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on accelerators)")
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
@@ -401,6 +452,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     args = parser.parse_args()
+    if args.gpus < args.actor_gpus:
+        parser.error(f"--gpus {args.gpus} is fewer than the actor's --actor-gpus {args.actor_gpus}")
     if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
                      f"{args.prompts * args.gens})")
@@ -456,12 +509,13 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
             gc.collect()
             torch.cuda.empty_cache()
     if args.only != "trl":
-        where = "colocated" if args.gpus == 1 else f"on {args.gpus - 1} GPU(s) of their own"
+        where = ("on the CPU" if args.cpu else f"colocated on its {args.actor_gpus} GPU(s)"
+                 if args.gpus == args.actor_gpus else f"on {args.gpus - args.actor_gpus} GPU(s) of their own")
         if not args.cpu:  # what TRL's side left behind in this process is memory mortal's workers lack
             out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
             print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
                   f"mortal starts", flush=True)
-        out["mortal"] = summarize(f"mortal (actor + {args.rollouts} rollouts {where}, maxStaleness "
+        out["mortal"] = summarize(f"mortal (actor of {args.actor_gpus} rank(s) + {args.rollouts} rollouts {where}, maxStaleness "
                                   f"{args.staleness})", run_mortal(model, args, work))
         out["gpu_busy"] = args.gpu_busy
         out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)

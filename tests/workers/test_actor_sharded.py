@@ -20,6 +20,7 @@ The runs are made once for the module (each actor process costs ~20 s of imports
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import pytest
 import torch
 from actor_helpers import RolloutThread, actor_spec, create_run, final_weights_hash, run_actor_with_rollout
 from rollout_helpers import assets_available, make_tiny_model
-from run_helpers import train_through_controller
+from run_helpers import needs_two_gpus, train_through_controller
 from safetensors.torch import load_file
 
 from mortal.controller.cli.fork import fork_run
@@ -340,6 +341,37 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_one_gathered_weight_
     expected = plain_state_dict(models.load_model(ModelSpec.model_validate({"name": str(tiny_dir)}), "cpu"))
     assert received.keys() == expected.keys()  # the tied LM head once, under the embedding's name
     assert all(torch.equal(received[name], tensor) for name, tensor in expected.items())
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("sync", ["ipc", "nccl", "volume"])
+def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_beside_it(tmp_path: Path,
+                                                                                     sync: str) -> None:
+    """actor {gpu, count: 2} under the real controller: a GPU a rank (NCCL), two rollouts colocated one a GPU
+    (ipc, volume; nccl needs rollouts on GPUs of their own: two more GPUs, else one), weights through the
+    ring from the shards; its first step is the unsharded actor's on one GPU (the same rollouts: one prompt a
+    task on both, and the same weights), TRL's gradient norm and loss within float32 noise."""
+    model = str(make_tiny_model(tmp_path / "model", seed=0))
+    colocated = sync != "nccl"
+    gpus = "0,1" if colocated or torch.cuda.device_count() < 3 else "0,1,2"
+    common = dict(model={"dtype": "float32"}, generation={"engine": "transformers"}, sync={"method": sync},
+                  algorithm={"maxSteps": 3, "batchSize": 8}, checkpoint={"every": 2, "keep": 1})
+    sharded_spec = actor_spec(model, actor={"gpu": "H100", "count": 2}, rollout={
+        "gpu": "H100", "replicas": 2 if colocated else 1, "colocate": colocated, "promptsPerTask": 1}, **common)
+    whole_spec = actor_spec(model, actor={"gpu": "H100"}, rollout={
+        "gpu": "H100", "replicas": 1, "colocate": True, "promptsPerTask": 1},
+        **{**common, "sync": {"method": "ipc" if sync == "nccl" else sync}})
+    firsts = []
+    for name, spec, visible in (("fsdp-gpu", sharded_spec, gpus), ("whole-gpu", whole_spec, "0")):
+        (tmp_path / name).mkdir()
+        assert sorted(train_through_controller(tmp_path / name, name, spec, gpus=visible)) == [1, 2, 3]
+        with contextlib.closing(open_store(f"sqlite:///{tmp_path / name / 'state.db'}")) as done:
+            firsts.append(_step_metrics(done, name, 1))
+    sharded_first, whole_first = firsts
+    for metric in ("grad_norm", "loss"):
+        assert math.isclose(sharded_first[metric], whole_first[metric], rel_tol=1e-3, abs_tol=1e-5), \
+            (metric, sharded_first, whole_first)
 
 
 def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
