@@ -39,6 +39,19 @@ from mortal.state import Store, open_store
 PG_ADMIN_URL = os.environ.get("MORTAL_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch gets its share of the cores, not all of them. Two workers on
+    CI's two cores with two OpenMP threads each made a model that trains in the test process (the tool
+    learning tests) about five times slower whenever the other worker trained too: OpenMP threads spin
+    while they wait for a core the other process holds. Worker processes the tests start set their own
+    threads (MORTAL_THREADS), so only this process is changed."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @cache
 def _pg_unreachable() -> str | None:
     """Why PostgreSQL cannot be used (None when it can); asked once per test session."""
