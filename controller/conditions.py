@@ -190,6 +190,8 @@ class MemoryKnobs:
     gradient_checkpointing: bool = False
     micro_batch_size: int = 0  # completions per forward/backward pass now; 0: not known
     rollout_share: float | None = None  # rollout.gpuMemoryUtilization, None: not set
+    actor_ranks: int = 1  # actor.count: > 1 is sharded over that many GPUs (no LoRA there)
+    cpu_offload: bool = False  # actor.cpuOffload
 
 
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
@@ -216,9 +218,13 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
         tips.append("lower algorithm.batchSize (completions per optimizer step)")
         if not knobs.gradient_checkpointing:
             tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
-        if not knobs.lora:
+        if knobs.actor_ranks > 1 and not knobs.cpu_offload:
+            tips.append(f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its shards "
+                        "in host memory (actor.cpuOffload: true)")
+        elif knobs.actor_ranks == 1 and not knobs.lora:
             tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full gradients "
                         "or AdamW state")
+            tips.append("shard the actor's weights, gradients and AdamW state over several GPUs (actor.count: 2)")
         if knobs.colocate:
             share = (f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})" if knobs.rollout_share
                      else "set rollout.gpuMemoryUtilization (e.g. 0.3)")

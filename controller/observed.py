@@ -51,6 +51,8 @@ class Desired:
     gradient_checkpointing: bool = False  # model.gradientCheckpointing
     micro_batch_size: int = 0  # completions per forward/backward pass of the actor (algorithm.microBatchSize)
     rollout_share: float | None = None  # rollout.gpuMemoryUtilization as the user set it (None: not set)
+    actor_ranks: int = 1  # actor.count
+    cpu_offload: bool = False  # actor.cpuOffload
     deleted: bool = False
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time

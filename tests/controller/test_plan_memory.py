@@ -154,3 +154,10 @@ def test_memory_fits_turns_true_once_the_slot_ends_another_way():
 def test_colocated_advice_names_the_rollouts_share_of_the_gpu(role, share, advised):
     assert advised in memory_advice(role, MemoryKnobs(colocate=True, rollout_share=share))
     assert "gpuMemoryUtilization" not in memory_advice(role, MemoryKnobs(colocate=False))
+
+
+def test_a_sharded_actor_is_told_to_shard_wider_or_offload_and_an_unsharded_one_that_it_may_shard():
+    sharded = memory_advice("actor", MemoryKnobs(actor_ranks=2))
+    assert "actor.count, now 2" in sharded and "actor.cpuOffload: true" in sharded and "model.lora" not in sharded
+    assert "actor.count" not in memory_advice("actor", MemoryKnobs(actor_ranks=2, cpu_offload=True))
+    assert "actor.count: 2" in memory_advice("actor", MemoryKnobs())
