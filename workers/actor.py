@@ -55,6 +55,7 @@ from mortal.workers.storage import CheckpointStorage, StorageError
 from mortal.workers.weights import RING_METHODS, WeightPublisher
 
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
+SHARDING_UNSUPPORTED = "ShardedActorUnsupported"  # the run's failure reason when this worker cannot shard the actor
 STALENESS_CLIP = 2.0  # truncation of the per-token importance ratio for stale samples (TIS)
 
 
@@ -97,6 +98,8 @@ def main(ctx: WorkerContext) -> int:
     )
     loop = ActorLoop(ctx, spec, feed, publisher, checkpointer, MetricsReporter(ctx.store, ctx.worker, wandb_run))
     ranks, finished = None, False
+    if spec.actor.count > 1 and (why := sharded.unsupported()):
+        raise FatalWorkerError(SHARDING_UNSUPPORTED, why)
     try:
         if spec.actor.count > 1:
             ranks = sharded.start(ctx.run, spec.actor.count, actor_device(spec))

@@ -40,6 +40,10 @@ from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
 
 log = logging.getLogger("mortal.sharded")
 WATCH_SECONDS = 0.2
+# Trainer leaves a model that transformers sharded at load to itself (is_distributed_loading_by_transformers)
+# since 5.19; before, accelerate wraps it in DistributedDataParallel on GPUs, which fails on DTensor parameters
+# ("mixed torch.Tensor and DTensor", docs/fsdp.md's pre-sharded mode). Checked against 5.17/5.18's trainer.py.
+MIN_TRANSFORMERS = "5.19.0"
 
 
 class RankLost(RuntimeError):
@@ -48,6 +52,19 @@ class RankLost(RuntimeError):
 
 class ShardedError(RuntimeError):
     """The ranks disagree about what comes next (a message of the wrong kind): a bug, never retried silently."""
+
+
+def unsupported() -> str | None:
+    """Why this process cannot run a sharded actor (None when it can): a transformers too old to leave a model
+    sharded at load to itself."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        return (f"an actor of several ranks needs transformers >= {MIN_TRANSFORMERS} (its Trainer then trains a model "
+                f"sharded at load as it is; older ones wrap it in DistributedDataParallel, which fails on its sharded "
+                f"parameters); this worker has {transformers.__version__}: upgrade it, or use actor.count 1")
+    return None
 
 
 def backend_for(device: str) -> str:
