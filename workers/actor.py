@@ -45,7 +45,6 @@ from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
 from mortal.workers.metrics import MetricsReporter, open_wandb
 from mortal.workers.runtime import (
-    EXIT_RETRYABLE,
     EXIT_SUCCEEDED,
     CollectionClock,
     WorkerContext,
@@ -123,6 +122,8 @@ def main(ctx: WorkerContext) -> int:
         lost = ranks.lost() if ranks is not None else None
         if lost is None:
             raise
+        if isinstance(lost, sharded.RankOutOfMemory):
+            _rank_lost(ctx, lost)  # reported as the actor's out-of-memory, not as a crash
         raise lost from exc
     finally:
         loop.reporter.close()
@@ -149,15 +150,16 @@ def checkpoint_storage(ctx: WorkerContext) -> CheckpointStorage | None:
 
 def _rank_lost(ctx: WorkerContext, lost: sharded.RankLost) -> None:
     """A rank of a sharded actor ended under it: the others would wait in a collective forever, so the
-    worker reports it and exits retryable (the controller relaunches the actor, which resumes)."""
-    ctx.log.error("%s: exiting so the actor is relaunched", lost)
+    worker reports it and exits: retryable (the controller relaunches the actor, which resumes), or, when
+    the rank ran out of GPU memory, as the actor's own out-of-memory (the controller diagnoses it)."""
+    ctx.log.error("%s: exiting with code %d", lost, lost.exit_code)
     ctx.close()
     try:
-        ctx.store.report_exit(ctx.worker, "Failed", EXIT_RETRYABLE, f"{type(lost).__name__}: {lost}")  # as main's
+        ctx.store.report_exit(ctx.worker, "Failed", lost.exit_code, lost.report())
     finally:
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os._exit(EXIT_RETRYABLE)
+        os._exit(lost.exit_code)
 
 
 def current_provenance(ctx: WorkerContext, rows: list[dict[str, Any]]) -> provenance.Provenance:

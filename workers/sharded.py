@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
+from mortal.workers.oom import REASON as OUT_OF_MEMORY
+from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
 
 log = logging.getLogger("mortal.sharded")
 WATCH_SECONDS = 0.2
@@ -47,7 +49,26 @@ MIN_TRANSFORMERS = "5.19.0"
 
 
 class RankLost(RuntimeError):
-    """A rank of the actor ended while the others trained (a collective would wait for it forever)."""
+    """A rank of the actor ended while the others trained (a collective would wait for it forever): the
+    worker exits with `exit_code` and `report` as its message (mortal.workers.actor)."""
+
+    exit_code = EXIT_RETRYABLE  # the controller relaunches the actor, which resumes
+
+    def report(self) -> str:
+        return f"{type(self).__name__}: {self}"
+
+
+class RankOutOfMemory(RankLost):
+    """A rank of the actor ran out of GPU memory: the worker reports it as its own out-of-memory, so the
+    controller diagnoses it (MemoryFits, one relaunch) rather than relaunching a crash ten times."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+    def __init__(self, rank: int, world: int, details: str) -> None:
+        super().__init__(f"actor rank {rank} of {world}: {details}")
+
+    def report(self) -> str:
+        return f"{OUT_OF_MEMORY}: {self}"  # as mortal.workers.main reports a worker's own
 
 
 class ShardedError(RuntimeError):
@@ -106,6 +127,7 @@ class Ranks:
     rank: int
     world: int
     device: str
+    notes: Path | None = None  # where a rank leaves what ended it (rank_notes): read by rank 0, written by the others
     channel: Channel = field(init=False)
     _children: Any = None
     _closed: threading.Event = field(default_factory=threading.Event)
@@ -135,7 +157,7 @@ class Ranks:
                 for index, proc in enumerate(self._children.processes):
                     # 0 is a rank that finished training as rank 0 said: only rank 0's own end follows it
                     if proc.exitcode not in (None, 0) and not self._closed.is_set():
-                        on_lost(RankLost(f"actor rank {index + 1} of {self.world} ended with exit code {proc.exitcode}"))
+                        on_lost(self.ended(index + 1, proc.exitcode))
                         return
 
         threading.Thread(target=loop, name="mortal-rank-watch", daemon=True).start()
@@ -147,8 +169,15 @@ class Ranks:
         for index, proc in enumerate(self._children.processes):
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.exitcode not in (None, 0):
-                return RankLost(f"actor rank {index + 1} of {self.world} ended with exit code {proc.exitcode}")
+                return self.ended(index + 1, proc.exitcode)
         return None
+
+    def ended(self, rank: int, code: int) -> RankLost:
+        """What ended child rank `rank` with exit `code`: its out-of-memory with the figures it left, else a loss."""
+        note = rank_note(self.notes, rank) if self.notes is not None else None
+        if code == EXIT_OUT_OF_MEMORY and note is not None and note.exists():
+            return RankOutOfMemory(rank, self.world, note.read_text())
+        return RankLost(f"actor rank {rank} of {self.world} ended with exit code {code}")
 
     def close(self, timeout: float = 60.0) -> None:
         """Leave the group; rank 0 waits for its children to end (they end after the last collective)."""
@@ -166,18 +195,33 @@ class Ranks:
             dist.destroy_process_group()
 
 
+def rank_notes(run_name: str) -> Path:
+    """The folder where the actor's ranks leave what ended them, for rank 0 to report (a rank has no store)."""
+    from mortal.state import paths
+
+    return paths.run_dir(run_name) / "actor" / "ranks"
+
+
+def rank_note(notes: Path, rank: int) -> Path:
+    return notes / f"rank-{rank}.out-of-memory"
+
+
 def start(run: Any, world: int, device: str) -> Ranks:
     """Rank 0: spawn ranks 1..world-1 (each runs `follower_main`), then join the group with them.
 
     The rendezvous variables are set in this process's environment too: accelerate and transformers
     read RANK / WORLD_SIZE / LOCAL_RANK from it."""
+    import shutil
+
     import torch.multiprocessing as mp
 
+    notes = rank_notes(run.name)
+    shutil.rmtree(notes, ignore_errors=True)  # an earlier incarnation's ranks' notes
     port = _free_port()
     os.environ.update(rank_environment(0, world, port))
     children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid()), nprocs=world - 1,
                                   join=False, start_method="spawn")
-    ranks = Ranks(0, world, device, _children=children)
+    ranks = Ranks(0, world, device, notes, _children=children)
     ranks.join()
     return ranks
 
@@ -397,13 +441,26 @@ def follower_main(index: int, world: int, port: int, run: Any, device: str, pare
     try:
         from mortal.workers import actor
 
-        ranks = Ranks(rank, world, device)
+        ranks = Ranks(rank, world, device, rank_notes(run.name))
         ranks.join()
         actor.follow(run, ranks)
         ranks.close()
-    except BaseException:
+    except BaseException as exc:
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
         sys.stderr.flush()
-        os._exit(75)
+        os._exit(exit_code_of(exc, rank_notes(run.name), rank))
     sys.stderr.flush()
     os._exit(0)
+
+
+def exit_code_of(exc: BaseException, notes: Path, rank: int) -> int:
+    """A crashed rank's exit code: EXIT_OUT_OF_MEMORY, with torch's figures left in its note for rank 0 (which
+    reports the actor's out-of-memory as the worker's own), or EXIT_RETRYABLE for anything else."""
+    from mortal.workers.oom import out_of_memory, with_device_state
+
+    found = out_of_memory(exc)
+    if found is None:
+        return EXIT_RETRYABLE
+    notes.mkdir(parents=True, exist_ok=True)
+    rank_note(notes, rank).write_text(with_device_state(found).describe())
+    return EXIT_OUT_OF_MEMORY

@@ -29,3 +29,30 @@ def test_a_generation_batch_is_split_in_rank_order_and_must_divide() -> None:
     assert sharded.output_slice(output, 1, 2)["completion_ids"] == [[3], [4]]
     with pytest.raises(sharded.ShardedError, match="does not split over 3 ranks"):
         sharded.output_slice(output, 0, 3)
+
+
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
+             "1.23 GiB is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by "
+             "PyTorch but unallocated.")
+
+
+def test_a_rank_that_ran_out_of_gpu_memory_leaves_its_figures_and_rank_0_reports_the_actors_out_of_memory(
+        tmp_path) -> None:
+    """Rank 1 has no store: it exits EXIT_OUT_OF_MEMORY with torch's figures in its note, and rank 0 reports them
+    as the worker's own out-of-memory (what the controller diagnoses), not as a lost rank to relaunch."""
+    from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
+
+    notes = tmp_path / "ranks"
+    try:
+        raise RuntimeError("the step failed") from torch.OutOfMemoryError(TORCH_OOM)
+    except RuntimeError as exc:
+        assert sharded.exit_code_of(exc, notes, rank=1) == EXIT_OUT_OF_MEMORY
+    ranks = sharded.Ranks(0, 2, "cpu", notes)
+    lost = ranks.ended(1, EXIT_OUT_OF_MEMORY)
+    assert isinstance(lost, sharded.RankOutOfMemory) and lost.exit_code == EXIT_OUT_OF_MEMORY
+    assert lost.report().startswith("OutOfMemory: actor rank 1 of 2: tried to allocate 2.00 GiB on GPU 1")
+
+    assert sharded.exit_code_of(ValueError("a bug"), notes, rank=1) == EXIT_RETRYABLE
+    crashed = sharded.Ranks(0, 2, "cpu", tmp_path / "none").ended(1, EXIT_RETRYABLE)
+    assert type(crashed) is sharded.RankLost and crashed.exit_code == EXIT_RETRYABLE
+    assert crashed.report() == "RankLost: actor rank 1 of 2 ended with exit code 75"
