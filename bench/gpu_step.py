@@ -301,7 +301,8 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else "H100", "count": args.actor_gpus, "compile": args.compile is not None},
         "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
-                    "colocate": args.gpus == args.actor_gpus and not args.cpu},
+                    "colocate": args.gpus == args.actor_gpus and not args.cpu,
+                    **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {})},
         "sync": {"method": args.sync},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
@@ -429,6 +430,9 @@ def main() -> None:
     parser.add_argument("--actor-gpus", type=int, default=1, help="GPUs of the trainer on both sides: mortal's "
                         "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp full_shard, "
                         "version 2); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on accelerators)")
+    parser.add_argument("--colocated-replicas", type=int, default=0, metavar="N",
+                        help="with --gpus above --actor-gpus: mortal's first N rollouts beside the actor on its GPU(s), "
+                        "the others on the other GPUs (rollout.colocatedReplicas)")
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
@@ -454,6 +458,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.gpus < args.actor_gpus:
         parser.error(f"--gpus {args.gpus} is fewer than the actor's --actor-gpus {args.actor_gpus}")
+    if args.colocated_replicas and (args.gpus == args.actor_gpus or args.colocated_replicas >= args.rollouts):
+        parser.error("--colocated-replicas colocates some rollouts beside the actor and leaves the others GPUs of "
+                     "their own: it needs --gpus above --actor-gpus and more --rollouts than it")
     if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
                      f"{args.prompts * args.gens})")
@@ -510,7 +517,8 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
             torch.cuda.empty_cache()
     if args.only != "trl":
         where = ("on the CPU" if args.cpu else f"colocated on its {args.actor_gpus} GPU(s)"
-                 if args.gpus == args.actor_gpus else f"on {args.gpus - args.actor_gpus} GPU(s) of their own")
+                 if args.gpus == args.actor_gpus else f"on {args.gpus - args.actor_gpus} GPU(s) of their own"
+                 + (f", {args.colocated_replicas} of them beside the actor instead" if args.colocated_replicas else ""))
         if not args.cpu:  # what TRL's side left behind in this process is memory mortal's workers lack
             out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
             print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "

@@ -206,7 +206,7 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
             tips.append(f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the GPU the "
                         "rollout may hold")
         if knobs.colocate:
-            tips.append("give the rollouts GPUs of their own (rollout.colocate: false; the actor's weights, "
+            tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; the actor's weights, "
                         "gradients and optimizer state share this GPU now)")
         tips.append("or pick a GPU with more memory (rollout.gpu)")
     else:
@@ -229,7 +229,7 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
             share = (f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})" if knobs.rollout_share
                      else "set rollout.gpuMemoryUtilization (e.g. 0.3)")
             tips.append(f"{share}: the colocated rollouts' share of this GPU")
-            tips.append("give the rollouts GPUs of their own (rollout.colocate: false)")
+            tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)")
         tips.append("or pick a GPU with more memory (actor.gpu)")
     return "; ".join(tips)
 

@@ -81,7 +81,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             if ring:
                 fixes.append("sync.method: volume (no snapshots on the GPU)")
             if colocated:
-                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false)")
+                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)")
             fixes.append(f"a GPU with more memory ({_larger(actor, need)})")
             found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
     rollout = spec.rollout.gpu
@@ -100,7 +100,7 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
                        f"{need / 1e9:.1f} GB of it, before any KV cache. Fix: a larger rollout.gpuMemoryUtilization "
                        f"(at least {need / gpu_memory(gpu):.2f})"
                        + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
-    if not spec.rollout.colocate and need > gpu_memory(gpu):
+    if spec.rollout.colocated_count < spec.rollout.replicas and need > gpu_memory(gpu):  # some on GPUs of their own
         return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
                                                     [f"a GPU with more memory ({_larger(gpu, need)})"]))]
     return []

@@ -207,9 +207,10 @@ class Reconciler:
             gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
             env={k: os.environ[k] for k in spec.secrets if k in os.environ},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
-            colocate=action.role == "rollout" and spec.rollout.colocate,
+            colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
             # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
-            sees_actor_gpus=(action.role == "rollout" and (not spec.rollout.colocate or spec.actor.count > 1)
+            sees_actor_gpus=(action.role == "rollout"
+                             and (not spec.rollout.colocated(action.replica) or spec.actor.count > 1)
                              and spec.sync_method() in ("ipc", "nccl")),
             engine=spec.generation.engine,
         )
@@ -303,7 +304,7 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         name=run.name, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
         suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
         backoff_seconds=spec.restart_policy.backoff_seconds, max_staleness=spec.algorithm.max_staleness,
-        sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.colocate,
+        sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.shares_actor_gpu,
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,

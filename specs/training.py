@@ -257,6 +257,14 @@ class RolloutSpec(SpecModel):
         "SingleNode's vllm_mode='colocate'); rollout.gpu must equal actor.gpu. On Modal every worker has a "
         "container of its own, so each rollout gets a GPU of that type.",
     )
+    colocated_replicas: int | None = Field(
+        None, ge=1,
+        description="Colocate only some replicas: the first N (rollout-0 .. N-1) share the actor's GPU, as colocate "
+        "puts them, and the others take GPUs of their own. The actor's GPU then generates while the actor waits "
+        "for rollouts, beside the other GPUs' rollouts: a host of several GPUs whose actor cannot be sharded "
+        "(LoRA) or is not. rollout.gpuMemoryUtilization then caps the colocated ones only. Not with colocate: "
+        "true (every replica) or sync nccl (its rollouts need GPUs of their own).",
+    )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, lt=1,
         description="Share of its GPU's memory one rollout worker may hold: weights, KV cache and workspace "
@@ -314,6 +322,20 @@ class RolloutSpec(SpecModel):
     @classmethod
     def _environment_is_a_reference(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
         return check_environment(value)
+
+    def colocated(self, replica: int) -> bool:
+        """Whether rollout-`replica` shares the actor's GPU (colocate: all; colocatedReplicas: the first N)."""
+        return self.colocate or replica < (self.colocated_replicas or 0)
+
+    @property
+    def shares_actor_gpu(self) -> bool:
+        """Some replicas are (or, scaled up, would be) colocated with the actor."""
+        return self.colocate or self.colocated_replicas is not None
+
+    @property
+    def colocated_count(self) -> int:
+        """Replicas on the actor's GPU(s) now."""
+        return self.replicas if self.colocate else min(self.colocated_replicas or 0, self.replicas)
 
     @property
     def uses_tools(self) -> bool:
@@ -494,21 +516,26 @@ class TrainingSpec(SpecModel):
         if self.backend != "ray" and "ray" in self.model_fields_set and self.ray != RaySpec():
             raise rule_error(f"ray settings apply only to backend ray (this run's backend is {self.backend!r}): "
                              "set backend: ray, or remove the ray block", "ray")
-        if self.backend == "ray" and self.rollout.colocate:
+        if self.backend == "ray" and self.rollout.shares_actor_gpu:
             raise rule_error("colocated rollouts share the actor's GPU within one machine's processes, which the ray "
                              "backend does not build: give rollouts GPUs of their own (drop colocate)",
-                             "rollout.colocate")
+                             "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas")
         return self
 
     @model_validator(mode="after")
     def _colocation_is_possible(self) -> TrainingSpec:
-        if not self.rollout.colocate:
+        if not self.rollout.shares_actor_gpu:
             return self
+        field = "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas"
+        if self.rollout.colocate and self.rollout.colocated_replicas is not None:
+            raise rule_error("colocate: true already puts every replica on the actor's GPU: drop colocate to colocate "
+                             f"only the first {self.rollout.colocated_replicas}, or drop colocatedReplicas",
+                             "rollout.colocatedReplicas")
         if self.actor.gpu == "none" or self.rollout.gpu != self.actor.gpu:
             raise rule_error(
                 f"colocated rollouts share the actor's GPU: set rollout.gpu to actor.gpu ({self.actor.gpu!r}), "
-                "and both to a GPU type (on the CPU there is nothing to share: drop colocate)",
-                "rollout.colocate",
+                f"and both to a GPU type (on the CPU there is nothing to share: drop {field.split('.')[1]})",
+                field,
             )
         return self
 
@@ -555,20 +582,21 @@ class TrainingSpec(SpecModel):
     def colocated_per_gpu(self) -> int:
         """Colocated rollouts on the busiest of the actor's GPUs: replica r shares the actor's GPU r % count
         (one after the other), so ceil(replicas / count); 0 when the rollouts have GPUs of their own."""
-        if not self.rollout.colocate:
-            return 0
-        return -(-self.rollout.replicas // self.actor.count)
+        return -(-self.rollout.colocated_count // self.actor.count)
 
-    def rollout_memory_share(self, engine: str) -> float | None:
-        """The share of its GPU a rollout worker of `engine` (the one it resolved: "vllm" or "transformers")
-        holds: rollout.gpuMemoryUtilization, else vLLM's default (0.85 alone, TRL's 0.3 colocated); None
-        for the transformers engine by default (uncapped) and on the CPU."""
+    def rollout_memory_share(self, engine: str, replica: int = 0) -> float | None:
+        """The share of its GPU rollout-`replica` of `engine` (the one it resolved: "vllm" or "transformers")
+        holds: rollout.gpuMemoryUtilization (with colocatedReplicas, for the colocated ones only), else vLLM's
+        default (0.85 alone, TRL's 0.3 colocated); None for the transformers engine by default (uncapped) and
+        on the CPU."""
         if self.rollout.gpu == "none":
             return None
-        if self.rollout.gpu_memory_utilization is not None:
-            return self.rollout.gpu_memory_utilization
+        colocated = self.rollout.colocated(replica)
+        share = self.rollout.gpu_memory_utilization
+        if share is not None and (colocated or self.rollout.colocated_replicas is None):
+            return share
         if engine == "vllm":
-            return COLOCATED_VLLM_SHARE if self.rollout.colocate else VLLM_SHARE
+            return COLOCATED_VLLM_SHARE if colocated else VLLM_SHARE
         return None
 
     @model_validator(mode="after")
@@ -609,7 +637,7 @@ class TrainingSpec(SpecModel):
                 "sync nccl sends weights from the actor's GPU to rollout GPUs of the same host: it needs backend "
                 "local, GPUs for actor and rollout, and generation.engine transformers; use 'auto' or 'volume' "
                 "otherwise", "sync.method")
-        if self.rollout.colocate:
+        if self.rollout.shares_actor_gpu:
             raise rule_error(
                 "sync nccl needs each rollout on a GPU of its own (NCCL joins distinct GPUs); colocated rollouts "
                 "share the actor's GPU: use 'ipc' (or 'auto')", "sync.method")

@@ -63,6 +63,11 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
      9 * B, ["spec.actor.gpu"]),  # 36 GB + 3 snapshots (54 GB) on rank 0's GPU
     ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 2}}, 12 * B, []),  # 48 + 24 GB a GPU
     ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 3}}, 12 * B, ["spec.actor.gpu"]),  # 2 on one
+    # colocatedReplicas: the first N beside the actor, the others on GPUs of their own
+    ({"rollout": {"colocatedReplicas": 1, "replicas": 3}}, int(7.6 * B), []),  # 61 + 15 GB on the actor's
+    ({"rollout": {"colocatedReplicas": 2, "replicas": 3}}, int(7.6 * B), ["spec.actor.gpu"]),  # 61 + 30 GB
+    ({"model": {"lora": {"r": 16}}, "rollout": {"colocatedReplicas": 1, "replicas": 2}}, 45 * B,
+     ["spec.actor.gpu", "spec.rollout.gpu"]),  # the other replica's 90 GB of weights on its own GPU
 ])
 def test_refused_only_when_the_lower_bound_exceeds_the_gpu(sections, parameters, fields):
     assert [m.field for m in certain_misfits(spec(**sections), parameters)] == fields

@@ -90,6 +90,15 @@ def test_a_sharded_actor_is_launched_with_a_gpu_per_rank_and_colocated_rollouts_
         == [(1, True, True)] * 2  # the ring of weights is on rank 0's GPU, which replica 1 does not share
 
 
+def test_colocated_replicas_are_launched_beside_the_actor_and_the_others_on_gpus_of_their_own(world):
+    store, backend, rec = world
+    apply(store, rollout_replicas=3, spec={"actor": {"gpu": "H100"}, "generation": {"engine": "transformers"},
+                                           "rollout": {"gpu": "H100", "colocatedReplicas": 1}})
+    rec.reconcile("r")
+    rollouts = sorted((w.replica, w.colocate, w.sees_actor_gpus) for w in backend.launched if w.role == "rollout")
+    assert rollouts == [(0, True, False), (1, False, True), (2, False, True)]  # ipc: the others see its GPU
+
+
 def test_an_unchanged_world_writes_no_status(world):
     store, backend, rec = world
     apply(store)

@@ -237,6 +237,28 @@ def test_a_sharded_actor_on_gpus_syncs_in_memory_and_spreads_its_colocated_rollo
     assert issue.path == "spec.rollout.gpuMemoryUtilization" and "2 colocated rollouts x 0.5" in issue.message
 
 
+def test_colocated_replicas_put_the_first_n_beside_the_actor_and_the_others_on_gpus_of_their_own():
+    spec = load_text(spec_with("actor: {gpu: H100}\ngeneration: {engine: transformers}\n"
+                               "rollout: {gpu: H100, replicas: 3, colocatedReplicas: 1, gpuMemoryUtilization: 0.3}"),
+                     "run.yaml")[0].spec
+    assert [spec.rollout.colocated(r) for r in range(3)] == [True, False, False]
+    assert (spec.rollout.colocated_count, spec.colocated_per_gpu(), spec.sync_method()) == (1, 1, "ipc")
+    # the share caps the colocated one only; the others have their GPUs to themselves
+    assert [spec.rollout_memory_share("transformers", r) for r in range(3)] == [0.3, None, None]
+    assert [spec.rollout_memory_share("vllm", r) for r in range(3)] == [0.3, 0.85, 0.85]
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocate: true, colocatedReplicas: 1}", "already puts every replica"),
+    ("actor: {gpu: H100}\nrollout: {gpu: A10G, colocatedReplicas: 1}", "set rollout.gpu to actor.gpu ('H100')"),
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocatedReplicas: 1}\ngeneration: {engine: transformers}\n"
+     "sync: {method: nccl}", "sync nccl needs each rollout on a GPU of its own"),
+    ("actor: {gpu: H100}\nrollout: {gpu: H100, colocatedReplicas: 1}\nbackend: ray", "ray backend does not build"),
+])
+def test_colocated_replicas_where_they_cannot_be_are_refused(extra: str, says: str) -> None:
+    assert says in only_issue(spec_with(extra)).message
+
+
 @pytest.mark.parametrize(("extra", "engine", "share"), [
     ("", "vllm", None),  # on the CPU nothing is shared
     ("actor: {gpu: H100}\nrollout: {gpu: H100}", "vllm", 0.85),  # vLLM on a GPU of its own: its default
