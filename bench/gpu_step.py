@@ -197,20 +197,30 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
             steps = train_trl(model, args, work)
         args.peak_memory_mib["trl"] = busy.memory_mib
         return steps
+    import torch
     import torch.multiprocessing as mp
 
-    from mortal.workers.sharded import _free_port
+    from mortal.workers.sharded import free_port
 
     with GpuBusy(enabled=not args.cpu) as busy:
-        mp.start_processes(trl_rank, args=(args.actor_gpus, _free_port(), model, args, work), nprocs=args.actor_gpus,
-                           join=True, start_method="spawn")
-    args.peak_memory_mib["trl"] = busy.memory_mib
-    result = json.loads((work / TRL_RESULT).read_text())
-    if "out_of_memory" in result:
-        import torch
+        try:
+            mp.start_processes(trl_rank, args=(args.actor_gpus, free_port(), model, args, work),
+                               nprocs=args.actor_gpus, join=True, start_method="spawn")
+        except Exception:  # a rank failed and the others were ended with it: its note says what happened
+            notes = sorted(work.glob("trl_rank*_error.json"))
+            if not notes:
+                raise
+            error = json.loads(notes[0].read_text())
+            if "out_of_memory" in error:
+                raise torch.OutOfMemoryError(error["out_of_memory"]) from None
+            raise TrlFailed(error["failed"]) from None
+        finally:
+            args.peak_memory_mib["trl"] = busy.memory_mib
+    return json.loads((work / TRL_RESULT).read_text())["steps"]
 
-        raise torch.OutOfMemoryError(result["out_of_memory"])
-    return result["steps"]
+
+class TrlFailed(RuntimeError):
+    """TRL's run over several processes ended with an error (not out of memory): recorded, and mortal still runs."""
 
 
 TRL_RESULT = "trl_steps.json"  # rank 0 of a TRL run over several GPUs writes its steps here
@@ -218,7 +228,8 @@ TRL_RESULT = "trl_steps.json"  # rank 0 of a TRL run over several GPUs writes it
 
 def trl_rank(rank: int, world: int, port: int, model: Path, args: argparse.Namespace, work: Path) -> None:
     """One process of TRL over `world` GPUs: the rendezvous accelerate reads, this rank's GPU, the trainer;
-    rank 0 writes the steps (or the out-of-memory it met) for the bench process."""
+    rank 0 writes the steps for the bench process, a rank that fails a note of why before it exits (which
+    makes torch.multiprocessing end the others, as they would wait in a collective for it)."""
     import torch
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -226,11 +237,14 @@ def trl_rank(rank: int, world: int, port: int, model: Path, args: argparse.Names
     if not args.cpu:
         torch.cuda.set_device(rank)
     try:
-        result: dict = {"steps": train_trl(model, args, work, world)}
-    except torch.OutOfMemoryError as error:
-        result = {"out_of_memory": str(error).splitlines()[0]}
+        steps = train_trl(model, args, work, world)
+    except Exception as error:
+        kind = "out_of_memory" if isinstance(error, torch.OutOfMemoryError) else "failed"
+        said = str(error).splitlines()[0] if kind == "out_of_memory" else f"{type(error).__name__}: {error}"[:1000]
+        (work / f"trl_rank{rank}_error.json").write_text(json.dumps({kind: f"rank {rank}: {said}"}))
+        raise
     if rank == 0:
-        (work / TRL_RESULT).write_text(json.dumps(result))
+        (work / TRL_RESULT).write_text(json.dumps({"steps": steps}))
 
 
 def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1) -> list[dict]:
@@ -515,6 +529,9 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
             print(f"TRL GRPOTrainer ran out of GPU memory: {out['trl']['out_of_memory']}", flush=True)
             gc.collect()
             torch.cuda.empty_cache()
+        except TrlFailed as error:  # TRL over several GPUs: its error is a finding too; mortal's side still runs
+            out["trl"] = {"failed": str(error)}
+            print(f"TRL GRPOTrainer failed: {error}", flush=True)
     if args.only != "trl":
         where = ("on the CPU" if args.cpu else f"colocated on its {args.actor_gpus} GPU(s)"
                  if args.gpus == args.actor_gpus else f"on {args.gpus - args.actor_gpus} GPU(s) of their own"

@@ -102,7 +102,8 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now, for a rendezvous of processes of this host (the ranks', TRL's in the bench)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -217,7 +218,7 @@ def start(run: Any, world: int, device: str) -> Ranks:
 
     notes = rank_notes(run.name)
     shutil.rmtree(notes, ignore_errors=True)  # an earlier incarnation's ranks' notes
-    port = _free_port()
+    port = free_port()
     os.environ.update(rank_environment(0, world, port))
     children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid()), nprocs=world - 1,
                                   join=False, start_method="spawn")

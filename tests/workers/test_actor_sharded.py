@@ -325,7 +325,7 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_one_gathered_weight_
     from mortal.workers import models, nccl_weights, sharded
     from mortal.workers.weights import plain_state_dict
 
-    ranks = mp.start_processes(publish_into_ring, args=(str(tiny_dir), sharded._free_port(), str(tmp_path)),
+    ranks = mp.start_processes(publish_into_ring, args=(str(tiny_dir), sharded.free_port(), str(tmp_path)),
                                nprocs=2, join=False, start_method="spawn")
     try:
         version = tmp_path / "v0"
