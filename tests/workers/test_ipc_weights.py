@@ -105,19 +105,24 @@ def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_tra
     pytest.param("colocated", "ipc", marks=needs_cuda),
     pytest.param("two-gpus", "ipc", marks=needs_two_gpus),
     pytest.param("two-gpus", "nccl", marks=needs_two_gpus),
+    pytest.param("mixed", "ipc", marks=needs_two_gpus),
 ])
 @needs_assets
 def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(tmp_path: Path, layout: str,
                                                                        method: str) -> None:
     """One GPU shared (colocated, ipc), or the actor on GPU 0 and the rollout on GPU 1 (ipc: a GPU-to-GPU
-    copy from the mapped ring; nccl: the actor sends the ring's slot)."""
+    copy from the mapped ring; nccl: the actor sends the ring's slot), or both (mixed: rollout-0 beside the
+    actor, rollout-1 on GPU 1, rollout.colocatedReplicas 1; one prompt a task, so which rollout answers a
+    task changes nothing)."""
     from actor_helpers import actor_spec
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0)
     losses = {}
     for sync in ("volume", method):
         spec = actor_spec(str(model_dir), model={"dtype": "float32"}, actor={"gpu": "H100"},
-                          rollout={"gpu": "H100", "replicas": 1, "colocate": layout == "colocated"},
+                          rollout={"gpu": "H100", "replicas": 2 if layout == "mixed" else 1,
+                                   "colocate": layout == "colocated",
+                                   **({"colocatedReplicas": 1, "promptsPerTask": 1} if layout == "mixed" else {})},
                           generation={"engine": "transformers"}, algorithm={"maxSteps": 4},
                           sync={"method": sync}, checkpoint={"every": 10, "keep": 1})
         (tmp_path / sync).mkdir()
