@@ -190,8 +190,8 @@ def prompt_rows(n: int = 64) -> list[dict]:
 
 def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     """TRL's GRPOTrainer in this process on one GPU, or, with --actor-gpus N > 1, in N processes of one GPU
-    each with FSDP2 (TRL's documented route: GRPOConfig(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
-    through accelerate), as `accelerate launch --num_processes N` runs it."""
+    each with FSDP2 (TRL's documented route, GRPOConfig's fsdp and fsdp_config through accelerate), as
+    `accelerate launch --num_processes N` runs it."""
     if args.actor_gpus == 1:
         with GpuBusy(enabled=not args.cpu) as busy:
             steps = train_trl(model, args, work)
@@ -278,7 +278,9 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
 
     batch = args.prompts * args.gens
     micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
-    sharded = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if world > 1 and not args.cpu else {}
+    # FSDP2, parameters resharded after forward (full_shard), as transformers >= 5.20 spells it
+    sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}}
+               if world > 1 and not args.cpu else {})
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=micro // world,
         gradient_accumulation_steps=batch // micro, **sharded,
@@ -442,8 +444,8 @@ def main() -> None:
                         "+ rollouts on their own GPUs (with --actor-gpus K: K actor GPUs + rollouts on the N - K others; "
                         "N = K: rollouts colocated on the actor's K GPUs, replica r on its GPU r %% K)")
     parser.add_argument("--actor-gpus", type=int, default=1, help="GPUs of the trainer on both sides: mortal's "
-                        "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp full_shard, "
-                        "version 2); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on accelerators)")
+                        "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp, version 2, "
+                        "resharded after forward); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on accelerators)")
     parser.add_argument("--colocated-replicas", type=int, default=0, metavar="N",
                         help="with --gpus above --actor-gpus: mortal's first N rollouts beside the actor on its GPU(s), "
                         "the others on the other GPUs (rollout.colocatedReplicas)")
