@@ -20,7 +20,7 @@ ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1
 
 NO_TOOLS = {"tools": [], "environment": None, "maxToolCallingIterations": None, "toolTimeoutSeconds": 30.0,
             "chatTemplate": None}  # spec.rollout's tool-calling fields, at their defaults
-UNCAPPED = {"gpuMemoryUtilization": None}  # spec.rollout's share of its GPU, at its default
+UNCAPPED = {"gpuMemoryUtilization": None, "colocatedReplicas": None}  # spec.rollout's GPU sharing, at its defaults
 
 
 def format_reward(completions, **kwargs):
