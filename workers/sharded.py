@@ -261,13 +261,9 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as FSDP2 holds them (DTensor shards; buffers whole), under the names a rollout
     loads them by, a tied weight once (under its first name, as the volume's files hold it). Every rank
     builds the same dict in the same order: the ring gathers its tensors in that order (`whole`)."""
-    seen: set[int] = set()
-    state = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            state[name] = tensor.detach()
-    return state
+    from mortal.workers.weights import tied_once
+
+    return {name: tensor.detach() for name, tensor in tied_once(model).items()}
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -439,17 +435,18 @@ def follower_main(index: int, world: int, port: int, run: Any, device: str, pare
     threading.Thread(target=_exit_with_parent, args=(parent,), name="mortal-parent-watch", daemon=True).start()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s actor-rank{rank} %(name)s: %(message)s")
+    notes = rank_notes(run.name)
     try:
         from mortal.workers import actor
 
-        ranks = Ranks(rank, world, device, rank_notes(run.name))
+        ranks = Ranks(rank, world, device, notes)
         ranks.join()
         actor.follow(run, ranks)
         ranks.close()
     except BaseException as exc:
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
         sys.stderr.flush()
-        os._exit(exit_code_of(exc, rank_notes(run.name), rank))
+        os._exit(exit_code_of(exc, notes, rank))
     sys.stderr.flush()
     os._exit(0)
 

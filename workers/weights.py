@@ -115,15 +115,22 @@ def _drop_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keep the first name of each tensor the model ties (one Parameter under two names): a gathered
-    state has a copy per name, so storage cannot tell them apart as it does in _drop_shared."""
+def tied_once(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as it holds it (keep_vars: its Parameters, a sharded model's DTensor shards), a
+    tensor the model ties (one Parameter under two names) under its first name only."""
     seen: set[int] = set()
-    first: set[str] = set()
+    first = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
-            first.add(name)
+            first[name] = tensor
+    return first
+
+
+def _drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of each tensor the model ties: a gathered state has a copy per name, so
+    storage cannot tell them apart as it does in _drop_shared."""
+    first = tied_once(model)
     return {name: tensor for name, tensor in state.items() if name in first}
 
 
@@ -375,7 +382,7 @@ class WeightPublisher:
         rollouts, off the path a new version takes to them) prune; returns the version published.
         `state`: a sharded actor's weights, gathered to full CPU tensors for the files of volume and ray, or
         its shards for the ring of ipc and nccl, with the `gather` that makes each whole and the ring's
-        `device` (mortal.workers.sharded.publish says which)."""
+        `device` (mortal.workers.sharded.publish_state says which)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
         adapters = lora_adapters(model) if self.method in ("volume", "ray") and state is None else None
