@@ -122,9 +122,8 @@ def main(ctx: WorkerContext) -> int:
         lost = ranks.lost() if ranks is not None else None
         if lost is None:
             raise
-        if isinstance(lost, sharded.RankOutOfMemory):
-            _rank_lost(ctx, lost)  # reported as the actor's out-of-memory, not as a crash
-        raise lost from exc
+        ctx.log.error("a collective failed as %s: %s", lost, exc)
+        _rank_lost(ctx, lost)  # reported as the watcher reports it: the lost rank's exit code and message
     finally:
         loop.reporter.close()
         publisher.close()
