@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from mortal.workers import sharded
 
@@ -12,7 +11,8 @@ from mortal.workers import sharded
 def test_a_transformers_that_would_wrap_a_sharded_model_in_ddp_is_refused_naming_both_versions(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert sharded.unsupported() is None  # the version the tests install
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")  # the GPU machines' image
+    # by name: the module sharded imports now (a test run earlier in this process may have replaced it in sys.modules)
+    monkeypatch.setattr("transformers.__version__", "5.17.0")  # the GPU machines' image
     why = sharded.unsupported()
     assert why is not None and ">= 5.19.0" in why and "has 5.17.0" in why and "actor.count 1" in why
 
