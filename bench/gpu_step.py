@@ -59,6 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from through_controller import copy_logs, exit_on_sigterm, run_through_controller
@@ -97,7 +98,13 @@ def make_model(folder: Path, shape: str = "0.5b") -> Path:
     config = Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=49152,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    # initialised on the GPU where there is one: a 7B model's random init takes minutes on the CPU, seconds there
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # nothing of it stays reserved in this process beside TRL's or mortal's runs
     AutoTokenizer.from_pretrained(assets / "smollm2-tok").save_pretrained(folder)
     return folder
 
@@ -491,25 +498,37 @@ def main() -> None:
     if args.compile_cache:
         use_compile_cache(args.compile_cache)
     exit_on_sigterm()
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+
     try:
-        measure(args, out)
+        measure(args, out, save)
     except BaseException as exc:  # a time limit (SIGTERM), an error: what was measured is written all the same
         out["interrupted"] = f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        if args.json:
-            args.json.write_text(json.dumps(out, indent=2))
+        save()
 
 
-def measure(args: argparse.Namespace, out: dict) -> None:
-    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio."""
+def measure(args: argparse.Namespace, out: dict, save: Callable[[], None]) -> None:
+    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio. What was
+    measured is saved before the folder is removed: a 7B run's checkpoints take a while to delete, and a time
+    limit that ends the script then must not cost its figures."""
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         try:
             run_both_sides(work, args, out)
+            compare(args, out)
+            save()
         finally:
             if args.logs:
                 copy_logs(work, args.logs)
+
+
+def compare(args: argparse.Namespace, out: dict) -> None:
+    """Each side's peak GPU memory, and mortal's throughput over TRL's where both ran."""
     out["peak_gpu_memory_mib"] = args.peak_memory_mib  # side -> GPU index -> MiB (nvidia-smi, every process)
     print(f"peak GPU memory (MiB, nvidia-smi): {args.peak_memory_mib}")
     if "completion_tokens_per_second" in out.get("trl", {}) and "mortal" in out:
