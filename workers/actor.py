@@ -431,7 +431,7 @@ class ActorLoop(TrainerCallback):
         else:  # every rank takes part (sharded.join_publish); the ring, if any, is on rank 0's device
             ring = self.publisher.method in RING_METHODS
             self.version = self.publisher.publish(model, step, prune=False, state=sharded.publish_state(model, ring),
-                                                  gather=sharded.whole if ring else None,
+                                                  gather=sharded.wholes if ring else None,
                                                   device=sharded.rank_device(self.ranks.device, 0))
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)

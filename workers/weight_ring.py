@@ -20,14 +20,15 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-Gather = Callable[[torch.Tensor], torch.Tensor]  # a shard -> the whole tensor (a collective: mortal.workers.sharded)
+# shards -> each tensor whole, in order (collectives: mortal.workers.sharded.wholes)
+Gather = Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]
 
 
 class TensorSlot(NamedTuple):
@@ -153,10 +154,10 @@ class SnapshotRing:
         """Snapshot `state` as `version` and wait until the copy is complete (so that no reader can
         see it half written once the caller records it); returns the slot's buffers.
 
-        `gather` (a sharded actor's: `state` holds its FSDP2 shards) makes each tensor whole, one at a
-        time in `state`'s order, and it is copied into the slot before the next is made, so the ring's
-        device never holds a second whole model beside the slot; `device`: where the ring lives when it
-        is not where `state`'s tensors are (shards offloaded to host memory)."""
+        `gather` (a sharded actor's: `state` holds its FSDP2 shards) makes the tensors whole in `state`'s
+        order, a bucket at a time, each copied into the slot as it comes, so the ring's device never holds
+        a second whole model beside the slot; `device`: where the ring lives when it is not where
+        `state`'s tensors are (shards offloaded to host memory)."""
         if state is not self._laid_out[0]:  # the publisher passes the same dict while the model is the same
             self._laid_out = (state, *layout(state))
         _, sizes, slots = self._laid_out
@@ -173,8 +174,8 @@ class SnapshotRing:
         if gather is None:
             fill_views(self._views[index], [state[slot.name] for slot in slots])
         else:
-            for view, slot in zip(self._views[index], slots, strict=True):
-                view.copy_(gather(state[slot.name]))
+            for view, tensor in zip(self._views[index], gather([state[slot.name] for slot in slots]), strict=True):
+                view.copy_(tensor)
         self.stamps[index].fill_(version)
         if self.stamps.is_cuda:
             torch.cuda.synchronize()

@@ -12,7 +12,7 @@ RECEIVED = "received"  # the file the test writes once it has the version, so ra
 
 def publish_into_ring(rank: int, model_dir: str, port: int, out: str) -> None:
     """Load the model sharded over 2 CPU ranks (gloo); rank 0 serves version 0 over sync nccl's protocol
-    (gloo between CPU tensors) from its ring, gathering one weight at a time; rank 1 joins the gathers."""
+    (gloo between CPU tensors) from its ring, gathering a bucket of weights at a time; rank 1 joins the gathers."""
     from mortal.specs.training import ModelSpec
     from mortal.workers import models, nccl_weights, sharded
 
@@ -23,7 +23,7 @@ def publish_into_ring(rank: int, model_dir: str, port: int, out: str) -> None:
     if rank == 0:
         server = nccl_weights.NcclWeightServer(ring=2)
         server.share(sharded.publish_state(model, ring=True), Path(out) / "v0", version=0, step=0,
-                     gather=sharded.whole, device=sharded.rank_device("cpu", 0))
+                     gather=sharded.wholes, device=sharded.rank_device("cpu", 0))
         deadline = time.monotonic() + 120
         while not (Path(out) / RECEIVED).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -31,3 +31,55 @@ def publish_into_ring(rank: int, model_dir: str, port: int, out: str) -> None:
     else:
         sharded.join_publish(model, ring=True)
     ranks.close()
+
+
+# The weights `gather_in_buckets` shards: rows that do not split evenly over 2 ranks (rank 1 gets fewer, or
+# none), a dtype change that ends a bucket, one tensor larger than a bucket, a DTensor replicated rather than
+# sharded and a plain tensor (each passed on as it is, between buckets).
+GATHERED_SHAPES = [("a", (5, 3), "float32"), ("b", (7,), "float32"), ("c", (1, 4), "float32"),
+                   ("d", (3, 2), "bfloat16"), ("e", (4, 2), "bfloat16"), ("big", (40, 4), "float32"),
+                   ("f", (2, 2), "float32"), ("replicated", (3, 3), "float32"), ("plain", (2,), "float32"),
+                   ("g", (6, 1), "float32")]
+GATHER_BUCKET_BYTES = 64  # 16 float32 or 32 bfloat16 elements of a rank's shards
+
+
+def expected_weights() -> dict:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+            for name, shape, dtype in GATHERED_SHAPES}
+
+
+def gather_in_buckets(rank: int, port: int, out: str) -> None:
+    """Shard expected_weights() over 2 CPU ranks (gloo) as FSDP2 does (by rows), make them whole with
+    sharded.wholes and write, from rank 0, the whole tensors and how many all-gathers it took."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from mortal.workers import sharded
+
+    os.environ.update(sharded.rank_environment(rank, 2, port))
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    weights = expected_weights()
+    shards = [weights["plain"] if name == "plain" else
+              distribute_tensor(weights[name], mesh, [Replicate() if name == "replicated" else Shard(0)])
+              for name, _, _ in GATHERED_SHAPES]
+    gathers = 0
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)
+
+    def counted(*args, **kwargs):
+        nonlocal gathers
+        gathers += 1
+        return real(*args, **kwargs)
+
+    setattr(dist, name, counted)
+    whole = [t.clone() for t in sharded.wholes(shards, bucket_bytes=GATHER_BUCKET_BYTES)]
+    if rank == 0:
+        names = [name for name, _, _ in GATHERED_SHAPES]
+        torch.save({"whole": dict(zip(names, whole, strict=True)), "gathers": gathers}, Path(out) / "wholes.pt")
+    dist.destroy_process_group()

@@ -313,11 +313,11 @@ if __name__ == "__main__":
 """
 
 
-def test_a_sharded_model_reaches_a_rollout_through_the_ring_one_gathered_weight_at_a_time(tiny_dir: Path,
-                                                                                           tmp_path: Path) -> None:
-    """Sync ipc and nccl from a sharded actor: rank 0 gathers each weight whole (the other rank joining each
-    gather in the same order) into its ring's slot, and a rollout receives the whole model, tied weight once,
-    equal to the unsharded model bit for bit (nccl's protocol, over gloo between CPU tensors)."""
+def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(tiny_dir: Path, tmp_path: Path) -> None:
+    """Sync ipc and nccl from a sharded actor: rank 0 gathers the weights whole a bucket at a time (the other
+    rank joining each gather in the same order) into its ring's slot, and a rollout receives the whole
+    model, tied weight once, equal to the unsharded model bit for bit (nccl's protocol, over gloo between
+    CPU tensors)."""
     import torch.multiprocessing as mp
     from sharded_helpers import RECEIVED, publish_into_ring
 

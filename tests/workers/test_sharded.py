@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,3 +58,22 @@ def test_a_rank_that_ran_out_of_gpu_memory_leaves_its_figures_and_rank_0_reports
     crashed = sharded.Ranks(0, 2, "cpu", tmp_path / "none").ended(1, EXIT_RETRYABLE)
     assert type(crashed) is sharded.RankLost and crashed.exit_code == EXIT_RETRYABLE
     assert crashed.report() == "RankLost: actor rank 1 of 2 ended with exit code 75"
+
+
+def test_shards_are_made_whole_a_bucket_at_a_time_with_one_all_gather_a_bucket(tmp_path: Path) -> None:
+    """What a sharded actor's ring holds after a publish: every weight whole and bit for bit the unsharded
+    one, uneven rows, an empty shard and dtypes mixed; consecutive row shards of one dtype share one
+    all-gather up to the bucket's bytes, the rest pass alone."""
+    import torch.multiprocessing as mp
+    from sharded_helpers import expected_weights, gather_in_buckets
+
+    mp.start_processes(gather_in_buckets, args=(sharded.free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    result = torch.load(tmp_path / "wholes.pt")
+    expected = expected_weights()
+    assert list(result["whole"]) == list(expected)
+    for name, tensor in expected.items():
+        assert result["whole"][name].dtype == tensor.dtype and torch.equal(result["whole"][name], tensor), name
+    # a rank's padded share, in elements (16 float32 or 32 bfloat16 fill a bucket): [a 9 + b 4] [c 4] (a dtype
+    # change) [d 4 + e 4] (another) [big 80, alone] [f 2] (ended by the replicated weight) [g 3]
+    assert result["gathers"] == 6

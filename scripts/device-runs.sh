@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU runs the open issues still owe, grouped so that each group fits one device call (10 minutes),
+# run on the lent machine from the repository root:
+#   here:   bash scripts/device-wheels.sh && mkdir -p .mortal && cp -r ../shared/anchors/assets .mortal/assets
+#   device: run(command="bash scripts/device-runs.sh GROUP", kind="nvidia-h200-x2",
+#               carry=[".whl", ".mortal/assets"])
+# Each bench writes $OUT/NAME.json (and, when it fails, $OUT/logs-NAME.tgz with mortal's worker logs); every
+# bench's whole output is appended to $OUT/all.log. A machine idle for 30 s is given back: start the next
+# group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
+# device and the run, and record it in docs/benchmarks.md.
+set -uo pipefail
+group=${1:?"a group: two-gpus, seven-b, gpu-tests"}
+source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
+nvidia-smi -L | tee "$OUT/env.log"
+python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
+started=$(date +%s)
+
+# bench NAME LIMIT_SECONDS ARGS...: bench/gpu_step.py ARGS under a time limit (SIGTERM: it saves what it measured)
+bench() {
+  local name=$1 limit=$2 began rc
+  shift 2
+  began=$(date +%s)
+  echo "== $name at $((began - started)) s: $*"
+  timeout -s TERM -k 30 "$limit" python3 "$R/bench/gpu_step.py" --json "$OUT/$name.json" --logs "/tmp/logs-$name" "$@" \
+    > "/tmp/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $(( $(date +%s) - began )) s"
+  grep -E "s/step|busy|peak|mortal / TRL|weight sync|limits|Error|Traceback" "/tmp/$name.log" | tail -12
+  cat "/tmp/$name.log" >> "$OUT/all.log"
+  [ "$rc" = 0 ] || tar czf "$OUT/logs-$name.tgz" -C /tmp "logs-$name" "$name.log" 2>/dev/null
+}
+
+case $group in
+  two-gpus)  # issue 15.2: two GPUs' tokens/s against one GPU's, on-policy and overlapped (each twice in turn)
+    bench onegpu 170 --steps 6 --rollouts 1 --only mortal
+    bench hybrid_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --only mortal
+    bench hybrid_s1 180 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --staleness 1 --only mortal ;;
+  seven-b)  # issue 19: the 7B shape, full fine-tune, over two GPUs; TRL with FSDP2 in the same invocation
+    bench sevenb 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 ;;
+  seven-b-mortal)  # the same, mortal's side alone (when TRL's does not fit the call beside it)
+    bench sevenb_mortal 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --only mortal ;;
+  seven-b-trl)
+    bench sevenb_trl 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --only trl ;;
+  gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
+    timeout -k 10 560 python3 -m pytest -q -x -p no:cacheprovider -m gpu "$R/tests/workers/test_actor_sharded.py" \
+      "$R/tests/workers/test_ipc_weights.py" 2>&1 | tee "$OUT/gpu-tests.log" ;;
+  *) echo "unknown group $group" >&2; exit 2 ;;
+esac
