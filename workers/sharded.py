@@ -283,16 +283,17 @@ def wholes(tensors: list[torch.Tensor], bucket_bytes: int = GATHER_BUCKET_BYTES)
     reshape of its columns of the gathered buffer. Why not FSDP2's own unshard: it gathers in its mixed
     precision's dtype, and the ring must hold the weights the rollouts load, as the actor keeps them."""
     bucket: list[torch.Tensor] = []
+    held = 0  # bytes of a rank's padded shares in the bucket
     for tensor in tensors:
-        if bucket and not _packs_with(bucket, tensor, bucket_bytes):
+        size = _chunk_numel(tensor) * tensor.element_size() if _row_sharded(tensor) else None
+        if bucket and (size is None or held + size > bucket_bytes or not _same_group(bucket[0], tensor)):
             yield from _gather_bucket(bucket)
-            bucket = []
-        if _row_sharded(tensor):
-            bucket.append(tensor)
-        else:
-            yield from _gather_bucket(bucket)
-            bucket = []
+            bucket, held = [], 0
+        if size is None:
             yield _whole(tensor)
+        else:
+            bucket.append(tensor)
+            held += size
     yield from _gather_bucket(bucket)
 
 
@@ -316,12 +317,9 @@ def _chunk_numel(tensor: torch.Tensor) -> int:
     return -(-tensor.shape[0] // world) * (tensor.numel() // max(tensor.shape[0], 1))
 
 
-def _packs_with(bucket: list[torch.Tensor], tensor: torch.Tensor, bucket_bytes: int) -> bool:
-    first = bucket[0]
-    if not _row_sharded(tensor) or (tensor.dtype, tensor.device_mesh) != (first.dtype, first.device_mesh):
-        return False
-    held = sum(_chunk_numel(t) for t in bucket) * first.element_size()
-    return held + _chunk_numel(tensor) * tensor.element_size() <= bucket_bytes
+def _same_group(first: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether two row shards can share one all-gather: one buffer's dtype, one group of ranks."""
+    return (tensor.dtype, tensor.device_mesh) == (first.dtype, first.device_mesh)
 
 
 def _gather_bucket(bucket: list[torch.Tensor]) -> Iterator[torch.Tensor]:
