@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need and runs them all (unit, both stores, end-to-end, soak). On 2 cores (fresh
-# clones, 2026-11-27): set-up 1.5-1.7 min, the Ray phase 3.8-4.5 min, the rest 15.2-16.7 min on two pytest-xdist
-# workers; 21.1-21.9 min in all, and CI allows 90. Tried, no faster: the Ray phase beside the rest (21.8 min:
+# clones, 2026-11-27): set-up 1.5-1.7 min, the Ray phase 3.8-4.5 min, the rest 15.2-17.6 min on two pytest-xdist
+# workers; 21.1-23.7 min in all, and CI allows 90. Tried, no faster: the Ray phase beside the rest (21.8 min:
 # the two cores are the limit) and xdist's worksteal scheduling (21.4 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
