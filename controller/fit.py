@@ -20,6 +20,8 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
   rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
   sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots;
                            with N ranks, on rank 0's GPU, the one counted here)
+  actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
+                           snapshots hold (TrainingSpec.rollout_model)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
 """
 
@@ -49,6 +51,7 @@ class Misfit:
 def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     """Each worker whose GPU is smaller than the least it must hold (see the module docstring)."""
     per = DTYPE_BYTES[spec.model.dtype]
+    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold (bfloat16 under mixedPrecision)
     found = []
     actor = spec.actor.gpu
     if wants_gpu(actor) and gpu_memory(actor) is not None:
@@ -61,7 +64,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
                         else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
         colocated = spec.colocated_per_gpu()
         share = spec.rollout.gpu_memory_utilization
-        rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else per * parameters)
+        rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else served * parameters)
         if colocated and share:
             parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
                          f"rollout{'s' if colocated > 1 else ''}")
@@ -71,7 +74,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
         ring = SNAPSHOT_RING if sync in ("ipc", "nccl") else 0
         if ring:
             parts.append(f"{ring} snapshots of the weights for sync {sync}")
-        need = int((copies + ring) * per * parameters) + rollouts_hold
+        need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold
         if need > gpu_memory(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
             if full and not spec.actor.cpu_offload:
@@ -86,7 +89,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
     rollout = spec.rollout.gpu
     if spec.rollout.replicas and wants_gpu(rollout) and gpu_memory(rollout) is not None:
-        found.extend(_rollout_misfits(spec, parameters, per))
+        found.extend(_rollout_misfits(spec, parameters, served))
     return found
 
 

@@ -546,6 +546,15 @@ class TrainingSpec(SpecModel):
         return (self.backend == "local" and self.generation.engine == "transformers"
                 and self.actor.gpu != "none" and self.rollout.gpu != "none")
 
+    def rollout_model(self) -> ModelSpec:
+        """The model as rollouts load it: spec.model, except under actor.mixedPrecision, where the actor keeps
+        float32 master weights but computes in bfloat16 and the rollouts generate in bfloat16 too (as vLLM
+        does beside TRL's FSDP actor in bf16): half the memory and the decode time of float32. The actor then
+        publishes its weights cast to bfloat16 (mortal.workers.sharded.publish_dtype)."""
+        if self.actor.mixed_precision:
+            return self.model.model_copy(update={"dtype": "bfloat16"})
+        return self.model
+
     def sync_method(self) -> str:
         """The weight-sync method this run uses (`auto` resolved). A LoRA run stays on `volume`, where only
         the adapters travel (a few MB); `ipc` would keep whole merged snapshots on the actor's GPU, three of

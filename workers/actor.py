@@ -429,10 +429,11 @@ class ActorLoop(TrainerCallback):
         if self.ranks is None:
             self.version = self.publisher.publish(model, step, prune=False)
         else:  # every rank takes part (sharded.join_publish); the ring, if any, is on rank 0's device
-            ring = self.publisher.method in RING_METHODS
-            self.version = self.publisher.publish(model, step, prune=False, state=sharded.publish_state(model, ring),
-                                                  gather=sharded.wholes if ring else None,
-                                                  device=sharded.rank_device(self.ranks.device, 0))
+            ring, dtype = self.publisher.method in RING_METHODS, sharded.publish_dtype(self.spec)
+            self.version = self.publisher.publish(model, step, prune=False,
+                                                  state=sharded.publish_state(model, ring, dtype),
+                                                  gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
+                                                  device=sharded.rank_device(self.ranks.device, 0), cast=dtype)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         self.ctx.report(step=step, weight_version=self.version)
 
@@ -480,6 +481,7 @@ class Follower(TrainerCallback):
         self.trainer: Any = None
         self._rng_from: Path | None = None
         self._ring = spec.sync_method() in RING_METHODS  # how rank 0 publishes, so which collectives to join
+        self._dtype = sharded.publish_dtype(spec)  # and in which dtype their buffers are
 
     def _serve(self, until: str) -> Any:
         """Do rank 0's checkpoints until its message of kind `until` (or "stop") comes; its payload."""
@@ -503,7 +505,7 @@ class Follower(TrainerCallback):
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
             self._rng_from = _rng_source(Path(resume_from), self.ranks.world)
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
-        sharded.join_publish(self.trainer.model, self._ring)  # rank 0 publishes the weights it starts from
+        sharded.join_publish(self.trainer.model, self._ring, self._dtype)  # rank 0 publishes the weights it starts from
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._rng_from is not None:
@@ -512,7 +514,7 @@ class Follower(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if publishes_at(self.spec, state.global_step):
-            sharded.join_publish(self.trainer.model, self._ring)
+            sharded.join_publish(self.trainer.model, self._ring, self._dtype)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:

@@ -70,10 +70,10 @@ class IpcWeightSharer:
         self._handles_for: list[dict[str, torch.Tensor]] | None = None  # that allocation (SnapshotRing.buffers)
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None) -> Path:
-        """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically; `gather` and
-        `device`: a sharded actor's, as SnapshotRing.write takes them."""
-        buffers = self._snapshots.write(state, version, gather, device)
+              device: torch.device | None = None, cast: torch.dtype | None = None) -> Path:
+        """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically; `gather`,
+        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them."""
+        buffers = self._snapshots.write(state, version, gather, device, cast)
         handles = {dtype: self._handle(buffer) for dtype, buffer in buffers.items()}
         device = next(iter(buffers.values())).device.index
         producer = f"{os.getpid()}@{device_uuid(device)}"

@@ -126,10 +126,10 @@ class NcclWeightServer:
         self._snapshots = SnapshotRing(self.ring)
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None) -> Path:
-        """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically; `gather` and
-        `device`: a sharded actor's, as SnapshotRing.write takes them."""
-        buffers = self._snapshots.write(state, version, gather, device)
+              device: torch.device | None = None, cast: torch.dtype | None = None) -> Path:
+        """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically; `gather`,
+        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them."""
+        buffers = self._snapshots.write(state, version, gather, device, cast)
         if self._store is None:
             self._open(next(iter(buffers.values())).device)
         manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "ring": self.ring,

@@ -281,7 +281,7 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     engine_cls = select_engine(spec.generation.engine, device)
     tokenizer = load_tokenizer(spec.model)
     started = time.monotonic()
-    engine = engine_cls.create(spec.model, tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs,
+    engine = engine_cls.create(spec.rollout_model(), tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs,
                                memory_share=spec.rollout_memory_share(engine_cls.name, ctx.worker.replica))
     ctx.log.info("engine %s on %s ready in %.1f s; rewards: %s%s", engine.name, device, time.monotonic() - started,
                  ", ".join(rewards.names), f"; tools: {len(toolbox.tools)}, environments: {len(toolbox.environments)}"

@@ -33,13 +33,16 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
 from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
+
+if TYPE_CHECKING:
+    from mortal.specs.training import TrainingSpec
 
 log = logging.getLogger("mortal.sharded")
 WATCH_SECONDS = 0.2
@@ -273,9 +276,23 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 GATHER_BUCKET_BYTES = 64 * 2**20
 
 
-def wholes(tensors: list[torch.Tensor], bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[torch.Tensor]:
+def publish_dtype(spec: TrainingSpec) -> torch.dtype | None:
+    """The dtype a sharded actor publishes its floating weights in when it is not theirs: bfloat16 under
+    actor.mixedPrecision, the rollouts' (TrainingSpec.rollout_model), so float32 master weights travel at half
+    their bytes; None: as the actor keeps them. Every rank asks it: the gathers' buffers must match."""
+    return torch.bfloat16 if spec.actor.mixed_precision else None
+
+
+def cast_floating(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` in `dtype` if it is a floating tensor and one is given; integer buffers keep theirs."""
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
+           bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[torch.Tensor]:
     """Each tensor made whole, in order (collectives: every rank iterates the same list to the end, rank 0
-    keeping what it yields); anything not a DTensor is yielded as it is.
+    keeping what it yields), floating ones in `dtype` when given (publish_dtype: cast before the gather, so
+    the collective moves the smaller bytes); anything not a DTensor is yielded as it is, cast alike.
 
     FSDP2 shards a weight by rows (Shard(0), torch.chunk's split: ceil(rows / world) a rank, the last ranks
     fewer or none). Consecutive such shards of one dtype are packed, each padded to that chunk, into one
@@ -283,25 +300,29 @@ def wholes(tensors: list[torch.Tensor], bucket_bytes: int = GATHER_BUCKET_BYTES)
     reshape of its columns of the gathered buffer. Why not FSDP2's own unshard: it gathers in its mixed
     precision's dtype, and the ring must hold the weights the rollouts load, as the actor keeps them."""
     bucket: list[torch.Tensor] = []
-    held = 0  # bytes of a rank's padded shares in the bucket
+    held = 0  # bytes of a rank's padded shares in the bucket, in the dtype they are gathered in
     for tensor in tensors:
-        size = _chunk_numel(tensor) * tensor.element_size() if _row_sharded(tensor) else None
-        if bucket and (size is None or held + size > bucket_bytes or not _same_group(bucket[0], tensor)):
-            yield from _gather_bucket(bucket)
+        size = _chunk_numel(tensor) * _gathered_dtype(tensor, dtype).itemsize if _row_sharded(tensor) else None
+        if bucket and (size is None or held + size > bucket_bytes or not _same_group(bucket[0], tensor, dtype)):
+            yield from _gather_bucket(bucket, dtype)
             bucket, held = [], 0
         if size is None:
-            yield _whole(tensor)
+            yield _whole(tensor, dtype)
         else:
             bucket.append(tensor)
             held += size
-    yield from _gather_bucket(bucket)
+    yield from _gather_bucket(bucket, dtype)
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
+def _gathered_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _whole(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """A tensor `wholes` cannot pack: a DTensor sharded otherwise than by rows, gathered on its own."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return cast_floating(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor, dtype)
 
 
 def _row_sharded(tensor: torch.Tensor) -> bool:
@@ -317,13 +338,14 @@ def _chunk_numel(tensor: torch.Tensor) -> int:
     return -(-tensor.shape[0] // world) * (tensor.numel() // max(tensor.shape[0], 1))
 
 
-def _same_group(first: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """Whether two row shards can share one all-gather: one buffer's dtype, one group of ranks."""
-    return (tensor.dtype, tensor.device_mesh) == (first.dtype, first.device_mesh)
+def _same_group(first: torch.Tensor, tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether two row shards can share one all-gather: one buffer's dtype (once cast), one group of ranks."""
+    return ((_gathered_dtype(tensor, dtype), tensor.device_mesh) == (_gathered_dtype(first, dtype), first.device_mesh))
 
 
-def _gather_bucket(bucket: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """One all-gather for the bucket's row shards, then each tensor whole (a copy out of the gathered buffer)."""
+def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
+    """One all-gather for the bucket's row shards, then each tensor whole (a copy out of the gathered buffer).
+    The shards are cast to `dtype` as they are packed (publish_dtype)."""
     if not bucket:
         return
     import torch.distributed as dist
@@ -331,7 +353,7 @@ def _gather_bucket(bucket: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     first = bucket[0]
     world, local = first.device_mesh.size(), first.to_local()
     chunks = [_chunk_numel(t) for t in bucket]
-    packed = torch.empty(sum(chunks), dtype=first.dtype, device=local.device)  # the padding is never read
+    packed = torch.empty(sum(chunks), dtype=_gathered_dtype(first, dtype), device=local.device)  # padding: never read
     offset = 0
     for tensor, chunk in zip(bucket, chunks, strict=True):
         shard = tensor.to_local().reshape(-1)
@@ -348,19 +370,21 @@ def _gather_bucket(bucket: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         offset += chunk
 
 
-def publish_state(model: torch.nn.Module, ring: bool) -> dict[str, torch.Tensor]:
+def publish_state(model: torch.nn.Module, ring: bool, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every rank, when rank 0 publishes: for a ring (sync ipc, nccl), the shards (rank 0 hands them to the
-    ring with `wholes`, and the other ranks join its gathers through `join_publish`); for the files of
-    volume and ray, every weight whole on rank 0's CPU (full_state_dict; {} on the others)."""
-    return shard_state(model) if ring else full_state_dict(model)
+    ring with `wholes` in `dtype`, and the other ranks join its gathers through `join_publish`); for the files
+    of volume and ray, every weight whole on rank 0's CPU in `dtype` (full_state_dict; {} on the others)."""
+    if ring:
+        return shard_state(model)
+    return {name: cast_floating(tensor, dtype) for name, tensor in full_state_dict(model).items()}
 
 
-def join_publish(model: torch.nn.Module, ring: bool) -> None:
-    """Ranks 1..N-1: the collectives of rank 0's publish, in its order (nothing is kept)."""
+def join_publish(model: torch.nn.Module, ring: bool, dtype: torch.dtype | None = None) -> None:
+    """Ranks 1..N-1: the collectives of rank 0's publish, in its order and its `dtype` (nothing is kept)."""
     if not ring:
         full_state_dict(model)
         return
-    for _ in wholes(list(shard_state(model).values())):
+    for _ in wholes(list(shard_state(model).values()), dtype):
         pass
 
 

@@ -46,12 +46,14 @@ class TensorSlot(NamedTuple):
         return int(torch.Size(self.shape).numel())
 
 
-def layout(state: dict[str, torch.Tensor]) -> tuple[dict[str, int], list[TensorSlot]]:
-    """Where each tensor goes: the element count of each dtype's flat buffer, and every tensor's slot."""
+def layout(state: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> tuple[dict[str, int], list[TensorSlot]]:
+    """Where each tensor goes: the element count of each dtype's flat buffer, and every tensor's slot; with
+    `cast`, floating tensors go in that dtype's buffer (a sharded actor publishing float32 masters in bfloat16)."""
     sizes: dict[str, int] = {}
     slots = []
     for name, tensor in state.items():
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        kept = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+        dtype = str(kept).removeprefix("torch.")
         slots.append(TensorSlot(name, dtype, sizes.get(dtype, 0), tuple(tensor.shape)))
         sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
     return sizes, slots
@@ -150,16 +152,17 @@ class SnapshotRing:
     _laid_out: tuple[Any, dict[str, int], list[TensorSlot]] = field(default=(None, {}, []), repr=False)  # last layout
 
     def write(self, state: dict[str, torch.Tensor], version: int, gather: Gather | None = None,
-              device: torch.device | None = None) -> dict[str, torch.Tensor]:
+              device: torch.device | None = None, cast: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Snapshot `state` as `version` and wait until the copy is complete (so that no reader can
         see it half written once the caller records it); returns the slot's buffers.
 
         `gather` (a sharded actor's: `state` holds its FSDP2 shards) makes the tensors whole in `state`'s
         order, a bucket at a time, each copied into the slot as it comes, so the ring's device never holds
         a second whole model beside the slot; `device`: where the ring lives when it is not where
-        `state`'s tensors are (shards offloaded to host memory)."""
+        `state`'s tensors are (shards offloaded to host memory); `cast`: the dtype floating weights are kept
+        in when not theirs (the gather yields them so: mortal.workers.sharded.publish_dtype)."""
         if state is not self._laid_out[0]:  # the publisher passes the same dict while the model is the same
-            self._laid_out = (state, *layout(state))
+            self._laid_out = (state, *layout(state, cast))
         _, sizes, slots = self._laid_out
         if slots != self.slots:  # first version (or a new model): allocate the ring
             device = device or next(iter(state.values())).device

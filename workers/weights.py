@@ -377,19 +377,20 @@ class WeightPublisher:
 
     def publish(self, model: torch.nn.Module, step: int, version: int | None = None, prune: bool = True,
                 state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
-                device: torch.device | None = None) -> int:
+                device: torch.device | None = None, cast: torch.dtype | None = None) -> int:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
         rollouts, off the path a new version takes to them) prune; returns the version published.
         `state`: a sharded actor's weights, gathered to full CPU tensors for the files of volume and ray, or
-        its shards for the ring of ipc and nccl, with the `gather` that makes each whole and the ring's
-        `device` (mortal.workers.sharded.publish_state says which)."""
+        its shards for the ring of ipc and nccl, with the `gather` that makes each whole, the ring's
+        `device` and the dtype `cast` the gather yields floating weights in (mortal.workers.sharded.publish_state
+        says which)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
         adapters = lora_adapters(model) if self.method in ("volume", "ray") and state is None else None
         if state is not None and self.method in RING_METHODS:
             if gather is None:
                 raise WeightsError("a sharded actor's shards reach the ring only through a gather")
-            self._ring_server().share(state, dest, version, step, gather=gather, device=device)
+            self._ring_server().share(state, dest, version, step, gather=gather, device=device, cast=cast)
         elif state is not None:
             write_weights(model, dest, version, step, state=state)
         elif self.method in RING_METHODS:

@@ -62,6 +62,11 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"actor": {"count": 2}, "sync": {"method": "ipc"}, "generation": {"engine": "transformers"}},
      9 * B, ["spec.actor.gpu"]),  # 36 GB + 3 snapshots (54 GB) on rank 0's GPU
     ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 2}}, 12 * B, []),  # 48 + 24 GB a GPU
+    # mixedPrecision: float32 master shards (4 bytes), rollouts and snapshots in bfloat16 (2 bytes)
+    ({"model": {"dtype": "float32"}, "actor": {"count": 2, "mixedPrecision": True},
+      "rollout": {"colocate": True, "replicas": 2}}, 7 * B, []),  # 56 + 14 GB a GPU (float32 rollouts: 84)
+    ({"model": {"dtype": "float32"}, "actor": {"count": 2, "mixedPrecision": True},
+      "rollout": {"colocate": True, "replicas": 2}}, int(8.5 * B), ["spec.actor.gpu"]),  # 68 + 17 GB
     ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 3}}, 12 * B, ["spec.actor.gpu"]),  # 2 on one
     # colocatedReplicas: the first N beside the actor, the others on GPUs of their own
     ({"rollout": {"colocatedReplicas": 1, "replicas": 3}}, int(7.6 * B), []),  # 61 + 15 GB on the actor's

@@ -226,6 +226,15 @@ def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_r
         spec_with("actor: {count: 4}\nalgorithm: {batchSize: 8, microBatchSize: 2}")).message
 
 
+def test_under_mixed_precision_rollouts_load_the_model_in_bfloat16_the_dtype_the_actor_computes_in():
+    float32 = HEAD.replace("model: {name: tiny}", "model: {name: tiny, dtype: float32}")
+    mixed = load_text(float32 + "  actor: {count: 2, mixedPrecision: true}\n", "run.yaml")[0].spec
+    assert (mixed.model.dtype, mixed.rollout_model().dtype) == ("float32", "bfloat16")
+    assert mixed.rollout_model().name == mixed.model.name
+    plain = load_text(float32 + "  actor: {count: 2}\n", "run.yaml")[0].spec
+    assert plain.rollout_model() is plain.model
+
+
 def test_a_sharded_actor_on_gpus_syncs_in_memory_and_spreads_its_colocated_rollouts_over_its_gpus():
     spec = load_text(spec_with("actor: {gpu: H100, count: 2, cpuOffload: true}\n"
                                "rollout: {gpu: H100, replicas: 3, colocate: true}\ngeneration: {engine: transformers}"),

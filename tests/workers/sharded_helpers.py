@@ -53,7 +53,8 @@ def expected_weights() -> dict:
 
 def gather_in_buckets(rank: int, port: int, out: str) -> None:
     """Shard expected_weights() over 2 CPU ranks (gloo) as FSDP2 does (by rows), make them whole with
-    sharded.wholes and write, from rank 0, the whole tensors and how many all-gathers it took."""
+    sharded.wholes, as they are and cast to bfloat16 (a mixedPrecision actor's publish), and write, from
+    rank 0, the whole tensors and how many all-gathers each took."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,8 +79,12 @@ def gather_in_buckets(rank: int, port: int, out: str) -> None:
         return real(*args, **kwargs)
 
     setattr(dist, name, counted)
-    whole = [t.clone() for t in sharded.wholes(shards, bucket_bytes=GATHER_BUCKET_BYTES)]
+    names = [name for name, _, _ in GATHERED_SHAPES]
+    result = {}
+    for key, dtype in (("whole", None), ("bfloat16", torch.bfloat16)):
+        gathers = 0
+        whole = [t.clone() for t in sharded.wholes(shards, dtype, bucket_bytes=GATHER_BUCKET_BYTES)]
+        result[key], result[f"{key} gathers"] = dict(zip(names, whole, strict=True)), gathers
     if rank == 0:
-        names = [name for name, _, _ in GATHERED_SHAPES]
-        torch.save({"whole": dict(zip(names, whole, strict=True)), "gathers": gathers}, Path(out) / "wholes.pt")
+        torch.save(result, Path(out) / "wholes.pt")
     dist.destroy_process_group()

@@ -171,7 +171,8 @@ def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store:
 def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: Store, home: Path, tiny_dir: Path,
                                                                      whole: str) -> None:
     """actor.mixedPrecision: the step's gradient is the float32 one up to bfloat16's rounding (further from it
-    than the float32 sharded step, which agrees to 1e-4), and the checkpointed shards stay float32."""
+    than the float32 sharded step, which agrees to 1e-4), the checkpointed shards stay float32, and the
+    weights the rollouts load are those cast to bfloat16, the dtype they generate in."""
     mixed = create_run(store, "mixed", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
                                                   actor={"count": 2, "mixedPrecision": True}))
     assert train(store, mixed, home) == 0, _log_tail(home, "mixed")
@@ -181,6 +182,10 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: St
     assert 1e-4 < off < 5e-2, (a["grad_norm"], b["grad_norm"])
     weights = _checkpointed_weights(store, "mixed", 1, home.parent)
     assert {t.dtype for t in weights.values()} == {torch.float32}
+    published = read_published(store.latest_weights("mixed").path)
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    for name, tensor in published.items():
+        assert torch.equal(tensor, weights[name].to(torch.bfloat16)), name
 
 
 def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly(

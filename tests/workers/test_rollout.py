@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from rollout_helpers import (
     arith_task,
     assets_available,
@@ -250,3 +251,13 @@ def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(sqlite
     ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
     worker = rollout.build(ctx)
     assert built[0]["max_num_seqs"] == 8 and worker.engine.max_rows == 8
+
+
+def test_under_mixed_precision_the_rollout_generates_in_bfloat16_as_the_actor_computes(sqlite_store: Store,
+                                                                                     tiny_dir: Path) -> None:
+    """A sharded actor with float32 master weights (actor.mixedPrecision): its rollouts load the model in
+    bfloat16, not in the float32 of model.dtype (TrainingSpec.rollout_model)."""
+    run = create_run(sqlite_store, "r7", training_spec(str(tiny_dir), actor={"count": 2, "mixedPrecision": True}))
+    ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
+    worker = rollout.build(ctx)
+    assert {p.dtype for p in worker.engine.model.parameters()} == {torch.bfloat16}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -60,20 +58,42 @@ def test_a_rank_that_ran_out_of_gpu_memory_leaves_its_figures_and_rank_0_reports
     assert crashed.report() == "RankLost: actor rank 1 of 2 ended with exit code 75"
 
 
-def test_shards_are_made_whole_a_bucket_at_a_time_with_one_all_gather_a_bucket(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What sharded_helpers.gather_in_buckets' two ranks made whole (spawned once for the tests below)."""
+    import torch.multiprocessing as mp
+    from sharded_helpers import gather_in_buckets
+
+    out = tmp_path_factory.mktemp("wholes")
+    mp.start_processes(gather_in_buckets, args=(sharded.free_port(), str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    return torch.load(out / "wholes.pt")
+
+
+def test_shards_are_made_whole_a_bucket_at_a_time_with_one_all_gather_a_bucket(gathered: dict) -> None:
     """What a sharded actor's ring holds after a publish: every weight whole and bit for bit the unsharded
     one, uneven rows, an empty shard and dtypes mixed; consecutive row shards of one dtype share one
     all-gather up to the bucket's bytes, the rest pass alone."""
-    import torch.multiprocessing as mp
-    from sharded_helpers import expected_weights, gather_in_buckets
+    from sharded_helpers import expected_weights
 
-    mp.start_processes(gather_in_buckets, args=(sharded.free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    result = torch.load(tmp_path / "wholes.pt")
+    result = gathered
     expected = expected_weights()
     assert list(result["whole"]) == list(expected)
     for name, tensor in expected.items():
         assert result["whole"][name].dtype == tensor.dtype and torch.equal(result["whole"][name], tensor), name
     # a rank's padded share, in elements (16 float32 or 32 bfloat16 fill a bucket): [a 9 + b 4] [c 4] (a dtype
     # change) [d 4 + e 4] (another) [big 80, alone] [f 2] (ended by the replicated weight) [g 3]
-    assert result["gathers"] == 6
+    assert result["whole gathers"] == 6
+
+
+def test_a_mixed_precision_actor_gathers_its_float32_shards_cast_to_bfloat16_in_fuller_buckets(gathered: dict) -> None:
+    """publish_dtype: each weight whole in bfloat16 equals the float32 whole cast, and half the bytes a rank
+    sends fill a bucket half as fast (one dtype now, so no bucket ends at a dtype change)."""
+    from sharded_helpers import expected_weights
+
+    result = gathered
+    for name, tensor in expected_weights().items():
+        assert result["bfloat16"][name].dtype == torch.bfloat16, name
+        assert torch.equal(result["bfloat16"][name], tensor.to(torch.bfloat16)), name
+    # [a 9 + b 4 + c 4 + d 4 + e 4] [big 80, alone] [f 2] (ended by the replicated weight) [g 3]
+    assert result["bfloat16 gathers"] == 4

@@ -22,6 +22,19 @@ def test_a_snapshot_is_one_flat_buffer_per_dtype_and_its_slots_give_back_every_t
     assert buffers["float32"][0] == 0
 
 
+def test_a_ring_that_casts_keeps_floating_weights_in_that_dtype_and_integer_buffers_in_theirs() -> None:
+    """A sharded actor under mixedPrecision: float32 masters published in bfloat16, gathered already cast."""
+    state = {"w": torch.randn(2, 3), "steps": torch.arange(4), "b": torch.ones(2, dtype=torch.float16)}
+    sizes, slots = weight_ring.layout(state, cast=torch.bfloat16)
+    assert sizes == {"bfloat16": 8, "int64": 4} and [s.dtype for s in slots] == ["bfloat16", "int64", "bfloat16"]
+    ring = weight_ring.SnapshotRing(ring=2)
+    cast = [state["w"].bfloat16(), state["steps"], state["b"].bfloat16()]
+    buffers = ring.write(state, 0, gather=lambda shards: iter(cast), cast=torch.bfloat16)
+    held = weight_ring.views(buffers, ring.slots)
+    assert held["w"].dtype == torch.bfloat16 and torch.equal(held["w"], cast[0])
+    assert torch.equal(held["steps"], state["steps"]) and torch.equal(held["b"], cast[2])
+
+
 def test_copy_into_writes_the_models_own_tensors_in_place() -> None:
     model = torch.nn.Linear(3, 2)
     weight = model.weight
