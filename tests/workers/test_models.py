@@ -97,6 +97,30 @@ def test_tf32_is_turned_on_for_cuda_when_the_spec_asks(tf32, device, used, monke
 
 
 @pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+@pytest.mark.parametrize("mixed, offload", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and_offload(
+        mixed: bool, offload: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """actor.mixedPrecision and actor.cpuOffload reach FSDP2 through transformers' DistributedConfig (cpuOffload
+    needs GPUs, so no CPU run can show its effect: what transformers is asked for is checked here)."""
+    from transformers import AutoModelForCausalLM
+
+    asked: list[dict] = []
+
+    def record(location, **kwargs):
+        asked.append(kwargs)
+        raise ValueError("recorded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
+    with pytest.raises(FatalWorkerError, match="recorded"):
+        load_model(ModelSpec(name=str(tmp_path), dtype="float32"), "cpu", for_training=True, fsdp_size=2,
+                   mixed_precision=mixed, cpu_offload=offload)
+    config = asked[0]["distributed_config"]
+    assert (config.fsdp_size, config.fsdp_mixed_precision, config.fsdp_cpu_offload) == (2, mixed, offload)
+    with pytest.raises(FatalWorkerError):
+        load_model(ModelSpec(name=str(tmp_path), dtype="float32"), "cpu", for_training=True)
+    assert "distributed_config" not in asked[1]  # one rank: not sharded
+
+
 def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "m")
     config = json.loads((folder / "tokenizer_config.json").read_text())
