@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, seven-b, gpu-tests"}
+group=${1:?"a group: two-gpus, two-gpus-trl, seven-b, seven-b-mortal, seven-b-trl, gpu-tests"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -35,6 +35,9 @@ case $group in
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
     bench hybrid_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --only mortal
     bench hybrid_s1 180 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --staleness 1 --only mortal ;;
+  two-gpus-trl)  # issue 15.2, against TRL: the hybrid layout on-policy and TRL's GRPOTrainer with FSDP2 on the same
+                 # two GPUs, in one invocation (TRL: about 14 s a step at this shape)
+    bench hybrid_trl 560 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 ;;
   seven-b)  # issue 19: the 7B shape, full fine-tune, over two GPUs; TRL with FSDP2 in the same invocation
     bench sevenb 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 ;;
   seven-b-mortal)  # the same, mortal's side alone (when TRL's does not fit the call beside it)

@@ -42,6 +42,7 @@ from mortal.workers.models import (
     completion_message,
     encode_prompt,
     load_tokenizer,
+    resolve_dtype,
     set_threads,
     worker_device,
 )
@@ -281,9 +282,11 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     engine_cls = select_engine(spec.generation.engine, device)
     tokenizer = load_tokenizer(spec.model)
     started = time.monotonic()
-    engine = engine_cls.create(spec.rollout_model(), tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs,
+    model = spec.rollout_model()
+    engine = engine_cls.create(model, tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs,
                                memory_share=spec.rollout_memory_share(engine_cls.name, ctx.worker.replica))
-    ctx.log.info("engine %s on %s ready in %.1f s; rewards: %s%s", engine.name, device, time.monotonic() - started,
+    ctx.log.info("engine %s on %s in %s ready in %.1f s; rewards: %s%s", engine.name, device,
+                 str(resolve_dtype(model.dtype, device)).removeprefix("torch."), time.monotonic() - started,
                  ", ".join(rewards.names), f"; tools: {len(toolbox.tools)}, environments: {len(toolbox.environments)}"
                  if toolbox is not None else "")
     return RolloutWorker(ctx, engine, tokenizer, rewards, toolbox)

@@ -379,6 +379,27 @@ def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_b
             (metric, sharded_first, whole_first)
 
 
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("offload", [False, True])
+def test_on_two_gpus_mixed_precision_trains_float32_shards_beside_bfloat16_rollouts(tmp_path: Path,
+                                                                                   offload: bool) -> None:
+    """actor {gpu, count: 2, mixedPrecision} (and cpuOffload: the shards in host memory) under the real
+    controller, a rollout colocated on each GPU generating in bfloat16 from the ring's bfloat16 weights."""
+    model = str(make_tiny_model(tmp_path / "model", seed=0))
+    spec = actor_spec(model, model={"dtype": "float32"}, generation={"engine": "transformers"},
+                      actor={"gpu": "H100", "count": 2, "mixedPrecision": True, "cpuOffload": offload},
+                      rollout={"gpu": "H100", "replicas": 2, "colocate": True, "promptsPerTask": 1},
+                      sync={"method": "ipc"}, algorithm={"maxSteps": 3, "batchSize": 8},
+                      checkpoint={"every": 2, "keep": 1})
+    home = tmp_path / "mixed-gpu"
+    home.mkdir()
+    losses = train_through_controller(home, "mixed-gpu", spec, gpus="0,1")
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(loss) for loss in losses.values())
+    logs = "\n".join(p.read_text() for p in home.rglob("*rollout*.log"))
+    assert logs.count("on cuda in bfloat16 ready") >= 2 and "in float32 ready" not in logs, logs[-2000:]
+
+
 def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
     (tmp_path / "parent.py").write_text(PARENT)
     parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True)
