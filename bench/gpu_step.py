@@ -1,7 +1,7 @@
 """Step throughput: TRL's GRPOTrainer on one GPU and mortal, same model and token counts, in one run.
 
     python bench/gpu_step.py [--steps 6] [--gpus 1] [--rollouts 1] [--staleness 0] [--sync auto]
-                             [--only trl|mortal] [--json out.json]
+                             [--only trl|mortal] [--json out.json] [--logs DIR [--profile-steps 4]]
     python bench/gpu_step.py --cpu      # a smoke test of the script: a tiny model, no figures
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
@@ -478,7 +478,13 @@ def main() -> None:
                         "kept across invocations; default: TRL's in torch's default folder, mortal's fresh per invocation")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
+    parser.add_argument("--profile-steps", metavar="A[-B]",
+                        help="profile mortal's actor over these optimizer steps, every rank (MORTAL_PROFILE_STEPS, "
+                        "mortal.workers.step_profile); the tables come with --logs. A profiled step is slower: "
+                        "the throughput of such a run is not a figure to report")
     args = parser.parse_args()
+    if args.profile_steps:
+        os.environ["MORTAL_PROFILE_STEPS"] = args.profile_steps  # the controller's workers inherit it
     if args.gpus < args.actor_gpus:
         parser.error(f"--gpus {args.gpus} is fewer than the actor's --actor-gpus {args.actor_gpus}")
     if args.colocated_replicas and (args.gpus == args.actor_gpus or args.colocated_replicas >= args.rollouts):

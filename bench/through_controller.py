@@ -82,9 +82,11 @@ def stop_workers(store: Any, name: str, seconds: float = 60.0) -> None:
 
 def copy_logs(work: Path, dest: Path) -> None:
     """The controller's log and every worker's (work/controller.log, work/mortal-home/runs/*/logs/) into
-    `dest`: start-up and compile lines, and why a run cut short had not finished, outlive `work`."""
+    `dest`: start-up and compile lines, and why a run cut short had not finished, outlive `work`; with them
+    the actor's step profiles (mortal.workers.step_profile), where a run made them."""
     dest.mkdir(parents=True, exist_ok=True)
-    for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log")]:
+    for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log"),
+                *work.glob("mortal-home/runs/*/logs/profile-*")]:
         if log.exists():
             shutil.copy(log, dest / log.name)
 

@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-trl, seven-b, seven-b-mortal, seven-b-trl, gpu-tests"}
+group=${1:?"a group: two-gpus, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, gpu-tests"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -38,6 +38,12 @@ case $group in
   two-gpus-trl)  # issue 15.2, against TRL: the hybrid layout on-policy and TRL's GRPOTrainer with FSDP2 on the same
                  # two GPUs, in one invocation (TRL: about 14 s a step at this shape)
     bench hybrid_trl 560 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 ;;
+  profile)  # issue 15.2: where the sharded actor's training step loses 0.07-0.11 s against one GPU's: step 4
+             # profiled on every rank (mortal.workers.step_profile), one GPU and the hybrid layout
+    bench profile_onegpu 170 --steps 5 --rollouts 1 --only mortal --profile-steps 4
+    bench profile_hybrid 200 --steps 5 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --only mortal --profile-steps 4
+    (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
+       && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
   seven-b)  # issue 19: the 7B shape, full fine-tune, over two GPUs; TRL with FSDP2 in the same invocation
     bench sevenb 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 ;;
   seven-b-mortal)  # the same, mortal's side alone (when TRL's does not fit the call beside it)

@@ -30,8 +30,11 @@ def run_dir(run: str, home: str | Path | None = None) -> Path:
     return (Path(home) if home is not None else mortal_home()) / "runs" / run
 
 
+LOGS = "logs"  # a run's folder of worker logs, inside its run_dir
+
+
 def logs_dir(run: str) -> Path:
-    return run_dir(run) / "logs"
+    return run_dir(run) / LOGS
 
 
 def worker_log(run: str, role: str, replica: int, incarnation: int) -> Path:

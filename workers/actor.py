@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
 from mortal.state import paths
-from mortal.workers import data, models, provenance, resume_check, samples, sharded, trl_seam
+from mortal.workers import data, models, provenance, resume_check, samples, sharded, step_profile, trl_seam
 from mortal.workers.checkpoint import Checkpointer, is_sharded
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
@@ -267,15 +267,17 @@ def lora_config(spec: TrainingSpec) -> Any:
 def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> Any:
     """The GRPOTrainer, wired to the loop: rollouts in through rollout_func, results out by callback."""
     world = loop.ranks.world if loop.ranks is not None else 1
-    loop.trainer = make_trainer(spec, str(ctx.run_dir / "actor"), loop, loop.rollout, world)
+    loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
         ctx.log.info("rank 0 of %d holds %d of the model's %d weights (FSDP2)", world, held, total)
     return loop.trainer
 
 
-def make_trainer(spec: TrainingSpec, output_dir: str, callback: TrainerCallback, rollout_func: Any, world: int) -> Any:
-    """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load."""
+def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, rollout_func: Any, world: int,
+                 rank: int = 0) -> Any:
+    """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load. Its
+    steps are profiled where MORTAL_PROFILE_STEPS asks (mortal.workers.step_profile), into run_dir's logs."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOTrainer
@@ -289,10 +291,10 @@ def make_trainer(spec: TrainingSpec, output_dir: str, callback: TrainerCallback,
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],
-        args=training_args(spec, output_dir, device, world),
+        args=training_args(spec, str(run_dir / "actor"), device, world),
         train_dataset=placeholders,
         processing_class=tokenizer,
-        callbacks=[callback],
+        callbacks=[callback, *step_profile.from_environment(run_dir / paths.LOGS, rank)],
         peft_config=lora_config(spec),
         rollout_func=rollout_func,
     )
@@ -467,8 +469,7 @@ def follow(run: Any, ranks: sharded.Ranks) -> None:
     trained on this rank's slice of each batch, in step with rank 0's collectives. No store."""
     spec = run.spec
     follower = Follower(spec, ranks)
-    follower.trainer = make_trainer(spec, str(paths.run_dir(run.name) / "actor"), follower, follower.rollout,
-                                    ranks.world)
+    follower.trainer = make_trainer(spec, paths.run_dir(run.name), follower, follower.rollout, ranks.world, ranks.rank)
     with contextlib.suppress(StopRequested), startup_objects_frozen():
         follower.trainer.train()  # StopRequested: rank 0 stopped while waiting for rollouts, checkpointed first
 

@@ -154,12 +154,17 @@ def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, ti
     assert moved > 5e-3 and worst < 1e-4, (moved, worst)
 
 
-def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store: Store, home: Path,
-                                                                         tiny_dir: Path, whole: str) -> None:
-    """microBatchSize 4 over 2 ranks: each rank trains 2 completions a pass, 2 passes (TRL's accumulation)."""
+def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store: Store, home: Path, tiny_dir: Path,
+                                                                         whole: str, monkeypatch) -> None:
+    """microBatchSize 4 over 2 ranks: each rank trains 2 completions a pass, 2 passes (TRL's accumulation).
+    The step is profiled (MORTAL_PROFILE_STEPS): each rank leaves its table and timeline in the run's logs."""
     micro = create_run(store, "micro", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8,
                                                                             "microBatchSize": 4}, actor={"count": 2}))
+    monkeypatch.setenv("MORTAL_PROFILE_STEPS", "1")
     assert train(store, micro, home) == 0, _log_tail(home, "micro")
+    for rank in (0, 1):
+        table = home / "runs/micro/logs" / f"profile-actor-rank{rank}-steps1-1.txt"
+        assert "aten::mm" in table.read_text() and table.with_suffix(".json.gz").stat().st_size > 0, rank
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "micro", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
