@@ -412,18 +412,13 @@ def output_slice(output: dict[str, list[Any]], rank: int, world: int) -> dict[st
 def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
     """Every rank: model and optimizer through torch.distributed.checkpoint (each rank writes its shards
     into dest/dcp), each rank's RNG states; rank 0 also the scheduler and trainer_state.json."""
-    import random
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(dest / DCP_DIR))
-    rng = {"python": random.getstate(), "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's GPU (dropout, sampling on it)
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, dest / f"rng_state_{rank}.pth")
+    save_rng(dest, rank)
     if rank == 0:
         torch.save(trainer.lr_scheduler.state_dict(), dest / "scheduler.pt")
         trainer.state.save_to_json(str(dest / "trainer_state.json"))
@@ -500,6 +495,17 @@ def _load_trainer_files(trainer: Any, path: Path) -> None:
                                "params": [names[id(by_index[index])] for index in group["params"]]}
                               for group in saved["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+def save_rng(dest: Path, rank: int) -> None:
+    """This rank's RNG states into the checkpoint: Python's, torch's CPU generator and, once CUDA is in use,
+    its GPU's (dropout and sampling on it draw from that one)."""
+    import random
+
+    rng = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, dest / f"rng_state_{rank}.pth")
 
 
 def restore_rng(path: Path, rank: int) -> None:

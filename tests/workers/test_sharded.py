@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -97,3 +99,29 @@ def test_a_mixed_precision_actor_gathers_its_float32_shards_cast_to_bfloat16_in_
         assert torch.equal(result["bfloat16"][name], tensor.to(torch.bfloat16)), name
     # [a 9 + b 4 + c 4 + d 4 + e 4] [big 80, alone] [f 2] (ended by the replicated weight) [g 3]
     assert result["bfloat16 gathers"] == 4
+
+
+@pytest.mark.parametrize("cuda_in_use", [False, True])
+def test_a_ranks_rng_states_round_trip_through_its_checkpoint_the_gpus_once_cuda_is_in_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda_in_use: bool) -> None:
+    """Its GPU's generator is kept only once CUDA is in use (dropout, sampling), and put back where there is a
+    GPU. Here torch.cuda's state calls are stood in for, with a state no real generator would hold."""
+    import random
+
+    gpu = {"state": torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_in_use)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda_in_use)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: gpu["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: gpu.update(state=state))
+    random.seed(1)
+    torch.manual_seed(1)
+    sharded.save_rng(tmp_path, rank=1)
+    expected = (random.random(), torch.rand(3))
+    random.seed(2)
+    torch.manual_seed(2)
+    gpu["state"] = torch.zeros(16, dtype=torch.uint8)
+    sharded.restore_rng(tmp_path, rank=1)
+    assert (random.random(), *torch.rand(3).tolist()) == (expected[0], *expected[1].tolist())
+    restored = torch.arange(16, dtype=torch.uint8) if cuda_in_use else torch.zeros(16, dtype=torch.uint8)
+    assert torch.equal(gpu["state"], restored)
+    assert ("cuda" in torch.load(tmp_path / "rng_state_1.pth", weights_only=False)) is cuda_in_use
