@@ -19,7 +19,8 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
                            each one may hold, weights included; then it must hold the weights)
   rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
   sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots;
-                           with N ranks, on rank 0's GPU, the one counted here)
+                           with N ranks, on rank 0's GPU, the one counted here); with LoRA the ring holds
+                           the adapters' factors alone, left out
   actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
                            snapshots hold (TrainingSpec.rollout_model)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
@@ -71,7 +72,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
         elif colocated:
             parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
         sync = spec.sync_method()
-        ring = SNAPSHOT_RING if sync in ("ipc", "nccl") else 0
+        ring = SNAPSHOT_RING if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
         if ring:
             parts.append(f"{ring} snapshots of the weights for sync {sync}")
         need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold

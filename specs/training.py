@@ -70,8 +70,9 @@ class ModelSpec(SpecModel):
         "auto", description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16."
     )
     lora: LoraSpec | None = Field(
-        None, description="LoRA adapter settings; absent = full fine-tuning. With sync volume, each weight version "
-        "holds only the adapters and rollouts apply them onto the base weights (the seeds' LoRA hot-swap)."
+        None, description="LoRA adapter settings; absent = full fine-tuning. Each weight version holds only the "
+        "adapters (in files with sync volume and ray, in the actor's ring with ipc and nccl) and rollouts apply them "
+        "onto the base weights (the seeds' LoRA hot-swap)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     tf32: bool = Field(
@@ -357,7 +358,7 @@ class SyncSpec(SpecModel):
     method: Literal["auto", "volume", "ipc", "nccl", "ray", "reload", "direct", "checkpoint"] = Field(
         "auto",
         description="auto: ipc when actor and rollouts have GPUs on this host (local backend, transformers "
-        "engine) and every weight trains (LoRA: volume, the adapters alone), ray when the Ray nodes share no "
+        "engine; with LoRA the adapters alone travel), ray when the Ray nodes share no "
         "filesystem (ray.sharedFilesystem false), else volume. "
         "volume: safetensors on the shared volume (everywhere). ray: the same safetensors through Ray's object "
         "store (backend ray; no shared disk needed). ipc: each version is a "
@@ -556,11 +557,11 @@ class TrainingSpec(SpecModel):
         return self.model
 
     def sync_method(self) -> str:
-        """The weight-sync method this run uses (`auto` resolved). A LoRA run stays on `volume`, where only
-        the adapters travel (a few MB); `ipc` would keep whole merged snapshots on the actor's GPU, three of
-        them (a 7B model's 45 GB beside its 15 GB of weights: the colocated rollout then ran out of memory)."""
+        """The weight-sync method this run uses (`auto` resolved): `ipc` where it is possible, a LoRA run
+        included (its ring holds the adapters' factors alone, which rollouts merge into their base weights:
+        mortal.workers.weights), else `ray` for Ray nodes that share no disk, else `volume`."""
         if self.sync.method == "auto":
-            if self.ipc_possible() and self.model.lora is None:
+            if self.ipc_possible():
                 return "ipc"
             return "ray" if self.backend == "ray" and not self.ray.shared_filesystem else "volume"
         return self.sync.method

@@ -70,16 +70,18 @@ class IpcWeightSharer:
         self._handles_for: list[dict[str, torch.Tensor]] | None = None  # that allocation (SnapshotRing.buffers)
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None, cast: torch.dtype | None = None) -> Path:
+              device: torch.device | None = None, cast: torch.dtype | None = None,
+              adapters: dict[str, float] | None = None) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically; `gather`,
-        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them."""
+        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds LoRA
+        factors, and these are their modules' scales (mortal.workers.weights.lora_adapters)."""
         buffers = self._snapshots.write(state, version, gather, device, cast)
         handles = {dtype: self._handle(buffer) for dtype, buffer in buffers.items()}
         device = next(iter(buffers.values())).device.index
         producer = f"{os.getpid()}@{device_uuid(device)}"
         _OWN_RINGS[producer] = self._snapshots
-        manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "handles": handles,
-                    "stamps": self._handle(self._snapshots.stamps),
+        manifest = {"version": version, "step": step, "adapters": adapters, "slots": self._snapshots.slots,
+                    "handles": handles, "stamps": self._handle(self._snapshots.stamps),
                     "ring": self.ring, "producer": producer, "device_uuid": device_uuid(device)}
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / IPC_FILE).write_bytes(pickle.dumps(manifest))
@@ -104,6 +106,11 @@ def is_shared(path: str | Path) -> bool:
 
 def _manifest(path: str | Path) -> dict[str, Any]:
     return read_manifest(Path(path) / IPC_FILE)
+
+
+def adapter_scales(path: str | Path) -> dict[str, float] | None:
+    """The LoRA scales of a shared version of adapters; None for a version of whole weights."""
+    return _manifest(path).get("adapters")
 
 
 def manifest_version(path: str | Path) -> tuple[int, int]:

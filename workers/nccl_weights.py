@@ -126,14 +126,16 @@ class NcclWeightServer:
         self._snapshots = SnapshotRing(self.ring)
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None, cast: torch.dtype | None = None) -> Path:
+              device: torch.device | None = None, cast: torch.dtype | None = None,
+              adapters: dict[str, float] | None = None) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically; `gather`,
-        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them."""
+        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds LoRA
+        factors, and these are their modules' scales (mortal.workers.weights.lora_adapters)."""
         buffers = self._snapshots.write(state, version, gather, device, cast)
         if self._store is None:
             self._open(next(iter(buffers.values())).device)
-        manifest = {"version": version, "step": step, "slots": self._snapshots.slots, "ring": self.ring,
-                    "address": (self.host, self._store.port), "producer": self._producer}
+        manifest = {"version": version, "step": step, "adapters": adapters, "slots": self._snapshots.slots,
+                    "ring": self.ring, "address": (self.host, self._store.port), "producer": self._producer}
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / NCCL_FILE).write_bytes(pickle.dumps(manifest))
         return dest
@@ -215,6 +217,11 @@ def is_served(path: str | Path) -> bool:
 
 def _manifest(path: str | Path) -> dict[str, Any]:
     return read_manifest(Path(path) / NCCL_FILE)
+
+
+def adapter_scales(path: str | Path) -> dict[str, float] | None:
+    """The LoRA scales of a served version of adapters; None for a version of whole weights."""
+    return _manifest(path).get("adapters")
 
 
 def manifest_version(path: str | Path) -> tuple[int, int]:

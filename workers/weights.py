@@ -215,14 +215,15 @@ def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
 
 
 @torch.no_grad()
-def apply_adapters(model: torch.nn.Module, path: str | Path) -> None:
-    """Write base + B @ A * scale into each adapted weight of a plain (rollout) model, in place.
+def apply_adapters(model: torch.nn.Module, path: str | Path, tensors: dict[str, torch.Tensor],
+                   scales: dict[str, float]) -> None:
+    """Write base + B @ A * scale into each adapted weight of a plain (rollout) model, in place, from the
+    factors of version `path` (read from its file, or views of the actor's ring).
 
     The base weights are those the model held when it first applied an adapter version (a rollout
     starts from spec.model, which is the base); they are kept for the adapted modules only.
     WeightsError when the adapters do not fit the model."""
     params = dict(model.named_parameters())
-    tensors, scales = read_adapters(path, device=str(next(model.parameters()).device))
     base = model.__dict__.setdefault("_mortal_lora_base", {})
     for module, scale in scales.items():
         name = f"{module}.weight"
@@ -256,15 +257,18 @@ def load_published(model: torch.nn.Module, path: str | Path) -> None:
     has (lm_head to the embeddings)."""
     device = next(model.parameters()).device
     if is_adapter_version(path):
-        apply_adapters(model, path)
+        apply_adapters(model, path, *read_adapters(path, device=str(device)))
+        return
+    if ipc_weights.is_shared(path):
+        state, scales = ipc_weights.open_shared(path, device), ipc_weights.adapter_scales(path)
+    elif nccl_weights.is_served(path):
+        state, scales = nccl_weights.receive(path, device), nccl_weights.adapter_scales(path)
+    else:
+        state, scales = read_published(path, device=str(device)), None
+    if scales is not None:  # LoRA factors from the actor's ring
+        apply_adapters(model, path, state, scales)
         return
     model.__dict__["_mortal_full_loaded"] = True
-    if ipc_weights.is_shared(path):
-        state = ipc_weights.open_shared(path, device)
-    elif nccl_weights.is_served(path):
-        state = nccl_weights.receive(path, device)
-    else:
-        state = read_published(path, device=str(device))
     weight_ring.copy_pairs(_destinations(model, state, path), list(state.values()))
 
 
@@ -386,13 +390,15 @@ class WeightPublisher:
         says which)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
-        adapters = lora_adapters(model) if self.method in ("volume", "ray") and state is None else None
+        adapters = lora_adapters(model) if state is None else None
         if state is not None and self.method in RING_METHODS:
             if gather is None:
                 raise WeightsError("a sharded actor's shards reach the ring only through a gather")
             self._ring_server().share(state, dest, version, step, gather=gather, device=device, cast=cast)
         elif state is not None:
             write_weights(model, dest, version, step, state=state)
+        elif self.method in RING_METHODS and adapters is not None:  # the ring holds the factors alone
+            self._ring_server().share(adapters[0], dest, version, step, adapters=adapters[1])
         elif self.method in RING_METHODS:
             self._ring_server().share(self._plain(model), dest, version, step)  # no config.json: it delays the record
         elif adapters is not None:

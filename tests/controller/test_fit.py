@@ -54,7 +54,7 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"generation": {"engine": "transformers"}}, int(5.5 * B), []),  # 44 GB + 33 GB
     ({"generation": {"engine": "transformers"}}, 6 * B, ["spec.actor.gpu"]),  # 48 GB + 36 GB
     ({"generation": {"engine": "transformers"}, "sync": {"method": "volume"}}, 6 * B, []),  # no snapshots
-    ({"generation": {"engine": "transformers"}, "model": {"lora": {"r": 16}}}, 30 * B, []),  # LoRA: volume
+    ({"generation": {"engine": "transformers"}, "model": {"lora": {"r": 16}}}, 30 * B, []),  # LoRA: a ring of factors
     # an actor of N ranks: each GPU holds 1/N of the weights, gradients and AdamW state
     ({"actor": {"count": 2}}, 14 * B, []),  # 56 GB a GPU
     ({"actor": {"count": 2}}, 24 * B, ["spec.actor.gpu"]),  # 96 GB a GPU

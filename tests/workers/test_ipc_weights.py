@@ -40,8 +40,8 @@ def _spec(**overrides) -> dict:
     ({"generation": {"engine": "auto"}}, "volume"),
     ({"backend": "modal"}, "volume"),
     ({"sync": {"method": "volume"}}, "volume"),
-    ({"model": {"lora": {"r": 16}}}, "volume"),  # only the adapters travel, not three merged snapshots
-    ({"model": {"lora": {"r": 16}}, "sync": {"method": "ipc"}}, "ipc"),  # asked for: kept
+    ({"model": {"lora": {"r": 16}}}, "ipc"),  # the ring holds only the adapters' factors
+    ({"model": {"lora": {"r": 16}}, "sync": {"method": "volume"}}, "volume"),  # asked for: kept
 ])
 def test_auto_picks_ipc_only_for_gpu_transformers_rollouts_on_the_local_backend(overrides, method) -> None:
     assert TrainingRun.model_validate(_spec(**overrides)).spec.sync_method() == method
@@ -101,25 +101,27 @@ def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_tra
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("layout", "method"), [
-    pytest.param("colocated", "ipc", marks=needs_cuda),
-    pytest.param("two-gpus", "ipc", marks=needs_two_gpus),
-    pytest.param("two-gpus", "nccl", marks=needs_two_gpus),
-    pytest.param("mixed", "ipc", marks=needs_two_gpus),
+@pytest.mark.parametrize(("layout", "method", "lora"), [
+    pytest.param("colocated", "ipc", False, marks=needs_cuda),
+    pytest.param("colocated", "ipc", True, marks=needs_cuda),
+    pytest.param("two-gpus", "ipc", False, marks=needs_two_gpus),
+    pytest.param("two-gpus", "nccl", False, marks=needs_two_gpus),
+    pytest.param("mixed", "ipc", False, marks=needs_two_gpus),
 ])
 @needs_assets
 def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(tmp_path: Path, layout: str,
-                                                                       method: str) -> None:
-    """One GPU shared (colocated, ipc), or the actor on GPU 0 and the rollout on GPU 1 (ipc: a GPU-to-GPU
-    copy from the mapped ring; nccl: the actor sends the ring's slot), or both (mixed: rollout-0 beside the
-    actor, rollout-1 on GPU 1, rollout.colocatedReplicas 1; one prompt a task, so which rollout answers a
-    task changes nothing)."""
+                                                                       method: str, lora: bool) -> None:
+    """One GPU shared (colocated, ipc; with LoRA, the ring holding the adapters alone), or the actor on GPU 0
+    and the rollout on GPU 1 (ipc: a GPU-to-GPU copy from the mapped ring; nccl: the actor sends the ring's
+    slot), or both (mixed: rollout-0 beside the actor, rollout-1 on GPU 1, rollout.colocatedReplicas 1; one
+    prompt a task, so which rollout answers a task changes nothing)."""
     from actor_helpers import actor_spec
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0)
     losses = {}
     for sync in ("volume", method):
-        spec = actor_spec(str(model_dir), model={"dtype": "float32"}, actor={"gpu": "H100"},
+        spec = actor_spec(str(model_dir), model={"dtype": "float32", **({"lora": {"r": 4}} if lora else {})},
+                          actor={"gpu": "H100"},
                           rollout={"gpu": "H100", "replicas": 2 if layout == "mixed" else 1,
                                    "colocate": layout == "colocated",
                                    **({"colocatedReplicas": 1, "promptsPerTask": 1} if layout == "mixed" else {})},

@@ -169,6 +169,47 @@ def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_pla
     assert not loaded_whole(path, newest_recorded=lambda: 1)  # a ring of 2: version 2 may be in its slot now
 
 
+def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_version_onto_its_base(
+        tmp_path: Path, monkeypatch) -> None:
+    """LoRA through the ring (ipc's ring too; nccl's protocol runs here over gloo): each version is the
+    adapters' A and B (no merged model: 3 of those took 45 GB at 7B), and a rollout that loads version after
+    version holds base + B @ A * scale of the newest, as peft's merge computes it, never one merged twice."""
+    from unittest import mock
+
+    from peft import LoraConfig, get_peft_model
+    from rollout_helpers import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from mortal.state import paths
+    from mortal.workers.weights import plain_state_dict
+
+    monkeypatch.setattr(paths, "weights_dir", lambda run: tmp_path / run)
+    folder = make_tiny_model(tmp_path / "model")
+    actor = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
+                           LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    rollout_model = AutoModelForCausalLM.from_pretrained(folder)
+    store = mock.Mock()
+    store.latest_weights.return_value = None
+    publisher = WeightPublisher(store, mock.Mock(run="r"), keep=2, method="nccl")
+    try:
+        for version in range(2):
+            with torch.no_grad():  # a step of training: B moves away from its zeros
+                for name, param in actor.named_parameters():
+                    if "lora_B" in name:
+                        param.add_(0.01 * (version + 1))
+            assert publisher.publish(actor, step=version, prune=False) == version
+            path = store.publish_weights.call_args.args[3]
+            scales = nccl_weights.adapter_scales(path)
+            assert scales and set(scales.values()) == {2.0}
+            assert {slot.name.rsplit(".", 1)[1] for slot in nccl_weights._manifest(path)["slots"]} == {"lora_A", "lora_B"}
+            load_published(rollout_model, path)
+            merged = plain_state_dict(actor)
+            _assert_same({k: v for k, v in rollout_model.state_dict().items() if k in merged}, merged)
+    finally:
+        publisher.close()
+        nccl_weights._Peer.drop()
+
+
 def _spec(**overrides) -> dict:
     spec = {"model": {"name": "m"}, "dataset": {"name": "builtin:arithmetic"},
             "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
