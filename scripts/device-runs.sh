@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, gpu-tests"}
+group=${1:?"a group: two-gpus, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -50,6 +50,8 @@ case $group in
     bench sevenb_mortal 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --only mortal ;;
   seven-b-trl)
     bench sevenb_trl 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --only trl ;;
+  seven-b-lora)  # issue 15.1: 7B LoRA on one GPU against TRL, now that the adapters travel through the ipc ring
+    bench sevenb_lora 560 --shape 7b --lora 16 --micro-batch 8 --steps 4 ;;
   gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
     timeout -k 10 560 python3 -m pytest -q -x -p no:cacheprovider -m gpu "$R/tests/workers/test_actor_sharded.py" \
       "$R/tests/workers/test_ipc_weights.py" 2>&1 | tee "$OUT/gpu-tests.log" ;;
