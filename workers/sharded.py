@@ -285,7 +285,7 @@ def publish_dtype(spec: TrainingSpec) -> torch.dtype | None:
 
 def cast_floating(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """`tensor` in `dtype` if it is a floating tensor and one is given; integer buffers keep theirs."""
-    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return tensor.to(_gathered_dtype(tensor, dtype))
 
 
 def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
@@ -298,7 +298,7 @@ def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
     fewer or none). Consecutive such shards of one dtype are packed, each padded to that chunk, into one
     buffer and all-gathered at once; rank r's rows then sit at r x chunk in the result, so each weight is a
     reshape of its columns of the gathered buffer. Why not FSDP2's own unshard: it gathers in its mixed
-    precision's dtype, and the ring must hold the weights the rollouts load, as the actor keeps them."""
+    precision's dtype and only for its forward, and the ring must hold the weights in the dtype rollouts load."""
     bucket: list[torch.Tensor] = []
     held = 0  # bytes of a rank's padded shares in the bucket, in the dtype they are gathered in
     for tensor in tensors:
@@ -315,6 +315,7 @@ def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
 
 
 def _gathered_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """What `tensor` is gathered and kept in: `dtype` for floating tensors when given, else its own."""
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
