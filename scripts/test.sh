@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the tests need and runs them all (unit, both stores, end-to-end, soak). On 2 cores (fresh
-# clones, 2026-11-27): set-up 1.5-1.7 min, the Ray phase 3.8-4.5 min, the rest 15.2-17.6 min on two pytest-xdist
-# workers; 21.1-23.7 min in all, and CI allows 90. Tried, no faster: the Ray phase beside the rest (21.8 min:
-# the two cores are the limit) and xdist's worksteal scheduling (21.4 min).
+# Installs what the tests need and runs them all (unit, both stores, end-to-end, soak). On 2 cores and 23 GiB
+# (a fresh clone, 2026-11-27): set-up 1.6 min, the Ray phase 3.7 min, the rest 12.1 min on three pytest-xdist
+# workers (15.2-17.6 min on two); 17.4 min in all, and CI allows 90. Tried, no faster: the Ray phase beside the
+# rest (21.8 min: the two cores are the limit) and xdist's worksteal scheduling (21.4 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup-env.sh
@@ -20,8 +20,9 @@ if [ "$#" -eq 0 ]; then
   unshare -rn sh -c 'ip link set lo up && exec python -m pytest -q -p no:cacheprovider "$@"' sh "${RAY_TESTS[@]}"
   set -- "${RAY_TESTS[@]/#/--ignore=}"
 fi
-# Two workers (pytest-xdist), even on CI's two cores: the end-to-end tests spend much of their time
-# waiting on worker processes, polls and leases, so two at once took the rest from 17 min to 9. Every
-# test makes its own store, database, home and ports, so none shares state with the other worker's.
+# Three workers (pytest-xdist), even on CI's two cores: the end-to-end tests spend much of their time
+# waiting on worker processes, polls and leases, so two at once took the rest from 17 min to 9 (when it was
+# smaller), and a third from 15.2-17.6 to 12.1 min. Every test makes its own store, database, home and ports,
+# so none shares state with another worker's.
 # pytest exits 5 when it collected no test: that is a failure here, as every non-zero exit is.
-exec python -m pytest -q -p no:cacheprovider -n 2 --durations=15 "$@"
+exec python -m pytest -q -p no:cacheprovider -n 3 --durations=15 "$@"
