@@ -12,8 +12,9 @@ logs folder (`mortalctl logs` does not read them; they sit beside the workers' l
 A step here is TRL's, from on_step_begin to on_step_end: rank 0's includes its wait for rollouts
 (mortal.workers.actor), which the table shows as time outside any kernel.
 
-What it must not do: profile a step not asked for (a profiled step runs 1.5-3x slower, so a bench must not
-time it), or end a run (a profiler that fails is logged, and the steps go on unprofiled).
+What it must not do: profile a step not asked for (a profiled step runs slower, so a bench must not time it),
+or end a run that trains (a profiler that fails is logged, and the steps go on unprofiled). A malformed
+MORTAL_PROFILE_STEPS is refused as the actor starts, before any step, with the variable named.
 """
 
 from __future__ import annotations
