@@ -228,3 +228,38 @@ def test_a_standby_controller_takes_over_from_one_that_died_holding_the_lease(
     final = h.wait_phase("handover", "Succeeded", timeout=60)
     assert final["restarts"] == 1 and len(fake.spawned) == 3, "one relaunch, no twin of the rollout"
     wait_no_workers(h)
+
+
+def test_a_sharded_actor_trains_in_one_container_that_starts_its_own_ranks(
+        harness: Harness, fake: FakeModal, tmp_path: Path) -> None:  # noqa: F811
+    """actor {count: 2} on Modal: one call, one container with a GPU a rank (`gpu="H200:2"`, tests/controller/
+    backends/test_modal.py; here CPU ranks over gloo, the fake's container a real process), whose rank 0 starts
+    rank 1 itself. A real tiny model trains to the end with a rollout in another call, each checkpoint holding
+    both ranks' shards on the volume, and the weights reaching the rollout through it."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+    from actor_helpers import actor_spec
+    from rollout_helpers import assets_available, make_tiny_model, task_results
+
+    from mortal.specs import TrainingRun
+    from mortal.workers.checkpoint import read_marker
+
+    if not assets_available():
+        pytest.skip("SmolLM2 assets missing")
+    h = harness
+    spec = actor_spec(str(make_tiny_model(tmp_path / "model")), backend="modal", actor={"count": 2},
+                      algorithm={"maxSteps": 2, "batchSize": 8}, checkpoint={"every": 1, "keep": 2},
+                      restartPolicy={"backoffSeconds": 0.5, "maxRestarts": 1},
+                      rewards=[{"function": "mortal.workers.rewards.builtin:correct_answer"}])
+    h.apply(TrainingRun.model_validate({"metadata": {"name": "fsdp"}, "spec": spec}))
+    start(h, fake)
+    final = h.wait_phase("fsdp", "Succeeded", timeout=240)
+    assert final["step"] == 2 and final.get("restarts", 0) == 0
+    assert sorted(function for function, _, _ in fake.spawned) == ["worker", "worker"]  # one call a role
+    for step in (1, 2):
+        [row] = [c for c in h.store.list_checkpoints("fsdp") if c.step == step]
+        assert read_marker(row.path)["ranks"] == 2 and (Path(row.path) / "dcp" / ".metadata").is_file()
+        assert Path(row.path).is_relative_to(h.home / "runs" / "fsdp" / "checkpoints")
+    # step 1's tasks were answered with version 1, the shards' first update, read from the volume
+    assert {res.weight_version for r in h.store.step_results("fsdp", 1) for res in task_results(r)} == {1}
+    assert {row.method for row in h.store.list_weights("fsdp")} == {"volume"}
+    wait_no_workers(h)
