@@ -668,10 +668,6 @@ class TrainingSpec(SpecModel):
                              "> 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")
         if count == 1:
             return self
-        if self.backend == "ray":
-            raise rule_error(f"an actor of {count} ranks runs on the local and modal backends (its ranks are "
-                             "processes it starts itself, untried inside a Ray actor); use count 1, or backend "
-                             "local or modal", "actor.count")
         if self.model.lora is not None:
             raise rule_error(f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
                              "actor.count")

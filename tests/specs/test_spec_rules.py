@@ -219,7 +219,6 @@ def test_every_error_of_a_document_is_reported_at_once():
 def test_a_sharded_actor_refuses_lora_and_accepts_a_batch_that_splits_over_its_ranks():
     lora = HEAD.replace("model: {name: tiny}", "model: {name: tiny, lora: {r: 8}}")
     assert "trains the full model" in only_issue(lora + "  actor: {count: 2}\n").message
-    assert "untried inside a Ray actor" in only_issue(spec_with("actor: {count: 2}\nbackend: ray")).message
     on_modal = load_text(spec_with("actor: {gpu: H200, count: 2}\nbackend: modal"), "run.yaml")[0].spec
     assert (on_modal.actor.count, on_modal.sync_method()) == (2, "volume")  # one container of two GPUs
     spec = load_text(spec_with("actor: {count: 2}\nalgorithm: {batchSize: 8, microBatchSize: 4}"), "run.yaml")[0].spec

@@ -60,3 +60,28 @@ def test_a_killed_worker_node_leaves_the_final_weights_bit_equal(ray_cluster, st
     finally:
         leave_cluster_as_found(controller, store, ray_cluster, killed)
 
+
+
+def test_an_actor_of_two_ranks_trains_in_one_ray_actor_and_checkpoints_both(ray_cluster, store_url, mortal_home: Path,
+                                                                            tmp_path: Path, monkeypatch) -> None:
+    """actor {count: 2} on Ray: one Ray actor (its num_gpus the count on GPUs; CPU ranks over gloo here) whose
+    worker starts its second rank itself; the run Succeeds and each checkpoint holds both ranks' shards."""
+    from mortal.workers.checkpoint import read_marker
+
+    hand_over(monkeypatch)
+    store = open_store(store_url)
+    head = {"cpus": 0.5, "resources": {"node_head": 0.1}}
+    spec = actor_spec(str(make_tiny_model(tmp_path / "model")), actor={"count": 2},
+                      algorithm={"maxSteps": 2, "batchSize": 8}, checkpoint={"every": 1, "keep": 2},
+                      restartPolicy={"maxRestarts": 1, "backoffSeconds": 0.5}, backend="ray",
+                      ray={"actor": head, "rollout": head}, secrets=sorted(HANDED))
+    create_run(store, "ranks", spec, SHORT_TASK_LEASE)
+    controller = Controller(store, store_url, CONFIG).start()
+    try:
+        wait_for(lambda: store.get_run("ranks").phase in ("Succeeded", "Failed"), 600, "ranks done")
+        assert store.get_run("ranks").phase == "Succeeded", store.get_run("ranks").status
+        assert [c.step for c in store.list_checkpoints("ranks")] == [1, 2]
+        assert all(read_marker(c.path)["ranks"] == 2 for c in store.list_checkpoints("ranks"))
+        assert [w.role for w in store.list_workers("ranks")].count("actor") == 1  # never relaunched
+    finally:
+        leave_cluster_as_found(controller, store, ray_cluster, None)
