@@ -1,5 +1,5 @@
 """Live on Modal: deploy the app (as `mortal-test`, its own volumes and secret), then run a tiny simulated
-run end to end: a controller here, workers as Modal calls, the store behind the deployed endpoint,
+run, and a sharded actor training a real model on CPUs, end to end: a controller here, workers as Modal calls, the store behind the deployed endpoint,
 the checkpoint on the volume. Runs only with MODAL_TOKEN_ID (and MODAL_TOKEN_SECRET) set; the first
 deploy builds the image, which takes several minutes.
 
@@ -50,6 +50,23 @@ def deployed() -> tuple[str, str]:
     return url, token
 
 
+def _finished_on_modal(store: HttpStore, url: str, name: str) -> tuple[Controller, dict]:
+    """A controller here, the run's workers as Modal calls, until the run ends: the controller (the caller
+    stops it after purging) and the run's final status."""
+    import modal
+
+    controller = Controller(store, url, holder=f"live-test-{name}",
+                            backends=lambda _: ModalBackend(modal=modal, app_name=APP)).start()
+    final = wait_for(lambda: (s := store.get_run(name).status).get("phase") in ("Succeeded", "Failed") and s,
+                     900, f"{name} to finish on Modal", interval=2.0)
+    return controller, final
+
+
+def _purge(store: HttpStore, name: str) -> None:
+    store.mark_deleted(name, purge=True)
+    wait_for(lambda: name not in {r.name for r in store.list_runs()}, 300, f"{name} purged")
+
+
 def test_a_simulated_run_succeeds_on_modal(deployed: tuple[str, str], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import modal
@@ -61,11 +78,9 @@ def test_a_simulated_run_succeeds_on_modal(deployed: tuple[str, str], tmp_path: 
     run = simulated_run(name, max_steps=4, rollout_replicas=1, step_seconds=0.2, spec={"backend": "modal"})
     store = HttpStore(url, token=token)
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
-    controller = Controller(store, url, holder=f"live-test-{name}",
-                            backends=lambda _: ModalBackend(modal=modal, app_name=APP)).start()
+    controller = None
     try:
-        final = wait_for(lambda: (s := store.get_run(name).status).get("phase") in ("Succeeded", "Failed") and s,
-                         900, f"{name} to finish on Modal", interval=2.0)
+        controller, final = _finished_on_modal(store, url, name)
         assert final["phase"] == "Succeeded", final
         assert final["step"] == 4
         rows = store.list_workers(name)
@@ -78,12 +93,51 @@ def test_a_simulated_run_succeeds_on_modal(deployed: tuple[str, str], tmp_path: 
         log = b"".join(volume.read_file(f"runs/{name}/logs/actor-0-{actor.incarnation}.log")).decode()
         assert "actor done at step 4" in log, "the worker function committed the worker's log"
     finally:
-        store.mark_deleted(name, purge=True)
-        wait_for(lambda: name not in {r.name for r in store.list_runs()}, 300, f"{name} purged")
-        controller.stop()
+        _purge(store, name)
+        if controller is not None:
+            controller.stop()
         store.close()
     gone = [e.path for e in _listed(modal.Volume.from_name(f"{APP}-data"), "runs") if e.path == f"runs/{name}"]
     assert gone == [], "the purge removed the run's folder from the volume"
+
+
+def test_a_sharded_actor_trains_a_real_model_in_one_container(deployed: tuple[str, str], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """actor {count: 2} on Modal's CPUs (no GPU bill): one call whose rank 0 starts rank 1 in its container, a
+    real model from the hub (Modal's containers reach it), and each checkpoint on the volume holding both
+    ranks' shards (docs/fsdp.md)."""
+    import json
+
+    import modal
+
+    from mortal.specs import TrainingRun
+
+    url, token = deployed
+    monkeypatch.setenv("MORTAL_STATE_TOKEN", token)
+    monkeypatch.setenv("MORTAL_HOME", str(tmp_path))
+    name = f"live-fsdp-{uuid.uuid4().hex[:8]}"
+    run = TrainingRun.model_validate({"metadata": {"name": name}, "spec": {
+        "backend": "modal", "model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32"},
+        "dataset": {"name": "builtin:arith"}, "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
+        "actor": {"count": 2}, "rollout": {"replicas": 1}, "generation": {"engine": "transformers", "maxTokens": 8},
+        "algorithm": {"numGenerations": 4, "batchSize": 8, "maxSteps": 2}, "checkpoint": {"every": 1, "keep": 2}}})
+    store = HttpStore(url, token=token)
+    store.apply_run(run.name, run.spec_dict())
+    controller = None
+    try:
+        controller, final = _finished_on_modal(store, url, name)
+        assert final["phase"] == "Succeeded" and final["step"] == 2, final
+        volume = modal.Volume.from_name(f"{APP}-data")
+        for row in store.list_checkpoints(name):
+            folder = f"runs/{name}/checkpoints/{Path(row.path).name}"
+            marker = json.loads(b"".join(volume.read_file(f"{folder}/mortal.json")))
+            assert marker["ranks"] == 2, marker
+            assert ".metadata" in {Path(e.path).name for e in volume.listdir(f"{folder}/dcp")}
+    finally:
+        _purge(store, name)
+        if controller is not None:
+            controller.stop()
+        store.close()
 
 
 def _listed(volume, path: str) -> list:
