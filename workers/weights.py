@@ -19,9 +19,10 @@ writes them into its own node's folder before loading them.
 
 A version directory appears atomically (mortal.workers.atomic), then its row is written
 (`store.publish_weights`), so a rollout that reads the store never sees a partial file. With plain
-LoRA (the seeds' LoRA hot-swap mode) only the adapters travel: the rollout keeps the base weights of
-the adapted modules and writes base + B @ A * scale into its model in place (`apply_adapters`);
-this matters most on a network volume (Modal), where a version is a file every rollout reads. Any
+LoRA (the seeds' LoRA hot-swap mode) only the adapters travel, as files or as the ring's snapshot of
+them (the manifest carries their scales): the rollout keeps the base weights of the adapted modules and
+writes base + B @ A * scale into its model in place (`apply_adapters`); on a network volume (Modal) a
+version is a file every rollout reads, and a ring of merged models would hold three whole copies. Any
 other adapter (DoRA, biases, embeddings, modules_to_save) is merged out of place instead (base + B @
 A * scale computed into new tensors; the training model is never modified, so publishing cannot
 perturb training) and written under the base model's own names. Tied tensors (embeddings / lm_head)
