@@ -97,9 +97,10 @@ class StepProfile(TrainerCallback):
 
         self.logs.mkdir(parents=True, exist_ok=True)
         events = profiler.key_averages()
-        device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        text = (f"# {self.stem}: the operators by their own {device.split('_')[1].upper()} time\n"
-                f"{events.table(sort_by=device, row_limit=TABLE_ROWS)}\n"
+        on_gpu = torch.cuda.is_available()
+        own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        text = (f"# {self.stem}: the operators by their own {'GPU' if on_gpu else 'CPU'} time\n"
+                f"{events.table(sort_by=own, row_limit=TABLE_ROWS)}\n"
                 f"# by CPU time, their callees included (host overhead)\n"
                 f"{events.table(sort_by='cpu_time_total', row_limit=TABLE_ROWS)}\n")
         (self.logs / f"{self.stem}.txt").write_text(text)
