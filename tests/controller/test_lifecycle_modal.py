@@ -231,12 +231,12 @@ def test_a_standby_controller_takes_over_from_one_that_died_holding_the_lease(
 
 
 def test_a_sharded_actor_trains_in_one_container_that_starts_its_own_ranks(
-        harness: Harness, fake: FakeModal, tmp_path: Path) -> None:  # noqa: F811
+        harness: Harness, fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """actor {count: 2} on Modal: one call, one container with a GPU a rank (`gpu="H200:2"`, tests/controller/
     backends/test_modal.py; here CPU ranks over gloo, the fake's container a real process), whose rank 0 starts
     rank 1 itself. A real tiny model trains to the end with a rollout in another call, each checkpoint holding
     both ranks' shards on the volume, and the weights reaching the rollout through it."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "workers"))  # the real-model helpers
     from actor_helpers import actor_spec
     from rollout_helpers import assets_available, make_tiny_model, task_results
 
