@@ -40,6 +40,7 @@ import torch
 from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
 from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
+from mortal.workers.weight_ring import kept_dtype
 
 if TYPE_CHECKING:
     from mortal.specs.training import TrainingSpec
@@ -285,7 +286,7 @@ def publish_dtype(spec: TrainingSpec) -> torch.dtype | None:
 
 def cast_floating(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """`tensor` in `dtype` if it is a floating tensor and one is given; integer buffers keep theirs."""
-    return tensor.to(_gathered_dtype(tensor, dtype))
+    return tensor.to(kept_dtype(tensor, dtype))
 
 
 def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
@@ -302,7 +303,7 @@ def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
     bucket: list[torch.Tensor] = []
     held = 0  # bytes of a rank's padded shares in the bucket, in the dtype they are gathered in
     for tensor in tensors:
-        size = _chunk_numel(tensor) * _gathered_dtype(tensor, dtype).itemsize if _row_sharded(tensor) else None
+        size = _chunk_numel(tensor) * kept_dtype(tensor, dtype).itemsize if _row_sharded(tensor) else None
         if bucket and (size is None or held + size > bucket_bytes or not _same_group(bucket[0], tensor, dtype)):
             yield from _gather_bucket(bucket, dtype)
             bucket, held = [], 0
@@ -312,11 +313,6 @@ def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
             bucket.append(tensor)
             held += size
     yield from _gather_bucket(bucket, dtype)
-
-
-def _gathered_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """What `tensor` is gathered and kept in: `dtype` for floating tensors when given, else its own."""
-    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def _whole(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -341,7 +337,7 @@ def _chunk_numel(tensor: torch.Tensor) -> int:
 
 def _same_group(first: torch.Tensor, tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
     """Whether two row shards can share one all-gather: one buffer's dtype (once cast), one group of ranks."""
-    return ((_gathered_dtype(tensor, dtype), tensor.device_mesh) == (_gathered_dtype(first, dtype), first.device_mesh))
+    return ((kept_dtype(tensor, dtype), tensor.device_mesh) == (kept_dtype(first, dtype), first.device_mesh))
 
 
 def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
@@ -354,7 +350,7 @@ def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Ite
     first = bucket[0]
     world, local = first.device_mesh.size(), first.to_local()
     chunks = [_chunk_numel(t) for t in bucket]
-    packed = torch.empty(sum(chunks), dtype=_gathered_dtype(first, dtype), device=local.device)  # padding: never read
+    packed = torch.empty(sum(chunks), dtype=kept_dtype(first, dtype), device=local.device)  # padding: never read
     offset = 0
     for tensor, chunk in zip(bucket, chunks, strict=True):
         shard = tensor.to_local().reshape(-1)

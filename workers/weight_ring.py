@@ -46,14 +46,19 @@ class TensorSlot(NamedTuple):
         return int(torch.Size(self.shape).numel())
 
 
+def kept_dtype(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a snapshot keeps `tensor` in: `cast` for a floating tensor when given (a sharded actor
+    publishing float32 masters in bfloat16), else its own (integer buffers keep theirs)."""
+    return cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def layout(state: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> tuple[dict[str, int], list[TensorSlot]]:
     """Where each tensor goes: the element count of each dtype's flat buffer, and every tensor's slot; with
     `cast`, floating tensors go in that dtype's buffer (a sharded actor publishing float32 masters in bfloat16)."""
     sizes: dict[str, int] = {}
     slots = []
     for name, tensor in state.items():
-        kept = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
-        dtype = str(kept).removeprefix("torch.")
+        dtype = str(kept_dtype(tensor, cast)).removeprefix("torch.")
         slots.append(TensorSlot(name, dtype, sizes.get(dtype, 0), tuple(tensor.shape)))
         sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
     return sizes, slots
