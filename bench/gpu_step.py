@@ -62,7 +62,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from through_controller import copy_logs, exit_on_sigterm, run_through_controller
+from through_controller import copy_logs, exit_on_sigterm, local_gpu, run_through_controller
 
 BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
              "train": "actor/train_seconds", "publish": "weights/publish_seconds",
@@ -322,8 +322,8 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
                       **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "none" if args.cpu else "H100", "count": args.actor_gpus, "compile": args.compile is not None},
-        "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts,
+        "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None},
+        "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts,
                     "colocate": args.gpus == args.actor_gpus and not args.cpu,
                     **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {})},
         "sync": {"method": args.sync},

@@ -63,7 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import smoke_sizes, use_compile_cache  # noqa: E402
-from through_controller import copy_logs, run_through_controller  # noqa: E402
+from through_controller import copy_logs, local_gpu, run_through_controller  # noqa: E402
 
 REWARD = "math_answer"
 REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
@@ -186,8 +186,8 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
                       "maxStaleness": args.staleness, "seed": args.seed},
         "generation": {"maxTokens": args.tokens, "temperature": 1.0, "engine": "transformers"},
         "rewards": [{"function": REWARD_PATH}],
-        "actor": {"gpu": "none" if args.cpu else "H100"},
-        "rollout": {"gpu": "none" if args.cpu else "H100", "replicas": args.rollouts, "colocate": not args.cpu},
+        "actor": {"gpu": "none" if args.cpu else local_gpu()},
+        "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts, "colocate": not args.cpu},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
     }

@@ -51,7 +51,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import BREAKDOWN  # noqa: E402
 from learning_gpu import local_model  # noqa: E402
-from through_controller import run_through_controller  # noqa: E402
+from through_controller import local_gpu, run_through_controller  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
@@ -66,7 +66,7 @@ def example_spec() -> dict[str, Any]:
 def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The example's spec with the bench's model, batch, steps and placement."""
     spec = example_spec()
-    gpu = "none" if args.cpu else "H100"
+    gpu = "none" if args.cpu else local_gpu()
     spec["model"] = {**spec["model"], "name": str(model), "dtype": "float32"}
     spec["algorithm"] = {**spec.get("algorithm", {}), "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
                          "learningRate": args.lr, "beta": 0.0, "lossType": "dapo", "maxSteps": args.steps,

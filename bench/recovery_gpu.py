@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from through_controller import controller_running
+from through_controller import controller_running, local_gpu
 
 REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: recovery is what is timed
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
@@ -72,7 +72,7 @@ def make_model(folder: Path, size: str, dtype: str) -> Path:
 
 
 def spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
-    gpu = "H100" if args.device == "cuda" else "none"
+    gpu = local_gpu() if args.device == "cuda" else "none"
     out = {
         "model": {"name": str(model), "dtype": args.dtype},
         "dataset": {"name": str(data)},

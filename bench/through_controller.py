@@ -40,8 +40,14 @@ def exit_on_sigterm() -> None:
 def controller_running(run: Any, work: Path) -> Iterator[Any]:
     """The run applied to a fresh SQLite store under `work/mortal-home` and a controller subprocess
     reconciling it (log: work/controller.log) while the block runs; yields the store."""
+    from mortal.controller.cli.apply import refuse_what_cannot_fit
+    from mortal.controller.cli.context import CliError
     from mortal.state import open_store
 
+    try:  # what `mortalctl apply` refuses, refused before the device's minutes go on it
+        refuse_what_cannot_fit([run])
+    except CliError as exc:
+        raise SystemExit(f"mortal run {run.name} not started: {exc}") from exc
     home = work / "mortal-home"
     url = f"sqlite:///{home / 'state.db'}"
     store = open_store(url)
@@ -61,6 +67,17 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
                 stop_workers(store, run.name)
             controller.terminate()
             controller.wait(60)
+
+
+def local_gpu() -> str:
+    """This machine's GPU as a spec names it (actor.gpu, rollout.gpu): H100, H200, ..., so that the memory
+    check above holds it to its own size; the driver's name, spaces dashed, for a card the table lacks."""
+    import torch
+
+    from mortal.controller.backends.gpus import spec_name_of
+
+    device_name = torch.cuda.get_device_name(0)
+    return spec_name_of(device_name) or device_name.replace(" ", "-")
 
 
 def stop_workers(store: Any, name: str, seconds: float = 60.0) -> None:

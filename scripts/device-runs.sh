@@ -44,6 +44,9 @@ case $group in
     bench profile_hybrid 200 --steps 5 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --only mortal --profile-steps 4
     (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
        && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
+  # The 7B groups need two H200s: call run(..., needs_h200=True). On two H100s the actor's half of the bf16
+  # weights, gradients and AdamW state, the rollout and the ring do not fit 80 GB (the bench refuses it at
+  # once, as mortalctl apply does; docs/benchmarks.md, 2026-11-27).
   seven-b)  # issue 19: the 7B shape, full fine-tune, over two GPUs; TRL with FSDP2 in the same invocation
     bench sevenb 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 ;;
   seven-b-mortal)  # the same, mortal's side alone (when TRL's does not fit the call beside it)

@@ -40,6 +40,19 @@ def gpu_memory(gpu: str) -> int | None:
     return GPU_MEMORY.get(gpu.strip().upper())
 
 
+def spec_name_of(device_name: str) -> str | None:
+    """The spec's name for a GPU whose driver calls it `device_name` (torch.cuda.get_device_name, nvidia-smi -L:
+    "NVIDIA H100 80GB HBM3" is H100, "NVIDIA A100-SXM4-40GB" is A100-40GB), None for one not in GPU_MEMORY.
+    The longest name that appears in it wins, so A100-40GB beats A100. None for a variant of another size
+    than its name's (H100 NVL: 94 GB), so a memory check never holds it to the wrong size."""
+    if "NVL" in device_name.upper():
+        return None
+    words = device_name.upper().replace("SXM4-", "").replace("PCIE-", "").replace(" ", "-")
+    names = [name for name in GPU_MEMORY if not name.endswith(("!", "+")) and re.search(
+        rf"(^|[^A-Z0-9]){re.escape(name)}($|[^A-Z0-9])", words)]
+    return max(names, key=len, default=None)
+
+
 def detect_gpus() -> list[str]:
     """Device ids this controller may hand out, as CUDA_VISIBLE_DEVICES entries.
 
