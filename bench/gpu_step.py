@@ -285,8 +285,9 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
 
     batch = args.prompts * args.gens
     micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
-    # FSDP2, parameters resharded after forward (full_shard), as transformers >= 5.20 spells it
-    sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}}
+    # FSDP2, parameters resharded after forward (full_shard) unless --keep-gathered (shard_grad_op), as
+    # transformers >= 5.20 spells it
+    sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": not args.keep_gathered}}
                if world > 1 and not args.cpu else {})
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=micro // world,
@@ -322,7 +323,8 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
                       **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None},
+        "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
+                  **({"reshardAfterForward": False} if args.keep_gathered else {})},
         "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts,
                     "colocate": args.gpus == args.actor_gpus and not args.cpu,
                     **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {})},
@@ -456,6 +458,9 @@ def main() -> None:
     parser.add_argument("--colocated-replicas", type=int, default=0, metavar="N",
                         help="with --gpus above --actor-gpus: mortal's first N rollouts beside the actor on its GPU(s), "
                         "the others on the other GPUs (rollout.colocatedReplicas)")
+    parser.add_argument("--keep-gathered", action="store_true", help="with --actor-gpus above 1: each layer's "
+                        "gathered weights kept from its forward to its backward on both sides (mortal's "
+                        "actor.reshardAfterForward false, TRL's fsdp_config reshard_after_forward false)")
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])

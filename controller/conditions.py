@@ -192,6 +192,7 @@ class MemoryKnobs:
     rollout_share: float | None = None  # rollout.gpuMemoryUtilization, None: not set
     actor_ranks: int = 1  # actor.count: > 1 is sharded over that many GPUs (no LoRA there)
     cpu_offload: bool = False  # actor.cpuOffload
+    reshard_after_forward: bool = True  # actor.reshardAfterForward: false holds the whole model through the step
 
 
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
@@ -211,6 +212,9 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
         tips.append("or pick a GPU with more memory (rollout.gpu)")
     else:
         tips = []
+        if knobs.actor_ranks > 1 and not knobs.reshard_after_forward:
+            tips.append("set actor.reshardAfterForward: true (now false: every GPU holds the whole model, gathered, "
+                        "from the forward to the backward)")
         if knobs.micro_batch_size != 1:
             now = f" (now {knobs.micro_batch_size})" if knobs.micro_batch_size else ""
             tips.append(f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "

@@ -21,6 +21,8 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
   sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots;
                            with N ranks, on rank 0's GPU, the one counted here); with LoRA the ring holds
                            the adapters' factors alone, left out
+  actor.reshardAfterForward false: + the whole model gathered on each of the N GPUs through the step, in the
+                           dtype it computes in (bfloat16 under mixedPrecision, else model.dtype)
   actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
                            snapshots hold (TrainingSpec.rollout_model)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
@@ -71,13 +73,18 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
                          f"rollout{'s' if colocated > 1 else ''}")
         elif colocated:
             parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
+        gathered = served * parameters if ranks > 1 and not spec.actor.reshard_after_forward else 0
+        if gathered:
+            parts.append("the whole model gathered from the forward to the backward (reshardAfterForward: false)")
         sync = spec.sync_method()
         ring = SNAPSHOT_RING if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
         if ring:
             parts.append(f"{ring} snapshots of the weights for sync {sync}")
-        need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold
+        need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold + gathered
         if need > gpu_memory(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
+            if gathered:
+                fixes.append("actor.reshardAfterForward: true (each layer gathered only while it computes)")
             if full and not spec.actor.cpu_offload:
                 fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:

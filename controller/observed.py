@@ -53,6 +53,7 @@ class Desired:
     rollout_share: float | None = None  # rollout.gpuMemoryUtilization as the user set it (None: not set)
     actor_ranks: int = 1  # actor.count
     cpu_offload: bool = False  # actor.cpuOffload
+    reshard_after_forward: bool = True  # actor.reshardAfterForward
     deleted: bool = False
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time

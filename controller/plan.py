@@ -316,7 +316,8 @@ class _Pass:
         return rl.MemoryKnobs(colocate=self.d.colocate, lora=self.d.lora,
                               gradient_checkpointing=self.d.gradient_checkpointing,
                               micro_batch_size=self.d.micro_batch_size, rollout_share=self.d.rollout_share,
-                              actor_ranks=self.d.actor_ranks, cpu_offload=self.d.cpu_offload)
+                              actor_ranks=self.d.actor_ranks, cpu_offload=self.d.cpu_offload,
+                              reshard_after_forward=self.d.reshard_after_forward)
 
     def _actor_finished(self) -> bool:
         """The newest actor ended Succeeded at maxSteps (a Succeeded actor stopped early is relaunched)."""

@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests"}
+group=${1:?"a group: two-gpus, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -35,6 +35,11 @@ case $group in
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
     bench hybrid_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --only mortal
     bench hybrid_s1 180 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --staleness 1 --only mortal ;;
+  two-gpus-kept)  # issue 15.2: the same, each layer's gathered weights kept from forward to backward
+                  # (actor.reshardAfterForward false: half the all-gathers), against one GPU in the same call
+    bench onegpu 170 --steps 6 --rollouts 1 --only mortal
+    bench kept_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --keep-gathered --only mortal
+    bench kept_s1 180 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --keep-gathered --staleness 1 --only mortal ;;
   two-gpus-trl)  # issue 15.2, against TRL: the hybrid layout on-policy and TRL's GRPOTrainer with FSDP2 on the same
                  # two GPUs, in one invocation (TRL: about 14 s a step at this shape)
     bench hybrid_trl 560 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 ;;

@@ -227,6 +227,15 @@ class ActorSpec(SpecModel):
         "fsdp_offload_params): for a model whose shards do not fit its GPUs, at the cost of host-device copies "
         "every step. Needs count > 1 and a GPU.",
     )
+    reshard_after_forward: bool = Field(
+        True,
+        description="A sharded actor (count > 1) frees each layer's gathered weights after its forward and gathers "
+        "them again for its backward (FSDP2's reshard_after_forward, ZeRO-3). false keeps them from the forward to "
+        "the backward (ZeRO-2, FSDP's SHARD_GRAD_OP): half the all-gathers and their hooks each step, at the "
+        "price of the whole model in the compute dtype on every GPU during the step (counted by mortalctl "
+        "apply). For models whose whole copy fits beside the shards; the step's host overhead is what it saves "
+        "(docs/fsdp.md).",
+    )
     mixed_precision: bool = Field(
         False,
         description="A sharded actor (count > 1) keeps its weights, gradients and AdamW state in float32 shards and "
@@ -663,6 +672,9 @@ class TrainingSpec(SpecModel):
         if self.actor.mixed_precision and self.model.dtype != "float32":
             raise rule_error(f"mixedPrecision keeps float32 master weights and computes in bfloat16; this model's "
                              f"dtype is {self.model.dtype!r}: set model.dtype: float32", "actor.mixedPrecision")
+        if not self.actor.reshard_after_forward and count == 1:
+            raise rule_error("reshardAfterForward is FSDP2's choice for a sharded actor: an actor of one rank keeps "
+                             "its whole model anyway; set actor.count > 1, or drop it", "actor.reshardAfterForward")
         if self.actor.cpu_offload and (count == 1 or self.actor.gpu == "none"):
             raise rule_error("cpuOffload moves a sharded actor's shards from its GPUs to host memory: set actor.count "
                              "> 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")

@@ -285,7 +285,8 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     device = actor_device(spec)
     tokenizer = models.load_tokenizer(spec.model)
     model = models.load_model(spec.model, device, for_training=True, fsdp_size=world,
-                              mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload)
+                              mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload,
+                              reshard_after_forward=spec.actor.reshard_after_forward)
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     trainer = GRPOTrainer(

@@ -245,13 +245,17 @@ def worker_device(gpu: str, field: str) -> str:
 
 
 def load_model(model_spec: ModelSpec, device: str | None = None, for_training: bool = False,
-               fsdp_size: int = 1, mixed_precision: bool = False, cpu_offload: bool = False) -> Any:
+               fsdp_size: int = 1, mixed_precision: bool = False, cpu_offload: bool = False,
+               reshard_after_forward: bool = True) -> Any:
     """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training.
 
     fsdp_size > 1: sharded with FSDP2 over that many ranks as it loads (transformers' DistributedConfig;
     the process group is up, mortal.workers.sharded), the model placing its own shards on its rank's
     device; with `mixed_precision`, its shards computing in bfloat16 (spec.actor.mixedPrecision); with
-    `cpu_offload`, its shards kept in host memory (spec.actor.cpuOffload)."""
+    `cpu_offload`, its shards kept in host memory (spec.actor.cpuOffload); without `reshard_after_forward`,
+    each layer's gathered weights kept from its forward to its backward (spec.actor.reshardAfterForward).
+    transformers' plan sets reshard_after_forward per module as it shards; FSDP2's own setter changes them
+    all afterwards, which spares us rewriting a plan whose module names differ by model."""
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
@@ -268,6 +272,8 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
         raise _fatal(model_spec.name, f"cannot load the model from {location}: {exc}") from exc
     if fsdp_size == 1:
         model.to(device)
+    elif not reshard_after_forward:
+        model.set_reshard_after_forward(False)  # the root FSDPModule, and every one inside it
     use_tf32(model_spec, device)
     if for_training:
         model.train()

@@ -68,6 +68,13 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"model": {"dtype": "float32"}, "actor": {"count": 2, "mixedPrecision": True},
       "rollout": {"colocate": True, "replicas": 2}}, int(8.5 * B), ["spec.actor.gpu"]),  # 68 + 17 GB
     ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 3}}, 12 * B, ["spec.actor.gpu"]),  # 2 on one
+    # reshardAfterForward false: + the whole model gathered, in the dtype it computes in, on every GPU
+    ({"actor": {"count": 2, "reshardAfterForward": False}}, 12 * B, []),  # 48 + 24 GB a GPU
+    ({"actor": {"count": 2, "reshardAfterForward": False}}, 14 * B, ["spec.actor.gpu"]),  # 56 + 28 GB
+    ({"model": {"dtype": "float32"}, "actor": {"count": 4, "mixedPrecision": True, "reshardAfterForward": False}},
+     13 * B, []),  # 52 + 26 GB: the gathers in bfloat16 (in float32 they would be 52)
+    ({"model": {"dtype": "float32"}, "actor": {"count": 4, "mixedPrecision": True, "reshardAfterForward": False}},
+     int(13.5 * B), ["spec.actor.gpu"]),  # 54 + 27 GB
     # colocatedReplicas: the first N beside the actor, the others on GPUs of their own
     ({"rollout": {"colocatedReplicas": 1, "replicas": 3}}, int(7.6 * B), []),  # 61 + 15 GB on the actor's
     ({"rollout": {"colocatedReplicas": 2, "replicas": 3}}, int(7.6 * B), ["spec.actor.gpu"]),  # 61 + 30 GB
@@ -89,6 +96,12 @@ def test_a_sharded_actor_that_does_not_fit_is_told_to_shard_wider_or_offload():
     (misfit,) = certain_misfits(spec(actor={"count": 2}), 24 * B)
     assert "1/2 of the weights, gradients and AdamW's two moments (FSDP2 shards)" in misfit.message
     assert "actor.count: 4" in misfit.message and "model.lora" not in misfit.message
+
+
+def test_keeping_the_gathered_model_through_the_step_is_counted_and_undoing_it_is_a_fix():
+    (misfit,) = certain_misfits(spec(actor={"count": 2, "reshardAfterForward": False}), 14 * B)
+    assert "the whole model gathered from the forward to the backward (reshardAfterForward: false)" in misfit.message
+    assert "actor.reshardAfterForward: true" in misfit.message
 
 
 def test_the_snapshot_ring_is_the_actors_kept_versions():

@@ -61,6 +61,8 @@ CASES = [
     ("actor:\n  count: 0", 1, "spec.actor.count", "must be >= 1 (got 0)"),
     ("actor:\n  count: 2\n  cpuOffload: true", 2, "spec.actor.cpuOffload", "set actor.count > 1 and actor.gpu"),
     ("actor:\n  gpu: H100\n  cpuOffload: true", 2, "spec.actor.cpuOffload", "set actor.count > 1 and actor.gpu"),
+    ("actor:\n  reshardAfterForward: false", 1, "spec.actor.reshardAfterForward",
+     "an actor of one rank keeps its whole model anyway; set actor.count > 1"),
     ("actor:\n  count: 3", 1, "spec.actor.count", "batchSize (8) must divide over the actor's 3 ranks"),
     ("actor:\n  mixedPrecision: true", 1, "spec.actor.mixedPrecision", "sharded actor: set actor.count > 1"),
     ("actor:\n  count: 2\n  mixedPrecision: true", 2, "spec.actor.mixedPrecision",

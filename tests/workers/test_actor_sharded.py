@@ -79,9 +79,11 @@ SHARDED = {"algorithm": {"maxSteps": 3, "batchSize": 8}, "actor": {"count": 2}, 
 
 @pytest.fixture(scope="module")
 def straight(store: Store, home: Path, tiny_dir: Path) -> str:
-    """A sharded run of 3 steps, never interrupted."""
+    """A sharded run of 3 steps, never interrupted; its first step profiled (MORTAL_PROFILE_STEPS)."""
     run = create_run(store, "straight", actor_spec(str(tiny_dir), **SHARDED))
-    assert train(store, run, home) == 0, _log_tail(home, "straight")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MORTAL_PROFILE_STEPS", "1")
+        assert train(store, run, home) == 0, _log_tail(home, "straight")
     return run.name
 
 
@@ -171,6 +173,31 @@ def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store:
     wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("micro").path)
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst < 1e-4, worst
+
+
+def _all_gathers(home: Path, name: str) -> int:
+    """How many all-gathers of parameters FSDP2 made on rank 0 in its profiled step 1: the `# of Calls` of
+    `fsdp::all_gather_copy_in`, its op that packs a module's shards for each one, on gloo as on NCCL."""
+    table = (home / "runs" / name / "logs" / "profile-actor-rank0-steps1-1.txt").read_text()
+    counts = [int(line.split()[-1]) for line in table.splitlines() if line.split()[:1] == ["fsdp::all_gather_copy_in"]]
+    assert counts, table
+    return max(counts)
+
+
+def test_weights_kept_from_forward_to_backward_train_the_same_step_with_fewer_all_gathers(
+        store: Store, home: Path, tiny_dir: Path, straight: str, whole: str, monkeypatch) -> None:
+    """actor.reshardAfterForward false: no layer is gathered again for its backward, and the step is the same."""
+    kept = create_run(store, "kept", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
+                                                actor={"count": 2, "reshardAfterForward": False}))
+    monkeypatch.setenv("MORTAL_PROFILE_STEPS", "1")
+    assert train(store, kept, home) == 0, _log_tail(home, "kept")
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, "kept", 1)
+    assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
+    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("kept").path)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    gathered, regathered = _all_gathers(home, "kept"), _all_gathers(home, straight)
+    assert gathered < regathered, (gathered, regathered)
 
 
 def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: Store, home: Path, tiny_dir: Path,

@@ -121,6 +121,25 @@ def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and
     assert "distributed_config" not in asked[1]  # one rank: not sharded
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
+        reshard: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """actor.reshardAfterForward false reaches every FSDP2 module through the root's setter, after the load (the
+    effect, fewer all-gathers a step, is in tests/workers/test_actor_sharded.py)."""
+    from transformers import AutoModelForCausalLM
+
+    class Sharded(torch.nn.Module):
+        settings: list[bool] = []
+
+        def set_reshard_after_forward(self, value: bool) -> None:
+            self.settings.append(value)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda location, **kwargs: Sharded())
+    load_model(ModelSpec(name=str(tmp_path), dtype="float32"), "cpu", for_training=True, fsdp_size=2,
+               reshard_after_forward=reshard)
+    assert Sharded.settings == ([] if reshard else [False])
+
+
 def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "m")
     config = json.loads((folder / "tokenizer_config.json").read_text())
