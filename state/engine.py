@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.pool import StaticPool
@@ -47,21 +48,33 @@ def sqlite_path(url: str) -> Path | None:
     return Path(parsed.database)
 
 
+def json_text(value: Any) -> str:
+    """A JSON column's text, written by pydantic-core (Rust) rather than the json module SQLAlchemy uses by
+    default. Why: a step's rollout answer (64 completions of 256 tokens, 0.5 MB) took json.dumps 18-20 ms to
+    write, in the step's critical path, and pydantic-core 1.3 ms (2026-11-27, this repository's CPU). Same
+    JSON as json.dumps (NaN and Infinity included, as Python writes them) except that non-ASCII is written as
+    UTF-8 rather than escaped, and a None key becomes "None" rather than "null"."""
+    return pydantic_core.to_json(value, inf_nan_mode="constants").decode()
+
+
+JSON_CODEC = {"json_serializer": json_text, "json_deserializer": pydantic_core.from_json}
+
+
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; nothing is connected yet."""
+    """An engine for `url`; nothing is connected yet. JSON columns go through JSON_CODEC."""
     url = sqlalchemy_url(url)
     if make_url(url).get_backend_name() == "sqlite":
         # In-memory SQLite exists per connection: keep exactly one (tests and throwaway stores only).
         pool = {"poolclass": StaticPool} if sqlite_path(url) is None else {}
         connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
-        engine = create_engine(url, connect_args=connect_args, **pool)
+        engine = create_engine(url, connect_args=connect_args, **pool, **JSON_CODEC)
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
     # A process frozen inside a transaction (SIGSTOP, a paused VM) would hold its row locks for ever and
     # stall every writer behind it, the controller included: the server ends such a session instead.
     options = f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}"
-    return create_engine(url, pool_pre_ping=True, connect_args={"options": options})
+    return create_engine(url, pool_pre_ping=True, connect_args={"options": options}, **JSON_CODEC)
 
 
 def _sqlite_on_connect(dbapi_connection, connection_record) -> None:

@@ -240,6 +240,19 @@ def test_a_task_is_completed_only_by_the_worker_holding_its_lease(store: Store, 
     assert store.complete_task(holder, task.id, task.lease_token, {"reward": 1.0})
 
 
+def test_a_result_reads_back_as_it_was_written(store: Store, run: str) -> None:
+    """A rollout's answer through the JSON column (written by pydantic-core, state/engine.py): token ids, float
+    log-probabilities to the last bit, text beyond ASCII, None, and integers past 64 bits come back equal."""
+    actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
+    store.enqueue_tasks(actor, [NewTask(step=1, slot=0, min_weight_version=0)])
+    task = store.lease_task(rollout, 30)
+    result = {"completion_ids": [[151643, 0, 42]], "logprobs": [[-1e-320, -0.1, -3.0000000000000004, -0.0]],
+              "completions": ["déjà vu ✓ \u4e2d\u6587"], "rewards": {"a": [None, 1.5]}, "big": 2**70}
+    assert store.complete_task(rollout, task.id, task.lease_token, result)
+    (row,) = store.step_results(run, 1)
+    assert row.result == result and repr(row.result["logprobs"]) == repr(result["logprobs"])
+
+
 def _row_id(store: Store, ref: WorkerRef) -> int:
     (row,) = [w for w in store.list_workers(ref.run) if w.incarnation == ref.incarnation]
     return row.id
