@@ -62,7 +62,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from through_controller import copy_logs, exit_on_sigterm, local_gpu, run_through_controller
+from through_controller import copy_logs, exit_on_sigterm, local_gpu, run_through_controller, task_timeline
 
 BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
              "train": "actor/train_seconds", "publish": "weights/publish_seconds",
@@ -343,6 +343,8 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     with GpuBusy(enabled=not args.cpu) as busy:
         by_step, _ = run_through_controller(run, work)
     args.peak_memory_mib["mortal"] = busy.memory_mib
+    # A step's tasks are queued under the trainer's global step as the step begins: the step that ends as s
+    tasks = {s + 1: step_tasks for s, step_tasks in task_timeline(work, run.metadata.name, [s - 1 for s in by_step]).items()}
     steps = []
     last_end = None
     for s, v in sorted(by_step.items()):
@@ -353,16 +355,33 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         between = v["step_seconds"] if last_end is None else v["ended_at"] - last_end
         last_end = v["ended_at"]
         steps.append({"step": s, "seconds": between, "step_seconds": v["step_seconds"], "ended_at": v["ended_at"],
-                      "tokens": v["completion_tokens"], **parts})
+                      "tokens": v["completion_tokens"], **parts, "tasks": tasks.get(s, [])})
         print(f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + train {parts['train']:.2f} (gc {parts['gc']:.3f}) + "
               f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
               f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
+        print(f"           {task_summary(tasks.get(s, []), v['ended_at'], parts)}", flush=True)
     args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
     timed = [v for s, v in sorted(by_step.items()) if "ended_at" in v][2:]
     if timed:  # the steps the summary's median is taken over, start-up and compilation left out
         args.gpu_busy = busy.fractions(timed[0]["ended_at"] - timed[0]["step_seconds"], timed[-1]["ended_at"])
         print(f"  GPU busy fraction over the steps from the third on: {args.gpu_busy}", flush=True)
     return steps
+
+
+def task_summary(tasks: list[dict[str, float]], ended_at: float, parts: dict[str, float]) -> str:
+    """Where a step's wait went, task by task (bench/through_controller.task_timeline): each task's time from
+    queued to done, and of it generation, scoring and loading; the rest is the way to the rollout and back.
+    Then the time from the last task's end to the step's end, less the actor's train and publish: how late
+    the actor saw it (its poll) and took it up (reading the results, TRL's batch)."""
+    done = [t for t in tasks if t["done"] is not None]
+    if not done:
+        return "tasks: none recorded"
+    spans = " / ".join(f"{t['done'] - t['queued']:.3f} (generate {t['generate']:.3f}, reward {t['reward']:.3f}, "
+                       f"load {t['load']:.3f}, rest {t['done'] - t['queued'] - t['generate'] - t['reward'] - t['load']:.3f})"
+                       for t in done)
+    after = ended_at - max(t["done"] for t in done)
+    return (f"tasks queued -> done (s): {spans}; last done -> step end {after:.3f} s, less train and publish: "
+            f"{after - parts['train'] - parts['publish']:.3f} s")
 
 
 class GpuBusy:

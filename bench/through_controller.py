@@ -69,6 +69,29 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
             controller.wait(60)
 
 
+def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dict[str, float]]]:
+    """Each step's rollout tasks as the store recorded them, by slot: when queued and done (epoch seconds),
+    and what the task's results say its rollout spent generating, scoring and loading weights. What a
+    task took beyond those is the way to it and back (the lease, the hand-in, the polls on both sides)."""
+    from mortal.state import open_store
+
+    store = open_store(f"sqlite:///{work / 'mortal-home' / 'state.db'}")
+    try:
+        timeline = {}
+        for step in steps:
+            timeline[step] = []
+            for row in store.step_results(name, step):
+                results = (row.result or {}).get("results", [])
+                timeline[step].append({
+                    "queued": row.created_at.timestamp(), "done": row.done_at.timestamp() if row.done_at else None,
+                    "generate": sum(r.get("generation_seconds", 0.0) for r in results),
+                    "reward": sum(r.get("reward_seconds", 0.0) for r in results),
+                    "load": max((r.get("weight_load_seconds", 0.0) for r in results), default=0.0)})
+        return timeline
+    finally:
+        store.close()
+
+
 def local_gpu() -> str:
     """This machine's GPU as a spec names it (actor.gpu, rollout.gpu): H100, H200, ..., so that the memory
     check above holds it to its own size; the driver's name, spaces dashed, for a card the table lacks."""
