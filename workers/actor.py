@@ -401,6 +401,12 @@ class ActorLoop(TrainerCallback):
             self._rollout_metrics["actor/gc_seconds"] = self.collections.take()
         if publishes_at(self.spec, step):
             self._publish(step)
+            if not (self.ctx.stopping.is_set() or self.checkpointer.due(step, self.spec.algorithm.max_steps)):
+                # The next step's tasks now, not when TRL next asks for rollouts: they are generated while this
+                # step's metrics and completions are written (rollout() finds them queued). Not before a
+                # checkpoint: a stop would leave them unused, and a rollout running in this process (the
+                # tests') would swap in its seeded RNG state (fork_rng) while the checkpoint records the RNG.
+                self.feed.enqueue(step, self.version)
         else:
             self.ctx.report(step=step)
         self._rollout_metrics["step_seconds"] = time.perf_counter() - self._step_started
