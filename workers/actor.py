@@ -8,7 +8,8 @@ run's actor slot. One step, in order:
    TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
 2. TRL computes the loss and takes the optimizer step.
 3. `on_step_end`: publish the new weights (mortal.workers.weights) with what made them
-   (mortal.workers.provenance), report step and version.
+   (mortal.workers.provenance), report step and version, and queue the next step's tasks at once
+   (unless a checkpoint comes first), so that its rollouts generate while step 4 runs.
 4. `on_log`: record the step's metrics and a sample of its completions with the advantages TRL
    trained on (mortal.workers.samples); every checkpoint.every steps, at the last step and when
    asked to stop, write a complete checkpoint (mortal.workers.checkpoint).
