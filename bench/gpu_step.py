@@ -288,7 +288,7 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
     # FSDP2, parameters resharded after forward (full_shard) unless --keep-gathered (shard_grad_op), as
     # transformers >= 5.20 spells it
     sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": not args.keep_gathered}}
-               if world > 1 and not args.cpu else {})
+               if world > 1 and not args.cpu and args.strategy == "fsdp" else {})  # else accelerate's DDP
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=micro // world,
         gradient_accumulation_steps=batch // micro, **sharded,
@@ -324,7 +324,8 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
-                  **({"reshardAfterForward": False} if args.keep_gathered else {})},
+                  **({"reshardAfterForward": False} if args.keep_gathered else {}),
+                  **({"strategy": args.strategy} if args.actor_gpus > 1 else {})},
         "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts,
                     "colocate": args.gpus == args.actor_gpus and not args.cpu,
                     **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {})},
@@ -477,6 +478,9 @@ def main() -> None:
     parser.add_argument("--colocated-replicas", type=int, default=0, metavar="N",
                         help="with --gpus above --actor-gpus: mortal's first N rollouts beside the actor on its GPU(s), "
                         "the others on the other GPUs (rollout.colocatedReplicas)")
+    parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp", help="with --actor-gpus above 1: "
+                        "shard the trainer (FSDP2) or replicate it on each GPU (DDP), on both sides (mortal's "
+                        "actor.strategy; TRL with or without fsdp)")
     parser.add_argument("--keep-gathered", action="store_true", help="with --actor-gpus above 1: each layer's "
                         "gathered weights kept from its forward to its backward on both sides (mortal's "
                         "actor.reshardAfterForward false, TRL's fsdp_config reshard_after_forward false)")

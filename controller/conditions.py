@@ -193,6 +193,7 @@ class MemoryKnobs:
     actor_ranks: int = 1  # actor.count: > 1 is sharded over that many GPUs (no LoRA there)
     cpu_offload: bool = False  # actor.cpuOffload
     reshard_after_forward: bool = True  # actor.reshardAfterForward: false holds the whole model through the step
+    replicated: bool = False  # actor.strategy ddp: every rank holds the whole model
 
 
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
@@ -222,7 +223,10 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
         tips.append("lower algorithm.batchSize (completions per optimizer step)")
         if not knobs.gradient_checkpointing:
             tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
-        if knobs.actor_ranks > 1 and not knobs.cpu_offload:
+        if knobs.actor_ranks > 1 and knobs.replicated:
+            tips.append("shard the actor's weights, gradients and AdamW state over its ranks (actor.strategy: fsdp; "
+                        "now ddp: each rank holds the whole model)")
+        elif knobs.actor_ranks > 1 and not knobs.cpu_offload:
             tips.append(f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its shards "
                         "in host memory (actor.cpuOffload: true)")
         elif knobs.actor_ranks == 1 and not knobs.lora:

@@ -12,7 +12,8 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
                            (TRL/torch keep them so): 4 x b x parameters
   actor, LoRA:             the frozen base weights: b x parameters
   actor of N ranks:        each of its N GPUs holds 1 / N of that (FSDP2 shards all four), none of it
-                           with actor.cpuOffload (the shards live in host memory)
+                           with actor.cpuOffload (the shards live in host memory); all of it with
+                           actor.strategy ddp (every rank a whole copy)
   colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU;
                            with N ranks, replica r on the actor's GPU r % N, so ceil(replicas / N) a GPU),
                            or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
@@ -60,9 +61,12 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     if wants_gpu(actor) and gpu_memory(actor) is not None:
         full = spec.model.lora is None
         ranks = spec.actor.count
-        copies = (0 if spec.actor.cpu_offload else ADAMW_COPIES / ranks) if full else 1
+        replicated = spec.actor.strategy == "ddp"
+        copies = (0 if spec.actor.cpu_offload else ADAMW_COPIES / (1 if replicated else ranks)) if full else 1
         parts = ["weights, gradients and AdamW's two moments" if full else "the frozen base weights (LoRA)"]
-        if ranks > 1:
+        if ranks > 1 and replicated:
+            parts[0] = f"{parts[0]}, whole on each of {ranks} ranks (strategy ddp)"
+        elif ranks > 1:
             parts[0] = (f"{parts[0]} in host memory (cpuOffload)" if spec.actor.cpu_offload
                         else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
         colocated = spec.colocated_per_gpu()
@@ -85,7 +89,9 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
             if gathered:
                 fixes.append("actor.reshardAfterForward: true (each layer gathered only while it computes)")
-            if full and not spec.actor.cpu_offload:
+            if full and replicated:
+                fixes.append("shard the actor's weights, gradients and AdamW state over its ranks (actor.strategy: fsdp)")
+            elif full and not spec.actor.cpu_offload:
                 fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:
                 fixes.append("a smaller rollout.gpuMemoryUtilization")

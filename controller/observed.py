@@ -54,6 +54,7 @@ class Desired:
     actor_ranks: int = 1  # actor.count
     cpu_offload: bool = False  # actor.cpuOffload
     reshard_after_forward: bool = True  # actor.reshardAfterForward
+    replicated: bool = False  # actor.strategy ddp
     deleted: bool = False
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time

@@ -317,7 +317,7 @@ class _Pass:
                               gradient_checkpointing=self.d.gradient_checkpointing,
                               micro_batch_size=self.d.micro_batch_size, rollout_share=self.d.rollout_share,
                               actor_ranks=self.d.actor_ranks, cpu_offload=self.d.cpu_offload,
-                              reshard_after_forward=self.d.reshard_after_forward)
+                              reshard_after_forward=self.d.reshard_after_forward, replicated=self.d.replicated)
 
     def _actor_finished(self) -> bool:
         """The newest actor ended Succeeded at maxSteps (a Succeeded actor stopped early is relaunched)."""

@@ -309,6 +309,7 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
         cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
+        replicated=spec.actor.strategy == "ddp",
         deleted=run.deleted_at is not None,
         purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
     )

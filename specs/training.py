@@ -227,6 +227,14 @@ class ActorSpec(SpecModel):
         "fsdp_offload_params): for a model whose shards do not fit its GPUs, at the cost of host-device copies "
         "every step. Needs count > 1 and a GPU.",
     )
+    strategy: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="How an actor of count > 1 ranks splits the work. fsdp: FSDP2 shards the weights, gradients and "
+        "AdamW state over the ranks (a model too large for one GPU). ddp: every rank holds the whole model, trains "
+        "its slice of the batch, and the gradients are averaged (torch's DistributedDataParallel, as TRL runs on "
+        "several GPUs without fsdp): for a model that fits one GPU, no per-layer gathers or hooks, and rank 0 "
+        "publishes from its own copy (docs/fsdp.md).",
+    )
     reshard_after_forward: bool = Field(
         True,
         description="A sharded actor (count > 1) frees each layer's gathered weights after its forward and gathers "
@@ -675,6 +683,15 @@ class TrainingSpec(SpecModel):
         if not self.actor.reshard_after_forward and count == 1:
             raise rule_error("reshardAfterForward is FSDP2's choice for a sharded actor: an actor of one rank keeps "
                              "its whole model anyway; set actor.count > 1, or drop it", "actor.reshardAfterForward")
+        if self.actor.strategy == "ddp" and count == 1:
+            raise rule_error("strategy ddp replicates the actor over its ranks: set actor.count > 1, or drop it",
+                             "actor.strategy")
+        if self.actor.strategy == "ddp":
+            for name, chosen in (("mixedPrecision", self.actor.mixed_precision), ("cpuOffload", self.actor.cpu_offload),
+                                 ("reshardAfterForward", not self.actor.reshard_after_forward)):
+                if chosen:
+                    raise rule_error(f"{name} is FSDP2's: with strategy ddp every rank holds the whole model as "
+                                     f"model.dtype has it; drop it, or set actor.strategy: fsdp", f"actor.{name}")
         if self.actor.cpu_offload and (count == 1 or self.actor.gpu == "none"):
             raise rule_error("cpuOffload moves a sharded actor's shards from its GPUs to host memory: set actor.count "
                              "> 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")

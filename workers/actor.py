@@ -112,7 +112,7 @@ def main(ctx: WorkerContext) -> int:
         trainer = build_trainer(ctx, spec, loop)
         ctx.log.info("training from step %d to %d%s%s", start, spec.algorithm.max_steps,
                      f" (resuming from {resume.path})" if resume else "",
-                     f" on {spec.actor.count} ranks (FSDP2)" if ranks else "")
+                     f" on {spec.actor.count} ranks ({spec.actor.strategy.upper()})" if ranks else "")
         with startup_objects_frozen(), CollectionClock() as loop.collections:
             trainer.train(resume_from_checkpoint=resume.path if trainer_resumes else None)
         finished = True
@@ -271,13 +271,16 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
     loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
-        ctx.log.info("rank 0 of %d holds %d of the model's %d weights (FSDP2)", world, held, total)
+        ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
+                     "FSDP2" if spec.actor.strategy == "fsdp" else "DDP")
     return loop.trainer
 
 
 def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, rollout_func: Any, world: int,
                  rank: int = 0) -> Any:
-    """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load. Its
+    """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load, or with
+    actor.strategy ddp loaded whole on the rank's device, which the Trainer (accelerate) wraps in
+    DistributedDataParallel as it does for TRL on several GPUs. Its
     steps are profiled where MORTAL_PROFILE_STEPS asks (mortal.workers.step_profile), into run_dir's logs."""
     from datasets import Dataset
     from transformers import PrinterCallback
@@ -285,7 +288,8 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
 
     device = actor_device(spec)
     tokenizer = models.load_tokenizer(spec.model)
-    model = models.load_model(spec.model, device, for_training=True, fsdp_size=world,
+    fsdp_size = world if spec.actor.strategy == "fsdp" else 1  # ddp: a whole model a rank, wrapped by the Trainer
+    model = models.load_model(spec.model, device, for_training=True, fsdp_size=fsdp_size,
                               mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload,
                               reshard_after_forward=spec.actor.reshard_after_forward)
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.

@@ -68,6 +68,9 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"model": {"dtype": "float32"}, "actor": {"count": 2, "mixedPrecision": True},
       "rollout": {"colocate": True, "replicas": 2}}, int(8.5 * B), ["spec.actor.gpu"]),  # 68 + 17 GB
     ({"actor": {"count": 2}, "rollout": {"colocate": True, "replicas": 3}}, 12 * B, ["spec.actor.gpu"]),  # 2 on one
+    # strategy ddp: every rank holds the whole of it
+    ({"actor": {"count": 2, "strategy": "ddp"}}, 9 * B, []),  # 72 GB a GPU (fsdp: 36)
+    ({"actor": {"count": 2, "strategy": "ddp"}}, 11 * B, ["spec.actor.gpu"]),  # 88 GB a GPU (fsdp: 44)
     # reshardAfterForward false: + the whole model gathered, in the dtype it computes in, on every GPU
     ({"actor": {"count": 2, "reshardAfterForward": False}}, 12 * B, []),  # 48 + 24 GB a GPU
     ({"actor": {"count": 2, "reshardAfterForward": False}}, 14 * B, ["spec.actor.gpu"]),  # 56 + 28 GB
@@ -96,6 +99,12 @@ def test_a_sharded_actor_that_does_not_fit_is_told_to_shard_wider_or_offload():
     (misfit,) = certain_misfits(spec(actor={"count": 2}), 24 * B)
     assert "1/2 of the weights, gradients and AdamW's two moments (FSDP2 shards)" in misfit.message
     assert "actor.count: 4" in misfit.message and "model.lora" not in misfit.message
+
+
+def test_a_replicated_actor_that_does_not_fit_is_told_to_shard():
+    (misfit,) = certain_misfits(spec(actor={"count": 2, "strategy": "ddp"}), 11 * B)
+    assert "whole on each of 2 ranks (strategy ddp)" in misfit.message and "actor.strategy: fsdp" in misfit.message
+    assert "actor.count: 4" not in misfit.message
 
 
 def test_keeping_the_gathered_model_through_the_step_is_counted_and_undoing_it_is_a_fix():

@@ -163,6 +163,11 @@ def test_a_sharded_actor_is_told_to_shard_wider_or_offload_and_an_unsharded_one_
     assert "actor.count: 2" in memory_advice("actor", MemoryKnobs())
 
 
+def test_a_replicated_actor_is_told_to_shard():
+    advice = memory_advice("actor", MemoryKnobs(actor_ranks=2, replicated=True))
+    assert "actor.strategy: fsdp" in advice and "actor.count, now 2" not in advice
+
+
 def test_a_sharded_actor_keeping_its_gathered_weights_is_told_first_to_let_them_go():
     advice = memory_advice("actor", MemoryKnobs(actor_ranks=2, reshard_after_forward=False))
     assert advice.startswith("set actor.reshardAfterForward: true")

@@ -63,7 +63,7 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
     spec = t.run.spec_dict()
     assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True,  # TRL's torch_compile
                              "mixedPrecision": False, "cpuOffload": False,
-                             "reshardAfterForward": True}
+                             "strategy": "fsdp", "reshardAfterForward": True}
     assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True, "promptsPerTask": None,
                                **NO_TOOLS, **UNCAPPED}
     assert spec["generation"]["engine"] == "vllm" and spec["generation"]["maxTokens"] == 128

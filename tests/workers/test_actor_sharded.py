@@ -201,6 +201,26 @@ def test_weights_kept_from_forward_to_backward_train_the_same_step_with_fewer_al
     assert gathered < regathered, (gathered, regathered)
 
 
+def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_what_resumes(
+        store: Store, home: Path, tiny_dir: Path, whole: str) -> None:
+    """actor.strategy ddp: each rank holds the whole model and trains its half of the batch, the gradients
+    averaged (DistributedDataParallel): one step equals the unsharded one, and the checkpoint it writes
+    (torch.distributed.checkpoint, as for FSDP2) holds those weights, whole."""
+    replicated = create_run(store, "replicated", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
+                                                            actor={"count": 2, "strategy": "ddp"}))
+    assert train(store, replicated, home) == 0, _log_tail(home, "replicated")
+    held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights \(DDP\)",
+                                     _log_tail(home, "replicated")).groups())
+    assert held == total
+    a, b = _step_metrics(store, whole, 1), _step_metrics(store, "replicated", 1)
+    assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
+    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("replicated").path)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    saved = _checkpointed_weights(store, "replicated", 1, home.parent)
+    assert max(float((wb[k] - saved[k]).abs().max()) for k in wb) == 0.0
+
+
 def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: Store, home: Path, tiny_dir: Path,
                                                                      whole: str) -> None:
     """actor.mixedPrecision: the step's gradient is the float32 one up to bfloat16's rounding (further from it
@@ -383,20 +403,22 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(t
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("sync", ["ipc", pytest.param("nccl", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 3, reason="sync nccl needs its rollout on a GPU of its own: a third GPU")), "volume"])
+@pytest.mark.parametrize("sync, strategy", [("ipc", "fsdp"), pytest.param("nccl", "fsdp", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 3, reason="sync nccl needs its rollout on a GPU of its own: a third GPU")),
+    ("volume", "fsdp"), ("ipc", "ddp")])
 def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_beside_it(tmp_path: Path,
-                                                                                     sync: str) -> None:
+                                                                                     sync: str, strategy: str) -> None:
     """actor {gpu, count: 2} under the real controller: a GPU a rank (NCCL), two rollouts colocated one a GPU
     (ipc, volume; nccl needs its rollout on a GPU of its own, the third), weights through the ring from the
-    shards; its first step is the unsharded actor's on one GPU (the same rollouts: one prompt a task on both,
-    and the same weights), TRL's gradient norm and loss within float32 noise."""
+    shards (strategy fsdp) or from rank 0's whole copy (ddp); its first step is the unsharded actor's on one
+    GPU (the same rollouts: one prompt a task on both, and the same weights), TRL's gradient norm and loss
+    within float32 noise."""
     model = str(make_tiny_model(tmp_path / "model", seed=0))
     colocated = sync != "nccl"
     gpus = "0,1" if colocated else "0,1,2"
     common = dict(model={"dtype": "float32"}, generation={"engine": "transformers"}, sync={"method": sync},
                   algorithm={"maxSteps": 3, "batchSize": 8}, checkpoint={"every": 2, "keep": 1})
-    sharded_spec = actor_spec(model, actor={"gpu": "H100", "count": 2}, rollout={
+    sharded_spec = actor_spec(model, actor={"gpu": "H100", "count": 2, "strategy": strategy}, rollout={
         "gpu": "H100", "replicas": 2 if colocated else 1, "colocate": colocated, "promptsPerTask": 1}, **common)
     whole_spec = actor_spec(model, actor={"gpu": "H100"}, rollout={
         "gpu": "H100", "replicas": 1, "colocate": True, "promptsPerTask": 1},
