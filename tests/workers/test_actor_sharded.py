@@ -201,7 +201,7 @@ def test_weights_kept_from_forward_to_backward_train_the_same_step_with_fewer_al
     assert gathered < regathered, (gathered, regathered)
 
 
-def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_what_resumes(
+def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_its_weights(
         store: Store, home: Path, tiny_dir: Path, whole: str) -> None:
     """actor.strategy ddp: each rank holds the whole model and trains its half of the batch, the gradients
     averaged (DistributedDataParallel): one step equals the unsharded one, and the checkpoint it writes
@@ -304,6 +304,15 @@ def test_a_sharded_checkpoint_resumes_on_one_rank_and_trains_on_as_the_sharded_r
     _trains_on_as(store, "down", straight, step=3)
     [warning] = [e for e in store.list_events("down") if e.reason == "ActorCountChanged"]
     assert "written by an actor of 2 rank(s) and this one has actor.count 1" in warning.message
+
+
+def test_a_sharded_checkpoint_resumes_replicated_and_trains_on_as_the_sharded_run_did(
+        store: Store, home: Path, straight: str) -> None:
+    """A fork of the FSDP2 run's step 2 with `spec.actor.strategy=ddp`: each of the 2 ranks reads the shards
+    whole (model and AdamW state) into its own copy, and step 3 is the sharded run's step 3."""
+    fork_run(store, straight, 2, "replicated-fork", sets=["spec.actor.strategy=ddp"])
+    assert train(store, store.get_run("replicated-fork").document(), home) == 0, _log_tail(home, "replicated-fork")
+    _trains_on_as(store, "replicated-fork", straight, step=3)
 
 
 def test_an_unsharded_checkpoint_resumes_on_two_ranks_and_trains_on_as_the_unsharded_run_does(
