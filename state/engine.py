@@ -50,8 +50,9 @@ def sqlite_path(url: str) -> Path | None:
 
 def json_text(value: Any) -> str:
     """A JSON column's text, written by pydantic-core (Rust) rather than the json module SQLAlchemy uses by
-    default. Why: a step's rollout answer (64 completions of 256 tokens, 0.5 MB) took json.dumps 18-20 ms to
-    write, in the step's critical path, and pydantic-core 1.3 ms (2026-11-27, this repository's CPU). Same
+    default. Why: a step's rollout answer (64 completions of 256 tokens, 0.5 MB) is written and read in the
+    step's critical path; through SQLite that took 13 ms to write and 9 ms to read with the json module,
+    3-4 ms and 3 ms with pydantic-core (bench/store_answers.py, docs/benchmarks.md). Same
     JSON as json.dumps (NaN and Infinity included, as Python writes them) except that non-ASCII is written as
     UTF-8 rather than escaped, and a None key becomes "None" rather than "null"."""
     return pydantic_core.to_json(value, inf_nan_mode="constants").decode()
