@@ -216,7 +216,8 @@ class ActorSpec(SpecModel):
     count: int = Field(
         1, ge=1,
         description="Ranks of the actor: > 1 shards the model, gradients and optimizer state over that many "
-        "processes of one host with FSDP2 (one worker; each rank trains batchSize / count of each step). With a "
+        "processes of one host with FSDP2, or replicates them with actor.strategy ddp (one worker; each rank "
+        "trains batchSize / count of each step). With a "
         "GPU, each rank has a GPU of its own (actor.gpu, count of them), joined over NCCL; colocated rollouts "
         "spread over those GPUs, one GPU after the other (docs/fsdp.md).",
     )
