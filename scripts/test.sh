@@ -2,7 +2,8 @@
 # Installs what the tests need and runs them all (unit, both stores, end-to-end, soak). On 2 cores and 23 GiB
 # (fresh clones, 2026-11-27): set-up 1.6 min, the Ray phase 3.4-3.7 min, the rest 12.1-12.4 min on three
 # pytest-xdist workers (15.2-17.6 min on two), at most 7.9 GiB in use; 17.0-17.4 min in all, and CI allows 90. Tried, no faster: the Ray phase beside the
-# rest (21.8 min: the two cores are the limit) and xdist's worksteal scheduling (21.4 min).
+# rest (21.8 min: the two cores are the limit) and xdist's worksteal scheduling (21.4 min). The same VM is not
+# always as fast: on a later day that tree (41e231f) took 4.7 + 16.4 min, and the next one, 39 tests more, 4.5 + 16.3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup-env.sh
