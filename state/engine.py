@@ -58,6 +58,12 @@ def json_text(value: Any) -> str:
     return pydantic_core.to_json(value, inf_nan_mode="constants").decode()
 
 
+def json_value(value: Any) -> Any:
+    """`value` as a JSON column gives it back (tuples as lists, keys as strings): what comparing with a
+    stored value must use, written and read by the same codec as the columns."""
+    return pydantic_core.from_json(json_text(value))
+
+
 JSON_CODEC = {"json_serializer": json_text, "json_deserializer": pydantic_core.from_json}
 
 

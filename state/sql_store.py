@@ -13,7 +13,6 @@ mortal.state.completions.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from sqlmodel import Session, SQLModel, select
 
 from mortal.state import migrate
 from mortal.state.completions import CompletionLog
-from mortal.state.engine import is_postgres, make_engine, transaction
+from mortal.state.engine import is_postgres, json_value, make_engine, transaction
 from mortal.state.errors import Conflict, NotFound
 from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef
@@ -52,7 +51,7 @@ _RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow,
 
 def _json(value: Any) -> Any:
     """The value as JSON will store it (tuples -> lists, ...), so equality means 'stores the same'."""
-    return json.loads(json.dumps(value))
+    return json_value(value)
 
 
 class SqlStore(TaskQueue, CompletionLog, Store):
