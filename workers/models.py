@@ -272,8 +272,10 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
         raise _fatal(model_spec.name, f"cannot load the model from {location}: {exc}") from exc
     if fsdp_size == 1:
         model.to(device)
-    elif not reshard_after_forward:
-        model.set_reshard_after_forward(False)  # the root FSDPModule, and every one inside it
+    else:
+        fold_tied_fsdp_params(model)
+        if not reshard_after_forward:
+            model.set_reshard_after_forward(False)  # the root FSDPModule, and every one inside it
     use_tf32(model_spec, device)
     if for_training:
         model.train()
@@ -282,6 +284,67 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def fold_tied_fsdp_params(model: Any) -> int:
+    """Make each tied weight of a model transformers sharded at load one FSDP2 parameter; how many were folded.
+
+    Why: transformers (5.24) shards the embedding with the final norm (one fully_shard group), then the root
+    module, and ties the LM head to the embedding only after both. The root group has by then taken the
+    head's own, untied weight as a parameter of its own, so FSDP2 manages the tied weight twice: every step
+    all-gathers it and reduce-scatters its gradient once for each group (the two gradients add up into the
+    one shard, so the step is still right), and under actor.cpuOffload the root's copy stays on the GPU and
+    FSDP2 refuses it at the first forward ("FSDP parameters should be materialized on CPU"). Folding makes
+    the head a shared module of the embedding's parameter, as fully_shard does for weights tied before it
+    runs: one gather, one reduce-scatter, the shard where the offload policy put it. No public API does
+    this; it uses FSDP2's parameter-group records (torch 2.11-2.13) and refuses loudly if they change."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        return _fold_tied(model, FSDPModule)
+    except AttributeError as exc:
+        raise FatalWorkerError("TorchUnsupported", f"torch {torch.__version__}'s FSDP2 no longer keeps the records "
+                               f"mortal folds tied weights through ({exc}); use torch 2.11-2.13 for a sharded actor") from exc
+
+
+def _fold_tied(model: Any, fsdp_module: type) -> int:
+    """fold_tied_fsdp_params's work, on FSDP2's private records (an AttributeError where they changed)."""
+    states = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if isinstance(module, fsdp_module) else None
+        if state is not None and all(state is not seen for seen in states):  # a group of modules shares one
+            states.append(state)
+    groups = [group for state in states for group in _param_groups(state)]
+    groups.sort(key=lambda group: model in group.modules)  # the root's last: a weight stays with the inner group
+    owners: dict[int, Any] = {}  # id of the parameter a module holds now -> the FSDP parameter that manages it
+    folded = 0
+    for group in groups:
+        for fsdp_param in list(group.fsdp_params):
+            info = fsdp_param._module_info
+            owner = owners.setdefault(id(getattr(info.module, info.param_name)), fsdp_param)
+            if owner is not fsdp_param:
+                owner._module_info.shared_modules.append(info.module)
+                owner._module_info.shared_param_names.append(info.param_name)
+                group.fsdp_params.remove(fsdp_param)
+                folded += 1
+    for state in states:  # a group left without parameters would gather nothing: it goes
+        _drop_empty_groups(state)
+    return folded
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """A module's FSDP2 parameter groups: a list since torch 2.12 (per-parameter meshes), one or none before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def _drop_empty_groups(state: Any) -> None:
+    if hasattr(state, "_fsdp_param_groups"):
+        state._fsdp_param_groups[:] = [group for group in state._fsdp_param_groups if group.fsdp_params]
+    elif state._fsdp_param_group is not None and not state._fsdp_param_group.fsdp_params:
+        state._fsdp_param_group = None
 
 
 def use_tf32(model_spec: ModelSpec, device: str) -> bool:

@@ -140,6 +140,32 @@ def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
     assert Sharded.settings == ([] if reshard else [False])
 
 
+@pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_trains_it_as_unsharded(
+        tmp_path: Path) -> None:
+    """The LM head tied to the embedding is one FSDP2 parameter over 2 CPU ranks: no group gathers it twice
+    (one all-gather a layer and one for the embedding's group in forward, each layer again in backward), and
+    the step's loss and the tied weight's gradient, both uses summed, are the unsharded model's."""
+    import torch.multiprocessing as mp
+    from sharded_helpers import TIED_BATCH, tied_weight_step
+
+    from mortal.workers import sharded
+
+    model_dir = make_tiny_model(tmp_path / "model")
+    mp.start_processes(tied_weight_step, args=(str(model_dir), sharded.free_port(), str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    got = torch.load(tmp_path / "tied.pt")
+    whole = load_model(ModelSpec(name=str(model_dir), dtype="float32"), "cpu", for_training=True)
+    loss = whole(input_ids=TIED_BATCH, labels=TIED_BATCH).loss
+    loss.backward()
+    layers = whole.config.num_hidden_layers
+    assert whole.get_output_embeddings().weight is whole.get_input_embeddings().weight
+    assert got["fsdp_params"] == got["parameters"] == len(list(whole.parameters()))
+    assert got["groups"] == layers + 1 and got["gathers"] == 2 * layers + 1, got
+    assert torch.allclose(got["loss"], loss.detach(), atol=1e-5)
+    assert torch.allclose(got["embedding_grad"], whole.get_input_embeddings().weight.grad, atol=1e-6)
+
+
 def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "m")
     config = json.loads((folder / "tokenizer_config.json").read_text())
