@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests, gpu-tests-unrun, offload"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests, gpu-tests-unrun, offload, regional"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -73,6 +73,14 @@ case $group in
     timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/workers/test_ipc_weights.py" \
       -k "colocated-ipc-True" --basetemp=/tmp/pt 2>&1 | tee "$OUT/gpu-tests.log"
     tar czf "$OUT/gpu-tests-logs.tgz" -C /tmp pt 2>/dev/null ;;
+  regional)  # issue 14 parts 1 and 3: compile one decoder layer for all of them (bench/regional_compile.py), the
+             # 0.5B shape at its 24 layers and at 30 (SmolLM2's count), twice each; one GPU is enough
+    for run in 1 2; do
+      for layers in 24 30; do
+        timeout -k 10 240 python3 "$R/bench/regional_compile.py" --layers $layers \
+          --json "$OUT/regional_compile_${layers}l_run$run.json" 2>&1 | tee -a "$OUT/all.log"
+      done
+    done ;;
   offload)  # actor.cpuOffload on two GPUs, after the tied-weight fold (models.fold_tied_fsdp_params): it failed
             # at the first forward before it (2026-11-27); its own call, on the 7B call's warm machine
     timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/workers/test_actor_sharded.py" \
