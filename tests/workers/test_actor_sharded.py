@@ -296,11 +296,15 @@ def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_
 
 
 def test_a_sharded_checkpoint_resumes_on_one_rank_and_trains_on_as_the_sharded_run_did(
-        store: Store, straight: str) -> None:
+        store: Store, home: Path, straight: str) -> None:
     """`mortalctl fork straight:step-2 down --set spec.actor.count=1`: the unsharded actor reads the
-    2 ranks' DCP shards whole (model and AdamW state) and its step 3 is the sharded run's step 3."""
+    2 ranks' DCP shards whole (model and AdamW state) and its step 3 is the sharded run's step 3.
+    The actor runs in a process of its own, as a worker does: run in this test's process, its thread and the
+    rollout thread shared torch's global generator, and once under CI's load the rollouts differed (step 3's
+    gradient norm 0.77 against 0.0; alone it passed every time), most likely the actor's seeding landing
+    inside a rollout's seeded sampling."""
     fork_run(store, straight, 2, "down", sets=["spec.actor.count=1"])
-    assert run_actor_with_rollout(store, store.get_run("down").document()) == 0
+    assert train(store, store.get_run("down").document(), home) == 0, _log_tail(home, "down")
     _trains_on_as(store, "down", straight, step=3)
     [warning] = [e for e in store.list_events("down") if e.reason == "ActorCountChanged"]
     assert "written by an actor of 2 rank(s) and this one has actor.count 1" in warning.message
@@ -320,7 +324,7 @@ def test_an_unsharded_checkpoint_resumes_on_two_ranks_and_trains_on_as_the_unsha
     """A fork of the unsharded run's step 1 onto 2 ranks (the Trainer's model.safetensors and optimizer.pt,
     each rank keeping its shards) against the same fork on 1 rank."""
     fork_run(store, whole, 1, "onwards", sets=["spec.algorithm.maxSteps=2"])
-    assert run_actor_with_rollout(store, store.get_run("onwards").document()) == 0
+    assert train(store, store.get_run("onwards").document(), home) == 0, _log_tail(home, "onwards")  # a process: above
     fork_run(store, whole, 1, "up", sets=["spec.algorithm.maxSteps=2", "spec.actor.count=2"])
     assert train(store, store.get_run("up").document(), home) == 0, _log_tail(home, "up")
     assert "resumed on 2 rank(s) from a checkpoint of 1" in _log_tail(home, "up")
