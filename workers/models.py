@@ -334,7 +334,8 @@ def _fold_tied(model: Any, fsdp_module: type) -> int:
 
 
 def _param_groups(state: Any) -> list[Any]:
-    """A module's FSDP2 parameter groups: a list since torch 2.12 (per-parameter meshes), one or none before."""
+    """A module's FSDP2 parameter groups: a list in torch 2.13 (per-parameter meshes), one or none where FSDP2
+    keeps a single group (`_fsdp_param_group`; the GPU machines' torch 2.11 is read either way)."""
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
