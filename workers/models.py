@@ -297,7 +297,8 @@ def fold_tied_fsdp_params(model: Any) -> int:
     FSDP2 refuses it at the first forward ("FSDP parameters should be materialized on CPU"). Folding makes
     the head a shared module of the embedding's parameter, as fully_shard does for weights tied before it
     runs: one gather, one reduce-scatter, the shard where the offload policy put it. No public API does
-    this; it uses FSDP2's parameter-group records (torch 2.11-2.13) and refuses loudly if they change."""
+    this; it uses FSDP2's parameter-group records (tested on torch 2.13's; the GPU machines' 2.11 not yet run)
+    and refuses loudly, naming the torch, where they are not there."""
     import torch
     from torch.distributed.fsdp import FSDPModule
 
