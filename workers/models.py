@@ -286,8 +286,8 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
     return model
 
 
-def fold_tied_fsdp_params(model: Any) -> int:
-    """Make each tied weight of a model transformers sharded at load one FSDP2 parameter; how many were folded.
+def fold_tied_fsdp_params(model: Any) -> None:
+    """Make each tied weight of a model transformers sharded at load one FSDP2 parameter.
 
     Why: transformers (5.24) shards the embedding with the final norm (one fully_shard group), then the root
     module, and ties the LM head to the embedding only after both. The root group has by then taken the
@@ -300,26 +300,20 @@ def fold_tied_fsdp_params(model: Any) -> int:
     this; it uses FSDP2's parameter-group records (tested on torch 2.13's; the GPU machines' 2.11 not yet run)
     and refuses loudly, naming the torch, where they are not there."""
     import torch
-    from torch.distributed.fsdp import FSDPModule
 
     try:
-        return _fold_tied(model, FSDPModule)
+        _fold_tied(model)
     except AttributeError as exc:
         raise FatalWorkerError("TorchUnsupported", f"torch {torch.__version__}'s FSDP2 no longer keeps the records "
                                f"mortal folds tied weights through ({exc}); use torch 2.11-2.13 for a sharded actor") from exc
 
 
-def _fold_tied(model: Any, fsdp_module: type) -> int:
+def _fold_tied(model: Any) -> None:
     """fold_tied_fsdp_params's work, on FSDP2's private records (an AttributeError where they changed)."""
-    states = []
-    for module in model.modules():
-        state = module._get_fsdp_state() if isinstance(module, fsdp_module) else None
-        if state is not None and all(state is not seen for seen in states):  # a group of modules shares one
-            states.append(state)
+    states = fsdp_states(model)
     groups = [group for state in states for group in _param_groups(state)]
     groups.sort(key=lambda group: model in group.modules)  # the root's last: a weight stays with the inner group
     owners: dict[int, Any] = {}  # id of the parameter a module holds now -> the FSDP parameter that manages it
-    folded = 0
     for group in groups:
         for fsdp_param in list(group.fsdp_params):
             info = fsdp_param._module_info
@@ -328,10 +322,20 @@ def _fold_tied(model: Any, fsdp_module: type) -> int:
                 owner._module_info.shared_modules.append(info.module)
                 owner._module_info.shared_param_names.append(info.param_name)
                 group.fsdp_params.remove(fsdp_param)
-                folded += 1
     for state in states:  # a group left without parameters would gather nothing: it goes
         _drop_empty_groups(state)
-    return folded
+
+
+def fsdp_states(model: Any) -> list[Any]:
+    """The FSDP2 state of each fully_shard call on `model`, once (modules sharded together share one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    states: list[Any] = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        if state is not None and all(state is not seen for seen in states):
+            states.append(state)
+    return states
 
 
 def _param_groups(state: Any) -> list[Any]:

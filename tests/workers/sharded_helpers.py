@@ -95,7 +95,6 @@ def tied_weight_step(rank: int, model_dir: str, port: int, out: str) -> None:
     manages (how many parameters, in how many groups), how many all-gathers one forward and backward make,
     and the loss and the embedding's whole gradient of that step on a fixed batch."""
     import torch
-    from torch.distributed.fsdp import FSDPModule
 
     from mortal.specs.training import ModelSpec
     from mortal.workers import models, sharded
@@ -104,19 +103,18 @@ def tied_weight_step(rank: int, model_dir: str, port: int, out: str) -> None:
     ranks = sharded.Ranks(rank, 2, "cpu")
     ranks.join()
     model = models.load_model(ModelSpec.model_validate({"name": model_dir}), "cpu", for_training=True, fsdp_size=2)
-    states = {id(module._get_fsdp_state()): module._get_fsdp_state() for module in model.modules()
-              if isinstance(module, FSDPModule)}
-    groups = {id(group): group for state in states.values() for group in models._param_groups(state)}
+    groups = [group for state in models.fsdp_states(model) for group in models._param_groups(state)]
+    batch = torch.tensor(TIED_BATCH)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        loss = model(input_ids=TIED_BATCH, labels=TIED_BATCH).loss
+        loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
     gathers = sum(1 for event in profile.events() if event.name == "fsdp::all_gather_copy_in")
     gradient = model.get_input_embeddings().weight.grad.full_tensor()
     if rank == 0:
-        torch.save({"fsdp_params": sum(len(group.fsdp_params) for group in groups.values()), "groups": len(groups),
+        torch.save({"fsdp_params": sum(len(group.fsdp_params) for group in groups), "groups": len(groups),
                     "parameters": len(list(model.parameters())), "gathers": gathers, "loss": loss.detach(),
                     "embedding_grad": gradient}, Path(out) / "tied.pt")
     ranks.close()
 
 
-TIED_BATCH = __import__("torch").tensor([[1, 5, 9, 13, 17, 21, 25, 29], [2, 4, 8, 16, 32, 64, 128, 256]])
+TIED_BATCH = [[1, 5, 9, 13, 17, 21, 25, 29], [2, 4, 8, 16, 32, 64, 128, 256]]  # token ids of one step

@@ -156,7 +156,8 @@ def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_tr
                        join=True, start_method="spawn")
     got = torch.load(tmp_path / "tied.pt")
     whole = load_model(ModelSpec(name=str(model_dir), dtype="float32"), "cpu", for_training=True)
-    loss = whole(input_ids=TIED_BATCH, labels=TIED_BATCH).loss
+    batch = torch.tensor(TIED_BATCH)
+    loss = whole(input_ids=batch, labels=batch).loss
     loss.backward()
     layers = whole.config.num_hidden_layers
     assert whole.get_output_embeddings().weight is whole.get_input_embeddings().weight
