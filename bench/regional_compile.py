@@ -1,25 +1,24 @@
-"""What compiling one decoder layer instead of the whole model would save the rollout's start: a probe.
+"""The rollout decoder's start with the whole model compiled against one graph for every decoder layer.
 
     python bench/regional_compile.py [--shape 0.5b] [--layers N] [--rows 64] [--prompt 64] [--tokens 256]
-                                     [--steps 32] [--cpu] [--json out.json]
+                                     [--repeats 2] [--cpu] [--json out.json]
 
 Why: a rollout's first decode shape pays torch.compile of the whole model's decode step (34 s for
 SmolLM2-135M on an H100, 11 s from a warm cache; docs/benchmarks.md, "Learning on a GPU beside TRL"),
-and a relaunched worker pays it again. Compiling the repeated decoder layer once and reusing it for every
-layer ("regional compilation") compiles one layer's graph instead of N. It does not work as the decoder
-stands: transformers' StaticCache.update indexes its per-layer list with the attention module's
-`layer_idx`, so dynamo guards on that int and compiles every layer anew (TORCH_LOGS=recompiles:
-`self._modules['self_attn'].layer_idx == 0`). Here the cache keeps all layers' K/V in one tensor indexed
-by that int, and the int is left unspecialised (torch._dynamo.config.allow_unspec_int_on_nn_module,
-dynamic=None), so layer 0 compiles once with it fixed and one more graph serves every other layer.
+and a relaunched worker pays it again. StaticDecoder's compile_scope "layer" compiles the repeated decoder
+layer once for all of them (workers/engines/static_decode.py, layer_compiled_model and StackedRowCache say
+how). Whether it should be the default is a trade: seconds of compilation saved at the start against any
+milliseconds lost per decode step (the embedding, norm and head run unfused; a second shape compiles the
+layer with symbolic sizes).
 
-Each variant runs in its own process with an empty inductor cache: `full` (torch.compile of the model,
-dynamic=False, as StaticDecoder does) and `regional`. Printed for each: the first forward's seconds (the
-compile), graphs compiled, milliseconds per decode forward after it (no CUDA graph: the regional variant's
-eager embedding, norm and head count against it here, though a captured step would replay them as
-kernels), and the largest difference of its logits from the eager model's on the same step.
-Model: bench/gpu_step.py's SHAPES, random init (bf16 on a GPU, float32 with --cpu), with the decoder's
-packed attention and fused projections installed. This measures the idea; StaticDecoder does not use it.
+Each scope runs in its own process with an empty inductor cache, through StaticDecoder as the engine uses it:
+  1. `prepare` the first shape (rows x (prompt + tokens)): the compile and the CUDA graph capture, timed;
+  2. decode it with no end of sequence (every row runs all its tokens) `repeats` times: ms per decode step
+     (the slowest repeat after the first);
+  3. the same for a second shape, the prompt twice as wide (what a worker pays when its prompts' width changes).
+Printed and recorded for each: seconds to prepare each shape, graphs compiled, ms per decode step of each.
+Model: bench/gpu_step.py's SHAPES (--layers overrides the count), random init, bf16 on a GPU, float32 with
+--cpu (no CUDA graph there: the step runs as compiled, so the CPU's milliseconds say nothing of a GPU's).
 """
 
 from __future__ import annotations
@@ -33,31 +32,17 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("full", "regional")
+SCOPES = ("model", "layer")
 
 
-def stacked_cache_class():
-    """A RowCache whose layers' K/V are views of one [layers, rows, heads, columns, dim] tensor each, written
-    and read through the layer index as a tensor index (no per-layer Python object for dynamo to guard on)."""
+def compile_without_graph(decoder, cache, step):
+    """The CPU's stand-in for StaticDecoder._capture: its warm-up step (which compiles), and no CUDA graph."""
     import torch
 
-    from mortal.workers.engines.static_decode import RowCache
-
-    class StackedRowCache(RowCache):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.all_keys = torch.stack([layer.keys for layer in self.layers])
-            self.all_values = torch.stack([layer.values for layer in self.layers])
-            for index, layer in enumerate(self.layers):
-                layer.keys, layer.values = self.all_keys[index], self.all_values[index]
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            keys, values = self.all_keys[layer_idx], self.all_values[layer_idx]
-            keys[self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
-            values[self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
-            return keys, values
-
-    return StackedRowCache
+    with torch.random.fork_rng():
+        cache.reset()
+        step()
+    return step
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -66,8 +51,7 @@ def child(args: argparse.Namespace) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from mortal.workers.engines import decode_attention, fused_projections
-    from mortal.workers.engines.static_decode import RowCache, RowWrites
+    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
 
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16
@@ -76,47 +60,35 @@ def child(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    decode_attention.install(model)
-    fused_projections.fuse(model)
-    length = args.prompt + args.tokens
-    columns = torch.full((args.rows,), args.prompt, dtype=torch.long, device=device)
-    cache_class = stacked_cache_class() if args.child == "regional" else RowCache
-    cache = cache_class(model, args.rows, length, RowWrites(columns))
-    for layer in cache.layers:  # a filled prompt: attention reads something
-        layer.keys.normal_()
-        layer.values.normal_()
-    inputs = dict(input_ids=torch.randint(0, 49152, (args.rows, 1), device=device),
-                  position_ids=torch.full((args.rows, 1), args.prompt, device=device),
-                  attention_mask=torch.zeros(args.rows, 1, 1, length, dtype=dtype, device=device),
-                  past_key_values=cache, use_cache=True)
-    inputs["attention_mask"][..., args.prompt + 1:] = float("-inf")
+    if args.cpu:
+        StaticDecoder._capture = compile_without_graph
+    decoder = StaticDecoder(model, compile=True, max_rows=args.rows, compile_scope=args.child)
+    sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    with torch.no_grad():
-        eager = model(**inputs).logits.float()
-        if args.child == "full":
-            forward = torch.compile(model, dynamic=False)
-        else:
-            torch._dynamo.config.allow_unspec_int_on_nn_module = True
-            for layer in model.model.layers:
-                layer.compile(dynamic=None)
-            forward = model
+    measured = []
+    for width in (args.prompt, 2 * args.prompt):
+        ids = torch.randint(100, 40000, (args.rows, width), device=device)
+        mask = torch.ones_like(ids)
         counters.clear()
         started = time.perf_counter()
-        logits = forward(**inputs).logits.float()
+        decoder.prepare(args.rows, width, args.tokens, sampling)
         sync()
-        compile_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            forward(**inputs)
-        sync()
-        per_forward = (time.perf_counter() - started) / args.steps
-    return {"variant": args.child, "layers": config.num_hidden_layers, "compile_seconds": compile_seconds,
-            "graphs": int(counters["stats"]["unique_graphs"]), "ms_per_forward": per_forward * 1e3,
-            "max_logit_diff_vs_eager": float((logits - eager).abs().max())}
+        prepare_seconds = time.perf_counter() - started
+        graphs = int(counters["stats"]["unique_graphs"])
+        step_ms = []
+        for _ in range(args.repeats + 1):
+            started = time.perf_counter()
+            decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[])
+            sync()
+            step_ms.append((time.perf_counter() - started) / decoder.last_stats.decode_steps * 1e3)
+        measured.append({"prompt": width, "prepare_seconds": prepare_seconds, "graphs": graphs,
+                         "ms_per_decode_step": max(step_ms[1:]), "ms_per_decode_step_each": step_ms})
+    return {"scope": args.child, "layers": config.num_hidden_layers, "shapes": measured,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
 def main() -> None:
@@ -126,26 +98,27 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=SCOPES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
     results = []
-    for variant in VARIANTS:
+    for scope in SCOPES:
         with tempfile.TemporaryDirectory() as cache_dir:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": f"{cache_dir}/triton"}
-            out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", variant], env=env,
+            out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", scope], env=env,
                                  capture_output=True, text=True, check=False)
         if out.returncode != 0:
-            sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
+            sys.exit(f"scope {scope} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"{variant:9s} {r['layers']} layers: compile {r['compile_seconds']:.1f} s, {r['graphs']} graph(s), "
-              f"{r['ms_per_forward']:.2f} ms a forward, logits within {r['max_logit_diff_vs_eager']:.2e} of eager")
+        for s in r["shapes"]:
+            print(f"{scope:6s} {r['layers']} layers, prompt {s['prompt']}: prepared in {s['prepare_seconds']:.1f} s "
+                  f"({s['graphs']} graph(s)), {s['ms_per_decode_step']:.2f} ms a decode step")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("json", "child")},
                                          "results": results}, indent=2))

@@ -30,6 +30,16 @@ bench() {
   [ "$rc" = 0 ] || tar czf "$OUT/logs-$name.tgz" -C /tmp "logs-$name" "$name.log" 2>/dev/null
 }
 
+# gpu_tests LIMIT_SECONDS PYTEST_ARGS...: GPU-marked tests under a time limit; their temporary folders (worker
+# logs) come back as gpu-tests-logs.tgz
+gpu_tests() {
+  local limit=$1
+  shift
+  timeout -k 10 "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu --basetemp=/tmp/pt "$@" 2>&1 \
+    | tee -a "$OUT/gpu-tests.log"
+  tar czf "$OUT/gpu-tests-logs.tgz" -C /tmp pt 2>/dev/null
+}
+
 case $group in
   two-gpus)  # issue 15.2: two GPUs' tokens/s against one GPU's, on-policy and overlapped (each twice in turn)
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
@@ -66,25 +76,22 @@ case $group in
   seven-b-lora)  # issue 15.1: 7B LoRA on one GPU against TRL, now that the adapters travel through the ipc ring
     bench sevenb_lora 560 --shape 7b --lora 16 --micro-batch 8 --steps 4 ;;
   gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
-    timeout -k 10 560 python3 -m pytest -q -x -p no:cacheprovider -m gpu "$R/tests/workers/test_actor_sharded.py" \
-      "$R/tests/workers/test_ipc_weights.py" 2>&1 | tee "$OUT/gpu-tests.log" ;;
+    gpu_tests 560 -x "$R/tests/workers/test_actor_sharded.py" "$R/tests/workers/test_ipc_weights.py" ;;
   gpu-tests-unrun)  # the GPU case not yet run on a GPU: LoRA's adapters through the ipc ring (the ddp and volume
                     # cases passed on two H100s on 2026-11-27; cpuOffload is the offload group)
-    timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/workers/test_ipc_weights.py" \
-      -k "colocated-ipc-True" --basetemp=/tmp/pt 2>&1 | tee "$OUT/gpu-tests.log"
-    tar czf "$OUT/gpu-tests-logs.tgz" -C /tmp pt 2>/dev/null ;;
-  regional)  # issue 14 parts 1 and 3: compile one decoder layer for all of them (bench/regional_compile.py), the
-             # 0.5B shape at its 24 layers and at 30 (SmolLM2's count), twice each; one GPU is enough
+    gpu_tests 300 "$R/tests/workers/test_ipc_weights.py" -k "colocated-ipc-True" ;;
+  regional)  # issue 14 parts 1 and 3: StaticDecoder's compile scopes, the whole model against one graph for every
+             # decoder layer (bench/regional_compile.py), at the 0.5B shape's 24 layers and SmolLM2's 30, twice
+             # each, then the decoder's GPU tests with both scopes; one GPU is enough (about 6 min)
     for run in 1 2; do
       for layers in 24 30; do
         timeout -k 10 240 python3 "$R/bench/regional_compile.py" --layers $layers \
           --json "$OUT/regional_compile_${layers}l_run$run.json" 2>&1 | tee -a "$OUT/all.log"
       done
-    done ;;
+    done
+    gpu_tests 200 "$R/tests/workers/test_static_decode.py" ;;
   offload)  # actor.cpuOffload on two GPUs, after the tied-weight fold (models.fold_tied_fsdp_params): it failed
             # at the first forward before it (2026-11-27); its own call, on the 7B call's warm machine
-    timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/workers/test_actor_sharded.py" \
-      -k "mixed_precision" --basetemp=/tmp/pt 2>&1 | tee "$OUT/gpu-tests.log"
-    tar czf "$OUT/offload-logs.tgz" -C /tmp pt 2>/dev/null ;;
+    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "mixed_precision" ;;
   *) echo "unknown group $group" >&2; exit 2 ;;
 esac

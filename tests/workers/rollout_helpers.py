@@ -65,15 +65,16 @@ def assets_available() -> bool:
     return assets_dir() is not None
 
 
-def make_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """Write a tiny random-init Llama with SmolLM2's tokenizer to `folder` (a from_pretrained folder)."""
+def make_tiny_model(folder: Path, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a tiny random-init Llama with SmolLM2's tokenizer to `folder` (a from_pretrained folder); TINY's
+    sizes unless `config_overrides` says otherwise."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     assets = assets_dir()
     assert assets is not None, "SmolLM2 assets are missing (see this module's docstring)"
     config = json.loads((assets / "smollm2-cfg" / "config.json").read_text())
-    config.update(TINY)
+    config.update({**TINY, **config_overrides})
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(seed)

@@ -13,8 +13,10 @@ import pytest
 import torch
 from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
 
+from mortal.workers.engines import static_decode
 from mortal.workers.engines.base import cut_at_eos
 from mortal.workers.engines.static_decode import (
+    COMPILE_SCOPES,
     DEFAULT_KEPT_SHAPES,
     SAMPLING_COPIES,
     SYNC_EVERY,
@@ -234,16 +236,58 @@ def test_the_torch_compiled_step_traces_the_row_cache_on_the_cpu(model, monkeypa
     torch.testing.assert_close([c.logprobs for c in compiled], [c.logprobs for c in eager], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("row_cache", ["stacked", "one object per layer"])
+def test_a_layer_scope_compiles_one_graph_for_every_layer_and_decodes_as_the_eager_step(tmp_path, monkeypatch,
+                                                                                      row_cache) -> None:
+    """compile_scope "layer": each decoder layer compiled, one graph with the layer index as its input serving
+    layers 1..N-1 (layer 0's is the first, fixed), through the stacked cache; tokens and logprobs those of the
+    eager step, refills included, and the model's own layers back in place after the call. Through a cache
+    with one object per layer (transformers' own layout) dynamo compiles every layer anew: why the stack."""
+    from transformers import AutoModelForCausalLM
+
+    four_layers = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model", num_hidden_layers=4),
+                                                       dtype=torch.float32).eval()
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    layer_compiled = static_decode.layer_compiled_model
+    monkeypatch.setattr(static_decode, "layer_compiled_model", lambda m: layer_compiled(m, backend=counting_backend))
+    monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
+    if row_cache != "stacked":
+        monkeypatch.setattr(static_decode, "StackedRowCache", static_decode.RowCache)
+    names = [name for name, _ in four_layers.named_parameters()]
+    prompts = _prompts([5, 11, 3, 8])
+    torch._dynamo.reset()
+    layered = _decode(StaticDecoder(four_layers, max_rows=3, sync_every=4, compile_scope="layer"), prompts, 2, 12,
+                      FREQUENT_EOS, seed=1, width=16)
+    eager = _decode(StaticDecoder(four_layers, compile=False, max_rows=3, sync_every=4), prompts, 2, 12,
+                    FREQUENT_EOS, seed=1, width=16)
+    assert len(graphs) == (2 if row_cache == "stacked" else 4)
+    assert [c.ids for c in layered] == [c.ids for c in eager]
+    torch.testing.assert_close([c.logprobs for c in layered], [c.logprobs for c in eager], atol=1e-5, rtol=0)
+    assert [name for name, _ in four_layers.named_parameters()] == names
+
+
+def test_an_unknown_compile_scope_is_refused_naming_the_known_ones(model) -> None:
+    with pytest.raises(ValueError, match="'block': one of model, layer"):
+        StaticDecoder(model, compile_scope="block")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pass(model) -> None:
+@pytest.mark.parametrize("compile_scope", COMPILE_SCOPES)
+def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pass(model, compile_scope) -> None:
     """The CUDA path: the step captured as a graph (per-row scatter into the cache, per-row masks and
     positions), rows refilled between replays; logprobs match a teacher-forced forward (float32), the
-    same seed gives the same tokens, and alternating widths replay the kept graphs."""
+    same seed gives the same tokens, and alternating widths replay the kept graphs. With the whole
+    model compiled, and with one graph for every decoder layer."""
     cuda_model = model.to("cuda")
     try:
         prompts, n, max_tokens = _prompts([5, 11, 3, 8, 13]), 3, 24
-        decoder = StaticDecoder(cuda_model, compile=True, max_rows=4, sync_every=4)
+        decoder = StaticDecoder(cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope)
         ids, mask = _left_padded(prompts, n, width=16)
         torch.manual_seed(1)
         tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)

@@ -57,8 +57,9 @@ inside the step (no .item(), no Python branching on tensor values: the graph rep
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,10 @@ SAMPLING_COPIES = 4  # float32 [rows, vocab] tensors a step holds at once: logit
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
+# What torch.compile covers of a decode step's forward: the whole model ("model"), or each decoder layer
+# with one graph for all (layer_compiled_model). "model" is the default until a GPU run weighs the two
+# (bench/regional_compile.py).
+COMPILE_SCOPES = ("model", "layer")
 
 
 def compiled_model(model: Any, backend: Any = "inductor", dynamic: bool | None = False) -> Callable[..., Any]:
@@ -102,6 +107,50 @@ def compiled_model(model: Any, backend: Any = "inductor", dynamic: bool | None =
             return compiled(**kwargs)
 
     return forward
+
+
+def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[..., Any]:
+    """`model`'s forward with its decoder layers compiled, one graph serving them all (regional compilation);
+    the embedding, final norm and head run eagerly (inside a captured CUDA graph they replay as kernels like
+    the rest). Decodes through a StackedRowCache only (it says why).
+
+    Why: compiling the whole model's decode step is most of a rollout's start (34.6 s for SmolLM2 on an H100,
+    docs/benchmarks.md), and the layers are one module repeated. Compiled with dynamic=None and the layer
+    index unspecialised, layer 0 compiles with everything fixed and a second graph, the index symbolic, serves
+    every other layer (bench/regional_compile.py: 2 graphs for 24 layers, a third of the whole model's compile
+    on 2 CPUs). A second decode shape makes automatic dynamic shapes compile the sizes symbolic too.
+    The compiled layers stand in the model's layer list only during the call: the eager prefill and anything
+    else that calls the model run the plain layers (a prefill would otherwise compile each new width)."""
+    layers = decoder_layers(model)
+    compiled = torch.nn.ModuleList(torch.compile(layer, dynamic=None, backend=backend) for layer in layers)
+
+    def forward(**kwargs: Any) -> Any:
+        patch = torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES, allow_unspec_int_on_nn_module=True)
+        with patch, _layers_replaced(layers, compiled):
+            return model(**kwargs)
+
+    return forward
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The repeated decoder layers of a transformers causal LM (`get_decoder().layers`)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers at get_decoder().layers: "
+                         f"compile it whole (compile scope 'model')")
+    return layers
+
+
+@contextlib.contextmanager
+def _layers_replaced(layers: torch.nn.ModuleList, replacements: torch.nn.ModuleList) -> Iterator[None]:
+    originals = list(layers)
+    for index, replacement in enumerate(replacements):
+        layers[index] = replacement
+    try:
+        yield
+    finally:
+        for index, original in enumerate(originals):
+            layers[index] = original
 
 
 def graph_rows(sequences: int, max_rows: int) -> int:
@@ -239,13 +288,18 @@ class RowScatterLayer(StaticLayer):
         return self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
     def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new K/V per row at that row's own column (graph-safe); returns the whole cache.
+        return write_decode_step(self.keys, self.values, self.writes, key_states, value_states)
 
-        Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
-        scatter_ may be compiled as a copy of the whole cache per layer and step."""
-        self.keys[self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
-        self.values[self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
-        return self.keys, self.values
+
+def write_decode_step(keys: torch.Tensor, values: torch.Tensor, writes: RowWrites, key_states: torch.Tensor,
+                      value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new K/V per row at that row's own column of one layer's cache (graph-safe); returns that cache.
+
+    Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
+    scatter_ may be compiled as a copy of the whole cache per layer and step."""
+    keys[writes.every_row, :, writes.columns] = key_states[:, :, 0]
+    values[writes.every_row, :, writes.columns] = value_states[:, :, 0]
+    return keys, values
 
 
 class RowCache(StaticCache):
@@ -265,6 +319,38 @@ class RowCache(StaticCache):
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.early_initialization(rows, kv_heads, head_dim, param.dtype, param.device)
+
+
+class StackedRowCache(RowCache):
+    """A RowCache whose layers' K/V are views of one [layers, R, heads, P + T, head_dim] tensor each; a decode
+    step reaches a layer's through its index into that tensor.
+
+    Why: compiling each decoder layer on its own, one graph for all of them (compile scope "layer"), needs the
+    layers to differ only in tensors. transformers' Cache.update picks the layer's object from a list with the
+    attention module's `layer_idx`, and dynamo guards on that int and on the object, compiling every layer
+    anew; indexing one tensor with the int, left unspecialised, makes it an input of one graph. The eager
+    prefill still writes through each layer's object (its views)."""
+
+    def early_initialization(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                             device: torch.device) -> None:
+        """The stacked K/V first, then each layer's views of it (one layer's own tensors live at a time, so
+        the peak is the cache and one layer, not two caches)."""
+        shape = (len(self.layers), batch_size, num_heads, self.layers[0].max_cache_len, head_dim)
+        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        empty = torch.zeros((batch_size, num_heads, 0, head_dim), dtype=dtype, device=device)
+        for index, layer in enumerate(self.layers):
+            layer.lazy_initialization(empty, empty)
+            layer.keys, layer.values = self.all_keys[index], self.all_values[index]
+        torch._dynamo.mark_static_address(self.all_keys)
+        torch._dynamo.mark_static_address(self.all_values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.writes.prefill_rows is not None:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return write_decode_step(self.all_keys[layer_idx], self.all_values[layer_idx], self.writes, key_states,
+                                 value_states)
 
 
 class DecodeState:
@@ -357,15 +443,21 @@ class StaticDecoder:
     `sync_every`: decode steps between read-backs that look for ended rows.
     `memory_budget`: bytes this decoder's model and kept caches must fit in (the rollout's share of its GPU);
     a shape then gets no more rows than rows_within_budget allows, and MemoryBudgetTooSmall when not one fits.
+    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on.
     After each generate, `last_stats` says how much of the sampling was useful; `preparations`
     counts the shapes prepared (captured, on CUDA) since construction."""
 
     def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
                  kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY,
-                 memory_budget: int | None = None, dynamic: bool | None = False) -> None:
+                 memory_budget: int | None = None, dynamic: bool | None = False,
+                 compile_scope: str = "model") -> None:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
+        if compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope {compile_scope!r}: one of {', '.join(COMPILE_SCOPES)}")
+        if compile_scope == "layer":
+            decoder_layers(model)  # refused here, before anything is installed on the model
         decode_attention.install(model)  # one query token per row reads each key/value head once
         fused_projections.fuse(model)  # q/k/v and gate/up as one matmul each (before any weight load)
         self.model = model
@@ -378,6 +470,7 @@ class StaticDecoder:
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.memory_budget = memory_budget
         self.dynamic = dynamic  # torch.compile's, for the decode step (compiled_model); bench/decode_shapes.py compares
+        self.compile_scope = compile_scope
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self._shapes: OrderedDict[tuple[int, int, int, Sampling], PreparedShape] = OrderedDict()
         self.preparations = 0
@@ -396,7 +489,8 @@ class StaticDecoder:
         while len(self._shapes) >= self.kept_shapes:
             self._shapes.popitem(last=False)
         state = DecodeState(rows, prompt_len, max_tokens, self.vocab, self.dtype, self.device)
-        cache = RowCache(self.model, rows, prompt_len + max_tokens, RowWrites(state.columns))
+        cache_class = StackedRowCache if self.compile_scope == "layer" else RowCache
+        cache = cache_class(self.model, rows, prompt_len + max_tokens, RowWrites(state.columns))
         step = self._step_function(cache, state, sampling)
         prepared = PreparedShape(cache, state, self._capture(cache, step) if self.compile else step)
         self._shapes[key] = prepared
@@ -423,7 +517,7 @@ class StaticDecoder:
 
     def _step_function(self, cache: RowCache, state: DecodeState, sampling: Sampling) -> Callable[[], None]:
         """One decode step over every row: fixed-shape tensor ops only (it is recorded as a CUDA graph)."""
-        forward = compiled_model(self.model, dynamic=self.dynamic) if self.compile else self.model
+        forward = self._forward()
         last_column = state.prompt_len - 1
         max_tokens = state.max_tokens
 
@@ -447,6 +541,14 @@ class StaticDecoder:
             state.t.add_(live)
 
         return step
+
+    def _forward(self) -> Callable[..., Any]:
+        """The model's forward a decode step calls: compiled over the compile scope, or the model itself."""
+        if not self.compile:
+            return self.model
+        if self.compile_scope == "layer":
+            return layer_compiled_model(self.model)
+        return compiled_model(self.model, dynamic=self.dynamic)
 
     def _capture(self, cache: RowCache, step: Callable[[], None]) -> Callable[[], None]:
         """Warm up (compiles) on a side stream, then record one step as a CUDA graph; returns its replay.
