@@ -20,6 +20,7 @@ FAILED_STATES = frozenset({"Lost", "Failed"})
 EXIT_SUCCEEDED = 0
 EXIT_FATAL = 3  # the worker protocol's fatal exit (mortal.workers.runtime): the run cannot succeed
 EXIT_OUT_OF_MEMORY = 4  # the worker ran out of GPU memory (mortal.workers.oom): relaunched at most once
+EXIT_RETRYABLE = 75  # the worker reported an error it may not meet again (mortal.workers.runtime): relaunched
 
 
 class ProcessView(Protocol):
@@ -43,6 +44,7 @@ class Desired:
     max_steps: int = 100
     max_restarts: int = 10
     backoff_seconds: float = 5.0
+    same_failure_limit: int = 3  # restartPolicy.sameFailureLimit (0: off)
     max_staleness: int = 0
     sync_every: int = 1
     checkpoint_every: int = 10

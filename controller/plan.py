@@ -16,7 +16,8 @@ One pass, in order:
      time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor writes a final
      checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded, BudgetExceeded);
   5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
-     the restart limit reached fails the run;
+     the restart limit reached fails the run, and so does a slot failing with the same error
+     restartPolicy.sameFailureLimit times in a row (CrashLoop);
   6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
      WeightsInSync, RewardHealthy, CheckpointFresh, Progressing) and MemoryFits beside Ready and
      Suspended, and the pass asks to be looked at again when something is due.
@@ -35,6 +36,7 @@ from mortal.controller.actions import NORMAL, WARNING, Action, Adopt, EndWorker,
 from mortal.controller.observed import (
     EXIT_FATAL,
     EXIT_OUT_OF_MEMORY,
+    EXIT_RETRYABLE,
     FAILED_STATES,
     LIVE_STATES,
     Desired,
@@ -169,9 +171,9 @@ class _Pass:
             return self._finish(SUCCEEDED, "MaxStepsReached", f"the actor finished {self.d.max_steps} steps")
         if limit is not None:
             return self._stop_for_limit(limit)
-        restart_limit = self._ensure_slots()
-        if restart_limit is not None:
-            return self._finish(FAILED, "RestartLimitReached", f"restart limit reached: {restart_limit}")
+        failure = self._ensure_slots()
+        if failure is not None:
+            return self._finish(FAILED, *failure)
         return self._active()
 
     def _stop_orphans(self) -> None:
@@ -327,8 +329,9 @@ class _Pass:
         known = [s for s in (actors[-1].step, self.o.checkpoint.step if self.o.checkpoint else None) if s is not None]
         return not known or max(known) >= self.d.max_steps
 
-    def _ensure_slots(self) -> str | None:
-        """Launch each desired slot without a live row; returns the last failure if the limit is hit."""
+    def _ensure_slots(self) -> tuple[str, str] | None:
+        """Launch each desired slot without a live row; the run's failure (reason, message) when a slot that
+        failed may not be relaunched: the restart limit is spent, or it failed the same way too often."""
         history: dict[tuple[str, int], list[_W]] = defaultdict(list)
         for w in self.rows:
             history[w.slot].append(w)
@@ -344,7 +347,12 @@ class _Pass:
                 self._launch(slot, restart=False, why="")
                 continue
             if self.restarts >= self.d.max_restarts:
-                return f"{last.name}: {last.message or last.state}"
+                return "RestartLimitReached", f"restart limit reached: {last.name}: {last.message or last.state}"
+            repeated = self._same_failures(hist)
+            if self.d.same_failure_limit and repeated >= self.d.same_failure_limit:
+                return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, each "
+                                     f"within {self.cfg.backoff_reset_seconds:.0f} s of its launch: {last.message} "
+                                     f"(relaunching does not fix it; restartPolicy.sameFailureLimit)")
             due = (last.ended_at or self.now).timestamp() + self._backoff(hist) - self.now.timestamp()
             if due > 0:
                 self.wake.append(due)
@@ -361,9 +369,29 @@ class _Pass:
             if not w.failed:
                 break
             k += 1
-            if ((w.ended_at or self.now) - w.started_at).total_seconds() >= self.cfg.backoff_reset_seconds:
+            if self._lived_long(w):
                 break
         return min(self.cfg.max_backoff_seconds, self.d.backoff_seconds * 2 ** max(0, k - 1))
+
+    def _same_failures(self, hist: list[_W]) -> int:
+        """How many of the slot's newest workers in a row reported the newest one's error (exit 75, the same
+        message), each soon after its launch. Why fail on it before maxRestarts: a worker that meets the same
+        error on every launch (a library's assertion, a bad input no check caught) would otherwise be relaunched
+        maxRestarts times over half an hour of doubling backoff, as a Job's podFailurePolicy fails at once on
+        an exit it knows retrying cannot fix. A loss (no report: preempted, killed) breaks the run of them, and
+        so does a worker that ran long (as for the backoff)."""
+        newest = hist[-1]
+        count = 0
+        for w in reversed(hist):
+            if not (w.state == "Failed" and w.exit_code == EXIT_RETRYABLE and w.message
+                    and w.message == newest.message and not self._lived_long(w)):
+                break
+            count += 1
+        return count
+
+    def _lived_long(self, w: _W) -> bool:
+        """Whether a worker ran long enough to reset its slot's count of failures (backoff, same failures)."""
+        return ((w.ended_at or self.now) - w.started_at).total_seconds() >= self.cfg.backoff_reset_seconds
 
     def _launch(self, slot: tuple[str, int], restart: bool, why: str) -> None:
         role, replica = slot

@@ -303,7 +303,8 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
     return Desired(
         name=run.name, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
         suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
-        backoff_seconds=spec.restart_policy.backoff_seconds, max_staleness=spec.algorithm.max_staleness,
+        backoff_seconds=spec.restart_policy.backoff_seconds,
+        same_failure_limit=spec.restart_policy.same_failure_limit, max_staleness=spec.algorithm.max_staleness,
         sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.shares_actor_gpu,
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,

@@ -441,6 +441,13 @@ class RestartPolicy(SpecModel):
 
     max_restarts: int = Field(10, ge=0, description="Relaunches allowed before the run is Failed.")
     backoff_seconds: float = Field(5.0, ge=0, description="Base of the exponential backoff between relaunches.")
+    same_failure_limit: int = Field(
+        3, ge=0,
+        description="Failures of one worker in a row with the same reported error, each before it had run 2 "
+        "minutes, that fail the run at once (reason CrashLoop) instead of spending maxRestarts: an error met again "
+        "on every launch is a bug or a bad input that relaunching does not fix. Losses (preemption, a killed "
+        "process) never count. 0: off.",
+    )
 
 
 class WandbSpec(SpecModel):

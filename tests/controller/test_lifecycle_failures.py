@@ -1,5 +1,5 @@
-"""A worker that always fails ends the run Failed after maxRestarts, with the reason in describe;
-a fatal exit fails the run at once. On SQLite only: the restart policy is the controller's
+"""A worker that always fails ends the run Failed after maxRestarts, or sooner when it fails the same way
+every time (CrashLoop), with the reason in describe; a fatal exit fails the run at once. On SQLite only: the restart policy is the controller's
 (tests/store_kinds.py)."""
 
 from __future__ import annotations
@@ -29,6 +29,24 @@ def test_always_failing_actor_fails_after_max_restarts(harness):  # noqa: F811
     assert [(w.state, w.exit_code) for w in actors] == [("Failed", 75)] * 3
     wait_for(lambda: not worker_processes(h.home), 20, "the rollout to be stopped")
     describe_shows(h, "crashy", "RestartLimitReached")
+
+
+def test_an_actor_failing_the_same_way_on_every_launch_fails_the_run_as_a_crash_loop(harness):  # noqa: F811
+    """With restarts to spare (maxRestarts 10), the third failure in a row with the same reported error ends the
+    run: CrashLoop, naming the worker and the error, not a relaunch loop over half an hour of backoff."""
+    h = harness
+    h.apply(simulated_run("looping", max_steps=10, rollout_replicas=1, annotations={"mortal.dev/fail": "always"},
+                          spec={"restartPolicy": {"maxRestarts": 10, "backoffSeconds": 0.2}}))
+    h.start()
+    final = h.wait_phase("looping", "Failed", timeout=60)
+    assert final["restarts"] == 2
+    failed = condition(final, "Failed")
+    assert failed["reason"] == "CrashLoop"
+    assert failed["message"].startswith("actor-0 failed 3 times in a row with the same error, each within ")
+    assert failed["message"].endswith("of its launch: exited with code 75 (relaunching does not fix it; "
+                                      "restartPolicy.sameFailureLimit)")
+    wait_for(lambda: not worker_processes(h.home), 20, "the rollout to be stopped")
+    describe_shows(h, "looping", "CrashLoop")
 
 
 def test_fatal_exit_fails_at_once_without_restarts(harness):  # noqa: F811

@@ -148,6 +148,49 @@ def test_restart_limit_fails_the_run_with_the_last_message_and_stops_the_rest():
     assert p.status["completionTime"] == NOW.isoformat()
 
 
+def _failures(*failures: tuple[str, str | None, float]) -> list:
+    """The actor slot's ended workers, oldest first: (state, reported message, seconds it ran), each ended
+    long enough ago that its backoff is over."""
+    return [row("actor", 0, i + 1, state, code=75 if state == "Failed" else None, message=message,
+                started=600.0 + lived, ended=600.0) for i, (state, message, lived) in enumerate(failures)]
+
+
+SAME = ("Failed", "AssertionError: FSDP parameters should be materialized on CPU", 20.0)
+
+
+@pytest.mark.parametrize(
+    ("failures", "limit", "fails"),
+    [
+        ([SAME, SAME, SAME], 3, True),  # the same error on three launches in a row
+        ([SAME, SAME], 3, False),  # twice may still be chance
+        ([SAME, SAME, SAME], 0, False),  # off
+        ([SAME, ("Failed", "RuntimeError: NCCL timeout", 20.0), SAME, SAME], 3, False),  # another error between
+        ([SAME, ("Lost", None, 20.0), SAME, SAME], 3, False),  # a loss (preempted, killed) between
+        ([SAME, (SAME[0], SAME[1], 500.0), SAME], 3, False),  # one of them trained for minutes first
+        ([("Failed", None, 20.0)] * 3, 3, False),  # nothing reported: not known to be the same error
+        ([SAME] * 5, 5, True),
+    ],
+    ids=["three", "two", "off", "other-error-between", "loss-between", "long-lived-between", "no-message", "five"],
+)
+def test_the_same_error_on_every_launch_fails_the_run_as_a_crash_loop_before_max_restarts(failures, limit, fails):
+    rows = _failures(*failures)
+    p = run_plan(rows, [], prev=status("Recovering"), rollout_replicas=0, max_restarts=10, same_failure_limit=limit)
+    if fails:
+        assert p.status["phase"] == "Failed" and launches(p) == []
+        failed = cond(p, "Failed")
+        assert failed["reason"] == "CrashLoop"
+        assert failed["message"] == (f"actor-0 failed {limit} times in a row with the same error, each within 120 s "
+                                     f"of its launch: {SAME[1]} (relaunching does not fix it; "
+                                     f"restartPolicy.sameFailureLimit)")
+    else:
+        assert p.status["phase"] == "Recovering" and launches(p) == [("actor", 0, True)]
+
+
+def test_the_restart_limit_is_named_when_it_is_spent_by_the_same_error():
+    p = run_plan(_failures(SAME, SAME, SAME), [], prev=status("Recovering"), rollout_replicas=0, max_restarts=2)
+    assert cond(p, "Failed")["reason"] == "RestartLimitReached"
+
+
 def test_zero_max_restarts_fails_on_first_loss():
     rows, procs = running()
     procs[0] = proc(rows[0], alive=False, code=1)
