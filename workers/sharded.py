@@ -179,10 +179,15 @@ class Ranks:
         return None
 
     def ended(self, rank: int, code: int) -> RankLost:
-        """What ended child rank `rank` with exit `code`: its out-of-memory with the figures it left, else a loss."""
-        note = rank_note(self.notes, rank) if self.notes is not None else None
-        if code == EXIT_OUT_OF_MEMORY and note is not None and note.exists():
-            return RankOutOfMemory(rank, self.world, note.read_text())
+        """What ended child rank `rank` with exit `code`: its out-of-memory with the figures it left, else a loss
+        that names the rank's error when it left one (a killed rank leaves none)."""
+        if self.notes is None:
+            return RankLost(f"actor rank {rank} of {self.world} ended with exit code {code}")
+        memory, error = rank_note(self.notes, rank), rank_error_note(self.notes, rank)
+        if code == EXIT_OUT_OF_MEMORY and memory.exists():
+            return RankOutOfMemory(rank, self.world, memory.read_text())
+        if error.exists():
+            return RankLost(f"actor rank {rank} of {self.world} failed: {error.read_text()}")
         return RankLost(f"actor rank {rank} of {self.world} ended with exit code {code}")
 
     def close(self, timeout: float = 60.0) -> None:
@@ -210,6 +215,10 @@ def rank_notes(run_name: str) -> Path:
 
 def rank_note(notes: Path, rank: int) -> Path:
     return notes / f"rank-{rank}.out-of-memory"
+
+
+def rank_error_note(notes: Path, rank: int) -> Path:
+    return notes / f"rank-{rank}.error"
 
 
 def start(run: Any, world: int, device: str) -> Ranks:
@@ -554,12 +563,15 @@ def follower_main(index: int, world: int, port: int, run: Any, device: str, pare
 
 def exit_code_of(exc: BaseException, notes: Path, rank: int) -> int:
     """A crashed rank's exit code: EXIT_OUT_OF_MEMORY, with torch's figures left in its note for rank 0 (which
-    reports the actor's out-of-memory as the worker's own), or EXIT_RETRYABLE for anything else."""
+    reports the actor's out-of-memory as the worker's own), or EXIT_RETRYABLE for anything else, with the error
+    left in a note too: rank 0 reports it, so the run's status names the rank's error, not only its exit code
+    (and the controller can tell the same error on every launch from a rank lost at random: CrashLoop)."""
     from mortal.workers.oom import out_of_memory, with_device_state
 
+    notes.mkdir(parents=True, exist_ok=True)
     found = out_of_memory(exc)
     if found is None:
+        rank_error_note(notes, rank).write_text(f"{type(exc).__name__}: {exc}"[:500])
         return EXIT_RETRYABLE
-    notes.mkdir(parents=True, exist_ok=True)
     rank_note(notes, rank).write_text(with_device_state(found).describe())
     return EXIT_OUT_OF_MEMORY

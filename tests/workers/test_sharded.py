@@ -54,10 +54,23 @@ def test_a_rank_that_ran_out_of_gpu_memory_leaves_its_figures_and_rank_0_reports
     assert isinstance(lost, sharded.RankOutOfMemory) and lost.exit_code == EXIT_OUT_OF_MEMORY
     assert lost.report().startswith("OutOfMemory: actor rank 1 of 2: tried to allocate 2.00 GiB on GPU 1")
 
-    assert sharded.exit_code_of(ValueError("a bug"), notes, rank=1) == EXIT_RETRYABLE
-    crashed = sharded.Ranks(0, 2, "cpu", tmp_path / "none").ended(1, EXIT_RETRYABLE)
+    killed = sharded.Ranks(0, 2, "cpu", tmp_path / "none").ended(1, -9)
+    assert type(killed) is sharded.RankLost and killed.exit_code == EXIT_RETRYABLE
+    assert killed.report() == "RankLost: actor rank 1 of 2 ended with exit code -9"
+
+
+def test_a_rank_that_crashed_leaves_its_error_and_rank_0_reports_it(tmp_path) -> None:
+    """Any other error of rank 1 is a lost rank to relaunch (exit 75), reported by rank 0 with the rank's own
+    error: the same error on every launch is then the same message (the controller's CrashLoop)."""
+    from mortal.workers.runtime import EXIT_RETRYABLE
+
+    notes = tmp_path / "ranks"
+    assert sharded.exit_code_of(AssertionError("FSDP parameters should be materialized on CPU"), notes,
+                                rank=1) == EXIT_RETRYABLE
+    crashed = sharded.Ranks(0, 2, "cpu", notes).ended(1, EXIT_RETRYABLE)
     assert type(crashed) is sharded.RankLost and crashed.exit_code == EXIT_RETRYABLE
-    assert crashed.report() == "RankLost: actor rank 1 of 2 ended with exit code 75"
+    assert crashed.report() == ("RankLost: actor rank 1 of 2 failed: AssertionError: FSDP parameters should be "
+                                "materialized on CPU")
 
 
 @pytest.fixture(scope="module")
