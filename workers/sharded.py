@@ -571,7 +571,7 @@ def exit_code_of(exc: BaseException, notes: Path, rank: int) -> int:
     notes.mkdir(parents=True, exist_ok=True)
     found = out_of_memory(exc)
     if found is None:
-        rank_error_note(notes, rank).write_text(f"{type(exc).__name__}: {exc}"[:500])
+        rank_error_note(notes, rank).write_text(" ".join(f"{type(exc).__name__}: {exc}".split())[:500])  # one line
         return EXIT_RETRYABLE
     rank_note(notes, rank).write_text(with_device_state(found).describe())
     return EXIT_OUT_OF_MEMORY
