@@ -14,7 +14,7 @@ layer with symbolic sizes).
 Each scope runs in its own process with an empty inductor cache, through StaticDecoder as the engine uses it:
   1. `prepare` the first shape (rows x (prompt + tokens)): the compile and the CUDA graph capture, timed;
   2. decode it with no end of sequence (every row runs all its tokens) `repeats` times: ms per decode step
-     (the slowest repeat after the first);
+     (a generate's seconds over its decode steps, its one prefill included; the slowest repeat after the first);
   3. the same for a second shape, the prompt twice as wide (what a worker pays when its prompts' width changes).
 Printed and recorded for each: seconds to prepare each shape, graphs compiled, ms per decode step of each.
 Model: bench/gpu_step.py's SHAPES (--layers overrides the count), random init, bf16 on a GPU, float32 with
