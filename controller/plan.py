@@ -376,10 +376,11 @@ class _Pass:
     def _same_failures(self, hist: list[_W]) -> int:
         """How many of the slot's newest workers in a row reported the newest one's error (exit 75, the same
         message), each soon after its launch. Why fail on it before maxRestarts: a worker that meets the same
-        error on every launch (a library's assertion, a bad input no check caught) would otherwise be relaunched
-        maxRestarts times over about 25 minutes of doubling backoff (10 of them at 5 s up to 300 s), as a Job's podFailurePolicy fails at once on
-        an exit it knows retrying cannot fix. A loss (no report: preempted, killed) breaks the run of them, and
-        so does a worker that ran long (as for the backoff)."""
+        error on every launch (a library's assertion, a bad input no check caught) would otherwise be
+        relaunched maxRestarts times over about 25 minutes of doubling backoff (5 s up to 300 s between
+        launches); a Job's podFailurePolicy likewise fails at once on an exit it knows retrying cannot fix.
+        A loss (no report: preempted, killed) breaks the run of them, and so does a worker that ran long (as
+        for the backoff)."""
         newest = hist[-1]
         count = 0
         for w in reversed(hist):
