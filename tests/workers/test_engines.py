@@ -121,6 +121,19 @@ def batched(engine, tokenizer) -> TransformersEngine:
     return TransformersEngine(engine.model, tokenizer, compiled=True)
 
 
+def test_the_decoders_compile_scope_comes_from_the_environment_and_a_bad_one_fails_the_run(
+        engine, tokenizer, monkeypatch) -> None:
+    """MORTAL_DECODE_COMPILE_SCOPE picks what the batched path's decoder compiles ("model" unless set); any other
+    value is a fatal error naming the variable and the scopes it takes."""
+    assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "model"
+    monkeypatch.setenv("MORTAL_DECODE_COMPILE_SCOPE", "layer")
+    assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "layer"
+    monkeypatch.setenv("MORTAL_DECODE_COMPILE_SCOPE", "layers")
+    with pytest.raises(FatalWorkerError, match="MORTAL_DECODE_COMPILE_SCOPE='layers': one of model, layer") as bad:
+        TransformersEngine(engine.model, tokenizer, compiled=True)
+    assert bad.value.reason == "BadDecodeCompileScope"
+
+
 def test_the_batched_path_returns_one_group_of_n_per_prompt_in_order(batched, tokenizer) -> None:
     prompts = _prompts(tokenizer)
     groups = batched.generate(prompts, 3, [5, 6, 7], GenerationParams(max_tokens=10, temperature=0.8))
