@@ -444,7 +444,8 @@ class StaticDecoder:
     `sync_every`: decode steps between read-backs that look for ended rows.
     `memory_budget`: bytes this decoder's model and kept caches must fit in (the rollout's share of its GPU);
     a shape then gets no more rows than rows_within_budget allows, and MemoryBudgetTooSmall when not one fits.
-    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on.
+    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on; `dynamic` applies to
+    the "model" scope (the "layer" scope compiles with automatic dynamic shapes, layer_compiled_model says why).
     After each generate, `last_stats` says how much of the sampling was useful; `preparations`
     counts the shapes prepared (captured, on CUDA) since construction."""
 
