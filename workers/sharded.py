@@ -181,13 +181,12 @@ class Ranks:
     def ended(self, rank: int, code: int) -> RankLost:
         """What ended child rank `rank` with exit `code`: its out-of-memory with the figures it left, else a loss
         that names the rank's error when it left one (a killed rank leaves none)."""
-        if self.notes is None:
-            return RankLost(f"actor rank {rank} of {self.world} ended with exit code {code}")
-        memory, error = rank_note(self.notes, rank), rank_error_note(self.notes, rank)
-        if code == EXIT_OUT_OF_MEMORY and memory.exists():
-            return RankOutOfMemory(rank, self.world, memory.read_text())
-        if error.exists():
-            return RankLost(f"actor rank {rank} of {self.world} failed: {error.read_text()}")
+        if self.notes is not None:
+            memory, error = rank_note(self.notes, rank), rank_error_note(self.notes, rank)
+            if code == EXIT_OUT_OF_MEMORY and memory.exists():
+                return RankOutOfMemory(rank, self.world, memory.read_text())
+            if error.exists():
+                return RankLost(f"actor rank {rank} of {self.world} failed: {error.read_text()}")
         return RankLost(f"actor rank {rank} of {self.world} ended with exit code {code}")
 
     def close(self, timeout: float = 60.0) -> None:
