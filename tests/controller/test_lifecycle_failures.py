@@ -15,38 +15,36 @@ def condition(status, type_):
     return next(c for c in status["conditions"] if c["type"] == type_)
 
 
-def test_always_failing_actor_fails_after_max_restarts(harness):  # noqa: F811
-    h = harness
-    h.apply(simulated_run("crashy", max_steps=10, rollout_replicas=1, annotations={"mortal.dev/fail": "always"},
-                          spec={"restartPolicy": {"maxRestarts": 2, "backoffSeconds": 0.2}}))
+def _actor_exiting_75_on_every_launch(h, name: str, max_restarts: int) -> dict:
+    """Run `name` with an actor that exits 75 at once on every launch; its Failed condition, once the run has
+    failed after two restarts and its rollout was stopped (describe shows the condition's reason)."""
+    h.apply(simulated_run(name, max_steps=10, rollout_replicas=1, annotations={"mortal.dev/fail": "always"},
+                          spec={"restartPolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0.2}}))
     h.start()
-    final = h.wait_phase("crashy", "Failed", timeout=60)
+    final = h.wait_phase(name, "Failed", timeout=60)
     assert final["restarts"] == 2
     failed = condition(final, "Failed")
+    wait_for(lambda: not worker_processes(h.home), 20, "the rollout to be stopped")
+    describe_shows(h, name, failed["reason"])
+    return failed
+
+
+def test_always_failing_actor_fails_after_max_restarts(harness):  # noqa: F811
+    failed = _actor_exiting_75_on_every_launch(harness, "crashy", max_restarts=2)
     assert failed["reason"] == "RestartLimitReached"
     assert failed["message"].startswith("restart limit reached: actor-0:")
-    actors = [w for w in h.store.list_workers("crashy") if w.role == "actor"]
+    actors = [w for w in harness.store.list_workers("crashy") if w.role == "actor"]
     assert [(w.state, w.exit_code) for w in actors] == [("Failed", 75)] * 3
-    wait_for(lambda: not worker_processes(h.home), 20, "the rollout to be stopped")
-    describe_shows(h, "crashy", "RestartLimitReached")
 
 
 def test_an_actor_failing_the_same_way_on_every_launch_fails_the_run_as_a_crash_loop(harness):  # noqa: F811
     """With restarts to spare (maxRestarts 10), the third failure in a row with the same reported error ends the
-    run: CrashLoop, naming the worker and the error, not a relaunch loop over half an hour of backoff."""
-    h = harness
-    h.apply(simulated_run("looping", max_steps=10, rollout_replicas=1, annotations={"mortal.dev/fail": "always"},
-                          spec={"restartPolicy": {"maxRestarts": 10, "backoffSeconds": 0.2}}))
-    h.start()
-    final = h.wait_phase("looping", "Failed", timeout=60)
-    assert final["restarts"] == 2
-    failed = condition(final, "Failed")
+    run: CrashLoop, naming the worker and the error, not a relaunch loop over about 25 minutes of backoff."""
+    failed = _actor_exiting_75_on_every_launch(harness, "looping", max_restarts=10)
     assert failed["reason"] == "CrashLoop"
     assert failed["message"].startswith("actor-0 failed 3 times in a row with the same error, each within ")
     assert failed["message"].endswith("of its launch: exited with code 75 (relaunching does not fix it; "
                                       "restartPolicy.sameFailureLimit)")
-    wait_for(lambda: not worker_processes(h.home), 20, "the rollout to be stopped")
-    describe_shows(h, "looping", "CrashLoop")
 
 
 def test_fatal_exit_fails_at_once_without_restarts(harness):  # noqa: F811
