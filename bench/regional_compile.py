@@ -121,6 +121,7 @@ def main() -> None:
                   f"({s['graphs']} graph(s)), {s['ms_per_decode_step']:.2f} ms a decode step")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("json", "child")},
+                                         "device": results[0]["device"], "gpus": 0 if args.cpu else 1,
                                          "results": results}, indent=2))
 
 

@@ -117,7 +117,7 @@ def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[...,
     Why: compiling the whole model's decode step is most of a rollout's start (34.6 s for SmolLM2 on an H100,
     docs/benchmarks.md), and the layers are one module repeated. Compiled with dynamic=None and the layer
     index unspecialised, layer 0 compiles with everything fixed and a second graph, the index symbolic, serves
-    every other layer (24 layers on 2 CPUs: a shape prepared in 12-23 s against 30-44 s for the whole model,
+    every other layer (24 layers on 2 CPUs: a shape prepared in 12-22 s against 27-44 s for the whole model,
     docs/benchmarks.md; not yet weighed on a GPU). A second decode shape makes automatic dynamic shapes compile
     the sizes symbolic too.
     The compiled layers stand in the model's layer list only during the call: the eager prefill and anything
