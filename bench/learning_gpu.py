@@ -1,7 +1,7 @@
 """Learning on a GPU beside TRL: a real model on a real task, reward against wall-clock seconds.
 
     python bench/learning_gpu.py --model PATH.gguf [--steps 200] [--seed 0] [--staleness 0]
-                                 [--only trl|mortal] [--json out.json]
+                                 [--only trl|mortal] [--compile-scope model|layer] [--json out.json]
     python bench/learning_gpu.py --model PATH.gguf --only trl --max-seconds 540 --trl-resume-dir DIR  # repeat
     python bench/learning_gpu.py --report a.json b.json ... [--plot docs/learning_gpu.png] [--json summary.json]
 
@@ -184,7 +184,8 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "algorithm": {"lossType": "dapo", "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
                       "learningRate": args.lr, "beta": 0.0, "maxSteps": args.steps,
                       "maxStaleness": args.staleness, "seed": args.seed},
-        "generation": {"maxTokens": args.tokens, "temperature": 1.0, "engine": "transformers"},
+        "generation": {"maxTokens": args.tokens, "temperature": 1.0, "engine": "transformers",
+                       "compileScope": args.compile_scope},
         "rewards": [{"function": REWARD_PATH}],
         "actor": {"gpu": "none" if args.cpu else local_gpu()},
         "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts, "colocate": not args.cpu},
@@ -333,6 +334,9 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches for mortal's workers in this "
                         "folder, kept across invocations (a user's later run); default: a fresh one per invocation")
+    parser.add_argument("--compile-scope", choices=["model", "layer"], default="model",
+                        help="mortal's generation.compileScope: what its decode step compiles (layer: a third of the "
+                        "start's compile, a slower decode step)")
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
     parser.add_argument("--final-steps", type=int, default=WINDOW,
                         help=f"--report: the last steps whose mean reward is a run's final reward (default {WINDOW})")

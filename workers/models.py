@@ -274,6 +274,8 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
         model.to(device)
     else:
         fold_tied_fsdp_params(model)
+        if cpu_offload:
+            place_shards(model, "cpu")
         if not reshard_after_forward:
             model.set_reshard_after_forward(False)  # the root FSDPModule, and every one inside it
     use_tf32(model_spec, device)
@@ -306,6 +308,29 @@ def fold_tied_fsdp_params(model: Any) -> None:
     except AttributeError as exc:
         raise FatalWorkerError("TorchUnsupported", f"torch {torch.__version__}'s FSDP2 no longer keeps the records "
                                f"mortal folds tied weights through ({exc}); use torch 2.11-2.13 for a sharded actor") from exc
+
+
+def place_shards(model: Any, device: str) -> None:
+    """Put every sharded parameter's local shard on `device`, a new parameter in its place (one per tied weight).
+
+    Why: under actor.cpuOffload, FSDP2 wants each shard in host memory before its first forward. transformers
+    (5.24) shards the model on the meta device, then loads each shard onto the rank's GPU as a new parameter;
+    FSDP2's lazy init moves such a shard's data to host memory but keeps the parameter object, which still says
+    cuda, and refuses it ("FSDP parameters should be materialized on CPU", 2026-11-28 on two H200s). A new
+    DTensor built on the moved shard says where its data is. Parameters that are already there are kept."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    placed: dict[int, torch.nn.Parameter] = {}  # id of a loaded parameter -> its replacement (tied: one)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor) or param.device.type == torch.device(device).type:
+                continue
+            if id(param) not in placed:
+                shard = DTensor.from_local(param.to_local().detach().to(device), param.device_mesh, param.placements,
+                                           run_check=False, shape=param.shape, stride=param.stride())
+                placed[id(param)] = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
+            setattr(module, name, placed[id(param)])
 
 
 def _fold_tied(model: Any) -> None:

@@ -284,7 +284,8 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     started = time.monotonic()
     model = spec.rollout_model()
     engine = engine_cls.create(model, tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs,
-                               memory_share=spec.rollout_memory_share(engine_cls.name, ctx.worker.replica))
+                               memory_share=spec.rollout_memory_share(engine_cls.name, ctx.worker.replica),
+                               compile_scope=spec.generation.compile_scope)
     ctx.log.info("engine %s on %s in %s ready in %.1f s; rewards: %s%s", engine.name, device,
                  str(resolve_dtype(model.dtype, device)).removeprefix("torch."), time.monotonic() - started,
                  ", ".join(rewards.names), f"; tools: {len(toolbox.tools)}, environments: {len(toolbox.environments)}"

@@ -56,6 +56,7 @@ CASES = [
     ("generation:\n  topP: 1.5", 1, "spec.generation.topP", "must be <= 1 (got 1.5)"),
     ("generation:\n  topP: 0", 1, "spec.generation.topP", "must be > 0 (got 0)"),
     ("generation:\n  engine: sglang", 1, "spec.generation.engine", "must be one of auto, vllm, transformers"),
+    ("generation:\n  compileScope: layers", 1, "spec.generation.compileScope", "did you mean 'layer'?"),
     ("rollout:\n  replicas: -1", 1, "spec.rollout.replicas", "must be >= 0 (got -1)"),
     ("rollout:\n  promptsPerTask: 0", 1, "spec.rollout.promptsPerTask", "must be >= 1 (got 0)"),
     ("actor:\n  count: 0", 1, "spec.actor.count", "must be >= 1 (got 0)"),

@@ -93,7 +93,8 @@ def gather_in_buckets(rank: int, port: int, out: str) -> None:
 def tied_weight_step(rank: int, model_dir: str, port: int, out: str) -> None:
     """Load the model sharded over 2 CPU ranks (gloo) as the actor does, and write from rank 0 what FSDP2
     manages (how many parameters, in how many groups), how many all-gathers one forward and backward make,
-    and the loss and the embedding's whole gradient of that step on a fixed batch."""
+    the loss and the embedding's whole gradient of that step on a fixed batch, and then what place_shards
+    made of the parameters (their specs, devices, the tie)."""
     import torch
 
     from mortal.specs.training import ModelSpec
@@ -110,10 +111,17 @@ def tied_weight_step(rank: int, model_dir: str, port: int, out: str) -> None:
         loss.backward()
     gathers = sum(1 for event in profile.events() if event.name == "fsdp::all_gather_copy_in")
     gradient = model.get_input_embeddings().weight.grad.full_tensor()
+    before = {name: (param.placements, param.shape, param.requires_grad) for name, param in model.named_parameters()}
+    models.place_shards(model, "meta")  # as cpuOffload places them on "cpu" (no CPU run has them elsewhere)
+    placed = {name: (param.placements, param.shape, param.requires_grad) for name, param in model.named_parameters()}
     if rank == 0:
         torch.save({"fsdp_params": sum(len(group.fsdp_params) for group in groups), "groups": len(groups),
                     "parameters": len(list(model.parameters())), "gathers": gathers, "loss": loss.detach(),
-                    "embedding_grad": gradient}, Path(out) / "tied.pt")
+                    "embedding_grad": gradient, "placed_same_spec": placed == before,
+                    "placed_devices": sorted({param.to_local().device.type for param in model.parameters()}
+                                             | {param.device.type for param in model.parameters()}),
+                    "placed_still_tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight},
+                   Path(out) / "tied.pt")
     ranks.close()
 
 

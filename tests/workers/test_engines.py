@@ -121,17 +121,18 @@ def batched(engine, tokenizer) -> TransformersEngine:
     return TransformersEngine(engine.model, tokenizer, compiled=True)
 
 
-def test_the_decoders_compile_scope_comes_from_the_environment_and_a_bad_one_fails_the_run(
-        engine, tokenizer, monkeypatch) -> None:
-    """MORTAL_DECODE_COMPILE_SCOPE picks what the batched path's decoder compiles ("model" unless set); any other
-    value is a fatal error naming the variable and the scopes it takes."""
+def test_the_decoder_compiles_what_the_spec_asks_and_the_spec_takes_only_the_decoders_scopes(engine, tokenizer) -> None:
+    """generation.compileScope reaches the batched path's decoder ("model" unless the spec says "layer"); the
+    spec's choices are the decoder's own (static_decode.COMPILE_SCOPES), so a spec that loads is one it runs."""
+    from typing import get_args
+
+    from mortal.specs.training import GenerationSpec
+    from mortal.workers.engines.static_decode import COMPILE_SCOPES
+
     assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "model"
-    monkeypatch.setenv("MORTAL_DECODE_COMPILE_SCOPE", "layer")
-    assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "layer"
-    monkeypatch.setenv("MORTAL_DECODE_COMPILE_SCOPE", "layers")
-    with pytest.raises(FatalWorkerError, match="MORTAL_DECODE_COMPILE_SCOPE='layers': one of model, layer") as bad:
-        TransformersEngine(engine.model, tokenizer, compiled=True)
-    assert bad.value.reason == "BadDecodeCompileScope"
+    assert TransformersEngine(engine.model, tokenizer, compiled=True,
+                              compile_scope="layer").decoder.compile_scope == "layer"
+    assert get_args(GenerationSpec.model_fields["compile_scope"].annotation) == COMPILE_SCOPES
 
 
 def test_the_batched_path_returns_one_group_of_n_per_prompt_in_order(batched, tokenizer) -> None:

@@ -140,21 +140,33 @@ def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
     assert Sharded.settings == ([] if reshard else [False])
 
 
-@pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
-def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_trains_it_as_unsharded(
-        tmp_path: Path) -> None:
-    """The LM head tied to the embedding is one FSDP2 parameter over 2 CPU ranks: no group gathers it twice
-    (one all-gather a layer and one for the embedding's group in forward, each layer again in backward), and
-    the step's loss and the tied weight's gradient, both uses summed, are the unsharded model's."""
+@pytest.fixture(scope="module")
+def sharded_tied_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One step of the tiny model sharded over 2 CPU ranks, then its shards placed elsewhere (sharded_helpers'
+    tied_weight_step; a spawn costs ~20 s of imports, so the tests below share it): the model's folder, what
+    rank 0 recorded."""
     import torch.multiprocessing as mp
-    from sharded_helpers import TIED_BATCH, tied_weight_step
+    from sharded_helpers import tied_weight_step
 
     from mortal.workers import sharded
 
-    model_dir = make_tiny_model(tmp_path / "model")
-    mp.start_processes(tied_weight_step, args=(str(model_dir), sharded.free_port(), str(tmp_path)), nprocs=2,
+    if not assets_available():
+        pytest.skip("SmolLM2 tokenizer/config assets not found")
+    home = tmp_path_factory.mktemp("tied")
+    model_dir = make_tiny_model(home / "model")
+    mp.start_processes(tied_weight_step, args=(str(model_dir), sharded.free_port(), str(home)), nprocs=2,
                        join=True, start_method="spawn")
-    got = torch.load(tmp_path / "tied.pt")
+    return model_dir, torch.load(home / "tied.pt")
+
+
+def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_trains_it_as_unsharded(
+        sharded_tied_step: tuple[Path, dict]) -> None:
+    """The LM head tied to the embedding is one FSDP2 parameter over 2 CPU ranks: no group gathers it twice
+    (one all-gather a layer and one for the embedding's group in forward, each layer again in backward), and
+    the step's loss and the tied weight's gradient, both uses summed, are the unsharded model's."""
+    from sharded_helpers import TIED_BATCH
+
+    model_dir, got = sharded_tied_step
     whole = load_model(ModelSpec(name=str(model_dir), dtype="float32"), "cpu", for_training=True)
     batch = torch.tensor(TIED_BATCH)
     loss = whole(input_ids=batch, labels=batch).loss
@@ -165,6 +177,16 @@ def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_tr
     assert got["groups"] == layers + 1 and got["gathers"] == 2 * layers + 1, got
     assert torch.allclose(got["loss"], loss.detach(), atol=1e-5)
     assert torch.allclose(got["embedding_grad"], whole.get_input_embeddings().weight.grad, atol=1e-6)
+
+
+def test_placing_the_shards_moves_every_parameter_and_keeps_its_sharding_and_the_tie(
+        sharded_tied_step: tuple[Path, dict]) -> None:
+    """place_shards (what cpuOffload does after a sharded load, whose shards transformers put on the GPU):
+    each parameter, wrapper and local shard both, on the new device, with its placements, shape and
+    requires_grad, and the tied head still the embedding's one parameter."""
+    _, got = sharded_tied_step
+    assert got["placed_devices"] == ["meta"]
+    assert got["placed_same_spec"] and got["placed_still_tied"]
 
 
 def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:

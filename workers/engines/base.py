@@ -76,11 +76,13 @@ class Engine(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None, memory_share: float | None = None) -> Engine:
+               max_num_seqs: int | None = None, memory_share: float | None = None,
+               compile_scope: str = "model") -> Engine:
         """Load the spec's model into a new engine (device None: a GPU when there is one); `max_num_seqs`
         (spec.generation.maxNumSeqs) caps the sequences decoded at once, None: the engine's default;
         `memory_share` (TrainingSpec.rollout_memory_share) is the share of the GPU the engine may hold,
-        None: no cap (ignored on the CPU)."""
+        None: no cap (ignored on the CPU); `compile_scope` (spec.generation.compileScope) is what an engine
+        that compiles its decode step compiles (the others ignore it)."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int],

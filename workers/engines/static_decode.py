@@ -84,8 +84,9 @@ DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills 
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
 # What torch.compile covers of a decode step's forward: the whole model ("model"), or each decoder layer
-# with one graph for all (layer_compiled_model). "model" is the default until a GPU run weighs the two
-# (bench/regional_compile.py).
+# with one graph for all (layer_compiled_model). A user picks it (spec.generation.compileScope, the same
+# names); "model" is the default: on an H200 it decodes a step in 1.4-1.5 ms against the layer scope's 1.9,
+# which compiles in a third of the time (bench/regional_compile.py, docs/benchmarks.md).
 COMPILE_SCOPES = ("model", "layer")
 
 
@@ -478,11 +479,13 @@ class StaticDecoder:
         self.preparations = 0
         self.last_stats: DecodeStats | None = None
 
+    @torch.no_grad()
     def prepare(self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling,
                 min_rows: int = 0) -> PreparedShape:
         """The kept cache, state and step for `sequences` prompts of this width (and at least rows for
         `min_rows`), or new ones (evicting the least recently used; `preparations` counts them). Callable
-        before generate() to time the compile apart."""
+        before generate() to time the compile apart. Without autograd whoever calls it: compiled with grad
+        enabled, the step would trace a backward through the decode-attention op, which has none."""
         rows = self.rows_for(max(sequences, min_rows), prompt_len + max_tokens)
         key = (rows, prompt_len, max_tokens, sampling)
         if key in self._shapes:

@@ -26,7 +26,6 @@ What it must not do: pick up new weights mid-task (the worker calls load_weights
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ import torch
 
 from mortal.workers.compile_cache import CompileWatch, persist
 from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
-from mortal.workers.engines.static_decode import COMPILE_SCOPES, DEFAULT_MAX_ROWS, Sampling, StaticDecoder
+from mortal.workers.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import default_device, load_model
 from mortal.workers.weights import WeightsError, load_published
@@ -44,19 +43,8 @@ if TYPE_CHECKING:
 
 
 PROMPT_BUCKET = 64  # batched path: prompts are left-padded to a multiple of this many tokens
-# What the decoder compiles (static_decode.COMPILE_SCOPES): "model" unless the worker's environment says "layer",
-# a way to try one graph for every decoder layer end to end (a run, bench/learning_gpu.py) before it is the default.
-COMPILE_SCOPE_ENV = "MORTAL_DECODE_COMPILE_SCOPE"
 log = logging.getLogger("mortal.worker")
 _GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mortal-batched-generate")
-
-
-def decode_compile_scope() -> str:
-    """The decoder's compile scope from COMPILE_SCOPE_ENV ("model" when unset); another value fails the run."""
-    scope = os.environ.get(COMPILE_SCOPE_ENV, "model")
-    if scope not in COMPILE_SCOPES:
-        raise FatalWorkerError("BadDecodeCompileScope", f"{COMPILE_SCOPE_ENV}={scope!r}: one of {', '.join(COMPILE_SCOPES)}")
-    return scope
 
 
 def cap_memory(device: str, share: float | None) -> int | None:
@@ -75,10 +63,12 @@ class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None,
-                 max_rows: int = DEFAULT_MAX_ROWS, memory_budget: int | None = None) -> None:
+                 max_rows: int = DEFAULT_MAX_ROWS, memory_budget: int | None = None,
+                 compile_scope: str = "model") -> None:
         """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere.
         `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows).
-        `memory_budget`: bytes the batched path's weights and KV caches must fit in (StaticDecoder)."""
+        `memory_budget`: bytes the batched path's weights and KV caches must fit in (StaticDecoder).
+        `compile_scope`: what the batched path's decoder compiles (spec.generation.compileScope)."""
         from transformers import GenerationConfig
 
         self.model = model
@@ -94,16 +84,17 @@ class TransformersEngine(Engine):
         )
         self.max_rows = max_rows
         self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows,
-                                      memory_budget=memory_budget, compile_scope=decode_compile_scope())
+                                      memory_budget=memory_budget, compile_scope=compile_scope)
                         if self.compiled else None)
 
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None, memory_share: float | None = None) -> TransformersEngine:
+               max_num_seqs: int | None = None, memory_share: float | None = None,
+               compile_scope: str = "model") -> TransformersEngine:
         where = device or default_device()
         budget = cap_memory(where, memory_share)
         return cls(load_model(model_spec, where, for_training=False), tokenizer,
-                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS, memory_budget=budget)
+                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS, memory_budget=budget, compile_scope=compile_scope)
 
     def _generation_config(self, n: int, params: GenerationParams) -> Any:
         from transformers import GenerationConfig
