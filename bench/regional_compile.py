@@ -1,7 +1,7 @@
 """The rollout decoder's start with the whole model compiled against one graph for every decoder layer.
 
     python bench/regional_compile.py [--shape 0.5b] [--layers N] [--rows 64] [--prompt 64] [--tokens 256]
-                                     [--repeats 2] [--cpu] [--json out.json]
+                                     [--repeats 2] [--cpu] [--profile] [--json out.json]
 
 Why: a rollout's first decode shape pays torch.compile of the whole model's decode step (34 s for
 SmolLM2-135M on an H100, 11 s from a warm cache; docs/benchmarks.md, "Learning on a GPU beside TRL"),
@@ -17,6 +17,8 @@ Each scope runs in its own process with an empty inductor cache, through StaticD
      (a generate's seconds over its decode steps, its one prefill included; the slowest repeat after the first);
   3. the same for a second shape, the prompt twice as wide (what a worker pays when its prompts' width changes).
 Printed and recorded for each: seconds to prepare each shape, graphs compiled, ms per decode step of each.
+`--profile` (GPU): one more generate of the first shape under torch's profiler, its GPU kernels by name
+(bench/decode_speed.py's profile_decoder), to see where one scope's decode step spends what the other's does not.
 Model: bench/gpu_step.py's SHAPES (--layers overrides the count), random init, bf16 on a GPU, float32 with
 --cpu (no CUDA graph there: the step runs as compiled, so the CPU's milliseconds say nothing of a GPU's).
 """
@@ -87,6 +89,12 @@ def child(args: argparse.Namespace) -> dict:
             step_ms.append((time.perf_counter() - started) / decoder.last_stats.decode_steps * 1e3)
         measured.append({"prompt": width, "prepare_seconds": prepare_seconds, "graphs": graphs,
                          "ms_per_decode_step": max(step_ms[1:]), "ms_per_decode_step_each": step_ms})
+        if args.profile and device == "cuda" and width == args.prompt:
+            from decode_speed import profile_decoder
+
+            measured[-1]["profile"] = profile_decoder(
+                lambda ids=ids, mask=mask: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[]), decoder,
+                args.top)
     return {"scope": args.child, "layers": config.num_hidden_layers, "shapes": measured,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
@@ -100,6 +108,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="GPU: the first shape's kernels, by name")
+    parser.add_argument("--top", type=int, default=24, help="kernels printed with --profile")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", choices=SCOPES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -119,6 +129,11 @@ def main() -> None:
         for s in r["shapes"]:
             print(f"{scope:6s} {r['layers']} layers, prompt {s['prompt']}: prepared in {s['prepare_seconds']:.1f} s "
                   f"({s['graphs']} graph(s)), {s['ms_per_decode_step']:.2f} ms a decode step")
+            if "profile" in s:
+                p = s["profile"]
+                print(f"  profile: {p['gpu_ms_per_step']:.3f} ms of GPU kernels a step, {p['kernels_per_step']:.0f} kernels")
+                for k in p["top"]:
+                    print(f"    {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f}/step  {k['name'][:100]}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("json", "child")},
                                          "device": results[0]["device"], "gpus": 0 if args.cpu else 1,

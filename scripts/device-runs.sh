@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests, gpu-tests-unrun, offload, regional"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests, gpu-tests-unrun, offload, regional, regional-profile, learning-layer"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -90,6 +90,20 @@ case $group in
       done
     done
     gpu_tests 200 "$R/tests/workers/test_static_decode.py" ;;
+  regional-profile)  # where the layer scope's decode step loses 0.4-0.5 ms against the whole model's (H200,
+                     # 2026-11-28): each scope's kernels for one generate of the first shape (about 3 min)
+    timeout -k 10 300 python3 "$R/bench/regional_compile.py" --layers 24 --profile --top 30 \
+      --json "$OUT/regional_compile_24l_profile.json" 2>&1 | tee -a "$OUT/all.log" ;;
+  learning-layer)  # issue 14 part 1: mortal's side of the learning bench with generation.compileScope layer (a third
+                   # of the start's compile), on-policy, both seeds; needs /root/smol.gguf: call 1 of this machine
+                   # carries .mortal/p1 (any group), this call [".mortal/p2"] (scripts/device-gguf.sh)
+    [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: carry .mortal/p1 in the call before this one" >&2; exit 2; }
+    for seed in 0 1; do
+      timeout -k 10 280 python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf --only mortal --seed $seed \
+        --staleness 0 --compile-scope layer --logs "/tmp/logs-learning-s$seed" \
+        --json "$OUT/learning_gpu_mortal_s${seed}_st0_layer.json" > "/tmp/learning-s$seed.log" 2>&1
+      echo "== learning seed $seed: exit $?"; tail -4 "/tmp/learning-s$seed.log"; cat "/tmp/learning-s$seed.log" >> "$OUT/all.log"
+    done ;;
   offload)  # actor.cpuOffload on two GPUs, after the tied-weight fold (models.fold_tied_fsdp_params): it failed
             # at the first forward before it (2026-11-27); its own call, on the 7B call's warm machine
     gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "mixed_precision" ;;

