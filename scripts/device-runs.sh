@@ -96,7 +96,9 @@ case $group in
       --json "$OUT/regional_compile_24l_profile.json" 2>&1 | tee -a "$OUT/all.log" ;;
   learning-layer)  # issue 14 part 1: mortal's side of the learning bench with generation.compileScope layer (a third
                    # of the start's compile), on-policy, both seeds; needs /root/smol.gguf: call 1 of this machine
-                   # carries .mortal/p1 (any group), this call [".mortal/p2"] (scripts/device-gguf.sh)
+                   # carries .mortal/p1 (any group: regional-profile), this call [".mortal/p2"] (scripts/device-gguf.sh).
+                   # On nvidia-h100-x1: TRL's side of this bench ran on an H100 (2026-11-24) and is too long to
+                   # run beside it (719 s); report with bench/learning_gpu.py --report (docs/benchmarks.md)
     [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: carry .mortal/p1 in the call before this one" >&2; exit 2; }
     for seed in 0 1; do
       timeout -k 10 280 python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf --only mortal --seed $seed \
