@@ -271,6 +271,35 @@ def test_a_layer_scope_compiles_one_graph_for_every_layer_and_decodes_as_the_eag
     assert [name for name, _ in four_layers.named_parameters()] == names
 
 
+def test_a_layer_scope_step_writes_the_stacked_cache_in_place(tmp_path, monkeypatch) -> None:
+    """Each compiled layer writes its new K/V into the stacked cache in place: its final post-grad graph (what
+    inductor makes kernels of) holds no copy. Written into a view of the stack (all_keys[layer]), inductor
+    copied the layer's whole K/V out and back every step: 0.4-0.5 ms of an H200's 1.9 ms decode step at 64
+    rows, 24 layers (docs/benchmarks.md). The graphs are read after inductor's reinplacing pass, its last
+    word on what is in place (a private function: renamed in a later torch, this test says so at once)."""
+    from torch._inductor.fx_passes import post_grad
+    from transformers import AutoModelForCausalLM
+
+    graphs: list[list[str]] = []
+    reinplace = post_grad.reinplace_inplaceable_ops
+
+    def reinplace_and_record(updater, graph: torch.fx.Graph) -> None:
+        reinplace(updater, graph)
+        graphs.append([str(node.target) for node in graph.nodes if node.op == "call_function"])
+
+    monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", reinplace_and_record)
+    monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
+    two_layers = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model", num_hidden_layers=2),
+                                                      dtype=torch.float32).eval()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _decode(StaticDecoder(two_layers, max_rows=2, compile_scope="layer"), _prompts([5, 7]), 1, 3, [], width=8)
+    assert len(graphs) == 2  # layer 0's graph and the one serving the others
+    for targets in graphs:
+        assert targets.count("aten.index_put_.default") == 2, targets  # keys and values, in place
+        assert not [t for t in targets if t.startswith(("aten.copy", "aten.index_put.default"))], targets
+
+
 def test_an_unknown_compile_scope_is_refused_naming_the_known_ones(model) -> None:
     with pytest.raises(ValueError, match="'block': one of model, layer"):
         StaticDecoder(model, compile_scope="block")

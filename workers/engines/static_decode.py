@@ -351,8 +351,13 @@ class StackedRowCache(RowCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.writes.prefill_rows is not None:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        return write_decode_step(self.all_keys[layer_idx], self.all_values[layer_idx], self.writes, key_states,
-                                 value_states)
+        # The layer is an index of the write, not a view written into: inductor keeps an index_put_ on the
+        # stacked tensor (a graph input) in place, but writing into a view of it (all_keys[layer_idx]) compiles
+        # to a copy of the layer's whole K/V and a copy back, each step (seen in the post-grad graph).
+        layer = torch.full_like(self.writes.every_row, layer_idx)
+        self.all_keys[layer, self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
+        self.all_values[layer, self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
+        return self.all_keys[layer_idx], self.all_values[layer_idx]
 
 
 class DecodeState:
