@@ -271,8 +271,10 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
     loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
+        ddp = "DDP, " + ("searching for unused parameters" if loop.trainer.args.ddp_find_unused_parameters
+                         else "every parameter used")
         ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
-                     "FSDP2" if spec.actor.strategy == "fsdp" else "DDP")
+                     "FSDP2" if spec.actor.strategy == "fsdp" else ddp)
     return loop.trainer
 
 
@@ -294,10 +296,12 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
                               reshard_after_forward=spec.actor.reshard_after_forward)
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
+    args = training_args(spec, str(run_dir / "actor"), device, world)
+    args.ddp_find_unused_parameters = models.routes_experts(model.config)  # actor.strategy ddp: models.py says why
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],
-        args=training_args(spec, str(run_dir / "actor"), device, world),
+        args=args,
         train_dataset=placeholders,
         processing_class=tokenizer,
         callbacks=[callback, *step_profile.from_environment(run_dir / paths.LOGS, rank)],

@@ -378,6 +378,19 @@ def _drop_empty_groups(state: Any) -> None:
         state._fsdp_param_group = None
 
 
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routes_experts(config: Any) -> bool:
+    """Whether a model's config routes tokens to experts (mixture of experts): then an expert no token of a step
+    reached has no gradient that step, and a replicated actor's DistributedDataParallel must look for such
+    parameters after each forward. Every other causal LM uses all its weights every step, and the search is
+    host time in each backward of a step that is host-bound (docs/benchmarks.md); transformers' Trainer
+    searches whenever activation checkpointing is off. Config names as transformers' MoE models spell them."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(text, field, None) for field in EXPERT_COUNT_FIELDS)
+
+
 def use_tf32(model_spec: ModelSpec, device: str) -> bool:
     """Turn on TF32 matmuls for this process when the spec asks (model.tf32) and it runs on CUDA; whether it did.
     A process-wide switch (torch's backends flags, as TRL's tf32 sets them): a worker holds one model."""

@@ -21,6 +21,7 @@ from mortal.workers.models import (
     model_location,
     resolve_dtype,
     resolve_model_source,
+    routes_experts,
     use_tf32,
 )
 
@@ -187,6 +188,16 @@ def test_placing_the_shards_moves_every_parameter_and_keeps_its_sharding_and_the
     _, got = sharded_tied_step
     assert got["placed_devices"] == ["meta"]
     assert got["placed_same_spec"] and got["placed_still_tied"]
+
+
+@pytest.mark.parametrize(("config", "routes"), [
+    ("LlamaConfig", False), ("Qwen2Config", False),  # dense: every weight has a gradient every step
+    ("Qwen2MoeConfig", True), ("MixtralConfig", True), ("DeepseekV3Config", True), ("OlmoeConfig", True),
+])
+def test_only_a_mixture_of_experts_makes_ddp_search_for_unused_parameters(config: str, routes: bool) -> None:
+    import transformers
+
+    assert routes_experts(getattr(transformers, config)()) is routes
 
 
 def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:
