@@ -321,7 +321,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
                       "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness,
                       **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
-        "generation": {"maxTokens": args.tokens, "engine": "transformers"},
+        "generation": {"maxTokens": args.tokens, "engine": "transformers", "compileScope": args.compile_scope},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
                   **({"reshardAfterForward": False} if args.keep_gathered else {}),
@@ -496,6 +496,8 @@ def main() -> None:
                         "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
                         "faster: docs/benchmarks.md)")
     parser.add_argument("--only", choices=["trl", "mortal"])
+    parser.add_argument("--compile-scope", choices=["model", "layer"], default="model",
+                        help="mortal's generation.compileScope: what the rollout's decode step compiles")
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",

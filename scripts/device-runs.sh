@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests, gpu-tests-unrun, offload, regional, regional-profile, learning-layer"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-lora, gpu-tests, gpu-tests-unrun, offload, regional, regional-profile, scope-step, learning-layer"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -90,6 +90,10 @@ case $group in
       done
     done
     gpu_tests 200 "$R/tests/workers/test_static_decode.py" ;;
+  scope-step)  # the forced-256 bench's mortal side with each compile scope, in one call: what the layer scope costs a
+               # step end to end (its start is in each JSON's first step), after the in-place stacked write
+    bench onegpu_model 170 --steps 6 --rollouts 1 --only mortal
+    bench onegpu_layer 170 --steps 6 --rollouts 1 --only mortal --compile-scope layer ;;
   regional-profile)  # where the layer scope's decode step loses 0.4-0.5 ms against the whole model's (H200,
                      # 2026-11-28): each scope's kernels for one generate of the first shape (about 3 min)
     timeout -k 10 300 python3 "$R/bench/regional_compile.py" --layers 24 --profile --top 30 \
