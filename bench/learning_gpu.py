@@ -270,12 +270,13 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW) -> d
         reach = seconds_to_reach(curve, target)
         own = final_reward(curve, final_steps)
         entry = {"file": Path(r["file"]).name, "seed": r["seed"], "staleness": r["staleness"],
-                 "compile_cache_hit": compile_cache_hit(r), "final_reward": own, "seconds_to_trl_final": reach,
+                 "compile_scope": r.get("compile_scope", "model"), "compile_cache_hit": compile_cache_hit(r), "final_reward": own, "seconds_to_trl_final": reach,
                  "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
                  "final_at_least_trl_minus_spread": own >= target - spread, "wall_seconds": curve[-1]["seconds"]}
         out["mortal"].append(entry)
         reached = "never" if reach is None else f"{reach:.0f} s = {reach / trl_wall:.3f} of TRL's wall time"
-        print(f"mortal seed {r['seed']} maxStaleness {r['staleness']} ({entry['file']}): final reward {own:.3f}, "
+        print(f"mortal seed {r['seed']} maxStaleness {r['staleness']}, compile scope {entry['compile_scope']} "
+              f"({entry['file']}): final reward {own:.3f}, "
               f"reaches TRL's final {reached}; {curve[-1]['seconds']:.0f} s for {curve[-1]['step']} steps")
     if plot:
         draw(runs, target, plot)
@@ -297,7 +298,8 @@ def draw(runs: list[dict], target: float, plot: Path) -> None:
             smooth = [statistics.mean(q["reward"] for q in points[max(0, i - 9): i + 1]) for i in range(len(points))]
             label = (f"TRL GRPOTrainer, seed {r['seed']}" if side == "trl"
                      else f"mortal, seed {r['seed']}, maxStaleness {r['staleness']}"
-                     + (", compile cache warm" if compile_cache_hit(r) else ""))
+                     + (", compile cache warm" if compile_cache_hit(r) else "")
+                     + (", compileScope layer" if r.get("compile_scope") == "layer" else ""))
             ax.plot([p["seconds"] for p in points], smooth, label=label,
                     color="tab:gray" if side == "trl" else None, linestyle="--" if side == "trl" else "-")
     ax.axhline(target, color="black", linewidth=0.8, linestyle=":", label="TRL's final reward")
