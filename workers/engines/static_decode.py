@@ -85,8 +85,9 @@ DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
 # What torch.compile covers of a decode step's forward: the whole model ("model"), or each decoder layer
 # with one graph for all (layer_compiled_model). A user picks it (spec.generation.compileScope, the same
-# names); "model" is the default: on an H200 it decodes a step in 1.4-1.5 ms against the layer scope's 1.9,
-# which compiles in a third of the time (bench/regional_compile.py, docs/benchmarks.md).
+# names); "model" is the default: on an H200 it decoded a step in 1.4-1.5 ms against the layer scope's 1.9,
+# which compiles in a third of the time (bench/regional_compile.py, docs/benchmarks.md). That 1.9 was
+# measured before StackedRowCache wrote in place; if the two now decode alike, "layer" should be the default.
 COMPILE_SCOPES = ("model", "layer")
 
 
