@@ -270,7 +270,8 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW) -> d
         reach = seconds_to_reach(curve, target)
         own = final_reward(curve, final_steps)
         entry = {"file": Path(r["file"]).name, "seed": r["seed"], "staleness": r["staleness"],
-                 "compile_scope": r.get("compile_scope", "model"), "compile_cache_hit": compile_cache_hit(r), "final_reward": own, "seconds_to_trl_final": reach,
+                 "compile_scope": r.get("compile_scope", "model"), "compile_cache_hit": compile_cache_hit(r),
+                 "final_reward": own, "seconds_to_trl_final": reach,
                  "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
                  "final_at_least_trl_minus_spread": own >= target - spread, "wall_seconds": curve[-1]["seconds"]}
         out["mortal"].append(entry)

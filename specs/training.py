@@ -213,8 +213,8 @@ class GenerationSpec(SpecModel):
         "forward, fastest per token. layer: one decoder layer, whose graph serves all of them: about a third "
         "of the compile at a run's start and at each new prompt width, each decode step about a third slower "
         "(0.5B shape on an H200: 16-17 s against 49-51 s to prepare, 1.9 against 1.4-1.5 ms a step, measured "
-        "before a fix of the layer's cache write that may narrow the gap; docs/benchmarks.md). layer suits short runs and runs whose prompt widths vary; model long ones. "
-        "The two round differently, so it is part of what a seed reproduces on a GPU. vLLM compiles its own "
+        "before a fix of the layer's cache write that may narrow the gap; docs/benchmarks.md). layer suits "
+        "short runs and runs whose prompt widths vary; model long ones. The two round differently, so it is part of what a seed reproduces on a GPU. vLLM compiles its own "
         "way and ignores it.",
     )
 

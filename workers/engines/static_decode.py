@@ -119,9 +119,8 @@ def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[...,
     Why: compiling the whole model's decode step is most of a rollout's start (34.6 s for SmolLM2 on an H100,
     docs/benchmarks.md), and the layers are one module repeated. Compiled with dynamic=None and the layer
     index unspecialised, layer 0 compiles with everything fixed and a second graph, the index symbolic, serves
-    every other layer (24 layers on 2 CPUs: a shape prepared in 12-22 s against 27-44 s for the whole model,
-    docs/benchmarks.md; not yet weighed on a GPU). A second decode shape makes automatic dynamic shapes compile
-    the sizes symbolic too.
+    every other layer (24 layers on an H200: a shape prepared in 16-17 s against 49-51 s for the whole model,
+    docs/benchmarks.md). A second decode shape makes automatic dynamic shapes compile the sizes symbolic too.
     The compiled layers stand in the model's layer list only during the call: the eager prefill and anything
     else that calls the model run the plain layers (a prefill would otherwise compile each new width)."""
     layers = decoder_layers(model)
@@ -291,18 +290,13 @@ class RowScatterLayer(StaticLayer):
         return self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
     def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return write_decode_step(self.keys, self.values, self.writes, key_states, value_states)
+        """One new K/V per row at that row's own column (graph-safe); returns the whole cache.
 
-
-def write_decode_step(keys: torch.Tensor, values: torch.Tensor, writes: RowWrites, key_states: torch.Tensor,
-                      value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new K/V per row at that row's own column of one layer's cache (graph-safe); returns that cache.
-
-    Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
-    scatter_ may be compiled as a copy of the whole cache per layer and step."""
-    keys[writes.every_row, :, writes.columns] = key_states[:, :, 0]
-    values[writes.every_row, :, writes.columns] = value_states[:, :, 0]
-    return keys, values
+        Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
+        scatter_ may be compiled as a copy of the whole cache per layer and step."""
+        self.keys[self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
+        self.values[self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
+        return self.keys, self.values
 
 
 class RowCache(StaticCache):
