@@ -496,8 +496,9 @@ def main() -> None:
                         "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
                         "faster: docs/benchmarks.md)")
     parser.add_argument("--only", choices=["trl", "mortal"])
-    parser.add_argument("--compile-scope", choices=["model", "layer"], default="model",
-                        help="mortal's generation.compileScope: what the rollout's decode step compiles")
+    parser.add_argument("--compile-scope", choices=["auto", "model", "layer"], default="auto",
+                        help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "
+                        "spec's, auto)")
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",

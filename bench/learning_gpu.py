@@ -1,7 +1,7 @@
 """Learning on a GPU beside TRL: a real model on a real task, reward against wall-clock seconds.
 
     python bench/learning_gpu.py --model PATH.gguf [--steps 200] [--seed 0] [--staleness 0]
-                                 [--only trl|mortal] [--compile-scope model|layer] [--json out.json]
+                                 [--only trl|mortal] [--compile-scope auto|model|layer] [--json out.json]
     python bench/learning_gpu.py --model PATH.gguf --only trl --max-seconds 540 --trl-resume-dir DIR  # repeat
     python bench/learning_gpu.py --report a.json b.json ... [--plot docs/learning_gpu.png] [--json summary.json]
 
@@ -300,7 +300,7 @@ def draw(runs: list[dict], target: float, plot: Path) -> None:
             label = (f"TRL GRPOTrainer, seed {r['seed']}" if side == "trl"
                      else f"mortal, seed {r['seed']}, maxStaleness {r['staleness']}"
                      + (", compile cache warm" if compile_cache_hit(r) else "")
-                     + (", compileScope layer" if r.get("compile_scope") == "layer" else ""))
+                     + (f", compileScope {r['compile_scope']}" if r.get("compile_scope", "model") != "model" else ""))
             ax.plot([p["seconds"] for p in points], smooth, label=label,
                     color="tab:gray" if side == "trl" else None, linestyle="--" if side == "trl" else "-")
     ax.axhline(target, color="black", linewidth=0.8, linestyle=":", label="TRL's final reward")
@@ -337,9 +337,9 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches for mortal's workers in this "
                         "folder, kept across invocations (a user's later run); default: a fresh one per invocation")
-    parser.add_argument("--compile-scope", choices=["model", "layer"], default="model",
-                        help="mortal's generation.compileScope: what its decode step compiles (layer: a third of the "
-                        "start's compile, a slower decode step)")
+    parser.add_argument("--compile-scope", choices=["auto", "model", "layer"], default="auto",
+                        help="mortal's generation.compileScope: what its decode step compiles (default auto: the spec's "
+                        "default, layer for SmolLM2; model: the whole forward, about 2.5x the start's compile)")
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
     parser.add_argument("--final-steps", type=int, default=WINDOW,
                         help=f"--report: the last steps whose mean reward is a run's final reward (default {WINDOW})")

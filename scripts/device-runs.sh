@@ -92,18 +92,19 @@ case $group in
     gpu_tests 200 "$R/tests/workers/test_static_decode.py" ;;
   scope-step)  # the forced-256 bench's mortal side with each compile scope, in one call: what the layer scope costs a
                # step end to end (its start is in each JSON's first step), after the in-place stacked write
-    bench onegpu_model 170 --steps 6 --rollouts 1 --only mortal
+    bench onegpu_model 170 --steps 6 --rollouts 1 --only mortal --compile-scope model
     bench onegpu_layer 170 --steps 6 --rollouts 1 --only mortal --compile-scope layer ;;
   regional-profile)  # where the layer scope's decode step loses 0.4-0.5 ms against the whole model's (H200,
                      # 2026-11-28): each scope's kernels for one generate of the first shape (about 3 min)
     timeout -k 10 300 python3 "$R/bench/regional_compile.py" --layers 24 --profile --top 30 \
       --json "$OUT/regional_compile_24l_profile.json" 2>&1 | tee -a "$OUT/all.log" ;;
   learning-layer)  # issue 14 part 1: mortal's side of the learning bench with generation.compileScope layer (a third
-                   # of the start's compile), on-policy, both seeds; needs /root/smol.gguf: call 1 of this machine
-                   # carries .mortal/p1 (any group: regional-profile), this call [".mortal/p2"] (scripts/device-gguf.sh).
+                   # of the start's compile), on-policy, both seeds (ran on an H100, 2026-11-28: 170-172 s each);
+                   # needs /root/smol.gguf: the two calls before this one on the same machine carry .mortal/p1 and
+                   # .mortal/p2 (any groups: regional-profile, regional), this one [".mortal/p3"] (scripts/device-gguf.sh).
                    # On nvidia-h100-x1: TRL's side of this bench ran on an H100 (2026-11-24) and is too long to
                    # run beside it (719 s); report with bench/learning_gpu.py --report (docs/benchmarks.md)
-    [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: carry .mortal/p1 in the call before this one" >&2; exit 2; }
+    [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: carry .mortal/p1, p2, p3 in this call and the two before" >&2; exit 2; }
     for seed in 0 1; do
       timeout -k 10 280 python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf --only mortal --seed $seed \
         --staleness 0 --compile-scope layer --logs "/tmp/logs-learning-s$seed" \

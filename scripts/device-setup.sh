@@ -3,9 +3,11 @@
 # sqlmodel, pydantic or gguf, and nothing it runs may reach a network, so what it lacks is carried:
 #   here:  bash scripts/device-wheels.sh && pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
 #          mkdir -p .mortal && cp -r ../shared/anchors/assets .mortal/assets
-#          bash scripts/device-gguf.sh   # the 94 MB GGUF in parts: .mortal/p1, .mortal/p2 (gitignored)
-#   call 1 carries [".whl", ".mortal/p1", ".mortal/assets"], call 2 [".mortal/p2"], back to back: an ignored
-#   folder a call does not name stays on a warm machine, and a machine idle for 30 s is given back.
+#          bash scripts/device-gguf.sh   # the 94 MB GGUF in parts: .mortal/p1, p2, p3 (gitignored)
+#   call 1 carries [".whl", ".mortal/p1"], call 2 [".mortal/p2"], call 3 [".mortal/p3", ".mortal/assets"], back
+#   to back (each near the 64 MiB a call carries with the tree's 4.4 MiB; .whl, p1 and assets together were
+#   refused, 2026-11-28): an ignored folder a call does not name stays on a warm machine, and a machine idle
+#   for 30 s is given back. Calls 1 and 2 can run groups that need no GGUF and no assets (regional, profile).
 # It installs the wheels once and this tree every time into /tmp/site, joins the GGUF parts into
 # /root/smol.gguf once both have arrived, and leaves the shell in /tmp: the repository root's mortal/
 # folder would shadow the installed package. $R is the repository root.
@@ -21,7 +23,7 @@ export PYTHONPATH=/tmp/site MORTAL_TEST_ASSETS=$R/.mortal/assets PYTHONUNBUFFERE
 # The GGUF's parts: each call brings some (kept in /root/gguf-parts); joined once their whole has the md5 of
 # .mortal/p1/smol.gguf.md5 (written with the split), so a missing or partial part is never read as a model.
 mkdir -p /root/gguf-parts
-cp -n "$R"/.mortal/p[12]/smol.gguf.part* "$R"/.mortal/p1/smol.gguf.md5 /root/gguf-parts/ 2>/dev/null
+cp -n "$R"/.mortal/p[123]/smol.gguf.part* "$R"/.mortal/p1/smol.gguf.md5 /root/gguf-parts/ 2>/dev/null
 if [ ! -f /root/smol.gguf ] && [ -f /root/gguf-parts/smol.gguf.md5 ]; then
   cat /root/gguf-parts/smol.gguf.part* > /root/smol.gguf.joining
   if [ "$(md5sum < /root/smol.gguf.joining | cut -d' ' -f1)" = "$(cat /root/gguf-parts/smol.gguf.md5)" ]; then

@@ -207,15 +207,15 @@ class GenerationSpec(SpecModel):
         "engine, vLLM's own default on vllm. It decides which sequences share a decode step, so it is part "
         "of what a seed reproduces: change it and the same seed gives other tokens on a GPU.",
     )
-    compile_scope: Literal["model", "layer"] = Field(
-        "model",
-        description="What the transformers engine compiles for its CUDA-graph decode step. model: the whole "
-        "forward, fastest per token. layer: one decoder layer, whose graph serves all of them: about a third "
-        "of the compile at a run's start and at each new prompt width, each decode step about a third slower "
-        "(0.5B shape on an H200: 16-17 s against 49-51 s to prepare, 1.9 against 1.4-1.5 ms a step, measured "
-        "before a fix of the layer's cache write that may narrow the gap; docs/benchmarks.md). layer suits "
-        "short runs and runs whose prompt widths vary; model long ones. The two round differently, so it is part of what a seed reproduces on a GPU. vLLM compiles its own "
-        "way and ignores it.",
+    compile_scope: Literal["auto", "model", "layer"] = Field(
+        "auto",
+        description="What the transformers engine compiles for its CUDA-graph decode step. layer: one decoder "
+        "layer, whose graph serves all of them. model: the whole forward. auto: layer where the model has a list "
+        "of decoder layers (transformers' get_decoder().layers), else model. On an H100 (0.5B shape, 64 rows; "
+        "docs/benchmarks.md) layer prepares in 14-17 s against 36-41 s at a run's start and 4.5-7 s against "
+        "27-38 s at each new prompt width, and decodes a step in 1.47-1.67 ms against 1.42-1.53 ms: model "
+        "pays off only after some 100,000 decode steps at few prompt widths. The two round "
+        "differently, so it is part of what a seed reproduces on a GPU. vLLM compiles its own way and ignores it.",
     )
 
 

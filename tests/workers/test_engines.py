@@ -122,16 +122,18 @@ def batched(engine, tokenizer) -> TransformersEngine:
 
 
 def test_the_decoder_compiles_what_the_spec_asks_and_the_spec_takes_only_the_decoders_scopes(engine, tokenizer) -> None:
-    """generation.compileScope reaches the batched path's decoder ("model" unless the spec says "layer"); the
-    spec's choices are the decoder's own (static_decode.COMPILE_SCOPES), so a spec that loads is one it runs."""
+    """generation.compileScope reaches the batched path's decoder (absent: "auto", which is "layer" for a
+    model with a list of decoder layers, as this one); the spec's choices are the decoder's own
+    (static_decode.COMPILE_SCOPES), so a spec that loads is one it runs."""
     from typing import get_args
 
     from mortal.specs.training import GenerationSpec
     from mortal.workers.engines.static_decode import COMPILE_SCOPES
 
-    assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "model"
+    assert GenerationSpec().compile_scope == "auto"
+    assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "layer"
     assert TransformersEngine(engine.model, tokenizer, compiled=True,
-                              compile_scope="layer").decoder.compile_scope == "layer"
+                              compile_scope="model").decoder.compile_scope == "model"
     assert get_args(GenerationSpec.model_fields["compile_scope"].annotation) == COMPILE_SCOPES
 
 

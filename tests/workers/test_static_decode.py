@@ -301,8 +301,24 @@ def test_a_layer_scope_step_writes_the_stacked_cache_in_place(tmp_path, monkeypa
 
 
 def test_an_unknown_compile_scope_is_refused_naming_the_known_ones(model) -> None:
-    with pytest.raises(ValueError, match="'block': one of model, layer"):
+    with pytest.raises(ValueError, match="'block': one of auto, model, layer"):
         StaticDecoder(model, compile_scope="block")
+
+
+def test_the_auto_scope_compiles_a_layer_where_the_model_lists_its_layers_and_the_whole_model_elsewhere(model) -> None:
+    """"auto" (the spec's default) is "layer" for a transformers decoder with get_decoder().layers, "model" for
+    a causal LM without such a list, which the layer scope cannot serve; asked for by name, "layer" is refused
+    there, naming the way out."""
+    class NoLayerList(torch.nn.Module):
+        def get_decoder(self) -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    assert static_decode.resolve_compile_scope(model, "auto") == "layer"
+    assert static_decode.resolve_compile_scope(NoLayerList(), "auto") == "model"
+    assert static_decode.resolve_compile_scope(NoLayerList(), "model") == "model"
+    assert StaticDecoder(model, compile=False).compile_scope == "layer"
+    with pytest.raises(ValueError, match="compile it whole"):
+        StaticDecoder(NoLayerList(), compile_scope="layer")
 
 
 @pytest.mark.gpu

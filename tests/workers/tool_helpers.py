@@ -99,7 +99,7 @@ class ArithScript(ScriptedEngine):
 
     @classmethod
     def create(cls, model_spec: Any, tokenizer: Any, device: str | None = None, max_num_seqs: int | None = None,
-               memory_share: float | None = None, compile_scope: str = "model"):
+               memory_share: float | None = None, compile_scope: str = "auto"):
         return cls(tokenizer)
 
     def load_weights(self, path: str) -> None:

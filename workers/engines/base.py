@@ -77,7 +77,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
                max_num_seqs: int | None = None, memory_share: float | None = None,
-               compile_scope: str = "model") -> Engine:
+               compile_scope: str = "auto") -> Engine:
         """Load the spec's model into a new engine (device None: a GPU when there is one); `max_num_seqs`
         (spec.generation.maxNumSeqs) caps the sequences decoded at once, None: the engine's default;
         `memory_share` (TrainingSpec.rollout_memory_share) is the share of the GPU the engine may hold,

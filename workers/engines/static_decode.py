@@ -84,11 +84,13 @@ DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills 
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
 # What torch.compile covers of a decode step's forward: the whole model ("model"), or each decoder layer
-# with one graph for all (layer_compiled_model). A user picks it (spec.generation.compileScope, the same
-# names); "model" is the default: on an H200 it decoded a step in 1.4-1.5 ms against the layer scope's 1.9,
-# which compiles in a third of the time (bench/regional_compile.py, docs/benchmarks.md). That 1.9 was
-# measured before StackedRowCache wrote in place; if the two now decode alike, "layer" should be the default.
-COMPILE_SCOPES = ("model", "layer")
+# with one graph for all (layer_compiled_model); "auto", the default, is "layer" for a model with a list of
+# decoder layers and "model" for one without (resolve_compile_scope). A user picks it
+# (spec.generation.compileScope, the same names). Why "layer" by default: on an H100 (bench/regional_compile.py,
+# 0.5B shape, 64 rows; docs/benchmarks.md) it prepares a shape in 14-17 s against 36-41 s (a new prompt width:
+# 4.5-7 s against 27-38 s) and decodes a step in 1.47-1.67 ms against 1.42-1.53 (GPU kernels 1.30 against
+# 1.27 ms): the whole model pays off only after some 100,000 decode steps at few prompt widths.
+COMPILE_SCOPES = ("auto", "model", "layer")
 
 
 def compiled_model(model: Any, backend: Any = "inductor", dynamic: bool | None = False) -> Callable[..., Any]:
@@ -132,6 +134,20 @@ def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[...,
             return model(**kwargs)
 
     return forward
+
+
+def resolve_compile_scope(model: Any, compile_scope: str) -> str:
+    """The scope a decoder compiles for `compile_scope` (one of COMPILE_SCOPES): "auto" is "layer" where the
+    model has a list of decoder layers, "model" where it has none; the others are themselves."""
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope {compile_scope!r}: one of {', '.join(COMPILE_SCOPES)}")
+    if compile_scope != "auto":
+        return compile_scope
+    try:
+        decoder_layers(model)
+    except ValueError:
+        return "model"
+    return "layer"
 
 
 def decoder_layers(model: Any) -> torch.nn.ModuleList:
@@ -445,7 +461,8 @@ class StaticDecoder:
     `sync_every`: decode steps between read-backs that look for ended rows.
     `memory_budget`: bytes this decoder's model and kept caches must fit in (the rollout's share of its GPU);
     a shape then gets no more rows than rows_within_budget allows, and MemoryBudgetTooSmall when not one fits.
-    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on; `dynamic` applies to
+    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on (the attribute holds
+    what "auto" resolved to); `dynamic` applies to
     the "model" scope (the "layer" scope compiles with automatic dynamic shapes, layer_compiled_model says why).
     After each generate, `last_stats` says how much of the sampling was useful; `preparations`
     counts the shapes prepared (captured, on CUDA) since construction."""
@@ -453,12 +470,11 @@ class StaticDecoder:
     def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
                  kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY,
                  memory_budget: int | None = None, dynamic: bool | None = False,
-                 compile_scope: str = "model") -> None:
+                 compile_scope: str = "auto") -> None:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
-        if compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile_scope {compile_scope!r}: one of {', '.join(COMPILE_SCOPES)}")
+        compile_scope = resolve_compile_scope(model, compile_scope)
         if compile_scope == "layer":
             decoder_layers(model)  # refused here, before anything is installed on the model
         decode_attention.install(model)  # one query token per row reads each key/value head once

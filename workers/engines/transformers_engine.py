@@ -64,7 +64,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None,
                  max_rows: int = DEFAULT_MAX_ROWS, memory_budget: int | None = None,
-                 compile_scope: str = "model") -> None:
+                 compile_scope: str = "auto") -> None:
         """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere.
         `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows).
         `memory_budget`: bytes the batched path's weights and KV caches must fit in (StaticDecoder).
@@ -90,7 +90,7 @@ class TransformersEngine(Engine):
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
                max_num_seqs: int | None = None, memory_share: float | None = None,
-               compile_scope: str = "model") -> TransformersEngine:
+               compile_scope: str = "auto") -> TransformersEngine:
         where = device or default_device()
         budget = cap_memory(where, memory_share)
         return cls(load_model(model_spec, where, for_training=False), tokenizer,

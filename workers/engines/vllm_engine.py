@@ -112,7 +112,7 @@ class VllmEngine(Engine):
     @classmethod
     def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
                max_num_seqs: int | None = None, memory_share: float | None = None,
-               compile_scope: str = "model") -> VllmEngine:
+               compile_scope: str = "auto") -> VllmEngine:
         # The weight loader is a function sent to vLLM's worker processes (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
