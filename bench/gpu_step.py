@@ -287,7 +287,8 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
     micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
     # FSDP2, parameters resharded after forward (full_shard) unless --keep-gathered (shard_grad_op), as
     # transformers >= 5.20 spells it
-    sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": not args.keep_gathered}}
+    sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": not args.keep_gathered,
+                                             "cpu_offload": args.cpu_offload}}
                if world > 1 and not args.cpu and args.strategy == "fsdp" else {})  # else accelerate's DDP
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=micro // world,
@@ -325,6 +326,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
                   **({"reshardAfterForward": False} if args.keep_gathered else {}),
+                  **({"cpuOffload": True} if args.cpu_offload else {}),
                   **({"strategy": args.strategy} if args.actor_gpus > 1 else {})},
         "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts,
                     "colocate": args.gpus == args.actor_gpus and not args.cpu,
@@ -484,6 +486,9 @@ def main() -> None:
     parser.add_argument("--keep-gathered", action="store_true", help="with --actor-gpus above 1: each layer's "
                         "gathered weights kept from its forward to its backward on both sides (mortal's "
                         "actor.reshardAfterForward false, TRL's fsdp_config reshard_after_forward false)")
+    parser.add_argument("--cpu-offload", action="store_true", help="with --actor-gpus above 1 (FSDP2): the shards, "
+                        "gradients and AdamW state in host memory on both sides (mortal's actor.cpuOffload, TRL's "
+                        "fsdp_config cpu_offload)")
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
@@ -521,6 +526,9 @@ def main() -> None:
     if args.colocated_replicas and (args.gpus == args.actor_gpus or args.colocated_replicas >= args.rollouts):
         parser.error("--colocated-replicas colocates some rollouts beside the actor and leaves the others GPUs of "
                      "their own: it needs --gpus above --actor-gpus and more --rollouts than it")
+    if args.cpu_offload and (args.actor_gpus < 2 or args.strategy != "fsdp" or args.cpu):
+        parser.error("--cpu-offload keeps FSDP2's shards in host memory: it needs --actor-gpus above 1 with "
+                     "--strategy fsdp, on GPUs (the spec's actor.cpuOffload refuses it otherwise)")
     if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
                      f"{args.prompts * args.gens})")

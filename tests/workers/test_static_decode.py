@@ -300,6 +300,23 @@ def test_a_layer_scope_step_writes_the_stacked_cache_in_place(tmp_path, monkeypa
         assert not [t for t in targets if t.startswith(("aten.copy", "aten.index_put.default"))], targets
 
 
+def test_a_shape_is_prepared_without_autograd_whoever_calls_it(model, monkeypatch) -> None:
+    """prepare compiles and captures with grad off even when its caller has it on (a bench, a test): traced
+    with grad on, the compiled step took a backward through the decode-attention op, which has none, and
+    failed on the GPU (2026-11-28). What the capture sees is recorded in place of a CUDA graph."""
+    grad_at_capture = []
+
+    def capture(self, cache, step):
+        grad_at_capture.append(torch.is_grad_enabled())
+        return step
+
+    monkeypatch.setattr(StaticDecoder, "_capture", capture)
+    decoder = StaticDecoder(model, compile=True, max_rows=2)
+    with torch.enable_grad():
+        decoder.prepare(2, 8, 4, PLAIN)
+    assert grad_at_capture == [False]
+
+
 def test_an_unknown_compile_scope_is_refused_naming_the_known_ones(model) -> None:
     with pytest.raises(ValueError, match="'block': one of auto, model, layer"):
         StaticDecoder(model, compile_scope="block")
