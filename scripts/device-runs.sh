@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, regional-profile, scope-step, learning-layer"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, regional-profile, scope-step, learning-layer"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -79,6 +79,9 @@ case $group in
     bench sevenb_offload 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --cpu-offload ;;
   seven-b-lora)  # issue 15.1: 7B LoRA on one GPU against TRL, now that the adapters travel through the ipc ring
     bench sevenb_lora 560 --shape 7b --lora 16 --micro-batch 8 --steps 4 ;;
+  seven-b-lora-overlap)  # issue 15.1: the same with maxStaleness 1 on mortal's side (generation of step s+1 beside
+                         # the training of step s: 1.9 s and 1.9-2.1 s on-policy, one after the other), TRL as ever
+    bench sevenb_lora_st1 570 --shape 7b --lora 16 --micro-batch 8 --steps 4 --staleness 1 ;;
   gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
     gpu_tests 560 -x "$R/tests/workers/test_actor_sharded.py" "$R/tests/workers/test_ipc_weights.py" ;;
   nccl-three)  # issue 19: sync nccl from a sharded actor on GPUs (its rollout needs a GPU of its own, the third; it
