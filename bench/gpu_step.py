@@ -331,7 +331,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts,
                     "colocate": args.gpus == args.actor_gpus and not args.cpu,
                     **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {})},
-        "sync": {"method": args.sync},
+        "sync": {"method": args.sync, **({"keepVersions": args.keep_versions} if args.keep_versions else {})},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
     }
@@ -492,6 +492,9 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
                         "while training step s)")
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
+    parser.add_argument("--keep-versions", type=int, default=None, metavar="N",
+                        help="mortal's sync.keepVersions: snapshots of the weights in the actor's ring (default: the "
+                        "spec's, 3; 2 saves a copy of the weights on the actor's GPU)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
                              "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")

@@ -19,7 +19,7 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
                            or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
                            each one may hold, weights included; then it must hold the weights)
   rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
-  sync ipc or nccl:        + SNAPSHOT_RING x b x parameters on the actor's GPU (its ring of snapshots;
+  sync ipc or nccl:        + sync.keepVersions x b x parameters on the actor's GPU (its ring of snapshots;
                            with N ranks, on rank 0's GPU, the one counted here); with LoRA the ring holds
                            the adapters' factors alone, left out
   actor.reshardAfterForward false: + the whole model gathered on each of the N GPUs through the step, in the
@@ -38,9 +38,6 @@ from mortal.specs.training import TrainingSpec
 
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto on a GPU is bfloat16
 ADAMW_COPIES = 4  # weights, gradients, exp_avg, exp_avg_sq
-# Snapshots in the actor's ring for sync ipc and nccl: workers.weights.KEEP_VERSIONS (not imported: that
-# module loads torch, and `mortalctl apply` runs this without it; a test keeps the two equal).
-SNAPSHOT_RING = 3
 AMBIGUOUS = ("A100", "H100!", "B200+")  # names not to suggest: several sizes, or a variant of another name
 
 
@@ -81,7 +78,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
         if gathered:
             parts.append("the whole model gathered from the forward to the backward (reshardAfterForward: false)")
         sync = spec.sync_method()
-        ring = SNAPSHOT_RING if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
+        ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
         if ring:
             parts.append(f"{ring} snapshots of the weights for sync {sync}")
         need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold + gathered
@@ -95,6 +92,8 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
                 fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:
                 fixes.append("a smaller rollout.gpuMemoryUtilization")
+            if ring > 2:
+                fixes.append("sync.keepVersions: 2 (one snapshot fewer)")
             if ring:
                 fixes.append("sync.method: volume (no snapshots on the GPU)")
             if colocated:

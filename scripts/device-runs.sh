@@ -75,8 +75,11 @@ case $group in
     bench sevenb_trl 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --only trl ;;
   seven-b-offload)  # issue 19: the 7B shape's full fine-tune on two H100s, which without actor.cpuOffload does not fit
                    # 80 GB (refused before launch): both sides with their shards, gradients and AdamW state in host
-                   # memory; run(..., kind="nvidia-h100-x2"), carry [".whl", ".mortal/assets"]
-    bench sevenb_offload 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --cpu-offload ;;
+                   # memory; run(..., kind="nvidia-h100-x2"), carry [".whl", ".mortal/assets"]. mortal's ring of 2
+                   # (sync.keepVersions): with 3, rank 0's GPU holds 15 + 45 GB of rollout and snapshots before any
+                   # activation, KV cache or gathered layer (mortalctl apply's bound, 61 GB of 80)
+    bench sevenb_offload 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 --cpu-offload \
+      --keep-versions 2 ;;
   seven-b-lora)  # issue 15.1: 7B LoRA on one GPU against TRL, now that the adapters travel through the ipc ring
     bench sevenb_lora 560 --shape 7b --lora 16 --micro-batch 8 --steps 4 ;;
   seven-b-lora-overlap)  # issue 15.1: the same with maxStaleness 1 on mortal's side (generation of step s+1 beside

@@ -396,6 +396,15 @@ class SyncSpec(SpecModel):
         "they are here: reload and checkpoint as volume, direct as ipc.",
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
+    keep_versions: int = Field(
+        3, ge=2, le=8,
+        description="Weight versions the actor keeps: with ipc and nccl a ring of that many snapshots of the whole "
+        "model on the actor's GPU (each a copy of the weights in the rollouts' dtype: 15 GB at 7B in bfloat16; "
+        "with LoRA the adapters alone), with volume and ray that many version directories. 2 saves a copy of "
+        "the weights on the actor's GPU; a rollout whose read of version v ends after v + keepVersions - 1 is "
+        "recorded reads again (the ring rule: docs/architecture.md), which a smaller ring makes likelier when "
+        "rollouts run ahead (maxStaleness > 0). At least 2: with one, every read could be overwritten.",
+    )
     _alias: str | None = PrivateAttr(None)  # the seeds' name the spec used, for `notes()`
 
     @model_validator(mode="wrap")

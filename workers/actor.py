@@ -91,7 +91,8 @@ def main(ctx: WorkerContext) -> int:
         poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,  # a GPU step is ~1 s: waits there are latency
     )
     feed.forget_from(start)
-    publisher = WeightPublisher(ctx.store, ctx.worker, method=spec.sync_method(), provenance=record)
+    publisher = WeightPublisher(ctx.store, ctx.worker, keep=spec.sync.keep_versions, method=spec.sync_method(),
+                                provenance=record)
     publisher.clear_partial()
     wandb_run = open_wandb(
         spec.logging.wandb, ctx.run.name, ctx.run.metadata.uid, ctx.run_dir, ctx.run.spec_dict()

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from mortal.controller.backends.gpus import gpu_memory
-from mortal.controller.fit import SNAPSHOT_RING, certain_misfits
+from mortal.controller.fit import certain_misfits
 from mortal.specs import TrainingRun
 from mortal.workers.models import count_parameters
 from mortal.workers.weights import KEEP_VERSIONS
@@ -54,6 +54,7 @@ def fake_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     ({"generation": {"engine": "transformers"}}, int(5.5 * B), []),  # 44 GB + 33 GB
     ({"generation": {"engine": "transformers"}}, 6 * B, ["spec.actor.gpu"]),  # 48 GB + 36 GB
     ({"generation": {"engine": "transformers"}, "sync": {"method": "volume"}}, 6 * B, []),  # no snapshots
+    ({"generation": {"engine": "transformers"}, "sync": {"keepVersions": 2}}, 6 * B, []),  # 48 GB + 24 GB
     ({"generation": {"engine": "transformers"}, "model": {"lora": {"r": 16}}}, 30 * B, []),  # LoRA: a ring of factors
     # an actor of N ranks: each GPU holds 1/N of the weights, gradients and AdamW state
     ({"actor": {"count": 2}}, 14 * B, []),  # 56 GB a GPU
@@ -114,13 +115,16 @@ def test_keeping_the_gathered_model_through_the_step_is_counted_and_undoing_it_i
 
 
 def test_the_snapshot_ring_is_the_actors_kept_versions():
-    assert SNAPSHOT_RING == KEEP_VERSIONS
+    """The spec's default is what a WeightPublisher keeps when not told (fit.py counts the spec's)."""
+    assert spec().sync.keep_versions == KEEP_VERSIONS
 
 
-def test_a_ring_that_does_not_fit_names_it_and_the_volume_fix():
+def test_a_ring_that_does_not_fit_names_it_a_smaller_ring_and_the_volume_fix():
     (misfit,) = certain_misfits(spec(generation={"engine": "transformers"}), 6 * B)
     assert "+ 3 snapshots of the weights for sync ipc" in misfit.message
-    assert "sync.method: volume" in misfit.message
+    assert "sync.keepVersions: 2" in misfit.message and "sync.method: volume" in misfit.message
+    (of_two,) = certain_misfits(spec(generation={"engine": "transformers"}, sync={"keepVersions": 2}), 7 * B)
+    assert "+ 2 snapshots of the weights" in of_two.message and "sync.keepVersions" not in of_two.message
 
 
 def test_gpu_memory_table():

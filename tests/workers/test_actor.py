@@ -222,6 +222,15 @@ def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(sto
     assert final_weights_hash(store, "waiting") == final_weights_hash(store, "straight")
 
 
+def test_the_actor_keeps_as_many_weight_versions_as_the_spec_says(store, tiny_dir: Path) -> None:
+    """sync.keepVersions: 2 keeps the newest two versions (rows and directories); the default keeps three."""
+    run = create_run(store, "two", actor_spec(str(tiny_dir), sync={"keepVersions": 2}))
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    rows = store.list_weights("two")
+    assert [(w.version, w.step) for w in rows] == [(2, 2), (3, 3)]
+    assert sorted(path.name for path in Path(rows[0].path).parent.iterdir()) == sorted(Path(w.path).name for w in rows)
+
+
 def test_weights_published_every_n_steps_are_importance_corrected(store, tiny_dir: Path) -> None:
     spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 3}, sync={"every": 2})
     run = create_run(store, "every", spec)
