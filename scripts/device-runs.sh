@@ -102,10 +102,11 @@ case $group in
     done ;;
   decoder-tests)  # the decoder's GPU tests with every compile scope (tests/workers/test_static_decode.py)
     gpu_tests 300 "$R/tests/workers/test_static_decode.py" ;;
-  scope-step)  # the forced-256 bench's mortal side with each compile scope, in one call: what the layer scope costs a
-               # step end to end (its start is in each JSON's first step), after the in-place stacked write
-    bench onegpu_model 170 --steps 6 --rollouts 1 --only mortal --compile-scope model
-    bench onegpu_layer 170 --steps 6 --rollouts 1 --only mortal --compile-scope layer ;;
+  scope-step)  # issue 14 part 4 with the default compile scope (auto: layer, since 2026-11-28): the forced-256
+               # bench beside TRL at the defaults, then mortal's side with the whole model compiled, in one call
+               # (decode ms a step and the start of each; about 7 min on an H100)
+    bench onegpu_auto 300 --steps 6 --rollouts 1
+    bench onegpu_model 170 --steps 6 --rollouts 1 --only mortal --compile-scope model ;;
   regional-profile)  # where the layer scope's decode step loses 0.4-0.5 ms against the whole model's (H200,
                      # 2026-11-28): each scope's kernels for one generate of the first shape (about 3 min)
     timeout -k 10 300 python3 "$R/bench/regional_compile.py" --layers 24 --profile --top 30 \

@@ -106,7 +106,7 @@ class ViewCache:
     model's few hundred views is 1-3 ms of Python, longer than the copy itself. Owned by what owns
     the buffers (ipc's mappings of one actor, nccl's pair), so the views never outlive them."""
 
-    SIZE = 4  # a ring's slots (KEEP_VERSIONS) and one more
+    SIZE = 9  # the largest ring's slots (spec.sync.keepVersions, at most 8) and one more
 
     def __init__(self) -> None:
         self._entries: list[tuple[tuple, list[TensorSlot], dict[str, torch.Tensor]]] = []

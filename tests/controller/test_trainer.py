@@ -85,7 +85,7 @@ def test_distributed_mode():
     assert spec["actor"]["gpu"] == "H100"
     assert spec["rollout"] == {"gpu": "A10G", "replicas": 3, "colocate": False,
                                "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
-    assert spec["sync"] == {"method": "volume", "every": 2}
+    assert spec["sync"] == {"method": "volume", "every": 2, "keepVersions": 3}
 
 
 @pytest.mark.parametrize("seed_name", ["reload", "checkpoint"])
