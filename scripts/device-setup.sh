@@ -9,7 +9,7 @@
 #   refused, 2026-11-28): an ignored folder a call does not name stays on a warm machine, and a machine idle
 #   for 30 s is given back. Calls 1 and 2 can run groups that need no GGUF and no assets (regional, profile).
 # It installs the wheels once and this tree every time into /tmp/site, joins the GGUF parts into
-# /root/smol.gguf once both have arrived, and leaves the shell in /tmp: the repository root's mortal/
+# /root/smol.gguf once all have arrived, and leaves the shell in /tmp: the repository root's mortal/
 # folder would shadow the installed package. $R is the repository root.
 # State on the machine (/root/...) is lost when it is given back, which has happened between two calls
 # a few seconds apart: a run that needs two calls (TRL's 200 steps) may have to start over.

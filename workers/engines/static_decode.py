@@ -138,14 +138,17 @@ def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[...,
 
 def resolve_compile_scope(model: Any, compile_scope: str) -> str:
     """The scope a decoder compiles for `compile_scope` (one of COMPILE_SCOPES): "auto" is "layer" where the
-    model has a list of decoder layers, "model" where it has none; the others are themselves."""
+    model has a list of decoder layers, "model" where it has none; "layer" asked for by name where there is
+    none is refused (decoder_layers' ValueError names the way out); "model" is itself."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope {compile_scope!r}: one of {', '.join(COMPILE_SCOPES)}")
-    if compile_scope != "auto":
+    if compile_scope == "model":
         return compile_scope
     try:
         decoder_layers(model)
     except ValueError:
+        if compile_scope == "layer":
+            raise
         return "model"
     return "layer"
 
@@ -474,9 +477,7 @@ class StaticDecoder:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
-        compile_scope = resolve_compile_scope(model, compile_scope)
-        if compile_scope == "layer":
-            decoder_layers(model)  # refused here, before anything is installed on the model
+        compile_scope = resolve_compile_scope(model, compile_scope)  # refused here, before anything is installed
         decode_attention.install(model)  # one query token per row reads each key/value head once
         fused_projections.fuse(model)  # q/k/v and gate/up as one matmul each (before any weight load)
         self.model = model
