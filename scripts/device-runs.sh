@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -67,6 +67,12 @@ case $group in
   # The 7B groups need two H200s: call run(..., needs_h200=True). On two H100s the actor's half of the bf16
   # weights, gradients and AdamW state, the rollout and the ring do not fit 80 GB (the bench refuses it at
   # once, as mortalctl apply does; docs/benchmarks.md, 2026-11-27).
+  profile-ddp)  # issue 15.2: where the replicated actor's training pass loses 0.03-0.05 s against one GPU's (two H200s,
+                # 2026-11-28: 0.23-0.25 s against 0.20-0.22): step 4 profiled on both ranks
+    bench profile_ddp 240 --steps 5 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal \
+      --profile-steps 4
+    (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
+       && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
   seven-b)  # issue 19: the 7B shape, full fine-tune, over two GPUs; TRL with FSDP2 in the same invocation
     bench sevenb 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 ;;
   seven-b-mortal)  # the same, mortal's side alone (when TRL's does not fit the call beside it)
@@ -85,6 +91,14 @@ case $group in
   seven-b-lora-overlap)  # issue 15.1: the same with maxStaleness 1 on mortal's side (generation of step s+1 beside
                          # the training of step s: 1.9 s and 1.9-2.1 s on-policy, one after the other), TRL as ever
     bench sevenb_lora_st1 570 --shape 7b --lora 16 --micro-batch 8 --steps 4 --staleness 1 ;;
+  seven-b-lora-pair)  # issue 15.1 on one GPU (nvidia-h200 when no H100 is lent): on-policy beside TRL (the adapters
+                      # through the ipc ring since 2026-11-27), then mortal's side alone with maxStaleness 1 against
+                      # the same TRL figure; about 4 min a bench (2026-11-25: TRL 15-18 s a step, mortal 4.3)
+    bench sevenb_lora_st0 330 --shape 7b --lora 16 --micro-batch 8 --steps 4
+    bench sevenb_lora_st1_mortal 220 --shape 7b --lora 16 --micro-batch 8 --steps 4 --staleness 1 --only mortal ;;
+  seven-b-lora-pair2)  # the second invocation of the pair, the other way round: TRL beside maxStaleness 1 first
+    bench sevenb_lora_st1 330 --shape 7b --lora 16 --micro-batch 8 --steps 4 --staleness 1
+    bench sevenb_lora_st0_mortal 220 --shape 7b --lora 16 --micro-batch 8 --steps 4 --only mortal ;;
   gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
     gpu_tests 560 -x "$R/tests/workers/test_actor_sharded.py" "$R/tests/workers/test_ipc_weights.py" ;;
   nccl-three)  # issue 19: sync nccl from a sharded actor on GPUs (its rollout needs a GPU of its own, the third; it
