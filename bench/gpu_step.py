@@ -62,7 +62,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from through_controller import copy_logs, exit_on_sigterm, local_gpu, run_through_controller, task_timeline
+from through_controller import (
+    compile_scopes,
+    copy_logs,
+    exit_on_sigterm,
+    local_gpu,
+    run_through_controller,
+    task_timeline,
+)
 
 BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
              "train": "actor/train_seconds", "publish": "weights/publish_seconds",
@@ -504,7 +511,7 @@ def main() -> None:
                         "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
                         "faster: docs/benchmarks.md)")
     parser.add_argument("--only", choices=["trl", "mortal"])
-    parser.add_argument("--compile-scope", choices=["auto", "model", "layer"], default="auto",
+    parser.add_argument("--compile-scope", choices=compile_scopes(), default="auto",
                         help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "
                         "spec's, auto)")
     parser.add_argument("--lora", type=int, default=0, metavar="R",

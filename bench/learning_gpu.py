@@ -63,7 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import smoke_sizes, use_compile_cache  # noqa: E402
-from through_controller import copy_logs, local_gpu, run_through_controller  # noqa: E402
+from through_controller import compile_scopes, copy_logs, local_gpu, run_through_controller  # noqa: E402
 
 REWARD = "math_answer"
 REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
@@ -337,7 +337,7 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches for mortal's workers in this "
                         "folder, kept across invocations (a user's later run); default: a fresh one per invocation")
-    parser.add_argument("--compile-scope", choices=["auto", "model", "layer"], default="auto",
+    parser.add_argument("--compile-scope", choices=compile_scopes(), default="auto",
                         help="mortal's generation.compileScope: what its decode step compiles (default auto: the spec's "
                         "default, layer for SmolLM2; model: the whole forward, about 2.5x the start's compile)")
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")

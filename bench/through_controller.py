@@ -92,6 +92,15 @@ def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dic
         store.close()
 
 
+def compile_scopes() -> tuple[str, ...]:
+    """generation.compileScope's choices as the spec declares them, so a bench offers what a spec accepts."""
+    from typing import get_args
+
+    from mortal.specs.training import GenerationSpec
+
+    return get_args(GenerationSpec.model_fields["compile_scope"].annotation)
+
+
 def local_gpu() -> str:
     """This machine's GPU as a spec names it (actor.gpu, rollout.gpu): H100, H200, ..., so that the memory
     check above holds it to its own size; the driver's name, spaces dashed, for a card the table lacks."""
