@@ -445,7 +445,7 @@ class ActorLoop(TrainerCallback):
             torch.cuda.synchronize()
         started = time.perf_counter()  # no fence check first: version directories are per incarnation
         model = self.trainer.model
-        if self.ranks is None:
+        if self.ranks is None or sharded.publishes_alone(self.spec):
             self.version = self.publisher.publish(model, step, prune=False)
         else:  # every rank takes part (sharded.join_publish); the ring, if any, is on rank 0's device
             ring, dtype = self.publisher.method in RING_METHODS, sharded.publish_dtype(self.spec)
@@ -498,6 +498,7 @@ class Follower(TrainerCallback):
         self.spec, self.ranks = spec, ranks
         self.trainer: Any = None
         self._rng_from: Path | None = None
+        self._joins = not sharded.publishes_alone(spec)  # whether rank 0's publish has collectives to join
         self._ring = spec.sync_method() in RING_METHODS  # how rank 0 publishes, so which collectives to join
         self._dtype = sharded.publish_dtype(spec)  # and in which dtype their buffers are
 
@@ -523,7 +524,7 @@ class Follower(TrainerCallback):
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
             self._rng_from = _rng_source(Path(resume_from), self.ranks.world)
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
-        sharded.join_publish(self.trainer.model, self._ring, self._dtype)  # rank 0 publishes the weights it starts from
+        self._join_publish()  # rank 0 publishes the weights it starts from
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._rng_from is not None:
@@ -532,6 +533,10 @@ class Follower(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if publishes_at(self.spec, state.global_step):
+            self._join_publish()
+
+    def _join_publish(self) -> None:
+        if self._joins:
             sharded.join_publish(self.trainer.model, self._ring, self._dtype)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -33,6 +33,18 @@ def test_a_generation_batch_is_split_in_rank_order_and_must_divide() -> None:
         sharded.output_slice(output, 0, 3)
 
 
+def test_a_replicated_rank_0_publishes_alone_and_fsdp2_ranks_publish_together() -> None:
+    """ddp: rank 0 holds the whole model and publishes it as one rank does; FSDP2: every rank gathers."""
+    from mortal.specs import TrainingSpec
+
+    def spec(**actor):
+        return TrainingSpec.model_validate({"model": {"name": "m"}, "dataset": {"name": "d"},
+                                            "rewards": [{"function": "builtin:length"}], "actor": actor})
+
+    assert sharded.publishes_alone(spec(count=2, strategy="ddp"))
+    assert not sharded.publishes_alone(spec(count=2))  # strategy fsdp, the default
+
+
 TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
              "1.23 GiB is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by "
              "PyTorch but unallocated.")
