@@ -272,10 +272,8 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
     loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
-        ddp = "DDP, " + ("searching for unused parameters" if loop.trainer.args.ddp_find_unused_parameters
-                         else "every parameter used")
         ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
-                     "FSDP2" if spec.actor.strategy == "fsdp" else ddp)
+                     "FSDP2" if spec.actor.strategy == "fsdp" else "DDP")
     return loop.trainer
 
 
@@ -310,6 +308,8 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
         rollout_func=rollout_func,
     )
     trainer.remove_callback(PrinterCallback)
+    if world > 1 and spec.actor.strategy == "ddp":
+        sharded.bucket_view_gradients(trainer)
     trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
         trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)
@@ -379,6 +379,9 @@ class ActorLoop(TrainerCallback):
         world = self.ranks.world if self.ranks is not None else 1
         if self.ranks is not None:
             self.ranks.channel.send("begin", self.resume_from)
+            replication = sharded.replication(self.trainer.model_wrapped)  # wrapped by now: what DDP was given
+            if replication is not None:
+                self.ctx.log.info("%s", replication)
         if self.resume_from is not None:
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(self.resume_from))
             self._rng_from = _rng_source(Path(self.resume_from), world)
