@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -124,6 +124,9 @@ case $group in
     bench sevenb_lora_st0_mortal 220 --shape 7b --lora 16 --micro-batch 8 --steps 4 --only mortal ;;
   gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
     gpu_tests 560 -x "$R/tests/workers/test_actor_sharded.py" "$R/tests/workers/test_ipc_weights.py" ;;
+  ddp-tests)  # the replicated actor's GPU test (ipc-ddp: its first step equals the unsharded one's, rollouts beside it),
+              # after rank 0 publishes alone and the gradients became views of DDP's buckets (2026-11-28)
+    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "ddp" ;;
   nccl-three)  # issue 19: sync nccl from a sharded actor on GPUs (its rollout needs a GPU of its own, the third; it
                # skips on two): run(..., kind="nvidia-h100-x4") (or nvidia-h200-x4), carry [".whl", ".mortal/assets"]
     gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "nccl" ;;
