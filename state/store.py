@@ -358,3 +358,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def step_results(self, run: str, step: int) -> list[TaskRow]:
         """All tasks of a step, by slot (callers check every one is done)."""
+
+    @abc.abstractmethod
+    def step_states(self, run: str, step: int) -> list[str]:
+        """The state of each task of a step, by slot: what a waiter polls, without the payloads and results
+        step_results reads (the results a step's finished tasks hold are read once, when all are done)."""

@@ -121,3 +121,8 @@ class TaskQueue:
     def step_results(self, run: str, step: int) -> list[TaskRow]:
         with self._tx(write=False) as s:
             return list(s.exec(select(TaskRow).where(TaskRow.run == run, TaskRow.step == step).order_by(TaskRow.slot)).all())
+
+    def step_states(self, run: str, step: int) -> list[str]:
+        with self._tx(write=False) as s:
+            return list(s.exec(select(TaskRow.state).where(TaskRow.run == run, TaskRow.step == step)
+                               .order_by(TaskRow.slot)).all())

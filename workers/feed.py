@@ -158,14 +158,16 @@ class RolloutFeed:
         `while_waiting` is called at each look (the actor's check that its published weights are still
         held: WeightPublisher.ensure_held, which decides itself how often to look)."""
         while True:
-            rows = self.store.step_results(self.worker.run, step)
-            if len(rows) < self.tasks_per_step:  # deleted under us (a reset): ask again
+            states = self.store.step_states(self.worker.run, step)  # polled: no payloads, no results
+            if len(states) < self.tasks_per_step:  # deleted under us (a reset): ask again
                 self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
-            elif all(r.state == "done" for r in rows):
-                stale = [r for r in rows if _weight_version(r.result) < r.min_weight_version]
-                if not stale:
-                    return self._flatten(rows)
-                self._requeue(step, current_version, len(stale))
+            elif all(state == "done" for state in states):
+                rows = self.store.step_results(self.worker.run, step)  # once; a reset in between: look again
+                if len(rows) == self.tasks_per_step and all(r.state == "done" for r in rows):
+                    stale = [r for r in rows if _weight_version(r.result) < r.min_weight_version]
+                    if not stale:
+                        return self._flatten(rows)
+                    self._requeue(step, current_version, len(stale))
             if self.stopping.is_set():
                 on_stop()
                 raise StopRequested(f"stopping while waiting for the rollouts of step {step}")

@@ -320,8 +320,9 @@ def test_task_queue_order_and_idempotent_enqueue(store: Store, run: str) -> None
     assert all(t.lease_token == 1 and t.attempts == 1 and t.state == "leased" for t in order)
     assert order[0].payload == {"prompt": "0.0"} and order[0].lease_holder == rollout.id
     assert store.lease_task(rollout, 30) is None
-    for t in order[:2]:
-        assert store.complete_task(rollout, t.id, t.lease_token, {"reward": t.slot})
+    assert store.complete_task(rollout, order[0].id, order[0].lease_token, {"reward": 0})
+    assert store.step_states(run, 0) == ["done", "leased"] and store.step_states(run, 2) == []
+    assert store.complete_task(rollout, order[1].id, order[1].lease_token, {"reward": 1})
     results = store.step_results(run, 0)
     assert [(t.slot, t.state, t.result) for t in results] == [(0, "done", {"reward": 0}), (1, "done", {"reward": 1})]
     assert store.reset_tasks(actor, 1) == 2

@@ -6,6 +6,7 @@ default; the last chunk may be shorter); its answer is a RolloutAnswer, one Roll
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -210,6 +211,32 @@ def test_a_stop_request_ends_the_wait_after_the_stop_hook(setup) -> None:
     with pytest.raises(StopRequested):
         feed.collect(0, current_version=0, on_stop=lambda: hooked.append(True))
     assert hooked == [True]
+
+
+def test_the_wait_polls_states_and_reads_the_results_once_all_are_done(setup, monkeypatch) -> None:
+    """A task done early is not read again at every look while the others run (a step's results are the
+    largest rows: every token id and logprob of its completions)."""
+    store, feed, rollout = setup
+    feed.enqueue(0, current_version=0)
+    first = store.lease_task(rollout.worker, 30)
+    answer = RolloutAnswer(results=[_result(0, first.slot, 0)])
+    assert store.complete_task(rollout.worker, first.id, first.lease_token, answer.model_dump())
+    looks, reads = [], []
+    monkeypatch.setattr(store, "step_states", lambda *a, _f=store.step_states: looks.append(1) or _f(*a))
+    monkeypatch.setattr(store, "step_results", lambda *a, _f=store.step_results: reads.append(1) or _f(*a))
+
+    def answer_the_rest_after_some_looks() -> None:
+        deadline = time.monotonic() + 5.0
+        while len(looks) + len(reads) < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _answer_all(store, rollout, 0)
+
+    helper = threading.Thread(target=answer_the_rest_after_some_looks)
+    helper.start()
+    batch = feed.collect(0, current_version=0)
+    helper.join()
+    assert len(looks) >= 5 and len(reads) == 1
+    assert len(batch.completion_ids) == 2 * G
 
 
 def test_forget_from_deletes_the_tasks_of_later_steps(setup) -> None:
