@@ -188,8 +188,9 @@ case $group in
     cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/" 2>/dev/null ;;
   learning-finish)  # TRL's runs to their end (about 3 more minutes), then mortal's on-policy seeds at once
     timeout 300 bash -c 'until [ -f /root/learn/trl_s0.json ] && [ -f /root/learn/trl_s1.json ]; do sleep 5; done' \
-      || { echo "TRL's runs did not finish (or the machine was a fresh one: /root/learn is gone)" >&2; }
-    cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/" 2>/dev/null
+      || { echo "TRL's runs did not finish (or the machine was a fresh one: /root/learn is gone): mortal's runs would share their GPUs" >&2
+           cp /root/learn/trl_s?.log "$OUT/" 2>/dev/null; exit 3; }
+    cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/"
     learning_mortal 0 280 ;;
   learning-mortal-st1)  # mortal's maxStaleness 1 seeds at once
     learning_mortal 1 280 ;;
