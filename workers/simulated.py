@@ -164,9 +164,11 @@ def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> l
     ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, step, slot, version) for slot in range(algo.prompts_per_step)])
     replicas, checked = ctx.run.spec.rollout.replicas, time.monotonic()
     while not ctx.stopping.is_set():
-        rows = ctx.store.step_results(ctx.worker.run, step)
-        if len(rows) == algo.prompts_per_step and all(r.state == "done" for r in rows):
-            return [r.result or {} for r in rows]
+        states = ctx.store.step_states(ctx.worker.run, step)  # polled as the real actor polls (feed.collect)
+        if len(states) == algo.prompts_per_step and all(state == "done" for state in states):
+            rows = ctx.store.step_results(ctx.worker.run, step)
+            if len(rows) == algo.prompts_per_step and all(r.state == "done" for r in rows):
+                return [r.result or {} for r in rows]
         if time.monotonic() - checked > 1.0:
             replicas, checked = _rollout_replicas(ctx), time.monotonic()
         if replicas > 0 or serve_one(ctx, settings) is None:
