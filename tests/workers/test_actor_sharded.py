@@ -205,8 +205,9 @@ def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_its_weight
         store: Store, home: Path, tiny_dir: Path, whole: str) -> None:
     """actor.strategy ddp: each rank holds the whole model and trains its half of the batch, the gradients
     averaged (DistributedDataParallel, told that a dense model uses every parameter: no search after each
-    forward; its gradients views of the all-reduce buckets: no copy in and out): one step equals the unsharded one, and the checkpoint it writes (torch.distributed.checkpoint,
-    as for FSDP2) holds those weights, whole."""
+    forward; its gradients views of the all-reduce buckets: no copy in and out): one step equals the
+    unsharded one, and the checkpoint it writes (torch.distributed.checkpoint, as for FSDP2) holds those
+    weights, whole."""
     replicated = create_run(store, "replicated", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
                                                             actor={"count": 2, "strategy": "ddp"}))
     assert train(store, replicated, home) == 0, _log_tail(home, "replicated")
