@@ -40,6 +40,12 @@ gpu_tests() {
   tar czf "$OUT/gpu-tests-logs.tgz" -C /tmp pt 2>/dev/null
 }
 
+# keep_profiles: the profiled benches' tables and traces (mortal.workers.step_profile) come back as two archives
+keep_profiles() {
+  (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
+     && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz)
+}
+
 # learning_mortal STALENESS LIMIT_SECONDS: mortal's side of the learning bench, seed N on GPU N, both at once
 learning_mortal() {
   local staleness=$1 limit=$2 seed
@@ -81,21 +87,18 @@ case $group in
              # profiled on every rank (mortal.workers.step_profile), one GPU and the hybrid layout
     bench profile_onegpu 170 --steps 5 --rollouts 1 --only mortal --profile-steps 4
     bench profile_hybrid 200 --steps 5 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --only mortal --profile-steps 4
-    (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
-       && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
+    keep_profiles ;;
   # The 7B groups need two H200s: call run(..., needs_h200=True). On two H100s the actor's half of the bf16
   # weights, gradients and AdamW state, the rollout and the ring do not fit 80 GB (the bench refuses it at
   # once, as mortalctl apply does; docs/benchmarks.md, 2026-11-27).
   profile-onegpu)  # the one-GPU step profiled, as profile-ddp's baseline on the same kind of GPU
     bench profile_onegpu 170 --steps 5 --rollouts 1 --only mortal --profile-steps 4
-    (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
-       && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
+    keep_profiles ;;
   profile-ddp)  # issue 15.2: where the replicated actor's training pass loses 0.03-0.05 s against one GPU's (two H200s,
                 # 2026-11-28: 0.23-0.25 s against 0.20-0.22): step 4 profiled on both ranks
     bench profile_ddp 240 --steps 5 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal \
       --profile-steps 4
-    (cd /tmp && tar czf "$OUT/profile-tables.tgz" logs-profile_*/profile-*.txt \
-       && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz) ;;
+    keep_profiles ;;
   seven-b)  # issue 19: the 7B shape, full fine-tune, over two GPUs; TRL with FSDP2 in the same invocation
     bench sevenb 570 --steps 4 --gpus 2 --actor-gpus 2 --rollouts 2 --shape 7b --micro-batch 8 ;;
   seven-b-mortal)  # the same, mortal's side alone (when TRL's does not fit the call beside it)

@@ -289,9 +289,8 @@ def bucket_view_gradients(trainer: Any) -> None:
     """actor.strategy ddp, before the Trainer wraps its model (at train): each gradient a view into the all-reduce
     bucket DistributedDataParallel sends (its gradient_as_bucket_view), set on the accelerator's DDP arguments.
     Why: otherwise DDP copies every gradient into its bucket and the reduced bucket back, two copies a weight a
-    step (the 0.5B shape's replicated step on two H200s, 2026-11-28: 1,474 copy ops; one H100's unreplicated step the
-    day before: 875) on
-    a step bound by the host's launches, and holds the gradients twice. TrainingArguments has no field for it
+    step (the 0.5B shape's replicated step on two H200s, 2026-11-28: 1,474 copy ops; one H100's unreplicated
+    step the day before: 875) on a step bound by the host's launches, and holds the gradients twice. TrainingArguments has no field for it
     (it passes bucket size, buffer broadcast and static graph only), so the accelerator's handler, which the
     Trainer built from those, is given it here."""
     from accelerate.utils import DistributedDataParallelKwargs
