@@ -38,8 +38,8 @@ in the JSON, from mortal's steps from the third on:
 - the HBM floor for a decode step: weight bytes (parameters, tied ones once, x bytes per bf16) over
   the GPU's memory bandwidth; every step reads every weight once (the KV cache reads come on top).
 - training MFU: 6 x parameters x trained tokens per step (completion tokens, as the actor logs them,
-  plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / the GPU's
-  dense bf16 peak. 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
+  plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / (the GPU's
+  dense bf16 peak x the actor's GPUs). 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
   these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is 4N: the
   frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
 The GPU's figures come from GPU_LIMITS, keyed by torch.cuda.get_device_name: NVIDIA's H100 and H200
@@ -172,9 +172,11 @@ def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
 
 
 def limits(device_name: str, parameters: int, decode_ms: list[float], steps: list[dict],
-           prompt_tokens: int, lora: bool = False) -> dict:
+           prompt_tokens: int, lora: bool = False, actor_gpus: int = 1) -> dict:
     """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown.
-    With LoRA a token costs 4N, not 6N: the frozen weights get no gradient (forward 2N, input grads 2N)."""
+    With LoRA a token costs 4N, not 6N: the frozen weights get no gradient (forward 2N, input grads 2N).
+    An actor over several GPUs trains the step's tokens on all of them at once, so its MFU is against
+    all of their peaks (before 2026-11-28 it was against one GPU's: twice the per-GPU figure on two)."""
     known = gpu_limits(device_name)
     timed = [s for s in steps[2:] if s.get("train")]
     out: dict = {"parameters": parameters, "weight_bytes": 2 * parameters,
@@ -187,7 +189,7 @@ def limits(device_name: str, parameters: int, decode_ms: list[float], steps: lis
         train = statistics.median(s["train"] for s in timed)
         flops = (4 if lora else 6) * parameters * tokens
         out.update(trained_tokens_per_step=tokens, train_seconds=train, model_flops_per_step=flops,
-                   mfu=flops / train / known[1] if known else None)
+                   mfu=flops / train / (known[1] * actor_gpus) if known else None, actor_gpus=actor_gpus)
     def shown(value: float | None, form: str, unit: str = "") -> str:
         return "n/a" if value is None else format(value, form) + unit
 
@@ -621,7 +623,8 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
         out["gpu_busy"] = args.gpu_busy
         out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
         out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
-                               prompt_tokens_per_step(model, args), lora=bool(args.lora))
+                               prompt_tokens_per_step(model, args), lora=bool(args.lora),
+                               actor_gpus=args.actor_gpus)
 
 
 if __name__ == "__main__":
