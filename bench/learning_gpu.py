@@ -46,7 +46,15 @@ whole stitched curve, as an uninterrupted run would.
 The report mode joins the JSONs of several invocations: TRL's final
 reward (mean of its last 20 steps, or --final-steps, averaged over its seeds), its seed-to-seed
 spread, when each run (TRL's too) first reaches that reward (trailing 20-step mean), and draws
-reward against seconds.
+reward against seconds. It also compares the reward levels of the two sides over all their seeds
+(`levels`): each side's final reward and its plateau (the mean over steps PLATEAU_FROM to the end),
+mean and standard deviation over seeds, and mortal's difference from TRL with its standard error.
+
+Seeds for the levels (`--shares-gpu`): a seed's rewards do not depend on what else runs on its GPU
+(mortal replays a seed exactly; TRL's sampling is its own process's), its seconds do. So more seeds can
+run at once, several a GPU, to tell a difference in what the two sides learn from seed noise; such a
+run says so in its JSON ("shares_gpu"), and the report counts its rewards but never its seconds (TRL's
+wall time and every time to reach come from runs that had their GPU to themselves).
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_sec
              "train": "actor/train_seconds", "publish": "weights/publish_seconds",
              "generate": "rollout/generation_seconds", "step_seconds": "step_seconds"}
 WINDOW = 20  # steps in "final reward" and in the trailing mean that must reach it
+PLATEAU_FROM = 61  # both sides' rewards stop rising after about 60 steps (docs/benchmarks.md, issue 14 part 1)
 
 
 def task_rows(per_kind: int = 300, seed: int = 0) -> list[dict]:
@@ -246,42 +255,94 @@ def compile_cache_hit(run: dict) -> bool:
 
 
 def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW) -> dict:
-    """Joins invocations: TRL's final reward and spread, and how soon each run (TRL's too) reaches it.
+    """Joins invocations: TRL's final reward and spread, how soon each run (TRL's too) reaches it, and the
+    two sides' reward levels over all their seeds (`levels`).
 
     `final_steps`: the steps "final reward" averages (the issue's 20 by default). Over 20 steps of 8
     prompts a reward that has stopped rising still moves by +-0.05 from one window to the next, so a
-    longer window says where a plateau lies with less of that noise."""
+    longer window says where a plateau lies with less of that noise. The target and the spread are over
+    every TRL seed; wall times and times to reach only over runs that had their GPU alone."""
     runs = [json.loads(p.read_text()) | {"file": str(p)} for p in paths]
     trl = [r for r in runs if "trl" in r]
     mortal = [r for r in runs if "mortal" in r]
+    timed_trl = [r for r in trl if not r.get("shares_gpu")]
+    if not trl or not timed_trl:
+        raise SystemExit("--report needs at least one TRL run that had its GPU alone (no \"shares_gpu\")")
     trl_finals = [final_reward(r["trl"]["curve"], final_steps) for r in trl]
     target = statistics.mean(trl_finals)
     spread = max(trl_finals) - min(trl_finals) if len(trl_finals) > 1 else 0.0
-    trl_wall = statistics.mean(r["trl"]["curve"][-1]["seconds"] for r in trl)
+    trl_wall = statistics.mean(r["trl"]["curve"][-1]["seconds"] for r in timed_trl)
     out = {"final_steps": final_steps, "trl_final_rewards": trl_finals, "trl_final_reward": target,
            "trl_seed_spread": spread, "trl_wall_seconds": trl_wall,
-           "trl_seconds_to_final": [seconds_to_reach(r["trl"]["curve"], target) for r in trl], "mortal": []}
-    print(f"TRL: final reward (last {final_steps} steps) {target:.3f} (seeds "
+           "trl_seconds_to_final": [seconds_to_reach(r["trl"]["curve"], target) for r in timed_trl], "mortal": []}
+    print(f"TRL: final reward (last {final_steps} steps) {target:.3f} ({len(trl)} seeds: "
           f"{', '.join(f'{v:.3f}' for v in trl_finals)}; spread {spread:.3f}), {trl_wall:.0f} s for "
           f"{trl[0]['trl']['curve'][-1]['step']} steps; reaches it at "
           f"{', '.join('never' if s is None else f'{s:.0f} s' for s in out['trl_seconds_to_final'])}")
     for r in mortal:
-        curve = r["mortal"]["curve"]
-        reach = seconds_to_reach(curve, target)
-        own = final_reward(curve, final_steps)
-        entry = {"file": Path(r["file"]).name, "seed": r["seed"], "staleness": r["staleness"],
-                 "compile_scope": r.get("compile_scope", "model"), "compile_cache_hit": compile_cache_hit(r),
-                 "final_reward": own, "seconds_to_trl_final": reach,
-                 "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
-                 "final_at_least_trl_minus_spread": own >= target - spread, "wall_seconds": curve[-1]["seconds"]}
-        out["mortal"].append(entry)
-        reached = "never" if reach is None else f"{reach:.0f} s = {reach / trl_wall:.3f} of TRL's wall time"
-        print(f"mortal seed {r['seed']} maxStaleness {r['staleness']}, compile scope {entry['compile_scope']} "
-              f"({entry['file']}): final reward {own:.3f}, "
-              f"reaches TRL's final {reached}; {curve[-1]['seconds']:.0f} s for {curve[-1]['step']} steps")
+        out["mortal"].append(mortal_entry(r, target, spread, trl_wall, final_steps))
+    out["levels"] = levels(trl, mortal, final_steps)
     if plot:
-        draw(runs, target, plot)
+        draw([r for r in runs if not r.get("shares_gpu")], target, plot)
     return out
+
+
+def mortal_entry(r: dict, target: float, spread: float, trl_wall: float, final_steps: int) -> dict:
+    """One mortal run against TRL's final reward; a run that shared its GPU has no time to reach."""
+    curve = r["mortal"]["curve"]
+    shared = bool(r.get("shares_gpu"))
+    reach = None if shared else seconds_to_reach(curve, target)
+    own = final_reward(curve, final_steps)
+    entry = {"file": Path(r["file"]).name, "seed": r["seed"], "staleness": r["staleness"],
+             "compile_scope": r.get("compile_scope", "model"), "compile_cache_hit": compile_cache_hit(r),
+             "shares_gpu": shared, "final_reward": own, "seconds_to_trl_final": reach,
+             "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
+             "final_at_least_trl_minus_spread": own >= target - spread,
+             "wall_seconds": None if shared else curve[-1]["seconds"]}
+    reached = ("not timed (shared its GPU)" if shared else "never" if reach is None
+               else f"{reach:.0f} s = {reach / trl_wall:.3f} of TRL's wall time")
+    print(f"mortal seed {r['seed']} maxStaleness {r['staleness']}, compile scope {entry['compile_scope']} "
+          f"({entry['file']}): final reward {own:.3f}, reaches TRL's final {reached}"
+          + ("" if shared else f"; {curve[-1]['seconds']:.0f} s for {curve[-1]['step']} steps"))
+    return entry
+
+
+def plateau_reward(curve: list[dict]) -> float | None:
+    """Mean reward from step PLATEAU_FROM on: where a run settles, with less noise than a 20-step window;
+    None for a run that ended before it."""
+    values = [p["reward"] for p in curve if p.get("reward") is not None and p["step"] >= PLATEAU_FROM]
+    return sum(values) / len(values) if values else None
+
+
+def levels(trl: list[dict], mortal: list[dict], final_steps: int) -> dict:
+    """Each side's final reward and plateau over its seeds, and mortal's difference from TRL with its
+    standard error (Welch's: the two sides' seed-to-seed variances need not be equal)."""
+    groups = {"trl": [r["trl"]["curve"] for r in trl]}
+    for staleness in sorted({r["staleness"] for r in mortal}):
+        groups[f"mortal maxStaleness {staleness}"] = [r["mortal"]["curve"] for r in mortal if r["staleness"] == staleness]
+    out: dict = {}
+    for name, curves in groups.items():
+        out[name] = {"seeds": len(curves), "final": summary([final_reward(c, final_steps) for c in curves])}
+        plateaus = [p for p in map(plateau_reward, curves) if p is not None]
+        if plateaus:
+            out[name]["plateau"] = summary(plateaus)
+    for name in [n for n in out if n != "trl"]:
+        for measure in [m for m in ("final", "plateau") if m in out[name] and m in out["trl"]]:
+            ours, theirs = out[name][measure], out["trl"][measure]
+            error = (ours["sd"] ** 2 / ours["n"] + theirs["sd"] ** 2 / theirs["n"]) ** 0.5
+            out[name][measure] |= {"minus_trl": ours["mean"] - theirs["mean"], "standard_error": error}
+    for name, entry in out.items():
+        print(f"levels, {name} ({entry['seeds']} seeds): " + "; ".join(
+            f"{measure} {entry[measure]['mean']:.3f} +- {entry[measure]['sd']:.3f} (sd)"
+            + (f", {entry[measure]['minus_trl']:+.3f} +- {entry[measure]['standard_error']:.3f} against TRL"
+               if "minus_trl" in entry[measure] else "")
+            for measure in ("final", "plateau") if measure in entry))
+    return out
+
+
+def summary(values: list[float]) -> dict:
+    return {"n": len(values), "mean": statistics.mean(values),
+            "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "values": values}
 
 
 def draw(runs: list[dict], target: float, plot: Path) -> None:
@@ -333,6 +394,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures): 3 steps of 2 x 2 completions of "
                         "8 tokens, unless given")
+    parser.add_argument("--shares-gpu", action="store_true",
+                        help="other runs share this GPU: the report counts this run's rewards, never its seconds")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches for mortal's workers in this "

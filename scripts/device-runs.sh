@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -46,20 +46,52 @@ keep_profiles() {
      && tar czf "$OUT/profile-traces.tgz" logs-profile_*/profile-*.json.gz)
 }
 
-# learning_mortal STALENESS LIMIT_SECONDS: mortal's side of the learning bench, seed N on GPU N, both at once
+# learning_mortal STALENESS LIMIT_SECONDS [SEEDS] [--shares-gpu]: mortal's side of the learning bench, all SEEDS
+# (default "0 1") at once, the i-th on GPU i % 2
 learning_mortal() {
-  local staleness=$1 limit=$2 seed
+  local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed gpu=0
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
-  for seed in 0 1; do
-    CUDA_VISIBLE_DEVICES=$seed timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
-      --only mortal --seed $seed --staleness "$staleness" --logs "/tmp/logs-learning-s$seed-st$staleness" \
+  for seed in $seeds; do
+    CUDA_VISIBLE_DEVICES=$((gpu % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
+      --only mortal --seed $seed --staleness "$staleness" $shared --logs "/tmp/logs-learning-s$seed-st$staleness" \
       --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
+    gpu=$((gpu + 1))
   done
   wait
-  for seed in 0 1; do
+  for seed in $seeds; do
     echo "== mortal seed $seed, maxStaleness $staleness"; tail -3 "/tmp/learning-s$seed-st$staleness.log"
     cat "/tmp/learning-s$seed-st$staleness.log" >> "$OUT/all.log"
   done
+}
+
+# start_trl SEEDS [--shares-gpu]: TRL's side of the learning bench, each seed a process on GPU seed % 2 that
+# outlives this call (setsid; TRL's 200 steps take 12 minutes alone), run from its own copy of the installed
+# packages and the bench (the next call reinstalls /tmp/site); each writes /root/learn/trl_sSEED.json at its end
+start_trl() {
+  local seeds=$1 shared=${2:-} seed
+  [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: the calls before carry .mortal/p1 and p2" >&2; exit 2; }
+  rm -rf /root/learn && mkdir -p /root/learn && cp -r /tmp/site /root/learn/site && cp -r "$R/bench" /root/learn/bench
+  # the GGUF's float32 folder once, before two processes would both convert it (models.convert_gguf locks anyway)
+  python3 -c "import sys; sys.path.insert(0, '/root/learn/bench'); from learning_gpu import local_model; from pathlib import Path; print(local_model(Path('/root/smol.gguf')))"
+  for seed in $seeds; do
+    CUDA_VISIBLE_DEVICES=$((seed % 2)) OMP_NUM_THREADS=4 PYTHONPATH=/root/learn/site setsid nohup python3 \
+      /root/learn/bench/learning_gpu.py --model /root/smol.gguf --only trl --seed $seed $shared \
+      --json /root/learn/trl_s$seed.json > /root/learn/trl_s$seed.log 2>&1 < /dev/null &
+  done
+  sleep 5
+}
+
+# wait_trl SEEDS LIMIT_SECONDS: until every seed's JSON is written (exit 3 when not), then both files to $OUT
+wait_trl() {
+  local seeds=$1 limit=$2 seed files=""
+  for seed in $seeds; do files="$files /root/learn/trl_s$seed.json"; done
+  timeout "$limit" bash -c "until ls $files > /dev/null 2>&1; do sleep 5; done"
+  local rc=$?
+  for seed in $seeds; do
+    echo "== TRL seed $seed"; grep -c "" /root/learn/trl_s$seed.log; tail -2 /root/learn/trl_s$seed.log | cut -c1-300
+    cp /root/learn/trl_s$seed.json /root/learn/trl_s$seed.log "$OUT/" 2>/dev/null
+  done
+  [ "$rc" = 0 ] || { echo "TRL's runs did not finish in $limit s (or the machine was a fresh one: /root/learn is gone)" >&2; exit 3; }
 }
 
 case $group in
@@ -178,28 +210,23 @@ case $group in
   # 3 [".mortal/p3", ".mortal/assets"] learning-trl-start, 4 [] learning-finish, 5 [] learning-mortal-st1.
   carry)  # only what device-setup does: install the wheels, keep the GGUF's parts (and join them when complete)
     ls /root/gguf-parts /root/smol.gguf 2>&1 ;;
-  learning-trl-start)
-    [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: the calls before carry .mortal/p1 and p2" >&2; exit 2; }
-    rm -rf /root/learn && mkdir -p /root/learn && cp -r /tmp/site /root/learn/site && cp -r "$R/bench" /root/learn/bench
-    # the GGUF's float32 folder once, before two processes would both convert it (models.convert_gguf locks anyway)
-    python3 -c "import sys; sys.path.insert(0, '/root/learn/bench'); from learning_gpu import local_model; from pathlib import Path; print(local_model(Path('/root/smol.gguf')))"
-    for seed in 0 1; do
-      CUDA_VISIBLE_DEVICES=$seed PYTHONPATH=/root/learn/site setsid nohup python3 /root/learn/bench/learning_gpu.py \
-        --model /root/smol.gguf --only trl --seed $seed --json /root/learn/trl_s$seed.json \
-        > /root/learn/trl_s$seed.log 2>&1 < /dev/null &
-    done
-    sleep 5
-    timeout 530 bash -c 'until [ -f /root/learn/trl_s0.json ] && [ -f /root/learn/trl_s1.json ]; do sleep 10; done'
-    for seed in 0 1; do echo "== TRL seed $seed"; grep -c "" /root/learn/trl_s$seed.log; tail -3 /root/learn/trl_s$seed.log; done
-    cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/" 2>/dev/null ;;
+  learning-trl-start)  # issue 14.1, call 3 of 5 (calls 1 and 2 carry the GGUF's first parts): TRL's seeds 0 and 1
+    start_trl "0 1"
+    wait_trl "0 1" 530 ;;
   learning-finish)  # TRL's runs to their end (about 3 more minutes), then mortal's on-policy seeds at once
-    timeout 300 bash -c 'until [ -f /root/learn/trl_s0.json ] && [ -f /root/learn/trl_s1.json ]; do sleep 5; done' \
-      || { echo "TRL's runs did not finish (or the machine was a fresh one: /root/learn is gone): mortal's runs would share their GPUs" >&2
-           cp /root/learn/trl_s?.log "$OUT/" 2>/dev/null; exit 3; }
-    cp /root/learn/trl_s?.json /root/learn/trl_s?.log "$OUT/"
+    wait_trl "0 1" 300
     learning_mortal 0 280 ;;
   learning-mortal-st1)  # mortal's maxStaleness 1 seeds at once
     learning_mortal 1 280 ;;
+  learning-seeds-start)  # issue 14.1's reward levels over more seeds (call 3 of 4, calls 1 and 2 carrying the GGUF's
+                         # first parts): TRL's seeds 2-5 two a GPU, outliving the call, and beside them mortal's
+                         # on-policy seeds 2-5, two at a time; every run --shares-gpu (rewards count, seconds do not)
+    start_trl "2 3 4 5" --shares-gpu
+    learning_mortal 0 290 "2 3" --shares-gpu
+    learning_mortal 0 290 "4 5" --shares-gpu ;;
+  learning-seeds-finish)  # call 4: mortal's maxStaleness 1 seeds 2-5 beside TRL's, then TRL's to their end
+    learning_mortal 1 290 "2 3" --shares-gpu
+    wait_trl "2 3 4 5" 280 ;;
   offload)  # actor.cpuOffload on two GPUs (the mixed-precision test's offload case; without offload it passed on
             # two H200s, 2026-11-28): failed 2026-11-27 (the tied head) and 2026-11-28 (DTensor.from_local put the
             # placed shards back on the GPU: models.with_local_shard)
