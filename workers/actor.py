@@ -296,7 +296,7 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     args = training_args(spec, str(run_dir / "actor"), device, world)
-    args.ddp_find_unused_parameters = models.routes_experts(model.config)  # actor.strategy ddp: models.py says why
+    sharded.replicate_arguments(args, model.config)  # read by the Trainer only when it wraps the model in DDP
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mortal.workers import models
 from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
 from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
@@ -285,6 +286,17 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 GATHER_BUCKET_BYTES = 64 * 2**20
 
 
+def replicate_arguments(args: Any, config: Any) -> None:
+    """actor.strategy ddp: what the Trainer's DistributedDataParallel is told, on its TrainingArguments.
+    - find_unused_parameters only for a mixture of experts (models.routes_experts says why).
+    - No broadcast of the model's buffers from rank 0 before each forward (DDP's default: one collective a
+      micro-batch, on a step bound by the host). A causal LM's buffers are computed from its config when it
+      loads (rotary inv_freq, its attention scaling), the same on every rank; a dynamic RoPE recomputes them
+      from each rank's own sequence lengths, which rank 0's copy would overwrite with the wrong ones."""
+    args.ddp_find_unused_parameters = models.routes_experts(config)
+    args.ddp_broadcast_buffers = False
+
+
 def bucket_view_gradients(trainer: Any) -> None:
     """actor.strategy ddp, before the Trainer wraps its model (at train): each gradient a view into the all-reduce
     bucket DistributedDataParallel sends (its gradient_as_bucket_view), set on the accelerator's DDP arguments.
@@ -306,7 +318,8 @@ def replication(model: torch.nn.Module) -> str | None:
         return None
     return ("DistributedDataParallel: gradients " + ("as views of" if model.gradient_as_bucket_view else "copied into")
             + " its all-reduce buckets, " + ("searching for unused parameters" if model.find_unused_parameters
-                                             else "every parameter used"))
+                                             else "every parameter used")
+            + (", buffers broadcast from rank 0" if model.broadcast_buffers else ", buffers the rank's own"))
 
 
 def publishes_alone(spec: TrainingSpec) -> bool:

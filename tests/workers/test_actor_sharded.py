@@ -205,7 +205,8 @@ def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_its_weight
         store: Store, home: Path, tiny_dir: Path, whole: str) -> None:
     """actor.strategy ddp: each rank holds the whole model and trains its half of the batch, the gradients
     averaged (DistributedDataParallel, told that a dense model uses every parameter: no search after each
-    forward; its gradients views of the all-reduce buckets: no copy in and out): one step equals the
+    forward; its gradients views of the all-reduce buckets: no copy in and out; no broadcast of the buffers
+    before each forward, which every rank computes alike): one step equals the
     unsharded one, and the checkpoint it writes (torch.distributed.checkpoint, as for FSDP2) holds those
     weights, whole."""
     replicated = create_run(store, "replicated", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
@@ -214,7 +215,7 @@ def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_its_weight
     log = _log_tail(home, "replicated")
     held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights \(DDP\)", log).groups())
     assert held == total
-    assert ("DistributedDataParallel: gradients as views of its all-reduce buckets, every parameter used" in log), log
+    assert ("DistributedDataParallel: gradients as views of its all-reduce buckets, every parameter used, buffers the rank's own" in log), log
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "replicated", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
