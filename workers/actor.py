@@ -41,6 +41,7 @@ from mortal.specs.training import TrainingSpec
 from mortal.state import paths
 from mortal.workers import data, models, provenance, resume_check, samples, sharded, step_profile, trl_seam
 from mortal.workers.checkpoint import Checkpointer, is_sharded
+from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
@@ -89,6 +90,7 @@ def main(ctx: WorkerContext) -> int:
         reward_names(spec.rewards), ctx.stopping,
         prompts_per_task=spec.rollout.task_size(spec.algorithm.prompts_per_step),
         poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,  # a GPU step is ~1 s: waits there are latency
+        doorbell=Doorbell.for_worker(ctx.run_dir, listens_for=RESULTS),
     )
     feed.forget_from(start)
     publisher = WeightPublisher(ctx.store, ctx.worker, keep=spec.sync.keep_versions, method=spec.sync_method(),
@@ -457,6 +459,7 @@ class ActorLoop(TrainerCallback):
                                                   gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
                                                   device=sharded.rank_device(self.ranks.device, 0), cast=dtype)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
+        self.feed.ring(TASKS)  # rollouts waiting for these weights (maxStaleness > 0: their tasks are queued)
         self.ctx.report(step=step, weight_version=self.version)
 
     def _record_completions(self, step: int) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from mortal.state.store import NewTask, Store, WorkerRef
 from mortal.state.tables import TaskRow
 from mortal.workers import schedule
+from mortal.workers.doorbell import TASKS, Doorbell
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask
 
 log = logging.getLogger("mortal.feed")
@@ -118,6 +119,7 @@ class RolloutFeed:
     stopping: threading.Event
     prompts_per_task: int = 1
     poll_seconds: float = 0.05  # between looks at the step's tasks (one indexed query each); actor.py: 0.02 on a GPU
+    doorbell: Doorbell | None = None  # rings TASKS when tasks are enqueued; its RESULTS ring ends a wait early
     _enqueued: set[int] = field(default_factory=set)
 
     @property
@@ -145,7 +147,13 @@ class RolloutFeed:
             if s not in self._enqueued:
                 new += self.store.enqueue_tasks(self.worker, self.tasks_for(s, current_version))
                 self._enqueued.add(s)
+        if new:
+            self.ring(TASKS)
         return new
+
+    def ring(self, name: str) -> None:
+        if self.doorbell is not None:
+            self.doorbell.ring(name)
 
     def forget_from(self, step: int) -> None:
         """Delete the queue's tasks of steps >= step (a resume starts them again)."""
@@ -161,6 +169,7 @@ class RolloutFeed:
             states = self.store.step_states(self.worker.run, step)  # polled: no payloads, no results
             if len(states) < self.tasks_per_step:  # deleted under us (a reset): ask again
                 self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
+                self.ring(TASKS)
             elif all(state == "done" for state in states):
                 rows = self.store.step_results(self.worker.run, step)  # once; a reset in between: look again
                 if len(rows) == self.tasks_per_step and all(r.state == "done" for r in rows):
@@ -172,7 +181,10 @@ class RolloutFeed:
                 on_stop()
                 raise StopRequested(f"stopping while waiting for the rollouts of step {step}")
             while_waiting()
-            time.sleep(self.poll_seconds)
+            if self.doorbell is not None:
+                self.doorbell.wait(self.poll_seconds)  # a rollout's RESULTS ring ends it at once
+            else:
+                time.sleep(self.poll_seconds)
 
     def _requeue(self, step: int, current_version: int, n_stale: int) -> None:
         """Results older than their task allows (late answers to a task since reset): redo the step."""
@@ -180,6 +192,7 @@ class RolloutFeed:
         self.forget_from(step)
         self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
         self._enqueued.add(step)
+        self.ring(TASKS)
 
     def _flatten(self, rows: list[TaskRow]) -> StepBatch:
         batch = StepBatch()

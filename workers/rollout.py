@@ -35,6 +35,7 @@ from typing import Any
 
 from mortal.state import TaskRow
 from mortal.workers import ray_weights, weights
+from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -88,6 +89,8 @@ class RolloutWorker:
         self.published_version: int | None = None  # None: still the weights of spec.model.name
         self.load_seconds = 0.0  # how long loading the current version took
         self._missing: tuple[int, int, float] | None = None  # (newest version, failed loads, monotonic time of the next try)
+        # heard from before the first look at the store, so no ring between a look and the wait is missed
+        self.doorbell = Doorbell.for_worker(ctx.run_dir, listens_for=TASKS)
 
     @property
     def loaded_version(self) -> int:
@@ -145,7 +148,10 @@ class RolloutWorker:
             return False
         with self.keep_leased(task):
             result = self.answer(task)
-        if not self.ctx.store.complete_task(self.ctx.worker, task.id, task.lease_token, result):
+        if self.ctx.store.complete_task(self.ctx.worker, task.id, task.lease_token, result):
+            if self.doorbell is not None:
+                self.doorbell.ring(RESULTS)
+        else:
             self.ctx.log.warning("task %d.%d: lease lost before completion; result dropped", task.step, task.slot)
         self.ctx.report(step=task.step)
         return True
@@ -261,7 +267,10 @@ class RolloutWorker:
                     self.ctx.log.info("the actor finished at maxSteps: no task will come; exiting")
                     return
                 next_check = time.monotonic() + FINISHED_CHECK_SECONDS
-            self.ctx.stopping.wait(idle)
+            if self.doorbell is not None and not self.ctx.stopping.is_set():
+                self.doorbell.wait(idle)  # the actor's TASKS ring (tasks enqueued, weights recorded) ends it at once
+            else:
+                self.ctx.stopping.wait(idle)
 
     def training_finished(self) -> bool:
         """The run's newest actor ended Succeeded at maxSteps (the controller's own test, controller/plan.py)."""

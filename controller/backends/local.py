@@ -37,6 +37,7 @@ from mortal.controller.backends.base import (
     signal_group,
 )
 from mortal.state import paths
+from mortal.workers.doorbell import DOORBELLS_ENV
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class LocalBackend(Backend):
         """Start the worker; `peers` (in `visible` after its own devices) are seen but not held."""
         log_path = _log_path(launch)
         env = launch.environ(os.environ, visible)
+        env[DOORBELLS_ENV] = "1"  # the run's processes share this machine and its folder (workers/doorbell.py)
         if peers:
             env[GPU_PEERS_ENV] = ",".join(peers)
         try:

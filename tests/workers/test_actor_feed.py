@@ -13,6 +13,7 @@ import pytest
 from actor_helpers import create_run, worker_context
 
 from mortal.workers import schedule
+from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.feed import BadRollout, RolloutFeed, StopRequested
 from mortal.workers.messages import RolloutAnswer, RolloutResult, RolloutTask
 
@@ -275,3 +276,25 @@ def test_tool_metrics_count_calls_per_completion_and_the_completions_that_called
     assert batch._tool_metrics() == {"tools/call_frequency": 0.75, "tools/failure_frequency": 1 / 3,
                                      "tools/call_rate": 0.5, "tools/turns": 1.75}
     assert StepBatch()._tool_metrics() == {}  # a run without tools reports none
+
+
+def test_a_results_ring_ends_the_wait_before_the_next_poll(store, tmp_path) -> None:
+    """With a doorbell the actor's wait ends when a rollout rings, not at its poll (here 30 s away); enqueueing
+    rings the rollouts."""
+    _, feed, rollout = _setup(store, prompts_per_step=2, prompts_per_task=1)
+    feed.poll_seconds = 30
+    feed.doorbell = Doorbell(tmp_path, listens_for=RESULTS)
+    rollouts_hear = Doorbell(tmp_path, listens_for=TASKS)
+    feed.enqueue(0, current_version=0)
+    assert rollouts_hear.wait(5)
+
+    def answer_and_ring() -> None:
+        _answer_all(store, rollout, version=0)
+        Doorbell(tmp_path).ring(RESULTS)
+
+    threading.Timer(0.3, answer_and_ring).start()
+    started = time.monotonic()
+    batch = feed.collect(0, current_version=0)
+    assert len(batch.completion_ids) == 2 * G and time.monotonic() - started < 10
+    feed.doorbell.close()
+    rollouts_hear.close()

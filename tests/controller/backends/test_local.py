@@ -124,6 +124,7 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # gpu "none"
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(paths.compile_cache_dir() / "inductor")
     assert env["TRITON_CACHE_DIR"] == str(paths.compile_cache_dir() / "triton")
+    assert env["MORTAL_DOORBELLS"] == "1"  # the run's processes share this machine: they ring (workers/doorbell.py)
     backend.stop(handle)
 
 

@@ -1,0 +1,100 @@
+"""Doorbells: a process of a run tells the others on the same machine that the store changed, so a waiting
+worker looks at once instead of at its next poll.
+
+Who rings and who listens:
+- a rollout rings RESULTS when it has completed a task; the actor's RolloutFeed.collect waits on it;
+- the actor rings TASKS when it enqueues a step's tasks or records new weights; an idle rollout waits on it.
+A ring touches <run_dir>/doorbells/<name>; a listener holds an inotify watch on that folder from before its
+first look at the store, and its wait ends at the first ring of its name or at its timeout.
+
+Why: on a GPU a step is 0.6-0.7 s, and each side's poll (every 20 ms) added half an interval on average to
+every hand-over, twice a step (docs/benchmarks.md: the actor's wait ran 20-90 ms beyond the rollout's
+generation).
+
+What it must not do: carry data or replace the poll. The store is the only truth: a waiter looks at the store
+after every wake and every timeout, so a ring that is not heard (a worker on another machine, a filesystem
+without inotify) costs one poll interval, never a result. Only the local backend's workers ring
+(DOORBELLS_ENV): its processes share this machine and the run's folder; elsewhere the folder is a network
+volume that gains nothing from touches.
+
+Why inotify_simple and not watchfiles (the controller's wake channel, controller/wake.py): watchfiles' loop
+wakes every `step` milliseconds to take the GIL and look for changes, beside a training step bound by the
+host; an inotify descriptor is waited on in the kernel (select), costing nothing until a ring comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mortal.worker")
+
+RESULTS = "results"  # a rollout completed a task
+TASKS = "tasks"  # the actor enqueued tasks or recorded a weight version
+DOORBELLS_ENV = "MORTAL_DOORBELLS"  # "1": this worker's run has its processes on this machine (the local backend)
+FOLDER = "doorbells"
+
+
+class Doorbell:
+    """Rings any name; hears `listens_for` (None: rings only)."""
+
+    def __init__(self, run_dir: Path, listens_for: str | None = None) -> None:
+        self.folder = run_dir / FOLDER
+        self.listens_for = listens_for
+        self._inotify: Any = self._listen() if listens_for else None
+
+    @classmethod
+    def for_worker(cls, run_dir: Path, listens_for: str | None = None) -> Doorbell | None:
+        """The worker's doorbell where its backend put the run's processes on one machine, else None."""
+        return cls(run_dir, listens_for) if os.environ.get(DOORBELLS_ENV) == "1" else None
+
+    @property
+    def hears(self) -> bool:
+        return self._inotify is not None
+
+    def _listen(self) -> Any:
+        try:
+            from inotify_simple import INotify, flags
+
+            self.folder.mkdir(parents=True, exist_ok=True)
+            inotify = INotify()
+            inotify.add_watch(self.folder, flags.ATTRIB | flags.CLOSE_WRITE)
+            return inotify
+        except (ImportError, OSError, AttributeError) as exc:  # no inotify here (not Linux, no watches left)
+            log.info("doorbells are not heard here (%s): waits last their whole poll interval", exc)
+            return None
+
+    def ring(self, name: str) -> None:
+        """Wake the listeners of `name`. Best effort: a ring that fails only leaves them to their poll."""
+        path = self.folder / name
+        try:
+            path.touch()
+        except FileNotFoundError:  # no listener has made the folder yet
+            with contextlib.suppress(OSError):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                path.touch()
+        except OSError:
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        """Until `listens_for` rings or `timeout` seconds pass; whether it rang (a ring since the last wait
+        counts: inotify keeps it)."""
+        if self._inotify is None:
+            time.sleep(timeout)
+            return False
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            events = self._inotify.read(timeout=max(1, math.ceil(left * 1000)))
+            if any(event.name == self.listens_for for event in events):
+                return True
+        return False
+
+    def close(self) -> None:
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
