@@ -254,7 +254,7 @@ def compile_cache_hit(run: dict) -> bool:
     return any("compile cache hit" in line for line in run.get("mortal", {}).get("decode_prepared", []))
 
 
-def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW) -> dict:
+def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot_steps: Path | None = None) -> dict:
     """Joins invocations: TRL's final reward and spread, how soon each run (TRL's too) reaches it, and the
     two sides' reward levels over all their seeds (`levels`).
 
@@ -284,6 +284,8 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW) -> d
     out["levels"] = levels(trl, mortal, final_steps)
     if plot:
         draw([r for r in runs if not r.get("shares_gpu")], target, plot)
+    if plot_steps:
+        draw_steps(trl, mortal, plot_steps)
     return out
 
 
@@ -375,6 +377,43 @@ def draw(runs: list[dict], target: float, plot: Path) -> None:
     print(f"plot: {plot}")
 
 
+def draw_steps(trl: list[dict], mortal: list[dict], plot: Path) -> None:
+    """Reward against step for every seed (shared GPUs included: no seconds here), each side's mean over its
+    seeds drawn bold: whether the two learn alike, with the seed noise in view."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = {"TRL GRPOTrainer": ("tab:gray", [r["trl"]["curve"] for r in trl])}
+    for staleness, color in zip(sorted({r["staleness"] for r in mortal}), ("tab:blue", "tab:orange", "tab:green"),
+                                strict=False):  # at most three maxStaleness values drawn
+        sides[f"mortal, maxStaleness {staleness}"] = (color, [r["mortal"]["curve"] for r in mortal
+                                                              if r["staleness"] == staleness])
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, (color, curves) in sides.items():
+        smoothed = [trailing(curve) for curve in curves]
+        for steps, values in smoothed:
+            ax.plot(steps, values, color=color, linewidth=0.6, alpha=0.35)
+        length = min(len(steps) for steps, _ in smoothed)
+        mean = [statistics.mean(values[i] for _, values in smoothed) for i in range(length)]
+        ax.plot(smoothed[0][0][:length], mean, color=color, linewidth=2.2, label=f"{name}: mean of {len(curves)} seeds")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{REWARD} reward ({WINDOW}-step trailing mean)")
+    ax.set_title("SmolLM2-135M-Instruct, arithmetic + word problems: reward by step, every seed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+
+
+def trailing(curve: list[dict]) -> tuple[list[int], list[float]]:
+    """(steps, the WINDOW-step trailing mean reward at each), from the WINDOW-th step on."""
+    points = [p for p in curve if p.get("reward") is not None]
+    return ([p["step"] for p in points[WINDOW - 1:]],
+            [statistics.mean(q["reward"] for q in points[i - WINDOW + 1: i + 1]) for i in range(WINDOW - 1, len(points))])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="the SmolLM2 GGUF file (or a model folder)")
@@ -406,11 +445,12 @@ def main() -> None:
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
     parser.add_argument("--final-steps", type=int, default=WINDOW,
                         help=f"--report: the last steps whose mean reward is a run's final reward (default {WINDOW})")
-    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--plot", type=Path, help="--report: reward against wall-clock seconds (runs that had their GPU alone)")
+    parser.add_argument("--plot-steps", type=Path, help="--report: reward against step, every seed, each side's mean bold")
     args = parser.parse_args()
     if args.final_steps < 1:
         parser.error(f"--final-steps must be at least 1 (got {args.final_steps})")
-    out = report(args.report, args.plot, args.final_steps) if args.report else run(args)
+    out = report(args.report, args.plot, args.final_steps, args.plot_steps) if args.report else run(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
