@@ -10,6 +10,7 @@ larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in
 `--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
 `--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile mortal`
 on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster: docs/benchmarks.md).
+`--liger` (or `--liger mortal`) puts Liger's fused layer kernels in the trained model the same way.
 A step's seconds, on both sides, are the wall clock between its end and the previous step's end
 (TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
 step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
@@ -307,6 +308,7 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
         use_cpu=args.cpu,
         generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=args.gradient_checkpointing,
         torch_compile=args.compile == "both",
+        use_liger_kernel=args.liger == "both",  # TRL applies Liger's layer kernels only, as mortal's actor.liger
     )
     peft = None
     if args.lora:  # the same adapters as mortal's model.lora (alpha 2r, every linear layer but the LM head)
@@ -334,6 +336,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "generation": {"maxTokens": args.tokens, "engine": "transformers", "compileScope": args.compile_scope},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
+                  "liger": args.liger is not None,
                   **({"reshardAfterForward": False} if args.keep_gathered else {}),
                   **({"cpuOffload": True} if args.cpu_offload else {}),
                   **({"strategy": args.strategy} if args.actor_gpus > 1 else {})},
@@ -512,6 +515,9 @@ def main() -> None:
                         help="torch.compile the trained model: on both sides (TRL's torch_compile, mortal's "
                         "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
                         "faster: docs/benchmarks.md)")
+    parser.add_argument("--liger", nargs="?", const="both", choices=["both", "mortal"],
+                        help="Liger's Triton kernels (RMSNorm, rotary, SwiGLU) in the trained model: on both sides "
+                        "(TRL's use_liger_kernel, mortal's actor.liger), or on mortal's only")
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--compile-scope", choices=compile_scopes(), default="auto",
                         help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "

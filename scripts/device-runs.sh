@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -111,6 +111,12 @@ case $group in
     bench ddp_s1 180 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --staleness 1 --only mortal ;;
   two-gpus-ddp-onpolicy)  # two-gpus-ddp's on-policy half alone (a call with under 8 minutes of device time left)
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
+    bench ddp_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal ;;
+  kernels-doorbells)  # one GPU's step with the doorbells (2026-11-28; before: 0.60-0.63 s on H200s), the same with
+                     # actor.liger, Liger's GPU test, and ddp on-policy over two GPUs: carry [".whl", ".mortal/assets"]
+    bench onegpu 170 --steps 6 --rollouts 1 --only mortal
+    bench onegpu_liger 170 --steps 6 --rollouts 1 --only mortal --liger mortal
+    gpu_tests 120 "$R/tests/workers/test_gpu.py" -k liger
     bench ddp_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal ;;
   two-gpus-trl)  # issue 15.2, against TRL: the hybrid layout on-policy and TRL's GRPOTrainer with FSDP2 on the same
                  # two GPUs, in one invocation (TRL: about 14 s a step at this shape)

@@ -7,7 +7,9 @@
 #   call 1 carries [".whl", ".mortal/p1"], call 2 [".mortal/p2"], call 3 [".mortal/p3", ".mortal/assets"], back
 #   to back (each near the 64 MiB a call carries with the tree's 4.4 MiB; .whl, p1 and assets together were
 #   refused, 2026-11-28): an ignored folder a call does not name stays on a warm machine, and a machine idle
-#   for 30 s is given back. Calls 1 and 2 can run groups that need no GGUF and no assets (regional, profile).
+#   for 30 s is given back. Calls 1 and 2 can run groups that need no GGUF and no assets (regional). A group
+#   that needs the assets (every bench/gpu_step.py group: SmolLM2's tokenizer) but no GGUF goes first with
+#   [".whl", ".mortal/assets"], then p1, p2 and p3 in three calls of their own.
 # It installs the wheels once and this tree every time into /tmp/site, joins the GGUF parts into
 # /root/smol.gguf once all have arrived, and leaves the shell in /tmp: the repository root's mortal/
 # folder would shadow the installed package. $R is the repository root.

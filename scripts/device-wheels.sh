@@ -15,7 +15,7 @@ download() {
     --platform manylinux_2_24_x86_64 --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 -d .whl "$@" 2>/dev/null
 }
 download trl==1.16.0 datasets dill multiprocess xxhash sqlmodel sqlalchemy greenlet pydantic pydantic-core \
-  typing-inspection annotated-types alembic mako typer click shellingham ruamel.yaml watchfiles psutil tenacity inotify-simple
+  typing-inspection annotated-types alembic mako typer click shellingham ruamel.yaml watchfiles psutil tenacity inotify-simple liger-kernel
 # The image's transformers (5.17) wraps a model sharded at load in DDP, which a sharded actor (actor.count > 1)
 # cannot train (workers/sharded.py MIN_TRANSFORMERS): carry the version CI tests. Its needs (huggingface-hub,
 # tokenizers, safetensors) are in the image at versions it accepts.

@@ -271,6 +271,16 @@ class ActorSpec(SpecModel):
         "first step compiles (68 s) and the second again with symbolic lengths (109 s); 22 s and 36 s with the "
         "run's compile cache warm. Worth it for runs of thousands of steps, not for short ones.",
     )
+    liger: bool = Field(
+        False,
+        description="Liger's Triton kernels in the model the actor trains: RMSNorm, the rotary embedding and the "
+        "SwiGLU MLP each one fused kernel in forward and backward (liger-kernel's patch of a model instance, as "
+        "transformers' use_liger_kernel applies it; its fused loss is not used: TRL's fused LM head computes the "
+        "log-probabilities). Fewer kernels in a training step bound by its launches, with nothing compiled at the "
+        "start. Needs a GPU, the liger-kernel package (`pip install 'mortal[liger]'`) and an architecture Liger "
+        "patches (Llama, Qwen2 and Qwen3, Mistral, Gemma, Phi3 and others); the actor fails at start, naming this "
+        "field, otherwise. The rollouts generate with their own kernels.",
+    )
 
 
 class RolloutSpec(SpecModel):
@@ -719,6 +729,12 @@ class TrainingSpec(SpecModel):
                 if chosen:
                     raise rule_error(f"{name} is FSDP2's: with strategy ddp every rank holds the whole model as "
                                      f"model.dtype has it; drop it, or set actor.strategy: fsdp", f"actor.{name}")
+        if self.actor.liger and self.actor.gpu == "none":
+            raise rule_error("liger's kernels are Triton kernels for GPUs: set actor.gpu to a GPU type, or drop it",
+                             "actor.liger")
+        if self.actor.liger and count > 1 and self.actor.strategy == "fsdp":
+            raise rule_error("liger's kernels are not used under FSDP2 sharding (its weights are sharded tensors; "
+                             "untested): set actor.strategy: ddp, or drop it", "actor.liger")
         if self.actor.cpu_offload and (count == 1 or self.actor.gpu == "none"):
             raise rule_error("cpuOffload moves a sharded actor's shards from its GPUs to host memory: set actor.count "
                              "> 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")

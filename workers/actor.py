@@ -295,6 +295,9 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     model = models.load_model(spec.model, device, for_training=True, fsdp_size=fsdp_size,
                               mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload,
                               reshard_after_forward=spec.actor.reshard_after_forward)
+    if spec.actor.liger:
+        logging.getLogger("mortal.worker").info("Liger's kernels patched into the %s model (rank %d)",
+                                                models.use_liger_kernels(model), rank)
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     args = training_args(spec, str(run_dir / "actor"), device, world)

@@ -402,6 +402,34 @@ def routes_experts(config: Any) -> bool:
     return any(getattr(text, field, None) for field in EXPERT_COUNT_FIELDS)
 
 
+# The kernels liger-kernel patches into a model instance (actor.liger): every layer's, not the loss's (TRL's fused
+# LM head computes the log-probabilities; Liger's fused linear cross-entropy would replace the model's forward).
+LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                 "fused_linear_cross_entropy": False}
+
+
+def use_liger_kernels(model: Any) -> str:
+    """actor.liger: patch Liger's fused Triton kernels into the model the actor trains; the architecture patched.
+    Through liger-kernel's own dispatch by model type (what transformers' use_liger_kernel calls), so a new
+    architecture comes with a new liger-kernel. A missing package or an architecture Liger does not know fails
+    the actor at start (liger-kernel itself would only log that it applied nothing)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import (
+            MODEL_TYPE_TO_APPLY_LIGER_FN,
+            _apply_liger_kernel_to_instance,
+        )
+    except ImportError as exc:
+        raise FatalWorkerError("LigerUnavailable", f"spec.actor.liger needs the liger-kernel package (and Triton) in "
+                               f"the actor's environment: pip install 'mortal[liger]' ({exc})") from exc
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's LoRA wrapper
+    model_type = getattr(base.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise FatalWorkerError("LigerUnsupported", f"spec.actor.liger: liger-kernel has no kernels for model type "
+                               f"{model_type!r} (it knows {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); drop it")
+    _apply_liger_kernel_to_instance(model=base, **LIGER_KERNELS)
+    return model_type
+
+
 def use_tf32(model_spec: ModelSpec, device: str) -> bool:
     """Turn on TF32 matmuls for this process when the spec asks (model.tf32) and it runs on CUDA; whether it did.
     A process-wide switch (torch's backends flags, as TRL's tf32 sets them): a worker holds one model."""

@@ -280,3 +280,34 @@ def test_a_memory_share_caps_the_rollout_and_plans_its_decode_rows_on_cuda(tiny_
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         completions, rows, capped = pool.submit(_decode_under_a_share, str(tiny_dir)).result(timeout=600)
     assert (completions, rows, capped) == (8, 3, True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_liger_kernels_train_the_first_step_as_the_plain_model_does(store, tiny_dir: Path, monkeypatch) -> None:
+    """actor.liger: Liger's fused RMSNorm, rotary and SwiGLU kernels are in the model the actor trains, and its
+    first step (the same rollouts: the rollout samples each seed alike) has the plain model's loss and gradient
+    norm within float32 kernel noise."""
+    pytest.importorskip("liger_kernel.transformers", reason="actor.liger needs liger-kernel (and Triton)")
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # Liger replaces them in the process the
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))  # actor runs in: this one, here
+    firsts, trainers = {}, []
+    build = actor.build_trainer
+    monkeypatch.setattr(actor, "build_trainer", lambda *a: trainers.append(build(*a)) or trainers[-1])
+    for liger in (False, True):
+        name = f"liger-{str(liger).lower()}"
+        spec = actor_spec(str(tiny_dir), model={"dtype": "float32"}, actor={"gpu": "H100", "liger": liger},
+                          rollout={"gpu": "H100"}, algorithm={"maxSteps": 1}, checkpoint={"every": 10, "keep": 1})
+        run = create_run(store, name, spec)
+        ctx = worker_context(store, run, "actor")
+        ctx.check_fence()
+        with RolloutThread(store, run):
+            assert actor.main(ctx) == EXIT_SUCCEEDED
+        firsts[liger] = {row.name: row.value for row in store.list_metrics(name) if row.step == 1}
+    norm = trainers[1].model.model.norm
+    assert "liger" in type(norm).__module__.lower() or "liger" in getattr(norm.forward, "__module__", "").lower()
+    for metric in ("loss", "grad_norm"):
+        plain, fused = firsts[False][metric], firsts[True][metric]
+        assert math.isclose(plain, fused, rel_tol=1e-3, abs_tol=1e-6), (metric, plain, fused)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from mortal.workers.models import (
     resolve_dtype,
     resolve_model_source,
     routes_experts,
+    use_liger_kernels,
     use_tf32,
     with_local_shard,
 )
@@ -291,3 +293,12 @@ def test_chat_prompts_without_a_chat_template_are_fatal(tmp_path: Path) -> None:
     assert encode_prompt(tokenizer, "plain text") == tokenizer("plain text")["input_ids"]
     with pytest.raises(FatalWorkerError, match="has no chat template"):
         encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_liger_without_its_package_fails_the_actor_naming_the_field(monkeypatch, tmp_path) -> None:
+    """actor.liger where liger-kernel (or Triton) is missing: a fatal error at start that says what to install,
+    not a run that trains without the kernels it asked for."""
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # its import fails
+    model = load_model(ModelSpec.model_validate({"name": str(make_tiny_model(tmp_path / "m"))}), "cpu")
+    with pytest.raises(FatalWorkerError, match=r"spec.actor.liger needs the liger-kernel package.*mortal\[liger\]"):
+        use_liger_kernels(model)
