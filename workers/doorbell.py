@@ -36,7 +36,9 @@ log = logging.getLogger("mortal.worker")
 
 RESULTS = "results"  # a rollout completed a task
 TASKS = "tasks"  # the actor enqueued tasks or recorded a weight version
-DOORBELLS_ENV = "MORTAL_DOORBELLS"  # "1": this worker's run has its processes on this machine (the local backend)
+# "1": this worker's run has its processes on this machine: set by the local backend (controller/backends/base.py
+# names it too: the layers share the worker protocol's variable names, not a module)
+DOORBELLS_ENV = "MORTAL_DOORBELLS"
 FOLDER = "doorbells"
 
 

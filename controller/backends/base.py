@@ -34,6 +34,7 @@ WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WOR
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
 
 # Identity variables of a worker: never inherited from the launching process's own environment.
+DOORBELLS_ENV = "MORTAL_DOORBELLS"  # "1": the run's workers share this machine (mortal.workers.doorbell reads it)
 GPU_PEERS_ENV = "MORTAL_GPU_PEERS"  # devices a worker sees but does not hold (its actor's, for sync ipc)
 # The Ray cluster and run namespace a worker of the ray backend connects to as a driver, and the node it
 # runs on (sync ray: mortal.workers.ray_weights reads them); set by the worker's Ray actor (ray_worker.WorkerHost).

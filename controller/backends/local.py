@@ -26,6 +26,7 @@ import psutil
 
 from mortal.controller.backends import gpus
 from mortal.controller.backends.base import (
+    DOORBELLS_ENV,
     EXITED_TTL_SECONDS,
     GPU_PEERS_ENV,
     WORKER_MODULE,
@@ -37,7 +38,6 @@ from mortal.controller.backends.base import (
     signal_group,
 )
 from mortal.state import paths
-from mortal.workers.doorbell import DOORBELLS_ENV
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class LocalBackend(Backend):
         """Start the worker; `peers` (in `visible` after its own devices) are seen but not held."""
         log_path = _log_path(launch)
         env = launch.environ(os.environ, visible)
-        env[DOORBELLS_ENV] = "1"  # the run's processes share this machine and its folder (workers/doorbell.py)
+        env[DOORBELLS_ENV] = "1"  # the run's processes share this machine and its folder: they ring (workers/doorbell.py)
         if peers:
             env[GPU_PEERS_ENV] = ",".join(peers)
         try:

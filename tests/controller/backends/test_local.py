@@ -25,6 +25,7 @@ from mortal.controller.backends import (
 from mortal.controller.backends.gpus import parse_nvidia_smi_list
 from mortal.controller.backends.local import LocalBackend, parse_handle
 from mortal.state import Store, WorkerRef, open_store, paths
+from mortal.workers import doorbell
 from mortal.workers.simulated import simulated_run
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -124,7 +125,7 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # gpu "none"
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(paths.compile_cache_dir() / "inductor")
     assert env["TRITON_CACHE_DIR"] == str(paths.compile_cache_dir() / "triton")
-    assert env["MORTAL_DOORBELLS"] == "1"  # the run's processes share this machine: they ring (workers/doorbell.py)
+    assert env[doorbell.DOORBELLS_ENV] == "1"  # the run's processes share this machine: they ring
     backend.stop(handle)
 
 
