@@ -68,6 +68,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import smoke_sizes, use_compile_cache  # noqa: E402
@@ -348,12 +349,7 @@ def summary(values: list[float]) -> dict:
 
 
 def draw(runs: list[dict], target: float, plot: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = figure()
     for r in runs:
         for side in ("trl", "mortal"):
             if side not in r:
@@ -368,29 +364,19 @@ def draw(runs: list[dict], target: float, plot: Path) -> None:
                     color="tab:gray" if side == "trl" else None, linestyle="--" if side == "trl" else "-")
     ax.axhline(target, color="black", linewidth=0.8, linestyle=":", label="TRL's final reward")
     ax.set_xscale("log")
-    ax.set_xlabel("wall-clock seconds from launch (log scale)")
-    ax.set_ylabel(f"{REWARD} reward (10-step trailing mean)")
-    ax.set_title("SmolLM2-135M-Instruct, arithmetic + word problems, one GPU")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plot, dpi=120)
-    print(f"plot: {plot}")
+    save(fig, ax, plot, "wall-clock seconds from launch (log scale)", f"{REWARD} reward (10-step trailing mean)",
+         "SmolLM2-135M-Instruct, arithmetic + word problems, one GPU")
 
 
 def draw_steps(trl: list[dict], mortal: list[dict], plot: Path) -> None:
     """Reward against step for every seed (shared GPUs included: no seconds here), each side's mean over its
     seeds drawn bold: whether the two learn alike, with the seed noise in view."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sides = {"TRL GRPOTrainer": ("tab:gray", [r["trl"]["curve"] for r in trl])}
     for staleness, color in zip(sorted({r["staleness"] for r in mortal}), ("tab:blue", "tab:orange", "tab:green"),
                                 strict=False):  # at most three maxStaleness values drawn
         sides[f"mortal, maxStaleness {staleness}"] = (color, [r["mortal"]["curve"] for r in mortal
                                                               if r["staleness"] == staleness])
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = figure()
     for name, (color, curves) in sides.items():
         smoothed = [trailing(curve) for curve in curves]
         for steps, values in smoothed:
@@ -398,9 +384,24 @@ def draw_steps(trl: list[dict], mortal: list[dict], plot: Path) -> None:
         length = min(len(steps) for steps, _ in smoothed)
         mean = [statistics.mean(values[i] for _, values in smoothed) for i in range(length)]
         ax.plot(smoothed[0][0][:length], mean, color=color, linewidth=2.2, label=f"{name}: mean of {len(curves)} seeds")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"{REWARD} reward ({WINDOW}-step trailing mean)")
-    ax.set_title("SmolLM2-135M-Instruct, arithmetic + word problems: reward by step, every seed")
+    save(fig, ax, plot, "step", f"{REWARD} reward ({WINDOW}-step trailing mean)",
+         "SmolLM2-135M-Instruct, arithmetic + word problems: reward by step, every seed")
+
+
+def figure() -> tuple[Any, Any]:
+    """A figure to draw on, with matplotlib's file-only backend (no display on a server)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(9, 5))
+
+
+def save(fig: Any, ax: Any, plot: Path, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(plot, dpi=120)
