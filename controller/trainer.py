@@ -106,6 +106,8 @@ class MortalTrainer:
                       environment / maxToolCallingIterations); functions and classes must be importable, as
                       rewards; an environment class with get_reward() adds a reward named after the class.
                       chat_template names the template that renders tool calls (spec.rollout.chatTemplate)
+      torch_compile, use_liger_kernel
+                      TRL's names for spec.actor.compile and spec.actor.liger (Liger's layer kernels)
       detach          train() returns right after applying; the controller keeps training
       name            the run's name (default: '<model>-<5 random chars>')
     Without reward_funcs and train_dataset, the seeds' default: sandboxed code execution on
@@ -143,6 +145,7 @@ class MortalTrainer:
         lora_target_modules: str | list[str] | None = None,
         gradient_checkpointing: bool | None = None,
         torch_compile: bool | None = None,
+        use_liger_kernel: bool | None = None,
         dtype: str | None = None,
         seed: int | None = None,
         max_staleness: int | None = None,
@@ -216,7 +219,7 @@ class MortalTrainer:
             "generation": _drop_none({"max_tokens": max_completion_length or max_tokens, "temperature": temperature,
                                       "top_p": top_p, "top_k": top_k}),
             "rewards": rewards,
-            "actor": _drop_none({"compile": torch_compile}),
+            "actor": _drop_none({"compile": torch_compile, "liger": use_liger_kernel}),
             "rollout": tool_fields(tools, environment_factory, max_tool_calling_iterations, tool_timeout_seconds,
                                    chat_template),
             **_drop_none({"backend": backend, "secrets": secrets}),

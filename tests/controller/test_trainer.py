@@ -58,10 +58,12 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
         reward_funcs=[format_reward, correct_answer], reward_weights=[0.3, 1.0],
         num_generations=4, batch_size=16, learning_rate=1e-5, max_steps=7, loss_type="grpo", beta=0.04,
         epsilon=0.3, scale_rewards="batch", max_completion_length=128, temperature=0.9, use_lora=True, lora_r=8,
-        lora_alpha=16, gradient_checkpointing=True, torch_compile=True, seed=3, labels={"team": "rl"},
+        lora_alpha=16, gradient_checkpointing=True, torch_compile=True, use_liger_kernel=True, seed=3,
+        labels={"team": "rl"},
     )
     spec = t.run.spec_dict()
     assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True,  # TRL's torch_compile
+                             "liger": True,  # TRL's use_liger_kernel
                              "mixedPrecision": False, "cpuOffload": False,
                              "strategy": "fsdp", "reshardAfterForward": True}
     assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True, "promptsPerTask": None,
