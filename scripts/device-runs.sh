@@ -112,11 +112,13 @@ case $group in
   two-gpus-ddp-onpolicy)  # two-gpus-ddp's on-policy half alone (a call with under 8 minutes of device time left)
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
     bench ddp_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal ;;
-  kernels-doorbells)  # one GPU's step with the doorbells (2026-11-28; before: 0.60-0.63 s on H200s), the same with
-                     # actor.liger, Liger's GPU test, and ddp on-policy over two GPUs: carry [".whl", ".mortal/assets"]
+  kernels-doorbells)  # one GPU's step with the doorbells (2026-11-28; before: 0.60-0.63 s on H200s); maxStaleness 1 on
+                     # one GPU without and with actor.liger (less GPU time where training shares the GPU with
+                     # generation); Liger's GPU test; ddp on-policy over two GPUs: carry [".whl", ".mortal/assets"]
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
-    bench onegpu_liger 170 --steps 6 --rollouts 1 --only mortal --liger mortal
-    gpu_tests 120 "$R/tests/workers/test_gpu.py" -k liger
+    bench onegpu_st1 170 --steps 6 --rollouts 1 --staleness 1 --only mortal
+    bench onegpu_st1_liger 170 --steps 6 --rollouts 1 --staleness 1 --only mortal --liger mortal
+    gpu_tests 100 "$R/tests/workers/test_gpu.py" -k liger
     bench ddp_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal ;;
   two-gpus-trl)  # issue 15.2, against TRL: the hybrid layout on-policy and TRL's GRPOTrainer with FSDP2 on the same
                  # two GPUs, in one invocation (TRL: about 14 s a step at this shape)
