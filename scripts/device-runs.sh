@@ -114,12 +114,12 @@ case $group in
     bench ddp_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal ;;
   kernels-doorbells)  # one GPU's step with the doorbells (2026-11-28; before: 0.60-0.63 s on H200s); maxStaleness 1 on
                      # one GPU without and with actor.liger (less GPU time where training shares the GPU with
-                     # generation); Liger's GPU test; ddp on-policy over two GPUs: carry [".whl", ".mortal/assets"]
+                     # generation); Liger's GPU test (two runs through the controller): carry [".whl", ".mortal/assets"]
+                     # (ddp on-policy with the doorbells and without the buffer broadcast: two-gpus-ddp-onpolicy)
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
     bench onegpu_st1 170 --steps 6 --rollouts 1 --staleness 1 --only mortal
     bench onegpu_st1_liger 170 --steps 6 --rollouts 1 --staleness 1 --only mortal --liger mortal
-    gpu_tests 100 "$R/tests/workers/test_gpu.py" -k liger
-    bench ddp_s0 200 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 --strategy ddp --only mortal ;;
+    gpu_tests 200 "$R/tests/workers/test_gpu.py" -k liger ;;
   two-gpus-trl)  # issue 15.2, against TRL: the hybrid layout on-policy and TRL's GRPOTrainer with FSDP2 on the same
                  # two GPUs, in one invocation (TRL: about 14 s a step at this shape)
     bench hybrid_trl 560 --steps 6 --gpus 2 --actor-gpus 2 --rollouts 2 --prompts 16 ;;

@@ -284,30 +284,26 @@ def test_a_memory_share_caps_the_rollout_and_plans_its_decode_rows_on_cuda(tiny_
 
 @pytest.mark.gpu
 @needs_cuda
-def test_liger_kernels_train_the_first_step_as_the_plain_model_does(store, tiny_dir: Path, monkeypatch) -> None:
-    """actor.liger: Liger's fused RMSNorm, rotary and SwiGLU kernels are in the model the actor trains, and its
-    first step (the same rollouts: the rollout samples each seed alike) has the plain model's loss and gradient
-    norm within float32 kernel noise."""
+def test_liger_kernels_train_the_first_step_as_the_plain_model_does(mortal_home: Path, tiny_dir: Path) -> None:
+    """actor.liger through the controller (each worker a process of its own, as a user runs it: Liger patches
+    the actor's process only): the actor says its model has Liger's kernels, and its first step (the same
+    rollouts: the rollout samples each seed alike) has the plain model's loss and gradient norm within float32
+    kernel noise."""
     pytest.importorskip("liger_kernel.transformers", reason="actor.liger needs liger-kernel (and Triton)")
-    from transformers.models.llama import modeling_llama
+    from mortal.state import open_store, paths
 
-    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # Liger replaces them in the process the
-        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))  # actor runs in: this one, here
-    firsts, trainers = {}, []
-    build = actor.build_trainer
-    monkeypatch.setattr(actor, "build_trainer", lambda *a: trainers.append(build(*a)) or trainers[-1])
+    firsts = {}
     for liger in (False, True):
         name = f"liger-{str(liger).lower()}"
         spec = actor_spec(str(tiny_dir), model={"dtype": "float32"}, actor={"gpu": "H100", "liger": liger},
-                          rollout={"gpu": "H100"}, algorithm={"maxSteps": 1}, checkpoint={"every": 10, "keep": 1})
-        run = create_run(store, name, spec)
-        ctx = worker_context(store, run, "actor")
-        ctx.check_fence()
-        with RolloutThread(store, run):
-            assert actor.main(ctx) == EXIT_SUCCEEDED
-        firsts[liger] = {row.name: row.value for row in store.list_metrics(name) if row.step == 1}
-    norm = trainers[1].model.model.norm
-    assert "liger" in type(norm).__module__.lower() or "liger" in getattr(norm.forward, "__module__", "").lower()
+                          rollout={"gpu": "H100", "replicas": 1, "colocate": True}, algorithm={"maxSteps": 1})
+        row, events = _run_through_a_controller(mortal_home, name, spec)
+        assert row.phase == "Succeeded", (row.status, [e.message for e in events])
+        actor_log = "".join(p.read_text() for p in paths.run_dir(name).rglob("actor-0-*.log"))
+        assert ("Liger's kernels patched into the llama model" in actor_log) is liger, actor_log[-2000:]
+        store = open_store(f"sqlite:///{mortal_home / 'state.db'}")
+        firsts[liger] = {m.name: m.value for m in store.list_metrics(name) if m.step == 1}
+        store.close()
     for metric in ("loss", "grad_norm"):
         plain, fused = firsts[False][metric], firsts[True][metric]
         assert math.isclose(plain, fused, rel_tol=1e-3, abs_tol=1e-6), (metric, plain, fused)
