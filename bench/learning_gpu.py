@@ -267,7 +267,7 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot
     trl = [r for r in runs if "trl" in r]
     mortal = [r for r in runs if "mortal" in r]
     timed_trl = [r for r in trl if not r.get("shares_gpu")]
-    if not trl or not timed_trl:
+    if not timed_trl:
         raise SystemExit("--report needs at least one TRL run that had its GPU alone (no \"shares_gpu\")")
     trl_finals = [final_reward(r["trl"]["curve"], final_steps) for r in trl]
     target = statistics.mean(trl_finals)

@@ -410,23 +410,20 @@ LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy"
 
 def use_liger_kernels(model: Any) -> str:
     """actor.liger: patch Liger's fused Triton kernels into the model the actor trains; the architecture patched.
-    Through liger-kernel's own dispatch by model type (what transformers' use_liger_kernel calls), so a new
+    Through transformers' own use_liger_kernel path (liger-kernel's dispatch by model type), so a new
     architecture comes with a new liger-kernel. A missing package or an architecture Liger does not know fails
     the actor at start (liger-kernel itself would only log that it applied nothing)."""
     try:
-        from liger_kernel.transformers.monkey_patch import (
-            MODEL_TYPE_TO_APPLY_LIGER_FN,
-            _apply_liger_kernel_to_instance,
-        )
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        from transformers.integrations.liger import apply_liger_kernel
     except ImportError as exc:
         raise FatalWorkerError("LigerUnavailable", f"spec.actor.liger needs the liger-kernel package (and Triton) in "
                                f"the actor's environment: pip install 'mortal[liger]' ({exc})") from exc
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's LoRA wrapper
-    model_type = getattr(base.config, "model_type", None)
+    model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise FatalWorkerError("LigerUnsupported", f"spec.actor.liger: liger-kernel has no kernels for model type "
                                f"{model_type!r} (it knows {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); drop it")
-    _apply_liger_kernel_to_instance(model=base, **LIGER_KERNELS)
+    apply_liger_kernel(model, LIGER_KERNELS)
     return model_type
 
 
