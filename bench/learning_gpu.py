@@ -48,7 +48,9 @@ reward (mean of its last 20 steps, or --final-steps, averaged over its seeds), i
 spread, when each run (TRL's too) first reaches that reward (trailing 20-step mean), and draws
 reward against seconds. It also compares the reward levels of the two sides over all their seeds
 (`levels`): each side's final reward and its plateau (the mean over steps PLATEAU_FROM to the end),
-mean and standard deviation over seeds, and mortal's difference from TRL with its standard error.
+mean and standard deviation over seeds, and mortal's difference from TRL with its standard error;
+and (`pooled`) when each side's mean curve over all its seeds first reaches TRL's final reward, timed by
+that side's runs that had their GPU alone (one run near its plateau crosses a level or not by seed noise).
 
 Seeds for the levels (`--shares-gpu`): a seed's rewards do not depend on what else runs on its GPU
 (mortal replays a seed exactly; TRL's sampling is its own process's), its seconds do. So more seeds can
@@ -283,6 +285,7 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot
     for r in mortal:
         out["mortal"].append(mortal_entry(r, target, spread, trl_wall, final_steps))
     out["levels"] = levels(trl, mortal, final_steps)
+    out["pooled"] = pooled_reach(trl, mortal, target, trl_wall)
     if plot:
         draw([r for r in runs if not r.get("shares_gpu")], target, plot)
     if plot_steps:
@@ -320,11 +323,9 @@ def plateau_reward(curve: list[dict]) -> float | None:
 def levels(trl: list[dict], mortal: list[dict], final_steps: int) -> dict:
     """Each side's final reward and plateau over its seeds, and mortal's difference from TRL with its
     standard error (Welch's: the two sides' seed-to-seed variances need not be equal)."""
-    groups = {"trl": [r["trl"]["curve"] for r in trl]}
-    for staleness in sorted({r["staleness"] for r in mortal}):
-        groups[f"mortal maxStaleness {staleness}"] = [r["mortal"]["curve"] for r in mortal if r["staleness"] == staleness]
     out: dict = {}
-    for name, curves in groups.items():
+    for name, runs in sides(trl, mortal).items():
+        curves = [r[side_key(r)]["curve"] for r in runs]
         out[name] = {"seeds": len(curves), "final": summary([final_reward(c, final_steps) for c in curves])}
         plateaus = [p for p in map(plateau_reward, curves) if p is not None]
         if plateaus:
@@ -371,19 +372,16 @@ def draw(runs: list[dict], target: float, plot: Path) -> None:
 def draw_steps(trl: list[dict], mortal: list[dict], plot: Path) -> None:
     """Reward against step for every seed (shared GPUs included: no seconds here), each side's mean over its
     seeds drawn bold: whether the two learn alike, with the seed noise in view."""
-    sides = {"TRL GRPOTrainer": ("tab:gray", [r["trl"]["curve"] for r in trl])}
-    for staleness, color in zip(sorted({r["staleness"] for r in mortal}), ("tab:blue", "tab:orange", "tab:green"),
-                                strict=False):  # at most three maxStaleness values drawn
-        sides[f"mortal, maxStaleness {staleness}"] = (color, [r["mortal"]["curve"] for r in mortal
-                                                              if r["staleness"] == staleness])
+    colors = iter(("tab:gray", "tab:blue", "tab:orange", "tab:green"))  # TRL and at most three maxStaleness values
     fig, ax = figure()
-    for name, (color, curves) in sides.items():
-        smoothed = [trailing(curve) for curve in curves]
-        for steps, values in smoothed:
+    for name, runs in sides(trl, mortal).items():
+        color = next(colors, None)
+        curves = [r[side_key(r)]["curve"] for r in runs]
+        for steps, values in map(trailing, curves):
             ax.plot(steps, values, color=color, linewidth=0.6, alpha=0.35)
-        length = min(len(steps) for steps, _ in smoothed)
-        mean = [statistics.mean(values[i] for _, values in smoothed) for i in range(length)]
-        ax.plot(smoothed[0][0][:length], mean, color=color, linewidth=2.2, label=f"{name}: mean of {len(curves)} seeds")
+        steps, mean = mean_trailing(curves)
+        label = "TRL GRPOTrainer" if name == "trl" else name.replace("mortal ", "mortal, ")
+        ax.plot(steps, mean, color=color, linewidth=2.2, label=f"{label}: mean of {len(curves)} seeds")
     save(fig, ax, plot, "step", f"{REWARD} reward ({WINDOW}-step trailing mean)",
          "SmolLM2-135M-Instruct, arithmetic + word problems: reward by step, every seed")
 
@@ -406,6 +404,49 @@ def save(fig: Any, ax: Any, plot: Path, xlabel: str, ylabel: str, title: str) ->
     fig.tight_layout()
     fig.savefig(plot, dpi=120)
     print(f"plot: {plot}")
+
+
+def sides(trl: list[dict], mortal: list[dict]) -> dict[str, list[dict]]:
+    """The runs by side: "trl", then "mortal maxStaleness N" for each staleness mortal ran."""
+    out = {"trl": trl}
+    for staleness in sorted({r["staleness"] for r in mortal}):
+        out[f"mortal maxStaleness {staleness}"] = [r for r in mortal if r["staleness"] == staleness]
+    return out
+
+
+def side_key(run: dict) -> str:
+    return "trl" if "trl" in run else "mortal"
+
+
+def mean_trailing(curves: list[list[dict]]) -> tuple[list[int], list[float]]:
+    """(steps, the seeds' mean of their WINDOW-step trailing mean rewards), over the steps every curve has."""
+    smoothed = [trailing(curve) for curve in curves]
+    length = min(len(steps) for steps, _ in smoothed)
+    return smoothed[0][0][:length], [statistics.mean(values[i] for _, values in smoothed) for i in range(length)]
+
+
+def pooled_reach(trl: list[dict], mortal: list[dict], target: float, trl_wall: float) -> dict:
+    """When each side's mean over all its seeds first reaches TRL's final reward, in steps and in seconds.
+
+    One run's trailing mean crosses a level near its plateau or not by seed noise (TRL's own seeds reach their
+    mean final at 0.53 and 0.80 of their time, or never), so the issue's "reaches TRL's final" is also judged
+    on the seeds' mean curve. Its seconds at step N are the mean seconds at step N of that side's runs that had
+    their GPU alone (a step's time does not depend on the seed; a shared GPU's does on its neighbours)."""
+    out = {}
+    for name, runs in sides(trl, mortal).items():
+        steps, mean = mean_trailing([r[side_key(r)]["curve"] for r in runs])
+        step = next((s for s, v in zip(steps, mean, strict=True) if v >= target), None)
+        timed = [r[side_key(r)]["curve"] for r in runs if not r.get("shares_gpu")]
+        seconds = None
+        if step is not None and timed:
+            seconds = statistics.mean(next(p["seconds"] for p in c if p["step"] == step) for c in timed)
+        out[name] = {"seeds": len(runs), "timed_runs": len(timed), "step": step, "seconds": seconds,
+                     "fraction_of_trl_wall": None if seconds is None else seconds / trl_wall}
+        reached = ("never" if step is None else f"step {step}" + (
+            "" if seconds is None else f", {seconds:.0f} s = {seconds / trl_wall:.3f} of TRL's wall time "
+            f"(seconds from {len(timed)} run(s) that had their GPU alone)"))
+        print(f"pooled, {name} ({len(runs)} seeds): the seeds' mean reaches TRL's final {target:.3f} at {reached}")
+    return out
 
 
 def trailing(curve: list[dict]) -> tuple[list[int], list[float]]:

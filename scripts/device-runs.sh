@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -47,15 +47,14 @@ keep_profiles() {
 }
 
 # learning_mortal STALENESS LIMIT_SECONDS [SEEDS] [--shares-gpu]: mortal's side of the learning bench, all SEEDS
-# (default "0 1") at once, the i-th on GPU i % 2
+# (default "0 1") at once, seed N on GPU N % 2
 learning_mortal() {
-  local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed gpu=0
+  local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
   for seed in $seeds; do
-    CUDA_VISIBLE_DEVICES=$((gpu % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
+    CUDA_VISIBLE_DEVICES=$((seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
       --only mortal --seed $seed --staleness "$staleness" $shared --logs "/tmp/logs-learning-s$seed-st$staleness" \
       --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
-    gpu=$((gpu + 1))
   done
   wait
   for seed in $seeds; do
@@ -235,6 +234,17 @@ case $group in
   learning-seeds-finish)  # call 4: mortal's maxStaleness 1 seeds 2-5 beside TRL's, then TRL's to their end
     learning_mortal 1 290 "2 3" --shares-gpu
     wait_trl "2 3 4 5" 280 ;;
+  learning-seeds-more)  # when learning-seeds-start's call ran out (2026-11-28: seed 3 passed its 290 s with two TRL
+                        # runs on its GPU, seeds 4 and 5 never began): on-policy seeds 3 and 4 with a longer limit
+    for seed in 2 3 4 5; do echo "TRL seed $seed: $(grep -o '[0-9]*/200' /root/learn/trl_s$seed.log | tail -1)"; done
+    learning_mortal 0 440 "3 4" --shares-gpu
+    wait_trl "2 3 4 5" 100 ;;
+  learning-seeds-last)  # after learning-seeds-more: TRL's seeds 4 and 5 back (one call returns a limited number of
+                        # files), mortal's on-policy seed 5 and maxStaleness 1 seed 2, one a GPU
+    cp /root/learn/trl_s4.json /root/learn/trl_s5.json "$OUT/"
+    learning_mortal 0 320 "5" --shares-gpu &
+    learning_mortal 1 320 "2" --shares-gpu
+    wait ;;
   learning-seeds-wait)  # a call 5 if TRL's seeds were not done by the end of call 4 (exit 3 there)
     wait_trl "2 3 4 5" 560 ;;
   offload)  # actor.cpuOffload on two GPUs (the mixed-precision test's offload case; without offload it passed on
