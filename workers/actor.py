@@ -16,7 +16,9 @@ run's actor slot. One step, in order:
 On start it resumes from the newest complete checkpoint (`train(resume_from_checkpoint=...)`
 restores weights, optimizer, scheduler, RNG and step) once mortal.workers.resume_check found that
 resuming redoes and skips nothing, forgets queued tasks from that step on, and
-publishes the weights it starts from (a version above every earlier one) before the first rollout.
+publishes the weights it starts from (a version above every earlier one) before the first rollout. With GPU
+rollouts it queues that first step's tasks before building the trainer (`queues_ahead`), asking for that
+version, so their decode step compiles while TRL loads.
 With `actor.count` N > 1 this process is rank 0 of N (mortal.workers.sharded): the model is sharded with
 FSDP2, ranks 1..N-1 are its children running `follow`, each trains on its slice of the batch rank 0
 collected, and only rank 0 talks to the store.
@@ -96,6 +98,10 @@ def main(ctx: WorkerContext) -> int:
     publisher = WeightPublisher(ctx.store, ctx.worker, keep=spec.sync.keep_versions, method=spec.sync_method(),
                                 provenance=record)
     publisher.clear_partial()
+    if queues_ahead(spec):
+        feed.enqueue(start, publisher.next_version())
+        ctx.log.info("step %d's tasks queued before the trainer is built: GPU rollouts prepare their decode step "
+                     "meanwhile", start)
     wandb_run = open_wandb(
         spec.logging.wandb, ctx.run.name, ctx.run.metadata.uid, ctx.run_dir, ctx.run.spec_dict()
     )
@@ -134,6 +140,18 @@ def main(ctx: WorkerContext) -> int:
         if ranks is not None:  # after a crash the other ranks wait in a collective that never comes: end them
             ranks.close(timeout=60.0 if finished else 0.0)
     return EXIT_SUCCEEDED
+
+
+def queues_ahead(spec: TrainingSpec) -> bool:
+    """Whether the first step's tasks are queued before the trainer is built rather than when TRL first asks.
+
+    A GPU rollout's first task pays the decode step's compile and graph capture (13-30 s), and without tasks it
+    would sit idle while the actor imports TRL, loads the model and builds GRPOTrainer; queued early, both
+    happen at once. The tasks ask for the version the actor publishes first (the publisher's next_version),
+    so a fresh run's rollouts may answer them with the model they loaded, which is version 0, and a resumed
+    run's wait for the resumed weights. Not for CPU rollouts: nothing is compiled, and a test's rollout thread
+    in the actor's process would reseed the RNG the trainer's construction draws from."""
+    return spec.rollout.gpu != "none"
 
 
 def checkpoint_storage(ctx: WorkerContext) -> CheckpointStorage | None:

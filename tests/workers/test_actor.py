@@ -222,6 +222,69 @@ def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(sto
     assert final_weights_hash(store, "waiting") == final_weights_hash(store, "straight")
 
 
+def test_only_gpu_rollouts_get_their_first_tasks_before_the_trainer_is_built(tiny_dir: Path) -> None:
+    """A GPU rollout compiles its decode step at its first task, so that task comes as early as it can."""
+    from mortal.specs import TrainingRun
+
+    def spec(gpu: str) -> object:
+        return TrainingRun.model_validate({"metadata": {"name": "r"},
+                                           "spec": actor_spec(str(tiny_dir), rollout={"gpu": gpu})}).spec
+
+    assert actor.queues_ahead(spec("H100")) and not actor.queues_ahead(spec("none"))
+
+
+def test_tasks_queued_before_the_trainer_are_answered_by_the_loaded_model_as_version_0(
+        store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh run's first tasks, queued before the trainer is built, answered by a rollout that has not seen
+    a published version (its own load of the model is version 0), train the same weights as a run whose
+    rollout loaded the actor's version 0 first. The rollout answers them in the actor's thread before the
+    trainer is built, as a rollout process would while the actor builds it."""
+    spec = actor_spec(str(tiny_dir))
+    assert run_actor_with_rollout(store, create_run(store, "straight", spec)) == EXIT_SUCCEEDED
+
+    run = create_run(store, "ahead", spec)
+    ctx = worker_context(store, run, "actor")
+    ctx.check_fence()
+    rollout = RolloutThread(store, run)
+    answered: list[int] = []
+    real_build = actor.build_trainer
+
+    def build_after_the_first_tasks_are_answered(ctx, spec, loop):
+        assert store.latest_weights("ahead") is None  # nothing published yet
+        while rollout.worker.serve_one():
+            answered.append(rollout.worker.loaded_version)
+        rollout.thread.start()
+        return real_build(ctx, spec, loop)
+
+    monkeypatch.setattr(actor, "queues_ahead", lambda spec: True)
+    monkeypatch.setattr(actor, "build_trainer", build_after_the_first_tasks_are_answered)
+    try:
+        assert actor.main(ctx) == EXIT_SUCCEEDED
+    finally:
+        rollout.stop()
+    first = store.step_results("ahead", 0)
+    assert answered == [0] * len(first) and all(task.min_weight_version == 0 for task in first)
+    assert final_weights_hash(store, "ahead") == final_weights_hash(store, "straight")
+
+
+def test_a_resumed_runs_tasks_queued_early_wait_for_the_resumed_weights(store, tiny_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a resume the tasks queued before the trainer is built ask for the version the actor publishes first,
+    so a rollout that still holds the stopped actor's last version cannot answer them with it."""
+    spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 4}, checkpoint={"every": 10, "keep": 2})
+    assert run_actor_with_rollout(store, create_run(store, "straight", spec)) == EXIT_SUCCEEDED
+    run = create_run(store, "resumed", spec)
+    assert run_actor_with_rollout(store, run, stop_after_step=2) == EXIT_SUCCEEDED
+    stopped_at = store.latest_weights("resumed").version
+
+    monkeypatch.setattr(actor, "queues_ahead", lambda spec: True)
+    assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
+    resumed_first = min(w.version for w in store.list_weights("resumed") if w.version > stopped_at)
+    assert [task.min_weight_version for task in store.step_results("resumed", 2)] == [resumed_first] * len(
+        store.step_results("resumed", 2))
+    assert final_weights_hash(store, "resumed") == final_weights_hash(store, "straight")
+
+
 def test_the_actor_keeps_as_many_weight_versions_as_the_spec_says(store, tiny_dir: Path) -> None:
     """sync.keepVersions: 2 keeps the newest two versions (rows and directories); the default keeps three."""
     run = create_run(store, "two", actor_spec(str(tiny_dir), sync={"keepVersions": 2}))
