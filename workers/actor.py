@@ -3,7 +3,8 @@
 Who calls it: mortal.workers.main, as `main(ctx)` in the process a backend launched for the
 run's actor slot. One step, in order:
 1. TRL asks for a generation batch: `ActorLoop.rollout` enqueues the tasks of steps s..s+k
-   (mortal.workers.feed) and waits for step s's scored groups; TRL gets prompt/completion ids,
+   (mortal.workers.feed) and waits for step s's scored groups (on one GPU the first wait also runs a
+   placeholder forward and backward, so that the first step's kernels compile meanwhile: `warms_up`); TRL gets prompt/completion ids,
    sampling logprobs, and each reward's precomputed score through PrecomputedReward functions, so
    TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
 2. TRL computes the loss and takes the optimizer step.
@@ -152,6 +153,15 @@ def queues_ahead(spec: TrainingSpec) -> bool:
     run's wait for the resumed weights. Not for CPU rollouts: nothing is compiled, and a test's rollout thread
     in the actor's process would reseed the RNG the trainer's construction draws from."""
     return spec.rollout.gpu != "none"
+
+
+def warms_up(spec: TrainingSpec, world: int) -> bool:
+    """Whether the actor runs one placeholder forward and backward (trl_seam.warm_up_training) while it waits for
+    its first rollouts: on one GPU, where the first step's kernel compiles and allocations are otherwise paid
+    after the rollouts are in. Not on several ranks (DDP's and FSDP2's hooks expect every backward to be a real
+    step's), not with actor.compile (the placeholder's shape would be compiled too), not on a CPU (nothing to
+    compile, and a test's rollout thread shares the RNG)."""
+    return spec.actor.gpu != "none" and world == 1 and not spec.actor.compile
 
 
 def checkpoint_storage(ctx: WorkerContext) -> CheckpointStorage | None:
@@ -361,6 +371,7 @@ class ActorLoop(TrainerCallback):
         self._step_started = time.perf_counter()
         self._rollout_metrics: dict[str, float] = {}
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
+        self._warmed_up = False  # warm_up_training runs at most once a process
         self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
 
     # -- TRL's rollout_func --------------------------------------------------------------------
@@ -372,6 +383,9 @@ class ActorLoop(TrainerCallback):
         self.feed.enqueue(step, self.version)
         self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
+        if not self._warmed_up and warms_up(self.spec, world):
+            trl_seam.warm_up_training(trainer)  # while the rollouts generate the first step (counted as waiting)
+            self._warmed_up = True
         try:
             batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step),
                                       while_waiting=self.publisher.ensure_held)

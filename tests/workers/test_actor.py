@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from actor_helpers import (
 )
 from rollout_helpers import assets_available, make_tiny_model, task_results
 
-from mortal.workers import actor
+from mortal.workers import actor, trl_seam
 from mortal.workers.checkpoint import read_marker
 from mortal.workers.feed import RolloutFeed
 from mortal.workers.runtime import EXIT_SUCCEEDED
@@ -283,6 +284,43 @@ def test_a_resumed_runs_tasks_queued_early_wait_for_the_resumed_weights(store, t
     assert [task.min_weight_version for task in store.step_results("resumed", 2)] == [resumed_first] * len(
         store.step_results("resumed", 2))
     assert final_weights_hash(store, "resumed") == final_weights_hash(store, "straight")
+
+
+def test_the_actors_warm_up_while_it_waits_for_its_first_rollouts_changes_no_weight(
+        store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one GPU the actor runs a placeholder forward and backward while the first step's rollouts are generated
+    (trl_seam.warm_up_training); the run's weights are bit for bit those of a run without it. Here on the CPU,
+    the warm-up waiting until the in-process rollout has answered the step (in separate processes they overlap;
+    in one, the two would swap the process's RNG state under each other)."""
+    spec = actor_spec(str(tiny_dir))
+    assert run_actor_with_rollout(store, create_run(store, "plain", spec)) == EXIT_SUCCEEDED
+    real_warm_up, warmed = trl_seam.warm_up_training, []
+
+    def warm_up_once_answered(trainer):
+        step = trainer.state.global_step
+        while set(store.step_states("warmed", step)) != {"done"}:
+            time.sleep(0.01)
+        warmed.append(step)
+        real_warm_up(trainer)
+
+    monkeypatch.setattr(actor, "warms_up", lambda spec, world: True)
+    monkeypatch.setattr(trl_seam, "warm_up_training", warm_up_once_answered)
+    assert run_actor_with_rollout(store, create_run(store, "warmed", spec)) == EXIT_SUCCEEDED
+    assert warmed == [0]  # once, at the first step
+    assert final_weights_hash(store, "warmed") == final_weights_hash(store, "plain")
+
+
+def test_only_a_single_gpu_eager_actor_warms_up(tiny_dir: Path) -> None:
+    from mortal.specs import TrainingRun
+
+    def spec(gpu: str, **actor_fields: object) -> object:
+        return TrainingRun.model_validate({"metadata": {"name": "r"}, "spec": actor_spec(
+            str(tiny_dir), actor={"gpu": gpu, **actor_fields}, rollout={"gpu": gpu})}).spec
+
+    assert actor.warms_up(spec("H100"), world=1)
+    assert not actor.warms_up(spec("H100"), world=2)
+    assert not actor.warms_up(spec("H100", compile=True), world=1)
+    assert not actor.warms_up(spec("none"), world=1)
 
 
 def test_the_actor_keeps_as_many_weight_versions_as_the_spec_says(store, tiny_dir: Path) -> None:

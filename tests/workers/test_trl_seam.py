@@ -334,6 +334,29 @@ def test_the_loss_saves_nothing_of_vocabulary_width_for_backward(tiny_dir, tmp_p
     assert (ROWS, KEEP, model.config.vocab_size) in plain  # the check sees logits where they are saved
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_warm_up_runs_the_fused_head_forward_and_backward_and_leaves_no_trace(tiny_dir, tmp_path, lora) -> None:
+    """warm_up_training: gradients reach the weights through TRL's fused head, yet afterwards the weights, the
+    gradients (None) and the RNG are as before, and it works where autograd was off (TRL's rollout_func)."""
+    trainer = _loss_trainer(tiny_dir, tmp_path, tied=False, lora=lora, temperature=1.0)
+    model = trainer.model
+    trained = [p for p in model.parameters() if p.requires_grad]
+    reached: list[int] = []
+    hooks = [p.register_hook(lambda grad, i=i: reached.append(i)) for i, p in enumerate(trained)]
+    fused: list[bool] = []
+    base = model.get_base_model() if lora else model
+    forward = base.forward
+    base.forward = lambda *a, **kw: fused.append(kw.get("fused_lm_head", False)) or forward(*a, **kw)
+    weights, rng = tensors_sha256(dict(model.state_dict())), torch.get_rng_state()
+    with torch.no_grad():
+        trl_seam.warm_up_training(trainer)
+    for hook in hooks:
+        hook.remove()
+    assert fused == [True] and sorted(set(reached)) == list(range(len(trained)))
+    assert all(p.grad is None for p in trained)
+    assert tensors_sha256(dict(model.state_dict())) == weights and torch.equal(torch.get_rng_state(), rng)
+
+
 def test_check_fused_lm_head_refuses_a_model_whose_forward_is_its_own(tiny_dir, tmp_path) -> None:
     trainer = _loss_trainer(tiny_dir, tmp_path, True, True, 1.0)
     trl_seam.check_fused_lm_head(trainer)
