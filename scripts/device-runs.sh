@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, learning-headstart, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, learning-headstart, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -245,6 +245,13 @@ case $group in
     learning_mortal 0 320 "5" --shares-gpu &
     learning_mortal 1 320 "2" --shares-gpu
     wait ;;
+  headstart)  # the start after the first tasks are queued before the actor's trainer is built (actor.queues_ahead) and
+              # the actor's placeholder forward and backward while it waits (warms_up), both 2026-11-28: one GPU's
+              # first step (before, kernels-doorbells: step 1 at 19.1-20.2 s between step ends, of which the
+              # actor's first training step 2.5-3.7 s), then the GPU tests that run the actor through the controller
+              # or compare its first step with the unsharded one's: carry [".whl", ".mortal/assets"]
+    bench onegpu 170 --steps 6 --rollouts 1 --only mortal
+    gpu_tests 400 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
   learning-headstart)  # issue 14.1 after the first tasks are queued before the actor's trainer is built (2026-11-28,
                        # actor.queues_ahead): mortal's on-policy seeds 0 and 1, each alone on its GPU, timed; their
                        # rewards should equal the runs before step for step (exact replay; the rollouts now answer
