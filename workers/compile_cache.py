@@ -13,6 +13,8 @@ counters["inductor"]["fxgraph_cache_hit" | "fxgraph_cache_miss" | "fxgraph_cache
 counters["aot_autograd"]["autograd_cache_hit" | "autograd_cache_miss" | "autograd_cache_bypass"].
 After a miss, `persist` commits the Modal volume (a no-op elsewhere), so what was compiled reaches
 the volume now and not at Modal's next background commit, which a preempted container never makes.
+`start_compile_workers` (called as a GPU engine is created, before its model loads) starts inductor's pool of
+compile processes then, instead of at the first compile.
 What it must not do: change how anything compiles, or fail the worker (the report is only a log line).
 """
 
@@ -109,3 +111,17 @@ def persist(report: CompileReport) -> None:
         volume_sync()
     except Exception as exc:  # noqa: BLE001 - a later commit (Modal's own, or the next one) still carries it
         log.warning("could not commit the compile cache to the volume: %s", exc)
+
+
+def start_compile_workers() -> None:
+    """Start inductor's compile subprocesses now. torch starts them when its backend first gets a graph, and
+    until they answer it compiles the graph's Triton kernels one after another in this process; a rollout
+    otherwise gets there only after loading its model and receiving its first task, so the pool would still be
+    warming while the decode step compiles. torch's own warm-up, so TORCH_WARM_POOL=0 and a machine without
+    Triton or with one compile thread still turn it off; a failure only leaves torch to start it later."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+
+        maybe_warm_pool()
+    except Exception as exc:  # noqa: BLE001 - private torch API: an upgrade that moves it costs a log line
+        log.info("inductor's compile workers not started early (%s): torch starts them at the first compile", exc)

@@ -97,3 +97,20 @@ def test_what_a_miss_compiled_is_committed_to_the_volume_and_a_failed_commit_is_
     monkeypatch.setattr(compile_cache, "volume_sync", broken)
     compile_cache.persist(CompileReport(1.0, fx_miss=1))
     assert "could not commit the compile cache" in caplog.text
+
+
+def test_start_compile_workers_is_torchs_own_pool_warm_up_and_never_fails_the_worker(monkeypatch, caplog) -> None:
+    import torch._inductor.async_compile as async_compile
+
+    calls: list[int] = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
+    compile_cache.start_compile_workers()
+    assert calls == [1]
+
+    def moved() -> None:
+        raise AttributeError("maybe_warm_pool is gone")
+
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", moved)
+    with caplog.at_level("INFO", logger="mortal.worker"):
+        compile_cache.start_compile_workers()
+    assert "not started early" in caplog.text

@@ -558,3 +558,19 @@ def test_a_shape_the_decoder_evicted_and_prepares_again_is_logged_again(engine, 
             batched.generate(prompts, 2, [1, 2, 3], GenerationParams(max_tokens=max_tokens))
     lines = [r.getMessage() for r in caplog.records if "prepared in" in r.getMessage()]
     assert [line.split(" tokens")[0].rsplit("+", 1)[1] for line in lines] == ["4", "5", "6", "4"]
+
+
+def test_only_an_engine_that_will_compile_starts_the_compile_workers(spec: ModelSpec, tokenizer, monkeypatch) -> None:
+    """On CUDA the decoder compiles, so inductor's workers start as the engine is created (before its model
+    loads); on the CPU nothing compiles and none start."""
+    from mortal.workers.engines import transformers_engine
+
+    started: list[int] = []
+    monkeypatch.setattr(transformers_engine, "start_compile_workers", lambda: started.append(1))
+    monkeypatch.setattr(transformers_engine, "load_model", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        TransformersEngine.create(spec, tokenizer, device="cpu")
+    assert started == []
+    with pytest.raises(RuntimeError, match="stop"):
+        TransformersEngine.create(spec, tokenizer, device="cuda:0")
+    assert started == [1]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mortal.workers.compile_cache import CompileWatch, persist
+from mortal.workers.compile_cache import CompileWatch, persist, start_compile_workers
 from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
 from mortal.workers.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
 from mortal.workers.errors import FatalWorkerError
@@ -92,6 +92,8 @@ class TransformersEngine(Engine):
                max_num_seqs: int | None = None, memory_share: float | None = None,
                compile_scope: str = "auto") -> TransformersEngine:
         where = device or default_device()
+        if torch.device(where).type == "cuda":  # the decoder will compile: its workers start while the model loads
+            start_compile_workers()
         budget = cap_memory(where, memory_share)
         return cls(load_model(model_spec, where, for_training=False), tokenizer,
                    max_rows=max_num_seqs or DEFAULT_MAX_ROWS, memory_budget=budget, compile_scope=compile_scope)
