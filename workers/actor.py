@@ -403,8 +403,9 @@ class ActorLoop(TrainerCallback):
         )
         if self.ranks is None:
             return output
-        self.ranks.channel.send("batch", output)  # every rank trains its slice; TRL gathers the rewards
-        return sharded.output_slice(output, 0, self.ranks.world)
+        slices = [sharded.output_slice(output, rank, world) for rank in range(world)]  # TRL gathers the rewards
+        self.ranks.channel.send_each("batch", slices)
+        return slices[0]
 
     # -- Trainer callbacks -----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -557,7 +558,7 @@ class Follower(TrainerCallback):
                 raise sharded.ShardedError(f"rank {self.ranks.rank} expected {until!r} from rank 0, got {kind!r}")
 
     def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        return sharded.output_slice(self._serve("batch"), self.ranks.rank, self.ranks.world)
+        return self._serve("batch")  # this rank's slice (Channel.send_each)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         resume_from = self._serve("begin")

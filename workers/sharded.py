@@ -155,7 +155,7 @@ class Ranks:
             torch.cuda.set_device(device_id)
         dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world,
                                 device_id=device_id if device_id.type == "cuda" else None)
-        self.channel = Channel(dist.new_group(backend="gloo"), self.rank)
+        self.channel = Channel(dist.new_group(backend="gloo"), self.rank, self.world)
 
     def watch(self, on_lost: Callable[[RankLost], None]) -> None:
         """Rank 0: call `on_lost` (from a daemon thread) as soon as a child rank has failed or been killed."""
@@ -242,21 +242,32 @@ def start(run: Any, world: int, device: str) -> Ranks:
 
 
 class Channel:
-    """Rank 0 tells the others what comes next: (kind, payload) messages over a gloo group (CPU objects)."""
+    """Rank 0 tells the others what comes next: (kind, payload) messages over a gloo group (CPU objects).
 
-    def __init__(self, group: Any, rank: int) -> None:
-        self.group, self.rank = group, rank
+    Every message is a scatter, so a rank receives only what is its own: the same payload for every rank
+    (`send`), or one each (`send_each`: a step's batch, of which a rank trains only its slice). Broadcasting the
+    whole batch made every rank unpickle all of it (64 x 256 token ids and log-probabilities a step)."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
 
     def send(self, kind: str, payload: Any = None) -> None:
+        self.send_each(kind, [payload] * self.world)
+
+    def send_each(self, kind: str, payloads: list[Any]) -> None:
+        """Rank r gets payloads[r] (rank 0's own is payloads[0], dropped here: rank 0 holds it already)."""
         import torch.distributed as dist
 
-        dist.broadcast_object_list([(kind, payload)], src=0, group=self.group)
+        if len(payloads) != self.world:
+            raise ShardedError(f"{len(payloads)} payloads for {self.world} ranks")
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, [(kind, p) for p in payloads], src=0, group=self.group)
 
     def recv(self) -> tuple[str, Any]:
         import torch.distributed as dist
 
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.scatter_object_list(box, None, src=0, group=self.group)
         return box[0]
 
 
