@@ -175,10 +175,10 @@ WARM_UP_TOKENS = 64  # 63 scored positions: not a multiple of 16, as most real b
 def warm_up_training(trainer: Any, tokens: int = WARM_UP_TOKENS) -> None:
     """One forward and backward of the trained model through TRL's fused LM head (assumption 6) on `tokens`
     placeholder tokens, nothing kept: the first real step then finds the head's Triton kernels compiled, the
-    GPU's matmul handles made and its memory pool grown (2.5-3.7 s of a 0.5B model's first step on an H200,
-    against 0.2 s for the next ones). Gradients are dropped (None, as before a first step) and the RNG put back,
-    so the steps that follow are those a run without it takes. TRL calls rollout_func without autograd, hence
-    enable_grad."""
+    GPU's matmul handles made and the gradients' memory in the allocator's pool (a 0.5B model's first step took
+    2.5-3.7 s on an H200, the next ones 0.2 s). Gradients are dropped (None, as before a first step) and the RNG
+    put back, so the steps that follow are those a run without it takes. Autograd is on for it whatever the
+    caller's mode (rollout_func's callers may generate without it)."""
     import torch
 
     model = trainer.model
