@@ -9,11 +9,12 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, learning-headstart, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
 started=$(date +%s)
+MORTAL_GPU_BASE=0  # the learning groups: mortal's seed N on GPU MORTAL_GPU_BASE + N % 2 (TRL's always on GPU N % 2)
 
 # bench NAME LIMIT_SECONDS ARGS...: bench/gpu_step.py ARGS under a time limit (SIGTERM: it saves what it measured)
 bench() {
@@ -47,12 +48,12 @@ keep_profiles() {
 }
 
 # learning_mortal STALENESS LIMIT_SECONDS [SEEDS] [--shares-gpu]: mortal's side of the learning bench, all SEEDS
-# (default "0 1") at once, seed N on GPU N % 2
+# (default "0 1") at once, seed N on GPU MORTAL_GPU_BASE + N % 2
 learning_mortal() {
   local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
   for seed in $seeds; do
-    CUDA_VISIBLE_DEVICES=$((seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
+    CUDA_VISIBLE_DEVICES=$((MORTAL_GPU_BASE + seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
       --only mortal --seed $seed --staleness "$staleness" $shared --logs "/tmp/logs-learning-s$seed-st$staleness" \
       --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
   done
@@ -258,6 +259,21 @@ case $group in
                        # step 0 with the model they loaded as version 0), their first step come sooner (before:
                        # 31.5 and 32.4 s). After the three calls that carry the GGUF: carry [".mortal/p3"] here
     learning_mortal 0 290 "0 1" ;;
+  learning-x4-start)  # issue 14.1 in one invocation on four GPUs (run(..., kind="nvidia-h200-x4"), after the three
+                      # calls that carry the GGUF; this one carries .mortal/p3): TRL's seeds 0 and 1 on GPUs 0 and 1
+                      # (setsid: about 12 minutes), mortal's on-policy seeds 0-3 on GPUs 2 and 3 meanwhile, each alone
+                      # on its GPU, so every run of both sides is timed; then learning-x4-finish
+    start_trl "0 1"
+    MORTAL_GPU_BASE=2
+    learning_mortal 0 290 "0 1"
+    learning_mortal 0 290 "2 3" ;;
+  learning-x4-finish)  # mortal's maxStaleness 1 seeds 0 and 1 on GPUs 2 and 3, then TRL's runs to their end (exit 3:
+                       # then learning-x4-wait)
+    MORTAL_GPU_BASE=2
+    learning_mortal 1 290 "0 1"
+    wait_trl "0 1" 280 ;;
+  learning-x4-wait)
+    wait_trl "0 1" 560 ;;
   learning-seeds-wait)  # a call 5 if TRL's seeds were not done by the end of call 4 (exit 3 there)
     wait_trl "2 3 4 5" 560 ;;
   offload)  # actor.cpuOffload on two GPUs (the mixed-precision test's offload case; without offload it passed on
