@@ -252,7 +252,7 @@ case $group in
               # actor's first training step 2.5-3.7 s), then the GPU tests that run the actor through the controller
               # or compare its first step with the unsharded one's: carry [".whl", ".mortal/assets"]
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
-    gpu_tests 400 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
+    gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
   learning-headstart)  # issue 14.1 after the first tasks are queued before the actor's trainer is built (2026-11-28,
                        # actor.queues_ahead): mortal's on-policy seeds 0 and 1, each alone on its GPU, timed; their
                        # rewards should equal the runs before step for step (exact replay; the rollouts now answer

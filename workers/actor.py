@@ -151,7 +151,8 @@ def queues_ahead(spec: TrainingSpec) -> bool:
     happen at once. The tasks ask for the version the actor publishes first (the publisher's next_version),
     so a fresh run's rollouts may answer them with the model they loaded, which is version 0, and a resumed
     run's wait for the resumed weights. Not for CPU rollouts: nothing is compiled, and a test's rollout thread
-    in the actor's process would reseed the RNG the trainer's construction draws from."""
+    in the actor's process would reseed the RNG the trainer's construction draws from (a GPU test with its
+    rollout in the actor's process turns this off: its graph capture must not overlap the actor's CUDA work)."""
     return spec.rollout.gpu != "none"
 
 
