@@ -325,7 +325,7 @@ def levels(trl: list[dict], mortal: list[dict], final_steps: int) -> dict:
     standard error (Welch's: the two sides' seed-to-seed variances need not be equal)."""
     out: dict = {}
     for name, runs in sides(trl, mortal).items():
-        curves = [r[side_key(r)]["curve"] for r in runs]
+        curves = [curve_of(r) for r in runs]
         out[name] = {"seeds": len(curves), "final": summary([final_reward(c, final_steps) for c in curves])}
         plateaus = [p for p in map(plateau_reward, curves) if p is not None]
         if plateaus:
@@ -376,7 +376,7 @@ def draw_steps(trl: list[dict], mortal: list[dict], plot: Path) -> None:
     fig, ax = figure()
     for name, runs in sides(trl, mortal).items():
         color = next(colors, None)
-        curves = [r[side_key(r)]["curve"] for r in runs]
+        curves = [curve_of(r) for r in runs]
         for steps, values in map(trailing, curves):
             ax.plot(steps, values, color=color, linewidth=0.6, alpha=0.35)
         steps, mean = mean_trailing(curves)
@@ -414,8 +414,9 @@ def sides(trl: list[dict], mortal: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def side_key(run: dict) -> str:
-    return "trl" if "trl" in run else "mortal"
+def curve_of(run: dict) -> list[dict]:
+    """A run's steps, whichever side made it."""
+    return run["trl" if "trl" in run else "mortal"]["curve"]
 
 
 def mean_trailing(curves: list[list[dict]]) -> tuple[list[int], list[float]]:
@@ -434,9 +435,9 @@ def pooled_reach(trl: list[dict], mortal: list[dict], target: float, trl_wall: f
     their GPU alone (a step's time does not depend on the seed; a shared GPU's does on its neighbours)."""
     out = {}
     for name, runs in sides(trl, mortal).items():
-        steps, mean = mean_trailing([r[side_key(r)]["curve"] for r in runs])
+        steps, mean = mean_trailing([curve_of(r) for r in runs])
         step = next((s for s, v in zip(steps, mean, strict=True) if v >= target), None)
-        timed = [r[side_key(r)]["curve"] for r in runs if not r.get("shares_gpu")]
+        timed = [curve_of(r) for r in runs if not r.get("shares_gpu")]
         seconds = None
         if step is not None and timed:
             seconds = statistics.mean(next(p["seconds"] for p in c if p["step"] == step) for c in timed)

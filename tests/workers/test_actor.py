@@ -223,15 +223,18 @@ def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(sto
     assert final_weights_hash(store, "waiting") == final_weights_hash(store, "straight")
 
 
-def test_only_gpu_rollouts_get_their_first_tasks_before_the_trainer_is_built(tiny_dir: Path) -> None:
-    """A GPU rollout compiles its decode step at its first task, so that task comes as early as it can."""
+def _validated_spec(tiny_dir: Path, gpu: str, **actor_fields: object) -> object:
+    """actor_spec with actor and rollout on `gpu`, as the workers read it (validated, defaults filled in)."""
     from mortal.specs import TrainingRun
 
-    def spec(gpu: str) -> object:
-        return TrainingRun.model_validate({"metadata": {"name": "r"},
-                                           "spec": actor_spec(str(tiny_dir), rollout={"gpu": gpu})}).spec
+    return TrainingRun.model_validate({"metadata": {"name": "r"}, "spec": actor_spec(
+        str(tiny_dir), actor={"gpu": gpu, **actor_fields}, rollout={"gpu": gpu})}).spec
 
-    assert actor.queues_ahead(spec("H100")) and not actor.queues_ahead(spec("none"))
+
+def test_only_gpu_rollouts_get_their_first_tasks_before_the_trainer_is_built(tiny_dir: Path) -> None:
+    """A GPU rollout compiles its decode step at its first task, so that task comes as early as it can."""
+    assert actor.queues_ahead(_validated_spec(tiny_dir, "H100"))
+    assert not actor.queues_ahead(_validated_spec(tiny_dir, "none"))
 
 
 def test_tasks_queued_before_the_trainer_are_answered_by_the_loaded_model_as_version_0(
@@ -311,16 +314,10 @@ def test_the_actors_warm_up_while_it_waits_for_its_first_rollouts_changes_no_wei
 
 
 def test_only_a_single_gpu_eager_actor_warms_up(tiny_dir: Path) -> None:
-    from mortal.specs import TrainingRun
-
-    def spec(gpu: str, **actor_fields: object) -> object:
-        return TrainingRun.model_validate({"metadata": {"name": "r"}, "spec": actor_spec(
-            str(tiny_dir), actor={"gpu": gpu, **actor_fields}, rollout={"gpu": gpu})}).spec
-
-    assert actor.warms_up(spec("H100"), world=1)
-    assert not actor.warms_up(spec("H100"), world=2)
-    assert not actor.warms_up(spec("H100", compile=True), world=1)
-    assert not actor.warms_up(spec("none"), world=1)
+    assert actor.warms_up(_validated_spec(tiny_dir, "H100"), world=1)
+    assert not actor.warms_up(_validated_spec(tiny_dir, "H100"), world=2)
+    assert not actor.warms_up(_validated_spec(tiny_dir, "H100", compile=True), world=1)
+    assert not actor.warms_up(_validated_spec(tiny_dir, "none"), world=1)
 
 
 def test_the_actor_keeps_as_many_weight_versions_as_the_spec_says(store, tiny_dir: Path) -> None:
