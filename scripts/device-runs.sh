@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -253,6 +253,11 @@ case $group in
               # or compare its first step with the unsharded one's: carry [".whl", ".mortal/assets"]
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
     gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
+  headstart-step)  # headstart's first half alone (one GPU's first step), as call 1 on a machine of four GPUs before
+                   # the GGUF's carries and learning-x4-start, so the learning runs start early in the session
+    bench onegpu 170 --steps 6 --rollouts 1 --only mortal ;;
+  headstart-tests)  # headstart's second half (its GPU tests), after learning-x4-finish
+    gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
   learning-headstart)  # issue 14.1 after the first tasks are queued before the actor's trainer is built (2026-11-28,
                        # actor.queues_ahead): mortal's on-policy seeds 0 and 1, each alone on its GPU, timed; their
                        # rewards should equal the runs before step for step (exact replay; the rollouts now answer
@@ -272,6 +277,14 @@ case $group in
     MORTAL_GPU_BASE=2
     learning_mortal 1 290 "0 1"
     wait_trl "0 1" 280 ;;
+  learning-x4-more)  # after learning-x4-finish (2026-11-28: learning-x4-start's call ran out before seeds 2 and 3):
+                     # mortal's on-policy seeds 2 and 3 on GPUs 2 and 3, headstart's GPU tests on GPUs 0 and 1 beside
+    MORTAL_GPU_BASE=2
+    (CUDA_VISIBLE_DEVICES=0,1 gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" \
+       -k "colocated or liger or ddp or cuda" > /tmp/headstart-tests.out 2>&1) &
+    learning_mortal 0 290 "2 3"
+    wait
+    tail -15 /tmp/headstart-tests.out ;;
   learning-x4-wait)
     wait_trl "0 1" 560 ;;
   learning-seeds-wait)  # a call 5 if TRL's seeds were not done by the end of call 4 (exit 3 there)

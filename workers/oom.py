@@ -9,7 +9,10 @@ What counts (the exception or anything in its __cause__/__context__ chain):
   - torch.cuda.OutOfMemoryError (and torch.OutOfMemoryError), recognised by type when torch is loaded;
   - a RuntimeError/AcceleratorError of CUDA's own "CUDA error: out of memory" (a kernel launch or a
     cuBLAS/cuDNN workspace that could not allocate: CUBLAS_STATUS_ALLOC_FAILED);
-  - NCCL's "Failed to CUDA calloc" / "out of memory" inside an NCCL error (its buffers on the GPU).
+  - NCCL's "Failed to CUDA calloc" / "out of memory" inside an NCCL error (its buffers on the GPU);
+  - mortal's own refusal before allocating (`BudgetRefusal`: a rollout's share of the GPU that cannot hold
+    one row's KV cache beside its weights), whose words are kept: they say what did not fit, which torch's
+    figures cannot (on a large GPU a tiny share may hold the weights and refuse only the cache).
 torch gives no structured figures, only text: the parse happens here, once, at the boundary, into
 `OutOfMemory`; nothing downstream matches strings. What it must not do: import torch.
 """
@@ -38,11 +41,17 @@ _NCCL_TEXT = re.compile(r"NCCL.*(Failed to CUDA calloc|out of memory)|(Failed to
                         re.IGNORECASE | re.DOTALL)
 
 
+class BudgetRefusal(Exception):
+    """A mixin for an out-of-memory mortal raises itself, before allocating: its message says what did not fit
+    in which budget. Here, without torch, so that this module can recognise it without importing torch; the
+    raising class also derives from torch.OutOfMemoryError (engines/static_decode.py's MemoryBudgetTooSmall)."""
+
+
 @dataclass(frozen=True)
 class OutOfMemory:
     """What ran out: the figures torch printed (None where its message did not say), in bytes."""
 
-    source: str  # "torch" (the caching allocator), "cuda" (a CUDA/cuBLAS call) or "nccl"
+    source: str  # "torch" (the caching allocator), "cuda" (a CUDA/cuBLAS call), "nccl" or "budget" (BudgetRefusal)
     tried: int | None = None  # the allocation that failed
     device: int | None = None  # the GPU index as the worker saw it (after CUDA_VISIBLE_DEVICES)
     total: int | None = None  # the GPU's capacity
@@ -50,11 +59,12 @@ class OutOfMemory:
     by_torch: int | None = None  # allocated by PyTorch in this process
     reserved_unallocated: int | None = None  # cached by PyTorch's allocator but not in use (fragmentation)
     processes: tuple[tuple[str, int], ...] = ()  # (pid or "this process", bytes in use) as torch listed them
+    refusal: str | None = None  # a BudgetRefusal's own words (source "budget")
 
     def describe(self) -> str:
         """One line for the worker's report: what it tried, on which GPU, how full the GPU was."""
         what = {"torch": "out of GPU memory", "cuda": "CUDA out of memory",
-                "nccl": "NCCL could not allocate GPU memory"}[self.source]
+                "nccl": "NCCL could not allocate GPU memory", "budget": self.refusal}[self.source]
         parts = [f"tried to allocate {readable_size(self.tried)}" if self.tried is not None else what]
         gpu = "the GPU" if self.device is None else f"GPU {self.device}"
         figures = []
@@ -70,6 +80,8 @@ class OutOfMemory:
             figures.append(f"{readable_size(self.reserved_unallocated)} reserved by PyTorch but unallocated")
         if len(self.processes) > 1:  # one process is this one; more say who shares the GPU (colocated workers)
             figures.append("in use by " + ", ".join(f"{who} {readable_size(n)}" for who, n in self.processes))
+        if self.source == "budget":  # the refusal is a sentence of its own; the GPU's state follows it
+            return "; ".join(parts + ([f"{gpu}: {', '.join(figures)}"] if figures else []))
         if figures or self.device is not None:
             parts.append(f"on {gpu}" + (f" ({', '.join(figures)})" if figures else ""))
         return " ".join(parts)
@@ -134,6 +146,8 @@ def out_of_memory(exc: BaseException) -> OutOfMemory | None:
 
 def _classify(exc: BaseException) -> OutOfMemory | None:
     text = str(exc)
+    if isinstance(exc, BudgetRefusal):
+        return OutOfMemory(source="budget", refusal=text)
     if _is_torch_oom(exc):
         return parse_torch_message(text)
     if not isinstance(exc, RuntimeError):  # torch.AcceleratorError and NCCL's DistBackendError are RuntimeErrors

@@ -195,7 +195,9 @@ def test_a_real_cuda_out_of_memory_is_diagnosed_relaunched_once_then_fails_the_r
     CUDA caching allocator refuses its weights (a real torch out-of-memory, not a simulated one), the
     worker reports the figures torch gave, MemoryFits turns False with one Warning event naming the
     field to change, the slot is relaunched once and the run then ends Failed instead of looping."""
-    share = 0.0001  # about 8 MB of an 80 GB GPU; the tiny model's embedding alone is 12 MB in float32
+    # 4 MiB of whatever GPU this is (0.0001 was 8 MB of an H100 but 14 MB of an H200, which held the tiny
+    # model's 12 MB embedding and refused only the KV cache: engines/static_decode.py's budget refusal)
+    share = float(f"{4 * 2**20 / torch.cuda.get_device_properties(0).total_memory:.1g}")
     spec = actor_spec(str(tiny_dir), actor={"gpu": "H100"},
                       rollout={"gpu": "H100", "replicas": 1, "colocate": True, "gpuMemoryUtilization": share},
                       restartPolicy={"maxRestarts": 10, "backoffSeconds": 0.2})

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mortal.workers.oom import OutOfMemory, out_of_memory, parse_torch_message, with_device_state
+from mortal.workers.oom import (
+    BudgetRefusal,
+    OutOfMemory,
+    out_of_memory,
+    parse_torch_message,
+    with_device_state,
+)
 from mortal.workers.simulated import TORCH_OOM_MESSAGE
 
 GiB = 2**30
@@ -109,3 +115,18 @@ def test_figures_torch_gave_are_kept_and_a_process_without_cuda_is_left_alone(mo
     monkeypatch.setattr(torch, "cuda", FakeCuda(initialized=False))
     bare = out_of_memory(RuntimeError("CUDA error: out of memory"))
     assert with_device_state(bare) == bare
+
+
+class BudgetTooSmall(torch.OutOfMemoryError, BudgetRefusal):
+    """What engines/static_decode.py raises when a rollout's share of the GPU holds no KV cache row."""
+
+
+def test_a_refusal_by_budget_is_reported_in_its_own_words_with_the_devices_state(monkeypatch):
+    """On a large GPU a tiny share can hold the weights and refuse only the cache: torch gave no figures,
+    so the report says what did not fit (the refusal's words), then how full the GPU was."""
+    words = "the rollout's memory budget (0.01 GiB) holds 0.01 GiB of weights and no room for 2 KV caches"
+    monkeypatch.setattr(torch, "cuda", FakeCuda())
+    oom = with_device_state(out_of_memory(BudgetTooSmall(words)))
+    assert (oom.source, oom.refusal, oom.tried) == ("budget", words, None)
+    assert oom.describe() == words + ("; GPU 0: total 80.00 GiB, 70.00 GiB in use, 10.00 GiB free, "
+                                      "12.00 GiB allocated by PyTorch, 1.00 GiB reserved by PyTorch but unallocated")

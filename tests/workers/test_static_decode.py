@@ -31,6 +31,7 @@ from mortal.workers.engines.static_decode import (
     rows_within_budget,
     sample,
 )
+from mortal.workers.oom import out_of_memory
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
@@ -461,6 +462,9 @@ def test_a_budget_without_room_for_one_row_is_an_out_of_memory_naming_the_field(
     with pytest.raises(MemoryBudgetTooSmall, match="raise rollout.gpuMemoryUtilization") as raised:
         decoder.generate(ids, mask, 8, PLAIN, FREQUENT_EOS)
     assert isinstance(raised.value, torch.OutOfMemoryError)  # so the worker reports it as one (workers/oom.py)
+    reported = out_of_memory(raised.value)
+    assert reported.source == "budget"  # in its own words: what did not fit, not figures torch never gave
+    assert reported.describe().startswith("the rollout's memory budget (")
 
 
 def decoder_weights(model) -> int:

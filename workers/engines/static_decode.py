@@ -67,6 +67,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from mortal.workers.engines import decode_attention, fused_projections
+from mortal.workers.oom import BudgetRefusal
 
 # Decode steps between checks for ended rows. A check waits for the GPU once (tens of microseconds of idle
 # GPU while Python enqueues the next replays); a row that ended just after one keeps sampling junk until
@@ -182,10 +183,10 @@ def graph_rows(sequences: int, max_rows: int) -> int:
     return min(max_rows, 1 << max(0, sequences - 1).bit_length())
 
 
-class MemoryBudgetTooSmall(torch.OutOfMemoryError):
-    """Not even one row's KV cache fits in the rollout's memory budget beside the weights. A subclass of
-    torch's out-of-memory so that the worker reports it as one (workers/oom.py: exit 4, MemoryFits), with
-    a message that names the spec field to change."""
+class MemoryBudgetTooSmall(torch.OutOfMemoryError, BudgetRefusal):
+    """Not even one row's KV cache fits in the rollout's memory budget beside the weights. A torch
+    out-of-memory and a BudgetRefusal, so that the worker reports it as one (workers/oom.py: exit 4,
+    MemoryFits) in its own words, which name the spec field to change."""
 
 
 def kv_bytes_per_token(model: Any) -> int:
