@@ -266,6 +266,7 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot
     longer window says where a plateau lies with less of that noise. The target and the spread are over
     every TRL seed; wall times and times to reach only over runs that had their GPU alone."""
     runs = [json.loads(p.read_text()) | {"file": str(p)} for p in paths]
+    refuse_mixed_precision(runs)
     trl = [r for r in runs if "trl" in r]
     mortal = [r for r in runs if "mortal" in r]
     timed_trl = [r for r in trl if not r.get("shares_gpu")]
@@ -291,6 +292,17 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot
     if plot_steps:
         draw_steps(trl, mortal, plot_steps)
     return out
+
+
+def refuse_mixed_precision(runs: list[dict]) -> None:
+    """Runs with TF32 matmuls and runs in plain float32 sample and learn differently, and step at different
+    speeds: pooled, they would make a figure neither setting gives. A JSON without "tf32" predates the flag
+    (plain float32)."""
+    settings = {bool(r.get("tf32")) for r in runs}
+    if len(settings) > 1:
+        with_tf32 = [Path(r["file"]).name for r in runs if r.get("tf32")]
+        raise SystemExit(f"--report mixes runs with --tf32 ({', '.join(with_tf32)}) and runs without it: report "
+                         f"each setting on its own")
 
 
 def mortal_entry(r: dict, target: float, spread: float, trl_wall: float, final_steps: int) -> dict:

@@ -9,12 +9,14 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
 started=$(date +%s)
 MORTAL_GPU_BASE=0  # the learning groups: mortal's seed N on GPU MORTAL_GPU_BASE + N % 2 (TRL's always on GPU N % 2)
+LEARNING_FLAGS=""  # the learning groups: flags for both sides' bench/learning_gpu.py (--tf32), and the suffix
+LEARNING_TAG=""    # their JSONs' names get (_tf32), so that runs of two settings are never mistaken for each other
 
 # bench NAME LIMIT_SECONDS ARGS...: bench/gpu_step.py ARGS under a time limit (SIGTERM: it saves what it measured)
 bench() {
@@ -54,8 +56,8 @@ learning_mortal() {
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
   for seed in $seeds; do
     CUDA_VISIBLE_DEVICES=$((MORTAL_GPU_BASE + seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
-      --only mortal --seed $seed --staleness "$staleness" $shared --logs "/tmp/logs-learning-s$seed-st$staleness" \
-      --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
+      --only mortal --seed $seed --staleness "$staleness" $shared $LEARNING_FLAGS --logs "/tmp/logs-learning-s$seed-st$staleness" \
+      --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}${LEARNING_TAG}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
   done
   wait
   for seed in $seeds; do
@@ -70,13 +72,14 @@ learning_mortal() {
 start_trl() {
   local seeds=$1 shared=${2:-} seed
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf: the calls before carry .mortal/p1 and p2" >&2; exit 2; }
-  rm -rf /root/learn && mkdir -p /root/learn && cp -r /tmp/site /root/learn/site && cp -r "$R/bench" /root/learn/bench
+  # once a machine: a later start_trl must not pull the packages or the bench from under runs still going
+  [ -d /root/learn/bench ] || { mkdir -p /root/learn && cp -r /tmp/site /root/learn/site && cp -r "$R/bench" /root/learn/bench; }
   # the GGUF's float32 folder once, before two processes would both convert it (models.convert_gguf locks anyway)
   python3 -c "import sys; sys.path.insert(0, '/root/learn/bench'); from learning_gpu import local_model; from pathlib import Path; print(local_model(Path('/root/smol.gguf')))"
   for seed in $seeds; do
     CUDA_VISIBLE_DEVICES=$((seed % 2)) OMP_NUM_THREADS=4 PYTHONPATH=/root/learn/site setsid nohup python3 \
-      /root/learn/bench/learning_gpu.py --model /root/smol.gguf --only trl --seed $seed $shared \
-      --json /root/learn/trl_s$seed.json > /root/learn/trl_s$seed.log 2>&1 < /dev/null &
+      /root/learn/bench/learning_gpu.py --model /root/smol.gguf --only trl --seed $seed $shared $LEARNING_FLAGS \
+      --json /root/learn/trl_s$seed$LEARNING_TAG.json > /root/learn/trl_s$seed$LEARNING_TAG.log 2>&1 < /dev/null &
   done
   sleep 5
 }
@@ -84,12 +87,12 @@ start_trl() {
 # wait_trl SEEDS LIMIT_SECONDS: until every seed's JSON is written (exit 3 when not), then both files to $OUT
 wait_trl() {
   local seeds=$1 limit=$2 seed files=""
-  for seed in $seeds; do files="$files /root/learn/trl_s$seed.json"; done
+  for seed in $seeds; do files="$files /root/learn/trl_s$seed$LEARNING_TAG.json"; done
   timeout "$limit" bash -c "until ls $files > /dev/null 2>&1; do sleep 5; done"
   local rc=$?
   for seed in $seeds; do
-    echo "== TRL seed $seed"; grep -c "" /root/learn/trl_s$seed.log; tail -2 /root/learn/trl_s$seed.log | cut -c1-300
-    cp /root/learn/trl_s$seed.json /root/learn/trl_s$seed.log "$OUT/" 2>/dev/null
+    echo "== TRL seed $seed"; grep -c "" /root/learn/trl_s$seed$LEARNING_TAG.log; tail -2 /root/learn/trl_s$seed$LEARNING_TAG.log | cut -c1-300
+    cp /root/learn/trl_s$seed$LEARNING_TAG.json /root/learn/trl_s$seed$LEARNING_TAG.log "$OUT/" 2>/dev/null
   done
   [ "$rc" = 0 ] || { echo "TRL's runs did not finish in $limit s (or the machine was a fresh one: /root/learn is gone)" >&2; exit 3; }
 }
@@ -285,6 +288,27 @@ case $group in
     learning_mortal 0 290 "2 3"
     wait
     tail -15 /tmp/headstart-tests.out ;;
+  learning-tf32-start)  # issue 14.1 with TF32 matmuls on both sides (--tf32; what a user turns on on an H100 or
+                        # H200), four H200s, after two `carry` calls ([".whl", ".mortal/p1"], [".mortal/p2"]); this
+                        # one carries .mortal/p3: TRL's seeds 0 and 1 on GPUs 0 and 1 (setsid), mortal's on-policy
+                        # seeds 0-3 on GPUs 2 and 3, each run alone on its GPU; then learning-tf32-finish
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    start_trl "0 1"
+    MORTAL_GPU_BASE=2
+    learning_mortal 0 270 "0 1"
+    learning_mortal 0 270 "2 3" ;;
+  learning-tf32-finish)  # mortal's maxStaleness 1 seeds 0 and 1 on GPUs 2 and 3, TRL's seeds 0 and 1 to their end,
+                         # then TRL's seeds 2 and 3 on GPUs 0 and 1 (setsid); then learning-tf32-last
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    MORTAL_GPU_BASE=2
+    learning_mortal 1 270 "0 1"
+    wait_trl "0 1" 280
+    start_trl "2 3" ;;
+  learning-tf32-last)  # mortal's on-policy seeds 4 and 5 on GPUs 2 and 3, then TRL's seeds 2 and 3 to their end
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    MORTAL_GPU_BASE=2
+    learning_mortal 0 270 "4 5"
+    wait_trl "2 3" 540 ;;
   learning-x4-wait)
     wait_trl "0 1" 560 ;;
   learning-seeds-wait)  # a call 5 if TRL's seeds were not done by the end of call 4 (exit 3 there)

@@ -19,10 +19,10 @@ STEPS = 200
 
 
 def _write(folder: Path, name: str, side: str, seed: int, rewards: list[float], seconds_a_step: float,
-           shares_gpu: bool, staleness: int = 0) -> Path:
+           shares_gpu: bool, staleness: int = 0, tf32: bool = False) -> Path:
     curve = [{"step": s, "seconds": 10.0 + s * seconds_a_step, "reward": r} for s, r in enumerate(rewards, start=1)]
     path = folder / f"{name}.json"
-    path.write_text(json.dumps({"seed": seed, "staleness": staleness, "shares_gpu": shares_gpu,
+    path.write_text(json.dumps({"seed": seed, "staleness": staleness, "shares_gpu": shares_gpu, "tf32": tf32,
                                 side: {"curve": curve, "wall_seconds": curve[-1]["seconds"]}}))
     return path
 
@@ -73,4 +73,11 @@ def test_a_side_whose_mean_never_gets_there_has_no_step_and_no_seconds(tmp_path:
 def test_a_report_without_a_trl_run_that_had_its_gpu_alone_is_refused(tmp_path: Path) -> None:
     paths = [_write(tmp_path, "trl", "trl", 0, [0.5] * STEPS, 4.0, shares_gpu=True)]
     with pytest.raises(SystemExit, match="had its GPU alone"):
+        learning_gpu.report(paths, plot=None)
+
+
+def test_runs_with_and_without_tf32_are_not_pooled(tmp_path: Path) -> None:
+    paths = [_write(tmp_path, "trl", "trl", 0, [0.5] * STEPS, 4.0, shares_gpu=False),
+             _write(tmp_path, "mortal_tf32", "mortal", 0, [0.6] * STEPS, 0.5, shares_gpu=False, tf32=True)]
+    with pytest.raises(SystemExit, match=r"mixes runs with --tf32 \(mortal_tf32.json\)"):
         learning_gpu.report(paths, plot=None)
