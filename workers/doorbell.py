@@ -28,6 +28,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,17 +44,19 @@ FOLDER = "doorbells"
 
 
 class Doorbell:
-    """Rings any name; hears `listens_for` (None: rings only)."""
+    """Rings any name; hears `listens_for` (None: rings only). With `run_dir` None, a silent one: it rings
+    nothing and its wait is the poll interval (a worker whose run is spread over machines), so that the
+    waiters have one code path whether or not their backend rings."""
 
-    def __init__(self, run_dir: Path, listens_for: str | None = None) -> None:
-        self.folder = run_dir / FOLDER
+    def __init__(self, run_dir: Path | None, listens_for: str | None = None) -> None:
+        self.folder = None if run_dir is None else run_dir / FOLDER
         self.listens_for = listens_for
-        self._inotify: Any = self._listen() if listens_for else None
+        self._inotify: Any = self._listen() if listens_for and self.folder is not None else None
 
     @classmethod
-    def for_worker(cls, run_dir: Path, listens_for: str | None = None) -> Doorbell | None:
-        """The worker's doorbell where its backend put the run's processes on one machine, else None."""
-        return cls(run_dir, listens_for) if os.environ.get(DOORBELLS_ENV) == "1" else None
+    def for_worker(cls, run_dir: Path, listens_for: str | None = None) -> Doorbell:
+        """The worker's doorbell where its backend put the run's processes on one machine, else a silent one."""
+        return cls(run_dir if os.environ.get(DOORBELLS_ENV) == "1" else None, listens_for)
 
     @property
     def hears(self) -> bool:
@@ -73,6 +76,8 @@ class Doorbell:
 
     def ring(self, name: str) -> None:
         """Wake the listeners of `name`. Best effort: a ring that fails only leaves them to their poll."""
+        if self.folder is None:
+            return
         path = self.folder / name
         try:
             path.touch()
@@ -83,11 +88,17 @@ class Doorbell:
         except OSError:
             pass
 
-    def wait(self, timeout: float) -> bool:
-        """Until `listens_for` rings or `timeout` seconds pass; whether it rang (a ring since the last wait
-        counts: inotify keeps it)."""
+    def wait(self, timeout: float, stopping: threading.Event | None = None) -> bool:
+        """Until `listens_for` rings or `timeout` seconds pass, or at once when `stopping` is set (without
+        inotify, setting it ends the wait too); whether it rang (a ring since the last wait counts: inotify
+        keeps it)."""
+        if stopping is not None and stopping.is_set():
+            return False
         if self._inotify is None:
-            time.sleep(timeout)
+            if stopping is not None:
+                stopping.wait(timeout)
+            else:
+                time.sleep(timeout)
             return False
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:

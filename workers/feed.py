@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +118,8 @@ class RolloutFeed:
     stopping: threading.Event
     prompts_per_task: int = 1
     poll_seconds: float = 0.05  # between looks at the step's tasks (one indexed query each); actor.py: 0.02 on a GPU
-    doorbell: Doorbell | None = None  # rings TASKS when tasks are enqueued; its RESULTS ring ends a wait early
+    doorbell: Doorbell = field(default_factory=lambda: Doorbell(None))  # rings TASKS when tasks are enqueued;
+    # its RESULTS ring ends a wait early (a silent one where the backend does not ring)
     _enqueued: set[int] = field(default_factory=set)
 
     @property
@@ -152,8 +152,7 @@ class RolloutFeed:
         return new
 
     def ring(self, name: str) -> None:
-        if self.doorbell is not None:
-            self.doorbell.ring(name)
+        self.doorbell.ring(name)
 
     def forget_from(self, step: int) -> None:
         """Delete the queue's tasks of steps >= step (a resume starts them again)."""
@@ -181,10 +180,7 @@ class RolloutFeed:
                 on_stop()
                 raise StopRequested(f"stopping while waiting for the rollouts of step {step}")
             while_waiting()
-            if self.doorbell is not None:
-                self.doorbell.wait(self.poll_seconds)  # a rollout's RESULTS ring ends it at once
-            else:
-                time.sleep(self.poll_seconds)
+            self.doorbell.wait(self.poll_seconds)  # a rollout's RESULTS ring ends it at once
 
     def _requeue(self, step: int, current_version: int, n_stale: int) -> None:
         """Results older than their task allows (late answers to a task since reset): redo the step."""

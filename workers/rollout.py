@@ -149,8 +149,7 @@ class RolloutWorker:
         with self.keep_leased(task):
             result = self.answer(task)
         if self.ctx.store.complete_task(self.ctx.worker, task.id, task.lease_token, result):
-            if self.doorbell is not None:
-                self.doorbell.ring(RESULTS)
+            self.doorbell.ring(RESULTS)
         else:
             self.ctx.log.warning("task %d.%d: lease lost before completion; result dropped", task.step, task.slot)
         self.ctx.report(step=task.step)
@@ -267,10 +266,8 @@ class RolloutWorker:
                     self.ctx.log.info("the actor finished at maxSteps: no task will come; exiting")
                     return
                 next_check = time.monotonic() + FINISHED_CHECK_SECONDS
-            if self.doorbell is not None and not self.ctx.stopping.is_set():
-                self.doorbell.wait(idle)  # the actor's TASKS ring (tasks enqueued, weights recorded) ends it at once
-            else:
-                self.ctx.stopping.wait(idle)
+            # the actor's TASKS ring (tasks enqueued, weights recorded) ends it at once, a stop too
+            self.doorbell.wait(idle, stopping=self.ctx.stopping)
 
     def training_finished(self) -> bool:
         """The run's newest actor ended Succeeded at maxSteps (the controller's own test, controller/plan.py)."""

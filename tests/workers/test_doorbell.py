@@ -80,10 +80,33 @@ def test_without_inotify_a_wait_is_the_poll_interval(tmp_path: Path, monkeypatch
     assert not rang and waited >= 0.19
 
 
-def test_only_workers_whose_backend_says_so_have_a_doorbell(tmp_path: Path, monkeypatch) -> None:
+def test_only_workers_whose_backend_says_so_ring_and_listen(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv(DOORBELLS_ENV, raising=False)
-    assert Doorbell.for_worker(tmp_path, RESULTS) is None
+    silent = Doorbell.for_worker(tmp_path, RESULTS)
+    silent.ring(RESULTS)
+    assert not silent.hears and not (tmp_path / FOLDER).exists()  # nothing written to a run's (network) folder
     monkeypatch.setenv(DOORBELLS_ENV, "1")
     bell = Doorbell.for_worker(tmp_path, RESULTS)
     assert bell is not None and bell.hears
+    bell.close()
+
+
+@pytest.mark.parametrize("hears", [True, False])
+def test_a_stop_ends_a_wait_with_or_without_inotify(tmp_path: Path, monkeypatch, hears: bool) -> None:
+    """The rollout's idle wait: a stop set before it returns at once; without inotify, one set during it too."""
+    if not hears:
+        monkeypatch.setitem(sys.modules, "inotify_simple", None)
+    bell = Doorbell(tmp_path, listens_for=TASKS)
+    assert bell.hears == hears
+    stopping = threading.Event()
+    stopping.set()
+    started = time.monotonic()
+    assert not bell.wait(5.0, stopping=stopping)
+    assert time.monotonic() - started < 1.0
+    if not hears:
+        stopping.clear()
+        threading.Timer(0.1, stopping.set).start()
+        started = time.monotonic()
+        assert not bell.wait(5.0, stopping=stopping)
+        assert time.monotonic() - started < 2.0
     bell.close()
