@@ -64,6 +64,9 @@ learning_mortal() {
     echo "== mortal seed $seed, maxStaleness $staleness"; tail -3 "/tmp/learning-s$seed-st$staleness.log"
     cat "/tmp/learning-s$seed-st$staleness.log" >> "$OUT/all.log"
   done
+  # the controller's and workers' logs of every learning run so far (the start's timeline: launch, imports,
+  # model load, decode preparation), one archive a call, the worker logs only (step profiles left out)
+  (cd /tmp && tar czf "$OUT/learning-logs.tgz" --exclude='profile-*' logs-learning-* 2>/dev/null)
 }
 
 # start_trl SEEDS [--shares-gpu]: TRL's side of the learning bench, each seed a process on GPU seed % 2 that
