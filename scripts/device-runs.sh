@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -312,6 +312,22 @@ case $group in
     MORTAL_GPU_BASE=2
     learning_mortal 0 270 "4 5"
     wait_trl "2 3" 540 ;;
+  learning-tf32-x2-trl)  # the TF32 learning bench on two H200s (when no four-GPU machine is lent), after two `carry`
+                         # calls; this one carries .mortal/p3: TRL's seeds 0 and 1 alone on GPUs 0 and 1 (setsid),
+                         # to their end when the call allows (exit 3: then learning-tf32-x2-mortal's wait_trl)
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    start_trl "0 1"
+    wait_trl "0 1" 560 ;;
+  learning-tf32-x2-mortal)  # TRL's TF32 seeds to their end, then mortal's on-policy seeds 0-3, two at a time, each
+                            # alone on its GPU
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    wait_trl "0 1" 200
+    learning_mortal 0 190 "0 1"
+    learning_mortal 0 190 "2 3" ;;
+  learning-tf32-x2-st1)  # mortal's TF32 maxStaleness 1 seeds 0 and 1, then on-policy seeds 4 and 5
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    learning_mortal 1 270 "0 1"
+    learning_mortal 0 190 "4 5" ;;
   learning-x4-wait)
     wait_trl "0 1" 560 ;;
   learning-seeds-wait)  # a call 5 if TRL's seeds were not done by the end of call 4 (exit 3 there)
