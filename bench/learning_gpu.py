@@ -226,7 +226,42 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
     # whether the decode step was compiled or served by the compile cache (the rollout logs each preparation)
     prepared = [line.split("] ", 1)[-1].strip() for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log"))
                 for line in log.read_text(errors="replace").splitlines() if "decode shape" in line and "prepared in" in line]
-    return {"curve": curve, "wall_seconds": wall, "decode_prepared": prepared}
+    logs = [work / "controller.log", *sorted(work.glob("mortal-home/runs/*/logs/*.log"))]
+    return {"curve": curve, "wall_seconds": wall, "decode_prepared": prepared,
+            "start_timeline": start_timeline(logs, launched)}
+
+
+# The start's milestones as the controller and the workers log them: (log file prefix, name, text of the line).
+START_MILESTONES = (
+    ("controller", "controller started", "started on"),
+    ("actor-", "actor process started", "starting (pid"),
+    ("actor-", "actor queued step 1's tasks", "tasks queued before the trainer is built"),
+    ("actor-", "actor built its trainer", "training from step"),
+    ("rollout-", "rollout process started", "starting (pid"),
+    ("rollout-", "rollout engine ready", " ready in "),
+    ("rollout-", "rollout prepared its decode step", "prepared in"),
+    ("rollout-", "rollout answered step 1's first task", "task 0."),
+)
+
+
+def start_timeline(logs: list[Path], launched: float) -> dict[str, float]:
+    """Seconds from the apply to the first line of each START_MILESTONES entry (a worker's first incarnation, as
+    its log names it: its file's prefix), from the logs' own timestamps (local time, as the logging module
+    writes them, on the machine that ran the bench). What a first step's seconds are made of: how long the
+    processes took to start, the model to load, the decode step to compile. A milestone no log has is left out."""
+    from datetime import datetime
+
+    out: dict[str, float] = {}
+    for prefix, name, text in START_MILESTONES:
+        for log in sorted(p for p in logs if p.name.startswith(prefix) and p.exists()):
+            for line in log.read_text(errors="replace").splitlines():
+                if text in line and name not in out:
+                    try:
+                        stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    except ValueError:  # a line that is not a log record (a progress bar, a traceback)
+                        continue
+                    out[name] = round(stamp - launched, 2)
+    return out
 
 
 def local_model(gguf: Path) -> Path:
@@ -316,12 +351,16 @@ def mortal_entry(r: dict, target: float, spread: float, trl_wall: float, final_s
              "shares_gpu": shared, "final_reward": own, "seconds_to_trl_final": reach,
              "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
              "final_at_least_trl_minus_spread": own >= target - spread,
-             "wall_seconds": None if shared else curve[-1]["seconds"]}
+             "wall_seconds": None if shared else curve[-1]["seconds"],
+             "start_timeline": r["mortal"].get("start_timeline", {})}
     reached = ("not timed (shared its GPU)" if shared else "never" if reach is None
                else f"{reach:.0f} s = {reach / trl_wall:.3f} of TRL's wall time")
     print(f"mortal seed {r['seed']} maxStaleness {r['staleness']}, compile scope {entry['compile_scope']} "
           f"({entry['file']}): final reward {own:.3f}, reaches TRL's final {reached}"
           + ("" if shared else f"; {curve[-1]['seconds']:.0f} s for {curve[-1]['step']} steps"))
+    if entry["start_timeline"] and not shared:
+        print("  start: " + ", ".join(f"{name} {at:.1f} s" for name, at in entry["start_timeline"].items())
+              + f", step 1 ended {curve[0]['seconds']:.1f} s")
     return entry
 
 

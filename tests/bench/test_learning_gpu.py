@@ -81,3 +81,26 @@ def test_runs_with_and_without_tf32_are_not_pooled(tmp_path: Path) -> None:
              _write(tmp_path, "mortal_tf32", "mortal", 0, [0.6] * STEPS, 0.5, shares_gpu=False, tf32=True)]
     with pytest.raises(SystemExit, match=r"mixes runs with --tf32 \(mortal_tf32.json\)"):
         learning_gpu.report(paths, plot=None)
+
+
+def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_the_apply(tmp_path: Path) -> None:
+    from datetime import datetime
+
+    launched = datetime(2026, 11, 28, 18, 39, 15).timestamp()
+    (tmp_path / "controller.log").write_text("2026-11-28 18:39:15,500 INFO MainThread mortal.controller: controller "
+                                             "vm:1 started on SqlStore(...)\n")
+    (tmp_path / "rollout-0-2.log").write_text(
+        "2026-11-28 18:39:16,250 INFO rollout-0#2 mortal.worker: starting (pid 9, CUDA_VISIBLE_DEVICES='0')\n"
+        "Loading weights: 100%|##########| 272/272\n"
+        "2026-11-28 18:39:22,000 INFO rollout-0#2 mortal.worker: engine transformers on cuda in float32 ready in 0.3 s\n"
+        "2026-11-28 18:39:31,750 INFO rollout-0#2 mortal.worker: decode shape 64 rows x 128+96 tokens prepared in 9.6 s\n"
+        "2026-11-28 18:39:32,000 INFO rollout-0#2 mortal.worker: task 0.0: 8 prompts, 2000 tokens in 10.0 s\n"
+        "2026-11-28 18:39:33,000 INFO rollout-0#2 mortal.worker: task 0.1: 8 prompts, 2000 tokens in 0.3 s\n")
+    (tmp_path / "actor-0-1.log").write_text(
+        "2026-11-28 18:39:16,500 INFO actor-0#1 mortal.worker: starting (pid 8, CUDA_VISIBLE_DEVICES='0')\n"
+        "2026-11-28 18:39:24,000 INFO actor-0#1 mortal.worker: training from step 0 to 200\n")
+    logs = [tmp_path / "controller.log", tmp_path / "actor-0-1.log", tmp_path / "rollout-0-2.log"]
+    assert learning_gpu.start_timeline(logs, launched) == {
+        "controller started": 0.5, "actor process started": 1.5, "actor built its trainer": 9.0,
+        "rollout process started": 1.25, "rollout engine ready": 7.0, "rollout prepared its decode step": 16.75,
+        "rollout answered step 1's first task": 17.0}  # no queue-ahead line: left out, not guessed
