@@ -23,7 +23,8 @@ to the store (worker start-up, model load and CUDA-graph capture included) to th
 recorded each step's end. Each invocation starts mortal with an empty compile cache (a first run on a machine: the decode step
 is compiled); `--compile-cache DIR` keeps torch's caches in DIR across invocations instead (a user's
 later run of the same model, served by the cache). The JSON's "decode_prepared" has the rollout's
-log line for each decode shape it prepared: its seconds and compile cache hit or miss.
+log line for each decode shape it prepared: its seconds and compile cache hit or miss; its "start_timeline"
+the seconds from the apply to each of the start's milestones (START_MILESTONES), from the logs' own lines.
 
 TRL in parts (`--trl-resume-dir DIR`, for a TRL run longer than one 10-minute device call): TRL's
 output_dir is DIR. When `--max-seconds` (this invocation's own wall clock) is reached at a step's
