@@ -224,12 +224,17 @@ def run_mortal(model: Path, rows: list[dict], args: argparse.Namespace, work: Pa
               "mean_length": v.get("completions/mean_length"),
               **{part: round(v[name], 4) for part, name in BREAKDOWN.items() if name in v}}
              for s, v in sorted(by_step.items()) if "ended_at" in v]
+    logs = log_lines([work / "controller.log", *sorted(work.glob("mortal-home/runs/*/logs/*.log"))])
     # whether the decode step was compiled or served by the compile cache (the rollout logs each preparation)
-    prepared = [line.split("] ", 1)[-1].strip() for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log"))
-                for line in log.read_text(errors="replace").splitlines() if "decode shape" in line and "prepared in" in line]
-    logs = [work / "controller.log", *sorted(work.glob("mortal-home/runs/*/logs/*.log"))]
+    prepared = [line.split("] ", 1)[-1].strip() for name, lines in logs.items() if name.startswith("rollout-")
+                for line in lines if "decode shape" in line and "prepared in" in line]
     return {"curve": curve, "wall_seconds": wall, "decode_prepared": prepared,
             "start_timeline": start_timeline(logs, launched)}
+
+
+def log_lines(paths: list[Path]) -> dict[str, list[str]]:
+    """Each existing log's lines by its file name, read once for every figure taken from them."""
+    return {p.name: p.read_text(errors="replace").splitlines() for p in paths if p.exists()}
 
 
 # The start's milestones as the controller and the workers log them: (log file prefix, name, text of the line).
@@ -245,24 +250,30 @@ START_MILESTONES = (
 )
 
 
-def start_timeline(logs: list[Path], launched: float) -> dict[str, float]:
-    """Seconds from the apply to the first line of each START_MILESTONES entry (a worker's first incarnation, as
-    its log names it: its file's prefix), from the logs' own timestamps (local time, as the logging module
-    writes them, on the machine that ran the bench). What a first step's seconds are made of: how long the
-    processes took to start, the model to load, the decode step to compile. A milestone no log has is left out."""
-    from datetime import datetime
-
+def start_timeline(logs: dict[str, list[str]], launched: float) -> dict[str, float]:
+    """Seconds from the apply to the first line of each START_MILESTONES entry in `logs` (log_lines: a worker's
+    first incarnation, as its log names it: its file's prefix), from the logs' own timestamps (local time, as the
+    logging module writes them, on the machine that ran the bench). What a first step's seconds are made of: how
+    long the processes took to start, the model to load, the decode step to compile. A milestone no log has is
+    left out."""
     out: dict[str, float] = {}
     for prefix, name, text in START_MILESTONES:
-        for log in sorted(p for p in logs if p.name.startswith(prefix) and p.exists()):
-            for line in log.read_text(errors="replace").splitlines():
-                if text in line and name not in out:
-                    try:
-                        stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                    except ValueError:  # a line that is not a log record (a progress bar, a traceback)
-                        continue
-                    out[name] = round(stamp - launched, 2)
+        stamps = (log_time(line) for log in sorted(n for n in logs if n.startswith(prefix))
+                  for line in logs[log] if text in line)
+        stamp = next((s for s in stamps if s is not None), None)
+        if stamp is not None:
+            out[name] = round(stamp - launched, 2)
     return out
+
+
+def log_time(line: str) -> float | None:
+    """A log record's time (epoch seconds); None for a line that is not one (a progress bar, a traceback)."""
+    from datetime import datetime
+
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
 
 
 def local_model(gguf: Path) -> Path:

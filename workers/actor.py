@@ -496,7 +496,7 @@ class ActorLoop(TrainerCallback):
                                                   gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
                                                   device=sharded.rank_device(self.ranks.device, 0), cast=dtype)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
-        self.feed.ring(TASKS)  # rollouts waiting for these weights (maxStaleness > 0: their tasks are queued)
+        self.feed.doorbell.ring(TASKS)  # rollouts waiting for these weights (maxStaleness > 0: their tasks are queued)
         self.ctx.report(step=step, weight_version=self.version)
 
     def _record_completions(self, step: int) -> None:

@@ -148,11 +148,8 @@ class RolloutFeed:
                 new += self.store.enqueue_tasks(self.worker, self.tasks_for(s, current_version))
                 self._enqueued.add(s)
         if new:
-            self.ring(TASKS)
+            self.doorbell.ring(TASKS)
         return new
-
-    def ring(self, name: str) -> None:
-        self.doorbell.ring(name)
 
     def forget_from(self, step: int) -> None:
         """Delete the queue's tasks of steps >= step (a resume starts them again)."""
@@ -168,7 +165,7 @@ class RolloutFeed:
             states = self.store.step_states(self.worker.run, step)  # polled: no payloads, no results
             if len(states) < self.tasks_per_step:  # deleted under us (a reset): ask again
                 self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
-                self.ring(TASKS)
+                self.doorbell.ring(TASKS)
             elif all(state == "done" for state in states):
                 rows = self.store.step_results(self.worker.run, step)  # once; a reset in between: look again
                 if len(rows) == self.tasks_per_step and all(r.state == "done" for r in rows):
@@ -188,7 +185,7 @@ class RolloutFeed:
         self.forget_from(step)
         self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
         self._enqueued.add(step)
-        self.ring(TASKS)
+        self.doorbell.ring(TASKS)
 
     def _flatten(self, rows: list[TaskRow]) -> StepBatch:
         batch = StepBatch()

@@ -99,7 +99,8 @@ def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_th
     (tmp_path / "actor-0-1.log").write_text(
         "2026-11-28 18:39:16,500 INFO actor-0#1 mortal.worker: starting (pid 8, CUDA_VISIBLE_DEVICES='0')\n"
         "2026-11-28 18:39:24,000 INFO actor-0#1 mortal.worker: training from step 0 to 200\n")
-    logs = [tmp_path / "controller.log", tmp_path / "actor-0-1.log", tmp_path / "rollout-0-2.log"]
+    logs = learning_gpu.log_lines([tmp_path / "controller.log", tmp_path / "actor-0-1.log",
+                                   tmp_path / "rollout-0-2.log", tmp_path / "rollout-1-3.log"])  # the last: none
     assert learning_gpu.start_timeline(logs, launched) == {
         "controller started": 0.5, "actor process started": 1.5, "actor built its trainer": 9.0,
         "rollout process started": 1.25, "rollout engine ready": 7.0, "rollout prepared its decode step": 16.75,
