@@ -63,6 +63,7 @@ wall time and every time to reach come from runs that had their GPU to themselve
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -412,8 +413,14 @@ def summary(values: list[float]) -> dict:
             "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "values": values}
 
 
+# tab10 without its gray, which is TRL's: a seventh mortal run would otherwise look like TRL's
+MORTAL_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                 "tab:olive", "tab:cyan")
+
+
 def draw(runs: list[dict], target: float, plot: Path) -> None:
     fig, ax = figure()
+    mortal_colors = itertools.cycle(MORTAL_COLORS)
     for r in runs:
         for side in ("trl", "mortal"):
             if side not in r:
@@ -425,7 +432,8 @@ def draw(runs: list[dict], target: float, plot: Path) -> None:
                      + (", compile cache warm" if compile_cache_hit(r) else "")
                      + (f", compileScope {r['compile_scope']}" if r.get("compile_scope", "model") != "model" else ""))
             ax.plot([p["seconds"] for p in points], smooth, label=label,
-                    color="tab:gray" if side == "trl" else None, linestyle="--" if side == "trl" else "-")
+                    color="tab:gray" if side == "trl" else next(mortal_colors),
+                    linestyle="--" if side == "trl" else "-")
     ax.axhline(target, color="black", linewidth=0.8, linestyle=":", label="TRL's final reward")
     ax.set_xscale("log")
     save(fig, ax, plot, "wall-clock seconds from launch (log scale)", f"{REWARD} reward (10-step trailing mean)",
