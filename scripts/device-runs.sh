@@ -9,7 +9,7 @@
 # group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
 # device and the run, and record it in docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -52,14 +52,17 @@ keep_profiles() {
 # learning_mortal STALENESS LIMIT_SECONDS [SEEDS] [--shares-gpu]: mortal's side of the learning bench, all SEEDS
 # (default "0 1") at once, seed N on GPU MORTAL_GPU_BASE + N % 2
 learning_mortal() {
-  local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed
+  local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed pids=""
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
   for seed in $seeds; do
     CUDA_VISIBLE_DEVICES=$((MORTAL_GPU_BASE + seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
       --only mortal --seed $seed --staleness "$staleness" $shared $LEARNING_FLAGS --logs "/tmp/logs-learning-s$seed-st$staleness" \
       --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}${LEARNING_TAG}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
+    pids="$pids $!"
   done
-  wait
+  # these runs only: a bare `wait` also waited for start_trl's TRL processes of the same call (about 10 minutes),
+  # which is why learning-x4-start and learning-tf32-start ran out before their second pair of seeds
+  wait $pids
   for seed in $seeds; do
     echo "== mortal seed $seed, maxStaleness $staleness"; tail -3 "/tmp/learning-s$seed-st$staleness.log"
     cat "/tmp/learning-s$seed-st$staleness.log" >> "$OUT/all.log"
@@ -313,13 +316,30 @@ case $group in
     learning_mortal 0 270 "4 5"
     wait_trl "2 3" 540 ;;
   learning-tf32-more)  # when learning-tf32-start's call ran out before mortal's on-policy seeds 2 and 3 (2026-11-28:
-                       # the cold start's GGUF conversion and TRL's set-up ate into it): seeds 2-5 on GPUs 2 and 3,
+                       # learning_mortal's bare `wait` waited for TRL's runs, since fixed): seeds 2-5 on GPUs 2 and 3,
                        # then TRL's seeds 2 and 3 to their end (in place of learning-tf32-last)
     LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
     MORTAL_GPU_BASE=2
     learning_mortal 0 200 "2 3"
     learning_mortal 0 200 "4 5"
     wait_trl "2 3" 540 ;;
+  learning-tf32-again)  # issue 14.1's second TF32 invocation ("run twice, the lower reported"), four H200s, after two
+                        # `carry` calls; this one carries .mortal/p3: TRL's seeds 0 and 1 on GPUs 0 and 1 (setsid),
+                        # mortal's on-policy seeds 0-5 on GPUs 2 and 3, two at a time, each run alone on its GPU
+                        # (about 400 s); then learning-tf32-again-finish. TRL's seeds 2 and 3 are not rerun: their
+                        # rewards replay bit for bit (seeds 0 and 1 here show it or not)
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    start_trl "0 1"
+    MORTAL_GPU_BASE=2
+    learning_mortal 0 200 "0 1"
+    learning_mortal 0 200 "2 3"
+    learning_mortal 0 200 "4 5" ;;
+  learning-tf32-again-finish)  # mortal's maxStaleness 1 seeds 0 and 1 on GPUs 2 and 3, then TRL's seeds 0 and 1 to
+                               # their end
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
+    MORTAL_GPU_BASE=2
+    learning_mortal 1 200 "0 1"
+    wait_trl "0 1" 400 ;;
   oom-test)  # the out-of-memory diagnosis GPU test alone (its 4 MiB share, fixed 2026-11-28 after it failed on an
              # H200), and TRL's seed-3 TF32 JSON that learning-tf32-more's call could not bring back (a call returns
              # a limited number of files)
