@@ -242,9 +242,11 @@ def log_lines(paths: list[Path]) -> dict[str, list[str]]:
 START_MILESTONES = (
     ("controller", "controller started", "started on"),
     ("actor-", "actor process started", "starting (pid"),
+    ("actor-", "actor imported its workload", "imported in"),
     ("actor-", "actor queued step 1's tasks", "tasks queued before the trainer is built"),
     ("actor-", "actor built its trainer", "training from step"),
     ("rollout-", "rollout process started", "starting (pid"),
+    ("rollout-", "rollout imported its workload", "imported in"),
     ("rollout-", "rollout engine ready", " ready in "),
     ("rollout-", "rollout prepared its decode step", "prepared in"),
     ("rollout-", "rollout answered step 1's first task", "task 0."),

@@ -22,6 +22,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 from types import ModuleType
@@ -63,6 +64,13 @@ def workload_module(ctx: WorkerContext) -> ModuleType:
     return importlib.import_module(ROLE_MODULES[ctx.worker.role])
 
 
+def seconds_since_exec() -> float:
+    """How long this process has existed: the interpreter's start and main's own imports, before any log line."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
 def configure_logging(worker: WorkerRef) -> None:
     """One line per record on stderr (the backend sends it to the worker's log file)."""
     logging.basicConfig(
@@ -79,14 +87,22 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     worker = worker_ref_from_env(env)
     configure_logging(worker)
-    log.info("starting (pid %d, CUDA_VISIBLE_DEVICES=%r)", os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    log.info("starting (pid %d, CUDA_VISIBLE_DEVICES=%r, %.1f s after exec)", os.getpid(),
+             os.environ.get("CUDA_VISIBLE_DEVICES", ""), seconds_since_exec())
+    started = time.monotonic()
     store = open_store(env.get("MORTAL_STATE_URL"))
     ctx: WorkerContext | None = None
     try:
         ctx = WorkerContext.from_env(store, env)
         pin_cpu_threads(worker.role, ctx.run)
         ctx.start()
-        returned = workload_module(ctx).main(ctx)
+        context_ready = time.monotonic()
+        module = workload_module(ctx)
+        # a GPU run's first step waits on this start; the two figures say whether the store or the imports
+        # (torch, transformers, TRL) are the part to shorten
+        log.info("workload %s imported in %.1f s (store and context took %.1f s)", module.__name__,
+                 time.monotonic() - context_ready, context_ready - started)
+        returned = module.main(ctx)
         code = EXIT_SUCCEEDED if returned is None else int(returned)
     except Fenced as exc:
         exit_fenced(exc)

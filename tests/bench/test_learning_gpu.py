@@ -90,7 +90,10 @@ def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_th
     (tmp_path / "controller.log").write_text("2026-11-28 18:39:15,500 INFO MainThread mortal.controller: controller "
                                              "vm:1 started on SqlStore(...)\n")
     (tmp_path / "rollout-0-2.log").write_text(
-        "2026-11-28 18:39:16,250 INFO rollout-0#2 mortal.worker: starting (pid 9, CUDA_VISIBLE_DEVICES='0')\n"
+        "2026-11-28 18:39:16,250 INFO rollout-0#2 mortal.worker: starting (pid 9, CUDA_VISIBLE_DEVICES='0', 1.1 s after"
+        " exec)\n"
+        "2026-11-28 18:39:20,250 INFO rollout-0#2 mortal.worker: workload mortal.workers.rollout imported in 3.5 s "
+        "(store and context took 0.5 s)\n"
         "Loading weights: 100%|##########| 272/272\n"
         "2026-11-28 18:39:22,000 INFO rollout-0#2 mortal.worker: engine transformers on cuda in float32 ready in 0.3 s\n"
         "2026-11-28 18:39:31,750 INFO rollout-0#2 mortal.worker: decode shape 64 rows x 128+96 tokens prepared in 9.6 s\n"
@@ -103,5 +106,5 @@ def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_th
                                    tmp_path / "rollout-0-2.log", tmp_path / "rollout-1-3.log"])  # the last: none
     assert learning_gpu.start_timeline(logs, launched) == {
         "controller started": 0.5, "actor process started": 1.5, "actor built its trainer": 9.0,
-        "rollout process started": 1.25, "rollout engine ready": 7.0, "rollout prepared its decode step": 16.75,
-        "rollout answered step 1's first task": 17.0}  # no queue-ahead line: left out, not guessed
+        "rollout process started": 1.25, "rollout imported its workload": 5.25, "rollout engine ready": 7.0, "rollout prepared its decode step": 16.75,
+        "rollout answered step 1's first task": 17.0}  # no queue-ahead nor actor import line: left out, not guessed

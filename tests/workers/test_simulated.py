@@ -4,6 +4,7 @@ The worker processes run on SQLite only: they are the subject, not the store (te
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,12 @@ def test_actor_and_rollout_complete_a_run(cluster: SimCluster) -> None:
     assert cluster.listed(rollout).alive, "a rollout serves until it is told to stop"
     cluster.backend.stop(rollout.handle)
     assert cluster.row(rollout).state == "Running", "stopped on request: no report of its own"
+
+    # the start, in the worker's own log: how long exec and the imports took (the GPU bench's start timeline)
+    log = next(paths.run_dir("full").rglob("actor-0-*.log")).read_text()
+    assert re.search(r"starting \(pid \d+, CUDA_VISIBLE_DEVICES='.*', \d+\.\d s after exec\)", log)
+    assert re.search(r"workload mortal\.workers\.simulated imported in \d+\.\d s \(store and context took "
+                     r"\d+\.\d s\)", log)
 
 
 @sqlite_only
