@@ -4,10 +4,11 @@
 #   here:   bash scripts/device-wheels.sh && mkdir -p .mortal && cp -r ../shared/anchors/assets .mortal/assets
 #   device: run(command="bash scripts/device-runs.sh GROUP", kind="nvidia-h200-x2",
 #               carry=[".whl", ".mortal/assets"])
-# Each bench writes $OUT/NAME.json (and, when it fails, $OUT/logs-NAME.tgz with mortal's worker logs); every
-# bench's whole output is appended to $OUT/all.log. A machine idle for 30 s is given back: start the next
-# group's call as soon as one returns. Copy what comes back into bench/results/ under names that say the
-# device and the run, and record it in docs/benchmarks.md.
+# Each bench writes $OUT/NAME.json (and, when it fails, $OUT/logs-NAME.tgz with mortal's worker logs), the learning
+# bench's calls one archive $OUT/learning.tgz (pack_learning); every bench's whole output is appended to
+# $OUT/all.log. A machine idle for 30 s is given back: start the next group's call as soon as one returns. Copy
+# what comes back into bench/results/ under names that say the device and the run, and record it in
+# docs/benchmarks.md.
 set -uo pipefail
 group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
@@ -57,7 +58,7 @@ learning_mortal() {
   for seed in $seeds; do
     CUDA_VISIBLE_DEVICES=$((MORTAL_GPU_BASE + seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
       --only mortal --seed $seed --staleness "$staleness" $shared $LEARNING_FLAGS --logs "/tmp/logs-learning-s$seed-st$staleness" \
-      --json "$OUT/learning_gpu_mortal_s${seed}_st${staleness}${LEARNING_TAG}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
+      --json "$LEARNING_RESULTS/learning_gpu_mortal_s${seed}_st${staleness}${LEARNING_TAG}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
     pids="$pids $!"
   done
   # these runs only: a bare `wait` also waited for start_trl's TRL processes of the same call (about 10 minutes),
@@ -67,9 +68,18 @@ learning_mortal() {
     echo "== mortal seed $seed, maxStaleness $staleness"; tail -3 "/tmp/learning-s$seed-st$staleness.log"
     cat "/tmp/learning-s$seed-st$staleness.log" >> "$OUT/all.log"
   done
-  # the controller's and workers' logs of every learning run so far (the start's timeline: launch, imports,
-  # model load, decode preparation), one archive a call, the worker logs only (step profiles left out)
-  (cd /tmp && tar czf "$OUT/learning-logs.tgz" --exclude='profile-*' logs-learning-* 2>/dev/null)
+  pack_learning
+}
+
+# The learning calls' JSONs (mortal's and TRL's) and logs, kept on the machine across calls in LEARNING_RESULTS and
+# the logs-learning-* folders, come back as one archive, $OUT/learning.tgz, rewritten after each round: a call
+# returns at most 8 files (2026-11-28: with loose JSONs, TRL's seed-3 JSON and logs were left out), and a call cut
+# off by its time limit still returns the rounds done. The worker logs give the start's timeline (launch, imports,
+# model load, decode preparation); step profiles are left out.
+LEARNING_RESULTS=/tmp/learning-results
+mkdir -p "$LEARNING_RESULTS"
+pack_learning() {
+  (cd /tmp && tar czf "$OUT/learning.tgz" --exclude='profile-*' learning-results logs-learning-* 2>/dev/null)
 }
 
 # start_trl SEEDS [--shares-gpu]: TRL's side of the learning bench, each seed a process on GPU seed % 2 that
@@ -98,8 +108,9 @@ wait_trl() {
   local rc=$?
   for seed in $seeds; do
     echo "== TRL seed $seed"; grep -c "" /root/learn/trl_s$seed$LEARNING_TAG.log; tail -2 /root/learn/trl_s$seed$LEARNING_TAG.log | cut -c1-300
-    cp /root/learn/trl_s$seed$LEARNING_TAG.json /root/learn/trl_s$seed$LEARNING_TAG.log "$OUT/" 2>/dev/null
+    cp /root/learn/trl_s$seed$LEARNING_TAG.json /root/learn/trl_s$seed$LEARNING_TAG.log "$LEARNING_RESULTS/" 2>/dev/null
   done
+  pack_learning
   [ "$rc" = 0 ] || { echo "TRL's runs did not finish in $limit s (or the machine was a fresh one: /root/learn is gone)" >&2; exit 3; }
 }
 
@@ -341,9 +352,7 @@ case $group in
     learning_mortal 1 200 "0 1"
     wait_trl "0 1" 400 ;;
   oom-test)  # the out-of-memory diagnosis GPU test alone (its 4 MiB share, fixed 2026-11-28 after it failed on an
-             # H200), and TRL's seed-3 TF32 JSON that learning-tf32-more's call could not bring back (a call returns
-             # a limited number of files)
-    cp /root/learn/trl_s3$LEARNING_TAG.json /root/learn/trl_s3_tf32.json "$OUT/" 2>/dev/null
+             # H200); [".mortal/assets"]
     gpu_tests 240 "$R/tests/workers/test_gpu.py" -k "out_of_memory" ;;
   learning-tf32-x2-trl)  # the TF32 learning bench on two H200s (when no four-GPU machine is lent), after two `carry`
                          # calls; this one carries .mortal/p3: TRL's seeds 0 and 1 alone on GPUs 0 and 1 (setsid),

@@ -106,5 +106,5 @@ def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_th
                                    tmp_path / "rollout-0-2.log", tmp_path / "rollout-1-3.log"])  # the last: none
     assert learning_gpu.start_timeline(logs, launched) == {
         "controller started": 0.5, "actor process started": 1.5, "actor built its trainer": 9.0,
-        "rollout process started": 1.25, "rollout imported its workload": 5.25, "rollout engine ready": 7.0, "rollout prepared its decode step": 16.75,
-        "rollout answered step 1's first task": 17.0}  # no queue-ahead nor actor import line: left out, not guessed
+        "rollout process started": 1.25, "rollout imported its workload": 5.25, "rollout engine ready": 7.0,
+        "rollout prepared its decode step": 16.75, "rollout answered step 1's first task": 17.0}  # no queue-ahead nor actor import line: left out, not guessed
