@@ -58,6 +58,12 @@ Seeds for the levels (`--shares-gpu`): a seed's rewards do not depend on what el
 run at once, several a GPU, to tell a difference in what the two sides learn from seed noise; such a
 run says so in its JSON ("shares_gpu"), and the report counts its rewards but never its seconds (TRL's
 wall time and every time to reach come from runs that had their GPU to themselves).
+
+Seeds from an earlier invocation (`--report ... --rewards-only FILES`): when a machine cannot run every seed again
+(one GPU, ten minutes a call), the seeds rerun here are timed and the others' rewards are taken from the earlier
+invocation, seconds never. That is sound only where a seed replays bit for bit, so the report refuses it unless
+each side with such runs has a seed given both ways whose rewards are equal at every step (the earlier copy is
+then dropped, not counted twice).
 """
 
 from __future__ import annotations
@@ -307,21 +313,26 @@ def compile_cache_hit(run: dict) -> bool:
     return any("compile cache hit" in line for line in run.get("mortal", {}).get("decode_prepared", []))
 
 
-def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot_steps: Path | None = None) -> dict:
+def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot_steps: Path | None = None,
+           rewards_only: list[Path] = ()) -> dict:
     """Joins invocations: TRL's final reward and spread, how soon each run (TRL's too) reaches it, and the
     two sides' reward levels over all their seeds (`levels`).
 
     `final_steps`: the steps "final reward" averages (the issue's 20 by default). Over 20 steps of 8
     prompts a reward that has stopped rising still moves by +-0.05 from one window to the next, so a
     longer window says where a plateau lies with less of that noise. The target and the spread are over
-    every TRL seed; wall times and times to reach only over runs that had their GPU alone."""
+    every TRL seed; wall times and times to reach only over runs that had their GPU alone in this invocation
+    (`rewards_only`: an earlier invocation's runs, see the module's docstring)."""
     runs = [json.loads(p.read_text()) | {"file": str(p)} for p in paths]
+    runs += replayed_elsewhere(runs, [json.loads(p.read_text()) | {"file": str(p), "rewards_only": True}
+                                      for p in rewards_only])
     refuse_mixed_precision(runs)
     trl = [r for r in runs if "trl" in r]
     mortal = [r for r in runs if "mortal" in r]
-    timed_trl = [r for r in trl if not r.get("shares_gpu")]
+    timed_trl = [r for r in trl if timed(r)]
     if not timed_trl:
-        raise SystemExit("--report needs at least one TRL run that had its GPU alone (no \"shares_gpu\")")
+        raise SystemExit("--report needs at least one TRL run that had its GPU alone in this invocation (no "
+                         "\"shares_gpu\", not --rewards-only)")
     trl_finals = [final_reward(r["trl"]["curve"], final_steps) for r in trl]
     target = statistics.mean(trl_finals)
     spread = max(trl_finals) - min(trl_finals) if len(trl_finals) > 1 else 0.0
@@ -338,10 +349,41 @@ def report(paths: list[Path], plot: Path | None, final_steps: int = WINDOW, plot
     out["levels"] = levels(trl, mortal, final_steps)
     out["pooled"] = pooled_reach(trl, mortal, target, trl_wall)
     if plot:
-        draw([r for r in runs if not r.get("shares_gpu")], target, plot)
+        draw([r for r in runs if timed(r)], target, plot)
     if plot_steps:
         draw_steps(trl, mortal, plot_steps)
     return out
+
+
+def timed(run: dict) -> bool:
+    """Whether a run's seconds count: it had its GPU alone, in this invocation."""
+    return not run.get("shares_gpu") and not run.get("rewards_only")
+
+
+def replayed_elsewhere(runs: list[dict], earlier: list[dict]) -> list[dict]:
+    """The earlier invocation's runs whose rewards may join this one's: each side among them needs a seed run both
+    times with equal rewards at every step (exact replay, shown), and that seed's earlier copy is dropped."""
+    def key(r: dict) -> tuple:
+        return ("trl" if "trl" in r else f"mortal maxStaleness {r['staleness']}", r.get("seed"))
+
+    here = {key(r): r for r in runs}
+    replayed = {key(r)[0] for r in earlier if key(r) in here and rewards(r) == rewards(here[key(r)])}
+    for r in earlier:
+        side = key(r)[0]
+        if side not in replayed:
+            raise SystemExit(f"--rewards-only {Path(r['file']).name}: no {side} seed of this invocation replays the "
+                             f"earlier one's rewards step for step (give one seed both ways), so its rewards cannot "
+                             f"stand for a rerun")
+    kept = [r for r in earlier if key(r) not in here]
+    for side in sorted(replayed):
+        print(f"{side}: seeds {', '.join(str(key(r)[1]) for r in earlier if key(r)[0] == side and key(r) in here)} "
+              f"replay the earlier invocation's rewards step for step; its seeds "
+              f"{', '.join(str(key(r)[1]) for r in kept if key(r)[0] == side) or 'none'} count for rewards only")
+    return kept
+
+
+def rewards(run: dict) -> list:
+    return [p.get("reward") for p in curve_of(run)]
 
 
 def refuse_mixed_precision(runs: list[dict]) -> None:
@@ -358,17 +400,19 @@ def refuse_mixed_precision(runs: list[dict]) -> None:
 def mortal_entry(r: dict, target: float, spread: float, trl_wall: float, final_steps: int) -> dict:
     """One mortal run against TRL's final reward; a run that shared its GPU has no time to reach."""
     curve = r["mortal"]["curve"]
-    shared = bool(r.get("shares_gpu"))
+    shared = not timed(r)
     reach = None if shared else seconds_to_reach(curve, target)
     own = final_reward(curve, final_steps)
     entry = {"file": Path(r["file"]).name, "seed": r["seed"], "staleness": r["staleness"],
              "compile_scope": r.get("compile_scope", "model"), "compile_cache_hit": compile_cache_hit(r),
-             "shares_gpu": shared, "final_reward": own, "seconds_to_trl_final": reach,
+             "shares_gpu": bool(r.get("shares_gpu")), "rewards_only": bool(r.get("rewards_only")),
+             "final_reward": own, "seconds_to_trl_final": reach,
              "fraction_of_trl_wall": None if reach is None else reach / trl_wall,
              "final_at_least_trl_minus_spread": own >= target - spread,
              "wall_seconds": None if shared else curve[-1]["seconds"],
              "start_timeline": r["mortal"].get("start_timeline", {})}
-    reached = ("not timed (shared its GPU)" if shared else "never" if reach is None
+    reached = ("not timed (" + ("an earlier invocation's" if r.get("rewards_only") else "shared its GPU") + ")"
+               if shared else "never" if reach is None
                else f"{reach:.0f} s = {reach / trl_wall:.3f} of TRL's wall time")
     print(f"mortal seed {r['seed']} maxStaleness {r['staleness']}, compile scope {entry['compile_scope']} "
           f"({entry['file']}): final reward {own:.3f}, reaches TRL's final {reached}"
@@ -510,15 +554,15 @@ def pooled_reach(trl: list[dict], mortal: list[dict], target: float, trl_wall: f
     for name, runs in sides(trl, mortal).items():
         steps, mean = mean_trailing([curve_of(r) for r in runs])
         step = next((s for s, v in zip(steps, mean, strict=True) if v >= target), None)
-        timed = [curve_of(r) for r in runs if not r.get("shares_gpu")]
+        timed_curves = [curve_of(r) for r in runs if timed(r)]
         seconds = None
-        if step is not None and timed:
-            seconds = statistics.mean(next(p["seconds"] for p in c if p["step"] == step) for c in timed)
-        out[name] = {"seeds": len(runs), "timed_runs": len(timed), "step": step, "seconds": seconds,
+        if step is not None and timed_curves:
+            seconds = statistics.mean(next(p["seconds"] for p in c if p["step"] == step) for c in timed_curves)
+        out[name] = {"seeds": len(runs), "timed_runs": len(timed_curves), "step": step, "seconds": seconds,
                      "fraction_of_trl_wall": None if seconds is None else seconds / trl_wall}
         reached = ("never" if step is None else f"step {step}" + (
             "" if seconds is None else f", {seconds:.0f} s = {seconds / trl_wall:.3f} of TRL's wall time "
-            f"(seconds from {len(timed)} run(s) that had their GPU alone)"))
+            f"(seconds from {len(timed_curves)} run(s) that had their GPU alone)"))
         print(f"pooled, {name} ({len(runs)} seeds): the seeds' mean reaches TRL's final {target:.3f} at {reached}")
     return out
 
@@ -561,12 +605,18 @@ def main() -> None:
     parser.add_argument("--report", type=Path, nargs="+", help="join these invocations' JSONs instead of running")
     parser.add_argument("--final-steps", type=int, default=WINDOW,
                         help=f"--report: the last steps whose mean reward is a run's final reward (default {WINDOW})")
+    parser.add_argument("--rewards-only", type=Path, nargs="+", default=[],
+                        help="--report: an earlier invocation's JSONs whose rewards count and seconds do not (seeds not "
+                        "rerun here; one seed given both ways must replay step for step)")
     parser.add_argument("--plot", type=Path, help="--report: reward against wall-clock seconds (runs that had their GPU alone)")
     parser.add_argument("--plot-steps", type=Path, help="--report: reward against step, every seed, each side's mean bold")
     args = parser.parse_args()
     if args.final_steps < 1:
         parser.error(f"--final-steps must be at least 1 (got {args.final_steps})")
-    out = report(args.report, args.plot, args.final_steps, args.plot_steps) if args.report else run(args)
+    if args.rewards_only and not args.report:
+        parser.error("--rewards-only goes with --report")
+    out = (report(args.report, args.plot, args.final_steps, args.plot_steps, args.rewards_only) if args.report
+           else run(args))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -10,12 +10,13 @@
 # what comes back into bench/results/ under names that say the device and the run, and record it in
 # docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
 started=$(date +%s)
-MORTAL_GPU_BASE=0  # the learning groups: mortal's seed N on GPU MORTAL_GPU_BASE + N % 2 (TRL's always on GPU N % 2)
+MORTAL_GPU_BASE=0  # the learning groups: mortal's seed N on GPU MORTAL_GPU_BASE + N % LEARNING_GPUS (TRL's on GPU
+LEARNING_GPUS=2    # N % LEARNING_GPUS); 1 on a machine of one GPU
 LEARNING_FLAGS=""  # the learning groups: flags for both sides' bench/learning_gpu.py (--tf32), and the suffix
 LEARNING_TAG=""    # their JSONs' names get (_tf32), so that runs of two settings are never mistaken for each other
 
@@ -51,12 +52,12 @@ keep_profiles() {
 }
 
 # learning_mortal STALENESS LIMIT_SECONDS [SEEDS] [--shares-gpu]: mortal's side of the learning bench, all SEEDS
-# (default "0 1") at once, seed N on GPU MORTAL_GPU_BASE + N % 2
+# (default "0 1") at once, seed N on GPU MORTAL_GPU_BASE + N % LEARNING_GPUS
 learning_mortal() {
   local staleness=$1 limit=$2 seeds=${3:-0 1} shared=${4:-} seed pids=""
   [ -f /root/smol.gguf ] || { echo "no /root/smol.gguf" >&2; return 2; }
   for seed in $seeds; do
-    CUDA_VISIBLE_DEVICES=$((MORTAL_GPU_BASE + seed % 2)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
+    CUDA_VISIBLE_DEVICES=$((MORTAL_GPU_BASE + seed % LEARNING_GPUS)) timeout -k 10 "$limit" python3 "$R/bench/learning_gpu.py" --model /root/smol.gguf \
       --only mortal --seed $seed --staleness "$staleness" $shared $LEARNING_FLAGS --logs "/tmp/logs-learning-s$seed-st$staleness" \
       --json "$LEARNING_RESULTS/learning_gpu_mortal_s${seed}_st${staleness}${LEARNING_TAG}.json" > "/tmp/learning-s$seed-st$staleness.log" 2>&1 &
     pids="$pids $!"
@@ -71,6 +72,20 @@ learning_mortal() {
   pack_learning
 }
 
+# learning_alone STALENESS LIMIT_SECONDS CALL_SECONDS SEEDS: mortal's runs one after another, each alone on GPU 0 of
+# a machine of one GPU, each begun only while LIMIT_SECONDS still fit before CALL_SECONDS from the call's start (a
+# seed left out says so; the next call runs it)
+learning_alone() {
+  local staleness=$1 limit=$2 call=$3 seeds=$4 seed
+  for seed in $seeds; do
+    if [ $(( $(date +%s) - started + limit )) -gt "$call" ]; then
+      echo "== mortal seed $seed, maxStaleness $staleness: left for the next call ($(( $(date +%s) - started )) s into this one)"
+      continue
+    fi
+    LEARNING_GPUS=1 learning_mortal "$staleness" "$limit" "$seed"
+  done
+}
+
 # The learning calls' JSONs (mortal's and TRL's) and logs, kept on the machine across calls in LEARNING_RESULTS and
 # the logs-learning-* folders, come back as one archive, $OUT/learning.tgz, rewritten after each round: a call
 # returns at most 8 files (2026-11-28: with loose JSONs, TRL's seed-3 JSON and logs were left out), and a call cut
@@ -82,7 +97,7 @@ pack_learning() {
   (cd /tmp && tar czf "$OUT/learning.tgz" --exclude='profile-*' learning-results logs-learning-* 2>/dev/null)
 }
 
-# start_trl SEEDS [--shares-gpu]: TRL's side of the learning bench, each seed a process on GPU seed % 2 that
+# start_trl SEEDS [--shares-gpu]: TRL's side of the learning bench, each seed a process on GPU seed % LEARNING_GPUS that
 # outlives this call (setsid; TRL's 200 steps take 12 minutes alone), run from its own copy of the installed
 # packages and the bench (the next call reinstalls /tmp/site); each writes /root/learn/trl_sSEED.json at its end
 start_trl() {
@@ -93,7 +108,7 @@ start_trl() {
   # the GGUF's float32 folder once, before two processes would both convert it (models.convert_gguf locks anyway)
   python3 -c "import sys; sys.path.insert(0, '/root/learn/bench'); from learning_gpu import local_model; from pathlib import Path; print(local_model(Path('/root/smol.gguf')))"
   for seed in $seeds; do
-    CUDA_VISIBLE_DEVICES=$((seed % 2)) OMP_NUM_THREADS=4 PYTHONPATH=/root/learn/site setsid nohup python3 \
+    CUDA_VISIBLE_DEVICES=$((seed % LEARNING_GPUS)) OMP_NUM_THREADS=4 PYTHONPATH=/root/learn/site setsid nohup python3 \
       /root/learn/bench/learning_gpu.py --model /root/smol.gguf --only trl --seed $seed $shared $LEARNING_FLAGS \
       --json /root/learn/trl_s$seed$LEARNING_TAG.json > /root/learn/trl_s$seed$LEARNING_TAG.log 2>&1 < /dev/null &
   done
@@ -370,6 +385,24 @@ case $group in
     LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32
     learning_mortal 1 270 "0 1"
     learning_mortal 0 190 "4 5" ;;
+  # Issue 14.1's second TF32 invocation on one H200 (2026-11-28: only nvidia-h200 lent): TRL's seed 0 alone on the
+  # GPU (setsid, about 10 minutes), then mortal's runs one after another, each alone; every run is timed. TRL's
+  # seeds 1-3 and mortal's seeds not rerun here count for rewards only (learning_gpu.py --report --rewards-only),
+  # where the runs made here replay the first invocation's bit for bit. Calls, back to back on one warm machine:
+  # 1 [".whl", ".mortal/p1"] carry, 2 [".mortal/p2"] carry, 3 [".mortal/p3"] learning-one-trl,
+  # 4 [] learning-one-mortal, 5 [] learning-one-more.
+  learning-one-trl)  # TRL's seed 0 to its end when the call allows (exit 3: learning-one-mortal waits the rest)
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32 LEARNING_GPUS=1
+    start_trl "0"
+    wait_trl "0" 555 ;;
+  learning-one-mortal)  # TRL's seed 0 to its end, then mortal's on-policy seeds 0-3, one after another
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32 LEARNING_GPUS=1
+    wait_trl "0" 150
+    learning_alone 0 170 570 "0 1 2 3" ;;
+  learning-one-more)  # mortal's on-policy seeds 4 and 5 (and any learning-one-mortal left), then maxStaleness 1 seed 0
+    LEARNING_FLAGS=--tf32 LEARNING_TAG=_tf32 LEARNING_GPUS=1
+    learning_alone 0 170 570 "${SEEDS:-4 5}"
+    learning_alone 1 170 570 "0" ;;
   learning-x4-wait)
     wait_trl "0 1" 560 ;;
   learning-seeds-wait)  # a call 5 if TRL's seeds were not done by the end of call 4 (exit 3 there)

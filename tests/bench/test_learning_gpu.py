@@ -108,3 +108,28 @@ def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_th
         "controller started": 0.5, "actor process started": 1.5, "actor built its trainer": 9.0,
         "rollout process started": 1.25, "rollout imported its workload": 5.25, "rollout engine ready": 7.0,
         "rollout prepared its decode step": 16.75, "rollout answered step 1's first task": 17.0}  # no queue-ahead nor actor import line: left out, not guessed
+
+
+def test_an_earlier_invocations_seeds_count_for_rewards_when_a_seed_rerun_here_replays_step_for_step(
+        tmp_path: Path) -> None:
+    here, earlier = tmp_path / "here", tmp_path / "earlier"
+    here.mkdir(), earlier.mkdir()
+    paths = [_write(here, "trl_s0", "trl", 0, [0.4] * STEPS, 4.0, shares_gpu=False),
+             _write(here, "mortal_s0", "mortal", 0, [0.5] * STEPS, 0.5, shares_gpu=False)]
+    before = [_write(earlier, "trl_s0", "trl", 0, [0.4] * STEPS, 2.0, shares_gpu=False),  # the replayed seed
+              _write(earlier, "trl_s1", "trl", 1, [0.6] * STEPS, 1.0, shares_gpu=False)]
+    out = learning_gpu.report(paths, plot=None, rewards_only=before)
+    assert out["trl_final_reward"] == pytest.approx(0.5)  # seeds 0 (once, not twice) and 1
+    assert out["trl_wall_seconds"] == pytest.approx(10 + STEPS * 4.0)  # this invocation's seed 0 only
+    assert out["pooled"]["trl"]["seeds"] == 2 and out["pooled"]["trl"]["timed_runs"] == 1
+
+
+def test_an_earlier_invocations_seeds_are_refused_when_no_seed_replays(tmp_path: Path) -> None:
+    here, earlier = tmp_path / "here", tmp_path / "earlier"
+    here.mkdir(), earlier.mkdir()
+    paths = [_write(here, "trl_s0", "trl", 0, [0.4] * STEPS, 4.0, shares_gpu=False)]
+    drifted = [0.4] * (STEPS - 1) + [0.45]
+    before = [_write(earlier, "trl_s0", "trl", 0, drifted, 4.0, shares_gpu=False),
+              _write(earlier, "trl_s1", "trl", 1, [0.6] * STEPS, 4.0, shares_gpu=False)]
+    with pytest.raises(SystemExit, match=r"--rewards-only trl_s0.json: no trl seed of this invocation replays"):
+        learning_gpu.report(paths, plot=None, rewards_only=before)
