@@ -261,3 +261,26 @@ def test_under_mixed_precision_the_rollout_generates_in_bfloat16_as_the_actor_co
     ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
     worker = rollout.build(ctx)
     assert {p.dtype for p in worker.engine.model.parameters()} == {torch.bfloat16}
+
+
+def test_the_engine_ready_line_gives_the_seconds_of_each_part_of_the_start(sqlite_store: Store, tiny_dir: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU the engine was ready about 10 s after the workload's import while its own load took 1.2 s: the
+    line says where the rest goes (rewards, device, the engine's module, tokenizer), each part once."""
+    run = create_run(sqlite_store, "phases", training_spec(str(tiny_dir)))
+    ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
+    with caplog.at_level("INFO"):
+        rollout.build(ctx)
+    line = next(r.getMessage() for r in caplog.records if " ready in " in r.getMessage())
+    parts = line.split(" ready in ", 1)[1].split("(", 1)[1].split(")", 1)[0]
+    assert [p.rsplit(" ", 2)[0] for p in parts.split(", ")] == ["rewards", "device", "engine module", "tokenizer",
+                                                                "engine"]
+    assert all(float(p.rsplit(" ", 2)[1]) >= 0 for p in parts.split(", "))
+
+
+def test_phases_are_consecutive_parts_each_from_the_end_of_the_one_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([10.0, 10.5, 13.0])
+    monkeypatch.setattr(rollout.time, "monotonic", lambda: next(clock))
+    phases = rollout.Phases()
+    assert phases.end("tokenizer") == 0.5 and phases.end("engine") == 2.5
+    assert str(phases) == "tokenizer 0.5 s, engine 2.5 s"
