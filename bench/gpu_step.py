@@ -43,6 +43,9 @@ in the JSON, from mortal's steps from the third on:
   dense bf16 peak x the actor's GPUs). 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
   these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is 4N: the
   frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
+  Beside it, the update's MFU: the same FLOPs over actor/update_seconds, TRL's step without its
+  preparation of the batch (padding, texts, rewards, advantages, metrics), i.e. forward, loss, backward,
+  clipping and the optimizer's step, as veRL reports its actor's MFU over the policy update.
 The GPU's figures come from GPU_LIMITS, keyed by torch.cuda.get_device_name: NVIDIA's H100 and H200
 datasheets (H100 SXM5 80GB HBM3: 3.35 TB/s, 989 TFLOPS dense bf16 (1,979 with sparsity); H200:
 4.8 TB/s, 989 TFLOPS dense bf16). A GPU not in the table prints n/a for the floor and MFU.
@@ -73,7 +76,8 @@ from through_controller import (
 )
 
 BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
-             "train": "actor/train_seconds", "publish": "weights/publish_seconds",
+             "train": "actor/train_seconds", "prepare": "actor/prepare_seconds", "update": "actor/update_seconds",
+             "publish": "weights/publish_seconds",
              "generate": "rollout/generation_seconds", "reward": "rollout/reward_seconds",
              "load": "weights/load_seconds"}
 
@@ -191,13 +195,20 @@ def limits(device_name: str, parameters: int, decode_ms: list[float], steps: lis
         flops = (4 if lora else 6) * parameters * tokens
         out.update(trained_tokens_per_step=tokens, train_seconds=train, model_flops_per_step=flops,
                    mfu=flops / train / (known[1] * actor_gpus) if known else None, actor_gpus=actor_gpus)
+        updates = [s["update"] for s in timed if s.get("update")]
+        if updates:
+            update = statistics.median(updates)
+            out.update(update_seconds=update, prepare_seconds=statistics.median(s.get("prepare", 0.0) for s in timed),
+                       update_mfu=flops / update / (known[1] * actor_gpus) if known else None)
     def shown(value: float | None, form: str, unit: str = "") -> str:
         return "n/a" if value is None else format(value, form) + unit
 
     trained = (f" ({out['trained_tokens_per_step']:.0f} tokens in {out['train_seconds']:.2f} s)" if timed else "")
     print(f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step (HBM floor "
           f"{shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: {2 * parameters / 1e9:.2f} GB of weights); training "
-          f"MFU {shown(out.get('mfu'), '.1%')}{trained}", flush=True)
+          f"MFU {shown(out.get('mfu'), '.1%')}{trained}"
+          + (f", of the update alone {shown(out.get('update_mfu'), '.1%')} ({out['update_seconds']:.3f} s; TRL's "
+             f"preparation of the batch {out['prepare_seconds']:.3f} s)" if "update_seconds" in out else ""), flush=True)
     return out
 
 

@@ -87,8 +87,9 @@ from through_controller import compile_scopes, copy_logs, local_gpu, run_through
 REWARD = "math_answer"
 REWARD_PATH = "mortal.workers.rewards.builtin:math_answer"
 BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
-             "train": "actor/train_seconds", "publish": "weights/publish_seconds",
-             "generate": "rollout/generation_seconds", "step_seconds": "step_seconds"}
+             "train": "actor/train_seconds", "prepare": "actor/prepare_seconds", "update": "actor/update_seconds",
+             "publish": "weights/publish_seconds", "generate": "rollout/generation_seconds",
+             "step_seconds": "step_seconds"}
 WINDOW = 20  # steps in "final reward" and in the trailing mean that must reach it
 PLATEAU_FROM = 61  # both sides' rewards stop rising after about 60 steps (docs/benchmarks.md, issue 14 part 1)
 

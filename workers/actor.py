@@ -301,6 +301,7 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
     """The GRPOTrainer, wired to the loop: rollouts in through rollout_func, results out by callback."""
     world = loop.ranks.world if loop.ranks is not None else 1
     loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
+    trl_seam.time_loss_start(loop.trainer, loop.loss_begins)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
         ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
@@ -371,6 +372,8 @@ class ActorLoop(TrainerCallback):
         self.version = -1
         self._step_started = time.perf_counter()
         self._rollout_metrics: dict[str, float] = {}
+        self._rollout_returned: float | None = None  # when rollout_func handed TRL this step's batch
+        self._loss_began: float | None = None  # when TRL's loss began on it (trl_seam.time_loss_start)
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
         self._warmed_up = False  # warm_up_training runs at most once a process
         self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
@@ -398,15 +401,23 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
         self._rollout_metrics["actor/bookkeeping_seconds"] = started - entered  # the store's tasks and versions
         self._batch = batch
+        self._loss_began = None
         output = trl_seam.rollout_output(
             batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions,
             env_masks=batch.env_masks(),
         )
         if self.ranks is None:
+            self._rollout_returned = time.perf_counter()
             return output
         slices = [sharded.output_slice(output, rank, world) for rank in range(world)]  # TRL gathers the rewards
         self.ranks.channel.send_each("batch", slices)
+        self._rollout_returned = time.perf_counter()
         return slices[0]
+
+    def loss_begins(self) -> None:
+        """TRL's loss begins on a micro-batch: the first of a step ends TRL's preparation of the batch."""
+        if self._loss_began is None:
+            self._loss_began = time.perf_counter()
 
     # -- Trainer callbacks -----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -447,7 +458,14 @@ class ActorLoop(TrainerCallback):
             torch.cuda.synchronize()
         elsewhere = sum(self._rollout_metrics.get(f"actor/{part}_seconds", 0.0) for part in ("wait", "bookkeeping"))
         # TRL's loss, backward and optimizer step: not the store's work before the wait, which MFU must leave out
-        self._rollout_metrics["actor/train_seconds"] = time.perf_counter() - self._step_started - elsewhere
+        ended = time.perf_counter()
+        self._rollout_metrics["actor/train_seconds"] = ended - self._step_started - elsewhere
+        if self._rollout_returned is not None and self._loss_began is not None:
+            # train = TRL's step before rollout_func + its preparation of the batch (prepare: padding, texts,
+            # rewards, advantages, metrics) + the update (forward, loss, backward, clipping, optimizer step).
+            # Host clocks, the GPU's queue drained only at the end: on a host-bound step, where the host is.
+            self._rollout_metrics["actor/prepare_seconds"] = self._loss_began - self._rollout_returned
+            self._rollout_metrics["actor/update_seconds"] = ended - self._loss_began
         self._rollout_metrics["weights/publish_seconds"] = 0.0
         if self.collections is not None:
             self._rollout_metrics["actor/gc_seconds"] = self.collections.take()

@@ -39,6 +39,11 @@ What mortal relies on (TRL 1.16):
    token, 0 = a token the model did not write) is popped by `_generate` and used as TRL's tool_mask
    when the trainer has no tools of its own (the actor never has: rollouts call them): the loss mask
    is completion_mask x env_mask, and completion lengths count only mask-1 tokens.
+8. Within an optimizer step the Trainer calls `trainer.compute_loss` once per micro-batch, after
+   `_prepare_inputs` (which calls rollout_func and builds the step's tensors, rewards, advantages and
+   metrics) returned for it: the first call of a step marks the end of TRL's batch preparation and the
+   start of the update (forward, loss, backward, clipping, the optimizer's step). `time_loss_start`
+   stamps it, so the actor can tell the two apart (MFU over the update, as veRL reports its actor's).
 """
 
 from __future__ import annotations
@@ -167,6 +172,18 @@ def check_fused_lm_head(trainer: Any) -> None:
             f"{type(base).__name__}.forward is not TRL's fused LM head (add_fused_lm_head): the loss would "
             "hold the [tokens x vocab] logits"
         )
+
+
+def time_loss_start(trainer: Any, stamp: Any) -> None:
+    """Call `stamp()` as each micro-batch's loss begins (assumption 8), then TRL's compute_loss; an instance
+    attribute, so other trainers of the process are untouched."""
+    compute_loss = trainer.compute_loss
+
+    def stamped(*args: Any, **kwargs: Any) -> Any:
+        stamp()
+        return compute_loss(*args, **kwargs)
+
+    trainer.compute_loss = stamped
 
 
 WARM_UP_TOKENS = 64  # 63 scored positions: not a multiple of 16, as most real batches' counts are (Triton specializes on it)

@@ -74,6 +74,9 @@ def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_d
         parts = [step[f"actor/{p}_seconds"] for p in ("bookkeeping", "wait", "train")] + [step["weights/publish_seconds"]]
         assert min(parts) >= 0 and sum(parts) <= step["step_seconds"] + 1e-6, (parts, step["step_seconds"])
         assert 0 <= step["actor/gc_seconds"] <= step["step_seconds"]
+        # TRL's step in parts: its preparation of the batch after rollout_func, then the update (MFU's time)
+        inside = [step["actor/prepare_seconds"], step["actor/update_seconds"]]
+        assert min(inside) > 0 and sum(inside) <= step["actor/train_seconds"] + 1e-6, (inside, step)
     assert all(r.state == "done" for r in store.step_results("basic", 2))
 
 

@@ -77,12 +77,11 @@ def _trainer(tiny_dir: Path, out: Path, rollouts: FakeRollouts, logs: Logs | Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(
+    args = GRPOConfig(**(dict(
         output_dir=str(out), per_device_train_batch_size=BATCH, num_generations=G, steps_per_generation=1,
         max_steps=max_steps, learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=True, bf16=False, disable_tqdm=True, seed=0, **checkpointing_arg(False),
-        max_completion_length=LENGTH, reward_weights=[1.0, 0.5], **config,
-    )
+        max_completion_length=LENGTH, reward_weights=[1.0, 0.5]) | config))  # config's settings win
     dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(max_steps * BATCH // G)]})
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
@@ -379,3 +378,20 @@ def test_trl_refuses_a_lora_adapter_on_lm_head(tiny_dir, tmp_path) -> None:
                     reward_funcs=[trl_seam.PrecomputedReward("a")], args=args, rollout_func=FakeRollouts(),
                     train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}),
                     peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"))
+
+
+def test_the_loss_begins_once_per_micro_batch_after_rollout_func_returned(tiny_dir, tmp_path) -> None:
+    """Assumption 8: the first compute_loss of a step marks the end of TRL's preparation of the batch."""
+    events: list[str] = []
+
+    class Recorded(FakeRollouts):
+        def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+            out = super().__call__(prompts, trainer)
+            events.append("rollout returned")
+            return out
+
+    trainer = _trainer(tiny_dir, tmp_path, Recorded(), gradient_accumulation_steps=2, steps_per_generation=2,
+                       per_device_train_batch_size=BATCH // 2)
+    trl_seam.time_loss_start(trainer, lambda: events.append("loss"))
+    trainer.train()
+    assert events == ["rollout returned", "loss", "loss"] * 2

@@ -1,0 +1,41 @@
+"""bench/gpu_step.py's figures against the physical limit: decode against the HBM floor, and training MFU over the
+whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import gpu_step  # noqa: E402
+
+PARAMETERS = 500_000_000
+PEAK = 989e12
+
+
+def _steps(train: float, prepare: float | None, update: float | None, n: int = 6) -> list[dict]:
+    step = {"tokens": 16_384, "train": train}
+    step |= {} if prepare is None else {"prepare": prepare}
+    step |= {} if update is None else {"update": update}
+    return [dict(step) for _ in range(n)]
+
+
+def test_mfu_is_six_n_flops_per_trained_token_over_the_train_seconds_against_the_gpus_peak() -> None:
+    out = gpu_step.limits("NVIDIA H100 80GB HBM3", PARAMETERS, [1.4], _steps(0.2, None, None), prompt_tokens=832)
+    flops = 6 * PARAMETERS * (16_384 + 832)
+    assert out["model_flops_per_step"] == flops and out["mfu"] == pytest.approx(flops / 0.2 / PEAK)
+    assert "update_mfu" not in out  # an actor older than the split: no figure made up
+
+
+def test_the_updates_mfu_leaves_out_trls_preparation_of_the_batch() -> None:
+    out = gpu_step.limits("NVIDIA H200", PARAMETERS, [], _steps(0.2, 0.05, 0.14), prompt_tokens=0)
+    assert out["update_seconds"] == 0.14 and out["prepare_seconds"] == 0.05
+    assert out["update_mfu"] == pytest.approx(6 * PARAMETERS * 16_384 / 0.14 / PEAK)
+    assert out["update_mfu"] > out["mfu"]
+
+
+def test_a_gpu_outside_the_table_has_no_floor_and_no_mfu() -> None:
+    out = gpu_step.limits("NVIDIA A10G", PARAMETERS, [2.0], _steps(0.2, 0.05, 0.14), prompt_tokens=0)
+    assert out["mfu"] is None and out["update_mfu"] is None and out["hbm_floor_ms_per_step"] is None
