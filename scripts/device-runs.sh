@@ -10,7 +10,7 @@
 # what comes back into bench/results/ under names that say the device and the run, and record it in
 # docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, mfu-split, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -228,6 +228,13 @@ case $group in
                # (decode ms a step and the start of each; about 7 min on an H100)
     bench onegpu_auto 300 --steps 6 --rollouts 1
     bench onegpu_model 170 --steps 6 --rollouts 1 --only mortal --compile-scope model ;;
+  mfu-split)  # issue 14 part 4: where the compiled actor's 0.18-0.20 s step goes against the Trainer's 0.116 s of
+              # forward and backward: TRL's preparation of the batch (actor/prepare_seconds) against the update
+              # (actor/update_seconds: forward, loss, backward, clipping, the optimizer's step), and the update's MFU
+              # beside the whole step's (2026-11-28). Beside TRL with --compile both, then mortal's eager actor
+              # alone: [".whl", ".mortal/assets"], one H100 (the target's GPU) or one H200
+    bench mfu_compile 420 --steps 8 --rollouts 1 --compile both
+    bench mfu_eager 170 --steps 8 --rollouts 1 --only mortal ;;
   regional-profile)  # where the layer scope's decode step loses 0.4-0.5 ms against the whole model's (H200,
                      # 2026-11-28): each scope's kernels for one generate of the first shape (about 3 min)
     timeout -k 10 300 python3 "$R/bench/regional_compile.py" --layers 24 --profile --top 30 \

@@ -302,6 +302,8 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
     world = loop.ranks.world if loop.ranks is not None else 1
     loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
     trl_seam.time_loss_start(loop.trainer, loop.loss_begins)
+    if world == 1:  # a sharded actor's ranks train slices of the batch, which TRL decodes itself
+        loop.hand_texts = trl_seam.reuse_rollout_texts(loop.trainer)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
         ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
@@ -374,6 +376,7 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics: dict[str, float] = {}
         self._rollout_returned: float | None = None  # when rollout_func handed TRL this step's batch
         self._loss_began: float | None = None  # when TRL's loss began on it (trl_seam.time_loss_start)
+        self.hand_texts: Any = None  # trl_seam.reuse_rollout_texts: the rollouts' texts, not a second decode
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
         self._warmed_up = False  # warm_up_training runs at most once a process
         self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
@@ -407,6 +410,9 @@ class ActorLoop(TrainerCallback):
             env_masks=batch.env_masks(),
         )
         if self.ranks is None:
+            texts = batch.decoded_texts()
+            if self.hand_texts is not None and texts is not None:
+                self.hand_texts(output["completion_ids"], texts)
             self._rollout_returned = time.perf_counter()
             return output
         slices = [sharded.output_slice(output, rank, world) for rank in range(world)]  # TRL gathers the rewards
@@ -462,8 +468,10 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["actor/train_seconds"] = ended - self._step_started - elsewhere
         if self._rollout_returned is not None and self._loss_began is not None:
             # train = TRL's step before rollout_func + its preparation of the batch (prepare: padding, texts,
-            # rewards, advantages, metrics) + the update (forward, loss, backward, clipping, optimizer step).
-            # Host clocks, the GPU's queue drained only at the end: on a host-bound step, where the host is.
+            # rewards, advantages, metrics; with maxStaleness or sync.every > 1 also its forward pass for the
+            # current policy's log-probabilities, with beta > 0 the reference model's) + the update (forward,
+            # loss, backward, clipping, optimizer step). Host clocks, the GPU's queue drained only at the end:
+            # on a host-bound step, where the host is.
             self._rollout_metrics["actor/prepare_seconds"] = self._loss_began - self._rollout_returned
             self._rollout_metrics["actor/update_seconds"] = ended - self._loss_began
         self._rollout_metrics["weights/publish_seconds"] = 0.0

@@ -101,6 +101,15 @@ class StepBatch:
         """One loss mask per completion (TRL's env_mask) when the run calls tools, else None."""
         return self.tool_masks or None
 
+    def decoded_texts(self) -> list[str] | None:
+        """Each completion's text as the rollout decoded it (tokenizer.decode(ids, skip_special_tokens=True),
+        workers.models.completion_message): what TRL would decode from completion_ids again. None for
+        tool-calling rollouts, whose completions are several messages, not one decode of their ids."""
+        if self.tool_masks:
+            return None
+        texts = [c if isinstance(c, str) else _single_message_text(c) for c in self.completions]
+        return None if any(t is None for t in texts) else texts
+
 
 @dataclass
 class RolloutFeed:
@@ -248,3 +257,11 @@ def _weight_version(result: dict[str, Any] | None) -> int:
     """The weight version a task's answer was generated with (-1: none or unreadable)."""
     results = (result or {}).get("results") or [{}]
     return results[0].get("weight_version", -1)
+
+
+def _single_message_text(completion: Any) -> str | None:
+    """The content of [{'role': 'assistant', 'content': text}], a chat prompt's completion; None otherwise."""
+    if isinstance(completion, list) and len(completion) == 1 and isinstance(completion[0], dict):
+        content = completion[0].get("content")
+        return content if isinstance(content, str) else None
+    return None

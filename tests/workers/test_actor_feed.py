@@ -298,3 +298,17 @@ def test_a_results_ring_ends_the_wait_before_the_next_poll(store, tmp_path) -> N
     assert len(batch.completion_ids) == 2 * G and time.monotonic() - started < 10
     feed.doorbell.close()
     rollouts_hear.close()
+
+
+def test_a_batchs_decoded_texts_are_its_completions_texts_and_none_for_tool_calling_rollouts() -> None:
+    """What the actor hands TRL in place of a second decode (trl_seam.reuse_rollout_texts)."""
+    from mortal.workers.feed import StepBatch
+
+    plain = StepBatch(completions=["12", "13"])
+    chat = StepBatch(completions=[[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": ""}]])
+    assert plain.decoded_texts() == ["12", "13"] and chat.decoded_texts() == ["12", ""]
+    tools = StepBatch(completions=[[{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]],
+                      tool_masks=[[1, 0]])
+    assert tools.decoded_texts() is None
+    several = StepBatch(completions=["12", [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]])
+    assert several.decoded_texts() is None  # one completion not a single decode: TRL decodes them all

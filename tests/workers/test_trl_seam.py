@@ -395,3 +395,38 @@ def test_the_loss_begins_once_per_micro_batch_after_rollout_func_returned(tiny_d
     trl_seam.time_loss_start(trainer, lambda: events.append("loss"))
     trainer.train()
     assert events == ["rollout returned", "loss", "loss"] * 2
+
+
+def test_trl_decodes_rollout_funcs_completion_ids_list_itself_so_the_rollouts_texts_can_stand_in(
+        tiny_dir, tmp_path) -> None:
+    """Assumption 9: the texts handed for the list rollout_func returned are what the reward functions get (texts
+    unlike any decode here, so a second decode would show); the decode is real for every other list."""
+    seen: list[list[Any]] = []
+
+    class Seen(trl_seam.PrecomputedReward):
+        def __call__(self, completions: list[Any], **kwargs: Any) -> list[float | None]:
+            seen.append(list(completions))
+            return super().__call__(completions, **kwargs)
+
+    trainer = _trainer(tiny_dir, tmp_path, FakeRollouts(), max_steps=1)
+    hand = trl_seam.reuse_rollout_texts(trainer)
+    rollout_func = trainer.rollout_func
+
+    def handing(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        output = rollout_func(prompts, trainer)
+        hand(output["completion_ids"], [f"text {i}" for i in range(len(output["completion_ids"]))])
+        return output
+
+    trainer.rollout_func = handing
+    trainer.reward_funcs = [Seen("a"), trl_seam.PrecomputedReward("b")]
+    trainer.train()
+    assert seen == [[f"text {i}" for i in range(BATCH)]]
+    ids = [[5, 6, 7]]
+    assert trainer.processing_class.batch_decode(ids, skip_special_tokens=True) == [
+        trainer.processing_class.decode([5, 6, 7], skip_special_tokens=True)]
+
+
+def test_texts_handed_for_a_different_number_of_completions_are_refused(tiny_dir, tmp_path) -> None:
+    hand = trl_seam.reuse_rollout_texts(_trainer(tiny_dir, tmp_path, FakeRollouts(), max_steps=1))
+    with pytest.raises(ValueError, match="2 texts handed for 3 completions"):
+        hand([[1], [2], [3]], ["a", "b"])
