@@ -107,7 +107,8 @@ def main() -> None:
         print(f"round {round_ + 1}: TRL's preparation {medians['decode'][round_] * 1000:.1f} ms decoding itself, "
               f"{medians['reuse'][round_] * 1000:.1f} ms with the rollouts' texts ({saved * 1000:.1f} ms saved)")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": os.cpu_count(), "completions": args.completions, "tokens": args.tokens,
+        args.json.write_text(json.dumps({"device": "cpu", "gpus": 0, "cpu": os.cpu_count(),
+                                         "completions": args.completions, "tokens": args.tokens,
                                          "steps": args.steps, "seconds": runs, "medians": medians}, indent=2))
 
 

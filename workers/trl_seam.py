@@ -204,7 +204,7 @@ def reuse_rollout_texts(trainer: Any) -> Any:
 
     def batch_decode(sequences: Any, *args: Any, **kwargs: Any) -> Any:
         if handed and sequences is handed["ids"] and not args and kwargs == {"skip_special_tokens": True}:
-            texts = handed.pop("texts")
+            texts = handed["texts"]
             handed.clear()
             return list(texts)
         return decode(sequences, *args, **kwargs)
