@@ -42,7 +42,17 @@ from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
 from mortal.state import paths
-from mortal.workers import data, models, provenance, resume_check, samples, sharded, step_profile, trl_seam
+from mortal.workers import (
+    data,
+    models,
+    padding_shift,
+    provenance,
+    resume_check,
+    samples,
+    sharded,
+    step_profile,
+    trl_seam,
+)
 from mortal.workers.checkpoint import Checkpointer, is_sharded
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.errors import FatalWorkerError
@@ -348,6 +358,8 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     if world > 1 and spec.actor.strategy == "ddp":
         sharded.bucket_view_gradients(trainer)
     trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
+    if device.startswith("cuda"):  # the loss's attention without a padding mask: SDPA's flash kernel
+        padding_shift.install(trl_seam.patched_model(trainer))
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
         trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)
     return trainer

@@ -51,6 +51,12 @@ What mortal relies on (TRL 1.16):
    second decode, the largest piece of TRL's host work before the loss (transformers checks every id's
    type first): bench/trl_prepare.py, 64 x 256 tokens on a 2-core VM, 27-46 ms a step with TRL's decode,
    14-25 ms without it (2026-11-28).
+10. The loss's forward (`_get_per_token_logps_and_entropies`) gets input_ids = the prompts padded on the left
+   next to the completions padded on the right, and attention_mask = their two masks side by side: in each row
+   the ones are one unbroken run, zeros before it (prompt padding) and after it (completion padding). It
+   calls the model with input_ids, attention_mask, labels (-100 outside the completions) and
+   fused_lm_head=True only (text models). mortal.workers.padding_shift rolls each row's leading zeros to
+   its end on that premise, so the attention needs no mask.
 """
 
 from __future__ import annotations
@@ -169,10 +175,15 @@ def enable_sampling_correction(trainer: Any, mode: str = "token_truncate", clip_
     trainer.vllm_importance_sampling_clip_min = None
 
 
+def patched_model(trainer: Any) -> Any:
+    """The model whose forward TRL patched with its fused LM head: under peft, the model peft wraps."""
+    model = trainer.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def check_fused_lm_head(trainer: Any) -> None:
     """The trainer's loss goes through TRL's fused LM head, never full logits (assumption 6)."""
-    model = trainer.model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the patched model
+    base = patched_model(trainer)
     forward = vars(base).get("forward")
     if forward is None or "fused_lm_head" not in inspect.signature(forward, follow_wrapped=False).parameters:
         raise TrlSeamError(

@@ -430,3 +430,42 @@ def test_texts_handed_for_a_different_number_of_completions_are_refused(tiny_dir
     hand = trl_seam.reuse_rollout_texts(_trainer(tiny_dir, tmp_path, FakeRollouts(), max_steps=1))
     with pytest.raises(ValueError, match="2 texts handed for 3 completions"):
         hand([[1], [2], [3]], ["a", "b"])
+
+
+class RaggedRollouts(FakeRollouts):
+    """Prompts of 2 to 7 tokens and completions of 1 to LENGTH tokens, so TRL must pad both."""
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(2000 + trainer.state.global_step)
+        n = len(prompts)
+        prompt_ids = [torch.randint(3, 500, (2 + i % 6,), generator=gen).tolist() for i in range(n)]
+        completion_ids = [torch.randint(3, 500, (1 + i % LENGTH,), generator=gen).tolist() for i in range(n)]
+        logprobs = [[-1.0] * len(c) for c in completion_ids]
+        rewards = [{"a": float(i % 2), "b": 1.0} for i in range(n)]
+        self.calls.append([prompt_ids, completion_ids])
+        return trl_seam.rollout_output(prompt_ids, completion_ids, logprobs, rewards, [0] * n)
+
+
+def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completions(tiny_dir, tmp_path) -> None:
+    """Assumption 10: in every row of the loss's attention mask the ones are one unbroken run, with zeros before
+    it where the prompt is shorter than the longest and after it where the completion is; the model is called
+    with input_ids, attention_mask, labels and fused_lm_head only."""
+    rollouts = RaggedRollouts()
+    trainer = _trainer(tiny_dir, tmp_path, rollouts, max_steps=1)
+    model = trl_seam.patched_model(trainer)
+    forward = model.forward
+    calls: list[dict[str, Any]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        assert not args
+        calls.append(kwargs)
+        return forward(**kwargs)
+
+    model.forward = recording
+    trainer.train()
+    assert calls and all(set(c) == {"input_ids", "attention_mask", "labels", "fused_lm_head"} for c in calls)
+    mask = calls[0]["attention_mask"]
+    expected = [[0] * (7 - len(p)) + [1] * (len(p) + len(c)) + [0] * (LENGTH - len(c))
+                for p, c in zip(*rollouts.calls[0], strict=True)]
+    assert sorted(mask.tolist()) == sorted(expected)  # TRL shuffles the rows
+
