@@ -1,6 +1,7 @@
 """Test helpers of the actor-side tests: runs in a store, worker contexts, an in-process rollout.
 
-Imported by tests/workers/test_actor*.py, test_weights.py, test_checkpoint.py, test_exact_resume.py.
+Imported by tests/workers/test_actor*.py, test_weights.py, test_checkpoint.py, test_exact_resume.py,
+test_trl_seam.py and test_padding_shift.py.
 `run_actor_with_rollout` runs the real actor `main(ctx)` in this thread and the real rollout
 worker loop in a background thread, against one store, so a whole run of a tiny model takes
 seconds; the subprocess tests in test_exact_resume.py run both as `python -m mortal.workers.main`.
@@ -165,3 +166,14 @@ def actor_spec(model_dir: str, **overrides: Any) -> dict[str, Any]:
     for key, value in overrides.items():
         spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return spec
+
+
+def randomize_lora_b(model: Any) -> None:
+    """LoRA's B matrices start at zero, which leaves A without a gradient: give every B small seeded values,
+    so that a gradient comparison compares both."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))

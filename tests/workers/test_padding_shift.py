@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from actor_helpers import randomize_lora_b
 from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.workers import padding_shift, trl_seam
@@ -64,11 +65,8 @@ def _trainer(tiny_dir: Path, out: Path, lora: bool) -> Any:
         rollout_func=lambda *a: {},
         peft_config=peft_config,
     )
-    if lora:  # B starts at zero, which would leave A without a gradient
-        with torch.no_grad():
-            for name, param in trainer.model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    if lora:
+        randomize_lora_b(trainer.model)
     return trainer
 
 

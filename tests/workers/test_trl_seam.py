@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from actor_helpers import tensors_sha256
+from actor_helpers import randomize_lora_b, tensors_sha256
 from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.workers import trl_seam
@@ -233,11 +233,8 @@ def _loss_trainer(tiny_dir: Path, out: Path, tied: bool, lora: bool, temperature
         args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}), rollout_func=FakeRollouts(),
         peft_config=peft_config,
     )
-    if lora:  # B starts at zero, which would leave A without a gradient
-        with torch.no_grad():
-            for name, param in trainer.model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    if lora:
+        randomize_lora_b(trainer.model)
     return trainer
 
 
