@@ -29,44 +29,42 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 NAME = "mortal_trailing_padding_sdpa"
 FLAG = "mortal_padding_trails"  # the forward kwarg transformers hands down to every attention call
 PER_TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_HANDLED = frozenset({"input_ids", "attention_mask", "labels", "use_cache", "output_router_logits"})
+_NEEDED = frozenset({"input_ids", "attention_mask", "labels"})  # what a shifted call rolls
+_HANDLED = _NEEDED | {"use_cache", "output_router_logits"}  # and what it may pass on unchanged
 
 
-def leading_padding(attention_mask: Any) -> Any:
+def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     """Each row's count of zeros before its first 1 (a row of zeros counts all of them)."""
     return (attention_mask.cumsum(dim=1) == 0).sum(dim=1)
 
 
-def roll_rows(values: Any, shifts: Any) -> Any:
+def roll_rows(values: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     """Row i of the 2-D `values` rolled left by shifts[i] (wrapping around)."""
-    import torch
-
     length = values.size(1)
     index = (torch.arange(length, device=values.device).unsqueeze(0) + shifts.unsqueeze(1)) % length
     return values.gather(1, index)
 
 
-def unroll_rows(values: Any, shifts: Any, keep: Any) -> Any:
+def unroll_rows(values: torch.Tensor, shifts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """A per-token output of the rolled rows moved back right by shifts[i], positions not in `keep` zero
     (the masked forward's value there)."""
-    import torch
-
     length = values.size(1)
-    index = (torch.arange(length, device=values.device).unsqueeze(0) - shifts.unsqueeze(1)).clamp(
-        0, length - 1
-    )
-    return values.gather(1, index).masked_fill(~keep, 0)
+    index = torch.arange(length, device=values.device).unsqueeze(0) - shifts.unsqueeze(1)
+    return values.gather(1, index.clamp(0, length - 1)).masked_fill(~keep, 0)
 
 
 def trailing_padding_attention(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> Any:
     """transformers' sdpa attention, without the mask in a call whose rows' padding trails (FLAG)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     trails = kwargs.pop(FLAG, False)
     window = getattr(module, "sliding_window", None)
     if trails and (window is None or key.shape[-2] <= window):
@@ -78,8 +76,6 @@ def shifted_call(
     forward: Any, input_ids: Any, attention_mask: Any, labels: Any, kwargs: dict[str, Any]
 ) -> Any:
     """TRL's fused forward on the rows with their padding trailing, the outputs put back in place."""
-    import torch
-
     shifts = leading_padding(attention_mask)
     positions = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0) + shifts.unsqueeze(1)
     outputs = forward(
@@ -104,9 +100,6 @@ def install(model: Any) -> bool:
     the base model) through shifted_call, when it runs transformers' "sdpa"; returns whether it did. The new
     forward is an instance attribute over TRL's and keeps `fused_lm_head` in its signature
     (trl_seam.check_fused_lm_head)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or installed(model):
         return False
     AttentionInterface.register(NAME, trailing_padding_attention)
@@ -115,14 +108,12 @@ def install(model: Any) -> bool:
     fused_forward = model.forward
 
     def forward(*args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
-        given = {
-            k: v for k, v in kwargs.items() if v is not None
-        }  # peft passes inputs_embeds=None and the like
-        mask, labels = given.get("attention_mask"), given.get("labels")
-        if not fused_lm_head or args or mask is None or labels is None or not _HANDLED.issuperset(given):
+        # peft passes inputs_embeds=None and the like: a None is an argument not given
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        if not (fused_lm_head and not args and _HANDLED.issuperset(given) and _NEEDED.issubset(given)):
             return fused_forward(*args, fused_lm_head=fused_lm_head, **kwargs)
-        rest = {k: v for k, v in given.items() if k not in ("input_ids", "attention_mask", "labels")}
-        return shifted_call(fused_forward, given["input_ids"], mask, labels, rest)
+        rest = {k: v for k, v in given.items() if k not in _NEEDED}
+        return shifted_call(fused_forward, given["input_ids"], given["attention_mask"], given["labels"], rest)
 
     forward.padding_shift = True  # type: ignore[attr-defined]  # what installed() looks for
     model.forward = forward

@@ -161,6 +161,21 @@ def test_a_forward_outside_the_loss_is_the_models_own(tiny_dir, tmp_path, monkey
     assert calls and all(mask is not None for mask, _ in calls)  # padding is masked as before
 
 
+def test_a_loss_call_with_inputs_it_does_not_roll_is_the_models_own(tiny_dir, tmp_path, monkeypatch) -> None:
+    """Pre-shifted labels (TRL's context parallelism) or embeddings instead of ids: TRL's forward, masked."""
+    trainer = _trainer(tiny_dir, tmp_path, lora=False)
+    model = trl_seam.patched_model(trainer)
+    padding_shift.install(model)
+    ids, mask = _batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = _attention_masks(monkeypatch)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, shift_labels=labels, fused_lm_head=True)
+        model(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    assert all(mask is not None for mask, _ in calls)
+
+
 def test_a_sliding_window_layer_keeps_its_mask() -> None:
     class Layer(torch.nn.Module):
         is_causal, sliding_window, num_key_value_groups, training = True, 3, 1, False
