@@ -344,16 +344,17 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     args = training_args(spec, str(run_dir / "actor"), device, world)
     sharded.replicate_arguments(args, model.config)  # read by the Trainer only when it wraps the model in DDP
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],
-        args=args,
-        train_dataset=placeholders,
-        processing_class=tokenizer,
-        callbacks=[callback, *step_profile.from_environment(run_dir / paths.LOGS, rank)],
-        peft_config=lora_config(spec),
-        rollout_func=rollout_func,
-    )
+    with trl_seam.compiled_for_every_length(spec.actor.compile):  # one compile, not one per new batch width
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],
+            args=args,
+            train_dataset=placeholders,
+            processing_class=tokenizer,
+            callbacks=[callback, *step_profile.from_environment(run_dir / paths.LOGS, rank)],
+            peft_config=lora_config(spec),
+            rollout_func=rollout_func,
+        )
     trainer.remove_callback(PrinterCallback)
     if world > 1 and spec.actor.strategy == "ddp":
         sharded.bucket_view_gradients(trainer)

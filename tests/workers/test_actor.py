@@ -361,16 +361,7 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     this test 250 s of CI's two cores (inductor's kernels are torch's, and differ from the GPU's Triton anyway)."""
     from torch._dynamo.utils import counters
 
-    from mortal.workers import actor
-
-    def aot_eager_args(*args, **kwargs):
-        config = training_args(*args, **kwargs)
-        if config.torch_compile:  # a backend set alone turns compiling on (TrainingArguments)
-            config.torch_compile_backend = "aot_eager"
-        return config
-
-    training_args = actor.training_args
-    monkeypatch.setattr(actor, "training_args", aot_eager_args)
+    _compiled_on_aot_eager(monkeypatch)
     torch._dynamo.reset()
     counters.clear()
     grad_norms = {}  # step 1's: its loss is about 0 on-policy (the advantages sum to 0), its gradient is not
@@ -386,3 +377,42 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     assert counters["aot_autograd"]["ok"] > 0 and not counters["inductor"]  # aot_eager's: no inductor lookups
     assert grad_norms["eager"] > 0.01
     assert grad_norms["compiled"] == pytest.approx(grad_norms["eager"], rel=1e-4)
+
+
+def _compiled_on_aot_eager(monkeypatch) -> None:
+    """The actor's torch_compile with the aot_eager backend (the test above says why)."""
+    training_args = actor.training_args
+
+    def aot_eager_args(*args, **kwargs):
+        config = training_args(*args, **kwargs)
+        if config.torch_compile:  # a backend set alone turns compiling on (TrainingArguments)
+            config.torch_compile_backend = "aot_eager"
+        return config
+
+    monkeypatch.setattr(actor, "training_args", aot_eager_args)
+
+
+def _width_recompiles() -> list[str]:
+    """dynamo's reasons for compiling the model's forward again because the batch's width changed."""
+    from torch._dynamo.utils import guard_failures
+
+    return [reason for code, reasons in guard_failures.items() if code.co_name == "_fused_forward"
+            for reason in reasons if "input_ids" in str(reason)]
+
+
+@pytest.mark.parametrize("environment", [None, "0"])
+def test_a_compiled_actor_compiles_its_forward_once_for_every_batch_width(store, tiny_dir: Path, monkeypatch,
+                                                                        environment) -> None:
+    """Steps of different widths (prompts and completions vary) reuse the first compile; with static shapes
+    asked for (ACCELERATE_DYNAMO_USE_DYNAMIC=0, which the actor leaves as it is) a new width compiles again."""
+    from torch._dynamo.utils import guard_failures
+
+    _compiled_on_aot_eager(monkeypatch)
+    if environment is not None:
+        monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, environment)
+    torch._dynamo.reset()
+    guard_failures.clear()
+    spec = actor_spec(str(tiny_dir), actor={"compile": True}, algorithm={"maxSteps": 3},
+                      generation={"maxTokens": 8, "temperature": 1.0})
+    assert run_actor_with_rollout(store, create_run(store, f"widths-{environment or 'default'}", spec)) == EXIT_SUCCEEDED
+    assert bool(_width_recompiles()) == (environment == "0"), _width_recompiles()

@@ -466,3 +466,20 @@ def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completio
                 for p, c in zip(*rollouts.calls[0], strict=True)]
     assert sorted(mask.tolist()) == sorted(expected)  # TRL shuffles the rows
 
+
+
+def test_a_trainer_built_for_every_length_compiles_with_dynamic_shapes(tiny_dir, tmp_path, monkeypatch) -> None:
+    """Assumption 11: the Trainer's dynamo plugin takes `dynamic` from ACCELERATE_DYNAMO_USE_DYNAMIC when built,
+    and compiles the model with it; the context sets it for the construction only, and yields to a value set."""
+    monkeypatch.delenv(trl_seam.DYNAMIC_SHAPES_ENV, raising=False)
+
+    def dynamic(**context: Any) -> Any:
+        with trl_seam.compiled_for_every_length(**context):
+            trainer = _trainer(tiny_dir, tmp_path, FakeRollouts(), torch_compile=True, torch_compile_backend="aot_eager")
+        return trainer.accelerator.state.dynamo_plugin.to_kwargs().get("dynamic")
+
+    assert dynamic() is True
+    assert trl_seam.DYNAMIC_SHAPES_ENV not in os.environ  # put back
+    assert dynamic(enabled=False) in (None, False)
+    monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, "0")
+    assert dynamic() is False  # a value already set wins
