@@ -267,9 +267,10 @@ class ActorSpec(SpecModel):
         description="Compile the model the actor trains with torch.compile (TRL's torch_compile): fused kernels in "
         "forward and backward. Qwen2.5-0.5B's shape in bf16 on one H100, actor and rollout colocated: the actor "
         "trains a step in 0.15-0.21 s against 0.21-0.38 s eager, and the run steps 16.1-21.1x faster than TRL "
-        "against 11.3-16.7x (bench/gpu_step.py --compile mortal, docs/benchmarks.md). It pays at the start: the "
-        "first step compiles (68 s) and the second again with symbolic lengths (109 s); 22 s and 36 s with the "
-        "run's compile cache warm. Worth it for runs of thousands of steps, not for short ones.",
+        "against 11.3-16.7x (bench/gpu_step.py --compile mortal, docs/benchmarks.md). It pays at the start: "
+        "measured on an H100, the first step compiled (68 s) and the second again for its new width (109 s); 22 "
+        "s and 36 s with the run's compile cache warm. Since 2026-11-29 it compiles once, with dynamic shapes "
+        "(CPU-tested, not yet timed on a GPU). Worth it for runs of thousands of steps, not for short ones.",
     )
     liger: bool = Field(
         False,
