@@ -241,7 +241,7 @@ case $group in
               # (the target's GPU) or one H200; run it twice for the lower of two
     gpu_tests 120 -x "$R/tests/workers/test_padding_shift.py"
     # TORCH_LOGS=recompiles: the compiled actor compiled at steps 1 and 2 (80 s, then 120 s; 2026-11-29); with
-    # dynamic shapes from the first compile (trl_seam.compiled_for_every_length, since) it should compile once
+    # dynamic shapes from the first compile (trl_seam.compile_settings, since) it should compile once
     TORCH_LOGS=recompiles bench mfu_shift_compiled 290 --steps 7 --rollouts 1 --only mortal --compile both
     tar czf "$OUT/logs-mfu_shift_compiled.tgz" -C /tmp logs-mfu_shift_compiled 2>/dev/null
     bench mfu_shift_eager 100 --steps 7 --rollouts 1 --only mortal ;;

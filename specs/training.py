@@ -272,6 +272,13 @@ class ActorSpec(SpecModel):
         "s and 36 s with the run's compile cache warm. Since 2026-11-29 it compiles once, with dynamic shapes "
         "(CPU-tested, not yet timed on a GPU). Worth it for runs of thousands of steps, not for short ones.",
     )
+    compile_scope: Literal["model", "layer"] = Field(
+        "model",
+        description="What actor.compile compiles. model: the whole model, one graph (fusions across layers). "
+        "layer: each decoder layer on its own, the compiled code of the first serving all of them (accelerate's "
+        "regional compilation), so the start compiles a layer instead of the model. Not yet measured on a GPU "
+        "(docs/benchmarks.md says what is); on the CPU both train as the eager actor does.",
+    )
     liger: bool = Field(
         False,
         description="Liger's Triton kernels in the model the actor trains: RMSNorm, the rotary embedding and the "

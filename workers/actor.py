@@ -344,7 +344,7 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
     args = training_args(spec, str(run_dir / "actor"), device, world)
     sharded.replicate_arguments(args, model.config)  # read by the Trainer only when it wraps the model in DDP
-    with trl_seam.compiled_for_every_length(spec.actor.compile):  # one compile, not one per new batch width
+    with trl_seam.compile_settings(spec.actor.compile, spec.actor.compile_scope):  # dynamic shapes, the scope
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],

@@ -27,6 +27,7 @@ transformers' sdpa untouched. The values equal the masked forward's up to the at
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 import torch
@@ -98,16 +99,18 @@ def shifted_call(
 def install(model: Any) -> bool:
     """Route the fused-head training calls of `model` (the model TRL's add_fused_lm_head patched; under peft,
     the base model) through shifted_call, when it runs transformers' "sdpa"; returns whether it did. The new
-    forward is an instance attribute over TRL's and keeps `fused_lm_head` in its signature
-    (trl_seam.check_fused_lm_head)."""
+    forward is, as TRL's, a method bound to the model that calls TRL's function on whatever module it is
+    bound to: accelerate's regional compilation copies the model and binds its methods to the copy, whose
+    layers are the compiled ones. It keeps `fused_lm_head` in its signature (trl_seam.check_fused_lm_head)."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or installed(model):
         return False
     AttentionInterface.register(NAME, trailing_padding_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
-    fused_forward = model.forward
+    trl_forward = model.forward.__func__  # TRL's _fused_forward(self, ...)
 
-    def forward(*args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        fused_forward = MethodType(trl_forward, self)
         # peft passes inputs_embeds=None and the like: a None is an argument not given
         given = {k: v for k, v in kwargs.items() if v is not None}
         if not (fused_lm_head and not args and _HANDLED.issuperset(given) and _NEEDED.issubset(given)):
@@ -116,7 +119,7 @@ def install(model: Any) -> bool:
         return shifted_call(fused_forward, given["input_ids"], given["attention_mask"], given["labels"], rest)
 
     forward.padding_shift = True  # type: ignore[attr-defined]  # what installed() looks for
-    model.forward = forward
+    model.forward = MethodType(forward, model)
     return True
 
 

@@ -59,10 +59,14 @@ What mortal relies on (TRL 1.16):
    its end on that premise, so the attention needs no mask.
 11. With `torch_compile` the Trainer builds accelerate's TorchDynamoPlugin in __init__ with `dynamic=None`,
    which then reads ACCELERATE_DYNAMO_USE_DYNAMIC from the environment (TrainingArguments has no option for
-   it), and compiles the model with the plugin's settings when training starts. `compiled_for_every_length`
+   it), and compiles the model with the plugin's settings when training starts. `compile_settings`
    sets it for the trainer's construction: the model is compiled for any batch width once, where the default
    (static shapes, then dynamo's recompile on the first new width) compiled the whole model twice, at steps 1
    and 2 (80 and 120 s for the 0.5B shape on an H200, 2026-11-29).
+12. The same plugin reads ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION; set, accelerate compiles each block of a
+   list of repeated blocks (the decoder layers) with torch.compile, one layer's code serving all, on a copy of
+   the model whose methods it binds to the copy (so TRL's fused forward and padding_shift's, methods that act
+   on the module they are bound to, run the compiled layers).
 """
 
 from __future__ import annotations
@@ -201,21 +205,24 @@ def check_fused_lm_head(trainer: Any) -> None:
 
 
 DYNAMIC_SHAPES_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
+REGIONAL_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
 
 
 @contextlib.contextmanager
-def compiled_for_every_length(enabled: bool = True) -> Iterator[None]:
-    """Around GRPOTrainer(...): its torch_compile compiles with dynamic shapes from the first step (assumption
-    11). A value the environment already holds wins (0: static shapes, every new width compiled again); the
-    variable is put back after."""
-    if not enabled or DYNAMIC_SHAPES_ENV in os.environ:
-        yield
-        return
-    os.environ[DYNAMIC_SHAPES_ENV] = "1"
+def compile_settings(compile: bool, scope: str = "model") -> Iterator[None]:
+    """Around GRPOTrainer(...), when it will compile (torch_compile): dynamic shapes from the first step, so
+    the model compiles once for every batch width (assumption 11), and with scope "layer" accelerate's
+    regional compilation, each repeated layer compiled on its own from one layer's code (assumption 12). A
+    value the environment already holds wins (0 for dynamic shapes: static ones, every new width compiled
+    again); the variables are put back after."""
+    wanted = {DYNAMIC_SHAPES_ENV: "1", REGIONAL_ENV: "1" if scope == "layer" else "0"} if compile else {}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
     try:
         yield
     finally:
-        os.environ.pop(DYNAMIC_SHAPES_ENV, None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def time_loss_start(trainer: Any, stamp: Any) -> None:

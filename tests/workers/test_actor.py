@@ -353,9 +353,11 @@ def test_a_spec_with_only_a_model_trains_with_the_seeds_defaults(store, tiny_dir
     assert "loss" in names and any(name.startswith("rewards/code-execution") for name in names), sorted(names)
 
 
-def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, monkeypatch) -> None:
-    """actor.compile runs the training step through torch.compile (TRL's torch_compile): the first step
-    (same weights, same completions) has the eager run's gradient norm, and the run completes and publishes.
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, monkeypatch, scope) -> None:
+    """actor.compile runs the training step through torch.compile (TRL's torch_compile), the whole model or
+    each decoder layer (actor.compileScope): the first step (same weights, same completions) has the eager
+    run's gradient norm, and the run completes and publishes.
     Compiled here with the aot_eager backend: dynamo's capture and AOT autograd's joint graph (where a step
     that will not compile fails) as on a GPU, without inductor's C++ code generation on the CPU, which made
     this test 250 s of CI's two cores (inductor's kernels are torch's, and differ from the GPU's Triton anyway)."""
@@ -366,7 +368,7 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     counters.clear()
     grad_norms = {}  # step 1's: its loss is about 0 on-policy (the advantages sum to 0), its gradient is not
     for name, compiled in (("eager", False), ("compiled", True)):
-        spec = actor_spec(str(tiny_dir), actor={"compile": compiled}, algorithm={"maxSteps": 2})
+        spec = actor_spec(str(tiny_dir), actor={"compile": compiled, "compileScope": scope}, algorithm={"maxSteps": 2})
         run = create_run(store, name, spec)
         assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
         grad_norms[name] = _metrics(store, name)[1]["grad_norm"]

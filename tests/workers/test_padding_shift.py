@@ -29,7 +29,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("padding_shift") / "model")
 
 
-def _trainer(tiny_dir: Path, out: Path, lora: bool) -> Any:
+def _trainer(tiny_dir: Path, out: Path, lora: bool, **config: Any) -> Any:
     """A GRPOTrainer as the actor builds one (TRL patches its fused LM head in __init__)."""
     from datasets import Dataset
     from peft import LoraConfig
@@ -50,6 +50,7 @@ def _trainer(tiny_dir: Path, out: Path, lora: bool) -> Any:
         temperature=0.7,
         max_completion_length=COMPLETION,
         **checkpointing_arg(False),
+        **config,
     )
     peft_config = (
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -174,6 +175,31 @@ def test_a_loss_call_with_inputs_it_does_not_roll_is_the_models_own(tiny_dir, tm
         model(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask, labels=labels, fused_lm_head=True)
     assert len(calls) == 2 * model.config.num_hidden_layers
     assert all(mask is not None for mask, _ in calls)
+
+
+def test_under_regional_compilation_the_shifted_loss_runs_the_compiled_layers(tiny_dir, tmp_path, monkeypatch) -> None:
+    """accelerate's regional compilation (actor.compileScope layer) compiles the layers on a copy of the model
+    and binds its methods to the copy: the shifted forward must reach the copy's compiled layers, and give
+    the uncompiled model's values."""
+    from torch._dynamo.utils import counters
+
+    for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    plain = _trainer(tiny_dir, tmp_path / "plain", lora=False)
+    with trl_seam.compile_settings(True, "layer"):
+        trainer = _trainer(tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True,
+                           torch_compile_backend="aot_eager")
+    padding_shift.install(trl_seam.patched_model(trainer))
+    compiled = trainer.accelerator.prepare_model(trainer.model)
+    assert compiled is not trainer.model  # the copy whose layers are compiled
+    torch._dynamo.reset()
+    counters.clear()
+    ids, mask = _batch()
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(compiled, ids, mask, COMPLETION)
+        want, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask, COMPLETION)
+    assert counters["frames"]["ok"] > 0, dict(counters["frames"])
+    torch.testing.assert_close(logps, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sliding_window_layer_keeps_its_mask() -> None:

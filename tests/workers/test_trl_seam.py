@@ -468,18 +468,22 @@ def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completio
 
 
 
-def test_a_trainer_built_for_every_length_compiles_with_dynamic_shapes(tiny_dir, tmp_path, monkeypatch) -> None:
-    """Assumption 11: the Trainer's dynamo plugin takes `dynamic` from ACCELERATE_DYNAMO_USE_DYNAMIC when built,
-    and compiles the model with it; the context sets it for the construction only, and yields to a value set."""
-    monkeypatch.delenv(trl_seam.DYNAMIC_SHAPES_ENV, raising=False)
+def test_a_compiling_trainer_takes_dynamic_shapes_and_the_scope_from_the_settings(tiny_dir, tmp_path,
+                                                                              monkeypatch) -> None:
+    """Assumptions 11 and 12: the Trainer's dynamo plugin takes `dynamic` and regional compilation from the
+    environment when built; compile_settings sets both for the construction only, and yields to values set."""
+    for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
+        monkeypatch.delenv(name, raising=False)
 
-    def dynamic(**context: Any) -> Any:
-        with trl_seam.compiled_for_every_length(**context):
+    def plugin(*settings: Any) -> Any:
+        with trl_seam.compile_settings(*settings):
             trainer = _trainer(tiny_dir, tmp_path, FakeRollouts(), torch_compile=True, torch_compile_backend="aot_eager")
-        return trainer.accelerator.state.dynamo_plugin.to_kwargs().get("dynamic")
+        dynamo = trainer.accelerator.state.dynamo_plugin
+        return dynamo.to_kwargs().get("dynamic"), dynamo.use_regional_compilation
 
-    assert dynamic() is True
-    assert trl_seam.DYNAMIC_SHAPES_ENV not in os.environ  # put back
-    assert dynamic(enabled=False) in (None, False)
+    assert plugin(True, "model") == (True, False)
+    assert plugin(True, "layer") == (True, True)
+    assert trl_seam.DYNAMIC_SHAPES_ENV not in os.environ and trl_seam.REGIONAL_ENV not in os.environ  # put back
+    assert plugin(False) in ((None, False), (False, False))
     monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, "0")
-    assert dynamic() is False  # a value already set wins
+    assert plugin(True, "layer") == (False, True)  # a value already set wins
