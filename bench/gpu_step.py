@@ -347,7 +347,7 @@ def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
         "generation": {"maxTokens": args.tokens, "engine": "transformers", "compileScope": args.compile_scope},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
-                  "liger": args.liger is not None,
+                  "compileScope": args.actor_compile_scope, "liger": args.liger is not None,
                   **({"reshardAfterForward": False} if args.keep_gathered else {}),
                   **({"cpuOffload": True} if args.cpu_offload else {}),
                   **({"strategy": args.strategy} if args.actor_gpus > 1 else {})},
@@ -533,6 +533,8 @@ def main() -> None:
     parser.add_argument("--compile-scope", choices=compile_scopes(), default="auto",
                         help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "
                         "spec's, auto)")
+    parser.add_argument("--actor-compile-scope", choices=["model", "layer"], default="model",
+                        help="mortal's actor.compileScope with --compile: the whole model, or each decoder layer")
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",
