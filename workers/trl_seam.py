@@ -215,7 +215,7 @@ def compile_settings(compiling: bool, scope: str = "model") -> Iterator[None]:
     regional compilation, each repeated layer compiled on its own from one layer's code (assumption 12). A
     value the environment already holds wins (0 for dynamic shapes: static ones, every new width compiled
     again); the variables are put back after."""
-    wanted = {DYNAMIC_SHAPES_ENV: "1", REGIONAL_ENV: "1" if scope == "layer" else "0"} if compiling else {}
+    wanted = ({DYNAMIC_SHAPES_ENV: "1"} | ({REGIONAL_ENV: "1"} if scope == "layer" else {})) if compiling else {}
     added = [name for name in wanted if name not in os.environ]
     os.environ.update({name: wanted[name] for name in added})
     try:
