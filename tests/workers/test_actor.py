@@ -364,6 +364,14 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     from torch._dynamo.utils import counters
 
     _compiled_on_aot_eager(monkeypatch)
+    make_trainer, regional = actor.make_trainer, []
+
+    def recording(*args, **kwargs):  # the dynamo plugin's settings as the trainer was built
+        trainer = make_trainer(*args, **kwargs)
+        regional.append(trainer.accelerator.state.dynamo_plugin.use_regional_compilation)
+        return trainer
+
+    monkeypatch.setattr(actor, "make_trainer", recording)
     torch._dynamo.reset()
     counters.clear()
     grad_norms = {}  # step 1's: its loss is about 0 on-policy (the advantages sum to 0), its gradient is not
@@ -379,6 +387,7 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     assert counters["aot_autograd"]["ok"] > 0 and not counters["inductor"]  # aot_eager's: no inductor lookups
     assert grad_norms["eager"] > 0.01
     assert grad_norms["compiled"] == pytest.approx(grad_norms["eager"], rel=1e-4)
+    assert regional[-1] == (scope == "layer")  # the compiled run's: the scope reached accelerate
 
 
 def _compiled_on_aot_eager(monkeypatch) -> None:
