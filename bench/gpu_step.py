@@ -533,8 +533,9 @@ def main() -> None:
     parser.add_argument("--compile-scope", choices=compile_scopes(), default="auto",
                         help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "
                         "spec's, auto)")
-    parser.add_argument("--actor-compile-scope", choices=["model", "layer"], default="model",
-                        help="mortal's actor.compileScope with --compile: the whole model, or each decoder layer")
+    parser.add_argument("--actor-compile-scope", choices=["model", "layer"], default="layer",
+                        help="mortal's actor.compileScope with --compile: each decoder layer (the spec's default), or "
+                        "the whole model")
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
     parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",
@@ -543,6 +544,9 @@ def main() -> None:
                         "unless given (figures meaningless, limits n/a)")
     parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches (both sides') in this folder, "
                         "kept across invocations; default: TRL's in torch's default folder, mortal's fresh per invocation")
+    parser.add_argument("--no-padding-shift", action="store_true",
+                        help="mortal's actor passes TRL's padding mask to the loss's attention (MORTAL_PADDING_SHIFT=0, "
+                        "mortal.workers.padding_shift), to measure the shift against it")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     parser.add_argument("--profile-steps", metavar="A[-B]",
@@ -552,6 +556,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile_steps:
         os.environ["MORTAL_PROFILE_STEPS"] = args.profile_steps  # the controller's workers inherit it
+    if args.no_padding_shift:
+        from mortal.workers.padding_shift import ENV
+
+        os.environ[ENV] = "0"  # as MORTAL_PROFILE_STEPS: the workers inherit it
     if args.gpus < args.actor_gpus:
         parser.error(f"--gpus {args.gpus} is fewer than the actor's --actor-gpus {args.actor_gpus}")
     if args.colocated_replicas and (args.gpus == args.actor_gpus or args.colocated_replicas >= args.rollouts):

@@ -268,16 +268,18 @@ class ActorSpec(SpecModel):
         "forward and backward. Qwen2.5-0.5B's shape in bf16 on one H100, actor and rollout colocated: the actor "
         "trains a step in 0.15-0.21 s against 0.21-0.38 s eager, and the run steps 16.1-21.1x faster than TRL "
         "against 11.3-16.7x (bench/gpu_step.py --compile mortal, docs/benchmarks.md). It pays at the start: "
-        "measured on an H100, the first step compiled (68 s) and the second again for its new width (109 s); 22 "
-        "s and 36 s with the run's compile cache warm. Since 2026-11-29 it compiles once, with dynamic shapes "
-        "(CPU-tested, not yet timed on a GPU). Worth it for runs of thousands of steps, not for short ones.",
+        "measured on an H100, the first step compiled (68 s) and the second again for its new width (109 s). "
+        "It now compiles once, with dynamic shapes, and by default a decoder layer at a time (compileScope): on "
+        "one H200 the first step's update took 16-25 s and every later one 0.106-0.112 s, 38-40% of the GPU's bf16 "
+        "peak (bench/gpu_step.py --compile mortal --actor-compile-scope layer, docs/benchmarks.md). Worth it for "
+        "runs of several hundred steps: eager, the update took 0.160-0.166 s.",
     )
     compile_scope: Literal["model", "layer"] = Field(
-        "model",
-        description="What actor.compile compiles. model: the whole model, one graph (fusions across layers). "
-        "layer: each decoder layer on its own, the compiled code of the first serving all of them (accelerate's "
-        "regional compilation), so the start compiles a layer instead of the model. Not yet measured on a GPU "
-        "(docs/benchmarks.md says what is); on the CPU both train as the eager actor does.",
+        "layer",
+        description="What actor.compile compiles. layer (default): each decoder layer on its own, the compiled code "
+        "of the first serving all of them (accelerate's regional compilation), so the start compiles one layer. "
+        "model: the whole model as one graph. Qwen2.5-0.5B's shape on one H200: layer's first update 16-25 s and "
+        "later ones 0.106-0.112 s; model's first update 213 s and later ones 0.115 s (docs/benchmarks.md).",
     )
     liger: bool = Field(
         False,

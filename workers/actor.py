@@ -359,7 +359,7 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     if world > 1 and spec.actor.strategy == "ddp":
         sharded.bucket_view_gradients(trainer)
     trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
-    if device.startswith("cuda"):  # the loss's attention without a padding mask: SDPA's flash kernel
+    if device.startswith("cuda") and padding_shift.wanted():  # the loss's attention without a padding mask
         padding_shift.install(trl_seam.patched_model(trainer))
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
         trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)

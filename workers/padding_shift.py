@@ -3,10 +3,12 @@
 Called once by mortal.workers.actor on a CUDA actor, after TRL patched the model's forward with its fused LM
 head (trl_seam assumption 6). Why: TRL's batch is the prompts padded on the left next to the completions
 padded on the right (trl_seam assumption 10), so every forward of the loss passes a padding mask, and given a
-mask PyTorch's scaled_dot_product_attention cannot use its flash kernel: it takes the memory-efficient one,
-which spent 22.7 ms of a 106 ms compiled training step's GPU time on an H200 at the 0.5B shape, 64 rows of
-269 tokens (docs/benchmarks.md, issue 14.4). With the shift the compiled update took 0.118 s against
-0.123 s (one run; the step is not bound by the GPU alone).
+mask PyTorch's scaled_dot_product_attention cannot use a flash kernel under torch.compile: it takes the
+memory-efficient one, which spent 22.7 ms of a 106 ms compiled training step's GPU time on an H200 at the
+0.5B shape, 64 rows of 269 tokens (docs/benchmarks.md, issue 14.4). Measured with and without the shift in
+one invocation (the actor compiled a layer at a time, one H200, two runs each): the update took 0.106 s
+against 0.118-0.119 s, and the peak GPU memory was 26.5 GiB against 27.9. (Eager, PyTorch gives the masked
+forward cuDNN's attention on that GPU, so the shift matters less there.)
 
 Once the left padding is rolled to the end of the row, all padding trails the real tokens, and under a
 causal mask a real token never sees a later position: its attention needs no mask. A shifted call:
@@ -24,10 +26,16 @@ It must not change anything else: calls without `fused_lm_head`, with other per-
 token types, shift_labels, inputs_embeds), and any forward outside the loss go to TRL's forward and
 transformers' sdpa untouched. The values equal the masked forward's up to the attention kernel's rounding
 (tests/workers/test_padding_shift.py, on the CPU and, marked gpu, on CUDA).
+
+MORTAL_PADDING_SHIFT=0 in the worker's environment leaves it out: bench/gpu_step.py --no-padding-shift sets it
+to measure the shift against the masked forward in one invocation, and it is the way back should a model or
+kernel disagree with it.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from types import MethodType
 from typing import Any
 
@@ -36,11 +44,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+ENV = "MORTAL_PADDING_SHIFT"  # "0": the actor leaves the shift out
 NAME = "mortal_trailing_padding_sdpa"
 FLAG = "mortal_padding_trails"  # the forward kwarg transformers hands down to every attention call
 PER_TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _NEEDED = frozenset({"input_ids", "attention_mask", "labels"})  # what a shifted call rolls
 _HANDLED = _NEEDED | {"use_cache", "output_router_logits"}  # and what it may pass on unchanged
+
+
+def wanted(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the actor installs the shift: unless ENV is "0"."""
+    return environ.get(ENV, "1").strip() != "0"
 
 
 def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:

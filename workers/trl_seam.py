@@ -209,7 +209,7 @@ REGIONAL_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
 
 
 @contextlib.contextmanager
-def compile_settings(compiling: bool, scope: str = "model") -> Iterator[None]:
+def compile_settings(compiling: bool, scope: str = "layer") -> Iterator[None]:
     """Around GRPOTrainer(...), when it will compile (torch_compile): dynamic shapes from the first step, so
     the model compiles once for every batch width (assumption 11), and with scope "layer" accelerate's
     regional compilation, each repeated layer compiled on its own from one layer's code (assumption 12). A

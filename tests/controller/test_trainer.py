@@ -62,7 +62,7 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
         labels={"team": "rl"},
     )
     spec = t.run.spec_dict()
-    assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True, "compileScope": "model",  # TRL's torch_compile
+    assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True, "compileScope": "layer",  # TRL's torch_compile
                              "liger": True,  # TRL's use_liger_kernel
                              "mixedPrecision": False, "cpuOffload": False,
                              "strategy": "fsdp", "reshardAfterForward": True}

@@ -404,18 +404,19 @@ def _compiled_on_aot_eager(monkeypatch) -> None:
 
 
 def _width_recompiles() -> list[str]:
-    """dynamo's reasons for compiling the model's forward again because the batch's width changed."""
+    """dynamo's reasons for compiling a function again because a tensor's size changed (the batch's width:
+    the model's forward under compileScope model, a decoder layer's under layer)."""
     from torch._dynamo.utils import guard_failures
 
-    return [reason for code, reasons in guard_failures.items() if code.co_name == "_fused_forward"
-            for reason in reasons if "input_ids" in str(reason)]
+    return [str(reason) for reasons in guard_failures.values() for reason in reasons if "size mismatch" in str(reason)]
 
 
-@pytest.mark.parametrize("environment", [None, "0"])
+@pytest.mark.parametrize(("scope", "environment"), [("layer", None), ("layer", "0"), ("model", None)])
 def test_a_compiled_actor_compiles_its_forward_once_for_every_batch_width(store, tiny_dir: Path, monkeypatch,
-                                                                        environment) -> None:
-    """Steps of different widths (prompts and completions vary) reuse the first compile; with static shapes
-    asked for (ACCELERATE_DYNAMO_USE_DYNAMIC=0, which the actor leaves as it is) a new width compiles again."""
+                                                                        environment, scope) -> None:
+    """Steps of different widths (prompts and completions vary) reuse the first compile, in either scope; with
+    static shapes asked for (ACCELERATE_DYNAMO_USE_DYNAMIC=0, which the actor leaves as it is) a new width
+    compiles again."""
     from torch._dynamo.utils import guard_failures
 
     _compiled_on_aot_eager(monkeypatch)
@@ -423,7 +424,7 @@ def test_a_compiled_actor_compiles_its_forward_once_for_every_batch_width(store,
         monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, environment)
     torch._dynamo.reset()
     guard_failures.clear()
-    spec = actor_spec(str(tiny_dir), actor={"compile": True}, algorithm={"maxSteps": 3},
+    spec = actor_spec(str(tiny_dir), actor={"compile": True, "compileScope": scope}, algorithm={"maxSteps": 3},
                       generation={"maxTokens": 8, "temperature": 1.0})
-    assert run_actor_with_rollout(store, create_run(store, f"widths-{environment or 'default'}", spec)) == EXIT_SUCCEEDED
+    assert run_actor_with_rollout(store, create_run(store, f"widths-{scope}-{environment or 'default'}", spec)) == EXIT_SUCCEEDED
     assert bool(_width_recompiles()) == (environment == "0"), _width_recompiles()

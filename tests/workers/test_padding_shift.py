@@ -229,6 +229,12 @@ def test_a_model_that_does_not_run_sdpa_is_left_as_it_is(tiny_dir) -> None:
     assert model.forward == forward and model.config._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize(("value", "wanted"), [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_the_shift_is_wanted_unless_its_environment_variable_is_zero(value, wanted) -> None:
+    environ = {} if value is None else {padding_shift.ENV: value}
+    assert padding_shift.wanted(environ) is wanted
+
+
 def test_installing_twice_wraps_once_and_nothing_of_it_is_saved(tiny_dir, tmp_path) -> None:
     trainer = _trainer(tiny_dir, tmp_path, lora=False)
     model = trl_seam.patched_model(trainer)
@@ -260,6 +266,11 @@ def test_rows_rolled_left_and_back_are_where_they_were_with_the_dropped_position
 
 
 
+def _attention_kernel(kernel: str) -> bool:
+    """Any attention kernel of a profile, by name (so a failure lists those and not every kernel)."""
+    return any(word in kernel.lower() for word in ("attention", "fmha", "flash", "sdpa"))
+
+
 def _memory_efficient(kernel: str) -> bool:
     """SDPA's memory-efficient attention kernels (xformers' CUTLASS ones), by their names in a profile."""
     return "fmha_cutlass" in kernel or "efficient_attention" in kernel
@@ -283,9 +294,11 @@ def _cuda_loss(model: Any) -> tuple[torch.Tensor, list[str], torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_the_loss_runs_sdpas_flash_kernel_and_equals_the_masked_forward_in_bf16(tiny_dir) -> None:
-    """The reason for the module: given the padding mask SDPA takes its memory-efficient kernel, shifted its
-    flash kernel; the values agree to bf16's rounding."""
+def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forward_in_bf16(tiny_dir) -> None:
+    """The reason for the module: without a mask SDPA is free to take a flash kernel (its own or cuDNN's) and
+    never the memory-efficient one; the values agree with the masked forward's to bf16's rounding. Which kernel
+    the masked forward takes is PyTorch's choice: in eager mode on an H200 cuDNN's, under torch.compile (the
+    profiled bench step, docs/benchmarks.md) the memory-efficient one, so the test does not assert it."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -295,9 +308,9 @@ def test_on_cuda_the_loss_runs_sdpas_flash_kernel_and_equals_the_masked_forward_
         add_fused_lm_head(model)
         assert not shift or padding_shift.install(model)
         results.append(_cuda_loss(model))
-    (plain_logps, plain_kernels, plain_grad), (logps, kernels, grad) = results
-    assert any(_memory_efficient(k) for k in plain_kernels), plain_kernels  # the premise
-    assert not any(_memory_efficient(k) for k in kernels), kernels
-    assert any("flash" in k or "cudnn" in k and "sdpa" in k for k in kernels), kernels  # PyTorch picks either
+    (plain_logps, _, plain_grad), (logps, kernels, grad) = results
+    attention = [k for k in kernels if _attention_kernel(k)]
+    assert not any(_memory_efficient(k) for k in attention), attention
+    assert any("flash" in k or ("cudnn" in k and "sdpa" in k) for k in attention), attention
     torch.testing.assert_close(logps, plain_logps, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad, plain_grad, rtol=5e-2, atol=5e-2 * plain_grad.abs().max().item())
