@@ -10,7 +10,7 @@
 # what comes back into bench/results/ under names that say the device and the run, and record it in
 # docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, mfu-split, mfu-shift, compile-layer, layer-trl, shift-ab, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, mfu-split, mfu-shift, compile-layer, layer-trl, shift-ab, profile-layer, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -265,6 +265,10 @@ case $group in
         --no-padding-shift
       bench shift_on_run$run 150 --steps 6 --rollouts 1 --only mortal --compile both --actor-compile-scope layer
     done ;;
+  profile-layer)  # where the layer-compiled step's 0.121-0.133 s go (2026-11-29: update 0.106-0.111 s, TRL's preparation
+                  # 14-20 ms; the whole step's MFU 31.5-35.0% against 35%): step 5 profiled, every table in the logs
+    bench profile_layer 200 --steps 7 --rollouts 1 --only mortal --compile both --profile-steps 5
+    tar czf "$OUT/logs-profile_layer.tgz" -C /tmp logs-profile_layer 2>/dev/null ;;
   regional-profile)  # where the layer scope's decode step loses 0.4-0.5 ms against the whole model's (H200,
                      # 2026-11-28): each scope's kernels for one generate of the first shape (about 3 min)
     timeout -k 10 300 python3 "$R/bench/regional_compile.py" --layers 24 --profile --top 30 \
