@@ -273,6 +273,11 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int =
         bf16=dtype == torch.bfloat16,
         fp16=False,
         logging_steps=1,
+        # Off, Trainer's check of each step's loss for nan/inf (a host wait on the GPU) is gone, so the host
+        # queues the gradient clip and AdamW while the backward still runs: on one H200 the GPU idled about
+        # 5 ms a step there (docs/benchmarks.md). A non-finite loss is then reported as such (workers/metrics.py
+        # leaves it out) instead of being replaced by the previous steps' mean.
+        logging_nan_inf_filter=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

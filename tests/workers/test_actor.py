@@ -18,6 +18,7 @@ from actor_helpers import (
 )
 from rollout_helpers import assets_available, make_tiny_model, task_results
 
+from mortal.specs import TrainingRun
 from mortal.workers import actor, trl_seam
 from mortal.workers.checkpoint import read_marker
 from mortal.workers.feed import RolloutFeed
@@ -50,6 +51,12 @@ def _metrics(store, run: str) -> dict[int, dict[str, float]]:
     for row in store.list_metrics(run):
         out.setdefault(row.step, {})[row.name] = row.value
     return out
+
+
+def test_the_trainer_does_not_wait_on_the_device_to_check_each_steps_loss(tmp_path: Path, tiny_dir: Path) -> None:
+    """transformers' nan/inf filter reads every step's loss back before the optimizer step is queued."""
+    spec = TrainingRun.model_validate({"metadata": {"name": "m"}, "spec": actor_spec(str(tiny_dir))}).spec
+    assert actor.training_args(spec, str(tmp_path), "cpu").logging_nan_inf_filter is False
 
 
 def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_dir: Path) -> None:
