@@ -270,7 +270,7 @@ class ActorSpec(SpecModel):
         "against 11.3-16.7x (bench/gpu_step.py --compile mortal, docs/benchmarks.md). It pays at the start: "
         "measured on an H100, the first step compiled (68 s) and the second again for its new width (109 s). "
         "It now compiles once, with dynamic shapes, and by default a decoder layer at a time (compileScope): on "
-        "one H200 the first step's update took 16-25 s and every later one 0.106-0.112 s, 38-40% of the GPU's bf16 "
+        "one H200 the first step's update took 16-25 s and every later one 0.105-0.111 s, 37-40% of the GPU's bf16 "
         "peak (bench/gpu_step.py --compile mortal --actor-compile-scope layer, docs/benchmarks.md). Worth it for "
         "runs of several hundred steps: eager, the update took 0.160-0.166 s.",
     )
@@ -279,7 +279,7 @@ class ActorSpec(SpecModel):
         description="What actor.compile compiles. layer (default): each decoder layer on its own, the compiled code "
         "of the first serving all of them (accelerate's regional compilation), so the start compiles one layer. "
         "model: the whole model as one graph. Qwen2.5-0.5B's shape on one H200: layer's first update 16-25 s and "
-        "later ones 0.106-0.112 s; model's first update 213 s and later ones 0.115 s (docs/benchmarks.md).",
+        "later ones 0.105-0.111 s; model's first update 213 s and later ones 0.115 s (docs/benchmarks.md).",
     )
     liger: bool = Field(
         False,
