@@ -209,15 +209,17 @@ REGIONAL_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
 
 
 @contextlib.contextmanager
-def compile_settings(compiling: bool, scope: str = "layer") -> Iterator[None]:
+def compile_settings(compiling: bool, scope: str) -> Iterator[None]:
     """Around GRPOTrainer(...), when it will compile (torch_compile): dynamic shapes from the first step, so
     the model compiles once for every batch width (assumption 11), and with scope "layer" accelerate's
     regional compilation, each repeated layer compiled on its own from one layer's code (assumption 12). A
     value the environment already holds wins (0 for dynamic shapes: static ones, every new width compiled
     again); the variables are put back after."""
-    wanted = ({DYNAMIC_SHAPES_ENV: "1"} | ({REGIONAL_ENV: "1"} if scope == "layer" else {})) if compiling else {}
+    wanted = []
+    if compiling:
+        wanted = [DYNAMIC_SHAPES_ENV, REGIONAL_ENV] if scope == "layer" else [DYNAMIC_SHAPES_ENV]
     added = [name for name in wanted if name not in os.environ]
-    os.environ.update({name: wanted[name] for name in added})
+    os.environ.update(dict.fromkeys(added, "1"))
     try:
         yield
     finally:

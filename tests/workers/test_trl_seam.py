@@ -484,6 +484,6 @@ def test_a_compiling_trainer_takes_dynamic_shapes_and_the_scope_from_the_setting
     assert plugin(True, "model") == (True, False)
     assert plugin(True, "layer") == (True, True)
     assert trl_seam.DYNAMIC_SHAPES_ENV not in os.environ and trl_seam.REGIONAL_ENV not in os.environ  # put back
-    assert plugin(False) in ((None, False), (False, False))
+    assert plugin(False, "layer") in ((None, False), (False, False))
     monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, "0")
     assert plugin(True, "layer") == (False, True)  # a value already set wins
