@@ -28,7 +28,8 @@ over tasks) and their weight loads, and the GPUs' busy fraction (nvidia-smi, sam
 while mortal trains). A random-init model almost never
 samples its EOS token, so mortal's completions are 256 tokens long too; the script reports the
 tokens it actually trained on. Prints completion tokens per second for both and their ratio, from
-the median step from the third on (the first two carry start-up, compilation and graph capture).
+the median step from the third on (the first two carry start-up, compilation and graph capture),
+without a maxStaleness k run's last k steps (they have no later generation to overlap: steady_steps).
 
 Figures against the physical limit (issue 14 §4), printed after the throughput and under "limits"
 in the JSON, from mortal's steps from the third on:
@@ -177,13 +178,13 @@ def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
 
 
 def limits(device_name: str, parameters: int, decode_ms: list[float], steps: list[dict],
-           prompt_tokens: int, lora: bool = False, actor_gpus: int = 1) -> dict:
+           prompt_tokens: int, lora: bool = False, actor_gpus: int = 1, staleness: int = 0) -> dict:
     """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown.
     With LoRA a token costs 4N, not 6N: the frozen weights get no gradient (forward 2N, input grads 2N).
     An actor over several GPUs trains the step's tokens on all of them at once, so its MFU is against
     all of their peaks (before 2026-11-28 it was against one GPU's: twice the per-GPU figure on two)."""
     known = gpu_limits(device_name)
-    timed = [s for s in steps[2:] if s.get("train")]
+    timed = [s for s in steady_steps(steps, staleness) if s.get("train")]
     out: dict = {"parameters": parameters, "weight_bytes": 2 * parameters,
                  "bandwidth_bytes_per_second": known[0] if known else None,
                  "peak_bf16_flops": known[1] if known else None,
@@ -387,10 +388,11 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
               f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
         print(f"           {task_summary(tasks.get(s, []), v['ended_at'], parts)}", flush=True)
     args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
-    timed = [v for s, v in sorted(by_step.items()) if "ended_at" in v][2:]
-    if timed:  # the steps the summary's median is taken over, start-up and compilation left out
+    ended = [v for s, v in sorted(by_step.items()) if "ended_at" in v]
+    timed = steady_steps(ended, args.staleness) if len(ended) > 2 else []
+    if timed:  # the steps the summary's median is taken over
         args.gpu_busy = busy.fractions(timed[0]["ended_at"] - timed[0]["step_seconds"], timed[-1]["ended_at"])
-        print(f"  GPU busy fraction over the steps from the third on: {args.gpu_busy}", flush=True)
+        print(f"  GPU busy fraction over the steady steps: {args.gpu_busy}", flush=True)
     return steps
 
 
@@ -458,9 +460,17 @@ class GpuBusy:
         return {k: round(sum(v) / len(v), 3) for k, v in by_gpu.items()}
 
 
-def summarize(name: str, steps: list[dict]) -> dict:
-    """Median wall-clock seconds between step ends and completion tokens, from the third step on."""
-    timed = steps[2:] or steps  # the first steps carry start-up, compilation and graph capture
+def steady_steps(steps: list, staleness: int = 0) -> list:
+    """The steps a figure is taken over: from the third on (the first two carry start-up, compilation and
+    graph capture) and, with maxStaleness k, without the run's last k, whose training has no later
+    generation to share the GPU with, so they are shorter than the steady state (7B full on one H200: 2.09 s
+    against 3.62 s; before 2026-12-01 four-step runs' medians mixed the two). Falls back to what there is."""
+    return steps[2:len(steps) - staleness] or steps[2:] or steps
+
+
+def summarize(name: str, steps: list[dict], staleness: int = 0) -> dict:
+    """Median wall-clock seconds between step ends and completion tokens over the steady steps."""
+    timed = steady_steps(steps, staleness)
     seconds = statistics.median(s["seconds"] for s in timed)
     tokens = statistics.median(s["tokens"] for s in timed)
     summary = {"median_step_seconds": seconds, "completion_tokens_per_step": tokens,
@@ -470,10 +480,10 @@ def summarize(name: str, steps: list[dict]) -> dict:
     return summary
 
 
-def sync_summary(steps: list[dict], method: str) -> dict:
-    """Weight sync per version from the third step on, in ms: the actor's publish (snapshot, manifest,
+def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
+    """Weight sync per version over the steady steps, in ms: the actor's publish (snapshot, manifest,
     store record) and the rollout's load (fetch or copy into its model), and their sum."""
-    timed = steps[2:] or steps
+    timed = steady_steps(steps, staleness)
     out = {}
     for part in ("publish", "load"):
         values = [s[part] * 1000 for s in timed if part in s]
@@ -646,12 +656,12 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
             print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
                   f"mortal starts", flush=True)
         out["mortal"] = summarize(f"mortal (actor of {args.actor_gpus} rank(s) + {args.rollouts} rollouts {where}, maxStaleness "
-                                  f"{args.staleness})", run_mortal(model, args, work))
+                                  f"{args.staleness})", run_mortal(model, args, work), args.staleness)
         out["gpu_busy"] = args.gpu_busy
-        out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync)
+        out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync, args.staleness)
         out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
                                prompt_tokens_per_step(model, args), lora=bool(args.lora),
-                               actor_gpus=args.actor_gpus)
+                               actor_gpus=args.actor_gpus, staleness=args.staleness)
 
 
 if __name__ == "__main__":

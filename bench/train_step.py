@@ -3,7 +3,8 @@ fixed rollout, once per precision, in one process.
 
     python bench/train_step.py --model PATH.gguf [--precision fp32 tf32 bf16-autocast] [--loss fused full]
                                [--steps 6] [--prompts 8] [--gens 8] [--prompt-len 128] [--completion-len 96]
-                               [--profile] [--json out.json]
+                               [--micro-batch N] [--profile] [--json out.json]
+    python bench/train_step.py --shape 1.5b [--vocab 151936] ...   # Qwen2.5's shape, random weights
     python bench/train_step.py --cpu --model PATH.gguf     # a smoke test of the script, tiny sizes
 
 Why: on the learning bench (bench/learning_gpu.py) mortal's step on an H100 is bounded by the
@@ -37,6 +38,12 @@ Losses (--loss, each precision with each):
 - full: the plain path it replaced, for comparison only: the model's logits over the whole vocabulary
   for every completion token, divided by the temperature, log-softmax, gather and entropy (what TRL
   before the fused head did, and what the figures of a memory-lean step are measured against).
+Shapes (--shape, in place of --model): Qwen2.5's shapes of bench/gpu_step.py, random weights built on the
+GPU, with SmolLM2's tokenizer; --vocab sets the vocabulary (49,152, SmolLM2's, as gpu_step.py; 151,936 is
+Qwen2.5's own, where whole-vocabulary logits cost three times as much). Token ids are drawn from the
+tokenizer's range whatever the vocabulary, so TRL can decode every completion.
+A variant that runs out of GPU memory is a finding, not a failure of the bench: it is recorded with torch's
+message (`out_of_memory`) and the next variant runs.
 Timing: wall clock between consecutive steps' ends (on_step_end, after a CUDA synchronize), the first
 --warmup steps left out; the median is reported. Peak GPU memory is torch's max_memory_allocated over
 the timed steps. --profile adds torch.profiler over one timed step and prints the kernels that took
@@ -46,6 +53,7 @@ the most GPU time.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -128,7 +136,42 @@ def use_full_logits(trainer) -> None:
     trainer._get_per_token_logps_and_entropies = full_logits
 
 
+def shaped_model(shape: str, vocab: int, device: str, dtype_name: str):
+    """A random-init model of Qwen2.5's `shape` (bench/gpu_step.py's SHAPES) with `vocab` embeddings, built on
+    `device` (a 3B model's init takes a minute on the CPU, a second on the GPU), and SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_step import SHAPES
+
+    config = Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=vocab,
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name))
+    assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
+    return model, AutoTokenizer.from_pretrained(assets / "smollm2-tok")
+
+
 def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespace, device: str, work: Path) -> dict:
+    """One variant's timed steps; out of GPU memory, what torch said (module docstring)."""
+    import torch
+
+    try:
+        return train_variant(precision, loss, kernels, args, device, work)
+    except torch.OutOfMemoryError as error:
+        message = str(error).splitlines()[0]
+    # out of the except block, the traceback's frames (the trainer, the model) are gone and their memory can go
+    print(f"{precision}, {loss} loss, {kernels} kernels: out of GPU memory: {message}", flush=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"precision": precision, "loss": loss, "kernels": kernels, "out_of_memory": message,
+            "median_step_seconds": None, "peak_memory_gib": peak}
+
+
+def train_variant(precision: str, loss: str, kernels: str, args: argparse.Namespace, device: str, work: Path) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -136,11 +179,19 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
 
     from mortal.workers.actor import checkpointing_arg
 
-    model, tokenizer = load_model(args.model, device, "bfloat16" if precision == "bf16" else "float32")
-    rollout, reward, completion_tokens = fixed_rollout(args, model.config.vocab_size)
+    dtype_name = "bfloat16" if precision == "bf16" else "float32"
+    if args.shape:
+        model, tokenizer = shaped_model(args.shape, args.vocab, device, dtype_name)
+    else:
+        model, tokenizer = load_model(args.model, device, dtype_name)
+    # ids TRL can decode: the tokenizer's range, which a --vocab larger than SmolLM2's exceeds
+    rollout, reward, completion_tokens = fixed_rollout(args, min(model.config.vocab_size, len(tokenizer)))
+    batch = args.prompts * args.gens
+    micro = args.micro_batch or batch  # mortal's algorithm.microBatchSize: one rollout an optimizer step
     config = GRPOConfig(
-        output_dir=str(work / f"{precision}-{loss}-{kernels}"), per_device_train_batch_size=args.prompts * args.gens,
-        num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
+        output_dir=str(work / f"{precision}-{loss}-{kernels}"), per_device_train_batch_size=micro,
+        num_generations=args.gens, steps_per_generation=batch // micro, gradient_accumulation_steps=batch // micro,
+        num_iterations=1,
         max_steps=args.steps, learning_rate=2e-5, loss_type="dapo", beta=0.0, max_completion_length=args.completion_len,
         bf16=precision in ("bf16-autocast", "bf16"), fp16=False, use_liger_kernel=kernels == "liger",
         torch_compile=kernels.startswith("compile"),
@@ -182,7 +233,7 @@ def run_variant(precision: str, loss: str, kernels: str, args: argparse.Namespac
         use_full_logits(trainer)
     trainer.train()
     step_seconds = [b - a for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:], strict=False)]
-    out = {"precision": precision, "loss": loss, "kernels": kernels, "step_seconds": step_seconds,
+    out = {"precision": precision, "loss": loss, "kernels": kernels, "micro_batch": micro, "step_seconds": step_seconds,
            "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
            "completion_tokens": completion_tokens,
            # equal across --loss up to float summation order: the same step computed two ways
@@ -265,8 +316,16 @@ def _python_frames(event, depth: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, required=True, help="the SmolLM2 GGUF file, a model folder, or a folder with only a config.json "
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="the SmolLM2 GGUF file, a model folder, or a folder with only a config.json "
                         "(random weights of that shape)")
+    source.add_argument("--shape", choices=["tiny", "0.5b", "1.5b", "3b", "7b"],
+                        help="Qwen2.5's shape of this size, random weights (bench/gpu_step.py's SHAPES)")
+    parser.add_argument("--vocab", type=int, default=49152,
+                        help="--shape's vocabulary: 49152 (SmolLM2's, gpu_step.py's) or 151936 (Qwen2.5's own)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="completions per forward/backward pass, gradients accumulated to the step's batch "
+                        "(mortal's algorithm.microBatchSize)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--loss", nargs="+", choices=LOSSES, default=["fused"],
                         help="fused: TRL's own (the actor's); full: whole-vocabulary logits, for comparison")
@@ -294,7 +353,10 @@ def main() -> None:
     if args.cpu:
         args.prompts, args.gens, args.prompt_len, args.completion_len, args.steps = 2, 2, 8, 8, 4
         args.precision, args.loss = ["fp32"], list(LOSSES)
-    elif not torch.cuda.is_available():
+    if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
+                     f"{args.prompts * args.gens})")
+    if not args.cpu and not torch.cuda.is_available():
         sys.exit("bench/train_step.py needs a CUDA GPU (or --cpu for a smoke test)")
     if args.steps < args.warmup + 2:
         sys.exit(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + 2 to time a step")

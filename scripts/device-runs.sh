@@ -10,7 +10,7 @@
 # what comes back into bench/results/ under names that say the device and the run, and record it in
 # docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, regional, decoder-tests, regional-profile, scope-step, mfu-split, mfu-shift, compile-layer, layer-trl, shift-ab, profile-layer, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, fused-loss, seven-b-full-one, regional, decoder-tests, regional-profile, scope-step, mfu-split, mfu-shift, compile-layer, layer-trl, shift-ab, profile-layer, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -33,6 +33,20 @@ bench() {
   grep -E "s/step|busy|peak|mortal / TRL|weight sync|limits|Error|Traceback" "/tmp/$name.log" | tail -12
   cat "/tmp/$name.log" >> "$OUT/all.log"
   [ "$rc" = 0 ] || tar czf "$OUT/logs-$name.tgz" -C /tmp "logs-$name" "$name.log" 2>/dev/null
+}
+
+# train_step NAME LIMIT_SECONDS ARGS...: bench/train_step.py ARGS (TRL's training step alone, each --loss in turn in
+# one process) under a time limit; its JSON is $OUT/NAME.json
+train_step() {
+  local name=$1 limit=$2 began rc
+  shift 2
+  began=$(date +%s)
+  echo "== $name at $((began - started)) s: $*"
+  timeout -k 10 "$limit" python3 "$R/bench/train_step.py" --json "$OUT/$name.json" "$@" > "/tmp/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $(( $(date +%s) - began )) s"
+  grep -E "median step|out of GPU memory|Error|Traceback" "/tmp/$name.log" | tail -8
+  cat "/tmp/$name.log" >> "$OUT/all.log"
 }
 
 # gpu_tests LIMIT_SECONDS PYTEST_ARGS...: GPU-marked tests under a time limit; their temporary folders (worker
@@ -452,5 +466,17 @@ case $group in
             # two H200s, 2026-11-28): failed 2026-11-27 (the tied head) and 2026-11-28 (DTensor.from_local put the
             # placed shards back on the GPU: models.with_local_shard)
     gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "mixed_precision and True" ;;
+  fused-loss)  # issue 15.1's memory-lean step: TRL's fused LM head (what the actor's loss runs, trl_seam assumption 6)
+               # against whole-vocabulary logits, bf16, 64 x (32 + 256) tokens, at Qwen2.5's shapes with Qwen's own
+               # vocabulary (151,936) and, at 0.5B, the benches' SmolLM2 one (49,152); each shape one process, the two
+               # losses in the order LOSSES gives (run twice, the order swapped: "fused full", then "full fused")
+    for shape in "0.5b 151936 64" "1.5b 151936 16" "3b 151936 8" "0.5b 49152 64"; do
+      set -- $shape
+      train_step "train_step_${1}_v${2}_${LOSS_TAG:-run1}" 150 --shape "$1" --vocab "$2" --micro-batch "$3" \
+        --precision bf16 --loss ${LOSSES:-fused full} --prompt-len 32 --completion-len 256 --fixed-lengths --steps 6
+    done ;;
+  seven-b-full-one)  # the 7B shape's full fine-tune on ONE H200 (141 GB: mortalctl apply's bound is 110 GB with the
+                     # colocated rollout and the ring of 3), beside TRL in the same invocation
+    bench sevenb_full_onegpu_${RUN_TAG:-run1} 570 --shape 7b --micro-batch 8 --steps 4 ${EXTRA:-} ;;
   *) echo "unknown group $group" >&2; exit 2 ;;
 esac

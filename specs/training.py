@@ -291,7 +291,7 @@ class ActorSpec(SpecModel):
         "4.36, but the step itself was no shorter (0.26-0.36 s against 0.25-0.28 s: the host's launches bound it; "
         "bench/train_step.py --kernels liger, docs/benchmarks.md). So it helps where training shares its GPU with "
         "generation (maxStaleness > 0 beside a colocated rollout), not an on-policy step: the same shape with "
-        "maxStaleness 1 on one H200 stepped in 0.57 s against 0.65 s, peak memory 27.3 GiB against 33.8 "
+        "maxStaleness 1 on one H200 stepped in 0.58 s against 0.65 s, peak memory 27.3 GiB against 33.8 "
         "(bench/gpu_step.py --staleness 1 --liger mortal). Needs a GPU, the "
         "liger-kernel package (`pip install 'mortal[liger]'`) and an architecture Liger patches (Llama, Qwen2 and "
         "Qwen3, Mistral, Gemma, Phi3 and others); the actor fails at start, naming this field, otherwise. The "

@@ -39,3 +39,29 @@ def test_the_updates_mfu_leaves_out_trls_preparation_of_the_batch() -> None:
 def test_a_gpu_outside_the_table_has_no_floor_and_no_mfu() -> None:
     out = gpu_step.limits("NVIDIA A10G", PARAMETERS, [2.0], _steps(0.2, 0.05, 0.14), prompt_tokens=0)
     assert out["mfu"] is None and out["update_mfu"] is None and out["hbm_floor_ms_per_step"] is None
+
+
+def _timed(seconds: list[float]) -> list[dict]:
+    return [{"seconds": s, "tokens": 16_384} for s in seconds]
+
+
+def test_an_on_policy_runs_median_is_taken_from_its_third_step_on() -> None:
+    out = gpu_step.summarize("mortal", _timed([17.0, 3.0, 2.9, 3.1]))
+    assert out["median_step_seconds"] == pytest.approx(3.0)
+
+
+def test_a_max_staleness_runs_last_steps_with_nothing_to_overlap_are_left_out_of_its_median() -> None:
+    # 7B full on one H200, maxStaleness 1: steps 2-3 trained beside the next generation, step 4 alone
+    out = gpu_step.summarize("mortal", _timed([17.46, 3.62, 3.62, 2.09]), staleness=1)
+    assert out["median_step_seconds"] == pytest.approx(3.62)
+
+
+def test_too_few_steps_to_leave_any_out_keep_what_there_is() -> None:
+    assert gpu_step.steady_steps([1, 2, 3], staleness=1) == [3]
+    assert gpu_step.steady_steps([1, 2], staleness=1) == [1, 2]
+
+
+def test_the_mfu_of_a_max_staleness_run_is_over_its_steady_steps() -> None:
+    steps = _steps(0.5, None, None, n=3) + _steps(0.2, None, None, n=1)  # the last trains alone, faster
+    out = gpu_step.limits("NVIDIA H200", PARAMETERS, [], steps, prompt_tokens=0, staleness=1)
+    assert out["train_seconds"] == pytest.approx(0.5)
