@@ -149,8 +149,10 @@ class AlgorithmSpec(SpecModel):
         0, ge=0,
         description="How many weight versions rollouts may lag the actor; 0 = on-policy (exactly reproducible "
         "on CPU). 1 = generate step s+1 while the actor trains step s (async, importance-corrected): use it "
-        "when generation and training take comparable time, e.g. rollouts on GPUs of their own; on one H100 "
-        "with colocated rollouts it gave 0.99 s/step against 1.19 on-policy (docs/benchmarks.md).",
+        "when generation and training take comparable time on GPUs of their own. With the rollout colocated on "
+        "the actor's one GPU the two contend for it, and on one H200 it was slower at every size measured "
+        "(Qwen2.5-0.5B's shape 0.65 s a step against 0.60 on-policy, unless actor.liger; 7B LoRA 4.2 s against "
+        "3.4-3.8; 7B full 3.62 s against 2.96: docs/benchmarks.md).",
     )
     seed: int = Field(0, ge=0, description="Seed of data order, sampling and initialization.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
