@@ -480,6 +480,25 @@ def summarize(name: str, steps: list[dict], staleness: int = 0) -> dict:
     return summary
 
 
+def resummarize(paths: list[Path]) -> None:
+    """Recorded runs' figures over their steady steps, from the steps each JSON keeps: how the maxStaleness
+    figures recorded before steady_steps were recomputed (docs/benchmarks.md, 2026-12-01)."""
+    for path in paths:
+        recorded = json.loads(path.read_text())
+        staleness = recorded.get("staleness") or 0
+        figures = {}
+        for side, lag in (("trl", 0), ("mortal", staleness)):
+            if (recorded.get(side) or {}).get("steps"):
+                steady = steady_steps(recorded[side]["steps"], lag)
+                seconds = statistics.median(s["seconds"] for s in steady)
+                figures[side] = (seconds, statistics.median(s["tokens"] for s in steady) / seconds)
+                print(f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, {figures[side][1]:,.0f} tokens/s "
+                      f"(recorded: {recorded[side]['median_step_seconds']:.3f} s/step)", flush=True)
+        if len(figures) == 2:
+            print(f"{path.name}: mortal / TRL {figures['mortal'][1] / figures['trl'][1]:.2f}x "
+                  f"(recorded: {recorded.get('mortal_over_trl', float('nan')):.2f}x)", flush=True)
+
+
 def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
     """Weight sync per version over the steady steps, in ms: the actor's publish (snapshot, manifest,
     store record) and the rollout's load (fetch or copy into its model), and their sum."""
@@ -563,7 +582,13 @@ def main() -> None:
                         help="profile mortal's actor over these optimizer steps, every rank (MORTAL_PROFILE_STEPS, "
                         "mortal.workers.step_profile); the tables come with --logs. A profiled step is slower: "
                         "the throughput of such a run is not a figure to report")
+    parser.add_argument("--resummarize", type=Path, nargs="+", metavar="JSON",
+                        help="no run: each recorded JSON's s/step, tokens/s and mortal / TRL again over its steady "
+                        "steps (steady_steps), beside what it recorded")
     args = parser.parse_args()
+    if args.resummarize:
+        resummarize(args.resummarize)
+        return
     if args.profile_steps:
         os.environ["MORTAL_PROFILE_STEPS"] = args.profile_steps  # the controller's workers inherit it
     if args.no_padding_shift:

@@ -1,8 +1,10 @@
 """bench/gpu_step.py's figures against the physical limit: decode against the HBM floor, and training MFU over the
-whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs."""
+whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs; and the
+steps every figure is taken over (steady_steps: a maxStaleness run's last steps overlap nothing)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -65,3 +67,15 @@ def test_the_mfu_of_a_max_staleness_run_is_over_its_steady_steps() -> None:
     steps = _steps(0.5, None, None, n=3) + _steps(0.2, None, None, n=1)  # the last trains alone, faster
     out = gpu_step.limits("NVIDIA H200", PARAMETERS, [], steps, prompt_tokens=0, staleness=1)
     assert out["train_seconds"] == pytest.approx(0.5)
+
+
+def test_a_recorded_run_is_resummarized_over_its_steady_steps(tmp_path, capsys) -> None:
+    recorded = {"staleness": 1, "mortal_over_trl": 4.81,
+                "trl": {"median_step_seconds": 13.82, "steps": _timed([35.3, 12.6, 13.11, 14.53])},
+                "mortal": {"median_step_seconds": 2.85, "steps": _timed([17.46, 3.62, 3.62, 2.09])}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(recorded))
+    gpu_step.resummarize([path])
+    out = capsys.readouterr().out
+    assert "mortal (maxStaleness 1) 3.620 s/step" in out and "(recorded: 2.850 s/step)" in out
+    assert f"mortal / TRL {13.82 / 3.62:.2f}x (recorded: 4.81x)" in out  # TRL over steps 3-4, mortal over step 3
