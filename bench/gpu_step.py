@@ -102,14 +102,22 @@ SHAPES = {
 }
 
 
+def shape_config(shape: str, vocab_size: int = 49152):
+    """Qwen2.5's config of `shape` (SHAPES) with `vocab_size` embeddings (SmolLM2's by default: its tokenizer is
+    the benches'); bench/train_step.py takes Qwen's own 151,936 too."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=vocab_size,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
 def make_model(folder: Path, shape: str = "0.5b") -> Path:
     """A random-init model of one of SHAPES, and SmolLM2's tokenizer (its vocabulary size)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
-    config = Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=49152,
-                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = shape_config(shape)
     torch.manual_seed(0)
     # initialised on the GPU where there is one: a 7B model's random init takes minutes on the CPU, seconds there
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -389,7 +397,7 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         print(f"           {task_summary(tasks.get(s, []), v['ended_at'], parts)}", flush=True)
     args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
     ended = [v for s, v in sorted(by_step.items()) if "ended_at" in v]
-    timed = steady_steps(ended, args.staleness) if len(ended) > 2 else []
+    timed = steady_steps(ended, args.staleness)
     if timed:  # the steps the summary's median is taken over
         args.gpu_busy = busy.fractions(timed[0]["ended_at"] - timed[0]["step_seconds"], timed[-1]["ended_at"])
         print(f"  GPU busy fraction over the steady steps: {args.gpu_busy}", flush=True)
@@ -464,13 +472,14 @@ def steady_steps(steps: list, staleness: int = 0) -> list:
     """The steps a figure is taken over: from the third on (the first two carry start-up, compilation and
     graph capture) and, with maxStaleness k, without the run's last k, whose training has no later
     generation to share the GPU with, so they are shorter than the steady state (7B full on one H200: 2.09 s
-    against 3.62 s; before 2026-12-01 four-step runs' medians mixed the two). Falls back to what there is."""
-    return steps[2:len(steps) - staleness] or steps[2:] or steps
+    against 3.62 s; before 2026-12-01 four-step runs' medians mixed the two). A run too short to leave its
+    last steps out keeps them; one of two steps or fewer has none (the callers say what they fall back to)."""
+    return steps[2:len(steps) - staleness] or steps[2:]
 
 
 def summarize(name: str, steps: list[dict], staleness: int = 0) -> dict:
     """Median wall-clock seconds between step ends and completion tokens over the steady steps."""
-    timed = steady_steps(steps, staleness)
+    timed = steady_steps(steps, staleness) or steps
     seconds = statistics.median(s["seconds"] for s in timed)
     tokens = statistics.median(s["tokens"] for s in timed)
     summary = {"median_step_seconds": seconds, "completion_tokens_per_step": tokens,
@@ -489,7 +498,7 @@ def resummarize(paths: list[Path]) -> None:
         figures = {}
         for side, lag in (("trl", 0), ("mortal", staleness)):
             if (recorded.get(side) or {}).get("steps"):
-                steady = steady_steps(recorded[side]["steps"], lag)
+                steady = steady_steps(recorded[side]["steps"], lag) or recorded[side]["steps"]
                 seconds = statistics.median(s["seconds"] for s in steady)
                 figures[side] = (seconds, statistics.median(s["tokens"] for s in steady) / seconds)
                 print(f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, {figures[side][1]:,.0f} tokens/s "
@@ -502,7 +511,7 @@ def resummarize(paths: list[Path]) -> None:
 def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
     """Weight sync per version over the steady steps, in ms: the actor's publish (snapshot, manifest,
     store record) and the rollout's load (fetch or copy into its model), and their sum."""
-    timed = steady_steps(steps, staleness)
+    timed = steady_steps(steps, staleness) or steps
     out = {}
     for part in ("publish", "load"):
         values = [s[part] * 1000 for s in timed if part in s]

@@ -140,13 +140,12 @@ def shaped_model(shape: str, vocab: int, device: str, dtype_name: str):
     """A random-init model of Qwen2.5's `shape` (bench/gpu_step.py's SHAPES) with `vocab` embeddings, built on
     `device` (a 3B model's init takes a minute on the CPU, a second on the GPU), and SmolLM2's tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_step import SHAPES
+    from gpu_step import shape_config
 
-    config = Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=vocab,
-                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = shape_config(shape, vocab)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name))

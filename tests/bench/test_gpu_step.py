@@ -60,7 +60,8 @@ def test_a_max_staleness_runs_last_steps_with_nothing_to_overlap_are_left_out_of
 
 def test_too_few_steps_to_leave_any_out_keep_what_there_is() -> None:
     assert gpu_step.steady_steps([1, 2, 3], staleness=1) == [3]
-    assert gpu_step.steady_steps([1, 2], staleness=1) == [1, 2]
+    assert gpu_step.steady_steps([1, 2], staleness=1) == []
+    assert gpu_step.summarize("mortal", _timed([4.0, 2.0]), staleness=1)["median_step_seconds"] == 3.0  # both, then
 
 
 def test_the_mfu_of_a_max_staleness_run_is_over_its_steady_steps() -> None:
