@@ -477,11 +477,16 @@ def steady_steps(steps: list, staleness: int = 0) -> list:
     return steps[2:len(steps) - staleness] or steps[2:]
 
 
-def summarize(name: str, steps: list[dict], staleness: int = 0) -> dict:
-    """Median wall-clock seconds between step ends and completion tokens over the steady steps."""
+def steady_medians(steps: list[dict], staleness: int = 0) -> tuple[float, float]:
+    """Median wall-clock seconds between step ends and completion tokens over the steady steps (all of them
+    when a run is too short to have any)."""
     timed = steady_steps(steps, staleness) or steps
-    seconds = statistics.median(s["seconds"] for s in timed)
-    tokens = statistics.median(s["tokens"] for s in timed)
+    return statistics.median(s["seconds"] for s in timed), statistics.median(s["tokens"] for s in timed)
+
+
+def summarize(name: str, steps: list[dict], staleness: int = 0) -> dict:
+    """steady_medians, printed and kept with the steps."""
+    seconds, tokens = steady_medians(steps, staleness)
     summary = {"median_step_seconds": seconds, "completion_tokens_per_step": tokens,
                "completion_tokens_per_second": tokens / seconds, "steps": steps}
     print(f"{name}: {seconds:.2f} s/step, {tokens:.0f} completion tokens/step, {tokens / seconds:.0f} tokens/s",
@@ -498,9 +503,8 @@ def resummarize(paths: list[Path]) -> None:
         figures = {}
         for side, lag in (("trl", 0), ("mortal", staleness)):
             if (recorded.get(side) or {}).get("steps"):
-                steady = steady_steps(recorded[side]["steps"], lag) or recorded[side]["steps"]
-                seconds = statistics.median(s["seconds"] for s in steady)
-                figures[side] = (seconds, statistics.median(s["tokens"] for s in steady) / seconds)
+                seconds, tokens = steady_medians(recorded[side]["steps"], lag)
+                figures[side] = (seconds, tokens / seconds)
                 print(f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, {figures[side][1]:,.0f} tokens/s "
                       f"(recorded: {recorded[side]['median_step_seconds']:.3f} s/step)", flush=True)
         if len(figures) == 2:
