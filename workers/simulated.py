@@ -15,6 +15,7 @@ seconds on a CPU. Annotations tune it:
 The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
 run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy
 (the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
+The rollout imports the spec's reward functions (mortal.workers.rewards.load_reward) but scores as above.
 """
 
 from __future__ import annotations
@@ -244,8 +245,10 @@ def _metrics(rewards: list[float], seconds: float) -> dict[str, float]:
 
 # -- rollout -----------------------------------------------------------------------------------
 def run_rollout(ctx: WorkerContext) -> int:
-    """Serve tasks until told to stop."""
+    """Serve tasks until told to stop; first import the spec's reward functions as a real rollout does, so
+    one that cannot be imported (from the run's code snapshot, or installed) fails the run here too."""
     settings = Settings.of(ctx.run)
+    load_reward_functions(ctx.run)
     while not ctx.stopping.is_set():
         task = serve_one(ctx, settings)
         if task is None:
@@ -253,6 +256,16 @@ def run_rollout(ctx: WorkerContext) -> int:
         else:
             ctx.report(step=task.step, weight_version=(task.result or {}).get("weight_version"))
     return EXIT_SUCCEEDED
+
+
+def load_reward_functions(run: TrainingRun) -> None:
+    """Each `function` reward resolved with the rollout's loader (built-in envs are not built: no sandbox)."""
+    from mortal.workers.rewards import load_reward
+
+    names = reward_names(run.spec.rewards)
+    for i, (entry, name) in enumerate(zip(run.spec.rewards, names, strict=True)):
+        if entry.function:
+            load_reward(entry, i, name)
 
 
 def serve_one(ctx: WorkerContext, settings: Settings) -> TaskRow | None:
