@@ -19,6 +19,8 @@ import hashlib
 import os
 import re
 import shutil
+import sys
+import sysconfig
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
@@ -146,6 +148,24 @@ def needed_parts(spec: TrainingSpec, folders: list[Path]) -> list[tuple[Part, Pa
     return list(found.values())
 
 
+def importing_folders(spec: TrainingSpec, working: Path) -> list[Path]:
+    """`working`, then the folders this process imported the spec's user modules from (a MortalTrainer
+    script's own folder, on sys.path[0]); installed packages' folders are not the user's to copy."""
+    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := sysconfig.get_paths().get(key))}
+    folders = [working]
+    for _, ref in references(spec):
+        top = ref.partition(":")[0].split(".")[0]
+        origin = getattr(sys.modules.get(top), "__file__", None)
+        if top in INSTALLED_TOP or not origin:
+            continue
+        path = Path(origin).resolve()
+        root = path.parent.parent if path.name == "__init__.py" else path.parent
+        if root not in folders and not any(root == p or root.is_relative_to(p) for p in installed):
+            folders.append(root)
+    return folders
+
+
 def limit_bytes() -> int:
     raw = os.environ.get(LIMIT_ENV)
     try:
@@ -207,6 +227,17 @@ def build(spec: TrainingSpec, folders: list[Path]) -> Snapshot:
         raise
     snapshot.digest = digest.hexdigest() if parts else None
     return snapshot
+
+
+def carry_snapshot(annotations: Mapping[str, str], parent: str, child: str) -> None:
+    """A fork keeps its parent's code: the parent's snapshot copied into the child's folder (when the
+    child has none of that digest yet: MortalTrainer's admission installed its own)."""
+    digest = annotations.get(CODE_ANNOTATION)
+    if not digest or not DIGEST.match(digest) or paths.code_dir(child, digest).is_dir():
+        return
+    source = paths.code_dir(parent, digest)
+    if source.is_dir():
+        Snapshot(source, digest=digest).install(child)
 
 
 def code_environ(annotations: Mapping[str, str]) -> dict[str, str]:
