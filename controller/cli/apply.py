@@ -149,7 +149,7 @@ def apply_command(
     with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
         for admission in admitted:
             for check in admission.checks if dry_run else admission.deferred:
-                typer.echo(("check: " if dry_run else "note: ") + check.line(admission.run.name), err=not dry_run)
+                typer.echo(("check: " if dry_run else "note: ") + check.line(admission.run.name), err=True)
         results = apply_runs(cli.store, runs, dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:
