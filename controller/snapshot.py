@@ -240,6 +240,33 @@ def carry_snapshot(annotations: Mapping[str, str], parent: str, child: str) -> N
         Snapshot(source, digest=digest).install(child)
 
 
+def ray_runtime_env(run: str, env: Mapping[str, str], home: str | Path) -> dict[str, object] | None:
+    """Ray's runtime_env that ships the run's snapshot to a node that does not share this MORTAL_HOME
+    (spec.ray.sharedFilesystem false): its working_dir, uploaded by Ray; linked model folders are not sent."""
+    digest = env.get(paths.CODE_SNAPSHOT_ENV)
+    if not digest or not DIGEST.match(digest):
+        return None
+    folder = paths.code_dir(run, digest, home)
+    links = [os.path.relpath(Path(root) / name, folder) for root, dirs, files in os.walk(folder)
+             for name in dirs + files if (Path(root) / name).is_symlink()]
+    return {"working_dir": str(folder), "excludes": links}
+
+
+def settle_shipped(run: str, env: Mapping[str, str], home: str | Path, shipped: Path) -> None:
+    """On a Ray node: the working folder Ray unpacked (`shipped`) becomes the run's snapshot under this node's
+    MORTAL_HOME, where the worker looks for it (mortal.workers.main)."""
+    digest = env.get(paths.CODE_SNAPSHOT_ENV)
+    if digest and DIGEST.match(digest) and not paths.code_dir(run, digest, home).is_dir():
+        final = paths.code_dir(run, digest, home)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        incoming = final.parent / f".incoming-{uuid.uuid4().hex}"
+        shutil.copytree(shipped, incoming, symlinks=True)
+        try:
+            os.rename(incoming, final)
+        except OSError:
+            shutil.rmtree(incoming, ignore_errors=True)
+
+
 def code_environ(annotations: Mapping[str, str]) -> dict[str, str]:
     """The worker variable naming the run's snapshot (none when the run takes nothing from a folder)."""
     digest = annotations.get(CODE_ANNOTATION)

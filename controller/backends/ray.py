@@ -56,6 +56,7 @@ from mortal.controller.backends.base import (
     WorkerLaunch,
 )
 from mortal.controller.backends.gpus import wants_gpu
+from mortal.controller.snapshot import ray_runtime_env
 from mortal.state import paths
 
 HANDLE_PREFIX = "ray:"
@@ -205,6 +206,8 @@ class RayBackend(Backend):
             options["memory"] = launch.memory_bytes
         if launch.resources:
             options["resources"] = dict(launch.resources)
+        if launch.node_home and (shipped := ray_runtime_env(launch.run, launch.env, launch.mortal_home)):
+            options["runtime_env"] = shipped  # the run's code snapshot, to nodes that do not share MORTAL_HOME
         strategies = self._ray.util.scheduling_strategies
         if launch.role == "rollout":
             options["scheduling_strategy"] = "SPREAD"

@@ -43,6 +43,7 @@ from mortal.controller.backends.base import (
 )
 from mortal.controller.backends.gpus import wants_gpu
 from mortal.controller.logs import LOG_UPLOAD_SECONDS, storage_log_url
+from mortal.controller.snapshot import settle_shipped
 from mortal.state import paths
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -59,6 +60,8 @@ class WorkerHost:
         self.worker_id = spec.worker_id
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
         home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
+        if spec.node_home:
+            settle_shipped(spec.run, spec.env, home, Path.cwd())  # Ray unpacked the snapshot as the working folder
         env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
         context = ray.get_runtime_context()
         env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: namespace,
