@@ -16,11 +16,13 @@ What it must not do: import user code (that is the admission probe's, in a child
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shutil
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
@@ -240,31 +242,41 @@ def carry_snapshot(annotations: Mapping[str, str], parent: str, child: str) -> N
         Snapshot(source, digest=digest).install(child)
 
 
-def ray_runtime_env(run: str, env: Mapping[str, str], home: str | Path) -> dict[str, object] | None:
-    """Ray's runtime_env that ships the run's snapshot to a node that does not share this MORTAL_HOME
-    (spec.ray.sharedFilesystem false): its working_dir, uploaded by Ray; linked model folders are not sent."""
+def archive(run: str, env: Mapping[str, str], home: str | Path) -> bytes | None:
+    """The run's snapshot as a gzipped tar, for a worker on a node that does not share this MORTAL_HOME
+    (Ray with spec.ray.sharedFilesystem false: it travels with the worker's creation call). Linked model
+    folders are left out; None when the run has no snapshot here."""
+    digest = env.get(paths.CODE_SNAPSHOT_ENV)
+    folder = paths.code_dir(run, digest, home) if digest and DIGEST.match(digest) else None
+    if folder is None or not folder.is_dir():
+        return None
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(folder, arcname=".", filter=lambda info: None if info.issym() or info.islnk() else info)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes, run: str, env: Mapping[str, str], home: str | Path) -> Path | None:
+    """On the worker's node: `archive`'s bytes become the run's snapshot under this node's MORTAL_HOME, where
+    the worker looks for it (mortal.workers.main); one already there is kept."""
     digest = env.get(paths.CODE_SNAPSHOT_ENV)
     if not digest or not DIGEST.match(digest):
         return None
-    folder = paths.code_dir(run, digest, home)
-    links = [os.path.relpath(Path(root) / name, folder) for root, dirs, files in os.walk(folder)
-             for name in dirs + files if (Path(root) / name).is_symlink()]
-    return {"working_dir": str(folder), "excludes": links}
-
-
-def settle_shipped(run: str, env: Mapping[str, str], home: str | Path, shipped: Path) -> None:
-    """On a Ray node: the working folder Ray unpacked (`shipped`) becomes the run's snapshot under this node's
-    MORTAL_HOME, where the worker looks for it (mortal.workers.main)."""
-    digest = env.get(paths.CODE_SNAPSHOT_ENV)
-    if digest and DIGEST.match(digest) and not paths.code_dir(run, digest, home).is_dir():
-        final = paths.code_dir(run, digest, home)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        incoming = final.parent / f".incoming-{uuid.uuid4().hex}"
-        shutil.copytree(shipped, incoming, symlinks=True)
-        try:
-            os.rename(incoming, final)
-        except OSError:
-            shutil.rmtree(incoming, ignore_errors=True)
+    final = paths.code_dir(run, digest, home)
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    incoming = final.parent / f".incoming-{uuid.uuid4().hex}"
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        # "data": no member may leave the folder or be a device (Pythons before 3.11.4 have no filters)
+        tar.extractall(incoming, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    try:
+        os.rename(incoming, final)
+    except OSError:
+        shutil.rmtree(incoming, ignore_errors=True)
+        if not final.is_dir():
+            raise
+    return final
 
 
 def code_environ(annotations: Mapping[str, str]) -> dict[str, str]:
