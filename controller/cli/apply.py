@@ -133,7 +133,7 @@ def apply_command(
     no_controller: bool = typer.Option(
         False, "--no-controller", help="Do not start a background controller [env: MORTAL_NO_CONTROLLER=1]."
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print what would change, without writing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate, print the admission checks and what would change, without writing."),
 ) -> None:
     from mortal.controller.admission import admit_runs
 
