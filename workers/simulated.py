@@ -11,11 +11,12 @@ seconds on a CPU. Annotations tune it:
     mortal.dev/fail: always               actor exits 75 at once (restart-policy tests)
     mortal.dev/fail: oom-actor|oom-rollout  that role raises torch.cuda.OutOfMemoryError with torch's own
                                           message (2.00 GiB on an 80 GB H100) at its first step or task
+    mortal.dev/import-rewards: "true"     rollout: import the spec's reward functions first, as a real one
+                                          does (mortal.workers.rewards.load_reward); it still scores as below
 
 The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
 run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy
 (the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
-The rollout imports the spec's reward functions (mortal.workers.rewards.load_reward) but scores as above.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
 from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
 
 POLL_SECONDS = 0.05
+IMPORT_REWARDS = "mortal.dev/import-rewards"
 KEEP_WEIGHTS = 3
 STATE_FILE = "state.json"
 
@@ -245,10 +247,12 @@ def _metrics(rewards: list[float], seconds: float) -> dict[str, float]:
 
 # -- rollout -----------------------------------------------------------------------------------
 def run_rollout(ctx: WorkerContext) -> int:
-    """Serve tasks until told to stop; first import the spec's reward functions as a real rollout does, so
-    one that cannot be imported (from the run's code snapshot, or installed) fails the run here too."""
+    """Serve tasks until told to stop; with `mortal.dev/import-rewards: "true"`, first import the spec's reward
+    functions as a real rollout does (from the run's code snapshot, or installed): one that cannot be
+    imported fails the run here too."""
     settings = Settings.of(ctx.run)
-    load_reward_functions(ctx.run)
+    if ctx.run.metadata.annotations.get(IMPORT_REWARDS) == "true":
+        load_reward_functions(ctx.run)
     while not ctx.stopping.is_set():
         task = serve_one(ctx, settings)
         if task is None:

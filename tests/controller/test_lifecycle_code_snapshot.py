@@ -37,7 +37,8 @@ apiVersion: mortal/v1
 kind: TrainingRun
 metadata:
   name: {name}
-  annotations: {{mortal.dev/workload: simulated, mortal.dev/step-seconds: "{step_seconds}"}}
+  annotations: {{mortal.dev/workload: simulated, mortal.dev/step-seconds: "{step_seconds}",
+                mortal.dev/import-rewards: "true"}}
 spec:
   model: {{name: simulated}}
   dataset: {{name: builtin:arith}}
