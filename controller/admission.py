@@ -70,7 +70,7 @@ def _probe(run: TrainingRun, folder: Path) -> list[Check]:
     """The probe's checks, run with `folder` (the snapshot) as working folder and first on sys.path."""
     simulated = run.metadata.annotations.get(SIMULATED[0]) == SIMULATED[1]
     request = json.dumps({"spec": run.spec_dict(), "simulated": simulated})
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
     timeout = float(os.environ.get(PROBE_TIMEOUT_ENV) or DEFAULT_PROBE_TIMEOUT)
     try:
         done = subprocess.run([sys.executable, "-m", PROBE_MODULE], input=request, capture_output=True, text=True,
@@ -106,14 +106,18 @@ def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission
         snapshot = build(run.spec, [Path(f) for f in folders])
     except SnapshotRefused as exc:
         raise AdmissionRefused([SpecIssue(source, None, exc.field, str(exc))]) from None
+    carried = run.metadata.annotations.get(CODE_ANNOTATION)
+    if snapshot.digest is None and carried and (kept := Snapshot.kept(run.name, carried)) is not None:
+        snapshot.close()
+        snapshot = kept  # this folder has none of the run's code: the run keeps the snapshot it has
     checks = _probe(run, snapshot.folder) + _remote_checks(run)
     failed = [c for c in checks if c.state == "failed"]
     if failed:
         snapshot.close()
         raise AdmissionRefused([SpecIssue(source, None, c.field, c.message) for c in failed])
     if snapshot.digest is not None:
-        checks.append(Check("metadata.annotations", "ok", f"{CODE_ANNOTATION}: {snapshot.digest[:12]} "
-                                                          f"({', '.join(p.rel for p in snapshot.parts)})"))
+        what = ", ".join(p.rel for p in snapshot.parts) or "kept: this folder has none of the run's code"
+        checks.append(Check("metadata.annotations", "ok", f"{CODE_ANNOTATION}: {snapshot.digest[:12]} ({what})"))
     return Admission(run, source, checks, snapshot)
 
 

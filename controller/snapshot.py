@@ -71,6 +71,18 @@ class Snapshot:
     parts: list[Part] = field(default_factory=list)
     size: int = 0
     digest: str | None = None
+    scratch: Path | None = None  # the temporary folder `close` removes, when not `folder` itself
+
+    @classmethod
+    def kept(cls, run: str, digest: str) -> Snapshot | None:
+        """The run's installed snapshot `digest`, as a new temporary copy (None if there is none): what a
+        document applied again from elsewhere (`get -o yaml | apply -f -`) keeps when the folder has no code."""
+        installed = paths.code_dir(run, digest) if DIGEST.match(digest) else None
+        if installed is None or not installed.is_dir():
+            return None
+        folder = Path(tempfile.mkdtemp(prefix="mortal-code-")) / "kept"
+        shutil.copytree(installed, folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        return cls(folder, digest=digest, scratch=folder.parent)
 
     def install(self, run: str) -> Path | None:
         """Move it to the run's code folder (content-addressed: an identical one already there is kept)."""
@@ -91,7 +103,7 @@ class Snapshot:
         return final
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.scratch or self.folder, ignore_errors=True)
 
 
 def references(spec: TrainingSpec) -> list[tuple[str, str]]:

@@ -135,3 +135,19 @@ def test_a_snapshot_over_the_limit_is_refused_naming_what_is_large(cli, spec_fil
     assert "spec.rewards[0].function" in out.output and "over the snapshot limit" in out.output
     assert "big (0.3 MiB)" in out.output
     assert runs(store_url) == []
+
+
+@sqlite_only
+def test_the_output_of_get_applied_from_another_folder_keeps_the_run_s_snapshot(cli, spec_file, user_folder,
+                                                                                 tmp_path, monkeypatch):
+    path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    assert cli("apply", "-f", str(path)).exit_code == 0
+    document = cli("get", "run", "mine", "-o", "yaml").stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no myrewards.py here: the run keeps the code it was applied with
+    out = cli("apply", "-f", "-", input=document)
+    assert out.exit_code == 0 and "trainingrun/mine unchanged" in out.stdout, out.output
+    missing = spec_file("other", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    refused = cli("apply", "-f", str(missing))  # a new run has no snapshot to keep: its code must be here
+    assert refused.exit_code == 1 and "cannot import module 'myrewards'" in refused.output
