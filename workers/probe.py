@@ -132,7 +132,10 @@ def check_environment(field: str, ref: str) -> Check:
         except TypeError as exc:
             return Check(field, "failed", f"{ref!r}: TRL builds it with no arguments, and {obj.__name__}{sig} "
                                           f"needs some ({exc})")
-    return Check(field, "ok", f"{ref!r}: a class built with no arguments")
+    if not callable(getattr(obj, "reset", None)):
+        return Check(field, "failed", f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
+                                      "called before each generation)")
+    return Check(field, "ok", f"{ref!r}: a class built with no arguments, with reset()")
 
 
 def check_model(spec: TrainingSpec, simulated: bool) -> Check:

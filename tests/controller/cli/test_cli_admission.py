@@ -23,6 +23,24 @@ def no_kwargs(x):
 
 
 VALUE = 3
+
+
+class NoReset:
+    def step(self, x: int) -> int:
+        """Step.
+
+        Args:
+            x: a number
+        """
+        return x
+
+
+class NeedsArgs:
+    def __init__(self, size):
+        self.size = size
+
+    def reset(self, **row):
+        return None
 '''
 
 
@@ -87,6 +105,9 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
     ({"spec.dataset": {"name": "data/missing.jsonl"}}, "spec.dataset.name", "no such file"),
     ({"spec.rollout.tools": ["myrewards:VALUE"]}, "spec.rollout.tools[0]", "a tool must be a function"),
     ({"spec.rollout.environment": "myrewards:correct"}, "spec.rollout.environment", "must be a class"),
+    ({"spec.rollout.environment": "myrewards:NoReset"}, "spec.rollout.environment", "has no reset() method"),
+    ({"spec.rollout.environment": {"a": "myrewards:NeedsArgs"}}, "spec.rollout.environment.a",
+     "TRL builds it with no arguments"),
 ])
 def test_what_cannot_work_is_refused_naming_file_and_field_and_nothing_is_written(cli, spec_file, store_url,
                                                                                   user_folder, edits, field, says):
