@@ -197,7 +197,11 @@ def controller_status_command(ctx: typer.Context) -> None:
         typer.echo(f"home: {running.home}")
         typer.echo(f"started in: {running.folder or '(unknown)'}")
         typer.echo(f"log: {running.log} (a foreground controller logs to its terminal)")
-    lease = state(ctx).store.get_lease(LEASE_NAME)
+    try:
+        lease = state(ctx).store.get_lease(LEASE_NAME)
+    except Exception as exc:  # noqa: BLE001 - the process facts above stand; the store's part is unknown
+        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {exc})")
+        return
     if lease is not None:
         expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
         if expires > datetime.now(UTC):
