@@ -200,7 +200,8 @@ def controller_status_command(ctx: typer.Context) -> None:
     try:
         lease = state(ctx).store.get_lease(LEASE_NAME)
     except Exception as exc:  # noqa: BLE001 - the process facts above stand; the store's part is unknown
-        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {exc})")
+        first = (str(exc).strip().splitlines() or [""])[0]
+        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {first})")
         return
     if lease is not None:
         expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
