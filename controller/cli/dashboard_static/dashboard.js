@@ -1,6 +1,6 @@
 // mortalctl dashboard: refresh the page's sections every few seconds from the JSON endpoint the page names
-// (data-api, asked with sections=1: the server renders and escapes every section; the script never
-// assigns innerHTML). No other script runs.
+// (data-api, asked with sections=1: the server renders and escapes every section; the script parses
+// them in an inert document and moves the nodes in). No other script runs.
 (function () {
   "use strict";
   const body = document.body;

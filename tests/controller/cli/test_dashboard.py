@@ -419,3 +419,9 @@ def test_past_the_connection_limit_idle_sockets_are_shed(populated: str) -> None
                     sock.close()
     finally:
         store.close()
+
+
+def test_the_page_script_never_assigns_html():
+    """The sections arrive escaped; the script moves parsed nodes in, so store text can only become text nodes."""
+    script = (Path(__file__).resolve().parents[3] / "controller/cli/dashboard_static/dashboard.js").read_text()
+    assert "innerHTML" not in script and "outerHTML" not in script and "DOMParser" in script
