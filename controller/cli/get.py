@@ -22,6 +22,7 @@ from mortal.controller.cli.output import (
     age,
     fmt_float,
     print_table,
+    say,
     to_json,
     to_yaml,
 )
@@ -182,6 +183,8 @@ class RowWatch:
                    if _without(self.shown.get(cells[0]), age_column) != _without(cells, age_column)]
         self.shown.update({cells[0]: cells for cells in rows})
         out = []
+        if not self.widths and not changed:  # no run yet: the header waits for the first row, as kubectl's
+            return out
         if not self.widths:
             self.widths = [max(cell_len(c) for c in column) for column in zip(self.headers, *changed, strict=True)]
             out.append(self._line(list(self.headers)))
@@ -201,9 +204,13 @@ def watch_runs(store: Store, name: str | None, selector: str | None, output: str
     wide = output == "wide"
     watch = RowWatch(RUN_HEADERS + (WIDE_HEADERS if wide else ()))
     seen: dict[str, int] = {}
+    said_empty = False
     try:
         while deadline is None or time.monotonic() < deadline:
             rows = select_runs(store, name, selector)
+            if not rows and not seen and not watch.widths and not said_empty:
+                say("No resources found.", stderr=True)
+                said_empty = True
             if output in (None, "wide"):
                 lines = watch.lines(run_rows(store, rows, wide))
                 if lines:

@@ -211,6 +211,12 @@ def test_watch_prints_the_header_once_then_only_the_rows_that_changed(cli, store
     assert all(line.index(line.split()[1]) == header.index("PHASE") for line in lines[1:])  # one column width
 
 
+def test_watch_of_no_runs_says_so_once_and_prints_no_header(cli, monkeypatch):
+    monkeypatch.setattr("mortal.controller.cli.get.WATCH_POLL_SECONDS", 0.2)
+    out = cli("get", "runs", "-w", "--timeout", "1")
+    assert out.exit_code == 0 and out.stdout == "" and out.stderr == "No resources found.\n"
+
+
 @sqlite_only  # seconds of the CLI's watch loop; the resource versions it compares: store contract
 def test_watch_prints_until_timeout(cli):
     cli("apply", "-f", str(QUICKSTART))
