@@ -52,7 +52,8 @@ def load_fragment(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
     """An overrides file's text as plain data, with the line of each key (for errors that point at it)."""
     docs = parse_limits.load_documents(text, source)
     if len(docs) > 1:
-        raise SpecError([SpecIssue(source, None, "", "must be one YAML document (found several, split by '---')")])
+        several = "must be one YAML document (found several, split by '---')"
+        raise SpecError([SpecIssue(source, None, "", several)])
     lines: dict[tuple, int] = {}
     return _plain(docs[0] if docs else None, (), lines), lines
 

@@ -60,8 +60,8 @@ class LimitedComposer(Composer):
     def _count_alias(self, event: AliasEvent) -> None:
         self.aliases_used += 1
         if self.aliases_used > MAX_ALIASES:
-            raise ParseLimitExceeded("MAX_ALIASES", f"more than {MAX_ALIASES} alias uses (*name); a spec needs "
-                                     "few or none: write the values out", event.start_mark)
+            raise ParseLimitExceeded("MAX_ALIASES", f"more than {MAX_ALIASES} alias uses (*name); a spec "
+                                     "needs few or none: write the values out", event.start_mark)
         if event.anchor in self._open:
             raise ParseLimitExceeded("MAX_ALIASES", f"alias *{event.anchor} is inside the node it names "
                                      "(a cycle)", event.start_mark)
@@ -70,11 +70,11 @@ class LimitedComposer(Composer):
             return  # ruamel raises its own 'undefined alias' error
         self.aliased_size += self._size(node)
         if self.aliased_size > MAX_ALIASED_SIZE:
-            raise ParseLimitExceeded("MAX_ALIASED_SIZE", f"the aliases repeat more than {MAX_ALIASED_SIZE} nodes "
-                                     "and characters; write the values out", event.start_mark)
+            raise ParseLimitExceeded("MAX_ALIASED_SIZE", f"the aliases repeat more than {MAX_ALIASED_SIZE} "
+                                     "nodes and characters; write the values out", event.start_mark)
 
     def _size(self, node: Any) -> int:
-        """Nodes plus scalar characters `node` stands for once expanded; memoized, so shared nodes cost once."""
+        """Nodes plus scalar characters `node` stands for, expanded; memoized, so a shared node costs once."""
         known = self._sizes.get(id(node))
         if known is not None:
             return known
@@ -99,14 +99,16 @@ class FlowDepthLimit:
 
     def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
         if self.flow_level >= MAX_DEPTH:
-            raise ParseLimitExceeded("MAX_DEPTH", f"nested deeper than {MAX_DEPTH} levels", self.reader.get_mark())
+            mark = self.reader.get_mark()
+            raise ParseLimitExceeded("MAX_DEPTH", f"nested deeper than {MAX_DEPTH} levels", mark)
         super().fetch_flow_collection_start(TokenClass, to_push)
 
 
 def limited_yaml(typ: str = "rt") -> YAML:
     """A ruamel YAML reader of type `typ` that enforces MAX_ALIASES, MAX_ALIASED_SIZE and MAX_DEPTH."""
     yaml = YAML(typ=typ, pure=True)
-    yaml.Scanner = type("LimitedScanner", (FlowDepthLimit, yaml.Scanner or Scanner), {})  # safe: None until load
+    scanner = yaml.Scanner or Scanner  # 'safe' leaves it None until the first load
+    yaml.Scanner = type("LimitedScanner", (FlowDepthLimit, scanner), {})
     yaml.Composer = LimitedComposer
     yaml.max_depth = MAX_DEPTH
     return yaml

@@ -49,7 +49,8 @@ def test_more_alias_uses_than_the_limit_are_refused_even_when_each_is_small():
 
 
 def test_aliases_repeating_a_long_string_are_refused_by_size():
-    text = RUN.format(name="long") + f"  x: &x {'a' * (MAX_ALIASED_SIZE // 4)}\n  uses: [*x, *x, *x, *x, *x]\n"
+    long = "a" * (MAX_ALIASED_SIZE // 4)
+    text = RUN.format(name="long") + f"  x: &x {long}\n  uses: [*x, *x, *x, *x, *x]\n"
     [issue] = refused_fast(lambda: load_text(text, "long.yaml")).issues
     assert "(MAX_ALIASED_SIZE)" in issue.message and issue.line == 11
 
@@ -67,14 +68,15 @@ def test_json_nested_deeper_than_the_limit_is_refused(levels):
 
 
 def test_block_yaml_nested_deeper_than_the_limit_is_refused_at_its_line():
-    nested = "".join("  " * (i + 1) + f"k{i}:\n" for i in range(MAX_DEPTH)) + "  " * (MAX_DEPTH + 1) + "v: 1\n"
+    nested = "".join("  " * (i + 1) + f"k{i}:\n" for i in range(MAX_DEPTH))
+    nested += "  " * (MAX_DEPTH + 1) + "v: 1\n"
     [issue] = refused_fast(lambda: load_text(RUN.format(name="deep") + "  deep:\n" + nested, "d.yaml")).issues
     assert "(MAX_DEPTH)" in issue.message and issue.line is not None and issue.line > 10
 
 
 def test_a_spec_with_legitimate_anchors_and_merge_keys_still_loads():
-    text = RUN.format(name="merged").replace(
-        "  name: merged\n", "  name: merged\n  labels: &team {team: rl}\n  annotations: {<<: *team, owner: me}\n")
+    metadata = "  name: merged\n  labels: &team {team: rl}\n  annotations: {<<: *team, owner: me}\n"
+    text = RUN.format(name="merged").replace("  name: merged\n", metadata)
     [run] = load_text(text + "  generation: &gen {maxTokens: 8}\n")
     assert (run.metadata.labels, run.metadata.annotations) == ({"team": "rl"}, {"team": "rl", "owner": "me"})
     assert run.spec.generation.max_tokens == 8
@@ -103,7 +105,8 @@ def test_standard_input_is_held_to_the_same_limits(monkeypatch):
 
 def test_fork_fragments_and_set_values_are_held_to_the_same_limits():
     fragment = billion_laughs().split("spec:\n", 1)[1]
-    assert refused_fast(lambda: load_fragment("spec:\n" + fragment, "over.yaml")).issues[0].source == "over.yaml"
+    [issue] = refused_fast(lambda: load_fragment("spec:\n" + fragment, "over.yaml")).issues
+    assert issue.source == "over.yaml"
     laughs = "[" + ", ".join(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)) + "]"
     value = "[&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol], " + laughs[1:]
     error = refused_fast(lambda: parse_set(f"spec.model.name={value}"))

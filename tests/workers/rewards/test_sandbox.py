@@ -283,7 +283,8 @@ def _system_python() -> str:
     import shutil
     import sys
 
-    found = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/usr/local/bin")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    found = shutil.which(version, path="/usr/bin:/usr/local/bin")
     if found is None:
         pytest.skip("no system interpreter of this Python version for an unprivileged worker")
     return found

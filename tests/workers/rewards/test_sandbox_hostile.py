@@ -247,14 +247,15 @@ def test_as_root_the_code_is_an_unprivileged_user_that_cannot_read_roots_files(
             "        print('read', os.path.exists(path))\n    except PermissionError:\n"
             "        print('denied', os.path.exists(path))\n"
             "open('/tmp/own', 'w').write('a')\nopen('own', 'w').write('b')\nprint(os.listdir('/tmp'))\n"
-            "print(os.getresuid(), os.getresgid(), os.getgroups(), open('/proc/self/uid_map').read().split())")
+            "print(os.getresuid(), os.getresgid(), os.getgroups(),\n"
+            "      open('/proc/self/uid_map').read().split())")
     result, _ = attack(code)
     assert result.success, result
     *outcomes, tmp_listing, who = result.stdout.splitlines()
     assert outcomes == ["denied True"] * len(targets), result.stdout  # there, and closed
     assert "'own'" in tmp_listing
     uid = confinement.SANDBOX_UID
-    assert who == f"{(uid,) * 3} {(uid,) * 3} [] ['0', '0', '4294967295']"  # a host user, no namespace of its own
+    assert who == f"{(uid,) * 3} {(uid,) * 3} [] ['0', '0', '4294967295']"  # a host user, no user namespace
 
 
 def test_a_detached_daemon_dies_with_the_execution(attack: Callable[..., tuple], marker: str) -> None:
