@@ -44,6 +44,10 @@ class LimitedComposer(Composer):
         self._sizes: dict[int, int] = {}
         self._open: set[str] = set()  # anchors whose node is being composed: an alias to one is a cycle
 
+    def compose_document(self) -> Any:
+        self._sizes = {}  # keyed by id(): the nodes of an earlier document may be gone and their ids reused
+        return super().compose_document()
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.parser.peek_event()
         if isinstance(event, AliasEvent):
