@@ -205,7 +205,7 @@ class Reconciler:
             run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
             gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
-            env={k: os.environ[k] for k in spec.secrets if k in os.environ},
+            env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
             # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
@@ -308,6 +308,7 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.shares_actor_gpu,
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
+        batch_size=spec.algorithm.batch_size,
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
         cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
         replicated=spec.actor.strategy == "ddp",
