@@ -40,7 +40,7 @@ def exit_on_sigterm() -> None:
 def controller_running(run: Any, work: Path) -> Iterator[Any]:
     """The run applied to a fresh SQLite store under `work/mortal-home` and a controller subprocess
     reconciling it (log: work/controller.log) while the block runs; yields the store."""
-    from mortal.controller.cli.apply import refuse_what_cannot_fit
+    from mortal.controller.cli.apply import fit_micro_batches, refuse_what_cannot_fit
     from mortal.controller.cli.context import CliError
     from mortal.state import open_store
 
@@ -48,6 +48,7 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
         refuse_what_cannot_fit([run])
     except CliError as exc:
         raise SystemExit(f"mortal run {run.name} not started: {exc}") from exc
+    run = fit_micro_batches([run])[0]  # as `mortalctl apply` does: a micro batch estimated to fit, if needed
     home = work / "mortal-home"
     url = f"sqlite:///{home / 'state.db'}"
     store = open_store(url)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from mortal.controller.observed import Desired
 from mortal.specs.memory import EffectiveMemory
 
+FITTED_ANNOTATION = "mortal.dev/fitted-micro-batch"  # mortalctl apply's choice (mortal.controller.fit), before launch
 MIN_ROLLOUT_SHARE = 0.05  # the least share halving goes to; below it the budget's own refusal is the likely end
 
 
@@ -44,6 +45,22 @@ def carried(previous: dict | None, desired: Desired) -> EffectiveMemory | None:
     if effective.spec_rollout_gpu_memory_utilization not in (None, desired.rollout_share):
         changes |= {"rollout_gpu_memory_utilization": None, "spec_rollout_gpu_memory_utilization": None}
     return effective.model_copy(update=changes) if changes else effective
+
+
+def fitted_before_launch(effective: EffectiveMemory | None, desired: Desired) -> Reduction | None:
+    """The micro batch `mortalctl apply` estimated to fit the actor's GPU (desired.fitted_micro_batch, from
+    FITTED_ANNOTATION) when the controller has chosen none yet; None when there is none or it is no smaller."""
+    fitted, now = desired.fitted_micro_batch, desired.micro_batch_size
+    if fitted is None or (effective is not None and effective.micro_batch_size is not None):
+        return None
+    if not 0 < fitted < now or desired.batch_size % fitted or fitted % desired.actor_ranks:
+        return None  # an annotation that no longer fits the spec (edited by hand, a spec applied without it)
+    message = (f"actor micro batch {now} -> {fitted} before launch: mortalctl apply's estimate of {now} "
+               f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a step, "
+               "gradients accumulated: the same step)")
+    chosen = (effective or EffectiveMemory()).model_copy(update={
+        "micro_batch_size": fitted, "spec_micro_batch_size": now, "reason": message})
+    return Reduction(chosen, "MicroBatchReduced", message)
 
 
 def micro_batch(effective: EffectiveMemory | None, desired: Desired) -> int:

@@ -150,6 +150,10 @@ class _Pass:
         self.timing: tuple[str | None, float | None] = (self.prev.get("lastStepTime"), self.prev.get("stepSeconds"))
         self.effective = heal.carried(self.prev.get("effective"), d)
         self.heal_events: list[Event] = []
+        fitted = heal.fitted_before_launch(self.effective, d)
+        if fitted is not None:
+            self.effective = fitted.effective
+            self.heal_events.append(Event(NORMAL, fitted.reason, fitted.message))
 
     # -- 1-2: the run as a whole ------------------------------------------------------------------
     def run(self) -> Plan:

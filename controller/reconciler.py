@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mortal.controller import failpoints
+from mortal.controller import failpoints, heal
 from mortal.controller.actions import Adopt, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.backends import (
     Backend,
@@ -309,9 +309,17 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
         batch_size=spec.algorithm.batch_size,
+        fitted_micro_batch=_fitted_micro_batch(run),
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
         cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
         replicated=spec.actor.strategy == "ddp",
         deleted=run.deleted_at is not None,
         purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
     )
+
+
+def _fitted_micro_batch(run: RunRow) -> int | None:
+    """mortalctl apply's micro batch estimate (heal.FITTED_ANNOTATION); None when absent or not a number
+    (the planner checks it against the spec)."""
+    value = (run.annotations or {}).get(heal.FITTED_ANNOTATION)
+    return int(value) if value is not None and value.isdigit() else None

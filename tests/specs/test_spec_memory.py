@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from mortal.specs import RunStatus, TrainingRun
-from mortal.specs.memory import MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV, BadMemorySetting, EffectiveMemory, applied, environ
+from mortal.specs.memory import (
+    MICRO_BATCH_ENV,
+    ROLLOUT_SHARE_ENV,
+    BadMemorySetting,
+    EffectiveMemory,
+    applied,
+    environ,
+)
 
 
 def run(**algorithm) -> TrainingRun:
