@@ -110,6 +110,26 @@ def test_an_actor_out_of_gpu_memory_above_a_micro_batch_heals_and_completes(harn
     describe_shows(h, "healed", "4 (spec: 16; 4 passes a step, chosen by the controller)")
 
 
+def test_a_micro_batch_fitted_at_apply_is_the_first_launchs_and_an_oom_still_heals_it(harness):  # noqa: F811
+    """The run carries mortalctl apply's estimate (heal.FITTED_ANNOTATION: 8 of 16): the actor starts with 8,
+    runs out of memory above 4 all the same (the estimate was low), and is relaunched with 4."""
+    from mortal.controller.heal import FITTED_ANNOTATION
+
+    h = harness
+    h.apply(simulated_run("fitted", max_steps=2, rollout_replicas=1,
+                          annotations={"mortal.dev/fail": "oom-actor-above:4", FITTED_ANNOTATION: "8"},
+                          spec={"algorithm": {"numGenerations": 2, "batchSize": 16, "maxSteps": 2},
+                                "restartPolicy": {"maxRestarts": 10, "backoffSeconds": 0.2}}))
+    h.start()
+    final = h.wait_phase("fitted", "Succeeded", timeout=120)
+    assert final["restarts"] == 1 and final["effective"]["microBatchSize"] == 4
+    events = [(e.type, e.message.split(":")[0]) for e in h.store.list_events("fitted", limit=200)
+              if e.reason == "MicroBatchReduced"]
+    assert events == [("Normal", "actor micro batch 16 -> 8 before launch"),
+                      ("Warning", "actor micro batch 8 -> 4 after CUDA out of memory (algorithm.microBatchSize; 4 "
+                                  "passes a step, gradients accumulated")]
+
+
 def describe_shows(h, name: str, text: str) -> None:
     """`mortalctl describe run NAME` prints the failure reason (through the CLI, as a user sees it)."""
     from typer.testing import CliRunner

@@ -152,3 +152,24 @@ def test_a_spec_that_changed_the_micro_batch_drops_the_choice():
     assert kept.micro_batch_size == 32
     dropped = heal.carried(prev["effective"], Desired(name="r", batch_size=64, micro_batch_size=16))
     assert dropped.micro_batch_size is None and heal.micro_batch(dropped, Desired(name="r", micro_batch_size=16)) == 16
+
+
+def test_a_micro_batch_fitted_before_launch_is_the_first_launchs_with_one_event():
+    """mortalctl apply estimated that 64 a pass does not fit (desired.fitted_micro_batch, from its annotation):
+    the actor's first launch trains with 16, status.effective says so, one Normal event says why."""
+    p = run_plan([], prev={}, fitted_micro_batch=16, **SPEC)
+    assert [(role, env) for role, _, _, env in launched(p)] == [("actor", {MICRO_BATCH_ENV: "16"}), ("rollout", {})]
+    assert [(kind, reason) for kind, reason, _ in heal_events(p)] == [("Normal", "MicroBatchReduced")]
+    assert heal_events(p)[0][2].startswith("actor micro batch 64 -> 16 before launch: mortalctl apply's estimate")
+    assert p.status["effective"]["microBatchSize"] == 16
+    again = run_plan([row("actor", 0, 1), row("rollout", 0, 2)], prev=p.status, fitted_micro_batch=16, **SPEC)
+    assert heal_events(again) == []
+    rows = [actor_oom(1), row("rollout", 0, 2)]  # the estimate was low: the heal goes on from 16
+    healed = run_plan(rows, [proc(rows[1])], prev=p.status, fitted_micro_batch=16, **SPEC)
+    assert launched(healed) == [("actor", 0, True, {MICRO_BATCH_ENV: "8"})]
+
+
+@pytest.mark.parametrize("fitted", [64, 0, 24, 128])
+def test_a_fitted_micro_batch_that_is_no_smaller_or_does_not_divide_the_batch_is_ignored(fitted):
+    p = run_plan([], prev={}, fitted_micro_batch=fitted, **SPEC)
+    assert "effective" not in p.status and heal_events(p) == []
