@@ -93,6 +93,35 @@ def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dic
         store.close()
 
 
+MEMORY_EVENTS = ("MicroBatchReduced", "RolloutShareReduced", "OutOfMemory")  # mortal.controller.heal's, MemoryFits'
+
+
+def memory_record(work: Path, name: str) -> dict[str, Any]:
+    """What the controller chose for the run's memory (status.effective: the micro batch the actor trained with,
+    a lowered rollout share) and its memory events (a micro batch chosen before launch, each out-of-memory
+    and its heal), read from the run's store after it ended; {} when the store is not there."""
+    from mortal.state import NotFound, open_store
+
+    path = work / "mortal-home" / "state.db"
+    if not path.exists():
+        return {}
+    store = open_store(f"sqlite:///{path}")
+    try:
+        row = store.get_run(name)
+        events = [{"type": e.type, "reason": e.reason, "message": e.message}
+                  for e in store.list_events(name, limit=1000) if e.reason in MEMORY_EVENTS]
+        algorithm = row.spec.get("algorithm") or {}
+        effective = (row.status or {}).get("effective") or {}
+        spec_micro = algorithm.get("microBatchSize") or algorithm.get("batchSize")
+        return {"micro_batch": effective.get("microBatchSize") or spec_micro, "spec_micro_batch": spec_micro,
+                "chosen_by_controller": "microBatchSize" in effective, "effective": effective,
+                "restarts": (row.status or {}).get("restarts"), "events": events}
+    except NotFound:
+        return {}
+    finally:
+        store.close()
+
+
 def compile_scopes() -> tuple[str, ...]:
     """generation.compileScope's choices as the spec declares them, so a bench offers what a spec accepts."""
     from typing import get_args
