@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from mortal.controller.observed import Desired
 from mortal.specs.memory import EffectiveMemory
 
+# TRL's loss types whose step depends on how the batch is split: bnpo divides each pass's loss by that pass's own
+# tokens (grpo, sapo, dr_grpo and the token-normalised dapo and cispo divide so that the passes add up to the
+# whole batch's step). A smaller micro batch would change such a run's training: the user's call, not ours.
+SPLIT_DEPENDENT_LOSSES = frozenset({"bnpo"})
 FITTED_ANNOTATION = "mortal.dev/fitted-micro-batch"  # mortalctl apply's choice (mortal.controller.fit), before launch
 MIN_ROLLOUT_SHARE = 0.05  # the least share halving goes to; below it the budget's own refusal is the likely end
 
@@ -51,7 +55,8 @@ def fitted_before_launch(effective: EffectiveMemory | None, desired: Desired) ->
     """The micro batch `mortalctl apply` estimated to fit the actor's GPU (desired.fitted_micro_batch, from
     FITTED_ANNOTATION) when the controller has chosen none yet; None when there is none or it is no smaller."""
     fitted, now = desired.fitted_micro_batch, desired.micro_batch_size
-    if fitted is None or (effective is not None and effective.micro_batch_size is not None):
+    if fitted is None or (effective is not None and effective.micro_batch_size is not None) \
+            or desired.loss_type in SPLIT_DEPENDENT_LOSSES:
         return None
     if not 0 < fitted < now or desired.batch_size % fitted or fitted % desired.actor_ranks:
         return None  # an annotation that no longer fits the spec (edited by hand, a spec applied without it)
@@ -99,6 +104,8 @@ def reduce_after(effective: EffectiveMemory | None, desired: Desired, role: str,
         return None
     answered = {**base.reduced_after, slot: incarnation}
     if role == "actor":
+        if desired.loss_type in SPLIT_DEPENDENT_LOSSES:
+            return None
         now = micro_batch(effective, desired)
         lower = smaller_micro_batch(now, desired.batch_size, desired.actor_ranks)
         if lower is None:

@@ -310,6 +310,7 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
         batch_size=spec.algorithm.batch_size,
         fitted_micro_batch=_fitted_micro_batch(run),
+        loss_type=spec.algorithm.loss_type,
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
         cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
         replicated=spec.actor.strategy == "ddp",

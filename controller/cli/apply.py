@@ -87,13 +87,15 @@ def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
     a note says what was chosen. Others as they are, and so is a run whose model files or GPU are not known
     here (the controller then halves the micro batch after an out-of-memory instead)."""
     from mortal.controller.fit import ModelShape, fitting_micro_batch
-    from mortal.controller.heal import FITTED_ANNOTATION
+    from mortal.controller.heal import FITTED_ANNOTATION, SPLIT_DEPENDENT_LOSSES
     from mortal.workers.models import count_parameters, read_config
 
     fitted = []
     for run in runs:
         notes = {k: v for k, v in run.metadata.annotations.items() if k != FITTED_ANNOTATION}
-        config = read_config(run.spec.model.name) if run.spec.algorithm.micro_batch_size is None else None
+        algorithm = run.spec.algorithm
+        chooses = algorithm.micro_batch_size is None and algorithm.loss_type not in SPLIT_DEPENDENT_LOSSES
+        config = read_config(run.spec.model.name) if chooses else None
         shape = ModelShape.from_config(config) if config else None
         parameters = count_parameters(run.spec.model.name) if shape else None
         choice = fitting_micro_batch(run.spec, parameters, shape) if shape and parameters else None

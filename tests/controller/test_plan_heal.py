@@ -173,3 +173,14 @@ def test_a_micro_batch_fitted_before_launch_is_the_first_launchs_with_one_event(
 def test_a_fitted_micro_batch_that_is_no_smaller_or_does_not_divide_the_batch_is_ignored(fitted):
     p = run_plan([], prev={}, fitted_micro_batch=fitted, **SPEC)
     assert "effective" not in p.status and heal_events(p) == []
+
+
+def test_a_loss_normalised_per_pass_is_not_split_for_the_user():
+    """bnpo divides each pass's loss by its own tokens: a smaller micro batch would change the step, so the
+    operator leaves it to the user (the old rule and the advice), before launch and after an out-of-memory."""
+    rollout = row("rollout", 0, 2)
+    p = run_plan([actor_oom(1), rollout], [proc(rollout)], prev=status("Running"), loss_type="bnpo", **SPEC)
+    assert launched(p) == [("actor", 0, True, {})] and "effective" not in p.status and heal_events(p) == []
+    assert "a second out-of-memory fails the run" in cond(p, "MemoryFits")["message"]
+    fitted = run_plan([], prev={}, fitted_micro_batch=16, loss_type="bnpo", **SPEC)
+    assert "effective" not in fitted.status
