@@ -150,10 +150,6 @@ class _Pass:
         self.timing: tuple[str | None, float | None] = (self.prev.get("lastStepTime"), self.prev.get("stepSeconds"))
         self.effective = heal.carried(self.prev.get("effective"), d)
         self.heal_events: list[Event] = []
-        fitted = heal.fitted_before_launch(self.effective, d)
-        if fitted is not None:
-            self.effective = fitted.effective
-            self.heal_events.append(Event(NORMAL, fitted.reason, fitted.message))
 
     # -- 1-2: the run as a whole ------------------------------------------------------------------
     def run(self) -> Plan:
@@ -174,6 +170,7 @@ class _Pass:
         if fatal is not None:
             return self._finish(FAILED, rl.run_failure_reason(fatal.message),
                                 f"{fatal.name} failed: {fatal.message or 'fatal error'}")
+        self._fit_before_launch()
         self._heal_out_of_memory()
         memory = self._out_of_memory()
         if memory is not None:
@@ -307,6 +304,16 @@ class _Pass:
             if e.count > rl.OOM_RELAUNCHES or (pending_relaunch and self.restarts >= self.d.max_restarts):
                 return condition.message
         return None
+
+    def _fit_before_launch(self) -> None:
+        """Start the actor with the micro batch `mortalctl apply` estimated to fit (heal.fitted_before_launch),
+        chosen only while no actor runs, so that status.effective is what the next one is launched with."""
+        if any(w.live and w.role == ACTOR for w in self.rows):
+            return
+        fitted = heal.fitted_before_launch(self.effective, self.d)
+        if fitted is not None:
+            self.effective = fitted.effective
+            self.heal_events.append(Event(NORMAL, fitted.reason, fitted.message))
 
     def _heal_out_of_memory(self) -> None:
         """Lower a setting that keeps the step for each slot whose newest ended worker ran out of GPU memory

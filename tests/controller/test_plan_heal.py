@@ -164,6 +164,10 @@ def test_a_micro_batch_fitted_before_launch_is_the_first_launchs_with_one_event(
     assert p.status["effective"]["microBatchSize"] == 16
     again = run_plan([row("actor", 0, 1), row("rollout", 0, 2)], prev=p.status, fitted_micro_batch=16, **SPEC)
     assert heal_events(again) == []
+    live = [row("actor", 0, 1), row("rollout", 0, 2)]
+    running_before = run_plan(live, [proc(w) for w in live], prev=status("Running"),
+                              fitted_micro_batch=16, **SPEC)  # an actor launched without it runs on: not yet
+    assert "effective" not in running_before.status
     rows = [actor_oom(1), row("rollout", 0, 2)]  # the estimate was low: the heal goes on from 16
     healed = run_plan(rows, [proc(rows[1])], prev=p.status, fitted_micro_batch=16, **SPEC)
     assert launched(healed) == [("actor", 0, True, {MICRO_BATCH_ENV: "8"})]
