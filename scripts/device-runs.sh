@@ -30,7 +30,7 @@ bench() {
     > "/tmp/$name.log" 2>&1
   rc=$?
   echo "== $name: exit $rc after $(( $(date +%s) - began )) s"
-  grep -E "s/step|busy|peak|mortal / TRL|weight sync|limits|Error|Traceback" "/tmp/$name.log" | tail -12
+  grep -E "s/step|busy|peak|mortal / TRL|weight sync|limits|memory choices|Error|Traceback" "/tmp/$name.log" | tail -12
   cat "/tmp/$name.log" >> "$OUT/all.log"
   [ "$rc" = 0 ] || tar czf "$OUT/logs-$name.tgz" -C /tmp "logs-$name" "$name.log" 2>/dev/null
 }
