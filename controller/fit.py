@@ -27,6 +27,10 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
   actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
                            snapshots hold (TrainingSpec.rollout_model)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
+
+Also here, and kept apart from the bound: `fitting_micro_batch`, an ESTIMATE of the actor's activations
+(`activation_bytes`, from the model's config.json) added to that bound, used only to choose a smaller micro
+batch before launch (the same step in more passes), never to refuse a spec.
 """
 
 from __future__ import annotations
