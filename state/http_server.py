@@ -277,7 +277,7 @@ class Served:
         self.app.close()
 
 
-def _error_task() -> type:
+def _error_task(access_log: AccessLog | None) -> type:
     """waitress's answer to what it refuses itself (a request line or headers it cannot parse, a body over
     the limit, a client that stalls mid-body, a token refused before the body is read), in JSON as the app
     answers, and in the access log."""
@@ -293,7 +293,6 @@ def _error_task() -> type:
             self.set_close_on_finish()
             self.content_length = len(body)
             self.write(body)
-            access_log = getattr(self.channel.server.application, "access_log", None)
             if access_log is not None:
                 client = self.channel.addr[0] if isinstance(self.channel.addr, tuple) else None
                 access_log.record("unknown", str(getattr(self.request, "path", "") or ""), None, error.code, client)
@@ -342,7 +341,8 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # a line per request queued behind busy threads
     app = make_app(backing_url, token, access_log, previous_tokens)
-    channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task(), "parser_class": _parser(app)})
+    channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task(app.access_log),
+                                                        "parser_class": _parser(app)})
     sockets: dict[int, Any] = {}  # waitress's asyncore map, ours so that the loop below can close it
     server = create_server(app, map=sockets, host=host, port=port, threads=threads,
                            channel_timeout=max(1, round(read_timeout)), cleanup_interval=max(1, round(read_timeout)),
