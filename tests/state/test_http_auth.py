@@ -5,6 +5,7 @@ and no token ever is."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import stat
@@ -130,9 +131,8 @@ def test_forged_expired_and_rotated_tokens(served: Served, admin: HttpStore, sql
         assert HttpStore(rotated.url, token=token).step_states("a", 0) == ["queued"]
         assert HttpStore(rotated.url, token=ADMIN).get_run("b").name == "b"
         assert as_worker(rotated, refs["a/rollout"], "new-admin").step_states("a", 0) == ["queued"]
-    with serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log") as done:
-        with pytest.raises(Unauthorized):
-            HttpStore(done.url, token=token, retry_seconds=2).step_states("a", 0)
+    with serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log") as done, pytest.raises(Unauthorized):
+        HttpStore(done.url, token=token, retry_seconds=2).step_states("a", 0)
 
 
 def test_the_authority_tells_admin_from_workers_by_the_token_alone() -> None:
@@ -175,10 +175,8 @@ def raw(served: Served, head: bytes, body: bytes = b"", timeout: float = 10) -> 
     host, port = served.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.sendall(head)
-        try:
+        with contextlib.suppress(OSError):  # the server answered and closed without reading it
             sock.sendall(body)
-        except OSError:  # the server answered and closed without reading it
-            pass
         chunks = []
         try:
             while chunk := sock.recv(65536):
