@@ -50,11 +50,10 @@ from mortal.controller.outcome import Done, Outcome, RequeueAfter, Retry, Termin
 from mortal.controller.plan import Plan, plan
 from mortal.specs import TrainingSpec
 from mortal.state import paths
-from mortal.state.auth import mint_worker_token
+from mortal.state.auth import launch_token
 from mortal.state.errors import Conflict, Fenced, NotFound
 from mortal.state.store import LeaderFence, Store, WorkerRef
 from mortal.state.tables import RunRow, WorkerRow
-from mortal.state.wire import TOKEN_ENV
 
 log = logging.getLogger("mortal.controller")
 REWARD_METRIC = "reward"  # TRL's name, which the actor and the simulated workload both write
@@ -226,7 +225,7 @@ class Reconciler:
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
         launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id,
-                                     state_token=self._worker_token(ref, run.uid))
+                                     state_token=launch_token(self.state_url, ref, run.uid))
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
             raise Fenced("the leader lease ran out before a launch")
@@ -239,14 +238,6 @@ class Reconciler:
         self.store.set_worker_handle(row.id, handle, fence)
         self._event(run.name, Event(action.event.type, action.event.reason,
                                     f"{action.event.message} as incarnation {row.incarnation}"))
-
-    def _worker_token(self, ref: WorkerRef, run_uid: str) -> str:
-        """The worker's own token, scoped to its run, role and incarnation (mortal.state.auth), when workers
-        reach the store over HTTP; a worker given the SQL database's URL holds its credentials already."""
-        admin = os.environ.get(TOKEN_ENV, "")
-        if not admin or not self.state_url.startswith(("http://", "https://")):
-            return ""
-        return mint_worker_token(admin, ref, run_uid)
 
     def _launch_failed(self, name: str, row: WorkerRow, action: Launch, exc: BackendError, fence: LeaderFence) -> None:
         """Close the intent row: a machine without that many GPUs, or a cluster with no node that can ever hold

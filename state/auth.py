@@ -31,13 +31,15 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mortal.state.errors import Forbidden
 from mortal.state.store import WorkerRef
+from mortal.state.wire import TOKEN_ENV
 
 WORKER_TOKEN_PREFIX = "mortal-w1"
 WORKER_TOKEN_SECONDS = 30 * 24 * 3600  # a worker token's lifetime; a worker that outlives it is relaunched
@@ -158,6 +160,16 @@ def mint_worker_token(admin_token: str, ref: WorkerRef, run_uid: str = "",
     issued = time.time() if now is None else now
     claims = WorkerClaims(ref.run, run_uid, ref.role, ref.replica, ref.incarnation, int(issued + lifetime_seconds))
     return Authority([admin_token]).mint(claims)
+
+
+def launch_token(state_url: str, ref: WorkerRef, run_uid: str = "",
+                 environ: Mapping[str, str] | None = None) -> str:
+    """The token a worker launched now gets: minted from the launcher's admin token ($MORTAL_STATE_TOKEN) when
+    workers reach the store over HTTP; "" for a SQL store (a worker given its URL holds its credentials)."""
+    admin = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
+    if not admin or not state_url.startswith(("http://", "https://")):
+        return ""
+    return mint_worker_token(admin, ref, run_uid)
 
 
 def verify_worker_token(keys: Sequence[bytes], token: bytes, now: float) -> WorkerClaims | None:

@@ -18,8 +18,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from mortal.state import NewTask, WorkerRef
-from mortal.state.auth import WORKER_TOKEN_PREFIX, Authority, WorkerClaims, mint_worker_token
+from mortal.state import NewTask, WorkerRef, wire
+from mortal.state.auth import (
+    ACTOR_CALLS,
+    ROLLOUT_CALLS,
+    RUN_NAMED,
+    WORKER_TOKEN_PREFIX,
+    Authority,
+    WorkerClaims,
+    mint_worker_token,
+)
 from mortal.state.errors import Forbidden, Unauthorized
 from mortal.state.http_server import Served, serve
 from mortal.state.http_store import HttpStore
@@ -242,3 +250,8 @@ def test_the_access_log_says_who_called_what_and_never_holds_a_token(served: Ser
     text = log.read_text()
     assert ADMIN not in text and token not in text and token.split(".")[2] not in text and "guess" not in text
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+def test_every_call_a_worker_may_make_is_a_store_method() -> None:
+    """A renamed Store method would otherwise be refused to workers (admin only) without a test noticing here."""
+    assert ACTOR_CALLS | ROLLOUT_CALLS | RUN_NAMED <= set(wire.methods())

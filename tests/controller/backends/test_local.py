@@ -26,6 +26,7 @@ from mortal.controller.backends import (
 from mortal.controller.backends.gpus import parse_nvidia_smi_list
 from mortal.controller.backends.local import LocalBackend, parse_handle
 from mortal.state import Store, WorkerRef, open_store, paths
+from mortal.state.auth import launch_token
 from mortal.workers import doorbell
 from mortal.workers.simulated import simulated_run
 
@@ -93,8 +94,9 @@ def test_launched_worker_heartbeats_is_listed_and_stops(store_url: str, mortal_h
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
     row = store.create_worker(run.name, "rollout", 0, "local", lease_seconds=5.0)
     backend = LocalBackend(mortal_home)
+    ref = WorkerRef(run.name, "rollout", 0, row.incarnation)
     handle = backend.launch(launch_spec(mortal_home, run.name, incarnation=row.incarnation, state_url=store_url,
-                                        heartbeat_seconds=0.2))
+                                        heartbeat_seconds=0.2, state_token=launch_token(store_url, ref)))
 
     first = wait_for(lambda: _row(store, row.id).heartbeat_at, what="first heartbeat")
     wait_for(lambda: _row(store, row.id).heartbeat_at > first, what="a second heartbeat")
