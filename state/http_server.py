@@ -10,10 +10,13 @@ MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store)
 
 Every request is one Store call, so the invariants (fencing, compare-and-swap, task leases) are the
 SqlStore's, checked inside its transactions; a request the client sends twice is two calls.
-The endpoint is public on Modal, so whatever reaches it gets a JSON answer: bad input a 4xx before the
-store sees it (a body over MAX_BODY_BYTES, nested deeper than MAX_JSON_DEPTH, or not JSON), a client
-that stalls mid-request is dropped after READ_TIMEOUT_SECONDS (here; on Modal its web proxy times requests).
-What it must not do: decide anything, keep state between requests, or answer without the token.
+Who may make which call is mortal.state.auth's: the admin token everything, a worker's token its own
+run's calls as its own slot (403 otherwise). Leases run on this server's clock: a client's `now` is dropped.
+The endpoint is public on Modal, so whatever reaches it gets a JSON answer: no valid token a 401 before
+the body is read, bad input a 4xx before the store sees it (a body over MAX_BODY_BYTES, nested deeper
+than MAX_JSON_DEPTH, or not JSON), a client that stalls mid-request is dropped after READ_TIMEOUT_SECONDS
+(here; on Modal its web proxy times requests). Every request goes to the access log (mortal.state.access_log).
+What it must not do: decide anything, keep state between requests, answer without a token, or log one.
 """
 
 from __future__ import annotations
