@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mortal.state import paths
+from mortal.state import paths, wire
 
 WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
@@ -43,7 +43,7 @@ WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_IN
                        "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
                        "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES", RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV,
                        RAY_NODE_ENV)
-STATE_TOKEN_ENV = "MORTAL_STATE_TOKEN"  # the worker's own scoped token (mortal.state.auth), never the launcher's
+STATE_TOKEN_ENV = wire.TOKEN_ENV  # the worker's own scoped token (mortal.state.auth), never the launcher's
 # What a worker keeps of its launcher's environment: what it needs to run (the system's, Python's, the GPU
 # stack's and its libraries' settings, mortal's own), never a credential (a name with a SECRET_WORDS part,
 # or one of DENIED); the spec's secrets are added by name (docs/security.md, The worker environment).
