@@ -53,9 +53,11 @@ INHERITED_NAMES = frozenset({
     "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
     "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_RUNTIME_DIR", "TOKENIZERS_PARALLELISM",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+    "CC", "CXX", "CPATH", "LIBRARY_PATH",  # Triton compiles its kernels with the system's compiler
 })
 INHERITED_PREFIXES = ("MORTAL_", "LC_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH", "PYTORCH_", "TRITON_", "VLLM_", "HF_",
-                      "TRANSFORMERS_", "TRL_", "WANDB_", "MODAL_", "RAY_", "COVERAGE_")
+                      "TRANSFORMERS_", "TRL_", "WANDB_", "MODAL_", "RAY_", "COVERAGE_", "COV_CORE_")
 SECRET_WORDS = frozenset({"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL",
                           "CREDENTIALS"})
 DENIED = frozenset({"MORTAL_STORE_BACKING_URL"})  # the store server's database URL (it may hold a password)
