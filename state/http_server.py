@@ -87,16 +87,16 @@ class StoreApp:
         path, verb = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
         if path == wire.HEALTH_PATH:
             return 200, {"ok": True}
+        identity = self.identify(environ.get("HTTP_AUTHORIZATION", ""))  # first: nothing is answered, nor read, before
+        if identity is None:
+            return _error(401, "Unauthorized", f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
+        request.who = identity.name
         method = wire.methods().get(path.removeprefix(wire.PREFIX)) if path.startswith(wire.PREFIX) else None
         if method is None:
             return _error(404, "UnknownMethod", f"no store method at {path!r}")
         request.call = method.name
         if verb != "POST":
             return _error(405, "BadRequest", f"{path} takes POST, not {verb}")
-        identity = self.identify(environ.get("HTTP_AUTHORIZATION", ""))  # before a byte of the body is read
-        if identity is None:
-            return _error(401, "Unauthorized", f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
-        request.who = identity.name
         try:
             kwargs = wire.decode_args(method, _read_args(environ))
         except _TooLarge as exc:

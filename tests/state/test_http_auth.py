@@ -29,7 +29,7 @@ from mortal.state.auth import (
     mint_worker_token,
 )
 from mortal.state.errors import Forbidden, Unauthorized
-from mortal.state.http_server import Served, serve
+from mortal.state.http_server import Served, make_app, serve
 from mortal.state.http_store import HttpStore
 
 ADMIN = "admin-t0ken"
@@ -219,6 +219,26 @@ def test_a_bad_token_is_refused_before_the_body_is_read(served: Served, monkeypa
     assert spooled == [], "a refused body went to a temporary file"
     assert raw(served, head(len(payload), ADMIN), payload)[0] == 200
     assert spooled, "an accepted body of that size is spooled: the check above could fail"
+
+
+class Unread:
+    """A request body that must not be read."""
+
+    def read(self, size: int = -1) -> bytes:
+        raise AssertionError("the body of a refused request was read")
+
+
+@pytest.mark.parametrize("path", ["/v1/apply_run", "/v1/no_such_method", "/elsewhere"])
+def test_the_app_refuses_a_bad_token_without_reading_the_body(tmp_path: Path, path: str) -> None:
+    """As Modal serves it (no waitress in front): the token is the first thing the app looks at."""
+    app = make_app(f"sqlite:///{tmp_path / 'state.db'}", ADMIN)
+    for header in ("Bearer wrong", "", f"Basic {ADMIN}"):
+        environ = {"PATH_INFO": path, "REQUEST_METHOD": "POST", "CONTENT_LENGTH": str(50 << 20),
+                   "wsgi.input": Unread(), "HTTP_AUTHORIZATION": header}
+        statuses: list[str] = []
+        answer = json.loads(b"".join(app(environ, lambda status, headers: statuses.append(status))))
+        assert statuses == ["401 Unauthorized"] and answer["error"]["type"] == "Unauthorized"
+    app.close()
 
 
 def test_an_oversized_body_is_a_clear_413(served: Served) -> None:
