@@ -51,11 +51,12 @@ WORKER_CALLS = frozenset({
     "list_events", "list_metrics", "list_completions", "completion_steps", "step_results", "step_states",
     "heartbeat", "report_exit", "add_event", "add_metrics",
 })
-ACTOR_CALLS = WORKER_CALLS | {
+ROLLOUT_CALLS = WORKER_CALLS | {"lease_task", "renew_task", "complete_task"}
+# The actor owns its run's task queue and its outputs; it serves tasks itself when the run has no rollouts.
+ACTOR_CALLS = ROLLOUT_CALLS | {
     "record_checkpoint", "delete_checkpoint", "publish_weights", "delete_weights", "enqueue_tasks", "reset_tasks",
     "add_completions",
 }
-ROLLOUT_CALLS = WORKER_CALLS | {"lease_task", "renew_task", "complete_task"}
 ROLE_CALLS = {"actor": ACTOR_CALLS, "rollout": ROLLOUT_CALLS}
 # The methods whose `name` argument is a run's name (acquire_lease's is a lease's).
 RUN_NAMED = frozenset({"apply_run", "fork_run", "rollback_run", "get_run", "update_spec", "write_status",

@@ -119,8 +119,9 @@ def test_an_actor_token_does_the_actors_writes_for_its_run_only(served: Served, 
     assert actor_a.latest_weights("a").version == 1
     with pytest.raises(Forbidden):
         actor_a.enqueue_tasks(refs["b/actor"], [NewTask(step=1, slot=0, min_weight_version=0)])
-    with pytest.raises(Forbidden, match="not a call a actor worker makes"):
-        actor_a.lease_task(refs["a/actor"], 30)
+    assert actor_a.lease_task(refs["a/actor"], 30).run == "a", "it serves its own tasks when it has no rollouts"
+    with pytest.raises(Forbidden, match="not a call a rollout worker makes"):
+        as_worker(served, refs["a/rollout"]).enqueue_tasks(refs["a/rollout"], [NewTask(step=2, slot=0, min_weight_version=0)])
     with pytest.raises(Forbidden):
         actor_a.add_event("b", "Normal", "Spoofed", "not my run")
 
