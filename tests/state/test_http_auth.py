@@ -29,7 +29,7 @@ from mortal.state.auth import (
     mint_worker_token,
 )
 from mortal.state.errors import Forbidden, Unauthorized
-from mortal.state.http_server import Served, make_app, serve
+from mortal.state.http_server import Served, make_app, previous_tokens_from, serve
 from mortal.state.http_store import HttpStore
 
 ADMIN = "admin-t0ken"
@@ -136,6 +136,7 @@ def test_forged_expired_and_rotated_tokens(served: Served, admin: HttpStore, sql
         with pytest.raises(Unauthorized):
             HttpStore(served.url, token=forged, retry_seconds=2).step_states("a", 0)
     # rotation: the new admin token, the old one still accepted, its workers' tokens too
+    assert previous_tokens_from({"MORTAL_STATE_PREVIOUS_TOKENS": f" {ADMIN}, ,older "}) == [ADMIN, "older"]
     with serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log", previous_tokens=[ADMIN]) as rotated:
         assert HttpStore(rotated.url, token=token).step_states("a", 0) == ["queued"]
         assert HttpStore(rotated.url, token=ADMIN).get_run("b").name == "b"
