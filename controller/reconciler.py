@@ -50,6 +50,7 @@ from mortal.controller.outcome import Done, Outcome, RequeueAfter, Retry, Termin
 from mortal.controller.plan import Plan, plan
 from mortal.specs import TrainingSpec
 from mortal.state import paths
+from mortal.state.auth import launch_token
 from mortal.state.errors import Conflict, Fenced, NotFound
 from mortal.state.store import LeaderFence, Store, WorkerRef
 from mortal.state.tables import RunRow, WorkerRow
@@ -223,7 +224,8 @@ class Reconciler:
         row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
-        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id)
+        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id,
+                                     state_token=launch_token(self.state_url, ref, run.uid))
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
             raise Fenced("the leader lease ran out before a launch")

@@ -37,3 +37,8 @@ class Unavailable(StoreError):
 
 class Unauthorized(StoreError):
     """The HTTP store refused the request's bearer token (MORTAL_STATE_TOKEN)."""
+
+
+class Forbidden(StoreError):
+    """The HTTP store knows who is asking (a worker's scoped token) and that token may not make this call:
+    another run's data, another worker's slot, or an admin operation (mortal.state.auth)."""
