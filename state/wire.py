@@ -28,6 +28,8 @@ from mortal.state.errors import (
     AlreadyExists,
     Conflict,
     Fenced,
+    InvalidName,
+    InvalidValue,
     NotFound,
     StoreError,
     Unauthorized,
@@ -72,6 +74,8 @@ STATUS: dict[str, int] = {
     "Conflict": 409,
     "Fenced": 412,  # the fencing token is the request's precondition, and it no longer holds
     "ValueError": 422,
+    "InvalidValue": 422,  # a value the database cannot hold (a NUL in a text)
+    "InvalidName": 422,  # a name the store refuses (mortal.state.names)
     "Unauthorized": 401,
     "BadRequest": 400,
     "UnknownMethod": 404,
@@ -84,6 +88,8 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     "Conflict": Conflict,
     "Fenced": Fenced,
     "ValueError": ValueError,
+    "InvalidValue": InvalidValue,
+    "InvalidName": InvalidName,
     "Unauthorized": Unauthorized,
     "Unavailable": Unavailable,
 }
