@@ -100,14 +100,21 @@ def _local_folder(url: str) -> Path | None:
 
 def owned_checkpoint(run: str, path: str, uri: str | None = None) -> str:
     """A checkpoint row's path, checked: a folder strictly inside the run's checkpoints folder under this
-    machine's MORTAL_HOME (returned resolved), or a URL under `<uri>/<run>/` (spec.checkpoint.uri; a
-    file:// one is resolved as a folder). PathOutside otherwise, naming the root it had to be in."""
+    machine's MORTAL_HOME (returned resolved), a file:// URL whose folder is there or under `<uri>/<run>/`,
+    or a remote URL under `<uri>/<run>/` (spec.checkpoint.uri). PathOutside otherwise, naming the root."""
+    own = paths.checkpoints_dir(run)
     if URL_SEPARATOR not in path:
-        return str(inside(paths.checkpoints_dir(run), path))
-    if uri is None:
-        raise PathOutside(path, paths.checkpoints_dir(run), " (a URL, and the run's spec.checkpoint.uri is not set)")
-    local_root, local = _local_folder(uri), _local_folder(path)
-    if local_root is not None and local is not None:
-        inside(local_root / run, local)  # a mounted filesystem: its symlinks are followed too
+        return str(inside(own, path))
+    local = _local_folder(path)
+    if local is not None:  # a mounted filesystem: resolved, its symlinks followed too
+        local_root = _local_folder(uri) if uri is not None else None
+        try:
+            inside(own, local)
+        except PathOutside:
+            if local_root is None:
+                raise
+            inside(local_root / run, local)
         return path
+    if uri is None:
+        raise PathOutside(path, own, " (a URL, and the run's spec.checkpoint.uri is not set)")
     return url_inside(f"{uri.rstrip('/')}/{run}", path)
