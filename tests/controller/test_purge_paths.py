@@ -51,7 +51,7 @@ def test_a_legacy_run_named_out_of_mortal_home_is_purged_without_touching_that_f
         store, reconciler, victim, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sql_store, "check_run_name", lambda name: name, raising=False)  # a row from before the check
     name = "../../victim"
-    (paths.runs_dir() / "another-run").mkdir(parents=True)  # runs/ exists, so runs/../.. reaches out
+    paths.run_dir("another-run").mkdir(parents=True)  # runs/ exists, so runs/../.. reaches out
     assert paths.run_dir(name).resolve() == victim.resolve()
     store.apply_run(name, simulated_run("r").spec_dict())
     purge(store, reconciler, name)
