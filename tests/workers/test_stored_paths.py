@@ -134,3 +134,19 @@ def test_weight_pruning_never_removes_a_version_row_pointing_outside(store, tmp_
     assert [w.version for w in store.list_weights("c")] == [2]
     [message] = refusals(store)
     assert message.startswith(f"pruning weight version 0: {outside} is not inside")
+
+
+def test_the_simulated_workload_never_resumes_from_a_checkpoint_row_pointing_outside(store, tmp_path: Path) -> None:
+    from mortal.workers import simulated
+    from mortal.workers.errors import FatalWorkerError
+
+    run = simulated.simulated_run("c")
+    store.apply_run("c", run.spec_dict(), annotations=run.metadata.annotations)
+    ctx = worker_context(store, store.get_run("c").document(), "actor")
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / simulated.STATE_FILE).write_text(json.dumps({"step": 99, "weight_version": 99}))
+    store.record_checkpoint(ctx.worker, 99, str(forged), 99)
+    with pytest.raises(FatalWorkerError) as refused:
+        simulated.resume(ctx)
+    assert refused.value.reason == "CheckpointRefused" and len(refusals(store)) == 1
