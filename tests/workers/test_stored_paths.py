@@ -150,3 +150,29 @@ def test_the_simulated_workload_never_resumes_from_a_checkpoint_row_pointing_out
     with pytest.raises(FatalWorkerError) as refused:
         simulated.resume(ctx)
     assert refused.value.reason == "CheckpointRefused" and len(refusals(store)) == 1
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def load_weights(self, path: str) -> None:
+        self.loaded.append(path)
+
+
+def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_path: Path) -> None:
+    from mortal.workers.errors import FatalWorkerError
+    from mortal.workers.rollout import RolloutWorker
+
+    run = create_run(store, "c", SPEC)
+    actor = worker_context(store, run, "actor")
+    forged = tmp_path / "forged-v0"
+    forged.mkdir()
+    store.publish_weights(actor.worker, 0, 0, str(forged))
+    engine = RecordingEngine()
+    rollout = RolloutWorker(worker_context(store, run, "rollout"), engine, tokenizer=None, rewards=None)
+    with pytest.raises(FatalWorkerError) as refused:
+        rollout.refresh_weights()
+    assert refused.value.reason == "WeightsRefused" and engine.loaded == []
+    [message] = refusals(store)
+    assert message.startswith(f"loading weight version 0: {forged} is not inside")
