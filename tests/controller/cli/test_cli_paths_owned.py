@@ -116,3 +116,17 @@ def test_fork_refuses_to_copy_a_parent_checkpoint_row_pointing_outside(cli, stor
     assert [r.name for r in store.list_runs()] == ["quickstart"]
     assert not paths.run_dir("child").exists()
     assert refusals(store) and refusals(store)[0].startswith("reading checkpoint step-20")
+
+
+def test_cp_refuses_a_modal_checkpoint_row_outside_the_runs_folder_on_its_volume(cli, store, tmp_path,
+                                                                                 monkeypatch) -> None:
+    from mortal.controller.cli import cp
+
+    monkeypatch.setattr(cp, "modal_data_volume", lambda: pytest.fail("the volume must not be read"))
+    on_modal = tmp_path / "modal.yaml"
+    on_modal.write_text(QUICKSTART.read_text() + "\n  backend: modal\n")
+    assert cli("apply", "-f", str(on_modal)).exit_code == 0
+    stopped_with(store, {10: f"{cp.MODAL_DATA_MOUNT}/runs/quickstart/checkpoints/../../other/checkpoints/step-10"})
+    result = cli("cp", "quickstart", str(tmp_path / "out"))
+    assert result.exit_code == 1 and "is not inside /mortal/runs/quickstart/checkpoints" in result.output, result.output
+    assert len(refusals(store)) == 1
