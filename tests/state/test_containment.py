@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from mortal.state import paths
-from mortal.state.containment import PathOutside, inside, owned_checkpoint, posix_inside, tree_inside, url_inside
+from mortal.state.containment import (
+    PathOutside,
+    inside,
+    owned_checkpoint,
+    posix_inside,
+    tree_inside,
+    url_inside,
+)
 
 
 def test_a_path_below_the_root_comes_back_resolved(tmp_path: Path) -> None:
