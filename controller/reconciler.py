@@ -50,7 +50,7 @@ from mortal.controller.outcome import Done, Outcome, RequeueAfter, Retry, Termin
 from mortal.controller.plan import Plan, plan
 from mortal.specs import TrainingSpec
 from mortal.state import paths
-from mortal.state.containment import PathOutside
+from mortal.state.containment import PathOutside, report_refused
 from mortal.state.errors import Conflict, Fenced, NotFound
 from mortal.state.store import LeaderFence, Store, WorkerRef
 from mortal.state.tables import RunRow, WorkerRow
@@ -290,7 +290,7 @@ class Reconciler:
         self.written.pop(name, None)
         if refused is not None:  # after the purge, so that it outlives the run's own events (`get events`)
             log.warning("purged run %r without removing its files: %s", name, refused)
-            self.store.add_event(name, "Warning", "FilesRefused", f"purged without removing files: {refused}")
+            report_refused(self.store, name, "purged without removing its files", refused)
         log.info("purged run %s%s", name, " and its files" if remove_files and refused is None else "")
         return Done()
 

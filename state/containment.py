@@ -8,7 +8,7 @@ checked names). Before mortal removes, copies or loads one, it asks here, with t
     owned_checkpoint(run, row.path, spec_uri)           -> the same for a checkpoint row (folder or URL)
 
 A folder is resolved first (os.path.realpath: `..` and every symlink followed, the root's own included),
-so a symlink inside the run's folder that points out is refused too, and must lie strictly below its
+so a symlink inside the run's folder that points out is refused too; it must then lie strictly below its
 root (never the root itself: removing the root would take every sibling with it). A URL in remote
 storage (spec.checkpoint.uri: s3://, gs://, ...) cannot be resolved from here: its path is normalized
 (`..` and `.` segments, repeated '/') and must start with the run's prefix `<uri>/<run>/`.

@@ -57,7 +57,7 @@ def test_a_legacy_run_named_out_of_mortal_home_is_purged_without_touching_that_f
     purge(store, reconciler, name)
     assert (victim / "precious.txt").read_text() == "not mortal's"
     [event] = [e for e in store.list_events(name) if e.type == "Warning"]
-    assert event.reason == "FilesRefused" and "is not inside" in event.message
+    assert event.reason == "PathOutside" and "purged without removing its files: " in event.message
 
 
 @sqlite_only
@@ -67,7 +67,7 @@ def test_a_run_folder_replaced_by_a_symlink_out_of_mortal_home_is_not_followed(s
     paths.run_dir("r").symlink_to(victim)
     purge(store, reconciler, "r")
     assert (victim / "precious.txt").is_file()
-    assert [e.reason for e in store.list_events("r") if e.type == "Warning"] == ["FilesRefused"]
+    assert [e.reason for e in store.list_events("r") if e.type == "Warning"] == ["PathOutside"]
 
 
 def test_a_name_that_leaves_the_runs_prefix_is_refused_in_storage(tmp_path: Path) -> None:
