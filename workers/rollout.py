@@ -124,18 +124,17 @@ class RolloutWorker:
         self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
 
     def _local(self, path: str, version: int) -> str:
-        """The folder to load a version from: itself, once checked to lie in the run's weights folder (a row
-        pointing elsewhere is never loaded: a Warning event, and the run fails with WeightsRefused), or
-        (sync ray) this node's copy of what the object store holds, fetched first (FileNotFoundError when
-        it is gone)."""
-        if not ray_weights.is_hub_path(path):
-            try:
-                inside(paths.weights_dir(self.ctx.worker.run), path)
-                return path
-            except PathOutside as exc:
-                report_refused(self.ctx.store, self.ctx.worker.run, f"loading weight version {version}", exc)
-                raise FatalWorkerError("WeightsRefused", f"weight version {version}: {exc}") from exc
-        return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
+        """The folder to load a version from: itself, or (sync ray) this node's copy of what the object store
+        holds, fetched first (FileNotFoundError when it is gone); either checked to lie in the run's weights
+        folder (a row pointing elsewhere is never loaded: a Warning event, and the run fails, WeightsRefused)."""
+        try:
+            if ray_weights.is_hub_path(path):
+                return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
+            inside(paths.weights_dir(self.ctx.worker.run), path)
+            return path
+        except PathOutside as exc:
+            report_refused(self.ctx.store, self.ctx.worker.run, f"loading weight version {version}", exc)
+            raise FatalWorkerError("WeightsRefused", f"weight version {version}: {exc}") from exc
 
     def _intact(self, path: str) -> bool:
         """A version read from the actor's ring while the actor may have reused its slot is loaded

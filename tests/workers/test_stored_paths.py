@@ -176,3 +176,4 @@ def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_
     assert refused.value.reason == "WeightsRefused" and engine.loaded == []
     [message] = refusals(store)
     assert message.startswith(f"loading weight version 0: {forged} is not inside")
+
