@@ -29,6 +29,8 @@ from mortal.state.errors import (
     Conflict,
     Fenced,
     Forbidden,
+    InvalidName,
+    InvalidValue,
     NotFound,
     StoreError,
     Unauthorized,
@@ -76,6 +78,8 @@ STATUS: dict[str, int] = {
     "Conflict": 409,
     "Fenced": 412,  # the fencing token is the request's precondition, and it no longer holds
     "ValueError": 422,
+    "InvalidValue": 422,  # a value the database cannot hold (a NUL in a text)
+    "InvalidName": 422,  # a name the store refuses (mortal.state.names)
     "Unauthorized": 401,
     "Forbidden": 403,
     "BadRequest": 400,
@@ -89,6 +93,8 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     "Conflict": Conflict,
     "Fenced": Fenced,
     "ValueError": ValueError,
+    "InvalidValue": InvalidValue,
+    "InvalidName": InvalidName,
     "Unauthorized": Unauthorized,
     "Forbidden": Forbidden,
     "Unavailable": Unavailable,

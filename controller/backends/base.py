@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mortal.state import paths, wire
+from mortal.state.containment import inside, url_inside
 
 WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
@@ -298,16 +299,18 @@ class Backend(abc.ABC):
 
     def remove_run_folder(self, run: str) -> None:
         """The run's folder (checkpoints, weights, logs, compile caches): here, this machine's
-        $MORTAL_HOME/runs/<run>."""
-        shutil.rmtree(paths.run_dir(run), ignore_errors=True)
+        $MORTAL_HOME/runs/<run>, once checked to lie inside $MORTAL_HOME/runs (PathOutside otherwise)."""
+        shutil.rmtree(inside(paths.runs_dir(), paths.run_dir(run)), ignore_errors=True)
 
 
 def remove_from_storage(run: str, uri: str) -> None:
     """`<uri>/<run>/` removed with fsspec (as the workers' CheckpointStorage lays it out); a prefix already
     gone is no error. A storage this controller cannot use (its fsspec package missing here, no
-    permission) is a BackendError: the purge is retried and the run's row kept, not its files lost track of."""
+    permission) is a BackendError: the purge is retried and the run's row kept, not its files lost track of.
+    A run name that would leave `<uri>/` (a row stored before the store checked names) is PathOutside."""
     import fsspec
 
+    url_inside(uri, f"{uri.rstrip('/')}/{run}")  # PathOutside for a name that leaves the run's prefix
     try:
         fs, root = fsspec.core.url_to_fs(uri.rstrip("/"))
         prefix = posixpath.join(root, run)
