@@ -25,6 +25,9 @@ import argparse
 import json
 import logging
 import os
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -332,10 +335,12 @@ def _parser(app: StoreApp) -> type:
 @contextmanager
 def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
           read_timeout: float = READ_TIMEOUT_SECONDS, threads: int = WORKER_THREADS,
-          access_log: str | Path | None = None, previous_tokens: Sequence[str] = ()) -> Iterator[Served]:
+          access_log: str | Path | None = None, previous_tokens: Sequence[str] = (),
+          reuse_port: bool = False) -> Iterator[Served]:
     """Serve the store with waitress in a background thread for the duration of the block (port 0: any
     free port). A connection silent for `read_timeout` (mid-request, or idle between requests) is closed.
-    Requests are logged to `access_log` when given; `previous_tokens` are admin tokens still accepted."""
+    Requests are logged to `access_log` when given; `previous_tokens` are admin tokens still accepted.
+    `reuse_port`: listen with SO_REUSEPORT, so that several server processes share one address."""
     try:
         from waitress.channel import HTTPChannel
         from waitress.server import create_server
@@ -347,7 +352,8 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
     channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task(app.access_log),
                                                         "parser_class": _parser(app)})
     sockets: dict[int, Any] = {}  # waitress's asyncore map, ours so that the loop below can close it
-    server = create_server(app, map=sockets, host=host, port=port, threads=threads,
+    where: dict[str, Any] = {"sockets": [_shared_listener(host, port)]} if reuse_port else {"host": host, "port": port}
+    server = create_server(app, map=sockets, **where, threads=threads,
                            channel_timeout=max(1, round(read_timeout)), cleanup_interval=max(1, round(read_timeout)),
                            connection_limit=CONNECTION_LIMIT, max_request_body_size=MAX_BODY_BYTES,
                            asyncore_use_poll=True, ident="mortal", clear_untrusted_proxy_headers=True)
@@ -359,24 +365,73 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
         served.close()
 
 
+def _shared_listener(host: str, port: int) -> socket.socket:
+    """A listening socket that other processes may bind too (SO_REUSEPORT: the kernel spreads new
+    connections over them)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
+
+
+def _start_siblings(argv: list[str], count: int) -> list[subprocess.Popen]:
+    """`count` more server processes on the same address. Why processes: a store call is mostly Python
+    (SQLAlchemy, pydantic, JSON) under one GIL, so one process serves one core's worth of calls; each
+    sibling has its own engine and pool (a forked engine must never share pooled connections)."""
+    cmd = [sys.executable, "-m", "mortal.state.http_server", *argv, "--processes", "1", "--reuse-port",
+           "--parent-pid", str(os.getpid())]
+    return [subprocess.Popen(cmd) for _ in range(count)]
+
+
+def _wait_while_parent_lives(parent_pid: int | None) -> None:
+    """Serve until killed; a sibling also ends when the process that started it is gone (never orphaned)."""
+    while parent_pid is None or os.getppid() == parent_pid:
+        threading.Event().wait(1.0)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mortal.state.http_server",
                                      description="Serve a mortal state store over HTTP (token: $MORTAL_STATE_TOKEN).")
     parser.add_argument("--backing-url", default=None, help="SQL store to serve (default: $MORTAL_STATE_URL or SQLite)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
-    parser.add_argument("--threads", type=int, default=WORKER_THREADS, help="store calls served at once")
+    parser.add_argument("--threads", type=int, default=WORKER_THREADS, help="store calls served at once, per process")
     parser.add_argument("--access-log", default=None, help=f"where requests are logged (default: $MORTAL_HOME/{ACCESS_LOG})")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="server processes sharing the address (SO_REUSEPORT); one per core the server may use")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"set {TOKEN_ENV} to the token clients must send")
-    with serve(args.backing_url or default_state_url(), token, args.host, args.port, threads=args.threads,
-               access_log=args.access_log or default_access_log(),
-               previous_tokens=previous_tokens_from(os.environ)) as served:
-        log.info("serving the state store at %s", served.url)
-        threading.Event().wait()
+    shared = args.reuse_port or args.processes > 1
+    access_log = args.access_log or default_access_log()
+    siblings: list[subprocess.Popen] = []
+    try:
+        with serve(args.backing_url or default_state_url(), token, args.host, args.port, threads=args.threads,
+                   access_log=access_log, previous_tokens=previous_tokens_from(os.environ),
+                   reuse_port=shared) as served:
+            if args.processes > 1:
+                port = served.url.rsplit(":", 1)[1]  # the bound port, also when --port 0 asked for any
+                sibling_args = ["--backing-url", args.backing_url or default_state_url(), "--host", args.host,
+                                "--port", port, "--threads", str(args.threads), "--access-log", str(access_log)]
+                siblings = _start_siblings(sibling_args, args.processes - 1)
+            log.info("serving the state store at %s (pid %d)", served.url, os.getpid())
+            _wait_while_parent_lives(args.parent_pid)
+    finally:
+        for sibling in siblings:
+            sibling.terminate()
+        for sibling in siblings:
+            try:
+                sibling.wait(10)
+            except subprocess.TimeoutExpired:
+                sibling.kill()
 
 
 if __name__ == "__main__":
