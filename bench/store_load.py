@@ -60,13 +60,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def store_server(backing_url: str, token: str, threads: int, log: Path) -> Any:
+def store_server(backing_url: str, token: str, threads: int, log: Path, processes: int = 1) -> Any:
     """`python -m mortal.state.http_server` on a free port of 127.0.0.1; its URL once /healthz answers.
     Its log goes to a file (a pipe nobody reads would fill and stall the server)."""
     port = _free_port()
     env = {**os.environ, "MORTAL_STATE_TOKEN": token}
     cmd = [sys.executable, "-m", "mortal.state.http_server", "--backing-url", backing_url,
-           "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
+           "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--processes", str(processes)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -190,7 +190,9 @@ def pct(values: list[float], q: float) -> float:
 
 def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     token = secrets.token_hex(16)
-    with fresh_database(kind, tmp) as backing, store_server(backing, token, args.threads, tmp / "server.log") as url:
+    server_log = tmp / "server.log"
+    with fresh_database(kind, tmp) as backing, \
+            store_server(backing, token, args.threads, server_log, args.server_processes) as url:
         rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))
@@ -211,7 +213,7 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
             by_call[name].append(sec)
     return {
         "store": kind, "clients": clients, "seconds": args.seconds, "rate_per_client": args.rate,
-        "server_threads": args.threads, "client_procs": procs,
+        "server_threads": args.threads, "server_processes": args.server_processes, "client_procs": procs,
         "calls": len(records), "failed": sum(failures.values()), "failures": dict(failures),
         "calls_per_s": round(len(records) / args.seconds, 1),
         "offered_per_s": round(clients * args.rate, 1) if args.rate > 0 else None,
@@ -231,7 +233,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="per case (at most 120)")
     parser.add_argument("--rate", type=float, default=1.0, help="calls per second per client; 0: unpaced")
     parser.add_argument("--procs", type=int, default=4, help="client processes (clients split among them)")
-    parser.add_argument("--threads", type=int, default=8, help="the server's worker threads")
+    parser.add_argument("--threads", type=int, default=8, help="the server's worker threads, per process")
+    parser.add_argument("--server-processes", type=int, default=1, help="the server's processes (--processes)")
     parser.add_argument("--out", default="bench/results/store_load.json")
     args = parser.parse_args()
     if not 0 < args.seconds <= 120:

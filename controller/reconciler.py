@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mortal.controller import failpoints
+from mortal.controller import failpoints, heal
 from mortal.controller.actions import Adopt, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.backends import (
     Backend,
@@ -51,6 +51,8 @@ from mortal.controller.plan import Plan, plan
 from mortal.controller.snapshot import code_environ
 from mortal.specs import TrainingSpec
 from mortal.state import paths
+from mortal.state.auth import launch_token
+from mortal.state.containment import PathOutside, report_refused
 from mortal.state.errors import Conflict, Fenced, NotFound
 from mortal.state.store import LeaderFence, Store, WorkerRef
 from mortal.state.tables import RunRow, WorkerRow
@@ -206,7 +208,8 @@ class Reconciler:
             run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
             gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
-            env={k: os.environ[k] for k in spec.secrets if k in os.environ} | code_environ(run.annotations),
+            env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env,
+                 **code_environ(run.annotations)},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
             # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
@@ -224,7 +227,8 @@ class Reconciler:
         row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
-        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id)
+        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id,
+                                     state_token=launch_token(self.state_url, ref, run.uid))
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
             raise Fenced("the leader lease ran out before a launch")
@@ -272,17 +276,26 @@ class Reconciler:
         """Files first, where the run's backend keeps them (a Modal run's are on its volume) and in its
         checkpoint storage (spec.checkpoint.uri: checkpoints and uploaded logs), rows last: the row going
         away is what says the deletion is complete. A run whose backend or storage cannot be reached from
-        here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove."""
+        here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove.
+        A run whose folder would lie outside MORTAL_HOME/runs (PathOutside) has its rows purged, its files
+        left alone, and a Warning event that stays after it."""
+        refused: PathOutside | None = None
         if remove_files:
             backend, why = self.backend(backend_name)
             if backend is None:
                 raise BackendError(f"cannot remove the files of run {name!r}: {why}")
             if self.leader.fence() != fence:
                 raise Fenced("the leader lease ran out before removing files")
-            backend.remove_run_files(name, storage_uri)
+            try:
+                backend.remove_run_files(name, storage_uri)
+            except PathOutside as exc:  # a name stored before the store checked names: never followed
+                refused = exc
         self.store.purge_run(name, fence)
         self.written.pop(name, None)
-        log.info("purged run %s%s", name, " and its files" if remove_files else "")
+        if refused is not None:  # after the purge, so that it outlives the run's own events (`get events`)
+            log.warning("purged run %r without removing its files: %s", name, refused)
+            report_refused(self.store, name, "purged without removing its files", refused)
+        log.info("purged run %s%s", name, " and its files" if remove_files and refused is None else "")
         return Done()
 
     def _sweep(self, name: str) -> Outcome:
@@ -309,9 +322,19 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.shares_actor_gpu,
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
+        batch_size=spec.algorithm.batch_size,
+        fitted_micro_batch=_fitted_micro_batch(run),
+        loss_type=spec.algorithm.loss_type,
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
         cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
         replicated=spec.actor.strategy == "ddp",
         deleted=run.deleted_at is not None,
         purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
     )
+
+
+def _fitted_micro_batch(run: RunRow) -> int | None:
+    """mortalctl apply's micro batch estimate (heal.FITTED_ANNOTATION); None when absent or not a number
+    (the planner checks it against the spec)."""
+    value = (run.annotations or {}).get(heal.FITTED_ANNOTATION)
+    return int(value) if value is not None and value.isdigit() else None

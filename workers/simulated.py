@@ -11,6 +11,8 @@ seconds on a CPU. Annotations tune it:
     mortal.dev/fail: always               actor exits 75 at once (restart-policy tests)
     mortal.dev/fail: oom-actor|oom-rollout  that role raises torch.cuda.OutOfMemoryError with torch's own
                                           message (2.00 GiB on an 80 GB H100) at its first step or task
+    mortal.dev/fail: oom-actor-above:N    the actor raises it at start while its micro batch (the spec's, or
+                                          the controller's choice: mortal.specs.memory) is above N
     mortal.dev/import-rewards: "true"     rollout: import the spec's reward functions first, as a real one
                                           does (mortal.workers.rewards.load_reward); it still scores as below
 
@@ -30,12 +32,14 @@ from typing import Any
 
 from mortal.specs import TrainingRun
 from mortal.state import NewTask, TaskRow, paths
+from mortal.state.containment import PathOutside, report_refused, tree_inside
 from mortal.workers.atomic import atomic_dir, sweep
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
 from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
 
 POLL_SECONDS = 0.05
+OOM_ABOVE = "oom-actor-above:"
 IMPORT_REWARDS = "mortal.dev/import-rewards"
 KEEP_WEIGHTS = 3
 STATE_FILE = "state.json"
@@ -109,6 +113,13 @@ def run_actor(ctx: WorkerContext) -> int:
     settings = Settings.of(ctx.run)
     if settings.fail == "oom-actor":
         raise_torch_out_of_memory()
+    if settings.fail and settings.fail.startswith(OOM_ABOVE):
+        algorithm = ctx.run.spec.algorithm
+        micro = algorithm.batch_size // algorithm.accumulation_steps
+        if micro > _threshold(settings.fail):
+            ctx.log.error("micro batch %d is above %s: out of memory", micro, settings.fail)
+            raise_torch_out_of_memory()
+        ctx.log.info("micro batch %d (%d passes a step)", micro, algorithm.accumulation_steps)
     if settings.fail == "always":
         ctx.log.error("annotation mortal.dev/fail=always: exiting %d", EXIT_RETRYABLE)
         return EXIT_RETRYABLE
@@ -142,13 +153,25 @@ def run_actor(ctx: WorkerContext) -> int:
     return EXIT_SUCCEEDED
 
 
+def _threshold(fail: str) -> int:
+    try:
+        return int(fail.removeprefix(OOM_ABOVE))
+    except ValueError:
+        raise FatalWorkerError("InvalidAnnotation", f"mortal.dev/fail: {fail!r}: expected {OOM_ABOVE}N") from None
+
+
 def resume(ctx: WorkerContext) -> tuple[int, int]:
     """(step, weight version) to continue from: the latest complete checkpoint, newest weights."""
     step = version = 0
     ckpt = ctx.store.latest_checkpoint(ctx.worker.run)
     if ckpt is not None:
         try:
-            state = json.loads((Path(ckpt.path) / STATE_FILE).read_text())
+            folder = tree_inside(paths.checkpoints_dir(ctx.worker.run), ckpt.path)
+        except PathOutside as exc:  # never read: the run fails rather than resume from what is not its own
+            report_refused(ctx.store, ctx.worker.run, f"resuming from checkpoint step-{ckpt.step}", exc)
+            raise FatalWorkerError("CheckpointRefused", f"checkpoint of step {ckpt.step}: {exc}") from exc
+        try:
+            state = json.loads((folder / STATE_FILE).read_text())
         except (OSError, ValueError) as exc:
             raise FatalWorkerError("CheckpointUnreadable", f"checkpoint of step {ckpt.step}: {exc}") from exc
         step, version = int(state["step"]), int(state["weight_version"])
