@@ -1,4 +1,4 @@
-"""Admission: what can be checked before a run exists is checked when it is applied, and nothing is written if not.
+"""Admission: what can be checked before a run exists is checked when it is applied; a failure writes nothing.
 
 Who calls it: `mortalctl apply` (and --dry-run, which prints the checks), MortalTrainer.train and the
 watched folder (mortal.controller.watchdir). For each run it builds the code snapshot
@@ -70,14 +70,15 @@ def _probe(run: TrainingRun, folder: Path) -> list[Check]:
     """The probe's checks, run with `folder` (the snapshot) as working folder and first on sys.path."""
     simulated = run.metadata.annotations.get(SIMULATED[0]) == SIMULATED[1]
     request = json.dumps({"spec": run.spec_dict(), "simulated": simulated})
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
-    timeout = float(os.environ.get(PROBE_TIMEOUT_ENV) or DEFAULT_PROBE_TIMEOUT)
+    search = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=search)
+    timeout = _probe_timeout()
     try:
-        done = subprocess.run([sys.executable, "-m", PROBE_MODULE], input=request, capture_output=True, text=True,
-                              cwd=folder, env=env, timeout=timeout, check=False)
+        done = subprocess.run([sys.executable, "-m", PROBE_MODULE], input=request, capture_output=True,
+                              text=True, cwd=folder, env=env, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return [Check("spec", "failed", f"checking the run's code took over {timeout:.0f}s ({PROBE_TIMEOUT_ENV}); "
-                                        "does importing a reward, tool or environment module hang?")]
+        why = f"checking the run's code took over {timeout:.0f}s ({PROBE_TIMEOUT_ENV})"
+        return [Check("spec", "failed", f"{why}; does importing a reward, tool or environment module hang?")]
     lines = done.stdout.strip().splitlines()
     try:
         found = json.loads(lines[-1]) if done.returncode == 0 and lines else None
@@ -89,6 +90,15 @@ def _probe(run: TrainingRun, folder: Path) -> list[Check]:
     return [Check(str(c["field"]), str(c["state"]), str(c["message"])) for c in found]
 
 
+def _probe_timeout() -> float:
+    raw = os.environ.get(PROBE_TIMEOUT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_PROBE_TIMEOUT
+    except ValueError:
+        raise AdmissionRefused([SpecIssue("<environment>", None, PROBE_TIMEOUT_ENV,
+                                          f"{raw!r} is not a number of seconds")]) from None
+
+
 def _remote_checks(run: TrainingRun) -> list[Check]:
     """What only a remote backend can tell, said out loud."""
     spec = run.spec
@@ -96,8 +106,8 @@ def _remote_checks(run: TrainingRun) -> list[Check]:
         return []
     gpus = sorted({spec.actor.gpu, spec.rollout.gpu} - {"none"})
     what = f"GPUs {', '.join(gpus)} are" if gpus else "CPU capacity is"
-    return [Check("spec.backend", "deferred", f"{spec.backend}: {what} checked by the backend when it places the "
-                                              "workers")]
+    return [Check("spec.backend", "deferred",
+                  f"{spec.backend}: {what} checked by the backend when it places the workers")]
 
 
 def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission:
@@ -117,7 +127,8 @@ def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission
         raise AdmissionRefused([SpecIssue(source, None, c.field, c.message) for c in failed])
     if snapshot.digest is not None:
         what = ", ".join(p.rel for p in snapshot.parts) or "kept: this folder has none of the run's code"
-        checks.append(Check("metadata.annotations", "ok", f"{CODE_ANNOTATION}: {snapshot.digest[:12]} ({what})"))
+        checks.append(Check("metadata.annotations", "ok",
+                            f"{CODE_ANNOTATION}: {snapshot.digest[:12]} ({what})"))
     return Admission(run, source, checks, snapshot)
 
 

@@ -212,7 +212,7 @@ def running_controller_pid() -> int | None:
 
 @dataclass(frozen=True)
 class RunningController:
-    """The controller of this MORTAL_HOME, as its pid file and its process tell (`mortalctl controller status`)."""
+    """The controller of this MORTAL_HOME, as its pid file and process tell (`mortalctl controller status`)."""
 
     pid: int
     home: Path

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 CODE_ANNOTATION = "mortal.dev/code-snapshot"
 LIMIT_ENV = "MORTAL_CODE_SNAPSHOT_LIMIT_MB"
 DEFAULT_LIMIT_MB = 64
-SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".mypy_cache", ".pytest_cache",
-                          ".ruff_cache", ".tox", "node_modules", ".ipynb_checkpoints"})
+SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".mypy_cache",
+                          ".pytest_cache", ".ruff_cache", ".tox", "node_modules", ".ipynb_checkpoints"})
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 INSTALLED_TOP = frozenset({"mortal"})  # mortal's own code is the installed package, never the user's copy
@@ -65,7 +65,7 @@ class Part:
 
 @dataclass
 class Snapshot:
-    """A built snapshot, in a temporary folder until `install`; `digest` is None when the run needs nothing."""
+    """A built snapshot, in a temporary folder until `install`; `digest` None: the run needs nothing."""
 
     folder: Path  # where it was built (the admission probe runs in it)
     parts: list[Part] = field(default_factory=list)
@@ -76,7 +76,8 @@ class Snapshot:
     @classmethod
     def kept(cls, run: str, digest: str) -> Snapshot | None:
         """The run's installed snapshot `digest`, as a new temporary copy (None if there is none): what a
-        document applied again from elsewhere (`get -o yaml | apply -f -`) keeps when the folder has no code."""
+        document applied again from elsewhere (`get -o yaml | apply -f -`) keeps when that folder has
+        none of its code."""
         installed = paths.code_dir(run, digest) if DIGEST.match(digest) else None
         if installed is None or not installed.is_dir():
             return None
@@ -156,8 +157,8 @@ def needed_parts(spec: TrainingSpec, folders: list[Path]) -> list[tuple[Part, Pa
                 continue
             rel = os.path.normpath(name)
             if rel.startswith(".." + os.sep) or rel == "..":
-                raise SnapshotRefused(where, f"{name!r} is outside the applying folder {folder}; give an absolute "
-                                             "path, or move it into the folder")
+                raise SnapshotRefused(where, f"{name!r} is outside the applying folder {folder}; give an "
+                                             "absolute path, or move it into the folder")
             found.setdefault(rel, (Part(where, rel, link=is_model), path))
     return list(found.values())
 
@@ -218,9 +219,10 @@ def build(spec: TrainingSpec, folders: list[Path]) -> Snapshot:
                             sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
         blamed = max(parts, key=lambda pp: sizes[pp[0].rel])[0].field
         raise SnapshotRefused(blamed, f"the code and files this run takes from {folders[0]} come to "
-                                      f"{total / 2**20:.1f} MiB, over the snapshot limit of {limit / 2**20:.0f} MiB "
-                                      f"({LIMIT_ENV}); largest: {largest}. Keep data and models out of the "
-                                      "package your rewards live in, or give them by absolute path")
+                                      f"{total / 2**20:.1f} MiB, over the snapshot limit of "
+                                      f"{limit / 2**20:.0f} MiB ({LIMIT_ENV}); largest: {largest}. Keep data "
+                                      "and models out of the package your rewards live in, or give them by "
+                                      "absolute path")
     snapshot = Snapshot(Path(tempfile.mkdtemp(prefix="mortal-code-")), [p for p, _ in parts], total)
     digest = hashlib.sha256()
     try:

@@ -73,11 +73,12 @@ def use_code_snapshot(env: Mapping[str, str], worker: WorkerRef) -> str | None:
     if not digest:
         return None
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise FatalWorkerError("CodeSnapshotMissing", f"{paths.CODE_SNAPSHOT_ENV}={digest!r} is not a sha256 digest")
+        raise FatalWorkerError("CodeSnapshotMissing",
+                               f"{paths.CODE_SNAPSHOT_ENV}={digest!r} is not a sha256 digest")
     folder = paths.code_dir(worker.run, digest, env.get("MORTAL_HOME") or None)
     if not folder.is_dir():
-        raise FatalWorkerError("CodeSnapshotMissing", f"the run's code snapshot {folder} is not on this machine "
-                               "(apply the run again from the folder of its code)")
+        raise FatalWorkerError("CodeSnapshotMissing", f"the run's code snapshot {folder} is not on this "
+                               "machine (apply the run again from the folder of its code)")
     sys.path.insert(0, str(folder))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
     os.chdir(folder)

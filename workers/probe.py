@@ -38,6 +38,19 @@ class Check:
     message: str
 
 
+def ok(field: str, message: str) -> Check:
+    return Check(field, "ok", message)
+
+
+def failed(field: str, message: str) -> Check:
+    return Check(field, "failed", message)
+
+
+def deferred(field: str, message: str) -> Check:
+    """A check only the backend can make, later: said, never skipped silently."""
+    return Check(field, "deferred", message)
+
+
 def _resolve(ref: str) -> tuple[Any, str | None]:
     """The object, or None and why it cannot be imported (what the worker would fail with)."""
     module = ref.partition(":")[0]
@@ -46,9 +59,9 @@ def _resolve(ref: str) -> tuple[Any, str | None]:
     except references.MissingAttribute as exc:
         return None, str(exc)
     except ModuleNotFoundError as exc:
-        return None, (f"cannot import module {module!r} ({exc}): it is neither in the folder you applied from "
-                      "nor installed where mortal runs")
-    except BaseException as exc:  # noqa: BLE001 - whatever the user's module raises while importing is the finding
+        return None, (f"cannot import module {module!r} ({exc}): it is neither in the folder you applied "
+                      "from nor installed where mortal runs")
+    except BaseException as exc:  # noqa: BLE001 - what the user's module raises on import is the finding
         return None, f"importing module {module!r} failed: {type(exc).__name__}: {exc}"
 
 
@@ -80,78 +93,78 @@ def _reward_environment_class() -> type:
 def check_reward(field: str, ref: str, args: dict[str, Any]) -> Check:
     obj, why = _resolve(ref)
     if why is not None:
-        return Check(field, "failed", f"{ref!r}: {why}")
+        return failed(field, f"{ref!r}: {why}")
     if inspect.isclass(obj):
         sig = _signature(obj)
         if sig is not None:
             try:
                 sig.bind(**args)
             except TypeError as exc:
-                return Check(field, "failed", f"{ref!r}: the class cannot be built as {obj.__name__}(**args) with "
-                                              f"args {args} ({exc})")
+                return failed(field, f"{ref!r}: the class cannot be built as {obj.__name__}(**args) with "
+                                     f"args {args} ({exc})")
         base = _reward_environment_class()
         if issubclass(obj, base):
             if obj.score is base.score and obj.score_batch is base.score_batch:
-                return Check(field, "failed", f"{ref!r}: RewardEnvironment {obj.__name__} overrides neither score() "
-                                              "nor score_batch()")
-            return Check(field, "ok", f"{ref!r}: RewardEnvironment {obj.__name__}")
+                return failed(field, f"{ref!r}: RewardEnvironment {obj.__name__} overrides neither score() "
+                                     "nor score_batch()")
+            return ok(field, f"{ref!r}: RewardEnvironment {obj.__name__}")
         if "__call__" not in {name for klass in obj.__mro__[:-1] for name in vars(klass)}:
-            return Check(field, "failed", f"{ref!r}: class {obj.__name__} is neither a RewardEnvironment nor "
-                                          "callable; subclass mortal.RewardEnvironment and override score()")
+            return failed(field, f"{ref!r}: class {obj.__name__} is neither a RewardEnvironment nor "
+                                 "callable; subclass mortal.RewardEnvironment and override score()")
         problem = _takes_trl_call(obj.__call__, {"self": None})
-        return Check(field, "failed", f"{ref!r}: {obj.__name__}.__call__: {problem}") if problem else \
-            Check(field, "ok", f"{ref!r}: callable class {obj.__name__}")
+        return failed(field, f"{ref!r}: {obj.__name__}.__call__: {problem}") if problem else \
+            ok(field, f"{ref!r}: callable class {obj.__name__}")
     if not callable(obj):
-        return Check(field, "failed", f"{ref!r}: is not callable (it is a {type(obj).__name__}); {REWARD_HINT}")
+        return failed(field, f"{ref!r}: is not callable (it is a {type(obj).__name__}); {REWARD_HINT}")
     problem = _takes_trl_call(obj, args)
     if problem:
-        return Check(field, "failed", f"{ref!r}: {problem}")
-    return Check(field, "ok", f"{ref!r}: a function taking TRL's reward call")
+        return failed(field, f"{ref!r}: {problem}")
+    return ok(field, f"{ref!r}: a function taking TRL's reward call")
 
 
 def check_tool(field: str, ref: str) -> Check:
     obj, why = _resolve(ref)
     if why is not None:
-        return Check(field, "failed", f"{ref!r}: {why}")
+        return failed(field, f"{ref!r}: {why}")
     if not callable(obj) or inspect.isclass(obj):
-        return Check(field, "failed", f"{ref!r}: a tool must be a function (it is a {type(obj).__name__})")
-    return Check(field, "ok", f"{ref!r}: a function")
+        return failed(field, f"{ref!r}: a tool must be a function (it is a {type(obj).__name__})")
+    return ok(field, f"{ref!r}: a function")
 
 
 def check_environment(field: str, ref: str) -> Check:
     obj, why = _resolve(ref)
     if why is not None:
-        return Check(field, "failed", f"{ref!r}: {why}")
+        return failed(field, f"{ref!r}: {why}")
     if not inspect.isclass(obj):
-        return Check(field, "failed", f"{ref!r}: an environment must be a class, built with no arguments "
-                                      f"(it is a {type(obj).__name__})")
+        return failed(field, f"{ref!r}: an environment must be a class, built with no arguments "
+                             f"(it is a {type(obj).__name__})")
     sig = _signature(obj)
     if sig is not None:
         try:
             sig.bind()
         except TypeError as exc:
-            return Check(field, "failed", f"{ref!r}: TRL builds it with no arguments, and {obj.__name__}{sig} "
-                                          f"needs some ({exc})")
+            return failed(field, f"{ref!r}: TRL builds it with no arguments, and {obj.__name__}{sig} "
+                                 f"needs some ({exc})")
     if not callable(getattr(obj, "reset", None)):
-        return Check(field, "failed", f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
-                                      "called before each generation)")
-    return Check(field, "ok", f"{ref!r}: a class built with no arguments, with reset()")
+        return failed(field, f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
+                             "called before each generation)")
+    return ok(field, f"{ref!r}: a class built with no arguments, with reset()")
 
 
 def check_model(spec: TrainingSpec, simulated: bool) -> Check:
     field, name = "spec.model.name", spec.model.name
     if simulated:
-        return Check(field, "ok", f"{name!r}: not loaded (simulated workload)")
+        return ok(field, f"{name!r}: not loaded (simulated workload)")
     if spec.backend in REMOTE:
-        return Check(field, "deferred", f"{name!r}: looked for where the {spec.backend} backend runs the workers")
+        return deferred(field, f"{name!r}: looked for where the {spec.backend} backend runs the workers")
     from mortal.workers.models import resolve_model_source
 
     try:
         source = resolve_model_source(name)
     except FatalWorkerError as exc:
-        return Check(field, "failed", exc.message)
+        return failed(field, exc.message)
     if source.kind != "hub":
-        return Check(field, "ok", f"{name!r}: {source.kind} at {source.location}")
+        return ok(field, f"{name!r}: {source.kind} at {source.location}")
     return _hub_model(field, name)
 
 
@@ -159,20 +172,20 @@ def _hub_model(field: str, name: str) -> Check:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
-        return Check(field, "deferred", f"{name!r}: a hub id, and huggingface_hub is not installed here to look "
-                                        "in the cache")
+        return deferred(field, f"{name!r}: a hub id, and huggingface_hub is not installed here to look "
+                               "in the cache")
     try:
         cached = try_to_load_from_cache(name, "config.json")
     except Exception as exc:  # noqa: BLE001 - a malformed id: the hub library says why
-        return Check(field, "failed", f"{name!r}: not a model folder or .gguf here, nor a hub id ({exc})")
+        return failed(field, f"{name!r}: not a model folder or .gguf here, nor a hub id ({exc})")
     if isinstance(cached, str):
-        return Check(field, "ok", f"{name!r}: in the Hugging Face cache")
+        return ok(field, f"{name!r}: in the Hugging Face cache")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return Check(field, "failed", f"{name!r}: not a model folder or .gguf here, and not in the Hugging Face "
-                                      "cache while HF_HUB_OFFLINE is set; download it first (hf download "
-                                      f"{name}) or fix the name")
-    return Check(field, "deferred", f"{name!r}: not in the Hugging Face cache; the workers download it from the "
-                                    "hub when they start")
+        return failed(field, f"{name!r}: not a model folder or .gguf here, and not in the Hugging Face "
+                             "cache while HF_HUB_OFFLINE is set; download it first (hf download "
+                             f"{name}) or fix the name")
+    return deferred(field, f"{name!r}: not in the Hugging Face cache; the workers download it from the "
+                           "hub when they start")
 
 
 def check_dataset(spec: TrainingSpec) -> Check:
@@ -182,16 +195,16 @@ def check_dataset(spec: TrainingSpec) -> Check:
     if dataset.name.startswith("builtin:"):
         name = dataset.name.removeprefix("builtin:")
         if name not in builtin_names():
-            return Check(field, "failed", f"{dataset.name!r}: no built-in dataset {name!r}; built-in: "
-                                          f"{', '.join(builtin_names())}")
-        return Check(field, "ok", f"{dataset.name!r}: built in")
+            return failed(field, f"{dataset.name!r}: no built-in dataset {name!r}; built-in: "
+                                 f"{', '.join(builtin_names())}")
+        return ok(field, f"{dataset.name!r}: built in")
     path = os.path.expanduser(dataset.name)
     if os.path.splitext(path)[1] in FILE_SUFFIXES or os.path.exists(path):
         if not os.path.isfile(path):
-            return Check(field, "failed", f"{dataset.name!r}: no such file (relative names are read from the folder "
-                                          "you applied from)")
-        return Check(field, "ok", f"{dataset.name!r}: a local file")
-    return Check(field, "deferred", f"{dataset.name!r}: a hub dataset, read by the actor when it starts")
+            return failed(field, f"{dataset.name!r}: no such file (relative names are read from the folder "
+                                 "you applied from)")
+        return ok(field, f"{dataset.name!r}: a local file")
+    return deferred(field, f"{dataset.name!r}: a hub dataset, read by the actor when it starts")
 
 
 def check_chat_template(spec: TrainingSpec) -> list[Check]:
@@ -200,8 +213,8 @@ def check_chat_template(spec: TrainingSpec) -> list[Check]:
         return []
     field = "spec.rollout.chatTemplate"
     if not os.path.isfile(os.path.expanduser(template)):
-        return [Check(field, "failed", f"{template!r}: no such file")]
-    return [Check(field, "ok", f"{template!r}: a local file")]
+        return [failed(field, f"{template!r}: no such file")]
+    return [ok(field, f"{template!r}: a local file")]
 
 
 def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:
@@ -214,7 +227,8 @@ def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:
     found += [check_tool(f"spec.rollout.tools[{i}]", ref) for i, ref in enumerate(spec.rollout.tools)]
     environment = spec.rollout.environment
     named = {"": environment} if isinstance(environment, str) else dict(environment or {})
-    found += [check_environment("spec.rollout.environment" + (f".{k}" if k else ""), ref) for k, ref in named.items()]
+    found += [check_environment("spec.rollout.environment" + (f".{k}" if k else ""), ref)
+              for k, ref in named.items()]
     found += check_chat_template(spec)
     return found
 
@@ -223,7 +237,7 @@ def main() -> None:
     request = json.loads(sys.stdin.read())
     spec = TrainingSpec.model_validate(request["spec"])
     sys.path.insert(0, os.getcwd())  # the snapshot, first, as a worker has it
-    with contextlib.redirect_stdout(sys.stderr):  # what user modules print on import must not garble the answer
+    with contextlib.redirect_stdout(sys.stderr):  # what user modules print must not garble the answer
         result = [asdict(c) for c in checks(spec, bool(request.get("simulated")))]
     sys.stdout.write(json.dumps(result) + "\n")
 

@@ -277,7 +277,8 @@ class ModalBackend(Backend):
         digest = launch.env.get(paths.CODE_SNAPSHOT_ENV)
         if not digest or digest in self._shipped:
             return
-        local, remote = paths.code_dir(launch.run, digest, launch.mortal_home), f"runs/{launch.run}/code/{digest}"
+        local = paths.code_dir(launch.run, digest, launch.mortal_home)
+        remote = f"runs/{launch.run}/code/{digest}"
         volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
         try:
             volume.listdir(remote)
@@ -288,8 +289,8 @@ class ModalBackend(Backend):
             raise BackendError(f"Modal: could not list {remote} on the volume: {exc}") from exc
         if not present:
             if not local.is_dir():
-                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: apply the "
-                                   "run again from the folder of its code")
+                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: apply "
+                                   "the run again from the folder of its code")
             try:
                 with volume.batch_upload() as batch:
                     for root, _, files in os.walk(local):  # a linked model folder is not the volume's to hold

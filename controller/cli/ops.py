@@ -57,11 +57,13 @@ Examples:
   mortalctl controller stop
 """
 
-CONTROLLER_STATUS_HELP = """Say whether a controller runs for this MORTAL_HOME: its pid, since when, the folder it was
-started in and its log; and which controller holds the store's leader lease (it may be on another machine).
+CONTROLLER_STATUS_HELP = """Say whether a controller runs for this MORTAL_HOME: its pid, since when, the folder
+it was started in and its log; and which controller holds the store's leader lease (it may be on another
+machine).
 """
 
-CONTROLLER_STOP_HELP = """Stop the controller of this MORTAL_HOME (the background one apply started, or a foreground one).
+CONTROLLER_STOP_HELP = """Stop the controller of this MORTAL_HOME (the background one apply started, or one
+in the foreground).
 
 It is sent SIGTERM and given --timeout seconds to finish its reconcile passes and give up the leader
 lease, then killed (SIGKILL). Running workers are NOT stopped: they keep training, and the next
@@ -207,7 +209,8 @@ def controller_status_command(ctx: typer.Context) -> None:
     if lease is not None:
         expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
         if expires > datetime.now(UTC):
-            typer.echo(f"leader lease: held by {lease.holder} (until {expires.isoformat(timespec='seconds')})")
+            until = expires.isoformat(timespec="seconds")
+            typer.echo(f"leader lease: held by {lease.holder} (until {until})")
         else:
             typer.echo(f"leader lease: free (last held by {lease.holder})")
 
@@ -226,8 +229,8 @@ def controller_stop_command(
         return
     pid, killed = stopped
     if killed:
-        typer.echo(f"controller (pid {pid}) killed after {timeout:g}s; its leader lease expires by itself shortly; "
-                   "workers keep running")
+        typer.echo(f"controller (pid {pid}) killed after {timeout:g}s; its leader lease expires by itself "
+                   "shortly; workers keep running")
     else:
         typer.echo(f"controller (pid {pid}) stopped; workers keep running (the next controller adopts them)")
 
@@ -258,8 +261,8 @@ def register(app: typer.Typer) -> None:
     group = typer.Typer(help=CONTROLLER_HELP, short_help="Run the controller in the foreground; status, stop",
                         rich_markup_mode=None)
     group.callback(invoke_without_command=True)(controller_command)
-    group.command("status", help=CONTROLLER_STATUS_HELP, short_help="Is a controller running, where, since when")(
-        controller_status_command)
+    group.command("status", help=CONTROLLER_STATUS_HELP,
+                  short_help="Is a controller running, where, since when")(controller_status_command)
     group.command("stop", help=CONTROLLER_STOP_HELP, short_help="Stop the controller (workers keep running)")(
         controller_stop_command)
     app.add_typer(group, name="controller")
