@@ -95,7 +95,8 @@ def test_controller_status_and_stop_leave_the_workers_to_the_next_controller(  #
     assert f"leader lease: held by {socket.gethostname()}:{proc.pid}:" in status
     workers = {p.pid for p in worker_processes(h.home)}
     stopped = mortalctl(h, "controller", "stop")
-    assert stopped.exit_code == 0 and f"controller (pid {proc.pid}) stopped; workers keep running" in stopped.stdout
+    assert stopped.exit_code == 0
+    assert f"controller (pid {proc.pid}) stopped; workers keep running" in stopped.stdout
     assert not psutil.pid_exists(proc.pid)  # (stop reaped it: this test process is its parent)
     assert {p.pid for p in worker_processes(h.home)} == workers
     assert "controller: not running" in mortalctl(h, "controller", "status").stdout

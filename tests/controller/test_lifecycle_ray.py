@@ -83,8 +83,8 @@ def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness)
     assert any("actor done at step 30" in line for line in lines), lines[-5:]
 
 
-def test_rollouts_on_worker_nodes_import_the_reward_from_the_runs_code_snapshot(ray_cluster, harness,  # noqa: F811
-                                                                             tmp_path, monkeypatch):
+def test_rollouts_on_worker_nodes_import_the_reward_from_the_runs_code_snapshot(  # noqa: F811
+        ray_cluster, harness, tmp_path, monkeypatch):  # noqa: F811
     from mortal.controller.admission import admit_runs
     from mortal.controller.snapshot import CODE_ANNOTATION
     from mortal.state import paths
@@ -95,7 +95,8 @@ def test_rollouts_on_worker_nodes_import_the_reward_from_the_runs_code_snapshot(
     (user / "ray_rewards.py").write_text(
         "import os, pathlib\n"
         "if os.environ.get('MORTAL_ROLE') == 'rollout':\n"
-        "    pathlib.Path(os.environ['MORTAL_HOME'], 'imported-' + os.environ['MORTAL_REPLICA']).write_text(__file__)\n"
+        "    home = pathlib.Path(os.environ['MORTAL_HOME'])\n"
+        "    (home / ('imported-' + os.environ['MORTAL_REPLICA'])).write_text(__file__)\n"
         "def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
     run = ray_run(name, max_steps=4, rollout_replicas=2, step_seconds=0.1,
                   annotations={"mortal.dev/import-rewards": "true"})

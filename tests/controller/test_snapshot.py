@@ -42,7 +42,8 @@ def folder(tmp_path: Path) -> Path:
 def test_only_the_named_top_level_package_is_copied_without_caches_or_virtualenvs(folder):
     snapshot = build(spec(), [folder])
     try:
-        copied = sorted(str(p.relative_to(snapshot.folder)) for p in snapshot.folder.rglob("*") if p.is_file())
+        files = [p for p in snapshot.folder.rglob("*") if p.is_file()]
+        copied = sorted(str(p.relative_to(snapshot.folder)) for p in files)
         assert copied == ["pkg/__init__.py", "pkg/scoring.py"]
         assert [p.field for p in snapshot.parts] == ["spec.rewards[0].function"]
     finally:

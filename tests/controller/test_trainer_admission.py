@@ -1,6 +1,6 @@
-"""MortalTrainer.train admits its run as `mortalctl apply` does: the module of a reward function defined in the
-script's folder travels with the run (its snapshot), and a reward TRL could not call is refused before the
-store is written. On SQLite only: the subject is the client (tests/store_kinds.py)."""
+"""MortalTrainer.train admits its run as `mortalctl apply` does: the module of a reward function defined in
+the script's folder travels with the run (its snapshot), and a reward TRL could not call is refused before
+the store is written. On SQLite only: the subject is the client (tests/store_kinds.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def positional_only(completions, /):
 
 @pytest.fixture
 def script_rewards(tmp_path, monkeypatch, mortal_home):
-    """A module next to the user's script (imported from there, as `python train.py` does), run from elsewhere."""
+    """A module next to the user's script (imported from there, as `python train.py` does); run elsewhere."""
     script = tmp_path / "script"
     script.mkdir()
     (script / "user_shaping.py").write_text(MODULE)
@@ -51,7 +51,8 @@ def test_the_rewards_module_of_the_script_travels_with_the_run(store_url, script
     store = open_store(store_url)
     digest = store.get_run("t1").annotations[CODE_ANNOTATION]
     store.close()
-    assert (paths.code_dir("t1", digest) / "user_shaping.py").read_text() == (script / "user_shaping.py").read_text()
+    copied = paths.code_dir("t1", digest) / "user_shaping.py"
+    assert copied.read_text() == (script / "user_shaping.py").read_text()
 
 
 @sqlite_only
@@ -59,7 +60,8 @@ def test_a_reward_trl_cannot_call_is_refused_before_anything_is_written(store_ur
     module, _ = script_rewards
     with pytest.raises(AdmissionRefused) as refused:
         trainer(module.positional_only, store_url).train()
-    assert "spec.rewards[0].function" in str(refused.value) and "does not take TRL's reward call" in str(refused.value)
+    said = str(refused.value)
+    assert "spec.rewards[0].function" in said and "does not take TRL's reward call" in said
     store = open_store(store_url)
     assert store.list_runs() == []
     store.close()

@@ -85,7 +85,8 @@ def test_controller_watch_runs_a_file_and_deletes_it_when_the_file_goes(harness,
 
 
 @sqlite_only
-def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_nothing(store, tmp_path, monkeypatch):
+def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_nothing(store, tmp_path,
+                                                                                     monkeypatch):
     from mortal.controller.snapshot import CODE_ANNOTATION
 
     project, folder = tmp_path / "project", tmp_path / "project" / "runs"

@@ -66,8 +66,8 @@ def runs(store_url: str) -> list[str]:
 
 
 @sqlite_only
-def test_a_run_carries_the_reward_module_and_the_dataset_file_of_the_applying_folder(cli, spec_file, store_url,
-                                                                                     user_folder):
+def test_a_run_carries_the_reward_module_and_the_dataset_file_of_the_applying_folder(
+        cli, spec_file, store_url, user_folder):
     path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}],
                                 "spec.dataset": {"name": "data/train.jsonl"}})
     out = cli("apply", "-f", str(path))
@@ -95,8 +95,10 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
 
 @sqlite_only
 @pytest.mark.parametrize(("edits", "field", "says"), [
-    ({"spec.rewards": [{"function": "nothere:correct"}]}, "spec.rewards[0].function", "cannot import module 'nothere'"),
-    ({"spec.rewards": [{"function": "myrewards:missing"}]}, "spec.rewards[0].function", "has no attribute missing"),
+    ({"spec.rewards": [{"function": "nothere:correct"}]}, "spec.rewards[0].function",
+     "cannot import module 'nothere'"),
+    ({"spec.rewards": [{"function": "myrewards:missing"}]}, "spec.rewards[0].function",
+     "has no attribute missing"),
     ({"spec.rewards": [{"function": "myrewards:no_kwargs"}]}, "spec.rewards[0].function",
      "does not take TRL's reward call"),
     ({"spec.rewards": [{"function": "myrewards:VALUE"}]}, "spec.rewards[0].function", "is not callable"),
@@ -109,8 +111,8 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
     ({"spec.rollout.environment": {"a": "myrewards:NeedsArgs"}}, "spec.rollout.environment.a",
      "TRL builds it with no arguments"),
 ])
-def test_what_cannot_work_is_refused_naming_file_and_field_and_nothing_is_written(cli, spec_file, store_url,
-                                                                                  user_folder, edits, field, says):
+def test_what_cannot_work_is_refused_naming_file_and_field_and_nothing_is_written(
+        cli, spec_file, store_url, user_folder, edits, field, says):
     path = spec_file("bad", **edits)
     out = cli("apply", "-f", str(path))
     assert out.exit_code == 1, out.output
@@ -130,7 +132,8 @@ def test_dry_run_prints_every_check_and_writes_nothing(cli, spec_file, store_url
     assert "check: trainingrun/mine: spec.dataset.name: ok: 'builtin:arith'" in out.stderr
     assert f"{CODE_ANNOTATION}: " in out.stderr
     assert runs(store_url) == [] and not paths.run_dir("mine").exists()
-    refused = cli("apply", "-f", str(spec_file("bad", **{"spec.rewards": [{"function": "nothere:f"}]})), "--dry-run")
+    bad = spec_file("bad", **{"spec.rewards": [{"function": "nothere:f"}]})
+    refused = cli("apply", "-f", str(bad), "--dry-run")
     assert refused.exit_code == 1 and "spec.rewards[0].function" in refused.output
 
 
@@ -140,7 +143,8 @@ def test_a_modal_run_says_which_checks_the_backend_makes_later(cli, spec_file, u
                                   "spec.actor": {"gpu": "H100"}, "spec.rollout": {"gpu": "H100"}})
     out = cli("apply", "-f", str(path), "--dry-run")
     assert out.exit_code == 0, out.output
-    assert "spec.model.name: deferred: 'nobody/not-cached-here': looked for where the modal backend runs" in out.stderr
+    said = "spec.model.name: deferred: 'nobody/not-cached-here': looked for where the modal backend runs"
+    assert said in out.stderr
     assert "spec.backend: deferred: modal: GPUs H100 are checked by the backend" in out.stderr
 
 

@@ -185,7 +185,8 @@ def test_a_fork_carries_its_parent_s_code_snapshot(cli, store, tmp_path, monkeyp
     project.mkdir()
     (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0]\n")
     monkeypatch.chdir(project)
-    spec = QUICKSTART.read_text().replace("mortal.workers.rewards.builtin:correct_answer", "myrewards:correct")
+    builtin = "mortal.workers.rewards.builtin:correct_answer"
+    spec = QUICKSTART.read_text().replace(builtin, "myrewards:correct")
     (project / "run.yaml").write_text(spec)
     assert cli("apply", "-f", "run.yaml").exit_code == 0
     ref = actor(store, "quickstart")
