@@ -43,6 +43,10 @@ class DeadlinesSpec(SpecModel):
         "seconds. Absent: 5m.",
     )
 
+    def weight_load(self) -> float:
+        """Seconds a weight load may take (the default when unset)."""
+        return self.weight_load_seconds if self.weight_load_seconds is not None else DEFAULT_WEIGHT_LOAD_SECONDS
+
     def collective(self) -> float:
         """Seconds a collective may wait (the default when unset)."""
         return self.collective_seconds if self.collective_seconds is not None else DEFAULT_COLLECTIVE_SECONDS

@@ -33,7 +33,6 @@ from mortal.state.tables import (
     WorkerRow,
 )
 
-
 ACTIVITIES = ("task", "step", "weight-load")
 """What a worker may report doing in its heartbeat (workers.activity's first word), each with a deadline
 (spec.deadlines; mortal.controller.deadlines). Collectives are not reported: torch.distributed's own
