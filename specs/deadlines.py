@@ -38,9 +38,9 @@ class DeadlinesSpec(SpecModel):
     )
     collective_seconds: Duration | None = Field(
         None,
-        description="Longest one torch.distributed collective (a weight transfer over nccl or gloo, a sharded "
-        "actor's all-reduce) may wait for its peer before the worker fails and is relaunched: 90s, 10m, or "
-        "seconds. Absent: 5m.",
+        description="Longest one torch.distributed collective may wait for its peer before the worker fails and "
+        "is relaunched: 90s, 10m, or seconds. Absent: 5m for a weight transfer (sync nccl), torch's own default "
+        "for a sharded actor's ranks (one waits for rank 0 while it waits for rollouts).",
     )
 
     def weight_load(self) -> float:

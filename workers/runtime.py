@@ -242,6 +242,19 @@ class WorkerContext:
             with self._lock:
                 self._activities.remove(entry)
 
+    @property
+    def name(self) -> str:
+        """This worker as events name it: `rollout-0 #3`."""
+        return f"{self.worker.role}-{self.worker.replica} #{self.worker.incarnation}"
+
+    def warn(self, reason: str, message: str) -> None:
+        """A Warning event of the run (describe, get events); the store being unreachable is only logged:
+        the warning is not worth the worker."""
+        try:
+            self.store.add_event(self.worker.run, "Warning", reason, message)
+        except Exception as exc:  # FencingStore already ended a fenced process
+            self.log.warning("event %s not recorded: %s", reason, exc)
+
     def check_fence(self) -> None:
         """Heartbeat now: call before writing files a newer incarnation may also write (exits if fenced)."""
         with self._lock:

@@ -284,6 +284,12 @@ class RewardTimeout:
     completions: int
     step: int
 
+    def describe(self, worker: str) -> str:
+        """The Warning event's message: the worker, what it was doing and for how long."""
+        return (f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
+                f"scoring {self.completions} completions of step {self.step}; they score None (not applicable), "
+                "the run goes on; its stacks are in the worker's log")
+
 
 class RewardSet:
     """The spec's rewards, loaded once per worker and called for every task."""
@@ -295,6 +301,7 @@ class RewardSet:
         self.logs = RewardLogs()
         self.abandoner = abandoner or Abandoner()
         self.on_timeout: Callable[[RewardTimeout], None] | None = None  # the rollout records an event
+        self._told: set[tuple[str, int]] = set()  # (reward, step) timeouts already told: one event each
 
     @property
     def names(self) -> list[str]:
@@ -340,9 +347,9 @@ class RewardSet:
         try:
             return check_scores(reward, self._call(reward, kwargs), expected)
         except CallTimedOut as exc:
-            timeout = RewardTimeout(reward.name, exc.seconds, expected, step)
-            if self.on_timeout is not None:
-                self.on_timeout(timeout)
+            if self.on_timeout is not None and (reward.name, step) not in self._told:
+                self._told.add((reward.name, step))
+                self.on_timeout(RewardTimeout(reward.name, exc.seconds, expected, step))
             return [None] * expected
 
     def report(self, prompt: Any, completion: Any, completion_ids: list[int], row: dict[str, Any]
