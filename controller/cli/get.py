@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 RUN_ALIASES = ("runs", "run", "trainingruns", "trainingrun", "tr")
 RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", "AGE")
 WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL", "CONDITIONS")
-TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "MemoryFits")
+TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "DeadlinesMet", "MemoryFits")
 
 HELP = """Display one or many resources: runs, events, checkpoints, completions, metrics.
 
