@@ -290,6 +290,8 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps, run_dir=ctx.run_dir)
     rewards.on_timeout = lambda timeout: ctx.warn("RewardTimeout", timeout.describe(ctx.name))
     toolbox = Toolbox.from_spec(spec.rollout) if spec.rollout.uses_tools else None
+    if toolbox is not None:
+        toolbox.on_timeout = lambda message: ctx.warn("ToolTimeout", f"{ctx.name}: {message}")
     phases.end("rewards")
     set_threads()
     device = worker_device(spec.rollout.gpu, "spec.rollout.gpu")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ NOT_TOOLS = ("reset", "get_reward")
 # Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
 CONCURRENT_ROLLOUTS = 16
+TOLD_EVERY_SECONDS = 60.0  # a tool that keeps timing out makes one Warning event a minute, not one a call
 
 
 class ToolLoadError(FatalWorkerError):
@@ -84,6 +86,8 @@ class Toolbox:
     _pool: dict[str | None, list[Any]] = field(default_factory=dict)
     _standalone_lock: threading.Lock = field(default_factory=threading.Lock)
     abandoner: Abandoner = field(default_factory=Abandoner)
+    on_timeout: Callable[[str], None] | None = None  # told what timed out (the rollout records a Warning event)
+    _told: dict[str, float] = field(default_factory=dict)  # tool -> when it was last told: one a minute at most
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
@@ -175,18 +179,28 @@ class Toolbox:
         tool = by_name[name]
         if any(tool is shared for shared in self.tools):
             with self._standalone_lock:
-                result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner)
+                result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner,
+                                                 self._timed_out)
         else:
-            result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner)
+            result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner, self._timed_out)
         if error is not None:
             return ToolOutcome(name, arguments, str({"error": error}), True)
         # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
         # rollouts are text only)
         return ToolOutcome(name, arguments, str(result), False)
 
+    def _timed_out(self, name: str, seconds: float) -> None:
+        now = time.monotonic()
+        if self.on_timeout is None or now - self._told.get(name, -TOLD_EVERY_SECONDS) < TOLD_EVERY_SECONDS:
+            return
+        self._told[name] = now
+        self.on_timeout(f"tool {name} did not return within rollout.toolTimeoutSeconds ({seconds:g} s); the model "
+                        "was told it timed out and the rollout went on; its stacks are in the worker's log")
+
 
 def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], seconds: float,
-                     abandoner: Abandoner | None = None) -> tuple[Any, str | None]:
+                     abandoner: Abandoner | None = None,
+                     on_timeout: Callable[[str, float], None] | None = None) -> tuple[Any, str | None]:
     """(result, None), or (None, the error message) when the tool raised or ran past `seconds` (then its
     stacks are in the log). TooManyAbandonedCalls passes through: the worker is to be relaunched."""
     name = getattr(tool, "__name__", "tool")
@@ -198,6 +212,8 @@ def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], second
     try:
         return (abandoner or Abandoner()).call(invoke, seconds, f"tool {name}"), None
     except CallTimedOut:
+        if on_timeout is not None:
+            on_timeout(name, seconds)
         return None, f"tool {name} timed out after {seconds:g} s"
     except (TooManyAbandonedCalls, KeyboardInterrupt):
         raise
