@@ -59,9 +59,13 @@ def test_a_rollout_stuck_in_a_task_is_relaunched_and_the_run_completes(harness):
     assert stalled.state == "Failed"
     assert stalled.message.startswith("TaskDeadlineExceeded: task 2.")
     assert "past its deadline of 2 s" in stalled.message
-    warned = [e for e in h.store.list_events("stuck", limit=200) if e.reason == "TaskDeadlineExceeded"]
-    assert [e.type for e in warned] == ["Warning"]
-    assert warned[0].message.startswith(f"rollout-0 #{stalled.incarnation}: task 2.")
+    events = h.store.list_events("stuck", limit=200)
+    [warned] = [e for e in events if e.reason == "TaskDeadlineExceeded" and e.message.startswith("rollout-0")]
+    assert warned.type == "Warning" and warned.message.startswith(f"rollout-0 #{stalled.incarnation}: task 2.")
+    assert "its stacks are in its log; relaunching it" in warned.message
+    [healed] = [e for e in events if e.reason == "Healed"]  # DeadlinesMet True again once a step ended after
+    assert healed.type == "Normal" and healed.message.startswith("DeadlinesMet is True: rollout-0 #")
+    assert condition(final, "DeadlinesMet")["status"] == "True"
     # faulthandler's answer to the controller's SIGUSR1: every thread's stack, the stuck frame named
     wait_for(lambda: "(most recent call first)" in log_of("stuck", "rollout", stalled.incarnation), 10,
              "the stacks in the log")
