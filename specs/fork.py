@@ -21,10 +21,8 @@ import re
 from typing import Any
 
 from pydantic import ValidationError
-from ruamel.yaml import YAML
-from ruamel.yaml.error import YAMLError
 
-from mortal.specs import epochs
+from mortal.specs import epochs, parse_limits
 from mortal.specs.diagnostics import issues_from_errors
 from mortal.specs.errors import SpecError, SpecIssue
 from mortal.specs.loader import _plain
@@ -52,12 +50,12 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 def load_fragment(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
     """An overrides file's text as plain data, with the line of each key (for errors that point at it)."""
-    try:
-        node = YAML(typ="rt").load(text)
-    except YAMLError as exc:
-        raise SpecError([SpecIssue(source, None, "", f"invalid YAML: {exc}")]) from None
+    docs = parse_limits.load_documents(text, source)
+    if len(docs) > 1:
+        several = "must be one YAML document (found several, split by '---')"
+        raise SpecError([SpecIssue(source, None, "", several)])
     lines: dict[tuple, int] = {}
-    return _plain(node, (), lines), lines
+    return _plain(docs[0] if docs else None, (), lines), lines
 
 
 def parse_set(assignment: str) -> tuple[list[str | int], Any]:
@@ -78,9 +76,13 @@ def parse_set(assignment: str) -> tuple[list[str | int], Any]:
         raise _error(assignment, path_text, "only metadata.labels.KEY and metadata.annotations.KEY can be set "
                                             "(the name is the fork's NEW argument)")
     try:
-        value = YAML(typ="safe").load(raw) if raw.strip() else ""
-    except YAMLError as exc:
-        raise _error(assignment, path_text, f"the value {raw!r} is not a YAML value: {exc}") from None
+        docs = parse_limits.load_documents(raw, SET_SOURCE, typ="safe") if raw.strip() else [""]
+    except SpecError as exc:
+        why = exc.issues[0].message
+        raise _error(assignment, path_text, f"the value {raw!r} is not a YAML value: {why}") from None
+    if len(docs) != 1:
+        raise _error(assignment, path_text, f"the value {raw!r} is not one YAML value")
+    value = docs[0]
     return parts, value
 
 

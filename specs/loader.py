@@ -1,10 +1,10 @@
 """Reads TrainingRun documents from YAML (or JSON) text, files and directories.
 
 Called by `mortalctl apply -f`, `controller --watch DIR` and tests. Uses ruamel.yaml's round-trip
-loader only to learn where each key sits, then validates plain Python data with pydantic; every
-problem of every document becomes a `SpecIssue` (file, line, field path as the user wrote it,
-message with the fix) and all of them are raised together as one `SpecError`. No other I/O than
-reading the named files; it never talks to the store.
+loader only to learn where each key sits (bounded by mortal.specs.parse_limits: aliases, nesting),
+then validates plain Python data with pydantic; every problem of every document becomes a
+`SpecIssue` (file, line, field path as the user wrote it, message with the fix) and all of them are
+raised together as one `SpecError`. No other I/O than reading the named files; it never talks to the store.
 
     runs = load_path("specs/examples")          # a file, a directory of *.yaml/*.yml, or "-" for stdin
     runs = load_text(text, source="<stdin>")    # multi-document text ('---'), or a TrainingRunList
@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
-from mortal.specs import epochs
+from mortal.specs import epochs, parse_limits
 from mortal.specs.diagnostics import dotted, issues_from_errors, line_of
 from mortal.specs.errors import SpecError, SpecIssue
 from mortal.specs.run import API_VERSION, KIND, TrainingRun
@@ -91,13 +89,9 @@ def _read(path: Path) -> tuple[str, SpecIssue | None]:
 def _read_text(text: str, source: str) -> tuple[list[tuple[TrainingRun, SpecIssue]], list[SpecIssue]]:
     """(run, where its name is) pairs and the issues of every document in `text`."""
     try:
-        docs = list(YAML(typ="rt").load_all(text))
-    except MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        return [], [SpecIssue(source, line, "", f"invalid YAML: {exc.problem or exc.context}")]
-    except YAMLError as exc:
-        return [], [SpecIssue(source, None, "", f"invalid YAML: {exc}")]
+        docs = parse_limits.load_documents(text, source)
+    except SpecError as exc:
+        return [], exc.issues
     runs: list[tuple[TrainingRun, SpecIssue]] = []
     issues: list[SpecIssue] = []
     for doc in docs:

@@ -51,10 +51,12 @@ def test_editable_install_imports_every_subpackage_from_the_repo(tmp_path):
 
 @pytest.mark.slow
 def test_built_wheel_imports_every_subpackage(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-        check=True,
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, text=True,
     )
+    # data folders are declared as package data, not left for setuptools to guess (and warn about)
+    assert "Package would be ignored" not in build.stdout + build.stderr
     wheel = next(tmp_path.glob("mortal-*.whl"))
     target = tmp_path / "site"
     subprocess.run(
@@ -65,3 +67,5 @@ def test_built_wheel_imports_every_subpackage(tmp_path):
     assert all(f.startswith(str(target)) for f in files), files
     assert (target / "mortal" / "specs" / "examples" / "quickstart.yaml").exists()
     assert (target / "mortal" / "state" / "migrations").is_dir()
+    assert (target / "mortal" / "controller" / "cli" / "dashboard_static" / "dashboard.js").exists()
+    assert next((target / "mortal" / "workers" / "builtin_data").glob("*.jsonl"), None) is not None

@@ -15,6 +15,7 @@ import typer
 
 from mortal.controller.cli import follow
 from mortal.controller.cli.context import CliError, ensure_controller, state, wake_controller
+from mortal.controller.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -125,12 +126,12 @@ def apply_command(
         raise CliError(f"no TrainingRun documents found in {', '.join(filenames)}")
     for run in runs:
         for note in run.spec.notes():
-            typer.echo(f"note: trainingrun/{run.name}: {note}", err=True)
+            typer.echo(plain(f"note: trainingrun/{run.name}: {note}"), err=True)
     refuse_what_cannot_fit(runs)
     results = apply_runs(cli.store, runs, dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:
-        typer.echo(f"trainingrun/{name} {outcome}{suffix}")
+        typer.echo(plain(f"trainingrun/{name} {outcome}{suffix}"))
     if dry_run:
         return
     changed = [name for name, outcome in results if outcome != "unchanged"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from mortal.controller.cli.context import CliError
-from mortal.controller.cli.output import console, table, to_json, to_yaml
+from mortal.controller.cli.output import console, say, table, to_json, to_yaml
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -178,15 +178,15 @@ def _print_reward_result(result: dict[str, Any], output: str | None) -> None:
     out = console()
     rows = [(r["name"], f"{r['weight']:g}", _score(r["score"]), r["error"] or "") for r in result["rewards"]]
     out.print(table(("REWARD", "WEIGHT", "SCORE", "ERROR"), rows))
-    out.print(f"weighted sum: {_score(result['weightedSum'])}", markup=False)
+    say(f"weighted sum: {_score(result['weightedSum'])}")
     for r in result["rewards"]:
         for stream in ("stdout", "stderr"):
             if r[stream]:
-                out.print(f"--- {r['name']} {stream} ---\n{r[stream].rstrip()}", markup=False)
+                say(f"--- {r['name']} {stream} ---\n{r[stream].rstrip()}")
         if r["logExtra"] or r["logMetric"]:
-            out.print(f"--- {r['name']} logged --- {json.dumps({**r['logMetric'], **r['logExtra']})}", markup=False)
+            say(f"--- {r['name']} logged --- {json.dumps({**r['logMetric'], **r['logExtra']})}")
     if result.get("note"):
-        out.print(f"note: {result['note']}", markup=False)
+        say(f"note: {result['note']}")
 
 
 def _score(value: float | None) -> str:
@@ -292,8 +292,7 @@ def _device(device: str) -> str:
 
 
 def _print_rollout_result(result: dict[str, Any]) -> None:
-    out = console()
-    out.print(f"prompt ({result['engine']} on {result['device']}): {json.dumps(result['prompt'])}", markup=False)
+    say(f"prompt ({result['engine']} on {result['device']}): {json.dumps(result['prompt'])}")
     rewards = result.get("rewards", {})
     for k, text in enumerate(result["completions"]):
         scored = ""
@@ -303,7 +302,7 @@ def _print_rollout_result(result: dict[str, Any]) -> None:
         if "turns" in result:
             scored += (f"  [{result['turns'][k]} turns, {result['toolCalls'][k]} tool calls, "
                        f"{result['toolFailures'][k]} failed]")
-        out.print(f"--- completion {k}{scored} ---\n{text}", markup=False)
+        say(f"--- completion {k}{scored} ---\n{text}")
 
 
 def register(app: typer.Typer) -> None:

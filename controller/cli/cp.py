@@ -23,6 +23,7 @@ import typer
 from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
 from mortal.controller.backends.modal import data_volume
 from mortal.controller.cli.context import CliError, state
+from mortal.controller.cli.text import plain
 from mortal.workers.storage import StorageError, is_url, open_filesystem
 
 if TYPE_CHECKING:
@@ -140,8 +141,8 @@ def cp_command(
         staging.rename(dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    typer.echo(f"trainingrun/{run} checkpoint step-{checkpoint.step} (weights v{checkpoint.weight_version}) "
-               f"copied to {dest}")
+    typer.echo(plain(f"trainingrun/{run} checkpoint step-{checkpoint.step} (weights v{checkpoint.weight_version}) "
+                     f"copied to {dest}"))
 
 
 def register(app: typer.Typer) -> None:

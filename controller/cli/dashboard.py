@@ -7,8 +7,12 @@ Pages: `/` (the runs: name, phase, step/maxSteps, reward, conditions, age) and `
 (reward and loss curves, workers, checkpoints, events, and the K worst and best completions of step N,
 the newest by default). JSON: `/api/runs` and `/api/runs/NAME?step=N&k=K`, the same data; with
 `sections=1` they also carry each page section rendered, which is what the page's script swaps in
-every `--refresh` seconds. One refresh reads each table once (controller/cli/dashboard_data.py).
-Served by waitress (threads, one process), as the store server is; the `server` extra installs it.
+every `--refresh` seconds. One refresh reads each table once (controller/cli/dashboard_data.py) and
+sends each text cut to a page's worth; `/api/runs/NAME/status`, `.../events/ID`, `.../workers/ID`,
+`.../checkpoints/STEP` and `.../completions/STEP/SAMPLE` return an item with its texts whole.
+Served by waitress (threads, one process), as the store server is; the `server` extra installs it. A
+connection idle for IDLE_SECONDS is closed, so open sockets that send nothing (a crowd of tabs, a
+slow client) cannot hold every connection slot and lock a new visitor out.
 What it must not do: write to the store (it holds a ReadOnlyStore), talk to workers, or load anything
 from the network (its script and stylesheet are package files).
 """
@@ -33,6 +37,8 @@ from mortal.controller.cli.context import CliError, state
 log = logging.getLogger("mortal.dashboard")
 DEFAULT_PORT = 8265
 DEFAULT_REFRESH_SECONDS = 3.0
+IDLE_SECONDS = 10  # a connection that sends nothing for this long is closed (a page asks every few seconds)
+CONNECTION_LIMIT = 500  # open connections before new ones wait for idle ones to be shed
 MAX_SHOWN = 50
 STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 SECURITY_HEADERS = [
@@ -115,6 +121,9 @@ class DashboardApp:
             if is_json:
                 return self._json(view, pages.runs_sections(view) if sections else None)
             return 200, "text/html; charset=utf-8", pages.runs_page(view, self.refresh_seconds).encode()
+        if is_json and path.startswith("/runs/") and path.count("/") > 2:
+            name, kind, *key = (unquote(part) for part in path.removeprefix("/runs/").split("/"))
+            return self._json(data.full_item(self.store, name, kind, key), None)
         if path.startswith("/runs/") and path.count("/") == 2:
             name = unquote(path.removeprefix("/runs/"))
             step, shown = _int(query, "step", None), _int(query, "k", data.DEFAULT_SHOWN)
@@ -172,9 +181,10 @@ def open_read_only(url: str | None):
 
 @contextmanager
 def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-          refresh_seconds: float = DEFAULT_REFRESH_SECONDS, threads: int = 4) -> Iterator[str]:
+          refresh_seconds: float = DEFAULT_REFRESH_SECONDS, threads: int = 4, idle_seconds: int = IDLE_SECONDS,
+          connection_limit: int = CONNECTION_LIMIT) -> Iterator[str]:
     """Serve the dashboard with waitress from a background thread for the duration of the block; yields its URL
-    (port 0: any free port)."""
+    (port 0: any free port). Idle connections are looked for every second and closed after `idle_seconds`."""
     try:
         from waitress.server import create_server
 
@@ -185,7 +195,8 @@ def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAUL
     sockets: dict[int, Any] = {}
     try:
         server = create_server(DashboardApp(store, refresh_seconds), map=sockets, host=host, port=port,
-                               threads=threads, ident="mortal-dashboard", asyncore_use_poll=True)
+                               threads=threads, ident="mortal-dashboard", asyncore_use_poll=True,
+                               channel_timeout=idle_seconds, cleanup_interval=1, connection_limit=connection_limit)
     except OSError as exc:  # in use, a privileged port, an address this machine does not have
         raise CliError(f"--port {port} / --host {host}: cannot listen there ({exc.strerror or exc}); "
                        "pick another --port (0: any free one)") from exc

@@ -9,6 +9,9 @@ have samples, then the chosen step's samples, sorted once). The reward and loss 
 one `list_metrics` of the whole run, which returns every metric of every step: a small read for runs of
 hundreds of steps, a large one per refresh for runs of many thousands (not cached or read incrementally
 yet: a resumed actor records earlier steps again, which a read `since_step` would miss).
+A refresh's size is bounded too: a text longer than TEXT_SHOWN (an event message, a completion, a
+path, ...) is cut with a marker naming the endpoint that returns it whole (`full_item`), which reads
+only what the page shows.
 What it must not do: write. It is handed a `ReadOnlyStore`, which has no write methods to call.
 """
 
@@ -22,12 +25,14 @@ from mortal.controller.cli.context import CliError, run_document
 from mortal.controller.cli.output import age
 
 if TYPE_CHECKING:
-    from mortal.state import RunRow, Store
+    from mortal.state import CheckpointRow, CompletionRow, EventRow, RunRow, Store
 
 CURVES = ("reward", "loss")  # the metrics drawn on a run's page, as the actor records them
 CONDITION_TYPES = ("Ready", "WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing")
 EVENTS_SHOWN = 30
 DEFAULT_SHOWN = 3  # worst and best completions of the step
+TEXT_SHOWN = 2000  # characters of one text in a page or refresh; the full_item endpoints have all of it
+CUT = "… [cut: {total} characters in all; the full text: {url}]"
 
 
 class ReadOnlyStore:
@@ -49,8 +54,33 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="seconds") if moment else None
 
 
+def cut(text: str | None, url: str) -> str | None:
+    """`text` if short, else its start and a marker saying how long it is and where the whole of it is."""
+    if text is None or len(text) <= TEXT_SHOWN:
+        return text
+    return text[:TEXT_SHOWN] + CUT.format(total=f"{len(text):,}", url=url)
+
+
+def api_url(run: str, *parts: Any) -> str:
+    from urllib.parse import quote
+
+    return "/api/runs/" + "/".join(quote(str(p), safe="") for p in (run, *parts))
+
+
 def run_summary(row: RunRow) -> dict[str, Any]:
-    """One run as the runs table shows it: name, phase, step/maxSteps, reward, conditions, age."""
+    """One run as the runs table shows it: name, phase, step/maxSteps, reward, conditions, age (texts cut)."""
+    whole = summary_whole(row)
+    url = api_url(row.name, "status")
+    for condition in whole["conditions"]:
+        condition["reason"], condition["message"] = cut(condition["reason"], url), cut(condition["message"], url)
+    for key in ("message", "error"):
+        if key in whole:
+            whole[key] = cut(whole[key], url)
+    return whole
+
+
+def summary_whole(row: RunRow) -> dict[str, Any]:
+    """run_summary with every text whole (what /api/runs/NAME/status returns)."""
     from mortal.specs import SpecError
 
     base = {"name": row.name, "created": _iso(row.created_at), "age": age(row.created_at)}
@@ -95,7 +125,7 @@ def curves(store: ReadOnlyStore, run: str) -> dict[str, list[list[float]]]:
 
 
 def completions(store: ReadOnlyStore, run: str, step: int | None, shown: int) -> dict[str, Any]:
-    """The worst and best `shown` samples of `step` (default: the newest step with samples).
+    """The worst and best `shown` samples of `step` (default: the newest step with samples), texts cut.
 
     CliError when `step` has no samples. The worst are lowest total reward first, the best highest
     first, unscored samples in neither (they are counted).
@@ -109,8 +139,25 @@ def completions(store: ReadOnlyStore, run: str, step: int | None, shown: int) ->
     rows = [] if chosen is None else store.list_completions(run, chosen, order=CompletionOrder.worst)
     scored = [r for r in rows if r.reward is not None]
     return {"step": chosen, "steps": steps, "samples": len(rows), "unscored": len(rows) - len(scored),
-            "worst": [completion_dict(r) for r in scored[:shown]],
-            "best": [completion_dict(r) for r in reversed(scored[-shown:])] if scored else []}
+            "worst": [_sample(run, r) for r in scored[:shown]],
+            "best": [_sample(run, r) for r in reversed(scored[-shown:])] if scored else []}
+
+
+def _sample(run: str, row: CompletionRow) -> dict[str, Any]:
+    whole = completion_dict(row)
+    url = api_url(run, "completions", row.step, row.sample)
+    return {**whole, "prompt": cut(whole["prompt"], url), "completion": cut(whole["completion"], url)}
+
+
+def _event(run: str, e: EventRow) -> dict[str, Any]:
+    url = api_url(run, "events", e.id)
+    return {"id": e.id, "type": e.type, "reason": cut(e.reason, url), "message": cut(e.message, url),
+            "time": _iso(e.time), "age": age(e.time)}
+
+
+def _checkpoint(run: str, c: CheckpointRow) -> dict[str, Any]:
+    return {"step": c.step, "weightVersion": c.weight_version, "path": cut(c.path, api_url(run, "checkpoints", c.step)),
+            "created": _iso(c.created_at), "age": age(c.created_at)}
 
 
 def run_view(store: ReadOnlyStore, name: str, step: int | None = None, shown: int = DEFAULT_SHOWN) -> dict[str, Any]:
@@ -121,10 +168,11 @@ def run_view(store: ReadOnlyStore, name: str, step: int | None = None, shown: in
     row = store.get_run(name)
     summary = run_summary(row)
     gpus = summary.get("gpus", {})
-    workers = [{"role": w.role, "replica": w.replica, "incarnation": w.incarnation, "state": w.state,
+    workers = [{"id": w.id, "role": w.role, "replica": w.replica, "incarnation": w.incarnation, "state": w.state,
                 "gpu": gpus.get(w.role, "-"), "step": w.step, "weightVersion": w.weight_version,
                 "heartbeat": age(w.heartbeat_at) if w.heartbeat_at else None, "exitCode": w.exit_code,
-                "message": w.message, "handle": w.handle, "age": age(w.started_at)}
+                "message": cut(w.message, api_url(name, "workers", w.id)),
+                "handle": cut(w.handle, api_url(name, "workers", w.id)), "age": age(w.started_at)}
                for w in store.list_workers(name)]
     workers.sort(key=lambda w: (w["state"] in ("Succeeded", "Failed", "Lost", "Stopped"), w["role"],
                                 w["replica"], -w["incarnation"]))
@@ -132,11 +180,37 @@ def run_view(store: ReadOnlyStore, name: str, step: int | None = None, shown: in
         "kind": "RunView",
         "run": summary,
         "curves": curves(store, name),
-        "events": [{"type": e.type, "reason": e.reason, "message": e.message, "time": _iso(e.time),
-                    "age": age(e.time)} for e in reversed(store.list_events(name, limit=EVENTS_SHOWN))],
+        "events": [_event(name, e) for e in reversed(store.list_events(name, limit=EVENTS_SHOWN))],
         "workers": workers,
-        "checkpoints": [{"step": c.step, "weightVersion": c.weight_version, "path": c.path,
-                         "created": _iso(c.created_at), "age": age(c.created_at)}
-                        for c in reversed(store.list_checkpoints(name))],
+        "checkpoints": [_checkpoint(name, c) for c in reversed(store.list_checkpoints(name))],
         "completions": completions(store, name, step, shown),
     }
+
+
+def full_item(store: ReadOnlyStore, name: str, kind: str, key: list[str]) -> dict[str, Any]:
+    """One item of a run's page with its texts whole: what a cut text's marker points to.
+
+    kind/key: status; events/ID (among the EVENTS_SHOWN newest, what the page shows); workers/ID;
+    checkpoints/STEP; completions/STEP/SAMPLE. NotFound (a 404) for anything else."""
+    from mortal.state import NotFound
+
+    row = store.get_run(name)
+    found: Any = None
+    if kind == "status" and not key:
+        found = summary_whole(row)
+    elif kind == "events" and len(key) == 1:
+        found = next(({"id": e.id, "type": e.type, "reason": e.reason, "message": e.message, "time": _iso(e.time)}
+                      for e in store.list_events(name, limit=EVENTS_SHOWN) if str(e.id) == key[0]), None)
+    elif kind == "workers" and len(key) == 1:
+        found = next(({"id": w.id, "role": w.role, "replica": w.replica, "incarnation": w.incarnation,
+                       "state": w.state, "message": w.message, "handle": w.handle}
+                      for w in store.list_workers(name) if str(w.id) == key[0]), None)
+    elif kind == "checkpoints" and len(key) == 1:
+        found = next(({"step": c.step, "weightVersion": c.weight_version, "path": c.path, "created": _iso(c.created_at)}
+                      for c in store.list_checkpoints(name) if str(c.step) == key[0]), None)
+    elif kind == "completions" and len(key) == 2 and key[0].isdigit() and int(key[0]) in store.completion_steps(name):
+        found = next((completion_dict(c) for c in store.list_completions(name, int(key[0]))
+                      if str(c.sample) == key[1]), None)
+    if found is None:
+        raise NotFound(f"trainingrun/{name} has no {'/'.join([kind, *key])} here (events: the {EVENTS_SHOWN} newest)")
+    return found

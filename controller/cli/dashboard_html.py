@@ -18,7 +18,6 @@ from mortal.controller.cli.output import fmt_float
 
 CHART_WIDTH, CHART_HEIGHT = 560, 200
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 56, 12, 22, 28
-TEXT_SHOWN = 2000  # characters of a prompt or completion on the page (the JSON endpoint has all of it)
 
 
 def esc(value: Any) -> str:
@@ -57,14 +56,37 @@ def _table(headers: list[str], rows: list[list[str]], empty: str, cls: str = "")
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def condition_badges(conditions: list[dict[str, Any]]) -> str:
-    """A badge per condition: green True, red False, grey Unknown; the reason and message on hover."""
+FINISHED = ("Succeeded", "Failed")
+READY_EXPECTED = ("Running", "Recovering")  # phases where Ready=False means workers are missing
+
+
+def condition_class(condition: dict[str, Any], phase: str) -> str:
+    """A condition badge's colour: ok (green), bad (red), unknown (grey) or neutral (outlined, not a signal).
+
+    A finished run's conditions are a record of its last moment, as describe lists them, not a state to act
+    on: neutral, but on a Failed run a False one stays red (it may say why). Ready=False is expected outside
+    Running and Recovering (pending, starting, suspended, finished): neutral."""
+    status = condition["status"]
+    if phase in FINISHED:
+        return "bad" if phase == "Failed" and status == "False" and condition["type"] != "Ready" else "neutral"
+    if condition["type"] == "Ready" and status == "False" and phase not in READY_EXPECTED:
+        return "neutral"
+    return {"True": "ok", "False": "bad"}.get(status, "unknown")
+
+
+def condition_badges(conditions: list[dict[str, Any]], phase: str) -> str:
+    """A badge per condition, coloured by condition_class; the status, reason and message on hover."""
     badges = []
     for c in conditions:
-        state = {"True": "ok", "False": "bad"}.get(c["status"], "unknown")
         tip = f"{c['type']}={c['status']}: {c['reason']}" + (f" ({c['message']})" if c.get("message") else "")
-        badges.append(f'<span class="badge {state}" title="{esc(tip)}">{esc(c["type"])}</span>')
+        tip += " (as the run ended)" if phase in FINISHED else ""
+        badges.append(f'<span class="badge {condition_class(c, phase)}" title="{esc(tip)}">{esc(c["type"])}</span>')
     return " ".join(badges) or "-"
+
+
+def _path(path: str) -> str:
+    """A path that may wrap after any '/' (a checkpoint path is wider than its column in a 1280-pixel window)."""
+    return "/<wbr>".join(esc(part) for part in path.split("/"))
 
 
 def _phase(phase: str) -> str:
@@ -78,7 +100,7 @@ def _step(run: dict[str, Any]) -> str:
 # -- the runs list ---------------------------------------------------------------------------------
 def runs_sections(view: dict[str, Any]) -> dict[str, str]:
     rows = [[f'<a href="{esc(run_url(r["name"]))}">{esc(r["name"])}</a>', _phase(r["phase"]), _step(r),
-             _num(r["reward"]), condition_badges(r["conditions"]), esc(r["age"])] for r in view["items"]]
+             _num(r["reward"]), condition_badges(r["conditions"], r["phase"]), esc(r["age"])] for r in view["items"]]
     table = _table(["Name", "Phase", "Step", "Reward", "Conditions", "Age"], rows,
                    "No runs in this store yet: mortalctl apply -f SPEC.yaml", "runs")
     return {"runs": table}
@@ -144,8 +166,7 @@ def chart(name: str, points: list[list[float]]) -> str:
 
 
 def _text(value: str) -> str:
-    shown = value if len(value) <= TEXT_SHOWN else value[:TEXT_SHOWN] + "…"
-    return f"<pre>{esc(shown)}</pre>"
+    return f"<pre>{esc(value)}</pre>"  # already cut to what a page shows (dashboard_data.cut)
 
 
 def completion_cards(title: str, items: list[dict[str, Any]]) -> str:
@@ -190,7 +211,7 @@ def run_sections(view: dict[str, Any], pinned: bool, shown: int) -> dict[str, st
                ("Model", esc(r.get("model"))), ("Backend", esc(r.get("backend"))), ("Age", esc(r["age"]))]
     message = f"<p class=message>{esc(r.get('message') or r.get('error'))}</p>" if r.get("message") or r.get("error") else ""
     summary_html = ("<dl class=summary>" + "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in summary)
-                    + f"</dl><p class=conditions>{condition_badges(r['conditions'])}</p>{message}")
+                    + f"</dl><p class=conditions>{condition_badges(r['conditions'], r['phase'])}</p>{message}")
     curves = "".join(chart(metric, points) for metric, points in view["curves"].items())
     events = _table(["Age", "Type", "Reason", "Message"],
                     [[esc(e["age"]), f'<span class="etype {esc(e["type"].lower())}">{esc(e["type"])}</span>',
@@ -202,7 +223,7 @@ def run_sections(view: dict[str, Any], pinned: bool, shown: int) -> dict[str, st
                        esc(w["heartbeat"]), esc(w["exitCode"]), esc(w["age"])] for w in view["workers"]],
                      "no workers yet", "workers")
     checkpoints = _table(["Step", "Weights", "Path", "Age"],
-                         [[esc(c["step"]), esc(c["weightVersion"]), f"<code>{esc(c['path'])}</code>", esc(c["age"])]
+                         [[esc(c["step"]), esc(c["weightVersion"]), f"<code>{_path(c['path'])}</code>", esc(c["age"])]
                           for c in view["checkpoints"]], "no checkpoints yet", "checkpoints")
     return {
         "summary": summary_html,

@@ -13,6 +13,7 @@ import typer
 
 from mortal.controller.cli.context import run_document, state
 from mortal.controller.cli.output import age, console, fmt_float, print_renderable, table
+from mortal.controller.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun, TrainingSpec
@@ -137,7 +138,7 @@ def print_fields(title: str | None, fields: list[tuple[str, str]], indent: int =
         indent += 2
     width = max(len(k) for k, _ in fields) + 2
     for key, value in fields:
-        out.print(f"{' ' * indent}{key + ':':<{width}}{value}", markup=False)
+        out.print(f"{' ' * indent}{key + ':':<{width}}{plain(value)}", markup=False)
 
 
 def print_section(title: str, headers: tuple[str, ...], rows: list, empty: str = "<none>") -> None:

@@ -20,7 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from mortal.controller.cli.context import TERMINAL_PHASES, CliError, run_document
-from mortal.controller.cli.output import age, console, fmt_float
+from mortal.controller.cli.output import age, console, fmt_float, say
+from mortal.controller.cli.text import cell, plain
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -151,7 +152,7 @@ def step_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
 def print_lines(out: Console, snap: Snapshot) -> None:
     """Plain output: each new event, then one line per newly finished step."""
     for event in snap.new_events:
-        out.print(f"{event.type:<8} {event.reason:<20} {event.message}", markup=False)
+        out.print(plain(f"{event.type:<8} {event.reason:<20} {event.message}"), markup=False)
     for step, metrics in snap.new_steps:
         out.print(step_line(step, snap.max_steps, metrics), markup=False)
     out.file.flush()
@@ -164,7 +165,7 @@ def render(snap: Snapshot, follower: Follower) -> Group:
     reward = rewards[-1] if rewards else s.reward
     head = Table.grid(padding=(0, 2))
     head.add_row(
-        Text(f"trainingrun/{snap.name}", style="bold"),
+        Text(plain(f"trainingrun/{snap.name}"), style="bold"),
         ProgressBar(total=max(snap.max_steps, 1), completed=s.step, width=40),
         Text(f"step {s.step}/{snap.max_steps}"),
     )
@@ -175,7 +176,7 @@ def render(snap: Snapshot, follower: Follower) -> Group:
     trend = Text("reward by step: " + "  ".join(f"{r:.2f}" for r in rewards[-12:]), style="dim")
     events = Table(box=None, show_header=False, pad_edge=False)
     for event in follower.events:
-        events.add_row(age(event.time), event.type, event.reason, event.message)
+        events.add_row(age(event.time), cell(event.type), cell(event.reason), cell(event.message))
     return Group(head, info, trend, events)
 
 
@@ -206,12 +207,12 @@ def print_outcome(store: Store, snap: Snapshot, quiet: bool) -> None:
     """Succeeded: where the final checkpoint is and how to load it. Failed: the reason, on stderr."""
     s = snap.status
     if str(s.phase) == "Failed":
-        console(stderr=True).print(f"trainingrun/{snap.name} Failed: {s.message or 'see `mortalctl describe run ' + snap.name + '`'}", markup=False)
+        say(f"trainingrun/{snap.name} Failed: {s.message or 'see `mortalctl describe run ' + snap.name + '`'}", stderr=True)
         return
     out = console()
     out.print(f"trainingrun/{snap.name} Succeeded: {s.step}/{snap.max_steps} steps, reward {fmt_float(s.reward)}", markup=False)
     checkpoint = final_checkpoint(store, snap.name, s)
     if checkpoint and not quiet:
-        out.print(f"final checkpoint: {checkpoint}", markup=False)
+        say(f"final checkpoint: {checkpoint}")
         out.print("load it in Python:", markup=False)
-        out.print("\n".join("    " + line for line in load_snippet(checkpoint).splitlines()), markup=False)
+        say("\n".join("    " + line for line in load_snippet(checkpoint).splitlines()))

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from mortal.controller.cli.context import TERMINAL_PHASES, CliError, ensure_controller, state, wake_controller
+from mortal.controller.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -395,7 +396,7 @@ def fork_command(
     fragment, lines = _read_fragment(filename) if filename is not None else (None, None)
     forked = fork_run(cli.store, run, step, name, fragment=fragment, fragment_source=str(filename or "<overrides>"),
                       fragment_lines=lines, sets=list(sets or []))
-    typer.echo(f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})")
+    typer.echo(plain(f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})"))
     ensure_controller(cli, no_controller)
 
 
@@ -427,7 +428,7 @@ def rollback_command(
     later = ", ".join(f"step-{s}" for s in done.later) or "none"
     where = f" (kept in {done.kept_in})" if done.kept_in else (" (removed)" if done.later else "")
     then = "resumed" if done.resumed else "still suspended (mortalctl resume run to continue)"
-    typer.echo(f"trainingrun/{run} rolled back to step {done.step}; later checkpoints: {later}{where}; {then}")
+    typer.echo(plain(f"trainingrun/{run} rolled back to step {done.step}; later checkpoints: {later}{where}; {then}"))
     if done.resumed:
         ensure_controller(cli, no_controller)
 

@@ -1,8 +1,8 @@
 """`mortalctl get runs|events|checkpoints|completions|metrics`: list what the store holds, as a table or as documents.
 
-`get runs` prints NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (`-o wide` adds more, ending with
-the training conditions that are False), or the
-runs as YAML/JSON that `apply -f -` reads back, and with `-w` keeps reprinting as they change. Only
+`get runs` prints NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (`-o wide` adds more: the latest loss,
+ending with the training conditions that are False), or the runs as YAML/JSON that `apply -f -` reads
+back; with `-w`, as kubectl, the table once and then a run's row again only when it changed. Only
 reads the store. Resource names accept kubectl's singular, plural and short forms. A step's sampled
 completions and a run's metrics have modules of their own (completions.py, metrics.py).
 """
@@ -13,28 +13,29 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.live import Live
+from rich.cells import cell_len
 
 from mortal.controller.cli import completions, metrics
 from mortal.controller.cli.context import parse_selector, run_document, state
 from mortal.controller.cli.output import (
     OUTPUT_FORMATS,
     age,
-    console,
     fmt_float,
-    print_renderable,
     print_table,
-    table,
+    say,
     to_json,
     to_yaml,
 )
+from mortal.controller.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.state import RunRow, Store
 
 RUN_ALIASES = ("runs", "run", "trainingruns", "trainingrun", "tr")
 RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", "AGE")
-WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL", "CONDITIONS")
+WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "LOSS-TYPE", "BACKEND", "MODEL", "CONDITIONS")
+LOSS = "loss"  # the metric the actor records each step (mortal.workers.metrics, TRL's name)
+WATCH_POLL_SECONDS = 1.0
 TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "DeadlinesMet", "MemoryFits")
 
 HELP = """Display one or many resources: runs, events, checkpoints, completions, metrics.
@@ -64,8 +65,9 @@ Examples:
 OutputOpt = typer.Option(None, "-o", "--output", metavar="FORMAT", help="Output format: wide, yaml, json or name.")
 
 
-def run_row(row: RunRow, wide: bool = False) -> list[str]:
-    """One table row of a run (wide adds actor, restarts, generations, loss, backend, model, conditions)."""
+def run_row(row: RunRow, wide: bool = False, loss: float | None = None) -> list[str]:
+    """One table row of a run (wide adds actor, restarts, generations, the latest loss, loss type, backend,
+    model, conditions)."""
     from mortal.specs import SpecError
 
     try:
@@ -91,6 +93,7 @@ def run_row(row: RunRow, wide: bool = False) -> list[str]:
             f"{s.replicas.actor.ready}/{s.replicas.actor.desired if s.observed_generation else 1}",  # one worker, any ranks
             str(s.restarts),
             f"{s.observed_generation}/{row.generation}",
+            "-" if loss is None else f"{loss:.4g}",
             spec.algorithm.loss_type,
             spec.backend,
             spec.model.name,
@@ -137,57 +140,91 @@ def render_runs(rows: list[RunRow], output: str | None, single: bool) -> str | N
     if output in ("yaml", "json"):
         return dump_runs([run_document(r) for r in rows], output)
     if output == "name":
-        return "".join(f"trainingrun/{r.name}\n" for r in rows)
+        return "".join(f"trainingrun/{plain(r.name)}\n" for r in rows)
     return None
 
 
-def print_runs(rows: list[RunRow], output: str | None, single: bool) -> None:
+def latest_loss(store: Store, row: RunRow) -> float | None:
+    """The loss of the newest step the actor recorded one for (None before any)."""
+    step = (row.status or {}).get("step") or 0
+    rows = store.list_metrics(row.name, name=LOSS, since_step=step) if step else []
+    rows = rows or store.list_metrics(row.name, name=LOSS)  # a step between loss records (or a resume)
+    return rows[-1].value if rows else None
+
+
+def run_rows(store: Store, rows: list[RunRow], wide: bool) -> list[list[str]]:
+    return [run_row(r, wide, latest_loss(store, r) if wide else None) for r in rows]
+
+
+def print_runs(store: Store, rows: list[RunRow], output: str | None, single: bool) -> None:
     text = render_runs(rows, output, single)
     if text is not None:
-        typer.echo(text, nl=False)
+        typer.echo(text, nl=False)  # documents are data: JSON and YAML escape control characters themselves
         return
     wide = output == "wide"
     headers = RUN_HEADERS + (WIDE_HEADERS if wide else ())
-    print_table(headers, [run_row(r, wide) for r in rows], "No resources found.")
+    print_table(headers, run_rows(store, rows, wide), "No resources found.")
+
+
+class RowWatch:
+    """`kubectl get -w`'s table: the header and each row once, then a run's row again only when it changed.
+
+    Columns keep the widths of the first listing (a wider cell later pushes its row's columns along)."""
+
+    def __init__(self, headers: tuple[str, ...]) -> None:
+        self.headers = headers
+        self.widths: list[int] = []
+        self.shown: dict[str, list[str]] = {}
+
+    def lines(self, rows: list[list[str]]) -> list[str]:
+        """The lines to print for this listing (rows: a run's cells, its name first)."""
+        age_column = self.headers.index("AGE")
+        changed = [[plain(c) for c in cells] for cells in rows
+                   if _without(self.shown.get(cells[0]), age_column) != _without(cells, age_column)]
+        self.shown.update({cells[0]: cells for cells in rows})
+        out = []
+        if not self.widths and not changed:  # no run yet: the header waits for the first row, as kubectl's
+            return out
+        if not self.widths:
+            self.widths = [max(cell_len(c) for c in column) for column in zip(self.headers, *changed, strict=True)]
+            out.append(self._line(list(self.headers)))
+        return out + [self._line(cells) for cells in changed]
+
+    def _line(self, cells: list[str]) -> str:
+        return "   ".join(c + " " * (w - cell_len(c)) for c, w in zip(cells, self.widths, strict=True)).rstrip()
+
+
+def _without(cells: list[str] | None, column: int) -> list[str] | None:
+    return None if cells is None else cells[:column] + cells[column + 1:]
 
 
 def watch_runs(store: Store, name: str | None, selector: str | None, output: str | None, timeout: float) -> None:
-    """Until Ctrl-C (or `timeout` seconds): a live table on a terminal, else a reprint on every change."""
+    """Until Ctrl-C (or `timeout` seconds): kubectl's watch, the listing then each change (a row or a document)."""
     deadline = time.monotonic() + timeout if timeout else None
-    out = console()
-    seen: dict[str, Any] = {}
-    live = Live(console=out, auto_refresh=False) if out.is_terminal and output in (None, "wide") else None
+    wide = output == "wide"
+    watch = RowWatch(RUN_HEADERS + (WIDE_HEADERS if wide else ()))
+    seen: dict[str, int] = {}
+    said_empty = False
     try:
-        if live:
-            live.start()
         while deadline is None or time.monotonic() < deadline:
             rows = select_runs(store, name, selector)
-            versions = {r.name: r.resource_version for r in rows}
-            if live is not None:  # a terminal: redraw every second, so AGE moves too
-                _show_watch(live, rows, rows, output)
-            elif versions != seen:
-                changed = [r for r in rows if seen.get(r.name) != r.resource_version] if seen else rows
-                seen = versions
-                _show_watch(live, rows, changed, output)
-            time.sleep(1.0)
+            if not rows and not seen and not watch.widths and not said_empty:
+                say("No resources found.", stderr=True)
+                said_empty = True
+            if output in (None, "wide"):
+                lines = watch.lines(run_rows(store, rows, wide))
+                if lines:
+                    typer.echo("\n".join(lines))
+            else:
+                changed = [r for r in rows if seen.get(r.name) != r.resource_version]
+                seen.update({r.name: r.resource_version for r in rows})
+                if changed:
+                    text = (render_runs(changed, output, single=True) if output != "yaml" else
+                            "".join("---\n" + render_runs([r], "yaml", True) for r in changed))
+                    typer.echo(text, nl=False)
+            time.sleep(WATCH_POLL_SECONDS)
     except KeyboardInterrupt:
         pass
-    finally:
-        if live:
-            live.stop()
-
-
-def _show_watch(live: Live | None, rows: list[RunRow], changed: list[RunRow], output: str | None) -> None:
-    wide = output == "wide"
-    headers = RUN_HEADERS + (WIDE_HEADERS if wide else ())
-    if live is not None:
-        live.update(table(headers, [run_row(r, wide) for r in rows]), refresh=True)
-    elif output in (None, "wide"):
-        print_renderable(table(headers, [run_row(r, wide) for r in rows]))
-        typer.echo("")
-    else:
-        typer.echo(render_runs(changed, output, single=True) if output != "yaml" else
-                   "".join("---\n" + render_runs([r], "yaml", True) for r in changed), nl=False)
 
 
 def get_runs(
@@ -204,7 +241,7 @@ def get_runs(
     if watch:
         watch_runs(store, name, selector, output, timeout)
         return
-    print_runs(select_runs(store, name, selector), output, single=name is not None)
+    print_runs(store, select_runs(store, name, selector), output, single=name is not None)
 
 
 def event_dict(event) -> dict[str, Any]:

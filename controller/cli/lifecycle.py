@@ -18,6 +18,7 @@ from mortal.controller.cli.context import (
     state,
     wake_controller,
 )
+from mortal.controller.cli.text import plain
 
 RUN_ALIASES = ("run", "runs", "trainingrun", "trainingruns", "tr")
 NoController = typer.Option(False, "--no-controller", help="Do not start a background controller.")
@@ -63,7 +64,7 @@ def delete_names(ctx: typer.Context, names: list[str], purge: bool, ignore_not_f
             raise
         deleted.append(name)
         kept = "checkpoints purged" if purge else f"checkpoints kept in {paths.checkpoints_dir(name)}"
-        typer.echo(f"trainingrun/{name} deleted ({kept})")
+        typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
     if deleted:
         wake_controller(*deleted)
         ensure_controller(cli, no_controller)
@@ -114,10 +115,10 @@ def set_suspend(ctx: typer.Context, names: list[str], suspend: bool, no_controll
     for name in names:
         before, after = modify_spec(cli.store, name, change)
         if after.resource_version == before.resource_version:
-            typer.echo(f"trainingrun/{name} unchanged (already {verb})")
+            typer.echo(plain(f"trainingrun/{name} unchanged (already {verb})"))
             continue
         changed.append(name)
-        typer.echo(f"trainingrun/{name} {verb}")
+        typer.echo(plain(f"trainingrun/{name} {verb}"))
     if changed:
         wake_controller(*changed)
         ensure_controller(cli, no_controller)

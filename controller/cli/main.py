@@ -33,6 +33,7 @@ from mortal.controller.cli import (
     scale,
 )
 from mortal.controller.cli.context import CliError, CliState
+from mortal.controller.cli.text import plain
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
 
@@ -80,7 +81,7 @@ class MortalGroup(TyperGroup):
             debug = (cli.debug if cli else False) or _env_debug()
             if debug:
                 traceback.print_exc(file=sys.stderr)
-            typer.echo(error_message(exc, debug), err=True)
+            typer.echo(plain(error_message(exc, debug), multiline=True), err=True)
             raise typer.Exit(1) from None
 
 

@@ -16,6 +16,7 @@ import typer
 from mortal.controller.cli.completions import Format
 from mortal.controller.cli.context import CliError, state
 from mortal.controller.cli.output import console, print_table, to_json, to_yaml
+from mortal.controller.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.state import MetricRow
@@ -92,7 +93,7 @@ def chart(steps: Steps, names: list[str], width: int, colors: bool) -> str:
             panel.draw(panel.signal(list(xs), list(ys)).lines())
         ticks = step_ticks(list(steps))
         panel.ruler("x").ticks(ticks, [str(t) for t in ticks])
-        panel.title(name)
+        panel.title(plain(name))
     panels[-1].label("step")
     return figure.build().string(colorless=not colors)
 

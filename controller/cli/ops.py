@@ -19,6 +19,7 @@ from typing import Any
 import typer
 
 from mortal.controller.cli.context import TERMINAL_PHASES, CliError, state
+from mortal.controller.cli.text import plain
 
 LOGS_HELP = """Print the logs of a run's workers (the newest incarnation of each).
 
@@ -101,7 +102,7 @@ def logs_command(
                       poll_seconds=VOLUME_POLL_SECONDS if on_modal or in_storage else 0.5)
     try:
         while (line := _guarded(lambda: next(lines, None), errors)) is not None:
-            typer.echo(line)
+            typer.echo(plain(line, multiline=True))
     except KeyboardInterrupt:
         pass
     finally:

@@ -20,6 +20,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from ruamel.yaml import YAML
 
+from mortal.controller.cli.text import JSON_ESCAPES, cell, plain
+
 OUTPUT_FORMATS = ("wide", "yaml", "json", "name")
 UNBOUNDED_WIDTH = 100_000  # what a table is measured in when it is not printed to a terminal
 
@@ -60,21 +62,27 @@ def age(since: datetime | None, now: datetime | None = None) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
-    """A kubectl-like table: no borders, header row, columns padded by two spaces."""
+    """A kubectl-like table: no borders, header row, columns padded by two spaces; every cell shown as plain
+    text (controller/cli/text.py), whatever control characters or markup it holds."""
     out = Table(box=None, pad_edge=False, padding=(0, 3, 0, 0), show_edge=False, header_style="bold")
     for header in headers:
-        out.add_column(header, no_wrap=True, overflow="ignore")
+        out.add_column(cell(header), no_wrap=True, overflow="ignore")
     for row in rows:
-        out.add_row(*("" if cell is None else str(cell) for cell in row))
+        out.add_row(*(cell(value) for value in row))
     return out
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], empty: str) -> None:
     """Print a table, or kubectl's 'No resources found' line (on stderr) when there are no rows."""
     if not rows:
-        console(stderr=True).print(empty, markup=False)
+        say(empty, stderr=True)
         return
     print_renderable(table(headers, rows))
+
+
+def say(message: str, stderr: bool = False) -> None:
+    """Print a line that may hold text mortalctl did not write: control characters shown, markup not read."""
+    console(stderr).print(plain(message, multiline=True), markup=False)
 
 
 def print_renderable(renderable: Any, indent: int = 0) -> None:
@@ -104,8 +112,8 @@ def to_yaml(doc: Any) -> str:
 
 
 def to_json(doc: Any) -> str:
-    """Indented JSON, as `kubectl get -o json`."""
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    """Indented JSON, as `kubectl get -o json`; no raw control character (C1 ones escaped too), same data."""
+    return json.dumps(doc, indent=2, ensure_ascii=False).translate(JSON_ESCAPES) + "\n"
 
 
 def fmt_float(value: float | None, digits: int = 3) -> str:

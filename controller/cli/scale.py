@@ -21,6 +21,7 @@ from mortal.controller.cli.context import (
     state,
     wake_controller,
 )
+from mortal.controller.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.state import RunRow, Store
@@ -127,9 +128,9 @@ def scale_command(
     before, after = scale_run(store, name, counts, current_replicas)
     change = ", ".join(f"{role}: {current_count(before, role)} -> {current_count(after, role)}" for role in counts)
     if after.resource_version == before.resource_version:
-        typer.echo(f"trainingrun/{name} unchanged ({change})")
+        typer.echo(plain(f"trainingrun/{name} unchanged ({change})"))
         return
-    typer.echo(f"trainingrun/{name} scaled ({change})")
+    typer.echo(plain(f"trainingrun/{name} scaled ({change})"))
     wake_controller(name)
     ensure_controller(state(ctx), no_controller)
 

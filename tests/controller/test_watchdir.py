@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hostile_yaml import FAST_SECONDS, SMALL_BYTES, billion_laughs, bounded
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sqlite_only
 
@@ -53,6 +54,20 @@ def test_an_unreadable_file_deletes_nothing(store, tmp_path):
     result = sync_folder(store, folder)
     assert result.errors and result.deleted == []
     assert store.get_run("a").deleted_at is None
+
+
+@sqlite_only  # the subject is how the folder is read, not the store
+def test_a_billion_laughs_file_is_refused_fast_and_deletes_nothing(store, tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    write(folder, "a")
+    sync_folder(store, folder)
+    (folder / "lol.yaml").write_text(billion_laughs())
+    result, seconds, peak = bounded(lambda: sync_folder(store, folder))
+    assert seconds < FAST_SECONDS and peak < SMALL_BYTES, (seconds, peak)
+    [error] = result.errors
+    assert error.startswith(f"{folder / 'lol.yaml'}:") and "(MAX_ALIAS" in error
+    assert result.applied == {"a": "unchanged"} and result.deleted == []
 
 
 @sqlite_only  # the folder's sync is tested on every store above; this is the controller watching it

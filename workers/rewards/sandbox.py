@@ -250,8 +250,9 @@ class LocalExecutor(Executor):
                 self._mode = confinement.select_mode(self.config.confinement, self.config.allow_unconfined)
                 if not confinement.processes_capped():
                     confinement.log.warning(
-                        "sandbox: running as root without a writable pids cgroup, so the process count of sandboxed "
-                        "code is not capped (RLIMIT_NPROC does not bind root); only the timeout ends a fork bomb")
+                        "sandbox: running as root without a writable pids cgroup, so the process count is "
+                        "capped for all executions together (RLIMIT_NPROC of their host user, uid %d)",
+                        confinement.SANDBOX_UID)
             return self._mode
 
     def check(self) -> None:
@@ -274,7 +275,9 @@ class LocalExecutor(Executor):
         limits = [(resource.RLIMIT_AS, memory, memory), (resource.RLIMIT_CPU, cpu, cpu + 1),
                   (resource.RLIMIT_FSIZE, c.max_file_mb * 1024 * 1024, c.max_file_mb * 1024 * 1024),
                   (resource.RLIMIT_NOFILE, c.max_open_files, c.max_open_files), (resource.RLIMIT_CORE, 0, 0)]
-        if mode.name != "none":  # counted per user: without a user namespace it would count the worker's own
+        # Counted per host user: unconfined, that is the worker's own; confined as root, every execution's
+        # code is SANDBOX_UID, so where a pids cgroup caps each execution that cap is the one that applies.
+        if mode.name != "none" and not (cap is not None and confinement.as_root()):
             limits.append((resource.RLIMIT_NPROC, c.max_processes, c.max_processes))
 
         def apply() -> None:
@@ -292,6 +295,7 @@ class LocalExecutor(Executor):
         try:
             try:
                 _write_files(workdir, code, files)
+                mode.hand_over(str(workdir))
             except (ValueError, OSError) as exc:
                 return ExecutionResult(False, None, "", "", False, 0.0, confinement=mode.name, error=str(exc))
             return self._execute(mode, workdir, stdin, started)

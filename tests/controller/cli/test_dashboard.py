@@ -315,3 +315,113 @@ def test_a_browser_runs_no_model_text_and_draws_the_page(populated: str, tmp_pat
     assert "<polyline" in dom and "Completions of step 6" in dom
     assert "live · " in dom  # the script refreshed the sections from the JSON endpoint
     assert "&lt;script&gt;document.title" in dom
+
+
+@pytest.mark.parametrize("phase, condition, status, shown", [
+    ("Running", "Ready", "True", "ok"),
+    ("Running", "RewardHealthy", "False", "bad"),
+    ("Running", "Progressing", "Unknown", "unknown"),
+    ("Recovering", "Ready", "False", "bad"),  # workers are missing
+    ("Starting", "Ready", "False", "neutral"),  # not yet: expected
+    ("Suspended", "Ready", "False", "neutral"),
+    ("Succeeded", "Ready", "False", "neutral"),  # it finished: not an error
+    ("Succeeded", "Progressing", "True", "neutral"),  # nor good news after the end
+    ("Succeeded", "RewardHealthy", "False", "neutral"),
+    ("Failed", "Ready", "False", "neutral"),
+    ("Failed", "RewardHealthy", "False", "bad"),  # may say why it failed
+    ("Failed", "WeightsInSync", "True", "neutral"),
+])
+def test_condition_colour_follows_the_run_phase(phase, condition, status, shown):
+    from mortal.controller.cli.dashboard_html import condition_class
+
+    assert condition_class({"type": condition, "status": status, "reason": "R"}, phase) == shown
+
+
+def test_checkpoint_paths_may_wrap_after_each_slash():
+    from mortal.controller.cli.dashboard_html import run_sections
+
+    view = {"run": {"name": "a", "phase": "Succeeded", "step": 1, "maxSteps": 1, "reward": None, "age": "1s",
+                    "conditions": []},
+            "curves": {}, "events": [], "workers": [],
+            "checkpoints": [{"step": 1, "weightVersion": 1, "path": "/very/long/<b>/step-1", "age": "1s"}],
+            "completions": {"step": None}}
+    assert "<code>/<wbr>very/<wbr>long/<wbr>&lt;b&gt;/<wbr>step-1</code>" in run_sections(view, False, 3)["checkpoints"]
+    css = (Path(__file__).resolve().parents[3] / "controller/cli/dashboard_static/dashboard.css").read_text()
+    assert ".columns > section { min-width: 0;" in css  # a grid cell may shrink below its widest path
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_long_text_is_cut_with_a_marker_and_its_endpoint_returns_it_whole(populated: str) -> None:
+    from mortal.controller.cli.dashboard_data import TEXT_SHOWN
+
+    huge = "x" * (3 * 1024 * 1024) + "<script>END</script>"
+    writer = open_store(populated)
+    try:
+        event = writer.add_event("quickstart", "Warning", "Huge", huge)
+        ref = WorkerRef("quickstart", "actor", 0, 1)
+        writer.add_completions(ref, 7, [NewCompletion(sample=0, prompt="p", completion=huge, rewards={"c": 1.0},
+                                                      reward=1.0, advantage=0.0, weight_version=7)])
+    finally:
+        writer.close()
+    with dashboard(populated) as (url, _):
+        refresh = requests.get(url + "/api/runs/quickstart?sections=1&step=7", timeout=30)
+        assert len(refresh.content) < 100_000  # a page's worth, not the megabytes stored
+        body = refresh.json()
+        [shown] = [e for e in body["events"] if e["reason"] == "Huge"]
+        marker = f"… [cut: {len(huge):,} characters in all; the full text: /api/runs/quickstart/events/{event.id}]"
+        assert shown["message"] == "x" * TEXT_SHOWN + marker
+        assert esc(marker) in body["sections"]["events"]
+        assert body["completions"]["best"][0]["completion"].endswith("/api/runs/quickstart/completions/7/0]")
+
+        whole = requests.get(url + f"/api/runs/quickstart/events/{event.id}", timeout=30).json()
+        assert whole["message"] == huge
+        sample = requests.get(url + "/api/runs/quickstart/completions/7/0", timeout=30).json()
+        assert sample["completion"] == huge
+        assert requests.get(url + "/api/runs/quickstart/status", timeout=30).json()["name"] == "quickstart"
+        assert requests.get(url + "/api/runs/quickstart/events/999999", timeout=30).status_code == 404
+        assert requests.get(url + "/api/runs/quickstart/nothing/1", timeout=30).status_code == 404
+
+
+def _idle_sockets(url: str, count: int) -> list:
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    return [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_idle_sockets_do_not_lock_a_new_client_out(populated: str) -> None:
+    """200 open connections that send nothing (more than waitress' default limit of 100): a page still loads."""
+    with dashboard(populated) as (url, _):
+        idle = _idle_sockets(url, 200)
+        try:
+            started = time.monotonic()
+            assert requests.get(url + "/api/runs", timeout=10).status_code == 200
+            assert time.monotonic() - started < 5
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_past_the_connection_limit_idle_sockets_are_shed(populated: str) -> None:
+    store = open_read_only(populated)
+    try:
+        with serve(store, port=0, idle_seconds=1, connection_limit=20) as url:
+            idle = _idle_sockets(url, 40)
+            try:
+                started = time.monotonic()
+                assert requests.get(url + "/api/runs", timeout=15).status_code == 200
+                assert time.monotonic() - started < 6  # the idle ones were closed after a second
+                assert idle[0].recv(1) == b""  # closed by the server
+            finally:
+                for sock in idle:
+                    sock.close()
+    finally:
+        store.close()
+
+
+def test_the_page_script_never_assigns_html():
+    """The sections arrive escaped; the script moves parsed nodes in, so store text can only become text nodes."""
+    script = (Path(__file__).resolve().parents[3] / "controller/cli/dashboard_static/dashboard.js").read_text()
+    assert "innerHTML" not in script and "outerHTML" not in script and "DOMParser" in script

@@ -175,7 +175,7 @@ def test_fsjail_refuses_to_mount_in_the_hosts_namespace(tmp_path: Path) -> None:
     """Run without `unshare` (a bug in a caller), it must fail closed: no mount, no exec."""
     jail = confinement.fsjail("jail", str(tmp_path), "67108864", "/usr")
     done = subprocess.run([*jail, "/bin/touch", str(tmp_path / "ran")], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 125 and "refusing to build a root in the host's user namespace" in done.stderr
+    assert done.returncode == 125 and "refusing to build a root outside new namespaces" in done.stderr
     assert not (tmp_path / "ran").exists() and str(tmp_path) not in Path("/proc/self/mounts").read_text()
 
 
@@ -273,3 +273,50 @@ def test_an_interpreter_in_a_venv_under_tmp_still_runs_confined_code(mode: str, 
     done = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert done.stdout.startswith("True 42 None"), (done.stdout, done.stderr[-2000:], sys.executable)
+
+
+UNPRIVILEGED_UID = 4242  # a host user of no one's: the worker below runs as it
+
+
+def _system_python() -> str:
+    """A system interpreter of this Python version that any user may run (this one may sit under /root)."""
+    import shutil
+    import sys
+
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    found = shutil.which(version, path="/usr/bin:/usr/local/bin")
+    if found is None:
+        pytest.skip("no system interpreter of this Python version for an unprivileged worker")
+    return found
+
+
+def test_a_worker_that_is_not_root_still_confines_code_as_its_own_user() -> None:
+    """Not root: the user namespace maps the code's user to the worker's own (in unshare, 0 inside is it)."""
+    import site
+
+    if not confinement.as_root():
+        pytest.skip("this suite already runs unprivileged: every other test covers it")
+    site_dirs = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    script = ("import site\n" + "".join(f"site.addsitedir({p!r})\n" for p in site_dirs) +
+              "from mortal.workers.rewards import confinement\n"
+              "from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig\n"
+              "for mode in ('bubblewrap', 'unshare'):\n"
+              "    if confinement.probe(mode) is None:\n"
+              "        r = LocalExecutor(SandboxConfig(confinement=mode, timeout=10)).run(\n"
+              "            \"import os\\nopen('own', 'w').write('x')\\n\"\n"
+              "            \"print(os.getuid(), open('/proc/self/uid_map').read().split())\")\n"
+              "        print(mode, r.success, r.stdout.strip(), r.stderr[-300:].strip())\n")
+
+    def unprivileged() -> None:
+        os.setgroups([])
+        os.setresgid(UNPRIVILEGED_UID, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+        os.setresuid(UNPRIVILEGED_UID, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+
+    done = subprocess.run([_system_python(), "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd="/", preexec_fn=unprivileged)
+    results = dict(line.strip().split(" ", 1) for line in done.stdout.splitlines())
+    assert results, (done.stdout, done.stderr[-2000:])
+    if "bubblewrap" in results:
+        assert results["bubblewrap"].startswith("True 65534 "), results
+    if "unshare" in results:
+        assert results["unshare"] == f"True 0 ['0', '{UNPRIVILEGED_UID}', '1']", results

@@ -219,8 +219,43 @@ def test_writing_outside_the_working_directory_leaves_the_host_untouched(
     result, _ = attack(code)
     assert result.success and result.stdout.endswith("fine\n"), result
     outcomes = [line.split()[0] for line in result.stdout.splitlines()[:-1]]
-    assert outcomes == ["wrote"] * 3 + ["refused"] * 3, result.stdout
+    # As root the code is SANDBOX_UID, and the private folders above its working directory are root's.
+    above_workdir = ["refused"] * 2 if confinement.as_root() else ["wrote"] * 2
+    assert outcomes == ["wrote", *above_workdir] + ["refused"] * 3, result.stdout
     assert not any(path.exists() for path in private + read_only[:2])
+
+
+@pytest.fixture
+def root_only_file(tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A 0600 file of root's, in a folder the sandbox shows read-only (as it shows the interpreter's)."""
+    if not confinement.as_root():
+        pytest.skip("the code runs as the worker's own user: only as root are root's files at stake")
+    shown = tmp_path / "shown"
+    shown.mkdir(mode=0o755)
+    secret = shown / marker
+    secret.write_text("root's secret")
+    secret.chmod(0o600)
+    interpreter_dirs = confinement._interpreter_dirs()
+    monkeypatch.setattr(confinement, "_interpreter_dirs", lambda: [*interpreter_dirs, str(shown)])
+    return secret
+
+
+def test_as_root_the_code_is_an_unprivileged_user_that_cannot_read_roots_files(
+        attack: Callable[..., tuple], root_only_file: Path) -> None:
+    targets = [str(root_only_file), *(["/etc/shadow"] if Path("/etc/shadow").exists() else [])]
+    code = (f"import os\nfor path in {targets!r}:\n    try:\n        open(path).read()\n"
+            "        print('read', os.path.exists(path))\n    except PermissionError:\n"
+            "        print('denied', os.path.exists(path))\n"
+            "open('/tmp/own', 'w').write('a')\nopen('own', 'w').write('b')\nprint(os.listdir('/tmp'))\n"
+            "print(os.getresuid(), os.getresgid(), os.getgroups(),\n"
+            "      open('/proc/self/uid_map').read().split())")
+    result, _ = attack(code)
+    assert result.success, result
+    *outcomes, tmp_listing, who = result.stdout.splitlines()
+    assert outcomes == ["denied True"] * len(targets), result.stdout  # there, and closed
+    assert "'own'" in tmp_listing
+    uid = confinement.SANDBOX_UID
+    assert who == f"{(uid,) * 3} {(uid,) * 3} [] ['0', '0', '4294967295']"  # a host user, no user namespace
 
 
 def test_a_detached_daemon_dies_with_the_execution(attack: Callable[..., tuple], marker: str) -> None:

@@ -1,0 +1,137 @@
+"""Limits on what one spec text may make the YAML reader build: alias uses, what they repeat, and nesting.
+
+Who calls it: mortal.specs.loader (every `apply -f` input, the watched folder, JSON included, which is
+YAML) and mortal.specs.fork (override fragments and `--set` values). ruamel.yaml shares an aliased
+node instead of copying it, so a few hundred bytes of nested aliases ("billion laughs") stand for
+billions of nodes, which turning them into plain data would build. The limits are checked while
+the text is composed, event by event, before anything is expanded; a spec needs few or no aliases.
+What it must not do: expand an alias to measure it (sizes are memoized per node, so counting is linear).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ruamel.yaml import YAML
+from ruamel.yaml.composer import Composer, MaxDepthExceededError
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+from ruamel.yaml.events import AliasEvent
+from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
+from ruamel.yaml.scanner import Scanner
+
+from mortal.specs.errors import SpecError, SpecIssue
+
+MAX_ALIASES = 32  # alias uses (*name, <<: *name) in one text, all its documents together
+MAX_ALIASED_SIZE = 100_000  # nodes plus scalar characters that those aliases repeat, in total
+MAX_DEPTH = 64  # mappings and lists nested in one another
+
+
+class ParseLimitExceeded(MarkedYAMLError):
+    """A text asked for more than a limit allows; `limit` names the constant."""
+
+    def __init__(self, limit: str, message: str, mark: Any) -> None:
+        super().__init__(problem=message, problem_mark=mark)
+        self.limit = limit
+
+
+class LimitedComposer(Composer):
+    """ruamel's Composer, counting alias uses and the size of what they stand for as it meets them."""
+
+    def __init__(self, loader: Any = None) -> None:
+        super().__init__(loader)
+        self.aliases_used = 0
+        self.aliased_size = 0
+        self._sizes: dict[int, int] = {}
+        self._open: set[str] = set()  # anchors whose node is being composed: an alias to one is a cycle
+
+    def compose_document(self) -> Any:
+        self._sizes = {}  # keyed by id(): the nodes of an earlier document may be gone and their ids reused
+        return super().compose_document()
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.parser.peek_event()
+        if isinstance(event, AliasEvent):
+            self._count_alias(event)
+            return super().compose_node(parent, index)
+        if event.anchor is None:
+            return super().compose_node(parent, index)
+        self._open.add(event.anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.discard(event.anchor)
+
+    def _count_alias(self, event: AliasEvent) -> None:
+        self.aliases_used += 1
+        if self.aliases_used > MAX_ALIASES:
+            raise ParseLimitExceeded("MAX_ALIASES", f"more than {MAX_ALIASES} alias uses (*name); a spec "
+                                     "needs few or none: write the values out", event.start_mark)
+        if event.anchor in self._open:
+            raise ParseLimitExceeded("MAX_ALIASES", f"alias *{event.anchor} is inside the node it names "
+                                     "(a cycle)", event.start_mark)
+        node = self.anchors.get(event.anchor)
+        if node is None:
+            return  # ruamel raises its own 'undefined alias' error
+        self.aliased_size += self._size(node)
+        if self.aliased_size > MAX_ALIASED_SIZE:
+            raise ParseLimitExceeded("MAX_ALIASED_SIZE", f"the aliases repeat more than {MAX_ALIASED_SIZE} "
+                                     "nodes and characters; write the values out", event.start_mark)
+
+    def _size(self, node: Any) -> int:
+        """Nodes plus scalar characters `node` stands for, expanded; memoized, so a shared node costs once."""
+        known = self._sizes.get(id(node))
+        if known is not None:
+            return known
+        if isinstance(node, ScalarNode):
+            size = 1 + len(node.value)
+        elif isinstance(node, SequenceNode):
+            size = 1 + sum(self._size(item) for item in node.value)
+        elif isinstance(node, MappingNode):
+            size = 1 + sum(self._size(key) + self._size(value) for key, value in node.value)
+        else:
+            size = 1
+        self._sizes[id(node)] = min(size, MAX_ALIASED_SIZE + 1)  # capped: a huge count needs no big int
+        return self._sizes[id(node)]
+
+
+class FlowDepthLimit:
+    """Mixed into ruamel's Scanner: refuses the flow collection ('[' or '{') that opens past MAX_DEPTH.
+
+    Why in the scanner too: it looks ahead for a possible mapping key at every open bracket, work that
+    grows with the open brackets, before the composer (which checks block nesting) sees a node.
+    """
+
+    def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
+        if self.flow_level >= MAX_DEPTH:
+            mark = self.reader.get_mark()
+            raise ParseLimitExceeded("MAX_DEPTH", f"nested deeper than {MAX_DEPTH} levels", mark)
+        super().fetch_flow_collection_start(TokenClass, to_push)
+
+
+def limited_yaml(typ: str = "rt") -> YAML:
+    """A ruamel YAML reader of type `typ` that enforces MAX_ALIASES, MAX_ALIASED_SIZE and MAX_DEPTH."""
+    yaml = YAML(typ=typ, pure=True)
+    scanner = yaml.Scanner or Scanner  # 'safe' leaves it None until the first load
+    yaml.Scanner = type("LimitedScanner", (FlowDepthLimit, scanner), {})
+    yaml.Composer = LimitedComposer
+    yaml.max_depth = MAX_DEPTH
+    return yaml
+
+
+def load_documents(text: str, source: str, typ: str = "rt") -> list[Any]:
+    """Every YAML document in `text`, within the limits; SpecError naming `source`, the line and the limit."""
+    try:
+        return list(limited_yaml(typ).load_all(text))
+    except ParseLimitExceeded as exc:
+        raise SpecError([_issue(source, exc, f"{exc.problem} ({exc.limit})")]) from None
+    except MaxDepthExceededError as exc:
+        raise SpecError([_issue(source, exc, f"nested deeper than {MAX_DEPTH} levels (MAX_DEPTH)")]) from None
+    except MarkedYAMLError as exc:
+        raise SpecError([_issue(source, exc, f"invalid YAML: {exc.problem or exc.context}")]) from None
+    except YAMLError as exc:
+        raise SpecError([SpecIssue(source, None, "", f"invalid YAML: {exc}")]) from None
+
+
+def _issue(source: str, exc: MarkedYAMLError, message: str) -> SpecIssue:
+    mark = exc.problem_mark or exc.context_mark
+    return SpecIssue(source, mark.line + 1 if mark is not None else None, "", message)
