@@ -133,14 +133,20 @@ class _W:
     def failed(self) -> bool:
         return self.state in FAILED_STATES
 
+    @property
+    def stall(self) -> str | None:
+        """The stall this row was ended for (the plan ends it Failed with no exit code and the stall's reason
+        first in its message), else None."""
+        return dl.stall_reason(self.message) if self.state == "Failed" and self.exit_code is None else None
+
 
 def _view(row: Any) -> _W:
     return _W(
         id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation, ref=worker_ref(row).id,
         handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
         step=row.step, weight_version=row.weight_version, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
-        ended_at=aware(row.ended_at), gpus=row.gpus or 0, activity=getattr(row, "activity", None),
-        activity_since=aware(getattr(row, "activity_since", None)),
+        ended_at=aware(row.ended_at), gpus=row.gpus or 0, activity=row.activity,
+        activity_since=aware(row.activity_since),
     )
 
 
@@ -440,10 +446,10 @@ class _Pass:
         """How many of the slot's newest workers in a row were ended for the same stall (reason) as the newest.
         Unlike `_same_failures`, a long life does not break the run of them: a stall is found only after
         its deadline."""
-        reason = dl.stall_reason(hist[-1].message) if hist[-1].state == "Failed" else None
+        reason = hist[-1].stall
         count = 0
         for w in reversed(hist):
-            if reason is None or w.state != "Failed" or dl.stall_reason(w.message) != reason:
+            if reason is None or w.stall != reason:
                 break
             count += 1
         return count
@@ -569,7 +575,7 @@ class _Pass:
             if not w.live:
                 newest_ended[w.slot] = w
         stalls = [dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
-                  for w in newest_ended.values() if w.state == "Failed" and dl.stall_reason(w.message)]
+                  for w in newest_ended.values() if w.stall is not None]
         last = self.timing[0]
         return dl.deadlines_met(stalls, aware(datetime.fromisoformat(last)) if last else None)
 

@@ -155,3 +155,13 @@ def test_a_stall_turns_deadlines_met_false_with_a_warning_and_a_later_step_heals
                      now=NOW)
     met = next(c for c in later.status["conditions"] if c["type"] == "DeadlinesMet")
     assert (met["status"], met["reason"]) == ("True", "Healed")
+
+
+def test_only_rows_the_watchdog_ended_count_as_stalls_not_a_workers_own_report_that_reads_like_one():
+    rows = [row("actor", 0, 1, step=5)] + [
+        row("rollout", 0, 2 + k, "Failed", ended=30.0 - k, started=400.0, code=75,
+            message="TaskDeadlineExceeded: raised by user code") for k in range(3)]
+    p = run_plan(rows, [proc(rows[0])], prev=status("Running"), same_failure_limit=3, backoff_seconds=0.0)
+    assert p.status["phase"] != "Failed"  # relaunched: long-lived failures, neither a stall loop nor a crash loop
+    met = next(c for c in p.status["conditions"] if c["type"] == "DeadlinesMet")
+    assert met["reason"] == "WithinDeadlines"
