@@ -6,7 +6,9 @@
 
 The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's shape, 8 prompts x
 8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b|7b` takes Qwen2.5's
-larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides;
+larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides (without
+it TRL trains it in one pass and mortal's micro batch is the operator's own: `mortalctl apply`'s estimate of
+what fits, then halved after each out-of-memory; the JSON's "mortal_memory" says which it trained with and why);
 `--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
 `--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile mortal`
 on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster: docs/benchmarks.md).
@@ -72,6 +74,7 @@ from through_controller import (
     copy_logs,
     exit_on_sigterm,
     local_gpu,
+    memory_record,
     run_through_controller,
     task_timeline,
 )
@@ -562,7 +565,8 @@ def main() -> None:
                         "spec's, 3; 2 saves a copy of the weights on the actor's GPU)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
-                             "per_device_train_batch_size with gradient accumulation up to the batch); default: the batch")
+                             "per_device_train_batch_size with gradient accumulation up to the batch); default: TRL the "
+                             "batch in one pass, mortal the operator's own choice (mortal_memory in the JSON)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
     parser.add_argument("--compile", nargs="?", const="both", choices=["both", "mortal"],
                         help="torch.compile the trained model: on both sides (TRL's torch_compile, mortal's "
@@ -693,8 +697,13 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
             out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
             print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
                   f"mortal starts", flush=True)
+        try:
+            steps = run_mortal(model, args, work)
+        finally:  # the micro batch the controller chose (and its heals) are a finding even when the run failed
+            out["mortal_memory"] = memory_record(work, "bench-gpu")
+            print(f"mortal's memory choices: {json.dumps(out['mortal_memory'])}", flush=True)
         out["mortal"] = summarize(f"mortal (actor of {args.actor_gpus} rank(s) + {args.rollouts} rollouts {where}, maxStaleness "
-                                  f"{args.staleness})", run_mortal(model, args, work), args.staleness)
+                                  f"{args.staleness})", steps, args.staleness)
         out["gpu_busy"] = args.gpu_busy
         out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync, args.staleness)
         out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],

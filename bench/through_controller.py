@@ -40,7 +40,7 @@ def exit_on_sigterm() -> None:
 def controller_running(run: Any, work: Path) -> Iterator[Any]:
     """The run applied to a fresh SQLite store under `work/mortal-home` and a controller subprocess
     reconciling it (log: work/controller.log) while the block runs; yields the store."""
-    from mortal.controller.cli.apply import refuse_what_cannot_fit
+    from mortal.controller.cli.apply import fit_micro_batches, refuse_what_cannot_fit
     from mortal.controller.cli.context import CliError
     from mortal.state import open_store
 
@@ -48,6 +48,7 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
         refuse_what_cannot_fit([run])
     except CliError as exc:
         raise SystemExit(f"mortal run {run.name} not started: {exc}") from exc
+    run = fit_micro_batches([run])[0]  # as `mortalctl apply` does: a micro batch estimated to fit, if needed
     home = work / "mortal-home"
     url = f"sqlite:///{home / 'state.db'}"
     store = open_store(url)
@@ -88,6 +89,35 @@ def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dic
                     "reward": sum(r.get("reward_seconds", 0.0) for r in results),
                     "load": max((r.get("weight_load_seconds", 0.0) for r in results), default=0.0)})
         return timeline
+    finally:
+        store.close()
+
+
+MEMORY_EVENTS = ("MicroBatchReduced", "RolloutShareReduced", "OutOfMemory")  # mortal.controller.heal's, MemoryFits'
+
+
+def memory_record(work: Path, name: str) -> dict[str, Any]:
+    """What the controller chose for the run's memory (status.effective: the micro batch the actor trained with,
+    a lowered rollout share) and its memory events (a micro batch chosen before launch, each out-of-memory
+    and its heal), read from the run's store after it ended; {} when the store is not there."""
+    from mortal.state import NotFound, open_store
+
+    path = work / "mortal-home" / "state.db"
+    if not path.exists():
+        return {}
+    store = open_store(f"sqlite:///{path}")
+    try:
+        row = store.get_run(name)
+        events = [{"type": e.type, "reason": e.reason, "message": e.message}
+                  for e in store.list_events(name, limit=1000) if e.reason in MEMORY_EVENTS]
+        algorithm = row.spec.get("algorithm") or {}
+        effective = (row.status or {}).get("effective") or {}
+        spec_micro = algorithm.get("microBatchSize") or algorithm.get("batchSize")
+        return {"micro_batch": effective.get("microBatchSize") or spec_micro, "spec_micro_batch": spec_micro,
+                "chosen_by_controller": "microBatchSize" in effective, "effective": effective,
+                "restarts": (row.status or {}).get("restarts"), "events": events}
+    except NotFound:
+        return {}
     finally:
         store.close()
 

@@ -8,7 +8,8 @@ This module holds data only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -31,6 +32,7 @@ class Launch:
     replica: int
     restart: bool
     event: Event
+    env: Mapping[str, str] = field(default_factory=dict)  # the controller's memory choices (mortal.specs.memory)
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,8 @@ class OomExit:
     replica: int
     incarnation: int
     details: str  # the worker's own words: what it tried to allocate, the GPU's figures
-    count: int  # out-of-memory exits of this slot so far (1: it gets its one relaunch)
+    count: int  # out-of-memory exits of this slot at its setting now (1: it gets its one relaunch)
+    healed: str | None = None  # this exit was answered with a smaller setting that keeps the step (controller.heal)
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,9 @@ def memory_fits(exits: Sequence[OomExit], knobs: MemoryKnobs) -> Condition:
         return Condition(MEMORY, True, "NoOutOfMemory", "no worker has run out of GPU memory")
     lines = []
     for e in exits:
-        if e.count > OOM_RELAUNCHES:
+        if e.healed:
+            verdict = f"relaunched with a smaller setting: {e.healed}"
+        elif e.count > OOM_RELAUNCHES:
             verdict = f"{e.count} times with this spec, so it will not fit as it is"
         else:
             verdict = "relaunched once, as a transient (a neighbour's peak, a predecessor not yet gone); " \

@@ -27,6 +27,10 @@ The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU,
   actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
                            snapshots hold (TrainingSpec.rollout_model)
 compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
+
+Also here, and kept apart from the bound: `fitting_micro_batch`, an ESTIMATE of the actor's activations
+(`activation_bytes`, from the model's config.json) added to that bound, used only to choose a smaller micro
+batch before launch (the same step in more passes), never to refuse a spec.
 """
 
 from __future__ import annotations
@@ -56,32 +60,9 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     found = []
     actor = spec.actor.gpu
     if wants_gpu(actor) and gpu_memory(actor) is not None:
-        full = spec.model.lora is None
-        ranks = spec.actor.count
-        replicated = spec.actor.strategy == "ddp"
-        copies = (0 if spec.actor.cpu_offload else ADAMW_COPIES / (1 if replicated else ranks)) if full else 1
-        parts = ["weights, gradients and AdamW's two moments" if full else "the frozen base weights (LoRA)"]
-        if ranks > 1 and replicated:
-            parts[0] = f"{parts[0]}, whole on each of {ranks} ranks (strategy ddp)"
-        elif ranks > 1:
-            parts[0] = (f"{parts[0]} in host memory (cpuOffload)" if spec.actor.cpu_offload
-                        else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
-        colocated = spec.colocated_per_gpu()
-        share = spec.rollout.gpu_memory_utilization
-        rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else served * parameters)
-        if colocated and share:
-            parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
-                         f"rollout{'s' if colocated > 1 else ''}")
-        elif colocated:
-            parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
-        gathered = served * parameters if ranks > 1 and not spec.actor.reshard_after_forward else 0
-        if gathered:
-            parts.append("the whole model gathered from the forward to the backward (reshardAfterForward: false)")
-        sync = spec.sync_method()
-        ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
-        if ring:
-            parts.append(f"{ring} snapshots of the weights for sync {sync}")
-        need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold + gathered
+        bound = _actor_bound(spec, parameters)
+        full, ranks, replicated, parts, need = bound.full, spec.actor.count, bound.replicated, bound.parts, bound.need
+        share, colocated, gathered, ring = bound.share, bound.colocated, bound.gathered, bound.ring
         if need > gpu_memory(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
             if gathered:
@@ -104,6 +85,53 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     if spec.rollout.replicas and wants_gpu(rollout) and gpu_memory(rollout) is not None:
         found.extend(_rollout_misfits(spec, parameters, served))
     return found
+
+
+@dataclass(frozen=True)
+class _ActorBound:
+    """What the actor's GPU must hold whatever the data (the module docstring's sum), and its parts in words."""
+
+    need: int
+    parts: list[str]
+    full: bool
+    replicated: bool
+    share: float | None
+    colocated: int
+    gathered: int
+    ring: int
+
+
+def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
+    per = DTYPE_BYTES[spec.model.dtype]
+    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold (bfloat16 under mixedPrecision)
+    actor = spec.actor.gpu
+    full = spec.model.lora is None
+    ranks = spec.actor.count
+    replicated = spec.actor.strategy == "ddp"
+    copies = (0 if spec.actor.cpu_offload else ADAMW_COPIES / (1 if replicated else ranks)) if full else 1
+    parts = ["weights, gradients and AdamW's two moments" if full else "the frozen base weights (LoRA)"]
+    if ranks > 1 and replicated:
+        parts[0] = f"{parts[0]}, whole on each of {ranks} ranks (strategy ddp)"
+    elif ranks > 1:
+        parts[0] = (f"{parts[0]} in host memory (cpuOffload)" if spec.actor.cpu_offload
+                    else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
+    colocated = spec.colocated_per_gpu()
+    share = spec.rollout.gpu_memory_utilization
+    rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else served * parameters)
+    if colocated and share:
+        parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
+                     f"rollout{'s' if colocated > 1 else ''}")
+    elif colocated:
+        parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
+    gathered = served * parameters if ranks > 1 and not spec.actor.reshard_after_forward else 0
+    if gathered:
+        parts.append("the whole model gathered from the forward to the backward (reshardAfterForward: false)")
+    sync = spec.sync_method()
+    ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
+    if ring:
+        parts.append(f"{ring} snapshots of the weights for sync {sync}")
+    need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold + gathered
+    return _ActorBound(need, parts, full, replicated, share, colocated, gathered, ring)
 
 
 def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misfit]:
@@ -132,3 +160,79 @@ def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: 
 def _larger(gpu: str, need: int) -> str:
     bigger = sorted((size, name) for name, size in GPU_MEMORY.items() if size >= need and name not in AMBIGUOUS)
     return f"e.g. {bigger[0][1]}" if bigger else f"none of {', '.join(sorted(GPU_MEMORY))} is large enough"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the activations of a decoder's training pass scale with (the model's config.json)."""
+
+    hidden: int  # hidden_size
+    intermediate: int  # intermediate_size (the MLP's gate and up projections)
+    layers: int  # num_hidden_layers
+    kv_width: int  # num_key_value_heads x head_dim: each of k and v per token
+    vocab: int  # vocab_size
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape | None:
+        """The shape in a transformers config; None when a field is missing (another architecture: unknown)."""
+        try:
+            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            head_dim = int(config.get("head_dim") or hidden // heads)
+            return cls(hidden, int(config["intermediate_size"]), int(config["num_hidden_layers"]),
+                       int(config.get("num_key_value_heads") or heads) * head_dim, int(config["vocab_size"]))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return None
+
+
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    """The largest micro batch whose estimate fits the actor's GPU, and the sentence that says why."""
+
+    size: int
+    reason: str
+
+
+def activation_bytes(spec: TrainingSpec, shape: ModelShape, micro: int) -> int:
+    """An ESTIMATE (not a bound) of what one rank's forward saves for backward over `micro` completions.
+
+    Per token and layer, the tensors autograd keeps for a Llama/Qwen-style layer in the compute dtype
+    (b bytes): both RMSNorms' float32 input and their output (2 x (4 + b) x hidden), what attention keeps
+    (q, k and v as it reads them, its output and o_proj's contiguous copy: b x (3 x hidden + 3 x kv)), the MLP's gate,
+    up, SiLU and product (4 x b x intermediate); with gradient checkpointing only each layer's input, plus
+    one layer recomputed. Tokens: generation.maxTokens per completion (the prompt's are unknown before the
+    data is read: left out). Plus lm_head's float32 gradient accumulator of the fused head. Left out:
+    the CUDA context, the allocator's slack, the logprob buffers: a run it says fits may still run out of
+    memory, and then the controller halves the micro batch (mortal.controller.heal)."""
+    b = 2 if spec.actor.mixed_precision else DTYPE_BYTES[spec.model.dtype]
+    layer = 2 * (4 + b) * shape.hidden + b * (3 * shape.hidden + 3 * shape.kv_width) + 4 * b * shape.intermediate
+    tokens = -(-micro // spec.actor.count) * spec.generation.max_tokens
+    if spec.model.gradient_checkpointing:
+        saved = tokens * (shape.layers * b * shape.hidden + layer)
+    else:
+        saved = tokens * shape.layers * layer
+    return saved + 4 * shape.vocab * shape.hidden
+
+
+def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) -> MicroBatchChoice | None:
+    """The largest micro batch under the spec's whose estimate fits the actor's GPU beside what it must hold
+    (`certain_misfits`' bound); None when the spec's fits, it set microBatchSize itself, its GPU's size is
+    unknown, or none fits (then `certain_misfits` or the out-of-memory diagnosis speaks). Only a micro batch
+    is chosen: the same step in more passes; the user's spec is left as it is."""
+    actor, algorithm = spec.actor.gpu, spec.algorithm
+    if algorithm.micro_batch_size is not None or not wants_gpu(actor) or gpu_memory(actor) is None:
+        return None
+    capacity, held = gpu_memory(actor), _actor_bound(spec, parameters).need
+    batch = algorithm.batch_size
+    if held + activation_bytes(spec, shape, batch) <= capacity:
+        return None
+    for size in range(batch // 2, 0, -1):
+        if batch % size or size % spec.actor.count:
+            continue
+        estimate = held + activation_bytes(spec, shape, size)
+        if estimate <= capacity:
+            return MicroBatchChoice(size, (
+                f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold an "
+                f"estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB without "
+                f"activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB with {batch}; "
+                f"{batch // size} passes a step, gradients accumulated: the same step"))
+    return None

@@ -53,6 +53,9 @@ class Desired:
     lora: bool = False  # model.lora is set
     gradient_checkpointing: bool = False  # model.gradientCheckpointing
     micro_batch_size: int = 0  # completions per forward/backward pass of the actor (algorithm.microBatchSize)
+    batch_size: int = 0  # algorithm.batchSize: a smaller micro batch must divide it (mortal.controller.heal)
+    fitted_micro_batch: int | None = None  # mortalctl apply's estimate of the micro batch that fits (heal)
+    loss_type: str = "dapo"  # algorithm.lossType: whether a smaller micro batch keeps the step (heal)
     rollout_share: float | None = None  # rollout.gpuMemoryUtilization as the user set it (None: not set)
     actor_ranks: int = 1  # actor.count
     cpu_offload: bool = False  # actor.cpuOffload

@@ -13,7 +13,9 @@ One pass, in order:
      (not when a limit is reached: then every worker is stopped on purpose, as in a suspend); a worker
      whose reported activity (a task, a step, a weight load) ran past its deadline (mortal.controller.
      deadlines) has its stacks dumped, its row ended Failed with the stall's reason and is stopped;
-  4. a fatal exit fails the run; so does a slot out of GPU memory a second time (`_out_of_memory`);
+  4. a fatal exit fails the run; a slot out of GPU memory is relaunched with a smaller setting that keeps
+     the step (mortal.controller.heal: the actor's micro batch, the rollouts' share), and only when none
+     is left does its second out-of-memory fail the run (`_out_of_memory`);
      the actor reaching maxSteps succeeds it; a limit reached (spec.limits: maxDuration of active
      time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor writes a final
      checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded, BudgetExceeded);
@@ -33,7 +35,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from mortal.controller import budgets
+from mortal.controller import budgets, heal
 from mortal.controller import conditions as rl
 from mortal.controller import deadlines as dl
 from mortal.controller.actions import (
@@ -79,6 +81,8 @@ from mortal.controller.status import (
     iso,
     legal_phase,
 )
+from mortal.specs import memory
+from mortal.specs.memory import EffectiveMemory
 
 ACTOR, ROLLOUT = "actor", "rollout"
 READY_REASONS = {RUNNING: "WorkersReady", STARTING: "WorkersStarting", RECOVERING: "Recovering", PENDING: "Pending"}
@@ -168,6 +172,8 @@ class _Pass:
         self.launched: list[Launch] = []
         self.restarts = _count_restarts(self.rows)
         self.timing: tuple[str | None, float | None] = (self.prev.get("lastStepTime"), self.prev.get("stepSeconds"))
+        self.effective = heal.carried(self.prev.get("effective"), d)
+        self.heal_events: list[Event] = []
 
     # -- 1-2: the run as a whole ------------------------------------------------------------------
     def run(self) -> Plan:
@@ -188,6 +194,8 @@ class _Pass:
         if fatal is not None:
             return self._finish(FAILED, rl.run_failure_reason(fatal.message),
                                 f"{fatal.name} failed: {fatal.message or 'fatal error'}")
+        self._fit_before_launch()
+        self._heal_out_of_memory()
         memory = self._out_of_memory()
         if memory is not None:
             return self._finish(FAILED, rl.OUT_OF_MEMORY, memory)
@@ -344,6 +352,33 @@ class _Pass:
                 return condition.message
         return None
 
+    def _fit_before_launch(self) -> None:
+        """Start the actor with the micro batch `mortalctl apply` estimated to fit (heal.fitted_before_launch),
+        chosen only while no actor runs, so that status.effective is what the next one is launched with."""
+        if any(w.live and w.role == ACTOR for w in self.rows):
+            return
+        fitted = heal.fitted_before_launch(self.effective, self.d)
+        if fitted is not None:
+            self.effective = fitted.effective
+            self.heal_events.append(Event(NORMAL, fitted.reason, fitted.message))
+
+    def _heal_out_of_memory(self) -> None:
+        """Lower a setting that keeps the step for each slot whose newest ended worker ran out of GPU memory
+        and was not answered yet (mortal.controller.heal); the relaunch `_ensure_slots` makes then gets it."""
+        if self.restarts >= self.d.max_restarts:
+            return  # no relaunch left to carry a smaller setting: the run fails as it did
+        newest: dict[tuple[str, int], _W] = {}
+        for w in self.rows:
+            if not w.live:
+                newest[w.slot] = w
+        for w in newest.values():
+            if not (w.failed and w.exit_code == EXIT_OUT_OF_MEMORY):
+                continue
+            reduction = heal.reduce_after(self.effective, self.d, w.role, w.name, w.incarnation)
+            if reduction is not None:
+                self.effective = reduction.effective
+                self.heal_events.append(Event(WARNING, reduction.reason, reduction.message))
+
     def _oom_exits(self) -> list[rl.OomExit]:
         """Slots whose newest ended worker ran out of GPU memory, with how often that slot did."""
         history: dict[tuple[str, int], list[_W]] = defaultdict(list)
@@ -357,14 +392,17 @@ class _Pass:
                 continue
             last = ended[-1]
             details = (last.message or "no figures reported").removeprefix(f"{rl.OUT_OF_MEMORY}: ")
-            count = sum(1 for w in hist if w.failed and w.exit_code == EXIT_OUT_OF_MEMORY)
-            exits.append(rl.OomExit(last.name, last.role, last.replica, last.incarnation, details, count))
+            answered = self.effective.reduced_after.get(last.name, 0) if self.effective else 0
+            count = sum(1 for w in hist if w.failed and w.exit_code == EXIT_OUT_OF_MEMORY and w.incarnation > answered)
+            healed = self.effective.reason if answered == last.incarnation and self.effective else None
+            exits.append(rl.OomExit(last.name, last.role, last.replica, last.incarnation, details, count, healed))
         return exits
 
     def _memory_knobs(self) -> rl.MemoryKnobs:
         return rl.MemoryKnobs(colocate=self.d.colocate, lora=self.d.lora,
                               gradient_checkpointing=self.d.gradient_checkpointing,
-                              micro_batch_size=self.d.micro_batch_size, rollout_share=self.d.rollout_share,
+                              micro_batch_size=heal.micro_batch(self.effective, self.d),
+                              rollout_share=heal.rollout_share(self.effective, self.d),
                               actor_ranks=self.d.actor_ranks, cpu_offload=self.d.cpu_offload,
                               reshard_after_forward=self.d.reshard_after_forward, replicated=self.d.replicated)
 
@@ -465,7 +503,7 @@ class _Pass:
             event = Event(WARNING, "Restarted", text)
         else:
             event = Event(NORMAL, "Launched", f"launched {role}-{replica}")
-        launch = Launch(role, replica, restart, event)
+        launch = Launch(role, replica, restart, event, env=memory.environ(self.effective, role))
         self.actions.append(launch)
         self.launched.append(launch)
 
@@ -505,13 +543,18 @@ class _Pass:
             self.wake.append(0.0)  # write the legal intermediate phase now, the wanted one next pass
             phase = hop
         status = build_status(self.prev, phase, conditions, self._progress(phase), self.d.generation, message,
-                              self.now)
-        events = tuple(diff_events(self.prev, status))
+                              self.now, effective=self._effective_status())
+        events = tuple(self.heal_events) + tuple(diff_events(self.prev, status))
         wake = list(self.wake)
         if self._live() or self.launched:
             wake.append(self.cfg.active_resync_seconds)
         outcome: Outcome = RequeueAfter(max(0.0, min(wake))) if wake else Done()
         return Plan(tuple(self.actions), status, events, outcome)
+
+    def _effective_status(self) -> dict[str, Any] | None:
+        if self.effective is None or self.effective == EffectiveMemory():
+            return None
+        return self.effective.model_dump(by_alias=True, mode="json", exclude_none=True)
 
     def _progress(self, phase: str | None = None) -> Progress:
         actors = [w for w in self.rows if w.role == ACTOR and w.step is not None]

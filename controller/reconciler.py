@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mortal.controller import failpoints
+from mortal.controller import failpoints, heal
 from mortal.controller.actions import Adopt, DumpStacks, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.backends import (
     Backend,
@@ -209,7 +209,7 @@ class Reconciler:
             run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
             gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
-            env={k: os.environ[k] for k in spec.secrets if k in os.environ},
+            env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
             # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
@@ -312,6 +312,9 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.shares_actor_gpu,
         lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
+        batch_size=spec.algorithm.batch_size,
+        fitted_micro_batch=_fitted_micro_batch(run),
+        loss_type=spec.algorithm.loss_type,
         rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
         cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
         replicated=spec.actor.strategy == "ddp",
@@ -321,3 +324,10 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
                             weight_load_seconds=spec.deadlines.weight_load(),
                             reward_seconds=sum(r.timeout_seconds for r in spec.rewards)),
     )
+
+
+def _fitted_micro_batch(run: RunRow) -> int | None:
+    """mortalctl apply's micro batch estimate (heal.FITTED_ANNOTATION); None when absent or not a number
+    (the planner checks it against the spec)."""
+    value = (run.annotations or {}).get(heal.FITTED_ANNOTATION)
+    return int(value) if value is not None and value.isdigit() else None

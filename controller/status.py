@@ -84,6 +84,7 @@ def build_status(
     generation: int,
     message: str,
     now: datetime,
+    effective: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole status block (camelCase, JSON-able) in the shape mortal.specs' status model reads."""
     started = prev.get("startTime") or (iso(now) if phase not in (PENDING,) else None)
@@ -111,6 +112,7 @@ def build_status(
         "gpuHours": progress.gpu_hours,
         "completionTime": completed,
         "message": message,
+        **({"effective": effective} if effective else {}),  # the controller's memory choices (controller.heal)
     }
 
 

@@ -10,7 +10,7 @@
 # what comes back into bench/results/ under names that say the device and the run, and record it in
 # docs/benchmarks.md.
 set -uo pipefail
-group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, fused-loss, seven-b-full-one, regional, decoder-tests, regional-profile, scope-step, mfu-split, mfu-shift, compile-layer, layer-trl, shift-ab, profile-layer, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait"}
+group=${1:?"a group: two-gpus, two-gpus-ddp, two-gpus-ddp-onpolicy, kernels-doorbells, two-gpus-kept, two-gpus-trl, two-gpus-ddp-trl, profile, profile-onegpu, profile-ddp, seven-b, seven-b-mortal, seven-b-trl, seven-b-offload, seven-b-lora, seven-b-lora-overlap, seven-b-lora-pair, seven-b-lora-pair2, gpu-tests, gpu-tests-unrun, ddp-tests, nccl-three, offload, fused-loss, seven-b-full-one, regional, decoder-tests, regional-profile, scope-step, mfu-split, mfu-shift, compile-layer, layer-trl, shift-ab, profile-layer, learning-layer, carry, learning-trl-start, learning-finish, learning-mortal-st1, learning-seeds-start, learning-seeds-finish, learning-seeds-more, learning-seeds-last, headstart, headstart-step, headstart-tests, learning-headstart, learning-x4-start, learning-x4-finish, learning-x4-more, learning-tf32-start, learning-tf32-finish, learning-tf32-last, learning-tf32-more, learning-tf32-again, learning-tf32-again-finish, oom-test, learning-tf32-x2-trl, learning-tf32-x2-mortal, learning-tf32-x2-st1, learning-one-trl, learning-one-mortal, learning-one-more, learning-x4-wait, learning-seeds-wait, heal-1.5b, heal-3b, heal-7b-lora"}
 source scripts/device-setup.sh  # leaves the shell in /tmp with R set to the repository root
 nvidia-smi -L | tee "$OUT/env.log"
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/env.log"
@@ -30,7 +30,7 @@ bench() {
     > "/tmp/$name.log" 2>&1
   rc=$?
   echo "== $name: exit $rc after $(( $(date +%s) - began )) s"
-  grep -E "s/step|busy|peak|mortal / TRL|weight sync|limits|Error|Traceback" "/tmp/$name.log" | tail -12
+  grep -E "s/step|busy|peak|mortal / TRL|weight sync|limits|memory choices|Error|Traceback" "/tmp/$name.log" | tail -12
   cat "/tmp/$name.log" >> "$OUT/all.log"
   [ "$rc" = 0 ] || tar czf "$OUT/logs-$name.tgz" -C /tmp "logs-$name" "$name.log" 2>/dev/null
 }
@@ -478,5 +478,11 @@ case $group in
   seven-b-full-one)  # the 7B shape's full fine-tune on ONE H200 (141 GB: mortalctl apply's bound is 110 GB with the
                      # colocated rollout and the ring of 3), beside TRL in the same invocation
     bench sevenb_full_onegpu_${RUN_TAG:-run1} 570 --shape 7b --micro-batch 8 --steps 4 ${EXTRA:-} ;;
+  heal-1.5b|heal-3b|heal-7b-lora)  # issue 44: the bench's defaults with NO --micro-batch, so mortal trains with the
+                                   # operator's own choice (mortalctl apply's estimate, halved after an out-of-memory:
+                                   # "mortal_memory" in the JSON); TRL the whole batch in one pass. One group a call.
+    shape=${group#heal-}
+    bench "heal_${shape}_${RUN_TAG:-run1}" 570 --shape "${shape%-lora}" --steps 4 \
+      $([ "$shape" = 7b-lora ] && echo --lora 16) ${EXTRA:-} ;;
   *) echo "unknown group $group" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from mortal.specs.base import SpecModel
+from mortal.specs.memory import EffectiveMemory
 
 
 class Phase(StrEnum):
@@ -131,6 +132,10 @@ class RunStatus(SpecModel):
         None, ge=0,
         description="GPU-hours the run's workers used so far (each worker's wall time x the GPUs it holds, from "
         "the workers table), to 0.01; counted against spec.limits.maxGPUHours. 0 for a CPU run.",
+    )
+    effective: EffectiveMemory | None = Field(
+        None, description="Memory settings the controller chose instead of the spec's after an out-of-memory (a "
+        "smaller actor microBatchSize, a smaller rollout share): the same training step; absent when none.",
     )
     completion_time: datetime | None = Field(None, description="When the run reached a terminal phase.")
     message: str | None = Field(None, description="Human-readable summary of the latest transition.")

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import uuid
@@ -87,6 +88,37 @@ def resolve_model_source(name: str) -> ModelSource:
     return ModelSource("hub", name, name)
 
 
+def _files_here(name: str) -> Path | None:
+    """The folder of `spec.model.name`'s files on this machine: a local folder, or a hub id already in the
+    Hugging Face cache (local_files_only: no network); None otherwise."""
+    try:
+        source = resolve_model_source(name)
+    except FatalWorkerError:
+        return None
+    if source.kind == "local":
+        return Path(source.location)
+    if source.kind != "hub":
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source.location, local_files_only=True,
+                                      allow_patterns=["*.safetensors", "*.json"]))
+    except Exception:  # not cached, no huggingface_hub, a bad id: nothing certain to say
+        return None
+
+
+def read_config(name: str) -> dict | None:
+    """`spec.model.name`'s config.json when its files are here (as count_parameters finds them), else None;
+    for `mortalctl apply`'s micro batch estimate (mortal.controller.fit.ModelShape). Nothing is loaded."""
+    folder = _files_here(name)
+    try:
+        config = json.loads((folder / "config.json").read_text()) if folder is not None else None
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def count_parameters(name: str) -> int | None:
     """Parameters of `spec.model.name` from its safetensors headers, without loading it; None when unknown.
 
@@ -95,21 +127,8 @@ def count_parameters(name: str) -> int | None:
     each file's header is read (8 bytes of length, then JSON of names, dtypes and shapes). GGUF
     files, and folders without safetensors, are unknown.
     """
-    try:
-        source = resolve_model_source(name)
-    except FatalWorkerError:
-        return None
-    if source.kind == "local":
-        folder = Path(source.location)
-    elif source.kind == "hub":
-        try:
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(source.location, local_files_only=True,
-                                            allow_patterns=["*.safetensors", "*.json"]))
-        except Exception:  # not cached, no huggingface_hub, a bad id: nothing certain to say
-            return None
-    else:
+    folder = _files_here(name)
+    if folder is None:
         return None
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mortal.specs import TrainingRun
+from mortal.specs import TrainingRun, memory
 from mortal.specs.errors import SpecError
 from mortal.state import paths
 from mortal.state.errors import Fenced
@@ -213,6 +213,10 @@ class WorkerContext:
         env = os.environ if environ is None else environ
         worker = worker_ref_from_env(env)
         run = load_run(store, worker.run)
+        try:  # the controller's memory choices for this incarnation (status.effective), over the spec's
+            run = memory.applied(run, env)
+        except memory.BadMemorySetting as exc:
+            raise FatalWorkerError("InvalidMemorySetting", str(exc)) from exc
         period = env.get("MORTAL_HEARTBEAT_SECONDS")
         if period:
             heartbeat = float(period)

@@ -11,6 +11,8 @@ seconds on a CPU. Annotations tune it:
     mortal.dev/fail: always               actor exits 75 at once (restart-policy tests)
     mortal.dev/fail: oom-actor|oom-rollout  that role raises torch.cuda.OutOfMemoryError with torch's own
                                           message (2.00 GiB on an 80 GB H100) at its first step or task
+    mortal.dev/fail: oom-actor-above:N    the actor raises it at start while its micro batch (the spec's, or
+                                          the controller's choice: mortal.specs.memory) is above N
     mortal.dev/stall: task|step           a rollout's task / the actor's step of step `stall-step` blocks
     mortal.dev/stall-step: "2"              forever (the watchdog's tests), in the first `stall-times`
     mortal.dev/stall-times: "1"             launches of the slot (0: every launch)
@@ -42,6 +44,7 @@ from mortal.workers.rewards import RewardSet
 from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
 
 POLL_SECONDS = 0.05
+OOM_ABOVE = "oom-actor-above:"
 KEEP_WEIGHTS = 3
 STATE_FILE = "state.json"
 
@@ -144,6 +147,13 @@ def run_actor(ctx: WorkerContext) -> int:
     settings = Settings.of(ctx.run)
     if settings.fail == "oom-actor":
         raise_torch_out_of_memory()
+    if settings.fail and settings.fail.startswith(OOM_ABOVE):
+        algorithm = ctx.run.spec.algorithm
+        micro = algorithm.batch_size // algorithm.accumulation_steps
+        if micro > _threshold(settings.fail):
+            ctx.log.error("micro batch %d is above %s: out of memory", micro, settings.fail)
+            raise_torch_out_of_memory()
+        ctx.log.info("micro batch %d (%d passes a step)", micro, algorithm.accumulation_steps)
     if settings.fail == "always":
         ctx.log.error("annotation mortal.dev/fail=always: exiting %d", EXIT_RETRYABLE)
         return EXIT_RETRYABLE
@@ -177,6 +187,13 @@ def run_actor(ctx: WorkerContext) -> int:
         checkpoint(ctx, step, version)
     ctx.log.info("actor done at step %d (weight version %d)", step, version)
     return EXIT_SUCCEEDED
+
+
+def _threshold(fail: str) -> int:
+    try:
+        return int(fail.removeprefix(OOM_ABOVE))
+    except ValueError:
+        raise FatalWorkerError("InvalidAnnotation", f"mortal.dev/fail: {fail!r}: expected {OOM_ABOVE}N") from None
 
 
 def resume(ctx: WorkerContext) -> tuple[int, int]:

@@ -81,6 +81,34 @@ def refuse_what_cannot_fit(runs: list[TrainingRun]) -> None:
         raise CliError("the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems))
 
 
+def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
+    """Each run whose actor's default micro batch (the whole batch) is estimated not to fit its GPU, annotated
+    with the largest one that does (mortal.controller.fit.fitting_micro_batch; heal.FITTED_ANNOTATION): the
+    controller trains with it from the first launch, the same step in more passes. The spec is not changed;
+    a note says what was chosen. Others as they are, and so is a run whose model files or GPU are not known
+    here (the controller then halves the micro batch after an out-of-memory instead)."""
+    from mortal.controller.fit import ModelShape, fitting_micro_batch
+    from mortal.controller.heal import FITTED_ANNOTATION, SPLIT_DEPENDENT_LOSSES
+    from mortal.workers.models import count_parameters, read_config
+
+    fitted = []
+    for run in runs:
+        notes = {k: v for k, v in run.metadata.annotations.items() if k != FITTED_ANNOTATION}
+        algorithm = run.spec.algorithm
+        chooses = algorithm.micro_batch_size is None and algorithm.loss_type not in SPLIT_DEPENDENT_LOSSES
+        config = read_config(run.spec.model.name) if chooses else None
+        shape = ModelShape.from_config(config) if config else None
+        parameters = count_parameters(run.spec.model.name) if shape else None
+        choice = fitting_micro_batch(run.spec, parameters, shape) if shape and parameters else None
+        if choice is not None:
+            typer.echo(f"note: trainingrun/{run.name}: {choice.reason}", err=True)
+            notes[FITTED_ANNOTATION] = str(choice.size)
+        if notes != run.metadata.annotations:
+            run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"annotations": notes})})
+        fitted.append(run)
+    return fitted
+
+
 def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
     """Write each run's desired state; returns (name, outcome) pairs in the order given."""
     results = []
@@ -128,7 +156,7 @@ def apply_command(
         for note in run.spec.notes():
             typer.echo(plain(f"note: trainingrun/{run.name}: {note}"), err=True)
     refuse_what_cannot_fit(runs)
-    results = apply_runs(cli.store, runs, dry_run)
+    results = apply_runs(cli.store, fit_micro_batches(runs), dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:
         typer.echo(plain(f"trainingrun/{name} {outcome}{suffix}"))

@@ -103,6 +103,24 @@ def usage_lines(run: TrainingRun, now: datetime | None = None) -> list[tuple[str
     return [("Active time", shown), ("GPU-hours", gpu)]
 
 
+def effective_lines(run: TrainingRun) -> list[tuple[str, str]]:
+    """What the controller runs instead of the spec's memory settings (mortal.controller.heal), when it chose."""
+    chosen, spec = run.status.effective, run.spec
+    if chosen is None:
+        return []
+    lines = []
+    if chosen.micro_batch_size is not None:
+        lines.append(("Micro batch", f"{chosen.micro_batch_size} (spec: {chosen.spec_micro_batch_size}; "
+                                     f"{spec.algorithm.batch_size // chosen.micro_batch_size} passes a step, "
+                                     "chosen by the controller)"))
+    if chosen.rollout_gpu_memory_utilization is not None:
+        lines.append(("Rollout GPU share", f"{chosen.rollout_gpu_memory_utilization:g} (spec: "
+                                           f"{chosen.spec_rollout_gpu_memory_utilization}; chosen by the controller)"))
+    if lines and chosen.reason:
+        lines.append(("Memory", chosen.reason))
+    return lines
+
+
 def reward_rows(spec: TrainingSpec) -> list[tuple[str, ...]]:
     return [
         (r.display_name(), f"function {r.function}" if r.function else f"env {r.env}", f"{r.weight:g}")
@@ -122,6 +140,7 @@ def status_lines(run: TrainingRun) -> list[tuple[str, str]]:
                      f"rollout {s.replicas.rollout.ready}/{s.replicas.rollout.desired} ready"),
         ("Restarts", str(s.restarts)),
         *usage_lines(run),
+        *effective_lines(run),
         ("Last checkpoint", ckpt),
         ("Last step", _when(s.last_step_time) + (f", steps take {s.step_seconds:.3g}s (median)"
                                                  if s.step_seconds is not None else "")),

@@ -157,3 +157,79 @@ def test_a_colocated_share_that_crowds_out_the_actor_names_the_share_among_the_f
     assert "needs at least 96.0 GB on it for weights, gradients and AdamW's two moments + 0.5 of the GPU for 1 " \
            "colocated rollout," in misfit.message
     assert "a smaller rollout.gpuMemoryUtilization" in misfit.message
+
+
+# -- the micro batch chosen before launch (fit.fitting_micro_batch) ------------------------------------------
+QWEN_3B = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "vocab_size": 49152}  # Qwen2.5-3B's shape with SmolLM2's vocabulary (the bench's)
+QWEN_3B_PARAMETERS = 2_880_000_000
+
+
+def bench_spec(**sections):
+    """The GPU bench's defaults: 8 prompts x 8 completions of 256 tokens, one colocated rollout, on an H100."""
+    base = {"algorithm": {"numGenerations": 8, "batchSize": 64}, "generation": {"maxTokens": 256},
+            "rollout": {"colocate": True}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return spec(**base)
+
+
+def test_the_3b_bench_is_estimated_not_to_fit_in_one_pass_and_gets_the_largest_micro_batch_that_does():
+    from mortal.controller.fit import ModelShape, _actor_bound, activation_bytes, fitting_micro_batch
+
+    s, shape = bench_spec(), ModelShape.from_config(QWEN_3B)
+    assert certain_misfits(s, QWEN_3B_PARAMETERS) == []  # it may fit: only the activations are in question
+    choice = fitting_micro_batch(s, QWEN_3B_PARAMETERS, shape)
+    assert choice is not None and 64 % choice.size == 0 and choice.size < 64
+    held, capacity = _actor_bound(s, QWEN_3B_PARAMETERS).need, gpu_memory("H100")
+    assert held + activation_bytes(s, shape, choice.size) <= capacity < held + activation_bytes(s, shape, choice.size * 2)
+    assert choice.reason.startswith(f"actor micro batch 64 -> {choice.size} before launch: H100's 80 GB hold")
+    assert choice.reason.endswith("gradients accumulated: the same step")
+
+
+def test_activations_scale_with_the_micro_batch_and_checkpointing_keeps_one_tensor_a_layer():
+    from mortal.controller.fit import ModelShape, activation_bytes
+
+    shape = ModelShape.from_config(QWEN_3B)
+    s, checkpointed = bench_spec(), bench_spec(model={"gradientCheckpointing": True})
+    head = 4 * shape.vocab * shape.hidden
+    assert activation_bytes(s, shape, 32) - head == 2 * (activation_bytes(s, shape, 16) - head)
+    assert activation_bytes(checkpointed, shape, 64) < activation_bytes(s, shape, 64) / 10
+
+
+@pytest.mark.parametrize("sections", [
+    {"algorithm": {"microBatchSize": 64}},  # the user chose: theirs runs (an out-of-memory still heals it)
+    {"actor": {"gpu": "none"}, "rollout": {"gpu": "none", "colocate": False}},  # a CPU: no GPU to fit
+    {"actor": {"gpu": "H200"}, "rollout": {"gpu": "H200"}, "generation": {"maxTokens": 32}},  # it fits as it is
+])
+def test_no_micro_batch_is_chosen_where_the_user_chose_or_it_fits_or_there_is_no_gpu(sections):
+    from mortal.controller.fit import ModelShape, fitting_micro_batch
+
+    assert fitting_micro_batch(bench_spec(**sections), QWEN_3B_PARAMETERS, ModelShape.from_config(QWEN_3B)) is None
+
+
+def test_a_config_without_the_fields_has_no_shape():
+    from mortal.controller.fit import ModelShape
+
+    assert ModelShape.from_config({"model_type": "mamba", "d_model": 2048}) is None
+    assert ModelShape.from_config({**QWEN_3B, "head_dim": 128}).kv_width == 256
+
+
+def test_apply_annotates_a_run_whose_batch_does_not_fit_and_leaves_its_spec(tmp_path, capsys):
+    """`mortalctl apply` reads config.json and the safetensors headers of a local model, and annotates the run
+    with the micro batch the controller starts from (heal.FITTED_ANNOTATION); the spec stays the user's."""
+    from mortal.controller.cli.apply import fit_micro_batches
+    from mortal.controller.heal import FITTED_ANNOTATION
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_3B))
+    fake_safetensors(tmp_path / "model.safetensors", {"w": [QWEN_3B_PARAMETERS // 1000, 1000]})
+    doc = {"model": {"name": str(tmp_path)}, "actor": {"gpu": "H100"}, "rollout": {"gpu": "H100", "colocate": True},
+           "algorithm": {"numGenerations": 8, "batchSize": 64}, "generation": {"maxTokens": 256}}
+    run = TrainingRun.model_validate({"metadata": {"name": "big", "annotations": {"team": "rl"}}, "spec": doc})
+    [fitted] = fit_micro_batches([run])
+    assert fitted.metadata.annotations["team"] == "rl" and int(fitted.metadata.annotations[FITTED_ANNOTATION]) < 64
+    assert fitted.spec == run.spec
+    assert "note: trainingrun/big: actor micro batch 64 -> " in capsys.readouterr().err
+    doc["algorithm"]["microBatchSize"] = 32  # the user's choice: no annotation, a stale one dropped
+    stale = {"metadata": {"name": "big", "annotations": {FITTED_ANNOTATION: "8"}}, "spec": doc}
+    assert fit_micro_batches([TrainingRun.model_validate(stale)])[0].metadata.annotations == {}

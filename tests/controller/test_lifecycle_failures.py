@@ -87,6 +87,49 @@ def test_rollout_out_of_gpu_memory_is_diagnosed_relaunched_once_then_fails_the_r
     describe_shows(h, "oom", "MemoryFits")
 
 
+def test_an_actor_out_of_gpu_memory_above_a_micro_batch_heals_and_completes(harness):  # noqa: F811
+    """A real actor process raises torch.cuda.OutOfMemoryError while its micro batch is above 4 (batchSize 16,
+    no microBatchSize: one pass of 16): the controller relaunches it with 8, then 4, which fits; the run
+    Succeeds with the spec untouched, status.effective saying 4, two MicroBatchReduced events, describe
+    showing the micro batch it runs."""
+    h = harness
+    h.apply(simulated_run("healed", max_steps=4, rollout_replicas=1,
+                          annotations={"mortal.dev/fail": "oom-actor-above:4"},
+                          spec={"algorithm": {"numGenerations": 2, "batchSize": 16, "maxSteps": 4},
+                                "restartPolicy": {"maxRestarts": 10, "backoffSeconds": 0.2}}))
+    h.start()
+    final = h.wait_phase("healed", "Succeeded", timeout=120)
+    assert final["restarts"] == 2 and final["step"] == 4
+    assert (final["effective"]["microBatchSize"], final["effective"]["specMicroBatchSize"]) == (4, 16)
+    assert h.store.get_run("healed").spec["algorithm"]["microBatchSize"] is None  # the spec as the user applied it
+    actors = [w for w in h.store.list_workers("healed") if w.role == "actor"]
+    assert [(w.state, w.exit_code) for w in actors] == [("Failed", 4), ("Failed", 4), ("Succeeded", 0)]
+    events = h.store.list_events("healed", limit=200)
+    assert [e.message.split(" after ")[0] for e in events if e.reason == "MicroBatchReduced"] == [
+        "actor micro batch 16 -> 8", "actor micro batch 8 -> 4"]
+    describe_shows(h, "healed", "4 (spec: 16; 4 passes a step, chosen by the controller)")
+
+
+def test_a_micro_batch_fitted_at_apply_is_the_first_launchs_and_an_oom_still_heals_it(harness):  # noqa: F811
+    """The run carries mortalctl apply's estimate (heal.FITTED_ANNOTATION: 8 of 16): the actor starts with 8,
+    runs out of memory above 4 all the same (the estimate was low), and is relaunched with 4."""
+    from mortal.controller.heal import FITTED_ANNOTATION
+
+    h = harness
+    h.apply(simulated_run("fitted", max_steps=2, rollout_replicas=1,
+                          annotations={"mortal.dev/fail": "oom-actor-above:4", FITTED_ANNOTATION: "8"},
+                          spec={"algorithm": {"numGenerations": 2, "batchSize": 16, "maxSteps": 2},
+                                "restartPolicy": {"maxRestarts": 10, "backoffSeconds": 0.2}}))
+    h.start()
+    final = h.wait_phase("fitted", "Succeeded", timeout=120)
+    assert final["restarts"] == 1 and final["effective"]["microBatchSize"] == 4
+    events = [(e.type, e.message.split(":")[0]) for e in h.store.list_events("fitted", limit=200)
+              if e.reason == "MicroBatchReduced"]
+    assert events == [("Normal", "actor micro batch 16 -> 8 before launch"),
+                      ("Warning", "actor micro batch 8 -> 4 after CUDA out of memory (algorithm.microBatchSize; 4 "
+                                  "passes a step, gradients accumulated")]
+
+
 def describe_shows(h, name: str, text: str) -> None:
     """`mortalctl describe run NAME` prints the failure reason (through the CLI, as a user sees it)."""
     from typer.testing import CliRunner

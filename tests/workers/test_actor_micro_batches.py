@@ -68,3 +68,35 @@ def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_with_a_choice()
                   "  algorithm: {batchSize: 16, numGenerations: 4, microBatchSize: 5}\n", "run.yaml")
     text = str(refused.value)
     assert "microBatchSize (5) must divide batchSize (16): try 4" in text and "run.yaml" in text
+
+
+def test_the_controllers_micro_batch_reaches_trl_as_accumulation(tmp_path: Path, tiny_dir: Path) -> None:
+    """The micro batch the controller chose after an out-of-memory (MORTAL_MICRO_BATCH_SIZE, mortal.specs.memory)
+    is what the actor's TRL config splits the batch by: the same generation batch, more passes."""
+    from mortal.specs.memory import MICRO_BATCH_ENV, applied
+
+    run = TrainingRun.model_validate({"metadata": {"name": "m"}, "spec": actor_spec(str(tiny_dir))})
+    args = training_args(applied(run, {MICRO_BATCH_ENV: "2"}).spec, str(tmp_path), "cpu")
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation,
+            args.generation_batch_size) == (2, 4, 4, 8)
+
+
+def test_a_resume_with_a_smaller_micro_batch_makes_the_same_next_step(sqlite_store, tiny_dir: Path) -> None:
+    """An actor healed after an out-of-memory resumes the checkpoint its predecessor wrote with the whole batch
+    in one pass, now in passes of 2: its step 2 equals an uninterrupted run's (the trainer's own resume skips
+    as many generation batches as steps done, whatever the accumulation: the prompts are mortal's, by step)."""
+    from mortal.specs.memory import MICRO_BATCH_ENV, applied
+
+    spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 2, "batchSize": 8}, checkpoint={"every": 1, "keep": 2})
+    straight = create_run(sqlite_store, "straight", spec)
+    assert run_actor_with_rollout(sqlite_store, straight) == EXIT_SUCCEEDED
+    healed = create_run(sqlite_store, "healed", spec)
+    assert run_actor_with_rollout(sqlite_store, healed, stop_after_step=1) == EXIT_SUCCEEDED
+    assert sqlite_store.latest_checkpoint("healed").step == 1  # step 2 is the resumed actor's, in passes of 2
+    assert run_actor_with_rollout(sqlite_store, applied(healed, {MICRO_BATCH_ENV: "2"})) == EXIT_SUCCEEDED
+    step2 = {run: {m.name: m.value for m in sqlite_store.list_metrics(run) if m.step == 2} for run in ("straight", "healed")}
+    assert step2["healed"]["completion_tokens"] == step2["straight"]["completion_tokens"]
+    assert math.isclose(step2["healed"]["grad_norm"], step2["straight"]["grad_norm"], rel_tol=1e-4), step2
+    assert math.isclose(step2["healed"]["loss"], step2["straight"]["loss"], rel_tol=1e-4, abs_tol=1e-6), step2
+    a, b = (read_published(sqlite_store.latest_weights(run).path) for run in ("straight", "healed"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4

@@ -223,6 +223,26 @@ def test_the_heartbeat_says_what_the_worker_is_doing_and_for_how_long(store: Sto
     assert idle.activity is None
 
 
+@sqlite_only
+def test_the_controllers_memory_choice_in_the_environment_is_the_workers_spec(store: Store) -> None:
+    """MORTAL_MICRO_BATCH_SIZE (mortal.specs.memory, set by the controller after an out-of-memory) replaces the
+    stored spec's micro batch in the worker's view of its run; a value that does not divide the batch is fatal."""
+    from mortal.specs.memory import MICRO_BATCH_ENV
+
+    run = simulated_run("healed", spec={"algorithm": {"numGenerations": 2, "batchSize": 8}})
+    store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
+    row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=5)
+    env = {"MORTAL_RUN": "healed", "MORTAL_ROLE": "actor", "MORTAL_REPLICA": "0",
+           "MORTAL_INCARNATION": str(row.incarnation)}
+    assert WorkerContext.from_env(store, env).run.spec.algorithm.accumulation_steps == 1
+    healed = WorkerContext.from_env(store, {**env, MICRO_BATCH_ENV: "2"}).run.spec.algorithm
+    assert (healed.micro_batch_size, healed.accumulation_steps) == (2, 4)
+    assert store.get_run("healed").spec["algorithm"]["microBatchSize"] is None  # the stored spec is the user's
+    with pytest.raises(FatalWorkerError) as refused:
+        WorkerContext.from_env(store, {**env, MICRO_BATCH_ENV: "3"})
+    assert refused.value.reason == "InvalidMemorySetting" and MICRO_BATCH_ENV in str(refused.value)
+
+
 def test_stored_spec_that_no_longer_validates_is_fatal(store: Store) -> None:
     store.apply_run("broken", {"model": {"name": "m"}, "bogus": 1})
     with pytest.raises(FatalWorkerError) as err:
