@@ -619,8 +619,12 @@ class _Pass:
                 newest_ended[w.slot] = w
         stalls = [dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
                   for w in newest_ended.values() if w.stall is not None]
-        last = self.timing[0]
-        return dl.deadlines_met(stalls, aware(datetime.fromisoformat(last)) if last else None)
+        step, prev_step = self._progress().step, self.prev.get("step")
+        if step is not None and step > (prev_step if prev_step is not None else 0):
+            last = self.now  # a step ended since the last pass (also on the pass that finishes the run)
+        else:
+            last = aware(datetime.fromisoformat(self.timing[0])) if self.timing[0] else None
+        return dl.deadlines_met(stalls, last)
 
     def _final_conditions(self) -> list[Condition]:
         """A finished run keeps its training conditions as they were, but a reward that failed it says so."""

@@ -103,7 +103,7 @@ def _stalled_history(times: int, reason: str = "TaskDeadlineExceeded") -> list[W
 
 def test_the_same_stall_as_often_as_sameFailureLimit_fails_the_run_with_the_stall_as_its_reason():
     rows = _stalled_history(3)
-    p = run_plan(rows, [proc(rows[0])], prev=status("Running"), same_failure_limit=3, backoff_seconds=0.0)
+    p = run_plan(rows, [proc(rows[0])], prev=status("Running", step=5), same_failure_limit=3, backoff_seconds=0.0)
     assert p.status["phase"] == "Failed"
     failed = next(c for c in p.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "TaskDeadlineExceeded"
@@ -165,3 +165,15 @@ def test_only_rows_the_watchdog_ended_count_as_stalls_not_a_workers_own_report_t
     assert p.status["phase"] != "Failed"  # relaunched: long-lived failures, neither a stall loop nor a crash loop
     met = next(c for c in p.status["conditions"] if c["type"] == "DeadlinesMet")
     assert met["reason"] == "WithinDeadlines"
+
+
+def test_a_run_that_finishes_in_the_pass_after_a_stall_heals_deadlines_met():
+    """Steps can end faster than passes: the pass that sees the actor done at maxSteps also sees that steps
+    ended after the relaunch."""
+    rows = [row("actor", 0, 1, "Succeeded", step=4, code=0),
+            row("rollout", 0, 2, "Failed", ended=3.0, message="TaskDeadlineExceeded: task 2.0 has run 3 s"),
+            row("rollout", 0, 3)]
+    p = run_plan(rows, [proc(rows[2])], prev=status("Running", step=2, lastStepTime=iso(ago(10))), max_steps=4)
+    assert p.status["phase"] == "Succeeded"
+    met = next(c for c in p.status["conditions"] if c["type"] == "DeadlinesMet")
+    assert (met["status"], met["reason"]) == ("True", "Healed")
