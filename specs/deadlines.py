@@ -30,7 +30,8 @@ class DeadlinesSpec(SpecModel):
     step_seconds: Duration | None = Field(
         None,
         description="Longest the actor may spend in one optimizer step (waiting for rollouts included): 90s, "
-        "10m, or seconds. Absent: as taskSeconds, derived from the run's own step times.",
+        "10m, or seconds. Absent: derived from the run's own step times as taskSeconds is, and at least twice "
+        "the task deadline (a step outlasts one of its tasks healed once).",
     )
     weight_load_seconds: Duration | None = Field(
         None,
