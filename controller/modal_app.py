@@ -19,9 +19,11 @@ TORCH_VERSION in both, the one VLLM_VERSION requires, so trainer and rollouts ag
 Runs, checkpoints, weights and worker logs live on the `mortal-data` volume at /mortal (MORTAL_HOME),
 committed by the workers after every checkpoint and weights write (mortal.workers.atomic.volume_sync)
 and by the worker functions while their worker prints (mortal.controller.backends.modal_worker).
-Secrets: `mortal-state` (MORTAL_STATE_TOKEN, required; `<app>-state` for another app name set with
-$MORTAL_MODAL_APP) and the names in $MORTAL_MODAL_SECRETS (comma
-separated, e.g. `huggingface,wandb`), read when deploying, attached to workers and the controller.
+Secrets: `mortal-state` (MORTAL_STATE_TOKEN, the admin token, required; `<app>-state` for another app name
+set with $MORTAL_MODAL_APP), attached to the store and the controller only, and the names in
+$MORTAL_MODAL_SECRETS (comma separated, e.g. `huggingface,wandb`), read when deploying, attached to workers
+and the controller. A worker reaches the store with the token its launch carries (mortal.state.auth).
+The store logs every request to access.log on the state volume (docs/security.md).
 Every function is `serialized=True` (shipped by value, cloudpickled): modal would otherwise import it
 in the container by module name, and at definition it looks for this file under the `mortal` package's
 folder (modal._utils.function_utils.FunctionSourceInfo), which fails in the editable install the
@@ -66,9 +68,11 @@ IGNORED = [".git", ".venv", "**/__pycache__", "**/*.egg-info", "tests", "bench",
 
 data_volume = modal.Volume.from_name(DATA_VOLUME, create_if_missing=True)
 state_volume = modal.Volume.from_name(STATE_VOLUME, create_if_missing=True)
-secrets = [modal.Secret.from_name(STATE_SECRET)] + [
+# Workers get the user's secrets only, never the admin token: each gets its own scoped token in its launch.
+worker_secrets = [
     modal.Secret.from_name(name.strip()) for name in os.environ.get("MORTAL_MODAL_SECRETS", "").split(",") if name.strip()
 ]
+secrets = [modal.Secret.from_name(STATE_SECRET), *worker_secrets]  # the controller's
 
 
 def mortal_image(*pins: str) -> modal.Image:
@@ -89,7 +93,7 @@ vllm_image = mortal_image(f"torch=={TORCH_VERSION}", f"vllm=={VLLM_VERSION}")
 app = modal.App(APP, image=image, include_source=False)  # mortal is installed in the image
 
 
-@app.function(name=WORKER_FUNCTION, volumes={DATA_MOUNT: data_volume}, secrets=secrets,
+@app.function(name=WORKER_FUNCTION, volumes={DATA_MOUNT: data_volume}, secrets=worker_secrets,
               timeout=WORKER_TIMEOUT_SECONDS, retries=0, serialized=True)
 def worker(launch: dict) -> int:
     from mortal.controller.backends.modal_worker import run_worker
@@ -98,7 +102,7 @@ def worker(launch: dict) -> int:
     return run_worker(launch, commit=data_volume.commit)
 
 
-@app.function(name=VLLM_FUNCTION, image=vllm_image, volumes={DATA_MOUNT: data_volume}, secrets=secrets,
+@app.function(name=VLLM_FUNCTION, image=vllm_image, volumes={DATA_MOUNT: data_volume}, secrets=worker_secrets,
               timeout=WORKER_TIMEOUT_SECONDS, retries=0, serialized=True)
 def rollout_vllm(launch: dict) -> int:
     """`worker` on the image with vLLM: the rollout's engine `auto` resolves to vllm there on a GPU."""
@@ -123,10 +127,10 @@ def execute(payload: dict) -> dict:
 @modal.wsgi_app()
 def store():
     """One container only: SQLite has one writer, and a volume merges no concurrent edits of one file."""
-    from mortal.state.http_server import TOKEN_ENV, make_app
+    from mortal.state.http_server import ACCESS_LOG, TOKEN_ENV, make_app, previous_tokens_from
 
     backing = os.environ.get("MORTAL_STORE_BACKING_URL") or f"sqlite:///{STATE_MOUNT}/state.db"
-    return make_app(backing, os.environ[TOKEN_ENV])
+    return make_app(backing, os.environ[TOKEN_ENV], f"{STATE_MOUNT}/{ACCESS_LOG}", previous_tokens_from(os.environ))
 
 
 @app.function(volumes={DATA_MOUNT: data_volume}, secrets=secrets, schedule=modal.Period(minutes=SCHEDULE_MINUTES),

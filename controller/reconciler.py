@@ -51,6 +51,8 @@ from mortal.controller.outcome import Done, Outcome, RequeueAfter, Retry, Termin
 from mortal.controller.plan import Plan, plan
 from mortal.specs import TrainingSpec
 from mortal.state import paths
+from mortal.state.auth import launch_token
+from mortal.state.containment import PathOutside, report_refused
 from mortal.state.errors import Conflict, Fenced, NotFound
 from mortal.state.store import LeaderFence, Store, WorkerRef
 from mortal.state.tables import RunRow, WorkerRow
@@ -227,7 +229,8 @@ class Reconciler:
         row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
-        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id)
+        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id,
+                                     state_token=launch_token(self.state_url, ref, run.uid))
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
             raise Fenced("the leader lease ran out before a launch")
@@ -275,17 +278,26 @@ class Reconciler:
         """Files first, where the run's backend keeps them (a Modal run's are on its volume) and in its
         checkpoint storage (spec.checkpoint.uri: checkpoints and uploaded logs), rows last: the row going
         away is what says the deletion is complete. A run whose backend or storage cannot be reached from
-        here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove."""
+        here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove.
+        A run whose folder would lie outside MORTAL_HOME/runs (PathOutside) has its rows purged, its files
+        left alone, and a Warning event that stays after it."""
+        refused: PathOutside | None = None
         if remove_files:
             backend, why = self.backend(backend_name)
             if backend is None:
                 raise BackendError(f"cannot remove the files of run {name!r}: {why}")
             if self.leader.fence() != fence:
                 raise Fenced("the leader lease ran out before removing files")
-            backend.remove_run_files(name, storage_uri)
+            try:
+                backend.remove_run_files(name, storage_uri)
+            except PathOutside as exc:  # a name stored before the store checked names: never followed
+                refused = exc
         self.store.purge_run(name, fence)
         self.written.pop(name, None)
-        log.info("purged run %s%s", name, " and its files" if remove_files else "")
+        if refused is not None:  # after the purge, so that it outlives the run's own events (`get events`)
+            log.warning("purged run %r without removing its files: %s", name, refused)
+            report_refused(self.store, name, "purged without removing its files", refused)
+        log.info("purged run %s%s", name, " and its files" if remove_files and refused is None else "")
         return Done()
 
     def _sweep(self, name: str) -> Outcome:

@@ -15,17 +15,69 @@ from pydantic import Field, field_validator
 from mortal.specs.base import SpecModel, rule_error
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")  # a label key's name part, a label value
+MAX_LABEL = 63
+MAX_SUBDOMAIN = 253
+SHOWN_CHARS = 80  # how much of a refused value an error message echoes (a name may be a megabyte)
+
+
+def shown(value: str) -> str:
+    """`value` as an error message echoes it: repr'd (a NUL or a newline stays visible), cut short."""
+    return repr(value) if len(value) <= SHOWN_CHARS else f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 def is_dns1123_label(name: str) -> bool:
     """Kubernetes' DNS-1123 label: what a run name must be (it names processes, folders and URLs)."""
-    return len(name) <= 63 and DNS1123_LABEL.match(name) is not None
+    return len(name) <= MAX_LABEL and DNS1123_LABEL.match(name) is not None
 
 
 def suggest_dns1123_label(name: str) -> str:
     """The nearest valid label: lowercase, runs of other characters become '-', trimmed to 63."""
     label = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:63].strip("-")
     return label or "my-run"
+
+
+# The rules of every name mortal stores, each a function returning what is wrong (None when nothing is).
+# One place for both sides: the spec's validators below (the CLI) and the store (mortal.state.names),
+# which refuses what a client that skipped the spec (HTTP, a script) sends.
+def dns1123_label_problem(name: str) -> str | None:
+    """Why `name` is not a DNS-1123 label (a run name, a worker role: each names folders and processes)."""
+    if is_dns1123_label(name):
+        return None
+    return ("must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or "
+            f"digit, at most {MAX_LABEL} characters (got {shown(name)}); try {suggest_dns1123_label(name)!r}")
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why `key` is not a Kubernetes label (or annotation) key: `[prefix/]name`, the prefix a DNS-1123
+    subdomain, the name at most 63 of letters, digits, '-', '_' and '.', alphanumeric at both ends."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= MAX_SUBDOMAIN and DNS1123_SUBDOMAIN.match(prefix)):
+        return f"key {shown(key)}: its prefix before '/' must be a DNS-1123 subdomain (e.g. mortal.dev)"
+    if not (len(name) <= MAX_LABEL and LABEL_NAME.match(name)):
+        return (f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting and "
+                "ending with a letter or digit (optionally after a prefix such as mortal.dev/)")
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why `value` is not a Kubernetes label value: empty, or as a key's name part."""
+    if value == "" or (len(value) <= MAX_LABEL and LABEL_NAME.match(value)):
+        return None
+    return (f"value {shown(value)}: must be empty or at most {MAX_LABEL} letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit")
+
+
+def labels_problem(labels: dict[str, str], values: bool = True) -> str | None:
+    """The first problem of a labels (or, `values` False, annotations) mapping: its keys, and its values."""
+    for key, value in labels.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            return f"{key!r}: {value!r}: keys and values must be strings"
+        problem = label_key_problem(key) or (label_value_problem(value) if values else None)
+        if problem:
+            return problem
+    return None
 
 
 class Metadata(SpecModel):
@@ -54,9 +106,23 @@ class Metadata(SpecModel):
     @field_validator("name")
     @classmethod
     def _name_is_dns1123_label(cls, value: str) -> str:
-        if not is_dns1123_label(value):
-            raise rule_error(
-                "must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a "
-                f"letter or digit, at most 63 characters (got {value!r}); try {suggest_dns1123_label(value)!r}"
-            )
+        problem = dns1123_label_problem(value)
+        if problem:
+            raise rule_error(problem)
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_kubernetes_labels(cls, value: dict[str, str]) -> dict[str, str]:
+        problem = labels_problem(value)
+        if problem:
+            raise rule_error(problem)
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotation_keys_are_label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        problem = labels_problem(value, values=False)
+        if problem:
+            raise rule_error(problem)
         return value

@@ -504,7 +504,7 @@ class WandbSpec(SpecModel):
     project: str = Field("mortal", min_length=1, description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (team or user); absent = your default.")
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
-        "auto", description="auto = online when WANDB_API_KEY is set, else offline (files under the run folder); WANDB_MODE=disabled turns it off."
+        "auto", description="auto = online when WANDB_API_KEY is set (list it in secrets), else offline (files under the run folder); WANDB_MODE=disabled turns it off."
     )
 
 

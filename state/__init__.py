@@ -11,7 +11,15 @@ Importing this package connects to nothing; `open_store` connects and migrates.
 from __future__ import annotations
 
 from mortal.state.engine import sqlite_path
-from mortal.state.errors import AlreadyExists, Conflict, Fenced, NotFound, StoreError
+from mortal.state.errors import (
+    AlreadyExists,
+    Conflict,
+    Fenced,
+    InvalidName,
+    InvalidValue,
+    NotFound,
+    StoreError,
+)
 from mortal.state.paths import default_state_url
 from mortal.state.store import (
     ApplyOutcome,
@@ -43,6 +51,8 @@ __all__ = [
     "Conflict",
     "EventRow",
     "Fenced",
+    "InvalidName",
+    "InvalidValue",
     "LeaderFence",
     "LeaseRow",
     "MetricRow",

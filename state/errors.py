@@ -37,3 +37,19 @@ class Unavailable(StoreError):
 
 class Unauthorized(StoreError):
     """The HTTP store refused the request's bearer token (MORTAL_STATE_TOKEN)."""
+
+
+class Forbidden(StoreError):
+    """The HTTP store knows who is asking (a worker's scoped token) and that token may not make this call:
+    another run's data, another worker's slot, or an admin operation (mortal.state.auth)."""
+
+
+class InvalidValue(StoreError, ValueError):
+    """The call carried a value the store cannot hold (the database refused it: a NUL in a text, a number
+    out of range). Bad input, never retried: HTTP 422."""
+
+
+class InvalidName(InvalidValue):
+    """A name the store refuses to record (mortal.state.names): a run name, a role, a label or annotation
+    key that is not what the spec allows. Names later become folders and process names, so the store checks
+    them itself, whoever the client. HTTP 422."""

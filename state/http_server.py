@@ -10,72 +10,93 @@ MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store)
 
 Every request is one Store call, so the invariants (fencing, compare-and-swap, task leases) are the
 SqlStore's, checked inside its transactions; a request the client sends twice is two calls.
-The endpoint is public on Modal, so whatever reaches it gets a JSON answer: bad input a 4xx before the
-store sees it (a body over MAX_BODY_BYTES, nested deeper than MAX_JSON_DEPTH, or not JSON), a client
-that stalls mid-request is dropped after READ_TIMEOUT_SECONDS (here; on Modal its web proxy times requests).
-What it must not do: decide anything, keep state between requests, or answer without the token.
+Who may make which call is mortal.state.auth's: the admin token everything, a worker's token its own
+run's calls as its own slot (403 otherwise). Leases run on this server's clock: a client's `now` is dropped.
+The endpoint is public on Modal, so whatever reaches it gets a JSON answer: no valid token a 401 before
+the body is read, bad input a 4xx before the store sees it (a body over MAX_BODY_BYTES, nested deeper
+than MAX_JSON_DEPTH, or not JSON), a client that stalls mid-request is dropped after READ_TIMEOUT_SECONDS
+(here; on Modal its web proxy times requests). Every request goes to the access log (mortal.state.access_log).
+What it must not do: decide anything, keep state between requests, answer without a token, or log one.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from mortal.state import wire
-from mortal.state.errors import StoreError
+from mortal.state import auth, paths, wire
+from mortal.state.access_log import AccessLog
+from mortal.state.auth import Authority, Identity
+from mortal.state.errors import Forbidden, StoreError
 from mortal.state.paths import default_state_url
 from mortal.state.store import Store
 
 TOKEN_ENV = wire.TOKEN_ENV
+PREVIOUS_TOKENS_ENV = "MORTAL_STATE_PREVIOUS_TOKENS"  # admin tokens still accepted while one is rotated
+ACCESS_LOG = "access.log"  # under the server's $MORTAL_HOME
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64  # a store call's body is a few levels deep; json and pydantic recurse once per level
 READ_TIMEOUT_SECONDS = 30.0  # the server drops a connection silent this long (mid-request, or idle)
 log = logging.getLogger("mortal.state.http")
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 409: "Conflict", 412: "Precondition Failed", 413: "Content Too Large", 422: "Unprocessable Content",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 class StoreApp:
-    """The WSGI application: routes /v1/<method> to `store`, guarded by a bearer token."""
+    """The WSGI application: routes /v1/<method> to `store` for whoever the bearer token says (mortal.state.auth).
 
-    def __init__(self, store: Store, token: str) -> None:
+    `token` is the admin token; `previous_tokens` are admin tokens still accepted during a rotation.
+    Every request is written to `access_log` (when given): who, which call, which run, the status."""
+
+    def __init__(self, store: Store, token: str, access_log: AccessLog | None = None,
+                 previous_tokens: Sequence[str] = ()) -> None:
         if not token:
             raise ValueError(f"the HTTP store needs a token: set {TOKEN_ENV} (e.g. `openssl rand -hex 32`)")
         self.store = store
-        self._token = token.encode()
+        self.authority = Authority([token, *previous_tokens])
+        self.access_log = access_log
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        request = _Request(environ.get("PATH_INFO", ""))
         try:
-            status, body = self.handle(environ)
+            status, body = self.handle(environ, request)
         except Exception as exc:  # a bug here still answers in JSON; the trace stays in the server's log
             log.exception("request to %s failed", environ.get("PATH_INFO"))
             status, body = _error(500, "Internal", f"the store server failed: {type(exc).__name__}")
+        if self.access_log is not None and request.call != wire.HEALTH_PATH:
+            self.access_log.record(request.who, request.call, request.run, status, environ.get("REMOTE_ADDR"))
         payload = json.dumps(body).encode()
         start_response(f"{status} {_REASONS.get(status, 'Error')}",
                        [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
         return [payload]
 
-    def handle(self, environ: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def handle(self, environ: dict[str, Any], request: _Request | None = None) -> tuple[int, dict[str, Any]]:
+        """The answer to one request; `request` collects what the access log says of it."""
+        request = request or _Request(environ.get("PATH_INFO", ""))
         path, verb = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
         if path == wire.HEALTH_PATH:
             return 200, {"ok": True}
+        identity = self.identify(environ.get("HTTP_AUTHORIZATION", ""))  # first: nothing is answered, nor read, before
+        if identity is None:
+            return _error(401, "Unauthorized", f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
+        request.who = identity.name
         method = wire.methods().get(path.removeprefix(wire.PREFIX)) if path.startswith(wire.PREFIX) else None
         if method is None:
             return _error(404, "UnknownMethod", f"no store method at {path!r}")
+        request.call = method.name
         if verb != "POST":
             return _error(405, "BadRequest", f"{path} takes POST, not {verb}")
-        if not self._authorized(environ.get("HTTP_AUTHORIZATION", "")):
-            return _error(401, "Unauthorized", f"missing or wrong bearer token (the server's {TOKEN_ENV})")
         try:
             kwargs = wire.decode_args(method, _read_args(environ))
         except _TooLarge as exc:
@@ -84,7 +105,18 @@ class StoreApp:
             return _error(408, "BadRequest", str(exc))
         except (ValueError, TypeError, ValidationError) as exc:
             return _error(400, "BadRequest", f"{method.name}: {exc}")
+        kwargs = {k: v for k, v in kwargs.items() if k not in wire.CLIENT_CLOCK_ARGS}  # the server's clock decides
+        request.run = auth.run_of(method.name, kwargs)
+        try:
+            kwargs = auth.authorize(identity, method.name, kwargs)
+        except Forbidden as exc:
+            return wire.error_body(exc)
         return self._call(method, kwargs)
+
+    def identify(self, header: str) -> Identity | None:
+        """Who the Authorization header speaks for (None: no valid token)."""
+        scheme, _, given = header.partition(" ")
+        return self.authority.identify(given) if scheme.lower() == "bearer" else None
 
     def _call(self, method: wire.Method, kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
@@ -96,9 +128,19 @@ class StoreApp:
             return wire.error_body(exc)
         return 200, {"result": wire.encode(result)}
 
-    def _authorized(self, header: str) -> bool:
-        scheme, _, given = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
+    def close(self) -> None:
+        self.store.close()
+        if self.access_log is not None:
+            self.access_log.close()
+
+
+@dataclass
+class _Request:
+    """What the access log says of a request: `call` is the path until it names a store method."""
+
+    call: str
+    who: str = "unknown"
+    run: str | None = None
 
 
 class _TooLarge(Exception):
@@ -165,13 +207,24 @@ def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"type": kind, "message": message}}
 
 
-def make_app(backing_url: str, token: str) -> StoreApp:
-    """The app over the SQL store at `backing_url` (opened and migrated now)."""
+def make_app(backing_url: str, token: str, access_log: str | Path | None = None,
+             previous_tokens: Sequence[str] = ()) -> StoreApp:
+    """The app over the SQL store at `backing_url` (opened and migrated now), logging access to `access_log`."""
     from mortal.state import open_store
 
     if backing_url.startswith(("http://", "https://")):
         raise ValueError(f"the HTTP store must be backed by a SQL database, not another HTTP store ({backing_url})")
-    return StoreApp(open_store(backing_url), token)
+    return StoreApp(open_store(backing_url), token, None if access_log is None else AccessLog(access_log),
+                    previous_tokens)
+
+
+def previous_tokens_from(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """The admin tokens still accepted during a rotation ($MORTAL_STATE_PREVIOUS_TOKENS, comma separated)."""
+    return [t.strip() for t in environ.get(PREVIOUS_TOKENS_ENV, "").split(",") if t.strip()]
+
+
+def default_access_log() -> Path:
+    return paths.mortal_home() / ACCESS_LOG
 
 
 # -- the production server: waitress (running the store outside Modal, and the tests) ------------------
@@ -224,33 +277,65 @@ class Served:
 
     def close(self) -> None:
         self._halt()
-        self.app.store.close()
+        self.app.close()
 
 
-def _error_task() -> type:
+def _error_task(access_log: AccessLog | None) -> type:
     """waitress's answer to what it refuses itself (a request line or headers it cannot parse, a body over
-    the limit, a client that stalls mid-body), in JSON as the app answers."""
+    the limit, a client that stalls mid-body, a token refused before the body is read), in JSON as the app
+    answers, and in the access log."""
     from waitress.task import ErrorTask
 
     class JsonErrorTask(ErrorTask):
         def execute(self) -> None:
             error = self.request.error
-            kind = "BadRequest" if 400 <= error.code < 500 else "Internal"
+            kind = "Unauthorized" if error.code == 401 else "BadRequest" if 400 <= error.code < 500 else "Internal"
             body = json.dumps({"error": {"type": kind, "message": f"{error.reason}: {error.body}"}}).encode()
             self.status = f"{error.code} {error.reason}"
             self.response_headers.append(("Content-Type", "application/json"))
             self.set_close_on_finish()
             self.content_length = len(body)
             self.write(body)
+            if access_log is not None:
+                client = self.channel.addr[0] if isinstance(self.channel.addr, tuple) else None
+                access_log.record("unknown", str(getattr(self.request, "path", "") or ""), None, error.code, client)
 
     return JsonErrorTask
 
 
+def _parser(app: StoreApp) -> type:
+    """waitress's request parser, refusing a request without a valid token (401) as soon as its headers are in:
+    waitress otherwise reads a whole body (spooled to a temporary file when large) before the app sees it,
+    so anyone could fill the server's disk with bodies it would refuse. /healthz needs no token."""
+    from waitress.parser import HTTPRequestParser
+    from waitress.utilities import Error
+
+    class TokenRefused(Error):
+        code, reason = 401, "Unauthorized"
+
+    class TokenFirstParser(HTTPRequestParser):
+        _token_checked = False
+
+        def received(self, data: bytes) -> int:
+            consumed = super().received(data)
+            if self.headers_finished and not self._token_checked:
+                self._token_checked = True
+                refused = self.error is None and self.path != wire.HEALTH_PATH
+                if refused and app.identify(self.headers.get("AUTHORIZATION", "")) is None:
+                    self.error = TokenRefused(f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
+                    self.completed = True
+            return consumed
+
+    return TokenFirstParser
+
+
 @contextmanager
 def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
-          read_timeout: float = READ_TIMEOUT_SECONDS, threads: int = WORKER_THREADS) -> Iterator[Served]:
+          read_timeout: float = READ_TIMEOUT_SECONDS, threads: int = WORKER_THREADS,
+          access_log: str | Path | None = None, previous_tokens: Sequence[str] = ()) -> Iterator[Served]:
     """Serve the store with waitress in a background thread for the duration of the block (port 0: any
-    free port). A connection silent for `read_timeout` (mid-request, or idle between requests) is closed."""
+    free port). A connection silent for `read_timeout` (mid-request, or idle between requests) is closed.
+    Requests are logged to `access_log` when given; `previous_tokens` are admin tokens still accepted."""
     try:
         from waitress.channel import HTTPChannel
         from waitress.server import create_server
@@ -258,8 +343,9 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
         raise ImportError("serving the store needs waitress: pip install 'mortal[server]'") from exc
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # a line per request queued behind busy threads
-    channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task()})
-    app = make_app(backing_url, token)
+    app = make_app(backing_url, token, access_log, previous_tokens)
+    channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task(app.access_log),
+                                                        "parser_class": _parser(app)})
     sockets: dict[int, Any] = {}  # waitress's asyncore map, ours so that the loop below can close it
     server = create_server(app, map=sockets, host=host, port=port, threads=threads,
                            channel_timeout=max(1, round(read_timeout)), cleanup_interval=max(1, round(read_timeout)),
@@ -280,12 +366,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--threads", type=int, default=WORKER_THREADS, help="store calls served at once")
+    parser.add_argument("--access-log", default=None, help=f"where requests are logged (default: $MORTAL_HOME/{ACCESS_LOG})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"set {TOKEN_ENV} to the token clients must send")
-    with serve(args.backing_url or default_state_url(), token, args.host, args.port, threads=args.threads) as served:
+    with serve(args.backing_url or default_state_url(), token, args.host, args.port, threads=args.threads,
+               access_log=args.access_log or default_access_log(),
+               previous_tokens=previous_tokens_from(os.environ)) as served:
         log.info("serving the state store at %s", served.url)
         threading.Event().wait()
 

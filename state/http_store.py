@@ -1,7 +1,9 @@
 """HttpStore: the Store contract over HTTP, for workers and controllers that cannot open the database.
 
 Created by `mortal.state.open_store("https://...")` (MORTAL_STATE_URL), with the bearer token from
-MORTAL_STATE_TOKEN. On Modal, workers in their containers reach the store endpoint of the deployed
+MORTAL_STATE_TOKEN: the admin token, or a worker's own scoped token (mortal.state.auth says which calls
+each may make; a refused one raises Forbidden). Leases and task leases run on the server's clock: a `now`
+argument, a SqlStore's test seam, is refused here and ignored by the server. On Modal, workers in their containers reach the store endpoint of the deployed
 app this way (mortal.state.http_server serves it). Every method of `Store` is one POST (the wire
 format is mortal.state.wire); typed errors come back as the same classes (Conflict, NotFound, Fenced,
 ValueError, ...); transport failures and server errors raise `Unavailable`.
@@ -69,6 +71,8 @@ def _remote(method: wire.Method) -> Any:
     @functools.wraps(getattr(Store, method.name))
     def call(self: HttpStore, *args: Any, **kwargs: Any) -> Any:
         bound = method.signature.bind(*args, **kwargs)
+        if any(bound.arguments.get(name) is not None for name in wire.CLIENT_CLOCK_ARGS):
+            raise ValueError(f"{method.name}: the HTTP store's clock is the server's; `now` is for a SqlStore")
         payload = {name: wire.encode(value) for name, value in bound.arguments.items()}
         return wire.decode(method.hints["return"], self._call(method, payload))
 

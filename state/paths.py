@@ -25,9 +25,14 @@ def default_state_url() -> str:
     return os.environ.get("MORTAL_STATE_URL") or f"sqlite:///{mortal_home() / 'state.db'}"
 
 
+def runs_dir(home: str | Path | None = None) -> Path:
+    """The folder of every run's folder: what a run's folder must lie inside (mortal.state.containment)."""
+    return (Path(home) if home is not None else mortal_home()) / "runs"
+
+
 def run_dir(run: str, home: str | Path | None = None) -> Path:
     """The run's folder under `home` (default: this process's $MORTAL_HOME; a Modal container's differs)."""
-    return (Path(home) if home is not None else mortal_home()) / "runs" / run
+    return runs_dir(home) / run
 
 
 LOGS = "logs"  # a run's folder of worker logs, inside its run_dir

@@ -22,14 +22,15 @@ from typing import Any
 from sqlalchemy import delete, func, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlmodel import Session, SQLModel, select
 
 from mortal.state import migrate
 from mortal.state.completions import CompletionLog
 from mortal.state.engine import is_postgres, json_value, make_engine, transaction
-from mortal.state.errors import Conflict, NotFound
+from mortal.state.errors import Conflict, InvalidValue, NotFound
 from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
+from mortal.state.names import check_metadata, check_role, check_run_name
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef, activity_age, check_activity
 from mortal.state.tables import (
     CheckpointRow,
@@ -72,6 +73,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                 yield session
         except IntegrityError as err:
             raise Conflict(f"concurrent write: {err.orig}") from err
+        except DataError as err:  # e.g. PostgreSQL's "text fields cannot contain NUL": bad input, not a failure
+            raise InvalidValue(f"the database refused a value: {err.orig}") from err
 
     def _insert_ignore(self, session: Session, model: type[SQLModel], values: dict[str, Any]) -> bool:
         """INSERT ... ON CONFLICT DO NOTHING; True if the row was new."""
@@ -114,6 +117,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         labels: dict[str, str] | None = None,
         annotations: dict[str, str] | None = None,
     ) -> tuple[RunRow, ApplyOutcome]:
+        check_run_name(name)
+        check_metadata(labels or {}, annotations or {})
         spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
         with self._tx() as s:
             new = RunRow(name=name, uid=str(uuid.uuid4()), spec=spec, labels=labels, annotations=annotations)
@@ -140,6 +145,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         weight_version: int,
         provenance: dict[str, Any] | None = None,
     ) -> RunRow:
+        check_run_name(name)
+        check_metadata(labels or {}, annotations or {})
         spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
         with self._tx() as s:
             new = RunRow(name=name, uid=str(uuid.uuid4()), spec=spec, labels=labels, annotations=annotations,
@@ -241,6 +248,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         fence: LeaderFence | None = None,
         gpus: int = 0,
     ) -> WorkerRow:
+        check_role(role)
         with self._tx() as s:
             check_leader(s, fence)
             if self._run(s, run, lock=True).deleted_at is not None:  # the lock serializes incarnations

@@ -153,7 +153,8 @@ class Store(abc.ABC):
 
         A changed spec bumps generation and resource_version; labels or annotations alone bump
         resource_version. Equality is JSON equality of the normalized dicts. Applying to a run
-        that is being deleted raises Conflict.
+        that is being deleted raises Conflict. InvalidName for a name, label or annotation key the spec
+        would refuse (mortal.state.names): names become folders and process names.
         """
 
     @abc.abstractmethod
@@ -173,7 +174,7 @@ class Store(abc.ABC):
         its complete checkpoint row of that step at `checkpoint_path` (files already in place), in one
         transaction: the controller never sees the run without the checkpoint it resumes from. `provenance`
         is the parent checkpoint's, so the child's resume is verified against what made it.
-        Conflict if a run of that name exists (being deleted or not)."""
+        Conflict if a run of that name exists (being deleted or not); InvalidName as apply_run."""
 
     @abc.abstractmethod
     def rollback_run(self, name: str, step: int) -> list[CheckpointRow]:
@@ -241,6 +242,7 @@ class Store(abc.ABC):
         Recorded *before* the launch so a controller killed in between finds the row on restart.
         The new row is in state Pending. NotFound without the run; Conflict if it is being deleted.
         `gpus`: the GPUs the worker will hold (Backend.gpus_held), for its GPU time.
+        InvalidName unless `role` is a DNS-1123 label (it names log files and processes).
         """
 
     @abc.abstractmethod

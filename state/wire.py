@@ -28,6 +28,9 @@ from mortal.state.errors import (
     AlreadyExists,
     Conflict,
     Fenced,
+    Forbidden,
+    InvalidName,
+    InvalidValue,
     NotFound,
     StoreError,
     Unauthorized,
@@ -38,6 +41,9 @@ from mortal.state.store import Store
 PREFIX = "/v1/"
 TOKEN_ENV = "MORTAL_STATE_TOKEN"  # the bearer token, on both sides
 HEALTH_PATH = "/healthz"
+# Arguments that carry the caller's clock (a test's way to move time on a SqlStore in this process). Over
+# HTTP the server's clock decides leases: the client refuses to send them and the server drops them.
+CLIENT_CLOCK_ARGS = frozenset({"now"})
 LOCAL_ONLY = frozenset({"close"})  # a client closes its own connections; nothing travels
 # Calls that change nothing: safe to send again after a connection broke mid-request.
 READS = frozenset({
@@ -72,7 +78,10 @@ STATUS: dict[str, int] = {
     "Conflict": 409,
     "Fenced": 412,  # the fencing token is the request's precondition, and it no longer holds
     "ValueError": 422,
+    "InvalidValue": 422,  # a value the database cannot hold (a NUL in a text)
+    "InvalidName": 422,  # a name the store refuses (mortal.state.names)
     "Unauthorized": 401,
+    "Forbidden": 403,
     "BadRequest": 400,
     "UnknownMethod": 404,
     "Unavailable": 503,
@@ -84,7 +93,10 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     "Conflict": Conflict,
     "Fenced": Fenced,
     "ValueError": ValueError,
+    "InvalidValue": InvalidValue,
+    "InvalidName": InvalidName,
     "Unauthorized": Unauthorized,
+    "Forbidden": Forbidden,
     "Unavailable": Unavailable,
 }
 

@@ -125,7 +125,7 @@ def new_store_url(kind: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
 
         token = secrets.token_hex(16)
         monkeypatch.setenv(TOKEN_ENV, token)
-        with serve(f"sqlite:///{home / 'state.db'}", token) as served:
+        with serve(f"sqlite:///{home / 'state.db'}", token, access_log=home / "access.log") as served:
             yield served.url
 
 

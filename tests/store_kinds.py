@@ -8,6 +8,8 @@ on the store needs one store only, unless the store's own behaviour is part of w
     @sql_stores     a process is frozen or killed while it may hold a transaction open, which only a
                     SQL store lets it do (SQLite's write lock: controller/lockwatch.py; PostgreSQL's
                     idle-in-transaction timeout: mortal.state.engine)
+    @caller_clock   the test moves time by passing `now`, which only a SqlStore in this process takes: over
+                    HTTP the server's clock decides leases (tests/state/test_http_auth.py checks that)
 
 Each store is still driven through the whole controller: the actor-kill recovery runs on every
 store (test_lifecycle_actor_kill.py), the soak and the frozen-process tests on both SQL stores, the
@@ -22,3 +24,4 @@ sqlite_only = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 sql_stores = pytest.mark.parametrize(
     "store_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
+caller_clock = sql_stores

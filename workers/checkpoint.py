@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mortal.state import paths
+from mortal.state.containment import PathOutside, inside, report_refused, tree_inside
 from mortal.state.store import Store, WorkerRef
 from mortal.state.tables import CheckpointRow
 from mortal.workers import trl_seam
@@ -128,15 +129,20 @@ class Checkpointer:
         return final
 
     def prune(self) -> None:
-        """Keep the newest `keep` checkpoints: forget each older row, then delete its files."""
+        """Keep the newest `keep` checkpoints: forget each older row, then delete its files, if they are the
+        run's own (mortal.state.containment: a row pointing elsewhere gets a Warning event, its path is left)."""
         rows = self.store.list_checkpoints(self.run)
         for row in rows[: max(0, len(rows) - self.keep)]:
             self.store.delete_checkpoint(self.worker, row.step)
-            if is_url(row.path):
-                self._storage(row.path).remove(row.path)
-                shutil.rmtree(checkpoint_dir(self.run, row.step), ignore_errors=True)  # this node's copy
-            else:
-                shutil.rmtree(row.path, ignore_errors=True)
+            try:
+                if is_url(row.path):
+                    self._storage(row.path).remove(row.path)
+                    shutil.rmtree(checkpoint_dir(self.run, row.step), ignore_errors=True)  # this node's copy
+                else:
+                    shutil.rmtree(inside(paths.checkpoints_dir(self.run), row.path), ignore_errors=True)
+            except PathOutside as exc:
+                log.warning("not removing checkpoint step %d: %s", row.step, exc)
+                report_refused(self.store, self.run, f"pruning checkpoint step-{row.step}", exc)
 
     def resume_point(self) -> CheckpointRow | None:
         """The newest recorded checkpoint whose files are complete; newer broken ones are forgotten.
@@ -150,6 +156,13 @@ class Checkpointer:
         """
         remove_stale_tmp(paths.checkpoints_dir(self.run))
         for row in reversed(self.store.list_checkpoints(self.run)):
+            try:
+                self._owned(row)
+            except PathOutside as exc:  # never loaded: forgotten like an incomplete one, with an event
+                log.warning("checkpoint step %d: %s", row.step, exc)
+                report_refused(self.store, self.run, f"resuming from checkpoint step-{row.step}", exc)
+                self.store.delete_checkpoint(self.worker, row.step)
+                continue
             if not is_url(row.path):
                 if is_complete(row.path):
                     return row
@@ -163,6 +176,13 @@ class Checkpointer:
             log.warning("checkpoint step %d at %s is incomplete; forgetting it", row.step, row.path)
             self.store.delete_checkpoint(self.worker, row.step)
         return None
+
+    def _owned(self, row: CheckpointRow) -> Path | str:
+        """The row's folder resolved, when it and every symlink below it lie in the run's checkpoints folder,
+        or its URL when under spec.checkpoint.uri's <run>/ (PathOutside otherwise): what resume may load."""
+        if is_url(row.path):
+            return self._storage(row.path).owns(row.path)
+        return tree_inside(paths.checkpoints_dir(self.run), row.path)
 
     def _storage(self, url: str) -> CheckpointStorage:
         """The storage a recorded URL is in: the spec's (a row written under another checkpoint.uri is refused

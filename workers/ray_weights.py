@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from mortal.state import paths
+from mortal.state.containment import inside
 
 SCHEME = "mortal-ray-weights://"
 ADDRESS_ENV = "MORTAL_RAY_ADDRESS"  # the cluster's GCS address, as the worker's Ray actor sees it
@@ -187,7 +188,7 @@ def receive(path: str, run: str, uid: str) -> Path:
     """The folder on this node holding the version at `path` (fetched from the hub unless already here);
     FileNotFoundError when the hub no longer has it (pruned, or its actor ended): read the store again."""
     namespace, hub, name = path.removeprefix(SCHEME).split("/")
-    folder = paths.weights_dir(run) / RECEIVED / (uid or "-") / name
+    folder = inside(paths.weights_dir(run) / RECEIVED / (uid or "-"), name)  # PathOutside for a stored ".."
     if folder.is_dir():
         return folder
     ray = connect()
@@ -212,8 +213,9 @@ def _write_whole(folder: Path, files: dict[str, bytes]) -> None:
     tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
     try:
         for name, data in files.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / name).write_bytes(data)
+            target = inside(tmp, name)  # names as the hub sent them: each stays in the version's folder
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
         os.rename(tmp, folder)
     except OSError:
         if not folder.is_dir():

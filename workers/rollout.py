@@ -33,7 +33,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from mortal.state import TaskRow
+from mortal.state import TaskRow, paths
+from mortal.state.containment import PathOutside, inside, report_refused
 from mortal.workers import ray_weights, weights
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.engines import Engine, GenerationParams, select_engine
@@ -107,7 +108,7 @@ class RolloutWorker:
         started = time.monotonic()
         try:
             with self.ctx.activity(f"weight-load v{latest.version}"):
-                self.engine.load_weights(self._local(latest.path))
+                self.engine.load_weights(self._local(latest.path, latest.version))
         except FileNotFoundError as exc:  # pruned by the actor between the read and the load (a newer one
             tries = 1 if missing is None else missing[1] + 1  # exists), or lost by sync ray's hub (put back soon)
             delay = min(MISSING_RETRY_MAX_SECONDS, MISSING_RETRY_SECONDS * 2 ** (tries - 1))
@@ -123,12 +124,18 @@ class RolloutWorker:
         self.ctx.report(weight_version=latest.version)
         self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
 
-    def _local(self, path: str) -> str:
-        """The folder to load a version from: itself, or (sync ray) this node's copy of what the object
-        store holds, fetched first (FileNotFoundError when it is gone)."""
-        if not ray_weights.is_hub_path(path):
+    def _local(self, path: str, version: int) -> str:
+        """The folder to load a version from: itself, or (sync ray) this node's copy of what the object store
+        holds, fetched first (FileNotFoundError when it is gone); either checked to lie in the run's weights
+        folder (a row pointing elsewhere is never loaded: a Warning event, and the run fails, WeightsRefused)."""
+        try:
+            if ray_weights.is_hub_path(path):
+                return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
+            inside(paths.weights_dir(self.ctx.worker.run), path)
             return path
-        return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
+        except PathOutside as exc:
+            report_refused(self.ctx.store, self.ctx.worker.run, f"loading weight version {version}", exc)
+            raise FatalWorkerError("WeightsRefused", f"weight version {version}: {exc}") from exc
 
     def _intact(self, path: str) -> bool:
         """A version read from the actor's ring while the actor may have reused its slot is loaded

@@ -37,6 +37,7 @@ from typing import Any
 
 from mortal.specs import TrainingRun
 from mortal.state import NewTask, TaskRow, paths
+from mortal.state.containment import PathOutside, report_refused, tree_inside
 from mortal.workers.atomic import atomic_dir, sweep
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
@@ -202,7 +203,12 @@ def resume(ctx: WorkerContext) -> tuple[int, int]:
     ckpt = ctx.store.latest_checkpoint(ctx.worker.run)
     if ckpt is not None:
         try:
-            state = json.loads((Path(ckpt.path) / STATE_FILE).read_text())
+            folder = tree_inside(paths.checkpoints_dir(ctx.worker.run), ckpt.path)
+        except PathOutside as exc:  # never read: the run fails rather than resume from what is not its own
+            report_refused(ctx.store, ctx.worker.run, f"resuming from checkpoint step-{ckpt.step}", exc)
+            raise FatalWorkerError("CheckpointRefused", f"checkpoint of step {ckpt.step}: {exc}") from exc
+        try:
+            state = json.loads((folder / STATE_FILE).read_text())
         except (OSError, ValueError) as exc:
             raise FatalWorkerError("CheckpointUnreadable", f"checkpoint of step {ckpt.step}: {exc}") from exc
         step, version = int(state["step"]), int(state["weight_version"])

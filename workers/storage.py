@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mortal.state.containment import url_inside
 from mortal.workers.atomic import atomic_dir
 
 URI_FIELD = "spec.checkpoint.uri"
@@ -83,12 +84,20 @@ class CheckpointStorage:
         return f"{self.uri}/{self.run}/step-{step}"
 
     def _path(self, url: str) -> str:
-        """The filesystem path of one of this run's checkpoint URLs."""
+        """The filesystem path of one of this run's checkpoint URLs: normalized, strictly below the run's
+        prefix (mortal.state.containment.url_inside: a stored `<prefix>/../other` is refused, not followed)."""
         prefix = f"{self.uri}/{self.run}/"
         if not url.startswith(prefix):
             raise StorageError(f"{url!r} is not a checkpoint of run {self.run!r} under {URI_FIELD} {self.uri!r} "
                                "(the spec's storage changed since it was written?)")
-        return posixpath.join(self.root, url[len(prefix):])
+        url_inside(prefix, url)  # PathOutside
+        return posixpath.join(self.root, posixpath.normpath(url[len(prefix):]))
+
+    def owns(self, url: str) -> str:
+        """`url`, when it is one of this run's checkpoints in this storage (StorageError under another prefix,
+        PathOutside when it leaves the run's)."""
+        self._path(url)
+        return url
 
     def probe(self) -> None:
         """Write, read back and remove a small file under the run's prefix, so a URL that cannot be written

@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 
 from mortal.specs.deadlines import DEFAULT_COLLECTIVE_SECONDS
 from mortal.state import paths
+from mortal.state.containment import PathOutside, inside, report_refused
 from mortal.state.store import Store, WorkerRef
 from mortal.workers import ipc_weights, nccl_weights, ray_weights, weight_ring
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, sweep, volume_refresh
@@ -469,7 +470,12 @@ class WeightPublisher:
         retired = rows[: max(0, len(rows) - self.keep)]
         for row in retired:
             self.store.delete_weights(self.worker, row.version)
-            if not ray_weights.is_hub_path(row.path):  # the hub drops its own (ray_weights.KEEP)
-                shutil.rmtree(row.path, ignore_errors=True)
+            if ray_weights.is_hub_path(row.path):  # the hub drops its own (ray_weights.KEEP)
+                continue
+            try:
+                shutil.rmtree(inside(paths.weights_dir(self.run), row.path), ignore_errors=True)
+            except PathOutside as exc:  # a row pointing outside the run's weights: never followed
+                log.warning("not removing weight version %d: %s", row.version, exc)
+                report_refused(self.store, self.run, f"pruning weight version {row.version}", exc)
         if self.method != "ray":  # (with ray, the folder holds what rollouts of this node received)
             sweep(paths.weights_dir(self.run), {row.path for row in rows[len(retired):]})

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mortal.state import paths
+from mortal.state import paths, wire
+from mortal.state.containment import inside, url_inside
 
 WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
@@ -43,6 +44,31 @@ WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_IN
                        "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
                        "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES", RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV,
                        RAY_NODE_ENV)
+STATE_TOKEN_ENV = wire.TOKEN_ENV  # the worker's own scoped token (mortal.state.auth), never the launcher's
+# What a worker keeps of its launcher's environment: what it needs to run (the system's, Python's, the GPU
+# stack's and its libraries' settings, mortal's own), never a credential (a name with a SECRET_WORDS part,
+# or one of DENIED); the spec's secrets are added by name (docs/security.md, The worker environment).
+INHERITED_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TEMP", "TMP", "TZ", "TERM", "COLUMNS", "LANG", "LANGUAGE",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "VIRTUAL_ENV",
+    "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_RUNTIME_DIR", "TOKENIZERS_PARALLELISM",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+    "CC", "CXX", "CPATH", "LIBRARY_PATH",  # Triton compiles its kernels with the system's compiler
+})
+INHERITED_PREFIXES = ("MORTAL_", "LC_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH", "PYTORCH_", "TRITON_", "VLLM_", "HF_",
+                      "TRANSFORMERS_", "TRL_", "WANDB_", "MODAL_", "RAY_", "COVERAGE_", "COV_CORE_")
+SECRET_WORDS = frozenset({"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL",
+                          "CREDENTIALS"})
+DENIED = frozenset({"MORTAL_STORE_BACKING_URL"})  # the store server's database URL (it may hold a password)
+
+
+def inheritable(name: str) -> bool:
+    """Whether a worker keeps the launcher's variable `name` (what mortal sets, or the spec's secrets, aside)."""
+    if name in DENIED or SECRET_WORDS & set(name.upper().split("_")):
+        return False
+    return name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)
 
 
 class BackendError(Exception):
@@ -98,7 +124,8 @@ class WorkerLaunch:
 
     `worker_id` is `WorkerRef.id` (`run/role-replica#incarnation`): the marker the backend finds
     the process by. `env` carries extra variables (the spec's secrets) copied into the worker's
-    environment. `heartbeat_seconds`, when set, becomes MORTAL_HEARTBEAT_SECONDS (the worker
+    environment; `state_token` is the worker's own token for an HTTP store (MORTAL_STATE_TOKEN), minted
+    by the controller for this incarnation. `heartbeat_seconds`, when set, becomes MORTAL_HEARTBEAT_SECONDS (the worker
     otherwise derives its period from lease_seconds in its row).
     """
 
@@ -111,7 +138,7 @@ class WorkerLaunch:
     mortal_home: str
     gpu: str = "none"
     gpu_count: int = 1
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # values of secrets: never in a repr
     heartbeat_seconds: float | None = None
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
     colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
@@ -123,18 +150,19 @@ class WorkerLaunch:
     resources: dict[str, float] = field(default_factory=dict)  # custom scheduler resources (spec.ray.<role>)
     node_home: bool = False  # the worker uses its node's own MORTAL_HOME, not mortal_home (spec.ray.sharedFilesystem false)
     log_uri: str | None = None  # storage the worker's log is uploaded to (spec.checkpoint.uri, with node_home)
+    state_token: str = field(default="", repr=False)  # MORTAL_STATE_TOKEN: this incarnation's scoped token
 
     def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
                 mortal_home: str | None = None) -> dict[str, str]:
         """The worker process's environment (the protocol of mortal.workers.runtime).
 
-        `inherited` (the launcher's environment) without any worker identity, then the spec's
-        secrets, then the protocol's variables, then torch.compile's cache folders under MORTAL_HOME
+        What the worker needs of `inherited` (the launcher's environment: `inheritable`, without any worker
+        identity or credential), then the spec's secrets, then the protocol's variables and its own token, then torch.compile's cache folders under MORTAL_HOME
         where neither set them (compile_cache_environ). `cuda_visible_devices` None leaves the GPUs as the
         machine gives them (Modal attaches exactly the requested ones); `mortal_home` overrides the
         launch's (a Modal container sees the shared volume at its own mount point).
         """
-        env = {k: v for k, v in inherited.items() if k not in WORKER_IDENTITY_ENV}
+        env = {k: v for k, v in inherited.items() if k not in WORKER_IDENTITY_ENV and inheritable(k)}
         env.update(self.env)
         env.update(
             MORTAL_RUN=self.run,
@@ -147,6 +175,8 @@ class WorkerLaunch:
             MORTAL_STATE_URL=self.state_url,
             PYTHONUNBUFFERED="1",
         )
+        if self.state_token:
+            env[STATE_TOKEN_ENV] = self.state_token
         if cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         if self.heartbeat_seconds is not None:
@@ -274,16 +304,18 @@ class Backend(abc.ABC):
 
     def remove_run_folder(self, run: str) -> None:
         """The run's folder (checkpoints, weights, logs, compile caches): here, this machine's
-        $MORTAL_HOME/runs/<run>."""
-        shutil.rmtree(paths.run_dir(run), ignore_errors=True)
+        $MORTAL_HOME/runs/<run>, once checked to lie inside $MORTAL_HOME/runs (PathOutside otherwise)."""
+        shutil.rmtree(inside(paths.runs_dir(), paths.run_dir(run)), ignore_errors=True)
 
 
 def remove_from_storage(run: str, uri: str) -> None:
     """`<uri>/<run>/` removed with fsspec (as the workers' CheckpointStorage lays it out); a prefix already
     gone is no error. A storage this controller cannot use (its fsspec package missing here, no
-    permission) is a BackendError: the purge is retried and the run's row kept, not its files lost track of."""
+    permission) is a BackendError: the purge is retried and the run's row kept, not its files lost track of.
+    A run name that would leave `<uri>/` (a row stored before the store checked names) is PathOutside."""
     import fsspec
 
+    url_inside(uri, f"{uri.rstrip('/')}/{run}")  # PathOutside for a name that leaves the run's prefix
     try:
         fs, root = fsspec.core.url_to_fs(uri.rstrip("/"))
         prefix = posixpath.join(root, run)

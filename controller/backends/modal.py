@@ -47,6 +47,7 @@ from mortal.controller.backends.base import (
     WorkerLaunch,
 )
 from mortal.controller.backends.gpus import wants_gpu
+from mortal.state.containment import posix_inside
 
 APP_NAME = "mortal"
 APP_ENV = "MORTAL_MODAL_APP"  # the deployed app's name, when not "mortal"
@@ -270,9 +271,10 @@ class ModalBackend(Backend):
     def remove_run_folder(self, run: str) -> None:
         """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works
         from a controller anywhere; a folder already gone is no error."""
+        folder = posix_inside("runs", f"runs/{run}")  # PathOutside for a name that leaves runs/
         volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
         try:
-            volume.remove_file(f"runs/{run}", recursive=True)
+            volume.remove_file(folder, recursive=True)
         except (FileNotFoundError, self._modal.exception.NotFoundError):  # modal 1.6 raises the former
             return
         except self._modal.exception.Error as exc:

@@ -24,9 +24,11 @@ from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
 from mortal.controller.backends.modal import data_volume
 from mortal.controller.cli.context import CliError, state
 from mortal.controller.cli.text import plain
-from mortal.workers.storage import StorageError, is_url, open_filesystem
+from mortal.state.containment import PathOutside, owned_checkpoint, posix_inside, report_refused, tree_inside
+from mortal.workers.storage import StorageError, is_url, local_path, open_filesystem
 
 if TYPE_CHECKING:
+    from mortal.state.store import Store
     from mortal.state.tables import CheckpointRow
 
 HELP = """Copy a run's checkpoint to a local folder (the newest, or the one of step N).
@@ -68,6 +70,25 @@ def check_destination(dest: Path) -> None:
         raise CliError(f"{dest}: exists and is not an empty folder; name a new one")
     if not dest.parent.is_dir():
         raise CliError(f"{dest.parent}: no such folder")
+
+
+def owned(store: Store, run: str, checkpoint: CheckpointRow, spec: dict[str, Any]) -> str:
+    """The checkpoint's path once checked to be the run's own (mortal.state.containment): in its checkpoints
+    folder (on Modal's volume: runs/<run>/checkpoints/ there) or under spec.checkpoint.uri's <run>/, with no
+    symlink below it that leads out. A row pointing elsewhere: a Warning event, and CliError."""
+    uri = spec.get("checkpoint", {}).get("uri")
+    try:
+        if spec.get("backend") == "modal" and not is_url(checkpoint.path):
+            return posix_inside(f"{MODAL_DATA_MOUNT}/runs/{run}/checkpoints", checkpoint.path)
+        path = owned_checkpoint(run, checkpoint.path, uri)
+        folder = local_path(path)
+        if folder is not None:
+            real = Path(os.path.realpath(folder))
+            tree_inside(real.parent, real)  # copytree follows the links below it
+        return path
+    except PathOutside as exc:
+        report_refused(store, run, f"copying checkpoint step-{checkpoint.step}", exc)
+        raise CliError(f"checkpoint step-{checkpoint.step} of run {run!r}: {exc}") from None
 
 
 def copy_local(source: Path, into: Path) -> None:
@@ -131,11 +152,11 @@ def cp_command(
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         if is_url(checkpoint.path):
-            copy_from_storage(checkpoint.path, staging)
+            copy_from_storage(owned(cli.store, run, checkpoint, row.spec), staging)
         elif row.spec.get("backend") == "modal":
-            copy_from_modal(checkpoint.path, staging, modal_data_volume())
+            copy_from_modal(owned(cli.store, run, checkpoint, row.spec), staging, modal_data_volume())
         else:
-            copy_local(Path(checkpoint.path), staging)
+            copy_local(Path(owned(cli.store, run, checkpoint, row.spec)), staging)
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         staging.rename(dest)

@@ -69,6 +69,10 @@ class RollbackRefused(ForkError):
     """The run cannot be rolled back now (finished, being deleted, on Modal, workers did not stop)."""
 
 
+class CheckpointOutside(ForkError):
+    """The checkpoint row points outside the run's own checkpoints (mortal.state.containment): refused."""
+
+
 def parse_source(source: str) -> tuple[str, int | None]:
     """RUN or RUN:step-N -> (run, step or None)."""
     match = SOURCE.match(source.strip())
@@ -83,10 +87,12 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
     from mortal.workers.checkpoint import is_complete
     from mortal.workers.main import WORKLOAD_ANNOTATION
 
-    other_workload = bool(store.get_run(run).annotations.get(WORKLOAD_ANNOTATION))  # e.g. simulated: own files
+    owner = store.get_run(run)
+    other_workload = bool(owner.annotations.get(WORKLOAD_ANNOTATION))  # e.g. simulated: own files
+    uri = owner.spec.get("checkpoint", {}).get("uri")
 
     def whole(row: CheckpointRow) -> bool:
-        folder = checkpoint_folder(run, row)
+        folder = owned_folder(store, run, row, uri)
         return folder.is_dir() if other_workload else is_complete(folder)
 
     rows = store.list_checkpoints(run)
@@ -128,6 +134,21 @@ def checkpoint_folder(run: str, row: CheckpointRow) -> Path:
             f"checkpoint step-{row.step} of trainingrun {run!r} is in the storage of spec.checkpoint.uri ({row.path}); "
             f"fork reads checkpoints on this machine only: download it with `mortalctl cp {run}:step-{row.step} DIR`")
     return folder
+
+
+def owned_folder(store: Store, run: str, row: CheckpointRow, uri: str | None, doing: str = "reading") -> Path:
+    """checkpoint_folder, checked to lie inside what the run owns, symlinks inside it included
+    (mortal.state.containment); a row pointing elsewhere gets a Warning event and CheckpointOutside."""
+    from mortal.state.containment import PathOutside, owned_checkpoint, report_refused, tree_inside
+
+    folder = checkpoint_folder(run, row)
+    try:
+        owned_checkpoint(run, row.path, uri)
+        real = Path(os.path.realpath(folder))
+        return tree_inside(real.parent, real)  # what a copy or load would follow below it
+    except PathOutside as exc:
+        report_refused(store, run, f"{doing} checkpoint step-{row.step}", exc)
+        raise CheckpointOutside(f"checkpoint step-{row.step} of trainingrun {run!r}: {exc}") from None
 
 
 # -- fork --------------------------------------------------------------------------------------------
@@ -180,7 +201,8 @@ def fork_run(
     if dest.exists():
         raise RunExists(f"{dest} already exists (left by an earlier run named {name!r}); remove it or pick "
                         "another name")
-    linked = _copy_checkpoint(checkpoint_folder(source, checkpoint), dest, name)
+    linked = _copy_checkpoint(owned_folder(store, source, checkpoint, parent.spec.get("checkpoint", {}).get("uri"),
+                                           "forking"), dest, name)
     recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
     try:
@@ -280,11 +302,18 @@ def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *,
     if later and not drop_later:
         kept_in = paths.run_dir(run) / ROLLED_BACK / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         kept_in.mkdir(parents=True, exist_ok=True)
+    uri = row.spec.get("checkpoint", {}).get("uri")
     for ckpt in later:
-        if kept_in is not None and Path(ckpt.path).is_dir():
-            os.rename(ckpt.path, kept_in / Path(ckpt.path).name)
+        if "://" in ckpt.path:  # in storage (spec.checkpoint.uri): its files stay there, as they always did
+            continue
+        try:
+            folder = owned_folder(store, run, ckpt, uri, "rolling back")
+        except CheckpointOutside:  # refused, never followed (owned_folder wrote the Warning event)
+            continue
+        if kept_in is not None and folder.is_dir():
+            os.rename(folder, kept_in / folder.name)
         else:
-            shutil.rmtree(ckpt.path, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
     steps = [c.step for c in later]
     what = ("no later checkpoints" if not later else
             f"later checkpoints {', '.join(f'step-{s}' for s in steps)} "

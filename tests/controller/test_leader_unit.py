@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+from store_kinds import caller_clock
+
 from mortal.controller.leader import LEASE_NAME, LeaderElector
 from mortal.state.tables import utcnow
 
@@ -37,6 +39,7 @@ def test_local_validity_ends_before_the_store_lease(store):
     assert not a.is_leader
 
 
+@caller_clock
 def test_takeover_after_expiry_gets_a_new_token_and_the_old_leader_learns_it(store):
     a = LeaderElector(store, holder="a", duration_seconds=5)
     assert a.try_acquire()

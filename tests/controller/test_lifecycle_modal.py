@@ -10,6 +10,7 @@ that died holding the lease."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -91,6 +92,14 @@ def test_a_modal_run_succeeds_through_the_controller(harness: Harness, fake: Fak
     assert box.result.exists() and box.proc.returncode == 0, "stopped by cancellation, not by ending its container"
     ckpt = h.store.latest_checkpoint("on-modal")
     assert ckpt.step == 6 and Path(ckpt.path).is_relative_to(h.home / "runs" / "on-modal" / "checkpoints")
+    # each worker reached the store with its own scoped token (mortal.state.auth), never the admin's
+    assert all(launch["state_token"] and launch["state_token"] != os.environ["MORTAL_STATE_TOKEN"]
+               for _, _, (launch,) in fake.spawned)
+    calls = [json.loads(line) for line in (h.home / "access.log").read_text().splitlines()]
+    by_workers = [c for c in calls if c["who"].startswith("worker:")]
+    assert {c["who"] for c in by_workers} == {f"worker:on-modal/{w.role}-0#{w.incarnation}" for w in rows}
+    assert {c["run"] for c in by_workers} == {"on-modal"}
+    assert not [c for c in by_workers if c["status"] in (401, 403)], "a worker was refused a call it needs"
 
 
 def test_logs_are_read_from_the_volume_and_a_purge_removes_the_runs_folder(

@@ -68,7 +68,9 @@ def test_typed_errors_travel_as_status_codes_and_come_back_as_their_class(served
     ghost = {"run": "r", "role": "actor", "replica": 0, "incarnation": 5}
     assert post(served, "heartbeat", {"worker": ghost}).status_code == 412
     assert post(served, "no_such_method", {}).status_code == 404
-    assert requests.get(f"{served.url}/v1/list_runs", timeout=10).status_code == 405
+    assert requests.get(f"{served.url}/v1/list_runs", headers={"Authorization": f"Bearer {TOKEN}"},
+                        timeout=10).status_code == 405
+    assert requests.get(f"{served.url}/v1/list_runs", timeout=10).status_code == 401, "nothing before the token"
 
     store = HttpStore(served.url, token=TOKEN)
     with pytest.raises(NotFound, match="nope"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from store_kinds import caller_clock
 
 from mortal.state import ApplyOutcome, Conflict, Fenced, LeaderFence, NewTask, NotFound, Store, WorkerRef
 
@@ -289,6 +290,7 @@ def test_worker_handle(store: Store, run: str) -> None:
 
 
 # -- leases --------------------------------------------------------------------------------------
+@caller_clock
 def test_lease_acquire_renew_takeover(store: Store, run: str) -> None:
     t0 = datetime.now(UTC)
     a = store.acquire_lease("leader", "a", 10, now=t0)
@@ -315,6 +317,7 @@ def test_lease_acquire_renew_takeover(store: Store, run: str) -> None:
     store.write_status(run, {"phase": "Recovering"}, fence=LeaderFence("leader", "b", 2))
 
 
+@caller_clock
 def test_expired_or_released_lease_fences(store: Store, run: str) -> None:
     store.acquire_lease("leader", "a", 10, now=datetime.now(UTC) - timedelta(seconds=60))
     with pytest.raises(Fenced):
@@ -354,6 +357,7 @@ def test_task_queue_order_and_idempotent_enqueue(store: Store, run: str) -> None
     assert store.step_results(run, 1) == [] and len(store.step_results(run, 0)) == 2
 
 
+@caller_clock
 def test_task_lease_expiry_and_stale_token(store: Store, run: str) -> None:
     actor = _worker(store, run)
     r0, r1 = _worker(store, run, "rollout", 0), _worker(store, run, "rollout", 1)

@@ -15,6 +15,7 @@ from mortal.controller.backends import BackendWorker, WorkerLaunch
 from mortal.controller.backends.local import LocalBackend
 from mortal.specs import TrainingRun
 from mortal.state import Store, WorkerRef, WorkerRow, open_store
+from mortal.state.auth import launch_token
 
 
 @dataclass
@@ -44,6 +45,7 @@ class SimCluster:
         handle = self.backend.launch(WorkerLaunch(
             run=run, role=role, replica=replica, incarnation=row.incarnation, worker_id=ref.id,
             state_url=self.url, mortal_home=str(self.home), heartbeat_seconds=heartbeat_seconds,
+            state_token=launch_token(self.url, ref),  # what the controller gives a worker of an HTTP store
         ))
         self.store.set_worker_handle(row.id, handle)
         self.handles.append(handle)

@@ -15,6 +15,7 @@ from rollout_helpers import create_run, new_worker, training_spec
 from store_kinds import sqlite_only
 
 from mortal.state import Store, paths
+from mortal.state.containment import PathOutside
 from mortal.workers import ray_weights, rollout
 from mortal.workers.ray_weights import RECEIVED, SCHEME, WeightsHub
 from mortal.workers.runtime import WorkerContext
@@ -225,3 +226,10 @@ def test_a_rollout_waits_with_backoff_until_the_actor_puts_a_lost_version_back(
     monkeypatch.setattr(worker, "_missing", (1, 1, 0.0))  # the backoff has passed
     worker.refresh_weights()
     assert worker.loaded_version == 1 and worker.engine.loads == ["v0-i1", "v1-i1"]
+
+
+def test_a_hub_path_that_leaves_the_nodes_received_folder_is_refused_before_ray_is_asked(mortal_home) -> None:
+    for name in ("..", "."):
+        with pytest.raises(PathOutside):
+            ray_weights.receive(f"{SCHEME}mortal-x-c/weights-i1/{name}", "c", "uid-1")
+    assert not paths.weights_dir("c").exists()

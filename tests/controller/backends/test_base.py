@@ -64,3 +64,21 @@ def test_delete_purge_of_a_run_leaves_the_shared_compile_cache_to_the_others(mor
     LocalBackend(mortal_home).remove_run_files("r")
     assert not paths.run_dir("r").exists()
     assert entry.read_text() == "compiled"
+
+
+NEEDED = ["PATH", "HOME", "LANG", "LC_ALL", "VIRTUAL_ENV", "PYTHONPATH", "CUDA_HOME", "HF_HOME", "WANDB_MODE",
+          "TOKENIZERS_PARALLELISM", "MODAL_IS_REMOTE", "MORTAL_THREADS", "NCCL_DEBUG"]
+CREDENTIALS = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET",
+               "MORTAL_STATE_TOKEN", "MORTAL_STATE_PREVIOUS_TOKENS", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY",
+               "MORTAL_STORE_BACKING_URL", "GITHUB_TOKEN", "DATABASE_URL", "SSH_AUTH_SOCK"]
+
+
+def test_a_worker_keeps_what_it_needs_to_run_and_none_of_the_launchers_credentials() -> None:
+    env = launch(env={"OPENAI_API_KEY": "from-the-spec"}, state_token="its-own").environ(
+        {name: "launcher's" for name in NEEDED + CREDENTIALS}, None)
+    assert all(env[name] == "launcher's" for name in NEEDED)
+    assert [name for name in CREDENTIALS if name in env] == ["MORTAL_STATE_TOKEN", "OPENAI_API_KEY"]
+    assert (env["MORTAL_STATE_TOKEN"], env["OPENAI_API_KEY"]) == ("its-own", "from-the-spec")
+    assert "its-own" not in repr(launch(state_token="its-own")) and "from-the-spec" not in repr(
+        launch(env={"OPENAI_API_KEY": "from-the-spec"}))
+    assert "MORTAL_STATE_TOKEN" not in launch().environ({"MORTAL_STATE_TOKEN": "admin"}, None), "a SQL store's worker"

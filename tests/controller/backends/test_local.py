@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from mortal.controller.backends import (
 from mortal.controller.backends.gpus import parse_nvidia_smi_list
 from mortal.controller.backends.local import LocalBackend, parse_handle
 from mortal.state import Store, WorkerRef, open_store, paths
+from mortal.state.auth import launch_token
 from mortal.workers import doorbell
 from mortal.workers.simulated import simulated_run
 
@@ -92,8 +94,9 @@ def test_launched_worker_heartbeats_is_listed_and_stops(store_url: str, mortal_h
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
     row = store.create_worker(run.name, "rollout", 0, "local", lease_seconds=5.0)
     backend = LocalBackend(mortal_home)
+    ref = WorkerRef(run.name, "rollout", 0, row.incarnation)
     handle = backend.launch(launch_spec(mortal_home, run.name, incarnation=row.incarnation, state_url=store_url,
-                                        heartbeat_seconds=0.2))
+                                        heartbeat_seconds=0.2, state_token=launch_token(store_url, ref)))
 
     first = wait_for(lambda: _row(store, row.id).heartbeat_at, what="first heartbeat")
     wait_for(lambda: _row(store, row.id).heartbeat_at > first, what="a second heartbeat")
@@ -126,6 +129,30 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(paths.compile_cache_dir() / "inductor")
     assert env["TRITON_CACHE_DIR"] == str(paths.compile_cache_dir() / "triton")
     assert env[doorbell.DOORBELLS_ENV] == "1"  # the run's processes share this machine: they ring
+    backend.stop(handle)
+
+
+CONTROLLERS_OWN = {"MODAL_TOKEN_ID": "ak-1", "MODAL_TOKEN_SECRET": "as-1", "HF_TOKEN": "hf_1", "MORTAL_STATE_TOKEN": "admin-1",
+                   "AWS_SECRET_ACCESS_KEY": "aws-1", "MORTAL_STORE_BACKING_URL": "postgresql://u:pw@db/m", "UNRELATED": "x"}
+
+
+def test_a_worker_sees_its_secrets_and_own_token_and_nothing_else_of_the_controllers(
+        mortal_home: Path, cleanup: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {**CONTROLLERS_OWN, "WANDB_API_KEY": "wandb-1", "HF_HOME": "/hf", "LC_ALL": "C.UTF-8"}.items():
+        monkeypatch.setenv(name, value)
+    printer = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+    backend = LocalBackend(mortal_home, command=printer)
+    spec = launch_spec(mortal_home, "envrun", env={"WANDB_API_KEY": "wandb-1"}, state_token="scoped-1",
+                       state_url="http://127.0.0.1:1")
+    handle = backend.launch(spec)
+    wait_for(lambda: not backend.list("envrun")[0].alive, what="exit")
+    env = json.loads(paths.worker_log("envrun", "rollout", 0, 1).read_text())
+    assert env["WANDB_API_KEY"] == "wandb-1", "the spec's secrets"
+    assert env["MORTAL_STATE_TOKEN"] == "scoped-1", "its own token, not the controller's"
+    assert not set(CONTROLLERS_OWN) - {"MORTAL_STATE_TOKEN"} & set(env), sorted(env)
+    assert not [v for v in env.values() if v in CONTROLLERS_OWN.values()]
+    assert (env["PATH"], env["HF_HOME"], env["LC_ALL"]) == (os.environ["PATH"], "/hf", "C.UTF-8"), "what it needs to run"
+    assert env["MORTAL_STATE_URL"] == "http://127.0.0.1:1" and env["MORTAL_RUN"] == "envrun"
     backend.stop(handle)
 
 

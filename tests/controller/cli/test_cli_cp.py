@@ -14,7 +14,7 @@ import pytest
 from clihelpers import QUICKSTART, actor
 
 from mortal.controller.cli import cp
-from mortal.state import open_store
+from mortal.state import open_store, paths
 
 
 @pytest.fixture
@@ -34,11 +34,11 @@ def checkpoint_folder(root: Path, step: int) -> Path:
 
 @pytest.fixture
 def checkpointed(cli, store, tmp_path):
-    """quickstart applied, with complete checkpoints of steps 10 and 20 on this machine."""
+    """quickstart applied, with complete checkpoints of steps 10 and 20 on this machine (in its folder)."""
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     ref = actor(store, "quickstart")
     for step in (10, 20):
-        store.record_checkpoint(ref, step, str(checkpoint_folder(tmp_path / "ckpts", step)), step)
+        store.record_checkpoint(ref, step, str(checkpoint_folder(paths.checkpoints_dir("quickstart"), step)), step)
     return tmp_path
 
 
@@ -50,9 +50,9 @@ def test_cp_copies_the_newest_checkpoint_or_the_named_step(cli, checkpointed) ->
     newest = cli("cp", "quickstart", str(checkpointed / "out"))
     assert newest.exit_code == 0, newest.output
     assert newest.output.startswith("trainingrun/quickstart checkpoint step-20 (weights v20) copied to ")
-    assert files(checkpointed / "out") == files(checkpointed / "ckpts" / "step-20")
+    assert files(checkpointed / "out") == files(paths.checkpoints_dir("quickstart") / "step-20")
     named = cli("cp", "quickstart:step-10", str(checkpointed / "ten"))
-    assert named.exit_code == 0 and files(checkpointed / "ten") == files(checkpointed / "ckpts" / "step-10")
+    assert named.exit_code == 0 and files(checkpointed / "ten") == files(paths.checkpoints_dir("quickstart") / "step-10")
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
@@ -87,7 +87,7 @@ def test_a_copy_that_fails_midway_leaves_nothing_at_the_destination(cli, checkpo
     monkeypatch.setattr(cp, "copy_local", copy_then_fail)
     result = cli("cp", "quickstart", str(checkpointed / "out"))
     assert result.exit_code == 1 and "disk full" in result.output
-    assert sorted(p.name for p in checkpointed.iterdir()) == ["ckpts", "mortal_home"]  # no DIR, no staging folder
+    assert sorted(p.name for p in checkpointed.iterdir()) == ["mortal_home"]  # no DIR, no staging folder
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
@@ -144,18 +144,18 @@ def test_cp_as_a_user_runs_it(checkpointed, mortal_home, store_url) -> None:
     done = subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", "cp", "quickstart:step-10",
                            str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert files(checkpointed / "out") == files(checkpointed / "ckpts" / "step-10")
+    assert files(checkpointed / "out") == files(paths.checkpoints_dir("quickstart") / "step-10")
     again = subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", "cp", "quickstart",
                             str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 1 and "exists and is not an empty folder" in again.stderr
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
-def test_cp_downloads_a_checkpoint_from_its_storage_url(cli, store, tmp_path) -> None:
+def test_cp_downloads_a_checkpoint_from_its_storage_url(cli, store, tmp_path, spec_file) -> None:
     """spec.checkpoint.uri: the row holds the URL (mortal.workers.storage); cp downloads it with fsspec."""
     import fsspec
 
-    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    assert cli("apply", "-f", str(spec_file(**{"spec.checkpoint.uri": "memory://cp-test"}))).exit_code == 0
     source = checkpoint_folder(tmp_path / "ckpts", 10)
     bucket = fsspec.filesystem("memory")
     for path in source.rglob("*"):
