@@ -170,7 +170,7 @@ def test_a_tool_that_hangs_answers_with_a_timeout_and_the_rollout_goes_on() -> N
 def test_a_hung_tool_is_told_to_the_rollout_once_a_minute_and_too_many_hung_calls_relaunch_the_worker() -> None:
     told: list[str] = []
     box = Toolbox(tools=[_sleepy], timeout_seconds=0.05, abandoner=Abandoner(limit=2), on_timeout=told.append)
-    hang = {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 3}}}
+    hang = {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 30}}}
     for _ in range(2):
         assert box.call(box.tools, hang).failed
     assert told == ["tool _sleepy did not return within rollout.toolTimeoutSeconds (0.05 s); the model was told it "
