@@ -4,6 +4,7 @@ status written once and only when it changed, conflicts, purge, sweeping a vanis
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -411,5 +412,6 @@ def test_a_stalled_worker_has_its_stacks_asked_for_while_its_row_is_live_then_is
     assert backend.calls[0] == ("dump", "rollout", "Running")  # before the row is ended (its heartbeat then fenced)
     assert [c[0] for c in backend.calls] == ["dump", "stop"]
     ended = next(w for w in store.list_workers("r") if w.id == rollout.id)
-    assert ended.state == "Failed" and ended.message.startswith("TaskDeadlineExceeded: task 1.0 has run 5 s")
+    # at least the 5 s the heartbeat reported; more when the pass comes later (a loaded machine)
+    assert ended.state == "Failed" and re.match(r"TaskDeadlineExceeded: task 1\.0 has run \d+ s", ended.message)
     assert any(e.reason == "TaskDeadlineExceeded" and e.type == "Warning" for e in store.list_events("r"))
