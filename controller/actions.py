@@ -68,10 +68,19 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class DumpStacks:
+    """Ask a stuck worker's process for its Python stacks (into its log) before it is ended and stopped;
+    applied before every other action of the pass. A backend that cannot reach the process skips it."""
+
+    handle: str
+    event: Event | None
+
+
+@dataclass(frozen=True)
 class Purge:
     """Every worker is gone and the run is being deleted: remove its rows (and files with --purge)."""
 
     remove_files: bool
 
 
-Action = Launch | Adopt | EndWorker | Stop | Purge
+Action = Launch | Adopt | EndWorker | Stop | DumpStacks | Purge

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from mortal.controller.deadlines import Deadlines
 from mortal.state.store import WorkerRef
 from mortal.state.tables import CheckpointRow, WorkerRow
 
@@ -64,6 +65,7 @@ class Desired:
     purge: bool = False
     max_duration: float | None = None  # spec.limits.maxDuration, seconds of active time
     max_gpu_hours: float | None = None  # spec.limits.maxGPUHours
+    deadlines: Deadlines = Deadlines()  # spec.deadlines and the rewards' timeouts
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class PlanConfig:
     progress_deadline_min_seconds: float = 60.0  # Progressing: deadline = max(this, factor x median step time)
     progress_deadline_factor: float = 10.0
     progress_deadline_default_seconds: float = 600.0  # while no step time is known
+    stall_deadline_default_seconds: float = 1800.0  # a task's or step's deadline while no step time is known
+    stall_stop_grace_seconds: float = 2.0  # TERM -> KILL for a stalled worker (its stacks asked for first)
 
 
 def aware(moment: datetime | None) -> datetime | None:

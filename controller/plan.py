@@ -10,7 +10,9 @@ One pass, in order:
   2. a run being deleted: stop every worker, then purge;  a finished run: stop leftovers, stay finished;
      a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
   3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop
-     (not when a limit is reached: then every worker is stopped on purpose, as in a suspend);
+     (not when a limit is reached: then every worker is stopped on purpose, as in a suspend); a worker
+     whose reported activity (a task, a step, a weight load) ran past its deadline (mortal.controller.
+     deadlines) has its stacks dumped, its row ended Failed with the stall's reason and is stopped;
   4. a fatal exit fails the run; a slot out of GPU memory is relaunched with a smaller setting that keeps
      the step (mortal.controller.heal: the actor's micro batch, the rollouts' share), and only when none
      is left does its second out-of-memory fail the run (`_out_of_memory`);
@@ -19,9 +21,10 @@ One pass, in order:
      checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded, BudgetExceeded);
   5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
      the restart limit reached fails the run, and so does a slot failing with the same error
-     restartPolicy.sameFailureLimit times in a row (CrashLoop);
+     restartPolicy.sameFailureLimit times in a row (CrashLoop), or stalling the same way that often
+     (the stall's reason: relaunching does not heal it);
   6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
-     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing) and MemoryFits beside Ready and
+     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing, DeadlinesMet) and MemoryFits beside Ready and
      Suspended, and the pass asks to be looked at again when something is due.
 """
 
@@ -34,7 +37,19 @@ from typing import Any
 
 from mortal.controller import budgets, heal
 from mortal.controller import conditions as rl
-from mortal.controller.actions import NORMAL, WARNING, Action, Adopt, EndWorker, Event, Launch, Purge, Stop
+from mortal.controller import deadlines as dl
+from mortal.controller.actions import (
+    NORMAL,
+    WARNING,
+    Action,
+    Adopt,
+    DumpStacks,
+    EndWorker,
+    Event,
+    Launch,
+    Purge,
+    Stop,
+)
 from mortal.controller.observed import (
     EXIT_FATAL,
     EXIT_OUT_OF_MEMORY,
@@ -103,6 +118,8 @@ class _W:
     started_at: datetime
     ended_at: datetime | None
     gpus: int = 0
+    activity: str | None = None
+    activity_since: datetime | None = None
 
     @property
     def slot(self) -> tuple[str, int]:
@@ -120,13 +137,20 @@ class _W:
     def failed(self) -> bool:
         return self.state in FAILED_STATES
 
+    @property
+    def stall(self) -> str | None:
+        """The stall this row was ended for (the plan ends it Failed with no exit code and the stall's reason
+        first in its message), else None."""
+        return dl.stall_reason(self.message) if self.state == "Failed" and self.exit_code is None else None
+
 
 def _view(row: Any) -> _W:
     return _W(
         id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation, ref=worker_ref(row).id,
         handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
         step=row.step, weight_version=row.weight_version, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
-        ended_at=aware(row.ended_at), gpus=row.gpus or 0,
+        ended_at=aware(row.ended_at), gpus=row.gpus or 0, activity=row.activity,
+        activity_since=aware(row.activity_since),
     )
 
 
@@ -265,6 +289,8 @@ class _Pass:
                 continue
             proc = self.procs.get(w.ref)
             verdict = judge(w, proc, self.now, self.cfg)
+            if verdict.kind == "ok" and proc is not None and self._stalled(w, proc):
+                continue
             if verdict.kind == "wait":
                 self.wake.append(verdict.recheck_after or 0.0)
             elif verdict.kind == "adopt":
@@ -280,6 +306,27 @@ class _Pass:
                 self._end(w, state, verdict.exit_code, verdict.message, event)
                 if verdict.kill and proc is not None:
                     self.actions.append(Stop(proc.handle, 0.0, None))
+
+    def _stalled(self, w: _W, proc: Any) -> bool:
+        """Whether `w` ran past the deadline of what it reports doing; if so: stacks, end (Failed, the
+        stall's reason first in its message: a relaunch, and the give-up count), stop. Else wake at its
+        deadline."""
+        step_seconds = (rl.step_seconds(self.o.metrics) if self.o.metrics else None) or self.timing[1]
+        derived = dl.DerivedFrom(self.cfg.progress_deadline_min_seconds, self.cfg.progress_deadline_factor,
+                                 self.cfg.stall_deadline_default_seconds)
+        stall = dl.stalled(w.activity, w.activity_since, self.now, self.d.deadlines, step_seconds, derived)
+        if stall is None:
+            due = dl.due_in(w.activity, w.activity_since, self.now, self.d.deadlines, step_seconds, derived)
+            if due is not None:
+                self.wake.append(due)
+            return False
+        where = f"{w.name} #{w.incarnation}"
+        self.actions.append(DumpStacks(proc.handle, None))
+        self._end(w, "Failed", None, f"{stall.reason}: {stall.message}",
+                  Event(WARNING, stall.reason, f"{where}: {stall.message}; its stacks are in its log; relaunching it"))
+        self.actions.append(Stop(proc.handle, self.cfg.stall_stop_grace_seconds, None))
+        self.wake.append(self.cfg.stop_poll_seconds)
+        return True
 
     def _out_of_memory(self) -> str | None:
         """The run's failure message when a slot ran out of GPU memory and must not be relaunched, else None.
@@ -384,6 +431,11 @@ class _Pass:
             if last is None or not last.failed:
                 self._launch(slot, restart=False, why="")
                 continue
+            stalls = self._same_stalls(hist)
+            if self.d.same_failure_limit and stalls >= self.d.same_failure_limit:
+                reason, _, what = (last.message or "").partition(": ")
+                return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not heal "
+                                f"it; restartPolicy.sameFailureLimit)")
             if self.restarts >= self.d.max_restarts:
                 return "RestartLimitReached", f"restart limit reached: {last.name}: {last.message or last.state}"
             repeated = self._same_failures(hist)
@@ -424,6 +476,18 @@ class _Pass:
         for w in reversed(hist):
             if not (w.state == "Failed" and w.exit_code == EXIT_RETRYABLE and w.message
                     and w.message == newest.message and not self._lived_long(w)):
+                break
+            count += 1
+        return count
+
+    def _same_stalls(self, hist: list[_W]) -> int:
+        """How many of the slot's newest workers in a row were ended for the same stall (reason) as the newest.
+        Unlike `_same_failures`, a long life does not break the run of them: a stall is found only after
+        its deadline."""
+        reason = hist[-1].stall
+        count = 0
+        for w in reversed(hist):
+            if reason is None or w.stall != reason:
                 break
             count += 1
         return count
@@ -545,12 +609,28 @@ class _Pass:
         last_time = datetime.fromisoformat(last) if last else None
         return [weights, reward, rl.checkpoint_fresh(step, ckpt, d.checkpoint_every, cfg.checkpoint_slack_steps),
                 rl.progressing(suspended, aware(last_time), deadline, self.now),
-                rl.memory_fits(self._oom_exits(), self._memory_knobs())]
+                self._deadlines_met(), rl.memory_fits(self._oom_exits(), self._memory_knobs())]
+
+    def _deadlines_met(self) -> Condition:
+        """DeadlinesMet from each slot's newest ended worker that was ended for a stall."""
+        newest_ended: dict[tuple[str, int], _W] = {}
+        for w in self.rows:
+            if not w.live:
+                newest_ended[w.slot] = w
+        stalls = [dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
+                  for w in newest_ended.values() if w.stall is not None]
+        step, prev_step = self._progress().step, self.prev.get("step")
+        if step is not None and step > (prev_step if prev_step is not None else 0):
+            last = self.now  # a step ended since the last pass (also on the pass that finishes the run)
+        else:
+            last = aware(datetime.fromisoformat(self.timing[0])) if self.timing[0] else None
+        return dl.deadlines_met(stalls, last)
 
     def _final_conditions(self) -> list[Condition]:
         """A finished run keeps its training conditions as they were, but a reward that failed it says so."""
-        carried = [c for c in self._carried_conditions() if c.type in rl.TYPES and c.type != rl.MEMORY]
-        carried.append(rl.memory_fits(self._oom_exits(), self._memory_knobs()))
+        carried = [c for c in self._carried_conditions()
+                   if c.type in rl.TYPES and c.type not in (rl.MEMORY, dl.DEADLINES)]
+        carried += [self._deadlines_met(), rl.memory_fits(self._oom_exits(), self._memory_knobs())]
         fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
         failure = rl.reward_failure(fatal.message) if fatal is not None else None
         if failure is None:

@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mortal.controller import failpoints, heal
-from mortal.controller.actions import Adopt, EndWorker, Event, Launch, Purge, Stop
+from mortal.controller.actions import Adopt, DumpStacks, EndWorker, Event, Launch, Purge, Stop
 from mortal.controller.backends import (
     Backend,
     BackendError,
@@ -43,6 +43,7 @@ from mortal.controller.backends import (
     backend_key,
     select_backend,
 )
+from mortal.controller.deadlines import Deadlines
 from mortal.controller.leader import LeaderElector
 from mortal.controller.listing import SharedListing
 from mortal.controller.observed import EXIT_FATAL, Desired, Observed, PlanConfig
@@ -170,6 +171,9 @@ class Reconciler:
                fence: LeaderFence) -> Outcome:
         failures: list[str] = []
         stops = [a for a in decided.actions if isinstance(a, Stop)]
+        for dump in (a for a in decided.actions if isinstance(a, DumpStacks)):
+            if backend is not None and backend.dump_stacks(dump.handle):  # before its row is ended (fenced)
+                self._event(run.name, dump.event)
         # A hung process is killed before its row is written: frozen mid-transaction, it may hold the
         # very row lock that write needs, and only its death releases it.
         self._stop_all(run.name, backend, [a for a in stops if a.grace_seconds == 0])
@@ -330,6 +334,9 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
         replicated=spec.actor.strategy == "ddp",
         deleted=run.deleted_at is not None,
         purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
+        deadlines=Deadlines(task_seconds=spec.deadlines.task_seconds, step_seconds=spec.deadlines.step_seconds,
+                            weight_load_seconds=spec.deadlines.weight_load(),
+                            reward_seconds=sum(r.timeout_seconds for r in spec.rewards)),
     )
 
 

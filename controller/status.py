@@ -19,7 +19,8 @@ from mortal.specs import TRANSITIONS, Phase
 PENDING, STARTING, RUNNING, RECOVERING = "Pending", "Starting", "Running", "Recovering"
 SUSPENDED, SUCCEEDED, FAILED = "Suspended", "Succeeded", "Failed"
 TERMINAL_PHASES = frozenset({SUCCEEDED, FAILED})
-EVENTED = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "MemoryFits")  # flips are events
+EVENTED = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "DeadlinesMet",
+           "MemoryFits")  # flips are events
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
+from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
 
 BUILTIN_ENVS = ("code-execution", "llm-judge", "math-answer", "environment")
 FUNCTION_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -55,6 +56,12 @@ class RewardSpec(SpecModel):
     )
     sandbox: SandboxSpec = Field(
         default_factory=SandboxSpec, description="Limits for code this reward executes (code-execution)."
+    )
+    timeout_seconds: float = Field(
+        DEFAULT_REWARD_TIMEOUT_SECONDS, gt=0,
+        description="Wall-clock limit of one call of this reward (a task's completions of one prompt); past it "
+        "the call is abandoned, its completions score None (not applicable, as for a reward that returns None) "
+        "and a Warning event names it.",
     )
     model: str | None = Field(None, description="Judge model name (llm-judge), e.g. gpt-4o-mini.")
     base_url: str | None = Field(

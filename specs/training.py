@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
+from mortal.specs.deadlines import DeadlinesSpec
 from mortal.specs.limits import LimitsSpec
 from mortal.specs.ray import RaySpec
 from mortal.specs.rewards import ENV_VAR, RewardSpec
@@ -547,6 +548,11 @@ class TrainingSpec(SpecModel):
         default_factory=LimitsSpec,
         description="Budgets: maxDuration (active time) and maxGPUHours. Reaching one writes a final checkpoint "
         "and ends the run Failed (DeadlineExceeded, BudgetExceeded).",
+    )
+    deadlines: DeadlinesSpec = Field(
+        default_factory=DeadlinesSpec,
+        description="How long a task, a step, a weight load and a collective may take; past one the worker's "
+        "stacks are logged and it is relaunched (docs/deadlines.md).",
     )
     backend: Literal["local", "modal", "ray"] = Field(
         "local", description="Where workers run: local (processes on this machine), modal (Modal function "

@@ -31,7 +31,7 @@ from mortal.state.engine import is_postgres, json_value, make_engine, transactio
 from mortal.state.errors import Conflict, InvalidValue, NotFound
 from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.names import check_metadata, check_role, check_run_name
-from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef
+from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef, activity_age, check_activity
 from mortal.state.tables import (
     CheckpointRow,
     CompletionRow,
@@ -319,10 +319,15 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._tx(write=False) as s:
             return list(s.exec(query).all())
 
-    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None) -> WorkerRow:
+    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None,
+                  activity: str | None = None, activity_seconds: float | None = None) -> WorkerRow:
+        activity = check_activity(activity)
         with self._tx() as s:
             row = check_worker(s, worker, for_update=True)
             row.heartbeat_at = utcnow()
+            row.activity = activity
+            row.activity_since = None if activity is None else row.heartbeat_at - timedelta(
+                seconds=activity_age(activity_seconds))
             row.state = "Running"
             row.step = row.step if step is None else step
             row.weight_version = row.weight_version if weight_version is None else weight_version

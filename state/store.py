@@ -14,6 +14,7 @@ workers on Modal). `tests/state/test_store_contract.py` runs one suite against e
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -31,6 +32,32 @@ from mortal.state.tables import (
     WeightRow,
     WorkerRow,
 )
+
+ACTIVITIES = ("task", "step", "weight-load")
+"""What a worker may report doing in its heartbeat (workers.activity's first word), each with a deadline
+(spec.deadlines; mortal.controller.deadlines). Collectives are not reported: torch.distributed's own
+timeout (spec.deadlines.collectiveSeconds) fails them in the worker."""
+MAX_ACTIVITY_CHARS = 200
+MAX_ACTIVITY_SECONDS = 365 * 86400.0
+
+
+def check_activity(activity: str | None) -> str | None:
+    """An activity as a worker reported it, if well formed (a kind of ACTIVITIES, then printable text): the
+    store keeps only that, so what `describe` prints of it is bounded text."""
+    if activity is None:
+        return None
+    kind = activity.split(" ", 1)[0]
+    if kind not in ACTIVITIES or len(activity) > MAX_ACTIVITY_CHARS or not activity.isprintable():
+        raise ValueError(f"heartbeat: activity must be one of {', '.join(ACTIVITIES)}, then printable text "
+                         f"(at most {MAX_ACTIVITY_CHARS} characters), not {activity[:MAX_ACTIVITY_CHARS]!r}")
+    return activity
+
+
+def activity_age(seconds: float | None) -> float:
+    """A reported activity's age, bounded (a worker's number is not trusted: NaN, negative or huge)."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return 0.0
+    return min(seconds, MAX_ACTIVITY_SECONDS)
 
 
 class ApplyOutcome(StrEnum):
@@ -242,8 +269,11 @@ class Store(abc.ABC):
         """Workers of a run (all runs if None); live_only drops terminal states."""
 
     @abc.abstractmethod
-    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None) -> WorkerRow:
-        """Record liveness (Pending -> Running). Fenced if `worker` is not the slot's live incarnation."""
+    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None,
+                  activity: str | None = None, activity_seconds: float | None = None) -> WorkerRow:
+        """Record liveness (Pending -> Running). Fenced if `worker` is not the slot's live incarnation.
+        `activity` (check_activity) is what it is doing, for `activity_seconds` by its own clock (None: idle);
+        the store keeps activity_since on its own clock, now minus those seconds."""
 
     @abc.abstractmethod
     def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:

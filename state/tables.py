@@ -147,6 +147,13 @@ class WorkerRow(SQLModel, table=True):
         "backend gives them at launch: its wall time x this is its GPU time (spec.limits.maxGPUHours; added in "
         "migration 0004)",
     )
+    activity: str | None = Field(
+        default=None,
+        description="what the worker reported doing in its newest heartbeat: a kind of ACTIVITIES, then what "
+        "(`task 3.1`, `step 7`); None while idle. The controller relaunches it when it lasts past the kind's "
+        "deadline (mortal.controller.deadlines; added in migration 0008)",
+    )
+    activity_since: datetime | None = _time(False, description="when that activity began (the store's clock)")
 
 
 class CheckpointRow(SQLModel, table=True):

@@ -107,7 +107,7 @@ def main(ctx: WorkerContext) -> int:
     )
     feed.forget_from(start)
     publisher = WeightPublisher(ctx.store, ctx.worker, keep=spec.sync.keep_versions, method=spec.sync_method(),
-                                provenance=record)
+                                provenance=record, collective_seconds=spec.deadlines.collective())
     publisher.clear_partial()
     if queues_ahead(spec):
         feed.enqueue(start, publisher.next_version())
@@ -397,6 +397,7 @@ class ActorLoop(TrainerCallback):
         self.hand_texts: Any = None  # trl_seam.reuse_rollout_texts: the rollouts' texts, not a second decode
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
         self._warmed_up = False  # warm_up_training runs at most once a process
+        self._in_step = contextlib.ExitStack()  # the step's activity, reported in the heartbeat
         self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
 
     # -- TRL's rollout_func --------------------------------------------------------------------
@@ -472,6 +473,9 @@ class ActorLoop(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
+        self._in_step.close()
+        self._in_step.enter_context(self.ctx.activity(f"step {state.global_step + 1}"))  # its deadline: the
+        # controller relaunches an actor whose step (waiting for rollouts included) outlasts stepSeconds
         if self._rng_from is not None:  # a sharded actor's resume: the RNG goes back as the step starts
             sharded.restore_rng(self._rng_from, 0)
             self._rng_from = None
@@ -506,6 +510,7 @@ class ActorLoop(TrainerCallback):
         else:
             self.ctx.report(step=step)
         self._rollout_metrics["step_seconds"] = time.perf_counter() - self._step_started
+        self._in_step.close()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:  # the end-of-training summary, not a step

@@ -76,7 +76,8 @@ HOST_ENV = "MORTAL_SYNC_HOST"  # the address rollouts reach the actor's rendezvo
 IDLE_WAIT = timedelta(minutes=10)
 STOP = "stop"  # what `close` writes where the accept thread waits
 REPLY_TIMEOUT = timedelta(seconds=60)  # a sender that has not answered by then is taken for gone
-TRANSFER_TIMEOUT = timedelta(minutes=5)  # a send or receive that hangs this long fails (its peer died)
+TRANSFER_TIMEOUT = timedelta(minutes=5)  # unless spec.deadlines.collectiveSeconds: a send or receive that hangs
+# this long fails (its peer died); the actor writes its value into each manifest, so the rollout uses the same
 log = logging.getLogger(__name__)
 
 
@@ -86,16 +87,16 @@ class SyncPeerGone(FileNotFoundError):
     A FileNotFoundError, as a pruned version is, so that rollouts treat both alike: read the store again."""
 
 
-def _group(store: dist.Store, rank: int, device: torch.device) -> Any:
+def _group(store: dist.Store, rank: int, device: torch.device, timeout: timedelta = TRANSFER_TIMEOUT) -> Any:
     """A two-rank process group over `store`'s prefix: NCCL for CUDA tensors, gloo for CPU ones.
 
     Built directly rather than through init_process_group, which allows one default group per process
     and would tie every rollout to one group (the module docstring says why pairs)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = TRANSFER_TIMEOUT
+        options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, TRANSFER_TIMEOUT)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
 def _waited(store: dist.Store, key: str, timeout: timedelta) -> bool:
@@ -115,6 +116,7 @@ class NcclWeightServer:
 
     ring: int
     host: str = field(default_factory=lambda: os.environ.get(HOST_ENV, "127.0.0.1"))
+    transfer_timeout: timedelta = TRANSFER_TIMEOUT  # spec.deadlines.collectiveSeconds
     _snapshots: SnapshotRing = field(init=False)
     _store: Any = None
     _producer: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -135,7 +137,8 @@ class NcclWeightServer:
         if self._store is None:
             self._open(next(iter(buffers.values())).device)
         manifest = {"version": version, "step": step, "adapters": adapters, "slots": self._snapshots.slots,
-                    "ring": self.ring, "address": (self.host, self._store.port), "producer": self._producer}
+                    "ring": self.ring, "address": (self.host, self._store.port), "producer": self._producer,
+                    "transfer_seconds": self.transfer_timeout.total_seconds()}
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / NCCL_FILE).write_bytes(pickle.dumps(manifest))
         return dest
@@ -174,7 +177,7 @@ class NcclWeightServer:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.device(device) if stream else contextlib.nullcontext(), \
                 torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            group = _group(store, 0, device)
+            group = _group(store, 0, device, self.transfer_timeout)
             ask = 0
             try:
                 while not self._stop.is_set():
@@ -256,7 +259,8 @@ class _Pair:
             raise SyncPeerGone(f"the actor's rendezvous at {host}:{port} does not answer ({exc})") from exc
         prefixed = dist.PrefixStore(f"pair/{pair}/", store)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            group = _group(prefixed, 1, device)
+            timeout = timedelta(seconds=manifest.get("transfer_seconds", TRANSFER_TIMEOUT.total_seconds()))
+            group = _group(prefixed, 1, device, timeout)
         return cls(manifest["producer"], prefixed, group, device)
 
     def fetch(self, version: int, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:

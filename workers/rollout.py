@@ -107,7 +107,8 @@ class RolloutWorker:
             return  # backing off: the actor has not put this version back yet
         started = time.monotonic()
         try:
-            self.engine.load_weights(self._local(latest.path, latest.version))
+            with self.ctx.activity(f"weight-load v{latest.version}"):
+                self.engine.load_weights(self._local(latest.path, latest.version))
         except FileNotFoundError as exc:  # pruned by the actor between the read and the load (a newer one
             tries = 1 if missing is None else missing[1] + 1  # exists), or lost by sync ray's hub (put back soon)
             delay = min(MISSING_RETRY_MAX_SECONDS, MISSING_RETRY_SECONDS * 2 ** (tries - 1))
@@ -153,7 +154,7 @@ class RolloutWorker:
         task = self.ctx.store.lease_task(self.ctx.worker, self.lease_seconds, max_weight_version=self.loaded_version)
         if task is None:
             return False
-        with self.keep_leased(task):
+        with self.ctx.activity(f"task {task.step}.{task.slot}"), self.keep_leased(task):
             result = self.answer(task)
         if self.ctx.store.complete_task(self.ctx.worker, task.id, task.lease_token, result):
             self.doorbell.ring(RESULTS)
@@ -294,7 +295,10 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     spec = ctx.run.spec
     phases = Phases()
     rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps, run_dir=ctx.run_dir)
+    rewards.on_timeout = lambda timeout: ctx.warn("RewardTimeout", timeout.describe(ctx.name))
     toolbox = Toolbox.from_spec(spec.rollout) if spec.rollout.uses_tools else None
+    if toolbox is not None:
+        toolbox.on_timeout = lambda message: ctx.warn("ToolTimeout", f"{ctx.name}: {message}")
     phases.end("rewards")
     set_threads()
     device = worker_device(spec.rollout.gpu, "spec.rollout.gpu")

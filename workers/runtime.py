@@ -3,7 +3,9 @@
 Who calls it: mortal.workers.main builds a `WorkerContext` from the environment a backend set
 (MORTAL_RUN, MORTAL_ROLE, MORTAL_REPLICA, MORTAL_INCARNATION, MORTAL_STATE_URL, ...), starts it and
 hands it to the workload's `main(ctx)`. Workloads read `ctx.run`, write through `ctx.store`, tell
-the heartbeat their progress with `ctx.report(...)` and watch `ctx.stopping`.
+the heartbeat their progress with `ctx.report(...)` and what they are doing with `with ctx.activity(...)`
+(a task, a step, a weight load: the controller relaunches a worker stuck in one past its deadline, after
+asking it for its stacks with SIGUSR1, mortal.workers.deadline), and watch `ctx.stopping`.
 What it must not do: let a zombie write. Any store call that raises Fenced (a newer incarnation
 owns the slot, or the slot was ended) ends the process at once with EXIT_FENCED, from whichever
 thread saw it.
@@ -32,6 +34,7 @@ from mortal.specs.errors import SpecError
 from mortal.state import paths
 from mortal.state.errors import Fenced
 from mortal.state.store import Store, WorkerRef
+from mortal.workers.deadline import register_stack_dump
 from mortal.workers.errors import FatalWorkerError
 
 EXIT_SUCCEEDED = 0
@@ -195,6 +198,7 @@ class WorkerContext:
         self.stopping = threading.Event()
         self.log = log
         self._progress: dict[str, int | None] = {"step": None, "weight_version": None}
+        self._activities: list[tuple[str, float]] = []  # (what, monotonic start), innermost last
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -229,16 +233,45 @@ class WorkerContext:
             if weight_version is not None:
                 self._progress["weight_version"] = weight_version
 
+    @contextlib.contextmanager
+    def activity(self, what: str) -> Any:
+        """Report `what` (mortal.state.store.ACTIVITIES' kind, then details: "task 3.1") in every heartbeat
+        while the block runs, with how long it has run; the innermost of nested blocks is reported."""
+        entry = (what, time.monotonic())
+        with self._lock:
+            self._activities.append(entry)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._activities.remove(entry)
+
+    @property
+    def name(self) -> str:
+        """This worker as events name it: `rollout-0 #3`."""
+        return f"{self.worker.role}-{self.worker.replica} #{self.worker.incarnation}"
+
+    def warn(self, reason: str, message: str) -> None:
+        """A Warning event of the run (describe, get events); the store being unreachable is only logged:
+        the warning is not worth the worker."""
+        try:
+            self.store.add_event(self.worker.run, "Warning", reason, message)
+        except Exception as exc:  # FencingStore already ended a fenced process
+            self.log.warning("event %s not recorded: %s", reason, exc)
+
     def check_fence(self) -> None:
         """Heartbeat now: call before writing files a newer incarnation may also write (exits if fenced)."""
         with self._lock:
             step, version = self._progress["step"], self._progress["weight_version"]
-        self.store.heartbeat(self.worker, step=step, weight_version=version)
+            what, since = self._activities[-1] if self._activities else (None, None)
+        seconds = None if since is None else time.monotonic() - since
+        self.store.heartbeat(self.worker, step=step, weight_version=version, activity=what, activity_seconds=seconds)
 
     def start(self) -> None:
         """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM handler."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            register_stack_dump()  # the controller asks a stuck worker for its stacks before it kills it
         self.check_fence()
         self._thread = threading.Thread(target=self._beat, name="mortal-heartbeat", daemon=True)
         self._thread.start()

@@ -32,6 +32,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,7 @@ class Ranks:
     world: int
     device: str
     notes: Path | None = None  # where a rank leaves what ended it (rank_notes): read by rank 0, written by the others
+    collective_seconds: float | None = None  # spec.deadlines.collectiveSeconds when set; else torch's default
     channel: Channel = field(init=False)
     _children: Any = None
     _closed: threading.Event = field(default_factory=threading.Event)
@@ -153,9 +155,12 @@ class Ranks:
         device_id = rank_device(self.device, self.rank)
         if device_id.type == "cuda":
             torch.cuda.set_device(device_id)
+        # A collective past its timeout raises in the rank, which fails the actor: it is relaunched from its
+        # checkpoint. Unset, torch's default: a rank waits in the channel while rank 0 waits for rollouts.
+        timeout = {} if self.collective_seconds is None else {"timeout": timedelta(seconds=self.collective_seconds)}
         dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world,
-                                device_id=device_id if device_id.type == "cuda" else None)
-        self.channel = Channel(dist.new_group(backend="gloo"), self.rank, self.world)
+                                device_id=device_id if device_id.type == "cuda" else None, **timeout)
+        self.channel = Channel(dist.new_group(backend="gloo", **timeout), self.rank, self.world)
 
     def watch(self, on_lost: Callable[[RankLost], None]) -> None:
         """Rank 0: call `on_lost` (from a daemon thread) as soon as a child rank has failed or been killed."""
@@ -236,7 +241,7 @@ def start(run: Any, world: int, device: str) -> Ranks:
     os.environ.update(rank_environment(0, world, port))
     children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid()), nprocs=world - 1,
                                   join=False, start_method="spawn")
-    ranks = Ranks(0, world, device, notes, _children=children)
+    ranks = Ranks(0, world, device, notes, run.spec.deadlines.collective_seconds, _children=children)
     ranks.join()
     return ranks
 
@@ -605,7 +610,7 @@ def follower_main(index: int, world: int, port: int, run: Any, device: str, pare
     try:
         from mortal.workers import actor
 
-        ranks = Ranks(rank, world, device, notes)
+        ranks = Ranks(rank, world, device, notes, run.spec.deadlines.collective_seconds)
         ranks.join()
         actor.follow(run, ranks)
         ranks.close()

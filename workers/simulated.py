@@ -13,9 +13,13 @@ seconds on a CPU. Annotations tune it:
                                           message (2.00 GiB on an 80 GB H100) at its first step or task
     mortal.dev/fail: oom-actor-above:N    the actor raises it at start while its micro batch (the spec's, or
                                           the controller's choice: mortal.specs.memory) is above N
-    mortal.dev/import-rewards: "true"     rollout: import the spec's reward functions first, as a real one
-                                          does (mortal.workers.rewards.load_reward); it still scores as below
+    mortal.dev/stall: task|step           a rollout's task / the actor's step of step `stall-step` blocks
+    mortal.dev/stall-step: "2"              forever (the watchdog's tests), in the first `stall-times`
+    mortal.dev/stall-times: "1"             launches of the slot (0: every launch)
+    mortal.dev/rewards: call              rollouts score with the spec's reward functions (as the real
+                                          rollout does: deadlines, timeouts) instead of the fixed score
 
+Both report what they do (`ctx.activity`: a task, a step), as the real workers do.
 The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
 run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy
 (the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +41,11 @@ from mortal.state.containment import PathOutside, report_refused, tree_inside
 from mortal.workers.atomic import atomic_dir, sweep
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
+from mortal.workers.rewards import RewardSet
 from mortal.workers.runtime import EXIT_RETRYABLE, EXIT_SUCCEEDED, WorkerContext
 
 POLL_SECONDS = 0.05
 OOM_ABOVE = "oom-actor-above:"
-IMPORT_REWARDS = "mortal.dev/import-rewards"
 KEEP_WEIGHTS = 3
 STATE_FILE = "state.json"
 
@@ -51,6 +56,10 @@ class Settings:
     generate_seconds: float = 0.01
     task_lease_seconds: float = 5.0
     fail: str | None = None
+    stall: str | None = None  # task | step
+    stall_step: int = 2
+    stall_times: int = 1  # 0: every launch
+    call_rewards: bool = False
 
     @classmethod
     def of(cls, run: TrainingRun) -> Settings:
@@ -61,6 +70,10 @@ class Settings:
                 generate_seconds=float(notes.get("mortal.dev/generate-seconds", cls.generate_seconds)),
                 task_lease_seconds=float(notes.get("mortal.dev/task-lease-seconds", cls.task_lease_seconds)),
                 fail=notes.get("mortal.dev/fail"),
+                stall=notes.get("mortal.dev/stall"),
+                stall_step=int(notes.get("mortal.dev/stall-step", cls.stall_step)),
+                stall_times=int(notes.get("mortal.dev/stall-times", cls.stall_times)),
+                call_rewards=notes.get("mortal.dev/rewards") == "call",
             )
         except ValueError as exc:
             raise FatalWorkerError("InvalidAnnotation", f"simulated workload annotation: {exc}") from exc
@@ -99,6 +112,28 @@ def simulated_reward(step: int) -> float:
     return step / (step + 10)
 
 
+def never_returns(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward function whose call never returns, as one waiting on an API that never answers (the
+    watchdog's tests: `rewards[].timeoutSeconds` abandons it)."""
+    threading.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def stall_here(ctx: WorkerContext, settings: Settings, what: str, step: int) -> None:
+    """Block forever when the annotations ask this slot to stall at `what` of `step` in this launch (the
+    slot's earlier launches that failed, i.e. were healed, are fewer than stall-times)."""
+    if settings.stall != what or step != settings.stall_step:
+        return
+    me = ctx.worker
+    healed = sum(1 for w in ctx.store.list_workers(me.run) if (w.role, w.replica) == (me.role, me.replica)
+                 and w.incarnation < me.incarnation and w.state == "Failed")
+    if settings.stall_times and healed >= settings.stall_times:
+        return
+    ctx.log.warning("annotation mortal.dev/stall=%s: blocking in %s %d forever", what, what, step)
+    while True:
+        time.sleep(3600)
+
+
 def main(ctx: WorkerContext) -> int:
     if ctx.worker.role == "actor":
         return run_actor(ctx)
@@ -132,10 +167,12 @@ def run_actor(ctx: WorkerContext) -> int:
     checkpointed = step
     while step < spec.algorithm.max_steps and not ctx.stopping.is_set():
         started = time.monotonic()
-        results = gather(ctx, step + 1, version, settings)
-        if results is None:
-            break
-        ctx.stopping.wait(max(0.0, settings.step_seconds - (time.monotonic() - started)))
+        with ctx.activity(f"step {step + 1}"):
+            stall_here(ctx, settings, "step", step + 1)
+            results = gather(ctx, step + 1, version, settings)
+            if results is None:
+                break
+            ctx.stopping.wait(max(0.0, settings.step_seconds - (time.monotonic() - started)))
         step += 1
         if step % spec.sync.every == 0 or step == spec.algorithm.max_steps:
             version = publish(ctx, step, version + 1)
@@ -270,14 +307,14 @@ def _metrics(rewards: list[float], seconds: float) -> dict[str, float]:
 
 # -- rollout -----------------------------------------------------------------------------------
 def run_rollout(ctx: WorkerContext) -> int:
-    """Serve tasks until told to stop; with `mortal.dev/import-rewards: "true"`, first import the spec's reward
-    functions as a real rollout does (from the run's code snapshot, or installed): one that cannot be
-    imported fails the run here too."""
+    """Serve tasks until told to stop."""
     settings = Settings.of(ctx.run)
-    if ctx.run.metadata.annotations.get(IMPORT_REWARDS) == "true":
-        load_reward_functions(ctx.run)
+    rewards = None
+    if settings.call_rewards:
+        rewards = RewardSet.from_spec(ctx.run.spec.rewards, ctx.run.spec.algorithm.max_steps, ctx.run_dir)
+        rewards.on_timeout = lambda timeout: ctx.warn("RewardTimeout", timeout.describe(ctx.name))
     while not ctx.stopping.is_set():
-        task = serve_one(ctx, settings)
+        task = serve_one(ctx, settings, rewards)
         if task is None:
             ctx.stopping.wait(POLL_SECONDS)
         else:
@@ -285,19 +322,9 @@ def run_rollout(ctx: WorkerContext) -> int:
     return EXIT_SUCCEEDED
 
 
-def load_reward_functions(run: TrainingRun) -> None:
-    """Each `function` reward resolved with the rollout's loader (built-in envs are not built: no sandbox)."""
-    from mortal.workers.rewards import load_reward
-
-    names = reward_names(run.spec.rewards)
-    for i, (entry, name) in enumerate(zip(run.spec.rewards, names, strict=True)):
-        if entry.function:
-            load_reward(entry, i, name)
-
-
-def serve_one(ctx: WorkerContext, settings: Settings) -> TaskRow | None:
-    """Lease one task the newest weights may answer, "generate", complete it; the task, or None if
-    none was free."""
+def serve_one(ctx: WorkerContext, settings: Settings, rewards: RewardSet | None = None) -> TaskRow | None:
+    """Lease one task the newest weights may answer, "generate", score it (with `rewards`, else the fixed
+    score), complete it; the task, or None if none was free."""
     latest = ctx.store.latest_weights(ctx.worker.run)
     version = latest.version if latest else 0
     task = ctx.store.lease_task(ctx.worker, settings.task_lease_seconds, max_weight_version=version)
@@ -305,24 +332,34 @@ def serve_one(ctx: WorkerContext, settings: Settings) -> TaskRow | None:
         return None
     if settings.fail == "oom-rollout" and ctx.worker.role == "rollout":
         raise_torch_out_of_memory()
-    started = time.monotonic()
-    time.sleep(settings.generate_seconds)
-    task.result = simulated_result(ctx.run, task, version, time.monotonic() - started)
+    with ctx.activity(f"task {task.step}.{task.slot}"):
+        if ctx.worker.role == "rollout":
+            stall_here(ctx, settings, "task", task.step)
+        started = time.monotonic()
+        time.sleep(settings.generate_seconds)
+        task.result = simulated_result(ctx.run, task, version, time.monotonic() - started, rewards)
     if not ctx.store.complete_task(ctx.worker, task.id, task.lease_token, task.result):
         ctx.log.warning("task %d.%d: lease lost before completion", task.step, task.slot)
     return task
 
 
-def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: float) -> dict[str, Any]:
-    """A RolloutResult of fixed tokens, every completion scored simulated_reward(step)."""
-    n = RolloutRequest.model_validate(task.payload).num_generations
-    score = simulated_reward(task.step)
+def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: float,
+                     rewards: RewardSet | None = None) -> dict[str, Any]:
+    """A RolloutResult of fixed tokens, every completion scored simulated_reward(step), or by `rewards`."""
+    request = RolloutRequest.model_validate(task.payload)
+    n = request.num_generations
+    completion_ids = [[task.step, task.slot, g] for g in range(n)]
+    completions = [f"simulated completion {task.step}.{task.slot}.{g}" for g in range(n)]
+    if rewards is not None:
+        scores = rewards.score(request.prompt, completions, completion_ids, request.row, step=task.step)
+    else:
+        scores = {name: [simulated_reward(task.step)] * n for name in reward_names(run.spec.rewards)}
     result = RolloutResult(
         prompt_ids=[1, 2, 3],
-        completion_ids=[[task.step, task.slot, g] for g in range(n)],
+        completion_ids=completion_ids,
         logprobs=[[-1.0, -1.0, -1.0] for _ in range(n)],
-        completions=[f"simulated completion {task.step}.{task.slot}.{g}" for g in range(n)],
-        rewards={name: [score] * n for name in reward_names(run.spec.rewards)},
+        completions=completions,
+        rewards=scores,
         weight_version=version,
         generation_seconds=seconds,
     )

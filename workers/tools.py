@@ -12,7 +12,8 @@ wrong reference fails the run in a second); mortal.workers.multiturn asks it for
   3. a tool that raises, is unknown, or is not a function call yields {'error': message} as the result
      and counts as a failure; the rollout goes on.
 mortal adds a timeout: each call runs on a daemon thread and is abandoned after toolTimeoutSeconds
-(Python cannot stop a thread: a hung tool keeps its thread, never the rollout). And where TRL calls one
+(Python cannot stop a thread: a hung tool keeps its thread, never the rollout; mortal.workers.deadline
+dumps the stacks to the log, and relaunches the worker once too many abandoned calls still run). And where TRL calls one
 rollout's tools after another's, mortal calls different rollouts' at once (`call_each`): a code agent's
 sandbox runs overlap instead of queueing. Each rollout's own calls keep their order, and the standalone
 tools, shared by every rollout and maybe not written for threads, still run one call at a time; an
@@ -26,18 +27,21 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from mortal.workers import references
+from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError
 
 NOT_TOOLS = ("reset", "get_reward")
 # Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
 CONCURRENT_ROLLOUTS = 16
+TOLD_EVERY_SECONDS = 60.0  # a tool that keeps timing out makes one Warning event a minute, not one a call
 
 
 class ToolLoadError(FatalWorkerError):
@@ -81,6 +85,9 @@ class Toolbox:
     max_iterations: int | None = None
     _pool: dict[str | None, list[Any]] = field(default_factory=dict)
     _standalone_lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoner: Abandoner = field(default_factory=Abandoner)
+    on_timeout: Callable[[str], None] | None = None  # told what timed out (the rollout records a Warning event)
+    _told: dict[str, float] = field(default_factory=dict)  # tool -> when it was last told: one a minute at most
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
@@ -172,35 +179,46 @@ class Toolbox:
         tool = by_name[name]
         if any(tool is shared for shared in self.tools):
             with self._standalone_lock:
-                result, error = run_with_timeout(tool, arguments, self.timeout_seconds)
+                result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner,
+                                                 self._timed_out)
         else:
-            result, error = run_with_timeout(tool, arguments, self.timeout_seconds)
+            result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner, self._timed_out)
         if error is not None:
             return ToolOutcome(name, arguments, str({"error": error}), True)
         # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
         # rollouts are text only)
         return ToolOutcome(name, arguments, str(result), False)
 
+    def _timed_out(self, name: str, seconds: float) -> None:
+        now = time.monotonic()
+        if self.on_timeout is None or now - self._told.get(name, -TOLD_EVERY_SECONDS) < TOLD_EVERY_SECONDS:
+            return
+        self._told[name] = now
+        self.on_timeout(f"tool {name} did not return within rollout.toolTimeoutSeconds ({seconds:g} s); the model "
+                        "was told it timed out and the rollout went on; its stacks are in the worker's log")
 
-def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], seconds: float) -> tuple[Any, str | None]:
-    """(result, None), or (None, the error message) when the tool raised or ran past `seconds`."""
-    box: dict[str, Any] = {}
 
-    def target() -> None:
-        try:
-            value = tool(**arguments)
-            box["value"] = asyncio.run(value) if inspect.iscoroutine(value) else value
-        except BaseException as exc:  # a user's tool: whatever it raises becomes the model's error message
-            box["error"] = str(exc) or type(exc).__name__
+def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], seconds: float,
+                     abandoner: Abandoner | None = None,
+                     on_timeout: Callable[[str, float], None] | None = None) -> tuple[Any, str | None]:
+    """(result, None), or (None, the error message) when the tool raised or ran past `seconds` (then its
+    stacks are in the log). TooManyAbandonedCalls passes through: the worker is to be relaunched."""
+    name = getattr(tool, "__name__", "tool")
 
-    thread = threading.Thread(target=target, name=f"mortal-tool-{getattr(tool, '__name__', 'tool')}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        return None, f"tool {getattr(tool, '__name__', 'tool')} timed out after {seconds:g} s"
-    if "error" in box:
-        return None, box["error"]
-    return box.get("value"), None
+    def invoke() -> Any:
+        value = tool(**arguments)
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+    try:
+        return (abandoner or Abandoner()).call(invoke, seconds, f"tool {name}"), None
+    except CallTimedOut:
+        if on_timeout is not None:
+            on_timeout(name, seconds)
+        return None, f"tool {name} timed out after {seconds:g} s"
+    except (TooManyAbandonedCalls, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # a user's tool: whatever it raises becomes the model's error message
+        return None, str(exc) or type(exc).__name__
 
 
 class EnvironmentReward:

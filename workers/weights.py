@@ -38,12 +38,14 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from mortal.specs.deadlines import DEFAULT_COLLECTIVE_SECONDS
 from mortal.state import paths
 from mortal.state.containment import PathOutside, inside, report_refused
 from mortal.state.store import Store, WorkerRef
@@ -346,6 +348,7 @@ class WeightPublisher:
     method: str = "volume"  # or "ray", "ipc", "nccl" (spec.sync_method())
     steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
     provenance: Callable[[int], dict[str, Any]] | None = None  # what made the weights of a step (workers.provenance)
+    collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS  # spec.deadlines.collectiveSeconds (nccl transfers)
 
     def __post_init__(self) -> None:
         self._sharer: Any = None  # the ring's server (ipc or nccl), made at the first publish
@@ -356,7 +359,8 @@ class WeightPublisher:
     def _ring_server(self) -> Any:
         if self._sharer is None:
             server = ipc_weights.IpcWeightSharer if self.method == "ipc" else nccl_weights.NcclWeightServer
-            self._sharer = server(ring=self.keep)
+            self._sharer = server(ring=self.keep) if self.method == "ipc" else server(
+                ring=self.keep, transfer_timeout=timedelta(seconds=self.collective_seconds))
         return self._sharer
 
     def close(self) -> None:

@@ -281,6 +281,11 @@ class Backend(abc.ABC):
         """Stop the worker and everything it started; returns once they are gone. Unknown or already
         stopped handles are a no-op."""
 
+    def dump_stacks(self, handle: str) -> bool:
+        """Ask the worker's process to write its Python stacks to its log (mortal.workers.deadline); False
+        where this backend cannot signal it (the default: a remote container or actor)."""
+        return False
+
     def gpus_held(self, launch: WorkerLaunch) -> int:
         """GPUs the worker of `launch` will hold, recorded in its row for its GPU time (limits.maxGPUHours):
         `gpu_count` of its GPU type; none on the CPU; none for a colocated rollout, which shares its actor's

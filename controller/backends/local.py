@@ -224,6 +224,17 @@ class LocalBackend(Backend):
                 found.append(_Found(worker, held, shared=env.get("MORTAL_GPU_SHARED") == "1"))
         return found
 
+    def dump_stacks(self, handle: str) -> bool:
+        """SIGUSR1 to the worker's own process (not its group: its children, a sandbox or a compile worker,
+        may not handle it), which faulthandler answers with every thread's stack in the worker's log."""
+        pid, ctime = parse_handle(handle)
+        if not _matches(pid, ctime):
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGUSR1)  # mortal.workers.deadline.STACK_DUMP_SIGNAL
+            return True
+        return False
+
     # -- stop --------------------------------------------------------------------------------
     def stop(self, handle: str, grace_seconds: float = 5.0) -> None:
         """SIGTERM the worker's process group, SIGKILL what is left after `grace_seconds`, then kill

@@ -191,11 +191,12 @@ def describe_run(store: Store, row: RunRow) -> None:
     conditions = [(c.type, c.status, c.reason, age(c.last_transition_time), c.message) for c in run.status.conditions]
     print_section("Conditions", ("TYPE", "STATUS", "REASON", "AGE", "MESSAGE"), conditions)
     workers = store.list_workers(row.name)[-10:]
-    print_section("Workers", ("ROLE", "REPLICA", "INCARNATION", "STATE", "STEP", "WEIGHTS", "HEARTBEAT", "EXIT",
-                              "GPUS", "HANDLE", "AGE"), [
+    print_section("Workers", ("ROLE", "REPLICA", "INCARNATION", "STATE", "STEP", "WEIGHTS", "HEARTBEAT", "DOING",
+                              "EXIT", "GPUS", "HANDLE", "AGE"), [
         (w.role, w.replica, w.incarnation, w.state, _dash(w.step), _dash(w.weight_version),
-         age(w.heartbeat_at) if w.heartbeat_at else "-", _dash(w.exit_code), w.gpus, _dash(w.handle),
-         age(w.started_at))
+         age(w.heartbeat_at) if w.heartbeat_at else "-",
+         f"{w.activity} for {age(w.activity_since)}" if w.activity and w.ended_at is None else "-",
+         _dash(w.exit_code), w.gpus, _dash(w.handle), age(w.started_at))
         for w in workers
     ])
     checkpoints = store.list_checkpoints(row.name)

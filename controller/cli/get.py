@@ -36,7 +36,7 @@ RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", 
 WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "LOSS-TYPE", "BACKEND", "MODEL", "CONDITIONS")
 LOSS = "loss"  # the metric the actor records each step (mortal.workers.metrics, TRL's name)
 WATCH_POLL_SECONDS = 1.0
-TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "MemoryFits")
+TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "DeadlinesMet", "MemoryFits")
 
 HELP = """Display one or many resources: runs, events, checkpoints, completions, metrics.
 

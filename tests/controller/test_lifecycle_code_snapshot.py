@@ -38,7 +38,7 @@ kind: TrainingRun
 metadata:
   name: {name}
   annotations: {{mortal.dev/workload: simulated, mortal.dev/step-seconds: "{step_seconds}",
-                mortal.dev/import-rewards: "true"}}
+                mortal.dev/rewards: call}}
 spec:
   model: {{name: simulated}}
   dataset: {{name: builtin:arith}}

@@ -99,7 +99,7 @@ def test_rollouts_on_worker_nodes_import_the_reward_from_the_runs_code_snapshot(
         "    (home / ('imported-' + os.environ['MORTAL_REPLICA'])).write_text(__file__)\n"
         "def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
     run = ray_run(name, max_steps=4, rollout_replicas=2, step_seconds=0.1,
-                  annotations={"mortal.dev/import-rewards": "true"})
+                  annotations={"mortal.dev/rewards": "call"})
     run.spec.rewards[0].function = "ray_rewards:correct"
     with admit_runs([(run, "test")], [user]):  # what `mortalctl apply` does from the user's folder
         pass

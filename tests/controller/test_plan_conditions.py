@@ -141,12 +141,12 @@ def reasons(p):
     return [(e.type, e.reason) for e in p.events]
 
 
-def test_a_running_run_carries_all_seven_conditions_and_its_status_validates():
+def test_a_running_run_carries_all_eight_conditions_and_its_status_validates():
     rows, procs = running(rollouts=1, step=5)
     p = run_plan(rows, procs, prev=status("Running", step=4), weights=5, metrics={5: {"step_seconds": 2.0}})
     types = [c["type"] for c in p.status["conditions"]]
     assert types == ["Ready", "Suspended", "WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing",
-                     "MemoryFits"]
+                     "DeadlinesMet", "MemoryFits"]
     assert cond(p, "Progressing")["status"] == "True"
     assert (p.status["lastStepTime"], p.status["stepSeconds"]) == (iso(NOW), 2.0)
     RunStatus.model_validate(p.status)

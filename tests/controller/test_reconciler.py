@@ -4,6 +4,7 @@ status written once and only when it changed, conflicts, purge, sweeping a vanis
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -377,3 +378,40 @@ def test_the_newest_steps_metrics_are_read_once_per_step_and_judge_reward_health
     store.list_metrics = lambda *a, **kw: calls.append(a) or original(*a, **kw)
     rec.reconcile("r")  # the step did not move: no metrics query, the verdict stays
     assert calls == [] and _condition(store, "RewardHealthy")["reason"] == "RewardConstant"
+
+
+class StackDumpingBackend(MemoryBackend):
+    """Records what happened to each process, and the row's state when its stacks were asked for."""
+
+    def __init__(self, store):
+        super().__init__()
+        self.store, self.calls = store, []
+
+    def dump_stacks(self, handle):
+        row = next(w for w in self.store.list_workers("r") if w.handle == handle)
+        self.calls.append(("dump", row.role, row.state))
+        return True
+
+    def stop(self, handle, grace_seconds=5.0):
+        self.calls.append(("stop", handle, grace_seconds))
+        super().stop(handle, grace_seconds)
+
+
+def test_a_stalled_worker_has_its_stacks_asked_for_while_its_row_is_live_then_is_ended_and_stopped(
+        store, store_url, mortal_home):
+    backend = StackDumpingBackend(store)
+    elector = LeaderElector(store, holder="me")
+    assert elector.try_acquire()
+    rec = Reconciler(store, store_url, elector, FAST, backends=lambda _: backend)
+    apply(store, rollout_replicas=1, spec={"deadlines": {"taskSeconds": 1}})
+    rec.reconcile("r")
+    rollout = next(w for w in store.list_workers("r") if w.role == "rollout")
+    store.heartbeat(WorkerRef("r", "rollout", 0, rollout.incarnation), activity="task 1.0", activity_seconds=5.0)
+    rec._listings["local"].invalidate()
+    rec.reconcile("r")
+    assert backend.calls[0] == ("dump", "rollout", "Running")  # before the row is ended (its heartbeat then fenced)
+    assert [c[0] for c in backend.calls] == ["dump", "stop"]
+    ended = next(w for w in store.list_workers("r") if w.id == rollout.id)
+    # at least the 5 s the heartbeat reported; more when the pass comes later (a loaded machine)
+    assert ended.state == "Failed" and re.match(r"TaskDeadlineExceeded: task 1\.0 has run \d+ s", ended.message)
+    assert any(e.reason == "TaskDeadlineExceeded" and e.type == "Warning" for e in store.list_events("r"))

@@ -167,6 +167,31 @@ def test_incarnations_increase_across_the_run(store: Store, run: str) -> None:
     ]
 
 
+def test_heartbeat_carries_what_the_worker_is_doing_since_when_on_the_stores_clock(store: Store, run: str) -> None:
+    ref = _worker(store, run)
+    row = store.heartbeat(ref, activity="task 3.1", activity_seconds=42.0)
+    assert row.activity == "task 3.1"
+    assert (row.heartbeat_at - row.activity_since).total_seconds() == pytest.approx(42.0)
+    listed = next(w for w in store.list_workers(run) if w.id == row.id)
+    assert (listed.activity, listed.activity_since) == (row.activity, row.activity_since)
+    idle = store.heartbeat(ref)
+    assert (idle.activity, idle.activity_since) == (None, None), "no activity: idle"
+    for bad in ("mining 1", "task \x1b[2J", "task " + "x" * 300):
+        with pytest.raises(ValueError, match="activity must be one of task, step, weight-load"):
+            store.heartbeat(ref, activity=bad)
+    for odd in (-5.0, 1e12):  # a worker's number is bounded, never an error (NaN: test_activity_age)
+        row = store.heartbeat(ref, activity="step 2", activity_seconds=odd)
+        assert row.activity_since <= row.heartbeat_at
+
+
+@pytest.mark.parametrize("seconds, age", [(None, 0.0), (3.5, 3.5), (-1.0, 0.0), (float("nan"), 0.0),
+                                          (float("inf"), 0.0), (1e12, 365 * 86400.0)])
+def test_activity_age(seconds, age) -> None:
+    from mortal.state.store import activity_age
+
+    assert activity_age(seconds) == age
+
+
 def test_heartbeat_and_exit(store: Store, run: str) -> None:
     ref = _worker(store, run)
     row = store.heartbeat(ref, step=2, weight_version=2)

@@ -87,6 +87,25 @@ def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_d
     assert all(r.state == "done" for r in store.step_results("basic", 2))
 
 
+def test_the_actor_reports_each_step_as_its_activity_for_the_watchdog(store, tiny_dir: Path) -> None:
+    """Each optimizer step, waiting for its rollouts included, is the heartbeat's activity (its deadline is
+    spec.deadlines.stepSeconds); between steps the actor reports none."""
+    run = create_run(store, "doing", actor_spec(str(tiny_dir)))
+    ctx = worker_context(store, run, "actor")
+    ctx.check_fence()
+    entered, activity = [], ctx.activity
+
+    def recording(what: str):
+        entered.append(what)
+        return activity(what)
+
+    ctx.activity = recording  # type: ignore[method-assign]
+    with RolloutThread(store, run):
+        assert actor.main(ctx) == EXIT_SUCCEEDED
+    assert entered == ["step 1", "step 2", "step 3"]
+    assert ctx._activities == []
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"])
 def test_every_loss_type_trains(store, tiny_dir: Path, loss_type: str) -> None:
     spec = actor_spec(str(tiny_dir), algorithm={"lossType": loss_type, "maxSteps": 2},

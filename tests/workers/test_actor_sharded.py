@@ -482,3 +482,42 @@ def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
     parent.wait()
     gone, alive = psutil.wait_procs([child], timeout=10)  # not our child: its exit code is not ours to read
     assert not alive, alive
+
+
+RANK = """
+import os, sys, time
+from mortal.workers.sharded import Ranks, rank_environment
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ.update(rank_environment(rank, 2, port))
+ranks = Ranks(rank, 2, "cpu", None, collective_seconds=1.0)
+ranks.join()
+print("joined", flush=True)
+if rank == 0:
+    time.sleep(60)  # stuck: never sends rank 1 its next message
+started = time.monotonic()
+try:
+    ranks.channel.recv()
+except Exception as exc:
+    print(f"raised after {time.monotonic() - started:.1f} s: {type(exc).__name__}", flush=True)
+"""
+
+
+def test_a_rank_waiting_past_spec_deadlines_collective_seconds_fails_instead_of_hanging(tmp_path: Path) -> None:
+    """With deadlines.collectiveSeconds set, the actor's process group carries it: a rank whose peer is stuck
+    raises (the worker fails and is relaunched from its checkpoint) instead of waiting forever."""
+    from mortal.workers.sharded import free_port
+
+    (tmp_path / "rank.py").write_text(RANK)
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(tmp_path / "rank.py"), str(r), port], stdout=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    try:
+        out, _ = ranks[1].communicate(timeout=60)
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+    assert "joined" in out
+    found = re.search(r"raised after ([\d.]+) s", out)
+    assert found, out
+    assert float(found.group(1)) < 10

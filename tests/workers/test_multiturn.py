@@ -21,6 +21,7 @@ from rollout_helpers import assets_available
 from tool_helpers import MAX_MODEL_LEN, SCRIPTS, ArithScript, ScriptedEngine, smollm2_tokenizer, tool_call
 
 from mortal.workers.builtin_tools import ArithEnvironment, CalculatorError, calculator
+from mortal.workers.deadline import Abandoner, TooManyAbandonedCalls
 from mortal.workers.engines import GenerationParams
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.multiturn import MultiTurn, ToolTemplateError, tool_suffix_ids
@@ -164,6 +165,18 @@ def test_a_tool_that_hangs_answers_with_a_timeout_and_the_rollout_goes_on() -> N
     assert outcome.failed and "timed out after 0.2 s" in outcome.content
     ok = box.call(box.tools, {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}})
     assert (ok.content, ok.failed) == ("42", False)
+
+
+def test_a_hung_tool_is_told_to_the_rollout_once_a_minute_and_too_many_hung_calls_relaunch_the_worker() -> None:
+    told: list[str] = []
+    box = Toolbox(tools=[_sleepy], timeout_seconds=0.05, abandoner=Abandoner(limit=2), on_timeout=told.append)
+    hang = {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 30}}}
+    for _ in range(2):
+        assert box.call(box.tools, hang).failed
+    assert told == ["tool _sleepy did not return within rollout.toolTimeoutSeconds (0.05 s); the model was told it "
+                    "timed out and the rollout went on; its stacks are in the worker's log"]
+    with pytest.raises(TooManyAbandonedCalls):  # two hung calls still running: the worker asks to be relaunched
+        box.call(box.tools, hang)
 
 
 class _Meeting:

@@ -10,7 +10,9 @@ test_ipc_weights the loss curve against volume."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -273,3 +275,38 @@ def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_ru
     store = open_store(f"sqlite:///{tmp_path / 'home' / 'state.db'}")
     later = [w for w in store.list_workers("nccl-kill") if w.role == "rollout" and w.incarnation > killed[0]]
     assert later and max(w.weight_version or 0 for w in later) >= 3, later
+
+
+def test_a_collective_whose_peer_never_answers_fails_within_spec_deadlines_collective_seconds() -> None:
+    """The pair's group is made with the collective deadline (here 1 s): a receive whose sender is stuck fails
+    the rollout (it is relaunched) instead of waiting forever; the actor writes the deadline into each manifest,
+    so both sides use the one the spec set."""
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    groups: dict[int, object] = {}
+
+    def make(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+        groups[rank] = nccl_weights._group(dist.PrefixStore("pair/0/", store), rank, torch.device("cpu"),
+                                           timedelta(seconds=1))
+
+    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for t in makers:
+        t.start()
+    for t in makers:
+        t.join(30)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):  # rank 0 (the actor's sender) never sends
+        groups[1].recv([torch.empty(3)], 0, 0).wait()
+    assert time.monotonic() - started < 10
+
+
+def test_the_manifest_carries_the_collective_deadline(tmp_path: Path) -> None:
+    server = nccl_weights.NcclWeightServer(ring=2, transfer_timeout=timedelta(seconds=7))
+    try:
+        path = server.share(_state(1.0), tmp_path / "v0", version=0, step=0)
+        assert nccl_weights._manifest(path)["transfer_seconds"] == 7.0
+    finally:
+        server.close()
+        nccl_weights._Peer.drop()

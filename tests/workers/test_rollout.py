@@ -157,6 +157,28 @@ def test_new_weight_versions_are_loaded_between_tasks(sqlite_store: Store, tiny_
     assert [c.ids for c in expected] == result.completion_ids
 
 
+def test_each_task_and_weight_load_is_the_heartbeats_activity_for_the_watchdog(sqlite_store: Store,
+                                                                                tiny_dir: Path) -> None:
+    store = sqlite_store
+    run = create_run(store, "r7", training_spec(str(tiny_dir)))
+    actor = new_worker(store, run, "actor")
+    publisher = WeightPublisher(store, actor)
+    assert publisher.publish(load_model(run.spec.model, "cpu"), step=0) == 0
+    rows = load_rows(run.spec.dataset)[:2]
+    store.enqueue_tasks(actor, [arith_task(1, slot, row) for slot, row in enumerate(rows)])
+    serving = Serving(store, run)
+    entered, activity = [], serving.ctx.activity
+
+    def recording(what: str):
+        entered.append(what)
+        return activity(what)
+
+    serving.ctx.activity = recording  # type: ignore[method-assign]
+    with serving:
+        wait_done(store, "r7", 1, 2)
+    assert entered == ["weight-load v0", "task 1.0", "task 1.1"]
+
+
 def test_a_slow_task_keeps_its_lease(sqlite_store: Store, tiny_dir: Path) -> None:
     store = sqlite_store
     annotations = {"mortal.dev/task-lease-seconds": "0.6"}

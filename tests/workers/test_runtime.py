@@ -201,6 +201,28 @@ def test_context_heartbeat_sends_reported_progress(store: Store) -> None:
     assert not ctx.stopping.is_set()
 
 
+def test_the_heartbeat_says_what_the_worker_is_doing_and_for_how_long(store: Store) -> None:
+    run = simulated_run("doing")
+    store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
+    row = store.create_worker(run.name, "rollout", 0, "local", lease_seconds=10.0)
+    ref = WorkerRef("doing", "rollout", 0, row.incarnation)
+    ctx = WorkerContext(store, ref, run, heartbeat_seconds=60.0)
+    with ctx.activity("task 3.1"):
+        time.sleep(0.3)
+        with ctx.activity("weight-load v2"):  # the innermost is reported
+            ctx.check_fence()
+            inner = next(w for w in store.list_workers("doing") if w.id == row.id)
+        ctx.check_fence()
+        outer = next(w for w in store.list_workers("doing") if w.id == row.id)
+    ctx.check_fence()
+    idle = next(w for w in store.list_workers("doing") if w.id == row.id)
+    assert inner.activity == "weight-load v2"
+    assert (inner.heartbeat_at - inner.activity_since).total_seconds() < 0.3
+    assert outer.activity == "task 3.1"
+    assert (outer.heartbeat_at - outer.activity_since).total_seconds() >= 0.3
+    assert idle.activity is None
+
+
 @sqlite_only
 def test_the_controllers_memory_choice_in_the_environment_is_the_workers_spec(store: Store) -> None:
     """MORTAL_MICRO_BATCH_SIZE (mortal.specs.memory, set by the controller after an out-of-memory) replaces the

@@ -7,6 +7,10 @@ called exactly as TRL's GRPOTrainer calls it: `f(prompts=..., completions=..., c
 **dataset_columns, trainer_state=..., log_extra=..., log_metric=...)`, and returns one float (or
 None: "not applicable") per completion. Per-function scores travel to the actor, which applies the
 weights (TRL's reward_weights) and logs `rewards/<name>/mean` as TRL does.
+Each call has a deadline (`rewards[].timeoutSeconds`): it runs on a thread of its own
+(mortal.workers.deadline says why not a subprocess) and past the deadline is abandoned, its completions
+score None (counted as not applicable, the run goes on) and `on_timeout` is told (the rollout records a
+Warning event naming the reward, the worker and the seconds).
 What it must not do: let a broken reward look like a crash to retry. A wrong path, a function that
 raises, or one that returns the wrong length or a non-number is a FatalWorkerError that names the
 reward and says what to fix, so the run fails at once with that reason.
@@ -30,7 +34,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
 from mortal.workers import references
+from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
 from mortal.workers.rewards.builtin import completion_text
@@ -131,6 +137,7 @@ class LoadedReward:
     ref: str  # e.g. "spec.rewards[0].function 'pkg.mod:f'", for messages
     func: Callable[..., Any]
     is_async: bool
+    timeout_seconds: float = DEFAULT_REWARD_TIMEOUT_SECONDS  # rewards[].timeoutSeconds: past it the call is abandoned
 
 
 @dataclass
@@ -201,12 +208,14 @@ def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None =
         from mortal.workers.tools import EnvironmentReward
 
         reward = EnvironmentReward(name, entry.args.get("class"))
-        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env 'environment'", func=reward, is_async=False)
+        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env 'environment'", func=reward, is_async=False,
+                            timeout_seconds=entry.timeout_seconds)
     if entry.env is not None:
         from mortal.workers.rewards.environments.factory import build_environment  # it imports this module
 
         env = build_environment(entry, index, run_dir)
-        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env {entry.env!r}", func=env, is_async=False)
+        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env {entry.env!r}", func=env, is_async=False,
+                            timeout_seconds=entry.timeout_seconds)
     where = f"spec.rewards[{index}].function {entry.function!r}"
     obj = _import_attr(entry.function, where)
     if inspect.isclass(obj):
@@ -224,7 +233,7 @@ def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None =
         obj = functools.partial(obj, **entry.args) if callable(obj) else obj
     if not callable(obj):
         raise FatalWorkerError("RewardNotFound", f"{where}: is not callable (it is a {type(obj).__name__})")
-    return LoadedReward(name=name, ref=where, func=obj, is_async=_is_async(obj))
+    return LoadedReward(name=name, ref=where, func=obj, is_async=_is_async(obj), timeout_seconds=entry.timeout_seconds)
 
 
 def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
@@ -266,13 +275,33 @@ def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float
     return out
 
 
+@dataclass(frozen=True)
+class RewardTimeout:
+    """A reward call abandoned past its deadline: its completions scored None."""
+
+    name: str
+    seconds: float
+    completions: int
+    step: int
+
+    def describe(self, worker: str) -> str:
+        """The Warning event's message: the worker, what it was doing and for how long."""
+        return (f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
+                f"scoring {self.completions} completions of step {self.step}; they score None (not applicable), "
+                "the run goes on; its stacks are in the worker's log")
+
+
 class RewardSet:
     """The spec's rewards, loaded once per worker and called for every task."""
 
-    def __init__(self, rewards: list[LoadedReward], max_steps: int = 0) -> None:
+    def __init__(self, rewards: list[LoadedReward], max_steps: int = 0,
+                 abandoner: Abandoner | None = None) -> None:
         self.rewards = rewards
         self.max_steps = max_steps
         self.logs = RewardLogs()
+        self.abandoner = abandoner or Abandoner()
+        self.on_timeout: Callable[[RewardTimeout], None] | None = None  # the rollout records an event
+        self._told: set[tuple[str, int]] = set()  # (reward, step) timeouts already told: one event each
 
     @property
     def names(self) -> list[str]:
@@ -302,14 +331,26 @@ class RewardSet:
         }
 
     def _call(self, reward: LoadedReward, kwargs: dict[str, Any]) -> Any:
+        """The reward's return value; CallTimedOut past its timeoutSeconds; what it raised, as a fatal error."""
+        def invoke() -> Any:
+            return asyncio.run(reward.func(**kwargs)) if reward.is_async else reward.func(**kwargs)
+
         try:
-            if reward.is_async:
-                return asyncio.run(reward.func(**kwargs))
-            return reward.func(**kwargs)
-        except FatalWorkerError:
+            return self.abandoner.call(invoke, reward.timeout_seconds, f"reward {reward.name}")
+        except (FatalWorkerError, CallTimedOut, TooManyAbandonedCalls):
             raise
         except Exception as exc:
             raise _fatal_raise(reward, exc) from exc
+
+    def _scores(self, reward: LoadedReward, kwargs: dict[str, Any], expected: int, step: int) -> list[float | None]:
+        """One reward's checked scores, or None for each completion when its call ran past its deadline."""
+        try:
+            return check_scores(reward, self._call(reward, kwargs), expected)
+        except CallTimedOut as exc:
+            if self.on_timeout is not None and (reward.name, step) not in self._told:
+                self._told.add((reward.name, step))
+                self.on_timeout(RewardTimeout(reward.name, exc.seconds, expected, step))
+            return [None] * expected
 
     def report(self, prompt: Any, completion: Any, completion_ids: list[int], row: dict[str, Any]
                ) -> list[RewardReport]:
@@ -324,7 +365,7 @@ class RewardSet:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
                     [score] = check_scores(reward, self._call(reward, kwargs), 1)
-                except FatalWorkerError as exc:
+                except (FatalWorkerError, CallTimedOut) as exc:
                     error = str(exc)
             reports.append(RewardReport(reward.name, score, error, out.getvalue(), err.getvalue(), self.logs))
         return reports
@@ -341,4 +382,4 @@ class RewardSet:
             kwargs["environments"] = environments
         if prompts is not None:
             kwargs["prompts"] = prompts
-        return {r.name: check_scores(r, self._call(r, kwargs), len(completions)) for r in self.rewards}
+        return {r.name: self._scores(r, kwargs, len(completions), step) for r in self.rewards}

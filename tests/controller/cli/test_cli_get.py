@@ -124,6 +124,7 @@ def test_wide_loss_is_the_newest_recorded_loss_value_not_the_loss_type(cli, stor
     ({"Progressing": "Unknown"}, "-"),
     ({"WeightsInSync": "True", "Progressing": "Unknown"}, "ok"),
     ({"WeightsInSync": "False", "Progressing": "False", "RewardHealthy": "True"}, "WeightsInSync=False,Progressing=False"),
+    ({"Progressing": "True", "DeadlinesMet": "False"}, "DeadlinesMet=False"),  # a worker relaunched for a stall
 ])
 def test_wide_conditions_column_names_the_false_training_conditions(statuses, shown):
     from mortal.specs.status import Condition
@@ -242,6 +243,15 @@ def test_describe_run(cli, store_of):
                      "prompt 40 drawn (pass 0, index 40), seed 0, 4 prompts per step",
                      "builtin:arith: 2000 rows, sha256 5eed5eed5eed", "Reward code:", "c0ffeec0ffee"):
         assert expected in text, expected
+
+
+def test_describe_shows_what_each_live_worker_is_doing_and_for_how_long(cli, store_of):
+    store = store_of()
+    ref = running_quickstart(cli, store)
+    store.heartbeat(ref, activity="step 13", activity_seconds=125.0)
+    out = cli("describe", "run", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert "DOING" in out.stdout and "step 13 for 2m" in out.stdout
 
 
 def test_describe_missing_run_is_exit_1(cli):

@@ -143,3 +143,17 @@ def test_math_answer_reads_hash_boxed_or_last_number() -> None:
 def test_a_spec_stored_with_the_old_builtin_path_still_loads() -> None:
     old = RewardSet.from_spec([RewardSpec(function="mortal.workers.builtin_rewards:correct_answer")])
     assert old.rewards[0].func is br.correct_answer
+
+
+def test_a_reward_past_its_timeout_scores_none_and_is_told_once_a_step() -> None:
+    rewards = reward_set({"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.1},
+                         {"function": "reward_fixtures:length_of_answer"})
+    told = []
+    rewards.on_timeout = told.append
+    for _ in range(2):
+        scores = rewards.score("p", ["3", "4"], [[1], [2]], {"answer": "10"}, step=7)
+        assert scores == {"never_returns": [None, None], "length_of_answer": [2.0, 2.0]}  # the others still score
+    assert [(t.name, t.seconds, t.completions, t.step) for t in told] == [("never_returns", 0.1, 2, 7)]
+    assert told[0].describe("rollout-0 #4").startswith(
+        "rollout-0 #4: reward 'never_returns' did not return within its timeoutSeconds (0.1 s) scoring 2 completions "
+        "of step 7; they score None")

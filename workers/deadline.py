@@ -1,0 +1,106 @@
+"""Calls of user code with a deadline: a reward function or a tool that may block forever (an API that never
+answers) is abandoned past its deadline instead of stopping the worker.
+
+Who calls it: mortal.workers.rewards (each reward call) and mortal.workers.tools (each tool call) through
+`Abandoner.call`; mortal.workers.runtime installs `register_stack_dump` at a worker's start, so the
+controller can ask a stuck worker for its stacks (SIGUSR1) before it kills it.
+Why a thread rather than a subprocess: a reward function gets the task's objects (environments, the
+trainer state, log callbacks) and may keep state between calls, which a subprocess could not share. Python
+cannot stop a thread, so a call past its deadline is abandoned (a daemon thread, left to finish or die
+with the process), and `Abandoner` bounds how many may pile up: past `limit` still running, the worker
+raises `TooManyAbandonedCalls` (exit 75), and the controller relaunches it with a fresh process.
+What it must not do: swallow what the call raises (the caller decides what an exception means).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("mortal.worker")
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+DEFAULT_ABANDONED_LIMIT = 8  # calls past their deadline still running before the worker asks to be relaunched
+
+
+class CallTimedOut(Exception):
+    """A call ran past its deadline and was abandoned (its thread may still be running)."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(f"{what} did not return within {seconds:g} s")
+        self.what = what
+        self.seconds = seconds
+
+
+class TooManyAbandonedCalls(RuntimeError):
+    """So many abandoned calls still run that this process should be replaced (exit 75: relaunched)."""
+
+
+def register_stack_dump(file: Any = None) -> bool:
+    """Dump every thread's Python stack to `file` (stderr: the worker's log) when STACK_DUMP_SIGNAL comes.
+    faulthandler writes from its C signal handler, so even a thread stuck in C code (a socket read) is
+    shown. False where the platform has no such signal."""
+    try:
+        faulthandler.register(STACK_DUMP_SIGNAL, file=file or sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def dump_stacks(reason: str, file: Any = None) -> None:
+    """Every thread's stack to `file` (stderr: the worker's log), after a line saying why."""
+    out = file or sys.stderr
+    print(f"--- stacks of every thread: {reason} ---", file=out, flush=True)
+    faulthandler.dump_traceback(file=out, all_threads=True)
+    out.flush()
+
+
+class Abandoner:
+    """Runs calls on daemon threads with a deadline; counts the abandoned ones that still run."""
+
+    def __init__(self, limit: int = DEFAULT_ABANDONED_LIMIT) -> None:
+        self.limit = limit
+        self._abandoned: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    @property
+    def abandoned(self) -> int:
+        """Abandoned calls whose threads are still running."""
+        with self._lock:
+            self._abandoned = [t for t in self._abandoned if t.is_alive()]
+            return len(self._abandoned)
+
+    def call(self, fn: Callable[..., Any], seconds: float, what: str, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs)'s value or exception; CallTimedOut past `seconds` (stacks dumped to the log
+        first); TooManyAbandonedCalls when `limit` abandoned calls already run (before starting another)."""
+        if self.abandoned >= self.limit:
+            raise TooManyAbandonedCalls(
+                f"{self.limit} calls past their deadline are still running in this worker (the newest: {what}); "
+                "relaunching it for a fresh process")
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # handed back to the caller's thread as it is
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"mortal-call-{what}"[:60], daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            with self._lock:
+                self._abandoned.append(thread)
+            dump_stacks(f"{what} still running after {time.monotonic() - started:.1f} s "
+                        f"(deadline {seconds:g} s); abandoned in thread {thread.name}")
+            raise CallTimedOut(what, seconds)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
