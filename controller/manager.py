@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -207,6 +208,55 @@ def running_controller_pid() -> int | None:
         return proc.pid if proc.status() != psutil.STATUS_ZOMBIE else None
     except (OSError, ValueError, psutil.Error):
         return None
+
+
+@dataclass(frozen=True)
+class RunningController:
+    """The controller of this MORTAL_HOME, as its pid file and process tell (`mortalctl controller status`)."""
+
+    pid: int
+    home: Path
+    since: datetime
+    folder: str | None  # the working folder it was started in (None: the process does not say)
+    log: Path
+
+
+def running_controller() -> RunningController | None:
+    pid = running_controller_pid()
+    if pid is None:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        since = datetime.fromtimestamp(proc.create_time(), UTC)
+    except psutil.Error:
+        return None
+    try:
+        folder: str | None = proc.cwd()
+    except psutil.Error:
+        folder = None
+    return RunningController(pid, paths.mortal_home(), since, folder, log_file())
+
+
+def stop_controller(timeout: float = 30.0) -> tuple[int, bool] | None:
+    """SIGTERM the controller of this MORTAL_HOME and wait up to `timeout`, then SIGKILL it; (pid, killed),
+    or None when none runs. Its workers keep running either way: the next controller adopts them."""
+    pid = running_controller_pid()
+    if pid is None:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        proc.terminate()
+        proc.wait(timeout)
+        return pid, False
+    except psutil.NoSuchProcess:
+        return pid, False
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+            proc.wait(10)
+        with contextlib.suppress(OSError):
+            pid_file().unlink()  # it had no chance to remove its own
+        return pid, True
 
 
 def _write_pid_file(pid: int) -> None:

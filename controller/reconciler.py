@@ -49,6 +49,7 @@ from mortal.controller.listing import SharedListing
 from mortal.controller.observed import EXIT_FATAL, Desired, Observed, PlanConfig
 from mortal.controller.outcome import Done, Outcome, RequeueAfter, Retry, Terminal
 from mortal.controller.plan import Plan, plan
+from mortal.controller.snapshot import code_environ
 from mortal.specs import TrainingSpec
 from mortal.state import paths
 from mortal.state.auth import launch_token
@@ -211,7 +212,8 @@ class Reconciler:
             run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
             gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
-            env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env},
+            env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env,
+                 **code_environ(run.annotations)},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
             # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see

@@ -9,7 +9,10 @@ The same run `mortalctl apply -f` would create: reward functions become "module:
 (so they must be importable by the worker processes: a lambda, a closure or a function defined in
 `__main__` is refused with the fix), an in-memory dataset is written to a .jsonl file under
 $MORTAL_HOME/datasets/ (both in mortal.controller.trainer_inputs), and `mode` (mortal.controller.
-modes) fills the actor/rollout/sync blocks. Like the CLI it is a client:
+modes) fills the actor/rollout/sync blocks. `train()` admits the run as `mortalctl apply` does
+(mortal.controller.admission): the modules of those functions that live in this folder or the
+script's are snapshotted with the run, so workers import them wherever the controller was started.
+Like the CLI it is a client:
 it writes desired state and reads status; it never trains in this process and never imports torch.
 """
 
@@ -293,9 +296,17 @@ class MortalTrainer:
         Returns the final status (the current one with detach); raises TrainingFailed when the run
         fails. Ctrl-C stops following only: the run keeps training under the controller.
         """
+        from pathlib import Path
+
+        from mortal.controller.admission import admit_runs
         from mortal.controller.cli import context, follow
+        from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
 
+        with admit_runs([(self.run, f"MortalTrainer({self.name})")], importing_folders(self.run.spec, Path.cwd())) \
+                as admitted:  # raises AdmissionRefused naming the field; the snapshot is installed
+            for check in admitted[0].deferred:
+                self._say(f"note: {check.line(self.name)}")
         store = open_store(self.state_url)
         try:
             meta = self.run.metadata

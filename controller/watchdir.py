@@ -5,7 +5,8 @@ Who calls it: the manager, in a thread, when started with a watch folder. Every 
 from this folder and whose file went away. Runs are marked with the label `mortal.dev/source`
 (a hash of the folder's path, a valid label value) and the annotation `mortal.dev/source-dir` (the
 path, for people). A folder with an unreadable file deletes nothing that round (a half-saved file
-must not delete a run). What it must not do: touch workers; it writes desired state only.
+must not delete a run). Each run is admitted first (mortal.controller.admission), with the
+controller's working folder as the applying folder: one that fails is logged and not applied. What it must not do: touch workers; it writes desired state only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import watchfiles
 
+from mortal.controller.admission import AdmissionRefused, admit_runs
 from mortal.specs import SpecError, TrainingRun, load_file
 from mortal.state.errors import Conflict
 from mortal.state.store import Store
@@ -61,6 +63,12 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
     label = {SOURCE_LABEL: source_id(folder)}
     for run in runs:
         labels = {**run.metadata.labels, **label}
+        try:
+            with admit_runs([(run, str(folder))], [Path.cwd()]):
+                pass  # checked, snapshot installed, its digest in run.metadata.annotations
+        except AdmissionRefused as exc:  # not applied; the next change of the folder tries again
+            result.errors.append(str(exc))
+            continue
         annotations = {**run.metadata.annotations, SOURCE_ANNOTATION: str(folder.resolve())}
         try:
             _, outcome = store.apply_run(run.name, run.spec_dict(), labels=labels, annotations=annotations)

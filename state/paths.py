@@ -8,6 +8,7 @@ checkpoints). Pure path arithmetic: nothing here creates a file.
     $MORTAL_HOME/runs/<run>/logs/<role>-<replica>-<incarnation>.log
     $MORTAL_HOME/runs/<run>/weights/v<version>/   published weights (sync: volume)
     $MORTAL_HOME/runs/<run>/checkpoints/step-<step>/
+    $MORTAL_HOME/runs/<run>/code/<sha256>/         the user code a run was applied with (controller/snapshot.py)
     $MORTAL_HOME/compile-cache/{inductor,triton}/     torch.compile's on-disk caches, shared by runs (backends/base.py)
 """
 
@@ -52,6 +53,14 @@ def weights_dir(run: str) -> Path:
 
 def checkpoints_dir(run: str) -> Path:
     return run_dir(run) / "checkpoints"
+
+
+CODE_SNAPSHOT_ENV = "MORTAL_CODE_SNAPSHOT"  # a worker's variable naming its run's code snapshot (a digest)
+
+
+def code_dir(run: str, digest: str, home: str | Path | None = None) -> Path:
+    """The run's snapshot of the applying user's code whose content hash is `digest`."""
+    return run_dir(run, home) / "code" / digest
 
 
 def compile_cache_dir(home: str | Path | None = None) -> Path:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import sys
 import time
 import traceback
 from collections.abc import Mapping
 from types import ModuleType
 
-from mortal.state import open_store
+from mortal.state import open_store, paths
 from mortal.state.errors import Fenced
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.errors import FatalWorkerError
@@ -64,6 +65,26 @@ def workload_module(ctx: WorkerContext) -> ModuleType:
     return importlib.import_module(ROLE_MODULES[ctx.worker.role])
 
 
+def use_code_snapshot(env: Mapping[str, str], worker: WorkerRef) -> str | None:
+    """Import from, and run in, the run's code snapshot (MORTAL_CODE_SNAPSHOT, mortal.controller.snapshot):
+    the reward modules and data files of the folder the run was applied from, wherever the controller runs.
+    First on sys.path and PYTHONPATH (processes the worker starts see it too); its folder, the working one."""
+    digest = env.get(paths.CODE_SNAPSHOT_ENV)
+    if not digest:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise FatalWorkerError("CodeSnapshotMissing",
+                               f"{paths.CODE_SNAPSHOT_ENV}={digest!r} is not a sha256 digest")
+    folder = paths.code_dir(worker.run, digest, env.get("MORTAL_HOME") or None)
+    if not folder.is_dir():
+        raise FatalWorkerError("CodeSnapshotMissing", f"the run's code snapshot {folder} is not on this "
+                               "machine (apply the run again from the folder of its code)")
+    sys.path.insert(0, str(folder))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    os.chdir(folder)
+    return str(folder)
+
+
 def seconds_since_exec() -> float:
     """How long this process has existed: the interpreter's start and main's own imports, before any log line."""
     import psutil
@@ -94,6 +115,9 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
     ctx: WorkerContext | None = None
     try:
         ctx = WorkerContext.from_env(store, env)
+        code = use_code_snapshot(env, worker)
+        if code is not None:
+            log.info("importing the run's code from %s", code)
         pin_cpu_threads(worker.role, ctx.run)
         ctx.start()
         context_ready = time.monotonic()

@@ -47,6 +47,7 @@ from mortal.controller.backends.base import (
     WorkerLaunch,
 )
 from mortal.controller.backends.gpus import wants_gpu
+from mortal.state import paths
 from mortal.state.containment import posix_inside
 
 APP_NAME = "mortal"
@@ -150,6 +151,7 @@ class ModalBackend(Backend):
         self._functions: dict[tuple[str, str | None], Any] = {}
         self._ended: dict[str, int | None] = {}  # call id -> exit code, for calls seen ended (never polled again)
         self._lock = threading.Lock()
+        self._shipped: set[str] = set()  # code snapshots known to be on the volume
 
     # -- launch ------------------------------------------------------------------------------
     def launch(self, launch: WorkerLaunch) -> str:
@@ -159,6 +161,7 @@ class ModalBackend(Backend):
                 f"workers on Modal reach the state store over HTTP, not {launch.state_url.split(':')[0]}: run the "
                 "controller with MORTAL_STATE_URL=https://<workspace>--mortal-store.modal.run (docs/modal.md)"
             )
+        self.ship_code(launch)
         gpu = modal_gpu(launch.gpu, launch.gpu_count)
         function = worker_function(launch)
         known = self._modal_call(self._registry.get, launch.worker_id)
@@ -268,6 +271,37 @@ class ModalBackend(Backend):
         return True
 
     # -- files -------------------------------------------------------------------------------
+    def ship_code(self, launch: WorkerLaunch) -> None:
+        """Upload the run's code snapshot (mortal.controller.snapshot) to the data volume, where the worker's
+        MORTAL_HOME is, unless it is there already (content-addressed: an upload is never replaced)."""
+        digest = launch.env.get(paths.CODE_SNAPSHOT_ENV)
+        if not digest or digest in self._shipped:
+            return
+        local = paths.code_dir(launch.run, digest, launch.mortal_home)
+        remote = f"runs/{launch.run}/code/{digest}"
+        volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
+        try:
+            volume.listdir(remote)
+            present = True
+        except (FileNotFoundError, self._modal.exception.NotFoundError):
+            present = False
+        except self._modal.exception.Error as exc:
+            raise BackendError(f"Modal: could not list {remote} on the volume: {exc}") from exc
+        if not present:
+            if not local.is_dir():
+                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: apply "
+                                   "the run again from the folder of its code")
+            try:
+                with volume.batch_upload() as batch:
+                    for root, _, files in os.walk(local):  # a linked model folder is not the volume's to hold
+                        for name in files:
+                            if not (Path(root) / name).is_symlink():
+                                rel = (Path(root) / name).relative_to(local).as_posix()
+                                batch.put_file(str(Path(root) / name), f"{remote}/{rel}")
+            except self._modal.exception.Error as exc:
+                raise BackendError(f"Modal: could not upload {remote} to the volume: {exc}") from exc
+        self._shipped.add(digest)
+
     def remove_run_folder(self, run: str) -> None:
         """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works
         from a controller anywhere; a folder already gone is no error."""

@@ -56,6 +56,7 @@ from mortal.controller.backends.base import (
     WorkerLaunch,
 )
 from mortal.controller.backends.gpus import wants_gpu
+from mortal.controller.snapshot import archive
 from mortal.state import paths
 
 HANDLE_PREFIX = "ray:"
@@ -181,7 +182,8 @@ class RayBackend(Backend):
             self._check_feasible(launch, options)
             argv = self._command or [sys.executable, "-m", WORKER_MODULE]
             try:
-                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv, namespace)
+                code = archive(launch.run, launch.env, launch.mortal_home) if launch.node_home else None
+                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv, namespace, code)
             except (ValueError, TypeError) as exc:  # Ray refused the options (a bad resource name, ...)
                 raise LaunchFailed(f"Ray refused to create {launch.worker_id}: {exc}") from exc
             except self._ray.exceptions.RaySystemError as exc:

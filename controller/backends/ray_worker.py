@@ -43,6 +43,7 @@ from mortal.controller.backends.base import (
 )
 from mortal.controller.backends.gpus import wants_gpu
 from mortal.controller.logs import LOG_UPLOAD_SECONDS, storage_log_url
+from mortal.controller.snapshot import unpack
 from mortal.state import paths
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -51,14 +52,18 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class WorkerHost:
     """One worker process and what is known of it; Ray calls the methods from its threads (max_concurrency > 1)."""
 
-    def __init__(self, launch: dict[str, Any], command: Sequence[str], namespace: str = "") -> None:
-        """`namespace`: the run's (the actor's name is in it; Ray's runtime context gives the creating job's)."""
+    def __init__(self, launch: dict[str, Any], command: Sequence[str], namespace: str = "",
+                 code: bytes | None = None) -> None:
+        """`namespace`: the run's (the actor's name is in it; Ray's runtime context gives the creating job's);
+        `code`: the run's code snapshot (mortal.controller.snapshot.archive) when this node has its own home."""
         import ray
 
         spec = WorkerLaunch(**launch)
         self.worker_id = spec.worker_id
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
         home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
+        if spec.node_home and code is not None:
+            unpack(code, spec.run, spec.env, home)  # the run's code snapshot, into this node's own MORTAL_HOME
         env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
         context = ray.get_runtime_context()
         env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: namespace,

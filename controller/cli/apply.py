@@ -4,11 +4,14 @@ Prints `trainingrun/NAME created | configured | unchanged` per run (unchanged wh
 spec, labels and annotations are equal), nudges or starts a controller, and with --follow/--wait
 stays until the runs finish. Status in the documents is ignored, so `get -o yaml` output applies.
 Refuses, before writing anything, a run whose model certainly cannot fit the GPU it names
-(`refuse_what_cannot_fit`, mortal.controller.fit). Also holds `read_documents`, shared with `delete -f`.
+(`refuse_what_cannot_fit`, mortal.controller.fit), or that fails admission (mortal.controller.admission:
+its rewards, tools, environments, model and dataset file, checked from this folder, whose code the
+run then carries in its snapshot). Also holds `read_documents`, shared with `delete -f`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -27,6 +30,13 @@ A run that does not exist is created; one whose spec, labels or annotations diff
 read-only metadata in the files are ignored, so the output of `get -o yaml` can be applied again.
 Unless --no-controller is given, a background controller is started when none is running.
 
+Before anything is written, each run is admitted: its rewards, tools and environments must import
+from this folder (or be installed) with the signatures TRL calls, its model must be here or in the
+Hugging Face cache, its dataset file must exist. The modules and files it takes from this folder are
+snapshotted with the run, so its workers import them wherever the controller was started; editing
+them and applying again says `configured`. Checks only a remote backend can make are printed as
+deferred. --dry-run prints every check (docs/admission.md).
+
 \b
 Examples:
   # Train the quickstart example on this machine and watch it
@@ -42,17 +52,23 @@ Examples:
 
 def read_documents(filenames: list[str], recursive: bool = False) -> list[TrainingRun]:
     """Every run in the given files, folders or '-' (stdin); all problems raised together as one SpecError."""
+    return [run for run, _ in read_sourced_documents(filenames, recursive)]
+
+
+def read_sourced_documents(filenames: list[str], recursive: bool = False) -> list[tuple[TrainingRun, str]]:
+    """`read_documents`, each run with the file (or folder, or '-') it came from, for admission's messages."""
     from mortal.specs import SpecError, SpecIssue, load_path
 
-    runs: list[TrainingRun] = []
+    runs: list[tuple[TrainingRun, str]] = []
     issues: list[SpecIssue] = []
     for filename in filenames:
         try:
-            runs += load_path(filename, recursive=recursive)
+            runs += [(run, "<stdin>" if filename == "-" else filename)
+                     for run in load_path(filename, recursive=recursive)]
         except SpecError as err:
             issues += err.issues
     seen: set[str] = set()
-    for run in runs:
+    for run, _ in runs:
         if run.name in seen:
             issues.append(SpecIssue("<arguments>", None, "metadata.name", f"run {run.name!r} is given twice"))
         seen.add(run.name)
@@ -146,17 +162,24 @@ def apply_command(
     no_controller: bool = typer.Option(
         False, "--no-controller", help="Do not start a background controller [env: MORTAL_NO_CONTROLLER=1]."
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print what would change, without writing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate, print the admission checks and what would change, without writing."),
 ) -> None:
+    from mortal.controller.admission import admit_runs
+
     cli = state(ctx)
-    runs = read_documents(filenames, recursive)
+    sourced = read_sourced_documents(filenames, recursive)
+    runs = [run for run, _ in sourced]
     if not runs:
         raise CliError(f"no TrainingRun documents found in {', '.join(filenames)}")
     for run in runs:
         for note in run.spec.notes():
             typer.echo(plain(f"note: trainingrun/{run.name}: {note}"), err=True)
     refuse_what_cannot_fit(runs)
-    results = apply_runs(cli.store, fit_micro_batches(runs), dry_run)
+    with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
+        for admission in admitted:
+            for check in admission.checks if dry_run else admission.deferred:
+                typer.echo(plain(("check: " if dry_run else "note: ") + check.line(admission.run.name)), err=True)
+        results = apply_runs(cli.store, fit_micro_batches(runs), dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:
         typer.echo(plain(f"trainingrun/{name} {outcome}{suffix}"))

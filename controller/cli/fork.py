@@ -175,6 +175,7 @@ def fork_run(
 ) -> Forked:
     """Create run `name` from `source`'s checkpoint of `step` (newest when None). Its spec is `document`'s
     when given (MortalTrainer), else the parent's with `fragment` and `sets` merged over it."""
+    from mortal.controller.snapshot import carry_snapshot
     from mortal.specs.fork import carry_over_problems, forked_document
     from mortal.state import Conflict, NotFound, paths
 
@@ -205,6 +206,7 @@ def fork_run(
                                            "forking"), dest, name)
     recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
+    carry_snapshot(meta.annotations, source, name)  # the workers import the parent's code from their own folder
     try:
         row = store.fork_run(name, child.spec_dict(), meta.labels, meta.annotations, source, checkpoint.step,
                              recorded, checkpoint.weight_version, provenance=checkpoint.provenance)

@@ -13,6 +13,7 @@ import logging
 import platform
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ CONTROLLER_HELP = """Run the controller in the foreground (apply starts one in t
 
 The controller reconciles every run in the state store: it starts, scales, relaunches and stops
 workers and writes status. Only one controller acts at a time (a leader lease); a second one waits.
+`controller status` says whether one runs for this MORTAL_HOME; `controller stop` stops it.
 
 \b
 Examples:
@@ -49,6 +51,24 @@ Examples:
 \b
   # GitOps: make the *.yaml files of a folder the desired state
   mortalctl controller --watch runs/
+\b
+  # The background controller: is one running, and stop it
+  mortalctl controller status
+  mortalctl controller stop
+"""
+
+CONTROLLER_STATUS_HELP = """Say whether a controller runs for this MORTAL_HOME: its pid, since when, the folder
+it was started in and its log; and which controller holds the store's leader lease (it may be on another
+machine).
+"""
+
+CONTROLLER_STOP_HELP = """Stop the controller of this MORTAL_HOME (the background one apply started, or one
+in the foreground).
+
+It is sent SIGTERM and given --timeout seconds to finish its reconcile passes and give up the leader
+lease, then killed (SIGKILL). Running workers are NOT stopped: they keep training, and the next
+controller (the next apply starts one) adopts them. To stop a run's workers, `mortalctl suspend run
+NAME` or `mortalctl delete run NAME` first.
 """
 
 
@@ -154,6 +174,8 @@ def controller_command(
 ) -> None:
     from mortal.controller.manager import run_controller
 
+    if ctx.invoked_subcommand is not None:
+        return
     cli = state(ctx)
     if watch is not None and not watch.is_dir():
         raise CliError(f"--watch {watch}: no such directory")
@@ -162,6 +184,55 @@ def controller_command(
     logging.getLogger("alembic").setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):  # SIGINT stops the controller; workers keep running
         run_controller(state_url=cli.state_url, watch=watch, idle_exit_seconds=idle_exit)
+
+
+def controller_status_command(ctx: typer.Context) -> None:
+    from mortal.controller.leader import LEASE_NAME
+    from mortal.controller.manager import running_controller
+    from mortal.state import paths
+
+    running = running_controller()
+    if running is None:
+        typer.echo(f"controller: not running (MORTAL_HOME {paths.mortal_home()})")
+    else:
+        since = running.since.astimezone().isoformat(timespec="seconds")
+        typer.echo(f"controller: running (pid {running.pid}, since {since})")
+        typer.echo(f"home: {running.home}")
+        typer.echo(f"started in: {running.folder or '(unknown)'}")
+        typer.echo(f"log: {running.log} (a foreground controller logs to its terminal)")
+    try:
+        lease = state(ctx).store.get_lease(LEASE_NAME)
+    except Exception as exc:  # noqa: BLE001 - the process facts above stand; the store's part is unknown
+        first = (str(exc).strip().splitlines() or [""])[0]
+        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {first})")
+        return
+    if lease is not None:
+        expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
+        if expires > datetime.now(UTC):
+            until = expires.isoformat(timespec="seconds")
+            typer.echo(f"leader lease: held by {lease.holder} (until {until})")
+        else:
+            typer.echo(f"leader lease: free (last held by {lease.holder})")
+
+
+def controller_stop_command(
+    ctx: typer.Context,
+    timeout: float = typer.Option(30.0, "--timeout", min=0, metavar="SECONDS",
+                                  help="How long to wait after SIGTERM before SIGKILL."),
+) -> None:
+    from mortal.controller.manager import stop_controller
+    from mortal.state import paths
+
+    stopped = stop_controller(timeout)
+    if stopped is None:
+        typer.echo(f"no controller running (MORTAL_HOME {paths.mortal_home()})")
+        return
+    pid, killed = stopped
+    if killed:
+        typer.echo(f"controller (pid {pid}) killed after {timeout:g}s; its leader lease expires by itself "
+                   "shortly; workers keep running")
+    else:
+        typer.echo(f"controller (pid {pid}) stopped; workers keep running (the next controller adopts them)")
 
 
 def schema_command() -> None:
@@ -187,6 +258,13 @@ def version_command() -> None:
 
 def register(app: typer.Typer) -> None:
     app.command("logs", help=LOGS_HELP, short_help="Print the logs of a run's workers", no_args_is_help=True)(logs_command)
-    app.command("controller", help=CONTROLLER_HELP, short_help="Run the controller in the foreground")(controller_command)
+    group = typer.Typer(help=CONTROLLER_HELP, short_help="Run the controller in the foreground; status, stop",
+                        rich_markup_mode=None)
+    group.callback(invoke_without_command=True)(controller_command)
+    group.command("status", help=CONTROLLER_STATUS_HELP,
+                  short_help="Is a controller running, where, since when")(controller_status_command)
+    group.command("stop", help=CONTROLLER_STOP_HELP, short_help="Stop the controller (workers keep running)")(
+        controller_stop_command)
+    app.add_typer(group, name="controller")
     app.command("schema", short_help="Print the TrainingRun JSON Schema")(schema_command)
     app.command("version", short_help="Print the version")(version_command)

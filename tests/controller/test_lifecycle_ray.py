@@ -83,6 +83,35 @@ def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness)
     assert any("actor done at step 30" in line for line in lines), lines[-5:]
 
 
+def test_rollouts_on_worker_nodes_import_the_reward_from_the_runs_code_snapshot(  # noqa: F811
+        ray_cluster, harness, tmp_path, monkeypatch):  # noqa: F811
+    from mortal.controller.admission import admit_runs
+    from mortal.controller.snapshot import CODE_ANNOTATION
+    from mortal.state import paths
+
+    h, name = harness, "ray-code"
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "ray_rewards.py").write_text(
+        "import os, pathlib\n"
+        "if os.environ.get('MORTAL_ROLE') == 'rollout':\n"
+        "    home = pathlib.Path(os.environ['MORTAL_HOME'])\n"
+        "    (home / ('imported-' + os.environ['MORTAL_REPLICA'])).write_text(__file__)\n"
+        "def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    run = ray_run(name, max_steps=4, rollout_replicas=2, step_seconds=0.1,
+                  annotations={"mortal.dev/rewards": "call"})
+    run.spec.rewards[0].function = "ray_rewards:correct"
+    with admit_runs([(run, "test")], [user]):  # what `mortalctl apply` does from the user's folder
+        pass
+    h.apply(run)
+    h.start()  # started in the test's folder, where ray_rewards is not
+    h.wait_phase(name, "Succeeded", timeout=120)
+    snapshot = paths.code_dir(name, run.metadata.annotations[CODE_ANNOTATION])
+    assert [(h.home / f"imported-{i}").read_text() for i in (0, 1)] == [str(snapshot / "ray_rewards.py")] * 2
+    wait_for(lambda: not worker_processes(h.home, run=name) and not named_actors(name), 30,
+             "no worker process and no actor left in the cluster")
+
+
 def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, harness):  # noqa: F811
     h, name = harness, "ray-node-kill"
     # Steps enough that the run is still training when the relaunched rollout is seen (on a loaded machine

@@ -155,3 +155,31 @@ def test_without_ray_installed_or_an_address_the_error_says_the_fix(monkeypatch:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(BackendUnavailable, match=r"set spec\.ray\.address"):
         select_backend("ray")
+
+
+def test_a_run_s_code_snapshot_travels_to_a_node_that_shares_no_disk(
+        ray_cluster: RayCluster, mortal_home: Path, tmp_path: Path) -> None:
+    from mortal.controller.snapshot import build
+    from mortal.workers.simulated import simulated_run
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0]\n")
+    run = simulated_run("shipped", spec={"rewards": [{"function": "myrewards:correct"}]})
+    snapshot = build(run.spec, [user])
+    snapshot.install("shipped")
+    snapshot.close()
+    imports = [sys.executable, "-c", "import os, time; from mortal.state import WorkerRef; "
+               "from mortal.workers.main import use_code_snapshot; "
+               "use_code_snapshot(os.environ, WorkerRef(os.environ['MORTAL_RUN'], 'rollout', 0, 1)); "
+               "import myrewards; print('imported', myrewards.__file__, flush=True); time.sleep(600)"]
+    backend = RayBackend(home=mortal_home, command=imports)
+    handle = backend.launch(launch_of(mortal_home, "shipped", cpus=0.5, resources={"node_a": 0.1},
+                                      node_home=True, env={paths.CODE_SNAPSHOT_ENV: snapshot.digest}))
+    node_copy = paths.code_dir("shipped", snapshot.digest, ray_cluster.home("node_a"))
+    rel = paths.worker_log("shipped", "rollout", 0, 1).relative_to(paths.mortal_home())
+    log = ray_cluster.home("node_a") / rel
+    wait_for(lambda: log.exists() and "imported" in log.read_text(), 60, "the worker importing its reward")
+    assert (node_copy / "myrewards.py").is_file()
+    assert f"imported {node_copy / 'myrewards.py'}" in log.read_text()  # the worker runs in its node's copy
+    backend.stop(handle, grace_seconds=2)

@@ -82,3 +82,23 @@ def test_controller_watch_runs_a_file_and_deletes_it_when_the_file_goes(harness,
     spec.unlink()
     wait_for(lambda: not h.store.list_runs(), 30, "the run to be deleted and purged")
     wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
+
+
+@sqlite_only
+def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_nothing(store, tmp_path,
+                                                                                     monkeypatch):
+    from mortal.controller.snapshot import CODE_ANNOTATION
+
+    project, folder = tmp_path / "project", tmp_path / "project" / "runs"
+    folder.mkdir(parents=True)
+    (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.chdir(project)  # the controller's working folder is the applying one
+    write(folder, "good", spec={"rewards": [{"function": "myrewards:correct"}]})
+    kept = write(folder, "kept")
+    assert sync_folder(store, folder).applied == {"good": "created", "kept": "created"}
+    assert CODE_ANNOTATION in store.get_run("good").annotations
+    write(folder, "bad", spec={"rewards": [{"function": "myrewards:absent"}]})
+    kept.unlink()
+    result = sync_folder(store, folder)
+    assert "bad" not in result.applied and [e for e in result.errors if "spec.rewards[0].function" in e]
+    assert [r.name for r in store.list_runs()] == ["good", "kept"] and result.deleted == []

@@ -419,11 +419,45 @@ class _Volume:
         assert not local.is_dir() or bound["recursive"], "the fake removes folders only recursively"
         shutil.rmtree(local) if local.is_dir() else local.unlink()
 
+    def batch_upload(self, *args: Any, **kwargs: Any) -> _Upload:
+        self._fake.conform(self._fake.api.Volume.batch_upload, *args, **kwargs)
+        self._fake._check()
+        return _Upload(self._fake)
+
     def _count(self, method: str, counts: dict[str, int], *args: Any, **kwargs: Any) -> None:
         self._fake.conform(getattr(self._fake.api.Volume, method), *args, **kwargs)
         self._fake._check()
         with self._fake._lock:
             counts[self._name] = counts.get(self._name, 0) + 1
+
+
+class _Upload:
+    """Volume.batch_upload's context: the files are copied into the volume when it exits without an error.
+    Without force, a file already in the volume is refused (the fake's reading of Modal's no-overwrite rule)."""
+
+    def __init__(self, fake: FakeModal) -> None:
+        from modal.volume import VolumeUploadContextManager
+
+        self._fake, self._api, self._files = fake, VolumeUploadContextManager, []
+
+    def __enter__(self) -> _Upload:
+        return self
+
+    def put_file(self, *args: Any, **kwargs: Any) -> None:
+        bound = self._fake.conform(self._api.put_file, *args, **kwargs)
+        remote = str(bound["remote_path"])
+        if remote.startswith("/") or ".." in Path(remote).parts:
+            raise ModalAPIMisuse(f"put_file: {remote!r} is not a path inside the volume")
+        self._files.append((Path(bound["local_file"]), self._fake.volume / remote))
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is not None:
+            return
+        for local, dest in self._files:
+            if dest.exists():
+                raise self._fake.exception.Error(f"fake: {dest} is already in the volume (no force)")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, dest)
 
 
 # -- the container's side: `python modal_fake.py RESULT` -------------------------------------------------

@@ -183,3 +183,25 @@ def test_every_call_holds_gpus_of_its_own_for_gpu_time(fake: FakeModal) -> None:
     assert [backend.gpus_held(spec(gpu=g, colocate=c)) for g, c in (("none", False), ("H100", False), ("H100", True))] \
         == [0, 1, 1]  # a colocated rollout is still a container with its own GPU on Modal
     assert backend.gpus_held(spec(gpu="A100", gpu_count=2)) == 2
+
+
+def test_a_run_s_code_snapshot_is_uploaded_to_the_volume_once(fake: FakeModal, tmp_path: Path) -> None:
+    """The controller's MORTAL_HOME is not the volume: the snapshot the worker imports from must travel."""
+    from mortal.state import paths
+
+    digest = "cd" * 32
+    home = tmp_path / "controller-home"
+    local = paths.code_dir("r", digest, home)
+    (local / "pkg").mkdir(parents=True)
+    (local / "pkg" / "__init__.py").write_text("def f(completions, **kw):\n    return [1.0]\n")
+    (local / "model").symlink_to(tmp_path)  # a linked local model folder stays behind
+    launch = dataclasses.replace(spec(), mortal_home=str(home), env={paths.CODE_SNAPSHOT_ENV: digest})
+    backend = ModalBackend(modal=fake)
+    backend.ship_code(launch)
+    on_volume = fake.volume / "runs" / "r" / "code" / digest
+    assert (on_volume / "pkg" / "__init__.py").read_text() == (local / "pkg" / "__init__.py").read_text()
+    assert not (on_volume / "model").exists()
+    ModalBackend(modal=fake).ship_code(launch)  # a new controller finds it there: no second upload (no force)
+    missing = dataclasses.replace(launch, env={paths.CODE_SNAPSHOT_ENV: "ef" * 32})
+    with pytest.raises(LaunchFailed, match="is not on the controller's machine"):
+        backend.ship_code(missing)

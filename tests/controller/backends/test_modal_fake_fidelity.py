@@ -42,6 +42,8 @@ def fake(tmp_path: Path) -> Iterator[FakeModal]:
     (modal.Volume.listdir, ("runs/r/logs",), {}),
     (modal.Volume.read_file, ("runs/r/logs/actor-0-1.log",), {}),
     (modal.Volume.remove_file, ("runs/r",), {"recursive": True}),
+    (modal.Volume.batch_upload, (), {}),
+    (modal.volume.VolumeUploadContextManager.put_file, ("/tmp/a.py", "runs/r/code/d/a.py"), {}),
 ])
 def test_what_the_backend_calls_binds_to_the_installed_library(api, args, kwargs) -> None:
     bound = conform(api, *args, **kwargs)

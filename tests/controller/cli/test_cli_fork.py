@@ -175,3 +175,27 @@ def test_a_fork_of_a_ray_run_without_shared_disk_is_uploaded_where_its_nodes_loo
     assert row.path == f"file://{bucket}/child/step-10"
     assert (bucket / "child" / "step-10" / "optimizer.pt").read_bytes() == bytes([10]) * 100
     assert json.loads((bucket / "child" / "step-10" / "mortal.json").read_text())["run"] == "child"
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_fork_carries_its_parent_s_code_snapshot(cli, store, tmp_path, monkeypatch) -> None:
+    from mortal.controller.snapshot import CODE_ANNOTATION
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.chdir(project)
+    builtin = "mortal.workers.rewards.builtin:correct_answer"
+    spec = QUICKSTART.read_text().replace(builtin, "myrewards:correct")
+    (project / "run.yaml").write_text(spec)
+    assert cli("apply", "-f", "run.yaml").exit_code == 0
+    ref = actor(store, "quickstart")
+    store.record_checkpoint(ref, 10, str(checkpoint_folder("quickstart", 10)), 10)
+    for row in store.list_workers("quickstart", live_only=True):
+        store.end_worker(row.id, "Stopped")
+    monkeypatch.chdir(tmp_path)  # forked from elsewhere: the code comes from the parent's snapshot
+    result = cli("fork", "quickstart:step-10", "arm-b")
+    assert result.exit_code == 0, result.output
+    digest = store.get_run("arm-b").annotations[CODE_ANNOTATION]
+    assert digest == store.get_run("quickstart").annotations[CODE_ANNOTATION]
+    assert (paths.code_dir("arm-b", digest) / "myrewards.py").is_file()

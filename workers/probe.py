@@ -1,0 +1,246 @@
+"""`python -m mortal.workers.probe`: admission's checks of a spec, made the way a worker would see it.
+
+Who calls it: mortal.controller.admission, in a child process whose working folder is the run's code
+snapshot (first on sys.path, as in a worker), with {"spec": ..., "simulated": bool} on stdin; it
+prints one JSON list of checks {field, state: ok | failed | deferred, message}. A child process so
+the user's modules are imported fresh (a long-lived controller or a MortalTrainer script would reuse
+stale ones) and never into the caller. Rewards, tools and environments are resolved with the
+workers' own resolvers and their signatures compared with how TRL calls them; the model and the
+dataset file are looked for as the workers look for them (nothing is downloaded).
+What it must not do: construct a reward, a tool or an environment (that may load a model), or decide
+anything: admission refuses or accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mortal.specs.training import TrainingSpec
+from mortal.workers import references
+from mortal.workers.errors import FatalWorkerError
+
+# What TRL's GRPOTrainer (and mortal's RewardSet) pass a reward function by name, besides dataset columns.
+TRL_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+REWARD_HINT = "define it as f(completions, prompts=None, completion_ids=None, **kwargs) -> list[float | None]"
+REMOTE = ("modal", "ray")
+
+
+@dataclass(frozen=True)
+class Check:
+    field: str
+    state: str  # ok | failed | deferred
+    message: str
+
+
+def ok(field: str, message: str) -> Check:
+    return Check(field, "ok", message)
+
+
+def failed(field: str, message: str) -> Check:
+    return Check(field, "failed", message)
+
+
+def deferred(field: str, message: str) -> Check:
+    """A check only the backend can make, later: said, never skipped silently."""
+    return Check(field, "deferred", message)
+
+
+def _resolve(ref: str) -> tuple[Any, str | None]:
+    """The object, or None and why it cannot be imported (what the worker would fail with)."""
+    module = ref.partition(":")[0]
+    try:
+        return references.resolve(ref), None
+    except references.MissingAttribute as exc:
+        return None, str(exc)
+    except ModuleNotFoundError as exc:
+        return None, (f"cannot import module {module!r} ({exc}): it is neither in the folder you applied "
+                      "from nor installed where mortal runs")
+    except BaseException as exc:  # noqa: BLE001 - what the user's module raises on import is the finding
+        return None, f"importing module {module!r} failed: {type(exc).__name__}: {exc}"
+
+
+def _signature(obj: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing certain to say
+        return None
+
+
+def _takes_trl_call(func: Any, args: dict[str, Any]) -> str | None:
+    """Why TRL's keyword call cannot reach `func` (None when it can)."""
+    sig = _signature(func)
+    if sig is None:
+        return None
+    try:
+        sig.bind_partial(**args, **dict.fromkeys(TRL_REWARD_KWARGS))
+    except TypeError as exc:
+        return f"its signature {sig} does not take TRL's reward call ({exc}); {REWARD_HINT}"
+    return None
+
+
+def _reward_environment_class() -> type:
+    from mortal.workers.rewards import RewardEnvironment
+
+    return RewardEnvironment
+
+
+def check_reward(field: str, ref: str, args: dict[str, Any]) -> Check:
+    obj, why = _resolve(ref)
+    if why is not None:
+        return failed(field, f"{ref!r}: {why}")
+    if inspect.isclass(obj):
+        sig = _signature(obj)
+        if sig is not None:
+            try:
+                sig.bind(**args)
+            except TypeError as exc:
+                return failed(field, f"{ref!r}: the class cannot be built as {obj.__name__}(**args) with "
+                                     f"args {args} ({exc})")
+        base = _reward_environment_class()
+        if issubclass(obj, base):
+            if obj.score is base.score and obj.score_batch is base.score_batch:
+                return failed(field, f"{ref!r}: RewardEnvironment {obj.__name__} overrides neither score() "
+                                     "nor score_batch()")
+            return ok(field, f"{ref!r}: RewardEnvironment {obj.__name__}")
+        if "__call__" not in {name for klass in obj.__mro__[:-1] for name in vars(klass)}:
+            return failed(field, f"{ref!r}: class {obj.__name__} is neither a RewardEnvironment nor "
+                                 "callable; subclass mortal.RewardEnvironment and override score()")
+        problem = _takes_trl_call(obj.__call__, {"self": None})
+        return failed(field, f"{ref!r}: {obj.__name__}.__call__: {problem}") if problem else \
+            ok(field, f"{ref!r}: callable class {obj.__name__}")
+    if not callable(obj):
+        return failed(field, f"{ref!r}: is not callable (it is a {type(obj).__name__}); {REWARD_HINT}")
+    problem = _takes_trl_call(obj, args)
+    if problem:
+        return failed(field, f"{ref!r}: {problem}")
+    return ok(field, f"{ref!r}: a function taking TRL's reward call")
+
+
+def check_tool(field: str, ref: str) -> Check:
+    obj, why = _resolve(ref)
+    if why is not None:
+        return failed(field, f"{ref!r}: {why}")
+    if not callable(obj) or inspect.isclass(obj):
+        return failed(field, f"{ref!r}: a tool must be a function (it is a {type(obj).__name__})")
+    return ok(field, f"{ref!r}: a function")
+
+
+def check_environment(field: str, ref: str) -> Check:
+    obj, why = _resolve(ref)
+    if why is not None:
+        return failed(field, f"{ref!r}: {why}")
+    if not inspect.isclass(obj):
+        return failed(field, f"{ref!r}: an environment must be a class, built with no arguments "
+                             f"(it is a {type(obj).__name__})")
+    sig = _signature(obj)
+    if sig is not None:
+        try:
+            sig.bind()
+        except TypeError as exc:
+            return failed(field, f"{ref!r}: TRL builds it with no arguments, and {obj.__name__}{sig} "
+                                 f"needs some ({exc})")
+    if not callable(getattr(obj, "reset", None)):
+        return failed(field, f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
+                             "called before each generation)")
+    return ok(field, f"{ref!r}: a class built with no arguments, with reset()")
+
+
+def check_model(spec: TrainingSpec, simulated: bool) -> Check:
+    field, name = "spec.model.name", spec.model.name
+    if simulated:
+        return ok(field, f"{name!r}: not loaded (simulated workload)")
+    if spec.backend in REMOTE:
+        return deferred(field, f"{name!r}: looked for where the {spec.backend} backend runs the workers")
+    from mortal.workers.models import resolve_model_source
+
+    try:
+        source = resolve_model_source(name)
+    except FatalWorkerError as exc:
+        return failed(field, exc.message)
+    if source.kind != "hub":
+        return ok(field, f"{name!r}: {source.kind} at {source.location}")
+    return _hub_model(field, name)
+
+
+def _hub_model(field: str, name: str) -> Check:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return deferred(field, f"{name!r}: a hub id, and huggingface_hub is not installed here to look "
+                               "in the cache")
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception as exc:  # noqa: BLE001 - a malformed id: the hub library says why
+        return failed(field, f"{name!r}: not a model folder or .gguf here, nor a hub id ({exc})")
+    if isinstance(cached, str):
+        return ok(field, f"{name!r}: in the Hugging Face cache")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return failed(field, f"{name!r}: not a model folder or .gguf here, and not in the Hugging Face "
+                             "cache while HF_HUB_OFFLINE is set; download it first (hf download "
+                             f"{name}) or fix the name")
+    return deferred(field, f"{name!r}: not in the Hugging Face cache; the workers download it from the "
+                           "hub when they start")
+
+
+def check_dataset(spec: TrainingSpec) -> Check:
+    field, dataset = "spec.dataset.name", spec.dataset
+    from mortal.workers.data import FILE_SUFFIXES, builtin_names
+
+    if dataset.name.startswith("builtin:"):
+        name = dataset.name.removeprefix("builtin:")
+        if name not in builtin_names():
+            return failed(field, f"{dataset.name!r}: no built-in dataset {name!r}; built-in: "
+                                 f"{', '.join(builtin_names())}")
+        return ok(field, f"{dataset.name!r}: built in")
+    path = os.path.expanduser(dataset.name)
+    if os.path.splitext(path)[1] in FILE_SUFFIXES or os.path.exists(path):
+        if not os.path.isfile(path):
+            return failed(field, f"{dataset.name!r}: no such file (relative names are read from the folder "
+                                 "you applied from)")
+        return ok(field, f"{dataset.name!r}: a local file")
+    return deferred(field, f"{dataset.name!r}: a hub dataset, read by the actor when it starts")
+
+
+def check_chat_template(spec: TrainingSpec) -> list[Check]:
+    template = spec.rollout.chat_template
+    if not template or not template.endswith(".jinja"):
+        return []
+    field = "spec.rollout.chatTemplate"
+    if not os.path.isfile(os.path.expanduser(template)):
+        return [failed(field, f"{template!r}: no such file")]
+    return [ok(field, f"{template!r}: a local file")]
+
+
+def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:
+    found = [check_model(spec, simulated), check_dataset(spec)]
+    for i, entry in enumerate(spec.rewards):
+        if entry.function:
+            found.append(check_reward(f"spec.rewards[{i}].function", entry.function, dict(entry.args)))
+        elif entry.env == "environment" and entry.args.get("class"):
+            found.append(check_environment(f"spec.rewards[{i}].args.class", str(entry.args["class"])))
+    found += [check_tool(f"spec.rollout.tools[{i}]", ref) for i, ref in enumerate(spec.rollout.tools)]
+    environment = spec.rollout.environment
+    named = {"": environment} if isinstance(environment, str) else dict(environment or {})
+    found += [check_environment("spec.rollout.environment" + (f".{k}" if k else ""), ref)
+              for k, ref in named.items()]
+    found += check_chat_template(spec)
+    return found
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    spec = TrainingSpec.model_validate(request["spec"])
+    sys.path.insert(0, os.getcwd())  # the snapshot, first, as a worker has it
+    with contextlib.redirect_stdout(sys.stderr):  # what user modules print must not garble the answer
+        result = [asdict(c) for c in checks(spec, bool(request.get("simulated")))]
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
