@@ -95,6 +95,13 @@ class WorkerRef:
     def id(self) -> str:
         return f"{self.run}/{self.role}-{self.replica}#{self.incarnation}"
 
+    @property
+    def process_id(self) -> str:
+        """The marker a backend finds the worker's process by (MORTAL_WORKER_ID, a Modal registry key, a Ray
+        actor's name): the id and, when known, the run's uid, so that a process of an earlier run of the same
+        name (whose incarnations counted from 1 as well) is never taken for this run's worker."""
+        return f"{self.id}@{self.run_uid}" if self.run_uid else self.id
+
 
 @dataclass(frozen=True)
 class LeaderFence:
