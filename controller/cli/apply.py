@@ -125,6 +125,10 @@ def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
     return fitted
 
 
+DELETION_WAIT_SECONDS = 120.0  # how long apply waits for a run of the same name to finish deleting
+DELETION_POLL_SECONDS = 0.1
+
+
 def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
     """Write each run's desired state; returns (name, outcome) pairs in the order given."""
     results = []
@@ -133,9 +137,35 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
         if dry_run:
             results.append((run.name, _dry_outcome(store, run)))
             continue
+        wait_until_deleted(store, run.name)
         _, outcome = store.apply_run(run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations)
         results.append((run.name, str(outcome)))
     return results
+
+
+def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
+    """A run of this name being deleted: wait until the controller has purged it, so that `delete` then
+    `apply` at once creates the new run (a new uid) instead of failing; CliError after `timeout`."""
+    import time
+
+    from mortal.state import NotFound
+
+    timeout = DELETION_WAIT_SECONDS if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            if store.get_run(name).deleted_at is None:
+                return
+        except NotFound:
+            return
+        if not said:
+            typer.echo(f"trainingrun/{name} is being deleted: waiting for the controller to finish", err=True)
+            said = True
+        if time.monotonic() >= deadline:
+            raise CliError(f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
+                           "controller running? (mortalctl get runs shows it Terminating)")
+        time.sleep(DELETION_POLL_SECONDS)
 
 
 def _dry_outcome(store, run: TrainingRun) -> str:

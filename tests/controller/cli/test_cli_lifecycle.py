@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from clihelpers import QUICKSTART, set_status
 
@@ -24,6 +26,22 @@ def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
     row = store.get_run("quickstart")
     assert row.deleted_at is not None and not row.purge_requested
     assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
+
+
+def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli, store):
+    """`delete` then `apply` at once: apply waits while the controller stops the old run's workers and purges
+    it (a thread does it here), then creates the run anew: a new uid."""
+    cli("apply", "-f", str(QUICKSTART))
+    old = store.get_run("quickstart").uid
+    assert cli("delete", "run", "quickstart").exit_code == 0
+    purge = threading.Timer(0.5, store.purge_run, args=("quickstart",))
+    purge.start()
+    out = cli("apply", "-f", str(QUICKSTART))
+    purge.join()
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "trainingrun/quickstart created\n"
+    assert "is being deleted: waiting for the controller to finish" in out.stderr
+    assert store.get_run("quickstart").uid != old
 
 
 def test_delete_purge(cli, store):
