@@ -137,15 +137,15 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
         if dry_run:
             results.append((run.name, _dry_outcome(store, run)))
             continue
-        wait_until_deleted(store, run.name)
         _, outcome = store.apply_run(run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations)
         results.append((run.name, str(outcome)))
     return results
 
 
 def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
-    """A run of this name being deleted: wait until the controller has purged it, so that `delete` then
-    `apply` at once creates the new run (a new uid) instead of failing; CliError after `timeout`."""
+    """A run of this name being deleted: wait until the controller has purged it (and set its folder aside),
+    so that `delete` then `apply` at once creates the new run (a new uid) with a folder of its own instead of
+    failing; CliError after `timeout`."""
     import time
 
     from mortal.state import NotFound
@@ -205,6 +205,9 @@ def apply_command(
         for note in run.spec.notes():
             typer.echo(plain(f"note: trainingrun/{run.name}: {note}"), err=True)
     refuse_what_cannot_fit(runs)
+    if not dry_run:  # before admission installs the code snapshot in the run's folder, which the purge moves
+        for run in runs:
+            wait_until_deleted(cli.store, run.name)
     with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
         for admission in admitted:
             for check in admission.checks if dry_run else admission.deferred:
