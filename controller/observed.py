@@ -38,6 +38,7 @@ class Desired:
     """The parts of a run's spec (and deletion request) the controller acts on."""
 
     name: str
+    uid: str | None = None  # the run's uid: processes of an earlier run of this name carry another
     generation: int = 1
     backend: str = "local"
     rollout_replicas: int = 1
@@ -112,8 +113,8 @@ def aware(moment: datetime | None) -> datetime | None:
     return moment.replace(tzinfo=UTC)
 
 
-def worker_ref(row: WorkerRow) -> WorkerRef:
-    return WorkerRef(row.run, row.role, row.replica, row.incarnation)
+def worker_ref(row: WorkerRow, run_uid: str | None = None) -> WorkerRef:
+    return WorkerRef(row.run, row.role, row.replica, row.incarnation, run_uid=run_uid)
 
 
 def slot_name(row: WorkerRow) -> str:

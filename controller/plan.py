@@ -144,9 +144,10 @@ class _W:
         return dl.stall_reason(self.message) if self.state == "Failed" and self.exit_code is None else None
 
 
-def _view(row: Any) -> _W:
+def _view(row: Any, run_uid: str | None) -> _W:
     return _W(
-        id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation, ref=worker_ref(row).id,
+        id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation,
+        ref=worker_ref(row, run_uid).process_id,
         handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
         step=row.step, weight_version=row.weight_version, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
         ended_at=aware(row.ended_at), gpus=row.gpus or 0, activity=row.activity,
@@ -165,7 +166,7 @@ class _Pass:
         self.prev = dict(o.status or {})
         self.prev_phase = self.prev.get("phase") or PENDING
         self.procs = {p.worker_id: p for p in o.processes}
-        self.rows = sorted((_view(r) for r in o.workers), key=lambda w: w.incarnation)
+        self.rows = sorted((_view(r, d.uid) for r in o.workers), key=lambda w: w.incarnation)
         self.actions: list[Action] = []
         self.wake: list[float] = []
         self.notes: list[str] = []

@@ -195,7 +195,7 @@ class Reconciler:
             self._listings[backend_key(spec)].invalidate()  # the next pass must see what we just did
         if any(isinstance(a, Purge) for a in decided.actions):
             remove_files = any(a.remove_files for a in decided.actions if isinstance(a, Purge))
-            return self._purge(run.name, remove_files, backend_key(spec), spec.checkpoint.uri, fence)
+            return self._purge(run, remove_files, backend_key(spec), spec.checkpoint.uri, fence)
         if decided.status is not None and decided.status != run.status:
             try:
                 row = self.store.write_status(run.name, decided.status, run.resource_version, fence,
@@ -230,8 +230,8 @@ class Reconciler:
                                          log_uri=None if spec.ray.shared_filesystem else spec.checkpoint.uri)
         row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
                                        self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
-        ref = WorkerRef(run.name, action.role, action.replica, row.incarnation)
-        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.id,
+        ref = WorkerRef(run.name, action.role, action.replica, row.incarnation, run_uid=run.uid)
+        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.process_id,
                                      state_token=launch_token(self.state_url, ref, run.uid))
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
@@ -275,30 +275,37 @@ class Reconciler:
             for done in [pool.submit(stop, a) for a in stops]:
                 done.result()
 
-    def _purge(self, name: str, remove_files: bool, backend_name: str, storage_uri: str | None,
+    def _purge(self, run: RunRow, remove_files: bool, backend_name: str, storage_uri: str | None,
                fence: LeaderFence) -> Outcome:
         """Files first, where the run's backend keeps them (a Modal run's are on its volume) and in its
         checkpoint storage (spec.checkpoint.uri: checkpoints and uploaded logs), rows last: the row going
         away is what says the deletion is complete. A run whose backend or storage cannot be reached from
         here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove.
         A run whose folder would lie outside MORTAL_HOME/runs (PathOutside) has its rows purged, its files
-        left alone, and a Warning event that stays after it."""
+        left alone, and a Warning event that stays after it. Files kept (no --purge) are moved to a folder
+        named by the run's uid (Backend.set_aside_run_folder)."""
+        name = run.name
         refused: PathOutside | None = None
-        if remove_files:
-            backend, why = self.backend(backend_name)
-            if backend is None:
+        backend, why = self.backend(backend_name)
+        if backend is None:
+            if remove_files:
                 raise BackendError(f"cannot remove the files of run {name!r}: {why}")
-            if self.leader.fence() != fence:
-                raise Fenced("the leader lease ran out before removing files")
+        elif self.leader.fence() != fence:
+            raise Fenced("the leader lease ran out before removing files")
+        else:
             try:
-                backend.remove_run_files(name, storage_uri)
+                if remove_files:
+                    backend.remove_run_files(name, storage_uri)
+                else:
+                    backend.set_aside_run_folder(name, run.uid)
             except PathOutside as exc:  # a name stored before the store checked names: never followed
                 refused = exc
         self.store.purge_run(name, fence)
         self.written.pop(name, None)
         if refused is not None:  # after the purge, so that it outlives the run's own events (`get events`)
-            log.warning("purged run %r without removing its files: %s", name, refused)
-            report_refused(self.store, name, "purged without removing its files", refused)
+            what = f"purged without {'removing' if remove_files else 'setting aside'} its files"
+            log.warning("%s %r: %s", what, name, refused)
+            report_refused(self.store, name, what, refused)
         log.info("purged run %s%s", name, " and its files" if remove_files and refused is None else "")
         return Done()
 
@@ -319,7 +326,7 @@ class Reconciler:
 def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
     """The parts of a stored run the planner acts on."""
     return Desired(
-        name=run.name, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
+        name=run.name, uid=run.uid, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
         suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
         backoff_seconds=spec.restart_policy.backoff_seconds,
         same_failure_limit=spec.restart_policy.same_failure_limit, max_staleness=spec.algorithm.max_staleness,

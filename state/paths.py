@@ -9,6 +9,7 @@ checkpoints). Pure path arithmetic: nothing here creates a file.
     $MORTAL_HOME/runs/<run>/weights/v<version>/   published weights (sync: volume)
     $MORTAL_HOME/runs/<run>/checkpoints/step-<step>/
     $MORTAL_HOME/runs/<run>/code/<sha256>/         the user code a run was applied with (controller/snapshot.py)
+    $MORTAL_HOME/deleted/<run>-<uid>/             a deleted run's folder, kept (delete without --purge)
     $MORTAL_HOME/compile-cache/{inductor,triton}/     torch.compile's on-disk caches, shared by runs (backends/base.py)
 """
 
@@ -34,6 +35,17 @@ def runs_dir(home: str | Path | None = None) -> Path:
 def run_dir(run: str, home: str | Path | None = None) -> Path:
     """The run's folder under `home` (default: this process's $MORTAL_HOME; a Modal container's differs)."""
     return runs_dir(home) / run
+
+
+def kept_runs_dir(home: str | Path | None = None) -> Path:
+    """The folder of deleted runs' kept folders (what a kept folder must lie inside)."""
+    return (Path(home) if home is not None else mortal_home()) / "deleted"
+
+
+def kept_run_dir(run: str, uid: str, home: str | Path | None = None) -> Path:
+    """Where a deleted run's folder is kept (delete without --purge): named by its uid, out of the way of a
+    run applied again under the name, which starts from an empty folder and never reads the old run's files."""
+    return kept_runs_dir(home) / f"{run}-{uid}"
 
 
 LOGS = "logs"  # a run's folder of worker logs, inside its run_dir

@@ -95,6 +95,13 @@ class WorkerRef:
     def id(self) -> str:
         return f"{self.run}/{self.role}-{self.replica}#{self.incarnation}"
 
+    @property
+    def process_id(self) -> str:
+        """The marker a backend finds the worker's process by (MORTAL_WORKER_ID, a Modal registry key, a Ray
+        actor's name): the id and, when known, the run's uid, so that a process of an earlier run of the same
+        name (whose incarnations counted from 1 as well) is never taken for this run's worker."""
+        return f"{self.id}@{self.run_uid}" if self.run_uid else self.id
+
 
 @dataclass(frozen=True)
 class LeaderFence:
@@ -127,6 +134,25 @@ class NewCompletion:
     advantage: float | None
     weight_version: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+STALE_ROLLOUTS = "StaleRolloutsDropped"  # the event reason of a step's rollouts dropped as stale (feed._requeue)
+
+
+@dataclass(frozen=True)
+class TaskTally:
+    """The task queue of one run, counted (Store.task_tally): the store's share of `mortalctl describe`'s ledger.
+
+    Counts what the queue holds now: a resumed actor deletes the tasks of the steps after its checkpoint and
+    queues them again, so those count once. `releases` are leases beyond each task's first: the task was
+    leased again after its worker died (its row ended) or its lease ran out. `stale_drops` counts the
+    StaleRolloutsDropped events: steps whose rollouts the actor dropped as too stale and queued again."""
+
+    steps: int = 0
+    tasks: int = 0
+    done: int = 0
+    releases: int = 0
+    stale_drops: int = 0
 
 
 class Store(abc.ABC):
@@ -390,6 +416,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def step_results(self, run: str, step: int) -> list[TaskRow]:
         """All tasks of a step, by slot (callers check every one is done)."""
+
+    @abc.abstractmethod
+    def task_tally(self, run: str) -> TaskTally:
+        """How many steps, tasks and done tasks the run's queue holds, how often its tasks were leased again,
+        and how often the actor dropped a step's rollouts as stale (events with reason STALE_ROLLOUTS)."""
 
     @abc.abstractmethod
     def step_states(self, run: str, step: int) -> list[str]:

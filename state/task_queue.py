@@ -15,12 +15,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, delete, or_, text, update
+from sqlalchemy import and_, case, delete, func, or_, text, update
 from sqlmodel import Session, select
 
 from mortal.state.fencing import check_worker
-from mortal.state.store import NewTask, WorkerRef
-from mortal.state.tables import OPEN_TASK, TaskRow, as_utc, utcnow
+from mortal.state.store import STALE_ROLLOUTS, NewTask, TaskTally, WorkerRef
+from mortal.state.tables import OPEN_TASK, EventRow, TaskRow, as_utc, utcnow
 
 
 class TaskQueue:
@@ -121,6 +121,17 @@ class TaskQueue:
     def step_results(self, run: str, step: int) -> list[TaskRow]:
         with self._tx(write=False) as s:
             return list(s.exec(select(TaskRow).where(TaskRow.run == run, TaskRow.step == step).order_by(TaskRow.slot)).all())
+
+    def task_tally(self, run: str) -> TaskTally:
+        counts = select(
+            func.count(func.distinct(TaskRow.step)), func.count(TaskRow.id),
+            func.coalesce(func.sum(case((TaskRow.state == "done", 1), else_=0)), 0),
+            func.coalesce(func.sum(case((TaskRow.attempts > 1, TaskRow.attempts - 1), else_=0)), 0),
+        ).where(TaskRow.run == run)
+        stale = select(func.count(EventRow.id)).where(EventRow.run == run, EventRow.reason == STALE_ROLLOUTS)
+        with self._tx(write=False) as s:
+            steps, tasks, done, releases = s.execute(counts).one()
+            return TaskTally(steps, tasks, int(done), int(releases), s.execute(stale).scalar_one())
 
     def step_states(self, run: str, step: int) -> list[str]:
         with self._tx(write=False) as s:

@@ -49,6 +49,7 @@ LOCAL_ONLY = frozenset({"close"})  # a client closes its own connections; nothin
 READS = frozenset({
     "migrate", "get_run", "list_runs", "list_workers", "list_checkpoints", "latest_checkpoint",
     "latest_weights", "list_weights", "list_events", "list_metrics", "get_lease", "step_results", "step_states",
+    "task_tally",
     "list_completions", "completion_steps",
 })
 # Writes whose second delivery leaves the store as the first did and answers the caller as the first

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mortal.state.store import NewTask, Store, WorkerRef
+from mortal.state.store import STALE_ROLLOUTS, NewTask, Store, WorkerRef
 from mortal.state.tables import TaskRow
 from mortal.workers import schedule
 from mortal.workers.doorbell import TASKS, Doorbell
@@ -191,6 +191,8 @@ class RolloutFeed:
     def _requeue(self, step: int, current_version: int, n_stale: int) -> None:
         """Results older than their task allows (late answers to a task since reset): redo the step."""
         log.warning("step %d: %d results came from weights older than their task asked for; redoing it", step, n_stale)
+        self.store.add_event(self.worker.run, "Warning", STALE_ROLLOUTS,  # counted by describe's ledger
+                             f"step {step}: {n_stale} task(s) answered with weights older than asked; step queued again")
         self.forget_from(step)
         self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
         self._enqueued.add(step)

@@ -21,7 +21,11 @@ seconds on a CPU. Annotations tune it:
 
 Both report what they do (`ctx.activity`: a task, a step), as the real workers do.
 The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
-run's metrics equal an uninterrupted one's. What it must not do: import torch or anything heavy
+run's metrics equal an uninterrupted one's. Step s's prompts are rows of a dataset of SIMULATED_ROWS drawn
+as the real actor draws them (mortal.workers.schedule), and with maxStaleness k the tasks of the next k
+steps are queued ahead, as the real feed does. What the "model" has trained is its lineage (`Lineage`):
+the rows of each step and the weight versions they were generated with, kept in every checkpoint, so a
+test can tell a row trained twice or never, or a sample from weights this lineage never published. What it must not do: import torch or anything heavy
 (the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
 """
 
@@ -38,6 +42,7 @@ from typing import Any
 from mortal.specs import TrainingRun
 from mortal.state import NewTask, TaskRow, paths
 from mortal.state.containment import PathOutside, report_refused, tree_inside
+from mortal.workers import schedule
 from mortal.workers.atomic import atomic_dir, sweep
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest, RolloutResult, reward_names
@@ -48,6 +53,24 @@ POLL_SECONDS = 0.05
 OOM_ABOVE = "oom-actor-above:"
 KEEP_WEIGHTS = 3
 STATE_FILE = "state.json"
+SIMULATED_ROWS = 64  # the simulated dataset: rows "row 0" .. "row 63", drawn an epoch at a time
+
+
+@dataclass
+class Lineage:
+    """What the simulated model has been trained on, as its checkpoints carry it: the weight versions this
+    lineage published (a resumed actor's include its checkpoint's, published again under a new number) and,
+    per step, the rows trained and the versions their samples were generated with."""
+
+    published: list[int]
+    steps: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> Lineage:
+        return cls(list(state.get("published", [])), list(state.get("steps", [])))
+
+    def trained(self, step: int, rows: list[str], versions: list[int], weights: int) -> None:
+        self.steps.append({"step": step, "rows": rows, "versions": versions, "trainedWith": weights})
 
 
 @dataclass(frozen=True)
@@ -159,9 +182,11 @@ def run_actor(ctx: WorkerContext) -> int:
         ctx.log.error("annotation mortal.dev/fail=always: exiting %d", EXIT_RETRYABLE)
         return EXIT_RETRYABLE
     spec = ctx.run.spec
-    step, version = resume(ctx)
-    if step > 0 and ctx.store.latest_weights(ctx.worker.run) is None:  # a fork's first start: no weights yet
-        version = publish(ctx, step, version)
+    step, version, lineage = resume(ctx)
+    if step > 0:  # the checkpoint's weights, published again as a new version (as the real actor does): the
+        latest = ctx.store.latest_weights(ctx.worker.run)  # newest one may be a killed actor's later weights
+        version = publish(ctx, step, version if latest is None else latest.version + 1)
+        lineage.published.append(version)
     ctx.report(step=step, weight_version=version)
     ctx.store.reset_tasks(ctx.worker, from_step=step + 1)
     checkpointed = step
@@ -174,18 +199,20 @@ def run_actor(ctx: WorkerContext) -> int:
                 break
             ctx.stopping.wait(max(0.0, settings.step_seconds - (time.monotonic() - started)))
         step += 1
+        lineage.trained(step, [r["row"] for r in results], [r.get("weight_version", -1) for r in results], version)
         if step % spec.sync.every == 0 or step == spec.algorithm.max_steps:
             version = publish(ctx, step, version + 1)
+            lineage.published.append(version)
         rewards = [_total_reward(ctx.run, r) for r in results]
         metrics = _metrics(rewards, time.monotonic() - started)
         ctx.store.add_metrics(ctx.worker, step, metrics)
         ctx.log.info("step %d: reward %.4f, weight version %d", step, metrics["reward"], version)
         ctx.report(step=step, weight_version=version)
         if step % spec.checkpoint.every == 0 or step == spec.algorithm.max_steps:
-            checkpoint(ctx, step, version)
+            checkpoint(ctx, step, version, lineage)
             checkpointed = step
     if step > checkpointed:  # stopped between checkpoints: keep the progress
-        checkpoint(ctx, step, version)
+        checkpoint(ctx, step, version, lineage)
     ctx.log.info("actor done at step %d (weight version %d)", step, version)
     return EXIT_SUCCEEDED
 
@@ -197,24 +224,24 @@ def _threshold(fail: str) -> int:
         raise FatalWorkerError("InvalidAnnotation", f"mortal.dev/fail: {fail!r}: expected {OOM_ABOVE}N") from None
 
 
-def resume(ctx: WorkerContext) -> tuple[int, int]:
-    """(step, weight version) to continue from: the latest complete checkpoint, newest weights."""
-    step = version = 0
+def resume(ctx: WorkerContext) -> tuple[int, int, Lineage]:
+    """(step, weight version, lineage) to continue from: the latest complete checkpoint's, or a fresh start
+    (step 0, the newest weights' version: a fresh run has none, so 0)."""
     ckpt = ctx.store.latest_checkpoint(ctx.worker.run)
-    if ckpt is not None:
-        try:
-            folder = tree_inside(paths.checkpoints_dir(ctx.worker.run), ckpt.path)
-        except PathOutside as exc:  # never read: the run fails rather than resume from what is not its own
-            report_refused(ctx.store, ctx.worker.run, f"resuming from checkpoint step-{ckpt.step}", exc)
-            raise FatalWorkerError("CheckpointRefused", f"checkpoint of step {ckpt.step}: {exc}") from exc
-        try:
-            state = json.loads((folder / STATE_FILE).read_text())
-        except (OSError, ValueError) as exc:
-            raise FatalWorkerError("CheckpointUnreadable", f"checkpoint of step {ckpt.step}: {exc}") from exc
-        step, version = int(state["step"]), int(state["weight_version"])
-        ctx.log.info("resuming from checkpoint of step %d", step)
-    latest = ctx.store.latest_weights(ctx.worker.run)
-    return step, max(version, latest.version if latest else 0)
+    if ckpt is None:
+        latest = ctx.store.latest_weights(ctx.worker.run)
+        return 0, latest.version if latest else 0, Lineage([], [])
+    try:
+        folder = tree_inside(paths.checkpoints_dir(ctx.worker.run), ckpt.path)
+    except PathOutside as exc:  # never read: the run fails rather than resume from what is not its own
+        report_refused(ctx.store, ctx.worker.run, f"resuming from checkpoint step-{ckpt.step}", exc)
+        raise FatalWorkerError("CheckpointRefused", f"checkpoint of step {ckpt.step}: {exc}") from exc
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise FatalWorkerError("CheckpointUnreadable", f"checkpoint of step {ckpt.step}: {exc}") from exc
+    ctx.log.info("resuming from checkpoint of step %d", int(state["step"]))
+    return int(state["step"]), int(state["weight_version"]), Lineage.of(state)
 
 
 def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> list[dict[str, Any]] | None:
@@ -224,7 +251,9 @@ def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> l
     the tasks itself.
     """
     algo = ctx.run.spec.algorithm
-    ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, step, slot, version) for slot in range(algo.prompts_per_step)])
+    for ahead in range(step, min(step + algo.max_staleness, algo.max_steps) + 1):  # as the real feed queues ahead
+        ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, ahead, slot, version)
+                                             for slot in range(algo.prompts_per_step)])
     replicas, checked = ctx.run.spec.rollout.replicas, time.monotonic()
     while not ctx.stopping.is_set():
         states = ctx.store.step_states(ctx.worker.run, step)  # polled as the real actor polls (feed.collect)
@@ -241,14 +270,15 @@ def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> l
 
 def _task(run: TrainingRun, step: int, slot: int, version: int) -> NewTask:
     algo = run.spec.algorithm
+    row = schedule.prompt_slots(algo.seed, step - 1, algo.prompts_per_step, SIMULATED_ROWS)[slot]
     request = RolloutRequest(
         prompt=f"simulated prompt {step}.{slot}",
-        row={"step": step, "slot": slot},
+        row={"step": step, "slot": slot, "row": f"row {row}"},
         num_generations=algo.num_generations,
         seed=algo.seed * 1_000_003 + step * 1_000 + slot,
     )
-    return NewTask(step=step, slot=slot, min_weight_version=max(0, version - algo.max_staleness),
-                   payload=request.model_dump(mode="json"))
+    # as the real feed: at least the version current when queued, so at most maxStaleness behind when trained
+    return NewTask(step=step, slot=slot, min_weight_version=version, payload=request.model_dump(mode="json"))
 
 
 def _rollout_replicas(ctx: WorkerContext) -> int:
@@ -267,10 +297,11 @@ def publish(ctx: WorkerContext, step: int, version: int) -> int:
     return version
 
 
-def checkpoint(ctx: WorkerContext, step: int, version: int) -> None:
+def checkpoint(ctx: WorkerContext, step: int, version: int, lineage: Lineage) -> None:
     """Write checkpoint `step`, record it, keep the newest `checkpoint.keep`."""
     final = paths.checkpoints_dir(ctx.worker.run) / f"step-{step}-i{ctx.worker.incarnation}"
-    write_dir_atomically(ctx, final, {STATE_FILE: {"step": step, "weight_version": version}})
+    state = {"step": step, "weight_version": version, "published": lineage.published, "steps": lineage.steps}
+    write_dir_atomically(ctx, final, {STATE_FILE: state})
     ctx.store.record_checkpoint(ctx.worker, step, str(final), version)
     for old in ctx.store.list_checkpoints(ctx.worker.run)[: -ctx.run.spec.checkpoint.keep]:
         ctx.store.delete_checkpoint(ctx.worker, old.step)
@@ -363,7 +394,8 @@ def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: flo
         weight_version=version,
         generation_seconds=seconds,
     )
-    return result.model_dump(mode="json")
+    row = RolloutRequest.model_validate(task.payload).row.get("row")
+    return {**result.model_dump(mode="json"), "row": row}  # which dataset row it answered (the lineage's record)
 
 
 # torch 2.x's caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), as an H100 prints it.

@@ -122,8 +122,9 @@ class Unschedulable(LaunchFailed):
 class WorkerLaunch:
     """Everything a backend needs to start one incarnation of one worker slot.
 
-    `worker_id` is `WorkerRef.id` (`run/role-replica#incarnation`): the marker the backend finds
-    the process by. `env` carries extra variables (the spec's secrets) copied into the worker's
+    `worker_id` is `WorkerRef.process_id` (`run/role-replica#incarnation@uid`): the marker the backend
+    finds the process by, which the uid keeps apart from an earlier run's of the same name. `env` carries
+    extra variables (the spec's secrets) copied into the worker's
     environment; `state_token` is the worker's own token for an HTTP store (MORTAL_STATE_TOKEN), minted
     by the controller for this incarnation. `heartbeat_seconds`, when set, becomes MORTAL_HEARTBEAT_SECONDS (the worker
     otherwise derives its period from lease_seconds in its row).
@@ -258,6 +259,7 @@ class BackendWorker:
     incarnation: int
     alive: bool
     exit_code: int | None = None
+    run_uid: str = ""  # the uid of the run it was launched for ("" when the backend cannot tell)
 
 
 class Backend(abc.ABC):
@@ -301,6 +303,21 @@ class Backend(abc.ABC):
         self.remove_run_folder(run)
         if storage_uri is not None:
             remove_from_storage(run, storage_uri)
+
+    def set_aside_run_folder(self, run: str, uid: str) -> None:
+        """Move a deleted run's folder (delete without --purge) to `paths.kept_run_dir`, once every worker is
+        gone: a run applied again under the name then writes a folder of its own (its incarnations count
+        from 1 again, so its logs, checkpoints and weights would take the old run's file names). Here: this
+        machine's $MORTAL_HOME; a folder already moved or never made is no error."""
+        folder = inside(paths.runs_dir(), paths.run_dir(run))  # PathOutside for a name that would leave runs/
+        kept = inside(paths.kept_runs_dir(), paths.kept_run_dir(run, uid))
+        if not folder.exists() or kept.exists():
+            return
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(folder, kept)
+        except OSError as exc:
+            raise BackendError(f"cannot keep the files of deleted run {run!r} in {kept}: {exc}") from exc
 
     def remove_run_folder(self, run: str) -> None:
         """The run's folder (checkpoints, weights, logs, compile caches): here, this machine's

@@ -138,7 +138,7 @@ class LocalBackend(Backend):
             actor = self._actor_devices(launch, live)
             return actor[launch.replica % len(actor)]
         devices = self._detect_gpus()
-        mine = {d for f in live.values() if f.shared and f.worker.run == launch.run for d in f.devices}
+        mine = {d for f in live.values() if f.shared and _same_run(f.worker, launch) for d in f.devices}
         devices = [d for d in devices if d in mine] + [d for d in devices if d not in mine]
         in_use = (d for f in live.values() if not f.shared for d in f.devices)
         return gpus.assign(launch.gpu, launch.gpu_count, devices, in_use)
@@ -146,7 +146,7 @@ class LocalBackend(Backend):
     @staticmethod
     def _actor_devices(launch: WorkerLaunch, live: dict[str, _Found]) -> tuple[str, ...]:
         """The devices the run's live actor holds; WaitingForActorGPU until it holds some."""
-        actor = [f for f in live.values() if f.worker.run == launch.run and f.worker.role == "actor"
+        actor = [f for f in live.values() if _same_run(f.worker, launch) and f.worker.role == "actor"
                  and not f.shared and f.devices]
         if not actor:
             raise WaitingForActorGPU(launch.run, launch.gpu)
@@ -279,10 +279,15 @@ class LocalBackend(Backend):
         psutil.wait_procs(strays, timeout=10.0)
 
 
+def _same_run(worker: BackendWorker, launch: WorkerLaunch) -> bool:
+    """A worker of the launch's run: its name and uid (not a straggler of an earlier run of that name)."""
+    return worker.run == launch.run and worker.run_uid == launch.run_uid
+
+
 def _worker_from(launch: WorkerLaunch, handle: str) -> BackendWorker:
     return BackendWorker(
         worker_id=launch.worker_id, handle=handle, run=launch.run, role=launch.role,
-        replica=launch.replica, incarnation=launch.incarnation, alive=True,
+        replica=launch.replica, incarnation=launch.incarnation, alive=True, run_uid=launch.run_uid,
     )
 
 
@@ -295,7 +300,7 @@ def _inspect(proc: psutil.Process, env: dict[str, str]) -> BackendWorker | None:
         return BackendWorker(
             worker_id=env["MORTAL_WORKER_ID"], handle=handle, run=env.get("MORTAL_RUN", ""),
             role=env.get("MORTAL_ROLE", ""), replica=int(env.get("MORTAL_REPLICA", "0")),
-            incarnation=int(env.get("MORTAL_INCARNATION", "0")), alive=True,
+            incarnation=int(env.get("MORTAL_INCARNATION", "0")), alive=True, run_uid=env.get("MORTAL_RUN_UID", ""),
         )
     except (psutil.Error, ProcessLookupError, ValueError):
         return None

@@ -175,7 +175,7 @@ class ModalBackend(Backend):
             ) from exc
         except self._modal.exception.Error as exc:
             raise LaunchFailed(f"could not spawn {launch.worker_id} on Modal: {exc}") from exc
-        entry = {"call_id": call.object_id, "worker_id": launch.worker_id, "run": launch.run, "role": launch.role,
+        entry = {"call_id": call.object_id, "worker_id": launch.worker_id, "run": launch.run, "run_uid": launch.run_uid, "role": launch.role,
                  "replica": launch.replica, "incarnation": launch.incarnation, "gpu": gpu, "function": function,
                  "launched_at": self._clock(), "ended_at": None}
         self._modal_call(self._registry.put, launch.worker_id, entry)
@@ -214,6 +214,7 @@ class ModalBackend(Backend):
             workers.append(BackendWorker(
                 worker_id=worker_id, handle=HANDLE_PREFIX + entry["call_id"], run=entry["run"], role=entry["role"],
                 replica=int(entry["replica"]), incarnation=int(entry["incarnation"]), alive=alive, exit_code=code,
+                run_uid=str(entry.get("run_uid") or ""),
             ))
         return sorted(workers, key=lambda w: (w.run, w.role, w.replica, w.incarnation))
 
@@ -301,6 +302,11 @@ class ModalBackend(Backend):
             except self._modal.exception.Error as exc:
                 raise BackendError(f"Modal: could not upload {remote} to the volume: {exc}") from exc
         self._shipped.add(digest)
+
+    def set_aside_run_folder(self, run: str, uid: str) -> None:
+        """Not done on the volume yet (its API copies and removes, it has no rename): a deleted Modal run's
+        folder stays at runs/<run>, and a run applied again under the name writes into it. Its store rows,
+        which say what is current, are the new run's alone."""
 
     def remove_run_folder(self, run: str) -> None:
         """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works

@@ -68,7 +68,7 @@ ANSWER_SECONDS = 2.0  # stop: an actor that does not answer a status call by the
 STOP_MARGIN_SECONDS = 10.0  # after the grace: SIGKILL, reaping, the reply
 GONE_WAIT_SECONDS = 10.0  # after ray.kill: until the name is free
 ACCELERATOR_TYPE_UNIT = 0.001  # what Ray reserves of "accelerator_type:<T>" for an actor that names a type
-_WORKER_ID = re.compile(r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)$")
+_WORKER_ID = re.compile(r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)(@(?P<uid>[0-9a-f-]+))?$")
 _CONNECTED: dict[str, str] = {}  # the address this process's ray.init connected to ("address" -> value)
 _CONNECT_LOCK = threading.Lock()
 
@@ -375,7 +375,8 @@ def _worker(worker_id: str, handle: str) -> BackendWorker | None:
     if found is None:
         return None
     return BackendWorker(worker_id=worker_id, handle=handle, run=found["run"], role=found["role"],
-                         replica=int(found["replica"]), incarnation=int(found["incarnation"]), alive=True)
+                         replica=int(found["replica"]), incarnation=int(found["incarnation"]), alive=True,
+                         run_uid=found["uid"] or "")
 
 
 def _worker_host_class() -> type:

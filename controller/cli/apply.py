@@ -125,6 +125,10 @@ def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
     return fitted
 
 
+DELETION_WAIT_SECONDS = 120.0  # how long apply waits for a run of the same name to finish deleting
+DELETION_POLL_SECONDS = 0.1
+
+
 def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
     """Write each run's desired state; returns (name, outcome) pairs in the order given."""
     results = []
@@ -136,6 +140,32 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
         _, outcome = store.apply_run(run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations)
         results.append((run.name, str(outcome)))
     return results
+
+
+def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
+    """A run of this name being deleted: wait until the controller has purged it (and set its folder aside),
+    so that `delete` then `apply` at once creates the new run (a new uid) with a folder of its own instead of
+    failing; CliError after `timeout`."""
+    import time
+
+    from mortal.state import NotFound
+
+    timeout = DELETION_WAIT_SECONDS if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            if store.get_run(name).deleted_at is None:
+                return
+        except NotFound:
+            return
+        if not said:
+            typer.echo(f"trainingrun/{name} is being deleted: waiting for the controller to finish", err=True)
+            said = True
+        if time.monotonic() >= deadline:
+            raise CliError(f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
+                           "controller running? (mortalctl get runs shows it Terminating)")
+        time.sleep(DELETION_POLL_SECONDS)
 
 
 def _dry_outcome(store, run: TrainingRun) -> str:
@@ -175,6 +205,9 @@ def apply_command(
         for note in run.spec.notes():
             typer.echo(plain(f"note: trainingrun/{run.name}: {note}"), err=True)
     refuse_what_cannot_fit(runs)
+    if not dry_run:  # before admission installs the code snapshot in the run's folder, which the purge moves
+        for run in runs:
+            wait_until_deleted(cli.store, run.name)
     with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
         for admission in admitted:
             for check in admission.checks if dry_run else admission.deferred:

@@ -1,7 +1,7 @@
 """`mortalctl describe run NAME`: one run in detail, the way `kubectl describe` shows a pod.
 
-Sections: identity, a summary of the spec, status, conditions, workers, checkpoints and recent
-events. Only reads the store; formats with rich (plain text when not a terminal).
+Sections: identity, a summary of the spec, status, conditions, workers, checkpoints, the ledger of
+prompts (mortal.controller.ledger) and recent events. Only reads the store; formats with rich (plain text when not a terminal).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import typer
 from mortal.controller.cli.context import run_document, state
 from mortal.controller.cli.output import age, console, fmt_float, print_renderable, table
 from mortal.controller.cli.text import plain
+from mortal.controller.ledger import run_ledger
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun, TrainingSpec
@@ -204,6 +205,7 @@ def describe_run(store: Store, row: RunRow) -> None:
                   [(c.step, c.weight_version, *_drawn(c.provenance), age(c.created_at), c.path) for c in checkpoints])
     if checkpoints and checkpoints[-1].provenance:
         print_fields(f"Made by (step {checkpoints[-1].step})", provenance_lines(checkpoints[-1].provenance), indent=2)
+    print_fields("Ledger", run_ledger(store, row).lines())
     events = store.list_events(row.name, limit=15)
     print_section("Events", ("TYPE", "REASON", "AGE", "MESSAGE"),
                   [(e.type, e.reason, age(e.time), e.message) for e in events])

@@ -26,7 +26,8 @@ NoController = typer.Option(False, "--no-controller", help="Do not start a backg
 DELETE_HELP = """Delete runs by name or by the files that define them.
 
 The controller stops the run's workers, then removes its records. Checkpoints (and the run's
-folder under MORTAL_HOME) are kept unless --purge is given.
+folder under MORTAL_HOME, moved to MORTAL_HOME/deleted/NAME-UID) are kept unless --purge is given;
+the name can be applied again at once, as a new run that starts from scratch.
 
 \b
 Examples:
@@ -57,13 +58,13 @@ def delete_names(ctx: typer.Context, names: list[str], purge: bool, ignore_not_f
     deleted: list[str] = []
     for name in names:
         try:
-            cli.store.mark_deleted(name, purge=purge)
+            row = cli.store.mark_deleted(name, purge=purge)
         except NotFound:
             if ignore_not_found:
                 continue
             raise
         deleted.append(name)
-        kept = "checkpoints purged" if purge else f"checkpoints kept in {paths.checkpoints_dir(name)}"
+        kept = "checkpoints purged" if purge else f"checkpoints kept in {paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
         typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
     if deleted:
         wake_controller(*deleted)

@@ -37,11 +37,13 @@ def row(role: str = "actor", replica: int = 0, inc: int = 1, state: str = "Runni
     )
 
 
-def proc(w: WorkerRow, alive: bool = True, code: int | None = None, handle: str | None = None) -> BackendWorker:
-    """The backend's view of `w`'s process."""
-    ref = WorkerRef(w.run, w.role, w.replica, w.incarnation)
-    return BackendWorker(worker_id=ref.id, handle=handle or w.handle or f"pid{w.incarnation}", run=w.run, role=w.role,
-                         replica=w.replica, incarnation=w.incarnation, alive=alive, exit_code=code)
+def proc(w: WorkerRow, alive: bool = True, code: int | None = None, handle: str | None = None,
+         uid: str | None = None) -> BackendWorker:
+    """The backend's view of `w`'s process (launched for the run of `uid`, when given)."""
+    ref = WorkerRef(w.run, w.role, w.replica, w.incarnation, run_uid=uid)
+    return BackendWorker(worker_id=ref.process_id, handle=handle or w.handle or f"pid{w.incarnation}", run=w.run,
+                         role=w.role, replica=w.replica, incarnation=w.incarnation, alive=alive, exit_code=code,
+                         run_uid=uid or "")
 
 
 def running(rollouts: int = 1, step: int = 5) -> tuple[list[WorkerRow], list[BackendWorker]]:

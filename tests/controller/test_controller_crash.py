@@ -21,7 +21,8 @@ pytestmark = sqlite_only
 
 
 def one_process_per_live_row(h) -> bool:
-    rows = sorted(f"{w.run}/{w.role}-{w.replica}#{w.incarnation}" for w in h.live_rows(NAME))
+    uid = h.store.get_run(NAME).uid  # a worker's process marker carries its run's uid (WorkerRef.process_id)
+    rows = sorted(f"{w.run}/{w.role}-{w.replica}#{w.incarnation}@{uid}" for w in h.live_rows(NAME))
     return rows == worker_ids(h.home) and len(rows) == 2
 
 

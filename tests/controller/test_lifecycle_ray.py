@@ -64,7 +64,9 @@ def run_state(h, cluster: RayCluster, run: str) -> str:
 
 
 def live_ids(h, run: str) -> list[str]:
-    return sorted(f"{w.run}/{w.role}-{w.replica}#{w.incarnation}" for w in h.live_rows(run))
+    """The process markers of the run's live rows (WorkerRef.process_id: the worker id and the run's uid)."""
+    uid = h.store.get_run(run).uid
+    return sorted(f"{w.run}/{w.role}-{w.replica}#{w.incarnation}@{uid}" for w in h.live_rows(run))
 
 
 def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness):  # noqa: F811

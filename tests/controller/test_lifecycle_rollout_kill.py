@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sql_stores, sqlite_only
 
+from mortal.workers.runtime import worker_ref_from_env
 from mortal.workers.simulated import simulated_run
 
 NAME = "kill-rollout"
@@ -28,7 +29,7 @@ def test_rollout_kill_is_replaced_and_its_tasks_are_done_by_others(harness):  # 
     h.start()
     wait_for(lambda: (h.status(NAME).get("step") or 0) >= 4, 30, "a few steps")
     victim = next(p for p in worker_processes(h.home, role="rollout") if p.environ()["MORTAL_REPLICA"] == "0")
-    victim_id = victim.environ()["MORTAL_WORKER_ID"]
+    victim_id = worker_ref_from_env(victim.environ()).id  # the holder its leases name
     os.killpg(victim.pid, signal.SIGKILL)
     step_at_kill = h.status(NAME).get("step") or 0
     claimed = [t for s in range(step_at_kill, step_at_kill + 3) for t in h.store.step_results(NAME, s)
@@ -63,7 +64,7 @@ def test_the_only_rollout_killed_holding_a_task_trains_again_well_within_its_lea
     h.start()
     wait_for(lambda: (h.status("sole").get("step") or 0) >= 2, 30, "a few steps")
     [victim] = worker_processes(h.home, role="rollout")
-    victim_id = victim.environ()["MORTAL_WORKER_ID"]
+    victim_id = worker_ref_from_env(victim.environ()).id  # the holder its leases name
 
     def just_leased():  # a task the victim leased less than 0.3 s ago: about 0.7 s of its 1 s generation left
         now = datetime.now(UTC).timestamp()

@@ -56,9 +56,11 @@ def test_delete_stops_everything_and_keeps_checkpoints_unless_purged(harness):  
     for name in ("keep", "purge"):
         wait_for(lambda n=name: h.store.latest_checkpoint(n), 30, f"{name} to checkpoint")
 
+    uid = h.store.get_run("keep").uid
     delete_and_wait(h, "keep")
     assert worker_processes(h.home, run="keep") == []
-    assert any(paths.checkpoints_dir("keep").iterdir()), "delete without --purge removed checkpoints"
+    assert any((paths.kept_run_dir("keep", uid) / "checkpoints").iterdir()), "delete without --purge removed them"
+    assert not paths.run_dir("keep").exists(), "a run applied again under the name would write among them"
     assert len(worker_processes(h.home, run="purge")) == 2, "deleting one run disturbed another"
 
     delete_and_wait(h, "purge", purge=True)

@@ -293,6 +293,20 @@ def test_orphans_are_stopped_zombies_only_after_a_grace():
     assert {a.event.reason for a in p.actions} == {"OrphanStopped"}
 
 
+def test_processes_of_an_earlier_run_of_the_name_are_never_the_new_runs_workers():
+    """A run deleted and applied again counts incarnations from 1 again: the old run's rollout #2 that died
+    with exit 3 and its actor #1 still shutting down carry the same ids as the new run's rows, but not its
+    uid. Neither is adopted nor judged (no failure, no restart): the live one is stopped as an orphan."""
+    actor, rollout = row("actor", 0, 1, "Pending", handle=None, beat=None, started=1), row("rollout", 0, 2)
+    old_dead = proc(rollout, alive=False, code=3, handle="old-rollout", uid="old")
+    old_live = proc(actor, handle="old-actor", uid="old")
+    new_rollout = proc(rollout, uid="new")
+    p = run_plan([actor, rollout], [old_dead, old_live, new_rollout], prev=status("Starting"), uid="new")
+    assert ends(p) == [] and launches(p) == []
+    assert stops(p) == [("old-actor", CFG.orphan_grace_seconds)]
+    assert p.status["phase"] != "Failed" and p.status["restarts"] == 0
+
+
 def test_twin_rows_keep_the_newest_incarnation():
     a, b = row("actor", 0, 1), row("actor", 0, 2)
     p = run_plan([a, b], [proc(a), proc(b)], prev=status("Running"), rollout_replicas=0)

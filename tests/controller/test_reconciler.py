@@ -314,7 +314,7 @@ def test_a_lost_rollouts_task_is_released_when_the_pass_ends_its_row(world):
     actor, victim, other = refs["actor", 0], refs["rollout", 0], refs["rollout", 1]
     store.enqueue_tasks(actor, [NewTask(step=1, slot=0, min_weight_version=0)])
     held = store.lease_task(victim, 60)
-    handle = f"mem:{victim.id}"
+    handle = f"mem:{dataclasses.replace(victim, run_uid=store.get_run('r').uid).process_id}"
     backend.workers[handle] = dataclasses.replace(backend.workers[handle], alive=False, exit_code=-9)
     rec._listings["local"].invalidate()
     rec.reconcile("r")

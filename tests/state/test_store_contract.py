@@ -12,6 +12,7 @@ import pytest
 from store_kinds import caller_clock
 
 from mortal.state import ApplyOutcome, Conflict, Fenced, LeaderFence, NewTask, NotFound, Store, WorkerRef
+from mortal.state.store import STALE_ROLLOUTS, TaskTally
 
 SPEC = {"model": {"name": "tiny"}, "rollout": {"replicas": 1}, "algorithm": {"learningRate": 5e-6}}
 
@@ -423,6 +424,24 @@ def test_ending_a_worker_leaves_its_done_tasks_done(store: Store, run: str) -> N
     store.end_worker(_row_id(store, rollout), "Lost")
     [row] = store.step_results(run, 0)
     assert (row.state, row.result, row.lease_holder) == ("done", {"ok": True}, rollout.id)
+
+
+def test_the_task_tally_counts_steps_done_tasks_releases_and_stale_drops(store: Store, run: str) -> None:
+    assert store.task_tally(run) == TaskTally()
+    actor, dead = _worker(store, run), _worker(store, run, "rollout", 0)
+    store.enqueue_tasks(actor, _tasks((1, 0, 0), (1, 1, 0), (2, 0, 0)))
+    held = store.lease_task(dead, 600)
+    store.end_worker(_row_id(store, dead), "Lost")  # its task is queued again: leased a second time below
+    other = _worker(store, run, "rollout", 1)
+    again, fresh = store.lease_task(other, 600), store.lease_task(other, 600)
+    assert (again.id, again.attempts, fresh.attempts) == (held.id, 2, 1)
+    for task in (again, fresh):
+        assert store.complete_task(other, task.id, task.lease_token, {"ok": True})
+    store.add_event(run, "Warning", STALE_ROLLOUTS, "step 2: 1 task(s) answered with older weights")
+    store.add_event(run, "Normal", "Other", "not a stale drop")
+    assert store.task_tally(run) == TaskTally(steps=2, tasks=3, done=2, releases=1, stale_drops=1)
+    store.reset_tasks(actor, from_step=2)  # a resume queues step 2 again: what it held counts no more
+    assert store.task_tally(run) == TaskTally(steps=1, tasks=2, done=2, releases=1, stale_drops=1)
 
 
 def test_task_max_weight_version(store: Store, run: str) -> None:

@@ -173,6 +173,7 @@ def test_a_result_older_than_its_task_allows_is_redone(setup) -> None:
     batch = feed.collect(0, current_version=2)
     helper.join()
     assert batch.weight_versions == [2] * 4 and answered
+    assert store.task_tally(feed.worker.run).stale_drops == 1  # what describe's ledger counts
 
 
 def test_a_chunked_answer_older_than_its_task_allows_is_redone(chunked) -> None:

@@ -82,3 +82,15 @@ def test_a_worker_keeps_what_it_needs_to_run_and_none_of_the_launchers_credentia
     assert "its-own" not in repr(launch(state_token="its-own")) and "from-the-spec" not in repr(
         launch(env={"OPENAI_API_KEY": "from-the-spec"}))
     assert "MORTAL_STATE_TOKEN" not in launch().environ({"MORTAL_STATE_TOKEN": "admin"}, None), "a SQL store's worker"
+
+
+def test_a_deleted_runs_kept_folder_is_moved_aside_by_its_uid(mortal_home: Path) -> None:
+    log = paths.worker_log("r", "actor", 0, 1)
+    log.parent.mkdir(parents=True)
+    log.write_text("the old run's line\n")
+    backend = LocalBackend(mortal_home)
+    backend.set_aside_run_folder("r", "uid-1")
+    assert not paths.run_dir("r").exists()
+    assert (paths.kept_run_dir("r", "uid-1") / "logs" / log.name).read_text() == "the old run's line\n"
+    backend.set_aside_run_folder("r", "uid-1")  # a pass retried after the move: nothing left to move
+    assert paths.kept_run_dir("r", "uid-1").is_dir()

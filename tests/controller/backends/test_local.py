@@ -57,10 +57,10 @@ ESCAPER = [
 
 
 def launch_spec(home: Path, run: str = "r", role: str = "rollout", replica: int = 0, incarnation: int = 1,
-                state_url: str = "sqlite:///unused.db", **kw: object) -> WorkerLaunch:
-    ref = WorkerRef(run, role, replica, incarnation)
-    return WorkerLaunch(run=run, role=role, replica=replica, incarnation=incarnation, worker_id=ref.id,
-                        state_url=state_url, mortal_home=str(home), **kw)  # type: ignore[arg-type]
+                state_url: str = "sqlite:///unused.db", run_uid: str = "", **kw: object) -> WorkerLaunch:
+    ref = WorkerRef(run, role, replica, incarnation, run_uid=run_uid or None)
+    return WorkerLaunch(run=run, role=role, replica=replica, incarnation=incarnation, worker_id=ref.process_id,
+                        state_url=state_url, mortal_home=str(home), run_uid=run_uid, **kw)  # type: ignore[arg-type]
 
 
 def gone(pid: int) -> bool:
@@ -196,6 +196,17 @@ def test_launch_is_idempotent_per_worker_id(mortal_home: Path, cleanup: None) ->
     first = backend.launch(launch_spec(mortal_home))
     assert backend.launch(launch_spec(mortal_home)) == first
     assert len(backend.list()) == 1
+
+
+def test_a_run_applied_again_under_its_name_gets_processes_of_its_own(mortal_home: Path, cleanup: None) -> None:
+    """The same run, role, replica and incarnation, another uid: a straggler of the deleted run is not the new
+    run's worker, in the launch or in the listing (each says which run it belongs to)."""
+    backend = LocalBackend(mortal_home, command=SLEEPER)
+    old = backend.launch(launch_spec(mortal_home, run_uid="old-uid"))
+    new = backend.launch(launch_spec(mortal_home, run_uid="new-uid"))
+    assert new != old
+    listed = {w.handle: (w.worker_id, w.run_uid) for w in LocalBackend(mortal_home).list("r")}
+    assert listed == {old: ("r/rollout-0#1@old-uid", "old-uid"), new: ("r/rollout-0#1@new-uid", "new-uid")}
 
 
 def test_a_new_controller_readopts_workers_of_a_dead_one(mortal_home: Path, cleanup: None) -> None:

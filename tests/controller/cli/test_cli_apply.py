@@ -6,6 +6,7 @@ import json
 
 from clihelpers import QUICKSTART
 
+from mortal.controller.cli import apply
 from mortal.state import open_store
 
 
@@ -127,11 +128,14 @@ def test_dry_run_writes_nothing(cli, spec_file):
     assert cli("apply", "-f", str(QUICKSTART), "--dry-run").stdout == "trainingrun/quickstart unchanged (dry run)\n"
 
 
-def test_applying_to_a_run_being_deleted_is_a_conflict(cli):
+def test_applying_to_a_run_still_being_deleted_gives_up_naming_it(cli, monkeypatch):
+    """apply waits for a run of the name being deleted to be purged (test_cli_lifecycle.py), not forever."""
+    monkeypatch.setattr(apply, "DELETION_WAIT_SECONDS", 0.3)
     cli("apply", "-f", str(QUICKSTART))
     cli("delete", "run", "quickstart")
     out = cli("apply", "-f", str(QUICKSTART))
-    assert out.exit_code == 1 and "conflict" in out.stderr and "deleted" in out.stderr
+    assert out.exit_code == 1
+    assert "error: trainingrun/quickstart is still being deleted after 0.3s; is a controller running?" in out.stderr
 
 
 def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home, store_url):

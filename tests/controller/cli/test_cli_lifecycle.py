@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from clihelpers import QUICKSTART, set_status
 
-from mortal.state import open_store
+from mortal.controller.backends.local import LocalBackend
+from mortal.controller.cli import apply
+from mortal.controller.snapshot import CODE_ANNOTATION
+from mortal.state import open_store, paths
 
 
 @pytest.fixture
@@ -24,6 +29,51 @@ def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
     row = store.get_run("quickstart")
     assert row.deleted_at is not None and not row.purge_requested
     assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
+
+
+def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli, store):
+    """`delete` then `apply` at once: apply waits while the controller stops the old run's workers and purges
+    it (a thread does it here), then creates the run anew: a new uid."""
+    cli("apply", "-f", str(QUICKSTART))
+    old = store.get_run("quickstart").uid
+    assert cli("delete", "run", "quickstart").exit_code == 0
+    purge = threading.Timer(0.5, store.purge_run, args=("quickstart",))
+    purge.start()
+    out = cli("apply", "-f", str(QUICKSTART))
+    purge.join()
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "trainingrun/quickstart created\n"
+    assert "is being deleted: waiting for the controller to finish" in out.stderr
+    assert store.get_run("quickstart").uid != old
+
+
+def test_apply_right_after_delete_installs_the_new_runs_code_in_a_folder_of_its_own(
+        cli, store, spec_file, tmp_path, monkeypatch):
+    """The purge moves the deleted run's folder aside (Backend.set_aside_run_folder): apply waits for it before
+    it installs the code snapshot, or the snapshot would go with the old folder."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    monkeypatch.chdir(project)
+    spec = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    assert cli("apply", "-f", str(spec)).exit_code == 0
+    old = store.get_run("mine")
+    assert cli("delete", "run", "mine").exit_code == 0
+
+    waits = apply.wait_until_deleted
+
+    def purged_while_waiting(*args, **kwargs) -> None:  # the controller purges as apply starts waiting
+        LocalBackend().set_aside_run_folder("mine", old.uid)
+        store.purge_run("mine")
+        waits(*args, **kwargs)
+
+    monkeypatch.setattr(apply, "wait_until_deleted", purged_while_waiting)
+    out = cli("apply", "-f", str(spec))
+    assert out.exit_code == 0, out.output
+    new = store.get_run("mine")
+    digest = new.annotations[CODE_ANNOTATION]
+    assert new.uid != old.uid and (paths.code_dir("mine", digest) / "myrewards.py").is_file()
+    assert (paths.kept_run_dir("mine", old.uid) / "code" / digest / "myrewards.py").is_file()
 
 
 def test_delete_purge(cli, store):
