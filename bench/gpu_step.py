@@ -317,7 +317,8 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
                 steps[-1]["step_time"] = logs["step_time"]
 
     batch = args.prompts * args.gens
-    micro = args.micro_batch or batch  # the same split as mortal's microBatchSize: one generation batch a step
+    # the same split as mortal's microBatchSize (or TRL's own, --trl-micro-batch): one generation batch a step
+    micro = args.trl_micro_batch or args.micro_batch or batch
     # FSDP2, parameters resharded after forward (full_shard) unless --keep-gathered (shard_grad_op), as
     # transformers >= 5.20 spells it
     sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": not args.keep_gathered,
@@ -567,6 +568,9 @@ def main() -> None:
                         help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
                              "per_device_train_batch_size with gradient accumulation up to the batch); default: TRL the "
                              "batch in one pass, mortal the operator's own choice (mortal_memory in the JSON)")
+    parser.add_argument("--trl-micro-batch", type=int, default=None,
+                        help="TRL's per_device_train_batch_size alone (mortal's side keeps --micro-batch, or the "
+                             "operator's choice): TRL given the micro batch that fits, mortal none")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
     parser.add_argument("--compile", nargs="?", const="both", choices=["both", "mortal"],
                         help="torch.compile the trained model: on both sides (TRL's torch_compile, mortal's "
@@ -620,9 +624,9 @@ def main() -> None:
     if args.cpu_offload and (args.actor_gpus < 2 or args.strategy != "fsdp" or args.cpu):
         parser.error("--cpu-offload keeps FSDP2's shards in host memory: it needs --actor-gpus above 1 with "
                      "--strategy fsdp, on GPUs (the spec's actor.cpuOffload refuses it otherwise)")
-    if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
-        parser.error(f"--micro-batch {args.micro_batch} must divide the batch (--prompts x --gens = "
-                     f"{args.prompts * args.gens})")
+    for flag, value in (("--micro-batch", args.micro_batch), ("--trl-micro-batch", args.trl_micro_batch)):
+        if value and (args.prompts * args.gens) % value:
+            parser.error(f"{flag} {value} must divide the batch (--prompts x --gens = {args.prompts * args.gens})")
     import torch
 
     if args.cpu:
@@ -684,11 +688,13 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
         except torch.OutOfMemoryError as error:  # a finding at the larger shapes, not a failure of the bench
             out["trl"] = {"out_of_memory": str(error).splitlines()[0]}
             print(f"TRL GRPOTrainer ran out of GPU memory: {out['trl']['out_of_memory']}", flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
         except TrlFailed as error:  # TRL over several GPUs: its error is a finding too; mortal's side still runs
             out["trl"] = {"failed": str(error)}
             print(f"TRL GRPOTrainer failed: {error}", flush=True)
+        # Only here, after the except blocks: the caught error's traceback holds TRL's frames, and with them its
+        # model and AdamW state, until its block ends; mortal's workers would start on a full GPU.
+        gc.collect()
+        torch.cuda.empty_cache()
     if args.only != "trl":
         where = ("on the CPU" if args.cpu else f"colocated on its {args.actor_gpus} GPU(s)"
                  if args.gpus == args.actor_gpus else f"on {args.gpus - args.actor_gpus} GPU(s) of their own"

@@ -478,11 +478,14 @@ case $group in
   seven-b-full-one)  # the 7B shape's full fine-tune on ONE H200 (141 GB: mortalctl apply's bound is 110 GB with the
                      # colocated rollout and the ring of 3), beside TRL in the same invocation
     bench sevenb_full_onegpu_${RUN_TAG:-run1} 570 --shape 7b --micro-batch 8 --steps 4 ${EXTRA:-} ;;
-  heal-1.5b|heal-3b|heal-7b-lora)  # issue 44: the bench's defaults with NO --micro-batch, so mortal trains with the
-                                   # operator's own choice (mortalctl apply's estimate, halved after an out-of-memory:
-                                   # "mortal_memory" in the JSON); TRL the whole batch in one pass. One group a call.
+  heal-1.5b|heal-3b|heal-7b-lora)  # issue 44: NO --micro-batch on mortal's side, so it trains with the operator's
+                                   # own choice (mortalctl apply's estimate, halved after an out-of-memory:
+                                   # "mortal_memory" in the JSON); TRL given by hand the micro batch the earlier
+                                   # one-GPU runs at that shape used (the whole batch in one pass does not fit TRL at
+                                   # 3B on an H100). One group a call.
     shape=${group#heal-}
-    bench "heal_${shape}_${RUN_TAG:-run1}" 570 --shape "${shape%-lora}" --steps 4 \
+    case $shape in 1.5b) trl_micro=16 ;; *) trl_micro=8 ;; esac
+    bench "heal_${shape}_${RUN_TAG:-run1}" 570 --shape "${shape%-lora}" --steps 4 --trl-micro-batch "$trl_micro" \
       $([ "$shape" = 7b-lora ] && echo --lora 16) ${EXTRA:-} ;;
   *) echo "unknown group $group" >&2; exit 2 ;;
 esac
