@@ -9,7 +9,7 @@ import time
 from datetime import timedelta
 
 from realproc import FAST, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
-from store_kinds import sql_stores
+from store_kinds import caller_clock, sql_stores
 
 from mortal.controller.leader import LEASE_NAME, LeaderElector
 from mortal.controller.outcome import Done
@@ -62,6 +62,7 @@ def test_two_controllers_one_leader_takeover_after_sigstop_and_kill(harness):  #
     wait_for(lambda: not worker_processes(h.home), 20, "every worker to exit")
 
 
+@caller_clock  # the takeover is dated ahead with `now`; over HTTP the server's clock decides leases
 def test_a_leader_whose_lease_moved_on_is_fenced(harness):  # noqa: F811
     """Its clock says it still leads (it was paused), the store says otherwise: no write lands."""
     h = harness
