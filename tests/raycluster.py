@@ -109,12 +109,13 @@ class RayCluster:
         return next((node for node, raylet in self.raylets.items() if raylet in pids), None)
 
     def node_of_worker(self, home: Path | None, worker_id: str) -> str | None:
-        """The node a mortal worker (by its MORTAL_WORKER_ID, under MORTAL_HOME `home`; None: under the home of
-        whichever of this cluster's nodes it runs on) runs on."""
+        """The node a mortal worker (by its id, `run/role-replica#incarnation`, as its MORTAL_WORKER_ID begins; under
+        MORTAL_HOME `home`; None: under the home of whichever of this cluster's nodes it runs on) runs on."""
         homes = {str(home)} if home is not None else {str(self.home(node)) for node in NODES}
         for proc in psutil.process_iter(["environ"]):
             env = proc.info.get("environ") or {}
-            if env.get("MORTAL_WORKER_ID") == worker_id and env.get("MORTAL_HOME") in homes:
+            marker = env.get("MORTAL_WORKER_ID") or ""  # the worker's id, then "@" and its run's uid
+            if marker.split("@", 1)[0] == worker_id and env.get("MORTAL_HOME") in homes:
                 return self.node_of(proc)
         return None
 
