@@ -4,16 +4,15 @@ folder that leads out, is refused with a Warning event on the run, never removed
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from clihelpers import QUICKSTART, actor
+from clihelpers import CHECKPOINT_FILES as FILES
+from clihelpers import QUICKSTART, actor, checkpoint_in
 
 from mortal.state import open_store, paths
 from mortal.state.containment import REFUSED_REASON
 
-FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # the subject is the CLI
 
 
@@ -22,14 +21,6 @@ def store(store_url):
     opened = open_store(store_url)
     yield opened
     opened.close()
-
-
-def checkpoint_in(folder: Path, step: int, run: str = "quickstart") -> Path:
-    folder.mkdir(parents=True)
-    for name in FILES:
-        (folder / name).write_bytes(bytes([step]) * 100)
-    (folder / "mortal.json").write_text(json.dumps({"run": run, "step": step, "weight_version": step, "seed": 0}))
-    return folder
 
 
 @pytest.fixture
