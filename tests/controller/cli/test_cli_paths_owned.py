@@ -55,6 +55,17 @@ def test_rollback_leaves_a_later_checkpoint_row_pointing_outside_alone(cli, stor
     assert message.startswith(f"rolling back checkpoint step-20: {victim} is not inside ")
 
 
+def test_rollback_reads_a_relative_checkpoint_row_inside_the_run_not_the_working_folder(
+        cli, store, victim, monkeypatch) -> None:
+    """The folder checked is the folder removed: "victim" means <run's checkpoints>/victim, not ./victim."""
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    own = checkpoint_in(paths.checkpoints_dir("quickstart") / "step-10", 10)
+    monkeypatch.chdir(victim.parent)
+    stopped_with(store, {10: str(own), 20: victim.name})
+    assert cli("rollback", "quickstart", "--to", "step-10", "--drop-later").exit_code == 0
+    assert sorted(p.name for p in victim.iterdir()) == sorted([*FILES, "mortal.json"]), "never removed"
+
+
 def test_rollback_does_not_follow_a_symlink_in_the_runs_folder_that_leads_out(cli, store, victim) -> None:
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     own = checkpoint_in(paths.checkpoints_dir("quickstart") / "step-10", 10)
