@@ -143,7 +143,7 @@ def needed_parts(spec: TrainingSpec, folders: list[Path]) -> list[tuple[Part, Pa
     found: dict[str, tuple[Part, Path]] = {}
     for where, ref in references(spec):
         top = ref.partition(":")[0].split(".")[0]
-        if top in INSTALLED_TOP:
+        if top in INSTALLED_TOP or not top.isidentifier():  # args.class is free text: '' would be the folder
             continue
         for folder in folders:
             path = _module_path(top, folder)

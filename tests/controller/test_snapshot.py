@@ -109,6 +109,16 @@ def test_a_symlink_inside_the_folder_is_copied_as_its_content(folder):
         snapshot.close()
 
 
+def test_a_reference_without_a_module_name_copies_nothing(folder):
+    """An environment reward's args.class is free text: '.x:Y' names no top-level module, not the folder."""
+    snapshot = build(spec(rewards=[{"env": "environment", "args": {"class": ".pkg:Env"}}],
+                          rollout={"environment": "mortal.workers.simulated:Nothing"}), [folder])
+    try:
+        assert snapshot.parts == [] and snapshot.digest is None
+    finally:
+        snapshot.close()
+
+
 def test_install_is_content_addressed_and_a_fork_carries_it(folder, mortal_home):
     snapshot = build(spec(), [folder])
     installed = snapshot.install("parent")
