@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mortal.controller.backends.base import inheritable
 from mortal.controller.snapshot import CODE_ANNOTATION, Snapshot, SnapshotRefused, build
 from mortal.specs import SpecError, SpecIssue
 
@@ -71,7 +72,9 @@ def _probe(run: TrainingRun, folder: Path) -> list[Check]:
     simulated = run.metadata.annotations.get(SIMULATED[0]) == SIMULATED[1]
     request = json.dumps({"spec": run.spec_dict(), "simulated": simulated})
     search = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=search)
+    # what a worker gets of this environment (a watched folder's probe runs in the controller: no admin token)
+    env = {k: v for k, v in os.environ.items() if inheritable(k) or k in run.spec.secrets}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=search)
     timeout = _probe_timeout()
     try:
         done = subprocess.run([sys.executable, "-m", PROBE_MODULE], input=request, capture_output=True,

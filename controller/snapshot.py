@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mortal.state import paths
+from mortal.state.containment import PathOutside, inside
 
 if TYPE_CHECKING:
     from mortal.specs.training import TrainingSpec
@@ -142,11 +143,12 @@ def needed_parts(spec: TrainingSpec, folders: list[Path]) -> list[tuple[Part, Pa
     found: dict[str, tuple[Part, Path]] = {}
     for where, ref in references(spec):
         top = ref.partition(":")[0].split(".")[0]
-        if top in INSTALLED_TOP:
+        if top in INSTALLED_TOP or not top.isidentifier():  # args.class is free text: '' would be the folder
             continue
         for folder in folders:
             path = _module_path(top, folder)
             if path is not None:
+                _refuse_links_out(where, folder, path)
                 found.setdefault(path.name, (Part(where, path.name), path))
                 break
     for where, name in local_paths(spec):
@@ -159,8 +161,22 @@ def needed_parts(spec: TrainingSpec, folders: list[Path]) -> list[tuple[Part, Pa
             if rel.startswith(".." + os.sep) or rel == "..":
                 raise SnapshotRefused(where, f"{name!r} is outside the applying folder {folder}; give an "
                                              "absolute path, or move it into the folder")
+            if not is_model:  # a model folder is linked where it is, never copied
+                _refuse_links_out(where, folder, path)
             found.setdefault(rel, (Part(where, rel, link=is_model), path))
     return list(found.values())
+
+
+def _refuse_links_out(field: str, folder: Path, path: Path) -> None:
+    """Every file of `path` the snapshot would copy resolves inside `folder`: a symlink out of it (to a key,
+    a home folder) is refused, never followed into a snapshot that travels with the run."""
+    for source in _files(path):
+        try:
+            inside(folder, source)
+        except PathOutside:
+            raise SnapshotRefused(field, f"{source.relative_to(folder)} links outside the applying folder {folder} "
+                                         f"(to {os.path.realpath(source)}); copy it into the folder, or give it "
+                                         "by absolute path") from None
 
 
 def importing_folders(spec: TrainingSpec, working: Path) -> list[Path]:

@@ -376,13 +376,16 @@ def _shared_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_siblings(argv: list[str], count: int) -> list[subprocess.Popen]:
+def _start_siblings(argv: list[str], count: int, backing_url: str) -> list[subprocess.Popen]:
     """`count` more server processes on the same address. Why processes: a store call is mostly Python
     (SQLAlchemy, pydantic, JSON) under one GIL, so one process serves one core's worth of calls; each
-    sibling has its own engine and pool (a forked engine must never share pooled connections)."""
+    sibling has its own engine and pool (a forked engine must never share pooled connections).
+    The database URL goes in their environment, never their command line, which every local user can read
+    (it may hold a password)."""
     cmd = [sys.executable, "-m", "mortal.state.http_server", *argv, "--processes", "1", "--reuse-port",
            "--parent-pid", str(os.getpid())]
-    return [subprocess.Popen(cmd) for _ in range(count)]
+    env = {**os.environ, paths.STATE_URL_ENV: backing_url}
+    return [subprocess.Popen(cmd, env=env) for _ in range(count)]
 
 
 def _wait_while_parent_lives(parent_pid: int | None) -> None:
@@ -419,9 +422,9 @@ def main(argv: list[str] | None = None) -> None:
                    reuse_port=shared) as served:
             if args.processes > 1:
                 port = served.url.rsplit(":", 1)[1]  # the bound port, also when --port 0 asked for any
-                sibling_args = ["--backing-url", args.backing_url or default_state_url(), "--host", args.host,
-                                "--port", port, "--threads", str(args.threads), "--access-log", str(access_log)]
-                siblings = _start_siblings(sibling_args, args.processes - 1)
+                sibling_args = ["--host", args.host, "--port", port, "--threads", str(args.threads),
+                                "--access-log", str(access_log)]
+                siblings = _start_siblings(sibling_args, args.processes - 1, args.backing_url or default_state_url())
             log.info("serving the state store at %s (pid %d)", served.url, os.getpid())
             _wait_while_parent_lives(args.parent_pid)
     finally:

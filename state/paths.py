@@ -23,8 +23,11 @@ def mortal_home() -> Path:
     return Path(os.environ.get("MORTAL_HOME") or Path.home() / ".mortal").expanduser()
 
 
+STATE_URL_ENV = "MORTAL_STATE_URL"
+
+
 def default_state_url() -> str:
-    return os.environ.get("MORTAL_STATE_URL") or f"sqlite:///{mortal_home() / 'state.db'}"
+    return os.environ.get(STATE_URL_ENV) or f"sqlite:///{mortal_home() / 'state.db'}"
 
 
 def runs_dir(home: str | Path | None = None) -> Path:

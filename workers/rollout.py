@@ -131,8 +131,7 @@ class RolloutWorker:
         try:
             if ray_weights.is_hub_path(path):
                 return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
-            inside(paths.weights_dir(self.ctx.worker.run), path)
-            return path
+            return str(inside(paths.weights_dir(self.ctx.worker.run), path))  # what was checked is what loads
         except PathOutside as exc:
             report_refused(self.ctx.store, self.ctx.worker.run, f"loading weight version {version}", exc)
             raise FatalWorkerError("WeightsRefused", f"weight version {version}: {exc}") from exc

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mortal.specs.memory import MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV
 from mortal.state import paths, wire
 from mortal.state.containment import inside, url_inside
 
@@ -43,7 +44,10 @@ RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = "MORTAL_RAY_ADDRESS", "MORTAL
 WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
                        "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
                        "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES", RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV,
-                       RAY_NODE_ENV)
+                       RAY_NODE_ENV,
+                       # per launch, from the run (its code snapshot, the controller's memory choices): a value
+                       # in the launcher's own environment must not reach a worker launched without one
+                       paths.CODE_SNAPSHOT_ENV, MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV)
 STATE_TOKEN_ENV = wire.TOKEN_ENV  # the worker's own scoped token (mortal.state.auth), never the launcher's
 # What a worker keeps of its launcher's environment: what it needs to run (the system's, Python's, the GPU
 # stack's and its libraries' settings, mortal's own), never a credential (a name with a SECRET_WORDS part,

@@ -151,7 +151,7 @@ class ModalBackend(Backend):
         self._functions: dict[tuple[str, str | None], Any] = {}
         self._ended: dict[str, int | None] = {}  # call id -> exit code, for calls seen ended (never polled again)
         self._lock = threading.Lock()
-        self._shipped: set[str] = set()  # code snapshots known to be on the volume
+        self._shipped: set[str] = set()  # code snapshots known to be on the volume (their folders there)
 
     # -- launch ------------------------------------------------------------------------------
     def launch(self, launch: WorkerLaunch) -> str:
@@ -276,10 +276,10 @@ class ModalBackend(Backend):
         """Upload the run's code snapshot (mortal.controller.snapshot) to the data volume, where the worker's
         MORTAL_HOME is, unless it is there already (content-addressed: an upload is never replaced)."""
         digest = launch.env.get(paths.CODE_SNAPSHOT_ENV)
-        if not digest or digest in self._shipped:
+        remote = f"runs/{launch.run}/code/{digest}"  # each run's own: a digest alone is not where it lies
+        if not digest or remote in self._shipped:
             return
         local = paths.code_dir(launch.run, digest, launch.mortal_home)
-        remote = f"runs/{launch.run}/code/{digest}"
         volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
         try:
             volume.listdir(remote)
@@ -301,7 +301,7 @@ class ModalBackend(Backend):
                                 batch.put_file(str(Path(root) / name), f"{remote}/{rel}")
             except self._modal.exception.Error as exc:
                 raise BackendError(f"Modal: could not upload {remote} to the volume: {exc}") from exc
-        self._shipped.add(digest)
+        self._shipped.add(remote)
 
     def set_aside_run_folder(self, run: str, uid: str) -> None:
         """Not done on the volume yet (its API copies and removes, it has no rename): a deleted Modal run's
@@ -312,6 +312,7 @@ class ModalBackend(Backend):
         """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works
         from a controller anywhere; a folder already gone is no error."""
         folder = posix_inside("runs", f"runs/{run}")  # PathOutside for a name that leaves runs/
+        self._shipped = {remote for remote in self._shipped if not remote.startswith(f"{folder}/")}  # gone with it
         volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
         try:
             volume.remove_file(folder, recursive=True)

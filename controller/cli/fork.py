@@ -140,11 +140,12 @@ def owned_folder(store: Store, run: str, row: CheckpointRow, uri: str | None, do
     """checkpoint_folder, checked to lie inside what the run owns, symlinks inside it included
     (mortal.state.containment); a row pointing elsewhere gets a Warning event and CheckpointOutside."""
     from mortal.state.containment import PathOutside, owned_checkpoint, report_refused, tree_inside
+    from mortal.workers.storage import local_path
 
     folder = checkpoint_folder(run, row)
     try:
-        owned_checkpoint(run, row.path, uri)
-        real = Path(os.path.realpath(folder))
+        owned = local_path(owned_checkpoint(run, row.path, uri))  # the folder checked (a relative row: the run's)
+        real = Path(os.path.realpath(owned or folder))
         return tree_inside(real.parent, real)  # what a copy or load would follow below it
     except PathOutside as exc:
         report_refused(store, run, f"{doing} checkpoint step-{row.step}", exc)

@@ -198,21 +198,21 @@ def controller_status_command(ctx: typer.Context) -> None:
         since = running.since.astimezone().isoformat(timespec="seconds")
         typer.echo(f"controller: running (pid {running.pid}, since {since})")
         typer.echo(f"home: {running.home}")
-        typer.echo(f"started in: {running.folder or '(unknown)'}")
+        typer.echo(f"started in: {plain(running.folder or '(unknown)')}")  # a folder name may hold ESC
         typer.echo(f"log: {running.log} (a foreground controller logs to its terminal)")
     try:
         lease = state(ctx).store.get_lease(LEASE_NAME)
     except Exception as exc:  # noqa: BLE001 - the process facts above stand; the store's part is unknown
         first = (str(exc).strip().splitlines() or [""])[0]
-        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {first})")
+        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {plain(first)})")
         return
     if lease is not None:
         expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
         if expires > datetime.now(UTC):
             until = expires.isoformat(timespec="seconds")
-            typer.echo(f"leader lease: held by {lease.holder} (until {until})")
+            typer.echo(f"leader lease: held by {plain(lease.holder)} (until {until})")  # store text: shown as text
         else:
-            typer.echo(f"leader lease: free (last held by {lease.holder})")
+            typer.echo(f"leader lease: free (last held by {plain(lease.holder)})")
 
 
 def controller_stop_command(

@@ -85,6 +85,40 @@ def test_a_relative_file_outside_the_folder_is_refused(folder):
     assert refused.value.field == "spec.dataset.name" and "outside the applying folder" in str(refused.value)
 
 
+def test_a_symlink_out_of_the_folder_is_refused_not_copied(folder):
+    secret = folder.parent / "secret.txt"
+    secret.write_text("not the run's")
+    (folder / "pkg" / "key.txt").symlink_to(secret)
+    with pytest.raises(SnapshotRefused) as refused:
+        build(spec(), [folder])
+    assert refused.value.field == "spec.rewards[0].function" and "pkg/key.txt" in str(refused.value)
+    (folder / "pkg" / "key.txt").unlink()
+    (folder / "data.jsonl").symlink_to(secret)
+    with pytest.raises(SnapshotRefused) as refused:
+        build(spec(dataset={"name": "data.jsonl"}), [folder])
+    assert refused.value.field == "spec.dataset.name"
+
+
+def test_a_symlink_inside_the_folder_is_copied_as_its_content(folder):
+    (folder / "pkg" / "alias.py").symlink_to(folder / "pkg" / "scoring.py")
+    snapshot = build(spec(), [folder])
+    try:
+        copied = snapshot.folder / "pkg" / "alias.py"
+        assert not copied.is_symlink() and copied.read_text() == (folder / "pkg" / "scoring.py").read_text()
+    finally:
+        snapshot.close()
+
+
+def test_a_reference_without_a_module_name_copies_nothing(folder):
+    """An environment reward's args.class is free text: '.x:Y' names no top-level module, not the folder."""
+    snapshot = build(spec(rewards=[{"env": "environment", "args": {"class": ".pkg:Env"}}],
+                          rollout={"environment": "mortal.workers.simulated:Nothing"}), [folder])
+    try:
+        assert snapshot.parts == [] and snapshot.digest is None
+    finally:
+        snapshot.close()
+
+
 def test_install_is_content_addressed_and_a_fork_carries_it(folder, mortal_home):
     snapshot = build(spec(), [folder])
     installed = snapshot.install("parent")

@@ -68,6 +68,16 @@ def test_no_sibling_outlives_the_process_that_started_it(server: tuple[subproces
              what="the sibling to end with its parent")
 
 
+def test_a_sibling_gets_the_database_url_in_its_environment_not_its_command_line(
+        server: tuple[subprocess.Popen, str], tmp_path: Path) -> None:
+    """A command line is every local user's to read (ps); a PostgreSQL URL may hold a password."""
+    proc, _ = server
+    wait_for(lambda: len(_siblings(proc)) == 1, timeout=30, what="one sibling process")
+    (sibling,) = _siblings(proc)
+    assert "state.db" not in " ".join(sibling.cmdline())
+    assert sibling.environ()["MORTAL_STATE_URL"] == f"sqlite:///{tmp_path}/state.db"
+
+
 def test_processes_must_be_at_least_one(tmp_path: Path) -> None:
     env = {**os.environ, "MORTAL_STATE_TOKEN": TOKEN, "MORTAL_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "mortal.state.http_server", "--processes", "0"],

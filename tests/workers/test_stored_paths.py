@@ -177,3 +177,20 @@ def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_
     [message] = refusals(store)
     assert message.startswith(f"loading weight version 0: {forged} is not inside")
 
+
+
+def test_a_rollout_loads_a_relative_weight_row_from_the_run_s_folder_it_was_checked_in(
+        store, tmp_path: Path, monkeypatch) -> None:
+    """The path checked is the path loaded: a relative row is not read against the worker's working folder."""
+    from mortal.workers.rollout import RolloutWorker
+
+    run = create_run(store, "c", SPEC)
+    actor = worker_context(store, run, "actor")
+    owned = paths.weights_dir("c") / "v0"
+    owned.mkdir(parents=True)
+    (tmp_path / "elsewhere" / "v0").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    store.publish_weights(actor.worker, 0, 0, "v0")
+    engine = RecordingEngine()
+    RolloutWorker(worker_context(store, run, "rollout"), engine, tokenizer=None, rewards=None).refresh_weights()
+    assert engine.loaded == [str(owned.resolve())]

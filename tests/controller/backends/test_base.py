@@ -84,6 +84,14 @@ def test_a_worker_keeps_what_it_needs_to_run_and_none_of_the_launchers_credentia
     assert "MORTAL_STATE_TOKEN" not in launch().environ({"MORTAL_STATE_TOKEN": "admin"}, None), "a SQL store's worker"
 
 
+def test_a_run_s_own_settings_come_from_its_launch_never_from_the_launcher_s_environment() -> None:
+    stray = {"MORTAL_CODE_SNAPSHOT": "ab" * 32, "MORTAL_MICRO_BATCH_SIZE": "1", "MORTAL_ROLLOUT_SHARE": "0.1"}
+    env = launch().environ(stray, None)
+    assert not set(stray) & set(env), "a run without a snapshot or a memory choice gets none"
+    chosen = {"MORTAL_CODE_SNAPSHOT": "cd" * 32, "MORTAL_MICRO_BATCH_SIZE": "2"}
+    assert launch(env=chosen).environ(stray, None).items() >= chosen.items()
+
+
 def test_a_deleted_runs_kept_folder_is_moved_aside_by_its_uid(mortal_home: Path) -> None:
     log = paths.worker_log("r", "actor", 0, 1)
     log.parent.mkdir(parents=True)

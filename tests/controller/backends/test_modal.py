@@ -205,3 +205,24 @@ def test_a_run_s_code_snapshot_is_uploaded_to_the_volume_once(fake: FakeModal, t
     missing = dataclasses.replace(launch, env={paths.CODE_SNAPSHOT_ENV: "ef" * 32})
     with pytest.raises(LaunchFailed, match="is not on the controller's machine"):
         backend.ship_code(missing)
+
+
+def test_two_runs_of_the_same_code_each_get_their_snapshot_on_the_volume(fake: FakeModal, tmp_path: Path) -> None:
+    """The snapshot lies under each run's folder: one run's upload does not stand for another's."""
+    from mortal.state import paths
+
+    digest = "ab" * 32
+    home = tmp_path / "controller-home"
+    for run in ("first", "second"):
+        (paths.code_dir(run, digest, home) / "pkg").mkdir(parents=True)
+        (paths.code_dir(run, digest, home) / "pkg" / "__init__.py").write_text("X = 1\n")
+    backend = ModalBackend(modal=fake)
+    for run in ("first", "second"):
+        backend.ship_code(dataclasses.replace(spec(), run=run, mortal_home=str(home),
+                                              env={paths.CODE_SNAPSHOT_ENV: digest}))
+    for run in ("first", "second"):
+        assert (fake.volume / "runs" / run / "code" / digest / "pkg" / "__init__.py").is_file(), run
+    backend.remove_run_folder("first")  # delete --purge, then the same run applied again
+    backend.ship_code(dataclasses.replace(spec(), run="first", mortal_home=str(home),
+                                          env={paths.CODE_SNAPSHOT_ENV: digest}))
+    assert (fake.volume / "runs" / "first" / "code" / digest / "pkg" / "__init__.py").is_file()

@@ -9,11 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from clihelpers import QUICKSTART, actor, set_status
+from clihelpers import QUICKSTART, actor, checkpoint_in, set_status
 
 from mortal.state import open_store, paths
-
-FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
 
 
 @pytest.fixture
@@ -24,12 +22,7 @@ def store(store_url):
 
 
 def checkpoint_folder(run: str, step: int) -> Path:
-    folder = paths.checkpoints_dir(run) / f"step-{step}"
-    folder.mkdir(parents=True)
-    for name in FILES:
-        (folder / name).write_bytes(bytes([step]) * 100)
-    (folder / "mortal.json").write_text(json.dumps({"run": run, "step": step, "weight_version": step, "seed": 0}))
-    return folder
+    return checkpoint_in(paths.checkpoints_dir(run) / f"step-{step}", step, run)
 
 
 @pytest.fixture

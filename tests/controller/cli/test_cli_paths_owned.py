@@ -4,16 +4,15 @@ folder that leads out, is refused with a Warning event on the run, never removed
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from clihelpers import QUICKSTART, actor
+from clihelpers import CHECKPOINT_FILES as FILES
+from clihelpers import QUICKSTART, actor, checkpoint_in
 
 from mortal.state import open_store, paths
 from mortal.state.containment import REFUSED_REASON
 
-FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # the subject is the CLI
 
 
@@ -22,14 +21,6 @@ def store(store_url):
     opened = open_store(store_url)
     yield opened
     opened.close()
-
-
-def checkpoint_in(folder: Path, step: int, run: str = "quickstart") -> Path:
-    folder.mkdir(parents=True)
-    for name in FILES:
-        (folder / name).write_bytes(bytes([step]) * 100)
-    (folder / "mortal.json").write_text(json.dumps({"run": run, "step": step, "weight_version": step, "seed": 0}))
-    return folder
 
 
 @pytest.fixture
@@ -62,6 +53,17 @@ def test_rollback_leaves_a_later_checkpoint_row_pointing_outside_alone(cli, stor
     assert [c.step for c in store.list_checkpoints("quickstart")] == [10]
     [message] = refusals(store)
     assert message.startswith(f"rolling back checkpoint step-20: {victim} is not inside ")
+
+
+def test_rollback_reads_a_relative_checkpoint_row_inside_the_run_not_the_working_folder(
+        cli, store, victim, monkeypatch) -> None:
+    """The folder checked is the folder removed: "victim" means <run's checkpoints>/victim, not ./victim."""
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    own = checkpoint_in(paths.checkpoints_dir("quickstart") / "step-10", 10)
+    monkeypatch.chdir(victim.parent)
+    stopped_with(store, {10: str(own), 20: victim.name})
+    assert cli("rollback", "quickstart", "--to", "step-10", "--drop-later").exit_code == 0
+    assert sorted(p.name for p in victim.iterdir()) == sorted([*FILES, "mortal.json"]), "never removed"
 
 
 def test_rollback_does_not_follow_a_symlink_in_the_runs_folder_that_leads_out(cli, store, victim) -> None:

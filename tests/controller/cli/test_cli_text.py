@@ -101,3 +101,17 @@ def test_json_and_yaml_carry_the_exact_text(cli, hostile_run):
     assert completions["items"][0]["completion"] == HOSTILE_LINES
     metrics = json.loads(cli("get", "metrics", "evil", "--name", "all", "-o", "json").stdout)
     assert HOSTILE in metrics["items"][0]["values"]
+
+
+def test_controller_status_prints_the_stored_lease_holder_as_text(cli, store_url):
+    from mortal.controller.leader import LEASE_NAME
+
+    store = open_store(store_url)
+    try:
+        assert store.acquire_lease(LEASE_NAME, "host-1 " + HOSTILE, 60.0) is not None
+    finally:
+        store.close()
+    out = cli("controller", "status")
+    assert out.exit_code == 0, out.output
+    shown_as_text(out.stdout + out.stderr, shows_hostile=False)
+    assert "held by host-1 ^[[2J" in out.stdout
