@@ -485,7 +485,7 @@ case $group in
                                    # 3B on an H100). One group a call.
     shape=${group#heal-}
     case $shape in 1.5b) trl_micro=16 ;; *) trl_micro=8 ;; esac
-    bench "heal_${shape}_${RUN_TAG:-run1}" 570 --shape "${shape%-lora}" --steps 4 --trl-micro-batch "$trl_micro" \
+    bench "heal_${shape}_${RUN_TAG:-run1}" "${LIMIT:-570}" --shape "${shape%-lora}" --steps 4 --trl-micro-batch "$trl_micro" \
       $([ "$shape" = 7b-lora ] && echo --lora 16) ${EXTRA:-} ;;
   *) echo "unknown group $group" >&2; exit 2 ;;
 esac
