@@ -300,14 +300,21 @@ class MortalTrainer:
 
         from mortal.controller.admission import admit_runs
         from mortal.controller.cli import context, follow
+        from mortal.controller.cli.apply import wait_until_deleted
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
 
-        with admit_runs([(self.run, f"MortalTrainer({self.name})")], importing_folders(self.run.spec, Path.cwd())) \
-                as admitted:  # raises AdmissionRefused naming the field; the snapshot is installed
-            for check in admitted[0].deferred:
-                self._say(f"note: {check.line(self.name)}")
         store = open_store(self.state_url)
+        try:
+            # before the snapshot is installed in the run's folder, which the purge of a deleted run sets aside
+            wait_until_deleted(store, self.name)
+            with admit_runs([(self.run, f"MortalTrainer({self.name})")],
+                            importing_folders(self.run.spec, Path.cwd())) as admitted:
+                for check in admitted[0].deferred:  # raises AdmissionRefused naming the field; snapshot installed
+                    self._say(f"note: {check.line(self.name)}")
+        except BaseException:
+            store.close()
+            raise
         try:
             meta = self.run.metadata
             source = _checkpoint_source(resume_from_checkpoint)

@@ -22,7 +22,7 @@ import watchfiles
 
 from mortal.controller.admission import AdmissionRefused, admit_runs
 from mortal.specs import SpecError, TrainingRun, load_file
-from mortal.state.errors import Conflict
+from mortal.state.errors import Conflict, NotFound
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -56,6 +56,13 @@ def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
     return runs, errors
 
 
+def _being_deleted(store: Store, name: str) -> bool:
+    try:
+        return store.get_run(name).deleted_at is not None
+    except NotFound:
+        return False
+
+
 def sync_folder(store: Store, folder: Path) -> SyncResult:
     """Apply the folder's runs; delete this folder's runs whose files are gone (only if all files read)."""
     result = SyncResult()
@@ -63,6 +70,9 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
     label = {SOURCE_LABEL: source_id(folder)}
     for run in runs:
         labels = {**run.metadata.labels, **label}
+        if _being_deleted(store, run.name):  # its folder is set aside by the purge, a snapshot installed now too
+            result.errors.append(f"trainingrun/{run.name} is being deleted: applied again once it is gone")
+            continue
         try:
             with admit_runs([(run, str(folder))], [Path.cwd()]):
                 pass  # checked, snapshot installed, its digest in run.metadata.annotations

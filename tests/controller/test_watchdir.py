@@ -103,3 +103,25 @@ def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_noth
     result = sync_folder(store, folder)
     assert "bad" not in result.applied and [e for e in result.errors if "spec.rewards[0].function" in e]
     assert [r.name for r in store.list_runs()] == ["good", "kept"] and result.deleted == []
+
+
+@sqlite_only
+def test_a_run_being_deleted_is_not_admitted_into_the_folder_its_purge_sets_aside(store, tmp_path, mortal_home,
+                                                                                   monkeypatch):
+    from mortal.state import paths
+
+    project, folder = tmp_path / "project", tmp_path / "project" / "runs"
+    folder.mkdir(parents=True)
+    (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.chdir(project)  # its code is snapshotted into the run's folder
+    write(folder, "going", spec={"rewards": [{"function": "myrewards:correct"}]})
+    assert sync_folder(store, folder).applied == {"going": "created"}
+    store.mark_deleted("going")
+    run_folder = paths.run_dir("going")
+    if run_folder.exists():  # as the purge would have moved it
+        for child in sorted(run_folder.rglob("*"), reverse=True):
+            child.rmdir() if child.is_dir() else child.unlink()
+        run_folder.rmdir()
+    result = sync_folder(store, folder)
+    assert "going" not in result.applied and [e for e in result.errors if "being deleted" in e]
+    assert not run_folder.exists()
