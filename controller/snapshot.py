@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING
 
 from mortal.state import paths
 from mortal.state.containment import PathOutside, inside
+from mortal.state.errors import NotFound
 
 if TYPE_CHECKING:
     from mortal.specs.training import TrainingSpec
+    from mortal.state.store import Store
 
 CODE_ANNOTATION = "mortal.dev/code-snapshot"
 LIMIT_ENV = "MORTAL_CODE_SNAPSHOT_LIMIT_MB"
@@ -106,6 +108,15 @@ class Snapshot:
 
     def close(self) -> None:
         shutil.rmtree(self.scratch or self.folder, ignore_errors=True)
+
+
+def being_deleted(store: Store, name: str) -> bool:
+    """A run of this name is being deleted: its purge will set the run's folder aside, and a snapshot
+    installed there before then with it (apply waits, the watched folder leaves it for a later pass)."""
+    try:
+        return store.get_run(name).deleted_at is not None
+    except NotFound:
+        return False
 
 
 def references(spec: TrainingSpec) -> list[tuple[str, str]]:

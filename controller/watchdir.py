@@ -21,8 +21,9 @@ from pathlib import Path
 import watchfiles
 
 from mortal.controller.admission import AdmissionRefused, admit_runs
+from mortal.controller.snapshot import being_deleted
 from mortal.specs import SpecError, TrainingRun, load_file
-from mortal.state.errors import Conflict, NotFound
+from mortal.state.errors import Conflict
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -56,13 +57,6 @@ def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
     return runs, errors
 
 
-def _being_deleted(store: Store, name: str) -> bool:
-    try:
-        return store.get_run(name).deleted_at is not None
-    except NotFound:
-        return False
-
-
 def sync_folder(store: Store, folder: Path) -> SyncResult:
     """Apply the folder's runs; delete this folder's runs whose files are gone (only if all files read)."""
     result = SyncResult()
@@ -70,7 +64,7 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
     label = {SOURCE_LABEL: source_id(folder)}
     for run in runs:
         labels = {**run.metadata.labels, **label}
-        if _being_deleted(store, run.name):  # its folder is set aside by the purge, a snapshot installed now too
+        if being_deleted(store, run.name):  # its folder is set aside by the purge, a snapshot installed now too
             result.errors.append(f"trainingrun/{run.name} is being deleted: applied again once it is gone")
             continue
         try:

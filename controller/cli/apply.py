@@ -148,17 +148,12 @@ def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
     failing; CliError after `timeout`."""
     import time
 
-    from mortal.state import NotFound
+    from mortal.controller.snapshot import being_deleted
 
     timeout = DELETION_WAIT_SECONDS if timeout is None else timeout
     deadline = time.monotonic() + timeout
     said = False
-    while True:
-        try:
-            if store.get_run(name).deleted_at is None:
-                return
-        except NotFound:
-            return
+    while being_deleted(store, name):
         if not said:
             typer.echo(f"trainingrun/{name} is being deleted: waiting for the controller to finish", err=True)
             said = True

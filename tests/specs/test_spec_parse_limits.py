@@ -10,22 +10,13 @@ import io
 
 import pytest
 from hostile_yaml import FAST_SECONDS, SMALL_BYTES, billion_laughs, bounded, deep_json
+from test_spec_loader import DOC
 
 from mortal.specs import SpecError, load_file, load_path, load_text
 from mortal.specs.fork import load_fragment, parse_set
 from mortal.specs.parse_limits import MAX_ALIASED_SIZE, MAX_ALIASES, MAX_DEPTH
 
-RUN = """\
-apiVersion: mortal/v1
-kind: TrainingRun
-metadata:
-  name: {name}
-spec:
-  model: {{name: tiny}}
-  dataset: {{name: builtin:arith}}
-  rewards:
-    - function: my_rewards:score
-"""
+RUN = DOC  # a valid run, as the loader's own tests write it
 
 
 def refused_fast(call) -> SpecError:
