@@ -17,7 +17,9 @@ so an overloaded server shows as fewer calls per second, not as a queue inside t
 as fast as each client can (the server's capacity, at the price of latency).
 The clients do not retry (HttpStore(retry_attempts=1)): every refused, reset, timed-out or 5xx call
 counts as failed. Reported per case: calls per second, p50/p99/max latency in ms, failures (by
-kind), and per-call p99. Table on stdout, JSON in --out. Nothing leaves 127.0.0.1; every case is
+kind), per-call p99, and where the cores went while the clients ran: CPU milliseconds per call of the
+store server's processes, of PostgreSQL's (all of the machine's) and of the clients, and the machine's
+busy cores (all of its processes, other work included). Table on stdout, JSON in --out. Nothing leaves 127.0.0.1; every case is
 bounded by --seconds (plus start-up), and each client by its own deadline.
 """
 
@@ -41,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 from scratch_database import fresh_database
 
@@ -80,7 +83,7 @@ def store_server(backing_url: str, token: str, threads: int, log: Path, processe
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the store server did not start: {log.read_text()[-2000:]}")
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -88,6 +91,39 @@ def store_server(backing_url: str, token: str, threads: int, log: Path, processe
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
+    """User + system CPU seconds each process has used so far, by pid (those gone are left out)."""
+    used = {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        used[process.pid] = times.user + times.system
+    return used
+
+
+def cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two `cpu_seconds` (a process started in between counts from 0)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def server_processes(server: subprocess.Popen) -> list[psutil.Process]:
+    """The store server's process and its sibling processes (--processes)."""
+    parent = psutil.Process(server.pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def postgres_processes() -> list[psutil.Process]:
+    """PostgreSQL's processes on this machine (its backends serve the store server's connections)."""
+    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(("postgres", "postmaster"))]
+
+
+def client_processes() -> list[psutil.Process]:
+    """This bench's client processes."""
+    return psutil.Process().children(recursive=True)
 
 
 def prepare(url: str, token: str, clients: int, tasks: int) -> list[tuple[str, str, int, int]]:
@@ -192,7 +228,7 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
     token = secrets.token_hex(16)
     server_log = tmp / "server.log"
     with fresh_database(kind, tmp) as backing, \
-            store_server(backing, token, args.threads, server_log, args.server_processes) as url:
+            store_server(backing, token, args.threads, server_log, args.server_processes) as (url, server):
         rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))
@@ -203,7 +239,15 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         with ctx.Pool(procs) as pool:
             parts = [pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
                      for share in shares]
+            time.sleep(max(0.0, start_at - time.time()))
+            who = {"server": lambda: server_processes(server), "postgres": postgres_processes,
+                   "clients": client_processes}
+            cpu_before = {name: cpu_seconds(find()) for name, find in who.items()}
+            machine_before, started = psutil.cpu_times(), time.monotonic()
             records = [r for part in parts for r in part.get(args.seconds + 120)]
+            cpu = {name: cpu_since(cpu_before[name], cpu_seconds(find())) for name, find in who.items()}
+            machine, elapsed = psutil.cpu_times(), time.monotonic() - started
+        busy = sum(machine) - machine.idle - (sum(machine_before) - machine_before.idle)
         load_after = os.getloadavg()[0]
     ok = [sec for _, sec, err in records if err is None]
     failures = Counter(err for _, _, err in records if err is not None)
@@ -222,6 +266,9 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         "mean_ms": round(statistics.fmean(ok) * 1000, 1) if ok else None,
         "p99_ms_by_call": {name: round(pct(v, 0.99) * 1000, 1) for name, v in sorted(by_call.items())},
         "calls_by_call": {name: len(v) for name, v in sorted(by_call.items())},
+        # CPU seconds from the clients' start to their end, per call served: where the cores went.
+        "cpu_ms_per_call": {name: round(seconds / max(1, len(records)) * 1000, 2) for name, seconds in cpu.items()},
+        "machine_busy_cores": round(busy / elapsed, 2),
         "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
     }
 
