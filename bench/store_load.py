@@ -121,9 +121,10 @@ def postgres_processes() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(("postgres", "postmaster"))]
 
 
-def client_processes() -> list[psutil.Process]:
-    """This bench's client processes."""
-    return psutil.Process().children(recursive=True)
+def client_processes(server: subprocess.Popen) -> list[psutil.Process]:
+    """This bench's client processes: its children but the store server and its siblings."""
+    servers = {p.pid for p in server_processes(server)}
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in servers]
 
 
 def prepare(url: str, token: str, clients: int, tasks: int) -> list[tuple[str, str, int, int]]:
@@ -241,7 +242,7 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
                      for share in shares]
             time.sleep(max(0.0, start_at - time.time()))
             who = {"server": lambda: server_processes(server), "postgres": postgres_processes,
-                   "clients": client_processes}
+                   "clients": lambda: client_processes(server)}
             cpu_before = {name: cpu_seconds(find()) for name, find in who.items()}
             machine_before, started = psutil.cpu_times(), time.monotonic()
             records = [r for part in parts for r in part.get(args.seconds + 120)]
