@@ -122,6 +122,12 @@ class HttpStore(Store):
         session = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
+            # The environment's proxies and CA bundle are read here, once per session, not on every
+            # request as requests does (os.environ scanned twice per call, and ~/.netrc, whose entry
+            # for this host would replace the bearer token with its password).
+            session.trust_env = False
+            session.proxies = requests.utils.get_environ_proxies(self.url)
+            session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
             # no retries inside urllib3: every retry is decided in _call, where the method is known
             session.mount("http://", HTTPAdapter(max_retries=0))
             session.mount("https://", HTTPAdapter(max_retries=0))
