@@ -183,14 +183,14 @@ def test_the_environments_proxy_is_used_unless_no_proxy_names_the_host(served: S
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         with pytest.raises(Unavailable):
             HttpStore(served.url, token=TOKEN, retry_attempts=1).list_runs()
-        assert proxy.requests == [f"POST {served.url}/v1/list_runs HTTP/1.1".encode()], "asked through the proxy"
+        assert proxy.requests == [f"POST {served.url}/v1/list_runs HTTP/1.1".encode()], "through the proxy"
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         assert HttpStore(served.url, token=TOKEN, retry_attempts=1).list_runs() == []
     finally:
         proxy.close()
 
 
-def test_a_netrc_entry_for_the_host_does_not_replace_the_token(served: Served, tmp_path: Path, monkeypatch) -> None:
+def test_a_netrc_entry_for_the_host_does_not_replace_the_token(served: Served, tmp_path: Path, monkeypatch):
     netrc = tmp_path / "netrc"
     netrc.write_text("machine 127.0.0.1 login someone password secret\n")
     netrc.chmod(0o600)
