@@ -248,18 +248,23 @@ def run_in_thread(server: Any, sockets: dict[int, Any], name: str) -> Callable[[
     """Loop a waitress server (created with `map=sockets`) on a daemon thread; returns what stops it.
 
     Why not waitress's own run(): it loops until the process ends, and the store server and the
-    dashboard must stop with the block that serves them (tests, `mortalctl dashboard`'s Ctrl-C)."""
+    dashboard must stop with the block that serves them (tests, `mortalctl dashboard`'s Ctrl-C). Its turns
+    are mortal.state.poll_loop's, which asks only the connections that may want something new."""
     from waitress import wasyncore
 
+    from mortal.state.poll_loop import make_loop
+
     stop = threading.Event()
+    loop = make_loop(sockets)
 
     def run() -> None:
         try:
             while not stop.is_set():
-                wasyncore.loop(timeout=0.1, map=sockets, use_poll=True, count=1)
+                loop.turn(0.1)
         finally:
             server.task_dispatcher.shutdown()
             wasyncore.close_all(sockets)
+            loop.close()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
