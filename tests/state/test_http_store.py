@@ -198,6 +198,12 @@ def test_a_netrc_entry_for_the_host_does_not_replace_the_token(served: Served, t
     assert HttpStore(served.url, token=TOKEN, retry_attempts=1).list_runs() == []
 
 
+def test_a_value_json_cannot_hold_is_refused_before_it_is_sent(served: Served) -> None:
+    store = HttpStore(served.url, token=TOKEN, retry_attempts=1)
+    with pytest.raises(ValueError, match="not JSON"):
+        store.add_event("r", "Normal", "Hello", float("nan"))  # type: ignore[arg-type]
+
+
 def test_every_idempotent_write_is_a_store_write() -> None:
     assert wire.IDEMPOTENT_WRITES.issubset(set(wire.methods()) - wire.READS)
 
