@@ -8,8 +8,7 @@ so that was Python work in proportion to the open connections for every call (do
 This loop keeps one epoll set holding each connection's interest, and asks again only the connections
 that can have changed it: those that had an event, those still busy (a request in progress, an answer to
 send: an interest other than the idle one), waitress's own sockets (its listener runs the periodic clean-up
-when asked), new connections, and all of them after that clean-up, after a connection was accepted and
-at least once a second. An idle connection's interest changes only through an event on it, so none is
+when asked), new connections, and all of them after that clean-up and at least once a second. An idle connection's interest changes only through an event on it, so none is
 left out. Events are handled by wasyncore.readwrite, as waitress's loop does.
 
 Used by mortal.state.http_server.run_in_thread (the store server and the dashboard). Where there is no
@@ -91,20 +90,21 @@ class PollLoop:
         self._epoll = select.epoll()
         self._registered: dict[int, tuple[Any, int]] = {}  # fd -> (dispatcher, interest in the epoll set)
         self._ask: set[int] = set()
+        self._accepted = False
         self._sweep_at = 0.0  # time.monotonic() of the next sweep of every connection
 
     def turn(self, timeout: float) -> None:
         sockets = self._sockets
         now = time.monotonic()
-        sweep = now >= self._sweep_at
-        if sweep or len(self._registered) != len(sockets):
-            for fd in self._registered.keys() - sockets.keys():  # closed since (a number reused: _register)
-                self._forget(fd)
-        if sweep:
+        asked: Any = self._ask
+        if now >= self._sweep_at:
             self._sweep_at = now + SWEEP_SECONDS
-            asked: Any = list(sockets)
-        else:
-            asked = self._ask
+            asked = list(sockets)
+        if self._accepted or len(self._registered) != len(sockets):
+            self._accepted = False
+            for fd in self._registered.keys() - sockets.keys():  # closed (a number reused: _register)
+                self._forget(fd)
+            asked = {*asked, *(sockets.keys() - self._registered.keys())}  # accepted
         busy: set[int] = set()
         for fd in asked:
             dispatcher = sockets.get(fd)
@@ -132,7 +132,7 @@ class PollLoop:
             if dispatcher is None:
                 continue
             if dispatcher.accepting:
-                self._sweep_at = 0.0  # a new connection: every one is asked next turn
+                self._accepted = True  # new connections: asked next turn
             self._readwrite(dispatcher, flags)
 
     def _register(self, fd: int, dispatcher: Any, interest: int) -> None:
