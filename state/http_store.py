@@ -3,10 +3,11 @@
 Created by `mortal.state.open_store("https://...")` (MORTAL_STATE_URL), with the bearer token from
 MORTAL_STATE_TOKEN: the admin token, or a worker's own scoped token (mortal.state.auth says which calls
 each may make; a refused one raises Forbidden). Leases and task leases run on the server's clock: a `now`
-argument, a SqlStore's test seam, is refused here and ignored by the server. On Modal, workers in their containers reach the store endpoint of the deployed
-app this way (mortal.state.http_server serves it). Every method of `Store` is one POST (the wire
-format is mortal.state.wire); typed errors come back as the same classes (Conflict, NotFound, Fenced,
-ValueError, ...); transport failures and server errors raise `Unavailable`.
+argument, a SqlStore's test seam, is refused here and ignored by the server. On Modal, workers in their
+containers reach the store endpoint of the deployed app this way (mortal.state.http_server serves it).
+Every method of `Store` is one POST (the wire format is mortal.state.wire); typed errors come back as the
+same classes (Conflict, NotFound, Fenced, ValueError, ...); transport failures and server errors raise
+`Unavailable`.
 
 Retries (tenacity; bounded by `retry_attempts` and `retry_seconds`, with jittered exponential waits so
 that many workers do not retry in step). What is sent again depends on whether the first request may
@@ -158,7 +159,8 @@ class HttpStore(Store):
         try:
             response = self._connections().request("POST", f"{self.url}{wire.PREFIX}{name}", body=body)
         except HTTPError as exc:
-            sent = not isinstance(exc, ConnectTimeoutError)  # refused, unreachable, no connect: nothing was sent
+            # Refused, unreachable, no connection made: nothing was sent.
+            sent = not isinstance(exc, ConnectTimeoutError)
             raise _Transient(f"state store at {self.url} unreachable ({name}): {exc}", sent=sent) from exc
         answer = _json(response.data)
         if response.status == 200 and isinstance(answer, dict) and "result" in answer:

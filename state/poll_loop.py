@@ -8,8 +8,9 @@ so that was Python work in proportion to the open connections for every call (do
 This loop keeps one epoll set holding each connection's interest, and asks again only the connections
 that can have changed it: those that had an event, those still busy (a request in progress, an answer to
 send: an interest other than the idle one), waitress's own sockets (its listener runs the periodic clean-up
-when asked), new connections, and all of them after that clean-up and at least once a second. An idle connection's interest changes only through an event on it, so none is
-left out. Events are handled by wasyncore.readwrite, as waitress's loop does.
+when asked), new connections, and all of them after that clean-up and at least once a second. An idle
+connection's interest changes only through an event on it, so none is left out. Events are handled by
+wasyncore.readwrite, as waitress's loop does.
 
 Used by mortal.state.http_server.run_in_thread (the store server and the dashboard). Where there is no
 epoll (not Linux), `make_loop` gives waitress's own loop.

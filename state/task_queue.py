@@ -5,9 +5,10 @@ Used through the Store interface by the actor (enqueue, reset, step results) and
 claimable again, and every lease bumps `lease_token`, so a late completion from a worker that lost
 its lease is refused. A worker that ends (the controller's end_worker, its own report_exit) gives its
 leases back in the same transaction (`_release_leases`): its tasks are queued again at once instead
-of after their lease runs out, and only that incarnation's, named by its holder id. Claiming takes the oldest claimable task by (step, slot): PostgreSQL skips rows
-another transaction has locked (`FOR UPDATE SKIP LOCKED`), SQLite has one writer at a time; both
-then write through an UPDATE guarded by the token they read.
+of after their lease runs out, and only that incarnation's, named by its holder id. Claiming takes the
+oldest claimable task by (step, slot) in one UPDATE whose subquery locks it: PostgreSQL skips rows
+another transaction has locked (`FOR UPDATE SKIP LOCKED`), SQLite has one writer at a time. Renewals and
+completions are UPDATEs guarded by the lease's holder and token.
 """
 
 from __future__ import annotations
