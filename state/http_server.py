@@ -328,6 +328,7 @@ def _parser(app: StoreApp) -> type:
 
     class TokenFirstParser(HTTPRequestParser):
         _token_checked = False
+        error: Any  # waitress's: None, or what it answers instead of the app
 
         def received(self, data: bytes) -> int:
             consumed = super().received(data)

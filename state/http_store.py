@@ -71,7 +71,7 @@ def _remote(method: wire.Method) -> Any:
         payload = {name: wire.encode(value) for name, value in bound.arguments.items()}
         return wire.decode(method.hints["return"], self._call(method, payload))
 
-    call.__isabstractmethod__ = False  # wraps() copied the abstract marker of the Store method
+    call.__isabstractmethod__ = False  # type: ignore[attr-defined]  # wraps() copied the Store method's
     return call
 
 

@@ -51,7 +51,7 @@ from mortal.state.tables import (
     as_utc,
     utcnow,
 )
-from mortal.state.task_queue import TaskQueue
+from mortal.state.task_queue import TaskQueue, rowcount
 
 _RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow, CompletionRow)
 _RUNS, _WORKERS = RunRow.__table__, WorkerRow.__table__
@@ -137,7 +137,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def _insert_ignore(self, session: Session, model: type[SQLModel], values: dict[str, Any]) -> bool:
         """INSERT ... ON CONFLICT DO NOTHING; True if the row was new."""
         insert = pg_insert if is_postgres(self._engine) else sqlite_insert
-        table = model.__table__
+        # Every table model has a __table__; SQLModel's type does not say so.
+        table = model.__table__  # type: ignore[attr-defined]
         statement = insert(table).values(**values).on_conflict_do_nothing().returning(*table.primary_key)
         return session.execute(statement).first() is not None
 
@@ -164,7 +165,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             .values(resource_version=row.resource_version + 1, updated_at=utcnow(), **values)
             .execution_options(synchronize_session=False)
         )
-        if result.rowcount != 1:
+        if rowcount(result) != 1:
             raise Conflict(f"trainingrun {row.name!r} changed since resource_version {row.resource_version}")
         return session.get(RunRow, row.name, populate_existing=True)
 
@@ -505,6 +506,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             if self._insert_ignore(s, LeaseRow, fresh.model_dump()):
                 return s.get(LeaseRow, name)
             lease = s.get(LeaseRow, name, with_for_update=True)
+            if lease is None:  # the insert found the row a moment ago, and leases are never deleted
+                raise Conflict(f"lease {name!r} vanished while being acquired")
             if lease.holder != holder:
                 if lease.expires_at > now:
                     return None

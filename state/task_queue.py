@@ -13,12 +13,14 @@ completions are UPDATEs guarded by the lease's holder and token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import and_, bindparam, case, delete, func, or_, text, update
-from sqlalchemy.engine import Connection
-from sqlmodel import Session, select
+from sqlalchemy.engine import Connection, CursorResult
+from sqlmodel import Session, SQLModel, select
 
 from mortal.state.fencing import check_worker
 from mortal.state.store import STALE_ROLLOUTS, NewTask, TaskTally, WorkerRef
@@ -53,6 +55,11 @@ def _claim(weight_bounded: bool) -> Any:
 
 
 _CLAIM = {False: _claim(False), True: _claim(True)}
+
+
+def rowcount(result: Any) -> int:
+    """The rows an UPDATE or DELETE matched (a Session's Result of one is a CursorResult)."""
+    return cast(CursorResult[Any], result).rowcount
 # The task is still leased to this worker (b_holder) under this token: a renewal or completion applies.
 # Holders are worker ids (run, slot, incarnation); task ids can be reused after reset_tasks on SQLite.
 _HELD = and_(_TASKS.c.id == bindparam("b_task"), _TASKS.c.run == bindparam("b_run"),
@@ -71,6 +78,11 @@ class TaskQueue:
     """Task-queue methods of SqlStore. The worker's calls (lease, renew, complete) run prepared Core
     statements on a Connection (`_conn`): they are most of a busy store's calls."""
 
+    # SqlStore's, of which this is a part.
+    _tx: Callable[..., AbstractContextManager[Session]]
+    _conn: Callable[..., AbstractContextManager[Connection]]
+    _insert_ignore: Callable[[Session, type[SQLModel], dict[str, Any]], bool]
+
     def enqueue_tasks(self, worker: WorkerRef, tasks: list[NewTask]) -> int:
         with self._tx() as s:
             check_worker(s, worker)
@@ -83,7 +95,7 @@ class TaskQueue:
     def reset_tasks(self, worker: WorkerRef, from_step: int) -> int:
         with self._tx() as s:
             check_worker(s, worker)
-            return s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step)).rowcount
+            return rowcount(s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step)))
 
     def lease_task(
         self,
@@ -112,7 +124,7 @@ class TaskQueue:
         longer leased to it (the next lease bumps lease_token too).
         """
         values = {"b_run": worker.run, "b_holder": worker.id}
-        return executor.execute(_RELEASE, values, execution_options=_NO_SESSION_SYNC).rowcount
+        return rowcount(executor.execute(_RELEASE, values, execution_options=_NO_SESSION_SYNC))
 
     def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:
         with self._conn() as c:
