@@ -16,9 +16,12 @@ a heartbeat every few seconds, a task per generation); a call that comes back la
 so an overloaded server shows as fewer calls per second, not as a queue inside the client. --rate 0:
 as fast as each client can (the server's capacity, at the price of latency).
 The clients do not retry (HttpStore(retry_attempts=1)): every refused, reset, timed-out or 5xx call
-counts as failed. Reported per case: calls per second, p50/p99/max latency in ms, failures (by
-kind), and per-call p99. Table on stdout, JSON in --out. Nothing leaves 127.0.0.1; every case is
-bounded by --seconds (plus start-up), and each client by its own deadline.
+counts as failed. Reported per case: calls per second, p50/p99/max latency in ms (the p99 also
+without each client's first call, which opens its connection), failures (by kind), per-call p99,
+and where the cores went while the clients ran: CPU milliseconds per call of the store server's
+processes, of PostgreSQL's (all of the machine's) and of the clients, and the machine's busy cores
+(all of its processes, other work included). Table on stdout, JSON in --out. Nothing leaves
+127.0.0.1; every case is bounded by --seconds (plus start-up), and each client by its own deadline.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 from scratch_database import fresh_database
 
@@ -80,7 +84,7 @@ def store_server(backing_url: str, token: str, threads: int, log: Path, processe
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the store server did not start: {log.read_text()[-2000:]}")
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -88,6 +92,41 @@ def store_server(backing_url: str, token: str, threads: int, log: Path, processe
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
+    """User + system CPU seconds each process has used so far, by pid (those gone are left out)."""
+    used = {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        used[process.pid] = times.user + times.system
+    return used
+
+
+def cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two `cpu_seconds` (a process started in between counts from 0)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def server_processes(server: subprocess.Popen) -> list[psutil.Process]:
+    """The store server's process and its sibling processes (--processes)."""
+    parent = psutil.Process(server.pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def postgres_processes() -> list[psutil.Process]:
+    """PostgreSQL's processes on this machine (its backends serve the store server's connections)."""
+    names = ("postgres", "postmaster")
+    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(names)]
+
+
+def client_processes(server: subprocess.Popen) -> list[psutil.Process]:
+    """This bench's client processes: its children but the store server and its siblings."""
+    servers = {p.pid for p in server_processes(server)}
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in servers]
 
 
 def prepare(url: str, token: str, clients: int, tasks: int) -> list[tuple[str, str, int, int]]:
@@ -132,7 +171,8 @@ class _Over(Exception):
 
 
 def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: list, lock: threading.Lock) -> None:
-    """One worker's round of calls until `stop_at`; (call, seconds, error kind or None) into `out`."""
+    """One worker's round of calls until `stop_at`; (call, seconds, error kind or None, whether it was the
+    client's first call: the one that opens its connection) into `out`."""
     interval = 1.0 / rate if rate > 0 else 0.0
     next_at = time.monotonic() + (interval * (ref.replica % 97) / 97 if interval else 0.0)  # spread the starts
     step, records = 0, []
@@ -149,9 +189,10 @@ def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: 
         try:
             result = fn(*args)
         except Exception as exc:  # counted by kind: the point is to see every failure
-            records.append((name, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:160]}"))
+            records.append((name, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:160]}",
+                            not records))
             return None
-        records.append((name, time.monotonic() - started, None))
+        records.append((name, time.monotonic() - started, None, not records))
         return result
 
     try:
@@ -165,7 +206,7 @@ def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: 
 
 
 def client_process(url: str, token: str, refs: list[tuple[str, str, int, int]], rate: float, start_at: float,
-                   seconds: float) -> list[tuple[str, float, str | None]]:
+                   seconds: float) -> list[tuple[str, float, str | None, bool]]:
     """Threads, one per worker ref, all starting at `start_at` (time.time()) for `seconds`."""
     store = HttpStore(url, token=token, timeout=(10.0, 30.0), retry_attempts=1)  # no retries: failures show
     out: list = []
@@ -192,7 +233,7 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
     token = secrets.token_hex(16)
     server_log = tmp / "server.log"
     with fresh_database(kind, tmp) as backing, \
-            store_server(backing, token, args.threads, server_log, args.server_processes) as url:
+            store_server(backing, token, args.threads, server_log, args.server_processes) as (url, server):
         rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))
@@ -203,12 +244,21 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         with ctx.Pool(procs) as pool:
             parts = [pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
                      for share in shares]
+            time.sleep(max(0.0, start_at - time.time()))
+            who = {"server": lambda: server_processes(server), "postgres": postgres_processes,
+                   "clients": lambda: client_processes(server)}
+            cpu_before = {name: cpu_seconds(find()) for name, find in who.items()}
+            machine_before, started = psutil.cpu_times(), time.monotonic()
             records = [r for part in parts for r in part.get(args.seconds + 120)]
+            cpu = {name: cpu_since(cpu_before[name], cpu_seconds(find())) for name, find in who.items()}
+            machine, elapsed = psutil.cpu_times(), time.monotonic() - started
+        busy = sum(machine) - machine.idle - (sum(machine_before) - machine_before.idle)
         load_after = os.getloadavg()[0]
-    ok = [sec for _, sec, err in records if err is None]
-    failures = Counter(err for _, _, err in records if err is not None)
+    ok = [sec for _, sec, err, _ in records if err is None]
+    after_first = [sec for _, sec, err, first in records if err is None and not first]
+    failures = Counter(err for _, _, err, _ in records if err is not None)
     by_call: dict[str, list[float]] = defaultdict(list)
-    for name, sec, err in records:
+    for name, sec, err, _ in records:
         if err is None:
             by_call[name].append(sec)
     return {
@@ -219,9 +269,15 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         "offered_per_s": round(clients * args.rate, 1) if args.rate > 0 else None,
         "p50_ms": round(pct(ok, 0.50) * 1000, 1), "p99_ms": round(pct(ok, 0.99) * 1000, 1),
         "max_ms": round(max(ok, default=float("nan")) * 1000, 1),
+        # Without each client's first call, which also opens its connection (all of them in the first second).
+        "p99_ms_after_first_calls": round(pct(after_first, 0.99) * 1000, 1),
         "mean_ms": round(statistics.fmean(ok) * 1000, 1) if ok else None,
         "p99_ms_by_call": {name: round(pct(v, 0.99) * 1000, 1) for name, v in sorted(by_call.items())},
         "calls_by_call": {name: len(v) for name, v in sorted(by_call.items())},
+        # CPU seconds from the clients' start to their end, per call served: where the cores went.
+        "cpu_ms_per_call": {name: round(seconds / max(1, len(records)) * 1000, 2)
+                            for name, seconds in cpu.items()},
+        "machine_busy_cores": round(busy / elapsed, 2),
         "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
     }
 
@@ -243,15 +299,17 @@ def main() -> None:
     if any(not 0 < c <= 1024 for c in clients):
         parser.error("--clients: each between 1 and 1024")
     results = []
-    print("| store | clients | calls/s | offered/s | p50 ms | p99 ms | max ms | failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| store | clients | calls/s | offered/s | p50 ms | p99 ms | p99 ms, first calls left out | max ms "
+          "| failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="mortal-store-load-") as tmp:
         for kind in args.store or ["sqlite"]:
             for n in clients:
                 r = run_case(kind, n, args, Path(tmp))
                 results.append(r)
                 print(f"| {kind} | {n} | {r['calls_per_s']} | {r['offered_per_s'] or '-'} | {r['p50_ms']} | "
-                      f"{r['p99_ms']} | {r['max_ms']} | {r['failed']} {r['failures'] or ''} |", flush=True)
+                      f"{r['p99_ms']} | {r['p99_ms_after_first_calls']} | {r['max_ms']} | "
+                      f"{r['failed']} {r['failures'] or ''} |", flush=True)
     machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
                "processor": platform.processor() or platform.uname().machine}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,9 @@ import json
 import logging
 import os
 from datetime import UTC, datetime
+from io import TextIOWrapper
 from logging.handlers import WatchedFileHandler
 from pathlib import Path
-from typing import IO
 
 MAX_FIELD_CHARS = 200  # a client-chosen name (an unknown path, a run) is cut to this in the log
 
@@ -26,7 +26,7 @@ MAX_FIELD_CHARS = 200  # a client-chosen name (an unknown path, a run) is cut to
 class _PrivateFileHandler(WatchedFileHandler):
     """WatchedFileHandler that creates its file 0600 (the stdlib one takes the umask's mode)."""
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> TextIOWrapper:
         fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         return open(fd, "a", encoding="utf-8")  # noqa: SIM115 - the handler owns and closes the stream
 

@@ -141,7 +141,8 @@ class Authority:
         self._keys = [_signing_key(t) for t in self._admin]
 
     def identify(self, bearer: str, now: float | None = None) -> Identity | None:
-        """The identity of `bearer` (the token, without "Bearer "); None for an unknown, forged or expired one."""
+        """The identity of `bearer` (the token, without "Bearer "); None for an unknown, forged or expired
+        one."""
         given = bearer.strip().encode()
         admin = False
         for token in self._admin:  # every one compared, so the time taken does not say which matched

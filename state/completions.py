@@ -9,10 +9,12 @@ first), rather than relying on each engine's NULL order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import select
+from sqlmodel import Session, select
 
 from mortal.state.fencing import check_worker
 from mortal.state.store import CompletionOrder, NewCompletion, WorkerRef
@@ -30,6 +32,8 @@ def _order(order: CompletionOrder) -> tuple[Any, ...]:
 
 class CompletionLog:
     """Completion methods of SqlStore."""
+
+    _tx: Callable[..., AbstractContextManager[Session]]  # SqlStore's, of which this is a part
 
     def add_completions(self, worker: WorkerRef, step: int, completions: list[NewCompletion]) -> None:
         with self._tx() as s:

@@ -8,12 +8,16 @@ engine connects to nothing; the first transaction does.
   read-then-write serialize on the write lock at BEGIN instead of one failing with "database is
   locked" half way through.
 - PostgreSQL: `postgresql://` URLs are driven by psycopg 3; READ COMMITTED plus row locks
-  (`FOR UPDATE`, `FOR SHARE`, `SKIP LOCKED`) in the store's queries.
+  (`FOR UPDATE`, `FOR SHARE`, `SKIP LOCKED`) in the store's queries. No round trip checks a pooled
+  connection before use (the pool's pre-ping was one more per call): one the server has closed is
+  dropped at checkout (`_drop_if_closed_by_server`), and one that breaks inside a transaction raises
+  ConnectionLost, which SqlStore answers by making the call again once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import threading
 import weakref
 from collections.abc import Iterator
@@ -24,8 +28,11 @@ from typing import Any
 import pydantic_core
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Session
+
+from mortal.state.errors import ConnectionLost, Unavailable
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 PG_IDLE_IN_TRANSACTION_TIMEOUT_MS = 30_000
@@ -81,7 +88,26 @@ def make_engine(url: str) -> Engine:
     # A process frozen inside a transaction (SIGSTOP, a paused VM) would hold its row locks for ever and
     # stall every writer behind it, the controller included: the server ends such a session instead.
     options = f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}"
-    return create_engine(url, pool_pre_ping=True, connect_args={"options": options}, **JSON_CODEC)
+    engine = create_engine(url, connect_args={"options": options}, **JSON_CODEC)
+    event.listen(engine, "checkout", _drop_if_closed_by_server)
+    return engine
+
+
+def _drop_if_closed_by_server(dbapi_connection, connection_record, connection_proxy) -> None:
+    """Refuse a pooled PostgreSQL connection that the server has closed while it sat in the pool.
+
+    Why this and not the pool's pre-ping: a ping is a round trip per call, and the store's calls are
+    a few round trips each. An idle connection gets nothing from the server unless it is being closed
+    (a backend terminated, a server restarting, a timeout: its last message and the end of the
+    stream), so a socket with something to read is one to drop; poll(0) asks the kernel without
+    waiting. DisconnectionError makes the pool open another connection in its place.
+    """
+    if dbapi_connection.closed or dbapi_connection.broken:
+        raise DisconnectionError("the pooled connection is closed")
+    readable = select.poll()
+    readable.register(dbapi_connection.fileno(), select.POLLIN)
+    if readable.poll(0):
+        raise DisconnectionError("the server closed the pooled connection")
 
 
 def _sqlite_on_connect(dbapi_connection, connection_record) -> None:
@@ -108,12 +134,23 @@ def connection(engine: Engine, write: bool = True) -> Iterator[Connection]:
     """One transaction on one connection: committed on success, rolled back on any error.
 
     `write=True` takes SQLite's write lock at BEGIN (a no-op distinction on PostgreSQL), after this
-    process's own writer lock (`_writer_lock`).
+    process's own writer lock (`_writer_lock`). A connection that breaks raises ConnectionLost when
+    nothing can have been committed (before COMMIT was sent: the server rolls the transaction back),
+    Unavailable when COMMIT itself got no answer (applied or not, nobody can tell).
     """
-    with _writer_lock(engine, write), engine.connect() as conn:
-        conn.execution_options(**{_WRITE: write})
-        with conn.begin():
-            yield conn
+    committing = False
+    try:
+        with _writer_lock(engine, write), engine.connect() as conn:
+            conn.execution_options(**{_WRITE: write})
+            with conn.begin():
+                yield conn
+                committing = True
+    except DBAPIError as err:
+        if not err.connection_invalidated:
+            raise
+        if committing:
+            raise Unavailable(f"the database connection broke while committing: {err.orig}") from err
+        raise ConnectionLost(f"the database connection broke: {err.orig}") from err
 
 
 _WRITER_LOCKS: weakref.WeakKeyDictionary[Engine, threading.RLock] = weakref.WeakKeyDictionary()

@@ -35,6 +35,13 @@ class Unavailable(StoreError):
     """
 
 
+class ConnectionLost(Unavailable):
+    """The database connection broke before the transaction's COMMIT was sent: nothing was applied.
+
+    SqlStore makes such a call again once, on a new connection; a second break is raised.
+    """
+
+
 class Unauthorized(StoreError):
     """The HTTP store refused the request's bearer token (MORTAL_STATE_TOKEN)."""
 

@@ -2,8 +2,8 @@
 
 Who runs it: the Modal app's store endpoint (`@modal.wsgi_app`, over SQLite on a modal.Volume;
 mortal.controller.modal_app), `python -m mortal.state.http_server` anywhere else, and tests
-(`serve()`: waitress, a threaded production WSGI server; the `server` extra). Workers and controllers elsewhere reach it with
-MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store).
+(`serve()`: waitress, a threaded production WSGI server; the `server` extra). Workers and controllers
+elsewhere reach it with MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store).
 
     POST /v1/<method>  {"args": {...}}  Authorization: Bearer <token>  -> {"result": ...} | {"error": ...}
     GET  /healthz                                                       -> {"ok": true} (no token needed)
@@ -57,7 +57,8 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden"
 
 
 class StoreApp:
-    """The WSGI application: routes /v1/<method> to `store` for whoever the bearer token says (mortal.state.auth).
+    """The WSGI application: routes /v1/<method> to `store` for whoever the bearer token says
+    (mortal.state.auth).
 
     `token` is the admin token; `previous_tokens` are admin tokens still accepted during a rotation.
     Every request is written to `access_log` (when given): who, which call, which run, the status."""
@@ -90,7 +91,8 @@ class StoreApp:
         path, verb = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
         if path == wire.HEALTH_PATH:
             return 200, {"ok": True}
-        identity = self.identify(environ.get("HTTP_AUTHORIZATION", ""))  # first: nothing is answered, nor read, before
+        # First: nothing is answered, nor read, before the token is checked.
+        identity = self.identify(environ.get("HTTP_AUTHORIZATION", ""))
         if identity is None:
             return _error(401, "Unauthorized", f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
         request.who = identity.name
@@ -108,7 +110,8 @@ class StoreApp:
             return _error(408, "BadRequest", str(exc))
         except (ValueError, TypeError, ValidationError) as exc:
             return _error(400, "BadRequest", f"{method.name}: {exc}")
-        kwargs = {k: v for k, v in kwargs.items() if k not in wire.CLIENT_CLOCK_ARGS}  # the server's clock decides
+        # The server's clock decides.
+        kwargs = {k: v for k, v in kwargs.items() if k not in wire.CLIENT_CLOCK_ARGS}
         request.run = auth.run_of(method.name, kwargs)
         try:
             kwargs = auth.authorize(identity, method.name, kwargs)
@@ -212,7 +215,8 @@ def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
 
 def make_app(backing_url: str, token: str, access_log: str | Path | None = None,
              previous_tokens: Sequence[str] = ()) -> StoreApp:
-    """The app over the SQL store at `backing_url` (opened and migrated now), logging access to `access_log`."""
+    """The app over the SQL store at `backing_url` (opened and migrated now), logging access to
+    `access_log`."""
     from mortal.state import open_store
 
     if backing_url.startswith(("http://", "https://")):
@@ -241,25 +245,31 @@ def default_access_log() -> Path:
 # hypercorn, granian) would need the app rewritten or wrapped, for no gain: SqlStore's calls block.
 # On Modal none of this runs: @modal.wsgi_app serves make_app() behind Modal's own web server.
 WORKER_THREADS = 8  # calls in flight at once; each holds a pooled connection (SQLAlchemy's default: 5 + 10)
-CONNECTION_LIMIT = 2048  # open connections (mostly idle keep-alives of pooled clients); waitress's default is 100
+# Open connections (mostly idle keep-alives of pooled clients); waitress's default is 100.
+CONNECTION_LIMIT = 2048
 
 
 def run_in_thread(server: Any, sockets: dict[int, Any], name: str) -> Callable[[], None]:
     """Loop a waitress server (created with `map=sockets`) on a daemon thread; returns what stops it.
 
     Why not waitress's own run(): it loops until the process ends, and the store server and the
-    dashboard must stop with the block that serves them (tests, `mortalctl dashboard`'s Ctrl-C)."""
+    dashboard must stop with the block that serves them (tests, `mortalctl dashboard`'s Ctrl-C). Its turns
+    are mortal.state.poll_loop's, which asks only the connections that may want something new."""
     from waitress import wasyncore
 
+    from mortal.state.poll_loop import make_loop
+
     stop = threading.Event()
+    loop = make_loop(sockets)
 
     def run() -> None:
         try:
             while not stop.is_set():
-                wasyncore.loop(timeout=0.1, map=sockets, use_poll=True, count=1)
+                loop.turn(0.1)
         finally:
             server.task_dispatcher.shutdown()
             wasyncore.close_all(sockets)
+            loop.close()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
@@ -307,8 +317,8 @@ def _error_task(access_log: AccessLog | None) -> type:
 
 
 def _parser(app: StoreApp) -> type:
-    """waitress's request parser, refusing a request without a valid token (401) as soon as its headers are in:
-    waitress otherwise reads a whole body (spooled to a temporary file when large) before the app sees it,
+    """waitress's request parser, refusing a request without a valid token (401) as soon as its headers are
+    in: waitress otherwise reads a whole body (spooled to a temporary file when large) before the app sees it,
     so anyone could fill the server's disk with bodies it would refuse. /healthz needs no token."""
     from waitress.parser import HTTPRequestParser
     from waitress.utilities import Error
@@ -318,6 +328,7 @@ def _parser(app: StoreApp) -> type:
 
     class TokenFirstParser(HTTPRequestParser):
         _token_checked = False
+        error: Any  # waitress's: None, or what it answers instead of the app
 
         def received(self, data: bytes) -> int:
             consumed = super().received(data)
@@ -347,7 +358,8 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
     except ImportError as exc:
         raise ImportError("serving the store needs waitress: pip install 'mortal[server]'") from exc
 
-    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # a line per request queued behind busy threads
+    # Not a line per request queued behind busy threads.
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     app = make_app(backing_url, token, access_log, previous_tokens)
     channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task(app.access_log),
                                                         "parser_class": _parser(app)})

@@ -3,10 +3,11 @@
 Created by `mortal.state.open_store("https://...")` (MORTAL_STATE_URL), with the bearer token from
 MORTAL_STATE_TOKEN: the admin token, or a worker's own scoped token (mortal.state.auth says which calls
 each may make; a refused one raises Forbidden). Leases and task leases run on the server's clock: a `now`
-argument, a SqlStore's test seam, is refused here and ignored by the server. On Modal, workers in their containers reach the store endpoint of the deployed
-app this way (mortal.state.http_server serves it). Every method of `Store` is one POST (the wire
-format is mortal.state.wire); typed errors come back as the same classes (Conflict, NotFound, Fenced,
-ValueError, ...); transport failures and server errors raise `Unavailable`.
+argument, a SqlStore's test seam, is refused here and ignored by the server. On Modal, workers in their
+containers reach the store endpoint of the deployed app this way (mortal.state.http_server serves it).
+Every method of `Store` is one POST (the wire format is mortal.state.wire); typed errors come back as the
+same classes (Conflict, NotFound, Fenced, ValueError, ...); transport failures and server errors raise
+`Unavailable`.
 
 Retries (tenacity; bounded by `retry_attempts` and `retry_seconds`, with jittered exponential waits so
 that many workers do not retry in step). What is sent again depends on whether the first request may
@@ -29,15 +30,17 @@ from __future__ import annotations
 
 import abc
 import functools
+import json
 import os
 import threading
 from typing import Any
 
-import requests
-from requests.adapters import HTTPAdapter
+import urllib3
+from requests import certs
+from requests.utils import get_environ_proxies, select_proxy
 from tenacity import Retrying as TenacityRetrying
 from tenacity import retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential, wait_random
-from urllib3.exceptions import NewConnectionError
+from urllib3.exceptions import ConnectTimeoutError, HTTPError
 
 from mortal.state import wire
 from mortal.state.errors import Unavailable
@@ -57,14 +60,6 @@ class _Transient(Unavailable):
         self.sent = sent
 
 
-def _never_sent(exc: requests.RequestException) -> bool:
-    """The connection could not be opened (refused, unreachable, DNS, connect timeout): nothing was sent."""
-    if isinstance(exc, requests.ConnectTimeout):
-        return True
-    reason = getattr(exc.args[0], "reason", None) if exc.args else None  # urllib3's MaxRetryError
-    return isinstance(reason, NewConnectionError)
-
-
 def _remote(method: wire.Method) -> Any:
     """The client side of one Store method: bind the arguments as the Store signature does, send, decode."""
 
@@ -76,7 +71,7 @@ def _remote(method: wire.Method) -> Any:
         payload = {name: wire.encode(value) for name, value in bound.arguments.items()}
         return wire.decode(method.hints["return"], self._call(method, payload))
 
-    call.__isabstractmethod__ = False  # wraps() copied the abstract marker of the Store method
+    call.__isabstractmethod__ = False  # type: ignore[attr-defined]  # wraps() copied the Store method's
     return call
 
 
@@ -107,28 +102,40 @@ class HttpStore(Store):
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.retry_attempts = retry_attempts
-        self._local = threading.local()  # one requests.Session per thread (Session is not thread-safe)
+        self._local = threading.local()  # one connection pool per thread, of one connection
 
     def __repr__(self) -> str:
         return f"HttpStore({self.url!r})"
 
     def close(self) -> None:
-        session = getattr(self._local, "session", None)
-        if session is not None:
-            session.close()
-            self._local.session = None
+        connections = getattr(self._local, "connections", None)
+        if connections is not None:
+            connections.clear()
+            self._local.connections = None
 
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = requests.Session()
-            # no retries inside urllib3: every retry is decided in _call, where the method is known
-            session.mount("http://", HTTPAdapter(max_retries=0))
-            session.mount("https://", HTTPAdapter(max_retries=0))
+    def _connections(self) -> urllib3.PoolManager:
+        """This thread's connection to the store (kept open between calls).
+
+        urllib3 without requests on top: a requests Session merges its settings, cookies and hooks on every
+        request and reads the environment's proxies, os.environ and ~/.netrc again each time (whose entry
+        for this host would replace the bearer token), a good part of a worker's CPU per call. Here the
+        environment's proxy and CA bundle are read once, as requests would read them.
+        """
+        connections = getattr(self._local, "connections", None)
+        if connections is None:
+            headers = {"Content-Type": "application/json"}
             if self._token:
-                session.headers["Authorization"] = f"Bearer {self._token}"
-            self._local.session = session
-        return session
+                headers["Authorization"] = f"Bearer {self._token}"
+            # No retries inside urllib3: every retry is decided in _call, where the method is known.
+            options: dict[str, Any] = {
+                "headers": headers, "retries": False, "maxsize": 1,
+                "timeout": urllib3.Timeout(connect=self.timeout[0], read=self.timeout[1]),
+                "ca_certs": os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or certs.where(),
+            }
+            proxy = select_proxy(self.url, get_environ_proxies(self.url))
+            connections = urllib3.ProxyManager(proxy, **options) if proxy else urllib3.PoolManager(**options)
+            self._local.connections = connections
+        return connections
 
     def _call(self, method: wire.Method, args: dict[str, Any]) -> Any:
         def again(exc: BaseException) -> bool:
@@ -145,22 +152,27 @@ class HttpStore(Store):
         raise AssertionError("unreachable: tenacity reraises the last failure")
 
     def _send(self, name: str, args: dict[str, Any]) -> Any:
-        url = f"{self.url}{wire.PREFIX}{name}"
+        try:  # as requests' json= did: NaN and Infinity are not JSON, refused here rather than sent
+            body = json.dumps({"args": args}, allow_nan=False).encode()
+        except ValueError as exc:
+            raise ValueError(f"{name}: an argument is not JSON: {exc}") from exc
         try:
-            response = self._session().post(url, json={"args": args}, timeout=self.timeout)
-        except (requests.ConnectionError, requests.Timeout) as exc:
-            raise _Transient(f"state store at {self.url} unreachable ({name}): {exc}", sent=not _never_sent(exc)) from exc
-        body = _json(response)
-        if response.status_code == 200 and isinstance(body, dict) and "result" in body:
-            return body["result"]
-        error = wire.error_from(response.status_code, body)
-        if response.status_code in TRANSIENT_STATUS:
+            response = self._connections().request("POST", f"{self.url}{wire.PREFIX}{name}", body=body)
+        except HTTPError as exc:
+            # Refused, unreachable, no connection made: nothing was sent.
+            sent = not isinstance(exc, ConnectTimeoutError)
+            raise _Transient(f"state store at {self.url} unreachable ({name}): {exc}", sent=sent) from exc
+        answer = _json(response.data)
+        if response.status == 200 and isinstance(answer, dict) and "result" in answer:
+            return answer["result"]
+        error = wire.error_from(response.status, answer)
+        if response.status in TRANSIENT_STATUS:
             raise _Transient(str(error), sent=True) from error
         raise error
 
 
-def _json(response: requests.Response) -> Any:
+def _json(data: bytes) -> Any:
     try:
-        return response.json()
+        return json.loads(data)
     except ValueError:
-        return response.text
+        return data.decode("utf-8", "replace")

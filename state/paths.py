@@ -8,9 +8,11 @@ checkpoints). Pure path arithmetic: nothing here creates a file.
     $MORTAL_HOME/runs/<run>/logs/<role>-<replica>-<incarnation>.log
     $MORTAL_HOME/runs/<run>/weights/v<version>/   published weights (sync: volume)
     $MORTAL_HOME/runs/<run>/checkpoints/step-<step>/
-    $MORTAL_HOME/runs/<run>/code/<sha256>/         the user code a run was applied with (controller/snapshot.py)
+    $MORTAL_HOME/runs/<run>/code/<sha256>/         the user code a run was applied with
+                                                   (controller/snapshot.py)
     $MORTAL_HOME/deleted/<run>-<uid>/             a deleted run's folder, kept (delete without --purge)
-    $MORTAL_HOME/compile-cache/{inductor,triton}/     torch.compile's on-disk caches, shared by runs (backends/base.py)
+    $MORTAL_HOME/compile-cache/{inductor,triton}/     torch.compile's on-disk caches, shared by runs
+                                                      (backends/base.py)
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def kept_runs_dir(home: str | Path | None = None) -> Path:
 
 def kept_run_dir(run: str, uid: str, home: str | Path | None = None) -> Path:
     """Where a deleted run's folder is kept (delete without --purge): named by its uid, out of the way of a
-    run applied again under the name, which starts from an empty folder and never reads the old run's files."""
+    run applied again under the name, which starts from an empty folder and never reads the old run's
+    files."""
     return kept_runs_dir(home) / f"{run}-{uid}"
 
 

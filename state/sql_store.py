@@ -4,31 +4,37 @@ Created by `mortal.state.open_store` (which also migrates); used by the CLI, the
 workers through the `Store` interface only. It is the only code that writes SQL. It must not decide
 anything: it enforces the invariants of mortal.state.store and nothing else.
 
-Every method is one transaction (`_tx`). Writes to a run row are guarded UPDATEs
-(`... WHERE resource_version = :v`, row count checked); worker writes first check the worker's
-fencing token, controller writes the leader's lease, in the same transaction (mortal.state.fencing).
-The rollout task queue lives in mortal.state.task_queue, the sampled completions in
-mortal.state.completions.
+Every method is one transaction: `_tx` (an ORM Session) or, in the calls every worker makes all the
+time (heartbeat, the task lease calls, add_metrics, get_run, latest_weights), `_conn` (a Connection
+running Core statements built once): the ORM's per-call Python was most of such a call's cost. A call
+whose database connection broke before anything was committed (ConnectionLost) is made again once.
+Writes to a run row are guarded UPDATEs (`... WHERE resource_version = :v`, row count checked);
+worker writes first check the worker's fencing token, controller writes the leader's lease, in the
+same transaction (mortal.state.fencing). The rollout task queue lives in mortal.state.task_queue, the
+sampled completions in mortal.state.completions.
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, update
+from sqlalchemy import bindparam, delete, func, insert, update
+from sqlalchemy import select as core_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlmodel import Session, SQLModel, select
 
 from mortal.state import migrate
 from mortal.state.completions import CompletionLog
-from mortal.state.engine import is_postgres, json_value, make_engine, transaction
-from mortal.state.errors import Conflict, InvalidValue, NotFound
+from mortal.state.engine import connection, is_postgres, json_value, make_engine, transaction
+from mortal.state.errors import Conflict, ConnectionLost, InvalidValue, NotFound
 from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.names import check_metadata, check_role, check_run_name
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef, activity_age, check_activity
@@ -45,9 +51,59 @@ from mortal.state.tables import (
     as_utc,
     utcnow,
 )
-from mortal.state.task_queue import TaskQueue
+from mortal.state.task_queue import TaskQueue, rowcount
 
 _RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow, CompletionRow)
+_RUNS, _WORKERS = RunRow.__table__, WorkerRow.__table__
+_WEIGHTS, _METRICS = WeightRow.__table__, MetricRow.__table__
+# The hot calls' statements, built once (mortal.state.task_queue has the task queue's).
+_GET_RUN = core_select(_RUNS).where(_RUNS.c.name == bindparam("b_name"))
+_LATEST_WEIGHTS = (core_select(_WEIGHTS).where(_WEIGHTS.c.run == bindparam("b_run"))
+                   .order_by(_WEIGHTS.c.version.desc()).limit(1))
+_HEARTBEAT = (
+    update(_WORKERS)
+    .where(_WORKERS.c.id == bindparam("b_id"))
+    .values(heartbeat_at=bindparam("b_now"), activity=bindparam("b_activity"),
+            activity_since=bindparam("b_activity_since"), state="Running",
+            step=func.coalesce(bindparam("b_step", type_=_WORKERS.c.step.type), _WORKERS.c.step),
+            weight_version=func.coalesce(bindparam("b_weight_version", type_=_WORKERS.c.weight_version.type),
+                                         _WORKERS.c.weight_version))
+    .returning(*_WORKERS.c)
+)
+_REPORT_EXIT = (
+    update(_WORKERS)
+    .where(_WORKERS.c.id == bindparam("b_id"))
+    .values(state=bindparam("b_state"), exit_code=bindparam("b_exit_code"), message=bindparam("b_message"),
+            ended_at=bindparam("b_now"))
+    .returning(*_WORKERS.c)
+)
+_CLEAR_METRICS = delete(_METRICS).where(
+    _METRICS.c.run == bindparam("b_run"), _METRICS.c.step == bindparam("b_step"),
+    _METRICS.c.name.in_(bindparam("b_names", expanding=True)))
+_ADD_METRICS = insert(_METRICS)
+_STORE_CALLS_TRIED_TWICE = Store.__abstractmethods__ - {"close", "migrate"}
+
+
+def _once_more_if_the_connection_broke(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` made again, once, when it raised ConnectionLost: its transaction was never committed."""
+
+    @functools.wraps(method)
+    def call(self: SqlStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ConnectionLost:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+def _calls_tried_twice(cls: type[SqlStore]) -> type[SqlStore]:
+    """Every Store call of `cls` made again once when the database connection broke under it (a server
+    restart, a backend terminated, a pooled connection that died idle): each call is one transaction,
+    and ConnectionLost says it was not committed, so making it again cannot apply it twice."""
+    for name in _STORE_CALLS_TRIED_TWICE:
+        setattr(cls, name, _once_more_if_the_connection_broke(getattr(cls, name)))
+    return cls
 
 
 def _json(value: Any) -> Any:
@@ -55,6 +111,7 @@ def _json(value: Any) -> Any:
     return json_value(value)
 
 
+@_calls_tried_twice
 class SqlStore(TaskQueue, CompletionLog, Store):
     """The store on one database URL (sqlite:///..., postgresql://...). Connects on first use."""
 
@@ -67,19 +124,21 @@ class SqlStore(TaskQueue, CompletionLog, Store):
 
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Session]:
-        """One transaction; a unique-key race surfaces as Conflict (someone else wrote first)."""
-        try:
-            with transaction(self._engine, write) as session:
-                yield session
-        except IntegrityError as err:
-            raise Conflict(f"concurrent write: {err.orig}") from err
-        except DataError as err:  # e.g. PostgreSQL's "text fields cannot contain NUL": bad input, not a failure
-            raise InvalidValue(f"the database refused a value: {err.orig}") from err
+        """One transaction in an ORM Session; errors as `_refusals` says."""
+        with _refusals(), transaction(self._engine, write) as session:
+            yield session
+
+    @contextmanager
+    def _conn(self, write: bool = True) -> Iterator[Connection]:
+        """One transaction on a Connection, for Core statements (the hot calls); errors as `_refusals`."""
+        with _refusals(), connection(self._engine, write) as conn:
+            yield conn
 
     def _insert_ignore(self, session: Session, model: type[SQLModel], values: dict[str, Any]) -> bool:
         """INSERT ... ON CONFLICT DO NOTHING; True if the row was new."""
         insert = pg_insert if is_postgres(self._engine) else sqlite_insert
-        table = model.__table__
+        # Every table model has a __table__; SQLModel's type does not say so.
+        table = model.__table__  # type: ignore[attr-defined]
         statement = insert(table).values(**values).on_conflict_do_nothing().returning(*table.primary_key)
         return session.execute(statement).first() is not None
 
@@ -106,7 +165,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             .values(resource_version=row.resource_version + 1, updated_at=utcnow(), **values)
             .execution_options(synchronize_session=False)
         )
-        if result.rowcount != 1:
+        if rowcount(result) != 1:
             raise Conflict(f"trainingrun {row.name!r} changed since resource_version {row.resource_version}")
         return session.get(RunRow, row.name, populate_existing=True)
 
@@ -181,8 +240,11 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return later
 
     def get_run(self, name: str) -> RunRow:
-        with self._tx(write=False) as s:
-            return self._run(s, name)
+        with self._conn(write=False) as c:
+            row = c.execute(_GET_RUN, {"b_name": name}).mappings().first()
+        if row is None:
+            raise NotFound(f"trainingrun {name!r} not found")
+        return RunRow.model_validate(dict(row))
 
     def list_runs(self, labels: dict[str, str] | None = None, include_deleted: bool = True) -> list[RunRow]:
         with self._tx(write=False) as s:
@@ -322,27 +384,25 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None,
                   activity: str | None = None, activity_seconds: float | None = None) -> WorkerRow:
         activity = check_activity(activity)
-        with self._tx() as s:
-            row = check_worker(s, worker, for_update=True)
-            row.heartbeat_at = utcnow()
-            row.activity = activity
-            row.activity_since = None if activity is None else row.heartbeat_at - timedelta(
-                seconds=activity_age(activity_seconds))
-            row.state = "Running"
-            row.step = row.step if step is None else step
-            row.weight_version = row.weight_version if weight_version is None else weight_version
-            s.flush()
-            return row
+        with self._conn() as c:
+            worker_id = check_worker(c, worker, for_update=True)
+            now = utcnow()
+            since = None if activity is None else now - timedelta(seconds=activity_age(activity_seconds))
+            values = {"b_id": worker_id, "b_now": now, "b_activity": activity, "b_activity_since": since,
+                      "b_step": step, "b_weight_version": weight_version}
+            row = c.execute(_HEARTBEAT, values).mappings().one()
+        return WorkerRow.model_validate(dict(row))
 
     def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:
         if state not in ("Succeeded", "Failed"):
             raise ValueError(f"report_exit: state must be Succeeded or Failed, not {state!r}")
-        with self._tx() as s:
-            row = check_worker(s, worker, for_update=True)
-            row.state, row.exit_code, row.message, row.ended_at = state, exit_code, message, utcnow()
-            s.flush()
-            self._release_leases(s, worker)
-            return row
+        with self._conn() as c:
+            worker_id = check_worker(c, worker, for_update=True)
+            values = {"b_id": worker_id, "b_state": state, "b_exit_code": exit_code, "b_message": message,
+                      "b_now": utcnow()}
+            row = c.execute(_REPORT_EXIT, values).mappings().one()
+            self._release_leases(c, worker)
+        return WorkerRow.model_validate(dict(row))
 
     # -- checkpoints, weights ----------------------------------------------------------------
     def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int,
@@ -387,9 +447,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     def latest_weights(self, run: str) -> WeightRow | None:
-        query = select(WeightRow).where(WeightRow.run == run).order_by(WeightRow.version.desc()).limit(1)
-        with self._tx(write=False) as s:
-            return s.exec(query).first()
+        with self._conn(write=False) as c:
+            row = c.execute(_LATEST_WEIGHTS, {"b_run": run}).mappings().first()
+        return None if row is None else WeightRow.model_validate(dict(row))
 
     def list_weights(self, run: str) -> list[WeightRow]:
         with self._tx(write=False) as s:
@@ -416,11 +476,15 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return list(reversed(s.exec(query).all()))
 
     def add_metrics(self, worker: WorkerRef, step: int, values: dict[str, float]) -> None:
-        with self._tx() as s:
-            check_worker(s, worker)
-            same = (MetricRow.run == worker.run, MetricRow.step == step, MetricRow.name.in_(list(values)))
-            s.execute(delete(MetricRow).where(*same))  # a resumed run re-records a step: one value per name
-            s.add_all(MetricRow(run=worker.run, step=step, name=k, value=float(v)) for k, v in values.items())
+        with self._conn() as c:
+            check_worker(c, worker)
+            now = utcnow()
+            rows = [{"run": worker.run, "step": step, "name": k, "value": float(v), "time": now}
+                    for k, v in values.items()]
+            # A resumed run re-records a step: one value per name.
+            c.execute(_CLEAR_METRICS, {"b_run": worker.run, "b_step": step, "b_names": list(values)})
+            if rows:
+                c.execute(_ADD_METRICS, rows)
 
     def list_metrics(self, run: str, name: str | None = None, since_step: int | None = None) -> list[MetricRow]:
         query = select(MetricRow).where(MetricRow.run == run).order_by(MetricRow.step, MetricRow.name)
@@ -442,6 +506,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             if self._insert_ignore(s, LeaseRow, fresh.model_dump()):
                 return s.get(LeaseRow, name)
             lease = s.get(LeaseRow, name, with_for_update=True)
+            if lease is None:  # the insert found the row a moment ago, and leases are never deleted
+                raise Conflict(f"lease {name!r} vanished while being acquired")
             if lease.holder != holder:
                 if lease.expires_at > now:
                     return None
@@ -463,3 +529,15 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def get_lease(self, name: str) -> LeaseRow | None:
         with self._tx(write=False) as s:
             return s.get(LeaseRow, name)
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """The database's refusals as the store's errors: a unique-key race is a Conflict (someone else wrote
+    first), a value the database cannot hold is InvalidValue."""
+    try:
+        yield
+    except IntegrityError as err:
+        raise Conflict(f"concurrent write: {err.orig}") from err
+    except DataError as err:  # e.g. PostgreSQL's "text fields cannot contain NUL": bad input, not a failure
+        raise InvalidValue(f"the database refused a value: {err.orig}") from err

@@ -136,12 +136,14 @@ class NewCompletion:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-STALE_ROLLOUTS = "StaleRolloutsDropped"  # the event reason of a step's rollouts dropped as stale (feed._requeue)
+# The event reason of a step's rollouts dropped as stale (feed._requeue).
+STALE_ROLLOUTS = "StaleRolloutsDropped"
 
 
 @dataclass(frozen=True)
 class TaskTally:
-    """The task queue of one run, counted (Store.task_tally): the store's share of `mortalctl describe`'s ledger.
+    """The task queue of one run, counted (Store.task_tally): the store's share of `mortalctl describe`'s
+    ledger.
 
     Counts what the queue holds now: a resumed actor deletes the tasks of the steps after its checkpoint and
     queues them again, so those count once. `releases` are leases beyond each task's first: the task was
@@ -249,7 +251,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def purge_run(self, name: str, fence: LeaderFence | None = None) -> None:
-        """Remove the run and every row that belongs to it (workers, tasks, events, ...). NotFound if absent."""
+        """Remove the run and every row that belongs to it (workers, tasks, events, ...). NotFound if
+        absent."""
 
     # -- workers ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -369,7 +372,8 @@ class Store(abc.ABC):
         order: CompletionOrder = CompletionOrder.sample,
         limit: int | None = None,
     ) -> list[CompletionRow]:
-        """The samples of `step` (every step if None) in `order`, the first `limit` of them (ValueError if < 1)."""
+        """The samples of `step` (every step if None) in `order`, the first `limit` of them (ValueError if
+        < 1)."""
 
     @abc.abstractmethod
     def completion_steps(self, run: str) -> list[int]:

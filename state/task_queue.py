@@ -5,26 +5,83 @@ Used through the Store interface by the actor (enqueue, reset, step results) and
 claimable again, and every lease bumps `lease_token`, so a late completion from a worker that lost
 its lease is refused. A worker that ends (the controller's end_worker, its own report_exit) gives its
 leases back in the same transaction (`_release_leases`): its tasks are queued again at once instead
-of after their lease runs out, and only that incarnation's, named by its holder id. Claiming takes the oldest claimable task by (step, slot): PostgreSQL skips rows
-another transaction has locked (`FOR UPDATE SKIP LOCKED`), SQLite has one writer at a time; both
-then write through an UPDATE guarded by the token they read.
+of after their lease runs out, and only that incarnation's, named by its holder id. Claiming takes the
+oldest claimable task by (step, slot) in one UPDATE whose subquery locks it: PostgreSQL skips rows
+another transaction has locked (`FOR UPDATE SKIP LOCKED`), SQLite has one writer at a time. Renewals and
+completions are UPDATEs guarded by the lease's holder and token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, case, delete, func, or_, text, update
-from sqlmodel import Session, select
+from sqlalchemy import and_, bindparam, case, delete, func, or_, text, update
+from sqlalchemy.engine import Connection, CursorResult
+from sqlmodel import Session, SQLModel, select
 
 from mortal.state.fencing import check_worker
 from mortal.state.store import STALE_ROLLOUTS, NewTask, TaskTally, WorkerRef
 from mortal.state.tables import OPEN_TASK, EventRow, TaskRow, as_utc, utcnow
 
+_TASKS = TaskRow.__table__
+_NO_SESSION_SYNC = {"synchronize_session": False}
+
+
+def _claim(weight_bounded: bool) -> Any:
+    """UPDATE ... RETURNING that leases the oldest claimable task of a run to a worker, in one statement.
+
+    The subquery locks the oldest claimable row (PostgreSQL skips rows other transactions hold; SQLite has
+    one writer at a time) and the UPDATE takes it, returning the row. `weight_bounded`: only tasks whose
+    min_weight_version is at most `b_max_weight_version`.
+    """
+    tasks = _TASKS.c
+    now = bindparam("b_now", type_=tasks.lease_expires_at.type)
+    claimable = or_(tasks.state == "queued", and_(tasks.state == "leased", tasks.lease_expires_at <= now))
+    # `state <> 'done'` is implied by `claimable`; written out, it lets the planners use ix_tasks_open.
+    oldest = select(tasks.id).where(tasks.run == bindparam("b_run"), text(OPEN_TASK), claimable)
+    if weight_bounded:
+        oldest = oldest.where(tasks.min_weight_version <= bindparam("b_max_weight_version"))
+    oldest = oldest.order_by(tasks.step, tasks.slot).limit(1).with_for_update(skip_locked=True)
+    return (
+        update(_TASKS)
+        .where(tasks.id == oldest.scalar_subquery())
+        .values(state="leased", lease_holder=bindparam("b_holder"), lease_token=tasks.lease_token + 1,
+                lease_expires_at=bindparam("b_expires"), attempts=tasks.attempts + 1)
+        .returning(*_TASKS.c)
+    )
+
+
+_CLAIM = {False: _claim(False), True: _claim(True)}
+
+
+def rowcount(result: Any) -> int:
+    """The rows an UPDATE or DELETE matched (a Session's Result of one is a CursorResult)."""
+    return cast(CursorResult[Any], result).rowcount
+# The task is still leased to this worker (b_holder) under this token: a renewal or completion applies.
+# Holders are worker ids (run, slot, incarnation); task ids can be reused after reset_tasks on SQLite.
+_HELD = and_(_TASKS.c.id == bindparam("b_task"), _TASKS.c.run == bindparam("b_run"),
+             _TASKS.c.lease_holder == bindparam("b_holder"), _TASKS.c.lease_token == bindparam("b_token"),
+             _TASKS.c.state == "leased")
+_RENEW = update(_TASKS).where(_HELD).values(lease_expires_at=bindparam("b_expires"))
+_COMPLETE = update(_TASKS).where(_HELD).values(state="done", result=bindparam("b_result"),
+                                               done_at=bindparam("b_now"), lease_expires_at=None)
+_RELEASE = (update(_TASKS)
+            .where(_TASKS.c.run == bindparam("b_run"), _TASKS.c.lease_holder == bindparam("b_holder"),
+                   _TASKS.c.state == "leased")
+            .values(state="queued", lease_holder=None, lease_expires_at=None))
+
 
 class TaskQueue:
-    """Task-queue methods of SqlStore."""
+    """Task-queue methods of SqlStore. The worker's calls (lease, renew, complete) run prepared Core
+    statements on a Connection (`_conn`): they are most of a busy store's calls."""
+
+    # SqlStore's, of which this is a part.
+    _tx: Callable[..., AbstractContextManager[Session]]
+    _conn: Callable[..., AbstractContextManager[Connection]]
+    _insert_ignore: Callable[[Session, type[SQLModel], dict[str, Any]], bool]
 
     def enqueue_tasks(self, worker: WorkerRef, tasks: list[NewTask]) -> int:
         with self._tx() as s:
@@ -38,7 +95,7 @@ class TaskQueue:
     def reset_tasks(self, worker: WorkerRef, from_step: int) -> int:
         with self._tx() as s:
             check_worker(s, worker)
-            return s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step)).rowcount
+            return rowcount(s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step)))
 
     def lease_task(
         self,
@@ -48,44 +105,16 @@ class TaskQueue:
         now: datetime | None = None,
     ) -> TaskRow | None:
         now = as_utc(now) if now else utcnow()
-        claimable = or_(TaskRow.state == "queued", and_(TaskRow.state == "leased", TaskRow.lease_expires_at <= now))
-        # `state <> 'done'` is implied by `claimable`; written out, it lets the planners use ix_tasks_open.
-        query = select(TaskRow).where(TaskRow.run == worker.run, text(OPEN_TASK), claimable)
-        if max_weight_version is not None:
-            query = query.where(TaskRow.min_weight_version <= max_weight_version)
-        oldest = query.order_by(TaskRow.step, TaskRow.slot).limit(1).with_for_update(skip_locked=True)
-        # One statement claims it: the subquery locks the oldest claimable row (PostgreSQL skips rows other
-        # transactions hold; SQLite has one writer at a time) and the UPDATE takes it, returning the row.
-        # Two round trips per lease with the fence check, where a read, a write and a re-read made four.
-        claim = (
-            update(TaskRow)
-            .where(TaskRow.id == oldest.with_only_columns(TaskRow.id).scalar_subquery())
-            .values(
-                state="leased",
-                lease_holder=worker.id,
-                lease_token=TaskRow.lease_token + 1,
-                lease_expires_at=now + timedelta(seconds=lease_seconds),
-                attempts=TaskRow.attempts + 1,
-            )
-            .returning(*TaskRow.__table__.columns)
-            .execution_options(synchronize_session=False)
-        )
-        with self._tx() as s:
-            check_worker(s, worker)
-            claimed = s.execute(claim).mappings().first()
-            return None if claimed is None else TaskRow.model_validate(dict(claimed))
+        claim = _CLAIM[max_weight_version is not None]
+        values = {"b_run": worker.run, "b_now": now, "b_holder": worker.id,
+                  "b_expires": now + timedelta(seconds=lease_seconds),
+                  "b_max_weight_version": max_weight_version}
+        with self._conn() as c:
+            check_worker(c, worker)
+            claimed = c.execute(claim, values).mappings().first()
+        return None if claimed is None else TaskRow.model_validate(dict(claimed))
 
-    def _held(self, worker: WorkerRef, task_id: int, lease_token: int) -> Any:
-        """WHERE clause: the task is still leased to this worker under this token."""
-        return and_(
-            TaskRow.id == task_id,
-            TaskRow.run == worker.run,
-            TaskRow.lease_holder == worker.id,  # ids can be reused after reset_tasks on SQLite; holders cannot
-            TaskRow.lease_token == lease_token,
-            TaskRow.state == "leased",
-        )
-
-    def _release_leases(self, session: Session, worker: WorkerRef) -> int:
+    def _release_leases(self, executor: Session | Connection, worker: WorkerRef) -> int:
         """Queue again every task still leased to exactly this incarnation (it has ended); returns how many.
 
         Called inside the transaction that ends the worker's row, so no moment exists where the row has
@@ -94,29 +123,22 @@ class TaskQueue:
         complete_task of the ended incarnation is refused twice over: it is fenced, and the task is no
         longer leased to it (the next lease bumps lease_token too).
         """
-        statement = (
-            update(TaskRow)
-            .where(TaskRow.run == worker.run, TaskRow.lease_holder == worker.id, TaskRow.state == "leased")
-            .values(state="queued", lease_holder=None, lease_expires_at=None)
-        )
-        return session.execute(statement.execution_options(synchronize_session=False)).rowcount
+        values = {"b_run": worker.run, "b_holder": worker.id}
+        return rowcount(executor.execute(_RELEASE, values, execution_options=_NO_SESSION_SYNC))
 
     def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:
-        with self._tx() as s:
-            check_worker(s, worker)
-            expires = utcnow() + timedelta(seconds=lease_seconds)
-            statement = update(TaskRow).where(self._held(worker, task_id, lease_token)).values(lease_expires_at=expires)
-            return s.execute(statement.execution_options(synchronize_session=False)).rowcount == 1
+        with self._conn() as c:
+            check_worker(c, worker)
+            values = {"b_task": task_id, "b_run": worker.run, "b_holder": worker.id, "b_token": lease_token,
+                      "b_expires": utcnow() + timedelta(seconds=lease_seconds)}
+            return c.execute(_RENEW, values).rowcount == 1
 
     def complete_task(self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]) -> bool:
-        with self._tx() as s:
-            check_worker(s, worker)
-            statement = (
-                update(TaskRow)
-                .where(self._held(worker, task_id, lease_token))
-                .values(state="done", result=result, done_at=utcnow(), lease_expires_at=None)
-            )
-            return s.execute(statement.execution_options(synchronize_session=False)).rowcount == 1
+        with self._conn() as c:
+            check_worker(c, worker)
+            values = {"b_task": task_id, "b_run": worker.run, "b_holder": worker.id, "b_token": lease_token,
+                      "b_result": result, "b_now": utcnow()}
+            return c.execute(_COMPLETE, values).rowcount == 1
 
     def step_results(self, run: str, step: int) -> list[TaskRow]:
         with self._tx(write=False) as s:

@@ -138,7 +138,8 @@ def encode(value: Any) -> Any:
 
 
 def decode(annotation: Any, value: Any) -> Any:
-    """`value` (JSON) as `annotation` says; raises pydantic.ValidationError or TypeError when it does not fit."""
+    """`value` (JSON) as `annotation` says; raises pydantic.ValidationError or TypeError when it does not
+    fit."""
     if value is None:
         return None
     origin = typing.get_origin(annotation)

@@ -174,6 +174,36 @@ def test_reads_are_sent_again_but_writes_only_once() -> None:
         server.close()
 
 
+def test_the_environments_proxy_is_used_unless_no_proxy_names_the_host(served: Served, monkeypatch) -> None:
+    """The client reads the proxy settings once per session, not per request; it still honours them."""
+    proxy = HangUp()
+    try:
+        for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        with pytest.raises(Unavailable):
+            HttpStore(served.url, token=TOKEN, retry_attempts=1).list_runs()
+        assert proxy.requests == [f"POST {served.url}/v1/list_runs HTTP/1.1".encode()], "through the proxy"
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert HttpStore(served.url, token=TOKEN, retry_attempts=1).list_runs() == []
+    finally:
+        proxy.close()
+
+
+def test_a_netrc_entry_for_the_host_does_not_replace_the_token(served: Served, tmp_path: Path, monkeypatch):
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login someone password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert HttpStore(served.url, token=TOKEN, retry_attempts=1).list_runs() == []
+
+
+def test_a_value_json_cannot_hold_is_refused_before_it_is_sent(served: Served) -> None:
+    store = HttpStore(served.url, token=TOKEN, retry_attempts=1)
+    with pytest.raises(ValueError, match="not JSON"):
+        store.add_event("r", "Normal", "Hello", float("nan"))  # type: ignore[arg-type]
+
+
 def test_every_idempotent_write_is_a_store_write() -> None:
     assert wire.IDEMPOTENT_WRITES.issubset(set(wire.methods()) - wire.READS)
 
