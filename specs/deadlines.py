@@ -31,7 +31,7 @@ class DeadlinesSpec(SpecModel):
         None,
         description="Longest the actor may spend in one optimizer step (waiting for rollouts included): 90s, "
         "10m, or seconds. Absent: derived from the run's own step times as taskSeconds is, and at least twice "
-        "the task deadline (a step outlasts one of its tasks healed once).",
+        "the task deadline.",
     )
     weight_load_seconds: Duration | None = Field(
         None,
@@ -41,7 +41,7 @@ class DeadlinesSpec(SpecModel):
         None,
         description="Longest one torch.distributed collective may wait for its peer before the worker fails and "
         "is relaunched: 90s, 10m, or seconds. Absent: 5m for a weight transfer (sync nccl), torch's own default "
-        "for a sharded actor's ranks (one waits for rank 0 while it waits for rollouts).",
+        "among a sharded actor's ranks.",
     )
 
     def weight_load(self) -> float:

@@ -41,9 +41,9 @@ class RewardSpec(SpecModel):
         "f(completions, prompts=..., **columns) -> list[float | None], or to a RewardEnvironment subclass.",
     )
     env: Literal["code-execution", "llm-judge", "math-answer", "environment"] | None = Field(
-        None, description="A built-in reward environment: code-execution, llm-judge or math-answer; or environment: "
-        "the score of rollout.environment's get_reward() (TRL's environment reward; `args: {class: 'module:Class'}` "
-        "scores only rollouts of that exact class, as TRL adds one reward per class).",
+        None, description="A built-in reward environment: code-execution, llm-judge or math-answer; or environment, "
+        "the score of rollout.environment's get_reward() (`args: {class: 'module:Class'}` scores only rollouts of "
+        "that class).",
     )
     name: str | None = Field(
         None,
@@ -59,9 +59,8 @@ class RewardSpec(SpecModel):
     )
     timeout_seconds: float = Field(
         DEFAULT_REWARD_TIMEOUT_SECONDS, gt=0,
-        description="Wall-clock limit of one call of this reward (a task's completions of one prompt); past it "
-        "the call is abandoned, its completions score None (not applicable, as for a reward that returns None) "
-        "and a Warning event names it.",
+        description="Wall-clock limit of one call of this reward (one prompt's completions), in seconds; past it "
+        "the call is abandoned, its completions score None and a Warning event names it.",
     )
     model: str | None = Field(None, description="Judge model name (llm-judge), e.g. gpt-4o-mini.")
     base_url: str | None = Field(
