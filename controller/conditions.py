@@ -58,7 +58,7 @@ def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newe
         return Condition(WEIGHTS, None, "NoWeightsPublished", "the actor has not published weights yet")
     reporting = [r for r in rollouts if r.version is not None]
     if not reporting:
-        return Condition(WEIGHTS, None, "NoRolloutReporting", f"no live rollout has reported a weight version "
+        return Condition(WEIGHTS, None, "NoRolloutReporting", "no live rollout has reported a weight version "
                                                                f"(newest v{newest})")
     allowed = allowed_lag(max_staleness, sync_every)
     lagging = []
@@ -110,8 +110,8 @@ def reward_healthy(metrics: Mapping[int, Mapping[str, float]], stuck_steps: int)
             value = metrics[run[-1]].get(f"rewards/{name}/mean")
             same = f" ({value:g})" if value is not None else ""
             return Condition(REWARD, False, "RewardConstant",
-                             f"reward {name!r} gave every sample the same value{same} for {len(run)} steps in a row "
-                             f"(steps {run[0]}-{run[-1]}): no learning signal")
+                             f"reward {name!r} gave every sample the same value{same} for {len(run)} steps "
+                             f"in a row (steps {run[0]}-{run[-1]}): no learning signal")
     return Condition(REWARD, True, "RewardsVary", f"{', '.join(names)}: scores vary within step {newest}")
 
 
@@ -203,20 +203,20 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
         tips = ["lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
                 "lower generation.maxTokens (the KV cache grows with it)"]
         if knobs.colocate and knobs.rollout_share is None:
-            tips.append("set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows that "
-                        "fit in that share of the GPU, beside the actor")
+            tips.append("set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows "
+                        "that fit in that share of the GPU, beside the actor")
         elif knobs.rollout_share is not None:
-            tips.append(f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the GPU the "
-                        "rollout may hold")
+            tips.append(f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the "
+                        "GPU the rollout may hold")
         if knobs.colocate:
-            tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; the actor's weights, "
-                        "gradients and optimizer state share this GPU now)")
+            tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; "
+                        "the actor's weights, gradients and optimizer state share this GPU now)")
         tips.append("or pick a GPU with more memory (rollout.gpu)")
     else:
         tips = []
         if knobs.actor_ranks > 1 and not knobs.reshard_after_forward:
-            tips.append("set actor.reshardAfterForward: true (now false: every GPU holds the whole model, gathered, "
-                        "from the forward to the backward)")
+            tips.append("set actor.reshardAfterForward: true (now false: every GPU holds the whole model, "
+                        "gathered, from the forward to the backward)")
         if knobs.micro_batch_size != 1:
             now = f" (now {knobs.micro_batch_size})" if knobs.micro_batch_size else ""
             tips.append(f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "
@@ -225,15 +225,16 @@ def memory_advice(role: str, knobs: MemoryKnobs) -> str:
         if not knobs.gradient_checkpointing:
             tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
         if knobs.actor_ranks > 1 and knobs.replicated:
-            tips.append("shard the actor's weights, gradients and AdamW state over its ranks (actor.strategy: fsdp; "
-                        "now ddp: each rank holds the whole model)")
+            tips.append("shard the actor's weights, gradients and AdamW state over its ranks "
+                        "(actor.strategy: fsdp; now ddp: each rank holds the whole model)")
         elif knobs.actor_ranks > 1 and not knobs.cpu_offload:
-            tips.append(f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its shards "
-                        "in host memory (actor.cpuOffload: true)")
+            tips.append(f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its "
+                        "shards in host memory (actor.cpuOffload: true)")
         elif knobs.actor_ranks == 1 and not knobs.lora:
-            tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full gradients "
-                        "or AdamW state")
-            tips.append("shard the actor's weights, gradients and AdamW state over several GPUs (actor.count: 2)")
+            tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full "
+                        "gradients or AdamW state")
+            tips.append("shard the actor's weights, gradients and AdamW state over several GPUs "
+                        "(actor.count: 2)")
         if knobs.colocate:
             share = (f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})" if knobs.rollout_share
                      else "set rollout.gpuMemoryUtilization (e.g. 0.3)")

@@ -112,8 +112,8 @@ def deadlines_met(stalls: list[StalledWorker], last_step_time: datetime | None) 
     if unhealed:
         newest = max(unhealed, key=lambda s: s.ended_at)
         reason, _, what = newest.message.partition(": ")
-        return Condition(DEADLINES, False, reason, f"{newest.name} #{newest.incarnation}: {what}; relaunched, "
-                                                   "no step has ended since")
+        return Condition(DEADLINES, False, reason, f"{newest.name} #{newest.incarnation}: {what}; "
+                                                   "relaunched, no step has ended since")
     if stalls:
         newest = max(stalls, key=lambda s: s.ended_at)
         return Condition(DEADLINES, True, "Healed", f"{newest.name} #{newest.incarnation} was relaunched "

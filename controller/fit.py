@@ -68,7 +68,8 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             if gathered:
                 fixes.append("actor.reshardAfterForward: true (each layer gathered only while it computes)")
             if full and replicated:
-                fixes.append("shard the actor's weights, gradients and AdamW state over its ranks (actor.strategy: fsdp)")
+                fixes.append("shard the actor's weights, gradients and AdamW state over its ranks "
+                             "(actor.strategy: fsdp)")
             elif full and not spec.actor.cpu_offload:
                 fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:
@@ -78,7 +79,8 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             if ring:
                 fixes.append("sync.method: volume (no snapshots on the GPU)")
             if colocated:
-                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)")
+                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false, no "
+                             "colocatedReplicas)")
             fixes.append(f"a GPU with more memory ({_larger(actor, need)})")
             found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
     rollout = spec.rollout.gpu
@@ -139,10 +141,11 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
     gpu, share, need = spec.rollout.gpu, spec.rollout.gpu_memory_utilization, per * parameters
     if share is not None and need > share * gpu_memory(gpu):
         return [Misfit("spec.rollout.gpuMemoryUtilization",
-                       f"{share} of {gpu}'s {gpu_memory(gpu) / 1e9:.0f} GB is {share * gpu_memory(gpu) / 1e9:.1f} GB; "
-                       f"the rollout's copy of a model of {parameters / 1e9:.2f}B parameters needs at least "
-                       f"{need / 1e9:.1f} GB of it, before any KV cache. Fix: a larger rollout.gpuMemoryUtilization "
-                       f"(at least {need / gpu_memory(gpu):.2f})"
+                       f"{share} of {gpu}'s {gpu_memory(gpu) / 1e9:.0f} GB is "
+                       f"{share * gpu_memory(gpu) / 1e9:.1f} GB; the rollout's copy of a model of "
+                       f"{parameters / 1e9:.2f}B parameters needs at least {need / 1e9:.1f} GB of it, before "
+                       "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
+                       f"{need / gpu_memory(gpu):.2f})"
                        + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
     if spec.rollout.colocated_count < spec.rollout.replicas and need > gpu_memory(gpu):  # some on GPUs of their own
         return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
@@ -152,9 +155,9 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
 
 def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]) -> str:
     shown = "bfloat16" if dtype == "auto" else dtype  # auto is bfloat16 on a GPU
-    return (f"{gpu} has {gpu_memory(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in {shown} "
-            f"({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, before any "
-            f"activation or KV cache. Fix: {'; or '.join(fixes)}")
+    return (f"{gpu} has {gpu_memory(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in "
+            f"{shown} ({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, "
+            f"before any activation or KV cache. Fix: {'; or '.join(fixes)}")
 
 
 def _larger(gpu: str, need: int) -> str:
@@ -231,8 +234,8 @@ def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) 
         estimate = held + activation_bytes(spec, shape, size)
         if estimate <= capacity:
             return MicroBatchChoice(size, (
-                f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold an "
-                f"estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB without "
-                f"activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB with {batch}; "
-                f"{batch // size} passes a step, gradients accumulated: the same step"))
+                f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold "
+                f"an estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB "
+                f"without activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB "
+                f"with {batch}; {batch // size} passes a step, gradients accumulated: the same step"))
     return None

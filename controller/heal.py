@@ -61,8 +61,8 @@ def fitted_before_launch(effective: EffectiveMemory | None, desired: Desired) ->
     if not 0 < fitted < now or desired.batch_size % fitted or fitted % desired.actor_ranks:
         return None  # an annotation that no longer fits the spec (edited by hand, a spec applied without it)
     message = (f"actor micro batch {now} -> {fitted} before launch: mortalctl apply's estimate of {now} "
-               f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a step, "
-               "gradients accumulated: the same step)")
+               f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a "
+               "step, gradients accumulated: the same step)")
     chosen = (effective or EffectiveMemory()).model_copy(update={
         "micro_batch_size": fitted, "spec_micro_batch_size": now, "reason": message})
     return Reduction(chosen, "MicroBatchReduced", message)

@@ -72,7 +72,8 @@ class FrozenLockHolderWatch:
         self._stopped_since = {pid: self._stopped_since.get(pid, now) for pid in frozen}
         killed = [pid for pid, since in self._stopped_since.items() if now - since >= self.grace]
         for pid in killed:
-            log.warning("worker pid %d is stopped holding the write lock of %s: killing it", pid, self.database)
+            log.warning("worker pid %d is stopped holding the write lock of %s: killing it", pid,
+                        self.database)
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -435,19 +435,21 @@ class _Pass:
             stalls = self._same_stalls(hist)
             if self.d.same_failure_limit and stalls >= self.d.same_failure_limit:
                 reason, _, what = (last.message or "").partition(": ")
-                return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not heal "
-                                f"it; restartPolicy.sameFailureLimit)")
+                return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not "
+                                "heal it; restartPolicy.sameFailureLimit)")
             if self.restarts >= self.d.max_restarts:
                 return "RestartLimitReached", f"restart limit reached: {last.name}: {last.message or last.state}"
             repeated = self._same_failures(hist)
             if self.d.same_failure_limit and repeated >= self.d.same_failure_limit:
-                return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, each "
-                                     f"within {self.cfg.backoff_reset_seconds:.0f} s of its launch: {last.message} "
-                                     f"(relaunching does not fix it; restartPolicy.sameFailureLimit)")
+                return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, "
+                                     f"each within {self.cfg.backoff_reset_seconds:.0f} s of its launch: "
+                                     f"{last.message} (relaunching does not fix it; "
+                                     "restartPolicy.sameFailureLimit)")
             due = (last.ended_at or self.now).timestamp() + self._backoff(hist) - self.now.timestamp()
             if due > 0:
                 self.wake.append(due)
-                self.notes.append(f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: {last.message})")
+                self.notes.append(f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: "
+                                  f"{last.message})")
                 continue
             self.restarts += 1
             self._launch(slot, restart=True, why=f"{last.state.lower()}: {last.message or 'no message'}")

@@ -185,9 +185,9 @@ def _refuse_links_out(field: str, folder: Path, path: Path) -> None:
         try:
             inside(folder, source)
         except PathOutside:
-            raise SnapshotRefused(field, f"{source.relative_to(folder)} links outside the applying folder {folder} "
-                                         f"(to {os.path.realpath(source)}); copy it into the folder, or give it "
-                                         "by absolute path") from None
+            raise SnapshotRefused(field, f"{source.relative_to(folder)} links outside the applying folder "
+                                         f"{folder} (to {os.path.realpath(source)}); copy it into the "
+                                         "folder, or give it by absolute path") from None
 
 
 def importing_folders(spec: TrainingSpec, working: Path) -> list[Path]:

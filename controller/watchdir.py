@@ -53,7 +53,8 @@ def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
         except (SpecError, OSError) as exc:
             errors.append(str(exc))
     names = [r.name for r in runs]
-    errors.extend(f"run {n!r} is defined more than once in {folder}" for n in sorted({n for n in names if names.count(n) > 1}))
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    errors.extend(f"run {n!r} is defined more than once in {folder}" for n in repeated)
     return runs, errors
 
 

@@ -63,7 +63,8 @@ def parse_set(assignment: str) -> tuple[list[str | int], Any]:
     path_text, sep, raw = assignment.partition("=")
     path_text = path_text.strip()
     if not sep or not path_text:
-        raise _error(assignment, "", f"expected PATH=VALUE, e.g. spec.algorithm.learningRate=1e-6 (got {assignment!r})")
+        raise _error(assignment, "", "expected PATH=VALUE, e.g. spec.algorithm.learningRate=1e-6 (got "
+                                     f"{assignment!r})")
     parts: list[str | int] = []
     for piece in _INDEX.sub(r".\1", path_text).split("."):
         if not piece:
@@ -73,8 +74,8 @@ def parse_set(assignment: str) -> tuple[list[str | int], Any]:
     if parts[0] not in ROOTS:
         raise _error(assignment, path_text, f"must start with spec. or metadata. (got {parts[0]!r})")
     if parts[0] == "metadata" and (len(parts) != 3 or parts[1] not in METADATA_KEYS):
-        raise _error(assignment, path_text, "only metadata.labels.KEY and metadata.annotations.KEY can be set "
-                                            "(the name is the fork's NEW argument)")
+        raise _error(assignment, path_text, "only metadata.labels.KEY and metadata.annotations.KEY can be "
+                                            "set (the name is the fork's NEW argument)")
     try:
         docs = parse_limits.load_documents(raw, SET_SOURCE, typ="safe") if raw.strip() else [""]
     except SpecError as exc:
@@ -201,8 +202,8 @@ def carry_over_problems(parent: TrainingSpec, child: TrainingSpec, step: int) ->
                 problems.append(f"spec.model.lora.{label}: the checkpoint's adapters were trained with "
                                 f"{label} {before!r}, not {after!r}")
     if parent.backend != child.backend:
-        problems.append(f"spec.backend: the checkpoint lies where backend {parent.backend!r} keeps files; a fork "
-                        f"keeps the parent's backend (got {child.backend!r})")
+        problems.append(f"spec.backend: the checkpoint lies where backend {parent.backend!r} keeps files; a "
+                        f"fork keeps the parent's backend (got {child.backend!r})")
     if child.algorithm.max_steps <= step:
         problems.append(f"spec.algorithm.maxSteps: {child.algorithm.max_steps} leaves nothing to train after "
                         f"step {step}; set it above {step}")

@@ -38,13 +38,14 @@ class EffectiveMemory(SpecModel):
         None, gt=0, lt=1, description="The rollouts' share of the GPU now, when the controller lowered "
         "rollout.gpuMemoryUtilization after a rollout ran out of GPU memory.")
     spec_micro_batch_size: int | None = Field(
-        None, ge=1, description="The spec's micro batch (batchSize when unset) the choice was made from; a spec "
-        "with another one drops the choice (the user decided).")
+        None, ge=1, description="The spec's micro batch (batchSize when unset) the choice was made from; a "
+        "spec with another one drops the choice (the user decided).")
     spec_rollout_gpu_memory_utilization: float | None = Field(
         None, description="The spec's rollout.gpuMemoryUtilization the share was lowered from.")
     reduced_after: dict[str, int] = Field(
-        default_factory=dict, description="Per slot (actor-0, rollout-1), the incarnation whose out-of-memory exit "
-        "the newest reduction answered: a later one is a new out-of-memory at the lowered setting.")
+        default_factory=dict, description="Per slot (actor-0, rollout-1), the incarnation whose "
+        "out-of-memory exit the newest reduction answered: a later one is a new out-of-memory at the lowered "
+        "setting.")
     reason: str | None = Field(None, description="Why: the newest reduction, as its event said it.")
 
 
@@ -74,8 +75,8 @@ def applied(run: TrainingRun, env: Mapping[str, str]) -> TrainingRun:
             raise BadMemorySetting(f"{MICRO_BATCH_ENV}={micro!r} is not an integer") from None
         batch, ranks = spec.algorithm.batch_size, spec.actor.count
         if size < 1 or batch % size or size % ranks:
-            raise BadMemorySetting(f"{MICRO_BATCH_ENV}={size} must divide algorithm.batchSize ({batch}) and be a "
-                                   f"multiple of actor.count ({ranks})")
+            raise BadMemorySetting(f"{MICRO_BATCH_ENV}={size} must divide algorithm.batchSize ({batch}) and "
+                                   f"be a multiple of actor.count ({ranks})")
         spec = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"micro_batch_size": size})})
     if share is not None:
         try:

@@ -45,8 +45,9 @@ def dns1123_label_problem(name: str) -> str | None:
     """Why `name` is not a DNS-1123 label (a run name, a worker role: each names folders and processes)."""
     if is_dns1123_label(name):
         return None
-    return ("must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or "
-            f"digit, at most {MAX_LABEL} characters (got {shown(name)}); try {suggest_dns1123_label(name)!r}")
+    return ("must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter "
+            f"or digit, at most {MAX_LABEL} characters (got {shown(name)}); try "
+            f"{suggest_dns1123_label(name)!r}")
 
 
 def label_key_problem(key: str) -> str | None:
@@ -56,8 +57,8 @@ def label_key_problem(key: str) -> str | None:
     if slash and not (len(prefix) <= MAX_SUBDOMAIN and DNS1123_SUBDOMAIN.match(prefix)):
         return f"key {shown(key)}: its prefix before '/' must be a DNS-1123 subdomain (e.g. mortal.dev)"
     if not (len(name) <= MAX_LABEL and LABEL_NAME.match(name)):
-        return (f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting and "
-                "ending with a letter or digit (optionally after a prefix such as mortal.dev/)")
+        return (f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting "
+                "and ending with a letter or digit (optionally after a prefix such as mortal.dev/)")
     return None
 
 
@@ -91,7 +92,8 @@ class Metadata(SpecModel):
         default_factory=dict, description="Key/value tags; `mortalctl get runs -l key=value` selects by them."
     )
     annotations: dict[str, str] = Field(
-        default_factory=dict, description="Free-form key/value notes for people and tools; not used to select."
+        default_factory=dict,
+        description="Free-form key/value notes for people and tools; not used to select.",
     )
     uid: str | None = Field(None, description="Set by the store (read-only): this incarnation of the name.")
     generation: int | None = Field(None, description="Set by the store (read-only): +1 on every spec change.")

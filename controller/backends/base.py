@@ -109,7 +109,8 @@ class WaitingForActorGPU(InsufficientGPUs):
     """A colocated rollout cannot start before its run's actor holds a GPU to share (retried, no failure)."""
 
     def __init__(self, run: str, gpu: str) -> None:
-        BackendError.__init__(self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the actor to hold one")
+        BackendError.__init__(self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the "
+                                    "actor to hold one")
         self.requested, self.free, self.total, self.gpu, self.permanent = 1, 0, 0, gpu, False
 
 

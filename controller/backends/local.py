@@ -111,7 +111,8 @@ class LocalBackend(Backend):
     def launch(self, launch: WorkerLaunch) -> str:
         """Start the worker (or return the handle of the live process already running this worker id)."""
         if os.path.realpath(launch.mortal_home) != self.home:
-            raise ValueError(f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}")
+            raise ValueError(
+                f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}")
         with self._reg.lock:
             live = self._live()
             for f in live.values():

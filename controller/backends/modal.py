@@ -158,8 +158,9 @@ class ModalBackend(Backend):
         """Spawn the worker's call (or return the handle of the running call of this worker id)."""
         if not launch.state_url.startswith(("http://", "https://")):
             raise LaunchFailed(
-                f"workers on Modal reach the state store over HTTP, not {launch.state_url.split(':')[0]}: run the "
-                "controller with MORTAL_STATE_URL=https://<workspace>--mortal-store.modal.run (docs/modal.md)"
+                f"workers on Modal reach the state store over HTTP, not {launch.state_url.split(':')[0]}: "
+                "run the controller with MORTAL_STATE_URL=https://<workspace>--mortal-store.modal.run "
+                "(docs/modal.md)"
             )
         self.ship_code(launch)
         gpu = modal_gpu(launch.gpu, launch.gpu_count)
@@ -171,7 +172,8 @@ class ModalBackend(Backend):
             call = self._function(function, gpu).spawn(dataclasses.asdict(launch))
         except self._modal.exception.NotFoundError as exc:
             raise LaunchFailed(
-                f"the Modal app {self.app_name!r} is not deployed ({exc}): modal deploy -m mortal.controller.modal_app"
+                f"the Modal app {self.app_name!r} is not deployed ({exc}): modal deploy -m "
+                "mortal.controller.modal_app"
             ) from exc
         except self._modal.exception.Error as exc:
             raise LaunchFailed(f"could not spawn {launch.worker_id} on Modal: {exc}") from exc
@@ -290,8 +292,8 @@ class ModalBackend(Backend):
             raise BackendError(f"Modal: could not list {remote} on the volume: {exc}") from exc
         if not present:
             if not local.is_dir():
-                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: apply "
-                                   "the run again from the folder of its code")
+                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: "
+                                   "apply the run again from the folder of its code")
             try:
                 with volume.batch_upload() as batch:
                     for root, _, files in os.walk(local):  # a linked model folder is not the volume's to hold

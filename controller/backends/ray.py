@@ -92,20 +92,23 @@ def connect(ray: ModuleType, address: str | None) -> str:
     when this process is already connected to another cluster (Ray allows one per process)."""
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
-        raise BackendUnavailable(f"backend ray needs the cluster's address: set {ADDRESS_FIELD} (host:port of the "
-                                 "head, 'auto', or ray://host:10001), or RAY_ADDRESS in the controller's environment")
+        raise BackendUnavailable(f"backend ray needs the cluster's address: set {ADDRESS_FIELD} (host:port "
+                                 "of the head, 'auto', or ray://host:10001), or RAY_ADDRESS in the "
+                                 "controller's environment")
     with _CONNECT_LOCK:
         if "address" in _CONNECTED and ray.is_initialized():
             if _CONNECTED["address"] != address:
                 raise BackendUnavailable(
-                    f"{ADDRESS_FIELD}: this controller is connected to the Ray cluster at {_CONNECTED['address']!r} "
-                    f"and cannot also drive {address!r} (one Ray cluster per controller process)")
+                    f"{ADDRESS_FIELD}: this controller is connected to the Ray cluster at "
+                    f"{_CONNECTED['address']!r} and cannot also drive {address!r} (one Ray cluster per "
+                    "controller process)")
             return address
         _answers(address)
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-            raise BackendUnavailable(f"{ADDRESS_FIELD}: no Ray cluster answers at {address!r}: {exc}") from exc
+            raise BackendUnavailable(
+                f"{ADDRESS_FIELD}: no Ray cluster answers at {address!r}: {exc}") from exc
         _CONNECTED["address"] = address
         return address
 
@@ -173,8 +176,8 @@ class RayBackend(Backend):
         namespace = self.namespace(launch.run)
         handle = f"{HANDLE_PREFIX}{namespace}/{launch.worker_id}"
         if launch.colocate:
-            raise LaunchFailed("rollout.colocate shares the actor's GPU on one host: the ray backend does not "
-                               "build it; give rollouts GPUs of their own (drop colocate)")
+            raise LaunchFailed("rollout.colocate shares the actor's GPU on one host: the ray backend does "
+                               "not build it; give rollouts GPUs of their own (drop colocate)")
         with self._lock:
             if self._lookup(handle) is not None and handle not in self._ended:
                 return handle
@@ -234,9 +237,9 @@ class RayBackend(Backend):
         gpu_only = all(k == "GPU" or k.startswith("accelerator_type:") for k in lacking)
         field = f"spec.{launch.role}.gpu" if gpu_only else f"spec.ray.{launch.role}"
         raise Unschedulable(
-            f"no node of the Ray cluster at {self.address} can ever hold {launch.role}-{launch.replica}: it asks for "
-            f"{asked}, and no node has {', '.join(lacking)} enough ({len(nodes)} node(s) alive): change {field} "
-            "or add a node that has them")
+            f"no node of the Ray cluster at {self.address} can ever hold {launch.role}-{launch.replica}: it "
+            f"asks for {asked}, and no node has {', '.join(lacking)} enough ({len(nodes)} node(s) alive): "
+            f"change {field} or add a node that has them")
 
     # -- list --------------------------------------------------------------------------------
     def list(self, run: str | None = None) -> list[BackendWorker]:

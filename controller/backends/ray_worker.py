@@ -125,7 +125,8 @@ class WorkerHost:
             fs.put_file(str(self.log), path)
             self._uploaded = size
         except (OSError, ValueError, ImportError) as exc:
-            print(f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True)
+            print(f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr,
+                  flush=True)
 
     def status(self) -> dict[str, Any]:
         """The worker's exit code (None while it runs; -N when signal N ended it) and this actor's node."""
