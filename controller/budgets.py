@@ -1,16 +1,11 @@
 """A run's budgets (spec.limits): its active-time clock, its GPU time, and whether a limit is reached.
 
 Called by `mortal.controller.plan` (pure, like it: no I/O, no clock of its own; `now` is given).
-- Active time (limits.maxDuration) leaves out time while Suspended, as Kubernetes leaves a suspended
-  Job's time out of activeDeadlineSeconds. It lives in the status the store keeps, as two stable
-  values that change only when the run starts, suspends, resumes or finishes: `activeSeconds` (the
-  active time before the current period) and `activeSince` (when the current period began). So a
-  controller restarted, or down for a while, counts on from the same clock (its downtime counts: the
-  workers kept running), and an idle pass writes nothing.
-- GPU time (limits.maxGPUHours) is rebuilt every pass from the workers table: each worker row's wall
-  time times the GPUs it holds (`WorkerRow.gpus`, recorded at launch from what the backend gives it).
-  A worker's time ends when its row ended, or at its last heartbeat plus its lease if that is sooner
-  (a worker that died while no controller watched is not charged for the time until one noticed).
+Active time leaves out time while Suspended (as Kubernetes' activeDeadlineSeconds does) and lives in
+the stored status as `activeSeconds` and `activeSince`, values that change only when the run starts,
+suspends, resumes or finishes: a restarted controller counts on from the same clock, and an idle pass
+writes nothing. GPU time is rebuilt every pass from the workers table (wall time x GPUs held), a
+worker's time ending at its row's end or its last heartbeat plus its lease, whichever is sooner.
 """
 
 from __future__ import annotations
@@ -68,7 +63,8 @@ def next_clock(prev: Mapping[str, Any], phase: str, now: datetime) -> tuple[floa
 
 
 def worker_gpu_seconds(row: GPUTime, now: datetime) -> float:
-    """GPU-seconds of one worker row: wall time (start to end, or to now while it lives) x the GPUs it holds."""
+    """GPU-seconds of one worker row: wall time (start to end, or to now while it lives) x the GPUs it
+    holds."""
     if not row.gpus:
         return 0.0
     end = row.ended_at or now

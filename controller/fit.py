@@ -1,36 +1,16 @@
 """Will the model fit the GPU the spec asks for? A lower bound, refused only when it is certain not to.
 
-Who calls it: `mortalctl apply` (mortal.controller.cli.apply), with the parameter count it read from
-the model's safetensors headers (mortal.workers.models.count_parameters); tests call it directly.
-Pure: no I/O. What it must not do: guess. It adds only what every run of that spec must hold at
-once, and leaves out everything that depends on the data (activations, the KV cache, the CUDA
-context, allocator slack), so when it says "does not fit", no setting of batch sizes can make it fit;
-when it says nothing, the run may still run out of memory (the MemoryFits condition says so then).
+Who calls it: `mortalctl apply` (mortal.controller.cli.apply), with the parameter count read from the
+model's safetensors headers (mortal.workers.models.count_parameters); tests call it directly.
+Pure: no I/O. What it must not do: guess. The bound adds only what every run of that spec must hold at
+once (the actor's weights, gradients and AdamW moments, sharded or not; colocated rollouts' copies or
+shares; the ring of weight snapshots; the gathered model without resharding), in bytes of the dtype
+each is held in, against the GPU's memory as sold (backends.gpus.GPU_MEMORY). It leaves out what
+depends on the data (activations, the KV cache, the CUDA context), so "does not fit" holds for every
+batch size, and silence still allows an out-of-memory later (the MemoryFits condition).
 
-The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU, 2):
-  actor, full fine-tuning: weights + gradients + AdamW's two moments, each of the weights' dtype
-                           (TRL/torch keep them so): 4 x b x parameters
-  actor, LoRA:             the frozen base weights: b x parameters
-  actor of N ranks:        each of its N GPUs holds 1 / N of that (FSDP2 shards all four), none of it
-                           with actor.cpuOffload (the shards live in host memory); all of it with
-                           actor.strategy ddp (every rank a whole copy)
-  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU;
-                           with N ranks, replica r on the actor's GPU r % N, so ceil(replicas / N) a GPU),
-                           or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
-                           each one may hold, weights included; then it must hold the weights)
-  rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
-  sync ipc or nccl:        + sync.keepVersions x b x parameters on the actor's GPU (its ring of snapshots;
-                           with N ranks, on rank 0's GPU, the one counted here); with LoRA the ring holds
-                           the adapters' factors alone, left out
-  actor.reshardAfterForward false: + the whole model gathered on each of the N GPUs through the step, in the
-                           dtype it computes in (bfloat16 under mixedPrecision, else model.dtype)
-  actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
-                           snapshots hold (TrainingSpec.rollout_model)
-compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
-
-Also here, and kept apart from the bound: `fitting_micro_batch`, an ESTIMATE of the actor's activations
-(`activation_bytes`, from the model's config.json) added to that bound, used only to choose a smaller micro
-batch before launch (the same step in more passes), never to refuse a spec.
+Kept apart from the bound: `fitting_micro_batch`, an ESTIMATE of the actor's activations used only to
+choose a smaller micro batch before launch (the same step in more passes), never to refuse a spec.
 """
 
 from __future__ import annotations
@@ -56,7 +36,7 @@ class Misfit:
 def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     """Each worker whose GPU is smaller than the least it must hold (see the module docstring)."""
     per = DTYPE_BYTES[spec.model.dtype]
-    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold (bfloat16 under mixedPrecision)
+    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold
     found = []
     actor = spec.actor.gpu
     if wants_gpu(actor) and gpu_memory(actor) is not None:
@@ -91,7 +71,8 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
 
 @dataclass(frozen=True)
 class _ActorBound:
-    """What the actor's GPU must hold whatever the data (the module docstring's sum), and its parts in words."""
+    """What the actor's GPU must hold whatever the data (the module docstring's bound), and its parts in
+    words."""
 
     need: int
     parts: list[str]
@@ -105,7 +86,7 @@ class _ActorBound:
 
 def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
     per = DTYPE_BYTES[spec.model.dtype]
-    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold (bfloat16 under mixedPrecision)
+    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold
     actor = spec.actor.gpu
     full = spec.model.lora is None
     ranks = spec.actor.count
@@ -129,7 +110,8 @@ def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
     if gathered:
         parts.append("the whole model gathered from the forward to the backward (reshardAfterForward: false)")
     sync = spec.sync_method()
-    ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
+    # LoRA's ring holds the adapters' factors alone: left out.
+    ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0
     if ring:
         parts.append(f"{ring} snapshots of the weights for sync {sync}")
     need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold + gathered
@@ -147,7 +129,8 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
                        "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
                        f"{need / gpu_memory(gpu):.2f})"
                        + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
-    if spec.rollout.colocated_count < spec.rollout.replicas and need > gpu_memory(gpu):  # some on GPUs of their own
+    # Some rollouts are on GPUs of their own.
+    if spec.rollout.colocated_count < spec.rollout.replicas and need > gpu_memory(gpu):
         return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
                                                     [f"a GPU with more memory ({_larger(gpu, need)})"]))]
     return []
@@ -177,7 +160,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape | None:
-        """The shape in a transformers config; None when a field is missing (another architecture: unknown)."""
+        """The shape in a transformers config; None when a field is missing (another architecture)."""
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             head_dim = int(config.get("head_dim") or hidden // heads)
@@ -198,13 +181,10 @@ class MicroBatchChoice:
 def activation_bytes(spec: TrainingSpec, shape: ModelShape, micro: int) -> int:
     """An ESTIMATE (not a bound) of what one rank's forward saves for backward over `micro` completions.
 
-    Per token and layer, the tensors autograd keeps for a Llama/Qwen-style layer in the compute dtype
-    (b bytes): both RMSNorms' float32 input and their output (2 x (4 + b) x hidden), what attention keeps
-    (q, k and v as it reads them, its output and o_proj's contiguous copy: b x (3 x hidden + 3 x kv)), the MLP's gate,
-    up, SiLU and product (4 x b x intermediate); with gradient checkpointing only each layer's input, plus
-    one layer recomputed. Tokens: generation.maxTokens per completion (the prompt's are unknown before the
-    data is read: left out). Plus lm_head's float32 gradient accumulator of the fused head. Left out:
-    the CUDA context, the allocator's slack, the logprob buffers: a run it says fits may still run out of
+    Per token and layer, the tensors autograd keeps for a Llama/Qwen-style layer (RMSNorms, attention's
+    inputs and outputs, the MLP's intermediates), or with gradient checkpointing each layer's input plus one
+    layer recomputed; generation.maxTokens tokens per completion, plus the fused LM head's float32 gradient.
+    The CUDA context and the allocator's slack are left out: a run it says fits may still run out of
     memory, and then the controller halves the micro batch (mortal.controller.heal)."""
     b = 2 if spec.actor.mixed_precision else DTYPE_BYTES[spec.model.dtype]
     layer = 2 * (4 + b) * shape.hidden + b * (3 * shape.hidden + 3 * shape.kv_width) + 4 * b * shape.intermediate

@@ -71,7 +71,7 @@ class Desired:
 
 @dataclass(frozen=True)
 class Observed:
-    """Everything one pass saw, read backend listing first (so an exit it saw was reported before the rows)."""
+    """Everything one pass saw, the backend's listing read first (an exit it saw was reported before)."""
 
     workers: Sequence[WorkerRow]
     processes: Sequence[ProcessView] = ()
@@ -80,7 +80,7 @@ class Observed:
     weight_version: int | None = None
     weights_at: datetime | None = None  # when the newest weight version was published
     reward: float | None = None
-    metrics: Mapping[int, Mapping[str, float]] | None = None  # the newest steps' metrics; None: not read this pass
+    metrics: Mapping[int, Mapping[str, float]] | None = None  # the newest steps' metrics; None: not read
     backend_error: str | None = None  # the spec's backend cannot run here (not built, unknown)
 
 
@@ -99,7 +99,7 @@ class PlanConfig:
     metrics_window_steps: int = 10  # the newest steps whose metrics a pass reads when the step moved
     reward_stuck_steps: int = 10  # a reward with the same value for every sample this many steps: not healthy
     checkpoint_slack_steps: int = 1  # CheckpointFresh: a checkpoint may be this many steps late
-    progress_deadline_min_seconds: float = 60.0  # Progressing: deadline = max(this, factor x median step time)
+    progress_deadline_min_seconds: float = 60.0  # Progressing: deadline = max(this, factor x median step)
     progress_deadline_factor: float = 10.0
     progress_deadline_default_seconds: float = 600.0  # while no step time is known
     stall_deadline_default_seconds: float = 1800.0  # a task's or step's deadline while no step time is known
@@ -137,7 +137,8 @@ class Verdict:
 def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
     """The health of a live (Pending/Running) row, from its process and its heartbeat.
 
-    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, 4 out of memory, else lost);
+    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, 4 out of memory,
+       else lost);
     2. no handle recorded -> adopt the process if one carries this worker id, else give up after a grace;
     3. a handle but no such process any more -> lost (after the same grace, for listings that lag);
     4. alive but silent longer than its lease (or its startup timeout) -> lost, and kill it.

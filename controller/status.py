@@ -112,7 +112,7 @@ def build_status(
         "gpuHours": progress.gpu_hours,
         "completionTime": completed,
         "message": message,
-        **({"effective": effective} if effective else {}),  # the controller's memory choices (controller.heal)
+        **({"effective": effective} if effective else {}),  # the controller's memory choices (heal.py)
     }
 
 

@@ -3,7 +3,8 @@
 Called by mortal.controller.fork (for `mortalctl fork` and `MortalTrainer.train(resume_from_checkpoint=...)`)
 and by tests. Pure: no I/O but what the caller hands in; it never talks to the store or the disk.
 
-    doc = forked_document(parent_doc, "child", fragment={"spec": {...}}, sets=["spec.algorithm.learningRate=1e-6"])
+    doc = forked_document(parent_doc, "child", fragment={"spec": {...}},
+                          sets=["spec.algorithm.learningRate=1e-6"])
     problems = carry_over_problems(parent.spec, child.spec, step=20)   # [] when the checkpoint fits
 
 Overrides follow JSON Merge Patch (RFC 7386): mappings merge key by key, any other value (a list

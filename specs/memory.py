@@ -1,4 +1,5 @@
-"""Memory settings the controller chose for a run, beside the user's spec: the status block and the worker's view.
+"""Memory settings the controller chose for a run, beside the user's spec: the status block and the
+worker's view.
 
 Who uses it: the controller's planner (mortal.controller.heal) records what it chose in status.effective
 (`EffectiveMemory`) and the reconciler hands it to a launched worker as MORTAL_* variables (`environ`);
@@ -25,7 +26,7 @@ ROLLOUT_SHARE_ENV = "MORTAL_ROLLOUT_SHARE"  # the rollout's rollout.gpuMemoryUti
 
 
 class BadMemorySetting(ValueError):
-    """A MORTAL_* memory variable that does not fit the run's spec (not an int, not a divisor, out of range)."""
+    """A MORTAL_* memory variable that does not fit the run's spec (not an int, a divisor, in range)."""
 
 
 class EffectiveMemory(SpecModel):

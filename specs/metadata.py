@@ -16,7 +16,8 @@ from mortal.specs.base import SpecModel, rule_error
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")  # a label key's name part, a label value
+# A label key's name part, and a label value.
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 MAX_LABEL = 63
 MAX_SUBDOMAIN = 253
 SHOWN_CHARS = 80  # how much of a refused value an error message echoes (a name may be a megabyte)

@@ -41,7 +41,7 @@ class TrainingRun(SpecModel):
         return self.metadata.name
 
     def spec_dict(self) -> dict[str, Any]:
-        """The spec's normal form (camelCase, JSON-able, defaults filled): what the store keeps and compares."""
+        """The spec's normal form (camelCase, JSON-able, defaults filled): what the store keeps."""
         return self.spec.model_dump(by_alias=True, mode="json")
 
     def status_dict(self) -> dict[str, Any]:

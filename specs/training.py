@@ -31,7 +31,7 @@ SYNC_ALIASES = {
 }
 # The seeds' smallest run names only a model: it trains with sandboxed code execution on a coding set.
 CODE_DATASET = "builtin:mbpp-mini"
-VLLM_SHARE = 0.85  # vLLM's gpu_memory_utilization on a GPU of its own (vLLM's default, and the engine's before)
+VLLM_SHARE = 0.85  # vLLM's gpu_memory_utilization on a GPU of its own (vLLM's default)
 COLOCATED_VLLM_SHARE = 0.3  # beside the actor on one GPU: TRL's vllm_gpu_memory_utilization default
 CODE_SYSTEM_PROMPT = "Answer with one Python code block."
 
@@ -349,7 +349,7 @@ class RolloutSpec(SpecModel):
         return check_environment(value)
 
     def colocated(self, replica: int) -> bool:
-        """Whether rollout-`replica` shares the actor's GPU (colocate: all; colocatedReplicas: the first N)."""
+        """Whether rollout-`replica` shares the actor's GPU (colocate: all; colocatedReplicas: first N)."""
         return self.colocate or replica < (self.colocated_replicas or 0)
 
     @property
@@ -704,7 +704,7 @@ class TrainingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sharding_is_possible(self) -> TrainingSpec:
-        """actor.count > 1 (mortal.workers.sharded): what a sharded actor does not do yet, and how it splits a batch."""
+        """actor.count > 1 (mortal.workers.sharded): what a sharded actor cannot do, how it splits a batch."""
         count = self.actor.count
         if self.actor.mixed_precision and count == 1:
             raise rule_error("mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or "

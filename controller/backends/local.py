@@ -157,7 +157,8 @@ class LocalBackend(Backend):
         """Start the worker; `peers` (in `visible` after its own devices) are seen but not held."""
         log_path = _log_path(launch)
         env = launch.environ(os.environ, visible)
-        env[DOORBELLS_ENV] = "1"  # the run's processes share this machine and its folder: they ring (workers/doorbell.py)
+        # The run's processes share this machine and its folder: they ring (workers/doorbell.py).
+        env[DOORBELLS_ENV] = "1"
         if peers:
             env[GPU_PEERS_ENV] = ",".join(peers)
         try:

@@ -1,21 +1,11 @@
 """The body of the Modal worker functions: one mortal worker process per Modal function call.
 
-Who calls it: the `worker` and `rollout_vllm` functions of mortal.controller.modal_app (in a Modal
-container, once per `ModalBackend.launch`), and the tests' Modal fake, which runs it in a subprocess
-as its "container". It starts `python -m mortal.workers.main` with the worker protocol's environment
-and returns the worker's exit code, which `FunctionCall.get` then hands to the controller (negative
--N when signal N killed it, as in subprocess).
-
-Logs: the worker's output goes both to this container's stdout (Modal's logs) and to the run's log
-file on the data volume, `runs/<run>/logs/<role>-<replica>-<incarnation>.log` (the path the local
-backend writes, mortal.state.paths.worker_log), which `mortalctl logs` reads through the client
-library. Other containers and clients see a volume's files only once committed: `commit` (the app
-passes the volume's) runs every LOG_COMMIT_SECONDS while new output came, and once at the end.
-
-Stopping: `FunctionCall.cancel()` raises `modal.exception.InputCancellation` in this function (a
-SIGUSR1 handler Modal installs); so does anything else that interrupts the wait (a preemption's
-SIGINT). The worker's process group is then sent SIGTERM (it stops at a step boundary and exits 0
-without a report), and SIGKILL after `stop_grace` seconds, before the exception goes on.
+Who calls it: the `worker` and `rollout_vllm` functions of mortal.controller.modal_app (once per
+`ModalBackend.launch`), and the tests' Modal fake, in a subprocess. It runs `python -m mortal.workers.main`
+and returns its exit code (-N when signal N killed it) to `FunctionCall.get`. The output goes to
+Modal's logs and to the run's log file on the data volume, committed every LOG_COMMIT_SECONDS, so
+`mortalctl logs` sees it. A cancel (or a preemption) interrupts the wait: the worker's group gets
+SIGTERM, then SIGKILL after `stop_grace` seconds.
 What it must not do: import modal (the fake runs it without), decide anything, or relaunch the worker.
 """
 
@@ -36,7 +26,7 @@ from mortal.state import paths
 
 STOP_GRACE_SECONDS = 10.0
 LOG_COMMIT_SECONDS = 10.0  # how stale `mortalctl logs` may be for a worker on Modal
-DRAIN_SECONDS = 5.0  # after the worker exits, how long its last output may take to arrive (a child kept the pipe)
+DRAIN_SECONDS = 5.0  # how long the worker's last output may take to arrive after it exits (a child's pipe)
 
 
 def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS,
@@ -128,7 +118,8 @@ class _Tee:
             with self._lock:
                 written = self._written
                 if not self._file.closed:
-                    os.fsync(self._file.fileno())  # a commit may leave out what a file open for writing holds unsynced
+                    # A commit may leave out what a file open for writing holds unsynced.
+                    os.fsync(self._file.fileno())
                 self._commit()
                 self._committed = written
         except Exception as exc:  # noqa: BLE001 - the worker's run matters more than its log's freshness

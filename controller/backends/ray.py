@@ -1,30 +1,12 @@
 """The Ray backend: every worker is a named, detached Ray actor on an existing Ray cluster.
 
-Who calls it: the controller, through the `Backend` contract (`select_backend("ray")` or
-`select_backend("ray@<address>")`, keyed by `backends.backend_key(spec)`). The controller process
-connects to the cluster as a Ray driver (`ray.init(address)`, once per process: one controller drives
-one Ray cluster). The actor's body is mortal.controller.backends.ray_worker.WorkerHost: it runs
-`python -m mortal.workers.main` with the worker protocol's environment and keeps its exit code, so the
-worker code is the same on every backend. Ray APIs used, and only these:
-
-    ray.init(address=..., log_to_driver=False)                  connect (BackendUnavailable if no cluster answers)
-    ray.remote(WorkerHost).options(name=worker id, namespace=..., lifetime="detached", max_restarts=0,
-        num_cpus, num_gpus, accelerator_type, memory, resources, scheduling_strategy).remote(launch, argv, namespace)
-    ray.util.list_named_actors(all_namespaces=True)             the listing: Ray's named actors are the process table
-    ray.get_actor(name, namespace) / actor.status.remote() / actor.stop.remote(grace) / ray.kill(actor)
-    ray.nodes()                                                 is there a node that can ever hold the request?
-
-Names: namespace `mortal-<home>-<run>` (<home>: 8 hex digits of the controller's MORTAL_HOME, so two
-installations sharing a cluster never list each other's workers), actor name = the worker id
-(`run/role-replica#incarnation`). The handle is "ray:<namespace>/<worker id>". A restarted controller
-lists the namespaces of its home and adopts what runs: no duplicate (launch returns the live actor of
-a worker id), no orphan (an actor no live row owns is stopped by the planner like any process).
-
-Placement: rollouts are spread over the nodes (SPREAD); the actor goes back to the node it last ran
-on when that node is still there (a soft node affinity), else anywhere. A worker whose process ended
-is listed with its exit code and its actor is killed at once, so a finished worker holds no resources.
-An actor that died with its node is listed as exited (exit code unknown) for EXITED_TTL_SECONDS after
-this controller last saw it; one never seen is simply absent (gone, as the contract allows).
+Who calls it: the controller, through the `Backend` contract (`select_backend("ray@<address>")`). The
+controller connects as a Ray driver, once per process, so one controller drives one cluster. The
+actor's body (ray_worker.WorkerHost) runs `python -m mortal.workers.main`, so the worker code is the
+same on every backend. Ray's named actors are the process table: namespace `mortal-<home>-<run>`
+(<home> keeps two installations sharing a cluster apart), actor name = the worker id, handle
+"ray:<namespace>/<worker id>"; a restarted controller lists its namespaces and adopts what runs.
+Rollouts are spread over the nodes; the actor goes back to its last node when it can.
 What it must not do: touch the store, decide anything, or import ray before a RayBackend is made.
 """
 
@@ -63,7 +45,7 @@ HANDLE_PREFIX = "ray:"
 NAMESPACE_PREFIX = "mortal-"
 ADDRESS_FIELD = "spec.ray.address"
 CONNECT_TIMEOUT_SECONDS = 5.0  # a cluster's head that does not accept a connection by then is not there
-STATUS_TIMEOUT_SECONDS = 0.2  # a status call not answered by then: the actor is starting (or its node is slow)
+STATUS_TIMEOUT_SECONDS = 0.2  # a status call not answered by then: the actor is starting (or its node slow)
 ANSWER_SECONDS = 2.0  # stop: an actor that does not answer a status call by then is not running a worker
 STOP_MARGIN_SECONDS = 10.0  # after the grace: SIGKILL, reaping, the reply
 GONE_WAIT_SECONDS = 10.0  # after ray.kill: until the name is free
@@ -127,7 +109,8 @@ def _answers(address: str) -> None:
 
 
 def home_tag(home: str | Path) -> str:
-    """8 hex digits of a MORTAL_HOME's real path: the part of a namespace that says whose workers these are."""
+    """8 hex digits of a MORTAL_HOME's real path: the part of a namespace that says whose workers these
+    are."""
     return hashlib.sha256(os.path.realpath(home).encode()).hexdigest()[:8]
 
 
@@ -227,7 +210,7 @@ class RayBackend(Backend):
         wants = {k: v for k, v in wants.items() if v}
         try:
             nodes = [n.get("Resources", {}) for n in self._ray.nodes() if n.get("Alive")]
-        except Exception as exc:  # noqa: BLE001 - any failure to ask is "Ray could not be asked", never "infeasible"
+        except Exception as exc:  # noqa: BLE001 - failing to ask is not "infeasible"
             raise BackendError(f"Ray: could not list the cluster's nodes: {exc}") from exc
         if any(all(node.get(k, 0) >= v for k, v in wants.items()) for node in nodes):
             return
@@ -340,8 +323,8 @@ class RayBackend(Backend):
             actor = self._lookup(handle)
         if actor is not None:
             errors = self._ray.exceptions
-            # An actor that does not answer (still waiting for resources, dead, its node gone) has no worker we
-            # could ask to stop: killing the actor below is all there is to do (its worker dies with it).
+            # An actor that does not answer (still waiting for resources, dead, its node gone) has no worker
+            # we could ask to stop: killing the actor below is all there is to do (its worker dies with it).
             answered, _ = self._ray.wait([actor.status.remote()], timeout=ANSWER_SECONDS)
             if answered:
                 with contextlib.suppress(errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError):
