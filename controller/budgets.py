@@ -26,11 +26,16 @@ GPU_HOURS_PRECISION = 2  # status.gpuHours is rounded to 0.01 GPU-hour (36 GPU-s
 class GPUTime(Protocol):
     """What GPU accounting reads of a worker row (mortal.state.tables.WorkerRow, or plan's view of one)."""
 
-    gpus: int
-    started_at: datetime
-    ended_at: datetime | None
-    heartbeat_at: datetime | None
-    lease_seconds: float
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def ended_at(self) -> datetime | None: ...
+    @property
+    def heartbeat_at(self) -> datetime | None: ...
+    @property
+    def lease_seconds(self) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -48,20 +48,20 @@ def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newe
     count against that rollout."""
     if newest is None:
         return Condition(WEIGHTS, None, "NoWeightsPublished", "the actor has not published weights yet")
-    reporting = [r for r in rollouts if r.version is not None]
+    reporting = [(r, r.version) for r in rollouts if r.version is not None]
     if not reporting:
         return Condition(WEIGHTS, None, "NoRolloutReporting", "no live rollout has reported a weight version "
                                                                f"(newest v{newest})")
     allowed = allowed_lag(max_staleness, sync_every)
     lagging = []
-    for r in reporting:
+    for r, version in reporting:
         seen = newest if newest_at is None or r.heartbeat_at is None or newest_at <= r.heartbeat_at else newest - 1
-        if seen - r.version > allowed:
-            lagging.append(f"{r.name} at v{r.version}")
+        if seen - version > allowed:
+            lagging.append(f"{r.name} at v{version}")
     if lagging:
         return Condition(WEIGHTS, False, "RolloutLagging",
                          f"{', '.join(lagging)}; actor at v{newest}; allowed lag {allowed} version(s)")
-    versions = sorted({r.version for r in reporting})
+    versions = sorted({version for _, version in reporting})
     return Condition(WEIGHTS, True, "WeightsCurrent",
                      f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}")
 
@@ -83,14 +83,14 @@ def reward_failure(worker_message: str | None) -> Condition | None:
     reason = (worker_message or "").split(":", 1)[0]
     if reason not in REWARD_FATAL_REASONS:
         return None
-    return Condition(REWARD, False, reason, worker_message.split(":", 1)[1].strip())
+    return Condition(REWARD, False, reason, (worker_message or "").split(":", 1)[1].strip())
 
 
 def reward_healthy(metrics: Mapping[int, Mapping[str, float]], stuck_steps: int) -> Condition:
     """From the newest steps' metrics ({step: {name: value}}): False when a reward returned None for every
     sample of the newest step (rewards/<name>/scored 0), or gave every sample the same value (std 0) for
     `stuck_steps` steps in a row."""
-    names = sorted({_reward_name(k) for values in metrics.values() for k in values if _reward_name(k)})
+    names = sorted({name for values in metrics.values() for k in values if (name := _reward_name(k))})
     if not names:
         return Condition(REWARD, None, "NoRewardMetrics", "no step has recorded per-reward metrics yet")
     steps = sorted(metrics)

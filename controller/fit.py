@@ -43,7 +43,7 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
         bound = _actor_bound(spec, parameters)
         full, ranks, replicated, parts, need = bound.full, spec.actor.count, bound.replicated, bound.parts, bound.need
         share, colocated, gathered, ring = bound.share, bound.colocated, bound.gathered, bound.ring
-        if need > gpu_memory(actor):
+        if need > _capacity(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
             if gathered:
                 fixes.append("actor.reshardAfterForward: true (each layer gathered only while it computes)")
@@ -100,7 +100,7 @@ def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
                     else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
     colocated = spec.colocated_per_gpu()
     share = spec.rollout.gpu_memory_utilization
-    rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else served * parameters)
+    rollouts_hold = colocated * (int(share * _capacity(actor)) if share else served * parameters)
     if colocated and share:
         parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
                      f"rollout{'s' if colocated > 1 else ''}")
@@ -121,16 +121,16 @@ def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
 def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misfit]:
     """A rollout on its own GPU that cannot hold the weights; any rollout whose share cannot."""
     gpu, share, need = spec.rollout.gpu, spec.rollout.gpu_memory_utilization, per * parameters
-    if share is not None and need > share * gpu_memory(gpu):
+    if share is not None and need > share * _capacity(gpu):
         return [Misfit("spec.rollout.gpuMemoryUtilization",
-                       f"{share} of {gpu}'s {gpu_memory(gpu) / 1e9:.0f} GB is "
-                       f"{share * gpu_memory(gpu) / 1e9:.1f} GB; the rollout's copy of a model of "
+                       f"{share} of {gpu}'s {_capacity(gpu) / 1e9:.0f} GB is "
+                       f"{share * _capacity(gpu) / 1e9:.1f} GB; the rollout's copy of a model of "
                        f"{parameters / 1e9:.2f}B parameters needs at least {need / 1e9:.1f} GB of it, before "
                        "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
-                       f"{need / gpu_memory(gpu):.2f})"
+                       f"{need / _capacity(gpu):.2f})"
                        + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
     # Some rollouts are on GPUs of their own.
-    if spec.rollout.colocated_count < spec.rollout.replicas and need > gpu_memory(gpu):
+    if spec.rollout.colocated_count < spec.rollout.replicas and need > _capacity(gpu):
         return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
                                                     [f"a GPU with more memory ({_larger(gpu, need)})"]))]
     return []
@@ -138,9 +138,17 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
 
 def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]) -> str:
     shown = "bfloat16" if dtype == "auto" else dtype  # auto is bfloat16 on a GPU
-    return (f"{gpu} has {gpu_memory(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in "
+    return (f"{gpu} has {_capacity(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in "
             f"{shown} ({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, "
             f"before any activation or KV cache. Fix: {'; or '.join(fixes)}")
+
+
+def _capacity(gpu: str) -> int:
+    """The memory of a GPU type its caller found in the table (gpu_memory is not None)."""
+    memory = gpu_memory(gpu)
+    if memory is None:
+        raise ValueError(f"no memory size known for GPU type {gpu!r}")
+    return memory
 
 
 def _larger(gpu: str, need: int) -> str:
@@ -204,7 +212,7 @@ def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) 
     actor, algorithm = spec.actor.gpu, spec.algorithm
     if algorithm.micro_batch_size is not None or not wants_gpu(actor) or gpu_memory(actor) is None:
         return None
-    capacity, held = gpu_memory(actor), _actor_bound(spec, parameters).need
+    capacity, held = _capacity(actor), _actor_bound(spec, parameters).need
     batch = algorithm.batch_size
     if held + activation_bytes(spec, shape, batch) <= capacity:
         return None

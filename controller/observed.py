@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from mortal.controller.deadlines import Deadlines
 from mortal.state.store import WorkerRef
@@ -27,10 +27,29 @@ EXIT_RETRYABLE = 75  # the worker reported an error it may not meet again (morta
 class ProcessView(Protocol):
     """The backend's view of one process (mortal.controller.backends.base.BackendWorker has this shape)."""
 
-    worker_id: str
-    handle: str
-    alive: bool
-    exit_code: int | None
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def handle(self) -> str: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def exit_code(self) -> int | None: ...
+
+
+class LiveRow(Protocol):
+    """What `judge` reads of a live worker row (mortal.state.tables.WorkerRow, or plan's view of one)."""
+
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def handle(self) -> str | None: ...
+    @property
+    def heartbeat_at(self) -> datetime | None: ...
+    @property
+    def lease_seconds(self) -> float: ...
+    @property
+    def message(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,14 @@ class PlanConfig:
     stall_stop_grace_seconds: float = 2.0  # TERM -> KILL for a stalled worker (its stacks asked for first)
 
 
+@overload
+def aware(moment: datetime) -> datetime: ...
+
+
+@overload
+def aware(moment: None) -> None: ...
+
+
 def aware(moment: datetime | None) -> datetime | None:
     """SQLite hands back naive datetimes; every time in the store is UTC."""
     if moment is None or moment.tzinfo is not None:
@@ -134,7 +161,7 @@ class Verdict:
     recheck_after: float | None = None  # for "wait"
 
 
-def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
+def judge(row: LiveRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
     """The health of a live (Pending/Running) row, from its process and its heartbeat.
 
     1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, 4 out of memory,
@@ -165,7 +192,7 @@ def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConf
     return Verdict("ok")
 
 
-def _exited(row: WorkerRow, code: int | None) -> Verdict:
+def _exited(row: LiveRow, code: int | None) -> Verdict:
     """A process that exited without its row saying so (killed, crashed, or its last write lost)."""
     if code == EXIT_SUCCEEDED:
         return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")

@@ -44,6 +44,7 @@ from mortal.controller.observed import (
     Desired,
     Observed,
     PlanConfig,
+    ProcessView,
     aware,
     judge,
     worker_ref,
@@ -167,7 +168,8 @@ class _Pass:
         if self.d.deleted:
             return self._delete()
         if self.prev_phase in TERMINAL_PHASES:
-            cond = next((c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {})
+            cond: dict[str, Any] = next(
+                (c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {})
             return self._finish(self.prev_phase, cond.get("reason", self.prev_phase), cond.get("message", ""))
         if self.o.backend_error is not None:
             return self._finish(FAILED, "BackendUnavailable", self.o.backend_error)
@@ -293,7 +295,7 @@ class _Pass:
                 if verdict.kill and proc is not None:
                     self.actions.append(Stop(proc.handle, 0.0, None))
 
-    def _stalled(self, w: _W, proc: Any) -> bool:
+    def _stalled(self, w: _W, proc: ProcessView) -> bool:
         """Whether `w` ran past the deadline of what it reports doing; if so: stacks, end (Failed, the
         stall's reason first in its message: a relaunch, and the give-up count), stop. Else wake at its
         deadline."""
@@ -604,6 +606,7 @@ class _Pass:
         stalls = [dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
                   for w in newest_ended.values() if w.stall is not None]
         step, prev_step = self._progress().step, self.prev.get("step")
+        last: datetime | None
         if step is not None and step > (prev_step if prev_step is not None else 0):
             last = self.now  # a step ended since the last pass (also on the pass that finishes the run)
         else:

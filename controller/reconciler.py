@@ -237,7 +237,7 @@ class Reconciler:
             self._launch_failed(run.name, row, action, exc, fence)
             raise
         failpoints.hit("launch:after-launch")
-        self.store.set_worker_handle(row.id, handle, fence)
+        self.store.set_worker_handle(_row_id(row), handle, fence)
         self._event(run.name, Event(action.event.type, action.event.reason,
                                     f"{action.event.message} as incarnation {row.incarnation}"))
 
@@ -251,7 +251,7 @@ class Reconciler:
         else:
             fatal = isinstance(exc, InsufficientGPUs | Unschedulable)
             state, code, reason = "Failed", EXIT_FATAL if fatal else None, "LaunchFailed"
-        self.store.end_worker(row.id, state, code, f"launch failed: {exc}", fence)
+        self.store.end_worker(_row_id(row), state, code, f"launch failed: {exc}", fence)
         self._event(name, Event("Warning", reason, f"{action.role}-{action.replica}: {exc}"))
 
     def _stop_all(self, name: str, backend: Backend | None, stops: list[Stop]) -> None:
@@ -340,6 +340,13 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
                             weight_load_seconds=spec.deadlines.weight_load(),
                             reward_seconds=sum(r.timeout_seconds for r in spec.rewards)),
     )
+
+
+def _row_id(row: WorkerRow) -> int:
+    """The id the store gave a row it created (one it returns always has it)."""
+    if row.id is None:
+        raise ValueError(f"worker row {row.role}-{row.replica} #{row.incarnation} has no id")
+    return row.id
 
 
 def _fitted_micro_batch(run: RunRow) -> int | None:

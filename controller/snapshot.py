@@ -307,7 +307,10 @@ def unpack(data: bytes, run: str, env: Mapping[str, str], home: str | Path) -> P
     incoming = final.parent / f".incoming-{uuid.uuid4().hex}"
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         # "data": no member may leave the folder or be a device (Pythons before 3.11.4 have no filters)
-        tar.extractall(incoming, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(incoming, filter="data")
+        else:
+            tar.extractall(incoming)
     try:
         os.rename(incoming, final)
     except OSError:

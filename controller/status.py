@@ -129,7 +129,7 @@ def _merge_conditions(prev: list[dict[str, Any]], wanted: list[Condition], now: 
             "status": status,
             "reason": cond.reason,
             "message": cond.message,
-            "lastTransitionTime": iso(now) if moved else old.get("lastTransitionTime", iso(now)),
+            "lastTransitionTime": iso(now) if moved or old is None else old.get("lastTransitionTime", iso(now)),
         })
     return merged
 

@@ -536,8 +536,9 @@ class TrainingSpec(SpecModel):
 
     def seed_defaults(self) -> list[str]:
         """The blocks (dataset, rewards) that hold the seeds' default: `describe` says so."""
+        fields = type(self).model_fields
         return [name for name in ("dataset", "rewards")
-                if getattr(self, name) == type(self).model_fields[name].default_factory()]
+                if getattr(self, name) == fields[name].get_default(call_default_factory=True)]
 
     def notes(self) -> list[str]:
         """What applying this spec changed from what it says (a seeds' name mapped, maxSteps computed):

@@ -11,6 +11,7 @@ What it must not do: touch the store, or leave a process behind: `stop` kills th
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import signal
@@ -206,7 +207,7 @@ class LocalBackend(Backend):
                 live.pop(handle, None)
         return live
 
-    def _scan(self) -> list[_Found]:
+    def _scan(self) -> builtins.list[_Found]:
         """Live worker processes of this home: the processes carrying MORTAL_WORKER_ID that lead their
         process group and whose parent is not the same worker (its descendants inherit the id)."""
         candidates: dict[int, tuple[psutil.Process, dict[str, str]]] = {}

@@ -85,7 +85,7 @@ def modal_gpu(gpu: str, count: int = 1) -> str | None:
         return None
     match = _GPU.match(gpu.strip().upper().replace("_", "-").replace(" ", "-"))
     name = GPU_ALIASES.get(match["name"], match["name"]) if match else None
-    if name not in MODAL_GPUS:
+    if match is None or name not in MODAL_GPUS:
         known = ", ".join(sorted(MODAL_GPUS - {"ANY"}))
         raise UnsupportedGPU(f"gpu {gpu!r} is not a Modal GPU type; use one of {known} (or 'none' for CPU)")
     count = int(match["count"] or count)

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 from mortal.controller.backends.base import WORKER_MODULE, WorkerLaunch, signal_group
 from mortal.state import paths
@@ -82,7 +82,7 @@ class _Tee:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(log, "ab")  # noqa: SIM115 - closed in close(), after the copy thread
         self._commit, self._every = commit, every
-        self._pipe: BinaryIO | None = None
+        self._pipe: IO[bytes] | None = None
         self._written, self._committed = 0, 0
         # Held while a chunk is written and counted, and while a commit runs: so a commit covers exactly the
         # bytes counted (no second commit of the same content when output lands during one). A slow commit
@@ -92,7 +92,7 @@ class _Tee:
         self._copy = threading.Thread(target=self._copy_all, name="mortal-log-copy", daemon=True)
         self._sync = threading.Thread(target=self._sync_while_running, name="mortal-log-commit", daemon=True)
 
-    def start(self, pipe: BinaryIO) -> None:
+    def start(self, pipe: IO[bytes]) -> None:
         self._pipe = pipe
         self._copy.start()
         self._sync.start()

@@ -12,6 +12,7 @@ What it must not do: touch the store, decide anything, or import ray before a Ra
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import hashlib
@@ -175,7 +176,9 @@ class RayBackend(Backend):
             except self._ray.exceptions.RaySystemError as exc:
                 raise BackendError(f"Ray: could not create {launch.worker_id}: {exc}") from exc
             self._handles[handle] = actor
-            self._seen[handle] = _worker(launch.worker_id, handle)  # type: ignore[assignment]
+            worker = _worker(launch.worker_id, handle)
+            if worker is not None:  # a launch's worker id always is one
+                self._seen[handle] = worker
             self._ended.pop(handle, None)
             return handle
 
@@ -215,7 +218,8 @@ class RayBackend(Backend):
         if any(all(node.get(k, 0) >= v for k, v in wants.items()) for node in nodes):
             return
         asked = ", ".join(f"{k}={v:g}" for k, v in wants.items())
-        best = max(nodes, key=lambda n: sum(n.get(k, 0) >= v for k, v in wants.items()), default={})
+        best: dict[str, float] = max(nodes, key=lambda n: sum(n.get(k, 0) >= v for k, v in wants.items()),
+                                     default={})
         lacking = [k for k, v in wants.items() if best.get(k, 0) < v]
         gpu_only = all(k == "GPU" or k.startswith("accelerator_type:") for k in lacking)
         field = f"spec.{launch.role}.gpu" if gpu_only else f"spec.ray.{launch.role}"
@@ -262,7 +266,7 @@ class RayBackend(Backend):
                 out[handle] = dataclasses.replace(worker, alive=False, exit_code=self._ended[handle][0])
         return sorted(out.values(), key=lambda w: (w.run, w.role, w.replica, w.incarnation))
 
-    def _statuses(self, handles: list[str]) -> dict[str, dict[str, Any]]:
+    def _statuses(self, handles: builtins.list[str]) -> dict[str, dict[str, Any]]:
         """Each actor's status() ({'dead': True} when Ray says it died); actors that do not answer in time
         (starting, waiting for resources, or on a slow node) are left out: alive, as far as anyone knows.
         An unanswered call is kept and looked at again by the next listing, not sent again."""
