@@ -157,7 +157,8 @@ def progressing(suspended: bool, last_step_time: datetime | None, deadline: floa
     if suspended:
         return Condition(PROGRESSING, None, "Suspended", "not evaluated while suspended")
     if last_step_time is None:
-        return Condition(PROGRESSING, None, "AwaitingFirstStep", "no step has ended since the workers started")
+        return Condition(PROGRESSING, None, "AwaitingFirstStep",
+                         "no step has ended since the workers started")
     quiet = (now - last_step_time).total_seconds()
     if quiet > deadline:
         return Condition(PROGRESSING, False, "ProgressDeadlineExceeded",

@@ -128,7 +128,8 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
                        f"{parameters / 1e9:.2f}B parameters needs at least {need / 1e9:.1f} GB of it, before "
                        "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
                        f"{need / _capacity(gpu):.2f})"
-                       + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
+                       + ("" if spec.rollout.colocate
+                          else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
     # Some rollouts are on GPUs of their own.
     if spec.rollout.colocated_count < spec.rollout.replicas and need > _capacity(gpu):
         return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],

@@ -210,7 +210,8 @@ class _Pass:
                     continue
             why = "its worker row ended" if row is not None else "no worker row owns it"
             self.actions.append(Stop(proc.handle, self.cfg.orphan_grace_seconds,
-                                     Event(WARNING, "OrphanStopped", f"stopped process {proc.worker_id}: {why}")))
+                                     Event(WARNING, "OrphanStopped",
+                                           f"stopped process {proc.worker_id}: {why}")))
             self.wake.append(self.cfg.stop_poll_seconds)
 
     def _delete(self) -> Plan:
@@ -283,7 +284,8 @@ class _Pass:
                 self.wake.append(verdict.recheck_after or 0.0)
             elif verdict.kind == "adopt":
                 self.actions.append(Adopt(w.id, verdict.handle or "",
-                                          Event(NORMAL, "Adopted", f"{w.name} #{w.incarnation}: {verdict.message}")))
+                                          Event(NORMAL, "Adopted",
+                                                f"{w.name} #{w.incarnation}: {verdict.message}")))
             elif verdict.kind == "end":
                 state = verdict.state or "Lost"
                 if state == "Lost" and w.handle is None and proc is None:
@@ -311,7 +313,8 @@ class _Pass:
         where = f"{w.name} #{w.incarnation}"
         self.actions.append(DumpStacks(proc.handle, None))
         self._end(w, "Failed", None, f"{stall.reason}: {stall.message}",
-                  Event(WARNING, stall.reason, f"{where}: {stall.message}; its stacks are in its log; relaunching it"))
+                  Event(WARNING, stall.reason,
+                        f"{where}: {stall.message}; its stacks are in its log; relaunching it"))
         self.actions.append(Stop(proc.handle, self.cfg.stall_stop_grace_seconds, None))
         self.wake.append(self.cfg.stop_poll_seconds)
         return True
@@ -421,7 +424,8 @@ class _Pass:
                 return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not "
                                 "heal it; restartPolicy.sameFailureLimit)")
             if self.restarts >= self.d.max_restarts:
-                return "RestartLimitReached", f"restart limit reached: {last.name}: {last.message or last.state}"
+                return ("RestartLimitReached",
+                        f"restart limit reached: {last.name}: {last.message or last.state}")
             repeated = self._same_failures(hist)
             if self.d.same_failure_limit and repeated >= self.d.same_failure_limit:
                 return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, "

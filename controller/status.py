@@ -149,7 +149,8 @@ def diff_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
         events.append(Event(kind, phase, f"phase {old_phase} -> {phase}{why}"))
     old_ckpt, ckpt = prev.get("lastCheckpoint") or {}, new.get("lastCheckpoint") or {}
     if ckpt and ckpt.get("step") != old_ckpt.get("step"):
-        events.append(Event(NORMAL, "CheckpointSaved", f"checkpoint of step {ckpt['step']} at {ckpt.get('path')}"))
+        events.append(Event(NORMAL, "CheckpointSaved",
+                            f"checkpoint of step {ckpt['step']} at {ckpt.get('path')}"))
     steady = {STARTING, RUNNING, RECOVERING}
     if old_phase in steady and phase in steady:
         was = ((prev.get("replicas") or {}).get("rollout") or {}).get("desired")

@@ -141,7 +141,8 @@ def forked_document(
     }
     if fragment:
         if not isinstance(fragment, dict):
-            raise SpecError([SpecIssue(fragment_source, None, "", "must be a mapping with spec: and/or metadata:")])
+            raise SpecError([SpecIssue(fragment_source, None, "",
+                                       "must be a mapping with spec: and/or metadata:")])
         stray = [key for key in fragment if key not in ROOTS]
         if stray:
             raise SpecError([SpecIssue(fragment_source, (fragment_lines or {}).get((stray[0],)), str(stray[0]),

@@ -25,7 +25,9 @@ SHOWN_CHARS = 80  # how much of a refused value an error message echoes (a name 
 
 def shown(value: str) -> str:
     """`value` as an error message echoes it: repr'd (a NUL or a newline stays visible), cut short."""
-    return repr(value) if len(value) <= SHOWN_CHARS else f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 def is_dns1123_label(name: str) -> bool:

@@ -51,7 +51,8 @@ ANSWER_SECONDS = 2.0  # stop: an actor that does not answer a status call by the
 STOP_MARGIN_SECONDS = 10.0  # after the grace: SIGKILL, reaping, the reply
 GONE_WAIT_SECONDS = 10.0  # after ray.kill: until the name is free
 ACCELERATOR_TYPE_UNIT = 0.001  # what Ray reserves of "accelerator_type:<T>" for an actor that names a type
-_WORKER_ID = re.compile(r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)(@(?P<uid>[0-9a-f-]+))?$")
+_WORKER_ID = re.compile(r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)"
+                        r"(@(?P<uid>[0-9a-f-]+))?$")
 _CONNECTED: dict[str, str] = {}  # the address this process's ray.init connected to ("address" -> value)
 _CONNECT_LOCK = threading.Lock()
 
