@@ -1,14 +1,13 @@
-"""The deadline of each activity a worker reports, and the verdict on one that ran past it: the watchdog's rules.
+"""The deadline of each activity a worker reports, and the verdict on one that ran past it: the
+watchdog's rules.
 
-Called only by `plan` (stall detection in its judging of live workers, the DeadlinesMet condition, and the
-give-up of a slot that stalls the same way every time); tests call each function with hand-built inputs.
-Pure: no I/O, no clock of its own (`now` is passed in).
-
-Deadlines (spec.deadlines; docs/deadlines.md): a value the spec sets is used as it is. Unset, a task's and a
-step's come from the run's own step times, as the progress deadline does (factor x median step time, at
-least its minimum; a long default before any step time is known), a task's never below its reward calls'
-timeouts added up (a reward call past its own deadline is scored None in the rollout, which is the
-cheaper heal), and a step's at least twice a task's (a step outlasts one of its tasks healed once).
+Called only by `plan` (stall detection, the DeadlinesMet condition, and the give-up of a slot that
+stalls the same way every time); tests call each function with hand-built inputs. Pure: no I/O, no
+clock of its own (`now` is passed in).
+Deadlines (spec.deadlines; docs/deadlines.md): a value the spec sets is used as it is. Unset, a task's
+and a step's come from the run's own step times, as the progress deadline does; a task's is never
+below its reward calls' timeouts added up (a reward call past its own deadline is the cheaper heal),
+and a step's is at least twice a task's (a step outlasts one of its tasks healed once).
 """
 
 from __future__ import annotations
@@ -112,8 +111,8 @@ def deadlines_met(stalls: list[StalledWorker], last_step_time: datetime | None) 
     if unhealed:
         newest = max(unhealed, key=lambda s: s.ended_at)
         reason, _, what = newest.message.partition(": ")
-        return Condition(DEADLINES, False, reason, f"{newest.name} #{newest.incarnation}: {what}; relaunched, "
-                                                   "no step has ended since")
+        return Condition(DEADLINES, False, reason, f"{newest.name} #{newest.incarnation}: {what}; "
+                                                   "relaunched, no step has ended since")
     if stalls:
         newest = max(stalls, key=lambda s: s.ended_at)
         return Condition(DEADLINES, True, "Healed", f"{newest.name} #{newest.incarnation} was relaunched "

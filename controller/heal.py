@@ -1,17 +1,12 @@
 """Heal an out-of-memory with a setting that keeps the training step the same, before failing the run.
 
-Who calls it: mortal.controller.plan, purely (no I/O), once per pass. An actor that ran out of GPU memory
-is relaunched with the next smaller algorithm.microBatchSize (the step's batch in more passes, TRL adding
-the gradients up: the same optimizer step), down to the least one the batch and the actor's ranks allow; a
-rollout, with half its rollout.gpuMemoryUtilization (fewer rows decoded at once; the same step), down to
-MIN_ROLLOUT_SHARE. Only when neither is left does the planner's out-of-memory rule (one relaunch as a
-transient, then Failed with the MemoryFits advice) apply. What would change the step (batchSize, LoRA,
-gradient checkpointing, more GPUs) is never chosen here: the advice leaves it to the user.
-
-The choice lives in status.effective (mortal.specs.memory.EffectiveMemory), which each pass carries on, and
-reaches a launched worker as a MORTAL_* variable: the spec stays as the user applied it. Idempotent: a
-reduction answers one out-of-memory exit (`reduced_after` holds its incarnation), so a pass that runs twice
-(a status write that lost a conflict) chooses the same value, and the worker a crashed pass launched got it.
+Who calls it: mortal.controller.plan, purely (no I/O), once per pass. An actor out of GPU memory is
+relaunched with the next smaller algorithm.microBatchSize (more passes, gradients accumulated: the same
+optimizer step); a rollout with half its rollout.gpuMemoryUtilization, down to MIN_ROLLOUT_SHARE. Only
+when neither is left does the planner's out-of-memory rule fail the run. What would change the step
+(batchSize, LoRA, more GPUs) is never chosen here: the advice leaves it to the user.
+The choice lives in status.effective and reaches a launched worker as a MORTAL_* variable, so the spec
+stays as applied. Idempotent: a reduction answers one out-of-memory exit (`reduced_after`).
 """
 
 from __future__ import annotations
@@ -21,12 +16,12 @@ from dataclasses import dataclass
 from mortal.controller.observed import Desired
 from mortal.specs.memory import EffectiveMemory
 
-# TRL's loss types whose step depends on how the batch is split: bnpo divides each pass's loss by that pass's own
-# tokens (grpo, sapo, dr_grpo and the token-normalised dapo and cispo divide so that the passes add up to the
-# whole batch's step). A smaller micro batch would change such a run's training: the user's call, not ours.
+# TRL's loss types whose step depends on how the batch is split: bnpo divides each pass's loss by that
+# pass's own tokens (the others divide so that the passes add up to the whole batch's step). A smaller
+# micro batch would change such a run's training: the user's call, not ours.
 SPLIT_DEPENDENT_LOSSES = frozenset({"bnpo"})
-FITTED_ANNOTATION = "mortal.dev/fitted-micro-batch"  # mortalctl apply's choice (mortal.controller.fit), before launch
-MIN_ROLLOUT_SHARE = 0.05  # the least share halving goes to; below it the budget's own refusal is the likely end
+FITTED_ANNOTATION = "mortal.dev/fitted-micro-batch"  # mortalctl apply's choice before launch (controller.fit)
+MIN_ROLLOUT_SHARE = 0.05  # halving stops here; below it the budget's own refusal is the likely end
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,8 @@ def carried(previous: dict | None, desired: Desired) -> EffectiveMemory | None:
 
 def fitted_before_launch(effective: EffectiveMemory | None, desired: Desired) -> Reduction | None:
     """The micro batch `mortalctl apply` estimated to fit the actor's GPU (desired.fitted_micro_batch, from
-    FITTED_ANNOTATION) when the controller has chosen none yet; None when there is none or it is no smaller."""
+    FITTED_ANNOTATION) when the controller has chosen none yet; None when there is none or it is no
+    smaller."""
     fitted, now = desired.fitted_micro_batch, desired.micro_batch_size
     if fitted is None or (effective is not None and effective.micro_batch_size is not None) \
             or desired.loss_type in SPLIT_DEPENDENT_LOSSES:
@@ -61,8 +57,8 @@ def fitted_before_launch(effective: EffectiveMemory | None, desired: Desired) ->
     if not 0 < fitted < now or desired.batch_size % fitted or fitted % desired.actor_ranks:
         return None  # an annotation that no longer fits the spec (edited by hand, a spec applied without it)
     message = (f"actor micro batch {now} -> {fitted} before launch: mortalctl apply's estimate of {now} "
-               f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a step, "
-               "gradients accumulated: the same step)")
+               f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a "
+               "step, gradients accumulated: the same step)")
     chosen = (effective or EffectiveMemory()).model_copy(update={
         "micro_batch_size": fitted, "spec_micro_batch_size": now, "reason": message})
     return Reduction(chosen, "MicroBatchReduced", message)

@@ -31,7 +31,8 @@ class Ledger:
             ("Prompts drawn", f"{self.prompts_drawn} ({self.steps} steps queued)"),
             ("Tasks done", f"{self.tasks_done} of {self.tasks}"),
             ("Redone", f"{self.redone} (tasks leased again after their worker died or their lease ran out)"),
-            ("Dropped as stale", f"{self.stale_drops} (steps whose rollouts came from weights older than asked)"),
+            ("Dropped as stale", f"{self.stale_drops} (steps whose rollouts came from weights older than "
+                                 "asked)"),
         ]
 
 

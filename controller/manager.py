@@ -103,7 +103,7 @@ class Controller:
         while (key := self.queue.get()) is not None:
             try:
                 outcome = self.reconciler.reconcile(key)
-            except Exception as exc:  # any error of a pass becomes a retry with backoff, logged with its trace
+            except Exception as exc:  # any error of a pass: a retry with backoff, logged with its trace
                 log.exception("reconcile %s raised", key)
                 outcome = Retry(f"{type(exc).__name__}: {exc}")
             try:
@@ -130,7 +130,7 @@ class Controller:
                 log.warning("poll failed: %s", exc)
 
     def poll(self) -> None:
-        """Enqueue runs whose resource version moved (not by our own status write); resync all now and then."""
+        """Enqueue runs whose resource version moved (not by our own status write); resync all at times."""
         rows = self.store.list_runs()
         self._check_idle(rows)
         if not self.leader.is_leader:
@@ -212,7 +212,7 @@ def running_controller_pid() -> int | None:
 
 @dataclass(frozen=True)
 class RunningController:
-    """The controller of this MORTAL_HOME, as its pid file and process tell (`mortalctl controller status`)."""
+    """This MORTAL_HOME's controller, as its pid file and process tell (`mortalctl controller status`)."""
 
     pid: int
     home: Path

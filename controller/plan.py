@@ -5,27 +5,12 @@ no I/O and reads no clock). It decides, level-triggered, what closes the gap bet
 the world: which slots to launch or relaunch (after backoff), which workers are lost, which processes
 to stop, when the run is Recovering, Suspended, Succeeded or Failed, and what its status says.
 
-One pass, in order:
-  1. stop processes no live worker row owns (zombies of ended incarnations, leftovers of a purge);
-  2. a run being deleted: stop every worker, then purge;  a finished run: stop leftovers, stay finished;
-     a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
-  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop
-     (not when a limit is reached: then every worker is stopped on purpose, as in a suspend); a worker
-     whose reported activity (a task, a step, a weight load) ran past its deadline (mortal.controller.
-     deadlines) has its stacks dumped, its row ended Failed with the stall's reason and is stopped;
-  4. a fatal exit fails the run; a slot out of GPU memory is relaunched with a smaller setting that keeps
-     the step (mortal.controller.heal: the actor's micro batch, the rollouts' share), and only when none
-     is left does its second out-of-memory fail the run (`_out_of_memory`);
-     the actor reaching maxSteps succeeds it; a limit reached (spec.limits: maxDuration of active
-     time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor writes a final
-     checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded, BudgetExceeded);
-  5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
-     the restart limit reached fails the run, and so does a slot failing with the same error
-     restartPolicy.sameFailureLimit times in a row (CrashLoop), or stalling the same way that often
-     (the stall's reason: relaunching does not heal it);
-  6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
-     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing, DeadlinesMet) and MemoryFits beside Ready and
-     Suspended, and the pass asks to be looked at again when something is due.
+One pass, in order: stop processes no live row owns; handle a run being deleted, finished or
+suspended; judge every live worker (exit code, heartbeat, deadlines); fail, heal (mortal.controller.heal)
+or succeed the run on what the workers reported, and stop every worker when a limit is reached
+(mortal.controller.budgets); launch or relaunch every desired slot without a live worker, failing the
+run when relaunching cannot help; rebuild status with the conditions (mortal.controller.conditions)
+and ask to be looked at again when something is due.
 """
 
 from __future__ import annotations
@@ -59,6 +44,7 @@ from mortal.controller.observed import (
     Desired,
     Observed,
     PlanConfig,
+    ProcessView,
     aware,
     judge,
     worker_ref,
@@ -182,7 +168,8 @@ class _Pass:
         if self.d.deleted:
             return self._delete()
         if self.prev_phase in TERMINAL_PHASES:
-            cond = next((c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {})
+            cond: dict[str, Any] = next(
+                (c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {})
             return self._finish(self.prev_phase, cond.get("reason", self.prev_phase), cond.get("message", ""))
         if self.o.backend_error is not None:
             return self._finish(FAILED, "BackendUnavailable", self.o.backend_error)
@@ -190,7 +177,7 @@ class _Pass:
             return self._suspend()
         limit = self._limit_reached()
         if limit is None:
-            self._judge_live()  # (a run over a limit stops its workers on purpose, as a suspend: no loss to judge)
+            self._judge_live()  # a run over a limit stops its workers on purpose: no loss to judge
         fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
         if fatal is not None:
             return self._finish(FAILED, rl.run_failure_reason(fatal.message),
@@ -223,7 +210,8 @@ class _Pass:
                     continue
             why = "its worker row ended" if row is not None else "no worker row owns it"
             self.actions.append(Stop(proc.handle, self.cfg.orphan_grace_seconds,
-                                     Event(WARNING, "OrphanStopped", f"stopped process {proc.worker_id}: {why}")))
+                                     Event(WARNING, "OrphanStopped",
+                                           f"stopped process {proc.worker_id}: {why}")))
             self.wake.append(self.cfg.stop_poll_seconds)
 
     def _delete(self) -> Plan:
@@ -252,7 +240,7 @@ class _Pass:
         return self._plan(SUSPENDED, conditions + self._training_conditions(suspended=True), message)
 
     def _limit_reached(self) -> budgets.Exceeded | None:
-        """A limit of spec.limits reached by now; else ask to be looked at again when the first one will be."""
+        """A limit of spec.limits reached by now; else ask to be looked at again when the first one is."""
         if self.d.max_duration is None and self.d.max_gpu_hours is None:
             return None
         active = budgets.active_time(self.prev, self.now) if budgets.is_active(self.prev_phase) else (
@@ -296,7 +284,8 @@ class _Pass:
                 self.wake.append(verdict.recheck_after or 0.0)
             elif verdict.kind == "adopt":
                 self.actions.append(Adopt(w.id, verdict.handle or "",
-                                          Event(NORMAL, "Adopted", f"{w.name} #{w.incarnation}: {verdict.message}")))
+                                          Event(NORMAL, "Adopted",
+                                                f"{w.name} #{w.incarnation}: {verdict.message}")))
             elif verdict.kind == "end":
                 state = verdict.state or "Lost"
                 if state == "Lost" and w.handle is None and proc is None:
@@ -308,7 +297,7 @@ class _Pass:
                 if verdict.kill and proc is not None:
                     self.actions.append(Stop(proc.handle, 0.0, None))
 
-    def _stalled(self, w: _W, proc: Any) -> bool:
+    def _stalled(self, w: _W, proc: ProcessView) -> bool:
         """Whether `w` ran past the deadline of what it reports doing; if so: stacks, end (Failed, the
         stall's reason first in its message: a relaunch, and the give-up count), stop. Else wake at its
         deadline."""
@@ -324,7 +313,8 @@ class _Pass:
         where = f"{w.name} #{w.incarnation}"
         self.actions.append(DumpStacks(proc.handle, None))
         self._end(w, "Failed", None, f"{stall.reason}: {stall.message}",
-                  Event(WARNING, stall.reason, f"{where}: {stall.message}; its stacks are in its log; relaunching it"))
+                  Event(WARNING, stall.reason,
+                        f"{where}: {stall.message}; its stacks are in its log; relaunching it"))
         self.actions.append(Stop(proc.handle, self.cfg.stall_stop_grace_seconds, None))
         self.wake.append(self.cfg.stop_poll_seconds)
         return True
@@ -332,16 +322,11 @@ class _Pass:
     def _out_of_memory(self) -> str | None:
         """The run's failure message when a slot ran out of GPU memory and must not be relaunched, else None.
 
-        An out-of-memory exit is not a crash to retry in a loop: the same spec on the same GPU makes
-        the same tensors, and ten relaunches over minutes only hide the cause. A slot gets ONE relaunch
-        (after the usual backoff, counted against maxRestarts): on a GPU the memory a worker finds also
-        depends on things outside its spec (a predecessor whose CUDA context is not torn down yet, a
-        colocated neighbour's peak, allocator fragmentation), and one try tells those from a spec that
-        cannot fit. Its second out-of-memory fails the run with reason OutOfMemory, and so does the
-        first when no restart is left, as a Job's podFailurePolicy fails it on an exit code it knows
-        retrying cannot fix, rather than a Pod's OOMKilled going round CrashLoopBackOff forever. The
-        MemoryFits condition (and its one Warning event, on the flip) says what to change before
-        `apply`ing again.
+        The same spec on the same GPU makes the same tensors, so relaunching in a loop only hides the
+        cause. A slot gets ONE relaunch (counted against maxRestarts), since the memory a worker finds
+        also depends on things outside its spec (a predecessor's CUDA context, a colocated neighbour's
+        peak); its second out-of-memory fails the run with reason OutOfMemory, as a Job's podFailurePolicy
+        would. The MemoryFits condition says what to change before `apply`ing again.
         """
         exits = self._oom_exits()
         condition = rl.memory_fits(exits, self._memory_knobs())
@@ -354,8 +339,9 @@ class _Pass:
         return None
 
     def _fit_before_launch(self) -> None:
-        """Start the actor with the micro batch `mortalctl apply` estimated to fit (heal.fitted_before_launch),
-        chosen only while no actor runs, so that status.effective is what the next one is launched with."""
+        """Start the actor with the micro batch `mortalctl apply` estimated to fit
+        (heal.fitted_before_launch), chosen only while no actor runs, so that status.effective is what the
+        next one is launched with."""
         if any(w.live and w.role == ACTOR for w in self.rows):
             return
         fitted = heal.fitted_before_launch(self.effective, self.d)
@@ -435,19 +421,22 @@ class _Pass:
             stalls = self._same_stalls(hist)
             if self.d.same_failure_limit and stalls >= self.d.same_failure_limit:
                 reason, _, what = (last.message or "").partition(": ")
-                return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not heal "
-                                f"it; restartPolicy.sameFailureLimit)")
+                return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not "
+                                "heal it; restartPolicy.sameFailureLimit)")
             if self.restarts >= self.d.max_restarts:
-                return "RestartLimitReached", f"restart limit reached: {last.name}: {last.message or last.state}"
+                return ("RestartLimitReached",
+                        f"restart limit reached: {last.name}: {last.message or last.state}")
             repeated = self._same_failures(hist)
             if self.d.same_failure_limit and repeated >= self.d.same_failure_limit:
-                return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, each "
-                                     f"within {self.cfg.backoff_reset_seconds:.0f} s of its launch: {last.message} "
-                                     f"(relaunching does not fix it; restartPolicy.sameFailureLimit)")
+                return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, "
+                                     f"each within {self.cfg.backoff_reset_seconds:.0f} s of its launch: "
+                                     f"{last.message} (relaunching does not fix it; "
+                                     "restartPolicy.sameFailureLimit)")
             due = (last.ended_at or self.now).timestamp() + self._backoff(hist) - self.now.timestamp()
             if due > 0:
                 self.wake.append(due)
-                self.notes.append(f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: {last.message})")
+                self.notes.append(f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: "
+                                  f"{last.message})")
                 continue
             self.restarts += 1
             self._launch(slot, restart=True, why=f"{last.state.lower()}: {last.message or 'no message'}")
@@ -467,11 +456,10 @@ class _Pass:
     def _same_failures(self, hist: list[_W]) -> int:
         """How many of the slot's newest workers in a row reported the newest one's error (exit 75, the same
         message), each soon after its launch. Why fail on it before maxRestarts: a worker that meets the same
-        error on every launch (a library's assertion, a bad input no check caught) would otherwise be
-        relaunched maxRestarts times over about 25 minutes of doubling backoff (5 s up to 300 s between
-        launches); a Job's podFailurePolicy likewise fails at once on an exit it knows retrying cannot fix.
-        A loss (no report: preempted, killed) breaks the run of them, and so does a worker that ran long (as
-        for the backoff)."""
+        error on every launch (a library's assertion, a bad input) would otherwise be relaunched maxRestarts
+        times over a long doubling backoff; a Job's podFailurePolicy likewise fails at once on an exit it
+        knows retrying cannot fix. A loss (no report: preempted, killed) breaks the run of them, and so does
+        a worker that ran long (as for the backoff)."""
         newest = hist[-1]
         count = 0
         for w in reversed(hist):
@@ -482,7 +470,8 @@ class _Pass:
         return count
 
     def _same_stalls(self, hist: list[_W]) -> int:
-        """How many of the slot's newest workers in a row were ended for the same stall (reason) as the newest.
+        """How many of the slot's newest workers in a row were ended for the same stall (reason) as the
+        newest.
         Unlike `_same_failures`, a long life does not break the run of them: a stall is found only after
         its deadline."""
         reason = hist[-1].stall
@@ -621,6 +610,7 @@ class _Pass:
         stalls = [dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
                   for w in newest_ended.values() if w.stall is not None]
         step, prev_step = self._progress().step, self.prev.get("step")
+        last: datetime | None
         if step is not None and step > (prev_step if prev_step is not None else 0):
             last = self.now  # a step ended since the last pass (also on the pass that finishes the run)
         else:
@@ -659,7 +649,7 @@ class _Pass:
                 for c in self.prev.get("conditions") or []]
 
     def _retire(self, w: _W, reason: str) -> None:
-        """Stop a live worker on purpose: TERM it (it may checkpoint), end its row once the process is gone."""
+        """Stop a live worker on purpose: TERM it (it may checkpoint); end its row once it is gone."""
         proc = self.procs.get(w.ref)
         if proc is not None and proc.alive:
             self.actions.append(Stop(proc.handle, self.cfg.stop_grace_seconds, None))

@@ -1,15 +1,9 @@
 """`Reconciler.reconcile(name)`: one level-triggered pass over one run (controller-runtime's Reconcile).
 
 Who calls it: the manager's worker threads, one run at a time (the work queue guarantees it), and the
-benchmark. Each pass re-reads the world, never trusting an earlier pass:
-  1. the run row and its spec; 2. the backend's listing (before the rows, so an exit it saw was
-  reported first); 3. worker rows, newest checkpoint and weights, and (only when the actor's step
-  moved since the status was written) the metrics of the newest `metrics_window_steps` steps, for
-  the reward, step times and reward health;
-  4. `plan()`; 5. apply its actions: worker-row writes (ending a row also releases the task leases of
-  that incarnation, in the store's same transaction), then stops (in parallel), then launches,
-  then a purge; 6. write status once (guarded by the read resource_version and the leader fence),
-  then the status events.
+benchmark. Each pass re-reads the world, never trusting an earlier pass: the run, the backend's listing
+(before the rows, so an exit it saw was reported first), the worker rows, checkpoints and metrics; then
+`plan()`; then it applies the plan's actions and writes status once, guarded by the leader's fence.
 Launch protocol, safe against a controller killed at any line: intent row (`create_worker`, new
 incarnation) -> `backend.launch` -> `set_worker_handle`. A later pass adopts a process launched but
 not recorded, closes an intent never launched, and stops processes no live row owns.
@@ -211,12 +205,13 @@ class Reconciler:
         launch = WorkerLaunch(
             run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
             state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
-            gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
+            gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of the actor
             env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env,
                  **code_environ(run.annotations)},
             heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
-            # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
+            # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU
+            # must see
             sees_actor_gpus=(action.role == "rollout"
                              and (not spec.rollout.colocated(action.replica) or spec.actor.count > 1)
                              and spec.sync_method() in ("ipc", "nccl")),
@@ -242,21 +237,21 @@ class Reconciler:
             self._launch_failed(run.name, row, action, exc, fence)
             raise
         failpoints.hit("launch:after-launch")
-        self.store.set_worker_handle(row.id, handle, fence)
+        self.store.set_worker_handle(_row_id(row), handle, fence)
         self._event(run.name, Event(action.event.type, action.event.reason,
                                     f"{action.event.message} as incarnation {row.incarnation}"))
 
     def _launch_failed(self, name: str, row: WorkerRow, action: Launch, exc: BackendError, fence: LeaderFence) -> None:
-        """Close the intent row: a machine without that many GPUs, or a cluster with no node that can ever hold
-        the worker (Unschedulable), fails the run (exit 3); GPUs busy for now
-        is no failure of the worker (Stopped: retried with the queue's backoff, no restart counted); any other
-        launch error counts as a failed start (backoff, restarts, maxRestarts)."""
+        """Close the intent row: a machine without that many GPUs, or a cluster with no node that can ever
+        hold the worker (Unschedulable), fails the run (exit 3); GPUs busy for now is no failure of the
+        worker (Stopped: retried with the queue's backoff, no restart counted); any other launch error
+        counts as a failed start (backoff, restarts, maxRestarts)."""
         if isinstance(exc, InsufficientGPUs) and not exc.permanent:
             state, code, reason = "Stopped", None, "InsufficientGPUs"
         else:
             fatal = isinstance(exc, InsufficientGPUs | Unschedulable)
             state, code, reason = "Failed", EXIT_FATAL if fatal else None, "LaunchFailed"
-        self.store.end_worker(row.id, state, code, f"launch failed: {exc}", fence)
+        self.store.end_worker(_row_id(row), state, code, f"launch failed: {exc}", fence)
         self._event(name, Event("Warning", reason, f"{action.role}-{action.replica}: {exc}"))
 
     def _stop_all(self, name: str, backend: Backend | None, stops: list[Stop]) -> None:
@@ -345,6 +340,13 @@ def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
                             weight_load_seconds=spec.deadlines.weight_load(),
                             reward_seconds=sum(r.timeout_seconds for r in spec.rewards)),
     )
+
+
+def _row_id(row: WorkerRow) -> int:
+    """The id the store gave a row it created (one it returns always has it)."""
+    if row.id is None:
+        raise ValueError(f"worker row {row.role}-{row.replica} #{row.incarnation} has no id")
+    return row.id
 
 
 def _fitted_micro_batch(run: RunRow) -> int | None:

@@ -1,15 +1,12 @@
 """The run carries its code: what a spec takes from the applying user's folder, copied with the run.
 
 Who calls it: mortal.controller.admission, when `mortalctl apply`, MortalTrainer or a watched folder
-applies a run. The top-level modules and packages its `module:attr` references name (rewards, tools,
-environments) that live in the applying folder, and the relative files it names (a dataset file, a
-chat template), are copied, as Ray's runtime_env working_dir does, into
-$MORTAL_HOME/runs/<run>/code/<sha256 of the content>/; a relative local model folder is linked, not
-copied. The digest goes into the run's annotation `mortal.dev/code-snapshot` (so an edited reward
-module makes a re-apply `configured`), and the reconciler hands it to every worker
-(MORTAL_CODE_SNAPSHOT), which imports from and runs in that folder (mortal.workers.main), wherever
-the controller was started. Bounded: .git, virtualenvs and caches are skipped, and a snapshot above
-the limit (MORTAL_CODE_SNAPSHOT_LIMIT_MB) is refused naming its largest parts.
+applies a run. The modules its `module:attr` references name and the relative files it names that live
+in the applying folder are copied, as Ray's runtime_env working_dir does, into
+$MORTAL_HOME/runs/<run>/code/<sha256>/, so every worker imports the same code wherever the controller
+was started. The digest goes into the run's annotation `mortal.dev/code-snapshot` (an edited reward
+makes a re-apply `configured`). Bounded: .git, virtualenvs and caches are skipped, and a snapshot above
+MORTAL_CODE_SNAPSHOT_LIMIT_MB is refused naming its largest parts.
 What it must not do: import user code (that is the admission probe's, in a child process).
 """
 
@@ -185,9 +182,9 @@ def _refuse_links_out(field: str, folder: Path, path: Path) -> None:
         try:
             inside(folder, source)
         except PathOutside:
-            raise SnapshotRefused(field, f"{source.relative_to(folder)} links outside the applying folder {folder} "
-                                         f"(to {os.path.realpath(source)}); copy it into the folder, or give it "
-                                         "by absolute path") from None
+            raise SnapshotRefused(field, f"{source.relative_to(folder)} links outside the applying folder "
+                                         f"{folder} (to {os.path.realpath(source)}); copy it into the "
+                                         "folder, or give it by absolute path") from None
 
 
 def importing_folders(spec: TrainingSpec, working: Path) -> list[Path]:
@@ -310,7 +307,10 @@ def unpack(data: bytes, run: str, env: Mapping[str, str], home: str | Path) -> P
     incoming = final.parent / f".incoming-{uuid.uuid4().hex}"
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         # "data": no member may leave the folder or be a device (Pythons before 3.11.4 have no filters)
-        tar.extractall(incoming, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(incoming, filter="data")
+        else:
+            tar.extractall(incoming)
     try:
         os.rename(incoming, final)
     except OSError:

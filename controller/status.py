@@ -112,7 +112,7 @@ def build_status(
         "gpuHours": progress.gpu_hours,
         "completionTime": completed,
         "message": message,
-        **({"effective": effective} if effective else {}),  # the controller's memory choices (controller.heal)
+        **({"effective": effective} if effective else {}),  # the controller's memory choices (heal.py)
     }
 
 
@@ -129,7 +129,7 @@ def _merge_conditions(prev: list[dict[str, Any]], wanted: list[Condition], now: 
             "status": status,
             "reason": cond.reason,
             "message": cond.message,
-            "lastTransitionTime": iso(now) if moved else old.get("lastTransitionTime", iso(now)),
+            "lastTransitionTime": iso(now) if moved or old is None else old.get("lastTransitionTime", iso(now)),
         })
     return merged
 
@@ -149,7 +149,8 @@ def diff_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
         events.append(Event(kind, phase, f"phase {old_phase} -> {phase}{why}"))
     old_ckpt, ckpt = prev.get("lastCheckpoint") or {}, new.get("lastCheckpoint") or {}
     if ckpt and ckpt.get("step") != old_ckpt.get("step"):
-        events.append(Event(NORMAL, "CheckpointSaved", f"checkpoint of step {ckpt['step']} at {ckpt.get('path')}"))
+        events.append(Event(NORMAL, "CheckpointSaved",
+                            f"checkpoint of step {ckpt['step']} at {ckpt.get('path')}"))
     steady = {STARTING, RUNNING, RECOVERING}
     if old_phase in steady and phase in steady:
         was = ((prev.get("replicas") or {}).get("rollout") or {}).get("desired")

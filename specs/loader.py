@@ -143,7 +143,7 @@ def _header_issues(data: Any, lines: Lines, source: str, prefix: tuple) -> list[
     line = line_of(prefix, lines)
     if not isinstance(data, dict):
         what = "a list" if isinstance(data, list) else repr(data)
-        return [SpecIssue(source, line, dotted(prefix), f"a document must be a mapping with apiVersion, kind, "
+        return [SpecIssue(source, line, dotted(prefix), "a document must be a mapping with apiVersion, kind, "
                           f"metadata and spec (got {what})")]
     issues = []
     for key, want in (("apiVersion", API_VERSION), ("kind", KIND)):
@@ -163,7 +163,8 @@ def _check_unique_names(runs: list[tuple[TrainingRun, SpecIssue]], issues: list[
         if run.name in first:
             seen = first[run.name]
             issues.append(SpecIssue(where.source, where.line, where.path,
-                                    f"run {run.name!r} is defined twice (first at {seen.source}:{seen.line})"))
+                                    f"run {run.name!r} is defined twice (first at "
+                                    f"{seen.source}:{seen.line})"))
         else:
             first[run.name] = where
 

@@ -94,8 +94,9 @@ class LimitedComposer(Composer):
         return self._sizes[id(node)]
 
 
-class FlowDepthLimit:
-    """Mixed into ruamel's Scanner: refuses the flow collection ('[' or '{') that opens past MAX_DEPTH.
+class FlowDepthLimit(Scanner):
+    """Mixed in before the reader's own Scanner: refuses the flow collection ('[' or '{') that opens past
+    MAX_DEPTH.
 
     Why in the scanner too: it looks ahead for a possible mapping key at every open bracket, work that
     grows with the open brackets, before the composer (which checks block nesting) sees a node.

@@ -32,9 +32,9 @@ class RayWorkerSpec(SpecModel):
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources the worker needs, e.g. {trainer_node: 1} to place it on nodes started "
-        "with --resources '{\"trainer_node\": 1}'. Names of Ray's own resources (CPU, GPU, memory) go in cpus, "
-        "the role's gpu and memoryGB instead.",
+        description="Custom Ray resources the worker needs, e.g. {trainer_node: 1} to place it on nodes "
+        "started with --resources '{\"trainer_node\": 1}'. Names of Ray's own resources (CPU, GPU, memory) "
+        "go in cpus, the role's gpu and memoryGB instead.",
     )
 
     @field_validator("resources")
@@ -55,10 +55,9 @@ class RaySpec(SpecModel):
 
     shared_filesystem: bool = Field(
         True, alias="sharedFilesystem",
-        description="true: every node and the controller mount one MORTAL_HOME (NFS, a ReadWriteMany volume) and "
-        "workers use the controller's. false: each worker uses its node's own MORTAL_HOME (the value `ray start` "
-        "was run with, else ~/.mortal on the node); checkpoints then go to checkpoint.uri (required) and weights "
-        "through Ray's object store (sync auto or ray).",
+        description="true: every node and the controller mount one MORTAL_HOME (NFS, a ReadWriteMany "
+        "volume). false: each worker uses its node's own MORTAL_HOME, so checkpoints go to checkpoint.uri "
+        "(required) and weights through Ray's object store (sync auto or ray).",
     )
     address: str | None = Field(
         None, min_length=1,

@@ -11,6 +11,7 @@ What it must not do: touch the store, or leave a process behind: `stop` kills th
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import signal
@@ -111,7 +112,8 @@ class LocalBackend(Backend):
     def launch(self, launch: WorkerLaunch) -> str:
         """Start the worker (or return the handle of the live process already running this worker id)."""
         if os.path.realpath(launch.mortal_home) != self.home:
-            raise ValueError(f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}")
+            raise ValueError(
+                f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}")
         with self._reg.lock:
             live = self._live()
             for f in live.values():
@@ -156,7 +158,8 @@ class LocalBackend(Backend):
         """Start the worker; `peers` (in `visible` after its own devices) are seen but not held."""
         log_path = _log_path(launch)
         env = launch.environ(os.environ, visible)
-        env[DOORBELLS_ENV] = "1"  # the run's processes share this machine and its folder: they ring (workers/doorbell.py)
+        # The run's processes share this machine and its folder: they ring (workers/doorbell.py).
+        env[DOORBELLS_ENV] = "1"
         if peers:
             env[GPU_PEERS_ENV] = ",".join(peers)
         try:
@@ -204,7 +207,7 @@ class LocalBackend(Backend):
                 live.pop(handle, None)
         return live
 
-    def _scan(self) -> list[_Found]:
+    def _scan(self) -> builtins.list[_Found]:
         """Live worker processes of this home: the processes carrying MORTAL_WORKER_ID that lead their
         process group and whose parent is not the same worker (its descendants inherit the id)."""
         candidates: dict[int, tuple[psutil.Process, dict[str, str]]] = {}
