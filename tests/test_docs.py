@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -21,3 +22,20 @@ def test_readme_commands_write_no_tracked_file():
     tracked = tracked_files()
     overwritten = [path for path in written if not path.startswith("/") and path.removeprefix("./") in tracked]
     assert overwritten == [], f"README commands overwrite tracked files: {overwritten}"
+
+
+def load_script(name: str):
+    """A script of scripts/ as a module (scripts/ is not a package: its files are run, not imported)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_spec_reference_is_the_one_the_schema_generates():
+    generated = load_script("spec_reference").render()
+    checked_in = (REPO / "docs" / "spec-reference.md").read_text()
+    assert checked_in == generated, (
+        "docs/spec-reference.md is out of date with the spec's field descriptions: "
+        "regenerate it with `python scripts/spec_reference.py --write`"
+    )
