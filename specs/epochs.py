@@ -1,4 +1,4 @@
-"""`algorithm.numEpochs` -> `algorithm.maxSteps`, when a spec is read (the seeds' num_epochs).
+"""`algorithm.numEpochs` -> `algorithm.maxSteps`, when a spec is read (MortalTrainer's num_epochs).
 
 Called by the loader (specs/loader.py) for every document, and by MortalTrainer. Why at read time
 and not in the workers: the controller ends a run by maxSteps and never reads datasets, so the

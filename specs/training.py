@@ -20,16 +20,16 @@ from mortal.specs.rewards import ENV_VAR, RewardSpec
 from mortal.specs.tools import check_environment, check_tools
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
-# The seeds' weight_sync_method names, accepted in spec.sync.method: what each becomes here, and why.
+# The first API's weight_sync_method names (MortalTrainer's), accepted in spec.sync.method: what each becomes.
 SYNC_ALIASES = {
-    "reload": ("volume", "the seeds' reload has rollouts load each version from the shared volume in place; "
+    "reload": ("volume", "reload has rollouts load each version from the shared volume in place; "
                          "mortal's volume does that for every engine"),
-    "checkpoint": ("volume", "the seeds' checkpoint has rollouts reload from saved weights on the volume, "
+    "checkpoint": ("volume", "checkpoint has rollouts reload from saved weights on the volume, "
                              "which is mortal's volume"),
-    "direct": ("ipc", "the seeds' direct is an in-memory transfer with no disk, which is mortal's ipc "
+    "direct": ("ipc", "direct is an in-memory transfer with no disk, which is mortal's ipc "
                       "(same host, GPUs)"),
 }
-# The seeds' smallest run names only a model: it trains with sandboxed code execution on a coding set.
+# The smallest run names only a model: it trains with sandboxed code execution on a coding set.
 CODE_DATASET = "builtin:mbpp-mini"
 VLLM_SHARE = 0.85  # vLLM's gpu_memory_utilization on a GPU of its own (vLLM's default)
 COLOCATED_VLLM_SHARE = 0.3  # beside the actor on one GPU: TRL's vllm_gpu_memory_utilization default
@@ -384,7 +384,7 @@ class SyncSpec(SpecModel):
         description="How weights travel: volume (safetensors on the shared volume), ray (the same through "
         "Ray's object store), ipc (copied from the actor's GPU over CUDA IPC, same host), nccl (sent over "
         "NCCL to rollouts on GPUs of their own, same host), or auto (ipc where possible, ray on Ray nodes "
-        "without a shared filesystem, else volume). The seeds' reload and checkpoint are stored as volume, "
+        "without a shared filesystem, else volume). The older names reload and checkpoint are stored as volume, "
         "direct as ipc.",
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
@@ -395,7 +395,7 @@ class SyncSpec(SpecModel):
         "saves GPU memory but makes a rollout's read likelier to be overwritten and redone "
         "(docs/architecture.md).",
     )
-    _alias: str | None = PrivateAttr(None)  # the seeds' name the spec used, for `notes()`
+    _alias: str | None = PrivateAttr(None)  # the older name the spec used, for `notes()`
 
     @model_validator(mode="wrap")
     @classmethod
@@ -408,7 +408,7 @@ class SyncSpec(SpecModel):
         return spec
 
     def notes(self) -> list[str]:
-        """What a seeds' method name became, said once when the spec is applied."""
+        """What an older method name became, said once when the spec is applied."""
         if self._alias is None:
             return []
         method, why = SYNC_ALIASES[self._alias]
@@ -488,7 +488,7 @@ class TrainingSpec(SpecModel):
     model: ModelSpec = Field(description="The policy model to train.")
     dataset: DatasetSpec = Field(
         default_factory=lambda: DatasetSpec(name=CODE_DATASET, system_prompt=CODE_SYSTEM_PROMPT),
-        description=f"The prompts to train on. Absent: the seeds' default, {CODE_DATASET} (small Python "
+        description=f"The prompts to train on. Absent: the default, {CODE_DATASET} (small Python "
         "tasks whose rows carry assert tests), with the system prompt '" + CODE_SYSTEM_PROMPT + "'.",
     )
     algorithm: AlgorithmSpec = Field(
@@ -497,7 +497,7 @@ class TrainingSpec(SpecModel):
     generation: GenerationSpec = Field(default_factory=GenerationSpec, description="Sampling settings.")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(env="code-execution")], min_length=1,
-        description="Reward signals, summed with their weights. Absent: the seeds' default, env "
+        description="Reward signals, summed with their weights. Absent: the default, env "
         "code-execution (each completion's code run in the sandbox against its row's tests).",
     )
     actor: ActorSpec = Field(default_factory=ActorSpec, description="The trainer worker.")
@@ -535,13 +535,13 @@ class TrainingSpec(SpecModel):
     _notes: list[str] = PrivateAttr(default_factory=list)  # what admission changed (specs/epochs.py)
 
     def seed_defaults(self) -> list[str]:
-        """The blocks (dataset, rewards) that hold the seeds' default: `describe` says so."""
+        """The blocks (dataset, rewards) that hold the default: `describe` says so."""
         fields = type(self).model_fields
         return [name for name in ("dataset", "rewards")
                 if getattr(self, name) == fields[name].get_default(call_default_factory=True)]
 
     def notes(self) -> list[str]:
-        """What applying this spec changed from what it says (a seeds' name mapped, maxSteps computed):
+        """What applying this spec changed from what it says (an older name mapped, maxSteps computed):
         `apply` prints them, as kubectl prints warnings."""
         return [*self.sync.notes(), *self._notes]
 

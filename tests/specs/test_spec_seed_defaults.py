@@ -73,7 +73,7 @@ def test_the_seeds_sync_names_are_stored_as_the_method_they_are(seed_name, store
     run = only_run(HEAD + f"  sync: {{method: {seed_name}}}\n")
     assert run.spec_dict()["sync"]["method"] == stored
     [note] = run.spec.notes()
-    assert note.startswith(f"spec.sync.method: {seed_name!r} is stored as {stored!r}: the seeds' {seed_name}")
+    assert note.startswith(f"spec.sync.method: {seed_name!r} is stored as {stored!r}: {seed_name}")
 
 
 def test_direct_is_ipc_and_where_ipc_cannot_work_the_error_says_what_direct_means() -> None:
