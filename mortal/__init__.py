@@ -13,17 +13,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mortal.controller.modes import Distributed, GPUConfig, SingleNode
-    from mortal.controller.trainer import MortalTrainer, TrainingFailed
+    from mortal.client.modes import Distributed, GPUConfig, SingleNode
+    from mortal.client.trainer import MortalTrainer, TrainingFailed
     from mortal.specs import TrainingRun
     from mortal.workers.rewards import RewardEnvironment
 
 _EXPORTS = {
-    "MortalTrainer": "mortal.controller.trainer",
-    "TrainingFailed": "mortal.controller.trainer",
-    "SingleNode": "mortal.controller.modes",
-    "Distributed": "mortal.controller.modes",
-    "GPUConfig": "mortal.controller.modes",
+    "MortalTrainer": "mortal.client.trainer",
+    "TrainingFailed": "mortal.client.trainer",
+    "SingleNode": "mortal.client.modes",
+    "Distributed": "mortal.client.modes",
+    "GPUConfig": "mortal.client.modes",
     "TrainingRun": "mortal.specs",
     "RewardEnvironment": "mortal.workers.rewards",
 }

@@ -1,28 +1,38 @@
-"""A layer imports only the layers below it: specs < state < controller, workers < client (CLI, MortalTrainer).
+"""A layer imports only the layers below it: specs < state < controller, workers < client (mortal.client).
 
 Checked on the source (every `import` / `from ... import`, also inside functions), as kopf's
-import-linter contracts do, so a shortcut across layers fails here before it spreads.
+import-linter contracts do, so a shortcut across layers fails here before it spreads. The public
+facade (`mortal`, `mortal.rewards`) sits on top and may import anything. The only modules below the
+client that import it are the shims left at the client's old paths (SHIMS), which warn and re-export.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"specs": "mortal.specs", "state": "mortal.state", "controller": "mortal.controller", "workers": "mortal.workers"}
-# modal_app is the Modal deployment's composition root: its functions wrap controller and worker code alike.
-CLIENT = ("mortal.controller.cli", "mortal.controller.trainer", "mortal.controller.trainer_inputs", "mortal.controller.modes",
-          "mortal.controller.modal_app")
+FOLDERS = {"specs": "mortal.specs", "state": "mortal.state", "controller": "mortal.controller", "workers": "mortal.workers",
+           "mortal": "mortal"}
+CLIENT = "mortal.client"
+FACADE = ("mortal", "mortal.rewards")
 
 ALLOWED = {
     "mortal.specs": {"mortal.specs"},
     "mortal.state": {"mortal.specs", "mortal.state"},
     "mortal.workers": {"mortal.specs", "mortal.state", "mortal.workers"},
     "mortal.controller": {"mortal.specs", "mortal.state", "mortal.controller"},
+    CLIENT: {"mortal.specs", "mortal.state", "mortal.controller", "mortal.workers", CLIENT},
 }
+
+# The client's old paths under mortal.controller (old -> new): each warns with a DeprecationWarning and
+# re-exports the new module's public names. Nothing else below the client may import it.
+SHIMS: dict[str, tuple[str, ...]] = {}
 
 
 def module_name(path: Path) -> str:
@@ -34,8 +44,8 @@ def module_name(path: Path) -> str:
 
 
 def layer(module: str) -> str:
-    if module.startswith(CLIENT):
-        return "client"
+    if module in FACADE:
+        return module
     return ".".join(module.split(".")[:2])
 
 
@@ -54,8 +64,42 @@ SOURCES = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py") 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
 def test_module_imports_only_lower_layers(path):
-    own = layer(module_name(path))
-    if own == "client":
+    name = module_name(path)
+    own = layer(name)
+    if own in FACADE:
         return
-    wrong = {name for name in mortal_imports(path) if layer(name) not in ALLOWED[own]}
-    assert not wrong, f"{module_name(path)} ({own}) must not import {sorted(wrong)}"
+    allowed = ALLOWED[own] | ({CLIENT} if name in SHIMS else set())
+    wrong = {imported for imported in mortal_imports(path) if layer(imported) not in allowed}
+    assert not wrong, f"{name} ({own}) must not import {sorted(wrong)}"
+
+
+def test_every_shim_is_a_module_and_imports_only_the_client():
+    for name in SHIMS:
+        path = REPO / "controller" / Path(*name.split(".")[2:])
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        assert path.is_file(), f"{name}: no shim at {path}"
+        assert {layer(imported) for imported in mortal_imports(path)} <= {CLIENT}, name
+
+
+def _fresh_import(name: str) -> tuple[object, list[warnings.WarningMessage]]:
+    """`import name` in this file as a first import would run it (its shim run again), with the warnings."""
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        sys.modules.pop(loaded)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(f"import {name}", __file__, "exec"), {})
+    return sys.modules[name], caught
+
+
+@pytest.mark.parametrize("old", sorted(SHIMS))
+def test_each_shim_warns_and_reexports_the_moved_module(old, monkeypatch):
+    monkeypatch.setenv("MORTAL_MODAL_SECRETS", "")
+    shim, caught = _fresh_import(old)
+    moved = [w for w in caught if issubclass(w.category, DeprecationWarning) and f"{old} moved" in str(w.message)]
+    assert [str(w.message) for w in moved] == [f"{old} moved to {SHIMS[old][0]}; import it from there"]
+    assert moved[0].filename == __file__, "the warning names the importing line, not the shim"
+    for new in SHIMS[old]:
+        module = importlib.import_module(new)
+        public = [n for n in vars(module) if not n.startswith("_") and f"{old}.{n}" not in SHIMS]  # not its shims
+        missing = [n for n in public if getattr(shim, n, None) is not getattr(module, n)]
+        assert not missing, f"{old} does not re-export {missing} of {new}"

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-APP_MODULE = "mortal.controller.modal_app"
+APP_MODULE = "mortal.client.modal_app"
 REFUSAL = "token refused by the test's Modal API"
 
 

@@ -1,10 +1,10 @@
 """The Modal app module built by the real `modal` library, offline (no network, no token).
 
-What the library builds from mortal.controller.modal_app: the names the backend looks up, each
+What the library builds from mortal.client.modal_app: the names the backend looks up, each
 function's volumes, secrets, timeout, retries, schedule, web endpoint and concurrency (Function.info()),
 the options the library is handed where info() has no field (one store container, serialized=True),
 and the image's recipe. The same in the editable install the README sets up and in a built wheel,
-and `modal deploy -m mortal.controller.modal_app` from a checkout getting as far as the token. Functions
+and `modal deploy -m mortal.client.modal_app` from a checkout getting as far as the token. Functions
 ship by value: unpickled where the app module cannot be imported, the store endpoint still answers.
 What only a live deploy can show is in backends/test_modal_live.py.
 """
@@ -204,7 +204,7 @@ class _VolumeAsReference(Pickler):
 
 CONTAINER = """
 import io, json, pickle, sys
-sys.modules["mortal.controller.modal_app"] = None  # a container has the installed mortal, not this module
+sys.modules["mortal.client.modal_app"] = None  # a container has the installed mortal, not this module
 class Load(pickle.Unpickler):
     def persistent_load(self, pid):
         return type("Volume", (), {"ref": pid[1]})()
@@ -273,7 +273,7 @@ def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _installs(wheel_site: Path) -> dict[str, tuple[dict[str, str], Path]]:
     base = {k: v for k, v in os.environ.items() if k not in ("MORTAL_MODAL_APP", "MORTAL_MODAL_SECRETS", "PYTHONPATH")}
-    return {"editable": ({**base}, REPO / "controller"), "wheel": ({**base, "PYTHONPATH": str(wheel_site)}, wheel_site)}
+    return {"editable": ({**base}, REPO / "mortal"), "wheel": ({**base, "PYTHONPATH": str(wheel_site)}, wheel_site)}
 
 
 def test_editable_and_wheel_installs_build_the_same_app(wheel_site: Path, tmp_path: Path) -> None:

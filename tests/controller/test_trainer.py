@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mortal.controller.modes import Distributed, GPUConfig, SingleNode
-from mortal.controller.trainer import MortalTrainer, RewardNotImportable, TrainerError, TrainingFailed
+from mortal.client.modes import Distributed, GPUConfig, SingleNode
+from mortal.client.trainer import MortalTrainer, RewardNotImportable, TrainerError, TrainingFailed
 from mortal.state import open_store
 from mortal.workers.rewards import RewardEnvironment
 from mortal.workers.rewards.builtin import correct_answer
@@ -336,7 +336,7 @@ def _checkpointed_parent(store, spec: dict, step: int) -> None:
 
 
 def test_resume_from_checkpoint_forks_another_runs_checkpoint_with_this_trainers_spec(store_url):
-    from mortal.controller.cli.fork import CannotCarryOver, CheckpointNotFound, RunExists
+    from mortal.client.cli.fork import CannotCarryOver, CheckpointNotFound, RunExists
     from mortal.state import paths
 
     store = open_store(store_url)

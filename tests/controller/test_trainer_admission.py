@@ -10,9 +10,9 @@ import sys
 import pytest
 from store_kinds import sqlite_only
 
+from mortal.client.trainer import MortalTrainer
 from mortal.controller.admission import AdmissionRefused
 from mortal.controller.snapshot import CODE_ANNOTATION
-from mortal.controller.trainer import MortalTrainer
 from mortal.state import open_store, paths
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
@@ -70,8 +70,8 @@ def test_a_reward_trl_cannot_call_is_refused_before_anything_is_written(store_ur
 @sqlite_only
 def test_a_run_of_the_same_name_being_deleted_is_waited_for_before_the_code_is_installed(
         store_url, script_rewards, monkeypatch):
-    from mortal.controller.cli import apply as apply_verb
-    from mortal.controller.cli.context import CliError
+    from mortal.client.cli import apply as apply_verb
+    from mortal.client.cli.context import CliError
 
     module, _ = script_rewards
     trainer(module.shaped, store_url).train()

@@ -19,7 +19,7 @@ from clihelpers import QUICKSTART
 from ruamel.yaml import YAML
 from typer.testing import CliRunner
 
-from mortal.controller.cli.main import app
+from mortal.client.cli.main import app
 
 
 @pytest.fixture(autouse=True)

@@ -70,6 +70,6 @@ def test_a_real_mortalctl_process_refuses_it_within_a_small_address_space(mortal
     def limit() -> None:  # the interpreter and mortalctl's imports fit; expanding the aliases would not
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    out = subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", "apply", "-f", str(path)],
+    out = subprocess.run([sys.executable, "-m", "mortal.client.cli.main", "apply", "-f", str(path)],
                          capture_output=True, text=True, env=env, timeout=60, preexec_fn=limit)
     assert out.returncode == 1 and "(MAX_ALIAS" in out.stderr, out.stderr

@@ -16,7 +16,7 @@ import pytest
 from clihelpers import QUICKSTART, actor
 from ruamel.yaml import YAML
 
-from mortal.controller.cli.completions import one_line, step_ranges
+from mortal.client.cli.completions import one_line, step_ranges
 from mortal.state import NewCompletion, open_store
 
 PROMPT = "system: Reply with only the number.\n\nuser: What is 13 + 14?"
@@ -119,7 +119,7 @@ def test_as_a_process(recorded, mortal_home, store_url) -> None:
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url, "COLUMNS": "250"}
 
     def mortalctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "mortal.client.cli.main", *args], capture_output=True,
                               text=True, env=env, timeout=120)
 
     worst = mortalctl("get", "completions", recorded, "--worst", "1")

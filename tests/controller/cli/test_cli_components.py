@@ -132,7 +132,7 @@ def test_test_reward_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> No
     path = spec_file("tiny", **{"spec.model": {"name": str(tiny_model)}})
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "PYTHONPATH": os.pathsep.join(
         [str(HERE), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-m", "mortal.controller.cli.main", "test", "reward", "-f", str(path),
+    args = [sys.executable, "-m", "mortal.client.cli.main", "test", "reward", "-f", str(path),
             "--completion", "27", "--row", '{"answer": "27"}']
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -146,7 +146,7 @@ def test_test_reward_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> No
 def test_test_rollout_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> None:
     path = spec_file("tiny", **{"spec.model": {"name": str(tiny_model), "dtype": "float32"}})
     env = {**os.environ, "MORTAL_HOME": str(mortal_home)}
-    args = [sys.executable, "-m", "mortal.controller.cli.main", "test", "rollout", "-f", str(path), "--row", "1",
+    args = [sys.executable, "-m", "mortal.client.cli.main", "test", "rollout", "-f", str(path), "--row", "1",
             "-n", "2", "--max-tokens", "4"]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from clihelpers import QUICKSTART, actor
 
-from mortal.controller.cli import cp
+from mortal.client.cli import cp
 from mortal.state import open_store, paths
 
 
@@ -141,11 +141,11 @@ def test_cp_reads_a_modal_runs_checkpoint_from_its_volume(tmp_path: Path) -> Non
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_cp_as_a_user_runs_it(checkpointed, mortal_home, store_url) -> None:
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url, "MORTAL_NO_CONTROLLER": "1"}
-    done = subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", "cp", "quickstart:step-10",
+    done = subprocess.run([sys.executable, "-m", "mortal.client.cli.main", "cp", "quickstart:step-10",
                            str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert files(checkpointed / "out") == files(paths.checkpoints_dir("quickstart") / "step-10")
-    again = subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", "cp", "quickstart",
+    again = subprocess.run([sys.executable, "-m", "mortal.client.cli.main", "cp", "quickstart",
                             str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 1 and "exists and is not an empty folder" in again.stderr
 

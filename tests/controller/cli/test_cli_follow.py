@@ -10,8 +10,8 @@ import pytest
 from clihelpers import QUICKSTART, actor, set_status
 from rich.console import Console
 
-from mortal.controller.cli import follow
-from mortal.controller.cli.context import CliError
+from mortal.client.cli import follow
+from mortal.client.cli.context import CliError
 from mortal.state import open_store
 
 

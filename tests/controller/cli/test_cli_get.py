@@ -11,8 +11,8 @@ from clihelpers import QUICKSTART, actor, set_status
 from ruamel.yaml import YAML
 from store_kinds import sqlite_only
 
-from mortal.controller.cli.get import training_conditions
-from mortal.controller.cli.output import age, print_table
+from mortal.client.cli.get import training_conditions
+from mortal.client.cli.output import age, print_table
 from mortal.state import open_store
 
 
@@ -195,7 +195,7 @@ def test_watch_prints_the_header_once_then_only_the_rows_that_changed(cli, store
     """kubectl get -w: the listing, then a run's row again when it changed; the other runs stay quiet."""
     import threading
 
-    monkeypatch.setattr("mortal.controller.cli.get.WATCH_POLL_SECONDS", 0.2)
+    monkeypatch.setattr("mortal.client.cli.get.WATCH_POLL_SECONDS", 0.2)
     for name in ("a", "b"):
         assert cli("apply", "-f", str(spec_file(name))).exit_code == 0
     store = store_of()
@@ -213,7 +213,7 @@ def test_watch_prints_the_header_once_then_only_the_rows_that_changed(cli, store
 
 
 def test_watch_of_no_runs_says_so_once_and_prints_no_header(cli, monkeypatch):
-    monkeypatch.setattr("mortal.controller.cli.get.WATCH_POLL_SECONDS", 0.2)
+    monkeypatch.setattr("mortal.client.cli.get.WATCH_POLL_SECONDS", 0.2)
     out = cli("get", "runs", "-w", "--timeout", "1")
     assert out.exit_code == 0 and out.stdout == "" and out.stderr == "No resources found.\n"
 

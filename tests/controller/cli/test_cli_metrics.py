@@ -14,7 +14,7 @@ import pytest
 from clihelpers import QUICKSTART, actor
 from ruamel.yaml import YAML
 
-from mortal.controller.cli.metrics import step_ticks
+from mortal.client.cli.metrics import step_ticks
 from mortal.state import open_store
 
 VALUES = {step: {"reward": 0.1 * step, "loss": 1.0 / step, "kl": 0.0, "tokens_per_second": 100.0 + step}
@@ -93,7 +93,7 @@ def test_as_a_process(recorded, mortal_home, store_url) -> None:
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url, "COLUMNS": "100"}
 
     def mortalctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "mortal.client.cli.main", *args], capture_output=True,
                               text=True, env=env, timeout=120)
 
     table = mortalctl("get", "metrics", recorded, "--name", "loss")

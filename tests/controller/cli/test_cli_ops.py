@@ -12,7 +12,7 @@ from clihelpers import QUICKSTART, set_status
 from store_kinds import sqlite_only
 from typer.testing import CliRunner
 
-from mortal.controller.cli.main import app
+from mortal.client.cli.main import app
 from mortal.state import open_store, paths
 
 VERBS = [["apply"], ["get"], ["get", "runs"], ["get", "events"], ["get", "checkpoints"], ["describe"],
@@ -104,7 +104,7 @@ def test_controller_rejects_a_missing_watch_folder(cli, tmp_path):
 
 
 def test_unexpected_errors_are_one_line_unless_debug(cli, monkeypatch):
-    import mortal.controller.cli.get as get_module
+    import mortal.client.cli.get as get_module
 
     def boom(*args, **kwargs):
         raise RuntimeError("something broke\nsecond line")

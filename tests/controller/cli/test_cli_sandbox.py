@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mortal.controller.cli.main import app
+from mortal.client.cli.main import app
 from mortal.specs import SandboxSpec
 from mortal.workers.rewards import confinement
 
@@ -95,7 +95,7 @@ def test_no_working_sandbox_is_an_error_not_an_unconfined_run(tmp_path: Path, mo
 
 def test_mortalctl_sandbox_run_as_a_process(tmp_path: Path, sandbox_works: str) -> None:
     mortalctl = Path(sys.executable).with_name("mortalctl")
-    command = [str(mortalctl)] if mortalctl.exists() else [sys.executable, "-m", "mortal.controller.cli.main"]
+    command = [str(mortalctl)] if mortalctl.exists() else [sys.executable, "-m", "mortal.client.cli.main"]
     env = {k: v for k, v in os.environ.items() if k != "MORTAL_DEBUG"}
     path = write(tmp_path, "import sys\nprint(sys.stdin.read() == '', open('main.py').read().count('print'))")
     done = subprocess.run([*command, "sandbox", "run", str(path), "--timeout", "5"], capture_output=True, text=True,

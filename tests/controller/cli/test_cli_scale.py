@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from clihelpers import QUICKSTART, set_status
 
-from mortal.controller.cli.context import modify_spec
-from mortal.controller.cli.scale import scaled_spec
+from mortal.client.cli.context import modify_spec
+from mortal.client.cli.scale import scaled_spec
 from mortal.state import Conflict, open_store
 
 

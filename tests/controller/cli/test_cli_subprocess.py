@@ -1,4 +1,4 @@
-"""mortalctl as a user runs it: a real process (`python -m mortal.controller.cli.main`), real exit codes."""
+"""mortalctl as a user runs it: a real process (`python -m mortal.client.cli.main`), real exit codes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def mortalctl(mortal_home, store_url):
     env.pop("MORTAL_DEBUG", None)
 
     def run(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mortal.controller.cli.main", *args], input=input,
+        return subprocess.run([sys.executable, "-m", "mortal.client.cli.main", *args], input=input,
                               capture_output=True, text=True, env=env, timeout=120)
 
     return run
@@ -83,7 +83,7 @@ def test_help_of_verbs(mortalctl, verb):
 
 
 def test_help_and_schema_import_no_ml_library(mortal_home):
-    code = ("import sys\nfrom mortal.controller.cli.main import app\nfrom typer.testing import CliRunner\n"
+    code = ("import sys\nfrom mortal.client.cli.main import app\nfrom typer.testing import CliRunner\n"
             "for args in (['--help'], ['schema'], ['apply', '--help']):\n"
             "    assert CliRunner().invoke(app, args).exit_code == 0\n"
             "import mortal\nmortal.MortalTrainer, mortal.RewardEnvironment\n"
@@ -121,7 +121,7 @@ def test_fork_and_rollback_exit_codes_and_no_ml_library(mortalctl, mortal_home):
     back = mortalctl("rollback", "quickstart", "--to", "step-3")
     assert back.returncode == 1 and "has no complete checkpoint of step 3" in back.stderr
     assert mortalctl("rollback", "quickstart", "--to", "three").returncode == 2
-    code = ("import sys\nfrom mortal.controller.cli.main import app\nfrom typer.testing import CliRunner\n"
+    code = ("import sys\nfrom mortal.client.cli.main import app\nfrom typer.testing import CliRunner\n"
             "assert CliRunner().invoke(app, ['fork', 'quickstart', 'new']).exit_code == 1\n"
             "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets', 'vllm') if m in sys.modules))")
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_NO_CONTROLLER": "1",

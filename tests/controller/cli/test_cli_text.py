@@ -10,7 +10,7 @@ import pytest
 from clihelpers import actor, set_status
 from ruamel.yaml import YAML
 
-from mortal.controller.cli.text import plain
+from mortal.client.cli.text import plain
 from mortal.state import NewCompletion, open_store, paths
 
 MARKUP = "[bold red]LOUD[/bold red]"

@@ -27,9 +27,9 @@ from clihelpers import QUICKSTART, actor, set_status
 from ruamel.yaml import YAML
 from sqlalchemy import event
 
-from mortal.controller.cli.dashboard import open_read_only, serve
-from mortal.controller.cli.dashboard_data import ReadOnlyStore
-from mortal.controller.cli.dashboard_html import esc
+from mortal.client.cli.dashboard import open_read_only, serve
+from mortal.client.cli.dashboard_data import ReadOnlyStore
+from mortal.client.cli.dashboard_html import esc
 from mortal.state import NewCompletion, Store, WorkerRef, open_store
 
 SCRIPT = '<script>document.title="pwned"</script><img src=x onerror=alert(1)>'
@@ -243,7 +243,7 @@ def test_nothing_is_written_the_row_counts_stay(populated: str) -> None:
 
 
 def test_an_unmigrated_or_missing_store_is_refused_not_created(mortal_home: Path) -> None:
-    from mortal.controller.cli.context import CliError
+    from mortal.client.cli.context import CliError
 
     missing = mortal_home / "nothing" / "state.db"
     with pytest.raises(CliError, match="no state store at"):
@@ -262,7 +262,7 @@ def test_a_port_in_use_is_a_clear_error_naming_the_flag(populated: str) -> None:
 
     from typer.testing import CliRunner
 
-    from mortal.controller.cli.main import app
+    from mortal.client.cli.main import app
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -281,7 +281,7 @@ def test_as_a_process_on_the_port_it_was_given(populated: str, mortal_home: Path
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "MORTAL_STATE_URL": populated}
-    proc = subprocess.Popen([sys.executable, "-m", "mortal.controller.cli.main", "dashboard", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "mortal.client.cli.main", "dashboard", "--port", str(port)],
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
@@ -332,13 +332,13 @@ def test_a_browser_runs_no_model_text_and_draws_the_page(populated: str, tmp_pat
     ("Failed", "WeightsInSync", "True", "neutral"),
 ])
 def test_condition_colour_follows_the_run_phase(phase, condition, status, shown):
-    from mortal.controller.cli.dashboard_html import condition_class
+    from mortal.client.cli.dashboard_html import condition_class
 
     assert condition_class({"type": condition, "status": status, "reason": "R"}, phase) == shown
 
 
 def test_checkpoint_paths_may_wrap_after_each_slash():
-    from mortal.controller.cli.dashboard_html import run_sections
+    from mortal.client.cli.dashboard_html import run_sections
 
     view = {"run": {"name": "a", "phase": "Succeeded", "step": 1, "maxSteps": 1, "reward": None, "age": "1s",
                     "conditions": []},
@@ -346,13 +346,13 @@ def test_checkpoint_paths_may_wrap_after_each_slash():
             "checkpoints": [{"step": 1, "weightVersion": 1, "path": "/very/long/<b>/step-1", "age": "1s"}],
             "completions": {"step": None}}
     assert "<code>/<wbr>very/<wbr>long/<wbr>&lt;b&gt;/<wbr>step-1</code>" in run_sections(view, False, 3)["checkpoints"]
-    css = (Path(__file__).resolve().parents[3] / "controller/cli/dashboard_static/dashboard.css").read_text()
+    css = (Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.css").read_text()
     assert ".columns > section { min-width: 0;" in css  # a grid cell may shrink below its widest path
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_a_long_text_is_cut_with_a_marker_and_its_endpoint_returns_it_whole(populated: str) -> None:
-    from mortal.controller.cli.dashboard_data import TEXT_SHOWN
+    from mortal.client.cli.dashboard_data import TEXT_SHOWN
 
     huge = "x" * (3 * 1024 * 1024) + "<script>END</script>"
     writer = open_store(populated)
@@ -423,5 +423,5 @@ def test_past_the_connection_limit_idle_sockets_are_shed(populated: str) -> None
 
 def test_the_page_script_never_assigns_html():
     """The sections arrive escaped; the script moves parsed nodes in, so store text can only become text nodes."""
-    script = (Path(__file__).resolve().parents[3] / "controller/cli/dashboard_static/dashboard.js").read_text()
+    script = (Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.js").read_text()
     assert "innerHTML" not in script and "outerHTML" not in script and "DOMParser" in script

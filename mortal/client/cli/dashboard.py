@@ -7,7 +7,7 @@ Pages: `/` (the runs: name, phase, step/maxSteps, reward, conditions, age) and `
 (reward and loss curves, workers, checkpoints, events, and the K worst and best completions of step N,
 the newest by default). JSON: `/api/runs` and `/api/runs/NAME?step=N&k=K`, the same data; with
 `sections=1` they also carry each page section rendered, which is what the page's script swaps in
-every `--refresh` seconds. One refresh reads each table once (controller/cli/dashboard_data.py) and
+every `--refresh` seconds. One refresh reads each table once (mortal/client/cli/dashboard_data.py) and
 sends each text cut to a page's worth; `/api/runs/NAME/status`, `.../events/ID`, `.../workers/ID`,
 `.../checkpoints/STEP` and `.../completions/STEP/SAMPLE` return an item with its texts whole.
 Served by waitress (threads, one process), as the store server is; the `server` extra installs it. A
@@ -30,9 +30,9 @@ from urllib.parse import parse_qs, unquote
 
 import typer
 
-from mortal.controller.cli import dashboard_data as data
-from mortal.controller.cli import dashboard_html as pages
-from mortal.controller.cli.context import CliError, state
+from mortal.client.cli import dashboard_data as data
+from mortal.client.cli import dashboard_html as pages
+from mortal.client.cli.context import CliError, state
 
 log = logging.getLogger("mortal.dashboard")
 DEFAULT_PORT = 8265
@@ -75,7 +75,7 @@ def _json_body(doc: Any) -> bytes:
 
 
 def _static(name: str) -> bytes:
-    return resources.files("mortal.controller.cli").joinpath("dashboard_static", name).read_bytes()
+    return resources.files("mortal.client.cli").joinpath("dashboard_static", name).read_bytes()
 
 
 class DashboardApp:

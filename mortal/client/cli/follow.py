@@ -19,9 +19,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from mortal.controller.cli.context import TERMINAL_PHASES, CliError, run_document
-from mortal.controller.cli.output import age, console, fmt_float, say
-from mortal.controller.cli.text import cell, plain
+from mortal.client.cli.context import TERMINAL_PHASES, CliError, run_document
+from mortal.client.cli.output import age, console, fmt_float, say
+from mortal.client.cli.text import cell, plain
 
 if TYPE_CHECKING:
     from rich.console import Console

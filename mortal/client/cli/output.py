@@ -20,7 +20,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from ruamel.yaml import YAML
 
-from mortal.controller.cli.text import JSON_ESCAPES, cell, plain
+from mortal.client.cli.text import JSON_ESCAPES, cell, plain
 
 OUTPUT_FORMATS = ("wide", "yaml", "json", "name")
 UNBOUNDED_WIDTH = 100_000  # what a table is measured in when it is not printed to a terminal
@@ -63,7 +63,7 @@ def age(since: datetime | None, now: datetime | None = None) -> str:
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
     """A kubectl-like table: no borders, header row, columns padded by two spaces; every cell shown as plain
-    text (controller/cli/text.py), whatever control characters or markup it holds."""
+    text (mortal/client/cli/text.py), whatever control characters or markup it holds."""
     out = Table(box=None, pad_edge=False, padding=(0, 3, 0, 0), show_edge=False, header_style="bold")
     for header in headers:
         out.add_column(cell(header), no_wrap=True, overflow="ignore")

@@ -1,4 +1,4 @@
-"""mortal's Modal app: `modal deploy -m mortal.controller.modal_app` (from a checkout; see docs/modal.md).
+"""mortal's Modal app: `modal deploy -m mortal.client.modal_app` (from a checkout; see docs/modal.md).
 
 Five functions on two images (this checkout, pip-installed with its `train` extra; torch pinned to
 TORCH_VERSION in both, the one VLLM_VERSION requires, so trainer and rollouts agree):
@@ -62,7 +62,7 @@ WORKER_TIMEOUT_SECONDS = 24 * 3600  # Modal's longest; a worker cut off here is 
 SCHEDULE_MINUTES = 10  # a controller call starts this often
 CONTROLLER_OVERLAP_SECONDS = 90  # ... and runs this much longer: the next one (started, standing by) takes over
 CONTROLLER_RUN_SECONDS = SCHEDULE_MINUTES * 60 + CONTROLLER_OVERLAP_SECONDS
-REPO = Path(__file__).resolve().parents[1]  # this checkout: controller/ is one of its top-level folders
+REPO = Path(__file__).resolve().parents[2]  # this checkout: mortal/client/ lies two folders below it
 PYTHON = "{}.{}".format(*sys.version_info)  # the deployer's: serialized functions need the same series
 IGNORED = [".git", ".venv", "**/__pycache__", "**/*.egg-info", "tests", "bench", "docs", "build", "dist"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mortal.controller.cli.context import (
+from mortal.client.cli.context import (
     TERMINAL_PHASES,
     CliError,
     ensure_controller,
@@ -21,7 +21,7 @@ from mortal.controller.cli.context import (
     state,
     wake_controller,
 )
-from mortal.controller.cli.text import plain
+from mortal.client.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.state import RunRow, Store

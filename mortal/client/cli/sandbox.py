@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mortal.controller.cli.context import CliError
-from mortal.controller.cli.output import to_json
+from mortal.client.cli.context import CliError
+from mortal.client.cli.output import to_json
 
 if TYPE_CHECKING:
     from mortal.specs import SandboxSpec

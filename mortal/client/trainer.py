@@ -8,7 +8,7 @@
 The same run `mortalctl apply -f` would create: reward functions become "module:attr" references
 (so they must be importable by the worker processes: a lambda, a closure or a function defined in
 `__main__` is refused with the fix), an in-memory dataset is written to a .jsonl file under
-$MORTAL_HOME/datasets/ (both in mortal.controller.trainer_inputs), and `mode` (mortal.controller.
+$MORTAL_HOME/datasets/ (both in mortal.client.trainer_inputs), and `mode` (mortal.controller.
 modes) fills the actor/rollout/sync blocks. `train()` admits the run as `mortalctl apply` does
 (mortal.controller.admission): the modules of those functions that live in this folder or the
 script's are snapshotted with the run, so workers import them wherever the controller was started.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mortal.controller.modes import Distributed, GPUConfig, SingleNode
-from mortal.controller.trainer_inputs import (
+from mortal.client.modes import Distributed, GPUConfig, SingleNode
+from mortal.client.trainer_inputs import (
     RewardNotImportable,
     TrainerError,
     dataset_name,
@@ -57,7 +57,7 @@ def _checkpoint_source(value: str | bool | None) -> tuple[str, int | None] | Non
     """resume_from_checkpoint -> (run, step or None); None for None/True (a run resumes by itself)."""
     from pathlib import Path
 
-    from mortal.controller.cli.fork import parse_source
+    from mortal.client.cli.fork import parse_source
 
     if value is None or value is True or value is False:
         return None
@@ -298,9 +298,9 @@ class MortalTrainer:
         """
         from pathlib import Path
 
+        from mortal.client.cli import context, follow
+        from mortal.client.cli.apply import wait_until_deleted
         from mortal.controller.admission import admit_runs
-        from mortal.controller.cli import context, follow
-        from mortal.controller.cli.apply import wait_until_deleted
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
 
@@ -323,13 +323,13 @@ class MortalTrainer:
             except NotFound:
                 existing = None
             if source is not None and existing is None:
-                from mortal.controller.cli.fork import fork_run
+                from mortal.client.cli.fork import fork_run
 
                 forked = fork_run(store, source[0], source[1], self.name, document=self.run)
                 outcome = f"created, forked from {forked.parent} at step {forked.step}"
             else:
                 if source is not None and existing is not None and existing.forked_from != source[0]:
-                    from mortal.controller.cli.fork import RunExists
+                    from mortal.client.cli.fork import RunExists
 
                     raise RunExists(f"trainingrun {self.name!r} already exists and was not forked from "
                                     f"{source[0]!r}; pick another name")

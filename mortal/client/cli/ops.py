@@ -19,8 +19,8 @@ from typing import Any
 
 import typer
 
-from mortal.controller.cli.context import TERMINAL_PHASES, CliError, state
-from mortal.controller.cli.text import plain
+from mortal.client.cli.context import TERMINAL_PHASES, CliError, state
+from mortal.client.cli.text import plain
 
 LOGS_HELP = """Print the logs of a run's workers (the newest incarnation of each).
 

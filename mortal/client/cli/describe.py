@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mortal.controller.cli.context import run_document, state
-from mortal.controller.cli.output import age, console, fmt_float, print_renderable, table
-from mortal.controller.cli.text import plain
+from mortal.client.cli.context import run_document, state
+from mortal.client.cli.output import age, console, fmt_float, print_renderable, table
+from mortal.client.cli.text import plain
 from mortal.controller.ledger import run_ledger
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.cells import cell_len
 
-from mortal.controller.cli import completions, metrics
-from mortal.controller.cli.context import parse_selector, run_document, state
-from mortal.controller.cli.output import (
+from mortal.client.cli import completions, metrics
+from mortal.client.cli.context import parse_selector, run_document, state
+from mortal.client.cli.output import (
     OUTPUT_FORMATS,
     age,
     fmt_float,
@@ -26,7 +26,7 @@ from mortal.controller.cli.output import (
     to_json,
     to_yaml,
 )
-from mortal.controller.cli.text import plain
+from mortal.client.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.state import RunRow, Store

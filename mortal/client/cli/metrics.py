@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mortal.controller.cli.completions import Format
-from mortal.controller.cli.context import CliError, state
-from mortal.controller.cli.output import console, print_table, to_json, to_yaml
-from mortal.controller.cli.text import plain
+from mortal.client.cli.completions import Format
+from mortal.client.cli.context import CliError, state
+from mortal.client.cli.output import console, print_table, to_json, to_yaml
+from mortal.client.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.state import MetricRow

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from mortal.client.cli.context import CliError, state
+from mortal.client.cli.text import plain
 from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
 from mortal.controller.backends.modal import data_volume
-from mortal.controller.cli.context import CliError, state
-from mortal.controller.cli.text import plain
 from mortal.state.containment import PathOutside, owned_checkpoint, posix_inside, report_refused, tree_inside
 from mortal.workers.storage import StorageError, is_url, local_path, open_filesystem
 

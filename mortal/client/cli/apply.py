@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mortal.controller.cli import follow
-from mortal.controller.cli.context import CliError, ensure_controller, state, wake_controller
-from mortal.controller.cli.text import plain
+from mortal.client.cli import follow
+from mortal.client.cli.context import CliError, ensure_controller, state, wake_controller
+from mortal.client.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun

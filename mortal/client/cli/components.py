@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mortal.controller.cli.context import CliError
-from mortal.controller.cli.output import console, say, table, to_json, to_yaml
+from mortal.client.cli.context import CliError
+from mortal.client.cli.output import console, say, table, to_json, to_yaml
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -52,7 +52,7 @@ test_app = typer.Typer(help=HELP, no_args_is_help=True)
 
 def load_run(filename: str, name: str | None) -> TrainingRun:
     """The one run in `filename`, or the one called `name`."""
-    from mortal.controller.cli.apply import read_documents
+    from mortal.client.cli.apply import read_documents
 
     runs = read_documents([filename])
     if name is not None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import typer
 
-from mortal.controller.cli.apply import read_documents
-from mortal.controller.cli.context import (
+from mortal.client.cli.apply import read_documents
+from mortal.client.cli.context import (
     TERMINAL_PHASES,
     CliError,
     ensure_controller,
@@ -18,7 +18,7 @@ from mortal.controller.cli.context import (
     state,
     wake_controller,
 )
-from mortal.controller.cli.text import plain
+from mortal.client.cli.text import plain
 
 RUN_ALIASES = ("run", "runs", "trainingrun", "trainingruns", "tr")
 NoController = typer.Option(False, "--no-controller", help="Do not start a background controller.")

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mortal.controller.cli.context import TERMINAL_PHASES, CliError, ensure_controller, state, wake_controller
-from mortal.controller.cli.text import plain
+from mortal.client.cli.context import TERMINAL_PHASES, CliError, ensure_controller, state, wake_controller
+from mortal.client.cli.text import plain
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun

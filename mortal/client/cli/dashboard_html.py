@@ -1,6 +1,6 @@
 """The dashboard's HTML: pages and the sections its script swaps in on every refresh, curves as inline SVG.
 
-Who calls it: controller/cli/dashboard.py, with the dicts of controller/cli/dashboard_data.py. Pure:
+Who calls it: mortal/client/cli/dashboard.py, with the dicts of mortal/client/cli/dashboard_data.py. Pure:
 no store, no clock. Everything that came from the store goes through `esc` (html.escape, quotes
 too): completions are model text, and events, messages and paths are anyone's. The page loads one
 stylesheet and one script from the dashboard itself (no CDN: it works offline), and the server's
@@ -14,7 +14,7 @@ import math
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from mortal.controller.cli.output import fmt_float
+from mortal.client.cli.output import fmt_float
 
 CHART_WIDTH, CHART_HEIGHT = 560, 200
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 56, 12, 22, 28

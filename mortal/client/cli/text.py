@@ -1,6 +1,6 @@
 """Text mortalctl did not write (store, user, model, worker) turned into text that is safe to print on a terminal.
 
-Who calls it: every verb, through controller/cli/output.py (`table` cells, `say`) or directly, before such
+Who calls it: every verb, through mortal/client/cli/output.py (`table` cells, `say`) or directly, before such
 text reaches stdout or stderr. An event message, a label, a completion or a log line may carry ESC
 sequences (clear the screen, recolour, an OSC 8 link hiding its target) or rich markup (`[bold red]`):
 both are shown as the characters they are, never obeyed. Control characters are shown as kubectl and

@@ -1,7 +1,7 @@
 """What `mortalctl dashboard` shows, read from the store: the runs list and one run's page, as plain dicts.
 
-Who calls it: the dashboard's WSGI app (controller/cli/dashboard.py), once per page or refresh; the
-dicts it returns are both the JSON endpoints' bodies and what controller/cli/dashboard_html.py renders.
+Who calls it: the dashboard's WSGI app (mortal/client/cli/dashboard.py), once per page or refresh; the
+dicts it returns are both the JSON endpoints' bodies and what mortal/client/cli/dashboard_html.py renders.
 Cost: one store query per table per refresh, never one per run: the runs list is a single
 `list_runs` (phase, step, reward and conditions are in each run's status block); a run's page is one
 query each on runs, metrics, events, workers and checkpoints, and two on completions (the steps that
@@ -20,9 +20,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from mortal.controller.cli.completions import completion_dict
-from mortal.controller.cli.context import CliError, run_document
-from mortal.controller.cli.output import age
+from mortal.client.cli.completions import completion_dict
+from mortal.client.cli.context import CliError, run_document
+from mortal.client.cli.output import age
 
 if TYPE_CHECKING:
     from mortal.state import CheckpointRow, CompletionRow, EventRow, RunRow, Store

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mortal.controller.cli.context import CliError, state
-from mortal.controller.cli.output import console, fmt_float, print_table, to_json, to_yaml
+from mortal.client.cli.context import CliError, state
+from mortal.client.cli.output import console, fmt_float, print_table, to_json, to_yaml
 
 if TYPE_CHECKING:
     from mortal.state import CompletionRow, Store

@@ -19,7 +19,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from mortal.controller.cli import (
+from mortal.client.cli import (
     apply,
     components,
     cp,
@@ -32,8 +32,8 @@ from mortal.controller.cli import (
     sandbox,
     scale,
 )
-from mortal.controller.cli.context import CliError, CliState
-from mortal.controller.cli.text import plain
+from mortal.client.cli.context import CliError, CliState
+from mortal.client.cli.text import plain
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
 

@@ -1,6 +1,6 @@
 """What MortalTrainer turns into spec fields: reward callables -> "module:attr", datasets -> files.
 
-Called by mortal.controller.trainer while it builds a TrainingRun. A reward must be importable by a
+Called by mortal.client.trainer while it builds a TrainingRun. A reward must be importable by a
 worker process, so each is checked by importing its path back and comparing identity; an
 in-memory dataset is written once to $MORTAL_HOME/datasets/<name>-<hash>.jsonl. It must not
 import torch or datasets (a datasets.Dataset is recognized by duck typing).
