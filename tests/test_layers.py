@@ -32,7 +32,16 @@ ALLOWED = {
 
 # The client's old paths under mortal.controller (old -> new): each warns with a DeprecationWarning and
 # re-exports the new module's public names. Nothing else below the client may import it.
-SHIMS: dict[str, tuple[str, ...]] = {}
+SHIMS = {
+    "mortal.controller.trainer": ("mortal.client.trainer",),
+    "mortal.controller.trainer_inputs": ("mortal.client.trainer_inputs",),
+    "mortal.controller.modes": ("mortal.client.modes",),
+    "mortal.controller.modal_app": ("mortal.client.modal_app",),
+    "mortal.controller.cli": ("mortal.client.cli",),
+    **{f"mortal.controller.cli.{name}": (f"mortal.client.cli.{name}",) for name in (
+        "apply", "completions", "context", "cp", "dashboard", "dashboard_data", "dashboard_html", "follow", "fork",
+        "get", "main", "metrics", "output", "scale", "text")},
+}
 
 
 def module_name(path: Path) -> str:

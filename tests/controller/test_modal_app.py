@@ -252,11 +252,11 @@ def _probe(env: dict[str, str], cwd: Path) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
-def _deploy(env: dict[str, str], cwd: Path, url: str) -> subprocess.CompletedProcess[str]:
+def _deploy(env: dict[str, str], cwd: Path, url: str, module: str = APP_MODULE) -> subprocess.CompletedProcess[str]:
     """The documented command, against the refusing API: it fails at the token, after building the app."""
     env = {**env, "MODAL_SERVER_URL": url, "MODAL_TOKEN_ID": "ak-test", "MODAL_TOKEN_SECRET": "as-test",
            "MODAL_CONFIG_PATH": str(cwd / "absent.toml")}
-    return subprocess.run([sys.executable, "-m", "modal", "deploy", "-m", APP_MODULE], env=env, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "modal", "deploy", "-m", module], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -291,3 +291,11 @@ def test_modal_deploy_from_a_checkout_gets_as_far_as_the_token(wheel_site: Path,
             assert out.returncode != 0 and REFUSAL in out.stdout + out.stderr, (name, out.stdout, out.stderr)
             assert "Traceback" not in out.stderr, (name, out.stderr)
 
+
+
+def test_modal_deploy_of_the_old_module_path_builds_the_same_app(tmp_path: Path) -> None:
+    """`modal deploy -m mortal.controller.modal_app`, as earlier docs say, goes through its shim to the app."""
+    with RefusingModalAPI() as url:
+        out = _deploy({**os.environ, "MORTAL_MODAL_SECRETS": ""}, tmp_path, url, "mortal.controller.modal_app")
+    assert out.returncode != 0 and REFUSAL in out.stdout + out.stderr, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr

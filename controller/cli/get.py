@@ -1,0 +1,12 @@
+"""The old path of mortal.client.cli.get (deprecated): warns, and re-exports it."""
+
+import warnings
+
+from mortal.client.cli import get as _moved
+
+_OLD, _NEW = "mortal.controller.cli.get", "mortal.client.cli.get"
+warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
+
+
+def __getattr__(name: str) -> object:
+    return getattr(_moved, name)

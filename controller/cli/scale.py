@@ -1,0 +1,12 @@
+"""The old path of mortal.client.cli.scale (deprecated): warns, and re-exports it."""
+
+import warnings
+
+from mortal.client.cli import scale as _moved
+
+_OLD, _NEW = "mortal.controller.cli.scale", "mortal.client.cli.scale"
+warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
+
+
+def __getattr__(name: str) -> object:
+    return getattr(_moved, name)
