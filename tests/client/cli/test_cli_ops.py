@@ -135,7 +135,7 @@ def test_home_option_puts_the_default_store_there(tmp_path, monkeypatch):
 @pytest.fixture
 def modal_volume(tmp_path, monkeypatch):
     """The Modal fake as the `modal` package, with a token: its volume is a folder of this test."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "controller" / "backends"))
     from modal_fake import FakeModal
 
     fake = FakeModal(volume=tmp_path / "volume", functions={})
