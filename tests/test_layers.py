@@ -39,8 +39,11 @@ SHIMS = {
     "mortal.controller.modal_app": ("mortal.client.modal_app",),
     "mortal.controller.cli": ("mortal.client.cli",),
     **{f"mortal.controller.cli.{name}": (f"mortal.client.cli.{name}",) for name in (
-        "apply", "completions", "context", "cp", "dashboard", "dashboard_data", "dashboard_html", "follow", "fork",
-        "get", "main", "metrics", "output", "scale", "text")},
+        "completions", "context", "dashboard", "dashboard_data", "dashboard_html", "follow", "get", "main", "metrics",
+        "output", "scale", "text")},
+    "mortal.controller.cli.apply": ("mortal.client.apply",),
+    "mortal.controller.cli.cp": ("mortal.client.checkpoint_copy",),
+    "mortal.controller.cli.fork": ("mortal.client.fork",),
 }
 
 

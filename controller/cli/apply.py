@@ -1,10 +1,10 @@
-"""The old path of mortal.client.cli.apply (deprecated): warns, and re-exports it."""
+"""The old path of mortal.client.apply (deprecated): warns, and re-exports it."""
 
 import warnings
 
-from mortal.client.cli import apply as _moved
+from mortal.client import apply as _moved
 
-_OLD, _NEW = "mortal.controller.cli.apply", "mortal.client.cli.apply"
+_OLD, _NEW = "mortal.controller.cli.apply", "mortal.client.apply"
 warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
 
 

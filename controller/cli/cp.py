@@ -1,10 +1,10 @@
-"""The old path of mortal.client.cli.cp (deprecated): warns, and re-exports it."""
+"""The old path of mortal.client.checkpoint_copy (deprecated): warns, and re-exports it."""
 
 import warnings
 
-from mortal.client.cli import cp as _moved
+from mortal.client import checkpoint_copy as _moved
 
-_OLD, _NEW = "mortal.controller.cli.cp", "mortal.client.cli.cp"
+_OLD, _NEW = "mortal.controller.cli.cp", "mortal.client.checkpoint_copy"
 warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
 
 

@@ -1,10 +1,10 @@
-"""The old path of mortal.client.cli.fork (deprecated): warns, and re-exports it."""
+"""The old path of mortal.client.fork (deprecated): warns, and re-exports it."""
 
 import warnings
 
-from mortal.client.cli import fork as _moved
+from mortal.client import fork as _moved
 
-_OLD, _NEW = "mortal.controller.cli.fork", "mortal.client.cli.fork"
+_OLD, _NEW = "mortal.controller.cli.fork", "mortal.client.fork"
 warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
 
 

@@ -57,7 +57,7 @@ def _checkpoint_source(value: str | bool | None) -> tuple[str, int | None] | Non
     """resume_from_checkpoint -> (run, step or None); None for None/True (a run resumes by itself)."""
     from pathlib import Path
 
-    from mortal.client.cli.fork import parse_source
+    from mortal.client.fork import parse_source
 
     if value is None or value is True or value is False:
         return None
@@ -298,8 +298,8 @@ class MortalTrainer:
         """
         from pathlib import Path
 
+        from mortal.client.apply import wait_until_deleted
         from mortal.client.cli import context, follow
-        from mortal.client.cli.apply import wait_until_deleted
         from mortal.controller.admission import admit_runs
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
@@ -323,13 +323,13 @@ class MortalTrainer:
             except NotFound:
                 existing = None
             if source is not None and existing is None:
-                from mortal.client.cli.fork import fork_run
+                from mortal.client.fork import fork_run
 
                 forked = fork_run(store, source[0], source[1], self.name, document=self.run)
                 outcome = f"created, forked from {forked.parent} at step {forked.step}"
             else:
                 if source is not None and existing is not None and existing.forked_from != source[0]:
-                    from mortal.client.cli.fork import RunExists
+                    from mortal.client.fork import RunExists
 
                     raise RunExists(f"trainingrun {self.name!r} already exists and was not forked from "
                                     f"{source[0]!r}; pick another name")

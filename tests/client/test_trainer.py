@@ -336,7 +336,7 @@ def _checkpointed_parent(store, spec: dict, step: int) -> None:
 
 
 def test_resume_from_checkpoint_forks_another_runs_checkpoint_with_this_trainers_spec(store_url):
-    from mortal.client.cli.fork import CannotCarryOver, CheckpointNotFound, RunExists
+    from mortal.client.fork import CannotCarryOver, CheckpointNotFound, RunExists
     from mortal.state import paths
 
     store = open_store(store_url)

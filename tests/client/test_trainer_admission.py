@@ -70,7 +70,7 @@ def test_a_reward_trl_cannot_call_is_refused_before_anything_is_written(store_ur
 @sqlite_only
 def test_a_run_of_the_same_name_being_deleted_is_waited_for_before_the_code_is_installed(
         store_url, script_rewards, monkeypatch):
-    from mortal.client.cli import apply as apply_verb
+    from mortal.client import apply as apply_verb
     from mortal.client.cli.context import CliError
 
     module, _ = script_rewards

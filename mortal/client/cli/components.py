@@ -52,7 +52,7 @@ test_app = typer.Typer(help=HELP, no_args_is_help=True)
 
 def load_run(filename: str, name: str | None) -> TrainingRun:
     """The one run in `filename`, or the one called `name`."""
-    from mortal.client.cli.apply import read_documents
+    from mortal.client.apply import read_documents
 
     runs = read_documents([filename])
     if name is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from mortal.client.cli.apply import read_documents
+from mortal.client.apply import read_documents
 from mortal.client.cli.context import (
     TERMINAL_PHASES,
     CliError,

@@ -19,13 +19,12 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from mortal.client import apply, fork
+from mortal.client import checkpoint_copy as cp
 from mortal.client.cli import (
-    apply,
     components,
-    cp,
     dashboard,
     describe,
-    fork,
     get,
     lifecycle,
     ops,

@@ -6,7 +6,7 @@ import json
 
 from clihelpers import QUICKSTART
 
-from mortal.client.cli import apply
+from mortal.client import apply
 from mortal.state import open_store
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from clihelpers import QUICKSTART, actor
 
-from mortal.client.cli import cp
+from mortal.client import checkpoint_copy as cp
 from mortal.state import open_store, paths
 
 

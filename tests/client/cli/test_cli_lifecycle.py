@@ -7,7 +7,7 @@ import threading
 import pytest
 from clihelpers import QUICKSTART, set_status
 
-from mortal.client.cli import apply
+from mortal.client import apply
 from mortal.controller.backends.local import LocalBackend
 from mortal.controller.snapshot import CODE_ANNOTATION
 from mortal.state import open_store, paths

@@ -122,7 +122,7 @@ def test_fork_refuses_to_copy_a_parent_checkpoint_row_pointing_outside(cli, stor
 
 def test_cp_refuses_a_modal_checkpoint_row_outside_the_runs_folder_on_its_volume(cli, store, tmp_path,
                                                                                  monkeypatch) -> None:
-    from mortal.client.cli import cp
+    from mortal.client import checkpoint_copy as cp
 
     monkeypatch.setattr(cp, "modal_data_volume", lambda: pytest.fail("the volume must not be read"))
     on_modal = tmp_path / "modal.yaml"
