@@ -41,9 +41,9 @@ SHIMS = {
     **{f"mortal.controller.cli.{name}": (f"mortal.client.cli.{name}",) for name in (
         "completions", "context", "dashboard", "dashboard_data", "dashboard_html", "follow", "get", "main", "metrics",
         "output", "scale", "text")},
-    "mortal.controller.cli.apply": ("mortal.client.apply",),
-    "mortal.controller.cli.cp": ("mortal.client.checkpoint_copy",),
-    "mortal.controller.cli.fork": ("mortal.client.fork",),
+    "mortal.controller.cli.apply": ("mortal.client.apply", "mortal.client.cli.apply"),
+    "mortal.controller.cli.cp": ("mortal.client.checkpoint_copy", "mortal.client.cli.cp"),
+    "mortal.controller.cli.fork": ("mortal.client.fork", "mortal.client.rollback", "mortal.client.cli.fork"),
 }
 
 
@@ -85,6 +85,21 @@ def test_module_imports_only_lower_layers(path):
     assert not wrong, f"{name} ({own}) must not import {sorted(wrong)}"
 
 
+def test_the_client_library_leaves_the_command_line_to_its_verbs():
+    """mortal.client's library (fork, rollback, apply, ...) is what the verbs and MortalTrainer call: it never
+    imports the CLI package, but for the live view MortalTrainer.train() shares with `apply --follow`."""
+    library = [p for p in (REPO / "mortal" / "client").rglob("*.py") if "cli" not in p.relative_to(REPO).parts]
+    for path in library:
+        named = set()  # `from mortal.client.cli import follow` names mortal.client.cli.follow
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                named |= {f"{node.module}.{alias.name}" for alias in node.names}
+        cli = {name for name in named if name.startswith("mortal.client.cli.")}
+        assert cli <= {"mortal.client.cli.follow"}, f"{module_name(path)} imports {sorted(cli)}"
+
+
 def test_every_shim_is_a_module_and_imports_only_the_client():
     for name in SHIMS:
         path = REPO / "controller" / Path(*name.split(".")[2:])
@@ -108,7 +123,7 @@ def test_each_shim_warns_and_reexports_the_moved_module(old, monkeypatch):
     monkeypatch.setenv("MORTAL_MODAL_SECRETS", "")
     shim, caught = _fresh_import(old)
     moved = [w for w in caught if issubclass(w.category, DeprecationWarning) and f"{old} moved" in str(w.message)]
-    assert [str(w.message) for w in moved] == [f"{old} moved to {SHIMS[old][0]}; import it from there"]
+    assert [str(w.message) for w in moved] == [f"{old} moved to {', '.join(SHIMS[old])}; import it from there"]
     assert moved[0].filename == __file__, "the warning names the importing line, not the shim"
     for new in SHIMS[old]:
         module = importlib.import_module(new)

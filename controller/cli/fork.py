@@ -1,12 +1,20 @@
-"""The old path of mortal.client.fork (deprecated): warns, and re-exports it."""
+"""The old path of mortal.client.fork, mortal.client.rollback and mortal.client.cli.fork (deprecated):
+warns, and re-exports them."""
 
 import warnings
 
-from mortal.client import fork as _moved
+from mortal.client import fork as _fork
+from mortal.client import rollback as _rollback
+from mortal.client.cli import fork as _verbs
 
-_OLD, _NEW = "mortal.controller.cli.fork", "mortal.client.fork"
+_OLD = "mortal.controller.cli.fork"
+_NEW = "mortal.client.fork, mortal.client.rollback, mortal.client.cli.fork"
 warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
+_MOVED = (_fork, _rollback, _verbs)
 
 
 def __getattr__(name: str) -> object:
-    return getattr(_moved, name)
+    for module in _MOVED:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

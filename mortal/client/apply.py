@@ -1,53 +1,19 @@
-"""`mortalctl apply -f FILE|DIR|-`: make the store's desired state match TrainingRun documents.
+"""Applying TrainingRuns: read their documents, refuse or fit what the GPU cannot hold, write desired state.
 
-Prints `trainingrun/NAME created | configured | unchanged` per run (unchanged when the normalized
-spec, labels and annotations are equal), nudges or starts a controller, and with --follow/--wait
-stays until the runs finish. Status in the documents is ignored, so `get -o yaml` output applies.
-Refuses, before writing anything, a run whose model certainly cannot fit the GPU it names
-(`refuse_what_cannot_fit`, mortal.controller.fit), or that fails admission (mortal.controller.admission:
-its rewards, tools, environments, model and dataset file, checked from this folder, whose code the
-run then carries in its snapshot). Also holds `read_documents`, shared with `delete -f`.
+Shared by `mortalctl apply` (and `delete -f`, `mortalctl test`, which read documents the same way) and
+MortalTrainer.train(), which waits as apply does for a run of the same name being deleted. Refuses,
+before anything is written, a model that certainly cannot fit the GPU it names (mortal.controller.fit).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import sys
 from typing import TYPE_CHECKING
 
-import typer
-
-from mortal.client.cli import follow
-from mortal.client.cli.context import CliError, ensure_controller, state, wake_controller
-from mortal.client.cli.text import plain
+from mortal.client.errors import ClientError
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
-
-HELP = """Create or update TrainingRuns from YAML or JSON files.
-
-A run that does not exist is created; one whose spec, labels or annotations differ is configured
-(its generation grows when the spec changes); an identical one is left unchanged. Status and
-read-only metadata in the files are ignored, so the output of `get -o yaml` can be applied again.
-Unless --no-controller is given, a background controller is started when none is running.
-
-Before anything is written, each run is admitted: its rewards, tools and environments must import
-from this folder (or be installed) with the signatures TRL calls, its model must be here or in the
-Hugging Face cache, its dataset file must exist. The modules and files it takes from this folder are
-snapshotted with the run, so its workers import them wherever the controller was started; editing
-them and applying again says `configured`. Checks only a remote backend can make are printed as
-deferred. --dry-run prints every check (docs/admission.md).
-
-\b
-Examples:
-  # Train the quickstart example on this machine and watch it
-  mortalctl apply -f specs/examples/quickstart.yaml --follow
-\b
-  # Apply every *.yaml file in a folder
-  mortalctl apply -f runs/
-\b
-  # Apply what another command prints
-  mortalctl get runs -o json | mortalctl apply -f -
-"""
 
 
 def read_documents(filenames: list[str], recursive: bool = False) -> list[TrainingRun]:
@@ -78,7 +44,7 @@ def read_sourced_documents(filenames: list[str], recursive: bool = False) -> lis
 
 
 def refuse_what_cannot_fit(runs: list[TrainingRun]) -> None:
-    """Raise CliError naming the field when a run's model certainly cannot fit the GPU it asks for
+    """Raise ClientError naming the field when a run's model certainly cannot fit the GPU it asks for
     (mortal.controller.fit); the parameter count comes from the model's files, when they are here."""
     from mortal.controller.backends.gpus import gpu_memory
     from mortal.controller.fit import certain_misfits
@@ -94,7 +60,7 @@ def refuse_what_cannot_fit(runs: list[TrainingRun]) -> None:
             continue
         problems += [f"trainingrun/{run.name}: {m.field}: {m.message}" for m in certain_misfits(spec, parameters)]
     if problems:
-        raise CliError("the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems))
+        raise ClientError("the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems))
 
 
 def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
@@ -117,7 +83,7 @@ def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
         parameters = count_parameters(run.spec.model.name) if shape else None
         choice = fitting_micro_batch(run.spec, parameters, shape) if shape and parameters else None
         if choice is not None:
-            typer.echo(f"note: trainingrun/{run.name}: {choice.reason}", err=True)
+            print(f"note: trainingrun/{run.name}: {choice.reason}", file=sys.stderr, flush=True)
             notes[FITTED_ANNOTATION] = str(choice.size)
         if notes != run.metadata.annotations:
             run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"annotations": notes})})
@@ -145,7 +111,7 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
 def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
     """A run of this name being deleted: wait until the controller has purged it (and set its folder aside),
     so that `delete` then `apply` at once creates the new run (a new uid) with a folder of its own instead of
-    failing; CliError after `timeout`."""
+    failing; ClientError after `timeout`."""
     import time
 
     from mortal.controller.snapshot import being_deleted
@@ -155,10 +121,10 @@ def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
     said = False
     while being_deleted(store, name):
         if not said:
-            typer.echo(f"trainingrun/{name} is being deleted: waiting for the controller to finish", err=True)
+            print(f"trainingrun/{name} is being deleted: waiting for the controller to finish", file=sys.stderr, flush=True)
             said = True
         if time.monotonic() >= deadline:
-            raise CliError(f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
+            raise ClientError(f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
                            "controller running? (mortalctl get runs shows it Terminating)")
         time.sleep(DELETION_POLL_SECONDS)
 
@@ -173,55 +139,3 @@ def _dry_outcome(store, run: TrainingRun) -> str:
         return "created"
     same = (row.spec, row.labels, row.annotations) == (run.spec_dict(), run.metadata.labels, run.metadata.annotations)
     return "unchanged" if same else "configured"
-
-
-def apply_command(
-    ctx: typer.Context,
-    filenames: list[str] = typer.Option(
-        ..., "-f", "--filename", metavar="FILE", help="A file, a folder of *.yaml files, or '-' for stdin (repeatable)."
-    ),
-    recursive: bool = typer.Option(False, "-R", "--recursive", help="Read folders given with -f recursively."),
-    follow_: bool = typer.Option(False, "--follow", help="Show live progress until the runs finish."),
-    wait: bool = typer.Option(False, "--wait", help="Wait quietly until the runs finish."),
-    timeout: float = typer.Option(0, "--timeout", metavar="SECONDS", help="With --follow/--wait: give up after this long (0 = never)."),
-    no_controller: bool = typer.Option(
-        False, "--no-controller", help="Do not start a background controller [env: MORTAL_NO_CONTROLLER=1]."
-    ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate, print the admission checks and what would change, without writing."),
-) -> None:
-    from mortal.controller.admission import admit_runs
-
-    cli = state(ctx)
-    sourced = read_sourced_documents(filenames, recursive)
-    runs = [run for run, _ in sourced]
-    if not runs:
-        raise CliError(f"no TrainingRun documents found in {', '.join(filenames)}")
-    for run in runs:
-        for note in run.spec.notes():
-            typer.echo(plain(f"note: trainingrun/{run.name}: {note}"), err=True)
-    refuse_what_cannot_fit(runs)
-    if not dry_run:  # before admission installs the code snapshot in the run's folder, which the purge moves
-        for run in runs:
-            wait_until_deleted(cli.store, run.name)
-    with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
-        for admission in admitted:
-            for check in admission.checks if dry_run else admission.deferred:
-                typer.echo(plain(("check: " if dry_run else "note: ") + check.line(admission.run.name)), err=True)
-        results = apply_runs(cli.store, fit_micro_batches(runs), dry_run)
-    suffix = " (dry run)" if dry_run else ""
-    for name, outcome in results:
-        typer.echo(plain(f"trainingrun/{name} {outcome}{suffix}"))
-    if dry_run:
-        return
-    changed = [name for name, outcome in results if outcome != "unchanged"]
-    if changed:
-        wake_controller(*changed)
-    ensure_controller(cli, no_controller)
-    if follow_ or wait:
-        names = [name for name, _ in results]
-        ok = follow.follow_runs(cli.store, names, quiet=wait and not follow_, timeout=timeout or None)
-        raise typer.Exit(0 if ok else 1)
-
-
-def register(app: typer.Typer) -> None:
-    app.command("apply", help=HELP, short_help="Create or update runs from YAML or JSON files", no_args_is_help=True)(apply_command)

@@ -1,10 +1,8 @@
-"""`mortalctl cp RUN[:step-N] DIR`: copy a run's checkpoint out, from this machine or Modal's volume.
+"""A run's checkpoint copied out to a local folder (`mortalctl cp`), from wherever it lies.
 
-Like `kubectl cp`, the source names something the cluster keeps, the destination a local folder.
-The checkpoint is the newest complete one unless a step is named (the store lists only complete
-checkpoints, so a half-written one is never copied). For `backend: modal` the files are read from
-the run's Modal volume through the client library (`Volume.listdir`, `Volume.read_file`); a checkpoint
-uploaded to spec.checkpoint.uri (its row holds the URL) is downloaded from there with fsspec.
+The newest complete checkpoint unless a step is named (the store lists only complete ones), read from
+this machine, from spec.checkpoint.uri's storage (fsspec) or from the run's Modal volume, its path
+checked first to be the run's own (mortal.state.containment).
 What it must not do: leave a half-copied folder where the user looks. Files land in a temporary
 folder beside DIR, renamed to DIR when all of them are there; DIR must not exist yet, or be empty.
 """
@@ -12,16 +10,13 @@ folder beside DIR, renamed to DIR when all of them are there; DIR must not exist
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import typer
-
-from mortal.client.cli.context import CliError, state
-from mortal.client.cli.text import plain
+from mortal.client.errors import ClientError
 from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
 from mortal.controller.backends.modal import data_volume
 from mortal.state.containment import PathOutside, owned_checkpoint, posix_inside, report_refused, tree_inside
@@ -31,51 +26,30 @@ if TYPE_CHECKING:
     from mortal.state.store import Store
     from mortal.state.tables import CheckpointRow
 
-HELP = """Copy a run's checkpoint to a local folder (the newest, or the one of step N).
-
-The folder holds what transformers (or peft, for LoRA runs) loads: `AutoModelForCausalLM.
-from_pretrained(DIR)`. For runs on Modal the checkpoint is read from the run's Modal volume.
-
-\b
-Examples:
-  mortalctl cp quickstart ./quickstart-final
-  mortalctl cp quickstart:step-20 ./quickstart-step-20
-"""
-SOURCE = re.compile(r"^(?P<run>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(:step-(?P<step>\d+))?$")
-
-
-def parse_source(source: str) -> tuple[str, int | None]:
-    """RUN or RUN:step-N -> (run, step or None)."""
-    match = SOURCE.match(source)
-    if match is None:
-        raise CliError(f"{source!r}: expected RUN or RUN:step-N (e.g. quickstart:step-20)")
-    step = match.group("step")
-    return match.group("run"), int(step) if step is not None else None
-
 
 def choose_checkpoint(checkpoints: list[CheckpointRow], run: str, step: int | None) -> CheckpointRow:
     if not checkpoints:
-        raise CliError(f"run {run!r} has no complete checkpoint yet")
+        raise ClientError(f"run {run!r} has no complete checkpoint yet")
     if step is None:
         return max(checkpoints, key=lambda c: c.step)
     for checkpoint in checkpoints:
         if checkpoint.step == step:
             return checkpoint
     kept = ", ".join(f"step-{c.step}" for c in sorted(checkpoints, key=lambda c: c.step))
-    raise CliError(f"run {run!r} has no complete checkpoint of step {step} (it keeps {kept})")
+    raise ClientError(f"run {run!r} has no complete checkpoint of step {step} (it keeps {kept})")
 
 
 def check_destination(dest: Path) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise CliError(f"{dest}: exists and is not an empty folder; name a new one")
+        raise ClientError(f"{dest}: exists and is not an empty folder; name a new one")
     if not dest.parent.is_dir():
-        raise CliError(f"{dest.parent}: no such folder")
+        raise ClientError(f"{dest.parent}: no such folder")
 
 
 def owned(store: Store, run: str, checkpoint: CheckpointRow, spec: dict[str, Any]) -> str:
     """The checkpoint's path once checked to be the run's own (mortal.state.containment): in its checkpoints
     folder (on Modal's volume: runs/<run>/checkpoints/ there) or under spec.checkpoint.uri's <run>/, with no
-    symlink below it that leads out. A row pointing elsewhere: a Warning event, and CliError."""
+    symlink below it that leads out. A row pointing elsewhere: a Warning event, and ClientError."""
     uri = spec.get("checkpoint", {}).get("uri")
     try:
         if spec.get("backend") == "modal" and not is_url(checkpoint.path):
@@ -88,12 +62,12 @@ def owned(store: Store, run: str, checkpoint: CheckpointRow, spec: dict[str, Any
         return path
     except PathOutside as exc:
         report_refused(store, run, f"copying checkpoint step-{checkpoint.step}", exc)
-        raise CliError(f"checkpoint step-{checkpoint.step} of run {run!r}: {exc}") from None
+        raise ClientError(f"checkpoint step-{checkpoint.step} of run {run!r}: {exc}") from None
 
 
 def copy_local(source: Path, into: Path) -> None:
     if not source.is_dir():
-        raise CliError(f"the checkpoint folder {source} is gone from this machine (pruned, or the run was purged)")
+        raise ClientError(f"the checkpoint folder {source} is gone from this machine (pruned, or the run was purged)")
     shutil.copytree(source, into, dirs_exist_ok=True)
 
 
@@ -107,9 +81,9 @@ def copy_from_storage(url: str, into: Path) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(remote, str(target))
     except (StorageError, OSError) as exc:
-        raise CliError(f"cannot download the checkpoint at {url}: {exc}") from exc
+        raise ClientError(f"cannot download the checkpoint at {url}: {exc}") from exc
     if not files:
-        raise CliError(f"the checkpoint at {url} is empty or gone (pruned, or removed from the storage)")
+        raise ClientError(f"the checkpoint at {url} is empty or gone (pruned, or removed from the storage)")
 
 
 def copy_from_modal(source: str, into: Path, volume: Any) -> int:
@@ -118,7 +92,7 @@ def copy_from_modal(source: str, into: Path, volume: Any) -> int:
 
     prefix = os.path.relpath(source, MODAL_DATA_MOUNT)
     if prefix.startswith(".."):
-        raise CliError(f"the checkpoint path {source} is not on the Modal data volume ({MODAL_DATA_MOUNT})")
+        raise ClientError(f"the checkpoint path {source} is not on the Modal data volume ({MODAL_DATA_MOUNT})")
     copied = 0
     for entry in volume.listdir(prefix, recursive=True):
         if entry.type != FileEntryType.FILE:
@@ -130,7 +104,7 @@ def copy_from_modal(source: str, into: Path, volume: Any) -> int:
                 handle.write(chunk)
                 copied += len(chunk)
     if not copied and not any(into.iterdir()):
-        raise CliError(f"the checkpoint {prefix} is empty or gone on the Modal volume")
+        raise ClientError(f"the checkpoint {prefix} is empty or gone on the Modal volume")
     return copied
 
 
@@ -138,33 +112,32 @@ def modal_data_volume() -> Any:
     return data_volume()
 
 
-def cp_command(
-    ctx: typer.Context,
-    source: str = typer.Argument(..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."),
-    dest: Path = typer.Argument(..., metavar="DIR", help="A new (or empty) local folder."),
-) -> None:
-    run, step = parse_source(source)
-    cli = state(ctx)
-    row = cli.store.get_run(run)  # NotFound: "error: run ... not found"
-    checkpoint = choose_checkpoint(cli.store.list_checkpoints(run), run, step)
+@dataclass(frozen=True)
+class CopiedCheckpoint:
+    run: str
+    step: int
+    weight_version: int
+    dest: Path
+
+
+def copy_checkpoint(store: Store, run: str, step: int | None, dest: Path) -> CopiedCheckpoint:
+    """Copy `run`'s checkpoint of `step` (the newest when None) into `dest`, a new or empty folder, from
+    wherever it lies: this machine, spec.checkpoint.uri's storage, or the run's Modal volume."""
+    row = store.get_run(run)  # NotFound: "error: run ... not found"
+    checkpoint = choose_checkpoint(store.list_checkpoints(run), run, step)
     dest = dest.expanduser().resolve()
     check_destination(dest)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         if is_url(checkpoint.path):
-            copy_from_storage(owned(cli.store, run, checkpoint, row.spec), staging)
+            copy_from_storage(owned(store, run, checkpoint, row.spec), staging)
         elif row.spec.get("backend") == "modal":
-            copy_from_modal(owned(cli.store, run, checkpoint, row.spec), staging, modal_data_volume())
+            copy_from_modal(owned(store, run, checkpoint, row.spec), staging, modal_data_volume())
         else:
-            copy_local(Path(owned(cli.store, run, checkpoint, row.spec)), staging)
+            copy_local(Path(owned(store, run, checkpoint, row.spec)), staging)
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         staging.rename(dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    typer.echo(plain(f"trainingrun/{run} checkpoint step-{checkpoint.step} (weights v{checkpoint.weight_version}) "
-                     f"copied to {dest}"))
-
-
-def register(app: typer.Typer) -> None:
-    app.command("cp", help=HELP, short_help="Copy a run's checkpoint to a local folder", no_args_is_help=True)(cp_command)
+    return CopiedCheckpoint(run, checkpoint.step, checkpoint.weight_version, dest)

@@ -1,18 +1,11 @@
-"""`mortalctl fork RUN[:step-N] NEW` and `mortalctl rollback RUN --to step-N`: start again from a checkpoint.
+"""Fork: a new run started from another run's checkpoint (`mortalctl fork`, MortalTrainer.train).
 
-Called by the CLI (the verbs below) and by `MortalTrainer.train(resume_from_checkpoint=...)` (`fork_run`).
-Neither has a resume path of its own: the actor resumes from the newest *recorded* complete checkpoint
-(`Checkpointer.resume_point`) as after a preemption, so
-- a fork copies (hard-links where the filesystem allows: checkpoint files are never written in place)
-  the parent's checkpoint of step N into NEW's folder, then creates NEW and records that checkpoint as
-  NEW's in one store transaction (`Store.fork_run`): NEW's first step is N+1, with the parent's weights,
-  optimizer, scheduler, RNG and data position (the step);
-- a rollback suspends the run (the controller stops its workers; the actor checkpoints on its way out),
-  then forgets every step after N in the store (`Store.rollback_run`: later checkpoint rows, metrics,
-  completions, tasks), moves the later checkpoints' files out of `checkpoints/` (to
-  `rolled-back/<time>/`, or deletes them with --drop-later), records a RolledBack event and resumes the
-  run if it was running. No row points at a later checkpoint any more, so none can be picked as newest.
-What it must not do: import torch, or start and stop workers itself (the controller does, on spec.suspend).
+The checkpoint of step N is copied into NEW's folder (hard-linked where the filesystem allows: checkpoint
+files are never written in place), then NEW is created with it recorded as NEW's own in one store
+transaction (`Store.fork_run`). The actor resumes from it as after a preemption: NEW's first step is N+1,
+with the parent's weights, optimizer, scheduler, RNG and data position. Also the lookups that rollback
+and cp share: the checkpoint a source names, and its folder, checked to be the run's own.
+What it must not do: import torch, or start and stop workers itself (the controller does).
 """
 
 from __future__ import annotations
@@ -21,27 +14,21 @@ import json
 import os
 import re
 import shutil
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import typer
-
-from mortal.client.cli.context import TERMINAL_PHASES, CliError, ensure_controller, state, wake_controller
-from mortal.client.cli.text import plain
+from mortal.client.errors import ClientError
+from mortal.client.local_controller import wake_controller
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
     from mortal.state import CheckpointRow, Store
 
 SOURCE = re.compile(r"^(?P<run>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(:step-(?P<step>\d+))?$")
-ROLLED_BACK = "rolled-back"
 
 
-class ForkError(CliError):
+class ForkError(ClientError):
     """A fork or rollback refused; the message names the run and step."""
 
 
@@ -65,10 +52,6 @@ class CannotCarryOver(ForkError):
     """The overrides change something the checkpoint cannot carry over (specs/fork.py lists what)."""
 
 
-class RollbackRefused(ForkError):
-    """The run cannot be rolled back now (finished, being deleted, on Modal, workers did not stop)."""
-
-
 class CheckpointOutside(ForkError):
     """The checkpoint row points outside the run's own checkpoints (mortal.state.containment): refused."""
 
@@ -77,7 +60,7 @@ def parse_source(source: str) -> tuple[str, int | None]:
     """RUN or RUN:step-N -> (run, step or None)."""
     match = SOURCE.match(source.strip())
     if match is None:
-        raise CliError(f"{source!r}: expected RUN or RUN:step-N (e.g. quickstart:step-20)")
+        raise ClientError(f"{source!r}: expected RUN or RUN:step-N (e.g. quickstart:step-20)")
     step = match.group("step")
     return match.group("run"), int(step) if step is not None else None
 
@@ -116,7 +99,7 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
 FILES_HERE = ("local", "ray")
 
 
-def _refuse_files_elsewhere(run: str, backend: str, doing: str, error: type[ForkError] = ForkError) -> None:
+def refuse_files_elsewhere(run: str, backend: str, doing: str, error: type[ForkError] = ForkError) -> None:
     if backend not in FILES_HERE:
         raise error(f"trainingrun {run!r} runs on backend {backend!r}, whose checkpoints are not on this machine; "
                     f"{doing} checkpoint files under MORTAL_HOME and is built for backends "
@@ -182,7 +165,7 @@ def fork_run(
 
     parent = store.get_run(source)  # NotFound: "trainingrun 'x' not found"
     parent_doc = parent.document()
-    _refuse_files_elsewhere(source, parent_doc.spec.backend, "forking copies")
+    refuse_files_elsewhere(source, parent_doc.spec.backend, "forking copies")
     checkpoint = complete_checkpoint(store, source, step)
     try:
         store.get_run(name)
@@ -265,208 +248,3 @@ def _copy_checkpoint(source: Path, dest: Path, run: str) -> bool:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return not copied
-
-
-# -- rollback ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RolledBack:
-    run: str
-    step: int
-    later: list[int]
-    kept_in: Path | None  # where the later checkpoints went (None: dropped, or there were none)
-    resumed: bool
-
-
-def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *, stop_timeout: float = 120.0,
-                 on_suspend: Callable[[], None] = lambda: None, poll_seconds: float = 0.5) -> RolledBack:
-    """Roll `run` back to its checkpoint of `step` (the module's docstring says how); `on_suspend` runs once
-    the run was suspended by this call (the CLI makes sure a controller runs there, to stop the workers)."""
-    from mortal.state import NotFound, paths
-
-    row = store.get_run(run)
-    if row.deleted_at is not None:
-        raise RollbackRefused(f"trainingrun {run!r} is being deleted")
-    if row.phase in TERMINAL_PHASES:
-        raise RollbackRefused(f"trainingrun {run!r} is {row.phase}; a finished run cannot be rolled back: fork it "
-                              f"instead (mortalctl fork {run}:step-{step} NEW)")
-    _refuse_files_elsewhere(run, row.spec.get("backend", "local"), "rolling back moves", RollbackRefused)
-    complete_checkpoint(store, run, step)
-    was_suspended = bool(row.spec.get("suspend"))
-    if not was_suspended:
-        _set_suspend(store, run, True)
-        on_suspend()
-    _wait_stopped(store, run, stop_timeout, poll_seconds)
-    try:
-        later = store.rollback_run(run, step)
-    except NotFound as exc:
-        raise RollbackRefused(f"{exc} any more (pruned while the run stopped?); trainingrun {run!r} stays "
-                              "suspended") from None
-    kept_in = None
-    if later and not drop_later:
-        kept_in = paths.run_dir(run) / ROLLED_BACK / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        kept_in.mkdir(parents=True, exist_ok=True)
-    uri = row.spec.get("checkpoint", {}).get("uri")
-    for ckpt in later:
-        if "://" in ckpt.path:  # in storage (spec.checkpoint.uri): its files stay there, as they always did
-            continue
-        try:
-            folder = owned_folder(store, run, ckpt, uri, "rolling back")
-        except CheckpointOutside:  # refused, never followed (owned_folder wrote the Warning event)
-            continue
-        if kept_in is not None and folder.is_dir():
-            os.rename(folder, kept_in / folder.name)
-        else:
-            shutil.rmtree(folder, ignore_errors=True)
-    steps = [c.step for c in later]
-    what = ("no later checkpoints" if not later else
-            f"later checkpoints {', '.join(f'step-{s}' for s in steps)} "
-            + (f"kept in {kept_in}" if kept_in else "removed"))
-    store.add_event(run, "Normal", "RolledBack", f"rolled back to step {step} ({what}); training resumes from "
-                                                 f"the checkpoint of step {step}")
-    if not was_suspended:
-        _wait_status_step(store, run, step, min(stop_timeout, 15.0), poll_seconds)
-        _set_suspend(store, run, False)
-    wake_controller(run)
-    return RolledBack(run, step, steps, kept_in, not was_suspended)
-
-
-def _set_suspend(store: Store, run: str, value: bool, retries: int = 5) -> None:
-    """spec.suspend = value, compare-and-swap on resource_version (retried on a concurrent write)."""
-    from mortal.state import Conflict
-
-    for attempt in range(retries):
-        row = store.get_run(run)
-        if bool(row.spec.get("suspend")) == value:
-            break
-        try:
-            store.update_spec(run, {**row.spec, "suspend": value}, row.resource_version)
-            break
-        except Conflict:
-            if attempt == retries - 1:
-                raise
-    wake_controller(run)
-
-
-def _wait_status_step(store: Store, run: str, step: int, timeout: float, poll_seconds: float) -> None:
-    """Give a running controller the pass that rebuilds the suspended run's status at `step` before it is
-    resumed, so that the steps trained again count as progress (Progressing) from there, not from the
-    step the run had reached. Without a leader (no controller runs) there is nothing to wait for."""
-    from mortal.controller.leader import LEASE_NAME
-
-    wake_controller(run)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lease = store.get_lease(LEASE_NAME)
-        expires = lease.expires_at if lease is not None else None
-        if expires is None or (expires if expires.tzinfo else expires.replace(tzinfo=UTC)) <= datetime.now(UTC):
-            return
-        if store.get_run(run).status.get("step") == step:
-            return
-        time.sleep(poll_seconds)
-
-
-def _wait_stopped(store: Store, run: str, timeout: float, poll_seconds: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        live = store.list_workers(run, live_only=True)
-        if not live:
-            return
-        if time.monotonic() >= deadline:
-            names = ", ".join(f"{w.role}-{w.replica}" for w in live)
-            raise RollbackRefused(f"trainingrun {run!r}: workers still running after {timeout:g}s ({names}); it "
-                                  "stays suspended, nothing was rolled back (is a controller running?)")
-        time.sleep(poll_seconds)
-
-
-# -- the verbs ---------------------------------------------------------------------------------------
-FORK_HELP = """Create run NEW from RUN's checkpoint of step N (default: its newest complete one).
-
-NEW's spec is RUN's with the overrides merged over it: -f FILE is a YAML fragment rooted at the
-document (spec: ... and/or metadata: {labels, annotations}; null removes a key), --set PATH=VALUE sets
-one key by its dotted camelCase path. NEW resumes from the checkpoint as a preempted run would:
-weights, optimizer, scheduler, RNG and data position; its first step is N+1, and its learning rate
-is NEW's spec's. The model, LoRA on/off, rank, alpha and target modules, and the backend cannot change
-(the checkpoint's weights would not fit). `describe run NEW` shows where it came from.
-
-\b
-Examples:
-  mortalctl fork quickstart:step-20 quickstart-lr --set spec.algorithm.learningRate=1e-6
-  mortalctl fork quickstart quickstart-long --set spec.algorithm.maxSteps=60 -f more-rewards.yaml
-"""
-
-ROLLBACK_HELP = """Roll RUN back to its checkpoint of step N and train on from there.
-
-A running run is suspended first (its workers stop), then every step after N is forgotten: later
-checkpoints, metrics and sampled completions. The later checkpoints' folders are kept under
-$MORTAL_HOME/runs/RUN/rolled-back/ (removed with --drop-later) and are no longer the run's, so the
-resume starts from N. The run resumes if it was running; a suspended one stays suspended.
-A finished run cannot be rolled back: fork it instead.
-
-\b
-Examples:
-  mortalctl rollback quickstart --to step-20
-  mortalctl rollback quickstart --to step-20 --drop-later
-"""
-
-
-def fork_command(
-    ctx: typer.Context,
-    source: str = typer.Argument(..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."),
-    name: str = typer.Argument(..., metavar="NEW", help="The new run's name."),
-    filename: Path | None = typer.Option(None, "-f", "--filename", metavar="FILE",
-                                         help="YAML overrides rooted at the document (spec: ..., metadata: ...)."),
-    sets: list[str] = typer.Option(None, "--set", metavar="PATH=VALUE",
-                                   help="Override one key, e.g. spec.algorithm.learningRate=1e-6 (repeatable)."),
-    no_controller: bool = typer.Option(False, "--no-controller", help="Do not start a background controller."),
-) -> None:
-    from mortal.specs import is_dns1123_label
-
-    cli = state(ctx)
-    run, step = parse_source(source)
-    if not is_dns1123_label(name):
-        raise CliError(f"{name!r}: NEW must be a DNS-1123 label (lowercase letters, digits and '-')")
-    fragment, lines = _read_fragment(filename) if filename is not None else (None, None)
-    forked = fork_run(cli.store, run, step, name, fragment=fragment, fragment_source=str(filename or "<overrides>"),
-                      fragment_lines=lines, sets=list(sets or []))
-    typer.echo(plain(f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})"))
-    ensure_controller(cli, no_controller)
-
-
-def _read_fragment(path: Path) -> tuple[dict[str, Any] | None, dict[tuple, int]]:
-    from mortal.specs import SpecError, SpecIssue
-    from mortal.specs.fork import load_fragment
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError([SpecIssue(str(path), None, "", f"cannot read: {exc}")]) from None
-    return load_fragment(text, str(path))
-
-
-def rollback_command(
-    ctx: typer.Context,
-    run: str = typer.Argument(..., metavar="RUN", help="The run to roll back."),
-    to: str = typer.Option(..., "--to", metavar="step-N", help="The checkpoint to go back to, e.g. step-20."),
-    drop_later: bool = typer.Option(False, "--drop-later", help="Remove the later checkpoints instead of keeping them."),
-    timeout: float = typer.Option(120.0, "--timeout", metavar="SECONDS", help="How long to wait for workers to stop."),
-    no_controller: bool = typer.Option(False, "--no-controller", help="Do not start a background controller."),
-) -> None:
-    match = re.fullmatch(r"(?:step-)?(\d+)", to.strip())
-    if match is None:
-        raise typer.BadParameter(f"{to!r} is not step-N (e.g. step-20)", param_hint="'--to'")
-    cli = state(ctx)
-    done = rollback_run(cli.store, run, int(match.group(1)), drop_later, stop_timeout=timeout,
-                        on_suspend=lambda: ensure_controller(cli, no_controller))
-    later = ", ".join(f"step-{s}" for s in done.later) or "none"
-    where = f" (kept in {done.kept_in})" if done.kept_in else (" (removed)" if done.later else "")
-    then = "resumed" if done.resumed else "still suspended (mortalctl resume run to continue)"
-    typer.echo(plain(f"trainingrun/{run} rolled back to step {done.step}; later checkpoints: {later}{where}; {then}"))
-    if done.resumed:
-        ensure_controller(cli, no_controller)
-
-
-def register(app: typer.Typer) -> None:
-    app.command("fork", help=FORK_HELP, short_help="Start a new run from a run's checkpoint",
-                no_args_is_help=True)(fork_command)
-    app.command("rollback", help=ROLLBACK_HELP, short_help="Roll a run back to an earlier checkpoint",
-                no_args_is_help=True)(rollback_command)

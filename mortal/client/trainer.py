@@ -299,7 +299,8 @@ class MortalTrainer:
         from pathlib import Path
 
         from mortal.client.apply import wait_until_deleted
-        from mortal.client.cli import context, follow
+        from mortal.client.cli import follow
+        from mortal.client.local_controller import ensure_controller, wake_controller
         from mortal.controller.admission import admit_runs
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
@@ -337,9 +338,8 @@ class MortalTrainer:
                                              annotations=meta.annotations)
             self._say(f"trainingrun/{self.name} {outcome}")
             if str(outcome) != "unchanged":
-                context.wake_controller(self.name)
-            context.ensure_controller(context.CliState(state_url=self.state_url), not self.start_controller,
-                                      announce=not self.quiet)
+                wake_controller(self.name)
+            ensure_controller(self.state_url, not self.start_controller, announce=not self.quiet)
             if self.detach:
                 self._say(f"detached; follow it with `mortalctl get runs {self.name} -w`")
                 return RunStatus.model_validate(store.get_run(self.name).status)

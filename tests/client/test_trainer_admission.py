@@ -70,8 +70,8 @@ def test_a_reward_trl_cannot_call_is_refused_before_anything_is_written(store_ur
 @sqlite_only
 def test_a_run_of_the_same_name_being_deleted_is_waited_for_before_the_code_is_installed(
         store_url, script_rewards, monkeypatch):
-    from mortal.client import apply as apply_verb
-    from mortal.client.cli.context import CliError
+    from mortal.client import apply
+    from mortal.client.errors import ClientError
 
     module, _ = script_rewards
     trainer(module.shaped, store_url).train()
@@ -82,7 +82,7 @@ def test_a_run_of_the_same_name_being_deleted_is_waited_for_before_the_code_is_i
     for child in sorted(folder.rglob("*"), reverse=True):  # the purge sets the old run's folder aside
         child.rmdir() if child.is_dir() else child.unlink()
     folder.rmdir()
-    monkeypatch.setattr(apply_verb, "DELETION_WAIT_SECONDS", 0.3)  # no controller here to finish the purge
-    with pytest.raises(CliError, match="still being deleted"):
+    monkeypatch.setattr(apply, "DELETION_WAIT_SECONDS", 0.3)  # no controller here to finish the purge
+    with pytest.raises(ClientError, match="still being deleted"):
         trainer(module.shaped, store_url).train()
     assert not folder.exists()  # nothing installed where the purge would move it

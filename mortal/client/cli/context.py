@@ -1,4 +1,4 @@
-"""What every mortalctl verb shares: the global options, the store, user errors and the controller nudge.
+"""What every mortalctl verb shares: the global options, the store and user errors.
 
 Called by the verb modules through `state(ctx)`; `main.py` builds the `CliState` from the global
 options. The store is opened on first use (so `--help` and `schema` never connect), and only
@@ -7,23 +7,23 @@ mortal.state, mortal.specs and mortal.controller entry points are imported here,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import typer
 
+from mortal.client.errors import ClientError
+
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
     from mortal.state import RunRow, Store
 
-NO_CONTROLLER_ENV = "MORTAL_NO_CONTROLLER"
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
 
-class CliError(Exception):
-    """A user error (bad input, nothing to act on, a precondition that failed): exit 1, message only."""
+class CliError(ClientError):
+    """A user error found by the command line's own modules (mortal.client.errors has the rest): exit 1."""
 
 
 @dataclass
@@ -60,31 +60,6 @@ def state(ctx: typer.Context) -> CliState:
 def run_document(row: RunRow) -> TrainingRun:
     """A stored run as the TrainingRun document `get -o yaml` prints and `apply` reads back."""
     return row.document()
-
-
-def controller_disabled(flag: bool) -> bool:
-    """--no-controller, or MORTAL_NO_CONTROLLER=1 (tests, CI, a controller run by systemd)."""
-    return flag or os.environ.get(NO_CONTROLLER_ENV, "").lower() in ("1", "true", "yes")
-
-
-def wake_controller(*names: str) -> None:
-    """Tell a controller on this machine that these runs' desired state changed, so it acts now."""
-    from mortal.controller.wake import notify
-
-    for name in names or (None,):
-        notify(name)
-
-
-def ensure_controller(cli: CliState, disabled: bool, announce: bool = True) -> None:
-    """Start a background controller unless one runs (or the user said not to); say so when we started one."""
-    if controller_disabled(disabled):
-        return
-    from mortal.controller.manager import ensure_background_controller
-
-    started = ensure_background_controller(cli.state_url)
-    if started is not None and announce:
-        pid, log = started
-        typer.echo(f"controller started (pid {pid}, log: {log})", err=True)
 
 
 def parse_selector(selector: str | None) -> dict[str, str]:

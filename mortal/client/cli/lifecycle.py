@@ -13,12 +13,11 @@ from mortal.client.apply import read_documents
 from mortal.client.cli.context import (
     TERMINAL_PHASES,
     CliError,
-    ensure_controller,
     modify_spec,
     state,
-    wake_controller,
 )
 from mortal.client.cli.text import plain
+from mortal.client.local_controller import ensure_controller, wake_controller
 
 RUN_ALIASES = ("run", "runs", "trainingrun", "trainingruns", "tr")
 NoController = typer.Option(False, "--no-controller", help="Do not start a background controller.")
@@ -68,7 +67,7 @@ def delete_names(ctx: typer.Context, names: list[str], purge: bool, ignore_not_f
         typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
     if deleted:
         wake_controller(*deleted)
-        ensure_controller(cli, no_controller)
+        ensure_controller(cli.state_url, no_controller)
 
 
 def delete_run(
@@ -122,7 +121,7 @@ def set_suspend(ctx: typer.Context, names: list[str], suspend: bool, no_controll
         typer.echo(plain(f"trainingrun/{name} {verb}"))
     if changed:
         wake_controller(*changed)
-        ensure_controller(cli, no_controller)
+        ensure_controller(cli.state_url, no_controller)
 
 
 def suspend_run(

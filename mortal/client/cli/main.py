@@ -19,20 +19,22 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from mortal.client import apply, fork
-from mortal.client import checkpoint_copy as cp
 from mortal.client.cli import (
+    apply,
     components,
+    cp,
     dashboard,
     describe,
+    fork,
     get,
     lifecycle,
     ops,
     sandbox,
     scale,
 )
-from mortal.client.cli.context import CliError, CliState
+from mortal.client.cli.context import CliState
 from mortal.client.cli.text import plain
+from mortal.client.errors import ClientError
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
 
@@ -100,7 +102,7 @@ def error_message(exc: BaseException, debug: bool = False) -> str:
         return f"error: conflict: {exc}; read the run again and retry"
     if isinstance(exc, Fenced):
         return f"error: refused: {exc}"
-    if isinstance(exc, (StoreError, CliError)):
+    if isinstance(exc, (StoreError, ClientError)):
         return f"error: {exc}"
     if type(exc).__module__.startswith("sqlalchemy"):
         url = os.environ.get("MORTAL_STATE_URL") or "the default SQLite store"

@@ -16,12 +16,11 @@ import typer
 from mortal.client.cli.context import (
     TERMINAL_PHASES,
     CliError,
-    ensure_controller,
     modify_spec,
     state,
-    wake_controller,
 )
 from mortal.client.cli.text import plain
+from mortal.client.local_controller import ensure_controller, wake_controller
 
 if TYPE_CHECKING:
     from mortal.state import RunRow, Store
@@ -132,7 +131,7 @@ def scale_command(
         return
     typer.echo(plain(f"trainingrun/{name} scaled ({change})"))
     wake_controller(name)
-    ensure_controller(state(ctx), no_controller)
+    ensure_controller(state(ctx).state_url, no_controller)
 
 
 def register(app: typer.Typer) -> None:

@@ -134,7 +134,7 @@ def test_cp_reads_a_modal_runs_checkpoint_from_its_volume(tmp_path: Path) -> Non
     copied = cp.copy_from_modal(f"{cp.MODAL_DATA_MOUNT}/runs/r/checkpoints/step-30", into, volume)
     assert files(into) == files(source) and copied == 1000 + len('{"step": 30}')
     assert volume.calls == ["listdir", "read_file", "read_file"]
-    with pytest.raises(cp.CliError, match="not on the Modal data volume"):
+    with pytest.raises(cp.ClientError, match="not on the Modal data volume"):
         cp.copy_from_modal("/elsewhere/step-30", into, volume)
 
 
