@@ -3,7 +3,7 @@
     from mortal import MortalTrainer, SingleNode, Distributed, GPUConfig, RewardEnvironment, TrainingRun
 
 Names are imported on first use (module __getattr__), so `import mortal` and `mortalctl --help`
-stay fast and never import torch or TRL. Everything else lives in mortal.specs, mortal.state,
+stay fast and never import torch or TRL. Everything else lives in mortal.client, mortal.specs, mortal.state,
 mortal.controller and mortal.workers.
 """
 

@@ -127,7 +127,8 @@ def owned_folder(store: Store, run: str, row: CheckpointRow, uri: str | None, do
 
     folder = checkpoint_folder(run, row)
     try:
-        owned = local_path(owned_checkpoint(run, row.path, uri))  # the folder checked (a relative row: the run's)
+        # the folder checked (a relative row: the run's)
+        owned = local_path(owned_checkpoint(run, row.path, uri))
         real = Path(os.path.realpath(owned or folder))
         return tree_inside(real.parent, real)  # what a copy or load would follow below it
     except PathOutside as exc:
@@ -190,7 +191,8 @@ def fork_run(
                                            "forking"), dest, name)
     recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
-    carry_snapshot(meta.annotations, source, name)  # the workers import the parent's code from their own folder
+    # the workers import the parent's code from their own folder
+    carry_snapshot(meta.annotations, source, name)
     try:
         row = store.fork_run(name, child.spec_dict(), meta.labels, meta.annotations, source, checkpoint.step,
                              recorded, checkpoint.weight_version, provenance=checkpoint.provenance)

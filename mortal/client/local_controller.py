@@ -1,4 +1,4 @@
-"""The controller on this machine, as a client sees it: woken when desired state changes, started if none runs.
+"""The controller on this machine, as a client sees it: woken on a change, started if none runs.
 
 Called by the verbs that change desired state and by MortalTrainer.train(). Nothing is started with
 --no-controller (MortalTrainer's start_controller=False) or MORTAL_NO_CONTROLLER=1 (tests, CI, a

@@ -3,33 +3,20 @@
 Five functions on two images (this checkout, pip-installed with its `train` extra; torch pinned to
 TORCH_VERSION in both, the one VLLM_VERSION requires, so trainer and rollouts agree):
 
-    worker(launch) -> int   one mortal worker per call; ModalBackend spawns it, on the spec's GPU via
-                            `with_options(gpu=...)`, and reads the exit code it returns
-    rollout_vllm(launch)    the same, on the image with vLLM: rollouts whose generation.engine is
-                            vllm, or auto on a GPU (ModalBackend picks the function per launch)
-    execute(payload) -> dict  a reward's trusted code (execute_in_function, sandbox backend modal):
-                            mortal.workers.rewards.modal_sandbox.execute_trusted
-    store                   the state store over HTTPS (`@modal.wsgi_app`): mortal.state.http_server
-                            over SQLite on the `mortal-state` volume (one container), or over
-                            $MORTAL_STORE_BACKING_URL (PostgreSQL) when a secret sets it
-    controller              the controller, hosted: a call starts every SCHEDULE_MINUTES and runs
-                            CONTROLLER_OVERLAP_SECONDS longer than that, so the next call is up and
-                            waiting for the leader lease when this one hands it on (workers never notice)
+    worker(launch) -> int     one mortal worker per call, on the GPU ModalBackend asks for per call
+    rollout_vllm(launch)      the same on the image with vLLM (ModalBackend picks the function per launch)
+    execute(payload) -> dict  a reward's trusted code (sandbox backend modal)
+    store                     the state store over HTTPS (mortal.state.http_server), one container
+    controller                the controller, hosted: each scheduled call outlives the schedule's period,
+                              so the next one stands by for the leader lease when this one hands it on
 
-Runs, checkpoints, weights and worker logs live on the `mortal-data` volume at /mortal (MORTAL_HOME),
-committed by the workers after every checkpoint and weights write (mortal.workers.atomic.volume_sync)
-and by the worker functions while their worker prints (mortal.controller.backends.modal_worker).
-Secrets: `mortal-state` (MORTAL_STATE_TOKEN, the admin token, required; `<app>-state` for another app name
-set with $MORTAL_MODAL_APP), attached to the store and the controller only, and the names in
-$MORTAL_MODAL_SECRETS (comma separated, e.g. `huggingface,wandb`), read when deploying, attached to workers
-and the controller. A worker reaches the store with the token its launch carries (mortal.state.auth).
-The store logs every request to access.log on the state volume (docs/security.md).
-Every function is `serialized=True` (shipped by value, cloudpickled): modal would otherwise import it
-in the container by module name, and at definition it looks for this file under the `mortal` package's
-folder (modal._utils.function_utils.FunctionSourceInfo), which fails in the editable install the
-README sets up: package-dir maps controller/ into `mortal.controller` from outside mortal/. Pickled code
-runs only on the Python series it was pickled on, so the image's Python is the deployer's.
-What it must not do: hold logic of its own. Each function is a thin wrapper of code tested here.
+Runs, checkpoints and logs live on the `mortal-data` volume at /mortal (MORTAL_HOME). The admin token
+(secret `mortal-state`) goes to the store and the controller only; the secrets named in
+$MORTAL_MODAL_SECRETS go to workers and the controller (a worker's launch carries its own token).
+Every function is `serialized=True` (shipped by value): a container runs the installed mortal and never
+imports this module. Pickled code runs only on the Python series it was pickled on, so the image's
+Python is the deployer's.
+What it must not do: hold logic of its own. Each function is a thin wrapper of code tested on its own.
 """
 
 from __future__ import annotations
@@ -60,7 +47,7 @@ VLLM_VERSION, TORCH_VERSION = "0.32.0", "2.13.0"
 EXECUTE_TIMEOUT_SECONDS = 10 * 60  # one trusted reward job; the job's own timeout ends it sooner
 WORKER_TIMEOUT_SECONDS = 24 * 3600  # Modal's longest; a worker cut off here is relaunched and resumes
 SCHEDULE_MINUTES = 10  # a controller call starts this often
-CONTROLLER_OVERLAP_SECONDS = 90  # ... and runs this much longer: the next one (started, standing by) takes over
+CONTROLLER_OVERLAP_SECONDS = 90  # ... and runs this much longer: the next one, standing by, takes over
 CONTROLLER_RUN_SECONDS = SCHEDULE_MINUTES * 60 + CONTROLLER_OVERLAP_SECONDS
 REPO = Path(__file__).resolve().parents[2]  # this checkout: mortal/client/ lies two folders below it
 PYTHON = "{}.{}".format(*sys.version_info)  # the deployer's: serialized functions need the same series

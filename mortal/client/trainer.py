@@ -5,15 +5,11 @@
                             train_dataset=ds, mode=SingleNode(gpu="A100"), max_steps=50)
     status = trainer.train()       # applies, starts a controller if none runs, shows progress
 
-The same run `mortalctl apply -f` would create: reward functions become "module:attr" references
-(so they must be importable by the worker processes: a lambda, a closure or a function defined in
-`__main__` is refused with the fix), an in-memory dataset is written to a .jsonl file under
-$MORTAL_HOME/datasets/ (both in mortal.client.trainer_inputs), and `mode` (mortal.controller.
-modes) fills the actor/rollout/sync blocks. `train()` admits the run as `mortalctl apply` does
-(mortal.controller.admission): the modules of those functions that live in this folder or the
-script's are snapshotted with the run, so workers import them wherever the controller was started.
-Like the CLI it is a client:
-it writes desired state and reads status; it never trains in this process and never imports torch.
+The run is the one `mortalctl apply -f` would create: reward functions become "module:attr" references
+workers can import, an in-memory dataset a .jsonl file (both in trainer_inputs.py), `mode` fills the
+actor/rollout/sync blocks (modes.py), and train() admits the run as apply does, snapshotting the
+reward modules of this folder with it. Like the CLI it is a client: it writes desired state and reads
+status; it never trains in this process and never imports torch.
 """
 
 from __future__ import annotations
@@ -200,7 +196,8 @@ class MortalTrainer:
         else:
             dataset, system_prompt = CODE_DATASET, system_prompt or CODE_SYSTEM_PROMPT
         rewards = (reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else []) + env_rewards
-        judge_keys = [r["api_key_env"] for r in rewards if r.get("api_key_env")]  # the judge's key travels as a secret
+        # the judge's key travels as a secret
+        judge_keys = [r["api_key_env"] for r in rewards if r.get("api_key_env")]
         secrets = list(dict.fromkeys([*(secrets or []), *judge_keys])) or None
         if max_completion_length is not None and max_tokens is not None and max_completion_length != max_tokens:
             raise TrainerError("max_completion_length and max_tokens mean the same here; give one")
@@ -253,7 +250,7 @@ class MortalTrainer:
                 algorithm.num_epochs = num_epochs
             if max_steps is not None and max_steps > 0:
                 algorithm.max_steps = max_steps
-            elif num_epochs is not None and rows is not None:  # written to a .jsonl above: count the rows given
+            elif num_epochs is not None and rows is not None:  # written to a .jsonl above: count its rows
                 n = min(len(rows), self.run.spec.dataset.max_samples or len(rows))
                 algorithm.max_steps = epochs.steps_for(num_epochs, n, algorithm.prompts_per_step)
             else:
@@ -307,11 +304,12 @@ class MortalTrainer:
 
         store = open_store(self.state_url)
         try:
-            # before the snapshot is installed in the run's folder, which the purge of a deleted run sets aside
+            # before the snapshot is installed in the run's folder, which a deleted run's purge sets aside
             wait_until_deleted(store, self.name)
             with admit_runs([(self.run, f"MortalTrainer({self.name})")],
                             importing_folders(self.run.spec, Path.cwd())) as admitted:
-                for check in admitted[0].deferred:  # raises AdmissionRefused naming the field; snapshot installed
+                # admitted (else AdmissionRefused named the field): the snapshot is installed
+                for check in admitted[0].deferred:
                     self._say(f"note: {check.line(self.name)}")
         except BaseException:
             store.close()

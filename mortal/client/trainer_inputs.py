@@ -184,7 +184,8 @@ def environment_rewards(environment_factory: Any) -> list[dict[str, Any]]:
 
 # -- datasets --------------------------------------------------------------------------------------
 def dataset_rows(dataset: Any) -> list[dict[str, Any]] | None:
-    """Rows of an in-memory dataset (a datasets.Dataset / DatasetDict, or a list of dicts); None for a name."""
+    """Rows of an in-memory dataset (a datasets.Dataset / DatasetDict, or a list of dicts); None for a
+    name."""
     if isinstance(dataset, str | Path):
         return None
     if hasattr(dataset, "keys") and hasattr(dataset, "__getitem__") and "train" in dataset:

@@ -56,11 +56,14 @@ def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
                         staticmethod(lambda **kw: handed["debian_slim"].append(((), kw)) or slim(**kw)))
     monkeypatch.delenv("MORTAL_MODAL_APP", raising=False)
     monkeypatch.setenv("MORTAL_MODAL_SECRETS", "huggingface, wandb")
+    package, _, name = APP_MODULE.rpartition(".")
     monkeypatch.delitem(sys.modules, APP_MODULE, raising=False)
+    monkeypatch.delattr(importlib.import_module(package), name, raising=False)  # `from package import name` reads it
     module = importlib.import_module(APP_MODULE)
     module.handed = handed
     yield module
     sys.modules.pop(APP_MODULE, None)
+    vars(sys.modules[package]).pop(name, None)  # the app imported before, if any, comes back with both
 
 
 def test_the_app_defines_what_the_backend_looks_up(built: Any) -> None:

@@ -1,7 +1,7 @@
 """mortal.client.cli: `mortalctl`, the kubectl-like command line (entry point: main.main).
 
-One module per verb group: apply, get, describe, scale, lifecycle (delete/suspend/resume), ops
-(logs/controller/schema/version); context (global options, store, errors), output (tables, YAML,
-JSON, ages) and follow (the live view shared with MortalTrainer). The top layer: it may import
-every other part of mortal, and nothing imports it except mortal.client.trainer.
+A module per verb group (apply, get, describe, scale, lifecycle, fork, cp, ops, ...), each a thin verb: it
+parses its arguments, calls the client's library (mortal.client.apply, .fork, ...) and prints. Shared by
+the verbs: context (global options, store, errors), output and text (what is printed, made safe), and
+follow (the live view, which MortalTrainer shows too).
 """

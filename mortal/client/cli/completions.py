@@ -117,7 +117,8 @@ def get_completions(
     best: int | None = typer.Option(None, "--best", min=1, metavar="K", help="Only the K with the highest total reward, highest first."),
     output: Format = typer.Option(Format.table, "-o", "--output", help="table (text cut to fit a line), or json / yaml (full text)."),
 ) -> None:
-    """List a step's sampled completions: STEP SAMPLE REWARD ADVANTAGE WEIGHTS, each reward, PROMPT COMPLETION."""
+    """List a step's sampled completions: STEP SAMPLE REWARD ADVANTAGE WEIGHTS, each reward, PROMPT and
+    COMPLETION."""
     from mortal.state import CompletionOrder
 
     if worst is not None and best is not None:

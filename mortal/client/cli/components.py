@@ -1,10 +1,8 @@
 """`mortalctl test reward | rollout -f RUN.yaml`: try one part of a run on this machine, without training.
 
-The seeds' "test individual components": score one completion with the run's rewards, or generate
-from the run's model with its generation settings, and see what came out, before a run spends GPU
-hours finding out. Both read the spec from the file (not the store: the run need not exist), load
-rewards and model exactly as the rollout worker does (mortal.workers.rewards, mortal.workers.engines)
-and print a table, or the whole result with -o json|yaml. Neither writes to the store.
+Scores one completion with the run's rewards, or generates from its model with its generation settings,
+before a run spends GPU hours finding out. The spec comes from the file (the run need not exist), and
+rewards and model load as the rollout worker loads them. Nothing is written to the store.
 What they must not do: hide what a reward did. A reward that raises or returns a bad value is
 reported next to the others (`RewardSet.report`), with what it printed, and the command exits 1.
 """
@@ -269,7 +267,8 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
 
 def _tool_rollouts(run: TrainingRun, engine: Any, tokenizer: Any, params: Any, prompt: Any, row: dict[str, Any],
                    n: int, seed: int) -> list[Any]:
-    """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop (mortal.workers.multiturn)."""
+    """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop
+    (mortal.workers.multiturn)."""
     from mortal.workers.messages import RolloutRequest
     from mortal.workers.multiturn import MultiTurn
     from mortal.workers.tools import Toolbox

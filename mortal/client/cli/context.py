@@ -63,7 +63,8 @@ def run_document(row: RunRow) -> TrainingRun:
 
 
 def parse_selector(selector: str | None) -> dict[str, str]:
-    """`-l team=rl,tier=a` -> {'team': 'rl', 'tier': 'a'} (equality selectors only, like kubectl's simplest form)."""
+    """`-l team=rl,tier=a` -> {'team': 'rl', 'tier': 'a'} (equality selectors only, kubectl's simplest
+    form)."""
     if not selector:
         return {}
     labels: dict[str, str] = {}

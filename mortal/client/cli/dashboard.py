@@ -3,16 +3,10 @@
     mortalctl dashboard                      # http://127.0.0.1:8265/  (--host, --port)
     mortalctl --state-url http://HOST:8470 dashboard   # a store served over HTTP, as for the other verbs
 
-Pages: `/` (the runs: name, phase, step/maxSteps, reward, conditions, age) and `/runs/NAME?step=N&k=K`
-(reward and loss curves, workers, checkpoints, events, and the K worst and best completions of step N,
-the newest by default). JSON: `/api/runs` and `/api/runs/NAME?step=N&k=K`, the same data; with
-`sections=1` they also carry each page section rendered, which is what the page's script swaps in
-every `--refresh` seconds. One refresh reads each table once (mortal/client/cli/dashboard_data.py) and
-sends each text cut to a page's worth; `/api/runs/NAME/status`, `.../events/ID`, `.../workers/ID`,
-`.../checkpoints/STEP` and `.../completions/STEP/SAMPLE` return an item with its texts whole.
-Served by waitress (threads, one process), as the store server is; the `server` extra installs it. A
-connection idle for IDLE_SECONDS is closed, so open sockets that send nothing (a crowd of tabs, a
-slow client) cannot hold every connection slot and lock a new visitor out.
+Pages `/` (the runs) and `/runs/NAME?step=N&k=K` (one run), the same data as JSON under `/api/`; the
+page's script swaps in re-rendered sections every `--refresh` seconds. Texts are cut to a page's worth,
+and an item's own endpoint returns it whole. Served by waitress, as the store server is; a connection
+idle for IDLE_SECONDS is closed, so sockets that send nothing cannot hold every connection slot.
 What it must not do: write to the store (it holds a ReadOnlyStore), talk to workers, or load anything
 from the network (its script and stylesheet are package files).
 """
@@ -183,8 +177,8 @@ def open_read_only(url: str | None):
 def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
           refresh_seconds: float = DEFAULT_REFRESH_SECONDS, threads: int = 4, idle_seconds: int = IDLE_SECONDS,
           connection_limit: int = CONNECTION_LIMIT) -> Iterator[str]:
-    """Serve the dashboard with waitress from a background thread for the duration of the block; yields its URL
-    (port 0: any free port). Idle connections are looked for every second and closed after `idle_seconds`."""
+    """Serve the dashboard with waitress from a background thread for the duration of the block; yields
+    its URL (port 0: any free port). Connections idle for `idle_seconds` are closed."""
     try:
         from waitress.server import create_server
 
@@ -214,7 +208,8 @@ def dashboard(
     refresh: float = typer.Option(DEFAULT_REFRESH_SECONDS, "--refresh", min=0.5, metavar="SECONDS",
                                   help="How often an open page reads the store again."),
 ) -> None:
-    """Serve a read-only web page of the runs (reward and loss curves, workers, checkpoints, events, completions)."""
+    """Serve a read-only web page of the runs (reward and loss curves, workers, checkpoints, events,
+    completions)."""
     store = open_read_only(state(ctx).state_url)
     logging.basicConfig(level=logging.WARNING)
     try:

@@ -1,17 +1,9 @@
 """What `mortalctl dashboard` shows, read from the store: the runs list and one run's page, as plain dicts.
 
-Who calls it: the dashboard's WSGI app (mortal/client/cli/dashboard.py), once per page or refresh; the
-dicts it returns are both the JSON endpoints' bodies and what mortal/client/cli/dashboard_html.py renders.
-Cost: one store query per table per refresh, never one per run: the runs list is a single
-`list_runs` (phase, step, reward and conditions are in each run's status block); a run's page is one
-query each on runs, metrics, events, workers and checkpoints, and two on completions (the steps that
-have samples, then the chosen step's samples, sorted once). The reward and loss series are cut from
-one `list_metrics` of the whole run, which returns every metric of every step: a small read for runs of
-hundreds of steps, a large one per refresh for runs of many thousands (not cached or read incrementally
-yet: a resumed actor records earlier steps again, which a read `since_step` would miss).
-A refresh's size is bounded too: a text longer than TEXT_SHOWN (an event message, a completion, a
-path, ...) is cut with a marker naming the endpoint that returns it whole (`full_item`), which reads
-only what the page shows.
+The dicts are both the JSON endpoints' bodies and what dashboard_html.py renders. A refresh makes one
+store query per table, never one per run. A run's metrics are read whole each time: a resumed actor
+records earlier steps again, which a read `since_step` would miss. A text longer than TEXT_SHOWN is
+cut with a marker naming the endpoint that returns it whole (`full_item`), so a refresh stays small.
 What it must not do: write. It is handed a `ReadOnlyStore`, which has no write methods to call.
 """
 

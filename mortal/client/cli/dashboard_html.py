@@ -34,7 +34,8 @@ def run_url(name: str, **query: Any) -> str:
 
 
 def page(title: str, body: str, api: str, refresh_seconds: float) -> str:
-    """A whole page; its script polls `api` (with sections=1) every `refresh_seconds` and swaps the sections."""
+    """A whole page; its script polls `api` (with sections=1) every `refresh_seconds` and swaps the
+    sections."""
     return (
         "<!doctype html>\n<html lang=en><head><meta charset=utf-8>"
         f"<title>{esc(title)} · mortal</title>"
@@ -85,7 +86,7 @@ def condition_badges(conditions: list[dict[str, Any]], phase: str) -> str:
 
 
 def _path(path: str) -> str:
-    """A path that may wrap after any '/' (a checkpoint path is wider than its column in a 1280-pixel window)."""
+    """A path that may wrap after any '/' (a checkpoint path can be wider than its column)."""
     return "/<wbr>".join(esc(part) for part in path.split("/"))
 
 

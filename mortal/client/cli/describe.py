@@ -1,7 +1,8 @@
 """`mortalctl describe run NAME`: one run in detail, the way `kubectl describe` shows a pod.
 
 Sections: identity, a summary of the spec, status, conditions, workers, checkpoints, the ledger of
-prompts (mortal.controller.ledger) and recent events. Only reads the store; formats with rich (plain text when not a terminal).
+prompts (mortal.controller.ledger) and recent events. Only reads the store; formats with rich (plain
+text when not a terminal).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def usage_lines(run: TrainingRun, now: datetime | None = None) -> list[tuple[str
 
 
 def effective_lines(run: TrainingRun) -> list[tuple[str, str]]:
-    """What the controller runs instead of the spec's memory settings (mortal.controller.heal), when it chose."""
+    """What the controller runs instead of the spec's memory settings (mortal.controller.heal), when it
+    chose."""
     chosen, spec = run.status.effective, run.spec
     if chosen is None:
         return []

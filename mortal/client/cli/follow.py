@@ -114,7 +114,8 @@ def follow_runs(store: Store, names: list[str], quiet: bool = False, timeout: fl
 def follow_run(
     store: Store, name: str, quiet: bool = False, deadline: float | None = None, poll_seconds: float = 1.0
 ) -> RunStatus:
-    """Block until the run is terminal (showing progress unless quiet); print the outcome; return the status."""
+    """Block until the run is terminal (showing progress unless quiet); print the outcome; return the
+    status."""
     follower = Follower(store, name)
     out = console()
     if quiet:

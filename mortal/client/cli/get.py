@@ -1,4 +1,4 @@
-"""`mortalctl get runs|events|checkpoints|completions|metrics`: list what the store holds, as a table or as documents.
+"""`mortalctl get runs|events|checkpoints|completions|metrics`: what the store holds, as a table or documents.
 
 `get runs` prints NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (`-o wide` adds more: the latest loss,
 ending with the training conditions that are False), or the runs as YAML/JSON that `apply -f -` reads
@@ -90,7 +90,8 @@ def run_row(row: RunRow, wide: bool = False, loss: float | None = None) -> list[
     ]
     if wide:
         cells += [
-            f"{s.replicas.actor.ready}/{s.replicas.actor.desired if s.observed_generation else 1}",  # one worker, any ranks
+            # one worker, any ranks
+            f"{s.replicas.actor.ready}/{s.replicas.actor.desired if s.observed_generation else 1}",
             str(s.restarts),
             f"{s.observed_generation}/{row.generation}",
             "-" if loss is None else f"{loss:.4g}",
@@ -103,7 +104,8 @@ def run_row(row: RunRow, wide: bool = False, loss: float | None = None) -> list[
 
 
 def training_conditions(conditions: list) -> str:
-    """The training conditions that are False (`WeightsInSync=False,...`), `ok` when none is, `-` before any."""
+    """The training conditions that are False (`WeightsInSync=False,...`); `ok` when none is, `-` before
+    any."""
     known = [c for c in conditions if c.type in TRAINING_CONDITIONS]
     failing = [f"{c.type}=False" for c in known if c.status == "False"]
     if failing:
@@ -199,7 +201,8 @@ def _without(cells: list[str] | None, column: int) -> list[str] | None:
 
 
 def watch_runs(store: Store, name: str | None, selector: str | None, output: str | None, timeout: float) -> None:
-    """Until Ctrl-C (or `timeout` seconds): kubectl's watch, the listing then each change (a row or a document)."""
+    """Until Ctrl-C (or `timeout` seconds): kubectl's watch, the listing then each change (a row or a
+    document)."""
     deadline = time.monotonic() + timeout if timeout else None
     wide = output == "wide"
     watch = RowWatch(RUN_HEADERS + (WIDE_HEADERS if wide else ()))

@@ -152,7 +152,7 @@ def root(
         None, "--home", metavar="DIR", help="mortal's folder for state, logs, checkpoints [env: MORTAL_HOME; default: ~/.mortal]."
     ),
 ) -> None:
-    """The global options; they are handed to any controller or worker started from here via the environment."""
+    """The global options; any controller or worker started from here gets them through the environment."""
     if home is not None:
         os.environ["MORTAL_HOME"] = str(home.expanduser().resolve())
     if state_url:

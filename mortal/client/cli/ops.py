@@ -1,8 +1,9 @@
 """`mortalctl logs | controller | schema | version`: the verbs that are not about desired state.
 
 `logs` reads worker log files through mortal.controller.logs, from this machine or, for a run on
-Modal, from the app's data volume (and, with -f, stops when the run finishes); `controller` runs mortal.controller.manager.run_controller in the foreground; `schema`
-prints the TrainingRun JSON Schema; `version` the package version. Nothing here imports torch.
+Modal, from the app's data volume (and, with -f, stops when the run finishes); `controller` runs
+mortal.controller.manager.run_controller in the foreground; `schema` prints the TrainingRun JSON
+Schema; `version` the package version. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def logs_command(
             raise CliError(f"no logs of trainingrun/{name}{' ' + which if which else ''} yet; is a controller running?")
     stop = threading.Event()
     if follow:
-        linger = 2 * VOLUME_POLL_SECONDS + 2.0 if on_modal else 2.0  # Modal: the worker function's last commit
+        # on Modal, long enough for the worker function's last commit
+        linger = 2 * VOLUME_POLL_SECONDS + 2.0 if on_modal else 2.0
         threading.Thread(target=_stop_when_finished, args=(store, name, stop), kwargs={"linger": linger},
                          daemon=True).start()
     lines = read_logs(name, role, replica, follow=follow, tail=tail, stop=stop, source=source,
@@ -210,7 +212,8 @@ def controller_status_command(ctx: typer.Context) -> None:
         expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
         if expires > datetime.now(UTC):
             until = expires.isoformat(timespec="seconds")
-            typer.echo(f"leader lease: held by {plain(lease.holder)} (until {until})")  # store text: shown as text
+            # the holder is store text: shown as text
+            typer.echo(f"leader lease: held by {plain(lease.holder)} (until {until})")
         else:
             typer.echo(f"leader lease: free (last held by {plain(lease.holder)})")
 

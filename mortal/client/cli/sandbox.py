@@ -1,11 +1,9 @@
 """`mortalctl sandbox run FILE.py`: run a Python file in the reward sandbox and print how it ended, as JSON.
 
-What the code-execution reward does to each completion, on demand: the file runs as `main.py` in a
-fresh private working directory, with the limits a spec's `rewards[i].sandbox` sets (--timeout,
---memory-mb; the defaults are SandboxSpec's) and the confinement the rewards would get on this
-machine (mortal.workers.rewards.sandbox, mortal.workers.rewards.confinement), so a user can see what a reward's code
-meets, and an operator can see which confinement works here, before a run depends on it. It
-writes nothing to the store and never runs the file unconfined.
+What the code-execution reward does to each completion, on demand: the file runs as `main.py` in a fresh
+working directory, with a spec's sandbox limits (--timeout, --memory-mb) and the confinement rewards get
+on this machine, so a user sees what a reward's code meets and an operator sees which confinement works
+here. Nothing is written to the store.
 What it must not do: run the file unconfined, or hide how it ended (exit 1 unless it succeeded).
 """
 
@@ -61,7 +59,8 @@ def read_code(path: Path) -> str:
 
 
 def limits(timeout: float | None, memory_mb: int | None) -> SandboxSpec:
-    """--timeout and --memory-mb checked as the spec's sandbox block is (SandboxSpec), errors naming the flag."""
+    """--timeout and --memory-mb checked as the spec's sandbox block is (SandboxSpec), errors naming the
+    flag."""
     from pydantic import ValidationError
 
     from mortal.specs import SandboxSpec

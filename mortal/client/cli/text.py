@@ -1,4 +1,4 @@
-"""Text mortalctl did not write (store, user, model, worker) turned into text that is safe to print on a terminal.
+"""Text mortalctl did not write (store, user, model, worker) made safe to print on a terminal.
 
 Who calls it: every verb, through mortal/client/cli/output.py (`table` cells, `say`) or directly, before such
 text reaches stdout or stderr. An event message, a label, a completion or a log line may carry ESC
@@ -32,7 +32,8 @@ _ONE_LINE = _MULTILINE | {ord("\n"): "\\n", ord("\t"): "\\t"}
 
 
 JSON_ESCAPES = {code: f"\\u{code:04x}" for code in (0x7F, *range(0x80, 0xA0), *_BIDI)}
-"""What json.dumps(ensure_ascii=False) leaves raw but a terminal may obey: written as \\u escapes, the same data."""
+"""What json.dumps(ensure_ascii=False) leaves raw but a terminal may obey: written as \\u escapes, the same
+data."""
 
 
 def plain(value: Any, multiline: bool = False) -> str:
