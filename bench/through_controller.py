@@ -40,8 +40,8 @@ def exit_on_sigterm() -> None:
 def controller_running(run: Any, work: Path) -> Iterator[Any]:
     """The run applied to a fresh SQLite store under `work/mortal-home` and a controller subprocess
     reconciling it (log: work/controller.log) while the block runs; yields the store."""
-    from mortal.controller.cli.apply import fit_micro_batches, refuse_what_cannot_fit
-    from mortal.controller.cli.context import CliError
+    from mortal.client.apply import fit_micro_batches, refuse_what_cannot_fit
+    from mortal.client.errors import ClientError as CliError
     from mortal.state import open_store
 
     try:  # what `mortalctl apply` refuses, refused before the device's minutes go on it

@@ -67,5 +67,5 @@ def test_built_wheel_imports_every_subpackage(tmp_path):
     assert all(f.startswith(str(target)) for f in files), files
     assert (target / "mortal" / "specs" / "examples" / "quickstart.yaml").exists()
     assert (target / "mortal" / "state" / "migrations").is_dir()
-    assert (target / "mortal" / "controller" / "cli" / "dashboard_static" / "dashboard.js").exists()
+    assert (target / "mortal" / "client" / "cli" / "dashboard_static" / "dashboard.js").exists()
     assert next((target / "mortal" / "workers" / "builtin_data").glob("*.jsonl"), None) is not None

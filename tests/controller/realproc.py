@@ -22,8 +22,8 @@ import psutil
 import pytest
 from polling import wait_for
 
+from mortal.client.cli.context import modify_spec
 from mortal.controller import wake
-from mortal.controller.cli.context import modify_spec
 from mortal.controller.manager import Controller
 from mortal.controller.observed import PlanConfig
 from mortal.controller.reconciler import ControllerConfig

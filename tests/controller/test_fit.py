@@ -218,7 +218,7 @@ def test_a_config_without_the_fields_has_no_shape():
 def test_apply_annotates_a_run_whose_batch_does_not_fit_and_leaves_its_spec(tmp_path, capsys):
     """`mortalctl apply` reads config.json and the safetensors headers of a local model, and annotates the run
     with the micro batch the controller starts from (heal.FITTED_ANNOTATION); the spec stays the user's."""
-    from mortal.controller.cli.apply import fit_micro_batches
+    from mortal.client.apply import fit_micro_batches
     from mortal.controller.heal import FITTED_ANNOTATION
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN_3B))

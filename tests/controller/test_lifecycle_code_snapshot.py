@@ -15,8 +15,8 @@ from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness
 from store_kinds import sqlite_only
 from typer.testing import CliRunner
 
+from mortal.client.cli.main import app
 from mortal.controller import manager
-from mortal.controller.cli.main import app
 from mortal.controller.snapshot import CODE_ANNOTATION
 from mortal.state import paths
 

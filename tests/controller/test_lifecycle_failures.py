@@ -134,7 +134,7 @@ def describe_shows(h, name: str, text: str) -> None:
     """`mortalctl describe run NAME` prints the failure reason (through the CLI, as a user sees it)."""
     from typer.testing import CliRunner
 
-    from mortal.controller.cli.main import app
+    from mortal.client.cli.main import app
 
     result = CliRunner().invoke(app, ["describe", "run", name], env={"MORTAL_STATE_URL": h.url,
                                                                   "MORTAL_HOME": str(h.home)})

@@ -30,9 +30,9 @@ from realproc import (  # noqa: F401
 )
 from typer.testing import CliRunner
 
+from mortal.client.cli.main import app
 from mortal.controller.backends import Backend, select_backend
 from mortal.controller.backends.modal import ModalBackend
-from mortal.controller.cli.main import app
 from mortal.controller.manager import Controller
 from mortal.controller.reconciler import ControllerConfig
 from mortal.workers.simulated import simulated_run

@@ -10,7 +10,8 @@ from typing import Any
 from realproc import Harness, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sqlite_only
 
-from mortal.controller.cli.fork import fork_run, rollback_run
+from mortal.client.fork import fork_run
+from mortal.client.rollback import rollback_run
 from mortal.workers.simulated import simulated_run
 
 pytestmark = sqlite_only

@@ -41,7 +41,7 @@ from rollout_helpers import assets_available, make_tiny_model
 from run_helpers import needs_two_gpus, train_through_controller
 from safetensors.torch import load_file
 
-from mortal.controller.cli.fork import fork_run
+from mortal.client.fork import fork_run
 from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.checkpoint import is_complete, read_marker

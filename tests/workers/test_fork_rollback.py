@@ -16,7 +16,7 @@ from actor_helpers import actor_spec, create_run, final_weights_hash, run_actor_
 from rollout_helpers import assets_available, make_tiny_model
 from typer.testing import CliRunner
 
-from mortal.controller.cli.main import app
+from mortal.client.cli.main import app
 from mortal.specs import TrainingRun
 from mortal.state import paths
 from mortal.workers.runtime import EXIT_SUCCEEDED

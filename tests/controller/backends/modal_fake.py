@@ -93,7 +93,7 @@ WORKER_FUNCTIONS = ("worker", "rollout_vllm")  # the app's functions that run a 
 
 def _deployed_workers() -> dict[str, Callable[..., Any]]:
     """The bodies `modal deploy` ships as the app's worker functions (their signatures are what spawn binds)."""
-    from mortal.controller import modal_app
+    from mortal.client import modal_app
 
     return {name: getattr(modal_app, name)._get_source_info().raw_f for name in WORKER_FUNCTIONS}
 
