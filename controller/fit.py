@@ -1,6 +1,6 @@
 """Will the model fit the GPU the spec asks for? A lower bound, refused only when it is certain not to.
 
-Who calls it: `mortalctl apply` (mortal.controller.cli.apply), with the parameter count read from the
+Who calls it: `mortalctl apply` (mortal.client.apply), with the parameter count read from the
 model's safetensors headers (mortal.workers.models.count_parameters); tests call it directly.
 Pure: no I/O. What it must not do: guess. The bound adds only what every run of that spec must hold at
 once (the actor's weights, gradients and AdamW moments, sharded or not; colocated rollouts' copies or

@@ -2,7 +2,7 @@
 spec names.
 
 Who calls it: the controller, through the `Backend` contract (`select_backend("modal")`). The app
-(mortal.controller.modal_app) defines the functions; their body (modal_worker) runs
+(mortal.client.modal_app) defines the functions; their body (modal_worker) runs
 `python -m mortal.workers.main` and returns its exit code. Rollouts that generate with vLLM are calls
 of `rollout_vllm`, whose image adds vLLM; every other worker is a call of `worker`. The handle is
 "modal:<function call id>"; each launch is recorded in a modal.Dict, so a restarted controller adopts
@@ -160,7 +160,7 @@ class ModalBackend(Backend):
         except self._modal.exception.NotFoundError as exc:
             raise LaunchFailed(
                 f"the Modal app {self.app_name!r} is not deployed ({exc}): modal deploy -m "
-                "mortal.controller.modal_app"
+                "mortal.client.modal_app"
             ) from exc
         except self._modal.exception.Error as exc:
             raise LaunchFailed(f"could not spawn {launch.worker_id} on Modal: {exc}") from exc

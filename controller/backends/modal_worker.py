@@ -1,6 +1,6 @@
 """The body of the Modal worker functions: one mortal worker process per Modal function call.
 
-Who calls it: the `worker` and `rollout_vllm` functions of mortal.controller.modal_app (once per
+Who calls it: the `worker` and `rollout_vllm` functions of mortal.client.modal_app (once per
 `ModalBackend.launch`), and the tests' Modal fake, in a subprocess. It runs `python -m mortal.workers.main`
 and returns its exit code (-N when signal N killed it) to `FunctionCall.get`. The output goes to
 Modal's logs and to the run's log file on the data volume, committed every LOG_COMMIT_SECONDS, so

@@ -88,7 +88,7 @@ def conform(api: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any
     return bound.arguments
 
 
-WORKER_FUNCTIONS = ("worker", "rollout_vllm")  # the app's functions that run a worker (mortal.controller.modal_app)
+WORKER_FUNCTIONS = ("worker", "rollout_vllm")  # the app's functions that run a worker (mortal.client.modal_app)
 
 
 def _deployed_workers() -> dict[str, Callable[..., Any]]:

@@ -137,7 +137,7 @@ def test_launch_failures_say_the_fix(fake: FakeModal) -> None:
     backend = ModalBackend(modal=fake)
     with pytest.raises(LaunchFailed, match="MORTAL_STATE_URL=https://"):
         backend.launch(dataclasses.replace(spec(), state_url="sqlite:////tmp/state.db"))
-    with pytest.raises(LaunchFailed, match="modal deploy -m mortal.controller.modal_app"):
+    with pytest.raises(LaunchFailed, match="modal deploy -m mortal.client.modal_app"):
         ModalBackend(modal=fake, app_name="not-deployed").launch(spec())
     fake.unreachable = True
     with pytest.raises(BackendError):

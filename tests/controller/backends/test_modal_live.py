@@ -41,7 +41,7 @@ def deployed() -> tuple[str, str]:
     modal_cli = [sys.executable, "-m", "modal"]
     subprocess.run([*modal_cli, "secret", "create", f"{APP}-state", f"MORTAL_STATE_TOKEN={token}", "--force"],
                    env=env, check=True, cwd=REPO)
-    subprocess.run([*modal_cli, "deploy", "-m", "mortal.controller.modal_app"], env=env, check=True, cwd=REPO,
+    subprocess.run([*modal_cli, "deploy", "-m", "mortal.client.modal_app"], env=env, check=True, cwd=REPO,
                    timeout=1800)
     url = modal.Function.from_name(APP, "store").get_web_url()
     store = HttpStore(url, token=token, retry_seconds=300)
