@@ -35,12 +35,19 @@ MODES = {"fixed": False, "auto": None}  # --modes: StaticDecoder's `dynamic` (to
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 192, 256])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
-                        help="fixed: dynamic=False (the decoder's default); auto: dynamic=None")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="fixed: dynamic=False (the decoder's default); auto: dynamic=None",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
@@ -48,10 +55,18 @@ def main() -> None:
 
     from mortal.workers.engines.static_decode import Sampling, StaticDecoder
 
-    out: dict = {"device": torch.cuda.get_device_name(0), "gpus": 1, **{k: v for k, v in vars(args).items() if k != "json"},
-                 "modes": {}}
+    out: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": 1,
+        **{k: v for k, v in vars(args).items() if k != "json"},
+        "modes": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        model = AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16).cuda().eval()
+        model = (
+            AutoModelForCausalLM.from_pretrained(make_model(Path(tmp) / "m"), dtype=torch.bfloat16)
+            .cuda()
+            .eval()
+        )
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
     for mode in args.modes:
         torch._dynamo.reset()
@@ -76,9 +91,14 @@ def main() -> None:
                 seconds.append(time.perf_counter() - started)
             ms = min(seconds) * 1e3 / decoder.last_stats.decode_steps
             rows.append({"width": width, "prepare_seconds": prepared, "ms_per_decode_step": ms})
-            print(f"{mode}: width {width}: prepared in {prepared:.1f} s, {ms:.3f} ms a decode step", flush=True)
+            print(
+                f"{mode}: width {width}: prepared in {prepared:.1f} s, {ms:.3f} ms a decode step", flush=True
+            )
         diff = float((forward_logprobs(model, ids, mask, tokens) - logprobs).abs().max())
-        print(f"{mode}: decoder logprobs vs one forward pass at width {args.widths[-1]}: max |diff| {diff:.4f}", flush=True)
+        print(
+            f"{mode}: decoder logprobs vs one forward pass at width {args.widths[-1]}: max |diff| {diff:.4f}",
+            flush=True,
+        )
         out["modes"][mode] = {"widths": rows, "logprob_max_abs_diff": diff}
         if args.json:  # after each mode: a call that runs out of time keeps the modes it finished
             args.json.write_text(json.dumps(out, indent=2))

@@ -20,11 +20,23 @@ import torch.distributed as dist
 
 
 def side(rank: int, port: int, backend: str) -> None:
-    store = dist.PrefixStore("pair/0/", dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
-                                                      timeout=datetime.timedelta(seconds=30)))
+    store = dist.PrefixStore(
+        "pair/0/",
+        dist.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=rank == 0,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=30),
+        ),
+    )
     if backend == "nccl":
         torch.cuda.set_device(rank)
-        group, device, numel = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options()), f"cuda:{rank}", 400_000_000
+        group, device, numel = (
+            dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options()),
+            f"cuda:{rank}",
+            400_000_000,
+        )
     else:
         group, device, numel = dist.ProcessGroupGloo(store, rank, 2), "cpu", 1000
     tensor = torch.full((numel,), float(rank), dtype=torch.bfloat16, device=device)

@@ -58,7 +58,9 @@ def child(args: argparse.Namespace) -> dict:
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16
     shape = {**SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {})}
-    config = Qwen2Config(**{"tie_word_embeddings": True, **shape}, vocab_size=49152, max_position_embeddings=4096)
+    config = Qwen2Config(
+        **{"tie_word_embeddings": True, **shape}, vocab_size=49152, max_position_embeddings=4096
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -87,16 +89,29 @@ def child(args: argparse.Namespace) -> dict:
             decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[])
             sync()
             step_ms.append((time.perf_counter() - started) / decoder.last_stats.decode_steps * 1e3)
-        measured.append({"prompt": width, "prepare_seconds": prepare_seconds, "graphs": graphs,
-                         "ms_per_decode_step": max(step_ms[1:]), "ms_per_decode_step_each": step_ms})
+        measured.append(
+            {
+                "prompt": width,
+                "prepare_seconds": prepare_seconds,
+                "graphs": graphs,
+                "ms_per_decode_step": max(step_ms[1:]),
+                "ms_per_decode_step_each": step_ms,
+            }
+        )
         if args.profile and device == "cuda" and width == args.prompt:
             from decode_speed import profile_decoder
 
             measured[-1]["profile"] = profile_decoder(
-                lambda ids=ids, mask=mask: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[]), decoder,
-                args.top)
-    return {"scope": args.child, "layers": config.num_hidden_layers, "shapes": measured,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+                lambda ids=ids, mask=mask: decoder.generate(ids, mask, args.tokens, sampling, eos_ids=[]),
+                decoder,
+                args.top,
+            )
+    return {
+        "scope": args.child,
+        "layers": config.num_hidden_layers,
+        "shapes": measured,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    }
 
 
 def main() -> None:
@@ -119,25 +134,48 @@ def main() -> None:
     results = []
     for scope in SCOPES:
         with tempfile.TemporaryDirectory() as cache_dir:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": f"{cache_dir}/triton"}
-            out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", scope], env=env,
-                                 capture_output=True, text=True, check=False)
+            env = {
+                **os.environ,
+                "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+                "TRITON_CACHE_DIR": f"{cache_dir}/triton",
+            }
+            out = subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--child", scope],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
         if out.returncode != 0:
             sys.exit(f"scope {scope} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = results[-1]
         for s in r["shapes"]:
-            print(f"{scope:6s} {r['layers']} layers, prompt {s['prompt']}: prepared in {s['prepare_seconds']:.1f} s "
-                  f"({s['graphs']} graph(s)), {s['ms_per_decode_step']:.2f} ms a decode step")
+            print(
+                f"{scope:6s} {r['layers']} layers, prompt {s['prompt']}: prepared in {s['prepare_seconds']:.1f} s "
+                f"({s['graphs']} graph(s)), {s['ms_per_decode_step']:.2f} ms a decode step"
+            )
             if "profile" in s:
                 p = s["profile"]
-                print(f"  profile: {p['gpu_ms_per_step']:.3f} ms of GPU kernels a step, {p['kernels_per_step']:.0f} kernels")
+                print(
+                    f"  profile: {p['gpu_ms_per_step']:.3f} ms of GPU kernels a step, {p['kernels_per_step']:.0f} kernels"
+                )
                 for k in p["top"]:
-                    print(f"    {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f}/step  {k['name'][:100]}")
+                    print(
+                        f"    {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f}/step  {k['name'][:100]}"
+                    )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("json", "child")},
-                                         "device": results[0]["device"], "gpus": 0 if args.cpu else 1,
-                                         "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k not in ("json", "child")},
+                    "device": results[0]["device"],
+                    "gpus": 0 if args.cpu else 1,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,13 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
     with open(work / "controller.log", "w") as log:
         # A session of its own: `timeout` signals its whole process group, and the controller must outlive
         # the bench's SIGTERM long enough to stop the workers (stop_workers) before it is terminated.
-        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "mortal.controller"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             yield store
         finally:
@@ -83,17 +88,25 @@ def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dic
             timeline[step] = []
             for row in store.step_results(name, step):
                 results = (row.result or {}).get("results", [])
-                timeline[step].append({
-                    "queued": row.created_at.timestamp(), "done": row.done_at.timestamp() if row.done_at else None,
-                    "generate": sum(r.get("generation_seconds", 0.0) for r in results),
-                    "reward": sum(r.get("reward_seconds", 0.0) for r in results),
-                    "load": max((r.get("weight_load_seconds", 0.0) for r in results), default=0.0)})
+                timeline[step].append(
+                    {
+                        "queued": row.created_at.timestamp(),
+                        "done": row.done_at.timestamp() if row.done_at else None,
+                        "generate": sum(r.get("generation_seconds", 0.0) for r in results),
+                        "reward": sum(r.get("reward_seconds", 0.0) for r in results),
+                        "load": max((r.get("weight_load_seconds", 0.0) for r in results), default=0.0),
+                    }
+                )
         return timeline
     finally:
         store.close()
 
 
-MEMORY_EVENTS = ("MicroBatchReduced", "RolloutShareReduced", "OutOfMemory")  # mortal.controller.heal's, MemoryFits'
+MEMORY_EVENTS = (
+    "MicroBatchReduced",
+    "RolloutShareReduced",
+    "OutOfMemory",
+)  # mortal.controller.heal's, MemoryFits'
 
 
 def memory_record(work: Path, name: str) -> dict[str, Any]:
@@ -108,14 +121,22 @@ def memory_record(work: Path, name: str) -> dict[str, Any]:
     store = open_store(f"sqlite:///{path}")
     try:
         row = store.get_run(name)
-        events = [{"type": e.type, "reason": e.reason, "message": e.message}
-                  for e in store.list_events(name, limit=1000) if e.reason in MEMORY_EVENTS]
+        events = [
+            {"type": e.type, "reason": e.reason, "message": e.message}
+            for e in store.list_events(name, limit=1000)
+            if e.reason in MEMORY_EVENTS
+        ]
         algorithm = row.spec.get("algorithm") or {}
         effective = (row.status or {}).get("effective") or {}
         spec_micro = algorithm.get("microBatchSize") or algorithm.get("batchSize")
-        return {"micro_batch": effective.get("microBatchSize") or spec_micro, "spec_micro_batch": spec_micro,
-                "chosen_by_controller": "microBatchSize" in effective, "effective": effective,
-                "restarts": (row.status or {}).get("restarts"), "events": events}
+        return {
+            "micro_batch": effective.get("microBatchSize") or spec_micro,
+            "spec_micro_batch": spec_micro,
+            "chosen_by_controller": "microBatchSize" in effective,
+            "effective": effective,
+            "restarts": (row.status or {}).get("restarts"),
+            "events": events,
+        }
     except NotFound:
         return {}
     finally:
@@ -164,13 +185,18 @@ def copy_logs(work: Path, dest: Path) -> None:
     `dest`: start-up and compile lines, and why a run cut short had not finished, outlive `work`; with them
     the actor's step profiles (mortal.workers.step_profile), where a run made them."""
     dest.mkdir(parents=True, exist_ok=True)
-    for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log"),
-                *work.glob("mortal-home/runs/*/logs/profile-*")]:
+    for log in [
+        work / "controller.log",
+        *work.glob("mortal-home/runs/*/logs/*.log"),
+        *work.glob("mortal-home/runs/*/logs/profile-*"),
+    ]:
         if log.exists():
             shutil.copy(log, dest / log.name)
 
 
-def run_through_controller(run: Any, work: Path, poll_seconds: float = 1.0) -> tuple[dict[int, dict[str, float]], float]:
+def run_through_controller(
+    run: Any, work: Path, poll_seconds: float = 1.0
+) -> tuple[dict[int, dict[str, float]], float]:
     home = work / "mortal-home"
     started = time.time()
     with controller_running(run, work) as store:
@@ -178,7 +204,9 @@ def run_through_controller(run: Any, work: Path, poll_seconds: float = 1.0) -> t
             time.sleep(poll_seconds)
     wall = time.time() - started
     if phase != "Succeeded":
-        raise SystemExit(f"mortal run {run.name} ended {phase}: {store.get_run(run.name).status} (see {home})")
+        raise SystemExit(
+            f"mortal run {run.name} ended {phase}: {store.get_run(run.name).status} (see {home})"
+        )
     by_step: dict[int, dict[str, float]] = {}
     for metric in store.list_metrics(run.name):
         by_step.setdefault(metric.step, {})[metric.name] = metric.value

@@ -88,22 +88,39 @@ def gpu_hours(seconds: float) -> float:
     return round(seconds / 3600.0, GPU_HOURS_PRECISION)
 
 
-def exceeded(max_duration: float | None, active: float, max_gpu_hours: float | None,
-             used_gpu_seconds: float, already: str | None = None) -> Exceeded | None:
+def exceeded(
+    max_duration: float | None,
+    active: float,
+    max_gpu_hours: float | None,
+    used_gpu_seconds: float,
+    already: str | None = None,
+) -> Exceeded | None:
     """The first limit reached, if any (maxDuration before maxGPUHours). `already`: the reason an earlier pass
     found for the same spec; it holds while that limit is set, so that a run whose workers are stopping is
     not relaunched because their final accounting came out a second short."""
     if max_duration is not None and (active >= max_duration or already == DEADLINE_EXCEEDED):
-        return Exceeded(DEADLINE_EXCEEDED, f"limits.maxDuration ({format_duration(max_duration)}) reached: "
-                                           f"active for {_span(active)}")
-    if max_gpu_hours is not None and (used_gpu_seconds >= max_gpu_hours * 3600.0 or already == BUDGET_EXCEEDED):
-        return Exceeded(BUDGET_EXCEEDED, f"limits.maxGPUHours ({max_gpu_hours:g}) reached: the workers used "
-                                         f"{used_gpu_seconds / 3600.0:.2f} GPU-hours")
+        return Exceeded(
+            DEADLINE_EXCEEDED,
+            f"limits.maxDuration ({format_duration(max_duration)}) reached: active for {_span(active)}",
+        )
+    if max_gpu_hours is not None and (
+        used_gpu_seconds >= max_gpu_hours * 3600.0 or already == BUDGET_EXCEEDED
+    ):
+        return Exceeded(
+            BUDGET_EXCEEDED,
+            f"limits.maxGPUHours ({max_gpu_hours:g}) reached: the workers used "
+            f"{used_gpu_seconds / 3600.0:.2f} GPU-hours",
+        )
     return None
 
 
-def seconds_left(max_duration: float | None, active: float, max_gpu_hours: float | None,
-                 used_gpu_seconds: float, live_gpus: int) -> float | None:
+def seconds_left(
+    max_duration: float | None,
+    active: float,
+    max_gpu_hours: float | None,
+    used_gpu_seconds: float,
+    live_gpus: int,
+) -> float | None:
     """Wall seconds until the first limit is reached at the present rate (None: no limit can be reached)."""
     left = []
     if max_duration is not None:

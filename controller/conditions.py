@@ -41,8 +41,13 @@ def allowed_lag(max_staleness: int, sync_every: int) -> int:
     return math.ceil(max_staleness / max(1, sync_every)) + 1
 
 
-def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newest_at: datetime | None,
-                    max_staleness: int, sync_every: int) -> Condition:
+def weights_in_sync(
+    rollouts: Sequence[RolloutVersion],
+    newest: int | None,
+    newest_at: datetime | None,
+    max_staleness: int,
+    sync_every: int,
+) -> Condition:
     """False when a live rollout generates with weights more than `allowed_lag` versions behind the newest.
     A version published after a rollout's last heartbeat cannot have been reported yet, so it does not
     count against that rollout."""
@@ -50,20 +55,36 @@ def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newe
         return Condition(WEIGHTS, None, "NoWeightsPublished", "the actor has not published weights yet")
     reporting = [(r, r.version) for r in rollouts if r.version is not None]
     if not reporting:
-        return Condition(WEIGHTS, None, "NoRolloutReporting", "no live rollout has reported a weight version "
-                                                               f"(newest v{newest})")
+        return Condition(
+            WEIGHTS,
+            None,
+            "NoRolloutReporting",
+            f"no live rollout has reported a weight version (newest v{newest})",
+        )
     allowed = allowed_lag(max_staleness, sync_every)
     lagging = []
     for r, version in reporting:
-        seen = newest if newest_at is None or r.heartbeat_at is None or newest_at <= r.heartbeat_at else newest - 1
+        seen = (
+            newest
+            if newest_at is None or r.heartbeat_at is None or newest_at <= r.heartbeat_at
+            else newest - 1
+        )
         if seen - version > allowed:
             lagging.append(f"{r.name} at v{version}")
     if lagging:
-        return Condition(WEIGHTS, False, "RolloutLagging",
-                         f"{', '.join(lagging)}; actor at v{newest}; allowed lag {allowed} version(s)")
+        return Condition(
+            WEIGHTS,
+            False,
+            "RolloutLagging",
+            f"{', '.join(lagging)}; actor at v{newest}; allowed lag {allowed} version(s)",
+        )
     versions = sorted({version for _, version in reporting})
-    return Condition(WEIGHTS, True, "WeightsCurrent",
-                     f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}")
+    return Condition(
+        WEIGHTS,
+        True,
+        "WeightsCurrent",
+        f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}",
+    )
 
 
 # Fatal worker reasons that name the run's failure itself.
@@ -97,23 +118,31 @@ def reward_healthy(metrics: Mapping[int, Mapping[str, float]], stuck_steps: int)
     newest = steps[-1]
     for name in names:
         if metrics[newest].get(f"rewards/{name}/{SCORED_METRIC}") == 0.0:
-            return Condition(REWARD, False, "RewardAllNone",
-                             f"reward {name!r} returned None for every sample of step {newest}")
+            return Condition(
+                REWARD,
+                False,
+                "RewardAllNone",
+                f"reward {name!r} returned None for every sample of step {newest}",
+            )
     for name in names:
         run = _constant_run(metrics, steps, name)
         if len(run) >= stuck_steps:
             value = metrics[run[-1]].get(f"rewards/{name}/mean")
             same = f" ({value:g})" if value is not None else ""
-            return Condition(REWARD, False, "RewardConstant",
-                             f"reward {name!r} gave every sample the same value{same} for {len(run)} steps "
-                             f"in a row (steps {run[0]}-{run[-1]}): no learning signal")
+            return Condition(
+                REWARD,
+                False,
+                "RewardConstant",
+                f"reward {name!r} gave every sample the same value{same} for {len(run)} steps "
+                f"in a row (steps {run[0]}-{run[-1]}): no learning signal",
+            )
     return Condition(REWARD, True, "RewardsVary", f"{', '.join(names)}: scores vary within step {newest}")
 
 
 def _reward_name(metric: str) -> str | None:
     if not metric.startswith("rewards/"):
         return None
-    name, _, kind = metric[len("rewards/"):].rpartition("/")
+    name, _, kind = metric[len("rewards/") :].rpartition("/")
     return name if name and kind in (STD_METRIC, SCORED_METRIC) else None
 
 
@@ -145,26 +174,36 @@ def step_seconds(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def progress_deadline(median_step_seconds: float | None, minimum: float, factor: float, default: float) -> float:
+def progress_deadline(
+    median_step_seconds: float | None, minimum: float, factor: float, default: float
+) -> float:
     """Seconds without a step end before a run is not Progressing."""
     if median_step_seconds is None:
         return default
     return max(minimum, factor * median_step_seconds)
 
 
-def progressing(suspended: bool, last_step_time: datetime | None, deadline: float, now: datetime) -> Condition:
+def progressing(
+    suspended: bool, last_step_time: datetime | None, deadline: float, now: datetime
+) -> Condition:
     """False when no step ended within `deadline` seconds (`progress_deadline`); Unknown while suspended."""
     if suspended:
         return Condition(PROGRESSING, None, "Suspended", "not evaluated while suspended")
     if last_step_time is None:
-        return Condition(PROGRESSING, None, "AwaitingFirstStep",
-                         "no step has ended since the workers started")
+        return Condition(
+            PROGRESSING, None, "AwaitingFirstStep", "no step has ended since the workers started"
+        )
     quiet = (now - last_step_time).total_seconds()
     if quiet > deadline:
-        return Condition(PROGRESSING, False, "ProgressDeadlineExceeded",
-                         f"no step has ended for {quiet:.0f}s (deadline {deadline:.0f}s)")
-    return Condition(PROGRESSING, True, "StepsAdvancing",
-                     f"last step ended {quiet:.0f}s ago (deadline {deadline:.0f}s)")
+        return Condition(
+            PROGRESSING,
+            False,
+            "ProgressDeadlineExceeded",
+            f"no step has ended for {quiet:.0f}s (deadline {deadline:.0f}s)",
+        )
+    return Condition(
+        PROGRESSING, True, "StepsAdvancing", f"last step ended {quiet:.0f}s ago (deadline {deadline:.0f}s)"
+    )
 
 
 @dataclass(frozen=True)
@@ -198,44 +237,66 @@ class MemoryKnobs:
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
     """What to change in the spec so that a worker of `role` fits its GPU, most direct first."""
     if role == "rollout":
-        tips = ["lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
-                "lower generation.maxTokens (the KV cache grows with it)"]
+        tips = [
+            "lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
+            "lower generation.maxTokens (the KV cache grows with it)",
+        ]
         if knobs.colocate and knobs.rollout_share is None:
-            tips.append("set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows "
-                        "that fit in that share of the GPU, beside the actor")
+            tips.append(
+                "set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows "
+                "that fit in that share of the GPU, beside the actor"
+            )
         elif knobs.rollout_share is not None:
-            tips.append(f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the "
-                        "GPU the rollout may hold")
+            tips.append(
+                f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the "
+                "GPU the rollout may hold"
+            )
         if knobs.colocate:
-            tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; "
-                        "the actor's weights, gradients and optimizer state share this GPU now)")
+            tips.append(
+                "give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; "
+                "the actor's weights, gradients and optimizer state share this GPU now)"
+            )
         tips.append("or pick a GPU with more memory (rollout.gpu)")
     else:
         tips = []
         if knobs.actor_ranks > 1 and not knobs.reshard_after_forward:
-            tips.append("set actor.reshardAfterForward: true (now false: every GPU holds the whole model, "
-                        "gathered, from the forward to the backward)")
+            tips.append(
+                "set actor.reshardAfterForward: true (now false: every GPU holds the whole model, "
+                "gathered, from the forward to the backward)"
+            )
         if knobs.micro_batch_size != 1:
             now = f" (now {knobs.micro_batch_size})" if knobs.micro_batch_size else ""
-            tips.append(f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "
-                        "gradients accumulated, the same step")
+            tips.append(
+                f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "
+                "gradients accumulated, the same step"
+            )
         tips.append("lower algorithm.batchSize (completions per optimizer step)")
         if not knobs.gradient_checkpointing:
             tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
         if knobs.actor_ranks > 1 and knobs.replicated:
-            tips.append("shard the actor's weights, gradients and AdamW state over its ranks "
-                        "(actor.strategy: fsdp; now ddp: each rank holds the whole model)")
+            tips.append(
+                "shard the actor's weights, gradients and AdamW state over its ranks "
+                "(actor.strategy: fsdp; now ddp: each rank holds the whole model)"
+            )
         elif knobs.actor_ranks > 1 and not knobs.cpu_offload:
-            tips.append(f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its "
-                        "shards in host memory (actor.cpuOffload: true)")
+            tips.append(
+                f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its "
+                "shards in host memory (actor.cpuOffload: true)"
+            )
         elif knobs.actor_ranks == 1 and not knobs.lora:
-            tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full "
-                        "gradients or AdamW state")
-            tips.append("shard the actor's weights, gradients and AdamW state over several GPUs "
-                        "(actor.count: 2)")
+            tips.append(
+                "train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full "
+                "gradients or AdamW state"
+            )
+            tips.append(
+                "shard the actor's weights, gradients and AdamW state over several GPUs (actor.count: 2)"
+            )
         if knobs.colocate:
-            share = (f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})" if knobs.rollout_share
-                     else "set rollout.gpuMemoryUtilization (e.g. 0.3)")
+            share = (
+                f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})"
+                if knobs.rollout_share
+                else "set rollout.gpuMemoryUtilization (e.g. 0.3)"
+            )
             tips.append(f"{share}: the colocated rollouts' share of this GPU")
             tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)")
         tips.append("or pick a GPU with more memory (actor.gpu)")
@@ -253,8 +314,12 @@ def memory_fits(exits: Sequence[OomExit], knobs: MemoryKnobs) -> Condition:
         elif e.count > OOM_RELAUNCHES:
             verdict = f"{e.count} times with this spec, so it will not fit as it is"
         else:
-            verdict = "relaunched once, as a transient (a neighbour's peak, a predecessor not yet gone); " \
-                      "a second out-of-memory fails the run"
-        lines.append(f"{e.name} #{e.incarnation} ran out of GPU memory: {e.details}; {verdict}. "
-                     f"To fit: {memory_advice(e.role, knobs)}")
+            verdict = (
+                "relaunched once, as a transient (a neighbour's peak, a predecessor not yet gone); "
+                "a second out-of-memory fails the run"
+            )
+        lines.append(
+            f"{e.name} #{e.incarnation} ran out of GPU memory: {e.details}; {verdict}. "
+            f"To fit: {memory_advice(e.role, knobs)}"
+        )
     return Condition(MEMORY, False, OUT_OF_MEMORY, " | ".join(lines))

@@ -41,15 +41,23 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     actor = spec.actor.gpu
     if wants_gpu(actor) and gpu_memory(actor) is not None:
         bound = _actor_bound(spec, parameters)
-        full, ranks, replicated, parts, need = bound.full, spec.actor.count, bound.replicated, bound.parts, bound.need
+        full, ranks, replicated, parts, need = (
+            bound.full,
+            spec.actor.count,
+            bound.replicated,
+            bound.parts,
+            bound.need,
+        )
         share, colocated, gathered, ring = bound.share, bound.colocated, bound.gathered, bound.ring
         if need > _capacity(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
             if gathered:
                 fixes.append("actor.reshardAfterForward: true (each layer gathered only while it computes)")
             if full and replicated:
-                fixes.append("shard the actor's weights, gradients and AdamW state over its ranks "
-                             "(actor.strategy: fsdp)")
+                fixes.append(
+                    "shard the actor's weights, gradients and AdamW state over its ranks "
+                    "(actor.strategy: fsdp)"
+                )
             elif full and not spec.actor.cpu_offload:
                 fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:
@@ -59,10 +67,15 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             if ring:
                 fixes.append("sync.method: volume (no snapshots on the GPU)")
             if colocated:
-                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false, no "
-                             "colocatedReplicas)")
+                fixes.append(
+                    "give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)"
+                )
             fixes.append(f"a GPU with more memory ({_larger(actor, need)})")
-            found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
+            found.append(
+                Misfit(
+                    "spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)
+                )
+            )
     rollout = spec.rollout.gpu
     if spec.rollout.replicas and wants_gpu(rollout) and gpu_memory(rollout) is not None:
         found.extend(_rollout_misfits(spec, parameters, served))
@@ -96,14 +109,19 @@ def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
     if ranks > 1 and replicated:
         parts[0] = f"{parts[0]}, whole on each of {ranks} ranks (strategy ddp)"
     elif ranks > 1:
-        parts[0] = (f"{parts[0]} in host memory (cpuOffload)" if spec.actor.cpu_offload
-                    else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
+        parts[0] = (
+            f"{parts[0]} in host memory (cpuOffload)"
+            if spec.actor.cpu_offload
+            else f"1/{ranks} of the {parts[0]} (FSDP2 shards)"
+        )
     colocated = spec.colocated_per_gpu()
     share = spec.rollout.gpu_memory_utilization
     rollouts_hold = colocated * (int(share * _capacity(actor)) if share else served * parameters)
     if colocated and share:
-        parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
-                     f"rollout{'s' if colocated > 1 else ''}")
+        parts.append(
+            f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
+            f"rollout{'s' if colocated > 1 else ''}"
+        )
     elif colocated:
         parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
     gathered = served * parameters if ranks > 1 and not spec.actor.reshard_after_forward else 0
@@ -122,26 +140,45 @@ def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misf
     """A rollout on its own GPU that cannot hold the weights; any rollout whose share cannot."""
     gpu, share, need = spec.rollout.gpu, spec.rollout.gpu_memory_utilization, per * parameters
     if share is not None and need > share * _capacity(gpu):
-        return [Misfit("spec.rollout.gpuMemoryUtilization",
-                       f"{share} of {gpu}'s {_capacity(gpu) / 1e9:.0f} GB is "
-                       f"{share * _capacity(gpu) / 1e9:.1f} GB; the rollout's copy of a model of "
-                       f"{parameters / 1e9:.2f}B parameters needs at least {need / 1e9:.1f} GB of it, before "
-                       "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
-                       f"{need / _capacity(gpu):.2f})"
-                       + ("" if spec.rollout.colocate
-                          else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
+        return [
+            Misfit(
+                "spec.rollout.gpuMemoryUtilization",
+                f"{share} of {gpu}'s {_capacity(gpu) / 1e9:.0f} GB is "
+                f"{share * _capacity(gpu) / 1e9:.1f} GB; the rollout's copy of a model of "
+                f"{parameters / 1e9:.2f}B parameters needs at least {need / 1e9:.1f} GB of it, before "
+                "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
+                f"{need / _capacity(gpu):.2f})"
+                + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"),
+            )
+        ]
     # Some rollouts are on GPUs of their own.
     if spec.rollout.colocated_count < spec.rollout.replicas and need > _capacity(gpu):
-        return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
-                                                    [f"a GPU with more memory ({_larger(gpu, need)})"]))]
+        return [
+            Misfit(
+                "spec.rollout.gpu",
+                _message(
+                    gpu,
+                    parameters,
+                    per,
+                    spec.model.dtype,
+                    need,
+                    ["the weights"],
+                    [f"a GPU with more memory ({_larger(gpu, need)})"],
+                ),
+            )
+        ]
     return []
 
 
-def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]) -> str:
+def _message(
+    gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]
+) -> str:
     shown = "bfloat16" if dtype == "auto" else dtype  # auto is bfloat16 on a GPU
-    return (f"{gpu} has {_capacity(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in "
-            f"{shown} ({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, "
-            f"before any activation or KV cache. Fix: {'; or '.join(fixes)}")
+    return (
+        f"{gpu} has {_capacity(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in "
+        f"{shown} ({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, "
+        f"before any activation or KV cache. Fix: {'; or '.join(fixes)}"
+    )
 
 
 def _capacity(gpu: str) -> int:
@@ -153,7 +190,9 @@ def _capacity(gpu: str) -> int:
 
 
 def _larger(gpu: str, need: int) -> str:
-    bigger = sorted((size, name) for name, size in GPU_MEMORY.items() if size >= need and name not in AMBIGUOUS)
+    bigger = sorted(
+        (size, name) for name, size in GPU_MEMORY.items() if size >= need and name not in AMBIGUOUS
+    )
     return f"e.g. {bigger[0][1]}" if bigger else f"none of {', '.join(sorted(GPU_MEMORY))} is large enough"
 
 
@@ -173,8 +212,13 @@ class ModelShape:
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             head_dim = int(config.get("head_dim") or hidden // heads)
-            return cls(hidden, int(config["intermediate_size"]), int(config["num_hidden_layers"]),
-                       int(config.get("num_key_value_heads") or heads) * head_dim, int(config["vocab_size"]))
+            return cls(
+                hidden,
+                int(config["intermediate_size"]),
+                int(config["num_hidden_layers"]),
+                int(config.get("num_key_value_heads") or heads) * head_dim,
+                int(config["vocab_size"]),
+            )
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             return None
 
@@ -196,7 +240,9 @@ def activation_bytes(spec: TrainingSpec, shape: ModelShape, micro: int) -> int:
     The CUDA context and the allocator's slack are left out: a run it says fits may still run out of
     memory, and then the controller halves the micro batch (mortal.controller.heal)."""
     b = 2 if spec.actor.mixed_precision else DTYPE_BYTES[spec.model.dtype]
-    layer = 2 * (4 + b) * shape.hidden + b * (3 * shape.hidden + 3 * shape.kv_width) + 4 * b * shape.intermediate
+    layer = (
+        2 * (4 + b) * shape.hidden + b * (3 * shape.hidden + 3 * shape.kv_width) + 4 * b * shape.intermediate
+    )
     tokens = -(-micro // spec.actor.count) * spec.generation.max_tokens
     if spec.model.gradient_checkpointing:
         saved = tokens * (shape.layers * b * shape.hidden + layer)
@@ -222,9 +268,13 @@ def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) 
             continue
         estimate = held + activation_bytes(spec, shape, size)
         if estimate <= capacity:
-            return MicroBatchChoice(size, (
-                f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold "
-                f"an estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB "
-                f"without activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB "
-                f"with {batch}; {batch // size} passes a step, gradients accumulated: the same step"))
+            return MicroBatchChoice(
+                size,
+                (
+                    f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold "
+                    f"an estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB "
+                    f"without activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB "
+                    f"with {batch}; {batch // size} passes a step, gradients accumulated: the same step"
+                ),
+            )
     return None

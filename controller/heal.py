@@ -51,22 +51,30 @@ def fitted_before_launch(effective: EffectiveMemory | None, desired: Desired) ->
     FITTED_ANNOTATION) when the controller has chosen none yet; None when there is none or it is no
     smaller."""
     fitted, now = desired.fitted_micro_batch, desired.micro_batch_size
-    if fitted is None or (effective is not None and effective.micro_batch_size is not None) \
-            or desired.loss_type in SPLIT_DEPENDENT_LOSSES:
+    if (
+        fitted is None
+        or (effective is not None and effective.micro_batch_size is not None)
+        or desired.loss_type in SPLIT_DEPENDENT_LOSSES
+    ):
         return None
     if not 0 < fitted < now or desired.batch_size % fitted or fitted % desired.actor_ranks:
         return None  # an annotation that no longer fits the spec (edited by hand, a spec applied without it)
-    message = (f"actor micro batch {now} -> {fitted} before launch: mortalctl apply's estimate of {now} "
-               f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a "
-               "step, gradients accumulated: the same step)")
-    chosen = (effective or EffectiveMemory()).model_copy(update={
-        "micro_batch_size": fitted, "spec_micro_batch_size": now, "reason": message})
+    message = (
+        f"actor micro batch {now} -> {fitted} before launch: mortalctl apply's estimate of {now} "
+        f"completions a pass did not fit the actor's GPU ({desired.batch_size // fitted} passes a "
+        "step, gradients accumulated: the same step)"
+    )
+    chosen = (effective or EffectiveMemory()).model_copy(
+        update={"micro_batch_size": fitted, "spec_micro_batch_size": now, "reason": message}
+    )
     return Reduction(chosen, "MicroBatchReduced", message)
 
 
 def micro_batch(effective: EffectiveMemory | None, desired: Desired) -> int:
     """The actor's micro batch now: the controller's choice, else the spec's (batchSize when unset)."""
-    return effective.micro_batch_size if effective and effective.micro_batch_size else desired.micro_batch_size
+    return (
+        effective.micro_batch_size if effective and effective.micro_batch_size else desired.micro_batch_size
+    )
 
 
 def rollout_share(effective: EffectiveMemory | None, desired: Desired) -> float | None:
@@ -91,8 +99,9 @@ def smaller_share(share: float) -> float | None:
     return half if half >= MIN_ROLLOUT_SHARE else None
 
 
-def reduce_after(effective: EffectiveMemory | None, desired: Desired, role: str, slot: str,
-                 incarnation: int) -> Reduction | None:
+def reduce_after(
+    effective: EffectiveMemory | None, desired: Desired, role: str, slot: str, incarnation: int
+) -> Reduction | None:
     """The next setting for slot `slot` (actor-0, rollout-1) after its out-of-memory exit of `incarnation`;
     None when that exit was answered already, or nothing that keeps the step is left to lower."""
     base = effective or EffectiveMemory()
@@ -106,18 +115,33 @@ def reduce_after(effective: EffectiveMemory | None, desired: Desired, role: str,
         lower = smaller_micro_batch(now, desired.batch_size, desired.actor_ranks)
         if lower is None:
             return None
-        message = (f"actor micro batch {now} -> {lower} after CUDA out of memory (algorithm.microBatchSize; "
-                   f"{desired.batch_size // lower} passes a step, gradients accumulated: the same step)")
-        chosen = base.model_copy(update={"micro_batch_size": lower, "spec_micro_batch_size": desired.micro_batch_size,
-                                         "reduced_after": answered, "reason": message})
+        message = (
+            f"actor micro batch {now} -> {lower} after CUDA out of memory (algorithm.microBatchSize; "
+            f"{desired.batch_size // lower} passes a step, gradients accumulated: the same step)"
+        )
+        chosen = base.model_copy(
+            update={
+                "micro_batch_size": lower,
+                "spec_micro_batch_size": desired.micro_batch_size,
+                "reduced_after": answered,
+                "reason": message,
+            }
+        )
         return Reduction(chosen, "MicroBatchReduced", message)
     share = rollout_share(effective, desired)
     lower_share = smaller_share(share) if share is not None else None
     if lower_share is None:
         return None
-    message = (f"{slot} GPU share {share} -> {lower_share} after CUDA out of memory "
-               "(rollout.gpuMemoryUtilization: fewer rows decoded at once, the same step)")
-    chosen = base.model_copy(update={"rollout_gpu_memory_utilization": lower_share,
-                                     "spec_rollout_gpu_memory_utilization": desired.rollout_share,
-                                     "reduced_after": answered, "reason": message})
+    message = (
+        f"{slot} GPU share {share} -> {lower_share} after CUDA out of memory "
+        "(rollout.gpuMemoryUtilization: fewer rows decoded at once, the same step)"
+    )
+    chosen = base.model_copy(
+        update={
+            "rollout_gpu_memory_utilization": lower_share,
+            "spec_rollout_gpu_memory_utilization": desired.rollout_share,
+            "reduced_after": answered,
+            "reason": message,
+        }
+    )
     return Reduction(chosen, "RolloutShareReduced", message)

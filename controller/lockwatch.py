@@ -37,8 +37,12 @@ def write_lock_holders(database: Path, locks: Path = PROC_LOCKS) -> set[int]:
         if "->" in fields:  # a waiter, listed under the lock it waits for
             continue
         # "1: POSIX  ADVISORY  WRITE 11511 fe:00:2146335 120 120"
-        if len(fields) >= 8 and fields[3] == "WRITE" and fields[5].rsplit(":", 1)[-1] == str(inode) \
-                and fields[6] == str(WAL_WRITE_LOCK_OFFSET):
+        if (
+            len(fields) >= 8
+            and fields[3] == "WRITE"
+            and fields[5].rsplit(":", 1)[-1] == str(inode)
+            and fields[6] == str(WAL_WRITE_LOCK_OFFSET)
+        ):
             holders.add(int(fields[4]))
     return holders
 
@@ -47,8 +51,11 @@ def _stopped_worker(pid: int, home: str) -> bool:
     try:
         proc = psutil.Process(pid)
         env = proc.environ()
-        return (proc.status() == psutil.STATUS_STOPPED and "MORTAL_WORKER_ID" in env
-                and os.path.realpath(env.get("MORTAL_HOME", "")) == os.path.realpath(home))
+        return (
+            proc.status() == psutil.STATUS_STOPPED
+            and "MORTAL_WORKER_ID" in env
+            and os.path.realpath(env.get("MORTAL_HOME", "")) == os.path.realpath(home)
+        )
     except psutil.Error:
         return False
 
@@ -68,8 +75,9 @@ class FrozenLockHolderWatch:
         self._stopped_since = {pid: self._stopped_since.get(pid, now) for pid in frozen}
         killed = [pid for pid, since in self._stopped_since.items() if now - since >= self.grace]
         for pid in killed:
-            log.warning("worker pid %d is stopped holding the write lock of %s: killing it", pid,
-                        self.database)
+            log.warning(
+                "worker pid %d is stopped holding the write lock of %s: killing it", pid, self.database
+            )
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

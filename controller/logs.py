@@ -154,8 +154,13 @@ class StorageLogs:
         return _tail_start(self.read(path, 0), n, partial) or 0
 
 
-def worker_logs(run: str, role: str | None = None, replica: int | None = None, all_incarnations: bool = False,
-                source: LogSource | None = None) -> list[LogFile]:
+def worker_logs(
+    run: str,
+    role: str | None = None,
+    replica: int | None = None,
+    all_incarnations: bool = False,
+    source: LogSource | None = None,
+) -> list[LogFile]:
     """The run's log files matching role/replica, newest incarnation per slot unless all_incarnations."""
     found: list[LogFile] = []
     for path in (source or LocalLogs()).names(run):

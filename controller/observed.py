@@ -182,13 +182,21 @@ def judge(row: LiveRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig
         return Verdict("end", state="Lost", message=what)
     if row.heartbeat_at is None:
         if age > cfg.startup_timeout_seconds:
-            return Verdict("end", state="Lost", kill=True,
-                           message=f"no heartbeat within {cfg.startup_timeout_seconds:g}s of start")
+            return Verdict(
+                "end",
+                state="Lost",
+                kill=True,
+                message=f"no heartbeat within {cfg.startup_timeout_seconds:g}s of start",
+            )
         return Verdict("ok")
     silent = (now - aware(row.heartbeat_at)).total_seconds()
     if silent > row.lease_seconds:
-        return Verdict("end", state="Lost", kill=True,
-                       message=f"last heartbeat {silent:.1f}s ago (lease {row.lease_seconds:g}s)")
+        return Verdict(
+            "end",
+            state="Lost",
+            kill=True,
+            message=f"last heartbeat {silent:.1f}s ago (lease {row.lease_seconds:g}s)",
+        )
     return Verdict("ok")
 
 
@@ -197,9 +205,15 @@ def _exited(row: LiveRow, code: int | None) -> Verdict:
     if code == EXIT_SUCCEEDED:
         return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")
     if code == EXIT_FATAL:
-        return Verdict("end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)")
+        return Verdict(
+            "end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)"
+        )
     if code == EXIT_OUT_OF_MEMORY:
-        return Verdict("end", state="Failed", exit_code=code,
-                       message=row.message or "exited with code 4 (out of GPU memory)")
+        return Verdict(
+            "end",
+            state="Failed",
+            exit_code=code,
+            message=row.message or "exited with code 4 (out of GPU memory)",
+        )
     shown = "an unknown code" if code is None else f"code {code}"
     return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}")

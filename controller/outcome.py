@@ -37,4 +37,3 @@ class Terminal:
 
 
 Outcome = Done | RequeueAfter | Retry | Terminal
-

@@ -92,11 +92,14 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
     return result
 
 
-def watch_folder(store: Store, folder: Path, stop: threading.Event, on_sync: Callable[[SyncResult], None]) -> None:
+def watch_folder(
+    store: Store, folder: Path, stop: threading.Event, on_sync: Callable[[SyncResult], None]
+) -> None:
     """Sync now and after every change in the folder, until `stop`."""
     on_sync(_sync_logged(store, folder))
-    for _changes in watchfiles.watch(folder, stop_event=stop, step=100, debounce=800, recursive=False,
-                                     raise_interrupt=False):
+    for _changes in watchfiles.watch(
+        folder, stop_event=stop, step=100, debounce=800, recursive=False, raise_interrupt=False
+    ):
         on_sync(_sync_logged(store, folder))
 
 

@@ -25,8 +25,14 @@ Generated from the spec's JSON Schema (`mortalctl schema`) by `python scripts/sp
 do not edit it by hand; the descriptions live in `specs/`. A field left out takes its default; `status` is
 written by the controller and ignored by apply.
 """
-BOUNDS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"),
-          ("minLength", "length >="), ("minItems", "items >="))
+BOUNDS = (
+    ("minimum", ">="),
+    ("exclusiveMinimum", ">"),
+    ("maximum", "<="),
+    ("exclusiveMaximum", "<"),
+    ("minLength", "length >="),
+    ("minItems", "items >="),
+)
 
 
 def definition_name(schema: dict[str, Any]) -> str | None:
@@ -108,8 +114,10 @@ def section(name: str, definition: dict[str, Any], paths: list[str]) -> list[str
         default = "required" if field in required else f"`{json.dumps(field_schema.get('default'))}`"
         if field not in required and "default" not in field_schema:
             default = ""
-        lines.append(f"| `{field}` | {cell(type_text(field_schema))} | {cell(default)} | "
-                     f"{cell(field_schema.get('description', ''))} |")
+        lines.append(
+            f"| `{field}` | {cell(type_text(field_schema))} | {cell(default)} | "
+            f"{cell(field_schema.get('description', ''))} |"
+        )
     return lines + [""]
 
 
@@ -123,8 +131,9 @@ def render() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--write", action="store_true", help=f"write {PAGE.name} instead of printing it")
     args = parser.parse_args()
     if args.write:

@@ -36,7 +36,7 @@ class DeadlinesSpec(SpecModel):
     weight_load_seconds: Duration | None = Field(
         None,
         description="Longest a rollout may take to load one weight version: 90s, 10m, or seconds. Absent: "
-                    "10m.",
+        "10m.",
     )
     collective_seconds: Duration | None = Field(
         None,
@@ -47,7 +47,9 @@ class DeadlinesSpec(SpecModel):
 
     def weight_load(self) -> float:
         """Seconds a weight load may take (the default when unset)."""
-        return self.weight_load_seconds if self.weight_load_seconds is not None else DEFAULT_WEIGHT_LOAD_SECONDS
+        return (
+            self.weight_load_seconds if self.weight_load_seconds is not None else DEFAULT_WEIGHT_LOAD_SECONDS
+        )
 
     def collective(self) -> float:
         """Seconds a collective may wait (the default when unset)."""

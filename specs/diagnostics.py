@@ -27,7 +27,11 @@ Path = tuple[str | int, ...]
 
 
 def issues_from_errors(
-    errors: Sequence[ErrorDetails], root: type[BaseModel], data: Any, lines: dict[Path, int], source: str,
+    errors: Sequence[ErrorDetails],
+    root: type[BaseModel],
+    data: Any,
+    lines: dict[Path, int],
+    source: str,
     prefix: Path = (),
 ) -> list[SpecIssue]:
     """One issue per pydantic error (exact repeats dropped), in document order."""
@@ -38,7 +42,9 @@ def issues_from_errors(
         if field:
             loc += tuple(field.split("."))
         path = locate(loc, data)
-        issue = SpecIssue(source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc))
+        issue = SpecIssue(
+            source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc)
+        )
         if issue not in issues:
             issues.append(issue)
     return sorted(issues, key=lambda i: i.line or 0)

@@ -48,9 +48,11 @@ def dns1123_label_problem(name: str) -> str | None:
     """Why `name` is not a DNS-1123 label (a run name, a worker role: each names folders and processes)."""
     if is_dns1123_label(name):
         return None
-    return ("must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter "
-            f"or digit, at most {MAX_LABEL} characters (got {shown(name)}); try "
-            f"{suggest_dns1123_label(name)!r}")
+    return (
+        "must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter "
+        f"or digit, at most {MAX_LABEL} characters (got {shown(name)}); try "
+        f"{suggest_dns1123_label(name)!r}"
+    )
 
 
 def label_key_problem(key: str) -> str | None:
@@ -60,8 +62,10 @@ def label_key_problem(key: str) -> str | None:
     if slash and not (len(prefix) <= MAX_SUBDOMAIN and DNS1123_SUBDOMAIN.match(prefix)):
         return f"key {shown(key)}: its prefix before '/' must be a DNS-1123 subdomain (e.g. mortal.dev)"
     if not (len(name) <= MAX_LABEL and LABEL_NAME.match(name)):
-        return (f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting "
-                "and ending with a letter or digit (optionally after a prefix such as mortal.dev/)")
+        return (
+            f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting "
+            "and ending with a letter or digit (optionally after a prefix such as mortal.dev/)"
+        )
     return None
 
 
@@ -69,8 +73,10 @@ def label_value_problem(value: str) -> str | None:
     """Why `value` is not a Kubernetes label value: empty, or as a key's name part."""
     if value == "" or (len(value) <= MAX_LABEL and LABEL_NAME.match(value)):
         return None
-    return (f"value {shown(value)}: must be empty or at most {MAX_LABEL} letters, digits, '-', '_' or '.', "
-            "starting and ending with a letter or digit")
+    return (
+        f"value {shown(value)}: must be empty or at most {MAX_LABEL} letters, digits, '-', '_' or '.', "
+        "starting and ending with a letter or digit"
+    )
 
 
 def labels_problem(labels: dict[str, str], values: bool = True) -> str | None:

@@ -126,21 +126,26 @@ class RunStatus(SpecModel):
     )
     start_time: datetime | None = Field(None, description="When the first worker started.")
     active_seconds: float | None = Field(
-        None, ge=0, description="Active time (every phase but Suspended) before activeSince, in seconds. The "
+        None,
+        ge=0,
+        description="Active time (every phase but Suspended) before activeSince, in seconds. The "
         "time counted against spec.limits.maxDuration is this plus the time since activeSince "
         "(`active_time`).",
     )
     active_since: datetime | None = Field(
-        None, description="When the current active period began (start, or resume); absent while Suspended "
-                          "or finished.",
+        None,
+        description="When the current active period began (start, or resume); absent while Suspended "
+        "or finished.",
     )
     gpu_hours: float | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="GPU-hours the run's workers used so far (each worker's wall time x the GPUs it holds, "
         "from the workers table), to 0.01; counted against spec.limits.maxGPUHours. 0 for a CPU run.",
     )
     effective: EffectiveMemory | None = Field(
-        None, description="Memory settings the controller chose instead of the spec's after an out-of-memory "
+        None,
+        description="Memory settings the controller chose instead of the spec's after an out-of-memory "
         "(a smaller actor microBatchSize, a smaller rollout share): the same training step; absent when "
         "none.",
     )

@@ -21,8 +21,9 @@ ENVIRONMENT_COLUMN = "environment"
 def check_reference(value: str, what: str) -> str:
     """A 'module:attr' reference, or a rule error whose message shows the fix."""
     if not FUNCTION_REF.match(value):
-        raise rule_error(f"{what} must look like 'module:attr' (got {value!r}); for example "
-                         f"{_suggest_ref(value)!r}")
+        raise rule_error(
+            f"{what} must look like 'module:attr' (got {value!r}); for example {_suggest_ref(value)!r}"
+        )
     return value
 
 
@@ -32,8 +33,10 @@ def check_tools(value: list[str]) -> list[str]:
     names = [ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for ref in value]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise rule_error(f"two tools are named {repeated[0]!r}: the model calls a tool by its function's "
-                         "name, so each must be distinct")
+        raise rule_error(
+            f"two tools are named {repeated[0]!r}: the model calls a tool by its function's "
+            "name, so each must be distinct"
+        )
     return value
 
 

@@ -22,12 +22,19 @@ from mortal.specs.tools import check_environment, check_tools
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
 # The first API's weight_sync_method names (MortalTrainer's), accepted in spec.sync.method: what each becomes.
 SYNC_ALIASES = {
-    "reload": ("volume", "reload has rollouts load each version from the shared volume in place; "
-                         "mortal's volume does that for every engine"),
-    "checkpoint": ("volume", "checkpoint has rollouts reload from saved weights on the volume, "
-                             "which is mortal's volume"),
-    "direct": ("ipc", "direct is an in-memory transfer with no disk, which is mortal's ipc "
-                      "(same host, GPUs)"),
+    "reload": (
+        "volume",
+        "reload has rollouts load each version from the shared volume in place; "
+        "mortal's volume does that for every engine",
+    ),
+    "checkpoint": (
+        "volume",
+        "checkpoint has rollouts reload from saved weights on the volume, which is mortal's volume",
+    ),
+    "direct": (
+        "ipc",
+        "direct is an in-memory transfer with no disk, which is mortal's ipc (same host, GPUs)",
+    ),
 }
 # The smallest run names only a model: it trains with sandboxed code execution on a coding set.
 CODE_DATASET = "builtin:mbpp-mini"
@@ -43,8 +50,9 @@ class LoraSpec(SpecModel):
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input, in [0, 1).")
     target_modules: str | list[str] = Field(
-        "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names. "
-        "lm_head is refused: the loss reads its weight directly, so an adapter there would not train."
+        "all-linear",
+        description="Modules that get adapters: 'all-linear' or a list of module names. "
+        "lm_head is refused: the loss reads its weight directly, so an adapter there would not train.",
     )
 
     @field_validator("target_modules")
@@ -69,12 +77,13 @@ class ModelSpec(SpecModel):
         "installed Python package.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, "
-                            "float16."
+        "auto",
+        description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.",
     )
     lora: LoraSpec | None = Field(
-        None, description="LoRA adapter settings; absent = full fine-tuning. Weight versions then carry only "
-        "the adapters, which rollouts apply onto their base weights."
+        None,
+        description="LoRA adapter settings; absent = full fine-tuning. Weight versions then carry only "
+        "the adapters, which rollouts apply onto their base weights.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
@@ -98,8 +107,8 @@ class DatasetSpec(SpecModel):
     """The prompts to train on."""
 
     name: str = Field(
-        min_length=1, description="Hub id, local .jsonl/.parquet file, or 'builtin:NAME' (e.g. "
-                                  "builtin:arith)."
+        min_length=1,
+        description="Hub id, local .jsonl/.parquet file, or 'builtin:NAME' (e.g. builtin:arith).",
     )
     config: str | None = Field(
         None, min_length=1, description="Hub dataset configuration (subset), e.g. 'main' for openai/gsm8k."
@@ -126,7 +135,8 @@ class AlgorithmSpec(SpecModel):
         "Prompts per step = batchSize / numGenerations.",
     )
     micro_batch_size: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Completions per forward and backward pass; the gradients of batchSize / microBatchSize "
         "passes add up before one optimizer step (TRL's per_device_train_batch_size). Lower it when the "
         "actor runs out of GPU memory. A divisor of batchSize; absent = batchSize (one pass).",
@@ -135,23 +145,30 @@ class AlgorithmSpec(SpecModel):
     beta: float = Field(0.0, ge=0, description="KL penalty coefficient; 0 = no reference model.")
     epsilon: float = Field(0.2, gt=0, description="Lower clipping range of the importance ratio.")
     epsilon_high: float | None = Field(
-        None, gt=0, description="Upper clipping range; absent = epsilon (DAPO suggests 0.28). With lossType "
-        "cispo it is the cap of the importance weights (TRL recommends 5.0 there)."
+        None,
+        gt=0,
+        description="Upper clipping range; absent = epsilon (DAPO suggests 0.28). With lossType "
+        "cispo it is the cap of the importance weights (TRL recommends 5.0 there).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scaling: by the group's std, the batch's std, or none."
     )
     max_steps: int = Field(
-        100, ge=1, description="Optimizer steps to train; the run Succeeds after the last. Absent with "
-        "numEpochs: computed from it when the spec is applied."
+        100,
+        ge=1,
+        description="Optimizer steps to train; the run Succeeds after the last. Absent with "
+        "numEpochs: computed from it when the spec is applied.",
     )
     num_epochs: float | None = Field(
-        None, gt=0, description="Passes over the dataset. When maxSteps is absent, `apply` sets maxSteps = "
+        None,
+        gt=0,
+        description="Passes over the dataset. When maxSteps is absent, `apply` sets maxSteps = "
         "ceil(numEpochs x rows / prompts per step); builtin and local file datasets only (a hub dataset "
         "cannot be counted without downloading it).",
     )
     max_staleness: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="How many weight versions rollouts may lag the actor; 0 = on-policy (exactly "
         "reproducible on CPU). 1 generates step s+1 while the actor trains step s (importance-corrected): "
         "for rollouts on GPUs of their own, as a colocated rollout contends with the actor for its GPU "
@@ -175,7 +192,8 @@ class AlgorithmSpec(SpecModel):
             below = max(d for d in divisors if d <= self.micro_batch_size) if self.micro_batch_size > 1 else 1
             raise rule_error(
                 f"microBatchSize ({self.micro_batch_size}) must divide batchSize ({self.batch_size}): "
-                f"try {below}", field="microBatchSize",
+                f"try {below}",
+                field="microBatchSize",
             )
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise rule_error(
@@ -207,7 +225,8 @@ class GenerationSpec(SpecModel):
         "auto", description="Generation engine: auto (vllm where installed on GPU, else transformers)."
     )
     max_num_seqs: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Most sequences a rollout decodes at once (vLLM's max_num_seqs); a row refills as soon "
         "as its sequence ends. Absent: 256 on the transformers engine, vLLM's default on vllm. Part of what "
         "a seed reproduces on a GPU.",
@@ -226,7 +245,8 @@ class ActorSpec(SpecModel):
 
     gpu: str = Field("none", min_length=1, description="GPU type (e.g. H100, A100, A10G); 'none' = CPU.")
     count: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="Ranks of the actor, processes of one host: > 1 shards the model with FSDP2, or "
         "replicates it with strategy ddp; each rank trains batchSize / count of each step. With a GPU each "
         "rank has its own, joined over NCCL, and colocated rollouts spread over them (docs/fsdp.md).",
@@ -283,8 +303,9 @@ class RolloutSpec(SpecModel):
 
     gpu: str = Field("none", min_length=1, description="GPU type per rollout replica; 'none' = CPU.")
     replicas: int = Field(
-        1, ge=0, description="Rollout workers; 0 pauses generation (the actor waits) without stopping the "
-                             "run."
+        1,
+        ge=0,
+        description="Rollout workers; 0 pauses generation (the actor waits) without stopping the run.",
     )
     colocate: bool = Field(
         False,
@@ -293,19 +314,23 @@ class RolloutSpec(SpecModel):
         "still gets a GPU.",
     )
     colocated_replicas: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Colocate only the first N replicas (rollout-0 .. N-1) on the actor's GPU; the others "
         "take GPUs of their own, and rollout.gpuMemoryUtilization caps the colocated ones only. Not with "
         "colocate: true or sync nccl.",
     )
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, lt=1,
+        None,
+        gt=0,
+        lt=1,
         description="Fraction of its GPU's memory one rollout may hold for weights, KV cache and workspace "
         "(vLLM's gpu_memory_utilization); the transformers engine caps its allocator at it. Absent: vLLM "
         "takes 0.85 of a GPU of its own and 0.3 of a shared one; the transformers engine is not capped.",
     )
     prompts_per_task: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Prompts in one rollout task, generated together in one batch on a GPU. Absent: a step's "
         "prompts split evenly over the replicas on a GPU, 1 on the CPU.",
     )
@@ -323,17 +348,20 @@ class RolloutSpec(SpecModel):
         "'module:Class'} lets the dataset's environment column pick one per row.",
     )
     max_tool_calling_iterations: int | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="Most rounds of tool calls per completion (TRL's max_tool_calling_iterations); absent = "
         "limited only by generation.maxTokens, which counts model and tool tokens.",
     )
     tool_timeout_seconds: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="Wall-clock limit of one tool call, in seconds; past it the model is told the tool timed "
-                    "out.",
+        "out.",
     )
     chat_template: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Chat template for tool conversations: a TRL template name (e.g. qwen2_5) or a .jinja "
         "file. Absent: the model's own, which must render tool calls and tool messages.",
     )
@@ -389,7 +417,9 @@ class SyncSpec(SpecModel):
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
     keep_versions: int = Field(
-        3, ge=2, le=8,
+        3,
+        ge=2,
+        le=8,
         description="Weight versions the actor keeps: a ring of whole-model snapshots on its GPU with ipc "
         "and nccl (the adapters alone with LoRA), version directories with volume and ray. A smaller ring "
         "saves GPU memory but makes a rollout's read likelier to be overwritten and redone "
@@ -421,7 +451,8 @@ class CheckpointSpec(SpecModel):
     every: int = Field(10, ge=1, description="Write a complete checkpoint every N optimizer steps.")
     keep: int = Field(3, ge=1, description="Keep the newest N complete checkpoints; older ones are deleted.")
     uri: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="fsspec URL every checkpoint is uploaded to, as <uri>/<run>/step-<N>/ "
         "(s3://bucket/prefix, gs://..., file:///path; the protocol's package must be installed where the "
         "actor runs). Absent: checkpoints stay under MORTAL_HOME. Required with ray.sharedFilesystem false.",
@@ -434,13 +465,17 @@ class CheckpointSpec(SpecModel):
             return value
         protocol, sep, rest = value.partition("://")
         if not sep or not protocol or not rest.strip("/"):
-            raise rule_error("must be a storage URL with a protocol and a path, such as s3://bucket/prefix "
-                             f"or file:///mnt/bucket/prefix (got {value!r})")
+            raise rule_error(
+                "must be a storage URL with a protocol and a path, such as s3://bucket/prefix "
+                f"or file:///mnt/bucket/prefix (got {value!r})"
+            )
         from fsspec.registry import known_implementations, registry  # the names only: no backend is imported
 
         if protocol not in known_implementations and protocol not in registry:
-            raise rule_error(f"unknown storage protocol {protocol!r} in {value!r}: use one fsspec knows, "
-                             "such as s3, gs, az, hdfs or file")
+            raise rule_error(
+                f"unknown storage protocol {protocol!r} in {value!r}: use one fsspec knows, "
+                "such as s3, gs, az, hdfs or file"
+            )
         return value.rstrip("/")
 
 
@@ -452,7 +487,8 @@ class RestartPolicy(SpecModel):
         5.0, ge=0, description="Base of the exponential backoff between relaunches, in seconds."
     )
     same_failure_limit: int = Field(
-        3, ge=0,
+        3,
+        ge=0,
         description="Failures in a row of one worker with the same error, each within 2 minutes of its "
         "launch, that fail the run at once (reason CrashLoop) instead of spending maxRestarts. Losses "
         "(preemption, a killed process) never count; 0 = off.",
@@ -465,8 +501,9 @@ class WandbSpec(SpecModel):
     project: str = Field("mortal", min_length=1, description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (team or user); absent = your default.")
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
-        "auto", description="auto: online when WANDB_API_KEY is set (list it in secrets), else offline "
-        "(files under the run folder). WANDB_MODE=disabled turns it off."
+        "auto",
+        description="auto: online when WANDB_API_KEY is set (list it in secrets), else offline "
+        "(files under the run folder). WANDB_MODE=disabled turns it off.",
     )
 
 
@@ -475,7 +512,8 @@ class LoggingSpec(SpecModel):
 
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases settings.")
     completions_per_step: int = Field(
-        64, ge=0,
+        64,
+        ge=0,
         description="Completions the actor records per optimizer step (prompt, completion, rewards, "
         "advantage, weight version): the first N of the step's batch, whole groups. `mortalctl get "
         "completions` reads them; with W&B on, also a wandb.Table per step. 0 = none.",
@@ -496,7 +534,8 @@ class TrainingSpec(SpecModel):
     )
     generation: GenerationSpec = Field(default_factory=GenerationSpec, description="Sampling settings.")
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(env="code-execution")], min_length=1,
+        default_factory=lambda: [RewardSpec(env="code-execution")],
+        min_length=1,
         description="Reward signals, summed with their weights. Absent: the default, env "
         "code-execution (each completion's code run in the sandbox against its row's tests).",
     )
@@ -518,13 +557,14 @@ class TrainingSpec(SpecModel):
         "stacks are logged and it is relaunched (docs/deadlines.md).",
     )
     backend: Literal["local", "modal", "ray"] = Field(
-        "local", description="Where workers run: local (processes on this machine), modal (Modal function "
-        "calls) or ray (actors on a Ray cluster: see ray)."
+        "local",
+        description="Where workers run: local (processes on this machine), modal (Modal function "
+        "calls) or ray (actors on a Ray cluster: see ray).",
     )
     ray: RaySpec = Field(
         default_factory=RaySpec,
         description="With backend ray: the cluster's address and each role's CPUs, memory and custom "
-                    "resources.",
+        "resources.",
     )
     suspend: bool = Field(False, description="true stops all workers and keeps the run (resume sets false).")
     secrets: list[str] = Field(
@@ -537,8 +577,11 @@ class TrainingSpec(SpecModel):
     def seed_defaults(self) -> list[str]:
         """The blocks (dataset, rewards) that hold the default: `describe` says so."""
         fields = type(self).model_fields
-        return [name for name in ("dataset", "rewards")
-                if getattr(self, name) == fields[name].get_default(call_default_factory=True)]
+        return [
+            name
+            for name in ("dataset", "rewards")
+            if getattr(self, name) == fields[name].get_default(call_default_factory=True)
+        ]
 
     def notes(self) -> list[str]:
         """What applying this spec changed from what it says (an older name mapped, maxSteps computed):
@@ -559,13 +602,18 @@ class TrainingSpec(SpecModel):
     @model_validator(mode="after")
     def _ray_block_needs_ray(self) -> TrainingSpec:
         if self.backend != "ray" and "ray" in self.model_fields_set and self.ray != RaySpec():
-            raise rule_error("ray settings apply only to backend ray (this run's backend is "
-                             f"{self.backend!r}): set backend: ray, or remove the ray block", "ray")
+            raise rule_error(
+                "ray settings apply only to backend ray (this run's backend is "
+                f"{self.backend!r}): set backend: ray, or remove the ray block",
+                "ray",
+            )
         if self.backend == "ray" and self.rollout.shares_actor_gpu:
-            raise rule_error("colocated rollouts share the actor's GPU within one machine's processes, which "
-                             "the ray backend does not build: give rollouts GPUs of their own (drop "
-                             "colocate)",
-                             "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas")
+            raise rule_error(
+                "colocated rollouts share the actor's GPU within one machine's processes, which "
+                "the ray backend does not build: give rollouts GPUs of their own (drop "
+                "colocate)",
+                "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas",
+            )
         return self
 
     @model_validator(mode="after")
@@ -574,10 +622,12 @@ class TrainingSpec(SpecModel):
             return self
         field = "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas"
         if self.rollout.colocate and self.rollout.colocated_replicas is not None:
-            raise rule_error("colocate: true already puts every replica on the actor's GPU: drop colocate to "
-                             f"colocate only the first {self.rollout.colocated_replicas}, or drop "
-                             "colocatedReplicas",
-                             "rollout.colocatedReplicas")
+            raise rule_error(
+                "colocate: true already puts every replica on the actor's GPU: drop colocate to "
+                f"colocate only the first {self.rollout.colocated_replicas}, or drop "
+                "colocatedReplicas",
+                "rollout.colocatedReplicas",
+            )
         if self.actor.gpu == "none" or self.rollout.gpu != self.actor.gpu:
             raise rule_error(
                 "colocated rollouts share the actor's GPU: set rollout.gpu to actor.gpu "
@@ -591,8 +641,12 @@ class TrainingSpec(SpecModel):
         """CUDA IPC reaches processes of the same host that see the actor's GPU: the local backend's
         GPU rollouts (colocated, or on GPUs of their own and shown the actor's too), with the
         transformers engine (vLLM keeps its model in a process of its own)."""
-        return (self.backend == "local" and self.generation.engine == "transformers"
-                and self.actor.gpu != "none" and self.rollout.gpu != "none")
+        return (
+            self.backend == "local"
+            and self.generation.engine == "transformers"
+            and self.actor.gpu != "none"
+            and self.rollout.gpu != "none"
+        )
 
     def rollout_model(self) -> ModelSpec:
         """The model as rollouts load it: spec.model, except under actor.mixedPrecision, where the actor keeps
@@ -616,9 +670,12 @@ class TrainingSpec(SpecModel):
     @model_validator(mode="after")
     def _tf32_needs_float32(self) -> TrainingSpec:
         if self.model.tf32 and self.model.dtype != "float32":
-            raise rule_error(f"tf32 speeds up float32 matmuls; this model's dtype is {self.model.dtype!r} "
-                             "(auto is bfloat16 on a GPU): set model.dtype: float32, or drop "
-                             "model.tf32", "model.tf32")
+            raise rule_error(
+                f"tf32 speeds up float32 matmuls; this model's dtype is {self.model.dtype!r} "
+                "(auto is bfloat16 on a GPU): set model.dtype: float32, or drop "
+                "model.tf32",
+                "model.tf32",
+            )
         return self
 
     @model_validator(mode="after")
@@ -627,14 +684,19 @@ class TrainingSpec(SpecModel):
         if share is None:
             return self
         if self.rollout.gpu == "none":
-            raise rule_error("rollout.gpuMemoryUtilization shares a GPU's memory: set rollout.gpu to a GPU "
-                             "type, or drop it on the CPU", "rollout.gpuMemoryUtilization")
+            raise rule_error(
+                "rollout.gpuMemoryUtilization shares a GPU's memory: set rollout.gpu to a GPU "
+                "type, or drop it on the CPU",
+                "rollout.gpuMemoryUtilization",
+            )
         per_gpu = self.colocated_per_gpu()
         if per_gpu and per_gpu * share >= 1:
-            raise rule_error(f"{per_gpu} colocated rollouts x {share} of the GPU each leave nothing for the "
-                             "actor's training on the same GPU: lower rollout.gpuMemoryUtilization below "
-                             f"{1 / per_gpu:.2f} (TRL's colocate default is 0.3), or fewer replicas",
-                             "rollout.gpuMemoryUtilization")
+            raise rule_error(
+                f"{per_gpu} colocated rollouts x {share} of the GPU each leave nothing for the "
+                "actor's training on the same GPU: lower rollout.gpuMemoryUtilization below "
+                f"{1 / per_gpu:.2f} (TRL's colocate default is 0.3), or fewer replicas",
+                "rollout.gpuMemoryUtilization",
+            )
         return self
 
     def colocated_per_gpu(self) -> int:
@@ -662,18 +724,27 @@ class TrainingSpec(SpecModel):
         """ray.sharedFilesystem false: nothing a node writes under its MORTAL_HOME is seen by another, so
         checkpoints need a storage URL and weights go through Ray's object store."""
         if self.sync.method == "ray" and self.backend != "ray":
-            raise rule_error("sync ray sends weights through Ray's object store: it needs backend ray (this "
-                             f"run's backend is {self.backend!r}); use 'auto' or 'volume'", "sync.method")
+            raise rule_error(
+                "sync ray sends weights through Ray's object store: it needs backend ray (this "
+                f"run's backend is {self.backend!r}); use 'auto' or 'volume'",
+                "sync.method",
+            )
         if self.backend != "ray" or self.ray.shared_filesystem:
             return self
         if self.checkpoint.uri is None:
-            raise rule_error("ray.sharedFilesystem is false, so a checkpoint written on one node cannot be "
-                             "read on another: set checkpoint.uri to storage every node reaches "
-                             "(s3://bucket/prefix, gs://..., file:///mounted/path)", "ray.sharedFilesystem")
+            raise rule_error(
+                "ray.sharedFilesystem is false, so a checkpoint written on one node cannot be "
+                "read on another: set checkpoint.uri to storage every node reaches "
+                "(s3://bucket/prefix, gs://..., file:///mounted/path)",
+                "ray.sharedFilesystem",
+            )
         if self.sync.method not in ("auto", "ray"):
-            raise rule_error("ray.sharedFilesystem is false: weights cannot travel through a volume "
-                             f"({self.sync.method!r}); use 'auto' or 'ray' (Ray's object "
-                             "store)", "sync.method")
+            raise rule_error(
+                "ray.sharedFilesystem is false: weights cannot travel through a volume "
+                f"({self.sync.method!r}); use 'auto' or 'ray' (Ray's object "
+                "store)",
+                "sync.method",
+            )
         return self
 
     @model_validator(mode="after")
@@ -696,11 +767,15 @@ class TrainingSpec(SpecModel):
             raise rule_error(
                 "sync nccl sends weights from the actor's GPU to rollout GPUs of the same host: it needs "
                 "backend local, GPUs for actor and rollout, and generation.engine transformers; use 'auto' "
-                "or 'volume' otherwise", "sync.method")
+                "or 'volume' otherwise",
+                "sync.method",
+            )
         if self.rollout.shares_actor_gpu:
             raise rule_error(
                 "sync nccl needs each rollout on a GPU of its own (NCCL joins distinct GPUs); colocated "
-                "rollouts share the actor's GPU: use 'ipc' (or 'auto')", "sync.method")
+                "rollouts share the actor's GPU: use 'ipc' (or 'auto')",
+                "sync.method",
+            )
         return self
 
     @model_validator(mode="after")
@@ -708,63 +783,98 @@ class TrainingSpec(SpecModel):
         """actor.count > 1 (mortal.workers.sharded): what a sharded actor cannot do, how it splits a batch."""
         count = self.actor.count
         if self.actor.mixed_precision and count == 1:
-            raise rule_error("mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or "
-                             "train an unsharded actor in bfloat16 with model.dtype: "
-                             "bfloat16", "actor.mixedPrecision")
+            raise rule_error(
+                "mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or "
+                "train an unsharded actor in bfloat16 with model.dtype: "
+                "bfloat16",
+                "actor.mixedPrecision",
+            )
         if self.actor.mixed_precision and self.model.dtype != "float32":
-            raise rule_error("mixedPrecision keeps float32 master weights and computes in bfloat16; this "
-                             f"model's dtype is {self.model.dtype!r}: set model.dtype: "
-                             "float32", "actor.mixedPrecision")
+            raise rule_error(
+                "mixedPrecision keeps float32 master weights and computes in bfloat16; this "
+                f"model's dtype is {self.model.dtype!r}: set model.dtype: "
+                "float32",
+                "actor.mixedPrecision",
+            )
         if not self.actor.reshard_after_forward and count == 1:
-            raise rule_error("reshardAfterForward is FSDP2's choice for a sharded actor: an actor of one "
-                             "rank keeps its whole model anyway; set actor.count > 1, or drop "
-                             "it", "actor.reshardAfterForward")
+            raise rule_error(
+                "reshardAfterForward is FSDP2's choice for a sharded actor: an actor of one "
+                "rank keeps its whole model anyway; set actor.count > 1, or drop "
+                "it",
+                "actor.reshardAfterForward",
+            )
         if self.actor.strategy == "ddp" and count == 1:
-            raise rule_error("strategy ddp replicates the actor over its ranks: set actor.count > 1, or drop "
-                             "it",
-                             "actor.strategy")
+            raise rule_error(
+                "strategy ddp replicates the actor over its ranks: set actor.count > 1, or drop it",
+                "actor.strategy",
+            )
         if self.actor.strategy == "ddp":
-            for name, chosen in (("mixedPrecision", self.actor.mixed_precision), ("cpuOffload", self.actor.cpu_offload),
-                                 ("reshardAfterForward", not self.actor.reshard_after_forward)):
+            for name, chosen in (
+                ("mixedPrecision", self.actor.mixed_precision),
+                ("cpuOffload", self.actor.cpu_offload),
+                ("reshardAfterForward", not self.actor.reshard_after_forward),
+            ):
                 if chosen:
-                    raise rule_error(f"{name} is FSDP2's: with strategy ddp every rank holds the whole model "
-                                     "as model.dtype has it; drop it, or set actor.strategy: "
-                                     "fsdp", f"actor.{name}")
+                    raise rule_error(
+                        f"{name} is FSDP2's: with strategy ddp every rank holds the whole model "
+                        "as model.dtype has it; drop it, or set actor.strategy: "
+                        "fsdp",
+                        f"actor.{name}",
+                    )
         if self.actor.liger and self.actor.gpu == "none":
-            raise rule_error("liger's kernels are Triton kernels for GPUs: set actor.gpu to a GPU type, or "
-                             "drop it",
-                             "actor.liger")
+            raise rule_error(
+                "liger's kernels are Triton kernels for GPUs: set actor.gpu to a GPU type, or drop it",
+                "actor.liger",
+            )
         if self.actor.liger and count > 1 and self.actor.strategy == "fsdp":
-            raise rule_error("liger's kernels are not used under FSDP2 sharding (its weights are sharded "
-                             "tensors; untested): set actor.strategy: ddp, or drop it", "actor.liger")
+            raise rule_error(
+                "liger's kernels are not used under FSDP2 sharding (its weights are sharded "
+                "tensors; untested): set actor.strategy: ddp, or drop it",
+                "actor.liger",
+            )
         if self.actor.cpu_offload and (count == 1 or self.actor.gpu == "none"):
-            raise rule_error("cpuOffload moves a sharded actor's shards from its GPUs to host memory: set "
-                             "actor.count > 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")
+            raise rule_error(
+                "cpuOffload moves a sharded actor's shards from its GPUs to host memory: set "
+                "actor.count > 1 and actor.gpu to a GPU type, or drop it",
+                "actor.cpuOffload",
+            )
         if count == 1:
             return self
         if self.model.lora is not None:
-            raise rule_error(f"an actor of {count} ranks trains the full model: drop model.lora or use count "
-                             "1",
-                             "actor.count")
+            raise rule_error(
+                f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
+                "actor.count",
+            )
         micro = self.algorithm.batch_size // self.algorithm.accumulation_steps
         if micro % count:
             what = "microBatchSize" if self.algorithm.micro_batch_size else "batchSize"
-            raise rule_error(f"{what} ({micro}) must divide over the actor's {count} ranks: each rank trains "
-                             f"{what} / count completions of a pass", "actor.count")
+            raise rule_error(
+                f"{what} ({micro}) must divide over the actor's {count} ranks: each rank trains "
+                f"{what} / count completions of a pass",
+                "actor.count",
+            )
         return self
 
     @model_validator(mode="after")
     def _tool_fields_fit(self) -> TrainingSpec:
         rollout = self.rollout
-        for key, value in (("maxToolCallingIterations", rollout.max_tool_calling_iterations),
-                           ("chatTemplate", rollout.chat_template)):
+        for key, value in (
+            ("maxToolCallingIterations", rollout.max_tool_calling_iterations),
+            ("chatTemplate", rollout.chat_template),
+        ):
             if value is not None and not rollout.uses_tools:
-                raise rule_error(f"rollout.{key} applies to tool-calling rollouts: set rollout.tools or "
-                                 "rollout.environment, or drop it", f"rollout.{key}")
+                raise rule_error(
+                    f"rollout.{key} applies to tool-calling rollouts: set rollout.tools or "
+                    "rollout.environment, or drop it",
+                    f"rollout.{key}",
+                )
         for i, entry in enumerate(self.rewards):
             if entry.env == "environment" and self.rollout.environment is None:
-                raise rule_error(f"rewards[{i}] has env 'environment', which scores with the environment's "
-                                 "get_reward(): set rollout.environment ('module:Class')", "rewards")
+                raise rule_error(
+                    f"rewards[{i}] has env 'environment', which scores with the environment's "
+                    "get_reward(): set rollout.environment ('module:Class')",
+                    "rewards",
+                )
         return self
 
     @model_validator(mode="after")
@@ -772,9 +882,9 @@ class TrainingSpec(SpecModel):
         seen: set[str] = set()
         for entry in self.rewards:
             if entry.name is not None and entry.name in seen:
-                raise rule_error(f"two rewards are named {entry.name!r}: give each a distinct "
-                                 "'name'", "rewards")
+                raise rule_error(
+                    f"two rewards are named {entry.name!r}: give each a distinct 'name'", "rewards"
+                )
             if entry.name is not None:
                 seen.add(entry.name)
         return self
-

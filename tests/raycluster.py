@@ -36,8 +36,12 @@ import psutil
 NODES = ("node_head", "node_a", "node_b")
 ROLLOUT_SLOTS = 2  # the worker nodes' "rollout_node" resource: a rollout asking 1 runs on node_a or node_b
 # The GCS's health checks of raylets (Ray system config, read from the environment at `ray start --head`).
-NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
-              "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "0"}
+NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "5000",
+    "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_initial_delay_ms": "0",
+}
 
 
 def in_private_network() -> bool:
@@ -68,18 +72,42 @@ class RayCluster:
         before = set(_raylets(self.root))
         log = self.root / f"{node}.log"
         resources = {node: 1} if node == "node_head" else {node: 1, "rollout_node": ROLLOUT_SLOTS}
-        cmd = [ray_cli(), "start", *head_or_join, "--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus),
-               "--resources", json.dumps(resources), "--object-store-memory", str(80 * 1024 * 1024),
-               "--disable-usage-stats"]
+        cmd = [
+            ray_cli(),
+            "start",
+            *head_or_join,
+            "--node-ip-address",
+            "127.0.0.1",
+            "--num-cpus",
+            str(self.cpus),
+            "--resources",
+            json.dumps(resources),
+            "--object-store-memory",
+            str(80 * 1024 * 1024),
+            "--disable-usage-stats",
+        ]
         with open(log, "ab") as out:
-            subprocess.run(cmd, env={**self._env(), "MORTAL_HOME": str(self.home(node))}, stdout=out,
-                           stderr=subprocess.STDOUT, check=True, timeout=120)
+            subprocess.run(
+                cmd,
+                env={**self._env(), "MORTAL_HOME": str(self.home(node))},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=120,
+            )
         [raylet] = set(_raylets(self.root)) - before
         self.raylets[node] = raylet
 
     def start(self) -> RayCluster:
-        self._start("node_head", "--head", "--port", str(self.port), "--include-dashboard=false",
-                    "--temp-dir", str(self.root / "ray"))
+        self._start(
+            "node_head",
+            "--head",
+            "--port",
+            str(self.port),
+            "--include-dashboard=false",
+            "--temp-dir",
+            str(self.root / "ray"),
+        )
         for node in NODES[1:]:
             self.add_node(node)
         return self
@@ -140,7 +168,11 @@ def _processes(root: Path) -> list[psutil.Process]:
     dir (under `root`) on its command line, so another cluster of the machine (another test session, in its
     own namespace) is never counted."""
     temp_dir = str(root / "ray")
-    return [p for p in psutil.process_iter(["name", "cmdline"]) if temp_dir in " ".join(p.info.get("cmdline") or [])]
+    return [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if temp_dir in " ".join(p.info.get("cmdline") or [])
+    ]
 
 
 def _raylets(root: Path) -> list[int]:

@@ -57,8 +57,9 @@ def test_readme_commands_write_no_tracked_file():
     written = WRITES.findall(README.read_text())
     assert written, "the README's screenshot command is no longer found: update this test"
     tracked = tracked_files()
-    overwritten = [path for path in written
-                   if not path.startswith("/") and path.removeprefix("./") in tracked]
+    overwritten = [
+        path for path in written if not path.startswith("/") and path.removeprefix("./") in tracked
+    ]
     assert overwritten == [], f"README commands overwrite tracked files: {overwritten}"
 
 
@@ -120,8 +121,9 @@ def test_every_result_the_benchmarks_summary_cites_is_kept():
     cited = re.findall(r"`([\w.{},-]+\.(?:json|txt|log))`", BENCHMARKS.read_text())
     assert cited, "no JSON cited in docs/benchmarks.md: update this test"
     results = REPO / "bench" / "results"
-    missing = sorted({name for name in cited
-                      for path in expand_braces(name) if not (results / path).exists()})
+    missing = sorted(
+        {name for name in cited for path in expand_braces(name) if not (results / path).exists()}
+    )
     assert missing == [], f"cited in docs/benchmarks.md, not in bench/results/: {missing}"
 
 

@@ -17,8 +17,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"specs": "mortal.specs", "state": "mortal.state", "controller": "mortal.controller", "workers": "mortal.workers",
-           "mortal": "mortal"}
+FOLDERS = {
+    "specs": "mortal.specs",
+    "state": "mortal.state",
+    "controller": "mortal.controller",
+    "workers": "mortal.workers",
+    "mortal": "mortal",
+}
 CLIENT = "mortal.client"
 FACADE = ("mortal", "mortal.rewards")
 
@@ -38,9 +43,23 @@ SHIMS = {
     "mortal.controller.modes": ("mortal.client.modes",),
     "mortal.controller.modal_app": ("mortal.client.modal_app",),
     "mortal.controller.cli": ("mortal.client.cli",),
-    **{f"mortal.controller.cli.{name}": (f"mortal.client.cli.{name}",) for name in (
-        "completions", "context", "dashboard", "dashboard_data", "dashboard_html", "follow", "get", "main", "metrics",
-        "output", "scale", "text")},
+    **{
+        f"mortal.controller.cli.{name}": (f"mortal.client.cli.{name}",)
+        for name in (
+            "completions",
+            "context",
+            "dashboard",
+            "dashboard_data",
+            "dashboard_html",
+            "follow",
+            "get",
+            "main",
+            "metrics",
+            "output",
+            "scale",
+            "text",
+        )
+    },
     "mortal.controller.cli.apply": ("mortal.client.apply", "mortal.client.cli.apply"),
     "mortal.controller.cli.cp": ("mortal.client.checkpoint_copy", "mortal.client.cli.cp"),
     "mortal.controller.cli.fork": ("mortal.client.fork", "mortal.client.rollback", "mortal.client.cli.fork"),
@@ -71,7 +90,9 @@ def mortal_imports(path: Path) -> set[str]:
     return {name for name in found if name.startswith("mortal.")}
 
 
-SOURCES = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py") if "migrations" not in p.parts)
+SOURCES = sorted(
+    p for folder in FOLDERS for p in (REPO / folder).rglob("*.py") if "migrations" not in p.parts
+)
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
@@ -88,7 +109,9 @@ def test_module_imports_only_lower_layers(path):
 def test_the_client_library_leaves_the_command_line_to_its_verbs():
     """mortal.client's library (fork, rollback, apply, ...) is what the verbs and MortalTrainer call: it never
     imports the CLI package, but for the live view MortalTrainer.train() shares with `apply --follow`."""
-    library = [p for p in (REPO / "mortal" / "client").rglob("*.py") if "cli" not in p.relative_to(REPO).parts]
+    library = [
+        p for p in (REPO / "mortal" / "client").rglob("*.py") if "cli" not in p.relative_to(REPO).parts
+    ]
     for path in library:
         named = set()  # `from mortal.client.cli import follow` names mortal.client.cli.follow
         for node in ast.walk(ast.parse(path.read_text())):
@@ -122,11 +145,17 @@ def _fresh_import(name: str) -> tuple[object, list[warnings.WarningMessage]]:
 def test_each_shim_warns_and_reexports_the_moved_module(old, monkeypatch):
     monkeypatch.setenv("MORTAL_MODAL_SECRETS", "")
     shim, caught = _fresh_import(old)
-    moved = [w for w in caught if issubclass(w.category, DeprecationWarning) and f"{old} moved" in str(w.message)]
-    assert [str(w.message) for w in moved] == [f"{old} moved to {', '.join(SHIMS[old])}; import it from there"]
+    moved = [
+        w for w in caught if issubclass(w.category, DeprecationWarning) and f"{old} moved" in str(w.message)
+    ]
+    assert [str(w.message) for w in moved] == [
+        f"{old} moved to {', '.join(SHIMS[old])}; import it from there"
+    ]
     assert moved[0].filename == __file__, "the warning names the importing line, not the shim"
     for new in SHIMS[old]:
         module = importlib.import_module(new)
-        public = [n for n in vars(module) if not n.startswith("_") and f"{old}.{n}" not in SHIMS]  # not its shims
+        public = [
+            n for n in vars(module) if not n.startswith("_") and f"{old}.{n}" not in SHIMS
+        ]  # not its shims
         missing = [n for n in public if getattr(shim, n, None) is not getattr(module, n)]
         assert not missing, f"{old} does not re-export {missing} of {new}"

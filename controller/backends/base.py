@@ -41,32 +41,110 @@ GPU_PEERS_ENV = "MORTAL_GPU_PEERS"  # devices a worker sees but does not hold (i
 # The Ray cluster and run namespace a worker of the ray backend connects to as a driver, and the node it
 # runs on (sync ray: mortal.workers.ray_weights reads them); set by the worker's Ray actor
 # (ray_worker.WorkerHost).
-RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = "MORTAL_RAY_ADDRESS", "MORTAL_RAY_NAMESPACE", "MORTAL_RAY_NODE_ID"
-WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
-                       "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
-                       "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES", RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV,
-                       RAY_NODE_ENV,
-                       # per launch, from the run (its code snapshot, the controller's memory
-                       # choices): a value in the launcher's own environment must not reach a worker
-                       # launched without one
-                       paths.CODE_SNAPSHOT_ENV, MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV)
+RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = (
+    "MORTAL_RAY_ADDRESS",
+    "MORTAL_RAY_NAMESPACE",
+    "MORTAL_RAY_NODE_ID",
+)
+WORKER_IDENTITY_ENV = (
+    "MORTAL_RUN",
+    "MORTAL_ROLE",
+    "MORTAL_REPLICA",
+    "MORTAL_INCARNATION",
+    "MORTAL_WORKER_ID",
+    "MORTAL_RUN_UID",
+    "MORTAL_HEARTBEAT_SECONDS",
+    "MORTAL_HOME",
+    "MORTAL_STATE_URL",
+    "MORTAL_GPU_SHARED",
+    GPU_PEERS_ENV,
+    "CUDA_VISIBLE_DEVICES",
+    RAY_ADDRESS_ENV,
+    RAY_NAMESPACE_ENV,
+    RAY_NODE_ENV,
+    # per launch, from the run (its code snapshot, the controller's memory
+    # choices): a value in the launcher's own environment must not reach a worker
+    # launched without one
+    paths.CODE_SNAPSHOT_ENV,
+    MICRO_BATCH_ENV,
+    ROLLOUT_SHARE_ENV,
+)
 STATE_TOKEN_ENV = wire.TOKEN_ENV  # the worker's own scoped token (mortal.state.auth), never the launcher's
 # What a worker keeps of its launcher's environment: what it needs to run (the system's, Python's, the GPU
 # stack's and its libraries' settings, mortal's own), never a credential (a name with a SECRET_WORDS part,
 # or one of DENIED); the spec's secrets are added by name (docs/security.md, The worker environment).
-INHERITED_NAMES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TEMP", "TMP", "TZ", "TERM", "COLUMNS", "LANG", "LANGUAGE",
-    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "VIRTUAL_ENV",
-    "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-    "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_RUNTIME_DIR", "TOKENIZERS_PARALLELISM",
-    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
-    "CC", "CXX", "CPATH", "LIBRARY_PATH",  # Triton compiles its kernels with the system's compiler
-})
-INHERITED_PREFIXES = ("MORTAL_", "LC_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH", "PYTORCH_", "TRITON_", "VLLM_", "HF_",
-                      "TRANSFORMERS_", "TRL_", "WANDB_", "MODAL_", "RAY_", "COVERAGE_", "COV_CORE_")
-SECRET_WORDS = frozenset({"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL",
-                          "CREDENTIALS"})
+INHERITED_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "TZ",
+        "TERM",
+        "COLUMNS",
+        "LANG",
+        "LANGUAGE",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONHASHSEED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONWARNINGS",
+        "VIRTUAL_ENV",
+        "CONDA_PREFIX",
+        "CONDA_DEFAULT_ENV",
+        "LD_LIBRARY_PATH",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "XDG_CACHE_HOME",
+        "XDG_CONFIG_HOME",
+        "XDG_DATA_HOME",
+        "XDG_RUNTIME_DIR",
+        "TOKENIZERS_PARALLELISM",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "all_proxy",
+        "CC",
+        "CXX",
+        "CPATH",
+        "LIBRARY_PATH",  # Triton compiles its kernels with the system's compiler
+    }
+)
+INHERITED_PREFIXES = (
+    "MORTAL_",
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "VLLM_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TRL_",
+    "WANDB_",
+    "MODAL_",
+    "RAY_",
+    "COVERAGE_",
+    "COV_CORE_",
+)
+SECRET_WORDS = frozenset(
+    {"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "CREDENTIALS"}
+)
 DENIED = frozenset({"MORTAL_STORE_BACKING_URL"})  # the store server's database URL (it may hold a password)
 
 
@@ -112,8 +190,9 @@ class WaitingForActorGPU(InsufficientGPUs):
     """A colocated rollout cannot start before its run's actor holds a GPU to share (retried, no failure)."""
 
     def __init__(self, run: str, gpu: str) -> None:
-        BackendError.__init__(self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the "
-                                    "actor to hold one")
+        BackendError.__init__(
+            self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the actor to hold one"
+        )
         self.requested, self.free, self.total, self.gpu, self.permanent = 1, 0, 0, gpu, False
 
 
@@ -162,8 +241,9 @@ class WorkerLaunch:
     log_uri: str | None = None  # storage the worker's log is uploaded to (spec.checkpoint.uri, node_home)
     state_token: str = field(default="", repr=False)  # MORTAL_STATE_TOKEN: this incarnation's scoped token
 
-    def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
-                mortal_home: str | None = None) -> dict[str, str]:
+    def environ(
+        self, inherited: Mapping[str, str], cuda_visible_devices: str | None, mortal_home: str | None = None
+    ) -> dict[str, str]:
         """The worker process's environment (the protocol of mortal.workers.runtime).
 
         What the worker needs of `inherited` (the launcher's environment: `inheritable`, without any worker
@@ -199,7 +279,6 @@ class WorkerLaunch:
         for name, value in compile_cache_environ(mortal_home or self.mortal_home).items():
             env.setdefault(name, value)  # a user's own setting (inherited, or the spec's env) wins
         return env
-
 
 
 def compile_cache_environ(home: str | Path) -> dict[str, str]:
@@ -335,8 +414,10 @@ def remove_from_storage(run: str, uri: str) -> None:
     except FileNotFoundError:
         return
     except (ImportError, OSError, ValueError) as exc:
-        raise BackendError(f"cannot remove run {run!r}'s checkpoints under spec.checkpoint.uri {uri!r}: "
-                           f"{type(exc).__name__}: {exc}") from exc
+        raise BackendError(
+            f"cannot remove run {run!r}'s checkpoints under spec.checkpoint.uri {uri!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def signal_group(pgid: int, sig: int) -> None:

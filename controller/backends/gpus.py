@@ -23,9 +23,20 @@ CPU_NAMES = ("none", "cpu", "")
 # A name that covers several sizes maps to the largest, so a check against it can only be too lenient.
 GB = 10**9
 GPU_MEMORY = {
-    "T4": 16 * GB, "L4": 24 * GB, "A10": 24 * GB, "A10G": 24 * GB, "L40S": 48 * GB,
-    "A100": 80 * GB, "A100-40GB": 40 * GB, "A100-80GB": 80 * GB, "RTX-PRO-6000": 96 * GB,
-    "H100": 80 * GB, "H100!": 80 * GB, "H200": 141 * GB, "B200": 180 * GB, "B200+": 180 * GB,
+    "T4": 16 * GB,
+    "L4": 24 * GB,
+    "A10": 24 * GB,
+    "A10G": 24 * GB,
+    "L40S": 48 * GB,
+    "A100": 80 * GB,
+    "A100-40GB": 40 * GB,
+    "A100-80GB": 80 * GB,
+    "RTX-PRO-6000": 96 * GB,
+    "H100": 80 * GB,
+    "H100!": 80 * GB,
+    "H200": 141 * GB,
+    "B200": 180 * GB,
+    "B200+": 180 * GB,
 }
 _GPU_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
 
@@ -49,8 +60,11 @@ def spec_name_of(device_name: str) -> str | None:
     if "NVL" in device_name.upper():
         return None
     words = device_name.upper().replace("SXM4-", "").replace("PCIE-", "").replace(" ", "-")
-    names = [name for name in GPU_MEMORY if not name.endswith(("!", "+")) and re.search(
-        rf"(^|[^A-Z0-9]){re.escape(name)}($|[^A-Z0-9])", words)]
+    names = [
+        name
+        for name in GPU_MEMORY
+        if not name.endswith(("!", "+")) and re.search(rf"(^|[^A-Z0-9]){re.escape(name)}($|[^A-Z0-9])", words)
+    ]
     return max(names, key=len, default=None)
 
 

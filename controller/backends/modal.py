@@ -45,13 +45,44 @@ HANDLE_PREFIX = "modal:"
 CANCEL_MARGIN_SECONDS = 5.0  # after the grace: the worker function's own cleanup, then containers are ended
 TERMINATE_WAIT_SECONDS = 60.0
 # The GPU types Modal's `gpu=` accepts (modal.com/docs/guide/gpu), upper case as Modal normalizes them.
-MODAL_GPUS = frozenset({"T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "RTX-PRO-6000",
-                        "H100", "H100!", "H200", "B200", "B200+", "ANY"})
-GPU_ALIASES = {"A100-40G": "A100-40GB", "A100-80G": "A100-80GB", "A100-40": "A100-40GB", "A100-80": "A100-80GB",
-               "H100-80GB": "H100", "H200-141GB": "H200", "A10-24GB": "A10"}
+MODAL_GPUS = frozenset(
+    {
+        "T4",
+        "L4",
+        "A10",
+        "A10G",
+        "L40S",
+        "A100",
+        "A100-40GB",
+        "A100-80GB",
+        "RTX-PRO-6000",
+        "H100",
+        "H100!",
+        "H200",
+        "B200",
+        "B200+",
+        "ANY",
+    }
+)
+GPU_ALIASES = {
+    "A100-40G": "A100-40GB",
+    "A100-80G": "A100-80GB",
+    "A100-40": "A100-40GB",
+    "A100-80": "A100-80GB",
+    "H100-80GB": "H100",
+    "H200-141GB": "H200",
+    "A10-24GB": "A10",
+}
 # Modal errors that mean "this call is over" (rather than "Modal could not be asked").
-_CALL_ENDED = ("OutputExpiredError", "FunctionTimeoutError", "RemoteError", "InternalFailure", "ExecutionError",
-               "DeserializationError", "NotFoundError")
+_CALL_ENDED = (
+    "OutputExpiredError",
+    "FunctionTimeoutError",
+    "RemoteError",
+    "InternalFailure",
+    "ExecutionError",
+    "DeserializationError",
+    "NotFoundError",
+)
 _GPU = re.compile(r"^(?P<name>[A-Z0-9!+-]+?)(?::(?P<count>\d+))?$")
 
 
@@ -74,7 +105,9 @@ def worker_function(launch: WorkerLaunch) -> str:
 
     `auto` means vLLM on a GPU (mortal.workers.engines.resolve_engine_name); on the CPU it is
     transformers, which the trainer's image has."""
-    if launch.role == "rollout" and (launch.engine == "vllm" or (launch.engine == "auto" and wants_gpu(launch.gpu))):
+    if launch.role == "rollout" and (
+        launch.engine == "vllm" or (launch.engine == "auto" and wants_gpu(launch.gpu))
+    ):
         return VLLM_FUNCTION
     return WORKER_FUNCTION
 
@@ -127,8 +160,13 @@ class ModalBackend(Backend):
 
     name = "modal"
 
-    def __init__(self, modal: ModuleType | Any | None = None, app_name: str | None = None,
-                 exited_ttl_seconds: float = EXITED_TTL_SECONDS, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        modal: ModuleType | Any | None = None,
+        app_name: str | None = None,
+        exited_ttl_seconds: float = EXITED_TTL_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         """`modal` is the modal package (tests pass a fake); `app_name` defaults to $MORTAL_MODAL_APP or
         'mortal'."""
         self._modal = modal if modal is not None else load_modal()
@@ -164,9 +202,19 @@ class ModalBackend(Backend):
             ) from exc
         except self._modal.exception.Error as exc:
             raise LaunchFailed(f"could not spawn {launch.worker_id} on Modal: {exc}") from exc
-        entry = {"call_id": call.object_id, "worker_id": launch.worker_id, "run": launch.run, "run_uid": launch.run_uid, "role": launch.role,
-                 "replica": launch.replica, "incarnation": launch.incarnation, "gpu": gpu, "function": function,
-                 "launched_at": self._clock(), "ended_at": None}
+        entry = {
+            "call_id": call.object_id,
+            "worker_id": launch.worker_id,
+            "run": launch.run,
+            "run_uid": launch.run_uid,
+            "role": launch.role,
+            "replica": launch.replica,
+            "incarnation": launch.incarnation,
+            "gpu": gpu,
+            "function": function,
+            "launched_at": self._clock(),
+            "ended_at": None,
+        }
         self._modal_call(self._registry.put, launch.worker_id, entry)
         return HANDLE_PREFIX + call.object_id
 
@@ -178,7 +226,9 @@ class ModalBackend(Backend):
         """The app's function `name` with `gpu` (looked up once; with_options per GPU type)."""
         with self._lock:
             if (name, gpu) not in self._functions:
-                base = self._functions.get((name, None)) or self._modal.Function.from_name(self.app_name, name)
+                base = self._functions.get((name, None)) or self._modal.Function.from_name(
+                    self.app_name, name
+                )
                 self._functions[(name, None)] = base
                 self._functions[(name, gpu)] = base if gpu is None else base.with_options(gpu=gpu)
             return self._functions[(name, gpu)]
@@ -200,11 +250,19 @@ class ModalBackend(Backend):
                 elif now - entry["ended_at"] > self.exited_ttl_seconds:
                     self._forget(worker_id, entry["call_id"])
                     continue
-            workers.append(BackendWorker(
-                worker_id=worker_id, handle=HANDLE_PREFIX + entry["call_id"], run=entry["run"], role=entry["role"],
-                replica=int(entry["replica"]), incarnation=int(entry["incarnation"]), alive=alive, exit_code=code,
-                run_uid=str(entry.get("run_uid") or ""),
-            ))
+            workers.append(
+                BackendWorker(
+                    worker_id=worker_id,
+                    handle=HANDLE_PREFIX + entry["call_id"],
+                    run=entry["run"],
+                    role=entry["role"],
+                    replica=int(entry["replica"]),
+                    incarnation=int(entry["incarnation"]),
+                    alive=alive,
+                    exit_code=code,
+                    run_uid=str(entry.get("run_uid") or ""),
+                )
+            )
         return sorted(workers, key=lambda w: (w.run, w.role, w.replica, w.incarnation))
 
     def _status(self, call_id: str, wait: float = 0) -> tuple[bool, int | None]:
@@ -279,8 +337,10 @@ class ModalBackend(Backend):
             raise BackendError(f"Modal: could not list {remote} on the volume: {exc}") from exc
         if not present:
             if not local.is_dir():
-                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: "
-                                   "apply the run again from the folder of its code")
+                raise LaunchFailed(
+                    f"the run's code snapshot {local} is not on the controller's machine: "
+                    "apply the run again from the folder of its code"
+                )
             try:
                 with volume.batch_upload() as batch:
                     for root, _, files in os.walk(local):  # a linked model folder is not the volume's to hold
@@ -309,8 +369,9 @@ class ModalBackend(Backend):
         except (FileNotFoundError, self._modal.exception.NotFoundError):  # modal 1.6 raises the former
             return
         except self._modal.exception.Error as exc:
-            raise BackendError(f"Modal: could not remove runs/{run} from the volume "
-                               f"{data_volume_name(self.app_name)}: {exc}") from exc
+            raise BackendError(
+                f"Modal: could not remove runs/{run} from the volume {data_volume_name(self.app_name)}: {exc}"
+            ) from exc
 
     def _modal_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A call into Modal; its failures are BackendErrors (the reconcile pass is retried)."""
@@ -321,4 +382,6 @@ class ModalBackend(Backend):
 
 
 def _is_entry(entry: Any) -> bool:
-    return isinstance(entry, dict) and all(k in entry for k in ("call_id", "run", "role", "replica", "incarnation"))
+    return isinstance(entry, dict) and all(
+        k in entry for k in ("call_id", "run", "role", "replica", "incarnation")
+    )

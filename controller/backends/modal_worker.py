@@ -29,8 +29,11 @@ LOG_COMMIT_SECONDS = 10.0  # how stale `mortalctl logs` may be for a worker on M
 DRAIN_SECONDS = 5.0  # how long the worker's last output may take to arrive after it exits (a child's pipe)
 
 
-def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS,
-               commit: Callable[[], None] | None = None) -> int:
+def run_worker(
+    launch: Mapping[str, Any],
+    stop_grace: float = STOP_GRACE_SECONDS,
+    commit: Callable[[], None] | None = None,
+) -> int:
     """Run the worker `launch` describes (WorkerLaunch fields) to its end; its exit code.
 
     MORTAL_HOME is this container's own when set (the app mounts the shared volume there), so a
@@ -40,18 +43,31 @@ def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS
     home = os.environ.get("MORTAL_HOME") or spec.mortal_home
     env = spec.environ(os.environ, cuda_visible_devices=None, mortal_home=home)
     log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation).relative_to(
-        paths.mortal_home())
+        paths.mortal_home()
+    )
     return run_logged([sys.executable, "-m", WORKER_MODULE], env, log, stop_grace, commit)
 
 
-def run_logged(command: Sequence[str], env: Mapping[str, str], log: Path, stop_grace: float = STOP_GRACE_SECONDS,
-               commit: Callable[[], None] | None = None, commit_every: float = LOG_COMMIT_SECONDS) -> int:
+def run_logged(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    stop_grace: float = STOP_GRACE_SECONDS,
+    commit: Callable[[], None] | None = None,
+    commit_every: float = LOG_COMMIT_SECONDS,
+) -> int:
     """Run `command` in a process group of its own, its output teed to stdout and appended to `log`,
     `commit` called while output grows and at the end; its exit code. Stopped as the module says."""
     tee = _Tee(log, commit, commit_every)  # the log opens first: a volume that refuses it starts nothing
     try:
-        proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(command),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     except BaseException:
         tee.close()
         raise
@@ -145,4 +161,4 @@ def _echo(chunk: bytes) -> None:
     view = memoryview(chunk)
     with contextlib.suppress(OSError):
         while view:
-            view = view[os.write(1, view):]
+            view = view[os.write(1, view) :]

@@ -51,8 +51,10 @@ ANSWER_SECONDS = 2.0  # stop: an actor that does not answer a status call by the
 STOP_MARGIN_SECONDS = 10.0  # after the grace: SIGKILL, reaping, the reply
 GONE_WAIT_SECONDS = 10.0  # after ray.kill: until the name is free
 ACCELERATOR_TYPE_UNIT = 0.001  # what Ray reserves of "accelerator_type:<T>" for an actor that names a type
-_WORKER_ID = re.compile(r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)"
-                        r"(@(?P<uid>[0-9a-f-]+))?$")
+_WORKER_ID = re.compile(
+    r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)"
+    r"(@(?P<uid>[0-9a-f-]+))?$"
+)
 _CONNECTED: dict[str, str] = {}  # the address this process's ray.init connected to ("address" -> value)
 _CONNECT_LOCK = threading.Lock()
 
@@ -76,23 +78,27 @@ def connect(ray: ModuleType, address: str | None) -> str:
     when this process is already connected to another cluster (Ray allows one per process)."""
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
-        raise BackendUnavailable(f"backend ray needs the cluster's address: set {ADDRESS_FIELD} (host:port "
-                                 "of the head, 'auto', or ray://host:10001), or RAY_ADDRESS in the "
-                                 "controller's environment")
+        raise BackendUnavailable(
+            f"backend ray needs the cluster's address: set {ADDRESS_FIELD} (host:port "
+            "of the head, 'auto', or ray://host:10001), or RAY_ADDRESS in the "
+            "controller's environment"
+        )
     with _CONNECT_LOCK:
         if "address" in _CONNECTED and ray.is_initialized():
             if _CONNECTED["address"] != address:
                 raise BackendUnavailable(
                     f"{ADDRESS_FIELD}: this controller is connected to the Ray cluster at "
                     f"{_CONNECTED['address']!r} and cannot also drive {address!r} (one Ray cluster per "
-                    "controller process)")
+                    "controller process)"
+                )
             return address
         _answers(address)
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
             raise BackendUnavailable(
-                f"{ADDRESS_FIELD}: no Ray cluster answers at {address!r}: {exc}") from exc
+                f"{ADDRESS_FIELD}: no Ray cluster answers at {address!r}: {exc}"
+            ) from exc
         _CONNECTED["address"] = address
         return address
 
@@ -124,7 +130,11 @@ def ray_accelerator_type(gpu: str, ray: ModuleType) -> str | None:
     name = gpu.strip().upper().split(":")[0]
     if name in ("ANY", "GPU"):
         return None
-    known = {str(v).upper(): str(v) for k, v in vars(ray.util.accelerators).items() if k.isupper() and isinstance(v, str)}
+    known = {
+        str(v).upper(): str(v)
+        for k, v in vars(ray.util.accelerators).items()
+        if k.isupper() and isinstance(v, str)
+    }
     return known.get(name, name)
 
 
@@ -133,9 +143,14 @@ class RayBackend(Backend):
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, home: str | Path | None = None,
-                 command: list[str] | None = None, exited_ttl_seconds: float = EXITED_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        home: str | Path | None = None,
+        command: list[str] | None = None,
+        exited_ttl_seconds: float = EXITED_TTL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`address` (spec.ray.address) defaults to $RAY_ADDRESS; `home` to $MORTAL_HOME; `command` is the
         worker's argv on the node (default: `python -m mortal.workers.main` with the node's interpreter)."""
         self._ray = load_ray()
@@ -161,8 +176,10 @@ class RayBackend(Backend):
         namespace = self.namespace(launch.run)
         handle = f"{HANDLE_PREFIX}{namespace}/{launch.worker_id}"
         if launch.colocate:
-            raise LaunchFailed("rollout.colocate shares the actor's GPU on one host: the ray backend does "
-                               "not build it; give rollouts GPUs of their own (drop colocate)")
+            raise LaunchFailed(
+                "rollout.colocate shares the actor's GPU on one host: the ray backend does "
+                "not build it; give rollouts GPUs of their own (drop colocate)"
+            )
         with self._lock:
             if self._lookup(handle) is not None and handle not in self._ended:
                 return handle
@@ -171,7 +188,9 @@ class RayBackend(Backend):
             argv = self._command or [sys.executable, "-m", WORKER_MODULE]
             try:
                 code = archive(launch.run, launch.env, launch.mortal_home) if launch.node_home else None
-                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv, namespace, code)
+                actor = self._host.options(**options).remote(
+                    dataclasses.asdict(launch), argv, namespace, code
+                )
             except (ValueError, TypeError) as exc:  # Ray refused the options (a bad resource name, ...)
                 raise LaunchFailed(f"Ray refused to create {launch.worker_id}: {exc}") from exc
             except self._ray.exceptions.RaySystemError as exc:
@@ -187,8 +206,13 @@ class RayBackend(Backend):
         """The actor's options: its name, lifetime, resources and placement."""
         gpus = launch.gpu_count if wants_gpu(launch.gpu) else 0
         options: dict[str, Any] = {
-            "name": launch.worker_id, "namespace": namespace, "lifetime": "detached", "max_restarts": 0,
-            "max_concurrency": 4, "num_cpus": 1.0 if launch.cpus is None else launch.cpus, "num_gpus": gpus,
+            "name": launch.worker_id,
+            "namespace": namespace,
+            "lifetime": "detached",
+            "max_restarts": 0,
+            "max_concurrency": 4,
+            "num_cpus": 1.0 if launch.cpus is None else launch.cpus,
+            "num_gpus": gpus,
         }
         accelerator = ray_accelerator_type(launch.gpu, self._ray) if gpus else None
         if accelerator:
@@ -201,14 +225,20 @@ class RayBackend(Backend):
         if launch.role == "rollout":
             options["scheduling_strategy"] = "SPREAD"
         elif (node := self._nodes.get(launch.run)) is not None:
-            options["scheduling_strategy"] = strategies.NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+            options["scheduling_strategy"] = strategies.NodeAffinitySchedulingStrategy(
+                node_id=node, soft=True
+            )
         return options
 
     def _check_feasible(self, launch: WorkerLaunch, options: dict[str, Any]) -> None:
         """Unschedulable when no live node's total resources can hold the request (Ray would leave the
         actor pending forever): CPUs, GPUs, the accelerator type, memory and custom resources."""
-        wants = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0),
-                 **options.get("resources", {})}
+        wants = {
+            "CPU": options["num_cpus"],
+            "GPU": options["num_gpus"],
+            "memory": options.get("memory", 0),
+            **options.get("resources", {}),
+        }
         if "accelerator_type" in options:
             wants[f"accelerator_type:{options['accelerator_type']}"] = ACCELERATOR_TYPE_UNIT
         wants = {k: v for k, v in wants.items() if v}
@@ -219,15 +249,17 @@ class RayBackend(Backend):
         if any(all(node.get(k, 0) >= v for k, v in wants.items()) for node in nodes):
             return
         asked = ", ".join(f"{k}={v:g}" for k, v in wants.items())
-        best: dict[str, float] = max(nodes, key=lambda n: sum(n.get(k, 0) >= v for k, v in wants.items()),
-                                     default={})
+        best: dict[str, float] = max(
+            nodes, key=lambda n: sum(n.get(k, 0) >= v for k, v in wants.items()), default={}
+        )
         lacking = [k for k, v in wants.items() if best.get(k, 0) < v]
         gpu_only = all(k == "GPU" or k.startswith("accelerator_type:") for k in lacking)
         field = f"spec.{launch.role}.gpu" if gpu_only else f"spec.ray.{launch.role}"
         raise Unschedulable(
             f"no node of the Ray cluster at {self.address} can ever hold {launch.role}-{launch.replica}: it "
             f"asks for {asked}, and no node has {', '.join(lacking)} enough ({len(nodes)} node(s) alive): "
-            f"change {field} or add a node that has them")
+            f"change {field} or add a node that has them"
+        )
 
     # -- list --------------------------------------------------------------------------------
     def list(self, run: str | None = None) -> list[BackendWorker]:
@@ -238,10 +270,14 @@ class RayBackend(Backend):
         prefix = self._prefix if run is None else self.namespace(run)
         # Only names that are worker ids: a run's namespace also holds its weights hub (sync ray), which is
         # no WorkerHost (it has no status() to ask) and is not ours to judge (it ends with its actor).
-        listed = {handle: worker for a in named
-                  if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))
-                  for handle in [f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}"]
-                  for worker in [_worker(a["name"], handle)] if worker is not None}
+        listed = {
+            handle: worker
+            for a in named
+            if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))
+            for handle in [f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}"]
+            for worker in [_worker(a["name"], handle)]
+            if worker is not None
+        }
         with self._lock:
             statuses = self._statuses([h for h in listed if h not in self._ended])
             out: dict[str, BackendWorker] = {}
@@ -249,8 +285,12 @@ class RayBackend(Backend):
             for handle, worker in listed.items():
                 self._seen.setdefault(handle, worker)
                 state = statuses.get(handle, {})
-                if handle in self._ended or "exit_code" in state and state["exit_code"] is not None \
-                        or state.get("dead"):
+                if (
+                    handle in self._ended
+                    or "exit_code" in state
+                    and state["exit_code"] is not None
+                    or state.get("dead")
+                ):
                     self._end(handle, state.get("exit_code"), now)
                     out[handle] = dataclasses.replace(worker, alive=False, exit_code=self._ended[handle][0])
                     continue
@@ -332,8 +372,12 @@ class RayBackend(Backend):
             # we could ask to stop: killing the actor below is all there is to do (its worker dies with it).
             answered, _ = self._ray.wait([actor.status.remote()], timeout=ANSWER_SECONDS)
             if answered:
-                with contextlib.suppress(errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError):
-                    self._ray.get(actor.stop.remote(grace_seconds), timeout=grace_seconds + STOP_MARGIN_SECONDS)
+                with contextlib.suppress(
+                    errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError
+                ):
+                    self._ray.get(
+                        actor.stop.remote(grace_seconds), timeout=grace_seconds + STOP_MARGIN_SECONDS
+                    )
             self._kill(actor)
             namespace, _, name = handle.removeprefix(HANDLE_PREFIX).partition("/")
             deadline = time.monotonic() + GONE_WAIT_SECONDS
@@ -365,9 +409,16 @@ def _worker(worker_id: str, handle: str) -> BackendWorker | None:
     found = _WORKER_ID.match(worker_id)
     if found is None:
         return None
-    return BackendWorker(worker_id=worker_id, handle=handle, run=found["run"], role=found["role"],
-                         replica=int(found["replica"]), incarnation=int(found["incarnation"]), alive=True,
-                         run_uid=found["uid"] or "")
+    return BackendWorker(
+        worker_id=worker_id,
+        handle=handle,
+        run=found["run"],
+        role=found["role"],
+        replica=int(found["replica"]),
+        incarnation=int(found["incarnation"]),
+        alive=True,
+        run_uid=found["uid"] or "",
+    )
 
 
 def _worker_host_class() -> type:

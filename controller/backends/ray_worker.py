@@ -42,8 +42,9 @@ class WorkerHost:
     """One worker process and what is known of it; Ray calls the methods from its threads
     (max_concurrency > 1)."""
 
-    def __init__(self, launch: dict[str, Any], command: Sequence[str], namespace: str = "",
-                 code: bytes | None = None) -> None:
+    def __init__(
+        self, launch: dict[str, Any], command: Sequence[str], namespace: str = "", code: bytes | None = None
+    ) -> None:
         """`namespace`: the run's (the actor's name is in it; Ray's runtime context gives the creating job's);
         `code`: the run's code snapshot (mortal.controller.snapshot.archive) when this node has its own
         home."""
@@ -57,10 +58,16 @@ class WorkerHost:
             unpack(code, spec.run, spec.env, home)  # the run's code snapshot, into the node's own MORTAL_HOME
         env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
         context = ray.get_runtime_context()
-        env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: namespace,
-                    RAY_NODE_ENV: context.get_node_id()})
-        log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
-            .relative_to(paths.mortal_home())
+        env.update(
+            {
+                RAY_ADDRESS_ENV: context.gcs_address,
+                RAY_NAMESPACE_ENV: namespace,
+                RAY_NODE_ENV: context.get_node_id(),
+            }
+        )
+        log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation).relative_to(
+            paths.mortal_home()
+        )
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         self._log_url = storage_log_url(spec.log_uri, spec.run, log.name) if spec.log_uri else None
@@ -71,20 +78,37 @@ class WorkerHost:
         failure: list[BaseException] = []
         # The process is started and waited for by one thread that lives exactly as long as the process:
         # the parent-death signal fires when the thread that forked the child ends, not only the process.
-        self._waiter = threading.Thread(target=self._run, args=(list(command), env, log, started, failure),
-                                        name="mortal-worker", daemon=True)
+        self._waiter = threading.Thread(
+            target=self._run,
+            args=(list(command), env, log, started, failure),
+            name="mortal-worker",
+            daemon=True,
+        )
         self._waiter.start()
         started.wait()
         if failure:
             raise failure[0]
 
-    def _run(self, command: list[str], env: dict[str, str], log: Path, started: threading.Event,
-             failure: list[BaseException]) -> None:
+    def _run(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        log: Path,
+        started: threading.Event,
+        failure: list[BaseException],
+    ) -> None:
         try:
             with open(log, "ab") as out:
-                self._proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                              stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                self._proc = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
         except BaseException as exc:  # handed to the constructor, which raises it: the actor's creation fails
             failure.append(exc)
             started.set()
@@ -116,8 +140,9 @@ class WorkerHost:
             fs.put_file(str(self.log), path)
             self._uploaded = size
         except (OSError, ValueError, ImportError) as exc:
-            print(f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True
+            )
 
     def status(self) -> dict[str, Any]:
         """The worker's exit code (None while it runs; -N when signal N ended it) and this actor's node."""
@@ -125,8 +150,12 @@ class WorkerHost:
 
         with self._lock:
             code = self._exit_code
-        return {"worker_id": self.worker_id, "exit_code": code, "pid": self._proc.pid,
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "worker_id": self.worker_id,
+            "exit_code": code,
+            "pid": self._proc.pid,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def stop(self, grace_seconds: float) -> int | None:
         """SIGTERM the worker's process group (it checkpoints and exits 0), SIGKILL what is left after

@@ -29,8 +29,10 @@ def read_sourced_documents(filenames: list[str], recursive: bool = False) -> lis
     issues: list[SpecIssue] = []
     for filename in filenames:
         try:
-            runs += [(run, "<stdin>" if filename == "-" else filename)
-                     for run in load_path(filename, recursive=recursive)]
+            runs += [
+                (run, "<stdin>" if filename == "-" else filename)
+                for run in load_path(filename, recursive=recursive)
+            ]
         except SpecError as err:
             issues += err.issues
     seen: set[str] = set()
@@ -58,9 +60,13 @@ def refuse_what_cannot_fit(runs: list[TrainingRun]) -> None:
         parameters = count_parameters(spec.model.name)
         if parameters is None:
             continue
-        problems += [f"trainingrun/{run.name}: {m.field}: {m.message}" for m in certain_misfits(spec, parameters)]
+        problems += [
+            f"trainingrun/{run.name}: {m.field}: {m.message}" for m in certain_misfits(spec, parameters)
+        ]
     if problems:
-        raise ClientError("the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems))
+        raise ClientError(
+            "the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems)
+        )
 
 
 def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
@@ -103,7 +109,9 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
         if dry_run:
             results.append((run.name, _dry_outcome(store, run)))
             continue
-        _, outcome = store.apply_run(run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations)
+        _, outcome = store.apply_run(
+            run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations
+        )
         results.append((run.name, str(outcome)))
     return results
 
@@ -121,11 +129,17 @@ def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
     said = False
     while being_deleted(store, name):
         if not said:
-            print(f"trainingrun/{name} is being deleted: waiting for the controller to finish", file=sys.stderr, flush=True)
+            print(
+                f"trainingrun/{name} is being deleted: waiting for the controller to finish",
+                file=sys.stderr,
+                flush=True,
+            )
             said = True
         if time.monotonic() >= deadline:
-            raise ClientError(f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
-                           "controller running? (mortalctl get runs shows it Terminating)")
+            raise ClientError(
+                f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
+                "controller running? (mortalctl get runs shows it Terminating)"
+            )
         time.sleep(DELETION_POLL_SECONDS)
 
 
@@ -137,5 +151,9 @@ def _dry_outcome(store, run: TrainingRun) -> str:
         row = store.get_run(run.name)
     except NotFound:
         return "created"
-    same = (row.spec, row.labels, row.annotations) == (run.spec_dict(), run.metadata.labels, run.metadata.annotations)
+    same = (row.spec, row.labels, row.annotations) == (
+        run.spec_dict(),
+        run.metadata.labels,
+        run.metadata.annotations,
+    )
     return "unchanged" if same else "configured"

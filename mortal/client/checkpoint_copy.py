@@ -67,7 +67,9 @@ def owned(store: Store, run: str, checkpoint: CheckpointRow, spec: dict[str, Any
 
 def copy_local(source: Path, into: Path) -> None:
     if not source.is_dir():
-        raise ClientError(f"the checkpoint folder {source} is gone from this machine (pruned, or the run was purged)")
+        raise ClientError(
+            f"the checkpoint folder {source} is gone from this machine (pruned, or the run was purged)"
+        )
     shutil.copytree(source, into, dirs_exist_ok=True)
 
 
@@ -92,7 +94,9 @@ def copy_from_modal(source: str, into: Path, volume: Any) -> int:
 
     prefix = os.path.relpath(source, MODAL_DATA_MOUNT)
     if prefix.startswith(".."):
-        raise ClientError(f"the checkpoint path {source} is not on the Modal data volume ({MODAL_DATA_MOUNT})")
+        raise ClientError(
+            f"the checkpoint path {source} is not on the Modal data volume ({MODAL_DATA_MOUNT})"
+        )
     copied = 0
     for entry in volume.listdir(prefix, recursive=True):
         if entry.type != FileEntryType.FILE:

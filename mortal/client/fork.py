@@ -87,10 +87,14 @@ def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointR
     row = next((r for r in rows if r.step == step), None)
     if row is None:
         kept = ", ".join(f"step-{r.step}" for r in rows) or "none"
-        raise CheckpointNotFound(f"trainingrun {run!r} has no complete checkpoint of step {step} (it keeps {kept})")
+        raise CheckpointNotFound(
+            f"trainingrun {run!r} has no complete checkpoint of step {step} (it keeps {kept})"
+        )
     if not whole(row):
-        raise CheckpointIncomplete(f"checkpoint step-{step} of trainingrun {run!r} at {row.path} is incomplete "
-                                   "on disk (files missing)")
+        raise CheckpointIncomplete(
+            f"checkpoint step-{step} of trainingrun {run!r} at {row.path} is incomplete "
+            "on disk (files missing)"
+        )
     return row
 
 
@@ -101,9 +105,11 @@ FILES_HERE = ("local", "ray")
 
 def refuse_files_elsewhere(run: str, backend: str, doing: str, error: type[ForkError] = ForkError) -> None:
     if backend not in FILES_HERE:
-        raise error(f"trainingrun {run!r} runs on backend {backend!r}, whose checkpoints are not on this machine; "
-                    f"{doing} checkpoint files under MORTAL_HOME and is built for backends "
-                    f"{' and '.join(FILES_HERE)}")
+        raise error(
+            f"trainingrun {run!r} runs on backend {backend!r}, whose checkpoints are not on this machine; "
+            f"{doing} checkpoint files under MORTAL_HOME and is built for backends "
+            f"{' and '.join(FILES_HERE)}"
+        )
 
 
 def checkpoint_folder(run: str, row: CheckpointRow) -> Path:
@@ -115,7 +121,8 @@ def checkpoint_folder(run: str, row: CheckpointRow) -> Path:
     if folder is None:
         raise CheckpointInStorage(
             f"checkpoint step-{row.step} of trainingrun {run!r} is in the storage of spec.checkpoint.uri ({row.path}); "
-            f"fork reads checkpoints on this machine only: download it with `mortalctl cp {run}:step-{row.step} DIR`")
+            f"fork reads checkpoints on this machine only: download it with `mortalctl cp {run}:step-{row.step} DIR`"
+        )
     return folder
 
 
@@ -174,34 +181,55 @@ def fork_run(
     except NotFound:
         pass
     if document is None:
-        child = forked_document(parent_doc.to_dict(include_status=False), name, fragment, sets,
-                                fragment_source, fragment_lines)
+        child = forked_document(
+            parent_doc.to_dict(include_status=False), name, fragment, sets, fragment_source, fragment_lines
+        )
     else:
         child = document
     problems = carry_over_problems(parent_doc.spec, child.spec, checkpoint.step)
     if problems:
         listed = "\n  ".join(problems)
-        raise CannotCarryOver(f"cannot fork {source}:step-{checkpoint.step} into {name!r}: the checkpoint cannot "
-                              f"carry over\n  {listed}")
+        raise CannotCarryOver(
+            f"cannot fork {source}:step-{checkpoint.step} into {name!r}: the checkpoint cannot "
+            f"carry over\n  {listed}"
+        )
     dest = paths.checkpoints_dir(name) / f"step-{checkpoint.step}"
     if dest.exists():
-        raise RunExists(f"{dest} already exists (left by an earlier run named {name!r}); remove it or pick "
-                        "another name")
-    linked = _copy_checkpoint(owned_folder(store, source, checkpoint, parent.spec.get("checkpoint", {}).get("uri"),
-                                           "forking"), dest, name)
+        raise RunExists(
+            f"{dest} already exists (left by an earlier run named {name!r}); remove it or pick another name"
+        )
+    linked = _copy_checkpoint(
+        owned_folder(store, source, checkpoint, parent.spec.get("checkpoint", {}).get("uri"), "forking"),
+        dest,
+        name,
+    )
     recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
     # the workers import the parent's code from their own folder
     carry_snapshot(meta.annotations, source, name)
     try:
-        row = store.fork_run(name, child.spec_dict(), meta.labels, meta.annotations, source, checkpoint.step,
-                             recorded, checkpoint.weight_version, provenance=checkpoint.provenance)
+        row = store.fork_run(
+            name,
+            child.spec_dict(),
+            meta.labels,
+            meta.annotations,
+            source,
+            checkpoint.step,
+            recorded,
+            checkpoint.weight_version,
+            provenance=checkpoint.provenance,
+        )
     except Conflict:
         shutil.rmtree(dest, ignore_errors=True)
         raise RunExists(f"trainingrun {name!r} already exists; pick another name for the fork") from None
     how = "hard-linked" if linked else "copied"
-    store.add_event(name, "Normal", "Forked", f"forked from {source} at step {checkpoint.step} (checkpoint {how} "
-                                              f"to {recorded}); the first step trained is {checkpoint.step + 1}")
+    store.add_event(
+        name,
+        "Normal",
+        "Forked",
+        f"forked from {source} at step {checkpoint.step} (checkpoint {how} "
+        f"to {recorded}); the first step trained is {checkpoint.step + 1}",
+    )
     store.add_event(source, "Normal", "ForkCreated", f"trainingrun {name} forked from step {checkpoint.step}")
     wake_controller(name)
     return Forked(row.document(), source, checkpoint.step, dest, linked)

@@ -57,7 +57,9 @@ data_volume = modal.Volume.from_name(DATA_VOLUME, create_if_missing=True)
 state_volume = modal.Volume.from_name(STATE_VOLUME, create_if_missing=True)
 # Workers get the user's secrets only, never the admin token: each gets its own scoped token in its launch.
 worker_secrets = [
-    modal.Secret.from_name(name.strip()) for name in os.environ.get("MORTAL_MODAL_SECRETS", "").split(",") if name.strip()
+    modal.Secret.from_name(name.strip())
+    for name in os.environ.get("MORTAL_MODAL_SECRETS", "").split(",")
+    if name.strip()
 ]
 secrets = [modal.Secret.from_name(STATE_SECRET), *worker_secrets]  # the controller's
 
@@ -70,8 +72,14 @@ def mortal_image(*pins: str) -> modal.Image:
         .pip_install(*pins)  # a layer of its own: a code change does not reinstall torch (or vLLM)
         .add_local_dir(REPO, "/opt/mortal", copy=True, ignore=IGNORED)
         .run_commands(" ".join(["pip install '/opt/mortal[train,cloud]'", *pins]))
-        .env({"MORTAL_HOME": DATA_MOUNT, "MORTAL_MODAL_VOLUME": DATA_VOLUME, "MORTAL_MODAL_APP": APP,
-              "PYTHONUNBUFFERED": "1"})
+        .env(
+            {
+                "MORTAL_HOME": DATA_MOUNT,
+                "MORTAL_MODAL_VOLUME": DATA_VOLUME,
+                "MORTAL_MODAL_APP": APP,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
     )
 
 
@@ -80,8 +88,14 @@ vllm_image = mortal_image(f"torch=={TORCH_VERSION}", f"vllm=={VLLM_VERSION}")
 app = modal.App(APP, image=image, include_source=False)  # mortal is installed in the image
 
 
-@app.function(name=WORKER_FUNCTION, volumes={DATA_MOUNT: data_volume}, secrets=worker_secrets,
-              timeout=WORKER_TIMEOUT_SECONDS, retries=0, serialized=True)
+@app.function(
+    name=WORKER_FUNCTION,
+    volumes={DATA_MOUNT: data_volume},
+    secrets=worker_secrets,
+    timeout=WORKER_TIMEOUT_SECONDS,
+    retries=0,
+    serialized=True,
+)
 def worker(launch: dict) -> int:
     from mortal.controller.backends.modal_worker import run_worker
 
@@ -89,8 +103,15 @@ def worker(launch: dict) -> int:
     return run_worker(launch, commit=data_volume.commit)
 
 
-@app.function(name=VLLM_FUNCTION, image=vllm_image, volumes={DATA_MOUNT: data_volume}, secrets=worker_secrets,
-              timeout=WORKER_TIMEOUT_SECONDS, retries=0, serialized=True)
+@app.function(
+    name=VLLM_FUNCTION,
+    image=vllm_image,
+    volumes={DATA_MOUNT: data_volume},
+    secrets=worker_secrets,
+    timeout=WORKER_TIMEOUT_SECONDS,
+    retries=0,
+    serialized=True,
+)
 def rollout_vllm(launch: dict) -> int:
     """`worker` on the image with vLLM: the rollout's engine `auto` resolves to vllm there on a GPU."""
     from mortal.controller.backends.modal_worker import run_worker
@@ -108,8 +129,13 @@ def execute(payload: dict) -> dict:
     return execute_trusted(payload)
 
 
-@app.function(volumes={STATE_MOUNT: state_volume}, secrets=[modal.Secret.from_name(STATE_SECRET)],
-              min_containers=1, max_containers=1, serialized=True)
+@app.function(
+    volumes={STATE_MOUNT: state_volume},
+    secrets=[modal.Secret.from_name(STATE_SECRET)],
+    min_containers=1,
+    max_containers=1,
+    serialized=True,
+)
 @modal.concurrent(max_inputs=64)
 @modal.wsgi_app()
 def store():
@@ -117,11 +143,18 @@ def store():
     from mortal.state.http_server import ACCESS_LOG, TOKEN_ENV, make_app, previous_tokens_from
 
     backing = os.environ.get("MORTAL_STORE_BACKING_URL") or f"sqlite:///{STATE_MOUNT}/state.db"
-    return make_app(backing, os.environ[TOKEN_ENV], f"{STATE_MOUNT}/{ACCESS_LOG}", previous_tokens_from(os.environ))
+    return make_app(
+        backing, os.environ[TOKEN_ENV], f"{STATE_MOUNT}/{ACCESS_LOG}", previous_tokens_from(os.environ)
+    )
 
 
-@app.function(volumes={DATA_MOUNT: data_volume}, secrets=secrets, schedule=modal.Period(minutes=SCHEDULE_MINUTES),
-              timeout=CONTROLLER_RUN_SECONDS + 300, serialized=True)
+@app.function(
+    volumes={DATA_MOUNT: data_volume},
+    secrets=secrets,
+    schedule=modal.Period(minutes=SCHEDULE_MINUTES),
+    timeout=CONTROLLER_RUN_SECONDS + 300,
+    serialized=True,
+)
 def controller() -> None:
     """Run a controller for CONTROLLER_RUN_SECONDS, then give the lease up to the next scheduled call,
     which started CONTROLLER_OVERLAP_SECONDS earlier and waits for it as a standby (docs/modal.md,
@@ -133,8 +166,9 @@ def controller() -> None:
 
     url = os.environ.get("MORTAL_STATE_URL") or modal.Function.from_name(APP, "store").get_web_url()
     stop = threading.Event()
-    thread = threading.Thread(target=run_controller, kwargs={"state_url": url, "stop_event": stop},
-                              name="mortal-controller")
+    thread = threading.Thread(
+        target=run_controller, kwargs={"state_url": url, "stop_event": stop}, name="mortal-controller"
+    )
     thread.start()
     try:
         thread.join(CONTROLLER_RUN_SECONDS)

@@ -27,7 +27,7 @@ class GPUConfig:
 
 
 def as_gpu(gpu: str | GPUConfig) -> GPUConfig:
-    """"A100" -> GPUConfig("A100", 1); a GPUConfig as is."""
+    """ "A100" -> GPUConfig("A100", 1); a GPUConfig as is."""
     return gpu if isinstance(gpu, GPUConfig) else GPUConfig(str(gpu), 1)
 
 
@@ -58,7 +58,11 @@ class SingleNode:
         colocate = self.vllm_mode == "colocate"
         return {
             "actor": {"gpu": gpu.type, "count": gpu.count} if colocate else {"gpu": gpu.type},
-            "rollout": {"gpu": gpu.type, "replicas": gpu.count if colocate else gpu.count - 1, "colocate": colocate},
+            "rollout": {
+                "gpu": gpu.type,
+                "replicas": gpu.count if colocate else gpu.count - 1,
+                "colocate": colocate,
+            },
             "generation": {"engine": "vllm" if self.use_vllm else "auto"},
         }
 

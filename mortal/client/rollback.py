@@ -49,8 +49,16 @@ class RolledBack:
     resumed: bool
 
 
-def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *, stop_timeout: float = 120.0,
-                 on_suspend: Callable[[], None] = lambda: None, poll_seconds: float = 0.5) -> RolledBack:
+def rollback_run(
+    store: Store,
+    run: str,
+    step: int,
+    drop_later: bool = False,
+    *,
+    stop_timeout: float = 120.0,
+    on_suspend: Callable[[], None] = lambda: None,
+    poll_seconds: float = 0.5,
+) -> RolledBack:
     """Roll `run` back to its checkpoint of `step` (the module's docstring says how); `on_suspend` runs once
     the run was suspended by this call (the CLI makes sure a controller runs there, to stop the workers)."""
     from mortal.state import NotFound, paths
@@ -59,8 +67,10 @@ def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *,
     if row.deleted_at is not None:
         raise RollbackRefused(f"trainingrun {run!r} is being deleted")
     if row.phase in TERMINAL_PHASES:
-        raise RollbackRefused(f"trainingrun {run!r} is {row.phase}; a finished run cannot be rolled back: fork it "
-                              f"instead (mortalctl fork {run}:step-{step} NEW)")
+        raise RollbackRefused(
+            f"trainingrun {run!r} is {row.phase}; a finished run cannot be rolled back: fork it "
+            f"instead (mortalctl fork {run}:step-{step} NEW)"
+        )
     refuse_files_elsewhere(run, row.spec.get("backend", "local"), "rolling back moves", RollbackRefused)
     complete_checkpoint(store, run, step)
     was_suspended = bool(row.spec.get("suspend"))
@@ -71,8 +81,9 @@ def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *,
     try:
         later = store.rollback_run(run, step)
     except NotFound as exc:
-        raise RollbackRefused(f"{exc} any more (pruned while the run stopped?); trainingrun {run!r} stays "
-                              "suspended") from None
+        raise RollbackRefused(
+            f"{exc} any more (pruned while the run stopped?); trainingrun {run!r} stays suspended"
+        ) from None
     kept_in = None
     if later and not drop_later:
         kept_in = paths.run_dir(run) / ROLLED_BACK / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -90,11 +101,18 @@ def rollback_run(store: Store, run: str, step: int, drop_later: bool = False, *,
         else:
             shutil.rmtree(folder, ignore_errors=True)
     steps = [c.step for c in later]
-    what = ("no later checkpoints" if not later else
-            f"later checkpoints {', '.join(f'step-{s}' for s in steps)} "
-            + (f"kept in {kept_in}" if kept_in else "removed"))
-    store.add_event(run, "Normal", "RolledBack", f"rolled back to step {step} ({what}); training resumes from "
-                                                 f"the checkpoint of step {step}")
+    what = (
+        "no later checkpoints"
+        if not later
+        else f"later checkpoints {', '.join(f'step-{s}' for s in steps)} "
+        + (f"kept in {kept_in}" if kept_in else "removed")
+    )
+    store.add_event(
+        run,
+        "Normal",
+        "RolledBack",
+        f"rolled back to step {step} ({what}); training resumes from the checkpoint of step {step}",
+    )
     if not was_suspended:
         _wait_status_step(store, run, step, min(stop_timeout, 15.0), poll_seconds)
         _set_suspend(store, run, False)
@@ -130,7 +148,9 @@ def _wait_status_step(store: Store, run: str, step: int, timeout: float, poll_se
     while time.monotonic() < deadline:
         lease = store.get_lease(LEASE_NAME)
         expires = lease.expires_at if lease is not None else None
-        if expires is None or (expires if expires.tzinfo else expires.replace(tzinfo=UTC)) <= datetime.now(UTC):
+        if expires is None or (expires if expires.tzinfo else expires.replace(tzinfo=UTC)) <= datetime.now(
+            UTC
+        ):
             return
         if store.get_run(run).status.get("step") == step:
             return
@@ -145,6 +165,8 @@ def _wait_stopped(store: Store, run: str, timeout: float, poll_seconds: float) -
             return
         if time.monotonic() >= deadline:
             names = ", ".join(f"{w.role}-{w.replica}" for w in live)
-            raise RollbackRefused(f"trainingrun {run!r}: workers still running after {timeout:g}s ({names}); it "
-                                  "stays suspended, nothing was rolled back (is a controller running?)")
+            raise RollbackRefused(
+                f"trainingrun {run!r}: workers still running after {timeout:g}s ({names}); it "
+                "stays suspended, nothing was rolled back (is a controller running?)"
+            )
         time.sleep(poll_seconds)

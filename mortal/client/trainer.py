@@ -36,7 +36,13 @@ from mortal.specs.training import CODE_DATASET, CODE_SYSTEM_PROMPT
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
 __all__ = [
-    "Distributed", "GPUConfig", "MortalTrainer", "RewardNotImportable", "SingleNode", "TrainerError", "TrainingFailed",
+    "Distributed",
+    "GPUConfig",
+    "MortalTrainer",
+    "RewardNotImportable",
+    "SingleNode",
+    "TrainerError",
+    "TrainingFailed",
 ]
 
 
@@ -45,7 +51,9 @@ class TrainingFailed(RuntimeError):
 
     def __init__(self, name: str, status: RunStatus) -> None:
         self.name, self.status = name, status
-        super().__init__(f"trainingrun {name!r} failed: {status.message or 'see `mortalctl describe run ' + name + '`'}")
+        super().__init__(
+            f"trainingrun {name!r} failed: {status.message or 'see `mortalctl describe run ' + name + '`'}"
+        )
 
 
 # -- the trainer -----------------------------------------------------------------------------------
@@ -59,7 +67,12 @@ def _checkpoint_source(value: str | bool | None) -> tuple[str, int | None] | Non
         return None
     text = str(value)
     parts = Path(text).parts
-    if len(parts) >= 4 and parts[-4] == "runs" and parts[-2] == "checkpoints" and parts[-1].startswith("step-"):
+    if (
+        len(parts) >= 4
+        and parts[-4] == "runs"
+        and parts[-2] == "checkpoints"
+        and parts[-1].startswith("step-")
+    ):
         text = f"{parts[-3]}:{parts[-1]}"
     try:
         return parse_source(text)
@@ -172,56 +185,113 @@ class MortalTrainer:
     ) -> None:
         from mortal.state import paths
 
-        self.detach, self.quiet, self.start_controller, self.state_url = detach, quiet, start_controller, state_url
+        self.detach, self.quiet, self.start_controller, self.state_url = (
+            detach,
+            quiet,
+            start_controller,
+            state_url,
+        )
         name = name or default_run_name(model)
         env_rewards = environment_rewards(environment_factory)
         if reward_funcs is None and not env_rewards:
             reward_funcs = "sandbox"  # the seeds' default: code execution with the rows' tests
         code_only = reward_funcs is not None and is_code_execution(reward_funcs)
         if train_dataset is None and not code_only:
-            raise TrainerError("train_dataset is required when reward_funcs is given (leave both out, or give "
-                               "reward_funcs='sandbox' alone, to train with code execution on builtin:mbpp-mini)")
+            raise TrainerError(
+                "train_dataset is required when reward_funcs is given (leave both out, or give "
+                "reward_funcs='sandbox' alone, to train with code execution on builtin:mbpp-mini)"
+            )
         column = prompt_column or "prompt"
         rows = dataset_rows(train_dataset) if train_dataset is not None else None
         if rows is not None:
             funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-            needed = {getattr(f, "tests_column", "tests") for f in funcs if not isinstance(f, type)} if code_only else set()
+            needed = (
+                {getattr(f, "tests_column", "tests") for f in funcs if not isinstance(f, type)}
+                if code_only
+                else set()
+            )
             missing = sorted(needed - set(rows[0] if rows else needed))
             if missing:
-                raise TrainerError(f"code-execution rewards ('sandbox') run each row's {missing[0]!r} column (a list "
-                                   "of assert statements), and train_dataset has none; add it, or pass reward_funcs")
+                raise TrainerError(
+                    f"code-execution rewards ('sandbox') run each row's {missing[0]!r} column (a list "
+                    "of assert statements), and train_dataset has none; add it, or pass reward_funcs"
+                )
             dataset = str(write_dataset(rows, name, column, paths.mortal_home()))
         elif train_dataset is not None:
             dataset = dataset_name(train_dataset)
         else:
             dataset, system_prompt = CODE_DATASET, system_prompt or CODE_SYSTEM_PROMPT
-        rewards = (reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else []) + env_rewards
+        rewards = (
+            reward_entries(reward_funcs, reward_weights) if reward_funcs is not None else []
+        ) + env_rewards
         # the judge's key travels as a secret
         judge_keys = [r["api_key_env"] for r in rewards if r.get("api_key_env")]
         secrets = list(dict.fromkeys([*(secrets or []), *judge_keys])) or None
-        if max_completion_length is not None and max_tokens is not None and max_completion_length != max_tokens:
+        if (
+            max_completion_length is not None
+            and max_tokens is not None
+            and max_completion_length != max_tokens
+        ):
             raise TrainerError("max_completion_length and max_tokens mean the same here; give one")
-        lora = _drop_none({"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout,
-                           "target_modules": lora_target_modules}) if use_lora else None
-        algorithm = _drop_none({
-            "loss_type": loss_type, "num_generations": num_generations, "batch_size": batch_size,
-            "micro_batch_size": micro_batch_size,
-            "learning_rate": learning_rate, "beta": beta, "epsilon": epsilon, "epsilon_high": epsilon_high,
-            "scale_rewards": scale_rewards, "max_staleness": max_staleness, "seed": seed,
-            "max_grad_norm": max_grad_norm,
-        })
+        lora = (
+            _drop_none(
+                {
+                    "r": lora_r,
+                    "alpha": lora_alpha,
+                    "dropout": lora_dropout,
+                    "target_modules": lora_target_modules,
+                }
+            )
+            if use_lora
+            else None
+        )
+        algorithm = _drop_none(
+            {
+                "loss_type": loss_type,
+                "num_generations": num_generations,
+                "batch_size": batch_size,
+                "micro_batch_size": micro_batch_size,
+                "learning_rate": learning_rate,
+                "beta": beta,
+                "epsilon": epsilon,
+                "epsilon_high": epsilon_high,
+                "scale_rewards": scale_rewards,
+                "max_staleness": max_staleness,
+                "seed": seed,
+                "max_grad_norm": max_grad_norm,
+            }
+        )
         spec: dict[str, Any] = {
-            "model": _drop_none({"name": model, "dtype": dtype, "lora": lora,
-                                 "gradient_checkpointing": gradient_checkpointing}),
-            "dataset": _drop_none({"name": dataset, "prompt_column": prompt_column, "system_prompt": system_prompt,
-                                   "max_samples": max_samples}),
+            "model": _drop_none(
+                {
+                    "name": model,
+                    "dtype": dtype,
+                    "lora": lora,
+                    "gradient_checkpointing": gradient_checkpointing,
+                }
+            ),
+            "dataset": _drop_none(
+                {
+                    "name": dataset,
+                    "prompt_column": prompt_column,
+                    "system_prompt": system_prompt,
+                    "max_samples": max_samples,
+                }
+            ),
             "algorithm": algorithm,
-            "generation": _drop_none({"max_tokens": max_completion_length or max_tokens, "temperature": temperature,
-                                      "top_p": top_p, "top_k": top_k}),
+            "generation": _drop_none(
+                {
+                    "max_tokens": max_completion_length or max_tokens,
+                    "temperature": temperature,
+                    "top_p": top_p,
+                    "top_k": top_k,
+                }
+            ),
             "rewards": rewards,
             "actor": _drop_none({"compile": torch_compile, "liger": use_liger_kernel}),
-            "rollout": tool_fields(tools, environment_factory, max_tool_calling_iterations, tool_timeout_seconds,
-                                   chat_template),
+            "rollout": tool_fields(
+                tools, environment_factory, max_tool_calling_iterations, tool_timeout_seconds, chat_template
+            ),
             **_drop_none({"backend": backend, "secrets": secrets}),
             "checkpoint": _drop_none({"every": checkpoint_every, "keep": checkpoint_keep}),
             "restart_policy": _drop_none({"max_restarts": max_restarts}),
@@ -306,8 +376,9 @@ class MortalTrainer:
         try:
             # before the snapshot is installed in the run's folder, which a deleted run's purge sets aside
             wait_until_deleted(store, self.name)
-            with admit_runs([(self.run, f"MortalTrainer({self.name})")],
-                            importing_folders(self.run.spec, Path.cwd())) as admitted:
+            with admit_runs(
+                [(self.run, f"MortalTrainer({self.name})")], importing_folders(self.run.spec, Path.cwd())
+            ) as admitted:
                 # admitted (else AdmissionRefused named the field): the snapshot is installed
                 for check in admitted[0].deferred:
                     self._say(f"note: {check.line(self.name)}")
@@ -330,10 +401,13 @@ class MortalTrainer:
                 if source is not None and existing is not None and existing.forked_from != source[0]:
                     from mortal.client.fork import RunExists
 
-                    raise RunExists(f"trainingrun {self.name!r} already exists and was not forked from "
-                                    f"{source[0]!r}; pick another name")
-                _, outcome = store.apply_run(self.name, self.run.spec_dict(), labels=meta.labels,
-                                             annotations=meta.annotations)
+                    raise RunExists(
+                        f"trainingrun {self.name!r} already exists and was not forked from "
+                        f"{source[0]!r}; pick another name"
+                    )
+                _, outcome = store.apply_run(
+                    self.name, self.run.spec_dict(), labels=meta.labels, annotations=meta.annotations
+                )
             self._say(f"trainingrun/{self.name} {outcome}")
             if str(outcome) != "unchanged":
                 wake_controller(self.name)
@@ -344,7 +418,9 @@ class MortalTrainer:
             try:
                 status = follow.follow_run(store, self.name, quiet=self.quiet)
             except KeyboardInterrupt:
-                self._say(f"stopped following; the run keeps training (`mortalctl delete run {self.name}` stops it)")
+                self._say(
+                    f"stopped following; the run keeps training (`mortalctl delete run {self.name}` stops it)"
+                )
                 raise
             if str(status.phase) == "Failed":
                 raise TrainingFailed(self.name, status)

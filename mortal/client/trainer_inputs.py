@@ -19,8 +19,12 @@ from typing import Any
 
 from mortal.workers import references
 
-BUILTIN_ENV_NAMES = {"sandbox": "code-execution", "code-execution": "code-execution",
-                     "llm-judge": "llm-judge", "math-answer": "math-answer"}
+BUILTIN_ENV_NAMES = {
+    "sandbox": "code-execution",
+    "code-execution": "code-execution",
+    "llm-judge": "llm-judge",
+    "math-answer": "math-answer",
+}
 """String reward_funcs that name a built-in environment ('sandbox' is the seed's name)."""
 
 
@@ -41,7 +45,9 @@ def reward_entry(reward: Any, weight: float | None = None) -> dict[str, Any]:
         entry = {"env": BUILTIN_ENV_NAMES[reward]} if reward in BUILTIN_ENV_NAMES else {"function": reward}
     elif isinstance(reward, type):
         env = reward.__dict__.get("ENV")  # a built-in environment class itself (not a subclass): its env name
-        entry = {"env": env} if isinstance(env, str) and env != "llm-judge" else {"function": import_path(reward)}
+        entry = (
+            {"env": env} if isinstance(env, str) and env != "llm-judge" else {"function": import_path(reward)}
+        )
     elif builtin is not None and builtin() is not None:  # a built-in environment instance: env + args
         entry = builtin()
     elif _is_reward_environment(reward):
@@ -49,8 +55,10 @@ def reward_entry(reward: Any, weight: float | None = None) -> dict[str, Any]:
     elif callable(reward):
         entry = {"function": import_path(reward)}
     else:
-        raise TrainerError(f"reward_funcs entries must be callables, RewardEnvironment classes or instances, "
-                           f"or 'module:attr' strings (got {reward!r})")
+        raise TrainerError(
+            f"reward_funcs entries must be callables, RewardEnvironment classes or instances, "
+            f"or 'module:attr' strings (got {reward!r})"
+        )
     if weight is not None:
         entry["weight"] = float(weight)
     return entry
@@ -76,11 +84,14 @@ def import_path(obj: Any, kind: str = "reward") -> str:
     if qualname == "<lambda>" or "<lambda>" in qualname:
         raise RewardNotImportable(f"{kind} {what} is a lambda, which worker processes cannot import; {fix}")
     if "<locals>" in qualname:
-        raise RewardNotImportable(f"{kind} {qualname} is defined inside a function, which worker processes "
-                                  f"cannot import; {fix}")
+        raise RewardNotImportable(
+            f"{kind} {qualname} is defined inside a function, which worker processes cannot import; {fix}"
+        )
     if module == "__main__":
-        raise RewardNotImportable(f"{kind} {qualname} is defined in the script being run (__main__), which "
-                                  f"worker processes cannot import; {fix}")
+        raise RewardNotImportable(
+            f"{kind} {qualname} is defined in the script being run (__main__), which "
+            f"worker processes cannot import; {fix}"
+        )
     ref = f"{module}:{qualname}"
     try:
         found = references.resolve(ref)
@@ -110,8 +121,10 @@ def instance_args(env: Any) -> dict[str, Any]:
             try:
                 json.dumps(value)
             except TypeError:
-                raise TrainerError(f"{type(env).__name__}.{p.name} = {value!r} is not JSON-serializable, so it "
-                                   "cannot travel in a spec; pass plain values (str, numbers, lists, dicts)") from None
+                raise TrainerError(
+                    f"{type(env).__name__}.{p.name} = {value!r} is not JSON-serializable, so it "
+                    "cannot travel in a spec; pass plain values (str, numbers, lists, dicts)"
+                ) from None
             args[p.name] = value
         elif p.default is p.empty:
             raise TrainerError(
@@ -138,15 +151,22 @@ def is_code_execution(reward_funcs: Any) -> bool:
 def reward_entries(reward_funcs: Any, reward_weights: list[float] | None) -> list[dict[str, Any]]:
     funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
     if reward_weights is not None and len(reward_weights) != len(funcs):
-        raise TrainerError(f"reward_weights has {len(reward_weights)} entries for {len(funcs)} reward_funcs; "
-                           "give one weight per reward (or none for equal weights)")
+        raise TrainerError(
+            f"reward_weights has {len(reward_weights)} entries for {len(funcs)} reward_funcs; "
+            "give one weight per reward (or none for equal weights)"
+        )
     weights = reward_weights if reward_weights is not None else [None] * len(funcs)
     return [reward_entry(f, w) for f, w in zip(funcs, weights, strict=True)]
 
 
 # -- tools and environments ------------------------------------------------------------------------
-def tool_fields(tools: Any, environment_factory: Any, max_tool_calling_iterations: int | None,
-                tool_timeout_seconds: float | None, chat_template: str | None) -> dict[str, Any]:
+def tool_fields(
+    tools: Any,
+    environment_factory: Any,
+    max_tool_calling_iterations: int | None,
+    tool_timeout_seconds: float | None,
+    chat_template: str | None,
+) -> dict[str, Any]:
     """TRL's `tools=` / `environment_factory=` / `max_tool_calling_iterations=` as spec.rollout fields."""
     fields: dict[str, Any] = {}
     if tools:
@@ -158,17 +178,25 @@ def tool_fields(tools: Any, environment_factory: Any, max_tool_calling_iteration
             fields["environment"] = {str(k): _environment_ref(v) for k, v in environment_factory.items()}
         else:
             fields["environment"] = _environment_ref(environment_factory)
-    return fields | {k: v for k, v in (("max_tool_calling_iterations", max_tool_calling_iterations),
-                                         ("tool_timeout_seconds", tool_timeout_seconds),
-                                         ("chat_template", chat_template)) if v is not None}
+    return fields | {
+        k: v
+        for k, v in (
+            ("max_tool_calling_iterations", max_tool_calling_iterations),
+            ("tool_timeout_seconds", tool_timeout_seconds),
+            ("chat_template", chat_template),
+        )
+        if v is not None
+    }
 
 
 def _environment_ref(factory: Any) -> str:
     if isinstance(factory, str):
         return factory
     if not isinstance(factory, type):
-        raise TrainerError(f"environment_factory must be a class (or a dict of classes) that workers can import and "
-                           f"build with no arguments, as TRL calls it (got {factory!r})")
+        raise TrainerError(
+            f"environment_factory must be a class (or a dict of classes) that workers can import and "
+            f"build with no arguments, as TRL calls it (got {factory!r})"
+        )
     return import_path(factory, "environment")
 
 
@@ -176,10 +204,18 @@ def environment_rewards(environment_factory: Any) -> list[dict[str, Any]]:
     """TRL's extra reward per environment class that defines get_reward: named after the class, weight 1."""
     if environment_factory is None:
         return []
-    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
-    classes = list(dict.fromkeys(f for f in factories if isinstance(f, type) and callable(getattr(f, "get_reward", None))))
-    return [{"env": "environment", "name": cls.__name__, "args": {"class": import_path(cls, "environment")}}
-            for cls in classes]
+    factories = (
+        environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    )
+    classes = list(
+        dict.fromkeys(
+            f for f in factories if isinstance(f, type) and callable(getattr(f, "get_reward", None))
+        )
+    )
+    return [
+        {"env": "environment", "name": cls.__name__, "args": {"class": import_path(cls, "environment")}}
+        for cls in classes
+    ]
 
 
 # -- datasets --------------------------------------------------------------------------------------
@@ -194,8 +230,10 @@ def dataset_rows(dataset: Any) -> list[dict[str, Any]] | None:
         return list(dataset.to_list())
     if isinstance(dataset, list | tuple) and all(isinstance(row, dict) for row in dataset):
         return list(dataset)
-    raise TrainerError("train_dataset must be a datasets.Dataset, a list of dicts, or a name/path string "
-                       f"(got {type(dataset).__name__})")
+    raise TrainerError(
+        "train_dataset must be a datasets.Dataset, a list of dicts, or a name/path string "
+        f"(got {type(dataset).__name__})"
+    )
 
 
 def write_dataset(rows: list[dict[str, Any]], name: str, prompt_column: str, home: Path) -> Path:
@@ -203,8 +241,10 @@ def write_dataset(rows: list[dict[str, Any]], name: str, prompt_column: str, hom
     if not rows:
         raise TrainerError("train_dataset is empty")
     if prompt_column not in rows[0]:
-        raise TrainerError(f"train_dataset has no {prompt_column!r} column (columns: {', '.join(map(str, rows[0]))}); "
-                           "rename it or pass prompt_column=...")
+        raise TrainerError(
+            f"train_dataset has no {prompt_column!r} column (columns: {', '.join(map(str, rows[0]))}); "
+            "rename it or pass prompt_column=..."
+        )
     try:
         text = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)
     except TypeError as exc:
@@ -227,5 +267,7 @@ def dataset_name(dataset: str | Path) -> str:
 
 def default_run_name(model: str) -> str:
     """kubectl generateName style: '<model slug>-<5 random chars>', a DNS-1123 label."""
-    slug = re.sub(r"[^a-z0-9]+", "-", Path(model).name.lower().removesuffix(".gguf")).strip("-")[:50].strip("-")
+    slug = (
+        re.sub(r"[^a-z0-9]+", "-", Path(model).name.lower().removesuffix(".gguf")).strip("-")[:50].strip("-")
+    )
     return f"{slug or 'run'}-{uuid.uuid4().hex[:5]}"

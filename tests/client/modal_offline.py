@@ -33,8 +33,11 @@ def describe(module: Any = None) -> dict[str, Any]:
         # Deprecated for modal 1.7 and still the only public map from the names `Function.from_name` looks up
         warnings.simplefilter("ignore")
         functions = dict(module.app.registered_functions)
-    return {"file": module.__file__, "app": module.app.name,
-            "functions": {name: dataclasses.asdict(fn.info()) for name, fn in functions.items()}}
+    return {
+        "file": module.__file__,
+        "app": module.app.name,
+        "functions": {name: dataclasses.asdict(fn.info()) for name, fn in functions.items()},
+    }
 
 
 @contextmanager
@@ -49,6 +52,7 @@ def RefusingModalAPI() -> Iterator[str]:  # noqa: N802 - reads as the server it 
             self.calls.append(name)
             await stream.recv_message()
             raise GRPCError(Status.UNAUTHENTICATED, REFUSAL)
+
         return handler
 
     methods = {name: refuse(name) for name in api_grpc.ModalClientBase.__abstractmethods__}
@@ -59,8 +63,11 @@ def RefusingModalAPI() -> Iterator[str]:  # noqa: N802 - reads as the server it 
     async def serve() -> None:  # grpclib's server belongs to the loop it is made in
         server = grpclib.server.Server([servicer])
         await server.start("127.0.0.1", 0)
-        bound.update(port=server._server.sockets[0].getsockname()[1], stop=asyncio.Event(),
-                     loop=asyncio.get_running_loop())
+        bound.update(
+            port=server._server.sockets[0].getsockname()[1],
+            stop=asyncio.Event(),
+            loop=asyncio.get_running_loop(),
+        )
         started.set()
         await bound["stop"].wait()
         server.close()
@@ -74,6 +81,7 @@ def RefusingModalAPI() -> Iterator[str]:  # noqa: N802 - reads as the server it 
     finally:
         bound["loop"].call_soon_threadsafe(bound["stop"].set)
         thread.join(10)
+
 
 if __name__ == "__main__":
     print(json.dumps(describe(), default=str))

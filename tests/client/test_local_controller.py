@@ -28,7 +28,9 @@ def starts(monkeypatch, mortal_home):
 def test_a_controller_is_started_on_the_clients_store_and_announced(starts, mortal_home, capsys):
     ensure_controller("sqlite:///elsewhere.db", disabled=False)
     assert starts == ["sqlite:///elsewhere.db"]
-    assert capsys.readouterr().err == f"controller started (pid 4242, log: {mortal_home / 'controller.log'})\n"
+    assert (
+        capsys.readouterr().err == f"controller started (pid 4242, log: {mortal_home / 'controller.log'})\n"
+    )
     ensure_controller(None, disabled=False, announce=False)
     assert starts[-1] is None and capsys.readouterr().err == ""
 

@@ -40,6 +40,7 @@ def _recording(original: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]
     def record(*args: Any, **kwargs: Any) -> Any:
         calls.append((args[1:], kwargs))  # without self
         return original(*args, **kwargs)
+
     return record
 
 
@@ -52,13 +53,18 @@ def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         for name in names:
             monkeypatch.setattr(cls, name, _recording(getattr(cls, name), handed[name]))
     slim = modal.Image.debian_slim
-    monkeypatch.setattr(modal.Image, "debian_slim",
-                        staticmethod(lambda **kw: handed["debian_slim"].append(((), kw)) or slim(**kw)))
+    monkeypatch.setattr(
+        modal.Image,
+        "debian_slim",
+        staticmethod(lambda **kw: handed["debian_slim"].append(((), kw)) or slim(**kw)),
+    )
     monkeypatch.delenv("MORTAL_MODAL_APP", raising=False)
     monkeypatch.setenv("MORTAL_MODAL_SECRETS", "huggingface, wandb")
     package, _, name = APP_MODULE.rpartition(".")
     monkeypatch.delitem(sys.modules, APP_MODULE, raising=False)
-    monkeypatch.delattr(importlib.import_module(package), name, raising=False)  # `from package import name` reads it
+    monkeypatch.delattr(
+        importlib.import_module(package), name, raising=False
+    )  # `from package import name` reads it
     module = importlib.import_module(APP_MODULE)
     module.handed = handed
     yield module
@@ -70,15 +76,19 @@ def test_the_app_defines_what_the_backend_looks_up(built: Any) -> None:
     assert isinstance(built.app, modal.App) and built.app.name == APP_NAME
     functions = describe(built)["functions"]
     assert set(functions) == FUNCTIONS
-    assert all(isinstance(getattr(built, name), modal.Function) for name in ("worker", "rollout_vllm", "store",
-                                                                          "controller"))
+    assert all(
+        isinstance(getattr(built, name), modal.Function)
+        for name in ("worker", "rollout_vllm", "store", "controller")
+    )
     user_secrets = ["modal.Secret.from_name('huggingface')", "modal.Secret.from_name('wandb')"]
     for name in (WORKER_FUNCTION, VLLM_FUNCTION):
         worker = functions[name]
         assert worker["volumes"]["/mortal"]["name"] == "mortal-data" and worker["max_retries"] == 0
         assert worker["gpus"] == [], "the GPU comes per call, from with_options(gpu=...)"
         assert worker["timeout"] == 24 * 3600
-        assert worker["secrets"] == user_secrets, "workers never hold the admin token: their launch carries their own"
+        assert worker["secrets"] == user_secrets, (
+            "workers never hold the admin token: their launch carries their own"
+        )
     assert functions["controller"]["secrets"] == ["modal.Secret.from_name('mortal-state')", *user_secrets]
 
 
@@ -89,12 +99,18 @@ def test_vllm_rollouts_run_on_an_image_with_vllm_and_the_trainers_torch(built: A
     torch, vllm = f"torch=={built.TORCH_VERSION}", f"vllm=={built.VLLM_VERSION}"
     assert [args for args, _ in built.handed["pip_install"]] == [(torch,), (torch, vllm)]
     assert [args for args, _ in built.handed["run_commands"]] == [
-        (f"pip install '/opt/mortal[train,cloud]' {torch}",), (f"pip install '/opt/mortal[train,cloud]' {torch} {vllm}",)]
+        (f"pip install '/opt/mortal[train,cloud]' {torch}",),
+        (f"pip install '/opt/mortal[train,cloud]' {torch} {vllm}",),
+    ]
     setup = (REPO / "scripts" / "setup-env.sh").read_text()
-    assert f"MORTAL_TORCH_VERSION:-{built.TORCH_VERSION}" in setup, "the torch tested here is the images' torch"
+    assert f"MORTAL_TORCH_VERSION:-{built.TORCH_VERSION}" in setup, (
+        "the torch tested here is the images' torch"
+    )
 
 
-def test_the_worker_functions_run_the_worker_and_commit_its_log(built: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worker_functions_run_the_worker_and_commit_its_log(
+    built: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What each body does, run by the library's own local call: reload the volume, then run_worker with
     the volume's commit (the log's way onto the volume)."""
     from mortal.controller.backends import modal_worker
@@ -148,7 +164,10 @@ def test_one_store_container_serves_the_web_endpoint(built: Any) -> None:
 
 def test_the_controller_is_scheduled_and_every_function_ships_serialized(built: Any) -> None:
     controller = describe(built)["functions"]["controller"]
-    assert controller["schedule"] == "Period(minutes=10)" and controller["volumes"]["/mortal"]["name"] == "mortal-data"
+    assert (
+        controller["schedule"] == "Period(minutes=10)"
+        and controller["volumes"]["/mortal"]["name"] == "mortal-data"
+    )
     assert controller["timeout"] > built.CONTROLLER_RUN_SECONDS
     assert [kw.get("serialized") for _, kw in built.handed["function"]] == [True] * len(FUNCTIONS)
 
@@ -162,8 +181,9 @@ def test_a_controller_always_leads_so_a_failure_is_noticed_well_within_a_minute(
     the lease (the standby waits for it to expire, then renews); then one pass, on a listing at most
     listing_max_age old. A call that ends (crash, error, vanished) is seen sooner: no heartbeat wait."""
     config = ControllerConfig()
-    assert built.CONTROLLER_RUN_SECONDS - built.SCHEDULE_MINUTES * 60 == built.CONTROLLER_OVERLAP_SECONDS >= 60, (
-        "the next call needs time to start before this one stops")
+    assert (
+        built.CONTROLLER_RUN_SECONDS - built.SCHEDULE_MINUTES * 60 == built.CONTROLLER_OVERLAP_SECONDS >= 60
+    ), "the next call needs time to start before this one stops"
     takeover = config.leader_lease_seconds + config.leader_renew_seconds
     one_pass = config.plan.active_resync_seconds + config.listing_max_age_seconds
     noticed = config.worker_lease_seconds + takeover + one_pass
@@ -175,11 +195,13 @@ def test_the_images_are_this_checkout_on_the_deployers_python(built: Any) -> Non
     assert built.handed["debian_slim"] == [((), {"python_version": "{}.{}".format(*sys.version_info)})] * 2
     for (source, target), options in built.handed["add_local_dir"]:
         assert Path(source) == REPO and target == "/opt/mortal" and options["copy"] is True
-    for ((env,), _) in built.handed["env"]:
+    for (env,), _ in built.handed["env"]:
         assert env["MORTAL_HOME"] == "/mortal" and env["MORTAL_MODAL_VOLUME"] == "mortal-data"
 
 
-def test_the_store_endpoint_serves_the_store(built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_store_endpoint_serves_the_store(
+    built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MORTAL_STATE_TOKEN", "tok")
     monkeypatch.setenv("MORTAL_STORE_BACKING_URL", f"sqlite:///{tmp_path / 'state.db'}")
     with pytest.warns(UserWarning, match="will not have access to the mounted Volume"):
@@ -191,8 +213,13 @@ def test_the_store_endpoint_serves_the_store(built: Any, tmp_path: Path, monkeyp
 
 def _apply_run(wsgi: Any) -> tuple[str, Any]:
     body = json.dumps({"args": {"name": "r", "spec": {"model": {"name": "m"}}}}).encode()
-    environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST", "HTTP_AUTHORIZATION": "Bearer tok",
-               "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
+    environ = {
+        "PATH_INFO": "/v1/apply_run",
+        "REQUEST_METHOD": "POST",
+        "HTTP_AUTHORIZATION": "Bearer tok",
+        "CONTENT_LENGTH": str(len(body)),
+        "wsgi.input": io.BytesIO(body),
+    }
     seen = []
     answer = json.loads(b"".join(wsgi(environ, lambda status, headers: seen.append(status))))
     return seen[0], answer
@@ -238,45 +265,110 @@ def _shipped(function: Any, path: Path) -> Path:
 
 def test_functions_ship_by_value_and_run_without_the_app_module(built: Any, tmp_path: Path) -> None:
     """What serialized=True means in the container: no import of this module, only the installed mortal."""
-    paths = [str(_shipped(getattr(built, name), tmp_path / f"{name}.pkl"))
-             for name in ("worker", "rollout_vllm", "store", "controller")]
-    env = {**os.environ, "MORTAL_STATE_TOKEN": "tok", "MORTAL_STORE_BACKING_URL": f"sqlite:///{tmp_path / 's.db'}"}
-    out = subprocess.run([sys.executable, "-c", CONTAINER, *paths], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    paths = [
+        str(_shipped(getattr(built, name), tmp_path / f"{name}.pkl"))
+        for name in ("worker", "rollout_vllm", "store", "controller")
+    ]
+    env = {
+        **os.environ,
+        "MORTAL_STATE_TOKEN": "tok",
+        "MORTAL_STORE_BACKING_URL": f"sqlite:///{tmp_path / 's.db'}",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CONTAINER, *paths],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"status": "200 OK", "result": "created", "controller": "controller",
-                                      "volumes": ["modal.Volume.from_name('mortal-data')"] * 2}
+    assert json.loads(out.stdout) == {
+        "status": "200 OK",
+        "result": "created",
+        "controller": "controller",
+        "volumes": ["modal.Volume.from_name('mortal-data')"] * 2,
+    }
 
 
 # -- installs: the README's editable one and a built wheel ------------------------------------------------------
 def _probe(env: dict[str, str], cwd: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, str(PROBE)], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(PROBE)], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-def _deploy(env: dict[str, str], cwd: Path, url: str, module: str = APP_MODULE) -> subprocess.CompletedProcess[str]:
+def _deploy(
+    env: dict[str, str], cwd: Path, url: str, module: str = APP_MODULE
+) -> subprocess.CompletedProcess[str]:
     """The documented command, against the refusing API: it fails at the token, after building the app."""
-    env = {**env, "MODAL_SERVER_URL": url, "MODAL_TOKEN_ID": "ak-test", "MODAL_TOKEN_SECRET": "as-test",
-           "MODAL_CONFIG_PATH": str(cwd / "absent.toml")}
-    return subprocess.run([sys.executable, "-m", "modal", "deploy", "-m", module], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **env,
+        "MODAL_SERVER_URL": url,
+        "MODAL_TOKEN_ID": "ak-test",
+        "MODAL_TOKEN_SECRET": "as-test",
+        "MODAL_CONFIG_PATH": str(cwd / "absent.toml"),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "modal", "deploy", "-m", module],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
 def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """mortal built as a wheel and installed into a folder of its own (as tests/test_packaging.py does)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp),
-                    str(REPO)], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp / "site"),
-                    str(next(tmp.glob("mortal-*.whl")))], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(tmp / "site"),
+            str(next(tmp.glob("mortal-*.whl"))),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return tmp / "site"
 
 
 def _installs(wheel_site: Path) -> dict[str, tuple[dict[str, str], Path]]:
-    base = {k: v for k, v in os.environ.items() if k not in ("MORTAL_MODAL_APP", "MORTAL_MODAL_SECRETS", "PYTHONPATH")}
-    return {"editable": ({**base}, REPO / "mortal"), "wheel": ({**base, "PYTHONPATH": str(wheel_site)}, wheel_site)}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MORTAL_MODAL_APP", "MORTAL_MODAL_SECRETS", "PYTHONPATH")
+    }
+    return {
+        "editable": ({**base}, REPO / "mortal"),
+        "wheel": ({**base, "PYTHONPATH": str(wheel_site)}, wheel_site),
+    }
 
 
 def test_editable_and_wheel_installs_build_the_same_app(wheel_site: Path, tmp_path: Path) -> None:
@@ -295,10 +387,11 @@ def test_modal_deploy_from_a_checkout_gets_as_far_as_the_token(wheel_site: Path,
             assert "Traceback" not in out.stderr, (name, out.stderr)
 
 
-
 def test_modal_deploy_of_the_old_module_path_builds_the_same_app(tmp_path: Path) -> None:
     """`modal deploy -m mortal.controller.modal_app`, as earlier docs say, goes through its shim to the app."""
     with RefusingModalAPI() as url:
-        out = _deploy({**os.environ, "MORTAL_MODAL_SECRETS": ""}, tmp_path, url, "mortal.controller.modal_app")
+        out = _deploy(
+            {**os.environ, "MORTAL_MODAL_SECRETS": ""}, tmp_path, url, "mortal.controller.modal_app"
+        )
     assert out.returncode != 0 and REFUSAL in out.stdout + out.stderr, (out.stdout, out.stderr)
     assert "Traceback" not in out.stderr, out.stderr

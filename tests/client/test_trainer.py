@@ -18,9 +18,17 @@ from mortal.workers.rewards.builtin import correct_answer
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
 
-NO_TOOLS = {"tools": [], "environment": None, "maxToolCallingIterations": None, "toolTimeoutSeconds": 30.0,
-            "chatTemplate": None}  # spec.rollout's tool-calling fields, at their defaults
-UNCAPPED = {"gpuMemoryUtilization": None, "colocatedReplicas": None}  # spec.rollout's GPU sharing, at its defaults
+NO_TOOLS = {
+    "tools": [],
+    "environment": None,
+    "maxToolCallingIterations": None,
+    "toolTimeoutSeconds": 30.0,
+    "chatTemplate": None,
+}  # spec.rollout's tool-calling fields, at their defaults
+UNCAPPED = {
+    "gpuMemoryUtilization": None,
+    "colocatedReplicas": None,
+}  # spec.rollout's GPU sharing, at its defaults
 
 
 def format_reward(completions, **kwargs):
@@ -47,46 +55,100 @@ def _isolated(mortal_home, monkeypatch):
 
 
 def trainer(**kwargs):
-    base = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "reward_funcs": [format_reward], "train_dataset": ROWS,
-            "name": "t1", "quiet": True}
+    base = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "reward_funcs": [format_reward],
+        "train_dataset": ROWS,
+        "name": "t1",
+        "quiet": True,
+    }
     return MortalTrainer(**{**base, **kwargs})
 
 
 def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
     t = trainer(
         mode=SingleNode(gpu="A100", use_vllm=True, vllm_mode="colocate"),
-        reward_funcs=[format_reward, correct_answer], reward_weights=[0.3, 1.0],
-        num_generations=4, batch_size=16, learning_rate=1e-5, max_steps=7, loss_type="grpo", beta=0.04,
-        epsilon=0.3, scale_rewards="batch", max_completion_length=128, temperature=0.9, use_lora=True, lora_r=8,
-        lora_alpha=16, gradient_checkpointing=True, torch_compile=True, use_liger_kernel=True, seed=3,
+        reward_funcs=[format_reward, correct_answer],
+        reward_weights=[0.3, 1.0],
+        num_generations=4,
+        batch_size=16,
+        learning_rate=1e-5,
+        max_steps=7,
+        loss_type="grpo",
+        beta=0.04,
+        epsilon=0.3,
+        scale_rewards="batch",
+        max_completion_length=128,
+        temperature=0.9,
+        use_lora=True,
+        lora_r=8,
+        lora_alpha=16,
+        gradient_checkpointing=True,
+        torch_compile=True,
+        use_liger_kernel=True,
+        seed=3,
         labels={"team": "rl"},
     )
     spec = t.run.spec_dict()
-    assert spec["actor"] == {"gpu": "A100", "count": 1, "compile": True, "compileScope": "layer",  # TRL's torch_compile
-                             "liger": True,  # TRL's use_liger_kernel
-                             "mixedPrecision": False, "cpuOffload": False,
-                             "strategy": "fsdp", "reshardAfterForward": True}
-    assert spec["rollout"] == {"gpu": "A100", "replicas": 1, "colocate": True, "promptsPerTask": None,
-                               **NO_TOOLS, **UNCAPPED}
+    assert spec["actor"] == {
+        "gpu": "A100",
+        "count": 1,
+        "compile": True,
+        "compileScope": "layer",  # TRL's torch_compile
+        "liger": True,  # TRL's use_liger_kernel
+        "mixedPrecision": False,
+        "cpuOffload": False,
+        "strategy": "fsdp",
+        "reshardAfterForward": True,
+    }
+    assert spec["rollout"] == {
+        "gpu": "A100",
+        "replicas": 1,
+        "colocate": True,
+        "promptsPerTask": None,
+        **NO_TOOLS,
+        **UNCAPPED,
+    }
     assert spec["generation"]["engine"] == "vllm" and spec["generation"]["maxTokens"] == 128
     assert spec["generation"]["temperature"] == 0.9
     a = spec["algorithm"]
-    assert (a["numGenerations"], a["batchSize"], a["learningRate"], a["maxSteps"], a["lossType"]) == (4, 16, 1e-5, 7, "grpo")
+    assert (a["numGenerations"], a["batchSize"], a["learningRate"], a["maxSteps"], a["lossType"]) == (
+        4,
+        16,
+        1e-5,
+        7,
+        "grpo",
+    )
     assert (a["beta"], a["epsilon"], a["scaleRewards"], a["seed"]) == (0.04, 0.3, "batch", 3)
     assert spec["model"]["lora"]["r"] == 8 and spec["model"]["lora"]["alpha"] == 16
     assert spec["model"]["gradientCheckpointing"] is True
     assert [(r["function"], r["weight"]) for r in spec["rewards"]] == [
-        ("test_trainer:format_reward", 0.3), ("mortal.workers.rewards.builtin:correct_answer", 1.0)]
+        ("test_trainer:format_reward", 0.3),
+        ("mortal.workers.rewards.builtin:correct_answer", 1.0),
+    ]
     assert t.run.metadata.labels == {"team": "rl"} and t.name == "t1"
     assert "kind: TrainingRun" in t.to_yaml()
 
 
 def test_distributed_mode():
-    spec = trainer(mode=Distributed(actor="H100", rollout="A10G", num_rollout_workers=3,
-                                    weight_sync_method="volume", sync_weights_every=2)).run.spec_dict()
+    spec = trainer(
+        mode=Distributed(
+            actor="H100",
+            rollout="A10G",
+            num_rollout_workers=3,
+            weight_sync_method="volume",
+            sync_weights_every=2,
+        )
+    ).run.spec_dict()
     assert spec["actor"]["gpu"] == "H100"
-    assert spec["rollout"] == {"gpu": "A10G", "replicas": 3, "colocate": False,
-                               "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
+    assert spec["rollout"] == {
+        "gpu": "A10G",
+        "replicas": 3,
+        "colocate": False,
+        "promptsPerTask": None,
+        **NO_TOOLS,
+        **UNCAPPED,
+    }
     assert spec["sync"] == {"method": "volume", "every": 2, "keepVersions": 3}
 
 
@@ -102,8 +164,9 @@ def test_a_sync_method_the_mode_cannot_use_says_why_naming_the_field():
     Distributed's engine is auto (vLLM where installed) unless it says otherwise."""
     with pytest.raises(TrainerError, match=r"spec\.sync\.method: sync nccl.*generation\.engine transformers"):
         trainer(mode=Distributed(actor="H100", rollout="H100", weight_sync_method="nccl"))
-    spec = trainer(mode=Distributed(actor="H100", rollout="H100", weight_sync_method="nccl",
-                                    engine="transformers")).run.spec_dict()
+    spec = trainer(
+        mode=Distributed(actor="H100", rollout="H100", weight_sync_method="nccl", engine="transformers")
+    ).run.spec_dict()
     assert (spec["sync"]["method"], spec["generation"]["engine"]) == ("nccl", "transformers")
 
 
@@ -113,23 +176,40 @@ def test_modes_with_several_trainer_gpus_shard_the_actor_over_them():
     spec = trainer(mode=SingleNode(gpu=GPUConfig("H100", count=2)), batch_size=16).run.spec_dict()
     assert (spec["actor"]["gpu"], spec["actor"]["count"]) == ("H100", 2)
     assert (spec["rollout"]["replicas"], spec["rollout"]["colocate"]) == (2, True)
-    spec = trainer(mode=Distributed(actor=GPUConfig("H200", count=2), rollout="H200", num_rollout_workers=2),
-                   batch_size=16).run.spec_dict()
+    spec = trainer(
+        mode=Distributed(actor=GPUConfig("H200", count=2), rollout="H200", num_rollout_workers=2),
+        batch_size=16,
+    ).run.spec_dict()
     assert (spec["actor"]["gpu"], spec["actor"]["count"], spec["rollout"]["replicas"]) == ("H200", 2, 2)
 
 
 def test_single_node_serve_needs_two_gpus():
     with pytest.raises(ValueError, match="count=2"):
         trainer(mode=SingleNode(gpu="A100", use_vllm=True, vllm_mode="serve"))
-    spec = trainer(mode=SingleNode(gpu=GPUConfig("A100", count=3), use_vllm=True, vllm_mode="serve")).run.spec_dict()
-    assert spec["rollout"] == {"gpu": "A100", "replicas": 2, "colocate": False,
-                               "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
+    spec = trainer(
+        mode=SingleNode(gpu=GPUConfig("A100", count=3), use_vllm=True, vllm_mode="serve")
+    ).run.spec_dict()
+    assert spec["rollout"] == {
+        "gpu": "A100",
+        "replicas": 2,
+        "colocate": False,
+        "promptsPerTask": None,
+        **NO_TOOLS,
+        **UNCAPPED,
+    }
 
 
 def test_no_mode_keeps_the_spec_defaults():
     spec = trainer().run.spec_dict()
     assert spec["actor"]["gpu"] == "none"
-    assert spec["rollout"] == {"gpu": "none", "replicas": 1, "colocate": False, "promptsPerTask": None, **NO_TOOLS, **UNCAPPED}
+    assert spec["rollout"] == {
+        "gpu": "none",
+        "replicas": 1,
+        "colocate": False,
+        "promptsPerTask": None,
+        **NO_TOOLS,
+        **UNCAPPED,
+    }
 
 
 def test_invalid_combination_is_reported_with_the_spec_message():
@@ -137,10 +217,13 @@ def test_invalid_combination_is_reported_with_the_spec_message():
         trainer(num_generations=4, batch_size=6)
 
 
-@pytest.mark.parametrize("reward, says", [
-    (lambda completions, **kw: [0.0] * len(completions), "lambda"),
-    (functools.partial(format_reward), "no importable name"),
-])
+@pytest.mark.parametrize(
+    "reward, says",
+    [
+        (lambda completions, **kw: [0.0] * len(completions), "lambda"),
+        (functools.partial(format_reward), "no importable name"),
+    ],
+)
 def test_rewards_the_workers_cannot_import_are_refused(reward, says):
     with pytest.raises(RewardNotImportable, match=says) as err:
         trainer(reward_funcs=[reward])
@@ -172,8 +255,9 @@ def test_a_reward_whose_path_leads_elsewhere_is_refused():
 
 
 def test_reward_environments_and_strings():
-    rewards = trainer(reward_funcs=[ThresholdEnv, ThresholdEnv(threshold=3.0), "sandbox", "my_pkg.rewards:score"],
-                      ).run.spec_dict()["rewards"]
+    rewards = trainer(
+        reward_funcs=[ThresholdEnv, ThresholdEnv(threshold=3.0), "sandbox", "my_pkg.rewards:score"],
+    ).run.spec_dict()["rewards"]
     assert rewards[0]["function"] == "test_trainer:ThresholdEnv" and rewards[0]["args"] == {}
     assert rewards[1]["function"] == "test_trainer:ThresholdEnv" and rewards[1]["args"] == {"threshold": 3.0}
     assert rewards[2]["env"] == "code-execution"
@@ -227,12 +311,15 @@ def test_num_epochs_counts_a_builtin_dataset_and_refuses_a_hub_one():
     spec = MortalTrainer(model="m", num_epochs=2, batch_size=8, num_generations=4, quiet=True).run.spec
     assert spec.algorithm.max_steps == 51  # 2 passes over builtin:mbpp-mini's 51 rows, 2 prompts per step
     with pytest.raises(TrainerError, match="num_epochs: .*hub dataset.*give maxSteps"):
-        MortalTrainer(model="m", train_dataset="openai/gsm8k", reward_funcs="sandbox", num_epochs=1, quiet=True)
+        MortalTrainer(
+            model="m", train_dataset="openai/gsm8k", reward_funcs="sandbox", num_epochs=1, quiet=True
+        )
 
 
 def test_the_seeds_minimal_form_trains_code_execution_on_the_builtin_coding_set_under_a_generated_name():
-    t = MortalTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", mode=SingleNode(gpu="A100"), max_steps=5,
-                      quiet=True)
+    t = MortalTrainer(
+        model="HuggingFaceTB/SmolLM2-135M-Instruct", mode=SingleNode(gpu="A100"), max_steps=5, quiet=True
+    )
     assert t.run.spec.dataset.name == "builtin:mbpp-mini" and t.run.spec.dataset.system_prompt
     assert [r.env for r in t.run.spec.rewards] == ["code-execution"]
     assert t.run.spec.algorithm.max_steps == 5
@@ -285,8 +372,14 @@ def test_facade_exports():
 
     assert mortal.MortalTrainer is MortalTrainer and mortal.SingleNode is SingleNode
     assert mortal.RewardEnvironment is RewardEnvironment
-    assert set(mortal.__all__) >= {"MortalTrainer", "TrainingRun", "SingleNode", "Distributed", "GPUConfig",
-                                   "RewardEnvironment"}
+    assert set(mortal.__all__) >= {
+        "MortalTrainer",
+        "TrainingRun",
+        "SingleNode",
+        "Distributed",
+        "GPUConfig",
+        "RewardEnvironment",
+    }
     with pytest.raises(AttributeError):
         mortal.NoSuchThing  # noqa: B018
 
@@ -307,14 +400,28 @@ def test_builtin_environment_instances_become_env_entries():
 
     rows = [{"prompt": "p", "checks": ["assert True"]}] * 4
     judge = LLMJudgeEnvironment(model="gpt-4o-mini", base_url="http://judge:8000/v1", score_range=(1, 5))
-    run = trainer(reward_funcs=[CodeExecutionEnvironment(tests_column="checks", partial_credit=True, timeout=5),
-                                judge, CodeExecutionEnvironment],
-                  train_dataset=rows, reward_weights=[1.0, 0.5, 0.1], secrets=["HF_TOKEN"]).run
+    run = trainer(
+        reward_funcs=[
+            CodeExecutionEnvironment(tests_column="checks", partial_credit=True, timeout=5),
+            judge,
+            CodeExecutionEnvironment,
+        ],
+        train_dataset=rows,
+        reward_weights=[1.0, 0.5, 0.1],
+        secrets=["HF_TOKEN"],
+    ).run
     code, graded, plain = run.spec_dict()["rewards"]
-    assert code["env"] == "code-execution" and code["args"] == {"tests_column": "checks", "partial_credit": True}
+    assert code["env"] == "code-execution" and code["args"] == {
+        "tests_column": "checks",
+        "partial_credit": True,
+    }
     assert code["sandbox"]["timeoutSeconds"] == 5
     assert (graded["env"], graded["model"], graded["baseURL"], graded["apiKeyEnv"]) == (
-        "llm-judge", "gpt-4o-mini", "http://judge:8000/v1", "OPENAI_API_KEY")
+        "llm-judge",
+        "gpt-4o-mini",
+        "http://judge:8000/v1",
+        "OPENAI_API_KEY",
+    )
     assert graded["args"] == {"score_range": [1, 5]} and graded["weight"] == 0.5
     assert plain["env"] == "code-execution"
     assert run.spec.secrets == ["HF_TOKEN", "OPENAI_API_KEY"]  # the judge's key travels to the workers
@@ -330,7 +437,9 @@ def _checkpointed_parent(store, spec: dict, step: int) -> None:
     folder.mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
         (folder / name).write_bytes(b"x")
-    (folder / "mortal.json").write_text(json.dumps({"run": "parent", "step": step, "weight_version": 1, "seed": 0}))
+    (folder / "mortal.json").write_text(
+        json.dumps({"run": "parent", "step": step, "weight_version": 1, "seed": 0})
+    )
     store.record_checkpoint(WorkerRef("parent", "actor", 0, row.incarnation), step, str(folder), 1)
     store.end_worker(row.id, "Stopped")
 
@@ -356,7 +465,9 @@ def test_resume_from_checkpoint_forks_another_runs_checkpoint_with_this_trainers
         with pytest.raises(CheckpointNotFound, match="no complete checkpoint of step 5"):
             trainer(name="t3", detach=True, state_url=store_url).train(resume_from_checkpoint="parent:step-5")
         with pytest.raises(CannotCarryOver, match="spec.model.lora"):
-            trainer(name="t3", detach=True, state_url=store_url, use_lora=True).train(resume_from_checkpoint="parent")
+            trainer(name="t3", detach=True, state_url=store_url, use_lora=True).train(
+                resume_from_checkpoint="parent"
+            )
         with pytest.raises(RunExists, match="'parent' already exists and was not forked from 't1'"):
             trainer(name="parent", detach=True, state_url=store_url).train(resume_from_checkpoint="t1")
         with pytest.raises(TrainerError, match="resume_from_checkpoint"):

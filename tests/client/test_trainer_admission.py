@@ -16,14 +16,14 @@ from mortal.controller.snapshot import CODE_ANNOTATION
 from mortal.state import open_store, paths
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
-MODULE = '''
+MODULE = """
 def shaped(completions, prompts=None, **kwargs):
     return [float(len(str(c)) < 50) for c in completions]
 
 
 def positional_only(completions, /):
     return [0.0 for _ in completions]
-'''
+"""
 
 
 @pytest.fixture
@@ -40,8 +40,15 @@ def script_rewards(tmp_path, monkeypatch, mortal_home):
 
 
 def trainer(reward, store_url):
-    return MortalTrainer(model="simulated", reward_funcs=[reward], train_dataset=ROWS, name="t1", quiet=True,
-                         detach=True, state_url=store_url)
+    return MortalTrainer(
+        model="simulated",
+        reward_funcs=[reward],
+        train_dataset=ROWS,
+        name="t1",
+        quiet=True,
+        detach=True,
+        state_url=store_url,
+    )
 
 
 @sqlite_only
@@ -69,7 +76,8 @@ def test_a_reward_trl_cannot_call_is_refused_before_anything_is_written(store_ur
 
 @sqlite_only
 def test_a_run_of_the_same_name_being_deleted_is_waited_for_before_the_code_is_installed(
-        store_url, script_rewards, monkeypatch):
+    store_url, script_rewards, monkeypatch
+):
     from mortal.client import apply
     from mortal.client.errors import ClientError
 

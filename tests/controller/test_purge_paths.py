@@ -48,8 +48,11 @@ def purge(store, reconciler: Reconciler, name: str) -> None:
 
 @sqlite_only  # the subject is the controller
 def test_a_legacy_run_named_out_of_mortal_home_is_purged_without_touching_that_folder(
-        store, reconciler, victim, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sql_store, "check_run_name", lambda name: name, raising=False)  # a row from before the check
+    store, reconciler, victim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        sql_store, "check_run_name", lambda name: name, raising=False
+    )  # a row from before the check
     name = "../../victim"
     paths.run_dir("another-run").mkdir(parents=True)  # runs/ exists, so runs/../.. reaches out
     assert paths.run_dir(name).resolve() == victim.resolve()
@@ -61,7 +64,9 @@ def test_a_legacy_run_named_out_of_mortal_home_is_purged_without_touching_that_f
 
 
 @sqlite_only
-def test_a_run_folder_replaced_by_a_symlink_out_of_mortal_home_is_not_followed(store, reconciler, victim) -> None:
+def test_a_run_folder_replaced_by_a_symlink_out_of_mortal_home_is_not_followed(
+    store, reconciler, victim
+) -> None:
     store.apply_run("r", simulated_run("r").spec_dict())
     paths.runs_dir().mkdir(parents=True)
     paths.run_dir("r").symlink_to(victim)

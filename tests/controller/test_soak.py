@@ -30,9 +30,16 @@ def test_soak_random_kills_still_succeed(harness):  # noqa: F811
     h = harness
     rng = random.Random(int(os.environ.get("MORTAL_SOAK_SEED", "7")))
     steps = int(SOAK_SECONDS * 6)  # about what the window allows with kills: it keeps killing to the end
-    h.apply(simulated_run(NAME, max_steps=steps, rollout_replicas=2, step_seconds=0.1,
-                          annotations={"mortal.dev/task-lease-seconds": "2"},
-                          spec={"restartPolicy": {"maxRestarts": 10_000, "backoffSeconds": 0.3}}))
+    h.apply(
+        simulated_run(
+            NAME,
+            max_steps=steps,
+            rollout_replicas=2,
+            step_seconds=0.1,
+            annotations={"mortal.dev/task-lease-seconds": "2"},
+            spec={"restartPolicy": {"maxRestarts": 10_000, "backoffSeconds": 0.3}},
+        )
+    )
     h.start(SOAK)
     h.wait_phase(NAME, "Running")
     versions, kills = [], 0

@@ -48,16 +48,28 @@ Examples:
 def apply_command(
     ctx: typer.Context,
     filenames: list[str] = typer.Option(
-        ..., "-f", "--filename", metavar="FILE", help="A file, a folder of *.yaml files, or '-' for stdin (repeatable)."
+        ...,
+        "-f",
+        "--filename",
+        metavar="FILE",
+        help="A file, a folder of *.yaml files, or '-' for stdin (repeatable).",
     ),
-    recursive: bool = typer.Option(False, "-R", "--recursive", help="Read folders given with -f recursively."),
+    recursive: bool = typer.Option(
+        False, "-R", "--recursive", help="Read folders given with -f recursively."
+    ),
     follow_: bool = typer.Option(False, "--follow", help="Show live progress until the runs finish."),
     wait: bool = typer.Option(False, "--wait", help="Wait quietly until the runs finish."),
-    timeout: float = typer.Option(0, "--timeout", metavar="SECONDS", help="With --follow/--wait: give up after this long (0 = never)."),
+    timeout: float = typer.Option(
+        0, "--timeout", metavar="SECONDS", help="With --follow/--wait: give up after this long (0 = never)."
+    ),
     no_controller: bool = typer.Option(
         False, "--no-controller", help="Do not start a background controller [env: MORTAL_NO_CONTROLLER=1]."
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate, print the admission checks and what would change, without writing."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Validate, print the admission checks and what would change, without writing.",
+    ),
 ) -> None:
     from mortal.controller.admission import admit_runs
 
@@ -76,7 +88,9 @@ def apply_command(
     with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
         for admission in admitted:
             for check in admission.checks if dry_run else admission.deferred:
-                typer.echo(plain(("check: " if dry_run else "note: ") + check.line(admission.run.name)), err=True)
+                typer.echo(
+                    plain(("check: " if dry_run else "note: ") + check.line(admission.run.name)), err=True
+                )
         results = apply.apply_runs(cli.store, apply.fit_micro_batches(runs), dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:
@@ -94,4 +108,6 @@ def apply_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("apply", help=HELP, short_help="Create or update runs from YAML or JSON files", no_args_is_help=True)(apply_command)
+    app.command(
+        "apply", help=HELP, short_help="Create or update runs from YAML or JSON files", no_args_is_help=True
+    )(apply_command)

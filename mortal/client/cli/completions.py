@@ -50,7 +50,7 @@ def one_line(text: str, width: int, keep_end: bool = False) -> str:
     flat = re.sub(r"\s+", " ", text).strip()
     if len(flat) <= width:
         return flat
-    return "…" + flat[-(width - 1):] if keep_end else flat[: width - 1] + "…"
+    return "…" + flat[-(width - 1) :] if keep_end else flat[: width - 1] + "…"
 
 
 def step_ranges(steps: list[int]) -> str:
@@ -78,10 +78,18 @@ def pick_step(store: Store, run: str, step: int | None) -> int | None:
 
 def completion_dict(row: CompletionRow) -> dict[str, Any]:
     """One sample with every field, full text (what -o json|yaml prints)."""
-    return {"step": row.step, "sample": row.sample, "reward": row.reward, "rewards": row.rewards,
-            "advantage": row.advantage, "weightVersion": row.weight_version, "extra": row.extra,
-            "prompt": row.prompt, "completion": row.completion,
-            "time": row.time.isoformat() if row.time else None}
+    return {
+        "step": row.step,
+        "sample": row.sample,
+        "reward": row.reward,
+        "rewards": row.rewards,
+        "advantage": row.advantage,
+        "weightVersion": row.weight_version,
+        "extra": row.extra,
+        "prompt": row.prompt,
+        "completion": row.completion,
+        "time": row.time.isoformat() if row.time else None,
+    }
 
 
 def _cell(value: Any) -> str:
@@ -97,13 +105,29 @@ def completion_table(rows: list[CompletionRow]) -> tuple[list[str], list[list[st
     then PROMPT (its end) and COMPLETION (its start)."""
     rewards = list(dict.fromkeys(name for r in rows for name in r.rewards))
     extra = list(dict.fromkeys(name for r in rows for name in r.extra))
-    headers = ["STEP", "SAMPLE", "REWARD", "ADVANTAGE", "WEIGHTS", *rewards, *extra,  # names as the spec says
-               "PROMPT", "COMPLETION"]
+    headers = [
+        "STEP",
+        "SAMPLE",
+        "REWARD",
+        "ADVANTAGE",
+        "WEIGHTS",
+        *rewards,
+        *extra,  # names as the spec says
+        "PROMPT",
+        "COMPLETION",
+    ]
     cells = [
-        [str(r.step), str(r.sample), fmt_float(r.reward),
-         "-" if r.advantage is None else f"{r.advantage:+.3f}", str(r.weight_version),
-         *(_cell(r.rewards.get(n)) for n in rewards), *(_cell(r.extra.get(n)) for n in extra),
-         one_line(r.prompt, PROMPT_WIDTH, keep_end=True), one_line(r.completion, COMPLETION_WIDTH)]
+        [
+            str(r.step),
+            str(r.sample),
+            fmt_float(r.reward),
+            "-" if r.advantage is None else f"{r.advantage:+.3f}",
+            str(r.weight_version),
+            *(_cell(r.rewards.get(n)) for n in rewards),
+            *(_cell(r.extra.get(n)) for n in extra),
+            one_line(r.prompt, PROMPT_WIDTH, keep_end=True),
+            one_line(r.completion, COMPLETION_WIDTH),
+        ]
         for r in rows
     ]
     return headers, cells
@@ -112,10 +136,18 @@ def completion_table(rows: list[CompletionRow]) -> tuple[list[str], list[list[st
 def get_completions(
     ctx: typer.Context,
     name: str = typer.Argument(..., metavar="RUN", help="The run whose completions to show."),
-    step: int | None = typer.Option(None, "--step", min=1, metavar="N", help="The optimizer step [default: the newest recorded]."),
-    worst: int | None = typer.Option(None, "--worst", min=1, metavar="K", help="Only the K with the lowest total reward, lowest first."),
-    best: int | None = typer.Option(None, "--best", min=1, metavar="K", help="Only the K with the highest total reward, highest first."),
-    output: Format = typer.Option(Format.table, "-o", "--output", help="table (text cut to fit a line), or json / yaml (full text)."),
+    step: int | None = typer.Option(
+        None, "--step", min=1, metavar="N", help="The optimizer step [default: the newest recorded]."
+    ),
+    worst: int | None = typer.Option(
+        None, "--worst", min=1, metavar="K", help="Only the K with the lowest total reward, lowest first."
+    ),
+    best: int | None = typer.Option(
+        None, "--best", min=1, metavar="K", help="Only the K with the highest total reward, highest first."
+    ),
+    output: Format = typer.Option(
+        Format.table, "-o", "--output", help="table (text cut to fit a line), or json / yaml (full text)."
+    ),
 ) -> None:
     """List a step's sampled completions: STEP SAMPLE REWARD ADVANTAGE WEIGHTS, each reward, PROMPT and
     COMPLETION."""
@@ -129,7 +161,12 @@ def get_completions(
     order = CompletionOrder.worst if worst else CompletionOrder.best if best else CompletionOrder.sample
     rows = [] if shown is None else store.list_completions(name, shown, order=order, limit=worst or best)
     if output != Format.table:
-        doc = {"kind": "CompletionList", "run": name, "step": shown, "items": [completion_dict(r) for r in rows]}
+        doc = {
+            "kind": "CompletionList",
+            "run": name,
+            "step": shown,
+            "items": [completion_dict(r) for r in rows],
+        }
         typer.echo(to_yaml(doc) if output == Format.yaml else to_json(doc), nl=False)
     elif rows:
         print_table(*completion_table(rows), "")

@@ -62,7 +62,9 @@ def load_run(filename: str, name: str | None) -> TrainingRun:
 
 
 def _no_run(filename: str, name: str, runs: list) -> list:
-    raise CliError(f"--name {name}: {filename} has no run of that name (it has {', '.join(r.name for r in runs)})")
+    raise CliError(
+        f"--name {name}: {filename} has no run of that name (it has {', '.join(r.name for r in runs)})"
+    )
 
 
 def dataset_row(run: TrainingRun, index: int, flag: str = "--row") -> dict[str, Any]:
@@ -86,7 +88,9 @@ def parse_row(run: TrainingRun, value: str | None) -> dict[str, Any]:
     try:
         row = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise CliError(f"--row: not JSON ({exc.msg} at character {exc.pos}); give an object or a row index") from None
+        raise CliError(
+            f"--row: not JSON ({exc.msg} at character {exc.pos}); give an object or a row index"
+        ) from None
     if not isinstance(row, dict):
         raise CliError(f"--row: a JSON object of dataset columns is needed (got a {type(row).__name__})")
     if "prompt" in row:
@@ -118,22 +122,35 @@ def completion_ids(run: TrainingRun, text: str) -> tuple[list[int], str | None]:
         if source.kind == "hub":
             tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=True)
         elif source.kind == "gguf":
-            tokenizer = AutoTokenizer.from_pretrained(Path(source.location).parent, gguf_file=Path(source.location).name)
+            tokenizer = AutoTokenizer.from_pretrained(
+                Path(source.location).parent, gguf_file=Path(source.location).name
+            )
         else:
             tokenizer = load_tokenizer(run.spec.model)
     except (FatalWorkerError, OSError) as exc:
-        return [], f"completion_ids is [] (the model's tokenizer is not on this machine: {str(exc).splitlines()[0]})"
+        return (
+            [],
+            f"completion_ids is [] (the model's tokenizer is not on this machine: {str(exc).splitlines()[0]})",
+        )
     return tokenizer.encode(text, add_special_tokens=False), None
 
 
 @test_app.command("reward", help=REWARD_HELP, no_args_is_help=True)
 def test_reward(
-    filename: str = typer.Option(..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."),
+    filename: str = typer.Option(
+        ..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."
+    ),
     completion: str = typer.Option(..., "--completion", metavar="TEXT", help="The completion to score."),
-    row: str | None = typer.Option(None, "--row", metavar="JSON|K", help="Dataset columns as JSON, or row K."),
-    prompt: str | None = typer.Option(None, "--prompt", metavar="TEXT", help="The prompt (default: the row's)."),
+    row: str | None = typer.Option(
+        None, "--row", metavar="JSON|K", help="Dataset columns as JSON, or row K."
+    ),
+    prompt: str | None = typer.Option(
+        None, "--prompt", metavar="TEXT", help="The prompt (default: the row's)."
+    ),
     name: str | None = typer.Option(None, "--name", help="The run to use when the file holds several."),
-    output: str | None = typer.Option(None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."),
+    output: str | None = typer.Option(
+        None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."
+    ),
 ) -> None:
     from mortal.workers.data import normalize_prompt
     from mortal.workers.rewards import RewardSet
@@ -146,11 +163,22 @@ def test_reward(
     message = completion if isinstance(the_prompt, str) else [{"role": "assistant", "content": completion}]
     ids, note = completion_ids(run, completion)
     reports = RewardSet.from_spec(run.spec.rewards, max_steps=run.spec.algorithm.max_steps).report(
-        the_prompt, message, ids, columns)
+        the_prompt, message, ids, columns
+    )
     result = {
-        "rewards": [{"name": r.name, "weight": entry.weight, "score": r.score, "error": r.error, "stdout": r.stdout,
-                     "stderr": r.stderr, "logMetric": r.logged.metrics, "logExtra": r.logged.extra}
-                    for r, entry in zip(reports, run.spec.rewards, strict=True)],
+        "rewards": [
+            {
+                "name": r.name,
+                "weight": entry.weight,
+                "score": r.score,
+                "error": r.error,
+                "stdout": r.stdout,
+                "stderr": r.stderr,
+                "logMetric": r.logged.metrics,
+                "logExtra": r.logged.extra,
+            }
+            for r, entry in zip(reports, run.spec.rewards, strict=True)
+        ],
         "weightedSum": weighted_sum(run, {r.name: r.score for r in reports}),
         **({"note": note} if note else {}),
     }
@@ -193,15 +221,25 @@ def _score(value: float | None) -> str:
 
 @test_app.command("rollout", help=ROLLOUT_HELP, no_args_is_help=True)
 def test_rollout(
-    filename: str = typer.Option(..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."),
+    filename: str = typer.Option(
+        ..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."
+    ),
     prompt: str | None = typer.Option(None, "--prompt", metavar="TEXT", help="The prompt to complete."),
-    row: int | None = typer.Option(None, "--row", metavar="K", help="Use row K of the run's dataset (and score it)."),
-    n: int | None = typer.Option(None, "-n", metavar="N", help="Completions to sample [default: numGenerations]."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", metavar="N", help="Override generation.maxTokens."),
+    row: int | None = typer.Option(
+        None, "--row", metavar="K", help="Use row K of the run's dataset (and score it)."
+    ),
+    n: int | None = typer.Option(
+        None, "-n", metavar="N", help="Completions to sample [default: numGenerations]."
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", metavar="N", help="Override generation.maxTokens."
+    ),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (same seed, same completions on CPU)."),
     device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda."),
     name: str | None = typer.Option(None, "--name", help="The run to use when the file holds several."),
-    output: str | None = typer.Option(None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."),
+    output: str | None = typer.Option(
+        None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."
+    ),
 ) -> None:
     _check_output(output)
     if (prompt is None) == (row is None):
@@ -217,8 +255,15 @@ def test_rollout(
     _print_rollout_result(result)
 
 
-def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_tokens: int | None, seed: int,
-             device: str) -> dict[str, Any]:
+def generate(
+    run: TrainingRun,
+    prompt: str | None,
+    row: int | None,
+    n: int,
+    max_tokens: int | None,
+    seed: int,
+    device: str,
+) -> dict[str, Any]:
     """Sample `n` completions as a rollout worker would (same engine, tokenizer and settings); scored
     with the run's rewards when the prompt is a dataset row."""
     from mortal.workers.data import normalize_prompt
@@ -228,7 +273,9 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
     from mortal.workers.samples import as_text
 
     columns = dataset_row(run, row) if row is not None else {}
-    the_prompt = columns["prompt"] if row is not None else normalize_prompt(prompt, run.spec.dataset.system_prompt)
+    the_prompt = (
+        columns["prompt"] if row is not None else normalize_prompt(prompt, run.spec.dataset.system_prompt)
+    )
     where = _device(device)
     tokenizer = load_tokenizer(run.spec.model)
     engine = select_engine(run.spec.generation.engine, where).create(run.spec.model, tokenizer, device=where)
@@ -252,28 +299,48 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
         texts = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
         messages = [completion_message(tokenizer, the_prompt, i) for i in ids]
         environments = None
-    result: dict[str, Any] = {"prompt": the_prompt, "engine": engine.name, "device": where, "completions": texts}
+    result: dict[str, Any] = {
+        "prompt": the_prompt,
+        "engine": engine.name,
+        "device": where,
+        "completions": texts,
+    }
     if run.spec.rollout.uses_tools:
-        result |= {"turns": [r.turns for r in rollouts], "toolCalls": [r.tool_calls for r in rollouts],
-                   "toolFailures": [r.tool_failures for r in rollouts], "messages": messages}
+        result |= {
+            "turns": [r.turns for r in rollouts],
+            "toolCalls": [r.tool_calls for r in rollouts],
+            "toolFailures": [r.tool_failures for r in rollouts],
+            "messages": messages,
+        }
     if row is not None:
         rewards = RewardSet.from_spec(run.spec.rewards, max_steps=run.spec.algorithm.max_steps)
         scores = rewards.score(the_prompt, messages, ids, columns, environments=environments)
         result["rewards"] = scores
-        result["weightedSums"] = [weighted_sum(run, {name: values[k] for name, values in scores.items()})
-                                  for k in range(len(ids))]
+        result["weightedSums"] = [
+            weighted_sum(run, {name: values[k] for name, values in scores.items()}) for k in range(len(ids))
+        ]
     return result
 
 
-def _tool_rollouts(run: TrainingRun, engine: Any, tokenizer: Any, params: Any, prompt: Any, row: dict[str, Any],
-                   n: int, seed: int) -> list[Any]:
+def _tool_rollouts(
+    run: TrainingRun,
+    engine: Any,
+    tokenizer: Any,
+    params: Any,
+    prompt: Any,
+    row: dict[str, Any],
+    n: int,
+    seed: int,
+) -> list[Any]:
     """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop
     (mortal.workers.multiturn)."""
     from mortal.workers.messages import RolloutRequest
     from mortal.workers.multiturn import MultiTurn
     from mortal.workers.tools import Toolbox
 
-    multiturn = MultiTurn(engine, tokenizer, Toolbox.from_spec(run.spec.rollout), params, run.spec.rollout.chat_template)
+    multiturn = MultiTurn(
+        engine, tokenizer, Toolbox.from_spec(run.spec.rollout), params, run.spec.rollout.chat_template
+    )
     request = RolloutRequest(prompt=prompt, row=row or {"prompt": prompt}, num_generations=n, seed=seed)
     return multiturn.rollouts([request])[0]
 
@@ -299,10 +366,14 @@ def _print_rollout_result(result: dict[str, Any]) -> None:
             parts = [f"{name} {_score(values[k])}" for name, values in rewards.items()]
             scored = f"  [{', '.join(parts)}; weighted {_score(result['weightedSums'][k])}]"
         if "turns" in result:
-            scored += (f"  [{result['turns'][k]} turns, {result['toolCalls'][k]} tool calls, "
-                       f"{result['toolFailures'][k]} failed]")
+            scored += (
+                f"  [{result['turns'][k]} turns, {result['toolCalls'][k]} tool calls, "
+                f"{result['toolFailures'][k]} failed]"
+            )
         say(f"--- completion {k}{scored} ---\n{text}")
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(test_app, name="test", help=HELP, short_help="Try a run's rewards or generation, without training")
+    app.add_typer(
+        test_app, name="test", help=HELP, short_help="Try a run's rewards or generation, without training"
+    )

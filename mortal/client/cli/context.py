@@ -77,7 +77,9 @@ def parse_selector(selector: str | None) -> dict[str, str]:
     return labels
 
 
-def modify_spec(store: Store, name: str, change: Callable[[RunRow], dict | None], retries: int = 5) -> tuple[RunRow, RunRow]:
+def modify_spec(
+    store: Store, name: str, change: Callable[[RunRow], dict | None], retries: int = 5
+) -> tuple[RunRow, RunRow]:
     """Read-modify-write of a run's spec: `change(row)` returns the new spec (None = nothing to do).
 
     The write is a compare-and-swap on resource_version; on Conflict the run is read again and

@@ -29,14 +29,22 @@ Examples:
 
 def cp_command(
     ctx: typer.Context,
-    source: str = typer.Argument(..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."),
+    source: str = typer.Argument(
+        ..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."
+    ),
     dest: Path = typer.Argument(..., metavar="DIR", help="A new (or empty) local folder."),
 ) -> None:
     run, step = parse_source(source)
     copied = copy_checkpoint(state(ctx).store, run, step, dest)
-    typer.echo(plain(f"trainingrun/{run} checkpoint step-{copied.step} (weights v{copied.weight_version}) "
-                     f"copied to {copied.dest}"))
+    typer.echo(
+        plain(
+            f"trainingrun/{run} checkpoint step-{copied.step} (weights v{copied.weight_version}) "
+            f"copied to {copied.dest}"
+        )
+    )
 
 
 def register(app: typer.Typer) -> None:
-    app.command("cp", help=HELP, short_help="Copy a run's checkpoint to a local folder", no_args_is_help=True)(cp_command)
+    app.command(
+        "cp", help=HELP, short_help="Copy a run's checkpoint to a local folder", no_args_is_help=True
+    )(cp_command)

@@ -37,13 +37,22 @@ MAX_SHOWN = 50
 STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 SECURITY_HEADERS = [
     # the page runs only the dashboard's own script file: a completion that escaped escaping could not run
-    ("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-                                "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"),
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
+    ),
     ("X-Content-Type-Options", "nosniff"),
     ("Referrer-Policy", "no-referrer"),
     ("Cache-Control", "no-store"),
 ]
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}
 
 HELP = """Serve a read-only web page of the runs in the store, updated live.
 
@@ -85,8 +94,10 @@ class DashboardApp:
             log.exception("dashboard request %s failed", environ.get("PATH_INFO"))
             status, content_type = 500, "text/html; charset=utf-8"
             body = pages.error_page("store error", f"{type(exc).__name__}: {exc}").encode()
-        start_response(f"{status} {_REASONS.get(status, 'Error')}",
-                       [("Content-Type", content_type), ("Content-Length", str(len(body))), *SECURITY_HEADERS])
+        start_response(
+            f"{status} {_REASONS.get(status, 'Error')}",
+            [("Content-Type", content_type), ("Content-Length", str(len(body))), *SECURITY_HEADERS],
+        )
         return [body]
 
     def handle(self, environ: dict[str, Any]) -> tuple[int, str, bytes]:
@@ -125,16 +136,25 @@ class DashboardApp:
                 raise _BadRequest(f"k must be 1 to {MAX_SHOWN}")
             view = data.run_view(self.store, name, step, shown)
             if is_json:
-                return self._json(view, pages.run_sections(view, step is not None, shown) if sections else None)
+                return self._json(
+                    view, pages.run_sections(view, step is not None, shown) if sections else None
+                )
             api = "/api" + pages.run_url(name, step=step, k=shown)
-            return 200, "text/html; charset=utf-8", pages.run_page(view, api, step is not None, shown,
-                                                                   self.refresh_seconds).encode()
+            return (
+                200,
+                "text/html; charset=utf-8",
+                pages.run_page(view, api, step is not None, shown, self.refresh_seconds).encode(),
+            )
         from mortal.state import NotFound
 
         raise NotFound(f"nothing at {path!r}")
 
     def _json(self, view: dict[str, Any], sections: dict[str, str] | None) -> tuple[int, str, bytes]:
-        return 200, "application/json", _json_body(view if sections is None else {**view, "sections": sections})
+        return (
+            200,
+            "application/json",
+            _json_body(view if sections is None else {**view, "sections": sections}),
+        )
 
 
 def _int(query: dict[str, str], key: str, default: int | None) -> int | None:
@@ -167,16 +187,24 @@ def open_read_only(url: str | None):
         current = migrate.current_revision(conn)
     if current != migrate.head_revision():
         store.close()
-        raise CliError(f"the state store at {url} is at schema {current or 'none'}, this mortal reads "
-                       f"{migrate.head_revision()}: run a mortalctl command that writes (or the controller) "
-                       "with this version first; the dashboard never migrates")
+        raise CliError(
+            f"the state store at {url} is at schema {current or 'none'}, this mortal reads "
+            f"{migrate.head_revision()}: run a mortalctl command that writes (or the controller) "
+            "with this version first; the dashboard never migrates"
+        )
     return data.ReadOnlyStore(store)
 
 
 @contextmanager
-def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-          refresh_seconds: float = DEFAULT_REFRESH_SECONDS, threads: int = 4, idle_seconds: int = IDLE_SECONDS,
-          connection_limit: int = CONNECTION_LIMIT) -> Iterator[str]:
+def serve(
+    store: data.ReadOnlyStore,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    refresh_seconds: float = DEFAULT_REFRESH_SECONDS,
+    threads: int = 4,
+    idle_seconds: int = IDLE_SECONDS,
+    connection_limit: int = CONNECTION_LIMIT,
+) -> Iterator[str]:
     """Serve the dashboard with waitress from a background thread for the duration of the block; yields
     its URL (port 0: any free port). Connections idle for `idle_seconds` are closed."""
     try:
@@ -188,12 +216,23 @@ def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAUL
 
     sockets: dict[int, Any] = {}
     try:
-        server = create_server(DashboardApp(store, refresh_seconds), map=sockets, host=host, port=port,
-                               threads=threads, ident="mortal-dashboard", asyncore_use_poll=True,
-                               channel_timeout=idle_seconds, cleanup_interval=1, connection_limit=connection_limit)
+        server = create_server(
+            DashboardApp(store, refresh_seconds),
+            map=sockets,
+            host=host,
+            port=port,
+            threads=threads,
+            ident="mortal-dashboard",
+            asyncore_use_poll=True,
+            channel_timeout=idle_seconds,
+            cleanup_interval=1,
+            connection_limit=connection_limit,
+        )
     except OSError as exc:  # in use, a privileged port, an address this machine does not have
-        raise CliError(f"--port {port} / --host {host}: cannot listen there ({exc.strerror or exc}); "
-                       "pick another --port (0: any free one)") from exc
+        raise CliError(
+            f"--port {port} / --host {host}: cannot listen there ({exc.strerror or exc}); "
+            "pick another --port (0: any free one)"
+        ) from exc
     halt = run_in_thread(server, sockets, "mortal-dashboard")
     try:
         yield f"http://{server.effective_host}:{server.effective_port}"
@@ -204,9 +243,16 @@ def serve(store: data.ReadOnlyStore, host: str = "127.0.0.1", port: int = DEFAUL
 def dashboard(
     ctx: typer.Context,
     port: int = typer.Option(DEFAULT_PORT, "--port", min=0, max=65535, help="TCP port (0: any free one)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 shows the store to the network."),
-    refresh: float = typer.Option(DEFAULT_REFRESH_SECONDS, "--refresh", min=0.5, metavar="SECONDS",
-                                  help="How often an open page reads the store again."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 shows the store to the network."
+    ),
+    refresh: float = typer.Option(
+        DEFAULT_REFRESH_SECONDS,
+        "--refresh",
+        min=0.5,
+        metavar="SECONDS",
+        help="How often an open page reads the store again.",
+    ),
 ) -> None:
     """Serve a read-only web page of the runs (reward and loss curves, workers, checkpoints, events,
     completions)."""

@@ -30,8 +30,16 @@ CUT = "… [cut: {total} characters in all; the full text: {url}]"
 class ReadOnlyStore:
     """The read methods of a Store, and nothing else: the dashboard cannot write, whatever its code does."""
 
-    READS = ("get_run", "list_runs", "list_workers", "list_checkpoints", "list_events", "list_metrics",
-             "list_completions", "completion_steps")
+    READS = (
+        "get_run",
+        "list_runs",
+        "list_workers",
+        "list_checkpoints",
+        "list_events",
+        "list_metrics",
+        "list_completions",
+        "completion_steps",
+    )
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -64,7 +72,10 @@ def run_summary(row: RunRow) -> dict[str, Any]:
     whole = summary_whole(row)
     url = api_url(row.name, "status")
     for condition in whole["conditions"]:
-        condition["reason"], condition["message"] = cut(condition["reason"], url), cut(condition["message"], url)
+        condition["reason"], condition["message"] = (
+            cut(condition["reason"], url),
+            cut(condition["message"], url),
+        )
     for key in ("message", "error"):
         if key in whole:
             whole[key] = cut(whole[key], url)
@@ -79,12 +90,27 @@ def summary_whole(row: RunRow) -> dict[str, Any]:
     try:
         run = run_document(row)
     except SpecError as err:  # stored by another mortal version: still listed, with what is wrong
-        return {**base, "phase": row.phase, "step": None, "maxSteps": None, "reward": None,
-                "conditions": [], "error": str(err)}
+        return {
+            **base,
+            "phase": row.phase,
+            "step": None,
+            "maxSteps": None,
+            "reward": None,
+            "conditions": [],
+            "error": str(err),
+        }
     s = run.status
-    conditions = [{"type": c.type, "status": str(c.status), "reason": c.reason, "message": c.message,
-                   "age": age(c.last_transition_time) if c.last_transition_time else None}
-                  for c in s.conditions if c.type in CONDITION_TYPES]
+    conditions = [
+        {
+            "type": c.type,
+            "status": str(c.status),
+            "reason": c.reason,
+            "message": c.message,
+            "age": age(c.last_transition_time) if c.last_transition_time else None,
+        }
+        for c in s.conditions
+        if c.type in CONDITION_TYPES
+    ]
     conditions.sort(key=lambda c: CONDITION_TYPES.index(c["type"]))
     return {
         **base,
@@ -130,9 +156,14 @@ def completions(store: ReadOnlyStore, run: str, step: int | None, shown: int) ->
     chosen = step if step is not None else (steps[-1] if steps else None)
     rows = [] if chosen is None else store.list_completions(run, chosen, order=CompletionOrder.worst)
     scored = [r for r in rows if r.reward is not None]
-    return {"step": chosen, "steps": steps, "samples": len(rows), "unscored": len(rows) - len(scored),
-            "worst": [_sample(run, r) for r in scored[:shown]],
-            "best": [_sample(run, r) for r in reversed(scored[-shown:])] if scored else []}
+    return {
+        "step": chosen,
+        "steps": steps,
+        "samples": len(rows),
+        "unscored": len(rows) - len(scored),
+        "worst": [_sample(run, r) for r in scored[:shown]],
+        "best": [_sample(run, r) for r in reversed(scored[-shown:])] if scored else [],
+    }
 
 
 def _sample(run: str, row: CompletionRow) -> dict[str, Any]:
@@ -143,16 +174,29 @@ def _sample(run: str, row: CompletionRow) -> dict[str, Any]:
 
 def _event(run: str, e: EventRow) -> dict[str, Any]:
     url = api_url(run, "events", e.id)
-    return {"id": e.id, "type": e.type, "reason": cut(e.reason, url), "message": cut(e.message, url),
-            "time": _iso(e.time), "age": age(e.time)}
+    return {
+        "id": e.id,
+        "type": e.type,
+        "reason": cut(e.reason, url),
+        "message": cut(e.message, url),
+        "time": _iso(e.time),
+        "age": age(e.time),
+    }
 
 
 def _checkpoint(run: str, c: CheckpointRow) -> dict[str, Any]:
-    return {"step": c.step, "weightVersion": c.weight_version, "path": cut(c.path, api_url(run, "checkpoints", c.step)),
-            "created": _iso(c.created_at), "age": age(c.created_at)}
+    return {
+        "step": c.step,
+        "weightVersion": c.weight_version,
+        "path": cut(c.path, api_url(run, "checkpoints", c.step)),
+        "created": _iso(c.created_at),
+        "age": age(c.created_at),
+    }
 
 
-def run_view(store: ReadOnlyStore, name: str, step: int | None = None, shown: int = DEFAULT_SHOWN) -> dict[str, Any]:
+def run_view(
+    store: ReadOnlyStore, name: str, step: int | None = None, shown: int = DEFAULT_SHOWN
+) -> dict[str, Any]:
     """One run's page: its summary, curves, events, workers, checkpoints and a step's completions.
 
     NotFound for a run that is not there, CliError for a step without samples.
@@ -160,14 +204,32 @@ def run_view(store: ReadOnlyStore, name: str, step: int | None = None, shown: in
     row = store.get_run(name)
     summary = run_summary(row)
     gpus = summary.get("gpus", {})
-    workers = [{"id": w.id, "role": w.role, "replica": w.replica, "incarnation": w.incarnation, "state": w.state,
-                "gpu": gpus.get(w.role, "-"), "step": w.step, "weightVersion": w.weight_version,
-                "heartbeat": age(w.heartbeat_at) if w.heartbeat_at else None, "exitCode": w.exit_code,
-                "message": cut(w.message, api_url(name, "workers", w.id)),
-                "handle": cut(w.handle, api_url(name, "workers", w.id)), "age": age(w.started_at)}
-               for w in store.list_workers(name)]
-    workers.sort(key=lambda w: (w["state"] in ("Succeeded", "Failed", "Lost", "Stopped"), w["role"],
-                                w["replica"], -w["incarnation"]))
+    workers = [
+        {
+            "id": w.id,
+            "role": w.role,
+            "replica": w.replica,
+            "incarnation": w.incarnation,
+            "state": w.state,
+            "gpu": gpus.get(w.role, "-"),
+            "step": w.step,
+            "weightVersion": w.weight_version,
+            "heartbeat": age(w.heartbeat_at) if w.heartbeat_at else None,
+            "exitCode": w.exit_code,
+            "message": cut(w.message, api_url(name, "workers", w.id)),
+            "handle": cut(w.handle, api_url(name, "workers", w.id)),
+            "age": age(w.started_at),
+        }
+        for w in store.list_workers(name)
+    ]
+    workers.sort(
+        key=lambda w: (
+            w["state"] in ("Succeeded", "Failed", "Lost", "Stopped"),
+            w["role"],
+            w["replica"],
+            -w["incarnation"],
+        )
+    )
     return {
         "kind": "RunView",
         "run": summary,
@@ -191,18 +253,61 @@ def full_item(store: ReadOnlyStore, name: str, kind: str, key: list[str]) -> dic
     if kind == "status" and not key:
         found = summary_whole(row)
     elif kind == "events" and len(key) == 1:
-        found = next(({"id": e.id, "type": e.type, "reason": e.reason, "message": e.message, "time": _iso(e.time)}
-                      for e in store.list_events(name, limit=EVENTS_SHOWN) if str(e.id) == key[0]), None)
+        found = next(
+            (
+                {"id": e.id, "type": e.type, "reason": e.reason, "message": e.message, "time": _iso(e.time)}
+                for e in store.list_events(name, limit=EVENTS_SHOWN)
+                if str(e.id) == key[0]
+            ),
+            None,
+        )
     elif kind == "workers" and len(key) == 1:
-        found = next(({"id": w.id, "role": w.role, "replica": w.replica, "incarnation": w.incarnation,
-                       "state": w.state, "message": w.message, "handle": w.handle}
-                      for w in store.list_workers(name) if str(w.id) == key[0]), None)
+        found = next(
+            (
+                {
+                    "id": w.id,
+                    "role": w.role,
+                    "replica": w.replica,
+                    "incarnation": w.incarnation,
+                    "state": w.state,
+                    "message": w.message,
+                    "handle": w.handle,
+                }
+                for w in store.list_workers(name)
+                if str(w.id) == key[0]
+            ),
+            None,
+        )
     elif kind == "checkpoints" and len(key) == 1:
-        found = next(({"step": c.step, "weightVersion": c.weight_version, "path": c.path, "created": _iso(c.created_at)}
-                      for c in store.list_checkpoints(name) if str(c.step) == key[0]), None)
-    elif kind == "completions" and len(key) == 2 and key[0].isdigit() and int(key[0]) in store.completion_steps(name):
-        found = next((completion_dict(c) for c in store.list_completions(name, int(key[0]))
-                      if str(c.sample) == key[1]), None)
+        found = next(
+            (
+                {
+                    "step": c.step,
+                    "weightVersion": c.weight_version,
+                    "path": c.path,
+                    "created": _iso(c.created_at),
+                }
+                for c in store.list_checkpoints(name)
+                if str(c.step) == key[0]
+            ),
+            None,
+        )
+    elif (
+        kind == "completions"
+        and len(key) == 2
+        and key[0].isdigit()
+        and int(key[0]) in store.completion_steps(name)
+    ):
+        found = next(
+            (
+                completion_dict(c)
+                for c in store.list_completions(name, int(key[0]))
+                if str(c.sample) == key[1]
+            ),
+            None,
+        )
     if found is None:
-        raise NotFound(f"trainingrun/{name} has no {'/'.join([kind, *key])} here (events: the {EVENTS_SHOWN} newest)")
+        raise NotFound(
+            f"trainingrun/{name} has no {'/'.join([kind, *key])} here (events: the {EVENTS_SHOWN} newest)"
+        )
     return found

@@ -52,7 +52,9 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
     )
     if a.num_epochs is not None:
         algorithm += f", numEpochs {a.num_epochs:g}"
-    generation = f"maxTokens {g.max_tokens}, temperature {g.temperature:g}, topP {g.top_p:g}, engine {g.engine}"
+    generation = (
+        f"maxTokens {g.max_tokens}, temperature {g.temperature:g}, topP {g.top_p:g}, engine {g.engine}"
+    )
     if g.top_k:
         generation += f", topK {g.top_k}"
     defaults = spec.seed_defaults()
@@ -65,15 +67,24 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
         ("Rollout", f"{spec.rollout.replicas} x gpu {spec.rollout.gpu}"),
         ("Sync", f"{spec.sync.method}, every {spec.sync.every} step(s)"),
         ("Checkpoint", f"every {spec.checkpoint.every} steps, keep {spec.checkpoint.keep}"),
-        ("Restart policy", f"maxRestarts {spec.restart_policy.max_restarts}, backoff {spec.restart_policy.backoff_seconds:g}s"),
+        (
+            "Restart policy",
+            f"maxRestarts {spec.restart_policy.max_restarts}, backoff {spec.restart_policy.backoff_seconds:g}s",
+        ),
         ("Limits", limits_line(spec)),
         ("Backend", spec.backend),
         ("Suspend", str(spec.suspend).lower()),
         ("Secrets", ", ".join(spec.secrets) or "<none>"),
     ]
     if defaults:
-        lines.insert(2, ("Defaults", f"{' and '.join(defaults)} not given: the seeds' code execution in the sandbox "
-                                     "on builtin:mbpp-mini"))
+        lines.insert(
+            2,
+            (
+                "Defaults",
+                f"{' and '.join(defaults)} not given: the seeds' code execution in the sandbox "
+                "on builtin:mbpp-mini",
+            ),
+        )
     return lines
 
 
@@ -81,8 +92,9 @@ def limits_line(spec: TrainingSpec) -> str:
     from mortal.specs import format_duration
 
     limits = spec.limits
-    parts = ([f"maxDuration {format_duration(limits.max_duration)}"] if limits.max_duration is not None else []) + (
-        [f"maxGPUHours {limits.max_gpu_hours:g}"] if limits.max_gpu_hours is not None else [])
+    parts = (
+        [f"maxDuration {format_duration(limits.max_duration)}"] if limits.max_duration is not None else []
+    ) + ([f"maxGPUHours {limits.max_gpu_hours:g}"] if limits.max_gpu_hours is not None else [])
     return ", ".join(parts) or "<none>"
 
 
@@ -94,7 +106,13 @@ def usage_lines(run: TrainingRun, now: datetime | None = None) -> list[tuple[str
     active = s.active_time(now or datetime.now(UTC))
     minutes, secs = divmod(int(active), 60)
     hours, minutes = divmod(minutes, 60)
-    shown = f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{active:.1f}s"
+    shown = (
+        f"{hours}h{minutes:02d}m{secs:02d}s"
+        if hours
+        else f"{minutes}m{secs:02d}s"
+        if minutes
+        else f"{active:.1f}s"
+    )
     if limits.max_duration is not None:
         shown += f" of maxDuration {format_duration(limits.max_duration)}"
     if s.phase == Phase.SUSPENDED:
@@ -113,12 +131,22 @@ def effective_lines(run: TrainingRun) -> list[tuple[str, str]]:
         return []
     lines = []
     if chosen.micro_batch_size is not None:
-        lines.append(("Micro batch", f"{chosen.micro_batch_size} (spec: {chosen.spec_micro_batch_size}; "
-                                     f"{spec.algorithm.batch_size // chosen.micro_batch_size} passes a step, "
-                                     "chosen by the controller)"))
+        lines.append(
+            (
+                "Micro batch",
+                f"{chosen.micro_batch_size} (spec: {chosen.spec_micro_batch_size}; "
+                f"{spec.algorithm.batch_size // chosen.micro_batch_size} passes a step, "
+                "chosen by the controller)",
+            )
+        )
     if chosen.rollout_gpu_memory_utilization is not None:
-        lines.append(("Rollout GPU share", f"{chosen.rollout_gpu_memory_utilization:g} (spec: "
-                                           f"{chosen.spec_rollout_gpu_memory_utilization}; chosen by the controller)"))
+        lines.append(
+            (
+                "Rollout GPU share",
+                f"{chosen.rollout_gpu_memory_utilization:g} (spec: "
+                f"{chosen.spec_rollout_gpu_memory_utilization}; chosen by the controller)",
+            )
+        )
     if lines and chosen.reason:
         lines.append(("Memory", chosen.reason))
     return lines
@@ -139,14 +167,20 @@ def status_lines(run: TrainingRun) -> list[tuple[str, str]]:
         ("Step", f"{s.step}/{run.spec.algorithm.max_steps}"),
         ("Weight version", str(s.weight_version)),
         ("Reward", fmt_float(s.reward)),
-        ("Replicas", f"actor {s.replicas.actor.ready}/{s.replicas.actor.desired} ready, "
-                     f"rollout {s.replicas.rollout.ready}/{s.replicas.rollout.desired} ready"),
+        (
+            "Replicas",
+            f"actor {s.replicas.actor.ready}/{s.replicas.actor.desired} ready, "
+            f"rollout {s.replicas.rollout.ready}/{s.replicas.rollout.desired} ready",
+        ),
         ("Restarts", str(s.restarts)),
         *usage_lines(run),
         *effective_lines(run),
         ("Last checkpoint", ckpt),
-        ("Last step", _when(s.last_step_time) + (f", steps take {s.step_seconds:.3g}s (median)"
-                                                 if s.step_seconds is not None else "")),
+        (
+            "Last step",
+            _when(s.last_step_time)
+            + (f", steps take {s.step_seconds:.3g}s (median)" if s.step_seconds is not None else ""),
+        ),
         ("Started", _when(s.start_time)),
         ("Completed", _when(s.completion_time)),
         ("Message", s.message or "<none>"),
@@ -186,31 +220,69 @@ def describe_run(store: Store, row: RunRow) -> None:
     if row.forked_from is not None:
         identity.append(("Forked from", f"{row.forked_from} at step {row.forked_from_step}"))
     if row.deleted_at:
-        identity.append(("Deleting", _when(row.deleted_at) + (", purging checkpoints" if row.purge_requested else "")))
+        identity.append(
+            ("Deleting", _when(row.deleted_at) + (", purging checkpoints" if row.purge_requested else ""))
+        )
     print_fields(None, identity)
     print_fields("Spec", spec_lines(run.spec))
     print_section("  Rewards", ("NAME", "SOURCE", "WEIGHT"), reward_rows(run.spec))
     print_fields("Status", status_lines(run))
-    conditions = [(c.type, c.status, c.reason, age(c.last_transition_time), c.message) for c in run.status.conditions]
+    conditions = [
+        (c.type, c.status, c.reason, age(c.last_transition_time), c.message) for c in run.status.conditions
+    ]
     print_section("Conditions", ("TYPE", "STATUS", "REASON", "AGE", "MESSAGE"), conditions)
     workers = store.list_workers(row.name)[-10:]
-    print_section("Workers", ("ROLE", "REPLICA", "INCARNATION", "STATE", "STEP", "WEIGHTS", "HEARTBEAT", "DOING",
-                              "EXIT", "GPUS", "HANDLE", "AGE"), [
-        (w.role, w.replica, w.incarnation, w.state, _dash(w.step), _dash(w.weight_version),
-         age(w.heartbeat_at) if w.heartbeat_at else "-",
-         f"{w.activity} for {age(w.activity_since)}" if w.activity and w.ended_at is None else "-",
-         _dash(w.exit_code), w.gpus, _dash(w.handle), age(w.started_at))
-        for w in workers
-    ])
+    print_section(
+        "Workers",
+        (
+            "ROLE",
+            "REPLICA",
+            "INCARNATION",
+            "STATE",
+            "STEP",
+            "WEIGHTS",
+            "HEARTBEAT",
+            "DOING",
+            "EXIT",
+            "GPUS",
+            "HANDLE",
+            "AGE",
+        ),
+        [
+            (
+                w.role,
+                w.replica,
+                w.incarnation,
+                w.state,
+                _dash(w.step),
+                _dash(w.weight_version),
+                age(w.heartbeat_at) if w.heartbeat_at else "-",
+                f"{w.activity} for {age(w.activity_since)}" if w.activity and w.ended_at is None else "-",
+                _dash(w.exit_code),
+                w.gpus,
+                _dash(w.handle),
+                age(w.started_at),
+            )
+            for w in workers
+        ],
+    )
     checkpoints = store.list_checkpoints(row.name)
-    print_section("Checkpoints", ("STEP", "WEIGHTS", "GEN", "PROMPTS", "AGE", "PATH"),
-                  [(c.step, c.weight_version, *_drawn(c.provenance), age(c.created_at), c.path) for c in checkpoints])
+    print_section(
+        "Checkpoints",
+        ("STEP", "WEIGHTS", "GEN", "PROMPTS", "AGE", "PATH"),
+        [(c.step, c.weight_version, *_drawn(c.provenance), age(c.created_at), c.path) for c in checkpoints],
+    )
     if checkpoints and checkpoints[-1].provenance:
-        print_fields(f"Made by (step {checkpoints[-1].step})", provenance_lines(checkpoints[-1].provenance), indent=2)
+        print_fields(
+            f"Made by (step {checkpoints[-1].step})", provenance_lines(checkpoints[-1].provenance), indent=2
+        )
     print_fields("Ledger", run_ledger(store, row).lines())
     events = store.list_events(row.name, limit=15)
-    print_section("Events", ("TYPE", "REASON", "AGE", "MESSAGE"),
-                  [(e.type, e.reason, age(e.time), e.message) for e in events])
+    print_section(
+        "Events",
+        ("TYPE", "REASON", "AGE", "MESSAGE"),
+        [(e.type, e.reason, age(e.time), e.message) for e in events],
+    )
 
 
 def _drawn(record: dict | None) -> tuple[str, str]:
@@ -223,15 +295,29 @@ def _drawn(record: dict | None) -> tuple[str, str]:
 def provenance_lines(record: dict) -> list[tuple[str, str]]:
     """What made a checkpoint, as describe's fields; the hashes shortened to 12 hex digits."""
     position, dataset = record.get("position") or {}, record.get("dataset") or {}
-    rewards = ", ".join(f"{name} {str(digest)[:12]}" for name, digest in (record.get("rewards") or {}).items())
+    rewards = ", ".join(
+        f"{name} {str(digest)[:12]}" for name, digest in (record.get("rewards") or {}).items()
+    )
     lines = [("Spec generation", _dash(record.get("specGeneration")))]
     if position:
-        lines.append(("Data position", f"prompt {position['consumed']} drawn (pass {position['epoch']}, index "
-                                       f"{position['index']}), seed {position['seed']}, "
-                                       f"{position['promptsPerStep']} prompts per step"))
-    lines.append(("Dataset", f"{dataset.get('name', '?')}: {dataset.get('rows', '?')} rows, sha256 "
-                             f"{str(dataset.get('sha256', ''))[:12]}"))
-    lines.append(("Reward code", f"{str(record.get('rewardCode', ''))[:12]}" + (f" ({rewards})" if rewards else "")))
+        lines.append(
+            (
+                "Data position",
+                f"prompt {position['consumed']} drawn (pass {position['epoch']}, index "
+                f"{position['index']}), seed {position['seed']}, "
+                f"{position['promptsPerStep']} prompts per step",
+            )
+        )
+    lines.append(
+        (
+            "Dataset",
+            f"{dataset.get('name', '?')}: {dataset.get('rows', '?')} rows, sha256 "
+            f"{str(dataset.get('sha256', ''))[:12]}",
+        )
+    )
+    lines.append(
+        ("Reward code", f"{str(record.get('rewardCode', ''))[:12]}" + (f" ({rewards})" if rewards else ""))
+    )
     return lines
 
 
@@ -253,7 +339,9 @@ def describe_runs(
 
 
 def register(app: typer.Typer) -> None:
-    describe_app = typer.Typer(help=HELP, short_help="Show the details of a run", no_args_is_help=True, rich_markup_mode=None)
+    describe_app = typer.Typer(
+        help=HELP, short_help="Show the details of a run", no_args_is_help=True, rich_markup_mode=None
+    )
     for i, alias in enumerate(("run", "runs", "trainingrun", "trainingruns", "tr")):
         describe_app.command(alias, hidden=i > 0)(describe_runs)
     app.add_typer(describe_app, name="describe")

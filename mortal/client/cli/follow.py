@@ -31,8 +31,12 @@ if TYPE_CHECKING:
 
 REWARD = "reward"
 """Metric holding a step's mean total reward (TRL's name, stored by mortal.workers.metrics)."""
-LINE_METRICS = (("loss", "loss {:.4f}"), ("kl", "kl {:.4f}"), ("weight_version", "weights v{:.0f}"),
-                ("step_seconds", "{:.1f}s/step"))
+LINE_METRICS = (
+    ("loss", "loss {:.4f}"),
+    ("kl", "kl {:.4f}"),
+    ("weight_version", "weights v{:.0f}"),
+    ("step_seconds", "{:.1f}s/step"),
+)
 """Per-step metrics shown after the reward on a progress line, when the actor logged them."""
 ADAPTER_CONFIG = "adapter_config.json"
 """Present in a LoRA checkpoint (mortal.workers.checkpoint): the folder holds a peft adapter."""
@@ -122,7 +126,9 @@ def follow_run(
         snap = _loop(follower, deadline, poll_seconds, lambda snap: None)
     elif out.is_terminal:
         with Live(console=out, auto_refresh=False, transient=False) as live:
-            snap = _loop(follower, deadline, poll_seconds, lambda s: live.update(render(s, follower), refresh=True))
+            snap = _loop(
+                follower, deadline, poll_seconds, lambda s: live.update(render(s, follower), refresh=True)
+            )
     else:
         snap = _loop(follower, deadline, poll_seconds, lambda s: print_lines(out, s))
     print_outcome(store, snap, quiet)
@@ -208,10 +214,16 @@ def print_outcome(store: Store, snap: Snapshot, quiet: bool) -> None:
     """Succeeded: where the final checkpoint is and how to load it. Failed: the reason, on stderr."""
     s = snap.status
     if str(s.phase) == "Failed":
-        say(f"trainingrun/{snap.name} Failed: {s.message or 'see `mortalctl describe run ' + snap.name + '`'}", stderr=True)
+        say(
+            f"trainingrun/{snap.name} Failed: {s.message or 'see `mortalctl describe run ' + snap.name + '`'}",
+            stderr=True,
+        )
         return
     out = console()
-    out.print(f"trainingrun/{snap.name} Succeeded: {s.step}/{snap.max_steps} steps, reward {fmt_float(s.reward)}", markup=False)
+    out.print(
+        f"trainingrun/{snap.name} Succeeded: {s.step}/{snap.max_steps} steps, reward {fmt_float(s.reward)}",
+        markup=False,
+    )
     checkpoint = final_checkpoint(store, snap.name, s)
     if checkpoint and not quiet:
         say(f"final checkpoint: {checkpoint}")

@@ -50,13 +50,26 @@ Examples:
 
 def fork_command(
     ctx: typer.Context,
-    source: str = typer.Argument(..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."),
+    source: str = typer.Argument(
+        ..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."
+    ),
     name: str = typer.Argument(..., metavar="NEW", help="The new run's name."),
-    filename: Path | None = typer.Option(None, "-f", "--filename", metavar="FILE",
-                                         help="YAML overrides rooted at the document (spec: ..., metadata: ...)."),
-    sets: list[str] = typer.Option(None, "--set", metavar="PATH=VALUE",
-                                   help="Override one key, e.g. spec.algorithm.learningRate=1e-6 (repeatable)."),
-    no_controller: bool = typer.Option(False, "--no-controller", help="Do not start a background controller."),
+    filename: Path | None = typer.Option(
+        None,
+        "-f",
+        "--filename",
+        metavar="FILE",
+        help="YAML overrides rooted at the document (spec: ..., metadata: ...).",
+    ),
+    sets: list[str] = typer.Option(
+        None,
+        "--set",
+        metavar="PATH=VALUE",
+        help="Override one key, e.g. spec.algorithm.learningRate=1e-6 (repeatable).",
+    ),
+    no_controller: bool = typer.Option(
+        False, "--no-controller", help="Do not start a background controller."
+    ),
 ) -> None:
     from mortal.specs import is_dns1123_label
 
@@ -65,9 +78,21 @@ def fork_command(
     if not is_dns1123_label(name):
         raise CliError(f"{name!r}: NEW must be a DNS-1123 label (lowercase letters, digits and '-')")
     fragment, lines = _read_fragment(filename) if filename is not None else (None, None)
-    forked = fork_run(cli.store, run, step, name, fragment=fragment, fragment_source=str(filename or "<overrides>"),
-                      fragment_lines=lines, sets=list(sets or []))
-    typer.echo(plain(f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})"))
+    forked = fork_run(
+        cli.store,
+        run,
+        step,
+        name,
+        fragment=fragment,
+        fragment_source=str(filename or "<overrides>"),
+        fragment_lines=lines,
+        sets=list(sets or []),
+    )
+    typer.echo(
+        plain(
+            f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})"
+        )
+    )
     ensure_controller(cli.state_url, no_controller)
 
 
@@ -86,26 +111,45 @@ def rollback_command(
     ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help="The run to roll back."),
     to: str = typer.Option(..., "--to", metavar="step-N", help="The checkpoint to go back to, e.g. step-20."),
-    drop_later: bool = typer.Option(False, "--drop-later", help="Remove the later checkpoints instead of keeping them."),
-    timeout: float = typer.Option(120.0, "--timeout", metavar="SECONDS", help="How long to wait for workers to stop."),
-    no_controller: bool = typer.Option(False, "--no-controller", help="Do not start a background controller."),
+    drop_later: bool = typer.Option(
+        False, "--drop-later", help="Remove the later checkpoints instead of keeping them."
+    ),
+    timeout: float = typer.Option(
+        120.0, "--timeout", metavar="SECONDS", help="How long to wait for workers to stop."
+    ),
+    no_controller: bool = typer.Option(
+        False, "--no-controller", help="Do not start a background controller."
+    ),
 ) -> None:
     match = re.fullmatch(r"(?:step-)?(\d+)", to.strip())
     if match is None:
         raise typer.BadParameter(f"{to!r} is not step-N (e.g. step-20)", param_hint="'--to'")
     cli = state(ctx)
-    done = rollback_run(cli.store, run, int(match.group(1)), drop_later, stop_timeout=timeout,
-                        on_suspend=lambda: ensure_controller(cli.state_url, no_controller))
+    done = rollback_run(
+        cli.store,
+        run,
+        int(match.group(1)),
+        drop_later,
+        stop_timeout=timeout,
+        on_suspend=lambda: ensure_controller(cli.state_url, no_controller),
+    )
     later = ", ".join(f"step-{s}" for s in done.later) or "none"
     where = f" (kept in {done.kept_in})" if done.kept_in else (" (removed)" if done.later else "")
     then = "resumed" if done.resumed else "still suspended (mortalctl resume run to continue)"
-    typer.echo(plain(f"trainingrun/{run} rolled back to step {done.step}; later checkpoints: {later}{where}; {then}"))
+    typer.echo(
+        plain(f"trainingrun/{run} rolled back to step {done.step}; later checkpoints: {later}{where}; {then}")
+    )
     if done.resumed:
         ensure_controller(cli.state_url, no_controller)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("fork", help=FORK_HELP, short_help="Start a new run from a run's checkpoint",
-                no_args_is_help=True)(fork_command)
-    app.command("rollback", help=ROLLBACK_HELP, short_help="Roll a run back to an earlier checkpoint",
-                no_args_is_help=True)(rollback_command)
+    app.command(
+        "fork", help=FORK_HELP, short_help="Start a new run from a run's checkpoint", no_args_is_help=True
+    )(fork_command)
+    app.command(
+        "rollback",
+        help=ROLLBACK_HELP,
+        short_help="Roll a run back to an earlier checkpoint",
+        no_args_is_help=True,
+    )(rollback_command)

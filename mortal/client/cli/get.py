@@ -36,7 +36,14 @@ RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", 
 WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "LOSS-TYPE", "BACKEND", "MODEL", "CONDITIONS")
 LOSS = "loss"  # the metric the actor records each step (mortal.workers.metrics, TRL's name)
 WATCH_POLL_SECONDS = 1.0
-TRAINING_CONDITIONS = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "DeadlinesMet", "MemoryFits")
+TRAINING_CONDITIONS = (
+    "WeightsInSync",
+    "RewardHealthy",
+    "CheckpointFresh",
+    "Progressing",
+    "DeadlinesMet",
+    "MemoryFits",
+)
 
 HELP = """Display one or many resources: runs, events, checkpoints, completions, metrics.
 
@@ -62,7 +69,9 @@ Examples:
   mortalctl get metrics quickstart --name reward,loss --plot
 """
 
-OutputOpt = typer.Option(None, "-o", "--output", metavar="FORMAT", help="Output format: wide, yaml, json or name.")
+OutputOpt = typer.Option(
+    None, "-o", "--output", metavar="FORMAT", help="Output format: wide, yaml, json or name."
+)
 
 
 def run_row(row: RunRow, wide: bool = False, loss: float | None = None) -> list[str]:
@@ -181,26 +190,35 @@ class RowWatch:
     def lines(self, rows: list[list[str]]) -> list[str]:
         """The lines to print for this listing (rows: a run's cells, its name first)."""
         age_column = self.headers.index("AGE")
-        changed = [[plain(c) for c in cells] for cells in rows
-                   if _without(self.shown.get(cells[0]), age_column) != _without(cells, age_column)]
+        changed = [
+            [plain(c) for c in cells]
+            for cells in rows
+            if _without(self.shown.get(cells[0]), age_column) != _without(cells, age_column)
+        ]
         self.shown.update({cells[0]: cells for cells in rows})
         out = []
         if not self.widths and not changed:  # no run yet: the header waits for the first row, as kubectl's
             return out
         if not self.widths:
-            self.widths = [max(cell_len(c) for c in column) for column in zip(self.headers, *changed, strict=True)]
+            self.widths = [
+                max(cell_len(c) for c in column) for column in zip(self.headers, *changed, strict=True)
+            ]
             out.append(self._line(list(self.headers)))
         return out + [self._line(cells) for cells in changed]
 
     def _line(self, cells: list[str]) -> str:
-        return "   ".join(c + " " * (w - cell_len(c)) for c, w in zip(cells, self.widths, strict=True)).rstrip()
+        return "   ".join(
+            c + " " * (w - cell_len(c)) for c, w in zip(cells, self.widths, strict=True)
+        ).rstrip()
 
 
 def _without(cells: list[str] | None, column: int) -> list[str] | None:
-    return None if cells is None else cells[:column] + cells[column + 1:]
+    return None if cells is None else cells[:column] + cells[column + 1 :]
 
 
-def watch_runs(store: Store, name: str | None, selector: str | None, output: str | None, timeout: float) -> None:
+def watch_runs(
+    store: Store, name: str | None, selector: str | None, output: str | None, timeout: float
+) -> None:
     """Until Ctrl-C (or `timeout` seconds): kubectl's watch, the listing then each change (a row or a
     document)."""
     deadline = time.monotonic() + timeout if timeout else None
@@ -222,8 +240,11 @@ def watch_runs(store: Store, name: str | None, selector: str | None, output: str
                 changed = [r for r in rows if seen.get(r.name) != r.resource_version]
                 seen.update({r.name: r.resource_version for r in rows})
                 if changed:
-                    text = (render_runs(changed, output, single=True) if output != "yaml" else
-                            "".join("---\n" + render_runs([r], "yaml", True) for r in changed))
+                    text = (
+                        render_runs(changed, output, single=True)
+                        if output != "yaml"
+                        else "".join("---\n" + render_runs([r], "yaml", True) for r in changed)
+                    )
                     typer.echo(text, nl=False)
             time.sleep(WATCH_POLL_SECONDS)
     except KeyboardInterrupt:
@@ -234,9 +255,15 @@ def get_runs(
     ctx: typer.Context,
     name: str | None = typer.Argument(None, metavar="NAME", help="A run name; all runs when omitted."),
     output: str | None = OutputOpt,
-    selector: str | None = typer.Option(None, "-l", "--selector", metavar="KEY=VALUE", help="Label selector, e.g. -l team=rl,tier=a."),
-    watch: bool = typer.Option(False, "-w", "--watch", help="After listing, keep printing changes until Ctrl-C."),
-    timeout: float = typer.Option(0, "--timeout", metavar="SECONDS", help="With -w: stop watching after this long (0 = never)."),
+    selector: str | None = typer.Option(
+        None, "-l", "--selector", metavar="KEY=VALUE", help="Label selector, e.g. -l team=rl,tier=a."
+    ),
+    watch: bool = typer.Option(
+        False, "-w", "--watch", help="After listing, keep printing changes until Ctrl-C."
+    ),
+    timeout: float = typer.Option(
+        0, "--timeout", metavar="SECONDS", help="With -w: stop watching after this long (0 = never)."
+    ),
 ) -> None:
     """List runs: NAME PHASE STEP WEIGHTS CKPT ROLLOUT REWARD AGE (aliases: run, trainingruns, tr)."""
     check_format(output)
@@ -248,13 +275,20 @@ def get_runs(
 
 
 def event_dict(event) -> dict[str, Any]:
-    return {"run": event.run, "type": event.type, "reason": event.reason, "message": event.message,
-            "time": event.time.isoformat() if event.time else None}
+    return {
+        "run": event.run,
+        "type": event.type,
+        "reason": event.reason,
+        "message": event.message,
+        "time": event.time.isoformat() if event.time else None,
+    }
 
 
 def get_events(
     ctx: typer.Context,
-    name: str | None = typer.Argument(None, metavar="NAME", help="A run name; events of all runs when omitted."),
+    name: str | None = typer.Argument(
+        None, metavar="NAME", help="A run name; events of all runs when omitted."
+    ),
     output: str | None = OutputOpt,
     limit: int = typer.Option(50, "--limit", min=1, help="Show at most this many of the newest events."),
 ) -> None:
@@ -283,8 +317,15 @@ def get_checkpoints(
     store.get_run(name)
     rows = store.list_checkpoints(name)
     if output:
-        items = [{"step": c.step, "weightVersion": c.weight_version, "path": c.path,
-                  "created": c.created_at.isoformat() if c.created_at else None} for c in rows]
+        items = [
+            {
+                "step": c.step,
+                "weightVersion": c.weight_version,
+                "path": c.path,
+                "created": c.created_at.isoformat() if c.created_at else None,
+            }
+            for c in rows
+        ]
         doc = {"kind": "CheckpointList", "run": name, "items": items}
         typer.echo(to_yaml(doc) if output == "yaml" else to_json(doc), nl=False)
         return
@@ -293,8 +334,12 @@ def get_checkpoints(
 
 
 def register(app: typer.Typer) -> None:
-    get_app = typer.Typer(help=HELP, short_help="Show runs, events, checkpoints, completions or metrics",
-                          no_args_is_help=True, rich_markup_mode=None)
+    get_app = typer.Typer(
+        help=HELP,
+        short_help="Show runs, events, checkpoints, completions or metrics",
+        no_args_is_help=True,
+        rich_markup_mode=None,
+    )
     for i, alias in enumerate(RUN_ALIASES):
         get_app.command(alias, hidden=i > 0)(get_runs)
     get_app.command("events")(get_events)
@@ -306,4 +351,3 @@ def register(app: typer.Typer) -> None:
     completions.register(get_app)
     metrics.register(get_app)
     app.add_typer(get_app, name="get")
-

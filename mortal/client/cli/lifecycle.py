@@ -50,7 +50,9 @@ Examples:
 """
 
 
-def delete_names(ctx: typer.Context, names: list[str], purge: bool, ignore_not_found: bool, no_controller: bool) -> None:
+def delete_names(
+    ctx: typer.Context, names: list[str], purge: bool, ignore_not_found: bool, no_controller: bool
+) -> None:
     from mortal.state import NotFound, paths
 
     cli = state(ctx)
@@ -63,7 +65,11 @@ def delete_names(ctx: typer.Context, names: list[str], purge: bool, ignore_not_f
                 continue
             raise
         deleted.append(name)
-        kept = "checkpoints purged" if purge else f"checkpoints kept in {paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
+        kept = (
+            "checkpoints purged"
+            if purge
+            else f"checkpoints kept in {paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
+        )
         typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
     if deleted:
         wake_controller(*deleted)
@@ -74,7 +80,9 @@ def delete_run(
     ctx: typer.Context,
     names: list[str] = typer.Argument(..., metavar="NAME", help="Runs to delete."),
     purge: bool = typer.Option(False, "--purge", help="Also remove checkpoints and the run's folder."),
-    ignore_not_found: bool = typer.Option(False, "--ignore-not-found", help="Treat a missing run as deleted."),
+    ignore_not_found: bool = typer.Option(
+        False, "--ignore-not-found", help="Treat a missing run as deleted."
+    ),
     no_controller: bool = NoController,
 ) -> None:
     """Delete runs by name (aliases: runs, trainingrun, tr)."""
@@ -84,11 +92,21 @@ def delete_run(
 def delete_group(
     ctx: typer.Context,
     filenames: list[str] = typer.Option(
-        None, "-f", "--filename", metavar="FILE", help="Delete the runs defined in these files or folders ('-' = stdin)."
+        None,
+        "-f",
+        "--filename",
+        metavar="FILE",
+        help="Delete the runs defined in these files or folders ('-' = stdin).",
     ),
-    recursive: bool = typer.Option(False, "-R", "--recursive", help="Read folders given with -f recursively."),
-    purge: bool = typer.Option(False, "--purge", help="With -f: also remove checkpoints and the runs' folders."),
-    ignore_not_found: bool = typer.Option(False, "--ignore-not-found", help="With -f: treat a missing run as deleted."),
+    recursive: bool = typer.Option(
+        False, "-R", "--recursive", help="Read folders given with -f recursively."
+    ),
+    purge: bool = typer.Option(
+        False, "--purge", help="With -f: also remove checkpoints and the runs' folders."
+    ),
+    ignore_not_found: bool = typer.Option(
+        False, "--ignore-not-found", help="With -f: treat a missing run as deleted."
+    ),
     no_controller: bool = NoController,
 ) -> None:
     if ctx.invoked_subcommand is not None:
@@ -143,7 +161,9 @@ def resume_run(
 
 
 def _group(help_text: str, short: str, command, callback=None) -> typer.Typer:
-    group = typer.Typer(help=help_text, short_help=short, rich_markup_mode=None, no_args_is_help=callback is None)
+    group = typer.Typer(
+        help=help_text, short_help=short, rich_markup_mode=None, no_args_is_help=callback is None
+    )
     if callback is not None:
         group.callback(invoke_without_command=True)(callback)
     for i, alias in enumerate(RUN_ALIASES):
@@ -152,6 +172,10 @@ def _group(help_text: str, short: str, command, callback=None) -> typer.Typer:
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(_group(DELETE_HELP, "Delete runs (checkpoints are kept)", delete_run, delete_group), name="delete")
-    app.add_typer(_group(SUSPEND_HELP, "Stop a run's workers, keeping its state", suspend_run), name="suspend")
+    app.add_typer(
+        _group(DELETE_HELP, "Delete runs (checkpoints are kept)", delete_run, delete_group), name="delete"
+    )
+    app.add_typer(
+        _group(SUSPEND_HELP, "Stop a run's workers, keeping its state", suspend_run), name="suspend"
+    )
     app.add_typer(_group(RESUME_HELP, "Start a suspended run again", resume_run), name="resume")

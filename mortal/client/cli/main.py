@@ -50,7 +50,17 @@ Examples:
 """
 
 SECTIONS = {
-    "Basic commands": ("apply", "get", "describe", "scale", "delete", "suspend", "resume", "logs", "dashboard"),
+    "Basic commands": (
+        "apply",
+        "get",
+        "describe",
+        "scale",
+        "delete",
+        "suspend",
+        "resume",
+        "logs",
+        "dashboard",
+    ),
     "Lineage": ("fork", "rollback"),
     "Trying parts of a run": ("test", "sandbox", "cp"),
     "Operations": ("controller", "schema", "version"),
@@ -68,7 +78,9 @@ class MortalGroup(TyperGroup):
             for name in names:
                 command = self.get_command(ctx, name)
                 if command is not None and not command.hidden:
-                    rows.append((name.ljust(width), command.get_short_help_str(limit=formatter.width - 6 - width)))
+                    rows.append(
+                        (name.ljust(width), command.get_short_help_str(limit=formatter.width - 6 - width))
+                    )
             with formatter.section(title):
                 formatter.write_dl(rows)
 
@@ -149,7 +161,10 @@ def root(
         "default: SQLite under MORTAL_HOME].",
     ),
     home: Path | None = typer.Option(
-        None, "--home", metavar="DIR", help="mortal's folder for state, logs, checkpoints [env: MORTAL_HOME; default: ~/.mortal]."
+        None,
+        "--home",
+        metavar="DIR",
+        help="mortal's folder for state, logs, checkpoints [env: MORTAL_HOME; default: ~/.mortal].",
     ),
 ) -> None:
     """The global options; any controller or worker started from here gets them through the environment."""

@@ -101,9 +101,18 @@ def chart(steps: Steps, names: list[str], width: int, colors: bool) -> str:
 def get_metrics(
     ctx: typer.Context,
     name: str = typer.Argument(..., metavar="RUN", help="The run whose metrics to show."),
-    names: str | None = typer.Option(None, "--name", metavar="NAME,...", help="Metrics to show, comma-separated, or 'all' [default: reward, reward_std, loss, kl, entropy, completions/mean_length, step_seconds]."),
-    plot: bool = typer.Option(False, "--plot", help="Draw each metric's curve over the steps in the terminal."),
-    output: Format = typer.Option(Format.table, "-o", "--output", help="table, json or yaml (not with --plot)."),
+    names: str | None = typer.Option(
+        None,
+        "--name",
+        metavar="NAME,...",
+        help="Metrics to show, comma-separated, or 'all' [default: reward, reward_std, loss, kl, entropy, completions/mean_length, step_seconds].",
+    ),
+    plot: bool = typer.Option(
+        False, "--plot", help="Draw each metric's curve over the steps in the terminal."
+    ),
+    output: Format = typer.Option(
+        Format.table, "-o", "--output", help="table, json or yaml (not with --plot)."
+    ),
 ) -> None:
     """Show a run's step metrics: STEP and a column per metric, or --plot their curves."""
     if plot and output != Format.table:
@@ -119,10 +128,16 @@ def get_metrics(
         out = console()
         typer.echo(chart(steps, chosen, min(out.width, MAX_CHART_WIDTH), colors=out.is_terminal))
     elif output == Format.table:
-        print_table(["STEP", *chosen],  # metric names as recorded: what --name takes
-                    [[str(s), *(_fmt(values.get(n)) for n in chosen)] for s, values in steps.items()], "")
+        print_table(
+            ["STEP", *chosen],  # metric names as recorded: what --name takes
+            [[str(s), *(_fmt(values.get(n)) for n in chosen)] for s, values in steps.items()],
+            "",
+        )
     else:
-        items = [{"step": s, "values": {n: values[n] for n in chosen if n in values}} for s, values in steps.items()]
+        items = [
+            {"step": s, "values": {n: values[n] for n in chosen if n in values}}
+            for s, values in steps.items()
+        ]
         doc = {"kind": "MetricList", "run": name, "items": items}
         typer.echo(to_yaml(doc) if output == Format.yaml else to_json(doc), nl=False)
 

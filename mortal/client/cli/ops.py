@@ -73,7 +73,9 @@ NAME` or `mortalctl delete run NAME` first.
 """
 
 
-def _stop_when_finished(store, name: str, stop: threading.Event, every: float = 2.0, linger: float = 2.0) -> None:
+def _stop_when_finished(
+    store, name: str, stop: threading.Event, every: float = 2.0, linger: float = 2.0
+) -> None:
     """Set `stop` once the run is Succeeded/Failed or gone, so `logs -f` ends like kubectl's."""
     from mortal.state import NotFound
 
@@ -89,10 +91,18 @@ def _stop_when_finished(store, name: str, stop: threading.Event, every: float = 
 def logs_command(
     ctx: typer.Context,
     name: str = typer.Argument(..., metavar="NAME", help="The run."),
-    role: str | None = typer.Option(None, "--role", metavar="ROLE", help="actor or rollout; all roles when omitted."),
-    replica: int | None = typer.Option(None, "--replica", min=0, metavar="I", help="Only this replica of the role."),
-    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until the run finishes."),
-    tail: int | None = typer.Option(None, "--tail", min=0, metavar="N", help="Only the last N lines of each log."),
+    role: str | None = typer.Option(
+        None, "--role", metavar="ROLE", help="actor or rollout; all roles when omitted."
+    ),
+    replica: int | None = typer.Option(
+        None, "--replica", min=0, metavar="I", help="Only this replica of the role."
+    ),
+    follow: bool = typer.Option(
+        False, "-f", "--follow", help="Keep printing new lines until the run finishes."
+    ),
+    tail: int | None = typer.Option(
+        None, "--tail", min=0, metavar="N", help="Only the last N lines of each log."
+    ),
 ) -> None:
     from mortal.controller.logs import VOLUME_POLL_SECONDS, read_logs, worker_logs
     from mortal.state import NotFound
@@ -113,15 +123,26 @@ def logs_command(
             raise missing
         which = " ".join(filter(None, [role, None if replica is None else f"replica {replica}"]))
         if not follow:
-            raise CliError(f"no logs of trainingrun/{name}{' ' + which if which else ''} yet; is a controller running?")
+            raise CliError(
+                f"no logs of trainingrun/{name}{' ' + which if which else ''} yet; is a controller running?"
+            )
     stop = threading.Event()
     if follow:
         # on Modal, long enough for the worker function's last commit
         linger = 2 * VOLUME_POLL_SECONDS + 2.0 if on_modal else 2.0
-        threading.Thread(target=_stop_when_finished, args=(store, name, stop), kwargs={"linger": linger},
-                         daemon=True).start()
-    lines = read_logs(name, role, replica, follow=follow, tail=tail, stop=stop, source=source,
-                      poll_seconds=VOLUME_POLL_SECONDS if on_modal or in_storage else 0.5)
+        threading.Thread(
+            target=_stop_when_finished, args=(store, name, stop), kwargs={"linger": linger}, daemon=True
+        ).start()
+    lines = read_logs(
+        name,
+        role,
+        replica,
+        follow=follow,
+        tail=tail,
+        stop=stop,
+        source=source,
+        poll_seconds=VOLUME_POLL_SECONDS if on_modal or in_storage else 0.5,
+    )
     try:
         while (line := _guarded(lambda: next(lines, None), errors)) is not None:
             typer.echo(plain(line, multiline=True))
@@ -143,14 +164,18 @@ def _log_source(on_modal: bool, storage: str | None = None) -> tuple[Any, tuple[
         try:
             return StorageLogs(storage), (OSError,)
         except (ImportError, ValueError) as exc:
-            raise CliError(f"the run's logs are in spec.checkpoint.uri {storage!r}, which cannot be read from "
-                           f"here: {exc}") from exc
+            raise CliError(
+                f"the run's logs are in spec.checkpoint.uri {storage!r}, which cannot be read from "
+                f"here: {exc}"
+            ) from exc
     if not on_modal:
         return LocalLogs(), ()
     try:
         modal = load_modal()
     except BackendError as exc:
-        raise CliError(f"the run's logs are on its Modal volume, which cannot be read from here: {exc}") from exc
+        raise CliError(
+            f"the run's logs are on its Modal volume, which cannot be read from here: {exc}"
+        ) from exc
     errors = (modal.exception.Error,)
     volume = _guarded(lambda: data_volume(modal), errors)
     return VolumeLogs(volume, missing=(FileNotFoundError, modal.exception.NotFoundError)), errors
@@ -167,10 +192,16 @@ def _guarded(read: Callable[[], Any], errors: tuple[type[Exception], ...]) -> An
 def controller_command(
     ctx: typer.Context,
     watch: Path | None = typer.Option(
-        None, "--watch", metavar="DIR", help="Apply the TrainingRun files of DIR whenever they change (GitOps)."
+        None,
+        "--watch",
+        metavar="DIR",
+        help="Apply the TrainingRun files of DIR whenever they change (GitOps).",
     ),
     idle_exit: float | None = typer.Option(
-        None, "--idle-exit", metavar="SECONDS", help="Exit after this long with no active run and no live worker."
+        None,
+        "--idle-exit",
+        metavar="SECONDS",
+        help="Exit after this long with no active run and no live worker.",
     ),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Log every reconcile step (debug level)."),
 ) -> None:
@@ -181,8 +212,10 @@ def controller_command(
     cli = state(ctx)
     if watch is not None and not watch.is_dir():
         raise CliError(f"--watch {watch}: no such directory")
-    logging.basicConfig(level=logging.DEBUG if verbose or cli.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose or cli.debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+    )
     logging.getLogger("alembic").setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):  # SIGINT stops the controller; workers keep running
         run_controller(state_url=cli.state_url, watch=watch, idle_exit_seconds=idle_exit)
@@ -206,7 +239,9 @@ def controller_status_command(ctx: typer.Context) -> None:
         lease = state(ctx).store.get_lease(LEASE_NAME)
     except Exception as exc:  # noqa: BLE001 - the process facts above stand; the store's part is unknown
         first = (str(exc).strip().splitlines() or [""])[0]
-        typer.echo(f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {plain(first)})")
+        typer.echo(
+            f"leader lease: unknown (the state store cannot be read: {type(exc).__name__}: {plain(first)})"
+        )
         return
     if lease is not None:
         expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
@@ -220,8 +255,9 @@ def controller_status_command(ctx: typer.Context) -> None:
 
 def controller_stop_command(
     ctx: typer.Context,
-    timeout: float = typer.Option(30.0, "--timeout", min=0, metavar="SECONDS",
-                                  help="How long to wait after SIGTERM before SIGKILL."),
+    timeout: float = typer.Option(
+        30.0, "--timeout", min=0, metavar="SECONDS", help="How long to wait after SIGTERM before SIGKILL."
+    ),
 ) -> None:
     from mortal.controller.manager import stop_controller
     from mortal.state import paths
@@ -232,8 +268,10 @@ def controller_stop_command(
         return
     pid, killed = stopped
     if killed:
-        typer.echo(f"controller (pid {pid}) killed after {timeout:g}s; its leader lease expires by itself "
-                   "shortly; workers keep running")
+        typer.echo(
+            f"controller (pid {pid}) killed after {timeout:g}s; its leader lease expires by itself "
+            "shortly; workers keep running"
+        )
     else:
         typer.echo(f"controller (pid {pid}) stopped; workers keep running (the next controller adopts them)")
 
@@ -260,14 +298,21 @@ def version_command() -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("logs", help=LOGS_HELP, short_help="Print the logs of a run's workers", no_args_is_help=True)(logs_command)
-    group = typer.Typer(help=CONTROLLER_HELP, short_help="Run the controller in the foreground; status, stop",
-                        rich_markup_mode=None)
+    app.command("logs", help=LOGS_HELP, short_help="Print the logs of a run's workers", no_args_is_help=True)(
+        logs_command
+    )
+    group = typer.Typer(
+        help=CONTROLLER_HELP,
+        short_help="Run the controller in the foreground; status, stop",
+        rich_markup_mode=None,
+    )
     group.callback(invoke_without_command=True)(controller_command)
-    group.command("status", help=CONTROLLER_STATUS_HELP,
-                  short_help="Is a controller running, where, since when")(controller_status_command)
+    group.command(
+        "status", help=CONTROLLER_STATUS_HELP, short_help="Is a controller running, where, since when"
+    )(controller_status_command)
     group.command("stop", help=CONTROLLER_STOP_HELP, short_help="Stop the controller (workers keep running)")(
-        controller_stop_command)
+        controller_stop_command
+    )
     app.add_typer(group, name="controller")
     app.command("schema", short_help="Print the TrainingRun JSON Schema")(schema_command)
     app.command("version", short_help="Print the version")(version_command)

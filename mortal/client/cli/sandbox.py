@@ -79,24 +79,39 @@ def limits(timeout: float | None, memory_mb: int | None) -> SandboxSpec:
 
 def result_document(path: Path, result: ExecutionResult, spec: SandboxSpec, mode: Mode) -> dict[str, Any]:
     return {
-        "file": str(path), "success": result.success, "exitCode": result.exit_code, "signal": result.signal,
-        "timedOut": result.timed_out, "durationSeconds": round(result.duration_seconds, 3),
-        "stdout": result.stdout, "stderr": result.stderr, "stdoutTruncated": result.stdout_truncated,
-        "stderrTruncated": result.stderr_truncated, "confinement": result.confinement, "confines": mode.confines,
+        "file": str(path),
+        "success": result.success,
+        "exitCode": result.exit_code,
+        "signal": result.signal,
+        "timedOut": result.timed_out,
+        "durationSeconds": round(result.duration_seconds, 3),
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "stdoutTruncated": result.stdout_truncated,
+        "stderrTruncated": result.stderr_truncated,
+        "confinement": result.confinement,
+        "confines": mode.confines,
         "bwrap": mode.binary or None,
-        "limits": {"timeoutSeconds": spec.timeout_seconds, "memoryMB": spec.memory_mb}, "error": result.error,
+        "limits": {"timeoutSeconds": spec.timeout_seconds, "memoryMB": spec.memory_mb},
+        "error": result.error,
     }
 
 
 @sandbox_app.command("run", help=RUN_HELP, no_args_is_help=True)
 def run_command(
     file: Path = typer.Argument(..., metavar="FILE.py", help="The Python file to run."),
-    timeout: float | None = typer.Option(None, "--timeout", metavar="S",
-                                         help="Wall-clock limit in seconds [default: 10]."),
-    memory_mb: int | None = typer.Option(None, "--memory-mb", metavar="M",
-                                         help="Address-space limit in MiB [default: 512]."),
-    confinement: str = typer.Option("auto", "--confinement", metavar="MODE",
-                                    help="auto (bubblewrap, else unshare), bubblewrap or unshare."),
+    timeout: float | None = typer.Option(
+        None, "--timeout", metavar="S", help="Wall-clock limit in seconds [default: 10]."
+    ),
+    memory_mb: int | None = typer.Option(
+        None, "--memory-mb", metavar="M", help="Address-space limit in MiB [default: 512]."
+    ),
+    confinement: str = typer.Option(
+        "auto",
+        "--confinement",
+        metavar="MODE",
+        help="auto (bubblewrap, else unshare), bubblewrap or unshare.",
+    ),
 ) -> None:
     from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig, SandboxUnavailable
 
@@ -115,4 +130,6 @@ def run_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(sandbox_app, name="sandbox", help=HELP, short_help="Run code in the reward sandbox of this machine")
+    app.add_typer(
+        sandbox_app, name="sandbox", help=HELP, short_help="Run code in the reward sandbox of this machine"
+    )

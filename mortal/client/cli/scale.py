@@ -77,7 +77,9 @@ def active_run(store: Store) -> str:
     if not active:
         raise CliError("no active run to scale; name one: mortalctl scale NAME rollout=N")
     names = ", ".join(r.name for r in active)
-    raise CliError(f"{len(active)} runs are active ({names}); name the one to scale: mortalctl scale NAME rollout=N")
+    raise CliError(
+        f"{len(active)} runs are active ({names}); name the one to scale: mortalctl scale NAME rollout=N"
+    )
 
 
 def current_count(row: RunRow, role: str) -> int:
@@ -119,13 +121,17 @@ def scale_command(
     current_replicas: int | None = typer.Option(
         None, "--current-replicas", min=0, help="Precondition: fail unless the role currently has this many."
     ),
-    no_controller: bool = typer.Option(False, "--no-controller", help="Do not start a background controller."),
+    no_controller: bool = typer.Option(
+        False, "--no-controller", help="Do not start a background controller."
+    ),
 ) -> None:
     name, counts = parse_args(args, replicas)
     store = state(ctx).store
     name = name or active_run(store)
     before, after = scale_run(store, name, counts, current_replicas)
-    change = ", ".join(f"{role}: {current_count(before, role)} -> {current_count(after, role)}" for role in counts)
+    change = ", ".join(
+        f"{role}: {current_count(before, role)} -> {current_count(after, role)}" for role in counts
+    )
     if after.resource_version == before.resource_version:
         typer.echo(plain(f"trainingrun/{name} unchanged ({change})"))
         return
@@ -135,4 +141,6 @@ def scale_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("scale", help=HELP, short_help="Change how many workers a run has", no_args_is_help=True)(scale_command)
+    app.command("scale", help=HELP, short_help="Change how many workers a run has", no_args_is_help=True)(
+        scale_command
+    )

@@ -10,7 +10,13 @@ from mortal.specs import EXAMPLES_DIR
 from mortal.state import Store, WorkerRef
 
 QUICKSTART = EXAMPLES_DIR / "quickstart.yaml"
-CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
+CHECKPOINT_FILES = (
+    "model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "trainer_state.json",
+)
 
 
 def actor(store: Store, run: str) -> WorkerRef:
@@ -33,5 +39,7 @@ def checkpoint_in(folder: Path, step: int, run: str = "quickstart") -> Path:
     folder.mkdir(parents=True)
     for name in CHECKPOINT_FILES:
         (folder / name).write_bytes(bytes([step]) * 100)
-    (folder / "mortal.json").write_text(json.dumps({"run": run, "step": step, "weight_version": step, "seed": 0}))
+    (folder / "mortal.json").write_text(
+        json.dumps({"run": run, "step": step, "weight_version": step, "seed": 0})
+    )
     return folder

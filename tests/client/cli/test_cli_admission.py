@@ -67,9 +67,12 @@ def runs(store_url: str) -> list[str]:
 
 @sqlite_only
 def test_a_run_carries_the_reward_module_and_the_dataset_file_of_the_applying_folder(
-        cli, spec_file, store_url, user_folder):
-    path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}],
-                                "spec.dataset": {"name": "data/train.jsonl"}})
+    cli, spec_file, store_url, user_folder
+):
+    path = spec_file(
+        "mine",
+        **{"spec.rewards": [{"function": "myrewards:correct"}], "spec.dataset": {"name": "data/train.jsonl"}},
+    )
     out = cli("apply", "-f", str(path))
     assert out.exit_code == 0, out.output
     assert "trainingrun/mine created" in out.stdout
@@ -94,25 +97,45 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
 
 
 @sqlite_only
-@pytest.mark.parametrize(("edits", "field", "says"), [
-    ({"spec.rewards": [{"function": "nothere:correct"}]}, "spec.rewards[0].function",
-     "cannot import module 'nothere'"),
-    ({"spec.rewards": [{"function": "myrewards:missing"}]}, "spec.rewards[0].function",
-     "has no attribute missing"),
-    ({"spec.rewards": [{"function": "myrewards:no_kwargs"}]}, "spec.rewards[0].function",
-     "does not take TRL's reward call"),
-    ({"spec.rewards": [{"function": "myrewards:VALUE"}]}, "spec.rewards[0].function", "is not callable"),
-    ({"spec.model": {"name": "./models/tiny"}}, "spec.model.name", "no such file or folder"),
-    ({"spec.model": {"name": "absent.gguf"}}, "spec.model.name", "no such file or folder"),
-    ({"spec.dataset": {"name": "data/missing.jsonl"}}, "spec.dataset.name", "no such file"),
-    ({"spec.rollout.tools": ["myrewards:VALUE"]}, "spec.rollout.tools[0]", "a tool must be a function"),
-    ({"spec.rollout.environment": "myrewards:correct"}, "spec.rollout.environment", "must be a class"),
-    ({"spec.rollout.environment": "myrewards:NoReset"}, "spec.rollout.environment", "has no reset() method"),
-    ({"spec.rollout.environment": {"a": "myrewards:NeedsArgs"}}, "spec.rollout.environment.a",
-     "TRL builds it with no arguments"),
-])
+@pytest.mark.parametrize(
+    ("edits", "field", "says"),
+    [
+        (
+            {"spec.rewards": [{"function": "nothere:correct"}]},
+            "spec.rewards[0].function",
+            "cannot import module 'nothere'",
+        ),
+        (
+            {"spec.rewards": [{"function": "myrewards:missing"}]},
+            "spec.rewards[0].function",
+            "has no attribute missing",
+        ),
+        (
+            {"spec.rewards": [{"function": "myrewards:no_kwargs"}]},
+            "spec.rewards[0].function",
+            "does not take TRL's reward call",
+        ),
+        ({"spec.rewards": [{"function": "myrewards:VALUE"}]}, "spec.rewards[0].function", "is not callable"),
+        ({"spec.model": {"name": "./models/tiny"}}, "spec.model.name", "no such file or folder"),
+        ({"spec.model": {"name": "absent.gguf"}}, "spec.model.name", "no such file or folder"),
+        ({"spec.dataset": {"name": "data/missing.jsonl"}}, "spec.dataset.name", "no such file"),
+        ({"spec.rollout.tools": ["myrewards:VALUE"]}, "spec.rollout.tools[0]", "a tool must be a function"),
+        ({"spec.rollout.environment": "myrewards:correct"}, "spec.rollout.environment", "must be a class"),
+        (
+            {"spec.rollout.environment": "myrewards:NoReset"},
+            "spec.rollout.environment",
+            "has no reset() method",
+        ),
+        (
+            {"spec.rollout.environment": {"a": "myrewards:NeedsArgs"}},
+            "spec.rollout.environment.a",
+            "TRL builds it with no arguments",
+        ),
+    ],
+)
 def test_what_cannot_work_is_refused_naming_file_and_field_and_nothing_is_written(
-        cli, spec_file, store_url, user_folder, edits, field, says):
+    cli, spec_file, store_url, user_folder, edits, field, says
+):
     path = spec_file("bad", **edits)
     out = cli("apply", "-f", str(path))
     assert out.exit_code == 1, out.output
@@ -139,8 +162,15 @@ def test_dry_run_prints_every_check_and_writes_nothing(cli, spec_file, store_url
 
 @sqlite_only
 def test_a_modal_run_says_which_checks_the_backend_makes_later(cli, spec_file, user_folder):
-    path = spec_file("remote", **{"spec.backend": "modal", "spec.model": {"name": "nobody/not-cached-here"},
-                                  "spec.actor": {"gpu": "H100"}, "spec.rollout": {"gpu": "H100"}})
+    path = spec_file(
+        "remote",
+        **{
+            "spec.backend": "modal",
+            "spec.model": {"name": "nobody/not-cached-here"},
+            "spec.actor": {"gpu": "H100"},
+            "spec.rollout": {"gpu": "H100"},
+        },
+    )
     out = cli("apply", "-f", str(path), "--dry-run")
     assert out.exit_code == 0, out.output
     said = "spec.model.name: deferred: 'nobody/not-cached-here': looked for where the modal backend runs"
@@ -149,8 +179,9 @@ def test_a_modal_run_says_which_checks_the_backend_makes_later(cli, spec_file, u
 
 
 @sqlite_only
-def test_a_snapshot_over_the_limit_is_refused_naming_what_is_large(cli, spec_file, store_url, user_folder,
-                                                                   monkeypatch):
+def test_a_snapshot_over_the_limit_is_refused_naming_what_is_large(
+    cli, spec_file, store_url, user_folder, monkeypatch
+):
     (user_folder / "big").mkdir()
     (user_folder / "big" / "__init__.py").write_text("def f(completions, **kwargs):\n    return [0.0]\n")
     (user_folder / "big" / "blob.bin").write_bytes(b"\0" * 300_000)
@@ -163,8 +194,9 @@ def test_a_snapshot_over_the_limit_is_refused_naming_what_is_large(cli, spec_fil
 
 
 @sqlite_only
-def test_the_output_of_get_applied_from_another_folder_keeps_the_run_s_snapshot(cli, spec_file, user_folder,
-                                                                                 tmp_path, monkeypatch):
+def test_the_output_of_get_applied_from_another_folder_keeps_the_run_s_snapshot(
+    cli, spec_file, user_folder, tmp_path, monkeypatch
+):
     path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
     assert cli("apply", "-f", str(path)).exit_code == 0
     document = cli("get", "run", "mine", "-o", "yaml").stdout

@@ -124,8 +124,13 @@ def test_dry_run_writes_nothing(cli, spec_file):
     assert cli("get", "runs", "-o", "name").stdout == ""
     cli("apply", "-f", str(QUICKSTART))
     edited = spec_file(**{"spec.algorithm.maxSteps": 40})
-    assert cli("apply", "-f", str(edited), "--dry-run").stdout == "trainingrun/quickstart configured (dry run)\n"
-    assert cli("apply", "-f", str(QUICKSTART), "--dry-run").stdout == "trainingrun/quickstart unchanged (dry run)\n"
+    assert (
+        cli("apply", "-f", str(edited), "--dry-run").stdout == "trainingrun/quickstart configured (dry run)\n"
+    )
+    assert (
+        cli("apply", "-f", str(QUICKSTART), "--dry-run").stdout
+        == "trainingrun/quickstart unchanged (dry run)\n"
+    )
 
 
 def test_applying_to_a_run_still_being_deleted_gives_up_naming_it(cli, monkeypatch):
@@ -135,7 +140,10 @@ def test_applying_to_a_run_still_being_deleted_gives_up_naming_it(cli, monkeypat
     cli("delete", "run", "quickstart")
     out = cli("apply", "-f", str(QUICKSTART))
     assert out.exit_code == 1
-    assert "error: trainingrun/quickstart is still being deleted after 0.3s; is a controller running?" in out.stderr
+    assert (
+        "error: trainingrun/quickstart is still being deleted after 0.3s; is a controller running?"
+        in out.stderr
+    )
 
 
 def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home, store_url):
@@ -165,15 +173,27 @@ def test_a_model_that_cannot_fit_its_gpu_is_refused_naming_the_field(cli, spec_f
     """14B parameters need 112 GB for weights + gradients + AdamW: an H100 (80 GB) can never hold them."""
     model = tmp_path / "model"
     model.mkdir()
-    header = json.dumps({f"layer{i}": {"dtype": "BF16", "shape": [1000, 1_000_000], "data_offsets": [0, 0]}
-                         for i in range(14)}).encode()
+    header = json.dumps(
+        {
+            f"layer{i}": {"dtype": "BF16", "shape": [1000, 1_000_000], "data_offsets": [0, 0]}
+            for i in range(14)
+        }
+    ).encode()
     (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     big = spec_file(**{"spec.model.name": str(model), "spec.actor.gpu": "H100", "spec.rollout.gpu": "H100"})
     out = cli("apply", "-f", str(big))
     assert out.exit_code == 1
-    assert "trainingrun/quickstart: spec.actor.gpu: H100 has 80 GB; a model of 14.00B parameters" in out.output
+    assert (
+        "trainingrun/quickstart: spec.actor.gpu: H100 has 80 GB; a model of 14.00B parameters" in out.output
+    )
     assert "nothing was applied" in out.output
     assert "No resources found." in cli("get", "runs").output
-    lora = spec_file(**{"spec.model.name": str(model), "spec.model.lora": {"r": 16}, "spec.actor.gpu": "H100",
-                        "spec.rollout.gpu": "H100"})
+    lora = spec_file(
+        **{
+            "spec.model.name": str(model),
+            "spec.model.lora": {"r": 16},
+            "spec.actor.gpu": "H100",
+            "spec.rollout.gpu": "H100",
+        }
+    )
     assert cli("apply", "-f", str(lora)).stdout == "trainingrun/quickstart created\n"

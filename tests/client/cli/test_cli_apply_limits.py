@@ -64,12 +64,22 @@ def test_get_json_still_applies_again(cli):
 def test_a_real_mortalctl_process_refuses_it_within_a_small_address_space(mortal_home, store_url, tmp_path):
     path = tmp_path / "lol.yaml"
     path.write_text(billion_laughs())
-    env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url,
-           "MORTAL_NO_CONTROLLER": "1"}
+    env = {
+        **os.environ,
+        "MORTAL_HOME": str(mortal_home),
+        "MORTAL_STATE_URL": store_url,
+        "MORTAL_NO_CONTROLLER": "1",
+    }
 
     def limit() -> None:  # the interpreter and mortalctl's imports fit; expanding the aliases would not
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    out = subprocess.run([sys.executable, "-m", "mortal.client.cli.main", "apply", "-f", str(path)],
-                         capture_output=True, text=True, env=env, timeout=60, preexec_fn=limit)
+    out = subprocess.run(
+        [sys.executable, "-m", "mortal.client.cli.main", "apply", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        preexec_fn=limit,
+    )
     assert out.returncode == 1 and "(MAX_ALIAS" in out.stderr, out.stderr

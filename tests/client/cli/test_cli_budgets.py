@@ -22,16 +22,20 @@ def store(store_url):
 def test_describe_shows_limits_active_time_and_gpu_hours(cli, store):
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     row = store.get_run("quickstart")
-    store.update_spec("quickstart", {**row.spec, "limits": {"maxDuration": "2h", "maxGPUHours": 40}},
-                      row.resource_version)
+    store.update_spec(
+        "quickstart", {**row.spec, "limits": {"maxDuration": "2h", "maxGPUHours": 40}}, row.resource_version
+    )
     worker = store.create_worker("quickstart", "actor", 0, "local", lease_seconds=30, gpus=2)
     store.heartbeat(WorkerRef("quickstart", "actor", 0, worker.incarnation))
     since = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
     set_status(store, "quickstart", phase="Running", activeSeconds=3600.0, activeSince=since, gpuHours=12.345)
     out = cli("describe", "run", "quickstart")
     assert out.exit_code == 0, out.output
-    lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in out.stdout.splitlines()
-             if ":" in line}
+    lines = {
+        line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+        for line in out.stdout.splitlines()
+        if ":" in line
+    }
     assert lines["Limits"] == "maxDuration 2h, maxGPUHours 40"
     assert lines["Active time"].startswith("1h05m0") and lines["Active time"].endswith("of maxDuration 2h")
     assert lines["GPU-hours"] == "12.35 of maxGPUHours 40"
@@ -54,5 +58,7 @@ def test_schema_documents_the_limits(cli):
     assert out.exit_code == 0, out.output
     limits = json.loads(out.stdout)["$defs"]["LimitsSpec"]["properties"]
     assert set(limits) == {"maxDuration", "maxGPUHours"}
-    assert "Suspended" in limits["maxDuration"]["description"] and "90s" in limits["maxDuration"]["description"]
+    assert (
+        "Suspended" in limits["maxDuration"]["description"] and "90s" in limits["maxDuration"]["description"]
+    )
     assert "GPUs it holds" in limits["maxGPUHours"]["description"]

@@ -24,9 +24,16 @@ LONG = "Let me think.\n\n" + "13 + 14 is 27. " * 40  # far wider than a table ce
 
 
 def _sample(i: int, reward: float | None, completion: str = "27") -> NewCompletion:
-    return NewCompletion(sample=i, prompt=PROMPT, completion=completion, rewards={"correct_answer": reward},
-                         reward=reward, advantage=None if reward is None else reward - 0.5, weight_version=4,
-                         extra={"parsed": completion[:2]})
+    return NewCompletion(
+        sample=i,
+        prompt=PROMPT,
+        completion=completion,
+        rewards={"correct_answer": reward},
+        reward=reward,
+        advantage=None if reward is None else reward - 0.5,
+        weight_version=4,
+        extra={"parsed": completion[:2]},
+    )
 
 
 @pytest.fixture
@@ -37,7 +44,9 @@ def recorded(cli, store_url):
     ref = actor(store, "quickstart")
     for step in (1, 2):
         store.add_completions(ref, step, [_sample(0, 0.0, "26")])
-    store.add_completions(ref, 5, [_sample(0, 0.5, LONG), _sample(1, 1.0), _sample(2, 0.0, "26"), _sample(3, None)])
+    store.add_completions(
+        ref, 5, [_sample(0, 0.5, LONG), _sample(1, 1.0), _sample(2, 0.0, "26"), _sample(3, None)]
+    )
     store.close()
     return "quickstart"
 
@@ -57,12 +66,23 @@ def test_text_is_folded_onto_one_line_and_cut_where_it_matters() -> None:
 
 def test_the_newest_step_by_default_one_line_per_completion(cli, recorded) -> None:
     header, *rows = _table(cli("get", "completions", recorded))
-    assert header == ["STEP", "SAMPLE", "REWARD", "ADVANTAGE", "WEIGHTS", "correct_answer", "parsed", "PROMPT",
-                      "COMPLETION"]
-    assert [r[:7] for r in rows] == [["5", "0", "0.500", "+0.000", "4", "0.500", "Le"],
-                                     ["5", "1", "1.000", "+0.500", "4", "1.000", "27"],
-                                     ["5", "2", "0.000", "-0.500", "4", "0.000", "26"],
-                                     ["5", "3", "-", "-", "4", "-", "27"]]
+    assert header == [
+        "STEP",
+        "SAMPLE",
+        "REWARD",
+        "ADVANTAGE",
+        "WEIGHTS",
+        "correct_answer",
+        "parsed",
+        "PROMPT",
+        "COMPLETION",
+    ]
+    assert [r[:7] for r in rows] == [
+        ["5", "0", "0.500", "+0.000", "4", "0.500", "Le"],
+        ["5", "1", "1.000", "+0.500", "4", "1.000", "27"],
+        ["5", "2", "0.000", "-0.500", "4", "0.000", "26"],
+        ["5", "3", "-", "-", "4", "-", "27"],
+    ]
     prompt, completion = rows[0][-2:]
     assert prompt.startswith("…") and prompt.endswith("number. user: What is 13 + 14?") and len(prompt) == 40
     assert completion.startswith("Let me think. 13 + 14 is 27. 13") and completion.endswith("…")
@@ -86,15 +106,22 @@ def test_json_and_yaml_hold_every_field_in_full(cli, recorded, fmt: str) -> None
     assert [i["sample"] for i in doc["items"]] == [1, 0, 2, 3]
     long = doc["items"][1]
     assert (long["prompt"], long["completion"]) == (PROMPT, LONG)
-    assert (long["reward"], long["rewards"], long["advantage"], long["weightVersion"], long["extra"]) == \
-        (0.5, {"correct_answer": 0.5}, 0.0, 4, {"parsed": "Le"})
+    assert (long["reward"], long["rewards"], long["advantage"], long["weightVersion"], long["extra"]) == (
+        0.5,
+        {"correct_answer": 0.5},
+        0.0,
+        4,
+        {"parsed": "Le"},
+    )
 
 
 def test_bad_input_names_the_flag(cli, recorded) -> None:
     missing = cli("get", "completions", recorded, "--step", "3")
     assert missing.exit_code == 1
-    assert missing.stderr == "error: --step 3: trainingrun/quickstart has no completions at that step " \
-                             "(recorded: steps 1-2, 5)\n"
+    assert (
+        missing.stderr == "error: --step 3: trainingrun/quickstart has no completions at that step "
+        "(recorded: steps 1-2, 5)\n"
+    )
     for flag in ("--worst", "--best", "--step"):
         bad = cli("get", "completions", recorded, flag, "0")
         assert bad.exit_code == 2 and f"'{flag}'" in bad.stderr
@@ -119,8 +146,13 @@ def test_as_a_process(recorded, mortal_home, store_url) -> None:
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url, "COLUMNS": "250"}
 
     def mortalctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mortal.client.cli.main", *args], capture_output=True,
-                              text=True, env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "mortal.client.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
 
     worst = mortalctl("get", "completions", recorded, "--worst", "1")
     assert worst.returncode == 0, worst.stderr

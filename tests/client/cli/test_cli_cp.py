@@ -38,7 +38,9 @@ def checkpointed(cli, store, tmp_path):
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     ref = actor(store, "quickstart")
     for step in (10, 20):
-        store.record_checkpoint(ref, step, str(checkpoint_folder(paths.checkpoints_dir("quickstart"), step)), step)
+        store.record_checkpoint(
+            ref, step, str(checkpoint_folder(paths.checkpoints_dir("quickstart"), step)), step
+        )
     return tmp_path
 
 
@@ -52,16 +54,24 @@ def test_cp_copies_the_newest_checkpoint_or_the_named_step(cli, checkpointed) ->
     assert newest.output.startswith("trainingrun/quickstart checkpoint step-20 (weights v20) copied to ")
     assert files(checkpointed / "out") == files(paths.checkpoints_dir("quickstart") / "step-20")
     named = cli("cp", "quickstart:step-10", str(checkpointed / "ten"))
-    assert named.exit_code == 0 and files(checkpointed / "ten") == files(paths.checkpoints_dir("quickstart") / "step-10")
+    assert named.exit_code == 0 and files(checkpointed / "ten") == files(
+        paths.checkpoints_dir("quickstart") / "step-10"
+    )
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
-@pytest.mark.parametrize(("source", "message"), [
-    ("quickstart:step-15", "run 'quickstart' has no complete checkpoint of step 15 (it keeps step-10, step-20)"),
-    ("quickstart:15", "'quickstart:15': expected RUN or RUN:step-N"),
-    ("Bad_Name", "'Bad_Name': expected RUN or RUN:step-N"),
-    ("absent", "absent"),
-])
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "quickstart:step-15",
+            "run 'quickstart' has no complete checkpoint of step 15 (it keeps step-10, step-20)",
+        ),
+        ("quickstart:15", "'quickstart:15': expected RUN or RUN:step-N"),
+        ("Bad_Name", "'Bad_Name': expected RUN or RUN:step-N"),
+        ("absent", "absent"),
+    ],
+)
 def test_cp_refuses_what_it_cannot_copy_and_says_why(cli, checkpointed, source, message) -> None:
     result = cli("cp", source, str(checkpointed / "out"))
     assert result.exit_code == 1 and message in result.output, result.output
@@ -115,14 +125,21 @@ class FakeVolume:
     def listdir(self, path: str, recursive: bool = False):
         self._check("listdir", path, recursive=recursive)
         from modal.volume import FileEntryType
+
         found = (self.root / path).rglob("*") if recursive else (self.root / path).iterdir()
-        return [SimpleNamespace(path=str(p.relative_to(self.root)), size=p.stat().st_size,
-                                type=FileEntryType.FILE if p.is_file() else FileEntryType.DIRECTORY) for p in found]
+        return [
+            SimpleNamespace(
+                path=str(p.relative_to(self.root)),
+                size=p.stat().st_size,
+                type=FileEntryType.FILE if p.is_file() else FileEntryType.DIRECTORY,
+            )
+            for p in found
+        ]
 
     def read_file(self, path: str):
         self._check("read_file", path)
         data = (self.root / path).read_bytes()
-        yield from (data[i:i + 256] for i in range(0, len(data), 256))
+        yield from (data[i : i + 256] for i in range(0, len(data), 256))
 
 
 def test_cp_reads_a_modal_runs_checkpoint_from_its_volume(tmp_path: Path) -> None:
@@ -140,13 +157,35 @@ def test_cp_reads_a_modal_runs_checkpoint_from_its_volume(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_cp_as_a_user_runs_it(checkpointed, mortal_home, store_url) -> None:
-    env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url, "MORTAL_NO_CONTROLLER": "1"}
-    done = subprocess.run([sys.executable, "-m", "mortal.client.cli.main", "cp", "quickstart:step-10",
-                           str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        **os.environ,
+        "MORTAL_HOME": str(mortal_home),
+        "MORTAL_STATE_URL": store_url,
+        "MORTAL_NO_CONTROLLER": "1",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mortal.client.cli.main",
+            "cp",
+            "quickstart:step-10",
+            str(checkpointed / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert files(checkpointed / "out") == files(paths.checkpoints_dir("quickstart") / "step-10")
-    again = subprocess.run([sys.executable, "-m", "mortal.client.cli.main", "cp", "quickstart",
-                            str(checkpointed / "out")], capture_output=True, text=True, env=env, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "mortal.client.cli.main", "cp", "quickstart", str(checkpointed / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert again.returncode == 1 and "exists and is not an empty folder" in again.stderr
 
 
@@ -160,12 +199,19 @@ def test_cp_downloads_a_checkpoint_from_its_storage_url(cli, store, tmp_path, sp
     bucket = fsspec.filesystem("memory")
     for path in source.rglob("*"):
         if path.is_file():
-            bucket.pipe_file(f"/cp-test/quickstart/step-10/{path.relative_to(source).as_posix()}", path.read_bytes())
+            bucket.pipe_file(
+                f"/cp-test/quickstart/step-10/{path.relative_to(source).as_posix()}", path.read_bytes()
+            )
     store.record_checkpoint(actor(store, "quickstart"), 10, "memory://cp-test/quickstart/step-10", 10)
     copied = cli("cp", "quickstart", str(tmp_path / "out"))
     assert copied.exit_code == 0, copied.output
     assert files(tmp_path / "out") == files(source)
-    store.record_checkpoint(actor(store, "quickstart"), 20, "memory://cp-test/quickstart/step-20", 20)  # not there
+    store.record_checkpoint(
+        actor(store, "quickstart"), 20, "memory://cp-test/quickstart/step-20", 20
+    )  # not there
     gone = cli("cp", "quickstart", str(tmp_path / "out2"))
-    assert gone.exit_code == 1 and "the checkpoint at memory://cp-test/quickstart/step-20 is empty or gone" in gone.output
+    assert (
+        gone.exit_code == 1
+        and "the checkpoint at memory://cp-test/quickstart/step-20 is empty or gone" in gone.output
+    )
     assert not (tmp_path / "out2").exists()

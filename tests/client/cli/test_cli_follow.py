@@ -25,7 +25,9 @@ def store(store_url):
 def finish(store, phase="Succeeded", steps=3, checkpoint="/ckpt/quickstart/step-3", message=None):
     ref = actor(store, "quickstart")
     for step in range(1, steps + 1):
-        store.add_metrics(ref, step, {"reward": 0.1 * step, "loss": 1.0, "weight_version": step, "step_seconds": 2.5})
+        store.add_metrics(
+            ref, step, {"reward": 0.1 * step, "loss": 1.0, "weight_version": step, "step_seconds": 2.5}
+        )
     status = {"phase": phase, "step": steps, "reward": 0.1 * steps, "message": message}
     if checkpoint:
         status["lastCheckpoint"] = {"step": steps, "path": checkpoint}
@@ -40,7 +42,9 @@ def test_follow_prints_a_line_per_step_then_the_checkpoint_and_snippet(cli, stor
     lines = out.stdout.splitlines()
     assert lines[0] == "trainingrun/quickstart unchanged"
     steps = [line for line in lines if line.startswith("step ")]
-    assert steps == [f"step {i}/30  reward {0.1 * i:.3f}  loss 1.0000  weights v{i}  2.5s/step" for i in (1, 2, 3)]
+    assert steps == [
+        f"step {i}/30  reward {0.1 * i:.3f}  loss 1.0000  weights v{i}  2.5s/step" for i in (1, 2, 3)
+    ]
     assert "trainingrun/quickstart Succeeded: 3/30 steps, reward 0.300" in out.stdout
     assert "final checkpoint: /ckpt/quickstart/step-3" in out.stdout
     assert "AutoModelForCausalLM.from_pretrained('/ckpt/quickstart/step-3')" in out.stdout

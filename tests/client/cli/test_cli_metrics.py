@@ -17,8 +17,10 @@ from ruamel.yaml import YAML
 from mortal.client.cli.metrics import step_ticks
 from mortal.state import open_store
 
-VALUES = {step: {"reward": 0.1 * step, "loss": 1.0 / step, "kl": 0.0, "tokens_per_second": 100.0 + step}
-          for step in (1, 2, 3)}
+VALUES = {
+    step: {"reward": 0.1 * step, "loss": 1.0 / step, "kl": 0.0, "tokens_per_second": 100.0 + step}
+    for step in (1, 2, 3)
+}
 
 
 @pytest.fixture
@@ -64,7 +66,11 @@ def test_plot_draws_one_chart_per_metric_over_the_steps(cli, recorded) -> None:
     out = cli("get", "metrics", recorded, "--name", "reward,loss", "--plot")
     assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
-    assert [line.strip() for line in lines if line.strip() in ("reward", "loss", "step")] == ["reward", "loss", "step"]
+    assert [line.strip() for line in lines if line.strip() in ("reward", "loss", "step")] == [
+        "reward",
+        "loss",
+        "step",
+    ]
     assert any(line.split() == ["1", "2", "3"] for line in lines), "whole steps on the x axis"
     assert "\x1b[" not in out.stdout, "no colors when stdout is not a terminal"
     assert step_ticks(list(range(1, 101))) == [1, 13, 25, 37, 49, 61, 73, 85, 97, 100]
@@ -73,7 +79,9 @@ def test_plot_draws_one_chart_per_metric_over_the_steps(cli, recorded) -> None:
 def test_bad_input_names_the_flag(cli, recorded) -> None:
     typo = cli("get", "metrics", recorded, "--name", "reward,rewrd")
     assert (typo.exit_code, typo.stderr) == (
-        1, "error: --name rewrd: trainingrun/quickstart has no metric 'rewrd'; did you mean 'reward'?\n")
+        1,
+        "error: --name rewrd: trainingrun/quickstart has no metric 'rewrd'; did you mean 'reward'?\n",
+    )
     unknown = cli("get", "metrics", recorded, "--name", "zzz")
     assert unknown.exit_code == 1 and "(recorded: kl, loss, reward, tokens_per_second)" in unknown.stderr
     plot_json = cli("get", "metrics", recorded, "--plot", "-o", "json")
@@ -93,11 +101,19 @@ def test_as_a_process(recorded, mortal_home, store_url) -> None:
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url, "COLUMNS": "100"}
 
     def mortalctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mortal.client.cli.main", *args], capture_output=True,
-                              text=True, env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "mortal.client.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
 
     table = mortalctl("get", "metrics", recorded, "--name", "loss")
-    assert (table.returncode, table.stdout.split()) == (0, ["STEP", "loss", "1", "1", "2", "0.5", "3", "0.3333"])
+    assert (table.returncode, table.stdout.split()) == (
+        0,
+        ["STEP", "loss", "1", "1", "2", "0.5", "3", "0.3333"],
+    )
     chart = mortalctl("get", "metrics", recorded, "--name", "reward", "--plot")
     assert chart.returncode == 0, chart.stderr
     assert max(len(line) for line in chart.stdout.splitlines()) <= 100

@@ -15,9 +15,26 @@ from typer.testing import CliRunner
 from mortal.client.cli.main import app
 from mortal.state import open_store, paths
 
-VERBS = [["apply"], ["get"], ["get", "runs"], ["get", "events"], ["get", "checkpoints"], ["describe"],
-         ["describe", "run"], ["scale"], ["delete"], ["delete", "run"], ["suspend"], ["suspend", "run"],
-         ["resume"], ["resume", "run"], ["logs"], ["controller"], ["schema"], ["version"]]
+VERBS = [
+    ["apply"],
+    ["get"],
+    ["get", "runs"],
+    ["get", "events"],
+    ["get", "checkpoints"],
+    ["describe"],
+    ["describe", "run"],
+    ["scale"],
+    ["delete"],
+    ["delete", "run"],
+    ["suspend"],
+    ["suspend", "run"],
+    ["resume"],
+    ["resume", "run"],
+    ["logs"],
+    ["controller"],
+    ["schema"],
+    ["version"],
+]
 
 
 def write_log(run, role, replica, incarnation, lines):
@@ -30,7 +47,18 @@ def test_root_help_lists_verbs_in_sections():
     out = CliRunner().invoke(app, ["--help"])
     assert out.exit_code == 0
     assert "Basic commands:" in out.stdout and "Operations:" in out.stdout
-    for verb in ("apply", "get", "describe", "scale", "delete", "suspend", "resume", "logs", "controller", "schema"):
+    for verb in (
+        "apply",
+        "get",
+        "describe",
+        "scale",
+        "delete",
+        "suspend",
+        "resume",
+        "logs",
+        "controller",
+        "schema",
+    ):
         assert f"\n  {verb} " in out.stdout, verb
 
 
@@ -67,8 +95,12 @@ def test_logs_of_every_worker_and_of_one(cli):
     write_log("quickstart", "rollout", 0, 2, ["generated 8"])
     out = cli("logs", "quickstart")
     assert out.exit_code == 0, out.output
-    assert out.stdout.splitlines() == ["[actor-0] step 1", "[actor-0] step 2", "[actor-0] step 3",
-                                       "[rollout-0] generated 8"]
+    assert out.stdout.splitlines() == [
+        "[actor-0] step 1",
+        "[actor-0] step 2",
+        "[actor-0] step 3",
+        "[rollout-0] generated 8",
+    ]
     out = cli("logs", "quickstart", "--role", "actor", "--tail", "2")
     assert out.stdout.splitlines() == ["step 2", "step 3"]
     assert cli("logs", "quickstart", "--role", "rollout", "--replica", "0").stdout == "generated 8\n"
@@ -112,7 +144,10 @@ def test_unexpected_errors_are_one_line_unless_debug(cli, monkeypatch):
     monkeypatch.setattr(get_module, "select_runs", boom)
     out = cli("get", "runs")
     assert out.exit_code == 1
-    assert out.stderr == "error: unexpected RuntimeError: something broke (run again with --debug for the traceback)\n"
+    assert (
+        out.stderr
+        == "error: unexpected RuntimeError: something broke (run again with --debug for the traceback)\n"
+    )
     out = cli("--debug", "get", "runs")
     assert out.exit_code == 1 and "Traceback" in out.stderr and "RuntimeError" in out.stderr
 
@@ -165,7 +200,11 @@ def test_logs_of_a_ray_run_without_shared_disk_are_read_from_its_storage(cli, sp
     """ray.sharedFilesystem false: each worker's Ray actor uploads its node's log under <checkpoint.uri>/<run>/logs/
     (controller/backends/ray_worker.py); `logs` reads them there, not under this machine's MORTAL_HOME."""
     bucket = tmp_path / "bucket"
-    edits = {"spec.backend": "ray", "spec.ray": {"sharedFilesystem": False}, "spec.checkpoint": {"uri": f"file://{bucket}"}}
+    edits = {
+        "spec.backend": "ray",
+        "spec.ray": {"sharedFilesystem": False},
+        "spec.checkpoint": {"uri": f"file://{bucket}"},
+    }
     assert cli("apply", "-f", str(spec_file(**edits))).exit_code == 0
     write_log("quickstart", "actor", 0, 1, ["on this machine, not the run's"])
     assert cli("logs", "quickstart").exit_code == 1  # nothing uploaded yet

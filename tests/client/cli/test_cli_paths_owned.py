@@ -39,7 +39,11 @@ def stopped_with(store, rows: dict[int, str]) -> None:
 
 
 def refusals(store) -> list[str]:
-    return [e.message for e in store.list_events("quickstart") if e.type == "Warning" and e.reason == REFUSED_REASON]
+    return [
+        e.message
+        for e in store.list_events("quickstart")
+        if e.type == "Warning" and e.reason == REFUSED_REASON
+    ]
 
 
 @pytest.mark.parametrize("drop", [True, False])
@@ -49,14 +53,17 @@ def test_rollback_leaves_a_later_checkpoint_row_pointing_outside_alone(cli, stor
     stopped_with(store, {10: str(own), 20: str(victim)})
     result = cli("rollback", "quickstart", "--to", "step-10", *(["--drop-later"] if drop else []))
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in victim.iterdir()) == sorted([*FILES, "mortal.json"]), "never removed nor moved"
+    assert sorted(p.name for p in victim.iterdir()) == sorted([*FILES, "mortal.json"]), (
+        "never removed nor moved"
+    )
     assert [c.step for c in store.list_checkpoints("quickstart")] == [10]
     [message] = refusals(store)
     assert message.startswith(f"rolling back checkpoint step-20: {victim} is not inside ")
 
 
 def test_rollback_reads_a_relative_checkpoint_row_inside_the_run_not_the_working_folder(
-        cli, store, victim, monkeypatch) -> None:
+    cli, store, victim, monkeypatch
+) -> None:
     """The folder checked is the folder removed: "victim" means <run's checkpoints>/victim, not ./victim."""
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     own = checkpoint_in(paths.checkpoints_dir("quickstart") / "step-10", 10)
@@ -82,7 +89,10 @@ def test_cp_refuses_a_checkpoint_row_pointing_outside(cli, store, victim, tmp_pa
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     stopped_with(store, {20: str(victim)})
     result = cli("cp", "quickstart", str(tmp_path / "out"))
-    assert result.exit_code == 1 and f"checkpoint step-20 of run 'quickstart': {victim} is not inside" in result.output
+    assert (
+        result.exit_code == 1
+        and f"checkpoint step-20 of run 'quickstart': {victim} is not inside" in result.output
+    )
     assert not (tmp_path / "out").exists()
     assert [m.split(":")[0] for m in refusals(store)] == ["copying checkpoint step-20"]
 
@@ -120,15 +130,20 @@ def test_fork_refuses_to_copy_a_parent_checkpoint_row_pointing_outside(cli, stor
     assert refusals(store) and refusals(store)[0].startswith("reading checkpoint step-20")
 
 
-def test_cp_refuses_a_modal_checkpoint_row_outside_the_runs_folder_on_its_volume(cli, store, tmp_path,
-                                                                                 monkeypatch) -> None:
+def test_cp_refuses_a_modal_checkpoint_row_outside_the_runs_folder_on_its_volume(
+    cli, store, tmp_path, monkeypatch
+) -> None:
     from mortal.client import checkpoint_copy as cp
 
     monkeypatch.setattr(cp, "modal_data_volume", lambda: pytest.fail("the volume must not be read"))
     on_modal = tmp_path / "modal.yaml"
     on_modal.write_text(QUICKSTART.read_text() + "\n  backend: modal\n")
     assert cli("apply", "-f", str(on_modal)).exit_code == 0
-    stopped_with(store, {10: f"{cp.MODAL_DATA_MOUNT}/runs/quickstart/checkpoints/../../other/checkpoints/step-10"})
+    stopped_with(
+        store, {10: f"{cp.MODAL_DATA_MOUNT}/runs/quickstart/checkpoints/../../other/checkpoints/step-10"}
+    )
     result = cli("cp", "quickstart", str(tmp_path / "out"))
-    assert result.exit_code == 1 and "is not inside /mortal/runs/quickstart/checkpoints" in result.output, result.output
+    assert result.exit_code == 1 and "is not inside /mortal/runs/quickstart/checkpoints" in result.output, (
+        result.output
+    )
     assert len(refusals(store)) == 1

@@ -23,7 +23,10 @@ def sandbox_works() -> str:
     for mode in ("bubblewrap", "unshare"):
         if confinement.probe(mode) is None:
             return mode
-    pytest.skip("no confinement works here: " + "; ".join(str(confinement.probe(m)) for m in ("bubblewrap", "unshare")))
+    pytest.skip(
+        "no confinement works here: "
+        + "; ".join(str(confinement.probe(m)) for m in ("bubblewrap", "unshare"))
+    )
 
 
 def invoke(*args: str):
@@ -36,11 +39,14 @@ def write(tmp_path: Path, code: str, name: str = "main.py") -> Path:
     return path
 
 
-def test_a_file_runs_confined_and_its_result_is_json(tmp_path: Path, sandbox_works: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_runs_confined_and_its_result_is_json(
+    tmp_path: Path, sandbox_works: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MORTAL_TEST_SECRET", "hunter2")
-    code = ("import os, socket\nprint(os.environ.get('MORTAL_TEST_SECRET'), socket.gethostname())\n"
-            "print(sum(range(10)))")
+    code = (
+        "import os, socket\nprint(os.environ.get('MORTAL_TEST_SECRET'), socket.gethostname())\n"
+        "print(sum(range(10)))"
+    )
     result = invoke(str(write(tmp_path, code)), "--timeout", "5", "--memory-mb", "256")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -62,15 +68,28 @@ def test_a_failing_or_endless_file_exits_1_with_the_result(tmp_path: Path, sandb
     assert doc["timedOut"] and doc["signal"] == "SIGKILL" and 1.0 <= doc["durationSeconds"] < 5
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["{tmp}/absent.py"], "error: {tmp}/absent.py: no such file"),
-    (["{tmp}"], "error: {tmp}: not a file"),
-    (["{tmp}/latin1.py"], "error: {tmp}/latin1.py: not UTF-8 text (byte 7); a Python source file is needed"),
-    (["{tmp}/ok.py", "--timeout", "0"], "error: --timeout 0.0: input should be greater than 0"),
-    (["{tmp}/ok.py", "--timeout", "inf"], "error: --timeout inf: must be a finite number of seconds"),
-    (["{tmp}/ok.py", "--memory-mb", "8"], "error: --memory-mb 8: input should be greater than or equal to 16"),
-    (["{tmp}/ok.py", "--confinement", "none"], "error: --confinement none: choose auto, bubblewrap, unshare"),
-], ids=["missing", "folder", "not-utf8", "timeout-0", "timeout-inf", "memory-8", "unconfined"])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{tmp}/absent.py"], "error: {tmp}/absent.py: no such file"),
+        (["{tmp}"], "error: {tmp}: not a file"),
+        (
+            ["{tmp}/latin1.py"],
+            "error: {tmp}/latin1.py: not UTF-8 text (byte 7); a Python source file is needed",
+        ),
+        (["{tmp}/ok.py", "--timeout", "0"], "error: --timeout 0.0: input should be greater than 0"),
+        (["{tmp}/ok.py", "--timeout", "inf"], "error: --timeout inf: must be a finite number of seconds"),
+        (
+            ["{tmp}/ok.py", "--memory-mb", "8"],
+            "error: --memory-mb 8: input should be greater than or equal to 16",
+        ),
+        (
+            ["{tmp}/ok.py", "--confinement", "none"],
+            "error: --confinement none: choose auto, bubblewrap, unshare",
+        ),
+    ],
+    ids=["missing", "folder", "not-utf8", "timeout-0", "timeout-inf", "memory-8", "unconfined"],
+)
 def test_bad_input_is_refused_naming_the_file_or_flag(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "latin1.py").write_bytes(b"print('\xe9')")
     write(tmp_path, "print(1)", "ok.py")
@@ -84,13 +103,17 @@ def test_a_number_that_is_not_one_is_a_usage_error() -> None:
     assert result.exit_code == 2 and "'--memory-mb'" in result.stderr
 
 
-def test_no_working_sandbox_is_an_error_not_an_unconfined_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_working_sandbox_is_an_error_not_an_unconfined_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(confinement, "_probed", {})  # as on a machine with neither tool
     monkeypatch.setattr(confinement, "bundled_bwrap", lambda: None)
     monkeypatch.setenv("PATH", str(tmp_path))
     result = invoke(str(write(tmp_path, "open('ran', 'w')")))
     assert result.exit_code == 1 and result.stdout == "" and not (tmp_path / "ran").exists()
-    assert result.stderr.startswith("error: no sandbox works on this machine (bubblewrap: bwrap is not on PATH")
+    assert result.stderr.startswith(
+        "error: no sandbox works on this machine (bubblewrap: bwrap is not on PATH"
+    )
 
 
 def test_mortalctl_sandbox_run_as_a_process(tmp_path: Path, sandbox_works: str) -> None:
@@ -98,13 +121,24 @@ def test_mortalctl_sandbox_run_as_a_process(tmp_path: Path, sandbox_works: str) 
     command = [str(mortalctl)] if mortalctl.exists() else [sys.executable, "-m", "mortal.client.cli.main"]
     env = {k: v for k, v in os.environ.items() if k != "MORTAL_DEBUG"}
     path = write(tmp_path, "import sys\nprint(sys.stdin.read() == '', open('main.py').read().count('print'))")
-    done = subprocess.run([*command, "sandbox", "run", str(path), "--timeout", "5"], capture_output=True, text=True,
-                          env=env, timeout=60, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [*command, "sandbox", "run", str(path), "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["stdout"] == "True 2\n" and doc["confinement"] == sandbox_works and doc["file"] == str(path)
-    missing = subprocess.run([*command, "sandbox", "run", str(tmp_path / "gone.py")], capture_output=True, text=True,
-                             env=env, timeout=60)
+    missing = subprocess.run(
+        [*command, "sandbox", "run", str(tmp_path / "gone.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert (missing.returncode, missing.stdout) == (1, "")
     assert missing.stderr == f"error: {tmp_path / 'gone.py'}: no such file\n"
 
@@ -116,4 +150,7 @@ def test_help_has_usage_and_examples(verb: list[str]) -> None:
     assert ("mortalctl sandbox run solution.py" in out.stdout) == (verb == ["sandbox", "run"])
     if verb == ["sandbox", "run"]:  # the defaults it names are the spec's
         spec = SandboxSpec()
-        assert f"[default: {spec.timeout_seconds:g}]" in out.stdout and f"[default: {spec.memory_mb}]" in out.stdout
+        assert (
+            f"[default: {spec.timeout_seconds:g}]" in out.stdout
+            and f"[default: {spec.memory_mb}]" in out.stdout
+        )

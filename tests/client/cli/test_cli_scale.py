@@ -79,8 +79,16 @@ def test_actor_count_is_validated_by_the_spec(cli, store):
     assert cli("scale", "quickstart", "actor=1").stdout.startswith("trainingrun/quickstart unchanged")
 
 
-@pytest.mark.parametrize("args", [["quickstart", "gpu=2"], ["quickstart", "rollout=-1"], ["quickstart", "rollout=x"],
-                                  ["quickstart"], ["a", "b", "rollout=1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["quickstart", "gpu=2"],
+        ["quickstart", "rollout=-1"],
+        ["quickstart", "rollout=x"],
+        ["quickstart"],
+        ["a", "b", "rollout=1"],
+    ],
+)
 def test_usage_errors_exit_2(cli, args):
     cli("apply", "-f", str(QUICKSTART))
     assert cli("scale", *args).exit_code == 2
@@ -111,7 +119,9 @@ def test_modify_spec_gives_up_after_repeated_conflicts(cli, store):
     cli("apply", "-f", str(QUICKSTART))
 
     def change(row):
-        store.update_spec("quickstart", {**row.spec, "suspend": not row.spec["suspend"]}, row.resource_version)
+        store.update_spec(
+            "quickstart", {**row.spec, "suspend": not row.spec["suspend"]}, row.resource_version
+        )
         return scaled_spec(row, {"rollout": 7})
 
     with pytest.raises(Conflict):

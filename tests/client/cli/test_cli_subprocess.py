@@ -13,13 +13,24 @@ from clihelpers import QUICKSTART
 
 @pytest.fixture
 def mortalctl(mortal_home, store_url):
-    env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url,
-           "MORTAL_NO_CONTROLLER": "1", "COLUMNS": "250"}
+    env = {
+        **os.environ,
+        "MORTAL_HOME": str(mortal_home),
+        "MORTAL_STATE_URL": store_url,
+        "MORTAL_NO_CONTROLLER": "1",
+        "COLUMNS": "250",
+    }
     env.pop("MORTAL_DEBUG", None)
 
     def run(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mortal.client.cli.main", *args], input=input,
-                              capture_output=True, text=True, env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "mortal.client.cli.main", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
 
     return run
 
@@ -83,11 +94,13 @@ def test_help_of_verbs(mortalctl, verb):
 
 
 def test_help_and_schema_import_no_ml_library(mortal_home):
-    code = ("import sys\nfrom mortal.client.cli.main import app\nfrom typer.testing import CliRunner\n"
-            "for args in (['--help'], ['schema'], ['apply', '--help']):\n"
-            "    assert CliRunner().invoke(app, args).exit_code == 0\n"
-            "import mortal\nmortal.MortalTrainer, mortal.RewardEnvironment\n"
-            "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets', 'vllm') if m in sys.modules))")
+    code = (
+        "import sys\nfrom mortal.client.cli.main import app\nfrom typer.testing import CliRunner\n"
+        "for args in (['--help'], ['schema'], ['apply', '--help']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0\n"
+        "import mortal\nmortal.MortalTrainer, mortal.RewardEnvironment\n"
+        "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets', 'vllm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -99,7 +112,9 @@ def test_installed_console_script(mortal_home):
         pytest.skip("mortalctl console script not installed (pip install -e .)")
     env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_NO_CONTROLLER": "1"}
     env.pop("MORTAL_STATE_URL", None)
-    out = subprocess.run([exe, "apply", "-f", str(QUICKSTART)], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [exe, "apply", "-f", str(QUICKSTART)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert (out.returncode, out.stdout) == (0, "trainingrun/quickstart created\n"), out.stderr
     assert (mortal_home / "state.db").exists()
 
@@ -121,11 +136,17 @@ def test_fork_and_rollback_exit_codes_and_no_ml_library(mortalctl, mortal_home):
     back = mortalctl("rollback", "quickstart", "--to", "step-3")
     assert back.returncode == 1 and "has no complete checkpoint of step 3" in back.stderr
     assert mortalctl("rollback", "quickstart", "--to", "three").returncode == 2
-    code = ("import sys\nfrom mortal.client.cli.main import app\nfrom typer.testing import CliRunner\n"
-            "assert CliRunner().invoke(app, ['fork', 'quickstart', 'new']).exit_code == 1\n"
-            "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets', 'vllm') if m in sys.modules))")
-    env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_NO_CONTROLLER": "1",
-           "MORTAL_STATE_URL": f"sqlite:///{mortal_home / 'state.db'}"}
+    code = (
+        "import sys\nfrom mortal.client.cli.main import app\nfrom typer.testing import CliRunner\n"
+        "assert CliRunner().invoke(app, ['fork', 'quickstart', 'new']).exit_code == 1\n"
+        "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets', 'vllm') if m in sys.modules))"
+    )
+    env = {
+        **os.environ,
+        "MORTAL_HOME": str(mortal_home),
+        "MORTAL_NO_CONTROLLER": "1",
+        "MORTAL_STATE_URL": f"sqlite:///{mortal_home / 'state.db'}",
+    }
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

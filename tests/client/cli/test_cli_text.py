@@ -14,8 +14,10 @@ from mortal.client.cli.text import plain
 from mortal.state import NewCompletion, open_store, paths
 
 MARKUP = "[bold red]LOUD[/bold red]"
-HOSTILE = ("\x1b[2J\x1b[H\x1b]8;;http://evil.example/\x07click\x1b]8;;\x07" + MARKUP + "\x9b31m\u202eevil\x07\r"
-           "\x1b[31m")
+HOSTILE = (
+    "\x1b[2J\x1b[H\x1b]8;;http://evil.example/\x07click\x1b]8;;\x07" + MARKUP + "\x9b31m\u202eevil\x07\r"
+    "\x1b[31m"
+)
 HOSTILE_LINES = HOSTILE + "\nsecond line\x1b[0m"
 RAW = ("\x1b", "\x9b", "\u202e", "\x07", "\r")
 
@@ -44,21 +46,47 @@ def hostile_run(cli, store_url, spec_file, mortal_home):
     an event, a worker's exit message, a checkpoint path, a completion, a metric name and a log line."""
     labels = {"team": "rl"}
     annotations = {"note": HOSTILE_LINES}
-    assert cli("apply", "-f", str(spec_file("evil", **{"metadata.labels": labels,
-                                                        "metadata.annotations": annotations}))).exit_code == 0
+    assert (
+        cli(
+            "apply",
+            "-f",
+            str(spec_file("evil", **{"metadata.labels": labels, "metadata.annotations": annotations})),
+        ).exit_code
+        == 0
+    )
     store = open_store(store_url)
     try:
         ref = actor(store, "evil")
         store.record_checkpoint(ref, 2, "/ckpt/" + HOSTILE, 2)
         store.add_metrics(ref, 1, {"loss": 0.5, "reward": 0.1, HOSTILE: 1.0})
-        store.add_completions(ref, 1, [NewCompletion(sample=0, prompt="user: " + HOSTILE + MARKUP, completion=HOSTILE_LINES,
-                                                     rewards={"correct_answer": 1.0}, reward=1.0, advantage=0.5,
-                                                     weight_version=1)])
+        store.add_completions(
+            ref,
+            1,
+            [
+                NewCompletion(
+                    sample=0,
+                    prompt="user: " + HOSTILE + MARKUP,
+                    completion=HOSTILE_LINES,
+                    rewards={"correct_answer": 1.0},
+                    reward=1.0,
+                    advantage=0.5,
+                    weight_version=1,
+                )
+            ],
+        )
         store.add_event("evil", "Warning", "Odd" + HOSTILE, HOSTILE_LINES)
         store.report_exit(ref, "Failed", 1, HOSTILE_LINES)
-        set_status(store, "evil", phase="Failed", observedGeneration=1, step=1, message=HOSTILE_LINES,
-                   conditions=[{"type": "Ready", "status": "False", "reason": "WorkerFailed",
-                                "message": HOSTILE_LINES}])
+        set_status(
+            store,
+            "evil",
+            phase="Failed",
+            observedGeneration=1,
+            step=1,
+            message=HOSTILE_LINES,
+            conditions=[
+                {"type": "Ready", "status": "False", "reason": "WorkerFailed", "message": HOSTILE_LINES}
+            ],
+        )
     finally:
         store.close()
     log = paths.worker_log("evil", "actor", 0, 1)
@@ -67,11 +95,19 @@ def hostile_run(cli, store_url, spec_file, mortal_home):
     return spec_file("evil", **{"metadata.labels": labels, "metadata.annotations": annotations})
 
 
-QUIET = [("get", "runs"), ("get", "runs", "-o", "wide"), ("get", "runs", "-o", "name")]  # names are DNS labels
+QUIET = [
+    ("get", "runs"),
+    ("get", "runs", "-o", "wide"),
+    ("get", "runs", "-o", "name"),
+]  # names are DNS labels
 VERBS = [
-    ("get", "events"), ("get", "events", "evil"),
-    ("get", "checkpoints", "evil"), ("get", "completions", "evil"), ("get", "metrics", "evil", "--name", "all"),
-    ("describe", "run", "evil"), ("logs", "evil"),
+    ("get", "events"),
+    ("get", "events", "evil"),
+    ("get", "checkpoints", "evil"),
+    ("get", "completions", "evil"),
+    ("get", "metrics", "evil", "--name", "all"),
+    ("describe", "run", "evil"),
+    ("logs", "evil"),
 ]
 
 
@@ -96,7 +132,9 @@ def test_json_and_yaml_carry_the_exact_text(cli, hostile_run):
     assert all(raw not in events for raw in RAW)  # escaped by JSON itself (\u001b, \u009b, ...)
     assert json.loads(events)["items"][-1]["message"] == HOSTILE_LINES
     run = YAML(typ="safe").load(cli("get", "run", "evil", "-o", "yaml").stdout)
-    assert run["metadata"]["annotations"]["note"] == HOSTILE_LINES and run["status"]["message"] == HOSTILE_LINES
+    assert (
+        run["metadata"]["annotations"]["note"] == HOSTILE_LINES and run["status"]["message"] == HOSTILE_LINES
+    )
     completions = json.loads(cli("get", "completions", "evil", "-o", "json").stdout)
     assert completions["items"][0]["completion"] == HOSTILE_LINES
     metrics = json.loads(cli("get", "metrics", "evil", "--name", "all", "-o", "json").stdout)

@@ -53,21 +53,67 @@ def populate(store: Store, name: str = "quickstart", steps: int = 6) -> WorkerRe
     store.add_event(name, "Warning", "WorkerLost", "rollout-1 lost: no heartbeat for 10s <b>")
     prompt = "user: What is 13 + 14?"
     for step in (5, steps):
-        store.add_completions(ref, step, [
-            NewCompletion(sample=0, prompt=prompt, completion="27", rewards={"correct_answer": 1.0}, reward=1.2,
-                          advantage=0.8, weight_version=step),
-            NewCompletion(sample=1, prompt=prompt, completion=SCRIPT, rewards={"correct_answer": 0.0}, reward=-0.1,
-                          advantage=-0.9, weight_version=step),
-            NewCompletion(sample=2, prompt=prompt, completion="twenty-seven", rewards={"correct_answer": 0.0},
-                          reward=0.3, advantage=0.1, weight_version=step),
-            NewCompletion(sample=3, prompt=prompt, completion="unscored", rewards={"correct_answer": None},
-                          reward=None, advantage=None, weight_version=step),
-        ])
-    set_status(store, name, phase="Running", observedGeneration=1, step=steps, weightVersion=steps, reward=0.6,
-               conditions=[{"type": "Ready", "status": "True", "reason": "WorkersReady", "message": "all ready"},
-                           {"type": "RewardHealthy", "status": "False", "reason": "RewardStuck",
-                            "message": "correct_answer gave every sample 0.0"},
-                           {"type": "Progressing", "status": "True", "reason": "StepEnded", "message": ""}])
+        store.add_completions(
+            ref,
+            step,
+            [
+                NewCompletion(
+                    sample=0,
+                    prompt=prompt,
+                    completion="27",
+                    rewards={"correct_answer": 1.0},
+                    reward=1.2,
+                    advantage=0.8,
+                    weight_version=step,
+                ),
+                NewCompletion(
+                    sample=1,
+                    prompt=prompt,
+                    completion=SCRIPT,
+                    rewards={"correct_answer": 0.0},
+                    reward=-0.1,
+                    advantage=-0.9,
+                    weight_version=step,
+                ),
+                NewCompletion(
+                    sample=2,
+                    prompt=prompt,
+                    completion="twenty-seven",
+                    rewards={"correct_answer": 0.0},
+                    reward=0.3,
+                    advantage=0.1,
+                    weight_version=step,
+                ),
+                NewCompletion(
+                    sample=3,
+                    prompt=prompt,
+                    completion="unscored",
+                    rewards={"correct_answer": None},
+                    reward=None,
+                    advantage=None,
+                    weight_version=step,
+                ),
+            ],
+        )
+    set_status(
+        store,
+        name,
+        phase="Running",
+        observedGeneration=1,
+        step=steps,
+        weightVersion=steps,
+        reward=0.6,
+        conditions=[
+            {"type": "Ready", "status": "True", "reason": "WorkersReady", "message": "all ready"},
+            {
+                "type": "RewardHealthy",
+                "status": "False",
+                "reason": "RewardStuck",
+                "message": "correct_answer gave every sample 0.0",
+            },
+            {"type": "Progressing", "status": "True", "reason": "StepEnded", "message": ""},
+        ],
+    )
     return ref
 
 
@@ -131,16 +177,33 @@ def test_pages_and_json_show_the_run_and_escape_model_text(populated: str) -> No
         runs = requests.get(url + "/api/runs", timeout=10).json()
         [item] = runs["items"]
         assert (item["name"], item["phase"], item["step"], item["maxSteps"], item["reward"]) == (
-            "quickstart", "Running", 6, 30, 0.6)
+            "quickstart",
+            "Running",
+            6,
+            30,
+            0.6,
+        )
         assert [(c["type"], c["status"]) for c in item["conditions"]] == [
-            ("Ready", "True"), ("RewardHealthy", "False"), ("Progressing", "True")]
+            ("Ready", "True"),
+            ("RewardHealthy", "False"),
+            ("Progressing", "True"),
+        ]
 
         page = requests.get(url + "/runs/quickstart", timeout=10)
         assert page.status_code == 200
         text = page.text
-        for shown in ("<svg", "reward <span class=latest>step 6: 0.6</span>", "loss <span class=latest>step 6: 0.1667",
-                      "WorkerLost", "rollout-1 lost: no heartbeat for 10s &lt;b&gt;", "step-5-i1",
-                      "Completions of step 6", "4 samples, 1 unscored", "<td>rollout</td>", "<td>actor</td>"):
+        for shown in (
+            "<svg",
+            "reward <span class=latest>step 6: 0.6</span>",
+            "loss <span class=latest>step 6: 0.1667",
+            "WorkerLost",
+            "rollout-1 lost: no heartbeat for 10s &lt;b&gt;",
+            "step-5-i1",
+            "Completions of step 6",
+            "4 samples, 1 unscored",
+            "<td>rollout</td>",
+            "<td>actor</td>",
+        ):
             assert shown in text, shown
         assert SCRIPT not in text and "<script>document" not in text and "<img src=x" not in text
         assert esc(SCRIPT) in text
@@ -155,12 +218,15 @@ def test_pages_and_json_show_the_run_and_escape_model_text(populated: str) -> No
         assert "<" not in doc.text  # model text in JSON is \\u003c-escaped wherever it is pasted
         body = doc.json()
         assert body["completions"]["step"] == 5 and body["completions"]["steps"] == [5, 6]
-        assert [c["completion"] for c in body["completions"]["worst"]] == [SCRIPT]  # the text itself, unharmed
+        assert [c["completion"] for c in body["completions"]["worst"]] == [
+            SCRIPT
+        ]  # the text itself, unharmed
         assert [c["completion"] for c in body["completions"]["best"]] == ["27"]
         assert body["curves"]["reward"] == [[s, s / 10] for s in range(1, 7)]
         assert "kl" not in body["curves"]
-        assert [(w["role"], w["replica"], w["incarnation"], w["state"], w["gpu"]) for w in body["workers"]] == [
-            ("actor", 0, 1, "Running", "none"), ("rollout", 0, 2, "Running", "none")]
+        assert [
+            (w["role"], w["replica"], w["incarnation"], w["state"], w["gpu"]) for w in body["workers"]
+        ] == [("actor", 0, 1, "Running", "none"), ("rollout", 0, 2, "Running", "none")]
         assert [c["step"] for c in body["checkpoints"]] == [5]
         assert [e["reason"] for e in body["events"]] == ["WorkerLost", "WorkerStarted"]  # newest first
         assert "sections" not in body
@@ -169,7 +235,11 @@ def test_pages_and_json_show_the_run_and_escape_model_text(populated: str) -> No
         assert set(sections) == {"summary", "curves", "workers", "checkpoints", "events", "completions"}
         assert esc(SCRIPT) in sections["completions"] and SCRIPT not in sections["completions"]
 
-        assert requests.get(url + "/static/dashboard.js", timeout=10).headers["Content-Type"].startswith("text/javascript")
+        assert (
+            requests.get(url + "/static/dashboard.js", timeout=10)
+            .headers["Content-Type"]
+            .startswith("text/javascript")
+        )
         assert requests.get(url + "/static/dashboard.css", timeout=10).status_code == 200
 
 
@@ -178,7 +248,9 @@ def test_bad_requests_answer_without_a_trace(populated: str) -> None:
     with dashboard(populated) as (url, _):
         missing = requests.get(url + "/runs/nope", timeout=10)
         assert missing.status_code == 404 and "trainingrun &#x27;nope&#x27; not found" in missing.text
-        assert requests.get(url + "/api/runs/nope", timeout=10).json() == {"error": "trainingrun 'nope' not found"}
+        assert requests.get(url + "/api/runs/nope", timeout=10).json() == {
+            "error": "trainingrun 'nope' not found"
+        }
         no_step = requests.get(url + "/api/runs/quickstart?step=3", timeout=10)
         assert no_step.status_code == 400 and "no completions at step 3" in no_step.json()["error"]
         assert requests.get(url + "/api/runs/quickstart?step=x", timeout=10).status_code == 400
@@ -188,13 +260,26 @@ def test_bad_requests_answer_without_a_trace(populated: str) -> None:
         assert requests.post(url + "/api/runs", timeout=10).status_code == 405
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+@pytest.mark.parametrize(
+    "store_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 def test_read_only_and_a_bounded_number_of_statements_per_refresh(store_url: str) -> None:
     writer = open_store(store_url)
     populate(writer, "a")
     with dashboard(store_url) as (url, store):
-        assert not any(hasattr(store, m) for m in ("apply_run", "write_status", "add_event", "add_metrics",
-                                                   "create_worker", "heartbeat", "purge_run", "migrate"))
+        assert not any(
+            hasattr(store, m)
+            for m in (
+                "apply_run",
+                "write_status",
+                "add_event",
+                "add_metrics",
+                "create_worker",
+                "heartbeat",
+                "purge_run",
+                "migrate",
+            )
+        )
         with statements(store) as seen:
             requests.get(url + "/api/runs?sections=1", timeout=10).raise_for_status()
         one_run_list = _queries(seen)
@@ -208,7 +293,13 @@ def test_read_only_and_a_bounded_number_of_statements_per_refresh(store_url: str
         for step in range(7, 40):
             writer.add_metrics(ref, step, {"reward": 0.5, "loss": 0.5})
         with statements(store) as seen:
-            for path in ("/", "/api/runs?sections=1", "/runs/a", "/api/runs/a?sections=1", "/api/runs/a?step=5"):
+            for path in (
+                "/",
+                "/api/runs?sections=1",
+                "/runs/a",
+                "/api/runs/a?sections=1",
+                "/api/runs/a?step=5",
+            ):
                 requests.get(url + path, timeout=10).raise_for_status()
         assert _writes(seen) == []
         queries = _queries(seen)
@@ -228,8 +319,10 @@ def test_nothing_is_written_the_row_counts_stay(populated: str) -> None:
         store = open_store(populated)
         try:
             with store._engine.connect() as conn:
-                return {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
-                        for t in ("runs", "workers", "events", "metrics", "checkpoints", "completions")}
+                return {
+                    t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
+                    for t in ("runs", "workers", "events", "metrics", "checkpoints", "completions")
+                }
         finally:
             store.close()
 
@@ -270,7 +363,9 @@ def test_a_port_in_use_is_a_clear_error_naming_the_flag(populated: str) -> None:
         port = taken.getsockname()[1]
         result = CliRunner().invoke(app, ["--state-url", populated, "dashboard", "--port", str(port)])
     assert result.exit_code == 1, result.output
-    assert f"--port {port}" in result.output and "in use" in result.output and "Traceback" not in result.output
+    assert (
+        f"--port {port}" in result.output and "in use" in result.output and "Traceback" not in result.output
+    )
 
 
 def test_as_a_process_on_the_port_it_was_given(populated: str, mortal_home: Path) -> None:
@@ -281,8 +376,12 @@ def test_as_a_process_on_the_port_it_was_given(populated: str, mortal_home: Path
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "MORTAL_STATE_URL": populated}
-    proc = subprocess.Popen([sys.executable, "-m", "mortal.client.cli.main", "dashboard", "--port", str(port)],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mortal.client.cli.main", "dashboard", "--port", str(port)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -306,9 +405,21 @@ def test_a_browser_runs_no_model_text_and_draws_the_page(populated: str, tmp_pat
     """Chromium loads the run's page (its script refreshes the sections once): the completion's <script>
     stays text (the title is the dashboard's), the curves and sections are there."""
     with dashboard(populated) as (url, _):
-        out = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}",
-                              "--virtual-time-budget=3000", "--dump-dom", url + "/runs/quickstart"],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                "chromium",
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                f"--user-data-dir={tmp_path}",
+                "--virtual-time-budget=3000",
+                "--dump-dom",
+                url + "/runs/quickstart",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     dom = out.stdout
     assert "<title>quickstart · mortal</title>" in dom, out.stderr[-2000:]
     assert "pwned" not in dom.split("</title>")[0]
@@ -317,20 +428,23 @@ def test_a_browser_runs_no_model_text_and_draws_the_page(populated: str, tmp_pat
     assert "&lt;script&gt;document.title" in dom
 
 
-@pytest.mark.parametrize("phase, condition, status, shown", [
-    ("Running", "Ready", "True", "ok"),
-    ("Running", "RewardHealthy", "False", "bad"),
-    ("Running", "Progressing", "Unknown", "unknown"),
-    ("Recovering", "Ready", "False", "bad"),  # workers are missing
-    ("Starting", "Ready", "False", "neutral"),  # not yet: expected
-    ("Suspended", "Ready", "False", "neutral"),
-    ("Succeeded", "Ready", "False", "neutral"),  # it finished: not an error
-    ("Succeeded", "Progressing", "True", "neutral"),  # nor good news after the end
-    ("Succeeded", "RewardHealthy", "False", "neutral"),
-    ("Failed", "Ready", "False", "neutral"),
-    ("Failed", "RewardHealthy", "False", "bad"),  # may say why it failed
-    ("Failed", "WeightsInSync", "True", "neutral"),
-])
+@pytest.mark.parametrize(
+    "phase, condition, status, shown",
+    [
+        ("Running", "Ready", "True", "ok"),
+        ("Running", "RewardHealthy", "False", "bad"),
+        ("Running", "Progressing", "Unknown", "unknown"),
+        ("Recovering", "Ready", "False", "bad"),  # workers are missing
+        ("Starting", "Ready", "False", "neutral"),  # not yet: expected
+        ("Suspended", "Ready", "False", "neutral"),
+        ("Succeeded", "Ready", "False", "neutral"),  # it finished: not an error
+        ("Succeeded", "Progressing", "True", "neutral"),  # nor good news after the end
+        ("Succeeded", "RewardHealthy", "False", "neutral"),
+        ("Failed", "Ready", "False", "neutral"),
+        ("Failed", "RewardHealthy", "False", "bad"),  # may say why it failed
+        ("Failed", "WeightsInSync", "True", "neutral"),
+    ],
+)
 def test_condition_colour_follows_the_run_phase(phase, condition, status, shown):
     from mortal.client.cli.dashboard_html import condition_class
 
@@ -340,13 +454,29 @@ def test_condition_colour_follows_the_run_phase(phase, condition, status, shown)
 def test_checkpoint_paths_may_wrap_after_each_slash():
     from mortal.client.cli.dashboard_html import run_sections
 
-    view = {"run": {"name": "a", "phase": "Succeeded", "step": 1, "maxSteps": 1, "reward": None, "age": "1s",
-                    "conditions": []},
-            "curves": {}, "events": [], "workers": [],
-            "checkpoints": [{"step": 1, "weightVersion": 1, "path": "/very/long/<b>/step-1", "age": "1s"}],
-            "completions": {"step": None}}
-    assert "<code>/<wbr>very/<wbr>long/<wbr>&lt;b&gt;/<wbr>step-1</code>" in run_sections(view, False, 3)["checkpoints"]
-    css = (Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.css").read_text()
+    view = {
+        "run": {
+            "name": "a",
+            "phase": "Succeeded",
+            "step": 1,
+            "maxSteps": 1,
+            "reward": None,
+            "age": "1s",
+            "conditions": [],
+        },
+        "curves": {},
+        "events": [],
+        "workers": [],
+        "checkpoints": [{"step": 1, "weightVersion": 1, "path": "/very/long/<b>/step-1", "age": "1s"}],
+        "completions": {"step": None},
+    }
+    assert (
+        "<code>/<wbr>very/<wbr>long/<wbr>&lt;b&gt;/<wbr>step-1</code>"
+        in run_sections(view, False, 3)["checkpoints"]
+    )
+    css = (
+        Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.css"
+    ).read_text()
     assert ".columns > section { min-width: 0;" in css  # a grid cell may shrink below its widest path
 
 
@@ -359,8 +489,21 @@ def test_a_long_text_is_cut_with_a_marker_and_its_endpoint_returns_it_whole(popu
     try:
         event = writer.add_event("quickstart", "Warning", "Huge", huge)
         ref = WorkerRef("quickstart", "actor", 0, 1)
-        writer.add_completions(ref, 7, [NewCompletion(sample=0, prompt="p", completion=huge, rewards={"c": 1.0},
-                                                      reward=1.0, advantage=0.0, weight_version=7)])
+        writer.add_completions(
+            ref,
+            7,
+            [
+                NewCompletion(
+                    sample=0,
+                    prompt="p",
+                    completion=huge,
+                    rewards={"c": 1.0},
+                    reward=1.0,
+                    advantage=0.0,
+                    weight_version=7,
+                )
+            ],
+        )
     finally:
         writer.close()
     with dashboard(populated) as (url, _):
@@ -368,7 +511,9 @@ def test_a_long_text_is_cut_with_a_marker_and_its_endpoint_returns_it_whole(popu
         assert len(refresh.content) < 100_000  # a page's worth, not the megabytes stored
         body = refresh.json()
         [shown] = [e for e in body["events"] if e["reason"] == "Huge"]
-        marker = f"… [cut: {len(huge):,} characters in all; the full text: /api/runs/quickstart/events/{event.id}]"
+        marker = (
+            f"… [cut: {len(huge):,} characters in all; the full text: /api/runs/quickstart/events/{event.id}]"
+        )
         assert shown["message"] == "x" * TEXT_SHOWN + marker
         assert esc(marker) in body["sections"]["events"]
         assert body["completions"]["best"][0]["completion"].endswith("/api/runs/quickstart/completions/7/0]")
@@ -423,5 +568,7 @@ def test_past_the_connection_limit_idle_sockets_are_shed(populated: str) -> None
 
 def test_the_page_script_never_assigns_html():
     """The sections arrive escaped; the script moves parsed nodes in, so store text can only become text nodes."""
-    script = (Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.js").read_text()
+    script = (
+        Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.js"
+    ).read_text()
     assert "innerHTML" not in script and "outerHTML" not in script and "DOMParser" in script
