@@ -263,7 +263,8 @@ def main() -> None:
             s, w, q = r["steady"], r["sweep"], r["react"]
             print(
                 f"| {kind} | {n} | {r['cold_s']} | {s['p50_ms']} | {s['p99_ms']} | {s['max_ms']} | "
-                f"{s['passes_per_s']} | {s['seconds_between_passes_per_run']} | {w['p50_ms']} | {w['p99_ms']} | "
+                f"{s['passes_per_s']} | {s['seconds_between_passes_per_run']} | "
+                f"{w['p50_ms']} | {w['p99_ms']} | "
                 f"{q['p50_ms']} | {q['p99_ms']} |",
                 flush=True,
             )

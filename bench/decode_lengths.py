@@ -233,7 +233,8 @@ def bench_source(
         lower = min(runs, key=lambda r: r["useful_tokens_per_second"])
         out[way] = {**lower, "repeats": runs}
         print(
-            f"{name} {way}: {lower['useful_tokens_per_second']:.0f} useful tokens/s ({lower['useful_tokens']} "
+            f"{name} {way}: {lower['useful_tokens_per_second']:.0f} useful tokens/s "
+            f"({lower['useful_tokens']} "
             f"tokens in {lower['seconds']:.2f} s, {lower['decode_steps']} decode steps, useful fraction "
             f"{lower['useful_fraction']:.3f}, mean length {lower['mean_length']:.1f}; repeats "
             f"{', '.join(str(round(r['useful_tokens_per_second'])) for r in runs)})",

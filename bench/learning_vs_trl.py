@@ -146,7 +146,8 @@ def summarize(name: str, result: dict, steps: int) -> dict:
     print(f"\n{name}: " + "  ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     for p in curve:
         print(
-            f"  step {p['step']:>3}  correct {p.get('correct_answer') or 0:.3f}  short {p.get('short_answer') or 0:.3f}"
+            f"  step {p['step']:>3}  correct {p.get('correct_answer') or 0:.3f}  "
+            f"short {p.get('short_answer') or 0:.3f}"
         )
     return summary
 

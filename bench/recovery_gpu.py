@@ -3,7 +3,8 @@ and time each part of getting back to training, with the compile cache cold (the
 warm (every relaunch: the run's folder keeps what the first workers compiled).
 
     python bench/recovery_gpu.py [--size 0.5b|1.5b] [--kill-at 3] [--rollouts 1] [--gpus 1]
-                                 [--task-lease S] [--backoff S] [--cold-relaunch] [--json out.json] [--work DIR]
+                                 [--task-lease S] [--backoff S] [--cold-relaunch] [--json out.json]
+                                 [--work DIR]
     python bench/recovery_gpu.py --device cpu --tiny      # smoke test: the CPU decoder does not compile
 
 The run (bench/gpu_step.py's recipe): a random-init model of Qwen2.5's shape (0.5B or 1.5B; --tiny: two
@@ -162,7 +163,8 @@ class Watch:
         )
 
     def first_task_done(self, worker_id: str, from_step: int) -> float | None:
-        """When the worker `worker_id` finished its first task (epoch seconds), looking from `from_step` on."""
+        """When the worker `worker_id` finished its first task (epoch seconds), looking from `from_step`
+        on."""
         done = []
         for step in range(from_step, self.step() + 2):
             done += [
@@ -173,7 +175,8 @@ class Watch:
         return min(done) if done else None
 
     def prepared(self, role: str, replica: int, incarnation: int) -> list[dict]:
-        """What the worker logged of its decode shapes' first preparations (compile seconds, cache verdict)."""
+        """What the worker logged of its decode shapes' first preparations (compile seconds, cache
+        verdict)."""
         from mortal.state import paths
 
         log = self.home / paths.worker_log(self.name, role, replica, incarnation).relative_to(
@@ -209,7 +212,8 @@ def measure_start(watch: Watch, applied: float, timeout: float) -> dict:
 
 
 def measure_kill(watch: Watch, role: str, cache: Path, cold: bool, timeout: float) -> dict:
-    """kill -9 the live `role`-0 worker and time its way back: noticed, relaunched, up, first work, next step."""
+    """kill -9 the live `role`-0 worker and time its way back: noticed, relaunched, up, first work, next
+    step."""
     [old] = [w for w in watch.rows(role, 0) if w.state == "Running"][-1:]
     if cold:
         shutil.rmtree(cache, ignore_errors=True)  # the relaunch compiles from nothing, as before the cache

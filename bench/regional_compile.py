@@ -14,13 +14,15 @@ layer with symbolic sizes).
 Each scope runs in its own process with an empty inductor cache, through StaticDecoder as the engine uses it:
   1. `prepare` the first shape (rows x (prompt + tokens)): the compile and the CUDA graph capture, timed;
   2. decode it with no end of sequence (every row runs all its tokens) `repeats` times: ms per decode step
-     (a generate's seconds over its decode steps, its one prefill included; the slowest repeat after the first);
-  3. the same for a second shape, the prompt twice as wide (what a worker pays when its prompts' width changes).
+     (a generate's seconds over its decode steps, its one prefill included; the slowest repeat after the
+     first);
+  3. the same for a second shape, the prompt twice as wide (what a worker pays when its prompts' width
+     changes).
 Printed and recorded for each: seconds to prepare each shape, graphs compiled, ms per decode step of each.
 `--profile` (GPU): one more generate of the first shape under torch's profiler, its GPU kernels by name
-(bench/decode_speed.py's profile_decoder), to see where one scope's decode step spends what the other's does not.
-Model: bench/gpu_step.py's SHAPES (--layers overrides the count), random init, bf16 on a GPU, float32 with
---cpu (no CUDA graph there: the step runs as compiled, so the CPU's milliseconds say nothing of a GPU's).
+(bench/decode_speed.py's profile_decoder), to see where one scope's decode step spends what the other's does
+not. Model: bench/gpu_step.py's SHAPES (--layers overrides the count), random init, bf16 on a GPU, float32
+with --cpu (no CUDA graph there: the step runs as compiled, so the CPU's milliseconds say nothing of a GPU's).
 """
 
 from __future__ import annotations
@@ -152,17 +154,20 @@ def main() -> None:
         r = results[-1]
         for s in r["shapes"]:
             print(
-                f"{scope:6s} {r['layers']} layers, prompt {s['prompt']}: prepared in {s['prepare_seconds']:.1f} s "
+                f"{scope:6s} {r['layers']} layers, prompt {s['prompt']}: "
+                f"prepared in {s['prepare_seconds']:.1f} s "
                 f"({s['graphs']} graph(s)), {s['ms_per_decode_step']:.2f} ms a decode step"
             )
             if "profile" in s:
                 p = s["profile"]
                 print(
-                    f"  profile: {p['gpu_ms_per_step']:.3f} ms of GPU kernels a step, {p['kernels_per_step']:.0f} kernels"
+                    f"  profile: {p['gpu_ms_per_step']:.3f} ms of GPU kernels a step, "
+                    f"{p['kernels_per_step']:.0f} kernels"
                 )
                 for k in p["top"]:
                     print(
-                        f"    {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f}/step  {k['name'][:100]}"
+                        f"    {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f}/step  "
+                        f"{k['name'][:100]}"
                     )
     if args.json:
         args.json.write_text(

@@ -110,9 +110,9 @@ MEMORY_EVENTS = (
 
 
 def memory_record(work: Path, name: str) -> dict[str, Any]:
-    """What the controller chose for the run's memory (status.effective: the micro batch the actor trained with,
-    a lowered rollout share) and its memory events (a micro batch chosen before launch, each out-of-memory
-    and its heal), read from the run's store after it ended; {} when the store is not there."""
+    """What the controller chose for the run's memory (status.effective: the micro batch the actor trained
+    with, a lowered rollout share) and its memory events (a micro batch chosen before launch, each
+    out-of-memory and its heal), read from the run's store after it ended; {} when the store is not there."""
     from mortal.state import NotFound, open_store
 
     path = work / "mortal-home" / "state.db"

@@ -70,10 +70,10 @@ LOSSES = ("fused", "full")
 
 
 def load_model(path: Path, device: str, dtype_name: str = "float32"):
-    """A model in `dtype_name` (float32 unless --precision bf16) and its tokenizer: from a GGUF through mortal's own converter (cached), as
-    bench/learning_gpu.py loads it on both sides; from a model folder; or, for a folder that holds only
-    a config.json (MORTAL_TEST_ASSETS' smollm2-cfg), random weights of that shape with SmolLM2's
-    tokenizer (the step's time does not depend on the weights' values)."""
+    """A model in `dtype_name` (float32 unless --precision bf16) and its tokenizer: from a GGUF through
+    mortal's own converter (cached), as bench/learning_gpu.py loads it on both sides; from a model folder; or,
+    for a folder that holds only a config.json (MORTAL_TEST_ASSETS' smollm2-cfg), random weights of that shape
+    with SmolLM2's tokenizer (the step's time does not depend on the weights' values)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -175,7 +175,8 @@ def run_variant(
         return train_variant(precision, loss, kernels, args, device, work)
     except torch.OutOfMemoryError as error:
         message = str(error).splitlines()[0]
-    # out of the except block, the traceback's frames (the trainer, the model) are gone and their memory can go
+    # out of the except block, the traceback's frames (the trainer, the model) are gone and their memory can
+    # go
     print(f"{precision}, {loss} loss, {kernels} kernels: out of GPU memory: {message}", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30
     gc.collect()
@@ -299,7 +300,8 @@ def train_variant(
     shown = f"{out['median_step_seconds']:.3f} s" if step_seconds else "n/a"
     memory = f", peak {out['peak_memory_gib']:.2f} GiB" if out["peak_memory_gib"] is not None else ""
     print(
-        f"{precision}, {loss} loss, {kernels} kernels: median step {shown} over {len(step_seconds)} steps{memory}",
+        f"{precision}, {loss} loss, {kernels} kernels: median step {shown} "
+        f"over {len(step_seconds)} steps{memory}",
         flush=True,
     )
     return out
@@ -449,7 +451,8 @@ def main() -> None:
     parser.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="recompute activations in backward (spec.model.gradientCheckpointing; off by default, as in the actor)",
+        help="recompute activations in backward "
+        "(spec.model.gradientCheckpointing; off by default, as in the actor)",
     )
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (GPU only)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by --profile")

@@ -36,7 +36,8 @@ PROMPT_TOKENS = 13
 
 
 def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work: Path) -> list[float]:
-    """One trainer's --steps steps; the seconds from rollout_func's return to the first compute_loss of each."""
+    """One trainer's --steps steps; the seconds from rollout_func's return to the first compute_loss of
+    each."""
     import torch
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -145,7 +146,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         saved = medians["decode"][round_] - medians["reuse"][round_]
         print(
-            f"round {round_ + 1}: TRL's preparation {medians['decode'][round_] * 1000:.1f} ms decoding itself, "
+            f"round {round_ + 1}: TRL's preparation "
+            f"{medians['decode'][round_] * 1000:.1f} ms decoding itself, "
             f"{medians['reuse'][round_] * 1000:.1f} ms with the rollouts' texts ({saved * 1000:.1f} ms saved)"
         )
     if args.json:

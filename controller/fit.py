@@ -271,8 +271,10 @@ def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) 
             return MicroBatchChoice(
                 size,
                 (
-                    f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold "
-                    f"an estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB "
+                    f"actor micro batch {batch} -> {size} before launch: "
+                    f"{actor}'s {capacity / 1e9:.0f} GB hold "
+                    f"an estimated {estimate / 1e9:.1f} GB with {size} completions a pass "
+                    f"({held / 1e9:.1f} GB "
                     f"without activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB "
                     f"with {batch}; {batch // size} passes a step, gradients accumulated: the same step"
                 ),

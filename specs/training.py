@@ -412,8 +412,8 @@ class SyncSpec(SpecModel):
         description="How weights travel: volume (safetensors on the shared volume), ray (the same through "
         "Ray's object store), ipc (copied from the actor's GPU over CUDA IPC, same host), nccl (sent over "
         "NCCL to rollouts on GPUs of their own, same host), or auto (ipc where possible, ray on Ray nodes "
-        "without a shared filesystem, else volume). The older names reload and checkpoint are stored as volume, "
-        "direct as ipc.",
+        "without a shared filesystem, else volume). The older names reload and checkpoint are stored as "
+        "volume, direct as ipc.",
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
     keep_versions: int = Field(

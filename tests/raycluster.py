@@ -1,22 +1,23 @@
 """A real three-node Ray cluster on this machine, for the Ray backend's tests: a head and two worker nodes.
 
-    cluster = RayCluster(tmp).start()      # `ray start` x3, loopback only; cluster.address = "127.0.0.1:<port>"
-    cluster.kill_node("node_a")            # SIGKILL its raylet and every process under it (a lost machine)
-    cluster.stop()                         # SIGKILL this cluster's processes (and only this cluster's)
+    cluster = RayCluster(tmp).start()  # `ray start` x3, loopback only; cluster.address = "127.0.0.1:<port>"
+    cluster.kill_node("node_a")        # SIGKILL its raylet and every process under it (a lost machine)
+    cluster.stop()                     # SIGKILL this cluster's processes (and only this cluster's)
 
 Each node carries a custom resource named after it (node_head, node_a, node_b: 1 each), so a test can
 place a worker on a node, and a MORTAL_HOME of its own (`cluster.home(node)`, set in its `ray start`
 environment): a run with ray.sharedFilesystem false keeps its files there, so nothing can travel between
 nodes by disk; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
-head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2 logical
-CPUs, 80 MB object store, no dashboard) to fit this 2-core machine. The head's GCS declares a node dead after
-5 failed health checks a second apart: a killed raylet refuses the check at once, so its loss is seen in ~5 s
-(Ray's default is ~15 s), while a live one starved of CPU gets 5 s per answer before a check counts as failed
-(at 0.5 s x 3, the tolerance once used, a loaded CI machine saw live nodes declared dead).
+head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2
+logical CPUs, 80 MB object store, no dashboard) to fit this 2-core machine. The head's GCS declares a node
+dead after 5 failed health checks a second apart: a killed raylet refuses the check at once, so its loss is
+seen in ~5 s (Ray's default is ~15 s), while a live one starved of CPU gets 5 s per answer before a check
+counts as failed (at 0.5 s x 3, the tolerance once used, a loaded CI machine saw live nodes declared dead).
 
 It must run in a private network namespace (`unshare -rn`, then `ip link set lo up`: scripts/test.sh
 does it), where loopback is the only interface: Ray then binds 127.0.0.1 and no packet leaves it.
-`in_private_network()` says whether this process is in one. Who calls it: tests/conftest.py (the ray_cluster fixture) and the Ray tests.
+`in_private_network()` says whether this process is in one. Who calls it: tests/conftest.py (the ray_cluster
+fixture) and the Ray tests.
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ class RayCluster:
         return next((node for node, raylet in self.raylets.items() if raylet in pids), None)
 
     def node_of_worker(self, home: Path | None, worker_id: str) -> str | None:
-        """The node a mortal worker (by its id, `run/role-replica#incarnation`, as its MORTAL_WORKER_ID begins; under
-        MORTAL_HOME `home`; None: under the home of whichever of this cluster's nodes it runs on) runs on."""
+        """The node a mortal worker (by its id, `run/role-replica#incarnation`, as its MORTAL_WORKER_ID
+        begins; under MORTAL_HOME `home`; None: under the home of whichever of this cluster's nodes it runs
+        on) runs on."""
         homes = {str(home)} if home is not None else {str(self.home(node)) for node in NODES}
         for proc in psutil.process_iter(["environ"]):
             env = proc.info.get("environ") or {}

@@ -120,8 +120,10 @@ def checkpoint_folder(run: str, row: CheckpointRow) -> Path:
     folder = local_path(row.path)
     if folder is None:
         raise CheckpointInStorage(
-            f"checkpoint step-{row.step} of trainingrun {run!r} is in the storage of spec.checkpoint.uri ({row.path}); "
-            f"fork reads checkpoints on this machine only: download it with `mortalctl cp {run}:step-{row.step} DIR`"
+            f"checkpoint step-{row.step} of trainingrun {run!r} is in the storage of "
+            f"spec.checkpoint.uri ({row.path}); "
+            "fork reads checkpoints on this machine only: "
+            f"download it with `mortalctl cp {run}:step-{row.step} DIR`"
         )
     return folder
 

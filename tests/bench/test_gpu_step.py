@@ -1,6 +1,6 @@
-"""bench/gpu_step.py's figures against the physical limit: decode against the HBM floor, and training MFU over the
-whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs; and the
-steps every figure is taken over (steady_steps: a maxStaleness run's last steps overlap nothing)."""
+"""bench/gpu_step.py's figures against the physical limit: decode against the HBM floor, and training MFU over
+the whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs;
+and the steps every figure is taken over (steady_steps: a maxStaleness run's last steps overlap nothing)."""
 
 from __future__ import annotations
 

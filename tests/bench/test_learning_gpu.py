@@ -1,8 +1,8 @@
 """bench/learning_gpu.py's report: the figures issue 14.1 is judged on, from the JSONs of several invocations.
 
-Synthetic curves with known answers: TRL's final reward and spread over every seed, times only from runs that had
-their GPU alone (a run with "shares_gpu" counts for its rewards, never its seconds), and when each side's mean over
-its seeds first reaches TRL's final (`pooled`)."""
+Synthetic curves with known answers: TRL's final reward and spread over every seed, times only from runs that
+had their GPU alone (a run with "shares_gpu" counts for its rewards, never its seconds), and when each side's
+mean over its seeds first reaches TRL's final (`pooled`)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def _write(
 @pytest.fixture
 def runs(tmp_path: Path) -> list[Path]:
     """TRL: two seeds flat at 0.4 and 0.6 (final 0.5, spread 0.2), seed 1 on a shared GPU (its 1 s a step must
-    not count). mortal on-policy: two seeds at 0 until step 100 and 1 after; seed 1 on a shared GPU with absurd
-    seconds that must not count either."""
+    not count). mortal on-policy: two seeds at 0 until step 100 and 1 after; seed 1 on a shared GPU with
+    absurd seconds that must not count either."""
     step_up = [0.0] * 99 + [1.0] * (STEPS - 99)
     return [
         _write(tmp_path, "trl_s0", "trl", 0, [0.4] * STEPS, 4.0, shares_gpu=False),
@@ -120,13 +120,16 @@ def test_the_start_timeline_is_each_milestones_first_log_line_in_seconds_from_th
         "vm:1 started on SqlStore(...)\n"
     )
     (tmp_path / "rollout-0-2.log").write_text(
-        "2026-11-28 18:39:16,250 INFO rollout-0#2 mortal.worker: starting (pid 9, CUDA_VISIBLE_DEVICES='0', 1.1 s after"
-        " exec)\n"
-        "2026-11-28 18:39:20,250 INFO rollout-0#2 mortal.worker: workload mortal.workers.rollout imported in 3.5 s "
+        "2026-11-28 18:39:16,250 INFO rollout-0#2 mortal.worker: "
+        "starting (pid 9, CUDA_VISIBLE_DEVICES='0', 1.1 s after exec)\n"
+        "2026-11-28 18:39:20,250 INFO rollout-0#2 mortal.worker: "
+        "workload mortal.workers.rollout imported in 3.5 s "
         "(store and context took 0.5 s)\n"
         "Loading weights: 100%|##########| 272/272\n"
-        "2026-11-28 18:39:22,000 INFO rollout-0#2 mortal.worker: engine transformers on cuda in float32 ready in 0.3 s\n"
-        "2026-11-28 18:39:31,750 INFO rollout-0#2 mortal.worker: decode shape 64 rows x 128+96 tokens prepared in 9.6 s\n"
+        "2026-11-28 18:39:22,000 INFO rollout-0#2 mortal.worker: "
+        "engine transformers on cuda in float32 ready in 0.3 s\n"
+        "2026-11-28 18:39:31,750 INFO rollout-0#2 mortal.worker: "
+        "decode shape 64 rows x 128+96 tokens prepared in 9.6 s\n"
         "2026-11-28 18:39:32,000 INFO rollout-0#2 mortal.worker: task 0.0: 8 prompts, 2000 tokens in 10.0 s\n"
         "2026-11-28 18:39:33,000 INFO rollout-0#2 mortal.worker: task 0.1: 8 prompts, 2000 tokens in 0.3 s\n"
     )

@@ -226,7 +226,8 @@ def _apply_run(wsgi: Any) -> tuple[str, Any]:
 
 
 class _VolumeAsReference(Pickler):
-    """Modal's deploy pickler, with a placeholder for the volume the worker names (offline, it has no id yet)."""
+    """Modal's deploy pickler, with a placeholder for the volume the worker names (offline, it has no id
+    yet)."""
 
     def persistent_id(self, obj: Any) -> Any:
         return ("modal-object", repr(obj)) if isinstance(obj, modal.Volume) else super().persistent_id(obj)
@@ -245,8 +246,9 @@ environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST", "HTTP_AUTHORI
            "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
 seen = []
 answer = json.loads(b"".join(functions["store"]()(environ, lambda status, headers: seen.append(status))))
-print(json.dumps({"status": seen[0], "result": answer["result"][1], "controller": functions["controller"].__name__,
-                  "volumes": [functions[name].__globals__["data_volume"].ref for name in ("worker", "rollout_vllm")]}))
+volumes = [functions[name].__globals__["data_volume"].ref for name in ("worker", "rollout_vllm")]
+print(json.dumps({"status": seen[0], "result": answer["result"][1],
+                  "controller": functions["controller"].__name__, "volumes": volumes}))
 """
 
 
@@ -291,7 +293,7 @@ def test_functions_ship_by_value_and_run_without_the_app_module(built: Any, tmp_
     }
 
 
-# -- installs: the README's editable one and a built wheel ------------------------------------------------------
+# -- installs: the README's editable one and a built wheel ---------------------------------------------------
 def _probe(env: dict[str, str], cwd: Path) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, str(PROBE)], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
@@ -388,7 +390,8 @@ def test_modal_deploy_from_a_checkout_gets_as_far_as_the_token(wheel_site: Path,
 
 
 def test_modal_deploy_of_the_old_module_path_builds_the_same_app(tmp_path: Path) -> None:
-    """`modal deploy -m mortal.controller.modal_app`, as earlier docs say, goes through its shim to the app."""
+    """`modal deploy -m mortal.controller.modal_app`, as earlier docs say, goes through its shim to the
+    app."""
     with RefusingModalAPI() as url:
         out = _deploy(
             {**os.environ, "MORTAL_MODAL_SECRETS": ""}, tmp_path, url, "mortal.controller.modal_app"

@@ -1,6 +1,6 @@
 """Admission's probe imports the user's modules in a child process: that process gets what a worker would of
-the applying environment (controller/backends/base.py `inheritable`, the spec's secrets), never the admin token
-nor the store's database URL (a watched folder's probe runs in the controller)."""
+the applying environment (controller/backends/base.py `inheritable`, the spec's secrets), never the admin
+token nor the store's database URL (a watched folder's probe runs in the controller)."""
 
 from __future__ import annotations
 

@@ -251,7 +251,8 @@ QWEN_3B_PARAMETERS = 2_880_000_000
 
 
 def bench_spec(**sections):
-    """The GPU bench's defaults: 8 prompts x 8 completions of 256 tokens, one colocated rollout, on an H100."""
+    """The GPU bench's defaults: 8 prompts x 8 completions of 256 tokens, one colocated rollout, on an
+    H100."""
     base = {
         "algorithm": {"numGenerations": 8, "batchSize": 64},
         "generation": {"maxTokens": 256},

@@ -39,7 +39,8 @@ def test_a_run_reaching_max_duration_checkpoints_and_fails_with_deadline_exceede
     status = h.wait_phase(name, "Failed", timeout=30)
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "DeadlineExceeded"
-    # the pass that notices the limit comes a little after it (a slow CI machine: seconds): a bound, not a figure
+    # the pass that notices the limit comes a little after it (a slow CI machine: seconds): a bound, not a
+    # figure
     reached = re.fullmatch(
         r"limits\.maxDuration \(8s\) reached: active for (\d+\.\d)s.*", failed["message"], re.S
     )

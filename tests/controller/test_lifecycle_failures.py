@@ -1,6 +1,6 @@
 """A worker that always fails ends the run Failed after maxRestarts, or sooner when it fails the same way
-every time (CrashLoop), with the reason in describe; a fatal exit fails the run at once. On SQLite only: the restart policy is the controller's
-(tests/store_kinds.py)."""
+every time (CrashLoop), with the reason in describe; a fatal exit fails the run at once. On SQLite only: the
+restart policy is the controller's (tests/store_kinds.py)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def test_always_failing_actor_fails_after_max_restarts(harness):  # noqa: F811
 
 
 def test_an_actor_failing_the_same_way_on_every_launch_fails_the_run_as_a_crash_loop(harness):  # noqa: F811
-    """With restarts to spare (maxRestarts 10), the third failure in a row with the same reported error ends the
-    run: CrashLoop, naming the worker and the error, not a relaunch loop over about 25 minutes of backoff."""
+    """With restarts to spare (maxRestarts 10), the third failure in a row with the same reported error ends
+    the run: CrashLoop, naming the worker and the error, not a relaunch loop over about 25 minutes of
+    backoff."""
     failed = _actor_exiting_75_on_every_launch(harness, "looping", max_restarts=10)
     assert failed["reason"] == "CrashLoop"
     assert failed["message"].startswith("actor-0 failed 3 times in a row with the same error, each within ")

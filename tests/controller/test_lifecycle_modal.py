@@ -223,7 +223,8 @@ def test_a_preempted_call_silent_past_the_lease_is_relaunched_and_its_input_drop
     fake: FakeModal,
 ) -> None:
     """A restart slower than the worker lease (a GPU container can take that long): the heartbeat decides,
-    as for a hung process. The slot gets a new incarnation; the old input is cancelled before it runs again."""
+    as for a hung process. The slot gets a new incarnation; the old input is cancelled before it runs
+    again."""
     h = harness
     h.apply(modal_run("slow-restart", max_steps=16))
     start(h, fake)
@@ -275,9 +276,9 @@ def test_a_sharded_actor_trains_in_one_container_that_starts_its_own_ranks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """actor {count: 2} on Modal: one call, one container with a GPU a rank (`gpu="H200:2"`, tests/controller/
-    backends/test_modal.py; here CPU ranks over gloo, the fake's container a real process), whose rank 0 starts
-    rank 1 itself. A real tiny model trains to the end with a rollout in another call, each checkpoint holding
-    both ranks' shards on the volume, and the weights reaching the rollout through it."""
+    backends/test_modal.py; here CPU ranks over gloo, the fake's container a real process), whose rank 0
+    starts rank 1 itself. A real tiny model trains to the end with a rollout in another call, each checkpoint
+    holding both ranks' shards on the volume, and the weights reaching the rollout through it."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "workers"))  # the real-model helpers
     from actor_helpers import actor_spec
     from rollout_helpers import assets_available, make_tiny_model, task_results

@@ -4,14 +4,16 @@ with the simulated workload (real worker processes, fake training: seconds per r
 - a run Succeeds with its rollouts spread over both worker nodes and its actor on the head;
 - a worker node is killed mid-run (its raylet and every process under it): the run goes Recovering and
   finishes on the nodes left;
-- the controller is killed (SIGKILL) mid-run and another started: the same actors are adopted, no twin, no orphan;
+- the controller is killed (SIGKILL) mid-run and another started: the same actors are adopted, no twin, no
+  orphan;
 - the node that runs the actor is killed: the actor is relaunched on another node and resumes from the
   newest checkpoint, no step's metrics lost;
 - a run is rolled back while it trains and goes on from there; its last checkpoint is forked into a new run
   (tests/controller/test_lifecycle_rollback.py's story, on the cluster);
 - rollouts are scaled 1 -> 3 -> 1 while training, then the run is suspended (nothing left in the cluster),
   resumed, and deleted with --purge;
-- bad input: no cluster at spec.ray.address, and a request no node can ever hold, fail the run saying which field.
+- bad input: no cluster at spec.ray.address, and a request no node can ever hold, fail the run saying which
+  field.
 
 On SQLite only (the subject is the backend and the controller, tests/store_kinds.py), in a private network
 namespace (scripts/test.sh runs this file in `unshare -rn`).
@@ -62,7 +64,8 @@ def named_actors(run: str) -> list[str]:
 
 
 def run_state(h, cluster: RayCluster, run: str) -> str:
-    """What a failed wait prints: where the workers run, their rows, the run's events and Ray's named actors."""
+    """What a failed wait prints: where the workers run, their rows, the run's events and Ray's named
+    actors."""
     rows = [(w.role, w.replica, w.incarnation, w.state, w.message) for w in h.store.list_workers(run)]
     events = [(e.reason, e.message) for e in h.store.list_events(run, limit=30)]
     return f"placed: {placed(h, cluster, run)}\nrows: {rows}\nevents: {events}\nactors: {named_actors(run)}"
@@ -294,7 +297,8 @@ def test_bad_input_fails_the_run_naming_the_field(ray_cluster, harness):  # noqa
     h = harness
     h.apply(ray_run("ray-huge", {"rollout": {"cpus": 64}}))
     h.apply(ray_run("ray-nowhere", {"address": "127.0.0.1:1"}))
-    h.start()  # connected to the test cluster (RAY_ADDRESS): the run that names another address cannot run here
+    # connected to the test cluster (RAY_ADDRESS): the run that names another address cannot run here
+    h.start()
     huge = h.wait_phase("ray-huge", "Failed", timeout=60)
     assert "spec.ray.rollout" in str(huge["conditions"]) and "CPU=64" in str(huge["conditions"])
     nowhere = h.wait_phase("ray-nowhere", "Failed", timeout=60)

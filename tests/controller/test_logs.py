@@ -81,7 +81,8 @@ def test_follow_yields_new_lines_and_moves_to_a_relaunched_worker(mortal_home: P
 
 
 class Volume:
-    """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts reads."""
+    """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts
+    reads."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.reads = root, 0

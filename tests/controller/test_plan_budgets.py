@@ -62,7 +62,8 @@ def test_suspending_folds_the_period_into_active_seconds_and_stops_the_clock():
 
 
 def test_time_while_suspended_does_not_count_toward_max_duration():
-    # 100 s active before a suspend of hours: resuming with maxDuration 150 s launches, and the clock restarts.
+    # 100 s active before a suspend of hours: resuming with maxDuration 150 s launches, and the clock
+    # restarts.
     p = run_plan([], prev=clock("Suspended", 100.0, None), max_duration=150)
     assert [type(a) for a in p.actions] == [Launch, Launch]
     assert (p.status["phase"], p.status["activeSeconds"], p.status["activeSince"]) == (
@@ -195,7 +196,8 @@ def test_a_limit_found_reached_holds_for_that_spec_and_a_raised_limit_relaunches
     stopping = run_plan(*running(), prev=clock("Running", 100.0, 30), max_duration=120)
     assert cond(stopping, "Ready")["reason"] == "DeadlineExceeded"
     gone = [row("actor", 0, 1, "Stopped", step=7), row("rollout", 0, 2, "Stopped")]
-    # the same spec: stays reached even when a recount comes out under the limit (it is never re-derived lower)
+    # the same spec: stays reached even when a recount comes out under the limit (it is never re-derived
+    # lower)
     same = run_plan(gone, [], prev={**stopping.status, "activeSeconds": 0.0}, max_duration=120)
     assert same.status["phase"] == "Failed" and cond(same, "Failed")["reason"] == "DeadlineExceeded"
     # the user raised maxDuration while the workers stopped (a new generation): judged again, relaunched

@@ -1,6 +1,7 @@
-"""Table tests of the planner healing an out-of-memory with a setting that keeps the training step (controller.heal):
-the actor relaunched with half its micro batch, down to 1, then the old rule (one relaunch, then Failed); a rollout
-with half its GPU share; the choice in status.effective, passed to the launch, an event, carried across passes."""
+"""Table tests of the planner healing an out-of-memory with a setting that keeps the training step
+(controller.heal): the actor relaunched with half its micro batch, down to 1, then the old rule (one relaunch,
+then Failed); a rollout with half its GPU share; the choice in status.effective, passed to the launch, an
+event, carried across passes."""
 
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def test_the_choice_is_carried_and_a_later_relaunch_gets_it_without_a_second_eve
 
 
 def test_a_pass_that_lost_its_status_write_decides_the_same_micro_batch():
-    """The reconciler launched with the pass's choice and then lost the status write (a conflict, a crash): the
-    next pass, from the old status, chooses the same value for the worker now running, and records it."""
+    """The reconciler launched with the pass's choice and then lost the status write (a conflict, a crash):
+    the next pass, from the old status, chooses the same value for the worker now running, and records it."""
     rollout, relaunched = row("rollout", 0, 2), row("actor", 0, 3)
     p = run_plan(
         [actor_oom(1), rollout, relaunched], [proc(rollout), proc(relaunched)], prev=status("Running"), **SPEC
@@ -184,7 +185,8 @@ def test_a_rollout_without_a_share_is_not_given_one():
 
 
 def test_a_spec_that_changed_the_micro_batch_drops_the_choice():
-    """The user applied another microBatchSize: theirs runs, not what the controller chose from the old one."""
+    """The user applied another microBatchSize: theirs runs, not what the controller chose from the old
+    one."""
     prev = status(
         "Running", effective={"microBatchSize": 32, "specMicroBatchSize": 64, "reducedAfter": {"actor-0": 1}}
     )
@@ -198,8 +200,9 @@ def test_a_spec_that_changed_the_micro_batch_drops_the_choice():
 
 
 def test_a_micro_batch_fitted_before_launch_is_the_first_launchs_with_one_event():
-    """mortalctl apply estimated that 64 a pass does not fit (desired.fitted_micro_batch, from its annotation):
-    the actor's first launch trains with 16, status.effective says so, one Normal event says why."""
+    """mortalctl apply estimated that 64 a pass does not fit (desired.fitted_micro_batch, from its
+    annotation): the actor's first launch trains with 16, status.effective says so, one Normal event says
+    why."""
     p = run_plan([], prev={}, fitted_micro_batch=16, **SPEC)
     assert [(role, env) for role, _, _, env in launched(p)] == [
         ("actor", {MICRO_BATCH_ENV: "16"}),

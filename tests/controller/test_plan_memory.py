@@ -1,4 +1,5 @@
-"""Table tests of the planner's out-of-memory decisions: one relaunch, then Failed; MemoryFits and its one event."""
+"""Table tests of the planner's out-of-memory decisions: one relaunch, then Failed; MemoryFits and its one
+event."""
 
 from __future__ import annotations
 

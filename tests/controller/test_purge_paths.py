@@ -1,7 +1,7 @@
-"""`delete --purge` removes only the run's own folder: a run whose name or folder leads outside MORTAL_HOME/runs
-(a name stored before the store checked names, a folder replaced by a symlink) is purged from the store with
-its files left alone and a Warning event that outlives it; in checkpoint storage the same name is refused
-before anything is removed (on Modal's volume: tests/controller/backends/test_modal.py)."""
+"""`delete --purge` removes only the run's own folder: a run whose name or folder leads outside
+MORTAL_HOME/runs (a name stored before the store checked names, a folder replaced by a symlink) is purged from
+the store with its files left alone and a Warning event that outlives it; in checkpoint storage the same name
+is refused before anything is removed (on Modal's volume: tests/controller/backends/test_modal.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Soak: random kill -9 of workers for a while (MORTAL_SOAK_SECONDS, 45 s per store by default, so
-about a minute and a half in CI, which must stay under 20 minutes in all); the run still reaches Succeeded at the requested step count, the weight
-version never goes backwards, every step's tasks were done, and no process is left."""
+about a minute and a half in CI, which must stay under 20 minutes in all); the run still reaches Succeeded at
+the requested step count, the weight version never goes backwards, every step's tasks were done, and no
+process is left."""
 
 from __future__ import annotations
 

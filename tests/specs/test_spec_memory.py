@@ -1,5 +1,5 @@
-"""mortal.specs.memory: the controller's memory choices reach a worker's spec through MORTAL_* variables, checked
-as the spec's own fields are; without them the spec is the user's, untouched."""
+"""mortal.specs.memory: the controller's memory choices reach a worker's spec through MORTAL_* variables,
+checked as the spec's own fields are; without them the spec is the user's, untouched."""
 
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ CASES = [
         "spec.ray.actor.memoryGb",
         "did you mean 'memoryGB'?",
     ),
-    # No shared filesystem between Ray nodes (docs/ray.md): a storage URL for checkpoints, weights not on a volume.
+    # No shared filesystem between Ray nodes (docs/ray.md): a storage URL for checkpoints, weights not on a
+    # volume.
     (
         "backend: ray\nray:\n  sharedFilesystem: false",
         2,
@@ -173,7 +174,8 @@ CASES = [
         "cannot be read on another: set checkpoint.uri to storage every node reaches",
     ),
     (
-        "backend: ray\nray:\n  sharedFilesystem: false\ncheckpoint:\n  uri: s3://b/p\nsync:\n  method: volume",
+        "backend: ray\nray:\n  sharedFilesystem: false\ncheckpoint:\n  uri: s3://b/p\n"
+        "sync:\n  method: volume",
         6,
         "spec.sync.method",
         "weights cannot travel through a volume ('volume'); use 'auto' or 'ray'",
@@ -214,7 +216,8 @@ CASES = [
         "shares a GPU's memory: set rollout.gpu",
     ),
     (
-        "actor: {gpu: H100}\nrollout:\n  gpu: H100\n  colocate: true\n  replicas: 2\n  gpuMemoryUtilization: 0.5",
+        "actor: {gpu: H100}\nrollout:\n  gpu: H100\n  colocate: true\n  replicas: 2\n"
+        "  gpuMemoryUtilization: 0.5",
         5,
         "spec.rollout.gpuMemoryUtilization",
         "2 colocated rollouts x 0.5 of the GPU each leave nothing for the actor",
@@ -419,8 +422,8 @@ def test_colocated_replicas_put_the_first_n_beside_the_actor_and_the_others_on_g
             "set rollout.gpu to actor.gpu ('H100')",
         ),
         (
-            "actor: {gpu: H100}\nrollout: {gpu: H100, colocatedReplicas: 1}\ngeneration: {engine: transformers}\n"
-            "sync: {method: nccl}",
+            "actor: {gpu: H100}\nrollout: {gpu: H100, colocatedReplicas: 1}\n"
+            "generation: {engine: transformers}\nsync: {method: nccl}",
             "sync nccl needs each rollout on a GPU of its own",
         ),
         (

@@ -124,7 +124,8 @@ def test_gpu_modal_and_code_execution_examples_say_what_their_names_promise():
 def test_importing_the_spec_layer_pulls_in_no_ml_library_and_no_other_layer():
     code = (
         "import sys, mortal.specs; bad = [m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'transformers', 'trl') or m.startswith(('mortal.state', 'mortal.controller', 'mortal.workers'))];"
+        "('torch', 'transformers', 'trl') "
+        "or m.startswith(('mortal.state', 'mortal.controller', 'mortal.workers'))];"
         "print(bad); sys.exit(bool(bad))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -68,8 +68,8 @@ def test_num_epochs_over_a_dataset_it_cannot_count_names_the_line_and_asks_for_m
     dataset, fragment
 ) -> None:
     text = (
-        HEAD
-        + f"  dataset: {{name: '{dataset}'}}\n  rewards: [{{function: m:f}}]\n  algorithm:\n    numEpochs: 1\n"
+        HEAD + f"  dataset: {{name: '{dataset}'}}\n  rewards: [{{function: m:f}}]\n"
+        "  algorithm:\n    numEpochs: 1\n"
     )
     with pytest.raises(SpecError) as caught:
         load_text(text, source="run.yaml")

@@ -130,7 +130,8 @@ def completion_ids(run: TrainingRun, text: str) -> tuple[list[int], str | None]:
     except (FatalWorkerError, OSError) as exc:
         return (
             [],
-            f"completion_ids is [] (the model's tokenizer is not on this machine: {str(exc).splitlines()[0]})",
+            "completion_ids is [] (the model's tokenizer is not on this machine: "
+            f"{str(exc).splitlines()[0]})",
         )
     return tokenizer.encode(text, add_special_tokens=False), None
 

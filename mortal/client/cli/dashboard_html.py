@@ -171,13 +171,15 @@ def chart(name: str, points: list[list[float]]) -> str:
     ]
     for y in _ticks(y0, y1):
         parts.append(
-            f'<line class=grid x1="{PAD_LEFT}" x2="{CHART_WIDTH - PAD_RIGHT}" y1="{sy(y):.1f}" y2="{sy(y):.1f}"/>'
+            f'<line class=grid x1="{PAD_LEFT}" x2="{CHART_WIDTH - PAD_RIGHT}" '
+            f'y1="{sy(y):.1f}" y2="{sy(y):.1f}"/>'
             f'<text class=tick x="{PAD_LEFT - 6}" y="{sy(y) + 4:.1f}" text-anchor="end">{y:.4g}</text>'
         )
     for x in _ticks(x0, x1, 8) if x1 > x0 else [x0]:
         if x == int(x):
             parts.append(
-                f'<text class=tick x="{sx(x):.1f}" y="{CHART_HEIGHT - 8}" text-anchor="middle">{int(x)}</text>'
+                f'<text class=tick x="{sx(x):.1f}" y="{CHART_HEIGHT - 8}" '
+                f'text-anchor="middle">{int(x)}</text>'
             )
     parts.append(
         f'<line class=axis x1="{PAD_LEFT}" x2="{PAD_LEFT}" y1="{PAD_TOP}" y2="{PAD_TOP + height}"/>'
@@ -205,10 +207,12 @@ def completion_cards(title: str, items: list[dict[str, Any]]) -> str:
         rewards = ", ".join(f"{esc(k)} {_num(v)}" for k, v in c["rewards"].items()) or "-"
         advantage = "-" if c["advantage"] is None else f"{c['advantage']:+.3f}"
         cards.append(
-            f"<article class=sample><div class=meta><b>reward {_num(c['reward'])}</b> · sample {esc(c['sample'])}"
+            f"<article class=sample><div class=meta><b>reward {_num(c['reward'])}</b>"
+            f" · sample {esc(c['sample'])}"
             f" · advantage {esc(advantage)} · weights v{esc(c['weightVersion'])} · {rewards}</div>"
             f"<div class=prompt><span class=label>prompt</span>{_text(c['prompt'])}</div>"
-            f"<div class=completion><span class=label>completion</span>{_text(c['completion'])}</div></article>"
+            f"<div class=completion><span class=label>completion</span>{_text(c['completion'])}</div>"
+            "</article>"
         )
     return f"<div class=samples><h3>{esc(title)}</h3>{''.join(cards)}</div>"
 

@@ -47,7 +47,8 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
     dataset += f", first {d.max_samples} rows)" if d.max_samples else ")"
     algorithm = (
         f"{a.loss_type}: {a.prompts_per_step} prompts x {a.num_generations} generations = {a.batch_size} "
-        f"completions/step, {a.max_steps} steps, lr {a.learning_rate:g}, beta {a.beta:g}, epsilon {a.epsilon:g}, "
+        f"completions/step, {a.max_steps} steps, lr {a.learning_rate:g}, beta {a.beta:g}, "
+        f"epsilon {a.epsilon:g}, "
         f"scaleRewards {a.scale_rewards}, maxStaleness {a.max_staleness}, seed {a.seed}"
     )
     if a.num_epochs is not None:
@@ -69,7 +70,8 @@ def spec_lines(spec: TrainingSpec) -> list[tuple[str, str]]:
         ("Checkpoint", f"every {spec.checkpoint.every} steps, keep {spec.checkpoint.keep}"),
         (
             "Restart policy",
-            f"maxRestarts {spec.restart_policy.max_restarts}, backoff {spec.restart_policy.backoff_seconds:g}s",
+            f"maxRestarts {spec.restart_policy.max_restarts}, "
+            f"backoff {spec.restart_policy.backoff_seconds:g}s",
         ),
         ("Limits", limits_line(spec)),
         ("Backend", spec.backend),

@@ -144,7 +144,8 @@ def _loop(follower: Follower, deadline: float | None, poll_seconds: float, show)
         if deadline is not None and time.monotonic() >= deadline:
             raise CliError(
                 f"timed out waiting for trainingrun/{snap.name} (phase {snap.status.phase}, "
-                f"step {snap.status.step}/{snap.max_steps}); it keeps running: `mortalctl get runs {snap.name}`"
+                f"step {snap.status.step}/{snap.max_steps}); "
+                f"it keeps running: `mortalctl get runs {snap.name}`"
             )
         time.sleep(poll_seconds)
 
@@ -215,7 +216,8 @@ def print_outcome(store: Store, snap: Snapshot, quiet: bool) -> None:
     s = snap.status
     if str(s.phase) == "Failed":
         say(
-            f"trainingrun/{snap.name} Failed: {s.message or 'see `mortalctl describe run ' + snap.name + '`'}",
+            f"trainingrun/{snap.name} Failed: "
+            f"{s.message or 'see `mortalctl describe run ' + snap.name + '`'}",
             stderr=True,
         )
         return

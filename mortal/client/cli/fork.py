@@ -90,7 +90,8 @@ def fork_command(
     )
     typer.echo(
         plain(
-            f"trainingrun/{name} created, forked from {run} at step {forked.step} (first step {forked.step + 1})"
+            f"trainingrun/{name} created, forked from {run} at step {forked.step} "
+            f"(first step {forked.step + 1})"
         )
     )
     ensure_controller(cli.state_url, no_controller)

@@ -105,7 +105,8 @@ def get_metrics(
         None,
         "--name",
         metavar="NAME,...",
-        help="Metrics to show, comma-separated, or 'all' [default: reward, reward_std, loss, kl, entropy, completions/mean_length, step_seconds].",
+        help="Metrics to show, comma-separated, or 'all' "
+        "[default: reward, reward_std, loss, kl, entropy, completions/mean_length, step_seconds].",
     ),
     plot: bool = typer.Option(
         False, "--plot", help="Draw each metric's curve over the steps in the terminal."

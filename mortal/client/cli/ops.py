@@ -58,7 +58,8 @@ Examples:
   mortalctl controller stop
 """
 
-CONTROLLER_STATUS_HELP = """Say whether a controller runs for this MORTAL_HOME: its pid, since when, the folder
+CONTROLLER_STATUS_HELP = """\
+Say whether a controller runs for this MORTAL_HOME: its pid, since when, the folder
 it was started in and its log; and which controller holds the store's leader lease (it may be on another
 machine).
 """

@@ -30,8 +30,8 @@ The file runs as the code-execution reward runs a completion: as main.py in a pr
 directory, with no network, the worker's environment left out, and the time and memory limits of a
 spec's `sandbox:` block. The JSON says whether it succeeded, its exit code (or the signal that ended
 it), what it printed (each stream cut at 64 KiB), whether it timed out, and which confinement ran it
-(and bwrap binary), and what that confines. Exit code 0 when the file succeeded, 1 when it failed, timed out or could
-not run.
+(and bwrap binary), and what that confines. Exit code 0 when the file succeeded, 1 when it failed, timed out
+or could not run.
 
 \b
 Examples:

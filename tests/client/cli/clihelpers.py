@@ -35,7 +35,8 @@ def set_status(store: Store, run: str, **fields: Any) -> None:
 
 
 def checkpoint_in(folder: Path, step: int, run: str = "quickstart") -> Path:
-    """A complete checkpoint of `run` at `step` in `folder` (its files, and mortal.json saying whose it is)."""
+    """A complete checkpoint of `run` at `step` in `folder` (its files, and mortal.json saying whose it
+    is)."""
     folder.mkdir(parents=True)
     for name in CHECKPOINT_FILES:
         (folder / name).write_bytes(bytes([step]) * 100)

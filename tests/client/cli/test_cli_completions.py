@@ -38,7 +38,8 @@ def _sample(i: int, reward: float | None, completion: str = "27") -> NewCompleti
 
 @pytest.fixture
 def recorded(cli, store_url):
-    """quickstart applied; steps 1, 2 and 5 recorded, step 5: rewards 0.5, 1.0, 0.0, unscored, with one long text."""
+    """quickstart applied; steps 1, 2 and 5 recorded, step 5: rewards 0.5, 1.0, 0.0, unscored, with one long
+    text."""
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     store = open_store(store_url)
     ref = actor(store, "quickstart")

@@ -231,8 +231,9 @@ def test_test_rollout_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> N
 def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(
     cli, spec_file, tiny_model, monkeypatch
 ) -> None:
-    """The model is scripted (tool_helpers.ArithScript: it calls the calculator, then answers with its result),
-    since a random tiny model never calls a tool; the loop, the tool, parsing and scoring are the worker's own."""
+    """The model is scripted (tool_helpers.ArithScript: it calls the calculator, then answers with its
+    result), since a random tiny model never calls a tool; the loop, the tool, parsing and scoring are the
+    worker's own."""
     from tool_helpers import ArithScript
 
     import mortal.workers.engines as engines

@@ -157,7 +157,8 @@ def test_fork_and_rollback_refuse_a_run_whose_checkpoints_are_on_modals_volume(
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_fork_reads_a_checkpoint_in_mounted_storage_and_refuses_a_remote_one(cli, store, tmp_path) -> None:
-    """spec.checkpoint.uri: a row holds the URL. file:// is a folder here; s3:// is not, and fork says how to get it."""
+    """spec.checkpoint.uri: a row holds the URL. file:// is a folder here; s3:// is not, and fork says how to
+    get it."""
     assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
     ref = actor(store, "quickstart")
     mounted = checkpoint_folder("quickstart", 10)
@@ -172,7 +173,8 @@ def test_fork_reads_a_checkpoint_in_mounted_storage_and_refuses_a_remote_one(cli
     fails(
         cli("fork", "quickstart", "other"),
         "checkpoint step-20 of trainingrun 'quickstart' is in the storage of "
-        "spec.checkpoint.uri (s3://bucket/prefix/quickstart/step-20); fork reads checkpoints on this machine only: "
+        "spec.checkpoint.uri (s3://bucket/prefix/quickstart/step-20); "
+        "fork reads checkpoints on this machine only: "
         "download it with `mortalctl cp quickstart:step-20 DIR`",
     )
 

@@ -50,8 +50,8 @@ def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli,
 def test_apply_right_after_delete_installs_the_new_runs_code_in_a_folder_of_its_own(
     cli, store, spec_file, tmp_path, monkeypatch
 ):
-    """The purge moves the deleted run's folder aside (Backend.set_aside_run_folder): apply waits for it before
-    it installs the code snapshot, or the snapshot would go with the old folder."""
+    """The purge moves the deleted run's folder aside (Backend.set_aside_run_folder): apply waits for it
+    before it installs the code snapshot, or the snapshot would go with the old folder."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "myrewards.py").write_text(

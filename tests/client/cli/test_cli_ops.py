@@ -197,8 +197,9 @@ def test_logs_of_a_modal_run_are_read_from_its_volume(cli, spec_file, modal_volu
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_logs_of_a_ray_run_without_shared_disk_are_read_from_its_storage(cli, spec_file, tmp_path):
-    """ray.sharedFilesystem false: each worker's Ray actor uploads its node's log under <checkpoint.uri>/<run>/logs/
-    (controller/backends/ray_worker.py); `logs` reads them there, not under this machine's MORTAL_HOME."""
+    """ray.sharedFilesystem false: each worker's Ray actor uploads its node's log under
+    <checkpoint.uri>/<run>/logs/ (controller/backends/ray_worker.py); `logs` reads them there, not under this
+    machine's MORTAL_HOME."""
     bucket = tmp_path / "bucket"
     edits = {
         "spec.backend": "ray",

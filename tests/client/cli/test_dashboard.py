@@ -536,7 +536,8 @@ def _idle_sockets(url: str, count: int) -> list:
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_idle_sockets_do_not_lock_a_new_client_out(populated: str) -> None:
-    """200 open connections that send nothing (more than waitress' default limit of 100): a page still loads."""
+    """200 open connections that send nothing (more than waitress' default limit of 100): a page still
+    loads."""
     with dashboard(populated) as (url, _):
         idle = _idle_sockets(url, 200)
         try:
@@ -567,7 +568,8 @@ def test_past_the_connection_limit_idle_sockets_are_shed(populated: str) -> None
 
 
 def test_the_page_script_never_assigns_html():
-    """The sections arrive escaped; the script moves parsed nodes in, so store text can only become text nodes."""
+    """The sections arrive escaped; the script moves parsed nodes in, so store text can only become text
+    nodes."""
     script = (
         Path(__file__).resolve().parents[3] / "mortal/client/cli/dashboard_static/dashboard.js"
     ).read_text()

@@ -95,7 +95,8 @@ WORKER_FUNCTIONS = (
 
 
 def _deployed_workers() -> dict[str, Callable[..., Any]]:
-    """The bodies `modal deploy` ships as the app's worker functions (their signatures are what spawn binds)."""
+    """The bodies `modal deploy` ships as the app's worker functions (their signatures are what spawn
+    binds)."""
     from mortal.client import modal_app
 
     return {name: getattr(modal_app, name)._get_source_info().raw_f for name in WORKER_FUNCTIONS}
@@ -462,7 +463,8 @@ class _Volume:
 
 class _Upload:
     """Volume.batch_upload's context: the files are copied into the volume when it exits without an error.
-    Without force, a file already in the volume is refused (the fake's reading of Modal's no-overwrite rule)."""
+    Without force, a file already in the volume is refused (the fake's reading of Modal's no-overwrite
+    rule)."""
 
     def __init__(self, fake: FakeModal) -> None:
         from modal.volume import VolumeUploadContextManager

@@ -1,5 +1,5 @@
-"""WorkerLaunch.environ puts torch.compile's caches in MORTAL_HOME's compile-cache folder, shared by every run,
-unless the user chose their own."""
+"""WorkerLaunch.environ puts torch.compile's caches in MORTAL_HOME's compile-cache folder, shared by every
+run, unless the user chose their own."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ ESCAPER = [
     sys.executable,
     "-c",
     "import subprocess, sys, time\n"
-    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+    "start_new_session=True)\n"
     "print('escaped', child.pid, flush=True)\n"
     "time.sleep(600)\n",
 ]

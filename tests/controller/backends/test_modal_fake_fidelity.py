@@ -124,7 +124,8 @@ def test_the_volume_hook_commits_and_reloads_through_the_checked_volume(
 
 
 def test_the_volume_as_a_client_sees_it_answers_as_modal_does(fake: FakeModal, tmp_path: Path) -> None:
-    """listdir / read_file / remove_file over the folder the containers write; missing paths fail as in 1.6."""
+    """listdir / read_file / remove_file over the folder the containers write; missing paths fail as in
+    1.6."""
     (tmp_path / "runs" / "r" / "logs").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "logs" / "actor-0-1.log").write_bytes(b"x" * 5000)
     volume = fake.Volume.from_name("mortal-data")

@@ -1,9 +1,10 @@
 """Live on Modal: deploy the app (as `mortal-test`, its own volumes and secret), then run a tiny simulated
-run, and a sharded actor training a real model on CPUs, end to end: a controller here, workers as Modal calls, the store behind the deployed endpoint,
-the checkpoint on the volume. Runs only with MODAL_TOKEN_ID (and MODAL_TOKEN_SECRET) set; the first
-deploy builds the image, which takes several minutes.
+run, and a sharded actor training a real model on CPUs, end to end: a controller here, workers as Modal calls,
+the store behind the deployed endpoint, the checkpoint on the volume. Runs only with MODAL_TOKEN_ID (and
+MODAL_TOKEN_SECRET) set; the first deploy builds the image, which takes several minutes.
 
-    MODAL_TOKEN_ID=... MODAL_TOKEN_SECRET=... pytest -m modal_live tests/controller/backends/test_modal_live.py
+    export MODAL_TOKEN_ID=... MODAL_TOKEN_SECRET=...
+    pytest -m modal_live tests/controller/backends/test_modal_live.py
 """
 
 from __future__ import annotations

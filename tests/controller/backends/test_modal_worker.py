@@ -17,7 +17,10 @@ from mortal.controller.backends import WorkerLaunch
 from mortal.controller.backends.modal import ModalBackend
 from mortal.controller.backends.modal_worker import run_logged
 
-PRINTS = "import time\nfor i in range(4):\n    print('line', i, flush=True)\n    time.sleep(0.15)\nraise SystemExit(5)"
+PRINTS = (
+    "import time\nfor i in range(4):\n    print('line', i, flush=True)\n    time.sleep(0.15)\n"
+    "raise SystemExit(5)"
+)
 SERVES = "import time\nprint('serving', flush=True)\ntime.sleep(600)"
 
 
@@ -81,7 +84,8 @@ def test_a_cancelled_call_stops_the_worker_and_still_commits_its_last_lines(
 
 
 def test_a_log_the_volume_refuses_starts_no_worker(tmp_path: Path) -> None:
-    """The worker would write its checkpoints there too: the call fails at once (a lost worker, relaunched)."""
+    """The worker would write its checkpoints there too: the call fails at once (a lost worker,
+    relaunched)."""
     (tmp_path / "runs").write_text("a file where the runs folder should be")
     ran = tmp_path / "ran"
     with pytest.raises(OSError):

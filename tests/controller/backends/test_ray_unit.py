@@ -1,4 +1,5 @@
-"""The Ray backend's pure parts, without a cluster: which backend a spec names, and GPU names in Ray's spelling.
+"""The Ray backend's pure parts, without a cluster: which backend a spec names, and GPU names in Ray's
+spelling.
 
 The backend itself is tested on a real cluster (tests/controller/test_ray_backend.py, in `unshare -rn`).
 """
