@@ -46,7 +46,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+    from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder
 
     out: dict = {"device": torch.cuda.get_device_name(0), "gpus": 1, **{k: v for k, v in vars(args).items() if k != "json"},
                  "modes": {}}

@@ -109,9 +109,9 @@ def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows
-    from mortal.workers.multiturn import resolve_chat_template
     from mortal.workers.references import resolve
-    from mortal.workers.tools import environment_methods
+    from mortal.workers.rollout.multiturn import resolve_chat_template
+    from mortal.workers.rollout.tools import environment_methods
 
     rollout = spec["rollout"]
     environment = resolve(rollout["environment"])()
@@ -145,8 +145,8 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows
-    from mortal.workers.multiturn import resolve_chat_template
     from mortal.workers.references import resolve
+    from mortal.workers.rollout.multiturn import resolve_chat_template
 
     rollout, generation = spec["rollout"], spec.get("generation", {})
     tools = [resolve(ref) for ref in rollout.get("tools", [])]

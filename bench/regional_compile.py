@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+    from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder
 
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16

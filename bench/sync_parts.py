@@ -99,7 +99,7 @@ def rollout_side(home: str, device: str, model_dir: str, asks: Any, answers: Any
     from transformers import AutoModelForCausalLM
 
     from mortal.workers import ipc_weights, nccl_weights, weight_ring, weights
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
 
     class ModelOnly:
         """The part of the transformers engine a load goes through."""

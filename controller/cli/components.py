@@ -224,9 +224,9 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
     """Sample `n` completions as a rollout worker would (same engine, tokenizer and settings); scored
     with the run's rewards when the prompt is a dataset row."""
     from mortal.workers.data import normalize_prompt
-    from mortal.workers.engines import GenerationParams, select_engine
     from mortal.workers.models import completion_message, encode_prompt, load_tokenizer
     from mortal.workers.rewards import RewardSet
+    from mortal.workers.rollout.engines import GenerationParams, select_engine
     from mortal.workers.samples import as_text
 
     columns = dataset_row(run, row) if row is not None else {}
@@ -271,8 +271,8 @@ def _tool_rollouts(run: TrainingRun, engine: Any, tokenizer: Any, params: Any, p
                    n: int, seed: int) -> list[Any]:
     """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop (mortal.workers.multiturn)."""
     from mortal.workers.messages import RolloutRequest
-    from mortal.workers.multiturn import MultiTurn
-    from mortal.workers.tools import Toolbox
+    from mortal.workers.rollout.multiturn import MultiTurn
+    from mortal.workers.rollout.tools import Toolbox
 
     multiturn = MultiTurn(engine, tokenizer, Toolbox.from_spec(run.spec.rollout), params, run.spec.rollout.chat_template)
     request = RolloutRequest(prompt=prompt, row=row or {"prompt": prompt}, num_generations=n, seed=seed)

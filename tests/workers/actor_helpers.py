@@ -40,7 +40,7 @@ class RolloutThread:
     """The real rollout worker loop (mortal.workers.rollout) in a daemon thread."""
 
     def __init__(self, store: Store, run: TrainingRun, replica: int = 0) -> None:
-        from mortal.workers import rollout
+        from mortal.workers.rollout import loop as rollout
 
         self.ctx = worker_context(store, run, "rollout", replica)
         self.ctx.check_fence()

@@ -159,7 +159,7 @@ def task_seeds(task: Any) -> list[int]:
 def budget_for_rows(weights: int, row_bytes: int, kept: int, rows: int) -> int:
     """The smallest memory budget in which static_decode.rows_within_budget plans `rows` rows of
     `row_bytes` each (and no more), `kept` shapes at once, beside `weights`."""
-    from mortal.workers.engines.static_decode import WORKSPACE_FLOOR, WORKSPACE_SHARE
+    from mortal.workers.rollout.engines.static_decode import WORKSPACE_FLOOR, WORKSPACE_SHARE
 
     need = weights + rows * kept * row_bytes
     return max(int(need / (1 - WORKSPACE_SHARE)), need + WORKSPACE_FLOOR) + 1

@@ -17,12 +17,12 @@ import pytest
 
 from mortal.controller.backends import WorkerLaunch
 from mortal.state import paths
-from mortal.workers import compile_cache
-from mortal.workers.compile_cache import CompileReport
+from mortal.workers.rollout.engines import compile_cache
+from mortal.workers.rollout.engines.compile_cache import CompileReport
 
 COMPILES = """
 import json, torch
-from mortal.workers.compile_cache import CompileWatch
+from mortal.workers.rollout.engines.compile_cache import CompileWatch
 with torch.no_grad(), CompileWatch() as watch:
     torch.compile(lambda x: x @ x.t(), dynamic=False)(torch.ones(4, 8))
 r = watch.report

@@ -12,8 +12,8 @@ import torch
 from rollout_helpers import assets_available, make_tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mortal.workers.engines import decode_attention, decode_attention_kernel
-from mortal.workers.engines.static_decode import StaticDecoder
+from mortal.workers.rollout.engines import decode_attention, decode_attention_kernel
+from mortal.workers.rollout.engines.static_decode import StaticDecoder
 
 
 def _inputs(batch: int, heads: int, kv_heads: int, q_len: int, length: int, seed: int = 0):
@@ -82,7 +82,7 @@ def test_the_decoders_steps_take_the_packed_path(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(decode_attention.F, "scaled_dot_product_attention",
                         lambda q, *args, **kwargs: seen.append(tuple(q.shape)) or real_sdpa(q, *args, **kwargs))
     decoder = StaticDecoder(model, compile=False, max_rows=4)
-    from mortal.workers.engines.static_decode import Sampling
+    from mortal.workers.rollout.engines.static_decode import Sampling
 
     ids = torch.tensor([[0, 0, 5, 17], [9, 44, 81, 2]]).repeat_interleave(3, 0)
     decoder.generate(ids, (ids != 0).long(), 5, Sampling(1.0, 0, 1.0), eos_ids=[-1])

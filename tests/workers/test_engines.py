@@ -19,12 +19,12 @@ import torch
 from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.specs.training import ModelSpec
-from mortal.workers.engines import GenerationParams, resolve_engine_name, select_engine
-from mortal.workers.engines.base import cut_at_eos, eos_token_ids
-from mortal.workers.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
-from mortal.workers.engines.transformers_engine import PROMPT_BUCKET, TransformersEngine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import encode_prompt, load_model, load_tokenizer
+from mortal.workers.rollout.engines import GenerationParams, resolve_engine_name, select_engine
+from mortal.workers.rollout.engines.base import cut_at_eos, eos_token_ids
+from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
+from mortal.workers.rollout.engines.transformers_engine import PROMPT_BUCKET, TransformersEngine
 from mortal.workers.weights import write_weights
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
@@ -128,7 +128,7 @@ def test_the_decoder_compiles_what_the_spec_asks_and_the_spec_takes_only_the_dec
     from typing import get_args
 
     from mortal.specs.training import GenerationSpec
-    from mortal.workers.engines.static_decode import COMPILE_SCOPES
+    from mortal.workers.rollout.engines.static_decode import COMPILE_SCOPES
 
     assert GenerationSpec().compile_scope == "auto"
     assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "layer"
@@ -396,7 +396,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 
 def _vllm_engine(llm: FakeLLM) -> Any:
-    from mortal.workers.engines.vllm_engine import VllmEngine
+    from mortal.workers.rollout.engines.vllm_engine import VllmEngine
 
     return VllmEngine(llm, types.SimpleNamespace(eos_token_id=2), generation_eos=[2, 9])
 
@@ -457,7 +457,7 @@ def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_mode
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers.engines import vllm_engine
+    from mortal.workers.rollout.engines import vllm_engine
     from mortal.workers.weights import load_published
 
     module = "model.layers.0.self_attn.q_proj"
@@ -519,7 +519,7 @@ def test_transformers_engine_on_gpu_is_deterministic_per_seed(spec, tokenizer) -
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_vllm_engine_generates_and_reloads(spec, tokenizer, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from mortal.workers.engines.vllm_engine import VllmEngine
+    from mortal.workers.rollout.engines.vllm_engine import VllmEngine
 
     engine = VllmEngine.create(ModelSpec(name=spec.name, dtype="bfloat16"), tokenizer, gpu_memory_utilization=0.3)
     prompt = encode_prompt(tokenizer, CHAT)
@@ -563,7 +563,7 @@ def test_a_shape_the_decoder_evicted_and_prepares_again_is_logged_again(engine, 
 def test_only_an_engine_that_will_compile_starts_the_compile_workers(spec: ModelSpec, tokenizer, monkeypatch) -> None:
     """On CUDA the decoder compiles, so inductor's workers start as the engine is created (before its model
     loads); on the CPU nothing compiles and none start."""
-    from mortal.workers.engines import transformers_engine
+    from mortal.workers.rollout.engines import transformers_engine
 
     started: list[int] = []
     monkeypatch.setattr(transformers_engine, "start_compile_workers", lambda: started.append(1))

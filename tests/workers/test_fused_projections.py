@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
-from mortal.workers.engines import fused_projections
-from mortal.workers.engines.fused_projections import FusedLinear
+from mortal.workers.rollout.engines import fused_projections
+from mortal.workers.rollout.engines.fused_projections import FusedLinear
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97)

@@ -20,12 +20,12 @@ import pytest
 from rollout_helpers import assets_available
 from tool_helpers import MAX_MODEL_LEN, SCRIPTS, ArithScript, ScriptedEngine, smollm2_tokenizer, tool_call
 
-from mortal.workers.builtin_tools import ArithEnvironment, CalculatorError, calculator
 from mortal.workers.deadline import Abandoner, TooManyAbandonedCalls
-from mortal.workers.engines import GenerationParams
 from mortal.workers.messages import RolloutRequest
-from mortal.workers.multiturn import MultiTurn, ToolTemplateError, tool_suffix_ids
-from mortal.workers.tools import EnvironmentReward, Toolbox, run_with_timeout
+from mortal.workers.rollout.builtin_tools import ArithEnvironment, CalculatorError, calculator
+from mortal.workers.rollout.engines import GenerationParams
+from mortal.workers.rollout.multiturn import MultiTurn, ToolTemplateError, tool_suffix_ids
+from mortal.workers.rollout.tools import EnvironmentReward, Toolbox, run_with_timeout
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -297,7 +297,7 @@ def test_environment_reward_is_get_reward_of_each_rollouts_environment() -> None
     for env in envs[:2]:
         env.reset(answer="27", prompt="x")
     envs[0].submit("27")
-    reward = EnvironmentReward("ArithEnvironment", "mortal.workers.builtin_tools:ArithEnvironment")
+    reward = EnvironmentReward("ArithEnvironment", "mortal.workers.rollout.builtin_tools:ArithEnvironment")
     assert reward(completions=[[], [], []], environments=envs) == [1.0, 0.0, None]
 
 
@@ -318,12 +318,12 @@ def test_spec_and_trainer_map_tools_and_environments(tmp_path: Path, monkeypatch
                             environment_factory=ArithEnvironment, max_tool_calling_iterations=3,
                             chat_template="qwen2_5", name="calc")
     rollout = trainer.run.spec.rollout
-    assert rollout.tools == ["mortal.workers.builtin_tools:calculator"]
-    assert rollout.environment == "mortal.workers.builtin_tools:ArithEnvironment"
+    assert rollout.tools == ["mortal.workers.rollout.builtin_tools:calculator"]
+    assert rollout.environment == "mortal.workers.rollout.builtin_tools:ArithEnvironment"
     assert rollout.max_tool_calling_iterations == 3 and rollout.chat_template == "qwen2_5"
     [reward] = trainer.run.spec.rewards  # get_reward is the only reward, named after the class as in TRL
     assert (reward.env, reward.name, reward.args) == ("environment", "ArithEnvironment",
-                                                       {"class": "mortal.workers.builtin_tools:ArithEnvironment"})
+                                                       {"class": "mortal.workers.rollout.builtin_tools:ArithEnvironment"})
     assert "maxToolCallingIterations: 3" in trainer.to_yaml()
 
 
@@ -333,7 +333,7 @@ def _tool_spec(model_dir: str, max_tokens: int = 96, rollout: dict[str, Any] | N
     from actor_helpers import actor_spec
 
     return actor_spec(model_dir, generation={"maxTokens": max_tokens, "engine": "transformers"},
-                      rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"],
+                      rollout={"replicas": 1, "tools": ["mortal.workers.rollout.builtin_tools:calculator"],
                                "chatTemplate": "qwen2_5", "maxToolCallingIterations": 2, **(rollout or {})},
                       algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 2, "learningRate": 1e-2},
                       checkpoint={"every": 2, "keep": 1}, **overrides)
@@ -360,7 +360,7 @@ def test_a_tool_run_trains_end_to_end_with_tool_results_masked(sqlite_store: Any
     from actor_helpers import create_run, run_actor_with_rollout
     from rollout_helpers import task_results
 
-    from mortal.workers import rollout
+    from mortal.workers.rollout import loop as rollout
     from mortal.workers.runtime import EXIT_SUCCEEDED
 
     monkeypatch.setattr(rollout, "select_engine", lambda *args, **kwargs: ArithScript)
@@ -391,11 +391,11 @@ def test_an_environment_run_stopped_and_resumed_ends_bit_for_bit(sqlite_store: A
     with the same weights as one never stopped (nothing of an environment outlives its rollout)."""
     from actor_helpers import create_run, final_weights_hash, run_actor_with_rollout
 
-    from mortal.workers import rollout
+    from mortal.workers.rollout import loop as rollout
     from mortal.workers.runtime import EXIT_SUCCEEDED
 
     monkeypatch.setattr(rollout, "select_engine", lambda *args, **kwargs: ArithScript)
-    env_ref = "mortal.workers.builtin_tools:ArithEnvironment"
+    env_ref = "mortal.workers.rollout.builtin_tools:ArithEnvironment"
     spec = _tool_spec(str(tiny_dir), max_tokens=160, rollout={"environment": env_ref},
                       rewards=[{"function": "actor_helpers:parity_reward"},
                                {"env": "environment", "name": "ArithEnvironment", "args": {"class": env_ref}}])
@@ -416,8 +416,8 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
     """A random tiny model through the transformers engine: the loop runs, and the same weights and seeds
     give the same trajectories (what exact resume needs); turn 1 is the single-turn path's tokens."""
     from mortal.specs.training import ModelSpec
-    from mortal.workers.engines.transformers_engine import TransformersEngine
     from mortal.workers.models import load_tokenizer
+    from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 
     spec = ModelSpec(name=str(tiny_dir), dtype="float32")
     requests = [RolloutRequest(prompt=[{"role": "user", "content": f"What is {i} + 2?"}], row={"answer": str(i + 2)},
@@ -437,9 +437,9 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
 
 def test_the_code_agent_runs_the_models_code_in_the_sandbox_and_reports_failures() -> None:
     from mortal.specs.training import DatasetSpec
-    from mortal.workers.builtin_tools import CodeAgentEnvironment
     from mortal.workers.data import load_rows
-    from mortal.workers.tools import environment_methods
+    from mortal.workers.rollout.builtin_tools import CodeAgentEnvironment
+    from mortal.workers.rollout.tools import environment_methods
 
     row = load_rows(DatasetSpec(name="builtin:mbpp-mini"))[0]
     env = CodeAgentEnvironment()
@@ -459,8 +459,8 @@ def test_the_code_agent_runs_the_models_code_in_the_sandbox_and_reports_failures
 def test_the_code_agent_reports_a_timeout_whichever_limit_ended_the_code(timed_out, signal) -> None:
     """The CPU-seconds limit defaults to the wall-clock timeout, so a spinning loop is ended by either:
     the model is told "timed out" both ways, not SIGXCPU's empty stderr."""
-    from mortal.workers.builtin_tools import CodeAgentEnvironment
     from mortal.workers.rewards.sandbox import ExecutionResult
+    from mortal.workers.rollout.builtin_tools import CodeAgentEnvironment
 
     class Ended:
         def execute_in_sandbox(self, program: str) -> ExecutionResult:

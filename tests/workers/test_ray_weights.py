@@ -16,8 +16,9 @@ from store_kinds import sqlite_only
 
 from mortal.state import Store, paths
 from mortal.state.containment import PathOutside
-from mortal.workers import ray_weights, rollout
+from mortal.workers import ray_weights
 from mortal.workers.ray_weights import RECEIVED, SCHEME, WeightsHub
+from mortal.workers.rollout import loop as rollout
 from mortal.workers.runtime import WorkerContext
 from mortal.workers.weights import WeightPublisher
 

@@ -23,12 +23,12 @@ from rollout_helpers import (
 
 from mortal.specs.training import ModelSpec
 from mortal.state import Store
-from mortal.workers import rollout
 from mortal.workers.data import load_rows
-from mortal.workers.engines import GenerationParams
-from mortal.workers.engines.transformers_engine import TransformersEngine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import encode_prompt, load_model, load_tokenizer
+from mortal.workers.rollout import loop as rollout
+from mortal.workers.rollout.engines import GenerationParams
+from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 from mortal.workers.runtime import WorkerContext
 from mortal.workers.weights import WeightPublisher
 

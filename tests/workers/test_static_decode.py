@@ -13,9 +13,10 @@ import pytest
 import torch
 from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
 
-from mortal.workers.engines import static_decode
-from mortal.workers.engines.base import cut_at_eos
-from mortal.workers.engines.static_decode import (
+from mortal.workers.oom import out_of_memory
+from mortal.workers.rollout.engines import static_decode
+from mortal.workers.rollout.engines.base import cut_at_eos
+from mortal.workers.rollout.engines.static_decode import (
     COMPILE_SCOPES,
     DEFAULT_KEPT_SHAPES,
     SAMPLING_COPIES,
@@ -31,7 +32,6 @@ from mortal.workers.engines.static_decode import (
     rows_within_budget,
     sample,
 )
-from mortal.workers.oom import out_of_memory
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)

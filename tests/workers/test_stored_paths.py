@@ -162,7 +162,7 @@ class RecordingEngine:
 
 def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_path: Path) -> None:
     from mortal.workers.errors import FatalWorkerError
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
 
     run = create_run(store, "c", SPEC)
     actor = worker_context(store, run, "actor")
@@ -182,7 +182,7 @@ def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_
 def test_a_rollout_loads_a_relative_weight_row_from_the_run_s_folder_it_was_checked_in(
         store, tmp_path: Path, monkeypatch) -> None:
     """The path checked is the path loaded: a relative row is not read against the worker's working folder."""
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
 
     run = create_run(store, "c", SPEC)
     actor = worker_context(store, run, "actor")

@@ -13,7 +13,7 @@ from typing import Any
 
 from rollout_helpers import assets_dir
 
-from mortal.workers.engines import Completion, Engine, GenerationParams
+from mortal.workers.rollout.engines import Completion, Engine, GenerationParams
 
 MAX_MODEL_LEN = 2048
 

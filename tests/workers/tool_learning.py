@@ -36,11 +36,11 @@ from tool_helpers import (
     tool_results,
 )
 
-from mortal.workers.builtin_tools import CodeAgentEnvironment, calculator
-from mortal.workers.engines import GenerationParams
 from mortal.workers.messages import RolloutRequest
-from mortal.workers.multiturn import MultiTurn
-from mortal.workers.tools import Toolbox
+from mortal.workers.rollout.builtin_tools import CodeAgentEnvironment, calculator
+from mortal.workers.rollout.engines import GenerationParams
+from mortal.workers.rollout.multiturn import MultiTurn
+from mortal.workers.rollout.tools import Toolbox
 
 CALCULATOR_PROMPT = "Use the calculator, then reply with its result."
 CODE_AGENT_PROMPT = ("Write the function, check it with run_tests, fix it until the tests pass, then answer with one "

@@ -205,7 +205,7 @@ def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
 def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None = None) -> LoadedReward:
     """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory)."""
     if entry.env == "environment":
-        from mortal.workers.tools import EnvironmentReward
+        from mortal.workers.rollout.tools import EnvironmentReward
 
         reward = EnvironmentReward(name, entry.args.get("class"))
         return LoadedReward(name=name, ref=f"spec.rewards[{index}].env 'environment'", func=reward, is_async=False,

@@ -161,14 +161,14 @@ def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(cli, spec_file, 
     since a random tiny model never calls a tool; the loop, the tool, parsing and scoring are the worker's own."""
     from tool_helpers import ArithScript
 
-    import mortal.workers.engines as engines
+    import mortal.workers.rollout.engines as engines
 
     monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
     path = spec_file("calc", **{"spec.model": {"name": str(tiny_model), "dtype": "float32"},
                                 "spec.dataset": {"name": "builtin:arith"},
                                 "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
                                 "spec.generation.maxTokens": 96,
-                                "spec.rollout.tools": ["mortal.workers.builtin_tools:calculator"],
+                                "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
                                 "spec.rollout.chatTemplate": "qwen2_5"})
     doc = json.loads(cli("test", "rollout", "-f", str(path), "--row", "0", "-n", "2", "-o", "json").stdout)
     assert doc["turns"] == [2, 2] and doc["toolCalls"] == [1, 1] and doc["toolFailures"] == [0, 0]

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from mortal.workers import schedule
-from mortal.workers.engines import Engine, GenerationParams
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest
-from mortal.workers.tools import Toolbox, ToolOutcome
+from mortal.workers.rollout.engines import Engine, GenerationParams
+from mortal.workers.rollout.tools import Toolbox, ToolOutcome
 
 
 class ToolTemplateError(FatalWorkerError):

@@ -31,11 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mortal.workers.compile_cache import CompileWatch, persist, start_compile_workers
-from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
-from mortal.workers.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import default_device, load_model
+from mortal.workers.rollout.engines.base import (
+    Completion,
+    Engine,
+    GenerationParams,
+    cut_at_eos,
+    eos_token_ids,
+)
+from mortal.workers.rollout.engines.compile_cache import CompileWatch, persist, start_compile_workers
+from mortal.workers.rollout.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
 from mortal.workers.weights import WeightsError, load_published
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ Engine modules are imported only when selected (vLLM and torch are heavy).
 
 from __future__ import annotations
 
-from mortal.workers.engines.base import Completion, Engine, GenerationParams
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rollout.engines.base import Completion, Engine, GenerationParams
 
 ENGINES = ("auto", "transformers", "vllm")
 
@@ -25,7 +25,7 @@ def _cuda_available() -> bool:
 def resolve_engine_name(name: str, device: str = "cuda") -> str:
     """`auto` -> vllm where vLLM is installed and the rollout runs on a GPU (`device` from
     spec.rollout.gpu), else transformers; vllm without vLLM or a GPU is fatal."""
-    from mortal.workers.engines.vllm_engine import vllm_available
+    from mortal.workers.rollout.engines.vllm_engine import vllm_available
 
     if name == "auto":
         return "vllm" if device == "cuda" and vllm_available() and _cuda_available() else "transformers"
@@ -43,9 +43,9 @@ def resolve_engine_name(name: str, device: str = "cuda") -> str:
 def select_engine(name: str, device: str = "cuda") -> type[Engine]:
     """The Engine class for `spec.generation.engine` on this machine and the rollout's device."""
     if resolve_engine_name(name, device) == "vllm":
-        from mortal.workers.engines.vllm_engine import VllmEngine
+        from mortal.workers.rollout.engines.vllm_engine import VllmEngine
 
         return VllmEngine
-    from mortal.workers.engines.transformers_engine import TransformersEngine
+    from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine

@@ -37,7 +37,6 @@ from mortal.state import TaskRow, paths
 from mortal.state.containment import PathOutside, inside, report_refused
 from mortal.workers import ray_weights, weights
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
-from mortal.workers.engines import Engine, GenerationParams, select_engine
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
 from mortal.workers.models import (
@@ -48,10 +47,11 @@ from mortal.workers.models import (
     set_threads,
     worker_device,
 )
-from mortal.workers.multiturn import MultiTurn, Rollout
 from mortal.workers.rewards import RewardSet
+from mortal.workers.rollout.engines import Engine, GenerationParams, select_engine
+from mortal.workers.rollout.multiturn import MultiTurn, Rollout
+from mortal.workers.rollout.tools import Toolbox
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
-from mortal.workers.tools import Toolbox
 
 # Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
 # cutting; on a CPU a step takes seconds and each look is a store query that competes for its cores.

@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from mortal.workers.engines import decode_attention_kernel
+from mortal.workers.rollout.engines import decode_attention_kernel
 
 NAME = "mortal_decode_sdpa"
 

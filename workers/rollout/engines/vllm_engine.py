@@ -27,8 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mortal.specs.training import VLLM_SHARE
-from mortal.workers.engines.base import Completion, Engine, GenerationParams, cut_at_eos, eos_token_ids
 from mortal.workers.models import model_location, resolve_dtype
+from mortal.workers.rollout.engines.base import (
+    Completion,
+    Engine,
+    GenerationParams,
+    cut_at_eos,
+    eos_token_ids,
+)
 
 if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec

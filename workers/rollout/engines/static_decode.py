@@ -66,8 +66,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from mortal.workers.engines import decode_attention, fused_projections
 from mortal.workers.oom import BudgetRefusal
+from mortal.workers.rollout.engines import decode_attention, fused_projections
 
 # Decode steps between checks for ended rows. A check waits for the GPU once (tens of microseconds of idle
 # GPU while Python enqueues the next replays); a row that ended just after one keeps sampling junk until
