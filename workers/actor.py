@@ -66,7 +66,7 @@ from mortal.workers.runtime import (
     startup_objects_frozen,
 )
 from mortal.workers.storage import CheckpointStorage, StorageError
-from mortal.workers.weights import RING_METHODS, WeightPublisher
+from mortal.workers.sync.weights import RING_METHODS, WeightPublisher
 
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
 SHARDING_UNSUPPORTED = "ShardedActorUnsupported"  # the run's failure reason when this worker cannot shard the actor

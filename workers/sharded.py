@@ -42,7 +42,7 @@ from mortal.workers import models
 from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
 from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
-from mortal.workers.weight_ring import kept_dtype
+from mortal.workers.sync.ring import kept_dtype
 
 if TYPE_CHECKING:
     from mortal.specs.training import TrainingSpec
@@ -291,7 +291,7 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as FSDP2 holds them (DTensor shards; buffers whole), under the names a rollout
     loads them by, a tied weight once (under its first name, as the volume's files hold it). Every rank
     builds the same dict in the same order: the ring gathers its tensors in that order (`wholes`)."""
-    from mortal.workers.weights import tied_once
+    from mortal.workers.sync.weights import tied_once
 
     return {name: tensor.detach() for name, tensor in tied_once(model).items()}
 

@@ -14,7 +14,8 @@ def publish_into_ring(rank: int, model_dir: str, port: int, out: str) -> None:
     """Load the model sharded over 2 CPU ranks (gloo); rank 0 serves version 0 over sync nccl's protocol
     (gloo between CPU tensors) from its ring, gathering a bucket of weights at a time; rank 1 joins the gathers."""
     from mortal.specs.training import ModelSpec
-    from mortal.workers import models, nccl_weights, sharded
+    from mortal.workers import models, sharded
+    from mortal.workers.sync import nccl as nccl_weights
 
     os.environ.update(sharded.rank_environment(rank, 2, port))
     ranks = sharded.Ranks(rank, 2, "cpu")

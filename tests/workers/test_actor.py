@@ -23,7 +23,7 @@ from mortal.workers import actor, trl_seam
 from mortal.workers.checkpoint import read_marker
 from mortal.workers.feed import RolloutFeed
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.weights import (
+from mortal.workers.sync.weights import (
     WeightsError,
     is_adapter_version,
     load_published,

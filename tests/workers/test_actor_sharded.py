@@ -45,7 +45,7 @@ from mortal.controller.cli.fork import fork_run
 from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.checkpoint import is_complete, read_marker
-from mortal.workers.weights import read_published
+from mortal.workers.sync.weights import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 HERE = Path(__file__).resolve().parent
@@ -397,8 +397,9 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(t
     from sharded_helpers import RECEIVED, publish_into_ring
 
     from mortal.specs.training import ModelSpec
-    from mortal.workers import models, nccl_weights, sharded
-    from mortal.workers.weights import plain_state_dict
+    from mortal.workers import models, sharded
+    from mortal.workers.sync import nccl as nccl_weights
+    from mortal.workers.sync.weights import plain_state_dict
 
     ranks = mp.start_processes(publish_into_ring, args=(str(tiny_dir), sharded.free_port(), str(tmp_path)),
                                nprocs=2, join=False, start_method="spawn")

@@ -16,8 +16,8 @@ from run_helpers import needs_two_gpus, train_through_controller
 
 from mortal.specs import TrainingRun
 from mortal.specs.errors import SpecError
-from mortal.workers import ipc_weights
-from mortal.workers.weights import load_published, plain_state_dict
+from mortal.workers.sync import ipc as ipc_weights
+from mortal.workers.sync.weights import load_published, plain_state_dict
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")

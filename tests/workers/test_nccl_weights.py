@@ -24,8 +24,8 @@ from mortal.specs import TrainingRun
 from mortal.specs.dump import dump_yaml
 from mortal.specs.errors import SpecError
 from mortal.specs.loader import load_text
-from mortal.workers import nccl_weights
-from mortal.workers.weights import WeightPublisher, load_published, loaded_whole
+from mortal.workers.sync import nccl as nccl_weights
+from mortal.workers.sync.weights import WeightPublisher, load_published, loaded_whole
 
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -183,7 +183,7 @@ def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_ve
     from transformers import AutoModelForCausalLM
 
     from mortal.state import paths
-    from mortal.workers.weights import plain_state_dict
+    from mortal.workers.sync.weights import plain_state_dict
 
     monkeypatch.setattr(paths, "weights_dir", lambda run: tmp_path / run)
     folder = make_tiny_model(tmp_path / "model")

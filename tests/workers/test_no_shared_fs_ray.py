@@ -35,7 +35,7 @@ from mortal.controller.backends import select_backend
 from mortal.controller.logs import StorageLogs, read_logs
 from mortal.controller.manager import Controller
 from mortal.state import open_store
-from mortal.workers.ray_weights import SCHEME
+from mortal.workers.sync.ray import SCHEME
 
 ray = pytest.importorskip("ray")
 # Four steps: the first checkpoint the test sees can be step 2 when its polling thread is starved (2 cores, the

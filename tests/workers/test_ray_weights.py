@@ -16,11 +16,11 @@ from store_kinds import sqlite_only
 
 from mortal.state import Store, paths
 from mortal.state.containment import PathOutside
-from mortal.workers import ray_weights
-from mortal.workers.ray_weights import RECEIVED, SCHEME, WeightsHub
 from mortal.workers.rollout import loop as rollout
 from mortal.workers.runtime import WorkerContext
-from mortal.workers.weights import WeightPublisher
+from mortal.workers.sync import ray as ray_weights
+from mortal.workers.sync.ray import RECEIVED, SCHEME, WeightsHub
+from mortal.workers.sync.weights import WeightPublisher
 
 
 def test_the_hub_keeps_the_newest_versions_by_number() -> None:

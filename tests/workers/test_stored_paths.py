@@ -17,7 +17,7 @@ from mortal.state.containment import REFUSED_REASON
 from mortal.workers import trl_seam
 from mortal.workers.checkpoint import Checkpointer, checkpoint_dir
 from mortal.workers.storage import CheckpointStorage
-from mortal.workers.weights import WeightPublisher
+from mortal.workers.sync.weights import WeightPublisher
 
 pytestmark = sqlite_only  # the subject is the worker
 SPEC = {

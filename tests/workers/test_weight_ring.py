@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mortal.workers import weight_ring
+from mortal.workers.sync import ring as weight_ring
 
 
 def test_a_snapshot_is_one_flat_buffer_per_dtype_and_its_slots_give_back_every_tensor() -> None:

@@ -12,8 +12,8 @@ from rollout_helpers import assets_available, make_tiny_model, training_spec
 
 from mortal.state import paths
 from mortal.state.errors import Fenced
-from mortal.workers import weights
-from mortal.workers.weights import WeightPublisher, WeightsError, load_published, plain_state_dict
+from mortal.workers.sync import weights
+from mortal.workers.sync.weights import WeightPublisher, WeightsError, load_published, plain_state_dict
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 

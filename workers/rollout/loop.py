@@ -35,7 +35,6 @@ from typing import Any
 
 from mortal.state import TaskRow, paths
 from mortal.state.containment import PathOutside, inside, report_refused
-from mortal.workers import ray_weights, weights
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -52,6 +51,8 @@ from mortal.workers.rollout.engines import Engine, GenerationParams, select_engi
 from mortal.workers.rollout.multiturn import MultiTurn, Rollout
 from mortal.workers.rollout.tools import Toolbox
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
+from mortal.workers.sync import ray as ray_weights
+from mortal.workers.sync import weights
 
 # Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
 # cutting; on a CPU a step takes seconds and each look is a store query that competes for its cores.

@@ -42,7 +42,7 @@ from mortal.workers.rollout.engines.base import (
 )
 from mortal.workers.rollout.engines.compile_cache import CompileWatch, persist, start_compile_workers
 from mortal.workers.rollout.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
-from mortal.workers.weights import WeightsError, load_published
+from mortal.workers.sync.weights import WeightsError, load_published
 
 if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec

@@ -81,7 +81,7 @@ def base_tensors(location: str, names: list[str], device: str) -> dict[str, Any]
 
 def _load_adapters_on_worker(worker: Any, path: str, location: str) -> int:
     """Runs inside each vLLM worker: base + B @ A * scale into the adapted modules; returns their count."""
-    from mortal.workers.weights import merged_weight, read_adapters
+    from mortal.workers.sync.weights import merged_weight, read_adapters
 
     model = worker.model_runner.model
     device = str(next(model.parameters()).device)
@@ -177,7 +177,7 @@ class VllmEngine(Engine):
         return self.llm.llm_engine.model_config.max_model_len
 
     def load_weights(self, path: str) -> None:
-        from mortal.workers.weights import is_adapter_version
+        from mortal.workers.sync.weights import is_adapter_version
 
         if is_adapter_version(path):
             self.llm.collective_rpc(_load_adapters_on_worker, args=(path, self.location))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import Gather, SnapshotRing, ViewCache, read_manifest, views
+from mortal.workers.sync.ring import Gather, SnapshotRing, ViewCache, read_manifest, views
 
 IPC_FILE = "ipc.pkl"
 DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args

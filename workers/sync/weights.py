@@ -49,9 +49,20 @@ from mortal.specs.deadlines import DEFAULT_COLLECTIVE_SECONDS
 from mortal.state import paths
 from mortal.state.containment import PathOutside, inside, report_refused
 from mortal.state.store import Store, WorkerRef
-from mortal.workers import ipc_weights, nccl_weights, ray_weights, weight_ring
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp, sweep, volume_refresh
-from mortal.workers.weight_ring import Gather
+from mortal.workers.sync import (
+    ipc as ipc_weights,
+)
+from mortal.workers.sync import (
+    nccl as nccl_weights,
+)
+from mortal.workers.sync import (
+    ray as ray_weights,
+)
+from mortal.workers.sync import (
+    ring as weight_ring,
+)
+from mortal.workers.sync.ring import Gather
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.weight_ring import (
+from mortal.workers.sync.ring import (
     Gather,
     SnapshotRing,
     TensorSlot,

@@ -1,0 +1,1 @@
+"""Weight sync: how the actor's weight versions reach rollout workers."""
