@@ -240,7 +240,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     import torch
     import torch.multiprocessing as mp
 
-    from mortal.workers.sharded import free_port
+    from mortal.workers.actor.sharded import free_port
 
     with GpuBusy(enabled=not args.cpu) as busy:
         try:
@@ -613,7 +613,7 @@ def main() -> None:
     if args.profile_steps:
         os.environ["MORTAL_PROFILE_STEPS"] = args.profile_steps  # the controller's workers inherit it
     if args.no_padding_shift:
-        from mortal.workers.padding_shift import ENV
+        from mortal.workers.actor.padding_shift import ENV
 
         os.environ[ENV] = "0"  # as MORTAL_PROFILE_STEPS: the workers inherit it
     if args.gpus < args.actor_gpus:

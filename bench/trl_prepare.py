@@ -42,7 +42,7 @@ def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work:
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,

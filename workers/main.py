@@ -47,7 +47,7 @@ from mortal.workers.runtime import (
 
 WORKLOAD_ANNOTATION = "mortal.dev/workload"
 WORKLOADS = {"simulated": "mortal.workers.simulated"}
-ROLE_MODULES = {"actor": "mortal.workers.actor", "rollout": "mortal.workers.rollout.loop"}
+ROLE_MODULES = {"actor": "mortal.workers.actor.loop", "rollout": "mortal.workers.rollout.loop"}
 log = logging.getLogger("mortal.worker")
 
 

@@ -98,8 +98,8 @@ def parse_row(run: TrainingRun, value: str | None) -> dict[str, Any]:
 
 def weighted_sum(run: TrainingRun, scores: dict[str, float | None]) -> float | None:
     """The sum GRPO optimizes (mortal.workers.samples.total_reward): a None score adds nothing."""
+    from mortal.workers.actor.samples import total_reward
     from mortal.workers.messages import reward_names
-    from mortal.workers.samples import total_reward
 
     weights = dict(zip(reward_names(run.spec.rewards), (r.weight for r in run.spec.rewards), strict=True))
     return total_reward(scores, weights)
@@ -223,11 +223,11 @@ def generate(run: TrainingRun, prompt: str | None, row: int | None, n: int, max_
              device: str) -> dict[str, Any]:
     """Sample `n` completions as a rollout worker would (same engine, tokenizer and settings); scored
     with the run's rewards when the prompt is a dataset row."""
+    from mortal.workers.actor.samples import as_text
     from mortal.workers.data import normalize_prompt
     from mortal.workers.models import completion_message, encode_prompt, load_tokenizer
     from mortal.workers.rewards import RewardSet
     from mortal.workers.rollout.engines import GenerationParams, select_engine
-    from mortal.workers.samples import as_text
 
     columns = dataset_row(run, row) if row is not None else {}
     the_prompt = columns["prompt"] if row is not None else normalize_prompt(prompt, run.spec.dataset.system_prompt)

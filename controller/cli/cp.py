@@ -25,7 +25,7 @@ from mortal.controller.backends.modal import data_volume
 from mortal.controller.cli.context import CliError, state
 from mortal.controller.cli.text import plain
 from mortal.state.containment import PathOutside, owned_checkpoint, posix_inside, report_refused, tree_inside
-from mortal.workers.storage import StorageError, is_url, local_path, open_filesystem
+from mortal.workers.actor.storage import StorageError, is_url, local_path, open_filesystem
 
 if TYPE_CHECKING:
     from mortal.state.store import Store

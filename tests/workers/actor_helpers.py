@@ -70,7 +70,7 @@ class RolloutThread:
 
 def run_actor_with_rollout(store: Store, run: TrainingRun, stop_after_step: int | None = None) -> int:
     """Run the actor to its end (or until it is asked to stop after `stop_after_step`); its exit code."""
-    from mortal.workers import actor
+    from mortal.workers.actor import loop as actor
 
     ctx = worker_context(store, run, "actor")
     ctx.check_fence()
@@ -111,7 +111,7 @@ def final_checkpoint_hash(store: Store, run: str, step: int) -> str:
     file:// storage URL)."""
     from safetensors.torch import load_file
 
-    from mortal.workers.storage import local_path
+    from mortal.workers.actor.storage import local_path
 
     row = store.latest_checkpoint(run)
     assert row is not None and row.step == step, (run, row)

@@ -19,9 +19,10 @@ from actor_helpers import (
 from rollout_helpers import assets_available, make_tiny_model, task_results
 
 from mortal.specs import TrainingRun
-from mortal.workers import actor, trl_seam
-from mortal.workers.checkpoint import read_marker
-from mortal.workers.feed import RolloutFeed
+from mortal.workers.actor import loop as actor
+from mortal.workers.actor import trl_seam
+from mortal.workers.actor.checkpoint import read_marker
+from mortal.workers.actor.feed import RolloutFeed
 from mortal.workers.runtime import EXIT_SUCCEEDED
 from mortal.workers.sync.weights import (
     WeightsError,

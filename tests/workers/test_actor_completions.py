@@ -12,9 +12,9 @@ import pytest
 from actor_helpers import actor_spec, create_run, run_actor_with_rollout
 from rollout_helpers import assets_available, make_tiny_model
 
+from mortal.workers.actor.samples import as_text
 from mortal.workers.messages import RolloutAnswer, RolloutTask
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.samples import as_text
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 

@@ -13,8 +13,8 @@ import pytest
 from actor_helpers import create_run, worker_context
 
 from mortal.workers import schedule
+from mortal.workers.actor.feed import BadRollout, RolloutFeed, StopRequested
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
-from mortal.workers.feed import BadRollout, RolloutFeed, StopRequested
 from mortal.workers.messages import RolloutAnswer, RolloutResult, RolloutTask
 
 SPEC = {
@@ -271,7 +271,7 @@ def test_a_chunked_step_deleted_under_collect_is_enqueued_again(chunked) -> None
 
 
 def test_tool_metrics_count_calls_per_completion_and_the_completions_that_called() -> None:
-    from mortal.workers.feed import StepBatch
+    from mortal.workers.actor.feed import StepBatch
 
     batch = StepBatch(turns=[1, 3, 2, 1], tool_calls=[0, 2, 1, 0], tool_failures=[0, 1, 0, 0])
     assert batch._tool_metrics() == {"tools/call_frequency": 0.75, "tools/failure_frequency": 1 / 3,
@@ -303,7 +303,7 @@ def test_a_results_ring_ends_the_wait_before_the_next_poll(store, tmp_path) -> N
 
 def test_a_batchs_decoded_texts_are_its_completions_texts_and_none_for_tool_calling_rollouts() -> None:
     """What the actor hands TRL in place of a second decode (trl_seam.reuse_rollout_texts)."""
-    from mortal.workers.feed import StepBatch
+    from mortal.workers.actor.feed import StepBatch
 
     plain = StepBatch(completions=["12", "13"])
     chat = StepBatch(completions=[[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": ""}]])

@@ -12,8 +12,8 @@ import pytest
 from actor_helpers import create_run, worker_context
 
 from mortal.specs.training import WandbSpec
+from mortal.workers.actor.metrics import MetricsReporter, finite_values, open_wandb, wandb_mode
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.metrics import MetricsReporter, finite_values, open_wandb, wandb_mode
 
 SPEC = {
     "model": {"name": "/nonexistent/model"},
@@ -97,7 +97,7 @@ def test_a_missing_wandb_is_fatal_only_when_asked_for_explicitly(monkeypatch: py
 
 
 def test_a_step_says_what_fraction_of_its_samples_each_reward_scored() -> None:
-    from mortal.workers.feed import StepBatch
+    from mortal.workers.actor.feed import StepBatch
 
     batch = StepBatch(rewards=[{"acc": 1.0, "fmt": None}, {"acc": 0.0, "fmt": None}, {"acc": None, "fmt": None},
                                {"acc": 1.0, "fmt": None}], weight_versions=[3, 3, 3, 3], completion_ids=[[1]] * 4)

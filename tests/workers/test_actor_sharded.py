@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from mortal.controller.cli.fork import fork_run
 from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
-from mortal.workers.checkpoint import is_complete, read_marker
+from mortal.workers.actor.checkpoint import is_complete, read_marker
 from mortal.workers.sync.weights import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
@@ -397,7 +397,8 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(t
     from sharded_helpers import RECEIVED, publish_into_ring
 
     from mortal.specs.training import ModelSpec
-    from mortal.workers import models, sharded
+    from mortal.workers import models
+    from mortal.workers.actor import sharded
     from mortal.workers.sync import nccl as nccl_weights
     from mortal.workers.sync.weights import plain_state_dict
 
@@ -487,7 +488,7 @@ def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
 
 RANK = """
 import os, sys, time
-from mortal.workers.sharded import Ranks, rank_environment
+from mortal.workers.actor.sharded import Ranks, rank_environment
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 os.environ.update(rank_environment(rank, 2, port))
 ranks = Ranks(rank, 2, "cpu", None, collective_seconds=1.0)
@@ -506,7 +507,7 @@ except Exception as exc:
 def test_a_rank_waiting_past_spec_deadlines_collective_seconds_fails_instead_of_hanging(tmp_path: Path) -> None:
     """With deadlines.collectiveSeconds set, the actor's process group carries it: a rank whose peer is stuck
     raises (the worker fails and is relaunched from its checkpoint) instead of waiting forever."""
-    from mortal.workers.sharded import free_port
+    from mortal.workers.actor.sharded import free_port
 
     (tmp_path / "rank.py").write_text(RANK)
     port = str(free_port())

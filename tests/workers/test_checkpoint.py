@@ -14,9 +14,9 @@ import pytest
 from actor_helpers import create_run, worker_context
 
 from mortal.state import paths
-from mortal.workers import checkpoint as checkpoint_module
-from mortal.workers import trl_seam
-from mortal.workers.checkpoint import Checkpointer, checkpoint_dir, is_complete, read_marker
+from mortal.workers.actor import checkpoint as checkpoint_module
+from mortal.workers.actor import trl_seam
+from mortal.workers.actor.checkpoint import Checkpointer, checkpoint_dir, is_complete, read_marker
 
 SPEC = {
     "model": {"name": "/nonexistent/model"},

@@ -16,10 +16,17 @@ from actor_helpers import create_run, worker_context
 from store_kinds import sqlite_only
 from test_checkpoint import SPEC, FakeTrainer, fake_save
 
-from mortal.workers import actor, trl_seam
-from mortal.workers.checkpoint import MORTAL_FILE, Checkpointer, checkpoint_dir, is_complete, read_marker
+from mortal.workers.actor import loop as actor
+from mortal.workers.actor import trl_seam
+from mortal.workers.actor.checkpoint import (
+    MORTAL_FILE,
+    Checkpointer,
+    checkpoint_dir,
+    is_complete,
+    read_marker,
+)
+from mortal.workers.actor.storage import CheckpointStorage, StorageError, local_path
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.storage import CheckpointStorage, StorageError, local_path
 
 
 @pytest.fixture(params=["memory", "file"])

@@ -15,7 +15,7 @@ from actor_helpers import RolloutThread, actor_spec, create_run, worker_context
 from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
 
 from mortal.specs.training import ModelSpec
-from mortal.workers import actor
+from mortal.workers.actor import loop as actor
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import encode_prompt, load_model, load_tokenizer, worker_device
 from mortal.workers.rollout.engines import GenerationParams

@@ -152,7 +152,7 @@ def sharded_tied_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, d
     import torch.multiprocessing as mp
     from sharded_helpers import tied_weight_step
 
-    from mortal.workers import sharded
+    from mortal.workers.actor import sharded
 
     if not assets_available():
         pytest.skip("SmolLM2 tokenizer/config assets not found")

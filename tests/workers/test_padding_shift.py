@@ -15,7 +15,7 @@ import torch
 from actor_helpers import randomize_lora_b
 from rollout_helpers import assets_available, make_tiny_model
 
-from mortal.workers import padding_shift, trl_seam
+from mortal.workers.actor import padding_shift, trl_seam
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 PROMPT, COMPLETION = 7, 6
@@ -36,7 +36,7 @@ def _trainer(tiny_dir: Path, out: Path, lora: bool, **config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers.actor import checkpointing_arg
+    from mortal.workers.actor.loop import checkpointing_arg
 
     args = GRPOConfig(
         output_dir=str(out),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mortal.workers import schedule
-from mortal.workers.provenance import Provenance, data_position, dataset_fingerprint, reward_hashes
+from mortal.workers.actor.provenance import Provenance, data_position, dataset_fingerprint, reward_hashes
 
 ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]
 SPEC = {"name": "data.jsonl", "split": "train", "promptColumn": "prompt"}

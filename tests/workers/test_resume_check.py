@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from mortal.workers.provenance import Provenance, dataset_fingerprint
-from mortal.workers.resume_check import REFUSED, CheckpointFacts, judge, refusal_message
+from mortal.workers.actor.provenance import Provenance, dataset_fingerprint
+from mortal.workers.actor.resume_check import REFUSED, CheckpointFacts, judge, refusal_message
 
 ROWS = [{"prompt": f"q{i}"} for i in range(8)]
 SPEC = {"name": "data.jsonl", "split": "train", "promptColumn": "prompt"}

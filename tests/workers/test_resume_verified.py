@@ -12,7 +12,7 @@ import pytest
 from actor_helpers import actor_spec, create_run, file_sha256, run_actor_with_rollout
 from rollout_helpers import assets_available, make_tiny_model
 
-from mortal.workers.checkpoint import read_marker
+from mortal.workers.actor.checkpoint import read_marker
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.runtime import EXIT_SUCCEEDED
 

@@ -17,10 +17,10 @@ import pytest
 from actor_helpers import create_run, worker_context
 
 from mortal.state import NewCompletion
-from mortal.workers.feed import RolloutFeed, StepBatch
+from mortal.workers.actor.feed import RolloutFeed, StepBatch
+from mortal.workers.actor.metrics import COMPLETIONS_KEY, STEP_KEY, MetricsReporter
+from mortal.workers.actor.samples import as_text, step_completions, total_reward
 from mortal.workers.messages import RolloutAnswer, RolloutResult, extra_columns
-from mortal.workers.metrics import COMPLETIONS_KEY, STEP_KEY, MetricsReporter
-from mortal.workers.samples import as_text, step_completions, total_reward
 
 SPEC = {
     "model": {"name": "/nonexistent/model"},

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mortal.workers import sharded
+from mortal.workers.actor import sharded
 
 
 def test_a_transformers_that_would_wrap_a_sharded_model_in_ddp_is_refused_naming_both_versions(

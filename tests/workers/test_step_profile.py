@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mortal.workers.actor.step_profile import STEPS_ENV, StepProfile, from_environment, parse_steps
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.step_profile import STEPS_ENV, StepProfile, from_environment, parse_steps
 
 
 @pytest.mark.parametrize("text, steps", [("4", (4, 4)), ("4-5", (4, 5)), (" 2-2 ", (2, 2))])

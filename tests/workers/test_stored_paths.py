@@ -14,9 +14,9 @@ from store_kinds import sqlite_only
 
 from mortal.state import paths
 from mortal.state.containment import REFUSED_REASON
-from mortal.workers import trl_seam
-from mortal.workers.checkpoint import Checkpointer, checkpoint_dir
-from mortal.workers.storage import CheckpointStorage
+from mortal.workers.actor import trl_seam
+from mortal.workers.actor.checkpoint import Checkpointer, checkpoint_dir
+from mortal.workers.actor.storage import CheckpointStorage
 from mortal.workers.sync.weights import WeightPublisher
 
 pytestmark = sqlite_only  # the subject is the worker

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mortal.workers import models
-from mortal.workers.checkpoint import DCP_DIR, is_sharded, read_marker
+from mortal.workers.actor.checkpoint import DCP_DIR, is_sharded, read_marker
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
 from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
 from mortal.workers.sync.ring import kept_dtype
@@ -608,7 +608,7 @@ def follower_main(index: int, world: int, port: int, run: Any, device: str, pare
                         format=f"%(asctime)s %(levelname)s actor-rank{rank} %(name)s: %(message)s")
     notes = rank_notes(run.name)
     try:
-        from mortal.workers import actor
+        from mortal.workers.actor import loop as actor
 
         ranks = Ranks(rank, world, device, notes, run.spec.deadlines.collective_seconds)
         ranks.join()

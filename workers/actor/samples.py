@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mortal.state.store import NewCompletion
-from mortal.workers.feed import StepBatch
+from mortal.workers.actor.feed import StepBatch
 
 
 def as_text(value: Any) -> str:

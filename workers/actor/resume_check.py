@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mortal.workers.checkpoint import DCP_DIR
-from mortal.workers.provenance import Provenance, short
+from mortal.workers.actor.checkpoint import DCP_DIR
+from mortal.workers.actor.provenance import Provenance, short
 
 REFUSED = "ResumeRefused"
 

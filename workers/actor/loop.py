@@ -42,9 +42,8 @@ from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
 from mortal.state import paths
-from mortal.workers import (
-    data,
-    models,
+from mortal.workers import data, models
+from mortal.workers.actor import (
     padding_shift,
     provenance,
     resume_check,
@@ -53,19 +52,19 @@ from mortal.workers import (
     step_profile,
     trl_seam,
 )
-from mortal.workers.checkpoint import Checkpointer, is_sharded
+from mortal.workers.actor.checkpoint import Checkpointer, is_sharded
+from mortal.workers.actor.feed import RolloutFeed, StepBatch, StopRequested
+from mortal.workers.actor.metrics import MetricsReporter, open_wandb
+from mortal.workers.actor.storage import CheckpointStorage, StorageError
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.errors import FatalWorkerError
-from mortal.workers.feed import RolloutFeed, StepBatch, StopRequested
 from mortal.workers.messages import reward_names
-from mortal.workers.metrics import MetricsReporter, open_wandb
 from mortal.workers.runtime import (
     EXIT_SUCCEEDED,
     CollectionClock,
     WorkerContext,
     startup_objects_frozen,
 )
-from mortal.workers.storage import CheckpointStorage, StorageError
 from mortal.workers.sync.weights import RING_METHODS, WeightPublisher
 
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used

@@ -36,9 +36,9 @@ from mortal.state import paths
 from mortal.state.containment import PathOutside, inside, report_refused, tree_inside
 from mortal.state.store import Store, WorkerRef
 from mortal.state.tables import CheckpointRow
-from mortal.workers import trl_seam
+from mortal.workers.actor import trl_seam
+from mortal.workers.actor.storage import MARKER, CheckpointStorage, StorageError, is_url
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp
-from mortal.workers.storage import MARKER, CheckpointStorage, StorageError, is_url
 
 MORTAL_FILE = MARKER  # also the completion marker of an uploaded checkpoint (uploaded last)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint's folder inside a checkpoint of a sharded actor
