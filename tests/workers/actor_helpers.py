@@ -99,7 +99,7 @@ def file_sha256(path: Path) -> str:
 def final_weights_hash(store: Store, run: str) -> tuple[int, str]:
     """(step, sha256 of the tensors) of the newest published weights; tensors only, so a file
     header that differs (version numbers) does not count."""
-    from mortal.workers.sync.weights import read_published
+    from mortal.workers.sync.volume import read_published
 
     latest = store.latest_weights(run)
     assert latest is not None, "no weights were published"

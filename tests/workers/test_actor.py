@@ -24,14 +24,9 @@ from mortal.workers.actor import trl_seam
 from mortal.workers.actor.checkpoint import read_marker
 from mortal.workers.actor.feed import RolloutFeed
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.sync.weights import (
-    WeightsError,
-    is_adapter_version,
-    load_published,
-    plain_state_dict,
-    read_adapters,
-    read_published,
-)
+from mortal.workers.sync.base import WeightsError
+from mortal.workers.sync.volume import is_adapter_version, load_published, read_adapters, read_published
+from mortal.workers.sync.weights import plain_state_dict
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 

@@ -16,7 +16,7 @@ from rollout_helpers import assets_available, make_tiny_model
 from mortal.specs import TrainingRun
 from mortal.workers.actor.loop import training_args
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.sync.weights import read_published
+from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 

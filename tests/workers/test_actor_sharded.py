@@ -45,7 +45,7 @@ from mortal.controller.cli.fork import fork_run
 from mortal.state import open_store
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.actor.checkpoint import is_complete, read_marker
-from mortal.workers.sync.weights import read_published
+from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 HERE = Path(__file__).resolve().parent
@@ -377,7 +377,7 @@ def test_through_the_controller_a_killed_rank_is_relaunched_and_the_run_ends_exa
 
 PARENT = """
 import multiprocessing, os, sys, time
-from mortal.workers import sharded
+from mortal.workers.actor import sharded
 if __name__ == "__main__":
     child = multiprocessing.get_context("spawn").Process(target=sharded._exit_with_parent, args=(os.getpid(),))
     child.start()

@@ -25,7 +25,7 @@ from mortal.workers.rollout.engines import GenerationParams, resolve_engine_name
 from mortal.workers.rollout.engines.base import cut_at_eos, eos_token_ids
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
 from mortal.workers.rollout.engines.transformers_engine import PROMPT_BUCKET, TransformersEngine
-from mortal.workers.sync.weights import write_weights
+from mortal.workers.sync.volume import write_weights
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 CHAT = [{"role": "user", "content": "What is 2 + 3? Reply with only the number."}]
@@ -458,7 +458,7 @@ def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_mode
     from transformers import AutoModelForCausalLM
 
     from mortal.workers.rollout.engines import vllm_engine
-    from mortal.workers.sync.weights import load_published
+    from mortal.workers.sync.volume import load_published
 
     module = "model.layers.0.self_attn.q_proj"
     base = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()[f"{module}.weight"]

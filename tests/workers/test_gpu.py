@@ -21,7 +21,7 @@ from mortal.workers.models import encode_prompt, load_model, load_tokenizer, wor
 from mortal.workers.rollout.engines import GenerationParams
 from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.sync.weights import read_published
+from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

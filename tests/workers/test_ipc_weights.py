@@ -17,7 +17,8 @@ from run_helpers import needs_two_gpus, train_through_controller
 from mortal.specs import TrainingRun
 from mortal.specs.errors import SpecError
 from mortal.workers.sync import ipc as ipc_weights
-from mortal.workers.sync.weights import load_published, plain_state_dict
+from mortal.workers.sync.ipc import IpcTransport
+from mortal.workers.sync.weights import plain_state_dict
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
@@ -62,7 +63,7 @@ def _load_in_child(model_dir: str, version_dir: str, queue, go_on) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
-    load_published(model, version_dir)
+    IpcTransport().load(model, version_dir)
     queue.put((tensors_sha256({k: v.cpu() for k, v in model.state_dict().items()}), ipc_weights.slot_holds(version_dir)))
     go_on.wait(120)
     queue.put(ipc_weights.slot_holds(version_dir))

@@ -25,7 +25,8 @@ from mortal.specs.dump import dump_yaml
 from mortal.specs.errors import SpecError
 from mortal.specs.loader import load_text
 from mortal.workers.sync import nccl as nccl_weights
-from mortal.workers.sync.weights import WeightPublisher, load_published, loaded_whole
+from mortal.workers.sync.nccl import NcclTransport
+from mortal.workers.sync.publisher import WeightPublisher
 
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -160,15 +161,15 @@ def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_pla
         version = publisher.publish(actor_model, step=0, prune=False)
         path = store.publish_weights.call_args.args[3]
         weight = rollout_model.weight
-        load_published(rollout_model, path)
+        NcclTransport().load(rollout_model, path)
     finally:
         publisher.close()
         nccl_weights._Peer.drop()
     assert version == 0 and store.publish_weights.call_args.kwargs == {"method": "nccl", "provenance": None}
     assert rollout_model.weight is weight  # in place: captured graphs keep pointing at it
     _assert_same(rollout_model.state_dict(), {k: v.detach() for k, v in actor_model.state_dict().items()})
-    assert loaded_whole(path, newest_recorded=lambda: 0)
-    assert not loaded_whole(path, newest_recorded=lambda: 1)  # a ring of 2: version 2 may be in its slot now
+    assert NcclTransport().loaded_whole(path, newest_recorded=lambda: 0)
+    assert not NcclTransport().loaded_whole(path, newest_recorded=lambda: 1)  # a ring of 2: version 2 may be in its slot now
 
 
 def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_version_onto_its_base(
@@ -204,7 +205,7 @@ def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_ve
             scales = nccl_weights.adapter_scales(path)
             assert scales and set(scales.values()) == {2.0}
             assert {slot.name.rsplit(".", 1)[1] for slot in nccl_weights._manifest(path)["slots"]} == {"lora_A", "lora_B"}
-            load_published(rollout_model, path)
+            NcclTransport().load(rollout_model, path)
             merged = plain_state_dict(actor)
             _assert_same({k: v for k, v in rollout_model.state_dict().items() if k in merged}, merged)
     finally:

@@ -113,7 +113,7 @@ import os, signal, sys, time
 from pathlib import Path
 stopped = []
 signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))  # as mortal.workers.runtime's: stop at a step boundary
-from mortal.workers import ray_weights
+from mortal.workers.sync import ray as ray_weights
 folder = Path(sys.argv[1])
 print(ray_weights.share(folder, 7), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
@@ -173,7 +173,7 @@ def test_a_published_version_reaches_another_process_and_ends_with_its_publisher
 
 def receive_elsewhere(env: dict[str, str], path: str, home: Path, check: bool = True) -> subprocess.CompletedProcess:
     """`receive` in a process of its own (another worker, on another MORTAL_HOME): it prints the folder it wrote."""
-    script = "import sys; from mortal.workers import ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
+    script = "import sys; from mortal.workers.sync import ray as ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
     return subprocess.run([sys.executable, "-c", script, path], env={**env, "MORTAL_HOME": str(home)}, text=True,
                           capture_output=True, timeout=120, check=check)
 

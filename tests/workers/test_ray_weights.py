@@ -19,8 +19,8 @@ from mortal.state.containment import PathOutside
 from mortal.workers.rollout import loop as rollout
 from mortal.workers.runtime import WorkerContext
 from mortal.workers.sync import ray as ray_weights
+from mortal.workers.sync.publisher import WeightPublisher
 from mortal.workers.sync.ray import RECEIVED, SCHEME, WeightsHub
-from mortal.workers.sync.weights import WeightPublisher
 
 
 def test_the_hub_keeps_the_newest_versions_by_number() -> None:
@@ -199,7 +199,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.loads: list[str] = []
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         self.loads.append(Path(path).name)
 
 

@@ -30,7 +30,7 @@ from mortal.workers.rollout import loop as rollout
 from mortal.workers.rollout.engines import GenerationParams
 from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 from mortal.workers.runtime import WorkerContext
-from mortal.workers.sync.weights import WeightPublisher
+from mortal.workers.sync.publisher import WeightPublisher
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 

@@ -17,7 +17,7 @@ from mortal.state.containment import REFUSED_REASON
 from mortal.workers.actor import trl_seam
 from mortal.workers.actor.checkpoint import Checkpointer, checkpoint_dir
 from mortal.workers.actor.storage import CheckpointStorage
-from mortal.workers.sync.weights import WeightPublisher
+from mortal.workers.sync.publisher import WeightPublisher
 
 pytestmark = sqlite_only  # the subject is the worker
 SPEC = {
@@ -156,7 +156,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.loaded: list[str] = []
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         self.loaded.append(path)
 
 

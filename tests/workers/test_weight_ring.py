@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mortal.workers.sync import ring as weight_ring
+from mortal.workers.sync.weights import copy_into
 
 
 def test_a_snapshot_is_one_flat_buffer_per_dtype_and_its_slots_give_back_every_tensor() -> None:
@@ -38,7 +39,7 @@ def test_a_ring_that_casts_keeps_floating_weights_in_that_dtype_and_integer_buff
 def test_copy_into_writes_the_models_own_tensors_in_place() -> None:
     model = torch.nn.Linear(3, 2)
     weight = model.weight
-    weight_ring.copy_into(model, {"weight": torch.ones(2, 3), "bias": torch.zeros(2)})
+    copy_into(model, {"weight": torch.ones(2, 3), "bias": torch.zeros(2)})
     assert model.weight is weight and torch.equal(model.weight, torch.ones(2, 3))
 
 

@@ -12,8 +12,12 @@ from rollout_helpers import assets_available, make_tiny_model, training_spec
 
 from mortal.state import paths
 from mortal.state.errors import Fenced
-from mortal.workers.sync import weights
-from mortal.workers.sync.weights import WeightPublisher, WeightsError, load_published, plain_state_dict
+from mortal.workers.sync import volume
+from mortal.workers.sync.base import WeightsError
+from mortal.workers.sync.ipc import IpcTransport
+from mortal.workers.sync.publisher import WeightPublisher
+from mortal.workers.sync.volume import load_published
+from mortal.workers.sync.weights import plain_state_dict
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -51,7 +55,7 @@ def test_a_version_round_trips_bit_for_bit_with_ties_written_once(store, tiny_di
     assert (version, row.version, row.step) == (0, 0, 3)
     folder = Path(row.path)
     assert folder == paths.weights_dir("w") / "v0-i1" and (folder / "config.json").is_file()
-    written = weights.read_published(folder)
+    written = volume.read_published(folder)
     assert "lm_head.weight" not in written  # tied to the embeddings
     fresh = _model(tiny_dir)
     load_published(fresh, folder)
@@ -75,12 +79,12 @@ def test_a_fenced_actor_still_writing_cannot_replace_its_successors_version(stor
     model = _model(tiny_dir)
     assert new.publish(model, step=0) == 0
     successors = Path(store.latest_weights("w").path)
-    before = tensors_sha256(weights.read_published(successors))
+    before = tensors_sha256(volume.read_published(successors))
     _perturb(model, 2)
     with pytest.raises(Fenced):
         old.publish(model, step=0, version=1)
     assert [r.version for r in store.list_weights("w")] == [0]
-    assert tensors_sha256(weights.read_published(successors)) == before
+    assert tensors_sha256(volume.read_published(successors)) == before
     stray = paths.weights_dir("w") / "v1-i1"
     assert stray.is_dir()  # written before the refused record
     new.publish(model, step=1)
@@ -95,7 +99,7 @@ def test_a_crash_mid_write_leaves_no_version(store, tiny_dir: Path, monkeypatch:
         Path(filename).write_bytes(b"partial")
         raise OSError("disk went away")
 
-    monkeypatch.setattr(weights, "save_file", half_written)
+    monkeypatch.setattr(volume, "save_file", half_written)
     with pytest.raises(OSError):
         publisher.publish(model, step=0)
     assert store.latest_weights("w") is None
@@ -134,7 +138,7 @@ def test_lora_is_published_merged_under_base_names_without_touching_the_model(ti
 
 def test_weights_of_another_model_are_refused(tmp_path: Path, tiny_dir: Path) -> None:
     model = _model(tiny_dir)
-    weights.write_weights(model, tmp_path / "v0", 0, 0)
+    volume.write_weights(model, tmp_path / "v0", 0, 0)
     other = make_tiny_model(tmp_path / "other")
     import json
 
@@ -151,40 +155,40 @@ def test_a_model_that_loaded_one_version_still_refuses_a_version_that_does_not_f
     from safetensors.torch import load_file, save_file
 
     model = _model(tiny_dir)
-    weights.write_weights(model, tmp_path / "v0", 0, 0)
+    volume.write_weights(model, tmp_path / "v0", 0, 0)
     rollout = _model(tiny_dir)
     load_published(rollout, tmp_path / "v0")
-    tensors = load_file(str(tmp_path / "v0" / weights.WEIGHTS_FILE))
+    tensors = load_file(str(tmp_path / "v0" / volume.WEIGHTS_FILE))
     (tmp_path / "v1").mkdir()
-    save_file({k: v for k, v in tensors.items() if "layers.0." not in k}, str(tmp_path / "v1" / weights.WEIGHTS_FILE))
+    save_file({k: v for k, v in tensors.items() if "layers.0." not in k}, str(tmp_path / "v1" / volume.WEIGHTS_FILE))
     with pytest.raises(WeightsError, match="missing"):
         load_published(rollout, tmp_path / "v1")
     (tmp_path / "v2").mkdir()
     name = next(k for k in tensors if k.endswith("q_proj.weight"))
-    save_file({**tensors, name: torch.zeros(1, 1)}, str(tmp_path / "v2" / weights.WEIGHTS_FILE))
+    save_file({**tensors, name: torch.zeros(1, 1)}, str(tmp_path / "v2" / volume.WEIGHTS_FILE))
     with pytest.raises(WeightsError, match="shapes differ"):
         load_published(rollout, tmp_path / "v2")
 
 
-def test_the_publisher_reuses_a_models_tensors_between_versions_but_not_across_models(store, tiny_dir: Path) -> None:
-    publisher = _publisher(store, tiny_dir)
+def test_a_ring_reuses_a_models_tensors_between_versions_but_not_across_models(tiny_dir: Path) -> None:
+    ring = IpcTransport()  # either ring transport: the kept state is theirs
     model = _model(tiny_dir)
-    first = publisher._plain(model)
+    first = ring._plain(model)
     _perturb(model, 2)  # the optimizer's in-place update: the kept tensors see it
-    assert publisher._plain(model) is first
+    assert ring._plain(model) is first
     assert torch.equal(first["model.norm.weight"], model.model.norm.weight)
     other = _model(tiny_dir)
-    assert publisher._plain(other) is not first
-    assert publisher._plain(other)["model.norm.weight"].data_ptr() == other.model.norm.weight.data_ptr()
+    assert ring._plain(other) is not first
+    assert ring._plain(other)["model.norm.weight"].data_ptr() == other.model.norm.weight.data_ptr()
 
 
-def test_the_publisher_builds_its_tensors_again_when_a_parameter_is_replaced_or_moved(store, tiny_dir: Path) -> None:
-    publisher = _publisher(store, tiny_dir)
+def test_a_ring_builds_its_tensors_again_when_a_parameter_is_replaced_or_moved(tiny_dir: Path) -> None:
+    ring = IpcTransport()  # either ring transport: the kept state is theirs
     model = _model(tiny_dir)
-    first = publisher._plain(model)
+    first = ring._plain(model)
     model.model.norm.weight = torch.nn.Parameter(torch.full_like(model.model.norm.weight, 3.0))
-    replaced = publisher._plain(model)
+    replaced = ring._plain(model)
     assert replaced is not first and torch.equal(replaced["model.norm.weight"], model.model.norm.weight)
     model.model.norm.weight.data = torch.full_like(model.model.norm.weight, 4.0)  # what `model.to` does
-    moved = publisher._plain(model)
+    moved = ring._plain(model)
     assert moved is not replaced and torch.equal(moved["model.norm.weight"], model.model.norm.weight)

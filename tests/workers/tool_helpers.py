@@ -85,7 +85,7 @@ class ScriptedEngine(Engine):
     def max_model_len(self) -> int | None:
         return MAX_MODEL_LEN
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -102,7 +102,7 @@ class ArithScript(ScriptedEngine):
                memory_share: float | None = None, compile_scope: str = "auto"):
         return cls(tokenizer)
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         """The script has no weights: each version the actor publishes is taken and ignored."""
 
     def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:

@@ -65,7 +65,8 @@ from mortal.workers.runtime import (
     WorkerContext,
     startup_objects_frozen,
 )
-from mortal.workers.sync.weights import RING_METHODS, WeightPublisher
+from mortal.workers.sync import transport_for
+from mortal.workers.sync.publisher import WeightPublisher
 
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
 SHARDING_UNSUPPORTED = "ShardedActorUnsupported"  # the run's failure reason when this worker cannot shard the actor
@@ -538,7 +539,7 @@ class ActorLoop(TrainerCallback):
         if self.ranks is None or sharded.publishes_alone(self.spec):
             self.version = self.publisher.publish(model, step, prune=False)
         else:  # every rank takes part (sharded.join_publish); the ring, if any, is on rank 0's device
-            ring, dtype = self.publisher.method in RING_METHODS, sharded.publish_dtype(self.spec)
+            ring, dtype = self.publisher.transport.in_ring, sharded.publish_dtype(self.spec)
             self.version = self.publisher.publish(model, step, prune=False,
                                                   state=sharded.publish_state(model, ring, dtype),
                                                   gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
@@ -590,7 +591,7 @@ class Follower(TrainerCallback):
         self.trainer: Any = None
         self._rng_from: Path | None = None
         self._joins = not sharded.publishes_alone(spec)  # whether rank 0's publish has collectives to join
-        self._ring = spec.sync_method() in RING_METHODS  # how rank 0 publishes, so which collectives to join
+        self._ring = transport_for(spec.sync_method()).in_ring  # how rank 0 publishes: which collectives to join
         self._dtype = sharded.publish_dtype(spec)  # and in which dtype their buffers are
 
     def _serve(self, until: str) -> Any:

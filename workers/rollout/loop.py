@@ -33,8 +33,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from mortal.state import TaskRow, paths
-from mortal.state.containment import PathOutside, inside, report_refused
+from mortal.state import TaskRow
+from mortal.state.containment import PathOutside, report_refused
 from mortal.workers.doorbell import RESULTS, TASKS, Doorbell
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutAnswer, RolloutRequest, RolloutResult, RolloutTask, extra_columns
@@ -51,8 +51,8 @@ from mortal.workers.rollout.engines import Engine, GenerationParams, select_engi
 from mortal.workers.rollout.multiturn import MultiTurn, Rollout
 from mortal.workers.rollout.tools import Toolbox
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
-from mortal.workers.sync import ray as ray_weights
-from mortal.workers.sync import weights
+from mortal.workers.sync import UnknownSyncMethod, transport_for
+from mortal.workers.sync.base import WeightTransport
 
 # Between looks for a task. On a GPU a whole step takes about a second, so the wait is latency worth
 # cutting; on a CPU a step takes seconds and each look is a store query that competes for its cores.
@@ -91,6 +91,7 @@ class RolloutWorker:
         self.published_version: int | None = None  # None: still the weights of spec.model.name
         self.load_seconds = 0.0  # how long loading the current version took
         self._missing: tuple[int, int, float] | None = None  # (newest version, failed loads, monotonic time of the next try)
+        self._transports: dict[str, WeightTransport] = {}  # by method: how each version's row says it travels
         # heard from before the first look at the store, so no ring between a look and the wait is missed
         self.doorbell = Doorbell.for_worker(ctx.run_dir, listens_for=TASKS)
 
@@ -106,10 +107,11 @@ class RolloutWorker:
         missing = self._missing if self._missing is not None and self._missing[0] == latest.version else None
         if missing is not None and time.monotonic() < missing[2]:
             return  # backing off: the actor has not put this version back yet
+        transport = self._transport(latest.method, latest.version)
         started = time.monotonic()
         try:
             with self.ctx.activity(f"weight-load v{latest.version}"):
-                self.engine.load_weights(self._local(latest.path, latest.version))
+                self.engine.load_weights(self._local(transport, latest.path, latest.version), transport)
         except FileNotFoundError as exc:  # pruned by the actor between the read and the load (a newer one
             tries = 1 if missing is None else missing[1] + 1  # exists), or lost by sync ray's hub (put back soon)
             delay = min(MISSING_RETRY_MAX_SECONDS, MISSING_RETRY_SECONDS * 2 ** (tries - 1))
@@ -118,29 +120,36 @@ class RolloutWorker:
                               "(try %d)", latest.version, exc, delay, tries)
             return
         self._missing = None
-        if not self._intact(latest.path):
+        if not self._intact(transport, latest.path):
             return
         self.published_version = latest.version
         self.load_seconds = time.monotonic() - started
         self.ctx.report(weight_version=latest.version)
         self.ctx.log.info("loaded weight version %d in %.4f s", latest.version, self.load_seconds)
 
-    def _local(self, path: str, version: int) -> str:
+    def _transport(self, method: str, version: int) -> WeightTransport:
+        """The transport of a version's row (one instance per method); a method none implements is fatal."""
+        if method not in self._transports:
+            try:
+                self._transports[method] = transport_for(method)()
+            except UnknownSyncMethod as exc:
+                raise FatalWorkerError("WeightsRefused", f"weight version {version}: {exc}") from exc
+        return self._transports[method]
+
+    def _local(self, transport: WeightTransport, path: str, version: int) -> str:
         """The folder to load a version from: itself, or (sync ray) this node's copy of what the object store
         holds, fetched first (FileNotFoundError when it is gone); either checked to lie in the run's weights
         folder (a row pointing elsewhere is never loaded: a Warning event, and the run fails, WeightsRefused)."""
         try:
-            if ray_weights.is_hub_path(path):
-                return str(ray_weights.receive(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
-            return str(inside(paths.weights_dir(self.ctx.worker.run), path))  # what was checked is what loads
+            return str(transport.locate(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
         except PathOutside as exc:
             report_refused(self.ctx.store, self.ctx.worker.run, f"loading weight version {version}", exc)
             raise FatalWorkerError("WeightsRefused", f"weight version {version}: {exc}") from exc
 
-    def _intact(self, path: str) -> bool:
+    def _intact(self, transport: WeightTransport, path: str) -> bool:
         """A version read from the actor's ring while the actor may have reused its slot is loaded
-        again (weight_ring says why); a version on the volume is always whole."""
-        if weights.loaded_whole(path, self._newest_recorded):
+        again (mortal.workers.sync.ring says why); a version on the volume is always whole."""
+        if transport.loaded_whole(path, self._newest_recorded):
             return True
         self.ctx.log.info("weight version in %s may have been overwritten while it loaded; loading the newest", path)
         return False

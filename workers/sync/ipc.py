@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 
 from mortal.workers.atomic import atomic_dir
-from mortal.workers.sync.ring import Gather, SnapshotRing, ViewCache, read_manifest, views
+from mortal.workers.sync.base import Gather
+from mortal.workers.sync.ring import RingServer, RingTransport, SnapshotRing, ViewCache, read_manifest, views
 
 IPC_FILE = "ipc.pkl"
 DEVICE_ARG = 6  # position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's args
@@ -99,9 +101,8 @@ class IpcWeightSharer:
             self._handles[tensor.data_ptr()] = reduce_tensor(tensor)
         return self._handles[tensor.data_ptr()]
 
-
-def is_shared(path: str | Path) -> bool:
-    return (Path(path) / IPC_FILE).is_file()
+    def close(self) -> None:
+        """Nothing to stop: rollouts map the ring themselves, and the memory goes with this process."""
 
 
 def _manifest(path: str | Path) -> dict[str, Any]:
@@ -189,3 +190,18 @@ def _mapped(path: str | Path, manifest: dict[str, Any], handle: tuple, source: i
 def _on_device(args: tuple, device: int) -> tuple:
     """The rebuild arguments with the actor's device index replaced by this process's index of it."""
     return (*args[:DEVICE_ARG], device, *args[DEVICE_ARG + 1:])
+
+
+class IpcTransport(RingTransport):
+    """Rollouts on GPUs that see the actor's copy each version from its ring over CUDA IPC."""
+
+    method = "ipc"
+
+    def _make_server(self) -> RingServer:
+        return IpcWeightSharer(ring=self.keep)
+
+    def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+        return open_shared(path, device), adapter_scales(path)
+
+    def loaded_whole(self, path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:
+        return slot_holds(path)  # the slot's own stamp says, with no store query

@@ -49,6 +49,7 @@ import pickle
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -58,12 +59,15 @@ import torch
 import torch.distributed as dist
 
 from mortal.workers.atomic import atomic_dir
+from mortal.workers.sync.base import Gather
 from mortal.workers.sync.ring import (
-    Gather,
+    RingServer,
+    RingTransport,
     SnapshotRing,
     TensorSlot,
     ViewCache,
     empty_buffers,
+    intact,
     read_manifest,
     sizes_of,
 )
@@ -214,10 +218,6 @@ class NcclWeightServer:
         self._threads.clear()
 
 
-def is_served(path: str | Path) -> bool:
-    return (Path(path) / NCCL_FILE).is_file()
-
-
 def _manifest(path: str | Path) -> dict[str, Any]:
     return read_manifest(Path(path) / NCCL_FILE)
 
@@ -330,3 +330,19 @@ def receive(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
         _Peer.drop()
         raise
     return pair.views.get(buffers, manifest["slots"])
+
+
+class NcclTransport(RingTransport):
+    """Rollouts on GPUs of their own receive each version from the actor's ring over NCCL, when they ask."""
+
+    method = "nccl"
+
+    def _make_server(self) -> RingServer:
+        return NcclWeightServer(ring=self.keep, transfer_timeout=timedelta(seconds=self.collective_seconds))
+
+    def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+        return receive(path, device), adapter_scales(path)
+
+    def loaded_whole(self, path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:
+        newest = newest_recorded()  # the store's newest version says whether the slot may have been reused
+        return newest is None or intact(*manifest_version(path), newest)

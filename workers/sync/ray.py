@@ -41,16 +41,22 @@ What it must not do: record rows (the publisher does) or know what the files hol
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mortal.state import paths
 from mortal.state.containment import inside
+from mortal.workers.sync.base import Gather
+from mortal.workers.sync.volume import VolumeTransport
 
 SCHEME = "mortal-ray-weights://"
 ADDRESS_ENV = "MORTAL_RAY_ADDRESS"  # the cluster's GCS address, as the worker's Ray actor sees it
@@ -63,6 +69,7 @@ _HUBS: dict[int, Any] = {}  # incarnation -> the hub's handle, held for the proc
 _SHARED: dict[int, dict[str, list[Any]]] = {}  # incarnation -> {version folder: [ref]}, the newest KEEP this process put
 HUB_CHECK_SECONDS = 5.0  # how often a publisher waiting for rollouts checks that its hub still holds its versions
 HUB_ANSWER_SECONDS = 30.0  # a hub that does not answer a check in this long is left alone (asked again later)
+log = logging.getLogger("mortal.weights")
 
 
 class RayWeightsError(RuntimeError):
@@ -90,10 +97,6 @@ class WeightsHub:
 
 def _version_of(name: str) -> int:
     return int(name.removeprefix("v").split("-", 1)[0])
-
-
-def is_hub_path(path: str | Path) -> bool:
-    return str(path).startswith(SCHEME)
 
 
 def hub_name(incarnation: int) -> str:
@@ -230,3 +233,38 @@ def _keep_newest(received: Path) -> None:
     folders = sorted((p for p in received.iterdir() if not p.name.startswith(".")), key=lambda p: _version_of(p.name))
     for old in folders[: max(0, len(folders) - KEEP)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class RayTransport(VolumeTransport):
+    """Ray nodes that share no disk: each version's folder, written as volume writes it, goes through Ray's
+    object store; a rollout writes it into its own node's folder before loading it."""
+
+    method = "ray"
+    version_folders = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hub_checked = 0.0  # time.monotonic() of the last look at the hub
+
+    def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
+                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
+                device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
+        super().publish(model, dest, version, step, incarnation, state=state)
+        where = share(dest, incarnation)
+        shutil.rmtree(dest, ignore_errors=True)  # the object store holds it now: this node's folder is not read again
+        return where
+
+    def keep_alive(self, incarnation: int) -> None:
+        """If the hub lost the versions this publisher recorded (its Ray actor died while this one lives), put
+        them back (`ensure_held`), at most every HUB_CHECK_SECONDS. Without it a rollout waiting for the newest
+        version would ask for it forever, and the actor would wait forever for that rollout."""
+        if time.monotonic() - self._hub_checked < HUB_CHECK_SECONDS:
+            return
+        self._hub_checked = time.monotonic()
+        put_back = ensure_held(incarnation)
+        if put_back:
+            log.warning("the weights hub had lost the versions %s (its Ray actor ended); made it again and put "
+                        "them back", ", ".join(put_back))
+
+    def locate(self, path: str, run: str, uid: str) -> Path:
+        return receive(path, run, uid)

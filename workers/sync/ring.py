@@ -17,18 +17,18 @@ What it must not do: modify the training model, or touch the store (callers reco
 
 from __future__ import annotations
 
+import abc
 import functools
 import os
 import pickle
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-# shards -> each tensor whole, in order (collectives: mortal.workers.sharded.wholes)
-Gather = Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]
+from mortal.workers.sync.base import Gather, WeightsError, WeightTransport
+from mortal.workers.sync.weights import apply_adapters, load_state, lora_adapters, plain_state_dict
 
 
 class TensorSlot(NamedTuple):
@@ -196,18 +196,93 @@ class SnapshotRing:
         return self.buffers[index] if self.held and self.held[index] == version else None
 
 
-@torch.no_grad()
-def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
-              current: dict[str, torch.Tensor] | None = None) -> None:
-    """Copy tensors into the model's own parameters in place (captured CUDA graphs keep working);
-    `current`: the model's state_dict when the caller has it already (it is rebuilt otherwise)."""
-    current = model.state_dict() if current is None else current
-    copy_pairs([current[name] for name in tensors], list(tensors.values()))
+class RingServer(Protocol):
+    """What serves a ring's versions to rollouts: ipc's sharer, nccl's server."""
+
+    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
+              device: torch.device | None = None, cast: torch.dtype | None = None,
+              adapters: dict[str, float] | None = None) -> Path: ...
+
+    def close(self) -> None: ...
 
 
-@torch.no_grad()
-def copy_pairs(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """destinations[i] <- sources[i], in one fused copy, finished before it returns."""
-    torch._foreach_copy_(destinations, sources)
-    if destinations and destinations[0].is_cuda:
-        torch.cuda.synchronize()  # done before the source is let go or reused, and before the next task reads them
+# Parameter registrations in this process (any module's); RingTransport._plain's kept state is
+# from before the last one or not. A global hook rather than a walk of the model at each publish.
+_registrations = [0]
+
+
+def _count_registration(module: torch.nn.Module, name: str, parameter: Any) -> None:
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
+@dataclass
+class _KeptState:
+    model: torch.nn.Module
+    registrations: int
+    storages: list[tuple[torch.Tensor, int]]  # each parameter and its data_ptr when the state was built
+    state: dict[str, torch.Tensor]
+
+
+class RingTransport(WeightTransport):
+    """ipc and nccl: a version is a slot of the actor's snapshot ring, which a server hands to rollouts.
+    A LoRA actor's ring holds the adapters' factors alone, which rollouts merge into their base weights."""
+
+    in_ring = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._server: RingServer | None = None  # made at the first publish
+        self._plain_state: _KeptState | None = None
+
+    @abc.abstractmethod
+    def _make_server(self) -> RingServer:
+        """The actor's server of the ring, for `self.keep` slots."""
+
+    @abc.abstractmethod
+    def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+        """The rollout's side: the version's tensors on `device`, and its LoRA scales (None: whole weights)."""
+
+    def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
+                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
+                device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
+        if self._server is None:
+            self._server = self._make_server()
+        if state is not None:
+            if gather is None:
+                raise WeightsError("a sharded actor's shards reach the ring only through a gather")
+            self._server.share(state, dest, version, step, gather=gather, device=device, cast=cast)
+        elif (adapters := lora_adapters(model)) is not None:  # the ring holds the factors alone
+            self._server.share(adapters[0], dest, version, step, adapters=adapters[1])
+        else:
+            self._server.share(self._plain(model), dest, version, step)  # no config.json: it delays the record
+        return str(dest)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def load(self, model: torch.nn.Module, path: str | Path) -> None:
+        state, scales = self._tensors(path, next(model.parameters()).device)
+        if scales is not None:  # LoRA factors
+            apply_adapters(model, path, state, scales)
+        else:
+            load_state(model, path, state)
+
+    def _plain(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """plain_state_dict, kept between publishes of a model without adapters: its tensors are the
+        parameters themselves (the optimizer updates them in place), and building the dict costs more
+        than a publish may spend. Built again for another model, after any parameter was registered in
+        this process (a module's parameter replaced), or when a kept parameter's storage moved
+        (`.data` replaced, as `model.to` does): what is checked is far cheaper than a walk of the model."""
+        if hasattr(model, "get_base_model"):  # LoRA: merged weights are new tensors each time
+            return plain_state_dict(model)
+        kept = self._plain_state
+        if (kept is None or kept.model is not model or kept.registrations != _registrations[0]
+                or any(p.data_ptr() != ptr for p, ptr in kept.storages)):
+            kept = self._plain_state = _KeptState(model, _registrations[0],
+                                                  [(p, p.data_ptr()) for p in model.parameters()],
+                                                  plain_state_dict(model))
+        return kept.state

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mortal.specs.training import GenerationSpec, ModelSpec
+    from mortal.workers.sync.base import WeightTransport
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ class Engine(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def load_weights(self, path: str) -> None:
-        """Replace the weights with those published at `path` (a folder with model.safetensors)."""
+    def load_weights(self, path: str, transport: WeightTransport | None = None) -> None:
+        """Replace the weights with the version published at `path`, which travels by `transport` (the one
+        its row names; None: a folder of files, as sync volume writes them)."""
 
     @abc.abstractmethod
     def close(self) -> None:

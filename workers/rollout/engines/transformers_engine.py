@@ -42,7 +42,8 @@ from mortal.workers.rollout.engines.base import (
 )
 from mortal.workers.rollout.engines.compile_cache import CompileWatch, persist, start_compile_workers
 from mortal.workers.rollout.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
-from mortal.workers.sync.weights import WeightsError, load_published
+from mortal.workers.sync.base import WeightsError, WeightTransport
+from mortal.workers.sync.volume import VolumeTransport
 
 if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec
@@ -204,9 +205,9 @@ class TransformersEngine(Engine):
         ids, lps = tokens.tolist(), logprobs.tolist()
         return [cut_at_eos(ids[i], lps[i], self.eos_ids) for i in range(n)]
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: WeightTransport | None = None) -> None:
         try:
-            load_published(self.model, path)
+            (transport or VolumeTransport()).load(self.model, path)
         except WeightsError as exc:
             raise FatalWorkerError("WeightsMismatch", f"published weights do not fit the rollout model: {exc}") from exc
 

@@ -38,6 +38,7 @@ from mortal.workers.rollout.engines.base import (
 
 if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec
+    from mortal.workers.sync.base import WeightTransport
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,7 +82,8 @@ def base_tensors(location: str, names: list[str], device: str) -> dict[str, Any]
 
 def _load_adapters_on_worker(worker: Any, path: str, location: str) -> int:
     """Runs inside each vLLM worker: base + B @ A * scale into the adapted modules; returns their count."""
-    from mortal.workers.sync.weights import merged_weight, read_adapters
+    from mortal.workers.sync.volume import read_adapters
+    from mortal.workers.sync.weights import merged_weight
 
     model = worker.model_runner.model
     device = str(next(model.parameters()).device)
@@ -176,8 +178,9 @@ class VllmEngine(Engine):
     def max_model_len(self) -> int | None:
         return self.llm.llm_engine.model_config.max_model_len
 
-    def load_weights(self, path: str) -> None:
-        from mortal.workers.sync.weights import is_adapter_version
+    def load_weights(self, path: str, transport: WeightTransport | None = None) -> None:
+        """A version's files, whichever way they reached this node (the spec keeps ring methods from vLLM)."""
+        from mortal.workers.sync.volume import is_adapter_version
 
         if is_adapter_version(path):
             self.llm.collective_rpc(_load_adapters_on_worker, args=(path, self.location))
