@@ -176,7 +176,7 @@ def train_variant(precision: str, loss: str, kernels: str, args: argparse.Namesp
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers.actor.loop import checkpointing_arg
+    from mortal.workers.actor.training import checkpointing_arg
 
     dtype_name = "bfloat16" if precision == "bf16" else "float32"
     if args.shape:

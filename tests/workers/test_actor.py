@@ -20,7 +20,7 @@ from rollout_helpers import assets_available, make_tiny_model, task_results
 
 from mortal.specs import TrainingRun
 from mortal.workers.actor import loop as actor
-from mortal.workers.actor import trl_seam
+from mortal.workers.actor import training, trl_seam
 from mortal.workers.actor.checkpoint import read_marker
 from mortal.workers.actor.feed import RolloutFeed
 from mortal.workers.runtime import EXIT_SUCCEEDED
@@ -52,7 +52,7 @@ def _metrics(store, run: str) -> dict[int, dict[str, float]]:
 def test_the_trainer_does_not_wait_on_the_device_to_check_each_steps_loss(tmp_path: Path, tiny_dir: Path) -> None:
     """transformers' nan/inf filter reads every step's loss back before the optimizer step is queued."""
     spec = TrainingRun.model_validate({"metadata": {"name": "m"}, "spec": actor_spec(str(tiny_dir))}).spec
-    assert actor.training_args(spec, str(tmp_path), "cpu").logging_nan_inf_filter is False
+    assert training.training_args(spec, str(tmp_path), "cpu").logging_nan_inf_filter is False
 
 
 def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_dir: Path) -> None:
@@ -386,14 +386,14 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     from torch._dynamo.utils import counters
 
     _compiled_on_aot_eager(monkeypatch)
-    make_trainer, regional = actor.make_trainer, []
+    make_trainer, regional = training.make_trainer, []
 
     def recording(*args, **kwargs):  # the dynamo plugin's settings as the trainer was built
         trainer = make_trainer(*args, **kwargs)
         regional.append(trainer.accelerator.state.dynamo_plugin.use_regional_compilation)
         return trainer
 
-    monkeypatch.setattr(actor, "make_trainer", recording)
+    monkeypatch.setattr(training, "make_trainer", recording)
     torch._dynamo.reset()
     counters.clear()
     grad_norms = {}  # step 1's: its loss is about 0 on-policy (the advantages sum to 0), its gradient is not
@@ -414,7 +414,7 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
 
 def _compiled_on_aot_eager(monkeypatch) -> None:
     """The actor's torch_compile with the aot_eager backend (the test above says why)."""
-    training_args = actor.training_args
+    training_args = training.training_args
 
     def aot_eager_args(*args, **kwargs):
         config = training_args(*args, **kwargs)
@@ -422,7 +422,7 @@ def _compiled_on_aot_eager(monkeypatch) -> None:
             config.torch_compile_backend = "aot_eager"
         return config
 
-    monkeypatch.setattr(actor, "training_args", aot_eager_args)
+    monkeypatch.setattr(training, "training_args", aot_eager_args)
 
 
 def _width_recompiles() -> list[str]:

@@ -14,7 +14,7 @@ from actor_helpers import actor_spec, create_run, run_actor_with_rollout
 from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.specs import TrainingRun
-from mortal.workers.actor.loop import training_args
+from mortal.workers.actor.training import training_args
 from mortal.workers.runtime import EXIT_SUCCEEDED
 from mortal.workers.sync.volume import read_published
 

@@ -36,7 +36,7 @@ def _trainer(tiny_dir: Path, out: Path, lora: bool, **config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers.actor.loop import checkpointing_arg
+    from mortal.workers.actor.training import checkpointing_arg
 
     args = GRPOConfig(
         output_dir=str(out),

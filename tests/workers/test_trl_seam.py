@@ -20,7 +20,7 @@ from actor_helpers import randomize_lora_b, tensors_sha256
 from rollout_helpers import assets_available, make_tiny_model
 
 from mortal.workers.actor import trl_seam
-from mortal.workers.actor.loop import checkpointing_arg
+from mortal.workers.actor.training import checkpointing_arg
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 G, BATCH, LENGTH = 4, 8, 5

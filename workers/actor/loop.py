@@ -29,7 +29,6 @@ What it must not do: generate, score, or reach into TRL outside mortal.workers.t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -41,15 +40,14 @@ import torch
 from transformers import TrainerCallback
 
 from mortal.specs.training import TrainingSpec
-from mortal.state import paths
 from mortal.workers import data, models
 from mortal.workers.actor import (
-    padding_shift,
+    follower,
     provenance,
     resume_check,
     samples,
     sharded,
-    step_profile,
+    training,
     trl_seam,
 )
 from mortal.workers.actor.checkpoint import Checkpointer, is_sharded
@@ -65,14 +63,10 @@ from mortal.workers.runtime import (
     WorkerContext,
     startup_objects_frozen,
 )
-from mortal.workers.sync import transport_for
 from mortal.workers.sync.publisher import WeightPublisher
 
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
 SHARDING_UNSUPPORTED = "ShardedActorUnsupported"  # the run's failure reason when this worker cannot shard the actor
-STALENESS_CLIP = 2.0  # truncation of the per-token importance ratio for stale samples (TIS)
-
-
 def main(ctx: WorkerContext) -> int:
     """Train the run to maxSteps (0), or to a stop request (0, after a checkpoint)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -122,7 +116,7 @@ def main(ctx: WorkerContext) -> int:
         raise FatalWorkerError(SHARDING_UNSUPPORTED, why)
     try:
         if spec.actor.count > 1:
-            ranks = sharded.start(ctx.run, spec.actor.count, actor_device(spec))
+            ranks = sharded.start(ctx.run, spec.actor.count, training.actor_device(spec), follower.follow)
             ranks.watch(functools.partial(_rank_lost, ctx))
             loop.ranks = ranks
         # The Trainer resumes its own checkpoints in an unsharded actor. It refuses a model sharded at load,
@@ -233,89 +227,10 @@ def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -
         ctx.store.add_event(ctx.run.name, "Warning", finding.reason, finding.message)
 
 
-def actor_device(spec: TrainingSpec) -> str:
-    return models.worker_device(spec.actor.gpu, "spec.actor.gpu")
-
-
-def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int = 1) -> Any:
-    """TRL's GRPOConfig for the spec: one generation batch per optimizer step, reporting by mortal;
-    over `world` ranks each trains batchSize / world of it (TRL adds the ranks' shares up)."""
-    from trl import GRPOConfig
-
-    algo, gen = spec.algorithm, spec.generation
-    dtype = models.resolve_dtype(spec.model.dtype, device)
-    config = GRPOConfig(
-        output_dir=output_dir,
-        # One generation batch (batchSize completions) per optimizer step, trained in accumulation_steps
-        # passes of microBatchSize: TRL splits the batch it got from rollout_func and adds the gradients up.
-        per_device_train_batch_size=algo.batch_size // algo.accumulation_steps // world,
-        num_generations=algo.num_generations,
-        steps_per_generation=algo.accumulation_steps,
-        gradient_accumulation_steps=algo.accumulation_steps,
-        num_iterations=1,
-        max_steps=algo.max_steps,
-        learning_rate=algo.learning_rate,
-        loss_type=algo.loss_type,
-        beta=algo.beta,
-        epsilon=algo.epsilon,
-        epsilon_high=algo.epsilon_high,
-        scale_rewards=algo.scale_rewards,
-        max_grad_norm=algo.max_grad_norm,
-        seed=algo.seed,
-        reward_weights=[r.weight for r in spec.rewards],
-        max_completion_length=gen.max_tokens,
-        temperature=gen.temperature,
-        top_p=gen.top_p,
-        top_k=gen.top_k or 0,
-        **checkpointing_arg(spec.model.gradient_checkpointing),
-        torch_compile=spec.actor.compile,
-        use_cpu=device == "cpu",
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
-        logging_steps=1,
-        # Off, Trainer's check of each step's loss for nan/inf (a host wait on the GPU) is gone, so the host
-        # queues the gradient clip and AdamW while the backward still runs: on one H200 the GPU idled about
-        # 5 ms a step there (docs/benchmarks.md). A non-finite loss is then reported as such (workers/metrics.py
-        # leaves it out) instead of being replaced by the previous steps' mean.
-        logging_nan_inf_filter=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    if device != "cpu":
-        _ = config.device  # resolves the devices, which counts the GPUs this process sees
-        # One GPU per actor (spec.actor.gpu): a process that sees several (tests, a worker run by hand)
-        # would have Trainer wrap the model in nn.DataParallel, which GRPOTrainer refuses.
-        config._n_gpu = 1
-    return config
-
-
-def checkpointing_arg(enabled: bool) -> dict[str, bool]:
-    """Activation checkpointing under the name this transformers knows: `activation_checkpointing` since
-    5.2x (`gradient_checkpointing` is its deprecated alias there), only `gradient_checkpointing` before
-    (5.17, as CUDA images ship it)."""
-    from transformers import TrainingArguments
-
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
-
-
-def lora_config(spec: TrainingSpec) -> Any:
-    if spec.model.lora is None:
-        return None
-    from peft import LoraConfig
-
-    lora = spec.model.lora
-    return LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-
-
 def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> Any:
     """The GRPOTrainer, wired to the loop: rollouts in through rollout_func, results out by callback."""
     world = loop.ranks.world if loop.ranks is not None else 1
-    loop.trainer = make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
+    loop.trainer = training.make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
     trl_seam.time_loss_start(loop.trainer, loop.loss_begins)
     if world == 1:  # a sharded actor's ranks train slices of the batch, which TRL decodes itself
         loop.hand_texts = trl_seam.reuse_rollout_texts(loop.trainer)
@@ -324,57 +239,6 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> An
         ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
                      "FSDP2" if spec.actor.strategy == "fsdp" else "DDP")
     return loop.trainer
-
-
-def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, rollout_func: Any, world: int,
-                 rank: int = 0) -> Any:
-    """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load, or with
-    actor.strategy ddp loaded whole on the rank's device, which the Trainer (accelerate) wraps in
-    DistributedDataParallel as it does for TRL on several GPUs. Its
-    steps are profiled where MORTAL_PROFILE_STEPS asks (mortal.workers.step_profile), into run_dir's logs."""
-    from datasets import Dataset
-    from transformers import PrinterCallback
-    from trl import GRPOTrainer
-
-    device = actor_device(spec)
-    tokenizer = models.load_tokenizer(spec.model)
-    fsdp_size = world if spec.actor.strategy == "fsdp" else 1  # ddp: a whole model a rank, wrapped by the Trainer
-    model = models.load_model(spec.model, device, for_training=True, fsdp_size=fsdp_size,
-                              mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload,
-                              reshard_after_forward=spec.actor.reshard_after_forward)
-    if spec.actor.liger:
-        logging.getLogger("mortal.worker").info("Liger's kernels patched into the %s model (rank %d)",
-                                                models.use_liger_kernels(model), rank)
-    # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
-    placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
-    args = training_args(spec, str(run_dir / "actor"), device, world)
-    sharded.replicate_arguments(args, model.config)  # read by the Trainer only when it wraps the model in DDP
-    with trl_seam.compile_settings(spec.actor.compile, spec.actor.compile_scope):  # dynamic shapes, the scope
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=[trl_seam.PrecomputedReward(name) for name in reward_names(spec.rewards)],
-            args=args,
-            train_dataset=placeholders,
-            processing_class=tokenizer,
-            callbacks=[callback, *step_profile.from_environment(run_dir / paths.LOGS, rank)],
-            peft_config=lora_config(spec),
-            rollout_func=rollout_func,
-        )
-    trainer.remove_callback(PrinterCallback)
-    if world > 1 and spec.actor.strategy == "ddp":
-        sharded.bucket_view_gradients(trainer)
-    trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
-    if device.startswith("cuda") and padding_shift.wanted():  # the loss's attention without a padding mask
-        padding_shift.install(trl_seam.patched_model(trainer))
-    if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
-        trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)
-    return trainer
-
-
-def publishes_at(spec: TrainingSpec, step: int) -> bool:
-    """Whether the actor publishes weights after optimizer step `step` (every rank asks: a sharded
-    publish is a collective)."""
-    return step % spec.sync.every == 0 or step >= spec.algorithm.max_steps
 
 
 class ActorLoop(TrainerCallback):
@@ -459,7 +323,7 @@ class ActorLoop(TrainerCallback):
                 self.ctx.log.info("%s", replication)
         if self.resume_from is not None:
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(self.resume_from))
-            self._rng_from = _rng_source(Path(self.resume_from), world)
+            self._rng_from = sharded.rng_source(Path(self.resume_from), world)
             if self._rng_from is None:
                 self.ctx.log.info("resumed on %d rank(s) from a checkpoint of %d: model and optimizer resharded, "
                                   "RNG states not restored", world, sharded.written_by(Path(self.resume_from)))
@@ -499,7 +363,7 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["weights/publish_seconds"] = 0.0
         if self.collections is not None:
             self._rollout_metrics["actor/gc_seconds"] = self.collections.take()
-        if publishes_at(self.spec, step):
+        if training.publishes_at(self.spec, step):
             self._publish(step)
             if not (self.ctx.stopping.is_set() or self.checkpointer.due(step, self.spec.algorithm.max_steps)):
                 # The next step's tasks now, not when TRL next asks for rollouts: they are generated while this
@@ -571,75 +435,3 @@ class ActorLoop(TrainerCallback):
         assert self.ranks is not None
         self.ranks.channel.send("checkpoint", str(dest))  # every rank writes its shards into dest
         sharded.save_sharded(trainer, dest, 0)
-
-
-def follow(run: Any, ranks: sharded.Ranks) -> None:
-    """Ranks 1..N-1 of a sharded actor (mortal.workers.sharded.follower_main): the same trainer as rank 0,
-    trained on this rank's slice of each batch, in step with rank 0's collectives. No store."""
-    spec = run.spec
-    follower = Follower(spec, ranks)
-    follower.trainer = make_trainer(spec, paths.run_dir(run.name), follower, follower.rollout, ranks.world, ranks.rank)
-    with contextlib.suppress(StopRequested), startup_objects_frozen():
-        follower.trainer.train()  # StopRequested: rank 0 stopped while waiting for rollouts, checkpointed first
-
-
-class Follower(TrainerCallback):
-    """What a rank other than 0 does around each TRL step: what rank 0 tells it, and the collectives."""
-
-    def __init__(self, spec: TrainingSpec, ranks: sharded.Ranks) -> None:
-        self.spec, self.ranks = spec, ranks
-        self.trainer: Any = None
-        self._rng_from: Path | None = None
-        self._joins = not sharded.publishes_alone(spec)  # whether rank 0's publish has collectives to join
-        self._ring = transport_for(spec.sync_method()).in_ring  # how rank 0 publishes: which collectives to join
-        self._dtype = sharded.publish_dtype(spec)  # and in which dtype their buffers are
-
-    def _serve(self, until: str) -> Any:
-        """Do rank 0's checkpoints until its message of kind `until` (or "stop") comes; its payload."""
-        while True:
-            kind, payload = self.ranks.channel.recv()
-            if kind == "checkpoint":
-                sharded.save_sharded(self.trainer, Path(payload), self.ranks.rank)
-            elif kind == "stop":
-                raise StopRequested("rank 0 stopped")
-            elif kind == until:
-                return payload
-            else:
-                raise sharded.ShardedError(f"rank {self.ranks.rank} expected {until!r} from rank 0, got {kind!r}")
-
-    def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        return self._serve("batch")  # this rank's slice (Channel.send_each)
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        resume_from = self._serve("begin")
-        if resume_from is not None:
-            state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
-            self._rng_from = _rng_source(Path(resume_from), self.ranks.world)
-        trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
-        self._join_publish()  # rank 0 publishes the weights it starts from
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._rng_from is not None:
-            sharded.restore_rng(self._rng_from, self.ranks.rank)
-            self._rng_from = None
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if publishes_at(self.spec, state.global_step):
-            self._join_publish()
-
-    def _join_publish(self) -> None:
-        if self._joins:
-            sharded.join_publish(self.trainer.model, self._ring, self._dtype)
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if not logs or "loss" not in logs:
-            return
-        if self._serve("go"):
-            control.should_training_stop = True
-
-
-def _rng_source(checkpoint: Path, world: int) -> Path | None:
-    """The checkpoint whose per-rank RNG files a resume on `world` ranks restores: only one written by as
-    many ranks. On another count rank r's file is some other slice's stream, so every rank keeps its seeded
-    RNG: the run goes on equivalently, not bit for bit (resume_check warns the user)."""
-    return checkpoint if sharded.written_by(checkpoint) == world else None

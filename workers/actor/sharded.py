@@ -41,13 +41,17 @@ import torch
 from mortal.workers import models
 from mortal.workers.actor.checkpoint import DCP_DIR, is_sharded, read_marker
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
+from mortal.workers.oom import out_of_memory, with_device_state
 from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
 from mortal.workers.sync.ring import kept_dtype
+from mortal.workers.sync.weights import tied_once
 
 if TYPE_CHECKING:
+    from mortal.specs.run import TrainingRun
     from mortal.specs.training import TrainingSpec
 
 log = logging.getLogger("mortal.sharded")
+Follow = Callable[["TrainingRun", "Ranks"], None]  # what ranks 1..N-1 run once they joined (the follower's loop)
 WATCH_SECONDS = 0.2
 # Trainer leaves a model that transformers sharded at load to itself (is_distributed_loading_by_transformers)
 # since 5.19; before, accelerate wraps it in DistributedDataParallel on GPUs, which fails on DTensor parameters
@@ -226,8 +230,9 @@ def rank_error_note(notes: Path, rank: int) -> Path:
     return notes / f"rank-{rank}.error"
 
 
-def start(run: Any, world: int, device: str) -> Ranks:
-    """Rank 0: spawn ranks 1..world-1 (each runs `follower_main`), then join the group with them.
+def start(run: TrainingRun, world: int, device: str, follow: Follow) -> Ranks:
+    """Rank 0: spawn ranks 1..world-1 (each runs `follower_main`, which hands its Ranks to `follow`: a
+    module-level function, as spawn pickles it by name), then join the group with them.
 
     The rendezvous variables are set in this process's environment too: accelerate and transformers
     read RANK / WORLD_SIZE / LOCAL_RANK from it."""
@@ -239,8 +244,8 @@ def start(run: Any, world: int, device: str) -> Ranks:
     shutil.rmtree(notes, ignore_errors=True)  # an earlier incarnation's ranks' notes
     port = free_port()
     os.environ.update(rank_environment(0, world, port))
-    children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid()), nprocs=world - 1,
-                                  join=False, start_method="spawn")
+    children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid(), follow),
+                                  nprocs=world - 1, join=False, start_method="spawn")
     ranks = Ranks(0, world, device, notes, run.spec.deadlines.collective_seconds, _children=children)
     ranks.join()
     return ranks
@@ -291,8 +296,6 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as FSDP2 holds them (DTensor shards; buffers whole), under the names a rollout
     loads them by, a tied weight once (under its first name, as the volume's files hold it). Every rank
     builds the same dict in the same order: the ring gathers its tensors in that order (`wholes`)."""
-    from mortal.workers.sync.weights import tied_once
-
     return {name: tensor.detach() for name, tensor in tied_once(model).items()}
 
 
@@ -514,6 +517,13 @@ def written_by(path: Path) -> int:
     return int(read_marker(path).get("ranks", 1))
 
 
+def rng_source(checkpoint: Path, world: int) -> Path | None:
+    """The checkpoint whose per-rank RNG files a resume on `world` ranks restores: only one written by as
+    many ranks. On another count rank r's file is some other slice's stream, so every rank keeps its seeded
+    RNG: the run goes on equivalently, not bit for bit (resume_check warns the user)."""
+    return checkpoint if written_by(checkpoint) == world else None
+
+
 def _load_dcp(trainer: Any, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -597,8 +607,9 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(75)
 
 
-def follower_main(index: int, world: int, port: int, run: Any, device: str, parent: int) -> None:
-    """Ranks 1..N-1: the trainer rank 0 has, fed and steered by rank 0 (mortal.workers.actor.follow)."""
+def follower_main(index: int, world: int, port: int, run: TrainingRun, device: str, parent: int,
+                  follow: Follow) -> None:
+    """Ranks 1..N-1: the trainer rank 0 has, fed and steered by rank 0 (`follow`: mortal.workers.actor.follower's)."""
     rank = index + 1
     os.environ.update(rank_environment(rank, world, port))
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -608,11 +619,9 @@ def follower_main(index: int, world: int, port: int, run: Any, device: str, pare
                         format=f"%(asctime)s %(levelname)s actor-rank{rank} %(name)s: %(message)s")
     notes = rank_notes(run.name)
     try:
-        from mortal.workers.actor import loop as actor
-
         ranks = Ranks(rank, world, device, notes, run.spec.deadlines.collective_seconds)
         ranks.join()
-        actor.follow(run, ranks)
+        follow(run, ranks)
         ranks.close()
     except BaseException as exc:
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
@@ -627,8 +636,6 @@ def exit_code_of(exc: BaseException, notes: Path, rank: int) -> int:
     reports the actor's out-of-memory as the worker's own), or EXIT_RETRYABLE for anything else, with the error
     left in a note too: rank 0 reports it, so the run's status names the rank's error, not only its exit code
     (and the controller can tell the same error on every launch from a rank lost at random: CrashLoop)."""
-    from mortal.workers.oom import out_of_memory, with_device_state
-
     notes.mkdir(parents=True, exist_ok=True)
     found = out_of_memory(exc)
     if found is None:
