@@ -218,16 +218,16 @@ case $group in
     bench sevenb_lora_st1 330 --shape 7b --lora 16 --micro-batch 8 --steps 4 --staleness 1
     bench sevenb_lora_st0_mortal 220 --shape 7b --lora 16 --micro-batch 8 --steps 4 --only mortal ;;
   gpu-tests)  # the sharded actor's and the mixed layout's GPU tests (skipped on CPU)
-    gpu_tests 560 -x "$R/tests/workers/test_actor_sharded.py" "$R/tests/workers/test_ipc_weights.py" ;;
+    gpu_tests 560 -x "$R/tests/workers/actor/test_actor_sharded.py" "$R/tests/workers/sync/test_ipc.py" ;;
   ddp-tests)  # the replicated actor's GPU test (ipc-ddp: its first step equals the unsharded one's, rollouts beside it),
               # after rank 0 publishes alone and the gradients became views of DDP's buckets (2026-11-28)
-    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "ddp" ;;
+    gpu_tests 300 "$R/tests/workers/actor/test_actor_sharded.py" -k "ddp" ;;
   nccl-three)  # issue 19: sync nccl from a sharded actor on GPUs (its rollout needs a GPU of its own, the third; it
                # skips on two): run(..., kind="nvidia-h100-x4") (or nvidia-h200-x4), carry [".whl", ".mortal/assets"]
-    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "nccl" ;;
+    gpu_tests 300 "$R/tests/workers/actor/test_actor_sharded.py" -k "nccl" ;;
   gpu-tests-unrun)  # the GPU case not yet run on a GPU: LoRA's adapters through the ipc ring (the ddp and volume
                     # cases passed on two H100s on 2026-11-27; cpuOffload is the offload group)
-    gpu_tests 300 "$R/tests/workers/test_ipc_weights.py" -k "colocated-ipc-True" ;;
+    gpu_tests 300 "$R/tests/workers/sync/test_ipc.py" -k "colocated-ipc-True" ;;
   regional)  # issue 14 parts 1 and 3: StaticDecoder's compile scopes, the whole model against one graph for every
              # decoder layer (bench/regional_compile.py), the 0.5B shape's 24 layers twice and SmolLM2's 30 once;
              # one GPU is enough. About 8 min on an H100 (2026-11-28: 24 layers 1.8 min a run, 30 layers 3 min)
@@ -235,8 +235,8 @@ case $group in
       timeout -k 10 240 python3 "$R/bench/regional_compile.py" --layers $layers \
         --json "$OUT/regional_compile_${layers}l_$(date +%s).json" 2>&1 | tee -a "$OUT/all.log"
     done ;;
-  decoder-tests)  # the decoder's GPU tests with every compile scope (tests/workers/test_static_decode.py)
-    gpu_tests 300 "$R/tests/workers/test_static_decode.py" ;;
+  decoder-tests)  # the decoder's GPU tests with every compile scope (tests/workers/rollout/engines/test_static_decode.py)
+    gpu_tests 300 "$R/tests/workers/rollout/engines/test_static_decode.py" ;;
   scope-step)  # issue 14 part 4 with the default compile scope (auto: layer, since 2026-11-28): the forced-256
                # bench beside TRL at the defaults, then mortal's side with the whole model compiled, in one call
                # (decode ms a step and the start of each; about 7 min on an H100)
@@ -253,7 +253,7 @@ case $group in
               # 35.4%; its GPU test failed unread): the test with its whole message, then mortal's compiled and eager
               # actor alone as in mfu-split's runs (about 7 min on an H200): [".whl", ".mortal/assets"], one H100
               # (the target's GPU) or one H200; run it twice for the lower of two
-    gpu_tests 120 -x "$R/tests/workers/test_padding_shift.py"
+    gpu_tests 120 -x "$R/tests/workers/actor/test_padding_shift.py"
     # TORCH_LOGS=recompiles: the compiled actor compiled at steps 1 and 2 (80 s, then 120 s; 2026-11-29); with
     # dynamic shapes from the first compile (trl_seam.compile_settings, since) it should compile once
     TORCH_LOGS=recompiles bench mfu_shift_compiled 290 --steps 7 --rollouts 1 --only mortal --compile both
@@ -273,7 +273,7 @@ case $group in
   shift-ab)  # workers/padding_shift against TRL's masked forward, in one invocation, alternating (off, on, off, on),
              # the actor compiled a layer at a time; first the shift's GPU test (its premise rewritten 2026-11-29:
              # eager SDPA on an H200 gave the masked forward cuDNN's kernel too); [".whl", ".mortal/assets"], one GPU
-    gpu_tests 120 -x "$R/tests/workers/test_padding_shift.py"
+    gpu_tests 120 -x "$R/tests/workers/actor/test_padding_shift.py"
     for run in 1 2; do
       bench shift_off_run$run 150 --steps 6 --rollouts 1 --only mortal --compile both --actor-compile-scope layer \
         --no-padding-shift
@@ -342,12 +342,12 @@ case $group in
               # actor's first training step 2.5-3.7 s), then the GPU tests that run the actor through the controller
               # or compare its first step with the unsharded one's: carry [".whl", ".mortal/assets"]
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal
-    gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
+    gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/actor/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
   headstart-step)  # headstart's first half alone (one GPU's first step), as call 1 on a machine of four GPUs before
                    # the GGUF's carries and learning-x4-start, so the learning runs start early in the session
     bench onegpu 170 --steps 6 --rollouts 1 --only mortal ;;
   headstart-tests)  # headstart's second half (its GPU tests), after learning-x4-finish
-    gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
+    gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/actor/test_actor_sharded.py" -k "colocated or liger or ddp or cuda" ;;
   learning-headstart)  # issue 14.1 after the first tasks are queued before the actor's trainer is built (2026-11-28,
                        # actor.queues_ahead): mortal's on-policy seeds 0 and 1, each alone on its GPU, timed; their
                        # rewards should equal the runs before step for step (exact replay; the rollouts now answer
@@ -370,7 +370,7 @@ case $group in
   learning-x4-more)  # after learning-x4-finish (2026-11-28: learning-x4-start's call ran out before seeds 2 and 3):
                      # mortal's on-policy seeds 2 and 3 on GPUs 2 and 3, headstart's GPU tests on GPUs 0 and 1 beside
     MORTAL_GPU_BASE=2
-    (CUDA_VISIBLE_DEVICES=0,1 gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/test_actor_sharded.py" \
+    (CUDA_VISIBLE_DEVICES=0,1 gpu_tests 480 "$R/tests/workers/test_gpu.py" "$R/tests/workers/actor/test_actor_sharded.py" \
        -k "colocated or liger or ddp or cuda" > /tmp/headstart-tests.out 2>&1) &
     learning_mortal 0 290 "2 3"
     wait
@@ -465,7 +465,7 @@ case $group in
   offload)  # actor.cpuOffload on two GPUs (the mixed-precision test's offload case; without offload it passed on
             # two H200s, 2026-11-28): failed 2026-11-27 (the tied head) and 2026-11-28 (DTensor.from_local put the
             # placed shards back on the GPU: models.with_local_shard)
-    gpu_tests 300 "$R/tests/workers/test_actor_sharded.py" -k "mixed_precision and True" ;;
+    gpu_tests 300 "$R/tests/workers/actor/test_actor_sharded.py" -k "mixed_precision and True" ;;
   fused-loss)  # issue 15.1's memory-lean step: TRL's fused LM head (what the actor's loss runs, trl_seam assumption 6)
                # against whole-vocabulary logits, bf16, 64 x (32 + 256) tokens, at Qwen2.5's shapes with Qwen's own
                # vocabulary (151,936) and, at 0.5B, the benches' SmolLM2 one (49,152); each shape one process, the two

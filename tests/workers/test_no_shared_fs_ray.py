@@ -73,7 +73,7 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         # How v0 then reached straight's rollout (the actor's put-back, or refs it held before the kill) is not
         # asserted: which one happened could not be told from the outside reliably (a check of the received
         # folder after the kill still saw no v0 while the put-back was not logged, 2 runs of 5). The put-back
-        # itself is tested on fake Ray (test_ray_weights.py); here the run must go on to the same weights.
+        # itself is tested on fake Ray (sync/test_ray.py); here the run must go on to the same weights.
         wait_for(lambda: store.latest_checkpoint("node-kill") is not None, 600, "node-kill's first checkpoint",
                  give_up=lambda: store.get_run("node-kill").phase == "Failed")
         first = store.latest_checkpoint("node-kill")

@@ -25,7 +25,7 @@ causal mask a real token never sees a later position: its attention needs no mas
 It must not change anything else: calls without `fused_lm_head`, with other per-token inputs (images,
 token types, shift_labels, inputs_embeds), and any forward outside the loss go to TRL's forward and
 transformers' sdpa untouched. The values equal the masked forward's up to the attention kernel's rounding
-(tests/workers/test_padding_shift.py, on the CPU and, marked gpu, on CUDA).
+(tests/workers/actor/test_padding_shift.py, on the CPU and, marked gpu, on CUDA).
 
 MORTAL_PADDING_SHIFT=0 in the worker's environment leaves it out: bench/gpu_step.py --no-padding-shift sets it
 to measure the shift against the masked forward in one invocation, and it is the way back should a model or

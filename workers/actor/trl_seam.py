@@ -1,6 +1,6 @@
 """The one module that depends on how TRL's GRPOTrainer works inside, beyond its documented API.
 
-Called by mortal.workers.actor and mortal.workers.checkpoint. tests/workers/test_trl_seam.py
+Called by mortal.workers.actor and mortal.workers.checkpoint. tests/workers/actor/test_trl_seam.py
 pins every assumption made here and fails loudly when a TRL upgrade changes one of them; the
 tested range is TESTED_TRL (also pinned in pyproject's `train` extra). It must not know about the
 store, the queue or the spec.
@@ -23,7 +23,7 @@ What mortal relies on (TRL 1.16):
    `train(resume_from_checkpoint=dir)` restores all of them (public API).
 5. The advantages TRL trained a step on are the newest entries of `trainer._logs["advantages"]`
    (a deque it fills for its completions table whether or not it logs one), in rollout_func's order
-   (pinned by tests/workers/test_actor_completions.py against the group-normalized rewards).
+   (pinned by tests/workers/actor/test_actor_completions.py against the group-normalized rewards).
 6. The loss never holds [tokens x vocab] logits (issue 15): GRPOTrainer.__init__ patches the model's
    forward with TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, on the base model under
    peft), and `_get_per_token_logps_and_entropies` calls it with `fused_lm_head=True`. The head

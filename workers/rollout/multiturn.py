@@ -29,7 +29,7 @@ which every history fits in: GenerationParams.min_prompt_width) and for the rows
 history length and count of rollouts still talking.
 The completion a rollout returns is everything after its prompt: model tokens, tool-result tokens,
 model tokens..., with one mask entry per token (TRL's tool_mask: 1 = trained, 0 = not). Every choice
-above follows TRL's `_tool_call_loop`; tests/workers/test_multiturn.py runs TRL's own loop on the
+above follows TRL's `_tool_call_loop`; tests/workers/rollout/test_multiturn.py runs TRL's own loop on the
 same scripted turns and compares ids, masks and logprobs.
 What it must not do: batch rollouts of different tasks, read the clock or anything but tokens and
 seeds to decide what is generated (exact resume: same weights and seeds, same trajectories, given

@@ -19,7 +19,7 @@ unchanged, so nothing else in the decoder changes. On a CUDA GPU with Triton the
 decode_attention_kernel's split-column kernel instead of SDPA (it skips the columns a row cannot see).
 
 What it must not do: change the model's weights, its results beyond floating-point summation order
-(tests/workers/test_decode_attention.py compares it with transformers' sdpa), or the
+(tests/workers/rollout/engines/test_decode_attention.py compares it with transformers' sdpa), or the
 attention of a model that does not run "sdpa" (install leaves such a model as it is).
 """
 

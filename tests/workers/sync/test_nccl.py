@@ -5,7 +5,7 @@ hang; and a spec says when nccl is possible.
 
 Between CPU tensors the same protocol runs over gloo, so all of this runs without a GPU; the NCCL
 path itself runs on two GPUs, through the controller: here a rollout killed mid-run, and in
-test_ipc_weights the loss curve against volume."""
+test_ipc the loss curve against volume."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from mortal.workers.runtime import EXIT_SUCCEEDED
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
-ARITH = Path(__file__).resolve().parents[2] / "workers" / "builtin_data" / "arith.jsonl"
+ARITH = Path(__file__).resolve().parents[3] / "workers" / "builtin_data" / "arith.jsonl"
 
 
 @pytest.fixture(scope="module")

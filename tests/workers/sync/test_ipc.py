@@ -1,7 +1,7 @@
 """Weight sync `ipc`: a version is a snapshot on the actor's GPU that another process on that GPU copies
 bit for bit, the actor's later training does not change a shared version, and a spec says when ipc
 is possible. The spec checks run everywhere; sharing needs a CUDA GPU (skipped without one). The ring
-itself is in test_weight_ring."""
+itself is in test_ring."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""mortal.workers.sharded's own rules, without starting ranks (tests/workers/test_actor_sharded.py trains them)."""
+"""mortal.workers.sharded's own rules, without starting ranks (test_actor_sharded.py trains them)."""
 
 from __future__ import annotations
 

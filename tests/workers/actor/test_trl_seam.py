@@ -93,7 +93,7 @@ def _trainer(tiny_dir: Path, out: Path, rollouts: FakeRollouts, logs: Logs | Non
 
 def test_trl_is_the_tested_version_and_pyproject_pins_that_range() -> None:
     assert trl_seam.trl_version_tested(), f"TRL {trl_seam.trl_version()} is outside {trl_seam.TESTED_TRL}"
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     pins = [d for d in pyproject["project"]["optional-dependencies"]["train"] if d.startswith("trl")]
     assert pins == [f"trl{trl_seam.TESTED_TRL}"]
 

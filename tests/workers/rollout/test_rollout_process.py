@@ -27,7 +27,7 @@ from mortal.state import Store, WorkerRef, open_store
 from mortal.workers.data import load_rows
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/workers: the helpers a worker imports
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The actor's snapshot ring: a snapshot is one flat buffer per dtype that later training does not
 change, a slot says which version it holds, and a read is whole unless the slot may have been
-written again (the ring rule). Runs on the CPU; the GPU paths are in test_ipc_weights and
-test_nccl_weights."""
+written again (the ring rule). Runs on the CPU; the GPU paths are in test_ipc and
+test_nccl."""
 
 from __future__ import annotations
 

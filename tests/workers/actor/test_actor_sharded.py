@@ -48,7 +48,7 @@ from mortal.workers.actor.checkpoint import is_complete, read_marker
 from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/workers: the helpers a worker imports
 DEADLINE = 240.0
 
 
