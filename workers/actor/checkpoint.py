@@ -1,21 +1,21 @@
 """The actor's checkpoints: complete, atomic, recorded in the store, pruned to `checkpoint.keep`.
 
-Called by mortal.workers.actor (`Checkpointer.write` every `checkpoint.every` steps, at the last
+Called by mortal.workers.actor.loop (`Checkpointer.write` every `checkpoint.every` steps, at the last
 step and when asked to stop; `Checkpointer.resume_point` when it starts).
 
     $MORTAL_HOME/runs/<run>/checkpoints/step-<N>/
         model.safetensors | adapter_model.safetensors (+ config, tokenizer)
         optimizer.pt  scheduler.pt  rng_state.pth  trainer_state.json   (the Trainer's own files)
-      or, from a sharded actor (actor.count > 1, mortal.workers.sharded):
+      or, from a sharded actor (actor.count > 1, mortal.workers.actor.sharded):
         dcp/  model and optimizer shards (torch.distributed.checkpoint)
         scheduler.pt  rng_state_<rank>.pth  trainer_state.json
-        mortal.json   {"step", "weight_version", "seed", "run", "provenance"} (mortal.workers.provenance)
+        mortal.json   {"step", "weight_version", "seed", "run", "provenance"} (actor.provenance)
 
 A checkpoint exists for readers only once its directory was renamed into place (after fsync) and
 its row recorded, in that order; a crash at any point leaves either no visible checkpoint or a
 complete one. Pruning deletes the row first, then the files. It must not decide when to write.
 
-With spec.checkpoint.uri (mortal.workers.storage) the folder is written here as above, then uploaded to
+With spec.checkpoint.uri (mortal.workers.actor.storage) the folder is written here as above, then uploaded to
 `<uri>/<run>/step-<N>/` (the marker last), and the row records that URL: every node can resume from it.
 `resume_point` downloads the newest one into this node's MORTAL_HOME when its copy is not here, and
 returns the row with the local folder as its path, so what reads the checkpoint after it (resume_check,
@@ -55,14 +55,15 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 
 
 def is_sharded(path: str | Path) -> bool:
-    """A sharded actor's checkpoint (torch.distributed.checkpoint, mortal.workers.sharded), not the Trainer's."""
+    """A sharded actor's checkpoint (torch.distributed.checkpoint, mortal.workers.actor.sharded), not the
+    Trainer's."""
     return (Path(path) / DCP_DIR).is_dir()
 
 
 def sharded_files(rank_count: int) -> list[str]:
-    """The files a sharded checkpoint must hold to resume (mortal.workers.trl_seam.checkpoint_files' twin).
-    Here, with the layout, and not in mortal.workers.sharded: readers of checkpoints (the CLI's fork and cp,
-    resume_check) must not import torch.distributed to know what a complete checkpoint is."""
+    """The files a sharded checkpoint must hold to resume (mortal.workers.actor.trl_seam.checkpoint_files'
+    twin). Here, with the layout, and not in mortal.workers.actor.sharded: readers of checkpoints (the CLI's
+    fork and cp, resume_check) must not import torch.distributed to know what a complete checkpoint is."""
     return [f"{DCP_DIR}/.metadata", "scheduler.pt", "trainer_state.json",
             *(f"rng_state_{r}.pth" for r in range(rank_count))]
 
@@ -90,7 +91,8 @@ class Checkpointer:
     keep: int
     seed: int
     fence: Callable[[], None] = lambda: None  # heartbeat-now before writing files (a zombie exits there)
-    provenance: Callable[[int], dict[str, Any]] | None = None  # what made the state at a step (workers.provenance)
+    # what made the state at a step (workers.provenance)
+    provenance: Callable[[int], dict[str, Any]] | None = None
     storage: CheckpointStorage | None = None  # spec.checkpoint.uri: where every checkpoint is uploaded
     _uploaded: set[int] = field(default_factory=set, init=False, repr=False)  # steps this process uploaded
 
@@ -108,7 +110,7 @@ class Checkpointer:
               save: Callable[[Any, Path], None] | None = None, ranks: int = 1) -> Path:
         """Write the trainer's state at `step` atomically, record it, prune; returns its directory.
         `save` writes the state into the temporary directory (default: the Trainer's own writer; a
-        sharded actor's writes its `ranks` ranks' shards, mortal.workers.sharded.save_sharded)."""
+        sharded actor's writes its `ranks` ranks' shards, mortal.workers.actor.sharded.save_sharded)."""
         self.fence()
         final = checkpoint_dir(self.run, step)
         made_by = self.provenance(step) if self.provenance is not None else None
@@ -130,7 +132,8 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Keep the newest `keep` checkpoints: forget each older row, then delete its files, if they are the
-        run's own (mortal.state.containment: a row pointing elsewhere gets a Warning event, its path is left)."""
+        run's own (mortal.state.containment: a row pointing elsewhere gets a Warning event, its path is
+        left)."""
         rows = self.store.list_checkpoints(self.run)
         for row in rows[: max(0, len(rows) - self.keep)]:
             self.store.delete_checkpoint(self.worker, row.step)

@@ -1,6 +1,6 @@
 """The actor's side of the rollout queue: enqueue each step's prompts, wait for the scored groups.
 
-Called by mortal.workers.actor from TRL's rollout_func, once per optimizer step. Step s's prompts
+Called by mortal.workers.actor.loop from TRL's rollout_func, once per optimizer step. Step s's prompts
 are the rows `schedule.prompt_slots(seed, s, ...)`, cut into fixed chunks (`schedule.task_chunks`,
 rollout.promptsPerTask): one task per chunk, a `RolloutTask` of `RolloutRequest`s (the row,
 numGenerations, a seed that depends only on (seed, step, slot)), generated in one batch. While
@@ -126,7 +126,8 @@ class RolloutFeed:
     reward_names: list[str]
     stopping: threading.Event
     prompts_per_task: int = 1
-    poll_seconds: float = 0.05  # between looks at the step's tasks (one indexed query each); actor.py: 0.02 on a GPU
+    # between looks at the step's tasks (one indexed query each); actor.py: 0.02 on a GPU
+    poll_seconds: float = 0.05
     doorbell: Doorbell = field(default_factory=lambda: Doorbell(None))  # rings TASKS when tasks are enqueued;
     # its RESULTS ring ends a wait early (a silent one where the backend does not ring)
     _enqueued: set[int] = field(default_factory=set)
@@ -136,7 +137,8 @@ class RolloutFeed:
         return len(schedule.task_chunks(self.prompts_per_step, self.prompts_per_task))
 
     def tasks_for(self, step: int, min_weight_version: int) -> list[NewTask]:
-        """Step `step`'s tasks; a task's `slot` is its chunk's index, its payload says the first prompt slot."""
+        """Step `step`'s tasks; a task's `slot` is its chunk's index, its payload says the first prompt
+        slot."""
         rows = schedule.prompt_slots(self.seed, step, self.prompts_per_step, len(self.rows))
         tasks = []
         for index, chunk in enumerate(schedule.task_chunks(self.prompts_per_step, self.prompts_per_task)):

@@ -25,13 +25,14 @@ from mortal.workers.sync import transport_for
 
 
 def follow(run: TrainingRun, ranks: sharded.Ranks) -> None:
-    """Ranks 1..N-1 of a sharded actor (mortal.workers.sharded.follower_main): the same trainer as rank 0,
-    trained on this rank's slice of each batch, in step with rank 0's collectives. No store."""
+    """Ranks 1..N-1 of a sharded actor (mortal.workers.actor.sharded.follower_main): the same trainer as rank
+    0, trained on this rank's slice of each batch, in step with rank 0's collectives. No store."""
     spec = run.spec
     follower = Follower(spec, ranks)
     follower.trainer = make_trainer(spec, paths.run_dir(run.name), follower, follower.rollout, ranks.world, ranks.rank)
     with contextlib.suppress(StopRequested), startup_objects_frozen():
-        follower.trainer.train()  # StopRequested: rank 0 stopped while waiting for rollouts, checkpointed first
+        # StopRequested: rank 0 stopped while waiting for rollouts, checkpointed first
+        follower.trainer.train()
 
 
 
@@ -43,7 +44,8 @@ class Follower(TrainerCallback):
         self.trainer: Any = None
         self._rng_from: Path | None = None
         self._joins = not sharded.publishes_alone(spec)  # whether rank 0's publish has collectives to join
-        self._ring = transport_for(spec.sync_method()).in_ring  # how rank 0 publishes: which collectives to join
+        # how rank 0 publishes: which collectives to join
+        self._ring = transport_for(spec.sync_method()).in_ring
         self._dtype = sharded.publish_dtype(spec)  # and in which dtype their buffers are
 
     def _serve(self, until: str) -> Any:

@@ -3,27 +3,27 @@
 Who calls it: mortal.workers.main, as `main(ctx)` in the process a backend launched for the
 run's actor slot. One step, in order:
 1. TRL asks for a generation batch: `ActorLoop.rollout` enqueues the tasks of steps s..s+k
-   (mortal.workers.feed) and waits for step s's scored groups (on one GPU the first wait also runs a
-   placeholder forward and backward, so that the first step's kernels compile meanwhile: `warms_up`); TRL gets prompt/completion ids,
-   sampling logprobs, and each reward's precomputed score through PrecomputedReward functions, so
-   TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
+   (mortal.workers.actor.feed) and waits for step s's scored groups (on one GPU the first wait also runs a
+   placeholder forward and backward, so that the first step's kernels compile meanwhile: `warms_up`); TRL gets
+   prompt/completion ids, sampling logprobs, and each reward's precomputed score through PrecomputedReward
+   functions, so TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
 2. TRL computes the loss and takes the optimizer step.
-3. `on_step_end`: publish the new weights (mortal.workers.weights) with what made them
-   (mortal.workers.provenance), report step and version, and queue the next step's tasks at once
+3. `on_step_end`: publish the new weights (mortal.workers.sync.publisher) with what made them
+   (mortal.workers.actor.provenance), report step and version, and queue the next step's tasks at once
    (unless a checkpoint comes first), so that its rollouts generate while step 4 runs.
 4. `on_log`: record the step's metrics and a sample of its completions with the advantages TRL
-   trained on (mortal.workers.samples); every checkpoint.every steps, at the last step and when
-   asked to stop, write a complete checkpoint (mortal.workers.checkpoint).
+   trained on (mortal.workers.actor.samples); every checkpoint.every steps, at the last step and when
+   asked to stop, write a complete checkpoint (mortal.workers.actor.checkpoint).
 On start it resumes from the newest complete checkpoint (`train(resume_from_checkpoint=...)`
-restores weights, optimizer, scheduler, RNG and step) once mortal.workers.resume_check found that
+restores weights, optimizer, scheduler, RNG and step) once mortal.workers.actor.resume_check found that
 resuming redoes and skips nothing, forgets queued tasks from that step on, and
 publishes the weights it starts from (a version above every earlier one) before the first rollout. With GPU
 rollouts it queues that first step's tasks before building the trainer (`queues_ahead`), asking for that
 version, so their decode step compiles while TRL loads.
-With `actor.count` N > 1 this process is rank 0 of N (mortal.workers.sharded): the model is sharded with
+With `actor.count` N > 1 this process is rank 0 of N (mortal.workers.actor.sharded): the model is sharded with
 FSDP2, ranks 1..N-1 are its children running `follow`, each trains on its slice of the batch rank 0
 collected, and only rank 0 talks to the store.
-What it must not do: generate, score, or reach into TRL outside mortal.workers.trl_seam.
+What it must not do: generate, score, or reach into TRL outside mortal.workers.actor.trl_seam.
 """
 
 from __future__ import annotations
@@ -65,8 +65,12 @@ from mortal.workers.runtime import (
 )
 from mortal.workers.sync.publisher import WeightPublisher
 
-STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"  # the run's failure reason when spec.checkpoint.uri cannot be used
-SHARDING_UNSUPPORTED = "ShardedActorUnsupported"  # the run's failure reason when this worker cannot shard the actor
+# the run's failure reason when spec.checkpoint.uri cannot be used
+STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"
+# the run's failure reason when this worker cannot shard the actor
+SHARDING_UNSUPPORTED = "ShardedActorUnsupported"
+
+
 def main(ctx: WorkerContext) -> int:
     """Train the run to maxSteps (0), or to a stop request (0, after a checkpoint)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -78,7 +82,8 @@ def main(ctx: WorkerContext) -> int:
     )
     try:
         resume = checkpointer.resume_point()
-    except StorageError as exc:  # recorded in a storage the spec no longer names (an unreachable one: OSError, retried)
+    # recorded in a storage the spec no longer names (an unreachable one: OSError, retried)
+    except StorageError as exc:
         raise FatalWorkerError(STORAGE_UNAVAILABLE, str(exc)) from exc
     start = resume.step if resume else 0
     ctx.report(step=start)
@@ -96,7 +101,8 @@ def main(ctx: WorkerContext) -> int:
         spec.algorithm.num_generations, spec.algorithm.max_staleness, spec.algorithm.max_steps,
         reward_names(spec.rewards), ctx.stopping,
         prompts_per_task=spec.rollout.task_size(spec.algorithm.prompts_per_step),
-        poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,  # a GPU step is ~1 s: waits there are latency
+        # a GPU step is ~1 s: waits there are latency
+        poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,
         doorbell=Doorbell.for_worker(ctx.run_dir, listens_for=RESULTS),
     )
     feed.forget_from(start)
@@ -150,22 +156,23 @@ def main(ctx: WorkerContext) -> int:
 def queues_ahead(spec: TrainingSpec) -> bool:
     """Whether the first step's tasks are queued before the trainer is built rather than when TRL first asks.
 
-    A GPU rollout's first task pays the decode step's compile and graph capture (13-30 s), and without tasks it
-    would sit idle while the actor imports TRL, loads the model and builds GRPOTrainer; queued early, both
+    A GPU rollout's first task pays the decode step's compile and graph capture (13-30 s), and without tasks
+    it would sit idle while the actor imports TRL, loads the model and builds GRPOTrainer; queued early, both
     happen at once. The tasks ask for the version the actor publishes first (the publisher's next_version),
     so a fresh run's rollouts may answer them with the model they loaded, which is version 0, and a resumed
     run's wait for the resumed weights. Not for CPU rollouts: nothing is compiled, and a test's rollout thread
     in the actor's process would reseed the RNG the trainer's construction draws from (a GPU test with its
-    rollout in the actor's process turns this off: its graph capture must not overlap the actor's CUDA work)."""
+    rollout in the actor's process turns this off: its graph capture must not overlap the actor's CUDA
+    work)."""
     return spec.rollout.gpu != "none"
 
 
 def warms_up(spec: TrainingSpec, world: int) -> bool:
-    """Whether the actor runs one placeholder forward and backward (trl_seam.warm_up_training) while it waits for
-    its first rollouts: on one GPU, where the first step's kernel compiles and allocations are otherwise paid
-    after the rollouts are in. Not on several ranks (DDP's and FSDP2's hooks expect every backward to be a real
-    step's), not with actor.compile (the placeholder's shape would be compiled too), not on a CPU (nothing to
-    compile, and a test's rollout thread shares the RNG)."""
+    """Whether the actor runs one placeholder forward and backward (trl_seam.warm_up_training) while it waits
+    for its first rollouts: on one GPU, where the first step's kernel compiles and allocations are otherwise
+    paid after the rollouts are in. Not on several ranks (DDP's and FSDP2's hooks expect every backward to be
+    a real step's), not with actor.compile (the placeholder's shape would be compiled too), not on a CPU
+    (nothing to compile, and a test's rollout thread shares the RNG)."""
     return spec.actor.gpu != "none" and world == 1 and not spec.actor.compile
 
 
@@ -215,7 +222,7 @@ def _provenance_at(made_by: provenance.Provenance, spec: TrainingSpec, step: int
 
 def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -> None:
     """Refuse (FatalWorkerError) a resume that would silently redo or skip work; record a Warning event for
-    each deliberate change it goes on through (mortal.workers.resume_check)."""
+    each deliberate change it goes on through (mortal.workers.actor.resume_check)."""
     spec = ctx.run.spec
     findings = resume_check.verify(resume.path, resume.step, resume.provenance, now, spec.algorithm.num_epochs,
                                    spec.algorithm.max_steps, spec.actor.count)
@@ -250,7 +257,8 @@ class ActorLoop(TrainerCallback):
         self.publisher, self.checkpointer, self.reporter = publisher, checkpointer, reporter
         self.trainer: Any = None
         self.ranks: sharded.Ranks | None = None  # rank 0 of a sharded actor: the other ranks follow it
-        self.resume_from: str | None = None  # a checkpoint the Trainer cannot resume, restored in on_train_begin
+        # a checkpoint the Trainer cannot resume, restored in on_train_begin
+        self.resume_from: str | None = None
         self._rng_from: Path | None = None  # ... whose RNG states are restored as the first step begins
         self.collections: CollectionClock | None = None  # the garbage collector's time, step by step
         self.version = -1
@@ -274,7 +282,8 @@ class ActorLoop(TrainerCallback):
         self.publisher.prune()  # old versions go while the rollouts load the new one and generate
         started = time.perf_counter()
         if not self._warmed_up and warms_up(self.spec, world):
-            trl_seam.warm_up_training(trainer)  # while the rollouts generate the first step (counted as waiting)
+            # while the rollouts generate the first step (counted as waiting)
+            trl_seam.warm_up_training(trainer)
             self._warmed_up = True
         try:
             batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step),
@@ -285,7 +294,8 @@ class ActorLoop(TrainerCallback):
             raise
         self._rollout_metrics = batch.metrics(step, self.publisher.step_of)
         self._rollout_metrics["actor/wait_seconds"] = time.perf_counter() - started
-        self._rollout_metrics["actor/bookkeeping_seconds"] = started - entered  # the store's tasks and versions
+        # the store's tasks and versions
+        self._rollout_metrics["actor/bookkeeping_seconds"] = started - entered
         self._batch = batch
         self._loss_began = None
         output = trl_seam.rollout_output(
@@ -298,7 +308,8 @@ class ActorLoop(TrainerCallback):
                 self.hand_texts(output["completion_ids"], texts)
             self._rollout_returned = time.perf_counter()
             return output
-        slices = [sharded.output_slice(output, rank, world) for rank in range(world)]  # TRL gathers the rewards
+        # TRL gathers the rewards
+        slices = [sharded.output_slice(output, rank, world) for rank in range(world)]
         self.ranks.channel.send_each("batch", slices)
         self._rollout_returned = time.perf_counter()
         return slices[0]
@@ -318,7 +329,8 @@ class ActorLoop(TrainerCallback):
         world = self.ranks.world if self.ranks is not None else 1
         if self.ranks is not None:
             self.ranks.channel.send("begin", self.resume_from)
-            replication = sharded.replication(self.trainer.model_wrapped)  # wrapped by now: what DDP was given
+            # wrapped by now: what DDP was given
+            replication = sharded.replication(self.trainer.model_wrapped)
             if replication is not None:
                 self.ctx.log.info("%s", replication)
         if self.resume_from is not None:
@@ -349,7 +361,8 @@ class ActorLoop(TrainerCallback):
         if torch.cuda.is_available():  # queued GPU work of the step is training time
             torch.cuda.synchronize()
         elsewhere = sum(self._rollout_metrics.get(f"actor/{part}_seconds", 0.0) for part in ("wait", "bookkeeping"))
-        # TRL's loss, backward and optimizer step: not the store's work before the wait, which MFU must leave out
+        # TRL's loss, backward and optimizer step: not the store's work before the wait, which MFU must leave
+        # out
         ended = time.perf_counter()
         self._rollout_metrics["actor/train_seconds"] = ended - self._step_started - elsewhere
         if self._rollout_returned is not None and self._loss_began is not None:
@@ -366,8 +379,8 @@ class ActorLoop(TrainerCallback):
         if training.publishes_at(self.spec, step):
             self._publish(step)
             if not (self.ctx.stopping.is_set() or self.checkpointer.due(step, self.spec.algorithm.max_steps)):
-                # The next step's tasks now, not when TRL next asks for rollouts: they are generated while this
-                # step's metrics and completions are written (rollout() finds them queued). Not before a
+                # The next step's tasks now, not when TRL next asks for rollouts: they are generated while
+                # this step's metrics and completions are written (rollout() finds them queued). Not before a
                 # checkpoint: a stop would leave them unused, and a rollout running in this process (the
                 # tests') would swap in its seeded RNG state (fork_rng) while the checkpoint records the RNG.
                 self.feed.enqueue(step, self.version)
@@ -409,7 +422,8 @@ class ActorLoop(TrainerCallback):
                                                   gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
                                                   device=sharded.rank_device(self.ranks.device, 0), cast=dtype)
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
-        self.feed.doorbell.ring(TASKS)  # rollouts waiting for these weights (maxStaleness > 0: their tasks are queued)
+        # rollouts waiting for these weights (maxStaleness > 0: their tasks are queued)
+        self.feed.doorbell.ring(TASKS)
         self.ctx.report(step=step, weight_version=self.version)
 
     def _record_completions(self, step: int) -> None:

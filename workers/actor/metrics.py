@@ -11,7 +11,7 @@ W&B (`spec.logging.wandb.mode`): `auto` = online when WANDB_API_KEY is set, offl
 environment (the tests), = off. wandb is imported only when used; `auto` without the package
 installed is off with a log line, an explicit online/offline without it is a fatal spec error.
 A resumed actor logs into the same W&B run (id from the run's uid) and may log a step again.
-A step's sampled completions (mortal.workers.samples) go the same two ways: to the store, and to
+A step's sampled completions (mortal.workers.actor.samples) go the same two ways: to the store, and to
 W&B as a wandb.Table under COMPLETIONS_KEY, with TRL's columns (step, prompt, completion, each
 reward, advantage, the log_extra columns) plus the sample's position and weight version.
 It must not compute metrics (TRL and the actor do) nor decide when to report.

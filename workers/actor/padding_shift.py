@@ -1,7 +1,7 @@
 """The actor's training attention without a padding mask: each row's leading padding moved to its end.
 
-Called once by mortal.workers.actor on a CUDA actor, after TRL patched the model's forward with its fused LM
-head (trl_seam assumption 6). Why: TRL's batch is the prompts padded on the left next to the completions
+Called once by mortal.workers.actor.loop on a CUDA actor, after TRL patched the model's forward with its fused
+LM head (trl_seam assumption 6). Why: TRL's batch is the prompts padded on the left next to the completions
 padded on the right (trl_seam assumption 10), so every forward of the loss passes a padding mask, and given a
 mask PyTorch's scaled_dot_product_attention cannot use a flash kernel under torch.compile: it takes the
 memory-efficient one, which spent 22.7 ms of a 106 ms compiled training step's GPU time on an H200 at the

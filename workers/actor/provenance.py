@@ -1,8 +1,9 @@
-"""What made a checkpoint or a weight version: the spec generation, the reward code, the dataset, the data position.
+"""What made a checkpoint or a weight version: the spec generation, the reward code, the dataset, the data
+position.
 
 Who calls it: the actor, once at start (`Provenance.of(...)` after it read the dataset), then
 `at(step)` for every checkpoint and weight version it records (stored in the rows' `provenance`
-column and in each checkpoint's mortal.json), and mortal.workers.resume_check, which compares a
+column and in each checkpoint's mortal.json), and mortal.workers.actor.resume_check, which compares a
 checkpoint's record with the actor's own before training on from it.
 Why hashes of code and rows and not names: a reward module edited in place, or a dataset file
 rewritten under the same name, changes what a run trains on while the spec stays the same; only
@@ -90,7 +91,8 @@ def data_position(step: int, prompts_per_step: int, seed: int, rows: int) -> Dat
 
 
 def dataset_fingerprint(dataset_spec: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> DatasetFingerprint:
-    """Fingerprint of `rows` (mortal.workers.data.load_rows' output) read for `dataset_spec` (spec.dataset)."""
+    """Fingerprint of `rows` (mortal.workers.data.load_rows' output) read for `dataset_spec`
+    (spec.dataset)."""
     digest = hashlib.sha256()
     for row in rows:
         digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())

@@ -1,4 +1,5 @@
-"""Verified resume: before the actor trains on from a checkpoint, check that doing so redoes and skips nothing.
+"""Verified resume: before the actor trains on from a checkpoint, check that doing so redoes and skips
+nothing.
 
 Who calls it: the actor, once, when it found a checkpoint to resume from (`verify`); tests call
 `judge` with hand-made facts. A resume that would silently redo or skip work is refused: the actor
@@ -65,7 +66,7 @@ class CheckpointFacts:
         marker = _json(folder / "mortal.json")
         trainer_state = _json(folder / "trainer_state.json")
         scheduler = torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
-        if (folder / DCP_DIR).is_dir():  # a sharded actor's (mortal.workers.sharded)
+        if (folder / DCP_DIR).is_dir():  # a sharded actor's (mortal.workers.actor.sharded)
             counters = _sharded_step_counters(folder / DCP_DIR)
             has_state = bool(counters)
         else:

@@ -1,8 +1,8 @@
 """A step's completions as people read them: the bounded sample the store keeps of each step.
 
 Called by the actor once per optimizer step, after TRL computed the step's advantages, with the
-step's StepBatch (mortal.workers.feed); what it returns goes to the store and to W&B through
-mortal.workers.metrics.MetricsReporter. It keeps the first `limit` completions of the batch, which
+step's StepBatch (mortal.workers.actor.feed); what it returns goes to the store and to W&B through
+mortal.workers.actor.metrics.MetricsReporter. It keeps the first `limit` completions of the batch, which
 is in prompt order with each prompt's generations together, so whole groups are kept and an
 advantage can be read against its group's other completions.
 Pure: no I/O, no TRL; it must not decide how many to keep (spec.logging.completionsPerStep does).

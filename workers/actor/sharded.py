@@ -17,7 +17,7 @@ generation batch and take part in rank 0's collectives when rank 0 says so (`Cha
 If a rank dies, rank 0's watcher calls the actor's `on_lost` (which reports and exits the worker 75, so
 the controller relaunches the whole actor); a rank whose rank 0 is gone exits at once.
 What it must not do: let a rank other than 0 talk to the store; decide when to publish or checkpoint
-(mortal.workers.actor decides, on rank 0, and tells the others).
+(mortal.workers.actor.loop decides, on rank 0, and tells the others).
 """
 
 from __future__ import annotations
@@ -51,17 +51,19 @@ if TYPE_CHECKING:
     from mortal.specs.training import TrainingSpec
 
 log = logging.getLogger("mortal.sharded")
-Follow = Callable[["TrainingRun", "Ranks"], None]  # what ranks 1..N-1 run once they joined (the follower's loop)
+# what ranks 1..N-1 run once they joined (the follower's loop)
+Follow = Callable[["TrainingRun", "Ranks"], None]
 WATCH_SECONDS = 0.2
 # Trainer leaves a model that transformers sharded at load to itself (is_distributed_loading_by_transformers)
-# since 5.19; before, accelerate wraps it in DistributedDataParallel on GPUs, which fails on DTensor parameters
-# ("mixed torch.Tensor and DTensor", docs/fsdp.md's pre-sharded mode). Checked against 5.17/5.18's trainer.py.
+# since 5.19; before, accelerate wraps it in DistributedDataParallel on GPUs, which fails on DTensor
+# parameters ("mixed torch.Tensor and DTensor", docs/fsdp.md's pre-sharded mode). Checked against 5.17/5.18's
+# trainer.py.
 MIN_TRANSFORMERS = "5.19.0"
 
 
 class RankLost(RuntimeError):
     """A rank of the actor ended while the others trained (a collective would wait for it forever): the
-    worker exits with `exit_code` and `report` as its message (mortal.workers.actor)."""
+    worker exits with `exit_code` and `report` as its message (mortal.workers.actor.loop)."""
 
     exit_code = EXIT_RETRYABLE  # the controller relaunches the actor, which resumes
 
@@ -83,7 +85,8 @@ class RankOutOfMemory(RankLost):
 
 
 class ShardedError(RuntimeError):
-    """The ranks disagree about what comes next (a message of the wrong kind): a bug, never retried silently."""
+    """The ranks disagree about what comes next (a message of the wrong kind): a bug, never retried
+    silently."""
 
 
 def unsupported() -> str | None:
@@ -114,7 +117,8 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now, for a rendezvous of processes of this host (the ranks', TRL's in the bench)."""
+    """A TCP port free on loopback now, for a rendezvous of processes of this host (the ranks', TRL's in the
+    bench)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -127,7 +131,8 @@ def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def threads_per_rank(world: int) -> int:
-    """A CPU actor's cores split between its ranks (MORTAL_THREADS is the whole actor's, runtime.cpu_threads)."""
+    """A CPU actor's cores split between its ranks (MORTAL_THREADS is the whole actor's,
+    runtime.cpu_threads)."""
     total = int(os.environ.get("MORTAL_THREADS") or os.cpu_count() or 1)
     return max(1, total // world)
 
@@ -139,7 +144,8 @@ class Ranks:
     rank: int
     world: int
     device: str
-    notes: Path | None = None  # where a rank leaves what ended it (rank_notes): read by rank 0, written by the others
+    # where a rank leaves what ended it (rank_notes): read by rank 0, written by the others
+    notes: Path | None = None
     collective_seconds: float | None = None  # spec.deadlines.collectiveSeconds when set; else torch's default
     channel: Channel = field(init=False)
     _children: Any = None
@@ -189,8 +195,8 @@ class Ranks:
         return None
 
     def ended(self, rank: int, code: int) -> RankLost:
-        """What ended child rank `rank` with exit `code`: its out-of-memory with the figures it left, else a loss
-        that names the rank's error when it left one (a killed rank leaves none)."""
+        """What ended child rank `rank` with exit `code`: its out-of-memory with the figures it left, else a
+        loss that names the rank's error when it left one (a killed rank leaves none)."""
         if self.notes is not None:
             memory, error = rank_note(self.notes, rank), rank_error_note(self.notes, rank)
             if code == EXIT_OUT_OF_MEMORY and memory.exists():
@@ -216,7 +222,8 @@ class Ranks:
 
 
 def rank_notes(run_name: str) -> Path:
-    """The folder where the actor's ranks leave what ended them, for rank 0 to report (a rank has no store)."""
+    """The folder where the actor's ranks leave what ended them, for rank 0 to report (a rank has no
+    store)."""
     from mortal.state import paths
 
     return paths.run_dir(run_name) / "actor" / "ranks"
@@ -255,8 +262,8 @@ class Channel:
     """Rank 0 tells the others what comes next: (kind, payload) messages over a gloo group (CPU objects).
 
     Every message is a scatter, so a rank receives only what is its own: the same payload for every rank
-    (`send`), or one each (`send_each`: a step's batch, of which a rank trains only its slice). Broadcasting the
-    whole batch made every rank unpickle all of it (64 x 256 token ids and log-probabilities a step)."""
+    (`send`), or one each (`send_each`: a step's batch, of which a rank trains only its slice). Broadcasting
+    the whole batch made every rank unpickle all of it (64 x 256 token ids and log-probabilities a step)."""
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
@@ -300,8 +307,8 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # The most bytes of shards one all-gather of `wholes` takes from each rank: a rank holds world x this of
-# gathered weights at a time, far below a second copy of the model, and the collectives are few (Qwen2.5-0.5B's
-# shape in bf16 over 2 ranks takes 7 of them, against 290 one weight at a time).
+# gathered weights at a time, far below a second copy of the model, and the collectives are few
+# (Qwen2.5-0.5B's shape in bf16 over 2 ranks takes 7 of them, against 290 one weight at a time).
 GATHER_BUCKET_BYTES = 64 * 2**20
 
 
@@ -317,13 +324,13 @@ def replicate_arguments(args: Any, config: Any) -> None:
 
 
 def bucket_view_gradients(trainer: Any) -> None:
-    """actor.strategy ddp, before the Trainer wraps its model (at train): each gradient a view into the all-reduce
-    bucket DistributedDataParallel sends (its gradient_as_bucket_view), set on the accelerator's DDP arguments.
-    Why: otherwise DDP copies every gradient into its bucket and the reduced bucket back, two copies a weight a
-    step (the 0.5B shape's replicated step on two H200s, 2026-11-28: 1,474 copy ops; one H100's unreplicated
-    step the day before: 875) on a step bound by the host's launches, and holds the gradients twice. TrainingArguments has no field for it
-    (it passes bucket size, buffer broadcast and static graph only), so the accelerator's handler, which the
-    Trainer built from those, is given it here."""
+    """actor.strategy ddp, before the Trainer wraps its model (at train): each gradient a view into the
+    all-reduce bucket DistributedDataParallel sends (its gradient_as_bucket_view), set on the accelerator's
+    DDP arguments. Why: otherwise DDP copies every gradient into its bucket and the reduced bucket back, two
+    copies a weight a step (the 0.5B shape's replicated step on two H200s, 2026-11-28: 1,474 copy ops; one
+    H100's unreplicated step the day before: 875) on a step bound by the host's launches, and holds the
+    gradients twice. TrainingArguments has no field for it (it passes bucket size, buffer broadcast and static
+    graph only), so the accelerator's handler, which the Trainer built from those, is given it here."""
     from accelerate.utils import DistributedDataParallelKwargs
 
     if trainer.accelerator.ddp_handler is None:
@@ -332,7 +339,8 @@ def bucket_view_gradients(trainer: Any) -> None:
 
 
 def replication(model: torch.nn.Module) -> str | None:
-    """How the Trainer's wrapped model replicates (for the actor's log), None when it is no DistributedDataParallel."""
+    """How the Trainer's wrapped model replicates (for the actor's log), None when it is no
+    DistributedDataParallel."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
     return ("DistributedDataParallel: gradients " + ("as views of" if model.gradient_as_bucket_view else "copied into")
@@ -342,11 +350,11 @@ def replication(model: torch.nn.Module) -> str | None:
 
 
 def publishes_alone(spec: TrainingSpec) -> bool:
-    """Whether rank 0 publishes as an actor of one rank does, the other ranks taking no part: with strategy ddp
-    it holds the whole model, so the ring's fused copy of its own parameters (the dict of them kept between
-    publishes) replaces the gather path's per-tensor copies, the state dict built anew and the other ranks'
-    walk through it (two H200s, 2026-11-28: a ddp publish took 9-17 ms against one GPU's 4-7 ms). FSDP2's
-    shards need every rank's gathers."""
+    """Whether rank 0 publishes as an actor of one rank does, the other ranks taking no part: with strategy
+    ddp it holds the whole model, so the ring's fused copy of its own parameters (the dict of them kept
+    between publishes) replaces the gather path's per-tensor copies, the state dict built anew and the other
+    ranks' walk through it (two H200s, 2026-11-28: a ddp publish took 9-17 ms against one GPU's 4-7 ms).
+    FSDP2's shards need every rank's gathers."""
     return spec.actor.strategy == "ddp"
 
 
@@ -372,7 +380,8 @@ def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
     fewer or none). Consecutive such shards of one dtype are packed, each padded to that chunk, into one
     buffer and all-gathered at once; rank r's rows then sit at r x chunk in the result, so each weight is a
     reshape of its columns of the gathered buffer. Why not FSDP2's own unshard: it gathers in its mixed
-    precision's dtype and only for its forward, and the ring must hold the weights in the dtype rollouts load."""
+    precision's dtype and only for its forward, and the ring must hold the weights in the dtype rollouts
+    load."""
     bucket: list[torch.Tensor] = []
     held = 0  # bytes of a rank's padded shares in the bucket, in the dtype they are gathered in
     for tensor in tensors:
@@ -403,7 +412,8 @@ def _row_sharded(tensor: torch.Tensor) -> bool:
 
 
 def _chunk_numel(tensor: torch.Tensor) -> int:
-    """Elements of one rank's padded share of a row-sharded tensor (from its global shape: alike on every rank)."""
+    """Elements of one rank's padded share of a row-sharded tensor (from its global shape: alike on every
+    rank)."""
     world = tensor.device_mesh.size()
     return -(-tensor.shape[0] // world) * (tensor.numel() // max(tensor.shape[0], 1))
 
@@ -423,14 +433,17 @@ def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Ite
     first = bucket[0]
     world, local = first.device_mesh.size(), first.to_local()
     chunks = [_chunk_numel(t) for t in bucket]
-    packed = torch.empty(sum(chunks), dtype=kept_dtype(first, dtype), device=local.device)  # padding: never read
+    # padding: never read
+    packed = torch.empty(sum(chunks), dtype=kept_dtype(first, dtype), device=local.device)
     offset = 0
     for tensor, chunk in zip(bucket, chunks, strict=True):
         shard = tensor.to_local().reshape(-1)
         packed[offset:offset + shard.numel()].copy_(shard)
         offset += chunk
-    gathered = torch.empty(world * packed.numel(), dtype=packed.dtype, device=packed.device)  # gloo: flat only
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    # gloo: flat only
+    gathered = torch.empty(world * packed.numel(), dtype=packed.dtype, device=packed.device)
+    # renamed in torch 2.13
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(gathered, packed, group=first.device_mesh.get_group())
     gathered = gathered.view(world, packed.numel())
     offset = 0
@@ -553,7 +566,8 @@ def _load_trainer_files(trainer: Any, path: Path) -> None:
     missing = sorted(set(names.values()) - weights.keys())
     if missing:
         raise ShardedError(f"{path}/model.safetensors lacks {len(missing)} of the model's weights, e.g. {missing[:3]}")
-    # not strict: the file holds a tied weight once (the LM head is the embedding), the model's state dict twice
+    # not strict: the file holds a tied weight once (the LM head is the embedding), the model's state dict
+    # twice
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
     ours = [param for group in optimizer.param_groups for param in group["params"]]
@@ -609,7 +623,8 @@ def _exit_with_parent(parent: int) -> None:
 
 def follower_main(index: int, world: int, port: int, run: TrainingRun, device: str, parent: int,
                   follow: Follow) -> None:
-    """Ranks 1..N-1: the trainer rank 0 has, fed and steered by rank 0 (`follow`: mortal.workers.actor.follower's)."""
+    """Ranks 1..N-1: the trainer rank 0 has, fed and steered by rank 0 (`follow`:
+    mortal.workers.actor.follower's)."""
     rank = index + 1
     os.environ.update(rank_environment(rank, world, port))
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -633,13 +648,15 @@ def follower_main(index: int, world: int, port: int, run: TrainingRun, device: s
 
 def exit_code_of(exc: BaseException, notes: Path, rank: int) -> int:
     """A crashed rank's exit code: EXIT_OUT_OF_MEMORY, with torch's figures left in its note for rank 0 (which
-    reports the actor's out-of-memory as the worker's own), or EXIT_RETRYABLE for anything else, with the error
-    left in a note too: rank 0 reports it, so the run's status names the rank's error, not only its exit code
-    (and the controller can tell the same error on every launch from a rank lost at random: CrashLoop)."""
+    reports the actor's out-of-memory as the worker's own), or EXIT_RETRYABLE for anything else, with the
+    error left in a note too: rank 0 reports it, so the run's status names the rank's error, not only its exit
+    code (and the controller can tell the same error on every launch from a rank lost at random:
+    CrashLoop)."""
     notes.mkdir(parents=True, exist_ok=True)
     found = out_of_memory(exc)
     if found is None:
-        rank_error_note(notes, rank).write_text(" ".join(f"{type(exc).__name__}: {exc}".split())[:500])  # one line
+        # one line
+        rank_error_note(notes, rank).write_text(" ".join(f"{type(exc).__name__}: {exc}".split())[:500])
         return EXIT_RETRYABLE
     rank_note(notes, rank).write_text(with_device_state(found).describe())
     return EXIT_OUT_OF_MEMORY

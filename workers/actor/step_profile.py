@@ -1,16 +1,16 @@
 """torch.profiler around chosen optimizer steps of the actor, on each of its ranks: where a training step's
 time goes, asked for from outside the spec because it is a diagnosis, not a setting of the run.
 
-Who uses it: mortal.workers.actor.make_trainer adds `from_environment(...)` to every rank's Trainer callbacks.
-MORTAL_PROFILE_STEPS (in the worker's environment; the local backend passes the controller's on) names the
-optimizer steps, as the store counts them: "4", or "4-5" for a range. For each rank it writes, into the run's
-logs folder (`mortalctl logs` does not read them; they sit beside the workers' logs):
+Who uses it: mortal.workers.actor.training.make_trainer adds `from_environment(...)` to every rank's Trainer
+callbacks. MORTAL_PROFILE_STEPS (in the worker's environment; the local backend passes the controller's on)
+names the optimizer steps, as the store counts them: "4", or "4-5" for a range. For each rank it writes, into
+the run's logs folder (`mortalctl logs` does not read them; they sit beside the workers' logs):
   1. profile-actor-rank{R}-steps{A}-{B}.txt: torch's table of the operators that took the most time of
      their own on the device (on the CPU when there is no GPU), and the same sorted by CPU time, for the
      host overhead (hooks, DTensor dispatch, Python) a GPU timeline alone does not name;
   2. profile-actor-rank{R}-steps{A}-{B}.json.gz: the timeline (chrome://tracing, Perfetto).
 A step here is TRL's, from on_step_begin to on_step_end: rank 0's includes its wait for rollouts
-(mortal.workers.actor), which the table shows as time outside any kernel.
+(mortal.workers.actor.loop), which the table shows as time outside any kernel.
 
 What it must not do: profile a step not asked for (a profiled step runs slower, so a bench must not time it),
 or end a run that trains (a profiler that fails is logged, and the steps go on unprofiled). A malformed

@@ -1,9 +1,9 @@
 """Checkpoints in storage at a URL (spec.checkpoint.uri): upload, completion, download, removal, via fsspec.
 
-Called by mortal.workers.checkpoint (`Checkpointer`, when the spec names a URI) and, to probe the URL
+Called by mortal.workers.actor.checkpoint (`Checkpointer`, when the spec names a URI) and, to probe the URL
 before the first step, by mortal.workers.actor. Layout, next to the local copy under MORTAL_HOME:
 
-    <uri>/<run>/step-<N>/   the checkpoint folder's files, as mortal.workers.checkpoint writes them
+    <uri>/<run>/step-<N>/   the checkpoint folder's files, as mortal.workers.actor.checkpoint writes them
                             mortal.json, uploaded last: the completion marker
 
 Object stores (s3, gs, az) have no atomic rename of a folder, so a checkpoint cannot appear whole there
@@ -30,7 +30,7 @@ from mortal.state.containment import url_inside
 from mortal.workers.atomic import atomic_dir
 
 URI_FIELD = "spec.checkpoint.uri"
-MARKER = "mortal.json"  # mortal.workers.checkpoint.MORTAL_FILE (that module imports this one)
+MARKER = "mortal.json"  # mortal.workers.actor.checkpoint.MORTAL_FILE (that module imports this one)
 
 
 class StorageError(Exception):
@@ -85,7 +85,8 @@ class CheckpointStorage:
 
     def _path(self, url: str) -> str:
         """The filesystem path of one of this run's checkpoint URLs: normalized, strictly below the run's
-        prefix (mortal.state.containment.url_inside: a stored `<prefix>/../other` is refused, not followed)."""
+        prefix (mortal.state.containment.url_inside: a stored `<prefix>/../other` is refused, not
+        followed)."""
         prefix = f"{self.uri}/{self.run}/"
         if not url.startswith(prefix):
             raise StorageError(f"{url!r} is not a checkpoint of run {self.run!r} under {URI_FIELD} {self.uri!r} "

@@ -1,4 +1,5 @@
-"""The GRPOTrainer every rank of the actor builds: TRL's arguments from the spec, the model, mortal's callbacks.
+"""The GRPOTrainer every rank of the actor builds: TRL's arguments from the spec, the model, mortal's
+callbacks.
 
 Who calls it: rank 0's loop (mortal.workers.actor.loop) and ranks 1..N-1 (mortal.workers.actor.follower):
 each builds the same trainer on the same model, so their collectives match.
@@ -74,8 +75,8 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int =
         logging_steps=1,
         # Off, Trainer's check of each step's loss for nan/inf (a host wait on the GPU) is gone, so the host
         # queues the gradient clip and AdamW while the backward still runs: on one H200 the GPU idled about
-        # 5 ms a step there (docs/benchmarks.md). A non-finite loss is then reported as such (workers/metrics.py
-        # leaves it out) instead of being replaced by the previous steps' mean.
+        # 5 ms a step there (docs/benchmarks.md). A non-finite loss is then reported as such
+        # (mortal.workers.actor.metrics leaves it out) instead of being replaced by the previous steps' mean.
         logging_nan_inf_filter=False,
         report_to="none",
         save_strategy="no",
@@ -119,14 +120,16 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load, or with
     actor.strategy ddp loaded whole on the rank's device, which the Trainer (accelerate) wraps in
     DistributedDataParallel as it does for TRL on several GPUs. Its
-    steps are profiled where MORTAL_PROFILE_STEPS asks (mortal.workers.step_profile), into run_dir's logs."""
+    steps are profiled where MORTAL_PROFILE_STEPS asks (mortal.workers.actor.step_profile), into run_dir's
+    logs."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
     device = actor_device(spec)
     tokenizer = models.load_tokenizer(spec.model)
-    fsdp_size = world if spec.actor.strategy == "fsdp" else 1  # ddp: a whole model a rank, wrapped by the Trainer
+    # ddp: a whole model a rank, wrapped by the Trainer
+    fsdp_size = world if spec.actor.strategy == "fsdp" else 1
     model = models.load_model(spec.model, device, for_training=True, fsdp_size=fsdp_size,
                               mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload,
                               reshard_after_forward=spec.actor.reshard_after_forward)

@@ -1,6 +1,6 @@
 """Rewards on the rollout side: load `spec.rewards`, call them TRL-style, check what they return.
 
-Who calls it: mortal.workers.rollout, once per task (one prompt, `numGenerations` completions), so
+Who calls it: mortal.workers.rollout.loop, once per task (one prompt, `numGenerations` completions), so
 scoring scales with rollout replicas. A reward is a TRL reward function referenced by import path
 (`module:attr`), or a `RewardEnvironment` subclass (constructed with the entry's `args`). Each is
 called exactly as TRL's GRPOTrainer calls it: `f(prompts=..., completions=..., completion_ids=...,
@@ -62,7 +62,8 @@ class LoadedReward:
     ref: str  # e.g. "spec.rewards[0].function 'pkg.mod:f'", for messages
     func: Callable[..., Any]
     is_async: bool
-    timeout_seconds: float = DEFAULT_REWARD_TIMEOUT_SECONDS  # rewards[].timeoutSeconds: past it the call is abandoned
+    # rewards[].timeoutSeconds: past it the call is abandoned
+    timeout_seconds: float = DEFAULT_REWARD_TIMEOUT_SECONDS
 
 
 @dataclass
@@ -256,7 +257,8 @@ class RewardSet:
         }
 
     def _call(self, reward: LoadedReward, kwargs: dict[str, Any]) -> Any:
-        """The reward's return value; CallTimedOut past its timeoutSeconds; what it raised, as a fatal error."""
+        """The reward's return value; CallTimedOut past its timeoutSeconds; what it raised, as a fatal
+        error."""
         def invoke() -> Any:
             return asyncio.run(reward.func(**kwargs)) if reward.is_async else reward.func(**kwargs)
 
@@ -299,8 +301,8 @@ class RewardSet:
               step: int = 0, environments: list[Any] | None = None,
               prompts: list[Any] | None = None) -> dict[str, list[float | None]]:
         """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. Tool-calling runs
-        with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts` (each
-        completion's prompt after its environment's reset appended what it returned)."""
+        with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts`
+        (each completion's prompt after its environment's reset appended what it returned)."""
         self.logs = RewardLogs()
         kwargs = self._kwargs(prompt, completions, completion_ids, row, step)
         if environments is not None:

@@ -1,8 +1,8 @@
 """Tools shipped with mortal, for the examples: a calculator for builtin:arith, and an arithmetic environment.
 
-A spec names them like any user tool (`rollout.tools: ["mortal.workers.builtin_tools:calculator"]`,
-`rollout.environment: "mortal.workers.builtin_tools:ArithEnvironment"`); the rollout worker calls them
-(mortal.workers.tools). Their docstrings are their schemas (transformers reads the Args section).
+A spec names them like any user tool (`rollout.tools: ["mortal.workers.rollout.builtin_tools:calculator"]`,
+`rollout.environment: "mortal.workers.rollout.builtin_tools:ArithEnvironment"`); the rollout worker calls them
+(mortal.workers.rollout.tools). Their docstrings are their schemas (transformers reads the Args section).
 They must stay pure: no I/O, and no eval of the model's text (an expression is parsed, never run).
 """
 
@@ -89,8 +89,8 @@ class ArithEnvironment:
 
 
 class CodeAgentEnvironment:
-    """A code agent for builtin:mbpp-mini (TRL's environment_factory shape): its one tool, `run_tests`, runs the
-    model's code against the row's asserts in the reward sandbox (confined: no network, time and memory
+    """A code agent for builtin:mbpp-mini (TRL's environment_factory shape): its one tool, `run_tests`, runs
+    the model's code against the row's asserts in the reward sandbox (confined: no network, time and memory
     limits; mortal.workers.rewards.sandbox) and answers with the failure, so the model can fix it and try
     again; `get_reward` is 1.0 once a run passed every test. Model-written code never runs in the worker."""
 

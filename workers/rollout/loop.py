@@ -7,7 +7,7 @@ Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until c
     2. lease the oldest task these weights may answer (min_weight_version <= loaded version)
     3. encode its prompts (chat template), generate n completions of each in one engine call, each
        prompt with its own seed (the engine batches them; the chunk is fixed by the actor's schedule);
-       with spec.rollout.tools or environment, mortal.workers.multiturn runs TRL's tool loop instead:
+       with spec.rollout.tools or environment, mortal.workers.rollout.multiturn runs TRL's tool loop instead:
        turn after turn, each batched across the task's rollouts, tool results masked out of the loss
     4. score them with every reward (TRL-style, beside generation: scoring scales with replicas)
     5. complete the task with a RolloutAnswer: a RolloutResult per prompt (ids, sampling logprobs,
@@ -17,10 +17,10 @@ It ends when SIGTERM sets ctx.stopping (the controller stops it once the actor i
 down), or by itself when, while idle, it finds the run's newest actor Succeeded at maxSteps: no task
 will come any more, and with the controller gone (killed, never restarted) nothing else would stop it.
 Until the store records a version, the model loaded from spec.model.name serves as version 0
-(the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's lease is renewed while it is
-worked on, so a slow generation is not taken over; a worker that dies loses nothing (its tasks are
-queued again when the controller ends its row, or at the latest when their leases expire, and another
-replica, or its relaunch, answers them with the same seed).
+(the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's
+lease is renewed while it is worked on, so a slow generation is not taken over; a worker that dies loses
+nothing (its tasks are queued again when the controller ends its row, or at the latest when their leases
+expire, and another replica, or its relaunch, answers them with the same seed).
 What it must not do: write anything but its tasks' results and its heartbeat, or swallow a broken
 reward, dataset or model (those are FatalWorkerError: the run fails with the reason).
 """
@@ -90,7 +90,8 @@ class RolloutWorker:
         self.lease_seconds = task_lease_seconds(ctx)
         self.published_version: int | None = None  # None: still the weights of spec.model.name
         self.load_seconds = 0.0  # how long loading the current version took
-        self._missing: tuple[int, int, float] | None = None  # (newest version, failed loads, monotonic time of the next try)
+        # (newest version, failed loads, monotonic time of the next try)
+        self._missing: tuple[int, int, float] | None = None
         self._transports: dict[str, WeightTransport] = {}  # by method: how each version's row says it travels
         # heard from before the first look at the store, so no ring between a look and the wait is missed
         self.doorbell = Doorbell.for_worker(ctx.run_dir, listens_for=TASKS)
@@ -113,7 +114,8 @@ class RolloutWorker:
             with self.ctx.activity(f"weight-load v{latest.version}"):
                 self.engine.load_weights(self._local(transport, latest.path, latest.version), transport)
         except FileNotFoundError as exc:  # pruned by the actor between the read and the load (a newer one
-            tries = 1 if missing is None else missing[1] + 1  # exists), or lost by sync ray's hub (put back soon)
+            # exists), or lost by sync ray's hub (put back soon)
+            tries = 1 if missing is None else missing[1] + 1
             delay = min(MISSING_RETRY_MAX_SECONDS, MISSING_RETRY_SECONDS * 2 ** (tries - 1))
             self._missing = (latest.version, tries, time.monotonic() + delay)
             self.ctx.log.info("weight version %d could not be loaded (%s); reading the store again in %.1f s "
@@ -139,7 +141,8 @@ class RolloutWorker:
     def _local(self, transport: WeightTransport, path: str, version: int) -> str:
         """The folder to load a version from: itself, or (sync ray) this node's copy of what the object store
         holds, fetched first (FileNotFoundError when it is gone); either checked to lie in the run's weights
-        folder (a row pointing elsewhere is never loaded: a Warning event, and the run fails, WeightsRefused)."""
+        folder (a row pointing elsewhere is never loaded: a Warning event, and the run fails,
+        WeightsRefused)."""
         try:
             return str(transport.locate(path, self.ctx.worker.run, self.ctx.run.metadata.uid or ""))
         except PathOutside as exc:
@@ -287,7 +290,8 @@ class RolloutWorker:
             self.doorbell.wait(idle, stopping=self.ctx.stopping)
 
     def training_finished(self) -> bool:
-        """The run's newest actor ended Succeeded at maxSteps (the controller's own test, controller/plan.py)."""
+        """The run's newest actor ended Succeeded at maxSteps (the controller's own test,
+        controller/plan.py)."""
         actors = [w for w in self.ctx.store.list_workers(self.ctx.worker.run) if w.role == "actor"]
         if not actors:
             return False

@@ -1,6 +1,6 @@
 """Multi-turn, tool-calling rollouts: TRL's tool loop (GRPOTrainer, 1.16), run by the rollout worker.
 
-Who calls it: mortal.workers.rollout, once per task, when spec.rollout has tools or an environment
+Who calls it: mortal.workers.rollout.loop, once per task, when spec.rollout has tools or an environment
 (`MultiTurn.rollouts(requests)`); it drives the worker's Engine through the same `generate` call
 single-turn rollouts use (so transformers and vLLM both serve it). The loop, for one task:
 
@@ -151,10 +151,11 @@ class MultiTurn:
         environments = iter(self.toolbox.environments_for([n for n, r in zip(names, requests, strict=True)
                                                            for _ in range(r.num_generations)]))
         groups = [self._start(request, name, [next(environments) for _ in range(request.num_generations)])
-                  for request, name in zip(requests, names, strict=True)]  # steps 1-2: one instance per rollout
+                  # steps 1-2: one instance per rollout
+                  for request, name in zip(requests, names, strict=True)]
         flat = [r for group in groups for r in group]
-        # every turn's history fits in the longest prompt + maxTokens, and every turn's rollouts in the first's
-        # rows: padded to both, all turns share one shape
+        # every turn's history fits in the longest prompt + maxTokens, and every turn's rollouts in the
+        # first's rows: padded to both, all turns share one shape
         params = replace(self.params, min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens,
                          min_rows=len(flat))
         self._first_turn(requests, groups, params)  # step 3
@@ -166,7 +167,8 @@ class MultiTurn:
             active = [i for i, answered in zip(active, outcomes, strict=True) if self._answer_tools(flat[i], answered)]
             if not active:
                 break
-            self._next_turn([flat[i] for i in active], [seeds[i] for i in active], iteration + 1, params)  # step 6
+            # step 6
+            self._next_turn([flat[i] for i in active], [seeds[i] for i in active], iteration + 1, params)
             active = [i for i in active if flat[i].pending]
             iteration += 1
         return groups

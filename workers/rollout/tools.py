@@ -1,7 +1,8 @@
-"""Tools and environments of a tool-calling run (spec.rollout.tools / environment), loaded in the rollout worker.
+"""Tools and environments of a tool-calling run (spec.rollout.tools / environment), loaded in the rollout
+worker.
 
-Who calls it: mortal.workers.rollout builds a `Toolbox` once (`Toolbox.from_spec`, before the model, so a
-wrong reference fails the run in a second); mortal.workers.multiturn asks it for each rollout's tools
+Who calls it: mortal.workers.rollout.loop builds a `Toolbox` once (`Toolbox.from_spec`, before the model, so a
+wrong reference fails the run in a second); mortal.workers.rollout.multiturn asks it for each rollout's tools
 (`tools_for`) and calls them (`call`). TRL's semantics (GRPOTrainer, 1.16):
   1. standalone tools are shared by every rollout; an environment class is built with no arguments,
      once per concurrent rollout, and reused: `reset(**row)` before each generation
@@ -13,10 +14,10 @@ wrong reference fails the run in a second); mortal.workers.multiturn asks it for
      and counts as a failure; the rollout goes on.
 mortal adds a timeout: each call runs on a daemon thread and is abandoned after toolTimeoutSeconds
 (Python cannot stop a thread: a hung tool keeps its thread, never the rollout; mortal.workers.deadline
-dumps the stacks to the log, and relaunches the worker once too many abandoned calls still run). And where TRL calls one
-rollout's tools after another's, mortal calls different rollouts' at once (`call_each`): a code agent's
-sandbox runs overlap instead of queueing. Each rollout's own calls keep their order, and the standalone
-tools, shared by every rollout and maybe not written for threads, still run one call at a time; an
+dumps the stacks to the log, and relaunches the worker once too many abandoned calls still run). And where TRL
+calls one rollout's tools after another's, mortal calls different rollouts' at once (`call_each`): a code
+agent's sandbox runs overlap instead of queueing. Each rollout's own calls keep their order, and the
+standalone tools, shared by every rollout and maybe not written for threads, still run one call at a time; an
 environment's methods run concurrently only on different instances, which share nothing through it.
 What it must not do: run model-written code itself (a tool that executes code must go through the
 reward sandbox), or let a user's broken reference look like a retryable crash (FatalWorkerError).
@@ -86,8 +87,10 @@ class Toolbox:
     _pool: dict[str | None, list[Any]] = field(default_factory=dict)
     _standalone_lock: threading.Lock = field(default_factory=threading.Lock)
     abandoner: Abandoner = field(default_factory=Abandoner)
-    on_timeout: Callable[[str], None] | None = None  # told what timed out (the rollout records a Warning event)
-    _told: dict[str, float] = field(default_factory=dict)  # tool -> when it was last told: one a minute at most
+    # told what timed out (the rollout records a Warning event)
+    on_timeout: Callable[[str], None] | None = None
+    # tool -> when it was last told: one a minute at most
+    _told: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
@@ -132,7 +135,8 @@ class Toolbox:
 
     def environments_for(self, names: list[str | None]) -> list[Any]:
         """One environment instance per rollout (None where the run has none), drawn from the pool, built only
-        when this task needs more concurrent instances of one than exist (TRL's construct once, reset often)."""
+        when this task needs more concurrent instances of one than exist (TRL's construct once, reset
+        often)."""
         if not self.environments:
             return [None] * len(names)
         taken: dict[str | None, int] = {}
@@ -222,7 +226,8 @@ def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], second
 
 
 class EnvironmentReward:
-    """`env: environment` in spec.rewards: each rollout's environment's get_reward(), TRL's environment reward.
+    """`env: environment` in spec.rewards: each rollout's environment's get_reward(), TRL's environment
+    reward.
 
     With `args: {class: 'module:Class'}` only rollouts whose environment is exactly that class are scored
     (None for the others), as TRL adds one such reward per class; without, every environment that has

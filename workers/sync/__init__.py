@@ -1,4 +1,5 @@
-"""Weight sync: how the actor's weight versions reach rollout workers, behind one interface (base.WeightTransport).
+"""Weight sync: how the actor's weight versions reach rollout workers, behind one interface
+(base.WeightTransport).
 
 `transport_for(method)` is the one place a method (spec.sync's, as `spec.sync_method()` resolves auto, or
 the one a version's row records) becomes its transport: volume, ray, ipc or nccl. The actor publishes

@@ -1,20 +1,11 @@
-"""Weight sync `ipc`: a version is a slot of the actor's snapshot ring that rollouts copy from over CUDA IPC.
+"""Weight sync `ipc`: a version is a slot of the actor's snapshot ring that rollouts copy over CUDA IPC.
 
-Called by the actor (`IpcWeightSharer.share`, through WeightPublisher when spec.sync resolves to
-ipc) and by rollout workers (`open_shared`, through weights.load_published, when a version
-directory holds IPC_FILE). The ring (mortal.workers.weight_ring) says why a snapshot, why a ring and
-why a read of it is safe.
+    weights/v<version>-i<incarnation>/ipc.pkl   the slot's layout, and a CUDA IPC handle per flat buffer
 
-    $MORTAL_HOME/runs/<run>/weights/v<version>-i<incarnation>/ipc.pkl   names, shapes, dtypes and offsets, and one
-                                                          CUDA IPC handle per dtype's flat buffer
-
-The directory appears atomically, as with `volume`, so a rollout never reads half a manifest. Only
-processes that see the actor's GPU can open the handles: on the local backend, rollouts colocated
-with the actor, and rollouts on GPUs of their own, which it shows the actor's GPU as well (after
-their own: MORTAL_GPU_PEERS). The manifest names the actor's GPU by UUID; a rollout maps it to its
-own device index and copies GPU to GPU (NVLink or PCIe). A rollout that does not see the actor's
-GPU (the actor was relaunched onto another) exits with ActorGpuNotVisible, and the controller
-relaunches it next to the actor's new GPU.
+Only processes that see the actor's GPU can open the handles: rollouts colocated with the actor, and
+rollouts on GPUs of their own that the local backend shows the actor's GPU too (MORTAL_GPU_PEERS). The
+manifest names that GPU by UUID; a rollout that does not see it (the actor was relaunched onto another)
+exits with ActorGpuNotVisible, and the controller relaunches it next to the actor's new GPU.
 What it must not do: write tensor data to disk, or modify the training model.
 """
 
@@ -69,14 +60,15 @@ class IpcWeightSharer:
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
         self._handles: dict[int, Any] = {}  # data_ptr -> IPC handle, for the ring's current allocation
-        self._handles_for: list[dict[str, torch.Tensor]] | None = None  # that allocation (SnapshotRing.buffers)
+        # that allocation (SnapshotRing.buffers)
+        self._handles_for: list[dict[str, torch.Tensor]] | None = None
 
     def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
               device: torch.device | None = None, cast: torch.dtype | None = None,
               adapters: dict[str, float] | None = None) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically; `gather`,
-        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds LoRA
-        factors, and these are their modules' scales (mortal.workers.weights.lora_adapters)."""
+        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds
+        LoRA factors, and these are their modules' scales (mortal.workers.sync.weights.lora_adapters)."""
         buffers = self._snapshots.write(state, version, gather, device, cast)
         handles = {dtype: self._handle(buffer) for dtype, buffer in buffers.items()}
         device = next(iter(buffers.values())).device.index
@@ -168,7 +160,7 @@ def open_shared(path: str | Path, device: torch.device | None = None) -> dict[st
 def slot_holds(path: str | Path) -> bool:
     """Whether the ring slot of the version at `path` holds that version now; asked after a load's
     copy finished, True means no write of a newer version overlapped it (SnapshotRing.stamps). One
-    8-byte read from the actor's GPU, where the store's ring check (weight_ring.intact) is a query."""
+    8-byte read from the actor's GPU, where the store's ring check (ring.intact) is a query."""
     manifest = _manifest(path)
     index = manifest["version"] % manifest["ring"]
     own = _OWN_RINGS.get(manifest["producer"])

@@ -1,42 +1,17 @@
-"""Weight sync `nccl`: a version is a slot of the actor's snapshot ring that the actor sends to each
-rollout over NCCL when the rollout asks for it.
+"""Weight sync `nccl`: a version is a slot of the actor's snapshot ring, sent to each rollout over NCCL when
+it asks.
 
-Called by the actor (`NcclWeightServer.share`, through WeightPublisher when spec.sync resolves to
-nccl) and by rollout workers (`receive`, through weights.load_published, when a version directory
-holds NCCL_FILE). The ring (mortal.workers.weight_ring) says why a snapshot and why reading a slot is
-safe; this module only moves a slot from the actor's GPU to a rollout's.
+    weights/v<version>-i<incarnation>/nccl.pkl   the slot's layout, and the actor's rendezvous address
 
-    $MORTAL_HOME/runs/<run>/weights/v<version>-i<incarnation>/nccl.pkl   names, shapes, dtypes and offsets, and the
-                                                           address of the actor's rendezvous store
-
-How a version travels:
-1. At its first share the actor opens a rendezvous: a torch.distributed TCPStore on a free port,
-   and a thread that accepts rollouts.
-2. A rollout that meets a version of an actor it has not joined takes the next pair number from that
-   store and builds a two-rank process group with the actor (the actor is rank 0) under the number's
-   prefix; the actor's accept thread starts a sender thread for the pair.
-3. To load version v the rollout writes `ask/<k>` = v. The sender answers `reply/<k>` = "send" and
-   sends the slot's flat buffers (one per dtype, in layout order), or "gone" when the ring no longer
-   holds v (the rollout raises FileNotFoundError, as for a pruned version: a newer one exists).
-4. The rollout receives into flat buffers of its own (allocated once) and copies them into its model.
-   The copy is whole unless the actor wrote the slot again meanwhile (weight_ring.intact), which
-   the rollout checks against the store, as with ipc.
-
-Why one group per rollout rather than one broadcast group of all (as veRL and TRL's vLLM sync do):
-rollouts join and leave on `scale` and on preemption; a group of all must re-form, with every member,
-each time one changes, and one dead member stalls every broadcast. A pair needs nothing of the other
-rollouts: a newcomer joins and asks for the newest version, a rollout that exits says "bye" and its
-sender ends, and one that dies leaves an idle sender thread until the actor exits. On one host the
-actor's links bound a broadcast and N sends alike. Beside ipc, nccl needs no mapping of the actor's
-memory: only its TCP port, and NCCL between the GPUs (NVLink, PCIe, or host memory without peer
-access).
-
-The group is NCCL between CUDA tensors and gloo between CPU tensors: the protocol is the same, so
-the tests exercise it without a GPU. A sender sends on a CUDA stream of its own, so a send does not
-wait for the training queued on the actor's stream.
-What it must not do: block the actor's training (the threads wait on the store with the GIL
-released), send a slot before its snapshot is complete (SnapshotRing.write synchronizes first), or
-write tensor data to disk.
+The actor opens a TCPStore rendezvous at its first share. A rollout joins it once, as a two-rank group
+with the actor (a pair: the actor's sender thread for it), and asks for a version; the sender sends the
+slot's flat buffers, or answers "gone" when the ring no longer holds it (FileNotFoundError, as for a
+pruned version). Why a pair per rollout and not one broadcast group: rollouts come and go (scale,
+preemption), and a group of all must re-form whenever one does, while one dead member stalls it.
+The group is NCCL between CUDA tensors and gloo between CPU ones, so the tests run the same protocol
+without a GPU.
+What it must not do: block the actor's training (its threads wait with the GIL released), send a slot
+before its snapshot is complete, or write tensor data to disk.
 """
 
 from __future__ import annotations
@@ -80,7 +55,8 @@ HOST_ENV = "MORTAL_SYNC_HOST"  # the address rollouts reach the actor's rendezvo
 IDLE_WAIT = timedelta(minutes=10)
 STOP = "stop"  # what `close` writes where the accept thread waits
 REPLY_TIMEOUT = timedelta(seconds=60)  # a sender that has not answered by then is taken for gone
-TRANSFER_TIMEOUT = timedelta(minutes=5)  # unless spec.deadlines.collectiveSeconds: a send or receive that hangs
+# unless spec.deadlines.collectiveSeconds: a send or receive that hangs
+TRANSFER_TIMEOUT = timedelta(minutes=5)
 # this long fails (its peer died); the actor writes its value into each manifest, so the rollout uses the same
 log = logging.getLogger(__name__)
 
@@ -126,7 +102,8 @@ class NcclWeightServer:
     _producer: str = field(default_factory=lambda: uuid.uuid4().hex)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
-    _awaited: dict[str, tuple[str, str]] = field(default_factory=dict)  # thread -> (store prefix, key) it waits for
+    # thread -> (store prefix, key) it waits for
+    _awaited: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
@@ -135,8 +112,8 @@ class NcclWeightServer:
               device: torch.device | None = None, cast: torch.dtype | None = None,
               adapters: dict[str, float] | None = None) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically; `gather`,
-        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds LoRA
-        factors, and these are their modules' scales (mortal.workers.weights.lora_adapters)."""
+        `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds
+        LoRA factors, and these are their modules' scales (mortal.workers.sync.weights.lora_adapters)."""
         buffers = self._snapshots.write(state, version, gather, device, cast)
         if self._store is None:
             self._open(next(iter(buffers.values())).device)
@@ -205,13 +182,16 @@ class NcclWeightServer:
             group.send([buffer], 1, 0).wait()
 
     def close(self) -> None:
-        """Stop accepting and serving (the actor is exiting), waking each thread where it waits; idempotent."""
+        """Stop accepting and serving (the actor is exiting), waking each thread where it waits;
+        idempotent."""
         self._stop.set()
         if self._store is not None:
-            with contextlib.suppress(dist.DistError, RuntimeError):  # a thread busy elsewhere ends at its next look
+            # a thread busy elsewhere ends at its next look
+            with contextlib.suppress(dist.DistError, RuntimeError):
                 waker = dist.TCPStore(self.host, self._store.port, is_master=False, timeout=REPLY_TIMEOUT)
                 for prefix, key in list(self._awaited.values()):
-                    store = dist.PrefixStore(prefix, waker) if prefix else waker  # the key as the waiter's store names it
+                    # the key as the waiter's store names it
+                    store = dist.PrefixStore(prefix, waker) if prefix else waker
                     store.compare_set(key, "", "bye" if prefix else STOP)  # never over a real ask or join
         for thread in self._threads:
             thread.join(timeout=5)

@@ -1,4 +1,5 @@
-"""The actor's side of weight sync: publish a version through the run's transport, record it, keep the newest few.
+"""The actor's side of weight sync: publish a version through the run's transport, record it, keep the
+newest few.
 
 Who calls it: the actor (`WeightPublisher.publish` after optimizer steps, `ensure_held` while it waits for
 rollouts, `prune`). The transport is spec.sync's method (mortal.workers.sync.transport_for); the store's row
@@ -46,7 +47,8 @@ class WeightPublisher:
     method: str = "volume"  # or "ray", "ipc", "nccl" (spec.sync_method())
     steps: dict[int, int] = field(default_factory=dict)  # version -> the step its weights are from
     provenance: Callable[[int], dict[str, Any]] | None = None  # what made a step's weights (actor.provenance)
-    collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS  # spec.deadlines.collectiveSeconds (nccl transfers)
+    # spec.deadlines.collectiveSeconds (nccl transfers)
+    collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS
 
     def __post_init__(self) -> None:
         self.transport = transport_for(self.method)(self.keep, self.collective_seconds)

@@ -1,41 +1,17 @@
-"""Weight versions through Ray's object store (`sync: ray`, what auto picks when spec.ray.sharedFilesystem
-is false): no disk shared between the actor's node and the rollouts'.
+"""Weight sync `ray`: the volume's version folders through Ray's object store, for Ray nodes that share no
+disk.
 
-Called by mortal.workers.weights (`WeightPublisher.publish` with method "ray": `share`) and by the rollout
-worker (`receive`, before the engine loads a version). Both are processes started by a Ray actor of the
-ray backend (controller/backends/ray_worker.py), which hands them the cluster's address and the run's
-namespace (ADDRESS_ENV, NAMESPACE_ENV); each connects to the cluster as a Ray driver once (`connect`).
+    actor:   write the folder as volume does, put its files into the object store and their ref into the
+             run's hub; record "mortal-ray-weights://<namespace>/<hub>/<version folder>"
+    rollout: get the files from the hub and write them whole into its node's
+             weights/received/<run uid>/<version folder>/, then load that folder as volume's
 
-    actor:   write the version folder as `volume` does (model.safetensors or adapter.safetensors, config.json),
-             files = {name: bytes}; ref = ray.put(files); hub.put(name, [ref]); record the row
-             "mortal-ray-weights://<namespace>/<hub>/<version folder>"
-    rollout: hub.get(name) -> [ref]; ray.get(ref) -> files, written into this node's MORTAL_HOME under
-             runs/<run>/weights/received/<run uid>/<version folder>/ (whole or not at all), loaded from
-             there (the uid: a deleted run's versions of the same names may still be on the node)
-
-So a rollout loads the very bytes the volume method writes, through the same loading code
-(mortal.workers.weights.load_published / the vLLM engine's path): only the way the folder reaches its
-node differs.
-
-The hub is a small named Ray actor, `weights-i<actor incarnation>`, in the run's namespace, that keeps
-the ObjectRefs of the newest KEEP versions (it drops older ones as new ones come, and Ray frees an object
-nobody refers to). It is placed on the publishing actor's node (NODE_ENV), so that no other node's loss
-takes it (and with it the run's newest weights) from an actor that lives on; one that dies anyway is made
-again at the next publish. It is created by the publishing actor process, *not* detached: Ray ends it, and the
-objects that process put, when that process (the Ray job it is) ends, however it ends: finished,
-stopped for a suspend or delete, killed, or lost with its node. Nothing of a run outlives its actor in
-the cluster, with no controller involved (a controller may be dead when it happens). What dies with it
-is never needed: a relaunched actor publishes the weights it resumes from, as a version above every
-earlier one, before any rollout task needs them; a rollout that asks a gone hub for a version gets
-FileNotFoundError, as for a version pruned under it on a volume, and reads the store again.
-
-A hub can also be lost while its publisher lives (killed by hand, its worker process OOM-killed, its node
-lost when soft placement put it elsewhere). The rollouts cannot fix that: only the publisher holds the
-versions (it owns their objects and keeps its own refs of the newest KEEP). So the publisher checks its
-hub while it waits for rollouts (`ensure_held`, through WeightPublisher.ensure_held, every
-HUB_CHECK_SECONDS) and, when the hub is gone or no longer holds the newest version, makes it again and
-puts the versions it keeps back into it: the same bytes under the same names, so the rows in the store
-stay right and a waiting rollout's next try loads them.
+Both sides are processes a Ray actor of the ray backend started, with the cluster's address and the run's
+namespace in their environment (ADDRESS_ENV, NAMESPACE_ENV). The hub is a named Ray actor holding the refs
+of the newest KEEP versions, on the publisher's node and not detached: Ray ends it with its publisher,
+so nothing of a run outlives its actor in the cluster (a relaunched actor publishes again before any
+rollout needs a version). A hub lost while its publisher lives is made again by the publisher, which keeps
+its own refs (`ensure_held`): only it can, and a rollout waiting for the newest version depends on it.
 What it must not do: record rows (the publisher does) or know what the files hold.
 """
 
@@ -65,15 +41,19 @@ NODE_ENV = "MORTAL_RAY_NODE_ID"  # the node the worker's Ray actor runs on: the 
 RECEIVED = "received"  # the folder of versions a node received, under the run's weights folder
 KEEP = 3  # versions the hub holds (WeightPublisher.keep rows are recorded; a rollout needs the newest)
 _HUB_OPTIONS = {"num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
-_HUBS: dict[int, Any] = {}  # incarnation -> the hub's handle, held for the process's life (Ray ends an actor no handle refers to)
-_SHARED: dict[int, dict[str, list[Any]]] = {}  # incarnation -> {version folder: [ref]}, the newest KEEP this process put
-HUB_CHECK_SECONDS = 5.0  # how often a publisher waiting for rollouts checks that its hub still holds its versions
+# incarnation -> the hub's handle, held for the process's life (Ray ends an actor no handle refers to)
+_HUBS: dict[int, Any] = {}
+# incarnation -> {version folder: [ref]}, the newest KEEP this process put
+_SHARED: dict[int, dict[str, list[Any]]] = {}
+# how often a publisher waiting for rollouts checks that its hub still holds its versions
+HUB_CHECK_SECONDS = 5.0
 HUB_ANSWER_SECONDS = 30.0  # a hub that does not answer a check in this long is left alone (asked again later)
 log = logging.getLogger("mortal.weights")
 
 
 class RayWeightsError(RuntimeError):
-    """A process that should publish or receive through Ray cannot reach it (not started by the ray backend)."""
+    """A process that should publish or receive through Ray cannot reach it (not started by the ray
+    backend)."""
 
 
 class WeightsHub:
@@ -135,7 +115,8 @@ def share(folder: Path, incarnation: int) -> str:
         del kept[old]
     try:
         ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
-    except ray.exceptions.RayActorError:  # the hub died under a live publisher (killed by hand, say): a new one
+    # the hub died under a live publisher (killed by hand, say): a new one
+    except ray.exceptions.RayActorError:
         _HUBS.pop(incarnation, None)
         ray.get(_hub(ray, incarnation).put.remote(folder.name, ref))
     return f"{SCHEME}{os.environ[NAMESPACE_ENV]}/{hub_name(incarnation)}/{folder.name}"
@@ -177,9 +158,9 @@ def _hub(ray: Any, incarnation: int) -> Any:
     """This publisher's hub (made, on this worker's node, at the first publish)."""
     if incarnation not in _HUBS:
         node = os.environ.get(NODE_ENV)
-        # Hard affinity: the hub lives and dies with the publisher's node (its CPU need is 0, so the node always
-        # takes it). A soft one let Ray place a rebuilt hub on another node, which the test cluster then lost
-        # under the live publisher.
+        # Hard affinity: the hub lives and dies with the publisher's node (its CPU need is 0, so the node
+        # always takes it). A soft one let Ray place a rebuilt hub on another node, which the test cluster
+        # then lost under the live publisher.
         placement = {} if not node else {"scheduling_strategy": ray.util.scheduling_strategies
                                          .NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
         _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
@@ -251,13 +232,14 @@ class RayTransport(VolumeTransport):
                 device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
         super().publish(model, dest, version, step, incarnation, state=state)
         where = share(dest, incarnation)
-        shutil.rmtree(dest, ignore_errors=True)  # the object store holds it now: this node's folder is not read again
+        # the object store holds it now: this node's folder is not read again
+        shutil.rmtree(dest, ignore_errors=True)
         return where
 
     def keep_alive(self, incarnation: int) -> None:
         """If the hub lost the versions this publisher recorded (its Ray actor died while this one lives), put
-        them back (`ensure_held`), at most every HUB_CHECK_SECONDS. Without it a rollout waiting for the newest
-        version would ask for it forever, and the actor would wait forever for that rollout."""
+        them back (`ensure_held`), at most every HUB_CHECK_SECONDS. Without it a rollout waiting for the
+        newest version would ask for it forever, and the actor would wait forever for that rollout."""
         if time.monotonic() - self._hub_checked < HUB_CHECK_SECONDS:
             return
         self._hub_checked = time.monotonic()

@@ -1,18 +1,12 @@
-"""The actor's ring of weight snapshots on its GPU, which the in-memory sync methods serve from.
+"""The actor's ring of weight snapshots on its GPU, which the in-memory transports (ipc, nccl) serve from.
 
-Used by mortal.workers.ipc_weights (rollouts map a slot over CUDA IPC) and mortal.workers.nccl_weights
-(the actor sends a slot over NCCL); rollouts use `views`, `copy_into` and `intact` on what they get.
-
-Why a snapshot and not the training tensors themselves: with maxStaleness > 0 the actor trains while
-rollouts load, so a rollout reading the live parameters could copy half an optimizer step. A
-snapshot is one device-to-device copy per dtype (about 2 ms for 0.8 GB on an H100).
-
-Why a ring of a few snapshots and not one per version: the buffers are allocated once, so a rollout
-maps (ipc) or a peer registers (nccl) them once. Why reading a slot is safe: version v goes into slot
-v % ring, which is next written for v + ring, and that starts only after v + ring - 1 is recorded (one
-actor publishes in order). So a rollout that finished reading v while the newest recorded version
-was below v + ring - 1 read v whole (`intact`); otherwise it loads again.
-What it must not do: modify the training model, or touch the store (callers record versions).
+Why a snapshot and not the training tensors: with maxStaleness > 0 the actor trains while rollouts load,
+so a rollout reading the live parameters could copy half an optimizer step. Why a ring of a few
+snapshots: its buffers are allocated once, so a rollout maps (ipc) or a peer registers (nccl) them once.
+Why reading a slot is safe: version v goes into slot v % ring, next written for v + ring, which starts
+only after v + ring - 1 is recorded; so a read of v that ends while the newest recorded version is below
+v + ring - 1 was whole (`intact`), and otherwise the rollout loads again.
+What it must not do: modify the training model, or touch the store (the publisher records versions).
 """
 
 from __future__ import annotations
@@ -54,7 +48,8 @@ def kept_dtype(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
 
 def layout(state: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> tuple[dict[str, int], list[TensorSlot]]:
     """Where each tensor goes: the element count of each dtype's flat buffer, and every tensor's slot; with
-    `cast`, floating tensors go in that dtype's buffer (a sharded actor publishing float32 masters in bfloat16)."""
+    `cast`, floating tensors go in that dtype's buffer (a sharded actor publishing float32 masters in
+    bfloat16)."""
     sizes: dict[str, int] = {}
     slots = []
     for name, tensor in state.items():
@@ -79,8 +74,7 @@ def empty_buffers(sizes: dict[str, int], device: torch.device | str) -> dict[str
 @torch.no_grad()
 def fill_views(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """destinations[i] <- sources[i] in one fused copy, not waited for: how a ring slot is written,
-    into views of the slot made once (0.9 ms for the 0.8 GB bench model on an H100, with the
-    synchronize; bench/sync_parts.py)."""
+    into views of the slot made once (bench/sync_parts.py times it)."""
     torch._foreach_copy_(destinations, sources)
 
 
@@ -103,7 +97,7 @@ def views(buffers: dict[str, torch.Tensor], slots: list[TensorSlot], device: tor
 
 class ViewCache:
     """Views of flat buffers made once per (buffers, layout) and reused on every later load: making a
-    model's few hundred views is 1-3 ms of Python, longer than the copy itself. Owned by what owns
+    model's few hundred views costs more Python time than the copy itself. Owned by what owns
     the buffers (ipc's mappings of one actor, nccl's pair), so the views never outlive them."""
 
     SIZE = 9  # the largest ring's slots (spec.sync.keepVersions, at most 8) and one more
@@ -114,7 +108,7 @@ class ViewCache:
     def get(self, buffers: dict[str, torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
         key = tuple((dtype, buffer.data_ptr(), buffer.numel(), buffer.device) for dtype, buffer in buffers.items())
         for entry_key, entry_slots, made in self._entries:
-            if entry_key == key and entry_slots == slots:  # list equality: about 0.1 ms, a hash is 1 ms
+            if entry_key == key and entry_slots == slots:  # list equality: cheaper than hashing the slots
                 return made
         made = views(buffers, slots)
         self._entries = [*self._entries[1 - self.SIZE:], (key, slots, made)]
@@ -153,8 +147,10 @@ class SnapshotRing:
     # slot is written. Written in stream order around the slot's copy, so a reader that finds its
     # version here after its own copy finished read a slot no write overlapped (a seqlock).
     stamps: torch.Tensor | None = None
-    _views: list[list[torch.Tensor]] = field(default_factory=list, repr=False)  # each slot's tensors, in slot order
-    _laid_out: tuple[Any, dict[str, int], list[TensorSlot]] = field(default=(None, {}, []), repr=False)  # last layout
+    # each slot's tensors, in slot order
+    _views: list[list[torch.Tensor]] = field(default_factory=list, repr=False)
+    # last layout
+    _laid_out: tuple[Any, dict[str, int], list[TensorSlot]] = field(default=(None, {}, []), repr=False)
 
     def write(self, state: dict[str, torch.Tensor], version: int, gather: Gather | None = None,
               device: torch.device | None = None, cast: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -165,7 +161,7 @@ class SnapshotRing:
         order, a bucket at a time, each copied into the slot as it comes, so the ring's device never holds
         a second whole model beside the slot; `device`: where the ring lives when it is not where
         `state`'s tensors are (shards offloaded to host memory); `cast`: the dtype floating weights are kept
-        in when not theirs (the gather yields them so: mortal.workers.sharded.publish_dtype)."""
+        in when not theirs (the gather yields them so: mortal.workers.actor.sharded.publish_dtype)."""
         if state is not self._laid_out[0]:  # the publisher passes the same dict while the model is the same
             self._laid_out = (state, *layout(state, cast))
         _, sizes, slots = self._laid_out
@@ -243,7 +239,8 @@ class RingTransport(WeightTransport):
 
     @abc.abstractmethod
     def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-        """The rollout's side: the version's tensors on `device`, and its LoRA scales (None: whole weights)."""
+        """The rollout's side: the version's tensors on `device`, and its LoRA scales (None: whole
+        weights)."""
 
     def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
                 state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
@@ -257,7 +254,8 @@ class RingTransport(WeightTransport):
         elif (adapters := lora_adapters(model)) is not None:  # the ring holds the factors alone
             self._server.share(adapters[0], dest, version, step, adapters=adapters[1])
         else:
-            self._server.share(self._plain(model), dest, version, step)  # no config.json: it delays the record
+            # no config.json: it delays the record
+            self._server.share(self._plain(model), dest, version, step)
         return str(dest)
 
     def close(self) -> None:

@@ -36,7 +36,8 @@ ADAPTER_FILE = "adapter.safetensors"
 def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int,
                   state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `dest` (a version directory) atomically; returns it. `state`: the weights, already full
-    tensors (a sharded actor's, gathered by mortal.workers.actor.sharded.full_state_dict), else the model's."""
+    tensors (a sharded actor's, gathered by mortal.workers.actor.sharded.full_state_dict), else the
+    model's."""
     state = plain_state_dict(model) if state is None else drop_tied(model, state)
     state = {name: tensor.to("cpu").contiguous() for name, tensor in state.items()}
     config = model_config(model)
@@ -84,7 +85,8 @@ def read_published(path: str | Path, device: str = "cpu") -> dict[str, torch.Ten
 
 
 def load_published(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy the version in folder `path` into `model` in place; WeightsError unless every weight is covered."""
+    """Copy the version in folder `path` into `model` in place; WeightsError unless every weight is
+    covered."""
     device = next(model.parameters()).device
     if is_adapter_version(path):
         apply_adapters(model, path, *read_adapters(path, device=str(device)))

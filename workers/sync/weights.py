@@ -203,4 +203,5 @@ def copy_pairs(destinations: list[torch.Tensor], sources: list[torch.Tensor]) ->
     """destinations[i] <- sources[i], in one fused copy, finished before it returns."""
     torch._foreach_copy_(destinations, sources)
     if destinations and destinations[0].is_cuda:
-        torch.cuda.synchronize()  # done before the source is let go or reused, and before the next task reads them
+        # done before the source is let go or reused, and before the next task reads them
+        torch.cuda.synchronize()

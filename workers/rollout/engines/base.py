@@ -1,9 +1,9 @@
 """The one interface every generation engine implements, and what it returns.
 
-Who calls it: mortal.workers.rollout (one `generate` per task: the task's prompts, `n` completions
+Who calls it: mortal.workers.rollout.loop (one `generate` per task: the task's prompts, `n` completions
 each, with one seed per prompt; one `load_weights` per new weight version, between tasks only).
 Engines: transformers_engine (every machine) and vllm_engine (where vLLM is installed);
-`mortal.workers.engines.select_engine` picks.
+`mortal.workers.rollout.engines.select_engine` picks.
 Contract: `generate` is deterministic per (weights, prompts, n, seeds, params) on one kind of
 machine, returns each completion cut after its first end-of-sequence token (included, as TRL
 expects) and, per token, the log-probability of the sampled token under the distribution it was

@@ -1,6 +1,6 @@
 """Attention for one query token per row that reads each key/value head once, for grouped-query models.
 
-Who uses it: StaticDecoder (mortal.workers.engines.static_decode) calls `install(model)` on the
+Who uses it: StaticDecoder (mortal.workers.rollout.engines.static_decode) calls `install(model)` on the
 rollout's model. Every forward with more than one query token (the decoder's prefills, a per-prompt
 `generate`) goes to transformers' own "sdpa" function unchanged; only decode steps take the packed
 path below.

@@ -1,6 +1,6 @@
 """Projections that read the same input, run as one matmul: a layer's q, k and v, its MLP's gate and up.
 
-Who uses it: StaticDecoder (mortal.workers.engines.static_decode) calls `fuse(model)` on the rollout's
+Who uses it: StaticDecoder (mortal.workers.rollout.engines.static_decode) calls `fuse(model)` on the rollout's
 model, as it installs the packed decode attention. Nothing else does: the actor trains the model as
 transformers wrote it.
 

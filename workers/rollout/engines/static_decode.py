@@ -1,7 +1,7 @@
 """A decode loop over a static KV cache of fixed rows, refilled as sequences end; every decode step
 is one compiled CUDA graph, sampling included.
 
-Who calls it: mortal.workers.engines.transformers_engine on CUDA, one `StaticDecoder.generate` per
+Who calls it: mortal.workers.rollout.engines.transformers_engine on CUDA, one `StaticDecoder.generate` per
 rollout task: all completions of all its prompts (each prompt repeated n times, left-padded to one
 width P) are the task's SEQUENCES, decoded in a fixed order.
 
@@ -80,24 +80,27 @@ SYNC_EVERY = 8
 # buffers): a 15% share of a small budget does not hold them, and the first step ran out of memory.
 WORKSPACE_SHARE = 0.15
 WORKSPACE_FLOOR = 512 * 2**20
-SAMPLING_COPIES = 4  # float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
+# float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
+SAMPLING_COPIES = 4
 DEFAULT_MAX_ROWS = 256  # rows of the cache: a task with more sequences refills rows as they end
 DEFAULT_KEPT_SHAPES = 2  # captured shapes kept, each with its KV cache
 COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says why)
 # What torch.compile covers of a decode step's forward: the whole model ("model"), or each decoder layer
 # with one graph for all (layer_compiled_model); "auto", the default, is "layer" for a model with a list of
 # decoder layers and "model" for one without (resolve_compile_scope). A user picks it
-# (spec.generation.compileScope, the same names). Why "layer" by default: on an H100 (bench/regional_compile.py,
-# 0.5B shape, 64 rows; docs/benchmarks.md) it prepares a shape in 14-17 s against 36-41 s (a new prompt width:
-# 4.5-7 s against 27-38 s) and decodes a step in 1.47-1.67 ms against 1.42-1.53 (GPU kernels 1.30 against
-# 1.27 ms): the whole model pays off only after some 100,000 decode steps at few prompt widths.
+# (spec.generation.compileScope, the same names). Why "layer" by default: on an H100
+# (bench/regional_compile.py, 0.5B shape, 64 rows; docs/benchmarks.md) it prepares a shape in 14-17 s against
+# 36-41 s (a new prompt width: 4.5-7 s against 27-38 s) and decodes a step in 1.47-1.67 ms against 1.42-1.53
+# (GPU kernels 1.30 against 1.27 ms): the whole model pays off only after some 100,000 decode steps at few
+# prompt widths.
 COMPILE_SCOPES = ("auto", "model", "layer")
 
 
 def compiled_model(model: Any, backend: Any = "inductor", dynamic: bool | None = False) -> Callable[..., Any]:
-    """`model` compiled for decode steps of fixed shapes, up to COMPILED_SHAPES of them. `dynamic`: torch.compile's;
-    None (automatic dynamic) compiles a second shape with symbolic sizes that serves every later one (on
-    the CPU, 2 graphs for 4 prompt widths against 4), untried on a GPU: StaticDecoder keeps False.
+    """`model` compiled for decode steps of fixed shapes, up to COMPILED_SHAPES of them. `dynamic`:
+    torch.compile's; None (automatic dynamic) compiles a second shape with symbolic sizes that serves every
+    later one (on the CPU, 2 graphs for 4 prompt widths against 4), untried on a GPU: StaticDecoder keeps
+    False.
 
     Why the limit is raised: compiled with dynamic=False, every shape (rows, P + T) is a compilation of its
     own, and past dynamo's recompile_limit (8 per code object by default) a new shape is not compiled at
@@ -185,7 +188,7 @@ def graph_rows(sequences: int, max_rows: int) -> int:
 
 class MemoryBudgetTooSmall(torch.OutOfMemoryError, BudgetRefusal):
     """Not even one row's KV cache fits in the rollout's memory budget beside the weights. A torch
-    out-of-memory and a BudgetRefusal, so that the worker reports it as one (workers/oom.py: exit 4,
+    out-of-memory and a BudgetRefusal, so that the worker reports it as one (mortal.workers.oom: exit 4,
     MemoryFits) in its own words, which name the spec field to change."""
 
 
@@ -202,9 +205,9 @@ def rows_within_budget(budget: int, weights: int, row_bytes: int, kept_shapes: i
                        workspace_floor: int = WORKSPACE_FLOOR) -> int:
     """The most rows (at most `wanted`) whose caches fit in `budget` bytes beside `weights`, with
     WORKSPACE_SHARE of the budget (at least `workspace_floor` bytes) kept aside and room for `kept_shapes`
-    such caches at once (a worker keeps that many shapes). Counted from the spec's and the model's sizes only, never from the memory
-    in use at the time: the rows are part of what the sampled tokens depend on (module docstring), so
-    they must come out the same in a relaunched worker."""
+    such caches at once (a worker keeps that many shapes). Counted from the spec's and the model's sizes only,
+    never from the memory in use at the time: the rows are part of what the sampled tokens depend on (module
+    docstring), so they must come out the same in a relaunched worker."""
     free = budget - max(int(budget * WORKSPACE_SHARE), workspace_floor) - weights
     return max(0, min(wanted, free // (kept_shapes * row_bytes)))
 
@@ -367,8 +370,9 @@ class StackedRowCache(RowCache):
         if self.writes.prefill_rows is not None:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # The layer is an index of the write, not a view written into: inductor keeps an index_put_ on the
-        # stacked tensor (a graph input) in place, but writing into a view of it (all_keys[layer_idx]) compiles
-        # to a copy of the layer's whole K/V and a copy back, each step (seen in the post-grad graph).
+        # stacked tensor (a graph input) in place, but writing into a view of it (all_keys[layer_idx])
+        # compiles to a copy of the layer's whole K/V and a copy back, each step (seen in the post-grad
+        # graph).
         layer = torch.full_like(self.writes.every_row, layer_idx)
         self.all_keys[layer, self.writes.every_row, :, self.writes.columns] = key_states[:, :, 0]
         self.all_values[layer, self.writes.every_row, :, self.writes.columns] = value_states[:, :, 0]
@@ -385,7 +389,8 @@ class DecodeState:
         self.rows, self.prompt_len, self.max_tokens = rows, prompt_len, max_tokens
         self.last_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.t = torch.zeros(rows, dtype=torch.long, device=device)  # index of the token each row samples next
+        # index of the token each row samples next
+        self.t = torch.zeros(rows, dtype=torch.long, device=device)
         self.columns = torch.zeros(rows, dtype=torch.long, device=device)  # the cache column each row writes
         self.mask = torch.zeros(rows, 1, 1, length, dtype=dtype, device=device)  # additive
         self.ended = torch.zeros(rows, dtype=torch.bool, device=device)  # sampled a stop id
@@ -465,10 +470,10 @@ class StaticDecoder:
     `sync_every`: decode steps between read-backs that look for ended rows.
     `memory_budget`: bytes this decoder's model and kept caches must fit in (the rollout's share of its GPU);
     a shape then gets no more rows than rows_within_budget allows, and MemoryBudgetTooSmall when not one fits.
-    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on (the attribute holds
-    what "auto" resolved to); `dynamic` applies to
-    the "model" scope (the "layer" scope compiles with automatic dynamic shapes, layer_compiled_model says why).
-    After each generate, `last_stats` says how much of the sampling was useful; `preparations`
+    `compile_scope`: one of COMPILE_SCOPES, what torch.compile covers when `compile` is on (the attribute
+    holds what "auto" resolved to); `dynamic` applies to
+    the "model" scope (the "layer" scope compiles with automatic dynamic shapes, layer_compiled_model says
+    why). After each generate, `last_stats` says how much of the sampling was useful; `preparations`
     counts the shapes prepared (captured, on CUDA) since construction."""
 
     def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
@@ -478,7 +483,8 @@ class StaticDecoder:
         if min(max_rows, kept_shapes, sync_every) < 1:
             raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
                              f"must be at least 1")
-        compile_scope = resolve_compile_scope(model, compile_scope)  # refused here, before anything is installed
+        # refused here, before anything is installed
+        compile_scope = resolve_compile_scope(model, compile_scope)
         decode_attention.install(model)  # one query token per row reads each key/value head once
         fused_projections.fuse(model)  # q/k/v and gate/up as one matmul each (before any weight load)
         self.model = model
@@ -490,7 +496,8 @@ class StaticDecoder:
         self.dtype = next(model.parameters()).dtype
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.memory_budget = memory_budget
-        self.dynamic = dynamic  # torch.compile's, for the decode step (compiled_model); bench/decode_shapes.py compares
+        # torch.compile's, for the decode step (compiled_model); bench/decode_shapes.py compares
+        self.dynamic = dynamic
         self.compile_scope = compile_scope
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self._shapes: OrderedDict[tuple[int, int, int, Sampling], PreparedShape] = OrderedDict()

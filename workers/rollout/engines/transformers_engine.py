@@ -1,6 +1,6 @@
 """The `transformers` engine: a transformers causal LM on every machine, batched on CUDA.
 
-Who calls it: mortal.workers.rollout through the Engine interface (base.py says the contract).
+Who calls it: mortal.workers.rollout.loop through the Engine interface (base.py says the contract).
 - CPU (and `compiled=False`): `model.generate` on one prompt at a time, `num_return_sequences=n`,
   no padding, seeded inside a forked RNG so the worker's global RNG is untouched: a prompt's tokens
   are bit-for-bit reproducible whichever worker runs it, which exact resume relies on.
@@ -57,7 +57,8 @@ _GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mortal-bat
 def cap_memory(device: str, share: float | None) -> int | None:
     """On a CUDA device, cap this process's caching allocator at `share` of the GPU (an allocation past it
     raises torch's out-of-memory here, naming this worker, instead of starving the colocated actor) and
-    return the cap in bytes for the decoder to plan its rows in; None (no cap) elsewhere or without a share."""
+    return the cap in bytes for the decoder to plan its rows in; None (no cap) elsewhere or without a
+    share."""
     if share is None or not str(device).startswith("cuda"):
         return None
     index = torch.device(device).index
@@ -99,7 +100,8 @@ class TransformersEngine(Engine):
                max_num_seqs: int | None = None, memory_share: float | None = None,
                compile_scope: str = "auto") -> TransformersEngine:
         where = device or default_device()
-        if torch.device(where).type == "cuda":  # the decoder will compile: its workers start while the model loads
+        # the decoder will compile: its workers start while the model loads
+        if torch.device(where).type == "cuda":
             start_compile_workers()
         budget = cap_memory(where, memory_share)
         return cls(load_model(model_spec, where, for_training=False), tokenizer,
@@ -156,7 +158,8 @@ class TransformersEngine(Engine):
                         params: GenerationParams) -> list[list[Completion]]:
         input_ids, attention_mask = self._left_padded(prompts, n, params.min_prompt_width)
         sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
-        devices = [self._cuda_index()] if self.device.type == "cuda" else []  # CPU: the eager decoder, no CUDA
+        # CPU: the eager decoder, no CUDA
+        devices = [self._cuda_index()] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             # where the decoder's generate() would prepare: the RNG sees the same calls in the same order
@@ -186,7 +189,8 @@ class TransformersEngine(Engine):
 
     @torch.no_grad()
     def _generate_one(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
-        """`n` completions of one unpadded prompt through `model.generate` (bit-for-bit reproducible on CPU)."""
+        """`n` completions of one unpadded prompt through `model.generate` (bit-for-bit reproducible on
+        CPU)."""
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         attention_mask = torch.ones_like(input_ids)
         devices = [self._cuda_index()] if self.device.type == "cuda" else []

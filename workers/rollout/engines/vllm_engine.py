@@ -1,6 +1,6 @@
 """The `vllm` engine: vLLM's offline `LLM` on this worker's GPU, through vLLM's public API only.
 
-Who calls it: mortal.workers.rollout through the Engine interface (base.py says the contract),
+Who calls it: mortal.workers.rollout.loop through the Engine interface (base.py says the contract),
 when `spec.generation.engine` is vllm (or auto, with vLLM installed and a GPU). vLLM is imported
 lazily, so this module imports everywhere; tests skip cleanly where vLLM is absent.
 - generate: one `LLM.generate` over all the task's prompts (token ids), each with its own
@@ -12,7 +12,7 @@ lazily, so this module imports everywhere; tests skip cleanly where vLLM is abse
   with `LLM.collective_rpc` (the model's own `load_weights`, HF tensor names), then the prefix
   cache is reset so no KV of the old weights is reused. A LoRA run's version holds only adapters:
   each worker reads the adapted modules' base weights from the model's own files once, and loads
-  base + B @ A * scale for those modules (mortal.workers.weights.merged_weight).
+  base + B @ A * scale for those modules (mortal.workers.sync.weights.merged_weight).
 What it must not do: read the model's generation_config defaults (`generation_config="vllm"`):
 the spec alone decides how tokens are sampled.
 """
