@@ -169,7 +169,7 @@ def trl_generate(model, ids, mask, eos_ids: list[int], pad: int, bos: int | None
 
 
 def mortal_generate(decoder, ids, mask, eos_ids: list[int], tokens: int) -> dict:
-    from mortal.workers.engines.static_decode import Sampling
+    from mortal.workers.rollout.engines.static_decode import Sampling
 
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
     sync()
@@ -207,7 +207,7 @@ def bench_source(
     `expected`: each sequence's length where it is known up front (the drawn source), checked per row."""
     import torch
 
-    from mortal.workers.engines.static_decode import StaticDecoder
+    from mortal.workers.rollout.engines.static_decode import StaticDecoder
 
     sequences = ids.shape[0]
     ways = {"trl": lambda: trl_generate(model, ids, mask, eos_ids, pad, bos, args.tokens)}
@@ -257,8 +257,8 @@ def real_source(args: argparse.Namespace, device: str, dtype) -> dict:
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows, normalize_prompt
-    from mortal.workers.engines.base import eos_token_ids
     from mortal.workers.models import encode_prompt
+    from mortal.workers.rollout.engines.base import eos_token_ids
 
     folder = local_model(args.model) if args.model.suffix == ".gguf" else args.model
     tokenizer = AutoTokenizer.from_pretrained(folder)

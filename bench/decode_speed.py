@@ -140,7 +140,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+    from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder
 
     out: dict = {
         "device": torch.cuda.get_device_name(0),

@@ -51,7 +51,7 @@ def fixed_rollout(step: int, prompts: list, trainer) -> dict:
 
     TRL (accelerate's sampler) gives each process len(prompts) = batch / world of the step's
     generation batch, in rank order; this returns the same rank-ordered slice of one fixed batch."""
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     g = torch.Generator().manual_seed(1000 + step)
     ids = [[int(t) for t in torch.randint(5, 400, (6,), generator=g)] for _ in range(BATCH // GENERATIONS)]
@@ -73,7 +73,7 @@ def build(model_dir: Path, out: Path, world: int, mode: str, steps: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     if mode == "hf-distributed" and world > 1:
         from transformers.distributed import DistributedConfig

@@ -318,7 +318,7 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     import torch
     import torch.multiprocessing as mp
 
-    from mortal.workers.sharded import free_port
+    from mortal.workers.actor.sharded import free_port
 
     with GpuBusy(enabled=not args.cpu) as busy:
         try:
@@ -878,7 +878,7 @@ def main() -> None:
         "--no-padding-shift",
         action="store_true",
         help="mortal's actor passes TRL's padding mask to the loss's attention (MORTAL_PADDING_SHIFT=0, "
-        "mortal.workers.padding_shift), to measure the shift against it",
+        "mortal.workers.actor.padding_shift), to measure the shift against it",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
@@ -886,7 +886,7 @@ def main() -> None:
         "--profile-steps",
         metavar="A[-B]",
         help="profile mortal's actor over these optimizer steps, every rank (MORTAL_PROFILE_STEPS, "
-        "mortal.workers.step_profile); the tables come with --logs. A profiled step is slower: "
+        "mortal.workers.actor.step_profile); the tables come with --logs. A profiled step is slower: "
         "the throughput of such a run is not a figure to report",
     )
     parser.add_argument(
@@ -904,7 +904,7 @@ def main() -> None:
     if args.profile_steps:
         os.environ["MORTAL_PROFILE_STEPS"] = args.profile_steps  # the controller's workers inherit it
     if args.no_padding_shift:
-        from mortal.workers.padding_shift import ENV
+        from mortal.workers.actor.padding_shift import ENV
 
         os.environ[ENV] = "0"  # as MORTAL_PROFILE_STEPS: the workers inherit it
     if args.gpus < args.actor_gpus:

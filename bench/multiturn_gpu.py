@@ -17,7 +17,7 @@ batch, the same seed on both sides.
   generates with transformers' `generate` and runs its own tool loop (`_tool_call_loop`) between turns.
 - mortal: through a real controller, one actor and one rollout colocated on the GPU (transformers engine,
   CUDA-graph decoding, CUDA IPC weights; on --cpu two CPU processes), the rollout running mortal's tool
-  loop (mortal.workers.multiturn): each turn batched across the task's rollouts.
+  loop (mortal.workers.rollout.multiturn): each turn batched across the task's rollouts.
 
 A warm start (--warm-start N, on by default): SmolLM2-135M never calls a tool at first (0 calls in 20
 steps of 64 completions on both sides, bench/results/multiturn_gpu_h100_run1_no_tool_calls.json), so the
@@ -127,9 +127,9 @@ def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows
-    from mortal.workers.multiturn import resolve_chat_template
     from mortal.workers.references import resolve
-    from mortal.workers.tools import environment_methods
+    from mortal.workers.rollout.multiturn import resolve_chat_template
+    from mortal.workers.rollout.tools import environment_methods
 
     rollout = spec["rollout"]
     environment = resolve(rollout["environment"])()
@@ -187,8 +187,8 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows
-    from mortal.workers.multiturn import resolve_chat_template
     from mortal.workers.references import resolve
+    from mortal.workers.rollout.multiturn import resolve_chat_template
 
     rollout, generation = spec["rollout"], spec.get("generation", {})
     tools = [resolve(ref) for ref in rollout.get("tools", [])]

@@ -3,7 +3,7 @@
     python bench/nccl_send.py nccl   # 0.8 GB, GPU 0 -> GPU 1
     python bench/nccl_send.py gloo   # 1,000 elements on the CPU: checks the wiring only
 
-The group is built as mortal.workers.nccl_weights builds a pair (a TCPStore, a prefix, the backend's
+The group is built as mortal.workers.sync.nccl builds a pair (a TCPStore, a prefix, the backend's
 ProcessGroup made directly); the first send includes NCCL's set-up.
 """
 

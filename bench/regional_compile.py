@@ -6,7 +6,7 @@
 Why: a rollout's first decode shape pays torch.compile of the whole model's decode step (34 s for
 SmolLM2-135M on an H100, 11 s from a warm cache; docs/benchmarks.md, "Learning on a GPU beside TRL"),
 and a relaunched worker pays it again. StaticDecoder's compile_scope "layer" compiles the repeated decoder
-layer once for all of them (workers/engines/static_decode.py, layer_compiled_model and StackedRowCache say
+layer once for all of them (workers/rollout/engines/static_decode.py, layer_compiled_model and StackedRowCache say
 how). Whether it should be the default is a trade: seconds of compilation saved at the start against any
 milliseconds lost per decode step (the embedding, norm and head run unfused; a second shape compiles the
 layer with symbolic sizes).
@@ -55,7 +55,7 @@ def child(args: argparse.Namespace) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from mortal.workers.engines.static_decode import Sampling, StaticDecoder
+    from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder
 
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16

@@ -100,8 +100,11 @@ def rollout_side(home: str, device: str, model_dir: str, asks: Any, answers: Any
     """The child: a rollout worker's weight loading, timed (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers import ipc_weights, nccl_weights, weight_ring, weights
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
+    from mortal.workers.sync import ipc as ipc_weights
+    from mortal.workers.sync import nccl as nccl_weights
+    from mortal.workers.sync import ring as weight_ring
+    from mortal.workers.sync import weights
 
     class ModelOnly:
         """The part of the transformers engine a load goes through."""
@@ -140,7 +143,9 @@ def actor_side(
     """This process: publish `versions` versions, each after the rollout loaded the one before."""
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers import ipc_weights, weight_ring, weights
+    from mortal.workers.sync import ipc as ipc_weights
+    from mortal.workers.sync import ring as weight_ring
+    from mortal.workers.sync import weights
 
     asks, answers = child
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(actor_device())

@@ -183,7 +183,7 @@ def stop_workers(store: Any, name: str, seconds: float = 60.0) -> None:
 def copy_logs(work: Path, dest: Path) -> None:
     """The controller's log and every worker's (work/controller.log, work/mortal-home/runs/*/logs/) into
     `dest`: start-up and compile lines, and why a run cut short had not finished, outlive `work`; with them
-    the actor's step profiles (mortal.workers.step_profile), where a run made them."""
+    the actor's step profiles (mortal.workers.actor.step_profile), where a run made them."""
     dest.mkdir(parents=True, exist_ok=True)
     for log in [
         work / "controller.log",

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from mortal.specs.training import DatasetSpec
-from mortal.workers import tools
-from mortal.workers.builtin_tools import CodeAgentEnvironment
 from mortal.workers.data import read_raw_rows
-from mortal.workers.tools import Toolbox
+from mortal.workers.rollout import tools
+from mortal.workers.rollout.builtin_tools import CodeAgentEnvironment
+from mortal.workers.rollout.tools import Toolbox
 
 
 def _calls(rows: list[dict[str, Any]], box: Toolbox) -> list[tuple[list[Any], list[dict[str, Any]]]]:

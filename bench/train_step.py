@@ -34,7 +34,7 @@ take with a kernel library or a compiler, before the actor is given either.
 Losses (--loss, each precision with each):
 - fused: TRL 1.16's own, what the actor runs: the completion tokens' logprobs and entropies from the
   final hidden states through lm_head in tiles (4,096 tokens x 32,768 vocabulary columns), recomputed
-  in backward, never the [tokens x vocab] logits (mortal.workers.trl_seam, assumption 6);
+  in backward, never the [tokens x vocab] logits (mortal.workers.actor.trl_seam, assumption 6);
 - full: the plain path it replaced, for comparison only: the model's logits over the whole vocabulary
   for every completion token, divided by the temperature, log-softmax, gather and entropy (what TRL
   before the fused head did, and what the figures of a memory-lean step are measured against).
@@ -199,7 +199,7 @@ def train_variant(
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers.actor import checkpointing_arg
+    from mortal.workers.actor.training import checkpointing_arg
 
     dtype_name = "bfloat16" if precision == "bf16" else "float32"
     if args.shape:

@@ -43,7 +43,7 @@ def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work:
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(

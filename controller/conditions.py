@@ -93,8 +93,8 @@ RUN_FAILURE_REASONS = ("ResumeRefused", "CheckpointStorageUnavailable")
 
 def run_failure_reason(worker_message: str | None) -> str:
     """The Failed condition's reason for a worker's fatal exit: its own reason where it says why the run
-    cannot go on (a refused resume: mortal.workers.resume_check; checkpoint storage it cannot use:
-    mortal.workers.storage), else WorkerFailed."""
+    cannot go on (a refused resume: mortal.workers.actor.resume_check; checkpoint storage it cannot use:
+    mortal.workers.actor.storage), else WorkerFailed."""
     reason = (worker_message or "").split(":", 1)[0]
     return reason if reason in RUN_FAILURE_REASONS else "WorkerFailed"
 

@@ -2,7 +2,7 @@
 
 Used by `mortal.specs.training.RolloutSpec` (the fields live there, flat, as TRL's arguments are flat);
 this module holds their checks. It never imports user code: a reference is only checked to be
-well formed ('module:attr'); the rollout worker imports it (mortal.workers.tools) and fails the run
+well formed ('module:attr'); the rollout worker imports it (mortal.workers.rollout.tools) and fails the run
 with the reference's name when it cannot.
 """
 

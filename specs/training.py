@@ -652,7 +652,7 @@ class TrainingSpec(SpecModel):
         """The model as rollouts load it: spec.model, except under actor.mixedPrecision, where the actor keeps
         float32 master weights but computes in bfloat16 and the rollouts generate in bfloat16 too (as vLLM
         does beside TRL's FSDP actor in bf16): half the memory and the decode time of float32. The actor then
-        publishes its weights cast to bfloat16 (mortal.workers.sharded.publish_dtype)."""
+        publishes its weights cast to bfloat16 (mortal.workers.actor.sharded.publish_dtype)."""
         if self.actor.mixed_precision:
             return self.model.model_copy(update={"dtype": "bfloat16"})
         return self.model
@@ -660,7 +660,7 @@ class TrainingSpec(SpecModel):
     def sync_method(self) -> str:
         """The weight-sync method this run uses (`auto` resolved): `ipc` where it is possible, a LoRA run
         included (its ring holds the adapters' factors alone, which rollouts merge into their base weights:
-        mortal.workers.weights), else `ray` for Ray nodes that share no disk, else `volume`."""
+        mortal.workers.sync.weights), else `ray` for Ray nodes that share no disk, else `volume`."""
         if self.sync.method == "auto":
             if self.ipc_possible():
                 return "ipc"
@@ -780,7 +780,7 @@ class TrainingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sharding_is_possible(self) -> TrainingSpec:
-        """actor.count > 1 (mortal.workers.sharded): what a sharded actor cannot do, how it splits a batch."""
+        """actor.count > 1 (mortal.workers.actor.sharded): what a sharded actor cannot do, how it splits a batch."""
         count = self.actor.count
         if self.actor.mixed_precision and count == 1:
             raise rule_error(

@@ -159,3 +159,32 @@ def test_each_shim_warns_and_reexports_the_moved_module(old, monkeypatch):
         ]  # not its shims
         missing = [n for n in public if getattr(shim, n, None) is not getattr(module, n)]
         assert not missing, f"{old} does not re-export {missing} of {new}"
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that `path` imports (also inside functions): `from package import module`
+    names the module, `from module import name` the module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                for alias in node.names
+            }
+    return found & known
+
+
+def test_no_import_cycle():
+    """No module imports, even inside a function, one that imports it back (through any chain)."""
+    paths = {module_name(p): p for p in SOURCES}
+    graph = {module: imported_modules(path, set(paths)) - {module} for module, path in paths.items()}
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            assert module != start, f"{start} imports itself back through {sorted(seen)}"
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])

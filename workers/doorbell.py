@@ -37,8 +37,9 @@ log = logging.getLogger("mortal.worker")
 
 RESULTS = "results"  # a rollout completed a task
 TASKS = "tasks"  # the actor enqueued tasks or recorded a weight version
-# "1": this worker's run has its processes on this machine: set by the local backend (controller/backends/base.py
-# names it too: the layers share the worker protocol's variable names, not a module)
+# "1": this worker's run has its processes on this machine: set by the local backend
+# (controller/backends/base.py names it too: the layers share the worker protocol's variable names, not a
+# module)
 DOORBELLS_ENV = "MORTAL_DOORBELLS"
 FOLDER = "doorbells"
 
@@ -55,7 +56,8 @@ class Doorbell:
 
     @classmethod
     def for_worker(cls, run_dir: Path, listens_for: str | None = None) -> Doorbell:
-        """The worker's doorbell where its backend put the run's processes on one machine, else a silent one."""
+        """The worker's doorbell where its backend put the run's processes on one machine, else a silent
+        one."""
         return cls(run_dir if os.environ.get(DOORBELLS_ENV) == "1" else None, listens_for)
 
     @property

@@ -268,7 +268,8 @@ class WorkerContext:
         self.store.heartbeat(self.worker, step=step, weight_version=version, activity=what, activity_seconds=seconds)
 
     def start(self) -> None:
-        """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM handler."""
+        """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM
+        handler."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
             register_stack_dump()  # the controller asks a stuck worker for its stacks before it kills it

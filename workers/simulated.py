@@ -25,8 +25,9 @@ run's metrics equal an uninterrupted one's. Step s's prompts are rows of a datas
 as the real actor draws them (mortal.workers.schedule), and with maxStaleness k the tasks of the next k
 steps are queued ahead, as the real feed does. What the "model" has trained is its lineage (`Lineage`):
 the rows of each step and the weight versions they were generated with, kept in every checkpoint, so a
-test can tell a row trained twice or never, or a sample from weights this lineage never published. What it must not do: import torch or anything heavy
-(the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
+test can tell a row trained twice or never, or a sample from weights this lineage never published. What it
+must not do: import torch or anything heavy (the out-of-memory failure imports it, only when asked for, to
+raise torch's own exception type).
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> l
     the tasks itself.
     """
     algo = ctx.run.spec.algorithm
-    for ahead in range(step, min(step + algo.max_staleness, algo.max_steps) + 1):  # as the real feed queues ahead
+    # as the real feed queues ahead
+    for ahead in range(step, min(step + algo.max_staleness, algo.max_steps) + 1):
         ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, ahead, slot, version)
                                              for slot in range(algo.prompts_per_step)])
     replicas, checked = ctx.run.spec.rollout.replicas, time.monotonic()
@@ -395,7 +397,8 @@ def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: flo
         generation_seconds=seconds,
     )
     row = RolloutRequest.model_validate(task.payload).row.get("row")
-    return {**result.model_dump(mode="json"), "row": row}  # which dataset row it answered (the lineage's record)
+    # which dataset row it answered (the lineage's record)
+    return {**result.model_dump(mode="json"), "row": row}
 
 
 # torch 2.x's caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), as an H100 prints it.

@@ -39,7 +39,7 @@ EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ende
 DOORBELLS_ENV = "MORTAL_DOORBELLS"  # "1": the run's workers share this machine (mortal.workers.doorbell)
 GPU_PEERS_ENV = "MORTAL_GPU_PEERS"  # devices a worker sees but does not hold (its actor's, for sync ipc)
 # The Ray cluster and run namespace a worker of the ray backend connects to as a driver, and the node it
-# runs on (sync ray: mortal.workers.ray_weights reads them); set by the worker's Ray actor
+# runs on (sync ray: mortal.workers.sync.ray reads them); set by the worker's Ray actor
 # (ray_worker.WorkerHost).
 RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = (
     "MORTAL_RAY_ADDRESS",
@@ -283,7 +283,7 @@ class WorkerLaunch:
 
 def compile_cache_environ(home: str | Path) -> dict[str, str]:
     """torch.compile's on-disk caches in <home>/compile-cache/, so a relaunched worker, and a later run of
-    the same model and shapes, loads what an earlier process compiled (workers/compile_cache.py).
+    the same model and shapes, loads what an earlier process compiled (workers/rollout/engines/compile_cache.py).
 
     Shared across runs because nothing in an entry belongs to a run: torch's and Triton's keys (graph,
     shapes, dtypes, device, versions) keep a different model or GPU from a wrong artifact, and their

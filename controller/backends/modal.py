@@ -103,7 +103,7 @@ def data_volume_name(app: str) -> str:
 def worker_function(launch: WorkerLaunch) -> str:
     """The app function a launch is a call of: rollouts that will generate with vLLM need its image.
 
-    `auto` means vLLM on a GPU (mortal.workers.engines.resolve_engine_name); on the CPU it is
+    `auto` means vLLM on a GPU (mortal.workers.rollout.engines.resolve_engine_name); on the CPU it is
     transformers, which the trainer's image has."""
     if launch.role == "rollout" and (
         launch.engine == "vllm" or (launch.engine == "auto" and wants_gpu(launch.gpu))

@@ -20,7 +20,7 @@ from mortal.client.errors import ClientError
 from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
 from mortal.controller.backends.modal import data_volume
 from mortal.state.containment import PathOutside, owned_checkpoint, posix_inside, report_refused, tree_inside
-from mortal.workers.storage import StorageError, is_url, local_path, open_filesystem
+from mortal.workers.actor.storage import StorageError, is_url, local_path, open_filesystem
 
 if TYPE_CHECKING:
     from mortal.state.store import Store

@@ -67,7 +67,7 @@ def parse_source(source: str) -> tuple[str, int | None]:
 
 def complete_checkpoint(store: Store, run: str, step: int | None) -> CheckpointRow:
     """The run's recorded checkpoint of `step` (the newest with None), its files checked on disk."""
-    from mortal.workers.checkpoint import is_complete
+    from mortal.workers.actor.checkpoint import is_complete
     from mortal.workers.main import WORKLOAD_ANNOTATION
 
     owner = store.get_run(run)
@@ -115,7 +115,7 @@ def refuse_files_elsewhere(run: str, backend: str, doing: str, error: type[ForkE
 def checkpoint_folder(run: str, row: CheckpointRow) -> Path:
     """The folder on this machine of a recorded checkpoint: its path, or a file:// URL's (spec.checkpoint.uri
     on a mounted filesystem). CheckpointInStorage for remote storage, which fork reads nothing from."""
-    from mortal.workers.storage import local_path
+    from mortal.workers.actor.storage import local_path
 
     folder = local_path(row.path)
     if folder is None:
@@ -132,7 +132,7 @@ def owned_folder(store: Store, run: str, row: CheckpointRow, uri: str | None, do
     """checkpoint_folder, checked to lie inside what the run owns, symlinks inside it included
     (mortal.state.containment); a row pointing elsewhere gets a Warning event and CheckpointOutside."""
     from mortal.state.containment import PathOutside, owned_checkpoint, report_refused, tree_inside
-    from mortal.workers.storage import local_path
+    from mortal.workers.actor.storage import local_path
 
     folder = checkpoint_folder(run, row)
     try:
@@ -240,11 +240,11 @@ def fork_run(
 def _upload_for_nodes(child: TrainingRun, dest: Path, step: int) -> str:
     """What NEW's checkpoint row records: the copy here, or, for a Ray run whose nodes do not see this
     machine's MORTAL_HOME (ray.sharedFilesystem false), that copy uploaded to NEW's spec.checkpoint.uri
-    (mortal.workers.storage: the marker last, before the row), where its relaunched actor looks."""
+    (mortal.workers.actor.storage: the marker last, before the row), where its relaunched actor looks."""
     spec = child.spec
     if spec.backend != "ray" or spec.ray.shared_filesystem:
         return str(dest)
-    from mortal.workers.storage import CheckpointStorage, StorageError
+    from mortal.workers.actor.storage import CheckpointStorage, StorageError
 
     try:
         return CheckpointStorage(spec.checkpoint.uri, child.metadata.name).upload(dest, step)
@@ -256,7 +256,7 @@ def _upload_for_nodes(child: TrainingRun, dest: Path, step: int) -> str:
 def _copy_checkpoint(source: Path, dest: Path, run: str) -> bool:
     """Hard-link (else copy) every file into a hidden sibling, then rename it to `dest`; the marker is
     written anew (not linked) with NEW's name. True when every file was linked."""
-    from mortal.workers.checkpoint import MORTAL_FILE
+    from mortal.workers.actor.checkpoint import MORTAL_FILE
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".tmp-fork-{dest.name}-{os.getpid()}"

@@ -14,7 +14,7 @@ from mortal.controller.backends.gpus import gpu_memory
 from mortal.controller.fit import certain_misfits
 from mortal.specs import TrainingRun
 from mortal.workers.models import count_parameters
-from mortal.workers.weights import KEEP_VERSIONS
+from mortal.workers.sync.base import KEEP_VERSIONS
 
 B = 10**9
 

@@ -284,7 +284,7 @@ def test_a_sharded_actor_trains_in_one_container_that_starts_its_own_ranks(
     from rollout_helpers import assets_available, make_tiny_model, task_results
 
     from mortal.specs import TrainingRun
-    from mortal.workers.checkpoint import read_marker
+    from mortal.workers.actor.checkpoint import read_marker
 
     if not assets_available():
         pytest.skip("SmolLM2 assets missing")

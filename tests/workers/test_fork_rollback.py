@@ -20,7 +20,7 @@ from mortal.client.cli.main import app
 from mortal.specs import TrainingRun
 from mortal.state import paths
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.weights import read_published
+from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 

@@ -99,9 +99,9 @@ def parse_row(run: TrainingRun, value: str | None) -> dict[str, Any]:
 
 
 def weighted_sum(run: TrainingRun, scores: dict[str, float | None]) -> float | None:
-    """The sum GRPO optimizes (mortal.workers.samples.total_reward): a None score adds nothing."""
+    """The sum GRPO optimizes (mortal.workers.actor.samples.total_reward): a None score adds nothing."""
+    from mortal.workers.actor.samples import total_reward
     from mortal.workers.messages import reward_names
-    from mortal.workers.samples import total_reward
 
     weights = dict(zip(reward_names(run.spec.rewards), (r.weight for r in run.spec.rewards), strict=True))
     return total_reward(scores, weights)
@@ -267,11 +267,11 @@ def generate(
 ) -> dict[str, Any]:
     """Sample `n` completions as a rollout worker would (same engine, tokenizer and settings); scored
     with the run's rewards when the prompt is a dataset row."""
+    from mortal.workers.actor.samples import as_text
     from mortal.workers.data import normalize_prompt
-    from mortal.workers.engines import GenerationParams, select_engine
     from mortal.workers.models import completion_message, encode_prompt, load_tokenizer
     from mortal.workers.rewards import RewardSet
-    from mortal.workers.samples import as_text
+    from mortal.workers.rollout.engines import GenerationParams, select_engine
 
     columns = dataset_row(run, row) if row is not None else {}
     the_prompt = (
@@ -334,10 +334,10 @@ def _tool_rollouts(
     seed: int,
 ) -> list[Any]:
     """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop
-    (mortal.workers.multiturn)."""
+    (mortal.workers.rollout.multiturn)."""
     from mortal.workers.messages import RolloutRequest
-    from mortal.workers.multiturn import MultiTurn
-    from mortal.workers.tools import Toolbox
+    from mortal.workers.rollout.multiturn import MultiTurn
+    from mortal.workers.rollout.tools import Toolbox
 
     multiturn = MultiTurn(
         engine, tokenizer, Toolbox.from_spec(run.spec.rollout), params, run.spec.rollout.chat_template

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from mortal.state import EventRow, Store
 
 REWARD = "reward"
-"""Metric holding a step's mean total reward (TRL's name, stored by mortal.workers.metrics)."""
+"""Metric holding a step's mean total reward (TRL's name, stored by mortal.workers.actor.metrics)."""
 LINE_METRICS = (
     ("loss", "loss {:.4f}"),
     ("kl", "kl {:.4f}"),
@@ -39,7 +39,7 @@ LINE_METRICS = (
 )
 """Per-step metrics shown after the reward on a progress line, when the actor logged them."""
 ADAPTER_CONFIG = "adapter_config.json"
-"""Present in a LoRA checkpoint (mortal.workers.checkpoint): the folder holds a peft adapter."""
+"""Present in a LoRA checkpoint (mortal.workers.actor.checkpoint): the folder holds a peft adapter."""
 
 StepMetrics = tuple[int, dict[str, float]]
 

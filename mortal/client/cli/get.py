@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 RUN_ALIASES = ("runs", "run", "trainingruns", "trainingrun", "tr")
 RUN_HEADERS = ("NAME", "PHASE", "STEP", "WEIGHTS", "CKPT", "ROLLOUT", "REWARD", "AGE")
 WIDE_HEADERS = ("ACTOR", "RESTARTS", "GENERATION", "LOSS", "LOSS-TYPE", "BACKEND", "MODEL", "CONDITIONS")
-LOSS = "loss"  # the metric the actor records each step (mortal.workers.metrics, TRL's name)
+LOSS = "loss"  # the metric the actor records each step (mortal.workers.actor.metrics, TRL's name)
 WATCH_POLL_SECONDS = 1.0
 TRAINING_CONDITIONS = (
     "WeightsInSync",

@@ -1,6 +1,6 @@
 """`mortalctl get metrics RUN`: a run's step metrics, one row a step, or their curves in the terminal.
 
-Reads what the actor records every step (mortal.workers.metrics: reward, loss, kl, entropy,
+Reads what the actor records every step (mortal.workers.actor.metrics: reward, loss, kl, entropy,
 tokens_per_second, ... as TRL and the actor name them) with `Store.list_metrics`. `--name` picks
 the columns (`--name all` for every one); `--plot` draws each as a chart with plotext, stacked, one
 per name, sharing the step axis; `-o json|yaml` prints every value. Only reads the store.

@@ -236,7 +236,7 @@ def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(
     worker's own."""
     from tool_helpers import ArithScript
 
-    import mortal.workers.engines as engines
+    import mortal.workers.rollout.engines as engines
 
     monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
     path = spec_file(
@@ -246,7 +246,7 @@ def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(
             "spec.dataset": {"name": "builtin:arith"},
             "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
             "spec.generation.maxTokens": 96,
-            "spec.rollout.tools": ["mortal.workers.builtin_tools:calculator"],
+            "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
             "spec.rollout.chatTemplate": "qwen2_5",
         },
     )
