@@ -327,8 +327,8 @@ GROUPS: dict[str, Group] = {
                 "gpu_tests",
                 (
                     "tests/workers/test_gpu.py",
-                    "tests/workers/test_padding_shift.py",
-                    "tests/workers/test_static_decode.py",
+                    "tests/workers/actor/test_padding_shift.py",
+                    "tests/workers/rollout/engines/test_static_decode.py",
                 ),
                 560,
             ),
@@ -390,7 +390,7 @@ GROUPS: dict[str, Group] = {
         (
             GpuTests(
                 "gpu_tests_two_gpus",
-                ("tests/workers/test_actor_sharded.py", "tests/workers/test_ipc_weights.py"),
+                ("tests/workers/actor/test_actor_sharded.py", "tests/workers/sync/test_ipc.py"),
                 560,
             ),
         ),

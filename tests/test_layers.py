@@ -162,10 +162,20 @@ def test_each_shim_warns_and_reexports_the_moved_module(old, monkeypatch):
 
 
 def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that `path` imports (also inside functions): `from package import module`
-    names the module, `from module import name` the module."""
+    """The modules of `known` that `path` imports at run time (also inside functions; not under
+    `if TYPE_CHECKING:`): `from package import module` names the module, `from module import name` the module."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
