@@ -253,7 +253,8 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics: dict[str, float] = {}
         self._rollout_returned: float | None = None  # when rollout_func handed TRL this step's batch
         self._loss_began: float | None = None  # when TRL's loss began on it (trl_seam.time_loss_start)
-        self.hand_texts: trl_seam.HandTexts | None = None  # trl_seam.reuse_rollout_texts: the rollouts' texts, not a second decode
+        # trl_seam.reuse_rollout_texts: the rollouts' texts, not a second decode
+        self.hand_texts: trl_seam.HandTexts | None = None
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
         self._warmed_up = False  # warm_up_training runs at most once a process
         self._in_step = contextlib.ExitStack()  # the step's activity, reported in the heartbeat
