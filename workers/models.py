@@ -336,9 +336,8 @@ def place_shards(model: Any, device: str) -> None:
     Why: under actor.cpuOffload, FSDP2 wants each shard in host memory before its first forward. transformers
     (5.24) shards the model on the meta device, then loads each shard onto the rank's GPU as a new parameter;
     FSDP2's lazy init moves such a shard's data to host memory but keeps the parameter object, which still
-    says cuda, and refuses it ("FSDP parameters should be materialized on CPU", 2026-11-28 on two H200s). A
-    new DTensor built on the moved shard says where its data is. Parameters that are already there are
-    kept."""
+    says cuda, and refuses it ("FSDP parameters should be materialized on CPU"). A new DTensor built on the
+    moved shard says where its data is. Parameters that are already there are kept."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -358,7 +357,7 @@ def with_local_shard(param: Any, shard: Any) -> Any:
     device `shard` is on.
 
     Why not DTensor.from_local: it moves the shard to the mesh's device type (cuda for an actor's NCCL mesh),
-    which put cpuOffload's shards straight back on the GPU (two H200s, 2026-11-28). FSDP2 builds its own
+    which put cpuOffload's shards straight back on the GPU. FSDP2 builds its own
     sharded parameters the same way, from the spec (torch's _from_local_no_grad)."""
     from torch.distributed.tensor import DTensor
 
@@ -468,10 +467,9 @@ def train_attention_without_cudnn(device: str) -> bool:
     it did. A process-wide switch (a worker holds one model); flash or memory-efficient attention is used.
 
     Why: cuDNN builds an execution plan for each new sequence length the first time it sees one, and a
-    training batch's padded length changes from step to step. On an H100 (bench/gpu_step.py, Qwen2.5-0.5B's
-    shape in bf16) the actor's training pass took 2.0-3.0 s in the steps whose length was new (steps 2 and 5
-    of every run) against 0.21-0.23 s in the others; with cuDNN's attention off, 0.22-0.27 s in every step
-    (docs/benchmarks.md). The rollout's decoder keeps cuDNN: it compiles a few fixed shapes once."""
+    training batch's padded length changes from step to step, so a step with a new length took many times
+    as long as the others; with cuDNN's attention off every step takes about the same (docs/benchmarks.md).
+    The rollout's decoder keeps cuDNN: it compiles a few fixed shapes once."""
     if not str(device).startswith("cuda"):
         return False
     import torch

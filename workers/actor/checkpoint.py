@@ -30,7 +30,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mortal.state import paths
 from mortal.state.containment import PathOutside, inside, report_refused, tree_inside
@@ -39,6 +39,9 @@ from mortal.state.tables import CheckpointRow
 from mortal.workers.actor import trl_seam
 from mortal.workers.actor.storage import MARKER, CheckpointStorage, StorageError, is_url
 from mortal.workers.atomic import atomic_dir, remove_stale_tmp
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
 
 MORTAL_FILE = MARKER  # also the completion marker of an uploaded checkpoint (uploaded last)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint's folder inside a checkpoint of a sharded actor
@@ -106,7 +109,7 @@ class Checkpointer:
     def has(self, step: int) -> bool:
         return any(row.step == step for row in self.store.list_checkpoints(self.run))
 
-    def write(self, trainer: Any, step: int, weight_version: int,
+    def write(self, trainer: GRPOTrainer, step: int, weight_version: int,
               save: Callable[[Any, Path], None] | None = None, ranks: int = 1) -> Path:
         """Write the trainer's state at `step` atomically, record it, prune; returns its directory.
         `save` writes the state into the temporary directory (default: the Trainer's own writer; a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
@@ -22,6 +22,10 @@ from mortal.workers.actor.feed import StopRequested
 from mortal.workers.actor.training import make_trainer, publishes_at
 from mortal.workers.runtime import startup_objects_frozen
 from mortal.workers.sync import transport_for
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from trl import GRPOTrainer
 
 
 def follow(run: TrainingRun, ranks: sharded.Ranks) -> None:
@@ -35,13 +39,12 @@ def follow(run: TrainingRun, ranks: sharded.Ranks) -> None:
         follower.trainer.train()
 
 
-
 class Follower(TrainerCallback):
     """What a rank other than 0 does around each TRL step: what rank 0 tells it, and the collectives."""
 
     def __init__(self, spec: TrainingSpec, ranks: sharded.Ranks) -> None:
         self.spec, self.ranks = spec, ranks
-        self.trainer: Any = None
+        self.trainer: GRPOTrainer | None = None
         self._rng_from: Path | None = None
         self._joins = not sharded.publishes_alone(spec)  # whether rank 0's publish has collectives to join
         # how rank 0 publishes: which collectives to join
@@ -61,10 +64,10 @@ class Follower(TrainerCallback):
             else:
                 raise sharded.ShardedError(f"rank {self.ranks.rank} expected {until!r} from rank 0, got {kind!r}")
 
-    def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+    def rollout(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, Any]:
         return self._serve("batch")  # this rank's slice (Channel.send_each)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         resume_from = self._serve("begin")
         if resume_from is not None:
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
@@ -72,12 +75,12 @@ class Follower(TrainerCallback):
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
         self._join_publish()  # rank 0 publishes the weights it starts from
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._rng_from is not None:
             sharded.restore_rng(self._rng_from, self.ranks.rank)
             self._rng_from = None
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if publishes_at(self.spec, state.global_step):
             self._join_publish()
 
@@ -85,11 +88,10 @@ class Follower(TrainerCallback):
         if self._joins:
             sharded.join_publish(self.trainer.model, self._ring, self._dtype)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:
             return
         if self._serve("go"):
             control.should_training_stop = True
-
 
 

@@ -1,28 +1,13 @@
-"""The actor worker: TRL's GRPOTrainer, fed with rollouts that rollout workers generate and score.
+"""The actor worker (rank 0): TRL's GRPOTrainer, fed with rollouts that rollout workers generate and score.
 
-Who calls it: mortal.workers.main, as `main(ctx)` in the process a backend launched for the
-run's actor slot. One step, in order:
-1. TRL asks for a generation batch: `ActorLoop.rollout` enqueues the tasks of steps s..s+k
-   (mortal.workers.actor.feed) and waits for step s's scored groups (on one GPU the first wait also runs a
-   placeholder forward and backward, so that the first step's kernels compile meanwhile: `warms_up`); TRL gets
-   prompt/completion ids, sampling logprobs, and each reward's precomputed score through PrecomputedReward
-   functions, so TRL's weighting, advantages, loss variants, KL and per-reward logging are TRL's own.
-2. TRL computes the loss and takes the optimizer step.
-3. `on_step_end`: publish the new weights (mortal.workers.sync.publisher) with what made them
-   (mortal.workers.actor.provenance), report step and version, and queue the next step's tasks at once
-   (unless a checkpoint comes first), so that its rollouts generate while step 4 runs.
-4. `on_log`: record the step's metrics and a sample of its completions with the advantages TRL
-   trained on (mortal.workers.actor.samples); every checkpoint.every steps, at the last step and when
-   asked to stop, write a complete checkpoint (mortal.workers.actor.checkpoint).
-On start it resumes from the newest complete checkpoint (`train(resume_from_checkpoint=...)`
-restores weights, optimizer, scheduler, RNG and step) once mortal.workers.actor.resume_check found that
-resuming redoes and skips nothing, forgets queued tasks from that step on, and
-publishes the weights it starts from (a version above every earlier one) before the first rollout. With GPU
-rollouts it queues that first step's tasks before building the trainer (`queues_ahead`), asking for that
-version, so their decode step compiles while TRL loads.
-With `actor.count` N > 1 this process is rank 0 of N (mortal.workers.actor.sharded): the model is sharded with
-FSDP2, ranks 1..N-1 are its children running `follow`, each trains on its slice of the batch rank 0
-collected, and only rank 0 talks to the store.
+Who calls it: mortal.workers.main, as `main(ctx)` in the process a backend launched for the actor slot.
+Each step: TRL's rollout_func (`ActorLoop.rollout`) enqueues the tasks of steps s..s+maxStaleness
+(actor.feed) and waits for step s's scored groups; TRL trains on them with each reward's precomputed
+score, so weighting, advantages, loss variants and logging stay TRL's own; `on_step_end` publishes the
+weights (sync.publisher) and queues the next step's tasks at once, so rollouts generate while the step is
+logged; `on_log` records metrics and sample completions and checkpoints when due (actor.checkpoint).
+At start it resumes from the newest complete checkpoint once actor.resume_check found that this redoes
+and skips nothing. With actor.count N > 1 this process is rank 0 of N (actor.sharded, actor.follower).
 What it must not do: generate, score, or reach into TRL outside mortal.workers.actor.trl_seam.
 """
 
@@ -34,7 +19,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback
@@ -64,6 +49,12 @@ from mortal.workers.runtime import (
     startup_objects_frozen,
 )
 from mortal.workers.sync.publisher import WeightPublisher
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from trl import GRPOTrainer
+
+    from mortal.state.tables import CheckpointRow
 
 # the run's failure reason when spec.checkpoint.uri cannot be used
 STORAGE_UNAVAILABLE = "CheckpointStorageUnavailable"
@@ -101,7 +92,7 @@ def main(ctx: WorkerContext) -> int:
         spec.algorithm.num_generations, spec.algorithm.max_staleness, spec.algorithm.max_steps,
         reward_names(spec.rewards), ctx.stopping,
         prompts_per_task=spec.rollout.task_size(spec.algorithm.prompts_per_step),
-        # a GPU step is ~1 s: waits there are latency
+        # a GPU step is short enough that a wait for rollouts is latency worth cutting
         poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,
         doorbell=Doorbell.for_worker(ctx.run_dir, listens_for=RESULTS),
     )
@@ -156,14 +147,10 @@ def main(ctx: WorkerContext) -> int:
 def queues_ahead(spec: TrainingSpec) -> bool:
     """Whether the first step's tasks are queued before the trainer is built rather than when TRL first asks.
 
-    A GPU rollout's first task pays the decode step's compile and graph capture (13-30 s), and without tasks
-    it would sit idle while the actor imports TRL, loads the model and builds GRPOTrainer; queued early, both
-    happen at once. The tasks ask for the version the actor publishes first (the publisher's next_version),
-    so a fresh run's rollouts may answer them with the model they loaded, which is version 0, and a resumed
-    run's wait for the resumed weights. Not for CPU rollouts: nothing is compiled, and a test's rollout thread
-    in the actor's process would reseed the RNG the trainer's construction draws from (a GPU test with its
-    rollout in the actor's process turns this off: its graph capture must not overlap the actor's CUDA
-    work)."""
+    A GPU rollout's first task pays the decode step's compile and graph capture, long enough that it is
+    worth overlapping with the actor building GRPOTrainer. The tasks ask for the version the actor publishes
+    first, which a fresh run's rollouts hold already (version 0). Not for CPU rollouts: nothing is compiled,
+    and a test's rollout thread in the actor's process would reseed the RNG the trainer draws from."""
     return spec.rollout.gpu != "none"
 
 
@@ -220,7 +207,7 @@ def _provenance_at(made_by: provenance.Provenance, spec: TrainingSpec, step: int
     return made_by.at(step, spec.algorithm.prompts_per_step, spec.algorithm.seed).dump()
 
 
-def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -> None:
+def verify_resume(ctx: WorkerContext, resume: CheckpointRow, now: provenance.Provenance) -> None:
     """Refuse (FatalWorkerError) a resume that would silently redo or skip work; record a Warning event for
     each deliberate change it goes on through (mortal.workers.actor.resume_check)."""
     spec = ctx.run.spec
@@ -234,7 +221,7 @@ def verify_resume(ctx: WorkerContext, resume: Any, now: provenance.Provenance) -
         ctx.store.add_event(ctx.run.name, "Warning", finding.reason, finding.message)
 
 
-def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> Any:
+def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> GRPOTrainer:
     """The GRPOTrainer, wired to the loop: rollouts in through rollout_func, results out by callback."""
     world = loop.ranks.world if loop.ranks is not None else 1
     loop.trainer = training.make_trainer(spec, ctx.run_dir, loop, loop.rollout, world)
@@ -255,7 +242,7 @@ class ActorLoop(TrainerCallback):
                  checkpointer: Checkpointer, reporter: MetricsReporter) -> None:
         self.ctx, self.spec, self.feed = ctx, spec, feed
         self.publisher, self.checkpointer, self.reporter = publisher, checkpointer, reporter
-        self.trainer: Any = None
+        self.trainer: GRPOTrainer | None = None
         self.ranks: sharded.Ranks | None = None  # rank 0 of a sharded actor: the other ranks follow it
         # a checkpoint the Trainer cannot resume, restored in on_train_begin
         self.resume_from: str | None = None
@@ -266,14 +253,15 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics: dict[str, float] = {}
         self._rollout_returned: float | None = None  # when rollout_func handed TRL this step's batch
         self._loss_began: float | None = None  # when TRL's loss began on it (trl_seam.time_loss_start)
-        self.hand_texts: Any = None  # trl_seam.reuse_rollout_texts: the rollouts' texts, not a second decode
+        # trl_seam.reuse_rollout_texts: the rollouts' texts, not a second decode
+        self.hand_texts: trl_seam.HandTexts | None = None
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
         self._warmed_up = False  # warm_up_training runs at most once a process
         self._in_step = contextlib.ExitStack()  # the step's activity, reported in the heartbeat
         self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
 
     # -- TRL's rollout_func --------------------------------------------------------------------
-    def rollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+    def rollout(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, Any]:
         world = self.ranks.world if self.ranks is not None else 1
         trl_seam.check_rollout_call(prompts, self.spec.algorithm.batch_size // world)
         step = trainer.state.global_step
@@ -320,7 +308,7 @@ class ActorLoop(TrainerCallback):
             self._loss_began = time.perf_counter()
 
     # -- Trainer callbacks -----------------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Weights, optimizer and scheduler are loaded (fresh or from the checkpoint): the spec's learning
         rate replaces a resumed checkpoint's (a fork or an apply may have changed it), then the weights
         are published before the first rollout. A checkpoint the Trainer does not resume (a sharded
@@ -344,10 +332,10 @@ class ActorLoop(TrainerCallback):
                               self.spec.algorithm.learning_rate)
         self._publish(state.global_step)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.publisher.prune()  # the last version's publish left one more than `keep`
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
         self._in_step.close()
         self._in_step.enter_context(self.ctx.activity(f"step {state.global_step + 1}"))  # its deadline: the
@@ -356,13 +344,13 @@ class ActorLoop(TrainerCallback):
             sharded.restore_rng(self._rng_from, 0)
             self._rng_from = None
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         if torch.cuda.is_available():  # queued GPU work of the step is training time
             torch.cuda.synchronize()
         elsewhere = sum(self._rollout_metrics.get(f"actor/{part}_seconds", 0.0) for part in ("wait", "bookkeeping"))
-        # TRL's loss, backward and optimizer step: not the store's work before the wait, which MFU must leave
-        # out
+        # TRL's loss, backward and optimizer step: not the store's work before the wait, which the model
+        # FLOPs utilization must leave out
         ended = time.perf_counter()
         self._rollout_metrics["actor/train_seconds"] = ended - self._step_started - elsewhere
         if self._rollout_returned is not None and self._loss_began is not None:
@@ -389,7 +377,7 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["step_seconds"] = time.perf_counter() - self._step_started
         self._in_step.close()
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs:  # the end-of-training summary, not a step
             return
         step = state.global_step
@@ -445,7 +433,7 @@ class ActorLoop(TrainerCallback):
                 self.checkpointer.write(self.trainer, step, self.version, save=self._save_sharded,
                                         ranks=self.ranks.world)
 
-    def _save_sharded(self, trainer: Any, dest: Path) -> None:
+    def _save_sharded(self, trainer: GRPOTrainer, dest: Path) -> None:
         assert self.ranks is not None
         self.ranks.channel.send("checkpoint", str(dest))  # every rank writes its shards into dest
         sharded.save_sharded(trainer, dest, 0)

@@ -1,35 +1,18 @@
 """The actor's training attention without a padding mask: each row's leading padding moved to its end.
 
-Called once by mortal.workers.actor.loop on a CUDA actor, after TRL patched the model's forward with its fused
-LM head (trl_seam assumption 6). Why: TRL's batch is the prompts padded on the left next to the completions
-padded on the right (trl_seam assumption 10), so every forward of the loss passes a padding mask, and given a
-mask PyTorch's scaled_dot_product_attention cannot use a flash kernel under torch.compile: it takes the
-memory-efficient one, which spent 22.7 ms of a 106 ms compiled training step's GPU time on an H200 at the
-0.5B shape, 64 rows of 269 tokens (docs/benchmarks.md, issue 14.4). Measured with and without the shift in
-one invocation (the actor compiled a layer at a time, one H200, two runs each): the update took 0.106 s
-against 0.118-0.119 s, and the peak GPU memory was 26.5 GiB against 27.9. (Eager, PyTorch gives the masked
-forward cuDNN's attention on that GPU, so the shift matters less there.)
-
-Once the left padding is rolled to the end of the row, all padding trails the real tokens, and under a
-causal mask a real token never sees a later position: its attention needs no mask. A shifted call:
-1. counts P[i], row i's leading zeros in the attention mask, without waiting for the GPU;
-2. rolls input_ids, labels and the mask left by P[i] and passes position_ids = arange + P[i], so each real
-   token keeps the position TRL's call gives it (rotary or absolute embeddings see the same numbers);
-3. calls TRL's fused forward with FLAG set: the model still builds its mask from the rolled one (a mask it
-   is given keeps transformers from guessing packed sequences from the positions, which would build one
-   under torch.compile), and the attention function registered here, transformers' sdpa otherwise, drops
-   it, so SDPA runs causal and on CUDA takes its flash kernel. A sliding-window layer keeps its mask;
-4. rolls every per-token output back and zeroes the positions the original labels leave out, so what TRL
-   reads is the masked forward's result; the loss (a sum over scored tokens) needs no roll.
-
-It must not change anything else: calls without `fused_lm_head`, with other per-token inputs (images,
-token types, shift_labels, inputs_embeds), and any forward outside the loss go to TRL's forward and
-transformers' sdpa untouched. The values equal the masked forward's up to the attention kernel's rounding
-(tests/workers/actor/test_padding_shift.py, on the CPU and, marked gpu, on CUDA).
-
-MORTAL_PADDING_SHIFT=0 in the worker's environment leaves it out: bench/gpu_step.py --no-padding-shift sets it
-to measure the shift against the masked forward in one invocation, and it is the way back should a model or
-kernel disagree with it.
+Called once by mortal.workers.actor.training on a CUDA actor, after TRL patched the model's forward with
+its fused LM head (trl_seam assumption 6). Why: TRL's batch is prompts padded on the left beside
+completions padded on the right (trl_seam assumption 10), so every forward of the loss passes a padding
+mask, and given a mask SDPA cannot use its flash kernel under torch.compile; the memory-efficient one it
+takes instead is a large share of a compiled step (docs/benchmarks.md has the measurements).
+With the left padding rolled to the row's end, all padding trails the real tokens, and under a causal mask
+no real token sees it: a shifted call rolls input_ids, labels and the mask, passes each real token its
+original position, lets SDPA run causal (the attention function registered here drops the mask; a
+sliding-window layer keeps its own), and rolls every per-token output back.
+It must not change anything else: other calls and inputs go to TRL's forward and transformers' sdpa
+untouched, and the values equal the masked forward's up to the kernel's rounding
+(tests/workers/actor/test_padding_shift.py). MORTAL_PADDING_SHIFT=0 in the worker's environment leaves it
+out (bench/gpu_step.py --no-padding-shift), the way back should a model or kernel disagree with it.
 """
 
 from __future__ import annotations

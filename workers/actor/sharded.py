@@ -1,23 +1,16 @@
-"""The actor's ranks: one actor worker trains with FSDP2 over `spec.actor.count` processes of one host.
+"""The actor's ranks: one actor worker trains over `spec.actor.count` processes of one host (FSDP2 or DDP).
 
-Who calls it: mortal.workers.actor. Rank 0 is the worker process a backend launched; `start` spawns
-ranks 1..N-1 as its children (torch.multiprocessing, spawn), which run `follower_main`: they build the
-same GRPOTrainer on the same model, sharded by transformers at load (`from_pretrained(distributed_config=
-DistributedConfig(fsdp_size=N))`, docs/fsdp.md says why that route), train on their slice of each
-generation batch and take part in rank 0's collectives when rank 0 says so (`Channel`).
-
-    rank 0 (the worker: store, heartbeat, fencing, feed, metrics, publish, checkpoint rows)
-        rollout_func: collect step s's batch from the store -> Channel.send(("batch", output)) -> own slice
-        publish:      ipc, nccl: `wholes` into rank 0's ring (every rank joins each bucket's all-gather);
-                      volume, ray: full_state_dict (torch gathers one tensor at a time to rank 0's CPU)
-        checkpoint:   Channel.send(("checkpoint", dir)) -> save_sharded (every rank writes its shards)
-        after a log:  Channel.send(("go", stop))
-    ranks 1..N-1 (no store): the same TRL step on their slice; the same collectives in the same order
-
-If a rank dies, rank 0's watcher calls the actor's `on_lost` (which reports and exits the worker 75, so
-the controller relaunches the whole actor); a rank whose rank 0 is gone exits at once.
-What it must not do: let a rank other than 0 talk to the store; decide when to publish or checkpoint
-(mortal.workers.actor.loop decides, on rank 0, and tells the others).
+Who calls it: mortal.workers.actor.loop (rank 0, the worker process a backend launched) and
+mortal.workers.actor.follower (ranks 1..N-1). `start` spawns ranks 1..N-1 as rank 0's children, each
+running the follower's entry that rank 0 hands it; every rank builds the same GRPOTrainer on the same model,
+sharded by transformers at load (docs/fsdp.md says why that route), trains on its slice of each batch and
+joins rank 0's collectives when rank 0 says so over the `Channel` (batch, checkpoint, go or stop). Rank 0
+publishes: for a ring (ipc, nccl) the shards are made whole a bucket at a time (`wholes`, every rank
+joining each all-gather); for files (volume, ray) torch gathers one tensor at a time to rank 0's CPU.
+If a rank dies, rank 0's watcher reports it and the worker exits retryably, so the controller relaunches
+the whole actor; a rank whose rank 0 is gone exits at once.
+What it must not do: let a rank other than 0 talk to the store, or decide when to publish or checkpoint
+(rank 0's loop decides and tells the others).
 """
 
 from __future__ import annotations
@@ -47,6 +40,11 @@ from mortal.workers.sync.ring import kept_dtype
 from mortal.workers.sync.weights import tied_once
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.multiprocessing import ProcessContext
+    from transformers import PretrainedConfig, TrainingArguments
+    from trl import GRPOTrainer
+
     from mortal.specs.run import TrainingRun
     from mortal.specs.training import TrainingSpec
 
@@ -148,7 +146,7 @@ class Ranks:
     notes: Path | None = None
     collective_seconds: float | None = None  # spec.deadlines.collectiveSeconds when set; else torch's default
     channel: Channel = field(init=False)
-    _children: Any = None
+    _children: ProcessContext | None = None
     _closed: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -263,9 +261,9 @@ class Channel:
 
     Every message is a scatter, so a rank receives only what is its own: the same payload for every rank
     (`send`), or one each (`send_each`: a step's batch, of which a rank trains only its slice). Broadcasting
-    the whole batch made every rank unpickle all of it (64 x 256 token ids and log-probabilities a step)."""
+    the whole batch made every rank unpickle all of it (every step's token ids and log-probabilities)."""
 
-    def __init__(self, group: Any, rank: int, world: int) -> None:
+    def __init__(self, group: ProcessGroup, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
 
     def send(self, kind: str, payload: Any = None) -> None:
@@ -307,12 +305,12 @@ def shard_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # The most bytes of shards one all-gather of `wholes` takes from each rank: a rank holds world x this of
-# gathered weights at a time, far below a second copy of the model, and the collectives are few
-# (Qwen2.5-0.5B's shape in bf16 over 2 ranks takes 7 of them, against 290 one weight at a time).
+# gathered weights at a time, far below a second copy of the model, and a small model takes a handful of
+# collectives where one a weight would take hundreds.
 GATHER_BUCKET_BYTES = 64 * 2**20
 
 
-def replicate_arguments(args: Any, config: Any) -> None:
+def replicate_arguments(args: TrainingArguments, config: PretrainedConfig) -> None:
     """actor.strategy ddp: what the Trainer's DistributedDataParallel is told, on its TrainingArguments.
     - find_unused_parameters only for a mixture of experts (models.routes_experts says why).
     - No broadcast of the model's buffers from rank 0 before each forward (DDP's default: one collective a
@@ -323,13 +321,12 @@ def replicate_arguments(args: Any, config: Any) -> None:
     args.ddp_broadcast_buffers = False
 
 
-def bucket_view_gradients(trainer: Any) -> None:
+def bucket_view_gradients(trainer: GRPOTrainer) -> None:
     """actor.strategy ddp, before the Trainer wraps its model (at train): each gradient a view into the
     all-reduce bucket DistributedDataParallel sends (its gradient_as_bucket_view), set on the accelerator's
     DDP arguments. Why: otherwise DDP copies every gradient into its bucket and the reduced bucket back, two
-    copies a weight a step (the 0.5B shape's replicated step on two H200s, 2026-11-28: 1,474 copy ops; one
-    H100's unreplicated step the day before: 875) on a step bound by the host's launches, and holds the
-    gradients twice. TrainingArguments has no field for it (it passes bucket size, buffer broadcast and static
+    copies a weight a step on a step bound by the host's launches, and holds the gradients twice.
+    TrainingArguments has no field for it (it passes bucket size, buffer broadcast and static
     graph only), so the accelerator's handler, which the Trainer built from those, is given it here."""
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -353,8 +350,7 @@ def publishes_alone(spec: TrainingSpec) -> bool:
     """Whether rank 0 publishes as an actor of one rank does, the other ranks taking no part: with strategy
     ddp it holds the whole model, so the ring's fused copy of its own parameters (the dict of them kept
     between publishes) replaces the gather path's per-tensor copies, the state dict built anew and the other
-    ranks' walk through it (two H200s, 2026-11-28: a ddp publish took 9-17 ms against one GPU's 4-7 ms).
-    FSDP2's shards need every rank's gathers."""
+    ranks' walk through it. FSDP2's shards need every rank's gathers."""
     return spec.actor.strategy == "ddp"
 
 
@@ -492,7 +488,7 @@ def output_slice(output: dict[str, list[Any]], rank: int, world: int) -> dict[st
     return {key: values[part] for key, values in output.items()}
 
 
-def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
+def save_sharded(trainer: GRPOTrainer, dest: Path, rank: int) -> None:
     """Every rank: model and optimizer through torch.distributed.checkpoint (each rank writes its shards
     into dest/dcp), each rank's RNG states; rank 0 also the scheduler and trainer_state.json."""
     import torch.distributed as dist
@@ -508,7 +504,7 @@ def save_sharded(trainer: Any, dest: Path, rank: int) -> None:
     dist.barrier()
 
 
-def restore_checkpoint(trainer: Any, path: Path) -> int:
+def restore_checkpoint(trainer: GRPOTrainer, path: Path) -> int:
     """Once the Trainer made its optimizer and scheduler (on_train_begin), on every rank of a sharded actor
     and in an unsharded actor resuming from a sharded checkpoint: model, optimizer and scheduler from a
     checkpoint written by an actor of any count; returns its step (the caller sets it as the Trainer's).
@@ -537,7 +533,7 @@ def rng_source(checkpoint: Path, world: int) -> Path | None:
     return checkpoint if written_by(checkpoint) == world else None
 
 
-def _load_dcp(trainer: Any, path: Path) -> None:
+def _load_dcp(trainer: GRPOTrainer, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -548,7 +544,7 @@ def _load_dcp(trainer: Any, path: Path) -> None:
                    optim_state_dict=state["optimizer"])
 
 
-def _load_trainer_files(trainer: Any, path: Path) -> None:
+def _load_trainer_files(trainer: GRPOTrainer, path: Path) -> None:
     """An unsharded actor's checkpoint (model.safetensors, optimizer.pt) into this sharded model. The
     optimizer file keys its state by each parameter's index in the optimizer's groups; the Trainer builds
     its groups in the same order for the same model, sharded or not, so index i is the i-th parameter of

@@ -36,7 +36,6 @@ def actor_device(spec: TrainingSpec) -> str:
     return models.worker_device(spec.actor.gpu, "spec.actor.gpu")
 
 
-
 def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int = 1) -> GRPOConfig:
     """TRL's GRPOConfig for the spec: one generation batch per optimizer step, reporting by mortal;
     over `world` ranks each trains batchSize / world of it (TRL adds the ranks' shares up)."""
@@ -74,8 +73,8 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int =
         fp16=False,
         logging_steps=1,
         # Off, Trainer's check of each step's loss for nan/inf (a host wait on the GPU) is gone, so the host
-        # queues the gradient clip and AdamW while the backward still runs: on one H200 the GPU idled about
-        # 5 ms a step there (docs/benchmarks.md). A non-finite loss is then reported as such
+        # queues the gradient clip and AdamW while the backward still runs, and the GPU no longer idles there
+        # (docs/benchmarks.md). A non-finite loss is then reported as such
         # (mortal.workers.actor.metrics leaves it out) instead of being replaced by the previous steps' mean.
         logging_nan_inf_filter=False,
         report_to="none",
@@ -90,7 +89,6 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int =
     return config
 
 
-
 def checkpointing_arg(enabled: bool) -> dict[str, bool]:
     """Activation checkpointing under the name this transformers knows: `activation_checkpointing` since
     5.2x (`gradient_checkpointing` is its deprecated alias there), only `gradient_checkpointing` before
@@ -99,7 +97,6 @@ def checkpointing_arg(enabled: bool) -> dict[str, bool]:
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
-
 
 
 def lora_config(spec: TrainingSpec) -> LoraConfig | None:
@@ -112,7 +109,6 @@ def lora_config(spec: TrainingSpec) -> LoraConfig | None:
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-
 
 
 def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, rollout_func: RolloutFunc, world: int,
@@ -162,11 +158,9 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     return trainer
 
 
-
 def publishes_at(spec: TrainingSpec, step: int) -> bool:
     """Whether the actor publishes weights after optimizer step `step` (every rank asks: a sharded
     publish is a collective)."""
     return step % spec.sync.every == 0 or step >= spec.algorithm.max_steps
-
 
 

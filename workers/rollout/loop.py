@@ -1,28 +1,16 @@
-"""The rollout worker: lease a task (a chunk of prompts), sample `numGenerations` completions of each
-in one batch, score them, hand them back.
+"""The rollout worker: lease a task (a chunk of prompts), sample `numGenerations` completions of each in one
+batch, score them, hand them back.
 
-Who calls it: mortal.workers.main (`main(ctx)`, role rollout). The loop, until ctx.stopping:
-
-    1. newer weights recorded in the store?   -> engine.load_weights (between tasks only)
-    2. lease the oldest task these weights may answer (min_weight_version <= loaded version)
-    3. encode its prompts (chat template), generate n completions of each in one engine call, each
-       prompt with its own seed (the engine batches them; the chunk is fixed by the actor's schedule);
-       with spec.rollout.tools or environment, mortal.workers.rollout.multiturn runs TRL's tool loop instead:
-       turn after turn, each batched across the task's rollouts, tool results masked out of the loss
-    4. score them with every reward (TRL-style, beside generation: scoring scales with replicas)
-    5. complete the task with a RolloutAnswer: a RolloutResult per prompt (ids, sampling logprobs,
-       texts, per-reward scores, what rewards passed to log_metric and log_extra)
-
-It ends when SIGTERM sets ctx.stopping (the controller stops it once the actor is done, or scales it
-down), or by itself when, while idle, it finds the run's newest actor Succeeded at maxSteps: no task
-will come any more, and with the controller gone (killed, never restarted) nothing else would stop it.
-Until the store records a version, the model loaded from spec.model.name serves as version 0
-(the actor's starting point); from then on the worker runs exactly the newest recorded version. The task's
-lease is renewed while it is worked on, so a slow generation is not taken over; a worker that dies loses
-nothing (its tasks are queued again when the controller ends its row, or at the latest when their leases
-expire, and another replica, or its relaunch, answers them with the same seed).
-What it must not do: write anything but its tasks' results and its heartbeat, or swallow a broken
-reward, dataset or model (those are FatalWorkerError: the run fails with the reason).
+Who calls it: mortal.workers.main (`main(ctx)`, role rollout). Until ctx.stopping: load the newest recorded
+weight version if it is newer (between tasks only, by the transport its row names: mortal.workers.sync),
+lease the oldest task those weights may answer, generate (mortal.workers.rollout.multiturn for tool-calling
+runs), score with every reward beside generation (so scoring scales with replicas), and complete the task
+with a RolloutAnswer. Until a version is recorded the model of spec.model.name is version 0. A task's lease
+is renewed while it is worked on; a worker that dies loses nothing (its tasks are queued again and answered
+with the same seeds). It also ends by itself when idle and the run's newest actor Succeeded at maxSteps, so
+nothing is left running if the controller is gone.
+What it must not do: write anything but its tasks' results and its heartbeat, or swallow a broken reward,
+dataset or model (FatalWorkerError: the run fails with the reason).
 """
 
 from __future__ import annotations
@@ -302,9 +290,8 @@ class RolloutWorker:
 def build(ctx: WorkerContext) -> RolloutWorker:
     """Rewards first (a wrong path fails in a second, before any model is loaded), then model and engine.
 
-    Its log line gives the seconds of each part before the engine's own load: on a GPU the engine was ready
-    about 10 s after the workload's import while its load took 1.2 s (2026-11-28), and a start is only made
-    shorter where it is known to go."""
+    Its log line gives the seconds of each part before the engine's own load: on a GPU most of a start
+    went elsewhere than the load, and a start is only made shorter where it is known to go."""
     spec = ctx.run.spec
     phases = Phases()
     rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps, run_dir=ctx.run_dir)

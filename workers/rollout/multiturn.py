@@ -1,40 +1,18 @@
 """Multi-turn, tool-calling rollouts: TRL's tool loop (GRPOTrainer, 1.16), run by the rollout worker.
 
-Who calls it: mortal.workers.rollout.loop, once per task, when spec.rollout has tools or an environment
-(`MultiTurn.rollouts(requests)`); it drives the worker's Engine through the same `generate` call
-single-turn rollouts use (so transformers and vLLM both serve it). The loop, for one task:
-
-    1. each rollout (prompt x numGenerations) gets its environment from the Toolbox (if any) and
-       `reset(**row)`; a string it returns is appended to the last prompt message
-    2. each prompt is rendered with its rollout's tools by the tool chat template
-       (spec.rollout.chatTemplate or the model's own; a template that is not prefix-preserving is
-       replaced by TRL's training template, as TRL does), with the generation prompt
-    3. turn 1: one engine call for the whole task (n per prompt, the task's seeds, exactly as
-       single-turn rollouts; n=1 per rollout when reset gave a group different prompts)
-    4. each new assistant turn is parsed with TRL's parse_response (transformers' response parsing with
-       the template's response schema: TRL's add_response_schema when the tokenizer has none)
-    5. while some rollouts called tools and fewer than maxToolCallingIterations rounds ran: call each
-       of their tool calls (Toolbox.call: timeout, errors become the tool's answer; each rollout's calls
-       in order, different rollouts' at once: Toolbox.call_each), render the tool
-       messages as the tokens that follow the assistant's end of turn (`tool_suffix_ids`) and append
-       them with loss mask 0 and logprob 0.0; a rollout whose tool results would pass the token budget
-       (generation.maxTokens counts the whole completion) or the model's length keeps its completion
-       as it is and leaves the loop (its tool messages are dropped, its calls still counted)
-    6. one engine call generates the next turn of every rollout still in the loop (n=1 each, a seed
-       per rollout and turn: schedule.turn_seed, maxTokens each), cut to its remaining budget,
-       appended with mask 1
-Every engine call of a task asks for prompts padded to one width (the longest prompt + maxTokens,
-which every history fits in: GenerationParams.min_prompt_width) and for the rows of its first turn
-(min_rows), so the GPU decoder replays one captured shape for all turns instead of compiling one per
-history length and count of rollouts still talking.
-The completion a rollout returns is everything after its prompt: model tokens, tool-result tokens,
-model tokens..., with one mask entry per token (TRL's tool_mask: 1 = trained, 0 = not). Every choice
-above follows TRL's `_tool_call_loop`; tests/workers/rollout/test_multiturn.py runs TRL's own loop on the
-same scripted turns and compares ids, masks and logprobs.
-What it must not do: batch rollouts of different tasks, read the clock or anything but tokens and
-seeds to decide what is generated (exact resume: same weights and seeds, same trajectories, given
-tools that answer the same), retry a tool, or swallow a broken environment (a reset that raises is
-a FatalWorkerError: the run fails with the reason, as a broken reward does).
+Who calls it: mortal.workers.rollout.loop, once per task when spec.rollout has tools or an environment
+(`MultiTurn.rollouts`); it drives the worker's Engine through the same `generate` call single-turn rollouts
+use, so every engine serves it. For a task: each rollout gets its environment (`reset(**row)`), each prompt
+is rendered with its tools by the tool chat template, turn 1 is one engine call for the whole task; then,
+while rollouts called tools and fewer than maxToolCallingIterations rounds ran, their calls run (Toolbox),
+the tool messages are appended with loss mask 0, and one engine call generates every live rollout's next
+turn (a seed per rollout and turn: schedule.turn_seed). A completion is everything after the prompt, one
+mask entry per token (TRL's tool_mask). Every engine call of a task asks for one prompt width and row count,
+so the GPU decoder replays one captured shape for all turns.
+Every choice follows TRL's `_tool_call_loop`; tests/workers/rollout/test_multiturn.py runs TRL's own loop
+on the same scripted turns and compares ids, masks and logprobs.
+What it must not do: batch rollouts of different tasks, decide anything from the clock rather than tokens
+and seeds (exact resume), retry a tool, or swallow a broken environment (FatalWorkerError).
 """
 
 from __future__ import annotations

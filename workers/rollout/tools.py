@@ -1,26 +1,16 @@
 """Tools and environments of a tool-calling run (spec.rollout.tools / environment), loaded in the rollout
 worker.
 
-Who calls it: mortal.workers.rollout.loop builds a `Toolbox` once (`Toolbox.from_spec`, before the model, so a
-wrong reference fails the run in a second); mortal.workers.rollout.multiturn asks it for each rollout's tools
-(`tools_for`) and calls them (`call`). TRL's semantics (GRPOTrainer, 1.16):
-  1. standalone tools are shared by every rollout; an environment class is built with no arguments,
-     once per concurrent rollout, and reused: `reset(**row)` before each generation
-     (the `environment` column is left out when a dict picks it), its public methods other than
-     `reset` and `get_reward` are the rollout's tools, bound to that instance;
-  2. a tool is called by its function's name with the parsed arguments; its result becomes the tool
-     message's content as str(result);
-  3. a tool that raises, is unknown, or is not a function call yields {'error': message} as the result
-     and counts as a failure; the rollout goes on.
-mortal adds a timeout: each call runs on a daemon thread and is abandoned after toolTimeoutSeconds
-(Python cannot stop a thread: a hung tool keeps its thread, never the rollout; mortal.workers.deadline
-dumps the stacks to the log, and relaunches the worker once too many abandoned calls still run). And where TRL
-calls one rollout's tools after another's, mortal calls different rollouts' at once (`call_each`): a code
-agent's sandbox runs overlap instead of queueing. Each rollout's own calls keep their order, and the
-standalone tools, shared by every rollout and maybe not written for threads, still run one call at a time; an
-environment's methods run concurrently only on different instances, which share nothing through it.
-What it must not do: run model-written code itself (a tool that executes code must go through the
-reward sandbox), or let a user's broken reference look like a retryable crash (FatalWorkerError).
+Who calls it: mortal.workers.rollout.loop builds a `Toolbox` once (before the model, so a wrong reference
+fails the run at once); mortal.workers.rollout.multiturn asks it for each rollout's tools (`tools_for`) and
+calls them. TRL's semantics (1.16): standalone tools are shared by every rollout; an environment class is
+built once per concurrent rollout and reset before each generation, its public methods being that
+rollout's tools; a tool's result becomes str(result), and one that raises or is unknown answers
+{'error': message} and counts as a failure. mortal adds a deadline per call (mortal.workers.deadline: a hung
+tool keeps its thread, never the rollout), and calls different rollouts' tools at once (`call_each`, each
+rollout's own in order; standalone tools, maybe not written for threads, one call at a time).
+What it must not do: run model-written code itself (that goes through the reward sandbox), or let a broken
+reference look like a retryable crash (FatalWorkerError).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """What torch.compile cost a worker and whether the run's compile cache served it: one line in its log.
 
-Who calls it: mortal.workers.rollout.engines.transformers_engine, around the first preparation of each decode
-shape (StaticDecoder: torch.compile of the decode step, then its CUDA graph capture), which logs
-
-    decode shape 64 rows x 64+256 tokens prepared in 4.1 s (compile cache hit: fx graph 1 hit 0 miss, ...)
-
-so `mortalctl logs RUN --role rollout` shows what a relaunch paid. The caches themselves are set up
-by the backend, before torch is imported: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR under
-$MORTAL_HOME/compile-cache/, shared by every run (mortal.controller.backends.base.compile_cache_environ says
-why torch's own on-disk caches and not mega-cache). Hit or miss is read from torch's counters, names as in
-torch 2.13: counters["inductor"]["fxgraph_cache_hit" | "fxgraph_cache_miss" | "fxgraph_cache_bypass"] and
-counters["aot_autograd"]["autograd_cache_hit" | "autograd_cache_miss" | "autograd_cache_bypass"].
-After a miss, `persist` commits the Modal volume (a no-op elsewhere), so what was compiled reaches
-the volume now and not at Modal's next background commit, which a preempted container never makes.
-`start_compile_workers` (called as a GPU engine is created, before its model loads) starts inductor's pool of
-compile processes then, instead of at the first compile.
+Who calls it: mortal.workers.rollout.engines.transformers_engine, around the first preparation of each
+decode shape (compile, then CUDA graph capture), so that `mortalctl logs RUN --role rollout` shows what a
+relaunch paid. The caches themselves are set up by the backend before torch is imported
+(TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR under $MORTAL_HOME/compile-cache/:
+mortal.controller.backends.base.compile_cache_environ says why); hit or miss is read from torch's counters
+(names as in torch 2.13). After a miss, `persist` commits the Modal volume (a no-op elsewhere), so what was
+compiled is kept even by a container preempted before Modal's background commit. `start_compile_workers`
+starts inductor's compile processes as a GPU engine is created, not at the first compile.
 What it must not do: change how anything compiles, or fail the worker (the report is only a log line).
 """
 

@@ -1,26 +1,15 @@
 """Attention for one query token per row that reads each key/value head once, for grouped-query models.
 
 Who uses it: StaticDecoder (mortal.workers.rollout.engines.static_decode) calls `install(model)` on the
-rollout's model. Every forward with more than one query token (the decoder's prefills, a per-prompt
-`generate`) goes to transformers' own "sdpa" function unchanged; only decode steps take the packed
-path below.
-
-Why: in a grouped-query model G query heads share each key/value head. Given a mask, transformers'
-sdpa attention expands every key/value head to its G query heads (`repeat_kv`) before calling SDPA
-(transformers 5.17 always; later ones pack the query instead, but only when not compiling, and the
-decode step is compiled). The decoder's static cache holds P + T columns for every row, so that
-expansion writes and reads the layer's whole K and V cache G times over at every step: at 256 rows
-the copy, not the weights, set the step's time (SmolLM2-135M, G = 3, and Qwen2.5-0.5B's shape,
-G = 7, both took about 10 ms per decode step on an H100, bench/decode_lengths.py). With a single
-query token, the G query heads of one key/value head can instead be laid out as G query positions of
-that head: SDPA then reads each head's K and V once and computes the same scores. The mask a decode
-step passes ([rows, 1, 1, P + T], one row of columns shared by every head) broadcasts over them
-unchanged, so nothing else in the decoder changes. On a CUDA GPU with Triton the packed call goes to
-decode_attention_kernel's split-column kernel instead of SDPA (it skips the columns a row cannot see).
-
+rollout's model; only decode steps take the packed path, every other forward goes to transformers' "sdpa".
+Why: given a mask, transformers' sdpa expands each key/value head to its G query heads before SDPA, so a
+decode step over a static cache of P + T columns copies the layer's whole K and V cache G times, and that
+copy, not the weights, set a step's time (bench/decode_lengths.py). With one query token, the G query heads
+of a key/value head can be laid out as G query positions of that head: SDPA reads K and V once and
+computes the same scores, and the decode step's mask broadcasts over them unchanged. On a CUDA GPU with
+Triton the packed call goes to decode_attention_kernel instead.
 What it must not do: change the model's weights, its results beyond floating-point summation order
-(tests/workers/rollout/engines/test_decode_attention.py compares it with transformers' sdpa), or the
-attention of a model that does not run "sdpa" (install leaves such a model as it is).
+(tests/workers/rollout/engines/test_decode_attention.py), or a model that does not run "sdpa".
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Split-column attention for one query token per row (flash-decoding), as a Triton kernel on CUDA.
 
-Who uses it: decode_attention.packed_decode_attention, for a decode step on a CUDA GPU when Triton is
-there (`supports` says when); everything else keeps SDPA. The call is a torch custom op
-(`torch.ops.mortal.decode_attention`) built with torch.library.triton_op, so the compiled decode step
-traces through it and the CUDA graph records its two kernels like any other.
-
-Why a kernel of our own: SDPA has no decode kernel for this layout. At 64 rows the decoder's packed
-SDPA call runs cuDNN's prefill kernel, 11.4 us a layer on an H100 for 8.4 MB of K and V (2.5 us at
-the HBM's bandwidth), the largest part of a 0.5B model's decode step (bench/decode_attention.py).
-That kernel tiles 64 query positions where a step has G (3 to 7) and reads every column of the
-static cache, the T - t columns no row has reached yet included. Here:
-  1. each program takes one (row, key/value head) pair and one slice of the columns: rows x heads x
-     slices programs, enough to fill the GPU at any row count (flash-decoding's split);
-  2. it reads the slice's mask first and skips a block of columns the row cannot see (a left-padded
-     prompt's padding, the columns after its last token), so a row reads only what it attends to;
-  3. the G query heads that share the key/value head are the rows of one tile (tl.dot), so K and V are
-     read once for all of them (what decode_attention's packing does for SDPA);
-  4. each slice keeps its running max, sum and unnormalized output in float32, and a second kernel
-     combines the slices (the log-sum-exp merge).
+Who uses it: decode_attention.packed_decode_attention, for a decode step on a CUDA GPU with Triton
+(`supports` says when). It is a torch custom op (`torch.ops.mortal.decode_attention`, torch.library's
+triton_op), so the compiled decode step traces through it and the CUDA graph records its kernels.
+Why a kernel of our own: SDPA has no decode kernel for this layout; the prefill kernel it runs tiles more
+query positions than a step has and reads every column of the static cache, those no row has reached
+included, the largest part of a decode step (bench/decode_attention.py). Here each program takes one
+(row, key/value head) pair and a slice of the columns (enough programs to fill the GPU at any row count),
+skips the blocks its row cannot see, reads K and V once for the G query heads that share them, and a
+second kernel merges the slices' float32 partial results (log-sum-exp).
 What it must not do: change results beyond floating-point summation order (float32 models multiply in
 IEEE float32, not TF32), or run where `supports` says no.
 """

@@ -1,27 +1,16 @@
 """Projections that read the same input, run as one matmul: a layer's q, k and v, its MLP's gate and up.
 
-Who uses it: StaticDecoder (mortal.workers.rollout.engines.static_decode) calls `fuse(model)` on the rollout's
-model, as it installs the packed decode attention. Nothing else does: the actor trains the model as
-transformers wrote it.
-
-Why: at 64 rows a decode step's matmuls are far too small to be bound by the weights they read; each
-costs about a kernel's fixed time. Profiled on an H100 at the 0.5B shape (bench/decode_speed.py
---profile, 2026-11-25): q, k and v took 4.4, 4.0 and 4.0 us, gate and up 5.8 us each, of a 1.56 ms
-step whose 392 kernels are 16 per layer. Fused, q/k/v take 4.7 us and gate/up 9.3 us: a layer runs two
-kernels fewer, and the step 1.34 ms.
-
-How: the weights (and biases) of a group are copied into one tensor, and each projection's parameter
-becomes a view of its rows. So everything that reads or writes the parameters by name (state_dict,
-the weight loads that copy new versions into the same tensors, the parameter count) sees and writes
-the fused tensor, and a captured CUDA graph reads the new weights. The group's first projection that is
-called computes every member's output and keeps it; a member called next with the same input tensor
-returns its slice, and one called with another input (another model's order of calls, a hook) computes
-its own from its view, so the results never depend on the order, only the saving does. The last member
-drops what was kept, so no activation outlives the layer.
-
-What it must not do: change the model's results beyond the order of floating-point sums, register the
-fused tensor as a parameter or buffer (it would be counted and loaded twice), or fuse a projection that
-is not a plain nn.Linear (a LoRA layer, a quantized one): such a group is left as it is.
+Who uses it: StaticDecoder (mortal.workers.rollout.engines.static_decode) calls `fuse(model)` on the
+rollout's model; the actor trains the model as transformers wrote it.
+Why: a decode step's matmuls are too small to be bound by the weights they read, so each costs about a
+kernel's fixed time, and fewer kernels make a shorter step (bench/decode_speed.py --profile).
+How: a group's weights are copied into one tensor and each projection's parameter becomes a view of its
+rows, so whatever reads or writes the parameters by name (state_dict, weight loads, a captured CUDA graph)
+sees the fused tensor. The group's first member called computes every member's output; a member called
+next with the same input returns its slice, one called with another input computes its own, so results
+never depend on the call order; the last member drops what was kept.
+What it must not do: change results beyond floating-point summation order, register the fused tensor as
+a parameter or buffer, or fuse a projection that is not a plain nn.Linear (LoRA, quantized).
 """
 
 from __future__ import annotations

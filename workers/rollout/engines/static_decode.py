@@ -1,58 +1,23 @@
-"""A decode loop over a static KV cache of fixed rows, refilled as sequences end; every decode step
-is one compiled CUDA graph, sampling included.
+"""A decode loop over a static KV cache of fixed rows, refilled as sequences end; every decode step is one
+compiled CUDA graph, sampling included.
 
 Who calls it: mortal.workers.rollout.engines.transformers_engine on CUDA, one `StaticDecoder.generate` per
-rollout task: all completions of all its prompts (each prompt repeated n times, left-padded to one
-width P) are the task's SEQUENCES, decoded in a fixed order.
-
-Why not transformers' `generate` (even with its static cache and auto-compile): per token it runs
-logits processors, stopping criteria and score bookkeeping in Python and reads a flag back from the
-GPU, so the GPU waits for Python at every token. Measured on an H100, 64 sequences x 256 tokens of a
-0.5B model took 1.2 s that way, most of it idle GPU. Here one decode step (the model's forward over
-the static cache, temperature / top-k / top-p, sampling, the sampled token's logprob) is compiled
-and recorded as a CUDA graph; Python only replays it and reads the GPU back every `sync_every`
-steps. vLLM does the same with its own kernels; this keeps the transformers model (any
-architecture whose layers are all full attention, new weights copied into the same tensors).
-
-Continuous batching: the cache has R ROWS (R = the sequences when they are at most `max_rows`, else
-`max_rows`), each of P + T columns (T = max_tokens): a row holds one sequence, its prompt in columns
-0..P-1 and its token j written at column P + j. Completions end at EOS at very different lengths;
-instead of running a batch until its longest row ends, a row whose sequence has ended is refilled
-with the next waiting sequence. Each row keeps its own token index t, position and attention mask,
-all tensors of the DecodeState, so the step stays one fixed-shape graph (RowCache scatters each
-row's new K/V at that row's own column). The loop, for S sequences:
-    1. fill (eager): prefill the first R sequences into the R rows, sample each one's first token.
-    2. replay the step until the next check: each live row feeds its last token at column
-       P + t - 1, unmasks that column and samples token t; a row at t = T (max_tokens reached) keeps
-       replaying but writes nowhere that is read. Rows that sampled an EOS keep going too (fixed
-       shapes); what follows their EOS is cut by the caller (cut_at_eos).
-    3. check (one GPU read-back) every sync_every steps, and at the step a row reaches T (Python
-       counts each row's t itself, no read-back needed for that): a row whose sequence sampled an
-       EOS or reached T has finished.
-    4. copy each finished row's tokens out to its sequence, refill those rows with the next waiting
-       sequences (one eager prefill of them all, into their rows only); rows with none to take idle.
-    5. stop once no row is live.
-With R = S nothing is refilled and the decode is the single batch it was before this change (the
-same tokens, bit for bit). With S > R the GPU keeps R live sequences running instead of running
-batch after batch to each one's longest row.
-
-Determinism: sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which picks
-token i with probability p_i, from torch's generator; which sequence goes into which row and when
-depends only on the tokens sampled. So the same sequences, seed, weights and `max_rows` give the
-same tokens on one machine; `max_rows` is part of what the tokens depend on (as the GPU model is).
-Shapes: a step is captured per (R, P, T, sampling) and the `kept_shapes` most recent are kept, so a
-worker whose tasks alternate between two prompt widths replays both without capturing again. R is the
-sequences rounded up to a power of two (graph_rows) and P is padded by the caller (the engine's prompt
-bucket; the tool loop pads every turn of a task to one width), so that a few shapes serve many calls. Each
-kept shape costs its KV cache, R x (P + T) x layers x 2 x kv_heads x head_dim x dtype bytes (for a
-0.5B Qwen2.5 in bf16 at R=256, P+T=576: 256 x 576 x 24 x 2 x 2 x 64 x 2 B = 1.7 GB), plus its
-graph's private memory pool (one step's activations and R x vocab float32 logits, a few hundred MB).
-Construction installs two things on the model, both with its values unchanged: the packed decode
-attention (decode_attention.py) and fused projections (fused_projections.py: q/k/v and gate/up
-parameters become views of one tensor per group), so it is made before the engine loads any weights.
-What it must not do: change the model's weight values (the engine owns them), mix sequences
-of different tasks in one call (exact resume replays a task as one unit), or read the GPU back
-inside the step (no .item(), no Python branching on tensor values: the graph replays blind).
+rollout task: all completions of all its prompts (each prompt repeated n times, left-padded to one width P).
+Why not transformers' `generate`: per token it runs logits processors, stopping criteria and bookkeeping in
+Python and reads a flag back from the GPU, which then waits for Python at every token. Here one decode step
+(forward over the static cache, temperature / top-k / top-p, sampling, the token's logprob) is compiled and
+recorded as a CUDA graph that Python only replays, reading the GPU back every `sync_every` steps; the
+transformers model stays (any architecture whose layers are all full attention).
+Continuous batching: the cache has R rows of P + T columns; a row whose sequence ended (EOS or T tokens) is
+refilled with the next waiting sequence, each row keeping its own token index, position and mask, so the
+step stays one fixed-shape graph. Determinism: sampling is the exponential race on torch's generator, and
+which sequence goes into which row depends only on the tokens sampled, so the same sequences, seed, weights
+and `max_rows` give the same tokens on one machine. Shapes: a step is captured per (R, P, T, sampling) and
+the `kept_shapes` most recent are kept, each costing its KV cache and its graph's memory pool.
+Construction installs the packed decode attention and fused projections on the model (values unchanged),
+so it is made before the engine loads any weights.
+What it must not do: change the model's weight values, mix sequences of different tasks in one call (exact
+resume replays a task as one unit), or read the GPU back inside the step (the graph replays blind).
 """
 
 from __future__ import annotations
@@ -69,15 +34,14 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from mortal.workers.oom import BudgetRefusal
 from mortal.workers.rollout.engines import decode_attention, fused_projections
 
-# Decode steps between checks for ended rows. A check waits for the GPU once (tens of microseconds of idle
-# GPU while Python enqueues the next replays); a row that ended just after one keeps sampling junk until
-# the next. A tool loop's turns are short (10-30 tokens in the calculator bench, a 5 ms step in float32),
-# so at 32 each turn ran about 20 junk steps after its longest row ended.
+# Decode steps between checks for ended rows. A check waits for the GPU once (a moment of idle GPU while
+# Python enqueues the next replays); a row that ended just after one keeps sampling junk until the next.
+# A tool loop's turns are short, so a long interval spent most of each turn's steps on junk.
 SYNC_EVERY = 8
 # A memory budget's share kept for what the row plan does not count: the CUDA graphs' private pools
 # (one step's activations), a prefill's activations, the allocator's rounding and fragmentation. The
 # floor is for what does not shrink with the budget (cuBLAS's workspaces, torch.compile's autotuning
-# buffers): a 15% share of a small budget does not hold them, and the first step ran out of memory.
+# buffers): the share of a small budget does not hold them, and the first step ran out of memory.
 WORKSPACE_SHARE = 0.15
 WORKSPACE_FLOOR = 512 * 2**20
 # float32 [rows, vocab] tensors a step holds at once: logits, scaled, probabilities, noise
@@ -88,11 +52,9 @@ COMPILED_SHAPES = 64  # decode shapes one model may compile (compiled_model says
 # What torch.compile covers of a decode step's forward: the whole model ("model"), or each decoder layer
 # with one graph for all (layer_compiled_model); "auto", the default, is "layer" for a model with a list of
 # decoder layers and "model" for one without (resolve_compile_scope). A user picks it
-# (spec.generation.compileScope, the same names). Why "layer" by default: on an H100
-# (bench/regional_compile.py, 0.5B shape, 64 rows; docs/benchmarks.md) it prepares a shape in 14-17 s against
-# 36-41 s (a new prompt width: 4.5-7 s against 27-38 s) and decodes a step in 1.47-1.67 ms against 1.42-1.53
-# (GPU kernels 1.30 against 1.27 ms): the whole model pays off only after some 100,000 decode steps at few
-# prompt widths.
+# (spec.generation.compileScope, the same names). Why "layer" by default: it prepares a shape in a fraction
+# of the whole model's time and decodes a step nearly as fast (bench/regional_compile.py, docs/benchmarks.md),
+# so the whole model pays off only after very many decode steps at few prompt widths.
 COMPILE_SCOPES = ("auto", "model", "layer")
 
 
@@ -122,13 +84,13 @@ def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[...,
     the embedding, final norm and head run eagerly (inside a captured CUDA graph they replay as kernels like
     the rest). Decodes through a StackedRowCache only (it says why).
 
-    Why: compiling the whole model's decode step is most of a rollout's start (34.6 s for SmolLM2 on an H100,
-    docs/benchmarks.md), and the layers are one module repeated. Compiled with dynamic=None and the layer
+    Why: compiling the whole model's decode step is most of a rollout's start (docs/benchmarks.md), and the
+    layers are one module repeated. Compiled with dynamic=None and the layer
     index unspecialised, layer 0 compiles with everything fixed and a second graph, the index symbolic, serves
-    every other layer (24 layers on an H200: a shape prepared in 16-17 s against 49-51 s for the whole model,
-    docs/benchmarks.md). A second decode shape makes automatic dynamic shapes compile the sizes symbolic too.
-    The compiled layers stand in the model's layer list only during the call: the eager prefill and anything
-    else that calls the model run the plain layers (a prefill would otherwise compile each new width)."""
+    every other layer (docs/benchmarks.md compares it with the whole model). A second decode shape makes
+    automatic dynamic shapes compile the sizes symbolic too. The compiled layers stand in the model's layer
+    list only during the call: the eager prefill and anything else that calls the model run the plain layers
+    (a prefill would otherwise compile each new width)."""
     layers = decoder_layers(model)
     compiled = torch.nn.ModuleList(torch.compile(layer, dynamic=None, backend=backend) for layer in layers)
 
@@ -180,9 +142,9 @@ def _layers_replaced(layers: torch.nn.ModuleList, replacements: torch.nn.ModuleL
 
 def graph_rows(sequences: int, max_rows: int) -> int:
     """Rows of a captured shape for `sequences`: the next power of two, at most max_rows; the rows past
-    the sequences idle. Why: each row count is a shape of its own, compiled and captured anew (30 s
-    for SmolLM2 on an H100, then torch.compile's recompile limit), and a tool loop's later turns have a
-    different count of live rollouts every time (61, 58, ...). A task's 64 sequences keep 64 rows."""
+    the sequences idle. Why: each row count is a shape of its own, compiled and captured anew (up to
+    torch.compile's recompile limit), and a tool loop's later turns have a different count of live rollouts
+    every time. A task of a power of two sequences keeps that many rows."""
     return min(max_rows, 1 << max(0, sequences - 1).bit_length())
 
 

@@ -1,25 +1,15 @@
 """The `transformers` engine: a transformers causal LM on every machine, batched on CUDA.
 
 Who calls it: mortal.workers.rollout.loop through the Engine interface (base.py says the contract).
-- CPU (and `compiled=False`): `model.generate` on one prompt at a time, `num_return_sequences=n`,
-  no padding, seeded inside a forked RNG so the worker's global RNG is untouched: a prompt's tokens
-  are bit-for-bit reproducible whichever worker runs it, which exact resume relies on.
-- CUDA: all completions of all the task's prompts in ONE `StaticDecoder.generate` (a static KV
-  cache of at most `max_rows` rows, refilled as completions end, and one CUDA graph per decode
-  step, sampling included; static_decode.py says why). Prompts are left-padded to a multiple of
-  PROMPT_BUCKET tokens, so a handful of shapes cover every prompt (the decoder keeps the most recent
-  shapes captured); the call is seeded with its first prompt's seed. Its tokens depend on
-  `max_rows` too (which sequences share a step): spec.generation.maxNumSeqs sets it for every worker.
-  Measured on an H100 (bench/decode_speed.py, before rows were refilled; not measured since): 64 x
-  256 tokens in 0.82 s, against 1.55 s for transformers' own compiled `generate`. The graphs
-  belong to the thread that captured them, so every batched generate of the process runs on one
-  thread of its own, whichever thread asks. The first preparation of each shape is logged with its
-  seconds and whether the run's compile cache (compile_cache.py) served it: "prepared in 4.1 s
-  (compile cache hit ...)".
-The model's own generation_config (hub defaults such as top_k=50 or a repetition penalty) is never
-read: the spec alone decides how tokens are sampled, as TRL's GenerationConfig does. Logprobs are
-those of the distribution sampled from, temperature, top-k and top-p applied. New weights are
-copied into the same parameter tensors (load_state_dict), so captured graphs see them.
+- CPU (and `compiled=False`): `model.generate` on one prompt at a time, seeded inside a forked RNG, so a
+  prompt's tokens are bit-for-bit reproducible whichever worker runs it (exact resume relies on it).
+- CUDA: all completions of the task's prompts in one `StaticDecoder.generate` (static_decode.py says why),
+  prompts left-padded to a multiple of PROMPT_BUCKET so a few shapes cover every prompt; its tokens depend
+  on `max_rows` too, which spec.generation.maxNumSeqs sets for every worker. Captured graphs belong to the
+  thread that captured them, so batched generates run on one thread of their own. The first preparation of
+  each shape is logged with whether the run's compile cache served it (compile_cache.py).
+The model's own generation_config is never read: the spec alone decides how tokens are sampled, as TRL's
+does. New weights are copied into the same tensors, so captured graphs see them.
 What it must not do: pick up new weights mid-task (the worker calls load_weights between tasks).
 """
 
