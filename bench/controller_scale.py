@@ -58,8 +58,15 @@ class InMemoryBackend(Backend):
     def launch(self, launch: WorkerLaunch) -> str:
         handle = f"mem:{launch.worker_id}"
         with self._lock:
-            self._workers[handle] = BackendWorker(launch.worker_id, handle, launch.run, launch.role, launch.replica,
-                                                  launch.incarnation, alive=True)
+            self._workers[handle] = BackendWorker(
+                launch.worker_id,
+                handle,
+                launch.run,
+                launch.role,
+                launch.replica,
+                launch.incarnation,
+                alive=True,
+            )
         return handle
 
     def list(self, run: str | None = None) -> list[BackendWorker]:
@@ -83,8 +90,11 @@ class HeartbeatPump:
         live = WorkerRow.state.in_(["Pending", "Running"])
         while not self.stop.wait(1.0):
             with self.engine.begin() as conn:
-                conn.execute(update(WorkerRow).where(live, WorkerRow.handle.is_not(None))
-                             .values(heartbeat_at=utcnow(), state="Running"))
+                conn.execute(
+                    update(WorkerRow)
+                    .where(live, WorkerRow.handle.is_not(None))
+                    .values(heartbeat_at=utcnow(), state="Running")
+                )
                 conn.execute(update(WorkerRow).where(live, WorkerRow.role == "actor").values(step=10))
 
     def __enter__(self) -> HeartbeatPump:
@@ -102,8 +112,13 @@ def stats(seconds: list[float]) -> dict[str, float]:
     if not ms:
         return {"n": 0}
     pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
-    return {"n": len(ms), "p50_ms": round(pick(0.50), 2), "p99_ms": round(pick(0.99), 2), "max_ms": round(ms[-1], 2),
-            "mean_ms": round(statistics.fmean(ms), 2)}
+    return {
+        "n": len(ms),
+        "p50_ms": round(pick(0.50), 2),
+        "p99_ms": round(pick(0.99), 2),
+        "max_ms": round(ms[-1], 2),
+        "mean_ms": round(statistics.fmean(ms), 2),
+    }
 
 
 def wait_until(check, timeout: float, what: str, interval: float = 0.25) -> float:
@@ -133,7 +148,9 @@ def bench_one(kind: str, n: int, steady: float, react: int, threads: int) -> dic
         names = [f"run-{i:05d}" for i in range(n)]
         for name in names:
             run = simulated_run(name, max_steps=1_000_000, rollout_replicas=1)
-            store.apply_run(name, run.spec_dict(), labels=run.metadata.labels, annotations=run.metadata.annotations)
+            store.apply_run(
+                name, run.spec_dict(), labels=run.metadata.labels, annotations=run.metadata.annotations
+            )
         backend = InMemoryBackend()
         config = ControllerConfig(threads=threads)
         result: dict[str, Any] = {"store": kind, "runs": n, "threads": threads}
@@ -166,8 +183,12 @@ def react_latencies(store, names: list[str]) -> list[float]:
         started = time.perf_counter()
         store.update_spec(name, spec, row.resource_version)
         wake.notify(name)
-        wait_until(lambda n=name: store.get_run(n).status["replicas"]["rollout"]["desired"] == 2, 60, "scale",
-                   interval=0.005)
+        wait_until(
+            lambda n=name: store.get_run(n).status["replicas"]["rollout"]["desired"] == 2,
+            60,
+            "scale",
+            interval=0.005,
+        )
         out.append(time.perf_counter() - started)
     return out
 
@@ -197,10 +218,21 @@ def scan_cost() -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg(),
-            "host": platform.node()}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_avg": os.getloadavg(),
+        "host": platform.node(),
+    }
 
 
 def main() -> None:
@@ -212,20 +244,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=ControllerConfig().threads)
     parser.add_argument("--out", type=Path, default=Path("bench/results/controller_scale.json"))
     args = parser.parse_args()
-    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-              "scan": scan_cost(), "cases": []}
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine(),
+        "scan": scan_cost(),
+        "cases": [],
+    }
     print(f"machine: {report['machine']}\nlocal scan: {report['scan']}", flush=True)
-    print("| store | runs | cold s | steady p50 ms | p99 ms | max ms | passes/s | s between passes/run "
-          "| sweep p50 ms | p99 ms | react p50 ms | p99 ms |")
+    print(
+        "| store | runs | cold s | steady p50 ms | p99 ms | max ms | passes/s | s between passes/run "
+        "| sweep p50 ms | p99 ms | react p50 ms | p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for kind in args.store or ["sqlite"]:
         for n in (int(x) for x in args.runs.split(",")):
             r = bench_one(kind, n, args.steady, args.react, args.threads)
             report["cases"].append(r)
             s, w, q = r["steady"], r["sweep"], r["react"]
-            print(f"| {kind} | {n} | {r['cold_s']} | {s['p50_ms']} | {s['p99_ms']} | {s['max_ms']} | "
-                  f"{s['passes_per_s']} | {s['seconds_between_passes_per_run']} | {w['p50_ms']} | {w['p99_ms']} | "
-                  f"{q['p50_ms']} | {q['p99_ms']} |", flush=True)
+            print(
+                f"| {kind} | {n} | {r['cold_s']} | {s['p50_ms']} | {s['p99_ms']} | {s['max_ms']} | "
+                f"{s['passes_per_s']} | {s['seconds_between_passes_per_run']} | "
+                f"{w['p50_ms']} | {w['p99_ms']} | "
+                f"{q['p50_ms']} | {q['p99_ms']} |",
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
 

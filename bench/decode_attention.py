@@ -24,7 +24,9 @@ from pathlib import Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--columns", type=int, default=320)
     parser.add_argument("--replays", type=int, default=500)
@@ -48,6 +50,7 @@ def main() -> None:
         def run(q, k, v, mask):
             with sdpa_kernel([backend]):
                 return packed(q, k, v, mask)
+
         return run
 
     def flex(q, k, v, mask):
@@ -55,25 +58,34 @@ def main() -> None:
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + additive[b, kv_idx]
+
         return flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True)
 
     def math(q, k, v, mask):
         b = q.shape[0]
-        scores = q.reshape(b, kv_heads, groups, dim) @ k.transpose(-1, -2) * dim ** -0.5 + mask
+        scores = q.reshape(b, kv_heads, groups, dim) @ k.transpose(-1, -2) * dim**-0.5 + mask
         o = scores.float().softmax(-1).to(q.dtype) @ v
         return o.reshape(b, heads, 1, dim)
 
-    variants = {"sdpa_packed": packed, "sdpa_packed_efficient": forced(SDPBackend.EFFICIENT_ATTENTION),
-                "sdpa_packed_cudnn": forced(SDPBackend.CUDNN_ATTENTION), "flex_gqa": flex, "math": math}
+    variants = {
+        "sdpa_packed": packed,
+        "sdpa_packed_efficient": forced(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa_packed_cudnn": forced(SDPBackend.CUDNN_ATTENTION),
+        "flex_gqa": flex,
+        "math": math,
+    }
     for rows in args.rows:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(rows, kv_heads, args.columns, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-                for _ in range(2))
+        k, v = (
+            torch.randn(rows, kv_heads, args.columns, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2)
+        )
         hidden = torch.rand(rows, 1, 1, args.columns, device="cuda", generator=g) < 0.5
         hidden[..., -1] = False
         mask = torch.zeros(rows, 1, 1, args.columns, device="cuda", dtype=torch.bfloat16).masked_fill(
-            hidden, torch.finfo(torch.bfloat16).min)
+            hidden, torch.finfo(torch.bfloat16).min
+        )
         reference = None
         for name, fn in variants.items():
             try:
@@ -84,7 +96,10 @@ def main() -> None:
                 continue
             reference = result if reference is None else reference
             diff = float((result.float() - reference.float()).abs().max())
-            print(f"rows {rows} {name}: {micros:.2f} us a call, max |diff| vs sdpa_packed {diff:.4f}", flush=True)
+            print(
+                f"rows {rows} {name}: {micros:.2f} us a call, max |diff| vs sdpa_packed {diff:.4f}",
+                flush=True,
+            )
             out["results"][f"{rows}/{name}"] = {"us": micros, "max_abs_diff": diff}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

@@ -87,14 +87,17 @@ def force_lengths(model, prompt_len: int) -> None:
 
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.arange(vocab, device=model.device)
-    allowed = (ids[None] % MODULUS == torch.arange(MODULUS, device=model.device)[:, None]) & (ids[None] >= MODULUS)
+    allowed = (ids[None] % MODULUS == torch.arange(MODULUS, device=model.device)[:, None]) & (
+        ids[None] >= MODULUS
+    )
     only_eos = ids == EOS
     base = type(model)
 
     class LengthForced(base):
         def forward(self, input_ids=None, position_ids=None, cache_position=None, **kwargs):
-            out = super().forward(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
-                                  **kwargs)
+            out = super().forward(
+                input_ids=input_ids, position_ids=position_ids, cache_position=cache_position, **kwargs
+            )
             logits = out.logits
             q = logits.shape[1]  # generate may keep only the last position's logits
             if position_ids is None:
@@ -102,7 +105,9 @@ def force_lengths(model, prompt_len: int) -> None:
             length = input_ids[:, -q:] % MODULUS  # [B, q]
             index = position_ids[:, -q:] - prompt_len + 1  # the completion token these logits sample
             keep = torch.where((index == length - 1)[..., None], only_eos, allowed[length])
-            logits.masked_fill_(~keep, float("-inf"))  # in place: no attribute set on the output (graph breaks)
+            logits.masked_fill_(
+                ~keep, float("-inf")
+            )  # in place: no attribute set on the output (graph breaks)
             return out
 
     LengthForced.__name__ = f"LengthForced{base.__name__}"
@@ -130,24 +135,41 @@ def trl_generate(model, ids, mask, eos_ids: list[int], pad: int, bos: int | None
     import torch
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=tokens, do_sample=True, pad_token_id=pad, bos_token_id=bos,
-                              eos_token_id=eos_ids, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                              repetition_penalty=1.0, cache_implementation=None, disable_compile=True)
+    config = GenerationConfig(
+        max_new_tokens=tokens,
+        do_sample=True,
+        pad_token_id=pad,
+        bos_token_id=bos,
+        eos_token_id=eos_ids,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        cache_implementation=None,
+        disable_compile=True,
+    )
     sync()
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     sync()
     seconds = time.perf_counter() - started
-    completions = out[:, ids.shape[1]:]
+    completions = out[:, ids.shape[1] :]
     lengths = useful_lengths(completions, eos_ids)
     width = completions.shape[1]
-    return {"seconds": seconds, "lengths": lengths, "useful_tokens": sum(lengths), "decode_steps": width,
-            "useful_fraction": sum(lengths) / (len(lengths) * width), "mean_length": statistics.mean(lengths)}
+    return {
+        "seconds": seconds,
+        "lengths": lengths,
+        "useful_tokens": sum(lengths),
+        "decode_steps": width,
+        "useful_fraction": sum(lengths) / (len(lengths) * width),
+        "mean_length": statistics.mean(lengths),
+    }
 
 
 def mortal_generate(decoder, ids, mask, eos_ids: list[int], tokens: int) -> dict:
-    from mortal.workers.engines.static_decode import Sampling
+    from mortal.workers.rollout.engines.static_decode import Sampling
 
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
     sync()
@@ -158,19 +180,34 @@ def mortal_generate(decoder, ids, mask, eos_ids: list[int], tokens: int) -> dict
     stats = decoder.last_stats
     lengths = useful_lengths(out, eos_ids)
     assert sum(lengths) == stats.useful_tokens, (sum(lengths), stats.useful_tokens)
-    return {"seconds": seconds, "lengths": lengths, "useful_tokens": stats.useful_tokens,
-            "decode_steps": stats.decode_steps,
-            "rows": stats.rows, "refills": stats.refills, "useful_fraction": stats.useful_fraction,
-            "mean_length": statistics.mean(lengths)}
+    return {
+        "seconds": seconds,
+        "lengths": lengths,
+        "useful_tokens": stats.useful_tokens,
+        "decode_steps": stats.decode_steps,
+        "rows": stats.rows,
+        "refills": stats.refills,
+        "useful_fraction": stats.useful_fraction,
+        "mean_length": statistics.mean(lengths),
+    }
 
 
-def bench_source(name: str, model, ids, mask, eos_ids: list[int], pad: int, bos: int | None,
-                 args: argparse.Namespace, expected: list[int] | None = None) -> dict:
+def bench_source(
+    name: str,
+    model,
+    ids,
+    mask,
+    eos_ids: list[int],
+    pad: int,
+    bos: int | None,
+    args: argparse.Namespace,
+    expected: list[int] | None = None,
+) -> dict:
     """The three ways on one model and batch: a warm-up each, then --repeats timed runs, the slower kept.
     `expected`: each sequence's length where it is known up front (the drawn source), checked per row."""
     import torch
 
-    from mortal.workers.engines.static_decode import StaticDecoder
+    from mortal.workers.rollout.engines.static_decode import StaticDecoder
 
     sequences = ids.shape[0]
     ways = {"trl": lambda: trl_generate(model, ids, mask, eos_ids, pad, bos, args.tokens)}
@@ -195,13 +232,19 @@ def bench_source(name: str, model, ids, mask, eos_ids: list[int], pad: int, bos:
             runs.append(run)
         lower = min(runs, key=lambda r: r["useful_tokens_per_second"])
         out[way] = {**lower, "repeats": runs}
-        print(f"{name} {way}: {lower['useful_tokens_per_second']:.0f} useful tokens/s ({lower['useful_tokens']} "
-              f"tokens in {lower['seconds']:.2f} s, {lower['decode_steps']} decode steps, useful fraction "
-              f"{lower['useful_fraction']:.3f}, mean length {lower['mean_length']:.1f}; repeats "
-              f"{', '.join(str(round(r['useful_tokens_per_second'])) for r in runs)})", flush=True)
+        print(
+            f"{name} {way}: {lower['useful_tokens_per_second']:.0f} useful tokens/s "
+            f"({lower['useful_tokens']} "
+            f"tokens in {lower['seconds']:.2f} s, {lower['decode_steps']} decode steps, useful fraction "
+            f"{lower['useful_fraction']:.3f}, mean length {lower['mean_length']:.1f}; repeats "
+            f"{', '.join(str(round(r['useful_tokens_per_second'])) for r in runs)})",
+            flush=True,
+        )
     for way in ways:
         if way != "trl":
-            out[f"{way}_over_trl"] = out[way]["useful_tokens_per_second"] / out["trl"]["useful_tokens_per_second"]
+            out[f"{way}_over_trl"] = (
+                out[way]["useful_tokens_per_second"] / out["trl"]["useful_tokens_per_second"]
+            )
             print(f"{name} {way} / trl: {out[f'{way}_over_trl']:.2f}x", flush=True)
     return out
 
@@ -214,8 +257,8 @@ def real_source(args: argparse.Namespace, device: str, dtype) -> dict:
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows, normalize_prompt
-    from mortal.workers.engines.base import eos_token_ids
     from mortal.workers.models import encode_prompt
+    from mortal.workers.rollout.engines.base import eos_token_ids
 
     folder = local_model(args.model) if args.model.suffix == ".gguf" else args.model
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -225,9 +268,12 @@ def real_source(args: argparse.Namespace, device: str, dtype) -> dict:
     rows = load_rows(DatasetSpec(name="builtin:wordproblems"))[: args.prompts]
     prompts = [encode_prompt(tokenizer, normalize_prompt(r["prompt"], None)) for r in rows]
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts for _ in range(args.gens)], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(args.gens)],
-                        device=device)
+    ids = torch.tensor(
+        [[pad] * (width - len(p)) + p for p in prompts for _ in range(args.gens)], device=device
+    )
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(args.gens)], device=device
+    )
     out = bench_source("real", model, ids, mask, eos_ids, pad, tokenizer.bos_token_id, args)
     del model
     return out
@@ -241,9 +287,19 @@ def drawn_source(args: argparse.Namespace, device: str, dtype) -> dict:
     sequences = args.prompts * args.gens
     lengths = draw_lengths(sequences, args.seed, args.median, args.sigma, min(20, args.tokens), args.tokens)
     if args.cpu:
-        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
-                             max_position_embeddings=1024, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
+        config = Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+            bos_token_id=1,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
@@ -255,19 +311,31 @@ def drawn_source(args: argparse.Namespace, device: str, dtype) -> dict:
     force_lengths(model, args.prompt_len)
     ids = length_prompts(lengths, args.prompt_len, args.seed, model.config.vocab_size).to(device)
     mask = torch.ones_like(ids)
-    print(f"drawn lengths: {sequences} sequences, mean {statistics.mean(lengths):.1f}, median "
-          f"{statistics.median(lengths)}, max {max(lengths)}, sum {sum(lengths)}", flush=True)
+    print(
+        f"drawn lengths: {sequences} sequences, mean {statistics.mean(lengths):.1f}, median "
+        f"{statistics.median(lengths)}, max {max(lengths)}, sum {sum(lengths)}",
+        flush=True,
+    )
     out = bench_source("drawn", model, ids, mask, [EOS], EOS, 1, args, expected=lengths)
-    out["lengths"] = {"sum": sum(lengths), "mean": statistics.mean(lengths), "median": statistics.median(lengths),
-                      "max": max(lengths), "min": min(lengths)}
+    out["lengths"] = {
+        "sum": sum(lengths),
+        "mean": statistics.mean(lengths),
+        "median": statistics.median(lengths),
+        "max": max(lengths),
+        "min": min(lengths),
+    }
     del model
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--source", choices=["real", "drawn", "both"], default="both")
-    parser.add_argument("--model", type=Path, help="the SmolLM2 GGUF file (or a model folder), for --source real")
+    parser.add_argument(
+        "--model", type=Path, help="the SmolLM2 GGUF file (or a model folder), for --source real"
+    )
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=512, help="max completion tokens")
@@ -278,7 +346,9 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.8, help="drawn lengths: the log-normal's sigma")
     parser.add_argument("--prompt-len", type=int, default=32, help="drawn source: prompt tokens per sequence")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--cpu", action="store_true", help="smoke test: eager decoder, tiny sizes unless given")
+    parser.add_argument(
+        "--cpu", action="store_true", help="smoke test: eager decoder, tiny sizes unless given"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import torch
@@ -287,8 +357,11 @@ def main() -> None:
         args.prompts, args.gens, args.tokens, args.rows, args.prompt_len, args.median = 2, 4, 40, 3, 8, 24
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else getattr(torch, args.dtype)
-    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "gpus": 0 if args.cpu else 1,
-                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
+    out: dict = {
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "gpus": 0 if args.cpu else 1,
+        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+    }
     if args.source in ("real", "both"):
         if args.model is None:
             raise SystemExit("--source real needs --model (the SmolLM2 GGUF)")

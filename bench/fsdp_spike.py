@@ -51,18 +51,21 @@ def fixed_rollout(step: int, prompts: list, trainer) -> dict:
 
     TRL (accelerate's sampler) gives each process len(prompts) = batch / world of the step's
     generation batch, in rank order; this returns the same rank-ordered slice of one fixed batch."""
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     g = torch.Generator().manual_seed(1000 + step)
     ids = [[int(t) for t in torch.randint(5, 400, (6,), generator=g)] for _ in range(BATCH // GENERATIONS)]
     prompt_ids = [ids[i // GENERATIONS] for i in range(BATCH)]
-    completion_ids = [[int(t) for t in torch.randint(5, 400, (4 + i % 3,), generator=g)] for i in range(BATCH)]
+    completion_ids = [
+        [int(t) for t in torch.randint(5, 400, (4 + i % 3,), generator=g)] for i in range(BATCH)
+    ]
     logprobs = [[-1.0] * len(c) for c in completion_ids]
     rewards = [{"score": float(torch.rand((), generator=g))} for _ in range(BATCH)]
     n, rank = len(prompts), trainer.accelerator.process_index
     part = slice(rank * n, (rank + 1) * n)
-    return trl_seam.rollout_output(prompt_ids[part], completion_ids[part], logprobs[part], rewards[part],
-                                   [0] * n)
+    return trl_seam.rollout_output(
+        prompt_ids[part], completion_ids[part], logprobs[part], rewards[part], [0] * n
+    )
 
 
 def build(model_dir: Path, out: Path, world: int, mode: str, steps: int):
@@ -70,13 +73,14 @@ def build(model_dir: Path, out: Path, world: int, mode: str, steps: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     if mode == "hf-distributed" and world > 1:
         from transformers.distributed import DistributedConfig
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     distributed_config=DistributedConfig(fsdp_size=world))
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=world)
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     extra = {}
@@ -89,18 +93,36 @@ def build(model_dir: Path, out: Path, world: int, mode: str, steps: int):
             fully_shard(layer)
         fully_shard(model)
     args = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=BATCH // world, num_generations=GENERATIONS,
-        steps_per_generation=1, gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-2,
-        loss_type="dapo", beta=0.0, max_completion_length=8, use_cpu=True, logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True, seed=0, optim=OPTIM, **extra,
+        output_dir=str(out),
+        per_device_train_batch_size=BATCH // world,
+        num_generations=GENERATIONS,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=1e-2,
+        loss_type="dapo",
+        beta=0.0,
+        max_completion_length=8,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        optim=OPTIM,
+        **extra,
     )
+
     def rollout(prompts, trainer):
         return fixed_rollout(trainer.state.global_step, prompts, trainer)
 
     return GRPOTrainer(
-        model=model, reward_funcs=[trl_seam.PrecomputedReward("score")], args=args,
+        model=model,
+        reward_funcs=[trl_seam.PrecomputedReward("score")],
+        args=args,
         train_dataset=Dataset.from_dict({"prompt": [""] * (steps * BATCH // GENERATIONS * 4)}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir), rollout_func=rollout,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        rollout_func=rollout,
     )
 
 
@@ -112,14 +134,23 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         tensor = param.detach()
-        out[name.removeprefix("module.")] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).clone()
+        out[name.removeprefix("module.")] = (
+            tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        ).clone()
     return out
 
 
 def rank_main(rank: int, world: int, port: int, mode: str, steps: int, model_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                      TRL_EXPERIMENTAL_SILENCE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        TRL_EXPERIMENTAL_SILENCE="1",
+    )
     if mode == "trl-plugin":
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
     torch.set_num_threads(1)
@@ -142,7 +173,9 @@ def rank_main(rank: int, world: int, port: int, mode: str, steps: int, model_dir
     except Exception as exc:
         tb = traceback.extract_tb(exc.__traceback__)
         report["error"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"[:1500]
-        report["raised_in"] = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in tb[-4:]]
+        report["raised_in"] = [
+            f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in tb[-4:]
+        ]
     (Path(out) / f"report{rank}.json").write_text(json.dumps(report, indent=1, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -156,14 +189,21 @@ def free_port() -> int:
 
 def run(world: int, mode: str, steps: int, model_dir: Path, out: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(rank_main, args=(world, free_port(), mode, steps, str(model_dir), str(out)), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        rank_main,
+        args=(world, free_port(), mode, steps, str(model_dir), str(out)),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     return [json.loads((out / f"report{r}.json").read_text()) for r in range(world)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=["trl-fsdp", "trl-plugin", "pre-sharded", "hf-distributed"], default="trl-fsdp")
+    parser.add_argument(
+        "--mode", choices=["trl-fsdp", "trl-plugin", "pre-sharded", "hf-distributed"], default="trl-fsdp"
+    )
     parser.add_argument("--steps", type=int, default=1)
     opts = parser.parse_args()
     from rollout_helpers import make_tiny_model
@@ -177,7 +217,10 @@ def main() -> None:
         for report in got:
             print(f"rank {report['rank']}:", json.dumps(report, indent=1))
         if (Path(tmp) / "sharded" / "weights.pt").exists() and (Path(tmp) / "ref" / "weights.pt").exists():
-            a, b = torch.load(Path(tmp) / "ref" / "weights.pt"), torch.load(Path(tmp) / "sharded" / "weights.pt")
+            a, b = (
+                torch.load(Path(tmp) / "ref" / "weights.pt"),
+                torch.load(Path(tmp) / "sharded" / "weights.pt"),
+            )
             from transformers import AutoModelForCausalLM
 
             start = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
@@ -188,7 +231,10 @@ def main() -> None:
             for k in common:
                 d = (a[k] - b[k]).abs()
                 if float(d.max()) > 1e-5:
-                    print(f"  {k}: max {float(d.max()):.2e}, {int((d > 1e-5).sum())}/{d.numel()} elements > 1e-5")
+                    print(
+                        f"  {k}: max {float(d.max()):.2e}, "
+                        f"{int((d > 1e-5).sum())}/{d.numel()} elements > 1e-5"
+                    )
             moved = max(float((a[k] - start[k].detach()).abs().max()) for k in common if k in start)
             print(f"max |step - initial| (how far the step moved a weight): {moved:.3e}")
 

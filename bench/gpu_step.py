@@ -8,18 +8,18 @@ The anchor's setting (DESIGN.md, Targets): a random-init model of Qwen2.5-0.5B's
 8 generations x 256 completion tokens per step, bf16, beta 0. `--shape 1.5b|3b|7b` takes Qwen2.5's
 larger shapes (SmolLM2's vocabulary on all); `--micro-batch` trains the batch in parts on both sides (without
 it TRL trains it in one pass and mortal's micro batch is the operator's own: `mortalctl apply`'s estimate of
-what fits, then halved after each out-of-memory; the JSON's "mortal_memory" says which it trained with and why);
-`--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
-`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile mortal`
-on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster: docs/benchmarks.md).
-`--liger` (or `--liger mortal`) puts Liger's fused layer kernels in the trained model the same way.
-A step's seconds, on both sides, are the wall clock between its end and the previous step's end
+what fits, then halved after each out-of-memory; the JSON's "mortal_memory" says which it trained with and
+why); `--lora R` trains rank-R adapters on both (peft's LoraConfig on TRL's side, model.lora on mortal's);
+`--compile` compiles the trained model on both (TRL's torch_compile, mortal's actor.compile); `--compile
+mortal` on mortal's side only, against TRL at its defaults (compiled, TRL's step was not faster:
+docs/benchmarks.md). `--liger` (or `--liger mortal`) puts Liger's fused layer kernels in the trained model the
+same way. A step's seconds, on both sides, are the wall clock between its end and the previous step's end
 (TRL: the Trainer's on_step_end, after the optimizer step; mortal: when the store recorded the
 step's end); TRL's own step_time metric, which leaves the optimizer step out, is kept beside it.
 Peak GPU memory is nvidia-smi's memory used on each GPU while each side trains (every process's
-CUDA context and reserved memory). A TRL run that runs out of GPU memory is recorded as such. TRL generates with transformers'
-`generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal runs
-through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
+CUDA context and reserved memory). A TRL run that runs out of GPU memory is recorded as such. TRL generates
+with transformers' `generate` inside its trainer (completions forced to 256 tokens, as the anchor did). mortal
+runs through the controller: with `--gpus 1` the actor and `--rollouts` rollout workers colocated on its
 GPU (spec rollout.colocate; sync auto = ipc); with `--gpus N` > 1 the actor on one GPU and
 `--rollouts` rollout workers on GPUs of their own (sync auto = ipc: GPU to GPU; `--sync nccl`: the actor
 sends each version over NCCL). Transformers engine, each
@@ -43,9 +43,9 @@ in the JSON, from mortal's steps from the third on:
   the GPU's memory bandwidth; every step reads every weight once (the KV cache reads come on top).
 - training MFU: 6 x parameters x trained tokens per step (completion tokens, as the actor logs them,
   plus the real prompt tokens of every sequence; padding left out) / actor/train_seconds / (the GPU's
-  dense bf16 peak x the actor's GPUs). 6N per token counts forward and backward matmuls (attention's own FLOPs, small at
-  these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is 4N: the
-  frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
+  dense bf16 peak x the actor's GPUs). 6N per token counts forward and backward matmuls (attention's own
+  FLOPs, small at these lengths, left out), so this is model FLOPs, not hardware FLOPs. With `--lora` it is
+  4N: the frozen weights get no gradient (the adapters' own FLOPs, under 1% at rank 16, left out).
   Beside it, the update's MFU: the same FLOPs over actor/update_seconds, TRL's step without its
   preparation of the batch (padding, texts, rewards, advantages, metrics), i.e. forward, loss, backward,
   clipping and the optimizer's step, as veRL reports its actor's MFU over the policy update.
@@ -79,11 +79,18 @@ from through_controller import (
     task_timeline,
 )
 
-BREAKDOWN = {"wait": "actor/wait_seconds", "bookkeeping": "actor/bookkeeping_seconds", "gc": "actor/gc_seconds",
-             "train": "actor/train_seconds", "prepare": "actor/prepare_seconds", "update": "actor/update_seconds",
-             "publish": "weights/publish_seconds",
-             "generate": "rollout/generation_seconds", "reward": "rollout/reward_seconds",
-             "load": "weights/load_seconds"}
+BREAKDOWN = {
+    "wait": "actor/wait_seconds",
+    "bookkeeping": "actor/bookkeeping_seconds",
+    "gc": "actor/gc_seconds",
+    "train": "actor/train_seconds",
+    "prepare": "actor/prepare_seconds",
+    "update": "actor/update_seconds",
+    "publish": "weights/publish_seconds",
+    "generate": "rollout/generation_seconds",
+    "reward": "rollout/reward_seconds",
+    "load": "weights/load_seconds",
+}
 
 REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: throughput is what is timed
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
@@ -92,26 +99,58 @@ TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter marke
 # Qwen2.5's published configs (hidden, MLP, layers, heads, key/value heads), vocabulary aside: the bench uses
 # SmolLM2's tokenizer, so every shape has its 49,152-token vocabulary. "tiny" is the --cpu smoke test's.
 SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+    "3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 
 
 def shape_config(shape: str, vocab_size: int = 49152):
-    """Qwen2.5's config of `shape` (SHAPES) with `vocab_size` embeddings (SmolLM2's by default: its tokenizer is
-    the benches'); bench/train_step.py takes Qwen's own 151,936 too."""
+    """Qwen2.5's config of `shape` (SHAPES) with `vocab_size` embeddings (SmolLM2's by default: its tokenizer
+    is the benches'); bench/train_step.py takes Qwen's own 151,936 too."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=vocab_size,
-                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return Qwen2Config(
+        **{"tie_word_embeddings": True, **SHAPES[shape]},
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
 
 
 def make_model(folder: Path, shape: str = "0.5b") -> Path:
@@ -122,7 +161,8 @@ def make_model(folder: Path, shape: str = "0.5b") -> Path:
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
     config = shape_config(shape)
     torch.manual_seed(0)
-    # initialised on the GPU where there is one: a 7B model's random init takes minutes on the CPU, seconds there
+    # initialised on the GPU where there is one: a 7B model's random init takes minutes on the CPU, seconds
+    # there
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -150,11 +190,15 @@ def model_parameters(model: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+        return sum(
+            p.numel()
+            for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters()
+        )
 
 
 def prompt_tokens_per_step(model: Path, args: argparse.Namespace) -> int:
-    """Real prompt tokens in one step's sequences (prompts x gens), the step's prompts taken as the first rows."""
+    """Real prompt tokens in one step's sequences (prompts x gens), the step's prompts taken as the first
+    rows."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -188,44 +232,78 @@ def decode_ms_from_logs(logs: list[Path], first_step: int) -> list[float]:
     return out
 
 
-def limits(device_name: str, parameters: int, decode_ms: list[float], steps: list[dict],
-           prompt_tokens: int, lora: bool = False, actor_gpus: int = 1, staleness: int = 0) -> dict:
+def limits(
+    device_name: str,
+    parameters: int,
+    decode_ms: list[float],
+    steps: list[dict],
+    prompt_tokens: int,
+    lora: bool = False,
+    actor_gpus: int = 1,
+    staleness: int = 0,
+) -> dict:
     """Decode ms per step against the HBM floor, and training MFU (module docstring); n/a where unknown.
     With LoRA a token costs 4N, not 6N: the frozen weights get no gradient (forward 2N, input grads 2N).
     An actor over several GPUs trains the step's tokens on all of them at once, so its MFU is against
     all of their peaks (before 2026-11-28 it was against one GPU's: twice the per-GPU figure on two)."""
     known = gpu_limits(device_name)
     timed = [s for s in steady_steps(steps, staleness) if s.get("train")]
-    out: dict = {"parameters": parameters, "weight_bytes": 2 * parameters,
-                 "bandwidth_bytes_per_second": known[0] if known else None,
-                 "peak_bf16_flops": known[1] if known else None,
-                 "decode_ms_per_step": statistics.median(decode_ms) if decode_ms else None,
-                 "hbm_floor_ms_per_step": 1000 * 2 * parameters / known[0] if known else None}
+    out: dict = {
+        "parameters": parameters,
+        "weight_bytes": 2 * parameters,
+        "bandwidth_bytes_per_second": known[0] if known else None,
+        "peak_bf16_flops": known[1] if known else None,
+        "decode_ms_per_step": statistics.median(decode_ms) if decode_ms else None,
+        "hbm_floor_ms_per_step": 1000 * 2 * parameters / known[0] if known else None,
+    }
     if timed:
         tokens = statistics.median(s["tokens"] + prompt_tokens for s in timed)
         train = statistics.median(s["train"] for s in timed)
         flops = (4 if lora else 6) * parameters * tokens
-        out.update(trained_tokens_per_step=tokens, train_seconds=train, model_flops_per_step=flops,
-                   mfu=flops / train / (known[1] * actor_gpus) if known else None, actor_gpus=actor_gpus)
+        out.update(
+            trained_tokens_per_step=tokens,
+            train_seconds=train,
+            model_flops_per_step=flops,
+            mfu=flops / train / (known[1] * actor_gpus) if known else None,
+            actor_gpus=actor_gpus,
+        )
         updates = [s["update"] for s in timed if s.get("update")]
         if updates:
             update = statistics.median(updates)
-            out.update(update_seconds=update, prepare_seconds=statistics.median(s.get("prepare", 0.0) for s in timed),
-                       update_mfu=flops / update / (known[1] * actor_gpus) if known else None)
+            out.update(
+                update_seconds=update,
+                prepare_seconds=statistics.median(s.get("prepare", 0.0) for s in timed),
+                update_mfu=flops / update / (known[1] * actor_gpus) if known else None,
+            )
+
     def shown(value: float | None, form: str, unit: str = "") -> str:
         return "n/a" if value is None else format(value, form) + unit
 
-    trained = (f" ({out['trained_tokens_per_step']:.0f} tokens in {out['train_seconds']:.2f} s)" if timed else "")
-    print(f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step (HBM floor "
-          f"{shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: {2 * parameters / 1e9:.2f} GB of weights); training "
-          f"MFU {shown(out.get('mfu'), '.1%')}{trained}"
-          + (f", of the update alone {shown(out.get('update_mfu'), '.1%')} ({out['update_seconds']:.3f} s; TRL's "
-             f"preparation of the batch {out['prepare_seconds']:.3f} s)" if "update_seconds" in out else ""), flush=True)
+    trained = (
+        f" ({out['trained_tokens_per_step']:.0f} tokens in {out['train_seconds']:.2f} s)" if timed else ""
+    )
+    print(
+        f"limits ({device_name}): decode {shown(out['decode_ms_per_step'], '.2f', ' ms')} per step "
+        f"(HBM floor {shown(out['hbm_floor_ms_per_step'], '.2f', ' ms')}: "
+        f"{2 * parameters / 1e9:.2f} GB of weights); training "
+        f"MFU {shown(out.get('mfu'), '.1%')}{trained}"
+        + (
+            f", of the update alone {shown(out.get('update_mfu'), '.1%')} "
+            f"({out['update_seconds']:.3f} s; TRL's "
+            f"preparation of the batch {out['prepare_seconds']:.3f} s)"
+            if "update_seconds" in out
+            else ""
+        ),
+        flush=True,
+    )
     return out
 
 
 def prompt_rows(n: int = 64) -> list[dict]:
-    return [{"prompt": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]} number {i}."} for i in range(n)]
+    return [
+        {"prompt": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]} number {i}."}
+        for i in range(n)
+    ]
 
 
 def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -240,12 +318,17 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     import torch
     import torch.multiprocessing as mp
 
-    from mortal.workers.sharded import free_port
+    from mortal.workers.actor.sharded import free_port
 
     with GpuBusy(enabled=not args.cpu) as busy:
         try:
-            mp.start_processes(trl_rank, args=(args.actor_gpus, free_port(), model, args, work),
-                               nprocs=args.actor_gpus, join=True, start_method="spawn")
+            mp.start_processes(
+                trl_rank,
+                args=(args.actor_gpus, free_port(), model, args, work),
+                nprocs=args.actor_gpus,
+                join=True,
+                start_method="spawn",
+            )
         except Exception:  # a rank failed and the others were ended with it: its note says what happened
             notes = sorted(work.glob("trl_rank*_error.json"))
             if not notes:
@@ -260,7 +343,8 @@ def run_trl(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
 
 class TrlFailed(RuntimeError):
-    """TRL's run over several processes ended with an error (not out of memory): recorded, and mortal still runs."""
+    """TRL's run over several processes ended with an error (not out of memory): recorded, and mortal still
+    runs."""
 
 
 TRL_RESULT = "trl_steps.json"  # rank 0 of a TRL run over several GPUs writes its steps here
@@ -272,15 +356,27 @@ def trl_rank(rank: int, world: int, port: int, model: Path, args: argparse.Names
     makes torch.multiprocessing end the others, as they would wait in a collective for it)."""
     import torch
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+    )
     if not args.cpu:
         torch.cuda.set_device(rank)
     try:
         steps = train_trl(model, args, work, world)
     except Exception as error:
         kind = "out_of_memory" if isinstance(error, torch.OutOfMemoryError) else "failed"
-        said = str(error).splitlines()[0] if kind == "out_of_memory" else f"{type(error).__name__}: {error}"[:1000]
+        said = (
+            str(error).splitlines()[0]
+            if kind == "out_of_memory"
+            else f"{type(error).__name__}: {error}"[:1000]
+        )
         (work / f"trl_rank{rank}_error.json").write_text(json.dumps({kind: f"rank {rank}: {said}"}))
         raise
     if rank == 0:
@@ -308,7 +404,9 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
 
         def on_step_end(self, _args, state, control, **kwargs):
             now = time.time()
-            steps.append({"step": state.global_step, "seconds": now - self.last_end, "ended_at": now, "tokens": 0.0})
+            steps.append(
+                {"step": state.global_step, "seconds": now - self.last_end, "ended_at": now, "tokens": 0.0}
+            )
             self.last_end = now
 
         def on_log(self, _args, state, control, logs=None, **kwargs):
@@ -321,26 +419,54 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
     micro = args.trl_micro_batch or args.micro_batch or batch
     # FSDP2, parameters resharded after forward (full_shard) unless --keep-gathered (shard_grad_op), as
     # transformers >= 5.20 spells it
-    sharded = ({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": not args.keep_gathered,
-                                             "cpu_offload": args.cpu_offload}}
-               if world > 1 and not args.cpu and args.strategy == "fsdp" else {})  # else accelerate's DDP
+    sharded = (
+        {
+            "fsdp": True,
+            "fsdp_config": {
+                "version": 2,
+                "reshard_after_forward": not args.keep_gathered,
+                "cpu_offload": args.cpu_offload,
+            },
+        }
+        if world > 1 and not args.cpu and args.strategy == "fsdp"
+        else {}
+    )  # else accelerate's DDP
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=micro // world,
-        gradient_accumulation_steps=batch // micro, **sharded,
-        num_generations=args.gens, max_completion_length=args.tokens, learning_rate=1e-6, beta=0.0,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", bf16=not args.cpu,
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=micro // world,
+        gradient_accumulation_steps=batch // micro,
+        **sharded,
+        num_generations=args.gens,
+        max_completion_length=args.tokens,
+        learning_rate=1e-6,
+        beta=0.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=not args.cpu,
         use_cpu=args.cpu,
-        generation_kwargs={"min_new_tokens": args.tokens}, gradient_checkpointing=args.gradient_checkpointing,
+        generation_kwargs={"min_new_tokens": args.tokens},
+        gradient_checkpointing=args.gradient_checkpointing,
         torch_compile=args.compile == "both",
-        use_liger_kernel=args.liger == "both",  # TRL applies Liger's layer kernels only, as mortal's actor.liger
+        use_liger_kernel=args.liger
+        == "both",  # TRL applies Liger's layer kernels only, as mortal's actor.liger
     )
     peft = None
     if args.lora:  # the same adapters as mortal's model.lora (alpha 2r, every linear layer but the LM head)
         from peft import LoraConfig
 
-        peft = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=str(model), reward_funcs=[builtin_rewards.short_answer], args=config,
-                          train_dataset=Dataset.from_list(prompt_rows()), callbacks=[Record()], peft_config=peft)
+        peft = LoraConfig(
+            r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+    trainer = GRPOTrainer(
+        model=str(model),
+        reward_funcs=[builtin_rewards.short_answer],
+        args=config,
+        train_dataset=Dataset.from_list(prompt_rows()),
+        callbacks=[Record()],
+        peft_config=peft,
+    )
     trainer.train()
     del trainer
     gc.collect()  # the trainer's reference cycles (callbacks, accelerator) hold its model and AdamW state
@@ -350,23 +476,44 @@ def train_trl(model: Path, args: argparse.Namespace, work: Path, world: int = 1)
 
 def mortal_spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     return {
-        "model": {"name": str(model), "dtype": "float32" if args.cpu else "bfloat16",
-                  "gradientCheckpointing": args.gradient_checkpointing,
-                  **({"lora": {"r": args.lora, "alpha": 2.0 * args.lora}} if args.lora else {})},
+        "model": {
+            "name": str(model),
+            "dtype": "float32" if args.cpu else "bfloat16",
+            "gradientCheckpointing": args.gradient_checkpointing,
+            **({"lora": {"r": args.lora, "alpha": 2.0 * args.lora}} if args.lora else {}),
+        },
         "dataset": {"name": str(data)},
-        "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
-                      "beta": 0.0, "maxSteps": args.steps, "maxStaleness": args.staleness,
-                      **({"microBatchSize": args.micro_batch} if args.micro_batch else {})},
-        "generation": {"maxTokens": args.tokens, "engine": "transformers", "compileScope": args.compile_scope},
+        "algorithm": {
+            "numGenerations": args.gens,
+            "batchSize": args.prompts * args.gens,
+            "learningRate": 1e-6,
+            "beta": 0.0,
+            "maxSteps": args.steps,
+            "maxStaleness": args.staleness,
+            **({"microBatchSize": args.micro_batch} if args.micro_batch else {}),
+        },
+        "generation": {
+            "maxTokens": args.tokens,
+            "engine": "transformers",
+            "compileScope": args.compile_scope,
+        },
         "rewards": [{"function": REWARD}],
-        "actor": {"gpu": "none" if args.cpu else local_gpu(), "count": args.actor_gpus, "compile": args.compile is not None,
-                  "compileScope": args.actor_compile_scope, "liger": args.liger is not None,
-                  **({"reshardAfterForward": False} if args.keep_gathered else {}),
-                  **({"cpuOffload": True} if args.cpu_offload else {}),
-                  **({"strategy": args.strategy} if args.actor_gpus > 1 else {})},
-        "rollout": {"gpu": "none" if args.cpu else local_gpu(), "replicas": args.rollouts,
-                    "colocate": args.gpus == args.actor_gpus and not args.cpu,
-                    **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {})},
+        "actor": {
+            "gpu": "none" if args.cpu else local_gpu(),
+            "count": args.actor_gpus,
+            "compile": args.compile is not None,
+            "compileScope": args.actor_compile_scope,
+            "liger": args.liger is not None,
+            **({"reshardAfterForward": False} if args.keep_gathered else {}),
+            **({"cpuOffload": True} if args.cpu_offload else {}),
+            **({"strategy": args.strategy} if args.actor_gpus > 1 else {}),
+        },
+        "rollout": {
+            "gpu": "none" if args.cpu else local_gpu(),
+            "replicas": args.rollouts,
+            "colocate": args.gpus == args.actor_gpus and not args.cpu,
+            **({"colocatedReplicas": args.colocated_replicas} if args.colocated_replicas else {}),
+        },
         "sync": {"method": args.sync, **({"keepVersions": args.keep_versions} if args.keep_versions else {})},
         "checkpoint": {"every": args.steps, "keep": 1},
         "logging": {"wandb": {"mode": "disabled"}},
@@ -378,26 +525,46 @@ def run_mortal(model: Path, args: argparse.Namespace, work: Path) -> list[dict]:
 
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
-    run = TrainingRun.model_validate({"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)})
+    run = TrainingRun.model_validate(
+        {"metadata": {"name": "bench-gpu"}, "spec": mortal_spec(model, data, args)}
+    )
     with GpuBusy(enabled=not args.cpu) as busy:
         by_step, _ = run_through_controller(run, work)
     args.peak_memory_mib["mortal"] = busy.memory_mib
     # A step's tasks are queued under the trainer's global step as the step begins: the step that ends as s
-    tasks = {s + 1: step_tasks for s, step_tasks in task_timeline(work, run.metadata.name, [s - 1 for s in by_step]).items()}
+    tasks = {
+        s + 1: step_tasks
+        for s, step_tasks in task_timeline(work, run.metadata.name, [s - 1 for s in by_step]).items()
+    }
     steps = []
     last_end = None
     for s, v in sorted(by_step.items()):
         if "step_seconds" not in v:
             continue
         parts = {part: round(v.get(name, 0.0), 4) for part, name in BREAKDOWN.items()}
-        # wall clock between this step's end and the last one's, as for TRL; the first step has only its metric
+        # wall clock between this step's end and the last one's, as for TRL; the first step has only its
+        # metric
         between = v["step_seconds"] if last_end is None else v["ended_at"] - last_end
         last_end = v["ended_at"]
-        steps.append({"step": s, "seconds": between, "step_seconds": v["step_seconds"], "ended_at": v["ended_at"],
-                      "tokens": v["completion_tokens"], **parts, "tasks": tasks.get(s, [])})
-        print(f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + train {parts['train']:.2f} (gc {parts['gc']:.3f}) + "
-              f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
-              f"{parts['reward']:.3f}, load {parts['load']:.4f}", flush=True)
+        steps.append(
+            {
+                "step": s,
+                "seconds": between,
+                "step_seconds": v["step_seconds"],
+                "ended_at": v["ended_at"],
+                "tokens": v["completion_tokens"],
+                **parts,
+                "tasks": tasks.get(s, []),
+            }
+        )
+        print(
+            f"  step {s}: {between:.2f} s between step ends; step_seconds {v['step_seconds']:.2f} s = "
+            f"bookkeeping {parts['bookkeeping']:.3f} + wait {parts['wait']:.2f} + "
+            f"train {parts['train']:.2f} (gc {parts['gc']:.3f}) + "
+            f"publish {parts['publish']:.4f}; rollouts: generate {parts['generate']:.2f}, reward "
+            f"{parts['reward']:.3f}, load {parts['load']:.4f}",
+            flush=True,
+        )
         print(f"           {task_summary(tasks.get(s, []), v['ended_at'], parts)}", flush=True)
     args.decode_ms = decode_ms_from_logs(sorted(work.glob("mortal-home/runs/*/logs/*.log")), first_step=3)
     ended = [v for s, v in sorted(by_step.items()) if "ended_at" in v]
@@ -416,12 +583,16 @@ def task_summary(tasks: list[dict[str, float]], ended_at: float, parts: dict[str
     done = [t for t in tasks if t["done"] is not None]
     if not done:
         return "tasks: none recorded"
-    spans = " / ".join(f"{t['done'] - t['queued']:.3f} (generate {t['generate']:.3f}, reward {t['reward']:.3f}, "
-                       f"load {t['load']:.3f}, rest {t['done'] - t['queued'] - t['generate'] - t['reward'] - t['load']:.3f})"
-                       for t in done)
+    spans = " / ".join(
+        f"{t['done'] - t['queued']:.3f} (generate {t['generate']:.3f}, reward {t['reward']:.3f}, "
+        f"load {t['load']:.3f}, rest {t['done'] - t['queued'] - t['generate'] - t['reward'] - t['load']:.3f})"
+        for t in done
+    )
     after = ended_at - max(t["done"] for t in done)
-    return (f"tasks queued -> done (s): {spans}; last done -> step end {after:.3f} s, less train and publish: "
-            f"{after - parts['train'] - parts['publish']:.3f} s")
+    return (
+        f"tasks queued -> done (s): {spans}; last done -> step end {after:.3f} s, less train and publish: "
+        f"{after - parts['train'] - parts['publish']:.3f} s"
+    )
 
 
 class GpuBusy:
@@ -442,8 +613,17 @@ class GpuBusy:
         self.memory_mib: dict[str, float] = {}  # GPU index -> the most memory used in any sample
         if not self.enabled:
             return self
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
-                                      "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                "nvidia-smi",
+                "--query-gpu=index,utilization.gpu,memory.used",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "100",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
         def read() -> None:
             for line in self.proc.stdout:
@@ -478,7 +658,7 @@ def steady_steps(steps: list, staleness: int = 0) -> list:
     generation to share the GPU with, so they are shorter than the steady state (7B full on one H200: 2.09 s
     against 3.62 s; before 2026-12-01 four-step runs' medians mixed the two). A run too short to leave its
     last steps out keeps them; one of two steps or fewer has none (the callers say what they fall back to)."""
-    return steps[2:len(steps) - staleness] or steps[2:]
+    return steps[2 : len(steps) - staleness] or steps[2:]
 
 
 def steady_medians(steps: list[dict], staleness: int = 0) -> tuple[float, float]:
@@ -491,10 +671,16 @@ def steady_medians(steps: list[dict], staleness: int = 0) -> tuple[float, float]
 def summarize(name: str, steps: list[dict], staleness: int = 0) -> dict:
     """steady_medians, printed and kept with the steps."""
     seconds, tokens = steady_medians(steps, staleness)
-    summary = {"median_step_seconds": seconds, "completion_tokens_per_step": tokens,
-               "completion_tokens_per_second": tokens / seconds, "steps": steps}
-    print(f"{name}: {seconds:.2f} s/step, {tokens:.0f} completion tokens/step, {tokens / seconds:.0f} tokens/s",
-          flush=True)
+    summary = {
+        "median_step_seconds": seconds,
+        "completion_tokens_per_step": tokens,
+        "completion_tokens_per_second": tokens / seconds,
+        "steps": steps,
+    }
+    print(
+        f"{name}: {seconds:.2f} s/step, {tokens:.0f} completion tokens/step, {tokens / seconds:.0f} tokens/s",
+        flush=True,
+    )
     return summary
 
 
@@ -509,11 +695,18 @@ def resummarize(paths: list[Path]) -> None:
             if (recorded.get(side) or {}).get("steps"):
                 seconds, tokens = steady_medians(recorded[side]["steps"], lag)
                 figures[side] = (seconds, tokens / seconds)
-                print(f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, {figures[side][1]:,.0f} tokens/s "
-                      f"(recorded: {recorded[side]['median_step_seconds']:.3f} s/step)", flush=True)
+                print(
+                    f"{path.name}: {side} (maxStaleness {lag}) {seconds:.3f} s/step, "
+                    f"{figures[side][1]:,.0f} tokens/s "
+                    f"(recorded: {recorded[side]['median_step_seconds']:.3f} s/step)",
+                    flush=True,
+                )
         if len(figures) == 2:
-            print(f"{path.name}: mortal / TRL {figures['mortal'][1] / figures['trl'][1]:.2f}x "
-                  f"(recorded: {recorded.get('mortal_over_trl', float('nan')):.2f}x)", flush=True)
+            print(
+                f"{path.name}: mortal / TRL {figures['mortal'][1] / figures['trl'][1]:.2f}x "
+                f"(recorded: {recorded.get('mortal_over_trl', float('nan')):.2f}x)",
+                flush=True,
+            )
 
 
 def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
@@ -527,85 +720,183 @@ def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
             out[part] = {"median": round(statistics.median(values), 2), "max": round(max(values), 2)}
     if len(out) == 2:
         out["sum_median"] = round(out["publish"]["median"] + out["load"]["median"], 2)
-        print(f"weight sync ({method}): publish {out['publish']['median']:.1f} ms (max {out['publish']['max']:.1f}), "
-              f"load {out['load']['median']:.1f} ms (max {out['load']['max']:.1f}), "
-              f"together {out['sum_median']:.1f} ms", flush=True)
+        print(
+            f"weight sync ({method}): publish {out['publish']['median']:.1f} ms "
+            f"(max {out['publish']['max']:.1f}), "
+            f"load {out['load']['median']:.1f} ms (max {out['load']['max']:.1f}), "
+            f"together {out['sum_median']:.1f} ms",
+            flush=True,
+        )
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rollouts", type=int, default=1, help="rollout workers of mortal")
-    parser.add_argument("--gpus", type=int, default=1, help="1: rollouts colocated with the actor; N: 1 actor GPU "
-                        "+ rollouts on their own GPUs (with --actor-gpus K: K actor GPUs + rollouts on the N - K others; "
-                        "N = K: rollouts colocated on the actor's K GPUs, replica r on its GPU r %% K)")
-    parser.add_argument("--actor-gpus", type=int, default=1, help="GPUs of the trainer on both sides: mortal's "
-                        "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp, version 2, "
-                        "resharded after forward); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on accelerators)")
-    parser.add_argument("--colocated-replicas", type=int, default=0, metavar="N",
-                        help="with --gpus above --actor-gpus: mortal's first N rollouts beside the actor on its GPU(s), "
-                        "the others on the other GPUs (rollout.colocatedReplicas)")
-    parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp", help="with --actor-gpus above 1: "
-                        "shard the trainer (FSDP2) or replicate it on each GPU (DDP), on both sides (mortal's "
-                        "actor.strategy; TRL with or without fsdp)")
-    parser.add_argument("--keep-gathered", action="store_true", help="with --actor-gpus above 1: each layer's "
-                        "gathered weights kept from its forward to its backward on both sides (mortal's "
-                        "actor.reshardAfterForward false, TRL's fsdp_config reshard_after_forward false)")
-    parser.add_argument("--cpu-offload", action="store_true", help="with --actor-gpus above 1 (FSDP2): the shards, "
-                        "gradients and AdamW state in host memory on both sides (mortal's actor.cpuOffload, TRL's "
-                        "fsdp_config cpu_offload)")
-    parser.add_argument("--staleness", type=int, default=0, help="mortal's maxStaleness (1: generate step s+1 "
-                        "while training step s)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="1: rollouts colocated with the actor; N: 1 actor GPU "
+        "+ rollouts on their own GPUs (with --actor-gpus K: K actor GPUs + rollouts on the N - K others; "
+        "N = K: rollouts colocated on the actor's K GPUs, replica r on its GPU r %% K)",
+    )
+    parser.add_argument(
+        "--actor-gpus",
+        type=int,
+        default=1,
+        help="GPUs of the trainer on both sides: mortal's "
+        "actor.count (FSDP2 over them) and TRL in as many processes with FSDP2 (fsdp, version 2, "
+        "resharded after forward); --cpu: CPU processes (TRL then runs DDP: accelerate shards only on "
+        "accelerators)",
+    )
+    parser.add_argument(
+        "--colocated-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --gpus above --actor-gpus: mortal's first N rollouts beside the actor on its GPU(s), "
+        "the others on the other GPUs (rollout.colocatedReplicas)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=["fsdp", "ddp"],
+        default="fsdp",
+        help="with --actor-gpus above 1: "
+        "shard the trainer (FSDP2) or replicate it on each GPU (DDP), on both sides (mortal's "
+        "actor.strategy; TRL with or without fsdp)",
+    )
+    parser.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="with --actor-gpus above 1: each layer's "
+        "gathered weights kept from its forward to its backward on both sides (mortal's "
+        "actor.reshardAfterForward false, TRL's fsdp_config reshard_after_forward false)",
+    )
+    parser.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="with --actor-gpus above 1 (FSDP2): the shards, "
+        "gradients and AdamW state in host memory on both sides (mortal's actor.cpuOffload, TRL's "
+        "fsdp_config cpu_offload)",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
+        help="mortal's maxStaleness (1: generate step s+1 while training step s)",
+    )
     parser.add_argument("--sync", default="auto", choices=["auto", "volume", "ipc", "nccl"])
-    parser.add_argument("--keep-versions", type=int, default=None, metavar="N",
-                        help="mortal's sync.keepVersions: snapshots of the weights in the actor's ring (default: the "
-                        "spec's, 3; 2 saves a copy of the weights on the actor's GPU)")
-    parser.add_argument("--micro-batch", type=int, default=None,
-                        help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
-                             "per_device_train_batch_size with gradient accumulation up to the batch); default: TRL the "
-                             "batch in one pass, mortal the operator's own choice (mortal_memory in the JSON)")
-    parser.add_argument("--trl-micro-batch", type=int, default=None,
-                        help="TRL's per_device_train_batch_size alone (mortal's side keeps --micro-batch, or the "
-                             "operator's choice): TRL given the micro batch that fits, mortal none")
+    parser.add_argument(
+        "--keep-versions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mortal's sync.keepVersions: snapshots of the weights in the actor's ring (default: the "
+        "spec's, 3; 2 saves a copy of the weights on the actor's GPU)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="completions per forward/backward pass on both sides (mortal's microBatchSize, TRL's "
+        "per_device_train_batch_size with gradient accumulation up to the batch); default: TRL the "
+        "batch in one pass, mortal the operator's own choice (mortal_memory in the JSON)",
+    )
+    parser.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=None,
+        help="TRL's per_device_train_batch_size alone (mortal's side keeps --micro-batch, or the "
+        "operator's choice): TRL given the micro batch that fits, mortal none",
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
-    parser.add_argument("--compile", nargs="?", const="both", choices=["both", "mortal"],
-                        help="torch.compile the trained model: on both sides (TRL's torch_compile, mortal's "
-                        "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
-                        "faster: docs/benchmarks.md)")
-    parser.add_argument("--liger", nargs="?", const="both", choices=["both", "mortal"],
-                        help="Liger's Triton kernels (RMSNorm, rotary, SwiGLU) in the trained model: on both sides "
-                        "(TRL's use_liger_kernel, mortal's actor.liger), or on mortal's only")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="both",
+        choices=["both", "mortal"],
+        help="torch.compile the trained model: on both sides (TRL's torch_compile, mortal's "
+        "actor.compile), or on mortal's only, against TRL at its defaults (compiled, TRL's step was not "
+        "faster: docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--liger",
+        nargs="?",
+        const="both",
+        choices=["both", "mortal"],
+        help="Liger's Triton kernels (RMSNorm, rotary, SwiGLU) in the trained model: on both sides "
+        "(TRL's use_liger_kernel, mortal's actor.liger), or on mortal's only",
+    )
     parser.add_argument("--only", choices=["trl", "mortal"])
-    parser.add_argument("--compile-scope", choices=compile_scopes(), default="auto",
-                        help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "
-                        "spec's, auto)")
-    parser.add_argument("--actor-compile-scope", choices=["model", "layer"], default="layer",
-                        help="mortal's actor.compileScope with --compile: each decoder layer (the spec's default), or "
-                        "the whole model")
-    parser.add_argument("--lora", type=int, default=0, metavar="R",
-                        help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)")
-    parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="0.5b",
-                        help="Qwen2.5's shape of this size, random weights (the anchor's is 0.5b)")
-    parser.add_argument("--cpu", action="store_true", help="smoke test: a tiny model on the CPU, tiny settings "
-                        "unless given (figures meaningless, limits n/a)")
-    parser.add_argument("--compile-cache", type=Path, help="torch.compile's caches (both sides') in this folder, "
-                        "kept across invocations; default: TRL's in torch's default folder, mortal's fresh per invocation")
-    parser.add_argument("--no-padding-shift", action="store_true",
-                        help="mortal's actor passes TRL's padding mask to the loss's attention (MORTAL_PADDING_SHIFT=0, "
-                        "mortal.workers.padding_shift), to measure the shift against it")
+    parser.add_argument(
+        "--compile-scope",
+        choices=compile_scopes(),
+        default="auto",
+        help="mortal's generation.compileScope: what the rollout's decode step compiles (default: the "
+        "spec's, auto)",
+    )
+    parser.add_argument(
+        "--actor-compile-scope",
+        choices=["model", "layer"],
+        default="layer",
+        help="mortal's actor.compileScope with --compile: each decoder layer (the spec's default), or "
+        "the whole model",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="train LoRA adapters of rank R on both sides (mortal syncs the adapters only)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=[k for k in SHAPES if k != "tiny"],
+        default="0.5b",
+        help="Qwen2.5's shape of this size, random weights (the anchor's is 0.5b)",
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="smoke test: a tiny model on the CPU, tiny settings "
+        "unless given (figures meaningless, limits n/a)",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="torch.compile's caches (both sides') in this folder, "
+        "kept across invocations; default: TRL's in torch's default folder, mortal's fresh per invocation",
+    )
+    parser.add_argument(
+        "--no-padding-shift",
+        action="store_true",
+        help="mortal's actor passes TRL's padding mask to the loss's attention (MORTAL_PADDING_SHIFT=0, "
+        "mortal.workers.actor.padding_shift), to measure the shift against it",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
-    parser.add_argument("--profile-steps", metavar="A[-B]",
-                        help="profile mortal's actor over these optimizer steps, every rank (MORTAL_PROFILE_STEPS, "
-                        "mortal.workers.step_profile); the tables come with --logs. A profiled step is slower: "
-                        "the throughput of such a run is not a figure to report")
-    parser.add_argument("--resummarize", type=Path, nargs="+", metavar="JSON",
-                        help="no run: each recorded JSON's s/step, tokens/s and mortal / TRL again over its steady "
-                        "steps (steady_steps), beside what it recorded")
+    parser.add_argument(
+        "--profile-steps",
+        metavar="A[-B]",
+        help="profile mortal's actor over these optimizer steps, every rank (MORTAL_PROFILE_STEPS, "
+        "mortal.workers.actor.step_profile); the tables come with --logs. A profiled step is slower: "
+        "the throughput of such a run is not a figure to report",
+    )
+    parser.add_argument(
+        "--resummarize",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="no run: each recorded JSON's s/step, tokens/s and mortal / TRL again over its steady "
+        "steps (steady_steps), beside what it recorded",
+    )
     args = parser.parse_args()
     if args.resummarize:
         resummarize(args.resummarize)
@@ -613,27 +904,39 @@ def main() -> None:
     if args.profile_steps:
         os.environ["MORTAL_PROFILE_STEPS"] = args.profile_steps  # the controller's workers inherit it
     if args.no_padding_shift:
-        from mortal.workers.padding_shift import ENV
+        from mortal.workers.actor.padding_shift import ENV
 
         os.environ[ENV] = "0"  # as MORTAL_PROFILE_STEPS: the workers inherit it
     if args.gpus < args.actor_gpus:
         parser.error(f"--gpus {args.gpus} is fewer than the actor's --actor-gpus {args.actor_gpus}")
     if args.colocated_replicas and (args.gpus == args.actor_gpus or args.colocated_replicas >= args.rollouts):
-        parser.error("--colocated-replicas colocates some rollouts beside the actor and leaves the others GPUs of "
-                     "their own: it needs --gpus above --actor-gpus and more --rollouts than it")
+        parser.error(
+            "--colocated-replicas colocates some rollouts beside the actor and leaves the others GPUs of "
+            "their own: it needs --gpus above --actor-gpus and more --rollouts than it"
+        )
     if args.cpu_offload and (args.actor_gpus < 2 or args.strategy != "fsdp" or args.cpu):
-        parser.error("--cpu-offload keeps FSDP2's shards in host memory: it needs --actor-gpus above 1 with "
-                     "--strategy fsdp, on GPUs (the spec's actor.cpuOffload refuses it otherwise)")
+        parser.error(
+            "--cpu-offload keeps FSDP2's shards in host memory: it needs --actor-gpus above 1 with "
+            "--strategy fsdp, on GPUs (the spec's actor.cpuOffload refuses it otherwise)"
+        )
     for flag, value in (("--micro-batch", args.micro_batch), ("--trl-micro-batch", args.trl_micro_batch)):
         if value and (args.prompts * args.gens) % value:
-            parser.error(f"{flag} {value} must divide the batch (--prompts x --gens = {args.prompts * args.gens})")
+            parser.error(
+                f"{flag} {value} must divide the batch (--prompts x --gens = {args.prompts * args.gens})"
+            )
     import torch
 
     if args.cpu:
         smoke_sizes(args, {"steps": 4, "prompts": 2, "gens": 2, "tokens": 8})
-    out: dict = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-                 "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
-                 **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "logs")}}
+    out: dict = {
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "gpus_visible": 0 if args.cpu else torch.cuda.device_count(),
+        **{
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("json", "logs")
+        },
+    }
     args.decode_ms, args.gpu_busy, args.peak_memory_mib = [], {}, {}
     if args.compile_cache:
         use_compile_cache(args.compile_cache)
@@ -645,7 +948,9 @@ def main() -> None:
 
     try:
         measure(args, out, save)
-    except BaseException as exc:  # a time limit (SIGTERM), an error: what was measured is written all the same
+    except (
+        BaseException
+    ) as exc:  # a time limit (SIGTERM), an error: what was measured is written all the same
         out["interrupted"] = f"{type(exc).__name__}: {exc}"
         raise
     finally:
@@ -653,9 +958,9 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, out: dict, save: Callable[[], None]) -> None:
-    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio. What was
-    measured is saved before the folder is removed: a 7B run's checkpoints take a while to delete, and a time
-    limit that ends the script then must not cost its figures."""
+    """Both sides in a scratch folder whose logs `--logs` keeps (a run cut short too), then the ratio. What
+    was measured is saved before the folder is removed: a 7B run's checkpoints take a while to delete, and a
+    time limit that ends the script then must not cost its figures."""
     with tempfile.TemporaryDirectory(prefix="mortal-gpu-bench-") as tmp:
         work = Path(tmp)
         try:
@@ -672,8 +977,9 @@ def compare(args: argparse.Namespace, out: dict) -> None:
     out["peak_gpu_memory_mib"] = args.peak_memory_mib  # side -> GPU index -> MiB (nvidia-smi, every process)
     print(f"peak GPU memory (MiB, nvidia-smi): {args.peak_memory_mib}")
     if "completion_tokens_per_second" in out.get("trl", {}) and "mortal" in out:
-        out["mortal_over_trl"] = (out["mortal"]["completion_tokens_per_second"]
-                                  / out["trl"]["completion_tokens_per_second"])
+        out["mortal_over_trl"] = (
+            out["mortal"]["completion_tokens_per_second"] / out["trl"]["completion_tokens_per_second"]
+        )
         print(f"mortal / TRL throughput: {out['mortal_over_trl']:.2f}x")
 
 
@@ -688,33 +994,59 @@ def run_both_sides(work: Path, args: argparse.Namespace, out: dict) -> None:
         except torch.OutOfMemoryError as error:  # a finding at the larger shapes, not a failure of the bench
             out["trl"] = {"out_of_memory": str(error).splitlines()[0]}
             print(f"TRL GRPOTrainer ran out of GPU memory: {out['trl']['out_of_memory']}", flush=True)
-        except TrlFailed as error:  # TRL over several GPUs: its error is a finding too; mortal's side still runs
+        except (
+            TrlFailed
+        ) as error:  # TRL over several GPUs: its error is a finding too; mortal's side still runs
             out["trl"] = {"failed": str(error)}
             print(f"TRL GRPOTrainer failed: {error}", flush=True)
-        # Only here, after the except blocks: the caught error's traceback holds TRL's frames, and with them its
-        # model and AdamW state, until its block ends; mortal's workers would start on a full GPU.
+        # Only here, after the except blocks: the caught error's traceback holds TRL's frames, and with them
+        # its model and AdamW state, until its block ends; mortal's workers would start on a full GPU.
         gc.collect()
         torch.cuda.empty_cache()
     if args.only != "trl":
-        where = ("on the CPU" if args.cpu else f"colocated on its {args.actor_gpus} GPU(s)"
-                 if args.gpus == args.actor_gpus else f"on {args.gpus - args.actor_gpus} GPU(s) of their own"
-                 + (f", {args.colocated_replicas} of them beside the actor instead" if args.colocated_replicas else ""))
+        where = (
+            "on the CPU"
+            if args.cpu
+            else f"colocated on its {args.actor_gpus} GPU(s)"
+            if args.gpus == args.actor_gpus
+            else f"on {args.gpus - args.actor_gpus} GPU(s) of their own"
+            + (
+                f", {args.colocated_replicas} of them beside the actor instead"
+                if args.colocated_replicas
+                else ""
+            )
+        )
         if not args.cpu:  # what TRL's side left behind in this process is memory mortal's workers lack
             out["bench_reserved_mib_before_mortal"] = torch.cuda.memory_reserved() / 2**20
-            print(f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
-                  f"mortal starts", flush=True)
+            print(
+                f"this process holds {out['bench_reserved_mib_before_mortal']:.0f} MiB of GPU memory as "
+                f"mortal starts",
+                flush=True,
+            )
         try:
             steps = run_mortal(model, args, work)
-        finally:  # the micro batch the controller chose (and its heals) are a finding even when the run failed
+        # the micro batch the controller chose (and its heals) are a finding even when the run failed
+        finally:
             out["mortal_memory"] = memory_record(work, "bench-gpu")
             print(f"mortal's memory choices: {json.dumps(out['mortal_memory'])}", flush=True)
-        out["mortal"] = summarize(f"mortal (actor of {args.actor_gpus} rank(s) + {args.rollouts} rollouts {where}, maxStaleness "
-                                  f"{args.staleness})", steps, args.staleness)
+        out["mortal"] = summarize(
+            f"mortal (actor of {args.actor_gpus} rank(s) + {args.rollouts} rollouts {where}, maxStaleness "
+            f"{args.staleness})",
+            steps,
+            args.staleness,
+        )
         out["gpu_busy"] = args.gpu_busy
         out["sync_ms"] = sync_summary(out["mortal"]["steps"], args.sync, args.staleness)
-        out["limits"] = limits(out["device"], model_parameters(model), args.decode_ms, out["mortal"]["steps"],
-                               prompt_tokens_per_step(model, args), lora=bool(args.lora),
-                               actor_gpus=args.actor_gpus, staleness=args.staleness)
+        out["limits"] = limits(
+            out["device"],
+            model_parameters(model),
+            args.decode_ms,
+            out["mortal"]["steps"],
+            prompt_tokens_per_step(model, args),
+            lora=bool(args.lora),
+            actor_gpus=args.actor_gpus,
+            staleness=args.staleness,
+        )
 
 
 if __name__ == "__main__":

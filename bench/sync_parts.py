@@ -74,7 +74,9 @@ class PartTimers:
     def medians_ms(self) -> dict[str, float]:
         measured = self.versions[WARM_UPS:]
         labels = dict.fromkeys(label for version in measured for label in version)
-        return {label: round(1000 * statistics.median(v.get(label, 0.0) for v in measured), 2) for label in labels}
+        return {
+            label: round(1000 * statistics.median(v.get(label, 0.0) for v in measured), 2) for label in labels
+        }
 
 
 def run_context(home: Path, role: str) -> Any:
@@ -98,8 +100,11 @@ def rollout_side(home: str, device: str, model_dir: str, asks: Any, answers: Any
     """The child: a rollout worker's weight loading, timed (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers import ipc_weights, nccl_weights, weight_ring, weights
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
+    from mortal.workers.sync import ipc as ipc_weights
+    from mortal.workers.sync import nccl as nccl_weights
+    from mortal.workers.sync import ring as weight_ring
+    from mortal.workers.sync import weights
 
     class ModelOnly:
         """The part of the transformers engine a load goes through."""
@@ -132,11 +137,15 @@ def rollout_side(home: str, device: str, model_dir: str, asks: Any, answers: Any
     answers.put(timers.medians_ms())
 
 
-def actor_side(home: Path, method: str, model_dir: Path, versions: int, child: tuple[Any, Any]) -> dict[str, float]:
+def actor_side(
+    home: Path, method: str, model_dir: Path, versions: int, child: tuple[Any, Any]
+) -> dict[str, float]:
     """This process: publish `versions` versions, each after the rollout loaded the one before."""
     from transformers import AutoModelForCausalLM
 
-    from mortal.workers import ipc_weights, weight_ring, weights
+    from mortal.workers.sync import ipc as ipc_weights
+    from mortal.workers.sync import ring as weight_ring
+    from mortal.workers.sync import weights
 
     asks, answers = child
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(actor_device())
@@ -182,9 +191,19 @@ def main() -> None:
     model_dir = make_model(work / "model")
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
-    spec_args = argparse.Namespace(gens=8, prompts=8, steps=1, staleness=0, tokens=256, rollouts=1,
-                                   gpus=torch.cuda.device_count(), sync=args.sync)
-    run = TrainingRun.model_validate({"metadata": {"name": "sync"}, "spec": mortal_spec(model_dir, data, spec_args)})
+    spec_args = argparse.Namespace(
+        gens=8,
+        prompts=8,
+        steps=1,
+        staleness=0,
+        tokens=256,
+        rollouts=1,
+        gpus=torch.cuda.device_count(),
+        sync=args.sync,
+    )
+    run = TrainingRun.model_validate(
+        {"metadata": {"name": "sync"}, "spec": mortal_spec(model_dir, data, spec_args)}
+    )
     open_store(f"sqlite:///{home / 'state.db'}").apply_run("sync", run.spec_dict())
     device = "cuda:1" if torch.cuda.device_count() > 1 else actor_device()
     spawn = mp.get_context("spawn")
@@ -197,10 +216,17 @@ def main() -> None:
     load = answers.get(timeout=600)
     child.join(60)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    report = {"sync": args.sync, "device": name, "gpus": torch.cuda.device_count(),
-              "rollout_device": device, "versions": args.versions, "warm_ups": WARM_UPS,
-              "publish_ms": publish, "load_ms": load,
-              "together_ms": round(publish["whole"] + load["whole"], 2)}
+    report = {
+        "sync": args.sync,
+        "device": name,
+        "gpus": torch.cuda.device_count(),
+        "rollout_device": device,
+        "versions": args.versions,
+        "warm_ups": WARM_UPS,
+        "publish_ms": publish,
+        "load_ms": load,
+        "together_ms": round(publish["whole"] + load["whole"], 2),
+    }
     for side in ("publish_ms", "load_ms"):
         print(f"{side[:-3]}: {report[side]['whole']:.2f} ms")
         for label, ms in report[side].items():
@@ -209,6 +235,7 @@ def main() -> None:
     print(f"together: {report['together_ms']:.2f} ms ({args.sync}, {report['device']} x{report['gpus']})")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -40,8 +40,8 @@ def exit_on_sigterm() -> None:
 def controller_running(run: Any, work: Path) -> Iterator[Any]:
     """The run applied to a fresh SQLite store under `work/mortal-home` and a controller subprocess
     reconciling it (log: work/controller.log) while the block runs; yields the store."""
-    from mortal.controller.cli.apply import fit_micro_batches, refuse_what_cannot_fit
-    from mortal.controller.cli.context import CliError
+    from mortal.client.apply import fit_micro_batches, refuse_what_cannot_fit
+    from mortal.client.errors import ClientError as CliError
     from mortal.state import open_store
 
     try:  # what `mortalctl apply` refuses, refused before the device's minutes go on it
@@ -59,8 +59,13 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
     with open(work / "controller.log", "w") as log:
         # A session of its own: `timeout` signals its whole process group, and the controller must outlive
         # the bench's SIGTERM long enough to stop the workers (stop_workers) before it is terminated.
-        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "mortal.controller"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             yield store
         finally:
@@ -83,23 +88,31 @@ def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dic
             timeline[step] = []
             for row in store.step_results(name, step):
                 results = (row.result or {}).get("results", [])
-                timeline[step].append({
-                    "queued": row.created_at.timestamp(), "done": row.done_at.timestamp() if row.done_at else None,
-                    "generate": sum(r.get("generation_seconds", 0.0) for r in results),
-                    "reward": sum(r.get("reward_seconds", 0.0) for r in results),
-                    "load": max((r.get("weight_load_seconds", 0.0) for r in results), default=0.0)})
+                timeline[step].append(
+                    {
+                        "queued": row.created_at.timestamp(),
+                        "done": row.done_at.timestamp() if row.done_at else None,
+                        "generate": sum(r.get("generation_seconds", 0.0) for r in results),
+                        "reward": sum(r.get("reward_seconds", 0.0) for r in results),
+                        "load": max((r.get("weight_load_seconds", 0.0) for r in results), default=0.0),
+                    }
+                )
         return timeline
     finally:
         store.close()
 
 
-MEMORY_EVENTS = ("MicroBatchReduced", "RolloutShareReduced", "OutOfMemory")  # mortal.controller.heal's, MemoryFits'
+MEMORY_EVENTS = (
+    "MicroBatchReduced",
+    "RolloutShareReduced",
+    "OutOfMemory",
+)  # mortal.controller.heal's, MemoryFits'
 
 
 def memory_record(work: Path, name: str) -> dict[str, Any]:
-    """What the controller chose for the run's memory (status.effective: the micro batch the actor trained with,
-    a lowered rollout share) and its memory events (a micro batch chosen before launch, each out-of-memory
-    and its heal), read from the run's store after it ended; {} when the store is not there."""
+    """What the controller chose for the run's memory (status.effective: the micro batch the actor trained
+    with, a lowered rollout share) and its memory events (a micro batch chosen before launch, each
+    out-of-memory and its heal), read from the run's store after it ended; {} when the store is not there."""
     from mortal.state import NotFound, open_store
 
     path = work / "mortal-home" / "state.db"
@@ -108,14 +121,22 @@ def memory_record(work: Path, name: str) -> dict[str, Any]:
     store = open_store(f"sqlite:///{path}")
     try:
         row = store.get_run(name)
-        events = [{"type": e.type, "reason": e.reason, "message": e.message}
-                  for e in store.list_events(name, limit=1000) if e.reason in MEMORY_EVENTS]
+        events = [
+            {"type": e.type, "reason": e.reason, "message": e.message}
+            for e in store.list_events(name, limit=1000)
+            if e.reason in MEMORY_EVENTS
+        ]
         algorithm = row.spec.get("algorithm") or {}
         effective = (row.status or {}).get("effective") or {}
         spec_micro = algorithm.get("microBatchSize") or algorithm.get("batchSize")
-        return {"micro_batch": effective.get("microBatchSize") or spec_micro, "spec_micro_batch": spec_micro,
-                "chosen_by_controller": "microBatchSize" in effective, "effective": effective,
-                "restarts": (row.status or {}).get("restarts"), "events": events}
+        return {
+            "micro_batch": effective.get("microBatchSize") or spec_micro,
+            "spec_micro_batch": spec_micro,
+            "chosen_by_controller": "microBatchSize" in effective,
+            "effective": effective,
+            "restarts": (row.status or {}).get("restarts"),
+            "events": events,
+        }
     except NotFound:
         return {}
     finally:
@@ -162,15 +183,20 @@ def stop_workers(store: Any, name: str, seconds: float = 60.0) -> None:
 def copy_logs(work: Path, dest: Path) -> None:
     """The controller's log and every worker's (work/controller.log, work/mortal-home/runs/*/logs/) into
     `dest`: start-up and compile lines, and why a run cut short had not finished, outlive `work`; with them
-    the actor's step profiles (mortal.workers.step_profile), where a run made them."""
+    the actor's step profiles (mortal.workers.actor.step_profile), where a run made them."""
     dest.mkdir(parents=True, exist_ok=True)
-    for log in [work / "controller.log", *work.glob("mortal-home/runs/*/logs/*.log"),
-                *work.glob("mortal-home/runs/*/logs/profile-*")]:
+    for log in [
+        work / "controller.log",
+        *work.glob("mortal-home/runs/*/logs/*.log"),
+        *work.glob("mortal-home/runs/*/logs/profile-*"),
+    ]:
         if log.exists():
             shutil.copy(log, dest / log.name)
 
 
-def run_through_controller(run: Any, work: Path, poll_seconds: float = 1.0) -> tuple[dict[int, dict[str, float]], float]:
+def run_through_controller(
+    run: Any, work: Path, poll_seconds: float = 1.0
+) -> tuple[dict[int, dict[str, float]], float]:
     home = work / "mortal-home"
     started = time.time()
     with controller_running(run, work) as store:
@@ -178,7 +204,9 @@ def run_through_controller(run: Any, work: Path, poll_seconds: float = 1.0) -> t
             time.sleep(poll_seconds)
     wall = time.time() - started
     if phase != "Succeeded":
-        raise SystemExit(f"mortal run {run.name} ended {phase}: {store.get_run(run.name).status} (see {home})")
+        raise SystemExit(
+            f"mortal run {run.name} ended {phase}: {store.get_run(run.name).status} (see {home})"
+        )
     by_step: dict[int, dict[str, float]] = {}
     for metric in store.list_metrics(run.name):
         by_step.setdefault(metric.step, {})[metric.name] = metric.value

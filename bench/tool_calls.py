@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from mortal.specs.training import DatasetSpec
-from mortal.workers import tools
-from mortal.workers.builtin_tools import CodeAgentEnvironment
 from mortal.workers.data import read_raw_rows
-from mortal.workers.tools import Toolbox
+from mortal.workers.rollout import tools
+from mortal.workers.rollout.builtin_tools import CodeAgentEnvironment
+from mortal.workers.rollout.tools import Toolbox
 
 
 def _calls(rows: list[dict[str, Any]], box: Toolbox) -> list[tuple[list[Any], list[dict[str, Any]]]]:
@@ -34,8 +34,10 @@ def _calls(rows: list[dict[str, Any]], box: Toolbox) -> list[tuple[list[Any], li
     for row, environment in zip(rows, box.environments_for([None] * len(rows)), strict=True):
         environment.reset(**row)
         failing = row["solution"].split("\n")[0] + "\n    return None\n"
-        calls = [{"type": "function", "function": {"name": "run_tests", "arguments": {"code": code}}}
-                 for code in (failing, row["solution"])]
+        calls = [
+            {"type": "function", "function": {"name": "run_tests", "arguments": {"code": code}}}
+            for code in (failing, row["solution"])
+        ]
         rollouts.append((box.tools_for(environment), calls))
     return rollouts
 
@@ -57,7 +59,9 @@ def measure(rollouts: int, repeats: int, concurrent: int) -> tuple[float, list[l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path)
@@ -69,8 +73,12 @@ def main() -> None:
         raise SystemExit("the outcomes differ between the two modes")
     passed = sum(c == "All tests passed." for rollout in got for c in rollout)
     result = {
-        "bench": "tool_calls", "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "rollouts": args.rollouts, "calls": 2 * args.rollouts, "passed_calls": passed, "repeats": args.repeats,
+        "bench": "tool_calls",
+        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "rollouts": args.rollouts,
+        "calls": 2 * args.rollouts,
+        "passed_calls": passed,
+        "repeats": args.repeats,
         "one_rollout_after_another_seconds": round(one_by_one, 3),
         f"up_to_{default}_rollouts_at_once_seconds": round(at_once, 3),
         "speedup": round(one_by_one / at_once, 2),

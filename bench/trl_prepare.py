@@ -36,18 +36,27 @@ PROMPT_TOKENS = 13
 
 
 def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work: Path) -> list[float]:
-    """One trainer's --steps steps; the seconds from rollout_func's return to the first compute_loss of each."""
+    """One trainer's --steps steps; the seconds from rollout_func's return to the first compute_loss of
+    each."""
     import torch
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from mortal.workers import trl_seam
+    from mortal.workers.actor import trl_seam
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         tie_word_embeddings=True))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     n, length = args.completions, args.tokens
     returned: list[float] = []
     seconds: list[float] = []
@@ -56,10 +65,18 @@ def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work:
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(trainer.state.global_step)
         completion_ids = torch.randint(100, len(tokenizer) - 100, (n, length), generator=generator).tolist()
-        output = trl_seam.rollout_output([[5] * PROMPT_TOKENS] * n, completion_ids, [[-1.0] * length] * n,
-                                         [{"r": float(i % 3)} for i in range(n)], [0] * n)
+        output = trl_seam.rollout_output(
+            [[5] * PROMPT_TOKENS] * n,
+            completion_ids,
+            [[-1.0] * length] * n,
+            [{"r": float(i % 3)} for i in range(n)],
+            [0] * n,
+        )
         if hand is not None:
-            hand(output["completion_ids"], [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids])
+            hand(
+                output["completion_ids"],
+                [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids],
+            )
         returned.append(time.perf_counter())
         return output
 
@@ -67,13 +84,32 @@ def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work:
         if returned:
             seconds.append(time.perf_counter() - returned.pop())
 
-    config = GRPOConfig(output_dir=str(work), per_device_train_batch_size=n, num_generations=8,
-                        steps_per_generation=1, max_steps=args.steps, learning_rate=1e-6, logging_steps=1,
-                        report_to="none", save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
-                        max_completion_length=length, loss_type="dapo", beta=0.0)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=config,
-                          reward_funcs=[trl_seam.PrecomputedReward("r")],
-                          train_dataset=Dataset.from_dict({"prompt": [""] * (n * args.steps)}), rollout_func=rollout)
+    config = GRPOConfig(
+        output_dir=str(work),
+        per_device_train_batch_size=n,
+        num_generations=8,
+        steps_per_generation=1,
+        max_steps=args.steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        seed=0,
+        max_completion_length=length,
+        loss_type="dapo",
+        beta=0.0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        args=config,
+        reward_funcs=[trl_seam.PrecomputedReward("r")],
+        train_dataset=Dataset.from_dict({"prompt": [""] * (n * args.steps)}),
+        rollout_func=rollout,
+    )
     weight = model.get_output_embeddings().weight
     trainer.compute_loss = lambda *a, **k: weight.sum() * 0.0  # the update left out (module docstring)
     trl_seam.time_loss_start(trainer, stamp)
@@ -84,7 +120,9 @@ def prepare_seconds(reuse: bool, args: argparse.Namespace, tokenizer: Any, work:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--completions", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
@@ -100,16 +138,34 @@ def main() -> None:
             for name in runs:
                 steps = prepare_seconds(name == "reuse", args, tokenizer, Path(tmp) / f"{name}{round_}")
                 runs[name].append(steps)
-                print(f"round {round_ + 1}, {name}: " + ", ".join(f"{s * 1000:.1f}" for s in steps) + " ms", flush=True)
+                print(
+                    f"round {round_ + 1}, {name}: " + ", ".join(f"{s * 1000:.1f}" for s in steps) + " ms",
+                    flush=True,
+                )
     medians = {name: [statistics.median(steps[1:]) for steps in rounds] for name, rounds in runs.items()}
     for round_ in range(args.rounds):
         saved = medians["decode"][round_] - medians["reuse"][round_]
-        print(f"round {round_ + 1}: TRL's preparation {medians['decode'][round_] * 1000:.1f} ms decoding itself, "
-              f"{medians['reuse'][round_] * 1000:.1f} ms with the rollouts' texts ({saved * 1000:.1f} ms saved)")
+        print(
+            f"round {round_ + 1}: TRL's preparation "
+            f"{medians['decode'][round_] * 1000:.1f} ms decoding itself, "
+            f"{medians['reuse'][round_] * 1000:.1f} ms with the rollouts' texts ({saved * 1000:.1f} ms saved)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"device": "cpu", "gpus": 0, "cpu": os.cpu_count(),
-                                         "completions": args.completions, "tokens": args.tokens,
-                                         "steps": args.steps, "seconds": runs, "medians": medians}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": "cpu",
+                    "gpus": 0,
+                    "cpu": os.cpu_count(),
+                    "completions": args.completions,
+                    "tokens": args.tokens,
+                    "steps": args.steps,
+                    "seconds": runs,
+                    "medians": medians,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

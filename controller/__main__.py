@@ -16,12 +16,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mortal.controller", description=__doc__.splitlines()[0])
     parser.add_argument("--state-url", default=None, help="store URL (default: $MORTAL_STATE_URL or SQLite)")
     parser.add_argument("--watch", default=None, metavar="DIR", help="apply the specs of DIR on every change")
-    parser.add_argument("--idle-exit", type=float, default=None, metavar="SECONDS",
-                        help="exit after this long with no active run and no live worker")
+    parser.add_argument(
+        "--idle-exit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit after this long with no active run and no live worker",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+    )
     logging.getLogger("alembic").setLevel(logging.WARNING)
     run_controller(state_url=args.state_url, watch=args.watch, idle_exit_seconds=args.idle_exit)
 

@@ -1,4 +1,5 @@
-"""The actions a reconcile pass may take, as small frozen values: `plan()` makes them, the reconciler applies them.
+"""The actions a reconcile pass may take, as small frozen values: `plan()` makes them, the reconciler
+applies them.
 
 Each action carries the event to record once it has been applied, so the wording of every event is
 decided in the pure planner and tested there. Applying an action twice must be harmless: that is
@@ -32,7 +33,7 @@ class Launch:
     replica: int
     restart: bool
     event: Event
-    env: Mapping[str, str] = field(default_factory=dict)  # the controller's memory choices (mortal.specs.memory)
+    env: Mapping[str, str] = field(default_factory=dict)  # the controller's memory choices (specs.memory)
 
 
 @dataclass(frozen=True)

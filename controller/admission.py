@@ -77,8 +77,16 @@ def _probe(run: TrainingRun, folder: Path) -> list[Check]:
     env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=search)
     timeout = _probe_timeout()
     try:
-        done = subprocess.run([sys.executable, "-m", PROBE_MODULE], input=request, capture_output=True,
-                              text=True, cwd=folder, env=env, timeout=timeout, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", PROBE_MODULE],
+            input=request,
+            capture_output=True,
+            text=True,
+            cwd=folder,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         why = f"checking the run's code took over {timeout:.0f}s ({PROBE_TIMEOUT_ENV})"
         return [Check("spec", "failed", f"{why}; does importing a reward, tool or environment module hang?")]
@@ -98,8 +106,9 @@ def _probe_timeout() -> float:
     try:
         return float(raw) if raw else DEFAULT_PROBE_TIMEOUT
     except ValueError:
-        raise AdmissionRefused([SpecIssue("<environment>", None, PROBE_TIMEOUT_ENV,
-                                          f"{raw!r} is not a number of seconds")]) from None
+        raise AdmissionRefused(
+            [SpecIssue("<environment>", None, PROBE_TIMEOUT_ENV, f"{raw!r} is not a number of seconds")]
+        ) from None
 
 
 def _remote_checks(run: TrainingRun) -> list[Check]:
@@ -109,8 +118,13 @@ def _remote_checks(run: TrainingRun) -> list[Check]:
         return []
     gpus = sorted({spec.actor.gpu, spec.rollout.gpu} - {"none"})
     what = f"GPUs {', '.join(gpus)} are" if gpus else "CPU capacity is"
-    return [Check("spec.backend", "deferred",
-                  f"{spec.backend}: {what} checked by the backend when it places the workers")]
+    return [
+        Check(
+            "spec.backend",
+            "deferred",
+            f"{spec.backend}: {what} checked by the backend when it places the workers",
+        )
+    ]
 
 
 def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission:
@@ -130,14 +144,16 @@ def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission
         raise AdmissionRefused([SpecIssue(source, None, c.field, c.message) for c in failed])
     if snapshot.digest is not None:
         what = ", ".join(p.rel for p in snapshot.parts) or "kept: this folder has none of the run's code"
-        checks.append(Check("metadata.annotations", "ok",
-                            f"{CODE_ANNOTATION}: {snapshot.digest[:12]} ({what})"))
+        checks.append(
+            Check("metadata.annotations", "ok", f"{CODE_ANNOTATION}: {snapshot.digest[:12]} ({what})")
+        )
     return Admission(run, source, checks, snapshot)
 
 
 @contextlib.contextmanager
-def admit_runs(runs: Sequence[tuple[TrainingRun, str]], folders: Sequence[Path], dry_run: bool = False
-               ) -> Iterator[list[Admission]]:
+def admit_runs(
+    runs: Sequence[tuple[TrainingRun, str]], folders: Sequence[Path], dry_run: bool = False
+) -> Iterator[list[Admission]]:
     """Admit every (run, source file) or none: all refusals raised together; then, unless `dry_run`,
     install each snapshot and set the run's code annotation (dropping one the document carried)."""
     admitted: list[Admission] = []

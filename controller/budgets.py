@@ -1,16 +1,11 @@
 """A run's budgets (spec.limits): its active-time clock, its GPU time, and whether a limit is reached.
 
 Called by `mortal.controller.plan` (pure, like it: no I/O, no clock of its own; `now` is given).
-- Active time (limits.maxDuration) leaves out time while Suspended, as Kubernetes leaves a suspended
-  Job's time out of activeDeadlineSeconds. It lives in the status the store keeps, as two stable
-  values that change only when the run starts, suspends, resumes or finishes: `activeSeconds` (the
-  active time before the current period) and `activeSince` (when the current period began). So a
-  controller restarted, or down for a while, counts on from the same clock (its downtime counts: the
-  workers kept running), and an idle pass writes nothing.
-- GPU time (limits.maxGPUHours) is rebuilt every pass from the workers table: each worker row's wall
-  time times the GPUs it holds (`WorkerRow.gpus`, recorded at launch from what the backend gives it).
-  A worker's time ends when its row ended, or at its last heartbeat plus its lease if that is sooner
-  (a worker that died while no controller watched is not charged for the time until one noticed).
+Active time leaves out time while Suspended (as Kubernetes' activeDeadlineSeconds does) and lives in
+the stored status as `activeSeconds` and `activeSince`, values that change only when the run starts,
+suspends, resumes or finishes: a restarted controller counts on from the same clock, and an idle pass
+writes nothing. GPU time is rebuilt every pass from the workers table (wall time x GPUs held), a
+worker's time ending at its row's end or its last heartbeat plus its lease, whichever is sooner.
 """
 
 from __future__ import annotations
@@ -31,11 +26,16 @@ GPU_HOURS_PRECISION = 2  # status.gpuHours is rounded to 0.01 GPU-hour (36 GPU-s
 class GPUTime(Protocol):
     """What GPU accounting reads of a worker row (mortal.state.tables.WorkerRow, or plan's view of one)."""
 
-    gpus: int
-    started_at: datetime
-    ended_at: datetime | None
-    heartbeat_at: datetime | None
-    lease_seconds: float
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def ended_at(self) -> datetime | None: ...
+    @property
+    def heartbeat_at(self) -> datetime | None: ...
+    @property
+    def lease_seconds(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ def next_clock(prev: Mapping[str, Any], phase: str, now: datetime) -> tuple[floa
 
 
 def worker_gpu_seconds(row: GPUTime, now: datetime) -> float:
-    """GPU-seconds of one worker row: wall time (start to end, or to now while it lives) x the GPUs it holds."""
+    """GPU-seconds of one worker row: wall time (start to end, or to now while it lives) x the GPUs it
+    holds."""
     if not row.gpus:
         return 0.0
     end = row.ended_at or now
@@ -87,22 +88,39 @@ def gpu_hours(seconds: float) -> float:
     return round(seconds / 3600.0, GPU_HOURS_PRECISION)
 
 
-def exceeded(max_duration: float | None, active: float, max_gpu_hours: float | None,
-             used_gpu_seconds: float, already: str | None = None) -> Exceeded | None:
+def exceeded(
+    max_duration: float | None,
+    active: float,
+    max_gpu_hours: float | None,
+    used_gpu_seconds: float,
+    already: str | None = None,
+) -> Exceeded | None:
     """The first limit reached, if any (maxDuration before maxGPUHours). `already`: the reason an earlier pass
     found for the same spec; it holds while that limit is set, so that a run whose workers are stopping is
     not relaunched because their final accounting came out a second short."""
     if max_duration is not None and (active >= max_duration or already == DEADLINE_EXCEEDED):
-        return Exceeded(DEADLINE_EXCEEDED, f"limits.maxDuration ({format_duration(max_duration)}) reached: active for "
-                                           f"{_span(active)}")
-    if max_gpu_hours is not None and (used_gpu_seconds >= max_gpu_hours * 3600.0 or already == BUDGET_EXCEEDED):
-        return Exceeded(BUDGET_EXCEEDED, f"limits.maxGPUHours ({max_gpu_hours:g}) reached: the workers used "
-                                         f"{used_gpu_seconds / 3600.0:.2f} GPU-hours")
+        return Exceeded(
+            DEADLINE_EXCEEDED,
+            f"limits.maxDuration ({format_duration(max_duration)}) reached: active for {_span(active)}",
+        )
+    if max_gpu_hours is not None and (
+        used_gpu_seconds >= max_gpu_hours * 3600.0 or already == BUDGET_EXCEEDED
+    ):
+        return Exceeded(
+            BUDGET_EXCEEDED,
+            f"limits.maxGPUHours ({max_gpu_hours:g}) reached: the workers used "
+            f"{used_gpu_seconds / 3600.0:.2f} GPU-hours",
+        )
     return None
 
 
-def seconds_left(max_duration: float | None, active: float, max_gpu_hours: float | None,
-                 used_gpu_seconds: float, live_gpus: int) -> float | None:
+def seconds_left(
+    max_duration: float | None,
+    active: float,
+    max_gpu_hours: float | None,
+    used_gpu_seconds: float,
+    live_gpus: int,
+) -> float | None:
     """Wall seconds until the first limit is reached at the present rate (None: no limit can be reached)."""
     left = []
     if max_duration is not None:

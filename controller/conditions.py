@@ -1,23 +1,10 @@
-"""The run's conditions in RL terms: WeightsInSync, RewardHealthy, CheckpointFresh, Progressing; and MemoryFits.
+"""The run's conditions in RL terms: WeightsInSync, RewardHealthy, CheckpointFresh, Progressing; and
+MemoryFits.
 
 Called only by `plan` (which adds them beside Ready and Suspended); tests call each function with
 hand-built inputs. Each function reads what one pass observed and returns one `Condition` (status
-True, False or None for Unknown). Pure: no I/O, no clock of its own (`now` is passed in).
-Events for their transitions are made by `mortal.controller.status.diff_events`.
-
-- WeightsInSync: every live rollout generates with weights at most `allowed_lag` versions behind
-  the actor's newest. The actor publishes one version every `sync.every` steps, so maxStaleness
-  steps are ceil(maxStaleness / every) versions, plus one: a rollout loads a new version between
-  tasks, so a version published while it generates is normal. A version published after a
-  rollout's last heartbeat cannot have been reported by it yet and is not held against it.
-- RewardHealthy: False when a reward function failed the run (raised, bad output), returned None
-  for every sample of the newest step (`rewards/<name>/scored` == 0), or gave every sample the same
-  value (`rewards/<name>/std` == 0) for `stuck_steps` steps in a row.
-- CheckpointFresh: the newest complete checkpoint is at most checkpoint.every (+ slack) steps old.
-- Progressing: a step ended within the progress deadline, max(min, factor x median step time).
-- MemoryFits: False while the newest ended worker of some slot ended out of GPU memory (exit 4, as a
-  Pod's lastState says OOMKilled); the message names the worker, what it tried to allocate, how full
-  the GPU was, and what to change in the spec, by role (`memory_advice`).
+True, False or None for Unknown); its docstring says when it is False. Pure: no I/O, no clock of its
+own (`now` is passed in). Events for their transitions are made by `mortal.controller.status.diff_events`.
 """
 
 from __future__ import annotations
@@ -34,7 +21,8 @@ WEIGHTS, REWARD, CHECKPOINT, PROGRESSING = "WeightsInSync", "RewardHealthy", "Ch
 MEMORY, OUT_OF_MEMORY = "MemoryFits", "OutOfMemory"
 TYPES = (WEIGHTS, REWARD, CHECKPOINT, PROGRESSING, MEMORY)
 OOM_RELAUNCHES = 1  # relaunches of a slot after an out-of-memory exit; the next one fails the run (see plan)
-REWARD_FATAL_REASONS = ("RewardFailed", "RewardBadOutput", "RewardNotFound")  # mortal.workers.rewards' reasons
+# mortal.workers.rewards' fatal reasons.
+REWARD_FATAL_REASONS = ("RewardFailed", "RewardBadOutput", "RewardNotFound")
 STD_METRIC, SCORED_METRIC, STEP_SECONDS_METRIC = "std", "scored", "step_seconds"
 
 
@@ -48,39 +36,65 @@ class RolloutVersion:
 
 
 def allowed_lag(max_staleness: int, sync_every: int) -> int:
-    """Versions a rollout may be behind the newest: maxStaleness steps in versions, plus one in flight."""
+    """Versions a rollout may be behind the newest: maxStaleness steps in versions, plus one in flight (a
+    rollout loads a new version between tasks, so one published while it generates is normal)."""
     return math.ceil(max_staleness / max(1, sync_every)) + 1
 
 
-def weights_in_sync(rollouts: Sequence[RolloutVersion], newest: int | None, newest_at: datetime | None,
-                    max_staleness: int, sync_every: int) -> Condition:
+def weights_in_sync(
+    rollouts: Sequence[RolloutVersion],
+    newest: int | None,
+    newest_at: datetime | None,
+    max_staleness: int,
+    sync_every: int,
+) -> Condition:
+    """False when a live rollout generates with weights more than `allowed_lag` versions behind the newest.
+    A version published after a rollout's last heartbeat cannot have been reported yet, so it does not
+    count against that rollout."""
     if newest is None:
         return Condition(WEIGHTS, None, "NoWeightsPublished", "the actor has not published weights yet")
-    reporting = [r for r in rollouts if r.version is not None]
+    reporting = [(r, r.version) for r in rollouts if r.version is not None]
     if not reporting:
-        return Condition(WEIGHTS, None, "NoRolloutReporting", f"no live rollout has reported a weight version "
-                                                               f"(newest v{newest})")
+        return Condition(
+            WEIGHTS,
+            None,
+            "NoRolloutReporting",
+            f"no live rollout has reported a weight version (newest v{newest})",
+        )
     allowed = allowed_lag(max_staleness, sync_every)
     lagging = []
-    for r in reporting:
-        seen = newest if newest_at is None or r.heartbeat_at is None or newest_at <= r.heartbeat_at else newest - 1
-        if seen - r.version > allowed:
-            lagging.append(f"{r.name} at v{r.version}")
+    for r, version in reporting:
+        seen = (
+            newest
+            if newest_at is None or r.heartbeat_at is None or newest_at <= r.heartbeat_at
+            else newest - 1
+        )
+        if seen - version > allowed:
+            lagging.append(f"{r.name} at v{version}")
     if lagging:
-        return Condition(WEIGHTS, False, "RolloutLagging",
-                         f"{', '.join(lagging)}; actor at v{newest}; allowed lag {allowed} version(s)")
-    versions = sorted({r.version for r in reporting})
-    return Condition(WEIGHTS, True, "WeightsCurrent",
-                     f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}")
+        return Condition(
+            WEIGHTS,
+            False,
+            "RolloutLagging",
+            f"{', '.join(lagging)}; actor at v{newest}; allowed lag {allowed} version(s)",
+        )
+    versions = sorted({version for _, version in reporting})
+    return Condition(
+        WEIGHTS,
+        True,
+        "WeightsCurrent",
+        f"{len(reporting)} rollout(s) at v{'/v'.join(map(str, versions))}; actor at v{newest}",
+    )
 
 
-RUN_FAILURE_REASONS = ("ResumeRefused", "CheckpointStorageUnavailable")  # fatal worker reasons that name the run's failure itself
+# Fatal worker reasons that name the run's failure itself.
+RUN_FAILURE_REASONS = ("ResumeRefused", "CheckpointStorageUnavailable")
 
 
 def run_failure_reason(worker_message: str | None) -> str:
     """The Failed condition's reason for a worker's fatal exit: its own reason where it says why the run
-    cannot go on (a refused resume: mortal.workers.resume_check; checkpoint storage it cannot use:
-    mortal.workers.storage), else WorkerFailed."""
+    cannot go on (a refused resume: mortal.workers.actor.resume_check; checkpoint storage it cannot use:
+    mortal.workers.actor.storage), else WorkerFailed."""
     reason = (worker_message or "").split(":", 1)[0]
     return reason if reason in RUN_FAILURE_REASONS else "WorkerFailed"
 
@@ -90,35 +104,45 @@ def reward_failure(worker_message: str | None) -> Condition | None:
     reason = (worker_message or "").split(":", 1)[0]
     if reason not in REWARD_FATAL_REASONS:
         return None
-    return Condition(REWARD, False, reason, worker_message.split(":", 1)[1].strip())
+    return Condition(REWARD, False, reason, (worker_message or "").split(":", 1)[1].strip())
 
 
 def reward_healthy(metrics: Mapping[int, Mapping[str, float]], stuck_steps: int) -> Condition:
-    """From the newest steps' metrics ({step: {name: value}}): rewards/<name>/scored and /std."""
-    names = sorted({_reward_name(k) for values in metrics.values() for k in values if _reward_name(k)})
+    """From the newest steps' metrics ({step: {name: value}}): False when a reward returned None for every
+    sample of the newest step (rewards/<name>/scored 0), or gave every sample the same value (std 0) for
+    `stuck_steps` steps in a row."""
+    names = sorted({name for values in metrics.values() for k in values if (name := _reward_name(k))})
     if not names:
         return Condition(REWARD, None, "NoRewardMetrics", "no step has recorded per-reward metrics yet")
     steps = sorted(metrics)
     newest = steps[-1]
     for name in names:
         if metrics[newest].get(f"rewards/{name}/{SCORED_METRIC}") == 0.0:
-            return Condition(REWARD, False, "RewardAllNone",
-                             f"reward {name!r} returned None for every sample of step {newest}")
+            return Condition(
+                REWARD,
+                False,
+                "RewardAllNone",
+                f"reward {name!r} returned None for every sample of step {newest}",
+            )
     for name in names:
         run = _constant_run(metrics, steps, name)
         if len(run) >= stuck_steps:
             value = metrics[run[-1]].get(f"rewards/{name}/mean")
             same = f" ({value:g})" if value is not None else ""
-            return Condition(REWARD, False, "RewardConstant",
-                             f"reward {name!r} gave every sample the same value{same} for {len(run)} steps in a row "
-                             f"(steps {run[0]}-{run[-1]}): no learning signal")
+            return Condition(
+                REWARD,
+                False,
+                "RewardConstant",
+                f"reward {name!r} gave every sample the same value{same} for {len(run)} steps "
+                f"in a row (steps {run[0]}-{run[-1]}): no learning signal",
+            )
     return Condition(REWARD, True, "RewardsVary", f"{', '.join(names)}: scores vary within step {newest}")
 
 
 def _reward_name(metric: str) -> str | None:
     if not metric.startswith("rewards/"):
         return None
-    name, _, kind = metric[len("rewards/"):].rpartition("/")
+    name, _, kind = metric[len("rewards/") :].rpartition("/")
     return name if name and kind in (STD_METRIC, SCORED_METRIC) else None
 
 
@@ -134,6 +158,7 @@ def _constant_run(metrics: Mapping[int, Mapping[str, float]], steps: list[int], 
 
 
 def checkpoint_fresh(step: int | None, checkpoint_step: int | None, every: int, slack: int) -> Condition:
+    """False when the newest complete checkpoint is more than `every` + `slack` steps old."""
     done = step or 0
     since = checkpoint_step if checkpoint_step is not None else 0
     where = f"step {checkpoint_step}" if checkpoint_step is not None else "none yet"
@@ -149,24 +174,36 @@ def step_seconds(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def progress_deadline(median_step_seconds: float | None, minimum: float, factor: float, default: float) -> float:
+def progress_deadline(
+    median_step_seconds: float | None, minimum: float, factor: float, default: float
+) -> float:
     """Seconds without a step end before a run is not Progressing."""
     if median_step_seconds is None:
         return default
     return max(minimum, factor * median_step_seconds)
 
 
-def progressing(suspended: bool, last_step_time: datetime | None, deadline: float, now: datetime) -> Condition:
+def progressing(
+    suspended: bool, last_step_time: datetime | None, deadline: float, now: datetime
+) -> Condition:
+    """False when no step ended within `deadline` seconds (`progress_deadline`); Unknown while suspended."""
     if suspended:
         return Condition(PROGRESSING, None, "Suspended", "not evaluated while suspended")
     if last_step_time is None:
-        return Condition(PROGRESSING, None, "AwaitingFirstStep", "no step has ended since the workers started")
+        return Condition(
+            PROGRESSING, None, "AwaitingFirstStep", "no step has ended since the workers started"
+        )
     quiet = (now - last_step_time).total_seconds()
     if quiet > deadline:
-        return Condition(PROGRESSING, False, "ProgressDeadlineExceeded",
-                         f"no step has ended for {quiet:.0f}s (deadline {deadline:.0f}s)")
-    return Condition(PROGRESSING, True, "StepsAdvancing",
-                     f"last step ended {quiet:.0f}s ago (deadline {deadline:.0f}s)")
+        return Condition(
+            PROGRESSING,
+            False,
+            "ProgressDeadlineExceeded",
+            f"no step has ended for {quiet:.0f}s (deadline {deadline:.0f}s)",
+        )
+    return Condition(
+        PROGRESSING, True, "StepsAdvancing", f"last step ended {quiet:.0f}s ago (deadline {deadline:.0f}s)"
+    )
 
 
 @dataclass(frozen=True)
@@ -179,7 +216,7 @@ class OomExit:
     incarnation: int
     details: str  # the worker's own words: what it tried to allocate, the GPU's figures
     count: int  # out-of-memory exits of this slot at its setting now (1: it gets its one relaunch)
-    healed: str | None = None  # this exit was answered with a smaller setting that keeps the step (controller.heal)
+    healed: str | None = None  # answered with a smaller setting that keeps the step (controller.heal)
 
 
 @dataclass(frozen=True)
@@ -193,50 +230,73 @@ class MemoryKnobs:
     rollout_share: float | None = None  # rollout.gpuMemoryUtilization, None: not set
     actor_ranks: int = 1  # actor.count: > 1 is sharded over that many GPUs (no LoRA there)
     cpu_offload: bool = False  # actor.cpuOffload
-    reshard_after_forward: bool = True  # actor.reshardAfterForward: false holds the whole model through the step
+    reshard_after_forward: bool = True  # actor.reshardAfterForward false holds the whole model through a step
     replicated: bool = False  # actor.strategy ddp: every rank holds the whole model
 
 
 def memory_advice(role: str, knobs: MemoryKnobs) -> str:
     """What to change in the spec so that a worker of `role` fits its GPU, most direct first."""
     if role == "rollout":
-        tips = ["lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
-                "lower generation.maxTokens (the KV cache grows with it)"]
+        tips = [
+            "lower generation.maxNumSeqs (sequences decoded at once) or rollout.promptsPerTask",
+            "lower generation.maxTokens (the KV cache grows with it)",
+        ]
         if knobs.colocate and knobs.rollout_share is None:
-            tips.append("set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows that "
-                        "fit in that share of the GPU, beside the actor")
+            tips.append(
+                "set rollout.gpuMemoryUtilization (e.g. 0.3): the rollout then decodes only the rows "
+                "that fit in that share of the GPU, beside the actor"
+            )
         elif knobs.rollout_share is not None:
-            tips.append(f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the GPU the "
-                        "rollout may hold")
+            tips.append(
+                f"raise rollout.gpuMemoryUtilization (now {knobs.rollout_share}), the share of the "
+                "GPU the rollout may hold"
+            )
         if knobs.colocate:
-            tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; the actor's weights, "
-                        "gradients and optimizer state share this GPU now)")
+            tips.append(
+                "give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas; "
+                "the actor's weights, gradients and optimizer state share this GPU now)"
+            )
         tips.append("or pick a GPU with more memory (rollout.gpu)")
     else:
         tips = []
         if knobs.actor_ranks > 1 and not knobs.reshard_after_forward:
-            tips.append("set actor.reshardAfterForward: true (now false: every GPU holds the whole model, gathered, "
-                        "from the forward to the backward)")
+            tips.append(
+                "set actor.reshardAfterForward: true (now false: every GPU holds the whole model, "
+                "gathered, from the forward to the backward)"
+            )
         if knobs.micro_batch_size != 1:
             now = f" (now {knobs.micro_batch_size})" if knobs.micro_batch_size else ""
-            tips.append(f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "
-                        "gradients accumulated, the same step")
+            tips.append(
+                f"lower algorithm.microBatchSize{now}: the step's batch trained in smaller passes, "
+                "gradients accumulated, the same step"
+            )
         tips.append("lower algorithm.batchSize (completions per optimizer step)")
         if not knobs.gradient_checkpointing:
             tips.append("set model.gradientCheckpointing: true (recompute activations in backward)")
         if knobs.actor_ranks > 1 and knobs.replicated:
-            tips.append("shard the actor's weights, gradients and AdamW state over its ranks (actor.strategy: fsdp; "
-                        "now ddp: each rank holds the whole model)")
+            tips.append(
+                "shard the actor's weights, gradients and AdamW state over its ranks "
+                "(actor.strategy: fsdp; now ddp: each rank holds the whole model)"
+            )
         elif knobs.actor_ranks > 1 and not knobs.cpu_offload:
-            tips.append(f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its shards "
-                        "in host memory (actor.cpuOffload: true)")
+            tips.append(
+                f"shard the actor over more GPUs (actor.count, now {knobs.actor_ranks}), or keep its "
+                "shards in host memory (actor.cpuOffload: true)"
+            )
         elif knobs.actor_ranks == 1 and not knobs.lora:
-            tips.append("train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full gradients "
-                        "or AdamW state")
-            tips.append("shard the actor's weights, gradients and AdamW state over several GPUs (actor.count: 2)")
+            tips.append(
+                "train a LoRA adapter (model.lora: {r: 16}) instead of every weight: no full "
+                "gradients or AdamW state"
+            )
+            tips.append(
+                "shard the actor's weights, gradients and AdamW state over several GPUs (actor.count: 2)"
+            )
         if knobs.colocate:
-            share = (f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})" if knobs.rollout_share
-                     else "set rollout.gpuMemoryUtilization (e.g. 0.3)")
+            share = (
+                f"lower rollout.gpuMemoryUtilization (now {knobs.rollout_share})"
+                if knobs.rollout_share
+                else "set rollout.gpuMemoryUtilization (e.g. 0.3)"
+            )
             tips.append(f"{share}: the colocated rollouts' share of this GPU")
             tips.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)")
         tips.append("or pick a GPU with more memory (actor.gpu)")
@@ -254,8 +314,12 @@ def memory_fits(exits: Sequence[OomExit], knobs: MemoryKnobs) -> Condition:
         elif e.count > OOM_RELAUNCHES:
             verdict = f"{e.count} times with this spec, so it will not fit as it is"
         else:
-            verdict = "relaunched once, as a transient (a neighbour's peak, a predecessor not yet gone); " \
-                      "a second out-of-memory fails the run"
-        lines.append(f"{e.name} #{e.incarnation} ran out of GPU memory: {e.details}; {verdict}. "
-                     f"To fit: {memory_advice(e.role, knobs)}")
+            verdict = (
+                "relaunched once, as a transient (a neighbour's peak, a predecessor not yet gone); "
+                "a second out-of-memory fails the run"
+            )
+        lines.append(
+            f"{e.name} #{e.incarnation} ran out of GPU memory: {e.details}; {verdict}. "
+            f"To fit: {memory_advice(e.role, knobs)}"
+        )
     return Condition(MEMORY, False, OUT_OF_MEMORY, " | ".join(lines))

@@ -1,14 +1,13 @@
-"""The deadline of each activity a worker reports, and the verdict on one that ran past it: the watchdog's rules.
+"""The deadline of each activity a worker reports, and the verdict on one that ran past it: the
+watchdog's rules.
 
-Called only by `plan` (stall detection in its judging of live workers, the DeadlinesMet condition, and the
-give-up of a slot that stalls the same way every time); tests call each function with hand-built inputs.
-Pure: no I/O, no clock of its own (`now` is passed in).
-
-Deadlines (spec.deadlines; docs/deadlines.md): a value the spec sets is used as it is. Unset, a task's and a
-step's come from the run's own step times, as the progress deadline does (factor x median step time, at
-least its minimum; a long default before any step time is known), a task's never below its reward calls'
-timeouts added up (a reward call past its own deadline is scored None in the rollout, which is the
-cheaper heal), and a step's at least twice a task's (a step outlasts one of its tasks healed once).
+Called only by `plan` (stall detection, the DeadlinesMet condition, and the give-up of a slot that
+stalls the same way every time); tests call each function with hand-built inputs. Pure: no I/O, no
+clock of its own (`now` is passed in).
+Deadlines (spec.deadlines; docs/deadlines.md): a value the spec sets is used as it is. Unset, a task's
+and a step's come from the run's own step times, as the progress deadline does; a task's is never
+below its reward calls' timeouts added up (a reward call past its own deadline is the cheaper heal),
+and a step's is at least twice a task's (a step outlasts one of its tasks healed once).
 """
 
 from __future__ import annotations
@@ -20,8 +19,11 @@ from mortal.controller import conditions as rl
 from mortal.controller.status import Condition
 
 DEADLINES = "DeadlinesMet"
-REASONS = {"task": "TaskDeadlineExceeded", "step": "StepDeadlineExceeded",
-           "weight-load": "WeightLoadDeadlineExceeded"}
+REASONS = {
+    "task": "TaskDeadlineExceeded",
+    "step": "StepDeadlineExceeded",
+    "weight-load": "WeightLoadDeadlineExceeded",
+}
 STALL_REASONS = frozenset(REASONS.values())
 
 
@@ -59,14 +61,24 @@ def deadline(kind: str, spec: Deadlines, step_seconds: float | None, derived: De
     if kind not in ("task", "step"):
         return None
     base = rl.progress_deadline(step_seconds, derived.minimum, derived.factor, derived.before_first_step)
-    task = spec.task_seconds if spec.task_seconds is not None else max(base, spec.reward_seconds + derived.minimum)
+    task = (
+        spec.task_seconds
+        if spec.task_seconds is not None
+        else max(base, spec.reward_seconds + derived.minimum)
+    )
     if kind == "task":
         return task
     return spec.step_seconds if spec.step_seconds is not None else max(base, 2 * task)
 
 
-def stalled(activity: str | None, since: datetime | None, now: datetime, spec: Deadlines,
-            step_seconds: float | None, derived: DerivedFrom) -> Stall | None:
+def stalled(
+    activity: str | None,
+    since: datetime | None,
+    now: datetime,
+    spec: Deadlines,
+    step_seconds: float | None,
+    derived: DerivedFrom,
+) -> Stall | None:
     """The stall of a worker reporting `activity` since `since`, or None while it is within its deadline."""
     if activity is None or since is None:
         return None
@@ -80,8 +92,14 @@ def stalled(activity: str | None, since: datetime | None, now: datetime, spec: D
     return Stall(REASONS[kind], f"{activity} has run {lasted:.0f} s, past its deadline of {limit:g} s")
 
 
-def due_in(activity: str | None, since: datetime | None, now: datetime, spec: Deadlines,
-           step_seconds: float | None, derived: DerivedFrom) -> float | None:
+def due_in(
+    activity: str | None,
+    since: datetime | None,
+    now: datetime,
+    spec: Deadlines,
+    step_seconds: float | None,
+    derived: DerivedFrom,
+) -> float | None:
     """Seconds until the activity reaches its deadline (for the pass's requeue), None without one."""
     if activity is None or since is None:
         return None
@@ -112,10 +130,18 @@ def deadlines_met(stalls: list[StalledWorker], last_step_time: datetime | None) 
     if unhealed:
         newest = max(unhealed, key=lambda s: s.ended_at)
         reason, _, what = newest.message.partition(": ")
-        return Condition(DEADLINES, False, reason, f"{newest.name} #{newest.incarnation}: {what}; relaunched, "
-                                                   "no step has ended since")
+        return Condition(
+            DEADLINES,
+            False,
+            reason,
+            f"{newest.name} #{newest.incarnation}: {what}; relaunched, no step has ended since",
+        )
     if stalls:
         newest = max(stalls, key=lambda s: s.ended_at)
-        return Condition(DEADLINES, True, "Healed", f"{newest.name} #{newest.incarnation} was relaunched "
-                                                    f"({newest.message}); steps have ended since")
+        return Condition(
+            DEADLINES,
+            True,
+            "Healed",
+            f"{newest.name} #{newest.incarnation} was relaunched ({newest.message}); steps have ended since",
+        )
     return Condition(DEADLINES, True, "WithinDeadlines", "no worker has run past a deadline")

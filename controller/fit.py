@@ -1,36 +1,16 @@
 """Will the model fit the GPU the spec asks for? A lower bound, refused only when it is certain not to.
 
-Who calls it: `mortalctl apply` (mortal.controller.cli.apply), with the parameter count it read from
-the model's safetensors headers (mortal.workers.models.count_parameters); tests call it directly.
-Pure: no I/O. What it must not do: guess. It adds only what every run of that spec must hold at
-once, and leaves out everything that depends on the data (activations, the KV cache, the CUDA
-context, allocator slack), so when it says "does not fit", no setting of batch sizes can make it fit;
-when it says nothing, the run may still run out of memory (the MemoryFits condition says so then).
+Who calls it: `mortalctl apply` (mortal.client.apply), with the parameter count read from the
+model's safetensors headers (mortal.workers.models.count_parameters); tests call it directly.
+Pure: no I/O. What it must not do: guess. The bound adds only what every run of that spec must hold at
+once (the actor's weights, gradients and AdamW moments, sharded or not; colocated rollouts' copies or
+shares; the ring of weight snapshots; the gathered model without resharding), in bytes of the dtype
+each is held in, against the GPU's memory as sold (backends.gpus.GPU_MEMORY). It leaves out what
+depends on the data (activations, the KV cache, the CUDA context), so "does not fit" holds for every
+batch size, and silence still allows an out-of-memory later (the MemoryFits condition).
 
-The bound, with b = bytes per parameter of model.dtype (auto: bfloat16 on a GPU, 2):
-  actor, full fine-tuning: weights + gradients + AdamW's two moments, each of the weights' dtype
-                           (TRL/torch keep them so): 4 x b x parameters
-  actor, LoRA:             the frozen base weights: b x parameters
-  actor of N ranks:        each of its N GPUs holds 1 / N of that (FSDP2 shards all four), none of it
-                           with actor.cpuOffload (the shards live in host memory); all of it with
-                           actor.strategy ddp (every rank a whole copy)
-  colocated rollouts:      + b x parameters each (their own copy of the weights, on the actor's GPU;
-                           with N ranks, replica r on the actor's GPU r % N, so ceil(replicas / N) a GPU),
-                           or, with rollout.gpuMemoryUtilization s, + s x the GPU's memory each (what
-                           each one may hold, weights included; then it must hold the weights)
-  rollout on its own GPU:  b x parameters (within s x the GPU's memory, when s is set)
-  sync ipc or nccl:        + sync.keepVersions x b x parameters on the actor's GPU (its ring of snapshots;
-                           with N ranks, on rank 0's GPU, the one counted here); with LoRA the ring holds
-                           the adapters' factors alone, left out
-  actor.reshardAfterForward false: + the whole model gathered on each of the N GPUs through the step, in the
-                           dtype it computes in (bfloat16 under mixedPrecision, else model.dtype)
-  actor.mixedPrecision:    b is float32's 4 for the actor's shards, bfloat16's 2 for what rollouts and
-                           snapshots hold (TrainingSpec.rollout_model)
-compared with the GPU's memory as sold (mortal.controller.backends.gpus.GPU_MEMORY).
-
-Also here, and kept apart from the bound: `fitting_micro_batch`, an ESTIMATE of the actor's activations
-(`activation_bytes`, from the model's config.json) added to that bound, used only to choose a smaller micro
-batch before launch (the same step in more passes), never to refuse a spec.
+Kept apart from the bound: `fitting_micro_batch`, an ESTIMATE of the actor's activations used only to
+choose a smaller micro batch before launch (the same step in more passes), never to refuse a spec.
 """
 
 from __future__ import annotations
@@ -56,19 +36,28 @@ class Misfit:
 def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
     """Each worker whose GPU is smaller than the least it must hold (see the module docstring)."""
     per = DTYPE_BYTES[spec.model.dtype]
-    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold (bfloat16 under mixedPrecision)
+    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold
     found = []
     actor = spec.actor.gpu
     if wants_gpu(actor) and gpu_memory(actor) is not None:
         bound = _actor_bound(spec, parameters)
-        full, ranks, replicated, parts, need = bound.full, spec.actor.count, bound.replicated, bound.parts, bound.need
+        full, ranks, replicated, parts, need = (
+            bound.full,
+            spec.actor.count,
+            bound.replicated,
+            bound.parts,
+            bound.need,
+        )
         share, colocated, gathered, ring = bound.share, bound.colocated, bound.gathered, bound.ring
-        if need > gpu_memory(actor):
+        if need > _capacity(actor):
             fixes = ["train a LoRA adapter (model.lora: {r: 16})"] if full and ranks == 1 else []
             if gathered:
                 fixes.append("actor.reshardAfterForward: true (each layer gathered only while it computes)")
             if full and replicated:
-                fixes.append("shard the actor's weights, gradients and AdamW state over its ranks (actor.strategy: fsdp)")
+                fixes.append(
+                    "shard the actor's weights, gradients and AdamW state over its ranks "
+                    "(actor.strategy: fsdp)"
+                )
             elif full and not spec.actor.cpu_offload:
                 fixes.append(f"shard the actor over more GPUs (actor.count: {ranks * 2})")
             if share:
@@ -78,9 +67,15 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
             if ring:
                 fixes.append("sync.method: volume (no snapshots on the GPU)")
             if colocated:
-                fixes.append("give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)")
+                fixes.append(
+                    "give the rollouts GPUs of their own (rollout.colocate: false, no colocatedReplicas)"
+                )
             fixes.append(f"a GPU with more memory ({_larger(actor, need)})")
-            found.append(Misfit("spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)))
+            found.append(
+                Misfit(
+                    "spec.actor.gpu", _message(actor, parameters, per, spec.model.dtype, need, parts, fixes)
+                )
+            )
     rollout = spec.rollout.gpu
     if spec.rollout.replicas and wants_gpu(rollout) and gpu_memory(rollout) is not None:
         found.extend(_rollout_misfits(spec, parameters, served))
@@ -89,7 +84,8 @@ def certain_misfits(spec: TrainingSpec, parameters: int) -> list[Misfit]:
 
 @dataclass(frozen=True)
 class _ActorBound:
-    """What the actor's GPU must hold whatever the data (the module docstring's sum), and its parts in words."""
+    """What the actor's GPU must hold whatever the data (the module docstring's bound), and its parts in
+    words."""
 
     need: int
     parts: list[str]
@@ -103,7 +99,7 @@ class _ActorBound:
 
 def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
     per = DTYPE_BYTES[spec.model.dtype]
-    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold (bfloat16 under mixedPrecision)
+    served = DTYPE_BYTES[spec.rollout_model().dtype]  # what rollouts and snapshots hold
     actor = spec.actor.gpu
     full = spec.model.lora is None
     ranks = spec.actor.count
@@ -113,21 +109,27 @@ def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
     if ranks > 1 and replicated:
         parts[0] = f"{parts[0]}, whole on each of {ranks} ranks (strategy ddp)"
     elif ranks > 1:
-        parts[0] = (f"{parts[0]} in host memory (cpuOffload)" if spec.actor.cpu_offload
-                    else f"1/{ranks} of the {parts[0]} (FSDP2 shards)")
+        parts[0] = (
+            f"{parts[0]} in host memory (cpuOffload)"
+            if spec.actor.cpu_offload
+            else f"1/{ranks} of the {parts[0]} (FSDP2 shards)"
+        )
     colocated = spec.colocated_per_gpu()
     share = spec.rollout.gpu_memory_utilization
-    rollouts_hold = colocated * (int(share * gpu_memory(actor)) if share else served * parameters)
+    rollouts_hold = colocated * (int(share * _capacity(actor)) if share else served * parameters)
     if colocated and share:
-        parts.append(f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
-                     f"rollout{'s' if colocated > 1 else ''}")
+        parts.append(
+            f"{share} of the GPU for {'each of ' if colocated > 1 else ''}{colocated} colocated "
+            f"rollout{'s' if colocated > 1 else ''}"
+        )
     elif colocated:
         parts.append(f"{colocated} colocated rollout cop{'y' if colocated == 1 else 'ies'} of the weights")
     gathered = served * parameters if ranks > 1 and not spec.actor.reshard_after_forward else 0
     if gathered:
         parts.append("the whole model gathered from the forward to the backward (reshardAfterForward: false)")
     sync = spec.sync_method()
-    ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0  # LoRA's ring: the factors alone
+    # LoRA's ring holds the adapters' factors alone: left out.
+    ring = spec.sync.keep_versions if sync in ("ipc", "nccl") and full else 0
     if ring:
         parts.append(f"{ring} snapshots of the weights for sync {sync}")
     need = int(copies * per * parameters + ring * served * parameters) + rollouts_hold + gathered
@@ -137,28 +139,60 @@ def _actor_bound(spec: TrainingSpec, parameters: int) -> _ActorBound:
 def _rollout_misfits(spec: TrainingSpec, parameters: int, per: int) -> list[Misfit]:
     """A rollout on its own GPU that cannot hold the weights; any rollout whose share cannot."""
     gpu, share, need = spec.rollout.gpu, spec.rollout.gpu_memory_utilization, per * parameters
-    if share is not None and need > share * gpu_memory(gpu):
-        return [Misfit("spec.rollout.gpuMemoryUtilization",
-                       f"{share} of {gpu}'s {gpu_memory(gpu) / 1e9:.0f} GB is {share * gpu_memory(gpu) / 1e9:.1f} GB; "
-                       f"the rollout's copy of a model of {parameters / 1e9:.2f}B parameters needs at least "
-                       f"{need / 1e9:.1f} GB of it, before any KV cache. Fix: a larger rollout.gpuMemoryUtilization "
-                       f"(at least {need / gpu_memory(gpu):.2f})"
-                       + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"))]
-    if spec.rollout.colocated_count < spec.rollout.replicas and need > gpu_memory(gpu):  # some on GPUs of their own
-        return [Misfit("spec.rollout.gpu", _message(gpu, parameters, per, spec.model.dtype, need, ["the weights"],
-                                                    [f"a GPU with more memory ({_larger(gpu, need)})"]))]
+    if share is not None and need > share * _capacity(gpu):
+        return [
+            Misfit(
+                "spec.rollout.gpuMemoryUtilization",
+                f"{share} of {gpu}'s {_capacity(gpu) / 1e9:.0f} GB is "
+                f"{share * _capacity(gpu) / 1e9:.1f} GB; the rollout's copy of a model of "
+                f"{parameters / 1e9:.2f}B parameters needs at least {need / 1e9:.1f} GB of it, before "
+                "any KV cache. Fix: a larger rollout.gpuMemoryUtilization (at least "
+                f"{need / _capacity(gpu):.2f})"
+                + ("" if spec.rollout.colocate else f"; or a GPU with more memory ({_larger(gpu, need)})"),
+            )
+        ]
+    # Some rollouts are on GPUs of their own.
+    if spec.rollout.colocated_count < spec.rollout.replicas and need > _capacity(gpu):
+        return [
+            Misfit(
+                "spec.rollout.gpu",
+                _message(
+                    gpu,
+                    parameters,
+                    per,
+                    spec.model.dtype,
+                    need,
+                    ["the weights"],
+                    [f"a GPU with more memory ({_larger(gpu, need)})"],
+                ),
+            )
+        ]
     return []
 
 
-def _message(gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]) -> str:
+def _message(
+    gpu: str, parameters: int, per: int, dtype: str, need: int, parts: list[str], fixes: list[str]
+) -> str:
     shown = "bfloat16" if dtype == "auto" else dtype  # auto is bfloat16 on a GPU
-    return (f"{gpu} has {gpu_memory(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in {shown} "
-            f"({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, before any "
-            f"activation or KV cache. Fix: {'; or '.join(fixes)}")
+    return (
+        f"{gpu} has {_capacity(gpu) / 1e9:.0f} GB; a model of {parameters / 1e9:.2f}B parameters in "
+        f"{shown} ({per} bytes each) needs at least {need / 1e9:.1f} GB on it for {' + '.join(parts)}, "
+        f"before any activation or KV cache. Fix: {'; or '.join(fixes)}"
+    )
+
+
+def _capacity(gpu: str) -> int:
+    """The memory of a GPU type its caller found in the table (gpu_memory is not None)."""
+    memory = gpu_memory(gpu)
+    if memory is None:
+        raise ValueError(f"no memory size known for GPU type {gpu!r}")
+    return memory
 
 
 def _larger(gpu: str, need: int) -> str:
-    bigger = sorted((size, name) for name, size in GPU_MEMORY.items() if size >= need and name not in AMBIGUOUS)
+    bigger = sorted(
+        (size, name) for name, size in GPU_MEMORY.items() if size >= need and name not in AMBIGUOUS
+    )
     return f"e.g. {bigger[0][1]}" if bigger else f"none of {', '.join(sorted(GPU_MEMORY))} is large enough"
 
 
@@ -174,12 +208,17 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape | None:
-        """The shape in a transformers config; None when a field is missing (another architecture: unknown)."""
+        """The shape in a transformers config; None when a field is missing (another architecture)."""
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             head_dim = int(config.get("head_dim") or hidden // heads)
-            return cls(hidden, int(config["intermediate_size"]), int(config["num_hidden_layers"]),
-                       int(config.get("num_key_value_heads") or heads) * head_dim, int(config["vocab_size"]))
+            return cls(
+                hidden,
+                int(config["intermediate_size"]),
+                int(config["num_hidden_layers"]),
+                int(config.get("num_key_value_heads") or heads) * head_dim,
+                int(config["vocab_size"]),
+            )
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             return None
 
@@ -195,16 +234,15 @@ class MicroBatchChoice:
 def activation_bytes(spec: TrainingSpec, shape: ModelShape, micro: int) -> int:
     """An ESTIMATE (not a bound) of what one rank's forward saves for backward over `micro` completions.
 
-    Per token and layer, the tensors autograd keeps for a Llama/Qwen-style layer in the compute dtype
-    (b bytes): both RMSNorms' float32 input and their output (2 x (4 + b) x hidden), what attention keeps
-    (q, k and v as it reads them, its output and o_proj's contiguous copy: b x (3 x hidden + 3 x kv)), the MLP's gate,
-    up, SiLU and product (4 x b x intermediate); with gradient checkpointing only each layer's input, plus
-    one layer recomputed. Tokens: generation.maxTokens per completion (the prompt's are unknown before the
-    data is read: left out). Plus lm_head's float32 gradient accumulator of the fused head. Left out:
-    the CUDA context, the allocator's slack, the logprob buffers: a run it says fits may still run out of
+    Per token and layer, the tensors autograd keeps for a Llama/Qwen-style layer (RMSNorms, attention's
+    inputs and outputs, the MLP's intermediates), or with gradient checkpointing each layer's input plus one
+    layer recomputed; generation.maxTokens tokens per completion, plus the fused LM head's float32 gradient.
+    The CUDA context and the allocator's slack are left out: a run it says fits may still run out of
     memory, and then the controller halves the micro batch (mortal.controller.heal)."""
     b = 2 if spec.actor.mixed_precision else DTYPE_BYTES[spec.model.dtype]
-    layer = 2 * (4 + b) * shape.hidden + b * (3 * shape.hidden + 3 * shape.kv_width) + 4 * b * shape.intermediate
+    layer = (
+        2 * (4 + b) * shape.hidden + b * (3 * shape.hidden + 3 * shape.kv_width) + 4 * b * shape.intermediate
+    )
     tokens = -(-micro // spec.actor.count) * spec.generation.max_tokens
     if spec.model.gradient_checkpointing:
         saved = tokens * (shape.layers * b * shape.hidden + layer)
@@ -221,7 +259,7 @@ def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) 
     actor, algorithm = spec.actor.gpu, spec.algorithm
     if algorithm.micro_batch_size is not None or not wants_gpu(actor) or gpu_memory(actor) is None:
         return None
-    capacity, held = gpu_memory(actor), _actor_bound(spec, parameters).need
+    capacity, held = _capacity(actor), _actor_bound(spec, parameters).need
     batch = algorithm.batch_size
     if held + activation_bytes(spec, shape, batch) <= capacity:
         return None
@@ -230,9 +268,15 @@ def fitting_micro_batch(spec: TrainingSpec, parameters: int, shape: ModelShape) 
             continue
         estimate = held + activation_bytes(spec, shape, size)
         if estimate <= capacity:
-            return MicroBatchChoice(size, (
-                f"actor micro batch {batch} -> {size} before launch: {actor}'s {capacity / 1e9:.0f} GB hold an "
-                f"estimated {estimate / 1e9:.1f} GB with {size} completions a pass ({held / 1e9:.1f} GB without "
-                f"activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB with {batch}; "
-                f"{batch // size} passes a step, gradients accumulated: the same step"))
+            return MicroBatchChoice(
+                size,
+                (
+                    f"actor micro batch {batch} -> {size} before launch: "
+                    f"{actor}'s {capacity / 1e9:.0f} GB hold "
+                    f"an estimated {estimate / 1e9:.1f} GB with {size} completions a pass "
+                    f"({held / 1e9:.1f} GB "
+                    f"without activations), not {(held + activation_bytes(spec, shape, batch)) / 1e9:.1f} GB "
+                    f"with {batch}; {batch // size} passes a step, gradients accumulated: the same step"
+                ),
+            )
     return None

@@ -78,7 +78,7 @@ class LeaderElector:
                 self._fence = LeaderFence(self.name, self.holder, lease.token)
                 self._valid_until = started + self.duration * 0.8
             now_leading = self._fence is not None and (was is None or was.token != self._fence.token)
-        if now_leading:
+        if now_leading and lease is not None:
             log.info("leading as %s (token %d)", self.holder, lease.token)
             if self.on_started_leading is not None:
                 self.on_started_leading()

@@ -31,7 +31,10 @@ class Ledger:
             ("Prompts drawn", f"{self.prompts_drawn} ({self.steps} steps queued)"),
             ("Tasks done", f"{self.tasks_done} of {self.tasks}"),
             ("Redone", f"{self.redone} (tasks leased again after their worker died or their lease ran out)"),
-            ("Dropped as stale", f"{self.stale_drops} (steps whose rollouts came from weights older than asked)"),
+            (
+                "Dropped as stale",
+                f"{self.stale_drops} (steps whose rollouts came from weights older than asked)",
+            ),
         ]
 
 
@@ -39,5 +42,11 @@ def run_ledger(store: Store, run: RunRow) -> Ledger:
     """The ledger of `run` as the store holds it now."""
     tally = store.task_tally(run.name)
     per_step = TrainingSpec.model_validate(run.spec).algorithm.prompts_per_step
-    return Ledger(steps=tally.steps, prompts_drawn=tally.steps * per_step, tasks=tally.tasks, tasks_done=tally.done,
-                  redone=tally.releases, stale_drops=tally.stale_drops)
+    return Ledger(
+        steps=tally.steps,
+        prompts_drawn=tally.steps * per_step,
+        tasks=tally.tasks,
+        tasks_done=tally.done,
+        redone=tally.releases,
+        stale_drops=tally.stale_drops,
+    )

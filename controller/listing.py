@@ -1,10 +1,9 @@
 """One backend listing shared by every run's reconcile for a fraction of a second.
 
-Who calls it: the reconciler, instead of `backend.list(run)` per pass. A local listing scans the
-whole process table (~10 ms); with a thousand runs, one scan per pass would be most of the work.
-Sharing is safe for the planner: a listing is always taken before the pass reads its worker rows
-(so an exit it shows was reported first), and a process launched after the listing is covered by
-the launch grace (a young row whose process is not listed is waited for, never relaunched). The
+Who calls it: the reconciler, instead of `backend.list(run)` per pass. A local listing scans the whole
+process table; with many runs, one scan per pass would be most of the work. Sharing is safe for the
+planner: a listing is always taken before the pass reads its worker rows (so an exit it shows was
+reported first), and a process launched after the listing is covered by the launch grace. The
 reconciler invalidates the listing after it launched or stopped something.
 What it must not do: keep a listing longer than `max_age`, or decide anything from it.
 """

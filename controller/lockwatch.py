@@ -1,15 +1,11 @@
 """Free a SQLite store from a worker frozen while it held the write lock.
 
-SQLite has one write lock per database. A worker stopped (SIGSTOP, Ctrl-Z, a debugger) inside a write
-transaction keeps it, and every writer waits behind it, the controller's leader-lease renewal
-included, so the controller stops leading and the hung worker is never judged lost. PostgreSQL ends
-such a session itself (idle_in_transaction_session_timeout, mortal.state.engine); SQLite has no
-server to do it. So the controller looks for the holder: in WAL mode the writer holds a POSIX lock
-on byte 120 of the `-shm` file, which Linux lists in /proc/locks with its pid. A holder that is a
-worker process of this MORTAL_HOME and has been stopped for `grace_seconds` is killed, with its
-process group; its row is then judged lost by the next reconcile, as for any dead worker.
-Linux only (elsewhere /proc/locks does not exist and this does nothing). Only stopped workers are
-killed: a running writer, or any process that is not a worker, is left alone.
+A worker stopped (SIGSTOP, a debugger) inside a SQLite write transaction keeps the one write lock, and
+every writer waits behind it, the controller's leader-lease renewal included, so the hung worker would
+never be judged lost. PostgreSQL ends such a session itself; SQLite has no server to. So the controller
+finds the holder in /proc/locks (in WAL mode it locks a byte of the `-shm` file) and kills it, with its
+process group, once it has been stopped for `grace_seconds`; the next reconcile judges its row lost.
+Linux only. Only stopped workers of this MORTAL_HOME are killed, never a running writer or another process.
 """
 
 from __future__ import annotations
@@ -41,8 +37,12 @@ def write_lock_holders(database: Path, locks: Path = PROC_LOCKS) -> set[int]:
         if "->" in fields:  # a waiter, listed under the lock it waits for
             continue
         # "1: POSIX  ADVISORY  WRITE 11511 fe:00:2146335 120 120"
-        if len(fields) >= 8 and fields[3] == "WRITE" and fields[5].rsplit(":", 1)[-1] == str(inode) \
-                and fields[6] == str(WAL_WRITE_LOCK_OFFSET):
+        if (
+            len(fields) >= 8
+            and fields[3] == "WRITE"
+            and fields[5].rsplit(":", 1)[-1] == str(inode)
+            and fields[6] == str(WAL_WRITE_LOCK_OFFSET)
+        ):
             holders.add(int(fields[4]))
     return holders
 
@@ -51,8 +51,11 @@ def _stopped_worker(pid: int, home: str) -> bool:
     try:
         proc = psutil.Process(pid)
         env = proc.environ()
-        return (proc.status() == psutil.STATUS_STOPPED and "MORTAL_WORKER_ID" in env
-                and os.path.realpath(env.get("MORTAL_HOME", "")) == os.path.realpath(home))
+        return (
+            proc.status() == psutil.STATUS_STOPPED
+            and "MORTAL_WORKER_ID" in env
+            and os.path.realpath(env.get("MORTAL_HOME", "")) == os.path.realpath(home)
+        )
     except psutil.Error:
         return False
 
@@ -72,7 +75,9 @@ class FrozenLockHolderWatch:
         self._stopped_since = {pid: self._stopped_since.get(pid, now) for pid in frozen}
         killed = [pid for pid, since in self._stopped_since.items() if now - since >= self.grace]
         for pid in killed:
-            log.warning("worker pid %d is stopped holding the write lock of %s: killing it", pid, self.database)
+            log.warning(
+                "worker pid %d is stopped holding the write lock of %s: killing it", pid, self.database
+            )
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -1,14 +1,11 @@
 """Worker logs: which files belong to a run, and their lines (for `mortalctl logs`).
 
 Called by the CLI: `mortalctl logs NAME [--role R] [--replica I] [--tail N] [-f]`. Files are
-mortal.state.paths.worker_log: `<role>-<replica>-<incarnation>.log` under the run's logs folder,
-read from where the run's workers write them: this machine's MORTAL_HOME (`LocalLogs`, the local
-backend), the Modal data volume through the client library (`VolumeLogs`: the Modal worker
-function writes the same files there and commits them every few seconds), or, for a Ray run whose nodes
-share no filesystem, the run's storage (`StorageLogs`: `<spec.checkpoint.uri>/<run>/logs/`, where each
-worker's Ray actor uploads the node's file every LOG_UPLOAD_SECONDS and once more when the worker ends).
-By default each slot shows its newest incarnation; `-f` keeps reading, and moves to a slot's new
-file when the worker is relaunched. What it must not do: open the store or touch the files.
+mortal.state.paths.worker_log, read from where the run's workers write them: this machine's MORTAL_HOME
+(`LocalLogs`), the Modal data volume (`VolumeLogs`), or for a Ray run whose nodes share no filesystem
+the run's storage (`StorageLogs`, where each worker's log is uploaded). By default each slot shows its
+newest incarnation; `-f` keeps reading, and moves to a slot's new file when the worker is relaunched.
+What it must not do: open the store or touch the files.
 """
 
 from __future__ import annotations
@@ -157,8 +154,13 @@ class StorageLogs:
         return _tail_start(self.read(path, 0), n, partial) or 0
 
 
-def worker_logs(run: str, role: str | None = None, replica: int | None = None, all_incarnations: bool = False,
-                source: LogSource | None = None) -> list[LogFile]:
+def worker_logs(
+    run: str,
+    role: str | None = None,
+    replica: int | None = None,
+    all_incarnations: bool = False,
+    source: LogSource | None = None,
+) -> list[LogFile]:
     """The run's log files matching role/replica, newest incarnation per slot unless all_incarnations."""
     found: list[LogFile] = []
     for path in (source or LocalLogs()).names(run):

@@ -48,14 +48,26 @@ IDLE_PHASES = frozenset({"Succeeded", "Failed", "Suspended"})
 class Controller:
     """One controller's threads over one store; `start()`, then `stop()` (workers keep running)."""
 
-    def __init__(self, store: Store, state_url: str, config: ControllerConfig | None = None,
-                 watch: Path | None = None, backends: Callable[[str], Backend] = select_backend,
-                 holder: str | None = None, idle_exit_seconds: float | None = None):
+    def __init__(
+        self,
+        store: Store,
+        state_url: str,
+        config: ControllerConfig | None = None,
+        watch: Path | None = None,
+        backends: Callable[[str], Backend] = select_backend,
+        holder: str | None = None,
+        idle_exit_seconds: float | None = None,
+    ):
         self.store, self.config, self.watch = store, config or ControllerConfig(), watch
         self.stopped = threading.Event()
         self.queue = WorkQueue(self.config.retry_base_seconds, self.config.retry_max_seconds)
-        self.leader = LeaderElector(store, holder, self.config.leader_lease_seconds,
-                                    self.config.leader_renew_seconds, on_started_leading=self._enqueue_all)
+        self.leader = LeaderElector(
+            store,
+            holder,
+            self.config.leader_lease_seconds,
+            self.config.leader_renew_seconds,
+            on_started_leading=self._enqueue_all,
+        )
         self.reconciler = Reconciler(store, state_url, self.leader, self.config, backends)
         self.state_url = state_url
         self.idle_exit_seconds = idle_exit_seconds
@@ -74,10 +86,14 @@ class Controller:
         self._spawn("poll", self._poll_loop)
         self._spawn("wake", self._watch_wake)
         if self.watch is not None:
-            self._spawn("watch-dir", watch_folder, self.store, self.watch, self.stopped, lambda _: self._poke.set())
+            self._spawn(
+                "watch-dir", watch_folder, self.store, self.watch, self.stopped, lambda _: self._poke.set()
+            )
         database = sqlite_path(self.state_url)
         if database is not None:
-            lock_watch = FrozenLockHolderWatch(database, str(paths.mortal_home()), self.config.worker_lease_seconds)
+            lock_watch = FrozenLockHolderWatch(
+                database, str(paths.mortal_home()), self.config.worker_lease_seconds
+            )
             self._spawn("lock-watch", lock_watch.run, self.stopped)
         return self
 
@@ -103,7 +119,7 @@ class Controller:
         while (key := self.queue.get()) is not None:
             try:
                 outcome = self.reconciler.reconcile(key)
-            except Exception as exc:  # any error of a pass becomes a retry with backoff, logged with its trace
+            except Exception as exc:  # any error of a pass: a retry with backoff, logged with its trace
                 log.exception("reconcile %s raised", key)
                 outcome = Retry(f"{type(exc).__name__}: {exc}")
             try:
@@ -130,7 +146,7 @@ class Controller:
                 log.warning("poll failed: %s", exc)
 
     def poll(self) -> None:
-        """Enqueue runs whose resource version moved (not by our own status write); resync all now and then."""
+        """Enqueue runs whose resource version moved (not by our own status write); resync all at times."""
         rows = self.store.list_runs()
         self._check_idle(rows)
         if not self.leader.is_leader:
@@ -165,7 +181,8 @@ class Controller:
         if self.idle_exit_seconds is None:
             return
         busy = any(r.phase not in IDLE_PHASES or r.deleted_at is not None for r in rows) or bool(
-            self.store.list_workers(live_only=True))
+            self.store.list_workers(live_only=True)
+        )
         if busy:
             self._busy_since = time.monotonic()
         elif time.monotonic() - self._busy_since >= self.idle_exit_seconds:
@@ -177,16 +194,18 @@ class Controller:
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
         try:
-            for changes in watchfiles.watch(folder, stop_event=self.stopped, step=20, debounce=200,
-                                            recursive=False, raise_interrupt=False):
+            for changes in watchfiles.watch(
+                folder, stop_event=self.stopped, step=20, debounce=200, recursive=False, raise_interrupt=False
+            ):
                 for _, path in changes:
                     name = Path(path).name
                     if name != wake.ALL:
                         self.queue.add(name, urgent=True)
                 self._poke.set()
         except (OSError, RuntimeError) as exc:  # no inotify here: the poll still sees every change
-            log.warning("wake folder not watched (%s); changes are seen within %.1fs", exc,
-                        self.config.poll_seconds)
+            log.warning(
+                "wake folder not watched (%s); changes are seen within %.1fs", exc, self.config.poll_seconds
+            )
 
 
 # -- processes ----------------------------------------------------------------------------------------
@@ -212,7 +231,7 @@ def running_controller_pid() -> int | None:
 
 @dataclass(frozen=True)
 class RunningController:
-    """The controller of this MORTAL_HOME, as its pid file and process tell (`mortalctl controller status`)."""
+    """This MORTAL_HOME's controller, as its pid file and process tell (`mortalctl controller status`)."""
 
     pid: int
     home: Path
@@ -272,7 +291,9 @@ def _leader_elsewhere(store: Store) -> bool:
     return expires > datetime.now(UTC)
 
 
-def ensure_background_controller(state_url: str | None = None, idle_exit_seconds: float = 600.0) -> tuple[int, Path] | None:
+def ensure_background_controller(
+    state_url: str | None = None, idle_exit_seconds: float = 600.0
+) -> tuple[int, Path] | None:
     """Start `python -m mortal.controller` detached unless a controller runs; (pid, log) if started.
 
     "Runs" means: the pid file names a live process, or the store's leader lease is unexpired (a
@@ -297,20 +318,30 @@ def ensure_background_controller(state_url: str | None = None, idle_exit_seconds
         with open(log_file(), "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "mortal.controller", "--idle-exit", str(idle_exit_seconds)],
-                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
             )
         _write_pid_file(proc.pid)
         return proc.pid, log_file()
 
 
-def run_controller(state_url: str | None = None, watch: Path | str | None = None,
-                   stop_event: threading.Event | None = None, config: ControllerConfig | None = None,
-                   idle_exit_seconds: float | None = None) -> None:
+def run_controller(
+    state_url: str | None = None,
+    watch: Path | str | None = None,
+    stop_event: threading.Event | None = None,
+    config: ControllerConfig | None = None,
+    idle_exit_seconds: float | None = None,
+) -> None:
     """Run a controller in this process until SIGTERM/SIGINT, `stop_event`, or idleness."""
     url = state_url or paths.default_state_url()
     store = open_store(url)
-    controller = Controller(store, url, config, Path(watch) if watch else None, idle_exit_seconds=idle_exit_seconds)
+    controller = Controller(
+        store, url, config, Path(watch) if watch else None, idle_exit_seconds=idle_exit_seconds
+    )
     own_pid_file = running_controller_pid() in (None, os.getpid())
     if own_pid_file:
         _write_pid_file(os.getpid())

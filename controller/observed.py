@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from mortal.controller.deadlines import Deadlines
 from mortal.state.store import WorkerRef
@@ -27,10 +27,29 @@ EXIT_RETRYABLE = 75  # the worker reported an error it may not meet again (morta
 class ProcessView(Protocol):
     """The backend's view of one process (mortal.controller.backends.base.BackendWorker has this shape)."""
 
-    worker_id: str
-    handle: str
-    alive: bool
-    exit_code: int | None
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def handle(self) -> str: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def exit_code(self) -> int | None: ...
+
+
+class LiveRow(Protocol):
+    """What `judge` reads of a live worker row (mortal.state.tables.WorkerRow, or plan's view of one)."""
+
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def handle(self) -> str | None: ...
+    @property
+    def heartbeat_at(self) -> datetime | None: ...
+    @property
+    def lease_seconds(self) -> float: ...
+    @property
+    def message(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,7 @@ class Desired:
 
 @dataclass(frozen=True)
 class Observed:
-    """Everything one pass saw, read backend listing first (so an exit it saw was reported before the rows)."""
+    """Everything one pass saw, the backend's listing read first (an exit it saw was reported before)."""
 
     workers: Sequence[WorkerRow]
     processes: Sequence[ProcessView] = ()
@@ -80,7 +99,7 @@ class Observed:
     weight_version: int | None = None
     weights_at: datetime | None = None  # when the newest weight version was published
     reward: float | None = None
-    metrics: Mapping[int, Mapping[str, float]] | None = None  # the newest steps' metrics; None: not read this pass
+    metrics: Mapping[int, Mapping[str, float]] | None = None  # the newest steps' metrics; None: not read
     backend_error: str | None = None  # the spec's backend cannot run here (not built, unknown)
 
 
@@ -99,11 +118,19 @@ class PlanConfig:
     metrics_window_steps: int = 10  # the newest steps whose metrics a pass reads when the step moved
     reward_stuck_steps: int = 10  # a reward with the same value for every sample this many steps: not healthy
     checkpoint_slack_steps: int = 1  # CheckpointFresh: a checkpoint may be this many steps late
-    progress_deadline_min_seconds: float = 60.0  # Progressing: deadline = max(this, factor x median step time)
+    progress_deadline_min_seconds: float = 60.0  # Progressing: deadline = max(this, factor x median step)
     progress_deadline_factor: float = 10.0
     progress_deadline_default_seconds: float = 600.0  # while no step time is known
     stall_deadline_default_seconds: float = 1800.0  # a task's or step's deadline while no step time is known
     stall_stop_grace_seconds: float = 2.0  # TERM -> KILL for a stalled worker (its stacks asked for first)
+
+
+@overload
+def aware(moment: datetime) -> datetime: ...
+
+
+@overload
+def aware(moment: None) -> None: ...
 
 
 def aware(moment: datetime | None) -> datetime | None:
@@ -134,10 +161,11 @@ class Verdict:
     recheck_after: float | None = None  # for "wait"
 
 
-def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
+def judge(row: LiveRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig) -> Verdict:
     """The health of a live (Pending/Running) row, from its process and its heartbeat.
 
-    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, 4 out of memory, else lost);
+    1. the backend saw the process exit -> end it by its exit code (0 done, 3 fatal, 4 out of memory,
+       else lost);
     2. no handle recorded -> adopt the process if one carries this worker id, else give up after a grace;
     3. a handle but no such process any more -> lost (after the same grace, for listings that lag);
     4. alive but silent longer than its lease (or its startup timeout) -> lost, and kill it.
@@ -154,24 +182,38 @@ def judge(row: WorkerRow, proc: ProcessView | None, now: datetime, cfg: PlanConf
         return Verdict("end", state="Lost", message=what)
     if row.heartbeat_at is None:
         if age > cfg.startup_timeout_seconds:
-            return Verdict("end", state="Lost", kill=True,
-                           message=f"no heartbeat within {cfg.startup_timeout_seconds:g}s of start")
+            return Verdict(
+                "end",
+                state="Lost",
+                kill=True,
+                message=f"no heartbeat within {cfg.startup_timeout_seconds:g}s of start",
+            )
         return Verdict("ok")
     silent = (now - aware(row.heartbeat_at)).total_seconds()
     if silent > row.lease_seconds:
-        return Verdict("end", state="Lost", kill=True,
-                       message=f"last heartbeat {silent:.1f}s ago (lease {row.lease_seconds:g}s)")
+        return Verdict(
+            "end",
+            state="Lost",
+            kill=True,
+            message=f"last heartbeat {silent:.1f}s ago (lease {row.lease_seconds:g}s)",
+        )
     return Verdict("ok")
 
 
-def _exited(row: WorkerRow, code: int | None) -> Verdict:
+def _exited(row: LiveRow, code: int | None) -> Verdict:
     """A process that exited without its row saying so (killed, crashed, or its last write lost)."""
     if code == EXIT_SUCCEEDED:
         return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")
     if code == EXIT_FATAL:
-        return Verdict("end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)")
+        return Verdict(
+            "end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)"
+        )
     if code == EXIT_OUT_OF_MEMORY:
-        return Verdict("end", state="Failed", exit_code=code,
-                       message=row.message or "exited with code 4 (out of GPU memory)")
+        return Verdict(
+            "end",
+            state="Failed",
+            exit_code=code,
+            message=row.message or "exited with code 4 (out of GPU memory)",
+        )
     shown = "an unknown code" if code is None else f"code {code}"
     return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}")

@@ -17,7 +17,7 @@ class Done:
 
 @dataclass(frozen=True)
 class RequeueAfter:
-    """Look again after `seconds` (a backoff before a relaunch, a process still stopping, a heartbeat check)."""
+    """Look again after `seconds` (a backoff before a relaunch, a process stopping, a heartbeat check)."""
 
     seconds: float
 
@@ -37,4 +37,3 @@ class Terminal:
 
 
 Outcome = Done | RequeueAfter | Retry | Terminal
-

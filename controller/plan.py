@@ -5,27 +5,12 @@ no I/O and reads no clock). It decides, level-triggered, what closes the gap bet
 the world: which slots to launch or relaunch (after backoff), which workers are lost, which processes
 to stop, when the run is Recovering, Suspended, Succeeded or Failed, and what its status says.
 
-One pass, in order:
-  1. stop processes no live worker row owns (zombies of ended incarnations, leftovers of a purge);
-  2. a run being deleted: stop every worker, then purge;  a finished run: stop leftovers, stay finished;
-     a suspended run: stop every worker (each may checkpoint on TERM), stay Suspended;
-  3. judge every live row (exit code, adoptable process, heartbeat age); rows of slots scaled away stop
-     (not when a limit is reached: then every worker is stopped on purpose, as in a suspend); a worker
-     whose reported activity (a task, a step, a weight load) ran past its deadline (mortal.controller.
-     deadlines) has its stacks dumped, its row ended Failed with the stall's reason and is stopped;
-  4. a fatal exit fails the run; a slot out of GPU memory is relaunched with a smaller setting that keeps
-     the step (mortal.controller.heal: the actor's micro batch, the rollouts' share), and only when none
-     is left does its second out-of-memory fail the run (`_out_of_memory`);
-     the actor reaching maxSteps succeeds it; a limit reached (spec.limits: maxDuration of active
-     time, maxGPUHours; mortal.controller.budgets) stops every worker (the actor writes a final
-     checkpoint on TERM, as on suspend), then fails the run (DeadlineExceeded, BudgetExceeded);
-  5. every desired slot without a live row is launched, or relaunched after backoff (a restart);
-     the restart limit reached fails the run, and so does a slot failing with the same error
-     restartPolicy.sameFailureLimit times in a row (CrashLoop), or stalling the same way that often
-     (the stall's reason: relaunching does not heal it);
-  6. status is rebuilt from what is left, with the training conditions (mortal.controller.conditions:
-     WeightsInSync, RewardHealthy, CheckpointFresh, Progressing, DeadlinesMet) and MemoryFits beside Ready and
-     Suspended, and the pass asks to be looked at again when something is due.
+One pass, in order: stop processes no live row owns; handle a run being deleted, finished or
+suspended; judge every live worker (exit code, heartbeat, deadlines); fail, heal (mortal.controller.heal)
+or succeed the run on what the workers reported, and stop every worker when a limit is reached
+(mortal.controller.budgets); launch or relaunch every desired slot without a live worker, failing the
+run when relaunching cannot help; rebuild status with the conditions (mortal.controller.conditions)
+and ask to be looked at again when something is due.
 """
 
 from __future__ import annotations
@@ -59,6 +44,7 @@ from mortal.controller.observed import (
     Desired,
     Observed,
     PlanConfig,
+    ProcessView,
     aware,
     judge,
     worker_ref,
@@ -85,7 +71,12 @@ from mortal.specs import memory
 from mortal.specs.memory import EffectiveMemory
 
 ACTOR, ROLLOUT = "actor", "rollout"
-READY_REASONS = {RUNNING: "WorkersReady", STARTING: "WorkersStarting", RECOVERING: "Recovering", PENDING: "Pending"}
+READY_REASONS = {
+    RUNNING: "WorkersReady",
+    STARTING: "WorkersStarting",
+    RECOVERING: "Recovering",
+    PENDING: "Pending",
+}
 
 
 @dataclass(frozen=True)
@@ -146,11 +137,23 @@ class _W:
 
 def _view(row: Any, run_uid: str | None) -> _W:
     return _W(
-        id=row.id, role=row.role, replica=row.replica, incarnation=row.incarnation,
+        id=row.id,
+        role=row.role,
+        replica=row.replica,
+        incarnation=row.incarnation,
         ref=worker_ref(row, run_uid).process_id,
-        handle=row.handle, state=row.state, heartbeat_at=aware(row.heartbeat_at), lease_seconds=row.lease_seconds,
-        step=row.step, weight_version=row.weight_version, exit_code=row.exit_code, message=row.message, started_at=aware(row.started_at),
-        ended_at=aware(row.ended_at), gpus=row.gpus or 0, activity=row.activity,
+        handle=row.handle,
+        state=row.state,
+        heartbeat_at=aware(row.heartbeat_at),
+        lease_seconds=row.lease_seconds,
+        step=row.step,
+        weight_version=row.weight_version,
+        exit_code=row.exit_code,
+        message=row.message,
+        started_at=aware(row.started_at),
+        ended_at=aware(row.ended_at),
+        gpus=row.gpus or 0,
+        activity=row.activity,
         activity_since=aware(row.activity_since),
     )
 
@@ -172,7 +175,10 @@ class _Pass:
         self.notes: list[str] = []
         self.launched: list[Launch] = []
         self.restarts = _count_restarts(self.rows)
-        self.timing: tuple[str | None, float | None] = (self.prev.get("lastStepTime"), self.prev.get("stepSeconds"))
+        self.timing: tuple[str | None, float | None] = (
+            self.prev.get("lastStepTime"),
+            self.prev.get("stepSeconds"),
+        )
         self.effective = heal.carried(self.prev.get("effective"), d)
         self.heal_events: list[Event] = []
 
@@ -182,7 +188,9 @@ class _Pass:
         if self.d.deleted:
             return self._delete()
         if self.prev_phase in TERMINAL_PHASES:
-            cond = next((c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {})
+            cond: dict[str, Any] = next(
+                (c for c in self.prev.get("conditions") or [] if c.get("type") == self.prev_phase), {}
+            )
             return self._finish(self.prev_phase, cond.get("reason", self.prev_phase), cond.get("message", ""))
         if self.o.backend_error is not None:
             return self._finish(FAILED, "BackendUnavailable", self.o.backend_error)
@@ -190,11 +198,16 @@ class _Pass:
             return self._suspend()
         limit = self._limit_reached()
         if limit is None:
-            self._judge_live()  # (a run over a limit stops its workers on purpose, as a suspend: no loss to judge)
-        fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
+            self._judge_live()  # a run over a limit stops its workers on purpose: no loss to judge
+        fatal = next(
+            (w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None
+        )
         if fatal is not None:
-            return self._finish(FAILED, rl.run_failure_reason(fatal.message),
-                                f"{fatal.name} failed: {fatal.message or 'fatal error'}")
+            return self._finish(
+                FAILED,
+                rl.run_failure_reason(fatal.message),
+                f"{fatal.name} failed: {fatal.message or 'fatal error'}",
+            )
         self._fit_before_launch()
         self._heal_out_of_memory()
         memory = self._out_of_memory()
@@ -222,8 +235,13 @@ class _Pass:
                     self.wake.append(left)
                     continue
             why = "its worker row ended" if row is not None else "no worker row owns it"
-            self.actions.append(Stop(proc.handle, self.cfg.orphan_grace_seconds,
-                                     Event(WARNING, "OrphanStopped", f"stopped process {proc.worker_id}: {why}")))
+            self.actions.append(
+                Stop(
+                    proc.handle,
+                    self.cfg.orphan_grace_seconds,
+                    Event(WARNING, "OrphanStopped", f"stopped process {proc.worker_id}: {why}"),
+                )
+            )
             self.wake.append(self.cfg.stop_poll_seconds)
 
     def _delete(self) -> Plan:
@@ -232,14 +250,20 @@ class _Pass:
         if not self._live() and not self.wake:
             self.actions.append(Purge(remove_files=self.d.purge))
             return Plan(tuple(self.actions), None, (), Done())
-        return self._plan(self.prev_phase, self._carried_conditions(),
-                          f"deleting: waiting for {len(self._live())} worker(s) to stop")
+        return self._plan(
+            self.prev_phase,
+            self._carried_conditions(),
+            f"deleting: waiting for {len(self._live())} worker(s) to stop",
+        )
 
     def _finish(self, phase: str, reason: str, message: str) -> Plan:
         for w in self._live():
             self._retire(w, f"run {phase.lower()}")
-        conditions = [Condition("Ready", False, reason, message), Condition("Suspended", False, "NotSuspended"),
-                      Condition(phase, True, reason, message)]
+        conditions = [
+            Condition("Ready", False, reason, message),
+            Condition("Suspended", False, "NotSuspended"),
+            Condition(phase, True, reason, message),
+        ]
         return self._plan(phase, conditions + self._final_conditions(), message)
 
     def _suspend(self) -> Plan:
@@ -247,20 +271,28 @@ class _Pass:
             self._retire(w, "run suspended")
         left = len(self._live())
         message = f"suspending: waiting for {left} worker(s) to stop" if left else "suspended"
-        conditions = [Condition("Ready", False, "Suspended", message),
-                      Condition("Suspended", True, "Suspended", "spec.suspend is true")]
+        conditions = [
+            Condition("Ready", False, "Suspended", message),
+            Condition("Suspended", True, "Suspended", "spec.suspend is true"),
+        ]
         return self._plan(SUSPENDED, conditions + self._training_conditions(suspended=True), message)
 
     def _limit_reached(self) -> budgets.Exceeded | None:
-        """A limit of spec.limits reached by now; else ask to be looked at again when the first one will be."""
+        """A limit of spec.limits reached by now; else ask to be looked at again when the first one is."""
         if self.d.max_duration is None and self.d.max_gpu_hours is None:
             return None
-        active = budgets.active_time(self.prev, self.now) if budgets.is_active(self.prev_phase) else (
-            float(self.prev.get("activeSeconds") or 0.0))
+        active = (
+            budgets.active_time(self.prev, self.now)
+            if budgets.is_active(self.prev_phase)
+            else (float(self.prev.get("activeSeconds") or 0.0))
+        )
         used = budgets.gpu_seconds(self.rows, self.now)
         ready = self._prev_condition("Ready")
-        already = ready.reason if ready is not None and self.prev.get("observedGeneration") == self.d.generation \
-            else None  # the same spec as when a limit was found reached: it stays reached
+        already = (
+            ready.reason
+            if ready is not None and self.prev.get("observedGeneration") == self.d.generation
+            else None
+        )  # the same spec as when a limit was found reached: it stays reached
         reached = budgets.exceeded(self.d.max_duration, active, self.d.max_gpu_hours, used, already)
         if reached is None:
             live_gpus = sum(w.gpus for w in self._live())
@@ -278,7 +310,10 @@ class _Pass:
         if not left:
             return self._finish(FAILED, limit.reason, limit.message)
         message = f"{limit.message}; stopping {left} worker(s), the actor writes a final checkpoint"
-        conditions = [Condition("Ready", False, limit.reason, message), Condition("Suspended", False, "NotSuspended")]
+        conditions = [
+            Condition("Ready", False, limit.reason, message),
+            Condition("Suspended", False, "NotSuspended"),
+        ]
         return self._plan(self.prev_phase, conditions + self._training_conditions(suspended=False), message)
 
     # -- 3-5: workers -----------------------------------------------------------------------------
@@ -295,26 +330,37 @@ class _Pass:
             if verdict.kind == "wait":
                 self.wake.append(verdict.recheck_after or 0.0)
             elif verdict.kind == "adopt":
-                self.actions.append(Adopt(w.id, verdict.handle or "",
-                                          Event(NORMAL, "Adopted", f"{w.name} #{w.incarnation}: {verdict.message}")))
+                self.actions.append(
+                    Adopt(
+                        w.id,
+                        verdict.handle or "",
+                        Event(NORMAL, "Adopted", f"{w.name} #{w.incarnation}: {verdict.message}"),
+                    )
+                )
             elif verdict.kind == "end":
                 state = verdict.state or "Lost"
                 if state == "Lost" and w.handle is None and proc is None:
                     state = "Stopped"  # an intent the controller never launched: not the worker's failure
-                kind, reason = (NORMAL, "WorkerSucceeded") if state in ("Succeeded", "Stopped") else (
-                    WARNING, "WorkerLost" if state == "Lost" else "WorkerFailed")
+                kind, reason = (
+                    (NORMAL, "WorkerSucceeded")
+                    if state in ("Succeeded", "Stopped")
+                    else (WARNING, "WorkerLost" if state == "Lost" else "WorkerFailed")
+                )
                 event = Event(kind, reason, f"{w.name} #{w.incarnation}: {verdict.message}")
                 self._end(w, state, verdict.exit_code, verdict.message, event)
                 if verdict.kill and proc is not None:
                     self.actions.append(Stop(proc.handle, 0.0, None))
 
-    def _stalled(self, w: _W, proc: Any) -> bool:
+    def _stalled(self, w: _W, proc: ProcessView) -> bool:
         """Whether `w` ran past the deadline of what it reports doing; if so: stacks, end (Failed, the
         stall's reason first in its message: a relaunch, and the give-up count), stop. Else wake at its
         deadline."""
         step_seconds = (rl.step_seconds(self.o.metrics) if self.o.metrics else None) or self.timing[1]
-        derived = dl.DerivedFrom(self.cfg.progress_deadline_min_seconds, self.cfg.progress_deadline_factor,
-                                 self.cfg.stall_deadline_default_seconds)
+        derived = dl.DerivedFrom(
+            self.cfg.progress_deadline_min_seconds,
+            self.cfg.progress_deadline_factor,
+            self.cfg.stall_deadline_default_seconds,
+        )
         stall = dl.stalled(w.activity, w.activity_since, self.now, self.d.deadlines, step_seconds, derived)
         if stall is None:
             due = dl.due_in(w.activity, w.activity_since, self.now, self.d.deadlines, step_seconds, derived)
@@ -323,8 +369,15 @@ class _Pass:
             return False
         where = f"{w.name} #{w.incarnation}"
         self.actions.append(DumpStacks(proc.handle, None))
-        self._end(w, "Failed", None, f"{stall.reason}: {stall.message}",
-                  Event(WARNING, stall.reason, f"{where}: {stall.message}; its stacks are in its log; relaunching it"))
+        self._end(
+            w,
+            "Failed",
+            None,
+            f"{stall.reason}: {stall.message}",
+            Event(
+                WARNING, stall.reason, f"{where}: {stall.message}; its stacks are in its log; relaunching it"
+            ),
+        )
         self.actions.append(Stop(proc.handle, self.cfg.stall_stop_grace_seconds, None))
         self.wake.append(self.cfg.stop_poll_seconds)
         return True
@@ -332,16 +385,11 @@ class _Pass:
     def _out_of_memory(self) -> str | None:
         """The run's failure message when a slot ran out of GPU memory and must not be relaunched, else None.
 
-        An out-of-memory exit is not a crash to retry in a loop: the same spec on the same GPU makes
-        the same tensors, and ten relaunches over minutes only hide the cause. A slot gets ONE relaunch
-        (after the usual backoff, counted against maxRestarts): on a GPU the memory a worker finds also
-        depends on things outside its spec (a predecessor whose CUDA context is not torn down yet, a
-        colocated neighbour's peak, allocator fragmentation), and one try tells those from a spec that
-        cannot fit. Its second out-of-memory fails the run with reason OutOfMemory, and so does the
-        first when no restart is left, as a Job's podFailurePolicy fails it on an exit code it knows
-        retrying cannot fix, rather than a Pod's OOMKilled going round CrashLoopBackOff forever. The
-        MemoryFits condition (and its one Warning event, on the flip) says what to change before
-        `apply`ing again.
+        The same spec on the same GPU makes the same tensors, so relaunching in a loop only hides the
+        cause. A slot gets ONE relaunch (counted against maxRestarts), since the memory a worker finds
+        also depends on things outside its spec (a predecessor's CUDA context, a colocated neighbour's
+        peak); its second out-of-memory fails the run with reason OutOfMemory, as a Job's podFailurePolicy
+        would. The MemoryFits condition says what to change before `apply`ing again.
         """
         exits = self._oom_exits()
         condition = rl.memory_fits(exits, self._memory_knobs())
@@ -354,8 +402,9 @@ class _Pass:
         return None
 
     def _fit_before_launch(self) -> None:
-        """Start the actor with the micro batch `mortalctl apply` estimated to fit (heal.fitted_before_launch),
-        chosen only while no actor runs, so that status.effective is what the next one is launched with."""
+        """Start the actor with the micro batch `mortalctl apply` estimated to fit
+        (heal.fitted_before_launch), chosen only while no actor runs, so that status.effective is what the
+        next one is launched with."""
         if any(w.live and w.role == ACTOR for w in self.rows):
             return
         fitted = heal.fitted_before_launch(self.effective, self.d)
@@ -394,25 +443,38 @@ class _Pass:
             last = ended[-1]
             details = (last.message or "no figures reported").removeprefix(f"{rl.OUT_OF_MEMORY}: ")
             answered = self.effective.reduced_after.get(last.name, 0) if self.effective else 0
-            count = sum(1 for w in hist if w.failed and w.exit_code == EXIT_OUT_OF_MEMORY and w.incarnation > answered)
+            count = sum(
+                1 for w in hist if w.failed and w.exit_code == EXIT_OUT_OF_MEMORY and w.incarnation > answered
+            )
             healed = self.effective.reason if answered == last.incarnation and self.effective else None
-            exits.append(rl.OomExit(last.name, last.role, last.replica, last.incarnation, details, count, healed))
+            exits.append(
+                rl.OomExit(last.name, last.role, last.replica, last.incarnation, details, count, healed)
+            )
         return exits
 
     def _memory_knobs(self) -> rl.MemoryKnobs:
-        return rl.MemoryKnobs(colocate=self.d.colocate, lora=self.d.lora,
-                              gradient_checkpointing=self.d.gradient_checkpointing,
-                              micro_batch_size=heal.micro_batch(self.effective, self.d),
-                              rollout_share=heal.rollout_share(self.effective, self.d),
-                              actor_ranks=self.d.actor_ranks, cpu_offload=self.d.cpu_offload,
-                              reshard_after_forward=self.d.reshard_after_forward, replicated=self.d.replicated)
+        return rl.MemoryKnobs(
+            colocate=self.d.colocate,
+            lora=self.d.lora,
+            gradient_checkpointing=self.d.gradient_checkpointing,
+            micro_batch_size=heal.micro_batch(self.effective, self.d),
+            rollout_share=heal.rollout_share(self.effective, self.d),
+            actor_ranks=self.d.actor_ranks,
+            cpu_offload=self.d.cpu_offload,
+            reshard_after_forward=self.d.reshard_after_forward,
+            replicated=self.d.replicated,
+        )
 
     def _actor_finished(self) -> bool:
         """The newest actor ended Succeeded at maxSteps (a Succeeded actor stopped early is relaunched)."""
         actors = [w for w in self.rows if w.role == ACTOR]
         if not actors or actors[-1].state != "Succeeded":
             return False
-        known = [s for s in (actors[-1].step, self.o.checkpoint.step if self.o.checkpoint else None) if s is not None]
+        known = [
+            s
+            for s in (actors[-1].step, self.o.checkpoint.step if self.o.checkpoint else None)
+            if s is not None
+        ]
         return not known or max(known) >= self.d.max_steps
 
     def _ensure_slots(self) -> tuple[str, str] | None:
@@ -435,19 +497,29 @@ class _Pass:
             stalls = self._same_stalls(hist)
             if self.d.same_failure_limit and stalls >= self.d.same_failure_limit:
                 reason, _, what = (last.message or "").partition(": ")
-                return reason, (f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not heal "
-                                f"it; restartPolicy.sameFailureLimit)")
+                return reason, (
+                    f"{last.name} stalled {stalls} times in a row: {what} (relaunching does not "
+                    "heal it; restartPolicy.sameFailureLimit)"
+                )
             if self.restarts >= self.d.max_restarts:
-                return "RestartLimitReached", f"restart limit reached: {last.name}: {last.message or last.state}"
+                return (
+                    "RestartLimitReached",
+                    f"restart limit reached: {last.name}: {last.message or last.state}",
+                )
             repeated = self._same_failures(hist)
             if self.d.same_failure_limit and repeated >= self.d.same_failure_limit:
-                return "CrashLoop", (f"{last.name} failed {repeated} times in a row with the same error, each "
-                                     f"within {self.cfg.backoff_reset_seconds:.0f} s of its launch: {last.message} "
-                                     f"(relaunching does not fix it; restartPolicy.sameFailureLimit)")
+                return "CrashLoop", (
+                    f"{last.name} failed {repeated} times in a row with the same error, "
+                    f"each within {self.cfg.backoff_reset_seconds:.0f} s of its launch: "
+                    f"{last.message} (relaunching does not fix it; "
+                    "restartPolicy.sameFailureLimit)"
+                )
             due = (last.ended_at or self.now).timestamp() + self._backoff(hist) - self.now.timestamp()
             if due > 0:
                 self.wake.append(due)
-                self.notes.append(f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: {last.message})")
+                self.notes.append(
+                    f"restarting {last.name} in {due:.0f}s ({last.state.lower()}: {last.message})"
+                )
                 continue
             self.restarts += 1
             self._launch(slot, restart=True, why=f"{last.state.lower()}: {last.message or 'no message'}")
@@ -467,22 +539,27 @@ class _Pass:
     def _same_failures(self, hist: list[_W]) -> int:
         """How many of the slot's newest workers in a row reported the newest one's error (exit 75, the same
         message), each soon after its launch. Why fail on it before maxRestarts: a worker that meets the same
-        error on every launch (a library's assertion, a bad input no check caught) would otherwise be
-        relaunched maxRestarts times over about 25 minutes of doubling backoff (5 s up to 300 s between
-        launches); a Job's podFailurePolicy likewise fails at once on an exit it knows retrying cannot fix.
-        A loss (no report: preempted, killed) breaks the run of them, and so does a worker that ran long (as
-        for the backoff)."""
+        error on every launch (a library's assertion, a bad input) would otherwise be relaunched maxRestarts
+        times over a long doubling backoff; a Job's podFailurePolicy likewise fails at once on an exit it
+        knows retrying cannot fix. A loss (no report: preempted, killed) breaks the run of them, and so does
+        a worker that ran long (as for the backoff)."""
         newest = hist[-1]
         count = 0
         for w in reversed(hist):
-            if not (w.state == "Failed" and w.exit_code == EXIT_RETRYABLE and w.message
-                    and w.message == newest.message and not self._lived_long(w)):
+            if not (
+                w.state == "Failed"
+                and w.exit_code == EXIT_RETRYABLE
+                and w.message
+                and w.message == newest.message
+                and not self._lived_long(w)
+            ):
                 break
             count += 1
         return count
 
     def _same_stalls(self, hist: list[_W]) -> int:
-        """How many of the slot's newest workers in a row were ended for the same stall (reason) as the newest.
+        """How many of the slot's newest workers in a row were ended for the same stall (reason) as the
+        newest.
         Unlike `_same_failures`, a long life does not break the run of them: a stall is found only after
         its deadline."""
         reason = hist[-1].stall
@@ -517,21 +594,26 @@ class _Pass:
         actor_ready, rollout_ready = self._ready()
         if recovering:
             phase = RECOVERING
-        elif actor_ready and (rollout_ready >= min(1, self.d.rollout_replicas)
-                              or self.prev_phase in (RUNNING, RECOVERING)):
+        elif actor_ready and (
+            rollout_ready >= min(1, self.d.rollout_replicas) or self.prev_phase in (RUNNING, RECOVERING)
+        ):
             phase = RUNNING
         else:
             phase = STARTING if (self.rows or self.launched) else PENDING
         message = self._active_message(phase, recovering, rollout_ready)
-        conditions = [Condition("Ready", phase == RUNNING, READY_REASONS[phase], message),
-                      Condition("Suspended", False, "NotSuspended")]
+        conditions = [
+            Condition("Ready", phase == RUNNING, READY_REASONS[phase], message),
+            Condition("Suspended", False, "NotSuspended"),
+        ]
         return self._plan(phase, conditions + self._training_conditions(suspended=False), message)
 
     def _active_message(self, phase: str, recovering: list[tuple[str, int]], rollout_ready: int) -> str:
         if phase == RUNNING:
             step = self._progress().step
-            return (f"training: step {step if step is not None else 0}/{self.d.max_steps}, "
-                    f"{rollout_ready}/{self.d.rollout_replicas} rollout workers ready")
+            return (
+                f"training: step {step if step is not None else 0}/{self.d.max_steps}, "
+                f"{rollout_ready}/{self.d.rollout_replicas} rollout workers ready"
+            )
         if phase == RECOVERING:
             waiting = [f"{r}-{i} restarted, waiting for its first heartbeat" for r, i in recovering]
             return "; ".join(self.notes or waiting)
@@ -543,8 +625,16 @@ class _Pass:
         if hop != phase:
             self.wake.append(0.0)  # write the legal intermediate phase now, the wanted one next pass
             phase = hop
-        status = build_status(self.prev, phase, conditions, self._progress(phase), self.d.generation, message,
-                              self.now, effective=self._effective_status())
+        status = build_status(
+            self.prev,
+            phase,
+            conditions,
+            self._progress(phase),
+            self.d.generation,
+            message,
+            self.now,
+            effective=self._effective_status(),
+        )
         events = tuple(self.heal_events) + tuple(diff_events(self.prev, status))
         wake = list(self.wake)
         if self._live() or self.launched:
@@ -562,12 +652,16 @@ class _Pass:
         ckpt = self.o.checkpoint
         actor_ready, rollout_ready = self._ready()
         running = phase not in (SUSPENDED, SUCCEEDED, FAILED)
-        steps = [s for s in (actors[-1].step if actors else None, ckpt.step if ckpt else None) if s is not None]
+        steps = [
+            s for s in (actors[-1].step if actors else None, ckpt.step if ckpt else None) if s is not None
+        ]
         active_seconds, active_since = budgets.next_clock(self.prev, phase or self.prev_phase, self.now)
         return Progress(
             step=max(steps) if steps else None,  # a checkpoint of step C means C steps are done
             weight_version=self.o.weight_version,
-            checkpoint={"step": ckpt.step, "path": ckpt.path, "time": iso(aware(ckpt.created_at))} if ckpt else None,
+            checkpoint={"step": ckpt.step, "path": ckpt.path, "time": iso(aware(ckpt.created_at))}
+            if ckpt
+            else None,
             reward=self.o.reward,
             actor=(actor_ready, 1 if running else 0),
             rollout=(rollout_ready, self.d.rollout_replicas if running else 0),
@@ -596,21 +690,34 @@ class _Pass:
             weights = Condition(rl.WEIGHTS, None, "Suspended", "not evaluated while suspended")
         else:
             wanted = set(self._desired_slots())
-            rollouts = [rl.RolloutVersion(w.name, w.weight_version, w.heartbeat_at)
-                        for w in self.rows if w.role == ROLLOUT and w.state == "Running" and w.slot in wanted]
-            weights = rl.weights_in_sync(rollouts, o.weight_version, aware(o.weights_at), d.max_staleness,
-                                         d.sync_every)
+            rollouts = [
+                rl.RolloutVersion(w.name, w.weight_version, w.heartbeat_at)
+                for w in self.rows
+                if w.role == ROLLOUT and w.state == "Running" and w.slot in wanted
+            ]
+            weights = rl.weights_in_sync(
+                rollouts, o.weight_version, aware(o.weights_at), d.max_staleness, d.sync_every
+            )
         if o.metrics is not None:
             reward = rl.reward_healthy(o.metrics, cfg.reward_stuck_steps)
         else:
             reward = self._prev_condition(rl.REWARD) or rl.reward_healthy({}, cfg.reward_stuck_steps)
         ckpt = o.checkpoint.step if o.checkpoint else None
-        deadline = rl.progress_deadline(seconds, cfg.progress_deadline_min_seconds, cfg.progress_deadline_factor,
-                                        cfg.progress_deadline_default_seconds)
+        deadline = rl.progress_deadline(
+            seconds,
+            cfg.progress_deadline_min_seconds,
+            cfg.progress_deadline_factor,
+            cfg.progress_deadline_default_seconds,
+        )
         last_time = datetime.fromisoformat(last) if last else None
-        return [weights, reward, rl.checkpoint_fresh(step, ckpt, d.checkpoint_every, cfg.checkpoint_slack_steps),
-                rl.progressing(suspended, aware(last_time), deadline, self.now),
-                self._deadlines_met(), rl.memory_fits(self._oom_exits(), self._memory_knobs())]
+        return [
+            weights,
+            reward,
+            rl.checkpoint_fresh(step, ckpt, d.checkpoint_every, cfg.checkpoint_slack_steps),
+            rl.progressing(suspended, aware(last_time), deadline, self.now),
+            self._deadlines_met(),
+            rl.memory_fits(self._oom_exits(), self._memory_knobs()),
+        ]
 
     def _deadlines_met(self) -> Condition:
         """DeadlinesMet from each slot's newest ended worker that was ended for a stall."""
@@ -618,9 +725,13 @@ class _Pass:
         for w in self.rows:
             if not w.live:
                 newest_ended[w.slot] = w
-        stalls = [dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
-                  for w in newest_ended.values() if w.stall is not None]
+        stalls = [
+            dl.StalledWorker(w.name, w.incarnation, w.message or "", w.ended_at or self.now)
+            for w in newest_ended.values()
+            if w.stall is not None
+        ]
         step, prev_step = self._progress().step, self.prev.get("step")
+        last: datetime | None
         if step is not None and step > (prev_step if prev_step is not None else 0):
             last = self.now  # a step ended since the last pass (also on the pass that finishes the run)
         else:
@@ -629,10 +740,15 @@ class _Pass:
 
     def _final_conditions(self) -> list[Condition]:
         """A finished run keeps its training conditions as they were, but a reward that failed it says so."""
-        carried = [c for c in self._carried_conditions()
-                   if c.type in rl.TYPES and c.type not in (rl.MEMORY, dl.DEADLINES)]
+        carried = [
+            c
+            for c in self._carried_conditions()
+            if c.type in rl.TYPES and c.type not in (rl.MEMORY, dl.DEADLINES)
+        ]
         carried += [self._deadlines_met(), rl.memory_fits(self._oom_exits(), self._memory_knobs())]
-        fatal = next((w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None)
+        fatal = next(
+            (w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None
+        )
         failure = rl.reward_failure(fatal.message) if fatal is not None else None
         if failure is None:
             return carried
@@ -655,11 +771,13 @@ class _Pass:
 
     def _carried_conditions(self) -> list[Condition]:
         status = {condition_status(v): v for v in (True, False, None)}
-        return [Condition(c["type"], status.get(c.get("status")), c.get("reason", ""), c.get("message", ""))
-                for c in self.prev.get("conditions") or []]
+        return [
+            Condition(c["type"], status.get(c.get("status")), c.get("reason", ""), c.get("message", ""))
+            for c in self.prev.get("conditions") or []
+        ]
 
     def _retire(self, w: _W, reason: str) -> None:
-        """Stop a live worker on purpose: TERM it (it may checkpoint), end its row once the process is gone."""
+        """Stop a live worker on purpose: TERM it (it may checkpoint); end its row once it is gone."""
         proc = self.procs.get(w.ref)
         if proc is not None and proc.alive:
             self.actions.append(Stop(proc.handle, self.cfg.stop_grace_seconds, None))
@@ -670,7 +788,9 @@ class _Pass:
             self.wake.append(self.cfg.launch_grace_seconds - age)  # a launch may still be in flight
             return
         code = proc.exit_code if proc is not None else None
-        self._end(w, "Stopped", code, reason, Event(NORMAL, "WorkerStopped", f"{w.name} #{w.incarnation}: {reason}"))
+        self._end(
+            w, "Stopped", code, reason, Event(NORMAL, "WorkerStopped", f"{w.name} #{w.incarnation}: {reason}")
+        )
 
     def _end(self, w: _W, state: str, code: int | None, message: str, event: Event | None) -> None:
         self.actions.append(EndWorker(w.id, state, code, message, event))

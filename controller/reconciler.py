@@ -1,15 +1,9 @@
 """`Reconciler.reconcile(name)`: one level-triggered pass over one run (controller-runtime's Reconcile).
 
 Who calls it: the manager's worker threads, one run at a time (the work queue guarantees it), and the
-benchmark. Each pass re-reads the world, never trusting an earlier pass:
-  1. the run row and its spec; 2. the backend's listing (before the rows, so an exit it saw was
-  reported first); 3. worker rows, newest checkpoint and weights, and (only when the actor's step
-  moved since the status was written) the metrics of the newest `metrics_window_steps` steps, for
-  the reward, step times and reward health;
-  4. `plan()`; 5. apply its actions: worker-row writes (ending a row also releases the task leases of
-  that incarnation, in the store's same transaction), then stops (in parallel), then launches,
-  then a purge; 6. write status once (guarded by the read resource_version and the leader fence),
-  then the status events.
+benchmark. Each pass re-reads the world, never trusting an earlier pass: the run, the backend's listing
+(before the rows, so an exit it saw was reported first), the worker rows, checkpoints and metrics; then
+`plan()`; then it applies the plan's actions and writes status once, guarded by the leader's fence.
 Launch protocol, safe against a controller killed at any line: intent row (`create_worker`, new
 incarnation) -> `backend.launch` -> `set_worker_handle`. A later pass adopts a process launched but
 not recorded, closes an intent never launched, and stops processes no live row owns.
@@ -134,9 +128,15 @@ class Reconciler:
         metrics = self._metrics(name, workers, run.status)
         newest = metrics[max(metrics)] if metrics else {}
         observed = Observed(
-            workers=workers, processes=processes, status=run.status, checkpoint=self.store.latest_checkpoint(name),
-            weight_version=weights.version if weights else None, weights_at=weights.created_at if weights else None,
-            reward=newest.get(REWARD_METRIC), metrics=metrics, backend_error=backend_error,
+            workers=workers,
+            processes=processes,
+            status=run.status,
+            checkpoint=self.store.latest_checkpoint(name),
+            weight_version=weights.version if weights else None,
+            weights_at=weights.created_at if weights else None,
+            reward=newest.get(REWARD_METRIC),
+            metrics=metrics,
+            backend_error=backend_error,
         )
         decided = plan(desired_of(run, spec), observed, datetime.now(UTC), self.config.plan)
         return self._apply(run, spec, backend, decided, fence)
@@ -154,7 +154,9 @@ class Reconciler:
                 self._listings[name] = SharedListing(backend, self.config.listing_max_age_seconds)
             return self._backends[name], None
 
-    def _metrics(self, name: str, workers: list[WorkerRow], status: dict[str, Any]) -> dict[int, dict[str, float]] | None:
+    def _metrics(
+        self, name: str, workers: list[WorkerRow], status: dict[str, Any]
+    ) -> dict[int, dict[str, float]] | None:
         """{step: {metric: value}} of the newest steps the actor reported (one bounded query), or None when
         the actor has not moved since the status was written: the status keeps what they said, no query."""
         steps = [w.step for w in workers if w.role == "actor" and w.step is not None]
@@ -167,8 +169,9 @@ class Reconciler:
         return by_step
 
     # -- applying a plan --------------------------------------------------------------------------
-    def _apply(self, run: RunRow, spec: TrainingSpec, backend: Backend | None, decided: Plan,
-               fence: LeaderFence) -> Outcome:
+    def _apply(
+        self, run: RunRow, spec: TrainingSpec, backend: Backend | None, decided: Plan, fence: LeaderFence
+    ) -> Outcome:
         failures: list[str] = []
         stops = [a for a in decided.actions if isinstance(a, Stop)]
         for dump in (a for a in decided.actions if isinstance(a, DumpStacks)):
@@ -198,41 +201,76 @@ class Reconciler:
             return self._purge(run, remove_files, backend_key(spec), spec.checkpoint.uri, fence)
         if decided.status is not None and decided.status != run.status:
             try:
-                row = self.store.write_status(run.name, decided.status, run.resource_version, fence,
-                                              events=[(e.type, e.reason, e.message) for e in decided.events])
+                row = self.store.write_status(
+                    run.name,
+                    decided.status,
+                    run.resource_version,
+                    fence,
+                    events=[(e.type, e.reason, e.message) for e in decided.events],
+                )
             except Conflict:
                 return RequeueAfter(0.0)  # the spec moved under us: look again with the new one
             self.written[run.name] = row.resource_version
         return Retry("; ".join(failures)) if failures else decided.outcome
 
-    def _launch(self, run: RunRow, spec: TrainingSpec, backend: Backend, action: Launch, fence: LeaderFence) -> None:
+    def _launch(
+        self, run: RunRow, spec: TrainingSpec, backend: Backend, action: Launch, fence: LeaderFence
+    ) -> None:
         """Intent row, launch, handle: a controller killed between any two leaves something a pass repairs."""
         role = spec.actor if action.role == "actor" else spec.rollout
         launch = WorkerLaunch(
-            run=run.name, role=action.role, replica=action.replica, incarnation=0, worker_id="",
-            state_url=self.state_url, mortal_home=str(paths.mortal_home()), gpu=role.gpu,
-            gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of a sharded actor
-            env={**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **action.env,
-                 **code_environ(run.annotations)},
-            heartbeat_seconds=self.config.heartbeat_seconds, run_uid=run.uid,
+            run=run.name,
+            role=action.role,
+            replica=action.replica,
+            incarnation=0,
+            worker_id="",
+            state_url=self.state_url,
+            mortal_home=str(paths.mortal_home()),
+            gpu=role.gpu,
+            gpu_count=spec.actor.count if action.role == "actor" else 1,  # a GPU for each rank of the actor
+            env={
+                **{k: os.environ[k] for k in spec.secrets if k in os.environ},
+                **action.env,
+                **code_environ(run.annotations),
+            },
+            heartbeat_seconds=self.config.heartbeat_seconds,
+            run_uid=run.uid,
             colocate=action.role == "rollout" and spec.rollout.colocated(action.replica),
-            # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU must see
-            sees_actor_gpus=(action.role == "rollout"
-                             and (not spec.rollout.colocated(action.replica) or spec.actor.count > 1)
-                             and spec.sync_method() in ("ipc", "nccl")),
+            # the ring of weight snapshots is on the actor's (rank 0's) GPU, which a rollout on another GPU
+            # must see
+            sees_actor_gpus=(
+                action.role == "rollout"
+                and (not spec.rollout.colocated(action.replica) or spec.actor.count > 1)
+                and spec.sync_method() in ("ipc", "nccl")
+            ),
             engine=spec.generation.engine,
         )
         if spec.backend == "ray":
             wants = spec.ray.actor if action.role == "actor" else spec.ray.rollout
-            launch = dataclasses.replace(launch, cpus=wants.cpus, resources=dict(wants.resources),
-                                         memory_bytes=None if wants.memory_gb is None else int(wants.memory_gb * 2**30),
-                                         node_home=not spec.ray.shared_filesystem,
-                                         log_uri=None if spec.ray.shared_filesystem else spec.checkpoint.uri)
-        row = self.store.create_worker(run.name, action.role, action.replica, backend.name,
-                                       self.config.worker_lease_seconds, fence, gpus=backend.gpus_held(launch))
+            launch = dataclasses.replace(
+                launch,
+                cpus=wants.cpus,
+                resources=dict(wants.resources),
+                memory_bytes=None if wants.memory_gb is None else int(wants.memory_gb * 2**30),
+                node_home=not spec.ray.shared_filesystem,
+                log_uri=None if spec.ray.shared_filesystem else spec.checkpoint.uri,
+            )
+        row = self.store.create_worker(
+            run.name,
+            action.role,
+            action.replica,
+            backend.name,
+            self.config.worker_lease_seconds,
+            fence,
+            gpus=backend.gpus_held(launch),
+        )
         ref = WorkerRef(run.name, action.role, action.replica, row.incarnation, run_uid=run.uid)
-        launch = dataclasses.replace(launch, incarnation=row.incarnation, worker_id=ref.process_id,
-                                     state_token=launch_token(self.state_url, ref, run.uid))
+        launch = dataclasses.replace(
+            launch,
+            incarnation=row.incarnation,
+            worker_id=ref.process_id,
+            state_token=launch_token(self.state_url, ref, run.uid),
+        )
         failpoints.hit("launch:after-intent")
         if self.leader.fence() != fence:
             raise Fenced("the leader lease ran out before a launch")
@@ -242,21 +280,29 @@ class Reconciler:
             self._launch_failed(run.name, row, action, exc, fence)
             raise
         failpoints.hit("launch:after-launch")
-        self.store.set_worker_handle(row.id, handle, fence)
-        self._event(run.name, Event(action.event.type, action.event.reason,
-                                    f"{action.event.message} as incarnation {row.incarnation}"))
+        self.store.set_worker_handle(_row_id(row), handle, fence)
+        self._event(
+            run.name,
+            Event(
+                action.event.type,
+                action.event.reason,
+                f"{action.event.message} as incarnation {row.incarnation}",
+            ),
+        )
 
-    def _launch_failed(self, name: str, row: WorkerRow, action: Launch, exc: BackendError, fence: LeaderFence) -> None:
-        """Close the intent row: a machine without that many GPUs, or a cluster with no node that can ever hold
-        the worker (Unschedulable), fails the run (exit 3); GPUs busy for now
-        is no failure of the worker (Stopped: retried with the queue's backoff, no restart counted); any other
-        launch error counts as a failed start (backoff, restarts, maxRestarts)."""
+    def _launch_failed(
+        self, name: str, row: WorkerRow, action: Launch, exc: BackendError, fence: LeaderFence
+    ) -> None:
+        """Close the intent row: a machine without that many GPUs, or a cluster with no node that can ever
+        hold the worker (Unschedulable), fails the run (exit 3); GPUs busy for now is no failure of the
+        worker (Stopped: retried with the queue's backoff, no restart counted); any other launch error
+        counts as a failed start (backoff, restarts, maxRestarts)."""
         if isinstance(exc, InsufficientGPUs) and not exc.permanent:
             state, code, reason = "Stopped", None, "InsufficientGPUs"
         else:
             fatal = isinstance(exc, InsufficientGPUs | Unschedulable)
             state, code, reason = "Failed", EXIT_FATAL if fatal else None, "LaunchFailed"
-        self.store.end_worker(row.id, state, code, f"launch failed: {exc}", fence)
+        self.store.end_worker(_row_id(row), state, code, f"launch failed: {exc}", fence)
         self._event(name, Event("Warning", reason, f"{action.role}-{action.replica}: {exc}"))
 
     def _stop_all(self, name: str, backend: Backend | None, stops: list[Stop]) -> None:
@@ -275,8 +321,9 @@ class Reconciler:
             for done in [pool.submit(stop, a) for a in stops]:
                 done.result()
 
-    def _purge(self, run: RunRow, remove_files: bool, backend_name: str, storage_uri: str | None,
-               fence: LeaderFence) -> Outcome:
+    def _purge(
+        self, run: RunRow, remove_files: bool, backend_name: str, storage_uri: str | None, fence: LeaderFence
+    ) -> Outcome:
         """Files first, where the run's backend keeps them (a Modal run's are on its volume) and in its
         checkpoint storage (spec.checkpoint.uri: checkpoints and uploaded logs), rows last: the row going
         away is what says the deletion is complete. A run whose backend or storage cannot be reached from
@@ -326,25 +373,49 @@ class Reconciler:
 def desired_of(run: RunRow, spec: TrainingSpec) -> Desired:
     """The parts of a stored run the planner acts on."""
     return Desired(
-        name=run.name, uid=run.uid, generation=run.generation, backend=spec.backend, rollout_replicas=spec.rollout.replicas,
-        suspend=spec.suspend, max_steps=spec.algorithm.max_steps, max_restarts=spec.restart_policy.max_restarts,
+        name=run.name,
+        uid=run.uid,
+        generation=run.generation,
+        backend=spec.backend,
+        rollout_replicas=spec.rollout.replicas,
+        suspend=spec.suspend,
+        max_steps=spec.algorithm.max_steps,
+        max_restarts=spec.restart_policy.max_restarts,
         backoff_seconds=spec.restart_policy.backoff_seconds,
-        same_failure_limit=spec.restart_policy.same_failure_limit, max_staleness=spec.algorithm.max_staleness,
-        sync_every=spec.sync.every, checkpoint_every=spec.checkpoint.every, colocate=spec.rollout.shares_actor_gpu,
-        lora=spec.model.lora is not None, gradient_checkpointing=spec.model.gradient_checkpointing,
+        same_failure_limit=spec.restart_policy.same_failure_limit,
+        max_staleness=spec.algorithm.max_staleness,
+        sync_every=spec.sync.every,
+        checkpoint_every=spec.checkpoint.every,
+        colocate=spec.rollout.shares_actor_gpu,
+        lora=spec.model.lora is not None,
+        gradient_checkpointing=spec.model.gradient_checkpointing,
         micro_batch_size=spec.algorithm.batch_size // spec.algorithm.accumulation_steps,
         batch_size=spec.algorithm.batch_size,
         fitted_micro_batch=_fitted_micro_batch(run),
         loss_type=spec.algorithm.loss_type,
-        rollout_share=spec.rollout.gpu_memory_utilization, actor_ranks=spec.actor.count,
-        cpu_offload=spec.actor.cpu_offload, reshard_after_forward=spec.actor.reshard_after_forward,
+        rollout_share=spec.rollout.gpu_memory_utilization,
+        actor_ranks=spec.actor.count,
+        cpu_offload=spec.actor.cpu_offload,
+        reshard_after_forward=spec.actor.reshard_after_forward,
         replicated=spec.actor.strategy == "ddp",
         deleted=run.deleted_at is not None,
-        purge=run.purge_requested, max_duration=spec.limits.max_duration, max_gpu_hours=spec.limits.max_gpu_hours,
-        deadlines=Deadlines(task_seconds=spec.deadlines.task_seconds, step_seconds=spec.deadlines.step_seconds,
-                            weight_load_seconds=spec.deadlines.weight_load(),
-                            reward_seconds=sum(r.timeout_seconds for r in spec.rewards)),
+        purge=run.purge_requested,
+        max_duration=spec.limits.max_duration,
+        max_gpu_hours=spec.limits.max_gpu_hours,
+        deadlines=Deadlines(
+            task_seconds=spec.deadlines.task_seconds,
+            step_seconds=spec.deadlines.step_seconds,
+            weight_load_seconds=spec.deadlines.weight_load(),
+            reward_seconds=sum(r.timeout_seconds for r in spec.rewards),
+        ),
     )
+
+
+def _row_id(row: WorkerRow) -> int:
+    """The id the store gave a row it created (one it returns always has it)."""
+    if row.id is None:
+        raise ValueError(f"worker row {row.role}-{row.replica} #{row.incarnation} has no id")
+    return row.id
 
 
 def _fitted_micro_batch(run: RunRow) -> int | None:

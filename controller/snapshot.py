@@ -1,15 +1,12 @@
 """The run carries its code: what a spec takes from the applying user's folder, copied with the run.
 
 Who calls it: mortal.controller.admission, when `mortalctl apply`, MortalTrainer or a watched folder
-applies a run. The top-level modules and packages its `module:attr` references name (rewards, tools,
-environments) that live in the applying folder, and the relative files it names (a dataset file, a
-chat template), are copied, as Ray's runtime_env working_dir does, into
-$MORTAL_HOME/runs/<run>/code/<sha256 of the content>/; a relative local model folder is linked, not
-copied. The digest goes into the run's annotation `mortal.dev/code-snapshot` (so an edited reward
-module makes a re-apply `configured`), and the reconciler hands it to every worker
-(MORTAL_CODE_SNAPSHOT), which imports from and runs in that folder (mortal.workers.main), wherever
-the controller was started. Bounded: .git, virtualenvs and caches are skipped, and a snapshot above
-the limit (MORTAL_CODE_SNAPSHOT_LIMIT_MB) is refused naming its largest parts.
+applies a run. The modules its `module:attr` references name and the relative files it names that live
+in the applying folder are copied, as Ray's runtime_env working_dir does, into
+$MORTAL_HOME/runs/<run>/code/<sha256>/, so every worker imports the same code wherever the controller
+was started. The digest goes into the run's annotation `mortal.dev/code-snapshot` (an edited reward
+makes a re-apply `configured`). Bounded: .git, virtualenvs and caches are skipped, and a snapshot above
+MORTAL_CODE_SNAPSHOT_LIMIT_MB is refused naming its largest parts.
 What it must not do: import user code (that is the admission probe's, in a child process).
 """
 
@@ -41,8 +38,22 @@ if TYPE_CHECKING:
 CODE_ANNOTATION = "mortal.dev/code-snapshot"
 LIMIT_ENV = "MORTAL_CODE_SNAPSHOT_LIMIT_MB"
 DEFAULT_LIMIT_MB = 64
-SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".mypy_cache",
-                          ".pytest_cache", ".ruff_cache", ".tox", "node_modules", ".ipynb_checkpoints"})
+SKIPPED_DIRS = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        ".venv",
+        "venv",
+        "__pycache__",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".tox",
+        "node_modules",
+        ".ipynb_checkpoints",
+    }
+)
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 INSTALLED_TOP = frozenset({"mortal"})  # mortal's own code is the installed package, never the user's copy
@@ -122,8 +133,11 @@ def being_deleted(store: Store, name: str) -> bool:
 def references(spec: TrainingSpec) -> list[tuple[str, str]]:
     """(field, 'module:attr') of every reference to Python code the workers import."""
     refs = [(f"spec.rewards[{i}].function", r.function) for i, r in enumerate(spec.rewards) if r.function]
-    refs += [(f"spec.rewards[{i}].args.class", str(r.args["class"])) for i, r in enumerate(spec.rewards)
-             if r.env == "environment" and r.args.get("class")]
+    refs += [
+        (f"spec.rewards[{i}].args.class", str(r.args["class"]))
+        for i, r in enumerate(spec.rewards)
+        if r.env == "environment" and r.args.get("class")
+    ]
     refs += [(f"spec.rollout.tools[{i}]", ref) for i, ref in enumerate(spec.rollout.tools)]
     environment = spec.rollout.environment
     if isinstance(environment, str):
@@ -170,8 +184,11 @@ def needed_parts(spec: TrainingSpec, folders: list[Path]) -> list[tuple[Part, Pa
                 continue
             rel = os.path.normpath(name)
             if rel.startswith(".." + os.sep) or rel == "..":
-                raise SnapshotRefused(where, f"{name!r} is outside the applying folder {folder}; give an "
-                                             "absolute path, or move it into the folder")
+                raise SnapshotRefused(
+                    where,
+                    f"{name!r} is outside the applying folder {folder}; give an "
+                    "absolute path, or move it into the folder",
+                )
             if not is_model:  # a model folder is linked where it is, never copied
                 _refuse_links_out(where, folder, path)
             found.setdefault(rel, (Part(where, rel, link=is_model), path))
@@ -185,16 +202,22 @@ def _refuse_links_out(field: str, folder: Path, path: Path) -> None:
         try:
             inside(folder, source)
         except PathOutside:
-            raise SnapshotRefused(field, f"{source.relative_to(folder)} links outside the applying folder {folder} "
-                                         f"(to {os.path.realpath(source)}); copy it into the folder, or give it "
-                                         "by absolute path") from None
+            raise SnapshotRefused(
+                field,
+                f"{source.relative_to(folder)} links outside the applying folder "
+                f"{folder} (to {os.path.realpath(source)}); copy it into the "
+                "folder, or give it by absolute path",
+            ) from None
 
 
 def importing_folders(spec: TrainingSpec, working: Path) -> list[Path]:
     """`working`, then the folders this process imported the spec's user modules from (a MortalTrainer
     script's own folder, on sys.path[0]); installed packages' folders are not the user's to copy."""
-    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                 if (p := sysconfig.get_paths().get(key))}
+    installed = {
+        Path(p).resolve()
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(key))
+    }
     folders = [working]
     for _, ref in references(spec):
         top = ref.partition(":")[0].split(".")[0]
@@ -235,21 +258,32 @@ def build(spec: TrainingSpec, folders: list[Path]) -> Snapshot:
     listed: list[tuple[Part, Path, list[tuple[str, Path]]]] = []
     total, sizes = 0, {}
     for part, path in parts:
-        files = [] if part.link else [(os.path.join(part.rel, os.path.relpath(f, path)) if path.is_dir()
-                                        else part.rel, f) for f in _files(path)]
+        files = (
+            []
+            if part.link
+            else [
+                (os.path.join(part.rel, os.path.relpath(f, path)) if path.is_dir() else part.rel, f)
+                for f in _files(path)
+            ]
+        )
         size = sum(f.stat().st_size for _, f in files)
         sizes[part.rel] = size
         total += size
         listed.append((part, path, files))
     if total > limit:
-        largest = ", ".join(f"{rel} ({size / 2**20:.1f} MiB)" for rel, size in
-                            sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
+        largest = ", ".join(
+            f"{rel} ({size / 2**20:.1f} MiB)"
+            for rel, size in sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+        )
         blamed = max(parts, key=lambda pp: sizes[pp[0].rel])[0].field
-        raise SnapshotRefused(blamed, f"the code and files this run takes from {folders[0]} come to "
-                                      f"{total / 2**20:.1f} MiB, over the snapshot limit of "
-                                      f"{limit / 2**20:.0f} MiB ({LIMIT_ENV}); largest: {largest}. Keep data "
-                                      "and models out of the package your rewards live in, or give them by "
-                                      "absolute path")
+        raise SnapshotRefused(
+            blamed,
+            f"the code and files this run takes from {folders[0]} come to "
+            f"{total / 2**20:.1f} MiB, over the snapshot limit of "
+            f"{limit / 2**20:.0f} MiB ({LIMIT_ENV}); largest: {largest}. Keep data "
+            "and models out of the package your rewards live in, or give them by "
+            "absolute path",
+        )
     snapshot = Snapshot(Path(tempfile.mkdtemp(prefix="mortal-code-")), [p for p, _ in parts], total)
     digest = hashlib.sha256()
     try:
@@ -310,7 +344,10 @@ def unpack(data: bytes, run: str, env: Mapping[str, str], home: str | Path) -> P
     incoming = final.parent / f".incoming-{uuid.uuid4().hex}"
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         # "data": no member may leave the folder or be a device (Pythons before 3.11.4 have no filters)
-        tar.extractall(incoming, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(incoming, filter="data")
+        else:
+            tar.extractall(incoming)
     try:
         os.rename(incoming, final)
     except OSError:

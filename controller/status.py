@@ -19,8 +19,14 @@ from mortal.specs import TRANSITIONS, Phase
 PENDING, STARTING, RUNNING, RECOVERING = "Pending", "Starting", "Running", "Recovering"
 SUSPENDED, SUCCEEDED, FAILED = "Suspended", "Succeeded", "Failed"
 TERMINAL_PHASES = frozenset({SUCCEEDED, FAILED})
-EVENTED = ("WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing", "DeadlinesMet",
-           "MemoryFits")  # flips are events
+EVENTED = (
+    "WeightsInSync",
+    "RewardHealthy",
+    "CheckpointFresh",
+    "Progressing",
+    "DeadlinesMet",
+    "MemoryFits",
+)  # flips are events
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,9 @@ def build_status(
         "phase": phase,
         "observedGeneration": generation,
         "step": progress.step if progress.step is not None else prev.get("step"),
-        "weightVersion": progress.weight_version if progress.weight_version is not None else prev.get("weightVersion"),
+        "weightVersion": progress.weight_version
+        if progress.weight_version is not None
+        else prev.get("weightVersion"),
         "lastCheckpoint": progress.checkpoint or prev.get("lastCheckpoint"),
         "replicas": {
             "actor": {"ready": progress.actor[0], "desired": progress.actor[1]},
@@ -112,11 +120,13 @@ def build_status(
         "gpuHours": progress.gpu_hours,
         "completionTime": completed,
         "message": message,
-        **({"effective": effective} if effective else {}),  # the controller's memory choices (controller.heal)
+        **({"effective": effective} if effective else {}),  # the controller's memory choices (heal.py)
     }
 
 
-def _merge_conditions(prev: list[dict[str, Any]], wanted: list[Condition], now: datetime) -> list[dict[str, Any]]:
+def _merge_conditions(
+    prev: list[dict[str, Any]], wanted: list[Condition], now: datetime
+) -> list[dict[str, Any]]:
     """Conditions in `wanted` order; lastTransitionTime moves only when a condition's status flips."""
     before = {c.get("type"): c for c in prev}
     merged = []
@@ -124,13 +134,17 @@ def _merge_conditions(prev: list[dict[str, Any]], wanted: list[Condition], now: 
         status = condition_status(cond.status)
         old = before.get(cond.type)
         moved = old is None or old.get("status") != status
-        merged.append({
-            "type": cond.type,
-            "status": status,
-            "reason": cond.reason,
-            "message": cond.message,
-            "lastTransitionTime": iso(now) if moved else old.get("lastTransitionTime", iso(now)),
-        })
+        merged.append(
+            {
+                "type": cond.type,
+                "status": status,
+                "reason": cond.reason,
+                "message": cond.message,
+                "lastTransitionTime": iso(now)
+                if moved or old is None
+                else old.get("lastTransitionTime", iso(now)),
+            }
+        )
     return merged
 
 
@@ -149,7 +163,9 @@ def diff_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
         events.append(Event(kind, phase, f"phase {old_phase} -> {phase}{why}"))
     old_ckpt, ckpt = prev.get("lastCheckpoint") or {}, new.get("lastCheckpoint") or {}
     if ckpt and ckpt.get("step") != old_ckpt.get("step"):
-        events.append(Event(NORMAL, "CheckpointSaved", f"checkpoint of step {ckpt['step']} at {ckpt.get('path')}"))
+        events.append(
+            Event(NORMAL, "CheckpointSaved", f"checkpoint of step {ckpt['step']} at {ckpt.get('path')}")
+        )
     steady = {STARTING, RUNNING, RECOVERING}
     if old_phase in steady and phase in steady:
         was = ((prev.get("replicas") or {}).get("rollout") or {}).get("desired")
@@ -158,7 +174,11 @@ def diff_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
             events.append(Event(NORMAL, "Scaled", f"rollout replicas {was} -> {now_}"))
     before = {c.get("type"): c.get("status") for c in prev.get("conditions") or []}
     for cond in new.get("conditions") or []:
-        if cond["type"] not in EVENTED or cond["status"] == before.get(cond["type"]) or cond["status"] == "Unknown":
+        if (
+            cond["type"] not in EVENTED
+            or cond["status"] == before.get(cond["type"])
+            or cond["status"] == "Unknown"
+        ):
             continue
         if cond["status"] == "True" and before.get(cond["type"]) is None:
             continue  # first seen healthy: nothing happened

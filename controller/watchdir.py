@@ -6,7 +6,8 @@ from this folder and whose file went away. Runs are marked with the label `morta
 (a hash of the folder's path, a valid label value) and the annotation `mortal.dev/source-dir` (the
 path, for people). A folder with an unreadable file deletes nothing that round (a half-saved file
 must not delete a run). Each run is admitted first (mortal.controller.admission), with the
-controller's working folder as the applying folder: one that fails is logged and not applied. What it must not do: touch workers; it writes desired state only.
+controller's working folder as the applying folder: one that fails is logged and not applied.
+What it must not do: touch workers; it writes desired state only.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
         except (SpecError, OSError) as exc:
             errors.append(str(exc))
     names = [r.name for r in runs]
-    errors.extend(f"run {n!r} is defined more than once in {folder}" for n in sorted({n for n in names if names.count(n) > 1}))
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    errors.extend(f"run {n!r} is defined more than once in {folder}" for n in repeated)
     return runs, errors
 
 
@@ -64,7 +66,8 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
     label = {SOURCE_LABEL: source_id(folder)}
     for run in runs:
         labels = {**run.metadata.labels, **label}
-        if being_deleted(store, run.name):  # its folder is set aside by the purge, a snapshot installed now too
+        # The purge sets the old run's folder aside, with a snapshot installed now.
+        if being_deleted(store, run.name):
             result.errors.append(f"trainingrun/{run.name} is being deleted: applied again once it is gone")
             continue
         try:
@@ -89,11 +92,14 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
     return result
 
 
-def watch_folder(store: Store, folder: Path, stop: threading.Event, on_sync: Callable[[SyncResult], None]) -> None:
+def watch_folder(
+    store: Store, folder: Path, stop: threading.Event, on_sync: Callable[[SyncResult], None]
+) -> None:
     """Sync now and after every change in the folder, until `stop`."""
     on_sync(_sync_logged(store, folder))
-    for _changes in watchfiles.watch(folder, stop_event=stop, step=100, debounce=800, recursive=False,
-                                     raise_interrupt=False):
+    for _changes in watchfiles.watch(
+        folder, stop_event=stop, step=100, debounce=800, recursive=False, raise_interrupt=False
+    ):
         on_sync(_sync_logged(store, folder))
 
 

@@ -25,7 +25,9 @@ log = logging.getLogger("mortal.controller")
 class WorkQueue:
     """A set-like FIFO of keys with delayed adds and per-key exponential backoff."""
 
-    def __init__(self, base_delay: float = 0.5, max_delay: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, base_delay: float = 0.5, max_delay: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ):
         self.base_delay, self.max_delay, self._clock = base_delay, max_delay, clock
         self._cond = threading.Condition()
         self._urgent: deque[str] = deque()  # changes someone made: served before timers and resyncs

@@ -3,7 +3,7 @@
     from mortal import MortalTrainer, SingleNode, Distributed, GPUConfig, RewardEnvironment, TrainingRun
 
 Names are imported on first use (module __getattr__), so `import mortal` and `mortalctl --help`
-stay fast and never import torch or TRL. Everything else lives in mortal.specs, mortal.state,
+stay fast and never import torch or TRL. Everything else lives in mortal.client, mortal.specs, mortal.state,
 mortal.controller and mortal.workers.
 """
 
@@ -13,17 +13,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mortal.controller.modes import Distributed, GPUConfig, SingleNode
-    from mortal.controller.trainer import MortalTrainer, TrainingFailed
+    from mortal.client.modes import Distributed, GPUConfig, SingleNode
+    from mortal.client.trainer import MortalTrainer, TrainingFailed
     from mortal.specs import TrainingRun
     from mortal.workers.rewards import RewardEnvironment
 
 _EXPORTS = {
-    "MortalTrainer": "mortal.controller.trainer",
-    "TrainingFailed": "mortal.controller.trainer",
-    "SingleNode": "mortal.controller.modes",
-    "Distributed": "mortal.controller.modes",
-    "GPUConfig": "mortal.controller.modes",
+    "MortalTrainer": "mortal.client.trainer",
+    "TrainingFailed": "mortal.client.trainer",
+    "SingleNode": "mortal.client.modes",
+    "Distributed": "mortal.client.modes",
+    "GPUConfig": "mortal.client.modes",
     "TrainingRun": "mortal.specs",
     "RewardEnvironment": "mortal.workers.rewards",
 }

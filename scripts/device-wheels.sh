@@ -17,7 +17,7 @@ download() {
 download trl==1.16.0 datasets dill multiprocess xxhash sqlmodel sqlalchemy greenlet pydantic pydantic-core \
   typing-inspection annotated-types alembic mako typer click shellingham ruamel.yaml watchfiles psutil tenacity inotify-simple liger-kernel
 # The image's transformers (5.17) wraps a model sharded at load in DDP, which a sharded actor (actor.count > 1)
-# cannot train (workers/sharded.py MIN_TRANSFORMERS): carry the version CI tests. Its needs (huggingface-hub,
+# cannot train (workers/actor/sharded.py MIN_TRANSFORMERS): carry the version CI tests. Its needs (huggingface-hub,
 # tokenizers, safetensors) are in the image at versions it accepts.
 download transformers==5.24.0
 ls .whl

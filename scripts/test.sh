@@ -15,6 +15,7 @@ if command -v pg_ctlcluster >/dev/null && ! pg_isready -q -h 127.0.0.1 -p 5432; 
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
 fi
 ruff check .
+python scripts/typecheck.py  # mypy, as configured in pyproject's [tool.mypy]
 # The Ray backend's tests start a real three-node Ray cluster (tests/raycluster.py): they run in a
 # private network namespace, where loopback is the only interface, so Ray binds 127.0.0.1 and nothing leaves it.
 # That namespace has its own loopback (no PostgreSQL there): those tests use SQLite. Then everything else.

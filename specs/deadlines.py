@@ -23,30 +23,33 @@ class DeadlinesSpec(SpecModel):
 
     task_seconds: Duration | None = Field(
         None,
-        description="Longest a rollout may work on one task (generate and score): 90s, 10m, or seconds. Absent: "
-        "the progress deadline (10 x the run's median step time, at least 60 s; 30 minutes before the first "
-        "step), and never less than the task's reward timeouts added up.",
+        description="Longest a rollout may work on one task (generate and score): 90s, 10m, or seconds. "
+        "Absent: the progress deadline (10 x the run's median step time, at least 60 s; 30 minutes before "
+        "the first step), and never less than the task's reward timeouts added up.",
     )
     step_seconds: Duration | None = Field(
         None,
         description="Longest the actor may spend in one optimizer step (waiting for rollouts included): 90s, "
-        "10m, or seconds. Absent: derived from the run's own step times as taskSeconds is, and at least twice "
-        "the task deadline (a step outlasts one of its tasks healed once).",
+        "10m, or seconds. Absent: derived from the run's own step times as taskSeconds is, and at least "
+        "twice the task deadline.",
     )
     weight_load_seconds: Duration | None = Field(
         None,
-        description="Longest a rollout may take to load one weight version: 90s, 10m, or seconds. Absent: 10m.",
+        description="Longest a rollout may take to load one weight version: 90s, 10m, or seconds. Absent: "
+        "10m.",
     )
     collective_seconds: Duration | None = Field(
         None,
-        description="Longest one torch.distributed collective may wait for its peer before the worker fails and "
-        "is relaunched: 90s, 10m, or seconds. Absent: 5m for a weight transfer (sync nccl), torch's own default "
-        "for a sharded actor's ranks (one waits for rank 0 while it waits for rollouts).",
+        description="Longest one torch.distributed collective may wait for its peer before the worker fails "
+        "and is relaunched: 90s, 10m, or seconds. Absent: 5m for a weight transfer (sync nccl), torch's own "
+        "default among a sharded actor's ranks.",
     )
 
     def weight_load(self) -> float:
         """Seconds a weight load may take (the default when unset)."""
-        return self.weight_load_seconds if self.weight_load_seconds is not None else DEFAULT_WEIGHT_LOAD_SECONDS
+        return (
+            self.weight_load_seconds if self.weight_load_seconds is not None else DEFAULT_WEIGHT_LOAD_SECONDS
+        )
 
     def collective(self) -> float:
         """Seconds a collective may wait (the default when unset)."""

@@ -13,10 +13,12 @@ import difflib
 import inspect
 import re
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.alias_generators import to_camel, to_snake
+from pydantic_core import ErrorDetails
 
 from mortal.specs.base import RULE_ERROR
 from mortal.specs.errors import SpecIssue
@@ -25,7 +27,11 @@ Path = tuple[str | int, ...]
 
 
 def issues_from_errors(
-    errors: list[dict[str, Any]], root: type[BaseModel], data: Any, lines: dict[Path, int], source: str,
+    errors: Sequence[ErrorDetails],
+    root: type[BaseModel],
+    data: Any,
+    lines: dict[Path, int],
+    source: str,
     prefix: Path = (),
 ) -> list[SpecIssue]:
     """One issue per pydantic error (exact repeats dropped), in document order."""
@@ -36,7 +42,9 @@ def issues_from_errors(
         if field:
             loc += tuple(field.split("."))
         path = locate(loc, data)
-        issue = SpecIssue(source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc))
+        issue = SpecIssue(
+            source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc)
+        )
         if issue not in issues:
             issues.append(issue)
     return sorted(issues, key=lambda i: i.line or 0)
@@ -77,7 +85,7 @@ def dotted(path: Path) -> str:
     return out
 
 
-def message(err: dict[str, Any], root: type[BaseModel], loc: tuple[Any, ...]) -> str:
+def message(err: ErrorDetails, root: type[BaseModel], loc: tuple[Any, ...]) -> str:
     """pydantic's error in our words: what is wrong, what was given, and the fix when we know it."""
     kind, ctx, got = err["type"], err.get("ctx") or {}, show(err.get("input"))
     if kind == RULE_ERROR:

@@ -29,7 +29,11 @@ def dump_runs(
     """Runs as YAML documents or JSON (one object, or a TrainingRunList for several)."""
     docs = [run.to_dict(include_status) for run in runs]
     if fmt == "json":
-        body: Any = docs[0] if len(docs) == 1 else {"apiVersion": API_VERSION, "kind": "TrainingRunList", "items": docs}
+        body: Any = (
+            docs[0]
+            if len(docs) == 1
+            else {"apiVersion": API_VERSION, "kind": "TrainingRunList", "items": docs}
+        )
         return json.dumps(body, indent=2) + "\n"
     if fmt != "yaml":
         raise ValueError(f"format must be 'yaml' or 'json' (got {fmt!r})")

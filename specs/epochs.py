@@ -1,4 +1,4 @@
-"""`algorithm.numEpochs` -> `algorithm.maxSteps`, when a spec is read (the seeds' num_epochs).
+"""`algorithm.numEpochs` -> `algorithm.maxSteps`, when a spec is read (MortalTrainer's num_epochs).
 
 Called by the loader (specs/loader.py) for every document, and by MortalTrainer. Why at read time
 and not in the workers: the controller ends a run by maxSteps and never reads datasets, so the
@@ -40,8 +40,11 @@ def resolve(spec: TrainingSpec) -> None:
     counted = count_rows(spec.dataset.name)
     rows = min(counted, spec.dataset.max_samples or counted)
     algorithm.max_steps = steps_for(algorithm.num_epochs, rows, algorithm.prompts_per_step)
-    spec._notes.append(f"spec.algorithm.maxSteps: {algorithm.max_steps}, from numEpochs {algorithm.num_epochs:g} "
-                       f"over {rows} rows of {spec.dataset.name} at {algorithm.prompts_per_step} prompts per step")
+    spec._notes.append(
+        f"spec.algorithm.maxSteps: {algorithm.max_steps}, from numEpochs "
+        f"{algorithm.num_epochs:g} over {rows} rows of {spec.dataset.name} at "
+        f"{algorithm.prompts_per_step} prompts per step"
+    )
 
 
 def count_rows(name: str) -> int:
@@ -55,10 +58,14 @@ def count_rows(name: str) -> int:
         return _jsonl_rows(file.read_text(encoding="utf-8"))
     path = Path(name).expanduser()
     if path.suffix not in (".jsonl", ".json", ".parquet"):
-        raise RowsUncountable(f"{name!r} looks like a hub dataset, whose rows cannot be counted without "
-                              "downloading it: give maxSteps instead")
+        raise RowsUncountable(
+            f"{name!r} looks like a hub dataset, whose rows cannot be counted without "
+            "downloading it: give maxSteps instead"
+        )
     if not path.is_file():
-        raise RowsUncountable(f"the dataset file {name!r} is not here to count its rows: give maxSteps instead")
+        raise RowsUncountable(
+            f"the dataset file {name!r} is not here to count its rows: give maxSteps instead"
+        )
     if path.suffix == ".jsonl":
         return _jsonl_rows(path.read_text(encoding="utf-8"))
     if path.suffix == ".json":
@@ -84,6 +91,7 @@ def _parquet_rows(path: Path) -> int:
     try:
         import pyarrow.parquet as parquet
     except ImportError as exc:
-        raise RowsUncountable("counting a .parquet dataset's rows needs pyarrow (pip install 'mortal[train]'), "
-                              "or give maxSteps") from exc
+        raise RowsUncountable(
+            "counting a .parquet dataset's rows needs pyarrow (pip install 'mortal[train]'), or give maxSteps"
+        ) from exc
     return parquet.ParquetFile(path).metadata.num_rows

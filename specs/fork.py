@@ -3,7 +3,8 @@
 Called by mortal.controller.fork (for `mortalctl fork` and `MortalTrainer.train(resume_from_checkpoint=...)`)
 and by tests. Pure: no I/O but what the caller hands in; it never talks to the store or the disk.
 
-    doc = forked_document(parent_doc, "child", fragment={"spec": {...}}, sets=["spec.algorithm.learningRate=1e-6"])
+    doc = forked_document(parent_doc, "child", fragment={"spec": {...}},
+                          sets=["spec.algorithm.learningRate=1e-6"])
     problems = carry_over_problems(parent.spec, child.spec, step=20)   # [] when the checkpoint fits
 
 Overrides follow JSON Merge Patch (RFC 7386): mappings merge key by key, any other value (a list
@@ -63,18 +64,27 @@ def parse_set(assignment: str) -> tuple[list[str | int], Any]:
     path_text, sep, raw = assignment.partition("=")
     path_text = path_text.strip()
     if not sep or not path_text:
-        raise _error(assignment, "", f"expected PATH=VALUE, e.g. spec.algorithm.learningRate=1e-6 (got {assignment!r})")
+        raise _error(
+            assignment, "", f"expected PATH=VALUE, e.g. spec.algorithm.learningRate=1e-6 (got {assignment!r})"
+        )
     parts: list[str | int] = []
     for piece in _INDEX.sub(r".\1", path_text).split("."):
         if not piece:
-            raise _error(assignment, path_text, "has an empty segment; write dotted camelCase keys such as "
-                                                "spec.algorithm.learningRate")
+            raise _error(
+                assignment,
+                path_text,
+                "has an empty segment; write dotted camelCase keys such as spec.algorithm.learningRate",
+            )
         parts.append(int(piece) if piece.isdigit() else piece)
     if parts[0] not in ROOTS:
         raise _error(assignment, path_text, f"must start with spec. or metadata. (got {parts[0]!r})")
     if parts[0] == "metadata" and (len(parts) != 3 or parts[1] not in METADATA_KEYS):
-        raise _error(assignment, path_text, "only metadata.labels.KEY and metadata.annotations.KEY can be set "
-                                            "(the name is the fork's NEW argument)")
+        raise _error(
+            assignment,
+            path_text,
+            "only metadata.labels.KEY and metadata.annotations.KEY can be "
+            "set (the name is the fork's NEW argument)",
+        )
     try:
         docs = parse_limits.load_documents(raw, SET_SOURCE, typ="safe") if raw.strip() else [""]
     except SpecError as exc:
@@ -134,22 +144,45 @@ def forked_document(
     doc: dict[str, Any] = {
         "apiVersion": parent.get("apiVersion", "mortal/v1"),
         "kind": parent.get("kind", "TrainingRun"),
-        "metadata": {"name": name, **{k: dict(parent.get("metadata", {}).get(k) or {}) for k in METADATA_KEYS}},
+        "metadata": {
+            "name": name,
+            **{k: dict(parent.get("metadata", {}).get(k) or {}) for k in METADATA_KEYS},
+        },
         "spec": copy.deepcopy(parent["spec"]),
     }
     if fragment:
         if not isinstance(fragment, dict):
-            raise SpecError([SpecIssue(fragment_source, None, "", "must be a mapping with spec: and/or metadata:")])
+            raise SpecError(
+                [SpecIssue(fragment_source, None, "", "must be a mapping with spec: and/or metadata:")]
+            )
         stray = [key for key in fragment if key not in ROOTS]
         if stray:
-            raise SpecError([SpecIssue(fragment_source, (fragment_lines or {}).get((stray[0],)), str(stray[0]),
-                                       "an override is rooted at the document: write spec: {...} and/or "
-                                       "metadata: {labels: ..., annotations: ...}")])
+            raise SpecError(
+                [
+                    SpecIssue(
+                        fragment_source,
+                        (fragment_lines or {}).get((stray[0],)),
+                        str(stray[0]),
+                        "an override is rooted at the document: write spec: {...} and/or "
+                        "metadata: {labels: ..., annotations: ...}",
+                    )
+                ]
+            )
         meta = fragment.get("metadata") or {}
-        stray_meta = [key for key in meta if key not in METADATA_KEYS] if isinstance(meta, dict) else ["metadata"]
+        stray_meta = (
+            [key for key in meta if key not in METADATA_KEYS] if isinstance(meta, dict) else ["metadata"]
+        )
         if stray_meta:
-            raise SpecError([SpecIssue(fragment_source, None, f"metadata.{stray_meta[0]}",
-                                       "only labels and annotations can be overridden (the name is NEW)")])
+            raise SpecError(
+                [
+                    SpecIssue(
+                        fragment_source,
+                        None,
+                        f"metadata.{stray_meta[0]}",
+                        "only labels and annotations can be overridden (the name is NEW)",
+                    )
+                ]
+            )
         doc = merge_patch(doc, fragment)
         doc["metadata"]["name"] = name
         _validate(doc, fragment_source, fragment_lines or {})
@@ -192,20 +225,28 @@ def carry_over_problems(parent: TrainingSpec, child: TrainingSpec, step: int) ->
         problems.append(f"spec.model.name: the checkpoint holds weights of {pm.name!r}, not {cm.name!r}")
     if (pm.lora is None) != (cm.lora is None):
         had = "LoRA adapters" if pm.lora else "full weights"
-        problems.append(f"spec.model.lora: the checkpoint holds {had}; LoRA cannot be turned "
-                        f"{'off' if pm.lora else 'on'} in a fork")
+        problems.append(
+            f"spec.model.lora: the checkpoint holds {had}; LoRA cannot be turned "
+            f"{'off' if pm.lora else 'on'} in a fork"
+        )
     elif pm.lora is not None and cm.lora is not None:
         for field, label in (("r", "r"), ("target_modules", "targetModules"), ("alpha", "alpha")):
             before, after = getattr(pm.lora, field), getattr(cm.lora, field)
             if before != after:
-                problems.append(f"spec.model.lora.{label}: the checkpoint's adapters were trained with "
-                                f"{label} {before!r}, not {after!r}")
+                problems.append(
+                    f"spec.model.lora.{label}: the checkpoint's adapters were trained with "
+                    f"{label} {before!r}, not {after!r}"
+                )
     if parent.backend != child.backend:
-        problems.append(f"spec.backend: the checkpoint lies where backend {parent.backend!r} keeps files; a fork "
-                        f"keeps the parent's backend (got {child.backend!r})")
+        problems.append(
+            f"spec.backend: the checkpoint lies where backend {parent.backend!r} keeps files; a "
+            f"fork keeps the parent's backend (got {child.backend!r})"
+        )
     if child.algorithm.max_steps <= step:
-        problems.append(f"spec.algorithm.maxSteps: {child.algorithm.max_steps} leaves nothing to train after "
-                        f"step {step}; set it above {step}")
+        problems.append(
+            f"spec.algorithm.maxSteps: {child.algorithm.max_steps} leaves nothing to train after "
+            f"step {step}; set it above {step}"
+        )
     return problems
 
 

@@ -28,13 +28,17 @@ def parse_duration(value: Any) -> float:
     """Seconds from "90s", "30m", "2h", "1d", "1.5h" or a plain (int, float or numeric string) count of
     seconds; anything else, zero or negative raises a spec rule error that says what is accepted."""
     if isinstance(value, bool):
-        raise rule_error(f"must be a duration such as 90s, 30m, 2h or 1d, or seconds as a number (got {value!r})")
+        raise rule_error(
+            f"must be a duration such as 90s, 30m, 2h or 1d, or seconds as a number (got {value!r})"
+        )
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str) and (found := _DURATION.match(value)):
         seconds = float(found.group(1)) * UNITS[found.group(2) or "s"]
     else:
-        raise rule_error(f"must be a duration such as 90s, 30m, 2h or 1d, or seconds as a number (got {value!r})")
+        raise rule_error(
+            f"must be a duration such as 90s, 30m, 2h or 1d, or seconds as a number (got {value!r})"
+        )
     if not math.isfinite(seconds) or seconds <= 0:
         raise rule_error(f"must be a positive duration such as 90s, 30m, 2h or 1d (got {value!r})")
     return seconds
@@ -52,8 +56,14 @@ Duration = Annotated[
     float,
     BeforeValidator(parse_duration),
     PlainSerializer(format_duration, return_type=str, when_used="json"),
-    WithJsonSchema({"anyOf": [{"type": "number", "exclusiveMinimum": 0},
-                              {"type": "string", "pattern": DURATION_PATTERN}]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0},
+                {"type": "string", "pattern": DURATION_PATTERN},
+            ]
+        }
+    ),
 ]
 """A span of time: "90s", "30m", "2h", "1d", or seconds as a number; held as seconds (float)."""
 
@@ -64,11 +74,13 @@ class LimitsSpec(SpecModel):
 
     max_duration: Duration | None = Field(
         None,
-        description="Longest time the run may be active: 90s, 30m, 2h, 1d, or seconds. Counted from its start, "
-        "leaving out time while Suspended (Kubernetes Job's activeDeadlineSeconds). Absent: no limit.",
+        description="Longest time the run may be active: 90s, 30m, 2h, 1d, or seconds. Counted from its "
+        "start, leaving out time while Suspended (Kubernetes Job's activeDeadlineSeconds). Absent: no limit.",
     )
     max_gpu_hours: float | None = Field(
-        None, gt=0, alias="maxGPUHours",
+        None,
+        gt=0,
+        alias="maxGPUHours",
         description="Most GPU-hours the run's workers may use: each worker's wall time x the GPUs it holds "
         "(colocated rollouts share the actor's and add none), summed over every worker the run launched, "
         "relaunches included. A CPU run uses none. Absent: no limit.",

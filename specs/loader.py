@@ -112,13 +112,17 @@ def _documents(data: Any, lines: Lines, source: str, issues: list[SpecIssue]) ->
     if isinstance(data, dict) and data.get("kind") in LIST_KINDS:
         items = data.get("items")
         if not isinstance(items, list):
-            issues.append(SpecIssue(source, line_of(("items",), lines), "items", "must be a list of TrainingRuns"))
+            issues.append(
+                SpecIssue(source, line_of(("items",), lines), "items", "must be a list of TrainingRuns")
+            )
             return []
         return [(("items", i), item) for i, item in enumerate(items)]
     return [((), data)]
 
 
-def _validate(data: Any, lines: Lines, source: str, prefix: tuple, issues: list[SpecIssue]) -> TrainingRun | None:
+def _validate(
+    data: Any, lines: Lines, source: str, prefix: tuple, issues: list[SpecIssue]
+) -> TrainingRun | None:
     """The run, or None after appending its issues (a wrong header stops before the field checks)."""
     header = _header_issues(data, lines, source, prefix)
     if header:
@@ -143,8 +147,14 @@ def _header_issues(data: Any, lines: Lines, source: str, prefix: tuple) -> list[
     line = line_of(prefix, lines)
     if not isinstance(data, dict):
         what = "a list" if isinstance(data, list) else repr(data)
-        return [SpecIssue(source, line, dotted(prefix), f"a document must be a mapping with apiVersion, kind, "
-                          f"metadata and spec (got {what})")]
+        return [
+            SpecIssue(
+                source,
+                line,
+                dotted(prefix),
+                f"a document must be a mapping with apiVersion, kind, metadata and spec (got {what})",
+            )
+        ]
     issues = []
     for key, want in (("apiVersion", API_VERSION), ("kind", KIND)):
         path = prefix + (key,)
@@ -152,8 +162,11 @@ def _header_issues(data: Any, lines: Lines, source: str, prefix: tuple) -> list[
             issues.append(SpecIssue(source, line, dotted(path), f"is required: add '{key}: {want}'"))
         elif data[key] != want:
             extra = "; mortal reads only TrainingRun documents" if key == "kind" else ""
-            issues.append(SpecIssue(source, line_of(path, lines), dotted(path),
-                                    f"must be {want!r} (got {data[key]!r}){extra}"))
+            issues.append(
+                SpecIssue(
+                    source, line_of(path, lines), dotted(path), f"must be {want!r} (got {data[key]!r}){extra}"
+                )
+            )
     return issues
 
 
@@ -162,8 +175,14 @@ def _check_unique_names(runs: list[tuple[TrainingRun, SpecIssue]], issues: list[
     for run, where in runs:
         if run.name in first:
             seen = first[run.name]
-            issues.append(SpecIssue(where.source, where.line, where.path,
-                                    f"run {run.name!r} is defined twice (first at {seen.source}:{seen.line})"))
+            issues.append(
+                SpecIssue(
+                    where.source,
+                    where.line,
+                    where.path,
+                    f"run {run.name!r} is defined twice (first at {seen.source}:{seen.line})",
+                )
+            )
         else:
             first[run.name] = where
 

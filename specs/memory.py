@@ -1,4 +1,5 @@
-"""Memory settings the controller chose for a run, beside the user's spec: the status block and the worker's view.
+"""Memory settings the controller chose for a run, beside the user's spec: the status block and the
+worker's view.
 
 Who uses it: the controller's planner (mortal.controller.heal) records what it chose in status.effective
 (`EffectiveMemory`) and the reconciler hands it to a launched worker as MORTAL_* variables (`environ`);
@@ -25,26 +26,40 @@ ROLLOUT_SHARE_ENV = "MORTAL_ROLLOUT_SHARE"  # the rollout's rollout.gpuMemoryUti
 
 
 class BadMemorySetting(ValueError):
-    """A MORTAL_* memory variable that does not fit the run's spec (not an int, not a divisor, out of range)."""
+    """A MORTAL_* memory variable that does not fit the run's spec (not an int, a divisor, in range)."""
 
 
 class EffectiveMemory(SpecModel):
     """What runs instead of the spec's value, and why (status.effective)."""
 
     micro_batch_size: int | None = Field(
-        None, ge=1, description="The actor's completions per forward/backward pass now, when the controller "
-        "lowered algorithm.microBatchSize (the same step: gradients accumulated over more passes).")
+        None,
+        ge=1,
+        description="The actor's completions per forward/backward pass now, when the controller "
+        "lowered algorithm.microBatchSize (the same step: gradients accumulated over more passes).",
+    )
     rollout_gpu_memory_utilization: float | None = Field(
-        None, gt=0, lt=1, description="The rollouts' share of the GPU now, when the controller lowered "
-        "rollout.gpuMemoryUtilization after a rollout ran out of GPU memory.")
+        None,
+        gt=0,
+        lt=1,
+        description="The rollouts' share of the GPU now, when the controller lowered "
+        "rollout.gpuMemoryUtilization after a rollout ran out of GPU memory.",
+    )
     spec_micro_batch_size: int | None = Field(
-        None, ge=1, description="The spec's micro batch (batchSize when unset) the choice was made from; a spec "
-        "with another one drops the choice (the user decided).")
+        None,
+        ge=1,
+        description="The spec's micro batch (batchSize when unset) the choice was made from; a "
+        "spec with another one drops the choice (the user decided).",
+    )
     spec_rollout_gpu_memory_utilization: float | None = Field(
-        None, description="The spec's rollout.gpuMemoryUtilization the share was lowered from.")
+        None, description="The spec's rollout.gpuMemoryUtilization the share was lowered from."
+    )
     reduced_after: dict[str, int] = Field(
-        default_factory=dict, description="Per slot (actor-0, rollout-1), the incarnation whose out-of-memory exit "
-        "the newest reduction answered: a later one is a new out-of-memory at the lowered setting.")
+        default_factory=dict,
+        description="Per slot (actor-0, rollout-1), the incarnation whose "
+        "out-of-memory exit the newest reduction answered: a later one is a new out-of-memory at the lowered "
+        "setting.",
+    )
     reason: str | None = Field(None, description="Why: the newest reduction, as its event said it.")
 
 
@@ -74,9 +89,13 @@ def applied(run: TrainingRun, env: Mapping[str, str]) -> TrainingRun:
             raise BadMemorySetting(f"{MICRO_BATCH_ENV}={micro!r} is not an integer") from None
         batch, ranks = spec.algorithm.batch_size, spec.actor.count
         if size < 1 or batch % size or size % ranks:
-            raise BadMemorySetting(f"{MICRO_BATCH_ENV}={size} must divide algorithm.batchSize ({batch}) and be a "
-                                   f"multiple of actor.count ({ranks})")
-        spec = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"micro_batch_size": size})})
+            raise BadMemorySetting(
+                f"{MICRO_BATCH_ENV}={size} must divide algorithm.batchSize ({batch}) and "
+                f"be a multiple of actor.count ({ranks})"
+            )
+        spec = spec.model_copy(
+            update={"algorithm": spec.algorithm.model_copy(update={"micro_batch_size": size})}
+        )
     if share is not None:
         try:
             fraction = float(share)

@@ -16,7 +16,8 @@ from mortal.specs.base import SpecModel, rule_error
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")  # a label key's name part, a label value
+# A label key's name part, and a label value.
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 MAX_LABEL = 63
 MAX_SUBDOMAIN = 253
 SHOWN_CHARS = 80  # how much of a refused value an error message echoes (a name may be a megabyte)
@@ -24,7 +25,9 @@ SHOWN_CHARS = 80  # how much of a refused value an error message echoes (a name 
 
 def shown(value: str) -> str:
     """`value` as an error message echoes it: repr'd (a NUL or a newline stays visible), cut short."""
-    return repr(value) if len(value) <= SHOWN_CHARS else f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 def is_dns1123_label(name: str) -> bool:
@@ -45,8 +48,11 @@ def dns1123_label_problem(name: str) -> str | None:
     """Why `name` is not a DNS-1123 label (a run name, a worker role: each names folders and processes)."""
     if is_dns1123_label(name):
         return None
-    return ("must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or "
-            f"digit, at most {MAX_LABEL} characters (got {shown(name)}); try {suggest_dns1123_label(name)!r}")
+    return (
+        "must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter "
+        f"or digit, at most {MAX_LABEL} characters (got {shown(name)}); try "
+        f"{suggest_dns1123_label(name)!r}"
+    )
 
 
 def label_key_problem(key: str) -> str | None:
@@ -56,8 +62,10 @@ def label_key_problem(key: str) -> str | None:
     if slash and not (len(prefix) <= MAX_SUBDOMAIN and DNS1123_SUBDOMAIN.match(prefix)):
         return f"key {shown(key)}: its prefix before '/' must be a DNS-1123 subdomain (e.g. mortal.dev)"
     if not (len(name) <= MAX_LABEL and LABEL_NAME.match(name)):
-        return (f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting and "
-                "ending with a letter or digit (optionally after a prefix such as mortal.dev/)")
+        return (
+            f"key {shown(key)}: must be at most {MAX_LABEL} letters, digits, '-', '_' or '.', starting "
+            "and ending with a letter or digit (optionally after a prefix such as mortal.dev/)"
+        )
     return None
 
 
@@ -65,8 +73,10 @@ def label_value_problem(value: str) -> str | None:
     """Why `value` is not a Kubernetes label value: empty, or as a key's name part."""
     if value == "" or (len(value) <= MAX_LABEL and LABEL_NAME.match(value)):
         return None
-    return (f"value {shown(value)}: must be empty or at most {MAX_LABEL} letters, digits, '-', '_' or '.', "
-            "starting and ending with a letter or digit")
+    return (
+        f"value {shown(value)}: must be empty or at most {MAX_LABEL} letters, digits, '-', '_' or '.', "
+        "starting and ending with a letter or digit"
+    )
 
 
 def labels_problem(labels: dict[str, str], values: bool = True) -> str | None:
@@ -91,7 +101,8 @@ class Metadata(SpecModel):
         default_factory=dict, description="Key/value tags; `mortalctl get runs -l key=value` selects by them."
     )
     annotations: dict[str, str] = Field(
-        default_factory=dict, description="Free-form key/value notes for people and tools; not used to select."
+        default_factory=dict,
+        description="Free-form key/value notes for people and tools; not used to select.",
     )
     uid: str | None = Field(None, description="Set by the store (read-only): this incarnation of the name.")
     generation: int | None = Field(None, description="Set by the store (read-only): +1 on every spec change.")

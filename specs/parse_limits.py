@@ -64,18 +64,27 @@ class LimitedComposer(Composer):
     def _count_alias(self, event: AliasEvent) -> None:
         self.aliases_used += 1
         if self.aliases_used > MAX_ALIASES:
-            raise ParseLimitExceeded("MAX_ALIASES", f"more than {MAX_ALIASES} alias uses (*name); a spec "
-                                     "needs few or none: write the values out", event.start_mark)
+            raise ParseLimitExceeded(
+                "MAX_ALIASES",
+                f"more than {MAX_ALIASES} alias uses (*name); a spec needs few or none: write the values out",
+                event.start_mark,
+            )
         if event.anchor in self._open:
-            raise ParseLimitExceeded("MAX_ALIASES", f"alias *{event.anchor} is inside the node it names "
-                                     "(a cycle)", event.start_mark)
+            raise ParseLimitExceeded(
+                "MAX_ALIASES",
+                f"alias *{event.anchor} is inside the node it names (a cycle)",
+                event.start_mark,
+            )
         node = self.anchors.get(event.anchor)
         if node is None:
             return  # ruamel raises its own 'undefined alias' error
         self.aliased_size += self._size(node)
         if self.aliased_size > MAX_ALIASED_SIZE:
-            raise ParseLimitExceeded("MAX_ALIASED_SIZE", f"the aliases repeat more than {MAX_ALIASED_SIZE} "
-                                     "nodes and characters; write the values out", event.start_mark)
+            raise ParseLimitExceeded(
+                "MAX_ALIASED_SIZE",
+                f"the aliases repeat more than {MAX_ALIASED_SIZE} nodes and characters; write the values out",
+                event.start_mark,
+            )
 
     def _size(self, node: Any) -> int:
         """Nodes plus scalar characters `node` stands for, expanded; memoized, so a shared node costs once."""
@@ -94,8 +103,9 @@ class LimitedComposer(Composer):
         return self._sizes[id(node)]
 
 
-class FlowDepthLimit:
-    """Mixed into ruamel's Scanner: refuses the flow collection ('[' or '{') that opens past MAX_DEPTH.
+class FlowDepthLimit(Scanner):
+    """Mixed in before the reader's own Scanner: refuses the flow collection ('[' or '{') that opens past
+    MAX_DEPTH.
 
     Why in the scanner too: it looks ahead for a possible mapping key at every open bracket, work that
     grows with the open brackets, before the composer (which checks block nesting) sees a node.

@@ -23,24 +23,32 @@ class RayWorkerSpec(SpecModel):
     """What one worker of a role asks the Ray scheduler for, besides its GPUs (actor.gpu / rollout.gpu)."""
 
     cpus: float = Field(
-        1.0, ge=0,
+        1.0,
+        ge=0,
         description="CPUs the worker's Ray actor reserves (Ray's num_cpus; logical, as Ray counts them).",
     )
     memory_gb: float | None = Field(
-        None, alias="memoryGB", gt=0,
+        None,
+        alias="memoryGB",
+        gt=0,
         description="Memory the worker's Ray actor reserves, in GiB (Ray's memory); absent = none reserved.",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources the worker needs, e.g. {trainer_node: 1} to place it on nodes started "
-        "with --resources '{\"trainer_node\": 1}'. Names of Ray's own resources (CPU, GPU, memory) go in cpus, "
-        "the role's gpu and memoryGB instead.",
+        description="Custom Ray resources the worker needs, e.g. {trainer_node: 1} to place it on nodes "
+        "started with --resources '{\"trainer_node\": 1}'. Names of Ray's own resources (CPU, GPU, memory) "
+        "go in cpus, the role's gpu and memoryGB instead.",
     )
 
     @field_validator("resources")
     @classmethod
     def _custom_names_only(cls, value: dict[str, float]) -> dict[str, float]:
-        own = {"CPU": "cpus", "GPU": "the role's gpu and count", "memory": "memoryGB", "object_store_memory": None}
+        own = {
+            "CPU": "cpus",
+            "GPU": "the role's gpu and count",
+            "memory": "memoryGB",
+            "object_store_memory": None,
+        }
         for name, amount in value.items():
             if name in own:
                 where = f": use {own[name]}" if own[name] else ""
@@ -54,14 +62,15 @@ class RaySpec(SpecModel):
     """The Ray cluster a `backend: ray` run uses, and each role's resource request there."""
 
     shared_filesystem: bool = Field(
-        True, alias="sharedFilesystem",
-        description="true: every node and the controller mount one MORTAL_HOME (NFS, a ReadWriteMany volume) and "
-        "workers use the controller's. false: each worker uses its node's own MORTAL_HOME (the value `ray start` "
-        "was run with, else ~/.mortal on the node); checkpoints then go to checkpoint.uri (required) and weights "
-        "through Ray's object store (sync auto or ray).",
+        True,
+        alias="sharedFilesystem",
+        description="true: every node and the controller mount one MORTAL_HOME (NFS, a ReadWriteMany "
+        "volume). false: each worker uses its node's own MORTAL_HOME, so checkpoints go to checkpoint.uri "
+        "(required) and weights through Ray's object store (sync auto or ray).",
     )
     address: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="The Ray cluster's address as `ray.init` takes it: host:port of the head's GCS (e.g. "
         "10.0.0.5:6379), 'auto' for the cluster this machine belongs to, or ray://host:10001 (Ray Client). "
         "Absent: $RAY_ADDRESS of the controller. One controller drives one Ray cluster.",

@@ -24,11 +24,16 @@ class SandboxSpec(SpecModel):
 
     timeout_seconds: float = Field(10.0, gt=0, description="Wall-clock limit per execution, in seconds.")
     memory_mb: int = Field(
-        512, ge=16, alias="memoryMB", description="Address-space limit per execution, in MiB (YAML key memoryMB)."
+        512,
+        ge=16,
+        alias="memoryMB",
+        description="Address-space limit per execution, in MiB (YAML key memoryMB).",
     )
     backend: Literal["local", "modal"] = Field(
-        "local", description="Where the code runs: local (the worker's machine, bubblewrap or unshare) or modal "
-        "(a modal.Sandbox per execution, no network; needs the modal client and a token on the worker).",
+        "local",
+        description="Where the code runs: local (the worker's machine, bubblewrap or unshare) or "
+        "modal (a modal.Sandbox per execution, no network; needs the modal client and a token on the "
+        "worker).",
     )
 
 
@@ -41,9 +46,10 @@ class RewardSpec(SpecModel):
         "f(completions, prompts=..., **columns) -> list[float | None], or to a RewardEnvironment subclass.",
     )
     env: Literal["code-execution", "llm-judge", "math-answer", "environment"] | None = Field(
-        None, description="A built-in reward environment: code-execution, llm-judge or math-answer; or environment: "
-        "the score of rollout.environment's get_reward() (TRL's environment reward; `args: {class: 'module:Class'}` "
-        "scores only rollouts of that exact class, as TRL adds one reward per class).",
+        None,
+        description="A built-in reward environment: code-execution, llm-judge or math-answer; or "
+        "environment, the score of rollout.environment's get_reward() (`args: {class: 'module:Class'}` "
+        "scores only rollouts of that class).",
     )
     name: str | None = Field(
         None,
@@ -58,24 +64,29 @@ class RewardSpec(SpecModel):
         default_factory=SandboxSpec, description="Limits for code this reward executes (code-execution)."
     )
     timeout_seconds: float = Field(
-        DEFAULT_REWARD_TIMEOUT_SECONDS, gt=0,
-        description="Wall-clock limit of one call of this reward (a task's completions of one prompt); past it "
-        "the call is abandoned, its completions score None (not applicable, as for a reward that returns None) "
-        "and a Warning event names it.",
+        DEFAULT_REWARD_TIMEOUT_SECONDS,
+        gt=0,
+        description="Wall-clock limit of one call of this reward (one prompt's completions), in seconds; "
+        "past it the call is abandoned, its completions score None and a Warning event names it.",
     )
     model: str | None = Field(None, description="Judge model name (llm-judge), e.g. gpt-4o-mini.")
     base_url: str | None = Field(
-        None, alias="baseURL", description="OpenAI-compatible endpoint of the judge (llm-judge; YAML key baseURL)."
+        None,
+        alias="baseURL",
+        description="OpenAI-compatible endpoint of the judge (llm-judge; YAML key baseURL).",
     )
     api_key_env: str | None = Field(
-        None, description="Name of the environment variable holding the judge's API key (list it in spec.secrets)."
+        None,
+        description="Name of the environment variable holding the judge's API key (list it in spec.secrets).",
     )
 
     @field_validator("function")
     @classmethod
     def _function_is_a_reference(cls, value: str | None) -> str | None:
         if value is not None and not FUNCTION_REF.match(value):
-            raise rule_error(f"must look like 'module:attr' (got {value!r}); for example {_suggest_ref(value)!r}")
+            raise rule_error(
+                f"must look like 'module:attr' (got {value!r}); for example {_suggest_ref(value)!r}"
+            )
         return value
 
     @field_validator("api_key_env")
@@ -91,9 +102,7 @@ class RewardSpec(SpecModel):
     @model_validator(mode="after")
     def _exactly_one_source(self) -> RewardSpec:
         if self.function is not None and self.env is not None:
-            raise rule_error(
-                "a reward takes either 'function' or 'env', not both: split it into two entries"
-            )
+            raise rule_error("a reward takes either 'function' or 'env', not both: split it into two entries")
         if self.function is None and self.env is None:
             raise rule_error(
                 "a reward needs 'function' (\"module:attr\") or 'env' "

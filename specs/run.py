@@ -9,7 +9,7 @@ documents that differ only in key order, formatting or spelled-out defaults are 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import Field, ValidationError
 
@@ -20,8 +20,8 @@ from mortal.specs.metadata import Metadata
 from mortal.specs.status import RunStatus
 from mortal.specs.training import TrainingSpec
 
-API_VERSION = "mortal/v1"
-KIND = "TrainingRun"
+API_VERSION: Final = "mortal/v1"
+KIND: Final = "TrainingRun"
 
 
 class TrainingRun(SpecModel):
@@ -41,7 +41,7 @@ class TrainingRun(SpecModel):
         return self.metadata.name
 
     def spec_dict(self) -> dict[str, Any]:
-        """The spec's normal form (camelCase, JSON-able, defaults filled): what the store keeps and compares."""
+        """The spec's normal form (camelCase, JSON-able, defaults filled): what the store keeps."""
         return self.spec.model_dump(by_alias=True, mode="json")
 
     def status_dict(self) -> dict[str, Any]:

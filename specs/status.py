@@ -109,33 +109,45 @@ class RunStatus(SpecModel):
     step: int = Field(0, ge=0, description="Optimizer steps completed.")
     weight_version: int = Field(0, ge=0, description="Newest weight version published by the actor.")
     last_checkpoint: CheckpointRef | None = Field(None, description="Newest complete checkpoint.")
-    replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="Ready/desired workers per role.")
+    replicas: ReplicaStatus = Field(
+        default_factory=ReplicaStatus, description="Ready/desired workers per role."
+    )
     restarts: int = Field(0, ge=0, description="Worker relaunches so far (counted against maxRestarts).")
     reward: float | None = Field(None, description="Mean total reward of the latest step.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Health aspects: Ready, Suspended, MemoryFits (False: a worker ran out of GPU memory; the "
-        "message says what to change), and in RL terms WeightsInSync, RewardHealthy, CheckpointFresh, "
+        description="Health aspects: Ready, Suspended, MemoryFits (False: a worker ran out of GPU memory; "
+        "the message says what to change), and in RL terms WeightsInSync, RewardHealthy, CheckpointFresh, "
         "Progressing (True, False, or Unknown when not evaluated).",
     )
     last_step_time: datetime | None = Field(None, description="When the controller saw the latest step end.")
-    step_seconds: float | None = Field(None, ge=0, description="Median duration of the recent steps.")
+    step_seconds: float | None = Field(
+        None, ge=0, description="Median duration of the recent steps, in seconds."
+    )
     start_time: datetime | None = Field(None, description="When the first worker started.")
     active_seconds: float | None = Field(
-        None, ge=0, description="Active time (every phase but Suspended) before activeSince, in seconds. The time "
-        "counted against spec.limits.maxDuration is this plus the time since activeSince (`active_time`).",
+        None,
+        ge=0,
+        description="Active time (every phase but Suspended) before activeSince, in seconds. The "
+        "time counted against spec.limits.maxDuration is this plus the time since activeSince "
+        "(`active_time`).",
     )
     active_since: datetime | None = Field(
-        None, description="When the current active period began (start, or resume); absent while Suspended or finished.",
+        None,
+        description="When the current active period began (start, or resume); absent while Suspended "
+        "or finished.",
     )
     gpu_hours: float | None = Field(
-        None, ge=0,
-        description="GPU-hours the run's workers used so far (each worker's wall time x the GPUs it holds, from "
-        "the workers table), to 0.01; counted against spec.limits.maxGPUHours. 0 for a CPU run.",
+        None,
+        ge=0,
+        description="GPU-hours the run's workers used so far (each worker's wall time x the GPUs it holds, "
+        "from the workers table), to 0.01; counted against spec.limits.maxGPUHours. 0 for a CPU run.",
     )
     effective: EffectiveMemory | None = Field(
-        None, description="Memory settings the controller chose instead of the spec's after an out-of-memory (a "
-        "smaller actor microBatchSize, a smaller rollout share): the same training step; absent when none.",
+        None,
+        description="Memory settings the controller chose instead of the spec's after an out-of-memory "
+        "(a smaller actor microBatchSize, a smaller rollout share): the same training step; absent when "
+        "none.",
     )
     completion_time: datetime | None = Field(None, description="When the run reached a terminal phase.")
     message: str | None = Field(None, description="Human-readable summary of the latest transition.")

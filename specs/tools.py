@@ -2,7 +2,7 @@
 
 Used by `mortal.specs.training.RolloutSpec` (the fields live there, flat, as TRL's arguments are flat);
 this module holds their checks. It never imports user code: a reference is only checked to be
-well formed ('module:attr'); the rollout worker imports it (mortal.workers.tools) and fails the run
+well formed ('module:attr'); the rollout worker imports it (mortal.workers.rollout.tools) and fails the run
 with the reference's name when it cannot.
 """
 
@@ -21,7 +21,9 @@ ENVIRONMENT_COLUMN = "environment"
 def check_reference(value: str, what: str) -> str:
     """A 'module:attr' reference, or a rule error whose message shows the fix."""
     if not FUNCTION_REF.match(value):
-        raise rule_error(f"{what} must look like 'module:attr' (got {value!r}); for example {_suggest_ref(value)!r}")
+        raise rule_error(
+            f"{what} must look like 'module:attr' (got {value!r}); for example {_suggest_ref(value)!r}"
+        )
     return value
 
 
@@ -31,8 +33,10 @@ def check_tools(value: list[str]) -> list[str]:
     names = [ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for ref in value]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise rule_error(f"two tools are named {repeated[0]!r}: the model calls a tool by its function's name, "
-                         "so each must be distinct")
+        raise rule_error(
+            f"two tools are named {repeated[0]!r}: the model calls a tool by its function's "
+            "name, so each must be distinct"
+        )
     return value
 
 

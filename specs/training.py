@@ -20,18 +20,25 @@ from mortal.specs.rewards import ENV_VAR, RewardSpec
 from mortal.specs.tools import check_environment, check_tools
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
-# The seeds' weight_sync_method names, accepted in spec.sync.method: what each becomes here, and why.
+# The first API's weight_sync_method names (MortalTrainer's), accepted in spec.sync.method: what each becomes.
 SYNC_ALIASES = {
-    "reload": ("volume", "the seeds' reload has rollouts load each version from the shared volume in place; "
-                         "mortal's volume does that for every engine"),
-    "checkpoint": ("volume", "the seeds' checkpoint has rollouts reload from saved weights on the volume, "
-                             "which is mortal's volume"),
-    "direct": ("ipc", "the seeds' direct is an in-memory transfer with no disk, which is mortal's ipc "
-                      "(same host, GPUs)"),
+    "reload": (
+        "volume",
+        "reload has rollouts load each version from the shared volume in place; "
+        "mortal's volume does that for every engine",
+    ),
+    "checkpoint": (
+        "volume",
+        "checkpoint has rollouts reload from saved weights on the volume, which is mortal's volume",
+    ),
+    "direct": (
+        "ipc",
+        "direct is an in-memory transfer with no disk, which is mortal's ipc (same host, GPUs)",
+    ),
 }
-# The seeds' smallest run names only a model: it trains with sandboxed code execution on a coding set.
+# The smallest run names only a model: it trains with sandboxed code execution on a coding set.
 CODE_DATASET = "builtin:mbpp-mini"
-VLLM_SHARE = 0.85  # vLLM's gpu_memory_utilization on a GPU of its own (vLLM's default, and the engine's before)
+VLLM_SHARE = 0.85  # vLLM's gpu_memory_utilization on a GPU of its own (vLLM's default)
 COLOCATED_VLLM_SHARE = 0.3  # beside the actor on one GPU: TRL's vllm_gpu_memory_utilization default
 CODE_SYSTEM_PROMPT = "Answer with one Python code block."
 
@@ -43,8 +50,9 @@ class LoraSpec(SpecModel):
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input, in [0, 1).")
     target_modules: str | list[str] = Field(
-        "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names. Not "
-        "lm_head: the loss reads its weight directly (TRL's fused LM head), so an adapter there would not train."
+        "all-linear",
+        description="Modules that get adapters: 'all-linear' or a list of module names. "
+        "lm_head is refused: the loss reads its weight directly, so an adapter there would not train.",
     )
 
     @field_validator("target_modules")
@@ -53,8 +61,9 @@ class LoraSpec(SpecModel):
         names = [value] if isinstance(value, str) else value
         if any(name == "lm_head" or name.endswith(".lm_head") for name in names):
             raise rule_error(
-                "lm_head cannot take a LoRA adapter: the loss computes log-probabilities from lm_head's weight "
-                "in chunks (TRL's fused LM head), so the adapter would never train. Remove it from targetModules"
+                "lm_head cannot take a LoRA adapter: the loss computes log-probabilities from lm_head's "
+                "weight in chunks (TRL's fused LM head), so the adapter would never train. Remove it from "
+                "targetModules"
             )
         return value
 
@@ -68,19 +77,22 @@ class ModelSpec(SpecModel):
         "installed Python package.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16."
+        "auto",
+        description="Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.",
     )
     lora: LoraSpec | None = Field(
-        None, description="LoRA adapter settings; absent = full fine-tuning. Each weight version holds only the "
-        "adapters (in files with sync volume and ray, in the actor's ring with ipc and nccl) and rollouts apply them "
-        "onto the base weights (the seeds' LoRA hot-swap)."
+        None,
+        description="LoRA adapter settings; absent = full fine-tuning. Weight versions then carry only "
+        "the adapters, which rollouts apply onto their base weights.",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
     tf32: bool = Field(
         False,
-        description="float32 matmuls on TF32 tensor cores (Ampere and later GPUs), in the actor and the rollouts: "
-        "TRL's tf32. SmolLM2-135M's float32 training step took 0.247 s instead of 0.455 s on an H100 (one run of "
-        "bench/train_step.py, with activation checkpointing on), at TF32's 10-bit mantissa inside each matmul. Needs dtype float32; ignored on the CPU.",
+        description="Run float32 matmuls on TF32 tensor cores (Ampere and later GPUs) in the actor and the "
+        "rollouts (TRL's tf32): faster, at a 10-bit mantissa inside each matmul. Needs dtype float32; "
+        "ignored on the CPU.",
     )
 
     @field_validator("name")
@@ -95,13 +107,16 @@ class DatasetSpec(SpecModel):
     """The prompts to train on."""
 
     name: str = Field(
-        min_length=1, description="Hub id, local .jsonl/.parquet file, or 'builtin:NAME' (e.g. builtin:arith)."
+        min_length=1,
+        description="Hub id, local .jsonl/.parquet file, or 'builtin:NAME' (e.g. builtin:arith).",
     )
     config: str | None = Field(
         None, min_length=1, description="Hub dataset configuration (subset), e.g. 'main' for openai/gsm8k."
     )
     split: str = Field("train", min_length=1, description="Dataset split to read.")
-    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt (text or chat).")
+    prompt_column: str = Field(
+        "prompt", min_length=1, description="Column holding the prompt (text or chat)."
+    )
     max_samples: int | None = Field(None, ge=1, description="Use only the first N rows; absent = all rows.")
     system_prompt: str | None = Field(None, description="System message prepended to every prompt.")
 
@@ -120,40 +135,44 @@ class AlgorithmSpec(SpecModel):
         "Prompts per step = batchSize / numGenerations.",
     )
     micro_batch_size: int | None = Field(
-        None, ge=1,
-        description="Completions per forward and backward pass: the step's batchSize is trained in batchSize / "
-        "microBatchSize passes whose gradients add up before the one optimizer step (TRL's "
-        "per_device_train_batch_size, with gradient_accumulation_steps = steps_per_generation = their ratio). "
-        "Activation memory scales with it, not with batchSize: lower it when the actor runs out of GPU memory. "
-        "A divisor of batchSize; absent = batchSize (one pass).",
+        None,
+        ge=1,
+        description="Completions per forward and backward pass; the gradients of batchSize / microBatchSize "
+        "passes add up before one optimizer step (TRL's per_device_train_batch_size). Lower it when the "
+        "actor runs out of GPU memory. A divisor of batchSize; absent = batchSize (one pass).",
     )
     learning_rate: float = Field(5e-6, gt=0, description="AdamW learning rate.")
     beta: float = Field(0.0, ge=0, description="KL penalty coefficient; 0 = no reference model.")
     epsilon: float = Field(0.2, gt=0, description="Lower clipping range of the importance ratio.")
     epsilon_high: float | None = Field(
-        None, gt=0, description="Upper clipping range; absent = epsilon (DAPO suggests 0.28). With lossType cispo "
-        "it is the cap of the importance weights (TRL recommends 5.0 there)."
+        None,
+        gt=0,
+        description="Upper clipping range; absent = epsilon (DAPO suggests 0.28). With lossType "
+        "cispo it is the cap of the importance weights (TRL recommends 5.0 there).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage scaling: by the group's std, the batch's std, or none."
     )
     max_steps: int = Field(
-        100, ge=1, description="Optimizer steps to train; the run Succeeds after the last. Absent with numEpochs: "
-        "computed from it when the spec is applied."
+        100,
+        ge=1,
+        description="Optimizer steps to train; the run Succeeds after the last. Absent with "
+        "numEpochs: computed from it when the spec is applied.",
     )
     num_epochs: float | None = Field(
-        None, gt=0, description="Passes over the dataset (the seeds' num_epochs). When maxSteps is absent, `apply` "
-        "sets maxSteps = ceil(numEpochs x rows / prompts per step), rows counted then (after maxSamples); "
-        "builtin and local file datasets only, as a hub dataset cannot be counted without downloading it.",
+        None,
+        gt=0,
+        description="Passes over the dataset. When maxSteps is absent, `apply` sets maxSteps = "
+        "ceil(numEpochs x rows / prompts per step); builtin and local file datasets only (a hub dataset "
+        "cannot be counted without downloading it).",
     )
     max_staleness: int = Field(
-        0, ge=0,
-        description="How many weight versions rollouts may lag the actor; 0 = on-policy (exactly reproducible "
-        "on CPU). 1 = generate step s+1 while the actor trains step s (async, importance-corrected): use it "
-        "when generation and training take comparable time on GPUs of their own. With the rollout colocated on "
-        "the actor's one GPU the two contend for it, and on one H200 it was slower at every size measured "
-        "(Qwen2.5-0.5B's shape 0.65 s a step against 0.60 on-policy, unless actor.liger; 7B LoRA 4.2 s against "
-        "3.4-3.8; 7B full 3.62 s against 2.96: docs/benchmarks.md).",
+        0,
+        ge=0,
+        description="How many weight versions rollouts may lag the actor; 0 = on-policy (exactly "
+        "reproducible on CPU). 1 generates step s+1 while the actor trains step s (importance-corrected): "
+        "for rollouts on GPUs of their own, as a colocated rollout contends with the actor for its GPU "
+        "(docs/benchmarks.md).",
     )
     seed: int = Field(0, ge=0, description="Seed of data order, sampling and initialization.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
@@ -173,11 +192,13 @@ class AlgorithmSpec(SpecModel):
             below = max(d for d in divisors if d <= self.micro_batch_size) if self.micro_batch_size > 1 else 1
             raise rule_error(
                 f"microBatchSize ({self.micro_batch_size}) must divide batchSize ({self.batch_size}): "
-                f"try {below}", field="microBatchSize",
+                f"try {below}",
+                field="microBatchSize",
             )
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise rule_error(
-                f"epsilonHigh ({self.epsilon_high}) must be >= epsilon ({self.epsilon}); omit it to use epsilon",
+                f"epsilonHigh ({self.epsilon_high}) must be >= epsilon ({self.epsilon}); omit it to use "
+                "epsilon",
                 field="epsilonHigh",
             )
         return self
@@ -204,21 +225,18 @@ class GenerationSpec(SpecModel):
         "auto", description="Generation engine: auto (vllm where installed on GPU, else transformers)."
     )
     max_num_seqs: int | None = Field(
-        None, ge=1,
-        description="Most sequences a rollout decodes at once (vLLM's max_num_seqs). A task with more "
-        "completions than this refills a row as soon as its sequence ends. Absent: 256 on the transformers "
-        "engine, vLLM's own default on vllm. It decides which sequences share a decode step, so it is part "
-        "of what a seed reproduces: change it and the same seed gives other tokens on a GPU.",
+        None,
+        ge=1,
+        description="Most sequences a rollout decodes at once (vLLM's max_num_seqs); a row refills as soon "
+        "as its sequence ends. Absent: 256 on the transformers engine, vLLM's default on vllm. Part of what "
+        "a seed reproduces on a GPU.",
     )
     compile_scope: Literal["auto", "model", "layer"] = Field(
         "auto",
-        description="What the transformers engine compiles for its CUDA-graph decode step. layer: one decoder "
-        "layer, whose graph serves all of them. model: the whole forward. auto: layer where the model has a list "
-        "of decoder layers (transformers' get_decoder().layers), else model. On an H100 (0.5B shape, 64 rows; "
-        "docs/benchmarks.md) layer prepares in 14-17 s against 36-41 s at a run's start and 4.5-7 s against "
-        "27-38 s at each new prompt width, and decodes a step in 1.47-1.67 ms against 1.42-1.53 ms: model "
-        "pays off only after some 100,000 decode steps at few prompt widths. The two round "
-        "differently, so it is part of what a seed reproduces on a GPU. vLLM compiles its own way and ignores it.",
+        description="What the transformers engine compiles for its CUDA-graph decode step: layer (one "
+        "decoder layer, whose graph serves all of them: quicker to prepare), model (the whole forward) or "
+        "auto (layer where the model lists its decoder layers, else model). Part of what a seed reproduces "
+        "on a GPU; vLLM ignores it.",
     )
 
 
@@ -227,78 +245,56 @@ class ActorSpec(SpecModel):
 
     gpu: str = Field("none", min_length=1, description="GPU type (e.g. H100, A100, A10G); 'none' = CPU.")
     count: int = Field(
-        1, ge=1,
-        description="Ranks of the actor: > 1 shards the model, gradients and optimizer state over that many "
-        "processes of one host with FSDP2, or replicates them with actor.strategy ddp (one worker; each rank "
-        "trains batchSize / count of each step). With a "
-        "GPU, each rank has a GPU of its own (actor.gpu, count of them), joined over NCCL; colocated rollouts "
-        "spread over those GPUs, one GPU after the other (docs/fsdp.md).",
+        1,
+        ge=1,
+        description="Ranks of the actor, processes of one host: > 1 shards the model with FSDP2, or "
+        "replicates it with strategy ddp; each rank trains batchSize / count of each step. With a GPU each "
+        "rank has its own, joined over NCCL, and colocated rollouts spread over them (docs/fsdp.md).",
     )
     cpu_offload: bool = Field(
         False,
-        description="A sharded actor on GPUs keeps its parameter shards, gradients and AdamW state in host memory "
-        "and brings each layer's to its GPU only for its forward and backward (FSDP2's CPUOffloadPolicy, TRL's "
-        "fsdp_offload_params): for a model whose shards do not fit its GPUs, at the cost of host-device copies "
-        "every step. Needs count > 1 and a GPU.",
+        description="Keep a sharded actor's parameter shards, gradients and AdamW state in host memory, "
+        "moving each layer to its GPU only for its forward and backward (FSDP2's CPUOffloadPolicy): for "
+        "shards that do not fit the GPUs, at the cost of host-device copies every step. Needs count > 1 and "
+        "a GPU.",
     )
     strategy: Literal["fsdp", "ddp"] = Field(
         "fsdp",
-        description="How an actor of count > 1 ranks splits the work. fsdp: FSDP2 shards the weights, gradients and "
-        "AdamW state over the ranks (a model too large for one GPU). ddp: every rank holds the whole model, trains "
-        "its slice of the batch, and the gradients are averaged (torch's DistributedDataParallel, as TRL runs on "
-        "several GPUs without fsdp): for a model that fits one GPU, no per-layer gathers or hooks, and rank 0 "
-        "publishes from its own copy (docs/fsdp.md).",
+        description="How an actor of count > 1 splits the work: fsdp shards weights, gradients and AdamW "
+        "state over the ranks (a model too large for one GPU); ddp gives every rank the whole model and "
+        "averages the gradients (DistributedDataParallel), for a model that fits one GPU (docs/fsdp.md).",
     )
     reshard_after_forward: bool = Field(
         True,
-        description="A sharded actor (count > 1) frees each layer's gathered weights after its forward and gathers "
-        "them again for its backward (FSDP2's reshard_after_forward, ZeRO-3). false keeps them from the forward to "
-        "the backward (ZeRO-2, FSDP's SHARD_GRAD_OP): half the all-gathers and their hooks each step, at the "
-        "price of the whole model in the compute dtype on every GPU during the step (counted by mortalctl "
-        "apply). For models whose whole copy fits beside the shards; the step's host overhead is what it saves "
-        "(docs/fsdp.md).",
+        description="With count > 1, free each layer's gathered weights after its forward and gather them "
+        "again for its backward (FSDP2's reshard_after_forward, ZeRO-3). false keeps them until the backward "
+        "(ZeRO-2): half the all-gathers, at the price of a whole copy of the model on every GPU during the "
+        "step (docs/fsdp.md).",
     )
     mixed_precision: bool = Field(
         False,
-        description="A sharded actor (count > 1) keeps its weights, gradients and AdamW state in float32 shards and "
-        "computes forward and backward in bfloat16 (FSDP2's MixedPrecisionPolicy: parameters gathered in bfloat16, "
-        "gradients reduced in float32), as TRL does under FSDP with bf16. Needs model.dtype float32 (the master "
-        "weights); an unsharded actor trains in model.dtype throughout.",
+        description="With count > 1, keep weights, gradients and AdamW state in float32 shards and compute "
+        "forward and backward in bfloat16 (FSDP2's MixedPrecisionPolicy, as TRL's FSDP with bf16). Needs "
+        "model.dtype float32.",
     )
     compile: bool = Field(
         False,
-        description="Compile the model the actor trains with torch.compile (TRL's torch_compile): fused kernels in "
-        "forward and backward. Qwen2.5-0.5B's shape in bf16 on one H100, actor and rollout colocated: the actor "
-        "trains a step in 0.15-0.21 s against 0.21-0.38 s eager, and the run steps 16.1-21.1x faster than TRL "
-        "against 11.3-16.7x (bench/gpu_step.py --compile mortal, docs/benchmarks.md). It pays at the start: "
-        "measured on an H100, the first step compiled (68 s) and the second again for its new width (109 s). "
-        "It now compiles once, with dynamic shapes, and by default a decoder layer at a time (compileScope): on "
-        "one H200 the first step's update took 16-25 s and every later one 0.105-0.111 s, 37-40% of the GPU's bf16 "
-        "peak (bench/gpu_step.py --compile mortal --actor-compile-scope layer, docs/benchmarks.md). Worth it for "
-        "runs of several hundred steps: eager, the update took 0.160-0.166 s.",
+        description="Compile the model the actor trains with torch.compile (TRL's torch_compile), once, with "
+        "dynamic shapes: faster steps after a slow first one, worth it for runs of several hundred steps "
+        "(docs/benchmarks.md).",
     )
     compile_scope: Literal["model", "layer"] = Field(
         "layer",
-        description="What actor.compile compiles. layer (default): each decoder layer on its own, the compiled code "
-        "of the first serving all of them (accelerate's regional compilation), so the start compiles one layer. "
-        "model: the whole model as one graph. Qwen2.5-0.5B's shape on one H200: layer's first update 16-25 s and "
-        "later ones 0.105-0.111 s; model's first update 213 s and later ones 0.115 s (docs/benchmarks.md).",
+        description="What actor.compile compiles: layer (each decoder layer, the first's compiled code "
+        "serving all of them: accelerate's regional compilation) or model (the whole model as one graph, a "
+        "much longer first compile).",
     )
     liger: bool = Field(
         False,
-        description="Liger's Triton kernels in the model the actor trains: RMSNorm, the rotary embedding and the "
-        "SwiGLU MLP each one fused kernel in forward and backward (liger-kernel's patch of a model instance, as "
-        "transformers' use_liger_kernel applies it; its fused loss is not used: TRL's fused LM head computes the "
-        "log-probabilities). Less GPU time and memory a step, with nothing compiled at the start: Qwen2.5-0.5B's "
-        "shape in bf16 on one H100, the step's kernels took 124 ms against 201 ms and its peak 3.91 GiB against "
-        "4.36, but the step itself was no shorter (0.26-0.36 s against 0.25-0.28 s: the host's launches bound it; "
-        "bench/train_step.py --kernels liger, docs/benchmarks.md). So it helps where training shares its GPU with "
-        "generation (maxStaleness > 0 beside a colocated rollout), not an on-policy step: the same shape with "
-        "maxStaleness 1 on one H200 stepped in 0.58 s against 0.65 s, peak memory 27.3 GiB against 33.8 "
-        "(bench/gpu_step.py --staleness 1 --liger mortal). Needs a GPU, the "
-        "liger-kernel package (`pip install 'mortal[liger]'`) and an architecture Liger patches (Llama, Qwen2 and "
-        "Qwen3, Mistral, Gemma, Phi3 and others); the actor fails at start, naming this field, otherwise. The "
-        "rollouts generate with their own kernels.",
+        description="Fused Triton kernels from Liger (RMSNorm, rotary embedding, SwiGLU MLP) in the model "
+        "the actor trains: less GPU time and memory a step (docs/benchmarks.md). Needs a GPU, `pip install "
+        "'mortal[liger]'` and an architecture Liger patches (Llama, Qwen2, Qwen3, Mistral, Gemma, Phi3, "
+        "...).",
     )
 
 
@@ -307,68 +303,67 @@ class RolloutSpec(SpecModel):
 
     gpu: str = Field("none", min_length=1, description="GPU type per rollout replica; 'none' = CPU.")
     replicas: int = Field(
-        1, ge=0, description="Rollout workers; 0 pauses generation (the actor waits) without stopping the run."
+        1,
+        ge=0,
+        description="Rollout workers; 0 pauses generation (the actor waits) without stopping the run.",
     )
     colocate: bool = Field(
         False,
-        description="Share the actor's GPU instead of taking GPUs of their own (a one-GPU machine; "
-        "SingleNode's vllm_mode='colocate'); rollout.gpu must equal actor.gpu. On Modal every worker has a "
-        "container of its own, so each rollout gets a GPU of that type.",
+        description="Share the actor's GPU instead of taking GPUs of their own (TRL's vllm_mode='colocate'); "
+        "rollout.gpu must equal actor.gpu. On Modal every worker has a container of its own, so each rollout "
+        "still gets a GPU.",
     )
     colocated_replicas: int | None = Field(
-        None, ge=1,
-        description="Colocate only some replicas: the first N (rollout-0 .. N-1) share the actor's GPU, as colocate "
-        "puts them, and the others take GPUs of their own. The actor's GPU then generates while the actor waits "
-        "for rollouts, beside the other GPUs' rollouts: a host of several GPUs whose actor cannot be sharded "
-        "(LoRA) or is not. rollout.gpuMemoryUtilization then caps the colocated ones only. Not with colocate: "
-        "true (every replica) or sync nccl (its rollouts need GPUs of their own).",
+        None,
+        ge=1,
+        description="Colocate only the first N replicas (rollout-0 .. N-1) on the actor's GPU; the others "
+        "take GPUs of their own, and rollout.gpuMemoryUtilization caps the colocated ones only. Not with "
+        "colocate: true or sync nccl.",
     )
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, lt=1,
-        description="Share of its GPU's memory one rollout worker may hold: weights, KV cache and workspace "
-        "(vLLM's gpu_memory_utilization, TRL's vllm_gpu_memory_utilization). vLLM reserves it; the transformers "
-        "engine caps its allocator at it and decodes at once only the rows whose KV caches fit in it beside the "
-        "weights (the other sequences wait and refill rows as they end), so colocated rollouts leave the rest of "
-        "the GPU to the actor's training. Absent: vLLM takes 0.85 of a GPU of its own and 0.3 of a shared one "
-        "(TRL's colocate default); the transformers engine is not capped.",
+        None,
+        gt=0,
+        lt=1,
+        description="Fraction of its GPU's memory one rollout may hold for weights, KV cache and workspace "
+        "(vLLM's gpu_memory_utilization); the transformers engine caps its allocator at it. Absent: vLLM "
+        "takes 0.85 of a GPU of its own and 0.3 of a shared one; the transformers engine is not capped.",
     )
     prompts_per_task: int | None = Field(
-        None, ge=1,
-        description="Prompts in one rollout task, generated together in one batch (all their completions "
-        "at once) on a GPU. Absent: on a GPU, a step's prompts split evenly over the replicas; on CPU, 1 "
-        "(each prompt is generated alone there, so results do not depend on this).",
+        None,
+        ge=1,
+        description="Prompts in one rollout task, generated together in one batch on a GPU. Absent: a step's "
+        "prompts split evenly over the replicas on a GPU, 1 on the CPU.",
     )
 
     tools: list[str] = Field(
         default_factory=list,
-        description="Tools the model may call, as 'module:function' references (TRL's `tools`): each function's "
-        "name, type hints and Google-style docstring become its schema in the chat template. A rollout generates, "
-        "parses tool calls with the chat template, calls them (in the rollout worker, trusted code, under "
-        "toolTimeoutSeconds: a tool that raises or hangs answers the model with an error), appends the results and "
-        "generates again; tool-result tokens are masked out of the loss. A tool that runs model-written code should "
-        "run it through the reward sandbox (RewardEnvironment.execute_in_sandbox).",
+        description="Tools the model may call, as 'module:function' references (TRL's tools); each "
+        "function's name, type hints and docstring become its schema. Tools run in the rollout worker under "
+        "toolTimeoutSeconds, and tool-result tokens are masked out of the loss.",
     )
     environment: str | dict[str, str] | None = Field(
         None,
-        description="TRL's `environment_factory`: a class 'module:Class' built once per rollout (no arguments) and "
-        "reused; `reset(**row)` is called before each generation (a string it returns is appended to the last "
-        "prompt message) and its public methods are tools. A method `get_reward()` scores the rollout when a "
-        "reward entry says `env: environment`. A dict {name: 'module:Class'} lets the dataset's `environment` "
-        "column pick one per row.",
+        description="TRL's environment_factory: a class 'module:Class' built once per rollout, whose "
+        "reset(**row) runs before each generation and whose public methods are tools. A dict {name: "
+        "'module:Class'} lets the dataset's environment column pick one per row.",
     )
     max_tool_calling_iterations: int | None = Field(
-        None, ge=0,
-        description="Most rounds of tool calls per completion (TRL's max_tool_calling_iterations); absent = no "
-        "limit but the token budget (generation.maxTokens counts the whole completion: model and tool tokens).",
+        None,
+        ge=0,
+        description="Most rounds of tool calls per completion (TRL's max_tool_calling_iterations); absent = "
+        "limited only by generation.maxTokens, which counts model and tool tokens.",
     )
     tool_timeout_seconds: float = Field(
-        30.0, gt=0, description="Wall-clock limit of one tool call; past it the model is told the tool timed out."
+        30.0,
+        gt=0,
+        description="Wall-clock limit of one tool call, in seconds; past it the model is told the tool timed "
+        "out.",
     )
     chat_template: str | None = Field(
-        None, min_length=1,
-        description="The chat template that renders tool conversations: a TRL template name (e.g. qwen2_5, one of "
-        "trl/chat_templates/*.jinja) or a .jinja file. Absent: the model's own, which must render tool calls and "
-        "tool messages (SmolLM2's does not: use qwen2_5, which speaks the same ChatML tokens).",
+        None,
+        min_length=1,
+        description="Chat template for tool conversations: a TRL template name (e.g. qwen2_5) or a .jinja "
+        "file. Absent: the model's own, which must render tool calls and tool messages.",
     )
 
     @field_validator("tools")
@@ -382,7 +377,7 @@ class RolloutSpec(SpecModel):
         return check_environment(value)
 
     def colocated(self, replica: int) -> bool:
-        """Whether rollout-`replica` shares the actor's GPU (colocate: all; colocatedReplicas: the first N)."""
+        """Whether rollout-`replica` shares the actor's GPU (colocate: all; colocatedReplicas: first N)."""
         return self.colocate or replica < (self.colocated_replicas or 0)
 
     @property
@@ -414,27 +409,23 @@ class SyncSpec(SpecModel):
 
     method: Literal["auto", "volume", "ipc", "nccl", "ray", "reload", "direct", "checkpoint"] = Field(
         "auto",
-        description="auto: ipc when actor and rollouts have GPUs on this host (local backend, transformers "
-        "engine; with LoRA the adapters alone travel), ray when the Ray nodes share no "
-        "filesystem (ray.sharedFilesystem false), else volume. "
-        "volume: safetensors on the shared volume (everywhere). ray: the same safetensors through Ray's object "
-        "store (backend ray; no shared disk needed). ipc: each version is a "
-        "snapshot on the actor's GPU that rollouts copy over CUDA IPC, GPU to GPU, no disk (same host). "
-        "nccl: the actor sends each rollout the snapshot over NCCL when it asks (rollouts on GPUs of their own "
-        "on this host; no mapping of the actor's memory). The seeds' names are accepted and stored as what "
-        "they are here: reload and checkpoint as volume, direct as ipc.",
+        description="How weights travel: volume (safetensors on the shared volume), ray (the same through "
+        "Ray's object store), ipc (copied from the actor's GPU over CUDA IPC, same host), nccl (sent over "
+        "NCCL to rollouts on GPUs of their own, same host), or auto (ipc where possible, ray on Ray nodes "
+        "without a shared filesystem, else volume). The older names reload and checkpoint are stored as "
+        "volume, direct as ipc.",
     )
     every: int = Field(1, ge=1, description="Publish weights every N optimizer steps.")
     keep_versions: int = Field(
-        3, ge=2, le=8,
-        description="Weight versions the actor keeps: with ipc and nccl a ring of that many snapshots of the whole "
-        "model on the actor's GPU (each a copy of the weights in the rollouts' dtype: 15 GB at 7B in bfloat16; "
-        "with LoRA the adapters alone), with volume and ray that many version directories. 2 saves a copy of "
-        "the weights on the actor's GPU; a rollout whose read of version v ends after v + keepVersions - 1 is "
-        "recorded reads again (the ring rule: docs/architecture.md), which a smaller ring makes likelier when "
-        "rollouts run ahead (maxStaleness > 0). At least 2: with one, every read could be overwritten.",
+        3,
+        ge=2,
+        le=8,
+        description="Weight versions the actor keeps: a ring of whole-model snapshots on its GPU with ipc "
+        "and nccl (the adapters alone with LoRA), version directories with volume and ray. A smaller ring "
+        "saves GPU memory but makes a rollout's read likelier to be overwritten and redone "
+        "(docs/architecture.md).",
     )
-    _alias: str | None = PrivateAttr(None)  # the seeds' name the spec used, for `notes()`
+    _alias: str | None = PrivateAttr(None)  # the older name the spec used, for `notes()`
 
     @model_validator(mode="wrap")
     @classmethod
@@ -447,7 +438,7 @@ class SyncSpec(SpecModel):
         return spec
 
     def notes(self) -> list[str]:
-        """What a seeds' method name became, said once when the spec is applied."""
+        """What an older method name became, said once when the spec is applied."""
         if self._alias is None:
             return []
         method, why = SYNC_ALIASES[self._alias]
@@ -460,11 +451,11 @@ class CheckpointSpec(SpecModel):
     every: int = Field(10, ge=1, description="Write a complete checkpoint every N optimizer steps.")
     keep: int = Field(3, ge=1, description="Keep the newest N complete checkpoints; older ones are deleted.")
     uri: str | None = Field(
-        None, min_length=1,
-        description="Storage every checkpoint is uploaded to, as an fsspec URL: s3://bucket/prefix, gs://bucket/prefix, "
-        "file:///mnt/bucket/prefix (the backend's package, e.g. s3fs or gcsfs, must be installed where the actor "
-        "runs). The run's checkpoints go to <uri>/<run>/step-<N>/ and a relaunched actor on any machine downloads "
-        "the newest from there. Absent: checkpoints stay under MORTAL_HOME. Required with ray.sharedFilesystem false.",
+        None,
+        min_length=1,
+        description="fsspec URL every checkpoint is uploaded to, as <uri>/<run>/step-<N>/ "
+        "(s3://bucket/prefix, gs://..., file:///path; the protocol's package must be installed where the "
+        "actor runs). Absent: checkpoints stay under MORTAL_HOME. Required with ray.sharedFilesystem false.",
     )
 
     @field_validator("uri")
@@ -474,13 +465,17 @@ class CheckpointSpec(SpecModel):
             return value
         protocol, sep, rest = value.partition("://")
         if not sep or not protocol or not rest.strip("/"):
-            raise rule_error(f"must be a storage URL with a protocol and a path, such as s3://bucket/prefix or "
-                             f"file:///mnt/bucket/prefix (got {value!r})")
+            raise rule_error(
+                "must be a storage URL with a protocol and a path, such as s3://bucket/prefix "
+                f"or file:///mnt/bucket/prefix (got {value!r})"
+            )
         from fsspec.registry import known_implementations, registry  # the names only: no backend is imported
 
         if protocol not in known_implementations and protocol not in registry:
-            raise rule_error(f"unknown storage protocol {protocol!r} in {value!r}: use one fsspec knows, such as "
-                             "s3, gs, az, hdfs or file")
+            raise rule_error(
+                f"unknown storage protocol {protocol!r} in {value!r}: use one fsspec knows, "
+                "such as s3, gs, az, hdfs or file"
+            )
         return value.rstrip("/")
 
 
@@ -488,13 +483,15 @@ class RestartPolicy(SpecModel):
     """What the controller does when a worker dies."""
 
     max_restarts: int = Field(10, ge=0, description="Relaunches allowed before the run is Failed.")
-    backoff_seconds: float = Field(5.0, ge=0, description="Base of the exponential backoff between relaunches.")
+    backoff_seconds: float = Field(
+        5.0, ge=0, description="Base of the exponential backoff between relaunches, in seconds."
+    )
     same_failure_limit: int = Field(
-        3, ge=0,
-        description="Failures of one worker in a row with the same reported error, each before it had run 2 "
-        "minutes, that fail the run at once (reason CrashLoop) instead of spending maxRestarts: an error met again "
-        "on every launch is a bug or a bad input that relaunching does not fix. Losses (preemption, a killed "
-        "process) never count. 0: off.",
+        3,
+        ge=0,
+        description="Failures in a row of one worker with the same error, each within 2 minutes of its "
+        "launch, that fail the run at once (reason CrashLoop) instead of spending maxRestarts. Losses "
+        "(preemption, a killed process) never count; 0 = off.",
     )
 
 
@@ -504,7 +501,9 @@ class WandbSpec(SpecModel):
     project: str = Field("mortal", min_length=1, description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (team or user); absent = your default.")
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
-        "auto", description="auto = online when WANDB_API_KEY is set (list it in secrets), else offline (files under the run folder); WANDB_MODE=disabled turns it off."
+        "auto",
+        description="auto: online when WANDB_API_KEY is set (list it in secrets), else offline "
+        "(files under the run folder). WANDB_MODE=disabled turns it off.",
     )
 
 
@@ -513,11 +512,11 @@ class LoggingSpec(SpecModel):
 
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases settings.")
     completions_per_step: int = Field(
-        64, ge=0,
-        description="Sampled completions the actor records per optimizer step (prompt, completion, each "
-        "reward, the advantage, the weight version, log_extra columns): the first N of the step's batch, in "
-        "prompt order, so whole groups. `mortalctl get completions` reads them; with W&B on they are also a "
-        "wandb.Table per step. 0 records none.",
+        64,
+        ge=0,
+        description="Completions the actor records per optimizer step (prompt, completion, rewards, "
+        "advantage, weight version): the first N of the step's batch, whole groups. `mortalctl get "
+        "completions` reads them; with W&B on, also a wandb.Table per step. 0 = none.",
     )
 
 
@@ -527,15 +526,18 @@ class TrainingSpec(SpecModel):
     model: ModelSpec = Field(description="The policy model to train.")
     dataset: DatasetSpec = Field(
         default_factory=lambda: DatasetSpec(name=CODE_DATASET, system_prompt=CODE_SYSTEM_PROMPT),
-        description=f"The prompts to train on. Absent: the seeds' default, {CODE_DATASET} (small Python tasks "
-        "whose rows carry assert tests), with the system prompt '" + CODE_SYSTEM_PROMPT + "'.",
+        description=f"The prompts to train on. Absent: the default, {CODE_DATASET} (small Python "
+        "tasks whose rows carry assert tests), with the system prompt '" + CODE_SYSTEM_PROMPT + "'.",
     )
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Loss and optimizer settings.")
+    algorithm: AlgorithmSpec = Field(
+        default_factory=AlgorithmSpec, description="Loss and optimizer settings."
+    )
     generation: GenerationSpec = Field(default_factory=GenerationSpec, description="Sampling settings.")
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(env="code-execution")], min_length=1,
-        description="Reward signals, summed with their weights. Absent: the seeds' default, env code-execution "
-        "(each completion's code run in the sandbox against its row's tests).",
+        default_factory=lambda: [RewardSpec(env="code-execution")],
+        min_length=1,
+        description="Reward signals, summed with their weights. Absent: the default, env "
+        "code-execution (each completion's code run in the sandbox against its row's tests).",
     )
     actor: ActorSpec = Field(default_factory=ActorSpec, description="The trainer worker.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The generation workers.")
@@ -546,8 +548,8 @@ class TrainingSpec(SpecModel):
     )
     limits: LimitsSpec = Field(
         default_factory=LimitsSpec,
-        description="Budgets: maxDuration (active time) and maxGPUHours. Reaching one writes a final checkpoint "
-        "and ends the run Failed (DeadlineExceeded, BudgetExceeded).",
+        description="Budgets: maxDuration (active time) and maxGPUHours. Reaching one writes a final "
+        "checkpoint and ends the run Failed (DeadlineExceeded, BudgetExceeded).",
     )
     deadlines: DeadlinesSpec = Field(
         default_factory=DeadlinesSpec,
@@ -555,27 +557,34 @@ class TrainingSpec(SpecModel):
         "stacks are logged and it is relaunched (docs/deadlines.md).",
     )
     backend: Literal["local", "modal", "ray"] = Field(
-        "local", description="Where workers run: local (processes on this machine), modal (Modal function "
-        "calls) or ray (actors on a Ray cluster: see ray)."
+        "local",
+        description="Where workers run: local (processes on this machine), modal (Modal function "
+        "calls) or ray (actors on a Ray cluster: see ray).",
     )
     ray: RaySpec = Field(
         default_factory=RaySpec,
-        description="With backend ray: the cluster's address and each role's CPUs, memory and custom resources.",
+        description="With backend ray: the cluster's address and each role's CPUs, memory and custom "
+        "resources.",
     )
     suspend: bool = Field(False, description="true stops all workers and keeps the run (resume sets false).")
     secrets: list[str] = Field(
-        default_factory=list, description="Environment variable NAMES handed to the workers (values never stored)."
+        default_factory=list,
+        description="Environment variable NAMES handed to the workers (values never stored).",
     )
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics logging.")
     _notes: list[str] = PrivateAttr(default_factory=list)  # what admission changed (specs/epochs.py)
 
     def seed_defaults(self) -> list[str]:
-        """The blocks (dataset, rewards) that hold the seeds' default: `describe` says so."""
-        return [name for name in ("dataset", "rewards")
-                if getattr(self, name) == type(self).model_fields[name].default_factory()]
+        """The blocks (dataset, rewards) that hold the default: `describe` says so."""
+        fields = type(self).model_fields
+        return [
+            name
+            for name in ("dataset", "rewards")
+            if getattr(self, name) == fields[name].get_default(call_default_factory=True)
+        ]
 
     def notes(self) -> list[str]:
-        """What applying this spec changed from what it says (a seeds' name mapped, maxSteps computed):
+        """What applying this spec changed from what it says (an older name mapped, maxSteps computed):
         `apply` prints them, as kubectl prints warnings."""
         return [*self.sync.notes(), *self._notes]
 
@@ -593,12 +602,18 @@ class TrainingSpec(SpecModel):
     @model_validator(mode="after")
     def _ray_block_needs_ray(self) -> TrainingSpec:
         if self.backend != "ray" and "ray" in self.model_fields_set and self.ray != RaySpec():
-            raise rule_error(f"ray settings apply only to backend ray (this run's backend is {self.backend!r}): "
-                             "set backend: ray, or remove the ray block", "ray")
+            raise rule_error(
+                "ray settings apply only to backend ray (this run's backend is "
+                f"{self.backend!r}): set backend: ray, or remove the ray block",
+                "ray",
+            )
         if self.backend == "ray" and self.rollout.shares_actor_gpu:
-            raise rule_error("colocated rollouts share the actor's GPU within one machine's processes, which the ray "
-                             "backend does not build: give rollouts GPUs of their own (drop colocate)",
-                             "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas")
+            raise rule_error(
+                "colocated rollouts share the actor's GPU within one machine's processes, which "
+                "the ray backend does not build: give rollouts GPUs of their own (drop "
+                "colocate)",
+                "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas",
+            )
         return self
 
     @model_validator(mode="after")
@@ -607,13 +622,17 @@ class TrainingSpec(SpecModel):
             return self
         field = "rollout.colocate" if self.rollout.colocate else "rollout.colocatedReplicas"
         if self.rollout.colocate and self.rollout.colocated_replicas is not None:
-            raise rule_error("colocate: true already puts every replica on the actor's GPU: drop colocate to colocate "
-                             f"only the first {self.rollout.colocated_replicas}, or drop colocatedReplicas",
-                             "rollout.colocatedReplicas")
+            raise rule_error(
+                "colocate: true already puts every replica on the actor's GPU: drop colocate to "
+                f"colocate only the first {self.rollout.colocated_replicas}, or drop "
+                "colocatedReplicas",
+                "rollout.colocatedReplicas",
+            )
         if self.actor.gpu == "none" or self.rollout.gpu != self.actor.gpu:
             raise rule_error(
-                f"colocated rollouts share the actor's GPU: set rollout.gpu to actor.gpu ({self.actor.gpu!r}), "
-                f"and both to a GPU type (on the CPU there is nothing to share: drop {field.split('.')[1]})",
+                "colocated rollouts share the actor's GPU: set rollout.gpu to actor.gpu "
+                f"({self.actor.gpu!r}), and both to a GPU type (on the CPU there is nothing to share: drop "
+                f"{field.split('.')[1]})",
                 field,
             )
         return self
@@ -622,14 +641,18 @@ class TrainingSpec(SpecModel):
         """CUDA IPC reaches processes of the same host that see the actor's GPU: the local backend's
         GPU rollouts (colocated, or on GPUs of their own and shown the actor's too), with the
         transformers engine (vLLM keeps its model in a process of its own)."""
-        return (self.backend == "local" and self.generation.engine == "transformers"
-                and self.actor.gpu != "none" and self.rollout.gpu != "none")
+        return (
+            self.backend == "local"
+            and self.generation.engine == "transformers"
+            and self.actor.gpu != "none"
+            and self.rollout.gpu != "none"
+        )
 
     def rollout_model(self) -> ModelSpec:
         """The model as rollouts load it: spec.model, except under actor.mixedPrecision, where the actor keeps
         float32 master weights but computes in bfloat16 and the rollouts generate in bfloat16 too (as vLLM
         does beside TRL's FSDP actor in bf16): half the memory and the decode time of float32. The actor then
-        publishes its weights cast to bfloat16 (mortal.workers.sharded.publish_dtype)."""
+        publishes its weights cast to bfloat16 (mortal.workers.actor.sharded.publish_dtype)."""
         if self.actor.mixed_precision:
             return self.model.model_copy(update={"dtype": "bfloat16"})
         return self.model
@@ -637,7 +660,7 @@ class TrainingSpec(SpecModel):
     def sync_method(self) -> str:
         """The weight-sync method this run uses (`auto` resolved): `ipc` where it is possible, a LoRA run
         included (its ring holds the adapters' factors alone, which rollouts merge into their base weights:
-        mortal.workers.weights), else `ray` for Ray nodes that share no disk, else `volume`."""
+        mortal.workers.sync.weights), else `ray` for Ray nodes that share no disk, else `volume`."""
         if self.sync.method == "auto":
             if self.ipc_possible():
                 return "ipc"
@@ -647,8 +670,12 @@ class TrainingSpec(SpecModel):
     @model_validator(mode="after")
     def _tf32_needs_float32(self) -> TrainingSpec:
         if self.model.tf32 and self.model.dtype != "float32":
-            raise rule_error(f"tf32 speeds up float32 matmuls; this model's dtype is {self.model.dtype!r} (auto is "
-                             "bfloat16 on a GPU): set model.dtype: float32, or drop model.tf32", "model.tf32")
+            raise rule_error(
+                f"tf32 speeds up float32 matmuls; this model's dtype is {self.model.dtype!r} "
+                "(auto is bfloat16 on a GPU): set model.dtype: float32, or drop "
+                "model.tf32",
+                "model.tf32",
+            )
         return self
 
     @model_validator(mode="after")
@@ -657,14 +684,19 @@ class TrainingSpec(SpecModel):
         if share is None:
             return self
         if self.rollout.gpu == "none":
-            raise rule_error("rollout.gpuMemoryUtilization shares a GPU's memory: set rollout.gpu to a GPU type, "
-                             "or drop it on the CPU", "rollout.gpuMemoryUtilization")
+            raise rule_error(
+                "rollout.gpuMemoryUtilization shares a GPU's memory: set rollout.gpu to a GPU "
+                "type, or drop it on the CPU",
+                "rollout.gpuMemoryUtilization",
+            )
         per_gpu = self.colocated_per_gpu()
         if per_gpu and per_gpu * share >= 1:
-            raise rule_error(f"{per_gpu} colocated rollouts x {share} of the GPU each leave nothing for "
-                             f"the actor's training on the same GPU: lower rollout.gpuMemoryUtilization below "
-                             f"{1 / per_gpu:.2f} (TRL's colocate default is 0.3), or fewer replicas",
-                             "rollout.gpuMemoryUtilization")
+            raise rule_error(
+                f"{per_gpu} colocated rollouts x {share} of the GPU each leave nothing for the "
+                "actor's training on the same GPU: lower rollout.gpuMemoryUtilization below "
+                f"{1 / per_gpu:.2f} (TRL's colocate default is 0.3), or fewer replicas",
+                "rollout.gpuMemoryUtilization",
+            )
         return self
 
     def colocated_per_gpu(self) -> int:
@@ -692,17 +724,27 @@ class TrainingSpec(SpecModel):
         """ray.sharedFilesystem false: nothing a node writes under its MORTAL_HOME is seen by another, so
         checkpoints need a storage URL and weights go through Ray's object store."""
         if self.sync.method == "ray" and self.backend != "ray":
-            raise rule_error(f"sync ray sends weights through Ray's object store: it needs backend ray (this run's "
-                             f"backend is {self.backend!r}); use 'auto' or 'volume'", "sync.method")
+            raise rule_error(
+                "sync ray sends weights through Ray's object store: it needs backend ray (this "
+                f"run's backend is {self.backend!r}); use 'auto' or 'volume'",
+                "sync.method",
+            )
         if self.backend != "ray" or self.ray.shared_filesystem:
             return self
         if self.checkpoint.uri is None:
-            raise rule_error("ray.sharedFilesystem is false, so a checkpoint written on one node cannot be read on "
-                             "another: set checkpoint.uri to storage every node reaches (s3://bucket/prefix, "
-                             "gs://..., file:///mounted/path)", "ray.sharedFilesystem")
+            raise rule_error(
+                "ray.sharedFilesystem is false, so a checkpoint written on one node cannot be "
+                "read on another: set checkpoint.uri to storage every node reaches "
+                "(s3://bucket/prefix, gs://..., file:///mounted/path)",
+                "ray.sharedFilesystem",
+            )
         if self.sync.method not in ("auto", "ray"):
-            raise rule_error(f"ray.sharedFilesystem is false: weights cannot travel through a volume "
-                             f"({self.sync.method!r}); use 'auto' or 'ray' (Ray's object store)", "sync.method")
+            raise rule_error(
+                "ray.sharedFilesystem is false: weights cannot travel through a volume "
+                f"({self.sync.method!r}); use 'auto' or 'ray' (Ray's object "
+                "store)",
+                "sync.method",
+            )
         return self
 
     @model_validator(mode="after")
@@ -710,8 +752,9 @@ class TrainingSpec(SpecModel):
         if self.sync.method == "ipc" and not self.ipc_possible():
             said = f"{self.sync._alias!r} is ipc here, which " if self.sync._alias else "sync ipc "
             raise rule_error(
-                f"{said}shares the actor's GPU memory with rollouts on the same host: it needs backend local, "
-                "GPUs for actor and rollout, and generation.engine transformers; use 'auto' or 'volume' otherwise",
+                f"{said}shares the actor's GPU memory with rollouts on the same host: it needs backend "
+                "local, GPUs for actor and rollout, and generation.engine transformers; use 'auto' or "
+                "'volume' otherwise",
                 "sync.method",
             )
         return self
@@ -722,70 +765,116 @@ class TrainingSpec(SpecModel):
             return self
         if not self.ipc_possible():
             raise rule_error(
-                "sync nccl sends weights from the actor's GPU to rollout GPUs of the same host: it needs backend "
-                "local, GPUs for actor and rollout, and generation.engine transformers; use 'auto' or 'volume' "
-                "otherwise", "sync.method")
+                "sync nccl sends weights from the actor's GPU to rollout GPUs of the same host: it needs "
+                "backend local, GPUs for actor and rollout, and generation.engine transformers; use 'auto' "
+                "or 'volume' otherwise",
+                "sync.method",
+            )
         if self.rollout.shares_actor_gpu:
             raise rule_error(
-                "sync nccl needs each rollout on a GPU of its own (NCCL joins distinct GPUs); colocated rollouts "
-                "share the actor's GPU: use 'ipc' (or 'auto')", "sync.method")
+                "sync nccl needs each rollout on a GPU of its own (NCCL joins distinct GPUs); colocated "
+                "rollouts share the actor's GPU: use 'ipc' (or 'auto')",
+                "sync.method",
+            )
         return self
 
     @model_validator(mode="after")
     def _sharding_is_possible(self) -> TrainingSpec:
-        """actor.count > 1 (mortal.workers.sharded): what a sharded actor does not do yet, and how it splits a batch."""
+        """actor.count > 1 (mortal.workers.actor.sharded): what a sharded actor cannot do, how it splits a batch."""
         count = self.actor.count
         if self.actor.mixed_precision and count == 1:
-            raise rule_error("mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or train an "
-                             "unsharded actor in bfloat16 with model.dtype: bfloat16", "actor.mixedPrecision")
+            raise rule_error(
+                "mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or "
+                "train an unsharded actor in bfloat16 with model.dtype: "
+                "bfloat16",
+                "actor.mixedPrecision",
+            )
         if self.actor.mixed_precision and self.model.dtype != "float32":
-            raise rule_error(f"mixedPrecision keeps float32 master weights and computes in bfloat16; this model's "
-                             f"dtype is {self.model.dtype!r}: set model.dtype: float32", "actor.mixedPrecision")
+            raise rule_error(
+                "mixedPrecision keeps float32 master weights and computes in bfloat16; this "
+                f"model's dtype is {self.model.dtype!r}: set model.dtype: "
+                "float32",
+                "actor.mixedPrecision",
+            )
         if not self.actor.reshard_after_forward and count == 1:
-            raise rule_error("reshardAfterForward is FSDP2's choice for a sharded actor: an actor of one rank keeps "
-                             "its whole model anyway; set actor.count > 1, or drop it", "actor.reshardAfterForward")
+            raise rule_error(
+                "reshardAfterForward is FSDP2's choice for a sharded actor: an actor of one "
+                "rank keeps its whole model anyway; set actor.count > 1, or drop "
+                "it",
+                "actor.reshardAfterForward",
+            )
         if self.actor.strategy == "ddp" and count == 1:
-            raise rule_error("strategy ddp replicates the actor over its ranks: set actor.count > 1, or drop it",
-                             "actor.strategy")
+            raise rule_error(
+                "strategy ddp replicates the actor over its ranks: set actor.count > 1, or drop it",
+                "actor.strategy",
+            )
         if self.actor.strategy == "ddp":
-            for name, chosen in (("mixedPrecision", self.actor.mixed_precision), ("cpuOffload", self.actor.cpu_offload),
-                                 ("reshardAfterForward", not self.actor.reshard_after_forward)):
+            for name, chosen in (
+                ("mixedPrecision", self.actor.mixed_precision),
+                ("cpuOffload", self.actor.cpu_offload),
+                ("reshardAfterForward", not self.actor.reshard_after_forward),
+            ):
                 if chosen:
-                    raise rule_error(f"{name} is FSDP2's: with strategy ddp every rank holds the whole model as "
-                                     f"model.dtype has it; drop it, or set actor.strategy: fsdp", f"actor.{name}")
+                    raise rule_error(
+                        f"{name} is FSDP2's: with strategy ddp every rank holds the whole model "
+                        "as model.dtype has it; drop it, or set actor.strategy: "
+                        "fsdp",
+                        f"actor.{name}",
+                    )
         if self.actor.liger and self.actor.gpu == "none":
-            raise rule_error("liger's kernels are Triton kernels for GPUs: set actor.gpu to a GPU type, or drop it",
-                             "actor.liger")
+            raise rule_error(
+                "liger's kernels are Triton kernels for GPUs: set actor.gpu to a GPU type, or drop it",
+                "actor.liger",
+            )
         if self.actor.liger and count > 1 and self.actor.strategy == "fsdp":
-            raise rule_error("liger's kernels are not used under FSDP2 sharding (its weights are sharded tensors; "
-                             "untested): set actor.strategy: ddp, or drop it", "actor.liger")
+            raise rule_error(
+                "liger's kernels are not used under FSDP2 sharding (its weights are sharded "
+                "tensors; untested): set actor.strategy: ddp, or drop it",
+                "actor.liger",
+            )
         if self.actor.cpu_offload and (count == 1 or self.actor.gpu == "none"):
-            raise rule_error("cpuOffload moves a sharded actor's shards from its GPUs to host memory: set actor.count "
-                             "> 1 and actor.gpu to a GPU type, or drop it", "actor.cpuOffload")
+            raise rule_error(
+                "cpuOffload moves a sharded actor's shards from its GPUs to host memory: set "
+                "actor.count > 1 and actor.gpu to a GPU type, or drop it",
+                "actor.cpuOffload",
+            )
         if count == 1:
             return self
         if self.model.lora is not None:
-            raise rule_error(f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
-                             "actor.count")
+            raise rule_error(
+                f"an actor of {count} ranks trains the full model: drop model.lora or use count 1",
+                "actor.count",
+            )
         micro = self.algorithm.batch_size // self.algorithm.accumulation_steps
         if micro % count:
             what = "microBatchSize" if self.algorithm.micro_batch_size else "batchSize"
-            raise rule_error(f"{what} ({micro}) must divide over the actor's {count} ranks: each rank trains "
-                             f"{what} / count completions of a pass", "actor.count")
+            raise rule_error(
+                f"{what} ({micro}) must divide over the actor's {count} ranks: each rank trains "
+                f"{what} / count completions of a pass",
+                "actor.count",
+            )
         return self
 
     @model_validator(mode="after")
     def _tool_fields_fit(self) -> TrainingSpec:
         rollout = self.rollout
-        for key, value in (("maxToolCallingIterations", rollout.max_tool_calling_iterations),
-                           ("chatTemplate", rollout.chat_template)):
+        for key, value in (
+            ("maxToolCallingIterations", rollout.max_tool_calling_iterations),
+            ("chatTemplate", rollout.chat_template),
+        ):
             if value is not None and not rollout.uses_tools:
-                raise rule_error(f"rollout.{key} applies to tool-calling rollouts: set rollout.tools or "
-                                 "rollout.environment, or drop it", f"rollout.{key}")
+                raise rule_error(
+                    f"rollout.{key} applies to tool-calling rollouts: set rollout.tools or "
+                    "rollout.environment, or drop it",
+                    f"rollout.{key}",
+                )
         for i, entry in enumerate(self.rewards):
             if entry.env == "environment" and self.rollout.environment is None:
-                raise rule_error(f"rewards[{i}] has env 'environment', which scores with the environment's "
-                                 "get_reward(): set rollout.environment ('module:Class')", "rewards")
+                raise rule_error(
+                    f"rewards[{i}] has env 'environment', which scores with the environment's "
+                    "get_reward(): set rollout.environment ('module:Class')",
+                    "rewards",
+                )
         return self
 
     @model_validator(mode="after")
@@ -793,8 +882,9 @@ class TrainingSpec(SpecModel):
         seen: set[str] = set()
         for entry in self.rewards:
             if entry.name is not None and entry.name in seen:
-                raise rule_error(f"two rewards are named {entry.name!r}: give each a distinct 'name'", "rewards")
+                raise rule_error(
+                    f"two rewards are named {entry.name!r}: give each a distinct 'name'", "rewards"
+                )
             if entry.name is not None:
                 seen.add(entry.name)
         return self
-

@@ -1,7 +1,7 @@
 """The state store served over HTTP: a WSGI app that answers every Store method from a SqlStore.
 
 Who runs it: the Modal app's store endpoint (`@modal.wsgi_app`, over SQLite on a modal.Volume;
-mortal.controller.modal_app), `python -m mortal.state.http_server` anywhere else, and tests
+mortal.client.modal_app), `python -m mortal.state.http_server` anywhere else, and tests
 (`serve()`: waitress, a threaded production WSGI server; the `server` extra). Workers and controllers
 elsewhere reach it with MORTAL_STATE_URL=http(s)://HOST and MORTAL_STATE_TOKEN (mortal.state.http_store).
 

@@ -314,7 +314,7 @@ class Store(abc.ABC):
     def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int,
                           provenance: dict[str, Any] | None = None) -> CheckpointRow:
         """Record a checkpoint whose files are already complete on disk (complete=True), with what made it
-        (`provenance`, mortal.workers.provenance). Fenced."""
+        (`provenance`, mortal.workers.actor.provenance). Fenced."""
 
     @abc.abstractmethod
     def list_checkpoints(self, run: str, complete_only: bool = True) -> list[CheckpointRow]:

@@ -171,7 +171,7 @@ class CheckpointRow(SQLModel, table=True):
     created_at: datetime = _time()
     provenance: dict[str, Any] | None = Field(
         default=None, sa_column=Column(JSON, nullable=True),
-        description="what made it (mortal.workers.provenance): spec generation, reward code and dataset "
+        description="what made it (mortal.workers.actor.provenance): spec generation, reward code and dataset "
                     "hashes, data position; None for checkpoints written before migration 0006",
     )
 

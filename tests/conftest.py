@@ -130,13 +130,17 @@ def new_store_url(kind: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 
 @pytest.fixture(params=[*SQL_STORES, "http"])
-def store_url(request: pytest.FixtureRequest, mortal_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def store_url(
+    request: pytest.FixtureRequest, mortal_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     with new_store_url(request.param, mortal_home, monkeypatch) as url:
         yield url
 
 
 @pytest.fixture(params=SQL_STORES)
-def sql_store_url(request: pytest.FixtureRequest, mortal_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def sql_store_url(
+    request: pytest.FixtureRequest, mortal_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     with new_store_url(request.param, mortal_home, monkeypatch) as url:
         yield url
 
@@ -150,16 +154,22 @@ def store(store_url: str) -> Iterator[Store]:
         opened.close()
 
 
-RAY_TEST_FILES = ("tests/controller/test_ray_backend.py", "tests/controller/test_lifecycle_ray.py",
-                  "tests/workers/test_exact_resume_ray.py", "tests/workers/test_no_shared_fs_ray.py")  # scripts/test.sh lists the same
+RAY_TEST_FILES = (
+    "tests/controller/test_ray_backend.py",
+    "tests/controller/test_lifecycle_ray.py",
+    "tests/workers/test_exact_resume_ray.py",
+    "tests/workers/test_no_shared_fs_ray.py",
+)  # scripts/test.sh lists the same
 
 
 @pytest.fixture(scope="session")
 def ray_session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     pytest.importorskip("ray", reason="the ray backend's tests need ray: pip install 'mortal[ray]'")
     if not in_private_network():
-        why = ("the Ray tests run a real cluster and must run in a private network namespace, loopback only: "
-               f"unshare -rn sh -c 'ip link set lo up && python -m pytest {' '.join(RAY_TEST_FILES)}'")
+        why = (
+            "the Ray tests run a real cluster and must run in a private network namespace, loopback only: "
+            f"unshare -rn sh -c 'ip link set lo up && python -m pytest {' '.join(RAY_TEST_FILES)}'"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)

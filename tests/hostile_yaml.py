@@ -1,8 +1,8 @@
 """Spec texts that attack the YAML reader, shared by the tests of every way a spec comes in.
 
-    billion_laughs()   a TrainingRun of a few hundred bytes whose nested aliases stand for 9**9 strings
-    deep_json(n)       a TrainingRun in JSON with a value nested n lists deep
-    bounded(call)      runs call(), returning (what it raised or returned, seconds, peak bytes allocated)
+billion_laughs()   a TrainingRun of a few hundred bytes whose nested aliases stand for 9**9 strings
+deep_json(n)       a TrainingRun in JSON with a value nested n lists deep
+bounded(call)      runs call(), returning (what it raised or returned, seconds, peak bytes allocated)
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ def billion_laughs(levels: int = 9) -> str:
 
 
 def deep_json(levels: int) -> str:
-    return ('{"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "deep"}, '
-            '"spec": {"model": {"name": "tiny"}, "deep": ' + "[" * levels + "]" * levels + "}}")
+    return (
+        '{"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "deep"}, '
+        '"spec": {"model": {"name": "tiny"}, "deep": ' + "[" * levels + "]" * levels + "}}"
+    )
 
 
 def bounded(call: Callable[[], Any]) -> tuple[Any, float, int]:

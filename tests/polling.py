@@ -26,5 +26,7 @@ def wait_for(
             return value
         if time.monotonic() > deadline or (give_up is not None and give_up()):
             extra = f"\n{details()}" if details is not None else ""
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r}){extra}")
+            raise AssertionError(
+                f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r}){extra}"
+            )
         time.sleep(interval)

@@ -1,22 +1,23 @@
 """A real three-node Ray cluster on this machine, for the Ray backend's tests: a head and two worker nodes.
 
-    cluster = RayCluster(tmp).start()      # `ray start` x3, loopback only; cluster.address = "127.0.0.1:<port>"
-    cluster.kill_node("node_a")            # SIGKILL its raylet and every process under it (a lost machine)
-    cluster.stop()                         # SIGKILL this cluster's processes (and only this cluster's)
+    cluster = RayCluster(tmp).start()  # `ray start` x3, loopback only; cluster.address = "127.0.0.1:<port>"
+    cluster.kill_node("node_a")        # SIGKILL its raylet and every process under it (a lost machine)
+    cluster.stop()                     # SIGKILL this cluster's processes (and only this cluster's)
 
 Each node carries a custom resource named after it (node_head, node_a, node_b: 1 each), so a test can
 place a worker on a node, and a MORTAL_HOME of its own (`cluster.home(node)`, set in its `ray start`
 environment): a run with ray.sharedFilesystem false keeps its files there, so nothing can travel between
 nodes by disk; the two worker nodes also carry rollout_node: 2, which keeps rollouts off the
-head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2 logical
-CPUs, 80 MB object store, no dashboard) to fit this 2-core machine. The head's GCS declares a node dead after
-5 failed health checks a second apart: a killed raylet refuses the check at once, so its loss is seen in ~5 s
-(Ray's default is ~15 s), while a live one starved of CPU gets 5 s per answer before a check counts as failed
-(at 0.5 s x 3, the tolerance once used, a loaded CI machine saw live nodes declared dead).
+head. `node_of(proc)` says which node a process runs on (the raylet it descends from). Nodes are small (2
+logical CPUs, 80 MB object store, no dashboard) to fit this 2-core machine. The head's GCS declares a node
+dead after 5 failed health checks a second apart: a killed raylet refuses the check at once, so its loss is
+seen in ~5 s (Ray's default is ~15 s), while a live one starved of CPU gets 5 s per answer before a check
+counts as failed (at 0.5 s x 3, the tolerance once used, a loaded CI machine saw live nodes declared dead).
 
 It must run in a private network namespace (`unshare -rn`, then `ip link set lo up`: scripts/test.sh
 does it), where loopback is the only interface: Ray then binds 127.0.0.1 and no packet leaves it.
-`in_private_network()` says whether this process is in one. Who calls it: tests/conftest.py (the ray_cluster fixture) and the Ray tests.
+`in_private_network()` says whether this process is in one. Who calls it: tests/conftest.py (the ray_cluster
+fixture) and the Ray tests.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ import psutil
 NODES = ("node_head", "node_a", "node_b")
 ROLLOUT_SLOTS = 2  # the worker nodes' "rollout_node" resource: a rollout asking 1 runs on node_a or node_b
 # The GCS's health checks of raylets (Ray system config, read from the environment at `ray start --head`).
-NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
-              "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "0"}
+NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "5000",
+    "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_initial_delay_ms": "0",
+}
 
 
 def in_private_network() -> bool:
@@ -68,18 +73,42 @@ class RayCluster:
         before = set(_raylets(self.root))
         log = self.root / f"{node}.log"
         resources = {node: 1} if node == "node_head" else {node: 1, "rollout_node": ROLLOUT_SLOTS}
-        cmd = [ray_cli(), "start", *head_or_join, "--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus),
-               "--resources", json.dumps(resources), "--object-store-memory", str(80 * 1024 * 1024),
-               "--disable-usage-stats"]
+        cmd = [
+            ray_cli(),
+            "start",
+            *head_or_join,
+            "--node-ip-address",
+            "127.0.0.1",
+            "--num-cpus",
+            str(self.cpus),
+            "--resources",
+            json.dumps(resources),
+            "--object-store-memory",
+            str(80 * 1024 * 1024),
+            "--disable-usage-stats",
+        ]
         with open(log, "ab") as out:
-            subprocess.run(cmd, env={**self._env(), "MORTAL_HOME": str(self.home(node))}, stdout=out,
-                           stderr=subprocess.STDOUT, check=True, timeout=120)
+            subprocess.run(
+                cmd,
+                env={**self._env(), "MORTAL_HOME": str(self.home(node))},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=120,
+            )
         [raylet] = set(_raylets(self.root)) - before
         self.raylets[node] = raylet
 
     def start(self) -> RayCluster:
-        self._start("node_head", "--head", "--port", str(self.port), "--include-dashboard=false",
-                    "--temp-dir", str(self.root / "ray"))
+        self._start(
+            "node_head",
+            "--head",
+            "--port",
+            str(self.port),
+            "--include-dashboard=false",
+            "--temp-dir",
+            str(self.root / "ray"),
+        )
         for node in NODES[1:]:
             self.add_node(node)
         return self
@@ -109,8 +138,9 @@ class RayCluster:
         return next((node for node, raylet in self.raylets.items() if raylet in pids), None)
 
     def node_of_worker(self, home: Path | None, worker_id: str) -> str | None:
-        """The node a mortal worker (by its id, `run/role-replica#incarnation`, as its MORTAL_WORKER_ID begins; under
-        MORTAL_HOME `home`; None: under the home of whichever of this cluster's nodes it runs on) runs on."""
+        """The node a mortal worker (by its id, `run/role-replica#incarnation`, as its MORTAL_WORKER_ID
+        begins; under MORTAL_HOME `home`; None: under the home of whichever of this cluster's nodes it runs
+        on) runs on."""
         homes = {str(home)} if home is not None else {str(self.home(node)) for node in NODES}
         for proc in psutil.process_iter(["environ"]):
             env = proc.info.get("environ") or {}
@@ -140,7 +170,11 @@ def _processes(root: Path) -> list[psutil.Process]:
     dir (under `root`) on its command line, so another cluster of the machine (another test session, in its
     own namespace) is never counted."""
     temp_dir = str(root / "ray")
-    return [p for p in psutil.process_iter(["name", "cmdline"]) if temp_dir in " ".join(p.info.get("cmdline") or [])]
+    return [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if temp_dir in " ".join(p.info.get("cmdline") or [])
+    ]
 
 
 def _raylets(root: Path) -> list[int]:

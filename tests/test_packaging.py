@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"mortal": "mortal", "mortal.specs": "specs", "mortal.state": "state",
-         "mortal.controller": "controller", "mortal.workers": "workers"}
+ROOTS = {
+    "mortal": "mortal",
+    "mortal.specs": "specs",
+    "mortal.state": "state",
+    "mortal.controller": "controller",
+    "mortal.workers": "workers",
+}
 
 
 def declared_packages() -> list[str]:
@@ -34,7 +39,11 @@ IMPORT_ALL = "import importlib, sys; [print(importlib.import_module(n).__file__)
 def import_everything(python: str, env: dict | None, cwd: Path) -> list[str]:
     out = subprocess.run(
         [python, "-c", IMPORT_ALL, *declared_packages()],
-        cwd=cwd, env=env, capture_output=True, text=True, check=True,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.split()
 
@@ -52,20 +61,34 @@ def test_editable_install_imports_every_subpackage_from_the_repo(tmp_path):
 @pytest.mark.slow
 def test_built_wheel_imports_every_subpackage(tmp_path):
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path), str(REPO)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-v",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     # data folders are declared as package data, not left for setuptools to guess (and warn about)
     assert "Package would be ignored" not in build.stdout + build.stderr
     wheel = next(tmp_path.glob("mortal-*.whl"))
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
     )
     # PYTHONPATH comes before the editable finder: the wheel's copy must be the one imported.
     files = import_everything(sys.executable, {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, tmp_path)
     assert all(f.startswith(str(target)) for f in files), files
     assert (target / "mortal" / "specs" / "examples" / "quickstart.yaml").exists()
     assert (target / "mortal" / "state" / "migrations").is_dir()
-    assert (target / "mortal" / "controller" / "cli" / "dashboard_static" / "dashboard.js").exists()
+    assert (target / "mortal" / "client" / "cli" / "dashboard_static" / "dashboard.js").exists()
     assert next((target / "mortal" / "workers" / "builtin_data").glob("*.jsonl"), None) is not None

@@ -1,6 +1,6 @@
 """Directories that appear whole or not at all: write into a hidden temporary sibling, fsync, rename.
 
-Used by mortal.workers.weights (published weight versions) and mortal.workers.checkpoint
+Used by mortal.workers.sync (published weight versions) and mortal.workers.actor.checkpoint
 (checkpoints). A reader listing the parent folder sees either nothing or the complete directory:
 `os.rename` of a directory is atomic on one filesystem, and every file and the directory itself are
 fsynced first, so a crash (kill -9, power loss) never exposes a partial one. Temporary directories

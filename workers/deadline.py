@@ -1,8 +1,8 @@
 """Calls of user code with a deadline: a reward function or a tool that may block forever (an API that never
 answers) is abandoned past its deadline instead of stopping the worker.
 
-Who calls it: mortal.workers.rewards (each reward call) and mortal.workers.tools (each tool call) through
-`Abandoner.call`; mortal.workers.runtime installs `register_stack_dump` at a worker's start, so the
+Who calls it: mortal.workers.rewards (each reward call) and mortal.workers.rollout.tools (each tool call)
+through `Abandoner.call`; mortal.workers.runtime installs `register_stack_dump` at a worker's start, so the
 controller can ask a stuck worker for its stacks (SIGUSR1) before it kills it.
 Why a thread rather than a subprocess: a reward function gets the task's objects (environments, the
 trainer state, log callbacks) and may keep state between calls, which a subprocess could not share. Python

@@ -1,25 +1,14 @@
 """Doorbells: a process of a run tells the others on the same machine that the store changed, so a waiting
 worker looks at once instead of at its next poll.
 
-Who rings and who listens:
-- a rollout rings RESULTS when it has completed a task; the actor's RolloutFeed.collect waits on it;
-- the actor rings TASKS when it enqueues a step's tasks or records new weights; an idle rollout waits on it.
-A ring touches <run_dir>/doorbells/<name>; a listener holds an inotify watch on that folder from before its
-first look at the store, and its wait ends at the first ring of its name or at its timeout.
-
-Why: on a GPU a step is 0.6-0.7 s, and each side's poll (every 20 ms) added half an interval on average to
-every hand-over, twice a step (docs/benchmarks.md: the actor's wait ran 20-90 ms beyond the rollout's
-generation).
-
-What it must not do: carry data or replace the poll. The store is the only truth: a waiter looks at the store
-after every wake and every timeout, so a ring that is not heard (a worker on another machine, a filesystem
-without inotify) costs one poll interval, never a result. Only the local backend's workers ring
-(DOORBELLS_ENV): its processes share this machine and the run's folder; elsewhere the folder is a network
-volume that gains nothing from touches.
-
-Why inotify_simple and not watchfiles (the controller's wake channel, controller/wake.py): watchfiles' loop
-wakes every `step` milliseconds to take the GIL and look for changes, beside a training step bound by the
-host; an inotify descriptor is waited on in the kernel (select), costing nothing until a ring comes.
+A rollout rings RESULTS when it completed a task (the actor's RolloutFeed.collect waits on it); the actor
+rings TASKS when it enqueues tasks or records weights (an idle rollout waits on it). A ring touches
+<run_dir>/doorbells/<name>; a listener holds an inotify watch on that folder from before its first look at
+the store. Why: a GPU step is short, and each side's poll added half an interval to every hand-over, twice
+a step (docs/benchmarks.md). Why inotify_simple and not watchfiles: an inotify descriptor is waited on in
+the kernel, where watchfiles' loop wakes periodically to take the GIL beside a host-bound training step.
+What it must not do: carry data or replace the poll. The store is the only truth: a ring not heard costs
+one poll interval, never a result. Only the local backend's workers ring (DOORBELLS_ENV).
 """
 
 from __future__ import annotations
@@ -37,8 +26,9 @@ log = logging.getLogger("mortal.worker")
 
 RESULTS = "results"  # a rollout completed a task
 TASKS = "tasks"  # the actor enqueued tasks or recorded a weight version
-# "1": this worker's run has its processes on this machine: set by the local backend (controller/backends/base.py
-# names it too: the layers share the worker protocol's variable names, not a module)
+# "1": this worker's run has its processes on this machine: set by the local backend
+# (controller/backends/base.py names it too: the layers share the worker protocol's variable names, not a
+# module)
 DOORBELLS_ENV = "MORTAL_DOORBELLS"
 FOLDER = "doorbells"
 
@@ -55,7 +45,8 @@ class Doorbell:
 
     @classmethod
     def for_worker(cls, run_dir: Path, listens_for: str | None = None) -> Doorbell:
-        """The worker's doorbell where its backend put the run's processes on one machine, else a silent one."""
+        """The worker's doorbell where its backend put the run's processes on one machine, else a silent
+        one."""
         return cls(run_dir if os.environ.get(DOORBELLS_ENV) == "1" else None, listens_for)
 
     @property

@@ -47,7 +47,7 @@ from mortal.workers.runtime import (
 
 WORKLOAD_ANNOTATION = "mortal.dev/workload"
 WORKLOADS = {"simulated": "mortal.workers.simulated"}
-ROLE_MODULES = {"actor": "mortal.workers.actor", "rollout": "mortal.workers.rollout"}
+ROLE_MODULES = {"actor": "mortal.workers.actor.loop", "rollout": "mortal.workers.rollout.loop"}
 log = logging.getLogger("mortal.worker")
 
 
@@ -86,7 +86,8 @@ def use_code_snapshot(env: Mapping[str, str], worker: WorkerRef) -> str | None:
 
 
 def seconds_since_exec() -> float:
-    """How long this process has existed: the interpreter's start and main's own imports, before any log line."""
+    """How long this process has existed: the interpreter's start and main's own imports, before any log
+    line."""
     import psutil
 
     return max(0.0, time.time() - psutil.Process().create_time())

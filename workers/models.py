@@ -269,7 +269,7 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
     """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training.
 
     fsdp_size > 1: sharded with FSDP2 over that many ranks as it loads (transformers' DistributedConfig;
-    the process group is up, mortal.workers.sharded), the model placing its own shards on its rank's
+    the process group is up, mortal.workers.actor.sharded), the model placing its own shards on its rank's
     device; with `mixed_precision`, its shards computing in bfloat16 (spec.actor.mixedPrecision); with
     `cpu_offload`, its shards kept in host memory (spec.actor.cpuOffload); without `reshard_after_forward`,
     each layer's gathered weights kept from its forward to its backward (spec.actor.reshardAfterForward).
@@ -330,13 +330,14 @@ def fold_tied_fsdp_params(model: Any) -> None:
 
 
 def place_shards(model: Any, device: str) -> None:
-    """Put every sharded parameter's local shard on `device`, a new parameter in its place (one per tied weight).
+    """Put every sharded parameter's local shard on `device`, a new parameter in its place (one per tied
+    weight).
 
     Why: under actor.cpuOffload, FSDP2 wants each shard in host memory before its first forward. transformers
     (5.24) shards the model on the meta device, then loads each shard onto the rank's GPU as a new parameter;
-    FSDP2's lazy init moves such a shard's data to host memory but keeps the parameter object, which still says
-    cuda, and refuses it ("FSDP parameters should be materialized on CPU", 2026-11-28 on two H200s). A new
-    DTensor built on the moved shard says where its data is. Parameters that are already there are kept."""
+    FSDP2's lazy init moves such a shard's data to host memory but keeps the parameter object, which still
+    says cuda, and refuses it ("FSDP parameters should be materialized on CPU"). A new DTensor built on the
+    moved shard says where its data is. Parameters that are already there are kept."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -356,7 +357,7 @@ def with_local_shard(param: Any, shard: Any) -> Any:
     device `shard` is on.
 
     Why not DTensor.from_local: it moves the shard to the mesh's device type (cuda for an actor's NCCL mesh),
-    which put cpuOffload's shards straight back on the GPU (two H200s, 2026-11-28). FSDP2 builds its own
+    which put cpuOffload's shards straight back on the GPU. FSDP2 builds its own
     sharded parameters the same way, from the spec (torch's _from_local_no_grad)."""
     from torch.distributed.tensor import DTensor
 
@@ -367,8 +368,10 @@ def _fold_tied(model: Any) -> None:
     """fold_tied_fsdp_params's work, on FSDP2's private records (an AttributeError where they changed)."""
     states = fsdp_states(model)
     groups = [group for state in states for group in _param_groups(state)]
-    groups.sort(key=lambda group: model in group.modules)  # the root's last: a weight stays with the inner group
-    owners: dict[int, Any] = {}  # id of the parameter a module holds now -> the FSDP parameter that manages it
+    # the root's last: a weight stays with the inner group
+    groups.sort(key=lambda group: model in group.modules)
+    # id of the parameter a module holds now -> the FSDP parameter that manages it
+    owners: dict[int, Any] = {}
     for group in groups:
         for fsdp_param in list(group.fsdp_params):
             info = fsdp_param._module_info
@@ -412,24 +415,25 @@ EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "
 
 
 def routes_experts(config: Any) -> bool:
-    """Whether a model's config routes tokens to experts (mixture of experts): then an expert no token of a step
-    reached has no gradient that step, and a replicated actor's DistributedDataParallel must look for such
-    parameters after each forward. Every other causal LM uses all its weights every step, and the search is
-    host time in each backward of a step that is host-bound (docs/benchmarks.md); transformers' Trainer
+    """Whether a model's config routes tokens to experts (mixture of experts): then an expert no token of a
+    step reached has no gradient that step, and a replicated actor's DistributedDataParallel must look for
+    such parameters after each forward. Every other causal LM uses all its weights every step, and the search
+    is host time in each backward of a step that is host-bound (docs/benchmarks.md); transformers' Trainer
     searches whenever activation checkpointing is off. Config names as transformers' MoE models spell them."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return any(getattr(text, field, None) for field in EXPERT_COUNT_FIELDS)
 
 
-# The kernels liger-kernel patches into a model instance (actor.liger): every layer's, not the loss's (TRL's fused
-# LM head computes the log-probabilities; Liger's fused linear cross-entropy would replace the model's forward).
+# The kernels liger-kernel patches into a model instance (actor.liger): every layer's, not the loss's (TRL's
+# fused LM head computes the log-probabilities; Liger's fused linear cross-entropy would replace the model's
+# forward).
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
                  "fused_linear_cross_entropy": False}
 
 
 def use_liger_kernels(model: Any) -> str:
-    """actor.liger: patch Liger's fused Triton kernels into the model the actor trains; the architecture patched.
-    Through transformers' own use_liger_kernel path (liger-kernel's dispatch by model type), so a new
+    """actor.liger: patch Liger's fused Triton kernels into the model the actor trains; the architecture
+    patched. Through transformers' own use_liger_kernel path (liger-kernel's dispatch by model type), so a new
     architecture comes with a new liger-kernel. A missing package or an architecture Liger does not know fails
     the actor at start (liger-kernel itself would only log that it applied nothing)."""
     try:
@@ -447,8 +451,8 @@ def use_liger_kernels(model: Any) -> str:
 
 
 def use_tf32(model_spec: ModelSpec, device: str) -> bool:
-    """Turn on TF32 matmuls for this process when the spec asks (model.tf32) and it runs on CUDA; whether it did.
-    A process-wide switch (torch's backends flags, as TRL's tf32 sets them): a worker holds one model."""
+    """Turn on TF32 matmuls for this process when the spec asks (model.tf32) and it runs on CUDA; whether it
+    did. A process-wide switch (torch's backends flags, as TRL's tf32 sets them): a worker holds one model."""
     if not (model_spec.tf32 and str(device).startswith("cuda")):
         return False
     import torch
@@ -463,10 +467,9 @@ def train_attention_without_cudnn(device: str) -> bool:
     it did. A process-wide switch (a worker holds one model); flash or memory-efficient attention is used.
 
     Why: cuDNN builds an execution plan for each new sequence length the first time it sees one, and a
-    training batch's padded length changes from step to step. On an H100 (bench/gpu_step.py, Qwen2.5-0.5B's
-    shape in bf16) the actor's training pass took 2.0-3.0 s in the steps whose length was new (steps 2 and 5
-    of every run) against 0.21-0.23 s in the others; with cuDNN's attention off, 0.22-0.27 s in every step
-    (docs/benchmarks.md). The rollout's decoder keeps cuDNN: it compiles a few fixed shapes once."""
+    training batch's padded length changes from step to step, so a step with a new length took many times
+    as long as the others; with cuDNN's attention off every step takes about the same (docs/benchmarks.md).
+    The rollout's decoder keeps cuDNN: it compiles a few fixed shapes once."""
     if not str(device).startswith("cuda"):
         return False
     import torch

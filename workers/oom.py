@@ -26,9 +26,10 @@ from dataclasses import dataclass, replace
 REASON = "OutOfMemory"
 _SIZE = r"([\d.]+)\s*(B|KiB|MiB|GiB|TiB|bytes)"
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-# torch >= 2.1 (c10/cuda/CUDACachingAllocator.cpp): "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a
-# total capacity of 79.19 GiB of which 1.23 GiB is free. Process 1234 has 77.9 GiB memory in use. Of the allocated
-# memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated. ..."
+# torch >= 2.1 (c10/cuda/CUDACachingAllocator.cpp): "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has
+# a total capacity of 79.19 GiB of which 1.23 GiB is free. Process 1234 has 77.9 GiB memory in use. Of the
+# allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated.
+# ..."
 _TRIED = re.compile(r"Tried to allocate " + _SIZE)
 _GPU = re.compile(r"GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE + r" is free")
 _BY_TORCH = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch")
@@ -44,14 +45,16 @@ _NCCL_TEXT = re.compile(r"NCCL.*(Failed to CUDA calloc|out of memory)|(Failed to
 class BudgetRefusal(Exception):
     """A mixin for an out-of-memory mortal raises itself, before allocating: its message says what did not fit
     in which budget. Here, without torch, so that this module can recognise it without importing torch; the
-    raising class also derives from torch.OutOfMemoryError (engines/static_decode.py's MemoryBudgetTooSmall)."""
+    raising class also derives from torch.OutOfMemoryError (mortal.workers.rollout.engines.static_decode's
+    MemoryBudgetTooSmall)."""
 
 
 @dataclass(frozen=True)
 class OutOfMemory:
     """What ran out: the figures torch printed (None where its message did not say), in bytes."""
 
-    source: str  # "torch" (the caching allocator), "cuda" (a CUDA/cuBLAS call), "nccl" or "budget" (BudgetRefusal)
+    # "torch" (the caching allocator), "cuda" (a CUDA/cuBLAS call), "nccl" or "budget" (BudgetRefusal)
+    source: str
     tried: int | None = None  # the allocation that failed
     device: int | None = None  # the GPU index as the worker saw it (after CUDA_VISIBLE_DEVICES)
     total: int | None = None  # the GPU's capacity
@@ -78,7 +81,8 @@ class OutOfMemory:
             figures.append(f"{readable_size(self.by_torch)} allocated by PyTorch")
         if self.reserved_unallocated is not None:
             figures.append(f"{readable_size(self.reserved_unallocated)} reserved by PyTorch but unallocated")
-        if len(self.processes) > 1:  # one process is this one; more say who shares the GPU (colocated workers)
+        # one process is this one; more say who shares the GPU (colocated workers)
+        if len(self.processes) > 1:
             figures.append("in use by " + ", ".join(f"{who} {readable_size(n)}" for who, n in self.processes))
         if self.source == "budget":  # the refusal is a sentence of its own; the GPU's state follows it
             return "; ".join(parts + ([f"{gpu}: {', '.join(figures)}"] if figures else []))
@@ -150,7 +154,8 @@ def _classify(exc: BaseException) -> OutOfMemory | None:
         return OutOfMemory(source="budget", refusal=text)
     if _is_torch_oom(exc):
         return parse_torch_message(text)
-    if not isinstance(exc, RuntimeError):  # torch.AcceleratorError and NCCL's DistBackendError are RuntimeErrors
+    # torch.AcceleratorError and NCCL's DistBackendError are RuntimeErrors
+    if not isinstance(exc, RuntimeError):
         return None
     if "NCCL" in text and _NCCL_TEXT.search(text):
         return parse_torch_message(text, source="nccl")

@@ -1,8 +1,9 @@
 """'module:attr.sub' references to user code (reward functions, tools, environments), resolved in a worker.
 
-Called by mortal.workers.rewards (spec.rewards[].function) and mortal.workers.tools (spec.rollout.tools,
-rollout.environment); each turns the failures into its own typed error, naming its spec field.
-What it must not do: catch anything: what the module raises while being imported is the caller's to report.
+Called by mortal.workers.rewards (spec.rewards[].function) and mortal.workers.rollout.tools
+(spec.rollout.tools, rollout.environment); each turns the failures into its own typed error, naming its spec
+field. What it must not do: catch anything: what the module raises while being imported is the caller's to
+report.
 """
 
 from __future__ import annotations

@@ -112,12 +112,10 @@ def startup_objects_frozen() -> Any:
     """Around a worker's loop: every object alive as it starts (imports, the model, the trainer) is left
     out of the garbage collector's full collections, and put back after.
 
-    Why: a worker starts with about half a million tracked objects (torch, transformers, TRL), alive for
-    the whole process. CPython starts a full (generation 2) collection, which walks every one of them,
-    whenever enough new objects have outlived the younger collections, which is in the middle of a step:
-    233 ms with 510,000 objects on the CI's CPU (bench/gpu_step.py --cpu, the actor). With them frozen
-    (gc.freeze) the same collection took 0.2 ms. Start-up's garbage is collected first, so that it is
-    not frozen with them."""
+    Why: a worker starts with hundreds of thousands of tracked objects (torch, transformers, TRL), alive for
+    the whole process, and CPython's full collections walk every one of them, in the middle of a step; with
+    them frozen (gc.freeze) such a collection is orders of magnitude shorter (docs/benchmarks.md).
+    Start-up's garbage is collected first, so that it is not frozen with them."""
     gc.collect()
     gc.freeze()
     try:
@@ -268,7 +266,8 @@ class WorkerContext:
         self.store.heartbeat(self.worker, step=step, weight_version=version, activity=what, activity_seconds=seconds)
 
     def start(self) -> None:
-        """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM handler."""
+        """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM
+        handler."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
             register_stack_dump()  # the controller asks a stuck worker for its stacks before it kills it

@@ -10,7 +10,7 @@ seconds on a CPU. Annotations tune it:
     mortal.dev/task-lease-seconds: "5"    how long a leased task is a rollout's before others retry it
     mortal.dev/fail: always               actor exits 75 at once (restart-policy tests)
     mortal.dev/fail: oom-actor|oom-rollout  that role raises torch.cuda.OutOfMemoryError with torch's own
-                                          message (2.00 GiB on an 80 GB H100) at its first step or task
+                                          message at its first step or task
     mortal.dev/fail: oom-actor-above:N    the actor raises it at start while its micro batch (the spec's, or
                                           the controller's choice: mortal.specs.memory) is above N
     mortal.dev/stall: task|step           a rollout's task / the actor's step of step `stall-step` blocks
@@ -19,14 +19,11 @@ seconds on a CPU. Annotations tune it:
     mortal.dev/rewards: call              rollouts score with the spec's reward functions (as the real
                                           rollout does: deadlines, timeouts) instead of the fixed score
 
-Both report what they do (`ctx.activity`: a task, a step), as the real workers do.
-The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed
-run's metrics equal an uninterrupted one's. Step s's prompts are rows of a dataset of SIMULATED_ROWS drawn
-as the real actor draws them (mortal.workers.schedule), and with maxStaleness k the tasks of the next k
-steps are queued ahead, as the real feed does. What the "model" has trained is its lineage (`Lineage`):
-the rows of each step and the weight versions they were generated with, kept in every checkpoint, so a
-test can tell a row trained twice or never, or a sample from weights this lineage never published. What it must not do: import torch or anything heavy
-(the out-of-memory failure imports it, only when asked for, to raise torch's own exception type).
+The reward of step s is s / (s + 10) for every completion, so runs are deterministic and a resumed run's
+metrics equal an uninterrupted one's; prompts are drawn and queued ahead as the real actor does
+(mortal.workers.schedule). What the "model" trained is its lineage (`Lineage`: each step's rows and the
+weight versions they came from, kept in every checkpoint), so a test can tell a row trained twice or never.
+What it must not do: import torch or anything heavy (only the out-of-memory failure does, when asked for).
 """
 
 from __future__ import annotations
@@ -251,7 +248,8 @@ def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> l
     the tasks itself.
     """
     algo = ctx.run.spec.algorithm
-    for ahead in range(step, min(step + algo.max_staleness, algo.max_steps) + 1):  # as the real feed queues ahead
+    # as the real feed queues ahead
+    for ahead in range(step, min(step + algo.max_staleness, algo.max_steps) + 1):
         ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, ahead, slot, version)
                                              for slot in range(algo.prompts_per_step)])
     replicas, checked = ctx.run.spec.rollout.replicas, time.monotonic()
@@ -395,10 +393,11 @@ def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: flo
         generation_seconds=seconds,
     )
     row = RolloutRequest.model_validate(task.payload).row.get("row")
-    return {**result.model_dump(mode="json"), "row": row}  # which dataset row it answered (the lineage's record)
+    # which dataset row it answered (the lineage's record)
+    return {**result.model_dump(mode="json"), "row": row}
 
 
-# torch 2.x's caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), as an H100 prints it.
+# torch 2.x's caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), as an 80 GB GPU prints it.
 TORCH_OOM_MESSAGE = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.23 GiB "
     "is free. Process 48213 has 77.95 GiB memory in use. Of the allocated memory 70.10 GiB is allocated by "

@@ -1,17 +1,17 @@
 """The backend contract: how the controller launches, lists and stops worker processes.
 
 Who calls it: the controller's reconcile (launch a slot's new incarnation, list what is actually
-running, stop what should not run). Backends (local processes, Modal function calls, Ray actors) implement it; nothing
-else in mortal knows how a worker is started.
+running, stop what should not run). Backends (local processes, Modal function calls, Ray actors)
+implement it; nothing else in mortal knows how a worker is started.
 What it must not do: touch the state store or decide anything. A backend reports what exists; the
 controller compares that with the workers table and acts.
 
-    backend = select_backend("local")                 # the factory lives in the package: mortal.controller.backends
+    backend = select_backend("local")                 # the factory: mortal.controller.backends
     handle = backend.launch(WorkerLaunch(run="r", role="actor", replica=0, incarnation=7, ...))
     store.set_worker_handle(row.id, handle)
     [w for w in backend.list("r") if not w.alive]     # exited: exit_code when known
     backend.stop(handle)                               # SIGTERM the group, SIGKILL after grace
-    backend.remove_run_files("r", storage_uri)         # delete --purge: its folder where its workers write, its storage
+    backend.remove_run_files("r", storage_uri)         # delete --purge: the run's folder and its storage
 """
 
 from __future__ import annotations
@@ -36,40 +36,120 @@ WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WOR
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
 
 # Identity variables of a worker: never inherited from the launching process's own environment.
-DOORBELLS_ENV = "MORTAL_DOORBELLS"  # "1": the run's workers share this machine (mortal.workers.doorbell reads it)
+DOORBELLS_ENV = "MORTAL_DOORBELLS"  # "1": the run's workers share this machine (mortal.workers.doorbell)
 GPU_PEERS_ENV = "MORTAL_GPU_PEERS"  # devices a worker sees but does not hold (its actor's, for sync ipc)
 # The Ray cluster and run namespace a worker of the ray backend connects to as a driver, and the node it
-# runs on (sync ray: mortal.workers.ray_weights reads them); set by the worker's Ray actor (ray_worker.WorkerHost).
-RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = "MORTAL_RAY_ADDRESS", "MORTAL_RAY_NAMESPACE", "MORTAL_RAY_NODE_ID"
-WORKER_IDENTITY_ENV = ("MORTAL_RUN", "MORTAL_ROLE", "MORTAL_REPLICA", "MORTAL_INCARNATION", "MORTAL_WORKER_ID",
-                       "MORTAL_RUN_UID", "MORTAL_HEARTBEAT_SECONDS", "MORTAL_HOME", "MORTAL_STATE_URL",
-                       "MORTAL_GPU_SHARED", GPU_PEERS_ENV, "CUDA_VISIBLE_DEVICES", RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV,
-                       RAY_NODE_ENV,
-                       # per launch, from the run (its code snapshot, the controller's memory choices): a value
-                       # in the launcher's own environment must not reach a worker launched without one
-                       paths.CODE_SNAPSHOT_ENV, MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV)
+# runs on (sync ray: mortal.workers.sync.ray reads them); set by the worker's Ray actor
+# (ray_worker.WorkerHost).
+RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV = (
+    "MORTAL_RAY_ADDRESS",
+    "MORTAL_RAY_NAMESPACE",
+    "MORTAL_RAY_NODE_ID",
+)
+WORKER_IDENTITY_ENV = (
+    "MORTAL_RUN",
+    "MORTAL_ROLE",
+    "MORTAL_REPLICA",
+    "MORTAL_INCARNATION",
+    "MORTAL_WORKER_ID",
+    "MORTAL_RUN_UID",
+    "MORTAL_HEARTBEAT_SECONDS",
+    "MORTAL_HOME",
+    "MORTAL_STATE_URL",
+    "MORTAL_GPU_SHARED",
+    GPU_PEERS_ENV,
+    "CUDA_VISIBLE_DEVICES",
+    RAY_ADDRESS_ENV,
+    RAY_NAMESPACE_ENV,
+    RAY_NODE_ENV,
+    # per launch, from the run (its code snapshot, the controller's memory
+    # choices): a value in the launcher's own environment must not reach a worker
+    # launched without one
+    paths.CODE_SNAPSHOT_ENV,
+    MICRO_BATCH_ENV,
+    ROLLOUT_SHARE_ENV,
+)
 STATE_TOKEN_ENV = wire.TOKEN_ENV  # the worker's own scoped token (mortal.state.auth), never the launcher's
 # What a worker keeps of its launcher's environment: what it needs to run (the system's, Python's, the GPU
 # stack's and its libraries' settings, mortal's own), never a credential (a name with a SECRET_WORDS part,
 # or one of DENIED); the spec's secrets are added by name (docs/security.md, The worker environment).
-INHERITED_NAMES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TEMP", "TMP", "TZ", "TERM", "COLUMNS", "LANG", "LANGUAGE",
-    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "VIRTUAL_ENV",
-    "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-    "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_RUNTIME_DIR", "TOKENIZERS_PARALLELISM",
-    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
-    "CC", "CXX", "CPATH", "LIBRARY_PATH",  # Triton compiles its kernels with the system's compiler
-})
-INHERITED_PREFIXES = ("MORTAL_", "LC_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH", "PYTORCH_", "TRITON_", "VLLM_", "HF_",
-                      "TRANSFORMERS_", "TRL_", "WANDB_", "MODAL_", "RAY_", "COVERAGE_", "COV_CORE_")
-SECRET_WORDS = frozenset({"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL",
-                          "CREDENTIALS"})
+INHERITED_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "TZ",
+        "TERM",
+        "COLUMNS",
+        "LANG",
+        "LANGUAGE",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONHASHSEED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONWARNINGS",
+        "VIRTUAL_ENV",
+        "CONDA_PREFIX",
+        "CONDA_DEFAULT_ENV",
+        "LD_LIBRARY_PATH",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "XDG_CACHE_HOME",
+        "XDG_CONFIG_HOME",
+        "XDG_DATA_HOME",
+        "XDG_RUNTIME_DIR",
+        "TOKENIZERS_PARALLELISM",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "all_proxy",
+        "CC",
+        "CXX",
+        "CPATH",
+        "LIBRARY_PATH",  # Triton compiles its kernels with the system's compiler
+    }
+)
+INHERITED_PREFIXES = (
+    "MORTAL_",
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "VLLM_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TRL_",
+    "WANDB_",
+    "MODAL_",
+    "RAY_",
+    "COVERAGE_",
+    "COV_CORE_",
+)
+SECRET_WORDS = frozenset(
+    {"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "CREDENTIALS"}
+)
 DENIED = frozenset({"MORTAL_STORE_BACKING_URL"})  # the store server's database URL (it may hold a password)
 
 
 def inheritable(name: str) -> bool:
-    """Whether a worker keeps the launcher's variable `name` (what mortal sets, or the spec's secrets, aside)."""
+    """Whether a worker keeps the launcher's variable `name` (mortal's own and the spec's secrets aside)."""
     if name in DENIED or SECRET_WORDS & set(name.upper().split("_")):
         return False
     return name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)
@@ -84,7 +164,8 @@ class UnknownBackend(BackendError):
 
 
 class BackendUnavailable(BackendError):
-    """The backend exists but cannot run from here: a missing package or credentials (the message says the fix)."""
+    """The backend exists but cannot run from here: a missing package or credentials (the message says
+    the fix)."""
 
 
 class InsufficientGPUs(BackendError):
@@ -109,7 +190,9 @@ class WaitingForActorGPU(InsufficientGPUs):
     """A colocated rollout cannot start before its run's actor holds a GPU to share (retried, no failure)."""
 
     def __init__(self, run: str, gpu: str) -> None:
-        BackendError.__init__(self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the actor to hold one")
+        BackendError.__init__(
+            self, f"rollouts of {run!r} share the actor's GPU ({gpu}); waiting for the actor to hold one"
+        )
         self.requested, self.free, self.total, self.gpu, self.permanent = 1, 0, 0, gpu, False
 
 
@@ -128,10 +211,10 @@ class WorkerLaunch:
 
     `worker_id` is `WorkerRef.process_id` (`run/role-replica#incarnation@uid`): the marker the backend
     finds the process by, which the uid keeps apart from an earlier run's of the same name. `env` carries
-    extra variables (the spec's secrets) copied into the worker's
-    environment; `state_token` is the worker's own token for an HTTP store (MORTAL_STATE_TOKEN), minted
-    by the controller for this incarnation. `heartbeat_seconds`, when set, becomes MORTAL_HEARTBEAT_SECONDS (the worker
-    otherwise derives its period from lease_seconds in its row).
+    extra variables (the spec's secrets) copied into the worker's environment; `state_token` is the
+    worker's own token for an HTTP store (MORTAL_STATE_TOKEN), minted by the controller for this
+    incarnation. `heartbeat_seconds`, when set, becomes MORTAL_HEARTBEAT_SECONDS (the worker otherwise
+    derives its period from lease_seconds in its row).
     """
 
     run: str
@@ -146,26 +229,29 @@ class WorkerLaunch:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # values of secrets: never in a repr
     heartbeat_seconds: float | None = None
     run_uid: str = ""  # MORTAL_RUN_UID: fences off a leftover worker of an earlier run of the same name
-    colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate) instead of taking free ones
-    sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc and nccl to rollouts on GPUs of their own)
-    engine: str = "auto"  # spec.generation.engine: a backend may run a rollout that uses vLLM on an image with it
+    colocate: bool = False  # share the GPUs of the run's actor (spec rollout.colocate), not free ones
+    sees_actor_gpus: bool = False  # also see the actor's GPUs (sync ipc and nccl to rollouts' own GPUs)
+    engine: str = "auto"  # spec.generation.engine: a rollout that uses vLLM may run on an image with it
     # What a backend that schedules onto a cluster's nodes (ray) reserves besides GPUs; others ignore them.
     cpus: float | None = None
     memory_bytes: int | None = None
     resources: dict[str, float] = field(default_factory=dict)  # custom scheduler resources (spec.ray.<role>)
-    node_home: bool = False  # the worker uses its node's own MORTAL_HOME, not mortal_home (spec.ray.sharedFilesystem false)
-    log_uri: str | None = None  # storage the worker's log is uploaded to (spec.checkpoint.uri, with node_home)
+    # The worker uses its node's own MORTAL_HOME, not mortal_home (spec.ray.sharedFilesystem false).
+    node_home: bool = False
+    log_uri: str | None = None  # storage the worker's log is uploaded to (spec.checkpoint.uri, node_home)
     state_token: str = field(default="", repr=False)  # MORTAL_STATE_TOKEN: this incarnation's scoped token
 
-    def environ(self, inherited: Mapping[str, str], cuda_visible_devices: str | None,
-                mortal_home: str | None = None) -> dict[str, str]:
+    def environ(
+        self, inherited: Mapping[str, str], cuda_visible_devices: str | None, mortal_home: str | None = None
+    ) -> dict[str, str]:
         """The worker process's environment (the protocol of mortal.workers.runtime).
 
         What the worker needs of `inherited` (the launcher's environment: `inheritable`, without any worker
-        identity or credential), then the spec's secrets, then the protocol's variables and its own token, then torch.compile's cache folders under MORTAL_HOME
-        where neither set them (compile_cache_environ). `cuda_visible_devices` None leaves the GPUs as the
-        machine gives them (Modal attaches exactly the requested ones); `mortal_home` overrides the
-        launch's (a Modal container sees the shared volume at its own mount point).
+        identity or credential), then the spec's secrets, then the protocol's variables and its own token,
+        then torch.compile's cache folders under MORTAL_HOME where neither set them (compile_cache_environ).
+        `cuda_visible_devices` None leaves the GPUs as the machine gives them (Modal attaches exactly the
+        requested ones); `mortal_home` overrides the launch's (a Modal container sees the shared volume at
+        its own mount point).
         """
         env = {k: v for k, v in inherited.items() if k not in WORKER_IDENTITY_ENV and inheritable(k)}
         env.update(self.env)
@@ -189,40 +275,20 @@ class WorkerLaunch:
         if self.colocate:
             env["MORTAL_GPU_SHARED"] = "1"
         if env.get("TORCHINDUCTOR_CACHE_DIR") == torch_default_cache_dir():
-            del env["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written back by a launcher that imported torch
+            del env["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written back by a launcher that imported it
         for name, value in compile_cache_environ(mortal_home or self.mortal_home).items():
             env.setdefault(name, value)  # a user's own setting (inherited, or the spec's env) wins
         return env
 
 
-
 def compile_cache_environ(home: str | Path) -> dict[str, str]:
-    """torch.compile's on-disk caches in <home>/compile-cache/, shared by every run under that home, so a
-    relaunched worker, and a later run of the same model and shapes, loads what an earlier process
-    compiled (the rollout's decode step: 30-35 s on an H100 cold, 11-13 s served by the cache; see
-    workers/compile_cache.py). Shared across runs, not kept per run, because nothing in an entry
-    belongs to a run (the keys below) and a user's second run of a model would otherwise pay the
-    whole compile again: on the learning bench that was most of mortal's start.
+    """torch.compile's on-disk caches in <home>/compile-cache/, so a relaunched worker, and a later run of
+    the same model and shapes, loads what an earlier process compiled (workers/rollout/engines/compile_cache.py).
 
-    Set here, in the environment the backend gives the process, so torch reads it before it is imported
-    and so it holds on every backend alike: the local one (the run's folder on this machine) and Modal's
-    (`home` is the container's mount of the data volume, where the run's folder lives).
-
-    Why torch's own caches on disk and not `torch.compiler.save_cache_artifacts()` ("mega-cache"):
-    - The home is already shared by every worker (this machine's disk; the Modal volume), and mega-cache exists to move caches where there is no shared folder: it would add a
-      save (when? shapes appear one by one over a run), a load before the first compile, and a blob per
-      process that concurrent rollouts would each have to write and someone to merge.
-    - Correctness rests on torch's keys, which we rely on rather than add our own: an FX graph cache
-      entry is keyed by the graph, its inputs' shapes, dtypes and strides, the inductor config, the
-      device and the torch (and Triton) versions; AOTAutograd's by the graph and versions as well;
-      Triton's by the kernel's source, the target GPU and Triton's version. So a different model
-      shape, dtype, GPU or torch cannot be served a wrong artifact: it misses and compiles.
-    - Writes are atomic already: inductor writes a temporary file and renames it (codecache.write_atomic),
-      Triton likewise (a temporary file and os.replace). Two rollouts compiling the same graph at once
-      both miss and both write the same entry; the last rename wins, a reader never sees half a file.
-    The FX graph and AOTAutograd caches are on by default in torch 2.13; they are asked for anyway (a
-    user's "0" still wins). Nothing evicts entries: the folder is a cache, safe to delete at any time
-    (workers then compile again); `delete --purge` of one run leaves it to the others.
+    Shared across runs because nothing in an entry belongs to a run: torch's and Triton's keys (graph,
+    shapes, dtypes, device, versions) keep a different model or GPU from a wrong artifact, and their
+    writes are atomic renames. Set in the environment the backend gives the process, so torch reads it
+    before it is imported, on every backend alike. The folder is a cache, safe to delete at any time.
     """
     folder = paths.compile_cache_dir(home)
     return {
@@ -252,7 +318,8 @@ class BackendWorker:
     `alive` False means it exited; `exit_code` is its status when the backend knows it (a child it
     launched; negative -N when signal N killed it, as in subprocess), None otherwise: then the worker
     row's own `report_exit` is the truth, and no report at all means the worker was lost (or was
-    stopped on request: a worker stopped by SIGTERM exits 0 without a report). A handle missing from `list()` altogether is gone too.
+    stopped on request: a worker stopped by SIGTERM exits 0 without a report). A handle missing from
+    `list()` altogether is gone too.
     """
 
     worker_id: str
@@ -332,7 +399,8 @@ class Backend(abc.ABC):
 def remove_from_storage(run: str, uri: str) -> None:
     """`<uri>/<run>/` removed with fsspec (as the workers' CheckpointStorage lays it out); a prefix already
     gone is no error. A storage this controller cannot use (its fsspec package missing here, no
-    permission) is a BackendError: the purge is retried and the run's row kept, not its files lost track of.
+    permission) is a BackendError: the purge is retried and the run's row kept, so its files are not
+    lost track of.
     A run name that would leave `<uri>/` (a row stored before the store checked names) is PathOutside."""
     import fsspec
 
@@ -346,8 +414,10 @@ def remove_from_storage(run: str, uri: str) -> None:
     except FileNotFoundError:
         return
     except (ImportError, OSError, ValueError) as exc:
-        raise BackendError(f"cannot remove run {run!r}'s checkpoints under spec.checkpoint.uri {uri!r}: "
-                           f"{type(exc).__name__}: {exc}") from exc
+        raise BackendError(
+            f"cannot remove run {run!r}'s checkpoints under spec.checkpoint.uri {uri!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def signal_group(pgid: int, sig: int) -> None:

@@ -19,13 +19,24 @@ from mortal.controller.backends.base import InsufficientGPUs
 
 CPU_NAMES = ("none", "cpu", "")
 # Memory of one GPU of each type the spec may name (Modal's names, mortal.controller.backends.modal), in
-# bytes as sold (80 GB is 80e9; torch reports a little less, e.g. 79.19 GiB = 85.0e9 for an H100's 80 GiB).
+# bytes as sold (80 GB is 80e9; torch reports a little less).
 # A name that covers several sizes maps to the largest, so a check against it can only be too lenient.
 GB = 10**9
 GPU_MEMORY = {
-    "T4": 16 * GB, "L4": 24 * GB, "A10": 24 * GB, "A10G": 24 * GB, "L40S": 48 * GB,
-    "A100": 80 * GB, "A100-40GB": 40 * GB, "A100-80GB": 80 * GB, "RTX-PRO-6000": 96 * GB,
-    "H100": 80 * GB, "H100!": 80 * GB, "H200": 141 * GB, "B200": 180 * GB, "B200+": 180 * GB,
+    "T4": 16 * GB,
+    "L4": 24 * GB,
+    "A10": 24 * GB,
+    "A10G": 24 * GB,
+    "L40S": 48 * GB,
+    "A100": 80 * GB,
+    "A100-40GB": 40 * GB,
+    "A100-80GB": 80 * GB,
+    "RTX-PRO-6000": 96 * GB,
+    "H100": 80 * GB,
+    "H100!": 80 * GB,
+    "H200": 141 * GB,
+    "B200": 180 * GB,
+    "B200+": 180 * GB,
 }
 _GPU_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
 
@@ -41,15 +52,19 @@ def gpu_memory(gpu: str) -> int | None:
 
 
 def spec_name_of(device_name: str) -> str | None:
-    """The spec's name for a GPU whose driver calls it `device_name` (torch.cuda.get_device_name, nvidia-smi -L:
-    "NVIDIA H100 80GB HBM3" is H100, "NVIDIA A100-SXM4-40GB" is A100-40GB), None for one not in GPU_MEMORY.
+    """The spec's name for a GPU whose driver calls it `device_name` (torch.cuda.get_device_name,
+    nvidia-smi -L: "NVIDIA H100 80GB HBM3" is H100, "NVIDIA A100-SXM4-40GB" is A100-40GB), None for one
+    not in GPU_MEMORY.
     The longest name that appears in it wins, so A100-40GB beats A100. None for a variant of another size
     than its name's (H100 NVL: 94 GB), so a memory check never holds it to the wrong size."""
     if "NVL" in device_name.upper():
         return None
     words = device_name.upper().replace("SXM4-", "").replace("PCIE-", "").replace(" ", "-")
-    names = [name for name in GPU_MEMORY if not name.endswith(("!", "+")) and re.search(
-        rf"(^|[^A-Z0-9]){re.escape(name)}($|[^A-Z0-9])", words)]
+    names = [
+        name
+        for name in GPU_MEMORY
+        if not name.endswith(("!", "+")) and re.search(rf"(^|[^A-Z0-9]){re.escape(name)}($|[^A-Z0-9])", words)
+    ]
     return max(names, key=len, default=None)
 
 

@@ -11,6 +11,7 @@ What it must not do: touch the store, or leave a process behind: `stop` kills th
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import signal
@@ -111,19 +112,27 @@ class LocalBackend(Backend):
     def launch(self, launch: WorkerLaunch) -> str:
         """Start the worker (or return the handle of the live process already running this worker id)."""
         if os.path.realpath(launch.mortal_home) != self.home:
-            raise ValueError(f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}")
+            raise ValueError(
+                f"launch for MORTAL_HOME {launch.mortal_home} given to the backend of {self.home}"
+            )
         with self._reg.lock:
             live = self._live()
             for f in live.values():
                 if f.worker.worker_id == launch.worker_id:
                     return f.worker.handle
             visible = self._devices_for(launch, live)
-            peers = tuple(d for d in self._actor_devices(launch, live) if d not in gpus.parse_visible(visible)
-                          ) if launch.sees_actor_gpus and visible else ()
+            peers = (
+                tuple(d for d in self._actor_devices(launch, live) if d not in gpus.parse_visible(visible))
+                if launch.sees_actor_gpus and visible
+                else ()
+            )
             proc = self._spawn(launch, ",".join(filter(None, [visible, *peers])), peers)
             handle = make_handle(proc.pid, psutil.Process(proc.pid).create_time())
             worker = _worker_from(launch, handle)
-            self._reg.children[handle] = (proc, _Found(worker, gpus.parse_visible(visible), shared=launch.colocate))
+            self._reg.children[handle] = (
+                proc,
+                _Found(worker, gpus.parse_visible(visible), shared=launch.colocate),
+            )
             self._reg.seen[handle] = worker
             return handle
 
@@ -146,17 +155,23 @@ class LocalBackend(Backend):
     @staticmethod
     def _actor_devices(launch: WorkerLaunch, live: dict[str, _Found]) -> tuple[str, ...]:
         """The devices the run's live actor holds; WaitingForActorGPU until it holds some."""
-        actor = [f for f in live.values() if _same_run(f.worker, launch) and f.worker.role == "actor"
-                 and not f.shared and f.devices]
+        actor = [
+            f
+            for f in live.values()
+            if _same_run(f.worker, launch) and f.worker.role == "actor" and not f.shared and f.devices
+        ]
         if not actor:
             raise WaitingForActorGPU(launch.run, launch.gpu)
         return actor[0].devices
 
-    def _spawn(self, launch: WorkerLaunch, visible: str, peers: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, launch: WorkerLaunch, visible: str, peers: tuple[str, ...] = ()
+    ) -> subprocess.Popen[bytes]:
         """Start the worker; `peers` (in `visible` after its own devices) are seen but not held."""
         log_path = _log_path(launch)
         env = launch.environ(os.environ, visible)
-        env[DOORBELLS_ENV] = "1"  # the run's processes share this machine and its folder: they ring (workers/doorbell.py)
+        # The run's processes share this machine and its folder: they ring (workers/doorbell.py).
+        env[DOORBELLS_ENV] = "1"
         if peers:
             env[GPU_PEERS_ENV] = ",".join(peers)
         try:
@@ -204,13 +219,17 @@ class LocalBackend(Backend):
                 live.pop(handle, None)
         return live
 
-    def _scan(self) -> list[_Found]:
+    def _scan(self) -> builtins.list[_Found]:
         """Live worker processes of this home: the processes carrying MORTAL_WORKER_ID that lead their
         process group and whose parent is not the same worker (its descendants inherit the id)."""
         candidates: dict[int, tuple[psutil.Process, dict[str, str]]] = {}
         for proc in psutil.process_iter(["environ", "ppid"]):
             env = proc.info.get("environ")
-            if env and "MORTAL_WORKER_ID" in env and os.path.realpath(env.get("MORTAL_HOME", "")) == self.home:
+            if (
+                env
+                and "MORTAL_WORKER_ID" in env
+                and os.path.realpath(env.get("MORTAL_HOME", "")) == self.home
+            ):
                 candidates[proc.pid] = (proc, env)
         found: list[_Found] = []
         for proc, env in candidates.values():
@@ -286,8 +305,14 @@ def _same_run(worker: BackendWorker, launch: WorkerLaunch) -> bool:
 
 def _worker_from(launch: WorkerLaunch, handle: str) -> BackendWorker:
     return BackendWorker(
-        worker_id=launch.worker_id, handle=handle, run=launch.run, role=launch.role,
-        replica=launch.replica, incarnation=launch.incarnation, alive=True, run_uid=launch.run_uid,
+        worker_id=launch.worker_id,
+        handle=handle,
+        run=launch.run,
+        role=launch.role,
+        replica=launch.replica,
+        incarnation=launch.incarnation,
+        alive=True,
+        run_uid=launch.run_uid,
     )
 
 
@@ -298,9 +323,14 @@ def _inspect(proc: psutil.Process, env: dict[str, str]) -> BackendWorker | None:
             return None
         handle = make_handle(proc.pid, proc.create_time())
         return BackendWorker(
-            worker_id=env["MORTAL_WORKER_ID"], handle=handle, run=env.get("MORTAL_RUN", ""),
-            role=env.get("MORTAL_ROLE", ""), replica=int(env.get("MORTAL_REPLICA", "0")),
-            incarnation=int(env.get("MORTAL_INCARNATION", "0")), alive=True, run_uid=env.get("MORTAL_RUN_UID", ""),
+            worker_id=env["MORTAL_WORKER_ID"],
+            handle=handle,
+            run=env.get("MORTAL_RUN", ""),
+            role=env.get("MORTAL_ROLE", ""),
+            replica=int(env.get("MORTAL_REPLICA", "0")),
+            incarnation=int(env.get("MORTAL_INCARNATION", "0")),
+            alive=True,
+            run_uid=env.get("MORTAL_RUN_UID", ""),
         )
     except (psutil.Error, ProcessLookupError, ValueError):
         return None

@@ -1,28 +1,14 @@
-"""The Modal backend: every worker is one call of the deployed app's `worker` function, on the GPU the spec names.
+"""The Modal backend: every worker is one call of the deployed app's worker function, on the GPU the
+spec names.
 
 Who calls it: the controller, through the `Backend` contract (`select_backend("modal")`). The app
-(mortal.controller.modal_app, `modal deploy`) defines the worker function; its body
-(mortal.controller.backends.modal_worker) runs `python -m mortal.workers.main` and returns the
-worker's exit code. The Modal calls made here, and only these (the tests' fake provides exactly them):
-
-    modal.Function.from_name(app, "worker").with_options(gpu="A100").spawn(launch) -> FunctionCall
-    modal.FunctionCall.from_id(id).get(timeout=0)   TimeoutError while running; the exit code after
-    modal.FunctionCall.from_id(id).cancel(terminate_containers=...)
-    modal.Dict.from_name(f"{app}-workers", create_if_missing=True): get / put / pop / items
-    modal.Volume.from_name(f"{app}-data").remove_file(f"runs/{run}", recursive=True)   (delete --purge)
-
-Which function: rollouts that generate with vLLM (`generation.engine` vllm, or auto on a GPU) are
-calls of `rollout_vllm`, whose image adds vLLM to the trainer's (same torch); every other worker is a
-call of `worker`. The names of the app's volume and its mount live here too (DATA_MOUNT,
-data_volume_name), for the app module and the CLI alike: importing this module never imports modal.
-
-The handle is "modal:<function call id>". Each launch is recorded in the Dict (worker_id -> call id,
-run, role, replica, incarnation), so a restarted controller, here or hosted on Modal, lists the
-calls an earlier one launched instead of launching twins (re-adoption). A call whose result is
-gone or that failed in Modal (timeout, crash, cancellation) is listed as exited with no exit code:
-the worker row's own report decides, or it was lost. Errors talking to Modal raise BackendError:
-an unreachable Modal never reads as "the worker exited".
-What it must not do: touch the store, or decide anything.
+(mortal.client.modal_app) defines the functions; their body (modal_worker) runs
+`python -m mortal.workers.main` and returns its exit code. Rollouts that generate with vLLM are calls
+of `rollout_vllm`, whose image adds vLLM; every other worker is a call of `worker`. The handle is
+"modal:<function call id>"; each launch is recorded in a modal.Dict, so a restarted controller adopts
+the calls an earlier one launched instead of launching twins. Only the Modal calls the tests' fake
+provides are used, and importing this module never imports modal.
+What it must not do: touch the store, decide anything, or read an unreachable Modal as an exit.
 """
 
 from __future__ import annotations
@@ -59,13 +45,44 @@ HANDLE_PREFIX = "modal:"
 CANCEL_MARGIN_SECONDS = 5.0  # after the grace: the worker function's own cleanup, then containers are ended
 TERMINATE_WAIT_SECONDS = 60.0
 # The GPU types Modal's `gpu=` accepts (modal.com/docs/guide/gpu), upper case as Modal normalizes them.
-MODAL_GPUS = frozenset({"T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "RTX-PRO-6000",
-                        "H100", "H100!", "H200", "B200", "B200+", "ANY"})
-GPU_ALIASES = {"A100-40G": "A100-40GB", "A100-80G": "A100-80GB", "A100-40": "A100-40GB", "A100-80": "A100-80GB",
-               "H100-80GB": "H100", "H200-141GB": "H200", "A10-24GB": "A10"}
+MODAL_GPUS = frozenset(
+    {
+        "T4",
+        "L4",
+        "A10",
+        "A10G",
+        "L40S",
+        "A100",
+        "A100-40GB",
+        "A100-80GB",
+        "RTX-PRO-6000",
+        "H100",
+        "H100!",
+        "H200",
+        "B200",
+        "B200+",
+        "ANY",
+    }
+)
+GPU_ALIASES = {
+    "A100-40G": "A100-40GB",
+    "A100-80G": "A100-80GB",
+    "A100-40": "A100-40GB",
+    "A100-80": "A100-80GB",
+    "H100-80GB": "H100",
+    "H200-141GB": "H200",
+    "A10-24GB": "A10",
+}
 # Modal errors that mean "this call is over" (rather than "Modal could not be asked").
-_CALL_ENDED = ("OutputExpiredError", "FunctionTimeoutError", "RemoteError", "InternalFailure", "ExecutionError",
-               "DeserializationError", "NotFoundError")
+_CALL_ENDED = (
+    "OutputExpiredError",
+    "FunctionTimeoutError",
+    "RemoteError",
+    "InternalFailure",
+    "ExecutionError",
+    "DeserializationError",
+    "NotFoundError",
+)
 _GPU = re.compile(r"^(?P<name>[A-Z0-9!+-]+?)(?::(?P<count>\d+))?$")
 
 
@@ -86,9 +103,11 @@ def data_volume_name(app: str) -> str:
 def worker_function(launch: WorkerLaunch) -> str:
     """The app function a launch is a call of: rollouts that will generate with vLLM need its image.
 
-    `auto` means vLLM on a GPU (mortal.workers.engines.resolve_engine_name); on the CPU it is
+    `auto` means vLLM on a GPU (mortal.workers.rollout.engines.resolve_engine_name); on the CPU it is
     transformers, which the trainer's image has."""
-    if launch.role == "rollout" and (launch.engine == "vllm" or (launch.engine == "auto" and wants_gpu(launch.gpu))):
+    if launch.role == "rollout" and (
+        launch.engine == "vllm" or (launch.engine == "auto" and wants_gpu(launch.gpu))
+    ):
         return VLLM_FUNCTION
     return WORKER_FUNCTION
 
@@ -99,7 +118,7 @@ def modal_gpu(gpu: str, count: int = 1) -> str | None:
         return None
     match = _GPU.match(gpu.strip().upper().replace("_", "-").replace(" ", "-"))
     name = GPU_ALIASES.get(match["name"], match["name"]) if match else None
-    if name not in MODAL_GPUS:
+    if match is None or name not in MODAL_GPUS:
         known = ", ".join(sorted(MODAL_GPUS - {"ANY"}))
         raise UnsupportedGPU(f"gpu {gpu!r} is not a Modal GPU type; use one of {known} (or 'none' for CPU)")
     count = int(match["count"] or count)
@@ -141,15 +160,21 @@ class ModalBackend(Backend):
 
     name = "modal"
 
-    def __init__(self, modal: ModuleType | Any | None = None, app_name: str | None = None,
-                 exited_ttl_seconds: float = EXITED_TTL_SECONDS, clock: Callable[[], float] = time.time) -> None:
-        """`modal` is the modal package (tests pass a fake); `app_name` defaults to $MORTAL_MODAL_APP or 'mortal'."""
+    def __init__(
+        self,
+        modal: ModuleType | Any | None = None,
+        app_name: str | None = None,
+        exited_ttl_seconds: float = EXITED_TTL_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`modal` is the modal package (tests pass a fake); `app_name` defaults to $MORTAL_MODAL_APP or
+        'mortal'."""
         self._modal = modal if modal is not None else load_modal()
         self.app_name = app_name or deployed_app_name()
         self.exited_ttl_seconds, self._clock = exited_ttl_seconds, clock
         self._registry = self._modal.Dict.from_name(f"{self.app_name}-workers", create_if_missing=True)
         self._functions: dict[tuple[str, str | None], Any] = {}
-        self._ended: dict[str, int | None] = {}  # call id -> exit code, for calls seen ended (never polled again)
+        self._ended: dict[str, int | None] = {}  # call id -> exit code of calls seen ended (not polled again)
         self._lock = threading.Lock()
         self._shipped: set[str] = set()  # code snapshots known to be on the volume (their folders there)
 
@@ -158,8 +183,9 @@ class ModalBackend(Backend):
         """Spawn the worker's call (or return the handle of the running call of this worker id)."""
         if not launch.state_url.startswith(("http://", "https://")):
             raise LaunchFailed(
-                f"workers on Modal reach the state store over HTTP, not {launch.state_url.split(':')[0]}: run the "
-                "controller with MORTAL_STATE_URL=https://<workspace>--mortal-store.modal.run (docs/modal.md)"
+                f"workers on Modal reach the state store over HTTP, not {launch.state_url.split(':')[0]}: "
+                "run the controller with MORTAL_STATE_URL=https://<workspace>--mortal-store.modal.run "
+                "(docs/modal.md)"
             )
         self.ship_code(launch)
         gpu = modal_gpu(launch.gpu, launch.gpu_count)
@@ -171,13 +197,24 @@ class ModalBackend(Backend):
             call = self._function(function, gpu).spawn(dataclasses.asdict(launch))
         except self._modal.exception.NotFoundError as exc:
             raise LaunchFailed(
-                f"the Modal app {self.app_name!r} is not deployed ({exc}): modal deploy -m mortal.controller.modal_app"
+                f"the Modal app {self.app_name!r} is not deployed ({exc}): modal deploy -m "
+                "mortal.client.modal_app"
             ) from exc
         except self._modal.exception.Error as exc:
             raise LaunchFailed(f"could not spawn {launch.worker_id} on Modal: {exc}") from exc
-        entry = {"call_id": call.object_id, "worker_id": launch.worker_id, "run": launch.run, "run_uid": launch.run_uid, "role": launch.role,
-                 "replica": launch.replica, "incarnation": launch.incarnation, "gpu": gpu, "function": function,
-                 "launched_at": self._clock(), "ended_at": None}
+        entry = {
+            "call_id": call.object_id,
+            "worker_id": launch.worker_id,
+            "run": launch.run,
+            "run_uid": launch.run_uid,
+            "role": launch.role,
+            "replica": launch.replica,
+            "incarnation": launch.incarnation,
+            "gpu": gpu,
+            "function": function,
+            "launched_at": self._clock(),
+            "ended_at": None,
+        }
         self._modal_call(self._registry.put, launch.worker_id, entry)
         return HANDLE_PREFIX + call.object_id
 
@@ -189,7 +226,9 @@ class ModalBackend(Backend):
         """The app's function `name` with `gpu` (looked up once; with_options per GPU type)."""
         with self._lock:
             if (name, gpu) not in self._functions:
-                base = self._functions.get((name, None)) or self._modal.Function.from_name(self.app_name, name)
+                base = self._functions.get((name, None)) or self._modal.Function.from_name(
+                    self.app_name, name
+                )
                 self._functions[(name, None)] = base
                 self._functions[(name, gpu)] = base if gpu is None else base.with_options(gpu=gpu)
             return self._functions[(name, gpu)]
@@ -211,11 +250,19 @@ class ModalBackend(Backend):
                 elif now - entry["ended_at"] > self.exited_ttl_seconds:
                     self._forget(worker_id, entry["call_id"])
                     continue
-            workers.append(BackendWorker(
-                worker_id=worker_id, handle=HANDLE_PREFIX + entry["call_id"], run=entry["run"], role=entry["role"],
-                replica=int(entry["replica"]), incarnation=int(entry["incarnation"]), alive=alive, exit_code=code,
-                run_uid=str(entry.get("run_uid") or ""),
-            ))
+            workers.append(
+                BackendWorker(
+                    worker_id=worker_id,
+                    handle=HANDLE_PREFIX + entry["call_id"],
+                    run=entry["run"],
+                    role=entry["role"],
+                    replica=int(entry["replica"]),
+                    incarnation=int(entry["incarnation"]),
+                    alive=alive,
+                    exit_code=code,
+                    run_uid=str(entry.get("run_uid") or ""),
+                )
+            )
         return sorted(workers, key=lambda w: (w.run, w.role, w.replica, w.incarnation))
 
     def _status(self, call_id: str, wait: float = 0) -> tuple[bool, int | None]:
@@ -290,8 +337,10 @@ class ModalBackend(Backend):
             raise BackendError(f"Modal: could not list {remote} on the volume: {exc}") from exc
         if not present:
             if not local.is_dir():
-                raise LaunchFailed(f"the run's code snapshot {local} is not on the controller's machine: apply "
-                                   "the run again from the folder of its code")
+                raise LaunchFailed(
+                    f"the run's code snapshot {local} is not on the controller's machine: "
+                    "apply the run again from the folder of its code"
+                )
             try:
                 with volume.batch_upload() as batch:
                     for root, _, files in os.walk(local):  # a linked model folder is not the volume's to hold
@@ -312,15 +361,17 @@ class ModalBackend(Backend):
         """Remove the run's folder from the data volume (`delete --purge`), through the API, so it works
         from a controller anywhere; a folder already gone is no error."""
         folder = posix_inside("runs", f"runs/{run}")  # PathOutside for a name that leaves runs/
-        self._shipped = {remote for remote in self._shipped if not remote.startswith(f"{folder}/")}  # gone with it
+        # The run's shipped snapshots went with its folder.
+        self._shipped = {remote for remote in self._shipped if not remote.startswith(f"{folder}/")}
         volume = self._modal_call(self._modal.Volume.from_name, data_volume_name(self.app_name))
         try:
             volume.remove_file(folder, recursive=True)
         except (FileNotFoundError, self._modal.exception.NotFoundError):  # modal 1.6 raises the former
             return
         except self._modal.exception.Error as exc:
-            raise BackendError(f"Modal: could not remove runs/{run} from the volume "
-                               f"{data_volume_name(self.app_name)}: {exc}") from exc
+            raise BackendError(
+                f"Modal: could not remove runs/{run} from the volume {data_volume_name(self.app_name)}: {exc}"
+            ) from exc
 
     def _modal_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A call into Modal; its failures are BackendErrors (the reconcile pass is retried)."""
@@ -331,4 +382,6 @@ class ModalBackend(Backend):
 
 
 def _is_entry(entry: Any) -> bool:
-    return isinstance(entry, dict) and all(k in entry for k in ("call_id", "run", "role", "replica", "incarnation"))
+    return isinstance(entry, dict) and all(
+        k in entry for k in ("call_id", "run", "role", "replica", "incarnation")
+    )

@@ -1,21 +1,11 @@
 """The body of the Modal worker functions: one mortal worker process per Modal function call.
 
-Who calls it: the `worker` and `rollout_vllm` functions of mortal.controller.modal_app (in a Modal
-container, once per `ModalBackend.launch`), and the tests' Modal fake, which runs it in a subprocess
-as its "container". It starts `python -m mortal.workers.main` with the worker protocol's environment
-and returns the worker's exit code, which `FunctionCall.get` then hands to the controller (negative
--N when signal N killed it, as in subprocess).
-
-Logs: the worker's output goes both to this container's stdout (Modal's logs) and to the run's log
-file on the data volume, `runs/<run>/logs/<role>-<replica>-<incarnation>.log` (the path the local
-backend writes, mortal.state.paths.worker_log), which `mortalctl logs` reads through the client
-library. Other containers and clients see a volume's files only once committed: `commit` (the app
-passes the volume's) runs every LOG_COMMIT_SECONDS while new output came, and once at the end.
-
-Stopping: `FunctionCall.cancel()` raises `modal.exception.InputCancellation` in this function (a
-SIGUSR1 handler Modal installs); so does anything else that interrupts the wait (a preemption's
-SIGINT). The worker's process group is then sent SIGTERM (it stops at a step boundary and exits 0
-without a report), and SIGKILL after `stop_grace` seconds, before the exception goes on.
+Who calls it: the `worker` and `rollout_vllm` functions of mortal.client.modal_app (once per
+`ModalBackend.launch`), and the tests' Modal fake, in a subprocess. It runs `python -m mortal.workers.main`
+and returns its exit code (-N when signal N killed it) to `FunctionCall.get`. The output goes to
+Modal's logs and to the run's log file on the data volume, committed every LOG_COMMIT_SECONDS, so
+`mortalctl logs` sees it. A cancel (or a preemption) interrupts the wait: the worker's group gets
+SIGTERM, then SIGKILL after `stop_grace` seconds.
 What it must not do: import modal (the fake runs it without), decide anything, or relaunch the worker.
 """
 
@@ -29,18 +19,21 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 from mortal.controller.backends.base import WORKER_MODULE, WorkerLaunch, signal_group
 from mortal.state import paths
 
 STOP_GRACE_SECONDS = 10.0
 LOG_COMMIT_SECONDS = 10.0  # how stale `mortalctl logs` may be for a worker on Modal
-DRAIN_SECONDS = 5.0  # after the worker exits, how long its last output may take to arrive (a child kept the pipe)
+DRAIN_SECONDS = 5.0  # how long the worker's last output may take to arrive after it exits (a child's pipe)
 
 
-def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS,
-               commit: Callable[[], None] | None = None) -> int:
+def run_worker(
+    launch: Mapping[str, Any],
+    stop_grace: float = STOP_GRACE_SECONDS,
+    commit: Callable[[], None] | None = None,
+) -> int:
     """Run the worker `launch` describes (WorkerLaunch fields) to its end; its exit code.
 
     MORTAL_HOME is this container's own when set (the app mounts the shared volume there), so a
@@ -50,18 +43,31 @@ def run_worker(launch: Mapping[str, Any], stop_grace: float = STOP_GRACE_SECONDS
     home = os.environ.get("MORTAL_HOME") or spec.mortal_home
     env = spec.environ(os.environ, cuda_visible_devices=None, mortal_home=home)
     log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation).relative_to(
-        paths.mortal_home())
+        paths.mortal_home()
+    )
     return run_logged([sys.executable, "-m", WORKER_MODULE], env, log, stop_grace, commit)
 
 
-def run_logged(command: Sequence[str], env: Mapping[str, str], log: Path, stop_grace: float = STOP_GRACE_SECONDS,
-               commit: Callable[[], None] | None = None, commit_every: float = LOG_COMMIT_SECONDS) -> int:
+def run_logged(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    stop_grace: float = STOP_GRACE_SECONDS,
+    commit: Callable[[], None] | None = None,
+    commit_every: float = LOG_COMMIT_SECONDS,
+) -> int:
     """Run `command` in a process group of its own, its output teed to stdout and appended to `log`,
     `commit` called while output grows and at the end; its exit code. Stopped as the module says."""
     tee = _Tee(log, commit, commit_every)  # the log opens first: a volume that refuses it starts nothing
     try:
-        proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(command),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     except BaseException:
         tee.close()
         raise
@@ -92,7 +98,7 @@ class _Tee:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(log, "ab")  # noqa: SIM115 - closed in close(), after the copy thread
         self._commit, self._every = commit, every
-        self._pipe: BinaryIO | None = None
+        self._pipe: IO[bytes] | None = None
         self._written, self._committed = 0, 0
         # Held while a chunk is written and counted, and while a commit runs: so a commit covers exactly the
         # bytes counted (no second commit of the same content when output lands during one). A slow commit
@@ -102,7 +108,7 @@ class _Tee:
         self._copy = threading.Thread(target=self._copy_all, name="mortal-log-copy", daemon=True)
         self._sync = threading.Thread(target=self._sync_while_running, name="mortal-log-commit", daemon=True)
 
-    def start(self, pipe: BinaryIO) -> None:
+    def start(self, pipe: IO[bytes]) -> None:
         self._pipe = pipe
         self._copy.start()
         self._sync.start()
@@ -128,7 +134,8 @@ class _Tee:
             with self._lock:
                 written = self._written
                 if not self._file.closed:
-                    os.fsync(self._file.fileno())  # a commit may leave out what a file open for writing holds unsynced
+                    # A commit may leave out what a file open for writing holds unsynced.
+                    os.fsync(self._file.fileno())
                 self._commit()
                 self._committed = written
         except Exception as exc:  # noqa: BLE001 - the worker's run matters more than its log's freshness
@@ -154,4 +161,4 @@ def _echo(chunk: bytes) -> None:
     view = memoryview(chunk)
     with contextlib.suppress(OSError):
         while view:
-            view = view[os.write(1, view):]
+            view = view[os.write(1, view) :]

@@ -1,35 +1,18 @@
 """The Ray backend: every worker is a named, detached Ray actor on an existing Ray cluster.
 
-Who calls it: the controller, through the `Backend` contract (`select_backend("ray")` or
-`select_backend("ray@<address>")`, keyed by `backends.backend_key(spec)`). The controller process
-connects to the cluster as a Ray driver (`ray.init(address)`, once per process: one controller drives
-one Ray cluster). The actor's body is mortal.controller.backends.ray_worker.WorkerHost: it runs
-`python -m mortal.workers.main` with the worker protocol's environment and keeps its exit code, so the
-worker code is the same on every backend. Ray APIs used, and only these:
-
-    ray.init(address=..., log_to_driver=False)                  connect (BackendUnavailable if no cluster answers)
-    ray.remote(WorkerHost).options(name=worker id, namespace=..., lifetime="detached", max_restarts=0,
-        num_cpus, num_gpus, accelerator_type, memory, resources, scheduling_strategy).remote(launch, argv, namespace)
-    ray.util.list_named_actors(all_namespaces=True)             the listing: Ray's named actors are the process table
-    ray.get_actor(name, namespace) / actor.status.remote() / actor.stop.remote(grace) / ray.kill(actor)
-    ray.nodes()                                                 is there a node that can ever hold the request?
-
-Names: namespace `mortal-<home>-<run>` (<home>: 8 hex digits of the controller's MORTAL_HOME, so two
-installations sharing a cluster never list each other's workers), actor name = the worker id
-(`run/role-replica#incarnation`). The handle is "ray:<namespace>/<worker id>". A restarted controller
-lists the namespaces of its home and adopts what runs: no duplicate (launch returns the live actor of
-a worker id), no orphan (an actor no live row owns is stopped by the planner like any process).
-
-Placement: rollouts are spread over the nodes (SPREAD); the actor goes back to the node it last ran
-on when that node is still there (a soft node affinity), else anywhere. A worker whose process ended
-is listed with its exit code and its actor is killed at once, so a finished worker holds no resources.
-An actor that died with its node is listed as exited (exit code unknown) for EXITED_TTL_SECONDS after
-this controller last saw it; one never seen is simply absent (gone, as the contract allows).
+Who calls it: the controller, through the `Backend` contract (`select_backend("ray@<address>")`). The
+controller connects as a Ray driver, once per process, so one controller drives one cluster. The
+actor's body (ray_worker.WorkerHost) runs `python -m mortal.workers.main`, so the worker code is the
+same on every backend. Ray's named actors are the process table: namespace `mortal-<home>-<run>`
+(<home> keeps two installations sharing a cluster apart), actor name = the worker id, handle
+"ray:<namespace>/<worker id>"; a restarted controller lists its namespaces and adopts what runs.
+Rollouts are spread over the nodes; the actor goes back to its last node when it can.
 What it must not do: touch the store, decide anything, or import ray before a RayBackend is made.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import hashlib
@@ -63,12 +46,15 @@ HANDLE_PREFIX = "ray:"
 NAMESPACE_PREFIX = "mortal-"
 ADDRESS_FIELD = "spec.ray.address"
 CONNECT_TIMEOUT_SECONDS = 5.0  # a cluster's head that does not accept a connection by then is not there
-STATUS_TIMEOUT_SECONDS = 0.2  # a status call not answered by then: the actor is starting (or its node is slow)
+STATUS_TIMEOUT_SECONDS = 0.2  # a status call not answered by then: the actor is starting (or its node slow)
 ANSWER_SECONDS = 2.0  # stop: an actor that does not answer a status call by then is not running a worker
 STOP_MARGIN_SECONDS = 10.0  # after the grace: SIGKILL, reaping, the reply
 GONE_WAIT_SECONDS = 10.0  # after ray.kill: until the name is free
 ACCELERATOR_TYPE_UNIT = 0.001  # what Ray reserves of "accelerator_type:<T>" for an actor that names a type
-_WORKER_ID = re.compile(r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)(@(?P<uid>[0-9a-f-]+))?$")
+_WORKER_ID = re.compile(
+    r"^(?P<run>[^/]+)/(?P<role>[a-z]+)-(?P<replica>\d+)#(?P<incarnation>\d+)"
+    r"(@(?P<uid>[0-9a-f-]+))?$"
+)
 _CONNECTED: dict[str, str] = {}  # the address this process's ray.init connected to ("address" -> value)
 _CONNECT_LOCK = threading.Lock()
 
@@ -92,20 +78,27 @@ def connect(ray: ModuleType, address: str | None) -> str:
     when this process is already connected to another cluster (Ray allows one per process)."""
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
-        raise BackendUnavailable(f"backend ray needs the cluster's address: set {ADDRESS_FIELD} (host:port of the "
-                                 "head, 'auto', or ray://host:10001), or RAY_ADDRESS in the controller's environment")
+        raise BackendUnavailable(
+            f"backend ray needs the cluster's address: set {ADDRESS_FIELD} (host:port "
+            "of the head, 'auto', or ray://host:10001), or RAY_ADDRESS in the "
+            "controller's environment"
+        )
     with _CONNECT_LOCK:
         if "address" in _CONNECTED and ray.is_initialized():
             if _CONNECTED["address"] != address:
                 raise BackendUnavailable(
-                    f"{ADDRESS_FIELD}: this controller is connected to the Ray cluster at {_CONNECTED['address']!r} "
-                    f"and cannot also drive {address!r} (one Ray cluster per controller process)")
+                    f"{ADDRESS_FIELD}: this controller is connected to the Ray cluster at "
+                    f"{_CONNECTED['address']!r} and cannot also drive {address!r} (one Ray cluster per "
+                    "controller process)"
+                )
             return address
         _answers(address)
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-            raise BackendUnavailable(f"{ADDRESS_FIELD}: no Ray cluster answers at {address!r}: {exc}") from exc
+            raise BackendUnavailable(
+                f"{ADDRESS_FIELD}: no Ray cluster answers at {address!r}: {exc}"
+            ) from exc
         _CONNECTED["address"] = address
         return address
 
@@ -124,7 +117,8 @@ def _answers(address: str) -> None:
 
 
 def home_tag(home: str | Path) -> str:
-    """8 hex digits of a MORTAL_HOME's real path: the part of a namespace that says whose workers these are."""
+    """8 hex digits of a MORTAL_HOME's real path: the part of a namespace that says whose workers these
+    are."""
     return hashlib.sha256(os.path.realpath(home).encode()).hexdigest()[:8]
 
 
@@ -136,7 +130,11 @@ def ray_accelerator_type(gpu: str, ray: ModuleType) -> str | None:
     name = gpu.strip().upper().split(":")[0]
     if name in ("ANY", "GPU"):
         return None
-    known = {str(v).upper(): str(v) for k, v in vars(ray.util.accelerators).items() if k.isupper() and isinstance(v, str)}
+    known = {
+        str(v).upper(): str(v)
+        for k, v in vars(ray.util.accelerators).items()
+        if k.isupper() and isinstance(v, str)
+    }
     return known.get(name, name)
 
 
@@ -145,9 +143,14 @@ class RayBackend(Backend):
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, home: str | Path | None = None,
-                 command: list[str] | None = None, exited_ttl_seconds: float = EXITED_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        home: str | Path | None = None,
+        command: list[str] | None = None,
+        exited_ttl_seconds: float = EXITED_TTL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`address` (spec.ray.address) defaults to $RAY_ADDRESS; `home` to $MORTAL_HOME; `command` is the
         worker's argv on the node (default: `python -m mortal.workers.main` with the node's interpreter)."""
         self._ray = load_ray()
@@ -173,8 +176,10 @@ class RayBackend(Backend):
         namespace = self.namespace(launch.run)
         handle = f"{HANDLE_PREFIX}{namespace}/{launch.worker_id}"
         if launch.colocate:
-            raise LaunchFailed("rollout.colocate shares the actor's GPU on one host: the ray backend does not "
-                               "build it; give rollouts GPUs of their own (drop colocate)")
+            raise LaunchFailed(
+                "rollout.colocate shares the actor's GPU on one host: the ray backend does "
+                "not build it; give rollouts GPUs of their own (drop colocate)"
+            )
         with self._lock:
             if self._lookup(handle) is not None and handle not in self._ended:
                 return handle
@@ -183,13 +188,17 @@ class RayBackend(Backend):
             argv = self._command or [sys.executable, "-m", WORKER_MODULE]
             try:
                 code = archive(launch.run, launch.env, launch.mortal_home) if launch.node_home else None
-                actor = self._host.options(**options).remote(dataclasses.asdict(launch), argv, namespace, code)
+                actor = self._host.options(**options).remote(
+                    dataclasses.asdict(launch), argv, namespace, code
+                )
             except (ValueError, TypeError) as exc:  # Ray refused the options (a bad resource name, ...)
                 raise LaunchFailed(f"Ray refused to create {launch.worker_id}: {exc}") from exc
             except self._ray.exceptions.RaySystemError as exc:
                 raise BackendError(f"Ray: could not create {launch.worker_id}: {exc}") from exc
             self._handles[handle] = actor
-            self._seen[handle] = _worker(launch.worker_id, handle)  # type: ignore[assignment]
+            worker = _worker(launch.worker_id, handle)
+            if worker is not None:  # a launch's worker id always is one
+                self._seen[handle] = worker
             self._ended.pop(handle, None)
             return handle
 
@@ -197,8 +206,13 @@ class RayBackend(Backend):
         """The actor's options: its name, lifetime, resources and placement."""
         gpus = launch.gpu_count if wants_gpu(launch.gpu) else 0
         options: dict[str, Any] = {
-            "name": launch.worker_id, "namespace": namespace, "lifetime": "detached", "max_restarts": 0,
-            "max_concurrency": 4, "num_cpus": 1.0 if launch.cpus is None else launch.cpus, "num_gpus": gpus,
+            "name": launch.worker_id,
+            "namespace": namespace,
+            "lifetime": "detached",
+            "max_restarts": 0,
+            "max_concurrency": 4,
+            "num_cpus": 1.0 if launch.cpus is None else launch.cpus,
+            "num_gpus": gpus,
         }
         accelerator = ray_accelerator_type(launch.gpu, self._ray) if gpus else None
         if accelerator:
@@ -211,32 +225,41 @@ class RayBackend(Backend):
         if launch.role == "rollout":
             options["scheduling_strategy"] = "SPREAD"
         elif (node := self._nodes.get(launch.run)) is not None:
-            options["scheduling_strategy"] = strategies.NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+            options["scheduling_strategy"] = strategies.NodeAffinitySchedulingStrategy(
+                node_id=node, soft=True
+            )
         return options
 
     def _check_feasible(self, launch: WorkerLaunch, options: dict[str, Any]) -> None:
         """Unschedulable when no live node's total resources can hold the request (Ray would leave the
         actor pending forever): CPUs, GPUs, the accelerator type, memory and custom resources."""
-        wants = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0),
-                 **options.get("resources", {})}
+        wants = {
+            "CPU": options["num_cpus"],
+            "GPU": options["num_gpus"],
+            "memory": options.get("memory", 0),
+            **options.get("resources", {}),
+        }
         if "accelerator_type" in options:
             wants[f"accelerator_type:{options['accelerator_type']}"] = ACCELERATOR_TYPE_UNIT
         wants = {k: v for k, v in wants.items() if v}
         try:
             nodes = [n.get("Resources", {}) for n in self._ray.nodes() if n.get("Alive")]
-        except Exception as exc:  # noqa: BLE001 - any failure to ask is "Ray could not be asked", never "infeasible"
+        except Exception as exc:  # noqa: BLE001 - failing to ask is not "infeasible"
             raise BackendError(f"Ray: could not list the cluster's nodes: {exc}") from exc
         if any(all(node.get(k, 0) >= v for k, v in wants.items()) for node in nodes):
             return
         asked = ", ".join(f"{k}={v:g}" for k, v in wants.items())
-        best = max(nodes, key=lambda n: sum(n.get(k, 0) >= v for k, v in wants.items()), default={})
+        best: dict[str, float] = max(
+            nodes, key=lambda n: sum(n.get(k, 0) >= v for k, v in wants.items()), default={}
+        )
         lacking = [k for k, v in wants.items() if best.get(k, 0) < v]
         gpu_only = all(k == "GPU" or k.startswith("accelerator_type:") for k in lacking)
         field = f"spec.{launch.role}.gpu" if gpu_only else f"spec.ray.{launch.role}"
         raise Unschedulable(
-            f"no node of the Ray cluster at {self.address} can ever hold {launch.role}-{launch.replica}: it asks for "
-            f"{asked}, and no node has {', '.join(lacking)} enough ({len(nodes)} node(s) alive): change {field} "
-            "or add a node that has them")
+            f"no node of the Ray cluster at {self.address} can ever hold {launch.role}-{launch.replica}: it "
+            f"asks for {asked}, and no node has {', '.join(lacking)} enough ({len(nodes)} node(s) alive): "
+            f"change {field} or add a node that has them"
+        )
 
     # -- list --------------------------------------------------------------------------------
     def list(self, run: str | None = None) -> list[BackendWorker]:
@@ -247,10 +270,14 @@ class RayBackend(Backend):
         prefix = self._prefix if run is None else self.namespace(run)
         # Only names that are worker ids: a run's namespace also holds its weights hub (sync ray), which is
         # no WorkerHost (it has no status() to ask) and is not ours to judge (it ends with its actor).
-        listed = {handle: worker for a in named
-                  if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))
-                  for handle in [f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}"]
-                  for worker in [_worker(a["name"], handle)] if worker is not None}
+        listed = {
+            handle: worker
+            for a in named
+            if a["namespace"] == prefix or (run is None and a["namespace"].startswith(prefix))
+            for handle in [f"{HANDLE_PREFIX}{a['namespace']}/{a['name']}"]
+            for worker in [_worker(a["name"], handle)]
+            if worker is not None
+        }
         with self._lock:
             statuses = self._statuses([h for h in listed if h not in self._ended])
             out: dict[str, BackendWorker] = {}
@@ -258,8 +285,12 @@ class RayBackend(Backend):
             for handle, worker in listed.items():
                 self._seen.setdefault(handle, worker)
                 state = statuses.get(handle, {})
-                if handle in self._ended or "exit_code" in state and state["exit_code"] is not None \
-                        or state.get("dead"):
+                if (
+                    handle in self._ended
+                    or "exit_code" in state
+                    and state["exit_code"] is not None
+                    or state.get("dead")
+                ):
                     self._end(handle, state.get("exit_code"), now)
                     out[handle] = dataclasses.replace(worker, alive=False, exit_code=self._ended[handle][0])
                     continue
@@ -276,7 +307,7 @@ class RayBackend(Backend):
                 out[handle] = dataclasses.replace(worker, alive=False, exit_code=self._ended[handle][0])
         return sorted(out.values(), key=lambda w: (w.run, w.role, w.replica, w.incarnation))
 
-    def _statuses(self, handles: list[str]) -> dict[str, dict[str, Any]]:
+    def _statuses(self, handles: builtins.list[str]) -> dict[str, dict[str, Any]]:
         """Each actor's status() ({'dead': True} when Ray says it died); actors that do not answer in time
         (starting, waiting for resources, or on a slow node) are left out: alive, as far as anyone knows.
         An unanswered call is kept and looked at again by the next listing, not sent again."""
@@ -337,12 +368,16 @@ class RayBackend(Backend):
             actor = self._lookup(handle)
         if actor is not None:
             errors = self._ray.exceptions
-            # An actor that does not answer (still waiting for resources, dead, its node gone) has no worker we
-            # could ask to stop: killing the actor below is all there is to do (its worker dies with it).
+            # An actor that does not answer (still waiting for resources, dead, its node gone) has no worker
+            # we could ask to stop: killing the actor below is all there is to do (its worker dies with it).
             answered, _ = self._ray.wait([actor.status.remote()], timeout=ANSWER_SECONDS)
             if answered:
-                with contextlib.suppress(errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError):
-                    self._ray.get(actor.stop.remote(grace_seconds), timeout=grace_seconds + STOP_MARGIN_SECONDS)
+                with contextlib.suppress(
+                    errors.RayActorError, errors.GetTimeoutError, errors.ActorUnavailableError
+                ):
+                    self._ray.get(
+                        actor.stop.remote(grace_seconds), timeout=grace_seconds + STOP_MARGIN_SECONDS
+                    )
             self._kill(actor)
             namespace, _, name = handle.removeprefix(HANDLE_PREFIX).partition("/")
             deadline = time.monotonic() + GONE_WAIT_SECONDS
@@ -374,9 +409,16 @@ def _worker(worker_id: str, handle: str) -> BackendWorker | None:
     found = _WORKER_ID.match(worker_id)
     if found is None:
         return None
-    return BackendWorker(worker_id=worker_id, handle=handle, run=found["run"], role=found["role"],
-                         replica=int(found["replica"]), incarnation=int(found["incarnation"]), alive=True,
-                         run_uid=found["uid"] or "")
+    return BackendWorker(
+        worker_id=worker_id,
+        handle=handle,
+        run=found["run"],
+        role=found["role"],
+        replica=int(found["replica"]),
+        incarnation=int(found["incarnation"]),
+        alive=True,
+        run_uid=found["uid"] or "",
+    )
 
 
 def _worker_host_class() -> type:

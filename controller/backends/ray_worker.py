@@ -1,23 +1,12 @@
-"""The body of a mortal worker's Ray actor: it runs one `python -m mortal.workers.main` and keeps its exit code.
+"""The body of a mortal worker's Ray actor: it runs one `python -m mortal.workers.main` and keeps its
+exit code.
 
-Who calls it: Ray, on a node of the cluster, when `RayBackend.launch` creates the named detached actor
-(`ray.remote(WorkerHost).options(...).remote(launch, command)`); then the backend's `status` and
-`stop` calls. The constructor starts the worker process at once, so an actor that exists is a worker
-that was started (a controller killed between "create" and "start" cannot leave an idle actor).
-
-The process: the launch's environment (`WorkerLaunch.environ`, the same protocol every backend
-gives), CUDA_VISIBLE_DEVICES as Ray set it for this actor's GPUs (empty on CPU), the cluster's address,
-the run's namespace and this node's id (RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV, RAY_NODE_ENV: sync ray connects
-there as a driver and keeps its weights hub on this node), its
-own session and process group, output appended to the run's log file under MORTAL_HOME, and on Linux a
-parent-death signal: if this actor's process dies (its node is lost, Ray kills it), the worker dies
-with it instead of running on as an orphan nobody lists.
-MORTAL_HOME is the controller's (the launch's) when the nodes share that folder (`mortalctl logs` reads
-the log there); with `node_home` (spec.ray.sharedFilesystem false) it is this node's own: the MORTAL_HOME
-that `ray start` ran with on the node, else ~/.mortal of the node's user. The log file is then on
-the node, and this actor uploads it to the run's storage (spec.checkpoint.uri, `log_uri`) every
-LOG_UPLOAD_SECONDS and once more when the worker ends, before its exit code is known (so before the
-controller kills this actor): `mortalctl logs` reads it there (mortal.controller.logs.StorageLogs).
+Who calls it: Ray, on a node of the cluster, when `RayBackend.launch` creates the named detached actor;
+then the backend's `status` and `stop`. The constructor starts the worker at once, so an actor that
+exists is a worker that was started. The process gets the launch's environment (the protocol every
+backend gives), its own process group, output appended to the run's log, and on Linux a parent-death
+signal, so a worker never outlives its actor as an orphan nobody lists. Where the nodes share no
+MORTAL_HOME, the log is uploaded to the run's storage for `mortalctl logs` (StorageLogs).
 What it must not do: import the store, decide anything, or restart the worker (the controller does).
 """
 
@@ -50,12 +39,15 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class WorkerHost:
-    """One worker process and what is known of it; Ray calls the methods from its threads (max_concurrency > 1)."""
+    """One worker process and what is known of it; Ray calls the methods from its threads
+    (max_concurrency > 1)."""
 
-    def __init__(self, launch: dict[str, Any], command: Sequence[str], namespace: str = "",
-                 code: bytes | None = None) -> None:
+    def __init__(
+        self, launch: dict[str, Any], command: Sequence[str], namespace: str = "", code: bytes | None = None
+    ) -> None:
         """`namespace`: the run's (the actor's name is in it; Ray's runtime context gives the creating job's);
-        `code`: the run's code snapshot (mortal.controller.snapshot.archive) when this node has its own home."""
+        `code`: the run's code snapshot (mortal.controller.snapshot.archive) when this node has its own
+        home."""
         import ray
 
         spec = WorkerLaunch(**launch)
@@ -63,13 +55,19 @@ class WorkerHost:
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "") if spec.gpu_count and wants_gpu(spec.gpu) else ""
         home = str(paths.mortal_home()) if spec.node_home else spec.mortal_home
         if spec.node_home and code is not None:
-            unpack(code, spec.run, spec.env, home)  # the run's code snapshot, into this node's own MORTAL_HOME
+            unpack(code, spec.run, spec.env, home)  # the run's code snapshot, into the node's own MORTAL_HOME
         env = spec.environ(os.environ, cuda_visible_devices=devices, mortal_home=home)
         context = ray.get_runtime_context()
-        env.update({RAY_ADDRESS_ENV: context.gcs_address, RAY_NAMESPACE_ENV: namespace,
-                    RAY_NODE_ENV: context.get_node_id()})
-        log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation) \
-            .relative_to(paths.mortal_home())
+        env.update(
+            {
+                RAY_ADDRESS_ENV: context.gcs_address,
+                RAY_NAMESPACE_ENV: namespace,
+                RAY_NODE_ENV: context.get_node_id(),
+            }
+        )
+        log = Path(home) / paths.worker_log(spec.run, spec.role, spec.replica, spec.incarnation).relative_to(
+            paths.mortal_home()
+        )
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         self._log_url = storage_log_url(spec.log_uri, spec.run, log.name) if spec.log_uri else None
@@ -80,20 +78,37 @@ class WorkerHost:
         failure: list[BaseException] = []
         # The process is started and waited for by one thread that lives exactly as long as the process:
         # the parent-death signal fires when the thread that forked the child ends, not only the process.
-        self._waiter = threading.Thread(target=self._run, args=(list(command), env, log, started, failure),
-                                        name="mortal-worker", daemon=True)
+        self._waiter = threading.Thread(
+            target=self._run,
+            args=(list(command), env, log, started, failure),
+            name="mortal-worker",
+            daemon=True,
+        )
         self._waiter.start()
         started.wait()
         if failure:
             raise failure[0]
 
-    def _run(self, command: list[str], env: dict[str, str], log: Path, started: threading.Event,
-             failure: list[BaseException]) -> None:
+    def _run(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        log: Path,
+        started: threading.Event,
+        failure: list[BaseException],
+    ) -> None:
         try:
             with open(log, "ab") as out:
-                self._proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                              stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                self._proc = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
         except BaseException as exc:  # handed to the constructor, which raises it: the actor's creation fails
             failure.append(exc)
             started.set()
@@ -125,7 +140,9 @@ class WorkerHost:
             fs.put_file(str(self.log), path)
             self._uploaded = size
         except (OSError, ValueError, ImportError) as exc:
-            print(f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True)
+            print(
+                f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True
+            )
 
     def status(self) -> dict[str, Any]:
         """The worker's exit code (None while it runs; -N when signal N ended it) and this actor's node."""
@@ -133,8 +150,12 @@ class WorkerHost:
 
         with self._lock:
             code = self._exit_code
-        return {"worker_id": self.worker_id, "exit_code": code, "pid": self._proc.pid,
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "worker_id": self.worker_id,
+            "exit_code": code,
+            "pid": self._proc.pid,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def stop(self, grace_seconds: float) -> int | None:
         """SIGTERM the worker's process group (it checkpoints and exits 0), SIGKILL what is left after

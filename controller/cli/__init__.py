@@ -1,7 +1,12 @@
-"""mortal.controller.cli: `mortalctl`, the kubectl-like command line (entry point: main.main).
+"""The old path of mortal.client.cli (deprecated): warns, and re-exports it."""
 
-One module per verb group: apply, get, describe, scale, lifecycle (delete/suspend/resume), ops
-(logs/controller/schema/version); context (global options, store, errors), output (tables, YAML,
-JSON, ages) and follow (the live view shared with MortalTrainer). The top layer: it may import
-every other part of mortal, and nothing imports it except mortal.controller.trainer.
-"""
+import warnings
+
+from mortal.client import cli as _moved
+
+_OLD, _NEW = "mortal.controller.cli", "mortal.client.cli"
+warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
+
+
+def __getattr__(name: str) -> object:
+    return getattr(_moved, name)

@@ -1,170 +1,18 @@
-"""`mortalctl cp RUN[:step-N] DIR`: copy a run's checkpoint out, from this machine or Modal's volume.
+"""The old path of mortal.client.checkpoint_copy and mortal.client.cli.cp (deprecated):
+warns, and re-exports them."""
 
-Like `kubectl cp`, the source names something the cluster keeps, the destination a local folder.
-The checkpoint is the newest complete one unless a step is named (the store lists only complete
-checkpoints, so a half-written one is never copied). For `backend: modal` the files are read from
-the run's Modal volume through the client library (`Volume.listdir`, `Volume.read_file`); a checkpoint
-uploaded to spec.checkpoint.uri (its row holds the URL) is downloaded from there with fsspec.
-What it must not do: leave a half-copied folder where the user looks. Files land in a temporary
-folder beside DIR, renamed to DIR when all of them are there; DIR must not exist yet, or be empty.
-"""
+import warnings
 
-from __future__ import annotations
+from mortal.client import checkpoint_copy as _copy
+from mortal.client.cli import cp as _verb
 
-import os
-import re
-import shutil
-import tempfile
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import typer
-
-from mortal.controller.backends.modal import DATA_MOUNT as MODAL_DATA_MOUNT
-from mortal.controller.backends.modal import data_volume
-from mortal.controller.cli.context import CliError, state
-from mortal.controller.cli.text import plain
-from mortal.state.containment import PathOutside, owned_checkpoint, posix_inside, report_refused, tree_inside
-from mortal.workers.storage import StorageError, is_url, local_path, open_filesystem
-
-if TYPE_CHECKING:
-    from mortal.state.store import Store
-    from mortal.state.tables import CheckpointRow
-
-HELP = """Copy a run's checkpoint to a local folder (the newest, or the one of step N).
-
-The folder holds what transformers (or peft, for LoRA runs) loads: `AutoModelForCausalLM.
-from_pretrained(DIR)`. For runs on Modal the checkpoint is read from the run's Modal volume.
-
-\b
-Examples:
-  mortalctl cp quickstart ./quickstart-final
-  mortalctl cp quickstart:step-20 ./quickstart-step-20
-"""
-SOURCE = re.compile(r"^(?P<run>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(:step-(?P<step>\d+))?$")
+_OLD, _NEW = "mortal.controller.cli.cp", "mortal.client.checkpoint_copy, mortal.client.cli.cp"
+warnings.warn(f"{_OLD} moved to {_NEW}; import it from there", DeprecationWarning, stacklevel=2)
+_MOVED = (_copy, _verb)
 
 
-def parse_source(source: str) -> tuple[str, int | None]:
-    """RUN or RUN:step-N -> (run, step or None)."""
-    match = SOURCE.match(source)
-    if match is None:
-        raise CliError(f"{source!r}: expected RUN or RUN:step-N (e.g. quickstart:step-20)")
-    step = match.group("step")
-    return match.group("run"), int(step) if step is not None else None
-
-
-def choose_checkpoint(checkpoints: list[CheckpointRow], run: str, step: int | None) -> CheckpointRow:
-    if not checkpoints:
-        raise CliError(f"run {run!r} has no complete checkpoint yet")
-    if step is None:
-        return max(checkpoints, key=lambda c: c.step)
-    for checkpoint in checkpoints:
-        if checkpoint.step == step:
-            return checkpoint
-    kept = ", ".join(f"step-{c.step}" for c in sorted(checkpoints, key=lambda c: c.step))
-    raise CliError(f"run {run!r} has no complete checkpoint of step {step} (it keeps {kept})")
-
-
-def check_destination(dest: Path) -> None:
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise CliError(f"{dest}: exists and is not an empty folder; name a new one")
-    if not dest.parent.is_dir():
-        raise CliError(f"{dest.parent}: no such folder")
-
-
-def owned(store: Store, run: str, checkpoint: CheckpointRow, spec: dict[str, Any]) -> str:
-    """The checkpoint's path once checked to be the run's own (mortal.state.containment): in its checkpoints
-    folder (on Modal's volume: runs/<run>/checkpoints/ there) or under spec.checkpoint.uri's <run>/, with no
-    symlink below it that leads out. A row pointing elsewhere: a Warning event, and CliError."""
-    uri = spec.get("checkpoint", {}).get("uri")
-    try:
-        if spec.get("backend") == "modal" and not is_url(checkpoint.path):
-            return posix_inside(f"{MODAL_DATA_MOUNT}/runs/{run}/checkpoints", checkpoint.path)
-        path = owned_checkpoint(run, checkpoint.path, uri)
-        folder = local_path(path)
-        if folder is not None:
-            real = Path(os.path.realpath(folder))
-            tree_inside(real.parent, real)  # copytree follows the links below it
-        return path
-    except PathOutside as exc:
-        report_refused(store, run, f"copying checkpoint step-{checkpoint.step}", exc)
-        raise CliError(f"checkpoint step-{checkpoint.step} of run {run!r}: {exc}") from None
-
-
-def copy_local(source: Path, into: Path) -> None:
-    if not source.is_dir():
-        raise CliError(f"the checkpoint folder {source} is gone from this machine (pruned, or the run was purged)")
-    shutil.copytree(source, into, dirs_exist_ok=True)
-
-
-def copy_from_storage(url: str, into: Path) -> None:
-    """Every file of the checkpoint at `url` (spec.checkpoint.uri's storage), downloaded with fsspec."""
-    try:
-        fs, root = open_filesystem(url)
-        files = fs.find(root)
-        for remote in files:
-            target = into / os.path.relpath(remote, root)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(remote, str(target))
-    except (StorageError, OSError) as exc:
-        raise CliError(f"cannot download the checkpoint at {url}: {exc}") from exc
-    if not files:
-        raise CliError(f"the checkpoint at {url} is empty or gone (pruned, or removed from the storage)")
-
-
-def copy_from_modal(source: str, into: Path, volume: Any) -> int:
-    """Every file under `source` (a path inside the workers' mount) from `volume`; the bytes copied."""
-    from modal.volume import FileEntryType
-
-    prefix = os.path.relpath(source, MODAL_DATA_MOUNT)
-    if prefix.startswith(".."):
-        raise CliError(f"the checkpoint path {source} is not on the Modal data volume ({MODAL_DATA_MOUNT})")
-    copied = 0
-    for entry in volume.listdir(prefix, recursive=True):
-        if entry.type != FileEntryType.FILE:
-            continue
-        target = into / os.path.relpath(entry.path, prefix)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with target.open("wb") as handle:
-            for chunk in volume.read_file(entry.path):
-                handle.write(chunk)
-                copied += len(chunk)
-    if not copied and not any(into.iterdir()):
-        raise CliError(f"the checkpoint {prefix} is empty or gone on the Modal volume")
-    return copied
-
-
-def modal_data_volume() -> Any:
-    return data_volume()
-
-
-def cp_command(
-    ctx: typer.Context,
-    source: str = typer.Argument(..., metavar="RUN[:step-N]", help="The run, and optionally the checkpoint's step."),
-    dest: Path = typer.Argument(..., metavar="DIR", help="A new (or empty) local folder."),
-) -> None:
-    run, step = parse_source(source)
-    cli = state(ctx)
-    row = cli.store.get_run(run)  # NotFound: "error: run ... not found"
-    checkpoint = choose_checkpoint(cli.store.list_checkpoints(run), run, step)
-    dest = dest.expanduser().resolve()
-    check_destination(dest)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        if is_url(checkpoint.path):
-            copy_from_storage(owned(cli.store, run, checkpoint, row.spec), staging)
-        elif row.spec.get("backend") == "modal":
-            copy_from_modal(owned(cli.store, run, checkpoint, row.spec), staging, modal_data_volume())
-        else:
-            copy_local(Path(owned(cli.store, run, checkpoint, row.spec)), staging)
-        if dest.exists():
-            dest.rmdir()  # empty (checked above)
-        staging.rename(dest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    typer.echo(plain(f"trainingrun/{run} checkpoint step-{checkpoint.step} (weights v{checkpoint.weight_version}) "
-                     f"copied to {dest}"))
-
-
-def register(app: typer.Typer) -> None:
-    app.command("cp", help=HELP, short_help="Copy a run's checkpoint to a local folder", no_args_is_help=True)(cp_command)
+def __getattr__(name: str) -> object:
+    for module in _MOVED:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

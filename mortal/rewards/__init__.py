@@ -35,8 +35,16 @@ _EXPORTS = {
     "RewardCache": "mortal.workers.rewards.environments",
 }
 
-__all__ = ["ExecutionResult", "Executor", "FunctionConfig", "Job", "RewardCache", "RewardEnvironment", "SandboxConfig",
-           "SandboxUnavailable"]
+__all__ = [
+    "ExecutionResult",
+    "Executor",
+    "FunctionConfig",
+    "Job",
+    "RewardCache",
+    "RewardEnvironment",
+    "SandboxConfig",
+    "SandboxUnavailable",
+]
 
 
 def __getattr__(name: str) -> Any:

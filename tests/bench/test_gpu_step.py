@@ -1,6 +1,6 @@
-"""bench/gpu_step.py's figures against the physical limit: decode against the HBM floor, and training MFU over the
-whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs; and the
-steps every figure is taken over (steady_steps: a maxStaleness run's last steps overlap nothing)."""
+"""bench/gpu_step.py's figures against the physical limit: decode against the HBM floor, and training MFU over
+the whole of TRL's step and over its update alone (issue 14 part 4), from the steps' breakdown the actor logs;
+and the steps every figure is taken over (steady_steps: a maxStaleness run's last steps overlap nothing)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def _steps(train: float, prepare: float | None, update: float | None, n: int = 6
 
 
 def test_mfu_is_six_n_flops_per_trained_token_over_the_train_seconds_against_the_gpus_peak() -> None:
-    out = gpu_step.limits("NVIDIA H100 80GB HBM3", PARAMETERS, [1.4], _steps(0.2, None, None), prompt_tokens=832)
+    out = gpu_step.limits(
+        "NVIDIA H100 80GB HBM3", PARAMETERS, [1.4], _steps(0.2, None, None), prompt_tokens=832
+    )
     flops = 6 * PARAMETERS * (16_384 + 832)
     assert out["model_flops_per_step"] == flops and out["mfu"] == pytest.approx(flops / 0.2 / PEAK)
     assert "update_mfu" not in out  # an actor older than the split: no figure made up
@@ -61,7 +63,9 @@ def test_a_max_staleness_runs_last_steps_with_nothing_to_overlap_are_left_out_of
 def test_too_few_steps_to_leave_any_out_keep_what_there_is() -> None:
     assert gpu_step.steady_steps([1, 2, 3], staleness=1) == [3]
     assert gpu_step.steady_steps([1, 2], staleness=1) == []
-    assert gpu_step.summarize("mortal", _timed([4.0, 2.0]), staleness=1)["median_step_seconds"] == 3.0  # both, then
+    assert (
+        gpu_step.summarize("mortal", _timed([4.0, 2.0]), staleness=1)["median_step_seconds"] == 3.0
+    )  # both, then
 
 
 def test_the_mfu_of_a_max_staleness_run_is_over_its_steady_steps() -> None:
@@ -71,12 +75,17 @@ def test_the_mfu_of_a_max_staleness_run_is_over_its_steady_steps() -> None:
 
 
 def test_a_recorded_run_is_resummarized_over_its_steady_steps(tmp_path, capsys) -> None:
-    recorded = {"staleness": 1, "mortal_over_trl": 4.81,
-                "trl": {"median_step_seconds": 13.82, "steps": _timed([35.3, 12.6, 13.11, 14.53])},
-                "mortal": {"median_step_seconds": 2.85, "steps": _timed([17.46, 3.62, 3.62, 2.09])}}
+    recorded = {
+        "staleness": 1,
+        "mortal_over_trl": 4.81,
+        "trl": {"median_step_seconds": 13.82, "steps": _timed([35.3, 12.6, 13.11, 14.53])},
+        "mortal": {"median_step_seconds": 2.85, "steps": _timed([17.46, 3.62, 3.62, 2.09])},
+    }
     path = tmp_path / "run.json"
     path.write_text(json.dumps(recorded))
     gpu_step.resummarize([path])
     out = capsys.readouterr().out
     assert "mortal (maxStaleness 1) 3.620 s/step" in out and "(recorded: 2.850 s/step)" in out
-    assert f"mortal / TRL {13.82 / 3.62:.2f}x (recorded: 4.81x)" in out  # TRL over steps 3-4, mortal over step 3
+    assert (
+        f"mortal / TRL {13.82 / 3.62:.2f}x (recorded: 4.81x)" in out
+    )  # TRL over steps 3-4, mortal over step 3

@@ -32,7 +32,9 @@ def test_the_fused_head_and_full_logits_train_the_same_step_in_micro_batches(mon
     assert fused["losses"] == pytest.approx(full["losses"], rel=1e-5, abs=1e-7)
 
 
-def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_by_flag(monkeypatch, tmp_path, capsys) -> None:
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_by_flag(
+    monkeypatch, tmp_path, capsys
+) -> None:
     monkeypatch.setattr(sys, "argv", ["train_step.py", "--shape", "tiny", "--micro-batch", "5"])
     with pytest.raises(SystemExit):
         train_step.main()

@@ -22,28 +22,65 @@ def ago(seconds: float) -> datetime:
     return NOW - timedelta(seconds=seconds)
 
 
-def row(role: str = "actor", replica: int = 0, inc: int = 1, state: str = "Running", *, handle: str | None = "h",
-        beat: float | None = 0.5, started: float = 100.0, ended: float | None = None, step: int | None = None,
-        code: int | None = None, message: str | None = None, lease: float = 10.0,
-        version: int | None = None) -> WorkerRow:
+def row(
+    role: str = "actor",
+    replica: int = 0,
+    inc: int = 1,
+    state: str = "Running",
+    *,
+    handle: str | None = "h",
+    beat: float | None = 0.5,
+    started: float = 100.0,
+    ended: float | None = None,
+    step: int | None = None,
+    code: int | None = None,
+    message: str | None = None,
+    lease: float = 10.0,
+    version: int | None = None,
+) -> WorkerRow:
     """A worker row; times are seconds before NOW. Ended states get ended_at (default: 1 s ago)."""
     if state not in ("Pending", "Running") and ended is None:
         ended = 1.0
     return WorkerRow(
-        id=next(_ids), run=RUN, role=role, replica=replica, incarnation=inc, backend="local",
-        handle=(f"{handle}{inc}" if handle else None), state=state, heartbeat_at=None if beat is None else ago(beat),
-        lease_seconds=lease, step=step, weight_version=version, exit_code=code, message=message, started_at=ago(started),
+        id=next(_ids),
+        run=RUN,
+        role=role,
+        replica=replica,
+        incarnation=inc,
+        backend="local",
+        handle=(f"{handle}{inc}" if handle else None),
+        state=state,
+        heartbeat_at=None if beat is None else ago(beat),
+        lease_seconds=lease,
+        step=step,
+        weight_version=version,
+        exit_code=code,
+        message=message,
+        started_at=ago(started),
         ended_at=None if ended is None else ago(ended),
     )
 
 
-def proc(w: WorkerRow, alive: bool = True, code: int | None = None, handle: str | None = None,
-         uid: str | None = None) -> BackendWorker:
+def proc(
+    w: WorkerRow,
+    alive: bool = True,
+    code: int | None = None,
+    handle: str | None = None,
+    uid: str | None = None,
+) -> BackendWorker:
     """The backend's view of `w`'s process (launched for the run of `uid`, when given)."""
     ref = WorkerRef(w.run, w.role, w.replica, w.incarnation, run_uid=uid)
-    return BackendWorker(worker_id=ref.process_id, handle=handle or w.handle or f"pid{w.incarnation}", run=w.run,
-                         role=w.role, replica=w.replica, incarnation=w.incarnation, alive=alive, exit_code=code,
-                         run_uid=uid or "")
+    return BackendWorker(
+        worker_id=ref.process_id,
+        handle=handle or w.handle or f"pid{w.incarnation}",
+        run=w.run,
+        role=w.role,
+        replica=w.replica,
+        incarnation=w.incarnation,
+        alive=alive,
+        exit_code=code,
+        run_uid=uid or "",
+    )
 
 
 def running(rollouts: int = 1, step: int = 5) -> tuple[list[WorkerRow], list[BackendWorker]]:
@@ -56,13 +93,30 @@ def status(phase: str, **extra: Any) -> dict[str, Any]:
     return {"phase": phase, **extra}
 
 
-def run_plan(rows: list[WorkerRow], procs: list[BackendWorker] = (), prev: dict[str, Any] | None = None,
-             ckpt: CheckpointRow | None = None, cfg: PlanConfig = CFG, weights: int | None = None,
-             reward: float | None = None, metrics: dict[int, dict[str, float]] | None = None,
-             weights_at: datetime | None = None, now: datetime = NOW, **desired: Any) -> Plan:
+def run_plan(
+    rows: list[WorkerRow],
+    procs: list[BackendWorker] = (),
+    prev: dict[str, Any] | None = None,
+    ckpt: CheckpointRow | None = None,
+    cfg: PlanConfig = CFG,
+    weights: int | None = None,
+    reward: float | None = None,
+    metrics: dict[int, dict[str, float]] | None = None,
+    weights_at: datetime | None = None,
+    now: datetime = NOW,
+    **desired: Any,
+) -> Plan:
     d = Desired(name=RUN, **desired)
-    o = Observed(workers=rows, processes=procs, status=prev or {}, checkpoint=ckpt, weight_version=weights,
-                 weights_at=weights_at, reward=reward, metrics=metrics)
+    o = Observed(
+        workers=rows,
+        processes=procs,
+        status=prev or {},
+        checkpoint=ckpt,
+        weight_version=weights,
+        weights_at=weights_at,
+        reward=reward,
+        metrics=metrics,
+    )
     return plan(d, o, now, cfg)
 
 

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from polling import wait_for
 
+from mortal.client.cli.context import modify_spec
 from mortal.controller import wake
-from mortal.controller.cli.context import modify_spec
 from mortal.controller.manager import Controller
 from mortal.controller.observed import PlanConfig
 from mortal.controller.reconciler import ControllerConfig
@@ -31,10 +31,21 @@ from mortal.specs import TrainingRun
 from mortal.state import RunRow, Store, open_store, paths
 
 FAST = ControllerConfig(
-    plan=PlanConfig(launch_grace_seconds=3.0, active_resync_seconds=0.5, stop_grace_seconds=5.0,
-                    orphan_grace_seconds=1.0, stop_poll_seconds=0.3, backoff_reset_seconds=60.0),
-    worker_lease_seconds=5.0, leader_lease_seconds=3.0, leader_renew_seconds=0.5, poll_seconds=0.25,
-    resync_seconds=5.0, retry_base_seconds=0.2, retry_max_seconds=5.0,
+    plan=PlanConfig(
+        launch_grace_seconds=3.0,
+        active_resync_seconds=0.5,
+        stop_grace_seconds=5.0,
+        orphan_grace_seconds=1.0,
+        stop_poll_seconds=0.3,
+        backoff_reset_seconds=60.0,
+    ),
+    worker_lease_seconds=5.0,
+    leader_lease_seconds=3.0,
+    leader_renew_seconds=0.5,
+    poll_seconds=0.25,
+    resync_seconds=5.0,
+    retry_base_seconds=0.2,
+    retry_max_seconds=5.0,
 )
 
 
@@ -43,7 +54,9 @@ def worker_processes(home: Path, role: str | None = None, run: str | None = None
     found = []
     for proc in psutil.process_iter(["environ", "status"]):
         env = proc.info.get("environ") or {}
-        if "MORTAL_WORKER_ID" not in env or os.path.realpath(env.get("MORTAL_HOME", "")) != os.path.realpath(home):
+        if "MORTAL_WORKER_ID" not in env or os.path.realpath(env.get("MORTAL_HOME", "")) != os.path.realpath(
+            home
+        ):
             continue
         if proc.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
@@ -81,8 +94,9 @@ class Harness:
         self.subprocesses: list[subprocess.Popen[bytes]] = []
 
     def apply(self, run: TrainingRun) -> RunRow:
-        row, _ = self.store.apply_run(run.name, run.spec_dict(), labels=run.metadata.labels,
-                                      annotations=run.metadata.annotations)
+        row, _ = self.store.apply_run(
+            run.name, run.spec_dict(), labels=run.metadata.labels, annotations=run.metadata.annotations
+        )
         wake.notify(run.name)
         return row
 
@@ -105,12 +119,19 @@ class Harness:
         self.controllers.append(controller)
         return controller
 
-    def spawn(self, *args: str, env: dict[str, str] | None = None, log: str = "controller") -> subprocess.Popen[bytes]:
+    def spawn(
+        self, *args: str, env: dict[str, str] | None = None, log: str = "controller"
+    ) -> subprocess.Popen[bytes]:
         """`python -m mortal.controller` in a subprocess of its own process group, logging to a file."""
         out = open(self.home / f"{log}.log", "ab")  # noqa: SIM115 - handed to the child, closed with it
         child_env = {**os.environ, "MORTAL_HOME": str(self.home), "MORTAL_STATE_URL": self.url, **(env or {})}
-        proc = subprocess.Popen([sys.executable, "-m", "mortal.controller", *args], env=child_env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mortal.controller", *args],
+            env=child_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         out.close()
         self.subprocesses.append(proc)
         return proc
@@ -119,7 +140,9 @@ class Harness:
         return self.store.get_run(name).status
 
     def wait_phase(self, name: str, phase: str, timeout: float = 30.0) -> dict[str, Any]:
-        return wait_for(lambda: (s := self.status(name)).get("phase") == phase and s, timeout, f"{name} {phase}")
+        return wait_for(
+            lambda: (s := self.status(name)).get("phase") == phase and s, timeout, f"{name} {phase}"
+        )
 
     def live_rows(self, name: str, role: str | None = None) -> list:
         return [w for w in self.store.list_workers(name, live_only=True) if role is None or w.role == role]
@@ -127,7 +150,9 @@ class Harness:
     def resumed_from(self, name: str, incarnation: int) -> int | None:
         """The checkpoint step the actor of `incarnation` says it resumed from (its log), None if fresh."""
         log = paths.worker_log(name, "actor", 0, incarnation)
-        found = re.search(r"resuming from checkpoint of step (\d+)", log.read_text()) if log.exists() else None
+        found = (
+            re.search(r"resuming from checkpoint of step (\d+)", log.read_text()) if log.exists() else None
+        )
         return int(found.group(1)) if found else None
 
     def close(self) -> None:
@@ -153,7 +178,11 @@ def harness(store_url: str, mortal_home: Path) -> Iterator[Harness]:
 
 
 def wait_no_workers(h: Harness, timeout: float = 20.0, run: str | None = None) -> None:
-    wait_for(lambda: not worker_processes(h.home, run=run), timeout, f"every worker process of {run or 'all'} to exit")
+    wait_for(
+        lambda: not worker_processes(h.home, run=run),
+        timeout,
+        f"every worker process of {run or 'all'} to exit",
+    )
 
 
 def delete_and_wait(h: Harness, name: str, purge: bool = False, timeout: float = 30.0) -> None:

@@ -28,8 +28,11 @@ def test_background_controller_starts_once_runs_a_run_and_stops_on_sigterm(harne
     try:
         assert manager.running_controller_pid() == pid
         assert manager.ensure_background_controller(h.url) is None  # one is running: not a second
-        wait_for(lambda: (lease := h.store.get_lease(LEASE_NAME)) and lease.holder.split(":")[1] == str(pid), 30,
-                 "the background controller to lead")
+        wait_for(
+            lambda: (lease := h.store.get_lease(LEASE_NAME)) and lease.holder.split(":")[1] == str(pid),
+            30,
+            "the background controller to lead",
+        )
         wait_for(lambda: h.status("bg").get("phase") == "Running", 30, "the run to start")
         workers = {p.pid for p in worker_processes(h.home)}
         os.kill(pid, signal.SIGTERM)
@@ -61,5 +64,7 @@ def test_a_live_lease_elsewhere_means_no_new_controller(harness):  # noqa: F811
 
 
 def test_python_m_mortal_controller_help():
-    out = subprocess.run([sys.executable, "-m", "mortal.controller", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mortal.controller", "--help"], capture_output=True, text=True, check=True
+    )
     assert "--watch" in out.stdout and "--idle-exit" in out.stdout

@@ -28,8 +28,9 @@ class GPUBackend(Backend):
     def launch(self, launch: WorkerLaunch) -> str:
         handle = f"mem:{launch.worker_id}"
         self.launched.append(launch)
-        self.workers[handle] = BackendWorker(launch.worker_id, handle, launch.run, launch.role, launch.replica,
-                                             launch.incarnation, alive=True)
+        self.workers[handle] = BackendWorker(
+            launch.worker_id, handle, launch.run, launch.role, launch.replica, launch.incarnation, alive=True
+        )
         return handle
 
     def list(self, run=None):
@@ -45,16 +46,31 @@ def reconciler(store, store_url, backend):
     return Reconciler(store, store_url, elector, FAST, backends=lambda _: backend)
 
 
-@pytest.mark.parametrize(("actor", "rollout", "expected"), [
-    ({"gpu": "H100"}, {"gpu": "H100", "replicas": 2}, [("actor", 1), ("rollout", 1), ("rollout", 1)]),
-    ({"gpu": "H100"}, {"gpu": "H100", "replicas": 2, "colocate": True}, [("actor", 1), ("rollout", 0), ("rollout", 0)]),
-    ({"gpu": "none"}, {"gpu": "none", "replicas": 2}, [("actor", 0), ("rollout", 0), ("rollout", 0)]),
-])
-def test_each_worker_row_records_the_gpus_its_backend_gives_it(store, store_url, mortal_home: Path,
-                                                                 actor, rollout, expected):
+@pytest.mark.parametrize(
+    ("actor", "rollout", "expected"),
+    [
+        ({"gpu": "H100"}, {"gpu": "H100", "replicas": 2}, [("actor", 1), ("rollout", 1), ("rollout", 1)]),
+        (
+            {"gpu": "H100"},
+            {"gpu": "H100", "replicas": 2, "colocate": True},
+            [("actor", 1), ("rollout", 0), ("rollout", 0)],
+        ),
+        ({"gpu": "none"}, {"gpu": "none", "replicas": 2}, [("actor", 0), ("rollout", 0), ("rollout", 0)]),
+    ],
+)
+def test_each_worker_row_records_the_gpus_its_backend_gives_it(
+    store, store_url, mortal_home: Path, actor, rollout, expected
+):
     backend = GPUBackend()
-    run = simulated_run("g", spec={"actor": actor, "rollout": rollout, "generation": {"engine": "transformers"},
-                                   "limits": {"maxGPUHours": 1}})
+    run = simulated_run(
+        "g",
+        spec={
+            "actor": actor,
+            "rollout": rollout,
+            "generation": {"engine": "transformers"},
+            "limits": {"maxGPUHours": 1},
+        },
+    )
     store.apply_run(run.name, run.spec_dict())
     reconciler(store, store_url, backend).reconcile("g")
     rows = store.list_workers("g")

@@ -55,10 +55,19 @@ def story(h, name: str) -> str:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_kills_at_random_points_train_every_row_exactly_once(harness, seed):  # noqa: F811
     h, rng, name = harness, random.Random(seed), f"once-{seed}"
-    h.apply(simulated_run(name, max_steps=STEPS, rollout_replicas=2, step_seconds=STEP_SECONDS, spec={
-        "algorithm": {"batchSize": PROMPTS_PER_STEP * 2, "maxStaleness": 1},
-        "restartPolicy": {"maxRestarts": 100, "backoffSeconds": 0.2},
-    }, annotations={"mortal.dev/generate-seconds": "0.02", "mortal.dev/task-lease-seconds": "2"}))
+    h.apply(
+        simulated_run(
+            name,
+            max_steps=STEPS,
+            rollout_replicas=2,
+            step_seconds=STEP_SECONDS,
+            spec={
+                "algorithm": {"batchSize": PROMPTS_PER_STEP * 2, "maxStaleness": 1},
+                "restartPolicy": {"maxRestarts": 100, "backoffSeconds": 0.2},
+            },
+            annotations={"mortal.dev/generate-seconds": "0.02", "mortal.dev/task-lease-seconds": "2"},
+        )
+    )
     controller = h.spawn()
     order = rng.sample(VICTIMS, len(VICTIMS))
     at_steps = sorted(rng.sample(range(2, LAST_KILL_AT), len(order)))
@@ -69,11 +78,19 @@ def test_kills_at_random_points_train_every_row_exactly_once(harness, seed):  # 
             controller.wait()
             controller = h.spawn()
         else:
-            targets = wait_for(lambda v=victim: worker_processes(h.home, role=v), 30, f"a live {victim}",
-                               details=lambda: story(h, name))
+            targets = wait_for(
+                lambda v=victim: worker_processes(h.home, role=v),
+                30,
+                f"a live {victim}",
+                details=lambda: story(h, name),
+            )
             kill_group(rng.choice(targets).pid)
-    wait_for(lambda: h.status(name).get("phase") == "Succeeded", 120, f"{name} Succeeded",
-             details=lambda: story(h, name))
+    wait_for(
+        lambda: h.status(name).get("phase") == "Succeeded",
+        120,
+        f"{name} Succeeded",
+        details=lambda: story(h, name),
+    )
     final = h.status(name)
     assert final["step"] == STEPS and final["restarts"] >= 2, final  # the actor's and the rollout's kills
 

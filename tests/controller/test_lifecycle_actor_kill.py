@@ -19,25 +19,43 @@ NAME = "kill-actor"
 
 def test_actor_kill_recovers_from_the_last_checkpoint(harness):  # noqa: F811
     h = harness
-    h.apply(simulated_run(NAME, max_steps=30, rollout_replicas=1, step_seconds=0.15,
-                          spec={"restartPolicy": {"backoffSeconds": 1.0, "maxRestarts": 5}}))
+    h.apply(
+        simulated_run(
+            NAME,
+            max_steps=30,
+            rollout_replicas=1,
+            step_seconds=0.15,
+            spec={"restartPolicy": {"backoffSeconds": 1.0, "maxRestarts": 5}},
+        )
+    )
     h.start()
-    wait_for(lambda: (h.status(NAME).get("step") or 0) >= 6 and h.status(NAME)["phase"] == "Running", 30,
-             "the actor to train a few steps")
+    wait_for(
+        lambda: (h.status(NAME).get("step") or 0) >= 6 and h.status(NAME)["phase"] == "Running",
+        30,
+        "the actor to train a few steps",
+    )
     [actor] = worker_processes(h.home, role="actor")
     weights_seen = [h.store.latest_weights(NAME).version]
 
     os.killpg(actor.pid, signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(lambda: h.status(NAME)["phase"] == "Recovering", 5, "phase Recovering within 5 s of the kill",
-             interval=0.05)
+    wait_for(
+        lambda: h.status(NAME)["phase"] == "Recovering",
+        5,
+        "phase Recovering within 5 s of the kill",
+        interval=0.05,
+    )
     ckpt_at_death = h.store.latest_checkpoint(NAME).step
 
     def training_again():
         weights_seen.append(h.store.latest_weights(NAME).version)
         rows = [w for w in h.store.list_workers(NAME) if w.role == "actor"]
         new = rows[-1]
-        return new.incarnation != rows[0].incarnation and new.state == "Running" and (new.step or 0) > ckpt_at_death
+        return (
+            new.incarnation != rows[0].incarnation
+            and new.state == "Running"
+            and (new.step or 0) > ckpt_at_death
+        )
 
     wait_for(training_again, 30, "the relaunched actor to train past its checkpoint")
     assert time.monotonic() - killed < 30

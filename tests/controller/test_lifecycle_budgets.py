@@ -21,17 +21,29 @@ def test_a_run_reaching_max_duration_checkpoints_and_fails_with_deadline_exceede
     h = harness
     name = "deadline"
     # checkpoints every 1000 steps: the only one it can have is the final one written when it is stopped
-    h.apply(simulated_run(name, max_steps=100_000, rollout_replicas=1, step_seconds=0.1,
-                          spec={"checkpoint": {"every": 1000, "keep": 2}, "limits": {"maxDuration": "8s"}}))
+    h.apply(
+        simulated_run(
+            name,
+            max_steps=100_000,
+            rollout_replicas=1,
+            step_seconds=0.1,
+            spec={"checkpoint": {"every": 1000, "keep": 2}, "limits": {"maxDuration": "8s"}},
+        )
+    )
     h.start()
-    wait_for(lambda: (h.status(name).get("step") or 0) >= 3, 30, "a few steps", details=lambda: str(h.status(name)))
+    wait_for(
+        lambda: (h.status(name).get("step") or 0) >= 3, 30, "a few steps", details=lambda: str(h.status(name))
+    )
     assert h.store.latest_checkpoint(name) is None
 
     status = h.wait_phase(name, "Failed", timeout=30)
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "DeadlineExceeded"
-    # the pass that notices the limit comes a little after it (a slow CI machine: seconds): a bound, not a figure
-    reached = re.fullmatch(r"limits\.maxDuration \(8s\) reached: active for (\d+\.\d)s.*", failed["message"], re.S)
+    # the pass that notices the limit comes a little after it (a slow CI machine: seconds): a bound, not a
+    # figure
+    reached = re.fullmatch(
+        r"limits\.maxDuration \(8s\) reached: active for (\d+\.\d)s.*", failed["message"], re.S
+    )
     assert reached and 8.0 <= float(reached.group(1)) < 16.0, failed["message"]
     assert worker_processes(h.home, run=name) == []
     assert {w.state for w in h.store.list_workers(name)} == {"Stopped"}

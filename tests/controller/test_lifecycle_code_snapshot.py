@@ -15,12 +15,12 @@ from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness
 from store_kinds import sqlite_only
 from typer.testing import CliRunner
 
+from mortal.client.cli.main import app
 from mortal.controller import manager
-from mortal.controller.cli.main import app
 from mortal.controller.snapshot import CODE_ANNOTATION
 from mortal.state import paths
 
-REWARDS = '''
+REWARDS = """
 import os
 import pathlib
 
@@ -30,9 +30,9 @@ if os.environ.get("MORTAL_ROLE"):  # imported by a worker: say from where
 
 def correct(completions, prompts=None, **kwargs):
     return [1.0 for _ in completions]
-'''
+"""
 
-RUN = '''
+RUN = """
 apiVersion: mortal/v1
 kind: TrainingRun
 metadata:
@@ -45,7 +45,7 @@ spec:
   algorithm: {{numGenerations: 2, batchSize: 4, maxSteps: {max_steps}}}
   rewards: [{{function: "myrewards:correct"}}]
   checkpoint: {{every: 2, keep: 2}}
-'''
+"""
 
 
 @pytest.fixture
@@ -64,7 +64,10 @@ def mortalctl(h, *args: str):
 
 @sqlite_only
 def test_the_rollout_imports_the_reward_from_the_runs_snapshot_not_the_controllers_folder(
-        harness, folders, monkeypatch):  # noqa: F811
+    harness,  # noqa: F811
+    folders,
+    monkeypatch,
+):
     h, (user, elsewhere) = harness, folders
     monkeypatch.chdir(elsewhere)
     h.spawn()  # the controller the quickstart left running, started in another folder
@@ -79,7 +82,10 @@ def test_the_rollout_imports_the_reward_from_the_runs_snapshot_not_the_controlle
 
 @sqlite_only
 def test_controller_status_and_stop_leave_the_workers_to_the_next_controller(  # noqa: F811
-        harness, folders, monkeypatch):  # noqa: F811
+    harness,  # noqa: F811
+    folders,
+    monkeypatch,
+):
     h, (user, elsewhere) = harness, folders
     assert "controller: not running" in mortalctl(h, "controller", "status").stdout
     monkeypatch.chdir(elsewhere)

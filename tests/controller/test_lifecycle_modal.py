@@ -30,9 +30,9 @@ from realproc import (  # noqa: F401
 )
 from typer.testing import CliRunner
 
+from mortal.client.cli.main import app
 from mortal.controller.backends import Backend, select_backend
 from mortal.controller.backends.modal import ModalBackend
-from mortal.controller.cli.main import app
 from mortal.controller.manager import Controller
 from mortal.controller.reconciler import ControllerConfig
 from mortal.workers.simulated import simulated_run
@@ -52,6 +52,7 @@ def fake(mortal_home: Path) -> Iterator[FakeModal]:
 
 def start(h: Harness, fake: FakeModal, config: ControllerConfig = FAST) -> Controller:
     """A controller whose modal backend is a new ModalBackend over the fake (a new controller process)."""
+
     def backends(name: str) -> Backend:
         return ModalBackend(modal=fake) if name == "modal" else select_backend(name)
 
@@ -72,9 +73,18 @@ def relaunched(h: Harness, run: str, role: str, incarnation: int = 2, live_only:
 
 
 def modal_run(name: str, max_steps: int):
-    return simulated_run(name, max_steps=max_steps, rollout_replicas=1, step_seconds=0.1,
-                         spec={"backend": "modal", "restartPolicy": {"backoffSeconds": 0.5, "maxRestarts": 3},
-                               "actor": {"gpu": "A100"}, "rollout": {"gpu": "A10G"}})
+    return simulated_run(
+        name,
+        max_steps=max_steps,
+        rollout_replicas=1,
+        step_seconds=0.1,
+        spec={
+            "backend": "modal",
+            "restartPolicy": {"backoffSeconds": 0.5, "maxRestarts": 3},
+            "actor": {"gpu": "A100"},
+            "rollout": {"gpu": "A10G"},
+        },
+    )
 
 
 def test_a_modal_run_succeeds_through_the_controller(harness: Harness, fake: FakeModal) -> None:  # noqa: F811
@@ -89,12 +99,16 @@ def test_a_modal_run_succeeds_through_the_controller(harness: Harness, fake: Fak
     wait_no_workers(h)
     [rollout] = [w for w in rows if w.role == "rollout"]
     box = fake.container(rollout.handle.removeprefix("modal:"))
-    assert box.result.exists() and box.proc.returncode == 0, "stopped by cancellation, not by ending its container"
+    assert box.result.exists() and box.proc.returncode == 0, (
+        "stopped by cancellation, not by ending its container"
+    )
     ckpt = h.store.latest_checkpoint("on-modal")
     assert ckpt.step == 6 and Path(ckpt.path).is_relative_to(h.home / "runs" / "on-modal" / "checkpoints")
     # each worker reached the store with its own scoped token (mortal.state.auth), never the admin's
-    assert all(launch["state_token"] and launch["state_token"] != os.environ["MORTAL_STATE_TOKEN"]
-               for _, _, (launch,) in fake.spawned)
+    assert all(
+        launch["state_token"] and launch["state_token"] != os.environ["MORTAL_STATE_TOKEN"]
+        for _, _, (launch,) in fake.spawned
+    )
     calls = [json.loads(line) for line in (h.home / "access.log").read_text().splitlines()]
     by_workers = [c for c in calls if c["who"].startswith("worker:")]
     assert {c["who"] for c in by_workers} == {f"worker:on-modal/{w.role}-0#{w.incarnation}" for w in rows}
@@ -103,7 +117,11 @@ def test_a_modal_run_succeeds_through_the_controller(harness: Harness, fake: Fak
 
 
 def test_logs_are_read_from_the_volume_and_a_purge_removes_the_runs_folder(
-        harness: Harness, fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    harness: Harness,  # noqa: F811
+    fake: FakeModal,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`mortalctl logs` and `delete --purge` of a Modal run reach the app's volume through the client
     library: the CLI here has another MORTAL_HOME, with no logs of its own."""
     h = harness
@@ -120,7 +138,9 @@ def test_logs_are_read_from_the_volume_and_a_purge_removes_the_runs_folder(
     done, exited = out.stdout.splitlines()
     assert done.endswith("actor done at step 4 (weight version 4)") and exited.endswith("exiting with code 0")
     both = CliRunner().invoke(app, ["--state-url", h.url, "logs", "seen"]).stdout.splitlines()
-    assert any(line.startswith("[actor-0] ") for line in both) and any(line.startswith("[rollout-0] ") for line in both)
+    assert any(line.startswith("[actor-0] ") for line in both) and any(
+        line.startswith("[rollout-0] ") for line in both
+    )
     assert (h.home / "runs" / "seen" / "checkpoints").is_dir()
     delete_and_wait(h, "seen", purge=True)
     assert not (h.home / "runs" / "seen").exists(), "the run's folder is gone from the volume"
@@ -171,12 +191,16 @@ def test_calls_that_end_with_an_error_or_vanish_are_relaunched(harness: Harness,
     assert [(w.state, w.exit_code) for w in actors] == [("Lost", None), ("Succeeded", 0)]
     assert [w.state for w in rows if w.role == "rollout"][0] == "Lost"
     assert final["restarts"] == 2 and final["step"] == 24
-    assert h.resumed_from("errors", actors[1].incarnation), "the new actor resumed (its log, on the volume, says so)"
+    assert h.resumed_from("errors", actors[1].incarnation), (
+        "the new actor resumed (its log, on the volume, says so)"
+    )
     wait_no_workers(h)
 
 
 def test_a_preempted_call_that_restarts_within_the_lease_resumes_as_the_same_worker(
-        harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    harness: Harness,  # noqa: F811
+    fake: FakeModal,
+) -> None:
     """Modal interrupts a preempted container and starts the same input again: the same incarnation comes
     back, resumes from its checkpoint, and nothing is relaunched (the call never ended)."""
     h = harness
@@ -195,9 +219,12 @@ def test_a_preempted_call_that_restarts_within_the_lease_resumes_as_the_same_wor
 
 
 def test_a_preempted_call_silent_past_the_lease_is_relaunched_and_its_input_dropped(
-        harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    harness: Harness,  # noqa: F811
+    fake: FakeModal,
+) -> None:
     """A restart slower than the worker lease (a GPU container can take that long): the heartbeat decides,
-    as for a hung process. The slot gets a new incarnation; the old input is cancelled before it runs again."""
+    as for a hung process. The slot gets a new incarnation; the old input is cancelled before it runs
+    again."""
     h = harness
     h.apply(modal_run("slow-restart", max_steps=16))
     start(h, fake)
@@ -206,8 +233,9 @@ def test_a_preempted_call_silent_past_the_lease_is_relaunched_and_its_input_drop
     preempted = time.monotonic()
     fake.preempt(call, restart_after=FAST.worker_lease_seconds + 3)
     # live or not: the relaunched actor can finish the short run before the old input's restart is due
-    assert relaunched(h, "slow-restart", "actor", live_only=False), \
+    assert relaunched(h, "slow-restart", "actor", live_only=False), (
         "relaunched while the old input waited for a container"
+    )
     final = h.wait_phase("slow-restart", "Succeeded", timeout=60)
     assert fake.calls[call].attempts == 1, "the cancelled input never started again"
     actors = [w for w in h.store.list_workers("slow-restart") if w.role == "actor"]
@@ -217,7 +245,9 @@ def test_a_preempted_call_silent_past_the_lease_is_relaunched_and_its_input_drop
 
 
 def test_a_standby_controller_takes_over_from_one_that_died_holding_the_lease(
-        harness: Harness, fake: FakeModal) -> None:  # noqa: F811
+    harness: Harness,  # noqa: F811
+    fake: FakeModal,
+) -> None:
     """The hosted controller's overlap: the next scheduled call stands by; when the leader dies without
     giving the lease up, the standby leads once it expires and notices a failure that came meanwhile."""
     h = harness
@@ -240,25 +270,34 @@ def test_a_standby_controller_takes_over_from_one_that_died_holding_the_lease(
 
 
 def test_a_sharded_actor_trains_in_one_container_that_starts_its_own_ranks(
-        harness: Harness, fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    harness: Harness,  # noqa: F811
+    fake: FakeModal,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """actor {count: 2} on Modal: one call, one container with a GPU a rank (`gpu="H200:2"`, tests/controller/
-    backends/test_modal.py; here CPU ranks over gloo, the fake's container a real process), whose rank 0 starts
-    rank 1 itself. A real tiny model trains to the end with a rollout in another call, each checkpoint holding
-    both ranks' shards on the volume, and the weights reaching the rollout through it."""
+    backends/test_modal.py; here CPU ranks over gloo, the fake's container a real process), whose rank 0
+    starts rank 1 itself. A real tiny model trains to the end with a rollout in another call, each checkpoint
+    holding both ranks' shards on the volume, and the weights reaching the rollout through it."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "workers"))  # the real-model helpers
     from actor_helpers import actor_spec
     from rollout_helpers import assets_available, make_tiny_model, task_results
 
     from mortal.specs import TrainingRun
-    from mortal.workers.checkpoint import read_marker
+    from mortal.workers.actor.checkpoint import read_marker
 
     if not assets_available():
         pytest.skip("SmolLM2 assets missing")
     h = harness
-    spec = actor_spec(str(make_tiny_model(tmp_path / "model")), backend="modal", actor={"count": 2},
-                      algorithm={"maxSteps": 2, "batchSize": 8}, checkpoint={"every": 1, "keep": 2},
-                      restartPolicy={"backoffSeconds": 0.5, "maxRestarts": 1},
-                      rewards=[{"function": "mortal.workers.rewards.builtin:correct_answer"}])
+    spec = actor_spec(
+        str(make_tiny_model(tmp_path / "model")),
+        backend="modal",
+        actor={"count": 2},
+        algorithm={"maxSteps": 2, "batchSize": 8},
+        checkpoint={"every": 1, "keep": 2},
+        restartPolicy={"backoffSeconds": 0.5, "maxRestarts": 1},
+        rewards=[{"function": "mortal.workers.rewards.builtin:correct_answer"}],
+    )
     h.apply(TrainingRun.model_validate({"metadata": {"name": "fsdp"}, "spec": spec}))
     start(h, fake)
     final = h.wait_phase("fsdp", "Succeeded", timeout=240)

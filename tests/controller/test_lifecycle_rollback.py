@@ -10,7 +10,8 @@ from typing import Any
 from realproc import Harness, harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sqlite_only
 
-from mortal.controller.cli.fork import fork_run, rollback_run
+from mortal.client.fork import fork_run
+from mortal.client.rollback import rollback_run
 from mortal.workers.simulated import simulated_run
 
 pytestmark = sqlite_only
@@ -23,8 +24,14 @@ def test_a_running_run_rolled_back_trains_on_from_the_step_it_went_back_to(harne
 def roll_back_and_fork(h: Harness, name: str, spec: dict[str, Any] | None = None) -> None:
     """Run `name` (simulated, 40 steps, `spec` merged in), roll it back from step >= 8 to 4 while it runs, see
     it finish from there with every step's metrics, then fork its last checkpoint into a 4-step longer run."""
-    h.apply(simulated_run(name, max_steps=40, step_seconds=0.1,
-                          spec={"checkpoint": {"every": 2, "keep": 10}, **(spec or {})}))
+    h.apply(
+        simulated_run(
+            name,
+            max_steps=40,
+            step_seconds=0.1,
+            spec={"checkpoint": {"every": 2, "keep": 10}, **(spec or {})},
+        )
+    )
     h.start()
     wait_for(lambda: (h.status(name).get("step") or 0) >= 8, 60, "a few steps")
 
@@ -34,8 +41,11 @@ def roll_back_and_fork(h: Harness, name: str, spec: dict[str, Any] | None = None
     events = [e.reason for e in h.store.list_events(name, limit=200)]
     assert "RolledBack" in events and events.index("RolledBack") > events.index("Suspended")
     actors = [w for w in h.store.list_workers(name) if w.role == "actor"]
-    wait_for(lambda: len([w for w in h.store.list_workers(name) if w.role == "actor"]) > len(actors), 30,
-             "a new actor")
+    wait_for(
+        lambda: len([w for w in h.store.list_workers(name) if w.role == "actor"]) > len(actors),
+        30,
+        "a new actor",
+    )
     final = h.wait_phase(name, "Succeeded", timeout=90)
     newest = [w for w in h.store.list_workers(name) if w.role == "actor"][-1]
     assert h.resumed_from(name, newest.incarnation) == 4
@@ -47,5 +57,10 @@ def roll_back_and_fork(h: Harness, name: str, spec: dict[str, Any] | None = None
     forked = fork_run(h.store, name, 40, f"{name}-more", sets=["spec.algorithm.maxSteps=44"])
     assert forked.step == 40
     final = h.wait_phase(f"{name}-more", "Succeeded", timeout=60)
-    assert final["step"] == 44 and sorted({m.step for m in h.store.list_metrics(f"{name}-more")}) == [41, 42, 43, 44]
+    assert final["step"] == 44 and sorted({m.step for m in h.store.list_metrics(f"{name}-more")}) == [
+        41,
+        42,
+        43,
+        44,
+    ]
     wait_for(lambda: not worker_processes(h.home), 30, "every worker to exit")

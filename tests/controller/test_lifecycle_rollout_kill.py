@@ -24,20 +24,33 @@ STEPS = 24
 def test_rollout_kill_is_replaced_and_its_tasks_are_done_by_others(harness):  # noqa: F811
     h = harness
     notes = {"mortal.dev/generate-seconds": "0.1", "mortal.dev/task-lease-seconds": "2"}
-    h.apply(simulated_run(NAME, max_steps=STEPS, rollout_replicas=2, step_seconds=0.1, annotations=notes,
-                          spec={"restartPolicy": {"backoffSeconds": 0.5}}))
+    h.apply(
+        simulated_run(
+            NAME,
+            max_steps=STEPS,
+            rollout_replicas=2,
+            step_seconds=0.1,
+            annotations=notes,
+            spec={"restartPolicy": {"backoffSeconds": 0.5}},
+        )
+    )
     h.start()
     wait_for(lambda: (h.status(NAME).get("step") or 0) >= 4, 30, "a few steps")
     victim = next(p for p in worker_processes(h.home, role="rollout") if p.environ()["MORTAL_REPLICA"] == "0")
     victim_id = worker_ref_from_env(victim.environ()).id  # the holder its leases name
     os.killpg(victim.pid, signal.SIGKILL)
     step_at_kill = h.status(NAME).get("step") or 0
-    claimed = [t for s in range(step_at_kill, step_at_kill + 3) for t in h.store.step_results(NAME, s)
-               if t.state == "leased" and t.lease_holder == victim_id]
+    claimed = [
+        t
+        for s in range(step_at_kill, step_at_kill + 3)
+        for t in h.store.step_results(NAME, s)
+        if t.state == "leased" and t.lease_holder == victim_id
+    ]
 
     def replaced():
         rows = [w for w in h.live_rows(NAME, "rollout") if w.replica == 0]
         return rows and rows[0].state == "Running" and len(worker_processes(h.home, role="rollout")) == 2
+
     wait_for(replaced, 20, "rollout-0 to be replaced")
     final = h.wait_phase(NAME, "Succeeded", timeout=60)
     assert final["step"] == STEPS
@@ -59,8 +72,16 @@ def test_the_only_rollout_killed_holding_a_task_trains_again_well_within_its_lea
     h = harness
     lease = 60.0  # mortal.workers.rollout.DEFAULT_LEASE_SECONDS
     notes = {"mortal.dev/generate-seconds": "1.0", "mortal.dev/task-lease-seconds": f"{lease:g}"}
-    h.apply(simulated_run("sole", max_steps=100_000, rollout_replicas=1, step_seconds=0.1, annotations=notes,
-                          spec={"restartPolicy": {"backoffSeconds": 0.5}}))
+    h.apply(
+        simulated_run(
+            "sole",
+            max_steps=100_000,
+            rollout_replicas=1,
+            step_seconds=0.1,
+            annotations=notes,
+            spec={"restartPolicy": {"backoffSeconds": 0.5}},
+        )
+    )
     h.start()
     wait_for(lambda: (h.status("sole").get("step") or 0) >= 2, 30, "a few steps")
     [victim] = worker_processes(h.home, role="rollout")
@@ -69,16 +90,26 @@ def test_the_only_rollout_killed_holding_a_task_trains_again_well_within_its_lea
     def just_leased():  # a task the victim leased less than 0.3 s ago: about 0.7 s of its 1 s generation left
         now = datetime.now(UTC).timestamp()
         step = h.status("sole").get("step") or 0
-        return [t for s in (step, step + 1) for t in h.store.step_results("sole", s)
-                if t.state == "leased" and t.lease_holder == victim_id
-                and now - (t.lease_expires_at.timestamp() - lease) < 0.3]
+        return [
+            t
+            for s in (step, step + 1)
+            for t in h.store.step_results("sole", s)
+            if t.state == "leased"
+            and t.lease_holder == victim_id
+            and now - (t.lease_expires_at.timestamp() - lease) < 0.3
+        ]
+
     [held] = wait_for(just_leased, 20, "the rollout to lease a task", interval=0.02)
     os.killpg(victim.pid, signal.SIGKILL)
     killed = time.time()
 
     def next_step_end():
-        return [m.time.timestamp() for m in h.store.list_metrics("sole", name="step_seconds", since_step=held.step)
-                if m.time.timestamp() > killed]
+        return [
+            m.time.timestamp()
+            for m in h.store.list_metrics("sole", name="step_seconds", since_step=held.step)
+            if m.time.timestamp() > killed
+        ]
+
     ended = min(wait_for(next_step_end, lease / 2, "a step to end after the kill"))
     assert ended - killed < lease / 2, f"the next step ended {ended - killed:.1f}s after the kill"
     redone = next(t for t in h.store.step_results("sole", held.step) if t.slot == held.slot)
@@ -92,23 +123,37 @@ def test_the_only_rollout_killed_holding_a_task_trains_again_well_within_its_lea
 def test_a_frozen_rollout_is_lost_after_its_lease_killed_and_replaced(harness):  # noqa: F811
     """SIGSTOP: the process is alive but its heartbeat goes stale; past the lease it is lost and killed."""
     h = harness
-    h.apply(simulated_run("frozen", max_steps=100_000, rollout_replicas=1, step_seconds=0.1,
-                          annotations={"mortal.dev/task-lease-seconds": "2"},
-                          spec={"restartPolicy": {"backoffSeconds": 0.5}}))
+    h.apply(
+        simulated_run(
+            "frozen",
+            max_steps=100_000,
+            rollout_replicas=1,
+            step_seconds=0.1,
+            annotations={"mortal.dev/task-lease-seconds": "2"},
+            spec={"restartPolicy": {"backoffSeconds": 0.5}},
+        )
+    )
     h.start()
     wait_for(lambda: (h.status("frozen").get("step") or 0) >= 3, 30, "a few steps")
     [victim] = worker_processes(h.home, role="rollout")
     os.kill(victim.pid, signal.SIGSTOP)
-    lost = wait_for(lambda: [w for w in h.store.list_workers("frozen") if w.state == "Lost"], 20, "the lease to run out")
+    lost = wait_for(
+        lambda: [w for w in h.store.list_workers("frozen") if w.state == "Lost"], 20, "the lease to run out"
+    )
     # Stopped between two transactions, its heartbeat goes stale; stopped inside a SQLite write
     # transaction, it blocks every writer until the controller's lock watch kills it (lockwatch.py),
     # and the row ends by that SIGKILL's exit code, or as gone when the process was reaped first.
     judged_by = ("last heartbeat", "process is gone", "process exited with code -9")
     assert any(reason in lost[0].message for reason in judged_by), lost[0].message
-    wait_for(lambda: not victim.is_running() or victim.status() == "zombie", 10, "the frozen process to be killed")
+    wait_for(
+        lambda: not victim.is_running() or victim.status() == "zombie", 10, "the frozen process to be killed"
+    )
     step = h.status("frozen")["step"]
-    wait_for(lambda: h.status("frozen")["step"] > step + 3 and h.status("frozen")["phase"] == "Running", 30,
-             "training with the replacement")
+    wait_for(
+        lambda: h.status("frozen")["step"] > step + 3 and h.status("frozen")["phase"] == "Running",
+        30,
+        "training with the replacement",
+    )
     assert len(worker_processes(h.home, role="rollout")) == 1
     h.store.mark_deleted("frozen")
     wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")

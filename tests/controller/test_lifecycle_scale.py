@@ -15,6 +15,7 @@ pytestmark = sqlite_only
 def replicas(n: int):
     def change(spec):
         spec["rollout"] = {**spec["rollout"], "replicas": n}
+
     return change
 
 

@@ -17,8 +17,10 @@ from mortal.workers.simulated import simulated_run
 pytestmark = sqlite_only
 
 STACKS = "--- stacks of every thread"
-TIMED_OUT = ("rollout-0 #2: reward 'never_returns' did not return within its timeoutSeconds (0.5 s) scoring 2 "
-             "completions of step ")
+TIMED_OUT = (
+    "rollout-0 #2: reward 'never_returns' did not return within its timeoutSeconds (0.5 s) scoring 2 "
+    "completions of step "
+)
 
 
 def condition(status, type_):
@@ -32,15 +34,25 @@ def log_of(name: str, role: str, incarnation: int) -> str:
 
 def test_a_reward_that_never_returns_scores_none_and_the_run_trains_on(harness):  # noqa: F811
     h = harness
-    h.apply(simulated_run("judge", max_steps=3, rollout_replicas=1, annotations={"mortal.dev/rewards": "call"},
-                          spec={"rewards": [{"function": "mortal.workers.simulated:never_returns",
-                                             "timeoutSeconds": 0.5}]}))
+    h.apply(
+        simulated_run(
+            "judge",
+            max_steps=3,
+            rollout_replicas=1,
+            annotations={"mortal.dev/rewards": "call"},
+            spec={"rewards": [{"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.5}]},
+        )
+    )
     h.start()
     final = h.wait_phase("judge", "Succeeded", timeout=90)
     assert final["restarts"] == 0
     events = sorted(e.message for e in h.store.list_events("judge", limit=200) if e.reason == "RewardTimeout")
-    assert [e.type for e in h.store.list_events("judge", limit=200) if e.reason == "RewardTimeout"] == ["Warning"] * 3
-    assert [m[:len(TIMED_OUT) + 1] for m in events] == [f"{TIMED_OUT}{s}" for s in (1, 2, 3)]  # one a step, not a call
+    assert [e.type for e in h.store.list_events("judge", limit=200) if e.reason == "RewardTimeout"] == [
+        "Warning"
+    ] * 3
+    assert [m[: len(TIMED_OUT) + 1] for m in events] == [
+        f"{TIMED_OUT}{s}" for s in (1, 2, 3)
+    ]  # one a step, not a call
     rollout = [w for w in h.store.list_workers("judge") if w.role == "rollout"][0]
     assert STACKS in log_of("judge", "rollout", rollout.incarnation)
     assert "never_returns" in log_of("judge", "rollout", rollout.incarnation)  # the stuck frame is named
@@ -48,9 +60,15 @@ def test_a_reward_that_never_returns_scores_none_and_the_run_trains_on(harness):
 
 def test_a_rollout_stuck_in_a_task_is_relaunched_and_the_run_completes(harness):  # noqa: F811
     h = harness
-    h.apply(simulated_run("stuck", max_steps=4, rollout_replicas=1,
-                          annotations={"mortal.dev/stall": "task", "mortal.dev/stall-step": "2"},
-                          spec={"deadlines": {"taskSeconds": 2}, "restartPolicy": {"backoffSeconds": 0.2}}))
+    h.apply(
+        simulated_run(
+            "stuck",
+            max_steps=4,
+            rollout_replicas=1,
+            annotations={"mortal.dev/stall": "task", "mortal.dev/stall-step": "2"},
+            spec={"deadlines": {"taskSeconds": 2}, "restartPolicy": {"backoffSeconds": 0.2}},
+        )
+    )
     h.start()
     final = h.wait_phase("stuck", "Succeeded", timeout=90)
     assert final["restarts"] == 1
@@ -61,22 +79,33 @@ def test_a_rollout_stuck_in_a_task_is_relaunched_and_the_run_completes(harness):
     assert "past its deadline of 2 s" in stalled.message
     events = h.store.list_events("stuck", limit=200)
     [warned] = [e for e in events if e.reason == "TaskDeadlineExceeded" and e.message.startswith("rollout-0")]
-    assert warned.type == "Warning" and warned.message.startswith(f"rollout-0 #{stalled.incarnation}: task 2.")
+    assert warned.type == "Warning" and warned.message.startswith(
+        f"rollout-0 #{stalled.incarnation}: task 2."
+    )
     assert "its stacks are in its log; relaunching it" in warned.message
     [healed] = [e for e in events if e.reason == "Healed"]  # DeadlinesMet True again once a step ended after
     assert healed.type == "Normal" and healed.message.startswith("DeadlinesMet is True: rollout-0 #")
     assert condition(final, "DeadlinesMet")["status"] == "True"
     # faulthandler's answer to the controller's SIGUSR1: every thread's stack, the stuck frame named
-    wait_for(lambda: "(most recent call first)" in log_of("stuck", "rollout", stalled.incarnation), 10,
-             "the stacks in the log")
+    wait_for(
+        lambda: "(most recent call first)" in log_of("stuck", "rollout", stalled.incarnation),
+        10,
+        "the stacks in the log",
+    )
     assert "in stall_here" in log_of("stuck", "rollout", stalled.incarnation)
 
 
 def test_an_actor_stuck_in_a_step_is_relaunched_from_its_checkpoint(harness):  # noqa: F811
     h = harness
-    h.apply(simulated_run("frozen", max_steps=4, rollout_replicas=1,
-                          annotations={"mortal.dev/stall": "step", "mortal.dev/stall-step": "3"},
-                          spec={"deadlines": {"stepSeconds": 2}, "restartPolicy": {"backoffSeconds": 0.2}}))
+    h.apply(
+        simulated_run(
+            "frozen",
+            max_steps=4,
+            rollout_replicas=1,
+            annotations={"mortal.dev/stall": "step", "mortal.dev/stall-step": "3"},
+            spec={"deadlines": {"stepSeconds": 2}, "restartPolicy": {"backoffSeconds": 0.2}},
+        )
+    )
     h.start()
     final = h.wait_phase("frozen", "Succeeded", timeout=90)
     assert final["restarts"] == 1
@@ -87,11 +116,22 @@ def test_an_actor_stuck_in_a_step_is_relaunched_from_its_checkpoint(harness):  #
 
 def test_the_same_stall_on_every_launch_fails_the_run_with_the_reason(harness):  # noqa: F811
     h = harness
-    h.apply(simulated_run("hopeless", max_steps=4, rollout_replicas=1,
-                          annotations={"mortal.dev/stall": "task", "mortal.dev/stall-step": "1",
-                                       "mortal.dev/stall-times": "0"},
-                          spec={"deadlines": {"taskSeconds": 1}, "restartPolicy": {"backoffSeconds": 0.2,
-                                                                                   "sameFailureLimit": 2}}))
+    h.apply(
+        simulated_run(
+            "hopeless",
+            max_steps=4,
+            rollout_replicas=1,
+            annotations={
+                "mortal.dev/stall": "task",
+                "mortal.dev/stall-step": "1",
+                "mortal.dev/stall-times": "0",
+            },
+            spec={
+                "deadlines": {"taskSeconds": 1},
+                "restartPolicy": {"backoffSeconds": 0.2, "sameFailureLimit": 2},
+            },
+        )
+    )
     h.start()
     final = h.wait_phase("hopeless", "Failed", timeout=90)
     failed = condition(final, "Failed")

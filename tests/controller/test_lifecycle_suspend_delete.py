@@ -15,9 +15,11 @@ from mortal.workers.simulated import simulated_run
 
 pytestmark = sqlite_only
 
+
 def suspend(value: bool):
     def change(spec):
         spec["suspend"] = value
+
     return change
 
 
@@ -59,7 +61,9 @@ def test_delete_stops_everything_and_keeps_checkpoints_unless_purged(harness):  
     uid = h.store.get_run("keep").uid
     delete_and_wait(h, "keep")
     assert worker_processes(h.home, run="keep") == []
-    assert any((paths.kept_run_dir("keep", uid) / "checkpoints").iterdir()), "delete without --purge removed them"
+    assert any((paths.kept_run_dir("keep", uid) / "checkpoints").iterdir()), (
+        "delete without --purge removed them"
+    )
     assert not paths.run_dir("keep").exists(), "a run applied again under the name would write among them"
     assert len(worker_processes(h.home, run="purge")) == 2, "deleting one run disturbed another"
 

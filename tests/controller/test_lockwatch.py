@@ -46,8 +46,13 @@ def hold_lock(database: Path, home: Path, stop: bool, worker: bool = True) -> su
     env = {**os.environ, "MORTAL_HOME": str(home)}
     if worker:
         env["MORTAL_WORKER_ID"] = "r/rollout-0#1"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(database), "stop" if stop else "run"], env=env,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(database), "stop" if stop else "run"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout.readline().strip() == "locked"
     if stop:
         wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 10, "the holder to stop")
@@ -66,7 +71,9 @@ def can_write(database: Path) -> bool:
         db.close()
 
 
-def test_a_worker_stopped_holding_the_write_lock_is_killed_after_the_grace(database: Path, tmp_path: Path) -> None:
+def test_a_worker_stopped_holding_the_write_lock_is_killed_after_the_grace(
+    database: Path, tmp_path: Path
+) -> None:
     proc = hold_lock(database, tmp_path, stop=True)
     try:
         assert write_lock_holders(database) == {proc.pid}
@@ -83,9 +90,12 @@ def test_a_worker_stopped_holding_the_write_lock_is_killed_after_the_grace(datab
             proc.wait()
 
 
-@pytest.mark.parametrize(("stop", "worker"), [(False, True), (True, False)], ids=["running-worker", "not-a-worker"])
+@pytest.mark.parametrize(
+    ("stop", "worker"), [(False, True), (True, False)], ids=["running-worker", "not-a-worker"]
+)
 def test_a_running_holder_or_a_process_that_is_not_a_worker_is_left_alone(
-        database: Path, tmp_path: Path, stop: bool, worker: bool) -> None:
+    database: Path, tmp_path: Path, stop: bool, worker: bool
+) -> None:
     proc = hold_lock(database, tmp_path, stop=stop, worker=worker)
     try:
         assert write_lock_holders(database) == {proc.pid}

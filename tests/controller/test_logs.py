@@ -43,7 +43,12 @@ def test_lines_are_prefixed_only_when_several_slots(mortal_home: Path) -> None:
     write("r", "actor", 0, 1, "a1\na2\n")
     write("r", "rollout", 0, 2, "b1\nhalf-written")
     assert list(read_logs("r", role="actor")) == ["a1", "a2"]
-    assert list(read_logs("r")) == ["[actor-0] a1", "[actor-0] a2", "[rollout-0] b1", "[rollout-0] half-written"]
+    assert list(read_logs("r")) == [
+        "[actor-0] a1",
+        "[actor-0] a2",
+        "[rollout-0] b1",
+        "[rollout-0] half-written",
+    ]
     assert list(read_logs("r", tail=1)) == ["[actor-0] a2", "[rollout-0] half-written"]
     assert list(read_logs("r", tail=0)) == []
 
@@ -76,7 +81,8 @@ def test_follow_yields_new_lines_and_moves_to_a_relaunched_worker(mortal_home: P
 
 
 class Volume:
-    """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts reads."""
+    """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts
+    reads."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.reads = root, 0
@@ -85,7 +91,10 @@ class Volume:
         folder = self.root / path
         if not folder.is_dir():
             raise FileNotFoundError(path)
-        return [SimpleNamespace(path=str(p.relative_to(self.root)), size=p.stat().st_size) for p in folder.iterdir()]
+        return [
+            SimpleNamespace(path=str(p.relative_to(self.root)), size=p.stat().st_size)
+            for p in folder.iterdir()
+        ]
 
     def read_file(self, path: str) -> Iterator[bytes]:
         self.reads += 1

@@ -34,14 +34,20 @@ def test_new_run_launches_actor_and_every_rollout_and_is_starting():
     p = run_plan([], rollout_replicas=2)
     assert launches(p) == [("actor", 0, False), ("rollout", 0, False), ("rollout", 1, False)]
     assert p.status["phase"] == "Starting"
-    assert p.status["replicas"] == {"actor": {"ready": 0, "desired": 1}, "rollout": {"ready": 0, "desired": 2}}
+    assert p.status["replicas"] == {
+        "actor": {"ready": 0, "desired": 1},
+        "rollout": {"ready": 0, "desired": 2},
+    }
     assert p.outcome == RequeueAfter(CFG.active_resync_seconds)
     assert [e.reason for e in p.events] == ["Starting"]
     assert [a.event.reason for a in p.actions] == ["Launched"] * 3
 
 
 def test_launched_workers_without_heartbeat_stay_starting_without_relaunch():
-    rows = [row("actor", 0, 1, "Pending", beat=None, started=2), row("rollout", 0, 2, "Pending", beat=None, started=2)]
+    rows = [
+        row("actor", 0, 1, "Pending", beat=None, started=2),
+        row("rollout", 0, 2, "Pending", beat=None, started=2),
+    ]
     p = run_plan(rows, [proc(w) for w in rows], prev=status("Starting"))
     assert p.actions == ()
     assert p.status["phase"] == "Starting"
@@ -49,11 +55,19 @@ def test_launched_workers_without_heartbeat_stay_starting_without_relaunch():
 
 def test_healthy_run_is_running_with_progress_from_the_world():
     rows, procs = running(rollouts=2, step=7)
-    ckpt = CheckpointRow(run="r", step=5, path="/c/step-5", weight_version=5, complete=True, created_at=ago(3))
+    ckpt = CheckpointRow(
+        run="r", step=5, path="/c/step-5", weight_version=5, complete=True, created_at=ago(3)
+    )
     p = run_plan(rows, procs, prev=status("Starting"), ckpt=ckpt, weights=7, reward=0.25, rollout_replicas=2)
     assert p.actions == ()
     s = p.status
-    assert (s["phase"], s["step"], s["weightVersion"], s["reward"], s["restarts"]) == ("Running", 7, 7, 0.25, 0)
+    assert (s["phase"], s["step"], s["weightVersion"], s["reward"], s["restarts"]) == (
+        "Running",
+        7,
+        7,
+        0.25,
+        0,
+    )
     assert s["lastCheckpoint"]["step"] == 5
     assert s["replicas"]["rollout"] == {"ready": 2, "desired": 2}
     assert cond(p, "Ready")["status"] == "True"
@@ -135,8 +149,12 @@ def test_self_reported_retryable_failure_relaunches():
 
 
 def test_restart_limit_fails_the_run_with_the_last_message_and_stops_the_rest():
-    rows = [row("actor", 0, 1, "Lost", ended=60), row("actor", 0, 2, "Lost", ended=60),
-            row("actor", 0, 3, "Failed", code=75, ended=60, message="CUDA error"), row("rollout", 0, 4)]
+    rows = [
+        row("actor", 0, 1, "Lost", ended=60),
+        row("actor", 0, 2, "Lost", ended=60),
+        row("actor", 0, 3, "Failed", code=75, ended=60, message="CUDA error"),
+        row("rollout", 0, 4),
+    ]
     p = run_plan(rows, [proc(rows[3])], prev=status("Recovering"), max_restarts=2)
     assert p.status["phase"] == "Failed"
     assert p.status["restarts"] == 2
@@ -151,8 +169,19 @@ def test_restart_limit_fails_the_run_with_the_last_message_and_stops_the_rest():
 def _failures(*failures: tuple[str, str | None, float]) -> list:
     """The actor slot's ended workers, oldest first: (state, reported message, seconds it ran), each ended
     long enough ago that its backoff is over."""
-    return [row("actor", 0, i + 1, state, code=75 if state == "Failed" else None, message=message,
-                started=600.0 + lived, ended=600.0) for i, (state, message, lived) in enumerate(failures)]
+    return [
+        row(
+            "actor",
+            0,
+            i + 1,
+            state,
+            code=75 if state == "Failed" else None,
+            message=message,
+            started=600.0 + lived,
+            ended=600.0,
+        )
+        for i, (state, message, lived) in enumerate(failures)
+    ]
 
 
 SAME = ("Failed", "AssertionError: FSDP parameters should be materialized on CPU", 20.0)
@@ -164,30 +193,51 @@ SAME = ("Failed", "AssertionError: FSDP parameters should be materialized on CPU
         ([SAME, SAME, SAME], 3, True),  # the same error on three launches in a row
         ([SAME, SAME], 3, False),  # twice may still be chance
         ([SAME, SAME, SAME], 0, False),  # off
-        ([SAME, ("Failed", "RuntimeError: NCCL timeout", 20.0), SAME, SAME], 3, False),  # another error between
+        (
+            [SAME, ("Failed", "RuntimeError: NCCL timeout", 20.0), SAME, SAME],
+            3,
+            False,
+        ),  # another error between
         ([SAME, ("Lost", None, 20.0), SAME, SAME], 3, False),  # a loss (preempted, killed) between
         ([SAME, (SAME[0], SAME[1], 500.0), SAME], 3, False),  # one of them trained for minutes first
         ([("Failed", None, 20.0)] * 3, 3, False),  # nothing reported: not known to be the same error
         ([SAME] * 5, 5, True),
     ],
-    ids=["three", "two", "off", "other-error-between", "loss-between", "long-lived-between", "no-message", "five"],
+    ids=[
+        "three",
+        "two",
+        "off",
+        "other-error-between",
+        "loss-between",
+        "long-lived-between",
+        "no-message",
+        "five",
+    ],
 )
-def test_the_same_error_on_every_launch_fails_the_run_as_a_crash_loop_before_max_restarts(failures, limit, fails):
+def test_the_same_error_on_every_launch_fails_the_run_as_a_crash_loop_before_max_restarts(
+    failures, limit, fails
+):
     rows = _failures(*failures)
-    p = run_plan(rows, [], prev=status("Recovering"), rollout_replicas=0, max_restarts=10, same_failure_limit=limit)
+    p = run_plan(
+        rows, [], prev=status("Recovering"), rollout_replicas=0, max_restarts=10, same_failure_limit=limit
+    )
     if fails:
         assert p.status["phase"] == "Failed" and launches(p) == []
         failed = cond(p, "Failed")
         assert failed["reason"] == "CrashLoop"
-        assert failed["message"] == (f"actor-0 failed {limit} times in a row with the same error, each within 120 s "
-                                     f"of its launch: {SAME[1]} (relaunching does not fix it; "
-                                     f"restartPolicy.sameFailureLimit)")
+        assert failed["message"] == (
+            f"actor-0 failed {limit} times in a row with the same error, each within 120 s "
+            f"of its launch: {SAME[1]} (relaunching does not fix it; "
+            f"restartPolicy.sameFailureLimit)"
+        )
     else:
         assert p.status["phase"] == "Recovering" and launches(p) == [("actor", 0, True)]
 
 
 def test_the_restart_limit_is_named_when_it_is_spent_by_the_same_error():
-    p = run_plan(_failures(SAME, SAME, SAME), [], prev=status("Recovering"), rollout_replicas=0, max_restarts=2)
+    p = run_plan(
+        _failures(SAME, SAME, SAME), [], prev=status("Recovering"), rollout_replicas=0, max_restarts=2
+    )
     assert cond(p, "Failed")["reason"] == "RestartLimitReached"
 
 
@@ -208,10 +258,16 @@ def test_fatal_exit_fails_the_run_at_once():
     assert launches(p) == []
 
 
-@pytest.mark.parametrize(("reason", "message"), [
-    ("ResumeRefused", "the dataset's rows changed since the checkpoint of step 2"),
-    ("CheckpointStorageUnavailable", "spec.checkpoint.uri 's3://b/p': this machine lacks the package of that storage"),
-])
+@pytest.mark.parametrize(
+    ("reason", "message"),
+    [
+        ("ResumeRefused", "the dataset's rows changed since the checkpoint of step 2"),
+        (
+            "CheckpointStorageUnavailable",
+            "spec.checkpoint.uri 's3://b/p': this machine lacks the package of that storage",
+        ),
+    ],
+)
 def test_a_refused_resume_fails_the_run_with_its_own_reason_and_is_not_relaunched(reason, message):
     rows, procs = running()
     rows[0] = row("actor", 0, 1, "Failed", code=3, message=f"{reason}: {message}")
@@ -288,8 +344,9 @@ def test_orphans_are_stopped_zombies_only_after_a_grace():
     stray = proc(row("rollout", 5, 77), handle="stray")
     all_procs = [*procs, proc(ended_long_ago), proc(ended_just_now), stray]
     p = run_plan([*rows, ended_just_now, ended_long_ago], all_procs, prev=status("Running"))
-    assert sorted(stops(p)) == sorted([(ended_long_ago.handle, CFG.orphan_grace_seconds),
-                                       ("stray", CFG.orphan_grace_seconds)])
+    assert sorted(stops(p)) == sorted(
+        [(ended_long_ago.handle, CFG.orphan_grace_seconds), ("stray", CFG.orphan_grace_seconds)]
+    )
     assert {a.event.reason for a in p.actions} == {"OrphanStopped"}
 
 
@@ -327,8 +384,9 @@ def test_scale_up_launches_new_slots_and_stays_running():
 def test_scale_down_stops_the_highest_slots_then_closes_their_rows():
     rows, procs = running(rollouts=3)
     p = run_plan(rows, procs, prev=status("Running"), rollout_replicas=1)
-    assert sorted(stops(p)) == sorted([(procs[2].handle, CFG.stop_grace_seconds),
-                                       (procs[3].handle, CFG.stop_grace_seconds)])
+    assert sorted(stops(p)) == sorted(
+        [(procs[2].handle, CFG.stop_grace_seconds), (procs[3].handle, CFG.stop_grace_seconds)]
+    )
     assert ends(p) == []
     assert p.outcome == RequeueAfter(CFG.stop_poll_seconds)
     p = run_plan(rows, procs[:2], prev=status("Running"), rollout_replicas=1)  # stop() returned: gone
@@ -391,8 +449,12 @@ def test_actor_that_exited_0_early_is_relaunched_not_succeeded():
 
 def test_terminal_phase_is_sticky_and_only_stops_leftovers():
     rows, procs = running()
-    prev = {"phase": "Failed", "conditions": [{"type": "Failed", "status": "True", "reason": "WorkerFailed",
-                                               "message": "actor-0 failed: x"}]}
+    prev = {
+        "phase": "Failed",
+        "conditions": [
+            {"type": "Failed", "status": "True", "reason": "WorkerFailed", "message": "actor-0 failed: x"}
+        ],
+    }
     p = run_plan(rows, procs, prev=prev)
     assert launches(p) == [] and len(stops(p)) == 2
     assert p.status["phase"] == "Failed"
@@ -419,7 +481,10 @@ def test_config_timings_are_honoured():
 
 
 def test_a_backend_that_cannot_run_here_fails_the_run_with_its_reason():
-    p = plan(Desired(name="r", backend="modal"), Observed(workers=[], backend_error="modal backend not built yet"),
-             NOW)
+    p = plan(
+        Desired(name="r", backend="modal"),
+        Observed(workers=[], backend_error="modal backend not built yet"),
+        NOW,
+    )
     assert p.status["phase"] == "Failed"
     assert cond(p, "Failed")["reason"] == "BackendUnavailable"

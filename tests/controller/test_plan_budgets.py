@@ -21,8 +21,12 @@ def cond(p, type_):
 
 
 def clock(phase: str, seconds: float, since_ago: float | None, **extra):
-    return status(phase, activeSeconds=seconds,
-                  activeSince=None if since_ago is None else ago(since_ago).isoformat(), **extra)
+    return status(
+        phase,
+        activeSeconds=seconds,
+        activeSince=None if since_ago is None else ago(since_ago).isoformat(),
+        **extra,
+    )
 
 
 def with_gpus(w, gpus: int):
@@ -33,7 +37,11 @@ def with_gpus(w, gpus: int):
 # -- the active-time clock ---------------------------------------------------------------------------
 def test_a_new_run_starts_its_clock_and_writes_it_in_the_status():
     p = run_plan([])
-    assert (p.status["activeSeconds"], p.status["activeSince"], p.status["gpuHours"]) == (0.0, NOW.isoformat(), 0.0)
+    assert (p.status["activeSeconds"], p.status["activeSince"], p.status["gpuHours"]) == (
+        0.0,
+        NOW.isoformat(),
+        0.0,
+    )
     assert RunStatus.model_validate(p.status).active_time(NOW + timedelta(seconds=30)) == 30.0
 
 
@@ -54,11 +62,15 @@ def test_suspending_folds_the_period_into_active_seconds_and_stops_the_clock():
 
 
 def test_time_while_suspended_does_not_count_toward_max_duration():
-    # 100 s active before a suspend of hours: resuming with maxDuration 150 s launches, and the clock restarts.
+    # 100 s active before a suspend of hours: resuming with maxDuration 150 s launches, and the clock
+    # restarts.
     p = run_plan([], prev=clock("Suspended", 100.0, None), max_duration=150)
     assert [type(a) for a in p.actions] == [Launch, Launch]
-    assert (p.status["phase"], p.status["activeSeconds"], p.status["activeSince"]) == ("Starting", 100.0,
-                                                                                      NOW.isoformat())
+    assert (p.status["phase"], p.status["activeSeconds"], p.status["activeSince"]) == (
+        "Starting",
+        100.0,
+        NOW.isoformat(),
+    )
 
 
 def test_the_pass_asks_to_be_woken_when_the_deadline_falls():
@@ -101,8 +113,12 @@ def test_deadline_reached_fails_the_run_once_every_worker_is_gone():
 def test_a_worker_already_gone_is_ended_as_stopped_not_relaunched_and_the_rest_stopped():
     actor = row("actor", 0, 1, step=3)
     rollout = row("rollout", 0, 2)
-    p = run_plan([actor, rollout], [proc(actor), proc(rollout, alive=False, code=-9)],
-                 prev=clock("Running", 200.0, 1), max_duration=100)
+    p = run_plan(
+        [actor, rollout],
+        [proc(actor), proc(rollout, alive=False, code=-9)],
+        prev=clock("Running", 200.0, 1),
+        max_duration=100,
+    )
     assert [a.handle for a in p.actions if isinstance(a, Stop)] == ["h1"]
     ends = [(a.worker_id, a.state, a.exit_code) for a in p.actions if isinstance(a, EndWorker)]
     assert ends == [(rollout.id, "Stopped", -9)]  # stopping on purpose, as a suspend: not a loss to recover
@@ -139,10 +155,15 @@ def test_gpu_hours_are_wall_time_times_gpus_of_each_worker_relaunches_included()
 def test_gpu_budget_reached_stops_the_workers_then_fails_with_budget_exceeded():
     actor = with_gpus(row("actor", 0, 1, started=1800, step=4), 1)
     rollout = with_gpus(row("rollout", 0, 2, started=1800), 1)
-    p = run_plan([actor, rollout], [proc(actor), proc(rollout)], prev=clock("Running", 0.0, 1800), max_gpu_hours=1)
+    p = run_plan(
+        [actor, rollout], [proc(actor), proc(rollout)], prev=clock("Running", 0.0, 1800), max_gpu_hours=1
+    )
     assert sorted(a.handle for a in p.actions if isinstance(a, Stop)) == ["h1", "h2"]
     assert cond(p, "Ready")["reason"] == "BudgetExceeded"
-    stopped = [row("actor", 0, 1, "Stopped", started=1800, step=4), row("rollout", 0, 2, "Stopped", started=1800)]
+    stopped = [
+        row("actor", 0, 1, "Stopped", started=1800, step=4),
+        row("rollout", 0, 2, "Stopped", started=1800),
+    ]
     done = run_plan([with_gpus(w, 1) for w in stopped], [], prev=p.status, max_gpu_hours=1)
     failed = cond(done, "Failed")
     assert (done.status["phase"], failed["reason"]) == ("Failed", "BudgetExceeded")
@@ -152,8 +173,14 @@ def test_gpu_budget_reached_stops_the_workers_then_fails_with_budget_exceeded():
 def test_gpu_budget_wakes_the_pass_when_the_live_gpus_will_use_it_up():
     actor = with_gpus(row("actor", 0, 1, started=1800), 2)
     slow = PlanConfig(active_resync_seconds=3600.0)
-    p = run_plan([actor], [proc(actor)], prev=clock("Running", 0.0, 1800), cfg=slow, max_gpu_hours=2,
-                 rollout_replicas=0)
+    p = run_plan(
+        [actor],
+        [proc(actor)],
+        prev=clock("Running", 0.0, 1800),
+        cfg=slow,
+        max_gpu_hours=2,
+        rollout_replicas=0,
+    )
     assert p.actions == ()
     assert p.outcome == RequeueAfter(pytest.approx(1800.0))  # 3600 GPU-s left at 2 GPUs
 
@@ -169,7 +196,8 @@ def test_a_limit_found_reached_holds_for_that_spec_and_a_raised_limit_relaunches
     stopping = run_plan(*running(), prev=clock("Running", 100.0, 30), max_duration=120)
     assert cond(stopping, "Ready")["reason"] == "DeadlineExceeded"
     gone = [row("actor", 0, 1, "Stopped", step=7), row("rollout", 0, 2, "Stopped")]
-    # the same spec: stays reached even when a recount comes out under the limit (it is never re-derived lower)
+    # the same spec: stays reached even when a recount comes out under the limit (it is never re-derived
+    # lower)
     same = run_plan(gone, [], prev={**stopping.status, "activeSeconds": 0.0}, max_duration=120)
     assert same.status["phase"] == "Failed" and cond(same, "Failed")["reason"] == "DeadlineExceeded"
     # the user raised maxDuration while the workers stopped (a new generation): judged again, relaunched

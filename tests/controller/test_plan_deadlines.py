@@ -21,40 +21,46 @@ def doing(w: WorkerRow, activity: str, since: float) -> WorkerRow:
 
 
 # -- the deadline of each activity ---------------------------------------------------------------------
-@pytest.mark.parametrize("kind, spec, step_seconds, want", [
-    # derived from the run's step times, as the progress deadline: 10 x median, at least 60 s
-    ("task", dl.Deadlines(), 2.0, 60.0),
-    ("task", dl.Deadlines(), 30.0, 300.0),
-    # no step time yet: the long default
-    ("task", dl.Deadlines(), None, 1800.0),
-    # never below the task's reward timeouts added up (plus the minimum): a reward timeout heals first
-    ("task", dl.Deadlines(reward_seconds=300.0), 2.0, 360.0),
-    # a step outlasts one of its tasks healed once
-    ("step", dl.Deadlines(), 2.0, 120.0),
-    ("step", dl.Deadlines(reward_seconds=300.0), 2.0, 720.0),
-    # what the spec sets is used as it is
-    ("task", dl.Deadlines(task_seconds=5.0, reward_seconds=300.0), 2.0, 5.0),
-    ("step", dl.Deadlines(task_seconds=5.0), 2.0, 60.0),  # twice a 5 s task, but not under the minimum
-    ("step", dl.Deadlines(task_seconds=50.0), 2.0, 100.0),
-    ("step", dl.Deadlines(step_seconds=7.0), 2.0, 7.0),
-    ("weight-load", dl.Deadlines(weight_load_seconds=42.0), 2.0, 42.0),
-    # a kind with no deadline
-    ("collective", dl.Deadlines(), 2.0, None),
-])
+@pytest.mark.parametrize(
+    "kind, spec, step_seconds, want",
+    [
+        # derived from the run's step times, as the progress deadline: 10 x median, at least 60 s
+        ("task", dl.Deadlines(), 2.0, 60.0),
+        ("task", dl.Deadlines(), 30.0, 300.0),
+        # no step time yet: the long default
+        ("task", dl.Deadlines(), None, 1800.0),
+        # never below the task's reward timeouts added up (plus the minimum): a reward timeout heals first
+        ("task", dl.Deadlines(reward_seconds=300.0), 2.0, 360.0),
+        # a step outlasts one of its tasks healed once
+        ("step", dl.Deadlines(), 2.0, 120.0),
+        ("step", dl.Deadlines(reward_seconds=300.0), 2.0, 720.0),
+        # what the spec sets is used as it is
+        ("task", dl.Deadlines(task_seconds=5.0, reward_seconds=300.0), 2.0, 5.0),
+        ("step", dl.Deadlines(task_seconds=5.0), 2.0, 60.0),  # twice a 5 s task, but not under the minimum
+        ("step", dl.Deadlines(task_seconds=50.0), 2.0, 100.0),
+        ("step", dl.Deadlines(step_seconds=7.0), 2.0, 7.0),
+        ("weight-load", dl.Deadlines(weight_load_seconds=42.0), 2.0, 42.0),
+        # a kind with no deadline
+        ("collective", dl.Deadlines(), 2.0, None),
+    ],
+)
 def test_deadline_of_each_activity(kind, spec, step_seconds, want):
     assert dl.deadline(kind, spec, step_seconds, DERIVED) == want
 
 
-@pytest.mark.parametrize("activity, since, want", [
-    (None, None, None),  # idle
-    ("task 3.1", 59.0, None),  # within its 60 s
-    ("task 3.1", 61.0, ("TaskDeadlineExceeded", "task 3.1 has run 61 s, past its deadline of 60 s")),
-    ("step 4", 121.0, ("StepDeadlineExceeded", "step 4 has run 121 s, past its deadline of 120 s")),
-    ("weight-load v7", 601.0, ("WeightLoadDeadlineExceeded", "weight-load v7 has run 601 s")),
-])
+@pytest.mark.parametrize(
+    "activity, since, want",
+    [
+        (None, None, None),  # idle
+        ("task 3.1", 59.0, None),  # within its 60 s
+        ("task 3.1", 61.0, ("TaskDeadlineExceeded", "task 3.1 has run 61 s, past its deadline of 60 s")),
+        ("step 4", 121.0, ("StepDeadlineExceeded", "step 4 has run 121 s, past its deadline of 120 s")),
+        ("weight-load v7", 601.0, ("WeightLoadDeadlineExceeded", "weight-load v7 has run 601 s")),
+    ],
+)
 def test_stalled(activity, since, want):
     found = dl.stalled(activity, ago(since) if since is not None else None, NOW, dl.Deadlines(), 2.0, DERIVED)
-    assert (found.reason, found.message[:len(want[1])]) == want if want else found is None
+    assert (found.reason, found.message[: len(want[1])]) == want if want else found is None
 
 
 # -- what plan() does with a stalled worker ------------------------------------------------------------
@@ -69,8 +75,12 @@ def test_a_rollout_past_its_task_deadline_has_its_stacks_dumped_then_is_ended_fa
     assert (end.worker_id, end.state) == (rows[1].id, "Failed")
     assert end.message.startswith("TaskDeadlineExceeded: task 5.0 has run 61 s, past its deadline of 60 s")
     assert (end.event.type, end.event.reason) == ("Warning", "TaskDeadlineExceeded")
-    assert end.event.message.startswith("rollout-0 #2: task 5.0 has run 61 s") and "stacks" in end.event.message
-    assert stop.grace_seconds > 0  # TERM first: a stalled worker holds no transaction, and its stacks come first
+    assert (
+        end.event.message.startswith("rollout-0 #2: task 5.0 has run 61 s") and "stacks" in end.event.message
+    )
+    assert (
+        stop.grace_seconds > 0
+    )  # TERM first: a stalled worker holds no transaction, and its stacks come first
 
 
 def test_a_worker_within_its_deadline_is_left_alone_and_the_pass_wakes_at_the_deadline():
@@ -84,8 +94,9 @@ def test_a_worker_within_its_deadline_is_left_alone_and_the_pass_wakes_at_the_de
 def test_the_actor_past_an_explicit_step_deadline_is_relaunched_after_the_backoff():
     rows, procs = running(rollouts=1)
     doing(rows[0], "step 5", since=31.0)
-    first = run_plan(rows, procs, prev=status("Running"), deadlines=dl.Deadlines(step_seconds=30.0),
-                     backoff_seconds=0.0)
+    first = run_plan(
+        rows, procs, prev=status("Running"), deadlines=dl.Deadlines(step_seconds=30.0), backoff_seconds=0.0
+    )
     assert kinds(first) == ["DumpStacks", "EndWorker", "Stop", "Launch"]
     launch = first.actions[-1]
     assert isinstance(launch, Launch) and (launch.role, launch.restart) == ("actor", True)
@@ -96,14 +107,25 @@ def _stalled_history(times: int, reason: str = "TaskDeadlineExceeded") -> list[W
     """rollout-0's last `times` incarnations each ended for the same stall; the actor runs."""
     rows = [row("actor", 0, 1, step=5)]
     for k in range(times):
-        rows.append(row("rollout", 0, 2 + k, "Failed", ended=30.0 - k, started=400.0,
-                        message=f"{reason}: task 5.0 has run 61 s, past its deadline of 60 s"))
+        rows.append(
+            row(
+                "rollout",
+                0,
+                2 + k,
+                "Failed",
+                ended=30.0 - k,
+                started=400.0,
+                message=f"{reason}: task 5.0 has run 61 s, past its deadline of 60 s",
+            )
+        )
     return rows
 
 
 def test_the_same_stall_as_often_as_sameFailureLimit_fails_the_run_with_the_stall_as_its_reason():
     rows = _stalled_history(3)
-    p = run_plan(rows, [proc(rows[0])], prev=status("Running", step=5), same_failure_limit=3, backoff_seconds=0.0)
+    p = run_plan(
+        rows, [proc(rows[0])], prev=status("Running", step=5), same_failure_limit=3, backoff_seconds=0.0
+    )
     assert p.status["phase"] == "Failed"
     failed = next(c for c in p.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "TaskDeadlineExceeded"
@@ -113,13 +135,21 @@ def test_the_same_stall_as_often_as_sameFailureLimit_fails_the_run_with_the_stal
     assert (met["status"], met["reason"]) == ("False", "TaskDeadlineExceeded")
 
 
-@pytest.mark.parametrize("history, limit, relaunched", [
-    (_stalled_history(2), 3, True),  # two stalls in a row: one more try
-    (_stalled_history(3), 0, True),  # the give-up is off
-    # a loss between breaks the run of stalls
-    (_stalled_history(2) + [row("rollout", 0, 9, "Lost", ended=1.0, message="process is gone")]
-     + _stalled_history(1)[1:], 2, True),
-])
+@pytest.mark.parametrize(
+    "history, limit, relaunched",
+    [
+        (_stalled_history(2), 3, True),  # two stalls in a row: one more try
+        (_stalled_history(3), 0, True),  # the give-up is off
+        # a loss between breaks the run of stalls
+        (
+            _stalled_history(2)
+            + [row("rollout", 0, 9, "Lost", ended=1.0, message="process is gone")]
+            + _stalled_history(1)[1:],
+            2,
+            True,
+        ),
+    ],
+)
 def test_fewer_stalls_in_a_row_than_the_limit_relaunch(history, limit, relaunched):
     rows = sorted(history, key=lambda w: w.incarnation)
     p = run_plan(rows, [proc(rows[0])], prev=status("Running"), same_failure_limit=limit, backoff_seconds=0.0)
@@ -128,15 +158,21 @@ def test_fewer_stalls_in_a_row_than_the_limit_relaunch(history, limit, relaunche
 
 
 # -- the DeadlinesMet condition ------------------------------------------------------------------------
-@pytest.mark.parametrize("ended, last_step, want, reason", [
-    (None, 5.0, True, "WithinDeadlines"),
-    (10.0, 20.0, False, "TaskDeadlineExceeded"),  # relaunched, no step since
-    (10.0, None, False, "TaskDeadlineExceeded"),
-    (10.0, 2.0, True, "Healed"),  # a step ended after the relaunch
-])
+@pytest.mark.parametrize(
+    "ended, last_step, want, reason",
+    [
+        (None, 5.0, True, "WithinDeadlines"),
+        (10.0, 20.0, False, "TaskDeadlineExceeded"),  # relaunched, no step since
+        (10.0, None, False, "TaskDeadlineExceeded"),
+        (10.0, 2.0, True, "Healed"),  # a step ended after the relaunch
+    ],
+)
 def test_deadlines_met(ended, last_step, want, reason):
-    stalls = [] if ended is None else [dl.StalledWorker("rollout-0", 3, "TaskDeadlineExceeded: task 5.0 has run 61 s",
-                                                        ago(ended))]
+    stalls = (
+        []
+        if ended is None
+        else [dl.StalledWorker("rollout-0", 3, "TaskDeadlineExceeded: task 5.0 has run 61 s", ago(ended))]
+    )
     c = dl.deadlines_met(stalls, ago(last_step) if last_step is not None else None)
     assert (c.type, c.status, c.reason) == ("DeadlinesMet", want, reason)
 
@@ -151,18 +187,29 @@ def test_a_stall_turns_deadlines_met_false_with_a_warning_and_a_later_step_heals
     rows[0].step = 6
     rows[1].state, rows[1].message, rows[1].ended_at = "Failed", ended.message, ago(1)
     healed_rows = [*rows, row("rollout", 0, 3)]
-    later = run_plan(healed_rows, [proc(healed_rows[0]), proc(healed_rows[2])], prev=first.status,
-                     now=NOW)
+    later = run_plan(healed_rows, [proc(healed_rows[0]), proc(healed_rows[2])], prev=first.status, now=NOW)
     met = next(c for c in later.status["conditions"] if c["type"] == "DeadlinesMet")
     assert (met["status"], met["reason"]) == ("True", "Healed")
 
 
 def test_only_rows_the_watchdog_ended_count_as_stalls_not_a_workers_own_report_that_reads_like_one():
     rows = [row("actor", 0, 1, step=5)] + [
-        row("rollout", 0, 2 + k, "Failed", ended=30.0 - k, started=400.0, code=75,
-            message="TaskDeadlineExceeded: raised by user code") for k in range(3)]
+        row(
+            "rollout",
+            0,
+            2 + k,
+            "Failed",
+            ended=30.0 - k,
+            started=400.0,
+            code=75,
+            message="TaskDeadlineExceeded: raised by user code",
+        )
+        for k in range(3)
+    ]
     p = run_plan(rows, [proc(rows[0])], prev=status("Running"), same_failure_limit=3, backoff_seconds=0.0)
-    assert p.status["phase"] != "Failed"  # relaunched: long-lived failures, neither a stall loop nor a crash loop
+    assert (
+        p.status["phase"] != "Failed"
+    )  # relaunched: long-lived failures, neither a stall loop nor a crash loop
     met = next(c for c in p.status["conditions"] if c["type"] == "DeadlinesMet")
     assert met["reason"] == "WithinDeadlines"
 
@@ -170,10 +217,14 @@ def test_only_rows_the_watchdog_ended_count_as_stalls_not_a_workers_own_report_t
 def test_a_run_that_finishes_in_the_pass_after_a_stall_heals_deadlines_met():
     """Steps can end faster than passes: the pass that sees the actor done at maxSteps also sees that steps
     ended after the relaunch."""
-    rows = [row("actor", 0, 1, "Succeeded", step=4, code=0),
-            row("rollout", 0, 2, "Failed", ended=3.0, message="TaskDeadlineExceeded: task 2.0 has run 3 s"),
-            row("rollout", 0, 3)]
-    p = run_plan(rows, [proc(rows[2])], prev=status("Running", step=2, lastStepTime=iso(ago(10))), max_steps=4)
+    rows = [
+        row("actor", 0, 1, "Succeeded", step=4, code=0),
+        row("rollout", 0, 2, "Failed", ended=3.0, message="TaskDeadlineExceeded: task 2.0 has run 3 s"),
+        row("rollout", 0, 3),
+    ]
+    p = run_plan(
+        rows, [proc(rows[2])], prev=status("Running", step=2, lastStepTime=iso(ago(10))), max_steps=4
+    )
     assert p.status["phase"] == "Succeeded"
     met = next(c for c in p.status["conditions"] if c["type"] == "DeadlinesMet")
     assert (met["status"], met["reason"]) == ("True", "Healed")

@@ -1,6 +1,7 @@
-"""Table tests of the planner healing an out-of-memory with a setting that keeps the training step (controller.heal):
-the actor relaunched with half its micro batch, down to 1, then the old rule (one relaunch, then Failed); a rollout
-with half its GPU share; the choice in status.effective, passed to the launch, an event, carried across passes."""
+"""Table tests of the planner healing an out-of-memory with a setting that keeps the training step
+(controller.heal): the actor relaunched with half its micro batch, down to 1, then the old rule (one relaunch,
+then Failed); a rollout with half its GPU share; the choice in status.effective, passed to the launch, an
+event, carried across passes."""
 
 from __future__ import annotations
 
@@ -39,43 +40,74 @@ def test_an_actor_out_of_memory_relaunches_it_with_half_the_micro_batch():
     rollout = row("rollout", 0, 2)
     p = run_plan([actor_oom(1), rollout], [proc(rollout)], prev=status("Running"), **SPEC)
     assert launched(p) == [("actor", 0, True, {MICRO_BATCH_ENV: "32"})]
-    assert heal_events(p) == [("Warning", "MicroBatchReduced",
-                               "actor micro batch 64 -> 32 after CUDA out of memory (algorithm.microBatchSize; "
-                               "2 passes a step, gradients accumulated: the same step)")]
+    assert heal_events(p) == [
+        (
+            "Warning",
+            "MicroBatchReduced",
+            "actor micro batch 64 -> 32 after CUDA out of memory (algorithm.microBatchSize; "
+            "2 passes a step, gradients accumulated: the same step)",
+        )
+    ]
     effective = RunStatus.model_validate(p.status).effective
-    assert (effective.micro_batch_size, effective.spec_micro_batch_size, effective.reduced_after) == (32, 64, {"actor-0": 1})
+    assert (effective.micro_batch_size, effective.spec_micro_batch_size, effective.reduced_after) == (
+        32,
+        64,
+        {"actor-0": 1},
+    )
     memory = cond(p, "MemoryFits")
     assert memory["status"] == "False"
     assert "relaunched with a smaller setting: actor micro batch 64 -> 32" in memory["message"]
-    assert "lower algorithm.microBatchSize (now 32)" in memory["message"]  # the advice speaks of what runs now
+    assert (
+        "lower algorithm.microBatchSize (now 32)" in memory["message"]
+    )  # the advice speaks of what runs now
     assert p.status["phase"] == "Recovering"
 
 
 def test_the_choice_is_carried_and_a_later_relaunch_gets_it_without_a_second_event():
     rollout = row("rollout", 0, 2)
     first = run_plan([actor_oom(1), rollout], [proc(rollout)], prev=status("Running"), **SPEC)
-    again = run_plan([actor_oom(1), rollout], [proc(rollout)], prev=first.status, **SPEC)  # same inputs: same answer
+    again = run_plan(
+        [actor_oom(1), rollout], [proc(rollout)], prev=first.status, **SPEC
+    )  # same inputs: same answer
     assert heal_events(again) == [] and again.status["effective"] == first.status["effective"]
     lost = row("actor", 0, 3, "Lost", ended=30)  # the healed actor was preempted later: not a memory failure
-    later = run_plan([actor_oom(1), rollout, row("actor", 0, 2, "Succeeded", ended=200), lost], [proc(rollout)],
-                     prev=first.status, **SPEC)
+    later = run_plan(
+        [actor_oom(1), rollout, row("actor", 0, 2, "Succeeded", ended=200), lost],
+        [proc(rollout)],
+        prev=first.status,
+        **SPEC,
+    )
     assert launched(later) == [("actor", 0, True, {MICRO_BATCH_ENV: "32"})]
     assert heal_events(later) == []
 
 
 def test_a_pass_that_lost_its_status_write_decides_the_same_micro_batch():
-    """The reconciler launched with the pass's choice and then lost the status write (a conflict, a crash): the
-    next pass, from the old status, chooses the same value for the worker now running, and records it."""
+    """The reconciler launched with the pass's choice and then lost the status write (a conflict, a crash):
+    the next pass, from the old status, chooses the same value for the worker now running, and records it."""
     rollout, relaunched = row("rollout", 0, 2), row("actor", 0, 3)
-    p = run_plan([actor_oom(1), rollout, relaunched], [proc(rollout), proc(relaunched)], prev=status("Running"),
-                 **SPEC)
+    p = run_plan(
+        [actor_oom(1), rollout, relaunched], [proc(rollout), proc(relaunched)], prev=status("Running"), **SPEC
+    )
     assert p.status["effective"]["microBatchSize"] == 32 and launched(p) == []
 
 
-@pytest.mark.parametrize(("batch", "micro", "ranks", "lower"), [
-    (64, 64, 1, 32), (64, 2, 1, 1), (24, 24, 1, 12), (24, 6, 1, 3), (48, 12, 1, 6), (36, 36, 1, 18), (36, 9, 1, 4),
-    (64, 8, 4, 4), (64, 4, 4, None), (64, 1, 1, None), (12, 12, 2, 6), (12, 6, 2, 2),
-])
+@pytest.mark.parametrize(
+    ("batch", "micro", "ranks", "lower"),
+    [
+        (64, 64, 1, 32),
+        (64, 2, 1, 1),
+        (24, 24, 1, 12),
+        (24, 6, 1, 3),
+        (48, 12, 1, 6),
+        (36, 36, 1, 18),
+        (36, 9, 1, 4),
+        (64, 8, 4, 4),
+        (64, 4, 4, None),
+        (64, 1, 1, None),
+        (12, 12, 2, 6),
+        (12, 6, 2, 2),
+    ],
+)
 def test_the_next_micro_batch_divides_the_batch_and_splits_over_the_ranks(batch, micro, ranks, lower):
     assert heal.smaller_micro_batch(micro, batch, ranks) == lower
 
@@ -114,11 +146,18 @@ def test_no_restart_left_fails_as_before_without_choosing():
 def test_a_rollout_out_of_memory_halves_the_rollouts_share_of_the_gpu():
     actor = row("actor", 0, 1, step=5)
     oom = row("rollout", 0, 2, "Failed", code=OOM, message=ROLLOUT_OOM, ended=30)
-    p = run_plan([actor, oom], [proc(actor)], prev=status("Running"), colocate=True, rollout_share=0.3, **SPEC)
+    p = run_plan(
+        [actor, oom], [proc(actor)], prev=status("Running"), colocate=True, rollout_share=0.3, **SPEC
+    )
     assert launched(p) == [("rollout", 0, True, {ROLLOUT_SHARE_ENV: "0.15"})]
-    assert heal_events(p) == [("Warning", "RolloutShareReduced",
-                               "rollout-0 GPU share 0.3 -> 0.15 after CUDA out of memory (rollout.gpuMemoryUtilization: "
-                               "fewer rows decoded at once, the same step)")]
+    assert heal_events(p) == [
+        (
+            "Warning",
+            "RolloutShareReduced",
+            "rollout-0 GPU share 0.3 -> 0.15 after CUDA out of memory (rollout.gpuMemoryUtilization: "
+            "fewer rows decoded at once, the same step)",
+        )
+    ]
     assert p.status["effective"]["rolloutGpuMemoryUtilization"] == 0.15
     assert "raise rollout.gpuMemoryUtilization (now 0.15)" in cond(p, "MemoryFits")["message"]
 
@@ -146,27 +185,40 @@ def test_a_rollout_without_a_share_is_not_given_one():
 
 
 def test_a_spec_that_changed_the_micro_batch_drops_the_choice():
-    """The user applied another microBatchSize: theirs runs, not what the controller chose from the old one."""
-    prev = status("Running", effective={"microBatchSize": 32, "specMicroBatchSize": 64, "reducedAfter": {"actor-0": 1}})
+    """The user applied another microBatchSize: theirs runs, not what the controller chose from the old
+    one."""
+    prev = status(
+        "Running", effective={"microBatchSize": 32, "specMicroBatchSize": 64, "reducedAfter": {"actor-0": 1}}
+    )
     kept = heal.carried(prev["effective"], Desired(name="r", batch_size=64, micro_batch_size=64))
     assert kept.micro_batch_size == 32
     dropped = heal.carried(prev["effective"], Desired(name="r", batch_size=64, micro_batch_size=16))
-    assert dropped.micro_batch_size is None and heal.micro_batch(dropped, Desired(name="r", micro_batch_size=16)) == 16
+    assert (
+        dropped.micro_batch_size is None
+        and heal.micro_batch(dropped, Desired(name="r", micro_batch_size=16)) == 16
+    )
 
 
 def test_a_micro_batch_fitted_before_launch_is_the_first_launchs_with_one_event():
-    """mortalctl apply estimated that 64 a pass does not fit (desired.fitted_micro_batch, from its annotation):
-    the actor's first launch trains with 16, status.effective says so, one Normal event says why."""
+    """mortalctl apply estimated that 64 a pass does not fit (desired.fitted_micro_batch, from its
+    annotation): the actor's first launch trains with 16, status.effective says so, one Normal event says
+    why."""
     p = run_plan([], prev={}, fitted_micro_batch=16, **SPEC)
-    assert [(role, env) for role, _, _, env in launched(p)] == [("actor", {MICRO_BATCH_ENV: "16"}), ("rollout", {})]
+    assert [(role, env) for role, _, _, env in launched(p)] == [
+        ("actor", {MICRO_BATCH_ENV: "16"}),
+        ("rollout", {}),
+    ]
     assert [(kind, reason) for kind, reason, _ in heal_events(p)] == [("Normal", "MicroBatchReduced")]
-    assert heal_events(p)[0][2].startswith("actor micro batch 64 -> 16 before launch: mortalctl apply's estimate")
+    assert heal_events(p)[0][2].startswith(
+        "actor micro batch 64 -> 16 before launch: mortalctl apply's estimate"
+    )
     assert p.status["effective"]["microBatchSize"] == 16
     again = run_plan([row("actor", 0, 1), row("rollout", 0, 2)], prev=p.status, fitted_micro_batch=16, **SPEC)
     assert heal_events(again) == []
     live = [row("actor", 0, 1), row("rollout", 0, 2)]
-    running_before = run_plan(live, [proc(w) for w in live], prev=status("Running"),
-                              fitted_micro_batch=16, **SPEC)  # an actor launched without it runs on: not yet
+    running_before = run_plan(
+        live, [proc(w) for w in live], prev=status("Running"), fitted_micro_batch=16, **SPEC
+    )  # an actor launched without it runs on: not yet
     assert "effective" not in running_before.status
     rows = [actor_oom(1), row("rollout", 0, 2)]  # the estimate was low: the heal goes on from 16
     healed = run_plan(rows, [proc(rows[1])], prev=p.status, fitted_micro_batch=16, **SPEC)

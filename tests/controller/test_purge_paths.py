@@ -1,7 +1,7 @@
-"""`delete --purge` removes only the run's own folder: a run whose name or folder leads outside MORTAL_HOME/runs
-(a name stored before the store checked names, a folder replaced by a symlink) is purged from the store with
-its files left alone and a Warning event that outlives it; in checkpoint storage the same name is refused
-before anything is removed (on Modal's volume: tests/controller/backends/test_modal.py)."""
+"""`delete --purge` removes only the run's own folder: a run whose name or folder leads outside
+MORTAL_HOME/runs (a name stored before the store checked names, a folder replaced by a symlink) is purged from
+the store with its files left alone and a Warning event that outlives it; in checkpoint storage the same name
+is refused before anything is removed (on Modal's volume: tests/controller/backends/test_modal.py)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,11 @@ def purge(store, reconciler: Reconciler, name: str) -> None:
 
 @sqlite_only  # the subject is the controller
 def test_a_legacy_run_named_out_of_mortal_home_is_purged_without_touching_that_folder(
-        store, reconciler, victim, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sql_store, "check_run_name", lambda name: name, raising=False)  # a row from before the check
+    store, reconciler, victim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        sql_store, "check_run_name", lambda name: name, raising=False
+    )  # a row from before the check
     name = "../../victim"
     paths.run_dir("another-run").mkdir(parents=True)  # runs/ exists, so runs/../.. reaches out
     assert paths.run_dir(name).resolve() == victim.resolve()
@@ -61,7 +64,9 @@ def test_a_legacy_run_named_out_of_mortal_home_is_purged_without_touching_that_f
 
 
 @sqlite_only
-def test_a_run_folder_replaced_by_a_symlink_out_of_mortal_home_is_not_followed(store, reconciler, victim) -> None:
+def test_a_run_folder_replaced_by_a_symlink_out_of_mortal_home_is_not_followed(
+    store, reconciler, victim
+) -> None:
     store.apply_run("r", simulated_run("r").spec_dict())
     paths.runs_dir().mkdir(parents=True)
     paths.run_dir("r").symlink_to(victim)

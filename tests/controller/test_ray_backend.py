@@ -27,11 +27,20 @@ SLEEPER = [sys.executable, "-c", "import time; print('sleeping', flush=True); ti
 EXIT_7 = [sys.executable, "-c", "import sys; sys.exit(7)"]
 
 
-def launch_of(home: Path, run: str, role: str = "rollout", replica: int = 0, incarnation: int = 1,
-              **kw: object) -> WorkerLaunch:
+def launch_of(
+    home: Path, run: str, role: str = "rollout", replica: int = 0, incarnation: int = 1, **kw: object
+) -> WorkerLaunch:
     ref = WorkerRef(run, role, replica, incarnation)
-    return WorkerLaunch(run=run, role=role, replica=replica, incarnation=incarnation, worker_id=ref.id,
-                        state_url="sqlite:///unused.db", mortal_home=str(home), **kw)  # type: ignore[arg-type]
+    return WorkerLaunch(
+        run=run,
+        role=role,
+        replica=replica,
+        incarnation=incarnation,
+        worker_id=ref.id,
+        state_url="sqlite:///unused.db",
+        mortal_home=str(home),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def processes_of(home: Path) -> dict[str, psutil.Process]:
@@ -39,8 +48,11 @@ def processes_of(home: Path) -> dict[str, psutil.Process]:
     found = {}
     for proc in psutil.process_iter(["environ", "status"]):
         env = proc.info.get("environ") or {}
-        if env.get("MORTAL_HOME") == str(home) and "MORTAL_WORKER_ID" in env \
-                and proc.info.get("status") != psutil.STATUS_ZOMBIE:
+        if (
+            env.get("MORTAL_HOME") == str(home)
+            and "MORTAL_WORKER_ID" in env
+            and proc.info.get("status") != psutil.STATUS_ZOMBIE
+        ):
             found[env["MORTAL_WORKER_ID"]] = proc
     return found
 
@@ -48,18 +60,27 @@ def processes_of(home: Path) -> dict[str, psutil.Process]:
 def test_launch_spreads_rollouts_lists_adopts_and_stops(ray_cluster: RayCluster, mortal_home: Path) -> None:
     backend = RayBackend(home=mortal_home, command=SLEEPER)
     on_workers = {"resources": {"node_a": 0.1}}, {"resources": {"node_b": 0.1}}
-    handles = [backend.launch(launch_of(mortal_home, "spread", replica=i, cpus=0.5, **on_workers[i])) for i in (0, 1)]
-    actor = backend.launch(launch_of(mortal_home, "spread", role="actor", cpus=0.5, resources={"node_head": 0.1}))
+    handles = [
+        backend.launch(launch_of(mortal_home, "spread", replica=i, cpus=0.5, **on_workers[i])) for i in (0, 1)
+    ]
+    actor = backend.launch(
+        launch_of(mortal_home, "spread", role="actor", cpus=0.5, resources={"node_head": 0.1})
+    )
     procs = wait_for(lambda: len(p := processes_of(mortal_home)) == 3 and p, 60, "three worker processes")
     assert {ray_cluster.node_of(p) for p in procs.values()} == {"node_head", "node_a", "node_b"}
     rollout = procs["spread/rollout-0#1"]
     assert rollout.environ()["MORTAL_RUN"] == "spread" and rollout.environ()["CUDA_VISIBLE_DEVICES"] == ""
     log = paths.worker_log("spread", "rollout", 0, 1)
-    wait_for(lambda: log.exists() and "sleeping" in log.read_text(), 30, "the worker's output in its log file")
+    wait_for(
+        lambda: log.exists() and "sleeping" in log.read_text(), 30, "the worker's output in its log file"
+    )
 
     listed = backend.list("spread")
-    assert [(w.role, w.replica, w.alive) for w in listed] == [("actor", 0, True), ("rollout", 0, True),
-                                                              ("rollout", 1, True)]
+    assert [(w.role, w.replica, w.alive) for w in listed] == [
+        ("actor", 0, True),
+        ("rollout", 0, True),
+        ("rollout", 1, True),
+    ]
     assert {w.handle for w in listed} == {*handles, actor}
     assert backend.list("another-run") == []
 
@@ -78,8 +99,11 @@ def test_launch_spreads_rollouts_lists_adopts_and_stops(ray_cluster: RayCluster,
     for handle in (handles[1], actor):
         fresh.stop(handle, grace_seconds=2)
     assert processes_of(mortal_home) == {} and fresh.list("spread") == []
-    assert not [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == fresh.namespace("spread")], "an actor was left in the cluster"
+    assert not [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == fresh.namespace("spread")
+    ], "an actor was left in the cluster"
 
 
 def test_an_exit_code_is_listed_and_the_actor_freed(ray_cluster: RayCluster, mortal_home: Path) -> None:
@@ -88,14 +112,23 @@ def test_an_exit_code_is_listed_and_the_actor_freed(ray_cluster: RayCluster, mor
     [ended] = wait_for(lambda: [w for w in backend.list("exits") if not w.alive], 60, "the worker's exit")
     assert (ended.handle, ended.exit_code) == (handle, 7)
     namespace = backend.namespace("exits")
-    wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace],
-             10, "the ended worker's actor to be killed (its resources freed)")
-    assert [(w.alive, w.exit_code) for w in backend.list("exits")] == [(False, 7)]  # remembered, for the planner
+    wait_for(
+        lambda: (
+            not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+        ),
+        10,
+        "the ended worker's actor to be killed (its resources freed)",
+    )
+    assert [(w.alive, w.exit_code) for w in backend.list("exits")] == [
+        (False, 7)
+    ]  # remembered, for the planner
     backend.stop(handle)
     assert backend.list("exits") == []
 
 
-def test_an_actor_waiting_for_resources_is_alive_and_stops_at_once(ray_cluster: RayCluster, mortal_home: Path) -> None:
+def test_an_actor_waiting_for_resources_is_alive_and_stops_at_once(
+    ray_cluster: RayCluster, mortal_home: Path
+) -> None:
     backend = RayBackend(home=mortal_home, command=SLEEPER)
     first = backend.launch(launch_of(mortal_home, "busy", replica=0, cpus=0, resources={"node_a": 1}))
     waiting = backend.launch(launch_of(mortal_home, "busy", replica=1, cpus=0, resources={"node_a": 1}))
@@ -126,8 +159,9 @@ def test_a_lost_node_lists_its_worker_as_exited(ray_cluster: RayCluster, mortal_
         ray_cluster.add_node("node_b")
 
 
-def test_a_request_no_node_can_hold_is_unschedulable_naming_the_field(ray_cluster: RayCluster,
-                                                                     mortal_home: Path) -> None:
+def test_a_request_no_node_can_hold_is_unschedulable_naming_the_field(
+    ray_cluster: RayCluster, mortal_home: Path
+) -> None:
     backend = RayBackend(home=mortal_home, command=SLEEPER)
     with pytest.raises(Unschedulable, match=r"CPU=64.*change spec\.ray\.rollout"):
         backend.launch(launch_of(mortal_home, "huge", cpus=64))
@@ -139,8 +173,7 @@ def test_a_request_no_node_can_hold_is_unschedulable_naming_the_field(ray_cluste
 
 
 def test_no_cluster_at_the_address_names_the_field(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    code = ("from mortal.controller.backends import select_backend\n"
-            "select_backend('ray@127.0.0.1:1')\n")
+    code = "from mortal.controller.backends import select_backend\nselect_backend('ray@127.0.0.1:1')\n"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
@@ -158,7 +191,8 @@ def test_without_ray_installed_or_an_address_the_error_says_the_fix(monkeypatch:
 
 
 def test_a_run_s_code_snapshot_travels_to_a_node_that_shares_no_disk(
-        ray_cluster: RayCluster, mortal_home: Path, tmp_path: Path) -> None:
+    ray_cluster: RayCluster, mortal_home: Path, tmp_path: Path
+) -> None:
     from mortal.controller.snapshot import build
     from mortal.workers.simulated import simulated_run
 
@@ -169,13 +203,25 @@ def test_a_run_s_code_snapshot_travels_to_a_node_that_shares_no_disk(
     snapshot = build(run.spec, [user])
     snapshot.install("shipped")
     snapshot.close()
-    imports = [sys.executable, "-c", "import os, time; from mortal.state import WorkerRef; "
-               "from mortal.workers.main import use_code_snapshot; "
-               "use_code_snapshot(os.environ, WorkerRef(os.environ['MORTAL_RUN'], 'rollout', 0, 1)); "
-               "import myrewards; print('imported', myrewards.__file__, flush=True); time.sleep(600)"]
+    imports = [
+        sys.executable,
+        "-c",
+        "import os, time; from mortal.state import WorkerRef; "
+        "from mortal.workers.main import use_code_snapshot; "
+        "use_code_snapshot(os.environ, WorkerRef(os.environ['MORTAL_RUN'], 'rollout', 0, 1)); "
+        "import myrewards; print('imported', myrewards.__file__, flush=True); time.sleep(600)",
+    ]
     backend = RayBackend(home=mortal_home, command=imports)
-    handle = backend.launch(launch_of(mortal_home, "shipped", cpus=0.5, resources={"node_a": 0.1},
-                                      node_home=True, env={paths.CODE_SNAPSHOT_ENV: snapshot.digest}))
+    handle = backend.launch(
+        launch_of(
+            mortal_home,
+            "shipped",
+            cpus=0.5,
+            resources={"node_a": 0.1},
+            node_home=True,
+            env={paths.CODE_SNAPSHOT_ENV: snapshot.digest},
+        )
+    )
     node_copy = paths.code_dir("shipped", snapshot.digest, ray_cluster.home("node_a"))
     rel = paths.worker_log("shipped", "rollout", 0, 1).relative_to(paths.mortal_home())
     log = ray_cluster.home("node_a") / rel

@@ -40,8 +40,9 @@ class MemoryBackend(Backend):
             raise self.fail
         self.launched.append(launch)
         handle = f"mem:{launch.worker_id}"
-        self.workers[handle] = BackendWorker(launch.worker_id, handle, launch.run, launch.role, launch.replica,
-                                             launch.incarnation, alive=True)
+        self.workers[handle] = BackendWorker(
+            launch.worker_id, handle, launch.run, launch.role, launch.replica, launch.incarnation, alive=True
+        )
         return handle
 
     def list(self, run=None):
@@ -72,8 +73,11 @@ def test_first_pass_records_intent_launches_and_records_handles(world):
     apply(store, rollout_replicas=2)
     assert rec.reconcile("r") == RequeueAfter(FAST.plan.active_resync_seconds)
     rows = store.list_workers("r")
-    assert [(w.role, w.replica, w.state) for w in rows] == [("actor", 0, "Pending"), ("rollout", 0, "Pending"),
-                                                           ("rollout", 1, "Pending")]
+    assert [(w.role, w.replica, w.state) for w in rows] == [
+        ("actor", 0, "Pending"),
+        ("rollout", 0, "Pending"),
+        ("rollout", 1, "Pending"),
+    ]
     assert {w.handle for w in rows} == set(backend.workers)
     assert store.get_run("r").status["phase"] == "Starting"
     assert [e.reason for e in store.list_events("r")] == ["Launched"] * 3 + ["Starting"]
@@ -81,22 +85,38 @@ def test_first_pass_records_intent_launches_and_records_handles(world):
 
 def test_a_sharded_actor_is_launched_with_a_gpu_per_rank_and_colocated_rollouts_to_see_its_weights(world):
     store, backend, rec = world
-    apply(store, rollout_replicas=2, spec={"actor": {"gpu": "H100", "count": 2},
-                                           "rollout": {"gpu": "H100", "colocate": True},
-                                           "generation": {"engine": "transformers"}})
+    apply(
+        store,
+        rollout_replicas=2,
+        spec={
+            "actor": {"gpu": "H100", "count": 2},
+            "rollout": {"gpu": "H100", "colocate": True},
+            "generation": {"engine": "transformers"},
+        },
+    )
     rec.reconcile("r")
     launched = {(w.role, w.replica): w for w in backend.launched}
     assert launched["actor", 0].gpu_count == 2
-    assert [(w.gpu_count, w.colocate, w.sees_actor_gpus) for w in (launched["rollout", 0], launched["rollout", 1])] \
-        == [(1, True, True)] * 2  # the ring of weights is on rank 0's GPU, which replica 1 does not share
+    assert [
+        (w.gpu_count, w.colocate, w.sees_actor_gpus) for w in (launched["rollout", 0], launched["rollout", 1])
+    ] == [(1, True, True)] * 2  # the ring of weights is on rank 0's GPU, which replica 1 does not share
 
 
 def test_colocated_replicas_are_launched_beside_the_actor_and_the_others_on_gpus_of_their_own(world):
     store, backend, rec = world
-    apply(store, rollout_replicas=3, spec={"actor": {"gpu": "H100"}, "generation": {"engine": "transformers"},
-                                           "rollout": {"gpu": "H100", "colocatedReplicas": 1}})
+    apply(
+        store,
+        rollout_replicas=3,
+        spec={
+            "actor": {"gpu": "H100"},
+            "generation": {"engine": "transformers"},
+            "rollout": {"gpu": "H100", "colocatedReplicas": 1},
+        },
+    )
     rec.reconcile("r")
-    rollouts = sorted((w.replica, w.colocate, w.sees_actor_gpus) for w in backend.launched if w.role == "rollout")
+    rollouts = sorted(
+        (w.replica, w.colocate, w.sees_actor_gpus) for w in backend.launched if w.role == "rollout"
+    )
     assert rollouts == [(0, True, False), (1, False, True), (2, False, True)]  # ipc: the others see its GPU
 
 
@@ -145,7 +165,9 @@ def test_a_spec_change_during_the_pass_is_a_conflict_and_an_immediate_requeue(wo
     def scale_behind_our_back():
         backend.on_list = None
         row = store.get_run("r")
-        store.update_spec("r", {**row.spec, "rollout": {**row.spec["rollout"], "replicas": 3}}, row.resource_version)
+        store.update_spec(
+            "r", {**row.spec, "rollout": {**row.spec["rollout"], "replicas": 3}}, row.resource_version
+        )
 
     backend.on_list = scale_behind_our_back
     assert rec.reconcile("r") == RequeueAfter(0.0)
@@ -206,14 +228,18 @@ def test_a_purge_whose_storage_cannot_be_reached_keeps_the_run_and_says_why(worl
     rec.reconcile("r")  # stops both
     rec._listings["local"].invalidate()
     monkeypatch.setattr(fsspec.core, "url_to_fs", lambda uri: (Denied(), "bucket/prefix"))
-    with pytest.raises(BackendError, match="cannot remove run 'r'.s checkpoints under spec.checkpoint.uri "
-                                           "'memory://bucket/prefix': PermissionError"):
+    with pytest.raises(
+        BackendError,
+        match="cannot remove run 'r'.s checkpoints under spec.checkpoint.uri "
+        "'memory://bucket/prefix': PermissionError",
+    ):
         rec.reconcile("r")
     assert [r.name for r in store.list_runs()] == ["r"]  # kept: the next pass tries again
 
 
 def test_a_purge_goes_where_the_backend_keeps_the_files_and_waits_for_a_backend_that_cannot_run_here(
-        store, store_url, mortal_home):
+    store, store_url, mortal_home
+):
     """A Modal run's files are on its volume: only its backend can remove them. Without one here, the run
     stays (the pass fails and is retried) rather than disappear with its files left behind."""
     from mortal.controller.backends.base import BackendError, BackendUnavailable
@@ -245,7 +271,9 @@ def test_a_purge_goes_where_the_backend_keeps_the_files_and_waits_for_a_backend_
     remote[0] = Remote()
     assert Reconciler(store, store_url, elector, FAST, backends=backends).reconcile("r") == Done()
     assert removed == ["r"] and store.list_runs() == []
-    assert paths.checkpoints_dir("r").is_dir(), "the Modal backend removes the volume's folder, not this machine's"
+    assert paths.checkpoints_dir("r").is_dir(), (
+        "the Modal backend removes the volume's folder, not this machine's"
+    )
 
 
 def test_a_run_gone_from_the_store_has_its_leftover_processes_stopped(world):
@@ -287,15 +315,21 @@ def test_a_hung_worker_is_killed_before_its_row_is_ended(store, store_url, morta
     backend = MemoryBackend()
     elector = LeaderElector(store, holder="me")
     assert elector.try_acquire()
-    rec = Reconciler(store, store_url, elector, dataclasses.replace(FAST, worker_lease_seconds=0.2),
-                     backends=lambda _: backend)
+    rec = Reconciler(
+        store,
+        store_url,
+        elector,
+        dataclasses.replace(FAST, worker_lease_seconds=0.2),
+        backends=lambda _: backend,
+    )
     apply(store)
     rec.reconcile("r")
     actor = next(w for w in store.list_workers("r") if w.role == "actor")
     store.heartbeat(WorkerRef("r", "actor", 0, actor.incarnation), step=1)
     states_at_stop = []
     backend.stop = lambda handle, grace_seconds=5.0: states_at_stop.append(
-        (handle, grace_seconds, next(w.state for w in store.list_workers("r") if w.handle == handle)))
+        (handle, grace_seconds, next(w.state for w in store.list_workers("r") if w.handle == handle))
+    )
     time.sleep(0.5)
     rec.reconcile("r")
     assert states_at_stop == [(actor.handle, 0.0, "Running")]
@@ -308,7 +342,9 @@ def test_a_lost_rollouts_task_is_released_when_the_pass_ends_its_row(world):
     store, backend, rec = world
     apply(store, rollout_replicas=2)
     rec.reconcile("r")
-    refs = {(w.role, w.replica): WorkerRef("r", w.role, w.replica, w.incarnation) for w in store.list_workers("r")}
+    refs = {
+        (w.role, w.replica): WorkerRef("r", w.role, w.replica, w.incarnation) for w in store.list_workers("r")
+    }
     for ref in refs.values():
         store.heartbeat(ref)
     actor, victim, other = refs["actor", 0], refs["rollout", 0], refs["rollout", 1]
@@ -329,7 +365,9 @@ def test_a_lost_rollouts_task_is_released_when_the_pass_ends_its_row(world):
 
 
 def _refs(store):
-    return {(w.role, w.replica): WorkerRef("r", w.role, w.replica, w.incarnation) for w in store.list_workers("r")}
+    return {
+        (w.role, w.replica): WorkerRef("r", w.role, w.replica, w.incarnation) for w in store.list_workers("r")
+    }
 
 
 def _condition(store, type_):
@@ -364,15 +402,28 @@ def test_the_newest_steps_metrics_are_read_once_per_step_and_judge_reward_health
     rec.reconcile("r")
     actor = _refs(store)[("actor", 0)]
     for step in range(1, 13):
-        store.add_metrics(actor, step, {"reward": 0.0, "step_seconds": 0.5, "rewards/acc/mean": 0.0,
-                                        "rewards/acc/std": 0.0, "rewards/acc/scored": 1.0})
+        store.add_metrics(
+            actor,
+            step,
+            {
+                "reward": 0.0,
+                "step_seconds": 0.5,
+                "rewards/acc/mean": 0.0,
+                "rewards/acc/std": 0.0,
+                "rewards/acc/scored": 1.0,
+            },
+        )
     store.heartbeat(actor, step=12)
     rec.reconcile("r")
     status = store.get_run("r").status
     cond = _condition(store, "RewardHealthy")
     assert (cond["status"], cond["reason"]) == ("False", "RewardConstant")
     assert "'acc'" in cond["message"] and "steps 3-12" in cond["message"]
-    assert (status["reward"], status["stepSeconds"], _condition(store, "Progressing")["status"]) == (0.0, 0.5, "True")
+    assert (status["reward"], status["stepSeconds"], _condition(store, "Progressing")["status"]) == (
+        0.0,
+        0.5,
+        "True",
+    )
     calls = []
     original = store.list_metrics
     store.list_metrics = lambda *a, **kw: calls.append(a) or original(*a, **kw)
@@ -398,7 +449,8 @@ class StackDumpingBackend(MemoryBackend):
 
 
 def test_a_stalled_worker_has_its_stacks_asked_for_while_its_row_is_live_then_is_ended_and_stopped(
-        store, store_url, mortal_home):
+    store, store_url, mortal_home
+):
     backend = StackDumpingBackend(store)
     elector = LeaderElector(store, holder="me")
     assert elector.try_acquire()
@@ -406,12 +458,20 @@ def test_a_stalled_worker_has_its_stacks_asked_for_while_its_row_is_live_then_is
     apply(store, rollout_replicas=1, spec={"deadlines": {"taskSeconds": 1}})
     rec.reconcile("r")
     rollout = next(w for w in store.list_workers("r") if w.role == "rollout")
-    store.heartbeat(WorkerRef("r", "rollout", 0, rollout.incarnation), activity="task 1.0", activity_seconds=5.0)
+    store.heartbeat(
+        WorkerRef("r", "rollout", 0, rollout.incarnation), activity="task 1.0", activity_seconds=5.0
+    )
     rec._listings["local"].invalidate()
     rec.reconcile("r")
-    assert backend.calls[0] == ("dump", "rollout", "Running")  # before the row is ended (its heartbeat then fenced)
+    assert backend.calls[0] == (
+        "dump",
+        "rollout",
+        "Running",
+    )  # before the row is ended (its heartbeat then fenced)
     assert [c[0] for c in backend.calls] == ["dump", "stop"]
     ended = next(w for w in store.list_workers("r") if w.id == rollout.id)
     # at least the 5 s the heartbeat reported; more when the pass comes later (a loaded machine)
-    assert ended.state == "Failed" and re.match(r"TaskDeadlineExceeded: task 1\.0 has run \d+ s", ended.message)
+    assert ended.state == "Failed" and re.match(
+        r"TaskDeadlineExceeded: task 1\.0 has run \d+ s", ended.message
+    )
     assert any(e.reason == "TaskDeadlineExceeded" and e.type == "Warning" for e in store.list_events("r"))

@@ -21,8 +21,12 @@ from mortal.state import paths
 
 
 def spec(**sections):
-    doc = {"model": {"name": "simulated"}, "dataset": {"name": "builtin:arith"},
-           "rewards": [{"function": "pkg.scoring:correct"}], **sections}
+    doc = {
+        "model": {"name": "simulated"},
+        "dataset": {"name": "builtin:arith"},
+        "rewards": [{"function": "pkg.scoring:correct"}],
+        **sections,
+    }
     return TrainingRun.model_validate({"metadata": {"name": "r"}, "spec": doc}).spec
 
 
@@ -111,8 +115,13 @@ def test_a_symlink_inside_the_folder_is_copied_as_its_content(folder):
 
 def test_a_reference_without_a_module_name_copies_nothing(folder):
     """An environment reward's args.class is free text: '.x:Y' names no top-level module, not the folder."""
-    snapshot = build(spec(rewards=[{"env": "environment", "args": {"class": ".pkg:Env"}}],
-                          rollout={"environment": "mortal.workers.simulated:Nothing"}), [folder])
+    snapshot = build(
+        spec(
+            rewards=[{"env": "environment", "args": {"class": ".pkg:Env"}}],
+            rollout={"environment": "mortal.workers.simulated:Nothing"},
+        ),
+        [folder],
+    )
     try:
         assert snapshot.parts == [] and snapshot.digest is None
     finally:
@@ -136,8 +145,10 @@ def test_the_folders_a_process_imported_user_code_from_count_installed_packages_
     import pkg.scoring  # noqa: F401 - imported as a MortalTrainer script would
 
     try:
-        found = importing_folders(spec(rewards=[{"function": "pkg.scoring:correct"},
-                                                {"function": "pytest:fixture"}]), Path("/nowhere"))
+        found = importing_folders(
+            spec(rewards=[{"function": "pkg.scoring:correct"}, {"function": "pytest:fixture"}]),
+            Path("/nowhere"),
+        )
         assert found == [Path("/nowhere"), folder.resolve()]
     finally:
         for name in ("pkg", "pkg.scoring"):

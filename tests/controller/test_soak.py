@@ -1,6 +1,7 @@
 """Soak: random kill -9 of workers for a while (MORTAL_SOAK_SECONDS, 45 s per store by default, so
-about a minute and a half in CI, which must stay under 20 minutes in all); the run still reaches Succeeded at the requested step count, the weight
-version never goes backwards, every step's tasks were done, and no process is left."""
+about a minute and a half in CI, which must stay under 20 minutes in all); the run still reaches Succeeded at
+the requested step count, the weight version never goes backwards, every step's tasks were done, and no
+process is left."""
 
 from __future__ import annotations
 
@@ -30,9 +31,16 @@ def test_soak_random_kills_still_succeed(harness):  # noqa: F811
     h = harness
     rng = random.Random(int(os.environ.get("MORTAL_SOAK_SEED", "7")))
     steps = int(SOAK_SECONDS * 6)  # about what the window allows with kills: it keeps killing to the end
-    h.apply(simulated_run(NAME, max_steps=steps, rollout_replicas=2, step_seconds=0.1,
-                          annotations={"mortal.dev/task-lease-seconds": "2"},
-                          spec={"restartPolicy": {"maxRestarts": 10_000, "backoffSeconds": 0.3}}))
+    h.apply(
+        simulated_run(
+            NAME,
+            max_steps=steps,
+            rollout_replicas=2,
+            step_seconds=0.1,
+            annotations={"mortal.dev/task-lease-seconds": "2"},
+            spec={"restartPolicy": {"maxRestarts": 10_000, "backoffSeconds": 0.3}},
+        )
+    )
     h.start(SOAK)
     h.wait_phase(NAME, "Running")
     versions, kills = [], 0

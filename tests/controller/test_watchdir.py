@@ -78,7 +78,9 @@ def test_controller_watch_runs_a_file_and_deletes_it_when_the_file_goes(harness,
     folder.mkdir()
     h.spawn("--watch", str(folder))
     spec = write(folder, "gitops", max_steps=100_000, rollout_replicas=1, step_seconds=0.1)
-    wait_for(lambda: h.store.list_runs() and h.status("gitops").get("phase") == "Running", 30, "the run to start")
+    wait_for(
+        lambda: h.store.list_runs() and h.status("gitops").get("phase") == "Running", 30, "the run to start"
+    )
     assert len(worker_processes(h.home, run="gitops")) == 2
     spec.unlink()
     wait_for(lambda: not h.store.list_runs(), 30, "the run to be deleted and purged")
@@ -86,8 +88,9 @@ def test_controller_watch_runs_a_file_and_deletes_it_when_the_file_goes(harness,
 
 
 @sqlite_only
-def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_nothing(store, tmp_path,
-                                                                                     monkeypatch):
+def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_nothing(
+    store, tmp_path, monkeypatch
+):
     from mortal.controller.snapshot import CODE_ANNOTATION
 
     project, folder = tmp_path / "project", tmp_path / "project" / "runs"
@@ -106,8 +109,9 @@ def test_a_watched_run_is_admitted_a_refused_one_is_not_applied_and_deletes_noth
 
 
 @sqlite_only
-def test_a_run_being_deleted_is_not_admitted_into_the_folder_its_purge_sets_aside(store, tmp_path, mortal_home,
-                                                                                   monkeypatch):
+def test_a_run_being_deleted_is_not_admitted_into_the_folder_its_purge_sets_aside(
+    store, tmp_path, mortal_home, monkeypatch
+):
     from mortal.state import paths
 
     project, folder = tmp_path / "project", tmp_path / "project" / "runs"

@@ -49,11 +49,16 @@ def test_unknown_key_names_file_line_and_closest_key(tmp_path):
     [issue] = caught.value.issues
     assert (issue.source, issue.line, issue.path) == (str(path), 11, "spec.algorithm.numGeneration")
     assert issue.message == "unknown field; did you mean 'numGenerations'?"
-    assert str(caught.value) == f"{path}:11: spec.algorithm.numGeneration: unknown field; did you mean 'numGenerations'?"
+    assert (
+        str(caught.value)
+        == f"{path}:11: spec.algorithm.numGeneration: unknown field; did you mean 'numGenerations'?"
+    )
 
 
-@pytest.mark.parametrize(("written", "suggested"), [("num_generation", "numGenerations"),
-                                                    ("learningrate", "learningRate"), ("maxstep", "maxSteps")])
+@pytest.mark.parametrize(
+    ("written", "suggested"),
+    [("num_generation", "numGenerations"), ("learningrate", "learningRate"), ("maxstep", "maxSteps")],
+)
 def test_did_you_mean_ignores_case_and_underscores(written, suggested):
     [issue] = errors_of(doc() + f"  algorithm:\n    {written}: 4\n")
     assert issue.message == f"unknown field; did you mean {suggested!r}?"
@@ -110,7 +115,9 @@ def test_duplicate_key_is_a_yaml_error_with_a_line():
 def test_wrong_kind_is_one_clear_error():
     [issue] = errors_of(doc().replace("kind: TrainingRun", "kind: Deployment"))
     assert (issue.line, issue.path) == (2, "kind")
-    assert issue.message == "must be 'TrainingRun' (got 'Deployment'); mortal reads only TrainingRun documents"
+    assert (
+        issue.message == "must be 'TrainingRun' (got 'Deployment'); mortal reads only TrainingRun documents"
+    )
 
 
 def test_wrong_api_version_is_one_clear_error():
@@ -183,13 +190,18 @@ def test_load_path_of_a_directory_reports_all_files_problems_at_once(tmp_path):
     (tmp_path / "c.yaml").write_text(doc("a"))
     with pytest.raises(SpecError) as caught:
         load_path(tmp_path)
-    assert [(i.source.rsplit("/", 1)[-1], i.line) for i in caught.value.issues] == [("a.yaml", 1), ("b.yaml", 10)]
+    assert [(i.source.rsplit("/", 1)[-1], i.line) for i in caught.value.issues] == [
+        ("a.yaml", 1),
+        ("b.yaml", 10),
+    ]
 
 
 def test_the_same_name_in_two_files_is_an_error(tmp_path):
     (tmp_path / "a.yaml").write_text(doc("same"))
     (tmp_path / "b.yaml").write_text(doc("same"))
-    with pytest.raises(SpecError, match=r"b.yaml:4: metadata.name: run 'same' is defined twice \(first at .*a.yaml:4\)"):
+    with pytest.raises(
+        SpecError, match=r"b.yaml:4: metadata.name: run 'same' is defined twice \(first at .*a.yaml:4\)"
+    ):
         load_path(tmp_path)
 
 
@@ -208,17 +220,21 @@ def test_load_path_dash_reads_standard_input(monkeypatch):
 
 
 def test_json_text_is_read_too():
-    text = ('{"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "j"}, "spec": '
-            '{"model": {"name": "m"}, "dataset": {"name": "d"}, "rewards": [{"env": "math-answer"}]}}')
+    text = (
+        '{"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "j"}, "spec": '
+        '{"model": {"name": "m"}, "dataset": {"name": "d"}, "rewards": [{"env": "math-answer"}]}}'
+    )
     assert load_text(text)[0].spec.rewards[0].env == "math-answer"
 
 
 def test_a_training_run_list_yields_its_items_and_locates_their_errors():
-    text = ("apiVersion: mortal/v1\nkind: TrainingRunList\nitems:\n"
-            "  - apiVersion: mortal/v1\n    kind: TrainingRun\n    metadata: {name: x}\n"
-            "    spec: {model: {name: m}, dataset: {name: d}, rewards: [{env: math-answer}]}\n"
-            "  - apiVersion: mortal/v1\n    kind: TrainingRun\n    metadata: {name: 'Y'}\n"
-            "    spec: {model: {name: m}, dataset: {name: d}, rewards: [{env: math-answer}]}\n")
+    text = (
+        "apiVersion: mortal/v1\nkind: TrainingRunList\nitems:\n"
+        "  - apiVersion: mortal/v1\n    kind: TrainingRun\n    metadata: {name: x}\n"
+        "    spec: {model: {name: m}, dataset: {name: d}, rewards: [{env: math-answer}]}\n"
+        "  - apiVersion: mortal/v1\n    kind: TrainingRun\n    metadata: {name: 'Y'}\n"
+        "    spec: {model: {name: m}, dataset: {name: d}, rewards: [{env: math-answer}]}\n"
+    )
     [issue] = errors_of(text)
     assert (issue.line, issue.path) == (10, "items[1].metadata.name")
 
@@ -229,6 +245,9 @@ def test_yaml_anchors_and_merge_keys_work():
 
 
 def test_generation_max_num_seqs_is_a_positive_count_named_at_its_line():
-    assert load_text(doc() + "  generation: {maxNumSeqs: 64}\n", "run.yaml")[0].spec.generation.max_num_seqs == 64
+    assert (
+        load_text(doc() + "  generation: {maxNumSeqs: 64}\n", "run.yaml")[0].spec.generation.max_num_seqs
+        == 64
+    )
     [issue] = errors_of(doc() + "  generation: {maxNumSeqs: 0}\n")
     assert (issue.line, issue.path) == (10, "spec.generation.maxNumSeqs")

@@ -30,7 +30,9 @@ def test_sixty_four_by_default_any_count_from_zero_when_written() -> None:
 def test_a_negative_count_is_refused_at_its_line() -> None:
     with pytest.raises(SpecError) as caught:
         load_text(DOC + "  logging:\n    completionsPerStep: -1\n", source="run.yaml")
-    assert str(caught.value.issues[0]) == "run.yaml:11: spec.logging.completionsPerStep: must be >= 0 (got -1)"
+    assert (
+        str(caught.value.issues[0]) == "run.yaml:11: spec.logging.completionsPerStep: must be >= 0 (got -1)"
+    )
 
 
 def test_the_schema_says_what_it_does() -> None:

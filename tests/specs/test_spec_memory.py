@@ -1,5 +1,5 @@
-"""mortal.specs.memory: the controller's memory choices reach a worker's spec through MORTAL_* variables, checked
-as the spec's own fields are; without them the spec is the user's, untouched."""
+"""mortal.specs.memory: the controller's memory choices reach a worker's spec through MORTAL_* variables,
+checked as the spec's own fields are; without them the spec is the user's, untouched."""
 
 from __future__ import annotations
 
@@ -17,9 +17,17 @@ from mortal.specs.memory import (
 
 
 def run(**algorithm) -> TrainingRun:
-    return TrainingRun.model_validate({"metadata": {"name": "m"}, "spec": {
-        "model": {"name": "x"}, "algorithm": {"numGenerations": 4, "batchSize": 64, **algorithm},
-        "rollout": {"gpu": "H100", "colocate": True, "gpuMemoryUtilization": 0.3}, "actor": {"gpu": "H100"}}})
+    return TrainingRun.model_validate(
+        {
+            "metadata": {"name": "m"},
+            "spec": {
+                "model": {"name": "x"},
+                "algorithm": {"numGenerations": 4, "batchSize": 64, **algorithm},
+                "rollout": {"gpu": "H100", "colocate": True, "gpuMemoryUtilization": 0.3},
+                "actor": {"gpu": "H100"},
+            },
+        }
+    )
 
 
 def test_without_variables_the_spec_is_the_users():
@@ -33,13 +41,16 @@ def test_the_variables_replace_the_micro_batch_and_the_share():
     assert chosen.rollout.gpu_memory_utilization == 0.15
 
 
-@pytest.mark.parametrize(("env", "words"), [
-    ({MICRO_BATCH_ENV: "sixteen"}, "is not an integer"),
-    ({MICRO_BATCH_ENV: "24"}, "must divide algorithm.batchSize (64)"),
-    ({MICRO_BATCH_ENV: "0"}, "must divide"),
-    ({ROLLOUT_SHARE_ENV: "1.5"}, "must be in (0, 1)"),
-    ({ROLLOUT_SHARE_ENV: "half"}, "is not a number"),
-])
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({MICRO_BATCH_ENV: "sixteen"}, "is not an integer"),
+        ({MICRO_BATCH_ENV: "24"}, "must divide algorithm.batchSize (64)"),
+        ({MICRO_BATCH_ENV: "0"}, "must divide"),
+        ({ROLLOUT_SHARE_ENV: "1.5"}, "must be in (0, 1)"),
+        ({ROLLOUT_SHARE_ENV: "half"}, "is not a number"),
+    ],
+)
 def test_a_value_that_does_not_fit_the_spec_is_refused_naming_the_variable(env, words):
     with pytest.raises(BadMemorySetting) as refused:
         applied(run(), env)
@@ -51,5 +62,8 @@ def test_each_role_gets_only_its_own_choice_and_the_status_block_round_trips():
     assert environ(chosen, "actor") == {MICRO_BATCH_ENV: "32"}
     assert environ(chosen, "rollout") == {ROLLOUT_SHARE_ENV: "0.15"}
     assert environ(None, "actor") == {}
-    block = {"phase": "Running", "effective": chosen.model_dump(by_alias=True, mode="json", exclude_none=True)}
+    block = {
+        "phase": "Running",
+        "effective": chosen.model_dump(by_alias=True, mode="json", exclude_none=True),
+    }
     assert RunStatus.model_validate(block).effective == chosen

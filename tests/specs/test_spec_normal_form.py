@@ -63,7 +63,12 @@ def test_defaults_are_filled_in():
     assert spec.generation.max_tokens == 256 and spec.generation.temperature == 1.0
     assert spec.model.dtype == "auto" and spec.model.lora is None
     assert spec.dataset.split == "train" and spec.dataset.prompt_column == "prompt"
-    assert (spec.actor.gpu, spec.actor.count, spec.rollout.gpu, spec.rollout.replicas) == ("none", 1, "none", 1)
+    assert (spec.actor.gpu, spec.actor.count, spec.rollout.gpu, spec.rollout.replicas) == (
+        "none",
+        1,
+        "none",
+        1,
+    )
     assert (spec.sync.method, spec.checkpoint.every, spec.checkpoint.keep) == ("auto", 10, 3)
     assert spec.restart_policy.max_restarts == 10 and spec.restart_policy.backoff_seconds == 5.0
     assert (spec.backend, spec.suspend, spec.secrets) == ("local", False, [])
@@ -92,7 +97,9 @@ def test_task_size_on_a_gpu_defaults_to_one_chunk_per_replica():
     assert with_rollout("{gpu: H100, replicas: 3}").spec.rollout.task_size(8) == 3  # ceil: chunks 3, 3, 2
     assert with_rollout("{gpu: H100, replicas: 1}").spec.rollout.task_size(8) == 8
     assert with_rollout("{gpu: H100, replicas: 16}").spec.rollout.task_size(8) == 1
-    assert with_rollout("{gpu: H100, replicas: 0}").spec.rollout.task_size(8) == 8  # paused: as if one replica
+    assert (
+        with_rollout("{gpu: H100, replicas: 0}").spec.rollout.task_size(8) == 8
+    )  # paused: as if one replica
 
 
 def test_an_explicit_prompts_per_task_wins_capped_at_the_steps_prompts():
@@ -103,7 +110,11 @@ def test_an_explicit_prompts_per_task_wins_capped_at_the_steps_prompts():
 
 def test_empty_lora_block_means_lora_with_default_settings():
     run = one(MINIMAL.replace("{name: tiny}", "{name: tiny, lora: {}}"))
-    assert (run.spec.model.lora.r, run.spec.model.lora.alpha, run.spec.model.lora.target_modules) == (16, 32, "all-linear")
+    assert (run.spec.model.lora.r, run.spec.model.lora.alpha, run.spec.model.lora.target_modules) == (
+        16,
+        32,
+        "all-linear",
+    )
 
 
 def test_a_new_run_starts_pending_with_an_empty_status():
@@ -135,11 +146,23 @@ def test_spec_dict_reads_back_into_an_equal_spec():
 
 def test_from_record_rebuilds_the_run_the_store_keeps():
     run = one(MINIMAL)
-    status = {"phase": "Running", "step": 7, "weightVersion": 7, "reward": 0.5,
-              "replicas": {"rollout": {"ready": 1, "desired": 2}},
-              "conditions": [{"type": "WorkersReady", "status": "False", "reason": "RolloutLost"}]}
-    back = TrainingRun.from_record("demo", run.spec_dict(), status, labels={"team": "rl"},
-                                   annotations={"note": "x"}, generation=3, resource_version=9)
+    status = {
+        "phase": "Running",
+        "step": 7,
+        "weightVersion": 7,
+        "reward": 0.5,
+        "replicas": {"rollout": {"ready": 1, "desired": 2}},
+        "conditions": [{"type": "WorkersReady", "status": "False", "reason": "RolloutLost"}],
+    }
+    back = TrainingRun.from_record(
+        "demo",
+        run.spec_dict(),
+        status,
+        labels={"team": "rl"},
+        annotations={"note": "x"},
+        generation=3,
+        resource_version=9,
+    )
     assert back.spec == run.spec and back.metadata.labels == {"team": "rl"}
     assert back.metadata.annotations == {"note": "x"} and back.metadata.generation == 3
     assert back.status.phase is Phase.RUNNING and back.status.replicas.rollout.desired == 2
@@ -155,8 +178,14 @@ def test_from_record_with_a_stored_spec_that_no_longer_validates_is_a_spec_error
 
 
 def test_yaml_round_trip_gives_an_equal_run():
-    run = TrainingRun.from_record("demo", one(SAME_SPELLED_OUT).spec_dict(), {"phase": "Succeeded", "step": 30},
-                                  labels={"a": "b"}, uid="u-1", generation=2)
+    run = TrainingRun.from_record(
+        "demo",
+        one(SAME_SPELLED_OUT).spec_dict(),
+        {"phase": "Succeeded", "step": 30},
+        labels={"a": "b"},
+        uid="u-1",
+        generation=2,
+    )
     text = to_yaml(run)
     assert one(text) == run
     assert one(to_yaml(one(text))) == run
@@ -192,10 +221,15 @@ def test_python_callers_use_snake_case_and_assignment_is_validated():
 
 @pytest.mark.parametrize("quote", ["'", ""])
 def test_timestamps_survive_the_round_trip_quoted_or_not(quote):
-    status = {"phase": "Running", "startTime": "2025-01-31T12:00:00.5+02:00",
-              "lastCheckpoint": {"step": 5, "path": "/ckpt/5", "time": "2025-01-31T12:00:00Z"},
-              "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2025-01-31T12:00:01Z"}]}
+    status = {
+        "phase": "Running",
+        "startTime": "2025-01-31T12:00:00.5+02:00",
+        "lastCheckpoint": {"step": 5, "path": "/ckpt/5", "time": "2025-01-31T12:00:00Z"},
+        "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2025-01-31T12:00:01Z"}],
+    }
     run = TrainingRun.from_record("demo", one(MINIMAL).spec_dict(), status)
-    text = to_yaml(run) if quote else to_yaml(run).replace("'20", "20").replace("Z'", "Z").replace("00'", "00")
+    text = (
+        to_yaml(run) if quote else to_yaml(run).replace("'20", "20").replace("Z'", "Z").replace("00'", "00")
+    )
     back = one(text)
     assert back == run and back.status.start_time.utcoffset().total_seconds() == 7200

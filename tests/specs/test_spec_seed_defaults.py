@@ -44,8 +44,10 @@ def test_num_epochs_sets_max_steps_from_the_datasets_rows_and_says_so() -> None:
 def test_num_epochs_counts_a_local_file_after_max_samples(tmp_path: Path) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(10)) + "\n")
-    text = HEAD + f"  dataset: {{name: {data}, maxSamples: 7}}\n  rewards: [{{function: m:f}}]\n" \
-                  "  algorithm: {numEpochs: 1.5, batchSize: 8, numGenerations: 4}\n"
+    text = (
+        HEAD + f"  dataset: {{name: {data}, maxSamples: 7}}\n  rewards: [{{function: m:f}}]\n"
+        "  algorithm: {numEpochs: 1.5, batchSize: 8, numGenerations: 4}\n"
+    )
     assert only_run(text).spec.algorithm.max_steps == 6  # ceil(1.5 x 7 / 2)
 
 
@@ -54,13 +56,21 @@ def test_max_steps_given_wins_over_num_epochs() -> None:
     assert run.spec.algorithm.max_steps == 3 and run.spec.notes() == []
 
 
-@pytest.mark.parametrize(("dataset", "fragment"), [
-    ("openai/gsm8k", "hub dataset"),
-    ("/nowhere/rows.jsonl", "is not here to count its rows"),
-    ("builtin:nope", "no built-in dataset 'builtin:nope'"),
-])
-def test_num_epochs_over_a_dataset_it_cannot_count_names_the_line_and_asks_for_max_steps(dataset, fragment) -> None:
-    text = HEAD + f"  dataset: {{name: '{dataset}'}}\n  rewards: [{{function: m:f}}]\n  algorithm:\n    numEpochs: 1\n"
+@pytest.mark.parametrize(
+    ("dataset", "fragment"),
+    [
+        ("openai/gsm8k", "hub dataset"),
+        ("/nowhere/rows.jsonl", "is not here to count its rows"),
+        ("builtin:nope", "no built-in dataset 'builtin:nope'"),
+    ],
+)
+def test_num_epochs_over_a_dataset_it_cannot_count_names_the_line_and_asks_for_max_steps(
+    dataset, fragment
+) -> None:
+    text = (
+        HEAD + f"  dataset: {{name: '{dataset}'}}\n  rewards: [{{function: m:f}}]\n"
+        "  algorithm:\n    numEpochs: 1\n"
+    )
     with pytest.raises(SpecError) as caught:
         load_text(text, source="run.yaml")
     [issue] = caught.value.issues
@@ -73,7 +83,7 @@ def test_the_seeds_sync_names_are_stored_as_the_method_they_are(seed_name, store
     run = only_run(HEAD + f"  sync: {{method: {seed_name}}}\n")
     assert run.spec_dict()["sync"]["method"] == stored
     [note] = run.spec.notes()
-    assert note.startswith(f"spec.sync.method: {seed_name!r} is stored as {stored!r}: the seeds' {seed_name}")
+    assert note.startswith(f"spec.sync.method: {seed_name!r} is stored as {stored!r}: {seed_name}")
 
 
 def test_direct_is_ipc_and_where_ipc_cannot_work_the_error_says_what_direct_means() -> None:

@@ -21,15 +21,26 @@ def test_terminal_phases_have_no_way_out():
     assert not Phase.SUCCEEDED.can_become("Running") and not Phase.FAILED.can_become(Phase.PENDING)
 
 
-@pytest.mark.parametrize(("start", "to"), [
-    ("Pending", "Starting"), ("Starting", "Running"), ("Running", "Recovering"), ("Recovering", "Running"),
-    ("Running", "Suspended"), ("Suspended", "Starting"), ("Running", "Succeeded"), ("Recovering", "Failed"),
-])
+@pytest.mark.parametrize(
+    ("start", "to"),
+    [
+        ("Pending", "Starting"),
+        ("Starting", "Running"),
+        ("Running", "Recovering"),
+        ("Recovering", "Running"),
+        ("Running", "Suspended"),
+        ("Suspended", "Starting"),
+        ("Running", "Succeeded"),
+        ("Recovering", "Failed"),
+    ],
+)
 def test_the_lifecycle_moves_are_legal(start, to):
     assert Phase(start).can_become(to)
 
 
-@pytest.mark.parametrize(("start", "to"), [("Pending", "Running"), ("Pending", "Succeeded"), ("Suspended", "Running")])
+@pytest.mark.parametrize(
+    ("start", "to"), [("Pending", "Running"), ("Pending", "Succeeded"), ("Suspended", "Running")]
+)
 def test_skipping_a_phase_is_not(start, to):
     assert not Phase(start).can_become(to)
 
@@ -49,9 +60,13 @@ def test_every_non_terminal_phase_can_fail_and_every_phase_is_reachable_from_pen
 
 
 def test_status_round_trips_through_its_camel_case_dict():
-    status = RunStatus(phase="Recovering", step=4, restarts=1,
-                       last_checkpoint={"step": 4, "path": "/ckpt/4", "time": "2025-01-31T12:00:00Z"},
-                       conditions=[Condition(type="WorkersReady", status="False", reason="WorkerLost")])
+    status = RunStatus(
+        phase="Recovering",
+        step=4,
+        restarts=1,
+        last_checkpoint={"step": 4, "path": "/ckpt/4", "time": "2025-01-31T12:00:00Z"},
+        conditions=[Condition(type="WorkersReady", status="False", reason="WorkerLost")],
+    )
     dumped = status.model_dump(by_alias=True, mode="json")
     assert dumped["lastCheckpoint"]["path"] == "/ckpt/4" and dumped["phase"] == "Recovering"
     assert RunStatus.model_validate(dumped) == status

@@ -1,7 +1,7 @@
 """Test helpers of the actor-side tests: runs in a store, worker contexts, an in-process rollout.
 
-Imported by tests/workers/test_actor*.py, test_weights.py, test_checkpoint.py, test_exact_resume.py,
-test_trl_seam.py and test_padding_shift.py.
+Imported by tests/workers/actor/ (test_actor*.py, test_checkpoint.py, test_trl_seam.py, test_padding_shift.py),
+sync/test_weights.py and test_exact_resume.py.
 `run_actor_with_rollout` runs the real actor `main(ctx)` in this thread and the real rollout
 worker loop in a background thread, against one store, so a whole run of a tiny model takes
 seconds; the subprocess tests in test_exact_resume.py run both as `python -m mortal.workers.main`.
@@ -40,7 +40,7 @@ class RolloutThread:
     """The real rollout worker loop (mortal.workers.rollout) in a daemon thread."""
 
     def __init__(self, store: Store, run: TrainingRun, replica: int = 0) -> None:
-        from mortal.workers import rollout
+        from mortal.workers.rollout import loop as rollout
 
         self.ctx = worker_context(store, run, "rollout", replica)
         self.ctx.check_fence()
@@ -70,7 +70,7 @@ class RolloutThread:
 
 def run_actor_with_rollout(store: Store, run: TrainingRun, stop_after_step: int | None = None) -> int:
     """Run the actor to its end (or until it is asked to stop after `stop_after_step`); its exit code."""
-    from mortal.workers import actor
+    from mortal.workers.actor import loop as actor
 
     ctx = worker_context(store, run, "actor")
     ctx.check_fence()
@@ -99,7 +99,7 @@ def file_sha256(path: Path) -> str:
 def final_weights_hash(store: Store, run: str) -> tuple[int, str]:
     """(step, sha256 of the tensors) of the newest published weights; tensors only, so a file
     header that differs (version numbers) does not count."""
-    from mortal.workers.weights import read_published
+    from mortal.workers.sync.volume import read_published
 
     latest = store.latest_weights(run)
     assert latest is not None, "no weights were published"
@@ -111,7 +111,7 @@ def final_checkpoint_hash(store: Store, run: str, step: int) -> str:
     file:// storage URL)."""
     from safetensors.torch import load_file
 
-    from mortal.workers.storage import local_path
+    from mortal.workers.actor.storage import local_path
 
     row = store.latest_checkpoint(run)
     assert row is not None and row.step == step, (run, row)

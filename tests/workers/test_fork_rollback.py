@@ -16,11 +16,11 @@ from actor_helpers import actor_spec, create_run, final_weights_hash, run_actor_
 from rollout_helpers import assets_available, make_tiny_model
 from typer.testing import CliRunner
 
-from mortal.controller.cli.main import app
+from mortal.client.cli.main import app
 from mortal.specs import TrainingRun
 from mortal.state import paths
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.weights import read_published
+from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 

@@ -15,13 +15,13 @@ from actor_helpers import RolloutThread, actor_spec, create_run, worker_context
 from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
 
 from mortal.specs.training import ModelSpec
-from mortal.workers import actor
-from mortal.workers.engines import GenerationParams
-from mortal.workers.engines.transformers_engine import TransformersEngine
+from mortal.workers.actor import loop as actor
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.models import encode_prompt, load_model, load_tokenizer, worker_device
+from mortal.workers.rollout.engines import GenerationParams
+from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 from mortal.workers.runtime import EXIT_SUCCEEDED
-from mortal.workers.weights import read_published
+from mortal.workers.sync.volume import read_published
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -249,7 +249,7 @@ def _run_through_a_controller(mortal_home: Path, name: str, spec: dict) -> tuple
 def _decode_under_a_share(model_dir: str) -> tuple[int, int, bool]:
     """In a process of its own: a share sized for three rows; returns (completions, rows, whether an
     allocation past the cap raised torch's out-of-memory)."""
-    from mortal.workers.engines.static_decode import (
+    from mortal.workers.rollout.engines.static_decode import (
         DEFAULT_KEPT_SHAPES,
         SAMPLING_COPIES,
         StaticDecoder,

@@ -129,7 +129,7 @@ def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and
 def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
         reshard: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """actor.reshardAfterForward false reaches every FSDP2 module through the root's setter, after the load (the
-    effect, fewer all-gathers a step, is in tests/workers/test_actor_sharded.py)."""
+    effect, fewer all-gathers a step, is in tests/workers/actor/test_actor_sharded.py)."""
     from transformers import AutoModelForCausalLM
 
     class Sharded(torch.nn.Module):
@@ -152,7 +152,7 @@ def sharded_tied_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, d
     import torch.multiprocessing as mp
     from sharded_helpers import tied_weight_step
 
-    from mortal.workers import sharded
+    from mortal.workers.actor import sharded
 
     if not assets_available():
         pytest.skip("SmolLM2 tokenizer/config assets not found")

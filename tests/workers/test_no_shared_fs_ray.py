@@ -13,7 +13,7 @@ hub. Both runs Succeed ("straight" never interrupted: its weights hub lives on i
 their final checkpoints' tensors hash the same, the workers wrote nothing
 under the controller's MORTAL_HOME, the relaunched actor's log is in the storage (`mortalctl logs`
 reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. A second, short test
-drives mortal.workers.ray_weights alone between processes on the cluster (a hub killed under its publisher
+drives mortal.workers.sync.ray alone between processes on the cluster (a hub killed under its publisher
 included). Runs in `unshare -rn` (scripts/test.sh).
 """
 
@@ -35,7 +35,7 @@ from mortal.controller.backends import select_backend
 from mortal.controller.logs import StorageLogs, read_logs
 from mortal.controller.manager import Controller
 from mortal.state import open_store
-from mortal.workers.ray_weights import SCHEME
+from mortal.workers.sync.ray import SCHEME
 
 ray = pytest.importorskip("ray")
 # Four steps: the first checkpoint the test sees can be step 2 when its polling thread is starved (2 cores, the
@@ -73,7 +73,7 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         # How v0 then reached straight's rollout (the actor's put-back, or refs it held before the kill) is not
         # asserted: which one happened could not be told from the outside reliably (a check of the received
         # folder after the kill still saw no v0 while the put-back was not logged, 2 runs of 5). The put-back
-        # itself is tested on fake Ray (test_ray_weights.py); here the run must go on to the same weights.
+        # itself is tested on fake Ray (sync/test_ray.py); here the run must go on to the same weights.
         wait_for(lambda: store.latest_checkpoint("node-kill") is not None, 600, "node-kill's first checkpoint",
                  give_up=lambda: store.get_run("node-kill").phase == "Failed")
         first = store.latest_checkpoint("node-kill")
@@ -113,7 +113,7 @@ import os, signal, sys, time
 from pathlib import Path
 stopped = []
 signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))  # as mortal.workers.runtime's: stop at a step boundary
-from mortal.workers import ray_weights
+from mortal.workers.sync import ray as ray_weights
 folder = Path(sys.argv[1])
 print(ray_weights.share(folder, 7), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
@@ -173,7 +173,7 @@ def test_a_published_version_reaches_another_process_and_ends_with_its_publisher
 
 def receive_elsewhere(env: dict[str, str], path: str, home: Path, check: bool = True) -> subprocess.CompletedProcess:
     """`receive` in a process of its own (another worker, on another MORTAL_HOME): it prints the folder it wrote."""
-    script = "import sys; from mortal.workers import ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
+    script = "import sys; from mortal.workers.sync import ray as ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
     return subprocess.run([sys.executable, "-c", script, path], env={**env, "MORTAL_HOME": str(home)}, text=True,
                           capture_output=True, timeout=120, check=check)
 

@@ -14,10 +14,10 @@ from store_kinds import sqlite_only
 
 from mortal.state import paths
 from mortal.state.containment import REFUSED_REASON
-from mortal.workers import trl_seam
-from mortal.workers.checkpoint import Checkpointer, checkpoint_dir
-from mortal.workers.storage import CheckpointStorage
-from mortal.workers.weights import WeightPublisher
+from mortal.workers.actor import trl_seam
+from mortal.workers.actor.checkpoint import Checkpointer, checkpoint_dir
+from mortal.workers.actor.storage import CheckpointStorage
+from mortal.workers.sync.publisher import WeightPublisher
 
 pytestmark = sqlite_only  # the subject is the worker
 SPEC = {
@@ -155,14 +155,16 @@ def test_the_simulated_workload_never_resumes_from_a_checkpoint_row_pointing_out
 class RecordingEngine:
     def __init__(self) -> None:
         self.loaded: list[str] = []
+        self.transports: list[object] = []
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         self.loaded.append(path)
+        self.transports.append(transport)
 
 
 def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_path: Path) -> None:
     from mortal.workers.errors import FatalWorkerError
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
 
     run = create_run(store, "c", SPEC)
     actor = worker_context(store, run, "actor")
@@ -182,7 +184,7 @@ def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_
 def test_a_rollout_loads_a_relative_weight_row_from_the_run_s_folder_it_was_checked_in(
         store, tmp_path: Path, monkeypatch) -> None:
     """The path checked is the path loaded: a relative row is not read against the worker's working folder."""
-    from mortal.workers.rollout import RolloutWorker
+    from mortal.workers.rollout.loop import RolloutWorker
 
     run = create_run(store, "c", SPEC)
     actor = worker_context(store, run, "actor")
@@ -194,3 +196,24 @@ def test_a_rollout_loads_a_relative_weight_row_from_the_run_s_folder_it_was_chec
     engine = RecordingEngine()
     RolloutWorker(worker_context(store, run, "rollout"), engine, tokenizer=None, rewards=None).refresh_weights()
     assert engine.loaded == [str(owned.resolve())]
+
+
+def test_a_rollout_loads_a_version_the_way_its_row_says_and_refuses_a_method_no_transport_implements(
+        store) -> None:
+    from mortal.workers.errors import FatalWorkerError
+    from mortal.workers.rollout.loop import RolloutWorker
+    from mortal.workers.sync.volume import VolumeTransport
+
+    run = create_run(store, "c", SPEC)
+    actor = worker_context(store, run, "actor")
+    (paths.weights_dir("c") / "v0").mkdir(parents=True)
+    store.publish_weights(actor.worker, 0, 0, str(paths.weights_dir("c") / "v0"), method="volume")
+    engine = RecordingEngine()
+    rollout = RolloutWorker(worker_context(store, run, "rollout"), engine, tokenizer=None, rewards=None)
+    rollout.refresh_weights()
+    assert [type(t) for t in engine.transports] == [VolumeTransport]
+    store.publish_weights(actor.worker, 1, 1, str(paths.weights_dir("c") / "v1"), method="carrier-pigeon")
+    with pytest.raises(FatalWorkerError) as refused:
+        rollout.refresh_weights()
+    assert refused.value.reason == "WeightsRefused" and "carrier-pigeon" in str(refused.value)
+    assert len(engine.loaded) == 1

@@ -40,7 +40,7 @@ def _calculator_spec(model: Path, **algorithm: Any) -> dict[str, Any]:
         str(model),
         dataset={"name": "builtin:arith", "systemPrompt": CALCULATOR_PROMPT},
         generation={"maxTokens": 48, "engine": "transformers", "temperature": 1.0},
-        rollout={"replicas": 1, "tools": ["mortal.workers.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
+        rollout={"replicas": 1, "tools": ["mortal.workers.rollout.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
                  "maxToolCallingIterations": 2},
         rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
         algorithm={"learningRate": 1e-3, **algorithm},
@@ -116,7 +116,7 @@ def test_grpo_teaches_the_code_agent_to_fix_its_code_after_a_failed_run(sqlite_s
 
     rows = [json.loads(line) for line in code_tasks.read_text().splitlines()]
     model = code_agent_model(tmp_path / "model", rows)
-    env = "mortal.workers.builtin_tools:CodeAgentEnvironment"
+    env = "mortal.workers.rollout.builtin_tools:CodeAgentEnvironment"
     spec = actor_spec(
         str(model),
         dataset={"name": str(code_tasks), "systemPrompt": CODE_AGENT_PROMPT},

@@ -61,7 +61,7 @@ def test_each_published_directory_is_committed_once_in_place(tmp_path: Path, vol
 
 
 def test_a_reader_missing_a_version_reloads_the_volume(tmp_path: Path, volume: RecordingVolume, caplog) -> None:
-    from mortal.workers.weights import read_published
+    from mortal.workers.sync.volume import read_published
 
     with pytest.raises(FileNotFoundError):
         read_published(tmp_path / "v9")

@@ -1,6 +1,6 @@
 """Scripted stand-ins for a model that calls tools, shared by the tool-calling tests.
 
-Imported by tests/workers/test_multiturn.py, tests/workers/tool_learning.py and
+Imported by tests/workers/rollout/test_multiturn.py, tests/workers/tool_learning.py and
 tests/controller/cli/test_cli_components.py. A ScriptedEngine implements the Engine interface and answers from the conversation's text, so a test
 can run mortal's tool loop (and TRL's) on turns that really call tools, which a random tiny model never does.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from rollout_helpers import assets_dir
 
-from mortal.workers.engines import Completion, Engine, GenerationParams
+from mortal.workers.rollout.engines import Completion, Engine, GenerationParams
 
 MAX_MODEL_LEN = 2048
 
@@ -85,7 +85,7 @@ class ScriptedEngine(Engine):
     def max_model_len(self) -> int | None:
         return MAX_MODEL_LEN
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -102,7 +102,7 @@ class ArithScript(ScriptedEngine):
                memory_share: float | None = None, compile_scope: str = "auto"):
         return cls(tokenizer)
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, transport: object = None) -> None:
         """The script has no weights: each version the actor publishes is taken and ignored."""
 
     def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:

@@ -5,7 +5,7 @@ calculator example takes 113-390 s on CI's two cores; a random model never write
 its reward has no signal to rise on. What a user does on a GPU (bench/multiturn_gpu.py) is done here in
 miniature: fine-tune first on demonstrations, then let RL raise the reward.
 
-    1. demonstrations rendered by mortal's own tool loop (mortal.workers.multiturn) with a scripted model
+    1. demonstrations rendered by mortal's own tool loop (mortal.workers.rollout.multiturn) with a scripted model
        (tool_helpers.ScriptedEngine) and the real tools: two behaviours per example, one that earns the
        reward and one that does not (the calculator: call it and answer with its result, or guess at once;
        the code agent: after its first failed run, fix the code and run it again, or give up)
@@ -36,11 +36,11 @@ from tool_helpers import (
     tool_results,
 )
 
-from mortal.workers.builtin_tools import CodeAgentEnvironment, calculator
-from mortal.workers.engines import GenerationParams
 from mortal.workers.messages import RolloutRequest
-from mortal.workers.multiturn import MultiTurn
-from mortal.workers.tools import Toolbox
+from mortal.workers.rollout.builtin_tools import CodeAgentEnvironment, calculator
+from mortal.workers.rollout.engines import GenerationParams
+from mortal.workers.rollout.multiturn import MultiTurn
+from mortal.workers.rollout.tools import Toolbox
 
 CALCULATOR_PROMPT = "Use the calculator, then reply with its result."
 CODE_AGENT_PROMPT = ("Write the function, check it with run_tests, fix it until the tests pass, then answer with one "

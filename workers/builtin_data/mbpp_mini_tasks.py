@@ -1,7 +1,7 @@
 """The tasks of `builtin:mbpp-mini`, written for mortal (MBPP-style, not taken from MBPP).
 
 Read by make.py (a developer's script; not shipped). Each task: what to write, a reference solution
-(used only by tests/workers/test_environments.py, which runs every one against its tests in the
+(used only by tests/workers/rewards/test_environments.py, which runs every one against its tests in the
 sandbox), and assert statements. The first assert is shown in the prompt so the name and call
 shape are unambiguous, as MBPP does.
 """

@@ -1,6 +1,6 @@
 """Rewards on the rollout side: load `spec.rewards`, call them TRL-style, check what they return.
 
-Who calls it: mortal.workers.rollout, once per task (one prompt, `numGenerations` completions), so
+Who calls it: mortal.workers.rollout.loop, once per task (one prompt, `numGenerations` completions), so
 scoring scales with rollout replicas. A reward is a TRL reward function referenced by import path
 (`module:attr`), or a `RewardEnvironment` subclass (constructed with the entry's `args`). Each is
 called exactly as TRL's GRPOTrainer calls it: `f(prompts=..., completions=..., completion_ids=...,
@@ -39,88 +39,13 @@ from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
-from mortal.workers.rewards.builtin import completion_text
-from mortal.workers.rewards.sandbox import (
-    ExecutionResult,
-    Executor,
-    FunctionConfig,
-    Job,
-    SandboxConfig,
-    make_executor,
-)
+from mortal.workers.rewards.environment import RewardEnvironment
 
 if TYPE_CHECKING:
     from mortal.specs.rewards import RewardSpec
 
 # Dataset columns TRL never forwards to reward functions (they are passed under their own names).
 RESERVED_COLUMNS = ("prompt", "completion", "completion_ids")
-
-
-def prompt_text(prompt: Any) -> str:
-    """A prompt as text: itself, or the content of the last user message of a chat."""
-    if isinstance(prompt, str):
-        return prompt
-    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-    chosen = users[-1] if users else (prompt[-1] if prompt else {})
-    return str(chosen.get("content", "")) if isinstance(chosen, dict) else str(chosen)
-
-
-class RewardEnvironment:
-    """A structured reward: override `score` (one completion) or `score_batch` (all of them).
-
-    Reference the class from a spec (`function: my_module:MyEnv`, with constructor kwargs under
-    `args`), or pass an instance to TRL directly: an instance is a TRL reward function. `score`
-    sees text: the completion's content and the prompt (the last user message of a chat), plus
-    this completion's dataset columns as keyword arguments. To run code, use the execute_* helpers:
-    `execute_in_sandbox` for model-written code (confined, limits from the `sandbox_config` class
-    attribute), `execute_in_function` for your own trusted code (a plain subprocess, timeout only).
-    """
-
-    name: str | None = None
-    sandbox_config: SandboxConfig = SandboxConfig()
-    function_config: FunctionConfig = FunctionConfig()
-
-    def score(self, completion: str, prompt: str, **kwargs: Any) -> float | None:
-        raise NotImplementedError(f"{type(self).__name__} must override score() or score_batch()")
-
-    def score_batch(self, completions: list[str], prompts: list[str], **kwargs: Any) -> list[float | None]:
-        """Default: `score` per item; list-valued kwargs of matching length are split per item."""
-        n = len(completions)
-        per_item = {k: v for k, v in kwargs.items() if isinstance(v, list) and len(v) == n}
-        shared = {k: v for k, v in kwargs.items() if k not in per_item}
-        return [
-            self.score(c, p, **shared, **{k: v[i] for k, v in per_item.items()})
-            for i, (c, p) in enumerate(zip(completions, prompts, strict=True))
-        ]
-
-    def __call__(self, completions: list[Any], prompts: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
-        prompts = prompts if prompts is not None else [""] * len(completions)
-        kwargs.pop("completion_ids", None)
-        return self.score_batch([completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
-
-    # -- execution helpers (the seed's "Remote Execution Tools") -------------------------------------
-    # sandbox: untrusted code, confined, under `sandbox_config` (mortal.workers.rewards.sandbox);
-    # function: trusted code (yours), a plain subprocess with `function_config.timeout` and no confinement.
-    def _executor(self, trusted: bool) -> Executor:
-        attr = "_function_executor" if trusted else "_sandbox_executor"
-        config = self.function_config.as_sandbox() if trusted else self.sandbox_config
-        current = self.__dict__.get(attr)
-        if current is None or current.config != config:  # built on first use; rebuilt if the config changed
-            current = make_executor(config, trusted=trusted)
-            self.__dict__[attr] = current
-        return current
-
-    def execute_in_sandbox(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
-        return self._executor(trusted=False).run(code, stdin, files)
-
-    def execute_batch_in_sandbox(self, codes: list[str | Job]) -> list[ExecutionResult]:
-        return self._executor(trusted=False).run_batch(codes)
-
-    def execute_in_function(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
-        return self._executor(trusted=True).run(code, stdin, files)
-
-    def execute_batch_in_function(self, codes: list[str | Job]) -> list[ExecutionResult]:
-        return self._executor(trusted=True).run_batch(codes)
 
 
 @dataclass(frozen=True)
@@ -137,7 +62,8 @@ class LoadedReward:
     ref: str  # e.g. "spec.rewards[0].function 'pkg.mod:f'", for messages
     func: Callable[..., Any]
     is_async: bool
-    timeout_seconds: float = DEFAULT_REWARD_TIMEOUT_SECONDS  # rewards[].timeoutSeconds: past it the call is abandoned
+    # rewards[].timeoutSeconds: past it the call is abandoned
+    timeout_seconds: float = DEFAULT_REWARD_TIMEOUT_SECONDS
 
 
 @dataclass
@@ -205,7 +131,7 @@ def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
 def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None = None) -> LoadedReward:
     """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory)."""
     if entry.env == "environment":
-        from mortal.workers.tools import EnvironmentReward
+        from mortal.workers.rollout.tools import EnvironmentReward
 
         reward = EnvironmentReward(name, entry.args.get("class"))
         return LoadedReward(name=name, ref=f"spec.rewards[{index}].env 'environment'", func=reward, is_async=False,
@@ -331,7 +257,8 @@ class RewardSet:
         }
 
     def _call(self, reward: LoadedReward, kwargs: dict[str, Any]) -> Any:
-        """The reward's return value; CallTimedOut past its timeoutSeconds; what it raised, as a fatal error."""
+        """The reward's return value; CallTimedOut past its timeoutSeconds; what it raised, as a fatal
+        error."""
         def invoke() -> Any:
             return asyncio.run(reward.func(**kwargs)) if reward.is_async else reward.func(**kwargs)
 
@@ -374,8 +301,8 @@ class RewardSet:
               step: int = 0, environments: list[Any] | None = None,
               prompts: list[Any] | None = None) -> dict[str, list[float | None]]:
         """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. Tool-calling runs
-        with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts` (each
-        completion's prompt after its environment's reset appended what it returned)."""
+        with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts`
+        (each completion's prompt after its environment's reset appended what it returned)."""
         self.logs = RewardLogs()
         kwargs = self._kwargs(prompt, completions, completion_ids, row, step)
         if environments is not None:

@@ -13,7 +13,8 @@ import re
 from typing import Any
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-# A final answer may be a number, a fraction 'a/b' or a LaTeX \frac{a}{b} (math_answer and the math-answer env).
+# A final answer may be a number, a fraction 'a/b' or a LaTeX \frac{a}{b} (math_answer and the math-answer
+# env).
 VALUE = re.compile(r"-?\\d?frac\{\s*-?[\d,]*\.?\d+\s*\}\{\s*-?[\d,]*\.?\d+\s*\}|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 BOXED_ANSWER = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
@@ -63,7 +64,8 @@ def parse_value(text: Any) -> float | None:
 
 
 def answers_match(found: float | None, expected: Any, tolerance: float = 1e-6) -> bool:
-    """`found` (a parsed answer) equals the value in `expected` within `tolerance`; False if either is missing."""
+    """`found` (a parsed answer) equals the value in `expected` within `tolerance`; False if either is
+    missing."""
     target = parse_value(expected)
     return found is not None and target is not None and abs(found - target) <= tolerance
 
@@ -85,7 +87,8 @@ def format_number(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 def final_number(text: str) -> float | None:
-    """The answer a solution gives: '#### x', else '\\boxed{x}', else its last value (x: number or fraction)."""
+    """The answer a solution gives: '#### x', else '\\boxed{x}', else its last value (x: number or
+    fraction)."""
     for pattern in (HASH_ANSWER, BOXED_ANSWER):
         found = [v for v in map(parse_value, pattern.findall(text)) if v is not None]
         if found:
@@ -95,6 +98,7 @@ def final_number(text: str) -> float | None:
 
 
 def math_answer(completions: list[Any], answer: list[Any], tolerance: float = 1e-6, **kwargs: Any) -> list[float]:
-    """1.0 when the completion's final answer ('#### x', boxed, or last value) equals `answer` within `tolerance`."""
+    """1.0 when the completion's final answer ('#### x', boxed, or last value) equals `answer` within
+    `tolerance`."""
     return [1.0 if answers_match(final_number(completion_text(c)), a, tolerance) else 0.0
             for c, a in zip(completions, answer, strict=True)]

@@ -74,7 +74,8 @@ class SandboxUnavailable(FatalWorkerError):
 
 @dataclass(frozen=True)
 class Mode:
-    """A confinement: how to wrap `argv` so it runs confined in a private copy of `workdir` (or in it, for none).
+    """A confinement: how to wrap `argv` so it runs confined in a private copy of `workdir` (or in it, for
+    none).
 
     `binary` is the bwrap executable for bubblewrap (the system's or the bundled one), else "".
     """
@@ -166,7 +167,8 @@ def _interpreter_dirs() -> list[str]:
 
 @functools.cache
 def _bwrap_has(binary: str, flag: str) -> bool:
-    """Whether this bubblewrap knows `flag` (--disable-userns came with 0.8; Debian 12's 0.8.0 has --size too)."""
+    """Whether this bubblewrap knows `flag` (--disable-userns came with 0.8; Debian 12's 0.8.0 has --size
+    too)."""
     try:
         out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=PROBE_SECONDS)
     except (OSError, subprocess.TimeoutExpired):
@@ -232,7 +234,8 @@ def _fsjail_source() -> str:
 
 
 def fsjail(*step: str) -> list[str]:
-    """This interpreter running mortal.workers.rewards.fsjail's `step` (its text passed with -c), then `--`."""
+    """This interpreter running mortal.workers.rewards.fsjail's `step` (its text passed with -c), then
+    `--`."""
     return [sys.executable, "-I", "-S", "-c", _fsjail_source(), *step, "--"]
 
 

@@ -108,7 +108,8 @@ def build_root(root: str, workdir: str, tmp_bytes: int, ro_paths: list[str]) -> 
     seed = clone_tree(workdir)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
     private = ["/tmp", *([] if workdir.startswith("/tmp/") else [workdir])]  # under /tmp: in its tmpfs
-    hidden = [p for p in ro_paths if any(p == f or p.startswith(f + "/") for f in private)]  # e.g. a venv in /tmp
+    # e.g. a venv in /tmp
+    hidden = [p for p in ro_paths if any(p == f or p.startswith(f + "/") for f in private)]
     for path in ro_paths:
         if path not in hidden and os.path.lexists(path) and not os.path.lexists(root + path):
             bind(path, root + path)

@@ -2,7 +2,7 @@
 
     from mortal.workers.rewards.sandbox import SandboxConfig, make_executor
     executor = make_executor(SandboxConfig(timeout=10, memory_mb=512))
-    result = executor.run("print(sum(range(10)))")          # ExecutionResult(success=True, stdout='45\\n', ...)
+    result = executor.run("print(sum(range(10)))")   # ExecutionResult(success=True, stdout='45\\n', ...)
     results = executor.run_batch(["print(1)", "while True: pass"])   # in parallel, `workers` at a time
 
 Who calls it: RewardEnvironment.execute_in_sandbox / execute_in_function (mortal.workers.rewards)
@@ -333,8 +333,10 @@ class LocalExecutor(Executor):
             duration = time.monotonic() - started
             for reader, pipe in zip(readers, (proc.stdout, proc.stderr), strict=True):
                 reader.join(timeout=2.0)
-                if not reader.is_alive():  # else a process that escaped the kill (trusted mode) holds the pipe:
-                    pipe.close()           # closing would wait on the reader's lock; the daemon thread ends with it
+                # else a process that escaped the kill (trusted mode) holds the pipe:
+                if not reader.is_alive():
+                    # closing would wait on the reader's lock; the daemon thread ends with it
+                    pipe.close()
         out, err = readers
         code = proc.returncode
         return ExecutionResult(

@@ -88,12 +88,16 @@ def conform(api: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any
     return bound.arguments
 
 
-WORKER_FUNCTIONS = ("worker", "rollout_vllm")  # the app's functions that run a worker (mortal.controller.modal_app)
+WORKER_FUNCTIONS = (
+    "worker",
+    "rollout_vllm",
+)  # the app's functions that run a worker (mortal.client.modal_app)
 
 
 def _deployed_workers() -> dict[str, Callable[..., Any]]:
-    """The bodies `modal deploy` ships as the app's worker functions (their signatures are what spawn binds)."""
-    from mortal.controller import modal_app
+    """The bodies `modal deploy` ships as the app's worker functions (their signatures are what spawn
+    binds)."""
+    from mortal.client import modal_app
 
     return {name: getattr(modal_app, name)._get_source_info().raw_f for name in WORKER_FUNCTIONS}
 
@@ -115,8 +119,13 @@ class _Container:
 class FakeModal:
     """The `modal` module as ModalBackend sees it, with one deployed app."""
 
-    def __init__(self, volume: Path, app: str = "mortal", functions: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        volume: Path,
+        app: str = "mortal",
+        functions: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         import modal  # the real library: its signatures and its exception classes
 
         self.api, self.exception = modal, modal.exception
@@ -191,8 +200,12 @@ class FakeModal:
 
     def _boot(self, result: Path, payload: bytes) -> subprocess.Popen[bytes]:
         """A container running the body the payload names."""
-        proc = subprocess.Popen([sys.executable, __file__, str(result)], stdin=subprocess.PIPE,
-                                env={**os.environ, **self.env}, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(result)],
+            stdin=subprocess.PIPE,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         assert proc.stdin is not None
         proc.stdin.write(payload)
         proc.stdin.close()
@@ -214,7 +227,11 @@ class FakeModal:
         with self._lock:
             if not box.restarting:  # cancelled meanwhile: the input is not started again
                 return
-            box.proc, box.attempts, box.restarting = self._boot(box.result, box.payload), box.attempts + 1, False
+            box.proc, box.attempts, box.restarting = (
+                self._boot(box.result, box.payload),
+                box.attempts + 1,
+                False,
+            )
 
     def vanish(self, call_id: str) -> None:
         """The call is gone from Modal altogether: its container ended, its id unknown (NotFoundError)."""
@@ -281,7 +298,8 @@ class _Function:
         target = self._fake.apps.get(self._app, {}).get(self._name)
         if target is None:
             raise self._fake.exception.NotFoundError(
-                f"Lookup failed for Function '{self._name}' from the '{self._app}' app")
+                f"Lookup failed for Function '{self._name}' from the '{self._app}' app"
+            )
         call_id = self._fake.start(target, self._fake.serializable(args), self._fake.serializable(kwargs))
         self._fake.spawned.append((self._name, self._gpu, args))
         return _FunctionCall(self._fake, call_id)
@@ -312,7 +330,9 @@ class _FunctionCall:
         if not box.result.exists() and box.cancelled:
             raise errors.RemoteError("input was cancelled")
         if not box.result.exists():
-            raise errors.RemoteError(f"container of {self.object_id} exited with {box.proc.returncode} without output")
+            raise errors.RemoteError(
+                f"container of {self.object_id} exited with {box.proc.returncode} without output"
+            )
         kind, value = pickle.loads(box.result.read_bytes())
         if kind == "ok":
             return value
@@ -321,7 +341,9 @@ class _FunctionCall:
         raise RuntimeError(value)  # the body's own exception, as deserialized from the remote
 
     def cancel(self, *args: Any, **kwargs: Any) -> None:
-        terminate = self._fake.conform(self._fake.api.FunctionCall.cancel, *args, **kwargs)["terminate_containers"]
+        terminate = self._fake.conform(self._fake.api.FunctionCall.cancel, *args, **kwargs)[
+            "terminate_containers"
+        ]
         self._fake._check()
         box = self._fake.container(self.object_id)
         with self._fake._lock:
@@ -401,16 +423,24 @@ class _Volume:
         if not local.exists():
             raise self._fake.exception.NotFoundError(f"No such file or directory: {bound['path']}")
         found = local.rglob("*") if bound["recursive"] else local.iterdir() if local.is_dir() else [local]
-        return [FileEntry(path=str(p.relative_to(self._fake.volume)), mtime=int(p.stat().st_mtime),
-                          type=FileEntryType.DIRECTORY if p.is_dir() else FileEntryType.FILE,
-                          size=p.stat().st_size if p.is_file() else 0) for p in sorted(found)]
+        return [
+            FileEntry(
+                path=str(p.relative_to(self._fake.volume)),
+                mtime=int(p.stat().st_mtime),
+                type=FileEntryType.DIRECTORY if p.is_dir() else FileEntryType.FILE,
+                size=p.stat().st_size if p.is_file() else 0,
+            )
+            for p in sorted(found)
+        ]
 
     def read_file(self, *args: Any, **kwargs: Any) -> Iterator[bytes]:
         local, bound = self._path("read_file", *args, **kwargs)
         if not local.is_file():
-            raise FileNotFoundError(f"No such file: {bound['path']}")  # modal 1.6 turns its NotFoundError into this
+            raise FileNotFoundError(
+                f"No such file: {bound['path']}"
+            )  # modal 1.6 turns its NotFoundError into this
         data = local.read_bytes()
-        return iter([data[i:i + 4096] for i in range(0, len(data), 4096)])
+        return iter([data[i : i + 4096] for i in range(0, len(data), 4096)])
 
     def remove_file(self, *args: Any, **kwargs: Any) -> None:
         local, bound = self._path("remove_file", *args, **kwargs)
@@ -433,7 +463,8 @@ class _Volume:
 
 class _Upload:
     """Volume.batch_upload's context: the files are copied into the volume when it exits without an error.
-    Without force, a file already in the volume is refused (the fake's reading of Modal's no-overwrite rule)."""
+    Without force, a file already in the volume is refused (the fake's reading of Modal's no-overwrite
+    rule)."""
 
     def __init__(self, fake: FakeModal) -> None:
         from modal.volume import VolumeUploadContextManager
@@ -510,8 +541,14 @@ def logged(launch: dict[str, Any]) -> int:
         with commits.open("a") as out:
             out.write(f"{log.stat().st_size}\n")
 
-    return run_logged([sys.executable, "-c", env["SCRIPT"]], os.environ, log, stop_grace=5, commit=commit,
-                      commit_every=float(env.get("EVERY", "0.2")))
+    return run_logged(
+        [sys.executable, "-c", env["SCRIPT"]],
+        os.environ,
+        log,
+        stop_grace=5,
+        commit=commit,
+        commit_every=float(env.get("EVERY", "0.2")),
+    )
 
 
 if __name__ == "__main__":

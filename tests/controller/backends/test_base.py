@@ -1,5 +1,5 @@
-"""WorkerLaunch.environ puts torch.compile's caches in MORTAL_HOME's compile-cache folder, shared by every run,
-unless the user chose their own."""
+"""WorkerLaunch.environ puts torch.compile's caches in MORTAL_HOME's compile-cache folder, shared by every
+run, unless the user chose their own."""
 
 from __future__ import annotations
 
@@ -14,8 +14,16 @@ from mortal.state import paths
 
 
 def launch(**kw: object) -> WorkerLaunch:
-    return WorkerLaunch(run="r", role="rollout", replica=0, incarnation=3, worker_id="r/rollout-0#3",
-                        state_url="sqlite:///unused.db", mortal_home="/home/m", **kw)  # type: ignore[arg-type]
+    return WorkerLaunch(
+        run="r",
+        role="rollout",
+        replica=0,
+        incarnation=3,
+        worker_id="r/rollout-0#3",
+        state_url="sqlite:///unused.db",
+        mortal_home="/home/m",
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_compile_caches_are_in_the_homes_folder_shared_by_runs_with_both_caches_on() -> None:
@@ -24,8 +32,15 @@ def test_compile_caches_are_in_the_homes_folder_shared_by_runs_with_both_caches_
     assert env["TRITON_CACHE_DIR"] == "/home/m/compile-cache/triton"
     assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1" and env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
     assert Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent == paths.compile_cache_dir("/home/m")
-    other_run = WorkerLaunch(run="other", role="actor", replica=0, incarnation=0, worker_id="other/actor-0#0",
-                             state_url="sqlite:///unused.db", mortal_home="/home/m").environ({}, None)
+    other_run = WorkerLaunch(
+        run="other",
+        role="actor",
+        replica=0,
+        incarnation=0,
+        worker_id="other/actor-0#0",
+        state_url="sqlite:///unused.db",
+        mortal_home="/home/m",
+    ).environ({}, None)
     assert other_run["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
 
 
@@ -66,22 +81,51 @@ def test_delete_purge_of_a_run_leaves_the_shared_compile_cache_to_the_others(mor
     assert entry.read_text() == "compiled"
 
 
-NEEDED = ["PATH", "HOME", "LANG", "LC_ALL", "VIRTUAL_ENV", "PYTHONPATH", "CUDA_HOME", "HF_HOME", "WANDB_MODE",
-          "TOKENIZERS_PARALLELISM", "MODAL_IS_REMOTE", "MORTAL_THREADS", "NCCL_DEBUG"]
-CREDENTIALS = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET",
-               "MORTAL_STATE_TOKEN", "MORTAL_STATE_PREVIOUS_TOKENS", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY",
-               "MORTAL_STORE_BACKING_URL", "GITHUB_TOKEN", "DATABASE_URL", "SSH_AUTH_SOCK"]
+NEEDED = [
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "CUDA_HOME",
+    "HF_HOME",
+    "WANDB_MODE",
+    "TOKENIZERS_PARALLELISM",
+    "MODAL_IS_REMOTE",
+    "MORTAL_THREADS",
+    "NCCL_DEBUG",
+]
+CREDENTIALS = [
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+    "MODAL_TOKEN_ID",
+    "MODAL_TOKEN_SECRET",
+    "MORTAL_STATE_TOKEN",
+    "MORTAL_STATE_PREVIOUS_TOKENS",
+    "AWS_SECRET_ACCESS_KEY",
+    "OPENAI_API_KEY",
+    "MORTAL_STORE_BACKING_URL",
+    "GITHUB_TOKEN",
+    "DATABASE_URL",
+    "SSH_AUTH_SOCK",
+]
 
 
 def test_a_worker_keeps_what_it_needs_to_run_and_none_of_the_launchers_credentials() -> None:
     env = launch(env={"OPENAI_API_KEY": "from-the-spec"}, state_token="its-own").environ(
-        {name: "launcher's" for name in NEEDED + CREDENTIALS}, None)
+        {name: "launcher's" for name in NEEDED + CREDENTIALS}, None
+    )
     assert all(env[name] == "launcher's" for name in NEEDED)
     assert [name for name in CREDENTIALS if name in env] == ["MORTAL_STATE_TOKEN", "OPENAI_API_KEY"]
     assert (env["MORTAL_STATE_TOKEN"], env["OPENAI_API_KEY"]) == ("its-own", "from-the-spec")
     assert "its-own" not in repr(launch(state_token="its-own")) and "from-the-spec" not in repr(
-        launch(env={"OPENAI_API_KEY": "from-the-spec"}))
-    assert "MORTAL_STATE_TOKEN" not in launch().environ({"MORTAL_STATE_TOKEN": "admin"}, None), "a SQL store's worker"
+        launch(env={"OPENAI_API_KEY": "from-the-spec"})
+    )
+    assert "MORTAL_STATE_TOKEN" not in launch().environ({"MORTAL_STATE_TOKEN": "admin"}, None), (
+        "a SQL store's worker"
+    )
 
 
 def test_a_run_s_own_settings_come_from_its_launch_never_from_the_launcher_s_environment() -> None:

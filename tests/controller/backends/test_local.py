@@ -50,17 +50,35 @@ ESCAPER = [
     sys.executable,
     "-c",
     "import subprocess, sys, time\n"
-    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+    "start_new_session=True)\n"
     "print('escaped', child.pid, flush=True)\n"
     "time.sleep(600)\n",
 ]
 
 
-def launch_spec(home: Path, run: str = "r", role: str = "rollout", replica: int = 0, incarnation: int = 1,
-                state_url: str = "sqlite:///unused.db", run_uid: str = "", **kw: object) -> WorkerLaunch:
+def launch_spec(
+    home: Path,
+    run: str = "r",
+    role: str = "rollout",
+    replica: int = 0,
+    incarnation: int = 1,
+    state_url: str = "sqlite:///unused.db",
+    run_uid: str = "",
+    **kw: object,
+) -> WorkerLaunch:
     ref = WorkerRef(run, role, replica, incarnation, run_uid=run_uid or None)
-    return WorkerLaunch(run=run, role=role, replica=replica, incarnation=incarnation, worker_id=ref.process_id,
-                        state_url=state_url, mortal_home=str(home), run_uid=run_uid, **kw)  # type: ignore[arg-type]
+    return WorkerLaunch(
+        run=run,
+        role=role,
+        replica=replica,
+        incarnation=incarnation,
+        worker_id=ref.process_id,
+        state_url=state_url,
+        mortal_home=str(home),
+        run_uid=run_uid,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def gone(pid: int) -> bool:
@@ -88,21 +106,36 @@ def cleanup(mortal_home: Path) -> Iterator[None]:
         backend.stop(worker.handle, grace_seconds=0.5)
 
 
-def test_launched_worker_heartbeats_is_listed_and_stops(store_url: str, mortal_home: Path, cleanup: None) -> None:
+def test_launched_worker_heartbeats_is_listed_and_stops(
+    store_url: str, mortal_home: Path, cleanup: None
+) -> None:
     store = open_store(store_url)
     run = simulated_run("hb", max_steps=1000)
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
     row = store.create_worker(run.name, "rollout", 0, "local", lease_seconds=5.0)
     backend = LocalBackend(mortal_home)
     ref = WorkerRef(run.name, "rollout", 0, row.incarnation)
-    handle = backend.launch(launch_spec(mortal_home, run.name, incarnation=row.incarnation, state_url=store_url,
-                                        heartbeat_seconds=0.2, state_token=launch_token(store_url, ref)))
+    handle = backend.launch(
+        launch_spec(
+            mortal_home,
+            run.name,
+            incarnation=row.incarnation,
+            state_url=store_url,
+            heartbeat_seconds=0.2,
+            state_token=launch_token(store_url, ref),
+        )
+    )
 
     first = wait_for(lambda: _row(store, row.id).heartbeat_at, what="first heartbeat")
     wait_for(lambda: _row(store, row.id).heartbeat_at > first, what="a second heartbeat")
     assert _row(store, row.id).state == "Running"
     [listed] = backend.list(run.name)
-    assert (listed.handle, listed.alive, listed.role, listed.incarnation) == (handle, True, "rollout", row.incarnation)
+    assert (listed.handle, listed.alive, listed.role, listed.incarnation) == (
+        handle,
+        True,
+        "rollout",
+        row.incarnation,
+    )
     assert listed.worker_id == WorkerRef(run.name, "rollout", 0, row.incarnation).id
     assert backend.list("other-run") == []
 
@@ -116,8 +149,12 @@ def test_launched_worker_heartbeats_is_listed_and_stops(store_url: str, mortal_h
 
 
 def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> None:
-    printer = [sys.executable, "-c", "import os; print({k: v for k, v in os.environ.items() "
-               "if k.startswith(('MORTAL_', 'CUDA', 'SECRET', 'TORCHINDUCTOR_', 'TRITON_'))})"]
+    printer = [
+        sys.executable,
+        "-c",
+        "import os; print({k: v for k, v in os.environ.items() "
+        "if k.startswith(('MORTAL_', 'CUDA', 'SECRET', 'TORCHINDUCTOR_', 'TRITON_'))})",
+    ]
     backend = LocalBackend(mortal_home, command=printer)
     spec = launch_spec(mortal_home, "envrun", role="actor", incarnation=4, env={"SECRET_TOKEN": "s3"})
     handle = backend.launch(spec)
@@ -132,18 +169,36 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     backend.stop(handle)
 
 
-CONTROLLERS_OWN = {"MODAL_TOKEN_ID": "ak-1", "MODAL_TOKEN_SECRET": "as-1", "HF_TOKEN": "hf_1", "MORTAL_STATE_TOKEN": "admin-1",
-                   "AWS_SECRET_ACCESS_KEY": "aws-1", "MORTAL_STORE_BACKING_URL": "postgresql://u:pw@db/m", "UNRELATED": "x"}
+CONTROLLERS_OWN = {
+    "MODAL_TOKEN_ID": "ak-1",
+    "MODAL_TOKEN_SECRET": "as-1",
+    "HF_TOKEN": "hf_1",
+    "MORTAL_STATE_TOKEN": "admin-1",
+    "AWS_SECRET_ACCESS_KEY": "aws-1",
+    "MORTAL_STORE_BACKING_URL": "postgresql://u:pw@db/m",
+    "UNRELATED": "x",
+}
 
 
 def test_a_worker_sees_its_secrets_and_own_token_and_nothing_else_of_the_controllers(
-        mortal_home: Path, cleanup: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {**CONTROLLERS_OWN, "WANDB_API_KEY": "wandb-1", "HF_HOME": "/hf", "LC_ALL": "C.UTF-8"}.items():
+    mortal_home: Path, cleanup: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        **CONTROLLERS_OWN,
+        "WANDB_API_KEY": "wandb-1",
+        "HF_HOME": "/hf",
+        "LC_ALL": "C.UTF-8",
+    }.items():
         monkeypatch.setenv(name, value)
     printer = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
     backend = LocalBackend(mortal_home, command=printer)
-    spec = launch_spec(mortal_home, "envrun", env={"WANDB_API_KEY": "wandb-1"}, state_token="scoped-1",
-                       state_url="http://127.0.0.1:1")
+    spec = launch_spec(
+        mortal_home,
+        "envrun",
+        env={"WANDB_API_KEY": "wandb-1"},
+        state_token="scoped-1",
+        state_url="http://127.0.0.1:1",
+    )
     handle = backend.launch(spec)
     wait_for(lambda: not backend.list("envrun")[0].alive, what="exit")
     env = json.loads(paths.worker_log("envrun", "rollout", 0, 1).read_text())
@@ -151,7 +206,9 @@ def test_a_worker_sees_its_secrets_and_own_token_and_nothing_else_of_the_control
     assert env["MORTAL_STATE_TOKEN"] == "scoped-1", "its own token, not the controller's"
     assert not set(CONTROLLERS_OWN) - {"MORTAL_STATE_TOKEN"} & set(env), sorted(env)
     assert not [v for v in env.values() if v in CONTROLLERS_OWN.values()]
-    assert (env["PATH"], env["HF_HOME"], env["LC_ALL"]) == (os.environ["PATH"], "/hf", "C.UTF-8"), "what it needs to run"
+    assert (env["PATH"], env["HF_HOME"], env["LC_ALL"]) == (os.environ["PATH"], "/hf", "C.UTF-8"), (
+        "what it needs to run"
+    )
     assert env["MORTAL_STATE_URL"] == "http://127.0.0.1:1" and env["MORTAL_RUN"] == "envrun"
     backend.stop(handle)
 
@@ -180,7 +237,9 @@ def test_stop_kills_the_whole_group_including_grandchildren(mortal_home: Path, c
     assert gone(pid_of(handle)) and gone(grandchild)
 
 
-def test_descendants_that_left_the_group_are_neither_listed_nor_left_behind(mortal_home: Path, cleanup: None) -> None:
+def test_descendants_that_left_the_group_are_neither_listed_nor_left_behind(
+    mortal_home: Path, cleanup: None
+) -> None:
     backend = LocalBackend(mortal_home, command=ESCAPER)
     handle = backend.launch(launch_spec(mortal_home))
     log = paths.worker_log("r", "rollout", 0, 1)
@@ -198,7 +257,9 @@ def test_launch_is_idempotent_per_worker_id(mortal_home: Path, cleanup: None) ->
     assert len(backend.list()) == 1
 
 
-def test_a_run_applied_again_under_its_name_gets_processes_of_its_own(mortal_home: Path, cleanup: None) -> None:
+def test_a_run_applied_again_under_its_name_gets_processes_of_its_own(
+    mortal_home: Path, cleanup: None
+) -> None:
     """The same run, role, replica and incarnation, another uid: a straggler of the deleted run is not the new
     run's worker, in the launch or in the listing (each says which run it belongs to)."""
     backend = LocalBackend(mortal_home, command=SLEEPER)
@@ -219,7 +280,9 @@ def test_a_new_controller_readopts_workers_of_a_dead_one(mortal_home: Path, clea
         "print(b.launch(WorkerLaunch(run='adopt', role='actor', replica=0, incarnation=9, "
         f"worker_id='adopt/actor-0#9', state_url='sqlite:///x.db', mortal_home={str(mortal_home)!r})))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
     handle = out.stdout.strip()
 
     backend = LocalBackend(mortal_home)
@@ -247,12 +310,16 @@ def test_gpus_are_handed_out_from_the_live_listing(mortal_home: Path, cleanup: N
         backend.launch(launch_spec(mortal_home, replica=2, gpu="A100"))
     assert not busy.value.permanent and busy.value.free == 0
     with pytest.raises(InsufficientGPUs) as too_many:
-        LocalBackend(mortal_home, detect_gpus=devices).launch(launch_spec(mortal_home, replica=3, gpu="H100", gpu_count=3))
+        LocalBackend(mortal_home, detect_gpus=devices).launch(
+            launch_spec(mortal_home, replica=3, gpu="H100", gpu_count=3)
+        )
     assert too_many.value.permanent and "has 2" in str(too_many.value)
 
     freed = _visible(a)
     backend.stop(a)
-    fresh = LocalBackend(mortal_home, detect_gpus=devices, command=SLEEPER)  # a restarted controller recomputes
+    fresh = LocalBackend(
+        mortal_home, detect_gpus=devices, command=SLEEPER
+    )  # a restarted controller recomputes
     c = fresh.launch(launch_spec(mortal_home, replica=2, gpu="A100"))
     assert _visible(c) == freed
     cpu = fresh.launch(launch_spec(mortal_home, replica=4, gpu="none"))
@@ -260,7 +327,8 @@ def test_gpus_are_handed_out_from_the_live_listing(mortal_home: Path, cleanup: N
 
 
 def test_colocated_rollouts_share_the_actors_gpu_and_a_relaunched_actor_returns_to_it(
-        mortal_home: Path, cleanup: None) -> None:
+    mortal_home: Path, cleanup: None
+) -> None:
     def one_gpu() -> list[str]:
         return ["0"]
 
@@ -269,8 +337,10 @@ def test_colocated_rollouts_share_the_actors_gpu_and_a_relaunched_actor_returns_
         backend.launch(launch_spec(mortal_home, replica=0, gpu="H100", colocate=True))
     assert isinstance(waiting.value, InsufficientGPUs) and not waiting.value.permanent
     actor = backend.launch(launch_spec(mortal_home, role="actor", gpu="H100"))
-    rollouts = [backend.launch(launch_spec(mortal_home, replica=i, gpu="H100", colocate=True, incarnation=2 + i))
-                for i in range(2)]
+    rollouts = [
+        backend.launch(launch_spec(mortal_home, replica=i, gpu="H100", colocate=True, incarnation=2 + i))
+        for i in range(2)
+    ]
     assert [_visible(h) for h in (actor, *rollouts)] == ["0", "0", "0"]
     with pytest.raises(InsufficientGPUs):  # the GPU is the actor's: another run cannot take it
         backend.launch(launch_spec(mortal_home, run="other", role="actor", gpu="H100"))
@@ -282,29 +352,41 @@ def test_colocated_rollouts_share_the_actors_gpu_and_a_relaunched_actor_returns_
 
 
 def test_a_sharded_actor_holds_a_gpu_per_rank_and_its_colocated_rollouts_take_them_in_turn(
-        mortal_home: Path, cleanup: None) -> None:
+    mortal_home: Path, cleanup: None
+) -> None:
     def three_gpus() -> list[str]:
         return ["0", "1", "2"]
 
     backend = LocalBackend(mortal_home, detect_gpus=three_gpus, command=SLEEPER)
     actor = backend.launch(launch_spec(mortal_home, role="actor", gpu="H100", gpu_count=2))
-    assert _visible(actor) == "0,1" and backend.gpus_held(launch_spec(mortal_home, gpu="H100", gpu_count=2)) == 2
-    colocated = [backend.launch(launch_spec(mortal_home, replica=i, gpu="H100", colocate=True, sees_actor_gpus=True,
-                                            incarnation=2 + i)) for i in range(3)]
+    assert (
+        _visible(actor) == "0,1" and backend.gpus_held(launch_spec(mortal_home, gpu="H100", gpu_count=2)) == 2
+    )
+    colocated = [
+        backend.launch(
+            launch_spec(
+                mortal_home, replica=i, gpu="H100", colocate=True, sees_actor_gpus=True, incarnation=2 + i
+            )
+        )
+        for i in range(3)
+    ]
     # each on one of the actor's GPUs, seeing the others (the weights' ring is on rank 0's), holding none
     assert [_visible(h) for h in colocated] == ["0,1", "1,0", "0,1"]
     assert [_environ(h)["MORTAL_GPU_PEERS"] for h in colocated] == ["1", "0", "1"]
     own = backend.launch(launch_spec(mortal_home, replica=3, gpu="H100", sees_actor_gpus=True, incarnation=5))
     assert (_visible(own), _environ(own)["MORTAL_GPU_PEERS"]) == ("2,0,1", "0,1")
 
-    backend.stop(actor)  # a restarted controller: the colocated rollouts hold nothing, the relaunch takes 0 and 1
+    backend.stop(
+        actor
+    )  # a restarted controller: the colocated rollouts hold nothing, the relaunch takes 0 and 1
     fresh = LocalBackend(mortal_home, detect_gpus=three_gpus, command=SLEEPER)
     again = fresh.launch(launch_spec(mortal_home, role="actor", gpu="H100", gpu_count=2, incarnation=9))
     assert _visible(again) == "0,1"
 
 
 def test_a_rollout_that_syncs_over_ipc_sees_the_actors_gpu_after_its_own_without_holding_it(
-        mortal_home: Path, cleanup: None) -> None:
+    mortal_home: Path, cleanup: None
+) -> None:
     def two_gpus() -> list[str]:
         return ["0", "1"]
 

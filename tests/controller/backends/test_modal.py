@@ -33,21 +33,38 @@ def fake(tmp_path: Path) -> Iterator[FakeModal]:
 
 
 def spec(replica: int = 0, gpu: str = "none", sleep: float = 30, code: int = 0, **fields) -> WorkerLaunch:
-    return WorkerLaunch(run="r", role="rollout", replica=replica, incarnation=replica + 1,
-                        worker_id=f"r/rollout-{replica}#{replica + 1}", state_url="https://store.example",
-                        mortal_home="/mortal", gpu=gpu, env={"SLEEP": str(sleep), "CODE": str(code)}, **fields)
+    return WorkerLaunch(
+        run="r",
+        role="rollout",
+        replica=replica,
+        incarnation=replica + 1,
+        worker_id=f"r/rollout-{replica}#{replica + 1}",
+        state_url="https://store.example",
+        mortal_home="/mortal",
+        gpu=gpu,
+        env={"SLEEP": str(sleep), "CODE": str(code)},
+        **fields,
+    )
 
 
 def test_spec_gpu_names_become_modal_gpu_strings() -> None:
     assert [modal_gpu(g) for g in ("none", "A100", "a10g", "h100", "A100-80G", "l40s", "H100!")] == [
-        None, "A100", "A10G", "H100", "A100-80GB", "L40S", "H100!"]
+        None,
+        "A100",
+        "A10G",
+        "H100",
+        "A100-80GB",
+        "L40S",
+        "H100!",
+    ]
     assert modal_gpu("H100", count=2) == "H100:2" and modal_gpu("A100:4") == "A100:4"
     with pytest.raises(UnsupportedGPU, match=r"'V100' is not a Modal GPU type; use one of .*H100"):
         modal_gpu("V100")
 
 
-def test_select_backend_needs_the_package_and_a_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                      fake: FakeModal) -> None:
+def test_select_backend_needs_the_package_and_a_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fake: FakeModal
+) -> None:
     monkeypatch.setitem(sys.modules, "modal", fake)
     for name in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_IS_REMOTE"):
         monkeypatch.delenv(name, raising=False)
@@ -65,12 +82,23 @@ def test_launch_is_recorded_idempotent_and_readopted_by_a_new_backend(fake: Fake
     assert handle.startswith("modal:fc-") and fake.spawned[0][:2] == ("worker", "A100")
     assert backend.launch(spec(gpu="A100")) == handle and len(fake.spawned) == 1, "the running call is reused"
     entry = fake.dicts["mortal-workers"]["r/rollout-0#1"]
-    assert (entry["call_id"], entry["run"], entry["role"], entry["replica"], entry["incarnation"], entry["function"]) == (
-        handle.removeprefix("modal:"), "r", "rollout", 0, 1, "worker")
+    assert (
+        entry["call_id"],
+        entry["run"],
+        entry["role"],
+        entry["replica"],
+        entry["incarnation"],
+        entry["function"],
+    ) == (handle.removeprefix("modal:"), "r", "rollout", 0, 1, "worker")
 
     restarted = ModalBackend(modal=fake)  # a new controller: nothing in memory, the Dict remembers
     [worker] = restarted.list("r")
-    assert (worker.handle, worker.worker_id, worker.alive, worker.exit_code) == (handle, "r/rollout-0#1", True, None)
+    assert (worker.handle, worker.worker_id, worker.alive, worker.exit_code) == (
+        handle,
+        "r/rollout-0#1",
+        True,
+        None,
+    )
     assert restarted.list("other") == []
     wait_for(lambda: fake.container(handle.removeprefix("modal:")).started, 20, "the body to run")
     restarted.stop(handle, grace_seconds=5)  # delivered to the running body as InputCancellation
@@ -90,12 +118,20 @@ def test_exit_codes_failures_and_expired_outputs(fake: FakeModal) -> None:
         listed = {w.handle: w for w in backend.list()}
         return listed if not any(w.alive for w in listed.values()) else None
 
-    wait_for(lambda: all(fake.calls[h.removeprefix("modal:")].proc.poll() is not None
-                         for h in (done, crashed, expired)), 20, "the three calls to end")
+    wait_for(
+        lambda: all(
+            fake.calls[h.removeprefix("modal:")].proc.poll() is not None for h in (done, crashed, expired)
+        ),
+        20,
+        "the three calls to end",
+    )
     fake.expire(expired.removeprefix("modal:"))
     listed = wait_for(settled, 10, "every call listed as ended")
     assert {h: (w.alive, w.exit_code) for h, w in listed.items()} == {
-        done: (False, 7), crashed: (False, None), expired: (False, None)}
+        done: (False, 7),
+        crashed: (False, None),
+        expired: (False, None),
+    }
     assert all(e["ended_at"] is not None for e in fake.dicts["mortal-workers"].values())
 
 
@@ -120,8 +156,9 @@ def test_ended_calls_are_listed_for_a_while_then_forgotten(fake: FakeModal) -> N
     assert backend.list() == [] and fake.dicts["mortal-workers"] == {}
 
 
-def test_stop_ends_the_container_of_a_call_that_ignores_cancellation(fake: FakeModal, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_ends_the_container_of_a_call_that_ignores_cancellation(
+    fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(modal_backend, "CANCEL_MARGIN_SECONDS", 0.2)
     fake.apps["mortal"]["worker"] = "modal_fake:ignore_cancellation"
     backend = ModalBackend(modal=fake)
@@ -137,7 +174,7 @@ def test_launch_failures_say_the_fix(fake: FakeModal) -> None:
     backend = ModalBackend(modal=fake)
     with pytest.raises(LaunchFailed, match="MORTAL_STATE_URL=https://"):
         backend.launch(dataclasses.replace(spec(), state_url="sqlite:////tmp/state.db"))
-    with pytest.raises(LaunchFailed, match="modal deploy -m mortal.controller.modal_app"):
+    with pytest.raises(LaunchFailed, match="modal deploy -m mortal.client.modal_app"):
         ModalBackend(modal=fake, app_name="not-deployed").launch(spec())
     fake.unreachable = True
     with pytest.raises(BackendError):
@@ -145,15 +182,19 @@ def test_launch_failures_say_the_fix(fake: FakeModal) -> None:
     assert fake.spawned == []
 
 
-@pytest.mark.parametrize("role, engine, gpu, function", [
-    ("rollout", "vllm", "A10G", "rollout_vllm"),
-    ("rollout", "auto", "H100", "rollout_vllm"),      # auto on a GPU is vLLM: the image must have it
-    ("rollout", "auto", "none", "worker"),            # auto on the CPU is transformers
-    ("rollout", "transformers", "A10G", "worker"),
-    ("actor", "vllm", "H100", "worker"),              # the trainer never generates with vLLM
-])
-def test_each_launch_is_a_call_of_the_function_whose_image_it_needs(fake: FakeModal, role, engine, gpu,
-                                                                    function) -> None:
+@pytest.mark.parametrize(
+    "role, engine, gpu, function",
+    [
+        ("rollout", "vllm", "A10G", "rollout_vllm"),
+        ("rollout", "auto", "H100", "rollout_vllm"),  # auto on a GPU is vLLM: the image must have it
+        ("rollout", "auto", "none", "worker"),  # auto on the CPU is transformers
+        ("rollout", "transformers", "A10G", "worker"),
+        ("actor", "vllm", "H100", "worker"),  # the trainer never generates with vLLM
+    ],
+)
+def test_each_launch_is_a_call_of_the_function_whose_image_it_needs(
+    fake: FakeModal, role, engine, gpu, function
+) -> None:
     backend = ModalBackend(modal=fake)
     launch = dataclasses.replace(spec(gpu=gpu), role=role, engine=engine, worker_id=f"r/{role}-0#1")
     handle = backend.launch(launch)
@@ -180,8 +221,10 @@ def test_purging_a_run_removes_its_folder_from_the_volume(fake: FakeModal, tmp_p
 
 def test_every_call_holds_gpus_of_its_own_for_gpu_time(fake: FakeModal) -> None:
     backend = ModalBackend(modal=fake)
-    assert [backend.gpus_held(spec(gpu=g, colocate=c)) for g, c in (("none", False), ("H100", False), ("H100", True))] \
-        == [0, 1, 1]  # a colocated rollout is still a container with its own GPU on Modal
+    assert [
+        backend.gpus_held(spec(gpu=g, colocate=c))
+        for g, c in (("none", False), ("H100", False), ("H100", True))
+    ] == [0, 1, 1]  # a colocated rollout is still a container with its own GPU on Modal
     assert backend.gpus_held(spec(gpu="A100", gpu_count=2)) == 2
 
 
@@ -207,7 +250,9 @@ def test_a_run_s_code_snapshot_is_uploaded_to_the_volume_once(fake: FakeModal, t
         backend.ship_code(missing)
 
 
-def test_two_runs_of_the_same_code_each_get_their_snapshot_on_the_volume(fake: FakeModal, tmp_path: Path) -> None:
+def test_two_runs_of_the_same_code_each_get_their_snapshot_on_the_volume(
+    fake: FakeModal, tmp_path: Path
+) -> None:
     """The snapshot lies under each run's folder: one run's upload does not stand for another's."""
     from mortal.state import paths
 
@@ -218,11 +263,13 @@ def test_two_runs_of_the_same_code_each_get_their_snapshot_on_the_volume(fake: F
         (paths.code_dir(run, digest, home) / "pkg" / "__init__.py").write_text("X = 1\n")
     backend = ModalBackend(modal=fake)
     for run in ("first", "second"):
-        backend.ship_code(dataclasses.replace(spec(), run=run, mortal_home=str(home),
-                                              env={paths.CODE_SNAPSHOT_ENV: digest}))
+        backend.ship_code(
+            dataclasses.replace(spec(), run=run, mortal_home=str(home), env={paths.CODE_SNAPSHOT_ENV: digest})
+        )
     for run in ("first", "second"):
         assert (fake.volume / "runs" / run / "code" / digest / "pkg" / "__init__.py").is_file(), run
     backend.remove_run_folder("first")  # delete --purge, then the same run applied again
-    backend.ship_code(dataclasses.replace(spec(), run="first", mortal_home=str(home),
-                                          env={paths.CODE_SNAPSHOT_ENV: digest}))
+    backend.ship_code(
+        dataclasses.replace(spec(), run="first", mortal_home=str(home), env={paths.CODE_SNAPSHOT_ENV: digest})
+    )
     assert (fake.volume / "runs" / "first" / "code" / digest / "pkg" / "__init__.py").is_file()

@@ -27,41 +27,47 @@ def fake(tmp_path: Path) -> Iterator[FakeModal]:
     modal_fake.shutdown()
 
 
-@pytest.mark.parametrize("api, args, kwargs", [
-    (modal.Function.from_name, ("mortal", "worker"), {}),
-    (modal.Function.with_options, (), {"gpu": "A100"}),
-    (modal.Function.spawn, ({"run": "r"},), {}),
-    (modal.FunctionCall.from_id, ("fc-1",), {}),
-    (modal.FunctionCall.get, (), {"timeout": 0}),
-    (modal.FunctionCall.cancel, (), {"terminate_containers": True}),
-    (modal.Dict.from_name, ("mortal-workers",), {"create_if_missing": True}),
-    (modal.Dict.put, ("k", {"v": 1}), {}),
-    (modal.Dict.pop, ("k", None), {}),
-    (modal.Volume.commit, (), {}),
-    (modal.Volume.reload, (), {}),
-    (modal.Volume.listdir, ("runs/r/logs",), {}),
-    (modal.Volume.read_file, ("runs/r/logs/actor-0-1.log",), {}),
-    (modal.Volume.remove_file, ("runs/r",), {"recursive": True}),
-    (modal.Volume.batch_upload, (), {}),
-    (modal.volume.VolumeUploadContextManager.put_file, ("/tmp/a.py", "runs/r/code/d/a.py"), {}),
-])
+@pytest.mark.parametrize(
+    "api, args, kwargs",
+    [
+        (modal.Function.from_name, ("mortal", "worker"), {}),
+        (modal.Function.with_options, (), {"gpu": "A100"}),
+        (modal.Function.spawn, ({"run": "r"},), {}),
+        (modal.FunctionCall.from_id, ("fc-1",), {}),
+        (modal.FunctionCall.get, (), {"timeout": 0}),
+        (modal.FunctionCall.cancel, (), {"terminate_containers": True}),
+        (modal.Dict.from_name, ("mortal-workers",), {"create_if_missing": True}),
+        (modal.Dict.put, ("k", {"v": 1}), {}),
+        (modal.Dict.pop, ("k", None), {}),
+        (modal.Volume.commit, (), {}),
+        (modal.Volume.reload, (), {}),
+        (modal.Volume.listdir, ("runs/r/logs",), {}),
+        (modal.Volume.read_file, ("runs/r/logs/actor-0-1.log",), {}),
+        (modal.Volume.remove_file, ("runs/r",), {"recursive": True}),
+        (modal.Volume.batch_upload, (), {}),
+        (modal.volume.VolumeUploadContextManager.put_file, ("/tmp/a.py", "runs/r/code/d/a.py"), {}),
+    ],
+)
 def test_what_the_backend_calls_binds_to_the_installed_library(api, args, kwargs) -> None:
     bound = conform(api, *args, **kwargs)
     assert not {"self", "cls"} & set(bound), "bound as a caller binds, without self/cls"
 
 
-@pytest.mark.parametrize("misuse, match", [
-    (lambda f: f.Function.from_name("mortal", "worker", "v2"), "from_name"),
-    (lambda f: f.Function.from_name("mortal", "worker").with_options(gpus="A100"), "with_options"),
-    (lambda f: f.FunctionCall.from_id("fc-1", "client", "extra"), "from_id"),
-    (lambda f: f.FunctionCall.from_id("fc-1").get(0, 1), "get"),
-    (lambda f: f.FunctionCall.from_id("fc-1").cancel(terminate=True), "cancel"),
-    (lambda f: f.Dict.from_name("d", True), "from_name"),
-    (lambda f: f.Dict.from_name("d", create_if_missing=True).put("k"), "put"),
-    (lambda f: f.Volume.from_name("v").commit(wait=True), "commit"),
-    (lambda f: f.Volume.from_name("v").listdir("runs", True), "listdir"),  # recursive is keyword-only
-    (lambda f: f.Volume.from_name("v").remove_file("runs/r", recursive=True, force=True), "remove_file"),
-])
+@pytest.mark.parametrize(
+    "misuse, match",
+    [
+        (lambda f: f.Function.from_name("mortal", "worker", "v2"), "from_name"),
+        (lambda f: f.Function.from_name("mortal", "worker").with_options(gpus="A100"), "with_options"),
+        (lambda f: f.FunctionCall.from_id("fc-1", "client", "extra"), "from_id"),
+        (lambda f: f.FunctionCall.from_id("fc-1").get(0, 1), "get"),
+        (lambda f: f.FunctionCall.from_id("fc-1").cancel(terminate=True), "cancel"),
+        (lambda f: f.Dict.from_name("d", True), "from_name"),
+        (lambda f: f.Dict.from_name("d", create_if_missing=True).put("k"), "put"),
+        (lambda f: f.Volume.from_name("v").commit(wait=True), "commit"),
+        (lambda f: f.Volume.from_name("v").listdir("runs", True), "listdir"),  # recursive is keyword-only
+        (lambda f: f.Volume.from_name("v").remove_file("runs/r", recursive=True, force=True), "remove_file"),
+    ],
+)
 def test_a_call_the_real_client_refuses_fails(fake: FakeModal, misuse, match) -> None:
     with pytest.raises(ModalAPIMisuse, match=match):
         misuse(fake)
@@ -85,8 +91,9 @@ def test_a_misuse_inside_the_backend_fails_the_test_at_shutdown(tmp_path: Path) 
     backend = ModalBackend(modal=fake)
     original = fake.FunctionCall.from_id
     fake.FunctionCall.from_id = lambda call_id: _WrongGet(original(call_id))
-    fake.Dict.from_name("mortal-workers").put("w", {"call_id": "fc-x", "run": "r", "role": "rollout",
-                                                     "replica": 0, "incarnation": 1})
+    fake.Dict.from_name("mortal-workers").put(
+        "w", {"call_id": "fc-x", "run": "r", "role": "rollout", "replica": 0, "incarnation": 1}
+    )
     with pytest.raises(ModalAPIMisuse, match="get"):
         backend.list()
     fake.misuses.append(ModalAPIMisuse("swallowed somewhere"))
@@ -105,7 +112,8 @@ class _WrongGet:
 
 
 def test_the_volume_hook_commits_and_reloads_through_the_checked_volume(
-        fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "modal", fake)
     monkeypatch.setenv(VOLUME_ENV, "mortal-data")
     with atomic_dir(tmp_path / "weights" / "v1") as tmp:
@@ -116,12 +124,17 @@ def test_the_volume_hook_commits_and_reloads_through_the_checked_volume(
 
 
 def test_the_volume_as_a_client_sees_it_answers_as_modal_does(fake: FakeModal, tmp_path: Path) -> None:
-    """listdir / read_file / remove_file over the folder the containers write; missing paths fail as in 1.6."""
+    """listdir / read_file / remove_file over the folder the containers write; missing paths fail as in
+    1.6."""
     (tmp_path / "runs" / "r" / "logs").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "logs" / "actor-0-1.log").write_bytes(b"x" * 5000)
     volume = fake.Volume.from_name("mortal-data")
     [entry] = volume.listdir("runs/r/logs")
-    assert (entry.path, entry.size, entry.type) == ("runs/r/logs/actor-0-1.log", 5000, modal.volume.FileEntryType.FILE)
+    assert (entry.path, entry.size, entry.type) == (
+        "runs/r/logs/actor-0-1.log",
+        5000,
+        modal.volume.FileEntryType.FILE,
+    )
     assert b"".join(volume.read_file(entry.path)) == b"x" * 5000
     volume.remove_file("runs/r", recursive=True)
     with pytest.raises(fake.exception.NotFoundError):

@@ -1,9 +1,10 @@
 """Live on Modal: deploy the app (as `mortal-test`, its own volumes and secret), then run a tiny simulated
-run, and a sharded actor training a real model on CPUs, end to end: a controller here, workers as Modal calls, the store behind the deployed endpoint,
-the checkpoint on the volume. Runs only with MODAL_TOKEN_ID (and MODAL_TOKEN_SECRET) set; the first
-deploy builds the image, which takes several minutes.
+run, and a sharded actor training a real model on CPUs, end to end: a controller here, workers as Modal calls,
+the store behind the deployed endpoint, the checkpoint on the volume. Runs only with MODAL_TOKEN_ID (and
+MODAL_TOKEN_SECRET) set; the first deploy builds the image, which takes several minutes.
 
-    MODAL_TOKEN_ID=... MODAL_TOKEN_SECRET=... pytest -m modal_live tests/controller/backends/test_modal_live.py
+    export MODAL_TOKEN_ID=... MODAL_TOKEN_SECRET=...
+    pytest -m modal_live tests/controller/backends/test_modal_live.py
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from mortal.workers.simulated import simulated_run
 pytestmark = [
     pytest.mark.modal_live,
     pytest.mark.slow,
-    pytest.mark.skipif(not os.environ.get("MODAL_TOKEN_ID"), reason="talks to Modal: set MODAL_TOKEN_ID/SECRET"),
+    pytest.mark.skipif(
+        not os.environ.get("MODAL_TOKEN_ID"), reason="talks to Modal: set MODAL_TOKEN_ID/SECRET"
+    ),
 ]
 APP = "mortal-test"
 REPO = Path(__file__).resolve().parents[3]
@@ -39,10 +42,15 @@ def deployed() -> tuple[str, str]:
     token = os.environ.get("MORTAL_STATE_TOKEN") or secrets.token_hex(24)
     env = {**os.environ, "MORTAL_MODAL_APP": APP}
     modal_cli = [sys.executable, "-m", "modal"]
-    subprocess.run([*modal_cli, "secret", "create", f"{APP}-state", f"MORTAL_STATE_TOKEN={token}", "--force"],
-                   env=env, check=True, cwd=REPO)
-    subprocess.run([*modal_cli, "deploy", "-m", "mortal.controller.modal_app"], env=env, check=True, cwd=REPO,
-                   timeout=1800)
+    subprocess.run(
+        [*modal_cli, "secret", "create", f"{APP}-state", f"MORTAL_STATE_TOKEN={token}", "--force"],
+        env=env,
+        check=True,
+        cwd=REPO,
+    )
+    subprocess.run(
+        [*modal_cli, "deploy", "-m", "mortal.client.modal_app"], env=env, check=True, cwd=REPO, timeout=1800
+    )
     url = modal.Function.from_name(APP, "store").get_web_url()
     store = HttpStore(url, token=token, retry_seconds=300)
     store.list_runs()  # waits out the endpoint's cold start
@@ -55,10 +63,15 @@ def _finished_on_modal(store: HttpStore, url: str, name: str) -> tuple[Controlle
     stops it after purging) and the run's final status."""
     import modal
 
-    controller = Controller(store, url, holder=f"live-test-{name}",
-                            backends=lambda _: ModalBackend(modal=modal, app_name=APP)).start()
-    final = wait_for(lambda: (s := store.get_run(name).status).get("phase") in ("Succeeded", "Failed") and s,
-                     900, f"{name} to finish on Modal", interval=2.0)
+    controller = Controller(
+        store, url, holder=f"live-test-{name}", backends=lambda _: ModalBackend(modal=modal, app_name=APP)
+    ).start()
+    final = wait_for(
+        lambda: (s := store.get_run(name).status).get("phase") in ("Succeeded", "Failed") and s,
+        900,
+        f"{name} to finish on Modal",
+        interval=2.0,
+    )
     return controller, final
 
 
@@ -67,8 +80,9 @@ def _purge(store: HttpStore, name: str) -> None:
     wait_for(lambda: name not in {r.name for r in store.list_runs()}, 300, f"{name} purged")
 
 
-def test_a_simulated_run_succeeds_on_modal(deployed: tuple[str, str], tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_simulated_run_succeeds_on_modal(
+    deployed: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import modal
 
     url, token = deployed
@@ -97,12 +111,15 @@ def test_a_simulated_run_succeeds_on_modal(deployed: tuple[str, str], tmp_path: 
         if controller is not None:
             controller.stop()
         store.close()
-    gone = [e.path for e in _listed(modal.Volume.from_name(f"{APP}-data"), "runs") if e.path == f"runs/{name}"]
+    gone = [
+        e.path for e in _listed(modal.Volume.from_name(f"{APP}-data"), "runs") if e.path == f"runs/{name}"
+    ]
     assert gone == [], "the purge removed the run's folder from the volume"
 
 
-def test_a_sharded_actor_trains_a_real_model_in_one_container(deployed: tuple[str, str], tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sharded_actor_trains_a_real_model_in_one_container(
+    deployed: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """actor {count: 2} on Modal's CPUs (no GPU bill): one call whose rank 0 starts rank 1 in its container, a
     real model from the hub (Modal's containers reach it), and each checkpoint on the volume holding both
     ranks' shards (docs/fsdp.md)."""
@@ -116,11 +133,22 @@ def test_a_sharded_actor_trains_a_real_model_in_one_container(deployed: tuple[st
     monkeypatch.setenv("MORTAL_STATE_TOKEN", token)
     monkeypatch.setenv("MORTAL_HOME", str(tmp_path))
     name = f"live-fsdp-{uuid.uuid4().hex[:8]}"
-    run = TrainingRun.model_validate({"metadata": {"name": name}, "spec": {
-        "backend": "modal", "model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32"},
-        "dataset": {"name": "builtin:arith"}, "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
-        "actor": {"count": 2}, "rollout": {"replicas": 1}, "generation": {"engine": "transformers", "maxTokens": 8},
-        "algorithm": {"numGenerations": 4, "batchSize": 8, "maxSteps": 2}, "checkpoint": {"every": 1, "keep": 2}}})
+    run = TrainingRun.model_validate(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "backend": "modal",
+                "model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32"},
+                "dataset": {"name": "builtin:arith"},
+                "rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
+                "actor": {"count": 2},
+                "rollout": {"replicas": 1},
+                "generation": {"engine": "transformers", "maxTokens": 8},
+                "algorithm": {"numGenerations": 4, "batchSize": 8, "maxSteps": 2},
+                "checkpoint": {"every": 1, "keep": 2},
+            },
+        }
+    )
     store = HttpStore(url, token=token)
     store.apply_run(run.name, run.spec_dict())
     controller = None

@@ -1,4 +1,5 @@
-"""The Ray backend's pure parts, without a cluster: which backend a spec names, and GPU names in Ray's spelling.
+"""The Ray backend's pure parts, without a cluster: which backend a spec names, and GPU names in Ray's
+spelling.
 
 The backend itself is tested on a real cluster (tests/controller/test_ray_backend.py, in `unshare -rn`).
 """
@@ -23,9 +24,20 @@ def test_backend_key_carries_the_ray_address_so_runs_on_one_cluster_share_a_back
         select_backend("rayy")
 
 
-@pytest.mark.parametrize(("gpu", "expected"), [
-    ("none", None), ("cpu", None), ("any", None), ("A100", "A100"), ("a10g", "A10G"), ("H100", "H100"),
-    ("L4", "L4"), ("t4", "T4"), ("H200", "H200"), ("A100:2", "A100"),
-])
+@pytest.mark.parametrize(
+    ("gpu", "expected"),
+    [
+        ("none", None),
+        ("cpu", None),
+        ("any", None),
+        ("A100", "A100"),
+        ("a10g", "A10G"),
+        ("H100", "H100"),
+        ("L4", "L4"),
+        ("t4", "T4"),
+        ("H200", "H200"),
+        ("A100:2", "A100"),
+    ],
+)
 def test_gpu_names_become_rays_accelerator_types(gpu: str, expected: str | None) -> None:
     assert ray_accelerator_type(gpu, ray) == expected

@@ -1,6 +1,7 @@
 """The built-in reward environments: code-execution, llm-judge and math-answer (a spec's `env:`).
 
-    from mortal.workers.rewards.environments import CodeExecutionEnvironment, LLMJudgeEnvironment, MathAnswerEnvironment
+    from mortal.workers.rewards.environments import CodeExecutionEnvironment, LLMJudgeEnvironment,
+    MathAnswerEnvironment
 
 Who uses it: mortal.workers.rewards.load_reward (through `factory.build_environment`, for `env:`
 entries) and users through the facade `mortal.rewards.examples`. Each environment is a

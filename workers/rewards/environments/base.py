@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mortal.workers.rewards import RewardEnvironment
+from mortal.workers.rewards.environment import RewardEnvironment
 from mortal.workers.rewards.environments.cache import RewardCache
 
 # TRL's plumbing, passed to every reward function: not part of what a score depends on.

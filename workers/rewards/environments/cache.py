@@ -64,7 +64,8 @@ class RewardCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # a cache: losing the last scores on power loss costs only time
+            # a cache: losing the last scores on power loss costs only time
+            db.execute("PRAGMA synchronous=NORMAL")
             db.execute(SCHEMA)
             self._db = db
         return self._db

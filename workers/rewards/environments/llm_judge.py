@@ -105,7 +105,8 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
         self._url = (base_url or DEFAULT_BASE_URL).rstrip("/") + "/chat/completions"
 
     def _api_key(self) -> str | None:
-        """Read at each request, not at construction: building the environment (MortalTrainer) needs no secret."""
+        """Read at each request, not at construction: building the environment (MortalTrainer) needs no
+        secret."""
         if self.api_key_env is None:
             return None
         key = os.environ.get(self.api_key_env)

@@ -1,0 +1,159 @@
+"""Applying TrainingRuns: read their documents, refuse or fit what the GPU cannot hold, write desired state.
+
+Shared by `mortalctl apply` (and `delete -f`, `mortalctl test`, which read documents the same way) and
+MortalTrainer.train(), which waits as apply does for a run of the same name being deleted. Refuses,
+before anything is written, a model that certainly cannot fit the GPU it names (mortal.controller.fit).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from mortal.client.errors import ClientError
+
+if TYPE_CHECKING:
+    from mortal.specs import TrainingRun
+
+
+def read_documents(filenames: list[str], recursive: bool = False) -> list[TrainingRun]:
+    """Every run in the given files, folders or '-' (stdin); all problems raised together as one SpecError."""
+    return [run for run, _ in read_sourced_documents(filenames, recursive)]
+
+
+def read_sourced_documents(filenames: list[str], recursive: bool = False) -> list[tuple[TrainingRun, str]]:
+    """`read_documents`, each run with the file (or folder, or '-') it came from, for admission's messages."""
+    from mortal.specs import SpecError, SpecIssue, load_path
+
+    runs: list[tuple[TrainingRun, str]] = []
+    issues: list[SpecIssue] = []
+    for filename in filenames:
+        try:
+            runs += [
+                (run, "<stdin>" if filename == "-" else filename)
+                for run in load_path(filename, recursive=recursive)
+            ]
+        except SpecError as err:
+            issues += err.issues
+    seen: set[str] = set()
+    for run, _ in runs:
+        if run.name in seen:
+            issues.append(SpecIssue("<arguments>", None, "metadata.name", f"run {run.name!r} is given twice"))
+        seen.add(run.name)
+    if issues:
+        raise SpecError(issues)
+    return runs
+
+
+def refuse_what_cannot_fit(runs: list[TrainingRun]) -> None:
+    """Raise ClientError naming the field when a run's model certainly cannot fit the GPU it asks for
+    (mortal.controller.fit); the parameter count comes from the model's files, when they are here."""
+    from mortal.controller.backends.gpus import gpu_memory
+    from mortal.controller.fit import certain_misfits
+    from mortal.workers.models import count_parameters
+
+    problems = []
+    for run in runs:
+        spec = run.spec
+        if gpu_memory(spec.actor.gpu) is None and gpu_memory(spec.rollout.gpu) is None:
+            continue  # CPU, or a GPU type whose memory is not in the table: nothing certain to say
+        parameters = count_parameters(spec.model.name)
+        if parameters is None:
+            continue
+        problems += [
+            f"trainingrun/{run.name}: {m.field}: {m.message}" for m in certain_misfits(spec, parameters)
+        ]
+    if problems:
+        raise ClientError(
+            "the model cannot fit the GPU it asks for (nothing was applied):\n" + "\n".join(problems)
+        )
+
+
+def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
+    """Each run whose actor's default micro batch (the whole batch) is estimated not to fit its GPU, annotated
+    with the largest one that does (mortal.controller.fit.fitting_micro_batch; heal.FITTED_ANNOTATION): the
+    controller trains with it from the first launch, the same step in more passes. The spec is not changed;
+    a note says what was chosen. Others as they are, and so is a run whose model files or GPU are not known
+    here (the controller then halves the micro batch after an out-of-memory instead)."""
+    from mortal.controller.fit import ModelShape, fitting_micro_batch
+    from mortal.controller.heal import FITTED_ANNOTATION, SPLIT_DEPENDENT_LOSSES
+    from mortal.workers.models import count_parameters, read_config
+
+    fitted = []
+    for run in runs:
+        notes = {k: v for k, v in run.metadata.annotations.items() if k != FITTED_ANNOTATION}
+        algorithm = run.spec.algorithm
+        chooses = algorithm.micro_batch_size is None and algorithm.loss_type not in SPLIT_DEPENDENT_LOSSES
+        config = read_config(run.spec.model.name) if chooses else None
+        shape = ModelShape.from_config(config) if config else None
+        parameters = count_parameters(run.spec.model.name) if shape else None
+        choice = fitting_micro_batch(run.spec, parameters, shape) if shape and parameters else None
+        if choice is not None:
+            print(f"note: trainingrun/{run.name}: {choice.reason}", file=sys.stderr, flush=True)
+            notes[FITTED_ANNOTATION] = str(choice.size)
+        if notes != run.metadata.annotations:
+            run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"annotations": notes})})
+        fitted.append(run)
+    return fitted
+
+
+DELETION_WAIT_SECONDS = 120.0  # how long apply waits for a run of the same name to finish deleting
+DELETION_POLL_SECONDS = 0.1
+
+
+def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
+    """Write each run's desired state; returns (name, outcome) pairs in the order given."""
+    results = []
+    for run in runs:
+        meta = run.metadata
+        if dry_run:
+            results.append((run.name, _dry_outcome(store, run)))
+            continue
+        _, outcome = store.apply_run(
+            run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations
+        )
+        results.append((run.name, str(outcome)))
+    return results
+
+
+def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
+    """A run of this name being deleted: wait until the controller has purged it (and set its folder aside),
+    so that `delete` then `apply` at once creates the new run (a new uid) with a folder of its own instead of
+    failing; ClientError after `timeout`."""
+    import time
+
+    from mortal.controller.snapshot import being_deleted
+
+    timeout = DELETION_WAIT_SECONDS if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    said = False
+    while being_deleted(store, name):
+        if not said:
+            print(
+                f"trainingrun/{name} is being deleted: waiting for the controller to finish",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = True
+        if time.monotonic() >= deadline:
+            raise ClientError(
+                f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "
+                "controller running? (mortalctl get runs shows it Terminating)"
+            )
+        time.sleep(DELETION_POLL_SECONDS)
+
+
+def _dry_outcome(store, run: TrainingRun) -> str:
+    """What apply would say, computed without writing."""
+    from mortal.state import NotFound
+
+    try:
+        row = store.get_run(run.name)
+    except NotFound:
+        return "created"
+    same = (row.spec, row.labels, row.annotations) == (
+        run.spec_dict(),
+        run.metadata.labels,
+        run.metadata.annotations,
+    )
+    return "unchanged" if same else "configured"

@@ -1,0 +1,210 @@
+"""`mortalctl apply` admits a run before writing it: its rewards import from the applying folder with TRL's
+signature, its model and dataset file are here; a failure names the file and the field and leaves the store
+empty; what the run takes from the folder is snapshotted with it, and an edit of it makes apply `configured`.
+On SQLite only: admission happens before the store is touched (tests/store_kinds.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from store_kinds import sqlite_only
+
+from mortal.controller.snapshot import CODE_ANNOTATION
+from mortal.state import open_store, paths
+
+REWARDS = '''
+def correct(completions, prompts=None, **kwargs):
+    return [1.0 for _ in completions]
+
+
+def no_kwargs(x):
+    return [1.0]
+
+
+VALUE = 3
+
+
+class NoReset:
+    def step(self, x: int) -> int:
+        """Step.
+
+        Args:
+            x: a number
+        """
+        return x
+
+
+class NeedsArgs:
+    def __init__(self, size):
+        self.size = size
+
+    def reset(self, **row):
+        return None
+'''
+
+
+@pytest.fixture
+def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The user's project: a reward module and a dataset file; apply runs from here."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "myrewards.py").write_text(REWARDS)
+    (folder / "data" / "train.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def runs(store_url: str) -> list[str]:
+    store = open_store(store_url)
+    try:
+        return [r.name for r in store.list_runs()]
+    finally:
+        store.close()
+
+
+@sqlite_only
+def test_a_run_carries_the_reward_module_and_the_dataset_file_of_the_applying_folder(
+    cli, spec_file, store_url, user_folder
+):
+    path = spec_file(
+        "mine",
+        **{"spec.rewards": [{"function": "myrewards:correct"}], "spec.dataset": {"name": "data/train.jsonl"}},
+    )
+    out = cli("apply", "-f", str(path))
+    assert out.exit_code == 0, out.output
+    assert "trainingrun/mine created" in out.stdout
+    store = open_store(store_url)
+    digest = store.get_run("mine").annotations[CODE_ANNOTATION]
+    store.close()
+    snapshot = paths.code_dir("mine", digest)
+    assert (snapshot / "myrewards.py").read_text() == REWARDS
+    assert (snapshot / "data" / "train.jsonl").is_file()
+    assert not (snapshot / ".git").exists()
+
+
+@sqlite_only
+def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, user_folder):
+    path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    assert "created" in cli("apply", "-f", str(path)).stdout
+    assert "trainingrun/mine unchanged" in cli("apply", "-f", str(path)).stdout
+    (user_folder / "myrewards.py").write_text(REWARDS.replace("1.0 for", "0.5 for"))
+    out = cli("apply", "-f", str(path))
+    assert "trainingrun/mine configured" in out.stdout, out.output
+    assert len(list(paths.run_dir("mine").joinpath("code").iterdir())) == 2  # each version kept by its hash
+
+
+@sqlite_only
+@pytest.mark.parametrize(
+    ("edits", "field", "says"),
+    [
+        (
+            {"spec.rewards": [{"function": "nothere:correct"}]},
+            "spec.rewards[0].function",
+            "cannot import module 'nothere'",
+        ),
+        (
+            {"spec.rewards": [{"function": "myrewards:missing"}]},
+            "spec.rewards[0].function",
+            "has no attribute missing",
+        ),
+        (
+            {"spec.rewards": [{"function": "myrewards:no_kwargs"}]},
+            "spec.rewards[0].function",
+            "does not take TRL's reward call",
+        ),
+        ({"spec.rewards": [{"function": "myrewards:VALUE"}]}, "spec.rewards[0].function", "is not callable"),
+        ({"spec.model": {"name": "./models/tiny"}}, "spec.model.name", "no such file or folder"),
+        ({"spec.model": {"name": "absent.gguf"}}, "spec.model.name", "no such file or folder"),
+        ({"spec.dataset": {"name": "data/missing.jsonl"}}, "spec.dataset.name", "no such file"),
+        ({"spec.rollout.tools": ["myrewards:VALUE"]}, "spec.rollout.tools[0]", "a tool must be a function"),
+        ({"spec.rollout.environment": "myrewards:correct"}, "spec.rollout.environment", "must be a class"),
+        (
+            {"spec.rollout.environment": "myrewards:NoReset"},
+            "spec.rollout.environment",
+            "has no reset() method",
+        ),
+        (
+            {"spec.rollout.environment": {"a": "myrewards:NeedsArgs"}},
+            "spec.rollout.environment.a",
+            "TRL builds it with no arguments",
+        ),
+    ],
+)
+def test_what_cannot_work_is_refused_naming_file_and_field_and_nothing_is_written(
+    cli, spec_file, store_url, user_folder, edits, field, says
+):
+    path = spec_file("bad", **edits)
+    out = cli("apply", "-f", str(path))
+    assert out.exit_code == 1, out.output
+    assert f"{path}: {field}: " in out.output and says in out.output
+    assert runs(store_url) == []
+    assert not paths.run_dir("bad").exists()
+
+
+@sqlite_only
+def test_dry_run_prints_every_check_and_writes_nothing(cli, spec_file, store_url, user_folder):
+    path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    out = cli("apply", "-f", str(path), "--dry-run")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "trainingrun/mine created (dry run)\n"
+    assert "check: trainingrun/mine: spec.rewards[0].function: ok: 'myrewards:correct'" in out.stderr
+    assert "check: trainingrun/mine: spec.model.name: ok:" in out.stderr
+    assert "check: trainingrun/mine: spec.dataset.name: ok: 'builtin:arith'" in out.stderr
+    assert f"{CODE_ANNOTATION}: " in out.stderr
+    assert runs(store_url) == [] and not paths.run_dir("mine").exists()
+    bad = spec_file("bad", **{"spec.rewards": [{"function": "nothere:f"}]})
+    refused = cli("apply", "-f", str(bad), "--dry-run")
+    assert refused.exit_code == 1 and "spec.rewards[0].function" in refused.output
+
+
+@sqlite_only
+def test_a_modal_run_says_which_checks_the_backend_makes_later(cli, spec_file, user_folder):
+    path = spec_file(
+        "remote",
+        **{
+            "spec.backend": "modal",
+            "spec.model": {"name": "nobody/not-cached-here"},
+            "spec.actor": {"gpu": "H100"},
+            "spec.rollout": {"gpu": "H100"},
+        },
+    )
+    out = cli("apply", "-f", str(path), "--dry-run")
+    assert out.exit_code == 0, out.output
+    said = "spec.model.name: deferred: 'nobody/not-cached-here': looked for where the modal backend runs"
+    assert said in out.stderr
+    assert "spec.backend: deferred: modal: GPUs H100 are checked by the backend" in out.stderr
+
+
+@sqlite_only
+def test_a_snapshot_over_the_limit_is_refused_naming_what_is_large(
+    cli, spec_file, store_url, user_folder, monkeypatch
+):
+    (user_folder / "big").mkdir()
+    (user_folder / "big" / "__init__.py").write_text("def f(completions, **kwargs):\n    return [0.0]\n")
+    (user_folder / "big" / "blob.bin").write_bytes(b"\0" * 300_000)
+    monkeypatch.setenv("MORTAL_CODE_SNAPSHOT_LIMIT_MB", "0.1")
+    out = cli("apply", "-f", str(spec_file("big", **{"spec.rewards": [{"function": "big:f"}]})))
+    assert out.exit_code == 1, out.output
+    assert "spec.rewards[0].function" in out.output and "over the snapshot limit" in out.output
+    assert "big (0.3 MiB)" in out.output
+    assert runs(store_url) == []
+
+
+@sqlite_only
+def test_the_output_of_get_applied_from_another_folder_keeps_the_run_s_snapshot(
+    cli, spec_file, user_folder, tmp_path, monkeypatch
+):
+    path = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    assert cli("apply", "-f", str(path)).exit_code == 0
+    document = cli("get", "run", "mine", "-o", "yaml").stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no myrewards.py here: the run keeps the code it was applied with
+    out = cli("apply", "-f", "-", input=document)
+    assert out.exit_code == 0 and "trainingrun/mine unchanged" in out.stdout, out.output
+    missing = spec_file("other", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    refused = cli("apply", "-f", str(missing))  # a new run has no snapshot to keep: its code must be here
+    assert refused.exit_code == 1 and "cannot import module 'myrewards'" in refused.output

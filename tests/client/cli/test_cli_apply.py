@@ -1,0 +1,199 @@
+"""`mortalctl apply`: created / unchanged / configured, folders and stdin, errors, round trips."""
+
+from __future__ import annotations
+
+import json
+
+from clihelpers import QUICKSTART
+
+from mortal.client import apply
+from mortal.state import open_store
+
+
+def test_apply_twice_is_created_then_unchanged(cli):
+    first = cli("apply", "-f", str(QUICKSTART))
+    assert first.exit_code == 0, first.output
+    assert first.stdout == "trainingrun/quickstart created\n"
+    second = cli("apply", "-f", str(QUICKSTART))
+    assert second.exit_code == 0, second.output
+    assert second.stdout == "trainingrun/quickstart unchanged\n"
+
+
+def test_editing_a_field_is_configured_and_bumps_generation(cli, spec_file, store_url):
+    cli("apply", "-f", str(QUICKSTART))
+    edited = cli("apply", "-f", str(spec_file(**{"spec.algorithm.maxSteps": 40})))
+    assert edited.stdout == "trainingrun/quickstart configured\n"
+    doc = json.loads(cli("get", "run", "quickstart", "-o", "json").stdout)
+    assert doc["metadata"]["generation"] == 2
+    assert doc["spec"]["algorithm"]["maxSteps"] == 40
+
+
+def test_spelled_out_defaults_and_reordering_are_unchanged(cli, spec_file):
+    cli("apply", "-f", str(QUICKSTART))
+    same = spec_file(**{"spec.algorithm.beta": 0.0, "spec.backend": "local", "spec.sync.method": "auto"})
+    assert cli("apply", "-f", str(same)).stdout == "trainingrun/quickstart unchanged\n"
+
+
+def test_labels_alone_configure_without_new_generation(cli, spec_file, store_url):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("apply", "-f", str(spec_file(**{"metadata.labels": {"team": "rl"}})))
+    assert out.stdout == "trainingrun/quickstart configured\n"
+    store = open_store(store_url)
+    try:
+        row = store.get_run("quickstart")
+        assert (row.generation, row.labels) == (1, {"team": "rl"})
+    finally:
+        store.close()
+
+
+def test_apply_a_folder_and_several_files(cli, spec_file, tmp_path):
+    spec_file("a")
+    spec_file("b")
+    out = cli("apply", "-f", str(tmp_path))
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines() == ["trainingrun/a created", "trainingrun/b created"]
+    out = cli("apply", "-f", str(spec_file("c")), "-f", str(spec_file("a")))
+    assert out.stdout.splitlines() == ["trainingrun/c created", "trainingrun/a unchanged"]
+
+
+def test_apply_from_stdin(cli):
+    out = cli("apply", "-f", "-", input=QUICKSTART.read_text())
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "trainingrun/quickstart created\n"
+
+
+def test_get_json_round_trips_through_apply(cli, spec_file):
+    cli("apply", "-f", str(QUICKSTART))
+    cli("apply", "-f", str(spec_file("other", **{"spec.rollout.replicas": 5})))
+    dumped = cli("get", "runs", "-o", "json")
+    assert json.loads(dumped.stdout)["kind"] in ("List", "TrainingRunList")
+    again = cli("apply", "-f", "-", input=dumped.stdout)
+    assert again.exit_code == 0, again.output
+    assert again.stdout.splitlines() == ["trainingrun/other unchanged", "trainingrun/quickstart unchanged"]
+
+
+def test_get_yaml_of_one_run_round_trips_through_apply(cli):
+    cli("apply", "-f", str(QUICKSTART))
+    dumped = cli("get", "run", "quickstart", "-o", "yaml").stdout
+    assert "apiVersion: mortal/v1" in dumped and "status:" in dumped
+    assert cli("apply", "-f", "-", input=dumped).stdout == "trainingrun/quickstart unchanged\n"
+    edited = dumped.replace("maxSteps: 30", "maxSteps: 31")
+    assert cli("apply", "-f", "-", input=edited).stdout == "trainingrun/quickstart configured\n"
+
+
+def test_bad_spec_is_exit_1_with_file_and_line_and_no_traceback(cli, spec_file):
+    bad = spec_file(**{"spec.algorithm.numGenerations": 1})
+    out = cli("apply", "-f", str(bad))
+    assert out.exit_code == 1
+    assert out.stdout == ""
+    assert f"{bad}:" in out.stderr and "numGenerations" in out.stderr
+    assert out.stderr.startswith("error: ")
+    assert "Traceback" not in out.stderr
+
+
+def test_all_problems_of_all_files_are_reported_together(cli, spec_file):
+    a = spec_file("a", **{"spec.algorithm.numGenerations": 1})
+    b = spec_file("b", **{"spec.rollout.replicas": -1})
+    out = cli("apply", "-f", str(a), "-f", str(b))
+    assert out.exit_code == 1
+    assert "2 problems" in out.stderr and str(a) in out.stderr and str(b) in out.stderr
+    assert cli("get", "runs", "-o", "name").stdout == ""  # nothing was applied
+
+
+def test_missing_file_and_empty_folder_are_user_errors(cli, tmp_path):
+    missing = cli("apply", "-f", str(tmp_path / "nope.yaml"))
+    assert missing.exit_code == 1 and "nope.yaml" in missing.stderr
+    empty = cli("apply", "-f", str(tmp_path))
+    assert empty.exit_code == 1 and "no TrainingRun documents" in empty.stderr
+
+
+def test_same_run_twice_in_the_arguments_is_an_error(cli):
+    out = cli("apply", "-f", str(QUICKSTART), "-f", str(QUICKSTART))
+    assert out.exit_code == 1 and "quickstart" in out.stderr
+
+
+def test_usage_errors_exit_2(cli):
+    assert cli("apply", "--bogus", "-f", str(QUICKSTART)).exit_code == 2
+    assert cli("apply").exit_code in (0, 2)  # no arguments: help
+    assert cli("apply", "-f").exit_code == 2
+
+
+def test_dry_run_writes_nothing(cli, spec_file):
+    out = cli("apply", "-f", str(QUICKSTART), "--dry-run")
+    assert out.stdout == "trainingrun/quickstart created (dry run)\n"
+    assert cli("get", "runs", "-o", "name").stdout == ""
+    cli("apply", "-f", str(QUICKSTART))
+    edited = spec_file(**{"spec.algorithm.maxSteps": 40})
+    assert (
+        cli("apply", "-f", str(edited), "--dry-run").stdout == "trainingrun/quickstart configured (dry run)\n"
+    )
+    assert (
+        cli("apply", "-f", str(QUICKSTART), "--dry-run").stdout
+        == "trainingrun/quickstart unchanged (dry run)\n"
+    )
+
+
+def test_applying_to_a_run_still_being_deleted_gives_up_naming_it(cli, monkeypatch):
+    """apply waits for a run of the name being deleted to be purged (test_cli_lifecycle.py), not forever."""
+    monkeypatch.setattr(apply, "DELETION_WAIT_SECONDS", 0.3)
+    cli("apply", "-f", str(QUICKSTART))
+    cli("delete", "run", "quickstart")
+    out = cli("apply", "-f", str(QUICKSTART))
+    assert out.exit_code == 1
+    assert (
+        "error: trainingrun/quickstart is still being deleted after 0.3s; is a controller running?"
+        in out.stderr
+    )
+
+
+def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home, store_url):
+    import mortal.controller.manager as manager
+
+    started = []
+
+    def fake_start(state_url=None, **kwargs):
+        started.append(state_url)
+        return 4242, mortal_home / "controller.log"
+
+    monkeypatch.setattr(manager, "ensure_background_controller", fake_start)
+    monkeypatch.delenv("MORTAL_NO_CONTROLLER")
+    out = cli("apply", "-f", str(QUICKSTART))
+    assert out.exit_code == 0, out.output
+    assert f"controller started (pid 4242, log: {mortal_home / 'controller.log'})" in out.stderr
+    assert started == [store_url], "the controller is started on the store the CLI wrote to"
+    assert (mortal_home / "wake" / "quickstart").exists()
+    assert cli("apply", "-f", str(QUICKSTART), "--no-controller").exit_code == 0
+    assert len(started) == 1
+    monkeypatch.setattr(manager, "ensure_background_controller", lambda *a, **k: None)  # one runs already
+    out = cli("apply", "-f", str(QUICKSTART))
+    assert out.exit_code == 0 and out.stderr == ""
+
+
+def test_a_model_that_cannot_fit_its_gpu_is_refused_naming_the_field(cli, spec_file, tmp_path):
+    """14B parameters need 112 GB for weights + gradients + AdamW: an H100 (80 GB) can never hold them."""
+    model = tmp_path / "model"
+    model.mkdir()
+    header = json.dumps(
+        {
+            f"layer{i}": {"dtype": "BF16", "shape": [1000, 1_000_000], "data_offsets": [0, 0]}
+            for i in range(14)
+        }
+    ).encode()
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    big = spec_file(**{"spec.model.name": str(model), "spec.actor.gpu": "H100", "spec.rollout.gpu": "H100"})
+    out = cli("apply", "-f", str(big))
+    assert out.exit_code == 1
+    assert (
+        "trainingrun/quickstart: spec.actor.gpu: H100 has 80 GB; a model of 14.00B parameters" in out.output
+    )
+    assert "nothing was applied" in out.output
+    assert "No resources found." in cli("get", "runs").output
+    lora = spec_file(
+        **{
+            "spec.model.name": str(model),
+            "spec.model.lora": {"r": 16},
+            "spec.actor.gpu": "H100",
+            "spec.rollout.gpu": "H100",
+        }
+    )
+    assert cli("apply", "-f", str(lora)).stdout == "trainingrun/quickstart created\n"

@@ -1,0 +1,139 @@
+"""`mortalctl delete | suspend | resume run NAME` and `delete -f FILE`."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from clihelpers import QUICKSTART, set_status
+
+from mortal.client import apply
+from mortal.controller.backends.local import LocalBackend
+from mortal.controller.snapshot import CODE_ANNOTATION
+from mortal.state import open_store, paths
+
+
+@pytest.fixture
+def store(store_url):
+    opened = open_store(store_url)
+    yield opened
+    opened.close()
+
+
+def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("delete", "run", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.startswith("trainingrun/quickstart deleted (checkpoints kept in ")
+    assert str(mortal_home) in out.stdout
+    row = store.get_run("quickstart")
+    assert row.deleted_at is not None and not row.purge_requested
+    assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
+
+
+def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli, store):
+    """`delete` then `apply` at once: apply waits while the controller stops the old run's workers and purges
+    it (a thread does it here), then creates the run anew: a new uid."""
+    cli("apply", "-f", str(QUICKSTART))
+    old = store.get_run("quickstart").uid
+    assert cli("delete", "run", "quickstart").exit_code == 0
+    purge = threading.Timer(0.5, store.purge_run, args=("quickstart",))
+    purge.start()
+    out = cli("apply", "-f", str(QUICKSTART))
+    purge.join()
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "trainingrun/quickstart created\n"
+    assert "is being deleted: waiting for the controller to finish" in out.stderr
+    assert store.get_run("quickstart").uid != old
+
+
+def test_apply_right_after_delete_installs_the_new_runs_code_in_a_folder_of_its_own(
+    cli, store, spec_file, tmp_path, monkeypatch
+):
+    """The purge moves the deleted run's folder aside (Backend.set_aside_run_folder): apply waits for it
+    before it installs the code snapshot, or the snapshot would go with the old folder."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "myrewards.py").write_text(
+        "def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n"
+    )
+    monkeypatch.chdir(project)
+    spec = spec_file("mine", **{"spec.rewards": [{"function": "myrewards:correct"}]})
+    assert cli("apply", "-f", str(spec)).exit_code == 0
+    old = store.get_run("mine")
+    assert cli("delete", "run", "mine").exit_code == 0
+
+    waits = apply.wait_until_deleted
+
+    def purged_while_waiting(*args, **kwargs) -> None:  # the controller purges as apply starts waiting
+        LocalBackend().set_aside_run_folder("mine", old.uid)
+        store.purge_run("mine")
+        waits(*args, **kwargs)
+
+    monkeypatch.setattr(apply, "wait_until_deleted", purged_while_waiting)
+    out = cli("apply", "-f", str(spec))
+    assert out.exit_code == 0, out.output
+    new = store.get_run("mine")
+    digest = new.annotations[CODE_ANNOTATION]
+    assert new.uid != old.uid and (paths.code_dir("mine", digest) / "myrewards.py").is_file()
+    assert (paths.kept_run_dir("mine", old.uid) / "code" / digest / "myrewards.py").is_file()
+
+
+def test_delete_purge(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("delete", "tr", "quickstart", "--purge")
+    assert out.stdout == "trainingrun/quickstart deleted (checkpoints purged)\n"
+    assert store.get_run("quickstart").purge_requested
+
+
+def test_delete_missing_run(cli):
+    out = cli("delete", "run", "nope")
+    assert out.exit_code == 1 and out.stderr == "error: trainingrun 'nope' not found\n"
+    quiet = cli("delete", "run", "nope", "--ignore-not-found")
+    assert quiet.exit_code == 0 and quiet.stdout == ""
+
+
+def test_delete_by_file(cli, spec_file, store, tmp_path):
+    cli("apply", "-f", str(spec_file("a")))
+    cli("apply", "-f", str(spec_file("b")))
+    out = cli("delete", "-f", str(tmp_path))
+    assert out.exit_code == 0, out.output
+    assert [line.split()[0] for line in out.stdout.splitlines()] == ["trainingrun/a", "trainingrun/b"]
+    assert all(r.deleted_at is not None for r in store.list_runs())
+
+
+def test_delete_needs_a_target(cli):
+    assert cli("delete").exit_code == 2
+    assert cli("delete", "-f", str(QUICKSTART), "run", "quickstart").exit_code == 2
+
+
+def test_suspend_and_resume(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("suspend", "run", "quickstart")
+    assert out.exit_code == 0 and out.stdout == "trainingrun/quickstart suspended\n"
+    row = store.get_run("quickstart")
+    assert row.spec["suspend"] is True and row.generation == 2
+    assert (
+        cli("suspend", "run", "quickstart").stdout == "trainingrun/quickstart unchanged (already suspended)\n"
+    )
+    out = cli("resume", "run", "quickstart")
+    assert out.stdout == "trainingrun/quickstart resumed\n"
+    row = store.get_run("quickstart")
+    assert row.spec["suspend"] is False and row.generation == 3
+    # the applied file says suspend: false too, so applying it again changes nothing
+    assert cli("apply", "-f", str(QUICKSTART)).stdout == "trainingrun/quickstart unchanged\n"
+
+
+def test_a_finished_run_cannot_be_suspended(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    set_status(store, "quickstart", phase="Succeeded")
+    out = cli("suspend", "run", "quickstart")
+    assert out.exit_code == 1 and "is Succeeded" in out.stderr
+
+
+def test_suspend_missing_and_deleted_runs(cli):
+    assert cli("suspend", "run", "nope").exit_code == 1
+    cli("apply", "-f", str(QUICKSTART))
+    cli("delete", "run", "quickstart")
+    out = cli("resume", "run", "quickstart")
+    assert out.exit_code == 1 and "being deleted" in out.stderr

@@ -1,0 +1,1 @@
+"""The actor side: TRL's GRPOTrainer trained on the rollouts that rollout workers generate and score."""

@@ -1,0 +1,212 @@
+"""The `transformers` engine: a transformers causal LM on every machine, batched on CUDA.
+
+Who calls it: mortal.workers.rollout.loop through the Engine interface (base.py says the contract).
+- CPU (and `compiled=False`): `model.generate` on one prompt at a time, seeded inside a forked RNG, so a
+  prompt's tokens are bit-for-bit reproducible whichever worker runs it (exact resume relies on it).
+- CUDA: all completions of the task's prompts in one `StaticDecoder.generate` (static_decode.py says why),
+  prompts left-padded to a multiple of PROMPT_BUCKET so a few shapes cover every prompt; its tokens depend
+  on `max_rows` too, which spec.generation.maxNumSeqs sets for every worker. Captured graphs belong to the
+  thread that captured them, so batched generates run on one thread of their own. The first preparation of
+  each shape is logged with whether the run's compile cache served it (compile_cache.py).
+The model's own generation_config is never read: the spec alone decides how tokens are sampled, as TRL's
+does. New weights are copied into the same tensors, so captured graphs see them.
+What it must not do: pick up new weights mid-task (the worker calls load_weights between tasks).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.models import default_device, load_model
+from mortal.workers.rollout.engines.base import (
+    Completion,
+    Engine,
+    GenerationParams,
+    cut_at_eos,
+    eos_token_ids,
+)
+from mortal.workers.rollout.engines.compile_cache import CompileWatch, persist, start_compile_workers
+from mortal.workers.rollout.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
+from mortal.workers.sync.base import WeightsError, WeightTransport
+from mortal.workers.sync.volume import VolumeTransport
+
+if TYPE_CHECKING:
+    from mortal.specs.training import ModelSpec
+
+
+PROMPT_BUCKET = 64  # batched path: prompts are left-padded to a multiple of this many tokens
+log = logging.getLogger("mortal.worker")
+_GRAPH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mortal-batched-generate")
+
+
+def cap_memory(device: str, share: float | None) -> int | None:
+    """On a CUDA device, cap this process's caching allocator at `share` of the GPU (an allocation past it
+    raises torch's out-of-memory here, naming this worker, instead of starving the colocated actor) and
+    return the cap in bytes for the decoder to plan its rows in; None (no cap) elsewhere or without a
+    share."""
+    if share is None or not str(device).startswith("cuda"):
+        return None
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    torch.cuda.set_per_process_memory_fraction(share, index)
+    return int(share * torch.cuda.get_device_properties(index).total_memory)
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+
+    def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None,
+                 max_rows: int = DEFAULT_MAX_ROWS, memory_budget: int | None = None,
+                 compile_scope: str = "auto") -> None:
+        """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere.
+        `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows).
+        `memory_budget`: bytes the batched path's weights and KV caches must fit in (StaticDecoder).
+        `compile_scope`: what the batched path's decoder compiles (spec.generation.compileScope)."""
+        from transformers import GenerationConfig
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.compiled = self.device.type == "cuda" if compiled is None else compiled
+        self.eos_ids = eos_token_ids(tokenizer, model.generation_config.eos_token_id)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = pad
+        # Neutral defaults: generate() fills every unset field from model.generation_config.
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=pad
+        )
+        self.max_rows = max_rows
+        self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows,
+                                      memory_budget=memory_budget, compile_scope=compile_scope)
+                        if self.compiled else None)
+
+    @classmethod
+    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
+               max_num_seqs: int | None = None, memory_share: float | None = None,
+               compile_scope: str = "auto") -> TransformersEngine:
+        where = device or default_device()
+        # the decoder will compile: its workers start while the model loads
+        if torch.device(where).type == "cuda":
+            start_compile_workers()
+        budget = cap_memory(where, memory_share)
+        return cls(load_model(model_spec, where, for_training=False), tokenizer,
+                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS, memory_budget=budget, compile_scope=compile_scope)
+
+    def _generation_config(self, n: int, params: GenerationParams) -> Any:
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=True,
+            num_return_sequences=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k or 0,  # 0 = off (transformers' default would be 50)
+            repetition_penalty=1.0,
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+            disable_compile=True,
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
+                 params: GenerationParams) -> list[list[Completion]]:
+        if self.decoder is not None:
+            return _GRAPH_THREAD.submit(self._generate_batch, prompts, n, seeds[0], params).result()
+        return [self._generate_one(prompt, n, seed, params) for prompt, seed in zip(prompts, seeds, strict=True)]
+
+    def max_model_len(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def generation_stats(self) -> dict[str, float]:
+        """The batched path's last decode: rows, steps, refills and the share of sampled tokens that were
+        kept (up to each completion's EOS); empty on the per-prompt path."""
+        stats = self.decoder.last_stats if self.decoder is not None else None
+        if stats is None:
+            return {}
+        return {"rows": stats.rows, "decode_steps": stats.decode_steps, "refills": stats.refills,
+                "useful_fraction": round(stats.useful_fraction, 3)}
+
+    def _left_padded(self, prompts: list[list[int]], n: int, min_width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and attention_mask of every prompt repeated n times, left-padded to the bucket (and to
+        at least `min_width`)."""
+        width = -(-max(min_width, *(len(p) for p in prompts)) // PROMPT_BUCKET) * PROMPT_BUCKET
+        rows = [[self.pad_id] * (width - len(p)) + p for p in prompts for _ in range(n)]
+        masks = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(n)]
+        return (torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.tensor(masks, dtype=torch.long, device=self.device))
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], n: int, seed: int,
+                        params: GenerationParams) -> list[list[Completion]]:
+        input_ids, attention_mask = self._left_padded(prompts, n, params.min_prompt_width)
+        sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
+        # CPU: the eager decoder, no CUDA
+        devices = [self._cuda_index()] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            # where the decoder's generate() would prepare: the RNG sees the same calls in the same order
+            self._prepare_logged(input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, params.min_rows)
+            tokens, logprobs = self.decoder.generate(input_ids, attention_mask, params.max_tokens, sampling,
+                                                     self.eos_ids, params.min_rows)
+        ids, lps = tokens.tolist(), logprobs.tolist()
+        return [[cut_at_eos(ids[i * n + g], lps[i * n + g], self.eos_ids) for g in range(n)]
+                for i in range(len(prompts))]
+
+    def _prepare_logged(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling,
+                        min_rows: int = 0) -> None:
+        """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
+        prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
+        served it, and committed to the volume. generate() then reuses the kept shape."""
+        before = self.decoder.preparations
+        with CompileWatch() as watch:
+            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows)
+        if self.decoder.preparations == before:
+            return
+        log.info("decode shape %d rows x %d+%d tokens prepared in %s", shape.state.rows, prompt_len, max_tokens,
+                 watch.report.describe())
+        persist(watch.report)
+
+    def _cuda_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    @torch.no_grad()
+    def _generate_one(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
+        """`n` completions of one unpadded prompt through `model.generate` (bit-for-bit reproducible on
+        CPU)."""
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        attention_mask = torch.ones_like(input_ids)
+        devices = [self._cuda_index()] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self._generation_config(n, params),
+            )
+        tokens = out.sequences[:, input_ids.shape[1]:]
+        logprobs = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
+        for t, scores in enumerate(out.scores):
+            step = torch.log_softmax(scores.float(), dim=-1)
+            logprobs[:, t] = step.gather(1, tokens[:, t : t + 1]).squeeze(1)
+        ids, lps = tokens.tolist(), logprobs.tolist()
+        return [cut_at_eos(ids[i], lps[i], self.eos_ids) for i in range(n)]
+
+    def load_weights(self, path: str, transport: WeightTransport | None = None) -> None:
+        try:
+            (transport or VolumeTransport()).load(self.model, path)
+        except WeightsError as exc:
+            raise FatalWorkerError("WeightsMismatch", f"published weights do not fit the rollout model: {exc}") from exc
+
+    def close(self) -> None:
+        self.model = None
+        self.decoder = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,233 @@
+"""Multi-turn, tool-calling rollouts: TRL's tool loop (GRPOTrainer, 1.16), run by the rollout worker.
+
+Who calls it: mortal.workers.rollout.loop, once per task when spec.rollout has tools or an environment
+(`MultiTurn.rollouts`); it drives the worker's Engine through the same `generate` call single-turn rollouts
+use, so every engine serves it. For a task: each rollout gets its environment (`reset(**row)`), each prompt
+is rendered with its tools by the tool chat template, turn 1 is one engine call for the whole task; then,
+while rollouts called tools and fewer than maxToolCallingIterations rounds ran, their calls run (Toolbox),
+the tool messages are appended with loss mask 0, and one engine call generates every live rollout's next
+turn (a seed per rollout and turn: schedule.turn_seed). A completion is everything after the prompt, one
+mask entry per token (TRL's tool_mask). Every engine call of a task asks for one prompt width and row count,
+so the GPU decoder replays one captured shape for all turns.
+Every choice follows TRL's `_tool_call_loop`; tests/workers/rollout/test_multiturn.py runs TRL's own loop
+on the same scripted turns and compares ids, masks and logprobs.
+What it must not do: batch rollouts of different tasks, decide anything from the clock rather than tokens
+and seeds (exact resume), retry a tool, or swallow a broken environment (FatalWorkerError).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mortal.workers import schedule
+from mortal.workers.errors import FatalWorkerError
+from mortal.workers.messages import RolloutRequest
+from mortal.workers.rollout.engines import Engine, GenerationParams
+from mortal.workers.rollout.tools import Toolbox, ToolOutcome
+
+
+class ToolTemplateError(FatalWorkerError):
+    """The chat template cannot render or parse tool calls (the run fails with the fix)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("ToolTemplateUnusable", message)
+
+
+@dataclass
+class Rollout:
+    """One rollout's conversation as it grows: what the result, the loss mask and the metrics need."""
+
+    prompt: list[dict[str, Any]]  # the prompt messages after reset
+    prompt_ids: list[int]
+    tools: list[Any]
+    environment: Any = None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: the model's token (trained), 0: a tool result's
+    messages: list[dict[str, Any]] = field(default_factory=list)  # assistant / tool messages, in order
+    turns: int = 0  # model generations
+    tool_calls: int = 0
+    tool_failures: int = 0
+    pending: list[dict[str, Any]] = field(default_factory=list)  # tool calls of the newest assistant turn
+
+    @property
+    def history_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
+    """Make `tokenizer` render and parse tool calls; returns the template to render with (None: its own).
+
+    `name`: spec.rollout.chatTemplate (a TRL template name or a .jinja file), None for the model's own."""
+    from trl.chat_template_utils import (
+        _CHAT_TEMPLATES_DIR,
+        add_response_schema,
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+        supports_tool_calling,
+    )
+
+    if name is not None:
+        path = Path(name) if name.endswith(".jinja") else _CHAT_TEMPLATES_DIR / f"{name}.jinja"
+        if not path.is_file():
+            known = sorted(p.stem for p in _CHAT_TEMPLATES_DIR.glob("*.jinja"))
+            raise ToolTemplateError(f"spec.rollout.chatTemplate {name!r}: no such file or TRL template; TRL ships "
+                                    f"{', '.join(known)}")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    if not supports_tool_calling(tokenizer):
+        raise ToolTemplateError(
+            f"the chat template of {tokenizer.name_or_path!r} cannot render tool calls and tool messages; set "
+            "spec.rollout.chatTemplate to one that can (e.g. qwen2_5 for ChatML models such as SmolLM2)")
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            add_response_schema(tokenizer)
+        except ValueError as exc:
+            raise ToolTemplateError(f"cannot parse tool calls with the chat template of {tokenizer.name_or_path!r} "
+                                    f"({exc}); set spec.rollout.chatTemplate to a TRL template, e.g. qwen2_5") from exc
+    if not is_chat_template_prefix_preserving(tokenizer):
+        return get_training_chat_template(tokenizer)
+    return None
+
+
+def tool_suffix_ids(tokenizer: Any, template: str | None, tool_messages: list[dict[str, Any]]) -> list[int]:
+    """The tokens that follow an assistant turn's end-of-turn token when `tool_messages` answer it, up to the
+    next assistant turn's generation prompt: a one-call conversation rendered with and without them, the
+    shorter cut after its last EOS (templates differ in what follows it), the difference taken."""
+    call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
+    head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    before = tokenizer.apply_chat_template(head, add_generation_prompt=False, tokenize=True, chat_template=template,
+                                           return_dict=False)
+    after = tokenizer.apply_chat_template(head + tool_messages, add_generation_prompt=True, tokenize=True,
+                                          chat_template=template, return_dict=False)
+    eos = [i for i, token in enumerate(before) if token == tokenizer.eos_token_id]
+    if eos:
+        before = before[: eos[-1] + 1]
+    if after[: len(before)] != before:
+        raise ToolTemplateError("the chat template renders an assistant turn differently once tool messages follow "
+                                "it, so tool results cannot be appended token by token; use a prefix-preserving "
+                                "template (spec.rollout.chatTemplate)")
+    return list(after[len(before):])
+
+
+class MultiTurn:
+    """The tool loop over one engine, tokenizer and toolbox (module docstring: the steps)."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, toolbox: Toolbox, params: GenerationParams,
+                 chat_template: str | None = None) -> None:
+        self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
+        self.template = resolve_chat_template(tokenizer, chat_template)
+        self.max_model_len = engine.max_model_len()
+        limit = toolbox.max_iterations
+        self.max_iterations = limit if limit is not None else float("inf")
+
+    def rollouts(self, requests: list[RolloutRequest]) -> list[list[Rollout]]:
+        """numGenerations rollouts of each request, in order, each run to its end."""
+        names = [self.toolbox.environment_name(r.row) for r in requests]
+        environments = iter(self.toolbox.environments_for([n for n, r in zip(names, requests, strict=True)
+                                                           for _ in range(r.num_generations)]))
+        groups = [self._start(request, name, [next(environments) for _ in range(request.num_generations)])
+                  # steps 1-2: one instance per rollout
+                  for request, name in zip(requests, names, strict=True)]
+        flat = [r for group in groups for r in group]
+        # every turn's history fits in the longest prompt + maxTokens, and every turn's rollouts in the
+        # first's rows: padded to both, all turns share one shape
+        params = replace(self.params, min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens,
+                         min_rows=len(flat))
+        self._first_turn(requests, groups, params)  # step 3
+        seeds = [(request.seed, g) for request in requests for g in range(request.num_generations)]
+        iteration = 0
+        active = [i for i, r in enumerate(flat) if r.pending]
+        while active and iteration < self.max_iterations:
+            outcomes = self.toolbox.call_each([(flat[i].tools, flat[i].pending) for i in active])  # step 5
+            active = [i for i, answered in zip(active, outcomes, strict=True) if self._answer_tools(flat[i], answered)]
+            if not active:
+                break
+            # step 6
+            self._next_turn([flat[i] for i in active], [seeds[i] for i in active], iteration + 1, params)
+            active = [i for i in active if flat[i].pending]
+            iteration += 1
+        return groups
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def _start(self, request: RolloutRequest, name: str | None, environments: list[Any]) -> list[Rollout]:
+        """A request's rollouts: each environment reset with the row, each prompt rendered with its tools."""
+        if isinstance(request.prompt, str):
+            raise FatalWorkerError("PromptUnencodable", "tool-calling rollouts need chat prompts (a list of "
+                                   "messages), as TRL's tool loop does; the dataset's prompt is text")
+        reset_row = {k: v for k, v in request.row.items() if k != "environment"} if name is not None else request.row
+        group = []
+        for environment in environments:
+            prompt = copy.deepcopy(request.prompt)
+            if environment is not None:
+                try:
+                    observation = environment.reset(**reset_row)
+                except Exception as exc:  # the user's environment is broken: fail the run with its reason
+                    raise FatalWorkerError("EnvironmentFailed", f"{type(environment).__name__}.reset(**row) raised "
+                                           f"{type(exc).__name__}: {exc}") from exc
+                if isinstance(observation, str) and prompt:
+                    prompt = [*prompt[:-1], {**prompt[-1], "content": str(prompt[-1]["content"]) + observation}]
+            tools = self.toolbox.tools_for(environment)
+            ids = self.tokenizer.apply_chat_template(prompt, tools=tools or None, chat_template=self.template,
+                                                     add_generation_prompt=True, tokenize=True, return_dict=True)
+            group.append(Rollout(prompt=prompt, prompt_ids=list(ids["input_ids"]), tools=tools,
+                                 environment=environment))
+        return group
+
+    def _first_turn(self, requests: list[RolloutRequest], groups: list[list[Rollout]], params: GenerationParams) -> None:
+        alike = all(all(r.prompt_ids == group[0].prompt_ids for r in group) for group in groups)
+        if alike:  # the single-turn call: each prompt once, n completions, the task's seeds
+            outs = self.engine.generate([g[0].prompt_ids for g in groups], requests[0].num_generations,
+                                        [r.seed for r in requests], params)
+            completions = [c for group in outs for c in group]
+        else:
+            flat = [(r, request.seed, g) for request, group in zip(requests, groups, strict=True)
+                    for g, r in enumerate(group)]
+            outs = self.engine.generate([r.prompt_ids for r, _, _ in flat], 1,
+                                        [schedule.turn_seed(seed, g, 0) for _, seed, g in flat], params)
+            completions = [group[0] for group in outs]
+        for rollout, completion in zip([r for g in groups for r in g], completions, strict=True):
+            self._append_turn(rollout, completion.ids, completion.logprobs)
+
+    def _answer_tools(self, rollout: Rollout, outcomes: list[ToolOutcome]) -> bool:
+        """Append the outcomes of the rollout's pending tool calls; False when they would not fit (step 5)."""
+        rollout.pending = []
+        rollout.tool_calls += len(outcomes)
+        rollout.tool_failures += sum(o.failed for o in outcomes)
+        tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
+        suffix = tool_suffix_ids(self.tokenizer, self.template, tool_messages)
+        length = len(rollout.completion_ids) + len(suffix)
+        if length > self.params.max_tokens or (self.max_model_len is not None
+                                               and len(rollout.prompt_ids) + length >= self.max_model_len):
+            return False
+        rollout.messages.extend(tool_messages)
+        rollout.completion_ids += suffix
+        rollout.logprobs += [0.0] * len(suffix)
+        rollout.mask += [0] * len(suffix)
+        return True
+
+    def _next_turn(self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int,
+                   params: GenerationParams) -> None:
+        # maxTokens for every turn, then cut to each rollout's budget (as TRL does): one decode length, so the
+        # batched CUDA path keeps its captured shapes instead of capturing one per remaining budget
+        outs = self.engine.generate([r.history_ids for r in rollouts], 1,
+                                    [schedule.turn_seed(seed, g, turn) for seed, g in seeds], params)
+        for rollout, [completion] in zip(rollouts, outs, strict=True):
+            room = self.params.max_tokens - len(rollout.completion_ids)
+            self._append_turn(rollout, completion.ids[:room], completion.logprobs[:room])
+
+    def _append_turn(self, rollout: Rollout, ids: list[int], logprobs: list[float]) -> None:
+        """A model turn: its tokens (mask 1), its parsed message and the tool calls it asks for (step 4)."""
+        from trl.chat_template_utils import parse_response
+
+        if not ids:  # a turn cut to nothing by the budget: no message (TRL appends none either)
+            return
+        rollout.turns += 1
+        message = parse_response(self.tokenizer, ids, prefix=rollout.history_ids, tools=rollout.tools)
+        rollout.completion_ids += list(ids)
+        rollout.logprobs += list(logprobs)
+        rollout.mask += [1] * len(ids)
+        rollout.messages.append(message)
+        rollout.pending = list(message.get("tool_calls") or [])

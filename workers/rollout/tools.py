@@ -1,0 +1,245 @@
+"""Tools and environments of a tool-calling run (spec.rollout.tools / environment), loaded in the rollout
+worker.
+
+Who calls it: mortal.workers.rollout.loop builds a `Toolbox` once (before the model, so a wrong reference
+fails the run at once); mortal.workers.rollout.multiturn asks it for each rollout's tools (`tools_for`) and
+calls them. TRL's semantics (1.16): standalone tools are shared by every rollout; an environment class is
+built once per concurrent rollout and reset before each generation, its public methods being that
+rollout's tools; a tool's result becomes str(result), and one that raises or is unknown answers
+{'error': message} and counts as a failure. mortal adds a deadline per call (mortal.workers.deadline: a hung
+tool keeps its thread, never the rollout), and calls different rollouts' tools at once (`call_each`, each
+rollout's own in order; standalone tools, maybe not written for threads, one call at a time).
+What it must not do: run model-written code itself (that goes through the reward sandbox), or let a broken
+reference look like a retryable crash (FatalWorkerError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from mortal.workers import references
+from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
+from mortal.workers.errors import FatalWorkerError
+
+NOT_TOOLS = ("reset", "get_reward")
+# Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
+# than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
+CONCURRENT_ROLLOUTS = 16
+TOLD_EVERY_SECONDS = 60.0  # a tool that keeps timing out makes one Warning event a minute, not one a call
+
+
+class ToolLoadError(FatalWorkerError):
+    """A tool or environment reference cannot be imported or built (the run fails with the reason)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("ToolNotFound", message)
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """One tool call's result as the model sees it, and whether it failed (raised, timed out, unknown)."""
+
+    name: str
+    arguments: Any
+    content: str
+    failed: bool
+
+
+def _import(ref: str, where: str) -> Any:
+    try:
+        return references.resolve(ref)
+    except (ImportError, AttributeError) as exc:
+        raise ToolLoadError(f"{where} {ref!r} cannot be imported on the rollout worker: {exc}") from exc
+
+
+def environment_methods(environment: Any) -> list[Callable[..., Any]]:
+    """An environment's tools: its public functions but reset and get_reward, bound to the instance
+    (listed on the class, as TRL does, so properties are not evaluated)."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if name not in NOT_TOOLS and not name.startswith("_")]
+
+
+@dataclass
+class Toolbox:
+    """The run's standalone tools and environment classes (by name; None is the single unnamed one)."""
+
+    tools: list[Callable[..., Any]] = field(default_factory=list)
+    environments: dict[str | None, type] = field(default_factory=dict)
+    timeout_seconds: float = 30.0
+    max_iterations: int | None = None
+    _pool: dict[str | None, list[Any]] = field(default_factory=dict)
+    _standalone_lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoner: Abandoner = field(default_factory=Abandoner)
+    # told what timed out (the rollout records a Warning event)
+    on_timeout: Callable[[str], None] | None = None
+    # tool -> when it was last told: one a minute at most
+    _told: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_spec(cls, rollout: Any) -> Toolbox:
+        """spec.rollout's tools and environment, imported and each environment built once (TRL probes one)."""
+        tools = [_import(ref, "spec.rollout.tools:") for ref in rollout.tools]
+        for ref, tool in zip(rollout.tools, tools, strict=True):
+            if not callable(tool):
+                raise ToolLoadError(f"spec.rollout.tools: {ref!r} is not callable (it is a {type(tool).__name__})")
+        refs = rollout.environment
+        named = {} if refs is None else {None: refs} if isinstance(refs, str) else dict(refs)
+        environments = {name: _import(ref, "spec.rollout.environment:") for name, ref in named.items()}
+        box = cls(tools=tools, environments=environments, timeout_seconds=rollout.tool_timeout_seconds,
+                  max_iterations=rollout.max_tool_calling_iterations)
+        for name, factory in environments.items():
+            probe = box._build(name, factory)
+            if not callable(getattr(probe, "reset", None)):
+                raise ToolLoadError(f"spec.rollout.environment: {named[name]!r} has no reset() method; TRL's "
+                                    "environment_factory needs one (it is called before each generation)")
+            box._pool[name] = [probe]
+        return box
+
+    @property
+    def multi_environment(self) -> bool:
+        return bool(self.environments) and None not in self.environments
+
+    def _build(self, name: str | None, factory: type) -> Any:
+        try:
+            return factory()
+        except Exception as exc:
+            raise ToolLoadError(f"spec.rollout.environment {name or ''}: building {factory.__name__}() failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+    def environment_name(self, row: dict[str, Any]) -> str | None:
+        """The environment a dataset row picks (its `environment` column when the spec gives a dict)."""
+        if not self.multi_environment:
+            return None
+        name = row.get("environment")
+        if name not in self.environments:
+            raise FatalWorkerError("UnknownEnvironment", f"a dataset row has environment={name!r}, which is not "
+                                   f"among spec.rollout.environment's names {sorted(map(str, self.environments))}")
+        return name
+
+    def environments_for(self, names: list[str | None]) -> list[Any]:
+        """One environment instance per rollout (None where the run has none), drawn from the pool, built only
+        when this task needs more concurrent instances of one than exist (TRL's construct once, reset
+        often)."""
+        if not self.environments:
+            return [None] * len(names)
+        taken: dict[str | None, int] = {}
+        out = []
+        for name in names:
+            pool = self._pool.setdefault(name, [])
+            index = taken.get(name, 0)
+            if index == len(pool):
+                pool.append(self._build(name, self.environments[name]))
+            taken[name] = index + 1
+            out.append(pool[index])
+        return out
+
+    def tools_for(self, environment: Any) -> list[Callable[..., Any]]:
+        """The tools a rollout may call: the standalone ones, then its environment's methods."""
+        return self.tools + (environment_methods(environment) if environment is not None else [])
+
+    def call_each(self, rollouts: Sequence[tuple[list[Callable[..., Any]], list[dict[str, Any]]]]
+                  ) -> list[list[ToolOutcome]]:
+        """The outcomes of each rollout's (tools, tool calls), in order: one rollout's calls one after the
+        other, different rollouts' at once (this module's docstring says what stays serial)."""
+        def answer(rollout: tuple[list[Callable[..., Any]], list[dict[str, Any]]]) -> list[ToolOutcome]:
+            tools, calls = rollout
+            return [self.call(tools, call) for call in calls]
+
+        if len(rollouts) <= 1:
+            return [answer(r) for r in rollouts]
+        with ThreadPoolExecutor(max_workers=min(len(rollouts), CONCURRENT_ROLLOUTS),
+                                thread_name_prefix="mortal-tools") as pool:
+            return list(pool.map(answer, rollouts))
+
+    def call(self, tools: list[Callable[..., Any]], tool_call: dict[str, Any]) -> ToolOutcome:
+        """One parsed tool call ({'type': 'function', 'function': {'name', 'arguments'}}) -> its outcome."""
+        if tool_call.get("type") != "function":
+            name = str(tool_call.get("name", "unknown"))
+            return ToolOutcome(name, None, str({"error": f"Unsupported tool call type: {tool_call.get('type')}"}), True)
+        function = tool_call.get("function") or {}
+        name, arguments = str(function.get("name")), function.get("arguments")
+        by_name = {tool.__name__: tool for tool in tools}
+        if name not in by_name:
+            return ToolOutcome(name, arguments, str({"error": f"Tool {name} not found."}), True)
+        if not isinstance(arguments, dict):
+            return ToolOutcome(name, arguments, str({"error": f"arguments of {name} must be an object"}), True)
+        tool = by_name[name]
+        if any(tool is shared for shared in self.tools):
+            with self._standalone_lock:
+                result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner,
+                                                 self._timed_out)
+        else:
+            result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner, self._timed_out)
+        if error is not None:
+            return ToolOutcome(name, arguments, str({"error": error}), True)
+        # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
+        # rollouts are text only)
+        return ToolOutcome(name, arguments, str(result), False)
+
+    def _timed_out(self, name: str, seconds: float) -> None:
+        now = time.monotonic()
+        if self.on_timeout is None or now - self._told.get(name, -TOLD_EVERY_SECONDS) < TOLD_EVERY_SECONDS:
+            return
+        self._told[name] = now
+        self.on_timeout(f"tool {name} did not return within rollout.toolTimeoutSeconds ({seconds:g} s); the model "
+                        "was told it timed out and the rollout went on; its stacks are in the worker's log")
+
+
+def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], seconds: float,
+                     abandoner: Abandoner | None = None,
+                     on_timeout: Callable[[str, float], None] | None = None) -> tuple[Any, str | None]:
+    """(result, None), or (None, the error message) when the tool raised or ran past `seconds` (then its
+    stacks are in the log). TooManyAbandonedCalls passes through: the worker is to be relaunched."""
+    name = getattr(tool, "__name__", "tool")
+
+    def invoke() -> Any:
+        value = tool(**arguments)
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+    try:
+        return (abandoner or Abandoner()).call(invoke, seconds, f"tool {name}"), None
+    except CallTimedOut:
+        if on_timeout is not None:
+            on_timeout(name, seconds)
+        return None, f"tool {name} timed out after {seconds:g} s"
+    except (TooManyAbandonedCalls, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # a user's tool: whatever it raises becomes the model's error message
+        return None, str(exc) or type(exc).__name__
+
+
+class EnvironmentReward:
+    """`env: environment` in spec.rewards: each rollout's environment's get_reward(), TRL's environment
+    reward.
+
+    With `args: {class: 'module:Class'}` only rollouts whose environment is exactly that class are scored
+    (None for the others), as TRL adds one such reward per class; without, every environment that has
+    get_reward is. Rollouts without an environment, or whose environment has none, score None.
+    """
+
+    def __init__(self, name: str, class_ref: str | None = None) -> None:
+        self.__name__ = name
+        self.only = _import(class_ref, "spec.rewards[].args.class") if class_ref else None
+        if self.only is not None and not callable(getattr(self.only, "get_reward", None)):
+            raise ToolLoadError(f"spec.rewards {name!r}: {class_ref!r} has no get_reward() method")
+
+    def __call__(self, completions: list[Any], environments: list[Any] | None = None, **kwargs: Any) -> list[Any]:
+        if environments is None:
+            return [None] * len(completions)
+        return [self._one(e) for e in environments]
+
+    def _one(self, environment: Any) -> Any:
+        if self.only is not None and type(environment) is not self.only:
+            return None
+        get_reward = getattr(environment, "get_reward", None)
+        if get_reward is None:
+            return None
+        value = get_reward()
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
