@@ -28,11 +28,17 @@ def answer(prompts: int, gens: int, tokens: int) -> dict[str, Any]:
     from mortal.workers.messages import RolloutAnswer, RolloutResult
 
     rng = random.Random(0)
-    results = [RolloutResult(
-        prompt_ids=list(range(40)), completion_ids=[[rng.randrange(49152) for _ in range(tokens)] for _ in range(gens)],
-        logprobs=[[rng.random() * -5 for _ in range(tokens)] for _ in range(gens)],
-        completions=["x" * (3 * tokens)] * gens, rewards={"short_answer": [0.0] * gens}, weight_version=3,
-    ) for _ in range(prompts)]
+    results = [
+        RolloutResult(
+            prompt_ids=list(range(40)),
+            completion_ids=[[rng.randrange(49152) for _ in range(tokens)] for _ in range(gens)],
+            logprobs=[[rng.random() * -5 for _ in range(tokens)] for _ in range(gens)],
+            completions=["x" * (3 * tokens)] * gens,
+            rewards={"short_answer": [0.0] * gens},
+            weight_version=3,
+        )
+        for _ in range(prompts)
+    ]
     return RolloutAnswer(results=results).model_dump()
 
 
@@ -45,7 +51,9 @@ def measure(url: str, result: dict[str, Any], rounds: int) -> tuple[float, float
     store.apply_run(run, {"model": {"name": "tiny"}, "rollout": {"replicas": 1}})
 
     def worker(role: str) -> WorkerRef:
-        return WorkerRef(run, role, 0, store.create_worker(run, role, 0, backend="local", lease_seconds=60).incarnation)
+        return WorkerRef(
+            run, role, 0, store.create_worker(run, role, 0, backend="local", lease_seconds=60).incarnation
+        )
 
     actor, rollout = worker("actor"), worker("rollout")
     writes, reads = [], []
@@ -63,7 +71,9 @@ def measure(url: str, result: dict[str, Any], rounds: int) -> tuple[float, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--store", action="append", choices=["sqlite", "postgres"])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gens", type=int, default=8)
@@ -74,17 +84,23 @@ def main() -> None:
     from mortal.state import engine
 
     result = answer(args.prompts, args.gens, args.tokens)
-    print(f"answer: {args.prompts} prompts x {args.gens} x {args.tokens} tokens, "
-          f"{len(json.dumps(result)) / 1e6:.2f} MB of JSON; medians of {args.rounds}")
-    codecs = {"pydantic-core": dict(engine.JSON_CODEC), "json module": {"json_serializer": json.dumps,
-                                                                       "json_deserializer": json.loads}}
+    print(
+        f"answer: {args.prompts} prompts x {args.gens} x {args.tokens} tokens, "
+        f"{len(json.dumps(result)) / 1e6:.2f} MB of JSON; medians of {args.rounds}"
+    )
+    codecs = {
+        "pydantic-core": dict(engine.JSON_CODEC),
+        "json module": {"json_serializer": json.dumps, "json_deserializer": json.loads},
+    }
     for store in args.store or ["sqlite"]:
         for name, codec in codecs.items():
             engine.JSON_CODEC.clear()
             engine.JSON_CODEC.update(codec)
             url = PG_URL if store == "postgres" else f"sqlite:///{tempfile.mkdtemp()}/state.db"
             write_ms, read_ms = measure(url, result, args.rounds)
-            print(f"{store:8s} {name:13s}: rollout's write {write_ms:6.1f} ms, actor's read {read_ms:6.1f} ms")
+            print(
+                f"{store:8s} {name:13s}: rollout's write {write_ms:6.1f} ms, actor's read {read_ms:6.1f} ms"
+            )
 
 
 if __name__ == "__main__":

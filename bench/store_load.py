@@ -69,8 +69,21 @@ def store_server(backing_url: str, token: str, threads: int, log: Path, processe
     Its log goes to a file (a pipe nobody reads would fill and stall the server)."""
     port = _free_port()
     env = {**os.environ, "MORTAL_STATE_TOKEN": token}
-    cmd = [sys.executable, "-m", "mortal.state.http_server", "--backing-url", backing_url,
-           "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads), "--processes", str(processes)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mortal.state.http_server",
+        "--backing-url",
+        backing_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--processes",
+        str(processes),
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -143,8 +156,10 @@ def seed_run(store: Any, clients: int, tasks: int) -> list[tuple[str, str, int, 
     actor = store.create_worker(RUN, "actor", 0, "local", 600)
     actor_ref = WorkerRef(RUN, "actor", 0, actor.incarnation)
     for start in range(0, tasks, 500):
-        batch = [NewTask(step=i // 8, slot=i % 8, min_weight_version=0, payload={"prompt": f"p{i}"})
-                 for i in range(start, min(tasks, start + 500))]
+        batch = [
+            NewTask(step=i // 8, slot=i % 8, min_weight_version=0, payload={"prompt": f"p{i}"})
+            for i in range(start, min(tasks, start + 500))
+        ]
         store.enqueue_tasks(actor_ref, batch)
     refs = []
     for replica in range(clients):
@@ -170,11 +185,15 @@ class _Over(Exception):
     """The case's time is up."""
 
 
-def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: list, lock: threading.Lock) -> None:
+def _client(
+    store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: list, lock: threading.Lock
+) -> None:
     """One worker's round of calls until `stop_at`; (call, seconds, error kind or None, whether it was the
     client's first call: the one that opens its connection) into `out`."""
     interval = 1.0 / rate if rate > 0 else 0.0
-    next_at = time.monotonic() + (interval * (ref.replica % 97) / 97 if interval else 0.0)  # spread the starts
+    next_at = time.monotonic() + (
+        interval * (ref.replica % 97) / 97 if interval else 0.0
+    )  # spread the starts
     step, records = 0, []
 
     def call(name: str, fn: Any, *args: Any) -> Any:
@@ -189,8 +208,9 @@ def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: 
         try:
             result = fn(*args)
         except Exception as exc:  # counted by kind: the point is to see every failure
-            records.append((name, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:160]}",
-                            not records))
+            records.append(
+                (name, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:160]}", not records)
+            )
             return None
         records.append((name, time.monotonic() - started, None, not records))
         return result
@@ -205,16 +225,19 @@ def _client(store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: 
         out.extend(records)
 
 
-def client_process(url: str, token: str, refs: list[tuple[str, str, int, int]], rate: float, start_at: float,
-                   seconds: float) -> list[tuple[str, float, str | None, bool]]:
+def client_process(
+    url: str, token: str, refs: list[tuple[str, str, int, int]], rate: float, start_at: float, seconds: float
+) -> list[tuple[str, float, str | None, bool]]:
     """Threads, one per worker ref, all starting at `start_at` (time.time()) for `seconds`."""
     store = HttpStore(url, token=token, timeout=(10.0, 30.0), retry_attempts=1)  # no retries: failures show
     out: list = []
     lock = threading.Lock()
     time.sleep(max(0.0, start_at - time.time()))
     stop_at = time.monotonic() + seconds
-    threads = [threading.Thread(target=_client, args=(store, WorkerRef(*ref), rate, stop_at, out, lock), daemon=True)
-               for ref in refs]
+    threads = [
+        threading.Thread(target=_client, args=(store, WorkerRef(*ref), rate, stop_at, out, lock), daemon=True)
+        for ref in refs
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -232,8 +255,10 @@ def pct(values: list[float], q: float) -> float:
 def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     token = secrets.token_hex(16)
     server_log = tmp / "server.log"
-    with fresh_database(kind, tmp) as backing, \
-            store_server(backing, token, args.threads, server_log, args.server_processes) as (url, server):
+    with (
+        fresh_database(kind, tmp) as backing,
+        store_server(backing, token, args.threads, server_log, args.server_processes) as (url, server),
+    ):
         rounds = clients * max(args.rate, 5.0) * args.seconds / 5  # leases a case can take, with room
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))
@@ -242,11 +267,16 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         load_before = os.getloadavg()[0]
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(procs) as pool:
-            parts = [pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
-                     for share in shares]
+            parts = [
+                pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
+                for share in shares
+            ]
             time.sleep(max(0.0, start_at - time.time()))
-            who = {"server": lambda: server_processes(server), "postgres": postgres_processes,
-                   "clients": lambda: client_processes(server)}
+            who = {
+                "server": lambda: server_processes(server),
+                "postgres": postgres_processes,
+                "clients": lambda: client_processes(server),
+            }
             cpu_before = {name: cpu_seconds(find()) for name, find in who.items()}
             machine_before, started = psutil.cpu_times(), time.monotonic()
             records = [r for part in parts for r in part.get(args.seconds + 120)]
@@ -262,12 +292,20 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         if err is None:
             by_call[name].append(sec)
     return {
-        "store": kind, "clients": clients, "seconds": args.seconds, "rate_per_client": args.rate,
-        "server_threads": args.threads, "server_processes": args.server_processes, "client_procs": procs,
-        "calls": len(records), "failed": sum(failures.values()), "failures": dict(failures),
+        "store": kind,
+        "clients": clients,
+        "seconds": args.seconds,
+        "rate_per_client": args.rate,
+        "server_threads": args.threads,
+        "server_processes": args.server_processes,
+        "client_procs": procs,
+        "calls": len(records),
+        "failed": sum(failures.values()),
+        "failures": dict(failures),
         "calls_per_s": round(len(records) / args.seconds, 1),
         "offered_per_s": round(clients * args.rate, 1) if args.rate > 0 else None,
-        "p50_ms": round(pct(ok, 0.50) * 1000, 1), "p99_ms": round(pct(ok, 0.99) * 1000, 1),
+        "p50_ms": round(pct(ok, 0.50) * 1000, 1),
+        "p99_ms": round(pct(ok, 0.99) * 1000, 1),
         "max_ms": round(max(ok, default=float("nan")) * 1000, 1),
         # Without each client's first call, which also opens its connection (all of them in the first second).
         "p99_ms_after_first_calls": round(pct(after_first, 0.99) * 1000, 1),
@@ -275,10 +313,12 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         "p99_ms_by_call": {name: round(pct(v, 0.99) * 1000, 1) for name, v in sorted(by_call.items())},
         "calls_by_call": {name: len(v) for name, v in sorted(by_call.items())},
         # CPU seconds from the clients' start to their end, per call served: where the cores went.
-        "cpu_ms_per_call": {name: round(seconds / max(1, len(records)) * 1000, 2)
-                            for name, seconds in cpu.items()},
+        "cpu_ms_per_call": {
+            name: round(seconds / max(1, len(records)) * 1000, 2) for name, seconds in cpu.items()
+        },
         "machine_busy_cores": round(busy / elapsed, 2),
-        "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
+        "load_avg_before": round(load_before, 2),
+        "load_avg_after": round(load_after, 2),
     }
 
 
@@ -290,7 +330,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="calls per second per client; 0: unpaced")
     parser.add_argument("--procs", type=int, default=4, help="client processes (clients split among them)")
     parser.add_argument("--threads", type=int, default=8, help="the server's worker threads, per process")
-    parser.add_argument("--server-processes", type=int, default=1, help="the server's processes (--processes)")
+    parser.add_argument(
+        "--server-processes", type=int, default=1, help="the server's processes (--processes)"
+    )
     parser.add_argument("--out", default="bench/results/store_load.json")
     args = parser.parse_args()
     if not 0 < args.seconds <= 120:
@@ -299,22 +341,32 @@ def main() -> None:
     if any(not 0 < c <= 1024 for c in clients):
         parser.error("--clients: each between 1 and 1024")
     results = []
-    print("| store | clients | calls/s | offered/s | p50 ms | p99 ms | p99 ms, first calls left out | max ms "
-          "| failed |")
+    print(
+        "| store | clients | calls/s | offered/s | p50 ms | p99 ms | p99 ms, first calls left out | max ms "
+        "| failed |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="mortal-store-load-") as tmp:
         for kind in args.store or ["sqlite"]:
             for n in clients:
                 r = run_case(kind, n, args, Path(tmp))
                 results.append(r)
-                print(f"| {kind} | {n} | {r['calls_per_s']} | {r['offered_per_s'] or '-'} | {r['p50_ms']} | "
-                      f"{r['p99_ms']} | {r['p99_ms_after_first_calls']} | {r['max_ms']} | "
-                      f"{r['failed']} {r['failures'] or ''} |", flush=True)
-    machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
-               "processor": platform.processor() or platform.uname().machine}
+                print(
+                    f"| {kind} | {n} | {r['calls_per_s']} | {r['offered_per_s'] or '-'} | {r['p50_ms']} | "
+                    f"{r['p99_ms']} | {r['p99_ms_after_first_calls']} | {r['max_ms']} | "
+                    f"{r['failed']} {r['failures'] or ''} |",
+                    flush=True,
+                )
+    machine = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.uname().machine,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine, "results": results},
-                                         indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"command": " ".join(sys.argv), "machine": machine, "results": results}, indent=2) + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -61,22 +61,34 @@ def measure(kind: str, rounds: int, done: int) -> dict[str, dict[str, float]]:
             before, trips_before = sent["n"], trips["n"]
             started, cpu = time.perf_counter(), time.process_time()
             out = fn(*args)
-            calls.setdefault(name, []).append((time.perf_counter() - started, time.process_time() - cpu,
-                                               sent["n"] - before, trips["n"] - trips_before))
+            calls.setdefault(name, []).append(
+                (
+                    time.perf_counter() - started,
+                    time.process_time() - cpu,
+                    sent["n"] - before,
+                    trips["n"] - trips_before,
+                )
+            )
             return out
 
         for step in range(rounds):
             worker_round(store, ref, step, timed)
         store.close()
-    return {name: {"statements": max(n for _, _, n, _ in values),
-                   "round_trips": max(t for _, _, _, t in values),
-                   "median_ms": round(statistics.median(s for s, _, _, _ in values) * 1000, 2),
-                   "cpu_ms": round(sum(c for _, c, _, _ in values) / len(values) * 1000, 2)}
-            for name, values in calls.items()}
+    return {
+        name: {
+            "statements": max(n for _, _, n, _ in values),
+            "round_trips": max(t for _, _, _, t in values),
+            "median_ms": round(statistics.median(s for s, _, _, _ in values) * 1000, 2),
+            "cpu_ms": round(sum(c for _, c, _, _ in values) / len(values) * 1000, 2),
+        }
+        for name, values in calls.items()
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--store", action="append", choices=["sqlite", "postgres"])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--done", type=int, default=2000, help="tasks already done before the rounds")
@@ -87,8 +99,10 @@ def main() -> None:
         rows = measure(kind, args.rounds, args.done)
         for name, row in rows.items():
             trips = f"round trips {row['round_trips']}  " if kind == "postgres" else ""
-            print(f"{kind:9s} {name:15s} statements {row['statements']}  {trips}"
-                  f"median {row['median_ms']:6.2f} ms  this process's CPU {row['cpu_ms']:5.2f} ms")
+            print(
+                f"{kind:9s} {name:15s} statements {row['statements']}  {trips}"
+                f"median {row['median_ms']:6.2f} ms  this process's CPU {row['cpu_ms']:5.2f} ms"
+            )
         cpu = sum(r["cpu_ms"] for r in rows.values())
         print(f"{kind:9s} {'a round':15s} this process's CPU {cpu:5.2f} ms, {cpu / len(rows):4.2f} ms a call")
         results[kind] = rows

@@ -41,11 +41,19 @@ class AccessLog:
         self._handler.setFormatter(logging.Formatter("%(message)s"))
 
     def record(self, who: str, call: str, run: str | None, status: int, client: str | None) -> None:
-        line = json.dumps({
-            "time": datetime.now(UTC).isoformat().replace("+00:00", "Z"), "who": who, "call": _cut(call),
-            "run": None if run is None else _cut(run), "status": status, "client": client,
-        })
-        self._handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO, "levelname": "INFO"}))
+        line = json.dumps(
+            {
+                "time": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                "who": who,
+                "call": _cut(call),
+                "run": None if run is None else _cut(run),
+                "status": status,
+                "client": client,
+            }
+        )
+        self._handler.handle(
+            logging.makeLogRecord({"msg": line, "levelno": logging.INFO, "levelname": "INFO"})
+        )
 
     def close(self) -> None:
         self._handler.close()

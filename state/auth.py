@@ -46,21 +46,51 @@ WORKER_TOKEN_SECONDS = 30 * 24 * 3600  # a worker token's lifetime; a worker tha
 _KEY_LABEL = b"mortal worker token signing key v1"
 
 # What any worker may call for its own run: reads, its liveness, its last word, events and metrics.
-WORKER_CALLS = frozenset({
-    "get_run", "list_workers", "list_checkpoints", "latest_checkpoint", "latest_weights", "list_weights",
-    "list_events", "list_metrics", "list_completions", "completion_steps", "step_results", "step_states",
-    "heartbeat", "report_exit", "add_event", "add_metrics",
-})
+WORKER_CALLS = frozenset(
+    {
+        "get_run",
+        "list_workers",
+        "list_checkpoints",
+        "latest_checkpoint",
+        "latest_weights",
+        "list_weights",
+        "list_events",
+        "list_metrics",
+        "list_completions",
+        "completion_steps",
+        "step_results",
+        "step_states",
+        "heartbeat",
+        "report_exit",
+        "add_event",
+        "add_metrics",
+    }
+)
 ROLLOUT_CALLS = WORKER_CALLS | {"lease_task", "renew_task", "complete_task"}
 # The actor owns its run's task queue and its outputs; it serves tasks itself when the run has no rollouts.
 ACTOR_CALLS = ROLLOUT_CALLS | {
-    "record_checkpoint", "delete_checkpoint", "publish_weights", "delete_weights", "enqueue_tasks", "reset_tasks",
+    "record_checkpoint",
+    "delete_checkpoint",
+    "publish_weights",
+    "delete_weights",
+    "enqueue_tasks",
+    "reset_tasks",
     "add_completions",
 }
 ROLE_CALLS = {"actor": ACTOR_CALLS, "rollout": ROLLOUT_CALLS}
 # The methods whose `name` argument is a run's name (acquire_lease's is a lease's).
-RUN_NAMED = frozenset({"apply_run", "fork_run", "rollback_run", "get_run", "update_spec", "write_status",
-                       "mark_deleted", "purge_run"})
+RUN_NAMED = frozenset(
+    {
+        "apply_run",
+        "fork_run",
+        "rollback_run",
+        "get_run",
+        "update_spec",
+        "write_status",
+        "mark_deleted",
+        "purge_run",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -122,7 +152,11 @@ def authorize(identity: Identity, method: str, kwargs: dict[str, Any]) -> dict[s
     if isinstance(worker, WorkerRef):
         mine = claims.ref
         if (worker.run, worker.role, worker.replica, worker.incarnation) != (
-                mine.run, mine.role, mine.replica, mine.incarnation):
+            mine.run,
+            mine.role,
+            mine.replica,
+            mine.incarnation,
+        ):
             raise Forbidden(f"the token of {mine.id} cannot write as {worker.id}")
         if mine.run_uid and worker.run_uid not in (None, mine.run_uid):
             raise Forbidden(f"the token of {mine.id} is for another run of that name")
@@ -156,16 +190,24 @@ class Authority:
         return _sign(self._keys[0], claims)
 
 
-def mint_worker_token(admin_token: str, ref: WorkerRef, run_uid: str = "",
-                      lifetime_seconds: float = WORKER_TOKEN_SECONDS, now: float | None = None) -> str:
+def mint_worker_token(
+    admin_token: str,
+    ref: WorkerRef,
+    run_uid: str = "",
+    lifetime_seconds: float = WORKER_TOKEN_SECONDS,
+    now: float | None = None,
+) -> str:
     """The token of worker `ref` (the controller calls this when it launches it)."""
     issued = time.time() if now is None else now
-    claims = WorkerClaims(ref.run, run_uid, ref.role, ref.replica, ref.incarnation, int(issued + lifetime_seconds))
+    claims = WorkerClaims(
+        ref.run, run_uid, ref.role, ref.replica, ref.incarnation, int(issued + lifetime_seconds)
+    )
     return Authority([admin_token]).mint(claims)
 
 
-def launch_token(state_url: str, ref: WorkerRef, run_uid: str = "",
-                 environ: Mapping[str, str] | None = None) -> str:
+def launch_token(
+    state_url: str, ref: WorkerRef, run_uid: str = "", environ: Mapping[str, str] | None = None
+) -> str:
     """The token a worker launched now gets: minted from the launcher's admin token ($MORTAL_STATE_TOKEN) when
     workers reach the store over HTTP; "" for a SQL store (a worker given its URL holds its credentials)."""
     admin = (os.environ if environ is None else environ).get(TOKEN_ENV, "")

@@ -38,7 +38,9 @@ class CompletionLog:
     def add_completions(self, worker: WorkerRef, step: int, completions: list[NewCompletion]) -> None:
         with self._tx() as s:
             check_worker(s, worker)
-            s.execute(delete(CompletionRow).where(CompletionRow.run == worker.run, CompletionRow.step == step))
+            s.execute(
+                delete(CompletionRow).where(CompletionRow.run == worker.run, CompletionRow.step == step)
+            )
             s.add_all(CompletionRow(run=worker.run, step=step, **vars(c)) for c in completions)
 
     def list_completions(
@@ -50,7 +52,9 @@ class CompletionLog:
     ) -> list[CompletionRow]:
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be at least 1, not {limit}")
-        query = select(CompletionRow).where(CompletionRow.run == run).order_by(*_order(CompletionOrder(order)))
+        query = (
+            select(CompletionRow).where(CompletionRow.run == run).order_by(*_order(CompletionOrder(order)))
+        )
         if step is not None:
             query = query.where(CompletionRow.step == step)
         if limit is not None:
@@ -59,6 +63,8 @@ class CompletionLog:
             return list(s.exec(query).all())
 
     def completion_steps(self, run: str) -> list[int]:
-        query = select(CompletionRow.step).where(CompletionRow.run == run).distinct().order_by(CompletionRow.step)
+        query = (
+            select(CompletionRow.step).where(CompletionRow.run == run).distinct().order_by(CompletionRow.step)
+        )
         with self._tx(write=False) as s:
             return list(s.exec(query).all())

@@ -34,7 +34,9 @@ class PathOutside(ValueError):
 
     def __init__(self, path: str | Path, root: str | Path, why: str = "") -> None:
         self.path, self.root = str(path), str(root)
-        super().__init__(f"{self.path} is not inside {self.root}{why}; refused (mortal touches only what the run owns)")
+        super().__init__(
+            f"{self.path} is not inside {self.root}{why}; refused (mortal touches only what the run owns)"
+        )
 
 
 def inside(root: str | Path, candidate: str | Path) -> Path:
@@ -43,7 +45,9 @@ def inside(root: str | Path, candidate: str | Path) -> Path:
     real_root = Path(os.path.realpath(root))
     real = Path(os.path.realpath(Path(root) / candidate))
     if real == real_root or not real.is_relative_to(real_root):
-        raise PathOutside(candidate, real_root, f" (it resolves to {real})" if str(real) != str(candidate) else "")
+        raise PathOutside(
+            candidate, real_root, f" (it resolves to {real})" if str(real) != str(candidate) else ""
+        )
     return real
 
 
@@ -72,7 +76,10 @@ def _normalized_url(url: str) -> tuple[str, str]:
 def posix_inside(root: str, candidate: str) -> str:
     """`candidate` normalized, when it lies strictly below `root` normalized (posix paths on storage this
     machine cannot resolve: a Modal volume, an object store's keys); PathOutside otherwise."""
-    path, root_path = posixpath.normpath("/" + candidate.lstrip("/")), posixpath.normpath("/" + root.lstrip("/"))
+    path, root_path = (
+        posixpath.normpath("/" + candidate.lstrip("/")),
+        posixpath.normpath("/" + root.lstrip("/")),
+    )
     if not path.startswith(root_path.rstrip("/") + "/"):
         raise PathOutside(candidate, root)
     return path.removeprefix("/") if not candidate.startswith("/") else path

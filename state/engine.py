@@ -176,6 +176,9 @@ def _writer_lock(engine: Engine, write: bool) -> contextlib.AbstractContextManag
 @contextmanager
 def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
     """A Session inside `connection(engine, write)`; rows read from it come back detached."""
-    with connection(engine, write) as conn, Session(bind=conn, expire_on_commit=False, autoflush=True) as session:
+    with (
+        connection(engine, write) as conn,
+        Session(bind=conn, expire_on_commit=False, autoflush=True) as session,
+    ):
         yield session
         session.flush()

@@ -34,8 +34,11 @@ def _newest_of_slot(for_update: bool) -> Any:
     return (
         select(workers.id, workers.incarnation, workers.state, _RUNS.c.uid)
         .select_from(_WORKERS.outerjoin(_RUNS, _RUNS.c.name == workers.run))
-        .where(workers.run == bindparam("fence_run"), workers.role == bindparam("fence_role"),
-               workers.replica == bindparam("fence_replica"))
+        .where(
+            workers.run == bindparam("fence_run"),
+            workers.role == bindparam("fence_role"),
+            workers.replica == bindparam("fence_replica"),
+        )
         .order_by(workers.incarnation.desc())
         .limit(1)
         .with_for_update(read=not for_update, of=_WORKERS)
@@ -71,5 +74,7 @@ def check_worker(executor: Session | Connection, worker: WorkerRef, for_update: 
     if newest.state in TERMINAL_WORKER_STATES:
         raise Fenced(f"{worker.id} has ended ({newest.state})")
     if worker.run_uid is not None and newest.uid != worker.run_uid:
-        raise Fenced(f"{worker.id} was launched for an earlier run named {worker.run!r} (uid {worker.run_uid})")
+        raise Fenced(
+            f"{worker.id} was launched for an earlier run named {worker.run!r} (uid {worker.run_uid})"
+        )
     return int(newest.id)

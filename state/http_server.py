@@ -51,9 +51,21 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64  # a store call's body is a few levels deep; json and pydantic recurse once per level
 READ_TIMEOUT_SECONDS = 30.0  # the server drops a connection silent this long (mid-request, or idle)
 log = logging.getLogger("mortal.state.http")
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 409: "Conflict", 412: "Precondition Failed", 413: "Content Too Large", 422: "Unprocessable Content",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    409: "Conflict",
+    412: "Precondition Failed",
+    413: "Content Too Large",
+    422: "Unprocessable Content",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 class StoreApp:
@@ -63,8 +75,13 @@ class StoreApp:
     `token` is the admin token; `previous_tokens` are admin tokens still accepted during a rotation.
     Every request is written to `access_log` (when given): who, which call, which run, the status."""
 
-    def __init__(self, store: Store, token: str, access_log: AccessLog | None = None,
-                 previous_tokens: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        store: Store,
+        token: str,
+        access_log: AccessLog | None = None,
+        previous_tokens: Sequence[str] = (),
+    ) -> None:
         if not token:
             raise ValueError(f"the HTTP store needs a token: set {TOKEN_ENV} (e.g. `openssl rand -hex 32`)")
         self.store = store
@@ -81,8 +98,10 @@ class StoreApp:
         if self.access_log is not None and request.call != wire.HEALTH_PATH:
             self.access_log.record(request.who, request.call, request.run, status, environ.get("REMOTE_ADDR"))
         payload = json.dumps(body).encode()
-        start_response(f"{status} {_REASONS.get(status, 'Error')}",
-                       [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        start_response(
+            f"{status} {_REASONS.get(status, 'Error')}",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
+        )
         return [payload]
 
     def handle(self, environ: dict[str, Any], request: _Request | None = None) -> tuple[int, dict[str, Any]]:
@@ -94,7 +113,9 @@ class StoreApp:
         # First: nothing is answered, nor read, before the token is checked.
         identity = self.identify(environ.get("HTTP_AUTHORIZATION", ""))
         if identity is None:
-            return _error(401, "Unauthorized", f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
+            return _error(
+                401, "Unauthorized", f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})"
+            )
         request.who = identity.name
         method = wire.methods().get(path.removeprefix(wire.PREFIX)) if path.startswith(wire.PREFIX) else None
         if method is None:
@@ -213,16 +234,20 @@ def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"type": kind, "message": message}}
 
 
-def make_app(backing_url: str, token: str, access_log: str | Path | None = None,
-             previous_tokens: Sequence[str] = ()) -> StoreApp:
+def make_app(
+    backing_url: str, token: str, access_log: str | Path | None = None, previous_tokens: Sequence[str] = ()
+) -> StoreApp:
     """The app over the SQL store at `backing_url` (opened and migrated now), logging access to
     `access_log`."""
     from mortal.state import open_store
 
     if backing_url.startswith(("http://", "https://")):
-        raise ValueError(f"the HTTP store must be backed by a SQL database, not another HTTP store ({backing_url})")
-    return StoreApp(open_store(backing_url), token, None if access_log is None else AccessLog(access_log),
-                    previous_tokens)
+        raise ValueError(
+            f"the HTTP store must be backed by a SQL database, not another HTTP store ({backing_url})"
+        )
+    return StoreApp(
+        open_store(backing_url), token, None if access_log is None else AccessLog(access_log), previous_tokens
+    )
 
 
 def previous_tokens_from(environ: dict[str, str] | os._Environ[str]) -> list[str]:
@@ -302,7 +327,13 @@ def _error_task(access_log: AccessLog | None) -> type:
     class JsonErrorTask(ErrorTask):
         def execute(self) -> None:
             error = self.request.error
-            kind = "Unauthorized" if error.code == 401 else "BadRequest" if 400 <= error.code < 500 else "Internal"
+            kind = (
+                "Unauthorized"
+                if error.code == 401
+                else "BadRequest"
+                if 400 <= error.code < 500
+                else "Internal"
+            )
             body = json.dumps({"error": {"type": kind, "message": f"{error.reason}: {error.body}"}}).encode()
             self.status = f"{error.code} {error.reason}"
             self.response_headers.append(("Content-Type", "application/json"))
@@ -311,7 +342,9 @@ def _error_task(access_log: AccessLog | None) -> type:
             self.write(body)
             if access_log is not None:
                 client = self.channel.addr[0] if isinstance(self.channel.addr, tuple) else None
-                access_log.record("unknown", str(getattr(self.request, "path", "") or ""), None, error.code, client)
+                access_log.record(
+                    "unknown", str(getattr(self.request, "path", "") or ""), None, error.code, client
+                )
 
     return JsonErrorTask
 
@@ -336,7 +369,9 @@ def _parser(app: StoreApp) -> type:
                 self._token_checked = True
                 refused = self.error is None and self.path != wire.HEALTH_PATH
                 if refused and app.identify(self.headers.get("AUTHORIZATION", "")) is None:
-                    self.error = TokenRefused(f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})")
+                    self.error = TokenRefused(
+                        f"missing, wrong or expired bearer token (the server's {TOKEN_ENV})"
+                    )
                     self.completed = True
             return consumed
 
@@ -344,10 +379,17 @@ def _parser(app: StoreApp) -> type:
 
 
 @contextmanager
-def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
-          read_timeout: float = READ_TIMEOUT_SECONDS, threads: int = WORKER_THREADS,
-          access_log: str | Path | None = None, previous_tokens: Sequence[str] = (),
-          reuse_port: bool = False) -> Iterator[Served]:
+def serve(
+    backing_url: str,
+    token: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    read_timeout: float = READ_TIMEOUT_SECONDS,
+    threads: int = WORKER_THREADS,
+    access_log: str | Path | None = None,
+    previous_tokens: Sequence[str] = (),
+    reuse_port: bool = False,
+) -> Iterator[Served]:
     """Serve the store with waitress in a background thread for the duration of the block (port 0: any
     free port). A connection silent for `read_timeout` (mid-request, or idle between requests) is closed.
     Requests are logged to `access_log` when given; `previous_tokens` are admin tokens still accepted.
@@ -361,14 +403,28 @@ def serve(backing_url: str, token: str, host: str = "127.0.0.1", port: int = 0,
     # Not a line per request queued behind busy threads.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     app = make_app(backing_url, token, access_log, previous_tokens)
-    channel = type("_StoreChannel", (HTTPChannel,), {"error_task_class": _error_task(app.access_log),
-                                                        "parser_class": _parser(app)})
+    channel = type(
+        "_StoreChannel",
+        (HTTPChannel,),
+        {"error_task_class": _error_task(app.access_log), "parser_class": _parser(app)},
+    )
     sockets: dict[int, Any] = {}  # waitress's asyncore map, ours so that the loop below can close it
-    where: dict[str, Any] = {"sockets": [_shared_listener(host, port)]} if reuse_port else {"host": host, "port": port}
-    server = create_server(app, map=sockets, **where, threads=threads,
-                           channel_timeout=max(1, round(read_timeout)), cleanup_interval=max(1, round(read_timeout)),
-                           connection_limit=CONNECTION_LIMIT, max_request_body_size=MAX_BODY_BYTES,
-                           asyncore_use_poll=True, ident="mortal", clear_untrusted_proxy_headers=True)
+    where: dict[str, Any] = (
+        {"sockets": [_shared_listener(host, port)]} if reuse_port else {"host": host, "port": port}
+    )
+    server = create_server(
+        app,
+        map=sockets,
+        **where,
+        threads=threads,
+        channel_timeout=max(1, round(read_timeout)),
+        cleanup_interval=max(1, round(read_timeout)),
+        connection_limit=CONNECTION_LIMIT,
+        max_request_body_size=MAX_BODY_BYTES,
+        asyncore_use_poll=True,
+        ident="mortal",
+        clear_untrusted_proxy_headers=True,
+    )
     server.channel_class = channel
     served = Served(server, app, run_in_thread(server, sockets, "mortal-http-store"))
     try:
@@ -394,8 +450,17 @@ def _start_siblings(argv: list[str], count: int, backing_url: str) -> list[subpr
     sibling has its own engine and pool (a forked engine must never share pooled connections).
     The database URL goes in their environment, never their command line, which every local user can read
     (it may hold a password)."""
-    cmd = [sys.executable, "-m", "mortal.state.http_server", *argv, "--processes", "1", "--reuse-port",
-           "--parent-pid", str(os.getpid())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mortal.state.http_server",
+        *argv,
+        "--processes",
+        "1",
+        "--reuse-port",
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     env = {**os.environ, paths.STATE_URL_ENV: backing_url}
     return [subprocess.Popen(cmd, env=env) for _ in range(count)]
 
@@ -407,15 +472,27 @@ def _wait_while_parent_lives(parent_pid: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mortal.state.http_server",
-                                     description="Serve a mortal state store over HTTP (token: $MORTAL_STATE_TOKEN).")
-    parser.add_argument("--backing-url", default=None, help="SQL store to serve (default: $MORTAL_STATE_URL or SQLite)")
+    parser = argparse.ArgumentParser(
+        prog="python -m mortal.state.http_server",
+        description="Serve a mortal state store over HTTP (token: $MORTAL_STATE_TOKEN).",
+    )
+    parser.add_argument(
+        "--backing-url", default=None, help="SQL store to serve (default: $MORTAL_STATE_URL or SQLite)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
-    parser.add_argument("--threads", type=int, default=WORKER_THREADS, help="store calls served at once, per process")
-    parser.add_argument("--access-log", default=None, help=f"where requests are logged (default: $MORTAL_HOME/{ACCESS_LOG})")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="server processes sharing the address (SO_REUSEPORT); one per core the server may use")
+    parser.add_argument(
+        "--threads", type=int, default=WORKER_THREADS, help="store calls served at once, per process"
+    )
+    parser.add_argument(
+        "--access-log", default=None, help=f"where requests are logged (default: $MORTAL_HOME/{ACCESS_LOG})"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="server processes sharing the address (SO_REUSEPORT); one per core the server may use",
+    )
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -429,14 +506,31 @@ def main(argv: list[str] | None = None) -> None:
     access_log = args.access_log or default_access_log()
     siblings: list[subprocess.Popen] = []
     try:
-        with serve(args.backing_url or default_state_url(), token, args.host, args.port, threads=args.threads,
-                   access_log=access_log, previous_tokens=previous_tokens_from(os.environ),
-                   reuse_port=shared) as served:
+        with serve(
+            args.backing_url or default_state_url(),
+            token,
+            args.host,
+            args.port,
+            threads=args.threads,
+            access_log=access_log,
+            previous_tokens=previous_tokens_from(os.environ),
+            reuse_port=shared,
+        ) as served:
             if args.processes > 1:
                 port = served.url.rsplit(":", 1)[1]  # the bound port, also when --port 0 asked for any
-                sibling_args = ["--host", args.host, "--port", port, "--threads", str(args.threads),
-                                "--access-log", str(access_log)]
-                siblings = _start_siblings(sibling_args, args.processes - 1, args.backing_url or default_state_url())
+                sibling_args = [
+                    "--host",
+                    args.host,
+                    "--port",
+                    port,
+                    "--threads",
+                    str(args.threads),
+                    "--access-log",
+                    str(access_log),
+                ]
+                siblings = _start_siblings(
+                    sibling_args, args.processes - 1, args.backing_url or default_state_url()
+                )
             log.info("serving the state store at %s (pid %d)", served.url, os.getpid())
             _wait_while_parent_lives(args.parent_pid)
     finally:

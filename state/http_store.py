@@ -67,7 +67,9 @@ def _remote(method: wire.Method) -> Any:
     def call(self: HttpStore, *args: Any, **kwargs: Any) -> Any:
         bound = method.signature.bind(*args, **kwargs)
         if any(bound.arguments.get(name) is not None for name in wire.CLIENT_CLOCK_ARGS):
-            raise ValueError(f"{method.name}: the HTTP store's clock is the server's; `now` is for a SqlStore")
+            raise ValueError(
+                f"{method.name}: the HTTP store's clock is the server's; `now` is for a SqlStore"
+            )
         payload = {name: wire.encode(value) for name, value in bound.arguments.items()}
         return wire.decode(method.hints["return"], self._call(method, payload))
 
@@ -128,9 +130,13 @@ class HttpStore(Store):
                 headers["Authorization"] = f"Bearer {self._token}"
             # No retries inside urllib3: every retry is decided in _call, where the method is known.
             options: dict[str, Any] = {
-                "headers": headers, "retries": False, "maxsize": 1,
+                "headers": headers,
+                "retries": False,
+                "maxsize": 1,
                 "timeout": urllib3.Timeout(connect=self.timeout[0], read=self.timeout[1]),
-                "ca_certs": os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or certs.where(),
+                "ca_certs": os.environ.get("REQUESTS_CA_BUNDLE")
+                or os.environ.get("CURL_CA_BUNDLE")
+                or certs.where(),
             }
             proxy = select_proxy(self.url, get_environ_proxies(self.url))
             connections = urllib3.ProxyManager(proxy, **options) if proxy else urllib3.PoolManager(**options)

@@ -72,8 +72,12 @@ def _channel_interest(channel: Any) -> int:
     buffer's high watermark the worker waits for the loop to send, and the loop polls for it again.
     """
     flags = _interest(channel)
-    if (flags & _WRITE and channel.requests and not channel.will_close
-            and channel.total_outbufs_len <= channel.adj.outbuf_high_watermark):
+    if (
+        flags & _WRITE
+        and channel.requests
+        and not channel.will_close
+        and channel.total_outbufs_len <= channel.adj.outbuf_high_watermark
+    ):
         flags &= ~_WRITE
     return flags
 

@@ -58,28 +58,43 @@ _RUNS, _WORKERS = RunRow.__table__, WorkerRow.__table__
 _WEIGHTS, _METRICS = WeightRow.__table__, MetricRow.__table__
 # The hot calls' statements, built once (mortal.state.task_queue has the task queue's).
 _GET_RUN = core_select(_RUNS).where(_RUNS.c.name == bindparam("b_name"))
-_LATEST_WEIGHTS = (core_select(_WEIGHTS).where(_WEIGHTS.c.run == bindparam("b_run"))
-                   .order_by(_WEIGHTS.c.version.desc()).limit(1))
+_LATEST_WEIGHTS = (
+    core_select(_WEIGHTS)
+    .where(_WEIGHTS.c.run == bindparam("b_run"))
+    .order_by(_WEIGHTS.c.version.desc())
+    .limit(1)
+)
 _HEARTBEAT = (
     update(_WORKERS)
     .where(_WORKERS.c.id == bindparam("b_id"))
-    .values(heartbeat_at=bindparam("b_now"), activity=bindparam("b_activity"),
-            activity_since=bindparam("b_activity_since"), state="Running",
-            step=func.coalesce(bindparam("b_step", type_=_WORKERS.c.step.type), _WORKERS.c.step),
-            weight_version=func.coalesce(bindparam("b_weight_version", type_=_WORKERS.c.weight_version.type),
-                                         _WORKERS.c.weight_version))
+    .values(
+        heartbeat_at=bindparam("b_now"),
+        activity=bindparam("b_activity"),
+        activity_since=bindparam("b_activity_since"),
+        state="Running",
+        step=func.coalesce(bindparam("b_step", type_=_WORKERS.c.step.type), _WORKERS.c.step),
+        weight_version=func.coalesce(
+            bindparam("b_weight_version", type_=_WORKERS.c.weight_version.type), _WORKERS.c.weight_version
+        ),
+    )
     .returning(*_WORKERS.c)
 )
 _REPORT_EXIT = (
     update(_WORKERS)
     .where(_WORKERS.c.id == bindparam("b_id"))
-    .values(state=bindparam("b_state"), exit_code=bindparam("b_exit_code"), message=bindparam("b_message"),
-            ended_at=bindparam("b_now"))
+    .values(
+        state=bindparam("b_state"),
+        exit_code=bindparam("b_exit_code"),
+        message=bindparam("b_message"),
+        ended_at=bindparam("b_now"),
+    )
     .returning(*_WORKERS.c)
 )
 _CLEAR_METRICS = delete(_METRICS).where(
-    _METRICS.c.run == bindparam("b_run"), _METRICS.c.step == bindparam("b_step"),
-    _METRICS.c.name.in_(bindparam("b_names", expanding=True)))
+    _METRICS.c.run == bindparam("b_run"),
+    _METRICS.c.step == bindparam("b_step"),
+    _METRICS.c.name.in_(bindparam("b_names", expanding=True)),
+)
 _ADD_METRICS = insert(_METRICS)
 _STORE_CALLS_TRIED_TWICE = Store.__abstractmethods__ - {"close", "migrate"}
 
@@ -189,7 +204,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
                 return row, ApplyOutcome.unchanged
             generation = row.generation + (row.spec != spec)
-            row = self._update_run(s, row, spec=spec, labels=labels, annotations=annotations, generation=generation)
+            row = self._update_run(
+                s, row, spec=spec, labels=labels, annotations=annotations, generation=generation
+            )
             return row, ApplyOutcome.configured
 
     def fork_run(
@@ -208,12 +225,27 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         check_metadata(labels or {}, annotations or {})
         spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
         with self._tx() as s:
-            new = RunRow(name=name, uid=str(uuid.uuid4()), spec=spec, labels=labels, annotations=annotations,
-                         forked_from=parent, forked_from_step=parent_step)
+            new = RunRow(
+                name=name,
+                uid=str(uuid.uuid4()),
+                spec=spec,
+                labels=labels,
+                annotations=annotations,
+                forked_from=parent,
+                forked_from_step=parent_step,
+            )
             if not self._insert_ignore(s, RunRow, new.model_dump()):
                 raise Conflict(f"trainingrun {name!r} already exists")
-            s.add(CheckpointRow(run=name, step=parent_step, path=checkpoint_path, weight_version=weight_version,
-                                complete=True, provenance=_json(provenance) if provenance is not None else None))
+            s.add(
+                CheckpointRow(
+                    run=name,
+                    step=parent_step,
+                    path=checkpoint_path,
+                    weight_version=weight_version,
+                    complete=True,
+                    provenance=_json(provenance) if provenance is not None else None,
+                )
+            )
             s.flush()
             return self._run(s, name)
 
@@ -222,21 +254,34 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = self._run(s, name, lock=True)
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
-            live = s.exec(select(WorkerRow).where(WorkerRow.run == name,
-                                                  WorkerRow.state.not_in(TERMINAL_WORKER_STATES))).all()
+            live = s.exec(
+                select(WorkerRow).where(WorkerRow.run == name, WorkerRow.state.not_in(TERMINAL_WORKER_STATES))
+            ).all()
             if live:
                 listed = ", ".join(f"{w.role}-{w.replica} #{w.incarnation} ({w.state})" for w in live)
                 raise Conflict(f"trainingrun {name!r} still has live workers: {listed}; suspend it first")
-            target = s.exec(select(CheckpointRow).where(CheckpointRow.run == name, CheckpointRow.step == step,
-                                                        CheckpointRow.complete)).first()
+            target = s.exec(
+                select(CheckpointRow).where(
+                    CheckpointRow.run == name, CheckpointRow.step == step, CheckpointRow.complete
+                )
+            ).first()
             if target is None:
                 raise NotFound(f"trainingrun {name!r} has no complete checkpoint of step {step}")
-            later = list(s.exec(select(CheckpointRow).where(CheckpointRow.run == name, CheckpointRow.step > step)
-                                .order_by(CheckpointRow.step)).all())
+            later = list(
+                s.exec(
+                    select(CheckpointRow)
+                    .where(CheckpointRow.run == name, CheckpointRow.step > step)
+                    .order_by(CheckpointRow.step)
+                ).all()
+            )
             for model in (CheckpointRow, MetricRow, CompletionRow, TaskRow):
                 s.execute(delete(model).where(model.run == name, model.step > step))
-            s.execute(update(WorkerRow).where(WorkerRow.run == name, WorkerRow.step > step).values(step=step)
-                      .execution_options(synchronize_session=False))
+            s.execute(
+                update(WorkerRow)
+                .where(WorkerRow.run == name, WorkerRow.step > step)
+                .values(step=step)
+                .execution_options(synchronize_session=False)
+            )
             return later
 
     def get_run(self, name: str) -> RunRow:
@@ -250,16 +295,16 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._tx(write=False) as s:
             rows = s.exec(select(RunRow).order_by(RunRow.name)).all()
         wanted = (labels or {}).items()
-        return [
-            r for r in rows if wanted <= r.labels.items() and (include_deleted or r.deleted_at is None)
-        ]
+        return [r for r in rows if wanted <= r.labels.items() and (include_deleted or r.deleted_at is None)]
 
     def update_spec(self, name: str, spec: dict[str, Any], resource_version: int) -> RunRow:
         spec = _json(spec)
         with self._tx() as s:
             row = self._run(s, name)
             if row.resource_version != resource_version:
-                raise Conflict(f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}")
+                raise Conflict(
+                    f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}"
+                )
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
             return self._update_run(s, row, spec=spec, generation=row.generation + (row.spec != spec))
@@ -277,7 +322,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             check_leader(s, fence)
             row = self._run(s, name, lock=True)
             if resource_version is not None and row.resource_version != resource_version:
-                raise Conflict(f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}")
+                raise Conflict(
+                    f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}"
+                )
             for type_, reason, message in events:
                 s.add(EventRow(run=name, type=type_, reason=reason, message=message))
             return self._update_run(s, row, status=status, phase=status.get("phase", row.phase))
@@ -362,7 +409,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         fence: LeaderFence | None = None,
     ) -> WorkerRow:
         if state not in TERMINAL_WORKER_STATES:
-            raise ValueError(f"end_worker: state must be one of {sorted(TERMINAL_WORKER_STATES)}, not {state!r}")
+            raise ValueError(
+                f"end_worker: state must be one of {sorted(TERMINAL_WORKER_STATES)}, not {state!r}"
+            )
         with self._tx() as s:
             check_leader(s, fence)
             row = self._worker(s, worker_id)
@@ -373,7 +422,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     def list_workers(self, run: str | None = None, live_only: bool = False) -> list[WorkerRow]:
-        query = select(WorkerRow).order_by(WorkerRow.run, WorkerRow.role, WorkerRow.replica, WorkerRow.incarnation)
+        query = select(WorkerRow).order_by(
+            WorkerRow.run, WorkerRow.role, WorkerRow.replica, WorkerRow.incarnation
+        )
         if run is not None:
             query = query.where(WorkerRow.run == run)
         if live_only:
@@ -381,36 +432,63 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._tx(write=False) as s:
             return list(s.exec(query).all())
 
-    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None,
-                  activity: str | None = None, activity_seconds: float | None = None) -> WorkerRow:
+    def heartbeat(
+        self,
+        worker: WorkerRef,
+        step: int | None = None,
+        weight_version: int | None = None,
+        activity: str | None = None,
+        activity_seconds: float | None = None,
+    ) -> WorkerRow:
         activity = check_activity(activity)
         with self._conn() as c:
             worker_id = check_worker(c, worker, for_update=True)
             now = utcnow()
             since = None if activity is None else now - timedelta(seconds=activity_age(activity_seconds))
-            values = {"b_id": worker_id, "b_now": now, "b_activity": activity, "b_activity_since": since,
-                      "b_step": step, "b_weight_version": weight_version}
+            values = {
+                "b_id": worker_id,
+                "b_now": now,
+                "b_activity": activity,
+                "b_activity_since": since,
+                "b_step": step,
+                "b_weight_version": weight_version,
+            }
             row = c.execute(_HEARTBEAT, values).mappings().one()
         return WorkerRow.model_validate(dict(row))
 
-    def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:
+    def report_exit(
+        self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None
+    ) -> WorkerRow:
         if state not in ("Succeeded", "Failed"):
             raise ValueError(f"report_exit: state must be Succeeded or Failed, not {state!r}")
         with self._conn() as c:
             worker_id = check_worker(c, worker, for_update=True)
-            values = {"b_id": worker_id, "b_state": state, "b_exit_code": exit_code, "b_message": message,
-                      "b_now": utcnow()}
+            values = {
+                "b_id": worker_id,
+                "b_state": state,
+                "b_exit_code": exit_code,
+                "b_message": message,
+                "b_now": utcnow(),
+            }
             row = c.execute(_REPORT_EXIT, values).mappings().one()
             self._release_leases(c, worker)
         return WorkerRow.model_validate(dict(row))
 
     # -- checkpoints, weights ----------------------------------------------------------------
-    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int,
-                          provenance: dict[str, Any] | None = None) -> CheckpointRow:
+    def record_checkpoint(
+        self,
+        worker: WorkerRef,
+        step: int,
+        path: str,
+        weight_version: int,
+        provenance: dict[str, Any] | None = None,
+    ) -> CheckpointRow:
         with self._tx() as s:
             check_worker(s, worker)
             query = select(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step)
-            row = s.exec(query.with_for_update()).first() or CheckpointRow(run=worker.run, step=step, path=path, weight_version=0)
+            row = s.exec(query.with_for_update()).first() or CheckpointRow(
+                run=worker.run, step=step, path=path, weight_version=0
+            )
             row.path, row.weight_version, row.complete, row.created_at = path, weight_version, True, utcnow()
             row.provenance = provenance
             s.add(row)
@@ -432,16 +510,27 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def delete_checkpoint(self, worker: WorkerRef, step: int) -> None:
         with self._tx() as s:
             check_worker(s, worker)
-            s.execute(delete(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step))
+            s.execute(
+                delete(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step)
+            )
 
-    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume",
-                        provenance: dict[str, Any] | None = None) -> WeightRow:
+    def publish_weights(
+        self,
+        worker: WorkerRef,
+        version: int,
+        step: int,
+        path: str,
+        method: str = "volume",
+        provenance: dict[str, Any] | None = None,
+    ) -> WeightRow:
         with self._tx() as s:
             check_worker(s, worker)
             newest = s.exec(select(func.max(WeightRow.version)).where(WeightRow.run == worker.run)).one()
             if newest is not None and version <= newest:
                 raise Conflict(f"weight version {version} of {worker.run!r} is not newer than {newest}")
-            row = WeightRow(run=worker.run, version=version, step=step, path=path, method=method, provenance=provenance)
+            row = WeightRow(
+                run=worker.run, version=version, step=step, path=path, method=method, provenance=provenance
+            )
             s.add(row)
             s.flush()
             return row
@@ -453,7 +542,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
 
     def list_weights(self, run: str) -> list[WeightRow]:
         with self._tx(write=False) as s:
-            return list(s.exec(select(WeightRow).where(WeightRow.run == run).order_by(WeightRow.version)).all())
+            return list(
+                s.exec(select(WeightRow).where(WeightRow.run == run).order_by(WeightRow.version)).all()
+            )
 
     def delete_weights(self, worker: WorkerRef, version: int) -> None:
         with self._tx() as s:
@@ -479,14 +570,18 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._conn() as c:
             check_worker(c, worker)
             now = utcnow()
-            rows = [{"run": worker.run, "step": step, "name": k, "value": float(v), "time": now}
-                    for k, v in values.items()]
+            rows = [
+                {"run": worker.run, "step": step, "name": k, "value": float(v), "time": now}
+                for k, v in values.items()
+            ]
             # A resumed run re-records a step: one value per name.
             c.execute(_CLEAR_METRICS, {"b_run": worker.run, "b_step": step, "b_names": list(values)})
             if rows:
                 c.execute(_ADD_METRICS, rows)
 
-    def list_metrics(self, run: str, name: str | None = None, since_step: int | None = None) -> list[MetricRow]:
+    def list_metrics(
+        self, run: str, name: str | None = None, since_step: int | None = None
+    ) -> list[MetricRow]:
         query = select(MetricRow).where(MetricRow.run == run).order_by(MetricRow.step, MetricRow.name)
         if name is not None:
             query = query.where(MetricRow.name == name)

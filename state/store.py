@@ -48,8 +48,10 @@ def check_activity(activity: str | None) -> str | None:
         return None
     kind = activity.split(" ", 1)[0]
     if kind not in ACTIVITIES or len(activity) > MAX_ACTIVITY_CHARS or not activity.isprintable():
-        raise ValueError(f"heartbeat: activity must be one of {', '.join(ACTIVITIES)}, then printable text "
-                         f"(at most {MAX_ACTIVITY_CHARS} characters), not {activity[:MAX_ACTIVITY_CHARS]!r}")
+        raise ValueError(
+            f"heartbeat: activity must be one of {', '.join(ACTIVITIES)}, then printable text "
+            f"(at most {MAX_ACTIVITY_CHARS} characters), not {activity[:MAX_ACTIVITY_CHARS]!r}"
+        )
     return activity
 
 
@@ -217,9 +219,7 @@ class Store(abc.ABC):
         """The run, including one marked deleted but not yet purged. NotFound otherwise."""
 
     @abc.abstractmethod
-    def list_runs(
-        self, labels: dict[str, str] | None = None, include_deleted: bool = True
-    ) -> list[RunRow]:
+    def list_runs(self, labels: dict[str, str] | None = None, include_deleted: bool = True) -> list[RunRow]:
         """Runs by name; `labels` is an equality selector (all must match)."""
 
     @abc.abstractmethod
@@ -275,7 +275,9 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def set_worker_handle(self, worker_id: int, handle: str, fence: LeaderFence | None = None) -> WorkerRow: ...
+    def set_worker_handle(
+        self, worker_id: int, handle: str, fence: LeaderFence | None = None
+    ) -> WorkerRow: ...
 
     @abc.abstractmethod
     def end_worker(
@@ -298,21 +300,35 @@ class Store(abc.ABC):
         """Workers of a run (all runs if None); live_only drops terminal states."""
 
     @abc.abstractmethod
-    def heartbeat(self, worker: WorkerRef, step: int | None = None, weight_version: int | None = None,
-                  activity: str | None = None, activity_seconds: float | None = None) -> WorkerRow:
+    def heartbeat(
+        self,
+        worker: WorkerRef,
+        step: int | None = None,
+        weight_version: int | None = None,
+        activity: str | None = None,
+        activity_seconds: float | None = None,
+    ) -> WorkerRow:
         """Record liveness (Pending -> Running). Fenced if `worker` is not the slot's live incarnation.
         `activity` (check_activity) is what it is doing, for `activity_seconds` by its own clock (None: idle);
         the store keeps activity_since on its own clock, now minus those seconds."""
 
     @abc.abstractmethod
-    def report_exit(self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None) -> WorkerRow:
+    def report_exit(
+        self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None
+    ) -> WorkerRow:
         """A worker's own last word (Succeeded / Failed) before it exits; its task leases are released
         as by end_worker. Fenced like heartbeat."""
 
     # -- checkpoints, weights ----------------------------------------------------------------
     @abc.abstractmethod
-    def record_checkpoint(self, worker: WorkerRef, step: int, path: str, weight_version: int,
-                          provenance: dict[str, Any] | None = None) -> CheckpointRow:
+    def record_checkpoint(
+        self,
+        worker: WorkerRef,
+        step: int,
+        path: str,
+        weight_version: int,
+        provenance: dict[str, Any] | None = None,
+    ) -> CheckpointRow:
         """Record a checkpoint whose files are already complete on disk (complete=True), with what made it
         (`provenance`, mortal.workers.actor.provenance). Fenced."""
 
@@ -328,8 +344,15 @@ class Store(abc.ABC):
         """Forget a checkpoint row (retention); the caller removes its files after. Fenced."""
 
     @abc.abstractmethod
-    def publish_weights(self, worker: WorkerRef, version: int, step: int, path: str, method: str = "volume",
-                        provenance: dict[str, Any] | None = None) -> WeightRow:
+    def publish_weights(
+        self,
+        worker: WorkerRef,
+        version: int,
+        step: int,
+        path: str,
+        method: str = "volume",
+        provenance: dict[str, Any] | None = None,
+    ) -> WeightRow:
         """Record weights already written at `path`, with what made them (`provenance`). Conflict unless
         version > every earlier one."""
 
@@ -355,7 +378,9 @@ class Store(abc.ABC):
         """Record several scalars for one step (fenced)."""
 
     @abc.abstractmethod
-    def list_metrics(self, run: str, name: str | None = None, since_step: int | None = None) -> list[MetricRow]:
+    def list_metrics(
+        self, run: str, name: str | None = None, since_step: int | None = None
+    ) -> list[MetricRow]:
         """Ordered by step, then name; `since_step` is inclusive (step >= since_step).
 
         A step recorded again (after a resume) keeps one value per (step, name): the latest."""
@@ -381,7 +406,9 @@ class Store(abc.ABC):
 
     # -- leases (leader election) ------------------------------------------------------------
     @abc.abstractmethod
-    def acquire_lease(self, name: str, holder: str, duration_seconds: float, now: datetime | None = None) -> LeaseRow | None:
+    def acquire_lease(
+        self, name: str, holder: str, duration_seconds: float, now: datetime | None = None
+    ) -> LeaseRow | None:
         """Take or renew the lease. Returns it when `holder` holds it afterwards, None when another
         holder's lease is unexpired. A new holder gets token + 1; a renewal keeps the token."""
 
@@ -403,7 +430,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def lease_task(
-        self, worker: WorkerRef, lease_seconds: float, max_weight_version: int | None = None, now: datetime | None = None
+        self,
+        worker: WorkerRef,
+        lease_seconds: float,
+        max_weight_version: int | None = None,
+        now: datetime | None = None,
     ) -> TaskRow | None:
         """Claim the oldest claimable task: queued (new, or released when its holder ended), or leased
         with an expired lease, and (when given) min_weight_version <= max_weight_version. Bumps
@@ -414,7 +445,9 @@ class Store(abc.ABC):
         """Extend a lease still held (False if it was lost)."""
 
     @abc.abstractmethod
-    def complete_task(self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]) -> bool:
+    def complete_task(
+        self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]
+    ) -> bool:
         """Store the result if the lease is still ours (token matches, task not done). False otherwise."""
 
     @abc.abstractmethod

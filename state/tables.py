@@ -84,8 +84,9 @@ class RunRow(SQLModel, table=True):
     )
     purge_requested: bool = Field(default=False, description="delete --purge: remove checkpoints too")
     forked_from: str | None = Field(
-        default=None, description="lineage: the run this one was forked from (its name then; it may be gone "
-        "since); None for a run applied from scratch (added in migration 0004)"
+        default=None,
+        description="lineage: the run this one was forked from (its name then; it may be gone "
+        "since); None for a run applied from scratch (added in migration 0004)",
     )
     forked_from_step: int | None = Field(
         default=None, description="lineage: the step of forked_from's checkpoint this run started from"
@@ -116,7 +117,9 @@ class WorkerRow(SQLModel, table=True):
     """One launch of one worker slot (run, role, replica). A relaunch is a new row, incarnation + 1."""
 
     __tablename__ = "workers"
-    __table_args__ = (UniqueConstraint("run", "role", "replica", "incarnation", name="uq_workers_slot_incarnation"),)
+    __table_args__ = (
+        UniqueConstraint("run", "role", "replica", "incarnation", name="uq_workers_slot_incarnation"),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     run: str = Field(index=True)
@@ -127,14 +130,18 @@ class WorkerRow(SQLModel, table=True):
         "incarnation of a slot may write"
     )
     backend: str = Field(description="local | modal")
-    handle: str | None = Field(default=None, description="the backend's id of the process/call; None until known")
+    handle: str | None = Field(
+        default=None, description="the backend's id of the process/call; None until known"
+    )
     state: str = Field(
         default="Pending",
         description="Pending (recorded, maybe launching) | Running (heartbeat seen) | Succeeded | Failed | "
         "Lost (no heartbeat / process gone) | Stopped (stopped by the controller)",
     )
     heartbeat_at: datetime | None = _time(False)
-    lease_seconds: float = Field(default=10.0, description="a heartbeat older than this means the worker is lost")
+    lease_seconds: float = Field(
+        default=10.0, description="a heartbeat older than this means the worker is lost"
+    )
     step: int | None = None
     weight_version: int | None = None
     exit_code: int | None = None
@@ -142,7 +149,8 @@ class WorkerRow(SQLModel, table=True):
     started_at: datetime = _time()
     ended_at: datetime | None = _time(False)
     gpus: int = Field(
-        default=0, sa_column_kwargs={"server_default": "0"},
+        default=0,
+        sa_column_kwargs={"server_default": "0"},
         description="GPUs this worker holds (its own; a colocated rollout's share of its actor's is 0), as the "
         "backend gives them at launch: its wall time x this is its GPU time (spec.limits.maxGPUHours; added in "
         "migration 0004)",
@@ -170,9 +178,10 @@ class CheckpointRow(SQLModel, table=True):
     complete: bool = False
     created_at: datetime = _time()
     provenance: dict[str, Any] | None = Field(
-        default=None, sa_column=Column(JSON, nullable=True),
+        default=None,
+        sa_column=Column(JSON, nullable=True),
         description="what made it (mortal.workers.actor.provenance): spec generation, reward code and dataset "
-                    "hashes, data position; None for checkpoints written before migration 0006",
+        "hashes, data position; None for checkpoints written before migration 0006",
     )
 
 
@@ -188,7 +197,8 @@ class WeightRow(SQLModel, table=True):
     method: str = Field(default="volume")
     created_at: datetime = _time()
     provenance: dict[str, Any] | None = Field(
-        default=None, sa_column=Column(JSON, nullable=True),
+        default=None,
+        sa_column=Column(JSON, nullable=True),
         description="what made these weights (as CheckpointRow.provenance); None before migration 0006",
     )
 
@@ -245,7 +255,9 @@ class CompletionRow(SQLModel, table=True):
     reward: float | None = Field(
         default=None, description="the weighted sum of `rewards`, as TRL sums them; None when none scored it"
     )
-    advantage: float | None = Field(default=None, description="the advantage TRL trained with; None if unknown")
+    advantage: float | None = Field(
+        default=None, description="the advantage TRL trained with; None if unknown"
+    )
     weight_version: int = Field(description="the weight version that generated the completion")
     extra: dict[str, Any] = Field(
         default_factory=dict,
@@ -284,8 +296,14 @@ class TaskRow(SQLModel, table=True):
         UniqueConstraint("run", "step", "slot", name="uq_tasks_run_step_slot"),
         Index("ix_tasks_claim", "run", "state", "step"),
         # The tasks a lease can take, in claim order (migration 0007 says why).
-        Index("ix_tasks_open", "run", "step", "slot", postgresql_where=text(OPEN_TASK),
-              sqlite_where=text(OPEN_TASK)),
+        Index(
+            "ix_tasks_open",
+            "run",
+            "step",
+            "slot",
+            postgresql_where=text(OPEN_TASK),
+            sqlite_where=text(OPEN_TASK),
+        ),
     )
 
     id: int | None = Field(default=None, primary_key=True)

@@ -48,8 +48,13 @@ def _claim(weight_bounded: bool) -> Any:
     return (
         update(_TASKS)
         .where(tasks.id == oldest.scalar_subquery())
-        .values(state="leased", lease_holder=bindparam("b_holder"), lease_token=tasks.lease_token + 1,
-                lease_expires_at=bindparam("b_expires"), attempts=tasks.attempts + 1)
+        .values(
+            state="leased",
+            lease_holder=bindparam("b_holder"),
+            lease_token=tasks.lease_token + 1,
+            lease_expires_at=bindparam("b_expires"),
+            attempts=tasks.attempts + 1,
+        )
         .returning(*_TASKS.c)
     )
 
@@ -60,18 +65,32 @@ _CLAIM = {False: _claim(False), True: _claim(True)}
 def rowcount(result: Any) -> int:
     """The rows an UPDATE or DELETE matched (a Session's Result of one is a CursorResult)."""
     return cast(CursorResult[Any], result).rowcount
+
+
 # The task is still leased to this worker (b_holder) under this token: a renewal or completion applies.
 # Holders are worker ids (run, slot, incarnation); task ids can be reused after reset_tasks on SQLite.
-_HELD = and_(_TASKS.c.id == bindparam("b_task"), _TASKS.c.run == bindparam("b_run"),
-             _TASKS.c.lease_holder == bindparam("b_holder"), _TASKS.c.lease_token == bindparam("b_token"),
-             _TASKS.c.state == "leased")
+_HELD = and_(
+    _TASKS.c.id == bindparam("b_task"),
+    _TASKS.c.run == bindparam("b_run"),
+    _TASKS.c.lease_holder == bindparam("b_holder"),
+    _TASKS.c.lease_token == bindparam("b_token"),
+    _TASKS.c.state == "leased",
+)
 _RENEW = update(_TASKS).where(_HELD).values(lease_expires_at=bindparam("b_expires"))
-_COMPLETE = update(_TASKS).where(_HELD).values(state="done", result=bindparam("b_result"),
-                                               done_at=bindparam("b_now"), lease_expires_at=None)
-_RELEASE = (update(_TASKS)
-            .where(_TASKS.c.run == bindparam("b_run"), _TASKS.c.lease_holder == bindparam("b_holder"),
-                   _TASKS.c.state == "leased")
-            .values(state="queued", lease_holder=None, lease_expires_at=None))
+_COMPLETE = (
+    update(_TASKS)
+    .where(_HELD)
+    .values(state="done", result=bindparam("b_result"), done_at=bindparam("b_now"), lease_expires_at=None)
+)
+_RELEASE = (
+    update(_TASKS)
+    .where(
+        _TASKS.c.run == bindparam("b_run"),
+        _TASKS.c.lease_holder == bindparam("b_holder"),
+        _TASKS.c.state == "leased",
+    )
+    .values(state="queued", lease_holder=None, lease_expires_at=None)
+)
 
 
 class TaskQueue:
@@ -87,7 +106,13 @@ class TaskQueue:
         with self._tx() as s:
             check_worker(s, worker)
             rows = (
-                TaskRow(run=worker.run, step=t.step, slot=t.slot, min_weight_version=t.min_weight_version, payload=t.payload)
+                TaskRow(
+                    run=worker.run,
+                    step=t.step,
+                    slot=t.slot,
+                    min_weight_version=t.min_weight_version,
+                    payload=t.payload,
+                )
                 for t in tasks
             )
             return sum(self._insert_ignore(s, TaskRow, row.model_dump(exclude={"id"})) for row in rows)
@@ -95,7 +120,9 @@ class TaskQueue:
     def reset_tasks(self, worker: WorkerRef, from_step: int) -> int:
         with self._tx() as s:
             check_worker(s, worker)
-            return rowcount(s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step)))
+            return rowcount(
+                s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step))
+            )
 
     def lease_task(
         self,
@@ -106,9 +133,13 @@ class TaskQueue:
     ) -> TaskRow | None:
         now = as_utc(now) if now else utcnow()
         claim = _CLAIM[max_weight_version is not None]
-        values = {"b_run": worker.run, "b_now": now, "b_holder": worker.id,
-                  "b_expires": now + timedelta(seconds=lease_seconds),
-                  "b_max_weight_version": max_weight_version}
+        values = {
+            "b_run": worker.run,
+            "b_now": now,
+            "b_holder": worker.id,
+            "b_expires": now + timedelta(seconds=lease_seconds),
+            "b_max_weight_version": max_weight_version,
+        }
         with self._conn() as c:
             check_worker(c, worker)
             claimed = c.execute(claim, values).mappings().first()
@@ -129,24 +160,42 @@ class TaskQueue:
     def renew_task(self, worker: WorkerRef, task_id: int, lease_token: int, lease_seconds: float) -> bool:
         with self._conn() as c:
             check_worker(c, worker)
-            values = {"b_task": task_id, "b_run": worker.run, "b_holder": worker.id, "b_token": lease_token,
-                      "b_expires": utcnow() + timedelta(seconds=lease_seconds)}
+            values = {
+                "b_task": task_id,
+                "b_run": worker.run,
+                "b_holder": worker.id,
+                "b_token": lease_token,
+                "b_expires": utcnow() + timedelta(seconds=lease_seconds),
+            }
             return c.execute(_RENEW, values).rowcount == 1
 
-    def complete_task(self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]) -> bool:
+    def complete_task(
+        self, worker: WorkerRef, task_id: int, lease_token: int, result: dict[str, Any]
+    ) -> bool:
         with self._conn() as c:
             check_worker(c, worker)
-            values = {"b_task": task_id, "b_run": worker.run, "b_holder": worker.id, "b_token": lease_token,
-                      "b_result": result, "b_now": utcnow()}
+            values = {
+                "b_task": task_id,
+                "b_run": worker.run,
+                "b_holder": worker.id,
+                "b_token": lease_token,
+                "b_result": result,
+                "b_now": utcnow(),
+            }
             return c.execute(_COMPLETE, values).rowcount == 1
 
     def step_results(self, run: str, step: int) -> list[TaskRow]:
         with self._tx(write=False) as s:
-            return list(s.exec(select(TaskRow).where(TaskRow.run == run, TaskRow.step == step).order_by(TaskRow.slot)).all())
+            return list(
+                s.exec(
+                    select(TaskRow).where(TaskRow.run == run, TaskRow.step == step).order_by(TaskRow.slot)
+                ).all()
+            )
 
     def task_tally(self, run: str) -> TaskTally:
         counts = select(
-            func.count(func.distinct(TaskRow.step)), func.count(TaskRow.id),
+            func.count(func.distinct(TaskRow.step)),
+            func.count(TaskRow.id),
             func.coalesce(func.sum(case((TaskRow.state == "done", 1), else_=0)), 0),
             func.coalesce(func.sum(case((TaskRow.attempts > 1, TaskRow.attempts - 1), else_=0)), 0),
         ).where(TaskRow.run == run)
@@ -157,5 +206,10 @@ class TaskQueue:
 
     def step_states(self, run: str, step: int) -> list[str]:
         with self._tx(write=False) as s:
-            return list(s.exec(select(TaskRow.state).where(TaskRow.run == run, TaskRow.step == step)
-                               .order_by(TaskRow.slot)).all())
+            return list(
+                s.exec(
+                    select(TaskRow.state)
+                    .where(TaskRow.run == run, TaskRow.step == step)
+                    .order_by(TaskRow.slot)
+                ).all()
+            )

@@ -46,25 +46,41 @@ HEALTH_PATH = "/healthz"
 CLIENT_CLOCK_ARGS = frozenset({"now"})
 LOCAL_ONLY = frozenset({"close"})  # a client closes its own connections; nothing travels
 # Calls that change nothing: safe to send again after a connection broke mid-request.
-READS = frozenset({
-    "migrate", "get_run", "list_runs", "list_workers", "list_checkpoints", "latest_checkpoint",
-    "latest_weights", "list_weights", "list_events", "list_metrics", "get_lease", "step_results", "step_states",
-    "task_tally",
-    "list_completions", "completion_steps",
-})
+READS = frozenset(
+    {
+        "migrate",
+        "get_run",
+        "list_runs",
+        "list_workers",
+        "list_checkpoints",
+        "latest_checkpoint",
+        "latest_weights",
+        "list_weights",
+        "list_events",
+        "list_metrics",
+        "get_lease",
+        "step_results",
+        "step_states",
+        "task_tally",
+        "list_completions",
+        "completion_steps",
+    }
+)
 # Writes whose second delivery leaves the store as the first did and answers the caller as the first
 # did: safe to send again after a connection broke mid-request, as reads are. Each one, and why:
-IDEMPOTENT_WRITES = frozenset({
-    "heartbeat",  # sets heartbeat_at/state/step to the same values; fenced by the incarnation either way
-    "renew_task",  # guarded by (task, lease_token): extends the same lease again; True while it is held
-    "add_metrics",  # replaces the (run, step, name) values: one value per name, the latest
-    "add_completions",  # replaces the step's completions
-    "acquire_lease",  # the holder's renewal keeps its token: the same lease comes back
-    "release_lease",  # expiring an expired lease, or one another holds, is a no-op
-    "mark_deleted",  # documented idempotent: deleted_at is set once
-    "end_worker",  # a worker already ended keeps its first terminal state, returned unchanged
-    "set_worker_handle",  # sets the same handle
-})
+IDEMPOTENT_WRITES = frozenset(
+    {
+        "heartbeat",  # sets heartbeat_at/state/step to the same values; fenced by the incarnation either way
+        "renew_task",  # guarded by (task, lease_token): extends the same lease again; True while it is held
+        "add_metrics",  # replaces the (run, step, name) values: one value per name, the latest
+        "add_completions",  # replaces the step's completions
+        "acquire_lease",  # the holder's renewal keeps its token: the same lease comes back
+        "release_lease",  # expiring an expired lease, or one another holds, is a no-op
+        "mark_deleted",  # documented idempotent: deleted_at is set once
+        "end_worker",  # a worker already ended keeps its first terminal state, returned unchanged
+        "set_worker_handle",  # sets the same handle
+    }
+)
 # Not retried after the request may have reached the server (each gives a different answer, or a second
 # effect, the second time): create_worker (a second incarnation), lease_task (a second task),
 # complete_task (False: the task is done, and the worker would think its lease lost), add_event (a
@@ -186,7 +202,9 @@ def error_from(status: int, body: Any) -> Exception:
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         text = str(body)[:300]
-        return Unavailable(f"HTTP {status}: {text}") if status >= 500 else StoreError(f"HTTP {status}: {text}")
+        return (
+            Unavailable(f"HTTP {status}: {text}") if status >= 500 else StoreError(f"HTTP {status}: {text}")
+        )
     kind, message = str(error.get("type")), str(error.get("message", ""))
     cls = ERROR_TYPES.get(kind)
     if cls is None:

@@ -6,5 +6,8 @@ import warnings
 
 from mortal.workers.rollout.builtin_tools import *  # noqa: F403
 
-warnings.warn("mortal.workers.builtin_tools moved to mortal.workers.rollout.builtin_tools", DeprecationWarning,
-              stacklevel=2)
+warnings.warn(
+    "mortal.workers.builtin_tools moved to mortal.workers.rollout.builtin_tools",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -87,11 +87,15 @@ def _read_hub(spec: DatasetSpec) -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError as exc:
-        raise _fatal(spec, "reading a hub dataset needs the `datasets` package (pip install mortal[train])") from exc
+        raise _fatal(
+            spec, "reading a hub dataset needs the `datasets` package (pip install mortal[train])"
+        ) from exc
     try:
         return list(datasets.load_dataset(spec.name, spec.config, split=spec.split))
     except Exception as exc:  # hub errors come in many types; all mean "this dataset cannot be read"
-        raise _fatal(spec, f"cannot load it from the hub (split {spec.split!r}): {type(exc).__name__}: {exc}") from exc
+        raise _fatal(
+            spec, f"cannot load it from the hub (split {spec.split!r}): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def read_raw_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
@@ -101,7 +105,9 @@ def read_raw_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
         available = builtin_names()
         if name not in available:
             raise _fatal(spec, f"no built-in dataset {name!r}; built-in: {', '.join(available)}")
-        return _read_jsonl(Path(str(resources.files("mortal.workers") / "builtin_data" / f"{name}.jsonl")), spec)
+        return _read_jsonl(
+            Path(str(resources.files("mortal.workers") / "builtin_data" / f"{name}.jsonl")), spec
+        )
     path = Path(spec.name).expanduser()
     if path.suffix in FILE_SUFFIXES or path.exists():
         if path.is_dir() or path.suffix not in FILE_SUFFIXES:
@@ -112,7 +118,8 @@ def read_raw_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
 
 def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt
     )
 
 

@@ -82,7 +82,8 @@ class Abandoner:
         if self.abandoned >= self.limit:
             raise TooManyAbandonedCalls(
                 f"{self.limit} calls past their deadline are still running in this worker (the newest: {what}); "
-                "relaunching it for a fresh process")
+                "relaunching it for a fresh process"
+            )
         box: dict[str, Any] = {}
 
         def target() -> None:
@@ -98,8 +99,10 @@ class Abandoner:
         if thread.is_alive():
             with self._lock:
                 self._abandoned.append(thread)
-            dump_stacks(f"{what} still running after {time.monotonic() - started:.1f} s "
-                        f"(deadline {seconds:g} s); abandoned in thread {thread.name}")
+            dump_stacks(
+                f"{what} still running after {time.monotonic() - started:.1f} s "
+                f"(deadline {seconds:g} s); abandoned in thread {thread.name}"
+            )
             raise CallTimedOut(what, seconds)
         if "error" in box:
             raise box["error"]

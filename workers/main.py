@@ -57,7 +57,8 @@ def workload_module(ctx: WorkerContext) -> ModuleType:
     if workload is not None:
         if workload not in WORKLOADS:
             raise FatalWorkerError(
-                "UnknownWorkload", f"annotation {WORKLOAD_ANNOTATION}={workload!r}; known: {sorted(WORKLOADS)}"
+                "UnknownWorkload",
+                f"annotation {WORKLOAD_ANNOTATION}={workload!r}; known: {sorted(WORKLOADS)}",
             )
         return importlib.import_module(WORKLOADS[workload])
     if ctx.worker.role not in ROLE_MODULES:
@@ -73,12 +74,16 @@ def use_code_snapshot(env: Mapping[str, str], worker: WorkerRef) -> str | None:
     if not digest:
         return None
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise FatalWorkerError("CodeSnapshotMissing",
-                               f"{paths.CODE_SNAPSHOT_ENV}={digest!r} is not a sha256 digest")
+        raise FatalWorkerError(
+            "CodeSnapshotMissing", f"{paths.CODE_SNAPSHOT_ENV}={digest!r} is not a sha256 digest"
+        )
     folder = paths.code_dir(worker.run, digest, env.get("MORTAL_HOME") or None)
     if not folder.is_dir():
-        raise FatalWorkerError("CodeSnapshotMissing", f"the run's code snapshot {folder} is not on this "
-                               "machine (apply the run again from the folder of its code)")
+        raise FatalWorkerError(
+            "CodeSnapshotMissing",
+            f"the run's code snapshot {folder} is not on this "
+            "machine (apply the run again from the folder of its code)",
+        )
     sys.path.insert(0, str(folder))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
     os.chdir(folder)
@@ -109,8 +114,12 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     worker = worker_ref_from_env(env)
     configure_logging(worker)
-    log.info("starting (pid %d, CUDA_VISIBLE_DEVICES=%r, %.1f s after exec)", os.getpid(),
-             os.environ.get("CUDA_VISIBLE_DEVICES", ""), seconds_since_exec())
+    log.info(
+        "starting (pid %d, CUDA_VISIBLE_DEVICES=%r, %.1f s after exec)",
+        os.getpid(),
+        os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        seconds_since_exec(),
+    )
     started = time.monotonic()
     store = open_store(env.get("MORTAL_STATE_URL"))
     ctx: WorkerContext | None = None
@@ -125,8 +134,12 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
         module = workload_module(ctx)
         # a GPU run's first step waits on this start; the two figures say whether the store or the imports
         # (torch, transformers, TRL) are the part to shorten
-        log.info("workload %s imported in %.1f s (store and context took %.1f s)", module.__name__,
-                 time.monotonic() - context_ready, context_ready - started)
+        log.info(
+            "workload %s imported in %.1f s (store and context took %.1f s)",
+            module.__name__,
+            time.monotonic() - context_ready,
+            context_ready - started,
+        )
         returned = module.main(ctx)
         code = EXIT_SUCCEEDED if returned is None else int(returned)
     except Fenced as exc:
@@ -147,7 +160,12 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
 
 
 def _finish(
-    store: Store, worker: WorkerRef, ctx: WorkerContext | None, code: int, message: str | None, stopped: bool = False
+    store: Store,
+    worker: WorkerRef,
+    ctx: WorkerContext | None,
+    code: int,
+    message: str | None,
+    stopped: bool = False,
 ) -> int:
     """Stop heartbeating, then write the worker's last word (none when it was stopped on request)."""
     if ctx is not None:

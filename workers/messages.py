@@ -37,21 +37,33 @@ class RolloutResult(BaseModel):
     weight_version: int = Field(description="the weight version that generated these completions")
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
-    weight_load_seconds: float = Field(0.0, description="how long loading this weight version took the worker")
+    weight_load_seconds: float = Field(
+        0.0, description="how long loading this weight version took the worker"
+    )
     logged_metrics: dict[str, list[float]] = Field(
-        default_factory=dict, description="what reward functions passed to TRL's log_metric, by metric name")
+        default_factory=dict, description="what reward functions passed to TRL's log_metric, by metric name"
+    )
     logged_extra: dict[str, list[Any]] = Field(
         default_factory=dict,
-        description="what reward functions passed to TRL's log_extra: column -> one value per completion")
+        description="what reward functions passed to TRL's log_extra: column -> one value per completion",
+    )
     tool_masks: list[list[int]] | None = Field(
-        None, description="tool-calling rollouts: per completion token, 1 = the model's (trained), 0 = a tool "
-        "result's (TRL's tool_mask, passed to it as env_mask); None: every token is the model's")
+        None,
+        description="tool-calling rollouts: per completion token, 1 = the model's (trained), 0 = a tool "
+        "result's (TRL's tool_mask, passed to it as env_mask); None: every token is the model's",
+    )
     sample_prompt_ids: list[list[int]] | None = Field(
-        None, description="per completion, its own prompt ids, when environments' reset() made a group's prompts "
-        "differ; None: prompt_ids for all")
-    turns: list[int] = Field(default_factory=list, description="model turns per completion (tool-calling rollouts)")
+        None,
+        description="per completion, its own prompt ids, when environments' reset() made a group's prompts "
+        "differ; None: prompt_ids for all",
+    )
+    turns: list[int] = Field(
+        default_factory=list, description="model turns per completion (tool-calling rollouts)"
+    )
     tool_calls: list[int] = Field(default_factory=list, description="tool calls per completion")
-    tool_failures: list[int] = Field(default_factory=list, description="tool calls that failed, per completion")
+    tool_failures: list[int] = Field(
+        default_factory=list, description="tool calls that failed, per completion"
+    )
 
 
 class RolloutAnswer(BaseModel):

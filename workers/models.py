@@ -102,8 +102,11 @@ def _files_here(name: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(source.location, local_files_only=True,
-                                      allow_patterns=["*.safetensors", "*.json"]))
+        return Path(
+            snapshot_download(
+                source.location, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]
+            )
+        )
     except Exception:  # not cached, no huggingface_hub, a bad id: nothing certain to say
         return None
 
@@ -199,7 +202,9 @@ def convert_gguf(source: ModelSource) -> Path:
         except MemoryError:
             raise
         except Exception as exc:  # the reader raises struct.error, ValueError, KeyError... for a bad file
-            raise _fatal(source.name, f"cannot convert GGUF {source.location}: {type(exc).__name__}: {exc}") from exc
+            raise _fatal(
+                source.name, f"cannot convert GGUF {source.location}: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -263,9 +268,15 @@ def worker_device(gpu: str, field: str) -> str:
     return "cuda"
 
 
-def load_model(model_spec: ModelSpec, device: str | None = None, for_training: bool = False,
-               fsdp_size: int = 1, mixed_precision: bool = False, cpu_offload: bool = False,
-               reshard_after_forward: bool = True) -> Any:
+def load_model(
+    model_spec: ModelSpec,
+    device: str | None = None,
+    for_training: bool = False,
+    fsdp_size: int = 1,
+    mixed_precision: bool = False,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> Any:
     """The spec's causal LM on `device` (default: cuda when there is one), eval mode unless training.
 
     fsdp_size > 1: sharded with FSDP2 over that many ranks as it loads (transformers' DistributedConfig;
@@ -283,10 +294,13 @@ def load_model(model_spec: ModelSpec, device: str | None = None, for_training: b
     if fsdp_size > 1:
         from transformers.distributed import DistributedConfig
 
-        extra["distributed_config"] = DistributedConfig(fsdp_size=fsdp_size, fsdp_mixed_precision=mixed_precision,
-                                                        fsdp_cpu_offload=cpu_offload)
+        extra["distributed_config"] = DistributedConfig(
+            fsdp_size=fsdp_size, fsdp_mixed_precision=mixed_precision, fsdp_cpu_offload=cpu_offload
+        )
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(model_spec.dtype, device), **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=resolve_dtype(model_spec.dtype, device), **extra
+        )
     except (OSError, ValueError) as exc:
         raise _fatal(model_spec.name, f"cannot load the model from {location}: {exc}") from exc
     if fsdp_size == 1:
@@ -325,8 +339,11 @@ def fold_tied_fsdp_params(model: Any) -> None:
     try:
         _fold_tied(model)
     except AttributeError as exc:
-        raise FatalWorkerError("TorchUnsupported", f"torch {torch.__version__}'s FSDP2 no longer keeps the records "
-                               f"mortal folds tied weights through ({exc}); use torch 2.11-2.13 for a sharded actor") from exc
+        raise FatalWorkerError(
+            "TorchUnsupported",
+            f"torch {torch.__version__}'s FSDP2 no longer keeps the records "
+            f"mortal folds tied weights through ({exc}); use torch 2.11-2.13 for a sharded actor",
+        ) from exc
 
 
 def place_shards(model: Any, device: str) -> None:
@@ -427,8 +444,13 @@ def routes_experts(config: Any) -> bool:
 # The kernels liger-kernel patches into a model instance (actor.liger): every layer's, not the loss's (TRL's
 # fused LM head computes the log-probabilities; Liger's fused linear cross-entropy would replace the model's
 # forward).
-LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
-                 "fused_linear_cross_entropy": False}
+LIGER_KERNELS = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": False,
+}
 
 
 def use_liger_kernels(model: Any) -> str:
@@ -440,12 +462,18 @@ def use_liger_kernels(model: Any) -> str:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
         from transformers.integrations.liger import apply_liger_kernel
     except ImportError as exc:
-        raise FatalWorkerError("LigerUnavailable", f"spec.actor.liger needs the liger-kernel package (and Triton) in "
-                               f"the actor's environment: pip install 'mortal[liger]' ({exc})") from exc
+        raise FatalWorkerError(
+            "LigerUnavailable",
+            f"spec.actor.liger needs the liger-kernel package (and Triton) in "
+            f"the actor's environment: pip install 'mortal[liger]' ({exc})",
+        ) from exc
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise FatalWorkerError("LigerUnsupported", f"spec.actor.liger: liger-kernel has no kernels for model type "
-                               f"{model_type!r} (it knows {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); drop it")
+        raise FatalWorkerError(
+            "LigerUnsupported",
+            f"spec.actor.liger: liger-kernel has no kernels for model type "
+            f"{model_type!r} (it knows {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); drop it",
+        )
     apply_liger_kernel(model, LIGER_KERNELS)
     return model_type
 
@@ -489,7 +517,9 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[in
             f"the dataset's prompts are chat messages but the tokenizer of {tokenizer.name_or_path!r} has no chat "
             "template; use text prompts, or a model (an -Instruct one) whose tokenizer has a chat template",
         )
-    encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    encoded = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(encoded["input_ids"])
 
 

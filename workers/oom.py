@@ -36,10 +36,13 @@ _BY_TORCH = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by 
 _RESERVED = re.compile(_SIZE + r" is reserved by PyTorch but unallocated")
 _PROCESS = re.compile(r"Process (\d+) has " + _SIZE + r" memory in use")
 _THIS_PROCESS = re.compile(r"this process has " + _SIZE + r" memory in use")
-_CUDA_TEXT = re.compile(r"CUDA (error: )?out of memory|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation",
-                        re.IGNORECASE)
-_NCCL_TEXT = re.compile(r"NCCL.*(Failed to CUDA calloc|out of memory)|(Failed to CUDA calloc|out of memory).*NCCL",
-                        re.IGNORECASE | re.DOTALL)
+_CUDA_TEXT = re.compile(
+    r"CUDA (error: )?out of memory|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation", re.IGNORECASE
+)
+_NCCL_TEXT = re.compile(
+    r"NCCL.*(Failed to CUDA calloc|out of memory)|(Failed to CUDA calloc|out of memory).*NCCL",
+    re.IGNORECASE | re.DOTALL,
+)
 
 
 class BudgetRefusal(Exception):
@@ -66,8 +69,12 @@ class OutOfMemory:
 
     def describe(self) -> str:
         """One line for the worker's report: what it tried, on which GPU, how full the GPU was."""
-        what = {"torch": "out of GPU memory", "cuda": "CUDA out of memory",
-                "nccl": "NCCL could not allocate GPU memory", "budget": self.refusal}[self.source]
+        what = {
+            "torch": "out of GPU memory",
+            "cuda": "CUDA out of memory",
+            "nccl": "NCCL could not allocate GPU memory",
+            "budget": self.refusal,
+        }[self.source]
         parts = [f"tried to allocate {readable_size(self.tried)}" if self.tried is not None else what]
         gpu = "the GPU" if self.device is None else f"GPU {self.device}"
         figures = []
@@ -111,8 +118,14 @@ def with_device_state(oom: OutOfMemory) -> OutOfMemory:
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     except RuntimeError:  # a CUDA context the error broke
         return oom
-    return replace(oom, device=device, total=total, free=free, by_torch=allocated,
-                   reserved_unallocated=reserved - allocated)
+    return replace(
+        oom,
+        device=device,
+        total=total,
+        free=free,
+        by_torch=allocated,
+        reserved_unallocated=reserved - allocated,
+    )
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -121,7 +134,12 @@ def _bytes(number: str, unit: str) -> int:
 
 def parse_torch_message(text: str, source: str = "torch") -> OutOfMemory:
     """The figures in torch's out-of-memory message; fields it lacks stay None (older torch, other text)."""
-    tried, gpu, by_torch, reserved = _TRIED.search(text), _GPU.search(text), _BY_TORCH.search(text), _RESERVED.search(text)
+    tried, gpu, by_torch, reserved = (
+        _TRIED.search(text),
+        _GPU.search(text),
+        _BY_TORCH.search(text),
+        _RESERVED.search(text),
+    )
     return OutOfMemory(
         source=source,
         tried=_bytes(*tried.groups()) if tried else None,
@@ -130,8 +148,10 @@ def parse_torch_message(text: str, source: str = "torch") -> OutOfMemory:
         free=_bytes(gpu.group(4), gpu.group(5)) if gpu else None,
         by_torch=_bytes(*by_torch.groups()) if by_torch else None,
         reserved_unallocated=_bytes(*reserved.groups()) if reserved else None,
-        processes=tuple([(f"process {pid}", _bytes(n, u)) for pid, n, u in _PROCESS.findall(text)]
-                        + [("this process", _bytes(n, u)) for n, u in _THIS_PROCESS.findall(text)]),
+        processes=tuple(
+            [(f"process {pid}", _bytes(n, u)) for pid, n, u in _PROCESS.findall(text)]
+            + [("this process", _bytes(n, u)) for n, u in _THIS_PROCESS.findall(text)]
+        ),
     )
 
 
@@ -168,6 +188,12 @@ def _is_torch_oom(exc: BaseException) -> bool:
     torch = sys.modules.get("torch")  # a worker that never loaded torch cannot have hit its allocator
     if torch is None:
         return False
-    kinds = tuple(k for k in (getattr(torch, "OutOfMemoryError", None),
-                              getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)) if isinstance(k, type))
+    kinds = tuple(
+        k
+        for k in (
+            getattr(torch, "OutOfMemoryError", None),
+            getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None),
+        )
+        if isinstance(k, type)
+    )
     return bool(kinds) and isinstance(exc, kinds)

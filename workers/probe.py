@@ -59,8 +59,10 @@ def _resolve(ref: str) -> tuple[Any, str | None]:
     except references.MissingAttribute as exc:
         return None, str(exc)
     except ModuleNotFoundError as exc:
-        return None, (f"cannot import module {module!r} ({exc}): it is neither in the folder you applied "
-                      "from nor installed where mortal runs")
+        return None, (
+            f"cannot import module {module!r} ({exc}): it is neither in the folder you applied "
+            "from nor installed where mortal runs"
+        )
     except BaseException as exc:  # noqa: BLE001 - what the user's module raises on import is the finding
         return None, f"importing module {module!r} failed: {type(exc).__name__}: {exc}"
 
@@ -100,20 +102,30 @@ def check_reward(field: str, ref: str, args: dict[str, Any]) -> Check:
             try:
                 sig.bind(**args)
             except TypeError as exc:
-                return failed(field, f"{ref!r}: the class cannot be built as {obj.__name__}(**args) with "
-                                     f"args {args} ({exc})")
+                return failed(
+                    field,
+                    f"{ref!r}: the class cannot be built as {obj.__name__}(**args) with args {args} ({exc})",
+                )
         base = _reward_environment_class()
         if issubclass(obj, base):
             if obj.score is base.score and obj.score_batch is base.score_batch:
-                return failed(field, f"{ref!r}: RewardEnvironment {obj.__name__} overrides neither score() "
-                                     "nor score_batch()")
+                return failed(
+                    field,
+                    f"{ref!r}: RewardEnvironment {obj.__name__} overrides neither score() nor score_batch()",
+                )
             return ok(field, f"{ref!r}: RewardEnvironment {obj.__name__}")
         if "__call__" not in {name for klass in obj.__mro__[:-1] for name in vars(klass)}:
-            return failed(field, f"{ref!r}: class {obj.__name__} is neither a RewardEnvironment nor "
-                                 "callable; subclass mortal.RewardEnvironment and override score()")
+            return failed(
+                field,
+                f"{ref!r}: class {obj.__name__} is neither a RewardEnvironment nor "
+                "callable; subclass mortal.RewardEnvironment and override score()",
+            )
         problem = _takes_trl_call(obj.__call__, {"self": None})
-        return failed(field, f"{ref!r}: {obj.__name__}.__call__: {problem}") if problem else \
-            ok(field, f"{ref!r}: callable class {obj.__name__}")
+        return (
+            failed(field, f"{ref!r}: {obj.__name__}.__call__: {problem}")
+            if problem
+            else ok(field, f"{ref!r}: callable class {obj.__name__}")
+        )
     if not callable(obj):
         return failed(field, f"{ref!r}: is not callable (it is a {type(obj).__name__}); {REWARD_HINT}")
     problem = _takes_trl_call(obj, args)
@@ -136,18 +148,25 @@ def check_environment(field: str, ref: str) -> Check:
     if why is not None:
         return failed(field, f"{ref!r}: {why}")
     if not inspect.isclass(obj):
-        return failed(field, f"{ref!r}: an environment must be a class, built with no arguments "
-                             f"(it is a {type(obj).__name__})")
+        return failed(
+            field,
+            f"{ref!r}: an environment must be a class, built with no arguments "
+            f"(it is a {type(obj).__name__})",
+        )
     sig = _signature(obj)
     if sig is not None:
         try:
             sig.bind()
         except TypeError as exc:
-            return failed(field, f"{ref!r}: TRL builds it with no arguments, and {obj.__name__}{sig} "
-                                 f"needs some ({exc})")
+            return failed(
+                field, f"{ref!r}: TRL builds it with no arguments, and {obj.__name__}{sig} needs some ({exc})"
+            )
     if not callable(getattr(obj, "reset", None)):
-        return failed(field, f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
-                             "called before each generation)")
+        return failed(
+            field,
+            f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
+            "called before each generation)",
+        )
     return ok(field, f"{ref!r}: a class built with no arguments, with reset()")
 
 
@@ -172,8 +191,9 @@ def _hub_model(field: str, name: str) -> Check:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
-        return deferred(field, f"{name!r}: a hub id, and huggingface_hub is not installed here to look "
-                               "in the cache")
+        return deferred(
+            field, f"{name!r}: a hub id, and huggingface_hub is not installed here to look in the cache"
+        )
     try:
         cached = try_to_load_from_cache(name, "config.json")
     except Exception as exc:  # noqa: BLE001 - a malformed id: the hub library says why
@@ -181,11 +201,16 @@ def _hub_model(field: str, name: str) -> Check:
     if isinstance(cached, str):
         return ok(field, f"{name!r}: in the Hugging Face cache")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return failed(field, f"{name!r}: not a model folder or .gguf here, and not in the Hugging Face "
-                             "cache while HF_HUB_OFFLINE is set; download it first (hf download "
-                             f"{name}) or fix the name")
-    return deferred(field, f"{name!r}: not in the Hugging Face cache; the workers download it from the "
-                           "hub when they start")
+        return failed(
+            field,
+            f"{name!r}: not a model folder or .gguf here, and not in the Hugging Face "
+            "cache while HF_HUB_OFFLINE is set; download it first (hf download "
+            f"{name}) or fix the name",
+        )
+    return deferred(
+        field,
+        f"{name!r}: not in the Hugging Face cache; the workers download it from the hub when they start",
+    )
 
 
 def check_dataset(spec: TrainingSpec) -> Check:
@@ -195,14 +220,18 @@ def check_dataset(spec: TrainingSpec) -> Check:
     if dataset.name.startswith("builtin:"):
         name = dataset.name.removeprefix("builtin:")
         if name not in builtin_names():
-            return failed(field, f"{dataset.name!r}: no built-in dataset {name!r}; built-in: "
-                                 f"{', '.join(builtin_names())}")
+            return failed(
+                field,
+                f"{dataset.name!r}: no built-in dataset {name!r}; built-in: {', '.join(builtin_names())}",
+            )
         return ok(field, f"{dataset.name!r}: built in")
     path = os.path.expanduser(dataset.name)
     if os.path.splitext(path)[1] in FILE_SUFFIXES or os.path.exists(path):
         if not os.path.isfile(path):
-            return failed(field, f"{dataset.name!r}: no such file (relative names are read from the folder "
-                                 "you applied from)")
+            return failed(
+                field,
+                f"{dataset.name!r}: no such file (relative names are read from the folder you applied from)",
+            )
         return ok(field, f"{dataset.name!r}: a local file")
     return deferred(field, f"{dataset.name!r}: a hub dataset, read by the actor when it starts")
 
@@ -227,8 +256,10 @@ def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:
     found += [check_tool(f"spec.rollout.tools[{i}]", ref) for i, ref in enumerate(spec.rollout.tools)]
     environment = spec.rollout.environment
     named = {"": environment} if isinstance(environment, str) else dict(environment or {})
-    found += [check_environment("spec.rollout.environment" + (f".{k}" if k else ""), ref)
-              for k, ref in named.items()]
+    found += [
+        check_environment("spec.rollout.environment" + (f".{k}" if k else ""), ref)
+        for k, ref in named.items()
+    ]
     found += check_chat_template(spec)
     return found
 

@@ -263,7 +263,9 @@ class WorkerContext:
             step, version = self._progress["step"], self._progress["weight_version"]
             what, since = self._activities[-1] if self._activities else (None, None)
         seconds = None if since is None else time.monotonic() - since
-        self.store.heartbeat(self.worker, step=step, weight_version=version, activity=what, activity_seconds=seconds)
+        self.store.heartbeat(
+            self.worker, step=step, weight_version=version, activity=what, activity_seconds=seconds
+        )
 
     def start(self) -> None:
         """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM

@@ -49,8 +49,10 @@ def task_chunks(prompts_per_step: int, prompts_per_task: int) -> list[range]:
     be shorter). A chunk is one engine batch on a GPU, so it depends on the spec alone, never on timing."""
     if prompts_per_task < 1:
         raise ValueError(f"bad prompts_per_task {prompts_per_task}")
-    return [range(start, min(start + prompts_per_task, prompts_per_step))
-            for start in range(0, prompts_per_step, prompts_per_task)]
+    return [
+        range(start, min(start + prompts_per_task, prompts_per_step))
+        for start in range(0, prompts_per_step, prompts_per_task)
+    ]
 
 
 def task_seed(seed: int, step: int, slot: int) -> int:

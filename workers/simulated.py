@@ -123,7 +123,11 @@ def simulated_run(
     }
     for section, value in (spec or {}).items():
         doc[section] = {**doc[section], **value} if isinstance(value, dict) and section in doc else value
-    notes = {"mortal.dev/workload": "simulated", "mortal.dev/step-seconds": str(step_seconds), **(annotations or {})}
+    notes = {
+        "mortal.dev/workload": "simulated",
+        "mortal.dev/step-seconds": str(step_seconds),
+        **(annotations or {}),
+    }
     return TrainingRun.model_validate({"metadata": {"name": name, "annotations": notes}, "spec": doc})
 
 
@@ -145,8 +149,13 @@ def stall_here(ctx: WorkerContext, settings: Settings, what: str, step: int) -> 
     if settings.stall != what or step != settings.stall_step:
         return
     me = ctx.worker
-    healed = sum(1 for w in ctx.store.list_workers(me.run) if (w.role, w.replica) == (me.role, me.replica)
-                 and w.incarnation < me.incarnation and w.state == "Failed")
+    healed = sum(
+        1
+        for w in ctx.store.list_workers(me.run)
+        if (w.role, w.replica) == (me.role, me.replica)
+        and w.incarnation < me.incarnation
+        and w.state == "Failed"
+    )
     if settings.stall_times and healed >= settings.stall_times:
         return
     ctx.log.warning("annotation mortal.dev/stall=%s: blocking in %s %d forever", what, what, step)
@@ -196,7 +205,9 @@ def run_actor(ctx: WorkerContext) -> int:
                 break
             ctx.stopping.wait(max(0.0, settings.step_seconds - (time.monotonic() - started)))
         step += 1
-        lineage.trained(step, [r["row"] for r in results], [r.get("weight_version", -1) for r in results], version)
+        lineage.trained(
+            step, [r["row"] for r in results], [r.get("weight_version", -1) for r in results], version
+        )
         if step % spec.sync.every == 0 or step == spec.algorithm.max_steps:
             version = publish(ctx, step, version + 1)
             lineage.published.append(version)
@@ -218,7 +229,9 @@ def _threshold(fail: str) -> int:
     try:
         return int(fail.removeprefix(OOM_ABOVE))
     except ValueError:
-        raise FatalWorkerError("InvalidAnnotation", f"mortal.dev/fail: {fail!r}: expected {OOM_ABOVE}N") from None
+        raise FatalWorkerError(
+            "InvalidAnnotation", f"mortal.dev/fail: {fail!r}: expected {OOM_ABOVE}N"
+        ) from None
 
 
 def resume(ctx: WorkerContext) -> tuple[int, int, Lineage]:
@@ -250,8 +263,9 @@ def gather(ctx: WorkerContext, step: int, version: int, settings: Settings) -> l
     algo = ctx.run.spec.algorithm
     # as the real feed queues ahead
     for ahead in range(step, min(step + algo.max_staleness, algo.max_steps) + 1):
-        ctx.store.enqueue_tasks(ctx.worker, [_task(ctx.run, ahead, slot, version)
-                                             for slot in range(algo.prompts_per_step)])
+        ctx.store.enqueue_tasks(
+            ctx.worker, [_task(ctx.run, ahead, slot, version) for slot in range(algo.prompts_per_step)]
+        )
     replicas, checked = ctx.run.spec.rollout.replicas, time.monotonic()
     while not ctx.stopping.is_set():
         states = ctx.store.step_states(ctx.worker.run, step)  # polled as the real actor polls (feed.collect)
@@ -372,8 +386,9 @@ def serve_one(ctx: WorkerContext, settings: Settings, rewards: RewardSet | None 
     return task
 
 
-def simulated_result(run: TrainingRun, task: TaskRow, version: int, seconds: float,
-                     rewards: RewardSet | None = None) -> dict[str, Any]:
+def simulated_result(
+    run: TrainingRun, task: TaskRow, version: int, seconds: float, rewards: RewardSet | None = None
+) -> dict[str, Any]:
     """A RolloutResult of fixed tokens, every completion scored simulated_reward(step), or by `rewards`."""
     request = RolloutRequest.model_validate(task.payload)
     n = request.num_generations

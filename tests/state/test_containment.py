@@ -54,15 +54,18 @@ def test_a_root_reached_through_a_symlink_still_holds_its_own(tmp_path: Path) ->
     assert inside(tmp_path / "home", tmp_path / "real" / "step-1") == (tmp_path / "real" / "step-1").resolve()
 
 
-@pytest.mark.parametrize(("candidate", "ok"), [
-    ("s3://bucket/prefix/r/step-1", True),
-    ("S3://bucket//prefix/r/./step-1", True),
-    ("s3://bucket/prefix/r", False),
-    ("s3://bucket/prefix/r/../other/step-1", False),
-    ("s3://bucket/prefix/rx/step-1", False),
-    ("gs://bucket/prefix/r/step-1", False),
-    ("/bucket/prefix/r/step-1", False),
-])
+@pytest.mark.parametrize(
+    ("candidate", "ok"),
+    [
+        ("s3://bucket/prefix/r/step-1", True),
+        ("S3://bucket//prefix/r/./step-1", True),
+        ("s3://bucket/prefix/r", False),
+        ("s3://bucket/prefix/r/../other/step-1", False),
+        ("s3://bucket/prefix/rx/step-1", False),
+        ("gs://bucket/prefix/r/step-1", False),
+        ("/bucket/prefix/r/step-1", False),
+    ],
+)
 def test_a_remote_url_must_be_below_the_runs_prefix_once_normalized(candidate: str, ok: bool) -> None:
     if ok:
         assert url_inside("s3://bucket/prefix/r", candidate) == candidate
@@ -73,13 +76,18 @@ def test_a_remote_url_must_be_below_the_runs_prefix_once_normalized(candidate: s
 
 def test_a_path_on_storage_this_machine_cannot_resolve_is_checked_as_text() -> None:
     assert posix_inside("runs", "runs/a") == "runs/a"
-    assert posix_inside("/mortal/runs/r", "/mortal/runs/r/checkpoints/step-1") == "/mortal/runs/r/checkpoints/step-1"
+    assert (
+        posix_inside("/mortal/runs/r", "/mortal/runs/r/checkpoints/step-1")
+        == "/mortal/runs/r/checkpoints/step-1"
+    )
     for candidate in ("runs", "runs/..", "runs/../../etc", "elsewhere/runs/a"):
         with pytest.raises(PathOutside):
             posix_inside("runs", candidate)
 
 
-def test_a_checkpoint_row_is_the_runs_own_folder_or_below_its_storage_prefix(mortal_home: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_row_is_the_runs_own_folder_or_below_its_storage_prefix(
+    mortal_home: Path, tmp_path: Path
+) -> None:
     own = paths.checkpoints_dir("r") / "step-1"
     own.mkdir(parents=True)
     assert owned_checkpoint("r", str(own)) == str(own.resolve())
@@ -95,4 +103,6 @@ def test_a_checkpoint_row_is_the_runs_own_folder_or_below_its_storage_prefix(mor
     assert owned_checkpoint("r", f"file://{mounted}", f"file://{tmp_path / 'bucket'}") == f"file://{mounted}"
     assert owned_checkpoint("r", f"file://{own}") == f"file://{own}"
     with pytest.raises(PathOutside):
-        owned_checkpoint("r", f"file://{tmp_path / 'bucket' / 'other' / 'step-1'}", f"file://{tmp_path / 'bucket'}")
+        owned_checkpoint(
+            "r", f"file://{tmp_path / 'bucket' / 'other' / 'step-1'}", f"file://{tmp_path / 'bucket'}"
+        )

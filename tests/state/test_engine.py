@@ -77,5 +77,9 @@ def test_readers_and_postgresql_take_no_lock(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'r.db'}")
     assert isinstance(_writer_lock(engine, write=False), contextlib.nullcontext)
     assert _writer_lock(engine, write=True) is _writer_lock(engine, write=True)  # one per engine
-    assert _writer_lock(make_engine(f"sqlite:///{tmp_path / 'other.db'}"), True) is not _writer_lock(engine, True)
-    assert isinstance(_writer_lock(make_engine("postgresql://u@127.0.0.1:1/none"), True), contextlib.nullcontext)
+    assert _writer_lock(make_engine(f"sqlite:///{tmp_path / 'other.db'}"), True) is not _writer_lock(
+        engine, True
+    )
+    assert isinstance(
+        _writer_lock(make_engine("postgresql://u@127.0.0.1:1/none"), True), contextlib.nullcontext
+    )

@@ -64,12 +64,16 @@ def _setup(store: SqlStore) -> tuple[WorkerRef, int, int]:
     return rollout, task.id, task.lease_token
 
 
-@pytest.mark.parametrize("write, held_at", [
-    (lambda s, ref, task, token: s.complete_task(ref, task, token, {"reward": 1.0}), "UPDATE tasks"),
-    (lambda s, ref, task, token: s.renew_task(ref, task, token, 60), "UPDATE tasks"),
-    (lambda s, ref, task, token: s.heartbeat(ref, step=2), "UPDATE workers"),
-    (lambda s, ref, task, token: s.add_metrics(ref, 1, {"loss": 0.5}), "DELETE FROM metrics"),
-], ids=["complete_task", "renew_task", "heartbeat", "add_metrics"])
+@pytest.mark.parametrize(
+    "write, held_at",
+    [
+        (lambda s, ref, task, token: s.complete_task(ref, task, token, {"reward": 1.0}), "UPDATE tasks"),
+        (lambda s, ref, task, token: s.renew_task(ref, task, token, 60), "UPDATE tasks"),
+        (lambda s, ref, task, token: s.heartbeat(ref, step=2), "UPDATE workers"),
+        (lambda s, ref, task, token: s.add_metrics(ref, 1, {"loss": 0.5}), "DELETE FROM metrics"),
+    ],
+    ids=["complete_task", "renew_task", "heartbeat", "add_metrics"],
+)
 def test_a_takeover_waits_for_the_old_incarnations_write_in_flight(stores, write, held_at) -> None:
     worker_side, controller_side = stores
     ref, task_id, token = _setup(controller_side)

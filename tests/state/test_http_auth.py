@@ -63,7 +63,9 @@ def as_worker(served: Served, ref: WorkerRef, admin_token: str = ADMIN) -> HttpS
     return HttpStore(served.url, token=mint_worker_token(admin_token, ref), retry_seconds=2)
 
 
-def test_a_rollout_token_reaches_its_own_runs_tasks_and_nothing_else(served: Served, admin: HttpStore) -> None:
+def test_a_rollout_token_reaches_its_own_runs_tasks_and_nothing_else(
+    served: Served, admin: HttpStore
+) -> None:
     refs = two_runs(admin)
     rollout_a = as_worker(served, refs["a/rollout"])
     with pytest.raises(Forbidden, match="run 'a', not 'b'"):
@@ -107,7 +109,11 @@ def test_a_worker_token_can_do_nothing_admin(served: Served, admin: HttpStore) -
         rollout_a.record_checkpoint(refs["a/rollout"], 1, "/x", 0)
     after = admin.get_run("a")
     assert (after.spec, after.phase, after.resource_version, after.deleted_at) == (
-        before.spec, before.phase, before.resource_version, None)
+        before.spec,
+        before.phase,
+        before.resource_version,
+        None,
+    )
     assert admin.get_lease("controller") is None and len(admin.list_workers("a")) == 2
 
 
@@ -119,29 +125,45 @@ def test_an_actor_token_does_the_actors_writes_for_its_run_only(served: Served, 
     assert actor_a.latest_weights("a").version == 1
     with pytest.raises(Forbidden):
         actor_a.enqueue_tasks(refs["b/actor"], [NewTask(step=1, slot=0, min_weight_version=0)])
-    assert actor_a.lease_task(refs["a/actor"], 30).run == "a", "it serves its own tasks when it has no rollouts"
+    assert actor_a.lease_task(refs["a/actor"], 30).run == "a", (
+        "it serves its own tasks when it has no rollouts"
+    )
     with pytest.raises(Forbidden, match="not a call a rollout worker makes"):
-        as_worker(served, refs["a/rollout"]).enqueue_tasks(refs["a/rollout"], [NewTask(step=2, slot=0, min_weight_version=0)])
+        as_worker(served, refs["a/rollout"]).enqueue_tasks(
+            refs["a/rollout"], [NewTask(step=2, slot=0, min_weight_version=0)]
+        )
     with pytest.raises(Forbidden):
         actor_a.add_event("b", "Normal", "Spoofed", "not my run")
 
 
-def test_forged_expired_and_rotated_tokens(served: Served, admin: HttpStore, sql_store_url: str, tmp_path: Path) -> None:
+def test_forged_expired_and_rotated_tokens(
+    served: Served, admin: HttpStore, sql_store_url: str, tmp_path: Path
+) -> None:
     refs = two_runs(admin)
     token = mint_worker_token(ADMIN, refs["a/rollout"])
     prefix, payload, mac = token.split(".")
     other = mint_worker_token(ADMIN, refs["b/rollout"]).split(".")[1]
-    for forged in (f"{prefix}.{other}.{mac}", mint_worker_token("not-the-admin", refs["a/rollout"]),
-                   mint_worker_token(ADMIN, refs["a/rollout"], lifetime_seconds=-1), f"{WORKER_TOKEN_PREFIX}..", ""):
+    for forged in (
+        f"{prefix}.{other}.{mac}",
+        mint_worker_token("not-the-admin", refs["a/rollout"]),
+        mint_worker_token(ADMIN, refs["a/rollout"], lifetime_seconds=-1),
+        f"{WORKER_TOKEN_PREFIX}..",
+        "",
+    ):
         with pytest.raises(Unauthorized):
             HttpStore(served.url, token=forged, retry_seconds=2).step_states("a", 0)
     # rotation: the new admin token, the old one still accepted, its workers' tokens too
     assert previous_tokens_from({"MORTAL_STATE_PREVIOUS_TOKENS": f" {ADMIN}, ,older "}) == [ADMIN, "older"]
-    with serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log", previous_tokens=[ADMIN]) as rotated:
+    with serve(
+        sql_store_url, "new-admin", access_log=tmp_path / "rotated.log", previous_tokens=[ADMIN]
+    ) as rotated:
         assert HttpStore(rotated.url, token=token).step_states("a", 0) == ["queued"]
         assert HttpStore(rotated.url, token=ADMIN).get_run("b").name == "b"
         assert as_worker(rotated, refs["a/rollout"], "new-admin").step_states("a", 0) == ["queued"]
-    with serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log") as done, pytest.raises(Unauthorized):
+    with (
+        serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log") as done,
+        pytest.raises(Unauthorized),
+    ):
         HttpStore(done.url, token=token, retry_seconds=2).step_states("a", 0)
 
 
@@ -151,14 +173,18 @@ def test_the_authority_tells_admin_from_workers_by_the_token_alone() -> None:
     claims = authority.identify(mint_worker_token(ADMIN, ref, run_uid="u1")).worker
     assert claims == WorkerClaims("a", "u1", "rollout", 2, 7, claims.exp) and claims.ref.run_uid == "u1"
     assert authority.identify(ADMIN).worker is None and authority.identify(ADMIN + "x") is None
-    assert authority.identify(mint_worker_token(ADMIN, ref), now=time.time() + 10 ** 9) is None, "expired"
+    assert authority.identify(mint_worker_token(ADMIN, ref), now=time.time() + 10**9) is None, "expired"
 
 
 # -- the server's clock -------------------------------------------------------------------------------------
 def test_a_client_now_in_the_future_does_not_extend_a_lease(served: Served, admin: HttpStore) -> None:
     far = datetime(2100, 1, 1, tzinfo=UTC).isoformat()
-    answer = requests.post(f"{served.url}/v1/acquire_lease", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10,
-                           json={"args": {"name": "controller", "holder": "squatter", "duration_seconds": 1, "now": far}})
+    answer = requests.post(
+        f"{served.url}/v1/acquire_lease",
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=10,
+        json={"args": {"name": "controller", "holder": "squatter", "duration_seconds": 1, "now": far}},
+    )
     lease = answer.json()["result"]
     assert datetime.fromisoformat(lease["expires_at"]) < datetime.now(UTC) + timedelta(seconds=5)
     time.sleep(1.2)
@@ -174,8 +200,12 @@ def test_a_client_now_in_the_future_does_not_steal_a_leased_task(served: Served,
     thief = admin.create_worker("a", "rollout", 1, "local", 30)
     far = datetime(2100, 1, 1, tzinfo=UTC).isoformat()
     worker = {"run": "a", "role": "rollout", "replica": 1, "incarnation": thief.incarnation}
-    answer = requests.post(f"{served.url}/v1/lease_task", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10,
-                           json={"args": {"worker": worker, "lease_seconds": 30, "now": far}})
+    answer = requests.post(
+        f"{served.url}/v1/lease_task",
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=10,
+        json={"args": {"worker": worker, "lease_seconds": 30, "now": far}},
+    )
     assert answer.json() == {"result": None}
     assert admin.step_results("a", 0)[0].lease_token == held.lease_token
 
@@ -203,7 +233,9 @@ def head(length: int, token: str | None) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def test_a_bad_token_is_refused_before_the_body_is_read(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_token_is_refused_before_the_body_is_read(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spooled = []
     real = tempfile.TemporaryFile
 
@@ -236,8 +268,13 @@ def test_the_app_refuses_a_bad_token_without_reading_the_body(tmp_path: Path, pa
     app = make_app(f"sqlite:///{tmp_path / 'state.db'}", ADMIN)
     statuses: list[str] = []
     for header in ("Bearer wrong", "", f"Basic {ADMIN}"):
-        environ = {"PATH_INFO": path, "REQUEST_METHOD": "POST", "CONTENT_LENGTH": str(50 << 20),
-                   "wsgi.input": Unread(), "HTTP_AUTHORIZATION": header}
+        environ = {
+            "PATH_INFO": path,
+            "REQUEST_METHOD": "POST",
+            "CONTENT_LENGTH": str(50 << 20),
+            "wsgi.input": Unread(),
+            "HTTP_AUTHORIZATION": header,
+        }
         answer = json.loads(b"".join(app(environ, lambda status, headers: statuses.append(status))))
         assert answer["error"]["type"] == "Unauthorized"
     assert statuses == ["401 Unauthorized"] * 3
@@ -250,8 +287,9 @@ def test_an_oversized_body_is_a_clear_413(served: Served) -> None:
 
 
 # -- the access log -----------------------------------------------------------------------------------------
-def test_the_access_log_says_who_called_what_and_never_holds_a_token(served: Served, admin: HttpStore,
-                                                                      tmp_path: Path) -> None:
+def test_the_access_log_says_who_called_what_and_never_holds_a_token(
+    served: Served, admin: HttpStore, tmp_path: Path
+) -> None:
     refs = two_runs(admin)
     token = mint_worker_token(ADMIN, refs["a/rollout"])
     rollout_a = HttpStore(served.url, token=token, retry_seconds=2)

@@ -25,12 +25,18 @@ from mortal.state.http_store import HttpStore
 
 TOKEN = "fuzz-t0ken"
 READ_TIMEOUT = 0.5  # the server's, for this test: a stalled client is dropped after it
-FUZZ = settings(max_examples=60, deadline=None, database=None,  # no .hypothesis/ folder in the checkout
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,  # no .hypothesis/ folder in the checkout
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 METHODS = sorted(wire.methods())
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +54,22 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def snapshot(served: Served) -> str:
     """Everything the bad requests could have touched, read straight from the SQL store."""
     store = served.app.store
-    state = {"runs": store.list_runs(), "workers": store.list_workers(), "events": store.list_events(limit=1000),
-             "checkpoints": store.list_checkpoints("r", complete_only=False), "weights": store.list_weights("r"),
-             "metrics": store.list_metrics("r"), "lease": store.get_lease("controller")}
+    state = {
+        "runs": store.list_runs(),
+        "workers": store.list_workers(),
+        "events": store.list_events(limit=1000),
+        "checkpoints": store.list_checkpoints("r", complete_only=False),
+        "weights": store.list_weights("r"),
+        "metrics": store.list_metrics("r"),
+        "lease": store.get_lease("controller"),
+    }
     return json.dumps(wire.encode(state), sort_keys=True, default=str)
 
 
 # -- raw HTTP -----------------------------------------------------------------------------------------------
-def request(served: Served, head: bytes, body: bytes = b"", timeout: float = 10) -> tuple[int, dict[str, str], bytes]:
+def request(
+    served: Served, head: bytes, body: bytes = b"", timeout: float = 10
+) -> tuple[int, dict[str, str], bytes]:
     """Send `head` and `body` as they are; the status, headers and body of the answer."""
     host, port = served.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
@@ -66,7 +80,9 @@ def request(served: Served, head: bytes, body: bytes = b"", timeout: float = 10)
         return 0, {"content-type": "application/json"}, answer
     status_line, _, rest = answer.partition(b"\r\n")
     raw_headers, _, payload = rest.partition(b"\r\n\r\n")
-    headers = dict(line.decode("latin-1").lower().split(": ", 1) for line in raw_headers.split(b"\r\n") if line)
+    headers = dict(
+        line.decode("latin-1").lower().split(": ", 1) for line in raw_headers.split(b"\r\n") if line
+    )
     return int(status_line.split()[1]), headers, payload
 
 
@@ -77,8 +93,14 @@ def _read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def head_of(verb: str, path: str, body: bytes = b"", token: str | None = TOKEN, length: int | None = None) -> bytes:
-    lines = [f"{verb} {path} HTTP/1.1", "Host: store", f"Content-Length: {len(body) if length is None else length}"]
+def head_of(
+    verb: str, path: str, body: bytes = b"", token: str | None = TOKEN, length: int | None = None
+) -> bytes:
+    lines = [
+        f"{verb} {path} HTTP/1.1",
+        "Host: store",
+        f"Content-Length: {len(body) if length is None else length}",
+    ]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
@@ -101,9 +123,13 @@ def args_body(args: Any) -> bytes:
 
 # -- bodies -------------------------------------------------------------------------------------------------
 @FUZZ
-@given(body=st.binary(max_size=300) | JSON.map(lambda v: json.dumps(v).encode())
-       | st.builds(lambda s, cut: s[:cut], JSON.map(lambda v: args_body({"name": v}).decode()), st.integers(0, 40))
-       .map(str.encode))
+@given(
+    body=st.binary(max_size=300)
+    | JSON.map(lambda v: json.dumps(v).encode())
+    | st.builds(
+        lambda s, cut: s[:cut], JSON.map(lambda v: args_body({"name": v}).decode()), st.integers(0, 40)
+    ).map(str.encode)
+)
 def test_malformed_bodies_are_refused_and_change_nothing(served: Served, body: bytes) -> None:
     before = snapshot(served)
     status, answer = post(served, "write_status", body)  # needs name and status: no fuzzed body has both
@@ -120,7 +146,13 @@ def test_deeply_nested_json_is_a_400_not_a_recursion_error(served: Served, depth
     elif shape == "object":
         body = b'{"a":' * depth + b"1" + b"}" * depth
     else:  # a real method with a spec nested deep inside its args
-        body = b'{"args": {"name": "r", "resource_version": 1, "spec": ' + b'{"a":' * depth + b"1" + b"}" * depth + b"}}"
+        body = (
+            b'{"args": {"name": "r", "resource_version": 1, "spec": '
+            + b'{"a":' * depth
+            + b"1"
+            + b"}" * depth
+            + b"}}"
+        )
     status, answer = post(served, "update_spec", body)
     assert_refused(status, answer, 400)
     assert "nests deeper" in answer["error"]["message"]
@@ -139,14 +171,20 @@ def test_oversized_bodies_are_refused_before_they_are_read(served: Served) -> No
 
 
 # -- verbs, paths, tokens -----------------------------------------------------------------------------------
-PATH = st.one_of(st.sampled_from([f"/v1/{m}" for m in METHODS] + ["/v1/", "/v1/close", "/v2/get_run", "/healthz/x"]),
-                 st.text(string.ascii_letters + string.digits + "/._-%?=&~", max_size=30).map(lambda t: "/" + t))
-VERB = st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "BREW", "post"]) | st.just("POST")
+PATH = st.one_of(
+    st.sampled_from([f"/v1/{m}" for m in METHODS] + ["/v1/", "/v1/close", "/v2/get_run", "/healthz/x"]),
+    st.text(string.ascii_letters + string.digits + "/._-%?=&~", max_size=30).map(lambda t: "/" + t),
+)
+VERB = st.sampled_from(
+    ["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "BREW", "post"]
+) | st.just("POST")
 
 
 @FUZZ
 @given(verb=VERB, path=PATH, token=st.none() | st.just(TOKEN) | st.text(max_size=40))
-def test_wrong_verbs_paths_and_tokens_get_a_json_4xx(served: Served, verb: str, path: str, token: str | None) -> None:
+def test_wrong_verbs_paths_and_tokens_get_a_json_4xx(
+    served: Served, verb: str, path: str, token: str | None
+) -> None:
     before = snapshot(served)
     body = args_body({"name": "zz-new", "spec": {"model": {"name": "m"}}})
     status, headers, payload = request(served, head_of(verb, path, body, token), body)
@@ -160,8 +198,12 @@ def test_wrong_verbs_paths_and_tokens_get_a_json_4xx(served: Served, verb: str, 
 
 
 def test_garbage_on_the_wire_gets_a_json_400(served: Served) -> None:
-    for head in (b"\x00\x01\x02 garbage\r\n\r\n", b"POST /v1/list_runs HTTP/9.9\r\n\r\n", b"GET\r\n\r\n",
-                 b"POST /v1/list_runs HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n"):
+    for head in (
+        b"\x00\x01\x02 garbage\r\n\r\n",
+        b"POST /v1/list_runs HTTP/9.9\r\n\r\n",
+        b"GET\r\n\r\n",
+        b"POST /v1/list_runs HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n",
+    ):
         status, headers, payload = request(served, head)
         assert status == 0 or 400 <= status < 500, (head[:40], status, payload)  # 0: an HTTP/0.9 answer
         assert headers.get("content-type") == "application/json" and json.loads(payload)["error"]["message"]
@@ -175,14 +217,22 @@ def wrong_value(annotation: Any) -> st.SearchStrategy[Any]:
         return st.lists(st.integers(), min_size=1, max_size=3) | st.text(min_size=1, max_size=5)
     if text.startswith("list"):
         return st.dictionaries(st.sampled_from("xyz"), st.integers(), min_size=1, max_size=2) | st.integers()
-    return (st.dictionaries(st.sampled_from(["zz", "qq"]), st.integers(), min_size=1, max_size=2)
-            | st.lists(st.dictionaries(st.sampled_from(["zz"]), st.integers(), min_size=1), min_size=1, max_size=2))
+    return st.dictionaries(st.sampled_from(["zz", "qq"]), st.integers(), min_size=1, max_size=2) | st.lists(
+        st.dictionaries(st.sampled_from(["zz"]), st.integers(), min_size=1), min_size=1, max_size=2
+    )
 
 
 def good_value(annotation: Any) -> Any:
     """A value of the right type, so each call fails on the one argument being fuzzed."""
     text = str(annotation)
-    for prefix, value in (("dict", {}), ("list", []), ("str", "r"), ("int", 1), ("float", 1.0), ("bool", True)):
+    for prefix, value in (
+        ("dict", {}),
+        ("list", []),
+        ("str", "r"),
+        ("int", 1),
+        ("float", 1.0),
+        ("bool", True),
+    ):
         if text.startswith(prefix):
             return value
     return None
@@ -190,7 +240,9 @@ def good_value(annotation: Any) -> Any:
 
 @st.composite
 def wrong_call(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
-    method = wire.methods()[draw(st.sampled_from([m for m in METHODS if wire.methods()[m].signature.parameters]))]
+    method = wire.methods()[
+        draw(st.sampled_from([m for m in METHODS if wire.methods()[m].signature.parameters]))
+    ]
     params = method.signature.parameters
     args = {name: good_value(method.hints[name]) for name, p in params.items() if p.default is p.empty}
     wrong = draw(st.sampled_from(sorted(params)))
@@ -200,7 +252,9 @@ def wrong_call(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 @FUZZ
 @given(call=wrong_call())
-def test_arguments_of_the_wrong_type_are_refused_for_every_method(served: Served, call: tuple[str, dict]) -> None:
+def test_arguments_of_the_wrong_type_are_refused_for_every_method(
+    served: Served, call: tuple[str, dict]
+) -> None:
     before = snapshot(served)
     method, args = call
     status, answer = post(served, method, args_body(args))
@@ -209,7 +263,9 @@ def test_arguments_of_the_wrong_type_are_refused_for_every_method(served: Served
 
 
 @FUZZ
-@given(method=st.sampled_from(sorted(wire.READS)), args=st.dictionaries(st.text(max_size=12), JSON, max_size=4))
+@given(
+    method=st.sampled_from(sorted(wire.READS)), args=st.dictionaries(st.text(max_size=12), JSON, max_size=4)
+)
 def test_reads_with_any_arguments_never_fail_the_server(served: Served, method: str, args: dict) -> None:
     before = snapshot(served)
     status, answer = post(served, method, args_body(args))
@@ -227,11 +283,14 @@ def _closed_within(sock: socket.socket, seconds: float) -> bytes:
         pytest.fail(f"the server kept a stalled connection open for over {seconds} s")
 
 
-@pytest.mark.parametrize("sent", [
-    b"",  # connects, says nothing
-    b"POST /v1/list_runs HTTP/1.1\r\nHost: store\r\n",  # headers, never finished
-    head_of("POST", "/v1/list_runs", length=100) + b'{"args": ',  # a body that stops short
-])
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"",  # connects, says nothing
+        b"POST /v1/list_runs HTTP/1.1\r\nHost: store\r\n",  # headers, never finished
+        head_of("POST", "/v1/list_runs", length=100) + b'{"args": ',  # a body that stops short
+    ],
+)
 def test_a_stalled_client_is_dropped_and_others_are_served_meanwhile(served: Served, sent: bytes) -> None:
     host, port = served.url.removeprefix("http://").split(":")
     started = time.monotonic()

@@ -61,16 +61,25 @@ def test_the_token_guards_every_method_but_health(served: Served) -> None:
 
 
 def test_typed_errors_travel_as_status_codes_and_come_back_as_their_class(served: Served) -> None:
-    assert (post(served, "get_run", {"name": "nope"}).status_code, post(served, "get_run", {}).status_code) == (404, 400)
+    assert (
+        post(served, "get_run", {"name": "nope"}).status_code,
+        post(served, "get_run", {}).status_code,
+    ) == (404, 400)
     post(served, "apply_run", {"name": "r", "spec": SPEC})
     stale = post(served, "update_spec", {"name": "r", "spec": SPEC, "resource_version": 9})
     assert (stale.status_code, stale.json()["error"]["type"]) == (409, "Conflict")
     ghost = {"run": "r", "role": "actor", "replica": 0, "incarnation": 5}
     assert post(served, "heartbeat", {"worker": ghost}).status_code == 412
     assert post(served, "no_such_method", {}).status_code == 404
-    assert requests.get(f"{served.url}/v1/list_runs", headers={"Authorization": f"Bearer {TOKEN}"},
-                        timeout=10).status_code == 405
-    assert requests.get(f"{served.url}/v1/list_runs", timeout=10).status_code == 401, "nothing before the token"
+    assert (
+        requests.get(
+            f"{served.url}/v1/list_runs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        ).status_code
+        == 405
+    )
+    assert requests.get(f"{served.url}/v1/list_runs", timeout=10).status_code == 401, (
+        "nothing before the token"
+    )
 
     store = HttpStore(served.url, token=TOKEN)
     with pytest.raises(NotFound, match="nope"):
@@ -86,7 +95,9 @@ def test_typed_errors_travel_as_status_codes_and_come_back_as_their_class(served
         store.get_run()  # bound locally against the Store signature, never sent
 
 
-def test_a_server_error_is_unavailable_and_not_retried(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_server_error_is_unavailable_and_not_retried(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = []
 
     def broken(name: str):
@@ -259,7 +270,9 @@ def unavailable_at_first(served: Served, monkeypatch: pytest.MonkeyPatch, times:
     return calls
 
 
-def test_reads_and_idempotent_writes_are_sent_again_after_a_503(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reads_and_idempotent_writes_are_sent_again_after_a_503(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = HttpStore(served.url, token=TOKEN, retry_seconds=20)
     store.apply_run("r", SPEC)
     worker = store.create_worker("r", "actor", 0, "local", 10)

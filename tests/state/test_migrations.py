@@ -22,15 +22,40 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 # Rows as revision 0001 knew them (no runs.annotations yet).
 ROWS_0001 = {
     "runs": [
-        dict(name=n, uid=f"uid-{n}", labels={"team": "rl"}, spec={"model": {"name": "m"}}, generation=2,
-             resource_version=5, phase="Running", status={"phase": "Running", "step": 7}, created_at=NOW,
-             updated_at=NOW, deleted_at=None, purge_requested=False)
+        dict(
+            name=n,
+            uid=f"uid-{n}",
+            labels={"team": "rl"},
+            spec={"model": {"name": "m"}},
+            generation=2,
+            resource_version=5,
+            phase="Running",
+            status={"phase": "Running", "step": 7},
+            created_at=NOW,
+            updated_at=NOW,
+            deleted_at=None,
+            purge_requested=False,
+        )
         for n in ("a", "b")
     ],
     "workers": [
-        dict(run="a", role="actor", replica=0, incarnation=1, backend="local", handle="pid:1", state="Running",
-             heartbeat_at=NOW, lease_seconds=10.0, step=7, weight_version=7, exit_code=None, message=None,
-             started_at=NOW, ended_at=None)
+        dict(
+            run="a",
+            role="actor",
+            replica=0,
+            incarnation=1,
+            backend="local",
+            handle="pid:1",
+            state="Running",
+            heartbeat_at=NOW,
+            lease_seconds=10.0,
+            step=7,
+            weight_version=7,
+            exit_code=None,
+            message=None,
+            started_at=NOW,
+            ended_at=None,
+        )
     ],
     "checkpoints": [dict(run="a", step=5, path="/c/5", weight_version=5, complete=True, created_at=NOW)],
     "weights": [dict(run="a", version=7, step=7, path="/w/7", method="volume", created_at=NOW)],
@@ -38,8 +63,21 @@ ROWS_0001 = {
     "metrics": [dict(run="a", step=s, name="loss", value=1.0 / s, time=NOW) for s in (1, 2, 3)],
     "leases": [dict(name="leader", holder="ctl", token=3, expires_at=NOW, renewed_at=NOW)],
     "tasks": [
-        dict(run="a", step=8, slot=k, min_weight_version=7, payload={"p": k}, state="queued", lease_holder=None,
-             lease_token=0, lease_expires_at=None, attempts=0, result=None, created_at=NOW, done_at=None)
+        dict(
+            run="a",
+            step=8,
+            slot=k,
+            min_weight_version=7,
+            payload={"p": k},
+            state="queued",
+            lease_holder=None,
+            lease_token=0,
+            lease_expires_at=None,
+            attempts=0,
+            result=None,
+            created_at=NOW,
+            done_at=None,
+        )
         for k in range(3)
     ],
 }
@@ -69,11 +107,18 @@ def test_upgrade_from_0001_keeps_every_row(sql_store_url: str) -> None:
                 assert count == len(rows), name
         engine.dispose()
         run = store.get_run("a")
-        assert (run.annotations, run.spec, run.status["step"], run.resource_version) == ({}, {"model": {"name": "m"}}, 7, 5)
+        assert (run.annotations, run.spec, run.status["step"], run.resource_version) == (
+            {},
+            {"model": {"name": "m"}},
+            7,
+            5,
+        )
         assert run.created_at == NOW
         assert [m.value for m in store.list_metrics("a")] == [1.0, 0.5, 1.0 / 3]
         assert store.get_lease("leader").token == 3
-        assert [w.gpus for w in store.list_workers("a")] == [0]  # 0004: GPUs of workers recorded before it unknown
+        assert [w.gpus for w in store.list_workers("a")] == [
+            0
+        ]  # 0004: GPUs of workers recorded before it unknown
         assert [t.payload for t in store.step_results("a", 8)] == [{"p": 0}, {"p": 1}, {"p": 2}]
     finally:
         store.close()
@@ -83,7 +128,9 @@ def test_models_match_the_migrated_schema(sql_store_url: str) -> None:
     open_store(sql_store_url).close()
     engine = make_engine(sql_store_url)
     with connection(engine, write=False) as conn:
-        context = MigrationContext.configure(conn, opts={"compare_type": True, "version_table": VERSION_TABLE})
+        context = MigrationContext.configure(
+            conn, opts={"compare_type": True, "version_table": VERSION_TABLE}
+        )
         assert compare_metadata(context, SQLModel.metadata) == []
     engine.dispose()
 

@@ -32,8 +32,9 @@ def _app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
 @contextmanager
 def _served(**adjustments: Any) -> Iterator[str]:
     sockets: dict[int, Any] = {}
-    server = create_server(_app, map=sockets, host="127.0.0.1", port=0, threads=2, connection_limit=1000,
-                           **adjustments)
+    server = create_server(
+        _app, map=sockets, host="127.0.0.1", port=0, threads=2, connection_limit=1000, **adjustments
+    )
     halt = run_in_thread(server, sockets, "test-loop")
     try:
         yield f"http://127.0.0.1:{server.effective_port}"

@@ -26,8 +26,16 @@ def _actor(store: Store, run: str = "r") -> WorkerRef:
 
 
 def _sample(i: int, reward: float | None, **kw) -> NewCompletion:
-    fields = dict(sample=i, prompt=f"What is {i} + 1?", completion=str(i + 1), rewards={"correct": reward},
-                  reward=reward, advantage=0.5 - i, weight_version=3, extra={"seen": i})
+    fields = dict(
+        sample=i,
+        prompt=f"What is {i} + 1?",
+        completion=str(i + 1),
+        rewards={"correct": reward},
+        reward=reward,
+        advantage=0.5 - i,
+        weight_version=3,
+        extra={"seen": i},
+    )
     return NewCompletion(**{**fields, **kw})
 
 
@@ -38,21 +46,47 @@ def actor(store: Store) -> WorkerRef:
 
 
 def test_a_step_keeps_every_field_and_full_text(store: Store, actor: WorkerRef) -> None:
-    store.add_completions(actor, 1, [_sample(0, 1.0, completion=LONG, rewards={"correct": 1.0, "judge": None},
-                                             extra={"seen": 0, "note": "ok", "flag": True})])
+    store.add_completions(
+        actor,
+        1,
+        [
+            _sample(
+                0,
+                1.0,
+                completion=LONG,
+                rewards={"correct": 1.0, "judge": None},
+                extra={"seen": 0, "note": "ok", "flag": True},
+            )
+        ],
+    )
     [row] = store.list_completions("r", step=1)
-    assert (row.run, row.step, row.sample, row.completion, row.reward, row.advantage, row.weight_version) == \
-        ("r", 1, 0, LONG, 1.0, 0.5, 3)
+    assert (row.run, row.step, row.sample, row.completion, row.reward, row.advantage, row.weight_version) == (
+        "r",
+        1,
+        0,
+        LONG,
+        1.0,
+        0.5,
+        3,
+    )
     assert row.rewards == {"correct": 1.0, "judge": None}
     assert row.extra == {"seen": 0, "note": "ok", "flag": True}
     assert row.time.utcoffset() is not None
 
 
-def test_steps_are_listed_in_order_and_a_step_recorded_again_is_replaced(store: Store, actor: WorkerRef) -> None:
+def test_steps_are_listed_in_order_and_a_step_recorded_again_is_replaced(
+    store: Store, actor: WorkerRef
+) -> None:
     store.add_completions(actor, 2, [_sample(i, float(i)) for i in range(3)])
     store.add_completions(actor, 1, [_sample(i, float(i)) for i in range(2)])
     assert store.completion_steps("r") == [1, 2]
-    assert [(c.step, c.sample) for c in store.list_completions("r")] == [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+    assert [(c.step, c.sample) for c in store.list_completions("r")] == [
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
     store.add_completions(actor, 2, [_sample(0, 9.0)])  # a resumed actor trains step 2 again
     assert [(c.sample, c.reward) for c in store.list_completions("r", step=2)] == [(0, 9.0)]
     assert store.list_completions("r", step=7) == [] and store.completion_steps("other") == []
@@ -95,10 +129,26 @@ def test_migration_0003_adds_the_table_and_keeps_the_runs(sql_store_url: str) ->
         tables = MetaData()
         tables.reflect(conn)
         assert "completions" not in tables.tables
-        conn.execute(tables.tables["runs"].insert(), [dict(
-            name="old", uid="u", labels={}, annotations={}, spec=SPEC, generation=1, resource_version=1,
-            phase="Running", status={}, created_at=NOW, updated_at=NOW, deleted_at=None,
-            purge_requested=False)])
+        conn.execute(
+            tables.tables["runs"].insert(),
+            [
+                dict(
+                    name="old",
+                    uid="u",
+                    labels={},
+                    annotations={},
+                    spec=SPEC,
+                    generation=1,
+                    resource_version=1,
+                    phase="Running",
+                    status={},
+                    created_at=NOW,
+                    updated_at=NOW,
+                    deleted_at=None,
+                    purge_requested=False,
+                )
+            ],
+        )
     engine.dispose()
     store = open_store(sql_store_url)
     try:

@@ -50,7 +50,9 @@ def test_apply_created_unchanged_configured(store: Store) -> None:
     assert outcome is ApplyOutcome.configured
     assert (row.generation, row.resource_version, row.spec["rollout"]["replicas"]) == (2, 3, 3)
 
-    row, outcome = store.apply_run("r", _spec(replicas=3), {"team": "rl", "tier": "a"}, annotations={"note": "x"})
+    row, outcome = store.apply_run(
+        "r", _spec(replicas=3), {"team": "rl", "tier": "a"}, annotations={"note": "x"}
+    )
     assert outcome is ApplyOutcome.configured
     assert (row.generation, row.resource_version, row.annotations) == (2, 4, {"note": "x"})
     assert store.get_run("r") == row
@@ -90,7 +92,9 @@ def test_a_status_and_the_events_that_explain_it_land_together_or_not_at_all(sto
     assert row.phase == "Succeeded"
     assert [(e.type, e.reason, e.message) for e in store.list_events(run)] == [phase_event]
     with pytest.raises(Conflict):
-        store.write_status(run, {"phase": "Failed"}, resource_version=1, events=[("Warning", "Failed", "lost")])
+        store.write_status(
+            run, {"phase": "Failed"}, resource_version=1, events=[("Warning", "Failed", "lost")]
+        )
     assert [e.reason for e in store.list_events(run)] == ["Succeeded"], "a refused status wrote its event"
 
 
@@ -147,7 +151,9 @@ def test_delete_then_purge(store: Store, run: str) -> None:
     with pytest.raises(NotFound):
         store.get_run(run)
     assert store.list_workers(run) == [] and store.list_events(run) == []
-    assert store.list_metrics(run) == [] and store.list_checkpoints(run) == [] and store.list_weights(run) == []
+    assert (
+        store.list_metrics(run) == [] and store.list_checkpoints(run) == [] and store.list_weights(run) == []
+    )
     assert store.step_results(run, 1) == []
     assert [e.message for e in store.list_events("other")] == ["kept"]
     row, outcome = store.apply_run(run, SPEC)
@@ -156,7 +162,11 @@ def test_delete_then_purge(store: Store, run: str) -> None:
 
 # -- workers and fencing -------------------------------------------------------------------------
 def test_incarnations_increase_across_the_run(store: Store, run: str) -> None:
-    refs = [_worker(store, run, "actor", 0), _worker(store, run, "rollout", 0), _worker(store, run, "rollout", 1)]
+    refs = [
+        _worker(store, run, "actor", 0),
+        _worker(store, run, "rollout", 0),
+        _worker(store, run, "rollout", 1),
+    ]
     again = _worker(store, run, "rollout", 0)
     assert [r.incarnation for r in [*refs, again]] == [1, 2, 3, 4]
     rows = store.list_workers(run)
@@ -168,7 +178,9 @@ def test_incarnations_increase_across_the_run(store: Store, run: str) -> None:
     ]
 
 
-def test_heartbeat_carries_what_the_worker_is_doing_since_when_on_the_stores_clock(store: Store, run: str) -> None:
+def test_heartbeat_carries_what_the_worker_is_doing_since_when_on_the_stores_clock(
+    store: Store, run: str
+) -> None:
     ref = _worker(store, run)
     row = store.heartbeat(ref, activity="task 3.1", activity_seconds=42.0)
     assert row.activity == "task 3.1"
@@ -185,8 +197,10 @@ def test_heartbeat_carries_what_the_worker_is_doing_since_when_on_the_stores_clo
         assert row.activity_since <= row.heartbeat_at
 
 
-@pytest.mark.parametrize("seconds, age", [(None, 0.0), (3.5, 3.5), (-1.0, 0.0), (float("nan"), 0.0),
-                                          (float("inf"), 0.0), (1e12, 365 * 86400.0)])
+@pytest.mark.parametrize(
+    "seconds, age",
+    [(None, 0.0), (3.5, 3.5), (-1.0, 0.0), (float("nan"), 0.0), (float("inf"), 0.0), (1e12, 365 * 86400.0)],
+)
 def test_activity_age(seconds, age) -> None:
     from mortal.state.store import activity_age
 
@@ -240,7 +254,9 @@ def test_stale_incarnation_is_fenced(store: Store, run: str) -> None:
         store.heartbeat(WorkerRef(run, "rollout", 7, 1))
 
 
-def test_a_worker_of_a_purged_run_is_fenced_from_its_successor_of_the_same_name(store: Store, run: str) -> None:
+def test_a_worker_of_a_purged_run_is_fenced_from_its_successor_of_the_same_name(
+    store: Store, run: str
+) -> None:
     """Incarnations count from 1 again in a run created anew: the run's uid tells the two apart."""
     old_uid = store.get_run(run).uid
     old = WorkerRef(run, "actor", 0, _worker(store, run).incarnation, run_uid=old_uid)
@@ -251,7 +267,12 @@ def test_a_worker_of_a_purged_run_is_fenced_from_its_successor_of_the_same_name(
     new_uid = store.get_run(run).uid
     assert new_uid != old_uid
     new = WorkerRef(run, "actor", 0, _worker(store, run).incarnation, run_uid=new_uid)
-    assert (new.run, new.role, new.replica, new.incarnation) == (old.run, old.role, old.replica, old.incarnation)
+    assert (new.run, new.role, new.replica, new.incarnation) == (
+        old.run,
+        old.role,
+        old.replica,
+        old.incarnation,
+    )
     with pytest.raises(Fenced, match="earlier run"):
         store.heartbeat(old)
     assert store.heartbeat(new).state == "Running"
@@ -273,8 +294,13 @@ def test_a_result_reads_back_as_it_was_written(store: Store, run: str) -> None:
     actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
     store.enqueue_tasks(actor, [NewTask(step=1, slot=0, min_weight_version=0)])
     task = store.lease_task(rollout, 30)
-    result = {"completion_ids": [[151643, 0, 42]], "logprobs": [[-1e-320, -0.1, -3.0000000000000004, -0.0]],
-              "completions": ["déjà vu ✓ \u4e2d\u6587"], "rewards": {"a": [None, 1.5]}, "big": 2**70}
+    result = {
+        "completion_ids": [[151643, 0, 42]],
+        "logprobs": [[-1e-320, -0.1, -3.0000000000000004, -0.0]],
+        "completions": ["déjà vu ✓ \u4e2d\u6587"],
+        "rewards": {"a": [None, 1.5]},
+        "big": 2**70,
+    }
     assert store.complete_task(rollout, task.id, task.lease_token, result)
     (row,) = store.step_results(run, 1)
     assert row.result == result and repr(row.result["logprobs"]) == repr(result["logprobs"])
@@ -332,12 +358,16 @@ def test_expired_or_released_lease_fences(store: Store, run: str) -> None:
     assert store.acquire_lease("leader", "b", 10).token == 2
     assert store.get_lease("nope") is None
     naive = datetime.now(UTC).replace(tzinfo=None)  # naive times are taken as UTC
-    assert store.acquire_lease("other", "a", 10, now=naive).expires_at == (naive + timedelta(seconds=10)).replace(tzinfo=UTC)
+    assert store.acquire_lease("other", "a", 10, now=naive).expires_at == (
+        naive + timedelta(seconds=10)
+    ).replace(tzinfo=UTC)
 
 
 # -- task queue ----------------------------------------------------------------------------------
 def _tasks(*specs: tuple[int, int, int]) -> list[NewTask]:
-    return [NewTask(step=s, slot=k, min_weight_version=v, payload={"prompt": f"{s}.{k}"}) for s, k, v in specs]
+    return [
+        NewTask(step=s, slot=k, min_weight_version=v, payload={"prompt": f"{s}.{k}"}) for s, k, v in specs
+    ]
 
 
 def test_task_queue_order_and_idempotent_enqueue(store: Store, run: str) -> None:
@@ -353,7 +383,10 @@ def test_task_queue_order_and_idempotent_enqueue(store: Store, run: str) -> None
     assert store.step_states(run, 0) == ["done", "leased"] and store.step_states(run, 2) == []
     assert store.complete_task(rollout, order[1].id, order[1].lease_token, {"reward": 1})
     results = store.step_results(run, 0)
-    assert [(t.slot, t.state, t.result) for t in results] == [(0, "done", {"reward": 0}), (1, "done", {"reward": 1})]
+    assert [(t.slot, t.state, t.result) for t in results] == [
+        (0, "done", {"reward": 0}),
+        (1, "done", {"reward": 1}),
+    ]
     assert store.reset_tasks(actor, 1) == 2
     assert store.step_results(run, 1) == [] and len(store.step_results(run, 0)) == 2
 
@@ -470,15 +503,23 @@ def test_checkpoints(store: Store, run: str) -> None:
 
 def test_checkpoints_and_weights_keep_what_made_them(store: Store, run: str) -> None:
     ref = _worker(store, run)
-    made = {"specGeneration": 2, "rewardCode": "ab" * 32, "dataset": {"name": "d.jsonl", "rows": 3},
-            "position": {"step": 5, "consumed": 10}}
+    made = {
+        "specGeneration": 2,
+        "rewardCode": "ab" * 32,
+        "dataset": {"name": "d.jsonl", "rows": 3},
+        "position": {"step": 5, "consumed": 10},
+    }
     store.record_checkpoint(ref, 5, "/ckpt/5", weight_version=5, provenance=made)
     store.record_checkpoint(ref, 6, "/ckpt/6", weight_version=6)
     assert [c.provenance for c in store.list_checkpoints(run)] == [made, None]
     store.publish_weights(ref, 5, step=5, path="/w/v5", provenance=made)
     assert store.latest_weights(run).provenance == made
-    again = store.record_checkpoint(ref, 5, "/ckpt/5b", weight_version=7, provenance={**made, "specGeneration": 3})
-    assert again.provenance["specGeneration"] == 3 == store.list_checkpoints(run)[0].provenance["specGeneration"]
+    again = store.record_checkpoint(
+        ref, 5, "/ckpt/5b", weight_version=7, provenance={**made, "specGeneration": 3}
+    )
+    assert (
+        again.provenance["specGeneration"] == 3 == store.list_checkpoints(run)[0].provenance["specGeneration"]
+    )
 
 
 def test_weights(store: Store, run: str) -> None:

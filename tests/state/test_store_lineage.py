@@ -16,8 +16,12 @@ def _actor(store: Store, run: str) -> WorkerRef:
 
 def test_fork_run_creates_the_run_with_its_lineage_and_starting_checkpoint(store: Store) -> None:
     row = store.fork_run("child", SPEC, {"team": "rl"}, {"note": "x"}, "parent", 20, "/ckpt/step-20", 7)
-    assert (row.forked_from, row.forked_from_step, row.labels, row.annotations) == ("parent", 20, {"team": "rl"},
-                                                                                    {"note": "x"})
+    assert (row.forked_from, row.forked_from_step, row.labels, row.annotations) == (
+        "parent",
+        20,
+        {"team": "rl"},
+        {"note": "x"},
+    )
     assert store.get_run("child").forked_from == "parent"
     [ckpt] = store.list_checkpoints("child")
     assert (ckpt.step, ckpt.path, ckpt.weight_version, ckpt.complete) == (20, "/ckpt/step-20", 7, True)

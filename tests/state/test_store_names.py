@@ -15,12 +15,25 @@ from mortal.state import InvalidName, InvalidValue, NotFound, Store, StoreError
 from mortal.state.http_server import Served, serve
 
 SPEC = {"model": {"name": "tiny"}}
-BAD_RUN_NAMES = ["../../victim", "", "a\x00b", "x" * 1_000_000, "Upper", "a/b", "..", "-lead", "a_b", "x" * 64]
+BAD_RUN_NAMES = [
+    "../../victim",
+    "",
+    "a\x00b",
+    "x" * 1_000_000,
+    "Upper",
+    "a/b",
+    "..",
+    "-lead",
+    "a_b",
+    "x" * 64,
+]
 TOKEN = "t0ken"
 
 
 @pytest.mark.parametrize("name", BAD_RUN_NAMES, ids=lambda n: repr(n[:12]) + f"-{len(n)}")
-def test_a_run_name_that_is_not_a_dns1123_label_is_refused_and_nothing_is_stored(store: Store, name: str) -> None:
+def test_a_run_name_that_is_not_a_dns1123_label_is_refused_and_nothing_is_stored(
+    store: Store, name: str
+) -> None:
     with pytest.raises(InvalidName, match="trainingrun name must be a DNS-1123 label") as refused:
         store.apply_run(name, SPEC)
     assert len(str(refused.value)) < 1000, "a megabyte name is not echoed whole"
@@ -35,20 +48,26 @@ def test_the_refusal_is_a_value_error_of_the_store(store: Store) -> None:
     assert isinstance(refused.value, StoreError) and isinstance(refused.value, ValueError)
 
 
-@pytest.mark.parametrize(("labels", "annotations", "message"), [
-    ({"../k": "v"}, {}, "label key '../k'"),
-    ({"team": "a b"}, {}, "label value 'a b'"),
-    ({"team": "x" * 64}, {}, "label value"),
-    ({"Bad_Prefix/k": "v"}, {}, "prefix before '/'"),
-    ({}, {"a/b/c": "free text"}, "annotation key 'a/b/c'"),
-    ({}, {"": "x"}, "annotation key ''"),
-])
-def test_label_and_annotation_keys_and_label_values_follow_kubernetes_rules(store: Store, labels, annotations,
-                                                                           message) -> None:
+@pytest.mark.parametrize(
+    ("labels", "annotations", "message"),
+    [
+        ({"../k": "v"}, {}, "label key '../k'"),
+        ({"team": "a b"}, {}, "label value 'a b'"),
+        ({"team": "x" * 64}, {}, "label value"),
+        ({"Bad_Prefix/k": "v"}, {}, "prefix before '/'"),
+        ({}, {"a/b/c": "free text"}, "annotation key 'a/b/c'"),
+        ({}, {"": "x"}, "annotation key ''"),
+    ],
+)
+def test_label_and_annotation_keys_and_label_values_follow_kubernetes_rules(
+    store: Store, labels, annotations, message
+) -> None:
     with pytest.raises(InvalidName, match=message):
         store.apply_run("r", SPEC, labels, annotations)
     assert store.list_runs() == []
-    row, _ = store.apply_run("r", SPEC, {"team": "rl", "mortal.dev/tier": ""}, {"mortal.dev/source-dir": "/any/thing"})
+    row, _ = store.apply_run(
+        "r", SPEC, {"team": "rl", "mortal.dev/tier": ""}, {"mortal.dev/source-dir": "/any/thing"}
+    )
     assert row.annotations == {"mortal.dev/source-dir": "/any/thing"}, "annotation values are free text"
 
 
@@ -76,11 +95,19 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 @pytest.mark.parametrize("name", BAD_RUN_NAMES, ids=lambda n: repr(n[:12]) + f"-{len(n)}")
 def test_over_http_a_refused_name_is_a_422_that_names_the_rule(served: Served, name: str) -> None:
-    answer = requests.post(f"{served.url}/v1/apply_run", json={"args": {"name": name, "spec": SPEC}},
-                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    answer = requests.post(
+        f"{served.url}/v1/apply_run",
+        json={"args": {"name": name, "spec": SPEC}},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"]["type"] == "InvalidName"
     assert "must be a DNS-1123 label" in answer.json()["error"]["message"]
-    listed = requests.post(f"{served.url}/v1/list_runs", json={"args": {}},
-                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    listed = requests.post(
+        f"{served.url}/v1/list_runs",
+        json={"args": {}},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
     assert listed.json()["result"] == []

@@ -22,14 +22,20 @@ from mortal.workers.runtime import WorkerContext
 SHORT_TASK_LEASE = {"mortal.dev/task-lease-seconds": "4"}
 
 
-def create_run(store: Store, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None) -> TrainingRun:
+def create_run(
+    store: Store, name: str, spec: dict[str, Any], annotations: dict[str, str] | None = None
+) -> TrainingRun:
     """Apply a run (validated through TrainingRun first) and return it as workers see it."""
-    run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations or {}}, "spec": spec})
+    run = TrainingRun.model_validate(
+        {"metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
+    )
     row, _ = store.apply_run(name, run.spec_dict(), annotations=annotations or {})
     return row.document()  # as workers read it (mortal.workers.runtime.load_run): generation and all
 
 
-def worker_context(store: Store, run: TrainingRun, role: str, replica: int = 0, lease: float = 60.0) -> WorkerContext:
+def worker_context(
+    store: Store, run: TrainingRun, role: str, replica: int = 0, lease: float = 60.0
+) -> WorkerContext:
     """A new incarnation of the slot (as the controller would create it) and its context."""
     row = store.create_worker(run.name, role, replica, "local", lease_seconds=lease)
     ref = WorkerRef(run=run.name, role=role, replica=replica, incarnation=row.incarnation)

@@ -13,9 +13,19 @@ from mortal.state import Store
 
 HERE = Path(__file__).parent
 # Worker environment the spec hands over by name (spec.secrets): the test's reward module, one torch thread.
-HANDED = {"PYTHONPATH": str(HERE), "MORTAL_THREADS": "1", "WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1"}
-CONFIG = ControllerConfig(plan=PlanConfig(launch_grace_seconds=5.0, active_resync_seconds=0.5),
-                          worker_lease_seconds=10.0, poll_seconds=0.25, retry_base_seconds=0.2, retry_max_seconds=5.0)
+HANDED = {
+    "PYTHONPATH": str(HERE),
+    "MORTAL_THREADS": "1",
+    "WANDB_MODE": "disabled",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+}
+CONFIG = ControllerConfig(
+    plan=PlanConfig(launch_grace_seconds=5.0, active_resync_seconds=0.5),
+    worker_lease_seconds=10.0,
+    poll_seconds=0.25,
+    retry_base_seconds=0.2,
+    retry_max_seconds=5.0,
+)
 
 
 def hand_over(monkeypatch) -> None:

@@ -22,12 +22,21 @@ from typing import Any
 SHARED_ASSETS = Path(os.environ.get("MORTAL_TEST_ASSETS", "/work/shared/anchors/assets"))
 CACHED_ASSETS = Path(tempfile.gettempdir()) / f"mortal-test-assets-{os.getuid()}"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
 
 
 def _complete(folder: Path) -> bool:
-    return (folder / "smollm2-cfg" / "config.json").is_file() and (folder / "smollm2-tok" / "tokenizer.json").is_file()
+    return (folder / "smollm2-cfg" / "config.json").is_file() and (
+        folder / "smollm2-tok" / "tokenizer.json"
+    ).is_file()
 
 
 def _extract_from_gguf(target: Path) -> Path | None:
@@ -85,14 +94,17 @@ def make_tiny_model(folder: Path, seed: int = 0, **config_overrides: Any) -> Pat
     return folder
 
 
-def training_spec(model: str, rewards: list[dict[str, Any]] | None = None, **overrides: Any) -> dict[str, Any]:
+def training_spec(
+    model: str, rewards: list[dict[str, Any]] | None = None, **overrides: Any
+) -> dict[str, Any]:
     """A camelCase spec dict for a small CPU run of `model` on builtin:arith."""
     spec: dict[str, Any] = {
         "model": {"name": model, "dtype": "float32"},
         "dataset": {"name": "builtin:arith"},
         "algorithm": {"numGenerations": 4, "batchSize": 8, "maxSteps": 2},
         "generation": {"maxTokens": 8, "engine": "transformers"},
-        "rewards": rewards or [
+        "rewards": rewards
+        or [
             {"function": "mortal.workers.rewards.builtin:correct_answer"},
             {"function": "mortal.workers.rewards.builtin:short_answer", "weight": 0.2},
         ],
@@ -107,7 +119,9 @@ def create_run(store: Any, name: str, spec: dict[str, Any], annotations: dict[st
     """Validate and apply a run; returns the TrainingRun as a worker reads it back."""
     from mortal.specs import TrainingRun
 
-    run = TrainingRun.model_validate({"metadata": {"name": name, "annotations": annotations or {}}, "spec": spec})
+    run = TrainingRun.model_validate(
+        {"metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
+    )
     row, _ = store.apply_run(name, run.spec_dict(), annotations=annotations or {})
     return TrainingRun.from_record(row.name, row.spec, row.status, annotations=row.annotations, uid=row.uid)
 
@@ -125,15 +139,18 @@ def arith_task(step: int, slot: int, row: dict[str, Any], n: int = 4, min_versio
     return chunk_task(step, slot, [row], n=n, min_version=min_version, first_slot=slot)
 
 
-def chunk_task(step: int, slot: int, rows: list[dict[str, Any]], n: int = 4, min_version: int = 0,
-               first_slot: int = 0) -> Any:
+def chunk_task(
+    step: int, slot: int, rows: list[dict[str, Any]], n: int = 4, min_version: int = 0, first_slot: int = 0
+) -> Any:
     """A task of several prompts (one RolloutTask, generated in one engine call); request i has the
     seed of step slot `first_slot + i`, as the actor's feed gives it."""
     from mortal.state import NewTask
     from mortal.workers.messages import RolloutRequest, RolloutTask
 
-    requests = [RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=1000 * step + first_slot + i)
-                for i, row in enumerate(rows)]
+    requests = [
+        RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=1000 * step + first_slot + i)
+        for i, row in enumerate(rows)
+    ]
     task = RolloutTask(requests=requests, first_slot=first_slot)
     return NewTask(step=step, slot=slot, min_weight_version=min_version, payload=task.model_dump(mode="json"))
 

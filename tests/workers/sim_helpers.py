@@ -38,15 +38,31 @@ class SimCluster:
         self.store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
         return run
 
-    def start(self, run: str, role: str, replica: int = 0, lease_seconds: float = 5.0,
-              heartbeat_seconds: float = 0.2) -> Started:
+    def start(
+        self,
+        run: str,
+        role: str,
+        replica: int = 0,
+        lease_seconds: float = 5.0,
+        heartbeat_seconds: float = 0.2,
+    ) -> Started:
         row = self.store.create_worker(run, role, replica, "local", lease_seconds)
         ref = WorkerRef(run, role, replica, row.incarnation)
-        handle = self.backend.launch(WorkerLaunch(
-            run=run, role=role, replica=replica, incarnation=row.incarnation, worker_id=ref.id,
-            state_url=self.url, mortal_home=str(self.home), heartbeat_seconds=heartbeat_seconds,
-            state_token=launch_token(self.url, ref),  # what the controller gives a worker of an HTTP store
-        ))
+        handle = self.backend.launch(
+            WorkerLaunch(
+                run=run,
+                role=role,
+                replica=replica,
+                incarnation=row.incarnation,
+                worker_id=ref.id,
+                state_url=self.url,
+                mortal_home=str(self.home),
+                heartbeat_seconds=heartbeat_seconds,
+                state_token=launch_token(
+                    self.url, ref
+                ),  # what the controller gives a worker of an HTTP store
+            )
+        )
         self.store.set_worker_handle(row.id, handle)
         self.handles.append(handle)
         return Started(row, ref, handle)
@@ -59,6 +75,7 @@ class SimCluster:
 
     def wait_exit(self, started: Started, timeout: float = 30.0) -> int | None:
         """The worker's exit code, once it has exited."""
+
         def exited() -> BackendWorker | None:
             worker = self.listed(started)
             return worker if worker is not None and not worker.alive else None

@@ -32,8 +32,9 @@ def test_the_snapshot_comes_first_on_the_path_and_is_the_working_folder(mortal_h
     assert os.environ["PYTHONPATH"] == f"{folder}{os.pathsep}/elsewhere"  # processes it starts see it too
 
 
-@pytest.mark.parametrize(("digest", "says"), [(DIGEST, "is not on this machine"),
-                                             ("../../etc", "not a sha256")])
+@pytest.mark.parametrize(
+    ("digest", "says"), [(DIGEST, "is not on this machine"), ("../../etc", "not a sha256")]
+)
 def test_a_missing_or_malformed_snapshot_fails_the_worker_naming_it(mortal_home, digest, says):
     with pytest.raises(FatalWorkerError) as failed:
         use_code_snapshot({paths.CODE_SNAPSHOT_ENV: digest, "MORTAL_HOME": str(mortal_home)}, WORKER)

@@ -52,10 +52,14 @@ def test_jsonl_with_prompt_column_system_prompt_and_max_samples(tmp_path: Path) 
 
 def test_chat_prompts_get_the_system_message_in_front(tmp_path: Path) -> None:
     path = tmp_path / "d.json"
-    path.write_text(json.dumps([
-        {"prompt": [{"role": "user", "content": "hi"}]},
-        {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "hi"}]},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {"prompt": [{"role": "user", "content": "hi"}]},
+                {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "hi"}]},
+            ]
+        )
+    )
     first, second = load_rows(spec(str(path), system_prompt="Be brief."))
     assert first["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert second["prompt"][0] == {"role": "system", "content": "own"}  # a row's own system message wins

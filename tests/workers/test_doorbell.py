@@ -84,7 +84,9 @@ def test_only_workers_whose_backend_says_so_ring_and_listen(tmp_path: Path, monk
     monkeypatch.delenv(DOORBELLS_ENV, raising=False)
     silent = Doorbell.for_worker(tmp_path, RESULTS)
     silent.ring(RESULTS)
-    assert not silent.hears and not (tmp_path / FOLDER).exists()  # nothing written to a run's (network) folder
+    assert (
+        not silent.hears and not (tmp_path / FOLDER).exists()
+    )  # nothing written to a run's (network) folder
     monkeypatch.setenv(DOORBELLS_ENV, "1")
     bell = Doorbell.for_worker(tmp_path, RESULTS)
     assert bell.hears

@@ -37,12 +37,18 @@ def controller(mortal_home: Path) -> Iterator[tuple[Store, subprocess.Popen[byte
     url = f"sqlite:///{mortal_home / 'state.db'}"
     store = open_store(url)
     env = dict(
-        os.environ, MORTAL_HOME=str(mortal_home), MORTAL_STATE_URL=url, MORTAL_THREADS="1", WANDB_MODE="disabled",
-        TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        os.environ,
+        MORTAL_HOME=str(mortal_home),
+        MORTAL_STATE_URL=url,
+        MORTAL_THREADS="1",
+        WANDB_MODE="disabled",
+        TRL_EXPERIMENTAL_SILENCE="1",
+        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     )
     with open(mortal_home / "controller.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mortal.controller"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         yield store, proc
     finally:
@@ -67,7 +73,9 @@ def _kill(handle: str) -> None:
 
 
 def _live(store: Store, run: str, role: str):
-    return next((w for w in store.list_workers(run) if w.role == role and w.state == "Running" and w.handle), None)
+    return next(
+        (w for w in store.list_workers(run) if w.role == role and w.state == "Running" and w.handle), None
+    )
 
 
 def test_a_run_killed_at_a_random_step_resumes_bit_for_bit(controller, tmp_path: Path) -> None:
@@ -81,7 +89,9 @@ def test_a_run_killed_at_a_random_step_resumes_bit_for_bit(controller, tmp_path:
     print(f"MORTAL_TEST_SEED={seed}: kill steps {kill_at}")
     model = make_tiny_model(tmp_path / "model")
     spec = actor_spec(
-        str(model), algorithm={"maxSteps": MAX_STEPS, "maxStaleness": 0}, checkpoint={"every": EVERY, "keep": 3},
+        str(model),
+        algorithm={"maxSteps": MAX_STEPS, "maxStaleness": 0},
+        checkpoint={"every": EVERY, "keep": 3},
         restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
     )
     for name in ("straight", *kill_at):
@@ -97,7 +107,12 @@ def test_a_run_killed_at_a_random_step_resumes_bit_for_bit(controller, tmp_path:
             break
         for name, step in kill_at.items():
             actor = _live(store, name, "actor")
-            if name in killed or actor is None or (actor.step or 0) < step or store.latest_checkpoint(name) is None:
+            if (
+                name in killed
+                or actor is None
+                or (actor.step or 0) < step
+                or store.latest_checkpoint(name) is None
+            ):
                 continue
             victim = _live(store, name, "actor" if name == "kill-actor" else "rollout")
             if victim is not None:
@@ -116,4 +131,3 @@ def test_a_run_killed_at_a_random_step_resumes_bit_for_bit(controller, tmp_path:
         roles = [w.role for w in store.list_workers(name)]
         victim_role = "actor" if name == "kill-actor" else "rollout"
         assert roles.count(victim_role) >= 2, (name, roles)
-

@@ -77,7 +77,9 @@ def test_fork_of_a_finished_run_trains_on_from_its_checkpoint(sqlite_store, cli,
     cli("fork", "parent:step-2", "child-lr", "--set", "spec.algorithm.learningRate=5e-3")
     ckpt = store.list_checkpoints("child")
     assert [(c.step, c.path) for c in ckpt] == [(2, str(paths.checkpoints_dir("child") / "step-2"))]
-    assert "Forked from:" in cli("describe", "run", "child") and "parent at step 2" in cli("describe", "run", "child")
+    assert "Forked from:" in cli("describe", "run", "child") and "parent at step 2" in cli(
+        "describe", "run", "child"
+    )
 
     assert run_actor_with_rollout(store, _document(store, "child")) == EXIT_SUCCEEDED
     assert sorted(_metric(store, "child", "loss")) == [3, 4]  # NEW's first step is N+1
@@ -86,14 +88,20 @@ def test_fork_of_a_finished_run_trains_on_from_its_checkpoint(sqlite_store, cli,
     assert final_weights_hash(store, "child") == final_weights_hash(store, "parent")  # an exact resume
 
     assert run_actor_with_rollout(store, _document(store, "child-lr")) == EXIT_SUCCEEDED
-    parent_lr, child_lr = _metric(store, "parent", "learning_rate"), _metric(store, "child-lr", "learning_rate")
+    parent_lr, child_lr = (
+        _metric(store, "parent", "learning_rate"),
+        _metric(store, "child-lr", "learning_rate"),
+    )
     assert sorted(child_lr) == [3, 4]
-    assert child_lr[3] == pytest.approx(parent_lr[3] * 5e-3 / 1e-2)  # the spec's rate, at the schedule's point
+    assert child_lr[3] == pytest.approx(
+        parent_lr[3] * 5e-3 / 1e-2
+    )  # the spec's rate, at the schedule's point
     assert final_weights_hash(store, "child-lr") != final_weights_hash(store, "parent")
 
 
-def test_rollback_forgets_later_steps_and_trains_them_again_from_the_checkpoint(sqlite_store, cli,
-                                                                                 tiny_dir: Path) -> None:
+def test_rollback_forgets_later_steps_and_trains_them_again_from_the_checkpoint(
+    sqlite_store, cli, tiny_dir: Path
+) -> None:
     store = sqlite_store
     spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 5}, checkpoint={"every": 2, "keep": 5})
     run = create_run(store, "r", spec)
@@ -104,7 +112,9 @@ def test_rollback_forgets_later_steps_and_trains_them_again_from_the_checkpoint(
     assert sorted(loss_before) == [1, 2, 3, 4]
 
     out = cli("rollback", "r", "--to", "step-2")
-    assert "trainingrun/r rolled back to step 2; later checkpoints: step-4 (kept in " in out and "resumed" in out
+    assert (
+        "trainingrun/r rolled back to step 2; later checkpoints: step-4 (kept in " in out and "resumed" in out
+    )
     assert [c.step for c in store.list_checkpoints("r")] == [2]
     assert sorted(_metric(store, "r", "loss")) == [1, 2]
     [kept] = (paths.run_dir("r") / "rolled-back").glob("*/step-4")
@@ -118,5 +128,7 @@ def test_rollback_forgets_later_steps_and_trains_them_again_from_the_checkpoint(
     assert actor.step == 5
     loss_after = _metric(store, "r", "loss")
     assert sorted(loss_after) == [1, 2, 3, 4, 5]
-    assert [loss_after[s] for s in (3, 4)] == [loss_before[s] for s in (3, 4)]  # steps 3, 4 trained again alike
+    assert [loss_after[s] for s in (3, 4)] == [
+        loss_before[s] for s in (3, 4)
+    ]  # steps 3, 4 trained again alike
     assert [c.step for c in store.list_checkpoints("r")] == [2, 4, 5]

@@ -42,16 +42,24 @@ def store(sqlite_store):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("sync", ["volume", "ipc"])
-def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(store, tiny_dir: Path, monkeypatch,
-                                                                   sync: str) -> None:
+def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(
+    store, tiny_dir: Path, monkeypatch, sync: str
+) -> None:
     """ipc with the rollout in the actor's own process: it reads the actor's snapshot ring directly. The start's
     overlaps are off here (actor.queues_ahead, actor.warms_up): in one process the rollout thread's first CUDA
     graph capture would run beside the actor thread's model load and warm-up, which a capture does not allow;
     a worker has its own process (the controller tests below run them)."""
     monkeypatch.setattr(actor, "queues_ahead", lambda spec: False)
     monkeypatch.setattr(actor, "warms_up", lambda spec, world: False)
-    spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"}, rollout={"gpu": "H100"},
-                      algorithm={"maxSteps": 2}, checkpoint={"every": 10, "keep": 1}, sync={"method": sync})
+    spec = actor_spec(
+        str(tiny_dir),
+        model={"dtype": "bfloat16"},
+        actor={"gpu": "H100"},
+        rollout={"gpu": "H100"},
+        algorithm={"maxSteps": 2},
+        checkpoint={"every": 10, "keep": 1},
+        sync={"method": sync},
+    )
     run = create_run(store, "gpu", spec)
     trainers = []
     build = actor.build_trainer
@@ -110,7 +118,8 @@ def test_transformers_engine_on_cuda_is_deterministic_and_leaves_the_cuda_rng_al
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weights(
-        tiny_dir: Path, tmp_path: Path) -> None:
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     """float32 on CUDA, compiled decoding over a static cache: the engine's logprobs match one plain
     forward pass of the sampled tokens, and still do once other weights are loaded (the compiled graphs
     read the same parameter tensors, refilled in place)."""
@@ -126,7 +135,7 @@ def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weight
             full = torch.tensor([prompt + c.ids], device="cuda")
             with torch.no_grad():
                 logits = engine.model(full).logits[0, len(prompt) - 1 : -1].float() / 0.7
-            expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None]).squeeze(1).cpu()
+            expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt) :, None]).squeeze(1).cpu()
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-3, rtol=1e-3)
         return outs
 
@@ -138,7 +147,9 @@ def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weight
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_cuda_task_of_several_prompts_is_one_batch_matching_each_prompts_forward_pass(tiny_dir: Path) -> None:
+def test_a_cuda_task_of_several_prompts_is_one_batch_matching_each_prompts_forward_pass(
+    tiny_dir: Path,
+) -> None:
     """The compiled path's batch holds every prompt x n of a task, left-padded: each group's logprobs match a
     plain forward pass of its own unpadded prompt, and the same task with the same seeds gives the same tokens."""
     spec = ModelSpec(name=str(tiny_dir), dtype="float32")
@@ -146,7 +157,11 @@ def test_a_cuda_task_of_several_prompts_is_one_batch_matching_each_prompts_forwa
     engine = TransformersEngine.create(spec, tokenizer, device="cuda")
     assert engine.compiled
     long = [{"role": "user", "content": "Add these up: " + " + ".join(str(i) for i in range(40))}]
-    prompts = [encode_prompt(tokenizer, "What is 2 + 3?"), encode_prompt(tokenizer, CHAT), encode_prompt(tokenizer, long)]
+    prompts = [
+        encode_prompt(tokenizer, "What is 2 + 3?"),
+        encode_prompt(tokenizer, CHAT),
+        encode_prompt(tokenizer, long),
+    ]
     assert len({len(p) for p in prompts}) == 3
     params = GenerationParams(max_tokens=12, temperature=0.8)
     groups = engine.generate(prompts, 3, [5, 6, 7], params)
@@ -156,7 +171,7 @@ def test_a_cuda_task_of_several_prompts_is_one_batch_matching_each_prompts_forwa
             full = torch.tensor([prompt + c.ids], device="cuda")
             with torch.no_grad():
                 logits = engine.model(full).logits[0, len(prompt) - 1 : -1].float() / 0.8
-            expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None]).squeeze(1).cpu()
+            expected = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt) :, None]).squeeze(1).cpu()
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-3, rtol=1e-3)
     again = engine.generate(prompts, 3, [5, 6, 7], params)
     assert [[c.ids for c in g] for g in again] == [[c.ids for c in g] for g in groups]
@@ -177,20 +192,28 @@ def test_a_colocated_run_trains_on_one_gpu_through_the_controller(mortal_home: P
     """rollout.colocate on a machine's first GPU: the actor and both rollouts see the same device."""
     from mortal.state import paths
 
-    spec = actor_spec(str(tiny_dir), model={"dtype": "bfloat16"}, actor={"gpu": "H100"},
-                      rollout={"gpu": "H100", "replicas": 2, "colocate": True}, algorithm={"maxSteps": 3})
+    spec = actor_spec(
+        str(tiny_dir),
+        model={"dtype": "bfloat16"},
+        actor={"gpu": "H100"},
+        rollout={"gpu": "H100", "replicas": 2, "colocate": True},
+        algorithm={"maxSteps": 3},
+    )
     row, events = _run_through_a_controller(mortal_home, "colo", spec)
     assert row.phase == "Succeeded", (row.status, [e.message for e in events])
     for role, replica in (("actor", 0), ("rollout", 0), ("rollout", 1)):
         logs = sorted(paths.run_dir("colo").rglob(f"{role}-{replica}-*.log"))
-        assert logs and "CUDA_VISIBLE_DEVICES='0'" in logs[0].read_text(), f"{role}-{replica} was not on GPU 0"
+        assert logs and "CUDA_VISIBLE_DEVICES='0'" in logs[0].read_text(), (
+            f"{role}-{replica} was not on GPU 0"
+        )
     assert "engine transformers on cuda" in logs[0].read_text()
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_real_cuda_out_of_memory_is_diagnosed_relaunched_once_then_fails_the_run(mortal_home: Path,
-                                                                                   tiny_dir: Path) -> None:
+def test_a_real_cuda_out_of_memory_is_diagnosed_relaunched_once_then_fails_the_run(
+    mortal_home: Path, tiny_dir: Path
+) -> None:
     """A colocated rollout whose share of the GPU (rollout.gpuMemoryUtilization) cannot hold the model: the
     CUDA caching allocator refuses its weights (a real torch out-of-memory, not a simulated one), the
     worker reports the figures torch gave, MemoryFits turns False with one Warning event naming the
@@ -198,15 +221,20 @@ def test_a_real_cuda_out_of_memory_is_diagnosed_relaunched_once_then_fails_the_r
     # 4 MiB of whatever GPU this is (0.0001 was 8 MB of an H100 but 14 MB of an H200, which held the tiny
     # model's 12 MB embedding and refused only the KV cache: engines/static_decode.py's budget refusal)
     share = float(f"{4 * 2**20 / torch.cuda.get_device_properties(0).total_memory:.1g}")
-    spec = actor_spec(str(tiny_dir), actor={"gpu": "H100"},
-                      rollout={"gpu": "H100", "replicas": 1, "colocate": True, "gpuMemoryUtilization": share},
-                      restartPolicy={"maxRestarts": 10, "backoffSeconds": 0.2})
+    spec = actor_spec(
+        str(tiny_dir),
+        actor={"gpu": "H100"},
+        rollout={"gpu": "H100", "replicas": 1, "colocate": True, "gpuMemoryUtilization": share},
+        restartPolicy={"maxRestarts": 10, "backoffSeconds": 0.2},
+    )
     row, events = _run_through_a_controller(mortal_home, "oom", spec)
     assert row.phase == "Failed", (row.status, [e.message for e in events])
     failed = next(c for c in row.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "OutOfMemory"
-    assert re.match(r"rollout-0 #\d+ ran out of GPU memory: tried to allocate [\d.]+ MiB on GPU 0 \(total ",
-                    failed["message"]), failed["message"]
+    assert re.match(
+        r"rollout-0 #\d+ ran out of GPU memory: tried to allocate [\d.]+ MiB on GPU 0 \(total ",
+        failed["message"],
+    ), failed["message"]
     assert f"raise rollout.gpuMemoryUtilization (now {share})" in failed["message"]
     memory = next(c for c in row.status["conditions"] if c["type"] == "MemoryFits")
     assert (memory["status"], memory["reason"]) == ("False", "OutOfMemory")
@@ -229,12 +257,18 @@ def _run_through_a_controller(mortal_home: Path, name: str, spec: dict) -> tuple
     store = open_store(url)
     run = TrainingRun.model_validate({"metadata": {"name": name}, "spec": spec})
     store.apply_run(name, run.spec_dict())
-    env = dict(os.environ, MORTAL_HOME=str(mortal_home), MORTAL_STATE_URL=url, CUDA_VISIBLE_DEVICES="0",
-               WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
-                                                                 os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        MORTAL_HOME=str(mortal_home),
+        MORTAL_STATE_URL=url,
+        CUDA_VISIBLE_DEVICES="0",
+        WANDB_MODE="disabled",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
     with open(mortal_home / "controller.log", "ab") as log:
-        controller = subprocess.Popen([sys.executable, "-m", "mortal.controller"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT)
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "mortal.controller"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + 240
         while store.get_run(name).phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
@@ -259,12 +293,15 @@ def _decode_under_a_share(model_dir: str) -> tuple[int, int, bool]:
     spec = ModelSpec(name=model_dir, dtype="float32")
     tokenizer = load_tokenizer(spec)
     prompt = encode_prompt(tokenizer, CHAT)
-    sizes = StaticDecoder(load_model(spec, "cpu", for_training=False), compile=False)  # sizes only, off the GPU
+    sizes = StaticDecoder(
+        load_model(spec, "cpu", for_training=False), compile=False
+    )  # sizes only, off the GPU
     width = -(-len(prompt) // 64) * 64  # the engine's prompt bucket
     row = (width + 12) * kv_bytes_per_token(sizes.model) + SAMPLING_COPIES * 4 * sizes.vocab
     need = budget_for_rows(sizes.weight_bytes, row, DEFAULT_KEPT_SHAPES, 3)
-    engine = TransformersEngine.create(spec, tokenizer, device="cuda",
-                                       memory_share=need / torch.cuda.get_device_properties(0).total_memory)
+    engine = TransformersEngine.create(
+        spec, tokenizer, device="cuda", memory_share=need / torch.cuda.get_device_properties(0).total_memory
+    )
     [outs] = engine.generate([prompt], 8, [5], GenerationParams(max_tokens=12, temperature=1.0))
     try:
         torch.empty(need, dtype=torch.uint8, device="cuda")  # past the cap, though the GPU has room
@@ -291,7 +328,9 @@ def test_a_memory_share_caps_the_rollout_and_plans_its_decode_rows_on_cuda(tiny_
 
 @pytest.mark.gpu
 @needs_cuda
-def test_liger_kernels_train_the_first_step_as_the_plain_model_does(mortal_home: Path, tiny_dir: Path) -> None:
+def test_liger_kernels_train_the_first_step_as_the_plain_model_does(
+    mortal_home: Path, tiny_dir: Path
+) -> None:
     """actor.liger through the controller (each worker a process of its own, as a user runs it: Liger patches
     the actor's process only): the actor says its model has Liger's kernels, and its first step (the same
     rollouts: the rollout samples each seed alike) has the plain model's loss and gradient norm within float32
@@ -302,8 +341,13 @@ def test_liger_kernels_train_the_first_step_as_the_plain_model_does(mortal_home:
     firsts = {}
     for liger in (False, True):
         name = f"liger-{str(liger).lower()}"
-        spec = actor_spec(str(tiny_dir), model={"dtype": "float32"}, actor={"gpu": "H100", "liger": liger},
-                          rollout={"gpu": "H100", "replicas": 1, "colocate": True}, algorithm={"maxSteps": 1})
+        spec = actor_spec(
+            str(tiny_dir),
+            model={"dtype": "float32"},
+            actor={"gpu": "H100", "liger": liger},
+            rollout={"gpu": "H100", "replicas": 1, "colocate": True},
+            algorithm={"maxSteps": 1},
+        )
         row, events = _run_through_a_controller(mortal_home, name, spec)
         assert row.phase == "Succeeded", (row.status, [e.message for e in events])
         actor_log = "".join(p.read_text() for p in paths.run_dir(name).rglob("actor-0-*.log"))

@@ -36,7 +36,9 @@ def fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An installed-looking package `mortal_fake_models` holding a .gguf file and a model folder."""
     package = tmp_path / "site" / "mortal_fake_models"
     (package / "folder").mkdir(parents=True)
-    (package / "__init__.py").write_text("raise ImportError('importing it is not needed to find its files')\n")
+    (package / "__init__.py").write_text(
+        "raise ImportError('importing it is not needed to find its files')\n"
+    )
     (package / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     return package
@@ -87,15 +89,19 @@ def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_gpu() -> None:
     assert resolve_dtype("float16", "cpu") == torch.float16
 
 
-@pytest.mark.parametrize(("tf32", "device", "used"), [
-    (True, "cuda", True), (True, "cuda:1", True), (True, "cpu", False), (False, "cuda", False)])
+@pytest.mark.parametrize(
+    ("tf32", "device", "used"),
+    [(True, "cuda", True), (True, "cuda:1", True), (True, "cpu", False), (False, "cuda", False)],
+)
 def test_tf32_is_turned_on_for_cuda_when_the_spec_asks(tf32, device, used, monkeypatch) -> None:
     before = torch.get_float32_matmul_precision()
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.set_float32_matmul_precision("highest")
     try:
         assert use_tf32(ModelSpec(name="m", dtype="float32", tf32=tf32), device) is used
-        assert (torch.get_float32_matmul_precision() == "high") is used and torch.backends.cudnn.allow_tf32 is used
+        assert (
+            torch.get_float32_matmul_precision() == "high"
+        ) is used and torch.backends.cudnn.allow_tf32 is used
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -103,7 +109,8 @@ def test_tf32_is_turned_on_for_cuda_when_the_spec_asks(tf32, device, used, monke
 @pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 @pytest.mark.parametrize("mixed, offload", [(False, False), (True, False), (False, True), (True, True)])
 def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and_offload(
-        mixed: bool, offload: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mixed: bool, offload: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """actor.mixedPrecision and actor.cpuOffload reach FSDP2 through transformers' DistributedConfig (cpuOffload
     needs GPUs, so no CPU run can show its effect: what transformers is asked for is checked here)."""
     from transformers import AutoModelForCausalLM
@@ -116,8 +123,14 @@ def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
     with pytest.raises(FatalWorkerError, match="recorded"):
-        load_model(ModelSpec(name=str(tmp_path), dtype="float32"), "cpu", for_training=True, fsdp_size=2,
-                   mixed_precision=mixed, cpu_offload=offload)
+        load_model(
+            ModelSpec(name=str(tmp_path), dtype="float32"),
+            "cpu",
+            for_training=True,
+            fsdp_size=2,
+            mixed_precision=mixed,
+            cpu_offload=offload,
+        )
     config = asked[0]["distributed_config"]
     assert (config.fsdp_size, config.fsdp_mixed_precision, config.fsdp_cpu_offload) == (2, mixed, offload)
     with pytest.raises(FatalWorkerError):
@@ -127,7 +140,8 @@ def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
-        reshard: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reshard: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """actor.reshardAfterForward false reaches every FSDP2 module through the root's setter, after the load (the
     effect, fewer all-gathers a step, is in tests/workers/actor/test_actor_sharded.py)."""
     from transformers import AutoModelForCausalLM
@@ -139,8 +153,13 @@ def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
             self.settings.append(value)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda location, **kwargs: Sharded())
-    load_model(ModelSpec(name=str(tmp_path), dtype="float32"), "cpu", for_training=True, fsdp_size=2,
-               reshard_after_forward=reshard)
+    load_model(
+        ModelSpec(name=str(tmp_path), dtype="float32"),
+        "cpu",
+        for_training=True,
+        fsdp_size=2,
+        reshard_after_forward=reshard,
+    )
     assert Sharded.settings == ([] if reshard else [False])
 
 
@@ -158,13 +177,19 @@ def sharded_tied_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, d
         pytest.skip("SmolLM2 tokenizer/config assets not found")
     home = tmp_path_factory.mktemp("tied")
     model_dir = make_tiny_model(home / "model")
-    mp.start_processes(tied_weight_step, args=(str(model_dir), sharded.free_port(), str(home)), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        tied_weight_step,
+        args=(str(model_dir), sharded.free_port(), str(home)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     return model_dir, torch.load(home / "tied.pt")
 
 
 def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_trains_it_as_unsharded(
-        sharded_tied_step: tuple[Path, dict]) -> None:
+    sharded_tied_step: tuple[Path, dict],
+) -> None:
     """The LM head tied to the embedding is one FSDP2 parameter over 2 CPU ranks: no group gathers it twice
     (one all-gather a layer and one for the embedding's group in forward, each layer again in backward), and
     the step's loss and the tied weight's gradient, both uses summed, are the unsharded model's."""
@@ -184,7 +209,8 @@ def test_a_sharded_load_manages_the_tied_head_and_embedding_as_one_weight_and_tr
 
 
 def test_placing_the_shards_moves_every_parameter_and_keeps_its_sharding_and_the_tie(
-        sharded_tied_step: tuple[Path, dict]) -> None:
+    sharded_tied_step: tuple[Path, dict],
+) -> None:
     """place_shards (what cpuOffload does after a sharded load, whose shards transformers put on the GPU):
     each parameter, wrapper and local shard both, on the new device, with its placements, shape and
     requires_grad, and the tied head still the embedding's one parameter."""
@@ -216,10 +242,17 @@ def test_a_shard_moved_to_host_memory_stays_there_under_a_gpu_mesh(tmp_path: Pat
     assert torch.equal(placed.to_local(), torch.arange(12.0).reshape(4, 3))
 
 
-@pytest.mark.parametrize(("config", "routes"), [
-    ("LlamaConfig", False), ("Qwen2Config", False),  # dense: every weight has a gradient every step
-    ("Qwen2MoeConfig", True), ("MixtralConfig", True), ("DeepseekV3Config", True), ("OlmoeConfig", True),
-])
+@pytest.mark.parametrize(
+    ("config", "routes"),
+    [
+        ("LlamaConfig", False),
+        ("Qwen2Config", False),  # dense: every weight has a gradient every step
+        ("Qwen2MoeConfig", True),
+        ("MixtralConfig", True),
+        ("DeepseekV3Config", True),
+        ("OlmoeConfig", True),
+    ],
+)
 def test_only_a_mixture_of_experts_makes_ddp_search_for_unused_parameters(config: str, routes: bool) -> None:
     import transformers
 
@@ -239,8 +272,9 @@ def test_local_folder_loads_with_a_pad_token(tmp_path: Path) -> None:
     assert not any(p.requires_grad for p in model.parameters())
     assert load_model(spec, "cpu", for_training=True).training
     assert completion_message(tokenizer, "text", tokenizer("hi")["input_ids"]) == "hi"
-    assert completion_message(tokenizer, [{"role": "user", "content": "x"}], [2]) == [{"role": "assistant",
-                                                                                       "content": ""}]
+    assert completion_message(tokenizer, [{"role": "user", "content": "x"}], [2]) == [
+        {"role": "assistant", "content": ""}
+    ]
 
 
 def test_gguf_cache_key_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,8 +312,9 @@ def test_real_smollm2_gguf_converts_once_then_loads_from_the_cache(tmp_path: Pat
     assert time.monotonic() - started < 30  # a folder load, not a second conversion
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert model.dtype == torch.float32 and tokenizer.eos_token == "<|im_end|>"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert torch.isfinite(logits).all()
@@ -300,5 +335,7 @@ def test_liger_without_its_package_fails_the_actor_naming_the_field(monkeypatch,
     not a run that trains without the kernels it asked for."""
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # its import fails
     model = load_model(ModelSpec.model_validate({"name": str(make_tiny_model(tmp_path / "m"))}), "cpu")
-    with pytest.raises(FatalWorkerError, match=r"spec.actor.liger needs the liger-kernel package.*mortal\[liger\]"):
+    with pytest.raises(
+        FatalWorkerError, match=r"spec.actor.liger needs the liger-kernel package.*mortal\[liger\]"
+    ):
         use_liger_kernels(model)

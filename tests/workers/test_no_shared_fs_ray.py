@@ -47,7 +47,8 @@ RUNS = ("straight", "node-kill")
 @sqlite_only
 @pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
-        ray_cluster, store_url, mortal_home: Path, tmp_path: Path, monkeypatch) -> None:
+    ray_cluster, store_url, mortal_home: Path, tmp_path: Path, monkeypatch
+) -> None:
     hand_over(monkeypatch)
     model = make_tiny_model(tmp_path / "model")
     bucket = tmp_path / "bucket"
@@ -55,38 +56,60 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
     head = {"cpus": 0.5, "resources": {"node_head": 0.1}}
     worker_node = {"cpus": 0.5, "resources": {"rollout_node": 1}}
     for name, actor in (("straight", head), ("node-kill", worker_node)):
-        spec = actor_spec(str(model), algorithm={"maxSteps": MAX_STEPS, "maxStaleness": 0},
-                          checkpoint={"every": EVERY, "keep": MAX_STEPS, "uri": f"file://{bucket}"},
-                          restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5}, backend="ray", secrets=sorted(HANDED),
-                          ray={"sharedFilesystem": False, "actor": actor, "rollout": head})
+        spec = actor_spec(
+            str(model),
+            algorithm={"maxSteps": MAX_STEPS, "maxStaleness": 0},
+            checkpoint={"every": EVERY, "keep": MAX_STEPS, "uri": f"file://{bucket}"},
+            restartPolicy={"maxRestarts": 3, "backoffSeconds": 0.5},
+            backend="ray",
+            secrets=sorted(HANDED),
+            ray={"sharedFilesystem": False, "actor": actor, "rollout": head},
+        )
         create_run(store, name, spec, SHORT_TASK_LEASE)
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:
         # "straight"'s hub is killed as soon as its first version is recorded, before its rollout (still loading
         # its model) fetched it: the rollout cannot have that version until the actor puts it back.
-        wait_for(lambda: store.latest_weights("straight") is not None, 600, "straight's first weight version",
-                 give_up=lambda: store.get_run("straight").phase == "Failed")
-        [hub] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"].endswith("-straight") and a["name"].startswith("weights-")]
+        wait_for(
+            lambda: store.latest_weights("straight") is not None,
+            600,
+            "straight's first weight version",
+            give_up=lambda: store.get_run("straight").phase == "Failed",
+        )
+        [hub] = [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"].endswith("-straight") and a["name"].startswith("weights-")
+        ]
         ray.kill(ray.get_actor(hub["name"], namespace=hub["namespace"]))
         # How v0 then reached straight's rollout (the actor's put-back, or refs it held before the kill) is not
         # asserted: which one happened could not be told from the outside reliably (a check of the received
         # folder after the kill still saw no v0 while the put-back was not logged, 2 runs of 5). The put-back
         # itself is tested on fake Ray (sync/test_ray.py); here the run must go on to the same weights.
-        wait_for(lambda: store.latest_checkpoint("node-kill") is not None, 600, "node-kill's first checkpoint",
-                 give_up=lambda: store.get_run("node-kill").phase == "Failed")
+        wait_for(
+            lambda: store.latest_checkpoint("node-kill") is not None,
+            600,
+            "node-kill's first checkpoint",
+            give_up=lambda: store.get_run("node-kill").phase == "Failed",
+        )
         first = store.latest_checkpoint("node-kill")
-        assert first.step < MAX_STEPS, f"node-kill trained to its end before its node could be killed ({first.path})"
+        assert first.step < MAX_STEPS, (
+            f"node-kill trained to its end before its node could be killed ({first.path})"
+        )
         assert first.path == f"file://{bucket}/node-kill/step-{first.step}", first.path
         [actor] = [w for w in store.list_workers("node-kill") if w.role == "actor" and w.state == "Running"]
         killed = ray_cluster.node_of_worker(None, f"node-kill/actor-0#{actor.incarnation}")
         assert killed in ("node_a", "node_b")
         ray_cluster.kill_node(killed)
         wait_for(lambda: store.get_run("node-kill").phase == "Recovering", 30, "node-kill Recovering")
-        resumed = store.latest_checkpoint("node-kill")  # what the relaunched actor downloads: none is written meanwhile
+        resumed = store.latest_checkpoint(
+            "node-kill"
+        )  # what the relaunched actor downloads: none is written meanwhile
         for name in RUNS:
-            wait_for(lambda name=name: store.get_run(name).phase in ("Succeeded", "Failed"), 600, f"{name} done")
+            wait_for(
+                lambda name=name: store.get_run(name).phase in ("Succeeded", "Failed"), 600, f"{name} done"
+            )
             assert store.get_run(name).phase == "Succeeded", store.get_run(name).status
         straight = [w.incarnation for w in store.list_workers("straight") if w.role == "actor"]
         assert len(straight) == 1, f"the reference run was interrupted too (actor incarnations {straight})"
@@ -97,12 +120,16 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         actors = [w for w in store.list_workers("node-kill") if w.role == "actor"]
         assert len(actors) >= 2, "the actor was not relaunched"
         # The relaunched actor resumed on the other node from the copy it downloaded there (its home had none).
-        assert (ray_cluster.home(other) / "runs/node-kill/checkpoints" / f"step-{resumed.step}" / "mortal.json").is_file()
+        assert (
+            ray_cluster.home(other) / "runs/node-kill/checkpoints" / f"step-{resumed.step}" / "mortal.json"
+        ).is_file()
         assert all(row.path.startswith(SCHEME) for name in RUNS for row in store.list_weights(name))
         assert not (mortal_home / "runs").exists(), "a worker wrote under the controller's MORTAL_HOME"
         # `mortalctl logs` reads what each worker's Ray actor uploaded next to the checkpoints.
         logs = list(read_logs("node-kill", role="actor", source=StorageLogs(f"file://{bucket}")))
-        assert any(f"actor-0#{actors[-1].incarnation}" in line and "exiting with code 0" in line for line in logs), logs[-5:]
+        assert any(
+            f"actor-0#{actors[-1].incarnation}" in line and "exiting with code 0" in line for line in logs
+        ), logs[-5:]
         wait_for(lambda: not _named_actors(), 30, "no actor (worker or weights hub) of either run left")
     finally:
         leave_cluster_as_found(controller, store, ray_cluster, killed)
@@ -125,7 +152,8 @@ while sys.stdin.readline().strip() == "check":  # the actor's look at its hub wh
 
 
 def test_a_published_version_reaches_another_process_and_ends_with_its_publisher(
-        ray_cluster, mortal_home: Path, tmp_path: Path) -> None:
+    ray_cluster, mortal_home: Path, tmp_path: Path
+) -> None:
     """ray_weights on the real cluster: the bytes arrive whole, joining Ray keeps the worker's SIGTERM handler (a
     suspended actor checkpoints), a hub killed under its live publisher is made again with the same version (and
     the controller's listing of the run's namespace, which holds the hub, is not upset by it), and the hub and
@@ -139,8 +167,13 @@ def test_a_published_version_reaches_another_process_and_ends_with_its_publisher
     (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
     (folder / "config.json").write_text("{}")
     env = {**os.environ, RAY_ADDRESS_ENV: ray_cluster.address, RAY_NAMESPACE_ENV: namespace}
-    publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(folder)], env=env, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER, str(folder)],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
 
     def ask(line: str) -> str:
         publisher.stdin.write(line + "\n")
@@ -152,7 +185,9 @@ def test_a_published_version_reaches_another_process_and_ends_with_its_publisher
         assert path == f"{SCHEME}{namespace}/weights-i7/v3-i7", path
         assert publisher.stdout.readline().strip() == "handler kept"
         received = Path(receive_elsewhere(env, path, tmp_path / "node-home").stdout.strip().splitlines()[-1])
-        assert {p.name: p.read_bytes() for p in received.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert {p.name: p.read_bytes() for p in received.iterdir()} == {
+            p.name: p.read_bytes() for p in folder.iterdir()
+        }
         assert backend.list("hub-run") == [], "the hub was taken for a worker"
         assert ask("check") == "-", "a hub that holds the version was made again"
         ray.kill(ray.get_actor("weights-i7", namespace=namespace))  # lost under its live publisher
@@ -160,25 +195,44 @@ def test_a_published_version_reaches_another_process_and_ends_with_its_publisher
         assert lost.returncode != 0 and "FileNotFoundError" in lost.stderr
         assert ask("check") == "v3-i7"
         again = Path(receive_elsewhere(env, path, tmp_path / "later-home").stdout.strip().splitlines()[-1])
-        assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert {p.name: p.read_bytes() for p in again.iterdir()} == {
+            p.name: p.read_bytes() for p in folder.iterdir()
+        }
         ask("")
         assert publisher.wait(timeout=60) == 0
-        wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
-                              if a["namespace"] == namespace], 30, "the hub ended with its publisher")
+        wait_for(
+            lambda: (
+                not [
+                    a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace
+                ]
+            ),
+            30,
+            "the hub ended with its publisher",
+        )
         gone = receive_elsewhere(env, path, tmp_path / "other-home", check=False)
         assert gone.returncode != 0 and "FileNotFoundError" in gone.stderr and "no longer held" in gone.stderr
     finally:
         publisher.kill()
 
 
-def receive_elsewhere(env: dict[str, str], path: str, home: Path, check: bool = True) -> subprocess.CompletedProcess:
+def receive_elsewhere(
+    env: dict[str, str], path: str, home: Path, check: bool = True
+) -> subprocess.CompletedProcess:
     """`receive` in a process of its own (another worker, on another MORTAL_HOME): it prints the folder it wrote."""
     script = "import sys; from mortal.workers.sync import ray as ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
-    return subprocess.run([sys.executable, "-c", script, path], env={**env, "MORTAL_HOME": str(home)}, text=True,
-                          capture_output=True, timeout=120, check=check)
+    return subprocess.run(
+        [sys.executable, "-c", script, path],
+        env={**env, "MORTAL_HOME": str(home)},
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=check,
+    )
 
 
 def _named_actors() -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"].endswith(tuple(f"-{run}" for run in RUNS))]
-
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"].endswith(tuple(f"-{run}" for run in RUNS))
+    ]

@@ -47,13 +47,20 @@ def snapshot(cluster: SimCluster, started: Started) -> dict[str, Any]:
     """Everything a worker writes: store rows of the run, its own row, and the published files."""
     run = started.ref.run
     store = cluster.store
-    files = sorted(p.name for d in (paths.weights_dir(run), paths.checkpoints_dir(run)) if d.is_dir()
-                   for p in d.iterdir() if not p.name.startswith("."))  # in-flight temp dirs: never read
+    files = sorted(
+        p.name
+        for d in (paths.weights_dir(run), paths.checkpoints_dir(run))
+        if d.is_dir()
+        for p in d.iterdir()
+        if not p.name.startswith(".")
+    )  # in-flight temp dirs: never read
     return {
         "metrics": [(m.step, m.name, m.value) for m in store.list_metrics(run)],
         "weights": [w.version for w in store.list_weights(run)],
         "checkpoints": [c.step for c in store.list_checkpoints(run)],
-        "tasks": [(t.step, t.slot, t.state, t.lease_token) for s in range(1, 50) for t in store.step_results(run, s)],
+        "tasks": [
+            (t.step, t.slot, t.state, t.lease_token) for s in range(1, 50) for t in store.step_results(run, s)
+        ],
         "row": cluster.row(started).model_dump(),
         "files": files,
     }
@@ -62,7 +69,9 @@ def snapshot(cluster: SimCluster, started: Started) -> dict[str, Any]:
 def assert_unchanged_by_zombie(before: dict[str, Any], after: dict[str, Any], zombie: Started) -> None:
     """The store is exactly as before; on disk, at most the zombie's own unrecorded directories were
     added (a rename cannot be fenced; they carry its incarnation and the live worker sweeps them)."""
-    assert {k: v for k, v in after.items() if k != "files"} == {k: v for k, v in before.items() if k != "files"}
+    assert {k: v for k, v in after.items() if k != "files"} == {
+        k: v for k, v in before.items() if k != "files"
+    }
     assert set(before["files"]) <= set(after["files"])
     for name in set(after["files"]) - set(before["files"]):
         assert f"-i{zombie.ref.incarnation}" in name, f"{name} written by the zombie"
@@ -89,7 +98,9 @@ def test_fenced_worker_exits_at_once_and_writes_nothing_after(cluster: SimCluste
 
 def all_threads_stopped(pid: int) -> bool:
     """SIGSTOP takes effect as each thread next leaves the kernel, not when kill() returns."""
-    states = [Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+    states = [
+        Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()
+    ]
     return all(state == "T" for state in states)
 
 
@@ -181,19 +192,30 @@ def test_context_heartbeat_sends_reported_progress(store: Store) -> None:
     run = simulated_run("beat")
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
     row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=0.9)
-    env = {"MORTAL_RUN": "beat", "MORTAL_ROLE": "actor", "MORTAL_REPLICA": "0", "MORTAL_INCARNATION": str(row.incarnation)}
+    env = {
+        "MORTAL_RUN": "beat",
+        "MORTAL_ROLE": "actor",
+        "MORTAL_REPLICA": "0",
+        "MORTAL_INCARNATION": str(row.incarnation),
+    }
 
     ctx = WorkerContext.from_env(store, env)
     assert ctx.heartbeat_seconds == pytest.approx(0.3), "a third of the lease"
     assert ctx.run.metadata.annotations["mortal.dev/workload"] == "simulated"
-    assert WorkerContext.from_env(store, {**env, "MORTAL_HEARTBEAT_SECONDS": "0.05"}).heartbeat_seconds == 0.05
+    assert (
+        WorkerContext.from_env(store, {**env, "MORTAL_HEARTBEAT_SECONDS": "0.05"}).heartbeat_seconds == 0.05
+    )
 
     ctx.report(step=3, weight_version=2)
     ctx.report(step=4)
     ctx.start()
     try:
-        beaten = wait_for(lambda: next(w for w in store.list_workers("beat") if w.id == row.id).heartbeat_at, 30)
-        wait_for(lambda: next(w for w in store.list_workers("beat") if w.id == row.id).heartbeat_at > beaten, 30)
+        beaten = wait_for(
+            lambda: next(w for w in store.list_workers("beat") if w.id == row.id).heartbeat_at, 30
+        )
+        wait_for(
+            lambda: next(w for w in store.list_workers("beat") if w.id == row.id).heartbeat_at > beaten, 30
+        )
     finally:
         ctx.close()
     now = next(w for w in store.list_workers("beat") if w.id == row.id)
@@ -232,12 +254,18 @@ def test_the_controllers_memory_choice_in_the_environment_is_the_workers_spec(st
     run = simulated_run("healed", spec={"algorithm": {"numGenerations": 2, "batchSize": 8}})
     store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
     row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=5)
-    env = {"MORTAL_RUN": "healed", "MORTAL_ROLE": "actor", "MORTAL_REPLICA": "0",
-           "MORTAL_INCARNATION": str(row.incarnation)}
+    env = {
+        "MORTAL_RUN": "healed",
+        "MORTAL_ROLE": "actor",
+        "MORTAL_REPLICA": "0",
+        "MORTAL_INCARNATION": str(row.incarnation),
+    }
     assert WorkerContext.from_env(store, env).run.spec.algorithm.accumulation_steps == 1
     healed = WorkerContext.from_env(store, {**env, MICRO_BATCH_ENV: "2"}).run.spec.algorithm
     assert (healed.micro_batch_size, healed.accumulation_steps) == (2, 4)
-    assert store.get_run("healed").spec["algorithm"]["microBatchSize"] is None  # the stored spec is the user's
+    assert (
+        store.get_run("healed").spec["algorithm"]["microBatchSize"] is None
+    )  # the stored spec is the user's
     with pytest.raises(FatalWorkerError) as refused:
         WorkerContext.from_env(store, {**env, MICRO_BATCH_ENV: "3"})
     assert refused.value.reason == "InvalidMemorySetting" and MICRO_BATCH_ENV in str(refused.value)

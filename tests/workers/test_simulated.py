@@ -36,14 +36,23 @@ def rewards_by_step(cluster: SimCluster, run: str) -> dict[int, float]:
 
 @sqlite_only
 def test_actor_and_rollout_complete_a_run(cluster: SimCluster) -> None:
-    run = cluster.apply(simulated_run("full", max_steps=5, rollout_replicas=1, spec={
-        "rewards": [{"function": "m:a", "weight": 1.0}, {"function": "m:b", "weight": 0.5}],
-    }))
+    run = cluster.apply(
+        simulated_run(
+            "full",
+            max_steps=5,
+            rollout_replicas=1,
+            spec={
+                "rewards": [{"function": "m:a", "weight": 1.0}, {"function": "m:b", "weight": 0.5}],
+            },
+        )
+    )
     actor, rollout = cluster.start(run.name, "actor"), cluster.start(run.name, "rollout")
     assert cluster.wait_exit(actor) == 0
     assert cluster.row(actor).state == "Succeeded"
 
-    assert rewards_by_step(cluster, "full") == pytest.approx({s: 1.5 * simulated_reward(s) for s in range(1, 6)})
+    assert rewards_by_step(cluster, "full") == pytest.approx(
+        {s: 1.5 * simulated_reward(s) for s in range(1, 6)}
+    )
     assert [w.version for w in cluster.store.list_weights("full")] == [3, 4, 5]
     checkpoints = cluster.store.list_checkpoints("full")
     assert [c.step for c in checkpoints] == [4, 5], "every 2 steps and at the end, keep 2"
@@ -60,8 +69,11 @@ def test_actor_and_rollout_complete_a_run(cluster: SimCluster) -> None:
     # the start, in the worker's own log: how long exec and the imports took (the GPU bench's start timeline)
     log = next(paths.run_dir("full").rglob("actor-0-*.log")).read_text()
     assert re.search(r"starting \(pid \d+, CUDA_VISIBLE_DEVICES='.*', \d+\.\d s after exec\)", log)
-    assert re.search(r"workload mortal\.workers\.simulated imported in \d+\.\d s \(store and context took "
-                     r"\d+\.\d s\)", log)
+    assert re.search(
+        r"workload mortal\.workers\.simulated imported in \d+\.\d s \(store and context took "
+        r"\d+\.\d s\)",
+        log,
+    )
 
 
 @sqlite_only
@@ -88,10 +100,15 @@ def test_actor_resumes_after_kill_9_and_weight_versions_keep_growing(cluster: Si
 
 @sqlite_only
 def test_a_killed_rollout_loses_no_task(cluster: SimCluster) -> None:
-    run = cluster.apply(simulated_run(
-        "lossless", max_steps=8, rollout_replicas=1, step_seconds=0.05,
-        annotations={"mortal.dev/task-lease-seconds": "1", "mortal.dev/generate-seconds": "0.05"},
-    ))
+    run = cluster.apply(
+        simulated_run(
+            "lossless",
+            max_steps=8,
+            rollout_replicas=1,
+            step_seconds=0.05,
+            annotations={"mortal.dev/task-lease-seconds": "1", "mortal.dev/generate-seconds": "0.05"},
+        )
+    )
     actor, rollout = cluster.start(run.name, "actor"), cluster.start(run.name, "rollout")
     cluster.wait_step(actor, 2)
     kill9(rollout)
@@ -108,8 +125,13 @@ def test_a_killed_rollout_loses_no_task(cluster: SimCluster) -> None:
 # -- in-process --------------------------------------------------------------------------------
 def test_simulated_result_is_a_rollout_result() -> None:
     run = simulated_run("shape", spec={"rewards": [{"function": "m:f"}, {"env": "math-answer"}]})
-    task = TaskRow(run="shape", step=3, slot=1, min_weight_version=2,
-                   payload={"prompt": "p", "num_generations": 2, "seed": 1})
+    task = TaskRow(
+        run="shape",
+        step=3,
+        slot=1,
+        min_weight_version=2,
+        payload={"prompt": "p", "num_generations": 2, "seed": 1},
+    )
     result = RolloutResult.model_validate(simulated_result(run, task, 5, 0.01))
     assert result.weight_version == 5 and len(result.completion_ids) == 2
     assert result.rewards == {"f": [simulated_reward(3)] * 2, "math-answer": [simulated_reward(3)] * 2}

@@ -42,7 +42,9 @@ def fake_save(trainer: Any, dest: Path) -> None:
 def complete_checkpoint(folder: Path, step: int) -> Path:
     folder.mkdir(parents=True)
     fake_save(FakeTrainer(step), folder)
-    (folder / "mortal.json").write_text(json.dumps({"run": "c", "step": step, "weight_version": step, "seed": 5}))
+    (folder / "mortal.json").write_text(
+        json.dumps({"run": "c", "step": step, "weight_version": step, "seed": 5})
+    )
     return folder
 
 
@@ -62,16 +64,22 @@ def refusals(store) -> list[str]:
     return [e.message for e in store.list_events("c") if e.type == "Warning" and e.reason == REFUSED_REASON]
 
 
-def test_pruning_never_removes_a_checkpoint_row_pointing_outside(checkpointer: Checkpointer, store, victim) -> None:
+def test_pruning_never_removes_a_checkpoint_row_pointing_outside(
+    checkpointer: Checkpointer, store, victim
+) -> None:
     store.record_checkpoint(checkpointer.worker, 2, str(victim), 2)
     checkpointer.write(FakeTrainer(4), step=4, weight_version=4)  # keep=1: prunes step 2
     assert (victim / "model.safetensors").is_file()
     assert [c.step for c in store.list_checkpoints("c")] == [4]
     [message] = refusals(store)
-    assert message.startswith(f"pruning checkpoint step-2: {victim} is not inside {paths.checkpoints_dir('c')}")
+    assert message.startswith(
+        f"pruning checkpoint step-2: {victim} is not inside {paths.checkpoints_dir('c')}"
+    )
 
 
-def test_pruning_never_follows_a_symlink_in_the_runs_folder(checkpointer: Checkpointer, store, victim) -> None:
+def test_pruning_never_follows_a_symlink_in_the_runs_folder(
+    checkpointer: Checkpointer, store, victim
+) -> None:
     link = checkpoint_dir("c", 2)
     link.parent.mkdir(parents=True)
     link.symlink_to(victim)
@@ -82,21 +90,27 @@ def test_pruning_never_follows_a_symlink_in_the_runs_folder(checkpointer: Checkp
     assert f"(it resolves to {victim})" in message
 
 
-def test_pruning_a_storage_row_that_leaves_the_runs_prefix_removes_nothing(store, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pruning_a_storage_row_that_leaves_the_runs_prefix_removes_nothing(
+    store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(trl_seam, "save_checkpoint", fake_save)
     bucket = tmp_path / "bucket"
     other = complete_checkpoint(bucket / "other" / "step-2", 2)
-    ctx = worker_context(store, create_run(store, "c", {**SPEC, "checkpoint": {"uri": f"file://{bucket}"}}), "actor")
-    checkpointer = Checkpointer(ctx.store, ctx.worker, every=2, keep=1, seed=5,
-                                storage=CheckpointStorage(f"file://{bucket}", "c"))
+    ctx = worker_context(
+        store, create_run(store, "c", {**SPEC, "checkpoint": {"uri": f"file://{bucket}"}}), "actor"
+    )
+    checkpointer = Checkpointer(
+        ctx.store, ctx.worker, every=2, keep=1, seed=5, storage=CheckpointStorage(f"file://{bucket}", "c")
+    )
     store.record_checkpoint(ctx.worker, 2, f"file://{bucket}/c/../other/step-2", 2)
     checkpointer.write(FakeTrainer(4), step=4, weight_version=4)
     assert (other / "model.safetensors").is_file()
     assert len(refusals(store)) == 1 and (bucket / "c" / "step-4" / "mortal.json").is_file()
 
 
-def test_resume_never_loads_a_checkpoint_row_pointing_outside(checkpointer: Checkpointer, store, victim) -> None:
+def test_resume_never_loads_a_checkpoint_row_pointing_outside(
+    checkpointer: Checkpointer, store, victim
+) -> None:
     own = checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
     store.record_checkpoint(checkpointer.worker, 8, str(victim), 8)  # newer, complete, not the run's
     row = checkpointer.resume_point()
@@ -107,8 +121,9 @@ def test_resume_never_loads_a_checkpoint_row_pointing_outside(checkpointer: Chec
     assert message.startswith("resuming from checkpoint step-8: ")
 
 
-def test_resume_never_loads_a_checkpoint_holding_a_symlink_that_leads_out(checkpointer: Checkpointer, store,
-                                                                         tmp_path: Path) -> None:
+def test_resume_never_loads_a_checkpoint_holding_a_symlink_that_leads_out(
+    checkpointer: Checkpointer, store, tmp_path: Path
+) -> None:
     secret = tmp_path / "weights-of-someone-else"
     secret.write_bytes(b"y" * 16)
     folder = checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
@@ -136,7 +151,9 @@ def test_weight_pruning_never_removes_a_version_row_pointing_outside(store, tmp_
     assert message.startswith(f"pruning weight version 0: {outside} is not inside")
 
 
-def test_the_simulated_workload_never_resumes_from_a_checkpoint_row_pointing_outside(store, tmp_path: Path) -> None:
+def test_the_simulated_workload_never_resumes_from_a_checkpoint_row_pointing_outside(
+    store, tmp_path: Path
+) -> None:
     from mortal.workers import simulated
     from mortal.workers.errors import FatalWorkerError
 
@@ -180,9 +197,9 @@ def test_a_rollout_never_loads_a_weight_version_row_pointing_outside(store, tmp_
     assert message.startswith(f"loading weight version 0: {forged} is not inside")
 
 
-
 def test_a_rollout_loads_a_relative_weight_row_from_the_run_s_folder_it_was_checked_in(
-        store, tmp_path: Path, monkeypatch) -> None:
+    store, tmp_path: Path, monkeypatch
+) -> None:
     """The path checked is the path loaded: a relative row is not read against the worker's working folder."""
     from mortal.workers.rollout.loop import RolloutWorker
 
@@ -194,12 +211,15 @@ def test_a_rollout_loads_a_relative_weight_row_from_the_run_s_folder_it_was_chec
     monkeypatch.chdir(tmp_path / "elsewhere")
     store.publish_weights(actor.worker, 0, 0, "v0")
     engine = RecordingEngine()
-    RolloutWorker(worker_context(store, run, "rollout"), engine, tokenizer=None, rewards=None).refresh_weights()
+    RolloutWorker(
+        worker_context(store, run, "rollout"), engine, tokenizer=None, rewards=None
+    ).refresh_weights()
     assert engine.loaded == [str(owned.resolve())]
 
 
 def test_a_rollout_loads_a_version_the_way_its_row_says_and_refuses_a_method_no_transport_implements(
-        store) -> None:
+    store,
+) -> None:
     from mortal.workers.errors import FatalWorkerError
     from mortal.workers.rollout.loop import RolloutWorker
     from mortal.workers.sync.volume import VolumeTransport

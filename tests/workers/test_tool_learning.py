@@ -40,15 +40,21 @@ def _calculator_spec(model: Path, **algorithm: Any) -> dict[str, Any]:
         str(model),
         dataset={"name": "builtin:arith", "systemPrompt": CALCULATOR_PROMPT},
         generation={"maxTokens": 48, "engine": "transformers", "temperature": 1.0},
-        rollout={"replicas": 1, "tools": ["mortal.workers.rollout.builtin_tools:calculator"], "chatTemplate": "qwen2_5",
-                 "maxToolCallingIterations": 2},
+        rollout={
+            "replicas": 1,
+            "tools": ["mortal.workers.rollout.builtin_tools:calculator"],
+            "chatTemplate": "qwen2_5",
+            "maxToolCallingIterations": 2,
+        },
         rewards=[{"function": "mortal.workers.rewards.builtin:math_answer"}],
         algorithm={"learningRate": 1e-3, **algorithm},
         checkpoint={"every": algorithm["maxSteps"], "keep": 1},
     )
 
 
-def _train(store: Any, name: str, spec: dict[str, Any], reward: str, calls: str) -> tuple[list[float], list[float], str]:
+def _train(
+    store: Any, name: str, spec: dict[str, Any], reward: str, calls: str
+) -> tuple[list[float], list[float], str]:
     """Run the actor and an in-process rollout to maxSteps; the two metrics by step, and both as a message."""
     from actor_helpers import create_run, run_actor_with_rollout
 
@@ -61,11 +67,15 @@ def _train(store: Any, name: str, spec: dict[str, Any], reward: str, calls: str)
     return rewards, tool_calls, shown
 
 
-def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sqlite_store: Any, calculator_dir: Path) -> None:
+def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(
+    sqlite_store: Any, calculator_dir: Path
+) -> None:
     """The example's tool, template and reward on the shipped arith data, through the real actor and rollout
     worker: a model that calls the calculator half the time learns to call it nearly always."""
     spec = _calculator_spec(calculator_dir, numGenerations=8, batchSize=64, maxSteps=CALCULATOR_STEPS)
-    reward, calls, shown = _train(sqlite_store, "calculator", spec, "rewards/math_answer/mean", "tools/call_rate")
+    reward, calls, shown = _train(
+        sqlite_store, "calculator", spec, "rewards/math_answer/mean", "tools/call_rate"
+    )
     # Step 1 samples the warm start itself. Learning rate 1e-9 (sampling alone, seed 0): reward 0.50 at step 1
     # and 0.51 over the last three steps (three-step means within 0.49-0.62), call rate 0.53 -> 0.49.
     # Warm starts of seeds 0, 1 and 2 learning, step 1 -> the last three: reward 0.50 -> 0.85, 0.48 -> 0.91,
@@ -75,8 +85,9 @@ def test_grpo_raises_the_calculator_examples_reward_by_calling_the_tool_more(sql
     assert sum(reward[-3:]) / 3 > max(0.75, reward[0] + 0.2), f"the reward did not rise: {shown}"
 
 
-def test_a_stale_tool_run_is_importance_corrected_over_the_tool_masked_tokens(sqlite_store: Any,
-                                                                              calculator_dir: Path) -> None:
+def test_a_stale_tool_run_is_importance_corrected_over_the_tool_masked_tokens(
+    sqlite_store: Any, calculator_dir: Path
+) -> None:
     """maxStaleness 1 with tool calls: steps train on rollouts of the version before, and TRL's importance
     ratio is taken over the model's tokens only (tool results carry logprob 0.0 and mask 0)."""
     from actor_helpers import create_run, run_actor_with_rollout
@@ -106,8 +117,9 @@ def code_tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_grpo_teaches_the_code_agent_to_fix_its_code_after_a_failed_run(sqlite_store: Any, code_tasks: Path,
-                                                                         tmp_path: Path) -> None:
+def test_grpo_teaches_the_code_agent_to_fix_its_code_after_a_failed_run(
+    sqlite_store: Any, code_tasks: Path, tmp_path: Path
+) -> None:
     """The code-agent example's environment (run_tests in the reward sandbox) and reward, through the real actor
     and rollout worker: a model that fixes its code after the first failure half the time, and gives up the
     other half, learns to fix it."""
@@ -121,14 +133,20 @@ def test_grpo_teaches_the_code_agent_to_fix_its_code_after_a_failed_run(sqlite_s
         str(model),
         dataset={"name": str(code_tasks), "systemPrompt": CODE_AGENT_PROMPT},
         generation={"maxTokens": 384, "engine": "transformers", "temperature": 1.0},
-        rollout={"replicas": 1, "environment": env, "chatTemplate": "qwen2_5", "maxToolCallingIterations": 3,
-                 "toolTimeoutSeconds": 30},
+        rollout={
+            "replicas": 1,
+            "environment": env,
+            "chatTemplate": "qwen2_5",
+            "maxToolCallingIterations": 3,
+            "toolTimeoutSeconds": 30,
+        },
         rewards=[{"env": "environment", "name": "CodeAgentEnvironment", "args": {"class": env}}],
         algorithm={"numGenerations": 8, "batchSize": 16, "maxSteps": CODE_STEPS, "learningRate": 5e-4},
         checkpoint={"every": CODE_STEPS, "keep": 1},
     )
-    reward, calls, shown = _train(sqlite_store, "code-agent", spec, "rewards/CodeAgentEnvironment/mean",
-                                  "tools/call_frequency")
+    reward, calls, shown = _train(
+        sqlite_store, "code-agent", spec, "rewards/CodeAgentEnvironment/mean", "tools/call_frequency"
+    )
     # Learning rate 1e-9 (sampling alone): the last four steps' mean reward 0.58, tool calls 1.58 a rollout.
     # Warm starts of seeds 0, 1 and 2 learning: reward 0.38 -> 0.86, 0.50 -> 0.95, 0.56 -> 0.84 (first step ->
     # last four), tool calls 1.38-1.56 -> 2.0-2.46. Above 3e-3 one step of AdamW wipes what the warm start

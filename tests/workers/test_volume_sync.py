@@ -35,8 +35,11 @@ class RecordingVolume:
 def volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RecordingVolume:
     vol = RecordingVolume(tmp_path)
     names = []
-    monkeypatch.setitem(sys.modules, "modal", SimpleNamespace(
-        Volume=SimpleNamespace(from_name=lambda name: names.append(name) or vol)))
+    monkeypatch.setitem(
+        sys.modules,
+        "modal",
+        SimpleNamespace(Volume=SimpleNamespace(from_name=lambda name: names.append(name) or vol)),
+    )
     monkeypatch.setenv(VOLUME_ENV, "mortal-data")
     vol.names = names
     return vol
@@ -60,7 +63,9 @@ def test_each_published_directory_is_committed_once_in_place(tmp_path: Path, vol
     assert volume.commits == [["v1"]], "a write that failed publishes nothing, commits nothing"
 
 
-def test_a_reader_missing_a_version_reloads_the_volume(tmp_path: Path, volume: RecordingVolume, caplog) -> None:
+def test_a_reader_missing_a_version_reloads_the_volume(
+    tmp_path: Path, volume: RecordingVolume, caplog
+) -> None:
     from mortal.workers.sync.volume import read_published
 
     with pytest.raises(FileNotFoundError):

@@ -20,16 +20,23 @@ MAX_MODEL_LEN = 2048
 
 def tool_call(name: str, **arguments: Any) -> str:
     """What a qwen2_5-template model writes to call a tool."""
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # What the scripted model says: by the task word in the user's message, then by how many tool results
 # the conversation already holds. No entry left: a final answer.
 SCRIPTS = {
     "plain": ["The answer is 5."],
-    "chain": [tool_call("calculator", expression="2 + 3"), tool_call("calculator", expression="5 * 2"), "It is 10."],
+    "chain": [
+        tool_call("calculator", expression="2 + 3"),
+        tool_call("calculator", expression="5 * 2"),
+        "It is 10.",
+    ],
     "broken": [tool_call("nope", x=1), tool_call("calculator", expression="import os"), "I give up."],
-    "double": [tool_call("calculator", expression="1 + 1") + "\n" + tool_call("calculator", expression="2 + 2"), "2 and 4."],
+    "double": [
+        tool_call("calculator", expression="1 + 1") + "\n" + tool_call("calculator", expression="2 + 2"),
+        "2 and 4.",
+    ],
     "long": [tool_call("calculator", expression="7 - 1"), "six " * 200],
     "loop": [tool_call("calculator", expression="1 + 1")] * 10,
 }
@@ -77,8 +84,9 @@ class ScriptedEngine(Engine):
         ids = ids[:limit]
         return ids, [-(i + 1) / 100 + done for i in range(len(ids))]
 
-    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
-                 params: GenerationParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, seeds: list[int], params: GenerationParams
+    ) -> list[list[Completion]]:
         self.calls.append((len(prompts), n))
         return [[Completion(*self.turn(p, params.max_tokens)) for _ in range(n)] for p in prompts]
 
@@ -98,8 +106,15 @@ class ArithScript(ScriptedEngine):
     include ArithEnvironment's `submit`, it submits the result before answering."""
 
     @classmethod
-    def create(cls, model_spec: Any, tokenizer: Any, device: str | None = None, max_num_seqs: int | None = None,
-               memory_share: float | None = None, compile_scope: str = "auto"):
+    def create(
+        cls,
+        model_spec: Any,
+        tokenizer: Any,
+        device: str | None = None,
+        max_num_seqs: int | None = None,
+        memory_share: float | None = None,
+        compile_scope: str = "auto",
+    ):
         return cls(tokenizer)
 
     def load_weights(self, path: str, transport: object = None) -> None:
@@ -117,5 +132,3 @@ class ArithScript(ScriptedEngine):
             a, b = re.search(r"What is (\d+) \+ (\d+)\?", text).groups()
             said = tool_call("calculator", expression=f"{a} + {b}")
         return scripted_turn(self.tokenizer, said, limit)
-
-

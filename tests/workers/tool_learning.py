@@ -43,8 +43,10 @@ from mortal.workers.rollout.multiturn import MultiTurn
 from mortal.workers.rollout.tools import Toolbox
 
 CALCULATOR_PROMPT = "Use the calculator, then reply with its result."
-CODE_AGENT_PROMPT = ("Write the function, check it with run_tests, fix it until the tests pass, then answer with one "
-                     "Python code block.")
+CODE_AGENT_PROMPT = (
+    "Write the function, check it with run_tests, fix it until the tests pass, then answer with one "
+    "Python code block."
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 Demonstration = tuple[list[int], list[int], list[int]]  # prompt ids, completion ids, loss mask
 
@@ -62,7 +64,9 @@ class GuessScript(ArithScript):
     """Answers at once with a number drawn from the conversation: no tool, mostly wrong."""
 
     def turn(self, history: list[int], limit: int) -> tuple[list[int], list[float]]:
-        return scripted_turn(self.tokenizer, str(random.Random(len(history) * 7919 + sum(history)).randint(2, 40)), limit)
+        return scripted_turn(
+            self.tokenizer, str(random.Random(len(history) * 7919 + sum(history)).randint(2, 40)), limit
+        )
 
 
 def first_attempt(solution: str) -> str:
@@ -92,13 +96,28 @@ class FixScript(ScriptedEngine):
 
 
 # -- demonstrations, vocabulary, model -----------------------------------------------------------------------
-def demonstrations(tokenizer: Any, rows: list[dict[str, Any]], script: Callable[[Any], ScriptedEngine],
-                   toolbox: Toolbox, system_prompt: str, max_tokens: int) -> list[Demonstration]:
+def demonstrations(
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    script: Callable[[Any], ScriptedEngine],
+    toolbox: Toolbox,
+    system_prompt: str,
+    max_tokens: int,
+) -> list[Demonstration]:
     """What mortal's tool loop makes of each row with `script(tokenizer)` as the model: the rollout worker's
     ids and mask."""
-    loop = MultiTurn(script(tokenizer), tokenizer, toolbox, GenerationParams(max_tokens=max_tokens), "qwen2_5")
-    requests = [RolloutRequest(prompt=[{"role": "system", "content": system_prompt}, *row["prompt"]], row=row,
-                               num_generations=1, seed=i) for i, row in enumerate(rows)]
+    loop = MultiTurn(
+        script(tokenizer), tokenizer, toolbox, GenerationParams(max_tokens=max_tokens), "qwen2_5"
+    )
+    requests = [
+        RolloutRequest(
+            prompt=[{"role": "system", "content": system_prompt}, *row["prompt"]],
+            row=row,
+            num_generations=1,
+            seed=i,
+        )
+        for i, row in enumerate(rows)
+    ]
     return [(r.prompt_ids, r.completion_ids, r.mask) for [r] in loop.rollouts(requests)]
 
 
@@ -108,33 +127,65 @@ def fit_tokenizer(folder: Path, conversations: list[str], vocab_size: int) -> An
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(conversations, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = smollm2_tokenizer().chat_template  # the run's chatTemplate (qwen2_5) replaces it
+    bpe.train_from_iterator(
+        conversations,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = (
+        smollm2_tokenizer().chat_template
+    )  # the run's chatTemplate (qwen2_5) replaces it
     tokenizer.save_pretrained(folder)
     return tokenizer
 
 
-def warm_start(folder: Path, behaviours: Callable[[Any], list[list[Demonstration]]], vocab_size: int,
-               steps: int, hidden: int = 64, seed: int = 0) -> Path:
+def warm_start(
+    folder: Path,
+    behaviours: Callable[[Any], list[list[Demonstration]]],
+    vocab_size: int,
+    steps: int,
+    hidden: int = 64,
+    seed: int = 0,
+) -> Path:
     """Vocabulary fitted to the behaviours' conversations, then a tiny Llama fine-tuned on them in equal parts."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     renderer = smollm2_tokenizer()
-    tokenizer = fit_tokenizer(folder, [renderer.decode(p + c) for group in behaviours(renderer) for p, c, _ in group],
-                              vocab_size)
+    tokenizer = fit_tokenizer(
+        folder, [renderer.decode(p + c) for group in behaviours(renderer) for p, c, _ in group], vocab_size
+    )
     data = [d for group in behaviours(tokenizer) for d in group]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 50))
     rng = random.Random(seed)
@@ -159,9 +210,11 @@ def _batch(examples: list[Demonstration], pad: int) -> tuple[Any, Any, Any]:
     attention = torch.zeros((len(examples), width), dtype=torch.long)
     for i, (prompt, completion, mask) in enumerate(examples):
         sequence = prompt + completion
-        ids[i, :len(sequence)] = torch.tensor(sequence)
-        attention[i, :len(sequence)] = 1
-        labels[i, len(prompt):len(sequence)] = torch.tensor([t if m else -100 for t, m in zip(completion, mask, strict=True)])
+        ids[i, : len(sequence)] = torch.tensor(sequence)
+        attention[i, : len(sequence)] = 1
+        labels[i, len(prompt) : len(sequence)] = torch.tensor(
+            [t if m else -100 for t, m in zip(completion, mask, strict=True)]
+        )
     return ids, labels, attention
 
 
@@ -173,8 +226,10 @@ def calculator_model(folder: Path, seed: int = 0) -> Path:
     toolbox = Toolbox(tools=[calculator], max_iterations=2)
 
     def behaviours(tokenizer: Any) -> list[list[Demonstration]]:
-        return [demonstrations(tokenizer, rows[:half], ArithScript, toolbox, CALCULATOR_PROMPT, 64),
-                demonstrations(tokenizer, rows[half:], GuessScript, toolbox, CALCULATOR_PROMPT, 64)]
+        return [
+            demonstrations(tokenizer, rows[:half], ArithScript, toolbox, CALCULATOR_PROMPT, 64),
+            demonstrations(tokenizer, rows[half:], GuessScript, toolbox, CALCULATOR_PROMPT, 64),
+        ]
 
     return warm_start(folder, behaviours, vocab_size=1024, steps=800, seed=seed)
 
@@ -186,7 +241,16 @@ def code_agent_model(folder: Path, rows: list[dict[str, Any]], seed: int = 0) ->
     toolbox = Toolbox(environments={None: CodeAgentEnvironment}, max_iterations=3)
 
     def behaviours(tokenizer: Any) -> list[list[Demonstration]]:
-        return [demonstrations(tokenizer, rows, lambda t, f=fixes: FixScript(t, solutions, f), toolbox,
-                               CODE_AGENT_PROMPT, 384) for fixes in (True, False)]
+        return [
+            demonstrations(
+                tokenizer,
+                rows,
+                lambda t, f=fixes: FixScript(t, solutions, f),
+                toolbox,
+                CODE_AGENT_PROMPT,
+                384,
+            )
+            for fixes in (True, False)
+        ]
 
     return warm_start(folder, behaviours, vocab_size=2048, steps=200, hidden=128, seed=seed)

@@ -67,8 +67,12 @@ def sharded_files(rank_count: int) -> list[str]:
     """The files a sharded checkpoint must hold to resume (mortal.workers.actor.trl_seam.checkpoint_files'
     twin). Here, with the layout, and not in mortal.workers.actor.sharded: readers of checkpoints (the CLI's
     fork and cp, resume_check) must not import torch.distributed to know what a complete checkpoint is."""
-    return [f"{DCP_DIR}/.metadata", "scheduler.pt", "trainer_state.json",
-            *(f"rng_state_{r}.pth" for r in range(rank_count))]
+    return [
+        f"{DCP_DIR}/.metadata",
+        "scheduler.pt",
+        "trainer_state.json",
+        *(f"rng_state_{r}.pth" for r in range(rank_count)),
+    ]
 
 
 def checkpoint_files(path: str | Path) -> list[str]:
@@ -109,8 +113,14 @@ class Checkpointer:
     def has(self, step: int) -> bool:
         return any(row.step == step for row in self.store.list_checkpoints(self.run))
 
-    def write(self, trainer: GRPOTrainer, step: int, weight_version: int,
-              save: Callable[[Any, Path], None] | None = None, ranks: int = 1) -> Path:
+    def write(
+        self,
+        trainer: GRPOTrainer,
+        step: int,
+        weight_version: int,
+        save: Callable[[Any, Path], None] | None = None,
+        ranks: int = 1,
+    ) -> Path:
         """Write the trainer's state at `step` atomically, record it, prune; returns its directory.
         `save` writes the state into the temporary directory (default: the Trainer's own writer; a
         sharded actor's writes its `ranks` ranks' shards, mortal.workers.actor.sharded.save_sharded)."""
@@ -194,6 +204,8 @@ class Checkpointer:
         """The storage a recorded URL is in: the spec's (a row written under another checkpoint.uri is refused
         by CheckpointStorage, naming the field, rather than read from a storage the spec no longer names)."""
         if self.storage is None:
-            raise StorageError(f"checkpoint {url} is in storage, but this run's spec.checkpoint.uri is not set: set it "
-                               "back to the storage the checkpoints were written to")
+            raise StorageError(
+                f"checkpoint {url} is in storage, but this run's spec.checkpoint.uri is not set: set it "
+                "back to the storage the checkpoints were written to"
+            )
         return self.storage

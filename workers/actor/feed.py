@@ -70,17 +70,23 @@ class StepBatch:
         staleness = [step - weights_step(v) for v in self.weight_versions]
         logged = {name: sum(values) / len(values) for name, values in self.logged_metrics.items() if values}
         names = dict.fromkeys(name for scores in self.rewards for name in scores)
-        scored = {f"rewards/{name}/scored": sum(s.get(name) is not None for s in self.rewards) / len(self.rewards)
-                  for name in names}
-        return logged | scored | self._tool_metrics() | {
-            "staleness/mean": sum(staleness) / len(staleness),
-            "staleness/max": float(max(staleness)),
-            "completion_tokens": float(sum(len(c) for c in self.completion_ids)),
-            "rollout/generation_seconds": self.generation_seconds,
-            "rollout/reward_seconds": self.reward_seconds,
-            "weights/load_seconds": self.weight_load_seconds,
+        scored = {
+            f"rewards/{name}/scored": sum(s.get(name) is not None for s in self.rewards) / len(self.rewards)
+            for name in names
         }
-
+        return (
+            logged
+            | scored
+            | self._tool_metrics()
+            | {
+                "staleness/mean": sum(staleness) / len(staleness),
+                "staleness/max": float(max(staleness)),
+                "completion_tokens": float(sum(len(c) for c in self.completion_ids)),
+                "rollout/generation_seconds": self.generation_seconds,
+                "rollout/reward_seconds": self.reward_seconds,
+                "weights/load_seconds": self.weight_load_seconds,
+            }
+        )
 
     def _tool_metrics(self) -> dict[str, float]:
         """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls, 0
@@ -144,12 +150,18 @@ class RolloutFeed:
         for index, chunk in enumerate(schedule.task_chunks(self.prompts_per_step, self.prompts_per_task)):
             requests = [self._request(step, slot, self.rows[rows[slot]]) for slot in chunk]
             payload = RolloutTask(requests=requests, first_slot=chunk.start).model_dump()
-            tasks.append(NewTask(step=step, slot=index, min_weight_version=min_weight_version, payload=payload))
+            tasks.append(
+                NewTask(step=step, slot=index, min_weight_version=min_weight_version, payload=payload)
+            )
         return tasks
 
     def _request(self, step: int, slot: int, row: dict[str, Any]) -> RolloutRequest:
-        return RolloutRequest(prompt=row["prompt"], row=row, num_generations=self.num_generations,
-                              seed=schedule.task_seed(self.seed, step, slot))
+        return RolloutRequest(
+            prompt=row["prompt"],
+            row=row,
+            num_generations=self.num_generations,
+            seed=schedule.task_seed(self.seed, step, slot),
+        )
 
     def enqueue(self, step: int, current_version: int) -> int:
         """Make sure the tasks of steps step..step+maxStaleness exist; returns how many were new."""
@@ -167,8 +179,13 @@ class RolloutFeed:
         self.store.reset_tasks(self.worker, from_step=step)
         self._enqueued = {s for s in self._enqueued if s < step}
 
-    def collect(self, step: int, current_version: int, on_stop: Callable[[], None] = lambda: None,
-                while_waiting: Callable[[], None] = lambda: None) -> StepBatch:
+    def collect(
+        self,
+        step: int,
+        current_version: int,
+        on_stop: Callable[[], None] = lambda: None,
+        while_waiting: Callable[[], None] = lambda: None,
+    ) -> StepBatch:
         """Wait until every task of `step` is done; StopRequested (after `on_stop`) if asked to stop.
         `while_waiting` is called at each look (the actor's check that its published weights are still
         held: WeightPublisher.ensure_held, which decides itself how often to look)."""
@@ -192,9 +209,15 @@ class RolloutFeed:
 
     def _requeue(self, step: int, current_version: int, n_stale: int) -> None:
         """Results older than their task allows (late answers to a task since reset): redo the step."""
-        log.warning("step %d: %d results came from weights older than their task asked for; redoing it", step, n_stale)
-        self.store.add_event(self.worker.run, "Warning", STALE_ROLLOUTS,  # counted by describe's ledger
-                             f"step {step}: {n_stale} task(s) answered with weights older than asked; step queued again")
+        log.warning(
+            "step %d: %d results came from weights older than their task asked for; redoing it", step, n_stale
+        )
+        self.store.add_event(
+            self.worker.run,
+            "Warning",
+            STALE_ROLLOUTS,  # counted by describe's ledger
+            f"step {step}: {n_stale} task(s) answered with weights older than asked; step queued again",
+        )
         self.forget_from(step)
         self.store.enqueue_tasks(self.worker, self.tasks_for(step, current_version))
         self._enqueued.add(step)
@@ -206,8 +229,10 @@ class RolloutFeed:
             answer = RolloutAnswer.model_validate(row.result)
             task = RolloutTask.model_validate(row.payload)
             if len(answer.results) != len(task.requests):
-                raise BadRollout(f"step {row.step} task {row.slot}: {len(answer.results)} results for "
-                                 f"{len(task.requests)} prompts")
+                raise BadRollout(
+                    f"step {row.step} task {row.slot}: {len(answer.results)} results for "
+                    f"{len(task.requests)} prompts"
+                )
             for offset, result in enumerate(answer.results):
                 self._check(row.step, task.first_slot + offset, result)
                 self._add(batch, task.requests[offset].prompt, result)
@@ -223,8 +248,9 @@ class RolloutFeed:
             batch.weight_versions.append(result.weight_version)
             batch.prompts.append(prompt)
             batch.completions.append(result.completions[g] if g < len(result.completions) else "")
-            batch.extra.append({column: values[g] for column, values in result.logged_extra.items()
-                                if g < len(values)})
+            batch.extra.append(
+                {column: values[g] for column, values in result.logged_extra.items() if g < len(values)}
+            )
             if result.tool_masks is not None:
                 batch.tool_masks.append(list(result.tool_masks[g]))
                 batch.turns.append(result.turns[g])
@@ -245,8 +271,9 @@ class RolloutFeed:
             if len(ids) != len(logps):
                 raise BadRollout(f"{where}: {len(ids)} tokens but {len(logps)} logprobs")
         if result.tool_masks is not None:
-            if len(result.tool_masks) != g or any(len(m) != len(ids) for m, ids in
-                                                  zip(result.tool_masks, result.completion_ids, strict=True)):
+            if len(result.tool_masks) != g or any(
+                len(m) != len(ids) for m, ids in zip(result.tool_masks, result.completion_ids, strict=True)
+            ):
                 raise BadRollout(f"{where}: the tool masks do not have one entry per completion token")
             if not (len(result.turns) == len(result.tool_calls) == len(result.tool_failures) == g):
                 raise BadRollout(f"{where}: turns or tool counts missing for some of the {g} completions")

@@ -33,7 +33,9 @@ def follow(run: TrainingRun, ranks: sharded.Ranks) -> None:
     0, trained on this rank's slice of each batch, in step with rank 0's collectives. No store."""
     spec = run.spec
     follower = Follower(spec, ranks)
-    follower.trainer = make_trainer(spec, paths.run_dir(run.name), follower, follower.rollout, ranks.world, ranks.rank)
+    follower.trainer = make_trainer(
+        spec, paths.run_dir(run.name), follower, follower.rollout, ranks.world, ranks.rank
+    )
     with contextlib.suppress(StopRequested), startup_objects_frozen():
         # StopRequested: rank 0 stopped while waiting for rollouts, checkpointed first
         follower.trainer.train()
@@ -62,12 +64,16 @@ class Follower(TrainerCallback):
             elif kind == until:
                 return payload
             else:
-                raise sharded.ShardedError(f"rank {self.ranks.rank} expected {until!r} from rank 0, got {kind!r}")
+                raise sharded.ShardedError(
+                    f"rank {self.ranks.rank} expected {until!r} from rank 0, got {kind!r}"
+                )
 
     def rollout(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, Any]:
         return self._serve("batch")  # this rank's slice (Channel.send_each)
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         resume_from = self._serve("begin")
         if resume_from is not None:
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(resume_from))
@@ -75,12 +81,16 @@ class Follower(TrainerCallback):
         trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate)
         self._join_publish()  # rank 0 publishes the weights it starts from
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._rng_from is not None:
             sharded.restore_rng(self._rng_from, self.ranks.rank)
             self._rng_from = None
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if publishes_at(self.spec, state.global_step):
             self._join_publish()
 
@@ -88,10 +98,15 @@ class Follower(TrainerCallback):
         if self._joins:
             sharded.join_publish(self.trainer.model, self._ring, self._dtype)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not logs or "loss" not in logs:
             return
         if self._serve("go"):
             control.should_training_stop = True
-
-

@@ -68,7 +68,12 @@ def main(ctx: WorkerContext) -> int:
     models.set_threads()
     spec = ctx.run.spec
     checkpointer = Checkpointer(
-        ctx.store, ctx.worker, spec.checkpoint.every, spec.checkpoint.keep, spec.algorithm.seed, fence=ctx.check_fence,
+        ctx.store,
+        ctx.worker,
+        spec.checkpoint.every,
+        spec.checkpoint.keep,
+        spec.algorithm.seed,
+        fence=ctx.check_fence,
         storage=checkpoint_storage(ctx),
     )
     try:
@@ -88,26 +93,44 @@ def main(ctx: WorkerContext) -> int:
     record = functools.partial(_provenance_at, made_by, spec)
     checkpointer.provenance = record
     feed = RolloutFeed(
-        ctx.store, ctx.worker, rows, spec.algorithm.seed, spec.algorithm.prompts_per_step,
-        spec.algorithm.num_generations, spec.algorithm.max_staleness, spec.algorithm.max_steps,
-        reward_names(spec.rewards), ctx.stopping,
+        ctx.store,
+        ctx.worker,
+        rows,
+        spec.algorithm.seed,
+        spec.algorithm.prompts_per_step,
+        spec.algorithm.num_generations,
+        spec.algorithm.max_staleness,
+        spec.algorithm.max_steps,
+        reward_names(spec.rewards),
+        ctx.stopping,
         prompts_per_task=spec.rollout.task_size(spec.algorithm.prompts_per_step),
         # a GPU step is short enough that a wait for rollouts is latency worth cutting
         poll_seconds=0.05 if spec.actor.gpu == "none" else 0.02,
         doorbell=Doorbell.for_worker(ctx.run_dir, listens_for=RESULTS),
     )
     feed.forget_from(start)
-    publisher = WeightPublisher(ctx.store, ctx.worker, keep=spec.sync.keep_versions, method=spec.sync_method(),
-                                provenance=record, collective_seconds=spec.deadlines.collective())
+    publisher = WeightPublisher(
+        ctx.store,
+        ctx.worker,
+        keep=spec.sync.keep_versions,
+        method=spec.sync_method(),
+        provenance=record,
+        collective_seconds=spec.deadlines.collective(),
+    )
     publisher.clear_partial()
     if queues_ahead(spec):
         feed.enqueue(start, publisher.next_version())
-        ctx.log.info("step %d's tasks queued before the trainer is built: GPU rollouts prepare their decode step "
-                     "meanwhile", start)
+        ctx.log.info(
+            "step %d's tasks queued before the trainer is built: GPU rollouts prepare their decode step "
+            "meanwhile",
+            start,
+        )
     wandb_run = open_wandb(
         spec.logging.wandb, ctx.run.name, ctx.run.metadata.uid, ctx.run_dir, ctx.run.spec_dict()
     )
-    loop = ActorLoop(ctx, spec, feed, publisher, checkpointer, MetricsReporter(ctx.store, ctx.worker, wandb_run))
+    loop = ActorLoop(
+        ctx, spec, feed, publisher, checkpointer, MetricsReporter(ctx.store, ctx.worker, wandb_run)
+    )
     ranks, finished = None, False
     if spec.actor.count > 1 and (why := sharded.unsupported()):
         raise FatalWorkerError(SHARDING_UNSUPPORTED, why)
@@ -121,9 +144,13 @@ def main(ctx: WorkerContext) -> int:
         trainer_resumes = resume is not None and ranks is None and not is_sharded(resume.path)
         loop.resume_from = resume.path if resume is not None and not trainer_resumes else None
         trainer = build_trainer(ctx, spec, loop)
-        ctx.log.info("training from step %d to %d%s%s", start, spec.algorithm.max_steps,
-                     f" (resuming from {resume.path})" if resume else "",
-                     f" on {spec.actor.count} ranks ({spec.actor.strategy.upper()})" if ranks else "")
+        ctx.log.info(
+            "training from step %d to %d%s%s",
+            start,
+            spec.algorithm.max_steps,
+            f" (resuming from {resume.path})" if resume else "",
+            f" on {spec.actor.count} ranks ({spec.actor.strategy.upper()})" if ranks else "",
+        )
         with startup_objects_frozen(), CollectionClock() as loop.collections:
             trainer.train(resume_from_checkpoint=resume.path if trainer_resumes else None)
         finished = True
@@ -199,7 +226,9 @@ def current_provenance(ctx: WorkerContext, rows: list[dict[str, Any]]) -> proven
     return provenance.Provenance.of(
         ctx.run.metadata.generation,
         provenance.reward_hashes(entries, reward_names(spec.rewards)),
-        provenance.dataset_fingerprint(spec.dataset.model_dump(by_alias=True, mode="json", exclude_none=True), rows),
+        provenance.dataset_fingerprint(
+            spec.dataset.model_dump(by_alias=True, mode="json", exclude_none=True), rows
+        ),
     )
 
 
@@ -211,8 +240,15 @@ def verify_resume(ctx: WorkerContext, resume: CheckpointRow, now: provenance.Pro
     """Refuse (FatalWorkerError) a resume that would silently redo or skip work; record a Warning event for
     each deliberate change it goes on through (mortal.workers.actor.resume_check)."""
     spec = ctx.run.spec
-    findings = resume_check.verify(resume.path, resume.step, resume.provenance, now, spec.algorithm.num_epochs,
-                                   spec.algorithm.max_steps, spec.actor.count)
+    findings = resume_check.verify(
+        resume.path,
+        resume.step,
+        resume.provenance,
+        now,
+        spec.algorithm.num_epochs,
+        spec.algorithm.max_steps,
+        spec.actor.count,
+    )
     refused = resume_check.refusal_message(findings)
     if refused:
         raise FatalWorkerError(resume_check.REFUSED, refused)
@@ -230,16 +266,28 @@ def build_trainer(ctx: WorkerContext, spec: TrainingSpec, loop: ActorLoop) -> GR
         loop.hand_texts = trl_seam.reuse_rollout_texts(loop.trainer)
     if world > 1:
         held, total = sharded.local_share(loop.trainer.model)
-        ctx.log.info("rank 0 of %d holds %d of the model's %d weights (%s)", world, held, total,
-                     "FSDP2" if spec.actor.strategy == "fsdp" else "DDP")
+        ctx.log.info(
+            "rank 0 of %d holds %d of the model's %d weights (%s)",
+            world,
+            held,
+            total,
+            "FSDP2" if spec.actor.strategy == "fsdp" else "DDP",
+        )
     return loop.trainer
 
 
 class ActorLoop(TrainerCallback):
     """What mortal does around each TRL step: feed rollouts in, publish, report, checkpoint."""
 
-    def __init__(self, ctx: WorkerContext, spec: TrainingSpec, feed: RolloutFeed, publisher: WeightPublisher,
-                 checkpointer: Checkpointer, reporter: MetricsReporter) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        spec: TrainingSpec,
+        feed: RolloutFeed,
+        publisher: WeightPublisher,
+        checkpointer: Checkpointer,
+        reporter: MetricsReporter,
+    ) -> None:
         self.ctx, self.spec, self.feed = ctx, spec, feed
         self.publisher, self.checkpointer, self.reporter = publisher, checkpointer, reporter
         self.trainer: GRPOTrainer | None = None
@@ -258,7 +306,9 @@ class ActorLoop(TrainerCallback):
         self._batch: StepBatch | None = None  # the step's rollouts, until its completions are recorded
         self._warmed_up = False  # warm_up_training runs at most once a process
         self._in_step = contextlib.ExitStack()  # the step's activity, reported in the heartbeat
-        self._reward_weights = dict(zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True))
+        self._reward_weights = dict(
+            zip(reward_names(spec.rewards), (r.weight for r in spec.rewards), strict=True)
+        )
 
     # -- TRL's rollout_func --------------------------------------------------------------------
     def rollout(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, Any]:
@@ -274,8 +324,12 @@ class ActorLoop(TrainerCallback):
             trl_seam.warm_up_training(trainer)
             self._warmed_up = True
         try:
-            batch = self.feed.collect(step, self.version, on_stop=lambda: self._checkpoint_once(step),
-                                      while_waiting=self.publisher.ensure_held)
+            batch = self.feed.collect(
+                step,
+                self.version,
+                on_stop=lambda: self._checkpoint_once(step),
+                while_waiting=self.publisher.ensure_held,
+            )
         except StopRequested:
             if self.ranks is not None:
                 self.ranks.channel.send("stop")
@@ -287,7 +341,11 @@ class ActorLoop(TrainerCallback):
         self._batch = batch
         self._loss_began = None
         output = trl_seam.rollout_output(
-            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.rewards, batch.weight_versions,
+            batch.prompt_ids,
+            batch.completion_ids,
+            batch.logprobs,
+            batch.rewards,
+            batch.weight_versions,
             env_masks=batch.env_masks(),
         )
         if self.ranks is None:
@@ -308,7 +366,9 @@ class ActorLoop(TrainerCallback):
             self._loss_began = time.perf_counter()
 
     # -- Trainer callbacks -----------------------------------------------------------------------
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Weights, optimizer and scheduler are loaded (fresh or from the checkpoint): the spec's learning
         rate replaces a resumed checkpoint's (a fork or an apply may have changed it), then the weights
         are published before the first rollout. A checkpoint the Trainer does not resume (a sharded
@@ -325,17 +385,27 @@ class ActorLoop(TrainerCallback):
             state.global_step = sharded.restore_checkpoint(self.trainer, Path(self.resume_from))
             self._rng_from = sharded.rng_source(Path(self.resume_from), world)
             if self._rng_from is None:
-                self.ctx.log.info("resumed on %d rank(s) from a checkpoint of %d: model and optimizer resharded, "
-                                  "RNG states not restored", world, sharded.written_by(Path(self.resume_from)))
+                self.ctx.log.info(
+                    "resumed on %d rank(s) from a checkpoint of %d: model and optimizer resharded, "
+                    "RNG states not restored",
+                    world,
+                    sharded.written_by(Path(self.resume_from)),
+                )
         if trl_seam.set_learning_rate(self.trainer, self.spec.algorithm.learning_rate):
-            self.ctx.log.info("learning rate set to the spec's %g (the checkpoint's differed)",
-                              self.spec.algorithm.learning_rate)
+            self.ctx.log.info(
+                "learning rate set to the spec's %g (the checkpoint's differed)",
+                self.spec.algorithm.learning_rate,
+            )
         self._publish(state.global_step)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.publisher.prune()  # the last version's publish left one more than `keep`
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._step_started = time.perf_counter()
         self._in_step.close()
         self._in_step.enter_context(self.ctx.activity(f"step {state.global_step + 1}"))  # its deadline: the
@@ -344,11 +414,15 @@ class ActorLoop(TrainerCallback):
             sharded.restore_rng(self._rng_from, 0)
             self._rng_from = None
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         step = state.global_step
         if torch.cuda.is_available():  # queued GPU work of the step is training time
             torch.cuda.synchronize()
-        elsewhere = sum(self._rollout_metrics.get(f"actor/{part}_seconds", 0.0) for part in ("wait", "bookkeeping"))
+        elsewhere = sum(
+            self._rollout_metrics.get(f"actor/{part}_seconds", 0.0) for part in ("wait", "bookkeeping")
+        )
         # TRL's loss, backward and optimizer step: not the store's work before the wait, which the model
         # FLOPs utilization must leave out
         ended = time.perf_counter()
@@ -377,7 +451,14 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["step_seconds"] = time.perf_counter() - self._step_started
         self._in_step.close()
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not logs or "loss" not in logs:  # the end-of-training summary, not a step
             return
         step = state.global_step
@@ -405,10 +486,15 @@ class ActorLoop(TrainerCallback):
             self.version = self.publisher.publish(model, step, prune=False)
         else:  # every rank takes part (sharded.join_publish); the ring, if any, is on rank 0's device
             ring, dtype = self.publisher.transport.in_ring, sharded.publish_dtype(self.spec)
-            self.version = self.publisher.publish(model, step, prune=False,
-                                                  state=sharded.publish_state(model, ring, dtype),
-                                                  gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
-                                                  device=sharded.rank_device(self.ranks.device, 0), cast=dtype)
+            self.version = self.publisher.publish(
+                model,
+                step,
+                prune=False,
+                state=sharded.publish_state(model, ring, dtype),
+                gather=functools.partial(sharded.wholes, dtype=dtype) if ring else None,
+                device=sharded.rank_device(self.ranks.device, 0),
+                cast=dtype,
+            )
         self._rollout_metrics["weights/publish_seconds"] = time.perf_counter() - started
         # rollouts waiting for these weights (maxStaleness > 0: their tasks are queued)
         self.feed.doorbell.ring(TASKS)
@@ -421,7 +507,9 @@ class ActorLoop(TrainerCallback):
         if batch is None or limit == 0:
             return
         advantages = trl_seam.step_advantages(self.trainer, len(batch.completion_ids))
-        self.reporter.report_completions(step, samples.step_completions(batch, advantages, self._reward_weights, limit))
+        self.reporter.report_completions(
+            step, samples.step_completions(batch, advantages, self._reward_weights, limit)
+        )
 
     def _checkpoint_once(self, step: int) -> None:
         """Checkpoint at a step boundary unless this step has one (e.g. the one just resumed from);
@@ -430,8 +518,9 @@ class ActorLoop(TrainerCallback):
             if self.ranks is None:
                 self.checkpointer.write(self.trainer, step, self.version)
             else:
-                self.checkpointer.write(self.trainer, step, self.version, save=self._save_sharded,
-                                        ranks=self.ranks.world)
+                self.checkpointer.write(
+                    self.trainer, step, self.version, save=self._save_sharded, ranks=self.ranks.world
+                )
 
     def _save_sharded(self, trainer: GRPOTrainer, dest: Path) -> None:
         assert self.ranks is not None

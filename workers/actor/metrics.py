@@ -56,8 +56,14 @@ def wandb_mode(spec_mode: str, environ: Mapping[str, str]) -> str | None:
     return spec_mode
 
 
-def open_wandb(wandb_spec: Any, run_name: str, run_uid: str | None, run_dir: Path, config: dict[str, Any],
-               environ: Mapping[str, str] | None = None) -> Any:
+def open_wandb(
+    wandb_spec: Any,
+    run_name: str,
+    run_uid: str | None,
+    run_dir: Path,
+    config: dict[str, Any],
+    environ: Mapping[str, str] | None = None,
+) -> Any:
     """A W&B run per spec.logging.wandb, or None when off."""
     env = os.environ if environ is None else environ
     mode = wandb_mode(wandb_spec.mode, env)
@@ -104,8 +110,17 @@ def completions_table(step: int, completions: Sequence[NewCompletion]) -> Any:
     columns = fixed + _columns(rewards, fixed) + ["advantage", "weight_version"]
     columns += _columns(extra, columns)
     data = [
-        [step, c.sample, c.prompt, c.completion, c.reward, *(c.rewards.get(r) for r in rewards), c.advantage,
-         c.weight_version, *(c.extra.get(e) for e in extra)]
+        [
+            step,
+            c.sample,
+            c.prompt,
+            c.completion,
+            c.reward,
+            *(c.rewards.get(r) for r in rewards),
+            c.advantage,
+            c.weight_version,
+            *(c.extra.get(e) for e in extra),
+        ]
         for c in completions
     ]
     return wandb.Table(columns=columns, data=data)

@@ -43,7 +43,9 @@ class DatasetFingerprint(_Record):
     name: str = Field(description="spec.dataset.name")
     rows: int = Field(description="rows used (after maxSamples)")
     sha256: str = Field(description="of the rows as canonical JSON, one per line, in order")
-    spec: dict[str, Any] = Field(description="spec.dataset as applied: tells a deliberate change from a silent one")
+    spec: dict[str, Any] = Field(
+        description="spec.dataset as applied: tells a deliberate change from a silent one"
+    )
 
 
 class DataPosition(_Record):
@@ -68,14 +70,22 @@ class Provenance(_Record):
     position: DataPosition | None = Field(None, description="where the data stands after the step it records")
 
     @classmethod
-    def of(cls, spec_generation: int | None, rewards: Mapping[str, str], dataset: DatasetFingerprint) -> Provenance:
+    def of(
+        cls, spec_generation: int | None, rewards: Mapping[str, str], dataset: DatasetFingerprint
+    ) -> Provenance:
         """What the actor trains with now (no position yet: `at` adds it per step)."""
-        return cls(spec_generation=spec_generation, reward_code=_combined(rewards), rewards=dict(rewards),
-                   dataset=dataset)
+        return cls(
+            spec_generation=spec_generation,
+            reward_code=_combined(rewards),
+            rewards=dict(rewards),
+            dataset=dataset,
+        )
 
     def at(self, step: int, prompts_per_step: int, seed: int) -> Provenance:
         """The record of what the step `step` leaves: this provenance with its data position."""
-        return self.model_copy(update={"position": data_position(step, prompts_per_step, seed, self.dataset.rows)})
+        return self.model_copy(
+            update={"position": data_position(step, prompts_per_step, seed, self.dataset.rows)}
+        )
 
     @classmethod
     def read(cls, record: Mapping[str, Any] | None) -> Provenance | None:
@@ -86,19 +96,23 @@ class Provenance(_Record):
 def data_position(step: int, prompts_per_step: int, seed: int, rows: int) -> DataPosition:
     consumed = step * prompts_per_step
     epoch, index = divmod(consumed, rows) if rows > 0 else (0, consumed)
-    return DataPosition(step=step, prompts_per_step=prompts_per_step, seed=seed, consumed=consumed, epoch=epoch,
-                        index=index)
+    return DataPosition(
+        step=step, prompts_per_step=prompts_per_step, seed=seed, consumed=consumed, epoch=epoch, index=index
+    )
 
 
-def dataset_fingerprint(dataset_spec: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> DatasetFingerprint:
+def dataset_fingerprint(
+    dataset_spec: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
+) -> DatasetFingerprint:
     """Fingerprint of `rows` (mortal.workers.data.load_rows' output) read for `dataset_spec`
     (spec.dataset)."""
     digest = hashlib.sha256()
     for row in rows:
         digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
         digest.update(b"\n")
-    return DatasetFingerprint(name=str(dataset_spec.get("name")), rows=len(rows), sha256=digest.hexdigest(),
-                              spec=dict(dataset_spec))
+    return DatasetFingerprint(
+        name=str(dataset_spec.get("name")), rows=len(rows), sha256=digest.hexdigest(), spec=dict(dataset_spec)
+    )
 
 
 def reward_hashes(entries: Iterable[Mapping[str, Any]], names: Sequence[str]) -> dict[str, str]:

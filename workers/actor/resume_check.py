@@ -72,8 +72,11 @@ class CheckpointFacts:
         else:
             # mmap: the moments of a large model are not read, only the small step counters are touched
             optimizer = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
-            counters = {int(s["step"]) for s in optimizer.get("state", {}).values()
-                        if isinstance(s, dict) and "step" in s}
+            counters = {
+                int(s["step"])
+                for s in optimizer.get("state", {}).values()
+                if isinstance(s, dict) and "step" in s
+            }
             has_state = bool(optimizer.get("state"))
         return cls(
             path=str(folder),
@@ -94,8 +97,11 @@ def _sharded_step_counters(dcp_dir: Path) -> set[int]:
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(str(dcp_dir))
-    names = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("optimizer.state.")
-             and k.endswith(".step")]
+    names = [
+        k
+        for k in reader.read_metadata().state_dict_metadata
+        if k.startswith("optimizer.state.") and k.endswith(".step")
+    ]
     if not names:
         return set()
     counters = {name: torch.zeros(()) for name in names}
@@ -103,26 +109,52 @@ def _sharded_step_counters(dcp_dir: Path) -> set[int]:
     return {int(value) for value in counters.values()}
 
 
-def verify(path: str | Path, step: int, recorded: dict[str, Any] | None, now: Provenance,
-           num_epochs: float | None, max_steps: int, actor_count: int = 1) -> list[Finding]:
+def verify(
+    path: str | Path,
+    step: int,
+    recorded: dict[str, Any] | None,
+    now: Provenance,
+    num_epochs: float | None,
+    max_steps: int,
+    actor_count: int = 1,
+) -> list[Finding]:
     """The findings for resuming at `step` from the checkpoint at `path`, whose row recorded `recorded`."""
     facts = CheckpointFacts.read(path)
     record = recorded if recorded is not None else facts.marker_provenance
     return judge(step, facts, Provenance.read(record), now, num_epochs, max_steps, actor_count)
 
 
-def judge(step: int, facts: CheckpointFacts, recorded: Provenance | None, now: Provenance,
-          num_epochs: float | None, max_steps: int, actor_count: int = 1) -> list[Finding]:
+def judge(
+    step: int,
+    facts: CheckpointFacts,
+    recorded: Provenance | None,
+    now: Provenance,
+    num_epochs: float | None,
+    max_steps: int,
+    actor_count: int = 1,
+) -> list[Finding]:
     """The checks of the module docstring, on facts already read. `now` is the actor's provenance at `step`
     (its spec's generation, rewards and rows, and the position it would resume at); `actor_count` the
     resuming actor's ranks (spec.actor.count). Pure."""
-    findings = _ranks_findings(step, facts, actor_count) + _step_findings(step, facts) + _optimizer_findings(step, facts)
+    findings = (
+        _ranks_findings(step, facts, actor_count)
+        + _step_findings(step, facts)
+        + _optimizer_findings(step, facts)
+    )
     if recorded is None:
-        findings.append(Finding("ProvenanceUnknown", f"the checkpoint of step {step} at {facts.path} records no "
-                                "provenance (written before mortal kept it): its dataset and reward code are not verified"))
+        findings.append(
+            Finding(
+                "ProvenanceUnknown",
+                f"the checkpoint of step {step} at {facts.path} records no "
+                "provenance (written before mortal kept it): its dataset and reward code are not verified",
+            )
+        )
     else:
-        findings += (_dataset_findings(step, recorded, now) + _order_findings(step, recorded, now)
-                     + _reward_findings(recorded, now))
+        findings += (
+            _dataset_findings(step, recorded, now)
+            + _order_findings(step, recorded, now)
+            + _reward_findings(recorded, now)
+        )
     findings += _exhausted_findings(step, now, num_epochs, max_steps)
     return findings
 
@@ -134,10 +166,15 @@ def refusal_message(findings: list[Finding]) -> str:
 def _ranks_findings(step: int, facts: CheckpointFacts, actor_count: int) -> list[Finding]:
     if facts.ranks == actor_count:
         return []
-    return [Finding("ActorCountChanged", f"the checkpoint of step {step} was written by an actor of {facts.ranks} "
-                    f"rank(s) and this one has actor.count {actor_count}: its model and optimizer are resharded "
-                    f"to {actor_count} rank(s); its RNG states belong to the old ranks and are not restored, so the "
-                    f"run goes on from step {step} but not bit for bit as it would have on {facts.ranks}")]
+    return [
+        Finding(
+            "ActorCountChanged",
+            f"the checkpoint of step {step} was written by an actor of {facts.ranks} "
+            f"rank(s) and this one has actor.count {actor_count}: its model and optimizer are resharded "
+            f"to {actor_count} rank(s); its RNG states belong to the old ranks and are not restored, so the "
+            f"run goes on from step {step} but not bit for bit as it would have on {facts.ranks}",
+        )
+    ]
 
 
 def _step_findings(step: int, facts: CheckpointFacts) -> list[Finding]:
@@ -145,9 +182,15 @@ def _step_findings(step: int, facts: CheckpointFacts) -> list[Finding]:
     wrong = {name: value for name, value in said.items() if value is not None and value != step}
     if not wrong:
         return []
-    return [Finding(REFUSED, f"the checkpoint recorded as step {step} at {facts.path} is of another step ("
-                    + ", ".join(f"{name} says {value}" for name, value in wrong.items())
-                    + "): resuming would redo or skip steps; was the folder copied or renamed by hand?", refuse=True)]
+    return [
+        Finding(
+            REFUSED,
+            f"the checkpoint recorded as step {step} at {facts.path} is of another step ("
+            + ", ".join(f"{name} says {value}" for name, value in wrong.items())
+            + "): resuming would redo or skip steps; was the folder copied or renamed by hand?",
+            refuse=True,
+        )
+    ]
 
 
 def _optimizer_findings(step: int, facts: CheckpointFacts) -> list[Finding]:
@@ -160,26 +203,43 @@ def _optimizer_findings(step: int, facts: CheckpointFacts) -> list[Finding]:
         problems.append(f"optimizer.pt's step counters are {sorted(facts.optimizer_steps)}")
     if not problems:
         return []
-    return [Finding(REFUSED, f"the checkpoint of step {step} at {facts.path}: " + "; ".join(problems)
-                    + ": the optimizer would resume with another step's moments or learning rate", refuse=True)]
+    return [
+        Finding(
+            REFUSED,
+            f"the checkpoint of step {step} at {facts.path}: "
+            + "; ".join(problems)
+            + ": the optimizer would resume with another step's moments or learning rate",
+            refuse=True,
+        )
+    ]
 
 
 def _dataset_findings(step: int, recorded: Provenance, now: Provenance) -> list[Finding]:
     was, new = recorded.dataset, now.dataset
     if was.sha256 == new.sha256:
         return []
-    change = (f"{was.name!r}: {was.rows} rows (sha256 {short(was.sha256)}) at the checkpoint, {new.rows} rows "
-              f"(sha256 {short(new.sha256)}) now")
+    change = (
+        f"{was.name!r}: {was.rows} rows (sha256 {short(was.sha256)}) at the checkpoint, {new.rows} rows "
+        f"(sha256 {short(new.sha256)}) now"
+    )
     if was.spec == new.spec:
-        return [Finding(REFUSED, f"the dataset's rows changed since the checkpoint of step {step} while "
-                        f"spec.dataset did not ({change}): the data position would index other rows, "
-                        "redoing some and skipping others. Restore the data, or change spec.dataset "
-                        "(or fork the run) to train on the new rows on purpose", refuse=True)]
+        return [
+            Finding(
+                REFUSED,
+                f"the dataset's rows changed since the checkpoint of step {step} while "
+                f"spec.dataset did not ({change}): the data position would index other rows, "
+                "redoing some and skipping others. Restore the data, or change spec.dataset "
+                "(or fork the run) to train on the new rows on purpose",
+                refuse=True,
+            )
+        ]
     message = f"spec.dataset changed since the checkpoint of step {step} ({change})"
     if now.position is not None:
         position = now.position
-        message += (f"; training goes on at prompt {position.consumed} of the new rows (pass {position.epoch}, "
-                    f"index {position.index})")
+        message += (
+            f"; training goes on at prompt {position.consumed} of the new rows (pass {position.epoch}, "
+            f"index {position.index})"
+        )
     return [Finding("DatasetChanged", message)]
 
 
@@ -187,22 +247,39 @@ def _reward_findings(recorded: Provenance, now: Provenance) -> list[Finding]:
     if recorded.reward_code == now.reward_code:
         return []
     names = sorted(set(recorded.rewards) | set(now.rewards))
-    changed = [f"{n} ({short(recorded.rewards.get(n))} -> {short(now.rewards.get(n))})" for n in names
-               if recorded.rewards.get(n) != now.rewards.get(n)]
-    return [Finding("RewardCodeChanged", "the rewards changed since the checkpoint (spec entry or code): "
-                    + ", ".join(changed) + "; later steps are scored by the new code")]
+    changed = [
+        f"{n} ({short(recorded.rewards.get(n))} -> {short(now.rewards.get(n))})"
+        for n in names
+        if recorded.rewards.get(n) != now.rewards.get(n)
+    ]
+    return [
+        Finding(
+            "RewardCodeChanged",
+            "the rewards changed since the checkpoint (spec entry or code): "
+            + ", ".join(changed)
+            + "; later steps are scored by the new code",
+        )
+    ]
 
 
-def _exhausted_findings(step: int, now: Provenance, num_epochs: float | None, max_steps: int) -> list[Finding]:
+def _exhausted_findings(
+    step: int, now: Provenance, num_epochs: float | None, max_steps: int
+) -> list[Finding]:
     if num_epochs is None or step >= max_steps or now.position is None:
         return []
     available = num_epochs * now.dataset.rows
     if now.position.consumed < available:
         return []
-    return [Finding(REFUSED, f"the checkpoint of step {step} has drawn {now.position.consumed} prompts, every one of "
-                    f"numEpochs {num_epochs:g} x {now.dataset.rows} rows: the data is used up, and training on to "
-                    f"maxSteps {max_steps} would repeat it. Raise spec.algorithm.numEpochs, or lower maxSteps to "
-                    f"{step}", refuse=True)]
+    return [
+        Finding(
+            REFUSED,
+            f"the checkpoint of step {step} has drawn {now.position.consumed} prompts, every one of "
+            f"numEpochs {num_epochs:g} x {now.dataset.rows} rows: the data is used up, and training on to "
+            f"maxSteps {max_steps} would repeat it. Raise spec.algorithm.numEpochs, or lower maxSteps to "
+            f"{step}",
+            refuse=True,
+        )
+    ]
 
 
 def _order_findings(step: int, recorded: Provenance | None, now: Provenance) -> list[Finding]:
@@ -210,14 +287,24 @@ def _order_findings(step: int, recorded: Provenance | None, now: Provenance) -> 
     if recorded is None or recorded.position is None or now.position is None:
         return []
     was, new = recorded.position, now.position
-    changes = [f"{label} {a} -> {b}" for label, a, b in (("seed", was.seed, new.seed),
-                                                         ("promptsPerStep", was.prompts_per_step, new.prompts_per_step))
-               if a != b]
+    changes = [
+        f"{label} {a} -> {b}"
+        for label, a, b in (
+            ("seed", was.seed, new.seed),
+            ("promptsPerStep", was.prompts_per_step, new.prompts_per_step),
+        )
+        if a != b
+    ]
     if not changes:
         return []
-    return [Finding("DataOrderChanged", f"{', '.join(changes)} since the checkpoint of step {step}: it had drawn "
-                    f"{was.consumed} prompts; step {step + 1} draws from position {new.consumed} in the new order, "
-                    "so some prompts may come again and others not at all")]
+    return [
+        Finding(
+            "DataOrderChanged",
+            f"{', '.join(changes)} since the checkpoint of step {step}: it had drawn "
+            f"{was.consumed} prompts; step {step + 1} draws from position {new.consumed} in the new order, "
+            "so some prompts may come again and others not at all",
+        )
+    ]
 
 
 def _json(path: Path) -> dict[str, Any]:

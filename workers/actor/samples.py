@@ -39,7 +39,11 @@ def _message_text(message: dict[str, Any]) -> str:
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         arguments = function.get("arguments")
-        args = ", ".join(f"{k}={v!r}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
+        args = (
+            ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+            if isinstance(arguments, dict)
+            else arguments
+        )
         lines.append(f"  -> {function.get('name')}({args})")
     return "\n".join(lines)
 
@@ -66,16 +70,18 @@ def step_completions(
     out = []
     for i in range(min(limit, len(batch.completion_ids))):
         scores = {name: _finite(v) for name, v in batch.rewards[i].items()}
-        out.append(NewCompletion(
-            sample=i,
-            prompt=as_text(batch.prompts[i]),
-            completion=as_text(batch.completions[i]),
-            rewards=scores,
-            reward=total_reward(scores, weights),
-            advantage=_finite(advantages[i]) if advantages is not None else None,
-            weight_version=batch.weight_versions[i],
-            extra=(dict(batch.extra[i]) if i < len(batch.extra) else {}) | _tool_columns(batch, i),
-        ))
+        out.append(
+            NewCompletion(
+                sample=i,
+                prompt=as_text(batch.prompts[i]),
+                completion=as_text(batch.completions[i]),
+                rewards=scores,
+                reward=total_reward(scores, weights),
+                advantage=_finite(advantages[i]) if advantages is not None else None,
+                weight_version=batch.weight_versions[i],
+                extra=(dict(batch.extra[i]) if i < len(batch.extra) else {}) | _tool_columns(batch, i),
+            )
+        )
     return out
 
 
@@ -83,4 +89,8 @@ def _tool_columns(batch: StepBatch, i: int) -> dict[str, Any]:
     """A tool-calling completion's turns, tool calls and failed calls (empty for single-turn runs)."""
     if i >= len(batch.turns):
         return {}
-    return {"turns": batch.turns[i], "tool_calls": batch.tool_calls[i], "tool_failures": batch.tool_failures[i]}
+    return {
+        "turns": batch.turns[i],
+        "tool_calls": batch.tool_calls[i],
+        "tool_failures": batch.tool_failures[i],
+    }

@@ -94,9 +94,11 @@ def unsupported() -> str | None:
     from packaging.version import Version
 
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
-        return (f"an actor of several ranks needs transformers >= {MIN_TRANSFORMERS} (its Trainer then trains a model "
-                f"sharded at load as it is; older ones wrap it in DistributedDataParallel, which fails on its sharded "
-                f"parameters); this worker has {transformers.__version__}: upgrade it, or use actor.count 1")
+        return (
+            f"an actor of several ranks needs transformers >= {MIN_TRANSFORMERS} (its Trainer then trains a model "
+            f"sharded at load as it is; older ones wrap it in DistributedDataParallel, which fails on its sharded "
+            f"parameters); this worker has {transformers.__version__}: upgrade it, or use actor.count 1"
+        )
     return None
 
 
@@ -109,8 +111,10 @@ def rank_device(device: str, rank: int) -> torch.device:
     if device == "cpu":
         return torch.device("cpu")
     if rank >= torch.cuda.device_count():
-        raise ShardedError(f"actor rank {rank} has no GPU: this worker sees {torch.cuda.device_count()} "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}), one a rank is needed")
+        raise ShardedError(
+            f"actor rank {rank} has no GPU: this worker sees {torch.cuda.device_count()} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}), one a rank is needed"
+        )
     return torch.device("cuda", rank)
 
 
@@ -124,8 +128,14 @@ def free_port() -> int:
 
 def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
     """What torch.distributed, accelerate and transformers read to find their rank and the rendezvous."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+    }
 
 
 def threads_per_rank(world: int) -> int:
@@ -165,13 +175,21 @@ class Ranks:
             torch.cuda.set_device(device_id)
         # A collective past its timeout raises in the rank, which fails the actor: it is relaunched from its
         # checkpoint. Unset, torch's default: a rank waits in the channel while rank 0 waits for rollouts.
-        timeout = {} if self.collective_seconds is None else {"timeout": timedelta(seconds=self.collective_seconds)}
-        dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world,
-                                device_id=device_id if device_id.type == "cuda" else None, **timeout)
+        timeout = (
+            {} if self.collective_seconds is None else {"timeout": timedelta(seconds=self.collective_seconds)}
+        )
+        dist.init_process_group(
+            backend_for(self.device),
+            rank=self.rank,
+            world_size=self.world,
+            device_id=device_id if device_id.type == "cuda" else None,
+            **timeout,
+        )
         self.channel = Channel(dist.new_group(backend="gloo", **timeout), self.rank, self.world)
 
     def watch(self, on_lost: Callable[[RankLost], None]) -> None:
         """Rank 0: call `on_lost` (from a daemon thread) as soon as a child rank has failed or been killed."""
+
         def loop() -> None:
             while not self._closed.wait(WATCH_SECONDS):
                 for index, proc in enumerate(self._children.processes):
@@ -213,7 +231,9 @@ class Ranks:
             for proc in self._children.processes:
                 proc.join(max(0.0, deadline - time.monotonic()))
                 if proc.exitcode is None:
-                    log.warning("actor rank (pid %d) still running after %.0f s: killing it", proc.pid, timeout)
+                    log.warning(
+                        "actor rank (pid %d) still running after %.0f s: killing it", proc.pid, timeout
+                    )
                     proc.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -249,8 +269,13 @@ def start(run: TrainingRun, world: int, device: str, follow: Follow) -> Ranks:
     shutil.rmtree(notes, ignore_errors=True)  # an earlier incarnation's ranks' notes
     port = free_port()
     os.environ.update(rank_environment(0, world, port))
-    children = mp.start_processes(follower_main, args=(world, port, run, device, os.getpid(), follow),
-                                  nprocs=world - 1, join=False, start_method="spawn")
+    children = mp.start_processes(
+        follower_main,
+        args=(world, port, run, device, os.getpid(), follow),
+        nprocs=world - 1,
+        join=False,
+        start_method="spawn",
+    )
     ranks = Ranks(0, world, device, notes, run.spec.deadlines.collective_seconds, _children=children)
     ranks.join()
     return ranks
@@ -340,10 +365,13 @@ def replication(model: torch.nn.Module) -> str | None:
     DistributedDataParallel."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
-    return ("DistributedDataParallel: gradients " + ("as views of" if model.gradient_as_bucket_view else "copied into")
-            + " its all-reduce buckets, " + ("searching for unused parameters" if model.find_unused_parameters
-                                             else "every parameter used")
-            + (", buffers broadcast from rank 0" if model.broadcast_buffers else ", buffers the rank's own"))
+    return (
+        "DistributedDataParallel: gradients "
+        + ("as views of" if model.gradient_as_bucket_view else "copied into")
+        + " its all-reduce buckets, "
+        + ("searching for unused parameters" if model.find_unused_parameters else "every parameter used")
+        + (", buffers broadcast from rank 0" if model.broadcast_buffers else ", buffers the rank's own")
+    )
 
 
 def publishes_alone(spec: TrainingSpec) -> bool:
@@ -366,8 +394,9 @@ def cast_floating(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
     return tensor.to(kept_dtype(tensor, dtype))
 
 
-def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
-           bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[torch.Tensor]:
+def wholes(
+    tensors: list[torch.Tensor], dtype: torch.dtype | None = None, bucket_bytes: int = GATHER_BUCKET_BYTES
+) -> Iterator[torch.Tensor]:
     """Each tensor made whole, in order (collectives: every rank iterates the same list to the end, rank 0
     keeping what it yields), floating ones in `dtype` when given (publish_dtype: cast before the gather, so
     the collective moves the smaller bytes); anything not a DTensor is yielded as it is, cast alike.
@@ -382,7 +411,9 @@ def wholes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None,
     held = 0  # bytes of a rank's padded shares in the bucket, in the dtype they are gathered in
     for tensor in tensors:
         size = _chunk_numel(tensor) * kept_dtype(tensor, dtype).itemsize if _row_sharded(tensor) else None
-        if bucket and (size is None or held + size > bucket_bytes or not _same_group(bucket[0], tensor, dtype)):
+        if bucket and (
+            size is None or held + size > bucket_bytes or not _same_group(bucket[0], tensor, dtype)
+        ):
             yield from _gather_bucket(bucket, dtype)
             bucket, held = [], 0
         if size is None:
@@ -403,8 +434,12 @@ def _whole(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _row_sharded(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor, Shard
 
-    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.ndim > 0
-            and tuple(tensor.placements) == (Shard(0),))
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.device_mesh.ndim == 1
+        and tensor.ndim > 0
+        and tuple(tensor.placements) == (Shard(0),)
+    )
 
 
 def _chunk_numel(tensor: torch.Tensor) -> int:
@@ -416,7 +451,7 @@ def _chunk_numel(tensor: torch.Tensor) -> int:
 
 def _same_group(first: torch.Tensor, tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
     """Whether two row shards can share one all-gather: one buffer's dtype (once cast), one group of ranks."""
-    return ((kept_dtype(tensor, dtype), tensor.device_mesh) == (kept_dtype(first, dtype), first.device_mesh))
+    return (kept_dtype(tensor, dtype), tensor.device_mesh) == (kept_dtype(first, dtype), first.device_mesh)
 
 
 def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
@@ -434,7 +469,7 @@ def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Ite
     offset = 0
     for tensor, chunk in zip(bucket, chunks, strict=True):
         shard = tensor.to_local().reshape(-1)
-        packed[offset:offset + shard.numel()].copy_(shard)
+        packed[offset : offset + shard.numel()].copy_(shard)
         offset += chunk
     # gloo: flat only
     gathered = torch.empty(world * packed.numel(), dtype=packed.dtype, device=packed.device)
@@ -445,11 +480,13 @@ def _gather_bucket(bucket: list[torch.Tensor], dtype: torch.dtype | None) -> Ite
     offset = 0
     for tensor, chunk in zip(bucket, chunks, strict=True):
         rows = -(-tensor.shape[0] // world)
-        yield gathered[:, offset:offset + chunk].reshape(world * rows, *tensor.shape[1:])[:tensor.shape[0]]
+        yield gathered[:, offset : offset + chunk].reshape(world * rows, *tensor.shape[1:])[: tensor.shape[0]]
         offset += chunk
 
 
-def publish_state(model: torch.nn.Module, ring: bool, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def publish_state(
+    model: torch.nn.Module, ring: bool, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Every rank, when rank 0 publishes: for a ring (sync ipc, nccl), the shards (rank 0 hands them to the
     ring with `wholes` in `dtype`, and the other ranks join its gathers through `join_publish`); for the files
     of volume and ray, every weight whole on rank 0's CPU in `dtype` (full_state_dict; {} on the others)."""
@@ -540,8 +577,9 @@ def _load_dcp(trainer: GRPOTrainer, path: Path) -> None:
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def _load_trainer_files(trainer: GRPOTrainer, path: Path) -> None:
@@ -561,7 +599,9 @@ def _load_trainer_files(trainer: GRPOTrainer, path: Path) -> None:
     names = {id(param): name for name, param in model.named_parameters()}  # a tied weight once, by its owner
     missing = sorted(set(names.values()) - weights.keys())
     if missing:
-        raise ShardedError(f"{path}/model.safetensors lacks {len(missing)} of the model's weights, e.g. {missing[:3]}")
+        raise ShardedError(
+            f"{path}/model.safetensors lacks {len(missing)} of the model's weights, e.g. {missing[:3]}"
+        )
     # not strict: the file holds a tied weight once (the LM head is the embedding), the model's state dict
     # twice
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -569,18 +609,28 @@ def _load_trainer_files(trainer: GRPOTrainer, path: Path) -> None:
     ours = [param for group in optimizer.param_groups for param in group["params"]]
     indices = [index for group in saved["param_groups"] for index in group["params"]]
     if len(indices) != len(ours):
-        raise ShardedError(f"{path}/optimizer.pt holds {len(indices)} parameters in its groups, the trainer's "
-                           f"optimizer {len(ours)}: not this model's optimizer")
+        raise ShardedError(
+            f"{path}/optimizer.pt holds {len(indices)} parameters in its groups, the trainer's "
+            f"optimizer {len(ours)}: not this model's optimizer"
+        )
     by_index = dict(zip(indices, ours, strict=True))
     for index, moments in saved["state"].items():
         shape = tuple(by_index[index].shape)  # a sharded parameter's shape is the whole tensor's
         if "exp_avg" in moments and tuple(moments["exp_avg"].shape) != shape:
-            raise ShardedError(f"{path}/optimizer.pt: the state of parameter {index} ({names[id(by_index[index])]}) "
-                               f"has shape {tuple(moments['exp_avg'].shape)}, the parameter {shape}")
-    named = {"state": {names[id(by_index[index])]: moments for index, moments in saved["state"].items()},
-             "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
-                               "params": [names[id(by_index[index])] for index in group["params"]]}
-                              for group in saved["param_groups"]]}
+            raise ShardedError(
+                f"{path}/optimizer.pt: the state of parameter {index} ({names[id(by_index[index])]}) "
+                f"has shape {tuple(moments['exp_avg'].shape)}, the parameter {shape}"
+            )
+    named = {
+        "state": {names[id(by_index[index])]: moments for index, moments in saved["state"].items()},
+        "param_groups": [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [names[id(by_index[index])] for index in group["params"]],
+            }
+            for group in saved["param_groups"]
+        ],
+    }
     set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
@@ -617,17 +667,24 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(75)
 
 
-def follower_main(index: int, world: int, port: int, run: TrainingRun, device: str, parent: int,
-                  follow: Follow) -> None:
+def follower_main(
+    index: int, world: int, port: int, run: TrainingRun, device: str, parent: int, follow: Follow
+) -> None:
     """Ranks 1..N-1: the trainer rank 0 has, fed and steered by rank 0 (`follow`:
     mortal.workers.actor.follower's)."""
     rank = index + 1
     os.environ.update(rank_environment(rank, world, port))
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when to stop, at a step boundary
-    threading.Thread(target=_exit_with_parent, args=(parent,), name="mortal-parent-watch", daemon=True).start()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s %(levelname)s actor-rank{rank} %(name)s: %(message)s")
+    threading.Thread(
+        target=_exit_with_parent, args=(parent,), name="mortal-parent-watch", daemon=True
+    ).start()
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s %(levelname)s actor-rank{rank} %(name)s: %(message)s",
+    )
     notes = rank_notes(run.name)
     try:
         ranks = Ranks(rank, world, device, notes, run.spec.deadlines.collective_seconds)

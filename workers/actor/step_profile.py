@@ -38,12 +38,14 @@ TABLE_ROWS = 40
 
 
 def parse_steps(text: str) -> tuple[int, int]:
-    """"4" -> (4, 4); "4-5" -> (4, 5). Steps count from 1; a bad value is fatal (it names the variable)."""
+    """ "4" -> (4, 4); "4-5" -> (4, 5). Steps count from 1; a bad value is fatal (it names the variable)."""
     match = re.fullmatch(r"(\d+)(?:-(\d+))?", text.strip())
     steps = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
     if not 1 <= steps[0] <= steps[1]:
-        raise FatalWorkerError("BadProfileSteps", f"{STEPS_ENV}={text!r}: give an optimizer step (4) or a range "
-                                                  "of them (4-5), counting from 1")
+        raise FatalWorkerError(
+            "BadProfileSteps",
+            f"{STEPS_ENV}={text!r}: give an optimizer step (4) or a range of them (4-5), counting from 1",
+        )
     return steps
 
 
@@ -99,14 +101,22 @@ class StepProfile(TrainerCallback):
         events = profiler.key_averages()
         on_gpu = torch.cuda.is_available()
         own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-        text = (f"# {self.stem}: the operators by their own {'GPU' if on_gpu else 'CPU'} time\n"
-                f"{events.table(sort_by=own, row_limit=TABLE_ROWS)}\n"
-                f"# by CPU time, their callees included (host overhead)\n"
-                f"{events.table(sort_by='cpu_time_total', row_limit=TABLE_ROWS)}\n")
+        text = (
+            f"# {self.stem}: the operators by their own {'GPU' if on_gpu else 'CPU'} time\n"
+            f"{events.table(sort_by=own, row_limit=TABLE_ROWS)}\n"
+            f"# by CPU time, their callees included (host overhead)\n"
+            f"{events.table(sort_by='cpu_time_total', row_limit=TABLE_ROWS)}\n"
+        )
         (self.logs / f"{self.stem}.txt").write_text(text)
         trace = self.logs / f"{self.stem}.json"
         profiler.export_chrome_trace(str(trace))
         with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
         trace.unlink()
-        log.info("profiled steps %d-%d of rank %d: %s", self.first, self.last, self.rank, self.logs / f"{self.stem}.txt")
+        log.info(
+            "profiled steps %d-%d of rank %d: %s",
+            self.first,
+            self.last,
+            self.rank,
+            self.logs / f"{self.stem}.txt",
+        )

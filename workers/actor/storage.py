@@ -61,9 +61,13 @@ def open_filesystem(uri: str) -> tuple[Any, str]:
     try:
         fs, root = fsspec.core.url_to_fs(uri)
     except ImportError as exc:  # fsspec knows the protocol, its package (s3fs, gcsfs, adlfs) is missing
-        raise StorageError(f"{URI_FIELD} {uri!r}: this machine lacks the package of that storage: {exc}") from exc
+        raise StorageError(
+            f"{URI_FIELD} {uri!r}: this machine lacks the package of that storage: {exc}"
+        ) from exc
     except ValueError as exc:  # "Protocol not known"
-        raise StorageError(f"{URI_FIELD} {uri!r}: {exc}; use a protocol fsspec knows (s3, gs, az, file, ...)") from exc
+        raise StorageError(
+            f"{URI_FIELD} {uri!r}: {exc}; use a protocol fsspec knows (s3, gs, az, file, ...)"
+        ) from exc
     return fs, root
 
 
@@ -89,10 +93,12 @@ class CheckpointStorage:
         followed)."""
         prefix = f"{self.uri}/{self.run}/"
         if not url.startswith(prefix):
-            raise StorageError(f"{url!r} is not a checkpoint of run {self.run!r} under {URI_FIELD} {self.uri!r} "
-                               "(the spec's storage changed since it was written?)")
+            raise StorageError(
+                f"{url!r} is not a checkpoint of run {self.run!r} under {URI_FIELD} {self.uri!r} "
+                "(the spec's storage changed since it was written?)"
+            )
         url_inside(prefix, url)  # PathOutside
-        return posixpath.join(self.root, posixpath.normpath(url[len(prefix):]))
+        return posixpath.join(self.root, posixpath.normpath(url[len(prefix) :]))
 
     def owns(self, url: str) -> str:
         """`url`, when it is one of this run's checkpoints in this storage (StorageError under another prefix,
@@ -111,8 +117,10 @@ class CheckpointStorage:
                 raise OSError("the file read back differs from the one written")
             self.fs.rm_file(probe)
         except (OSError, ValueError, NotImplementedError) as exc:  # fsspec maps denials to PermissionError
-            raise StorageError(f"{URI_FIELD} {self.uri!r}: cannot write under {self.uri}/{self.run}/: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise StorageError(
+                f"{URI_FIELD} {self.uri!r}: cannot write under {self.uri}/{self.run}/: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def upload(self, folder: Path, step: int) -> str:
         """Copy a complete local checkpoint folder to `url(step)`: what an earlier, unfinished upload of that
@@ -130,7 +138,9 @@ class CheckpointStorage:
                 self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
                 self.fs.put_file(str(path), target)
         except OSError as exc:
-            raise StorageError(f"{URI_FIELD}: uploading step {step} to {self.url(step)} failed: {exc}") from exc
+            raise StorageError(
+                f"{URI_FIELD}: uploading step {step} to {self.url(step)} failed: {exc}"
+            ) from exc
         return self.url(step)
 
     def complete(self, url: str) -> bool:

@@ -96,7 +96,11 @@ def checkpointing_arg(enabled: bool) -> dict[str, bool]:
     from transformers import TrainingArguments
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
+    return {
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing": enabled
+    }
 
 
 def lora_config(spec: TrainingSpec) -> LoraConfig | None:
@@ -106,13 +110,22 @@ def lora_config(spec: TrainingSpec) -> LoraConfig | None:
 
     lora = spec.model.lora
     return LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
 
 
-def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, rollout_func: RolloutFunc, world: int,
-                 rank: int = 0) -> GRPOTrainer:
+def make_trainer(
+    spec: TrainingSpec,
+    run_dir: Path,
+    callback: TrainerCallback,
+    rollout_func: RolloutFunc,
+    world: int,
+    rank: int = 0,
+) -> GRPOTrainer:
     """The GRPOTrainer of every rank: over `world` > 1 ranks the model is sharded with FSDP2 at load, or with
     actor.strategy ddp loaded whole on the rank's device, which the Trainer (accelerate) wraps in
     DistributedDataParallel as it does for TRL on several GPUs. Its
@@ -126,14 +139,23 @@ def make_trainer(spec: TrainingSpec, run_dir: Path, callback: TrainerCallback, r
     tokenizer = models.load_tokenizer(spec.model)
     # ddp: a whole model a rank, wrapped by the Trainer
     fsdp_size = world if spec.actor.strategy == "fsdp" else 1
-    model = models.load_model(spec.model, device, for_training=True, fsdp_size=fsdp_size,
-                              mixed_precision=spec.actor.mixed_precision, cpu_offload=spec.actor.cpu_offload,
-                              reshard_after_forward=spec.actor.reshard_after_forward)
+    model = models.load_model(
+        spec.model,
+        device,
+        for_training=True,
+        fsdp_size=fsdp_size,
+        mixed_precision=spec.actor.mixed_precision,
+        cpu_offload=spec.actor.cpu_offload,
+        reshard_after_forward=spec.actor.reshard_after_forward,
+    )
     if spec.actor.liger:
-        logging.getLogger("mortal.worker").info("Liger's kernels patched into the %s model (rank %d)",
-                                                models.use_liger_kernels(model), rank)
+        logging.getLogger("mortal.worker").info(
+            "Liger's kernels patched into the %s model (rank %d)", models.use_liger_kernels(model), rank
+        )
     # TRL's sampler only decides how many prompts a step has; which prompts is mortal.workers.schedule's.
-    placeholders = Dataset.from_dict({"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)})
+    placeholders = Dataset.from_dict(
+        {"prompt": [""] * (spec.algorithm.max_steps * spec.algorithm.prompts_per_step)}
+    )
     args = training_args(spec, str(run_dir / "actor"), device, world)
     sharded.replicate_arguments(args, model.config)  # read by the Trainer only when it wraps the model in DDP
     with trl_seam.compile_settings(spec.actor.compile, spec.actor.compile_scope):  # dynamic shapes, the scope
@@ -162,5 +184,3 @@ def publishes_at(spec: TrainingSpec, step: int) -> bool:
     """Whether the actor publishes weights after optimizer step `step` (every rank asks: a sharded
     publish is a collective)."""
     return step % spec.sync.every == 0 or step >= spec.algorithm.max_steps
-
-

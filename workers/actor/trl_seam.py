@@ -116,8 +116,9 @@ def rollout_output(
     n = len(completion_ids)
     if not (len(prompt_ids) == len(logprobs) == len(rewards) == len(weight_versions) == n):
         raise ValueError("rollout output lists differ in length")
-    if env_masks is not None and (len(env_masks) != n or any(
-            len(m) != len(c) for m, c in zip(env_masks, completion_ids, strict=True))):
+    if env_masks is not None and (
+        len(env_masks) != n or any(len(m) != len(c) for m, c in zip(env_masks, completion_ids, strict=True))
+    ):
         raise ValueError("env_masks must hold one mask entry per completion token")
     return ({ENV_MASK_KEY: env_masks} if env_masks is not None else {}) | {
         "prompt_ids": prompt_ids,
@@ -145,7 +146,9 @@ class _NoEngine:
         return None
 
 
-def enable_sampling_correction(trainer: GRPOTrainer, mode: str = "token_truncate", clip_max: float = 2.0) -> None:
+def enable_sampling_correction(
+    trainer: GRPOTrainer, mode: str = "token_truncate", clip_max: float = 2.0
+) -> None:
     """Correct the loss for samples drawn from other weights (staleness > 0), with TRL's own code.
 
     token_truncate: per-token ratio exp(logp_current - logp_sampling), clipped at `clip_max` (TIS).
@@ -271,7 +274,9 @@ def set_learning_rate(trainer: GRPOTrainer, learning_rate: float) -> bool:
     train on at the checkpoint's rate. Call it after the Trainer loaded them (on_train_begin).
     """
     scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
-    bases = list(getattr(scheduler, "base_lrs", None) or [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups])
+    bases = list(
+        getattr(scheduler, "base_lrs", None) or [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+    )
     if all(base == learning_rate for base in bases):
         return False
     for i, group in enumerate(optimizer.param_groups):
@@ -310,5 +315,7 @@ def save_checkpoint(trainer: GRPOTrainer, dest: Path) -> None:
 
 def checkpoint_files(dest: Path) -> list[str]:
     """The files a checkpoint must hold to resume exactly (used to verify one before trusting it)."""
-    model = "adapter_model.safetensors" if (dest / "adapter_model.safetensors").exists() else "model.safetensors"
+    model = (
+        "adapter_model.safetensors" if (dest / "adapter_model.safetensors").exists() else "model.safetensors"
+    )
     return [model, "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"]

@@ -20,8 +20,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NAMES = ["Ada", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun", "Kemi", "Luca", "Mina",
-         "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara"]
+NAMES = [
+    "Ada",
+    "Ben",
+    "Chen",
+    "Dara",
+    "Eli",
+    "Fatima",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jun",
+    "Kemi",
+    "Luca",
+    "Mina",
+    "Noor",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+]
 
 
 def arith_rows(n: int = 2000, seed: int = 0) -> list[dict]:
@@ -42,15 +62,20 @@ Problem = tuple[str, list[str], int]
 def _apples(rng: random.Random, who: str) -> Problem:
     have, bought, ate = rng.randint(3, 20), rng.randint(2, 15), rng.randint(1, 5)
     q = f"{who} has {have} apples, buys {bought} more, then eats {ate}. How many apples does {who} have now?"
-    return q, [f"{have} + {bought} = {have + bought}", f"{have + bought} - {ate} = {have + bought - ate}"], (
-        have + bought - ate)
+    return (
+        q,
+        [f"{have} + {bought} = {have + bought}", f"{have + bought} - {ate} = {have + bought - ate}"],
+        (have + bought - ate),
+    )
 
 
 def _boxes(rng: random.Random, who: str) -> Problem:
     boxes, per, given = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 10)
     total = boxes * per
-    q = (f"{who} packs {boxes} boxes with {per} pencils each and gives away {given} pencils. "
-         f"How many pencils are left?")
+    q = (
+        f"{who} packs {boxes} boxes with {per} pencils each and gives away {given} pencils. "
+        f"How many pencils are left?"
+    )
     return q, [f"{boxes} * {per} = {total}", f"{total} - {given} = {total - given}"], total - given
 
 
@@ -65,51 +90,77 @@ def _share(rng: random.Random, who: str) -> Problem:
     friends, each = rng.randint(3, 8), rng.randint(2, 9)
     extra = rng.randint(1, friends - 1)  # a true remainder: fewer than one more round
     total = friends * each + extra
-    q = (f"{who} has {total} stickers, shares them equally among {friends} friends and keeps the {extra} "
-         f"left over. How many stickers does each friend get?")
+    q = (
+        f"{who} has {total} stickers, shares them equally among {friends} friends and keeps the {extra} "
+        f"left over. How many stickers does each friend get?"
+    )
     return q, [f"{total} - {extra} = {total - extra}", f"{total - extra} / {friends} = {each}"], each
 
 
 def _trip(rng: random.Random, who: str) -> Problem:
     speed, hours, back = rng.randint(20, 70), rng.randint(2, 5), rng.randint(10, 40)
     out = speed * hours
-    q = (f"{who} drives {hours} hours at {speed} km per hour, then drives {back} km back toward home. "
-         f"How far from home is {who} now, in km?")
+    q = (
+        f"{who} drives {hours} hours at {speed} km per hour, then drives {back} km back toward home. "
+        f"How far from home is {who} now, in km?"
+    )
     return q, [f"{speed} * {hours} = {out}", f"{out} - {back} = {out - back}"], out - back
 
 
 def _shop(rng: random.Random, who: str) -> Problem:
-    shirts, price, socks, sock_price = rng.randint(1, 5), rng.randint(8, 30), rng.randint(1, 6), rng.randint(2, 6)
+    shirts, price, socks, sock_price = (
+        rng.randint(1, 5),
+        rng.randint(8, 30),
+        rng.randint(1, 6),
+        rng.randint(2, 6),
+    )
     a, b = shirts * price, socks * sock_price
-    q = (f"{who} buys {shirts} shirts at ${price} each and {socks} pairs of socks at ${sock_price} each. "
-         f"How many dollars does {who} spend?")
+    q = (
+        f"{who} buys {shirts} shirts at ${price} each and {socks} pairs of socks at ${sock_price} each. "
+        f"How many dollars does {who} spend?"
+    )
     return q, [f"{shirts} * {price} = {a}", f"{socks} * {sock_price} = {b}", f"{a} + {b} = {a + b}"], a + b
 
 
 def _garden(rng: random.Random, who: str) -> Problem:
     rows, per, dead = rng.randint(2, 10), rng.randint(4, 15), rng.randint(1, 9)
     total = rows * per
-    q = (f"{who} plants {rows} rows of {per} tulips. {dead} tulips do not grow. "
-         f"How many tulips grow?")
+    q = f"{who} plants {rows} rows of {per} tulips. {dead} tulips do not grow. How many tulips grow?"
     return q, [f"{rows} * {per} = {total}", f"{total} - {dead} = {total - dead}"], total - dead
 
 
 def _savings(rng: random.Random, who: str) -> Problem:
-    start, weekly, weeks, spent = rng.randint(5, 50), rng.randint(3, 20), rng.randint(2, 8), rng.randint(1, 30)
+    start, weekly, weeks, spent = (
+        rng.randint(5, 50),
+        rng.randint(3, 20),
+        rng.randint(2, 8),
+        rng.randint(1, 30),
+    )
     saved = weekly * weeks
     end = start + saved - spent
-    q = (f"{who} has ${start}, saves ${weekly} every week for {weeks} weeks, then spends ${spent} on a book. "
-         f"How many dollars does {who} have?")
-    return q, [f"{weekly} * {weeks} = {saved}", f"{start} + {saved} = {start + saved}",
-               f"{start + saved} - {spent} = {end}"], end
+    q = (
+        f"{who} has ${start}, saves ${weekly} every week for {weeks} weeks, then spends ${spent} on a book. "
+        f"How many dollars does {who} have?"
+    )
+    return (
+        q,
+        [
+            f"{weekly} * {weeks} = {saved}",
+            f"{start} + {saved} = {start + saved}",
+            f"{start + saved} - {spent} = {end}",
+        ],
+        end,
+    )
 
 
 def _pages(rng: random.Random, who: str) -> Problem:
     per_day, days = rng.randint(5, 30), rng.randint(2, 7)
     left = rng.randint(10, 90)
     total = per_day * days + left
-    q = (f"A book has {total} pages. {who} reads {per_day} pages a day for {days} days. "
-         f"How many pages are left?")
+    q = (
+        f"A book has {total} pages. {who} reads {per_day} pages a day for {days} days. "
+        f"How many pages are left?"
+    )
     return q, [f"{per_day} * {days} = {per_day * days}", f"{total} - {per_day * days} = {left}"], left
 
 
@@ -117,13 +168,25 @@ def _eggs(rng: random.Random, who: str) -> Problem:
     hens, eggs, sold = rng.randint(2, 12), rng.randint(1, 3), rng.randint(1, 6)
     laid = hens * eggs * 7
     sold = min(sold * 5, laid)
-    q = (f"{who}'s {hens} hens each lay {eggs} eggs a day. In one week {who} sells {sold} eggs. "
-         f"How many eggs are left at the end of the week?")
+    q = (
+        f"{who}'s {hens} hens each lay {eggs} eggs a day. In one week {who} sells {sold} eggs. "
+        f"How many eggs are left at the end of the week?"
+    )
     return q, [f"{hens} * {eggs} * 7 = {laid}", f"{laid} - {sold} = {laid - sold}"], laid - sold
 
 
 TEMPLATES: list[Callable[[random.Random, str], Problem]] = [
-    _apples, _boxes, _wage, _share, _trip, _shop, _garden, _savings, _pages, _eggs]
+    _apples,
+    _boxes,
+    _wage,
+    _share,
+    _trip,
+    _shop,
+    _garden,
+    _savings,
+    _pages,
+    _eggs,
+]
 WORDPROBLEM_INSTRUCTION = "Solve the problem. End with the final answer on its own line as '#### <number>'."
 
 
@@ -135,11 +198,13 @@ def wordproblem_rows(per_template: int = 30, seed: int = 0) -> list[dict]:
         for template in TEMPLATES:
             who = NAMES[(i + rng.randint(0, len(NAMES) - 1)) % len(NAMES)]
             question, steps, answer = template(rng, who)
-            rows.append({
-                "prompt": [{"role": "user", "content": f"{question}\n{WORDPROBLEM_INSTRUCTION}"}],
-                "answer": str(answer),
-                "solution": "\n".join([*steps, f"#### {answer}"]),
-            })
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": f"{question}\n{WORDPROBLEM_INSTRUCTION}"}],
+                    "answer": str(answer),
+                    "solution": "\n".join([*steps, f"#### {answer}"]),
+                }
+            )
     return rows
 
 
@@ -151,17 +216,25 @@ def mbpp_mini_rows() -> list[dict]:
     spec = importlib.util.spec_from_file_location("mbpp_mini_tasks", HERE / "mbpp_mini_tasks.py")
     tasks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tasks)
-    return [{"prompt": [{"role": "user", "content": MBPP_INSTRUCTION.format(task=task, example=tests[0])}],
-             "tests": tests, "solution": solution}
-            for task, solution, tests in tasks.TASKS]
+    return [
+        {
+            "prompt": [{"role": "user", "content": MBPP_INSTRUCTION.format(task=task, example=tests[0])}],
+            "tests": tests,
+            "solution": solution,
+        }
+        for task, solution, tests in tasks.TASKS
+    ]
 
 
 def render(rows: list[dict]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
-BUILDERS: dict[str, Callable[[], list[dict]]] = {"arith": arith_rows, "wordproblems": wordproblem_rows,
-                                                 "mbpp-mini": mbpp_mini_rows}
+BUILDERS: dict[str, Callable[[], list[dict]]] = {
+    "arith": arith_rows,
+    "wordproblems": wordproblem_rows,
+    "mbpp-mini": mbpp_mini_rows,
+}
 
 
 def main() -> None:

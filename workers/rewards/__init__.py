@@ -108,7 +108,9 @@ def _is_async(func: Any) -> bool:
     target = func.func if isinstance(func, functools.partial) else func
     if inspect.iscoroutinefunction(target):
         return True
-    return callable(target) and not inspect.isfunction(target) and inspect.iscoroutinefunction(target.__call__)
+    return (
+        callable(target) and not inspect.isfunction(target) and inspect.iscoroutinefunction(target.__call__)
+    )
 
 
 def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
@@ -134,14 +136,24 @@ def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None =
         from mortal.workers.rollout.tools import EnvironmentReward
 
         reward = EnvironmentReward(name, entry.args.get("class"))
-        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env 'environment'", func=reward, is_async=False,
-                            timeout_seconds=entry.timeout_seconds)
+        return LoadedReward(
+            name=name,
+            ref=f"spec.rewards[{index}].env 'environment'",
+            func=reward,
+            is_async=False,
+            timeout_seconds=entry.timeout_seconds,
+        )
     if entry.env is not None:
         from mortal.workers.rewards.environments.factory import build_environment  # it imports this module
 
         env = build_environment(entry, index, run_dir)
-        return LoadedReward(name=name, ref=f"spec.rewards[{index}].env {entry.env!r}", func=env, is_async=False,
-                            timeout_seconds=entry.timeout_seconds)
+        return LoadedReward(
+            name=name,
+            ref=f"spec.rewards[{index}].env {entry.env!r}",
+            func=env,
+            is_async=False,
+            timeout_seconds=entry.timeout_seconds,
+        )
     where = f"spec.rewards[{index}].function {entry.function!r}"
     obj = _import_attr(entry.function, where)
     if inspect.isclass(obj):
@@ -151,7 +163,8 @@ def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None =
             raise
         except Exception as exc:
             raise FatalWorkerError(
-                "RewardNotFound", f"{where}: constructing it with args {entry.args} failed: {type(exc).__name__}: {exc}"
+                "RewardNotFound",
+                f"{where}: constructing it with args {entry.args} failed: {type(exc).__name__}: {exc}",
             ) from exc
         if isinstance(obj, RewardEnvironment):
             _apply_sandbox_spec(obj, entry)
@@ -159,7 +172,9 @@ def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None =
         obj = functools.partial(obj, **entry.args) if callable(obj) else obj
     if not callable(obj):
         raise FatalWorkerError("RewardNotFound", f"{where}: is not callable (it is a {type(obj).__name__})")
-    return LoadedReward(name=name, ref=where, func=obj, is_async=_is_async(obj), timeout_seconds=entry.timeout_seconds)
+    return LoadedReward(
+        name=name, ref=where, func=obj, is_async=_is_async(obj), timeout_seconds=entry.timeout_seconds
+    )
 
 
 def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
@@ -177,7 +192,8 @@ def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float
         scores = scores.tolist()  # numpy array / torch tensor
     if not isinstance(scores, Sequence) or isinstance(scores, str | bytes):
         raise FatalWorkerError(
-            "RewardBadOutput", f"{bad} returned a {type(scores).__name__}; return a list with one float per completion"
+            "RewardBadOutput",
+            f"{bad} returned a {type(scores).__name__}; return a list with one float per completion",
         )
     if len(scores) != expected:
         raise FatalWorkerError(
@@ -191,12 +207,15 @@ def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float
             continue
         if not isinstance(value, numbers.Real):
             raise FatalWorkerError(
-                "RewardBadOutput", f"{bad} returned {value!r} ({type(value).__name__}) at position {i}; "
-                "return a float, or None when the reward does not apply"
+                "RewardBadOutput",
+                f"{bad} returned {value!r} ({type(value).__name__}) at position {i}; "
+                "return a float, or None when the reward does not apply",
             )
         number = float(value)
         if math.isinf(number):
-            raise FatalWorkerError("RewardBadOutput", f"{bad} returned {number} at position {i}; rewards must be finite")
+            raise FatalWorkerError(
+                "RewardBadOutput", f"{bad} returned {number} at position {i}; rewards must be finite"
+            )
         out.append(None if math.isnan(number) else number)
     return out
 
@@ -212,16 +231,19 @@ class RewardTimeout:
 
     def describe(self, worker: str) -> str:
         """The Warning event's message: the worker, what it was doing and for how long."""
-        return (f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
-                f"scoring {self.completions} completions of step {self.step}; they score None (not applicable), "
-                "the run goes on; its stacks are in the worker's log")
+        return (
+            f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
+            f"scoring {self.completions} completions of step {self.step}; they score None (not applicable), "
+            "the run goes on; its stacks are in the worker's log"
+        )
 
 
 class RewardSet:
     """The spec's rewards, loaded once per worker and called for every task."""
 
-    def __init__(self, rewards: list[LoadedReward], max_steps: int = 0,
-                 abandoner: Abandoner | None = None) -> None:
+    def __init__(
+        self, rewards: list[LoadedReward], max_steps: int = 0, abandoner: Abandoner | None = None
+    ) -> None:
         self.rewards = rewards
         self.max_steps = max_steps
         self.logs = RewardLogs()
@@ -234,16 +256,26 @@ class RewardSet:
         return [r.name for r in self.rewards]
 
     @classmethod
-    def from_spec(cls, entries: list[RewardSpec], max_steps: int = 0, run_dir: Path | None = None) -> RewardSet:
+    def from_spec(
+        cls, entries: list[RewardSpec], max_steps: int = 0, run_dir: Path | None = None
+    ) -> RewardSet:
         """`run_dir`: the run's folder, where `cache: sqlite` keeps rewards.cache.sqlite."""
         if not entries:
             raise FatalWorkerError("RewardNotFound", "spec.rewards is empty; GRPO needs at least one reward")
         names = reward_names(entries)
-        return cls([load_reward(e, i, n, run_dir) for i, (e, n) in enumerate(zip(entries, names, strict=True))],
-                   max_steps)
+        return cls(
+            [load_reward(e, i, n, run_dir) for i, (e, n) in enumerate(zip(entries, names, strict=True))],
+            max_steps,
+        )
 
-    def _kwargs(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
-                step: int) -> dict[str, Any]:
+    def _kwargs(
+        self,
+        prompt: Any,
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        row: dict[str, Any],
+        step: int,
+    ) -> dict[str, Any]:
         n = len(completions)
         columns = {k: [v] * n for k, v in row.items() if k not in RESERVED_COLUMNS}
         return {
@@ -259,6 +291,7 @@ class RewardSet:
     def _call(self, reward: LoadedReward, kwargs: dict[str, Any]) -> Any:
         """The reward's return value; CallTimedOut past its timeoutSeconds; what it raised, as a fatal
         error."""
+
         def invoke() -> Any:
             return asyncio.run(reward.func(**kwargs)) if reward.is_async else reward.func(**kwargs)
 
@@ -269,7 +302,9 @@ class RewardSet:
         except Exception as exc:
             raise _fatal_raise(reward, exc) from exc
 
-    def _scores(self, reward: LoadedReward, kwargs: dict[str, Any], expected: int, step: int) -> list[float | None]:
+    def _scores(
+        self, reward: LoadedReward, kwargs: dict[str, Any], expected: int, step: int
+    ) -> list[float | None]:
         """One reward's checked scores, or None for each completion when its call ran past its deadline."""
         try:
             return check_scores(reward, self._call(reward, kwargs), expected)
@@ -279,8 +314,9 @@ class RewardSet:
                 self.on_timeout(RewardTimeout(reward.name, exc.seconds, expected, step))
             return [None] * expected
 
-    def report(self, prompt: Any, completion: Any, completion_ids: list[int], row: dict[str, Any]
-               ) -> list[RewardReport]:
+    def report(
+        self, prompt: Any, completion: Any, completion_ids: list[int], row: dict[str, Any]
+    ) -> list[RewardReport]:
         """Each reward on one completion on its own, output captured: where `score` stops at the first
         broken reward (as a run must), this says what every one of them did."""
         kwargs = self._kwargs(prompt, [completion], [completion_ids], row, step=0)
@@ -297,9 +333,16 @@ class RewardSet:
             reports.append(RewardReport(reward.name, score, error, out.getvalue(), err.getvalue(), self.logs))
         return reports
 
-    def score(self, prompt: Any, completions: list[Any], completion_ids: list[list[int]], row: dict[str, Any],
-              step: int = 0, environments: list[Any] | None = None,
-              prompts: list[Any] | None = None) -> dict[str, list[float | None]]:
+    def score(
+        self,
+        prompt: Any,
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        row: dict[str, Any],
+        step: int = 0,
+        environments: list[Any] | None = None,
+        prompts: list[Any] | None = None,
+    ) -> dict[str, list[float | None]]:
         """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. Tool-calling runs
         with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts`
         (each completion's prompt after its environment's reset appended what it returned)."""

@@ -15,7 +15,9 @@ from typing import Any
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 # A final answer may be a number, a fraction 'a/b' or a LaTeX \frac{a}{b} (math_answer and the math-answer
 # env).
-VALUE = re.compile(r"-?\\d?frac\{\s*-?[\d,]*\.?\d+\s*\}\{\s*-?[\d,]*\.?\d+\s*\}|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+VALUE = re.compile(
+    r"-?\\d?frac\{\s*-?[\d,]*\.?\d+\s*\}\{\s*-?[\d,]*\.?\d+\s*\}|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+)
 HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 BOXED_ANSWER = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 LATEX_FRACTION = re.compile(r"(-?)\\d?frac\{\s*(-?[\d,]*\.?\d+)\s*\}\{\s*(-?[\d,]*\.?\d+)\s*\}")
@@ -72,8 +74,10 @@ def answers_match(found: float | None, expected: Any, tolerance: float = 1e-6) -
 
 def correct_answer(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float]:
     """1.0 when the first number in the completion equals `answer` (the arith anchor's reward)."""
-    return [1.0 if answers_match(parse_number(completion_text(c)), a) else 0.0
-            for c, a in zip(completions, answer, strict=True)]
+    return [
+        1.0 if answers_match(parse_number(completion_text(c)), a) else 0.0
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def short_answer(completions: list[Any], max_chars: int = 4, **kwargs: Any) -> list[float]:
@@ -97,8 +101,12 @@ def final_number(text: str) -> float | None:
     return parse_value(values[-1]) if values else None
 
 
-def math_answer(completions: list[Any], answer: list[Any], tolerance: float = 1e-6, **kwargs: Any) -> list[float]:
+def math_answer(
+    completions: list[Any], answer: list[Any], tolerance: float = 1e-6, **kwargs: Any
+) -> list[float]:
     """1.0 when the completion's final answer ('#### x', boxed, or last value) equals `answer` within
     `tolerance`."""
-    return [1.0 if answers_match(final_number(completion_text(c)), a, tolerance) else 0.0
-            for c, a in zip(completions, answer, strict=True)]
+    return [
+        1.0 if answers_match(final_number(completion_text(c)), a, tolerance) else 0.0
+        for c, a in zip(completions, answer, strict=True)
+    ]

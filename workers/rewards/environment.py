@@ -57,10 +57,14 @@ class RewardEnvironment:
             for i, (c, p) in enumerate(zip(completions, prompts, strict=True))
         ]
 
-    def __call__(self, completions: list[Any], prompts: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
+    def __call__(
+        self, completions: list[Any], prompts: list[Any] | None = None, **kwargs: Any
+    ) -> list[float | None]:
         prompts = prompts if prompts is not None else [""] * len(completions)
         kwargs.pop("completion_ids", None)
-        return self.score_batch([completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs)
+        return self.score_batch(
+            [completion_text(c) for c in completions], [prompt_text(p) for p in prompts], **kwargs
+        )
 
     # -- execution helpers (the seed's "Remote Execution Tools") -------------------------------------
     # sandbox: untrusted code, confined, under `sandbox_config` (mortal.workers.rewards.sandbox);
@@ -74,15 +78,18 @@ class RewardEnvironment:
             self.__dict__[attr] = current
         return current
 
-    def execute_in_sandbox(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
+    def execute_in_sandbox(
+        self, code: str, stdin: str = "", files: dict[str, str] | None = None
+    ) -> ExecutionResult:
         return self._executor(trusted=False).run(code, stdin, files)
 
     def execute_batch_in_sandbox(self, codes: list[str | Job]) -> list[ExecutionResult]:
         return self._executor(trusted=False).run_batch(codes)
 
-    def execute_in_function(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
+    def execute_in_function(
+        self, code: str, stdin: str = "", files: dict[str, str] | None = None
+    ) -> ExecutionResult:
         return self._executor(trusted=True).run(code, stdin, files)
 
     def execute_batch_in_function(self, codes: list[str | Job]) -> list[ExecutionResult]:
         return self._executor(trusted=True).run_batch(codes)
-

@@ -56,8 +56,12 @@ libc.syscall.restype = ctypes.c_long
 
 
 class MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def check(result: int, step: str) -> int:
@@ -74,19 +78,32 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 def clone_tree(path: str) -> int:
     """A detached copy of the mount at `path`, to attach later where the host's view is gone."""
-    return check(libc.syscall(NR_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC),
-                 f"open_tree {path}")
+    return check(
+        libc.syscall(NR_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC),
+        f"open_tree {path}",
+    )
 
 
 def attach(fd: int, target: str) -> None:
-    check(libc.syscall(NR_MOVE_MOUNT, fd, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
-          f"move_mount {target}")
+    check(
+        libc.syscall(NR_MOVE_MOUNT, fd, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+        f"move_mount {target}",
+    )
 
 
 def read_only_tree(path: str) -> None:
     attr = MountAttr(attr_set=MOUNT_ATTR_RDONLY)
-    check(libc.syscall(NR_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE, ctypes.byref(attr),
-                       ctypes.c_size_t(ctypes.sizeof(attr))), f"mount_setattr {path}")
+    check(
+        libc.syscall(
+            NR_MOUNT_SETATTR,
+            AT_FDCWD,
+            path.encode(),
+            AT_RECURSIVE,
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        ),
+        f"mount_setattr {path}",
+    )
 
 
 def bind(source: str, target: str) -> None:
@@ -214,9 +231,13 @@ def main(args: list[str]) -> None:
         split = args.index("--")
     except ValueError:
         split = len(args)
-    step, argv = args[:split], args[split + 1:]
-    steps = {("jail", 4): lambda: jail(*step[1:]), ("jail", 5): lambda: jail(*step[1:]),
-             ("seed", 2): lambda: seed_as(*step[1:]), ("seed", 3): lambda: seed_as(*step[1:])}
+    step, argv = args[:split], args[split + 1 :]
+    steps = {
+        ("jail", 4): lambda: jail(*step[1:]),
+        ("jail", 5): lambda: jail(*step[1:]),
+        ("seed", 2): lambda: seed_as(*step[1:]),
+        ("seed", 3): lambda: seed_as(*step[1:]),
+    }
     action = steps.get((step[0] if step else "", len(step)))
     if action is None or not argv:
         sys.stderr.write(f"fsjail: usage: {USAGE}\n")

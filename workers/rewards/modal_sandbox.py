@@ -49,7 +49,7 @@ RUNNER_MEMORY_MB = 256  # the runner's own share of the container, above the cod
 CONFINEMENT = "modal-sandbox"
 
 # Runs inside the sandbox (any image with python3): job JSON on stdin -> one JSON line on stdout.
-RUNNER = r'''
+RUNNER = r"""
 import json, os, resource, signal, subprocess, sys, tempfile, time
 job = json.loads(sys.stdin.read())
 work = tempfile.mkdtemp(prefix="mortal-job-")
@@ -98,14 +98,16 @@ if proc.returncode is not None and proc.returncode < 0:
     out["signal"] = signal.Signals(-proc.returncode).name
 out["duration_seconds"] = time.monotonic() - started
 print(json.dumps(out))
-'''
+"""
 
 
 def _modal() -> Any:
     try:
         import modal
     except ImportError as exc:
-        raise RuntimeError("sandbox backend 'modal' needs the modal client: pip install 'mortal[cloud]'") from exc
+        raise RuntimeError(
+            "sandbox backend 'modal' needs the modal client: pip install 'mortal[cloud]'"
+        ) from exc
     return modal
 
 
@@ -115,8 +117,10 @@ def app_name() -> str:
 
 def job_payload(job: Job, config: SandboxConfig) -> dict[str, Any]:
     """What RUNNER reads: the job and the limits that shape its result."""
-    limits = {k: config.limits()[k] for k in ("timeout", "memory_mb", "cpu_seconds", "max_processes", "max_file_mb",
-                                               "max_output_bytes")}
+    limits = {
+        k: config.limits()[k]
+        for k in ("timeout", "memory_mb", "cpu_seconds", "max_processes", "max_file_mb", "max_output_bytes")
+    }
     return {"code": job.code, "stdin": job.stdin, "files": job.files or {}, "limits": limits}
 
 
@@ -125,14 +129,29 @@ def result_from(line: str, duration: float, confinement: str) -> ExecutionResult
     try:
         out = json.loads(line.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
-        return ExecutionResult(False, None, "", "", False, duration, confinement=confinement,
-                               error=f"the sandbox ended without a result (its output: {line[-300:]!r})")
+        return ExecutionResult(
+            False,
+            None,
+            "",
+            "",
+            False,
+            duration,
+            confinement=confinement,
+            error=f"the sandbox ended without a result (its output: {line[-300:]!r})",
+        )
     code, timed_out = out["exit_code"], out["timed_out"]
     return ExecutionResult(
-        success=code == 0 and not timed_out and out["error"] is None, exit_code=code, stdout=out["stdout"],
-        stderr=out["stderr"], timed_out=timed_out, duration_seconds=out.get("duration_seconds", duration),
-        stdout_truncated=out["stdout_truncated"], stderr_truncated=out["stderr_truncated"],
-        confinement=confinement, signal=out["signal"], error=out["error"],
+        success=code == 0 and not timed_out and out["error"] is None,
+        exit_code=code,
+        stdout=out["stdout"],
+        stderr=out["stderr"],
+        timed_out=timed_out,
+        duration_seconds=out.get("duration_seconds", duration),
+        stdout_truncated=out["stdout_truncated"],
+        stderr_truncated=out["stderr_truncated"],
+        confinement=confinement,
+        signal=out["signal"],
+        error=out["error"],
     )
 
 
@@ -157,7 +176,9 @@ class ModalSandboxExecutor(Executor):
         if self._app is None:
             self._app = modal.App.lookup(app_name(), create_if_missing=True)
         if self._image is None:
-            self._image = modal.Image.debian_slim(python_version=f"{sys.version_info.major}.{sys.version_info.minor}")
+            self._image = modal.Image.debian_slim(
+                python_version=f"{sys.version_info.major}.{sys.version_info.minor}"
+            )
         return self._app, self._image
 
     def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecutionResult:
@@ -167,13 +188,27 @@ class ModalSandboxExecutor(Executor):
         payload = json.dumps(job_payload(Job(code, stdin, files), self.config))
         try:
             sandbox = modal.Sandbox.create(
-                "python3", "-I", "-c", RUNNER, app=app, image=image, block_network=True,
+                "python3",
+                "-I",
+                "-c",
+                RUNNER,
+                app=app,
+                image=image,
+                block_network=True,
                 timeout=math.ceil(self.config.timeout) + START_GRACE_SECONDS,
                 memory=self.config.memory_mb + RUNNER_MEMORY_MB,
             )
         except modal.exception.Error as exc:
-            return ExecutionResult(False, None, "", "", False, time.monotonic() - started, confinement=CONFINEMENT,
-                                   error=f"could not start a Modal sandbox: {exc}")
+            return ExecutionResult(
+                False,
+                None,
+                "",
+                "",
+                False,
+                time.monotonic() - started,
+                confinement=CONFINEMENT,
+                error=f"could not start a Modal sandbox: {exc}",
+            )
         try:
             sandbox.stdin.write(payload)
             sandbox.stdin.write_eof()
@@ -181,8 +216,16 @@ class ModalSandboxExecutor(Executor):
             sandbox.wait(raise_on_termination=False)
             line = sandbox.stdout.read()
         except modal.exception.Error as exc:
-            return ExecutionResult(False, None, "", "", False, time.monotonic() - started, confinement=CONFINEMENT,
-                                   error=f"the Modal sandbox failed: {exc}")
+            return ExecutionResult(
+                False,
+                None,
+                "",
+                "",
+                False,
+                time.monotonic() - started,
+                confinement=CONFINEMENT,
+                error=f"the Modal sandbox failed: {exc}",
+            )
         finally:
             sandbox.terminate()
         return result_from(line, time.monotonic() - started, CONFINEMENT)
@@ -216,11 +259,19 @@ def execute_trusted(payload: dict[str, Any]) -> dict[str, Any]:
     from mortal.workers.rewards.sandbox import LocalExecutor
 
     limits = payload["limits"]
-    config = SandboxConfig(timeout=limits["timeout"], max_output_bytes=limits["max_output_bytes"],
-                           confinement="none", allow_unconfined=True)
-    result = LocalExecutor(config, trusted=True).run(payload["code"], payload.get("stdin", ""), payload.get("files"))
+    config = SandboxConfig(
+        timeout=limits["timeout"],
+        max_output_bytes=limits["max_output_bytes"],
+        confinement="none",
+        allow_unconfined=True,
+    )
+    result = LocalExecutor(config, trusted=True).run(
+        payload["code"], payload.get("stdin", ""), payload.get("files")
+    )
     return asdict(result)
 
 
-register_executor("modal", lambda config, trusted: ModalFunctionExecutor(config) if trusted
-                  else ModalSandboxExecutor(config))
+register_executor(
+    "modal",
+    lambda config, trusted: ModalFunctionExecutor(config) if trusted else ModalSandboxExecutor(config),
+)

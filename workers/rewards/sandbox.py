@@ -49,8 +49,17 @@ from mortal.workers.rewards.confinement import Mode, SandboxUnavailable
 if TYPE_CHECKING:
     from mortal.specs.rewards import SandboxSpec
 
-__all__ = ["ExecutionResult", "Executor", "FunctionConfig", "Job", "LocalExecutor", "SandboxConfig",
-           "SandboxUnavailable", "make_executor", "register_executor"]
+__all__ = [
+    "ExecutionResult",
+    "Executor",
+    "FunctionConfig",
+    "Job",
+    "LocalExecutor",
+    "SandboxConfig",
+    "SandboxUnavailable",
+    "make_executor",
+    "register_executor",
+]
 
 MAIN = "main.py"
 # Runs main.py as __main__ with the temp dir importable (isolated mode leaves it off sys.path).
@@ -100,8 +109,13 @@ class FunctionConfig:
     max_output_bytes: int = 1024 * 1024
 
     def as_sandbox(self) -> SandboxConfig:
-        return SandboxConfig(timeout=self.timeout, workers=self.workers, max_output_bytes=self.max_output_bytes,
-                             confinement="none", allow_unconfined=True)
+        return SandboxConfig(
+            timeout=self.timeout,
+            workers=self.workers,
+            max_output_bytes=self.max_output_bytes,
+            confinement="none",
+            allow_unconfined=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -181,7 +195,9 @@ def make_executor(config: SandboxConfig | None = None, trusted: bool = False) ->
     if config.backend not in _FACTORIES and config.backend in _BACKEND_MODULES:
         importlib.import_module(_BACKEND_MODULES[config.backend])
     if config.backend not in _FACTORIES:
-        raise ValueError(f"no sandbox backend {config.backend!r}; registered: {', '.join(sorted(_FACTORIES))}")
+        raise ValueError(
+            f"no sandbox backend {config.backend!r}; registered: {', '.join(sorted(_FACTORIES))}"
+        )
     return _FACTORIES[config.backend](config, trusted)
 
 
@@ -252,7 +268,8 @@ class LocalExecutor(Executor):
                     confinement.log.warning(
                         "sandbox: running as root without a writable pids cgroup, so the process count is "
                         "capped for all executions together (RLIMIT_NPROC of their host user, uid %d)",
-                        confinement.SANDBOX_UID)
+                        confinement.SANDBOX_UID,
+                    )
             return self._mode
 
     def check(self) -> None:
@@ -261,9 +278,15 @@ class LocalExecutor(Executor):
     def _env(self, workdir: str, mode: Mode) -> dict[str, str]:
         if self.trusted:
             return {**os.environ, **QUIET_THREADS}
-        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
-                "TMPDIR": "/tmp" if mode.private_tmp else workdir, "PYTHONIOENCODING": "utf-8",
-                "PYTHONDONTWRITEBYTECODE": "1", **QUIET_THREADS}
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": workdir,
+            "LANG": "C.UTF-8",
+            "TMPDIR": "/tmp" if mode.private_tmp else workdir,
+            "PYTHONIOENCODING": "utf-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            **QUIET_THREADS,
+        }
 
     def _preexec(self, mode: Mode, cap: confinement.ProcessCap | None) -> Callable[[], None] | None:
         """Runs in the child between fork and exec: only raw syscalls, no locks, no imports."""
@@ -272,9 +295,13 @@ class LocalExecutor(Executor):
         c = self.config
         cpu = math.ceil(c.cpu_seconds if c.cpu_seconds is not None else c.timeout)
         memory = c.memory_mb * 1024 * 1024
-        limits = [(resource.RLIMIT_AS, memory, memory), (resource.RLIMIT_CPU, cpu, cpu + 1),
-                  (resource.RLIMIT_FSIZE, c.max_file_mb * 1024 * 1024, c.max_file_mb * 1024 * 1024),
-                  (resource.RLIMIT_NOFILE, c.max_open_files, c.max_open_files), (resource.RLIMIT_CORE, 0, 0)]
+        limits = [
+            (resource.RLIMIT_AS, memory, memory),
+            (resource.RLIMIT_CPU, cpu, cpu + 1),
+            (resource.RLIMIT_FSIZE, c.max_file_mb * 1024 * 1024, c.max_file_mb * 1024 * 1024),
+            (resource.RLIMIT_NOFILE, c.max_open_files, c.max_open_files),
+            (resource.RLIMIT_CORE, 0, 0),
+        ]
         # Counted per host user: unconfined, that is the worker's own; confined as root, every execution's
         # code is SANDBOX_UID, so where a pids cgroup caps each execution that cap is the one that applies.
         if mode.name != "none" and not (cap is not None and confinement.as_root()):
@@ -310,17 +337,27 @@ class LocalExecutor(Executor):
             stdin_file.write(stdin.encode("utf-8"))
             stdin_file.seek(0)
             try:
-                proc = subprocess.Popen(argv, cwd=workdir, env=self._env(str(workdir), mode), stdin=stdin_file,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                        preexec_fn=self._preexec(mode, cap))
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=workdir,
+                    env=self._env(str(workdir), mode),
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=self._preexec(mode, cap),
+                )
             except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: the preexec step failed
                 if cap is not None:
                     cap.remove()
                 confinement.log.warning("sandbox: could not start an execution: %s", exc)
-                return ExecutionResult(False, None, "", "", False, 0.0, confinement=mode.name,
-                                       error=f"could not start: {exc}")
-            readers = [_CappedReader(proc.stdout, self.config.max_output_bytes),
-                       _CappedReader(proc.stderr, self.config.max_output_bytes)]
+                return ExecutionResult(
+                    False, None, "", "", False, 0.0, confinement=mode.name, error=f"could not start: {exc}"
+                )
+            readers = [
+                _CappedReader(proc.stdout, self.config.max_output_bytes),
+                _CappedReader(proc.stderr, self.config.max_output_bytes),
+            ]
             for reader in readers:
                 reader.start()
             timed_out = False
@@ -340,9 +377,16 @@ class LocalExecutor(Executor):
         out, err = readers
         code = proc.returncode
         return ExecutionResult(
-            success=code == 0 and not timed_out, exit_code=code, stdout=out.text(), stderr=err.text(),
-            timed_out=timed_out, duration_seconds=duration, stdout_truncated=out.truncated,
-            stderr_truncated=err.truncated, confinement=mode.name, signal=_signal_name(code, mode),
+            success=code == 0 and not timed_out,
+            exit_code=code,
+            stdout=out.text(),
+            stderr=err.text(),
+            timed_out=timed_out,
+            duration_seconds=duration,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            confinement=mode.name,
+            signal=_signal_name(code, mode),
         )
 
     @staticmethod
@@ -356,4 +400,3 @@ class LocalExecutor(Executor):
 
 
 register_executor("local", lambda config, trusted: LocalExecutor(config, trusted))
-

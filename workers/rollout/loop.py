@@ -66,15 +66,24 @@ def task_lease_seconds(ctx: WorkerContext) -> float:
 class RolloutWorker:
     """The worker's state between tasks: engine, tokenizer, rewards, loaded weight version."""
 
-    def __init__(self, ctx: WorkerContext, engine: Engine, tokenizer: Any, rewards: RewardSet,
-                 toolbox: Toolbox | None = None) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        engine: Engine,
+        tokenizer: Any,
+        rewards: RewardSet,
+        toolbox: Toolbox | None = None,
+    ) -> None:
         self.ctx = ctx
         self.engine = engine
         self.tokenizer = tokenizer
         self.rewards = rewards
         self.params = GenerationParams.from_spec(ctx.run.spec.generation)
-        self.multiturn = (MultiTurn(engine, tokenizer, toolbox, self.params, ctx.run.spec.rollout.chat_template)
-                          if toolbox is not None else None)
+        self.multiturn = (
+            MultiTurn(engine, tokenizer, toolbox, self.params, ctx.run.spec.rollout.chat_template)
+            if toolbox is not None
+            else None
+        )
         self.lease_seconds = task_lease_seconds(ctx)
         self.published_version: int | None = None  # None: still the weights of spec.model.name
         self.load_seconds = 0.0  # how long loading the current version took
@@ -91,7 +100,9 @@ class RolloutWorker:
     def refresh_weights(self) -> None:
         """Load the newest published version if it is newer than ours."""
         latest = self.ctx.store.latest_weights(self.ctx.worker.run)
-        if latest is None or (self.published_version is not None and latest.version <= self.published_version):
+        if latest is None or (
+            self.published_version is not None and latest.version <= self.published_version
+        ):
             return
         missing = self._missing if self._missing is not None and self._missing[0] == latest.version else None
         if missing is not None and time.monotonic() < missing[2]:
@@ -106,8 +117,13 @@ class RolloutWorker:
             tries = 1 if missing is None else missing[1] + 1
             delay = min(MISSING_RETRY_MAX_SECONDS, MISSING_RETRY_SECONDS * 2 ** (tries - 1))
             self._missing = (latest.version, tries, time.monotonic() + delay)
-            self.ctx.log.info("weight version %d could not be loaded (%s); reading the store again in %.1f s "
-                              "(try %d)", latest.version, exc, delay, tries)
+            self.ctx.log.info(
+                "weight version %d could not be loaded (%s); reading the store again in %.1f s (try %d)",
+                latest.version,
+                exc,
+                delay,
+                tries,
+            )
             return
         self._missing = None
         if not self._intact(transport, latest.path):
@@ -142,7 +158,9 @@ class RolloutWorker:
         again (mortal.workers.sync.ring says why); a version on the volume is always whole."""
         if transport.loaded_whole(path, self._newest_recorded):
             return True
-        self.ctx.log.info("weight version in %s may have been overwritten while it loaded; loading the newest", path)
+        self.ctx.log.info(
+            "weight version in %s may have been overwritten while it loaded; loading the newest", path
+        )
         return False
 
     def _newest_recorded(self) -> int | None:
@@ -151,7 +169,9 @@ class RolloutWorker:
 
     def serve_one(self) -> bool:
         """Answer one task; False when none was claimable."""
-        task = self.ctx.store.lease_task(self.ctx.worker, self.lease_seconds, max_weight_version=self.loaded_version)
+        task = self.ctx.store.lease_task(
+            self.ctx.worker, self.lease_seconds, max_weight_version=self.loaded_version
+        )
         if task is None:
             return False
         with self.ctx.activity(f"task {task.step}.{task.slot}"), self.keep_leased(task):
@@ -159,7 +179,9 @@ class RolloutWorker:
         if self.ctx.store.complete_task(self.ctx.worker, task.id, task.lease_token, result):
             self.doorbell.ring(RESULTS)
         else:
-            self.ctx.log.warning("task %d.%d: lease lost before completion; result dropped", task.step, task.slot)
+            self.ctx.log.warning(
+                "task %d.%d: lease lost before completion; result dropped", task.step, task.slot
+            )
         self.ctx.report(step=task.step)
         return True
 
@@ -170,26 +192,45 @@ class RolloutWorker:
         if self.multiturn is not None:
             conversations = self.multiturn.rollouts(requests)
             generated = time.monotonic() - started
-            results = [self._scored_turns(task, request, group, generated / len(requests))
-                       for request, group in zip(requests, conversations, strict=True)]
+            results = [
+                self._scored_turns(task, request, group, generated / len(requests))
+                for request, group in zip(requests, conversations, strict=True)
+            ]
         else:
             prompts = [encode_prompt(self.tokenizer, r.prompt) for r in requests]
-            groups = self.engine.generate(prompts, requests[0].num_generations, [r.seed for r in requests],
-                                          self.params)
+            groups = self.engine.generate(
+                prompts, requests[0].num_generations, [r.seed for r in requests], self.params
+            )
             generated = time.monotonic() - started
-            results = [self._scored(task, request, ids, outs, generated / len(requests))
-                       for request, ids, outs in zip(requests, prompts, groups, strict=True)]
+            results = [
+                self._scored(task, request, ids, outs, generated / len(requests))
+                for request, ids, outs in zip(requests, prompts, groups, strict=True)
+            ]
         scored = time.monotonic() - started - generated
         tokens = sum(len(c) for r in results for c in r.completion_ids)
         decode = " ".join(f"{key}={value}" for key, value in self.engine.generation_stats().items())
-        self.ctx.log.info("task %d.%d: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s, rewards in %.3f s, "
-                          "weights v%d", task.step, task.slot, len(requests), tokens, generated,
-                          tokens / max(generated, 1e-9), f" [decode {decode}]" if decode else "", scored,
-                          self.loaded_version)
+        self.ctx.log.info(
+            "task %d.%d: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s, rewards in %.3f s, weights v%d",
+            task.step,
+            task.slot,
+            len(requests),
+            tokens,
+            generated,
+            tokens / max(generated, 1e-9),
+            f" [decode {decode}]" if decode else "",
+            scored,
+            self.loaded_version,
+        )
         return RolloutAnswer(results=results).model_dump(mode="json")
 
-    def _scored(self, task: TaskRow, request: RolloutRequest, prompt_ids: list[int], outs: list[Any],
-                generation_seconds: float) -> RolloutResult:
+    def _scored(
+        self,
+        task: TaskRow,
+        request: RolloutRequest,
+        prompt_ids: list[int],
+        outs: list[Any],
+        generation_seconds: float,
+    ) -> RolloutResult:
         """One prompt's group, scored by every reward; `generation_seconds` is its share of the batch."""
         started = time.monotonic()
         completion_ids = [c.ids for c in outs]
@@ -209,16 +250,23 @@ class RolloutWorker:
             logged_extra=extra_columns(self.rewards.logs.extra, len(completions)),  # the actor records them
         )
 
-    def _scored_turns(self, task: TaskRow, request: RolloutRequest, group: list[Rollout],
-                      generation_seconds: float) -> RolloutResult:
+    def _scored_turns(
+        self, task: TaskRow, request: RolloutRequest, group: list[Rollout], generation_seconds: float
+    ) -> RolloutResult:
         """One prompt's tool-calling rollouts, scored (each completion is its assistant and tool messages,
         as TRL hands them to reward functions; environments are passed as `environments`)."""
         started = time.monotonic()
         completion_ids = [r.completion_ids for r in group]
         with_environments = bool(self.multiturn.toolbox.environments)
-        scores = self.rewards.score(request.prompt, [r.messages for r in group], completion_ids, request.row,
-                                    step=task.step, environments=[r.environment for r in group] if with_environments
-                                    else None, prompts=[r.prompt for r in group] if with_environments else None)
+        scores = self.rewards.score(
+            request.prompt,
+            [r.messages for r in group],
+            completion_ids,
+            request.row,
+            step=task.step,
+            environments=[r.environment for r in group] if with_environments else None,
+            prompts=[r.prompt for r in group] if with_environments else None,
+        )
         prompt_ids = group[0].prompt_ids
         differ = any(r.prompt_ids != prompt_ids for r in group)
         return RolloutResult(
@@ -248,7 +296,9 @@ class RolloutWorker:
         def renew() -> None:
             while not done.wait(self.lease_seconds / 3):
                 try:
-                    if not self.ctx.store.renew_task(self.ctx.worker, task.id, task.lease_token, self.lease_seconds):
+                    if not self.ctx.store.renew_task(
+                        self.ctx.worker, task.id, task.lease_token, self.lease_seconds
+                    ):
                         self.ctx.log.warning("task %d.%d: lease lost while working", task.step, task.slot)
                         return
                 except Exception as exc:  # the store is unreachable for a moment: the next renewal may work
@@ -308,14 +358,27 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     tokenizer = load_tokenizer(spec.model)
     phases.end("tokenizer")
     model = spec.rollout_model()
-    engine = engine_cls.create(model, tokenizer, device=device, max_num_seqs=spec.generation.max_num_seqs,
-                               memory_share=spec.rollout_memory_share(engine_cls.name, ctx.worker.replica),
-                               compile_scope=spec.generation.compile_scope)
+    engine = engine_cls.create(
+        model,
+        tokenizer,
+        device=device,
+        max_num_seqs=spec.generation.max_num_seqs,
+        memory_share=spec.rollout_memory_share(engine_cls.name, ctx.worker.replica),
+        compile_scope=spec.generation.compile_scope,
+    )
     loaded = phases.end("engine")
-    ctx.log.info("engine %s on %s in %s ready in %.1f s (%s); rewards: %s%s", engine.name, device,
-                 str(resolve_dtype(model.dtype, device)).removeprefix("torch."), loaded, phases,
-                 ", ".join(rewards.names), f"; tools: {len(toolbox.tools)}, environments: {len(toolbox.environments)}"
-                 if toolbox is not None else "")
+    ctx.log.info(
+        "engine %s on %s in %s ready in %.1f s (%s); rewards: %s%s",
+        engine.name,
+        device,
+        str(resolve_dtype(model.dtype, device)).removeprefix("torch."),
+        loaded,
+        phases,
+        ", ".join(rewards.names),
+        f"; tools: {len(toolbox.tools)}, environments: {len(toolbox.environments)}"
+        if toolbox is not None
+        else "",
+    )
     return RolloutWorker(ctx, engine, tokenizer, rewards, toolbox)
 
 

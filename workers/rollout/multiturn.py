@@ -74,19 +74,27 @@ def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
         path = Path(name) if name.endswith(".jinja") else _CHAT_TEMPLATES_DIR / f"{name}.jinja"
         if not path.is_file():
             known = sorted(p.stem for p in _CHAT_TEMPLATES_DIR.glob("*.jinja"))
-            raise ToolTemplateError(f"spec.rollout.chatTemplate {name!r}: no such file or TRL template; TRL ships "
-                                    f"{', '.join(known)}")
+            raise ToolTemplateError(
+                f"spec.rollout.chatTemplate {name!r}: no such file or TRL template; TRL ships "
+                f"{', '.join(known)}"
+            )
         tokenizer.chat_template = path.read_text(encoding="utf-8")
     if not supports_tool_calling(tokenizer):
         raise ToolTemplateError(
             f"the chat template of {tokenizer.name_or_path!r} cannot render tool calls and tool messages; set "
-            "spec.rollout.chatTemplate to one that can (e.g. qwen2_5 for ChatML models such as SmolLM2)")
-    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+            "spec.rollout.chatTemplate to one that can (e.g. qwen2_5 for ChatML models such as SmolLM2)"
+        )
+    if (
+        getattr(tokenizer, "response_template", None) is None
+        and getattr(tokenizer, "response_schema", None) is None
+    ):
         try:
             add_response_schema(tokenizer)
         except ValueError as exc:
-            raise ToolTemplateError(f"cannot parse tool calls with the chat template of {tokenizer.name_or_path!r} "
-                                    f"({exc}); set spec.rollout.chatTemplate to a TRL template, e.g. qwen2_5") from exc
+            raise ToolTemplateError(
+                f"cannot parse tool calls with the chat template of {tokenizer.name_or_path!r} "
+                f"({exc}); set spec.rollout.chatTemplate to a TRL template, e.g. qwen2_5"
+            ) from exc
     if not is_chat_template_prefix_preserving(tokenizer):
         return get_training_chat_template(tokenizer)
     return None
@@ -98,25 +106,39 @@ def tool_suffix_ids(tokenizer: Any, template: str | None, tool_messages: list[di
     shorter cut after its last EOS (templates differ in what follows it), the difference taken."""
     call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
     head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    before = tokenizer.apply_chat_template(head, add_generation_prompt=False, tokenize=True, chat_template=template,
-                                           return_dict=False)
-    after = tokenizer.apply_chat_template(head + tool_messages, add_generation_prompt=True, tokenize=True,
-                                          chat_template=template, return_dict=False)
+    before = tokenizer.apply_chat_template(
+        head, add_generation_prompt=False, tokenize=True, chat_template=template, return_dict=False
+    )
+    after = tokenizer.apply_chat_template(
+        head + tool_messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        chat_template=template,
+        return_dict=False,
+    )
     eos = [i for i, token in enumerate(before) if token == tokenizer.eos_token_id]
     if eos:
         before = before[: eos[-1] + 1]
     if after[: len(before)] != before:
-        raise ToolTemplateError("the chat template renders an assistant turn differently once tool messages follow "
-                                "it, so tool results cannot be appended token by token; use a prefix-preserving "
-                                "template (spec.rollout.chatTemplate)")
-    return list(after[len(before):])
+        raise ToolTemplateError(
+            "the chat template renders an assistant turn differently once tool messages follow "
+            "it, so tool results cannot be appended token by token; use a prefix-preserving "
+            "template (spec.rollout.chatTemplate)"
+        )
+    return list(after[len(before) :])
 
 
 class MultiTurn:
     """The tool loop over one engine, tokenizer and toolbox (module docstring: the steps)."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, toolbox: Toolbox, params: GenerationParams,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        toolbox: Toolbox,
+        params: GenerationParams,
+        chat_template: str | None = None,
+    ) -> None:
         self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
@@ -126,23 +148,35 @@ class MultiTurn:
     def rollouts(self, requests: list[RolloutRequest]) -> list[list[Rollout]]:
         """numGenerations rollouts of each request, in order, each run to its end."""
         names = [self.toolbox.environment_name(r.row) for r in requests]
-        environments = iter(self.toolbox.environments_for([n for n, r in zip(names, requests, strict=True)
-                                                           for _ in range(r.num_generations)]))
-        groups = [self._start(request, name, [next(environments) for _ in range(request.num_generations)])
-                  # steps 1-2: one instance per rollout
-                  for request, name in zip(requests, names, strict=True)]
+        environments = iter(
+            self.toolbox.environments_for(
+                [n for n, r in zip(names, requests, strict=True) for _ in range(r.num_generations)]
+            )
+        )
+        groups = [
+            self._start(request, name, [next(environments) for _ in range(request.num_generations)])
+            # steps 1-2: one instance per rollout
+            for request, name in zip(requests, names, strict=True)
+        ]
         flat = [r for group in groups for r in group]
         # every turn's history fits in the longest prompt + maxTokens, and every turn's rollouts in the
         # first's rows: padded to both, all turns share one shape
-        params = replace(self.params, min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens,
-                         min_rows=len(flat))
+        params = replace(
+            self.params,
+            min_prompt_width=max(len(r.prompt_ids) for r in flat) + self.params.max_tokens,
+            min_rows=len(flat),
+        )
         self._first_turn(requests, groups, params)  # step 3
         seeds = [(request.seed, g) for request in requests for g in range(request.num_generations)]
         iteration = 0
         active = [i for i, r in enumerate(flat) if r.pending]
         while active and iteration < self.max_iterations:
             outcomes = self.toolbox.call_each([(flat[i].tools, flat[i].pending) for i in active])  # step 5
-            active = [i for i, answered in zip(active, outcomes, strict=True) if self._answer_tools(flat[i], answered)]
+            active = [
+                i
+                for i, answered in zip(active, outcomes, strict=True)
+                if self._answer_tools(flat[i], answered)
+            ]
             if not active:
                 break
             # step 6
@@ -155,9 +189,14 @@ class MultiTurn:
     def _start(self, request: RolloutRequest, name: str | None, environments: list[Any]) -> list[Rollout]:
         """A request's rollouts: each environment reset with the row, each prompt rendered with its tools."""
         if isinstance(request.prompt, str):
-            raise FatalWorkerError("PromptUnencodable", "tool-calling rollouts need chat prompts (a list of "
-                                   "messages), as TRL's tool loop does; the dataset's prompt is text")
-        reset_row = {k: v for k, v in request.row.items() if k != "environment"} if name is not None else request.row
+            raise FatalWorkerError(
+                "PromptUnencodable",
+                "tool-calling rollouts need chat prompts (a list of "
+                "messages), as TRL's tool loop does; the dataset's prompt is text",
+            )
+        reset_row = (
+            {k: v for k, v in request.row.items() if k != "environment"} if name is not None else request.row
+        )
         group = []
         for environment in environments:
             prompt = copy.deepcopy(request.prompt)
@@ -165,28 +204,55 @@ class MultiTurn:
                 try:
                     observation = environment.reset(**reset_row)
                 except Exception as exc:  # the user's environment is broken: fail the run with its reason
-                    raise FatalWorkerError("EnvironmentFailed", f"{type(environment).__name__}.reset(**row) raised "
-                                           f"{type(exc).__name__}: {exc}") from exc
+                    raise FatalWorkerError(
+                        "EnvironmentFailed",
+                        f"{type(environment).__name__}.reset(**row) raised {type(exc).__name__}: {exc}",
+                    ) from exc
                 if isinstance(observation, str) and prompt:
-                    prompt = [*prompt[:-1], {**prompt[-1], "content": str(prompt[-1]["content"]) + observation}]
+                    prompt = [
+                        *prompt[:-1],
+                        {**prompt[-1], "content": str(prompt[-1]["content"]) + observation},
+                    ]
             tools = self.toolbox.tools_for(environment)
-            ids = self.tokenizer.apply_chat_template(prompt, tools=tools or None, chat_template=self.template,
-                                                     add_generation_prompt=True, tokenize=True, return_dict=True)
-            group.append(Rollout(prompt=prompt, prompt_ids=list(ids["input_ids"]), tools=tools,
-                                 environment=environment))
+            ids = self.tokenizer.apply_chat_template(
+                prompt,
+                tools=tools or None,
+                chat_template=self.template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )
+            group.append(
+                Rollout(
+                    prompt=prompt, prompt_ids=list(ids["input_ids"]), tools=tools, environment=environment
+                )
+            )
         return group
 
-    def _first_turn(self, requests: list[RolloutRequest], groups: list[list[Rollout]], params: GenerationParams) -> None:
+    def _first_turn(
+        self, requests: list[RolloutRequest], groups: list[list[Rollout]], params: GenerationParams
+    ) -> None:
         alike = all(all(r.prompt_ids == group[0].prompt_ids for r in group) for group in groups)
         if alike:  # the single-turn call: each prompt once, n completions, the task's seeds
-            outs = self.engine.generate([g[0].prompt_ids for g in groups], requests[0].num_generations,
-                                        [r.seed for r in requests], params)
+            outs = self.engine.generate(
+                [g[0].prompt_ids for g in groups],
+                requests[0].num_generations,
+                [r.seed for r in requests],
+                params,
+            )
             completions = [c for group in outs for c in group]
         else:
-            flat = [(r, request.seed, g) for request, group in zip(requests, groups, strict=True)
-                    for g, r in enumerate(group)]
-            outs = self.engine.generate([r.prompt_ids for r, _, _ in flat], 1,
-                                        [schedule.turn_seed(seed, g, 0) for _, seed, g in flat], params)
+            flat = [
+                (r, request.seed, g)
+                for request, group in zip(requests, groups, strict=True)
+                for g, r in enumerate(group)
+            ]
+            outs = self.engine.generate(
+                [r.prompt_ids for r, _, _ in flat],
+                1,
+                [schedule.turn_seed(seed, g, 0) for _, seed, g in flat],
+                params,
+            )
             completions = [group[0] for group in outs]
         for rollout, completion in zip([r for g in groups for r in g], completions, strict=True):
             self._append_turn(rollout, completion.ids, completion.logprobs)
@@ -199,8 +265,9 @@ class MultiTurn:
         tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
         suffix = tool_suffix_ids(self.tokenizer, self.template, tool_messages)
         length = len(rollout.completion_ids) + len(suffix)
-        if length > self.params.max_tokens or (self.max_model_len is not None
-                                               and len(rollout.prompt_ids) + length >= self.max_model_len):
+        if length > self.params.max_tokens or (
+            self.max_model_len is not None and len(rollout.prompt_ids) + length >= self.max_model_len
+        ):
             return False
         rollout.messages.extend(tool_messages)
         rollout.completion_ids += suffix
@@ -208,12 +275,17 @@ class MultiTurn:
         rollout.mask += [0] * len(suffix)
         return True
 
-    def _next_turn(self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int,
-                   params: GenerationParams) -> None:
+    def _next_turn(
+        self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int, params: GenerationParams
+    ) -> None:
         # maxTokens for every turn, then cut to each rollout's budget (as TRL does): one decode length, so the
         # batched CUDA path keeps its captured shapes instead of capturing one per remaining budget
-        outs = self.engine.generate([r.history_ids for r in rollouts], 1,
-                                    [schedule.turn_seed(seed, g, turn) for seed, g in seeds], params)
+        outs = self.engine.generate(
+            [r.history_ids for r in rollouts],
+            1,
+            [schedule.turn_seed(seed, g, turn) for seed, g in seeds],
+            params,
+        )
         for rollout, [completion] in zip(rollouts, outs, strict=True):
             room = self.params.max_tokens - len(rollout.completion_ids)
             self._append_turn(rollout, completion.ids[:room], completion.logprobs[:room])

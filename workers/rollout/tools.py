@@ -62,8 +62,11 @@ def _import(ref: str, where: str) -> Any:
 def environment_methods(environment: Any) -> list[Callable[..., Any]]:
     """An environment's tools: its public functions but reset and get_reward, bound to the instance
     (listed on the class, as TRL does, so properties are not evaluated)."""
-    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
-            if name not in NOT_TOOLS and not name.startswith("_")]
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+        if name not in NOT_TOOLS and not name.startswith("_")
+    ]
 
 
 @dataclass
@@ -88,17 +91,25 @@ class Toolbox:
         tools = [_import(ref, "spec.rollout.tools:") for ref in rollout.tools]
         for ref, tool in zip(rollout.tools, tools, strict=True):
             if not callable(tool):
-                raise ToolLoadError(f"spec.rollout.tools: {ref!r} is not callable (it is a {type(tool).__name__})")
+                raise ToolLoadError(
+                    f"spec.rollout.tools: {ref!r} is not callable (it is a {type(tool).__name__})"
+                )
         refs = rollout.environment
         named = {} if refs is None else {None: refs} if isinstance(refs, str) else dict(refs)
         environments = {name: _import(ref, "spec.rollout.environment:") for name, ref in named.items()}
-        box = cls(tools=tools, environments=environments, timeout_seconds=rollout.tool_timeout_seconds,
-                  max_iterations=rollout.max_tool_calling_iterations)
+        box = cls(
+            tools=tools,
+            environments=environments,
+            timeout_seconds=rollout.tool_timeout_seconds,
+            max_iterations=rollout.max_tool_calling_iterations,
+        )
         for name, factory in environments.items():
             probe = box._build(name, factory)
             if not callable(getattr(probe, "reset", None)):
-                raise ToolLoadError(f"spec.rollout.environment: {named[name]!r} has no reset() method; TRL's "
-                                    "environment_factory needs one (it is called before each generation)")
+                raise ToolLoadError(
+                    f"spec.rollout.environment: {named[name]!r} has no reset() method; TRL's "
+                    "environment_factory needs one (it is called before each generation)"
+                )
             box._pool[name] = [probe]
         return box
 
@@ -110,8 +121,10 @@ class Toolbox:
         try:
             return factory()
         except Exception as exc:
-            raise ToolLoadError(f"spec.rollout.environment {name or ''}: building {factory.__name__}() failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            raise ToolLoadError(
+                f"spec.rollout.environment {name or ''}: building {factory.__name__}() failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def environment_name(self, row: dict[str, Any]) -> str | None:
         """The environment a dataset row picks (its `environment` column when the spec gives a dict)."""
@@ -119,8 +132,11 @@ class Toolbox:
             return None
         name = row.get("environment")
         if name not in self.environments:
-            raise FatalWorkerError("UnknownEnvironment", f"a dataset row has environment={name!r}, which is not "
-                                   f"among spec.rollout.environment's names {sorted(map(str, self.environments))}")
+            raise FatalWorkerError(
+                "UnknownEnvironment",
+                f"a dataset row has environment={name!r}, which is not "
+                f"among spec.rollout.environment's names {sorted(map(str, self.environments))}",
+            )
         return name
 
     def environments_for(self, names: list[str | None]) -> list[Any]:
@@ -144,39 +160,49 @@ class Toolbox:
         """The tools a rollout may call: the standalone ones, then its environment's methods."""
         return self.tools + (environment_methods(environment) if environment is not None else [])
 
-    def call_each(self, rollouts: Sequence[tuple[list[Callable[..., Any]], list[dict[str, Any]]]]
-                  ) -> list[list[ToolOutcome]]:
+    def call_each(
+        self, rollouts: Sequence[tuple[list[Callable[..., Any]], list[dict[str, Any]]]]
+    ) -> list[list[ToolOutcome]]:
         """The outcomes of each rollout's (tools, tool calls), in order: one rollout's calls one after the
         other, different rollouts' at once (this module's docstring says what stays serial)."""
+
         def answer(rollout: tuple[list[Callable[..., Any]], list[dict[str, Any]]]) -> list[ToolOutcome]:
             tools, calls = rollout
             return [self.call(tools, call) for call in calls]
 
         if len(rollouts) <= 1:
             return [answer(r) for r in rollouts]
-        with ThreadPoolExecutor(max_workers=min(len(rollouts), CONCURRENT_ROLLOUTS),
-                                thread_name_prefix="mortal-tools") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(len(rollouts), CONCURRENT_ROLLOUTS), thread_name_prefix="mortal-tools"
+        ) as pool:
             return list(pool.map(answer, rollouts))
 
     def call(self, tools: list[Callable[..., Any]], tool_call: dict[str, Any]) -> ToolOutcome:
         """One parsed tool call ({'type': 'function', 'function': {'name', 'arguments'}}) -> its outcome."""
         if tool_call.get("type") != "function":
             name = str(tool_call.get("name", "unknown"))
-            return ToolOutcome(name, None, str({"error": f"Unsupported tool call type: {tool_call.get('type')}"}), True)
+            return ToolOutcome(
+                name, None, str({"error": f"Unsupported tool call type: {tool_call.get('type')}"}), True
+            )
         function = tool_call.get("function") or {}
         name, arguments = str(function.get("name")), function.get("arguments")
         by_name = {tool.__name__: tool for tool in tools}
         if name not in by_name:
             return ToolOutcome(name, arguments, str({"error": f"Tool {name} not found."}), True)
         if not isinstance(arguments, dict):
-            return ToolOutcome(name, arguments, str({"error": f"arguments of {name} must be an object"}), True)
+            return ToolOutcome(
+                name, arguments, str({"error": f"arguments of {name} must be an object"}), True
+            )
         tool = by_name[name]
         if any(tool is shared for shared in self.tools):
             with self._standalone_lock:
-                result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner,
-                                                 self._timed_out)
+                result, error = run_with_timeout(
+                    tool, arguments, self.timeout_seconds, self.abandoner, self._timed_out
+                )
         else:
-            result, error = run_with_timeout(tool, arguments, self.timeout_seconds, self.abandoner, self._timed_out)
+            result, error = run_with_timeout(
+                tool, arguments, self.timeout_seconds, self.abandoner, self._timed_out
+            )
         if error is not None:
             return ToolOutcome(name, arguments, str({"error": error}), True)
         # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
@@ -188,13 +214,19 @@ class Toolbox:
         if self.on_timeout is None or now - self._told.get(name, -TOLD_EVERY_SECONDS) < TOLD_EVERY_SECONDS:
             return
         self._told[name] = now
-        self.on_timeout(f"tool {name} did not return within rollout.toolTimeoutSeconds ({seconds:g} s); the model "
-                        "was told it timed out and the rollout went on; its stacks are in the worker's log")
+        self.on_timeout(
+            f"tool {name} did not return within rollout.toolTimeoutSeconds ({seconds:g} s); the model "
+            "was told it timed out and the rollout went on; its stacks are in the worker's log"
+        )
 
 
-def run_with_timeout(tool: Callable[..., Any], arguments: dict[str, Any], seconds: float,
-                     abandoner: Abandoner | None = None,
-                     on_timeout: Callable[[str, float], None] | None = None) -> tuple[Any, str | None]:
+def run_with_timeout(
+    tool: Callable[..., Any],
+    arguments: dict[str, Any],
+    seconds: float,
+    abandoner: Abandoner | None = None,
+    on_timeout: Callable[[str, float], None] | None = None,
+) -> tuple[Any, str | None]:
     """(result, None), or (None, the error message) when the tool raised or ran past `seconds` (then its
     stacks are in the log). TooManyAbandonedCalls passes through: the worker is to be relaunched."""
     name = getattr(tool, "__name__", "tool")
@@ -230,7 +262,9 @@ class EnvironmentReward:
         if self.only is not None and not callable(getattr(self.only, "get_reward", None)):
             raise ToolLoadError(f"spec.rewards {name!r}: {class_ref!r} has no get_reward() method")
 
-    def __call__(self, completions: list[Any], environments: list[Any] | None = None, **kwargs: Any) -> list[Any]:
+    def __call__(
+        self, completions: list[Any], environments: list[Any] | None = None, **kwargs: Any
+    ) -> list[Any]:
         if environments is None:
             return [None] * len(completions)
         return [self._one(e) for e in environments]

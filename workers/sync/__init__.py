@@ -15,7 +15,8 @@ from mortal.workers.sync.ray import RayTransport
 from mortal.workers.sync.volume import VolumeTransport
 
 TRANSPORTS: dict[str, type[WeightTransport]] = {
-    transport.method: transport for transport in (VolumeTransport, RayTransport, IpcTransport, NcclTransport)}
+    transport.method: transport for transport in (VolumeTransport, RayTransport, IpcTransport, NcclTransport)
+}
 
 
 class UnknownSyncMethod(ValueError):

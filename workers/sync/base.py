@@ -38,15 +38,26 @@ class WeightTransport(abc.ABC):
     # versions live in the object store (that folder holds what the node's rollouts received).
     version_folders: ClassVar[bool] = True
 
-    def __init__(self, keep: int = KEEP_VERSIONS, collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS) -> None:
+    def __init__(
+        self, keep: int = KEEP_VERSIONS, collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS
+    ) -> None:
         self.keep = keep
         self.collective_seconds = collective_seconds  # spec.deadlines.collectiveSeconds: nccl's transfers
 
     # -- the actor's side ------------------------------------------------------------------------
     @abc.abstractmethod
-    def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
-                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
-                device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
+    def publish(
+        self,
+        model: torch.nn.Module,
+        dest: Path,
+        version: int,
+        step: int,
+        incarnation: int,
+        state: dict[str, torch.Tensor] | None = None,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+    ) -> str:
         """Write or share `version` of `model` as the folder `dest`; returns the path the store records.
         `state`: a sharded actor's weights instead of the model's: full CPU tensors for files, or its shards
         for a ring, with the `gather` that makes each whole, the ring's `device` and the dtype `cast`."""

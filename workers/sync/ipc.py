@@ -46,8 +46,10 @@ def local_index(uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
         if device_uuid(index) == uuid:
             return index
-    raise ActorGpuNotVisible(f"the actor's GPU {uuid} is not among this process's {torch.cuda.device_count()} "
-                             "visible GPUs; a relaunch shows it the actor's current GPU")
+    raise ActorGpuNotVisible(
+        f"the actor's GPU {uuid} is not among this process's {torch.cuda.device_count()} "
+        "visible GPUs; a relaunch shows it the actor's current GPU"
+    )
 
 
 @dataclass
@@ -63,9 +65,17 @@ class IpcWeightSharer:
         # that allocation (SnapshotRing.buffers)
         self._handles_for: list[dict[str, torch.Tensor]] | None = None
 
-    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None, cast: torch.dtype | None = None,
-              adapters: dict[str, float] | None = None) -> Path:
+    def share(
+        self,
+        state: dict[str, torch.Tensor],
+        dest: Path,
+        version: int,
+        step: int,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+        adapters: dict[str, float] | None = None,
+    ) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding IPC_FILE) atomically; `gather`,
         `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds
         LoRA factors, and these are their modules' scales (mortal.workers.sync.weights.lora_adapters)."""
@@ -74,9 +84,17 @@ class IpcWeightSharer:
         device = next(iter(buffers.values())).device.index
         producer = f"{os.getpid()}@{device_uuid(device)}"
         _OWN_RINGS[producer] = self._snapshots
-        manifest = {"version": version, "step": step, "adapters": adapters, "slots": self._snapshots.slots,
-                    "handles": handles, "stamps": self._handle(self._snapshots.stamps),
-                    "ring": self.ring, "producer": producer, "device_uuid": device_uuid(device)}
+        manifest = {
+            "version": version,
+            "step": step,
+            "adapters": adapters,
+            "slots": self._snapshots.slots,
+            "handles": handles,
+            "stamps": self._handle(self._snapshots.stamps),
+            "ring": self.ring,
+            "producer": producer,
+            "device_uuid": device_uuid(device),
+        }
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / IPC_FILE).write_bytes(pickle.dumps(manifest))
         return dest
@@ -131,7 +149,9 @@ class _Mappings:
         return cls.buffers[handle]
 
     @classmethod
-    def on_device(cls, buffers: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
+    def on_device(
+        cls, buffers: dict[str, torch.Tensor], device: torch.device | None
+    ) -> dict[str, torch.Tensor]:
         """The buffers, copied (one transfer per dtype, into buffers kept for the next load) when
         `device` is another GPU than theirs."""
         if device is None or device.type != "cuda" or all(b.device == device for b in buffers.values()):
@@ -153,7 +173,9 @@ def open_shared(path: str | Path, device: torch.device | None = None) -> dict[st
     own = _OWN_RINGS.get(manifest["producer"])
     if own is not None:
         return views(own.buffers[manifest["version"] % manifest["ring"]], manifest["slots"], device)
-    buffers = {dtype: _mapped(path, manifest, handle, source) for dtype, handle in manifest["handles"].items()}
+    buffers = {
+        dtype: _mapped(path, manifest, handle, source) for dtype, handle in manifest["handles"].items()
+    }
     return _Mappings.views.get(_Mappings.on_device(buffers, device), manifest["slots"])
 
 
@@ -164,8 +186,11 @@ def slot_holds(path: str | Path) -> bool:
     manifest = _manifest(path)
     index = manifest["version"] % manifest["ring"]
     own = _OWN_RINGS.get(manifest["producer"])
-    stamps = own.stamps if own is not None else _mapped(path, manifest, manifest["stamps"],
-                                                        local_index(manifest["device_uuid"]))
+    stamps = (
+        own.stamps
+        if own is not None
+        else _mapped(path, manifest, manifest["stamps"], local_index(manifest["device_uuid"]))
+    )
     return int(stamps[index]) == manifest["version"]
 
 
@@ -173,15 +198,18 @@ def _mapped(path: str | Path, manifest: dict[str, Any], handle: tuple, source: i
     """The actor's tensor behind an IPC handle, opened once in this process (on the actor's GPU)."""
     rebuild, args = handle
     try:
-        return _Mappings.get(manifest["producer"], args[DEVICE_ARG + 1: DEVICE_ARG + 4],
-                             lambda: rebuild(*_on_device(args, source)))
+        return _Mappings.get(
+            manifest["producer"],
+            args[DEVICE_ARG + 1 : DEVICE_ARG + 4],
+            lambda: rebuild(*_on_device(args, source)),
+        )
     except RuntimeError as exc:  # cudaIpcOpenMemHandle failed: the sharing process has exited
         raise FileNotFoundError(f"{path}: the shared weights can no longer be opened ({exc})") from exc
 
 
 def _on_device(args: tuple, device: int) -> tuple:
     """The rebuild arguments with the actor's device index replaced by this process's index of it."""
-    return (*args[:DEVICE_ARG], device, *args[DEVICE_ARG + 1:])
+    return (*args[:DEVICE_ARG], device, *args[DEVICE_ARG + 1 :])
 
 
 class IpcTransport(RingTransport):
@@ -192,7 +220,9 @@ class IpcTransport(RingTransport):
     def _make_server(self) -> RingServer:
         return IpcWeightSharer(ring=self.keep)
 
-    def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    def _tensors(
+        self, path: str | Path, device: torch.device
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
         return open_shared(path, device), adapter_scales(path)
 
     def loaded_whole(self, path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:

@@ -108,24 +108,41 @@ class NcclWeightServer:
     def __post_init__(self) -> None:
         self._snapshots = SnapshotRing(self.ring)
 
-    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None, cast: torch.dtype | None = None,
-              adapters: dict[str, float] | None = None) -> Path:
+    def share(
+        self,
+        state: dict[str, torch.Tensor],
+        dest: Path,
+        version: int,
+        step: int,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+        adapters: dict[str, float] | None = None,
+    ) -> Path:
         """Snapshot `state` and write `dest` (a version directory holding NCCL_FILE) atomically; `gather`,
         `device` and `cast`: a sharded actor's, as SnapshotRing.write takes them; `adapters`: `state` holds
         LoRA factors, and these are their modules' scales (mortal.workers.sync.weights.lora_adapters)."""
         buffers = self._snapshots.write(state, version, gather, device, cast)
         if self._store is None:
             self._open(next(iter(buffers.values())).device)
-        manifest = {"version": version, "step": step, "adapters": adapters, "slots": self._snapshots.slots,
-                    "ring": self.ring, "address": (self.host, self._store.port), "producer": self._producer,
-                    "transfer_seconds": self.transfer_timeout.total_seconds()}
+        manifest = {
+            "version": version,
+            "step": step,
+            "adapters": adapters,
+            "slots": self._snapshots.slots,
+            "ring": self.ring,
+            "address": (self.host, self._store.port),
+            "producer": self._producer,
+            "transfer_seconds": self.transfer_timeout.total_seconds(),
+        }
         with atomic_dir(dest, durable=False) as tmp:  # GPU memory: nothing of it outlives a crash
             (tmp / NCCL_FILE).write_bytes(pickle.dumps(manifest))
         return dest
 
     def _open(self, device: torch.device) -> None:
-        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=REPLY_TIMEOUT)
+        self._store = dist.TCPStore(
+            self.host, 0, is_master=True, wait_for_workers=False, timeout=REPLY_TIMEOUT
+        )
         self._store.set("producer", self._producer)
         self._start("nccl-accept", self._accept, device)
 
@@ -156,8 +173,10 @@ class NcclWeightServer:
         prefix = f"pair/{pair}/"
         store = dist.PrefixStore(prefix, client)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.device(device) if stream else contextlib.nullcontext(), \
-                torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+        with (
+            torch.cuda.device(device) if stream else contextlib.nullcontext(),
+            torch.cuda.stream(stream) if stream else contextlib.nullcontext(),
+        ):
             group = _group(store, 0, device, self.transfer_timeout)
             ask = 0
             try:
@@ -232,7 +251,9 @@ class _Pair:
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=REPLY_TIMEOUT)
             if store.get("producer").decode() != manifest["producer"]:
-                raise SyncPeerGone(f"the actor at {host}:{port} is not the one that served version {manifest['version']}")
+                raise SyncPeerGone(
+                    f"the actor at {host}:{port} is not the one that served version {manifest['version']}"
+                )
             pair = store.add("joins", 1) - 1
             store.set(f"join/{pair}", str(os.getpid()))
         except dist.DistError as exc:
@@ -252,7 +273,9 @@ class _Pair:
         try:
             self.store.set(f"ask/{ask}", str(version))
             if not _waited(self.store, f"reply/{ask}", REPLY_TIMEOUT):
-                raise SyncPeerGone(f"the actor did not answer the ask for version {version} in {REPLY_TIMEOUT}")
+                raise SyncPeerGone(
+                    f"the actor did not answer the ask for version {version} in {REPLY_TIMEOUT}"
+                )
             if self.store.get(f"reply/{ask}").decode() == "gone":
                 raise FileNotFoundError(f"version {version} has left the actor's ring (a newer one exists)")
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
@@ -282,7 +305,10 @@ class _Peer:
 
     @classmethod
     def for_manifest(cls, manifest: dict[str, Any], device: torch.device) -> _Pair:
-        if cls.current is not None and (cls.current.producer, cls.current.device) == (manifest["producer"], device):
+        if cls.current is not None and (cls.current.producer, cls.current.device) == (
+            manifest["producer"],
+            device,
+        ):
             return cls.current
         cls.drop()
         cls.current = _Pair.join(manifest, device)
@@ -320,7 +346,9 @@ class NcclTransport(RingTransport):
     def _make_server(self) -> RingServer:
         return NcclWeightServer(ring=self.keep, transfer_timeout=timedelta(seconds=self.collective_seconds))
 
-    def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    def _tensors(
+        self, path: str | Path, device: torch.device
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
         return receive(path, device), adapter_scales(path)
 
     def loaded_whole(self, path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:

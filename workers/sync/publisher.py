@@ -36,7 +36,6 @@ def version_dir(run: str, version: int, incarnation: int) -> Path:
     return paths.weights_dir(run) / f"v{version}-i{incarnation}"
 
 
-
 @dataclass
 class WeightPublisher:
     """Write or share a version, record it, keep the newest few."""
@@ -75,17 +74,34 @@ class WeightPublisher:
         """Remove temporary directories left by an actor that died mid-write (call at start)."""
         remove_stale_tmp(paths.weights_dir(self.run))
 
-    def publish(self, model: torch.nn.Module, step: int, version: int | None = None, prune: bool = True,
-                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
-                device: torch.device | None = None, cast: torch.dtype | None = None) -> int:
+    def publish(
+        self,
+        model: torch.nn.Module,
+        step: int,
+        version: int | None = None,
+        prune: bool = True,
+        state: dict[str, torch.Tensor] | None = None,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+    ) -> int:
         """Write (or share), record and (unless `prune` is False: the actor prunes while it waits for
         rollouts, off the path a new version takes to them) prune; returns the version published.
         `state`, `gather`, `device`, `cast`: a sharded actor's, as WeightTransport.publish takes them
         (mortal.workers.actor.sharded.publish_state says which)."""
         version = self.next_version() if version is None else version
         dest = version_dir(self.run, version, self.worker.incarnation)
-        where = self.transport.publish(model, dest, version, step, self.worker.incarnation, state=state,
-                                       gather=gather, device=device, cast=cast)
+        where = self.transport.publish(
+            model,
+            dest,
+            version,
+            step,
+            self.worker.incarnation,
+            state=state,
+            gather=gather,
+            device=device,
+            cast=cast,
+        )
         made_by = self.provenance(step) if self.provenance is not None else None
         self.store.publish_weights(self.worker, version, step, where, method=self.method, provenance=made_by)
         self._last_version = version
@@ -124,4 +140,4 @@ class WeightPublisher:
                 log.warning("not removing weight version %d: %s", row.version, exc)
                 report_refused(self.store, self.run, f"pruning weight version {row.version}", exc)
         if self.transport.version_folders:  # (with ray, the folder holds what rollouts of this node received)
-            sweep(paths.weights_dir(self.run), {row.path for row in rows[len(retired):]})
+            sweep(paths.weights_dir(self.run), {row.path for row in rows[len(retired) :]})

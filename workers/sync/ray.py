@@ -94,8 +94,10 @@ def connect() -> Any:
     if not ray.is_initialized():
         address, namespace = os.environ.get(ADDRESS_ENV), os.environ.get(NAMESPACE_ENV)
         if not address or not namespace:
-            raise RayWeightsError(f"sync ray needs {ADDRESS_ENV} and {NAMESPACE_ENV}: the ray backend sets them; "
-                                  "this worker was not started by it (use sync volume elsewhere)")
+            raise RayWeightsError(
+                f"sync ray needs {ADDRESS_ENV} and {NAMESPACE_ENV}: the ray backend sets them; "
+                "this worker was not started by it (use sync volume elsewhere)"
+            )
         main = threading.current_thread() is threading.main_thread()
         own = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
@@ -107,7 +109,9 @@ def connect() -> Any:
 def share(folder: Path, incarnation: int) -> str:
     """Put a written version folder's files into the object store and the hub; the path to record."""
     ray = connect()
-    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
     ref = [ray.put(files)]
     kept = _SHARED.setdefault(incarnation, {})
     kept[folder.name] = ref
@@ -161,10 +165,20 @@ def _hub(ray: Any, incarnation: int) -> Any:
         # Hard affinity: the hub lives and dies with the publisher's node (its CPU need is 0, so the node
         # always takes it). A soft one let Ray place a rebuilt hub on another node, which the test cluster
         # then lost under the live publisher.
-        placement = {} if not node else {"scheduling_strategy": ray.util.scheduling_strategies
-                                         .NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
-        _HUBS[incarnation] = ray.remote(WeightsHub).options(name=hub_name(incarnation), get_if_exists=True,
-                                                           **_HUB_OPTIONS, **placement).remote(KEEP)
+        placement = (
+            {}
+            if not node
+            else {
+                "scheduling_strategy": ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id=node, soft=False
+                )
+            }
+        )
+        _HUBS[incarnation] = (
+            ray.remote(WeightsHub)
+            .options(name=hub_name(incarnation), get_if_exists=True, **_HUB_OPTIONS, **placement)
+            .remote(KEEP)
+        )
     return _HUBS[incarnation]
 
 
@@ -211,7 +225,9 @@ def _write_whole(folder: Path, files: dict[str, bytes]) -> None:
 def _keep_newest(received: Path) -> None:
     """Delete received versions older than the newest KEEP on this node (a rollout loading one of them
     gets FileNotFoundError and reads the store again, as on a volume)."""
-    folders = sorted((p for p in received.iterdir() if not p.name.startswith(".")), key=lambda p: _version_of(p.name))
+    folders = sorted(
+        (p for p in received.iterdir() if not p.name.startswith(".")), key=lambda p: _version_of(p.name)
+    )
     for old in folders[: max(0, len(folders) - KEEP)]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -227,9 +243,18 @@ class RayTransport(VolumeTransport):
         super().__init__(*args, **kwargs)
         self._hub_checked = 0.0  # time.monotonic() of the last look at the hub
 
-    def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
-                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
-                device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
+    def publish(
+        self,
+        model: torch.nn.Module,
+        dest: Path,
+        version: int,
+        step: int,
+        incarnation: int,
+        state: dict[str, torch.Tensor] | None = None,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+    ) -> str:
         super().publish(model, dest, version, step, incarnation, state=state)
         where = share(dest, incarnation)
         # the object store holds it now: this node's folder is not read again
@@ -245,8 +270,11 @@ class RayTransport(VolumeTransport):
         self._hub_checked = time.monotonic()
         put_back = ensure_held(incarnation)
         if put_back:
-            log.warning("the weights hub had lost the versions %s (its Ray actor ended); made it again and put "
-                        "them back", ", ".join(put_back))
+            log.warning(
+                "the weights hub had lost the versions %s (its Ray actor ended); made it again and put "
+                "them back",
+                ", ".join(put_back),
+            )
 
     def locate(self, path: str, run: str, uid: str) -> Path:
         return receive(path, run, uid)

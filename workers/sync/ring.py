@@ -46,7 +46,9 @@ def kept_dtype(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
     return cast if cast is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def layout(state: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> tuple[dict[str, int], list[TensorSlot]]:
+def layout(
+    state: dict[str, torch.Tensor], cast: torch.dtype | None = None
+) -> tuple[dict[str, int], list[TensorSlot]]:
     """Where each tensor goes: the element count of each dtype's flat buffer, and every tensor's slot; with
     `cast`, floating tensors go in that dtype's buffer (a sharded actor publishing float32 masters in
     bfloat16)."""
@@ -86,13 +88,17 @@ def snapshot(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], l
     return buffers, slots
 
 
-def views(buffers: dict[str, torch.Tensor], slots: list[TensorSlot], device: torch.device | None = None
-          ) -> dict[str, torch.Tensor]:
+def views(
+    buffers: dict[str, torch.Tensor], slots: list[TensorSlot], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
     """Each named tensor as a view of its flat buffer, moved first (one transfer per dtype) when
     `device` is another GPU than the buffers'."""
     if device is not None and device.type == "cuda":
         buffers = {dtype: buffer.to(device) for dtype, buffer in buffers.items()}  # no-op on the same GPU
-    return {slot.name: buffers[slot.dtype][slot.offset: slot.offset + slot.numel].view(slot.shape) for slot in slots}
+    return {
+        slot.name: buffers[slot.dtype][slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for slot in slots
+    }
 
 
 class ViewCache:
@@ -106,12 +112,14 @@ class ViewCache:
         self._entries: list[tuple[tuple, list[TensorSlot], dict[str, torch.Tensor]]] = []
 
     def get(self, buffers: dict[str, torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
-        key = tuple((dtype, buffer.data_ptr(), buffer.numel(), buffer.device) for dtype, buffer in buffers.items())
+        key = tuple(
+            (dtype, buffer.data_ptr(), buffer.numel(), buffer.device) for dtype, buffer in buffers.items()
+        )
         for entry_key, entry_slots, made in self._entries:
             if entry_key == key and entry_slots == slots:  # list equality: cheaper than hashing the slots
                 return made
         made = views(buffers, slots)
-        self._entries = [*self._entries[1 - self.SIZE:], (key, slots, made)]
+        self._entries = [*self._entries[1 - self.SIZE :], (key, slots, made)]
         return made
 
 
@@ -152,8 +160,14 @@ class SnapshotRing:
     # last layout
     _laid_out: tuple[Any, dict[str, int], list[TensorSlot]] = field(default=(None, {}, []), repr=False)
 
-    def write(self, state: dict[str, torch.Tensor], version: int, gather: Gather | None = None,
-              device: torch.device | None = None, cast: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def write(
+        self,
+        state: dict[str, torch.Tensor],
+        version: int,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Snapshot `state` as `version` and wait until the copy is complete (so that no reader can
         see it half written once the caller records it); returns the slot's buffers.
 
@@ -178,7 +192,9 @@ class SnapshotRing:
         if gather is None:
             fill_views(self._views[index], [state[slot.name] for slot in slots])
         else:
-            for view, tensor in zip(self._views[index], gather([state[slot.name] for slot in slots]), strict=True):
+            for view, tensor in zip(
+                self._views[index], gather([state[slot.name] for slot in slots]), strict=True
+            ):
                 view.copy_(tensor)
         self.stamps[index].fill_(version)
         if self.stamps.is_cuda:
@@ -195,9 +211,17 @@ class SnapshotRing:
 class RingServer(Protocol):
     """What serves a ring's versions to rollouts: ipc's sharer, nccl's server."""
 
-    def share(self, state: dict[str, torch.Tensor], dest: Path, version: int, step: int, gather: Gather | None = None,
-              device: torch.device | None = None, cast: torch.dtype | None = None,
-              adapters: dict[str, float] | None = None) -> Path: ...
+    def share(
+        self,
+        state: dict[str, torch.Tensor],
+        dest: Path,
+        version: int,
+        step: int,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+        adapters: dict[str, float] | None = None,
+    ) -> Path: ...
 
     def close(self) -> None: ...
 
@@ -238,13 +262,24 @@ class RingTransport(WeightTransport):
         """The actor's server of the ring, for `self.keep` slots."""
 
     @abc.abstractmethod
-    def _tensors(self, path: str | Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    def _tensors(
+        self, path: str | Path, device: torch.device
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
         """The rollout's side: the version's tensors on `device`, and its LoRA scales (None: whole
         weights)."""
 
-    def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
-                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
-                device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
+    def publish(
+        self,
+        model: torch.nn.Module,
+        dest: Path,
+        version: int,
+        step: int,
+        incarnation: int,
+        state: dict[str, torch.Tensor] | None = None,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+    ) -> str:
         if self._server is None:
             self._server = self._make_server()
         if state is not None:
@@ -278,9 +313,16 @@ class RingTransport(WeightTransport):
         if hasattr(model, "get_base_model"):  # LoRA: merged weights are new tensors each time
             return plain_state_dict(model)
         kept = self._plain_state
-        if (kept is None or kept.model is not model or kept.registrations != _registrations[0]
-                or any(p.data_ptr() != ptr for p, ptr in kept.storages)):
-            kept = self._plain_state = _KeptState(model, _registrations[0],
-                                                  [(p, p.data_ptr()) for p in model.parameters()],
-                                                  plain_state_dict(model))
+        if (
+            kept is None
+            or kept.model is not model
+            or kept.registrations != _registrations[0]
+            or any(p.data_ptr() != ptr for p, ptr in kept.storages)
+        ):
+            kept = self._plain_state = _KeptState(
+                model,
+                _registrations[0],
+                [(p, p.data_ptr()) for p in model.parameters()],
+                plain_state_dict(model),
+            )
         return kept.state

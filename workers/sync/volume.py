@@ -33,8 +33,9 @@ WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
 
 
-def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int,
-                  state: dict[str, torch.Tensor] | None = None) -> Path:
+def write_weights(
+    model: torch.nn.Module, dest: Path, version: int, step: int, state: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write `dest` (a version directory) atomically; returns it. `state`: the weights, already full
     tensors (a sharded actor's, gathered by mortal.workers.actor.sharded.full_state_dict), else the
     model's."""
@@ -42,14 +43,23 @@ def write_weights(model: torch.nn.Module, dest: Path, version: int, step: int,
     state = {name: tensor.to("cpu").contiguous() for name, tensor in state.items()}
     config = model_config(model)
     with atomic_dir(dest) as tmp:
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "version": str(version), "step": str(step)})
+        save_file(
+            state,
+            str(tmp / WEIGHTS_FILE),
+            metadata={"format": "pt", "version": str(version), "step": str(step)},
+        )
         if config is not None:
             config.save_pretrained(tmp)
     return dest
 
 
-def write_adapters(model: torch.nn.Module, adapters: tuple[dict[str, torch.Tensor], dict[str, float]], dest: Path,
-                   version: int, step: int) -> Path:
+def write_adapters(
+    model: torch.nn.Module,
+    adapters: tuple[dict[str, torch.Tensor], dict[str, float]],
+    dest: Path,
+    version: int,
+    step: int,
+) -> Path:
     """Write `dest` (a version directory of LoRA factors) atomically; returns it."""
     tensors, scales = adapters
     state = {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()}
@@ -99,9 +109,18 @@ class VolumeTransport(WeightTransport):
 
     method = "volume"
 
-    def publish(self, model: torch.nn.Module, dest: Path, version: int, step: int, incarnation: int,
-                state: dict[str, torch.Tensor] | None = None, gather: Gather | None = None,
-                device: torch.device | None = None, cast: torch.dtype | None = None) -> str:
+    def publish(
+        self,
+        model: torch.nn.Module,
+        dest: Path,
+        version: int,
+        step: int,
+        incarnation: int,
+        state: dict[str, torch.Tensor] | None = None,
+        gather: Gather | None = None,
+        device: torch.device | None = None,
+        cast: torch.dtype | None = None,
+    ) -> str:
         if state is not None:
             write_weights(model, dest, version, step, state=state)
         elif (adapters := lora_adapters(model)) is not None:

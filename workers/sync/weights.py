@@ -49,7 +49,9 @@ def _merged_weight(module: Any) -> torch.Tensor:
         if adapter not in module.lora_A or adapter in getattr(module, "merged_adapters", []):
             continue
         if adapter in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(adapter):
-            raise WeightsError(f"adapter {adapter!r} is not plain LoRA; only plain LoRA can be published merged")
+            raise WeightsError(
+                f"adapter {adapter!r} is not plain LoRA; only plain LoRA can be published merged"
+            )
         merged += module.get_delta_weight(adapter).detach().to(weight.dtype)
     return merged
 
@@ -59,7 +61,10 @@ def _drop_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size(), tuple(tensor.shape))
+        key = (
+            tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size(),
+            tuple(tensor.shape),
+        )
         if key in seen:
             continue
         seen.add(key)
@@ -109,24 +114,41 @@ def lora_adapters(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
 def _plain_lora(module: Any) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """(A, B, scale) of a Linear layer's one active, unmerged, plain LoRA adapter; else None."""
     active = [a for a in module.active_adapters if a in module.lora_A]
-    plain = (len(active) == 1 and not getattr(module, "merged_adapters", []) and not getattr(module, "lora_variant", {})
-             and not any(getattr(module, "lora_bias", {}).values()) and not getattr(module, "fan_in_fan_out", False)
-             and not getattr(module, "lora_embedding_A", {}) and isinstance(module.get_base_layer(), torch.nn.Linear))
+    plain = (
+        len(active) == 1
+        and not getattr(module, "merged_adapters", [])
+        and not getattr(module, "lora_variant", {})
+        and not any(getattr(module, "lora_bias", {}).values())
+        and not getattr(module, "fan_in_fan_out", False)
+        and not getattr(module, "lora_embedding_A", {})
+        and isinstance(module.get_base_layer(), torch.nn.Linear)
+    )
     if not plain:
         return None
     adapter = active[0]
-    return module.lora_A[adapter].weight.detach(), module.lora_B[adapter].weight.detach(), float(module.scaling[adapter])
+    return (
+        module.lora_A[adapter].weight.detach(),
+        module.lora_B[adapter].weight.detach(),
+        float(module.scaling[adapter]),
+    )
 
 
-def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+def merged_weight(
+    base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
     """base + B @ A * scale, as peft's merge computes it (in float32 where the weights are half precision)."""
-    delta = (lora_b.float() @ lora_a.float()) * scale if base.dtype != torch.float32 else (lora_b @ lora_a) * scale
+    delta = (
+        (lora_b.float() @ lora_a.float()) * scale
+        if base.dtype != torch.float32
+        else (lora_b @ lora_a) * scale
+    )
     return base + delta.to(base.dtype)
 
 
 @torch.no_grad()
-def apply_adapters(model: torch.nn.Module, path: str | Path, tensors: dict[str, torch.Tensor],
-                   scales: dict[str, float]) -> None:
+def apply_adapters(
+    model: torch.nn.Module, path: str | Path, tensors: dict[str, torch.Tensor], scales: dict[str, float]
+) -> None:
     """Write base + B @ A * scale into each adapted weight of a plain (rollout) model, in place, from the
     factors of version `path` (read from its file, or views of the actor's ring).
 
@@ -139,12 +161,16 @@ def apply_adapters(model: torch.nn.Module, path: str | Path, tensors: dict[str, 
         name = f"{module}.weight"
         lora_a, lora_b = tensors[f"{module}.lora_A"], tensors[f"{module}.lora_B"]
         if name not in params or tuple(params[name].shape) != (lora_b.shape[0], lora_a.shape[1]):
-            raise WeightsError(f"{path}: the adapter of {module!r} does not fit the model "
-                               f"({tuple(params[name].shape) if name in params else 'no such weight'})")
+            raise WeightsError(
+                f"{path}: the adapter of {module!r} does not fit the model "
+                f"({tuple(params[name].shape) if name in params else 'no such weight'})"
+            )
         if name not in base:
             if model.__dict__.get("_mortal_full_loaded"):
-                raise WeightsError(f"{path}: an adapter version after full weights; the base of {module!r} is "
-                                   "gone from memory (a relaunched rollout starts from the base model)")
+                raise WeightsError(
+                    f"{path}: an adapter version after full weights; the base of {module!r} is "
+                    "gone from memory (a relaunched rollout starts from the base model)"
+                )
             base[name] = params[name].detach().clone()
         params[name].copy_(merged_weight(base[name], lora_a, lora_b, scale))
 
@@ -160,14 +186,19 @@ def load_state(model: torch.nn.Module, path: str | Path, state: dict[str, torch.
     copy_pairs(_destinations(model, state, path), list(state.values()))
 
 
-def _destinations(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str | Path) -> list[torch.Tensor]:
+def _destinations(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], path: str | Path
+) -> list[torch.Tensor]:
     """The model's own tensors that `state`'s go into, in its order; WeightsError unless they fit.
     Checked once per set of names and kept on the model: a rollout's model and a run's published
     names do not change, and the check and state_dict cost milliseconds a load need not spend."""
     names = list(state)
     planned = model.__dict__.get("_mortal_load_plan")
-    if planned is not None and planned[0] == names and all(
-            tuple(t.shape) == tuple(d.shape) for t, d in zip(state.values(), planned[1], strict=True)):
+    if (
+        planned is not None
+        and planned[0] == names
+        and all(tuple(t.shape) == tuple(d.shape) for t, d in zip(state.values(), planned[1], strict=True))
+    ):
         return planned[1]
     current = model.state_dict()
     unexpected = sorted(set(state) - set(current))
@@ -190,8 +221,9 @@ def _ptr(tensor: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
-              current: dict[str, torch.Tensor] | None = None) -> None:
+def copy_into(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], current: dict[str, torch.Tensor] | None = None
+) -> None:
     """Copy tensors into the model's own parameters in place (captured CUDA graphs keep working);
     `current`: the model's state_dict when the caller has it already (it is rebuilt otherwise)."""
     current = model.state_dict() if current is None else current

@@ -49,7 +49,9 @@ def _metrics(store, run: str) -> dict[int, dict[str, float]]:
     return out
 
 
-def test_the_trainer_does_not_wait_on_the_device_to_check_each_steps_loss(tmp_path: Path, tiny_dir: Path) -> None:
+def test_the_trainer_does_not_wait_on_the_device_to_check_each_steps_loss(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
     """transformers' nan/inf filter reads every step's loss back before the optimizer step is queued."""
     spec = TrainingRun.model_validate({"metadata": {"name": "m"}, "spec": actor_spec(str(tiny_dir))}).spec
     assert training.training_args(spec, str(tmp_path), "cpu").logging_nan_inf_filter is False
@@ -63,18 +65,40 @@ def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_d
     checkpoints = store.list_checkpoints("basic")
     assert [c.step for c in checkpoints] == [2, 3]  # every 2 and the last, keep 2
     marker = read_marker(checkpoints[-1].path)
-    assert {k: v for k, v in marker.items() if k != "provenance"} == {"run": "basic", "step": 3, "weight_version": 3,
-                                                                       "seed": 0}
-    assert marker["provenance"] == checkpoints[-1].provenance and marker["provenance"]["position"]["step"] == 3
+    assert {k: v for k, v in marker.items() if k != "provenance"} == {
+        "run": "basic",
+        "step": 3,
+        "weight_version": 3,
+        "seed": 0,
+    }
+    assert (
+        marker["provenance"] == checkpoints[-1].provenance and marker["provenance"]["position"]["step"] == 3
+    )
     metrics = _metrics(store, "basic")
     assert sorted(metrics) == [1, 2, 3]
-    for name in ("reward", "reward_std", "rewards/parity_reward/mean", "rewards/correct_answer/mean", "loss",
-                 "entropy", "completions/mean_length", "tokens_per_second", "step_seconds", "staleness/mean",
-                 "clip_ratio/region_mean", "weight_version", "weights/publish_seconds"):
+    for name in (
+        "reward",
+        "reward_std",
+        "rewards/parity_reward/mean",
+        "rewards/correct_answer/mean",
+        "loss",
+        "entropy",
+        "completions/mean_length",
+        "tokens_per_second",
+        "step_seconds",
+        "staleness/mean",
+        "clip_ratio/region_mean",
+        "weight_version",
+        "weights/publish_seconds",
+    ):
         assert name in metrics[1], name
     assert metrics[3]["staleness/max"] == 0 and metrics[3]["weight_version"] == 3  # published after it
-    for step in metrics.values():  # a step's seconds in parts: the store's work, waiting, TRL's step, publishing
-        parts = [step[f"actor/{p}_seconds"] for p in ("bookkeeping", "wait", "train")] + [step["weights/publish_seconds"]]
+    for (
+        step
+    ) in metrics.values():  # a step's seconds in parts: the store's work, waiting, TRL's step, publishing
+        parts = [step[f"actor/{p}_seconds"] for p in ("bookkeeping", "wait", "train")] + [
+            step["weights/publish_seconds"]
+        ]
         assert min(parts) >= 0 and sum(parts) <= step["step_seconds"] + 1e-6, (parts, step["step_seconds"])
         assert 0 <= step["actor/gc_seconds"] <= step["step_seconds"]
         # TRL's step in parts: its preparation of the batch after rollout_func, then the update (MFU's time)
@@ -104,13 +128,16 @@ def test_the_actor_reports_each_step_as_its_activity_for_the_watchdog(store, tin
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"])
 def test_every_loss_type_trains(store, tiny_dir: Path, loss_type: str) -> None:
-    spec = actor_spec(str(tiny_dir), algorithm={"lossType": loss_type, "maxSteps": 2},
-                      checkpoint={"every": 10, "keep": 1})
+    spec = actor_spec(
+        str(tiny_dir), algorithm={"lossType": loss_type, "maxSteps": 2}, checkpoint={"every": 10, "keep": 1}
+    )
     run = create_run(store, f"loss-{loss_type.replace('_', '-')}", spec)
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
     metrics = _metrics(store, run.name)
     assert all(math.isfinite(metrics[s]["loss"]) for s in (1, 2))
-    first, last = (read_published(w.path) for w in (store.list_weights(run.name)[0], store.list_weights(run.name)[-1]))
+    first, last = (
+        read_published(w.path) for w in (store.list_weights(run.name)[0], store.list_weights(run.name)[-1])
+    )
     assert any(not (first[k] == last[k]).all() for k in first), "training did not change the weights"
 
 
@@ -120,8 +147,11 @@ def test_lora_publishes_only_adapters_and_rollouts_apply_them_onto_the_base(stor
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    spec = actor_spec(str(tiny_dir), model={"lora": {"r": 4, "alpha": 8}, "gradientCheckpointing": True},
-                      algorithm={"maxSteps": 2})
+    spec = actor_spec(
+        str(tiny_dir),
+        model={"lora": {"r": 4, "alpha": 8}, "gradientCheckpointing": True},
+        algorithm={"maxSteps": 2},
+    )
     run = create_run(store, "lora", spec)
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
     last = Path(store.latest_weights("lora").path)
@@ -130,14 +160,20 @@ def test_lora_publishes_only_adapters_and_rollouts_apply_them_onto_the_base(stor
     assert set(factors) == {f"{m}.lora_{ab}" for m in scales for ab in "AB"} and set(scales.values()) == {2.0}
     ckpt = Path(store.latest_checkpoint("lora").path)
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
-    trained = plain_state_dict(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), ckpt))
+    trained = plain_state_dict(
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), ckpt)
+    )
     rollout_model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     for row in store.list_weights("lora"):  # every kept version in turn, as a rollout sees them
         load_published(rollout_model, row.path)
     loaded = rollout_model.state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in trained.items())
-    assert any(not torch.equal(loaded[f"{m}.weight"], AutoModelForCausalLM.from_pretrained(tiny_dir)
-                               .state_dict()[f"{m}.weight"]) for m in scales), "training did not move the weights"
+    assert any(
+        not torch.equal(
+            loaded[f"{m}.weight"], AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()[f"{m}.weight"]
+        )
+        for m in scales
+    ), "training did not move the weights"
     # step 1's tasks asked for v1 (the adapters after step 0): the rollout loaded it to answer them
     assert {res.weight_version for r in store.step_results("lora", 1) for res in task_results(r)} == {1}
 
@@ -148,26 +184,37 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused(tmp_path: Path, tiny_
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     (tmp_path / "v1").mkdir()
-    save_file({"model.layers.0.self_attn.q_proj.lora_A": torch.zeros(2, 3),
-               "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(5, 2)}, str(tmp_path / "v1" / "adapter.safetensors"),
-              metadata={"scales": '{"model.layers.0.self_attn.q_proj": 1.0}'})
+    save_file(
+        {
+            "model.layers.0.self_attn.q_proj.lora_A": torch.zeros(2, 3),
+            "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(5, 2),
+        },
+        str(tmp_path / "v1" / "adapter.safetensors"),
+        metadata={"scales": '{"model.layers.0.self_attn.q_proj": 1.0}'},
+    )
     with pytest.raises(WeightsError, match="the adapter of 'model.layers.0.self_attn.q_proj' does not fit"):
         load_published(model, tmp_path / "v1")
 
 
-def test_on_cpu_prompts_per_task_cuts_steps_into_chunks_without_changing_training(store, tiny_dir: Path) -> None:
+def test_on_cpu_prompts_per_task_cuts_steps_into_chunks_without_changing_training(
+    store, tiny_dir: Path
+) -> None:
     """rollout.promptsPerTask reaches the feed (3 prompts a step in tasks of 2: two tasks a step); on the CPU
     each prompt is still generated alone with its own seed, so the trained weights are bit for bit those
     of one prompt a task."""
     algorithm = {"batchSize": 12, "maxSteps": 2}
     single = create_run(store, "single", actor_spec(str(tiny_dir), algorithm=algorithm))
     assert run_actor_with_rollout(store, single) == EXIT_SUCCEEDED
-    chunked = create_run(store, "chunked", actor_spec(str(tiny_dir), algorithm=algorithm,
-                                                      rollout={"promptsPerTask": 2}))
+    chunked = create_run(
+        store, "chunked", actor_spec(str(tiny_dir), algorithm=algorithm, rollout={"promptsPerTask": 2})
+    )
     assert run_actor_with_rollout(store, chunked) == EXIT_SUCCEEDED
     for step in (0, 1):
         tasks = store.step_results("chunked", step)
-        assert [(t.slot, t.payload["first_slot"], len(t.payload["requests"])) for t in tasks] == [(0, 0, 2), (1, 2, 1)]
+        assert [(t.slot, t.payload["first_slot"], len(t.payload["requests"])) for t in tasks] == [
+            (0, 0, 2),
+            (1, 2, 1),
+        ]
         assert [len(task_results(t)) for t in tasks] == [2, 1]
         assert len(store.step_results("single", step)) == 3
     assert final_weights_hash(store, "chunked") == final_weights_hash(store, "single")
@@ -180,7 +227,9 @@ def test_beta_trains_against_a_reference_model(store, tiny_dir: Path) -> None:
     assert metrics[1]["kl"] == 0.0 and metrics[2]["kl"] > 0.0  # the policy moved away from the reference
 
 
-def test_the_actor_trains_with_its_startup_objects_frozen_and_puts_them_back_after(store, tiny_dir: Path) -> None:
+def test_the_actor_trains_with_its_startup_objects_frozen_and_puts_them_back_after(
+    store, tiny_dir: Path
+) -> None:
     """runtime.startup_objects_frozen around trainer.train(): full collections skip what start-up made.
     The in-process rollout thread runs its loop without main(), so only the actor freezes here."""
     import gc
@@ -188,10 +237,13 @@ def test_the_actor_trains_with_its_startup_objects_frozen_and_puts_them_back_aft
     import actor_helpers
 
     actor_helpers.FREEZE_COUNTS.clear()
-    spec = actor_spec(str(tiny_dir), rewards=[{"function": "actor_helpers:freeze_probe_reward"}],
-                      algorithm={"maxSteps": 2})
+    spec = actor_spec(
+        str(tiny_dir), rewards=[{"function": "actor_helpers:freeze_probe_reward"}], algorithm={"maxSteps": 2}
+    )
     assert run_actor_with_rollout(store, create_run(store, "frozen", spec)) == EXIT_SUCCEEDED
-    assert actor_helpers.FREEZE_COUNTS and min(actor_helpers.FREEZE_COUNTS) > 10_000, actor_helpers.FREEZE_COUNTS
+    assert actor_helpers.FREEZE_COUNTS and min(actor_helpers.FREEZE_COUNTS) > 10_000, (
+        actor_helpers.FREEZE_COUNTS
+    )
     assert gc.get_freeze_count() == 0
 
 
@@ -219,8 +271,9 @@ def test_a_stopped_actor_checkpoints_and_a_resume_is_bit_for_bit(store, tiny_dir
     assert store.latest_weights("stopped").version > store.latest_weights("straight").version
 
 
-def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(store, tiny_dir: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(
+    store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGTERM while the rollouts are gone (suspend): the checkpoint is written from inside the wait
     for step 2's rollouts, and equals one written at the end of step 1's training."""
     spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 3}, checkpoint={"every": 10, "keep": 2})
@@ -232,7 +285,9 @@ def test_a_stop_while_waiting_for_rollouts_checkpoints_that_boundary_exactly(sto
     rollout = RolloutThread(store, run)
     real_collect = RolloutFeed.collect
 
-    def collect(feed: RolloutFeed, step: int, current_version: int, on_stop=lambda: None, while_waiting=lambda: None):
+    def collect(
+        feed: RolloutFeed, step: int, current_version: int, on_stop=lambda: None, while_waiting=lambda: None
+    ):
         if step == 2:  # the rollouts are gone before step 2's tasks are answered, then SIGTERM comes
             rollout.stop()
             ctx.stopping.set()
@@ -252,8 +307,12 @@ def _validated_spec(tiny_dir: Path, gpu: str, **actor_fields: object) -> object:
     """actor_spec with actor and rollout on `gpu`, as the workers read it (validated, defaults filled in)."""
     from mortal.specs import TrainingRun
 
-    return TrainingRun.model_validate({"metadata": {"name": "r"}, "spec": actor_spec(
-        str(tiny_dir), actor={"gpu": gpu, **actor_fields}, rollout={"gpu": gpu})}).spec
+    return TrainingRun.model_validate(
+        {
+            "metadata": {"name": "r"},
+            "spec": actor_spec(str(tiny_dir), actor={"gpu": gpu, **actor_fields}, rollout={"gpu": gpu}),
+        }
+    ).spec
 
 
 def test_only_gpu_rollouts_get_their_first_tasks_before_the_trainer_is_built(tiny_dir: Path) -> None:
@@ -263,7 +322,8 @@ def test_only_gpu_rollouts_get_their_first_tasks_before_the_trainer_is_built(tin
 
 
 def test_tasks_queued_before_the_trainer_are_answered_by_the_loaded_model_as_version_0(
-        store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A fresh run's first tasks, queued before the trainer is built, answered by a rollout that has not seen
     a published version (its own load of the model is version 0), train the same weights as a run whose
     rollout loaded the actor's version 0 first. The rollout answers them in the actor's thread before the
@@ -296,8 +356,9 @@ def test_tasks_queued_before_the_trainer_are_answered_by_the_loaded_model_as_ver
     assert final_weights_hash(store, "ahead") == final_weights_hash(store, "straight")
 
 
-def test_a_resumed_runs_tasks_queued_early_wait_for_the_resumed_weights(store, tiny_dir: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resumed_runs_tasks_queued_early_wait_for_the_resumed_weights(
+    store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a resume the tasks queued before the trainer is built ask for the version the actor publishes first,
     so a rollout that still holds the stopped actor's last version cannot answer them with it."""
     spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 4}, checkpoint={"every": 10, "keep": 2})
@@ -310,12 +371,14 @@ def test_a_resumed_runs_tasks_queued_early_wait_for_the_resumed_weights(store, t
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
     resumed_first = min(w.version for w in store.list_weights("resumed") if w.version > stopped_at)
     assert [task.min_weight_version for task in store.step_results("resumed", 2)] == [resumed_first] * len(
-        store.step_results("resumed", 2))
+        store.step_results("resumed", 2)
+    )
     assert final_weights_hash(store, "resumed") == final_weights_hash(store, "straight")
 
 
 def test_the_actors_warm_up_while_it_waits_for_its_first_rollouts_changes_no_weight(
-        store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On one GPU the actor runs a placeholder forward and backward while the first step's rollouts are generated
     (trl_seam.warm_up_training); the run's weights are bit for bit those of a run without it. Here on the CPU,
     the warm-up waiting until the in-process rollout has answered the step (in separate processes they overlap;
@@ -351,7 +414,9 @@ def test_the_actor_keeps_as_many_weight_versions_as_the_spec_says(store, tiny_di
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
     rows = store.list_weights("two")
     assert [(w.version, w.step) for w in rows] == [(2, 2), (3, 3)]
-    assert sorted(path.name for path in Path(rows[0].path).parent.iterdir()) == sorted(Path(w.path).name for w in rows)
+    assert sorted(path.name for path in Path(rows[0].path).parent.iterdir()) == sorted(
+        Path(w.path).name for w in rows
+    )
 
 
 def test_weights_published_every_n_steps_are_importance_corrected(store, tiny_dir: Path) -> None:
@@ -366,10 +431,16 @@ def test_weights_published_every_n_steps_are_importance_corrected(store, tiny_di
 
 def test_a_spec_with_only_a_model_trains_with_the_seeds_defaults(store, tiny_dir: Path) -> None:
     """No dataset, no rewards: code execution in the sandbox on builtin:mbpp-mini (the seeds' default)."""
-    spec = {"model": {"name": str(tiny_dir)}, "algorithm": {"maxSteps": 1, "numGenerations": 2, "batchSize": 4},
-            "generation": {"maxTokens": 8}, "logging": {"wandb": {"mode": "disabled"}}}
+    spec = {
+        "model": {"name": str(tiny_dir)},
+        "algorithm": {"maxSteps": 1, "numGenerations": 2, "batchSize": 4},
+        "generation": {"maxTokens": 8},
+        "logging": {"wandb": {"mode": "disabled"}},
+    }
     run = create_run(store, "seed", spec)
-    assert run.spec.dataset.name == "builtin:mbpp-mini" and [r.env for r in run.spec.rewards] == ["code-execution"]
+    assert run.spec.dataset.name == "builtin:mbpp-mini" and [r.env for r in run.spec.rewards] == [
+        "code-execution"
+    ]
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
     names = {row.name for row in store.list_metrics("seed")}
     assert "loss" in names and any(name.startswith("rewards/code-execution") for name in names), sorted(names)
@@ -398,7 +469,9 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     counters.clear()
     grad_norms = {}  # step 1's: its loss is about 0 on-policy (the advantages sum to 0), its gradient is not
     for name, compiled in (("eager", False), ("compiled", True)):
-        spec = actor_spec(str(tiny_dir), actor={"compile": compiled, "compileScope": scope}, algorithm={"maxSteps": 2})
+        spec = actor_spec(
+            str(tiny_dir), actor={"compile": compiled, "compileScope": scope}, algorithm={"maxSteps": 2}
+        )
         run = create_run(store, name, spec)
         assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
         grad_norms[name] = _metrics(store, name)[1]["grad_norm"]
@@ -430,12 +503,18 @@ def _width_recompiles() -> list[str]:
     the model's forward under compileScope model, a decoder layer's under layer)."""
     from torch._dynamo.utils import guard_failures
 
-    return [str(reason) for reasons in guard_failures.values() for reason in reasons if "size mismatch" in str(reason)]
+    return [
+        str(reason)
+        for reasons in guard_failures.values()
+        for reason in reasons
+        if "size mismatch" in str(reason)
+    ]
 
 
 @pytest.mark.parametrize("environment", [None, "0"])
-def test_a_compiled_actor_compiles_its_forward_once_for_every_batch_width(store, tiny_dir: Path, monkeypatch,
-                                                                        environment) -> None:
+def test_a_compiled_actor_compiles_its_forward_once_for_every_batch_width(
+    store, tiny_dir: Path, monkeypatch, environment
+) -> None:
     """Steps of different widths (prompts and completions vary) reuse the first compile of the default scope
     (a decoder layer); with static shapes asked for (ACCELERATE_DYNAMO_USE_DYNAMIC=0, which the actor leaves
     as it is) a new width compiles again. (The model scope takes the same setting: test_trl_seam.)"""
@@ -446,7 +525,14 @@ def test_a_compiled_actor_compiles_its_forward_once_for_every_batch_width(store,
         monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, environment)
     torch._dynamo.reset()
     guard_failures.clear()
-    spec = actor_spec(str(tiny_dir), actor={"compile": True}, algorithm={"maxSteps": 3},
-                      generation={"maxTokens": 8, "temperature": 1.0})
-    assert run_actor_with_rollout(store, create_run(store, f"widths-{environment or 'default'}", spec)) == EXIT_SUCCEEDED
+    spec = actor_spec(
+        str(tiny_dir),
+        actor={"compile": True},
+        algorithm={"maxSteps": 3},
+        generation={"maxTokens": 8, "temperature": 1.0},
+    )
+    assert (
+        run_actor_with_rollout(store, create_run(store, f"widths-{environment or 'default'}", spec))
+        == EXIT_SUCCEEDED
+    )
     assert bool(_width_recompiles()) == (environment == "0"), _width_recompiles()

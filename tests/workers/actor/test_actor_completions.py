@@ -40,17 +40,22 @@ def _answered(store, run: str, step: int) -> list[tuple[str, str]]:
     return out
 
 
-def test_each_step_records_its_first_completions_with_rewards_advantages_and_log_extra(sqlite_store,
-                                                                                       tiny_dir: Path) -> None:
+def test_each_step_records_its_first_completions_with_rewards_advantages_and_log_extra(
+    sqlite_store, tiny_dir: Path
+) -> None:
     store = sqlite_store
-    spec = actor_spec(str(tiny_dir), algorithm={"maxSteps": 2}, logging={"completionsPerStep": 6}, rewards=REWARDS)
+    spec = actor_spec(
+        str(tiny_dir), algorithm={"maxSteps": 2}, logging={"completionsPerStep": 6}, rewards=REWARDS
+    )
     run = create_run(store, "samples", spec)
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED
 
     assert store.completion_steps("samples") == [1, 2]
     for step in (1, 2):
         rows = store.list_completions("samples", step=step)
-        assert [r.sample for r in rows] == list(range(6)), "the first 6 of 8: one whole group and half of the next"
+        assert [r.sample for r in rows] == list(range(6)), (
+            "the first 6 of 8: one whole group and half of the next"
+        )
         assert [(r.prompt, r.completion) for r in rows] == _answered(store, "samples", step)[:6]
         for r in rows:
             assert r.rewards.keys() == {"parity_reward", "logs_things"} and r.rewards["logs_things"] == 0.0
@@ -61,4 +66,8 @@ def test_each_step_records_its_first_completions_with_rewards_advantages_and_log
         mean = sum(r.reward for r in group) / 4
         assert sum(r.advantage for r in group) == pytest.approx(0.0, abs=1e-4)
         for r in group:
-            assert r.advantage == pytest.approx(0.0, abs=1e-6) if r.reward == mean else (r.advantage > 0) == (r.reward > mean)
+            assert (
+                r.advantage == pytest.approx(0.0, abs=1e-6)
+                if r.reward == mean
+                else (r.advantage > 0) == (r.reward > mean)
+            )

@@ -75,7 +75,11 @@ def tiny_dir(home: Path) -> Path:
     return make_tiny_model(home.parent / "model")
 
 
-SHARDED = {"algorithm": {"maxSteps": 3, "batchSize": 8}, "actor": {"count": 2}, "checkpoint": {"every": 1, "keep": 3}}
+SHARDED = {
+    "algorithm": {"maxSteps": 3, "batchSize": 8},
+    "actor": {"count": 2},
+    "checkpoint": {"every": 1, "keep": 3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +104,23 @@ def launch_actor(store: Store, run, home: Path) -> tuple[WorkerRef, subprocess.P
     """The actor slot's next incarnation, started as the local backend starts a worker."""
     row = store.create_worker(run.name, "actor", 0, "local", lease_seconds=60.0)
     ref = WorkerRef(run=run.name, role="actor", replica=0, incarnation=row.incarnation)
-    env = {**os.environ, "MORTAL_RUN": run.name, "MORTAL_ROLE": "actor", "MORTAL_REPLICA": "0",
-           "MORTAL_INCARNATION": str(row.incarnation), "MORTAL_HOME": str(home), "MORTAL_THREADS": "2",
-           "MORTAL_STATE_URL": f"sqlite:///{home / 'state.db'}", "MORTAL_WORKER_ID": ref.id, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "MORTAL_RUN": run.name,
+        "MORTAL_ROLE": "actor",
+        "MORTAL_REPLICA": "0",
+        "MORTAL_INCARNATION": str(row.incarnation),
+        "MORTAL_HOME": str(home),
+        "MORTAL_THREADS": "2",
+        "MORTAL_STATE_URL": f"sqlite:///{home / 'state.db'}",
+        "MORTAL_WORKER_ID": ref.id,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
     log = open(home / f"{run.name}-actor-{row.incarnation}.log", "ab")  # noqa: SIM115 - closed with the process
-    return ref, subprocess.Popen([sys.executable, "-m", "mortal.workers.main"], env=env, stdout=log, stderr=log)
+    return ref, subprocess.Popen(
+        [sys.executable, "-m", "mortal.workers.main"], env=env, stdout=log, stderr=log
+    )
 
 
 def train(store: Store, run, home: Path) -> int:
@@ -136,10 +151,15 @@ def _checkpointed_weights(store: Store, name: str, step: int, scratch: Path) -> 
     return torch.load(scratch / f"{name}-{step}.pt", weights_only=False)["model"]
 
 
-def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, tiny_dir: Path, straight: str,
-                                                    whole: str) -> None:
-    held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights",
-                                     _log_tail(home, straight)).groups())
+def test_one_sharded_step_equals_one_unsharded_step(
+    store: Store, home: Path, tiny_dir: Path, straight: str, whole: str
+) -> None:
+    held, total = map(
+        int,
+        re.search(
+            r"rank 0 of 2 holds (\d+) of the model's (\d+) weights", _log_tail(home, straight)
+        ).groups(),
+    )
     assert abs(held - total / 2) < total / 100, (held, total)  # sharded: each rank holds its half
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, straight, 1)
     assert a["completion_tokens"] == b["completion_tokens"]  # the same rollouts
@@ -157,12 +177,18 @@ def test_one_sharded_step_equals_one_unsharded_step(store: Store, home: Path, ti
     assert moved > 5e-3 and worst < 1e-4, (moved, worst)
 
 
-def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store: Store, home: Path, tiny_dir: Path,
-                                                                         whole: str, monkeypatch) -> None:
+def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(
+    store: Store, home: Path, tiny_dir: Path, whole: str, monkeypatch
+) -> None:
     """microBatchSize 4 over 2 ranks: each rank trains 2 completions a pass, 2 passes (TRL's accumulation).
     The step is profiled (MORTAL_PROFILE_STEPS): each rank leaves its table and timeline in the run's logs."""
-    micro = create_run(store, "micro", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8,
-                                                                            "microBatchSize": 4}, actor={"count": 2}))
+    micro = create_run(
+        store,
+        "micro",
+        actor_spec(
+            str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8, "microBatchSize": 4}, actor={"count": 2}
+        ),
+    )
     monkeypatch.setenv("MORTAL_PROFILE_STEPS", "1")
     assert train(store, micro, home) == 0, _log_tail(home, "micro")
     for rank in (0, 1):
@@ -171,7 +197,10 @@ def test_a_sharded_step_in_micro_batches_equals_the_whole_batch_unsharded(store:
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "micro", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
-    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("micro").path)
+    wa, wb = (
+        read_published(store.latest_weights(whole).path),
+        read_published(store.latest_weights("micro").path),
+    )
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst < 1e-4, worst
 
@@ -186,52 +215,85 @@ def _all_gathers(home: Path, name: str) -> int:
 
 
 def test_weights_kept_from_forward_to_backward_train_the_same_step_with_fewer_all_gathers(
-        store: Store, home: Path, tiny_dir: Path, straight: str, whole: str, monkeypatch) -> None:
+    store: Store, home: Path, tiny_dir: Path, straight: str, whole: str, monkeypatch
+) -> None:
     """actor.reshardAfterForward false: no layer is gathered again for its backward, and the step is the same."""
-    kept = create_run(store, "kept", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
-                                                actor={"count": 2, "reshardAfterForward": False}))
+    kept = create_run(
+        store,
+        "kept",
+        actor_spec(
+            str(tiny_dir),
+            algorithm={"maxSteps": 1, "batchSize": 8},
+            actor={"count": 2, "reshardAfterForward": False},
+        ),
+    )
     monkeypatch.setenv("MORTAL_PROFILE_STEPS", "1")
     assert train(store, kept, home) == 0, _log_tail(home, "kept")
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "kept", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
-    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("kept").path)
+    wa, wb = (
+        read_published(store.latest_weights(whole).path),
+        read_published(store.latest_weights("kept").path),
+    )
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     gathered, regathered = _all_gathers(home, "kept"), _all_gathers(home, straight)
     assert gathered < regathered, (gathered, regathered)
 
 
 def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_its_weights(
-        store: Store, home: Path, tiny_dir: Path, whole: str) -> None:
+    store: Store, home: Path, tiny_dir: Path, whole: str
+) -> None:
     """actor.strategy ddp: each rank holds the whole model and trains its half of the batch, the gradients
     averaged (DistributedDataParallel, told that a dense model uses every parameter: no search after each
     forward; its gradients views of the all-reduce buckets: no copy in and out; no broadcast of the buffers
     before each forward, which every rank computes alike): one step equals the
     unsharded one, and the checkpoint it writes (torch.distributed.checkpoint, as for FSDP2) holds those
     weights, whole."""
-    replicated = create_run(store, "replicated", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
-                                                            actor={"count": 2, "strategy": "ddp"}))
+    replicated = create_run(
+        store,
+        "replicated",
+        actor_spec(
+            str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8}, actor={"count": 2, "strategy": "ddp"}
+        ),
+    )
     assert train(store, replicated, home) == 0, _log_tail(home, "replicated")
     log = _log_tail(home, "replicated")
-    held, total = map(int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights \(DDP\)", log).groups())
+    held, total = map(
+        int, re.search(r"rank 0 of 2 holds (\d+) of the model's (\d+) weights \(DDP\)", log).groups()
+    )
     assert held == total
-    assert ("DistributedDataParallel: gradients as views of its all-reduce buckets, every parameter used, buffers the rank's own" in log), log
+    assert (
+        "DistributedDataParallel: gradients as views of its all-reduce buckets, every parameter used, buffers the rank's own"
+        in log
+    ), log
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "replicated", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
-    wa, wb = read_published(store.latest_weights(whole).path), read_published(store.latest_weights("replicated").path)
+    wa, wb = (
+        read_published(store.latest_weights(whole).path),
+        read_published(store.latest_weights("replicated").path),
+    )
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     saved = _checkpointed_weights(store, "replicated", 1, home.parent)
     assert max(float((wb[k] - saved[k]).abs().max()) for k in wb) == 0.0
 
 
-def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: Store, home: Path, tiny_dir: Path,
-                                                                     whole: str) -> None:
+def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(
+    store: Store, home: Path, tiny_dir: Path, whole: str
+) -> None:
     """actor.mixedPrecision: the step's gradient is the float32 one up to bfloat16's rounding (further from it
     than the float32 sharded step, which agrees to 1e-4), the checkpointed shards stay float32, and the
     weights the rollouts load are those cast to bfloat16, the dtype they generate in."""
-    mixed = create_run(store, "mixed", actor_spec(str(tiny_dir), algorithm={"maxSteps": 1, "batchSize": 8},
-                                                  actor={"count": 2, "mixedPrecision": True}))
+    mixed = create_run(
+        store,
+        "mixed",
+        actor_spec(
+            str(tiny_dir),
+            algorithm={"maxSteps": 1, "batchSize": 8},
+            actor={"count": 2, "mixedPrecision": True},
+        ),
+    )
     assert train(store, mixed, home) == 0, _log_tail(home, "mixed")
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "mixed", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
@@ -246,7 +308,8 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards(store: St
 
 
 def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly(
-        store: Store, home: Path, tiny_dir: Path, straight: str) -> None:
+    store: Store, home: Path, tiny_dir: Path, straight: str
+) -> None:
     run = create_run(store, "killed", actor_spec(str(tiny_dir), **SHARDED))
     with RolloutThread(store, run):
         ref, proc = launch_actor(store, run, home)
@@ -254,8 +317,11 @@ def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly
         while not any(c.step >= 1 for c in store.list_checkpoints("killed")):
             assert proc.poll() is None and time.monotonic() < deadline, _log_tail(home, "killed")
             time.sleep(0.05)
-        [rank1] = [c for c in psutil.Process(proc.pid).children()
-                   if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+        [rank1] = [
+            c
+            for c in psutil.Process(proc.pid).children()
+            if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())
+        ]
         rank1.kill()
         assert proc.wait(timeout=60) == 75, _log_tail(home, "killed")
         [row] = [r for r in store.list_workers("killed") if r.incarnation == ref.incarnation]
@@ -263,11 +329,17 @@ def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly
         assert "actor rank 1 of 2 ended with exit code -9" in (row.message or ""), row.message
         checkpoint = store.list_checkpoints("killed")[-1]
         assert checkpoint.step < 3 and is_complete(checkpoint.path), checkpoint
-        assert read_marker(checkpoint.path)["ranks"] == 2 and (Path(checkpoint.path) / "dcp" / ".metadata").is_file()
+        assert (
+            read_marker(checkpoint.path)["ranks"] == 2
+            and (Path(checkpoint.path) / "dcp" / ".metadata").is_file()
+        )
         _, again = launch_actor(store, run, home)  # as the controller relaunches the slot
         assert again.wait(timeout=DEADLINE) == 0, _log_tail(home, "killed")
     assert f"resuming from {checkpoint.path}" in _log_tail(home, "killed")
-    a, b = read_published(store.latest_weights(straight).path), read_published(store.latest_weights("killed").path)
+    a, b = (
+        read_published(store.latest_weights(straight).path),
+        read_published(store.latest_weights("killed").path),
+    )
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert final_weights_hash(store, "killed") == final_weights_hash(store, straight), worst
     last = store.list_checkpoints("killed")[-1]
@@ -275,9 +347,18 @@ def test_a_rank_killed_mid_run_exits_the_worker_and_the_relaunch_resumes_exactly
 
 
 def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_them(
-        store: Store, home: Path, tiny_dir: Path) -> None:
-    run = create_run(store, "stopped", actor_spec(str(tiny_dir), algorithm={"maxSteps": 3, "batchSize": 8},
-                                                  actor={"count": 2}, checkpoint={"every": 5, "keep": 2}))
+    store: Store, home: Path, tiny_dir: Path
+) -> None:
+    run = create_run(
+        store,
+        "stopped",
+        actor_spec(
+            str(tiny_dir),
+            algorithm={"maxSteps": 3, "batchSize": 8},
+            actor={"count": 2},
+            checkpoint={"every": 5, "keep": 2},
+        ),
+    )
     ref, proc = launch_actor(store, run, home)
     with RolloutThread(store, run):
         deadline = time.monotonic() + DEADLINE
@@ -296,11 +377,15 @@ def test_a_stop_while_rank_0_waits_for_rollouts_checkpoints_every_rank_and_ends_
     assert psutil.wait_procs(ranks, timeout=10)[1] == []  # every rank ended with rank 0
     [checkpoint] = store.list_checkpoints("stopped")
     assert checkpoint.step == 1 and is_complete(checkpoint.path), checkpoint
-    assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    assert {p.name for p in Path(checkpoint.path).glob("rng_state_*.pth")} == {
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    }
 
 
 def test_a_sharded_checkpoint_resumes_on_one_rank_and_trains_on_as_the_sharded_run_did(
-        store: Store, home: Path, straight: str) -> None:
+    store: Store, home: Path, straight: str
+) -> None:
     """`mortalctl fork straight:step-2 down --set spec.actor.count=1`: the unsharded actor reads the
     2 ranks' DCP shards whole (model and AdamW state) and its step 3 is the sharded run's step 3.
     The actor runs in a process of its own, as a worker does: run in this test's process, its thread and the
@@ -315,20 +400,26 @@ def test_a_sharded_checkpoint_resumes_on_one_rank_and_trains_on_as_the_sharded_r
 
 
 def test_a_sharded_checkpoint_resumes_replicated_and_trains_on_as_the_sharded_run_did(
-        store: Store, home: Path, straight: str) -> None:
+    store: Store, home: Path, straight: str
+) -> None:
     """A fork of the FSDP2 run's step 2 with `spec.actor.strategy=ddp`: each of the 2 ranks reads the shards
     whole (model and AdamW state) into its own copy, and step 3 is the sharded run's step 3."""
     fork_run(store, straight, 2, "replicated-fork", sets=["spec.actor.strategy=ddp"])
-    assert train(store, store.get_run("replicated-fork").document(), home) == 0, _log_tail(home, "replicated-fork")
+    assert train(store, store.get_run("replicated-fork").document(), home) == 0, _log_tail(
+        home, "replicated-fork"
+    )
     _trains_on_as(store, "replicated-fork", straight, step=3)
 
 
 def test_an_unsharded_checkpoint_resumes_on_two_ranks_and_trains_on_as_the_unsharded_run_does(
-        store: Store, home: Path, whole: str) -> None:
+    store: Store, home: Path, whole: str
+) -> None:
     """A fork of the unsharded run's step 1 onto 2 ranks (the Trainer's model.safetensors and optimizer.pt,
     each rank keeping its shards) against the same fork on 1 rank."""
     fork_run(store, whole, 1, "onwards", sets=["spec.algorithm.maxSteps=2"])
-    assert train(store, store.get_run("onwards").document(), home) == 0, _log_tail(home, "onwards")  # a process: above
+    assert train(store, store.get_run("onwards").document(), home) == 0, _log_tail(
+        home, "onwards"
+    )  # a process: above
     fork_run(store, whole, 1, "up", sets=["spec.algorithm.maxSteps=2", "spec.actor.count=2"])
     assert train(store, store.get_run("up").document(), home) == 0, _log_tail(home, "up")
     assert "resumed on 2 rank(s) from a checkpoint of 1" in _log_tail(home, "up")
@@ -341,8 +432,14 @@ def _trains_on_as(store: Store, resumed: str, reference: str, step: int) -> None
     step moves every weight by about learningRate, 1e-2)."""
     a, b = _step_metrics(store, reference, step), _step_metrics(store, resumed, step)
     assert a["completion_tokens"] == b["completion_tokens"]
-    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4, abs_tol=1e-9), (a["grad_norm"], b["grad_norm"])
-    wa, wb = read_published(store.latest_weights(reference).path), read_published(store.latest_weights(resumed).path)
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4, abs_tol=1e-9), (
+        a["grad_norm"],
+        b["grad_norm"],
+    )
+    wa, wb = (
+        read_published(store.latest_weights(reference).path),
+        read_published(store.latest_weights(resumed).path),
+    )
     assert store.latest_weights(resumed).step == step
     far = sum(int(((wa[k] - wb[k]).abs() > 1e-4).sum()) for k in wa) / sum(wa[k].numel() for k in wa)
     assert far < 1e-2, far
@@ -350,25 +447,34 @@ def _trains_on_as(store: Store, resumed: str, reference: str, step: int) -> None
 
 @pytest.mark.slow
 def test_through_the_controller_a_killed_rank_is_relaunched_and_the_run_ends_exactly(
-        home: Path, tiny_dir: Path, store: Store, straight: str) -> None:
+    home: Path, tiny_dir: Path, store: Store, straight: str
+) -> None:
     """The same, with the real controller (local backend) doing the relaunch: ~40 s."""
     killed: list[int] = []
 
     def kill_rank_1(runs: Store) -> None:
-        actors = [w for w in runs.list_workers("ctl") if w.role == "actor" and w.state == "Running" and w.handle
-                  and (w.step or 0) >= 1]
+        actors = [
+            w
+            for w in runs.list_workers("ctl")
+            if w.role == "actor" and w.state == "Running" and w.handle and (w.step or 0) >= 1
+        ]
         if actors and not killed:
             children = psutil.Process(int(actors[0].handle.split(":")[0])).children()
             [rank1] = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
             rank1.kill()
             killed.append(actors[0].incarnation)
 
-    spec = actor_spec(str(tiny_dir), **SHARDED, sync={"method": "volume"}, restartPolicy={"backoffSeconds": 1})
+    spec = actor_spec(
+        str(tiny_dir), **SHARDED, sync={"method": "volume"}, restartPolicy={"backoffSeconds": 1}
+    )
     train_through_controller(home.parent / "ctl", "ctl", spec, gpus="", while_running=kill_rank_1)
     runs = open_store(f"sqlite:///{home.parent / 'ctl' / 'state.db'}")
     try:
         [first] = [w for w in runs.list_workers("ctl") if w.role == "actor" and w.incarnation == killed[0]]
-        assert (first.state, first.exit_code) == ("Failed", 75) and "RankLost: actor rank 1 of 2" in first.message
+        assert (first.state, first.exit_code) == (
+            "Failed",
+            75,
+        ) and "RankLost: actor rank 1 of 2" in first.message
         assert any(e.reason == "Restarted" for e in runs.list_events("ctl"))
         assert final_weights_hash(runs, "ctl") == final_weights_hash(store, straight)
     finally:
@@ -388,7 +494,9 @@ if __name__ == "__main__":
 """
 
 
-def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(tiny_dir: Path, tmp_path: Path) -> None:
+def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     """Sync ipc and nccl from a sharded actor: rank 0 gathers the weights whole a bucket at a time (the other
     rank joining each gather in the same order) into its ring's slot, and a rollout receives the whole
     model, tied weight once, equal to the unsharded model bit for bit (nccl's protocol, over gloo between
@@ -402,8 +510,13 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(t
     from mortal.workers.sync import nccl as nccl_weights
     from mortal.workers.sync.weights import plain_state_dict
 
-    ranks = mp.start_processes(publish_into_ring, args=(str(tiny_dir), sharded.free_port(), str(tmp_path)),
-                               nprocs=2, join=False, start_method="spawn")
+    ranks = mp.start_processes(
+        publish_into_ring,
+        args=(str(tiny_dir), sharded.free_port(), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
     try:
         version = tmp_path / "v0"
         deadline = time.monotonic() + 120
@@ -422,11 +535,25 @@ def test_a_sharded_model_reaches_a_rollout_through_the_ring_a_bucket_at_a_time(t
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("sync, strategy", [("ipc", "fsdp"), pytest.param("nccl", "fsdp", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 3, reason="sync nccl needs its rollout on a GPU of its own: a third GPU")),
-    ("volume", "fsdp"), ("ipc", "ddp")])
-def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_beside_it(tmp_path: Path,
-                                                                                     sync: str, strategy: str) -> None:
+@pytest.mark.parametrize(
+    "sync, strategy",
+    [
+        ("ipc", "fsdp"),
+        pytest.param(
+            "nccl",
+            "fsdp",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 3,
+                reason="sync nccl needs its rollout on a GPU of its own: a third GPU",
+            ),
+        ),
+        ("volume", "fsdp"),
+        ("ipc", "ddp"),
+    ],
+)
+def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_beside_it(
+    tmp_path: Path, sync: str, strategy: str
+) -> None:
     """actor {gpu, count: 2} under the real controller: a GPU a rank (NCCL), two rollouts colocated one a GPU
     (ipc, volume; nccl needs its rollout on a GPU of its own, the third), weights through the ring from the
     shards (strategy fsdp) or from rank 0's whole copy (ddp); its first step is the unsharded actor's on one
@@ -435,13 +562,30 @@ def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_b
     model = str(make_tiny_model(tmp_path / "model", seed=0))
     colocated = sync != "nccl"
     gpus = "0,1" if colocated else "0,1,2"
-    common = dict(model={"dtype": "float32"}, generation={"engine": "transformers"}, sync={"method": sync},
-                  algorithm={"maxSteps": 3, "batchSize": 8}, checkpoint={"every": 2, "keep": 1})
-    sharded_spec = actor_spec(model, actor={"gpu": "H100", "count": 2, "strategy": strategy}, rollout={
-        "gpu": "H100", "replicas": 2 if colocated else 1, "colocate": colocated, "promptsPerTask": 1}, **common)
-    whole_spec = actor_spec(model, actor={"gpu": "H100"}, rollout={
-        "gpu": "H100", "replicas": 1, "colocate": True, "promptsPerTask": 1},
-        **{**common, "sync": {"method": "ipc" if sync == "nccl" else sync}})
+    common = dict(
+        model={"dtype": "float32"},
+        generation={"engine": "transformers"},
+        sync={"method": sync},
+        algorithm={"maxSteps": 3, "batchSize": 8},
+        checkpoint={"every": 2, "keep": 1},
+    )
+    sharded_spec = actor_spec(
+        model,
+        actor={"gpu": "H100", "count": 2, "strategy": strategy},
+        rollout={
+            "gpu": "H100",
+            "replicas": 2 if colocated else 1,
+            "colocate": colocated,
+            "promptsPerTask": 1,
+        },
+        **common,
+    )
+    whole_spec = actor_spec(
+        model,
+        actor={"gpu": "H100"},
+        rollout={"gpu": "H100", "replicas": 1, "colocate": True, "promptsPerTask": 1},
+        **{**common, "sync": {"method": "ipc" if sync == "nccl" else sync}},
+    )
     firsts = []
     for name, spec, visible in (("fsdp-gpu", sharded_spec, gpus), ("whole-gpu", whole_spec, "0")):
         (tmp_path / name).mkdir()
@@ -450,23 +594,32 @@ def test_on_two_gpus_a_sharded_actor_trains_as_the_unsharded_one_with_rollouts_b
             firsts.append(_step_metrics(done, name, 1))
     sharded_first, whole_first = firsts
     for metric in ("grad_norm", "loss"):
-        assert math.isclose(sharded_first[metric], whole_first[metric], rel_tol=1e-3, abs_tol=1e-5), \
-            (metric, sharded_first, whole_first)
+        assert math.isclose(sharded_first[metric], whole_first[metric], rel_tol=1e-3, abs_tol=1e-5), (
+            metric,
+            sharded_first,
+            whole_first,
+        )
 
 
 @pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.parametrize("offload", [False, True])
-def test_on_two_gpus_mixed_precision_trains_float32_shards_beside_bfloat16_rollouts(tmp_path: Path,
-                                                                                   offload: bool) -> None:
+def test_on_two_gpus_mixed_precision_trains_float32_shards_beside_bfloat16_rollouts(
+    tmp_path: Path, offload: bool
+) -> None:
     """actor {gpu, count: 2, mixedPrecision} (and cpuOffload: the shards in host memory) under the real
     controller, a rollout colocated on each GPU generating in bfloat16 from the ring's bfloat16 weights."""
     model = str(make_tiny_model(tmp_path / "model", seed=0))
-    spec = actor_spec(model, model={"dtype": "float32"}, generation={"engine": "transformers"},
-                      actor={"gpu": "H100", "count": 2, "mixedPrecision": True, "cpuOffload": offload},
-                      rollout={"gpu": "H100", "replicas": 2, "colocate": True, "promptsPerTask": 1},
-                      sync={"method": "ipc"}, algorithm={"maxSteps": 3, "batchSize": 8},
-                      checkpoint={"every": 2, "keep": 1})
+    spec = actor_spec(
+        model,
+        model={"dtype": "float32"},
+        generation={"engine": "transformers"},
+        actor={"gpu": "H100", "count": 2, "mixedPrecision": True, "cpuOffload": offload},
+        rollout={"gpu": "H100", "replicas": 2, "colocate": True, "promptsPerTask": 1},
+        sync={"method": "ipc"},
+        algorithm={"maxSteps": 3, "batchSize": 8},
+        checkpoint={"every": 2, "keep": 1},
+    )
     home = tmp_path / "mixed-gpu"
     home.mkdir()
     losses = train_through_controller(home, "mixed-gpu", spec, gpus="0,1")
@@ -477,7 +630,9 @@ def test_on_two_gpus_mixed_precision_trains_float32_shards_beside_bfloat16_rollo
 
 def test_a_rank_whose_rank_0_is_gone_exits_at_once(tmp_path: Path) -> None:
     (tmp_path / "parent.py").write_text(PARENT)
-    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True
+    )
     child = psutil.Process(int(parent.stdout.readline()))
     assert parent.stdout.readline().strip() == "True"  # it waits while rank 0 lives
     parent.kill()  # SIGKILL: rank 0 gets no chance to end its children
@@ -504,15 +659,21 @@ except Exception as exc:
 """
 
 
-def test_a_rank_waiting_past_spec_deadlines_collective_seconds_fails_instead_of_hanging(tmp_path: Path) -> None:
+def test_a_rank_waiting_past_spec_deadlines_collective_seconds_fails_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
     """With deadlines.collectiveSeconds set, the actor's process group carries it: a rank whose peer is stuck
     raises (the worker fails and is relaunched from its checkpoint) instead of waiting forever."""
     from mortal.workers.actor.sharded import free_port
 
     (tmp_path / "rank.py").write_text(RANK)
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(tmp_path / "rank.py"), str(r), port], stdout=subprocess.PIPE,
-                              text=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "rank.py"), str(r), port], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
     try:
         out, _ = ranks[1].communicate(timeout=60)
     finally:

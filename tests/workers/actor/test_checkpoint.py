@@ -54,8 +54,9 @@ def test_a_written_checkpoint_is_complete_recorded_and_marked(checkpointer: Chec
     assert checkpointer.has(4) and not checkpointer.has(2)
 
 
-def test_a_crash_mid_write_leaves_no_visible_checkpoint(checkpointer: Checkpointer, store,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_mid_write_leaves_no_visible_checkpoint(
+    checkpointer: Checkpointer, store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
 
     def crash(trainer: Any, dest: Path) -> None:
@@ -77,7 +78,9 @@ def test_only_the_newest_keep_checkpoints_remain(checkpointer: Checkpointer, sto
     assert sorted(p.name for p in paths.checkpoints_dir("c").iterdir()) == ["step-6", "step-8"]
 
 
-def test_resume_point_skips_a_damaged_checkpoint_and_clears_leftovers(checkpointer: Checkpointer, store) -> None:
+def test_resume_point_skips_a_damaged_checkpoint_and_clears_leftovers(
+    checkpointer: Checkpointer, store
+) -> None:
     checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
     newest = checkpointer.write(FakeTrainer(4), step=4, weight_version=4)
     (newest / "optimizer.pt").unlink()

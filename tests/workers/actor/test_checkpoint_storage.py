@@ -45,7 +45,7 @@ def made(store, uri: str, monkeypatch: pytest.MonkeyPatch):
 
 
 def remote_files(storage: CheckpointStorage) -> list[str]:
-    return sorted(p[len(storage.root) + 1:] for p in storage.fs.find(storage.root))
+    return sorted(p[len(storage.root) + 1 :] for p in storage.fs.find(storage.root))
 
 
 @sqlite_only
@@ -91,8 +91,18 @@ def test_a_half_finished_upload_is_invisible_and_replaced(made, store, monkeypat
     checkpointer.write(FakeTrainer(4), step=4, weight_version=4)
     assert checkpointer.resume_point().step == 4
     assert [f for f in remote_files(storage) if f.startswith("step-4/")] == [
-        f"step-4/{name}" for name in sorted(["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-                                             "trainer_state.json", MORTAL_FILE])]
+        f"step-4/{name}"
+        for name in sorted(
+            [
+                "model.safetensors",
+                "optimizer.pt",
+                "scheduler.pt",
+                "rng_state.pth",
+                "trainer_state.json",
+                MORTAL_FILE,
+            ]
+        )
+    ]
 
 
 @sqlite_only
@@ -170,14 +180,21 @@ def test_a_storage_that_cannot_be_read_is_an_error_not_a_lost_checkpoint(made, s
 def test_a_url_that_cannot_be_used_fails_the_actor_naming_the_field(store, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    for uri, fragment in ((f"file://{blocker}/prefix", "cannot write under"),
-                          ("nosuch://bucket/prefix", "Protocol not known")):
+    for uri, fragment in (
+        (f"file://{blocker}/prefix", "cannot write under"),
+        ("nosuch://bucket/prefix", "Protocol not known"),
+    ):
         run = create_run(store, f"bad-{len(fragment)}", SPEC)
-        run.spec.checkpoint.__dict__["uri"] = uri  # past the spec's check, as on a worker whose fsspec differs
+        run.spec.checkpoint.__dict__["uri"] = (
+            uri  # past the spec's check, as on a worker whose fsspec differs
+        )
         with pytest.raises(FatalWorkerError) as caught:
             actor.checkpoint_storage(worker_context(store, run, "actor"))
         assert caught.value.reason == "CheckpointStorageUnavailable"
-        assert caught.value.message.startswith(f"spec.checkpoint.uri {uri!r}: ") and fragment in caught.value.message
+        assert (
+            caught.value.message.startswith(f"spec.checkpoint.uri {uri!r}: ")
+            and fragment in caught.value.message
+        )
 
 
 def test_a_storage_whose_package_is_missing_says_which(tmp_path: Path) -> None:
@@ -186,7 +203,9 @@ def test_a_storage_whose_package_is_missing_says_which(tmp_path: Path) -> None:
         pytest.skip("s3fs is installed here")
     except ImportError:
         pass
-    with pytest.raises(StorageError, match=r"spec.checkpoint.uri 's3://bucket/p': this machine lacks the package.*s3fs"):
+    with pytest.raises(
+        StorageError, match=r"spec.checkpoint.uri 's3://bucket/p': this machine lacks the package.*s3fs"
+    ):
         CheckpointStorage("s3://bucket/p", "c")
 
 
@@ -197,7 +216,9 @@ def test_local_path_of_a_row() -> None:
 
 
 @sqlite_only
-def test_checkpoints_recorded_under_another_uri_fail_the_actor_naming_the_field(made, store, monkeypatch) -> None:
+def test_checkpoints_recorded_under_another_uri_fail_the_actor_naming_the_field(
+    made, store, monkeypatch
+) -> None:
     checkpointer, _ = made
     checkpointer.write(FakeTrainer(2), step=2, weight_version=2)
     elsewhere = CheckpointStorage("memory://elsewhere/p", "c")

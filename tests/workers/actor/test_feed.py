@@ -30,9 +30,20 @@ def _setup(store: Any, prompts_per_step: int, prompts_per_task: int) -> tuple[An
     run = create_run(store, "f", SPEC)
     actor = worker_context(store, run, "actor")
     rollout = worker_context(store, run, "rollout")
-    feed = RolloutFeed(actor.store, actor.worker, ROWS, seed=3, prompts_per_step=prompts_per_step,
-                       num_generations=G, max_staleness=1, max_steps=4, reward_names=["a", "b"],
-                       stopping=threading.Event(), prompts_per_task=prompts_per_task, poll_seconds=0.01)
+    feed = RolloutFeed(
+        actor.store,
+        actor.worker,
+        ROWS,
+        seed=3,
+        prompts_per_step=prompts_per_step,
+        num_generations=G,
+        max_staleness=1,
+        max_steps=4,
+        reward_names=["a", "b"],
+        stopping=threading.Event(),
+        prompts_per_task=prompts_per_task,
+        poll_seconds=0.01,
+    )
     return store, feed, rollout
 
 
@@ -51,15 +62,24 @@ def chunked(store) -> tuple[Any, RolloutFeed, Any]:
 def _result(step: int, slot: int, version: int, completions: int = G) -> RolloutResult:
     """A recognizable result for the prompt of one step slot: prompt_ids [slot], completion g [step, slot, g]."""
     return RolloutResult(
-        prompt_ids=[slot], completion_ids=[[step, slot, g] for g in range(completions)],
-        logprobs=[[-0.1] * 3 for _ in range(completions)], completions=["x"] * completions,
+        prompt_ids=[slot],
+        completion_ids=[[step, slot, g] for g in range(completions)],
+        logprobs=[[-0.1] * 3 for _ in range(completions)],
+        completions=["x"] * completions,
         rewards={"a": [float(g) for g in range(completions)], "b": [None] * completions},
-        weight_version=version, logged_metrics={"judge_calls": [float(slot + 1)]},
+        weight_version=version,
+        logged_metrics={"judge_calls": [float(slot + 1)]},
     )
 
 
-def _answer_all(store: Any, rollout: Any, version: int, completions: int = G,
-                reported_version: int | None = None, drop_last: bool = False) -> list[int]:
+def _answer_all(
+    store: Any,
+    rollout: Any,
+    version: int,
+    completions: int = G,
+    reported_version: int | None = None,
+    drop_last: bool = False,
+) -> list[int]:
     """Lease and complete every claimable task as a rollout holding weights `version`; their steps.
     `drop_last`: answer each task of several prompts with one result too few (a broken rollout)."""
     steps = []
@@ -68,7 +88,9 @@ def _answer_all(store: Any, rollout: Any, version: int, completions: int = G,
         for request in chunk.requests:
             assert request.num_generations == G and request.row["prompt"] == request.prompt
         reported = version if reported_version is None else reported_version
-        slots = range(chunk.first_slot, chunk.first_slot + len(chunk.requests) - (drop_last and len(chunk.requests) > 1))
+        slots = range(
+            chunk.first_slot, chunk.first_slot + len(chunk.requests) - (drop_last and len(chunk.requests) > 1)
+        )
         answer = RolloutAnswer(results=[_result(task.step, slot, reported, completions) for slot in slots])
         assert store.complete_task(rollout.worker, task.id, task.lease_token, answer.model_dump())
         steps.append(task.step)
@@ -85,7 +107,10 @@ def test_tasks_follow_the_schedule_and_run_ahead_by_max_staleness(setup) -> None
     wanted = schedule.prompt_slots(3, 1, 2, len(ROWS))
     assert [t.payload["requests"][0]["prompt"] for t in tasks] == [ROWS[i]["prompt"] for i in wanted]
     assert [t.payload["requests"][0]["seed"] for t in tasks] == [schedule.task_seed(3, 1, s) for s in (0, 1)]
-    assert [(t.slot, t.payload["first_slot"], len(t.payload["requests"])) for t in tasks] == [(0, 0, 1), (1, 1, 1)]
+    assert [(t.slot, t.payload["first_slot"], len(t.payload["requests"])) for t in tasks] == [
+        (0, 0, 1),
+        (1, 1, 1),
+    ]
     assert feed.enqueue(3, current_version=9) == 2  # step 3 is the last: nothing beyond it
 
 
@@ -197,8 +222,14 @@ def test_a_result_of_the_wrong_shape_is_refused(setup) -> None:
     store, feed, rollout = setup
     feed.enqueue(0, current_version=0)
     while (task := store.lease_task(rollout.worker, 30, max_weight_version=0)) is not None:
-        result = RolloutResult(prompt_ids=[1], completion_ids=[[1]], logprobs=[[0.0]], completions=["x"],
-                               rewards={"a": [1.0], "b": [1.0]}, weight_version=0)
+        result = RolloutResult(
+            prompt_ids=[1],
+            completion_ids=[[1]],
+            logprobs=[[0.0]],
+            completions=["x"],
+            rewards={"a": [1.0], "b": [1.0]},
+            weight_version=0,
+        )
         answer = RolloutAnswer(results=[result])
         store.complete_task(rollout.worker, task.id, task.lease_token, answer.model_dump())
     with pytest.raises(BadRollout, match="1 completions, expected 2"):
@@ -274,8 +305,12 @@ def test_tool_metrics_count_calls_per_completion_and_the_completions_that_called
     from mortal.workers.actor.feed import StepBatch
 
     batch = StepBatch(turns=[1, 3, 2, 1], tool_calls=[0, 2, 1, 0], tool_failures=[0, 1, 0, 0])
-    assert batch._tool_metrics() == {"tools/call_frequency": 0.75, "tools/failure_frequency": 1 / 3,
-                                     "tools/call_rate": 0.5, "tools/turns": 1.75}
+    assert batch._tool_metrics() == {
+        "tools/call_frequency": 0.75,
+        "tools/failure_frequency": 1 / 3,
+        "tools/call_rate": 0.5,
+        "tools/turns": 1.75,
+    }
     assert StepBatch()._tool_metrics() == {}  # a run without tools reports none
 
 
@@ -306,10 +341,16 @@ def test_a_batchs_decoded_texts_are_its_completions_texts_and_none_for_tool_call
     from mortal.workers.actor.feed import StepBatch
 
     plain = StepBatch(completions=["12", "13"])
-    chat = StepBatch(completions=[[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": ""}]])
+    chat = StepBatch(
+        completions=[[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": ""}]]
+    )
     assert plain.decoded_texts() == ["12", "13"] and chat.decoded_texts() == ["12", ""]
-    tools = StepBatch(completions=[[{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]],
-                      tool_masks=[[1, 0]])
+    tools = StepBatch(
+        completions=[[{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]],
+        tool_masks=[[1, 0]],
+    )
     assert tools.decoded_texts() is None
-    several = StepBatch(completions=["12", [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]])
+    several = StepBatch(
+        completions=["12", [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]]
+    )
     assert several.decoded_texts() is None  # one completion not a single decode: TRL decodes them all

@@ -172,12 +172,19 @@ def test_a_loss_call_with_inputs_it_does_not_roll_is_the_models_own(tiny_dir, tm
     calls = _attention_masks(monkeypatch)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, shift_labels=labels, fused_lm_head=True)
-        model(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask, labels=labels, fused_lm_head=True)
+        model(
+            inputs_embeds=model.get_input_embeddings()(ids),
+            attention_mask=mask,
+            labels=labels,
+            fused_lm_head=True,
+        )
     assert len(calls) == 2 * model.config.num_hidden_layers
     assert all(mask is not None for mask, _ in calls)
 
 
-def test_under_regional_compilation_the_shifted_loss_runs_the_compiled_layers(tiny_dir, tmp_path, monkeypatch) -> None:
+def test_under_regional_compilation_the_shifted_loss_runs_the_compiled_layers(
+    tiny_dir, tmp_path, monkeypatch
+) -> None:
     """accelerate's regional compilation (actor.compileScope layer) compiles the layers on a copy of the model
     and binds its methods to the copy: the shifted forward must reach the copy's compiled layers, and give
     the uncompiled model's values."""
@@ -187,8 +194,9 @@ def test_under_regional_compilation_the_shifted_loss_runs_the_compiled_layers(ti
         monkeypatch.delenv(name, raising=False)
     plain = _trainer(tiny_dir, tmp_path / "plain", lora=False)
     with trl_seam.compile_settings(True, "layer"):
-        trainer = _trainer(tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True,
-                           torch_compile_backend="aot_eager")
+        trainer = _trainer(
+            tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True, torch_compile_backend="aot_eager"
+        )
     padding_shift.install(trl_seam.patched_model(trainer))
     compiled = trainer.accelerator.prepare_model(trainer.model)
     assert compiled is not trainer.model  # the copy whose layers are compiled
@@ -265,7 +273,6 @@ def test_rows_rolled_left_and_back_are_where_they_were_with_the_dropped_position
     assert padding_shift.unroll_rows(rolled, shifts, keep).tolist() == values.tolist()
 
 
-
 def _attention_kernel(kernel: str) -> bool:
     """Any attention kernel of a profile, by name (so a failure lists those and not every kernel)."""
     return any(word in kernel.lower() for word in ("attention", "fmha", "flash", "sdpa"))
@@ -304,7 +311,9 @@ def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forw
 
     results = []
     for shift in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).cuda()
         add_fused_lm_head(model)
         assert not shift or padding_shift.install(model)
         results.append(_cuda_loss(model))

@@ -34,7 +34,9 @@ def reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sys.modules.pop("prov_rewards_mod", None)
 
 
-def test_a_reward_hash_follows_its_module_source_and_its_spec_entry_without_importing_it(reward_module: Path) -> None:
+def test_a_reward_hash_follows_its_module_source_and_its_spec_entry_without_importing_it(
+    reward_module: Path,
+) -> None:
     entry = {"function": "prov_rewards_mod:score", "weight": 1.0}
     first = reward_hashes([entry], ["score"])
     assert "prov_rewards_mod" not in sys.modules  # found by importlib's finder, read as a file
@@ -44,17 +46,28 @@ def test_a_reward_hash_follows_its_module_source_and_its_spec_entry_without_impo
     assert reward_hashes([entry], ["score"]) != first
 
 
-def test_a_builtin_environment_is_hashed_with_mortals_module_of_it_and_a_missing_module_with_its_entry_alone() -> None:
+def test_a_builtin_environment_is_hashed_with_mortals_module_of_it_and_a_missing_module_with_its_entry_alone() -> (
+    None
+):
     env = reward_hashes([{"env": "math-answer"}], ["m"])["m"]
     assert env != reward_hashes([{"env": "no-such-env"}], ["m"])["m"]
     missing = {"function": "no_such_package.sub:f"}
     assert reward_hashes([missing], ["f"]) == reward_hashes([missing], ["f"])
 
 
-@pytest.mark.parametrize(("step", "pps", "rows", "epoch", "index"), [
-    (0, 4, 10, 0, 0), (2, 4, 10, 0, 8), (3, 4, 10, 1, 2), (5, 2, 10, 1, 0), (7, 3, 5, 4, 1),
-])
-def test_the_data_position_is_where_the_schedule_draws_the_next_steps_first_prompt(step, pps, rows, epoch, index):
+@pytest.mark.parametrize(
+    ("step", "pps", "rows", "epoch", "index"),
+    [
+        (0, 4, 10, 0, 0),
+        (2, 4, 10, 0, 8),
+        (3, 4, 10, 1, 2),
+        (5, 2, 10, 1, 0),
+        (7, 3, 5, 4, 1),
+    ],
+)
+def test_the_data_position_is_where_the_schedule_draws_the_next_steps_first_prompt(
+    step, pps, rows, epoch, index
+):
     position = data_position(step, pps, seed=7, rows=rows)
     assert (position.consumed, position.epoch, position.index) == (step * pps, epoch, index)
     first_of_next = schedule.prompt_slots(7, step, pps, rows)[0]
@@ -65,5 +78,12 @@ def test_a_record_round_trips_through_its_stored_camel_case_json() -> None:
     made = Provenance.of(3, {"a": "1" * 64}, dataset_fingerprint(SPEC, ROWS)).at(4, 2, 0)
     stored = made.dump()
     assert {"specGeneration", "rewardCode", "rewards", "dataset", "position"} <= set(stored)
-    assert stored["position"] == {"step": 4, "promptsPerStep": 2, "seed": 0, "consumed": 8, "epoch": 0, "index": 8}
+    assert stored["position"] == {
+        "step": 4,
+        "promptsPerStep": 2,
+        "seed": 0,
+        "consumed": 8,
+        "epoch": 0,
+        "index": 8,
+    }
     assert Provenance.read(stored) == made and Provenance.read(None) is None

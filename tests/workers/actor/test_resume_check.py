@@ -17,11 +17,18 @@ STEP = 4
 
 
 def made(rows=ROWS, spec=SPEC, rewards=None, generation=1, pps=2, seed=0, step=STEP) -> Provenance:
-    return Provenance.of(generation, rewards or {"r": "a" * 64}, dataset_fingerprint(spec, rows)).at(step, pps, seed)
+    return Provenance.of(generation, rewards or {"r": "a" * 64}, dataset_fingerprint(spec, rows)).at(
+        step, pps, seed
+    )
 
 
-FACTS = CheckpointFacts(path="/ckpt/step-4", marker_step=STEP, trainer_step=STEP, scheduler_step=STEP,
-                        optimizer_steps=frozenset({STEP}))
+FACTS = CheckpointFacts(
+    path="/ckpt/step-4",
+    marker_step=STEP,
+    trainer_step=STEP,
+    scheduler_step=STEP,
+    optimizer_steps=frozenset({STEP}),
+)
 
 
 def reasons(findings) -> list[tuple[str, bool]]:
@@ -32,23 +39,79 @@ CASES = {
     "the same run resumes quietly": (FACTS, made(), made(), None, 100, []),
     "a later spec generation alone is no change": (FACTS, made(), made(generation=5), None, 100, []),
     "trainer_state.json of another step": (
-        replace(FACTS, trainer_step=6), made(), made(), None, 100, [(REFUSED, True)]),
-    "mortal.json of another step": (replace(FACTS, marker_step=2), made(), made(), None, 100, [(REFUSED, True)]),
-    "the scheduler of another step": (replace(FACTS, scheduler_step=3), made(), made(), None, 100, [(REFUSED, True)]),
+        replace(FACTS, trainer_step=6),
+        made(),
+        made(),
+        None,
+        100,
+        [(REFUSED, True)],
+    ),
+    "mortal.json of another step": (
+        replace(FACTS, marker_step=2),
+        made(),
+        made(),
+        None,
+        100,
+        [(REFUSED, True)],
+    ),
+    "the scheduler of another step": (
+        replace(FACTS, scheduler_step=3),
+        made(),
+        made(),
+        None,
+        100,
+        [(REFUSED, True)],
+    ),
     "the optimizer's counters of another step": (
-        replace(FACTS, optimizer_steps=frozenset({2})), made(), made(), None, 100, [(REFUSED, True)]),
+        replace(FACTS, optimizer_steps=frozenset({2})),
+        made(),
+        made(),
+        None,
+        100,
+        [(REFUSED, True)],
+    ),
     "an optimizer that never stepped": (
-        replace(FACTS, optimizer_steps=frozenset(), optimizer_has_state=False), made(), made(), None, 100,
-        [(REFUSED, True)]),
+        replace(FACTS, optimizer_steps=frozenset(), optimizer_has_state=False),
+        made(),
+        made(),
+        None,
+        100,
+        [(REFUSED, True)],
+    ),
     "rows rewritten under the same spec.dataset": (
-        FACTS, made(), made(rows=[*ROWS[:7], {"prompt": "other"}]), None, 100, [(REFUSED, True)]),
+        FACTS,
+        made(),
+        made(rows=[*ROWS[:7], {"prompt": "other"}]),
+        None,
+        100,
+        [(REFUSED, True)],
+    ),
     "rows changed by a changed spec.dataset": (
-        FACTS, made(), made(rows=ROWS[:6], spec={**SPEC, "maxSamples": 6}), None, 100, [("DatasetChanged", False)]),
+        FACTS,
+        made(),
+        made(rows=ROWS[:6], spec={**SPEC, "maxSamples": 6}),
+        None,
+        100,
+        [("DatasetChanged", False)],
+    ),
     "a new seed": (FACTS, made(), made(seed=9), None, 100, [("DataOrderChanged", False)]),
     "a new batch": (FACTS, made(), made(pps=4), None, 100, [("DataOrderChanged", False)]),
-    "reward code edited": (FACTS, made(), made(rewards={"r": "b" * 64}), None, 100, [("RewardCodeChanged", False)]),
+    "reward code edited": (
+        FACTS,
+        made(),
+        made(rewards={"r": "b" * 64}),
+        None,
+        100,
+        [("RewardCodeChanged", False)],
+    ),
     "a reward added": (
-        FACTS, made(), made(rewards={"r": "a" * 64, "s": "c" * 64}), None, 100, [("RewardCodeChanged", False)]),
+        FACTS,
+        made(),
+        made(rewards={"r": "a" * 64, "s": "c" * 64}),
+        None,
+        100,
+        [("RewardCodeChanged", False)],
+    ),
     "no provenance recorded": (FACTS, None, made(), None, 100, [("ProvenanceUnknown", False)]),
     "numEpochs used up, maxSteps raised past them": (FACTS, made(), made(), 1.0, 100, [(REFUSED, True)]),
     "numEpochs not used up": (FACTS, made(), made(), 2.0, 100, []),
@@ -56,7 +119,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(("facts", "recorded", "now", "num_epochs", "max_steps", "expected"), CASES.values(), ids=CASES)
+@pytest.mark.parametrize(
+    ("facts", "recorded", "now", "num_epochs", "max_steps", "expected"), CASES.values(), ids=CASES
+)
 def test_judge(facts, recorded, now, num_epochs, max_steps, expected) -> None:
     assert reasons(judge(STEP, facts, recorded, now, num_epochs, max_steps)) == expected
 

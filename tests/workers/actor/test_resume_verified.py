@@ -36,13 +36,19 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     return {p.name: file_sha256(p) for p in sorted(Path(path).iterdir())}
 
 
-def test_a_resume_is_verified_against_what_made_the_checkpoint(sqlite_store, tmp_path: Path, tiny_dir: Path) -> None:
+def test_a_resume_is_verified_against_what_made_the_checkpoint(
+    sqlite_store, tmp_path: Path, tiny_dir: Path
+) -> None:
     store = sqlite_store
     data = tmp_path / "prompts.jsonl"
     lines = ARITH.read_text().splitlines()[:16]
     data.write_text("\n".join(lines) + "\n")
-    spec = actor_spec(str(tiny_dir), dataset={"name": str(data)}, algorithm={"maxSteps": 4},
-                      checkpoint={"every": 2, "keep": 3})
+    spec = actor_spec(
+        str(tiny_dir),
+        dataset={"name": str(data)},
+        algorithm={"maxSteps": 4},
+        checkpoint={"every": 2, "keep": 3},
+    )
     run = create_run(store, "verified", spec)
     assert run_actor_with_rollout(store, run, stop_after_step=2) == EXIT_SUCCEEDED
     _end_workers(store, "verified")
@@ -50,8 +56,17 @@ def test_a_resume_is_verified_against_what_made_the_checkpoint(sqlite_store, tmp
     # 1. what made the checkpoint of step 2 and each weight version, in the row and in the folder
     [ckpt] = store.list_checkpoints("verified")
     made = ckpt.provenance
-    assert made["specGeneration"] == 1 and made["dataset"]["rows"] == 16 and made["dataset"]["name"] == str(data)
-    assert made["position"] == {"step": 2, "promptsPerStep": 2, "seed": 0, "consumed": 4, "epoch": 0, "index": 4}
+    assert (
+        made["specGeneration"] == 1 and made["dataset"]["rows"] == 16 and made["dataset"]["name"] == str(data)
+    )
+    assert made["position"] == {
+        "step": 2,
+        "promptsPerStep": 2,
+        "seed": 0,
+        "consumed": 4,
+        "epoch": 0,
+        "index": 4,
+    }
     assert set(made["rewards"]) == {"parity_reward", "correct_answer"} and len(made["rewardCode"]) == 64
     assert read_marker(ckpt.path)["provenance"] == made
     weights = store.list_weights("verified")
@@ -80,4 +95,6 @@ def test_a_resume_is_verified_against_what_made_the_checkpoint(sqlite_store, tmp
     last = store.latest_checkpoint("verified")
     assert last.step == 4 and last.provenance["specGeneration"] == 2
     assert last.provenance["dataset"]["sha256"] != made["dataset"]["sha256"]
-    assert json.loads((Path(last.path) / "mortal.json").read_text())["provenance"]["position"]["consumed"] == 8
+    assert (
+        json.loads((Path(last.path) / "mortal.json").read_text())["provenance"]["position"]["consumed"] == 8
+    )

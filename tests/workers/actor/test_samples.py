@@ -51,10 +51,14 @@ def test_text_is_the_string_the_single_message_or_role_blocks() -> None:
 
 def test_a_tool_calling_completion_shows_each_turn() -> None:
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 2"}}}
-    turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
-             {"role": "tool", "name": "calculator", "content": "4"}, {"role": "assistant", "content": "4"}]
-    assert as_text(turns) == ("assistant:\n  -> calculator(expression='2 + 2')\n\ntool calculator: 4\n\n"
-                              "assistant: 4")
+    turns = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": "4"},
+        {"role": "assistant", "content": "4"},
+    ]
+    assert as_text(turns) == (
+        "assistant:\n  -> calculator(expression='2 + 2')\n\ntool calculator: 4\n\nassistant: 4"
+    )
     assert as_text(turns[:1]) == "assistant:\n  -> calculator(expression='2 + 2')"
 
 
@@ -69,8 +73,14 @@ def test_the_first_n_completions_are_kept_whole_groups_first() -> None:
     kept = step_completions(batch, [0.1 * i for i in range(8)], {"a": 1.0, "b": 1.0}, limit=5)
     assert [c.sample for c in kept] == [0, 1, 2, 3, 4]
     first = kept[1]
-    assert (first.prompt, first.completion, first.rewards, first.reward, first.weight_version, first.extra) == \
-        ("prompt 0", "answer 1", {"a": 1.0, "b": None}, 1.0, 7, {"seen": 1})
+    assert (
+        first.prompt,
+        first.completion,
+        first.rewards,
+        first.reward,
+        first.weight_version,
+        first.extra,
+    ) == ("prompt 0", "answer 1", {"a": 1.0, "b": None}, 1.0, 7, {"seen": 1})
     assert first.advantage == pytest.approx(0.1)
     assert len(step_completions(batch, None, {}, limit=64)) == 8
     assert step_completions(batch, None, {}, limit=0) == []
@@ -83,21 +93,42 @@ def test_advantages_that_do_not_fit_the_batch_are_left_out() -> None:
 
 def test_log_extra_columns_get_one_plain_value_per_completion() -> None:
     logged = {"short": ["x"], "long": [1, 2, 3, 4], "odd": [math.nan, {"k": 1}, None]}
-    assert extra_columns(logged, 3) == {"short": ["x", None, None], "long": [1, 2, 3], "odd": [None, "{'k': 1}", None]}
+    assert extra_columns(logged, 3) == {
+        "short": ["x", None, None],
+        "long": [1, 2, 3],
+        "odd": [None, "{'k': 1}", None],
+    }
 
 
 def test_the_feed_carries_each_completion_s_prompt_text_and_log_extra(store) -> None:
     run = create_run(store, "f", SPEC)
     actor, rollout = worker_context(store, run, "actor"), worker_context(store, run, "rollout")
-    feed = RolloutFeed(actor.store, actor.worker, [{"prompt": CHAT, "answer": "4"}], seed=0, prompts_per_step=1,
-                       num_generations=2, max_staleness=0, max_steps=1, reward_names=["a"],
-                       stopping=threading.Event())
+    feed = RolloutFeed(
+        actor.store,
+        actor.worker,
+        [{"prompt": CHAT, "answer": "4"}],
+        seed=0,
+        prompts_per_step=1,
+        num_generations=2,
+        max_staleness=0,
+        max_steps=1,
+        reward_names=["a"],
+        stopping=threading.Event(),
+    )
     feed.enqueue(0, current_version=0)
     task = store.lease_task(rollout.worker, 30)
-    result = RolloutResult(prompt_ids=[1], completion_ids=[[2], [3]], logprobs=[[-0.1], [-0.2]],
-                           completions=["four", "five"], rewards={"a": [1.0, 0.0]}, weight_version=0,
-                           logged_extra={"parsed": ["4", "5"]})
-    store.complete_task(rollout.worker, task.id, task.lease_token, RolloutAnswer(results=[result]).model_dump())
+    result = RolloutResult(
+        prompt_ids=[1],
+        completion_ids=[[2], [3]],
+        logprobs=[[-0.1], [-0.2]],
+        completions=["four", "five"],
+        rewards={"a": [1.0, 0.0]},
+        weight_version=0,
+        logged_extra={"parsed": ["4", "5"]},
+    )
+    store.complete_task(
+        rollout.worker, task.id, task.lease_token, RolloutAnswer(results=[result]).model_dump()
+    )
     batch = feed.collect(0, current_version=0)
     assert batch.prompts == [CHAT, CHAT] and batch.completions == ["four", "five"]
     assert batch.extra == [{"parsed": "4"}, {"parsed": "5"}]
@@ -119,9 +150,19 @@ class FakeWandb(types.ModuleType):
 
 
 def _samples() -> list[NewCompletion]:
-    return [NewCompletion(sample=i, prompt="p", completion=f"c{i}", rewards={"a": float(i), "prompt": None},
-                          reward=float(i), advantage=i - 0.5, weight_version=2, extra={"note": "n"})
-            for i in range(2)]
+    return [
+        NewCompletion(
+            sample=i,
+            prompt="p",
+            completion=f"c{i}",
+            rewards={"a": float(i), "prompt": None},
+            reward=float(i),
+            advantage=i - 0.5,
+            weight_version=2,
+            extra={"note": "n"},
+        )
+        for i in range(2)
+    ]
 
 
 def test_the_reporter_writes_the_store_and_a_wandb_table(store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,8 +174,18 @@ def test_the_reporter_writes_the_store_and_a_wandb_table(store, monkeypatch: pyt
     [logged] = fake.logged
     table = logged[COMPLETIONS_KEY]
     assert logged[STEP_KEY] == 3
-    assert table.columns == ["step", "sample", "prompt", "completion", "reward", "a", "extra/prompt", "advantage",
-                             "weight_version", "note"]
+    assert table.columns == [
+        "step",
+        "sample",
+        "prompt",
+        "completion",
+        "reward",
+        "a",
+        "extra/prompt",
+        "advantage",
+        "weight_version",
+        "note",
+    ]
     assert table.data[1] == [3, 1, "p", "c1", 1.0, 1.0, None, 0.5, 2, "n"]
 
 

@@ -11,7 +11,8 @@ from mortal.workers.actor import sharded
 
 
 def test_a_transformers_that_would_wrap_a_sharded_model_in_ddp_is_refused_naming_both_versions(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert sharded.unsupported() is None  # the version the tests install
     # by name: the module sharded imports now (a test run earlier in this process may have replaced it in sys.modules)
     monkeypatch.setattr("transformers.__version__", "5.17.0")  # the GPU machines' image
@@ -38,20 +39,29 @@ def test_a_replicated_rank_0_publishes_alone_and_fsdp2_ranks_publish_together() 
     from mortal.specs import TrainingSpec
 
     def spec(**actor):
-        return TrainingSpec.model_validate({"model": {"name": "m"}, "dataset": {"name": "d"},
-                                            "rewards": [{"function": "builtin:length"}], "actor": actor})
+        return TrainingSpec.model_validate(
+            {
+                "model": {"name": "m"},
+                "dataset": {"name": "d"},
+                "rewards": [{"function": "builtin:length"}],
+                "actor": actor,
+            }
+        )
 
     assert sharded.publishes_alone(spec(count=2, strategy="ddp"))
     assert not sharded.publishes_alone(spec(count=2))  # strategy fsdp, the default
 
 
-TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
-             "1.23 GiB is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by "
-             "PyTorch but unallocated.")
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
+    "1.23 GiB is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by "
+    "PyTorch but unallocated."
+)
 
 
 def test_a_rank_that_ran_out_of_gpu_memory_leaves_its_figures_and_rank_0_reports_the_actors_out_of_memory(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     """Rank 1 has no store: it exits EXIT_OUT_OF_MEMORY with torch's figures in its note, and rank 0 reports them
     as the worker's own out-of-memory (what the controller diagnoses), not as a lost rank to relaunch."""
     from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
@@ -77,12 +87,15 @@ def test_a_rank_that_crashed_leaves_its_error_and_rank_0_reports_it(tmp_path) ->
     from mortal.workers.runtime import EXIT_RETRYABLE
 
     notes = tmp_path / "ranks"
-    assert sharded.exit_code_of(AssertionError("FSDP parameters should be materialized on CPU"), notes,
-                                rank=1) == EXIT_RETRYABLE
+    assert (
+        sharded.exit_code_of(AssertionError("FSDP parameters should be materialized on CPU"), notes, rank=1)
+        == EXIT_RETRYABLE
+    )
     crashed = sharded.Ranks(0, 2, "cpu", notes).ended(1, EXIT_RETRYABLE)
     assert type(crashed) is sharded.RankLost and crashed.exit_code == EXIT_RETRYABLE
-    assert crashed.report() == ("RankLost: actor rank 1 of 2 failed: AssertionError: FSDP parameters should be "
-                                "materialized on CPU")
+    assert crashed.report() == (
+        "RankLost: actor rank 1 of 2 failed: AssertionError: FSDP parameters should be materialized on CPU"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +105,9 @@ def gathered(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from sharded_helpers import gather_in_buckets
 
     out = tmp_path_factory.mktemp("wholes")
-    mp.start_processes(gather_in_buckets, args=(sharded.free_port(), str(out)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        gather_in_buckets, args=(sharded.free_port(), str(out)), nprocs=2, join=True, start_method="spawn"
+    )
     return torch.load(out / "wholes.pt")
 
 
@@ -107,13 +121,17 @@ def test_shards_are_made_whole_a_bucket_at_a_time_with_one_all_gather_a_bucket(g
     expected = expected_weights()
     assert list(result["whole"]) == list(expected)
     for name, tensor in expected.items():
-        assert result["whole"][name].dtype == tensor.dtype and torch.equal(result["whole"][name], tensor), name
+        assert result["whole"][name].dtype == tensor.dtype and torch.equal(result["whole"][name], tensor), (
+            name
+        )
     # a rank's padded share, in elements (16 float32 or 32 bfloat16 fill a bucket): [a 9 + b 4] [c 4] (a dtype
     # change) [d 4 + e 4] (another) [big 80, alone] [f 2] (ended by the replicated weight) [g 3]
     assert result["whole gathers"] == 6
 
 
-def test_a_mixed_precision_actor_gathers_its_float32_shards_cast_to_bfloat16_in_fuller_buckets(gathered: dict) -> None:
+def test_a_mixed_precision_actor_gathers_its_float32_shards_cast_to_bfloat16_in_fuller_buckets(
+    gathered: dict,
+) -> None:
     """publish_dtype: each weight whole in bfloat16 equals the float32 whole cast, and half the bytes a rank
     sends fill a bucket half as fast (one dtype now, so no bucket ends at a dtype change)."""
     from sharded_helpers import expected_weights
@@ -128,7 +146,8 @@ def test_a_mixed_precision_actor_gathers_its_float32_shards_cast_to_bfloat16_in_
 
 @pytest.mark.parametrize("cuda_in_use", [False, True])
 def test_a_ranks_rng_states_round_trip_through_its_checkpoint_the_gpus_once_cuda_is_in_use(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda_in_use: bool) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda_in_use: bool
+) -> None:
     """Its GPU's generator is kept only once CUDA is in use (dropout, sampling), and put back where there is a
     GPU. Here torch.cuda's state calls are stood in for, with a state no real generator would hold."""
     import random

@@ -52,7 +52,11 @@ class FakeRollouts:
             true = torch.log_softmax(logits, -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
         rewards = [{"a": float((i + step) % 2), "b": None if i == 0 else 2.0} for i in range(len(prompts))]
         return trl_seam.rollout_output(
-            [prompt] * len(prompts), completions.tolist(), (true - self.offset).tolist(), rewards, [step] * len(prompts)
+            [prompt] * len(prompts),
+            completions.tolist(),
+            (true - self.offset).tolist(),
+            rewards,
+            [step] * len(prompts),
         )
 
 
@@ -71,23 +75,50 @@ class Logs:
         self.callback = Callback()
 
 
-def _trainer(tiny_dir: Path, out: Path, rollouts: FakeRollouts, logs: Logs | None = None, max_steps: int = 2,
-             **config: Any) -> Any:
+def _trainer(
+    tiny_dir: Path,
+    out: Path,
+    rollouts: FakeRollouts,
+    logs: Logs | None = None,
+    max_steps: int = 2,
+    **config: Any,
+) -> Any:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(**(dict(
-        output_dir=str(out), per_device_train_batch_size=BATCH, num_generations=G, steps_per_generation=1,
-        max_steps=max_steps, learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=True, bf16=False, disable_tqdm=True, seed=0, **checkpointing_arg(False),
-        max_completion_length=LENGTH, reward_weights=[1.0, 0.5]) | config))  # config's settings win
+    args = GRPOConfig(
+        **(
+            dict(
+                output_dir=str(out),
+                per_device_train_batch_size=BATCH,
+                num_generations=G,
+                steps_per_generation=1,
+                max_steps=max_steps,
+                learning_rate=1e-2,
+                logging_steps=1,
+                report_to="none",
+                save_strategy="no",
+                use_cpu=True,
+                bf16=False,
+                disable_tqdm=True,
+                seed=0,
+                **checkpointing_arg(False),
+                max_completion_length=LENGTH,
+                reward_weights=[1.0, 0.5],
+            )
+            | config
+        )
+    )  # config's settings win
     dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(max_steps * BATCH // G)]})
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
         processing_class=AutoTokenizer.from_pretrained(tiny_dir),
         reward_funcs=[trl_seam.PrecomputedReward("a"), trl_seam.PrecomputedReward("b")],
-        args=args, train_dataset=dataset, rollout_func=rollouts, callbacks=[logs.callback] if logs else [],
+        args=args,
+        train_dataset=dataset,
+        rollout_func=rollouts,
+        callbacks=[logs.callback] if logs else [],
     )
 
 
@@ -98,7 +129,9 @@ def test_trl_is_the_tested_version_and_pyproject_pins_that_range() -> None:
     assert pins == [f"trl{trl_seam.TESTED_TRL}"]
 
 
-def test_rollout_func_gets_each_prompt_repeated_and_its_extra_keys_reach_the_rewards(tiny_dir, tmp_path) -> None:
+def test_rollout_func_gets_each_prompt_repeated_and_its_extra_keys_reach_the_rewards(
+    tiny_dir, tmp_path
+) -> None:
     rollouts, logs = FakeRollouts(), Logs()
     _trainer(tiny_dir, tmp_path, rollouts, logs).train()
     assert [len(c) for c in rollouts.calls] == [BATCH, BATCH]  # once per step, the whole generation batch
@@ -121,8 +154,14 @@ class MaskedRollouts(FakeRollouts):
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         out = super().__call__(prompts, trainer)
-        return trl_seam.rollout_output(out["prompt_ids"], out["completion_ids"], out["logprobs"],
-                                       out[trl_seam.REWARDS_KEY], out[trl_seam.VERSION_KEY], env_masks=self.masks)
+        return trl_seam.rollout_output(
+            out["prompt_ids"],
+            out["completion_ids"],
+            out["logprobs"],
+            out[trl_seam.REWARDS_KEY],
+            out[trl_seam.VERSION_KEY],
+            env_masks=self.masks,
+        )
 
 
 def test_env_mask_becomes_trls_tool_mask_and_leaves_the_loss_and_the_lengths(tiny_dir, tmp_path) -> None:
@@ -169,8 +208,14 @@ def test_use_vllm_is_read_only_where_the_seam_expects() -> None:
     }
     # __init__ (engine set-up, before the seam runs), _generate_single_turn (not used with rollout_func),
     # _tool_call_loop (no tools), _generate (a weight sync: a no-op engine), and the correction itself.
-    assert readers == {"__init__", "_generate_single_turn", "_tool_call_loop", "_generate",
-                       "_generate_and_score_completions", "_compute_loss"}
+    assert readers == {
+        "__init__",
+        "_generate_single_turn",
+        "_tool_call_loop",
+        "_generate",
+        "_generate_and_score_completions",
+        "_compute_loss",
+    }
 
 
 def test_checkpoint_then_resume_equals_the_uninterrupted_run_bit_for_bit(tiny_dir, tmp_path) -> None:
@@ -223,14 +268,30 @@ def _loss_trainer(tiny_dir: Path, out: Path, tied: bool, lora: bool, temperature
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, tie_word_embeddings=tied)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     args = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=BATCH, num_generations=G, use_cpu=True, bf16=False,
-        report_to="none", save_strategy="no", disable_tqdm=True, temperature=temperature,
-        max_completion_length=KEEP, **checkpointing_arg(False),
+        output_dir=str(out),
+        per_device_train_batch_size=BATCH,
+        num_generations=G,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        temperature=temperature,
+        max_completion_length=KEEP,
+        **checkpointing_arg(False),
     )
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if lora else None
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if lora
+        else None
+    )
     trainer = GRPOTrainer(
-        model=model, processing_class=AutoTokenizer.from_pretrained(tiny_dir), reward_funcs=[trl_seam.PrecomputedReward("a")],
-        args=args, train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}), rollout_func=FakeRollouts(),
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+        reward_funcs=[trl_seam.PrecomputedReward("a")],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}),
+        rollout_func=FakeRollouts(),
         peft_config=peft_config,
     )
     if lora:
@@ -246,7 +307,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _full_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _full_logits(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain path: every completion position's logits over the whole vocabulary, then log-softmax."""
     logits = model(input_ids=ids, attention_mask=mask).logits[:, -KEEP - 1 : -1] / temperature
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -267,16 +330,20 @@ def _values_and_grads(model: Any, compute: Any) -> tuple[torch.Tensor, torch.Ten
     return logps.detach() * valid, entropies.detach() * valid, grads
 
 
-@pytest.mark.parametrize(("tied", "lora", "temperature", "tiles"), [
-    (True, False, 0.7, None),  # TRL's tiles: one of tokens, vocabulary 32768 + 16384 (not a divisor)
-    (True, False, 0.7, (7, 5000)),  # tiles that divide neither 33 tokens nor 49152 columns
-    (True, False, 1.0, (11, 16384)),  # tiles that divide both
-    (False, False, 0.7, (7, 5000)),
-    (True, True, 0.7, (7, 5000)),
-    (False, True, 1.3, None),
-])
-def test_the_loss_logprobs_entropies_and_gradients_equal_full_logits(tiny_dir, tmp_path, monkeypatch, tied, lora,
-                                                                    temperature, tiles) -> None:
+@pytest.mark.parametrize(
+    ("tied", "lora", "temperature", "tiles"),
+    [
+        (True, False, 0.7, None),  # TRL's tiles: one of tokens, vocabulary 32768 + 16384 (not a divisor)
+        (True, False, 0.7, (7, 5000)),  # tiles that divide neither 33 tokens nor 49152 columns
+        (True, False, 1.0, (11, 16384)),  # tiles that divide both
+        (False, False, 0.7, (7, 5000)),
+        (True, True, 0.7, (7, 5000)),
+        (False, True, 1.3, None),
+    ],
+)
+def test_the_loss_logprobs_entropies_and_gradients_equal_full_logits(
+    tiny_dir, tmp_path, monkeypatch, tied, lora, temperature, tiles
+) -> None:
     import trl.kernels.chunked_logprob
     import trl.trainer.utils
 
@@ -288,19 +355,24 @@ def test_the_loss_logprobs_entropies_and_gradients_equal_full_logits(tiny_dir, t
     trl_seam.check_fused_lm_head(trainer)
 
     def fused(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, KEEP, compute_entropy=True)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, KEEP, compute_entropy=True
+        )
         return logps, entropies
 
     logps, entropies, grads = _values_and_grads(model, fused)
-    want_logps, want_entropies, want_grads = _values_and_grads(model, lambda i, m: _full_logits(model, i, m, temperature))
+    want_logps, want_entropies, want_grads = _values_and_grads(
+        model, lambda i, m: _full_logits(model, i, m, temperature)
+    )
     torch.testing.assert_close(logps, want_logps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropies, want_entropies, rtol=1e-5, atol=1e-5)
     assert set(grads) == set(want_grads) and (not lora or all("lora_" in name for name in grads))
     for name, grad in grads.items():  # float32 sums in another order: errors relative to the gradient's scale
         want = want_grads[name]
         assert want.abs().max() > 0, f"{name}: a zero gradient compares nothing"
-        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(),
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grad, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def _vocab_wide_saved(model: Any, compute: Any) -> list[tuple[int, ...]]:
@@ -324,14 +396,19 @@ def _vocab_wide_saved(model: Any, compute: Any) -> list[tuple[int, ...]]:
 def test_the_loss_saves_nothing_of_vocabulary_width_for_backward(tiny_dir, tmp_path, tied, lora) -> None:
     trainer = _loss_trainer(tiny_dir, tmp_path, tied, lora, 0.7)
     model = trainer.model
-    fused = _vocab_wide_saved(model, lambda i, m: trainer._get_per_token_logps_and_entropies(model, i, m, KEEP, compute_entropy=True))
+    fused = _vocab_wide_saved(
+        model,
+        lambda i, m: trainer._get_per_token_logps_and_entropies(model, i, m, KEEP, compute_entropy=True),
+    )
     assert fused == []
     plain = _vocab_wide_saved(model, lambda i, m: _full_logits(model, i, m, 0.7))
     assert (ROWS, KEEP, model.config.vocab_size) in plain  # the check sees logits where they are saved
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_warm_up_runs_the_fused_head_forward_and_backward_and_leaves_no_trace(tiny_dir, tmp_path, lora) -> None:
+def test_the_warm_up_runs_the_fused_head_forward_and_backward_and_leaves_no_trace(
+    tiny_dir, tmp_path, lora
+) -> None:
     """warm_up_training: gradients reach the weights through TRL's fused head, yet afterwards the weights, the
     gradients (None) and the RNG are as before, and it works where autograd was off (TRL's rollout_func)."""
     trainer = _loss_trainer(tiny_dir, tmp_path, tied=False, lora=lora, temperature=1.0)
@@ -368,13 +445,24 @@ def test_trl_refuses_a_lora_adapter_on_lm_head(tiny_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_generations=G, use_cpu=True,
-                      bf16=False, report_to="none")
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        num_generations=G,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+    )
     with pytest.raises(ValueError, match="lm_head"):
-        GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_dir), processing_class=AutoTokenizer.from_pretrained(tiny_dir),
-                    reward_funcs=[trl_seam.PrecomputedReward("a")], args=args, rollout_func=FakeRollouts(),
-                    train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}),
-                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"))
+        GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_dir),
+            processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+            reward_funcs=[trl_seam.PrecomputedReward("a")],
+            args=args,
+            rollout_func=FakeRollouts(),
+            train_dataset=Dataset.from_dict({"prompt": ["p"] * BATCH}),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"),
+        )
 
 
 def test_the_loss_begins_once_per_micro_batch_after_rollout_func_returned(tiny_dir, tmp_path) -> None:
@@ -387,15 +475,22 @@ def test_the_loss_begins_once_per_micro_batch_after_rollout_func_returned(tiny_d
             events.append("rollout returned")
             return out
 
-    trainer = _trainer(tiny_dir, tmp_path, Recorded(), gradient_accumulation_steps=2, steps_per_generation=2,
-                       per_device_train_batch_size=BATCH // 2)
+    trainer = _trainer(
+        tiny_dir,
+        tmp_path,
+        Recorded(),
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        per_device_train_batch_size=BATCH // 2,
+    )
     trl_seam.time_loss_start(trainer, lambda: events.append("loss"))
     trainer.train()
     assert events == ["rollout returned", "loss", "loss"] * 2
 
 
 def test_trl_decodes_rollout_funcs_completion_ids_list_itself_so_the_rollouts_texts_can_stand_in(
-        tiny_dir, tmp_path) -> None:
+    tiny_dir, tmp_path
+) -> None:
     """Assumption 9: the texts handed for the list rollout_func returned are what the reward functions get (texts
     unlike any decode here, so a second decode would show); the decode is real for every other list."""
     seen: list[list[Any]] = []
@@ -420,7 +515,8 @@ def test_trl_decodes_rollout_funcs_completion_ids_list_itself_so_the_rollouts_te
     assert seen == [[f"text {i}" for i in range(BATCH)]]
     ids = [[5, 6, 7]]
     assert trainer.processing_class.batch_decode(ids, skip_special_tokens=True) == [
-        trainer.processing_class.decode([5, 6, 7], skip_special_tokens=True)]
+        trainer.processing_class.decode([5, 6, 7], skip_special_tokens=True)
+    ]
 
 
 def test_texts_handed_for_a_different_number_of_completions_are_refused(tiny_dir, tmp_path) -> None:
@@ -443,7 +539,9 @@ class RaggedRollouts(FakeRollouts):
         return trl_seam.rollout_output(prompt_ids, completion_ids, logprobs, rewards, [0] * n)
 
 
-def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completions(tiny_dir, tmp_path) -> None:
+def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completions(
+    tiny_dir, tmp_path
+) -> None:
     """Assumption 10: in every row of the loss's attention mask the ones are one unbroken run, with zeros before
     it where the prompt is shorter than the longest and after it where the completion is; the model is called
     with input_ids, attention_mask, labels and fused_lm_head only."""
@@ -462,14 +560,16 @@ def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completio
     trainer.train()
     assert calls and all(set(c) == {"input_ids", "attention_mask", "labels", "fused_lm_head"} for c in calls)
     mask = calls[0]["attention_mask"]
-    expected = [[0] * (7 - len(p)) + [1] * (len(p) + len(c)) + [0] * (LENGTH - len(c))
-                for p, c in zip(*rollouts.calls[0], strict=True)]
+    expected = [
+        [0] * (7 - len(p)) + [1] * (len(p) + len(c)) + [0] * (LENGTH - len(c))
+        for p, c in zip(*rollouts.calls[0], strict=True)
+    ]
     assert sorted(mask.tolist()) == sorted(expected)  # TRL shuffles the rows
 
 
-
-def test_a_compiling_trainer_takes_dynamic_shapes_and_the_scope_from_the_settings(tiny_dir, tmp_path,
-                                                                              monkeypatch) -> None:
+def test_a_compiling_trainer_takes_dynamic_shapes_and_the_scope_from_the_settings(
+    tiny_dir, tmp_path, monkeypatch
+) -> None:
     """Assumptions 11 and 12: the Trainer's dynamo plugin takes `dynamic` and regional compilation from the
     environment when built; compile_settings sets both for the construction only, and yields to values set."""
     for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
@@ -477,13 +577,17 @@ def test_a_compiling_trainer_takes_dynamic_shapes_and_the_scope_from_the_setting
 
     def plugin(*settings: Any) -> Any:
         with trl_seam.compile_settings(*settings):
-            trainer = _trainer(tiny_dir, tmp_path, FakeRollouts(), torch_compile=True, torch_compile_backend="aot_eager")
+            trainer = _trainer(
+                tiny_dir, tmp_path, FakeRollouts(), torch_compile=True, torch_compile_backend="aot_eager"
+            )
         dynamo = trainer.accelerator.state.dynamo_plugin
         return dynamo.to_kwargs().get("dynamic"), dynamo.use_regional_compilation
 
     assert plugin(True, "model") == (True, False)
     assert plugin(True, "layer") == (True, True)
-    assert trl_seam.DYNAMIC_SHAPES_ENV not in os.environ and trl_seam.REGIONAL_ENV not in os.environ  # put back
+    assert (
+        trl_seam.DYNAMIC_SHAPES_ENV not in os.environ and trl_seam.REGIONAL_ENV not in os.environ
+    )  # put back
     assert plugin(False, "layer") in ((None, False), (False, False))
     monkeypatch.setenv(trl_seam.DYNAMIC_SHAPES_ENV, "0")
     assert plugin(True, "layer") == (False, True)  # a value already set wins

@@ -41,8 +41,12 @@ def block(code: str) -> str:
 def score(env: RewardEnvironment, completions: list[str], **columns) -> tuple[list, dict]:
     logged: dict[str, list[float]] = {}
     n = len(completions)
-    out = env(completions=completions, prompts=["p"] * n, **{k: [v] * n for k, v in columns.items()},
-              log_metric=lambda name, value: logged.setdefault(name, []).append(value))
+    out = env(
+        completions=completions,
+        prompts=["p"] * n,
+        **{k: [v] * n for k, v in columns.items()},
+        log_metric=lambda name, value: logged.setdefault(name, []).append(value),
+    )
     return out, logged
 
 
@@ -58,7 +62,10 @@ def test_extract_code_takes_the_last_python_block() -> None:
 @pytest.mark.usefixtures("sandbox")
 def test_all_tests_must_pass_without_partial_credit() -> None:
     env = CodeExecutionEnvironment(cache="off")
-    right, half = block("def add(a, b):\n    return a + b"), block("def add(a, b):\n    return a * b + (a == 1)")
+    right, half = (
+        block("def add(a, b):\n    return a + b"),
+        block("def add(a, b):\n    return a * b + (a == 1)"),
+    )
     scores, logged = score(env, [right, half, "no code at all", ""], tests=ADD_TESTS)
     assert scores == [1.0, 0.0, 0.0, 0.0]
     assert logged["code_execution/executions"] == [3.0] and logged["code_execution/timeouts"] == [0.0]
@@ -84,14 +91,18 @@ def test_reward_hacks_score_zero() -> None:
     ]
     scores, _ = score(env, hacks, tests=ADD_TESTS)
     assert scores == [0.0, 0.0, 0.0]
-    chatty = block("def add(a, b):\n    print('pass ' * 100000)\n    return a + b")  # its prints cannot hide verdicts
+    chatty = block(
+        "def add(a, b):\n    print('pass ' * 100000)\n    return a + b"
+    )  # its prints cannot hide verdicts
     assert score(env, [chatty], tests=ADD_TESTS)[0] == [1.0]
 
 
 @pytest.mark.usefixtures("sandbox")
 def test_demo_code_under_main_does_not_run_and_rows_without_tests_are_not_applicable() -> None:
     env = CodeExecutionEnvironment(cache="off")
-    with_demo = block("def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    print(add(int(input()), 1))")
+    with_demo = block(
+        "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    print(add(int(input()), 1))"
+    )
     assert score(env, [with_demo], tests=ADD_TESTS)[0] == [1.0]
     assert score(env, [with_demo], tests=[])[0] == [None]
     with pytest.raises(ValueError, match="no column 'tests'"):
@@ -109,14 +120,22 @@ def test_a_timeout_scores_zero_is_logged_and_is_not_cached() -> None:
 
 @pytest.mark.usefixtures("sandbox")
 def test_every_mbpp_mini_reference_passes_its_tests_and_a_wrong_one_does_not() -> None:
-    rows = [json.loads(line) for line in (REPO / "workers" / "builtin_data" / "mbpp-mini.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (REPO / "workers" / "builtin_data" / "mbpp-mini.jsonl").read_text().splitlines()
+    ]
     assert 40 <= len(rows) <= 60 and all(r["tests"] and r["prompt"][0]["role"] == "user" for r in rows)
     env = CodeExecutionEnvironment(cache="off", workers=4)
     completions = [block(r["solution"]) for r in rows]
-    scores = env(completions=completions, prompts=[r["prompt"] for r in rows], tests=[r["tests"] for r in rows])
+    scores = env(
+        completions=completions, prompts=[r["prompt"] for r in rows], tests=[r["tests"] for r in rows]
+    )
     assert scores == [1.0] * len(rows), [i for i, s in enumerate(scores) if s != 1.0]
-    shifted = env(completions=completions[1:5], prompts=[r["prompt"] for r in rows[:4]],
-                  tests=[r["tests"] for r in rows[:4]])  # each row gets another task's solution
+    shifted = env(
+        completions=completions[1:5],
+        prompts=[r["prompt"] for r in rows[:4]],
+        tests=[r["tests"] for r in rows[:4]],
+    )  # each row gets another task's solution
     assert set(shifted) == {0.0}
 
 
@@ -129,7 +148,11 @@ def test_the_cache_hits_on_identical_inputs_and_misses_on_any_change() -> None:
     assert twice == [1.0, 1.0] and logged["code_execution/executions"] == [1.0]  # one execution for both
     assert env.cache_stats == {"hits": 0, "misses": 2, "entries": 1}
     again, logged = score(env, [right], tests=ADD_TESTS)
-    assert again == [1.0] and logged["code_execution/cache_hits"] == [1.0] and "code_execution/executions" not in logged
+    assert (
+        again == [1.0]
+        and logged["code_execution/cache_hits"] == [1.0]
+        and "code_execution/executions" not in logged
+    )
     score(env, [right], tests=ADD_TESTS[:2])  # other row columns: a miss
     env2 = CodeExecutionEnvironment(partial_credit=True)  # other config: a fresh key space
     assert env2.settings() != env.settings()
@@ -146,7 +169,9 @@ def test_the_lru_evicts_and_sqlite_persists_across_instances(tmp_path: Path) -> 
     fresh = CodeExecutionEnvironment(cache="sqlite", cache_path=str(path))
     scores, logged = score(fresh, codes, tests=ADD_TESTS)
     assert scores == [1.0, 0.0] and logged["code_execution/cache_hits"] == [2.0]
-    rows = sqlite3.connect(path).execute("SELECT completion, score FROM reward_cache ORDER BY score").fetchall()
+    rows = (
+        sqlite3.connect(path).execute("SELECT completion, score FROM reward_cache ORDER BY score").fetchall()
+    )
     assert [r[1] for r in rows] == [0.0, 1.0] and rows[1][0] == codes[0]
     with pytest.raises(ValueError, match="needs cache_path"):
         CodeExecutionEnvironment(cache="sqlite")
@@ -170,8 +195,15 @@ class Judge(BaseHTTPRequestHandler):
             type(self).fail_next -= 1
             return self._send(503, {"error": {"message": "overloaded"}})
         text = body["messages"][-1]["content"]
-        reply = "9" if "excellent" in text else "Score: 4/10" if "meh" in text else "42" if "huge" in text \
+        reply = (
+            "9"
+            if "excellent" in text
+            else "Score: 4/10"
+            if "meh" in text
+            else "42"
+            if "huge" in text
             else "I cannot grade this."
+        )
         self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
 
     def _send(self, status: int, payload: dict) -> None:
@@ -199,12 +231,25 @@ def judge_url(monkeypatch: pytest.MonkeyPatch):
 
 
 def judge(url: str, **kwargs) -> LLMJudgeEnvironment:
-    return LLMJudgeEnvironment(model="judge-1", base_url=url, api_key_env="JUDGE_KEY", retry_wait=0.01, **kwargs)
+    return LLMJudgeEnvironment(
+        model="judge-1", base_url=url, api_key_env="JUDGE_KEY", retry_wait=0.01, **kwargs
+    )
 
 
 def test_parse_score_reads_the_usual_reply_shapes() -> None:
-    assert [parse_score(r) for r in ["7", " 7.5 ", "**8**", "7/10", "Score: 6/10", "I'd rate it 3 out of 10.",
-                                     "<think>maybe 2</think>5", "Rating: 2, final score: 9"]] == [7, 7.5, 8, 7, 6, 3, 5, 9]
+    assert [
+        parse_score(r)
+        for r in [
+            "7",
+            " 7.5 ",
+            "**8**",
+            "7/10",
+            "Score: 6/10",
+            "I'd rate it 3 out of 10.",
+            "<think>maybe 2</think>5",
+            "Rating: 2, final score: 9",
+        ]
+    ] == [7, 7.5, 8, 7, 6, 3, 5, 9]
     assert parse_score("between 3 and 4") is None and parse_score("no idea") is None
 
 
@@ -214,8 +259,15 @@ def test_the_judge_grades_over_http_and_normalizes(judge_url: str) -> None:
     assert scores == [0.9, 0.4, None, None]  # 42 is outside 0..10; no number: None
     assert logged["llm_judge/requests"] == [4.0] and logged["llm_judge/errors"] == [0.0]
     sent = Judge.requests[0]
-    assert sent["path"] == "/v1/chat/completions" and sent["auth"] == "Bearer test-key" and sent["temperature"] == 0.0
-    assert sent["messages"][-1]["content"].startswith("p | ") and "| 0-10 | ref=ref {unknown}" in sent["messages"][-1]["content"]
+    assert (
+        sent["path"] == "/v1/chat/completions"
+        and sent["auth"] == "Bearer test-key"
+        and sent["temperature"] == 0.0
+    )
+    assert (
+        sent["messages"][-1]["content"].startswith("p | ")
+        and "| 0-10 | ref=ref {unknown}" in sent["messages"][-1]["content"]
+    )
     again, _ = score(env, ["an excellent answer"], answer="ref")
     assert again == [0.9] and len(Judge.requests) == 4  # cached: no new request
 
@@ -230,7 +282,9 @@ def test_the_judge_retries_transient_errors_and_gives_up_with_none(judge_url: st
     assert scores == [None] and logged["llm_judge/errors"] == [1.0]
 
 
-def test_judge_mistakes_that_retrying_cannot_fix_fail_the_run(judge_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_judge_mistakes_that_retrying_cannot_fix_fail_the_run(
+    judge_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("JUDGE_KEY")
     with pytest.raises(FatalWorkerError) as missing:
         judge(judge_url)(completions=["x"], prompts=["p"])
@@ -240,7 +294,9 @@ def test_judge_mistakes_that_retrying_cannot_fix_fail_the_run(judge_url: str, mo
         judge(judge_url)(completions=["x"], prompts=["p"])
     monkeypatch.setenv("JUDGE_KEY", "test-key")
     with pytest.raises(FatalWorkerError, match="404 for model 'other'"):
-        LLMJudgeEnvironment(model="other", base_url=judge_url, api_key_env="JUDGE_KEY")(completions=["x"], prompts=["p"])
+        LLMJudgeEnvironment(model="other", base_url=judge_url, api_key_env="JUDGE_KEY")(
+            completions=["x"], prompts=["p"]
+        )
     with pytest.raises(ValueError, match="high > low"):
         judge(judge_url, score_range=(5, 5))
 
@@ -255,4 +311,6 @@ def test_math_answer_environment_agrees_with_the_function_reward() -> None:
     assert env(completions=texts, prompts=["p"] * 5, answer=answers) == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert math_answer(texts, answers) == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert env(completions=["7"], prompts=["p"], answer=["unknown"]) == [None]
-    assert MathAnswerEnvironment(answer_column="target")(completions=["#### 2"], prompts=["p"], target=["2"]) == [1.0]
+    assert MathAnswerEnvironment(answer_column="target")(
+        completions=["#### 2"], prompts=["p"], target=["2"]
+    ) == [1.0]

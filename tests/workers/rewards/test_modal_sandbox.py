@@ -62,8 +62,9 @@ class FakeSandbox:
     def __init__(self, args: tuple[str, ...], kwargs: dict[str, Any]) -> None:
         assert args[0] == "python3"
         self.kwargs, self.terminated, self.out = kwargs, 0, ""
-        self.proc = subprocess.Popen([sys.executable, *args[1:]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, *args[1:]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         self.stdin, self.stdout = FakeStreamWriter(), FakeStreamReader(self)
 
     @classmethod
@@ -111,7 +112,12 @@ def modal_executor(**limits: Any) -> ms.ModalSandboxExecutor:
 
 def test_code_runs_in_a_sandbox_without_network_and_the_sandbox_is_terminated(fake_modal) -> None:
     result = modal_executor(timeout=5).run("import sys; print(sys.stdin.read() * 2)", stdin="ab")
-    assert (result.success, result.exit_code, result.stdout, result.confinement) == (True, 0, "abab\n", "modal-sandbox")
+    assert (result.success, result.exit_code, result.stdout, result.confinement) == (
+        True,
+        0,
+        "abab\n",
+        "modal-sandbox",
+    )
     [sandbox] = fake_modal.created
     assert sandbox.kwargs["block_network"] is True and sandbox.kwargs["app"] == "app:mortal"
     assert sandbox.kwargs["timeout"] == 5 + ms.START_GRACE_SECONDS
@@ -123,7 +129,9 @@ def test_a_custom_image_and_app_are_used_as_given(fake_modal, monkeypatch) -> No
     monkeypatch.setenv(ms.APP_ENV, "other")
     image = modal.Image.debian_slim(python_version="3.12").pip_install("numpy")
     modal_executor(image=image).run("print(1)")
-    assert fake_modal.created[0].kwargs["image"] is image and fake_modal.created[0].kwargs["app"] == "app:other"
+    assert (
+        fake_modal.created[0].kwargs["image"] is image and fake_modal.created[0].kwargs["app"] == "app:other"
+    )
 
 
 def test_the_code_is_killed_at_its_timeout_and_its_output_capped(fake_modal) -> None:
@@ -153,9 +161,14 @@ def test_a_sandbox_that_dies_without_a_result_says_so(fake_modal, monkeypatch) -
 
 
 def test_a_spec_reward_runs_its_code_in_modal_sandboxes(fake_modal) -> None:
-    entry = RewardSpec.model_validate({"env": "code-execution", "sandbox": {"backend": "modal", "timeoutSeconds": 5}})
+    entry = RewardSpec.model_validate(
+        {"env": "code-execution", "sandbox": {"backend": "modal", "timeoutSeconds": 5}}
+    )
     rewards = RewardSet.from_spec([entry])
-    right, wrong = "```python\ndef add(a, b):\n    return a + b\n```", "```python\ndef add(a, b):\n    return a\n```"
+    right, wrong = (
+        "```python\ndef add(a, b):\n    return a + b\n```",
+        "```python\ndef add(a, b):\n    return a\n```",
+    )
     scores = rewards.score("p", [right, wrong], [[1], [2]], {"tests": ["assert add(2, 3) == 5"]})
     assert scores == {"code-execution": [1.0, 0.0]} and len(fake_modal.created) == 2
 

@@ -50,8 +50,13 @@ def test_several_rewards_named_as_the_actor_names_them() -> None:
 
 
 def test_nan_becomes_none_and_numpy_results_are_accepted() -> None:
-    rewards = reward_set({"function": "reward_fixtures:nan_scores"}, {"function": "reward_fixtures:numpy_scores"})
-    assert rewards.score("p", ["a", "b"], [[1], [2]], {}) == {"nan_scores": [None, None], "numpy_scores": [0.0, 1.0]}
+    rewards = reward_set(
+        {"function": "reward_fixtures:nan_scores"}, {"function": "reward_fixtures:numpy_scores"}
+    )
+    assert rewards.score("p", ["a", "b"], [[1], [2]], {}) == {
+        "nan_scores": [None, None],
+        "numpy_scores": [0.0, 1.0],
+    }
 
 
 def test_args_async_trainer_state_and_logging() -> None:
@@ -63,8 +68,12 @@ def test_args_async_trainer_state_and_logging() -> None:
         max_steps=8,
     )
     scores = rewards.score("p", ["a", "b"], [[1], [2]], {}, step=2)
-    assert scores == {"scaled": [0.25, 0.25], "async_reward": [2.0, 2.0], "step_aware": [0.25, 0.25],
-                      "logs_things": [0.0, 0.0]}
+    assert scores == {
+        "scaled": [0.25, 0.25],
+        "async_reward": [2.0, 2.0],
+        "step_aware": [0.25, 0.25],
+        "logs_things": [0.0, 0.0],
+    }
     assert rewards.logs.metrics == {"my_metric": [3.0]} and rewards.logs.extra == {"my_column": ["x", "x"]}
 
 
@@ -104,8 +113,12 @@ def test_loading_errors_are_fatal_and_name_the_entry(entry: dict, message: str) 
 @pytest.mark.parametrize(
     ("function", "reason", "message"),
     [
-        ("raises", "RewardFailed", "reward 'raises' (spec.rewards[0].function 'reward_fixtures:raises') raised "
-                                   "ValueError: boom: cannot score this at "),
+        (
+            "raises",
+            "RewardFailed",
+            "reward 'raises' (spec.rewards[0].function 'reward_fixtures:raises') raised "
+            "ValueError: boom: cannot score this at ",
+        ),
         ("wrong_length", "RewardBadOutput", "returned 1 scores for 2 completions"),
         ("not_a_list", "RewardBadOutput", "returned a float; return a list"),
         ("strings", "RewardBadOutput", "returned 'good' (str) at position 0"),
@@ -146,14 +159,24 @@ def test_a_spec_stored_with_the_old_builtin_path_still_loads() -> None:
 
 
 def test_a_reward_past_its_timeout_scores_none_and_is_told_once_a_step() -> None:
-    rewards = reward_set({"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.1},
-                         {"function": "reward_fixtures:length_of_answer"})
+    rewards = reward_set(
+        {"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.1},
+        {"function": "reward_fixtures:length_of_answer"},
+    )
     told = []
     rewards.on_timeout = told.append
     for _ in range(2):
         scores = rewards.score("p", ["3", "4"], [[1], [2]], {"answer": "10"}, step=7)
-        assert scores == {"never_returns": [None, None], "length_of_answer": [2.0, 2.0]}  # the others still score
+        assert scores == {
+            "never_returns": [None, None],
+            "length_of_answer": [2.0, 2.0],
+        }  # the others still score
     assert [(t.name, t.seconds, t.completions, t.step) for t in told] == [("never_returns", 0.1, 2, 7)]
-    assert told[0].describe("rollout-0 #4").startswith(
-        "rollout-0 #4: reward 'never_returns' did not return within its timeoutSeconds (0.1 s) scoring 2 completions "
-        "of step 7; they score None")
+    assert (
+        told[0]
+        .describe("rollout-0 #4")
+        .startswith(
+            "rollout-0 #4: reward 'never_returns' did not return within its timeoutSeconds (0.1 s) scoring 2 completions "
+            "of step 7; they score None"
+        )
+    )

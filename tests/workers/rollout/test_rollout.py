@@ -80,7 +80,9 @@ def wait_done(store: Store, run: str, step: int, count: int, timeout: float = 60
         if len(rows) == count and all(r.state == "done" for r in rows):
             return rows
         time.sleep(0.05)
-    raise AssertionError(f"step {step}: tasks not done in {timeout} s: {[r.state for r in store.step_results(run, step)]}")
+    raise AssertionError(
+        f"step {step}: tasks not done in {timeout} s: {[r.state for r in store.step_results(run, step)]}"
+    )
 
 
 def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir: Path) -> None:
@@ -101,14 +103,17 @@ def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir
         assert all(len(v) == 4 for v in result.rewards.values())
         assert [len(ids) for ids in result.completion_ids] == [len(lp) for lp in result.logprobs]
         assert result.completions[0][0]["role"] == "assistant"  # chat prompt -> TRL's chat completion
-        assert result.completions[0][0]["content"] == tokenizer.decode(result.completion_ids[0], skip_special_tokens=True)
+        assert result.completions[0][0]["content"] == tokenizer.decode(
+            result.completion_ids[0], skip_special_tokens=True
+        )
         # The same (weights, prompt, seed) gives the same tokens in any process: a retried task is identical.
         [again] = reference.generate([result.prompt_ids], 4, task_seeds(task), GenerationParams(max_tokens=8))
         assert [c.ids for c in again] == result.completion_ids
 
 
 def test_a_task_of_several_prompts_is_answered_with_one_result_per_prompt_in_order(
-        sqlite_store: Store, tiny_dir: Path) -> None:
+    sqlite_store: Store, tiny_dir: Path
+) -> None:
     """One RolloutAnswer per task, its results in request order; on CPU each prompt's group is what
     generating that prompt alone with its own seed gives (so it does not matter which prompts share a task)."""
     store = sqlite_store
@@ -131,7 +136,9 @@ def test_a_task_of_several_prompts_is_answered_with_one_result_per_prompt_in_ord
         assert [c.logprobs for c in alone] == result.logprobs
 
 
-def test_new_weight_versions_are_loaded_between_tasks(sqlite_store: Store, tiny_dir: Path, other_dir: Path) -> None:
+def test_new_weight_versions_are_loaded_between_tasks(
+    sqlite_store: Store, tiny_dir: Path, other_dir: Path
+) -> None:
     store = sqlite_store
     run = create_run(store, "r2", training_spec(str(tiny_dir)))
     actor = new_worker(store, run, "actor")
@@ -157,8 +164,9 @@ def test_new_weight_versions_are_loaded_between_tasks(sqlite_store: Store, tiny_
     assert [c.ids for c in expected] == result.completion_ids
 
 
-def test_each_task_and_weight_load_is_the_heartbeats_activity_for_the_watchdog(sqlite_store: Store,
-                                                                                tiny_dir: Path) -> None:
+def test_each_task_and_weight_load_is_the_heartbeats_activity_for_the_watchdog(
+    sqlite_store: Store, tiny_dir: Path
+) -> None:
     store = sqlite_store
     run = create_run(store, "r7", training_spec(str(tiny_dir)))
     actor = new_worker(store, run, "actor")
@@ -197,8 +205,9 @@ def test_a_slow_task_keeps_its_lease(sqlite_store: Store, tiny_dir: Path) -> Non
     assert store.complete_task(ctx.worker, task.id, task.lease_token, {"ok": True})
 
 
-def test_an_idle_rollout_exits_once_the_actor_succeeded_at_max_steps(sqlite_store: Store, tiny_dir: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_idle_rollout_exits_once_the_actor_succeeded_at_max_steps(
+    sqlite_store: Store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Nothing else would stop it when the controller is gone: no task can come once the actor is done."""
     monkeypatch.setattr(rollout, "FINISHED_CHECK_SECONDS", 0.1)
     run = create_run(sqlite_store, "done", training_spec(str(tiny_dir)))  # maxSteps 2
@@ -213,8 +222,9 @@ def test_an_idle_rollout_exits_once_the_actor_succeeded_at_max_steps(sqlite_stor
         assert not serving.thread.is_alive(), "it is still waiting for tasks that cannot come"
 
 
-def test_a_rollout_waits_on_while_the_actor_stopped_early_is_to_be_relaunched(sqlite_store: Store, tiny_dir: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rollout_waits_on_while_the_actor_stopped_early_is_to_be_relaunched(
+    sqlite_store: Store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An actor that Succeeded before maxSteps (stopped for a suspend or a relaunch) is not the run's end."""
     monkeypatch.setattr(rollout, "FINISHED_CHECK_SECONDS", 0.1)
     run = create_run(sqlite_store, "early", training_spec(str(tiny_dir)))
@@ -226,8 +236,9 @@ def test_a_rollout_waits_on_while_the_actor_stopped_early_is_to_be_relaunched(sq
         assert serving.thread.is_alive()
 
 
-def test_the_rollout_loop_runs_with_its_startup_objects_frozen(sqlite_store: Store, tiny_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_rollout_loop_runs_with_its_startup_objects_frozen(
+    sqlite_store: Store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """main(): model, engine and imports are out of the collector's full collections while it serves."""
     import gc
 
@@ -251,14 +262,17 @@ def test_a_wrong_reward_path_fails_before_the_model_loads(sqlite_store: Store) -
 
 
 def test_a_bad_task_lease_annotation_is_fatal(sqlite_store: Store, tiny_dir: Path) -> None:
-    run = create_run(sqlite_store, "r5", training_spec(str(tiny_dir)), {"mortal.dev/task-lease-seconds": "soon"})
+    run = create_run(
+        sqlite_store, "r5", training_spec(str(tiny_dir)), {"mortal.dev/task-lease-seconds": "soon"}
+    )
     ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
     with pytest.raises(FatalWorkerError, match="is not a number"):
         rollout.task_lease_seconds(ctx)
 
 
-def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(sqlite_store: Store, tiny_dir: Path,
-                                                                        monkeypatch) -> None:
+def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(
+    sqlite_store: Store, tiny_dir: Path, monkeypatch
+) -> None:
     """spec.generation.maxNumSeqs reaches the engine the worker builds (the refilling decoder's row budget)."""
     spec = training_spec(str(tiny_dir), generation={"maxTokens": 4, "maxNumSeqs": 8})
     run = create_run(sqlite_store, "r6", spec)
@@ -275,18 +289,22 @@ def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(sqlite
     assert built[0]["max_num_seqs"] == 8 and worker.engine.max_rows == 8
 
 
-def test_under_mixed_precision_the_rollout_generates_in_bfloat16_as_the_actor_computes(sqlite_store: Store,
-                                                                                     tiny_dir: Path) -> None:
+def test_under_mixed_precision_the_rollout_generates_in_bfloat16_as_the_actor_computes(
+    sqlite_store: Store, tiny_dir: Path
+) -> None:
     """A sharded actor with float32 master weights (actor.mixedPrecision): its rollouts load the model in
     bfloat16, not in the float32 of model.dtype (TrainingSpec.rollout_model)."""
-    run = create_run(sqlite_store, "r7", training_spec(str(tiny_dir), actor={"count": 2, "mixedPrecision": True}))
+    run = create_run(
+        sqlite_store, "r7", training_spec(str(tiny_dir), actor={"count": 2, "mixedPrecision": True})
+    )
     ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
     worker = rollout.build(ctx)
     assert {p.dtype for p in worker.engine.model.parameters()} == {torch.bfloat16}
 
 
-def test_the_engine_ready_line_gives_the_seconds_of_each_part_of_the_start(sqlite_store: Store, tiny_dir: Path,
-                                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_the_engine_ready_line_gives_the_seconds_of_each_part_of_the_start(
+    sqlite_store: Store, tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """On a GPU the engine was ready about 10 s after the workload's import while its own load took 1.2 s: the
     line says where the rest goes (rewards, device, the engine's module, tokenizer), each part once."""
     run = create_run(sqlite_store, "phases", training_spec(str(tiny_dir)))
@@ -295,12 +313,19 @@ def test_the_engine_ready_line_gives_the_seconds_of_each_part_of_the_start(sqlit
         rollout.build(ctx)
     line = next(r.getMessage() for r in caplog.records if " ready in " in r.getMessage())
     parts = line.split(" ready in ", 1)[1].split("(", 1)[1].split(")", 1)[0]
-    assert [p.rsplit(" ", 2)[0] for p in parts.split(", ")] == ["rewards", "device", "engine module", "tokenizer",
-                                                                "engine"]
+    assert [p.rsplit(" ", 2)[0] for p in parts.split(", ")] == [
+        "rewards",
+        "device",
+        "engine module",
+        "tokenizer",
+        "engine",
+    ]
     assert all(float(p.rsplit(" ", 2)[1]) >= 0 for p in parts.split(", "))
 
 
-def test_phases_are_consecutive_parts_each_from_the_end_of_the_one_before(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_phases_are_consecutive_parts_each_from_the_end_of_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     clock = iter([10.0, 10.5, 13.0])
     monkeypatch.setattr(rollout.time, "monotonic", lambda: next(clock))
     phases = rollout.Phases()

@@ -60,8 +60,10 @@ def worker_row(store: Store, worker: WorkerRef):
 
 def watching(proc: subprocess.Popen, home: Path) -> dict:
     """wait_for options for a worker process: give up when it exits, show its logs on failure."""
-    return {"give_up": lambda: proc.poll() is not None,
-            "details": lambda: "worker logs:\n" + "".join(p.read_text() for p in home.glob("*.log"))[-3000:]}
+    return {
+        "give_up": lambda: proc.poll() is not None,
+        "details": lambda: "worker logs:\n" + "".join(p.read_text() for p in home.glob("*.log"))[-3000:],
+    }
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -72,7 +74,9 @@ def url(request: pytest.FixtureRequest, mortal_home: Path) -> Iterator[str]:
     yield request.getfixturevalue("pg_database")
 
 
-def test_a_rollout_process_answers_tasks_and_stops_on_sigterm(url: str, mortal_home: Path, tiny_dir: Path) -> None:
+def test_a_rollout_process_answers_tasks_and_stops_on_sigterm(
+    url: str, mortal_home: Path, tiny_dir: Path
+) -> None:
     store = open_store(url)
     run = create_run(store, "proc", training_spec(str(tiny_dir)))
     actor = new_worker(store, run, "actor")
@@ -81,15 +85,26 @@ def test_a_rollout_process_answers_tasks_and_stops_on_sigterm(url: str, mortal_h
     worker = new_worker(store, run, "rollout")
     proc = launch(worker, url, mortal_home)
     try:
-        done = wait_for(lambda: all(t.state == "done" for t in store.step_results("proc", 1)) or None, 120,
-                        "tasks done", **watching(proc, mortal_home))
+        done = wait_for(
+            lambda: all(t.state == "done" for t in store.step_results("proc", 1)) or None,
+            120,
+            "tasks done",
+            **watching(proc, mortal_home),
+        )
         assert done
         for task in store.step_results("proc", 1):
             result = only_result(task)
-            assert len(result.completion_ids) == 4 and set(result.rewards) == {"correct_answer", "short_answer"}
+            assert len(result.completion_ids) == 4 and set(result.rewards) == {
+                "correct_answer",
+                "short_answer",
+            }
         # The next heartbeat (about a second) carries the version it generated with: the spec's model, v0.
-        wait_for(lambda: worker_row(store, worker).weight_version == 0, 10, "a heartbeat with v0",
-                 **watching(proc, mortal_home))
+        wait_for(
+            lambda: worker_row(store, worker).weight_version == 0,
+            10,
+            "a heartbeat with v0",
+            **watching(proc, mortal_home),
+        )
         assert worker_row(store, worker).state == "Running"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

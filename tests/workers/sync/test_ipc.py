@@ -25,25 +25,32 @@ needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets
 
 
 def _spec(**overrides) -> dict:
-    spec = {"model": {"name": "m"}, "dataset": {"name": "builtin:arithmetic"},
-            "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
-            "actor": {"gpu": "H100"}, "rollout": {"gpu": "H100", "colocate": True},
-            "generation": {"engine": "transformers"}}
+    spec = {
+        "model": {"name": "m"},
+        "dataset": {"name": "builtin:arithmetic"},
+        "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
+        "actor": {"gpu": "H100"},
+        "rollout": {"gpu": "H100", "colocate": True},
+        "generation": {"engine": "transformers"},
+    }
     for key, value in overrides.items():
         spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return {"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "r"}, "spec": spec}
 
 
-@pytest.mark.parametrize(("overrides", "method"), [
-    ({}, "ipc"),
-    ({"rollout": {"colocate": False}}, "ipc"),
-    ({"rollout": {"colocate": False, "gpu": "none"}}, "volume"),
-    ({"generation": {"engine": "auto"}}, "volume"),
-    ({"backend": "modal"}, "volume"),
-    ({"sync": {"method": "volume"}}, "volume"),
-    ({"model": {"lora": {"r": 16}}}, "ipc"),  # the ring holds only the adapters' factors
-    ({"model": {"lora": {"r": 16}}, "sync": {"method": "volume"}}, "volume"),  # asked for: kept
-])
+@pytest.mark.parametrize(
+    ("overrides", "method"),
+    [
+        ({}, "ipc"),
+        ({"rollout": {"colocate": False}}, "ipc"),
+        ({"rollout": {"colocate": False, "gpu": "none"}}, "volume"),
+        ({"generation": {"engine": "auto"}}, "volume"),
+        ({"backend": "modal"}, "volume"),
+        ({"sync": {"method": "volume"}}, "volume"),
+        ({"model": {"lora": {"r": 16}}}, "ipc"),  # the ring holds only the adapters' factors
+        ({"model": {"lora": {"r": 16}}, "sync": {"method": "volume"}}, "volume"),  # asked for: kept
+    ],
+)
 def test_auto_picks_ipc_only_for_gpu_transformers_rollouts_on_the_local_backend(overrides, method) -> None:
     assert TrainingRun.model_validate(_spec(**overrides)).spec.sync_method() == method
 
@@ -64,7 +71,12 @@ def _load_in_child(model_dir: str, version_dir: str, queue, go_on) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     IpcTransport().load(model, version_dir)
-    queue.put((tensors_sha256({k: v.cpu() for k, v in model.state_dict().items()}), ipc_weights.slot_holds(version_dir)))
+    queue.put(
+        (
+            tensors_sha256({k: v.cpu() for k, v in model.state_dict().items()}),
+            ipc_weights.slot_holds(version_dir),
+        )
+    )
     go_on.wait(120)
     queue.put(ipc_weights.slot_holds(version_dir))
 
@@ -73,7 +85,8 @@ def _load_in_child(model_dir: str, version_dir: str, queue, go_on) -> None:
 @needs_cuda
 @needs_assets
 def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_trains_on_and_sees_its_slot_reused(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = make_tiny_model(tmp_path / "model", seed=1)
@@ -102,16 +115,20 @@ def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_tra
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("layout", "method", "lora"), [
-    pytest.param("colocated", "ipc", False, marks=needs_cuda),
-    pytest.param("colocated", "ipc", True, marks=needs_cuda),
-    pytest.param("two-gpus", "ipc", False, marks=needs_two_gpus),
-    pytest.param("two-gpus", "nccl", False, marks=needs_two_gpus),
-    pytest.param("mixed", "ipc", False, marks=needs_two_gpus),
-])
+@pytest.mark.parametrize(
+    ("layout", "method", "lora"),
+    [
+        pytest.param("colocated", "ipc", False, marks=needs_cuda),
+        pytest.param("colocated", "ipc", True, marks=needs_cuda),
+        pytest.param("two-gpus", "ipc", False, marks=needs_two_gpus),
+        pytest.param("two-gpus", "nccl", False, marks=needs_two_gpus),
+        pytest.param("mixed", "ipc", False, marks=needs_two_gpus),
+    ],
+)
 @needs_assets
-def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(tmp_path: Path, layout: str,
-                                                                       method: str, lora: bool) -> None:
+def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(
+    tmp_path: Path, layout: str, method: str, lora: bool
+) -> None:
     """One GPU shared (colocated, ipc; with LoRA, the ring holding the adapters alone), or the actor on GPU 0
     and the rollout on GPU 1 (ipc: a GPU-to-GPU copy from the mapped ring; nccl: the actor sends the ring's
     slot), or both (mixed: rollout-0 beside the actor, rollout-1 on GPU 1, rollout.colocatedReplicas 1; one
@@ -121,16 +138,25 @@ def test_a_run_with_in_memory_sync_trains_the_same_loss_curve_as_volume(tmp_path
     model_dir = make_tiny_model(tmp_path / "model", seed=0)
     losses = {}
     for sync in ("volume", method):
-        spec = actor_spec(str(model_dir), model={"dtype": "float32", **({"lora": {"r": 4}} if lora else {})},
-                          actor={"gpu": "H100"},
-                          rollout={"gpu": "H100", "replicas": 2 if layout == "mixed" else 1,
-                                   "colocate": layout == "colocated",
-                                   **({"colocatedReplicas": 1, "promptsPerTask": 1} if layout == "mixed" else {})},
-                          generation={"engine": "transformers"}, algorithm={"maxSteps": 4},
-                          sync={"method": sync}, checkpoint={"every": 10, "keep": 1})
+        spec = actor_spec(
+            str(model_dir),
+            model={"dtype": "float32", **({"lora": {"r": 4}} if lora else {})},
+            actor={"gpu": "H100"},
+            rollout={
+                "gpu": "H100",
+                "replicas": 2 if layout == "mixed" else 1,
+                "colocate": layout == "colocated",
+                **({"colocatedReplicas": 1, "promptsPerTask": 1} if layout == "mixed" else {}),
+            },
+            generation={"engine": "transformers"},
+            algorithm={"maxSteps": 4},
+            sync={"method": sync},
+            checkpoint={"every": 10, "keep": 1},
+        )
         (tmp_path / sync).mkdir()
-        losses[sync] = train_through_controller(tmp_path / sync, f"sync-{sync}", spec,
-                                                 gpus="0" if layout == "colocated" else "0,1")
+        losses[sync] = train_through_controller(
+            tmp_path / sync, f"sync-{sync}", spec, gpus="0" if layout == "colocated" else "0,1"
+        )
     assert sorted(losses[method]) == sorted(losses["volume"]) == [1, 2, 3, 4]
     for step, loss in losses["volume"].items():
         assert losses[method][step] == pytest.approx(loss, rel=1e-3, abs=1e-5), (step, losses)

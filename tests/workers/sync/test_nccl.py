@@ -32,8 +32,11 @@ needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
-    return {"embed": torch.full((4, 3), value), "head": torch.arange(5, dtype=torch.bfloat16) + value,
-            "norm": torch.full((3,), -value)}
+    return {
+        "embed": torch.full((4, 3), value),
+        "head": torch.arange(5, dtype=torch.bfloat16) + value,
+        "norm": torch.full((3,), -value),
+    }
 
 
 @pytest.fixture
@@ -51,7 +54,8 @@ def _assert_same(received: dict[str, torch.Tensor], state: dict[str, torch.Tenso
 
 
 def test_a_rollout_receives_each_version_bit_for_bit_and_training_after_sharing_does_not_change_it(
-        server, tmp_path: Path) -> None:
+    server, tmp_path: Path
+) -> None:
     live = _state(1.0)
     path = server.share(live, tmp_path / "v0", version=0, step=0)
     expected = {k: v.clone() for k, v in live.items()}
@@ -69,7 +73,9 @@ def test_a_version_that_left_the_ring_reads_as_missing(server, tmp_path: Path) -
         server.share(_state(float(version)), tmp_path / f"v{version}", version=version, step=version)
     with pytest.raises(FileNotFoundError, match="left the actor's ring"):
         nccl_weights.receive(oldest, torch.device("cpu"))
-    _assert_same(nccl_weights.receive(tmp_path / "v2", torch.device("cpu")), _state(2.0))  # the pair still works
+    _assert_same(
+        nccl_weights.receive(tmp_path / "v2", torch.device("cpu")), _state(2.0)
+    )  # the pair still works
 
 
 def _share_and_exit(folder: str, ready) -> None:
@@ -95,7 +101,9 @@ def _rollout(path: str, asks, answers) -> None:
     """A rollout process: receive the version named on `asks` (by path), answer its tensors; exit on None."""
     while (version_dir := asks.get(timeout=120)) is not None:
         try:
-            answers.put({k: v.clone() for k, v in nccl_weights.receive(version_dir, torch.device("cpu")).items()})
+            answers.put(
+                {k: v.clone() for k, v in nccl_weights.receive(version_dir, torch.device("cpu")).items()}
+            )
         except FileNotFoundError as exc:
             answers.put(repr(exc))
 
@@ -105,7 +113,9 @@ def test_closing_wakes_the_accept_and_sender_threads_where_they_wait_idle(tmp_pa
     second): close must not wait that out."""
     server = nccl_weights.NcclWeightServer(ring=2)
     path = server.share(_state(0.0), tmp_path / "v0", version=0, step=0)
-    nccl_weights.receive(path, torch.device("cpu"))  # a rollout joined: a sender thread waits for its next ask
+    nccl_weights.receive(
+        path, torch.device("cpu")
+    )  # a rollout joined: a sender thread waits for its next ask
     threads = list(server._threads)
     assert len(threads) == 2
     started = time.monotonic()
@@ -118,8 +128,10 @@ def test_rollouts_join_and_leave_while_the_actor_serves_the_others(server, tmp_p
     """Pairs, not one group: a rollout that exits or one that joins late changes nothing for the rest."""
     context = multiprocessing.get_context("spawn")
     rollouts = {name: (context.Queue(), context.Queue()) for name in ("first", "second", "late")}
-    processes = {name: context.Process(target=_rollout, args=(str(tmp_path), *queues), daemon=True)
-                 for name, queues in rollouts.items()}
+    processes = {
+        name: context.Process(target=_rollout, args=(str(tmp_path), *queues), daemon=True)
+        for name, queues in rollouts.items()
+    }
     try:
         for name in ("first", "second"):
             processes[name].start()
@@ -146,8 +158,9 @@ def test_rollouts_join_and_leave_while_the_actor_serves_the_others(server, tmp_p
                 process.join(30)
 
 
-def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_place(tmp_path: Path, monkeypatch
-                                                                                  ) -> None:
+def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_place(
+    tmp_path: Path, monkeypatch
+) -> None:
     from unittest import mock
 
     from mortal.state import paths
@@ -169,11 +182,14 @@ def test_the_publisher_serves_a_models_weights_that_load_published_copies_in_pla
     assert rollout_model.weight is weight  # in place: captured graphs keep pointing at it
     _assert_same(rollout_model.state_dict(), {k: v.detach() for k, v in actor_model.state_dict().items()})
     assert NcclTransport().loaded_whole(path, newest_recorded=lambda: 0)
-    assert not NcclTransport().loaded_whole(path, newest_recorded=lambda: 1)  # a ring of 2: version 2 may be in its slot now
+    assert not NcclTransport().loaded_whole(
+        path, newest_recorded=lambda: 1
+    )  # a ring of 2: version 2 may be in its slot now
 
 
 def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_version_onto_its_base(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     """LoRA through the ring (ipc's ring too; nccl's protocol runs here over gloo): each version is the
     adapters' A and B (no merged model: 3 of those took 45 GB at 7B), and a rollout that loads version after
     version holds base + B @ A * scale of the newest, as peft's merge computes it, never one merged twice."""
@@ -188,8 +204,10 @@ def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_ve
 
     monkeypatch.setattr(paths, "weights_dir", lambda run: tmp_path / run)
     folder = make_tiny_model(tmp_path / "model")
-    actor = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
-                           LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    actor = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(folder),
+        LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     rollout_model = AutoModelForCausalLM.from_pretrained(folder)
     store = mock.Mock()
     store.latest_weights.return_value = None
@@ -204,7 +222,10 @@ def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_ve
             path = store.publish_weights.call_args.args[3]
             scales = nccl_weights.adapter_scales(path)
             assert scales and set(scales.values()) == {2.0}
-            assert {slot.name.rsplit(".", 1)[1] for slot in nccl_weights._manifest(path)["slots"]} == {"lora_A", "lora_B"}
+            assert {slot.name.rsplit(".", 1)[1] for slot in nccl_weights._manifest(path)["slots"]} == {
+                "lora_A",
+                "lora_B",
+            }
             NcclTransport().load(rollout_model, path)
             merged = plain_state_dict(actor)
             _assert_same({k: v for k, v in rollout_model.state_dict().items() if k in merged}, merged)
@@ -214,10 +235,15 @@ def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_ve
 
 
 def _spec(**overrides) -> dict:
-    spec = {"model": {"name": "m"}, "dataset": {"name": "builtin:arithmetic"},
-            "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
-            "actor": {"gpu": "H100"}, "rollout": {"gpu": "H100"}, "generation": {"engine": "transformers"},
-            "sync": {"method": "nccl"}}
+    spec = {
+        "model": {"name": "m"},
+        "dataset": {"name": "builtin:arithmetic"},
+        "rewards": [{"function": "mortal.workers.rewards.builtin:short_answer"}],
+        "actor": {"gpu": "H100"},
+        "rollout": {"gpu": "H100"},
+        "generation": {"engine": "transformers"},
+        "sync": {"method": "nccl"},
+    }
     for key, value in overrides.items():
         spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return {"apiVersion": "mortal/v1", "kind": "TrainingRun", "metadata": {"name": "r"}, "spec": spec}
@@ -227,12 +253,15 @@ def test_nccl_is_accepted_for_rollouts_on_gpus_of_their_own_on_this_host() -> No
     assert TrainingRun.model_validate(_spec()).spec.sync_method() == "nccl"
 
 
-@pytest.mark.parametrize(("overrides", "says"), [
-    ({"rollout": {"colocate": True}}, "GPU of its own"),
-    ({"backend": "modal"}, "same host"),
-    ({"rollout": {"gpu": "none"}}, "same host"),
-    ({"generation": {"engine": "vllm"}}, "same host"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"rollout": {"colocate": True}}, "GPU of its own"),
+        ({"backend": "modal"}, "same host"),
+        ({"rollout": {"gpu": "none"}}, "same host"),
+        ({"generation": {"engine": "vllm"}}, "same host"),
+    ],
+)
 def test_nccl_where_it_cannot_work_is_refused_naming_the_file_and_field(overrides: dict, says: str) -> None:
     text = dump_yaml([_spec(**overrides)])
     with pytest.raises(SpecError, match=rf"run\.yaml.*sync\.method.*{says}"):
@@ -242,7 +271,9 @@ def test_nccl_where_it_cannot_work_is_refused_naming_the_file_and_field(override
 @pytest.mark.gpu
 @needs_two_gpus
 @needs_assets
-def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_run_finishes(tmp_path: Path) -> None:
+def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_run_finishes(
+    tmp_path: Path,
+) -> None:
     """Preemption of a rollout under nccl: its pair dies with it; the relaunched rollout joins a new
     pair and loads the newest version; the actor's other work goes on."""
     import os
@@ -253,10 +284,16 @@ def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_ru
 
     from mortal.controller.backends.local import parse_handle
 
-    spec = actor_spec(str(make_tiny_model(tmp_path / "model", seed=0)), model={"dtype": "float32"},
-                      actor={"gpu": "H100"}, rollout={"gpu": "H100", "replicas": 1},
-                      generation={"engine": "transformers"}, algorithm={"maxSteps": 6},
-                      sync={"method": "nccl"}, checkpoint={"every": 10, "keep": 1})
+    spec = actor_spec(
+        str(make_tiny_model(tmp_path / "model", seed=0)),
+        model={"dtype": "float32"},
+        actor={"gpu": "H100"},
+        rollout={"gpu": "H100", "replicas": 1},
+        generation={"engine": "transformers"},
+        algorithm={"maxSteps": 6},
+        sync={"method": "nccl"},
+        checkpoint={"every": 10, "keep": 1},
+    )
     killed: list[int] = []
 
     def kill_the_rollout_after_step_2(store) -> None:
@@ -268,8 +305,9 @@ def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_ru
         killed.append(rollout.incarnation)
 
     (tmp_path / "home").mkdir()
-    losses = train_through_controller(tmp_path / "home", "nccl-kill", spec, gpus="0,1",
-                                      while_running=kill_the_rollout_after_step_2)
+    losses = train_through_controller(
+        tmp_path / "home", "nccl-kill", spec, gpus="0,1", while_running=kill_the_rollout_after_step_2
+    )
     assert killed and sorted(losses) == [1, 2, 3, 4, 5, 6]
     from mortal.state import open_store
 
@@ -284,13 +322,16 @@ def test_a_collective_whose_peer_never_answers_fails_within_spec_deadlines_colle
     so both sides use the one the spec set."""
     import torch.distributed as dist
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     groups: dict[int, object] = {}
 
     def make(rank: int) -> None:
         store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
-        groups[rank] = nccl_weights._group(dist.PrefixStore("pair/0/", store), rank, torch.device("cpu"),
-                                           timedelta(seconds=1))
+        groups[rank] = nccl_weights._group(
+            dist.PrefixStore("pair/0/", store), rank, torch.device("cpu"), timedelta(seconds=1)
+        )
 
     makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
     for t in makers:

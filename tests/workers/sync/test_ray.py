@@ -34,8 +34,10 @@ def test_the_hub_keeps_the_newest_versions_by_number() -> None:
 class FakeRay:
     """The hub of one namespace, holding {name: files} (a version's ObjectRef is its files here)."""
 
-    exceptions = SimpleNamespace(RayActorError=type("RayActorError", (Exception,), {}),
-                                 ObjectLostError=type("ObjectLostError", (Exception,), {}))
+    exceptions = SimpleNamespace(
+        RayActorError=type("RayActorError", (Exception,), {}),
+        ObjectLostError=type("ObjectLostError", (Exception,), {}),
+    )
 
     def __init__(self) -> None:
         self.hub: WeightsHub | None = WeightsHub(keep=3)
@@ -66,10 +68,14 @@ def publish(ray: FakeRay, version: int) -> str:
     return f"{SCHEME}mortal-x-run/weights-i1/v{version}-i1"
 
 
-def test_a_version_is_written_whole_once_per_node_and_old_ones_dropped(fake: FakeRay, mortal_home: Path) -> None:
+def test_a_version_is_written_whole_once_per_node_and_old_ones_dropped(
+    fake: FakeRay, mortal_home: Path
+) -> None:
     folder = ray_weights.receive(publish(fake, 1), "run", "uid-1")
     assert folder == paths.weights_dir("run") / RECEIVED / "uid-1" / "v1-i1"
-    assert (folder / "model.safetensors").read_bytes() == bytes([1]) * 64 and (folder / "config.json").is_file()
+    assert (folder / "model.safetensors").read_bytes() == bytes([1]) * 64 and (
+        folder / "config.json"
+    ).is_file()
     assert ray_weights.receive(f"{SCHEME}mortal-x-run/weights-i1/v1-i1", "run", "uid-1") == folder
     assert fake.fetched == ["v1-i1"], "a version this node holds was fetched again"
     for version in (2, 3, 4, 5):
@@ -108,9 +114,14 @@ class FakeCluster:
     """Ray as sync ray's publisher and rollouts use it: put/get of objects, named actors made with get_if_exists,
     get_actor, and an actor that can be killed (its calls then raise RayActorError, its name is free)."""
 
-    exceptions = SimpleNamespace(RayActorError=RayActorError, ObjectLostError=type("ObjectLostError", (Exception,), {}),
-                                 GetTimeoutError=type("GetTimeoutError", (Exception,), {}))
-    util = SimpleNamespace(scheduling_strategies=SimpleNamespace(NodeAffinitySchedulingStrategy=lambda **kw: kw))
+    exceptions = SimpleNamespace(
+        RayActorError=RayActorError,
+        ObjectLostError=type("ObjectLostError", (Exception,), {}),
+        GetTimeoutError=type("GetTimeoutError", (Exception,), {}),
+    )
+    util = SimpleNamespace(
+        scheduling_strategies=SimpleNamespace(NodeAffinitySchedulingStrategy=lambda **kw: kw)
+    )
 
     def __init__(self) -> None:
         self.actors: dict[str, FakeActor] = {}  # name -> live actor (one namespace)
@@ -130,7 +141,9 @@ class FakeCluster:
                     cluster.made += 1
                     cluster.actors[name] = FakeActor(cls(*args))
                     return cluster.actors[name]
+
                 return SimpleNamespace(remote=make)
+
         return Options()
 
     def get_actor(self, name: str, namespace: str):
@@ -181,15 +194,18 @@ def written(tmp_path: Path, version: int) -> Path:
     return folder
 
 
-def test_a_lost_hub_is_made_again_with_the_versions_its_publisher_keeps(cluster: FakeCluster, mortal_home: Path,
-                                                                         tmp_path: Path) -> None:
+def test_a_lost_hub_is_made_again_with_the_versions_its_publisher_keeps(
+    cluster: FakeCluster, mortal_home: Path, tmp_path: Path
+) -> None:
     paths_ = [ray_weights.share(written(tmp_path, v), 1) for v in range(5)]
     assert ray_weights.ensure_held(1) == [], "a hub that holds the newest version was made again"
     cluster.kill("weights-i1")  # the hub's actor ended while its publisher lives
     with pytest.raises(FileNotFoundError):
         ray_weights.receive(paths_[-1], "run", "uid")
     assert ray_weights.ensure_held(1) == ["v2-i1", "v3-i1", "v4-i1"]  # the newest KEEP, the same objects
-    assert (ray_weights.receive(paths_[-1], "run", "uid") / "model.safetensors").read_bytes() == bytes([4]) * 64
+    assert (ray_weights.receive(paths_[-1], "run", "uid") / "model.safetensors").read_bytes() == bytes(
+        [4]
+    ) * 64
     cluster.actors["weights-i1"].obj = WeightsHub(keep=3)  # alive, but holding nothing (restarted by hand)
     assert ray_weights.ensure_held(1) == ["v2-i1", "v3-i1", "v4-i1"]
     assert cluster.made == 2 and cluster.actors["weights-i1"].obj.names() == ["v2-i1", "v3-i1", "v4-i1"]
@@ -205,7 +221,8 @@ class RecordingEngine:
 
 @sqlite_only
 def test_a_rollout_waits_with_backoff_until_the_actor_puts_a_lost_version_back(
-        cluster: FakeCluster, store: Store, mortal_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster: FakeCluster, store: Store, mortal_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(rollout, "MISSING_RETRY_SECONDS", 30.0)  # no second try within the test
     run = create_run(store, "lost", training_spec("unused"))
     publisher = WeightPublisher(store, new_worker(store, run, "actor"), method="ray")
@@ -219,7 +236,9 @@ def test_a_rollout_waits_with_backoff_until_the_actor_puts_a_lost_version_back(
     cluster.kill(ray_weights.hub_name(publisher.worker.incarnation))
     for _ in range(50):  # the rollout's loop asks at every turn: it must not hammer the hub
         worker.refresh_weights()
-    assert worker.loaded_version == 0 and worker.engine.loads == ["v0-i1"], "a version the hub lost was loaded"
+    assert worker.loaded_version == 0 and worker.engine.loads == ["v0-i1"], (
+        "a version the hub lost was loaded"
+    )
     assert worker._missing[:2] == (1, 1), "the rollout tried again before its backoff ended"
     publisher.ensure_held()  # the actor, waiting for rollouts of step 1 (its first look: no wait before it)
     publisher.ensure_held()  # ... the next look is HUB_CHECK_SECONDS later: nothing made again meanwhile

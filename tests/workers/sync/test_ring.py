@@ -13,7 +13,11 @@ from mortal.workers.sync.weights import copy_into
 
 
 def test_a_snapshot_is_one_flat_buffer_per_dtype_and_its_slots_give_back_every_tensor() -> None:
-    state = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.full((2,), 7.0)}
+    state = {
+        "a": torch.arange(6.0).view(2, 3),
+        "b": torch.ones(4, dtype=torch.bfloat16),
+        "c": torch.full((2,), 7.0),
+    }
     buffers, slots = weight_ring.snapshot(state)
     assert sorted(buffers) == ["bfloat16", "float32"] and buffers["float32"].numel() == 8
     assert weight_ring.sizes_of(slots) == {d: b.numel() for d, b in buffers.items()}
@@ -27,7 +31,11 @@ def test_a_ring_that_casts_keeps_floating_weights_in_that_dtype_and_integer_buff
     """A sharded actor under mixedPrecision: float32 masters published in bfloat16, gathered already cast."""
     state = {"w": torch.randn(2, 3), "steps": torch.arange(4), "b": torch.ones(2, dtype=torch.float16)}
     sizes, slots = weight_ring.layout(state, cast=torch.bfloat16)
-    assert sizes == {"bfloat16": 8, "int64": 4} and [s.dtype for s in slots] == ["bfloat16", "int64", "bfloat16"]
+    assert sizes == {"bfloat16": 8, "int64": 4} and [s.dtype for s in slots] == [
+        "bfloat16",
+        "int64",
+        "bfloat16",
+    ]
     ring = weight_ring.SnapshotRing(ring=2)
     cast = [state["w"].bfloat16(), state["steps"], state["b"].bfloat16()]
     buffers = ring.write(state, 0, gather=lambda shards: iter(cast), cast=torch.bfloat16)
@@ -62,7 +70,9 @@ def test_a_slot_holds_its_version_until_the_version_ring_later_replaces_it() -> 
     assert ring.buffers is first  # allocated once: readers keep their mappings
 
 
-def test_a_slots_stamp_is_minus_one_while_it_is_written_and_its_version_after(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slots_stamp_is_minus_one_while_it_is_written_and_its_version_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The stamps are what a reader in another process checks after its copy (ipc_weights.slot_holds)."""
     ring = weight_ring.SnapshotRing(ring=2)
     seen_while_filling = []
@@ -86,11 +96,16 @@ def test_views_are_made_once_per_buffers_and_layout_and_again_for_another_layout
     assert cache.get(buffers, list(slots)) is first  # an equal layout (a fresh manifest's) reuses them
     buffers["float32"].add_(1)
     assert torch.equal(first["a"], torch.arange(6.0) + 1)  # views: they see the buffer's new contents
-    other = [weight_ring.TensorSlot("a", "float32", 0, (2, 3)), weight_ring.TensorSlot("b", "float32", 6, (2,))]
+    other = [
+        weight_ring.TensorSlot("a", "float32", 0, (2, 3)),
+        weight_ring.TensorSlot("b", "float32", 6, (2,)),
+    ]
     assert cache.get(buffers, other)["a"].shape == (2, 3)
 
 
-def test_a_manifest_is_parsed_once_and_again_when_its_file_was_replaced(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_manifest_is_parsed_once_and_again_when_its_file_was_replaced(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import pickle
 
     file = tmp_path / "ipc.pkl"

@@ -15,8 +15,10 @@ from mortal.workers.sync.ray import RayTransport
 from mortal.workers.sync.volume import VolumeTransport
 
 
-@pytest.mark.parametrize(("method", "transport"), [
-    ("volume", VolumeTransport), ("ray", RayTransport), ("ipc", IpcTransport), ("nccl", NcclTransport)])
+@pytest.mark.parametrize(
+    ("method", "transport"),
+    [("volume", VolumeTransport), ("ray", RayTransport), ("ipc", IpcTransport), ("nccl", NcclTransport)],
+)
 def test_each_method_names_its_transport(method: str, transport: type[WeightTransport]) -> None:
     assert transport_for(method) is transport and transport.method == method
 

@@ -88,7 +88,10 @@ def test_a_fenced_actor_still_writing_cannot_replace_its_successors_version(stor
     stray = paths.weights_dir("w") / "v1-i1"
     assert stray.is_dir()  # written before the refused record
     new.publish(model, step=1)
-    assert not stray.exists() and sorted(p.name for p in paths.weights_dir("w").iterdir()) == ["v0-i2", "v1-i2"]
+    assert not stray.exists() and sorted(p.name for p in paths.weights_dir("w").iterdir()) == [
+        "v0-i2",
+        "v1-i2",
+    ]
 
 
 def test_a_crash_mid_write_leaves_no_version(store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,7 +123,9 @@ def test_lora_is_published_merged_under_base_names_without_touching_the_model(ti
 
     base = _model(tiny_dir)
     names = set(plain_state_dict(base))
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     _perturb(peft_model, 2)  # B != 0: the adapters change the outputs
     before = tensors_sha256(peft_model.state_dict())
     published = plain_state_dict(peft_model)
@@ -149,8 +154,9 @@ def test_weights_of_another_model_are_refused(tmp_path: Path, tiny_dir: Path) ->
         load_published(_model(other), tmp_path / "v0")
 
 
-def test_a_model_that_loaded_one_version_still_refuses_a_version_that_does_not_fit(tmp_path: Path,
-                                                                                 tiny_dir: Path) -> None:
+def test_a_model_that_loaded_one_version_still_refuses_a_version_that_does_not_fit(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
     """The fit is checked once per set of names and kept on the model: another set is checked again."""
     from safetensors.torch import load_file, save_file
 
@@ -160,7 +166,9 @@ def test_a_model_that_loaded_one_version_still_refuses_a_version_that_does_not_f
     load_published(rollout, tmp_path / "v0")
     tensors = load_file(str(tmp_path / "v0" / volume.WEIGHTS_FILE))
     (tmp_path / "v1").mkdir()
-    save_file({k: v for k, v in tensors.items() if "layers.0." not in k}, str(tmp_path / "v1" / volume.WEIGHTS_FILE))
+    save_file(
+        {k: v for k, v in tensors.items() if "layers.0." not in k}, str(tmp_path / "v1" / volume.WEIGHTS_FILE)
+    )
     with pytest.raises(WeightsError, match="missing"):
         load_published(rollout, tmp_path / "v1")
     (tmp_path / "v2").mkdir()

@@ -22,5 +22,15 @@ ENVIRONMENTS: dict[str, type[BuiltinEnvironment]] = {
     "math-answer": MathAnswerEnvironment,
 }
 
-__all__ = ["ENVIRONMENTS", "BuiltinEnvironment", "CodeExecutionEnvironment", "Item", "LLMJudgeEnvironment",
-           "MathAnswerEnvironment", "Outcome", "RewardCache", "extract_code", "parse_score"]
+__all__ = [
+    "ENVIRONMENTS",
+    "BuiltinEnvironment",
+    "CodeExecutionEnvironment",
+    "Item",
+    "LLMJudgeEnvironment",
+    "MathAnswerEnvironment",
+    "Outcome",
+    "RewardCache",
+    "extract_code",
+    "parse_score",
+]

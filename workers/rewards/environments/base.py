@@ -54,7 +54,9 @@ class BuiltinEnvironment(RewardEnvironment):
     SPEC_ARGS: ClassVar[tuple[str, ...]] = ("cache", "cache_size", "cache_path")
     DEFAULT_CACHE: ClassVar[str] = "memory"
 
-    def __init__(self, cache: str | None = None, cache_size: int = 4096, cache_path: str | None = None) -> None:
+    def __init__(
+        self, cache: str | None = None, cache_size: int = 4096, cache_path: str | None = None
+    ) -> None:
         self.cache = cache
         self.cache_size = cache_size
         self.cache_path = cache_path
@@ -62,8 +64,12 @@ class BuiltinEnvironment(RewardEnvironment):
         if mode not in CACHE_MODES:
             raise ValueError(f"cache must be one of {', '.join(CACHE_MODES)} (got {cache!r})")
         if mode == "sqlite" and not cache_path:
-            raise ValueError("cache 'sqlite' needs cache_path (in a run it is the run's rewards.cache.sqlite)")
-        self._cache = None if mode == "off" else RewardCache(cache_size, cache_path if mode == "sqlite" else None)
+            raise ValueError(
+                "cache 'sqlite' needs cache_path (in a run it is the run's rewards.cache.sqlite)"
+            )
+        self._cache = (
+            None if mode == "off" else RewardCache(cache_size, cache_path if mode == "sqlite" else None)
+        )
 
     # -- what a subclass provides ------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -75,14 +81,20 @@ class BuiltinEnvironment(RewardEnvironment):
 
     # -- TRL-facing --------------------------------------------------------------------------------
     def score(self, completion: str, prompt: str, **kwargs: Any) -> float | None:
-        return self.score_batch([completion], [prompt], **{k: [v] for k, v in kwargs.items() if k not in PLUMBING})[0]
+        return self.score_batch(
+            [completion], [prompt], **{k: [v] for k, v in kwargs.items() if k not in PLUMBING}
+        )[0]
 
     def score_batch(self, completions: list[str], prompts: list[str], **kwargs: Any) -> list[float | None]:
         log: Log = kwargs.get("log_metric") or _no_log
         n = len(completions)
-        columns = {k: v for k, v in kwargs.items() if k not in PLUMBING and isinstance(v, list) and len(v) == n}
-        items = [Item(p, c, {k: v[i] for k, v in columns.items()})
-                 for i, (c, p) in enumerate(zip(completions, prompts, strict=True))]
+        columns = {
+            k: v for k, v in kwargs.items() if k not in PLUMBING and isinstance(v, list) and len(v) == n
+        }
+        items = [
+            Item(p, c, {k: v[i] for k, v in columns.items()})
+            for i, (c, p) in enumerate(zip(completions, prompts, strict=True))
+        ]
         if self._cache is None:
             return [o.score for o in self.score_items(items, log)]
         identity = self.settings()
@@ -101,7 +113,9 @@ class BuiltinEnvironment(RewardEnvironment):
             outcomes = dict(zip(unique, self.score_items([items[i] for i in unique], log), strict=True))
             for i in unique:
                 if outcomes[i].cacheable:
-                    self._cache.put(keys[i], outcomes[i].score, identity, items[i].prompt, items[i].completion)
+                    self._cache.put(
+                        keys[i], outcomes[i].score, identity, items[i].prompt, items[i].completion
+                    )
             for i in todo:
                 scores[i] = outcomes[first[keys[i]]].score
         log(f"{self.name}/cache_hits", float(n - len(todo)))
@@ -111,8 +125,11 @@ class BuiltinEnvironment(RewardEnvironment):
     def spec_args(self) -> dict[str, Any]:
         """The SPEC_ARGS this instance was built with, defaults left out."""
         params = inspect.signature(type(self).__init__).parameters
-        return {name: getattr(self, name) for name in self.SPEC_ARGS
-                if name in params and getattr(self, name) != params[name].default}
+        return {
+            name: getattr(self, name)
+            for name in self.SPEC_ARGS
+            if name in params and getattr(self, name) != params[name].default
+        }
 
     def spec_entry(self) -> dict[str, Any] | None:
         """This instance as a spec.rewards entry (`env:` + args); None for a subclass (use `function:`)."""
@@ -135,8 +152,10 @@ def column(item: Item, name: str, env: str) -> Any:
     """The row's column `name`, or a ValueError that names the argument to fix."""
     if name not in item.row:
         have = ", ".join(sorted(item.row)) or "none"
-        raise ValueError(f"{env}: the dataset row has no column {name!r} (columns: {have}); set the environment's "
-                         f"column argument to the right one")
+        raise ValueError(
+            f"{env}: the dataset row has no column {name!r} (columns: {have}); set the environment's "
+            f"column argument to the right one"
+        )
     return item.row[name]
 
 

@@ -78,7 +78,9 @@ class RewardCache:
                 self.hits += 1
                 return True, self._memory[key]
             db = self._connection()
-            row = db.execute("SELECT score FROM reward_cache WHERE key = ?", (key,)).fetchone() if db else None
+            row = (
+                db.execute("SELECT score FROM reward_cache WHERE key = ?", (key,)).fetchone() if db else None
+            )
             if row is None:
                 self.misses += 1
                 return False, None
@@ -86,13 +88,17 @@ class RewardCache:
             self._remember(key, row[0])
             return True, row[0]
 
-    def put(self, key: str, score: float | None, identity: dict[str, Any], prompt: str, completion: str) -> None:
+    def put(
+        self, key: str, score: float | None, identity: dict[str, Any], prompt: str, completion: str
+    ) -> None:
         with self._lock:
             self._remember(key, score)
             db = self._connection()
             if db is not None:
-                db.execute("INSERT OR REPLACE INTO reward_cache VALUES (?, ?, ?, ?, ?, ?)",
-                           (key, _canonical(identity), prompt, completion, score, time.time()))
+                db.execute(
+                    "INSERT OR REPLACE INTO reward_cache VALUES (?, ?, ?, ?, ?, ?)",
+                    (key, _canonical(identity), prompt, completion, score, time.time()),
+                )
 
     def _remember(self, key: str, score: float | None) -> None:
         self._memory[key] = score

@@ -33,7 +33,7 @@ FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
 OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)$", re.S | re.I)
 PYTHON_TAGS = ("python", "python3", "py", "")
 
-HARNESS = r'''
+HARNESS = r"""
 import json, os, sys
 
 STOP_AT_FAILURE = __STOP__
@@ -69,7 +69,7 @@ def _run():
             verdict(index, True)
 
 _run()
-'''
+"""
 
 
 def extract_code(completion: str) -> str:
@@ -92,7 +92,9 @@ def as_tests(value: Any) -> list[str]:
         return [line for line in value.splitlines() if line.strip()]
     if isinstance(value, list | tuple) and all(isinstance(t, str) for t in value):
         return [t for t in value if t.strip()]
-    raise ValueError(f"code-execution: tests must be a list of assert strings or one string (got {type(value).__name__})")
+    raise ValueError(
+        f"code-execution: tests must be a list of assert strings or one string (got {type(value).__name__})"
+    )
 
 
 def _passed(stdout: str, token: str, count: int) -> tuple[set[int], bool]:
@@ -116,39 +118,76 @@ class CodeExecutionEnvironment(BuiltinEnvironment):
     ENV = "code-execution"
     name = "code_execution"
     SPEC_ARGS: ClassVar[tuple[str, ...]] = (
-        "tests_column", "partial_credit", "max_processes", "workers", "confinement", "allow_unconfined",
-        *BuiltinEnvironment.SPEC_ARGS)
+        "tests_column",
+        "partial_credit",
+        "max_processes",
+        "workers",
+        "confinement",
+        "allow_unconfined",
+        *BuiltinEnvironment.SPEC_ARGS,
+    )
 
-    def __init__(self, tests_column: str = "tests", partial_credit: bool = False, timeout: float | None = None,
-                 memory_mb: int | None = None, max_processes: int | None = None, workers: int | None = None,
-                 confinement: str = "auto", allow_unconfined: bool = False, cache: str | None = None,
-                 cache_size: int = 4096, cache_path: str | None = None, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        tests_column: str = "tests",
+        partial_credit: bool = False,
+        timeout: float | None = None,
+        memory_mb: int | None = None,
+        max_processes: int | None = None,
+        workers: int | None = None,
+        confinement: str = "auto",
+        allow_unconfined: bool = False,
+        cache: str | None = None,
+        cache_size: int = 4096,
+        cache_path: str | None = None,
+        backend: str | None = None,
+    ) -> None:
         super().__init__(cache, cache_size, cache_path)
         self.tests_column, self.partial_credit = tests_column, partial_credit
-        self.timeout, self.memory_mb, self.max_processes, self.workers = timeout, memory_mb, max_processes, workers
+        self.timeout, self.memory_mb, self.max_processes, self.workers = (
+            timeout,
+            memory_mb,
+            max_processes,
+            workers,
+        )
         self.confinement, self.allow_unconfined = confinement, allow_unconfined
         base = type(self).sandbox_config
-        overrides = {"timeout": timeout, "memory_mb": memory_mb, "max_processes": max_processes, "workers": workers,
-                     "backend": backend}
-        self.sandbox_config = SandboxConfig(**{
-            **base.__dict__,
-            **{k: v for k, v in overrides.items() if v is not None},
-            "confinement": confinement, "allow_unconfined": allow_unconfined,
-        })
+        overrides = {
+            "timeout": timeout,
+            "memory_mb": memory_mb,
+            "max_processes": max_processes,
+            "workers": workers,
+            "backend": backend,
+        }
+        self.sandbox_config = SandboxConfig(
+            **{
+                **base.__dict__,
+                **{k: v for k, v in overrides.items() if v is not None},
+                "confinement": confinement,
+                "allow_unconfined": allow_unconfined,
+            }
+        )
 
     def check(self) -> None:
         """Fail now (SandboxUnavailable) if no sandbox works, before a model is loaded."""
         self._executor(trusted=False).check()
 
     def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "tests_column": self.tests_column, "partial_credit": self.partial_credit,
-                "sandbox": self.sandbox_config.limits()}
+        return {
+            **super().settings(),
+            "tests_column": self.tests_column,
+            "partial_credit": self.partial_credit,
+            "sandbox": self.sandbox_config.limits(),
+        }
 
     def spec_entry(self) -> dict[str, Any] | None:
         entry = super().spec_entry()
         if entry is not None and (self.timeout is not None or self.memory_mb is not None):
-            entry["sandbox"] = {k: v for k, v in (("timeout_seconds", self.timeout), ("memory_mb", self.memory_mb))
-                                if v is not None}
+            entry["sandbox"] = {
+                k: v
+                for k, v in (("timeout_seconds", self.timeout), ("memory_mb", self.memory_mb))
+                if v is not None
+            }
         return entry
 
     def _job(self, code: str, tests: list[str], token: str) -> Job:

@@ -35,15 +35,23 @@ def _check_args(entry: RewardSpec, index: int, cls: type[BuiltinEnvironment]) ->
         if key not in cls.SPEC_ARGS:
             close = difflib.get_close_matches(key, cls.SPEC_ARGS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            extra = " (the limits go under `sandbox:`: timeoutSeconds, memoryMB)" if key in ("timeout", "memory_mb") \
-                and entry.env == "code-execution" else ""
-            raise _bad(f"spec.rewards[{index}].args.{key}",
-                       f"env {entry.env} takes no argument {key!r}{hint}{extra}; it takes: {', '.join(cls.SPEC_ARGS)}")
+            extra = (
+                " (the limits go under `sandbox:`: timeoutSeconds, memoryMB)"
+                if key in ("timeout", "memory_mb") and entry.env == "code-execution"
+                else ""
+            )
+            raise _bad(
+                f"spec.rewards[{index}].args.{key}",
+                f"env {entry.env} takes no argument {key!r}{hint}{extra}; it takes: {', '.join(cls.SPEC_ARGS)}",
+            )
 
 
 def _judge_kwargs(entry: RewardSpec, index: int) -> dict[str, Any]:
     if not entry.model:
-        raise _bad(f"spec.rewards[{index}].model", "env llm-judge needs the judge's model name, e.g. model: gpt-4o-mini")
+        raise _bad(
+            f"spec.rewards[{index}].model",
+            "env llm-judge needs the judge's model name, e.g. model: gpt-4o-mini",
+        )
     key_env = entry.api_key_env or "OPENAI_API_KEY"
     if not os.environ.get(key_env):
         raise FatalWorkerError(
@@ -64,13 +72,20 @@ def build_environment(entry: RewardSpec, index: int, run_dir: Path | None = None
     else:
         for field, yaml_key in JUDGE_FIELDS:
             if getattr(entry, field) is not None:
-                raise _bad(f"spec.rewards[{index}].{yaml_key}", f"only env llm-judge reads it (this is {entry.env})")
+                raise _bad(
+                    f"spec.rewards[{index}].{yaml_key}", f"only env llm-judge reads it (this is {entry.env})"
+                )
     if entry.env == "code-execution":
-        kwargs.update(timeout=entry.sandbox.timeout_seconds, memory_mb=entry.sandbox.memory_mb,
-                      backend=entry.sandbox.backend)
+        kwargs.update(
+            timeout=entry.sandbox.timeout_seconds,
+            memory_mb=entry.sandbox.memory_mb,
+            backend=entry.sandbox.backend,
+        )
     if kwargs.get("cache") == "sqlite" and not kwargs.get("cache_path"):
         if run_dir is None:
-            raise _bad(f"spec.rewards[{index}].args.cache", "'sqlite' needs a run folder (or args.cache_path)")
+            raise _bad(
+                f"spec.rewards[{index}].args.cache", "'sqlite' needs a run folder (or args.cache_path)"
+            )
         kwargs["cache_path"] = sqlite_cache_path(run_dir)
     try:
         env = cls(**kwargs)

@@ -84,14 +84,36 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
     ENV = "llm-judge"
     name = "llm_judge"
     SPEC_ARGS: ClassVar[tuple[str, ...]] = (
-        "score_range", "prompt_template", "system_prompt", "temperature", "max_tokens", "timeout", "max_retries",
-        "retry_wait", "max_concurrency", *BuiltinEnvironment.SPEC_ARGS)
+        "score_range",
+        "prompt_template",
+        "system_prompt",
+        "temperature",
+        "max_tokens",
+        "timeout",
+        "max_retries",
+        "retry_wait",
+        "max_concurrency",
+        *BuiltinEnvironment.SPEC_ARGS,
+    )
 
-    def __init__(self, model: str, base_url: str | None = None, api_key_env: str | None = "OPENAI_API_KEY",
-                 score_range: tuple[float, float] = (0, 10), prompt_template: str = DEFAULT_TEMPLATE,
-                 system_prompt: str | None = None, temperature: float = 0.0, max_tokens: int | None = None,
-                 timeout: float = 60.0, max_retries: int = 4, retry_wait: float = 1.0, max_concurrency: int = 8,
-                 cache: str | None = None, cache_size: int = 4096, cache_path: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        base_url: str | None = None,
+        api_key_env: str | None = "OPENAI_API_KEY",
+        score_range: tuple[float, float] = (0, 10),
+        prompt_template: str = DEFAULT_TEMPLATE,
+        system_prompt: str | None = None,
+        temperature: float = 0.0,
+        max_tokens: int | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 4,
+        retry_wait: float = 1.0,
+        max_concurrency: int = 8,
+        cache: str | None = None,
+        cache_size: int = 4096,
+        cache_path: str | None = None,
+    ) -> None:
         super().__init__(cache, cache_size, cache_path)
         low, high = (float(x) for x in score_range)
         if not high > low:
@@ -119,9 +141,16 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
         return key
 
     def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "model": self.model, "url": self._url, "range": [self._low, self._high],
-                "template": self.prompt_template, "system": self.system_prompt, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}
+        return {
+            **super().settings(),
+            "model": self.model,
+            "url": self._url,
+            "range": [self._low, self._high],
+            "template": self.prompt_template,
+            "system": self.system_prompt,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
 
     def spec_entry(self) -> dict[str, Any] | None:
         entry = super().spec_entry()
@@ -137,8 +166,15 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
 
     # -- one request -------------------------------------------------------------------------------
     def _messages(self, item: Item) -> list[dict[str, str]]:
-        fields = _Defaults({**{k: str(v) for k, v in item.row.items()}, "prompt": item.prompt,
-                            "completion": item.completion, "low": f"{self._low:g}", "high": f"{self._high:g}"})
+        fields = _Defaults(
+            {
+                **{k: str(v) for k, v in item.row.items()},
+                "prompt": item.prompt,
+                "completion": item.completion,
+                "low": f"{self._low:g}",
+                "high": f"{self._high:g}",
+            }
+        )
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*messages, {"role": "user", "content": self.prompt_template.format_map(fields)}]
 
@@ -156,11 +192,17 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
             if exc.code in TRANSIENT_STATUS:
                 raise TransientJudgeError(f"HTTP {exc.code}: {detail}") from exc
             if exc.code in (401, 403):
-                raise FatalWorkerError("RewardJudgeRefused", f"llm-judge: {self._url} refused the API key from "
-                                       f"{self.api_key_env} (HTTP {exc.code}): {detail}") from exc
+                raise FatalWorkerError(
+                    "RewardJudgeRefused",
+                    f"llm-judge: {self._url} refused the API key from "
+                    f"{self.api_key_env} (HTTP {exc.code}): {detail}",
+                ) from exc
             if exc.code == 404:
-                raise FatalWorkerError("RewardJudgeNotFound", f"llm-judge: {self._url} answered 404 for model "
-                                       f"{self.model!r}: check baseURL and model ({detail})") from exc
+                raise FatalWorkerError(
+                    "RewardJudgeNotFound",
+                    f"llm-judge: {self._url} answered 404 for model "
+                    f"{self.model!r}: check baseURL and model ({detail})",
+                ) from exc
             raise RuntimeError(f"HTTP {exc.code}: {detail}") from exc
         except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
             raise TransientJudgeError(f"{type(exc).__name__}: {exc}") from exc
@@ -169,14 +211,20 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
 
     def ask(self, item: Item) -> str:
         """The judge's reply text for one item (retried on transient failures)."""
-        payload: dict[str, Any] = {"model": self.model, "messages": self._messages(item),
-                                   "temperature": self.temperature}
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": self._messages(item),
+            "temperature": self.temperature,
+        }
         if self.max_tokens is not None:
             payload["max_tokens"] = self.max_tokens
         body = json.dumps(payload).encode("utf-8")
-        retrying = Retrying(stop=stop_after_attempt(self.max_retries + 1), reraise=True,
-                            wait=wait_exponential(multiplier=self.retry_wait, max=30),
-                            retry=retry_if_exception(_transient))
+        retrying = Retrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            reraise=True,
+            wait=wait_exponential(multiplier=self.retry_wait, max=30),
+            retry=retry_if_exception(_transient),
+        )
         reply = retrying(self._post, body)
         try:
             return str(reply["choices"][0]["message"]["content"] or "")

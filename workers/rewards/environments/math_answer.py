@@ -23,8 +23,14 @@ class MathAnswerEnvironment(BuiltinEnvironment):
     DEFAULT_CACHE = "off"
     SPEC_ARGS: ClassVar[tuple[str, ...]] = ("answer_column", "tolerance", *BuiltinEnvironment.SPEC_ARGS)
 
-    def __init__(self, answer_column: str = "answer", tolerance: float = 1e-6, cache: str | None = None,
-                 cache_size: int = 4096, cache_path: str | None = None) -> None:
+    def __init__(
+        self,
+        answer_column: str = "answer",
+        tolerance: float = 1e-6,
+        cache: str | None = None,
+        cache_size: int = 4096,
+        cache_path: str | None = None,
+    ) -> None:
         super().__init__(cache, cache_size, cache_path)
         if tolerance < 0:
             raise ValueError(f"tolerance must be >= 0 (got {tolerance})")

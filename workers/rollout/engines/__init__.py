@@ -30,13 +30,21 @@ def resolve_engine_name(name: str, device: str = "cuda") -> str:
     if name == "auto":
         return "vllm" if device == "cuda" and vllm_available() and _cuda_available() else "transformers"
     if name == "vllm" and not vllm_available():
-        raise FatalWorkerError("EngineUnavailable", "spec.generation.engine 'vllm': vLLM is not installed on this "
-                               "worker; install it (pip install vllm) or use engine: transformers or auto")
+        raise FatalWorkerError(
+            "EngineUnavailable",
+            "spec.generation.engine 'vllm': vLLM is not installed on this "
+            "worker; install it (pip install vllm) or use engine: transformers or auto",
+        )
     if name == "vllm" and (device != "cuda" or not _cuda_available()):
-        raise FatalWorkerError("EngineUnavailable", "spec.generation.engine 'vllm' needs a CUDA GPU; set "
-                               "spec.rollout.gpu, or use engine: transformers or auto")
+        raise FatalWorkerError(
+            "EngineUnavailable",
+            "spec.generation.engine 'vllm' needs a CUDA GPU; set "
+            "spec.rollout.gpu, or use engine: transformers or auto",
+        )
     if name not in ENGINES:
-        raise FatalWorkerError("EngineUnavailable", f"spec.generation.engine {name!r}: known engines {ENGINES}")
+        raise FatalWorkerError(
+            "EngineUnavailable", f"spec.generation.engine {name!r}: known engines {ENGINES}"
+        )
     return name
 
 

@@ -41,7 +41,9 @@ class GenerationParams:
 
     @classmethod
     def from_spec(cls, spec: GenerationSpec) -> GenerationParams:
-        return cls(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+        return cls(
+            max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k
+        )
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,13 @@ class Completion:
 
 def eos_token_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]:
     """The ids that end a completion, as TRL computes them: the tokenizer's EOS, then the model's."""
-    ids = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+    ids = (
+        []
+        if generation_eos is None
+        else [generation_eos]
+        if isinstance(generation_eos, int)
+        else list(generation_eos)
+    )
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids = [tokenizer.eos_token_id, *ids]
     return ids
@@ -76,9 +84,15 @@ class Engine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None, memory_share: float | None = None,
-               compile_scope: str = "auto") -> Engine:
+    def create(
+        cls,
+        model_spec: ModelSpec,
+        tokenizer: Any,
+        device: str | None = None,
+        max_num_seqs: int | None = None,
+        memory_share: float | None = None,
+        compile_scope: str = "auto",
+    ) -> Engine:
         """Load the spec's model into a new engine (device None: a GPU when there is one); `max_num_seqs`
         (spec.generation.maxNumSeqs) caps the sequences decoded at once, None: the engine's default;
         `memory_share` (TrainingSpec.rollout_memory_share) is the share of the GPU the engine may hold,
@@ -86,8 +100,9 @@ class Engine(abc.ABC):
         that compiles its decode step compiles (the others ignore it)."""
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
-                 params: GenerationParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, seeds: list[int], params: GenerationParams
+    ) -> list[list[Completion]]:
         """`n` completions of each prompt (prompt i sampled with seeds[i]), one list per prompt."""
 
     def max_model_len(self) -> int | None:

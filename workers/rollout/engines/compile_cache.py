@@ -69,10 +69,12 @@ class CompileReport:
     def describe(self) -> str:
         if self.verdict == "no compile":
             return f"{self.seconds:.1f} s (no compile)"
-        return (f"{self.seconds:.1f} s (compile {self.verdict}: fx graph {self.fx_hit} hit {self.fx_miss} miss"
-                f"{f' {self.fx_bypass} bypass' if self.fx_bypass else ''}, aot autograd {self.aot_hit} hit "
-                f"{self.aot_miss} miss{f' {self.aot_bypass} bypass' if self.aot_bypass else ''}; "
-                f"cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR') or 'torch default'})")
+        return (
+            f"{self.seconds:.1f} s (compile {self.verdict}: fx graph {self.fx_hit} hit {self.fx_miss} miss"
+            f"{f' {self.fx_bypass} bypass' if self.fx_bypass else ''}, aot autograd {self.aot_hit} hit "
+            f"{self.aot_miss} miss{f' {self.aot_bypass} bypass' if self.aot_bypass else ''}; "
+            f"cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR') or 'torch default'})"
+        )
 
 
 class CompileWatch:
@@ -117,4 +119,6 @@ def start_compile_workers() -> None:
 
         maybe_warm_pool()
     except Exception as exc:  # noqa: BLE001 - private torch API: an upgrade that moves it costs a log line
-        log.info("inductor's compile workers not started early (%s): torch starts them at the first compile", exc)
+        log.info(
+            "inductor's compile workers not started early (%s): torch starts them at the first compile", exc
+        )

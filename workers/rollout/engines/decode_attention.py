@@ -27,22 +27,44 @@ from mortal.workers.rollout.engines import decode_attention_kernel
 NAME = "mortal_decode_sdpa"
 
 
-def packed_decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_decode_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, q, D], key/value [B, H_kv, L, D];
     returns ([B, q, H, D], None) as sdpa_attention_forward does."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, dim = query.shape
     if q_len != 1 or groups == 1 or dropout or kwargs.get("softcap") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     # query head h reads key/value head h // G (repeat_kv's order), so [B, H, 1, D] -> [B, H_kv, G, D]
     packed = query.reshape(batch, heads // groups, groups, dim)
     mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
     if decode_attention_kernel.supports(packed, key, value) and mask is not None:
-        out = torch.ops.mortal.decode_attention(packed, key, value, additive(mask, query.dtype)[:, 0, 0].expand(batch, -1),
-                                                dim ** -0.5 if scaling is None else scaling)
+        out = torch.ops.mortal.decode_attention(
+            packed,
+            key,
+            value,
+            additive(mask, query.dtype)[:, 0, 0].expand(batch, -1),
+            dim**-0.5 if scaling is None else scaling,
+        )
         return out.view(batch, 1, heads, dim), None
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None

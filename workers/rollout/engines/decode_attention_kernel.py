@@ -38,12 +38,21 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
     unit-stride heads, and MORTAL_DECODE_KERNEL not "0" (SDPA then, as before the kernel: a way out,
     and what benches compare)."""
     dim = query.shape[-1]
-    return (os.environ.get("MORTAL_DECODE_KERNEL", "1") != "0" and triton is not None
-            and query.is_cuda and key.is_cuda and value.is_cuda
-            and dim & (dim - 1) == 0 and 16 <= dim <= 256 and key.shape[-1] == value.shape[-1] == dim
-            and query.shape[-2] <= MAX_GROUPS
-            and query.dtype in (torch.bfloat16, torch.float16, torch.float32) and key.dtype == value.dtype == query.dtype
-            and key.stride(-1) == 1 and value.stride(-1) == 1)
+    return (
+        os.environ.get("MORTAL_DECODE_KERNEL", "1") != "0"
+        and triton is not None
+        and query.is_cuda
+        and key.is_cuda
+        and value.is_cuda
+        and dim & (dim - 1) == 0
+        and 16 <= dim <= 256
+        and key.shape[-1] == value.shape[-1] == dim
+        and query.shape[-2] <= MAX_GROUPS
+        and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and key.dtype == value.dtype == query.dtype
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+    )
 
 
 def slices_for(pairs: int, columns: int, processors: int) -> int:
@@ -61,11 +70,36 @@ def _processors(device_index: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _slice_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
-                      stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh,
-                      stride_vl, stride_mb, stride_ml, heads, groups, columns, slice_columns, scale_log2,
-                      slices: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr,
-                      PRECISION: tl.constexpr):
+    def _slice_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        mask_ptr,
+        acc_ptr,
+        max_ptr,
+        sum_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qg,
+        stride_kb,
+        stride_kh,
+        stride_kl,
+        stride_vb,
+        stride_vh,
+        stride_vl,
+        stride_mb,
+        stride_ml,
+        heads,
+        groups,
+        columns,
+        slice_columns,
+        scale_log2,
+        slices: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DIM: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         pair = tl.program_id(0)
         part = tl.program_id(1)
         row = pair // heads
@@ -73,8 +107,11 @@ if triton is not None:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, DIM)
         n = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + row * stride_qb + head * stride_qh + g[:, None] * stride_qg + d[None, :],
-                    mask=g[:, None] < groups, other=0.0)
+        q = tl.load(
+            q_ptr + row * stride_qb + head * stride_qh + g[:, None] * stride_qg + d[None, :],
+            mask=g[:, None] < groups,
+            other=0.0,
+        )
         running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, DIM], tl.float32)
@@ -92,8 +129,9 @@ if triton is not None:
                 v = tl.load(v_base + cols[:, None] * stride_vl + d[None, :], mask=inside[:, None], other=0.0)
                 # (cast: compiled by inductor, scale_log2 may arrive as a float64 constant)
                 scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2).to(tl.float32)
-                scores = tl.where(hidden[None, :] > -1.0e30, scores + hidden[None, :] * 1.4426950408889634,
-                                  float("-inf"))
+                scores = tl.where(
+                    hidden[None, :] > -1.0e30, scores + hidden[None, :] * 1.4426950408889634, float("-inf")
+                )
                 new_max = tl.maximum(running_max, tl.max(scores, axis=1))
                 weights = tl.exp2(scores - new_max[:, None])
                 rescale = tl.exp2(running_max - new_max)
@@ -106,8 +144,17 @@ if triton is not None:
         tl.store(sum_ptr + out, running_sum)
 
     @triton.jit
-    def _combine_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, groups, slices: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DIM: tl.constexpr):
+    def _combine_kernel(
+        acc_ptr,
+        max_ptr,
+        sum_ptr,
+        out_ptr,
+        groups,
+        slices: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        DIM: tl.constexpr,
+    ):
         pair = tl.program_id(0)
         s = tl.arange(0, BLOCK_S)
         g = tl.arange(0, BLOCK_G)
@@ -119,15 +166,21 @@ if triton is not None:
         overall = tl.max(maxes, axis=0)  # [G]: every row sees at least one column, so finite
         weight = tl.where(maxes == float("-inf"), 0.0, tl.exp2(maxes - overall[None, :]))
         total = tl.sum(sums * weight, axis=0)
-        acc = tl.load(acc_ptr + index[:, :, None] * DIM + d[None, None, :], mask=present[:, :, None], other=0.0)
+        acc = tl.load(
+            acc_ptr + index[:, :, None] * DIM + d[None, None, :], mask=present[:, :, None], other=0.0
+        )
         # a row that sees no column (an idle row of a captured graph) gets zeros, not 0 / 0
         out = tl.sum(acc * weight[:, :, None], axis=0) / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + (pair * groups + g[:, None]) * DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=g[:, None] < groups)
+        tl.store(
+            out_ptr + (pair * groups + g[:, None]) * DIM + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g[:, None] < groups,
+        )
 
     @torch.library.triton_op("mortal::decode_attention", mutates_args=())
-    def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+    def decode_attention(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """query [B, H_kv, G, D] (the G query heads of each key/value head), key/value [B, H_kv, L, D],
         mask [B, L] additive (0 seen, -inf or the dtype's minimum hidden) -> [B, H_kv, G, D]."""
         from torch.library import wrap_triton
@@ -145,14 +198,48 @@ if triton is not None:
         query = query.contiguous() if query.stride(-1) != 1 else query
         precision = "ieee" if query.dtype == torch.float32 else "tf32"
         wrap_triton(_slice_kernel)[(pairs, slices)](
-            query, key, value, mask, acc, maxes, sums,
-            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
-            heads, groups, columns, slice_columns, scale * LOG2E,
-            slices=slices, BLOCK_G=block_g, BLOCK_N=BLOCK_COLUMNS, DIM=dim, PRECISION=precision,
-            num_warps=4, num_stages=2)
+            query,
+            key,
+            value,
+            mask,
+            acc,
+            maxes,
+            sums,
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            value.stride(0),
+            value.stride(1),
+            value.stride(2),
+            mask.stride(0),
+            mask.stride(1),
+            heads,
+            groups,
+            columns,
+            slice_columns,
+            scale * LOG2E,
+            slices=slices,
+            BLOCK_G=block_g,
+            BLOCK_N=BLOCK_COLUMNS,
+            DIM=dim,
+            PRECISION=precision,
+            num_warps=4,
+            num_stages=2,
+        )
         out = torch.empty(rows, heads, groups, dim, device=query.device, dtype=query.dtype)
         wrap_triton(_combine_kernel)[(pairs,)](
-            acc, maxes, sums, out, groups, slices=slices, BLOCK_G=block_g,
-            BLOCK_S=max(2, triton.next_power_of_2(slices)), DIM=dim, num_warps=4)
+            acc,
+            maxes,
+            sums,
+            out,
+            groups,
+            slices=slices,
+            BLOCK_G=block_g,
+            BLOCK_S=max(2, triton.next_power_of_2(slices)),
+            DIM=dim,
+            num_warps=4,
+        )
         return out

@@ -81,9 +81,11 @@ def _fusable(members: list[Any]) -> bool:
     if not all(type(m) is nn.Linear for m in members):
         return False
     first = members[0].weight
-    return (len({m.in_features for m in members}) == 1
-            and all(m.weight.dtype == first.dtype and m.weight.device == first.device for m in members)
-            and len({m.bias is None for m in members}) == 1)
+    return (
+        len({m.in_features for m in members}) == 1
+        and all(m.weight.dtype == first.dtype and m.weight.device == first.device for m in members)
+        and len({m.bias is None for m in members}) == 1
+    )
 
 
 @torch.no_grad()

@@ -95,7 +95,9 @@ def layer_compiled_model(model: Any, backend: Any = "inductor") -> Callable[...,
     compiled = torch.nn.ModuleList(torch.compile(layer, dynamic=None, backend=backend) for layer in layers)
 
     def forward(**kwargs: Any) -> Any:
-        patch = torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES, allow_unspec_int_on_nn_module=True)
+        patch = torch._dynamo.config.patch(
+            recompile_limit=COMPILED_SHAPES, allow_unspec_int_on_nn_module=True
+        )
         with patch, _layers_replaced(layers, compiled):
             return model(**kwargs)
 
@@ -123,8 +125,10 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
     """The repeated decoder layers of a transformers causal LM (`get_decoder().layers`)."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no list of decoder layers at get_decoder().layers: "
-                         f"compile it whole (compile scope 'model')")
+        raise ValueError(
+            f"{type(model).__name__} has no list of decoder layers at get_decoder().layers: "
+            f"compile it whole (compile scope 'model')"
+        )
     return layers
 
 
@@ -163,8 +167,14 @@ def kv_bytes_per_token(model: Any) -> int:
     return config.num_hidden_layers * 2 * kv_heads * head_dim * element
 
 
-def rows_within_budget(budget: int, weights: int, row_bytes: int, kept_shapes: int, wanted: int,
-                       workspace_floor: int = WORKSPACE_FLOOR) -> int:
+def rows_within_budget(
+    budget: int,
+    weights: int,
+    row_bytes: int,
+    kept_shapes: int,
+    wanted: int,
+    workspace_floor: int = WORKSPACE_FLOOR,
+) -> int:
     """The most rows (at most `wanted`) whose caches fit in `budget` bytes beside `weights`, with
     WORKSPACE_SHARE of the budget (at least `workspace_floor` bytes) kept aside and room for `kept_shapes`
     such caches at once (a worker keeps that many shapes). Counted from the spec's and the model's sizes only,
@@ -258,23 +268,27 @@ class RowScatterLayer(StaticLayer):
         values = value_states.new_zeros(self.rows, heads, 0, value_states.shape[-1])
         super().lazy_initialization(keys, values)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.writes.prefill_rows is not None:
             return self._prefill(self.writes.prefill_rows, key_states, value_states)
         return self._decode(key_states, value_states)
 
-    def _prefill(self, rows: torch.Tensor, key_states: torch.Tensor,
-                 value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(
+        self, rows: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager: the prompts of `rows` into columns 0..P-1; returns those rows' full K/V."""
         width = key_states.shape[2]
         self.keys[rows, :, :width] = key_states
         self.values[rows, :, :width] = value_states
         return self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
-    def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new K/V per row at that row's own column (graph-safe); returns the whole cache.
 
         Written as index_put_ (keys[row, :, column[row]] = new), which inductor keeps in place; a
@@ -291,9 +305,11 @@ class RowCache(StaticCache):
         super().__init__(config=model.config, max_cache_len=max_cache_len)
         kinds = {type(layer) for layer in self.layers}
         if kinds != {StaticLayer}:
-            raise ValueError(f"StaticDecoder refills rows of full-attention layers only; this model's cache has "
-                             f"{sorted(kind.__name__ for kind in kinds)} layers: use the vllm engine, or the "
-                             f"transformers engine with compiled=False")
+            raise ValueError(
+                f"StaticDecoder refills rows of full-attention layers only; this model's cache has "
+                f"{sorted(kind.__name__ for kind in kinds)} layers: use the vllm engine, or the "
+                f"transformers engine with compiled=False"
+            )
         self.layers = [RowScatterLayer(max_cache_len, rows, writes) for _ in self.layers]
         self.writes = writes
         config = model.config.get_text_config(decoder=True)
@@ -313,8 +329,9 @@ class StackedRowCache(RowCache):
     anew; indexing one tensor with the int, left unspecialised, makes it an input of one graph. The eager
     prefill still writes through each layer's object (its views)."""
 
-    def early_initialization(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                             device: torch.device) -> None:
+    def early_initialization(
+        self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """The stacked K/V first, then each layer's views of it (one layer's own tensors live at a time, so
         the peak is the cache and one layer, not two caches)."""
         shape = (len(self.layers), batch_size, num_heads, self.layers[0].max_cache_len, head_dim)
@@ -327,8 +344,9 @@ class StackedRowCache(RowCache):
         torch._dynamo.mark_static_address(self.all_keys)
         torch._dynamo.mark_static_address(self.all_values)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.writes.prefill_rows is not None:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # The layer is an index of the write, not a view written into: inductor keeps an index_put_ on the
@@ -345,8 +363,15 @@ class DecodeState:
     """The tensors one decode step reads and writes in place, one entry per row: a captured graph
     replays over exactly these, and Python refills rows by writing into them between replays."""
 
-    def __init__(self, rows: int, prompt_len: int, max_tokens: int, vocab: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        rows: int,
+        prompt_len: int,
+        max_tokens: int,
+        vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         length = prompt_len + max_tokens
         self.rows, self.prompt_len, self.max_tokens = rows, prompt_len, max_tokens
         self.last_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -400,20 +425,25 @@ class RowSchedule:
         return given
 
     def advance(self, steps: int) -> None:
-        self.t = [min(t + steps, self.max_tokens) if live else t
-                  for t, live in zip(self.t, self.live, strict=True)]
+        self.t = [
+            min(t + steps, self.max_tokens) if live else t for t, live in zip(self.t, self.live, strict=True)
+        ]
 
     def steps_to_check(self, steps_done: int) -> int:
         """Steps until the next check: the next multiple of sync_every, or sooner if a live row reaches T."""
         to_sync = self.sync_every - steps_done % self.sync_every
-        to_limit = min((self.max_tokens - t for t, live in zip(self.t, self.live, strict=True) if live),
-                       default=to_sync)
+        to_limit = min(
+            (self.max_tokens - t for t, live in zip(self.t, self.live, strict=True) if live), default=to_sync
+        )
         return min(to_sync, to_limit)
 
     def finish(self, ended: list[bool]) -> list[int]:
         """Mark live rows that sampled an EOS or reached T as finished; returns them, in row order."""
-        done = [row for row, live in enumerate(self.live)
-                if live and (ended[row] or self.t[row] >= self.max_tokens)]
+        done = [
+            row
+            for row, live in enumerate(self.live)
+            if live and (ended[row] or self.t[row] >= self.max_tokens)
+        ]
         for row in done:
             self.live[row] = False
         return done
@@ -438,13 +468,22 @@ class StaticDecoder:
     why). After each generate, `last_stats` says how much of the sampling was useful; `preparations`
     counts the shapes prepared (captured, on CUDA) since construction."""
 
-    def __init__(self, model: Any, compile: bool = True, max_rows: int = DEFAULT_MAX_ROWS,
-                 kept_shapes: int = DEFAULT_KEPT_SHAPES, sync_every: int = SYNC_EVERY,
-                 memory_budget: int | None = None, dynamic: bool | None = False,
-                 compile_scope: str = "auto") -> None:
+    def __init__(
+        self,
+        model: Any,
+        compile: bool = True,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        kept_shapes: int = DEFAULT_KEPT_SHAPES,
+        sync_every: int = SYNC_EVERY,
+        memory_budget: int | None = None,
+        dynamic: bool | None = False,
+        compile_scope: str = "auto",
+    ) -> None:
         if min(max_rows, kept_shapes, sync_every) < 1:
-            raise ValueError(f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
-                             f"must be at least 1")
+            raise ValueError(
+                f"max_rows ({max_rows}), kept_shapes ({kept_shapes}) and sync_every ({sync_every}) "
+                f"must be at least 1"
+            )
         # refused here, before anything is installed
         compile_scope = resolve_compile_scope(model, compile_scope)
         decode_attention.install(model)  # one query token per row reads each key/value head once
@@ -467,8 +506,9 @@ class StaticDecoder:
         self.last_stats: DecodeStats | None = None
 
     @torch.no_grad()
-    def prepare(self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling,
-                min_rows: int = 0) -> PreparedShape:
+    def prepare(
+        self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling, min_rows: int = 0
+    ) -> PreparedShape:
         """The kept cache, state and step for `sequences` prompts of this width (and at least rows for
         `min_rows`), or new ones (evicting the least recently used; `preparations` counts them). Callable
         before generate() to time the compile apart. Without autograd whoever calls it: compiled with grad
@@ -504,7 +544,8 @@ class StaticDecoder:
                 f"of the GPU) holds {self.weight_bytes / 2**30:.2f} GiB of weights and {WORKSPACE_SHARE:.0%} "
                 f"workspace (at least {WORKSPACE_FLOOR / 2**20:.0f} MiB), and no room for {self.kept_shapes} KV "
                 f"caches of one row of {length} tokens ({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
-                f"generation.maxTokens")
+                f"generation.maxTokens"
+            )
         return fit
 
     def _step_function(self, cache: RowCache, state: DecodeState, sampling: Sampling) -> Callable[[], None]:
@@ -518,8 +559,13 @@ class StaticDecoder:
             torch.add(state.t, last_column, out=state.columns)
             state.mask.scatter_(3, state.columns.view(-1, 1, 1, 1), 0.0)
             # 2. one token per row through the model, sampled
-            logits = forward(input_ids=state.last_token, position_ids=state.positions, attention_mask=state.mask,
-                             past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = forward(
+                input_ids=state.last_token,
+                position_ids=state.positions,
+                attention_mask=state.mask,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
             token, logprob = sample(logits, sampling)
             # 3. recorded at each row's t (a row past max_tokens writes the spare column T)
             out = state.t.clamp(max=max_tokens)[:, None]
@@ -561,8 +607,15 @@ class StaticDecoder:
         return graph.replay
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int,
-                 sampling: Sampling, eos_ids: list[int], min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_tokens: int,
+        sampling: Sampling,
+        eos_ids: list[int],
+        min_rows: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S, T'], logprobs [S, T']) for S left-padded prompts, in their order; T' is the longest
         completion's length. What follows a sequence's first EOS is junk the caller cuts (cut_at_eos).
         `min_rows`: decode in the shape of that many sequences (the rows past these S idle)."""
@@ -572,20 +625,32 @@ class StaticDecoder:
         shape.cache.reset()
         shape.state.stop.zero_()
         shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
-        prompts = _Prompts(input_ids.to(self.device), attention_mask.to(self.device, torch.bool), max_tokens,
-                           self.dtype)
+        prompts = _Prompts(
+            input_ids.to(self.device), attention_mask.to(self.device, torch.bool), max_tokens, self.dtype
+        )
         outputs = _Outputs(sequences, max_tokens, self.device)
         schedule = RowSchedule(rows, sequences, max_tokens, self.sync_every)
         steps = self._decode(shape, prompts, schedule, sampling, outputs)
         outputs.take(shape.state, [(row, seq) for row, seq in enumerate(schedule.held) if seq is not None])
         lengths = outputs.lengths(shape.state.stop)
-        self.last_stats = DecodeStats(rows=rows, sequences=sequences, decode_steps=steps,
-                                      refills=schedule.refills, useful_tokens=sum(lengths))
+        self.last_stats = DecodeStats(
+            rows=rows,
+            sequences=sequences,
+            decode_steps=steps,
+            refills=schedule.refills,
+            useful_tokens=sum(lengths),
+        )
         longest = max(lengths)
         return outputs.tokens[:, :longest].clone(), outputs.logprobs[:, :longest].clone()
 
-    def _decode(self, shape: PreparedShape, prompts: _Prompts, schedule: RowSchedule, sampling: Sampling,
-                outputs: _Outputs) -> int:
+    def _decode(
+        self,
+        shape: PreparedShape,
+        prompts: _Prompts,
+        schedule: RowSchedule,
+        sampling: Sampling,
+        outputs: _Outputs,
+    ) -> int:
         """The loop of the module docstring; returns the decode steps run."""
         # 1. fill every row
         self._fill(shape, prompts, schedule.assign(list(range(len(schedule.held)))), sampling, outputs)
@@ -605,8 +670,14 @@ class StaticDecoder:
             if not schedule.any_live:
                 return steps
 
-    def _fill(self, shape: PreparedShape, prompts: _Prompts, given: list[tuple[int, int, int | None]],
-              sampling: Sampling, outputs: _Outputs) -> None:
+    def _fill(
+        self,
+        shape: PreparedShape,
+        prompts: _Prompts,
+        given: list[tuple[int, int, int | None]],
+        sampling: Sampling,
+        outputs: _Outputs,
+    ) -> None:
         """Eager: copy out what the rows held, prefill their new sequences' prompts into them, sample each
         one's first token and reset the rows' state (t = 1, position, mask, ended)."""
         if not given:
@@ -620,8 +691,14 @@ class StaticDecoder:
         shape.cache.writes.prefill_rows = rows
         try:
             # logits_to_keep=1: the last position's logits only, not [rows, P, vocab] (GBs at 256 rows)
-            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=prompts.prefill_mask(real),
-                                past_key_values=shape.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=prompts.prefill_mask(real),
+                past_key_values=shape.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
         finally:
             shape.cache.writes.prefill_rows = None
         token, logprob = sample(logits, sampling)
@@ -677,7 +754,9 @@ class _Prompts:
 
     def prefill_mask(self, real: torch.Tensor) -> torch.Tensor:
         """[k, 1, P, P + T] additive: causal over real tokens; a padding query sees itself (no empty row)."""
-        allowed = (self._visible(real)[:, None, None, :] & self.causal[None, None]) | self.pad_rows_see_themselves
+        allowed = (
+            self._visible(real)[:, None, None, :] & self.causal[None, None]
+        ) | self.pad_rows_see_themselves
         return self._additive(allowed)
 
     def decode_mask(self, real: torch.Tensor) -> torch.Tensor:
@@ -686,4 +765,6 @@ class _Prompts:
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """An additive mask in the model's dtype (works for eager and SDPA attention alike)."""
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(~allowed, self.blocked)
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, self.blocked
+        )

@@ -60,9 +60,15 @@ def cap_memory(device: str, share: float | None) -> int | None:
 class TransformersEngine(Engine):
     name = "transformers"
 
-    def __init__(self, model: Any, tokenizer: Any, compiled: bool | None = None,
-                 max_rows: int = DEFAULT_MAX_ROWS, memory_budget: int | None = None,
-                 compile_scope: str = "auto") -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        compiled: bool | None = None,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        memory_budget: int | None = None,
+        compile_scope: str = "auto",
+    ) -> None:
         """`compiled` None: batched graph decoding on CUDA, one eager `generate` per prompt elsewhere.
         `max_rows`: the most sequences the batched path decodes at once (more wait and refill rows).
         `memory_budget`: bytes the batched path's weights and KV caches must fit in (StaticDecoder).
@@ -81,21 +87,40 @@ class TransformersEngine(Engine):
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=pad
         )
         self.max_rows = max_rows
-        self.decoder = (StaticDecoder(model, compile=self.device.type == "cuda", max_rows=max_rows,
-                                      memory_budget=memory_budget, compile_scope=compile_scope)
-                        if self.compiled else None)
+        self.decoder = (
+            StaticDecoder(
+                model,
+                compile=self.device.type == "cuda",
+                max_rows=max_rows,
+                memory_budget=memory_budget,
+                compile_scope=compile_scope,
+            )
+            if self.compiled
+            else None
+        )
 
     @classmethod
-    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None, memory_share: float | None = None,
-               compile_scope: str = "auto") -> TransformersEngine:
+    def create(
+        cls,
+        model_spec: ModelSpec,
+        tokenizer: Any,
+        device: str | None = None,
+        max_num_seqs: int | None = None,
+        memory_share: float | None = None,
+        compile_scope: str = "auto",
+    ) -> TransformersEngine:
         where = device or default_device()
         # the decoder will compile: its workers start while the model loads
         if torch.device(where).type == "cuda":
             start_compile_workers()
         budget = cap_memory(where, memory_share)
-        return cls(load_model(model_spec, where, for_training=False), tokenizer,
-                   max_rows=max_num_seqs or DEFAULT_MAX_ROWS, memory_budget=budget, compile_scope=compile_scope)
+        return cls(
+            load_model(model_spec, where, for_training=False),
+            tokenizer,
+            max_rows=max_num_seqs or DEFAULT_MAX_ROWS,
+            memory_budget=budget,
+            compile_scope=compile_scope,
+        )
 
     def _generation_config(self, n: int, params: GenerationParams) -> Any:
         from transformers import GenerationConfig
@@ -116,11 +141,14 @@ class TransformersEngine(Engine):
             disable_compile=True,
         )
 
-    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
-                 params: GenerationParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, seeds: list[int], params: GenerationParams
+    ) -> list[list[Completion]]:
         if self.decoder is not None:
             return _GRAPH_THREAD.submit(self._generate_batch, prompts, n, seeds[0], params).result()
-        return [self._generate_one(prompt, n, seed, params) for prompt, seed in zip(prompts, seeds, strict=True)]
+        return [
+            self._generate_one(prompt, n, seed, params) for prompt, seed in zip(prompts, seeds, strict=True)
+        ]
 
     def max_model_len(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
@@ -131,21 +159,30 @@ class TransformersEngine(Engine):
         stats = self.decoder.last_stats if self.decoder is not None else None
         if stats is None:
             return {}
-        return {"rows": stats.rows, "decode_steps": stats.decode_steps, "refills": stats.refills,
-                "useful_fraction": round(stats.useful_fraction, 3)}
+        return {
+            "rows": stats.rows,
+            "decode_steps": stats.decode_steps,
+            "refills": stats.refills,
+            "useful_fraction": round(stats.useful_fraction, 3),
+        }
 
-    def _left_padded(self, prompts: list[list[int]], n: int, min_width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _left_padded(
+        self, prompts: list[list[int]], n: int, min_width: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask of every prompt repeated n times, left-padded to the bucket (and to
         at least `min_width`)."""
         width = -(-max(min_width, *(len(p) for p in prompts)) // PROMPT_BUCKET) * PROMPT_BUCKET
         rows = [[self.pad_id] * (width - len(p)) + p for p in prompts for _ in range(n)]
         masks = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(n)]
-        return (torch.tensor(rows, dtype=torch.long, device=self.device),
-                torch.tensor(masks, dtype=torch.long, device=self.device))
+        return (
+            torch.tensor(rows, dtype=torch.long, device=self.device),
+            torch.tensor(masks, dtype=torch.long, device=self.device),
+        )
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], n: int, seed: int,
-                        params: GenerationParams) -> list[list[Completion]]:
+    def _generate_batch(
+        self, prompts: list[list[int]], n: int, seed: int, params: GenerationParams
+    ) -> list[list[Completion]]:
         input_ids, attention_mask = self._left_padded(prompts, n, params.min_prompt_width)
         sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
         # CPU: the eager decoder, no CUDA
@@ -153,15 +190,21 @@ class TransformersEngine(Engine):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             # where the decoder's generate() would prepare: the RNG sees the same calls in the same order
-            self._prepare_logged(input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, params.min_rows)
-            tokens, logprobs = self.decoder.generate(input_ids, attention_mask, params.max_tokens, sampling,
-                                                     self.eos_ids, params.min_rows)
+            self._prepare_logged(
+                input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, params.min_rows
+            )
+            tokens, logprobs = self.decoder.generate(
+                input_ids, attention_mask, params.max_tokens, sampling, self.eos_ids, params.min_rows
+            )
         ids, lps = tokens.tolist(), logprobs.tolist()
-        return [[cut_at_eos(ids[i * n + g], lps[i * n + g], self.eos_ids) for g in range(n)]
-                for i in range(len(prompts))]
+        return [
+            [cut_at_eos(ids[i * n + g], lps[i * n + g], self.eos_ids) for g in range(n)]
+            for i in range(len(prompts))
+        ]
 
-    def _prepare_logged(self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling,
-                        min_rows: int = 0) -> None:
+    def _prepare_logged(
+        self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling, min_rows: int = 0
+    ) -> None:
         """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
         prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
         served it, and committed to the volume. generate() then reuses the kept shape."""
@@ -170,15 +213,22 @@ class TransformersEngine(Engine):
             shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows)
         if self.decoder.preparations == before:
             return
-        log.info("decode shape %d rows x %d+%d tokens prepared in %s", shape.state.rows, prompt_len, max_tokens,
-                 watch.report.describe())
+        log.info(
+            "decode shape %d rows x %d+%d tokens prepared in %s",
+            shape.state.rows,
+            prompt_len,
+            max_tokens,
+            watch.report.describe(),
+        )
         persist(watch.report)
 
     def _cuda_index(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     @torch.no_grad()
-    def _generate_one(self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams) -> list[Completion]:
+    def _generate_one(
+        self, prompt_ids: list[int], n: int, seed: int, params: GenerationParams
+    ) -> list[Completion]:
         """`n` completions of one unpadded prompt through `model.generate` (bit-for-bit reproducible on
         CPU)."""
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
@@ -191,7 +241,7 @@ class TransformersEngine(Engine):
                 attention_mask=attention_mask,
                 generation_config=self._generation_config(n, params),
             )
-        tokens = out.sequences[:, input_ids.shape[1]:]
+        tokens = out.sequences[:, input_ids.shape[1] :]
         logprobs = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
         for t, scores in enumerate(out.scores):
             step = torch.log_softmax(scores.float(), dim=-1)
@@ -203,7 +253,9 @@ class TransformersEngine(Engine):
         try:
             (transport or VolumeTransport()).load(self.model, path)
         except WeightsError as exc:
-            raise FatalWorkerError("WeightsMismatch", f"published weights do not fit the rollout model: {exc}") from exc
+            raise FatalWorkerError(
+                "WeightsMismatch", f"published weights do not fit the rollout model: {exc}"
+            ) from exc
 
     def close(self) -> None:
         self.model = None

@@ -69,7 +69,9 @@ def base_tensors(location: str, names: list[str], device: str) -> dict[str, Any]
     from safetensors import safe_open
 
     index = Path(location) / INDEX_FILE
-    shard_of = json.loads(index.read_text())["weight_map"] if index.is_file() else dict.fromkeys(names, WEIGHTS_FILE)
+    shard_of = (
+        json.loads(index.read_text())["weight_map"] if index.is_file() else dict.fromkeys(names, WEIGHTS_FILE)
+    )
     by_shard: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_shard[shard_of[name]].append(name)
@@ -90,10 +92,20 @@ def _load_adapters_on_worker(worker: Any, path: str, location: str) -> int:
     factors, scales = read_adapters(path, device=device)
     missing = [f"{module}.weight" for module in scales if f"{module}.weight" not in _LORA_BASE]
     _LORA_BASE.update(base_tensors(location, missing, device) if missing else {})
-    model.load_weights(weights=(
-        (f"{module}.weight", merged_weight(_LORA_BASE[f"{module}.weight"], factors[f"{module}.lora_A"],
-                                           factors[f"{module}.lora_B"], scale))
-        for module, scale in scales.items()))
+    model.load_weights(
+        weights=(
+            (
+                f"{module}.weight",
+                merged_weight(
+                    _LORA_BASE[f"{module}.weight"],
+                    factors[f"{module}.lora_A"],
+                    factors[f"{module}.lora_B"],
+                    scale,
+                ),
+            )
+            for module, scale in scales.items()
+        )
+    )
     return len(scales)
 
 
@@ -110,17 +122,28 @@ def _generation_eos(location: str) -> int | list[int] | None:
 class VllmEngine(Engine):
     name = "vllm"
 
-    def __init__(self, llm: Any, tokenizer: Any, generation_eos: int | list[int] | None = None,
-                 location: str | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any,
+        generation_eos: int | list[int] | None = None,
+        location: str | None = None,
+    ) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
         self.location = location  # the model's folder: where a LoRA run's base weights are read from
         self.eos_ids = eos_token_ids(tokenizer, generation_eos)
 
     @classmethod
-    def create(cls, model_spec: ModelSpec, tokenizer: Any, device: str | None = None,
-               max_num_seqs: int | None = None, memory_share: float | None = None,
-               compile_scope: str = "auto") -> VllmEngine:
+    def create(
+        cls,
+        model_spec: ModelSpec,
+        tokenizer: Any,
+        device: str | None = None,
+        max_num_seqs: int | None = None,
+        memory_share: float | None = None,
+        compile_scope: str = "auto",
+    ) -> VllmEngine:
         # The weight loader is a function sent to vLLM's worker processes (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
@@ -154,8 +177,9 @@ class VllmEngine(Engine):
             detokenize=False,
         )
 
-    def generate(self, prompts: list[list[int]], n: int, seeds: list[int],
-                 params: GenerationParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, seeds: list[int], params: GenerationParams
+    ) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         requests = self.llm.generate(

@@ -42,8 +42,15 @@ print(json.dumps({"inductor": cache_dir(), "triton": triton_cache_dir(0), "fx_gr
 
 
 def _in_a_worker_process(home: Path, code: str) -> dict:
-    launch = WorkerLaunch(run="cc", role="rollout", replica=0, incarnation=1, worker_id="cc/rollout-0#1",
-                          state_url="sqlite:///unused.db", mortal_home=str(home))
+    launch = WorkerLaunch(
+        run="cc",
+        role="rollout",
+        replica=0,
+        incarnation=1,
+        worker_id="cc/rollout-0#1",
+        state_url="sqlite:///unused.db",
+        mortal_home=str(home),
+    )
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
     env = launch.environ(inherited, "")
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers to start
@@ -55,8 +62,11 @@ def _in_a_worker_process(home: Path, code: str) -> dict:
 def test_torch_in_a_worker_uses_the_runs_folder_with_both_caches_on(tmp_path: Path) -> None:
     folder = paths.compile_cache_dir(tmp_path)
     assert _in_a_worker_process(tmp_path, RESOLVES) == {
-        "inductor": str(folder / "inductor"), "triton": str(folder / "triton"),
-        "fx_graph_cache": True, "autograd_cache": True}
+        "inductor": str(folder / "inductor"),
+        "triton": str(folder / "triton"),
+        "fx_graph_cache": True,
+        "autograd_cache": True,
+    }
 
 
 @pytest.mark.slow
@@ -67,23 +77,32 @@ def test_a_relaunched_process_is_served_what_the_first_compiled(tmp_path: Path) 
     assert any((inductor / "fxgraph").iterdir()) and any((inductor / "aotautograd").iterdir())
 
     second = _in_a_worker_process(tmp_path, COMPILES)
-    assert (second["verdict"], second["fx_hit"], second["fx_miss"], second["aot_hit"]) == ("cache hit", 1, 0, 1)
+    assert (second["verdict"], second["fx_hit"], second["fx_miss"], second["aot_hit"]) == (
+        "cache hit",
+        1,
+        0,
+        1,
+    )
     assert f"cache {inductor}" in second["line"] and "compile cache hit" in second["line"]
 
 
-@pytest.mark.parametrize(("counts", "verdict"), [
-    ({}, "no compile"),
-    ({"fx_hit": 2}, "cache hit"),
-    ({"fx_miss": 1}, "cache miss"),
-    ({"fx_bypass": 1}, "cache miss"),
-    ({"fx_hit": 1, "fx_miss": 1}, "partial cache hit"),
-])
+@pytest.mark.parametrize(
+    ("counts", "verdict"),
+    [
+        ({}, "no compile"),
+        ({"fx_hit": 2}, "cache hit"),
+        ({"fx_miss": 1}, "cache miss"),
+        ({"fx_bypass": 1}, "cache miss"),
+        ({"fx_hit": 1, "fx_miss": 1}, "partial cache hit"),
+    ],
+)
 def test_verdict(counts: dict, verdict: str) -> None:
     assert CompileReport(1.0, **counts).verdict == verdict
 
 
 def test_what_a_miss_compiled_is_committed_to_the_volume_and_a_failed_commit_is_only_logged(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     commits = []
     monkeypatch.setattr(compile_cache, "volume_sync", lambda: commits.append(1))
     compile_cache.persist(CompileReport(1.0, fx_hit=3))
@@ -99,7 +118,9 @@ def test_what_a_miss_compiled_is_committed_to_the_volume_and_a_failed_commit_is_
     assert "could not commit the compile cache" in caplog.text
 
 
-def test_start_compile_workers_is_torchs_own_pool_warm_up_and_never_fails_the_worker(monkeypatch, caplog) -> None:
+def test_start_compile_workers_is_torchs_own_pool_warm_up_and_never_fails_the_worker(
+    monkeypatch, caplog
+) -> None:
     import torch._inductor.async_compile as async_compile
 
     calls: list[int] = []

@@ -51,8 +51,12 @@ def test_an_installed_model_decodes_with_the_logits_of_the_plain_one(tmp_path) -
     from transformers import AutoModelForCausalLM, DynamicCache
 
     folder = make_tiny_model(tmp_path / "model")
-    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    plain = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    packed = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     assert decode_attention.install(packed)
     assert packed.config._attn_implementation == decode_attention.NAME
     ids = torch.tensor([[0, 0, 5, 17, 300], [9, 44, 81, 2, 7]])
@@ -60,8 +64,10 @@ def test_an_installed_model_decodes_with_the_logits_of_the_plain_one(tmp_path) -
     caches = {name: DynamicCache() for name in ("plain", "packed")}
     with torch.no_grad():
         for _ in range(4):
-            logits = {name: model(input_ids=ids, attention_mask=attention, past_key_values=caches[name]).logits
-                      for name, model in (("plain", plain), ("packed", packed))}
+            logits = {
+                name: model(input_ids=ids, attention_mask=attention, past_key_values=caches[name]).logits
+                for name, model in (("plain", plain), ("packed", packed))
+            }
             torch.testing.assert_close(logits["packed"], logits["plain"], atol=1e-5, rtol=1e-5)
             ids = logits["plain"][:, -1:].argmax(-1)
             attention = torch.cat([attention, torch.ones(2, 1, dtype=torch.long)], 1)
@@ -76,11 +82,16 @@ def test_the_decoders_steps_take_the_packed_path(tmp_path, monkeypatch) -> None:
     prefills' run on the query heads."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model(tmp_path / "model"), dtype=torch.float32
+    ).eval()
     seen: list[tuple[int, ...]] = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(decode_attention.F, "scaled_dot_product_attention",
-                        lambda q, *args, **kwargs: seen.append(tuple(q.shape)) or real_sdpa(q, *args, **kwargs))
+    monkeypatch.setattr(
+        decode_attention.F,
+        "scaled_dot_product_attention",
+        lambda q, *args, **kwargs: seen.append(tuple(q.shape)) or real_sdpa(q, *args, **kwargs),
+    )
     decoder = StaticDecoder(model, compile=False, max_rows=4)
     from mortal.workers.rollout.engines.static_decode import Sampling
 
@@ -92,13 +103,18 @@ def test_the_decoders_steps_take_the_packed_path(tmp_path, monkeypatch) -> None:
     assert all(shape[1] == model.config.num_attention_heads for shape in seen if shape not in decode_calls)
 
 
-@pytest.mark.parametrize("pairs,columns,processors,expected", [
-    (128, 512, 132, 3),   # 64 rows x 2 heads on an H100: three slices make two programs a processor
-    (4, 96, 132, 2),      # few rows: as many slices as blocks of columns, no more
-    (512, 512, 132, 1),   # many rows fill the GPU unsplit
-    (1, 10, 132, 1),      # a short cache is one block
-])
-def test_the_kernel_splits_columns_until_every_processor_has_two_programs(pairs, columns, processors, expected) -> None:
+@pytest.mark.parametrize(
+    "pairs,columns,processors,expected",
+    [
+        (128, 512, 132, 3),  # 64 rows x 2 heads on an H100: three slices make two programs a processor
+        (4, 96, 132, 2),  # few rows: as many slices as blocks of columns, no more
+        (512, 512, 132, 1),  # many rows fill the GPU unsplit
+        (1, 10, 132, 1),  # a short cache is one block
+    ],
+)
+def test_the_kernel_splits_columns_until_every_processor_has_two_programs(
+    pairs, columns, processors, expected
+) -> None:
     assert decode_attention_kernel.slices_for(pairs, columns, processors) == expected
 
 
@@ -107,8 +123,10 @@ def test_the_kernel_is_not_used_off_a_gpu() -> None:
     assert not decode_attention_kernel.supports(q.reshape(2, 2, 3, 16), k, v)
 
 
-needs_kernel = pytest.mark.skipif(not torch.cuda.is_available() or decode_attention_kernel.triton is None,
-                                  reason="needs a CUDA GPU and Triton")
+needs_kernel = pytest.mark.skipif(
+    not torch.cuda.is_available() or decode_attention_kernel.triton is None,
+    reason="needs a CUDA GPU and Triton",
+)
 
 
 @pytest.mark.gpu
@@ -121,15 +139,20 @@ def test_the_kernel_gives_sdpas_attention(dtype, tolerance, rows, heads, kv_head
     generator = torch.Generator(device="cuda").manual_seed(0)
     groups = heads // kv_heads
     q = torch.randn(rows, kv_heads, groups, 64, device="cuda", generator=generator, dtype=dtype)
-    k, v = (torch.randn(rows, kv_heads, length, 64, device="cuda", generator=generator, dtype=dtype) for _ in range(2))
+    k, v = (
+        torch.randn(rows, kv_heads, length, 64, device="cuda", generator=generator, dtype=dtype)
+        for _ in range(2)
+    )
     hidden = torch.rand(rows, length, device="cuda", generator=generator) < 0.2
-    hidden[:, length // 2:] = True  # columns no row has reached
+    hidden[:, length // 2 :] = True  # columns no row has reached
     hidden[0, : length // 3] = True  # a long left padding
     hidden[:, length // 2 - 1] = False
     hidden[-1] = True  # idle
     mask = torch.zeros(rows, length, device="cuda", dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
     got = torch.ops.mortal.decode_attention(q, k, v, mask, 0.125)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None], scale=0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None, None], scale=0.125
+    )
     torch.testing.assert_close(got[:-1], expected[:-1], atol=tolerance, rtol=tolerance)
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
@@ -139,10 +162,14 @@ def test_the_kernel_gives_sdpas_attention(dtype, tolerance, rows, heads, kv_head
 def test_the_packed_path_takes_the_kernel_on_a_gpu_compiled_and_graphed() -> None:
     """Inside torch.compile and a CUDA graph, as the decode step runs it: the same output as SDPA's path."""
     module = SimpleNamespace(num_key_value_groups=7, is_causal=True, training=False)
-    q, k, v, mask = (t.cuda().to(torch.bfloat16) for t in _inputs(batch=8, heads=14, kv_heads=2, q_len=1, length=300))
+    q, k, v, mask = (
+        t.cuda().to(torch.bfloat16) for t in _inputs(batch=8, heads=14, kv_heads=2, q_len=1, length=300)
+    )
     q, k, v = (torch.nn.functional.pad(t, (0, 48)) for t in (q, k, v))  # head size 64
     expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)
-    compiled = torch.compile(lambda *a: decode_attention.packed_decode_attention(module, *a, scaling=0.125)[0])
+    compiled = torch.compile(
+        lambda *a: decode_attention.packed_decode_attention(module, *a, scaling=0.125)[0]
+    )
     compiled(q, k, v, mask)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -109,7 +109,11 @@ def test_the_gpu_paths_padded_prompt_and_static_cache_sample_the_same_distributi
 
 def _prompts(tokenizer) -> list[list[int]]:
     """Three prompts of different lengths: 8 tokens, one bucket, and more than two buckets (more padding)."""
-    prompts = [encode_prompt(tokenizer, "What is 2 + 3?"), encode_prompt(tokenizer, CHAT), encode_prompt(tokenizer, LONG)]
+    prompts = [
+        encode_prompt(tokenizer, "What is 2 + 3?"),
+        encode_prompt(tokenizer, CHAT),
+        encode_prompt(tokenizer, LONG),
+    ]
     lengths = [len(p) for p in prompts]
     assert len(set(lengths)) == 3 and max(lengths) > PROMPT_BUCKET and all(n % PROMPT_BUCKET for n in lengths)
     return prompts
@@ -121,7 +125,9 @@ def batched(engine, tokenizer) -> TransformersEngine:
     return TransformersEngine(engine.model, tokenizer, compiled=True)
 
 
-def test_the_decoder_compiles_what_the_spec_asks_and_the_spec_takes_only_the_decoders_scopes(engine, tokenizer) -> None:
+def test_the_decoder_compiles_what_the_spec_asks_and_the_spec_takes_only_the_decoders_scopes(
+    engine, tokenizer
+) -> None:
     """generation.compileScope reaches the batched path's decoder (absent: "auto", which is "layer" for a
     model with a list of decoder layers, as this one); the spec's choices are the decoder's own
     (static_decode.COMPILE_SCOPES), so a spec that loads is one it runs."""
@@ -132,8 +138,12 @@ def test_the_decoder_compiles_what_the_spec_asks_and_the_spec_takes_only_the_dec
 
     assert GenerationSpec().compile_scope == "auto"
     assert TransformersEngine(engine.model, tokenizer, compiled=True).decoder.compile_scope == "layer"
-    assert TransformersEngine(engine.model, tokenizer, compiled=True,
-                              compile_scope="model").decoder.compile_scope == "model"
+    assert (
+        TransformersEngine(
+            engine.model, tokenizer, compiled=True, compile_scope="model"
+        ).decoder.compile_scope
+        == "model"
+    )
     assert get_args(GenerationSpec.model_fields["compile_scope"].annotation) == COMPILE_SCOPES
 
 
@@ -148,7 +158,9 @@ def test_the_batched_path_returns_one_group_of_n_per_prompt_in_order(batched, to
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_batched_logprobs_are_a_plain_forward_pass_whatever_the_padding(batched, tokenizer, temperature) -> None:
+def test_batched_logprobs_are_a_plain_forward_pass_whatever_the_padding(
+    batched, tokenizer, temperature
+) -> None:
     """Prompts of different lengths share one left-padded batch: a completion's logprobs equal those of
     the unpadded prompt + completion in a forward pass of its own, so the padding leaks into nothing."""
     prompts = _prompts(tokenizer)
@@ -171,13 +183,16 @@ def test_the_batched_path_gives_the_same_tokens_for_the_same_seeds(batched, engi
     fresh = TransformersEngine(engine.model, tokenizer, compiled=True).generate(prompts, 2, [4, 5, 6], params)
     ids = [[c.ids for c in group] for group in first]
     assert [[c.ids for c in group] for group in again] == ids
-    assert [[c.logprobs for c in group] for group in again] == [[c.logprobs for c in group] for group in first]
+    assert [[c.logprobs for c in group] for group in again] == [
+        [c.logprobs for c in group] for group in first
+    ]
     assert [[c.ids for c in group] for group in fresh] == ids
     assert [[c.ids for c in group] for group in batched.generate(prompts, 2, [9, 5, 6], params)] != ids
 
 
-def test_with_fewer_rows_than_completions_each_prompt_still_gets_its_n_completions_in_order(engine, spec,
-                                                                                          tokenizer) -> None:
+def test_with_fewer_rows_than_completions_each_prompt_still_gets_its_n_completions_in_order(
+    engine, spec, tokenizer
+) -> None:
     """max_rows=4 for 3 prompts x 3: rows are refilled as completions end (every odd id is an EOS here), and
     each group is still its own prompt's n completions: each one's logprobs are those of that prompt."""
     prompts = _prompts(tokenizer)
@@ -200,7 +215,9 @@ def test_the_batched_path_cuts_each_completion_at_its_first_eos(spec, tokenizer)
     """Rows run on past their EOS in the fixed-shape batch; what comes back ends at the first EOS, and
     the loop stops early once every row has ended."""
     model = load_model(spec, "cpu")
-    model.generation_config.eos_token_id = list(range(1, 49152, 2))  # every odd id: rows end within a few tokens
+    model.generation_config.eos_token_id = list(
+        range(1, 49152, 2)
+    )  # every odd id: rows end within a few tokens
     engine = TransformersEngine(model, tokenizer, compiled=True)
     groups = engine.generate(_prompts(tokenizer), 4, [1, 2, 3], GenerationParams(max_tokens=200))
     stop_set = set(engine.eos_ids)
@@ -210,7 +227,9 @@ def test_the_batched_path_cuts_each_completion_at_its_first_eos(spec, tokenizer)
             assert c.ids[-1] in stop_set and not stop_set & set(c.ids[:-1])
 
 
-def test_on_cpu_a_prompts_completions_do_not_depend_on_the_other_prompts_of_its_task(engine, tokenizer) -> None:
+def test_on_cpu_a_prompts_completions_do_not_depend_on_the_other_prompts_of_its_task(
+    engine, tokenizer
+) -> None:
     """The CPU default generates each prompt alone (no padding): a task of several prompts gives each
     exactly what that prompt alone with its seed gives, whichever prompts share the task."""
     assert not engine.compiled and engine.decoder is None
@@ -218,7 +237,9 @@ def test_on_cpu_a_prompts_completions_do_not_depend_on_the_other_prompts_of_its_
     seeds = [11, 12, 13]
     params = GenerationParams(max_tokens=10, temperature=0.8)
     together = engine.generate(prompts, 3, seeds, params)
-    alone = [engine.generate([prompt], 3, [seed], params)[0] for prompt, seed in zip(prompts, seeds, strict=True)]
+    alone = [
+        engine.generate([prompt], 3, [seed], params)[0] for prompt, seed in zip(prompts, seeds, strict=True)
+    ]
     assert together == alone  # ids and logprobs, bit for bit
     assert engine.generate(prompts[1:], 3, seeds[1:], params) == together[1:]
     assert engine.generate(prompts[::-1], 3, seeds[::-1], params) == together[::-1]
@@ -231,19 +252,28 @@ def test_processed_logprobs_apply_temperature_then_top_k_then_top_p() -> None:
     top2 = processed_logprobs(logits, Sampling(temperature=1.0, top_k=2, top_p=1.0)).exp()
     torch.testing.assert_close(top2, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     # top-p keeps the smallest prefix whose mass reaches p: 0.5 + 0.3 >= 0.7; 0.5 alone reaches 0.5
-    torch.testing.assert_close(processed_logprobs(logits, Sampling(1.0, 0, 0.7)).exp(),
-                               torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    torch.testing.assert_close(processed_logprobs(logits, Sampling(1.0, 0, 0.5)).exp(),
-                               torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        processed_logprobs(logits, Sampling(1.0, 0, 0.7)).exp(), torch.tensor([[0.625, 0.375, 0.0, 0.0]])
+    )
+    torch.testing.assert_close(
+        processed_logprobs(logits, Sampling(1.0, 0, 0.5)).exp(), torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    )
     hot = processed_logprobs(logits, Sampling(temperature=2.0, top_k=0, top_p=1.0)).exp()
     torch.testing.assert_close(hot, torch.softmax(logits / 2.0, -1))
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=3, top_p=1.0),
-                                      Sampling(temperature=0.8, top_k=0, top_p=0.6),
-                                      Sampling(temperature=1.0, top_k=5, top_p=0.5)],
-                         ids=["top_k=3", "top_p=0.6", "top_k=5,top_p=0.5"])
-def test_static_decoder_samples_inside_the_top_k_and_nucleus_sets(engine, tokenizer, sampling: Sampling) -> None:
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(temperature=1.0, top_k=3, top_p=1.0),
+        Sampling(temperature=0.8, top_k=0, top_p=0.6),
+        Sampling(temperature=1.0, top_k=5, top_p=0.5),
+    ],
+    ids=["top_k=3", "top_p=0.6", "top_k=5,top_p=0.5"],
+)
+def test_static_decoder_samples_inside_the_top_k_and_nucleus_sets(
+    engine, tokenizer, sampling: Sampling
+) -> None:
     """StaticDecoder(compile=False) on left-padded rows: every sampled token is in the processed
     distribution's support (top-k / nucleus of a plain forward pass), its logprob that distribution's."""
     prompts = [encode_prompt(tokenizer, "What is 2 + 3?"), encode_prompt(tokenizer, CHAT)]
@@ -265,7 +295,9 @@ def test_static_decoder_samples_inside_the_top_k_and_nucleus_sets(engine, tokeni
                 assert int(support.sum()) <= sampling.top_k
                 assert token in logits[t].topk(sampling.top_k).indices.tolist()
             if sampling.top_p < 1.0:  # the nucleus of what top-k (if any) left: less than p above the token
-                top_k_only = processed_logprobs(logits[t], Sampling(sampling.temperature, sampling.top_k, 1.0))
+                top_k_only = processed_logprobs(
+                    logits[t], Sampling(sampling.temperature, sampling.top_k, 1.0)
+                )
                 probs = top_k_only.exp()
                 assert probs[probs > probs[token]].sum() < sampling.top_p, "sampled outside the nucleus"
             assert bool(support[token])
@@ -377,8 +409,12 @@ class FakeLLM:
             for child in range(sp.n):
                 ids = self.tokens(prompt["prompt_token_ids"], sp.seed, child, sp.max_tokens)
                 logprobs = [{token: types.SimpleNamespace(logprob=-0.5 - k)} for k, token in enumerate(ids)]
-                children.append(types.SimpleNamespace(token_ids=ids, logprobs=logprobs if self.with_logprobs else None))
-            outputs.append(types.SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=children))
+                children.append(
+                    types.SimpleNamespace(token_ids=ids, logprobs=logprobs if self.with_logprobs else None)
+                )
+            outputs.append(
+                types.SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=children)
+            )
         return outputs
 
 
@@ -411,7 +447,13 @@ def test_vllm_engine_generates_a_whole_task_in_one_call_with_a_seed_per_prompt(f
     assert sent == [{"prompt_token_ids": p} for p in prompts]
     assert [sp.seed for sp in sampling] == [40, 41, 42]
     for sp in sampling:
-        assert (sp.n, sp.max_tokens, sp.temperature, sp.top_p, sp.top_k) == (3, 6, 0.7, 0.9, -1)  # -1: top-k off
+        assert (sp.n, sp.max_tokens, sp.temperature, sp.top_p, sp.top_k) == (
+            3,
+            6,
+            0.7,
+            0.9,
+            -1,
+        )  # -1: top-k off
         assert (sp.logprobs, sp.stop_token_ids, sp.detokenize) == (0, [2, 9], False)
     assert [len(group) for group in groups] == [3, 3, 3]
     for prompt, seed, group in zip(prompts, [40, 41, 42], groups, strict=True):
@@ -428,8 +470,9 @@ class FakeVllmWorker:
     model of the same architecture, as vLLM's would into its own."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(
-            parameters=model.parameters, load_weights=self.load_weights))
+        self.model_runner = types.SimpleNamespace(
+            model=types.SimpleNamespace(parameters=model.parameters, load_weights=self.load_weights)
+        )
         self.model, self.loaded = model, []
 
     def load_weights(self, weights: Any) -> None:
@@ -451,7 +494,9 @@ class RpcLLM(FakeLLM):
         self.resets += 1
 
 
-def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_model_files(tiny_dir, tmp_path) -> None:
+def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_model_files(
+    tiny_dir, tmp_path
+) -> None:
     """A LoRA version holds only A and B: each vLLM worker reads the adapted modules' base weights
     from the model's own files once, then loads base + B @ A * scale for those modules only."""
     from safetensors.torch import save_file
@@ -466,8 +511,11 @@ def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_mode
     lora_a, lora_b = torch.randn(2, base.shape[1]), torch.randn(base.shape[0], 2)
     for version in ("v1", "v2"):
         (tmp_path / version).mkdir()
-        save_file({f"{module}.lora_A": lora_a, f"{module}.lora_B": lora_b * (2 if version == "v2" else 1)},
-                  str(tmp_path / version / "adapter.safetensors"), metadata={"scales": json.dumps({module: 0.5})})
+        save_file(
+            {f"{module}.lora_A": lora_a, f"{module}.lora_B": lora_b * (2 if version == "v2" else 1)},
+            str(tmp_path / version / "adapter.safetensors"),
+            metadata={"scales": json.dumps({module: 0.5})},
+        )
     worker = FakeVllmWorker(AutoModelForCausalLM.from_pretrained(tiny_dir))
     llm = RpcLLM(worker)
     engine = vllm_engine.VllmEngine(llm, types.SimpleNamespace(eos_token_id=2), location=str(tiny_dir))
@@ -477,7 +525,9 @@ def test_vllm_engine_applies_a_lora_version_onto_base_weights_read_from_the_mode
     assert worker.loaded == [f"{module}.weight"] * 2 and llm.resets == 2
     reference = AutoModelForCausalLM.from_pretrained(tiny_dir)
     load_published(reference, tmp_path / "v2")  # the transformers engine's way: the same weights
-    assert torch.equal(worker.model.state_dict()[f"{module}.weight"], reference.state_dict()[f"{module}.weight"])
+    assert torch.equal(
+        worker.model.state_dict()[f"{module}.weight"], reference.state_dict()[f"{module}.weight"]
+    )
     assert torch.equal(reference.state_dict()[f"{module}.weight"], base + (lora_b * 2 @ lora_a) * 0.5)
 
 
@@ -486,7 +536,9 @@ def test_vllm_engine_passes_top_k_and_refuses_missing_logprobs(fake_vllm) -> Non
     _vllm_engine(llm).generate([[1, 2, 3]], 2, [5], GenerationParams(max_tokens=4, top_k=7))
     assert llm.calls[0][1][0].top_k == 7
     with pytest.raises(RuntimeError, match="no logprobs"):
-        _vllm_engine(FakeLLM(with_logprobs=False)).generate([[1, 2, 3]], 2, [5], GenerationParams(max_tokens=4))
+        _vllm_engine(FakeLLM(with_logprobs=False)).generate(
+            [[1, 2, 3]], 2, [5], GenerationParams(max_tokens=4)
+        )
 
 
 def test_engine_selection() -> None:
@@ -521,14 +573,18 @@ def test_vllm_engine_generates_and_reloads(spec, tokenizer, tmp_path: Path) -> N
     pytest.importorskip("vllm")
     from mortal.workers.rollout.engines.vllm_engine import VllmEngine
 
-    engine = VllmEngine.create(ModelSpec(name=spec.name, dtype="bfloat16"), tokenizer, gpu_memory_utilization=0.3)
+    engine = VllmEngine.create(
+        ModelSpec(name=spec.name, dtype="bfloat16"), tokenizer, gpu_memory_utilization=0.3
+    )
     prompt = encode_prompt(tokenizer, CHAT)
     params = GenerationParams(max_tokens=8)
     [first] = engine.generate([prompt], 4, [7], params)
     assert [c.ids for c in first] == [c.ids for c in engine.generate([prompt], 4, [7], params)[0]]
     assert all(len(c.ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs) for c in first)
     other = make_tiny_model(tmp_path / "other", seed=1)
-    engine.load_weights(str(write_weights(load_model(ModelSpec(name=str(other)), "cpu"), tmp_path / "v1", 1, 1)))
+    engine.load_weights(
+        str(write_weights(load_model(ModelSpec(name=str(other)), "cpu"), tmp_path / "v1", 1, 1))
+    )
     assert [c.ids for c in engine.generate([prompt], 4, [7], params)[0]] != [c.ids for c in first]
     engine.close()
 
@@ -560,14 +616,18 @@ def test_a_shape_the_decoder_evicted_and_prepares_again_is_logged_again(engine, 
     assert [line.split(" tokens")[0].rsplit("+", 1)[1] for line in lines] == ["4", "5", "6", "4"]
 
 
-def test_only_an_engine_that_will_compile_starts_the_compile_workers(spec: ModelSpec, tokenizer, monkeypatch) -> None:
+def test_only_an_engine_that_will_compile_starts_the_compile_workers(
+    spec: ModelSpec, tokenizer, monkeypatch
+) -> None:
     """On CUDA the decoder compiles, so inductor's workers start as the engine is created (before its model
     loads); on the CPU nothing compiles and none start."""
     from mortal.workers.rollout.engines import transformers_engine
 
     started: list[int] = []
     monkeypatch.setattr(transformers_engine, "start_compile_workers", lambda: started.append(1))
-    monkeypatch.setattr(transformers_engine, "load_model", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(
+        transformers_engine, "load_model", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop"))
+    )
     with pytest.raises(RuntimeError, match="stop"):
         TransformersEngine.create(spec, tokenizer, device="cpu")
     assert started == []

@@ -12,8 +12,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 from mortal.workers.rollout.engines import fused_projections
 from mortal.workers.rollout.engines.fused_projections import FusedLinear
 
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=97)
+SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+)
 CONFIGS = {"qwen2 (q/k/v with bias)": Qwen2Config(**SHAPE), "llama (no bias)": LlamaConfig(**SHAPE)}
 
 
@@ -50,7 +56,9 @@ def test_a_fused_model_gives_the_plain_models_logits(config) -> None:
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_names_shapes_and_counts_are_unchanged(config) -> None:
     plain, fused = _pair(config)
-    assert {k: v.shape for k, v in fused.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    assert {k: v.shape for k, v in fused.state_dict().items()} == {
+        k: v.shape for k, v in plain.state_dict().items()
+    }
     assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in plain.parameters())
     assert [name for name, _ in fused.named_parameters()] == [name for name, _ in plain.named_parameters()]
 
@@ -66,7 +74,9 @@ def test_new_weights_copied_by_name_reach_the_fused_matmul() -> None:
         destinations[name].copy_(tensor)
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(fused(input_ids=ids).logits, newer(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            fused(input_ids=ids).logits, newer(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_members_called_in_another_order_or_twice_still_give_their_own_output() -> None:
@@ -75,13 +85,17 @@ def test_members_called_in_another_order_or_twice_still_give_their_own_output() 
     attention = fused.model.layers[0].self_attn
     x = torch.randn(2, 3, 32)
     with torch.no_grad():
-        expected = {name: nn.functional.linear(x, getattr(attention, name).weight, getattr(attention, name).bias)
-                    for name in ("q_proj", "k_proj", "v_proj")}
+        expected = {
+            name: nn.functional.linear(x, getattr(attention, name).weight, getattr(attention, name).bias)
+            for name in ("q_proj", "k_proj", "v_proj")
+        }
         calls = ["v_proj", "k_proj", "k_proj", "q_proj", "v_proj", "q_proj"]
         for name in calls:
             torch.testing.assert_close(getattr(attention, name)(x), expected[name])
-        torch.testing.assert_close(attention.k_proj(x + 1), nn.functional.linear(x + 1, attention.k_proj.weight,
-                                                                                 attention.k_proj.bias))
+        torch.testing.assert_close(
+            attention.k_proj(x + 1),
+            nn.functional.linear(x + 1, attention.k_proj.weight, attention.k_proj.bias),
+        )
 
 
 def test_nothing_outlives_a_layer_once_every_member_was_served() -> None:
@@ -102,6 +116,7 @@ def test_compiled_the_layer_runs_one_matmul_per_group() -> None:
         def backend(graph_module, example_inputs):
             counts[name] = sum(1 for node in graph_module.graph.nodes if node.target is torch._C._nn.linear)
             return graph_module
+
         return backend
 
     ids = torch.tensor([[1, 2, 3]])

@@ -51,7 +51,9 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _left_padded(prompts: list[list[int]], n: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_padded(
+    prompts: list[list[int]], n: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each prompt n times, left-padded to `width` (default: the longest), as the engine builds them."""
     width = width or max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts for _ in range(n)])
@@ -60,7 +62,9 @@ def _left_padded(prompts: list[list[int]], n: int, width: int | None = None) -> 
 
 
 def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int]) -> list:
-    return [cut_at_eos(ids, lps, eos_ids) for ids, lps in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+    return [
+        cut_at_eos(ids, lps, eos_ids) for ids, lps in zip(tokens.tolist(), logprobs.tolist(), strict=True)
+    ]
 
 
 def _teacher_forced(model, prompt: list[int], ids: list[int], sampling: Sampling) -> torch.Tensor:
@@ -69,18 +73,33 @@ def _teacher_forced(model, prompt: list[int], ids: list[int], sampling: Sampling
     device = next(model.parameters()).device
     with torch.no_grad():
         logits = model(torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1 : -1]
-    return processed_logprobs(logits, sampling).gather(1, torch.tensor(ids, device=device)[:, None]).squeeze(1).cpu()
+    return (
+        processed_logprobs(logits, sampling)
+        .gather(1, torch.tensor(ids, device=device)[:, None])
+        .squeeze(1)
+        .cpu()
+    )
 
 
-def _decode(decoder: StaticDecoder, prompts, n: int, max_tokens: int, eos_ids: list[int], seed: int = 0,
-            sampling: Sampling = PLAIN, width: int | None = None) -> list:
+def _decode(
+    decoder: StaticDecoder,
+    prompts,
+    n: int,
+    max_tokens: int,
+    eos_ids: list[int],
+    seed: int = 0,
+    sampling: Sampling = PLAIN,
+    width: int | None = None,
+) -> list:
     ids, mask = _left_padded(prompts, n, width)
     torch.manual_seed(seed)
     return _completions(*decoder.generate(ids, mask, max_tokens, sampling, eos_ids), eos_ids)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_every_sequence_of_a_refilled_row_has_the_logprobs_of_a_plain_forward_pass(model, temperature) -> None:
+def test_every_sequence_of_a_refilled_row_has_the_logprobs_of_a_plain_forward_pass(
+    model, temperature
+) -> None:
     """4 rows, 15 sequences of three prompt lengths: rows are refilled many times (a new prompt's K/V
     over the columns a longer or shorter one had written), and each sequence's logprobs are still
     those of its own unpadded prompt + completion in one teacher-forced forward."""
@@ -147,15 +166,25 @@ def _single_batch_reference(model, input_ids, mask, max_tokens: int, sampling: S
 
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=additive(allowed),
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=additive(allowed),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
         token, logprob = sample(logits, sampling)
         tokens, logprobs = [token], [logprob]
         step_mask, position = additive(visible[:, None, None]), positions[:, -1:] + 1
         for t in range(1, max_tokens):
             step_mask[..., width + t - 1] = 0.0
-            logits = model(input_ids=token[:, None], position_ids=position, attention_mask=step_mask,
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(
+                input_ids=token[:, None],
+                position_ids=position,
+                attention_mask=step_mask,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
             token, logprob = sample(logits, sampling)
             tokens.append(token), logprobs.append(logprob)
             position = position + 1
@@ -229,25 +258,41 @@ def test_the_torch_compiled_step_traces_the_row_cache_on_the_cpu(model, monkeypa
     refills included. (About half a minute of compilation, hence `slow`.)"""
     monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
     prompts = _prompts([5, 11, 3, 8])
-    compiled = _decode(StaticDecoder(model, compile=True, max_rows=3, sync_every=4), prompts, 2, 12,
-                       FREQUENT_EOS, seed=1, width=16)
-    eager = _decode(StaticDecoder(model, compile=False, max_rows=3, sync_every=4), prompts, 2, 12,
-                    FREQUENT_EOS, seed=1, width=16)
+    compiled = _decode(
+        StaticDecoder(model, compile=True, max_rows=3, sync_every=4),
+        prompts,
+        2,
+        12,
+        FREQUENT_EOS,
+        seed=1,
+        width=16,
+    )
+    eager = _decode(
+        StaticDecoder(model, compile=False, max_rows=3, sync_every=4),
+        prompts,
+        2,
+        12,
+        FREQUENT_EOS,
+        seed=1,
+        width=16,
+    )
     assert [c.ids for c in compiled] == [c.ids for c in eager]
     torch.testing.assert_close([c.logprobs for c in compiled], [c.logprobs for c in eager], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("row_cache", ["stacked", "one object per layer"])
-def test_a_layer_scope_compiles_one_graph_for_every_layer_and_decodes_as_the_eager_step(tmp_path, monkeypatch,
-                                                                                      row_cache) -> None:
+def test_a_layer_scope_compiles_one_graph_for_every_layer_and_decodes_as_the_eager_step(
+    tmp_path, monkeypatch, row_cache
+) -> None:
     """compile_scope "layer": each decoder layer compiled, one graph with the layer index as its input serving
     layers 1..N-1 (layer 0's is the first, fixed), through the stacked cache; tokens and logprobs those of the
     eager step, refills included, and the model's own layers back in place after the call. Through a cache
     with one object per layer (transformers' own layout) dynamo compiles every layer anew: why the stack."""
     from transformers import AutoModelForCausalLM
 
-    four_layers = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model", num_hidden_layers=4),
-                                                       dtype=torch.float32).eval()
+    four_layers = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model(tmp_path / "model", num_hidden_layers=4), dtype=torch.float32
+    ).eval()
     graphs = []
 
     def counting_backend(graph_module, example_inputs):
@@ -255,17 +300,33 @@ def test_a_layer_scope_compiles_one_graph_for_every_layer_and_decodes_as_the_eag
         return graph_module
 
     layer_compiled = static_decode.layer_compiled_model
-    monkeypatch.setattr(static_decode, "layer_compiled_model", lambda m: layer_compiled(m, backend=counting_backend))
+    monkeypatch.setattr(
+        static_decode, "layer_compiled_model", lambda m: layer_compiled(m, backend=counting_backend)
+    )
     monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
     if row_cache != "stacked":
         monkeypatch.setattr(static_decode, "StackedRowCache", static_decode.RowCache)
     names = [name for name, _ in four_layers.named_parameters()]
     prompts = _prompts([5, 11, 3, 8])
     torch._dynamo.reset()
-    layered = _decode(StaticDecoder(four_layers, max_rows=3, sync_every=4, compile_scope="layer"), prompts, 2, 12,
-                      FREQUENT_EOS, seed=1, width=16)
-    eager = _decode(StaticDecoder(four_layers, compile=False, max_rows=3, sync_every=4), prompts, 2, 12,
-                    FREQUENT_EOS, seed=1, width=16)
+    layered = _decode(
+        StaticDecoder(four_layers, max_rows=3, sync_every=4, compile_scope="layer"),
+        prompts,
+        2,
+        12,
+        FREQUENT_EOS,
+        seed=1,
+        width=16,
+    )
+    eager = _decode(
+        StaticDecoder(four_layers, compile=False, max_rows=3, sync_every=4),
+        prompts,
+        2,
+        12,
+        FREQUENT_EOS,
+        seed=1,
+        width=16,
+    )
     assert len(graphs) == (2 if row_cache == "stacked" else 4)
     assert [c.ids for c in layered] == [c.ids for c in eager]
     torch.testing.assert_close([c.logprobs for c in layered], [c.logprobs for c in eager], atol=1e-5, rtol=0)
@@ -290,11 +351,14 @@ def test_a_layer_scope_step_writes_the_stacked_cache_in_place(tmp_path, monkeypa
 
     monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", reinplace_and_record)
     monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
-    two_layers = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model", num_hidden_layers=2),
-                                                      dtype=torch.float32).eval()
+    two_layers = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model(tmp_path / "model", num_hidden_layers=2), dtype=torch.float32
+    ).eval()
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        _decode(StaticDecoder(two_layers, max_rows=2, compile_scope="layer"), _prompts([5, 7]), 1, 3, [], width=8)
+        _decode(
+            StaticDecoder(two_layers, max_rows=2, compile_scope="layer"), _prompts([5, 7]), 1, 3, [], width=8
+        )
     assert len(graphs) == 2  # layer 0's graph and the one serving the others
     for targets in graphs:
         assert targets.count("aten.index_put_.default") == 2, targets  # keys and values, in place
@@ -323,10 +387,13 @@ def test_an_unknown_compile_scope_is_refused_naming_the_known_ones(model) -> Non
         StaticDecoder(model, compile_scope="block")
 
 
-def test_the_auto_scope_compiles_a_layer_where_the_model_lists_its_layers_and_the_whole_model_elsewhere(model) -> None:
-    """"auto" (the spec's default) is "layer" for a transformers decoder with get_decoder().layers, "model" for
+def test_the_auto_scope_compiles_a_layer_where_the_model_lists_its_layers_and_the_whole_model_elsewhere(
+    model,
+) -> None:
+    """ "auto" (the spec's default) is "layer" for a transformers decoder with get_decoder().layers, "model" for
     a causal LM without such a list, which the layer scope cannot serve; asked for by name, "layer" is refused
     there, naming the way out."""
+
     class NoLayerList(torch.nn.Module):
         def get_decoder(self) -> torch.nn.Module:
             return torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -342,7 +409,9 @@ def test_the_auto_scope_compiles_a_layer_where_the_model_lists_its_layers_and_th
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compile_scope", COMPILE_SCOPES)
-def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pass(model, compile_scope) -> None:
+def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pass(
+    model, compile_scope
+) -> None:
     """The CUDA path: the step captured as a graph (per-row scatter into the cache, per-row masks and
     positions), rows refilled between replays; logprobs match a teacher-forced forward (float32), the
     same seed gives the same tokens, and alternating widths replay the kept graphs. With the whole
@@ -350,7 +419,9 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
     cuda_model = model.to("cuda")
     try:
         prompts, n, max_tokens = _prompts([5, 11, 3, 8, 13]), 3, 24
-        decoder = StaticDecoder(cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope)
+        decoder = StaticDecoder(
+            cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
+        )
         ids, mask = _left_padded(prompts, n, width=16)
         torch.manual_seed(1)
         tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)
@@ -358,11 +429,17 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
         assert decoder.last_stats.refills == 15 - 4
         assert min(len(c.ids) for c in outs) < max_tokens
         for i, c in enumerate(outs):
-            torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(cuda_model, prompts[i // n], c.ids, PLAIN),
-                                       atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs),
+                _teacher_forced(cuda_model, prompts[i // n], c.ids, PLAIN),
+                atol=2e-3,
+                rtol=2e-3,
+            )
         torch.manual_seed(1)
-        again = _completions(*(x.cpu() for x in decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN,
-                                                                 FREQUENT_EOS)), FREQUENT_EOS)
+        again = _completions(
+            *(x.cpu() for x in decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)),
+            FREQUENT_EOS,
+        )
         assert [c.ids for c in again] == [c.ids for c in outs]
         wide_ids, wide_mask = _left_padded(prompts, n, width=32)
         for width_ids, width_mask in ((wide_ids, wide_mask), (ids, mask), (wide_ids, wide_mask)):
@@ -389,8 +466,12 @@ def test_fewer_sequences_replay_the_one_compiled_shape_with_idle_rows(model) -> 
             outs = _completions(tokens.cpu(), logprobs.cpu(), FREQUENT_EOS)
             assert len(outs) == sequences and decoder.last_stats.rows == 8
             for prompt, c in zip(prompts, outs, strict=True):
-                torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(cuda_model, prompt, c.ids, PLAIN),
-                                           atol=2e-3, rtol=2e-3)
+                torch.testing.assert_close(
+                    torch.tensor(c.logprobs),
+                    _teacher_forced(cuda_model, prompt, c.ids, PLAIN),
+                    atol=2e-3,
+                    rtol=2e-3,
+                )
         assert decoder.preparations == 1
     finally:
         model.to("cpu")
@@ -406,39 +487,50 @@ def test_min_rows_decodes_fewer_sequences_in_a_larger_shape_with_idle_rows(model
     outs = _completions(*decoder.generate(ids, mask, 12, PLAIN, FREQUENT_EOS, min_rows=6), FREQUENT_EOS)
     assert len(outs) == 3 and decoder.last_stats.rows == 6 and decoder.last_stats.refills == 0
     for prompt, c in zip(prompts, outs, strict=True):
-        torch.testing.assert_close(torch.tensor(c.logprobs), _teacher_forced(model, prompt, c.ids, PLAIN),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), _teacher_forced(model, prompt, c.ids, PLAIN), atol=1e-4, rtol=1e-4
+        )
 
 
-@pytest.mark.parametrize(("sequences", "max_rows", "rows"), [
-    (64, 256, 64),  # a task of 8 prompts x 8: its own count, as before
-    (61, 256, 64),  # a later turn with 61 rollouts left: the same shape
-    (33, 256, 64),
-    (32, 256, 32),
-    (1, 256, 1),
-    (65, 256, 128),
-    (300, 256, 256),  # more sequences than rows: max_rows, refilled
-    (3, 2, 2),
-])
-def test_graph_rows_round_the_sequences_up_to_a_power_of_two_within_max_rows(sequences, max_rows, rows) -> None:
+@pytest.mark.parametrize(
+    ("sequences", "max_rows", "rows"),
+    [
+        (64, 256, 64),  # a task of 8 prompts x 8: its own count, as before
+        (61, 256, 64),  # a later turn with 61 rollouts left: the same shape
+        (33, 256, 64),
+        (32, 256, 32),
+        (1, 256, 1),
+        (65, 256, 128),
+        (300, 256, 256),  # more sequences than rows: max_rows, refilled
+        (3, 2, 2),
+    ],
+)
+def test_graph_rows_round_the_sequences_up_to_a_power_of_two_within_max_rows(
+    sequences, max_rows, rows
+) -> None:
     assert graph_rows(sequences, max_rows) == rows
 
 
 # A memory budget (rollout.gpuMemoryUtilization x the GPU): the rows come from the spec's and the model's
 # sizes alone, so that a relaunched worker decodes with the same rows and samples the same tokens.
 
-@pytest.mark.parametrize(("budget", "weights", "row_bytes", "kept", "wanted", "floor", "rows"), [
-    (1000, 0, 10, 1, 500, 0, 85),  # 15% of the budget is workspace: 850 bytes of rows
-    (1000, 0, 10, 1, 64, 0, 64),  # room for more than wanted: wanted
-    (1000, 450, 10, 1, 64, 0, 40),  # the weights come first
-    (1000, 450, 10, 2, 64, 0, 20),  # room for two kept shapes' caches at once
-    (1000, 850, 10, 1, 64, 0, 0),  # nothing left for a row
-    (1000, 900, 10, 1, 64, 0, 0),  # weights past the budget: still 0, never negative
-    (1000, 0, 10, 1, 500, 400, 60),  # a small budget keeps the workspace floor, more than its 15%
-    (10000, 0, 10, 1, 5000, 400, 850),  # a large one keeps 15%, more than the floor
-])
-def test_rows_within_budget_leaves_workspace_weights_and_every_kept_cache_room(budget, weights, row_bytes, kept,
-                                                                              wanted, floor, rows) -> None:
+
+@pytest.mark.parametrize(
+    ("budget", "weights", "row_bytes", "kept", "wanted", "floor", "rows"),
+    [
+        (1000, 0, 10, 1, 500, 0, 85),  # 15% of the budget is workspace: 850 bytes of rows
+        (1000, 0, 10, 1, 64, 0, 64),  # room for more than wanted: wanted
+        (1000, 450, 10, 1, 64, 0, 40),  # the weights come first
+        (1000, 450, 10, 2, 64, 0, 20),  # room for two kept shapes' caches at once
+        (1000, 850, 10, 1, 64, 0, 0),  # nothing left for a row
+        (1000, 900, 10, 1, 64, 0, 0),  # weights past the budget: still 0, never negative
+        (1000, 0, 10, 1, 500, 400, 60),  # a small budget keeps the workspace floor, more than its 15%
+        (10000, 0, 10, 1, 5000, 400, 850),  # a large one keeps 15%, more than the floor
+    ],
+)
+def test_rows_within_budget_leaves_workspace_weights_and_every_kept_cache_room(
+    budget, weights, row_bytes, kept, wanted, floor, rows
+) -> None:
     assert rows_within_budget(budget, weights, row_bytes, kept, wanted, workspace_floor=floor) == rows
 
 
@@ -461,7 +553,9 @@ def test_a_budget_without_room_for_one_row_is_an_out_of_memory_naming_the_field(
     ids, mask = _left_padded(_prompts([4]), 2)
     with pytest.raises(MemoryBudgetTooSmall, match="raise rollout.gpuMemoryUtilization") as raised:
         decoder.generate(ids, mask, 8, PLAIN, FREQUENT_EOS)
-    assert isinstance(raised.value, torch.OutOfMemoryError)  # so the worker reports it as one (workers/oom.py)
+    assert isinstance(
+        raised.value, torch.OutOfMemoryError
+    )  # so the worker reports it as one (workers/oom.py)
     reported = out_of_memory(raised.value)
     assert reported.source == "budget"  # in its own words: what did not fit, not figures torch never gave
     assert reported.describe().startswith("the rollout's memory budget (")
@@ -477,7 +571,9 @@ def test_a_model_compiles_past_dynamos_default_limit_of_eight_shapes(tmp_path, d
     run eagerly); automatic dynamic compiles a second width with symbolic sizes that serves the rest."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model(tmp_path / "model"), dtype=torch.float32
+    ).eval()
     compiled_graphs = []
 
     def counting_backend(graph_module, example_inputs):
