@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from mortal.state.fencing import check_worker
 from mortal.state.store import CompletionOrder, NewCompletion, WorkerRef
@@ -26,8 +26,12 @@ def _order(order: CompletionOrder) -> tuple[Any, ...]:
     sampled = (CompletionRow.step, CompletionRow.sample)
     if order == CompletionOrder.sample:
         return sampled
-    by_reward = CompletionRow.reward.asc() if order == CompletionOrder.worst else CompletionRow.reward.desc()
-    return (CompletionRow.reward.is_(None), by_reward, *sampled)
+    by_reward = (
+        col(CompletionRow.reward).asc()
+        if order == CompletionOrder.worst
+        else col(CompletionRow.reward).desc()
+    )
+    return (col(CompletionRow.reward).is_(None), by_reward, *sampled)
 
 
 class CompletionLog:
@@ -39,7 +43,9 @@ class CompletionLog:
         with self._tx() as s:
             check_worker(s, worker)
             s.execute(
-                delete(CompletionRow).where(CompletionRow.run == worker.run, CompletionRow.step == step)
+                delete(CompletionRow).where(
+                    col(CompletionRow.run) == worker.run, col(CompletionRow.step) == step
+                )
             )
             s.add_all(CompletionRow(run=worker.run, step=step, **vars(c)) for c in completions)
 
@@ -64,7 +70,10 @@ class CompletionLog:
 
     def completion_steps(self, run: str) -> list[int]:
         query = (
-            select(CompletionRow.step).where(CompletionRow.run == run).distinct().order_by(CompletionRow.step)
+            select(CompletionRow.step)
+            .where(CompletionRow.run == run)
+            .distinct()
+            .order_by(col(CompletionRow.step))
         )
         with self._tx(write=False) as s:
             return list(s.exec(query).all())

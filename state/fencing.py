@@ -17,10 +17,10 @@ from sqlmodel import Session, select
 
 from mortal.state.errors import Fenced
 from mortal.state.store import LeaderFence, WorkerRef
-from mortal.state.tables import LeaseRow, RunRow, WorkerRow, utcnow
+from mortal.state.tables import LeaseRow, RunRow, WorkerRow, table_of, utcnow
 
 TERMINAL_WORKER_STATES = frozenset({"Succeeded", "Failed", "Lost", "Stopped"})
-_WORKERS, _RUNS = WorkerRow.__table__, RunRow.__table__
+_WORKERS, _RUNS = table_of(WorkerRow), table_of(RunRow)
 
 
 def _newest_of_slot(for_update: bool) -> Any:

@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, IntegrityError
-from sqlmodel import Session, SQLModel, select
+from sqlmodel import Session, SQLModel, col, select
 
 from mortal.state import migrate
 from mortal.state.completions import CompletionLog
@@ -49,13 +49,14 @@ from mortal.state.tables import (
     WeightRow,
     WorkerRow,
     as_utc,
+    table_of,
     utcnow,
 )
 from mortal.state.task_queue import TaskQueue, rowcount
 
 _RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow, CompletionRow)
-_RUNS, _WORKERS = RunRow.__table__, WorkerRow.__table__
-_WEIGHTS, _METRICS = WeightRow.__table__, MetricRow.__table__
+_RUNS, _WORKERS = table_of(RunRow), table_of(WorkerRow)
+_WEIGHTS, _METRICS = table_of(WeightRow), table_of(MetricRow)
 # The hot calls' statements, built once (mortal.state.task_queue has the task queue's).
 _GET_RUN = core_select(_RUNS).where(_RUNS.c.name == bindparam("b_name"))
 _LATEST_WEIGHTS = (
@@ -176,13 +177,16 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         """The guarded write of a run row: applies only if resource_version is still row's."""
         result = session.execute(
             update(RunRow)
-            .where(RunRow.name == row.name, RunRow.resource_version == row.resource_version)
+            .where(col(RunRow.name) == row.name, col(RunRow.resource_version) == row.resource_version)
             .values(resource_version=row.resource_version + 1, updated_at=utcnow(), **values)
             .execution_options(synchronize_session=False)
         )
         if rowcount(result) != 1:
             raise Conflict(f"trainingrun {row.name!r} changed since resource_version {row.resource_version}")
-        return session.get(RunRow, row.name, populate_existing=True)
+        written = session.get(RunRow, row.name, populate_existing=True)
+        if written is None:
+            raise NotFound(f"trainingrun {row.name!r} not found")
+        return written
 
     def apply_run(
         self,
@@ -255,7 +259,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
             live = s.exec(
-                select(WorkerRow).where(WorkerRow.run == name, WorkerRow.state.not_in(TERMINAL_WORKER_STATES))
+                select(WorkerRow).where(
+                    WorkerRow.run == name, col(WorkerRow.state).not_in(TERMINAL_WORKER_STATES)
+                )
             ).all()
             if live:
                 listed = ", ".join(f"{w.role}-{w.replica} #{w.incarnation} ({w.state})" for w in live)
@@ -271,14 +277,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                 s.exec(
                     select(CheckpointRow)
                     .where(CheckpointRow.run == name, CheckpointRow.step > step)
-                    .order_by(CheckpointRow.step)
+                    .order_by(col(CheckpointRow.step))
                 ).all()
             )
             for model in (CheckpointRow, MetricRow, CompletionRow, TaskRow):
-                s.execute(delete(model).where(model.run == name, model.step > step))
+                s.execute(delete(model).where(col(model.run) == name, col(model.step) > step))
             s.execute(
                 update(WorkerRow)
-                .where(WorkerRow.run == name, WorkerRow.step > step)
+                .where(col(WorkerRow.run) == name, col(WorkerRow.step) > step)
                 .values(step=step)
                 .execution_options(synchronize_session=False)
             )
@@ -343,8 +349,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             check_leader(s, fence)
             self._run(s, name, lock=True)
             for model in _RUN_OWNED:
-                s.execute(delete(model).where(model.run == name))
-            s.execute(delete(RunRow).where(RunRow.name == name))
+                s.execute(delete(model).where(col(model.run) == name))
+            s.execute(delete(RunRow).where(col(RunRow.name) == name))
 
     # -- workers ---------------------------------------------------------------------------
     def create_worker(
@@ -368,7 +374,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             s.exec(
                 select(WorkerRow.id)
                 .where(WorkerRow.run == run, WorkerRow.role == role, WorkerRow.replica == replica)
-                .order_by(WorkerRow.incarnation.desc())
+                .order_by(col(WorkerRow.incarnation).desc())
                 .limit(1)
                 .with_for_update()
             ).first()
@@ -423,12 +429,12 @@ class SqlStore(TaskQueue, CompletionLog, Store):
 
     def list_workers(self, run: str | None = None, live_only: bool = False) -> list[WorkerRow]:
         query = select(WorkerRow).order_by(
-            WorkerRow.run, WorkerRow.role, WorkerRow.replica, WorkerRow.incarnation
+            col(WorkerRow.run), col(WorkerRow.role), col(WorkerRow.replica), col(WorkerRow.incarnation)
         )
         if run is not None:
             query = query.where(WorkerRow.run == run)
         if live_only:
-            query = query.where(WorkerRow.state.not_in(TERMINAL_WORKER_STATES))
+            query = query.where(col(WorkerRow.state).not_in(TERMINAL_WORKER_STATES))
         with self._tx(write=False) as s:
             return list(s.exec(query).all())
 
@@ -496,7 +502,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     def list_checkpoints(self, run: str, complete_only: bool = True) -> list[CheckpointRow]:
-        query = select(CheckpointRow).where(CheckpointRow.run == run).order_by(CheckpointRow.step)
+        query = select(CheckpointRow).where(CheckpointRow.run == run).order_by(col(CheckpointRow.step))
         if complete_only:
             query = query.where(CheckpointRow.complete)
         with self._tx(write=False) as s:
@@ -505,13 +511,15 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def latest_checkpoint(self, run: str) -> CheckpointRow | None:
         query = select(CheckpointRow).where(CheckpointRow.run == run, CheckpointRow.complete)
         with self._tx(write=False) as s:
-            return s.exec(query.order_by(CheckpointRow.step.desc()).limit(1)).first()
+            return s.exec(query.order_by(col(CheckpointRow.step).desc()).limit(1)).first()
 
     def delete_checkpoint(self, worker: WorkerRef, step: int) -> None:
         with self._tx() as s:
             check_worker(s, worker)
             s.execute(
-                delete(CheckpointRow).where(CheckpointRow.run == worker.run, CheckpointRow.step == step)
+                delete(CheckpointRow).where(
+                    col(CheckpointRow.run) == worker.run, col(CheckpointRow.step) == step
+                )
             )
 
     def publish_weights(
@@ -543,13 +551,15 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def list_weights(self, run: str) -> list[WeightRow]:
         with self._tx(write=False) as s:
             return list(
-                s.exec(select(WeightRow).where(WeightRow.run == run).order_by(WeightRow.version)).all()
+                s.exec(select(WeightRow).where(WeightRow.run == run).order_by(col(WeightRow.version))).all()
             )
 
     def delete_weights(self, worker: WorkerRef, version: int) -> None:
         with self._tx() as s:
             check_worker(s, worker)
-            s.execute(delete(WeightRow).where(WeightRow.run == worker.run, WeightRow.version == version))
+            s.execute(
+                delete(WeightRow).where(col(WeightRow.run) == worker.run, col(WeightRow.version) == version)
+            )
 
     # -- events, metrics ---------------------------------------------------------------------
     def add_event(self, run: str, type: str, reason: str, message: str) -> EventRow:
@@ -560,7 +570,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     def list_events(self, run: str | None = None, limit: int = 50) -> list[EventRow]:
-        query = select(EventRow).order_by(EventRow.time.desc(), EventRow.id.desc()).limit(limit)
+        query = select(EventRow).order_by(col(EventRow.time).desc(), col(EventRow.id).desc()).limit(limit)
         if run is not None:
             query = query.where(EventRow.run == run)
         with self._tx(write=False) as s:
@@ -582,7 +592,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def list_metrics(
         self, run: str, name: str | None = None, since_step: int | None = None
     ) -> list[MetricRow]:
-        query = select(MetricRow).where(MetricRow.run == run).order_by(MetricRow.step, MetricRow.name)
+        query = (
+            select(MetricRow).where(MetricRow.run == run).order_by(col(MetricRow.step), col(MetricRow.name))
+        )
         if name is not None:
             query = query.where(MetricRow.name == name)
         if since_step is not None:
@@ -616,7 +628,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._tx() as s:
             s.execute(
                 update(LeaseRow)
-                .where(LeaseRow.name == name, LeaseRow.holder == holder)
+                .where(col(LeaseRow.name) == name, col(LeaseRow.holder) == holder)
                 .values(expires_at=utcnow())
                 .execution_options(synchronize_session=False)
             )

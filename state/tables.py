@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, UniqueConstraint, text
+from sqlalchemy import JSON, Column, DateTime, Index, Table, UniqueConstraint, text
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
@@ -320,3 +320,9 @@ class TaskRow(SQLModel, table=True):
     result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     created_at: datetime = _time()
     done_at: datetime | None = _time(False)
+
+
+def table_of(model: type[SQLModel]) -> Table:
+    """The Core table of a row class, for statements built once (SQLModel sets `__table__` on each table
+    class when it is created; its type stubs do not declare it)."""
+    return model.__table__  # type: ignore[attr-defined]

@@ -20,13 +20,13 @@ from typing import Any, cast
 
 from sqlalchemy import and_, bindparam, case, delete, func, or_, text, update
 from sqlalchemy.engine import Connection, CursorResult
-from sqlmodel import Session, SQLModel, select
+from sqlmodel import Session, SQLModel, col, select
 
 from mortal.state.fencing import check_worker
 from mortal.state.store import STALE_ROLLOUTS, NewTask, TaskTally, WorkerRef
-from mortal.state.tables import OPEN_TASK, EventRow, TaskRow, as_utc, utcnow
+from mortal.state.tables import OPEN_TASK, EventRow, TaskRow, as_utc, table_of, utcnow
 
-_TASKS = TaskRow.__table__
+_TASKS = table_of(TaskRow)
 _NO_SESSION_SYNC = {"synchronize_session": False}
 
 
@@ -121,7 +121,9 @@ class TaskQueue:
         with self._tx() as s:
             check_worker(s, worker)
             return rowcount(
-                s.execute(delete(TaskRow).where(TaskRow.run == worker.run, TaskRow.step >= from_step))
+                s.execute(
+                    delete(TaskRow).where(col(TaskRow.run) == worker.run, col(TaskRow.step) >= from_step)
+                )
             )
 
     def lease_task(
@@ -188,18 +190,22 @@ class TaskQueue:
         with self._tx(write=False) as s:
             return list(
                 s.exec(
-                    select(TaskRow).where(TaskRow.run == run, TaskRow.step == step).order_by(TaskRow.slot)
+                    select(TaskRow)
+                    .where(TaskRow.run == run, TaskRow.step == step)
+                    .order_by(col(TaskRow.slot))
                 ).all()
             )
 
     def task_tally(self, run: str) -> TaskTally:
         counts = select(
             func.count(func.distinct(TaskRow.step)),
-            func.count(TaskRow.id),
-            func.coalesce(func.sum(case((TaskRow.state == "done", 1), else_=0)), 0),
-            func.coalesce(func.sum(case((TaskRow.attempts > 1, TaskRow.attempts - 1), else_=0)), 0),
+            func.count(col(TaskRow.id)),
+            func.coalesce(func.sum(case((col(TaskRow.state) == "done", 1), else_=0)), 0),
+            func.coalesce(func.sum(case((col(TaskRow.attempts) > 1, col(TaskRow.attempts) - 1), else_=0)), 0),
         ).where(TaskRow.run == run)
-        stale = select(func.count(EventRow.id)).where(EventRow.run == run, EventRow.reason == STALE_ROLLOUTS)
+        stale = select(func.count(col(EventRow.id))).where(
+            EventRow.run == run, EventRow.reason == STALE_ROLLOUTS
+        )
         with self._tx(write=False) as s:
             steps, tasks, done, releases = s.execute(counts).one()
             return TaskTally(steps, tasks, int(done), int(releases), s.execute(stale).scalar_one())
@@ -210,6 +216,6 @@ class TaskQueue:
                 s.exec(
                     select(TaskRow.state)
                     .where(TaskRow.run == run, TaskRow.step == step)
-                    .order_by(TaskRow.slot)
+                    .order_by(col(TaskRow.slot))
                 ).all()
             )
