@@ -1,12 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the tests need and runs them all (unit, both stores, end-to-end, soak). On 2 cores and 23 GiB
-# (fresh clones, 2026-11-27): set-up 1.6 min, the Ray phase 3.4-3.7 min, the rest 12.1-12.4 min on three
-# pytest-xdist workers (15.2-17.6 min on two), at most 7.9 GiB in use; 17.0-17.4 min in all, and CI allows 90. Tried, no faster: the Ray phase beside the
-# rest (21.8 min: the two cores are the limit) and xdist's worksteal scheduling (21.4 min). The same VM is not
-# always as fast: on a later day that tree (41e231f) took 4.7 + 16.4 min, and the next one, 39 tests more, 4.5 + 16.3.
-# Later still (956b563, a fresh clone, nothing else running): 1.5 + 7.0 + 28.9 = 38.5 min, the compiled-actor test
-# 251 s of it (inductor's C++ codegen; it now compiles with aot_eager: 31-43 s alone). On 2026-11-28, a fresh clone
-# at 712269e with nothing else running: 1.5 + 3.7 + 14.0 = 19.1 min.
+# Installs what the tests need and runs them all (unit, both stores, end-to-end, soak): the README's test
+# command and CI's (.ci/run). How long it takes on CI's two cores: docs/benchmarks.md, "The test suite".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup-env.sh
