@@ -309,7 +309,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = self._run(s, name)
             if row.resource_version != resource_version:
                 raise Conflict(
-                    f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}"
+                    f"trainingrun {name!r} is at resource_version {row.resource_version}, "
+                    f"not {resource_version}"
                 )
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
@@ -329,7 +330,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = self._run(s, name, lock=True)
             if resource_version is not None and row.resource_version != resource_version:
                 raise Conflict(
-                    f"trainingrun {name!r} is at resource_version {row.resource_version}, not {resource_version}"
+                    f"trainingrun {name!r} is at resource_version {row.resource_version}, "
+                    f"not {resource_version}"
                 )
             for type_, reason, message in events:
                 s.add(EventRow(run=name, type=type_, reason=reason, message=message))

@@ -151,9 +151,9 @@ class WorkerRow(SQLModel, table=True):
     gpus: int = Field(
         default=0,
         sa_column_kwargs={"server_default": "0"},
-        description="GPUs this worker holds (its own; a colocated rollout's share of its actor's is 0), as the "
-        "backend gives them at launch: its wall time x this is its GPU time (spec.limits.maxGPUHours; added in "
-        "migration 0004)",
+        description="GPUs this worker holds (its own; a colocated rollout's share of its actor's is 0), as "
+        "the backend gives them at launch: its wall time x this is its GPU time (spec.limits.maxGPUHours; "
+        "added in migration 0004)",
     )
     activity: str | None = Field(
         default=None,
@@ -180,8 +180,8 @@ class CheckpointRow(SQLModel, table=True):
     provenance: dict[str, Any] | None = Field(
         default=None,
         sa_column=Column(JSON, nullable=True),
-        description="what made it (mortal.workers.actor.provenance): spec generation, reward code and dataset "
-        "hashes, data position; None for checkpoints written before migration 0006",
+        description="what made it (mortal.workers.actor.provenance): spec generation, reward code and "
+        "dataset hashes, data position; None for checkpoints written before migration 0006",
     )
 
 

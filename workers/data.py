@@ -161,8 +161,8 @@ def load_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
         if prompt is None:
             raise FatalWorkerError(
                 "DatasetUnreadable",
-                f"spec.dataset.promptColumn {column!r} of {spec.name!r}, row {index}: a prompt must be text or a "
-                f"list of {{role, content}} messages (got {type(source.get(column)).__name__})",
+                f"spec.dataset.promptColumn {column!r} of {spec.name!r}, row {index}: a prompt must be text "
+                f"or a list of {{role, content}} messages (got {type(source.get(column)).__name__})",
             )
         row["prompt"] = prompt
         rows.append(_json_safe(row))

@@ -81,8 +81,8 @@ class Abandoner:
         first); TooManyAbandonedCalls when `limit` abandoned calls already run (before starting another)."""
         if self.abandoned >= self.limit:
             raise TooManyAbandonedCalls(
-                f"{self.limit} calls past their deadline are still running in this worker (the newest: {what}); "
-                "relaunching it for a fresh process"
+                f"{self.limit} calls past their deadline are still running in this worker "
+                f"(the newest: {what}); relaunching it for a fresh process"
             )
         box: dict[str, Any] = {}
 

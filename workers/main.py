@@ -103,7 +103,10 @@ def configure_logging(worker: WorkerRef) -> None:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s {worker.role}-{worker.replica}#{worker.incarnation} %(name)s: %(message)s",
+        format=(
+            f"%(asctime)s %(levelname)s {worker.role}-{worker.replica}#{worker.incarnation} "
+            "%(name)s: %(message)s"
+        ),
         force=True,
     )
     logging.getLogger("alembic").setLevel(logging.WARNING)

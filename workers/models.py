@@ -514,8 +514,9 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[in
     if not getattr(tokenizer, "chat_template", None):
         raise FatalWorkerError(
             "PromptUnencodable",
-            f"the dataset's prompts are chat messages but the tokenizer of {tokenizer.name_or_path!r} has no chat "
-            "template; use text prompts, or a model (an -Instruct one) whose tokenizer has a chat template",
+            f"the dataset's prompts are chat messages but the tokenizer of {tokenizer.name_or_path!r} has no "
+            "chat template; use text prompts, or a model (an -Instruct one) whose tokenizer has a chat "
+            "template",
         )
     encoded = tokenizer.apply_chat_template(
         prompt, add_generation_prompt=True, tokenize=True, return_dict=True

@@ -414,11 +414,12 @@ def simulated_result(
 
 # torch 2.x's caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), as an 80 GB GPU prints it.
 TORCH_OOM_MESSAGE = (
-    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.23 GiB "
-    "is free. Process 48213 has 77.95 GiB memory in use. Of the allocated memory 70.10 GiB is allocated by "
-    "PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
-    "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
-    "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+    "1.23 GiB is free. Process 48213 has 77.95 GiB memory in use. Of the allocated memory 70.10 GiB is "
+    "allocated by PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
+    "See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
 )
 
 

@@ -314,5 +314,6 @@ def test_the_access_log_says_who_called_what_and_never_holds_a_token(
 
 
 def test_every_call_a_worker_may_make_is_a_store_method() -> None:
-    """A renamed Store method would otherwise be refused to workers (admin only) without a test noticing here."""
+    """A renamed Store method would otherwise be refused to workers (admin only) without a
+    test noticing here."""
     assert set(wire.methods()) >= ACTOR_CALLS | ROLLOUT_CALLS | RUN_NAMED

@@ -211,7 +211,8 @@ def test_garbage_on_the_wire_gets_a_json_400(served: Served) -> None:
 
 # -- argument types -----------------------------------------------------------------------------------------
 def wrong_value(annotation: Any) -> st.SearchStrategy[Any]:
-    """JSON no annotation of that kind accepts: a list where an object goes, else an object or list of objects."""
+    """JSON no annotation of that kind accepts: a list where an object goes, else an
+    object or list of objects."""
     text = str(annotation)
     if text.startswith("dict"):
         return st.lists(st.integers(), min_size=1, max_size=3) | st.text(min_size=1, max_size=5)

@@ -289,8 +289,9 @@ def test_a_task_is_completed_only_by_the_worker_holding_its_lease(store: Store, 
 
 
 def test_a_result_reads_back_as_it_was_written(store: Store, run: str) -> None:
-    """A rollout's answer through the JSON column (written by pydantic-core, state/engine.py): token ids, float
-    log-probabilities to the last bit, text beyond ASCII, None, and integers past 64 bits come back equal."""
+    """A rollout's answer through the JSON column (written by pydantic-core,
+    state/engine.py): token ids, float log-probabilities to the last bit, text beyond
+    ASCII, None, and integers past 64 bits come back equal."""
     actor, rollout = _worker(store, run), _worker(store, run, "rollout", 0)
     store.enqueue_tasks(actor, [NewTask(step=1, slot=0, min_weight_version=0)])
     task = store.lease_task(rollout, 30)

@@ -1,4 +1,5 @@
-"""fork_run and rollback_run of the Store contract, against every backend (`store`: SQLite, PostgreSQL, HTTP)."""
+"""fork_run and rollback_run of the Store contract, against every backend (`store`:
+SQLite, PostgreSQL, HTTP)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Test helpers of the actor-side tests: runs in a store, worker contexts, an in-process rollout.
 
-Imported by tests/workers/actor/ (test_actor*.py, test_checkpoint.py, test_trl_seam.py, test_padding_shift.py),
-sync/test_weights.py and test_exact_resume.py.
+Imported by tests/workers/actor/ (test_actor*.py, test_checkpoint.py, test_trl_seam.py,
+test_padding_shift.py), sync/test_weights.py and test_exact_resume.py.
 `run_actor_with_rollout` runs the real actor `main(ctx)` in this thread and the real rollout
 worker loop in a background thread, against one store, so a whole run of a tiny model takes
 seconds; the subprocess tests in test_exact_resume.py run both as `python -m mortal.workers.main`.

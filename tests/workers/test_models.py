@@ -111,8 +111,9 @@ def test_tf32_is_turned_on_for_cuda_when_the_spec_asks(tf32, device, used, monke
 def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and_offload(
     mixed: bool, offload: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """actor.mixedPrecision and actor.cpuOffload reach FSDP2 through transformers' DistributedConfig (cpuOffload
-    needs GPUs, so no CPU run can show its effect: what transformers is asked for is checked here)."""
+    """actor.mixedPrecision and actor.cpuOffload reach FSDP2 through transformers'
+    DistributedConfig (cpuOffload needs GPUs, so no CPU run can show its effect: what
+    transformers is asked for is checked here)."""
     from transformers import AutoModelForCausalLM
 
     asked: list[dict] = []
@@ -142,8 +143,8 @@ def test_a_sharded_load_asks_transformers_for_fsdp2_with_the_specs_precision_and
 def test_a_sharded_load_keeps_gathered_weights_through_the_step_only_when_asked(
     reshard: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """actor.reshardAfterForward false reaches every FSDP2 module through the root's setter, after the load (the
-    effect, fewer all-gathers a step, is in tests/workers/actor/test_actor_sharded.py)."""
+    """actor.reshardAfterForward false reaches every FSDP2 module through the root's setter, after the load
+    (the effect, fewer all-gathers a step, is in tests/workers/actor/test_actor_sharded.py)."""
     from transformers import AutoModelForCausalLM
 
     class Sharded(torch.nn.Module):
@@ -220,9 +221,9 @@ def test_placing_the_shards_moves_every_parameter_and_keeps_its_sharding_and_the
 
 
 def test_a_shard_moved_to_host_memory_stays_there_under_a_gpu_mesh(tmp_path: Path) -> None:
-    """with_local_shard (place_shards' DTensor): a shard in host memory under an actor's cuda mesh is a DTensor
-    in host memory with the parameter's sharding, where DTensor.from_local would move it back to the GPU (and
-    on this CPU-only machine fail). The mesh is described, never used: no CUDA is needed."""
+    """with_local_shard (place_shards' DTensor): a shard in host memory under an actor's cuda mesh is a
+    DTensor in host memory with the parameter's sharding, where DTensor.from_local would move it back to the
+    GPU (and on this CPU-only machine fail). The mesh is described, never used: no CUDA is needed."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -331,8 +332,8 @@ def test_chat_prompts_without_a_chat_template_are_fatal(tmp_path: Path) -> None:
 
 
 def test_liger_without_its_package_fails_the_actor_naming_the_field(monkeypatch, tmp_path) -> None:
-    """actor.liger where liger-kernel (or Triton) is missing: a fatal error at start that says what to install,
-    not a run that trains without the kernels it asked for."""
+    """actor.liger where liger-kernel (or Triton) is missing: a fatal error at start that says what to
+    install, not a run that trains without the kernels it asked for."""
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # its import fails
     model = load_model(ModelSpec.model_validate({"name": str(make_tiny_model(tmp_path / "m"))}), "cpu")
     with pytest.raises(

@@ -7,14 +7,14 @@ actor and rollout on the head, "node-kill" with its rollout on the head and its 
 each weight version travels from one node to another through the object store. After node-kill's first
 checkpoint (uploaded to a file:// URL, standing for a bucket), the node running its actor is SIGKILLed;
 the actor is relaunched on the other worker node, downloads the checkpoint into that node's home and
-resumes. "straight"'s weights hub is killed once its first version is recorded, before its rollout fetched it (a
-hub lost under a live actor, for which a rollout once waited forever): its actor puts the version back in a new
-hub. Both runs Succeed ("straight" never interrupted: its weights hub lives on its own actor's node),
-their final checkpoints' tensors hash the same, the workers wrote nothing
-under the controller's MORTAL_HOME, the relaunched actor's log is in the storage (`mortalctl logs`
-reads it there), and no actor of either run (workers, weights hubs) is left in the cluster. A second, short test
-drives mortal.workers.sync.ray alone between processes on the cluster (a hub killed under its publisher
-included). Runs in `unshare -rn` (scripts/test.sh).
+resumes. "straight"'s weights hub is killed once its first version is recorded, before its rollout
+fetched it (a hub lost under a live actor, for which a rollout once waited forever): its actor
+puts the version back in a new hub. Both runs Succeed ("straight" never interrupted: its weights
+hub lives on its own actor's node), their final checkpoints' tensors hash the same, the workers
+wrote nothing under the controller's MORTAL_HOME, the relaunched actor's log is in the storage
+(`mortalctl logs` reads it there), and no actor of either run (workers, weights hubs) is left in
+the cluster. A second, short test drives mortal.workers.sync.ray alone between processes on the
+cluster (a hub killed under its publisher included). Runs in `unshare -rn` (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from mortal.state import open_store
 from mortal.workers.sync.ray import SCHEME
 
 ray = pytest.importorskip("ray")
-# Four steps: the first checkpoint the test sees can be step 2 when its polling thread is starved (2 cores, the
-# controller in this process), and the node must still be killed with steps left to train.
+# Four steps: the first checkpoint the test sees can be step 2 when its polling thread is starved (few cores,
+# the controller in this process), and the node must still be killed with steps left to train.
 MAX_STEPS, EVERY = 4, 1
 RUNS = ("straight", "node-kill")
 
@@ -69,8 +69,8 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
     controller = Controller(store, store_url, CONFIG).start()
     killed = None
     try:
-        # "straight"'s hub is killed as soon as its first version is recorded, before its rollout (still loading
-        # its model) fetched it: the rollout cannot have that version until the actor puts it back.
+        # "straight"'s hub is killed as soon as its first version is recorded, before its rollout (still
+        # loading its model) fetched it: the rollout cannot have that version until the actor puts it back.
         wait_for(
             lambda: store.latest_weights("straight") is not None,
             600,
@@ -83,9 +83,9 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
             if a["namespace"].endswith("-straight") and a["name"].startswith("weights-")
         ]
         ray.kill(ray.get_actor(hub["name"], namespace=hub["namespace"]))
-        # How v0 then reached straight's rollout (the actor's put-back, or refs it held before the kill) is not
-        # asserted: which one happened could not be told from the outside reliably (a check of the received
-        # folder after the kill still saw no v0 while the put-back was not logged, 2 runs of 5). The put-back
+        # How v0 then reached straight's rollout (the actor's put-back, or refs it held before the kill) is
+        # not asserted: which one happened could not be told from the outside reliably (a check of the
+        # received folder after the kill still saw no v0 while the put-back was not logged). The put-back
         # itself is tested on fake Ray (sync/test_ray.py); here the run must go on to the same weights.
         wait_for(
             lambda: store.latest_checkpoint("node-kill") is not None,
@@ -119,7 +119,8 @@ def test_an_actor_node_lost_without_shared_disk_resumes_from_the_url_bit_equal(
         other = ({"node_a", "node_b"} - {killed}).pop()
         actors = [w for w in store.list_workers("node-kill") if w.role == "actor"]
         assert len(actors) >= 2, "the actor was not relaunched"
-        # The relaunched actor resumed on the other node from the copy it downloaded there (its home had none).
+        # The relaunched actor resumed on the other node from the copy it downloaded there
+        # (its home had none).
         assert (
             ray_cluster.home(other) / "runs/node-kill/checkpoints" / f"step-{resumed.step}" / "mortal.json"
         ).is_file()
@@ -139,7 +140,8 @@ PUBLISHER = """
 import os, signal, sys, time
 from pathlib import Path
 stopped = []
-signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))  # as mortal.workers.runtime's: stop at a step boundary
+# as mortal.workers.runtime's: stop at a step boundary
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
 from mortal.workers.sync import ray as ray_weights
 folder = Path(sys.argv[1])
 print(ray_weights.share(folder, 7), flush=True)
@@ -154,10 +156,10 @@ while sys.stdin.readline().strip() == "check":  # the actor's look at its hub wh
 def test_a_published_version_reaches_another_process_and_ends_with_its_publisher(
     ray_cluster, mortal_home: Path, tmp_path: Path
 ) -> None:
-    """ray_weights on the real cluster: the bytes arrive whole, joining Ray keeps the worker's SIGTERM handler (a
-    suspended actor checkpoints), a hub killed under its live publisher is made again with the same version (and
-    the controller's listing of the run's namespace, which holds the hub, is not upset by it), and the hub and
-    its objects end with the process that published them."""
+    """ray_weights on the real cluster: the bytes arrive whole, joining Ray keeps the worker's SIGTERM handler
+    (a suspended actor checkpoints), a hub killed under its live publisher is made again with the same version
+    (and the controller's listing of the run's namespace, which holds the hub, is not upset by it), and the
+    hub and its objects end with the process that published them."""
     from mortal.controller.backends.base import RAY_ADDRESS_ENV, RAY_NAMESPACE_ENV
 
     backend = select_backend("ray")
@@ -218,8 +220,12 @@ def test_a_published_version_reaches_another_process_and_ends_with_its_publisher
 def receive_elsewhere(
     env: dict[str, str], path: str, home: Path, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """`receive` in a process of its own (another worker, on another MORTAL_HOME): it prints the folder it wrote."""
-    script = "import sys; from mortal.workers.sync import ray as ray_weights; print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
+    """`receive` in a process of its own (another worker, on another MORTAL_HOME): it
+    prints the folder it wrote."""
+    script = (
+        "import sys; from mortal.workers.sync import ray as ray_weights; "
+        "print(ray_weights.receive(sys.argv[1], 'run', 'uid'))"
+    )
     return subprocess.run(
         [sys.executable, "-c", script, path],
         env={**env, "MORTAL_HOME": str(home)},

@@ -1,4 +1,5 @@
-"""Out-of-memory recognition and torch's message parsed into figures (mortal.workers.oom), and main's exit code."""
+"""Out-of-memory recognition and torch's message parsed into figures (mortal.workers.oom),
+and main's exit code."""
 
 from __future__ import annotations
 
@@ -71,9 +72,9 @@ def test_an_older_message_keeps_what_it_can_read():
         (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "cuda"),
         (
             RuntimeError(
-                "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for "
-                "details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
-                "Last error:\nFailed to CUDA calloc 6291456 bytes"
+                "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                "for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function "
+                "failed.\nLast error:\nFailed to CUDA calloc 6291456 bytes"
             ),
             "nccl",
         ),

@@ -247,8 +247,9 @@ def test_the_heartbeat_says_what_the_worker_is_doing_and_for_how_long(store: Sto
 
 @sqlite_only
 def test_the_controllers_memory_choice_in_the_environment_is_the_workers_spec(store: Store) -> None:
-    """MORTAL_MICRO_BATCH_SIZE (mortal.specs.memory, set by the controller after an out-of-memory) replaces the
-    stored spec's micro batch in the worker's view of its run; a value that does not divide the batch is fatal."""
+    """MORTAL_MICRO_BATCH_SIZE (mortal.specs.memory, set by the controller after an
+    out-of-memory) replaces the stored spec's micro batch in the worker's view of its run;
+    a value that does not divide the batch is fatal."""
     from mortal.specs.memory import MICRO_BATCH_ENV
 
     run = simulated_run("healed", spec={"algorithm": {"numGenerations": 2, "batchSize": 8}})

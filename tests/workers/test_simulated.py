@@ -91,8 +91,8 @@ def test_actor_resumes_after_kill_9_and_weight_versions_keep_growing(cluster: Si
     assert cluster.wait_exit(second) == 0
     assert rewards_by_step(cluster, "resume") == pytest.approx({s: simulated_reward(s) for s in range(1, 7)})
     versions = [w.version for w in cluster.store.list_weights("resume")]
-    # The checkpoint's weights again as a new version, then one per step replayed: never reusing an old number,
-    # nor calling the checkpoint's weights by the number of the killed actor's later ones.
+    # The checkpoint's weights again as a new version, then one per step replayed: never reusing an old
+    # number, nor calling the checkpoint's weights by the number of the killed actor's later ones.
     assert versions == sorted(set(versions)) and versions[-1] == published + 1 + (6 - resumed_from)
     log = paths.worker_log("resume", "actor", 0, second.ref.incarnation).read_text()
     assert "resuming from checkpoint" in log

@@ -1,8 +1,9 @@
 """Scripted stand-ins for a model that calls tools, shared by the tool-calling tests.
 
 Imported by tests/workers/rollout/test_multiturn.py, tests/workers/tool_learning.py and
-tests/controller/cli/test_cli_components.py. A ScriptedEngine implements the Engine interface and answers from the conversation's text, so a test
-can run mortal's tool loop (and TRL's) on turns that really call tools, which a random tiny model never does.
+tests/controller/cli/test_cli_components.py. A ScriptedEngine implements the Engine interface and answers from
+the conversation's text, so a test can run mortal's tool loop (and TRL's) on turns that really call tools,
+which a random tiny model never does.
 """
 
 from __future__ import annotations

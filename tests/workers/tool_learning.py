@@ -5,14 +5,15 @@ calculator example takes 113-390 s on CI's two cores; a random model never write
 its reward has no signal to rise on. What a user does on a GPU (bench/multiturn_gpu.py) is done here in
 miniature: fine-tune first on demonstrations, then let RL raise the reward.
 
-    1. demonstrations rendered by mortal's own tool loop (mortal.workers.rollout.multiturn) with a scripted model
-       (tool_helpers.ScriptedEngine) and the real tools: two behaviours per example, one that earns the
-       reward and one that does not (the calculator: call it and answer with its result, or guess at once;
-       the code agent: after its first failed run, fix the code and run it again, or give up)
+    1. demonstrations rendered by mortal's own tool loop (mortal.workers.rollout.multiturn) with a scripted
+       model (tool_helpers.ScriptedEngine) and the real tools: two behaviours per example, one that earns the
+       reward and one that does not (the calculator: call it and answer with its result, or guess at once; the
+       code agent: after its first failed run, fix the code and run it again, or give up)
     2. a byte-level BPE vocabulary fitted to those conversations (digits kept one per token, so copying a
        number is copying tokens): the calculator's conversation is about 60 tokens instead of SmolLM2's 295
-    3. a two-layer Llama (0.13M parameters for the calculator, 0.6M for the code agent) fine-tuned on both behaviours, half and half (plain next-token loss on
-       the model's tokens; tool results masked as the actor masks them)
+    3. a two-layer Llama (0.13M parameters for the calculator, 0.6M for the code agent)
+       fine-tuned on both behaviours, half and half (plain next-token loss on the model's
+       tokens; tool results masked as the actor masks them)
     4. so the warm-started model earns the reward about half the time, and GRPO can raise it by choosing
        the rewarded behaviour more often
 
@@ -75,9 +76,9 @@ def first_attempt(solution: str) -> str:
 
 
 class FixScript(ScriptedEngine):
-    """A scripted code agent. It runs a first attempt that fails; then, with `fixes`, it runs the row's solution
-    and answers with it (the reward), else it answers with the failing code (no reward). `solutions` maps
-    each user message to its row's solution."""
+    """A scripted code agent. It runs a first attempt that fails; then, with `fixes`, it runs the row's
+    solution and answers with it (the reward), else it answers with the failing code (no reward). `solutions`
+    maps each user message to its row's solution."""
 
     def __init__(self, tokenizer: Any, solutions: dict[str, str], fixes: bool) -> None:
         super().__init__(tokenizer)
@@ -161,7 +162,8 @@ def warm_start(
     hidden: int = 64,
     seed: int = 0,
 ) -> Path:
-    """Vocabulary fitted to the behaviours' conversations, then a tiny Llama fine-tuned on them in equal parts."""
+    """Vocabulary fitted to the behaviours' conversations, then a tiny Llama fine-tuned on
+    them in equal parts."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -235,8 +237,9 @@ def calculator_model(folder: Path, seed: int = 0) -> Path:
 
 
 def code_agent_model(folder: Path, rows: list[dict[str, Any]], seed: int = 0) -> Path:
-    """`rows` of builtin:mbpp-mini: every row once as a fix after the first failure, once as giving up. The
-    model learns the rows' solutions by heart (what it can fix is only what it was shown), so keep them few."""
+    """`rows` of builtin:mbpp-mini: every row once as a fix after the first failure, once
+    as giving up. The model learns the rows' solutions by heart (what it can fix is only
+    what it was shown), so keep them few."""
     solutions = {row["prompt"][-1]["content"]: row["solution"] for row in rows}
     toolbox = Toolbox(environments={None: CodeAgentEnvironment}, max_iterations=3)
 

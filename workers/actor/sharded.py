@@ -95,9 +95,10 @@ def unsupported() -> str | None:
 
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         return (
-            f"an actor of several ranks needs transformers >= {MIN_TRANSFORMERS} (its Trainer then trains a model "
-            f"sharded at load as it is; older ones wrap it in DistributedDataParallel, which fails on its sharded "
-            f"parameters); this worker has {transformers.__version__}: upgrade it, or use actor.count 1"
+            f"an actor of several ranks needs transformers >= {MIN_TRANSFORMERS} (its Trainer then trains a "
+            "model sharded at load as it is; older ones wrap it in DistributedDataParallel, which fails on "
+            f"its sharded parameters); this worker has {transformers.__version__}: upgrade it, or use "
+            "actor.count 1"
         )
     return None
 

@@ -82,7 +82,11 @@ def _boxes(rng: random.Random, who: str) -> Problem:
 def _wage(rng: random.Random, who: str) -> Problem:
     rate, hours, days = rng.randint(8, 25), rng.randint(2, 8), rng.randint(2, 6)
     daily = rate * hours
-    q = f"{who} earns ${rate} an hour and works {hours} hours a day for {days} days. How many dollars is that?"
+    q = (
+        f"{who} earns ${rate} an hour and works {hours} hours a day for {days} days. "
+        "How many dollars is that?"
+    )
+
     return q, [f"{rate} * {hours} = {daily}", f"{daily} * {days} = {daily * days}"], daily * days
 
 

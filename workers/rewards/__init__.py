@@ -96,7 +96,8 @@ def _import_attr(ref: str, where: str) -> Any:
     except ModuleNotFoundError as exc:
         raise FatalWorkerError(
             "RewardNotFound",
-            f"{where}: cannot import module {module_name!r} ({exc}); is it installed, or on PYTHONPATH of the workers?",
+            f"{where}: cannot import module {module_name!r} ({exc}); is it installed, or on PYTHONPATH of "
+            "the workers?",
         ) from exc
     except Exception as exc:
         raise FatalWorkerError(
@@ -198,7 +199,8 @@ def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float
     if len(scores) != expected:
         raise FatalWorkerError(
             "RewardBadOutput",
-            f"{bad} returned {len(scores)} scores for {expected} completions; return exactly one per completion",
+            f"{bad} returned {len(scores)} scores for {expected} completions; "
+            "return exactly one per completion",
         )
     out: list[float | None] = []
     for i, value in enumerate(scores):

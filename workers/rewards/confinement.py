@@ -116,11 +116,11 @@ class Mode:
 
 
 CONFINES = {
-    "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
-    "/tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
+    "bubblewrap": "no network, read-only root with only system dirs and the interpreter visible, private "
+    "in-memory /tmp and working directory (no host folder writable), own pid/ipc/uts namespaces, "
     "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
-    "unshare": "no network, read-only root with only system dirs and the interpreter visible, private in-memory "
-    "/tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
+    "unshare": "no network, read-only root with only system dirs and the interpreter visible, private "
+    "in-memory /tmp and working directory (no host folder writable), own pid/ipc/uts/mount namespaces, "
     "no capabilities, an unprivileged host user (nobody when mortal runs as root)",
     "none": "nothing but rlimits and the timeout",
 }

@@ -79,10 +79,13 @@ def apply_limits():
     if limits.get("cpu_seconds"):
         cpu = int(limits["cpu_seconds"]) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-boot = "import runpy, sys; sys.path.insert(0, ''); sys.argv = ['main.py']; runpy.run_path('main.py', run_name='__main__')"
+boot = ("import runpy, sys; sys.path.insert(0, ''); sys.argv = ['main.py']; "
+        "runpy.run_path('main.py', run_name='__main__')")
 started = time.monotonic()
-proc = subprocess.Popen([sys.executable, "-I", "-c", boot], cwd=work, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, start_new_session=True, preexec_fn=apply_limits)
+proc = subprocess.Popen([sys.executable, "-I", "-c", boot], cwd=work, stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                        preexec_fn=apply_limits)
+
 try:
     stdout, stderr = proc.communicate(job.get("stdin", "").encode(), timeout=limits["timeout"])
 except subprocess.TimeoutExpired:

@@ -63,7 +63,11 @@ __all__ = [
 
 MAIN = "main.py"
 # Runs main.py as __main__ with the temp dir importable (isolated mode leaves it off sys.path).
-BOOT = "import runpy, sys; sys.path.insert(0, ''); sys.argv = ['main.py']; runpy.run_path('main.py', run_name='__main__')"
+BOOT = (
+    "import runpy, sys; sys.path.insert(0, ''); sys.argv = ['main.py']; "
+    "runpy.run_path('main.py', run_name='__main__')"
+)
+
 QUIET_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

@@ -81,8 +81,8 @@ def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
         tokenizer.chat_template = path.read_text(encoding="utf-8")
     if not supports_tool_calling(tokenizer):
         raise ToolTemplateError(
-            f"the chat template of {tokenizer.name_or_path!r} cannot render tool calls and tool messages; set "
-            "spec.rollout.chatTemplate to one that can (e.g. qwen2_5 for ChatML models such as SmolLM2)"
+            f"the chat template of {tokenizer.name_or_path!r} cannot render tool calls and tool messages; "
+            "set spec.rollout.chatTemplate to one that can (e.g. qwen2_5 for ChatML models such as SmolLM2)"
         )
     if (
         getattr(tokenizer, "response_template", None) is None

@@ -379,10 +379,10 @@ def test_a_resumed_runs_tasks_queued_early_wait_for_the_resumed_weights(
 def test_the_actors_warm_up_while_it_waits_for_its_first_rollouts_changes_no_weight(
     store, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On one GPU the actor runs a placeholder forward and backward while the first step's rollouts are generated
-    (trl_seam.warm_up_training); the run's weights are bit for bit those of a run without it. Here on the CPU,
-    the warm-up waiting until the in-process rollout has answered the step (in separate processes they overlap;
-    in one, the two would swap the process's RNG state under each other)."""
+    """On one GPU the actor runs a placeholder forward and backward while the first step's rollouts are
+    generated (trl_seam.warm_up_training); the run's weights are bit for bit those of a run without it. Here
+    on the CPU, the warm-up waiting until the in-process rollout has answered the step (in separate processes
+    they overlap; in one, the two would swap the process's RNG state under each other)."""
     spec = actor_spec(str(tiny_dir))
     assert run_actor_with_rollout(store, create_run(store, "plain", spec)) == EXIT_SUCCEEDED
     real_warm_up, warmed = trl_seam.warm_up_training, []
@@ -451,9 +451,10 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     """actor.compile runs the training step through torch.compile (TRL's torch_compile), the whole model or
     each decoder layer (actor.compileScope): the first step (same weights, same completions) has the eager
     run's gradient norm, and the run completes and publishes.
-    Compiled here with the aot_eager backend: dynamo's capture and AOT autograd's joint graph (where a step
-    that will not compile fails) as on a GPU, without inductor's C++ code generation on the CPU, which made
-    this test 250 s of CI's two cores (inductor's kernels are torch's, and differ from the GPU's Triton anyway)."""
+    Compiled here with the aot_eager backend: dynamo's capture and AOT autograd's joint
+    graph (where a step that will not compile fails) as on a GPU, without inductor's C++
+    code generation on the CPU, which made this test slow on CI's two cores (inductor's
+    kernels are torch's, and differ from the GPU's Triton anyway)."""
     from torch._dynamo.utils import counters
 
     _compiled_on_aot_eager(monkeypatch)

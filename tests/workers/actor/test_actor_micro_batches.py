@@ -97,8 +97,9 @@ def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_with_a_choice()
 
 
 def test_the_controllers_micro_batch_reaches_trl_as_accumulation(tmp_path: Path, tiny_dir: Path) -> None:
-    """The micro batch the controller chose after an out-of-memory (MORTAL_MICRO_BATCH_SIZE, mortal.specs.memory)
-    is what the actor's TRL config splits the batch by: the same generation batch, more passes."""
+    """The micro batch the controller chose after an out-of-memory
+    (MORTAL_MICRO_BATCH_SIZE, mortal.specs.memory) is what the actor's TRL config splits
+    the batch by: the same generation batch, more passes."""
     from mortal.specs.memory import MICRO_BATCH_ENV, applied
 
     run = TrainingRun.model_validate({"metadata": {"name": "m"}, "spec": actor_spec(str(tiny_dir))})
@@ -112,9 +113,10 @@ def test_the_controllers_micro_batch_reaches_trl_as_accumulation(tmp_path: Path,
 
 
 def test_a_resume_with_a_smaller_micro_batch_makes_the_same_next_step(sqlite_store, tiny_dir: Path) -> None:
-    """An actor healed after an out-of-memory resumes the checkpoint its predecessor wrote with the whole batch
-    in one pass, now in passes of 2: its step 2 equals an uninterrupted run's (the trainer's own resume skips
-    as many generation batches as steps done, whatever the accumulation: the prompts are mortal's, by step)."""
+    """An actor healed after an out-of-memory resumes the checkpoint its predecessor wrote
+    with the whole batch in one pass, now in passes of 2: its step 2 equals an
+    uninterrupted run's (the trainer's own resume skips as many generation batches as
+    steps done, whatever the accumulation: the prompts are mortal's, by step)."""
     from mortal.specs.memory import MICRO_BATCH_ENV, applied
 
     spec = actor_spec(

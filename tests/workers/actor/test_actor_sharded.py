@@ -217,7 +217,8 @@ def _all_gathers(home: Path, name: str) -> int:
 def test_weights_kept_from_forward_to_backward_train_the_same_step_with_fewer_all_gathers(
     store: Store, home: Path, tiny_dir: Path, straight: str, whole: str, monkeypatch
 ) -> None:
-    """actor.reshardAfterForward false: no layer is gathered again for its backward, and the step is the same."""
+    """actor.reshardAfterForward false: no layer is gathered again for its backward, and
+    the step is the same."""
     kept = create_run(
         store,
         "kept",
@@ -264,8 +265,8 @@ def test_a_replicated_actor_trains_the_unsharded_step_and_checkpoints_its_weight
     )
     assert held == total
     assert (
-        "DistributedDataParallel: gradients as views of its all-reduce buckets, every parameter used, buffers the rank's own"
-        in log
+        "DistributedDataParallel: gradients as views of its all-reduce buckets, every parameter used, "
+        "buffers the rank's own" in log
     ), log
     a, b = _step_metrics(store, whole, 1), _step_metrics(store, "replicated", 1)
     assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
@@ -485,7 +486,9 @@ PARENT = """
 import multiprocessing, os, sys, time
 from mortal.workers.actor import sharded
 if __name__ == "__main__":
-    child = multiprocessing.get_context("spawn").Process(target=sharded._exit_with_parent, args=(os.getpid(),))
+    child = multiprocessing.get_context("spawn").Process(
+        target=sharded._exit_with_parent, args=(os.getpid(),)
+    )
     child.start()
     print(child.pid, flush=True)
     time.sleep(4)  # imports done: the child watches its parent, alive while the parent is

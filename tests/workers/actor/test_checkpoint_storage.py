@@ -1,6 +1,6 @@
-"""mortal.workers.actor.storage and the Checkpointer with spec.checkpoint.uri: the upload ends with the marker and
-comes before the row, a half-finished upload is never resumed from, pruning forgets the row before the files,
-and another machine (another MORTAL_HOME) downloads the newest checkpoint. On fsspec's memory and local
+"""mortal.workers.actor.storage and the Checkpointer with spec.checkpoint.uri: the upload ends with the marker
+and comes before the row, a half-finished upload is never resumed from, pruning forgets the row before the
+files, and another machine (another MORTAL_HOME) downloads the newest checkpoint. On fsspec's memory and local
 filesystems, on SQLite only (the subject is the storage); no cluster (across Ray nodes with no shared disk:
 tests/workers/test_no_shared_fs_ray.py).
 """

@@ -60,7 +60,8 @@ def chunked(store) -> tuple[Any, RolloutFeed, Any]:
 
 
 def _result(step: int, slot: int, version: int, completions: int = G) -> RolloutResult:
-    """A recognizable result for the prompt of one step slot: prompt_ids [slot], completion g [step, slot, g]."""
+    """A recognizable result for the prompt of one step slot: prompt_ids [slot],
+    completion g [step, slot, g]."""
     return RolloutResult(
         prompt_ids=[slot],
         completion_ids=[[step, slot, g] for g in range(completions)],
@@ -282,7 +283,8 @@ def test_forget_from_deletes_the_tasks_of_later_steps(setup) -> None:
 
 
 def test_a_chunked_step_deleted_under_collect_is_enqueued_again(chunked) -> None:
-    """A reset deletes a step's tasks while the actor waits: collect notices fewer than tasks_per_step rows."""
+    """A reset deletes a step's tasks while the actor waits: collect notices fewer than
+    tasks_per_step rows."""
     store, feed, rollout = chunked
     feed.enqueue(0, current_version=0)
     feed.forget_from(0)
@@ -315,8 +317,8 @@ def test_tool_metrics_count_calls_per_completion_and_the_completions_that_called
 
 
 def test_a_results_ring_ends_the_wait_before_the_next_poll(store, tmp_path) -> None:
-    """With a doorbell the actor's wait ends when a rollout rings, not at its poll (here 30 s away); enqueueing
-    rings the rollouts."""
+    """With a doorbell the actor's wait ends when a rollout rings, not at its poll (here 30 s away);
+    enqueueing rings the rollouts."""
     _, feed, rollout = _setup(store, prompts_per_step=2, prompts_per_task=1)
     feed.poll_seconds = 30
     feed.doorbell = Doorbell(tmp_path, listens_for=RESULTS)

@@ -1,4 +1,5 @@
-"""mortal.workers.actor.metrics: per-step values to the store, and to W&B when configured (a fake wandb here)."""
+"""mortal.workers.actor.metrics: per-step values to the store, and to W&B when configured
+(a fake wandb here)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""mortal.workers.actor.padding_shift: the loss's forward with each row's padding trailing, its attention unmasked.
+"""mortal.workers.actor.padding_shift: the loss's forward with each row's padding
+trailing, its attention unmasked.
 
 What it promises: the log-probabilities, entropies and gradients TRL reads equal the masked forward's, every
 attention call of the loss runs causal without a mask, and every other call is the model's own.
@@ -81,7 +82,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss_values(trainer: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """TRL's logprobs and entropies of the completions, and each trainable weight's gradient of a weighted sum."""
+    """TRL's logprobs and entropies of the completions, and each trainable weight's
+    gradient of a weighted sum."""
     ids, mask = _batch()
     model = trainer.model
     model.zero_grad(set_to_none=True)
@@ -303,9 +305,9 @@ def _cuda_loss(model: Any) -> tuple[torch.Tensor, list[str], torch.Tensor]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forward_in_bf16(tiny_dir) -> None:
     """The reason for the module: without a mask SDPA is free to take a flash kernel (its own or cuDNN's) and
-    never the memory-efficient one; the values agree with the masked forward's to bf16's rounding. Which kernel
-    the masked forward takes is PyTorch's choice: in eager mode on an H200 cuDNN's, under torch.compile (the
-    profiled bench step, docs/benchmarks.md) the memory-efficient one, so the test does not assert it."""
+    never the memory-efficient one; the values agree with the masked forward's to bf16's rounding. Which
+    kernel the masked forward takes is PyTorch's choice: in eager mode on an H200 cuDNN's, under torch.compile
+    (the profiled bench step, docs/benchmarks.md) the memory-efficient one, so the test does not assert it."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 

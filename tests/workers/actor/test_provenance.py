@@ -1,5 +1,6 @@
-"""What made a checkpoint: the dataset's fingerprint follows the rows, the reward hash follows the code, and the
-data position is the schedule's own (the prompt a resumed step draws first is the one at that position)."""
+"""What made a checkpoint: the dataset's fingerprint follows the rows, the reward hash
+follows the code, and the data position is the schedule's own (the prompt a resumed step
+draws first is the one at that position)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,7 @@ def test_a_reward_hash_follows_its_module_source_and_its_spec_entry_without_impo
     assert reward_hashes([entry], ["score"]) != first
 
 
-def test_a_builtin_environment_is_hashed_with_mortals_module_of_it_and_a_missing_module_with_its_entry_alone() -> (
-    None
-):
+def test_a_builtin_env_hashes_with_mortals_module_of_it_and_a_missing_module_with_its_entry_alone() -> None:
     env = reward_hashes([{"env": "math-answer"}], ["m"])["m"]
     assert env != reward_hashes([{"env": "no-such-env"}], ["m"])["m"]
     missing = {"function": "no_such_package.sub:f"}

@@ -1,7 +1,7 @@
-"""Verified resume end to end on a tiny CPU model (the real actor `main(ctx)`, the real rollout loop in a thread):
-checkpoints and weight versions record what made them; a dataset file rewritten under an unchanged spec is a
-refused resume that leaves the checkpoint as it was; the same change made through the spec is allowed, with a
-Warning event, and training goes on from the checkpoint."""
+"""Verified resume end to end on a tiny CPU model (the real actor `main(ctx)`, the real rollout loop in a
+thread): checkpoints and weight versions record what made them; a dataset file rewritten under an unchanged
+spec is a refused resume that leaves the checkpoint as it was; the same change made through the spec is
+allowed, with a Warning event, and training goes on from the checkpoint."""
 
 from __future__ import annotations
 

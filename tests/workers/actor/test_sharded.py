@@ -14,7 +14,8 @@ def test_a_transformers_that_would_wrap_a_sharded_model_in_ddp_is_refused_naming
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert sharded.unsupported() is None  # the version the tests install
-    # by name: the module sharded imports now (a test run earlier in this process may have replaced it in sys.modules)
+    # by name: the module sharded imports now (a test run earlier in this process may have
+    # replaced it in sys.modules)
     monkeypatch.setattr("transformers.__version__", "5.17.0")  # the GPU machines' image
     why = sharded.unsupported()
     assert why is not None and ">= 5.19.0" in why and "has 5.17.0" in why and "actor.count 1" in why
@@ -54,16 +55,16 @@ def test_a_replicated_rank_0_publishes_alone_and_fsdp2_ranks_publish_together() 
 
 TORCH_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
-    "1.23 GiB is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is reserved by "
-    "PyTorch but unallocated."
+    "1.23 GiB is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 6.50 GiB is "
+    "reserved by PyTorch but unallocated."
 )
 
 
 def test_a_rank_that_ran_out_of_gpu_memory_leaves_its_figures_and_rank_0_reports_the_actors_out_of_memory(
     tmp_path,
 ) -> None:
-    """Rank 1 has no store: it exits EXIT_OUT_OF_MEMORY with torch's figures in its note, and rank 0 reports them
-    as the worker's own out-of-memory (what the controller diagnoses), not as a lost rank to relaunch."""
+    """Rank 1 has no store: it exits EXIT_OUT_OF_MEMORY with torch's figures in its note, and rank 0 reports
+    them as the worker's own out-of-memory (what the controller diagnoses), not as a lost rank to relaunch."""
     from mortal.workers.runtime import EXIT_OUT_OF_MEMORY, EXIT_RETRYABLE
 
     notes = tmp_path / "ranks"

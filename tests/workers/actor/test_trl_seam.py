@@ -491,8 +491,8 @@ def test_the_loss_begins_once_per_micro_batch_after_rollout_func_returned(tiny_d
 def test_trl_decodes_rollout_funcs_completion_ids_list_itself_so_the_rollouts_texts_can_stand_in(
     tiny_dir, tmp_path
 ) -> None:
-    """Assumption 9: the texts handed for the list rollout_func returned are what the reward functions get (texts
-    unlike any decode here, so a second decode would show); the decode is real for every other list."""
+    """Assumption 9: the texts handed for the list rollout_func returned are what the reward functions get
+    (texts unlike any decode here, so a second decode would show); the decode is real for every other list."""
     seen: list[list[Any]] = []
 
     class Seen(trl_seam.PrecomputedReward):
@@ -542,9 +542,9 @@ class RaggedRollouts(FakeRollouts):
 def test_the_loss_forward_gets_left_padded_prompts_beside_right_padded_completions(
     tiny_dir, tmp_path
 ) -> None:
-    """Assumption 10: in every row of the loss's attention mask the ones are one unbroken run, with zeros before
-    it where the prompt is shorter than the longest and after it where the completion is; the model is called
-    with input_ids, attention_mask, labels and fused_lm_head only."""
+    """Assumption 10: in every row of the loss's attention mask the ones are one unbroken run, with zeros
+    before it where the prompt is shorter than the longest and after it where the completion is; the model is
+    called with input_ids, attention_mask, labels and fused_lm_head only."""
     rollouts = RaggedRollouts()
     trainer = _trainer(tiny_dir, tmp_path, rollouts, max_steps=1)
     model = trl_seam.patched_model(trainer)

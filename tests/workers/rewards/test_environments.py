@@ -1,4 +1,5 @@
-"""Built-in environments for real: code-execution in the sandbox, an LLM judge over HTTP, math answers, the cache.
+"""Built-in environments for real: code-execution in the sandbox, an LLM judge over HTTP,
+math answers, the cache.
 
 The judge talks to a real HTTP server started here (http.server in a thread) that answers like an
 OpenAI-compatible /chat/completions endpoint; nothing of mortal is mocked.

@@ -62,7 +62,8 @@ def test_env_entries_load_with_args_and_sandbox_and_score(tmp_path: Path) -> Non
         (
             {"env": "code-execution", "args": {"tests_colum": "t"}},
             "RewardBadArgs",
-            "spec.rewards[1].args.tests_colum: env code-execution takes no argument 'tests_colum'; did you mean 'tests_column'?",
+            "spec.rewards[1].args.tests_colum: env code-execution takes no argument 'tests_colum'; "
+            "did you mean 'tests_column'?",
         ),
         (
             {"env": "code-execution", "args": {"timeout": 3}},

@@ -84,8 +84,8 @@ def test_the_network_is_unreachable_inside_but_not_outside(mode: str) -> None:
     if not reachable(PG):
         pytest.skip("nothing listens on 127.0.0.1:5432 (the test PostgreSQL) to prove the difference")
     code = (
-        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 5432), timeout=2)\n    print('connected')\n"
-        "except OSError as exc:\n    print('blocked', exc.errno)"
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 5432), timeout=2)\n"
+        "    print('connected')\nexcept OSError as exc:\n    print('blocked', exc.errno)"
     )
     result = run(mode, code)
     assert result.success and result.stdout.startswith("blocked"), result
@@ -127,7 +127,8 @@ def test_timeout_kills_the_whole_tree(mode: str) -> None:
     marker = f"mortal-test-{uuid.uuid4().hex}"
     code = (
         "import os, subprocess, sys, time\n"
-        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'], start_new_session=True)\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'], "
+        "start_new_session=True)\n"
         "time.sleep(60)"
     )
     started = time.monotonic()
@@ -145,8 +146,8 @@ def test_a_fork_bomb_is_contained(mode: str) -> None:
         pytest.skip("root without a writable pids cgroup: the process count cannot be capped here")
     linear = (
         "import os, time\nkids = 0\nfor _ in range(200):\n    try:\n        if os.fork() == 0:\n"
-        "            time.sleep(3)\n            os._exit(0)\n        kids += 1\n    except OSError:\n        break\n"
-        "print(kids)"
+        "            time.sleep(3)\n            os._exit(0)\n        kids += 1\n    except OSError:\n"
+        "        break\nprint(kids)"
     )
     result = run(mode, linear, max_processes=16)
     assert result.success and 0 < int(result.stdout) < 16, result

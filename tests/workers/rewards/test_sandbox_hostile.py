@@ -203,7 +203,8 @@ def test_a_listener_on_the_hosts_loopback_is_unreachable(attack: Callable[..., t
         port = tcp.getsockname()[1]
         code = (
             f"import socket\nfor family, address in [(socket.AF_INET, ('127.0.0.1', {port})), "
-            f"(socket.AF_UNIX, '\\0{marker}')]:\n    s = socket.socket(family)\n    s.settimeout(1)\n    try:\n"
+            f"(socket.AF_UNIX, '\\0{marker}')]:\n    s = socket.socket(family)\n    s.settimeout(1)\n"
+            "    try:\n"
             "        s.connect(address)\n        print('connected')\n    except OSError as exc:\n"
             "        print('blocked', exc.errno)\n"
         )
@@ -290,7 +291,8 @@ def test_as_root_the_code_is_an_unprivileged_user_that_cannot_read_roots_files(
 def test_a_detached_daemon_dies_with_the_execution(attack: Callable[..., tuple], marker: str) -> None:
     code = (
         "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-        "        os.execv(sys.executable, [sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.05)', "
+        "        os.execv(sys.executable, [sys.executable, '-c', "
+        "'import time\\nwhile True: time.sleep(0.05)', "
         f"'{marker}'])\n    os._exit(0)\nimport time\ntime.sleep(0.3)\nprint('parent exits')"
     )
     result, watch = attack(code)

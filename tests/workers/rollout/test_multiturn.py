@@ -1,4 +1,5 @@
-"""Tool-calling rollouts (mortal.workers.rollout.multiturn, mortal.workers.rollout.tools) against TRL's own tool loop.
+"""Tool-calling rollouts (mortal.workers.rollout.multiturn, mortal.workers.rollout.tools)
+against TRL's own tool loop.
 
 The central test runs TRL 1.16's `GRPOTrainer._tool_call_loop` (unbound, on a stand-in that holds only
 what it reads) and mortal's `MultiTurn` on the same scripted model turns, with SmolLM2's tokenizer and
@@ -468,8 +469,8 @@ def _metrics(store: Any, run: str) -> dict[int, dict[str, float]]:
 def test_a_tool_run_trains_end_to_end_with_tool_results_masked(
     sqlite_store: Any, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole path on CPU: spec -> rollout worker (tool loop, calculator) -> queue -> actor -> TRL's loss with
-    the tool tokens masked -> metrics and stored completions that show the turns."""
+    """The whole path on CPU: spec -> rollout worker (tool loop, calculator) -> queue -> actor -> TRL's loss
+    with the tool tokens masked -> metrics and stored completions that show the turns."""
     from actor_helpers import create_run, run_actor_with_rollout
     from rollout_helpers import task_results
 

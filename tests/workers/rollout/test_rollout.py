@@ -114,8 +114,8 @@ def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir
 def test_a_task_of_several_prompts_is_answered_with_one_result_per_prompt_in_order(
     sqlite_store: Store, tiny_dir: Path
 ) -> None:
-    """One RolloutAnswer per task, its results in request order; on CPU each prompt's group is what
-    generating that prompt alone with its own seed gives (so it does not matter which prompts share a task)."""
+    """One RolloutAnswer per task, its results in request order; on CPU each prompt's group is what generating
+    that prompt alone with its own seed gives (so it does not matter which prompts share a task)."""
     store = sqlite_store
     run = create_run(store, "r6", training_spec(str(tiny_dir)))
     actor = new_worker(store, run, "actor")
@@ -273,7 +273,8 @@ def test_a_bad_task_lease_annotation_is_fatal(sqlite_store: Store, tiny_dir: Pat
 def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(
     sqlite_store: Store, tiny_dir: Path, monkeypatch
 ) -> None:
-    """spec.generation.maxNumSeqs reaches the engine the worker builds (the refilling decoder's row budget)."""
+    """spec.generation.maxNumSeqs reaches the engine the worker builds (the refilling
+    decoder's row budget)."""
     spec = training_spec(str(tiny_dir), generation={"maxTokens": 4, "maxNumSeqs": 8})
     run = create_run(sqlite_store, "r6", spec)
     built: list[dict] = []

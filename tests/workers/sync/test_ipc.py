@@ -84,7 +84,7 @@ def _load_in_child(model_dir: str, version_dir: str, queue, go_on) -> None:
 @pytest.mark.gpu
 @needs_cuda
 @needs_assets
-def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_trains_on_and_sees_its_slot_reused(
+def test_another_process_copies_a_shared_version_bit_for_bit_while_the_actor_trains_and_sees_its_slot_reused(
     tmp_path: Path,
 ) -> None:
     from transformers import AutoModelForCausalLM

@@ -318,8 +318,8 @@ def test_a_rollout_killed_mid_run_is_relaunched_joins_the_actor_again_and_the_ru
 
 def test_a_collective_whose_peer_never_answers_fails_within_spec_deadlines_collective_seconds() -> None:
     """The pair's group is made with the collective deadline (here 1 s): a receive whose sender is stuck fails
-    the rollout (it is relaunched) instead of waiting forever; the actor writes the deadline into each manifest,
-    so both sides use the one the spec set."""
+    the rollout (it is relaunched) instead of waiting forever; the actor writes the deadline into each
+    manifest, so both sides use the one the spec set."""
     import torch.distributed as dist
 
     master = dist.TCPStore(

@@ -111,8 +111,9 @@ class RayActorError(Exception):
 
 
 class FakeCluster:
-    """Ray as sync ray's publisher and rollouts use it: put/get of objects, named actors made with get_if_exists,
-    get_actor, and an actor that can be killed (its calls then raise RayActorError, its name is free)."""
+    """Ray as sync ray's publisher and rollouts use it: put/get of objects, named actors
+    made with get_if_exists, get_actor, and an actor that can be killed (its calls then
+    raise RayActorError, its name is free)."""
 
     exceptions = SimpleNamespace(
         RayActorError=RayActorError,

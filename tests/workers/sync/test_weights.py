@@ -1,4 +1,5 @@
-"""mortal.workers.sync.weights: published weight versions are atomic, plain (LoRA merged), loadable, pruned."""
+"""mortal.workers.sync.weights: published weight versions are atomic, plain (LoRA merged),
+loadable, pruned."""
 
 from __future__ import annotations
 

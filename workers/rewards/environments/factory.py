@@ -42,7 +42,8 @@ def _check_args(entry: RewardSpec, index: int, cls: type[BuiltinEnvironment]) ->
             )
             raise _bad(
                 f"spec.rewards[{index}].args.{key}",
-                f"env {entry.env} takes no argument {key!r}{hint}{extra}; it takes: {', '.join(cls.SPEC_ARGS)}",
+                f"env {entry.env} takes no argument {key!r}{hint}{extra}; "
+                f"it takes: {', '.join(cls.SPEC_ARGS)}",
             )
 
 
@@ -56,8 +57,9 @@ def _judge_kwargs(entry: RewardSpec, index: int) -> dict[str, Any]:
     if not os.environ.get(key_env):
         raise FatalWorkerError(
             "RewardSecretMissing",
-            f"spec.rewards[{index}].apiKeyEnv: environment variable {key_env} (the judge's API key) is not set in "
-            f"this worker; export it where the controller runs and list it in spec.secrets: [{key_env}]",
+            f"spec.rewards[{index}].apiKeyEnv: environment variable {key_env} (the judge's API key) is not "
+            "set in this worker; export it where the controller runs and list it in spec.secrets: "
+            f"[{key_env}]",
         )
     return {"model": entry.model, "base_url": entry.base_url, "api_key_env": key_env}
 

@@ -135,8 +135,9 @@ class LLMJudgeEnvironment(BuiltinEnvironment):
         if not key:
             raise FatalWorkerError(
                 "RewardSecretMissing",
-                f"llm-judge: environment variable {self.api_key_env} (the judge's API key, api_key_env) is not set "
-                f"in this worker; export it where the controller runs and list {self.api_key_env} in spec.secrets",
+                f"llm-judge: environment variable {self.api_key_env} (the judge's API key, api_key_env) is "
+                "not set in this worker; export it where the controller runs and list "
+                f"{self.api_key_env} in spec.secrets",
             )
         return key
 

@@ -540,11 +540,12 @@ class StaticDecoder:
         fit = rows_within_budget(self.memory_budget, self.weight_bytes, row_bytes, self.kept_shapes, rows)
         if fit < 1:
             raise MemoryBudgetTooSmall(
-                f"the rollout's memory budget ({self.memory_budget / 2**30:.2f} GiB, rollout.gpuMemoryUtilization "
-                f"of the GPU) holds {self.weight_bytes / 2**30:.2f} GiB of weights and {WORKSPACE_SHARE:.0%} "
-                f"workspace (at least {WORKSPACE_FLOOR / 2**20:.0f} MiB), and no room for {self.kept_shapes} KV "
-                f"caches of one row of {length} tokens ({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
-                f"generation.maxTokens"
+                f"the rollout's memory budget ({self.memory_budget / 2**30:.2f} GiB, "
+                f"rollout.gpuMemoryUtilization of the GPU) holds {self.weight_bytes / 2**30:.2f} GiB of "
+                f"weights and {WORKSPACE_SHARE:.0%} workspace (at least {WORKSPACE_FLOOR / 2**20:.0f} MiB), "
+                f"and no room for {self.kept_shapes} KV caches of one row of {length} tokens "
+                f"({row_bytes / 2**20:.1f} MiB each): raise rollout.gpuMemoryUtilization, or lower "
+                "generation.maxTokens"
             )
         return fit
 

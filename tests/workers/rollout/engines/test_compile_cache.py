@@ -36,7 +36,8 @@ import json
 from torch._functorch import config as functorch_config
 from torch._inductor import config
 from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
-print(json.dumps({"inductor": cache_dir(), "triton": triton_cache_dir(0), "fx_graph_cache": config.fx_graph_cache,
+print(json.dumps({"inductor": cache_dir(), "triton": triton_cache_dir(0),
+                  "fx_graph_cache": config.fx_graph_cache,
                   "autograd_cache": functorch_config.enable_autograd_cache}))
 """
 

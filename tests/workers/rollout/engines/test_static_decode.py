@@ -390,9 +390,9 @@ def test_an_unknown_compile_scope_is_refused_naming_the_known_ones(model) -> Non
 def test_the_auto_scope_compiles_a_layer_where_the_model_lists_its_layers_and_the_whole_model_elsewhere(
     model,
 ) -> None:
-    """ "auto" (the spec's default) is "layer" for a transformers decoder with get_decoder().layers, "model" for
-    a causal LM without such a list, which the layer scope cannot serve; asked for by name, "layer" is refused
-    there, naming the way out."""
+    """ "auto" (the spec's default) is "layer" for a transformers decoder with get_decoder().layers, "model"
+    for a causal LM without such a list, which the layer scope cannot serve; asked for by name, "layer" is
+    refused there, naming the way out."""
 
     class NoLayerList(torch.nn.Module):
         def get_decoder(self) -> torch.nn.Module:
@@ -535,7 +535,8 @@ def test_rows_within_budget_leaves_workspace_weights_and_every_kept_cache_room(
 
 
 def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
-    """The planned rows are the rows: the same tokens as max_rows=2, every sequence still decoded (refills)."""
+    """The planned rows are the rows: the same tokens as max_rows=2, every sequence still
+    decoded (refills)."""
     prompts, n, max_tokens = _prompts([5, 9]), 3, 10
     width = 9
     unbudgeted = StaticDecoder(model, compile=False, sync_every=4)
