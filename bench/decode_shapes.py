@@ -8,7 +8,8 @@ Why: every decode shape (rows, prompt width P + max tokens T) is compiled on its
 30 s each for SmolLM2 on an H100; a tool loop whose prompts cross a 64-token bucket stalls that long
 mid-run (docs/benchmarks.md, the multi-turn bench's step 14). With dynamic=None torch compiles a second
 width with symbolic sizes that serves every later one (on the CPU: 2 graphs for 4 widths, against 4;
-tests/workers/rollout/engines/test_static_decode.py). Open questions this answers on a GPU: does the CUDA graph capture
+tests/workers/rollout/engines/test_static_decode.py).
+Open questions this answers on a GPU: does the CUDA graph capture
 of a dynamic-shape step work, what does each new width cost to prepare, and how fast is a decode step
 with symbolic sizes compared with fixed ones.
 

@@ -6,8 +6,9 @@
 Why: a rollout's first decode shape pays torch.compile of the whole model's decode step (34 s for
 SmolLM2-135M on an H100, 11 s from a warm cache; docs/benchmarks.md, "Learning on a GPU beside TRL"),
 and a relaunched worker pays it again. StaticDecoder's compile_scope "layer" compiles the repeated decoder
-layer once for all of them (workers/rollout/engines/static_decode.py, layer_compiled_model and StackedRowCache say
-how). Whether it should be the default is a trade: seconds of compilation saved at the start against any
+layer once for all of them (workers/rollout/engines/static_decode.py, layer_compiled_model and
+StackedRowCache say how). Whether it should be the default is a trade: seconds of compilation saved at
+the start against any
 milliseconds lost per decode step (the embedding, norm and head run unfused; a second shape compiles the
 layer with symbolic sizes).
 

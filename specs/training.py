@@ -780,7 +780,8 @@ class TrainingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sharding_is_possible(self) -> TrainingSpec:
-        """actor.count > 1 (mortal.workers.actor.sharded): what a sharded actor cannot do, how it splits a batch."""
+        """actor.count > 1 (mortal.workers.actor.sharded): what a sharded actor cannot do, how it splits
+        a batch."""
         count = self.actor.count
         if self.actor.mixed_precision and count == 1:
             raise rule_error(

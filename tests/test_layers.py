@@ -163,7 +163,8 @@ def test_each_shim_warns_and_reexports_the_moved_module(old, monkeypatch):
 
 def imported_modules(path: Path, known: set[str]) -> set[str]:
     """The modules of `known` that `path` imports at run time (also inside functions; not under
-    `if TYPE_CHECKING:`): `from package import module` names the module, `from module import name` the module."""
+    `if TYPE_CHECKING:`): `from package import module` names the module, `from module import name` the
+    module."""
     found = set()
     tree = ast.parse(path.read_text())
     typing_only = {

@@ -283,7 +283,8 @@ class WorkerLaunch:
 
 def compile_cache_environ(home: str | Path) -> dict[str, str]:
     """torch.compile's on-disk caches in <home>/compile-cache/, so a relaunched worker, and a later run of
-    the same model and shapes, loads what an earlier process compiled (workers/rollout/engines/compile_cache.py).
+    the same model and shapes, loads what an earlier process compiled
+    (workers/rollout/engines/compile_cache.py).
 
     Shared across runs because nothing in an entry belongs to a run: torch's and Triton's keys (graph,
     shapes, dtypes, device, versions) keep a different model or GPU from a wrong artifact, and their

@@ -288,8 +288,8 @@ def describe_run(store: Store, row: RunRow) -> None:
 
 
 def _drawn(record: dict | None) -> tuple[str, str]:
-    """GEN and PROMPTS of a checkpoint's provenance (mortal.workers.actor.provenance's camelCase JSON); dashes for a
-    checkpoint written before it was kept."""
+    """GEN and PROMPTS of a checkpoint's provenance (mortal.workers.actor.provenance's camelCase JSON);
+    dashes for a checkpoint written before it was kept."""
     position = (record or {}).get("position") or {}
     return _dash((record or {}).get("specGeneration")), _dash(position.get("consumed"))
 

@@ -191,7 +191,8 @@ def test_cp_as_a_user_runs_it(checkpointed, mortal_home, store_url) -> None:
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_cp_downloads_a_checkpoint_from_its_storage_url(cli, store, tmp_path, spec_file) -> None:
-    """spec.checkpoint.uri: the row holds the URL (mortal.workers.actor.storage); cp downloads it with fsspec."""
+    """spec.checkpoint.uri: the row holds the URL (mortal.workers.actor.storage); cp downloads it with
+    fsspec."""
     import fsspec
 
     assert cli("apply", "-f", str(spec_file(**{"spec.checkpoint.uri": "memory://cp-test"}))).exit_code == 0
