@@ -103,8 +103,8 @@ def rollout_side(home: str, device: str, model_dir: str, asks: Any, answers: Any
     from mortal.workers.rollout.loop import RolloutWorker
     from mortal.workers.sync import ipc as ipc_weights
     from mortal.workers.sync import nccl as nccl_weights
-    from mortal.workers.sync import ring as weight_ring
-    from mortal.workers.sync import weights
+    from mortal.workers.sync import volume, weights
+    from mortal.workers.sync.base import WeightTransport
 
     class ModelOnly:
         """The part of the transformers engine a load goes through."""
@@ -112,20 +112,20 @@ def rollout_side(home: str, device: str, model_dir: str, asks: Any, answers: Any
         def __init__(self) -> None:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
 
-        def load_weights(self, path: str) -> None:
-            weights.load_published(self.model, path)
+        def load_weights(self, path: str, transport: WeightTransport | None = None) -> None:
+            (transport or volume.VolumeTransport()).load(self.model, path)
 
     timers = PartTimers()
     context = run_context(Path(home), "rollout")
     worker = RolloutWorker(context, ModelOnly(), tokenizer=None, rewards=None)
     timers.wrap(context.store, "latest_weights", "store: latest_weights (the one before the load is untimed)")
-    timers.wrap(weights, "load_published", "load_published")
-    timers.wrap(ipc_weights, "read_manifest", "  manifest read")
-    timers.wrap(nccl_weights, "read_manifest", "  manifest read")
+    timers.wrap(volume, "load_published", "load_published")
+    timers.wrap(ipc_weights, "_manifest", "  manifest read")
+    timers.wrap(nccl_weights, "_manifest", "  manifest read")
     timers.wrap(ipc_weights, "open_shared", "  ipc: open_shared (map, copy to this GPU, views)")
     timers.wrap(nccl_weights, "receive", "  nccl: receive (ask, NCCL recv, views)")
     timers.wrap(weights, "_destinations", "  the model's tensors to copy into")
-    timers.wrap(weight_ring, "copy_pairs", "  copy into the model")
+    timers.wrap(weights, "copy_pairs", "  copy into the model")
     timers.wrap(RolloutWorker, "_intact", "ring check (_intact)")
     answers.put("ready")
     while (version := asks.get()) is not None:
@@ -145,16 +145,16 @@ def actor_side(
 
     from mortal.workers.sync import ipc as ipc_weights
     from mortal.workers.sync import ring as weight_ring
-    from mortal.workers.sync import weights
+    from mortal.workers.sync.publisher import WeightPublisher
 
     asks, answers = child
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(actor_device())
     context = run_context(home, "actor")
-    publisher = weights.WeightPublisher(context.store, context.worker, method=method)
+    publisher = WeightPublisher(context.store, context.worker, method=method)
     timers = PartTimers()
     timers.wrap(context.store, "publish_weights", "store: publish_weights (the record)")
     timers.wrap(context.store, "latest_weights", "store: latest_weights")
-    timers.wrap(publisher, "_plain", "plain state dict")
+    timers.wrap(publisher.transport, "_plain", "plain state dict")
     timers.wrap(weight_ring, "layout", "  layout")
     timers.wrap(weight_ring.SnapshotRing, "write", "snapshot into the ring (with its synchronize)")
     timers.wrap(weight_ring, "fill_views", "  the copy launched")
