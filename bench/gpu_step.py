@@ -730,7 +730,8 @@ def sync_summary(steps: list[dict], method: str, staleness: int = 0) -> dict:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's flags; bench/sync_parts.py builds its spec from their defaults too."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -897,6 +898,11 @@ def main() -> None:
         help="no run: each recorded JSON's s/step, tokens/s and mortal / TRL again over its steady "
         "steps (steady_steps), beside what it recorded",
     )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.resummarize:
         resummarize(args.resummarize)

@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_step import make_model, mortal_spec, prompt_rows  # noqa: E402
+from gpu_step import build_parser, make_model, mortal_spec, prompt_rows  # noqa: E402
 
 WARM_UPS = 2
 
@@ -191,7 +191,8 @@ def main() -> None:
     model_dir = make_model(work / "model")
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
-    spec_args = argparse.Namespace(
+    spec_args = build_parser().parse_args([])  # gpu_step's defaults for every field its spec reads
+    spec_args.__dict__.update(
         gens=8,
         prompts=8,
         steps=1,
