@@ -26,7 +26,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
@@ -387,6 +387,27 @@ class DecodeState:
         self.logprobs = torch.zeros(rows, max_tokens + 1, dtype=torch.float32, device=device)
 
 
+class Stepper(Protocol):
+    """What a decode step is: its state and its step function (the default: SINGLE_TURN, below). A prepared
+    shape is kept per stepper `kind` too. turn_decode.TURNS is the other, for conversations across turns."""
+
+    kind: str
+
+    def new_state(
+        self,
+        rows: int,
+        prompt_len: int,
+        max_tokens: int,
+        vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> DecodeState: ...
+
+    def step_function(
+        self, forward: Callable[..., Any], cache: RowCache, state: Any, sampling: Sampling
+    ) -> Callable[[], None]: ...
+
+
 @dataclass
 class PreparedShape:
     """Everything kept for one (rows, prompt width, max_tokens, sampling)."""
@@ -501,29 +522,42 @@ class StaticDecoder:
         self.dynamic = dynamic
         self.compile_scope = compile_scope
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        self._shapes: OrderedDict[tuple[int, int, int, Sampling], PreparedShape] = OrderedDict()
+        self._shapes: OrderedDict[tuple[int, int, int, Sampling, str], PreparedShape] = OrderedDict()
         self.preparations = 0
         self.last_stats: DecodeStats | None = None
 
     @torch.no_grad()
     def prepare(
-        self, sequences: int, prompt_len: int, max_tokens: int, sampling: Sampling, min_rows: int = 0
+        self,
+        sequences: int,
+        prompt_len: int,
+        max_tokens: int,
+        sampling: Sampling,
+        min_rows: int = 0,
+        stepper: Stepper | None = None,
     ) -> PreparedShape:
         """The kept cache, state and step for `sequences` prompts of this width (and at least rows for
         `min_rows`), or new ones (evicting the least recently used; `preparations` counts them). Callable
         before generate() to time the compile apart. Without autograd whoever calls it: compiled with grad
-        enabled, the step would trace a backward through the decode-attention op, which has none."""
+        enabled, the step would trace a backward through the decode-attention op, which has none.
+        `stepper`: what a step does (None: the single-turn step of this module)."""
         rows = self.rows_for(max(sequences, min_rows), prompt_len + max_tokens)
-        key = (rows, prompt_len, max_tokens, sampling)
+        key = (rows, prompt_len, max_tokens, sampling, stepper.kind if stepper else "single-turn")
         if key in self._shapes:
             self._shapes.move_to_end(key)
             return self._shapes[key]
         while len(self._shapes) >= self.kept_shapes:
             self._shapes.popitem(last=False)
-        state = DecodeState(rows, prompt_len, max_tokens, self.vocab, self.dtype, self.device)
+        if stepper is None:
+            state = DecodeState(rows, prompt_len, max_tokens, self.vocab, self.dtype, self.device)
+        else:
+            state = stepper.new_state(rows, prompt_len, max_tokens, self.vocab, self.dtype, self.device)
         cache_class = StackedRowCache if self.compile_scope == "layer" else RowCache
         cache = cache_class(self.model, rows, prompt_len + max_tokens, RowWrites(state.columns))
-        step = self._step_function(cache, state, sampling)
+        if stepper is None:
+            step = self._step_function(cache, state, sampling)
+        else:
+            step = stepper.step_function(self._forward(), cache, state, sampling)
         prepared = PreparedShape(cache, state, self._capture(cache, step) if self.compile else step)
         self._shapes[key] = prepared
         self.preparations += 1
@@ -626,7 +660,7 @@ class StaticDecoder:
         shape.cache.reset()
         shape.state.stop.zero_()
         shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
-        prompts = _Prompts(
+        prompts = Prompts(
             input_ids.to(self.device), attention_mask.to(self.device, torch.bool), max_tokens, self.dtype
         )
         outputs = _Outputs(sequences, max_tokens, self.device)
@@ -647,7 +681,7 @@ class StaticDecoder:
     def _decode(
         self,
         shape: PreparedShape,
-        prompts: _Prompts,
+        prompts: Prompts,
         schedule: RowSchedule,
         sampling: Sampling,
         outputs: _Outputs,
@@ -674,7 +708,7 @@ class StaticDecoder:
     def _fill(
         self,
         shape: PreparedShape,
-        prompts: _Prompts,
+        prompts: Prompts,
         given: list[tuple[int, int, int | None]],
         sampling: Sampling,
         outputs: _Outputs,
@@ -687,6 +721,18 @@ class StaticDecoder:
         outputs.take(state, [(row, old) for row, _, old in given if old is not None])
         rows = torch.tensor([row for row, _, _ in given], device=self.device)
         chosen = torch.tensor([seq for _, seq, _ in given], device=self.device)
+        logits = self.prefill(shape, prompts, rows, chosen)
+        token, logprob = sample(logits, sampling)
+        state.tokens[rows, 0], state.logprobs[rows, 0] = token, logprob
+        state.last_token[rows] = token[:, None]
+        state.t[rows] = 1
+        state.ended[rows] = state.stop[token]
+
+    def prefill(
+        self, shape: PreparedShape, prompts: Prompts, rows: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """Eager: the prompts `chosen` into `rows` (columns 0..P-1 of their cache), each row's position and
+        decode mask set for its first decode step; returns each row's last-position logits [k, vocab]."""
         ids, real = prompts.ids[chosen], prompts.real[chosen]
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         shape.cache.writes.prefill_rows = rows
@@ -702,13 +748,9 @@ class StaticDecoder:
             ).logits[:, -1]
         finally:
             shape.cache.writes.prefill_rows = None
-        token, logprob = sample(logits, sampling)
-        state.tokens[rows, 0], state.logprobs[rows, 0] = token, logprob
-        state.last_token[rows] = token[:, None]
-        state.positions[rows] = positions[:, -1:] + 1
-        state.t[rows] = 1
-        state.ended[rows] = state.stop[token]
-        state.mask[rows] = prompts.decode_mask(real)
+        shape.state.positions[rows] = positions[:, -1:] + 1
+        shape.state.mask[rows] = prompts.decode_mask(real)
+        return logits
 
 
 class _Outputs:
@@ -734,7 +776,7 @@ class _Outputs:
         return torch.where(stops.any(-1), first, self.tokens.shape[1]).tolist()
 
 
-class _Prompts:
+class Prompts:
     """The task's left-padded prompts and the masks a row needs when one of them is prefilled into it."""
 
     def __init__(self, ids: torch.Tensor, real: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> None:

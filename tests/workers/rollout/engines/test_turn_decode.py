@@ -1,0 +1,233 @@
+"""TurnDecoder: conversations across turns in the static decoder's rows, the KV cache kept between turns.
+
+A row whose turn ends waits with its cache; the tokens its future answers are fed in one per decode step
+and the row samples on from there, while the other rows decode. These tests run the eager step on the CPU
+with a tiny random-init model (frequent end-of-turn ids, so turns are short): every model token's logprob
+is that of one teacher-forced forward pass over the whole conversation (the cache holds exactly the
+conversation), greedy turns equal re-prefilling the history each turn, and a conversation's tokens do not
+depend on when its tools answer or which row it runs in."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+
+import pytest
+import torch
+from rollout_helpers import assets_available, make_tiny_model
+
+from mortal.workers.rollout.engines.base import cut_at_eos
+from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
+from mortal.workers.rollout.engines.turn_decode import (
+    TurnDecoder,
+    TurnSchedule,
+    conversation_key,
+    hashed_sample,
+    mix32,
+    row_noise,
+)
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
+PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+GREEDY = Sampling(temperature=1.0, top_k=1, top_p=1.0)
+FREQUENT_EOS = list(range(3, 49152, 9))  # one id in nine ends a turn: most end within a few tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("turns") / "model", seed=0)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _fed(conversation: int, turn: int) -> list[int]:
+    """What a scripted tool answers after a conversation's turn: 2 to 5 ids that never end a turn."""
+    rng = random.Random(conversation * 100 + turn)
+    return [rng.randrange(100, 5000) * 9 + 1 for _ in range(rng.randint(2, 5))]
+
+
+class Scripted:
+    """Records each conversation's completion (model and fed tokens, logprobs, mask) as the loop builds it;
+    answers every turn with _fed after `delay` seconds (on a pool), up to `turns` turns, as long as the fed
+    tokens fit in `max_tokens` (as the tool loop checks)."""
+
+    def __init__(
+        self, conversations: int, turns: int, pool=None, delay=lambda c, t: 0.0, max_tokens: int = 24
+    ) -> None:
+        self.max_tokens = max_tokens
+        self.ids = [[] for _ in range(conversations)]
+        self.logprobs = [[] for _ in range(conversations)]
+        self.mask = [[] for _ in range(conversations)]
+        self.turns = [0] * conversations
+        self.max_turns, self.pool, self.delay = turns, pool, delay
+
+    def on_turn_end(self, c: int, ids: list[int], logprobs: list[float]):
+        self.ids[c] += ids
+        self.logprobs[c] += logprobs
+        self.mask[c] += [1] * len(ids)
+        self.turns[c] += 1
+        if self.turns[c] >= self.max_turns:
+            return None
+        fed = _fed(c, self.turns[c])
+
+        def answer() -> list[int] | None:
+            time.sleep(self.delay(c, self.turns[c]))
+            if len(self.ids[c]) + len(fed) > self.max_tokens:
+                return None
+            self.ids[c] += fed
+            self.logprobs[c] += [0.0] * len(fed)
+            self.mask[c] += [0] * len(fed)
+            return fed
+
+        if self.pool is None:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(answer())
+            return future
+        return self.pool.submit(answer)
+
+
+def _converse(decoder, prompts, script, max_tokens=24, sampling=PLAIN, seed=7):
+    ids, mask = _left_padded(prompts)
+    keys = [conversation_key(seed * 1000 + i) for i in range(len(prompts))]
+    TurnDecoder(decoder).converse(ids, mask, keys, max_tokens, sampling, FREQUENT_EOS, script.on_turn_end)
+    return script
+
+
+def test_every_model_token_has_the_logprob_of_one_forward_pass_over_the_whole_conversation(model) -> None:
+    """The cache a row keeps between turns is exactly the conversation: prompt, the model's turns and the
+    fed tokens at their positions. 6 conversations in 4 rows (two wait for a free row), up to 4 turns."""
+    prompts = _prompts([5, 11, 3, 8, 13, 6])
+    decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=3)
+    script = _converse(decoder, prompts, Scripted(len(prompts), turns=4))
+    assert max(script.turns) > 1, "some conversation took more than one turn"
+    for i, prompt in enumerate(prompts):
+        ids, mask = script.ids[i], script.mask[i]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        expected = processed_logprobs(logits, PLAIN).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        model_tokens = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(
+            torch.tensor(script.logprobs[i])[model_tokens], expected[model_tokens], atol=1e-4, rtol=1e-4
+        )
+        assert all(lp == 0.0 for lp, m in zip(script.logprobs[i], mask, strict=True) if not m)
+
+
+def test_greedy_turns_equal_re_prefilling_the_history_every_turn(model) -> None:
+    """The re-prefill path (the lock-step tool loop's): each turn generated from the whole history. A random
+    model's greedy turns repeat one token, so the ids each prompt's greedy turn opens with end a turn too."""
+    prompts = _prompts([5, 11, 3, 8])
+    max_tokens = 24
+    reference = StaticDecoder(model, compile=False, max_rows=1)
+
+    def greedy_turn(history: list[int], room: int, stop: list[int]) -> list[int]:
+        tokens, logprobs = reference.generate(
+            torch.tensor([history]), torch.ones(1, len(history), dtype=torch.long), room, GREEDY, stop
+        )
+        return cut_at_eos(tokens[0].tolist(), logprobs[0].tolist(), stop).ids
+
+    stop = FREQUENT_EOS + [greedy_turn(p, 1, [])[0] for p in prompts]
+    decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=2)
+    ids, mask = _left_padded(prompts)
+    script = Scripted(len(prompts), turns=3)
+    TurnDecoder(decoder).converse(ids, mask, [1, 2, 3, 4], max_tokens, GREEDY, stop, script.on_turn_end)
+    assert sum(turns > 1 for turns in script.turns) >= 2, "conversations of several turns"
+    for i, prompt in enumerate(prompts):
+        completion: list[int] = []
+        for turn in range(1, 4):
+            completion += greedy_turn(prompt + completion, max_tokens - len(completion), stop)
+            fed = _fed(i, turn)
+            if turn == 3 or len(completion) + len(fed) > max_tokens:
+                break
+            completion += fed
+        assert script.ids[i] == completion, f"conversation {i}"
+
+
+def test_a_conversation_s_tokens_do_not_depend_on_when_its_tools_answer(model) -> None:
+    """Sampled (not greedy) turns, tools answering at once against after random delays (rows rejoin at
+    other steps, in another order): the same tokens, since each row's noise is a function of its key and
+    token index only."""
+    prompts = _prompts([5, 11, 3, 8, 13, 6, 9, 4])
+    decoder = StaticDecoder(model, compile=False, max_rows=8, sync_every=2)
+    at_once = _converse(decoder, prompts, Scripted(len(prompts), turns=4))
+    rng = random.Random(3)
+    delays = {(c, t): rng.choice([0.0, 0.01, 0.05]) for c in range(8) for t in range(5)}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        late = _converse(
+            decoder, prompts, Scripted(len(prompts), turns=4, pool=pool, delay=lambda c, t: delays[c, t])
+        )
+    assert late.ids == at_once.ids
+    assert decoder.preparations == 1, "one shape served both"
+
+
+def test_a_conversation_that_fills_its_budget_ends_there(model) -> None:
+    """maxTokens counts model and fed tokens: a turn cut by the budget is handed over cut; fed tokens that
+    would not fit end the conversation."""
+    prompts = _prompts([5, 7])
+    decoder = StaticDecoder(model, compile=False, max_rows=2)
+    script = _converse(decoder, prompts, Scripted(2, turns=50, max_tokens=10), max_tokens=10)
+    assert all(len(ids) <= 10 for ids in script.ids)
+    assert any(len(ids) >= 8 for ids in script.ids)
+
+
+def test_a_failing_tool_future_raises_out_of_converse(model) -> None:
+    prompts = _prompts([5, 7])
+    decoder = StaticDecoder(model, compile=False, max_rows=2)
+
+    def broken(c, ids, logprobs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(RuntimeError("environment broke"))
+        return future
+
+    ids, mask = _left_padded(prompts)
+    with pytest.raises(RuntimeError, match="environment broke"):
+        TurnDecoder(decoder).converse(ids, mask, [1, 2], 16, PLAIN, FREQUENT_EOS, broken)
+
+
+def test_row_noise_is_a_function_of_key_index_and_token_and_looks_exponential() -> None:
+    vocab_hash = mix32(torch.arange(50000))
+    keys, t = torch.tensor([1, 2, 1]), torch.tensor([0, 0, 5])
+    noise = row_noise(keys, t, vocab_hash)
+    assert torch.equal(noise, row_noise(keys, t, vocab_hash))
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert (noise > 0).all()
+    assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.std().item() - 1.0) < 0.03
+
+
+def test_hashed_sampling_draws_tokens_with_their_probabilities() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(20000, 1)
+    keys = torch.tensor([conversation_key(i) for i in range(20000)])
+    tokens, logprobs = hashed_sample(
+        logits, PLAIN, keys, torch.zeros(20000, dtype=torch.long), mix32(torch.arange(4))
+    )
+    frequencies = torch.bincount(tokens, minlength=4).float() / 20000
+    torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
+
+
+def test_the_schedule_gives_free_rows_the_next_conversations_in_order() -> None:
+    schedule = TurnSchedule(rows=2, conversations=3)
+    assert schedule.assign() == [(0, 0), (1, 1)]
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    schedule.park(0, future, t=4)
+    assert schedule.assign() == [] and not schedule.done
+    schedule.release(1)
+    assert schedule.assign() == [(1, 2)]
+    schedule.waiting.pop(future)
+    schedule.release(0)
+    schedule.release(1)
+    assert schedule.done
