@@ -91,6 +91,29 @@ class ScriptedEngine(Engine):
         self.calls.append((len(prompts), n))
         return [[Completion(*self.turn(p, params.max_tokens)) for _ in range(n)] for p in prompts]
 
+    def converse(
+        self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: Any
+    ) -> None:
+        """The scripted turns as conversations (Engine.converse): every live conversation's turn handed
+        over, then each one's fed tokens appended to its history, until none goes on."""
+        histories = [list(p) for p in prompts]
+        used = [0] * len(prompts)
+        live = list(range(len(prompts)))
+        while live:
+            futures = {}
+            for i in live:
+                ids, logprobs = self.turn(histories[i], params.max_tokens - used[i])
+                histories[i] += ids
+                used[i] += len(ids)
+                futures[i] = on_turn_end(i, ids, logprobs)
+            live = []
+            for i, future in futures.items():
+                fed = future.result() if future is not None else None
+                if fed:
+                    histories[i] += fed
+                    used[i] += len(fed)
+                    live.append(i)
+
     def max_model_len(self) -> int | None:
         return MAX_MODEL_LEN
 

@@ -9,6 +9,11 @@ the tool messages are appended with loss mask 0, and one engine call generates e
 turn (a seed per rollout and turn: schedule.turn_seed). A completion is everything after the prompt, one
 mask entry per token (TRL's tool_mask). Every engine call of a task asks for one prompt width and row count,
 so the GPU decoder replays one captured shape for all turns.
+Where the engine continues conversations (Engine.converse: the transformers engine on a GPU), the rounds are
+not in lock-step: a rollout whose turn ends runs steps 4-6 on its own (a pool thread: parse, call, append)
+while the engine decodes the others, and its next turn rejoins the running batch with its KV cache kept;
+each rollout samples from its own seed (schedule.turn_seed(seed, g, 0)), so its tokens do not depend on
+when its tools answered.
 Every choice follows TRL's `_tool_call_loop`; tests/workers/rollout/test_multiturn.py runs TRL's own loop
 on the same scripted turns and compares ids, masks and logprobs.
 What it must not do: batch rollouts of different tasks, decide anything from the clock rather than tokens
@@ -18,6 +23,8 @@ and seeds (exact resume), retry a tool, or swallow a broken environment (FatalWo
 from __future__ import annotations
 
 import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +33,7 @@ from mortal.workers import schedule
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.engines import Engine, GenerationParams
-from mortal.workers.rollout.tools import Toolbox, ToolOutcome
+from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome
 
 
 class ToolTemplateError(FatalWorkerError):
@@ -138,8 +145,12 @@ class MultiTurn:
         toolbox: Toolbox,
         params: GenerationParams,
         chat_template: str | None = None,
+        continuous: bool | None = None,
     ) -> None:
+        """`continuous`: run the task's conversations through Engine.converse (each turn rejoins a running
+        batch, nothing re-prefilled); None: wherever the engine can, False: the lock-step rounds."""
         self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
+        self.continuous = engine.continues_turns() if continuous is None else continuous
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
         limit = toolbox.max_iterations
@@ -159,6 +170,9 @@ class MultiTurn:
             for request, name in zip(requests, names, strict=True)
         ]
         flat = [r for group in groups for r in group]
+        if self.continuous:
+            self._converse(requests, flat)
+            return groups
         # every turn's history fits in the longest prompt + maxTokens, and every turn's rollouts in the
         # first's rows: padded to both, all turns share one shape
         params = replace(
@@ -184,6 +198,45 @@ class MultiTurn:
             active = [i for i in active if flat[i].pending]
             iteration += 1
         return groups
+
+    def _converse(self, requests: list[RolloutRequest], flat: list[Rollout]) -> None:
+        """The continuous path: every rollout one conversation of the engine (Engine.converse); when its
+        turn ends, the turn is parsed, its tool calls run and their results checked against the budget on a
+        pool (steps 4-6 for this rollout alone), while the engine decodes the others. A rollout's own turns
+        and calls stay in order: it has one turn or one round of calls at a time."""
+        seeds = [
+            schedule.turn_seed(request.seed, g, 0)
+            for request in requests
+            for g in range(request.num_generations)
+        ]
+        rounds = [0] * len(flat)
+        # a fast tokenizer is not safe to use from threads at once (its padding settings are shared state);
+        # the tools themselves run outside the lock
+        tokenizer_lock = threading.Lock()
+
+        def after_turn(i: int, ids: list[int], logprobs: list[float]) -> list[int] | None:
+            rollout = flat[i]
+            with tokenizer_lock:
+                self._append_turn(rollout, ids, logprobs)
+            if not rollout.pending or rounds[i] >= self.max_iterations:
+                return None
+            rounds[i] += 1
+            outcomes = [self.toolbox.call(rollout.tools, call) for call in rollout.pending]
+            before = len(rollout.completion_ids)
+            with tokenizer_lock:
+                if not self._answer_tools(rollout, outcomes):
+                    return None
+            return rollout.completion_ids[before:]
+
+        with ThreadPoolExecutor(
+            max_workers=min(len(flat), CONCURRENT_ROLLOUTS), thread_name_prefix="mortal-turns"
+        ) as pool:
+            self.engine.converse(
+                [r.prompt_ids for r in flat],
+                seeds,
+                self.params,
+                lambda i, ids, logprobs: pool.submit(after_turn, i, ids, logprobs),
+            )
 
     # -- steps ---------------------------------------------------------------------------------------
     def _start(self, request: RolloutRequest, name: str | None, environments: list[Any]) -> list[Rollout]:

@@ -84,8 +84,13 @@ def _trl_loop(
     )
 
 
+@pytest.mark.parametrize("continuous", [False, True], ids=["lock-step", "continuous"])
 @pytest.mark.parametrize(("max_tokens", "max_iterations"), [(160, 5), (160, 1), (40, 5)])
-def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterations: int) -> None:
+def test_masks_ids_and_logprobs_equal_trls_tool_loop(
+    max_tokens: int, max_iterations: int, continuous: bool
+) -> None:
+    """Both paths of the loop: lock-step rounds of engine calls, and conversations the engine continues
+    (each rollout's turns handed over one by one, its tools run on a pool)."""
     tokenizer = smollm2_tokenizer()
     mortal_engine = ScriptedEngine(tokenizer)
     multiturn = MultiTurn(
@@ -94,6 +99,7 @@ def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterat
         Toolbox(tools=[calculator], max_iterations=max_iterations),
         GenerationParams(max_tokens=max_tokens),
         chat_template="qwen2_5",
+        continuous=continuous,
     )
     requests = [
         RolloutRequest(
@@ -125,6 +131,9 @@ def test_masks_ids_and_logprobs_equal_trls_tool_loop(max_tokens: int, max_iterat
         chain = ours[2]
         assert chain.turns == 3 and chain.tool_calls == 2 and chain.mask.count(0) > 0
         assert ours[4].tool_failures == 2  # an unknown tool and a calculator that raised
+    if continuous:
+        assert mortal_engine.calls == [], "conversations, never a generate per turn"
+        return
     # each turn is one engine call over the task's rollouts still in the loop
     assert mortal_engine.calls[0] == (len(SCRIPTS), 2)
     assert all(n == 1 for _, n in mortal_engine.calls[1:])
@@ -639,3 +648,32 @@ def test_an_environment_whose_reset_raises_fails_the_run_with_the_reason() -> No
     with pytest.raises(FatalWorkerError, match="_BrokenReset.reset.*KeyError") as caught:
         multiturn.rollouts([request])
     assert caught.value.reason == "EnvironmentFailed"
+
+
+def test_the_batched_engine_continues_conversations_and_repeats_them(tiny_dir: Path) -> None:
+    """The transformers engine's batched path (eager on the CPU) runs the loop as conversations it keeps in
+    its rows; the same weights and seeds give the same trajectories."""
+    from mortal.specs.training import ModelSpec
+    from mortal.workers.models import load_model, load_tokenizer
+    from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
+
+    spec = ModelSpec(name=str(tiny_dir), dtype="float32")
+    requests = [
+        RolloutRequest(
+            prompt=[{"role": "user", "content": f"What is {i} + 2?"}], row={}, num_generations=3, seed=100 + i
+        )
+        for i in range(2)
+    ]
+    runs = []
+    for _ in range(2):
+        tokenizer = load_tokenizer(spec)
+        engine = TransformersEngine(load_model(spec, "cpu", for_training=False), tokenizer, compiled=True)
+        multiturn = MultiTurn(
+            engine, tokenizer, Toolbox(tools=[calculator]), GenerationParams(max_tokens=12), "qwen2_5"
+        )
+        assert multiturn.continuous
+        groups = multiturn.rollouts(requests)
+        runs.append([[(r.completion_ids, r.logprobs, r.mask) for r in group] for group in groups])
+        assert all(0 < len(r.completion_ids) <= 12 for group in groups for r in group)
+        assert engine.generation_stats()["turns"] >= 6
+    assert runs[0] == runs[1]

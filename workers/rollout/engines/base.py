@@ -17,6 +17,8 @@ What it must not do: batch prompts of different tasks together.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,11 @@ class GenerationParams:
         return cls(
             max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k
         )
+
+
+# A conversation's turn ended: (conversation, the turn's ids, their logprobs) -> a future of the ids to feed
+# in next, or None when the conversation is over (Engine.converse).
+OnTurnEnd = Callable[[int, list[int], list[float]], "Future[list[int] | None] | None"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,22 @@ class Engine(abc.ABC):
         self, prompts: list[list[int]], n: int, seeds: list[int], params: GenerationParams
     ) -> list[list[Completion]]:
         """`n` completions of each prompt (prompt i sampled with seeds[i]), one list per prompt."""
+
+    def continues_turns(self) -> bool:
+        """Whether `converse` runs here (False: the tool loop calls `generate` once per turn instead)."""
+        return False
+
+    def converse(
+        self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: OnTurnEnd
+    ) -> None:
+        """Decode each prompt as a conversation of turns until every one is over (seeds[i]: conversation
+        i's). When a turn ends (an EOS, or the conversation's max_tokens, model and fed-in tokens together,
+        used up), `on_turn_end(i, turn_ids, turn_logprobs)` returns a future of the tokens to feed in before
+        the next turn (a tool result and the next turn's template), or None, or a future of None, when the
+        conversation is over. Turns of other conversations go on while one waits: what a conversation
+        samples depends on its seed, the weights and what was fed in, never on when. A future's exception
+        is raised from here."""
+        raise NotImplementedError(f"the {self.name} engine does not continue conversations across turns")
 
     def max_model_len(self) -> int | None:
         """The longest sequence (prompt + completion) the model takes; None: no known limit. Multi-turn

@@ -7,7 +7,8 @@ Who calls it: mortal.workers.rollout.loop through the Engine interface (base.py 
   prompts left-padded to a multiple of PROMPT_BUCKET so a few shapes cover every prompt; its tokens depend
   on `max_rows` too, which spec.generation.maxNumSeqs sets for every worker. Captured graphs belong to the
   thread that captured them, so batched generates run on one thread of their own. The first preparation of
-  each shape is logged with whether the run's compile cache served it (compile_cache.py).
+  each shape is logged with whether the run's compile cache served it (compile_cache.py). Tool-calling
+  rollouts continue there too (`converse`: turn_decode.py, each conversation kept in its row across turns).
 The model's own generation_config is never read: the spec alone decides how tokens are sampled, as TRL's
 does. New weights are copied into the same tensors, so captured graphs see them.
 What it must not do: pick up new weights mid-task (the worker calls load_weights between tasks).
@@ -27,11 +28,19 @@ from mortal.workers.rollout.engines.base import (
     Completion,
     Engine,
     GenerationParams,
+    OnTurnEnd,
     cut_at_eos,
     eos_token_ids,
 )
 from mortal.workers.rollout.engines.compile_cache import CompileWatch, persist, start_compile_workers
-from mortal.workers.rollout.engines.static_decode import DEFAULT_MAX_ROWS, Sampling, StaticDecoder
+from mortal.workers.rollout.engines.static_decode import (
+    DEFAULT_MAX_ROWS,
+    DecodeStats,
+    Sampling,
+    StaticDecoder,
+    Stepper,
+)
+from mortal.workers.rollout.engines.turn_decode import TURNS, TurnDecoder, TurnStats, conversation_key
 from mortal.workers.sync.base import WeightsError, WeightTransport
 from mortal.workers.sync.volume import VolumeTransport
 
@@ -98,6 +107,8 @@ class TransformersEngine(Engine):
             if self.compiled
             else None
         )
+        self.turns = TurnDecoder(self.decoder) if self.decoder is not None else None
+        self._last_stats: DecodeStats | TurnStats | None = None
 
     @classmethod
     def create(
@@ -150,13 +161,54 @@ class TransformersEngine(Engine):
             self._generate_one(prompt, n, seed, params) for prompt, seed in zip(prompts, seeds, strict=True)
         ]
 
+    def continues_turns(self) -> bool:
+        """The batched path continues conversations in its rows (turn_decode.py); the per-prompt one not."""
+        return self.turns is not None
+
+    def converse(
+        self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: OnTurnEnd
+    ) -> None:
+        if self.turns is None:
+            super().converse(prompts, seeds, params, on_turn_end)
+            return
+        _GRAPH_THREAD.submit(self._converse, prompts, seeds, params, on_turn_end).result()
+
+    @torch.no_grad()
+    def _converse(
+        self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: OnTurnEnd
+    ) -> None:
+        assert self.turns is not None
+        input_ids, attention_mask = self._left_padded(prompts, 1)
+        sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
+        self._prepare_logged(
+            input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, stepper=TURNS
+        )
+        self.turns.converse(
+            input_ids,
+            attention_mask,
+            [conversation_key(seed) for seed in seeds],
+            params.max_tokens,
+            sampling,
+            self.eos_ids,
+            on_turn_end,
+        )
+        self._last_stats = self.turns.last_stats
+
     def max_model_len(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
     def generation_stats(self) -> dict[str, float]:
         """The batched path's last decode: rows, steps, refills and the share of sampled tokens that were
         kept (up to each completion's EOS); empty on the per-prompt path."""
-        stats = self.decoder.last_stats if self.decoder is not None else None
+        stats = self._last_stats
+        if isinstance(stats, TurnStats):
+            return {
+                "rows": stats.rows,
+                "decode_steps": stats.decode_steps,
+                "turns": stats.turns,
+                "tool_waits": stats.waits,
+                "useful_fraction": round(stats.useful_fraction, 3),
+            }
         if stats is None:
             return {}
         return {
@@ -196,6 +248,7 @@ class TransformersEngine(Engine):
             tokens, logprobs = self.decoder.generate(
                 input_ids, attention_mask, params.max_tokens, sampling, self.eos_ids, params.min_rows
             )
+            self._last_stats = self.decoder.last_stats
         ids, lps = tokens.tolist(), logprobs.tolist()
         return [
             [cut_at_eos(ids[i * n + g], lps[i * n + g], self.eos_ids) for g in range(n)]
@@ -203,21 +256,28 @@ class TransformersEngine(Engine):
         ]
 
     def _prepare_logged(
-        self, batch: int, prompt_len: int, max_tokens: int, sampling: Sampling, min_rows: int = 0
+        self,
+        batch: int,
+        prompt_len: int,
+        max_tokens: int,
+        sampling: Sampling,
+        min_rows: int = 0,
+        stepper: Stepper | None = None,
     ) -> None:
         """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
         prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
         served it, and committed to the volume. generate() then reuses the kept shape."""
         before = self.decoder.preparations
         with CompileWatch() as watch:
-            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows)
+            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows, stepper)
         if self.decoder.preparations == before:
             return
         log.info(
-            "decode shape %d rows x %d+%d tokens prepared in %s",
+            "decode shape %d rows x %d+%d tokens (%s) prepared in %s",
             shape.state.rows,
             prompt_len,
             max_tokens,
+            stepper.kind if stepper is not None else "single-turn",
             watch.report.describe(),
         )
         persist(watch.report)
@@ -260,5 +320,6 @@ class TransformersEngine(Engine):
     def close(self) -> None:
         self.model = None
         self.decoder = None
+        self.turns = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mortal.workers.rollout.engines.base import OnTurnEnd
 from mortal.workers.rollout.engines.static_decode import (
     DecodeState,
     PreparedShape,
@@ -44,9 +45,6 @@ from mortal.workers.rollout.engines.static_decode import (
 )
 
 MASK32 = 0xFFFFFFFF
-# A turn ended (or the conversation's budget did): the caller's future of the tokens to feed in next, or
-# None when the conversation is over. Called with (conversation, the turn's tokens, their logprobs).
-OnTurnEnd = Callable[[int, list[int], list[float]], "concurrent.futures.Future[list[int] | None] | None"]
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
