@@ -329,6 +329,7 @@ GROUPS: dict[str, Group] = {
                     "tests/workers/test_gpu.py",
                     "tests/workers/actor/test_padding_shift.py",
                     "tests/workers/rollout/engines/test_static_decode.py",
+                    "tests/workers/rollout/engines/test_turn_decode.py",
                 ),
                 560,
             ),

@@ -231,3 +231,52 @@ def test_the_schedule_gives_free_rows_the_next_conversations_in_order() -> None:
     schedule.release(0)
     schedule.release(1)
     assert schedule.done
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_scope", ["model", "layer"])
+def test_the_compiled_graph_continues_conversations_with_the_logprobs_of_a_plain_forward_pass(
+    model, compile_scope
+) -> None:
+    """The CUDA path: the turn step captured as a graph (frozen rows, fed tokens, hashed noise); 6
+    conversations in 4 rows, tools answering after random delays; every model token's logprob matches a
+    teacher-forced forward over the whole conversation (float32), and answering at once gives the same
+    tokens."""
+    cuda_model = model.to("cuda")
+    try:
+        prompts = _prompts([5, 11, 3, 8, 13, 6])
+        decoder = StaticDecoder(
+            cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
+        )
+        ids, mask = _left_padded(prompts)
+        keys = [conversation_key(i) for i in range(len(prompts))]
+        rng = random.Random(5)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            late = Scripted(len(prompts), turns=4, pool=pool, delay=lambda c, t: rng.choice([0.0, 0.02]))
+            TurnDecoder(decoder).converse(
+                ids.cuda(), mask.cuda(), keys, 24, PLAIN, FREQUENT_EOS, late.on_turn_end
+            )
+        at_once = Scripted(len(prompts), turns=4)
+        TurnDecoder(decoder).converse(
+            ids.cuda(), mask.cuda(), keys, 24, PLAIN, FREQUENT_EOS, at_once.on_turn_end
+        )
+        assert late.ids == at_once.ids and max(late.turns) > 1
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                logits = cuda_model(torch.tensor([prompt + late.ids[i]], device="cuda")).logits[
+                    0, len(prompt) - 1 : -1
+                ]
+            expected = processed_logprobs(logits, PLAIN).gather(
+                1, torch.tensor(late.ids[i], device="cuda")[:, None]
+            )
+            model_tokens = torch.tensor(late.mask[i], dtype=torch.bool)
+            torch.testing.assert_close(
+                torch.tensor(late.logprobs[i])[model_tokens],
+                expected.squeeze(1).cpu()[model_tokens],
+                atol=2e-3,
+                rtol=2e-3,
+            )
+        assert decoder.preparations == 1
+    finally:
+        model.to("cpu")
