@@ -52,7 +52,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import BREAKDOWN  # noqa: E402
 from learning_gpu import local_model  # noqa: E402
-from through_controller import local_gpu, run_through_controller  # noqa: E402
+from through_controller import copy_logs, local_gpu, run_through_controller  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
@@ -327,6 +327,7 @@ def main() -> None:
         "--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)"
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     args = parser.parse_args()
 
     import torch
@@ -336,7 +337,11 @@ def main() -> None:
         "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
         "gpus": 0 if args.cpu else 1,  # both sides on one GPU (mortal's rollout colocated)
         "example": str(EXAMPLE),
-        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+        **{
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("json", "logs")
+        },
     }
     with tempfile.TemporaryDirectory(prefix="mortal-multiturn-") as tmp:
         if args.warm_start:
@@ -346,6 +351,8 @@ def main() -> None:
                 work = Path(tmp) / side
                 work.mkdir()
                 result = runner(model, bench_spec(model, args), args, work)
+                if side == "mortal" and args.logs:
+                    copy_logs(work, args.logs)
                 out[side] = {**result, **summary(result["curve"], args.prompts * args.gens)}
                 shown = {k: v for k, v in out[side].items() if k != "curve"}
                 print(f"{side}: {json.dumps(shown)}", flush=True)
