@@ -61,6 +61,7 @@ WORKER_CALLS = frozenset(
         "step_results",
         "step_states",
         "heartbeat",
+        "report_stacks",
         "report_exit",
         "add_event",
         "add_metrics",

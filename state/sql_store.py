@@ -464,6 +464,26 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = c.execute(_HEARTBEAT, values).mappings().one()
         return WorkerRow.model_validate(dict(row))
 
+    def request_stacks(
+        self, worker_id: int, written: bool = False, fence: LeaderFence | None = None
+    ) -> WorkerRow:
+        with self._tx() as s:
+            check_leader(s, fence)
+            row = self._worker(s, worker_id)
+            if row.state not in TERMINAL_WORKER_STATES:
+                now = utcnow()
+                row.stacks_asked_at, row.stacks_written_at = now, now if written else None
+                s.flush()
+            return row
+
+    def report_stacks(self, worker: WorkerRef) -> WorkerRow:
+        with self._tx() as s:
+            row = self._worker(s, check_worker(s, worker, for_update=True))
+            if row.stacks_asked_at is not None and row.stacks_written_at is None:
+                row.stacks_written_at = utcnow()
+                s.flush()
+            return row
+
     def report_exit(
         self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None
     ) -> WorkerRow:

@@ -313,6 +313,20 @@ class Store(abc.ABC):
         the store keeps activity_since on its own clock, now minus those seconds."""
 
     @abc.abstractmethod
+    def request_stacks(
+        self, worker_id: int, written: bool = False, fence: LeaderFence | None = None
+    ) -> WorkerRow:
+        """Ask a live worker for its Python stacks (it stalled): stacks_asked_at becomes now, and
+        stacks_written_at now as well with `written` (the controller's backend signalled the process, which
+        wrote them itself), else None until the worker reports them (report_stacks). A new request replaces
+        an earlier one. An ended worker's row is returned unchanged. NotFound."""
+
+    @abc.abstractmethod
+    def report_stacks(self, worker: WorkerRef) -> WorkerRow:
+        """The worker wrote its stacks to its log, as its heartbeat's row asked (stacks_asked_at): sets
+        stacks_written_at, once per request (a second report leaves it). Fenced like heartbeat."""
+
+    @abc.abstractmethod
     def report_exit(
         self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None
     ) -> WorkerRow:
