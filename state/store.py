@@ -219,6 +219,12 @@ class Store(abc.ABC):
         """The run, including one marked deleted but not yet purged. NotFound otherwise."""
 
     @abc.abstractmethod
+    def run_uid(self, name: str) -> str | None:
+        """The uid of the run named `name` now (one marked deleted included), None when there is none: one
+        indexed read, for the HTTP server to tell a worker token of an earlier run of that name
+        (mortal.state.auth.check_run_uid)."""
+
+    @abc.abstractmethod
     def list_runs(self, labels: dict[str, str] | None = None, include_deleted: bool = True) -> list[RunRow]:
         """Runs by name; `labels` is an equality selector (all must match)."""
 

@@ -50,6 +50,7 @@ READS = frozenset(
     {
         "migrate",
         "get_run",
+        "run_uid",
         "list_runs",
         "list_workers",
         "list_checkpoints",

@@ -147,9 +147,12 @@ def test_delete_then_purge(store: Store, run: str) -> None:
     with pytest.raises(Conflict):
         store.create_worker(run, "rollout", 0, "local", 10)
 
+    uid = store.get_run(run).uid
+    assert store.run_uid(run) == uid and store.run_uid("other") == store.get_run("other").uid != uid
     store.purge_run(run)
     with pytest.raises(NotFound):
         store.get_run(run)
+    assert store.run_uid(run) is None
     assert store.list_workers(run) == [] and store.list_events(run) == []
     assert (
         store.list_metrics(run) == [] and store.list_checkpoints(run) == [] and store.list_weights(run) == []
@@ -158,6 +161,7 @@ def test_delete_then_purge(store: Store, run: str) -> None:
     assert [e.message for e in store.list_events("other")] == ["kept"]
     row, outcome = store.apply_run(run, SPEC)
     assert outcome is ApplyOutcome.created and row.generation == 1
+    assert store.run_uid(run) == row.uid != uid, "a run applied again under its name has a new uid"
 
 
 # -- workers and fencing -------------------------------------------------------------------------
