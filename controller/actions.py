@@ -70,11 +70,14 @@ class Stop:
 
 @dataclass(frozen=True)
 class DumpStacks:
-    """Ask a stuck worker's process for its Python stacks (into its log) before it is ended and stopped;
-    applied before every other action of the pass. A backend that cannot reach the process skips it."""
+    """Ask a stalled worker for its Python stacks (into its log) before it is ended and stopped: its backend
+    signals the process where it can (the worker writes them at once), and the request is recorded in the
+    store (`request_stacks`: written, or asked), which the worker's heartbeat answers on every backend.
+    Applied before every other action of the pass; a later pass ends the worker once it answered, or
+    waited long enough (PlanConfig.stacks_answer_seconds)."""
 
     handle: str
-    event: Event | None
+    worker_id: int
 
 
 @dataclass(frozen=True)

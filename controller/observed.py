@@ -123,6 +123,7 @@ class PlanConfig:
     progress_deadline_default_seconds: float = 600.0  # while no step time is known
     stall_deadline_default_seconds: float = 1800.0  # a task's or step's deadline while no step time is known
     stall_stop_grace_seconds: float = 2.0  # TERM -> KILL for a stalled worker (its stacks asked for first)
+    stacks_answer_seconds: float = 5.0  # a stalled worker asked for its stacks is ended without them after it
 
 
 @overload

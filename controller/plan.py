@@ -111,6 +111,8 @@ class _W:
     gpus: int = 0
     activity: str | None = None
     activity_since: datetime | None = None
+    stacks_asked_at: datetime | None = None
+    stacks_written_at: datetime | None = None
 
     @property
     def slot(self) -> tuple[str, int]:
@@ -155,6 +157,8 @@ def _view(row: Any, run_uid: str | None) -> _W:
         gpus=row.gpus or 0,
         activity=row.activity,
         activity_since=aware(row.activity_since),
+        stacks_asked_at=aware(row.stacks_asked_at),
+        stacks_written_at=aware(row.stacks_written_at),
     )
 
 
@@ -352,9 +356,10 @@ class _Pass:
                     self.actions.append(Stop(proc.handle, 0.0, None))
 
     def _stalled(self, w: _W, proc: ProcessView) -> bool:
-        """Whether `w` ran past the deadline of what it reports doing; if so: stacks, end (Failed, the
-        stall's reason first in its message: a relaunch, and the give-up count), stop. Else wake at its
-        deadline."""
+        """Whether `w` ran past the deadline of what it reports doing; if so: ask for its stacks, then (a
+        later pass, once it wrote them or `stacks_answer_seconds` went by without) end it (Failed, the
+        stall's reason first in its message: a relaunch, and the give-up count) and stop it. Else wake at
+        its deadline."""
         step_seconds = (rl.step_seconds(self.o.metrics) if self.o.metrics else None) or self.timing[1]
         derived = dl.DerivedFrom(
             self.cfg.progress_deadline_min_seconds,
@@ -367,20 +372,37 @@ class _Pass:
             if due is not None:
                 self.wake.append(due)
             return False
+        stacks = self._stacks(w, proc)
+        if stacks is None:
+            return True  # asked for its stacks: ended once it answers
         where = f"{w.name} #{w.incarnation}"
-        self.actions.append(DumpStacks(proc.handle, None))
         self._end(
             w,
             "Failed",
             None,
             f"{stall.reason}: {stall.message}",
-            Event(
-                WARNING, stall.reason, f"{where}: {stall.message}; its stacks are in its log; relaunching it"
-            ),
+            Event(WARNING, stall.reason, f"{where}: {stall.message}; {stacks}; relaunching it"),
         )
         self.actions.append(Stop(proc.handle, self.cfg.stall_stop_grace_seconds, None))
         self.wake.append(self.cfg.stop_poll_seconds)
         return True
+
+    def _stacks(self, w: _W, proc: ProcessView) -> str | None:
+        """What the stall's event says of a stalled worker's stacks once they are written, or once it did not
+        answer within `stacks_answer_seconds`; None while they are asked for (now, or still awaited). A
+        request made before the activity began (an earlier stall it came out of) is asked again."""
+        asked = w.stacks_asked_at
+        if asked is None or (w.activity_since is not None and asked < w.activity_since):
+            self.actions.append(DumpStacks(proc.handle, w.id))
+            self.wake.append(self.cfg.stacks_answer_seconds)
+            return None
+        if w.stacks_written_at is not None:
+            return "its stacks are in its log"
+        waited = (self.now - asked).total_seconds()
+        if waited < self.cfg.stacks_answer_seconds:
+            self.wake.append(self.cfg.stacks_answer_seconds - waited)
+            return None
+        return f"it did not write its stacks within {self.cfg.stacks_answer_seconds:g} s of being asked"
 
     def _out_of_memory(self) -> str | None:
         """The run's failure message when a slot ran out of GPU memory and must not be relaunched, else None.

@@ -174,9 +174,13 @@ class Reconciler:
     ) -> Outcome:
         failures: list[str] = []
         stops = [a for a in decided.actions if isinstance(a, Stop)]
+        signalled = False
         for dump in (a for a in decided.actions if isinstance(a, DumpStacks)):
-            if backend is not None and backend.dump_stacks(dump.handle):  # before its row is ended (fenced)
-                self._event(run.name, dump.event)
+            # The backend signals the process where it can (the stacks are then written already); the store
+            # carries the request to the worker's heartbeat otherwise (Modal). A later pass ends the row.
+            written = backend is not None and backend.dump_stacks(dump.handle)
+            self.store.request_stacks(dump.worker_id, written=written, fence=fence)
+            signalled |= written
         # A hung process is killed before its row is written: frozen mid-transaction, it may hold the
         # very row lock that write needs, and only its death releases it.
         self._stop_all(run.name, backend, [a for a in stops if a.grace_seconds == 0])
@@ -211,7 +215,9 @@ class Reconciler:
             except Conflict:
                 return RequeueAfter(0.0)  # the spec moved under us: look again with the new one
             self.written[run.name] = row.resource_version
-        return Retry("; ".join(failures)) if failures else decided.outcome
+        if failures:
+            return Retry("; ".join(failures))
+        return RequeueAfter(0.0) if signalled else decided.outcome  # a signalled worker's stacks are written
 
     def _launch(
         self, run: RunRow, spec: TrainingSpec, backend: Backend, action: Launch, fence: LeaderFence

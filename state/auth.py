@@ -7,6 +7,9 @@ Two kinds of bearer token, as the Kubernetes API server has users and service ac
   makes for its own run (`WORKER_CALLS`, `ACTOR_CALLS`, `ROLLOUT_CALLS`), as its own slot and incarnation
   (a WorkerRef argument must be the token's). Nothing of another run, nothing admin: no spec, status,
   worker rows, purge or leases. A Store method not named here is admin only, so a new one is safe.
+  Nothing of an earlier run of the same name either: a WorkerRef call is fenced by the token's run uid in
+  the store, and a call that names the run only is checked against the run's current uid by the server
+  (`run_uid_to_check`, `check_run_uid`: `authorize` stays pure, the server reads the uid).
 
 Why HMAC-signed tokens, with the key derived from the admin token: the controller that mints and the
 server that verifies may run on different machines (a laptop and the Modal app), and the one secret they
@@ -61,6 +64,7 @@ WORKER_CALLS = frozenset(
         "step_results",
         "step_states",
         "heartbeat",
+        "report_stacks",
         "report_exit",
         "add_event",
         "add_metrics",
@@ -85,6 +89,7 @@ RUN_NAMED = frozenset(
         "fork_run",
         "rollback_run",
         "get_run",
+        "run_uid",
         "update_spec",
         "write_status",
         "mark_deleted",
@@ -162,6 +167,35 @@ def authorize(identity: Identity, method: str, kwargs: dict[str, Any]) -> dict[s
             raise Forbidden(f"the token of {mine.id} is for another run of that name")
         kwargs = {**kwargs, "worker": dataclasses.replace(worker, run_uid=mine.run_uid or worker.run_uid)}
     return kwargs
+
+
+def run_uid_to_check(identity: Identity, kwargs: dict[str, Any]) -> str | None:
+    """The uid the named run must have for an authorized call of `identity` to be answered: its token's run
+    uid, on a call that names its run by name only (`run=`, or `name=` of RUN_NAMED: reads, add_event).
+    None where nothing is left to check: the admin; a token without a run uid (minted before they carried
+    one), which keeps the name check alone; a call with a WorkerRef, which the store fences by the uid
+    itself. The caller reads the run's uid (Store.run_uid) and hands it to `check_run_uid`."""
+    claims = identity.worker
+    if claims is None or not claims.run_uid or isinstance(kwargs.get("worker"), WorkerRef):
+        return None
+    return claims.run_uid
+
+
+def check_run_uid(identity: Identity, current: str | None) -> None:
+    """Forbidden unless the run named in the call is, by its uid `current` (None: no such run now), the run
+    `identity`'s token was minted for. A run deleted and applied again under its name gets a new uid, so a
+    leftover worker of the deleted one (fenced from every write that carries its WorkerRef) cannot read or
+    write the new run through the calls that name it."""
+    claims = identity.worker
+    if claims is None or not claims.run_uid or current == claims.run_uid:
+        return
+    now = (
+        "no run of that name exists now" if current is None else f"the run of that name now has uid {current}"
+    )
+    raise Forbidden(
+        f"the token of {claims.ref.id} is for run {claims.run!r} of uid {claims.run_uid}, which was deleted; "
+        f"{now}"
+    )
 
 
 class Authority:

@@ -43,6 +43,7 @@ from mortal.state.auth import Authority, Identity
 from mortal.state.errors import Forbidden, StoreError
 from mortal.state.paths import default_state_url
 from mortal.state.store import Store
+from mortal.state.tables import RunRow
 
 TOKEN_ENV = wire.TOKEN_ENV
 PREVIOUS_TOKENS_ENV = "MORTAL_STATE_PREVIOUS_TOKENS"  # admin tokens still accepted while one is rotated
@@ -138,16 +139,30 @@ class StoreApp:
             kwargs = auth.authorize(identity, method.name, kwargs)
         except Forbidden as exc:
             return wire.error_body(exc)
-        return self._call(method, kwargs)
+        return self._call(method, kwargs, identity, request.run)
 
     def identify(self, header: str) -> Identity | None:
         """Who the Authorization header speaks for (None: no valid token)."""
         scheme, _, given = header.partition(" ")
         return self.authority.identify(given) if scheme.lower() == "bearer" else None
 
-    def _call(self, method: wire.Method, kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _call(
+        self, method: wire.Method, kwargs: dict[str, Any], identity: Identity, run: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        """The store's answer, for a worker token of an earlier run of the same name a 403 instead
+        (auth.run_uid_to_check). A write is checked before it is made. A read is checked after, which is
+        exact and costs the same one lookup: uids are never reused, so the run still has the token's uid
+        after the read only if it had it all through the read (get_run's row carries its uid: no lookup).
+        A write (add_event) racing a purge and a new apply between its check and itself is not caught."""
+        checked = run if auth.run_uid_to_check(identity, kwargs) is not None else None
         try:
+            if checked is not None and not method.read_only:
+                auth.check_run_uid(identity, self.store.run_uid(checked))
             result = getattr(self.store, method.name)(**kwargs)
+            if checked is not None and method.read_only:
+                auth.check_run_uid(
+                    identity, result.uid if isinstance(result, RunRow) else self.store.run_uid(checked)
+                )
         except (StoreError, ValueError) as exc:
             return wire.error_body(exc)
         except Exception as exc:  # the client gets a 500 it can act on; the trace stays in the server's log

@@ -5,7 +5,7 @@ workers through the `Store` interface only. It is the only code that writes SQL.
 anything: it enforces the invariants of mortal.state.store and nothing else.
 
 Every method is one transaction: `_tx` (an ORM Session) or, in the calls every worker makes all the
-time (heartbeat, the task lease calls, add_metrics, get_run, latest_weights), `_conn` (a Connection
+time (heartbeat, the task lease calls, add_metrics, get_run, run_uid, latest_weights), `_conn` (a Connection
 running Core statements built once): the ORM's per-call Python was most of such a call's cost. A call
 whose database connection broke before anything was committed (ConnectionLost) is made again once.
 Writes to a run row are guarded UPDATEs (`... WHERE resource_version = :v`, row count checked);
@@ -59,6 +59,7 @@ _RUNS, _WORKERS = table_of(RunRow), table_of(WorkerRow)
 _WEIGHTS, _METRICS = table_of(WeightRow), table_of(MetricRow)
 # The hot calls' statements, built once (mortal.state.task_queue has the task queue's).
 _GET_RUN = core_select(_RUNS).where(_RUNS.c.name == bindparam("b_name"))
+_RUN_UID = core_select(_RUNS.c.uid).where(_RUNS.c.name == bindparam("b_name"))
 _LATEST_WEIGHTS = (
     core_select(_WEIGHTS)
     .where(_WEIGHTS.c.run == bindparam("b_run"))
@@ -297,6 +298,10 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             raise NotFound(f"trainingrun {name!r} not found")
         return RunRow.model_validate(dict(row))
 
+    def run_uid(self, name: str) -> str | None:
+        with self._conn(write=False) as c:
+            return c.execute(_RUN_UID, {"b_name": name}).scalar()
+
     def list_runs(self, labels: dict[str, str] | None = None, include_deleted: bool = True) -> list[RunRow]:
         with self._tx(write=False) as s:
             rows = s.exec(select(RunRow).order_by(RunRow.name)).all()
@@ -463,6 +468,26 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             }
             row = c.execute(_HEARTBEAT, values).mappings().one()
         return WorkerRow.model_validate(dict(row))
+
+    def request_stacks(
+        self, worker_id: int, written: bool = False, fence: LeaderFence | None = None
+    ) -> WorkerRow:
+        with self._tx() as s:
+            check_leader(s, fence)
+            row = self._worker(s, worker_id)
+            if row.state not in TERMINAL_WORKER_STATES:
+                now = utcnow()
+                row.stacks_asked_at, row.stacks_written_at = now, now if written else None
+                s.flush()
+            return row
+
+    def report_stacks(self, worker: WorkerRef) -> WorkerRow:
+        with self._tx() as s:
+            row = self._worker(s, check_worker(s, worker, for_update=True))
+            if row.stacks_asked_at is not None and row.stacks_written_at is None:
+                row.stacks_written_at = utcnow()
+                s.flush()
+            return row
 
     def report_exit(
         self, worker: WorkerRef, state: str, exit_code: int, message: str | None = None

@@ -219,6 +219,12 @@ class Store(abc.ABC):
         """The run, including one marked deleted but not yet purged. NotFound otherwise."""
 
     @abc.abstractmethod
+    def run_uid(self, name: str) -> str | None:
+        """The uid of the run named `name` now (one marked deleted included), None when there is none: one
+        indexed read, for the HTTP server to tell a worker token of an earlier run of that name
+        (mortal.state.auth.check_run_uid)."""
+
+    @abc.abstractmethod
     def list_runs(self, labels: dict[str, str] | None = None, include_deleted: bool = True) -> list[RunRow]:
         """Runs by name; `labels` is an equality selector (all must match)."""
 
@@ -311,6 +317,20 @@ class Store(abc.ABC):
         """Record liveness (Pending -> Running). Fenced if `worker` is not the slot's live incarnation.
         `activity` (check_activity) is what it is doing, for `activity_seconds` by its own clock (None: idle);
         the store keeps activity_since on its own clock, now minus those seconds."""
+
+    @abc.abstractmethod
+    def request_stacks(
+        self, worker_id: int, written: bool = False, fence: LeaderFence | None = None
+    ) -> WorkerRow:
+        """Ask a live worker for its Python stacks (it stalled): stacks_asked_at becomes now, and
+        stacks_written_at now as well with `written` (the controller's backend signalled the process, which
+        wrote them itself), else None until the worker reports them (report_stacks). A new request replaces
+        an earlier one. An ended worker's row is returned unchanged. NotFound."""
+
+    @abc.abstractmethod
+    def report_stacks(self, worker: WorkerRef) -> WorkerRow:
+        """The worker wrote its stacks to its log, as its heartbeat's row asked (stacks_asked_at): sets
+        stacks_written_at, once per request (a second report leaves it). Fenced like heartbeat."""
 
     @abc.abstractmethod
     def report_exit(

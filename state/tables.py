@@ -162,6 +162,18 @@ class WorkerRow(SQLModel, table=True):
         "deadline (mortal.controller.deadlines; added in migration 0008)",
     )
     activity_since: datetime | None = _time(False, description="when that activity began (the store's clock)")
+    stacks_asked_at: datetime | None = _time(
+        False,
+        description="when the controller asked this worker for its Python stacks (it stalled: past the "
+        "deadline of its activity), on the store's clock; the worker's heartbeat thread answers by writing "
+        "them to its log (mortal.workers.deadline). None: not asked (added in migration 0009)",
+    )
+    stacks_written_at: datetime | None = _time(
+        False,
+        description="when the stacks asked for at stacks_asked_at were written to the worker's log: reported "
+        "by the worker (report_stacks), or by the controller when its backend signalled the process itself. "
+        "None: not (yet) written",
+    )
 
 
 class CheckpointRow(SQLModel, table=True):

@@ -50,6 +50,7 @@ READS = frozenset(
     {
         "migrate",
         "get_run",
+        "run_uid",
         "list_runs",
         "list_workers",
         "list_checkpoints",
@@ -71,6 +72,7 @@ READS = frozenset(
 IDEMPOTENT_WRITES = frozenset(
     {
         "heartbeat",  # sets heartbeat_at/state/step to the same values; fenced by the incarnation either way
+        "report_stacks",  # sets stacks_written_at once per request: a second report leaves it
         "renew_task",  # guarded by (task, lease_token): extends the same lease again; True while it is held
         "add_metrics",  # replaces the (run, step, name) values: one value per name, the latest
         "add_completions",  # replaces the step's completions
@@ -86,7 +88,8 @@ IDEMPOTENT_WRITES = frozenset(
 # complete_task (False: the task is done, and the worker would think its lease lost), add_event (a
 # duplicate), publish_weights / update_spec / write_status with a resource_version (Conflict: the version
 # moved), report_exit (Fenced: the worker has ended), apply_run (unchanged, not created), purge_run,
-# record_checkpoint, delete_* (NotFound), enqueue_tasks / reset_tasks (a count of 0).
+# record_checkpoint, delete_* (NotFound), enqueue_tasks / reset_tasks (a count of 0), request_stacks (a
+# second request would forget the worker's answer to the first).
 
 # Typed errors and their HTTP status. The client raises the same class again from the "type" field.
 STATUS: dict[str, int] = {

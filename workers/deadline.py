@@ -3,7 +3,8 @@ answers) is abandoned past its deadline instead of stopping the worker.
 
 Who calls it: mortal.workers.rewards (each reward call) and mortal.workers.rollout.tools (each tool call)
 through `Abandoner.call`; mortal.workers.runtime installs `register_stack_dump` at a worker's start, so the
-controller can ask a stuck worker for its stacks (SIGUSR1) before it kills it.
+controller can ask a stuck worker for its stacks (SIGUSR1, where its backend can signal the process) before
+it kills it, and calls `dump_stacks` from the heartbeat thread when the request comes through the store.
 Why a thread rather than a subprocess: a reward function gets the task's objects (environments, the
 trainer state, log callbacks) and may keep state between calls, which a subprocess could not share. Python
 cannot stop a thread, so a call past its deadline is abandoned (a daemon thread, left to finish or die

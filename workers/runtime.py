@@ -5,7 +5,8 @@ Who calls it: mortal.workers.main builds a `WorkerContext` from the environment 
 hands it to the workload's `main(ctx)`. Workloads read `ctx.run`, write through `ctx.store`, tell
 the heartbeat their progress with `ctx.report(...)` and what they are doing with `with ctx.activity(...)`
 (a task, a step, a weight load: the controller relaunches a worker stuck in one past its deadline, after
-asking it for its stacks with SIGUSR1, mortal.workers.deadline), and watch `ctx.stopping`.
+asking it for its stacks: SIGUSR1 where its backend can signal the process, and on every backend through
+the store, which the heartbeat thread answers; mortal.workers.deadline), and watch `ctx.stopping`.
 What it must not do: let a zombie write. Any store call that raises Fenced (a newer incarnation
 owns the slot, or the slot was ended) ends the process at once with EXIT_FENCED, from whichever
 thread saw it.
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,7 +36,8 @@ from mortal.specs.errors import SpecError
 from mortal.state import paths
 from mortal.state.errors import Fenced
 from mortal.state.store import Store, WorkerRef
-from mortal.workers.deadline import register_stack_dump
+from mortal.state.tables import WorkerRow
+from mortal.workers.deadline import dump_stacks, register_stack_dump
 from mortal.workers.errors import FatalWorkerError
 
 EXIT_SUCCEEDED = 0
@@ -197,6 +200,7 @@ class WorkerContext:
         self.log = log
         self._progress: dict[str, int | None] = {"step": None, "weight_version": None}
         self._activities: list[tuple[str, float]] = []  # (what, monotonic start), innermost last
+        self._stacks_written_for: datetime | None = None  # the controller's request this worker answered
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -263,9 +267,24 @@ class WorkerContext:
             step, version = self._progress["step"], self._progress["weight_version"]
             what, since = self._activities[-1] if self._activities else (None, None)
         seconds = None if since is None else time.monotonic() - since
-        self.store.heartbeat(
+        row = self.store.heartbeat(
             self.worker, step=step, weight_version=version, activity=what, activity_seconds=seconds
         )
+        self._answer_stacks_request(row, what, seconds)
+
+    def _answer_stacks_request(self, row: WorkerRow, what: str | None, seconds: float | None) -> None:
+        """The controller asked for this worker's stacks (it ran past the deadline of `what`): every thread's
+        stack to the log, once per request, then reported (again on the next beat if the report failed).
+        Answered from the heartbeat thread, which still beats while the thread it reports on is stuck: on a
+        backend that cannot signal the process (Modal) this is the only way the stacks get out."""
+        asked = row.stacks_asked_at
+        if asked is None or row.stacks_written_at is not None:
+            return
+        if asked != self._stacks_written_for:
+            doing = "nothing" if what is None else f"{what} for {seconds or 0.0:.0f} s"
+            dump_stacks(f"the controller asked for them (this worker was doing {doing})")
+            self._stacks_written_for = asked
+        self.store.report_stacks(self.worker)
 
     def start(self) -> None:
         """First heartbeat (Pending -> Running; exits if already fenced), heartbeat thread, SIGTERM

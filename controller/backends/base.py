@@ -356,8 +356,10 @@ class Backend(abc.ABC):
         stopped handles are a no-op."""
 
     def dump_stacks(self, handle: str) -> bool:
-        """Ask the worker's process to write its Python stacks to its log (mortal.workers.deadline); False
-        where this backend cannot signal it (the default: a remote container or actor)."""
+        """Ask the worker's process to write its Python stacks to its log (mortal.workers.deadline): True once
+        it was signalled (local: SIGUSR1; Ray: through its actor). False where this backend cannot signal it
+        (the default: a Modal container), or did not reach it: the store's request for the stacks, which the
+        worker's heartbeat answers, is then the only one (mortal.state.store.Store.request_stacks)."""
         return False
 
     def gpus_held(self, launch: WorkerLaunch) -> int:

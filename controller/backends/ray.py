@@ -357,6 +357,22 @@ class RayBackend(Backend):
         self._handles[handle] = actor
         return actor
 
+    def dump_stacks(self, handle: str) -> bool:
+        """SIGUSR1 to the worker's process through its actor (WorkerHost.dump_stacks), which faulthandler
+        answers with every thread's stack in the worker's log; False when the actor does not answer within
+        ANSWER_SECONDS (its node is gone, or it runs an older body): the store's request for the stacks
+        then reaches the worker's heartbeat instead."""
+        if not handle.startswith(HANDLE_PREFIX):
+            return False
+        with self._lock:
+            actor = self._lookup(handle)
+        if actor is None:
+            return False
+        try:
+            return bool(self._ray.get(actor.dump_stacks.remote(), timeout=ANSWER_SECONDS))
+        except (AttributeError, self._ray.exceptions.RayError):  # GetTimeoutError is one
+            return False
+
     # -- stop --------------------------------------------------------------------------------
     def stop(self, handle: str, grace_seconds: float = 5.0) -> None:
         """TERM the worker's process group through its actor (KILL after `grace_seconds`), then kill the actor

@@ -157,6 +157,18 @@ class WorkerHost:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
+    def dump_stacks(self) -> bool:
+        """SIGUSR1 to the worker's own process (not its group: its children may not handle it), which
+        faulthandler answers with every thread's stack in the worker's log (mortal.workers.deadline); False
+        once it has exited."""
+        if self._proc.poll() is not None:
+            return False
+        try:
+            os.kill(self._proc.pid, signal.SIGUSR1)  # mortal.workers.deadline.STACK_DUMP_SIGNAL
+        except ProcessLookupError:
+            return False
+        return True
+
     def stop(self, grace_seconds: float) -> int | None:
         """SIGTERM the worker's process group (it checkpoints and exits 0), SIGKILL what is left after
         `grace_seconds`; its exit code."""

@@ -35,6 +35,7 @@ from mortal.controller.backends import Backend, select_backend
 from mortal.controller.backends.modal import ModalBackend
 from mortal.controller.manager import Controller
 from mortal.controller.reconciler import ControllerConfig
+from mortal.state import paths
 from mortal.workers.simulated import simulated_run
 
 sys.path.insert(0, str(Path(__file__).parent / "backends"))
@@ -157,6 +158,44 @@ def test_a_killed_worker_is_detected_and_relaunched(harness: Harness, fake: Fake
     actors = [w for w in h.store.list_workers("kill") if w.role == "actor"]
     assert [(w.state, w.exit_code) for w in actors] == [("Lost", -9), ("Succeeded", 0)]
     assert final["restarts"] == 1 and len(fake.spawned) == 3
+    wait_no_workers(h)
+
+
+def test_a_worker_stuck_in_a_task_writes_its_stacks_to_its_log_and_is_relaunched(
+    harness: Harness,  # noqa: F811
+    fake: FakeModal,
+) -> None:
+    """No one can signal a process in a Modal container: the controller asks for the stalled worker's stacks
+    through the store, and the worker's heartbeat thread writes them to its log (on the volume) before it is
+    relaunched."""
+    h = harness
+    run = modal_run("stuck", max_steps=4)
+    run = simulated_run(
+        "stuck",
+        max_steps=4,
+        rollout_replicas=1,
+        step_seconds=0.1,
+        annotations={"mortal.dev/stall": "task", "mortal.dev/stall-step": "2"},
+        spec={**run.spec_dict(), "deadlines": {"taskSeconds": 2}},
+    )
+    h.apply(run)
+    start(h, fake)
+    final = h.wait_phase("stuck", "Succeeded", timeout=90)
+    assert final["restarts"] == 1
+    stalled = [w for w in h.store.list_workers("stuck") if w.role == "rollout"][0]
+    assert stalled.state == "Failed" and stalled.message.startswith("TaskDeadlineExceeded: task 2.")
+    assert stalled.stacks_written_at is not None, "the worker answered the request"
+    [warned] = [
+        e
+        for e in h.store.list_events("stuck", limit=200)
+        if e.reason == "TaskDeadlineExceeded" and e.message.startswith("rollout-0")
+    ]
+    assert "; its stacks are in its log; relaunching it" in warned.message
+    log = paths.worker_log("stuck", "rollout", 0, stalled.incarnation)  # the volume is this home
+    wait_for(lambda: "in stall_here" in log.read_text(), 15, "the stuck frame in the log on the volume")
+    assert "--- stacks of every thread: the controller asked for them (this worker was doing task 2." in (
+        log.read_text()
+    )
     wait_no_workers(h)
 
 

@@ -1,13 +1,14 @@
 """The watchdog's rules as tables: each activity's deadline, a worker found past it, what plan() does then
-(stacks, end, stop, relaunch), and when it gives up (the same stall restartPolicy.sameFailureLimit times)."""
+(ask for its stacks; once it wrote them or did not answer in time: end, stop, relaunch), and when it gives
+up (the same stall restartPolicy.sameFailureLimit times)."""
 
 from __future__ import annotations
 
 import pytest
-from planhelpers import NOW, ago, kinds, proc, row, run_plan, running, status
+from planhelpers import CFG, NOW, ago, kinds, proc, row, run_plan, running, status
 
 from mortal.controller import deadlines as dl
-from mortal.controller.actions import DumpStacks, EndWorker, Launch, Stop
+from mortal.controller.actions import EndWorker, Launch, Stop
 from mortal.controller.status import iso
 from mortal.state.tables import WorkerRow
 
@@ -64,23 +65,74 @@ def test_stalled(activity, since, want):
 
 
 # -- what plan() does with a stalled worker ------------------------------------------------------------
-def test_a_rollout_past_its_task_deadline_has_its_stacks_dumped_then_is_ended_failed_and_stopped():
+def asked(w: WorkerRow, seconds: float, written: float | None = None) -> WorkerRow:
+    """`w` asked for its stacks `seconds` before NOW (and wrote them `written` seconds before NOW)."""
+    w.stacks_asked_at = ago(seconds)
+    w.stacks_written_at = None if written is None else ago(written)
+    return w
+
+
+def test_a_rollout_past_its_task_deadline_is_first_asked_for_its_stacks_and_left_running():
     rows, procs = running(rollouts=1)
     doing(rows[1], "task 5.0", since=61.0)
     p = run_plan(rows, procs, prev=status("Running", stepSeconds=2.0))
-    assert kinds(p) == ["DumpStacks", "EndWorker", "Stop"]
-    dump, end, stop = p.actions
-    assert isinstance(dump, DumpStacks) and isinstance(end, EndWorker) and isinstance(stop, Stop)
-    assert dump.handle == stop.handle == procs[1].handle
+    assert kinds(p) == ["DumpStacks"]
+    [dump] = p.actions
+    assert (dump.handle, dump.worker_id) == (procs[1].handle, rows[1].id)
+    assert p.outcome.seconds <= CFG.stacks_answer_seconds  # looks again once it may have answered
+
+
+def test_a_stalled_rollout_that_wrote_its_stacks_is_ended_failed_and_stopped():
+    rows, procs = running(rollouts=1)
+    asked(doing(rows[1], "task 5.0", since=61.0), 1.0, written=0.5)
+    p = run_plan(rows, procs, prev=status("Running", stepSeconds=2.0))
+    assert kinds(p) == ["EndWorker", "Stop"]
+    end, stop = p.actions
+    assert isinstance(end, EndWorker) and isinstance(stop, Stop)
+    assert stop.handle == procs[1].handle
     assert (end.worker_id, end.state) == (rows[1].id, "Failed")
     assert end.message.startswith("TaskDeadlineExceeded: task 5.0 has run 61 s, past its deadline of 60 s")
     assert (end.event.type, end.event.reason) == ("Warning", "TaskDeadlineExceeded")
-    assert (
-        end.event.message.startswith("rollout-0 #2: task 5.0 has run 61 s") and "stacks" in end.event.message
-    )
+    assert end.event.message.startswith("rollout-0 #2: task 5.0 has run 61 s")
+    assert end.event.message.endswith("; its stacks are in its log; relaunching it")
     assert (
         stop.grace_seconds > 0
     )  # TERM first: a stalled worker holds no transaction, and its stacks come first
+
+
+@pytest.mark.parametrize("waited", [0.0, CFG.stacks_answer_seconds - 1.0])
+def test_a_stalled_rollout_is_given_time_to_answer_the_request(waited):
+    rows, procs = running(rollouts=1)
+    asked(doing(rows[1], "task 5.0", since=61.0), waited)
+    p = run_plan(rows, procs, prev=status("Running", stepSeconds=2.0))
+    assert kinds(p) == []
+    assert 0 < p.outcome.seconds <= CFG.stacks_answer_seconds - waited
+
+
+def test_a_stalled_rollout_that_does_not_answer_is_ended_and_the_event_says_so():
+    rows, procs = running(rollouts=1)
+    asked(doing(rows[1], "task 5.0", since=61.0), CFG.stacks_answer_seconds + 1.0)
+    p = run_plan(rows, procs, prev=status("Running", stepSeconds=2.0))
+    assert kinds(p) == ["EndWorker", "Stop"]
+    message = p.actions[0].event.message
+    assert "its stacks are in its log" not in message
+    assert message.endswith(
+        f"; it did not write its stacks within {CFG.stacks_answer_seconds:g} s of being asked; relaunching it"
+    )
+
+
+def test_a_request_from_an_earlier_stall_is_not_taken_for_an_answer_about_this_one():
+    rows, procs = running(rollouts=1)
+    asked(doing(rows[1], "task 6.0", since=61.0), 70.0, written=69.0)  # asked during task 5.0, which ended
+    p = run_plan(rows, procs, prev=status("Running", stepSeconds=2.0))
+    assert kinds(p) == ["DumpStacks"]
+
+
+def test_a_stalled_worker_that_comes_back_within_its_answer_time_is_left_alone():
+    rows, procs = running(rollouts=1)
+    asked(doing(rows[1], "task 6.0", since=1.0), 2.0, written=1.5)  # the stuck task 5.0 ended after all
+    p = run_plan(rows, procs, prev=status("Running", stepSeconds=2.0))
+    assert kinds(p) == []
 
 
 def test_a_worker_within_its_deadline_is_left_alone_and_the_pass_wakes_at_the_deadline():
@@ -93,11 +145,11 @@ def test_a_worker_within_its_deadline_is_left_alone_and_the_pass_wakes_at_the_de
 
 def test_the_actor_past_an_explicit_step_deadline_is_relaunched_after_the_backoff():
     rows, procs = running(rollouts=1)
-    doing(rows[0], "step 5", since=31.0)
+    asked(doing(rows[0], "step 5", since=31.0), 1.0, written=1.0)
     first = run_plan(
         rows, procs, prev=status("Running"), deadlines=dl.Deadlines(step_seconds=30.0), backoff_seconds=0.0
     )
-    assert kinds(first) == ["DumpStacks", "EndWorker", "Stop", "Launch"]
+    assert kinds(first) == ["EndWorker", "Stop", "Launch"]
     launch = first.actions[-1]
     assert isinstance(launch, Launch) and (launch.role, launch.restart) == ("actor", True)
     assert "StepDeadlineExceeded" in launch.event.message
@@ -179,7 +231,7 @@ def test_deadlines_met(ended, last_step, want, reason):
 
 def test_a_stall_turns_deadlines_met_false_with_a_warning_and_a_later_step_heals_it():
     rows, procs = running(rollouts=1)
-    doing(rows[1], "task 5.0", since=61.0)
+    asked(doing(rows[1], "task 5.0", since=61.0), 1.0, written=1.0)
     first = run_plan(rows, procs, prev=status("Running", step=5, lastStepTime=iso(ago(70)), stepSeconds=2.0))
     met = next(c for c in first.status["conditions"] if c["type"] == "DeadlinesMet")
     assert (met["status"], met["reason"]) == ("False", "TaskDeadlineExceeded")

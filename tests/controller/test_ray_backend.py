@@ -126,6 +126,34 @@ def test_an_exit_code_is_listed_and_the_actor_freed(ray_cluster: RayCluster, mor
     assert backend.list("exits") == []
 
 
+STUCK = [
+    sys.executable,
+    "-c",
+    "import time\n"
+    "from mortal.workers.deadline import register_stack_dump\n"
+    "register_stack_dump()\n"
+    "def stuck_in_a_task():\n"
+    "    print('stuck', flush=True)\n"
+    "    time.sleep(600)\n"
+    "stuck_in_a_task()\n",
+]
+
+
+def test_a_workers_stacks_are_asked_for_through_its_actor(ray_cluster: RayCluster, mortal_home: Path) -> None:
+    """The controller cannot signal a process on another node; the worker's actor can (SIGUSR1, which the
+    worker answers as it does locally: every thread's stack in its log)."""
+    backend = RayBackend(home=mortal_home, command=STUCK)
+    handle = backend.launch(launch_of(mortal_home, "stacks", cpus=0.5, resources={"node_a": 0.1}))
+    log = paths.worker_log("stacks", "rollout", 0, 1)
+    wait_for(lambda: log.exists() and "stuck" in log.read_text(), 60, "the worker stuck in its task")
+    assert backend.dump_stacks(handle)
+    wait_for(lambda: "in stuck_in_a_task" in log.read_text(), 10, "the stuck frame in the worker's log")
+    assert processes_of(mortal_home), "asked for its stacks, the worker runs on"
+    backend.stop(handle, grace_seconds=0)
+    assert not backend.dump_stacks(handle), "no actor: nothing to signal"
+    assert not backend.dump_stacks("pid:42"), "not a Ray handle"
+
+
 def test_an_actor_waiting_for_resources_is_alive_and_stops_at_once(
     ray_cluster: RayCluster, mortal_home: Path
 ) -> None:

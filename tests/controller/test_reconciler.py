@@ -432,46 +432,99 @@ def test_the_newest_steps_metrics_are_read_once_per_step_and_judge_reward_health
 
 
 class StackDumpingBackend(MemoryBackend):
-    """Records what happened to each process, and the row's state when its stacks were asked for."""
+    """Records what happened to each process, and the row's state when its stacks were asked for; `signals`:
+    whether it can signal a process (local, Ray) or not (Modal)."""
 
-    def __init__(self, store):
+    def __init__(self, store, signals=True):
         super().__init__()
-        self.store, self.calls = store, []
+        self.store, self.calls, self.signals = store, [], signals
 
     def dump_stacks(self, handle):
         row = next(w for w in self.store.list_workers("r") if w.handle == handle)
         self.calls.append(("dump", row.role, row.state))
-        return True
+        return self.signals
 
     def stop(self, handle, grace_seconds=5.0):
         self.calls.append(("stop", handle, grace_seconds))
         super().stop(handle, grace_seconds)
 
 
+def _stalled_rollout(store, store_url, backend, config=FAST):
+    """A reconciler over `backend`, and the rollout of run r, reporting task 1.0 past its 1 s deadline."""
+    elector = LeaderElector(store, holder="me")
+    assert elector.try_acquire()
+    rec = Reconciler(store, store_url, elector, config, backends=lambda _: backend)
+    apply(store, rollout_replicas=1, spec={"deadlines": {"taskSeconds": 1}})
+    rec.reconcile("r")
+    rollout = next(w for w in store.list_workers("r") if w.role == "rollout")
+    ref = WorkerRef("r", "rollout", 0, rollout.incarnation)
+    store.heartbeat(ref, activity="task 1.0", activity_seconds=5.0)
+    rec._listings["local"].invalidate()
+    return rec, rollout, ref
+
+
+def _stall_events(store):
+    """The Warning the stall's end recorded (the DeadlinesMet condition's change has the same reason)."""
+    return [
+        e
+        for e in store.list_events("r")
+        if e.reason == "TaskDeadlineExceeded" and e.message.startswith("rollout-0 #")
+    ]
+
+
+def _row(store, worker_id):
+    return next(w for w in store.list_workers("r") if w.id == worker_id)
+
+
 def test_a_stalled_worker_has_its_stacks_asked_for_while_its_row_is_live_then_is_ended_and_stopped(
     store, store_url, mortal_home
 ):
     backend = StackDumpingBackend(store)
-    elector = LeaderElector(store, holder="me")
-    assert elector.try_acquire()
-    rec = Reconciler(store, store_url, elector, FAST, backends=lambda _: backend)
-    apply(store, rollout_replicas=1, spec={"deadlines": {"taskSeconds": 1}})
+    rec, rollout, _ = _stalled_rollout(store, store_url, backend)
+    assert rec.reconcile("r") == RequeueAfter(0.0)  # signalled: its stacks are written, end it at once
+    assert backend.calls == [("dump", "rollout", "Running")]  # before the row is ended (its heartbeat fenced)
+    asked = _row(store, rollout.id)
+    assert asked.state == "Running" and asked.stacks_asked_at == asked.stacks_written_at is not None
     rec.reconcile("r")
-    rollout = next(w for w in store.list_workers("r") if w.role == "rollout")
-    store.heartbeat(
-        WorkerRef("r", "rollout", 0, rollout.incarnation), activity="task 1.0", activity_seconds=5.0
-    )
-    rec._listings["local"].invalidate()
-    rec.reconcile("r")
-    assert backend.calls[0] == (
-        "dump",
-        "rollout",
-        "Running",
-    )  # before the row is ended (its heartbeat then fenced)
     assert [c[0] for c in backend.calls] == ["dump", "stop"]
-    ended = next(w for w in store.list_workers("r") if w.id == rollout.id)
+    ended = _row(store, rollout.id)
     # at least the 5 s the heartbeat reported; more when the pass comes later (a loaded machine)
     assert ended.state == "Failed" and re.match(
         r"TaskDeadlineExceeded: task 1\.0 has run \d+ s", ended.message
     )
-    assert any(e.reason == "TaskDeadlineExceeded" and e.type == "Warning" for e in store.list_events("r"))
+    [warned] = _stall_events(store)
+    assert warned.type == "Warning" and "; its stacks are in its log; relaunching it" in warned.message
+
+
+def test_a_worker_its_backend_cannot_signal_is_asked_through_the_store_and_ended_once_it_answered(
+    store, store_url, mortal_home
+):
+    backend = StackDumpingBackend(store, signals=False)
+    rec, rollout, ref = _stalled_rollout(store, store_url, backend)
+    rec.reconcile("r")
+    asked = _row(store, rollout.id)
+    assert (asked.state, asked.stacks_written_at) == ("Running", None) and asked.stacks_asked_at is not None
+    rec.reconcile("r")  # no answer yet: the worker is left running
+    assert [c[0] for c in backend.calls] == ["dump"] and _row(store, rollout.id).state == "Running"
+    row = store.heartbeat(ref, activity="task 1.0", activity_seconds=6.0)  # what the worker's heartbeat reads
+    assert row.stacks_asked_at == asked.stacks_asked_at and row.stacks_written_at is None
+    store.report_stacks(ref)  # the worker wrote them (mortal.workers.runtime)
+    rec.reconcile("r")
+    assert _row(store, rollout.id).state == "Failed" and [c[0] for c in backend.calls] == ["dump", "stop"]
+    [warned] = _stall_events(store)
+    assert "; its stacks are in its log; relaunching it" in warned.message
+
+
+def test_a_worker_that_does_not_answer_the_request_is_ended_after_a_while_and_the_event_says_so(
+    store, store_url, mortal_home
+):
+    config = dataclasses.replace(FAST, plan=dataclasses.replace(FAST.plan, stacks_answer_seconds=0.5))
+    rec, rollout, _ = _stalled_rollout(store, store_url, StackDumpingBackend(store, signals=False), config)
+    rec.reconcile("r")
+    assert _row(store, rollout.id).state == "Running"
+    time.sleep(0.6)
+    rec.reconcile("r")
+    assert _row(store, rollout.id).state == "Failed"
+    [warned] = _stall_events(store)
+    assert "its stacks are in its log" not in warned.message
+    assert "; it did not write its stacks within 0.5 s of being asked; relaunching it" in warned.message

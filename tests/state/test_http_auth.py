@@ -11,7 +11,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from mortal.state.auth import (
     WorkerClaims,
     mint_worker_token,
 )
-from mortal.state.errors import Forbidden, Unauthorized
+from mortal.state.errors import Fenced, Forbidden, NotFound, Unauthorized
 from mortal.state.http_server import Served, make_app, previous_tokens_from, serve
 from mortal.state.http_store import HttpStore
 
@@ -134,6 +134,78 @@ def test_an_actor_token_does_the_actors_writes_for_its_run_only(served: Served, 
         )
     with pytest.raises(Forbidden):
         actor_a.add_event("b", "Normal", "Spoofed", "not my run")
+
+
+def _run_named_calls() -> dict[str, Callable[[HttpStore], object]]:
+    """Every call a worker token may make that names run `a` without a WorkerRef (the store fences those)."""
+    return {
+        "get_run": lambda s: s.get_run("a"),
+        "list_workers": lambda s: s.list_workers("a"),
+        "list_checkpoints": lambda s: s.list_checkpoints("a"),
+        "latest_checkpoint": lambda s: s.latest_checkpoint("a"),
+        "latest_weights": lambda s: s.latest_weights("a"),
+        "list_weights": lambda s: s.list_weights("a"),
+        "list_events": lambda s: s.list_events("a"),
+        "list_metrics": lambda s: s.list_metrics("a"),
+        "list_completions": lambda s: s.list_completions("a"),
+        "completion_steps": lambda s: s.completion_steps("a"),
+        "step_results": lambda s: s.step_results("a", 0),
+        "step_states": lambda s: s.step_states("a", 0),
+        "add_event": lambda s: s.add_event("a", "Warning", "Spoofed", "from the deleted run's worker"),
+    }
+
+
+def test_the_run_named_calls_are_every_worker_call_without_a_worker_argument() -> None:
+    named = {m for m in ACTOR_CALLS if "worker" not in wire.methods()[m].signature.parameters}
+    assert named == set(_run_named_calls())
+
+
+def test_a_token_of_a_deleted_run_is_refused_by_the_run_applied_again_under_its_name(
+    served: Served, admin: HttpStore, tmp_path: Path
+) -> None:
+    """A run deleted and applied again gets a new uid and counts its incarnations from 1 again: the leftover
+    actor of the first (its token still valid) has the new actor's very slot and incarnation, and names the
+    run as the new one does. Its token's run uid tells them apart on every call, those naming the run only
+    included."""
+    admin.apply_run("a", SPEC)
+    first = admin.get_run("a").uid
+    row = admin.create_worker("a", "actor", 0, "local", 30)
+    ref = WorkerRef("a", "actor", 0, row.incarnation)
+    old = HttpStore(served.url, token=mint_worker_token(ADMIN, ref, run_uid=first), retry_seconds=2)
+    for call in _run_named_calls().values():
+        call(old)  # all allowed while its run lives
+    old.publish_weights(ref, 1, 1, "/w/1")
+    admin.end_worker(row.id, "Stopped")
+    admin.mark_deleted("a", purge=True)
+    admin.purge_run("a")
+    for name, call in _run_named_calls().items():
+        gone = NotFound if name == "get_run" else Forbidden  # the store's answer comes first: nothing to see
+        with pytest.raises(gone, match="not found|which was deleted; no run of that name exists now"):
+            call(old)
+
+    admin.apply_run("a", SPEC)
+    second = admin.get_run("a").uid
+    row = admin.create_worker("a", "actor", 0, "local", 30)
+    assert second != first and WorkerRef("a", "actor", 0, row.incarnation) == ref, "the same slot, anew"
+    new = HttpStore(served.url, token=mint_worker_token(ADMIN, ref, run_uid=second), retry_seconds=2)
+    new.heartbeat(ref)
+    new.publish_weights(ref, 1, 1, "/w/new")
+    for call in _run_named_calls().values():
+        with pytest.raises(Forbidden, match=f"of uid {first}, which was deleted; .* now has uid {second}"):
+            call(old)
+    with pytest.raises(Fenced, match="launched for an earlier run named 'a'"):
+        old.heartbeat(ref)  # a WorkerRef call: the store fences it by the token's uid, as before
+    assert admin.list_events("a") == [], "the deleted run's worker wrote nothing into the new run"
+    for call in _run_named_calls().values():
+        call(new)  # the current run's token works
+    assert new.get_run("a").uid == second and new.latest_weights("a").path == "/w/new"
+    assert len(admin.list_events("a")) == 1
+    # a token minted before tokens carried a run uid keeps the name check alone
+    assert as_worker(served, ref).latest_weights("a").path == "/w/new"
+    calls = [json.loads(line) for line in (tmp_path / "access.log").read_text().splitlines()]
+    refused = [c for c in calls if c["status"] == 403]
+    assert len(refused) == 2 * len(_run_named_calls()) - 1  # all but get_run of the purged run (NotFound)
+    assert {(c["who"], c["run"]) for c in refused} == {("worker:a/actor-0#1", "a")}
 
 
 def test_forged_expired_and_rotated_tokens(

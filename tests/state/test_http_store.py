@@ -260,11 +260,11 @@ def unavailable_at_first(served: Served, monkeypatch: pytest.MonkeyPatch, times:
     calls: list[str] = []
     real = served.app._call
 
-    def call(method: wire.Method, kwargs: dict) -> tuple[int, dict]:
+    def call(method: wire.Method, kwargs: dict, *who: object) -> tuple[int, dict]:
         calls.append(method.name)
         if len(calls) <= times:
             return 503, {"error": {"type": "Unavailable", "message": "starting up"}}
-        return real(method, kwargs)
+        return real(method, kwargs, *who)
 
     monkeypatch.setattr(served.app, "_call", call)
     return calls

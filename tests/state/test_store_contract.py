@@ -147,9 +147,12 @@ def test_delete_then_purge(store: Store, run: str) -> None:
     with pytest.raises(Conflict):
         store.create_worker(run, "rollout", 0, "local", 10)
 
+    uid = store.get_run(run).uid
+    assert store.run_uid(run) == uid and store.run_uid("other") == store.get_run("other").uid != uid
     store.purge_run(run)
     with pytest.raises(NotFound):
         store.get_run(run)
+    assert store.run_uid(run) is None
     assert store.list_workers(run) == [] and store.list_events(run) == []
     assert (
         store.list_metrics(run) == [] and store.list_checkpoints(run) == [] and store.list_weights(run) == []
@@ -158,6 +161,7 @@ def test_delete_then_purge(store: Store, run: str) -> None:
     assert [e.message for e in store.list_events("other")] == ["kept"]
     row, outcome = store.apply_run(run, SPEC)
     assert outcome is ApplyOutcome.created and row.generation == 1
+    assert store.run_uid(run) == row.uid != uid, "a run applied again under its name has a new uid"
 
 
 # -- workers and fencing -------------------------------------------------------------------------
@@ -195,6 +199,39 @@ def test_heartbeat_carries_what_the_worker_is_doing_since_when_on_the_stores_clo
     for odd in (-5.0, 1e12):  # a worker's number is bounded, never an error (NaN: test_activity_age)
         row = store.heartbeat(ref, activity="step 2", activity_seconds=odd)
         assert row.activity_since <= row.heartbeat_at
+
+
+def test_a_request_for_a_workers_stacks_is_read_back_by_its_heartbeat_and_answered_once(
+    store: Store, run: str
+) -> None:
+    ref = _worker(store, run, "rollout")
+    worker_id = _row_id(store, ref)
+    idle = store.heartbeat(ref)
+    assert (idle.stacks_asked_at, idle.stacks_written_at) == (None, None)
+    assert store.report_stacks(ref).stacks_written_at is None, "an answer nobody asked for is no answer"
+    asked = store.request_stacks(worker_id)
+    assert asked.stacks_asked_at is not None and asked.stacks_written_at is None
+    beat = store.heartbeat(ref, activity="task 1.0", activity_seconds=90.0)
+    assert (beat.stacks_asked_at, beat.stacks_written_at) == (asked.stacks_asked_at, None)
+    answered = store.report_stacks(ref)
+    assert answered.stacks_written_at >= answered.stacks_asked_at
+    assert store.report_stacks(ref).stacks_written_at == answered.stacks_written_at, "once per request"
+    again = store.request_stacks(worker_id)  # a new request forgets the answer to the last one
+    assert again.stacks_asked_at >= answered.stacks_asked_at and again.stacks_written_at is None
+    signalled = store.request_stacks(worker_id, written=True)  # the backend signalled the process itself
+    assert signalled.stacks_written_at == signalled.stacks_asked_at is not None
+    listed = next(w for w in store.list_workers(run) if w.id == worker_id)
+    assert (listed.stacks_asked_at, listed.stacks_written_at) == (
+        signalled.stacks_asked_at,
+        signalled.stacks_written_at,
+    )
+    store.end_worker(worker_id, "Failed", message="TaskDeadlineExceeded: task 1.0 has run 90 s")
+    with pytest.raises(Fenced):
+        store.report_stacks(ref)
+    ended = store.request_stacks(worker_id)
+    assert (ended.state, ended.stacks_asked_at) == ("Failed", signalled.stacks_asked_at), "an ended row stays"
+    with pytest.raises(NotFound):
+        store.request_stacks(10**9)
 
 
 @pytest.mark.parametrize(

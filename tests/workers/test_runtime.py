@@ -245,6 +245,48 @@ def test_the_heartbeat_says_what_the_worker_is_doing_and_for_how_long(store: Sto
     assert idle.activity is None
 
 
+STACKS = "--- stacks of every thread: the controller asked for them"
+
+
+def stuck_in_a_task(store: Store, worker_id: int) -> None:
+    """The workload's thread, stuck (until the heartbeat thread answered the request for its stacks)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if next(w for w in store.list_workers("asked") if w.id == worker_id).stacks_written_at is not None:
+            return
+        time.sleep(0.02)
+
+
+def test_the_heartbeat_thread_answers_the_controllers_request_for_stacks_once(store: Store, capfd) -> None:
+    """On a backend that cannot signal the process (Modal), the request goes through the store: the heartbeat
+    reads it back, the heartbeat thread writes every thread's stack (the stuck one's too), and reports it."""
+    run = simulated_run("asked")
+    store.apply_run(run.name, run.spec_dict(), annotations=run.metadata.annotations)
+    row = store.create_worker(run.name, "rollout", 0, "local", lease_seconds=10.0)
+    ref = WorkerRef("asked", "rollout", 0, row.incarnation)
+    ctx = WorkerContext(store, ref, run, heartbeat_seconds=0.05)
+    ctx.start()
+    try:
+        with ctx.activity("task 2.0"):
+            time.sleep(0.2)
+            assert STACKS not in capfd.readouterr().err  # not asked: nothing written
+            store.request_stacks(row.id)
+            stuck_in_a_task(store, row.id)
+        answered = next(w for w in store.list_workers("asked") if w.id == row.id)
+        err = capfd.readouterr().err
+        assert answered.stacks_written_at is not None
+        assert answered.stacks_written_at >= answered.stacks_asked_at
+        assert f"{STACKS} (this worker was doing task 2.0 for " in err
+        assert "in stuck_in_a_task" in err  # the stuck thread's frame, named
+        time.sleep(0.3)  # more heartbeats read the same, answered request
+        assert STACKS not in capfd.readouterr().err
+        store.request_stacks(row.id)  # a new request is answered again
+        stuck_in_a_task(store, row.id)
+        assert f"{STACKS} (this worker was doing nothing)" in capfd.readouterr().err
+    finally:
+        ctx.close()
+
+
 @sqlite_only
 def test_the_controllers_memory_choice_in_the_environment_is_the_workers_spec(store: Store) -> None:
     """MORTAL_MICRO_BATCH_SIZE (mortal.specs.memory, set by the controller after an
