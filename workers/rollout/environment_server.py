@@ -58,6 +58,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024  # one request or answer: a dataset row for res
 MAX_SESSIONS = 4096
 SESSION_IDLE_SECONDS = 3600.0
 MAX_CALL_SECONDS = 3600.0  # the longest deadline a client may ask for
+IDLE_SECONDS = 120.0
 PREFIX = "/v1/sessions/"
 
 
@@ -267,6 +268,7 @@ class Handler(BaseHTTPRequestHandler):
     """HTTP/1.1 with keep-alive; every answer is JSON with a Content-Length."""
 
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_SECONDS  # a connection that sends nothing this long is closed (its thread freed)
     server: EnvironmentHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- BaseHTTPRequestHandler's name

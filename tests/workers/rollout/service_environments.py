@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import signal
 import time
 from typing import Any, Literal
 
@@ -20,7 +21,8 @@ class Colour(enum.Enum):
 class Ledger:
     """A stateful environment: `reset` opens the row's account, `deposit` adds to it, `balance` reads it.
 
-    `hang` sleeps past any test deadline, `pid` says which process holds the instance, `fail` raises."""
+    `hang` sleeps past any test deadline, `pid` says which process holds the instance, `fail` raises, `crash`
+    kills its process (a reset for owner "crash" too)."""
 
     def __init__(self) -> None:
         self.total = 0
@@ -28,6 +30,8 @@ class Ledger:
         self.history: list[int] = []
 
     def reset(self, owner: str = "nobody", opening: int = 0, **row: Any) -> str:
+        if owner == "crash":  # a reset that kills its process every time
+            os.kill(os.getpid(), signal.SIGKILL)
         self.owner, self.total, self.history = owner, opening, []
         return f" (account of {owner})"
 
@@ -97,6 +101,15 @@ class Ledger:
             The pid.
         """
         return os.getpid()
+
+    def crash(self) -> str:
+        """Kill the environment's process.
+
+        Returns:
+            Never.
+        """
+        os.kill(os.getpid(), signal.SIGKILL)
+        return "unreachable"
 
     def fail(self, why: str) -> str:
         """Raise.
