@@ -31,6 +31,7 @@ from mortal.workers.rollout.environment_proxy import (
     EnvironmentLost,
     EnvironmentRaised,
     EnvironmentTimedOut,
+    EnvironmentUnreachable,
 )
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # as the server's default (mortal.workers.rollout.environment_server)
@@ -104,7 +105,7 @@ class HttpEnvironments:
         except ReadTimeoutError as exc:
             raise EnvironmentTimedOut(what, seconds) from exc
         except HTTPError as exc:
-            raise EnvironmentLost(
+            raise EnvironmentUnreachable(
                 f"the environment server at {self.url} is unreachable ({type(exc).__name__})"
             ) from exc
         try:

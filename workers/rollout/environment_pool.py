@@ -207,6 +207,8 @@ class ProcessPool:
             host.instances.add(iid)  # counted at once, so instances built together spread out
         with host.lock:
             try:
+                if self.closed:
+                    raise EnvironmentLost("the environment process pool is closed")
                 if not host.running:
                     host.start()
                 host.instances.add(iid)

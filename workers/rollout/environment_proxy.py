@@ -51,6 +51,11 @@ class EnvironmentLost(Exception):
     """The instance is gone: its process died or was killed, or the server does not know its session."""
 
 
+class EnvironmentUnreachable(EnvironmentLost):
+    """The environment server cannot be reached (refused, reset, no route): the worker is relaunched when a
+    reset meets it twice, rather than the run failed (mortal.workers.rollout.multiturn lets it through)."""
+
+
 class EnvironmentTimedOut(CallTimedOut):
     """A request ran past its deadline; the instance's process was killed (its other instances are lost)."""
 
@@ -143,7 +148,10 @@ class EnvironmentProxy:
                             len(self._mortal_log),
                         )
                         continue
-                    raise EnvironmentLost(
+                    again = (
+                        EnvironmentUnreachable if isinstance(exc, EnvironmentUnreachable) else EnvironmentLost
+                    )
+                    raise again(
                         f"{what}: the environment was lost again after it was rebuilt and replayed ({exc})"
                     ) from exc
                 except EnvironmentTimedOut:

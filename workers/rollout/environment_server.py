@@ -29,11 +29,13 @@ is checked or past its limit, call a private method or one that is not a tool, o
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import math
 import secrets
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -357,12 +359,35 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class EnvironmentHTTPServer(ThreadingHTTPServer):
+    """A thread per connection; `server_close` also ends the open (keep-alive) connections, so that a stopped
+    server answers nothing more."""
+
     daemon_threads = True
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], service: EnvironmentService) -> None:
         self.service = service
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
         super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._open_lock:
+            connections, self._open = list(self._open), set()
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
 
 def serve(

@@ -27,6 +27,7 @@ from mortal.specs.training import RolloutSpec
 from mortal.workers.rollout.environment_proxy import (
     EnvironmentLost,
     EnvironmentProxy,
+    EnvironmentUnreachable,
     ProxySettings,
     proxy_class_described,
     proxy_class_of,
@@ -210,15 +211,33 @@ def test_the_environment_reward_scores_proxies_of_its_class(pooled: Toolbox) -> 
 
 
 # -- over HTTP -------------------------------------------------------------------------------------------
+class _Served:
+    """An environment server on a thread of the test; `stop` ends it (as a crashed server host would)."""
+
+    def __init__(self) -> None:
+        self.server = serve([LEDGER], "127.0.0.1", 0, TOKEN, processes=1, max_body_bytes=64 * 1024)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.stopped = False
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.server.shutdown()
+            self.server.server_close()
+            self.server.service.close()
+
+
 @pytest.fixture
-def server() -> Iterator[str]:
-    served = serve([LEDGER], "127.0.0.1", 0, TOKEN, processes=1, max_body_bytes=64 * 1024)
-    thread = threading.Thread(target=served.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{served.server_address[1]}"
-    served.shutdown()
-    served.server_close()
-    served.service.close()
+def served() -> Iterator[_Served]:
+    running = _Served()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def server(served: _Served) -> str:
+    return served.url
 
 
 def test_a_served_environment_runs_end_to_end(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,6 +322,23 @@ def test_a_wrong_token_or_a_class_not_served_fails_the_run_at_start(
         Toolbox.from_spec(spec)
 
 
+def test_a_server_that_is_gone_fails_tool_calls_and_makes_a_reset_relaunch_the_worker(
+    served: _Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ENV_TOKEN", TOKEN)
+    box = Toolbox.from_spec(_rollout("http", url=served.url, tokenEnv="ENV_TOKEN"))
+    try:
+        [environment] = box.environments_for([None])
+        environment.reset(owner="ann")
+        served.stop()
+        outcome = box.call(box.tools_for(environment), _call("balance"))
+        assert outcome.failed and "is unreachable" in outcome.content
+        with pytest.raises(EnvironmentUnreachable, match="lost again"):
+            environment.reset(owner="bob")
+    finally:
+        box.close()
+
+
 # -- through the tool loop -------------------------------------------------------------------------------
 @pytest.mark.skipif(not assets_available(), reason="needs the test assets (SmolLM2's tokenizer)")
 def test_the_tool_loop_with_a_pooled_environment_gives_the_in_process_rollouts_and_rewards() -> None:
@@ -351,3 +387,31 @@ def test_the_tool_loop_with_a_pooled_environment_gives_the_in_process_rollouts_a
     pooled, here = run("processPool"), run("inProcess")
     assert pooled == here, "a pooled environment changed the rollouts"
     assert here[1] == [1.0] * 4 and all(r[3] == 2 for r in here[0])  # calculator, then submit: both ran
+
+
+@pytest.mark.skipif(not assets_available(), reason="needs the test assets (SmolLM2's tokenizer)")
+def test_the_tool_loop_lets_an_unreachable_server_relaunch_the_worker_but_fails_on_a_broken_reset() -> None:
+    from tool_helpers import ScriptedEngine, smollm2_tokenizer
+
+    from mortal.workers.errors import FatalWorkerError
+    from mortal.workers.messages import RolloutRequest
+    from mortal.workers.rollout.engines import GenerationParams
+    from mortal.workers.rollout.multiturn import MultiTurn
+
+    class Unreachable:
+        def reset(self, **row: Any) -> None:
+            raise EnvironmentUnreachable("the environment server at http://envs is unreachable")
+
+    class Broken(Unreachable):
+        def reset(self, **row: Any) -> None:
+            raise EnvironmentLost("its process died again")
+
+    tokenizer = smollm2_tokenizer()
+    request = RolloutRequest(
+        prompt=[{"role": "user", "content": "Task: plain."}], row={}, num_generations=1, seed=0
+    )
+    for environment, error in ((Unreachable, EnvironmentUnreachable), (Broken, FatalWorkerError)):
+        box = Toolbox(environments={None: environment})
+        loop = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5")
+        with pytest.raises(error):
+            loop.rollouts([request])
