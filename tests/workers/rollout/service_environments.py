@@ -138,3 +138,12 @@ class Broken:
 
     def reset(self, **row: Any) -> None:
         return None
+
+
+def served_elsewhere(
+    completions: list[Any], environments: list[Any] | None = None, **kwargs: Any
+) -> list[float]:
+    """A reward: 1.0 for a rollout whose environment is a proxy (it lives outside the rollout worker)."""
+    from mortal.workers.rollout.environment_proxy import EnvironmentProxy
+
+    return [float(isinstance(e, EnvironmentProxy)) for e in environments or [None] * len(completions)]

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -415,3 +416,64 @@ def test_the_tool_loop_lets_an_unreachable_server_relaunch_the_worker_but_fails_
         loop = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5")
         with pytest.raises(error):
             loop.rollouts([request])
+
+
+# -- a whole run -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(not assets_available(), reason="needs the test assets (SmolLM2's tokenizer)")
+def test_a_run_with_pooled_environments_trains_and_leaves_no_process_behind(
+    sqlite_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout worker (its whole main) builds the pool from the spec, the rollouts' environments live in
+    its children, get_reward scores through them, and the worker's end stops them."""
+    import psutil
+    from actor_helpers import actor_spec, create_run, worker_context
+    from rollout_helpers import make_tiny_model
+    from tool_helpers import ArithScript
+
+    from mortal.workers.actor import loop as actor
+    from mortal.workers.rollout import loop as rollout
+    from mortal.workers.runtime import EXIT_SUCCEEDED
+
+    monkeypatch.setattr(rollout, "select_engine", lambda *args, **kwargs: ArithScript)
+    arith = "mortal.workers.rollout.builtin_tools:ArithEnvironment"
+    spec = actor_spec(
+        str(make_tiny_model(tmp_path / "model")),
+        generation={"maxTokens": 160, "engine": "transformers"},
+        rollout={
+            "replicas": 1,
+            "tools": ["mortal.workers.rollout.builtin_tools:calculator"],
+            "environment": arith,
+            "environmentService": {"mode": "processPool", "processes": 2},
+            "chatTemplate": "qwen2_5",
+            "maxToolCallingIterations": 2,
+        },
+        rewards=[
+            {"function": "actor_helpers:parity_reward"},
+            {"env": "environment", "name": "ArithEnvironment", "args": {"class": arith}},
+            {"function": "service_environments:served_elsewhere", "weight": 0.0},
+        ],
+        algorithm={"numGenerations": 4, "batchSize": 8, "maxSteps": 2, "learningRate": 1e-2},
+        checkpoint={"every": 2, "keep": 1},
+    )
+    run = create_run(sqlite_store, "pooled", spec)
+    rollout_ctx = worker_context(sqlite_store, run, "rollout", 0)
+    exits: list[int] = []
+    worker = threading.Thread(target=lambda: exits.append(rollout.main(rollout_ctx)), daemon=True)
+    worker.start()
+    assert actor.main(worker_context(sqlite_store, run, "actor")) == EXIT_SUCCEEDED
+    rollout_ctx.stopping.set()
+    worker.join(timeout=60)
+    assert exits == [EXIT_SUCCEEDED]
+    metrics: dict[int, dict[str, float]] = {}
+    for row in sqlite_store.list_metrics("pooled"):
+        metrics.setdefault(row.step, {})[row.name] = row.value
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        assert metrics[step]["rewards/served_elsewhere/mean"] == 1.0
+        assert metrics[step]["rewards/ArithEnvironment/mean"] == 1.0  # submitted through a child
+        assert metrics[step]["tools/turns"] == 3.0 and metrics[step]["tools/failure_frequency"] == 0.0
+    hosts = [
+        p for p in psutil.Process().children(recursive=True) if "environment_host" in " ".join(p.cmdline())
+    ]
+    assert hosts == []
