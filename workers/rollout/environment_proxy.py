@@ -125,8 +125,10 @@ class EnvironmentProxy:
 
     def _mortal_invoke(self, op: str, payload: Any = None, seconds: float | None = None) -> Any:
         """One request on the remote instance (module docstring: replay, one retry, deadlines). `seconds`:
-        this request's deadline, where the caller has its own (an environment server's client)."""
+        the deadline of this request and of each step of a rebuild it needs, where the caller has its own
+        (an environment server, for its client's request)."""
         settings = self._mortal_settings
+        limit = seconds
         if seconds is None:
             seconds = settings.call_seconds if op == "call" else settings.reset_seconds
         what = _describe(type(self).__name__, op, payload)
@@ -135,7 +137,7 @@ class EnvironmentProxy:
                 self._mortal_log = []
             for attempt in (1, 2):
                 try:
-                    handle = self._mortal_instance()
+                    handle = self._mortal_instance(limit)
                     value = settings.backend.request(handle, op, payload, seconds, what)
                 except EnvironmentLost as exc:
                     self._mortal_release()
@@ -168,18 +170,21 @@ class EnvironmentProxy:
         if op in ("reset", "call"):
             self._mortal_log.append((op, payload))
 
-    def _mortal_instance(self, build_seconds: float | None = None) -> Any:
-        """The live remote instance: the current one, or a new one with the log replayed into it (built
-        within `build_seconds`, else resetTimeoutSeconds)."""
+    def _mortal_instance(self, seconds: float | None = None) -> Any:
+        """The live remote instance: the current one, or a new one with the log replayed into it (each step
+        within `seconds`, else within the settings' deadlines)."""
         settings = self._mortal_settings
         handle = self._mortal_handle
         if handle is not None and settings.backend.alive(handle):
             return handle
         self._mortal_release()
-        handle = settings.backend.create(settings.reference, build_seconds or settings.reset_seconds)
+        try:
+            handle = settings.backend.create(settings.reference, seconds or settings.reset_seconds)
+        except EnvironmentRaised as exc:  # refused before anything ran (a body over a server's limit)
+            raise EnvironmentBuildFailed(f"building {settings.reference}() was refused: {exc}") from exc
         for op, payload in self._mortal_log:
             what = "replaying " + _describe(type(self).__name__, op, payload)
-            limit = settings.call_seconds if op == "call" else settings.reset_seconds
+            limit = seconds or (settings.call_seconds if op == "call" else settings.reset_seconds)
             try:
                 settings.backend.request(handle, op, payload, limit, what)
             except EnvironmentRaised:

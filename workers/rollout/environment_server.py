@@ -156,7 +156,11 @@ class EnvironmentService:
                     503, f"the server holds {self.max_sessions} sessions, its limit (--max-sessions)"
                 )
         proxy = self.proxies[ref]()
-        built = _outcome(lambda: proxy._mortal_instance(seconds) and None)
+
+        def build() -> None:
+            proxy._mortal_instance(seconds)  # built now, so a constructor that raises answers this request
+
+        built = _outcome(build)
         if built["outcome"] != "ok":
             return built
         session = secrets.token_hex(16)
