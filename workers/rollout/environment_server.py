@@ -275,6 +275,8 @@ class Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     timeout = IDLE_SECONDS  # a connection that sends nothing this long is closed (its thread freed)
+    # headers and body are two writes: without TCP_NODELAY the body waits for the client's delayed ACK
+    disable_nagle_algorithm = True
     server: EnvironmentHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- BaseHTTPRequestHandler's name
