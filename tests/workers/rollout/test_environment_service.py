@@ -211,6 +211,24 @@ def test_the_environment_reward_scores_proxies_of_its_class(pooled: Toolbox) -> 
     assert EnvironmentReward("r", other, importable=False)(["a", "b"], environments) == [None, None]
 
 
+def test_a_dict_of_pooled_environments_shares_one_pool_and_each_reward_scores_its_class() -> None:
+    arith = "mortal.workers.rollout.builtin_tools:ArithEnvironment"
+    spec = RolloutSpec.model_validate(
+        {"environment": {"ledger": LEDGER, "arith": arith}, "environmentService": {"mode": "processPool"}}
+    )
+    box = Toolbox.from_spec(spec)
+    try:
+        ledger, sums = box.environments_for(["ledger", "arith"])
+        assert (type(ledger).__name__, type(sums).__name__) == ("Ledger", "ArithEnvironment")
+        ledger.reset(opening=3)
+        sums.reset(answer="2")
+        assert box.call(box.tools_for(sums), _call("submit", answer="2")).content == "submitted"
+        assert EnvironmentReward("l", LEDGER)(["a", "b"], [ledger, sums]) == [3.0, None]
+        assert EnvironmentReward("s", arith, importable=False)(["a", "b"], [ledger, sums]) == [None, 1.0]
+    finally:
+        box.close()
+
+
 # -- over HTTP -------------------------------------------------------------------------------------------
 class _Served:
     """An environment server on a thread of the test; `stop` ends it (as a crashed server host would)."""
