@@ -36,6 +36,7 @@ def only_issue(text: str, source: str = "run.yaml"):
     return caught.value.issues[0]
 
 
+SERVICE = "rollout:\n  environment: a:Env\n  environmentService:\n"
 CASES = [
     # (extra YAML, line offset from line 10, field path, message fragment)
     ("algorithm:\n  numGenerations: 1", 1, "spec.algorithm.numGenerations", "must be >= 2 (got 1)"),
@@ -229,55 +230,55 @@ CASES = [
         "must be < 1",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: sidecar",
+        SERVICE + "    mode: sidecar",
         3,
         "spec.rollout.environmentService.mode",
         "must be one of inProcess, processPool, http",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: http\n    tokenEnv: ENV_TOKEN",
+        SERVICE + "    mode: http\n    tokenEnv: ENV_TOKEN",
         2,
         "spec.rollout.environmentService.url",
         "mode http needs url",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: http\n    url: http://envs:8700",
+        SERVICE + "    mode: http\n    url: http://envs:8700",
         2,
         "spec.rollout.environmentService.tokenEnv",
         "mode http needs tokenEnv",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: http\n    url: ftp://envs\n    tokenEnv: T",
+        SERVICE + "    mode: http\n    url: ftp://envs\n    tokenEnv: T",
         4,
         "spec.rollout.environmentService.url",
         "must be an http:// or https:// URL",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: http\n    url: http://envs\n    tokenEnv: my-token=abc",
+        SERVICE + "    mode: http\n    url: http://envs\n    tokenEnv: my-token=abc",
         5,
         "spec.rollout.environmentService.tokenEnv",
         "must be the NAME of an environment variable",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: http\n    url: http://envs\n    tokenEnv: ENV_TOKEN",
+        SERVICE + "    mode: http\n    url: http://envs\n    tokenEnv: ENV_TOKEN",
         5,
         "spec.rollout.environmentService.tokenEnv",
         "tokenEnv ENV_TOKEN must be listed in spec.secrets",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: processPool\n    url: http://envs",
+        SERVICE + "    mode: processPool\n    url: http://envs",
         4,
         "spec.rollout.environmentService.url",
         "url applies to mode http (the mode is processPool)",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    processes: 4",
+        SERVICE + "    processes: 4",
         3,
         "spec.rollout.environmentService.processes",
         "processes applies to mode processPool",
     ),
     (
-        "rollout:\n  environment: a:Env\n  environmentService:\n    mode: processPool\n    processes: 0",
+        SERVICE + "    mode: processPool\n    processes: 0",
         4,
         "spec.rollout.environmentService.processes",
         "must be >= 1",
