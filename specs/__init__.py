@@ -31,6 +31,7 @@ from mortal.specs.status import (
     ReplicaStatus,
     RunStatus,
 )
+from mortal.specs.tools import EnvironmentServiceSpec
 from mortal.specs.training import (
     LOSS_TYPES,
     ActorSpec,
@@ -65,6 +66,7 @@ __all__ = [
     "Condition",
     "DatasetSpec",
     "Duration",
+    "EnvironmentServiceSpec",
     "GenerationSpec",
     "LimitsSpec",
     "LoggingSpec",

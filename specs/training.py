@@ -17,7 +17,7 @@ from mortal.specs.deadlines import DeadlinesSpec
 from mortal.specs.limits import LimitsSpec
 from mortal.specs.ray import RaySpec
 from mortal.specs.rewards import ENV_VAR, RewardSpec
-from mortal.specs.tools import check_environment, check_tools
+from mortal.specs.tools import EnvironmentServiceSpec, check_environment, check_tools
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo")
 # The first API's weight_sync_method names (MortalTrainer's), accepted in spec.sync.method: what each becomes.
@@ -346,6 +346,12 @@ class RolloutSpec(SpecModel):
         description="TRL's environment_factory: a class 'module:Class' built once per rollout, whose "
         "reset(**row) runs before each generation and whose public methods are tools. A dict {name: "
         "'module:Class'} lets the dataset's environment column pick one per row.",
+    )
+    environment_service: EnvironmentServiceSpec = Field(
+        default_factory=EnvironmentServiceSpec,
+        description="Where environment instances run: in the rollout worker (inProcess, the default), in "
+        "child processes that are replaced when they die or hang (processPool), or on an environment server "
+        "(http).",
     )
     max_tool_calling_iterations: int | None = Field(
         None,
@@ -869,6 +875,19 @@ class TrainingSpec(SpecModel):
                     "rollout.environment, or drop it",
                     f"rollout.{key}",
                 )
+        service = rollout.environment_service
+        if service.mode != "inProcess" and rollout.environment is None:
+            raise rule_error(
+                f"rollout.environmentService mode {service.mode} hosts rollout.environment's instances: set "
+                "rollout.environment ('module:Class'), or drop environmentService",
+                "rollout.environmentService.mode",
+            )
+        if service.token_env is not None and service.token_env not in self.secrets:
+            raise rule_error(
+                f"rollout.environmentService.tokenEnv {service.token_env} must be listed in spec.secrets, "
+                "so the rollout workers get the token",
+                "rollout.environmentService.tokenEnv",
+            )
         for i, entry in enumerate(self.rewards):
             if entry.env == "environment" and self.rollout.environment is None:
                 raise rule_error(

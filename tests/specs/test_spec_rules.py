@@ -36,6 +36,7 @@ def only_issue(text: str, source: str = "run.yaml"):
     return caught.value.issues[0]
 
 
+SERVICE = "rollout:\n  environment: a:Env\n  environmentService:\n"
 CASES = [
     # (extra YAML, line offset from line 10, field path, message fragment)
     ("algorithm:\n  numGenerations: 1", 1, "spec.algorithm.numGenerations", "must be >= 2 (got 1)"),
@@ -227,6 +228,66 @@ CASES = [
         2,
         "spec.rollout.gpuMemoryUtilization",
         "must be < 1",
+    ),
+    (
+        SERVICE + "    mode: sidecar",
+        3,
+        "spec.rollout.environmentService.mode",
+        "must be one of inProcess, processPool, http",
+    ),
+    (
+        SERVICE + "    mode: http\n    tokenEnv: ENV_TOKEN",
+        2,
+        "spec.rollout.environmentService.url",
+        "mode http needs url",
+    ),
+    (
+        SERVICE + "    mode: http\n    url: http://envs:8700",
+        2,
+        "spec.rollout.environmentService.tokenEnv",
+        "mode http needs tokenEnv",
+    ),
+    (
+        SERVICE + "    mode: http\n    url: ftp://envs\n    tokenEnv: T",
+        4,
+        "spec.rollout.environmentService.url",
+        "must be an http:// or https:// URL",
+    ),
+    (
+        SERVICE + "    mode: http\n    url: http://envs\n    tokenEnv: my-token=abc",
+        5,
+        "spec.rollout.environmentService.tokenEnv",
+        "must be the NAME of an environment variable",
+    ),
+    (
+        SERVICE + "    mode: http\n    url: http://envs\n    tokenEnv: ENV_TOKEN",
+        5,
+        "spec.rollout.environmentService.tokenEnv",
+        "tokenEnv ENV_TOKEN must be listed in spec.secrets",
+    ),
+    (
+        SERVICE + "    mode: processPool\n    url: http://envs",
+        4,
+        "spec.rollout.environmentService.url",
+        "url applies to mode http (the mode is processPool)",
+    ),
+    (
+        SERVICE + "    processes: 4",
+        3,
+        "spec.rollout.environmentService.processes",
+        "processes applies to mode processPool",
+    ),
+    (
+        SERVICE + "    mode: processPool\n    processes: 0",
+        4,
+        "spec.rollout.environmentService.processes",
+        "must be >= 1",
+    ),
+    (
+        "rollout:\n  tools: ['a:add']\n  environmentService: {mode: processPool}",
+        2,
+        "spec.rollout.environmentService.mode",
+        "hosts rollout.environment's instances: set rollout.environment",
     ),
 ]
 

@@ -131,12 +131,21 @@ def _apply_sandbox_spec(env: RewardEnvironment, entry: RewardSpec) -> None:
         env.sandbox_config = replace(env.sandbox_config, **changes)
 
 
-def load_reward(entry: RewardSpec, index: int, name: str, run_dir: Path | None = None) -> LoadedReward:
-    """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory)."""
+def load_reward(
+    entry: RewardSpec,
+    index: int,
+    name: str,
+    run_dir: Path | None = None,
+    environment_classes_importable: bool = True,
+) -> LoadedReward:
+    """One spec entry -> a callable reward (a class is constructed with `args`, an env by the factory).
+
+    `environment_classes_importable` False: rollout.environment is served over http, so `env: environment`'s
+    args.class is matched by reference rather than imported here."""
     if entry.env == "environment":
         from mortal.workers.rollout.tools import EnvironmentReward
 
-        reward = EnvironmentReward(name, entry.args.get("class"))
+        reward = EnvironmentReward(name, entry.args.get("class"), environment_classes_importable)
         return LoadedReward(
             name=name,
             ref=f"spec.rewards[{index}].env 'environment'",
@@ -259,14 +268,22 @@ class RewardSet:
 
     @classmethod
     def from_spec(
-        cls, entries: list[RewardSpec], max_steps: int = 0, run_dir: Path | None = None
+        cls,
+        entries: list[RewardSpec],
+        max_steps: int = 0,
+        run_dir: Path | None = None,
+        environment_classes_importable: bool = True,
     ) -> RewardSet:
-        """`run_dir`: the run's folder, where `cache: sqlite` keeps rewards.cache.sqlite."""
+        """`run_dir`: the run's folder, where `cache: sqlite` keeps rewards.cache.sqlite;
+        `environment_classes_importable`: load_reward's."""
         if not entries:
             raise FatalWorkerError("RewardNotFound", "spec.rewards is empty; GRPO needs at least one reward")
         names = reward_names(entries)
         return cls(
-            [load_reward(e, i, n, run_dir) for i, (e, n) in enumerate(zip(entries, names, strict=True))],
+            [
+                load_reward(e, i, n, run_dir, environment_classes_importable)
+                for i, (e, n) in enumerate(zip(entries, names, strict=True))
+            ],
             max_steps,
         )
 

@@ -344,7 +344,12 @@ def build(ctx: WorkerContext) -> RolloutWorker:
     went elsewhere than the load, and a start is only made shorter where it is known to go."""
     spec = ctx.run.spec
     phases = Phases()
-    rewards = RewardSet.from_spec(spec.rewards, max_steps=spec.algorithm.max_steps, run_dir=ctx.run_dir)
+    rewards = RewardSet.from_spec(
+        spec.rewards,
+        max_steps=spec.algorithm.max_steps,
+        run_dir=ctx.run_dir,
+        environment_classes_importable=spec.rollout.environment_service.mode != "http",
+    )
     rewards.on_timeout = lambda timeout: ctx.warn("RewardTimeout", timeout.describe(ctx.name))
     toolbox = Toolbox.from_spec(spec.rollout) if spec.rollout.uses_tools else None
     if toolbox is not None:
@@ -407,4 +412,6 @@ def main(ctx: WorkerContext) -> int:
             worker.run()
     finally:
         worker.engine.close()
+        if worker.multiturn is not None:
+            worker.multiturn.toolbox.close()  # environment processes or server sessions, where there are any
     return EXIT_SUCCEEDED

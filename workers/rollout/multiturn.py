@@ -33,6 +33,7 @@ from mortal.workers import schedule
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.engines import Engine, GenerationParams
+from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
 from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome
 
 
@@ -256,6 +257,8 @@ class MultiTurn:
             if environment is not None:
                 try:
                     observation = environment.reset(**reset_row)
+                except EnvironmentUnreachable:  # environmentService http: its server is down: relaunch
+                    raise
                 except Exception as exc:  # the user's environment is broken: fail the run with its reason
                     raise FatalWorkerError(
                         "EnvironmentFailed",

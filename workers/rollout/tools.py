@@ -9,6 +9,11 @@ rollout's tools; a tool's result becomes str(result), and one that raises or is 
 {'error': message} and counts as a failure. mortal adds a deadline per call (mortal.workers.deadline: a hung
 tool keeps its thread, never the rollout), and calls different rollouts' tools at once (`call_each`, each
 rollout's own in order; standalone tools, maybe not written for threads, one call at a time).
+Where environment instances live is spec.rollout.environmentService's: in this process (inProcess, TRL's
+way), or elsewhere behind proxies (mortal.workers.rollout.environment_proxy) that stand in for the class:
+child processes (processPool: mortal.workers.rollout.environment_pool) or an environment server (http:
+mortal.workers.rollout.environment_client). A proxy's methods keep their own deadline (a process can be
+killed, a thread cannot), so they are called directly rather than on an abandoned thread.
 What it must not do: run model-written code itself (that goes through the reward sandbox), or let a broken
 reference look like a retryable crash (FatalWorkerError).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +33,14 @@ from typing import Any
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rollout.environment_proxy import (
+    EnvironmentProxy,
+    ProxySettings,
+    own_deadline,
+    proxy_class_of,
+)
+from mortal.workers.rollout.environment_schema import NOT_TOOLS
 
-NOT_TOOLS = ("reset", "get_reward")
 # Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
 CONCURRENT_ROLLOUTS = 16
@@ -74,6 +86,7 @@ class Toolbox:
     """The run's standalone tools and environment classes (by name; None is the single unnamed one)."""
 
     tools: list[Callable[..., Any]] = field(default_factory=list)
+    # the class, or its proxy class (environmentService processPool or http)
     environments: dict[str | None, type] = field(default_factory=dict)
     timeout_seconds: float = 30.0
     max_iterations: int | None = None
@@ -84,6 +97,8 @@ class Toolbox:
     on_timeout: Callable[[str], None] | None = None
     # tool -> when it was last told: one a minute at most
     _told: dict[str, float] = field(default_factory=dict)
+    # where proxied instances live (environment_pool.ProcessPool, environment_client.HttpEnvironments)
+    service: Any = None
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
@@ -96,12 +111,20 @@ class Toolbox:
                 )
         refs = rollout.environment
         named = {} if refs is None else {None: refs} if isinstance(refs, str) else dict(refs)
-        environments = {name: _import(ref, "spec.rollout.environment:") for name, ref in named.items()}
+        mode = rollout.environment_service.mode
+        service: Any = None
+        if mode == "http" and named:
+            service, environments = _served_environments(rollout, named)
+        else:
+            environments = {name: _import(ref, "spec.rollout.environment:") for name, ref in named.items()}
+            if mode == "processPool" and named:
+                service, environments = _pooled_environments(rollout, named, environments)
         box = cls(
             tools=tools,
             environments=environments,
             timeout_seconds=rollout.tool_timeout_seconds,
             max_iterations=rollout.max_tool_calling_iterations,
+            service=service,
         )
         for name, factory in environments.items():
             probe = box._build(name, factory)
@@ -113,13 +136,25 @@ class Toolbox:
             box._pool[name] = [probe]
         return box
 
+    def close(self) -> None:
+        """Drop the proxied instances and stop their processes (nothing to do in process)."""
+        for pool in self._pool.values():
+            for environment in pool:
+                if isinstance(environment, EnvironmentProxy):
+                    environment._mortal_release()
+        if self.service is not None:
+            self.service.close()
+
     @property
     def multi_environment(self) -> bool:
         return bool(self.environments) and None not in self.environments
 
     def _build(self, name: str | None, factory: type) -> Any:
         try:
-            return factory()
+            environment = factory()
+            if isinstance(environment, EnvironmentProxy):
+                environment._mortal_instance()  # built there now, so a broken class fails the run at once
+            return environment
         except Exception as exc:
             raise ToolLoadError(
                 f"spec.rollout.environment {name or ''}: building {factory.__name__}() failed: "
@@ -230,6 +265,17 @@ def run_with_timeout(
     """(result, None), or (None, the error message) when the tool raised or ran past `seconds` (then its
     stacks are in the log). TooManyAbandonedCalls passes through: the worker is to be relaunched."""
     name = getattr(tool, "__name__", "tool")
+    if own_deadline(tool):  # a proxy's method: its backend kills what runs past the deadline
+        try:
+            return tool(**arguments), None
+        except CallTimedOut:
+            if on_timeout is not None:
+                on_timeout(name, seconds)
+            return None, f"tool {name} timed out after {seconds:g} s"
+        except FatalWorkerError:  # the service refuses the worker (a wrong token): not the model's doing
+            raise
+        except Exception as exc:  # what the environment raised, or EnvironmentLost: the model reads it
+            return None, str(exc) or type(exc).__name__
 
     def invoke() -> Any:
         value = tool(**arguments)
@@ -256,9 +302,12 @@ class EnvironmentReward:
     get_reward is. Rollouts without an environment, or whose environment has none, score None.
     """
 
-    def __init__(self, name: str, class_ref: str | None = None) -> None:
+    def __init__(self, name: str, class_ref: str | None = None, importable: bool = True) -> None:
+        """`importable` False (environmentService http): the class need not be importable here; proxies
+        are matched by the reference they were built from."""
         self.__name__ = name
-        self.only = _import(class_ref, "spec.rewards[].args.class") if class_ref else None
+        self.only_ref = class_ref
+        self.only = _import(class_ref, "spec.rewards[].args.class") if class_ref and importable else None
         if self.only is not None and not callable(getattr(self.only, "get_reward", None)):
             raise ToolLoadError(f"spec.rewards {name!r}: {class_ref!r} has no get_reward() method")
 
@@ -270,10 +319,76 @@ class EnvironmentReward:
         return [self._one(e) for e in environments]
 
     def _one(self, environment: Any) -> Any:
-        if self.only is not None and type(environment) is not self.only:
+        if self.only_ref is not None and not self._scores(environment):
             return None
         get_reward = getattr(environment, "get_reward", None)
         if get_reward is None:
             return None
         value = get_reward()
         return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+    def _scores(self, environment: Any) -> bool:
+        """Whether `environment` is of args.class: the class itself, or a proxy of it (by its class where
+        the worker imported it, else by its reference)."""
+        if isinstance(environment, EnvironmentProxy):
+            proxied = environment._mortal_class
+            if proxied is not None and self.only is not None:
+                return proxied is self.only
+            return environment._mortal_settings.reference == self.only_ref
+        return type(environment) is self.only
+
+
+def _pooled_environments(
+    rollout: Any, named: dict[str | None, str], classes: dict[str | None, type]
+) -> tuple[Any, dict[str | None, type]]:
+    """environmentService processPool: a pool of child processes, and a proxy class per environment class."""
+    from mortal.workers.rollout.environment_pool import ProcessPool
+
+    service = rollout.environment_service
+    pool = ProcessPool(service.processes or min(CONCURRENT_ROLLOUTS, os.cpu_count() or 1))
+    return pool, {
+        name: proxy_class_of(
+            cls,
+            ProxySettings(
+                pool, named[name], "processPool", rollout.tool_timeout_seconds, service.reset_timeout_seconds
+            ),
+        )
+        for name, cls in classes.items()
+    }
+
+
+def _served_environments(rollout: Any, named: dict[str | None, str]) -> tuple[Any, dict[str | None, type]]:
+    """environmentService http: the server's client, and a proxy class per environment class, built from the
+    server's description (the class need not be importable here)."""
+    from mortal.workers.rollout.environment_client import EnvironmentServiceError, HttpEnvironments
+    from mortal.workers.rollout.environment_proxy import proxy_class_described
+    from mortal.workers.rollout.environment_schema import DescriptionError
+
+    service = rollout.environment_service
+    token = os.environ.get(service.token_env, "")
+    if not token:
+        raise ToolLoadError(
+            f"spec.rollout.environmentService.tokenEnv: ${service.token_env} is not set on the rollout "
+            "worker; list it in spec.secrets and set it where the controller runs"
+        )
+    client = HttpEnvironments(service.url, token)
+    try:
+        served = client.describe()
+        out = {}
+        for name, ref in named.items():
+            if ref not in served:
+                raise ToolLoadError(
+                    f"spec.rollout.environment: {ref!r} is not served by the environment server at "
+                    f"{service.url}; it serves {', '.join(sorted(served)) or 'nothing'}"
+                )
+            settings = ProxySettings(
+                client, ref, "http", rollout.tool_timeout_seconds, service.reset_timeout_seconds
+            )
+            out[name] = proxy_class_described(served[ref], settings)
+    except (EnvironmentServiceError, DescriptionError) as exc:
+        client.close()
+        raise ToolLoadError(f"spec.rollout.environmentService: {exc}") from exc
+    except ToolLoadError:
+        client.close()
+        raise
+    return client, out

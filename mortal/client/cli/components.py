@@ -314,7 +314,11 @@ def generate(
             "messages": messages,
         }
     if row is not None:
-        rewards = RewardSet.from_spec(run.spec.rewards, max_steps=run.spec.algorithm.max_steps)
+        rewards = RewardSet.from_spec(
+            run.spec.rewards,
+            max_steps=run.spec.algorithm.max_steps,
+            environment_classes_importable=run.spec.rollout.environment_service.mode != "http",
+        )
         scores = rewards.score(the_prompt, messages, ids, columns, environments=environments)
         result["rewards"] = scores
         result["weightedSums"] = [

@@ -25,6 +25,7 @@ from mortal.client.cli import (
     cp,
     dashboard,
     describe,
+    env,
     fork,
     get,
     lifecycle,
@@ -63,7 +64,7 @@ SECTIONS = {
     ),
     "Lineage": ("fork", "rollback"),
     "Trying parts of a run": ("test", "sandbox", "cp"),
-    "Operations": ("controller", "schema", "version"),
+    "Operations": ("controller", "env", "schema", "version"),
 }
 
 
@@ -185,6 +186,7 @@ lifecycle.register(app)
 ops.register(app)
 components.register(app)
 sandbox.register(app)
+env.register(app)
 cp.register(app)
 dashboard.register(app)
 fork.register(app)
