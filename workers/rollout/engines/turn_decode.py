@@ -11,10 +11,10 @@ The loop, per task:
   3. Every `sync_every` steps, one read-back: each frozen row's new turn is handed to `on_turn_end`, which
      returns a future of the tokens to feed in next (a tool result and the next turn's template), or None
      when the conversation is over. The row waits; the other rows keep decoding.
-  4. A finished future's tokens are written into the row's forced-token buffer: the next steps feed them in
-     one per step (their logprobs 0, never sampled) and the row samples again after the last, at the
-     position the conversation reached: no re-prefill of the history. A conversation that is over frees its
-     row for a waiting one.
+  4. A finished future's tokens are appended to the row in one eager forward with every other row resumed
+     at this check (right-padded to one width, each written at its own columns and seeing its own cache), and
+     the token after them sampled: nothing of the history is prefilled again, and the row decodes on with
+     the others. A conversation that is over frees its row for a waiting one.
   5. With no row decoding and futures outstanding, wait for the first to finish; the call ends when every
      conversation is over.
 Sampling: each row draws its noise from a counter-based hash of (its conversation's key, token index, token
@@ -35,6 +35,7 @@ import torch
 
 from mortal.workers.rollout.engines.base import OnTurnEnd
 from mortal.workers.rollout.engines.static_decode import (
+    AppendedTokens,
     DecodeState,
     PreparedShape,
     Prompts,
@@ -83,8 +84,7 @@ def conversation_key(seed: int) -> int:
 
 
 class TurnState(DecodeState):
-    """The single-turn state plus, per row: its noise key, the tokens to feed in at token indices (forced)
-    and the index they stop at (forced_until)."""
+    """The single-turn state plus each row's noise key (and the token ids' hashes the noise mixes in)."""
 
     def __init__(
         self,
@@ -97,13 +97,11 @@ class TurnState(DecodeState):
     ) -> None:
         super().__init__(rows, prompt_len, max_tokens, vocab, dtype, device)
         self.keys = torch.zeros(rows, dtype=torch.long, device=device)
-        self.forced = torch.zeros(rows, max_tokens + 1, dtype=torch.long, device=device)
-        self.forced_until = torch.zeros(rows, dtype=torch.long, device=device)
         self.vocab_hash = mix32(torch.arange(vocab, dtype=torch.long, device=device))
 
 
 class TurnStepper:
-    """The stepper (static_decode.Stepper) of conversations: frozen rows stay put, forced tokens are fed."""
+    """The stepper (static_decode.Stepper) of conversations: rows that ended a turn stay put."""
 
     kind = "turns"
 
@@ -138,15 +136,12 @@ class TurnStepper:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
-            sampled, logprob = hashed_sample(logits, sampling, state.keys, state.t, state.vocab_hash)
-            # 2. a forced token replaces the sampled one (logprob 0, never an end of turn)
+            token, logprob = hashed_sample(logits, sampling, state.keys, state.t, state.vocab_hash)
+            # 2. recorded at each row's t (a frozen row's lands past its conversation, never kept)
             at = state.t.clamp(max=max_tokens)[:, None]
-            forced = state.t < state.forced_until
-            token = torch.where(forced, state.forced.gather(1, at).squeeze(1), sampled)
-            logprob = torch.where(forced, torch.zeros_like(logprob), logprob)
             state.tokens.scatter_(1, at, token[:, None])
             state.logprobs.scatter_(1, at, logprob[:, None])
-            state.ended.logical_or_(state.stop[token] & ~forced & live)
+            state.ended.logical_or_(state.stop[token] & live)
             # 3. live rows move on
             state.last_token.copy_(torch.where(live[:, None], token[:, None], state.last_token))
             state.positions.add_(live.long()[:, None])
@@ -253,7 +248,6 @@ class TurnDecoder:
         state.stop.zero_()
         state.stop[[i for i in eos_ids if 0 <= i < decoder.vocab]] = True
         state.ended.fill_(True)  # rows without a conversation stay frozen
-        state.forced_until.zero_()
         prompts = Prompts(
             input_ids.to(decoder.device),
             attention_mask.to(decoder.device, torch.bool),
@@ -274,7 +268,7 @@ class TurnDecoder:
                 elif schedule.waiting:
                     stats.waits += 1
                     concurrent.futures.wait(schedule.waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-                self._take_answers(state, schedule, stats)
+                self._take_answers(shape, schedule, stats, sampling)
                 self._fill(shape, prompts, key_of, schedule.assign(), sampling)
         finally:
             for future in schedule.waiting:
@@ -303,21 +297,70 @@ class TurnDecoder:
             else:  # even at the budget's end: the caller decides (its tools run, as TRL's loop runs them)
                 schedule.park(row, future, stop)
 
-    def _take_answers(self, state: TurnState, schedule: TurnSchedule, stats: TurnStats) -> None:
-        """Step 4: finished futures' tokens fed into their rows (or the rows freed); exceptions raised."""
-        finished = [f for f in schedule.waiting if f.done()]
-        for future in finished:
+    def _take_answers(
+        self, shape: PreparedShape, schedule: TurnSchedule, stats: TurnStats, sampling: Sampling
+    ) -> None:
+        """Step 4: finished futures' tokens appended to their rows (or the rows freed); exceptions raised."""
+        state = shape.state
+        resumed = []
+        for future in [f for f in schedule.waiting if f.done()]:
             row = schedule.waiting.pop(future)
             fed = future.result()
             t = schedule.parked_at[row]  # a frozen row's t, as last read back
-            if not fed or t + len(fed) > state.max_tokens:
+            if not fed or t + len(fed) >= state.max_tokens:  # no room left to sample after them
                 stats.useful_tokens += t
                 schedule.release(row)
-                continue
-            state.forced[row, t : t + len(fed)] = torch.tensor(fed, device=state.forced.device)
-            state.forced_until[row] = t + len(fed)
-            state.ended[row] = False
-            schedule.resume(row, t + len(fed))
+            else:
+                resumed.append((row, t, list(fed)))
+        if resumed:
+            self._append(shape, resumed, sampling)
+            for row, t, fed in resumed:
+                schedule.resume(row, t + len(fed))
+
+    def _append(
+        self, shape: PreparedShape, resumed: list[tuple[int, int, list[int]]], sampling: Sampling
+    ) -> None:
+        """Eager, one forward for every (row, t, tokens) resumed: the row's last token (the end of its turn,
+        whose K/V no decode step may have written yet) and its new tokens, right-padded to one width, go into
+        the row's columns from P + t - 1 on, seeing the row's cache and each other causally. The token after
+        the new ones is sampled (noise index t + len) and the row decodes on from there."""
+        state: TurnState = shape.state  # type: ignore[assignment]
+        device, prompt_len = state.tokens.device, state.prompt_len
+        width = 1 + max(len(fed) for _, _, fed in resumed)
+        rows = torch.tensor([row for row, _, _ in resumed], device=device)
+        fed = torch.tensor([f + [0] * (width - 1 - len(f)) for _, _, f in resumed], device=device)
+        lengths = torch.tensor([len(f) for _, _, f in resumed], device=device)
+        t = torch.tensor([t for _, t, _ in resumed], device=device)
+        steps = torch.arange(width, device=device)
+        real = steps[None, :] <= lengths[:, None]
+        # padding's columns are clamped into the row (never written: `real` leaves them out)
+        columns = ((prompt_len + t - 1)[:, None] + steps[None, :]).clamp(max=state.mask.shape[-1] - 1)
+        shape.cache.writes.appended = AppendedTokens(rows, columns, real)
+        try:
+            logits = self.decoder.model(
+                input_ids=torch.cat([state.last_token[rows], fed], dim=1),
+                position_ids=state.positions[rows] + steps[None, :],
+                attention_mask=_append_mask(state, rows, columns, real),
+                past_key_values=shape.cache,
+                use_cache=True,
+            ).logits
+        finally:
+            shape.cache.writes.appended = None
+        after = t + lengths  # the sampled token's index
+        last = logits[torch.arange(len(resumed), device=device), lengths]
+        token, logprob = hashed_sample(last, sampling, state.keys[rows], after, state.vocab_hash)
+        new = real[:, 1:]
+        fed_rows = rows[:, None].expand(-1, width - 1)[new]
+        fed_at = (t[:, None] + steps[None, : width - 1])[new]
+        state.tokens[fed_rows, fed_at] = fed[new]
+        state.logprobs[fed_rows, fed_at] = 0.0
+        state.tokens[rows, after], state.logprobs[rows, after] = token, logprob
+        state.last_token[rows] = token[:, None]
+        state.positions[rows] += lengths[:, None] + 1
+        state.t[rows] = after + 1
+        state.ended[rows] = state.stop[token]
+        seen_rows = rows[:, None].expand_as(columns)[real]
+        state.mask[seen_rows, 0, 0, columns[real]] = 0.0
 
     def _fill(
         self,
@@ -341,5 +384,22 @@ class TurnDecoder:
         state.tokens[rows, 0], state.logprobs[rows, 0] = token, logprob
         state.last_token[rows] = token[:, None]
         state.t[rows] = 1
-        state.forced_until[rows] = 0
         state.ended[rows] = state.stop[token]
+
+
+def _append_mask(
+    state: TurnState, rows: torch.Tensor, columns: torch.Tensor, real: torch.Tensor
+) -> torch.Tensor:
+    """[k, 1, F, P + T] additive: what each row saw before its first new column (its decode mask), then its
+    new columns causally; a padding query sees what the row's last real one does (never an empty row)."""
+    seen = state.mask[rows, 0, 0] == 0  # [k, P + T]
+    every = torch.arange(seen.shape[-1], device=seen.device)
+    first = columns[:, :1]  # [k, 1]
+    before = seen & (every[None, :] < first)
+    last_real = torch.where(real, columns, first).amax(dim=1, keepdim=True)  # [k, 1]
+    upto = torch.minimum(columns, last_real)  # [k, F]
+    window = (every[None, None, :] >= first[:, :, None]) & (every[None, None, :] <= upto[:, :, None])
+    allowed = before[:, None, :] | window
+    blocked = torch.finfo(state.mask.dtype).min
+    additive = torch.zeros(allowed.shape, dtype=state.mask.dtype, device=seen.device)
+    return additive.masked_fill(~allowed, blocked)[:, None]

@@ -1,7 +1,8 @@
 """TurnDecoder: conversations across turns in the static decoder's rows, the KV cache kept between turns.
 
-A row whose turn ends waits with its cache; the tokens its future answers are fed in one per decode step
-and the row samples on from there, while the other rows decode. These tests run the eager step on the CPU
+A row whose turn ends waits with its cache; the tokens its future answers are appended to the row (one
+eager forward for the rows resumed together) and the row samples on from there, while the other rows
+decode. These tests run the eager step on the CPU
 with a tiny random-init model (frequent end-of-turn ids, so turns are short): every model token's logprob
 is that of one teacher-forced forward pass over the whole conversation (the cache holds exactly the
 conversation), greedy turns equal re-prefilling the history each turn, and a conversation's tokens do not
@@ -148,6 +149,8 @@ def test_greedy_turns_equal_re_prefilling_the_history_every_turn(model) -> None:
     for i, prompt in enumerate(prompts):
         completion: list[int] = []
         for turn in range(1, 4):
+            if len(completion) == max_tokens:  # the tool's tokens filled the budget: no turn after them
+                break
             completion += greedy_turn(prompt + completion, max_tokens - len(completion), stop)
             fed = _fed(i, turn)
             if turn == 3 or len(completion) + len(fed) > max_tokens:
