@@ -273,11 +273,11 @@ class TransformersEngine(Engine):
         if self.decoder.preparations == before:
             return
         log.info(
-            "decode shape %d rows x %d+%d tokens (%s) prepared in %s",
+            "decode shape %d rows x %d+%d tokens%s prepared in %s",
             shape.state.rows,
             prompt_len,
             max_tokens,
-            stepper.kind if stepper is not None else "single-turn",
+            f" ({stepper.kind})" if stepper is not None else "",
             watch.report.describe(),
         )
         persist(watch.report)
