@@ -13,6 +13,8 @@ It must not change anything else: other calls and inputs go to TRL's forward and
 untouched, and the values equal the masked forward's up to the kernel's rounding
 (tests/workers/actor/test_padding_shift.py). MORTAL_PADDING_SHIFT=0 in the worker's environment leaves it
 out (bench/gpu_step.py --no-padding-shift), the way back should a model or kernel disagree with it.
+Rows that share a long prompt prefix (a tool-calling run's system prompt and tool schemas) have it computed
+once (shared_prefix.py); their remaining tokens then attend with a mask over the shared cache.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from mortal.workers.actor import shared_prefix
 
 ENV = "MORTAL_PADDING_SHIFT"  # "0": the actor leaves the shift out
 NAME = "mortal_trailing_padding_sdpa"
@@ -76,16 +80,29 @@ def shifted_call(
 ) -> Any:
     """TRL's fused forward on the rows with their padding trailing, the outputs put back in place."""
     shifts = leading_padding(attention_mask)
-    positions = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0) + shifts.unsqueeze(1)
-    outputs = forward(
-        input_ids=roll_rows(input_ids, shifts),
-        attention_mask=roll_rows(attention_mask, shifts),
-        labels=roll_rows(labels, shifts),
-        position_ids=positions,
-        fused_lm_head=True,
-        **{FLAG: True},
-        **kwargs,
+    rolled_ids, rolled_mask = roll_rows(input_ids, shifts), roll_rows(attention_mask, shifts)
+    rolled_labels = roll_rows(labels, shifts)
+    model = getattr(forward, "__self__", None)
+    prefix = (
+        shared_prefix.shared_length(rolled_ids, rolled_mask, rolled_labels)
+        if model is not None and shared_prefix.usable(model, input_ids.size(0), kwargs)
+        else 0
     )
+    if prefix:  # the rows' common prompt prefix computed once (shared_prefix.py)
+        outputs = shared_prefix.shared_call(
+            forward, model, rolled_ids, rolled_mask, rolled_labels, prefix, PER_TOKEN_OUTPUTS
+        )
+    else:
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)[None] + shifts[:, None]
+        outputs = forward(
+            input_ids=rolled_ids,
+            attention_mask=rolled_mask,
+            labels=rolled_labels,
+            position_ids=positions,
+            fused_lm_head=True,
+            **{FLAG: True},
+            **kwargs,
+        )
     scored = labels[:, 1:] != -100  # what the fused head scores: each position's next-token label
     for name in PER_TOKEN_OUTPUTS:
         value = getattr(outputs, name, None)

@@ -36,6 +36,8 @@ from mortal.workers.rollout.engines import Engine, GenerationParams
 from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
 from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome
 
+SUFFIXES_KEPT = 4096  # rendered tool answers remembered (MultiTurn._suffix); past it, forgotten at once
+
 
 class ToolTemplateError(FatalWorkerError):
     """The chat template cannot render or parse tool calls (the run fails with the fix)."""
@@ -152,6 +154,7 @@ class MultiTurn:
         batch, nothing re-prefilled); None: wherever the engine can, False: the lock-step rounds."""
         self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
         self.continuous = engine.continues_turns() if continuous is None else continuous
+        self._suffixes: dict[tuple[tuple[str, str], ...], list[int]] = {}
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
         limit = toolbox.max_iterations
@@ -319,7 +322,7 @@ class MultiTurn:
         rollout.tool_calls += len(outcomes)
         rollout.tool_failures += sum(o.failed for o in outcomes)
         tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
-        suffix = tool_suffix_ids(self.tokenizer, self.template, tool_messages)
+        suffix = self._suffix(tool_messages)
         length = len(rollout.completion_ids) + len(suffix)
         if length > self.params.max_tokens or (
             self.max_model_len is not None and len(rollout.prompt_ids) + length >= self.max_model_len
@@ -330,6 +333,16 @@ class MultiTurn:
         rollout.logprobs += [0.0] * len(suffix)
         rollout.mask += [0] * len(suffix)
         return True
+
+    def _suffix(self, tool_messages: list[dict[str, str]]) -> list[int]:
+        """tool_suffix_ids, remembered by the messages' names and contents: a task's rollouts of one prompt
+        mostly get the same answers, and each render costs two chat-template passes."""
+        key = tuple((m["name"], m["content"]) for m in tool_messages)
+        if key not in self._suffixes:
+            if len(self._suffixes) >= SUFFIXES_KEPT:
+                self._suffixes.clear()
+            self._suffixes[key] = tool_suffix_ids(self.tokenizer, self.template, tool_messages)
+        return list(self._suffixes[key])
 
     def _next_turn(
         self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int, params: GenerationParams

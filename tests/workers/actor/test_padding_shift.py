@@ -72,19 +72,24 @@ def _trainer(tiny_dir: Path, out: Path, lora: bool, **config: Any) -> Any:
     return trainer
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows as TRL builds them (trl_seam assumption 10): prompts padded left, completions padded right."""
-    ids = torch.randint(3, 40000, (4, PROMPT + COMPLETION), generator=torch.Generator().manual_seed(5))
+def _batch(prompt: int = PROMPT, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as TRL builds them (trl_seam assumption 10): prompts padded left, completions padded right;
+    each real prompt's first `shared` tokens the same in every row."""
+    ids = torch.randint(3, 40000, (4, prompt + COMPLETION), generator=torch.Generator().manual_seed(5))
     mask = torch.zeros_like(ids)
+    common = ids[0, :shared].clone()
     for row, (left, kept) in enumerate(zip(LEFT_PADDING, COMPLETIONS, strict=True)):
-        mask[row, left : PROMPT + kept] = 1
+        mask[row, left : prompt + kept] = 1
+        ids[row, left : left + shared] = common
     return ids.masked_fill(mask == 0, 2), mask
 
 
-def _loss_values(trainer: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_values(
+    trainer: Any, batch: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's logprobs and entropies of the completions, and each trainable weight's
     gradient of a weighted sum."""
-    ids, mask = _batch()
+    ids, mask = batch or _batch()
     model = trainer.model
     model.zero_grad(set_to_none=True)
     logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
@@ -136,6 +141,61 @@ def test_the_loss_values_and_gradients_equal_the_masked_forwards(tiny_dir, tmp_p
         torch.testing.assert_close(
             grad, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_prompt_prefix_every_row_shares_is_computed_once_with_the_masked_forwards_values(
+    tiny_dir, tmp_path, monkeypatch, lora
+) -> None:
+    """Prompts of 48 tokens whose first 40 are the same in every row (a system prompt and tool schemas),
+    each padded differently: the prefix runs once, as one row, and the logprobs, entropies and gradients
+    are the masked forward's (rotary positions: each row numbered from 0 instead of from its padding)."""
+    batch = _batch(prompt=48, shared=40)
+    plain, shifted = (
+        _trainer(tiny_dir, tmp_path / "plain", lora),
+        _trainer(tiny_dir, tmp_path / "shifted", lora),
+    )
+    assert padding_shift.install(trl_seam.patched_model(shifted))
+    backbone_rows: list[int] = []
+    backbone = trl_seam.patched_model(shifted).get_decoder()
+    monkeypatch.setattr(
+        backbone,
+        "forward",
+        _recording(backbone.forward, lambda kw: backbone_rows.append(kw["input_ids"].shape)),
+    )
+    want_logps, want_entropies, want_grads = _loss_values(plain, batch)
+    logps, entropies, grads = _loss_values(shifted, batch)
+    assert backbone_rows == [torch.Size([1, 40]), torch.Size([4, 48 + COMPLETION - 40])]
+    torch.testing.assert_close(logps, want_logps, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entropies, want_entropies, rtol=1e-4, atol=1e-4)
+    for name, grad in grads.items():
+        want = want_grads[name]
+        assert want.abs().max() > 0, f"{name}: a zero gradient compares nothing"
+        torch.testing.assert_close(
+            grad, want, rtol=1e-3, atol=1e-3 * want.abs().max().item(), msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_the_shared_prefix_is_cut_before_a_scored_token_and_left_out_when_short() -> None:
+    from mortal.workers.actor import shared_prefix
+
+    ids = torch.arange(50).repeat(3, 1)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :41] = -100  # position 40 is the first scored one (its label is token 41)
+    assert shared_prefix.shared_length(ids, mask, labels) == 40
+    ids[1, 35] = 0
+    assert shared_prefix.shared_length(ids, mask, labels) == 35
+    ids[2, 10] = 0
+    assert shared_prefix.shared_length(ids, mask, labels) == 0, "fewer than MIN_SHARED_PREFIX tokens"
+
+
+def _recording(forward: Any, record: Any) -> Any:
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        record(kwargs)
+        return forward(*args, **kwargs)
+
+    return recorded
 
 
 @pytest.mark.parametrize("lora", [False, True])
