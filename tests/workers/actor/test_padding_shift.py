@@ -345,14 +345,16 @@ def _memory_efficient(kernel: str) -> bool:
     return "fmha_cutlass" in kernel or "efficient_attention" in kernel
 
 
-def _cuda_loss(model: Any) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+def _cuda_loss(
+    model: Any, prompt: int = PROMPT, shared: int = 0
+) -> tuple[torch.Tensor, list[str], torch.Tensor]:
     """The fused head's logprobs of the batch on CUDA, the kernels its forward and backward ran, and one
     weight's gradient."""
     from torch.profiler import ProfilerActivity, profile
 
-    ids, mask = (t.cuda() for t in _batch())
+    ids, mask = (t.cuda() for t in _batch(prompt, shared))
     labels = ids.masked_fill(mask == 0, -100)
-    labels[:, :PROMPT] = -100
+    labels[:, :prompt] = -100
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         out.loss.backward()
@@ -383,5 +385,26 @@ def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forw
     attention = [k for k in kernels if _attention_kernel(k)]
     assert not any(_memory_efficient(k) for k in attention), attention
     assert any("flash" in k or ("cudnn" in k and "sdpa" in k) for k in attention), attention
+    torch.testing.assert_close(logps, plain_logps, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad, plain_grad, rtol=5e-2, atol=5e-2 * plain_grad.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_shared_prompt_prefix_equals_the_masked_forward_in_bf16(tiny_dir) -> None:
+    """The shared-prefix path (shared_prefix.py) on CUDA in bf16: the same logprobs and gradient as the masked
+    forward, to bf16's rounding."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    results = []
+    for shift in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).cuda()
+        add_fused_lm_head(model)
+        assert not shift or padding_shift.install(model)
+        results.append(_cuda_loss(model, prompt=48, shared=40))
+    (plain_logps, _, plain_grad), (logps, _, grad) = results
     torch.testing.assert_close(logps, plain_logps, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad, plain_grad, rtol=5e-2, atol=5e-2 * plain_grad.abs().max().item())
