@@ -37,6 +37,7 @@ from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
 from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome
 
 SUFFIXES_KEPT = 4096  # rendered tool answers remembered (MultiTurn._suffix); past it, forgotten at once
+PARSES_KEPT = 4096  # parsed turns remembered (MultiTurn._parsed), likewise
 
 
 class ToolTemplateError(FatalWorkerError):
@@ -155,6 +156,7 @@ class MultiTurn:
         self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
         self.continuous = engine.continues_turns() if continuous is None else continuous
         self._suffixes: dict[tuple[tuple[str, str], ...], list[int]] = {}
+        self._parses: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
         limit = toolbox.max_iterations
@@ -334,6 +336,19 @@ class MultiTurn:
         rollout.mask += [0] * len(suffix)
         return True
 
+    def _parsed(self, ids: list[int], history: list[int], tools: list[Any]) -> dict[str, Any]:
+        """TRL's parse_response of a turn after `history`, remembered by (history, turn, tools' functions):
+        a task's rollouts of one prompt often say the same turn after the same history, and each parse
+        decodes and matches the whole response in Python. A copy is returned (the caller keeps it)."""
+        from trl.chat_template_utils import parse_response
+
+        key = (tuple(history), tuple(ids), tuple(getattr(t, "__func__", t) for t in tools))
+        if key not in self._parses:
+            if len(self._parses) >= PARSES_KEPT:
+                self._parses.clear()
+            self._parses[key] = parse_response(self.tokenizer, ids, prefix=history, tools=tools)
+        return copy.deepcopy(self._parses[key])
+
     def _suffix(self, tool_messages: list[dict[str, str]]) -> list[int]:
         """tool_suffix_ids, remembered by the messages' names and contents: a task's rollouts of one prompt
         mostly get the same answers, and each render costs two chat-template passes."""
@@ -361,12 +376,10 @@ class MultiTurn:
 
     def _append_turn(self, rollout: Rollout, ids: list[int], logprobs: list[float]) -> None:
         """A model turn: its tokens (mask 1), its parsed message and the tool calls it asks for (step 4)."""
-        from trl.chat_template_utils import parse_response
-
         if not ids:  # a turn cut to nothing by the budget: no message (TRL appends none either)
             return
         rollout.turns += 1
-        message = parse_response(self.tokenizer, ids, prefix=rollout.history_ids, tools=rollout.tools)
+        message = self._parsed(ids, rollout.history_ids, rollout.tools)
         rollout.completion_ids += list(ids)
         rollout.logprobs += list(logprobs)
         rollout.mask += [1] * len(ids)

@@ -206,8 +206,11 @@ class TransformersEngine(Engine):
                 "rows": stats.rows,
                 "decode_steps": stats.decode_steps,
                 "turns": stats.turns,
+                "appends": stats.appends,
+                "appended_tokens": stats.appended_tokens,
+                "append_s": round(stats.append_seconds, 3),
                 "tool_waits": stats.waits,
-                "useful_fraction": round(stats.useful_fraction, 3),
+                "tool_wait_s": round(stats.wait_seconds, 3),
             }
         if stats is None:
             return {}

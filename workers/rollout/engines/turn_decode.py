@@ -27,6 +27,7 @@ anywhere but its own last column, or call the user's tools itself (the futures d
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,19 +156,18 @@ TURNS = TurnStepper()
 
 @dataclass
 class TurnStats:
-    """What one converse measured: rows, decode steps, turns, and the share of row-steps that produced a
-    conversation's token (the rest: rows frozen or free)."""
+    """What one converse did, for the worker's log: rows, decode steps, turns, tokens appended to rows (tool
+    answers), and the seconds this thread spent appending and waiting with every row on a future."""
 
     rows: int
     conversations: int
     decode_steps: int = 0
     turns: int = 0
-    useful_tokens: int = 0  # the conversations' tokens, model and fed in
+    appends: int = 0  # eager forwards that appended tokens
+    appended_tokens: int = 0
     waits: int = 0  # times every row waited on tools at once
-
-    @property
-    def useful_fraction(self) -> float:
-        return self.useful_tokens / max(self.rows * self.decode_steps, 1)
+    append_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 class TurnSchedule:
@@ -267,7 +267,9 @@ class TurnDecoder:
                     self._hand_over(state, schedule, on_turn_end, stats)
                 elif schedule.waiting:
                     stats.waits += 1
+                    started = time.perf_counter()
                     concurrent.futures.wait(schedule.waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+                    stats.wait_seconds += time.perf_counter() - started
                 self._take_answers(shape, schedule, stats, sampling)
                 self._fill(shape, prompts, key_of, schedule.assign(), sampling)
         finally:
@@ -292,7 +294,6 @@ class TurnDecoder:
             assert conversation is not None
             future = on_turn_end(conversation, ids[start:stop], lps[start:stop])
             if future is None:
-                stats.useful_tokens += stop
                 schedule.release(row)
             else:  # even at the budget's end: the caller decides (its tools run, as TRL's loop runs them)
                 schedule.park(row, future, stop)
@@ -308,12 +309,15 @@ class TurnDecoder:
             fed = future.result()
             t = schedule.parked_at[row]  # a frozen row's t, as last read back
             if not fed or t + len(fed) >= state.max_tokens:  # no room left to sample after them
-                stats.useful_tokens += t
                 schedule.release(row)
             else:
                 resumed.append((row, t, list(fed)))
         if resumed:
+            started = time.perf_counter()
             self._append(shape, resumed, sampling)
+            stats.append_seconds += time.perf_counter() - started
+            stats.appends += 1
+            stats.appended_tokens += sum(len(fed) for _, _, fed in resumed)
             for row, t, fed in resumed:
                 schedule.resume(row, t + len(fed))
 
