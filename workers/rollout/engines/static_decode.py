@@ -254,12 +254,14 @@ class RowWrites:
 @dataclass(frozen=True)
 class AppendedTokens:
     """Tokens appended to rows mid-sequence (an eager forward of [k, F] right-padded tokens): `rows` [k] the
-    rows, `columns` [k, F] where each token's K/V goes, `real` [k, F] which are tokens (padding is not
-    written)."""
+    rows; for each real token (padding is not written), its input's place (`batch`, `position`) and where its
+    K/V goes (`write_rows`, `write_columns`). Integer indices: a boolean mask would wait for the GPU."""
 
     rows: torch.Tensor
-    columns: torch.Tensor
-    real: torch.Tensor
+    batch: torch.Tensor
+    position: torch.Tensor
+    write_rows: torch.Tensor
+    write_columns: torch.Tensor
 
 
 class RowScatterLayer(StaticLayer):
@@ -296,10 +298,10 @@ class RowScatterLayer(StaticLayer):
         self, appended: AppendedTokens, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager: each real appended token's K/V at its own column of its row; returns those rows' K/V."""
-        rows = appended.rows[:, None].expand_as(appended.columns)[appended.real]
-        columns = appended.columns[appended.real]
-        self.keys[rows, :, columns] = key_states.transpose(1, 2)[appended.real]
-        self.values[rows, :, columns] = value_states.transpose(1, 2)[appended.real]
+        where = (appended.write_rows, slice(None), appended.write_columns)
+        what = (appended.batch, slice(None), appended.position)
+        self.keys[where] = key_states[what]
+        self.values[where] = value_states[what]
         return self.keys.index_select(0, appended.rows), self.values.index_select(0, appended.rows)
 
     def _prefill(

@@ -327,44 +327,36 @@ class TurnDecoder:
         """Eager, one forward for every (row, t, tokens) resumed: the row's last token (the end of its turn,
         whose K/V no decode step may have written yet) and its new tokens, right-padded to one width, go into
         the row's columns from P + t - 1 on, seeing the row's cache and each other causally. The token after
-        the new ones is sampled (noise index t + len) and the row decodes on from there."""
+        the new ones is sampled (noise index t + len) and the row decodes on from there. Every index is built
+        on the host and sent at once (Appended): a boolean mask or a plain copy to the GPU would wait for the
+        decode steps still queued, and each layer's writes would wait again."""
         state: TurnState = shape.state  # type: ignore[assignment]
-        device, prompt_len = state.tokens.device, state.prompt_len
-        width = 1 + max(len(fed) for _, _, fed in resumed)
-        rows = torch.tensor([row for row, _, _ in resumed], device=device)
-        fed = torch.tensor([f + [0] * (width - 1 - len(f)) for _, _, f in resumed], device=device)
-        lengths = torch.tensor([len(f) for _, _, f in resumed], device=device)
-        t = torch.tensor([t for _, t, _ in resumed], device=device)
-        steps = torch.arange(width, device=device)
-        real = steps[None, :] <= lengths[:, None]
-        # padding's columns are clamped into the row (never written: `real` leaves them out)
-        columns = ((prompt_len + t - 1)[:, None] + steps[None, :]).clamp(max=state.mask.shape[-1] - 1)
-        shape.cache.writes.appended = AppendedTokens(rows, columns, real)
+        index = Appended.of(resumed, state.prompt_len, state.mask.shape[-1], state.tokens.device)
+        rows, lengths, t = index.rows, index.lengths, index.t
+        width = index.columns.shape[1]
+        steps = torch.arange(width, device=rows.device)
+        shape.cache.writes.appended = index.writes
         try:
             logits = self.decoder.model(
-                input_ids=torch.cat([state.last_token[rows], fed], dim=1),
+                input_ids=torch.cat([state.last_token[rows], index.fed], dim=1),
                 position_ids=state.positions[rows] + steps[None, :],
-                attention_mask=_append_mask(state, rows, columns, real),
+                attention_mask=_append_mask(state, rows, index.columns, index.real),
                 past_key_values=shape.cache,
                 use_cache=True,
             ).logits
         finally:
             shape.cache.writes.appended = None
         after = t + lengths  # the sampled token's index
-        last = logits[torch.arange(len(resumed), device=device), lengths]
+        last = logits[torch.arange(len(resumed), device=rows.device), lengths]
         token, logprob = hashed_sample(last, sampling, state.keys[rows], after, state.vocab_hash)
-        new = real[:, 1:]
-        fed_rows = rows[:, None].expand(-1, width - 1)[new]
-        fed_at = (t[:, None] + steps[None, : width - 1])[new]
-        state.tokens[fed_rows, fed_at] = fed[new]
-        state.logprobs[fed_rows, fed_at] = 0.0
+        state.tokens[index.fed_rows, index.fed_at] = index.fed_values
+        state.logprobs[index.fed_rows, index.fed_at] = 0.0
         state.tokens[rows, after], state.logprobs[rows, after] = token, logprob
         state.last_token[rows] = token[:, None]
         state.positions[rows] += lengths[:, None] + 1
         state.t[rows] = after + 1
         state.ended[rows] = state.stop[token]
-        seen_rows = rows[:, None].expand_as(columns)[real]
-        state.mask[seen_rows, 0, 0, columns[real]] = 0.0
+        state.mask[index.writes.write_rows, 0, 0, index.writes.write_columns] = 0.0
 
     def _fill(
         self,
@@ -407,3 +399,72 @@ def _append_mask(
     blocked = torch.finfo(state.mask.dtype).min
     additive = torch.zeros(allowed.shape, dtype=state.mask.dtype, device=seen.device)
     return additive.masked_fill(~allowed, blocked)[:, None]
+
+
+@dataclass(frozen=True)
+class Appended:
+    """The tensors one append needs, built on the host from (row, t, tokens) and sent to the device together.
+
+    `fed` [k, F - 1] the new tokens right-padded, `columns` [k, F] each input's cache column (padding
+    clamped into the row), `real` [k, F] which inputs are tokens, `writes` where the layers write them, and
+    `fed_rows`, `fed_at`, `fed_values` the new tokens' places in the rows' token record."""
+
+    rows: torch.Tensor
+    t: torch.Tensor
+    lengths: torch.Tensor
+    fed: torch.Tensor
+    columns: torch.Tensor
+    real: torch.Tensor
+    writes: AppendedTokens
+    fed_rows: torch.Tensor
+    fed_at: torch.Tensor
+    fed_values: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, resumed: list[tuple[int, int, list[int]]], prompt_len: int, columns: int, device: torch.device
+    ) -> Appended:
+        width = 1 + max(len(fed) for _, _, fed in resumed)
+        batch, position, write_rows, write_columns, fed_rows, fed_at, fed_values = ([] for _ in range(7))
+        for i, (row, t, fed) in enumerate(resumed):
+            for j in range(len(fed) + 1):
+                batch.append(i)
+                position.append(j)
+                write_rows.append(row)
+                write_columns.append(prompt_len + t - 1 + j)
+            fed_rows += [row] * len(fed)
+            fed_at += range(t, t + len(fed))
+            fed_values += fed
+        first = [prompt_len + t - 1 for _, t, _ in resumed]
+        lengths = [len(fed) for _, _, fed in resumed]
+        host = {
+            "rows": torch.tensor([row for row, _, _ in resumed]),
+            "t": torch.tensor([t for _, t, _ in resumed]),
+            "lengths": torch.tensor(lengths),
+            "fed": torch.tensor([fed + [0] * (width - 1 - len(fed)) for _, _, fed in resumed]),
+            "columns": torch.tensor([[min(c + j, columns - 1) for j in range(width)] for c in first]),
+            "real": torch.tensor([[j <= n for j in range(width)] for n in lengths]),
+            "fed_rows": torch.tensor(fed_rows, dtype=torch.long),
+            "fed_at": torch.tensor(fed_at, dtype=torch.long),
+            "fed_values": torch.tensor(fed_values, dtype=torch.long),
+            "batch": torch.tensor(batch),
+            "position": torch.tensor(position),
+            "write_rows": torch.tensor(write_rows),
+            "write_columns": torch.tensor(write_columns),
+        }
+        sent = {name: _to_device(value, device) for name, value in host.items()}
+        writes = AppendedTokens(
+            sent["rows"],
+            sent.pop("batch"),
+            sent.pop("position"),
+            sent.pop("write_rows"),
+            sent.pop("write_columns"),
+        )
+        return cls(**sent, writes=writes)
+
+
+def _to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`value` on `device` without waiting for the work queued there (pinned memory, an asynchronous copy)."""
+    if device.type != "cuda":
+        return value.to(device)
+    return value.pin_memory().to(device, non_blocking=True)
