@@ -180,3 +180,15 @@ def budget_for_rows(weights: int, row_bytes: int, kept: int, rows: int) -> int:
 
     need = weights + rows * kept * row_bytes
     return max(int(need / (1 - WORKSPACE_SHARE)), need + WORKSPACE_FLOOR) + 1
+
+
+# One id in nine ends a sequence (or a turn): a tiny random model's sequences end within a few tokens.
+FREQUENT_EOS = list(range(3, 49152, 9))
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of random ids (of SmolLM2's vocabulary) of these lengths, the same for a seed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]

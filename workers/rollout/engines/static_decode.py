@@ -415,8 +415,9 @@ class DecodeState:
 
 
 class Stepper(Protocol):
-    """What a decode step is: its state and its step function (the default: SINGLE_TURN, below). A prepared
-    shape is kept per stepper `kind` too. turn_decode.TURNS is the other, for conversations across turns."""
+    """What a decode step is: its state and its step function. StaticDecoder.prepare's default (stepper
+    None) is this module's single-turn step over a DecodeState; turn_decode.TURNS is the other, for
+    conversations across turns. A prepared shape is kept per stepper `kind` too."""
 
     kind: str
 

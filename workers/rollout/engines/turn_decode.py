@@ -105,17 +105,7 @@ class TurnStepper:
     """The stepper (static_decode.Stepper) of conversations: rows that ended a turn stay put."""
 
     kind = "turns"
-
-    def new_state(
-        self,
-        rows: int,
-        prompt_len: int,
-        max_tokens: int,
-        vocab: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> TurnState:
-        return TurnState(rows, prompt_len, max_tokens, vocab, dtype, device)
+    new_state = TurnState  # (rows, prompt_len, max_tokens, vocab, dtype, device), as Stepper.new_state
 
     def step_function(
         self, forward: Callable[..., Any], cache: RowCache, state: TurnState, sampling: Sampling

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import assets_available, budget_for_rows, make_tiny_model
+from rollout_helpers import FREQUENT_EOS, assets_available, budget_for_rows, make_tiny_model, random_prompts
 
 from mortal.workers.oom import out_of_memory
 from mortal.workers.rollout.engines import static_decode
@@ -35,20 +35,6 @@ from mortal.workers.rollout.engines.static_decode import (
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
-FREQUENT_EOS = list(range(3, 49152, 9))  # one id in nine ends a sequence: most end within a few tokens
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    from transformers import AutoModelForCausalLM
-
-    folder = make_tiny_model(tmp_path_factory.mktemp("decode") / "model", seed=0)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]
 
 
 def _left_padded(
@@ -103,7 +89,7 @@ def test_every_sequence_of_a_refilled_row_has_the_logprobs_of_a_plain_forward_pa
     """4 rows, 15 sequences of three prompt lengths: rows are refilled many times (a new prompt's K/V
     over the columns a longer or shorter one had written), and each sequence's logprobs are still
     those of its own unpadded prompt + completion in one teacher-forced forward."""
-    prompts, n, max_tokens = _prompts([5, 11, 3, 8, 13]), 3, 24
+    prompts, n, max_tokens = random_prompts([5, 11, 3, 8, 13]), 3, 24
     sampling = Sampling(temperature=temperature, top_k=0, top_p=1.0)
     decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=4)
     outs = _decode(decoder, prompts, n, max_tokens, FREQUENT_EOS, seed=1, sampling=sampling)
@@ -118,7 +104,7 @@ def test_every_sequence_of_a_refilled_row_has_the_logprobs_of_a_plain_forward_pa
 
 
 def test_a_sequence_ends_at_its_first_eos_or_at_max_tokens_and_the_stats_count_what_was_kept(model) -> None:
-    prompts, max_tokens = _prompts([6, 9, 4]), 12
+    prompts, max_tokens = random_prompts([6, 9, 4]), 12
     decoder = StaticDecoder(model, compile=False, max_rows=2, sync_every=3)
     ids, mask = _left_padded(prompts, 4)
     torch.manual_seed(3)
@@ -136,7 +122,7 @@ def test_a_sequence_ends_at_its_first_eos_or_at_max_tokens_and_the_stats_count_w
 
 
 def test_the_same_seed_gives_the_same_tokens_and_refill_schedule(model) -> None:
-    prompts = _prompts([5, 11, 3])
+    prompts = random_prompts([5, 11, 3])
     first_decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=4)
     first = _decode(first_decoder, prompts, 4, 20, FREQUENT_EOS, seed=7)
     again = _decode(first_decoder, prompts, 4, 20, FREQUENT_EOS, seed=7)
@@ -195,7 +181,7 @@ def _single_batch_reference(model, input_ids, mask, max_tokens: int, sampling: S
 def test_rows_for_all_sequences_decode_the_single_batch_of_before(model, eos_ids) -> None:
     """When every sequence has a row nothing is refilled: the same tokens and logprobs as the single
     batch decoded to its longest row (the same random draws, in the same order)."""
-    prompts, max_tokens = _prompts([5, 11, 3]), 16
+    prompts, max_tokens = random_prompts([5, 11, 3]), 16
     ids, mask = _left_padded(prompts, 3)
     torch.manual_seed(4)
     expected = _completions(*_single_batch_reference(model, ids, mask, max_tokens, PLAIN), eos_ids)
@@ -209,7 +195,7 @@ def test_rows_for_all_sequences_decode_the_single_batch_of_before(model, eos_ids
 def test_alternating_prompt_widths_reuse_the_kept_shapes(model) -> None:
     """Tasks alternate between two prompt widths: each shape is prepared (captured, on CUDA) once and
     kept; a third shape evicts the least recently used; kept_shapes=1 prepares at every switch."""
-    prompts = _prompts([5, 9])
+    prompts = random_prompts([5, 9])
     decoder = StaticDecoder(model, compile=False, max_rows=4)
     first = [_decode(decoder, prompts, 2, 6, [-1], seed=1, width=width) for width in (16, 32, 16, 32)]
     assert decoder.preparations == 2
@@ -228,7 +214,7 @@ def test_alternating_prompt_widths_reuse_the_kept_shapes(model) -> None:
 def test_one_token_completions_refill_every_row_at_once(model) -> None:
     """max_tokens=1: every sequence is done at its prefill; rows are refilled without a decode step."""
     decoder = StaticDecoder(model, compile=False, max_rows=2)
-    outs = _decode(decoder, _prompts([4, 7, 5]), 2, 1, [-1])
+    outs = _decode(decoder, random_prompts([4, 7, 5]), 2, 1, [-1])
     assert [len(c.ids) for c in outs] == [1] * 6
     assert (decoder.last_stats.decode_steps, decoder.last_stats.refills) == (0, 4)
 
@@ -257,7 +243,7 @@ def test_the_torch_compiled_step_traces_the_row_cache_on_the_cpu(model, monkeypa
     on the CPU here), the row cache's per-row writes traced by dynamo. The same tokens as the eager step,
     refills included. (About half a minute of compilation, hence `slow`.)"""
     monkeypatch.setattr(StaticDecoder, "_capture", lambda self, cache, step: step)  # no CUDA graph on a CPU
-    prompts = _prompts([5, 11, 3, 8])
+    prompts = random_prompts([5, 11, 3, 8])
     compiled = _decode(
         StaticDecoder(model, compile=True, max_rows=3, sync_every=4),
         prompts,
@@ -307,7 +293,7 @@ def test_a_layer_scope_compiles_one_graph_for_every_layer_and_decodes_as_the_eag
     if row_cache != "stacked":
         monkeypatch.setattr(static_decode, "StackedRowCache", static_decode.RowCache)
     names = [name for name, _ in four_layers.named_parameters()]
-    prompts = _prompts([5, 11, 3, 8])
+    prompts = random_prompts([5, 11, 3, 8])
     torch._dynamo.reset()
     layered = _decode(
         StaticDecoder(four_layers, max_rows=3, sync_every=4, compile_scope="layer"),
@@ -357,7 +343,12 @@ def test_a_layer_scope_step_writes_the_stacked_cache_in_place(tmp_path, monkeypa
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
         _decode(
-            StaticDecoder(two_layers, max_rows=2, compile_scope="layer"), _prompts([5, 7]), 1, 3, [], width=8
+            StaticDecoder(two_layers, max_rows=2, compile_scope="layer"),
+            random_prompts([5, 7]),
+            1,
+            3,
+            [],
+            width=8,
         )
     assert len(graphs) == 2  # layer 0's graph and the one serving the others
     for targets in graphs:
@@ -418,7 +409,7 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
     model compiled, and with one graph for every decoder layer."""
     cuda_model = model.to("cuda")
     try:
-        prompts, n, max_tokens = _prompts([5, 11, 3, 8, 13]), 3, 24
+        prompts, n, max_tokens = random_prompts([5, 11, 3, 8, 13]), 3, 24
         decoder = StaticDecoder(
             cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
         )
@@ -459,7 +450,7 @@ def test_fewer_sequences_replay_the_one_compiled_shape_with_idle_rows(model) -> 
     try:
         decoder = StaticDecoder(cuda_model, compile=True, sync_every=4)
         for sequences in (7, 6, 5):
-            prompts = _prompts([5, 11, 3, 8, 13, 6, 9][:sequences], seed=sequences)
+            prompts = random_prompts([5, 11, 3, 8, 13, 6, 9][:sequences], seed=sequences)
             ids, mask = _left_padded(prompts, 1, width=16)
             torch.manual_seed(sequences)
             tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), 24, PLAIN, FREQUENT_EOS)
@@ -481,7 +472,7 @@ def test_min_rows_decodes_fewer_sequences_in_a_larger_shape_with_idle_rows(model
     """A later turn of a tool loop asks for its first turn's rows: the rows past its sequences idle, and
     each completion keeps the logprobs of a plain forward pass."""
     decoder = StaticDecoder(model, compile=False, sync_every=4)
-    prompts = _prompts([5, 11, 3])
+    prompts = random_prompts([5, 11, 3])
     ids, mask = _left_padded(prompts, 1, width=16)
     torch.manual_seed(2)
     outs = _completions(*decoder.generate(ids, mask, 12, PLAIN, FREQUENT_EOS, min_rows=6), FREQUENT_EOS)
@@ -537,7 +528,7 @@ def test_rows_within_budget_leaves_workspace_weights_and_every_kept_cache_room(
 def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
     """The planned rows are the rows: the same tokens as max_rows=2, every sequence still
     decoded (refills)."""
-    prompts, n, max_tokens = _prompts([5, 9]), 3, 10
+    prompts, n, max_tokens = random_prompts([5, 9]), 3, 10
     width = 9
     unbudgeted = StaticDecoder(model, compile=False, sync_every=4)
     length_bytes = (width + max_tokens) * kv_bytes_per_token(model) + SAMPLING_COPIES * 4 * unbudgeted.vocab
@@ -551,7 +542,7 @@ def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
 
 def test_a_budget_without_room_for_one_row_is_an_out_of_memory_naming_the_field(model) -> None:
     decoder = StaticDecoder(model, compile=False, memory_budget=decoder_weights(model))
-    ids, mask = _left_padded(_prompts([4]), 2)
+    ids, mask = _left_padded(random_prompts([4]), 2)
     with pytest.raises(MemoryBudgetTooSmall, match="raise rollout.gpuMemoryUtilization") as raised:
         decoder.generate(ids, mask, 8, PLAIN, FREQUENT_EOS)
     assert isinstance(

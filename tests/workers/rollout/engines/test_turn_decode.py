@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from rollout_helpers import assets_available, make_tiny_model
+from rollout_helpers import FREQUENT_EOS, assets_available, random_prompts
 
 from mortal.workers.rollout.engines.base import cut_at_eos
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
@@ -32,20 +32,6 @@ from mortal.workers.rollout.engines.turn_decode import (
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
 GREEDY = Sampling(temperature=1.0, top_k=1, top_p=1.0)
-FREQUENT_EOS = list(range(3, 49152, 9))  # one id in nine ends a turn: most end within a few tokens
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    from transformers import AutoModelForCausalLM
-
-    folder = make_tiny_model(tmp_path_factory.mktemp("turns") / "model", seed=0)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]
 
 
 def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +97,7 @@ def _converse(decoder, prompts, script, max_tokens=24, sampling=PLAIN, seed=7):
 def test_every_model_token_has_the_logprob_of_one_forward_pass_over_the_whole_conversation(model) -> None:
     """The cache a row keeps between turns is exactly the conversation: prompt, the model's turns and the
     fed tokens at their positions. 6 conversations in 4 rows (two wait for a free row), up to 4 turns."""
-    prompts = _prompts([5, 11, 3, 8, 13, 6])
+    prompts = random_prompts([5, 11, 3, 8, 13, 6])
     decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=3)
     script = _converse(decoder, prompts, Scripted(len(prompts), turns=4))
     assert max(script.turns) > 1, "some conversation took more than one turn"
@@ -130,7 +116,7 @@ def test_every_model_token_has_the_logprob_of_one_forward_pass_over_the_whole_co
 def test_greedy_turns_equal_re_prefilling_the_history_every_turn(model) -> None:
     """The re-prefill path (the lock-step tool loop's): each turn generated from the whole history. A random
     model's greedy turns repeat one token, so the ids each prompt's greedy turn opens with end a turn too."""
-    prompts = _prompts([5, 11, 3, 8])
+    prompts = random_prompts([5, 11, 3, 8])
     max_tokens = 24
     reference = StaticDecoder(model, compile=False, max_rows=1)
 
@@ -163,7 +149,7 @@ def test_a_conversation_s_tokens_do_not_depend_on_when_its_tools_answer(model) -
     """Sampled (not greedy) turns, tools answering at once against after random delays (rows rejoin at
     other steps, in another order): the same tokens, since each row's noise is a function of its key and
     token index only."""
-    prompts = _prompts([5, 11, 3, 8, 13, 6, 9, 4])
+    prompts = random_prompts([5, 11, 3, 8, 13, 6, 9, 4])
     decoder = StaticDecoder(model, compile=False, max_rows=8, sync_every=2)
     at_once = _converse(decoder, prompts, Scripted(len(prompts), turns=4))
     rng = random.Random(3)
@@ -179,7 +165,7 @@ def test_a_conversation_s_tokens_do_not_depend_on_when_its_tools_answer(model) -
 def test_a_conversation_that_fills_its_budget_ends_there(model) -> None:
     """maxTokens counts model and fed tokens: a turn cut by the budget is handed over cut; fed tokens that
     would not fit end the conversation."""
-    prompts = _prompts([5, 7])
+    prompts = random_prompts([5, 7])
     decoder = StaticDecoder(model, compile=False, max_rows=2)
     script = _converse(decoder, prompts, Scripted(2, turns=50, max_tokens=10), max_tokens=10)
     assert all(len(ids) <= 10 for ids in script.ids)
@@ -187,7 +173,7 @@ def test_a_conversation_that_fills_its_budget_ends_there(model) -> None:
 
 
 def test_a_failing_tool_future_raises_out_of_converse(model) -> None:
-    prompts = _prompts([5, 7])
+    prompts = random_prompts([5, 7])
     decoder = StaticDecoder(model, compile=False, max_rows=2)
 
     def broken(c, ids, logprobs):
@@ -248,7 +234,7 @@ def test_the_compiled_graph_continues_conversations_with_the_logprobs_of_a_plain
     tokens."""
     cuda_model = model.to("cuda")
     try:
-        prompts = _prompts([5, 11, 3, 8, 13, 6])
+        prompts = random_prompts([5, 11, 3, 8, 13, 6])
         decoder = StaticDecoder(
             cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
         )
