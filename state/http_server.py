@@ -235,10 +235,15 @@ def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
 
 
 def make_app(
-    backing_url: str, token: str, access_log: str | Path | None = None, previous_tokens: Sequence[str] = ()
+    backing_url: str,
+    token: str,
+    access_log: str | Path | None = None,
+    previous_tokens: Sequence[str] = (),
+    threads: int | None = None,
 ) -> StoreApp:
     """The app over the SQL store at `backing_url` (opened and migrated now), logging access to
-    `access_log`."""
+    `access_log`. `threads`: the calls the server makes at once; that many database connections are
+    opened now and kept (default: opened on demand)."""
     from mortal.state import open_store
 
     if backing_url.startswith(("http://", "https://")):
@@ -246,7 +251,10 @@ def make_app(
             f"the HTTP store must be backed by a SQL database, not another HTTP store ({backing_url})"
         )
     return StoreApp(
-        open_store(backing_url), token, None if access_log is None else AccessLog(access_log), previous_tokens
+        open_store(backing_url, connections=threads),
+        token,
+        None if access_log is None else AccessLog(access_log),
+        previous_tokens,
     )
 
 
@@ -269,7 +277,7 @@ def default_access_log() -> Path:
 # and fine on 2 cores. Process servers (gunicorn) would need one engine per process; ASGI ones (uvicorn,
 # hypercorn, granian) would need the app rewritten or wrapped, for no gain: SqlStore's calls block.
 # On Modal none of this runs: @modal.wsgi_app serves make_app() behind Modal's own web server.
-WORKER_THREADS = 8  # calls in flight at once; each holds a pooled connection (SQLAlchemy's default: 5 + 10)
+WORKER_THREADS = 8  # calls in flight at once; each holds one of the pool's connections, opened at start
 # Open connections (mostly idle keep-alives of pooled clients); waitress's default is 100.
 CONNECTION_LIMIT = 2048
 
@@ -402,7 +410,7 @@ def serve(
 
     # Not a line per request queued behind busy threads.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    app = make_app(backing_url, token, access_log, previous_tokens)
+    app = make_app(backing_url, token, access_log, previous_tokens, threads=threads)
     channel = type(
         "_StoreChannel",
         (HTTPChannel,),

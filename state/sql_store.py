@@ -33,7 +33,14 @@ from sqlmodel import Session, SQLModel, col, select
 
 from mortal.state import migrate
 from mortal.state.completions import CompletionLog
-from mortal.state.engine import connection, is_postgres, json_value, make_engine, transaction
+from mortal.state.engine import (
+    connection,
+    is_postgres,
+    json_value,
+    make_engine,
+    open_connections,
+    transaction,
+)
 from mortal.state.errors import Conflict, ConnectionLost, InvalidValue, NotFound
 from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.names import check_metadata, check_role, check_run_name
@@ -131,9 +138,10 @@ def _json(value: Any) -> Any:
 class SqlStore(TaskQueue, CompletionLog, Store):
     """The store on one database URL (sqlite:///..., postgresql://...). Connects on first use."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pool_size: int | None = None) -> None:
+        """`pool_size`: database connections kept open (engine.make_engine says why a server sets it)."""
         self.url = url
-        self._engine = make_engine(url)
+        self._engine = make_engine(url, pool_size)
 
     def __repr__(self) -> str:
         return f"SqlStore({self._engine.url.render_as_string(hide_password=True)!r})"
@@ -161,6 +169,10 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     # -- lifecycle -------------------------------------------------------------------------
     def migrate(self) -> None:
         migrate.upgrade(self._engine)
+
+    def open_connections(self, count: int) -> None:
+        """Open `count` database connections now, kept in the pool (up to its size) for the next calls."""
+        open_connections(self._engine, count)
 
     def close(self) -> None:
         self._engine.dispose()

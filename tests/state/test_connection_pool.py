@@ -1,0 +1,99 @@
+"""The store server's database connections: as many kept open as it has threads, opened when it starts.
+
+Why: SQLAlchemy's pool keeps 5 connections and closes the ones it opened past them when they come back,
+so a server with 8 threads opened and closed connections whenever more than 5 calls ran at once (on
+PostgreSQL a new server process each time, while its call waited), and every thread opened its first
+connection during a client's call. On SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import event
+
+from mortal.state import open_store
+from mortal.state.http_server import make_app
+from mortal.state.sql_store import SqlStore
+
+THREADS = 8
+
+
+def _opened(store: SqlStore) -> list[object]:
+    """Connections the store's pool opens from now on (one item each)."""
+    opened: list[object] = []
+    event.listen(store._engine.pool, "connect", lambda dbapi_connection, record: opened.append(record))
+    return opened
+
+
+def _all_at_once(store: SqlStore, threads: int, rounds: int) -> None:
+    """`threads` threads each holding a connection of the store's pool at the same moment, `rounds` times."""
+    held = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            for _ in range(rounds):
+                with store._engine.connect():
+                    held.wait(timeout=30)
+                held.wait(timeout=30)  # all returned before the next round takes them again
+        except BaseException as exc:  # the test thread reports it
+            errors.append(exc)
+
+    workers = [threading.Thread(target=hold) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not errors, errors
+
+
+@pytest.fixture
+def sized(sql_store_url: str) -> Iterator[SqlStore]:
+    store = open_store(sql_store_url, connections=THREADS)
+    assert isinstance(store, SqlStore)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def test_connections_are_open_before_the_first_call(sized: SqlStore) -> None:
+    assert sized._engine.pool.checkedin() == THREADS
+
+
+def test_as_many_calls_at_once_as_connections_open_none(sized: SqlStore) -> None:
+    opened = _opened(sized)
+    _all_at_once(sized, THREADS, rounds=3)
+    assert opened == []
+    assert sized._engine.pool.checkedin() == THREADS
+
+
+def test_without_a_size_the_pool_reopens_what_a_burst_needed(sql_store_url: str) -> None:
+    """What the sized pool prevents: the default pool closes the connections it opened past its size,
+    and opens them again for the next burst (so the test above can fail)."""
+    store = open_store(sql_store_url)
+    assert isinstance(store, SqlStore)
+    try:
+        opened = _opened(store)
+        _all_at_once(store, THREADS, rounds=2)
+        first_round = THREADS
+        assert len(opened) > first_round
+    finally:
+        store.close()
+
+
+def test_the_server_opens_a_connection_per_thread(sql_store_url: str) -> None:
+    app = make_app(sql_store_url, "admin-token", threads=3)
+    try:
+        assert isinstance(app.store, SqlStore)
+        assert app.store._engine.pool.checkedin() == 3
+    finally:
+        app.close()
+
+
+def test_an_http_store_has_no_connections_to_open() -> None:
+    with pytest.raises(ValueError, match="connections"):
+        open_store("http://127.0.0.1:1", connections=2)
