@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, insert, update
+from sqlalchemy import bindparam, delete, func, update
 from sqlalchemy import select as core_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -98,12 +98,18 @@ _REPORT_EXIT = (
     )
     .returning(*_WORKERS.c)
 )
-_CLEAR_METRICS = delete(_METRICS).where(
-    _METRICS.c.run == bindparam("b_run"),
-    _METRICS.c.step == bindparam("b_step"),
-    _METRICS.c.name.in_(bindparam("b_names", expanding=True)),
-)
-_ADD_METRICS = insert(_METRICS)
+
+
+def _set_metrics(insert_of: Callable[[Any], Any]) -> Any:
+    """INSERT ... ON CONFLICT (run, step, name) DO UPDATE: a name's value for a step, new or replaced."""
+    statement = insert_of(_METRICS)
+    return statement.on_conflict_do_update(
+        index_elements=["run", "step", "name"],
+        set_={"value": statement.excluded.value, "time": statement.excluded.time},
+    )
+
+
+_SET_METRICS = {"postgresql": _set_metrics(pg_insert), "sqlite": _set_metrics(sqlite_insert)}
 _STORE_CALLS_TRIED_TWICE = Store.__abstractmethods__ - {"close", "migrate"}
 
 
@@ -594,14 +600,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._conn() as c:
             check_worker(c, worker)
             now = utcnow()
+            # A resumed run re-records a step: one value per name, replaced. In name order, so that two
+            # writers of one step take its rows' locks in the same order (uq_metrics_run_step_name).
             rows = [
                 {"run": worker.run, "step": step, "name": k, "value": float(v), "time": now}
-                for k, v in values.items()
+                for k, v in sorted(values.items())
             ]
-            # A resumed run re-records a step: one value per name.
-            c.execute(_CLEAR_METRICS, {"b_run": worker.run, "b_step": step, "b_names": list(values)})
             if rows:
-                c.execute(_ADD_METRICS, rows)
+                c.execute(_SET_METRICS[c.dialect.name], rows)
 
     def list_metrics(
         self, run: str, name: str | None = None, since_step: int | None = None
