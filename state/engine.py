@@ -20,7 +20,7 @@ import contextlib
 import select
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -100,12 +100,17 @@ def make_engine(url: str, pool_size: int | None = None) -> Engine:
     return engine
 
 
-def open_connections(engine: Engine, count: int) -> None:
+def open_connections(engine: Engine, count: int, prepare: Callable[[Connection], None] | None = None) -> None:
     """Open `count` pooled connections now (at most the pool's size are kept), so that the first calls
-    of a server's threads find them open instead of each opening its own while clients wait."""
+    of a server's threads find them open instead of each opening its own while clients wait; each runs
+    `prepare` in a transaction rolled back afterwards."""
     with contextlib.ExitStack() as held:
         for _ in range(count):
-            held.enter_context(engine.connect())
+            conn = held.enter_context(engine.connect())
+            if prepare is not None:
+                with conn.begin() as transaction:
+                    prepare(conn)
+                    transaction.rollback()
 
 
 def _drop_if_closed_by_server(dbapi_connection, connection_record, connection_proxy) -> None:

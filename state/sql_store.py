@@ -42,7 +42,7 @@ from mortal.state.engine import (
     transaction,
 )
 from mortal.state.errors import Conflict, ConnectionLost, InvalidValue, NotFound
-from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
+from mortal.state.fencing import CHECK_STATEMENTS, TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.names import check_metadata, check_role, check_run_name
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef, activity_age, check_activity
 from mortal.state.tables import (
@@ -59,7 +59,7 @@ from mortal.state.tables import (
     table_of,
     utcnow,
 )
-from mortal.state.task_queue import TaskQueue, rowcount
+from mortal.state.task_queue import LEASE_STATEMENTS, TaskQueue, rowcount
 
 _RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow, CompletionRow)
 _RUNS, _WORKERS = table_of(RunRow), table_of(WorkerRow)
@@ -110,6 +110,20 @@ def _set_metrics(insert_of: Callable[[Any], Any]) -> Any:
 
 
 _SET_METRICS = {"postgresql": _set_metrics(pg_insert), "sqlite": _set_metrics(sqlite_insert)}
+# What the calls every worker makes all the time run (add_metrics's upsert aside: it cannot match no row).
+_HOT_STATEMENTS = (*CHECK_STATEMENTS, *LEASE_STATEMENTS, _HEARTBEAT, _GET_RUN, _LATEST_WEIGHTS)
+
+
+def _run_hot_statements(conn: Connection) -> None:
+    """Each hot statement once on `conn`, every parameter None, so that it matches no row (the caller
+    rolls back). Why: a server's first calls otherwise each compiled their statements (SQLAlchemy's cache,
+    per engine, keyed also by the parameters' names: these are the calls' own) and had PostgreSQL's new
+    session plan them first, loading its catalog caches, all in the first second of clients connecting."""
+    for statement in _HOT_STATEMENTS:
+        binds = statement.compile(dialect=conn.dialect).binds
+        conn.execute(statement, {name: None for name, bind in binds.items() if bind.required})
+
+
 _STORE_CALLS_TRIED_TWICE = Store.__abstractmethods__ - {"close", "migrate"}
 
 
@@ -177,8 +191,9 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         migrate.upgrade(self._engine)
 
     def open_connections(self, count: int) -> None:
-        """Open `count` database connections now, kept in the pool (up to its size) for the next calls."""
-        open_connections(self._engine, count)
+        """Open `count` database connections now, kept in the pool (up to its size) for the next calls,
+        each having run the hot calls' statements once (`_run_hot_statements`)."""
+        open_connections(self._engine, count, _run_hot_statements)
 
     def close(self) -> None:
         self._engine.dispose()

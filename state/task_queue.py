@@ -88,6 +88,7 @@ _COMPLETE = (
     .where(_HELD)
     .values(state="done", result=bindparam("b_result"), done_at=bindparam("b_now"), lease_expires_at=None)
 )
+LEASE_STATEMENTS = (*_CLAIM.values(), _RENEW, _COMPLETE)  # a rollout worker's calls' (SqlStore warms them)
 _RELEASE = (
     update(_TASKS)
     .where(
@@ -146,8 +147,9 @@ class TaskQueue:
             "b_now": now,
             "b_holder": worker.id,
             "b_expires": now + timedelta(seconds=lease_seconds),
-            "b_max_weight_version": max_weight_version,
         }
+        if max_weight_version is not None:  # exactly the statement's parameters: SqlStore.open_connections
+            values["b_max_weight_version"] = max_weight_version
         with self._conn() as c:
             check_worker(c, worker)
             claimed = c.execute(claim, values).mappings().first()

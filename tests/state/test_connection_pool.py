@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import event
 
-from mortal.state import open_store
+from mortal.state import NewTask, WorkerRef, open_store
 from mortal.state.http_server import make_app
 from mortal.state.sql_store import SqlStore
 
@@ -97,3 +97,42 @@ def test_the_server_opens_a_connection_per_thread(sql_store_url: str) -> None:
 def test_an_http_store_has_no_connections_to_open() -> None:
     with pytest.raises(ValueError, match="connections"):
         open_store("http://127.0.0.1:1", connections=2)
+
+
+def test_the_hot_calls_find_their_statements_compiled(sql_store_url: str) -> None:
+    """After open_connections, a worker's calls compile nothing: each of their statements was run once
+    per connection at the start (matching no row), so their first calls do not compile in a burst."""
+    from sqlalchemy.engine.default import CACHE_MISS
+
+    setup = open_store(sql_store_url)
+    setup.apply_run("r", {"model": {"name": "m"}})
+    actor = setup.create_worker("r", "actor", 0, "local", 60)
+    setup.enqueue_tasks(
+        WorkerRef("r", "actor", 0, actor.incarnation),
+        [NewTask(step=1, slot=k, min_weight_version=0) for k in range(2)],
+    )
+    ref = WorkerRef("r", "rollout", 0, setup.create_worker("r", "rollout", 0, "local", 60).incarnation)
+    setup.close()
+    store = open_store(sql_store_url, connections=2)
+    assert isinstance(store, SqlStore)
+    compiled: list[str] = []
+
+    @event.listens_for(store._engine, "after_cursor_execute")
+    def _note(
+        conn: object, cursor: object, statement: str, params: object, context: object, many: bool
+    ) -> None:
+        if getattr(context, "cache_hit", None) == CACHE_MISS:
+            compiled.append(statement.split("\n")[0])
+
+    try:
+        store.heartbeat(ref, step=1)
+        task = store.lease_task(ref, 30.0)
+        assert task is not None
+        assert store.lease_task(ref, 30.0, max_weight_version=0) is not None
+        assert store.renew_task(ref, task.id, task.lease_token, 30.0)
+        assert store.complete_task(ref, task.id, task.lease_token, {"reward": 1.0})
+        store.get_run("r")
+        store.latest_weights("r")
+        assert compiled == []
+    finally:
+        store.close()
