@@ -11,9 +11,11 @@ going through a worker's round of calls, one call at a time:
     get_run, latest_weights
 
 Clients are threads in --procs processes (one process of 256 threads measures its own GIL more than
-the server), started, imported and waiting before the start time is set (as real workers are running
-before their first call; the start of four Python processes on the bench's cores is not timed), their
-start's objects left out of their garbage collections (see `client_ready`). Each client is paced at --rate calls per second (a real worker calls far less often:
+the server). The processes are started, imported and waiting, their threads started, before the first
+call (as real workers are running before theirs: the start of four Python processes on the bench's
+cores is not timed), and their start's objects are left out of their garbage collections (see
+`client_ready`). Each client's first call still opens its connection, and is timed.
+Each client is paced at --rate calls per second (a real worker calls far less often:
 a heartbeat every few seconds, a task per generation); a call that comes back late delays the next,
 so an overloaded server shows as fewer calls per second, not as a queue inside the client. --rate 0:
 as fast as each client can (the server's capacity, at the price of latency).
@@ -189,14 +191,19 @@ class _Over(Exception):
 
 
 def _client(
-    store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: list, lock: threading.Lock
+    store: HttpStore,
+    ref: WorkerRef,
+    rate: float,
+    start_at: float,
+    stop_at: float,
+    out: list,
+    lock: threading.Lock,
 ) -> None:
-    """One worker's round of calls until `stop_at`; (call, seconds, error kind or None, whether it was the
-    client's first call: the one that opens its connection) into `out`."""
+    """One worker's round of calls from `start_at` until `stop_at` (time.monotonic()); (call, seconds,
+    error kind or None, whether it was the client's first call: the one that opens its connection)
+    into `out`."""
     interval = 1.0 / rate if rate > 0 else 0.0
-    next_at = time.monotonic() + (
-        interval * (ref.replica % 97) / 97 if interval else 0.0
-    )  # spread the starts
+    next_at = start_at + (interval * (ref.replica % 97) / 97 if interval else 0.0)  # spread the starts
     step, records = 0, []
 
     def call(name: str, fn: Any, *args: Any) -> Any:
@@ -242,15 +249,18 @@ def client_process(
     url: str, token: str, refs: list[tuple[str, str, int, int]], rate: float, start_at: float, seconds: float
 ) -> tuple[float, list[tuple[str, float, str | None, bool]]]:
     """Threads, one per worker ref, all starting at `start_at` (time.time()) for `seconds`; returns how
-    late the process got to `start_at` (seconds; 0 if early) and the calls."""
+    late the process got to `start_at` (seconds; 0 if early) and the calls. The threads are started
+    before `start_at` and wait for it (real workers are running before their first call)."""
     store = HttpStore(url, token=token, timeout=(10.0, 30.0), retry_attempts=1)  # no retries: failures show
     out: list = []
     lock = threading.Lock()
     late = max(0.0, time.time() - start_at)
-    time.sleep(max(0.0, start_at - time.time()))
-    stop_at = time.monotonic() + seconds
+    begin = time.monotonic() + max(0.0, start_at - time.time())
+    stop_at = begin + seconds
     threads = [
-        threading.Thread(target=_client, args=(store, WorkerRef(*ref), rate, stop_at, out, lock), daemon=True)
+        threading.Thread(
+            target=_client, args=(store, WorkerRef(*ref), rate, begin, stop_at, out, lock), daemon=True
+        )
         for ref in refs
     ]
     for t in threads:
@@ -283,18 +293,20 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         ready = ctx.Barrier(procs + 1)
         with ctx.Pool(procs, initializer=client_ready, initargs=(ready,)) as pool:
             ready.wait(120)  # every client process started and imported: their start is not timed
+            who = {
+                "server": lambda: server_processes(server),
+                "postgres": postgres_processes,
+                "clients": lambda: client_processes(server),
+            }
+            # Listed now: walking the machine's processes takes a core some milliseconds, not at the start.
+            listed = {name: find() for name, find in who.items()}
             start_at = time.time() + 1.0
             parts = [
                 pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
                 for share in shares
             ]
             time.sleep(max(0.0, start_at - time.time()))
-            who = {
-                "server": lambda: server_processes(server),
-                "postgres": postgres_processes,
-                "clients": lambda: client_processes(server),
-            }
-            cpu_before = {name: cpu_seconds(find()) for name, find in who.items()}
+            cpu_before = {name: cpu_seconds(processes) for name, processes in listed.items()}
             machine_before, started = psutil.cpu_times(), time.monotonic()
             answers = [part.get(args.seconds + 120) for part in parts]
             records = [r for _, part in answers for r in part]
