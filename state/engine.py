@@ -150,17 +150,23 @@ def is_postgres(engine: Engine | Connection) -> bool:
 
 
 @contextmanager
-def connection(engine: Engine, write: bool = True) -> Iterator[Connection]:
+def connection(engine: Engine, write: bool = True, one_read: bool = False) -> Iterator[Connection]:
     """One transaction on one connection: committed on success, rolled back on any error.
 
     `write=True` takes SQLite's write lock at BEGIN (a no-op distinction on PostgreSQL), after this
     process's own writer lock (`_writer_lock`). A connection that breaks raises ConnectionLost when
     nothing can have been committed (before COMMIT was sent: the server rolls the transaction back),
     Unavailable when COMMIT itself got no answer (applied or not, nobody can tell).
+    `one_read`: the block runs one reading statement; PostgreSQL runs it on its own (autocommit), without
+    the round trips of BEGIN and COMMIT around it (one statement sees one snapshot either way, in READ
+    COMMITTED as in a transaction of its own). SQLite keeps the transaction.
     """
     committing = False
     try:
         with _writer_lock(engine, write), engine.connect() as conn:
+            if one_read and is_postgres(engine):
+                yield conn.execution_options(isolation_level="AUTOCOMMIT")
+                return
             conn.execution_options(**{_WRITE: write})
             with conn.begin():
                 yield conn

@@ -173,9 +173,10 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             yield session
 
     @contextmanager
-    def _conn(self, write: bool = True) -> Iterator[Connection]:
-        """One transaction on a Connection, for Core statements (the hot calls); errors as `_refusals`."""
-        with _refusals(), connection(self._engine, write) as conn:
+    def _conn(self, write: bool = True, one_read: bool = False) -> Iterator[Connection]:
+        """One transaction on a Connection, for Core statements (the hot calls); errors as `_refusals`.
+        `one_read`: the block runs one SELECT (engine.connection says what that saves)."""
+        with _refusals(), connection(self._engine, write, one_read) as conn:
             yield conn
 
     def _insert_ignore(self, session: Session, model: type[SQLModel], values: dict[str, Any]) -> bool:
@@ -324,7 +325,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return later
 
     def get_run(self, name: str) -> RunRow:
-        with self._conn(write=False) as c:
+        with self._conn(write=False, one_read=True) as c:
             row = c.execute(_GET_RUN, {"b_name": name}).mappings().first()
         if row is None:
             raise NotFound(f"trainingrun {name!r} not found")
@@ -579,7 +580,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     def latest_weights(self, run: str) -> WeightRow | None:
-        with self._conn(write=False) as c:
+        with self._conn(write=False, one_read=True) as c:
             row = c.execute(_LATEST_WEIGHTS, {"b_run": run}).mappings().first()
         return None if row is None else WeightRow.model_validate(dict(row))
 

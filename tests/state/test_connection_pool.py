@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from sqlalchemy import event
@@ -134,5 +135,36 @@ def test_the_hot_calls_find_their_statements_compiled(sql_store_url: str) -> Non
         store.get_run("r")
         store.latest_weights("r")
         assert compiled == []
+    finally:
+        store.close()
+
+
+def test_the_hot_reads_run_without_begin_and_commit_on_postgres(sql_store_url: str) -> None:
+    """get_run and latest_weights are one SELECT each: on PostgreSQL it runs on its own (autocommit), not
+    between a BEGIN and a COMMIT that were two more round trips; writes keep their transactions, also on a
+    connection a read has just used. SQLite keeps the transaction (it costs no round trip)."""
+    store = open_store(sql_store_url, connections=1)
+    assert isinstance(store, SqlStore)
+    postgres = store._engine.dialect.name == "postgresql"
+    seen: list[tuple[str, bool]] = []
+
+    @event.listens_for(store._engine, "before_cursor_execute")
+    def _note(conn: Any, cursor: object, statement: str, params: object, context: object, many: bool) -> None:
+        if statement.startswith("BEGIN"):  # SQLite's, sent by the engine's begin hook
+            return
+        dbapi = conn.connection.dbapi_connection
+        seen.append((statement.split()[0], bool(getattr(dbapi, "autocommit", False)) if postgres else False))
+
+    try:
+        store.apply_run("r", {"model": {"name": "m"}})
+        ref = WorkerRef("r", "rollout", 0, store.create_worker("r", "rollout", 0, "local", 60).incarnation)
+        seen.clear()
+        store.get_run("r")
+        store.latest_weights("r")
+        store.heartbeat(ref, step=1)
+        reads, writes = seen[:2], seen[2:]
+        assert [name for name, _ in reads] == ["SELECT", "SELECT"]
+        assert all(autocommit == postgres for _, autocommit in reads)
+        assert writes and not any(autocommit for _, autocommit in writes)
     finally:
         store.close()
