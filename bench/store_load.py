@@ -11,7 +11,11 @@ going through a worker's round of calls, one call at a time:
     get_run, latest_weights
 
 Clients are threads in --procs processes (one process of 256 threads measures its own GIL more than
-the server). Each client is paced at --rate calls per second (a real worker calls far less often:
+the server). The processes are started, imported and waiting, their threads started, before the first
+call (as real workers are running before theirs: the start of four Python processes on the bench's
+cores is not timed), and their start's objects are left out of their garbage collections (see
+`client_ready`). Each client's first call still opens its connection, and is timed.
+Each client is paced at --rate calls per second (a real worker calls far less often:
 a heartbeat every few seconds, a task per generation); a call that comes back late delays the next,
 so an overloaded server shows as fewer calls per second, not as a queue inside the client. --rate 0:
 as fast as each client can (the server's capacity, at the price of latency).
@@ -27,6 +31,7 @@ processes, of PostgreSQL's (all of the machine's) and of the clients, and the ma
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -186,14 +191,19 @@ class _Over(Exception):
 
 
 def _client(
-    store: HttpStore, ref: WorkerRef, rate: float, stop_at: float, out: list, lock: threading.Lock
+    store: HttpStore,
+    ref: WorkerRef,
+    rate: float,
+    start_at: float,
+    stop_at: float,
+    out: list,
+    lock: threading.Lock,
 ) -> None:
-    """One worker's round of calls until `stop_at`; (call, seconds, error kind or None, whether it was the
-    client's first call: the one that opens its connection) into `out`."""
+    """One worker's round of calls from `start_at` until `stop_at` (time.monotonic()); (call, seconds,
+    error kind or None, whether it was the client's first call: the one that opens its connection)
+    into `out`."""
     interval = 1.0 / rate if rate > 0 else 0.0
-    next_at = time.monotonic() + (
-        interval * (ref.replica % 97) / 97 if interval else 0.0
-    )  # spread the starts
+    next_at = start_at + (interval * (ref.replica % 97) / 97 if interval else 0.0)  # spread the starts
     step, records = 0, []
 
     def call(name: str, fn: Any, *args: Any) -> Any:
@@ -225,24 +235,39 @@ def _client(
         out.extend(records)
 
 
+def client_ready(ready: Any) -> None:
+    """A client process's start (the Pool's initializer), once its imports are done: the objects they
+    made are left out of its later garbage collections (a full collection stops its 64 or so client
+    threads at once, where each real worker is a process of its own), then it waits at `ready`, a
+    barrier with the bench, which fixes the start time only when every client process has got there."""
+    gc.collect()
+    gc.freeze()
+    ready.wait(120)
+
+
 def client_process(
     url: str, token: str, refs: list[tuple[str, str, int, int]], rate: float, start_at: float, seconds: float
-) -> list[tuple[str, float, str | None, bool]]:
-    """Threads, one per worker ref, all starting at `start_at` (time.time()) for `seconds`."""
+) -> tuple[float, list[tuple[str, float, str | None, bool]]]:
+    """Threads, one per worker ref, all starting at `start_at` (time.time()) for `seconds`; returns how
+    late the process got to `start_at` (seconds; 0 if early) and the calls. The threads are started
+    before `start_at` and wait for it (real workers are running before their first call)."""
     store = HttpStore(url, token=token, timeout=(10.0, 30.0), retry_attempts=1)  # no retries: failures show
     out: list = []
     lock = threading.Lock()
-    time.sleep(max(0.0, start_at - time.time()))
-    stop_at = time.monotonic() + seconds
+    late = max(0.0, time.time() - start_at)
+    begin = time.monotonic() + max(0.0, start_at - time.time())
+    stop_at = begin + seconds
     threads = [
-        threading.Thread(target=_client, args=(store, WorkerRef(*ref), rate, stop_at, out, lock), daemon=True)
+        threading.Thread(
+            target=_client, args=(store, WorkerRef(*ref), rate, begin, stop_at, out, lock), daemon=True
+        )
         for ref in refs
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(seconds + 60)
-    return out
+    return late, out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -263,23 +288,29 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
         refs = prepare(url, token, clients, tasks=int(min(50_000, rounds * 1.5)) + 100)
         procs = max(1, min(args.procs, clients))
         shares = [refs[i::procs] for i in range(procs)]
-        start_at = time.time() + 2.0
         load_before = os.getloadavg()[0]
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(procs) as pool:
-            parts = [
-                pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
-                for share in shares
-            ]
-            time.sleep(max(0.0, start_at - time.time()))
+        ready = ctx.Barrier(procs + 1)
+        with ctx.Pool(procs, initializer=client_ready, initargs=(ready,)) as pool:
+            ready.wait(120)  # every client process started and imported: their start is not timed
             who = {
                 "server": lambda: server_processes(server),
                 "postgres": postgres_processes,
                 "clients": lambda: client_processes(server),
             }
-            cpu_before = {name: cpu_seconds(find()) for name, find in who.items()}
+            # Listed now: walking the machine's processes takes a core some milliseconds, not at the start.
+            listed = {name: find() for name, find in who.items()}
+            start_at = time.time() + 1.0
+            parts = [
+                pool.apply_async(client_process, (url, token, share, args.rate, start_at, args.seconds))
+                for share in shares
+            ]
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu_before = {name: cpu_seconds(processes) for name, processes in listed.items()}
             machine_before, started = psutil.cpu_times(), time.monotonic()
-            records = [r for part in parts for r in part.get(args.seconds + 120)]
+            answers = [part.get(args.seconds + 120) for part in parts]
+            records = [r for _, part in answers for r in part]
+            clients_late = max(late for late, _ in answers)
             cpu = {name: cpu_since(cpu_before[name], cpu_seconds(find())) for name, find in who.items()}
             machine, elapsed = psutil.cpu_times(), time.monotonic() - started
         busy = sum(machine) - machine.idle - (sum(machine_before) - machine_before.idle)
@@ -317,6 +348,8 @@ def run_case(kind: str, clients: int, args: argparse.Namespace, tmp: Path) -> di
             name: round(seconds / max(1, len(records)) * 1000, 2) for name, seconds in cpu.items()
         },
         "machine_busy_cores": round(busy / elapsed, 2),
+        # How late the last client process got to the start time (its calls began then, and were timed).
+        "clients_late_s": round(clients_late, 3),
         "load_avg_before": round(load_before, 2),
         "load_avg_after": round(load_after, 2),
     }

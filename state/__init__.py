@@ -70,14 +70,18 @@ __all__ = [
 ]
 
 
-def open_store(url: str | None = None) -> Store:
+def open_store(url: str | None = None, connections: int | None = None) -> Store:
     """The store at `url` (default: $MORTAL_STATE_URL, else SQLite under $MORTAL_HOME), migrated.
 
     URLs: `sqlite:///PATH` (its folder is created), `postgresql://user@host/db`, or `http(s)://HOST`
     (mortal.state.http_store: the server owns the database and migrated it when it started).
+    `connections`: for a SQL store, database connections to open now and keep open, one per thread that
+    will call it at once (the store server passes its threads); default: opened on demand.
     """
     url = url or default_state_url()
     if url.startswith(("http://", "https://")):
+        if connections is not None:
+            raise ValueError("connections: the HTTP store's database connections are its server's")
         from mortal.state.http_store import HttpStore
 
         # Its Store methods are generated from the wire's method table when the class is made
@@ -88,6 +92,8 @@ def open_store(url: str | None = None) -> Store:
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    store = SqlStore(url)
+    store = SqlStore(url, pool_size=connections)
     store.migrate()
+    if connections is not None:
+        store.open_connections(connections)
     return store

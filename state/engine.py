@@ -20,7 +20,7 @@ import contextlib
 import select
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,12 +74,19 @@ def json_value(value: Any) -> Any:
 JSON_CODEC = {"json_serializer": json_text, "json_deserializer": pydantic_core.from_json}
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`; nothing is connected yet. JSON columns go through JSON_CODEC."""
+def make_engine(url: str, pool_size: int | None = None) -> Engine:
+    """An engine for `url`; nothing is connected yet. JSON columns go through JSON_CODEC.
+
+    `pool_size`: connections the pool keeps open (default SQLAlchemy's). A process that makes calls from
+    N threads at once (the store server) asks for N: with fewer kept, every burst of calls past them
+    opens connections that are closed again on their return, and on PostgreSQL each is a new server
+    process, forked, authenticated and warming its catalog caches while the calls wait.
+    """
     url = sqlalchemy_url(url)
+    sizing = {} if pool_size is None else {"pool_size": pool_size}
     if make_url(url).get_backend_name() == "sqlite":
         # In-memory SQLite exists per connection: keep exactly one (tests and throwaway stores only).
-        pool = {"poolclass": StaticPool} if sqlite_path(url) is None else {}
+        pool = {"poolclass": StaticPool} if sqlite_path(url) is None else sizing
         connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
         engine = create_engine(url, connect_args=connect_args, **pool, **JSON_CODEC)
         event.listen(engine, "connect", _sqlite_on_connect)
@@ -88,9 +95,22 @@ def make_engine(url: str) -> Engine:
     # A process frozen inside a transaction (SIGSTOP, a paused VM) would hold its row locks for ever and
     # stall every writer behind it, the controller included: the server ends such a session instead.
     options = f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}"
-    engine = create_engine(url, connect_args={"options": options}, **JSON_CODEC)
+    engine = create_engine(url, connect_args={"options": options}, **sizing, **JSON_CODEC)
     event.listen(engine, "checkout", _drop_if_closed_by_server)
     return engine
+
+
+def open_connections(engine: Engine, count: int, prepare: Callable[[Connection], None] | None = None) -> None:
+    """Open `count` pooled connections now (at most the pool's size are kept), so that the first calls
+    of a server's threads find them open instead of each opening its own while clients wait; each runs
+    `prepare` in a transaction rolled back afterwards."""
+    with contextlib.ExitStack() as held:
+        for _ in range(count):
+            conn = held.enter_context(engine.connect())
+            if prepare is not None:
+                with conn.begin() as transaction:
+                    prepare(conn)
+                    transaction.rollback()
 
 
 def _drop_if_closed_by_server(dbapi_connection, connection_record, connection_proxy) -> None:
@@ -130,17 +150,23 @@ def is_postgres(engine: Engine | Connection) -> bool:
 
 
 @contextmanager
-def connection(engine: Engine, write: bool = True) -> Iterator[Connection]:
+def connection(engine: Engine, write: bool = True, one_read: bool = False) -> Iterator[Connection]:
     """One transaction on one connection: committed on success, rolled back on any error.
 
     `write=True` takes SQLite's write lock at BEGIN (a no-op distinction on PostgreSQL), after this
     process's own writer lock (`_writer_lock`). A connection that breaks raises ConnectionLost when
     nothing can have been committed (before COMMIT was sent: the server rolls the transaction back),
     Unavailable when COMMIT itself got no answer (applied or not, nobody can tell).
+    `one_read`: the block runs one reading statement; PostgreSQL runs it on its own (autocommit), without
+    the round trips of BEGIN and COMMIT around it (one statement sees one snapshot either way, in READ
+    COMMITTED as in a transaction of its own). SQLite keeps the transaction.
     """
     committing = False
     try:
         with _writer_lock(engine, write), engine.connect() as conn:
+            if one_read and is_postgres(engine):
+                yield conn.execution_options(isolation_level="AUTOCOMMIT")
+                return
             conn.execution_options(**{_WRITE: write})
             with conn.begin():
                 yield conn

@@ -46,6 +46,7 @@ def _newest_of_slot(for_update: bool) -> Any:
 
 
 _NEWEST_OF_SLOT = {False: _newest_of_slot(False), True: _newest_of_slot(True)}
+CHECK_STATEMENTS = tuple(_NEWEST_OF_SLOT.values())  # every worker write's (SqlStore warms them)
 
 
 def check_leader(session: Session, fence: LeaderFence | None) -> None:

@@ -22,6 +22,7 @@ What it must not do: decide anything, keep state between requests, answer withou
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -250,10 +251,15 @@ def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
 
 
 def make_app(
-    backing_url: str, token: str, access_log: str | Path | None = None, previous_tokens: Sequence[str] = ()
+    backing_url: str,
+    token: str,
+    access_log: str | Path | None = None,
+    previous_tokens: Sequence[str] = (),
+    threads: int | None = None,
 ) -> StoreApp:
     """The app over the SQL store at `backing_url` (opened and migrated now), logging access to
-    `access_log`."""
+    `access_log`. `threads`: the calls the server makes at once; that many database connections are
+    opened now and kept (default: opened on demand)."""
     from mortal.state import open_store
 
     if backing_url.startswith(("http://", "https://")):
@@ -261,7 +267,10 @@ def make_app(
             f"the HTTP store must be backed by a SQL database, not another HTTP store ({backing_url})"
         )
     return StoreApp(
-        open_store(backing_url), token, None if access_log is None else AccessLog(access_log), previous_tokens
+        open_store(backing_url, connections=threads),
+        token,
+        None if access_log is None else AccessLog(access_log),
+        previous_tokens,
     )
 
 
@@ -284,7 +293,7 @@ def default_access_log() -> Path:
 # and fine on 2 cores. Process servers (gunicorn) would need one engine per process; ASGI ones (uvicorn,
 # hypercorn, granian) would need the app rewritten or wrapped, for no gain: SqlStore's calls block.
 # On Modal none of this runs: @modal.wsgi_app serves make_app() behind Modal's own web server.
-WORKER_THREADS = 8  # calls in flight at once; each holds a pooled connection (SQLAlchemy's default: 5 + 10)
+WORKER_THREADS = 8  # calls in flight at once; each holds one of the pool's connections, opened at start
 # Open connections (mostly idle keep-alives of pooled clients); waitress's default is 100.
 CONNECTION_LIMIT = 2048
 
@@ -404,11 +413,14 @@ def serve(
     access_log: str | Path | None = None,
     previous_tokens: Sequence[str] = (),
     reuse_port: bool = False,
+    freeze_heap: bool = False,
 ) -> Iterator[Served]:
     """Serve the store with waitress in a background thread for the duration of the block (port 0: any
     free port). A connection silent for `read_timeout` (mid-request, or idle between requests) is closed.
     Requests are logged to `access_log` when given; `previous_tokens` are admin tokens still accepted.
-    `reuse_port`: listen with SO_REUSEPORT, so that several server processes share one address."""
+    `reuse_port`: listen with SO_REUSEPORT, so that several server processes share one address.
+    `freeze_heap`: for a process that only serves (`main`), see `_freeze_heap`; never in a process whose
+    objects come and go after it (a test's), as frozen objects are never collected."""
     try:
         from waitress.channel import HTTPChannel
         from waitress.server import create_server
@@ -417,7 +429,9 @@ def serve(
 
     # Not a line per request queued behind busy threads.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    app = make_app(backing_url, token, access_log, previous_tokens)
+    app = make_app(backing_url, token, access_log, previous_tokens, threads=threads)
+    if freeze_heap:
+        _freeze_heap()
     channel = type(
         "_StoreChannel",
         (HTTPChannel,),
@@ -446,6 +460,16 @@ def serve(
         yield served
     finally:
         served.close()
+
+
+def _freeze_heap() -> None:
+    """Leave the objects of the server's start (its imports, the migrations, the engine) out of every
+    later garbage collection (gc.freeze). Why: Python's full collection walks every object the process
+    holds and stops all its threads meanwhile; the first ones came with the first burst of calls, and
+    walking what the start had left took the server's threads a good part of a second, the clients'
+    first calls waiting behind them (docs/benchmarks.md). What is frozen lives as long as the process."""
+    gc.collect()
+    gc.freeze()
 
 
 def _shared_listener(host: str, port: int) -> socket.socket:
@@ -530,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
             access_log=access_log,
             previous_tokens=previous_tokens_from(os.environ),
             reuse_port=shared,
+            freeze_heap=True,
         ) as served:
             if args.processes > 1:
                 port = served.url.rsplit(":", 1)[1]  # the bound port, also when --port 0 asked for any

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, insert, update
+from sqlalchemy import bindparam, delete, func, update
 from sqlalchemy import select as core_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -33,9 +33,16 @@ from sqlmodel import Session, SQLModel, col, select
 
 from mortal.state import migrate
 from mortal.state.completions import CompletionLog
-from mortal.state.engine import connection, is_postgres, json_value, make_engine, transaction
+from mortal.state.engine import (
+    connection,
+    is_postgres,
+    json_value,
+    make_engine,
+    open_connections,
+    transaction,
+)
 from mortal.state.errors import Conflict, ConnectionLost, InvalidValue, NotFound
-from mortal.state.fencing import TERMINAL_WORKER_STATES, check_leader, check_worker
+from mortal.state.fencing import CHECK_STATEMENTS, TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.names import check_metadata, check_role, check_run_name
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef, activity_age, check_activity
 from mortal.state.tables import (
@@ -52,7 +59,7 @@ from mortal.state.tables import (
     table_of,
     utcnow,
 )
-from mortal.state.task_queue import TaskQueue, rowcount
+from mortal.state.task_queue import LEASE_STATEMENTS, TaskQueue, rowcount
 
 _RUN_OWNED = (WorkerRow, CheckpointRow, WeightRow, EventRow, MetricRow, TaskRow, CompletionRow)
 _RUNS, _WORKERS = table_of(RunRow), table_of(WorkerRow)
@@ -92,12 +99,32 @@ _REPORT_EXIT = (
     )
     .returning(*_WORKERS.c)
 )
-_CLEAR_METRICS = delete(_METRICS).where(
-    _METRICS.c.run == bindparam("b_run"),
-    _METRICS.c.step == bindparam("b_step"),
-    _METRICS.c.name.in_(bindparam("b_names", expanding=True)),
-)
-_ADD_METRICS = insert(_METRICS)
+
+
+def _set_metrics(insert_of: Callable[[Any], Any]) -> Any:
+    """INSERT ... ON CONFLICT (run, step, name) DO UPDATE: a name's value for a step, new or replaced."""
+    statement = insert_of(_METRICS)
+    return statement.on_conflict_do_update(
+        index_elements=["run", "step", "name"],
+        set_={"value": statement.excluded.value, "time": statement.excluded.time},
+    )
+
+
+_SET_METRICS = {"postgresql": _set_metrics(pg_insert), "sqlite": _set_metrics(sqlite_insert)}
+# What the calls every worker makes all the time run (add_metrics's upsert aside: it cannot match no row).
+_HOT_STATEMENTS = (*CHECK_STATEMENTS, *LEASE_STATEMENTS, _HEARTBEAT, _GET_RUN, _LATEST_WEIGHTS)
+
+
+def _run_hot_statements(conn: Connection) -> None:
+    """Each hot statement once on `conn`, every parameter None, so that it matches no row (the caller
+    rolls back). Why: a server's first calls otherwise each compiled their statements (SQLAlchemy's cache,
+    per engine, keyed also by the parameters' names: these are the calls' own) and had PostgreSQL's new
+    session plan them first, loading its catalog caches, all in the first second of clients connecting."""
+    for statement in _HOT_STATEMENTS:
+        binds = statement.compile(dialect=conn.dialect).binds
+        conn.execute(statement, {name: None for name, bind in binds.items() if bind.required})
+
+
 _STORE_CALLS_TRIED_TWICE = Store.__abstractmethods__ - {"close", "migrate"}
 
 
@@ -132,9 +159,10 @@ def _json(value: Any) -> Any:
 class SqlStore(TaskQueue, CompletionLog, Store):
     """The store on one database URL (sqlite:///..., postgresql://...). Connects on first use."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pool_size: int | None = None) -> None:
+        """`pool_size`: database connections kept open (engine.make_engine says why a server sets it)."""
         self.url = url
-        self._engine = make_engine(url)
+        self._engine = make_engine(url, pool_size)
 
     def __repr__(self) -> str:
         return f"SqlStore({self._engine.url.render_as_string(hide_password=True)!r})"
@@ -146,9 +174,10 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             yield session
 
     @contextmanager
-    def _conn(self, write: bool = True) -> Iterator[Connection]:
-        """One transaction on a Connection, for Core statements (the hot calls); errors as `_refusals`."""
-        with _refusals(), connection(self._engine, write) as conn:
+    def _conn(self, write: bool = True, one_read: bool = False) -> Iterator[Connection]:
+        """One transaction on a Connection, for Core statements (the hot calls); errors as `_refusals`.
+        `one_read`: the block runs one SELECT (engine.connection says what that saves)."""
+        with _refusals(), connection(self._engine, write, one_read) as conn:
             yield conn
 
     def _insert_ignore(self, session: Session, model: type[SQLModel], values: dict[str, Any]) -> bool:
@@ -162,6 +191,11 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     # -- lifecycle -------------------------------------------------------------------------
     def migrate(self) -> None:
         migrate.upgrade(self._engine)
+
+    def open_connections(self, count: int) -> None:
+        """Open `count` database connections now, kept in the pool (up to its size) for the next calls,
+        each having run the hot calls' statements once (`_run_hot_statements`)."""
+        open_connections(self._engine, count, _run_hot_statements)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -292,7 +326,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return later
 
     def get_run(self, name: str) -> RunRow:
-        with self._conn(write=False) as c:
+        with self._conn(write=False, one_read=True) as c:
             row = c.execute(_GET_RUN, {"b_name": name}).mappings().first()
         if row is None:
             raise NotFound(f"trainingrun {name!r} not found")
@@ -571,7 +605,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             return row
 
     def latest_weights(self, run: str) -> WeightRow | None:
-        with self._conn(write=False) as c:
+        with self._conn(write=False, one_read=True) as c:
             row = c.execute(_LATEST_WEIGHTS, {"b_run": run}).mappings().first()
         return None if row is None else WeightRow.model_validate(dict(row))
 
@@ -607,14 +641,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._conn() as c:
             check_worker(c, worker)
             now = utcnow()
+            # A resumed run re-records a step: one value per name, replaced. In name order, so that two
+            # writers of one step take its rows' locks in the same order (uq_metrics_run_step_name).
             rows = [
                 {"run": worker.run, "step": step, "name": k, "value": float(v), "time": now}
-                for k, v in values.items()
+                for k, v in sorted(values.items())
             ]
-            # A resumed run re-records a step: one value per name.
-            c.execute(_CLEAR_METRICS, {"b_run": worker.run, "b_step": step, "b_names": list(values)})
             if rows:
-                c.execute(_ADD_METRICS, rows)
+                c.execute(_SET_METRICS[c.dialect.name], rows)
 
     def list_metrics(
         self, run: str, name: str | None = None, since_step: int | None = None

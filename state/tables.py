@@ -233,7 +233,11 @@ class MetricRow(SQLModel, table=True):
     """One scalar per (run, step, name): reward/mean, loss, kl, tokens_per_second, ..."""
 
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_run_name_step", "run", "name", "step"),)
+    __table_args__ = (
+        Index("ix_metrics_run_name_step", "run", "name", "step"),
+        # One value per name: add_metrics upserts on it (migration 0009 says why).
+        Index("uq_metrics_run_step_name", "run", "step", "name", unique=True),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     run: str

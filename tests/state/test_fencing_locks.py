@@ -70,7 +70,7 @@ def _setup(store: SqlStore) -> tuple[WorkerRef, int, int]:
         (lambda s, ref, task, token: s.complete_task(ref, task, token, {"reward": 1.0}), "UPDATE tasks"),
         (lambda s, ref, task, token: s.renew_task(ref, task, token, 60), "UPDATE tasks"),
         (lambda s, ref, task, token: s.heartbeat(ref, step=2), "UPDATE workers"),
-        (lambda s, ref, task, token: s.add_metrics(ref, 1, {"loss": 0.5}), "DELETE FROM metrics"),
+        (lambda s, ref, task, token: s.add_metrics(ref, 1, {"loss": 0.5}), "INSERT INTO metrics"),
     ],
     ids=["complete_task", "renew_task", "heartbeat", "add_metrics"],
 )

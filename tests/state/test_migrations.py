@@ -124,6 +124,26 @@ def test_upgrade_from_0001_keeps_every_row(sql_store_url: str) -> None:
         store.close()
 
 
+def test_0009_keeps_the_latest_value_of_a_name_recorded_twice(sql_store_url: str) -> None:
+    """Before 0009 two writers of one step at once could leave two rows for a name; the upgrade keeps the
+    one written last (the highest id) and from then on the unique index holds one."""
+    engine = make_engine(sql_store_url)
+    migrate.upgrade(engine, "0008")
+    with connection(engine) as conn:
+        tables = MetaData()
+        tables.reflect(conn)
+        rows = [dict(run="a", step=1, name="loss", value=value, time=NOW) for value in (1.0, 2.0, 3.0)] + [
+            dict(run="a", step=2, name="loss", value=4.0, time=NOW)
+        ]
+        conn.execute(tables.tables["metrics"].insert(), rows)
+    engine.dispose()
+    store = open_store(sql_store_url)
+    try:
+        assert [(m.step, m.value) for m in store.list_metrics("a")] == [(1, 3.0), (2, 4.0)]
+    finally:
+        store.close()
+
+
 def test_models_match_the_migrated_schema(sql_store_url: str) -> None:
     open_store(sql_store_url).close()
     engine = make_engine(sql_store_url)
