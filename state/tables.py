@@ -235,7 +235,7 @@ class MetricRow(SQLModel, table=True):
     __tablename__ = "metrics"
     __table_args__ = (
         Index("ix_metrics_run_name_step", "run", "name", "step"),
-        # One value per name: add_metrics upserts on it (migration 0009 says why).
+        # One value per name: add_metrics upserts on it (migration 0010 says why).
         Index("uq_metrics_run_step_name", "run", "step", "name", unique=True),
     )
 

@@ -124,11 +124,11 @@ def test_upgrade_from_0001_keeps_every_row(sql_store_url: str) -> None:
         store.close()
 
 
-def test_0009_keeps_the_latest_value_of_a_name_recorded_twice(sql_store_url: str) -> None:
-    """Before 0009 two writers of one step at once could leave two rows for a name; the upgrade keeps the
+def test_0010_keeps_the_latest_value_of_a_name_recorded_twice(sql_store_url: str) -> None:
+    """Before 0010 two writers of one step at once could leave two rows for a name; the upgrade keeps the
     one written last (the highest id) and from then on the unique index holds one."""
     engine = make_engine(sql_store_url)
-    migrate.upgrade(engine, "0008")
+    migrate.upgrade(engine, "0009")
     with connection(engine) as conn:
         tables = MetaData()
         tables.reflect(conn)

@@ -1,7 +1,7 @@
 """metrics: one row per (run, step, name), held by a unique index.
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-12-06
 
 Why: add_metrics replaced a step's values by deleting the rows it found and inserting new ones. Two
@@ -15,8 +15,8 @@ Self-contained, as 0001: plain SQLAlchemy, no imports from mortal.
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009"
-down_revision = "0008"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
