@@ -267,6 +267,11 @@ class _Meeting:
         pass
 
     def meet(self, who: str) -> str:
+        """Wait until another rollout meets too.
+
+        Args:
+            who: Who meets.
+        """
         self.barrier.wait()
         return who
 
@@ -287,6 +292,28 @@ def test_different_rollouts_tools_run_at_once_and_one_rollouts_calls_in_order() 
     # one after the other, each rollout's first call would wait for the other's forever (the barrier's 5 s)
     assert [[o.content for o in rollout] for rollout in outcomes] == [["a", "b"], ["c", "d"]]
     assert not any(o.failed for rollout in outcomes for o in rollout)
+
+
+def test_on_the_continuous_path_two_rollouts_tools_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The continuous path hands each ended turn to a pool: two rollouts' calls of a tool that returns only
+    when both are in it at once both succeed (one after the other, the first would time out)."""
+    import tool_helpers
+
+    monkeypatch.setitem(tool_helpers.SCRIPTS, "meeting", [tool_call("meet", who="a"), "Met."])
+    tokenizer = smollm2_tokenizer()
+    multiturn = MultiTurn(
+        ScriptedEngine(tokenizer),
+        tokenizer,
+        Toolbox(environments={None: _Meeting}, timeout_seconds=10),
+        GenerationParams(max_tokens=160),
+        chat_template="qwen2_5",
+        continuous=True,
+    )
+    request = RolloutRequest(
+        prompt=[{"role": "user", "content": "Task: meeting."}], row={}, num_generations=2, seed=0
+    )
+    [group] = multiturn.rollouts([request])
+    assert [(r.tool_calls, r.tool_failures, r.turns) for r in group] == [(1, 0, 2), (1, 0, 2)]
 
 
 def test_standalone_tools_shared_by_every_rollout_never_run_at_once() -> None:
