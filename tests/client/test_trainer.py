@@ -24,6 +24,13 @@ NO_TOOLS = {
     "maxToolCallingIterations": None,
     "toolTimeoutSeconds": 30.0,
     "chatTemplate": None,
+    "environmentService": {
+        "mode": "inProcess",
+        "processes": None,
+        "url": None,
+        "tokenEnv": None,
+        "resetTimeoutSeconds": 300.0,
+    },
 }  # spec.rollout's tool-calling fields, at their defaults
 UNCAPPED = {
     "gpuMemoryUtilization": None,

@@ -31,16 +31,25 @@ def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
     assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
 
 
-def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli, store):
+def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli, store, monkeypatch):
     """`delete` then `apply` at once: apply waits while the controller stops the old run's workers and purges
-    it (a thread does it here), then creates the run anew: a new uid."""
+    it (a thread does it here, half a second after apply starts waiting, however long apply's checks took),
+    then creates the run anew: a new uid."""
     cli("apply", "-f", str(QUICKSTART))
     old = store.get_run("quickstart").uid
     assert cli("delete", "run", "quickstart").exit_code == 0
-    purge = threading.Timer(0.5, store.purge_run, args=("quickstart",))
-    purge.start()
+    waits = apply.wait_until_deleted
+
+    def purged_later(*args, **kwargs) -> None:
+        purge = threading.Timer(0.5, store.purge_run, args=("quickstart",))
+        purge.start()
+        try:
+            waits(*args, **kwargs)
+        finally:
+            purge.join()
+
+    monkeypatch.setattr(apply, "wait_until_deleted", purged_later)
     out = cli("apply", "-f", str(QUICKSTART))
-    purge.join()
     assert out.exit_code == 0, out.output
     assert out.stdout == "trainingrun/quickstart created\n"
     assert "is being deleted: waiting for the controller to finish" in out.stderr
