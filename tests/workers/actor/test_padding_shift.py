@@ -363,6 +363,19 @@ def _cuda_loss(
     return out.log_probs.detach().float(), [event.key for event in prof.key_averages()], grad
 
 
+def _cuda_model(tiny_dir: Path, shift: bool) -> Any:
+    """The tiny model in bf16 on CUDA with TRL's fused head, the padding shift installed when `shift`."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).cuda()
+    add_fused_lm_head(model)
+    assert not shift or padding_shift.install(model)
+    return model
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forward_in_bf16(tiny_dir) -> None:
@@ -370,17 +383,7 @@ def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forw
     never the memory-efficient one; the values agree with the masked forward's to bf16's rounding. Which
     kernel the masked forward takes is PyTorch's choice: in eager mode on an H200 cuDNN's, under torch.compile
     (the profiled bench step, docs/benchmarks.md) the memory-efficient one, so the test does not assert it."""
-    from transformers import AutoModelForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
-
-    results = []
-    for shift in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(
-            tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
-        ).cuda()
-        add_fused_lm_head(model)
-        assert not shift or padding_shift.install(model)
-        results.append(_cuda_loss(model))
+    results = [_cuda_loss(_cuda_model(tiny_dir, shift)) for shift in (False, True)]
     (plain_logps, _, plain_grad), (logps, kernels, grad) = results
     attention = [k for k in kernels if _attention_kernel(k)]
     assert not any(_memory_efficient(k) for k in attention), attention
@@ -394,17 +397,7 @@ def test_on_cuda_the_shifted_loss_runs_a_flash_kernel_and_equals_the_masked_forw
 def test_on_cuda_a_shared_prompt_prefix_equals_the_masked_forward_in_bf16(tiny_dir) -> None:
     """The shared-prefix path (shared_prefix.py) on CUDA in bf16: the same logprobs and gradient as the masked
     forward, to bf16's rounding."""
-    from transformers import AutoModelForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
-
-    results = []
-    for shift in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(
-            tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
-        ).cuda()
-        add_fused_lm_head(model)
-        assert not shift or padding_shift.install(model)
-        results.append(_cuda_loss(model, prompt=48, shared=40))
+    results = [_cuda_loss(_cuda_model(tiny_dir, shift), prompt=48, shared=40) for shift in (False, True)]
     (plain_logps, _, plain_grad), (logps, _, grad) = results
     torch.testing.assert_close(logps, plain_logps, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad, plain_grad, rtol=5e-2, atol=5e-2 * plain_grad.abs().max().item())
