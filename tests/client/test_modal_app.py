@@ -305,9 +305,15 @@ def _probe(env: dict[str, str], cwd: Path) -> dict[str, Any]:
 def _deploy(
     env: dict[str, str], cwd: Path, url: str, module: str = APP_MODULE
 ) -> subprocess.CompletedProcess[str]:
-    """The documented command, against the refusing API: it fails at the token, after building the app."""
+    """The documented command, against the refusing API: it fails at the token, after building the app.
+
+    PATH holds only this Python's folder: `modal deploy` starts `git log` and three other git commands in a
+    task of its own (modal/runner.py, for the deployment's commit info) and the refusal can leave them
+    pending, so asyncio prints their transports' teardown at exit, a Modal race under load and not this
+    app's. Without git the task ends at once and any traceback left is one the app caused."""
     env = {
         **env,
+        "PATH": str(Path(sys.executable).parent),
         "MODAL_SERVER_URL": url,
         "MODAL_TOKEN_ID": "ak-test",
         "MODAL_TOKEN_SECRET": "as-test",
