@@ -18,21 +18,13 @@ prefix are unscored and read 0, as TRL's are), or copy the prefix per row before
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-ENV = "MORTAL_SHARED_PREFIX"  # "0": the actor leaves the shared prefix out
-# Fewer shared tokens than this gain less than the extra forward call and the cache's expansion cost.
-MIN_SHARED_PREFIX = 32
-
-
-def wanted(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the loss shares the rows' common prefix: unless ENV is "0"."""
-    return environ.get(ENV, "1").strip() != "0"
+from mortal.workers.prefix import MIN_SHARED_PREFIX, wanted
 
 
 def usable(model: Any, rows: int, extra: Mapping[str, Any]) -> bool:

@@ -33,6 +33,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 
 from mortal.workers.oom import BudgetRefusal
 from mortal.workers.rollout.engines import decode_attention, fused_projections
+from mortal.workers.rollout.engines.prefix_cache import PromptPrefix
 
 # Decode steps between checks for ended rows. A check waits for the GPU once (a moment of idle GPU while
 # Python enqueues the next replays); a row that ended just after one keeps sampling junk until the next.
@@ -241,13 +242,15 @@ class RowWrites:
 
     `columns` [R]: in a decode step, the cache column each row writes its one new K/V to (a tensor of
     the DecodeState, updated in place inside the step). `prefill_rows`: during an eager prefill, the
-    rows being filled (their prompts go to columns 0..P-1); None during decode steps. `appended`: during an
-    eager append (turn_decode), where each new token of some rows goes; None otherwise."""
+    rows being filled (their prompts go to columns `prefill_from`..P-1: the columns before hold a shared
+    prefix already, prefix_cache); None during decode steps. `appended`: during an eager append (turn_decode),
+    where each new token of some rows goes; None otherwise."""
 
     def __init__(self, columns: torch.Tensor) -> None:
         self.columns = columns
         self.every_row = torch.arange(columns.shape[0], device=columns.device)
         self.prefill_rows: torch.Tensor | None = None
+        self.prefill_from = 0
         self.appended: AppendedTokens | None = None
 
 
@@ -307,10 +310,12 @@ class RowScatterLayer(StaticLayer):
     def _prefill(
         self, rows: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eager: the prompts of `rows` into columns 0..P-1; returns those rows' full K/V."""
-        width = key_states.shape[2]
-        self.keys[rows, :, :width] = key_states
-        self.values[rows, :, :width] = value_states
+        """Eager: the prompts of `rows` into their columns from `prefill_from` on; returns those rows' full
+        K/V."""
+        start = self.writes.prefill_from
+        stop = start + key_states.shape[2]
+        self.keys[rows, :, start:stop] = key_states
+        self.values[rows, :, start:stop] = value_states
         return self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
     def _decode(
@@ -688,9 +693,7 @@ class StaticDecoder:
         shape.cache.reset()
         shape.state.stop.zero_()
         shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
-        prompts = Prompts(
-            input_ids.to(self.device), attention_mask.to(self.device, torch.bool), max_tokens, self.dtype
-        )
+        prompts = self.prompts(input_ids, attention_mask, max_tokens)
         outputs = _Outputs(sequences, max_tokens, self.device)
         schedule = RowSchedule(rows, sequences, max_tokens, self.sync_every)
         steps = self._decode(shape, prompts, schedule, sampling, outputs)
@@ -748,34 +751,47 @@ class StaticDecoder:
         state = shape.state
         outputs.take(state, [(row, old) for row, _, old in given if old is not None])
         rows = torch.tensor([row for row, _, _ in given], device=self.device)
-        chosen = torch.tensor([seq for _, seq, _ in given], device=self.device)
-        logits = self.prefill(shape, prompts, rows, chosen)
+        logits = self.prefill(shape, prompts, rows, [seq for _, seq, _ in given])
         token, logprob = sample(logits, sampling)
         state.tokens[rows, 0], state.logprobs[rows, 0] = token, logprob
         state.last_token[rows] = token[:, None]
         state.t[rows] = 1
         state.ended[rows] = state.stop[token]
 
+    def prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int) -> Prompts:
+        """One call's left-padded prompts on this device, with the prefix they all share computed once
+        (prefix_cache; None where none is worth it)."""
+        lengths = attention_mask.sum(dim=-1).tolist()
+        ids, real = input_ids.to(self.device), attention_mask.to(self.device, torch.bool)
+        prefix = PromptPrefix.of(self.model, ids, lengths)
+        return Prompts(ids, real, max_tokens, self.dtype, lengths, prefix)
+
     def prefill(
-        self, shape: PreparedShape, prompts: Prompts, rows: torch.Tensor, chosen: torch.Tensor
+        self, shape: PreparedShape, prompts: Prompts, rows: torch.Tensor, chosen: list[int]
     ) -> torch.Tensor:
-        """Eager: the prompts `chosen` into `rows` (columns 0..P-1 of their cache), each row's position and
-        decode mask set for its first decode step; returns each row's last-position logits [k, vocab]."""
-        ids, real = prompts.ids[chosen], prompts.real[chosen]
+        """Eager: the prompts `chosen` into `rows` (columns 0..P-1 of their cache; with a shared prefix, its
+        K/V copied in and only the columns after it computed), each row's position and decode mask set for
+        its first decode step; returns each row's last-position logits [k, vocab]."""
+        index = torch.tensor(chosen, device=self.device)
+        ids, real = prompts.ids[index], prompts.real[index]
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-        shape.cache.writes.prefill_rows = rows
+        start = prompts.first_computed_column(chosen)
+        if prompts.prefix is not None:
+            pads = [prompts.width - prompts.lengths[c] for c in chosen]
+            prompts.prefix.write(shape.cache.layers, rows, pads)
+        shape.cache.writes.prefill_rows, shape.cache.writes.prefill_from = rows, start
         try:
             # logits_to_keep=1: the last position's logits only, not [rows, P, vocab] (GBs at 256 rows)
             logits = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=prompts.prefill_mask(real),
+                input_ids=ids[:, start:],
+                position_ids=positions[:, start:],
+                attention_mask=prompts.prefill_mask(real, start),
                 past_key_values=shape.cache,
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
         finally:
-            shape.cache.writes.prefill_rows = None
+            shape.cache.writes.prefill_rows, shape.cache.writes.prefill_from = None, 0
         shape.state.positions[rows] = positions[:, -1:] + 1
         shape.state.mask[rows] = prompts.decode_mask(real)
         return logits
@@ -805,10 +821,22 @@ class _Outputs:
 
 
 class Prompts:
-    """The task's left-padded prompts and the masks a row needs when one of them is prefilled into it."""
+    """The task's left-padded prompts and the masks a row needs when one of them is prefilled into it.
 
-    def __init__(self, ids: torch.Tensor, real: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> None:
+    `lengths`: each prompt's real tokens (on the host); `prefix`: the K/V of the prefix they all share, or
+    None (StaticDecoder.prompts builds both)."""
+
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        real: torch.Tensor,
+        max_tokens: int,
+        dtype: torch.dtype,
+        lengths: list[int],
+        prefix: PromptPrefix | None = None,
+    ) -> None:
         self.ids, self.real = ids, real
+        self.lengths, self.prefix = lengths, prefix
         self.width = ids.shape[1]
         self.length = self.width + max_tokens
         self.dtype = dtype
@@ -823,11 +851,19 @@ class Prompts:
         visible[:, : self.width] = real
         return visible
 
-    def prefill_mask(self, real: torch.Tensor) -> torch.Tensor:
-        """[k, 1, P, P + T] additive: causal over real tokens; a padding query sees itself (no empty row)."""
+    def first_computed_column(self, chosen: list[int]) -> int:
+        """The first prompt column a prefill of `chosen` computes: 0, or with a shared prefix the first column
+        after it in the longest of them (the others' columns there are padding or prefix, computed again)."""
+        if self.prefix is None:
+            return 0
+        return self.width - max(self.lengths[c] for c in chosen) + self.prefix.length
+
+    def prefill_mask(self, real: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """[k, 1, P - start, P + T] additive, the queries of columns start..P-1: causal over real tokens; a
+        padding query sees itself (no empty row)."""
         allowed = (
-            self._visible(real)[:, None, None, :] & self.causal[None, None]
-        ) | self.pad_rows_see_themselves
+            self._visible(real)[:, None, None, :] & self.causal[None, None, start:]
+        ) | self.pad_rows_see_themselves[start:]
         return self._additive(allowed)
 
     def decode_mask(self, real: torch.Tensor) -> torch.Tensor:

@@ -238,12 +238,7 @@ class TurnDecoder:
         state.stop.zero_()
         state.stop[[i for i in eos_ids if 0 <= i < decoder.vocab]] = True
         state.ended.fill_(True)  # rows without a conversation stay frozen
-        prompts = Prompts(
-            input_ids.to(decoder.device),
-            attention_mask.to(decoder.device, torch.bool),
-            max_tokens,
-            decoder.dtype,
-        )
+        prompts = decoder.prompts(input_ids, attention_mask, max_tokens)
         key_of = torch.tensor(keys, dtype=torch.long, device=decoder.device)
         schedule = TurnSchedule(state.rows, conversations)
         stats = TurnStats(rows=state.rows, conversations=conversations)
@@ -362,9 +357,9 @@ class TurnDecoder:
         state: TurnState = shape.state  # type: ignore[assignment]
         device = state.tokens.device
         rows = torch.tensor([row for row, _ in given], device=device)
-        chosen = torch.tensor([c for _, c in given], device=device)
+        chosen = [c for _, c in given]
         logits = self.decoder.prefill(shape, prompts, rows, chosen)
-        state.keys[rows] = key_of[chosen]
+        state.keys[rows] = key_of[torch.tensor(chosen, device=device)]
         first = torch.zeros(len(given), dtype=torch.long, device=device)
         token, logprob = hashed_sample(logits, sampling, state.keys[rows], first, state.vocab_hash)
         state.tokens[rows, 0], state.logprobs[rows, 0] = token, logprob
