@@ -115,21 +115,6 @@ class IpcWeightSharer:
         """Nothing to stop: rollouts map the ring themselves, and the memory goes with this process."""
 
 
-def _manifest(path: str | Path) -> dict[str, Any]:
-    return read_manifest(Path(path) / IPC_FILE)
-
-
-def adapter_scales(path: str | Path) -> dict[str, float] | None:
-    """The LoRA scales of a shared version of adapters; None for a version of whole weights."""
-    return _manifest(path).get("adapters")
-
-
-def manifest_version(path: str | Path) -> tuple[int, int]:
-    """(version, ring size) of a shared version."""
-    manifest = _manifest(path)
-    return manifest["version"], manifest["ring"]
-
-
 class _Mappings:
     """This process's open mappings of one producer's buffers, kept so each is opened only once, with
     the views of them, and the buffers they are copied into when the rollout's GPU is another."""
@@ -168,7 +153,7 @@ def open_shared(path: str | Path, device: torch.device | None = None) -> dict[st
     """The tensors of a shared version: mapped from the actor's GPU (no copy), or, when `device` is
     another GPU, one copy of each flat buffer there (one large transfer rather than one per tensor).
     FileNotFoundError when the actor that shared them is gone (a newer version exists, or will)."""
-    manifest = _manifest(path)
+    manifest = read_manifest(Path(path) / IPC_FILE)
     source = local_index(manifest["device_uuid"])
     own = _OWN_RINGS.get(manifest["producer"])
     if own is not None:
@@ -183,7 +168,7 @@ def slot_holds(path: str | Path) -> bool:
     """Whether the ring slot of the version at `path` holds that version now; asked after a load's
     copy finished, True means no write of a newer version overlapped it (SnapshotRing.stamps). One
     8-byte read from the actor's GPU, where the store's ring check (ring.intact) is a query."""
-    manifest = _manifest(path)
+    manifest = read_manifest(Path(path) / IPC_FILE)
     index = manifest["version"] % manifest["ring"]
     own = _OWN_RINGS.get(manifest["producer"])
     stamps = (
@@ -216,14 +201,13 @@ class IpcTransport(RingTransport):
     """Rollouts on GPUs that see the actor's copy each version from its ring over CUDA IPC."""
 
     method = "ipc"
+    manifest_file = IPC_FILE
 
     def _make_server(self) -> RingServer:
         return IpcWeightSharer(ring=self.keep)
 
-    def _tensors(
-        self, path: str | Path, device: torch.device
-    ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-        return open_shared(path, device), adapter_scales(path)
+    def _tensors(self, path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
+        return open_shared(path, device)
 
     def loaded_whole(self, path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:
         return slot_holds(path)  # the slot's own stamp says, with no store query

@@ -45,6 +45,7 @@ from mortal.workers.sync.ring import (
     intact,
     read_manifest,
     sizes_of,
+    slot_version,
 )
 
 NCCL_FILE = "nccl.pkl"
@@ -217,21 +218,6 @@ class NcclWeightServer:
         self._threads.clear()
 
 
-def _manifest(path: str | Path) -> dict[str, Any]:
-    return read_manifest(Path(path) / NCCL_FILE)
-
-
-def adapter_scales(path: str | Path) -> dict[str, float] | None:
-    """The LoRA scales of a served version of adapters; None for a version of whole weights."""
-    return _manifest(path).get("adapters")
-
-
-def manifest_version(path: str | Path) -> tuple[int, int]:
-    """(version, ring size) of a served version."""
-    manifest = _manifest(path)
-    return manifest["version"], manifest["ring"]
-
-
 @dataclass
 class _Pair:
     """A rollout's end of its pair with one actor: the store client, the group, its receive buffers."""
@@ -328,7 +314,7 @@ def receive(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
     """The tensors of a served version, received from the actor onto `device` (views of this
     process's receive buffers, valid until the next receive). FileNotFoundError (SyncPeerGone when
     the actor is gone) when it cannot be had: a newer version exists, or will."""
-    manifest = _manifest(path)
+    manifest = read_manifest(Path(path) / NCCL_FILE)
     pair = _Peer.for_manifest(manifest, device)
     try:
         buffers = pair.fetch(manifest["version"], manifest["slots"])
@@ -342,15 +328,14 @@ class NcclTransport(RingTransport):
     """Rollouts on GPUs of their own receive each version from the actor's ring over NCCL, when they ask."""
 
     method = "nccl"
+    manifest_file = NCCL_FILE
 
     def _make_server(self) -> RingServer:
         return NcclWeightServer(ring=self.keep, transfer_timeout=timedelta(seconds=self.collective_seconds))
 
-    def _tensors(
-        self, path: str | Path, device: torch.device
-    ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-        return receive(path, device), adapter_scales(path)
+    def _tensors(self, path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
+        return receive(path, device)
 
     def loaded_whole(self, path: str | Path, newest_recorded: Callable[[], int | None]) -> bool:
         newest = newest_recorded()  # the store's newest version says whether the slot may have been reused
-        return newest is None or intact(*manifest_version(path), newest)
+        return newest is None or intact(*slot_version(self.manifest(path)), newest)

@@ -17,7 +17,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -137,6 +137,16 @@ def _parsed_manifest(file: str, inode: int, mtime_ns: int) -> dict[str, Any]:
     return pickle.loads(Path(file).read_bytes())
 
 
+def adapter_scales(manifest: dict[str, Any]) -> dict[str, float] | None:
+    """The LoRA scales a version's manifest records; None for a version of whole weights."""
+    return manifest.get("adapters")
+
+
+def slot_version(manifest: dict[str, Any]) -> tuple[int, int]:
+    """(version, ring size) a version's manifest records."""
+    return manifest["version"], manifest["ring"]
+
+
 def intact(version: int, ring: int, newest_recorded: int) -> bool:
     """Whether a read of `version`'s slot, finished now, cannot have been overwritten, given the
     newest version the store records now (the ring rule in the module docstring)."""
@@ -251,6 +261,7 @@ class RingTransport(WeightTransport):
     A LoRA actor's ring holds the adapters' factors alone, which rollouts merge into their base weights."""
 
     in_ring = True
+    manifest_file: ClassVar[str]  # the file in a version's folder that names its slot
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -262,11 +273,12 @@ class RingTransport(WeightTransport):
         """The actor's server of the ring, for `self.keep` slots."""
 
     @abc.abstractmethod
-    def _tensors(
-        self, path: str | Path, device: torch.device
-    ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-        """The rollout's side: the version's tensors on `device`, and its LoRA scales (None: whole
-        weights)."""
+    def _tensors(self, path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
+        """The rollout's side: the version's tensors on `device`."""
+
+    def manifest(self, path: str | Path) -> dict[str, Any]:
+        """The manifest of the version at `path` (read_manifest: parsed once; callers must not modify it)."""
+        return read_manifest(Path(path) / self.manifest_file)
 
     def publish(
         self,
@@ -298,8 +310,8 @@ class RingTransport(WeightTransport):
             self._server.close()
 
     def load(self, model: torch.nn.Module, path: str | Path) -> None:
-        state, scales = self._tensors(path, next(model.parameters()).device)
-        if scales is not None:  # LoRA factors
+        state = self._tensors(path, next(model.parameters()).device)
+        if (scales := adapter_scales(self.manifest(path))) is not None:  # LoRA factors
             apply_adapters(model, path, state, scales)
         else:
             load_state(model, path, state)

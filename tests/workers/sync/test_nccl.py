@@ -27,6 +27,7 @@ from mortal.specs.loader import load_text
 from mortal.workers.sync import nccl as nccl_weights
 from mortal.workers.sync.nccl import NcclTransport
 from mortal.workers.sync.publisher import WeightPublisher
+from mortal.workers.sync.ring import adapter_scales, slot_version
 
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -64,7 +65,7 @@ def test_a_rollout_receives_each_version_bit_for_bit_and_training_after_sharing_
     _assert_same(nccl_weights.receive(path, torch.device("cpu")), expected)
     path = server.share(_state(2.0), tmp_path / "v1", version=1, step=1)
     _assert_same(nccl_weights.receive(path, torch.device("cpu")), _state(2.0))
-    assert nccl_weights.manifest_version(path) == (1, 2)
+    assert slot_version(NcclTransport().manifest(path)) == (1, 2)
 
 
 def test_a_version_that_left_the_ring_reads_as_missing(server, tmp_path: Path) -> None:
@@ -220,9 +221,9 @@ def test_a_lora_actors_ring_holds_its_factors_alone_and_a_rollout_merges_each_ve
                         param.add_(0.01 * (version + 1))
             assert publisher.publish(actor, step=version, prune=False) == version
             path = store.publish_weights.call_args.args[3]
-            scales = nccl_weights.adapter_scales(path)
+            scales = adapter_scales(NcclTransport().manifest(path))
             assert scales and set(scales.values()) == {2.0}
-            assert {slot.name.rsplit(".", 1)[1] for slot in nccl_weights._manifest(path)["slots"]} == {
+            assert {slot.name.rsplit(".", 1)[1] for slot in NcclTransport().manifest(path)["slots"]} == {
                 "lora_A",
                 "lora_B",
             }
@@ -348,7 +349,7 @@ def test_the_manifest_carries_the_collective_deadline(tmp_path: Path) -> None:
     server = nccl_weights.NcclWeightServer(ring=2, transfer_timeout=timedelta(seconds=7))
     try:
         path = server.share(_state(1.0), tmp_path / "v0", version=0, step=0)
-        assert nccl_weights._manifest(path)["transfer_seconds"] == 7.0
+        assert NcclTransport().manifest(path)["transfer_seconds"] == 7.0
     finally:
         server.close()
         nccl_weights._Peer.drop()
