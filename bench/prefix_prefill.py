@@ -1,0 +1,135 @@
+"""The rollout's shared-prefix prefill against every row prefilling its whole prompt, same invocation.
+
+    python bench/prefix_prefill.py --model PATH.gguf [--prompts 16] [--gens 4] [--max-tokens 8] [--rounds 3]
+
+The calculator example's prompts (tool schemas in the system turn, then each row's question), rendered with
+its chat template as the rollouts render them, go through StaticDecoder.generate on the real model: with
+the shared prefix (workers/rollout/engines/prefix_cache.py) and with MORTAL_SHARED_PREFIX=0, alternating,
+`--rounds` times each. Few new tokens per row, so the prefill is most of a call, as it is of a tool-calling
+turn's first step. Prints one JSON line: both sides' seconds per call (each round's and the lowest), the
+ratio of the lowest, the prompt and shared lengths, and whether both sides sampled the same tokens. On a
+GPU the decoder captures its step (--compile); on the CPU it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
+
+
+def tool_prompts(model: str, count: int) -> tuple[Any, list[list[int]]]:
+    """(tokenizer, ids) of `count` of the calculator example's prompts, as its rollouts render them."""
+    from mortal.specs.training import DatasetSpec, ModelSpec
+    from mortal.workers.data import load_rows
+    from mortal.workers.models import load_tokenizer
+    from mortal.workers.references import resolve
+    from mortal.workers.rollout.multiturn import resolve_chat_template
+    from mortal.workers.rollout.tools import environment_methods
+
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    rollout = spec["rollout"]
+    tokenizer = load_tokenizer(ModelSpec(name=model))
+    tools = [resolve(ref) for ref in rollout.get("tools", [])]
+    if rollout.get("environment"):
+        tools += environment_methods(resolve(rollout["environment"])())
+    template = resolve_chat_template(tokenizer, rollout.get("chatTemplate"))
+    rows = load_rows(DatasetSpec.model_validate(spec["dataset"]))[:count]
+    ids = [
+        list(
+            tokenizer.apply_chat_template(
+                row["prompt"],
+                tools=tools,
+                chat_template=template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for row in rows
+    ]
+    return tokenizer, ids
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def timed_call(decoder: Any, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace, eos: list[int]):
+    """Seconds of one generate (the device synchronized at both ends), and its tokens."""
+    from mortal.workers.rollout.engines.static_decode import Sampling
+
+    sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    tokens, _ = decoder.generate(ids, mask, args.max_tokens, sampling, eos)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, tokens.cpu()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a GGUF file or a Hugging Face folder")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--gens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="capture the decode step (CUDA)")
+    args = parser.parse_args()
+
+    from mortal.specs.training import ModelSpec
+    from mortal.workers.models import load_model
+    from mortal.workers.prefix import ENV
+    from mortal.workers.rollout.engines.prefix_cache import common_length
+    from mortal.workers.rollout.engines.static_decode import StaticDecoder
+
+    tokenizer, prompts = tool_prompts(args.model, args.prompts)
+    rows = [p for p in prompts for _ in range(args.gens)]
+    ids, mask = left_padded(rows, tokenizer.pad_token_id)
+    model = load_model(ModelSpec(name=args.model, dtype="float32"))
+    decoder = StaticDecoder(model, compile=args.compile, max_rows=len(rows))
+    eos = [tokenizer.eos_token_id]
+    seconds: dict[str, list[float]] = {"shared": [], "whole": []}
+    tokens: dict[str, torch.Tensor] = {}
+    timed_call(decoder, ids, mask, args, eos)  # warm-up (and the capture, with --compile)
+    for _ in range(args.rounds):
+        for side, value in (("shared", "1"), ("whole", "0")):
+            os.environ[ENV] = value
+            took, tokens[side] = timed_call(decoder, ids, mask, args, eos)
+            seconds[side].append(round(took, 4))
+    lowest = {side: min(values) for side, values in seconds.items()}
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "rows": len(rows),
+                "prompt_tokens": [min(len(p) for p in prompts), max(len(p) for p in prompts)],
+                "shared_tokens": common_length(ids, mask.sum(-1).tolist()),
+                "max_tokens": args.max_tokens,
+                "seconds": seconds,
+                "lowest": lowest,
+                "whole_over_shared": round(lowest["whole"] / lowest["shared"], 3),
+                "same_tokens": bool(torch.equal(tokens["shared"], tokens["whole"])),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
