@@ -320,6 +320,45 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "multiturn-learning": Group(
+        "the calculator example learning beside TRL's tool loop: reward against wall-clock, time to TRL's "
+        "final reward (the learning block)",
+        (
+            Bench(
+                "multiturn_learning",
+                "multiturn_gpu.py",
+                ("--model", "{gguf}", "--steps", "60", "--warm-start", "60", "--reward-window", "10"),
+                590,
+            ),
+        ),
+        gguf=True,
+    ),
+    "multiturn-slow-tool": Group(
+        "tool-calling rollouts with every environment tool call waiting a second, beside TRL's tool loop: "
+        "tokens per second and the GPU's busy fraction",
+        (
+            Bench(
+                "multiturn_slow_tool",
+                "multiturn_gpu.py",
+                (
+                    "--model",
+                    "{gguf}",
+                    "--steps",
+                    "5",
+                    "--warm-start",
+                    "60",
+                    "--prompts",
+                    "4",
+                    "--gens",
+                    "4",
+                    "--tool-delay",
+                    "1",
+                ),
+                590,
+            ),
+        ),
+        gguf=True,
+    ),
     "gpu-tests": Group(
         "the GPU-marked tests of one GPU: runs through the controller, the decoder, the loss's padding shift",
         (

@@ -38,7 +38,10 @@ record of each step's end). Reported per side: the median step seconds from the 
 first two carry start-up and compilation), completion tokens per step (TRL's completions/mean_length
 and mortal's, both counting the model's tokens and the tool results' inside the completion, times the
 completions per step), tool calls per completion (tools/call_frequency, the same name on both sides),
-tokens per second, and mortal's over TRL's. Needs TRL and datasets; a CUDA GPU unless --cpu.
+tokens per second, and mortal's over TRL's. The learning block: TRL's final reward (the mean of its last
+--reward-window steps' total reward) and the wall seconds, from each side's launch, at which each side's
+trailing mean first reaches it, and mortal's seconds over TRL's. Needs TRL and datasets; a CUDA GPU unless
+--cpu.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
 SKIP = 2  # steps left out of the medians (start-up, compilation, graph capture)
 SHOWN = ("completions/mean_length", "tools/call_frequency", "tools/failure_frequency")
+# Each step's mean total reward, TRL's and mortal's metric of one name, kept in the curves under a key of its
+# own (gpu_step's BREAKDOWN has a part named "reward": the seconds rewards took).
+REWARD, CURVE_REWARD = "reward", "total_reward"
 SLOW_ENVIRONMENT = "slow_tools:SlowArithEnvironment"
 GPU_SAMPLE_MS = 200  # how often nvidia-smi samples the GPU's utilization
 
@@ -230,6 +236,8 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs and curve and curve[-1]["step"] == state.global_step:
                 curve[-1].update({k: logs[k] for k in SHOWN if k in logs})
+                if REWARD in logs:
+                    curve[-1][CURVE_REWARD] = float(logs[REWARD])
 
     torch.manual_seed(args.seed)
     config = GRPOConfig(
@@ -283,6 +291,7 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
             "step": s,
             "seconds": v["ended_at"] - launched,
             **{k: v[k] for k in SHOWN if k in v},
+            **({CURVE_REWARD: v[REWARD]} if REWARD in v else {}),
             **{part: v[name] for part, name in BREAKDOWN.items() if name in v},
         }
         for s, v in sorted(by_step.items())
@@ -338,6 +347,37 @@ def timed_window(result: dict[str, Any]) -> tuple[float, float]:
     curve = result["curve"]
     first = curve[min(SKIP, len(curve)) - 1]["seconds"] if len(curve) > SKIP else 0.0
     return result["started_at"] + first, result["started_at"] + curve[-1]["seconds"]
+
+
+def learning(trl: list[dict[str, Any]], mortal: list[dict[str, Any]], window: int) -> dict[str, Any]:
+    """The learning figure: TRL's final reward (the mean of its last `window` steps) and the wall
+    seconds (from each side's launch, start-up included) at which each side's trailing `window`-step mean
+    reward first reaches it; `seconds_fraction`: mortal's over TRL's (None where mortal never reached it)."""
+
+    def rewards(curve: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        return [(p["seconds"], p[CURVE_REWARD]) for p in curve if p.get(CURVE_REWARD) is not None]
+
+    def reached(points: list[tuple[float, float]], target: float) -> float | None:
+        for i in range(window - 1, len(points)):
+            if statistics.mean(r for _, r in points[i - window + 1 : i + 1]) >= target:
+                return points[i][0]
+        return None
+
+    theirs, ours = rewards(trl), rewards(mortal)
+    if len(theirs) < window or len(ours) < window:
+        return {"window": window, "too_few_steps": True}
+    target = statistics.mean(r for _, r in theirs[-window:])
+    trl_seconds, mortal_seconds = reached(theirs, target), reached(ours, target)
+    return {
+        "window": window,
+        "trl_final_reward": round(target, 4),
+        "mortal_final_reward": round(statistics.mean(r for _, r in ours[-window:]), 4),
+        "trl_seconds": round(trl_seconds, 2) if trl_seconds is not None else None,
+        "mortal_seconds": round(mortal_seconds, 2) if mortal_seconds is not None else None,
+        "seconds_fraction": (
+            round(mortal_seconds / trl_seconds, 3) if mortal_seconds is not None and trl_seconds else None
+        ),
+    }
 
 
 def summary(curve: list[dict[str, Any]], completions: int) -> dict[str, Any]:
@@ -407,6 +447,12 @@ def main() -> None:
         default=0.0,
         help="seconds each environment tool call waits before it answers, both sides (bench/slow_tools.py)",
     )
+    parser.add_argument(
+        "--reward-window",
+        type=int,
+        default=5,
+        help="steps in TRL's final reward and in the trailing mean that must reach it (the learning block)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     args = parser.parse_args()
@@ -448,6 +494,9 @@ def main() -> None:
     if "trl" in out and "mortal" in out and out["trl"]["tokens_per_second"]:
         out["ratio"] = round(out["mortal"]["tokens_per_second"] / out["trl"]["tokens_per_second"], 2)
         print(f"mortal / TRL, completion tokens per second: {out['ratio']}x", flush=True)
+    if "trl" in out and "mortal" in out:
+        out["learning"] = learning(out["trl"]["curve"], out["mortal"]["curve"], args.reward_window)
+        print(f"learning: {json.dumps(out['learning'])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))
 

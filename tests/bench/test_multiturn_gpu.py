@@ -1,0 +1,40 @@
+"""bench/multiturn_gpu.py's learning block: TRL's final reward (its last steps' mean) and when each side's
+trailing mean first reaches it, in wall seconds from its own launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import multiturn_gpu  # noqa: E402
+
+
+def _curve(rewards: list[float], seconds_a_step: float) -> list[dict]:
+    return [
+        {"step": i + 1, "seconds": (i + 1) * seconds_a_step, multiturn_gpu.CURVE_REWARD: r}
+        for i, r in enumerate(rewards)
+    ]
+
+
+def test_each_side_is_timed_to_trls_final_reward_by_its_trailing_mean() -> None:
+    trl = _curve([0.0, 0.2, 0.4, 0.6, 0.6], seconds_a_step=10.0)  # final (window 2): 0.6, reached at step 5
+    mortal = _curve([0.0, 0.5, 0.7, 0.7, 0.8], seconds_a_step=2.0)  # trailing mean 0.6 at step 3
+    block = multiturn_gpu.learning(trl, mortal, window=2)
+    assert block["trl_final_reward"] == 0.6 and block["mortal_final_reward"] == 0.75
+    assert (block["trl_seconds"], block["mortal_seconds"]) == (50.0, 6.0)
+    assert block["seconds_fraction"] == 0.12
+
+
+def test_a_side_that_never_reaches_trls_final_reward_has_no_fraction() -> None:
+    trl = _curve([0.0, 0.5, 0.9, 0.9], seconds_a_step=10.0)
+    mortal = _curve([0.0, 0.1, 0.2, 0.3], seconds_a_step=1.0)
+    block = multiturn_gpu.learning(trl, mortal, window=2)
+    assert block["mortal_seconds"] is None and block["seconds_fraction"] is None
+
+
+def test_steps_without_a_logged_reward_are_left_out_and_too_few_say_so() -> None:
+    trl = _curve([0.1], seconds_a_step=10.0) + [{"step": 2, "seconds": 20.0}]
+    block = multiturn_gpu.learning(trl, _curve([0.1, 0.2], 1.0), window=2)
+    assert block == {"window": 2, "too_few_steps": True}
