@@ -571,9 +571,11 @@ def test_an_environment_run_stopped_and_resumed_ends_bit_for_bit(
     assert final_weights_hash(sqlite_store, "stopped") == final_weights_hash(sqlite_store, "straight")
 
 
-def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Path) -> None:
-    """A random tiny model through the transformers engine: the loop runs, and the same weights and seeds
-    give the same trajectories (what exact resume needs); turn 1 is the single-turn path's tokens."""
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "lock-step"])
+def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Path, continuous: bool) -> None:
+    """A random tiny model through the transformers engine on the CPU, both paths: the loop runs, and the
+    same weights and seeds give the same trajectories (what exact resume needs). The continuous path is the
+    CPU's default; on the lock-step path turn 1 is the single-turn path's tokens."""
     from mortal.specs.training import ModelSpec
     from mortal.workers.models import load_tokenizer
     from mortal.workers.rollout.engines.transformers_engine import TransformersEngine
@@ -593,8 +595,14 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
         tokenizer = load_tokenizer(spec)
         engine = TransformersEngine.create(spec, tokenizer, device="cpu")
         multiturn = MultiTurn(
-            engine, tokenizer, Toolbox(tools=[calculator]), GenerationParams(max_tokens=12), "qwen2_5"
+            engine,
+            tokenizer,
+            Toolbox(tools=[calculator]),
+            GenerationParams(max_tokens=12),
+            "qwen2_5",
+            continuous=None if continuous else False,
         )
+        assert multiturn.continuous is continuous
         runs.append(
             [
                 [(r.completion_ids, r.logprobs, r.mask) for r in group]
@@ -602,6 +610,8 @@ def test_the_real_engine_runs_the_loop_and_repeats_its_trajectories(tiny_dir: Pa
             ]
         )
     assert runs[0] == runs[1]
+    if continuous:
+        return
     prompt_ids = multiturn._start(requests[0], None, [None] * 3)[0].prompt_ids
     single = engine.generate([prompt_ids], 3, [100], GenerationParams(max_tokens=12))
     assert [c.ids for c in single[0]] == [ids for ids, _, _ in runs[0][0]]

@@ -7,8 +7,10 @@ Who calls it: mortal.workers.rollout.loop through the Engine interface (base.py 
   prompts left-padded to a multiple of PROMPT_BUCKET so a few shapes cover every prompt; its tokens depend
   on `max_rows` too, which spec.generation.maxNumSeqs sets for every worker. Captured graphs belong to the
   thread that captured them, so batched generates run on one thread of their own. The first preparation of
-  each shape is logged with whether the run's compile cache served it (compile_cache.py). Tool-calling
-  rollouts continue there too (`converse`: turn_decode.py, each conversation kept in its row across turns).
+  each shape is logged with whether the run's compile cache served it (compile_cache.py).
+- Tool-calling rollouts, everywhere (`converse`: turn_decode.py): each conversation kept in a decoder row
+  across its turns, on CUDA in the batched path's decoder, elsewhere in an eager one made for them (its
+  sampling noise is hashed per conversation, so its tokens are as reproducible as the per-prompt path's).
 The model's own generation_config is never read: the spec alone decides how tokens are sampled, as TRL's
 does. New weights are copied into the same tensors, so captured graphs see them.
 What it must not do: pick up new weights mid-task (the worker calls load_weights between tasks).
@@ -107,6 +109,8 @@ class TransformersEngine(Engine):
             if self.compiled
             else None
         )
+        # conversations across turns: the batched decoder's rows; on the per-prompt path an eager decoder of
+        # its own, made at the first conversation (a run without tools never fuses the model's projections)
         self.turns = TurnDecoder(self.decoder) if self.decoder is not None else None
         self._last_stats: DecodeStats | TurnStats | None = None
 
@@ -162,22 +166,22 @@ class TransformersEngine(Engine):
         ]
 
     def continues_turns(self) -> bool:
-        """The batched path continues conversations in its rows (turn_decode.py); the per-prompt one not."""
-        return self.turns is not None
+        """Every path continues conversations in a decoder's rows (turn_decode.py): on CUDA the batched
+        path's, elsewhere an eager one of the conversations' own (per-prompt generation re-prefills every
+        turn and decodes each rollout alone)."""
+        return True
 
     def converse(
         self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: OnTurnEnd
     ) -> None:
-        if self.turns is None:
-            super().converse(prompts, seeds, params, on_turn_end)
-            return
         _GRAPH_THREAD.submit(self._converse, prompts, seeds, params, on_turn_end).result()
 
     @torch.no_grad()
     def _converse(
         self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: OnTurnEnd
     ) -> None:
-        assert self.turns is not None
+        if self.turns is None:  # the per-prompt path: an eager decoder for conversations
+            self.turns = TurnDecoder(StaticDecoder(self.model, compile=False, max_rows=self.max_rows))
         input_ids, attention_mask = self._left_padded(prompts, 1)
         sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
         self._prepare_logged(
@@ -270,10 +274,12 @@ class TransformersEngine(Engine):
         """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
         prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
         served it, and committed to the volume. generate() then reuses the kept shape."""
-        before = self.decoder.preparations
+        decoder = self.turns.decoder if stepper is TURNS and self.turns is not None else self.decoder
+        assert decoder is not None
+        before = decoder.preparations
         with CompileWatch() as watch:
-            shape = self.decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows, stepper)
-        if self.decoder.preparations == before:
+            shape = decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows, stepper)
+        if decoder.preparations == before:
             return
         log.info(
             "decode shape %d rows x %d+%d tokens%s prepared in %s",
