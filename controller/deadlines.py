@@ -115,27 +115,30 @@ def stall_reason(message: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class StalledWorker:
-    """A slot's newest ended worker, ended for a stall."""
+    """A slot's newest ended worker, ended for a stall; or (`ending`) a running one past its deadline that was
+    asked for its stacks and is ended once it answers."""
 
     name: str  # e.g. rollout-0
     incarnation: int
     message: str  # "<Reason>: <what>"
-    ended_at: datetime
+    ended_at: datetime  # for one still ending: when the stall was seen
+    ending: bool = False
 
 
 def deadlines_met(stalls: list[StalledWorker], last_step_time: datetime | None) -> Condition:
-    """False while a slot's newest ended worker was relaunched for a stall and no step has ended since (the
-    heal is not shown to work yet); True once one has, or when nothing ran past its deadline."""
+    """False while a worker past its deadline is being ended, or a slot's newest ended worker was relaunched
+    for a stall and no step has ended since (the heal is not shown to work yet); True once one has, or when
+    nothing ran past its deadline."""
     unhealed = [s for s in stalls if last_step_time is None or last_step_time <= s.ended_at]
     if unhealed:
         newest = max(unhealed, key=lambda s: s.ended_at)
         reason, _, what = newest.message.partition(": ")
-        return Condition(
-            DEADLINES,
-            False,
-            reason,
-            f"{newest.name} #{newest.incarnation}: {what}; relaunched, no step has ended since",
+        after = (
+            "its stacks are asked for, then it is relaunched"
+            if newest.ending
+            else "relaunched, no step has ended since"
         )
+        return Condition(DEADLINES, False, reason, f"{newest.name} #{newest.incarnation}: {what}; {after}")
     if stalls:
         newest = max(stalls, key=lambda s: s.ended_at)
         return Condition(

@@ -178,6 +178,7 @@ class _Pass:
         self.wake: list[float] = []
         self.notes: list[str] = []
         self.launched: list[Launch] = []
+        self.ending_stalled: list[dl.StalledWorker] = []  # past a deadline, asked for their stacks this pass
         self.restarts = _count_restarts(self.rows)
         self.timing: tuple[str | None, float | None] = (
             self.prev.get("lastStepTime"),
@@ -373,8 +374,10 @@ class _Pass:
                 self.wake.append(due)
             return False
         stacks = self._stacks(w, proc)
-        if stacks is None:
-            return True  # asked for its stacks: ended once it answers
+        if stacks is None:  # asked for its stacks: ended once it answers
+            seen = dl.StalledWorker(w.name, w.incarnation, f"{stall.reason}: {stall.message}", self.now, True)
+            self.ending_stalled.append(seen)
+            return True
         where = f"{w.name} #{w.incarnation}"
         self._end(
             w,
@@ -742,7 +745,8 @@ class _Pass:
         ]
 
     def _deadlines_met(self) -> Condition:
-        """DeadlinesMet from each slot's newest ended worker that was ended for a stall."""
+        """DeadlinesMet from each slot's newest ended worker that was ended for a stall, and the workers being
+        ended for one (asked for their stacks this pass)."""
         newest_ended: dict[tuple[str, int], _W] = {}
         for w in self.rows:
             if not w.live:
@@ -758,7 +762,7 @@ class _Pass:
             last = self.now  # a step ended since the last pass (also on the pass that finishes the run)
         else:
             last = aware(datetime.fromisoformat(self.timing[0])) if self.timing[0] else None
-        return dl.deadlines_met(stalls, last)
+        return dl.deadlines_met(stalls + self.ending_stalled, last)
 
     def _final_conditions(self) -> list[Condition]:
         """A finished run keeps its training conditions as they were, but a reward that failed it says so."""

@@ -109,6 +109,19 @@ def test_a_stalled_rollout_is_given_time_to_answer_the_request(waited):
     assert 0 < p.outcome.seconds <= CFG.stacks_answer_seconds - waited
 
 
+@pytest.mark.parametrize("asked_before", [False, True], ids=["asked now", "awaiting the answer"])
+def test_deadlines_met_is_false_from_the_pass_that_asks_a_stalled_worker_for_its_stacks(asked_before):
+    rows, procs = running(rollouts=1)
+    doing(rows[1], "task 5.0", since=61.0)
+    if asked_before:
+        asked(rows[1], 1.0)
+    p = run_plan(rows, procs, prev=status("Running", step=5, lastStepTime=iso(ago(70)), stepSeconds=2.0))
+    met = next(c for c in p.status["conditions"] if c["type"] == "DeadlinesMet")
+    assert (met["status"], met["reason"]) == ("False", "TaskDeadlineExceeded")
+    assert met["message"].startswith("rollout-0 #2: task 5.0 has run 61 s")
+    assert met["message"].endswith("; its stacks are asked for, then it is relaunched")
+
+
 def test_a_stalled_rollout_that_does_not_answer_is_ended_and_the_event_says_so():
     rows, procs = running(rollouts=1)
     asked(doing(rows[1], "task 5.0", since=61.0), CFG.stacks_answer_seconds + 1.0)
