@@ -8,6 +8,9 @@
     sql_store_url  the same, sqlite and postgres only: for tests of SQL itself (engines, migrations)
     store          open_store(store_url), closed after the test
     pg_database    the URL of a fresh PostgreSQL database (for subprocess tests), dropped after
+    built_once     built_once(name, build): build(folder) once for the whole test session, pytest-xdist's
+                   workers included, and the folder it returned; for read-only artefacts that take long to
+                   make (a warm-started model) and come out the same wherever they are made
     ray_cluster    one real three-node Ray cluster per session (tests/raycluster.py), RAY_ADDRESS set to it;
                    only in a private network namespace: scripts/test.sh runs RAY_TEST_FILES in `unshare -rn`
                    (elsewhere they skip, saying how to run them; with CI=true they fail instead)
@@ -23,10 +26,11 @@ they fail, so a broken CI database cannot pass as green.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -152,6 +156,26 @@ def store(store_url: str) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], Path]], Path]:
+    """pytest-xdist's workers share the parent of their base temp folders (that session's own): the first
+    worker to take the name's lock builds into shared-<name>/, the others wait for it and take its result. A
+    module's fixture would otherwise be made again by every worker that runs one of its tests."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+
+    def build_once(name: str, build: Callable[[Path], Path]) -> Path:
+        done = base / f"shared-{name}.done"  # holds the path build returned
+        with open(base / f"shared-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+            if not done.exists():
+                done.write_text(str(build(base / f"shared-{name}")))
+            return Path(done.read_text())
+
+    return build_once
 
 
 RAY_TEST_FILES = (

@@ -19,10 +19,11 @@ CODE_TASKS = 6
 
 
 @pytest.fixture(scope="module")
-def calculator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def calculator_dir(built_once: Any) -> Path:
+    """Made once for the session: two tests use it, and pytest-xdist may run them on different workers."""
     from tool_learning import calculator_model
 
-    return calculator_model(tmp_path_factory.mktemp("calculator") / "model")
+    return built_once("calculator-model", lambda folder: calculator_model(folder / "model"))
 
 
 def _per_step(store: Any, run: str, name: str) -> list[float]:

@@ -173,6 +173,8 @@ def make_trainer(
     if world > 1 and spec.actor.strategy == "ddp":
         sharded.bucket_view_gradients(trainer)
     trl_seam.check_fused_lm_head(trainer)  # the loss never holds [tokens x vocab] logits
+    if device == "cpu":  # the loss scores the completions only, as TRL's head does on CUDA
+        trl_seam.score_labelled_positions_only(trl_seam.patched_model(trainer))
     if device.startswith("cuda") and padding_shift.wanted():  # the loss's attention without a padding mask
         padding_shift.install(trl_seam.patched_model(trainer))
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights

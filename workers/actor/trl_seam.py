@@ -37,17 +37,23 @@ What mortal relies on (TRL 1.16):
 12. The same plugin reads ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION: accelerate then compiles each decoder
    layer on a copy of the model whose methods it binds to the copy (so TRL's fused forward and
    padding_shift's run the compiled layers).
+13. The fused head scores every position of the batch (prompts and padding too) where the chunked kernel has
+   no Triton (the CPU), and only the labelled ones where it has (CUDA), as `trl.trainer.utils._use_triton`
+   of the device says; `score_labelled_positions_only` makes a model's fused calls score only those on the
+   CPU too: the same log-probabilities, gradients within float32 sums in another order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.metadata
 import inspect
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from packaging.specifiers import SpecifierSet
@@ -180,6 +186,51 @@ def check_fused_lm_head(trainer: GRPOTrainer) -> None:
             f"{type(base).__name__}.forward is not TRL's fused LM head (add_fused_lm_head): the loss would "
             "hold the [tokens x vocab] logits"
         )
+
+
+_LABELLED_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("labelled_only", default=False)
+
+
+def _install_labelled_only_switch() -> None:
+    """Once per process: TRL's fused head asks `_use_triton(device)` whether to score only the labelled
+    positions (assumption 13); the answer becomes yes inside `score_labelled_positions_only`'s calls and
+    stays TRL's everywhere else (other threads and trainers included)."""
+    import trl.trainer.utils as trl_utils
+
+    trl_use_triton = trl_utils._use_triton  # AttributeError: TRL renamed it, see assumption 13
+    if getattr(trl_use_triton, "labelled_only_switch", False):
+        return
+
+    def use_triton(device: torch.device) -> bool:
+        return _LABELLED_ONLY.get() or trl_use_triton(device)
+
+    use_triton.labelled_only_switch = True  # type: ignore[attr-defined]
+    trl_utils._use_triton = use_triton
+
+
+def score_labelled_positions_only(model: torch.nn.Module) -> bool:
+    """Make the fused-head calls of `model` (TRL's patched model: patched_model) score only the labelled
+    positions, as TRL does on CUDA (assumption 13): on the CPU it would score the prompts and the padding
+    too, most of a step's tokens. Returns whether it did (not where the forward is not TRL's method). As
+    padding_shift.install's, the new forward is a method that calls TRL's function on whatever module it is
+    bound to (accelerate's regional compilation binds it to a copy), and keeps `fused_lm_head`."""
+    if not isinstance(model.forward, MethodType) or getattr(model.forward, "labelled_only", False):
+        return False
+    _install_labelled_only_switch()
+    trl_forward = model.forward.__func__
+
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        if not fused_lm_head:
+            return trl_forward(self, *args, **kwargs)
+        token = _LABELLED_ONLY.set(True)
+        try:
+            return trl_forward(self, *args, fused_lm_head=True, **kwargs)
+        finally:
+            _LABELLED_ONLY.reset(token)
+
+    forward.labelled_only = True  # type: ignore[attr-defined]
+    model.forward = MethodType(forward, model)
+    return True
 
 
 DYNAMIC_SHAPES_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"

@@ -458,11 +458,12 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     from torch._dynamo.utils import counters
 
     _compiled_on_aot_eager(monkeypatch)
-    make_trainer, regional = training.make_trainer, []
+    make_trainer, regional, labelled_only = training.make_trainer, [], []
 
     def recording(*args, **kwargs):  # the dynamo plugin's settings as the trainer was built
         trainer = make_trainer(*args, **kwargs)
         regional.append(trainer.accelerator.state.dynamo_plugin.use_regional_compilation)
+        labelled_only.append(getattr(trl_seam.patched_model(trainer).forward, "labelled_only", False))
         return trainer
 
     monkeypatch.setattr(training, "make_trainer", recording)
@@ -484,6 +485,7 @@ def test_a_compiled_actor_trains_as_the_eager_one_does(store, tiny_dir: Path, mo
     assert grad_norms["eager"] > 0.01
     assert grad_norms["compiled"] == pytest.approx(grad_norms["eager"], rel=1e-4)
     assert regional[-1] == (scope == "layer")  # the compiled run's: the scope reached accelerate
+    assert labelled_only == [True, True]  # on the CPU both scored the completions only (trl_seam, 13)
 
 
 def _compiled_on_aot_eager(monkeypatch) -> None:

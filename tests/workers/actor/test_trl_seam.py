@@ -12,6 +12,7 @@ import math
 import os
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -403,6 +404,50 @@ def test_the_loss_saves_nothing_of_vocabulary_width_for_backward(tiny_dir, tmp_p
     assert fused == []
     plain = _vocab_wide_saved(model, lambda i, m: _full_logits(model, i, m, 0.7))
     assert (ROWS, KEEP, model.config.vocab_size) in plain  # the check sees logits where they are saved
+
+
+# -- assumption 13: on the CPU TRL's head scores every position; the actor's scores the labelled ones only --
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_model_scoring_labelled_positions_only_scores_the_completions_with_the_same_results(
+    tiny_dir, tmp_path, monkeypatch, lora
+) -> None:
+    import trl.trainer.utils
+
+    trainer = _loss_trainer(tiny_dir, tmp_path, tied=True, lora=lora, temperature=0.7)
+    model = trainer.model
+    scored: list[int] = []
+    kernel = trl.trainer.utils._ChunkedLogProbFunction  # read at call time; setattr fails if TRL renamed it
+
+    def recording(hidden: torch.Tensor, *args: Any) -> Any:
+        scored.append(hidden.shape[0])
+        return kernel.apply(hidden, *args)
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", SimpleNamespace(apply=recording))
+
+    def fused(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, KEEP, compute_entropy=True
+        )
+        return logps, entropies
+
+    every_logps, every_entropies, every_grads = _values_and_grads(model, fused)
+    base = trl_seam.patched_model(trainer)
+    assert trl_seam.score_labelled_positions_only(base)
+    assert not trl_seam.score_labelled_positions_only(base)  # once
+    trl_seam.check_fused_lm_head(trainer)
+    logps, entropies, grads = _values_and_grads(model, fused)
+    labelled = int(_batch()[1][:, -KEEP:].sum())
+    assert scored == [ROWS * (SEQ - 1), labelled] and labelled < ROWS * KEEP
+    assert not trl.trainer.utils._use_triton(torch.device("cpu"))  # TRL's answer outside those calls
+    torch.testing.assert_close(logps, every_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies, every_entropies, rtol=1e-5, atol=1e-5)
+    assert set(grads) == set(every_grads)
+    for name, grad in grads.items():
+        want = every_grads[name]
+        assert want.abs().max() > 0, f"{name}: a zero gradient compares nothing"
+        torch.testing.assert_close(
+            grad, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 @pytest.mark.parametrize("lora", [False, True])
