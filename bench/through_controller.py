@@ -72,7 +72,11 @@ def controller_running(run: Any, work: Path) -> Iterator[Any]:
             if store.get_run(run.name).phase not in ("Succeeded", "Failed"):
                 stop_workers(store, run.name)
             controller.terminate()
-            controller.wait(60)
+            try:
+                controller.wait(60)
+            except subprocess.TimeoutExpired:  # a controller too busy to stop in time is not left behind
+                controller.kill()
+                controller.wait()
 
 
 def task_timeline(work: Path, name: str, steps: list[int]) -> dict[int, list[dict[str, float]]]:
