@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mortal.specs import TrainingRun
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.runtime import WorkerContext
@@ -183,3 +185,15 @@ def randomize_lora_b(model: Any) -> None:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+
+
+def assert_same_gradients(grads: dict[str, Any], want: dict[str, Any], tolerance: float = 1e-4) -> None:
+    """The same parameters' gradients, each within `tolerance` of its own scale (float32 sums in another
+    order); a zero expected gradient would compare nothing, so it fails."""
+    assert set(grads) == set(want)
+    for name, grad in grads.items():
+        scale = want[name].abs().max().item()
+        assert scale > 0, f"{name}: a zero gradient compares nothing"
+        torch.testing.assert_close(
+            grad, want[name], rtol=tolerance, atol=tolerance * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
