@@ -185,7 +185,12 @@ class TransformersEngine(Engine):
         input_ids, attention_mask = self._left_padded(prompts, 1)
         sampling = Sampling(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
         self._prepare_logged(
-            input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, stepper=TURNS
+            self.turns.decoder,
+            input_ids.shape[0],
+            input_ids.shape[1],
+            params.max_tokens,
+            sampling,
+            stepper=TURNS,
         )
         self.turns.converse(
             input_ids,
@@ -250,7 +255,12 @@ class TransformersEngine(Engine):
             torch.manual_seed(seed)
             # where the decoder's generate() would prepare: the RNG sees the same calls in the same order
             self._prepare_logged(
-                input_ids.shape[0], input_ids.shape[1], params.max_tokens, sampling, params.min_rows
+                self.decoder,
+                input_ids.shape[0],
+                input_ids.shape[1],
+                params.max_tokens,
+                sampling,
+                params.min_rows,
             )
             tokens, logprobs = self.decoder.generate(
                 input_ids, attention_mask, params.max_tokens, sampling, self.eos_ids, params.min_rows
@@ -264,6 +274,7 @@ class TransformersEngine(Engine):
 
     def _prepare_logged(
         self,
+        decoder: StaticDecoder,
         batch: int,
         prompt_len: int,
         max_tokens: int,
@@ -271,11 +282,9 @@ class TransformersEngine(Engine):
         min_rows: int = 0,
         stepper: Stepper | None = None,
     ) -> None:
-        """The decoder's preparation (compile, graph capture) timed apart from decoding; each time it really
+        """`decoder`'s preparation (compile, graph capture) timed apart from decoding; each time it really
         prepared (a new shape, or one it had evicted) it is logged with whether the run's compile cache
         served it, and committed to the volume. generate() then reuses the kept shape."""
-        decoder = self.turns.decoder if stepper is TURNS and self.turns is not None else self.decoder
-        assert decoder is not None
         before = decoder.preparations
         with CompileWatch() as watch:
             shape = decoder.prepare(batch, prompt_len, max_tokens, sampling, min_rows, stepper)
