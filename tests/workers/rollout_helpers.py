@@ -192,3 +192,14 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def left_padded(prompts: list[list[int]], n: int = 1, width: int | None = None) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) of each prompt n times, left-padded with id 0 to `width` (default: the
+    longest), as the engine builds them."""
+    import torch
+
+    width = width or max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts for _ in range(n)])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(n)])
+    return ids, mask

@@ -13,7 +13,7 @@ import concurrent.futures
 
 import pytest
 import torch
-from rollout_helpers import FREQUENT_EOS, assets_available, random_prompts
+from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_prompts
 
 from mortal.workers.prefix import ENV, MIN_SHARED_PREFIX
 from mortal.workers.rollout.engines.base import cut_at_eos
@@ -32,13 +32,6 @@ def _tool_prompts(own_lengths: list[int]) -> list[list[int]]:
     return [SHARED + own for own in random_prompts(own_lengths, seed=6)]
 
 
-def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
 @pytest.mark.parametrize(
     ("prompts", "expected"),
     [
@@ -51,13 +44,13 @@ def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 )
 def test_the_shared_prefix_is_the_real_tokens_every_prompt_begins_with(prompts, expected) -> None:
     assert MIN_SHARED_PREFIX <= 39
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     assert common_length(ids, mask.sum(-1).tolist()) == expected
 
 
 def _generate(model, prompts, sampling, seed=1, n=2, max_rows=3):
     decoder = StaticDecoder(model, compile=False, max_rows=max_rows, sync_every=3)
-    ids, mask = _left_padded([p for p in prompts for _ in range(n)])
+    ids, mask = left_padded([p for p in prompts for _ in range(n)])
     torch.manual_seed(seed)
     tokens, logprobs = decoder.generate(ids, mask, 16, sampling, FREQUENT_EOS)
     return [cut_at_eos(t, lp, FREQUENT_EOS) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
@@ -136,7 +129,7 @@ def _conversations(model, prompts, sampling, turns=3, max_tokens=20):
             future.set_result(fed)
         return future
 
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     keys = list(range(len(prompts)))
     TurnDecoder(decoder).converse(ids, mask, keys, max_tokens, sampling, FREQUENT_EOS, on_turn_end)
     return said, logprobs, count

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import FREQUENT_EOS, assets_available, budget_for_rows, make_tiny_model, random_prompts
+from rollout_helpers import (
+    FREQUENT_EOS,
+    assets_available,
+    budget_for_rows,
+    left_padded,
+    make_tiny_model,
+    random_prompts,
+)
 
 from mortal.workers.oom import out_of_memory
 from mortal.workers.rollout.engines import static_decode
@@ -35,16 +42,6 @@ from mortal.workers.rollout.engines.static_decode import (
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
-
-
-def _left_padded(
-    prompts: list[list[int]], n: int, width: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each prompt n times, left-padded to `width` (default: the longest), as the engine builds them."""
-    width = width or max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts for _ in range(n)])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(n)])
-    return ids, mask
 
 
 def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int]) -> list:
@@ -77,7 +74,7 @@ def _decode(
     sampling: Sampling = PLAIN,
     width: int | None = None,
 ) -> list:
-    ids, mask = _left_padded(prompts, n, width)
+    ids, mask = left_padded(prompts, n, width)
     torch.manual_seed(seed)
     return _completions(*decoder.generate(ids, mask, max_tokens, sampling, eos_ids), eos_ids)
 
@@ -106,7 +103,7 @@ def test_every_sequence_of_a_refilled_row_has_the_logprobs_of_a_plain_forward_pa
 def test_a_sequence_ends_at_its_first_eos_or_at_max_tokens_and_the_stats_count_what_was_kept(model) -> None:
     prompts, max_tokens = random_prompts([6, 9, 4]), 12
     decoder = StaticDecoder(model, compile=False, max_rows=2, sync_every=3)
-    ids, mask = _left_padded(prompts, 4)
+    ids, mask = left_padded(prompts, 4)
     torch.manual_seed(3)
     tokens, logprobs = decoder.generate(ids, mask, max_tokens, PLAIN, FREQUENT_EOS)
     outs = _completions(tokens, logprobs, FREQUENT_EOS)
@@ -182,7 +179,7 @@ def test_rows_for_all_sequences_decode_the_single_batch_of_before(model, eos_ids
     """When every sequence has a row nothing is refilled: the same tokens and logprobs as the single
     batch decoded to its longest row (the same random draws, in the same order)."""
     prompts, max_tokens = random_prompts([5, 11, 3]), 16
-    ids, mask = _left_padded(prompts, 3)
+    ids, mask = left_padded(prompts, 3)
     torch.manual_seed(4)
     expected = _completions(*_single_batch_reference(model, ids, mask, max_tokens, PLAIN), eos_ids)
     decoder = StaticDecoder(model, compile=False)  # max_rows 256 >= 9 sequences
@@ -413,7 +410,7 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
         decoder = StaticDecoder(
             cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
         )
-        ids, mask = _left_padded(prompts, n, width=16)
+        ids, mask = left_padded(prompts, n, width=16)
         torch.manual_seed(1)
         tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)
         outs = _completions(tokens.cpu(), logprobs.cpu(), FREQUENT_EOS)
@@ -432,7 +429,7 @@ def test_the_compiled_graph_refills_rows_with_the_logprobs_of_a_plain_forward_pa
             FREQUENT_EOS,
         )
         assert [c.ids for c in again] == [c.ids for c in outs]
-        wide_ids, wide_mask = _left_padded(prompts, n, width=32)
+        wide_ids, wide_mask = left_padded(prompts, n, width=32)
         for width_ids, width_mask in ((wide_ids, wide_mask), (ids, mask), (wide_ids, wide_mask)):
             decoder.generate(width_ids.cuda(), width_mask.cuda(), max_tokens, PLAIN, FREQUENT_EOS)
         assert decoder.preparations == 2
@@ -451,7 +448,7 @@ def test_fewer_sequences_replay_the_one_compiled_shape_with_idle_rows(model) -> 
         decoder = StaticDecoder(cuda_model, compile=True, sync_every=4)
         for sequences in (7, 6, 5):
             prompts = random_prompts([5, 11, 3, 8, 13, 6, 9][:sequences], seed=sequences)
-            ids, mask = _left_padded(prompts, 1, width=16)
+            ids, mask = left_padded(prompts, 1, width=16)
             torch.manual_seed(sequences)
             tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), 24, PLAIN, FREQUENT_EOS)
             outs = _completions(tokens.cpu(), logprobs.cpu(), FREQUENT_EOS)
@@ -473,7 +470,7 @@ def test_min_rows_decodes_fewer_sequences_in_a_larger_shape_with_idle_rows(model
     each completion keeps the logprobs of a plain forward pass."""
     decoder = StaticDecoder(model, compile=False, sync_every=4)
     prompts = random_prompts([5, 11, 3])
-    ids, mask = _left_padded(prompts, 1, width=16)
+    ids, mask = left_padded(prompts, 1, width=16)
     torch.manual_seed(2)
     outs = _completions(*decoder.generate(ids, mask, 12, PLAIN, FREQUENT_EOS, min_rows=6), FREQUENT_EOS)
     assert len(outs) == 3 and decoder.last_stats.rows == 6 and decoder.last_stats.refills == 0
@@ -542,7 +539,7 @@ def test_a_budget_for_two_rows_decodes_as_two_rows_do(model) -> None:
 
 def test_a_budget_without_room_for_one_row_is_an_out_of_memory_naming_the_field(model) -> None:
     decoder = StaticDecoder(model, compile=False, memory_budget=decoder_weights(model))
-    ids, mask = _left_padded(random_prompts([4]), 2)
+    ids, mask = left_padded(random_prompts([4]), 2)
     with pytest.raises(MemoryBudgetTooSmall, match="raise rollout.gpuMemoryUtilization") as raised:
         decoder.generate(ids, mask, 8, PLAIN, FREQUENT_EOS)
     assert isinstance(

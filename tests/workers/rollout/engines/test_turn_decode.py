@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from rollout_helpers import FREQUENT_EOS, assets_available, random_prompts
+from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_prompts
 
 from mortal.workers.rollout.engines.base import cut_at_eos
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
@@ -32,13 +32,6 @@ from mortal.workers.rollout.engines.turn_decode import (
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
 GREEDY = Sampling(temperature=1.0, top_k=1, top_p=1.0)
-
-
-def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def _fed(conversation: int, turn: int) -> list[int]:
@@ -88,7 +81,7 @@ class Scripted:
 
 
 def _converse(decoder, prompts, script, max_tokens=24, sampling=PLAIN, seed=7):
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     keys = [conversation_key(seed * 1000 + i) for i in range(len(prompts))]
     TurnDecoder(decoder).converse(ids, mask, keys, max_tokens, sampling, FREQUENT_EOS, script.on_turn_end)
     return script
@@ -128,7 +121,7 @@ def test_greedy_turns_equal_re_prefilling_the_history_every_turn(model) -> None:
 
     stop = FREQUENT_EOS + [greedy_turn(p, 1, [])[0] for p in prompts]
     decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=2)
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     script = Scripted(len(prompts), turns=3)
     TurnDecoder(decoder).converse(ids, mask, [1, 2, 3, 4], max_tokens, GREEDY, stop, script.on_turn_end)
     assert sum(turns > 1 for turns in script.turns) >= 2, "conversations of several turns"
@@ -181,7 +174,7 @@ def test_a_failing_tool_future_raises_out_of_converse(model) -> None:
         future.set_exception(RuntimeError("environment broke"))
         return future
 
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     with pytest.raises(RuntimeError, match="environment broke"):
         TurnDecoder(decoder).converse(ids, mask, [1, 2], 16, PLAIN, FREQUENT_EOS, broken)
 
@@ -238,7 +231,7 @@ def test_the_compiled_graph_continues_conversations_with_the_logprobs_of_a_plain
         decoder = StaticDecoder(
             cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
         )
-        ids, mask = _left_padded(prompts)
+        ids, mask = left_padded(prompts)
         keys = [conversation_key(i) for i in range(len(prompts))]
         rng = random.Random(5)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
