@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
 
 
-def requests_and_loop(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
-    """(requests, engine, tokenizer, toolbox) for the example's first --prompts rows."""
+def example_setup(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any, Any]:
+    """(requests, engine, tokenizer, toolbox, spec) for the example's first --prompts rows."""
     from mortal.specs import TrainingRun
     from mortal.workers import schedule
     from mortal.workers.data import load_rows
@@ -53,7 +53,7 @@ def requests_and_loop(args: argparse.Namespace) -> tuple[list[Any], Any, Any, An
     ]
     tokenizer = load_tokenizer(spec.model)
     engine = TransformersEngine.create(spec.model, tokenizer, device=args.device)
-    return requests, engine, tokenizer, (Toolbox.from_spec(spec.rollout), spec)
+    return requests, engine, tokenizer, Toolbox.from_spec(spec.rollout), spec
 
 
 def timed(loop: Any, requests: list[Any]) -> tuple[float, int, int]:
@@ -84,7 +84,7 @@ def main() -> None:
     from mortal.workers.rollout.engines import GenerationParams
     from mortal.workers.rollout.multiturn import MultiTurn
 
-    requests, engine, tokenizer, (toolbox, spec) = requests_and_loop(args)
+    requests, engine, tokenizer, toolbox, spec = example_setup(args)
     params = GenerationParams.from_spec(spec.generation)
     loops = {
         side: MultiTurn(engine, tokenizer, toolbox, params, spec.rollout.chat_template, continuous=continuous)
