@@ -118,6 +118,7 @@ def main() -> None:
         json.dumps(
             {
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "gpus": 1 if torch.cuda.is_available() else 0,
                 "rows": len(rows),
                 "prompt_tokens": [min(len(p) for p in prompts), max(len(p) for p in prompts)],
                 "shared_tokens": common_length(ids, mask.sum(-1).tolist()),

@@ -105,6 +105,7 @@ def main() -> None:
         json.dumps(
             {
                 "device": args.device,
+                "gpus": 0 if args.device == "cpu" else 1,
                 "model": str(args.model),
                 "rollouts": args.prompts * args.gens,
                 "max_tokens": params.max_tokens,
