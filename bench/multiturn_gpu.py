@@ -204,6 +204,14 @@ def warm_start(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
     return folder
 
 
+class SideFailed(Exception):
+    """One side of the bench stopped part-way: what raised it and the steps it recorded before."""
+
+    def __init__(self, cause: BaseException, curve: list[dict[str, Any]]) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.curve = curve
+
+
 def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
@@ -276,7 +284,10 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
         tools=tools or None,
         environment_factory=environment,
     )
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as exc:  # the steps it made are still a measurement; the bench goes on to mortal's side
+        raise SideFailed(exc, curve) from exc
     return {"curve": curve, "wall_seconds": time.time() - invoked, "started_at": invoked}
 
 
@@ -480,8 +491,13 @@ def main() -> None:
             if args.only in (None, side):
                 work = Path(tmp) / side
                 work.mkdir()
-                with GpuBusy() as busy:
-                    result = runner(model, bench_spec(model, args), args, work)
+                try:
+                    with GpuBusy() as busy:
+                        result = runner(model, bench_spec(model, args), args, work)
+                except SideFailed as failed:
+                    out[side] = {"error": str(failed), "curve": failed.curve}
+                    print(f"{side}: stopped after {len(failed.curve)} steps: {failed}", flush=True)
+                    continue
                 if side == "mortal" and args.logs:
                     copy_logs(work, args.logs)
                 out[side] = {
@@ -491,10 +507,11 @@ def main() -> None:
                 }
                 shown = {k: v for k, v in out[side].items() if k != "curve"}
                 print(f"{side}: {json.dumps(shown)}", flush=True)
-    if "trl" in out and "mortal" in out and out["trl"]["tokens_per_second"]:
+    finished = [side for side in ("trl", "mortal") if side in out and "error" not in out[side]]
+    if finished == ["trl", "mortal"] and out["trl"]["tokens_per_second"]:
         out["ratio"] = round(out["mortal"]["tokens_per_second"] / out["trl"]["tokens_per_second"], 2)
         print(f"mortal / TRL, completion tokens per second: {out['ratio']}x", flush=True)
-    if "trl" in out and "mortal" in out:
+    if finished == ["trl", "mortal"]:
         out["learning"] = learning(out["trl"]["curve"], out["mortal"]["curve"], args.reward_window)
         print(f"learning: {json.dumps(out['learning'])}", flush=True)
     if args.json:

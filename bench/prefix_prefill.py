@@ -1,14 +1,20 @@
 """The rollout's shared-prefix prefill against every row prefilling its whole prompt, same invocation.
 
     python bench/prefix_prefill.py --model PATH.gguf [--prompts 16] [--gens 4] [--max-tokens 8] [--rounds 3]
+        [--prompts-per-task N]
 
 The calculator example's prompts (tool schemas in the system turn, then each row's question), rendered with
-its chat template as the rollouts render them, go through StaticDecoder.generate on the real model: with
-the shared prefix (workers/rollout/engines/prefix_cache.py) and with MORTAL_SHARED_PREFIX=0, alternating,
-`--rounds` times each. Few new tokens per row, so the prefill is most of a call, as it is of a tool-calling
-turn's first step. Prints one JSON line: both sides' seconds per call (each round's and the lowest), the
-ratio of the lowest, the prompt and shared lengths, and whether both sides sampled the same tokens. On a
-GPU the decoder captures its step (--compile); on the CPU it runs eagerly.
+its chat template as the rollouts render them, go through StaticDecoder.generate on the real model, split into
+tasks of --prompts-per-task prompts (one engine call each; all of them in one by default; a CPU rollout's
+tasks are one prompt each), three ways, alternating, `--rounds` times each:
+  - kept: the shared prefix computed once per call, its message pieces kept from one task to the next
+    (workers/rollout/engines/prefix_cache.py), as a rollout runs a step's tasks between two weight loads;
+  - per_call: the same, the kept pieces dropped before each task (as if the weights changed between them);
+  - whole: MORTAL_SHARED_PREFIX=0, every row prefilling its whole prompt.
+Few new tokens per row, so the prefill is most of a call, as it is of a tool-calling turn's first step.
+Prints one JSON line: each side's seconds for all the tasks (each round's and the lowest), the ratios of the
+lowest, the prompt and shared lengths, and whether the sides sampled the same tokens (kept and per_call must,
+bit for bit). On a GPU the decoder captures its step (--compile); on the CPU it runs eagerly.
 """
 
 from __future__ import annotations
@@ -67,19 +73,34 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def timed_call(decoder: Any, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace, eos: list[int]):
-    """Seconds of one generate (the device synchronized at both ends), and its tokens."""
+def timed_tasks(
+    decoder: Any,
+    tasks: list[tuple[torch.Tensor, torch.Tensor]],
+    args: argparse.Namespace,
+    eos: list[int],
+    keep: bool,
+) -> tuple[float, torch.Tensor]:
+    """Seconds of one generate per task (the device synchronized at both ends), and their tokens; `keep`
+    False drops the decoder's kept prefix pieces before each task."""
     from mortal.workers.rollout.engines.static_decode import Sampling
 
     sampling = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+    decoder.forget_weights()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    torch.manual_seed(args.seed)
+    outputs = []
     started = time.perf_counter()
-    tokens, _ = decoder.generate(ids, mask, args.max_tokens, sampling, eos)
+    for ids, mask in tasks:
+        if not keep:
+            decoder.forget_weights()
+        torch.manual_seed(args.seed)
+        tokens, _ = decoder.generate(ids, mask, args.max_tokens, sampling, eos)
+        outputs.append(tokens[:, : args.max_tokens].cpu())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - started, tokens.cpu()
+    took = time.perf_counter() - started
+    width = max(t.shape[1] for t in outputs)
+    return took, torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in outputs])
 
 
 def main() -> None:
@@ -91,6 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="capture the decode step (CUDA)")
+    parser.add_argument("--prompts-per-task", type=int, help="prompts in one engine call (default: all)")
     args = parser.parse_args()
 
     from mortal.specs.training import ModelSpec
@@ -100,33 +122,41 @@ def main() -> None:
     from mortal.workers.rollout.engines.static_decode import StaticDecoder
 
     tokenizer, prompts = tool_prompts(args.model, args.prompts)
-    rows = [p for p in prompts for _ in range(args.gens)]
-    ids, mask = left_padded(rows, tokenizer.pad_token_id)
+    per_task = args.prompts_per_task or len(prompts)
+    tasks = [
+        left_padded([p for p in prompts[i : i + per_task] for _ in range(args.gens)], tokenizer.pad_token_id)
+        for i in range(0, len(prompts), per_task)
+    ]
     model = load_model(ModelSpec(name=args.model, dtype="float32"))
-    decoder = StaticDecoder(model, compile=args.compile, max_rows=len(rows))
+    decoder = StaticDecoder(model, compile=args.compile, max_rows=per_task * args.gens)
     eos = [tokenizer.eos_token_id]
-    seconds: dict[str, list[float]] = {"shared": [], "whole": []}
+    sides = {"kept": ("1", True), "per_call": ("1", False), "whole": ("0", False)}
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
     tokens: dict[str, torch.Tensor] = {}
-    timed_call(decoder, ids, mask, args, eos)  # warm-up (and the capture, with --compile)
+    timed_tasks(decoder, tasks, args, eos, keep=True)  # warm-up (and the capture, with --compile)
     for _ in range(args.rounds):
-        for side, value in (("shared", "1"), ("whole", "0")):
+        for side, (value, keep) in sides.items():
             os.environ[ENV] = value
-            took, tokens[side] = timed_call(decoder, ids, mask, args, eos)
+            took, tokens[side] = timed_tasks(decoder, tasks, args, eos, keep)
             seconds[side].append(round(took, 4))
     lowest = {side: min(values) for side, values in seconds.items()}
+    ids, mask = tasks[0]
     print(
         json.dumps(
             {
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "gpus": 1 if torch.cuda.is_available() else 0,
-                "rows": len(rows),
+                "rows": len(prompts) * args.gens,
+                "tasks": len(tasks),
                 "prompt_tokens": [min(len(p) for p in prompts), max(len(p) for p in prompts)],
                 "shared_tokens": common_length(ids, mask.sum(-1).tolist()),
                 "max_tokens": args.max_tokens,
                 "seconds": seconds,
                 "lowest": lowest,
-                "whole_over_shared": round(lowest["whole"] / lowest["shared"], 3),
-                "same_tokens": bool(torch.equal(tokens["shared"], tokens["whole"])),
+                "whole_over_kept": round(lowest["whole"] / lowest["kept"], 3),
+                "per_call_over_kept": round(lowest["per_call"] / lowest["kept"], 3),
+                "same_tokens": bool(torch.equal(tokens["kept"], tokens["whole"])),
+                "kept_equals_per_call": bool(torch.equal(tokens["kept"], tokens["per_call"])),
             }
         )
     )

@@ -38,3 +38,29 @@ def test_steps_without_a_logged_reward_are_left_out_and_too_few_say_so() -> None
     trl = _curve([0.1], seconds_a_step=10.0) + [{"step": 2, "seconds": 20.0}]
     block = multiturn_gpu.learning(trl, _curve([0.1, 0.2], 1.0), window=2)
     assert block == {"window": 2, "too_few_steps": True}
+
+
+def test_a_side_that_stops_part_way_is_recorded_with_its_steps_and_the_other_side_still_runs(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """TRL's side once stopped on a CUDA assert mid-run: the JSON keeps its steps and the error, mortal's side
+    runs after it, and no ratio or learning block compares a finished side with a stopped one."""
+    import json
+
+    def trl_stops(model, spec, args, work):
+        raise multiturn_gpu.SideFailed(RuntimeError("device-side assert triggered"), _curve([0.5, 0.7], 2.0))
+
+    def mortal_runs(model, spec, args, work):
+        return {"curve": _curve([0.5, 0.6, 0.8], 1.0), "wall_seconds": 3.0, "started_at": 0.0}
+
+    monkeypatch.setattr(multiturn_gpu, "run_trl", trl_stops)
+    monkeypatch.setattr(multiturn_gpu, "run_mortal", mortal_runs)
+    out = tmp_path / "out.json"
+    argv = ["multiturn_gpu.py", "--model", str(tmp_path), "--cpu", "--warm-start", "0", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    multiturn_gpu.main()
+    result = json.loads(out.read_text())
+    assert result["trl"]["error"] == "RuntimeError: device-side assert triggered"
+    assert [p["step"] for p in result["trl"]["curve"]] == [1, 2]
+    assert [p["step"] for p in result["mortal"]["curve"]] == [1, 2, 3]
+    assert "ratio" not in result and "learning" not in result

@@ -33,7 +33,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 
 from mortal.workers.oom import BudgetRefusal
 from mortal.workers.rollout.engines import decode_attention, fused_projections
-from mortal.workers.rollout.engines.prefix_cache import PromptPrefix
+from mortal.workers.rollout.engines.prefix_cache import PrefixChain, PromptPrefix
 
 # Decode steps between checks for ended rows. A check waits for the GPU once (a moment of idle GPU while
 # Python enqueues the next replays); a row that ended just after one keeps sampling junk until the next.
@@ -558,6 +558,8 @@ class StaticDecoder:
         self._shapes: OrderedDict[tuple[int, int, int, Sampling, str], PreparedShape] = OrderedDict()
         self.preparations = 0
         self.last_stats: DecodeStats | None = None
+        # the last call's shared prompt prefix, in pieces, for the next call (prefix_cache); forget_weights()
+        self.prefixes = PrefixChain()
 
     @torch.no_grad()
     def prepare(
@@ -693,7 +695,7 @@ class StaticDecoder:
         shape.cache.reset()
         shape.state.stop.zero_()
         shape.state.stop[[i for i in eos_ids if 0 <= i < self.vocab]] = True
-        prompts = self.prompts(input_ids, attention_mask, max_tokens)
+        prompts = self.prompts(input_ids, attention_mask, max_tokens, eos_ids)
         outputs = _Outputs(sequences, max_tokens, self.device)
         schedule = RowSchedule(rows, sequences, max_tokens, self.sync_every)
         steps = self._decode(shape, prompts, schedule, sampling, outputs)
@@ -758,12 +760,19 @@ class StaticDecoder:
         state.t[rows] = 1
         state.ended[rows] = state.stop[token]
 
-    def prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int) -> Prompts:
+    def forget_weights(self) -> None:
+        """The model's weights changed: nothing computed with the old ones is reused (the prefix chain)."""
+        self.prefixes.clear()
+
+    def prompts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int, eos_ids: list[int]
+    ) -> Prompts:
         """One call's left-padded prompts on this device, with the prefix they all share computed once
-        (prefix_cache; None where none is worth it)."""
+        (prefix_cache, in pieces that end after each of `eos_ids`, kept ones reused; None where none is
+        worth it)."""
         lengths = attention_mask.sum(dim=-1).tolist()
         ids, real = input_ids.to(self.device), attention_mask.to(self.device, torch.bool)
-        prefix = PromptPrefix.of(self.model, ids, lengths)
+        prefix = PromptPrefix.of(self.model, ids, lengths, self.prefixes, eos_ids)
         return Prompts(ids, real, max_tokens, self.dtype, lengths, prefix)
 
     def prefill(

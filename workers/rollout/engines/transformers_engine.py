@@ -328,6 +328,10 @@ class TransformersEngine(Engine):
         return [cut_at_eos(ids[i], lps[i], self.eos_ids) for i in range(n)]
 
     def load_weights(self, path: str, transport: WeightTransport | None = None) -> None:
+        # before the load: a load that fails half-way has still changed weights
+        for decoder in (self.decoder, self.turns.decoder if self.turns else None):
+            if decoder is not None:
+                decoder.forget_weights()
         try:
             (transport or VolumeTransport()).load(self.model, path)
         except WeightsError as exc:

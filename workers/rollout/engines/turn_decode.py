@@ -238,7 +238,7 @@ class TurnDecoder:
         state.stop.zero_()
         state.stop[[i for i in eos_ids if 0 <= i < decoder.vocab]] = True
         state.ended.fill_(True)  # rows without a conversation stay frozen
-        prompts = decoder.prompts(input_ids, attention_mask, max_tokens)
+        prompts = decoder.prompts(input_ids, attention_mask, max_tokens, eos_ids)
         key_of = torch.tensor(keys, dtype=torch.long, device=decoder.device)
         schedule = TurnSchedule(state.rows, conversations)
         stats = TurnStats(rows=state.rows, conversations=conversations)

@@ -369,6 +369,31 @@ def test_load_weights_switches_to_a_published_version(engine, tokenizer, tmp_pat
     assert after != before
 
 
+def test_a_task_after_a_weight_load_samples_what_a_fresh_engine_of_those_weights_does(
+    engine, tokenizer, tmp_path: Path
+) -> None:
+    """The batched path keeps the shared system message's K/V for the next task (prefix_cache); a weight
+    load must drop it, or the next task would attend to the old weights' keys."""
+    system = {"role": "system", "content": "You are a careful calculator. " * 12}
+
+    def task(a: int) -> list[list[int]]:
+        questions = [{"role": "user", "content": f"What is {a} + {b}?"} for b in (1, 2)]
+        return [encode_prompt(tokenizer, [system, question]) for question in questions]
+
+    tasks = [task(3), task(4)]
+    params = GenerationParams(max_tokens=8, temperature=0.9)
+    batched = TransformersEngine(engine.model, tokenizer, compiled=True)
+    batched.generate(tasks[0], 2, [4, 5], params)
+    assert batched.decoder.prefixes.pieces, "the system message was kept"
+    other_spec = ModelSpec(name=str(make_tiny_model(tmp_path / "other", seed=1)), dtype="float32")
+    published = write_weights(load_model(other_spec, "cpu"), tmp_path / "weights" / "v1", version=1, step=1)
+    batched.load_weights(str(published))
+    after = batched.generate(tasks[1], 2, [6, 7], params)
+    fresh = TransformersEngine(load_model(other_spec, "cpu"), tokenizer, compiled=True)
+    expected = fresh.generate(tasks[1], 2, [6, 7], params)
+    assert [[c.logprobs for c in g] for g in after] == [[c.logprobs for c in g] for g in expected]
+
+
 def test_load_weights_of_another_architecture_is_fatal(engine, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

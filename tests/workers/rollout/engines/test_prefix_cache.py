@@ -17,7 +17,7 @@ from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_
 
 from mortal.workers.prefix import ENV, MIN_SHARED_PREFIX
 from mortal.workers.rollout.engines.base import cut_at_eos
-from mortal.workers.rollout.engines.prefix_cache import PromptPrefix, common_length
+from mortal.workers.rollout.engines.prefix_cache import PromptPrefix, common_length, message_ends
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
 from mortal.workers.rollout.engines.turn_decode import TurnDecoder
 
@@ -147,3 +147,74 @@ def test_conversations_across_turns_equal_every_row_prefilling_its_whole_prompt(
     assert shared == whole
     for a, b in zip(shared_logprobs, whole_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
+# -- the pieces kept for the next call -----------------------------------------------------------------------
+
+BOUNDARY = FREQUENT_EOS[0]
+_plain = [t for t in random_prompts([120], seed=7)[0] if t not in set(FREQUENT_EOS)]
+SYSTEM = _plain[:35] + [BOUNDARY]  # one message: 36 tokens ending at an end-of-message token
+USER = _plain[35:45]  # the start of the next message, shared too; no message end in it
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ends"),
+    [
+        pytest.param([5, 6, BOUNDARY, 7, BOUNDARY, 8, 9], [3, 5, 7], id="after each message end, the rest"),
+        pytest.param([5, 6, BOUNDARY], [3], id="ending at a message end"),
+        pytest.param([5, 6, 7], [3], id="no message end: one piece"),
+    ],
+)
+def test_a_prefix_is_cut_after_each_end_of_message_token(tokens, ends) -> None:
+    assert message_ends(tokens, frozenset(FREQUENT_EOS)) == ends
+
+
+def _one_call(decoder, prompts, sampling=PLAIN, seed=1, n=2):
+    ids, mask = left_padded([p for p in prompts for _ in range(n)])
+    torch.manual_seed(seed)
+    tokens, logprobs = decoder.generate(ids, mask, 12, sampling, FREQUENT_EOS)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def _tasks(seed: int) -> list[list[int]]:
+    """A task's prompts: the shared system message and the start of the user's, then their own tokens."""
+    return [SYSTEM + USER + own for own in random_prompts([3, 5], seed=seed)]
+
+
+def test_the_next_call_computes_only_what_follows_the_kept_message_pieces(model) -> None:
+    decoder = StaticDecoder(model, compile=False, max_rows=4)
+    _one_call(decoder, _tasks(seed=8))
+    first = decoder.prefixes.computed_tokens
+    assert first == len(SYSTEM + USER)  # the whole shared prefix, in two pieces
+    assert [len(piece.tokens) for piece in decoder.prefixes.pieces] == [len(SYSTEM)]
+    _one_call(decoder, _tasks(seed=9))
+    assert decoder.prefixes.computed_tokens - first == len(USER)  # the system message was kept
+
+
+def test_a_call_samples_the_same_whatever_the_calls_before_it_kept(model) -> None:
+    """Bit for bit: kept pieces hold what computing them again gives (a resumed run samples the same)."""
+    warm = StaticDecoder(model, compile=False, max_rows=4)
+    _one_call(warm, _tasks(seed=8))
+    after_another_call = _one_call(warm, _tasks(seed=9))
+    alone = _one_call(StaticDecoder(model, compile=False, max_rows=4), _tasks(seed=9))
+    assert after_another_call == alone
+
+
+def test_nothing_is_reused_after_the_weights_change(model) -> None:
+    decoder = StaticDecoder(model, compile=False, max_rows=4)
+    _one_call(decoder, _tasks(seed=8))
+    decoder.forget_weights()
+    before = decoder.prefixes.computed_tokens
+    _one_call(decoder, _tasks(seed=9))
+    assert decoder.prefixes.computed_tokens - before == len(SYSTEM + USER)
+
+
+def test_a_changed_piece_and_every_piece_after_it_are_computed_again(model) -> None:
+    decoder = StaticDecoder(model, compile=False, max_rows=4)
+    two_messages = SYSTEM + SYSTEM[::-1][1:] + [BOUNDARY]
+    _one_call(decoder, [two_messages + own for own in random_prompts([3, 5], seed=8)])
+    assert len(decoder.prefixes.pieces) == 2
+    other_first = [SYSTEM[1]] + SYSTEM[1:]
+    before = decoder.prefixes.computed_tokens
+    _one_call(decoder, [other_first + two_messages[36:] + own for own in random_prompts([3, 5], seed=9)])
+    assert decoder.prefixes.computed_tokens - before == len(two_messages)
