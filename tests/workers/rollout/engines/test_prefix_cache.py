@@ -17,7 +17,7 @@ from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_
 
 from mortal.workers.prefix import ENV, MIN_SHARED_PREFIX
 from mortal.workers.rollout.engines.base import cut_at_eos
-from mortal.workers.rollout.engines.prefix_cache import PromptPrefix, common_length, message_ends
+from mortal.workers.rollout.engines.prefix_cache import PrefixChain, PromptPrefix, common_length, message_ends
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
 from mortal.workers.rollout.engines.turn_decode import TurnDecoder
 
@@ -218,3 +218,16 @@ def test_a_changed_piece_and_every_piece_after_it_are_computed_again(model) -> N
     before = decoder.prefixes.computed_tokens
     _one_call(decoder, [other_first + two_messages[36:] + own for own in random_prompts([3, 5], seed=9)])
     assert decoder.prefixes.computed_tokens - before == len(two_messages)
+
+
+def test_pieces_hold_the_keys_and_values_of_one_forward_over_the_whole_prefix(model) -> None:
+    """Pieces of one token too (two message ends in a row, one token after the last)."""
+    tokens = SYSTEM + [BOUNDARY] + USER + [BOUNDARY, 5]
+    ends = message_ends(tokens, frozenset(FREQUENT_EOS))
+    assert [b - a for a, b in zip([0, *ends], ends, strict=False)] == [len(SYSTEM), 1, len(USER) + 1, 1]
+    keys, values = PrefixChain().compute(model, tokens, frozenset(FREQUENT_EOS), torch.device("cpu"))
+    with torch.no_grad():
+        whole = model.get_decoder()(input_ids=torch.tensor([tokens]), use_cache=True).past_key_values.layers
+    for got_keys, got_values, layer in zip(keys, values, whole, strict=True):
+        torch.testing.assert_close(got_keys, layer.keys[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_values, layer.values[0], atol=1e-5, rtol=1e-5)
