@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mortal.controller.observed import Desired
-from mortal.specs.memory import EffectiveMemory
+from mortal.specs.status import EffectiveMemory
 
 # TRL's loss types whose step depends on how the batch is split: bnpo divides each pass's loss by that
 # pass's own tokens (the others divide so that the passes add up to the whole batch's step). A smaller

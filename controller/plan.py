@@ -68,7 +68,7 @@ from mortal.controller.status import (
     legal_phase,
 )
 from mortal.specs import memory
-from mortal.specs.memory import EffectiveMemory
+from mortal.specs.status import EffectiveMemory
 
 ACTOR, ROLLOUT = "actor", "rollout"
 READY_REASONS = {

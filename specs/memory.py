@@ -1,25 +1,19 @@
-"""Memory settings the controller chose for a run, beside the user's spec: the status block and the
-worker's view.
+"""Memory settings the controller chose for a run, beside the user's spec: the worker's view of them.
 
 Who uses it: the controller's planner (mortal.controller.heal) records what it chose in status.effective
-(`EffectiveMemory`) and the reconciler hands it to a launched worker as MORTAL_* variables (`environ`);
-the worker (mortal.workers.runtime) reads its spec through `applied`. Only settings that keep the training
-step the same are chosen so: the actor's microBatchSize (the step's batch in more passes, gradients
-accumulated) and the colocated rollouts' share of the GPU (rollout.gpuMemoryUtilization). The user's spec
-is never rewritten: `mortalctl get -o yaml` shows what they applied, status.effective what runs.
+(mortal.specs.status.EffectiveMemory) and the reconciler hands it to a launched worker as MORTAL_* variables
+(`environ`); the worker (mortal.workers.runtime) reads its spec through `applied`. Only settings that keep
+the training step the same are chosen so: the actor's microBatchSize (the step's batch in more passes,
+gradients accumulated) and the colocated rollouts' share of the GPU (rollout.gpuMemoryUtilization). The
+user's spec is never rewritten: `mortalctl get -o yaml` shows what they applied, status.effective what runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from pydantic import Field
-
-from mortal.specs.base import SpecModel
-
-if TYPE_CHECKING:  # run.py imports status.py, which imports this module
-    from mortal.specs.run import TrainingRun
+from mortal.specs.run import TrainingRun
+from mortal.specs.status import EffectiveMemory
 
 MICRO_BATCH_ENV = "MORTAL_MICRO_BATCH_SIZE"  # the actor's algorithm.microBatchSize for this incarnation
 ROLLOUT_SHARE_ENV = "MORTAL_ROLLOUT_SHARE"  # the rollout's rollout.gpuMemoryUtilization for this incarnation
@@ -27,40 +21,6 @@ ROLLOUT_SHARE_ENV = "MORTAL_ROLLOUT_SHARE"  # the rollout's rollout.gpuMemoryUti
 
 class BadMemorySetting(ValueError):
     """A MORTAL_* memory variable that does not fit the run's spec (not an int, a divisor, in range)."""
-
-
-class EffectiveMemory(SpecModel):
-    """What runs instead of the spec's value, and why (status.effective)."""
-
-    micro_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="The actor's completions per forward/backward pass now, when the controller "
-        "lowered algorithm.microBatchSize (the same step: gradients accumulated over more passes).",
-    )
-    rollout_gpu_memory_utilization: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description="The rollouts' share of the GPU now, when the controller lowered "
-        "rollout.gpuMemoryUtilization after a rollout ran out of GPU memory.",
-    )
-    spec_micro_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="The spec's micro batch (batchSize when unset) the choice was made from; a "
-        "spec with another one drops the choice (the user decided).",
-    )
-    spec_rollout_gpu_memory_utilization: float | None = Field(
-        None, description="The spec's rollout.gpuMemoryUtilization the share was lowered from."
-    )
-    reduced_after: dict[str, int] = Field(
-        default_factory=dict,
-        description="Per slot (actor-0, rollout-1), the incarnation whose "
-        "out-of-memory exit the newest reduction answered: a later one is a new out-of-memory at the lowered "
-        "setting.",
-    )
-    reason: str | None = Field(None, description="Why: the newest reduction, as its event said it.")
 
 
 def environ(effective: EffectiveMemory | None, role: str) -> dict[str, str]:

@@ -15,7 +15,6 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from mortal.specs.base import SpecModel
-from mortal.specs.memory import EffectiveMemory
 
 
 class Phase(StrEnum):
@@ -99,6 +98,40 @@ class ReplicaStatus(SpecModel):
 
     actor: ReplicaCount = Field(default_factory=ReplicaCount, description="The trainer.")
     rollout: ReplicaCount = Field(default_factory=ReplicaCount, description="The generation workers.")
+
+
+class EffectiveMemory(SpecModel):
+    """What runs instead of the spec's value, and why (status.effective)."""
+
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="The actor's completions per forward/backward pass now, when the controller "
+        "lowered algorithm.microBatchSize (the same step: gradients accumulated over more passes).",
+    )
+    rollout_gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="The rollouts' share of the GPU now, when the controller lowered "
+        "rollout.gpuMemoryUtilization after a rollout ran out of GPU memory.",
+    )
+    spec_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="The spec's micro batch (batchSize when unset) the choice was made from; a "
+        "spec with another one drops the choice (the user decided).",
+    )
+    spec_rollout_gpu_memory_utilization: float | None = Field(
+        None, description="The spec's rollout.gpuMemoryUtilization the share was lowered from."
+    )
+    reduced_after: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per slot (actor-0, rollout-1), the incarnation whose "
+        "out-of-memory exit the newest reduction answered: a later one is a new out-of-memory at the lowered "
+        "setting.",
+    )
+    reason: str | None = Field(None, description="Why: the newest reduction, as its event said it.")
 
 
 class RunStatus(SpecModel):

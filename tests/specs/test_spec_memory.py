@@ -10,10 +10,10 @@ from mortal.specs.memory import (
     MICRO_BATCH_ENV,
     ROLLOUT_SHARE_ENV,
     BadMemorySetting,
-    EffectiveMemory,
     applied,
     environ,
 )
+from mortal.specs.status import EffectiveMemory
 
 
 def run(**algorithm) -> TrainingRun:
