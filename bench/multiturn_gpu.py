@@ -40,8 +40,10 @@ and mortal's, both counting the model's tokens and the tool results' inside the 
 completions per step), tool calls per completion (tools/call_frequency, the same name on both sides),
 tokens per second, and mortal's over TRL's. The learning block: TRL's final reward (the mean of its last
 --reward-window steps' total reward) and the wall seconds, from each side's launch, at which each side's
-trailing mean first reaches it, and mortal's seconds over TRL's. Needs TRL and datasets; a CUDA GPU unless
---cpu.
+trailing mean first reaches it, and mortal's seconds over TRL's. Mortal's `decode`: each task's figures from
+its rollout's log (decode steps, turns, appends and their seconds, waits on tools) and their medians, where
+its generation went. A side that stops part-way keeps its steps and its error, and the other side still runs
+(no ratio then). Needs TRL and datasets; a CUDA GPU unless --cpu.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -308,7 +311,25 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
         for s, v in sorted(by_step.items())
         if "ended_at" in v
     ]
-    return {"curve": curve, "wall_seconds": wall, "started_at": launched}
+    return {"curve": curve, "wall_seconds": wall, "started_at": launched, "decode": rollout_decode(work)}
+
+
+# the rollout's line per task (mortal.workers.rollout.loop): "task STEP.SLOT: ... [decode key=value ...]"
+TASK_LINE = re.compile(r"task (\d+)\.(\d+): .*?\[decode ([^\]]*)\]")
+
+
+def rollout_decode(work: Path) -> dict[str, Any]:
+    """Where mortal's generation went, from its rollouts' logs: each task's decode figures (decode steps,
+    turns, appends and their seconds, waits on tools) and their medians from step SKIP + 1 on."""
+    tasks = []
+    for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log")):
+        for match in TASK_LINE.finditer(log.read_text(errors="replace")):
+            figures = dict(pair.split("=", 1) for pair in match.group(3).split())
+            tasks.append({"step": int(match.group(1)), **{k: float(v) for k, v in figures.items()}})
+    steady = [t for t in tasks if t["step"] > SKIP] or tasks
+    keys = sorted({k for t in steady for k in t} - {"step"})
+    medians = {k: statistics.median(t[k] for t in steady if k in t) for k in keys}
+    return {"tasks": tasks, "medians": medians}
 
 
 class GpuBusy:
@@ -505,8 +526,11 @@ def main() -> None:
                     **summary(result["curve"], args.prompts * args.gens),
                     "gpu_busy": busy.fraction(*timed_window(result)),
                 }
-                shown = {k: v for k, v in out[side].items() if k != "curve"}
+                shown = {k: v for k, v in out[side].items() if k not in ("curve", "decode")}
                 print(f"{side}: {json.dumps(shown)}", flush=True)
+                if "decode" in result:
+                    medians = json.dumps(result["decode"]["medians"])
+                    print(f"{side} decode (medians a task): {medians}", flush=True)
     finished = [side for side in ("trl", "mortal") if side in out and "error" not in out[side]]
     if finished == ["trl", "mortal"] and out["trl"]["tokens_per_second"]:
         out["ratio"] = round(out["mortal"]["tokens_per_second"] / out["trl"]["tokens_per_second"], 2)

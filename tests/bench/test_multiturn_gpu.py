@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import multiturn_gpu  # noqa: E402
@@ -64,3 +66,21 @@ def test_a_side_that_stops_part_way_is_recorded_with_its_steps_and_the_other_sid
     assert [p["step"] for p in result["trl"]["curve"]] == [1, 2]
     assert [p["step"] for p in result["mortal"]["curve"]] == [1, 2, 3]
     assert "ratio" not in result and "learning" not in result
+
+
+def test_mortals_generation_is_split_by_its_rollouts_task_lines(tmp_path: Path) -> None:
+    logs = tmp_path / "mortal-home" / "runs" / "bench" / "logs"
+    logs.mkdir(parents=True)
+    lines = [
+        f"INFO task {step}.0: 8 prompts, 4288 tokens in 0.55 s (7796.4 tokens/s) [decode rows=64 "
+        f"decode_steps={steps} turns=192 appends=5 appended_tokens=900 append_s={append} tool_waits=2 "
+        f"tool_wait_s=0.004], rewards in 0.003 s, weights v{step}"
+        for step, steps, append in ((1, 200, 3.0), (2, 104, 0.3), (3, 96, 0.2), (4, 88, 0.1))
+    ]
+    (logs / "rollout-0-0.log").write_text("\n".join(["INFO loading weights", *lines]))
+    decode = multiturn_gpu.rollout_decode(tmp_path)
+    assert [t["step"] for t in decode["tasks"]] == [1, 2, 3, 4]
+    assert decode["tasks"][0]["decode_steps"] == 200.0
+    # the medians of steps 3 and 4 (the first two carry start-up and compilation)
+    assert decode["medians"]["decode_steps"] == 92.0
+    assert decode["medians"]["append_s"] == pytest.approx(0.15)
