@@ -320,6 +320,18 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "multiturn-overlap": Group(
+        "the same with maxStaleness 1 (generation of step s+1 beside training of step s on the one GPU)",
+        (
+            Bench(
+                "multiturn_overlap",
+                "multiturn_gpu.py",
+                ("--model", "{gguf}", "--steps", "20", "--warm-start", "60", "--staleness", "1"),
+                590,
+            ),
+        ),
+        gguf=True,
+    ),
     "multiturn-learning": Group(
         "the calculator example learning beside TRL's tool loop: reward against wall-clock, time to TRL's "
         "final reward (the learning block); a short warm start, so that the reward starts below its ceiling",
