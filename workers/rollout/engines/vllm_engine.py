@@ -6,6 +6,9 @@ lazily, so this module imports everywhere; tests skip cleanly where vLLM is abse
 - generate: one `LLM.generate` over all the task's prompts (token ids), each with its own
   `SamplingParams(n=..., seed=..., logprobs=0)`; vLLM batches them itself and gives each of a
   prompt's n children its own seed (seed + i), so a prompt's tokens depend on its seed alone.
+- converse: tool-calling conversations on vLLM's engine, stepped directly: a turn that ends leaves the
+  batch while its tools run, and its next turn rejoins it with the history's K/V found by vLLM's prefix
+  caching (vllm_conversations.py).
   The engine runs with `logprobs_mode="processed_logprobs"`, as TRL does, so logprobs are those of
   the distribution sampled from (temperature, top-k, top-p applied), like the transformers engine.
 - load_weights: the published safetensors are streamed into the running model on every worker
@@ -23,6 +26,7 @@ import importlib.util
 import json
 import os
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +36,11 @@ from mortal.workers.rollout.engines.base import (
     Completion,
     Engine,
     GenerationParams,
+    OnTurnEnd,
     cut_at_eos,
     eos_token_ids,
 )
+from mortal.workers.rollout.engines.vllm_conversations import Conversations
 
 if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec
@@ -188,6 +194,23 @@ class VllmEngine(Engine):
             use_tqdm=False,
         )
         return [self._completions(request) for request in requests]
+
+    def continues_turns(self) -> bool:
+        """Conversations continue on vLLM's engine, stepped directly (vllm_conversations.py)."""
+        return True
+
+    def converse(
+        self, prompts: list[list[int]], seeds: list[int], params: GenerationParams, on_turn_end: OnTurnEnd
+    ) -> None:
+        from vllm.inputs import TokensPrompt
+
+        Conversations(
+            self.llm.llm_engine,
+            lambda seed, max_tokens: self._sampling_params(1, seed, replace(params, max_tokens=max_tokens)),
+            lambda ids: TokensPrompt(prompt_token_ids=list(ids)),
+            self.eos_ids,
+            params.max_tokens,
+        ).run(prompts, seeds, on_turn_end)
 
     def _completions(self, request: Any) -> list[Completion]:
         completions = []
