@@ -9,7 +9,7 @@ the tool messages are appended with loss mask 0, and one engine call generates e
 turn (a seed per rollout and turn: schedule.turn_seed). A completion is everything after the prompt, one
 mask entry per token (TRL's tool_mask). Every engine call of a task asks for one prompt width and row count,
 so the GPU decoder replays one captured shape for all turns.
-Where the engine continues conversations (Engine.converse: the transformers engine), the rounds are
+Where the engine continues conversations (Engine.converse: the transformers and vLLM engines), the rounds are
 not in lock-step: a rollout whose turn ends runs steps 4-6 on its own (a pool thread: parse, call, append)
 while the engine decodes the others, and its next turn rejoins the running batch with its KV cache kept;
 each rollout samples from its own seed (schedule.turn_seed(seed, g, 0)), so its tokens do not depend on
