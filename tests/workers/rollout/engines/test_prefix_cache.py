@@ -231,3 +231,41 @@ def test_pieces_hold_the_keys_and_values_of_one_forward_over_the_whole_prefix(mo
     for got_keys, got_values, layer in zip(keys, values, whole, strict=True):
         torch.testing.assert_close(got_keys, layer.keys[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_values, layer.values[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_compiled_cuda_path_a_task_after_another_samples_what_it_does_alone(model) -> None:
+    """The decode step captured as a graph: the kept system message serves the second task, whose tokens
+    and logprobs equal it run on a fresh decoder, bit for bit, and its logprobs a plain forward's."""
+    cuda_model = model.to("cuda")
+    try:
+
+        def call(decoder, prompts):
+            ids, mask = left_padded([p for p in prompts for _ in range(2)])
+            torch.manual_seed(1)
+            tokens, logprobs = decoder.generate(ids.cuda(), mask.cuda(), 12, PLAIN, FREQUENT_EOS)
+            return tokens.tolist(), logprobs.tolist()
+
+        warm = StaticDecoder(cuda_model, compile=True, max_rows=4)
+        call(warm, _tasks(seed=8))
+        before = warm.prefixes.computed_tokens
+        after_another = call(warm, _tasks(seed=9))
+        assert warm.prefixes.computed_tokens - before == len(USER)
+        alone = call(StaticDecoder(cuda_model, compile=True, max_rows=4), _tasks(seed=9))
+        assert after_another == alone
+        prompts = [p for p in _tasks(seed=9) for _ in range(2)]
+        for prompt, ids, logprobs in zip(prompts, *after_another, strict=True):
+            out = cut_at_eos(ids, logprobs, FREQUENT_EOS)
+            with torch.no_grad():
+                logits = cuda_model(torch.tensor([prompt + out.ids], device="cuda")).logits[
+                    0, len(prompt) - 1 : -1
+                ]
+            expected = processed_logprobs(logits, PLAIN).gather(
+                1, torch.tensor(out.ids, device="cuda")[:, None]
+            )
+            torch.testing.assert_close(
+                torch.tensor(out.logprobs), expected.squeeze(1).cpu(), atol=2e-3, rtol=2e-3
+            )
+    finally:
+        model.to("cpu")
