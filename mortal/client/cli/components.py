@@ -188,7 +188,7 @@ def test_reward(
         raise typer.Exit(1)
 
 
-def _dump(result: dict[str, Any], output: str) -> str:
+def dump(result: dict[str, Any], output: str) -> str:
     text = to_json(result) if output == "json" else to_yaml(result)
     return text if text.endswith("\n") else text + "\n"
 
@@ -200,7 +200,7 @@ def _check_output(output: str | None) -> None:
 
 def _print_reward_result(result: dict[str, Any], output: str | None) -> None:
     if output:
-        typer.echo(_dump(result, output), nl=False)
+        typer.echo(dump(result, output), nl=False)
         return
     out = console()
     rows = [(r["name"], f"{r['weight']:g}", _score(r["score"]), r["error"] or "") for r in result["rewards"]]
@@ -251,7 +251,7 @@ def test_rollout(
     run = load_run(filename, name)
     result = generate(run, prompt, row, n or run.spec.algorithm.num_generations, max_tokens, seed, device)
     if output:
-        typer.echo(_dump(result, output), nl=False)
+        typer.echo(dump(result, output), nl=False)
         return
     _print_rollout_result(result)
 
@@ -277,7 +277,7 @@ def generate(
     the_prompt = (
         columns["prompt"] if row is not None else normalize_prompt(prompt, run.spec.dataset.system_prompt)
     )
-    where = _device(device)
+    where = device_for(device)
     tokenizer = load_tokenizer(run.spec.model)
     engine = select_engine(run.spec.generation.engine, where).create(run.spec.model, tokenizer, device=where)
     try:
@@ -350,7 +350,7 @@ def _tool_rollouts(
     return multiturn.rollouts([request])[0]
 
 
-def _device(device: str) -> str:
+def device_for(device: str) -> str:
     from mortal.workers.models import default_device
 
     if device not in ("auto", "cpu", "cuda"):

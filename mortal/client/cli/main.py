@@ -26,6 +26,7 @@ from mortal.client.cli import (
     dashboard,
     describe,
     env,
+    evaluation,  # noqa: F401  (its `test eval` joins components' `test` group on import)
     fork,
     get,
     lifecycle,
