@@ -46,6 +46,11 @@ Examples:
 """
 
 test_app = typer.Typer(help=HELP, no_args_is_help=True)
+# the options every `test` command shares (typer keeps no state in them: one object serves each command)
+FILENAME = typer.Option(..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file.")
+RUN_NAME = typer.Option(None, "--name", help="The run to use when the file holds several.")
+OUTPUT = typer.Option(None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result.")
+DEVICE = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda.")
 
 
 def load_run(filename: str, name: str | None) -> TrainingRun:
@@ -138,9 +143,7 @@ def completion_ids(run: TrainingRun, text: str) -> tuple[list[int], str | None]:
 
 @test_app.command("reward", help=REWARD_HELP, no_args_is_help=True)
 def test_reward(
-    filename: str = typer.Option(
-        ..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."
-    ),
+    filename: str = FILENAME,
     completion: str = typer.Option(..., "--completion", metavar="TEXT", help="The completion to score."),
     row: str | None = typer.Option(
         None, "--row", metavar="JSON|K", help="Dataset columns as JSON, or row K."
@@ -148,15 +151,13 @@ def test_reward(
     prompt: str | None = typer.Option(
         None, "--prompt", metavar="TEXT", help="The prompt (default: the row's)."
     ),
-    name: str | None = typer.Option(None, "--name", help="The run to use when the file holds several."),
-    output: str | None = typer.Option(
-        None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."
-    ),
+    name: str | None = RUN_NAME,
+    output: str | None = OUTPUT,
 ) -> None:
     from mortal.workers.data import normalize_prompt
     from mortal.workers.rewards import RewardSet
 
-    _check_output(output)
+    check_output(output)
     run = load_run(filename, name)
     columns = parse_row(run, row)
     asked = normalize_prompt(prompt, run.spec.dataset.system_prompt) if prompt is not None else None
@@ -193,7 +194,7 @@ def dump(result: dict[str, Any], output: str) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def _check_output(output: str | None) -> None:
+def check_output(output: str | None) -> None:
     if output not in (None, "json", "yaml"):
         raise CliError(f"-o {output}: choose json or yaml (or leave it out for a table)")
 
@@ -222,9 +223,7 @@ def _score(value: float | None) -> str:
 
 @test_app.command("rollout", help=ROLLOUT_HELP, no_args_is_help=True)
 def test_rollout(
-    filename: str = typer.Option(
-        ..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."
-    ),
+    filename: str = FILENAME,
     prompt: str | None = typer.Option(None, "--prompt", metavar="TEXT", help="The prompt to complete."),
     row: int | None = typer.Option(
         None, "--row", metavar="K", help="Use row K of the run's dataset (and score it)."
@@ -236,13 +235,11 @@ def test_rollout(
         None, "--max-tokens", metavar="N", help="Override generation.maxTokens."
     ),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (same seed, same completions on CPU)."),
-    device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda."),
-    name: str | None = typer.Option(None, "--name", help="The run to use when the file holds several."),
-    output: str | None = typer.Option(
-        None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."
-    ),
+    device: str = DEVICE,
+    name: str | None = RUN_NAME,
+    output: str | None = OUTPUT,
 ) -> None:
-    _check_output(output)
+    check_output(output)
     if (prompt is None) == (row is None):
         raise CliError("give exactly one of --prompt TEXT and --row K")
     for flag, value in (("-n", n), ("--max-tokens", max_tokens)):

@@ -18,7 +18,18 @@ from typing import TYPE_CHECKING, Any
 import typer
 from pydantic import ValidationError
 
-from mortal.client.cli.components import device_for, dump, load_run, test_app, weighted_sum
+from mortal.client.cli.components import (
+    DEVICE,
+    FILENAME,
+    OUTPUT,
+    RUN_NAME,
+    check_output,
+    device_for,
+    dump,
+    load_run,
+    test_app,
+    weighted_sum,
+)
 from mortal.client.cli.context import CliError
 from mortal.client.cli.output import console, say, table
 from mortal.workers.errors import FatalWorkerError
@@ -41,9 +52,7 @@ Examples:
 
 @test_app.command("eval", help=EVAL_HELP, no_args_is_help=True)
 def test_eval(
-    filename: str = typer.Option(
-        ..., "-f", "--filename", metavar="FILE", help="The TrainingRun's YAML file."
-    ),
+    filename: str = FILENAME,
     rows: str = typer.Option(..., "--rows", metavar="A:B", help="Rows A to B-1 of the run's dataset."),
     model: str | None = typer.Option(
         None, "--model", metavar="NAME", help="Evaluate this model (a checkpoint folder), not the spec's."
@@ -52,14 +61,11 @@ def test_eval(
         None, "-n", metavar="N", help="Completions per row [default: numGenerations]."
     ),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (each row's is made from it and the row)."),
-    device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda."),
-    name: str | None = typer.Option(None, "--name", help="The run to use when the file holds several."),
-    output: str | None = typer.Option(
-        None, "-o", "--output", metavar="FORMAT", help="json or yaml: the whole result."
-    ),
+    device: str = DEVICE,
+    name: str | None = RUN_NAME,
+    output: str | None = OUTPUT,
 ) -> None:
-    if output not in (None, "json", "yaml"):
-        raise CliError(f"-o {output}: choose json or yaml (or leave it out for a table)")
+    check_output(output)
     if n is not None and n < 1:
         raise CliError(f"-n {n}: must be at least 1")
     run = load_run(filename, name)

@@ -3,6 +3,8 @@
     cli("get", "runs")            typer's CliRunner, with --state-url of the test's store (sqlite or
                                   postgres via tests/conftest.py's store_url); returns the Result
     spec_file(name=..., **edits)  a copy of specs/examples/quickstart.yaml with edits, as a Path
+    tiny_model                    a tiny random-init model of SmolLM2's vocabulary (built once a module)
+    scripted_calculator           the calculator's spec on a scripted model that calls the tool, as a Path
 
 Every test runs with MORTAL_NO_CONTROLLER=1 (no background controller) and its env restored.
 """
@@ -10,6 +12,7 @@ Every test runs with MORTAL_NO_CONTROLLER=1 (no background controller) and its e
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ from ruamel.yaml import YAML
 from typer.testing import CliRunner
 
 from mortal.client.cli.main import app
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "workers"))  # the tiny-model helpers of the worker tests
 
 
 @pytest.fixture(autouse=True)
@@ -66,3 +71,35 @@ def spec_file(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollout_helpers import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+@pytest.fixture
+def scripted_calculator(
+    spec_file: Callable[..., Path], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """The calculator run (builtin:arith, the calculator tool, correct_answer) whose model is scripted
+    (tool_helpers.ArithScript: it calls the calculator, then answers with its result), since a random tiny
+    model never calls a tool; the loop, the tool, parsing and scoring stay the worker's own."""
+    from tool_helpers import ArithScript
+
+    import mortal.workers.rollout.engines as engines
+
+    monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
+    return spec_file(
+        "calc",
+        **{
+            "spec.model": {"name": str(tiny_model), "dtype": "float32"},
+            "spec.dataset": {"name": "builtin:arith"},
+            "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
+            "spec.generation.maxTokens": 96,
+            "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
+            "spec.rollout.chatTemplate": "qwen2_5",
+        },
+    )

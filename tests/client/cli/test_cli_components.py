@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "workers"))  # the tiny-model helpers of the worker tests
-from rollout_helpers import assets_available, make_tiny_model  # noqa: E402
+from rollout_helpers import assets_available
 
 HERE = Path(__file__).parent
 NOISY = "test_cli_components:noisy_reward"
@@ -128,11 +126,6 @@ def test_test_reward_takes_a_dataset_row_by_index_with_its_system_prompt(cli, sp
 needs_assets = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("cli") / "tiny")
-
-
 @needs_assets
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_test_rollout_samples_n_completions_of_a_dataset_row_and_scores_them(
@@ -228,28 +221,9 @@ def test_test_rollout_as_a_user_runs_it(mortal_home, spec_file, tiny_model) -> N
 
 @needs_assets
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
-def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(
-    cli, spec_file, tiny_model, monkeypatch
-) -> None:
-    """The model is scripted (tool_helpers.ArithScript: it calls the calculator, then answers with its
-    result), since a random tiny model never calls a tool; the loop, the tool, parsing and scoring are the
-    worker's own."""
-    from tool_helpers import ArithScript
-
-    import mortal.workers.rollout.engines as engines
-
-    monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
-    path = spec_file(
-        "calc",
-        **{
-            "spec.model": {"name": str(tiny_model), "dtype": "float32"},
-            "spec.dataset": {"name": "builtin:arith"},
-            "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
-            "spec.generation.maxTokens": 96,
-            "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
-            "spec.rollout.chatTemplate": "qwen2_5",
-        },
-    )
+def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(cli, scripted_calculator) -> None:
+    """The scripted model (conftest.scripted_calculator) calls the calculator, then answers its result."""
+    path = scripted_calculator
     doc = json.loads(cli("test", "rollout", "-f", str(path), "--row", "0", "-n", "2", "-o", "json").stdout)
     assert doc["turns"] == [2, 2] and doc["toolCalls"] == [1, 1] and doc["toolFailures"] == [0, 0]
     assert doc["rewards"] == {"correct_answer": [1.0, 1.0]}

@@ -4,23 +4,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "workers"))  # the tiny-model helpers of the worker tests
-from rollout_helpers import assets_available, make_tiny_model  # noqa: E402
+from rollout_helpers import assets_available, make_tiny_model
 
 pytestmark = [
     pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing"),
     pytest.mark.parametrize("store_url", ["sqlite"], indirect=True),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("eval") / "tiny")
 
 
 def _tiny_spec(spec_file, tiny_model):
@@ -59,28 +51,10 @@ def test_another_model_is_scored_on_the_same_rows_and_one_that_cannot_load_names
     assert "no such file or folder" in missing.output
 
 
-def test_a_tool_calling_run_is_scored_through_the_workers_tool_loop(
-    cli, spec_file, tiny_model, monkeypatch
-) -> None:
-    """The scripted model (tool_helpers.ArithScript) calls the calculator and answers with its result: every
-    row's answer is right, through the loop, the tool and the reward of a worker."""
-    from tool_helpers import ArithScript
-
-    import mortal.workers.rollout.engines as engines
-
-    monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
-    path = spec_file(
-        "calc",
-        **{
-            "spec.model": {"name": str(tiny_model), "dtype": "float32"},
-            "spec.dataset": {"name": "builtin:arith"},
-            "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
-            "spec.generation.maxTokens": 96,
-            "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
-            "spec.rollout.chatTemplate": "qwen2_5",
-        },
-    )
-    doc = json.loads(cli("test", "eval", "-f", str(path), "--rows", "0:3", "-n", "2", "-o", "json").stdout)
+def test_a_tool_calling_run_is_scored_through_the_workers_tool_loop(cli, scripted_calculator) -> None:
+    """The scripted model answers every row right, through the loop, the tool and the reward of a worker."""
+    args = ["test", "eval", "-f", str(scripted_calculator), "--rows", "0:3", "-n", "2", "-o", "json"]
+    doc = json.loads(cli(*args).stdout)
     assert doc["rewards"] == {"correct_answer": 1.0}
     assert [r["weightedMean"] for r in doc["perRow"]] == [1.0, 1.0, 1.0]
 
