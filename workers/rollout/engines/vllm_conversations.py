@@ -32,6 +32,14 @@ from mortal.workers.rollout.engines.base import OnTurnEnd, cut_at_eos
 _CALLS = itertools.count()  # request ids unique over the engine's life: vLLM refuses a reused one
 
 
+class VllmDroppedRequests(RuntimeError):
+    """vLLM holds none of the requests still waited on (it dropped them without a finished output)."""
+
+    def __init__(self, requests: list[str]) -> None:
+        super().__init__(f"vLLM dropped requests {', '.join(requests)} without finishing them")
+        self.requests = requests
+
+
 @dataclass
 class _Conversation:
     """One conversation's history (prompt and everything after it) and its count of finished turns."""
@@ -74,6 +82,8 @@ class Conversations:
                 self._submit(i, conversations[i])
             while self.by_request or self.waiting:
                 if self.by_request:
+                    if not self.engine.has_unfinished_requests():  # never finished: stepping would spin
+                        raise VllmDroppedRequests(sorted(self.by_request))
                     for output in self.engine.step():
                         if output.finished:
                             self._turn_ended(output, conversations, on_turn_end)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from mortal.workers.rollout.engines.base import GenerationParams
-from mortal.workers.rollout.engines.vllm_conversations import Conversations
+from mortal.workers.rollout.engines.vllm_conversations import Conversations, VllmDroppedRequests
 
 EOS = 2
 
@@ -179,6 +179,16 @@ def test_a_tools_exception_aborts_every_running_request_and_is_raised() -> None:
     with pytest.raises(ValueError, match="the environment broke"):
         _converse(engine, PROMPTS, on_turn_end)
     assert engine.aborted and not engine.running
+
+
+def test_a_request_vllm_dropped_without_finishing_it_is_an_error_not_a_spin() -> None:
+    class Dropping(FakeEngine):
+        def step(self):
+            self.running.pop(next(iter(self.running)))  # gone, with no finished output
+            return super().step()
+
+    with pytest.raises(VllmDroppedRequests, match="mortal-"):
+        _converse(Dropping(), PROMPTS, _tool_each_turn(1, {}))
 
 
 def test_no_turn_is_asked_for_past_the_budget() -> None:
