@@ -112,6 +112,22 @@ def weighted_sum(run: TrainingRun, scores: dict[str, float | None]) -> float | N
     return total_reward(scores, weights)
 
 
+def weighted_sums(run: TrainingRun, scores: dict[str, list[float | None]], count: int) -> list[float | None]:
+    """Each of `count` completions' weighted sum, from every reward's scores ({name: [score, ...]})."""
+    return [weighted_sum(run, {name: values[k] for name, values in scores.items()}) for k in range(count)]
+
+
+def run_rewards(run: TrainingRun) -> Any:
+    """The run's RewardSet, built as the rollout worker builds it."""
+    from mortal.workers.rewards import RewardSet
+
+    return RewardSet.from_spec(
+        run.spec.rewards,
+        max_steps=run.spec.algorithm.max_steps,
+        environment_classes_importable=run.spec.rollout.environment_service.mode != "http",
+    )
+
+
 def completion_ids(run: TrainingRun, text: str) -> tuple[list[int], str | None]:
     """The completion's token ids under the run's tokenizer, or [] and why, when it is not on this
     machine. Never downloads (a hub model only from the local cache) and never converts a GGUF model
@@ -266,8 +282,8 @@ def generate(
     with the run's rewards when the prompt is a dataset row."""
     from mortal.workers.actor.samples import as_text
     from mortal.workers.data import normalize_prompt
+    from mortal.workers.messages import RolloutRequest
     from mortal.workers.models import completion_message, encode_prompt, load_tokenizer
-    from mortal.workers.rewards import RewardSet
     from mortal.workers.rollout.engines import GenerationParams, select_engine
 
     columns = dataset_row(run, row) if row is not None else {}
@@ -282,7 +298,10 @@ def generate(
         if max_tokens is not None:
             params = replace(params, max_tokens=max_tokens)
         if run.spec.rollout.uses_tools:
-            rollouts = _tool_rollouts(run, engine, tokenizer, params, the_prompt, columns, n, seed)
+            request = RolloutRequest(
+                prompt=the_prompt, row=columns or {"prompt": the_prompt}, num_generations=n, seed=seed
+            )
+            [rollouts] = tool_rollouts(run, engine, tokenizer, params, [request])
         else:
             [outs] = engine.generate([encode_prompt(tokenizer, the_prompt)], n, [seed], params)
     finally:
@@ -311,40 +330,22 @@ def generate(
             "messages": messages,
         }
     if row is not None:
-        rewards = RewardSet.from_spec(
-            run.spec.rewards,
-            max_steps=run.spec.algorithm.max_steps,
-            environment_classes_importable=run.spec.rollout.environment_service.mode != "http",
-        )
-        scores = rewards.score(the_prompt, messages, ids, columns, environments=environments)
+        scores = run_rewards(run).score(the_prompt, messages, ids, columns, environments=environments)
         result["rewards"] = scores
-        result["weightedSums"] = [
-            weighted_sum(run, {name: values[k] for name, values in scores.items()}) for k in range(len(ids))
-        ]
+        result["weightedSums"] = weighted_sums(run, scores, len(ids))
     return result
 
 
-def _tool_rollouts(
-    run: TrainingRun,
-    engine: Any,
-    tokenizer: Any,
-    params: Any,
-    prompt: Any,
-    row: dict[str, Any],
-    n: int,
-    seed: int,
+def tool_rollouts(
+    run: TrainingRun, engine: Any, tokenizer: Any, params: Any, requests: list[Any]
 ) -> list[Any]:
-    """`n` tool-calling rollouts of one prompt, through the rollout worker's own loop
-    (mortal.workers.rollout.multiturn)."""
-    from mortal.workers.messages import RolloutRequest
+    """Each request's tool-calling rollouts, through the rollout worker's own loop
+    (mortal.workers.rollout.multiturn), the requests together as one task."""
     from mortal.workers.rollout.multiturn import MultiTurn
     from mortal.workers.rollout.tools import Toolbox
 
-    multiturn = MultiTurn(
-        engine, tokenizer, Toolbox.from_spec(run.spec.rollout), params, run.spec.rollout.chat_template
-    )
-    request = RolloutRequest(prompt=prompt, row=row or {"prompt": prompt}, num_generations=n, seed=seed)
-    return multiturn.rollouts([request])[0]
+    toolbox = Toolbox.from_spec(run.spec.rollout)
+    return MultiTurn(engine, tokenizer, toolbox, params, run.spec.rollout.chat_template).rollouts(requests)
 
 
 def device_for(device: str) -> str:

@@ -27,8 +27,10 @@ from mortal.client.cli.components import (
     device_for,
     dump,
     load_run,
+    run_rewards,
     test_app,
-    weighted_sum,
+    tool_rollouts,
+    weighted_sums,
 )
 from mortal.client.cli.context import CliError
 from mortal.client.cli.output import console, say, table
@@ -114,18 +116,13 @@ def evaluate(run: TrainingRun, selected: range, n: int, seed: int, device: str) 
     from mortal.workers import schedule
     from mortal.workers.data import load_rows
     from mortal.workers.models import load_tokenizer
-    from mortal.workers.rewards import RewardSet
     from mortal.workers.rollout.engines import select_engine
 
     spec = run.spec
     dataset = load_rows(spec.dataset)
     rows = [dataset[k] for k in selected]
     seeds = [schedule.task_seed(seed, 0, k) for k in selected]
-    rewards = RewardSet.from_spec(
-        spec.rewards,
-        max_steps=spec.algorithm.max_steps,
-        environment_classes_importable=spec.rollout.environment_service.mode != "http",
-    )
+    rewards = run_rewards(run)
     tokenizer = load_tokenizer(spec.model)
     engine = select_engine(spec.generation.engine, device).create(spec.model, tokenizer, device=device)
     try:
@@ -133,13 +130,7 @@ def evaluate(run: TrainingRun, selected: range, n: int, seed: int, device: str) 
     finally:
         engine.close()
     scored = [
-        {
-            "row": k,
-            "rewards": row_scores,
-            "weightedSums": [
-                weighted_sum(run, {name: values[j] for name, values in row_scores.items()}) for j in range(n)
-            ],
-        }
+        {"row": k, "rewards": row_scores, "weightedSums": weighted_sums(run, row_scores, n)}
         for k, row_scores in zip(selected, scores, strict=True)
     ]
     return summary(run, selected, n, device, engine.name, scored)
@@ -159,8 +150,6 @@ def _generated_and_scored(
     from mortal.workers.messages import RolloutRequest
     from mortal.workers.models import completion_message, encode_prompt
     from mortal.workers.rollout.engines import GenerationParams
-    from mortal.workers.rollout.multiturn import MultiTurn
-    from mortal.workers.rollout.tools import Toolbox
 
     spec = run.spec
     params = GenerationParams.from_spec(spec.generation)
@@ -172,8 +161,6 @@ def _generated_and_scored(
             messages = [completion_message(tokenizer, row["prompt"], i) for i in ids]
             scores.append(rewards.score(row["prompt"], messages, ids, row))
         return scores
-    toolbox = Toolbox.from_spec(spec.rollout)
-    loop = MultiTurn(engine, tokenizer, toolbox, params, spec.rollout.chat_template)
     requests = [
         RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=s)
         for row, s in zip(rows, seeds, strict=True)
@@ -188,7 +175,7 @@ def _generated_and_scored(
             environments=[r.environment for r in group] if with_environments else None,
             prompts=[r.prompt for r in group] if with_environments else None,
         )
-        for row, group in zip(rows, loop.rollouts(requests), strict=True)
+        for row, group in zip(rows, tool_rollouts(run, engine, tokenizer, params, requests), strict=True)
     ]
 
 

@@ -27,9 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from mortal.workers import schedule
-from mortal.workers.rollout.engines.base import OnTurnEnd, cut_at_eos
+from mortal.workers.rollout.engines.base import Completion, OnTurnEnd, cut_at_eos
 
 _CALLS = itertools.count()  # request ids unique over the engine's life: vLLM refuses a reused one
+
+
+def completion_of(child: Any, eos_ids: list[int]) -> Completion:
+    """A vLLM CompletionOutput's tokens and their sampled logprobs, up to and including its first EOS."""
+    if child.logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs although SamplingParams asked for them")
+    ids = list(child.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(child.logprobs, ids, strict=True)]
+    return cut_at_eos(ids, logprobs, eos_ids)
 
 
 class VllmDroppedRequests(RuntimeError):
@@ -109,12 +118,7 @@ class Conversations:
         """Step 2: a finished request's tokens (up to its EOS) to the history and to `on_turn_end`."""
         i = self.by_request.pop(output.request_id)
         conversation = conversations[i]
-        child = output.outputs[0]
-        if child.logprobs is None:
-            raise RuntimeError("vLLM returned no logprobs although SamplingParams asked for them")
-        ids = list(child.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(child.logprobs, ids, strict=True)]
-        turn = cut_at_eos(ids, logprobs, self.eos_ids)
+        turn = completion_of(output.outputs[0], self.eos_ids)
         conversation.history += turn.ids
         conversation.used += len(turn.ids)
         conversation.turns += 1

@@ -37,10 +37,9 @@ from mortal.workers.rollout.engines.base import (
     Engine,
     GenerationParams,
     OnTurnEnd,
-    cut_at_eos,
     eos_token_ids,
 )
-from mortal.workers.rollout.engines.vllm_conversations import Conversations
+from mortal.workers.rollout.engines.vllm_conversations import Conversations, completion_of
 
 if TYPE_CHECKING:
     from mortal.specs.training import ModelSpec
@@ -213,14 +212,7 @@ class VllmEngine(Engine):
         ).run(prompts, seeds, on_turn_end)
 
     def _completions(self, request: Any) -> list[Completion]:
-        completions = []
-        for output in request.outputs:
-            ids = list(output.token_ids)
-            if output.logprobs is None:
-                raise RuntimeError("vLLM returned no logprobs although SamplingParams asked for them")
-            logprobs = [step[token].logprob for step, token in zip(output.logprobs, ids, strict=True)]
-            completions.append(cut_at_eos(ids, logprobs, self.eos_ids))
-        return completions
+        return [completion_of(output, self.eos_ids) for output in request.outputs]
 
     def max_model_len(self) -> int | None:
         return self.llm.llm_engine.model_config.max_model_len
