@@ -315,16 +315,18 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
 
 
 # the rollout's line per task (mortal.workers.rollout.loop): "task STEP.SLOT: ... [decode key=value ...]"
-TASK_LINE = re.compile(r"task (\d+)\.(\d+): .*?\[decode ([^\]]*)\]")
+TASK_LINE = re.compile(r"task (\d+)\.(\d+): .*? in ([\d.]+) s .*?\[decode ([^\]]*)\]")
 
 
 def rollout_decode(work: Path) -> dict[str, Any]:
-    """Where mortal's generation went, from its rollouts' logs: each task's decode figures (decode steps,
-    turns, appends and their seconds, waits on tools) and their medians from step SKIP + 1 on."""
+    """Where mortal's generation went, from its rollouts' logs: each task's generation seconds and decode
+    figures (decode steps, turns, appends, prefills and their seconds, waits on tools) and their medians from
+    step SKIP + 1 on."""
     tasks = []
     for log in sorted(work.glob("mortal-home/runs/*/logs/rollout-*.log")):
         for match in TASK_LINE.finditer(log.read_text(errors="replace")):
-            figures = dict(pair.split("=", 1) for pair in match.group(3).split())
+            figures = dict(pair.split("=", 1) for pair in match.group(4).split())
+            figures["generate_s"] = match.group(3)
             tasks.append({"step": int(match.group(1)), **{k: float(v) for k, v in figures.items()}})
     steady = [t for t in tasks if t["step"] > SKIP] or tasks
     keys = sorted({k for t in steady for k in t} - {"step"})

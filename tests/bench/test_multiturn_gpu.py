@@ -72,10 +72,15 @@ def test_mortals_generation_is_split_by_its_rollouts_task_lines(tmp_path: Path) 
     logs = tmp_path / "mortal-home" / "runs" / "bench" / "logs"
     logs.mkdir(parents=True)
     lines = [
-        f"INFO task {step}.0: 8 prompts, 4288 tokens in 0.55 s (7796.4 tokens/s) [decode rows=64 "
+        f"INFO task {step}.0: 8 prompts, 4288 tokens in {seconds} s (7796.4 tokens/s) [decode rows=64 "
         f"decode_steps={steps} turns=192 appends=5 appended_tokens=900 append_s={append} tool_waits=2 "
         f"tool_wait_s=0.004], rewards in 0.003 s, weights v{step}"
-        for step, steps, append in ((1, 200, 3.0), (2, 104, 0.3), (3, 96, 0.2), (4, 88, 0.1))
+        for step, steps, append, seconds in (
+            (1, 200, 3.0, 9.1),
+            (2, 104, 0.3, 0.7),
+            (3, 96, 0.2, 0.6),
+            (4, 88, 0.1, 0.5),
+        )
     ]
     (logs / "rollout-0-0.log").write_text("\n".join(["INFO loading weights", *lines]))
     decode = multiturn_gpu.rollout_decode(tmp_path)
@@ -84,3 +89,4 @@ def test_mortals_generation_is_split_by_its_rollouts_task_lines(tmp_path: Path) 
     # the medians of steps 3 and 4 (the first two carry start-up and compilation)
     assert decode["medians"]["decode_steps"] == 92.0
     assert decode["medians"]["append_s"] == pytest.approx(0.15)
+    assert decode["medians"]["generate_s"] == pytest.approx(0.55)

@@ -214,10 +214,13 @@ class TransformersEngine(Engine):
             return {
                 "rows": stats.rows,
                 "decode_steps": stats.decode_steps,
+                "checks": stats.checks,
                 "turns": stats.turns,
                 "appends": stats.appends,
                 "appended_tokens": stats.appended_tokens,
                 "append_s": round(stats.append_seconds, 3),
+                "prefills": stats.prefills,
+                "prefill_s": round(stats.prefill_seconds, 3),
                 "tool_waits": stats.waits,
                 "tool_wait_s": round(stats.wait_seconds, 3),
             }

@@ -146,17 +146,21 @@ TURNS = TurnStepper()
 
 @dataclass
 class TurnStats:
-    """What one converse did, for the worker's log: rows, decode steps, turns, tokens appended to rows (tool
-    answers), and the seconds this thread spent appending and waiting with every row on a future."""
+    """What one converse did, for the worker's log: rows, decode steps, read-backs, turns, tokens appended to
+    rows (tool answers), prompts prefilled, and the seconds this thread spent appending, prefilling and
+    waiting with every row on a future (host seconds: a read-back waits for the GPU work queued before it)."""
 
     rows: int
     conversations: int
     decode_steps: int = 0
+    checks: int = 0  # read-backs of the rows' ends
     turns: int = 0
     appends: int = 0  # eager forwards that appended tokens
     appended_tokens: int = 0
     waits: int = 0  # times every row waited on tools at once
+    prefills: int = 0  # eager prefills of prompts into rows
     append_seconds: float = 0.0
+    prefill_seconds: float = 0.0
     wait_seconds: float = 0.0
 
 
@@ -242,13 +246,14 @@ class TurnDecoder:
         key_of = torch.tensor(keys, dtype=torch.long, device=decoder.device)
         schedule = TurnSchedule(state.rows, conversations)
         stats = TurnStats(rows=state.rows, conversations=conversations)
-        self._fill(shape, prompts, key_of, schedule.assign(), sampling)
+        self._fill(shape, prompts, key_of, schedule.assign(), sampling, stats)
         try:
             while not schedule.done:
                 if schedule.any_live:
                     for _ in range(decoder.sync_every):
                         shape.advance()
                     stats.decode_steps += decoder.sync_every
+                    stats.checks += 1
                     self._hand_over(state, schedule, on_turn_end, stats)
                 elif schedule.waiting:
                     stats.waits += 1
@@ -256,7 +261,7 @@ class TurnDecoder:
                     concurrent.futures.wait(schedule.waiting, return_when=concurrent.futures.FIRST_COMPLETED)
                     stats.wait_seconds += time.perf_counter() - started
                 self._take_answers(shape, schedule, stats, sampling)
-                self._fill(shape, prompts, key_of, schedule.assign(), sampling)
+                self._fill(shape, prompts, key_of, schedule.assign(), sampling, stats)
         finally:
             for future in schedule.waiting:
                 future.cancel()
@@ -350,10 +355,12 @@ class TurnDecoder:
         key_of: torch.Tensor,
         given: list[tuple[int, int]],
         sampling: Sampling,
+        stats: TurnStats,
     ) -> None:
         """Step 1: prefill the given conversations' prompts into their rows and sample each first token."""
         if not given:
             return
+        started = time.perf_counter()
         state: TurnState = shape.state  # type: ignore[assignment]
         device = state.tokens.device
         rows = torch.tensor([row for row, _ in given], device=device)
@@ -366,6 +373,8 @@ class TurnDecoder:
         state.last_token[rows] = token[:, None]
         state.t[rows] = 1
         state.ended[rows] = state.stop[token]
+        stats.prefills += 1
+        stats.prefill_seconds += time.perf_counter() - started
 
 
 def _append_mask(
