@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -448,6 +448,8 @@ class PreparedShape:
     cache: RowCache
     state: DecodeState
     advance: Callable[[], None]  # replays (or runs) one decode step over `state`
+    # what a stepper's caller builds for this shape and keeps with it (turn_decode: its append graphs)
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class RowSchedule:

@@ -35,6 +35,7 @@ from mortal.workers.rollout.engines.base import (
     eos_token_ids,
 )
 from mortal.workers.rollout.engines.compile_cache import CompileWatch, persist, start_compile_workers
+from mortal.workers.rollout.engines.hashed_noise import conversation_key
 from mortal.workers.rollout.engines.static_decode import (
     DEFAULT_MAX_ROWS,
     DecodeStats,
@@ -42,7 +43,7 @@ from mortal.workers.rollout.engines.static_decode import (
     StaticDecoder,
     Stepper,
 )
-from mortal.workers.rollout.engines.turn_decode import TURNS, TurnDecoder, TurnStats, conversation_key
+from mortal.workers.rollout.engines.turn_decode import TURNS, TurnDecoder, TurnStats
 from mortal.workers.sync.base import WeightsError, WeightTransport
 from mortal.workers.sync.volume import VolumeTransport
 

@@ -11,15 +11,17 @@ The loop, per task:
   3. Every `sync_every` steps, one read-back: each frozen row's new turn is handed to `on_turn_end`, which
      returns a future of the tokens to feed in next (a tool result and the next turn's template), or None
      when the conversation is over. The row waits; the other rows keep decoding.
-  4. A finished future's tokens are appended to the row in one eager forward with every other row resumed
-     at this check (right-padded to one width, each written at its own columns and seeing its own cache), and
-     the token after them sampled: nothing of the history is prefilled again, and the row decodes on with
-     the others. A conversation that is over frees its row for a waiting one.
+  4. A finished future's tokens are appended to the row in one forward with every other row resumed at
+     this check (turn_append: each written at its own columns and seeing its own cache; on CUDA a graph
+     replayed per bucket of rows and width), and the token after them sampled: nothing of the history is
+     prefilled again, and the row decodes on with the others. A conversation that is over frees its row for
+     a waiting one.
   5. With no row decoding and futures outstanding, wait for the first to finish; the call ends when every
      conversation is over.
-Sampling: each row draws its noise from a counter-based hash of (its conversation's key, token index, token
-id), not from torch's generator, so a conversation's tokens depend on its key, the weights and its tool
-results only, never on when its tools answered or which row it ran in (exact resume replays a task).
+Sampling: each row draws its noise from a counter-based hash (hashed_noise) of (its conversation's key,
+token index, token id), not from torch's generator, so a conversation's tokens depend on its key, the weights
+and its tool results only, never on when its tools answered or which row it ran in (exact resume replays
+a task).
 What it must not do: read the GPU inside a step (the graph replays blind), let a frozen row advance or write
 anywhere but its own last column, or call the user's tools itself (the futures do, off this thread).
 """
@@ -35,70 +37,18 @@ from typing import Any
 import torch
 
 from mortal.workers.rollout.engines.base import OnTurnEnd
+from mortal.workers.rollout.engines.hashed_noise import hashed_sample
 from mortal.workers.rollout.engines.static_decode import (
-    AppendedTokens,
-    DecodeState,
     PreparedShape,
     Prompts,
     RowCache,
     Sampling,
     StaticDecoder,
-    processed_logprobs,
 )
+from mortal.workers.rollout.engines.turn_append import TurnAppender
+from mortal.workers.rollout.engines.turn_state import TurnState
 
-MASK32 = 0xFFFFFFFF
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2**32). Why hand-written:
-    the step must draw noise per row from (key, position) inside a CUDA graph, which torch's generators
-    cannot do per row. A product past 2**63 wraps, and the mask keeps its low 32 bits, which are exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & MASK32
-    return x ^ (x >> 16)
-
-
-def row_noise(keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """[R, V] exponential noise for the exponential race, a pure function of each row's key, its token index
-    t and the token id (vocab_hash: mix32 of the ids). Uniforms of 24 bits, the float32 mantissa."""
-    step = mix32((keys + t * 0x9E3779B9) & MASK32)
-    bits = mix32(step[:, None] ^ vocab_hash[None, :]) >> 8
-    uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
-
-
-def hashed_sample(
-    logits: torch.Tensor, sampling: Sampling, keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its logprob under the processed distribution, the race run on row_noise."""
-    logprobs = processed_logprobs(logits, sampling)
-    tokens = (logprobs.exp() / row_noise(keys, t, vocab_hash)).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def conversation_key(seed: int) -> int:
-    """A conversation's 32-bit noise key from its seed (any int)."""
-    folded = torch.tensor([(seed & MASK32) ^ ((seed >> 32) & MASK32)], dtype=torch.long)
-    return int(mix32(mix32(folded) ^ 0x5BD1E995)[0])
-
-
-class TurnState(DecodeState):
-    """The single-turn state plus each row's noise key (and the token ids' hashes the noise mixes in)."""
-
-    def __init__(
-        self,
-        rows: int,
-        prompt_len: int,
-        max_tokens: int,
-        vocab: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(rows, prompt_len, max_tokens, vocab, dtype, device)
-        self.keys = torch.zeros(rows, dtype=torch.long, device=device)
-        self.vocab_hash = mix32(torch.arange(vocab, dtype=torch.long, device=device))
+APPENDS = "turn appends"  # a shape's TurnAppender, in PreparedShape.extras
 
 
 class TurnStepper:
@@ -314,39 +264,16 @@ class TurnDecoder:
     def _append(
         self, shape: PreparedShape, resumed: list[tuple[int, int, list[int]]], sampling: Sampling
     ) -> None:
-        """Eager, one forward for every (row, t, tokens) resumed: the row's last token (the end of its turn,
-        whose K/V no decode step may have written yet) and its new tokens, right-padded to one width, go into
-        the row's columns from P + t - 1 on, seeing the row's cache and each other causally. The token after
-        the new ones is sampled (noise index t + len) and the row decodes on from there. Every index is built
-        on the host and sent at once (Appended): a boolean mask or a plain copy to the GPU would wait for the
-        decode steps still queued, and each layer's writes would wait again."""
-        state: TurnState = shape.state  # type: ignore[assignment]
-        index = Appended.of(resumed, state.prompt_len, state.mask.shape[-1], state.tokens.device)
-        rows, lengths, t = index.rows, index.lengths, index.t
-        width = index.columns.shape[1]
-        steps = torch.arange(width, device=rows.device)
-        shape.cache.writes.appended = index.writes
-        try:
-            logits = self.decoder.model(
-                input_ids=torch.cat([state.last_token[rows], index.fed], dim=1),
-                position_ids=state.positions[rows] + steps[None, :],
-                attention_mask=_append_mask(state, rows, index.columns, index.real),
-                past_key_values=shape.cache,
-                use_cache=True,
-            ).logits
-        finally:
-            shape.cache.writes.appended = None
-        after = t + lengths  # the sampled token's index
-        last = logits[torch.arange(len(resumed), device=rows.device), lengths]
-        token, logprob = hashed_sample(last, sampling, state.keys[rows], after, state.vocab_hash)
-        state.tokens[index.fed_rows, index.fed_at] = index.fed_values
-        state.logprobs[index.fed_rows, index.fed_at] = 0.0
-        state.tokens[rows, after], state.logprobs[rows, after] = token, logprob
-        state.last_token[rows] = token[:, None]
-        state.positions[rows] += lengths[:, None] + 1
-        state.t[rows] = after + 1
-        state.ended[rows] = state.stop[token]
-        state.mask[index.writes.write_rows, 0, 0, index.writes.write_columns] = 0.0
+        """The shape's appender (turn_append, made at its first append) appends every (row, t, tokens)
+        resumed and samples the token after them; the rows decode on from there."""
+        appender = shape.extras.get(APPENDS)
+        if appender is None:
+            state: TurnState = shape.state  # type: ignore[assignment]
+            record = self.decoder.compile and state.tokens.device.type == "cuda"
+            appender = shape.extras[APPENDS] = TurnAppender(
+                self.decoder.model, shape.cache, state, sampling, record
+            )
+        appender.append(resumed)
 
     def _fill(
         self,
@@ -375,90 +302,3 @@ class TurnDecoder:
         state.ended[rows] = state.stop[token]
         stats.prefills += 1
         stats.prefill_seconds += time.perf_counter() - started
-
-
-def _append_mask(
-    state: TurnState, rows: torch.Tensor, columns: torch.Tensor, real: torch.Tensor
-) -> torch.Tensor:
-    """[k, 1, F, P + T] additive: what each row saw before its first new column (its decode mask), then its
-    new columns causally; a padding query sees what the row's last real one does (never an empty row)."""
-    seen = state.mask[rows, 0, 0] == 0  # [k, P + T]
-    every = torch.arange(seen.shape[-1], device=seen.device)
-    first = columns[:, :1]  # [k, 1]
-    before = seen & (every[None, :] < first)
-    last_real = torch.where(real, columns, first).amax(dim=1, keepdim=True)  # [k, 1]
-    upto = torch.minimum(columns, last_real)  # [k, F]
-    window = (every[None, None, :] >= first[:, :, None]) & (every[None, None, :] <= upto[:, :, None])
-    allowed = before[:, None, :] | window
-    blocked = torch.finfo(state.mask.dtype).min
-    additive = torch.zeros(allowed.shape, dtype=state.mask.dtype, device=seen.device)
-    return additive.masked_fill(~allowed, blocked)[:, None]
-
-
-@dataclass(frozen=True)
-class Appended:
-    """The tensors one append needs, built on the host from (row, t, tokens) and sent to the device together.
-
-    `fed` [k, F - 1] the new tokens right-padded, `columns` [k, F] each input's cache column (padding
-    clamped into the row), `real` [k, F] which inputs are tokens, `writes` where the layers write them, and
-    `fed_rows`, `fed_at`, `fed_values` the new tokens' places in the rows' token record."""
-
-    rows: torch.Tensor
-    t: torch.Tensor
-    lengths: torch.Tensor
-    fed: torch.Tensor
-    columns: torch.Tensor
-    real: torch.Tensor
-    writes: AppendedTokens
-    fed_rows: torch.Tensor
-    fed_at: torch.Tensor
-    fed_values: torch.Tensor
-
-    @classmethod
-    def of(
-        cls, resumed: list[tuple[int, int, list[int]]], prompt_len: int, columns: int, device: torch.device
-    ) -> Appended:
-        width = 1 + max(len(fed) for _, _, fed in resumed)
-        batch, position, write_rows, write_columns, fed_rows, fed_at, fed_values = ([] for _ in range(7))
-        for i, (row, t, fed) in enumerate(resumed):
-            for j in range(len(fed) + 1):
-                batch.append(i)
-                position.append(j)
-                write_rows.append(row)
-                write_columns.append(prompt_len + t - 1 + j)
-            fed_rows += [row] * len(fed)
-            fed_at += range(t, t + len(fed))
-            fed_values += fed
-        first = [prompt_len + t - 1 for _, t, _ in resumed]
-        lengths = [len(fed) for _, _, fed in resumed]
-        host = {
-            "rows": torch.tensor([row for row, _, _ in resumed]),
-            "t": torch.tensor([t for _, t, _ in resumed]),
-            "lengths": torch.tensor(lengths),
-            "fed": torch.tensor([fed + [0] * (width - 1 - len(fed)) for _, _, fed in resumed]),
-            "columns": torch.tensor([[min(c + j, columns - 1) for j in range(width)] for c in first]),
-            "real": torch.tensor([[j <= n for j in range(width)] for n in lengths]),
-            "fed_rows": torch.tensor(fed_rows, dtype=torch.long),
-            "fed_at": torch.tensor(fed_at, dtype=torch.long),
-            "fed_values": torch.tensor(fed_values, dtype=torch.long),
-            "batch": torch.tensor(batch),
-            "position": torch.tensor(position),
-            "write_rows": torch.tensor(write_rows),
-            "write_columns": torch.tensor(write_columns),
-        }
-        sent = {name: _to_device(value, device) for name, value in host.items()}
-        writes = AppendedTokens(
-            sent["rows"],
-            sent.pop("batch"),
-            sent.pop("position"),
-            sent.pop("write_rows"),
-            sent.pop("write_columns"),
-        )
-        return cls(**sent, writes=writes)
-
-
-def _to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`value` on `device` without waiting for the work queued there (pinned memory, an asynchronous copy)."""
-    if device.type != "cuda":
-        return value.to(device)
-    return value.pin_memory().to(device, non_blocking=True)

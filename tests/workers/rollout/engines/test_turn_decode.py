@@ -19,15 +19,9 @@ import torch
 from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_prompts
 
 from mortal.workers.rollout.engines.base import cut_at_eos
+from mortal.workers.rollout.engines.hashed_noise import conversation_key, hashed_sample, mix32, row_noise
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
-from mortal.workers.rollout.engines.turn_decode import (
-    TurnDecoder,
-    TurnSchedule,
-    conversation_key,
-    hashed_sample,
-    mix32,
-    row_noise,
-)
+from mortal.workers.rollout.engines.turn_decode import TurnDecoder, TurnSchedule
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
