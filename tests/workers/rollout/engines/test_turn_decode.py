@@ -21,7 +21,7 @@ from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_
 from mortal.workers.rollout.engines.base import cut_at_eos
 from mortal.workers.rollout.engines.hashed_noise import conversation_key, hashed_sample, mix32, row_noise
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
-from mortal.workers.rollout.engines.turn_decode import TurnDecoder, TurnSchedule
+from mortal.workers.rollout.engines.turn_decode import APPENDS, TurnDecoder, TurnSchedule
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
@@ -254,5 +254,7 @@ def test_the_compiled_graph_continues_conversations_with_the_logprobs_of_a_plain
                 rtol=2e-3,
             )
         assert decoder.preparations == 1
+        (shape,) = decoder._shapes.values()
+        assert shape.extras[APPENDS].recorded >= 1, "appends replayed as graphs"
     finally:
         model.to("cpu")
