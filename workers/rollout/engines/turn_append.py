@@ -159,13 +159,16 @@ class TurnAppender:
         record_at = torch.where(fed_slot, inputs.t[:, None] + offset - 1, state.max_tokens)
         record_rows = rows[:, None].expand_as(record_at)
         state.tokens[record_rows, record_at] = torch.where(fed_slot, inputs.fed, 0)
-        state.logprobs[record_rows, record_at] = 0.0
+        # zeros on the device: a Python scalar written by index is a host copy, which a graph cannot record
+        state.logprobs[record_rows, record_at] = torch.zeros_like(record_at, dtype=state.logprobs.dtype)
         state.tokens[rows, after], state.logprobs[rows, after] = token, logprob
         state.last_token[rows] = token[:, None]
         state.positions[rows] = positions[:, -1:] + 1
         state.t[rows] = after + 1
         state.ended[rows] = state.stop[token]
-        state.mask[writes.write_rows, 0, 0, writes.write_columns] = 0.0
+        state.mask[writes.write_rows, 0, 0, writes.write_columns] = torch.zeros_like(
+            writes.write_columns, dtype=state.mask.dtype
+        )
 
 
 def append_mask(
