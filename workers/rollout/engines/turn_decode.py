@@ -8,9 +8,11 @@ The loop, per task:
      sampled; conversations past the rows wait for a free row.
   2. Decode steps replay (one captured graph per shape, as single-turn) over every row; a row that sampled
      an end-of-turn token, or filled its T completion columns, freezes in place (its KV cache kept).
-  3. Every `sync_every` steps, one read-back: each frozen row's new turn is handed to `on_turn_end`, which
-     returns a future of the tokens to feed in next (a tool result and the next turn's template), or None
-     when the conversation is over. The row waits; the other rows keep decoding.
+  3. Every `sync_every` steps, a read-back is copied to the host while the next steps are queued, and the one
+     before it is read (so the GPU never waits for Python): each row it shows frozen hands its new turn to
+     `on_turn_end`, which returns a future of the tokens to feed in next (a tool result and the next turn's
+     template), or None when the conversation is over. The row waits; the other rows keep decoding. A
+     read-back taken before a row's last prefill or append says nothing of its current turn.
   4. A finished future's tokens are appended to the row in one forward with every other row resumed at
      this check (turn_append: each written at its own columns and seeing its own cache; on CUDA a graph
      replayed per bucket of rows and width), and the token after them sampled: nothing of the history is
@@ -49,6 +51,10 @@ from mortal.workers.rollout.engines.turn_append import TurnAppender
 from mortal.workers.rollout.engines.turn_state import TurnState
 
 APPENDS = "turn appends"  # a shape's TurnAppender, in PreparedShape.extras
+# Decode steps between read-backs. A read-back is copied while the next steps run and read one interval
+# later, so it costs the GPU no wait; a turn's end is seen within two intervals, and a tool loop's turns are
+# a few tokens each, so the interval is short.
+TURN_SYNC_EVERY = 2
 
 
 class TurnStepper:
@@ -124,20 +130,31 @@ class TurnSchedule:
         self.held: list[int | None] = [None] * rows
         self.live = [False] * rows
         self.turn_start = [0] * rows
+        # the first read-back that shows the row's current turn: one taken after its prefill or append
+        self.shown_from = [0] * rows
         self.parked_at = [0] * rows  # a waiting row's token index (frozen rows do not move)
         self.waiting: dict[concurrent.futures.Future[list[int] | None], int] = {}  # future -> row
         self.next_conversation = 0
         self.conversations = conversations
 
-    def assign(self) -> list[tuple[int, int]]:
-        """Free rows given the next conversations, in order: (row, conversation)."""
+    def assign(self, next_reading: int) -> list[tuple[int, int]]:
+        """Free rows given the next conversations, in order: (row, conversation). `next_reading`: the number
+        of the next read-back, the first taken after these rows' prefill."""
         given = []
         for row, held in enumerate(self.held):
             if held is None and self.next_conversation < self.conversations:
                 given.append((row, self.next_conversation))
                 self.held[row], self.live[row], self.turn_start[row] = self.next_conversation, True, 0
+                self.shown_from[row] = next_reading
                 self.next_conversation += 1
         return given
+
+    def turn_ended(self, row: int, reading: ReadBack) -> bool:
+        """Whether read-back `reading` shows the live row's current turn over (an end-of-turn token, or its
+        budget filled); a read-back taken before the row's last prefill or append shows an older turn."""
+        if not self.live[row] or reading.number < self.shown_from[row]:
+            return False
+        return bool(reading.ended[row]) or reading.t[row] >= reading.max_tokens
 
     def park(self, row: int, future: concurrent.futures.Future[list[int] | None], t: int) -> None:
         self.live[row], self.parked_at[row] = False, t
@@ -146,8 +163,9 @@ class TurnSchedule:
     def release(self, row: int) -> None:
         self.held[row], self.live[row] = None, False
 
-    def resume(self, row: int, turn_start: int) -> None:
+    def resume(self, row: int, turn_start: int, next_reading: int) -> None:
         self.live[row], self.turn_start[row] = True, turn_start
+        self.shown_from[row] = next_reading
 
     @property
     def any_live(self) -> bool:
@@ -162,11 +180,45 @@ class TurnSchedule:
         )
 
 
+class ReadBack:
+    """The rows' end flags, token indices and token records copied to the host after some decode steps,
+    without waiting for them (pinned memory, asynchronous copies; on a CPU the copy is made at once).
+    `number` orders read-backs; `wait()` waits for this copy only, not for the steps queued after it, and
+    then `ended` and `t` hold one entry a row."""
+
+    def __init__(self, state: TurnState, number: int) -> None:
+        self.number = number
+        self.max_tokens = state.max_tokens
+        records = (state.ended, state.t, state.tokens, state.logprobs)
+        self._done: torch.cuda.Event | None = None
+        if state.tokens.device.type == "cuda":
+            copies = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True) for r in records]
+            for copy, record in zip(copies, records, strict=True):
+                copy.copy_(record, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            copies = [r.clone() for r in records]
+        self._ended, self._t, self.tokens, self.logprobs = copies
+        self.ended: list[bool] = []
+        self.t: list[int] = []
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        if not self.t:  # as lists once: rows are looked up one by one
+            self.ended, self.t = self._ended.tolist(), self._t.tolist()
+
+
 class TurnDecoder:
     """Conversations over a StaticDecoder's rows (the module docstring: the loop). `last_stats` after each."""
 
-    def __init__(self, decoder: StaticDecoder) -> None:
+    def __init__(self, decoder: StaticDecoder, sync_every: int = TURN_SYNC_EVERY) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every ({sync_every}) must be at least 1")
         self.decoder = decoder
+        self.sync_every = sync_every
         self.last_stats: TurnStats | None = None
 
     @torch.no_grad()
@@ -196,50 +248,67 @@ class TurnDecoder:
         key_of = torch.tensor(keys, dtype=torch.long, device=decoder.device)
         schedule = TurnSchedule(state.rows, conversations)
         stats = TurnStats(rows=state.rows, conversations=conversations)
-        self._fill(shape, prompts, key_of, schedule.assign(), sampling, stats)
+        readings = 0  # read-backs taken so far; the next one's number
+        self._fill(shape, prompts, key_of, schedule.assign(readings), sampling, stats)
+        pending: ReadBack | None = None
         try:
             while not schedule.done:
                 if schedule.any_live:
-                    for _ in range(decoder.sync_every):
+                    for _ in range(self.sync_every):
                         shape.advance()
-                    stats.decode_steps += decoder.sync_every
+                    stats.decode_steps += self.sync_every
+                    taken = ReadBack(state, readings)
+                    readings += 1
                     stats.checks += 1
-                    self._hand_over(state, schedule, on_turn_end, stats)
+                    if pending is not None:  # the one before: read while the steps just queued run
+                        self._hand_over(pending, state, schedule, on_turn_end, stats)
+                    pending = taken
+                elif pending is not None:  # no row decodes: the last read-back is all there is to see
+                    self._hand_over(pending, state, schedule, on_turn_end, stats)
+                    pending = None
                 elif schedule.waiting:
                     stats.waits += 1
                     started = time.perf_counter()
                     concurrent.futures.wait(schedule.waiting, return_when=concurrent.futures.FIRST_COMPLETED)
                     stats.wait_seconds += time.perf_counter() - started
-                self._take_answers(shape, schedule, stats, sampling)
-                self._fill(shape, prompts, key_of, schedule.assign(), sampling, stats)
+                self._take_answers(shape, schedule, stats, sampling, readings)
+                self._fill(shape, prompts, key_of, schedule.assign(readings), sampling, stats)
         finally:
             for future in schedule.waiting:
                 future.cancel()
         self.last_stats = stats
 
     def _hand_over(
-        self, state: TurnState, schedule: TurnSchedule, on_turn_end: OnTurnEnd, stats: TurnStats
+        self,
+        reading: ReadBack,
+        state: TurnState,
+        schedule: TurnSchedule,
+        on_turn_end: OnTurnEnd,
+        stats: TurnStats,
     ) -> None:
-        """Step 3: one read-back; each live row that ended its turn or its budget hands the turn over."""
-        ended, t = torch.stack([state.ended.long(), state.t]).tolist()
-        done = [r for r in range(state.rows) if schedule.live[r] and (ended[r] or t[r] >= state.max_tokens)]
-        if not done:
-            return
-        rows = torch.tensor(done, device=state.tokens.device)
-        tokens, logprobs = state.tokens[rows].tolist(), state.logprobs[rows].tolist()
-        for row, ids, lps in zip(done, tokens, logprobs, strict=True):
-            start, stop = schedule.turn_start[row], t[row]
+        """Step 3: each live row whose turn `reading` shows over hands the turn over (its tokens from the
+        read-back's copy: reading the rows themselves would wait for the steps queued since)."""
+        reading.wait()
+        for row in [r for r in range(state.rows) if schedule.turn_ended(r, reading)]:
+            start, stop = schedule.turn_start[row], reading.t[row]
             stats.turns += 1
             conversation = schedule.held[row]
             assert conversation is not None
-            future = on_turn_end(conversation, ids[start:stop], lps[start:stop])
+            ids = reading.tokens[row, start:stop].tolist()
+            logprobs = reading.logprobs[row, start:stop].tolist()
+            future = on_turn_end(conversation, ids, logprobs)
             if future is None:
                 schedule.release(row)
             else:  # even at the budget's end: the caller decides (its tools run, as TRL's loop runs them)
                 schedule.park(row, future, stop)
 
     def _take_answers(
-        self, shape: PreparedShape, schedule: TurnSchedule, stats: TurnStats, sampling: Sampling
+        self,
+        shape: PreparedShape,
+        schedule: TurnSchedule,
+        stats: TurnStats,
+        sampling: Sampling,
+        next_reading: int,
     ) -> None:
         """Step 4: finished futures' tokens appended to their rows (or the rows freed); exceptions raised."""
         state = shape.state
@@ -259,7 +328,7 @@ class TurnDecoder:
             stats.appends += 1
             stats.appended_tokens += sum(len(fed) for _, _, fed in resumed)
             for row, t, fed in resumed:
-                schedule.resume(row, t + len(fed))
+                schedule.resume(row, t + len(fed), next_reading)
 
     def _append(
         self, shape: PreparedShape, resumed: list[tuple[int, int, list[int]]], sampling: Sampling

@@ -110,7 +110,7 @@ def test_each_rows_prefill_computes_only_the_columns_after_the_prefix(model, mon
 
 def _conversations(model, prompts, sampling, turns=3, max_tokens=20):
     """Conversations through the turn decoder, a fixed tool answer after each turn."""
-    decoder = StaticDecoder(model, compile=False, max_rows=3, sync_every=2)
+    decoder = StaticDecoder(model, compile=False, max_rows=3)
     said: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     count = [0] * len(prompts)

@@ -21,7 +21,8 @@ from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_
 from mortal.workers.rollout.engines.base import cut_at_eos
 from mortal.workers.rollout.engines.hashed_noise import conversation_key, hashed_sample, mix32, row_noise
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
-from mortal.workers.rollout.engines.turn_decode import APPENDS, TurnDecoder, TurnSchedule
+from mortal.workers.rollout.engines.turn_decode import APPENDS, ReadBack, TurnDecoder, TurnSchedule
+from mortal.workers.rollout.engines.turn_state import TurnState
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 tokenizer/config assets not found")
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)
@@ -74,10 +75,12 @@ class Scripted:
         return self.pool.submit(answer)
 
 
-def _converse(decoder, prompts, script, max_tokens=24, sampling=PLAIN, seed=7):
+def _converse(decoder, prompts, script, max_tokens=24, sampling=PLAIN, seed=7, sync_every=2):
     ids, mask = left_padded(prompts)
     keys = [conversation_key(seed * 1000 + i) for i in range(len(prompts))]
-    TurnDecoder(decoder).converse(ids, mask, keys, max_tokens, sampling, FREQUENT_EOS, script.on_turn_end)
+    TurnDecoder(decoder, sync_every).converse(
+        ids, mask, keys, max_tokens, sampling, FREQUENT_EOS, script.on_turn_end
+    )
     return script
 
 
@@ -85,8 +88,8 @@ def test_every_model_token_has_the_logprob_of_one_forward_pass_over_the_whole_co
     """The cache a row keeps between turns is exactly the conversation: prompt, the model's turns and the
     fed tokens at their positions. 6 conversations in 4 rows (two wait for a free row), up to 4 turns."""
     prompts = random_prompts([5, 11, 3, 8, 13, 6])
-    decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=3)
-    script = _converse(decoder, prompts, Scripted(len(prompts), turns=4))
+    decoder = StaticDecoder(model, compile=False, max_rows=4)
+    script = _converse(decoder, prompts, Scripted(len(prompts), turns=4), sync_every=3)
     assert max(script.turns) > 1, "some conversation took more than one turn"
     for i, prompt in enumerate(prompts):
         ids, mask = script.ids[i], script.mask[i]
@@ -114,10 +117,12 @@ def test_greedy_turns_equal_re_prefilling_the_history_every_turn(model) -> None:
         return cut_at_eos(tokens[0].tolist(), logprobs[0].tolist(), stop).ids
 
     stop = FREQUENT_EOS + [greedy_turn(p, 1, [])[0] for p in prompts]
-    decoder = StaticDecoder(model, compile=False, max_rows=4, sync_every=2)
+    decoder = StaticDecoder(model, compile=False, max_rows=4)
     ids, mask = left_padded(prompts)
     script = Scripted(len(prompts), turns=3)
-    TurnDecoder(decoder).converse(ids, mask, [1, 2, 3, 4], max_tokens, GREEDY, stop, script.on_turn_end)
+    TurnDecoder(decoder, sync_every=1).converse(
+        ids, mask, [1, 2, 3, 4], max_tokens, GREEDY, stop, script.on_turn_end
+    )
     assert sum(turns > 1 for turns in script.turns) >= 2, "conversations of several turns"
     for i, prompt in enumerate(prompts):
         completion: list[int] = []
@@ -137,7 +142,7 @@ def test_a_conversation_s_tokens_do_not_depend_on_when_its_tools_answer(model) -
     other steps, in another order): the same tokens, since each row's noise is a function of its key and
     token index only."""
     prompts = random_prompts([5, 11, 3, 8, 13, 6, 9, 4])
-    decoder = StaticDecoder(model, compile=False, max_rows=8, sync_every=2)
+    decoder = StaticDecoder(model, compile=False, max_rows=8)
     at_once = _converse(decoder, prompts, Scripted(len(prompts), turns=4))
     rng = random.Random(3)
     delays = {(c, t): rng.choice([0.0, 0.01, 0.05]) for c in range(8) for t in range(5)}
@@ -197,12 +202,12 @@ def test_hashed_sampling_draws_tokens_with_their_probabilities() -> None:
 
 def test_the_schedule_gives_free_rows_the_next_conversations_in_order() -> None:
     schedule = TurnSchedule(rows=2, conversations=3)
-    assert schedule.assign() == [(0, 0), (1, 1)]
+    assert schedule.assign(next_reading=0) == [(0, 0), (1, 1)]
     future: concurrent.futures.Future = concurrent.futures.Future()
     schedule.park(0, future, t=4)
-    assert schedule.assign() == [] and not schedule.done
+    assert schedule.assign(next_reading=1) == [] and not schedule.done
     schedule.release(1)
-    assert schedule.assign() == [(1, 2)]
+    assert schedule.assign(next_reading=1) == [(1, 2)]
     schedule.waiting.pop(future)
     schedule.release(0)
     schedule.release(1)
@@ -222,9 +227,7 @@ def test_the_compiled_graph_continues_conversations_with_the_logprobs_of_a_plain
     cuda_model = model.to("cuda")
     try:
         prompts = random_prompts([5, 11, 3, 8, 13, 6])
-        decoder = StaticDecoder(
-            cuda_model, compile=True, max_rows=4, sync_every=4, compile_scope=compile_scope
-        )
+        decoder = StaticDecoder(cuda_model, compile=True, max_rows=4, compile_scope=compile_scope)
         ids, mask = left_padded(prompts)
         keys = [conversation_key(i) for i in range(len(prompts))]
         rng = random.Random(5)
@@ -258,3 +261,45 @@ def test_the_compiled_graph_continues_conversations_with_the_logprobs_of_a_plain
         assert shape.extras[APPENDS].recorded >= 1, "appends replayed as graphs"
     finally:
         model.to("cpu")
+
+
+def test_a_read_back_taken_before_a_rows_prefill_or_append_says_nothing_of_its_turn() -> None:
+    """Read-backs are read one interval after they are taken: by then a row may have been resumed with a
+    tool's answer, and the older copy still shows its previous turn's end."""
+    state = TurnState(
+        rows=2, prompt_len=1, max_tokens=4, vocab=8, dtype=torch.float32, device=torch.device("cpu")
+    )
+    schedule = TurnSchedule(rows=2, conversations=2)
+    schedule.assign(next_reading=0)
+    state.ended[0] = True
+    before = ReadBack(state, number=0)
+    before.wait()
+    assert [schedule.turn_ended(row, before) for row in (0, 1)] == [True, False]
+    schedule.park(0, concurrent.futures.Future(), t=2)
+    assert not schedule.turn_ended(0, before), "a waiting row hands nothing over"
+    schedule.resume(0, turn_start=4, next_reading=1)
+    assert not schedule.turn_ended(0, before), "resumed after this read-back was taken"
+    after = ReadBack(state, number=1)
+    after.wait()
+    assert schedule.turn_ended(0, after)
+    state.ended[1], state.t[1] = False, 4  # row 1 filled its budget
+    budget = ReadBack(state, number=2)
+    budget.wait()
+    assert schedule.turn_ended(1, budget)
+
+
+def test_shorter_intervals_between_read_backs_take_fewer_decode_steps_for_the_same_tokens(model) -> None:
+    """A turn's end is seen one or two intervals after it: with read-backs every 2 steps the conversations
+    finish in fewer decode steps than every 8, and each says the same (its noise is its key's)."""
+    prompts = random_prompts([5, 11, 3, 8, 13, 6])
+    steps, said = {}, {}
+    for sync_every in (2, 8):
+        decoder = StaticDecoder(model, compile=False, max_rows=8)
+        turns = TurnDecoder(decoder, sync_every)
+        ids, mask = left_padded(prompts)
+        script = Scripted(len(prompts), turns=4, max_tokens=40)
+        keys = [conversation_key(i) for i in range(len(prompts))]
+        turns.converse(ids, mask, keys, 40, PLAIN, FREQUENT_EOS, script.on_turn_end)
+        steps[sync_every], said[sync_every] = turns.last_stats.decode_steps, script.ids
+    assert said[2] == said[8]
+    assert steps[2] < steps[8], steps
