@@ -371,6 +371,31 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "turn-profile": Group(
+        "where a tool-calling task's generation goes: the calculator example's rollouts through the "
+        "rollout's engine and tool loop in one process, read-backs every 2 and every 8 decode steps, one "
+        "task profiled",
+        (
+            Bench(
+                "turn_profile",
+                "turn_profile.py",
+                (
+                    "--model",
+                    "{gguf}",
+                    "--warm-start",
+                    "60",
+                    "--tasks",
+                    "4",
+                    "--sync-every",
+                    "2",
+                    "8",
+                    "--profile",
+                ),
+                300,
+            ),
+        ),
+        gguf=True,
+    ),
     "gpu-tests": Group(
         "the GPU-marked tests of one GPU: runs through the controller, the decoder, the loss's padding shift",
         (

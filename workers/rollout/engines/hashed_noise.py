@@ -8,9 +8,12 @@ is shared by every row of a step. A counter-based hash gives each row its own no
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
-from mortal.workers.rollout.engines.static_decode import Sampling, processed_logprobs
+from mortal.workers.rollout.engines.static_decode import COMPILED_SHAPES, Sampling, processed_logprobs
 
 MASK32 = 0xFFFFFFFF
 
@@ -48,3 +51,20 @@ def conversation_key(seed: int) -> int:
     """A conversation's 32-bit noise key from its seed (any int)."""
     folded = torch.tensor([(seed & MASK32) ^ ((seed >> 32) & MASK32)], dtype=torch.long)
     return int(mix32(mix32(folded) ^ 0x5BD1E995)[0])
+
+
+def compiled_sample(
+    logits: torch.Tensor, sampling: Sampling, keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hashed_sample compiled (fixed shapes, one compilation per rows x vocab and sampling), for a compiled
+    decode step. Why: run as written, the noise is a chain of elementwise kernels over [rows, vocab] int64
+    tensors, each reading and writing the whole of one, every decode step; compiled, a few fused kernels
+    read the logits once. The hash is exact either way; the log and exp may round differently, so a near tie
+    may go to another token."""
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
+        return _compiled_sample()(logits, sampling, keys, t, vocab_hash)
+
+
+@functools.cache
+def _compiled_sample() -> Any:
+    return torch.compile(hashed_sample, dynamic=False)

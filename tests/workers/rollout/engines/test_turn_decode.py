@@ -19,7 +19,13 @@ import torch
 from rollout_helpers import FREQUENT_EOS, assets_available, left_padded, random_prompts
 
 from mortal.workers.rollout.engines.base import cut_at_eos
-from mortal.workers.rollout.engines.hashed_noise import conversation_key, hashed_sample, mix32, row_noise
+from mortal.workers.rollout.engines.hashed_noise import (
+    compiled_sample,
+    conversation_key,
+    hashed_sample,
+    mix32,
+    row_noise,
+)
 from mortal.workers.rollout.engines.static_decode import Sampling, StaticDecoder, processed_logprobs
 from mortal.workers.rollout.engines.turn_decode import APPENDS, ReadBack, TurnDecoder, TurnSchedule
 from mortal.workers.rollout.engines.turn_state import TurnState
@@ -303,3 +309,18 @@ def test_shorter_intervals_between_read_backs_take_fewer_decode_steps_for_the_sa
         steps[sync_every], said[sync_every] = turns.last_stats.decode_steps, script.ids
     assert said[2] == said[8]
     assert steps[2] < steps[8], steps
+
+
+def test_the_compiled_sampling_draws_what_the_eager_one_does() -> None:
+    """A compiled decode step samples through compiled_sample: the same hash, the same tokens (logits far
+    from ties), logprobs to rounding."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 4096, generator=generator) * 4
+    keys = torch.tensor([conversation_key(i) for i in range(8)])
+    t = torch.arange(8)
+    vocab_hash = mix32(torch.arange(4096))
+    for sampling in (PLAIN, Sampling(temperature=0.7, top_k=50, top_p=0.9)):
+        eager = hashed_sample(logits, sampling, keys, t, vocab_hash)
+        compiled = compiled_sample(logits, sampling, keys, t, vocab_hash)
+        assert torch.equal(eager[0], compiled[0])
+        torch.testing.assert_close(eager[1], compiled[1], atol=1e-5, rtol=1e-5)

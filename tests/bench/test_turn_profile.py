@@ -1,0 +1,47 @@
+"""bench/turn_profile.py on the CPU: the calculator example's rollouts through the rollout's own engine and
+tool loop, one side per read-back interval, each task's decode figures recorded (a smoke test of the script:
+a tiny random model, so no figure here means anything)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+from rollout_helpers import assets_available, make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
+
+
+def test_each_read_back_interval_is_a_side_with_its_tasks_decode_figures(monkeypatch, tmp_path: Path) -> None:
+    import turn_profile
+
+    model = make_tiny_model(tmp_path / "model")
+    out = tmp_path / "out.json"
+    argv = ["turn_profile.py", "--model", str(model), "--cpu", "--warm-start", "0", "--tasks", "2"]
+    argv += [
+        "--prompts",
+        "1",
+        "--gens",
+        "2",
+        "--sync-every",
+        "2",
+        "8",
+        "--dtype",
+        "float32",
+        "--json",
+        str(out),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    turn_profile.main()
+    result = json.loads(out.read_text())
+    assert sorted(result["sides"]) == ["sync_every_2", "sync_every_8"]
+    for side in result["sides"].values():
+        assert len(side["tasks"]) == 2
+        assert all(task["decode_steps"] > 0 and task["seconds"] > 0 for task in side["tasks"])
+        assert side["medians"]["rows"] == 2
