@@ -345,6 +345,30 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "multiturn-learning-mixed": Group(
+        "the same learning in mixed precision on both sides (float32 weights, bf16 compute: TRL's bf16 "
+        "over a float32 model, mortal's actor.mixedPrecision), where bf16 weights lost the updates",
+        (
+            Bench(
+                "multiturn_learning_mixed",
+                "multiturn_gpu.py",
+                (
+                    "--model",
+                    "{gguf}",
+                    "--steps",
+                    "60",
+                    "--warm-start",
+                    "6",
+                    "--reward-window",
+                    "10",
+                    "--dtype",
+                    "mixed",
+                ),
+                590,
+            ),
+        ),
+        gguf=True,
+    ),
     "multiturn-slow-tool": Group(
         "tool-calling rollouts with every environment tool call waiting a second, beside TRL's tool loop: "
         "tokens per second and the GPU's busy fraction",

@@ -28,7 +28,8 @@ answer; rendered with the example's chat template and tool schemas, loss on the 
 and both sides start from that model. The demonstrations and the SFT are the same for both sides and
 are not timed.
 
---dtype (bfloat16 by default, as a GPU run's `dtype: auto` and TRL's bf16; float32 as the example on a CPU)
+--dtype (bfloat16 by default, as a GPU run's `dtype: auto` and TRL's bf16; float32 as the example on a CPU;
+mixed: float32 weights computing in bf16, TRL's bf16 over a float32 model and mortal's actor.mixedPrecision)
 sets both sides' weights and training precision. --tool-delay S makes the environment's tools (add, submit)
 wait S seconds a call on both sides (bench/slow_tools.py), a slow tool such as a sandbox; the calculator stays
 fast. Each side's GPU busy fraction (nvidia-smi's utilization, sampled over the timed steps) is reported.
@@ -90,7 +91,8 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The example's spec with the bench's model, batch, steps and placement."""
     spec = example_spec()
     gpu = "none" if args.cpu else local_gpu()
-    spec["model"] = {**spec["model"], "name": str(model), "dtype": args.dtype}
+    weights = "float32" if args.dtype == "mixed" else args.dtype
+    spec["model"] = {**spec["model"], "name": str(model), "dtype": weights}
     if args.tool_delay:  # the example's environment, its tools slowed (bench/slow_tools.py)
         spec["rollout"] = {**spec["rollout"], "environment": SLOW_ENVIRONMENT}
         spec["rewards"] = [
@@ -109,7 +111,7 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
     }
     spec["generation"] = {**spec.get("generation", {}), "engine": "transformers"}
-    spec["actor"] = {"gpu": gpu}
+    spec["actor"] = {"gpu": gpu, "mixedPrecision": args.dtype == "mixed"}
     spec["rollout"] = {**spec["rollout"], "gpu": gpu, "replicas": 1, "colocate": not args.cpu}
     spec["checkpoint"] = {"every": args.steps, "keep": 1}
     spec["logging"] = {"wandb": {"mode": "disabled"}}
@@ -270,9 +272,9 @@ def run_trl(model: Path, spec: dict[str, Any], args: argparse.Namespace, work: P
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        bf16=args.dtype == "bfloat16",
+        bf16=args.dtype in ("bfloat16", "mixed"),  # over float32 weights: autocast
         fp16=False,
-        model_init_kwargs={"dtype": getattr(torch, args.dtype)},
+        model_init_kwargs={"dtype": torch.float32 if args.dtype == "mixed" else getattr(torch, args.dtype)},
         disable_tqdm=True,
         use_cpu=args.cpu,
         max_tool_calling_iterations=rollout.get("maxToolCallingIterations"),
@@ -471,9 +473,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=["bfloat16", "float32"],
+        choices=["bfloat16", "float32", "mixed"],
         default="bfloat16",
-        help="both sides' weights and training precision (TRL's bf16): bfloat16, a GPU's default, or float32",
+        help="both sides' weights and training precision (TRL's bf16): bfloat16, a GPU's default, "
+        "float32, or mixed (float32 weights, bf16 compute: TRL's bf16 over a float32 model, mortal's "
+        "actor.mixedPrecision)",
     )
     parser.add_argument(
         "--tool-delay",

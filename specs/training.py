@@ -273,9 +273,11 @@ class ActorSpec(SpecModel):
     )
     mixed_precision: bool = Field(
         False,
-        description="With count > 1, keep weights, gradients and AdamW state in float32 shards and compute "
-        "forward and backward in bfloat16 (FSDP2's MixedPrecisionPolicy, as TRL's FSDP with bf16). Needs "
-        "model.dtype float32.",
+        description="Keep weights, gradients and AdamW state in float32 and compute forward and backward in "
+        "bfloat16: one actor autocasts (TRL's bf16 over float32 weights); with count > 1 FSDP2's "
+        "MixedPrecisionPolicy over float32 shards (TRL's FSDP with bf16). Rollouts generate in bfloat16. "
+        "Needs model.dtype float32. Where bfloat16 weights would lose small updates (an AdamW step below "
+        "their precision), this learns as float32 does at nearly bfloat16's speed.",
     )
     compile: bool = Field(
         False,
@@ -789,13 +791,6 @@ class TrainingSpec(SpecModel):
         """actor.count > 1 (mortal.workers.actor.sharded): what a sharded actor cannot do, how it splits
         a batch."""
         count = self.actor.count
-        if self.actor.mixed_precision and count == 1:
-            raise rule_error(
-                "mixedPrecision is FSDP2's policy for a sharded actor: set actor.count > 1, or "
-                "train an unsharded actor in bfloat16 with model.dtype: "
-                "bfloat16",
-                "actor.mixedPrecision",
-            )
         if self.actor.mixed_precision and self.model.dtype != "float32":
             raise rule_error(
                 "mixedPrecision keeps float32 master weights and computes in bfloat16; this "

@@ -104,7 +104,12 @@ CASES = [
     ),
     ("actor:\n  strategy: zero3", 1, "spec.actor.strategy", "fsdp"),
     ("actor:\n  count: 3", 1, "spec.actor.count", "batchSize (8) must divide over the actor's 3 ranks"),
-    ("actor:\n  mixedPrecision: true", 1, "spec.actor.mixedPrecision", "sharded actor: set actor.count > 1"),
+    (
+        "actor:\n  mixedPrecision: true",
+        1,
+        "spec.actor.mixedPrecision",
+        "this model's dtype is 'auto': set model.dtype: float32",
+    ),
     ("actor:\n  liger: true", 1, "spec.actor.liger", "Triton kernels for GPUs: set actor.gpu to a GPU type"),
     ("actor:\n  gpu: H100\n  count: 2\n  liger: true", 3, "spec.actor.liger", "set actor.strategy: ddp"),
     (

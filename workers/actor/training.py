@@ -69,7 +69,9 @@ def training_args(spec: TrainingSpec, output_dir: str, device: str, world: int =
         **checkpointing_arg(spec.model.gradient_checkpointing),
         torch_compile=spec.actor.compile,
         use_cpu=device == "cpu",
-        bf16=dtype == torch.bfloat16,
+        # one actor's mixedPrecision: the Trainer autocasts to bfloat16 over float32 weights (a sharded
+        # actor's is FSDP2's policy instead, set as the model loads)
+        bf16=dtype == torch.bfloat16 or (spec.actor.mixed_precision and world == 1),
         fp16=False,
         logging_steps=1,
         # Off, Trainer's check of each step's loss for nan/inf (a host wait on the GPU) is gone, so the host

@@ -57,6 +57,25 @@ def test_the_trainer_does_not_wait_on_the_device_to_check_each_steps_loss(
     assert training.training_args(spec, str(tmp_path), "cpu").logging_nan_inf_filter is False
 
 
+def test_one_actor_under_mixed_precision_computes_in_bfloat16_over_float32_weights(
+    store, tiny_dir: Path
+) -> None:
+    """actor.mixedPrecision with one actor: TRL's bf16 autocast over float32 weights. On the same rollouts,
+    the step's gradient is the float32 step's up to bfloat16's rounding, and the weights it trains and
+    publishes stay float32 (the rollouts cast them as they load, into their bfloat16 model)."""
+    one_step = {"algorithm": {"maxSteps": 1, "batchSize": 8}}
+    plain = create_run(store, "fp32", actor_spec(str(tiny_dir), **one_step))
+    mixed = create_run(store, "mixed", actor_spec(str(tiny_dir), actor={"mixedPrecision": True}, **one_step))
+    assert run_actor_with_rollout(store, plain) == EXIT_SUCCEEDED
+    assert run_actor_with_rollout(store, mixed) == EXIT_SUCCEEDED
+    a, b = _metrics(store, "fp32")[1], _metrics(store, "mixed")[1]
+    assert a["completion_tokens"] == b["completion_tokens"] and a["grad_norm"] > 0
+    off = abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+    assert 1e-4 < off < 5e-2, (a["grad_norm"], b["grad_norm"])
+    published = read_published(store.latest_weights("mixed").path)
+    assert {t.dtype for t in published.values()} == {torch.float32}
+
+
 def test_a_run_trains_publishes_every_step_checkpoints_and_reports(store, tiny_dir: Path) -> None:
     run = create_run(store, "basic", actor_spec(str(tiny_dir)))
     assert run_actor_with_rollout(store, run) == EXIT_SUCCEEDED

@@ -290,13 +290,14 @@ def test_generation_max_num_seqs_caps_the_rows_the_engine_decodes_at_once(
     assert built[0]["max_num_seqs"] == 8 and worker.engine.max_rows == 8
 
 
+@pytest.mark.parametrize("count", [1, 2])
 def test_under_mixed_precision_the_rollout_generates_in_bfloat16_as_the_actor_computes(
-    sqlite_store: Store, tiny_dir: Path
+    sqlite_store: Store, tiny_dir: Path, count: int
 ) -> None:
-    """A sharded actor with float32 master weights (actor.mixedPrecision): its rollouts load the model in
-    bfloat16, not in the float32 of model.dtype (TrainingSpec.rollout_model)."""
+    """An actor with float32 master weights (actor.mixedPrecision, one autocasting or two sharded): its
+    rollouts load the model in bfloat16, not in the float32 of model.dtype (TrainingSpec.rollout_model)."""
     run = create_run(
-        sqlite_store, "r7", training_spec(str(tiny_dir), actor={"count": 2, "mixedPrecision": True})
+        sqlite_store, "r7", training_spec(str(tiny_dir), actor={"count": count, "mixedPrecision": True})
     )
     ctx = WorkerContext(sqlite_store, new_worker(sqlite_store, run, "rollout"), run)
     worker = rollout.build(ctx)
