@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 from learning_gpu import local_model  # noqa: E402
 from multiturn_gpu import bench_spec, warm_start  # noqa: E402
+from tool_loop_paths import timed  # noqa: E402
 
 
 def build(model: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, list[dict[str, Any]]]:
@@ -65,26 +65,14 @@ def build(model: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, li
 
 def one_task(multiturn: Any, engine: Any, rows: list[dict[str, Any]], gens: int, seed: int) -> dict[str, Any]:
     """One engine call of every row's rollouts, as a rollout task: its wall seconds and decode figures."""
-    import torch
-
     from mortal.workers.messages import RolloutRequest
 
     requests = [
         RolloutRequest(prompt=row["prompt"], row=row, num_generations=gens, seed=seed * 1000 + k)
         for k, row in enumerate(rows)
     ]
-    started = time.perf_counter()
-    groups = multiturn.rollouts(requests)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    rollouts = [r for group in groups for r in group]
-    return {
-        "seconds": seconds,
-        "tokens": sum(len(r.completion_ids) for r in rollouts),
-        "tool_calls": sum(r.tool_calls for r in rollouts),
-        **engine.generation_stats(),
-    }
+    seconds, tokens, tool_calls = timed(multiturn, requests)
+    return {"seconds": seconds, "tokens": tokens, "tool_calls": tool_calls, **engine.generation_stats()}
 
 
 def profiled_task(multiturn: Any, engine: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -> dict:
