@@ -397,8 +397,8 @@ GROUPS: dict[str, Group] = {
     ),
     "turn-profile": Group(
         "where a tool-calling task's generation goes: the calculator example's rollouts through the "
-        "rollout's engine and tool loop in one process, read-backs every 2 and every 8 decode steps, one "
-        "task profiled",
+        "rollout's engine and tool loop in one process, read-backs every 2 and every 8 decode steps, "
+        "Python's thread switch interval as it is and a tenth of it, one task profiled",
         (
             Bench(
                 "turn_profile",
@@ -413,6 +413,9 @@ GROUPS: dict[str, Group] = {
                     "--sync-every",
                     "2",
                     "8",
+                    "--switch-interval",
+                    "0.005",
+                    "0.0005",
                     "--profile",
                 ),
                 300,

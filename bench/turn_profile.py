@@ -2,7 +2,7 @@
 engine and tool loop, in this process, timed per read-back interval and profiled.
 
     python bench/turn_profile.py --model PATH.gguf [--warm-start 60] [--tasks 4] [--sync-every 2 8]
-                                 [--profile] [--top 15] [--json out.json]
+                                 [--switch-interval S ...] [--profile] [--top 15] [--json out.json]
     # a smoke test, no figures:
     python bench/turn_profile.py --model FOLDER --cpu --warm-start 0 --tasks 1 --prompts 1 --gens 2
 
@@ -14,18 +14,22 @@ The steps:
      bench_spec and warm_start: the same demonstrations and SFT), so that it calls the tools.
   2. The engine and the tool loop as the rollout worker builds them from the example's spec
      (TransformersEngine with its CUDA graphs, MultiTurn over Toolbox.from_spec, the spec's generation).
-  3. For each --sync-every (decode steps between the turn decoder's read-backs): one untimed task (the
-     shape's graphs are captured), then --tasks tasks of --prompts rows x --gens rollouts (the dataset's
-     first rows, new seeds each task), each one engine call: wall seconds and the decoder's figures (decode
-     steps, read-backs, appends, prefill, waits on tools) per task, and their medians.
-  4. --profile (CUDA): one more task of the first --sync-every under torch's profiler: GPU kernel time
-     against the task's wall time (the rest is the GPU idle), kernels a decode step, and the kernels by name.
-Medians are over the timed tasks; compare --sync-every values within one invocation only.
+  3. For each --sync-every (decode steps between the turn decoder's read-backs) and each --switch-interval
+     (Python's: how long the decoding thread may wait for the GIL while the tool loop's threads parse and
+     render turns): one untimed task (the shape's graphs are captured), then --tasks tasks of --prompts
+     rows x --gens rollouts (the dataset's first rows, new seeds each task), each one engine call: wall
+     seconds and the decoder's figures (decode steps, read-backs, appends, prefill, waits on tools) per
+     task, and their medians.
+  4. --profile (CUDA): one more task of the first --sync-every, Python's own switch interval, under torch's
+     profiler: GPU kernel time against the task's wall time (the rest is the GPU idle), kernels a decode
+     step, and the kernels by name.
+Medians are over the timed tasks; compare sides within one invocation only.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -125,6 +129,16 @@ def main() -> None:
         default=[2, 8],
         help="decode steps between read-backs, each a side",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        nargs="+",
+        default=[sys.getswitchinterval()],
+        metavar="S",
+        help="Python's thread switch interval during the timed tasks (sys.setswitchinterval), each a side "
+        "with each --sync-every: how long the decode thread may wait for the GIL while the tool loop's "
+        "threads parse and render turns",
+    )
     parser.add_argument("--profile", action="store_true", help="one more task under torch's profiler (CUDA)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by the profile")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -150,14 +164,21 @@ def main() -> None:
             model = warm_start(model, bench_spec(model, args), args, Path(tmp))
         _, engine, _, multiturn, rows = build(model, args)
         try:
-            for sync_every in args.sync_every:
+            python_default = sys.getswitchinterval()
+            for sync_every, switch in itertools.product(args.sync_every, args.switch_interval):
                 # untimed: the shape's graphs captured (on a CPU, the engine's turn decoder made)
                 one_task(multiturn, engine, rows, args.gens, seed=99)
                 engine.turns.sync_every = sync_every
-                tasks = [one_task(multiturn, engine, rows, args.gens, seed=s) for s in range(args.tasks)]
+                sys.setswitchinterval(switch)
+                try:
+                    tasks = [one_task(multiturn, engine, rows, args.gens, seed=s) for s in range(args.tasks)]
+                finally:
+                    sys.setswitchinterval(python_default)
                 side = {"tasks": tasks, "medians": medians(tasks)}
-                out["sides"][f"sync_every_{sync_every}"] = side
-                print(f"sync_every {sync_every}: {json.dumps(side['medians'])}", flush=True)
+                out["sides"][f"sync_every_{sync_every}_switch_{switch:g}"] = side
+                print(
+                    f"sync_every {sync_every}, switch {switch:g} s: {json.dumps(side['medians'])}", flush=True
+                )
             if args.profile and not args.cpu:
                 engine.turns.sync_every = args.sync_every[0]
                 out["profile"] = profiled_task(multiturn, engine, rows, args)

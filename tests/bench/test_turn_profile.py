@@ -1,6 +1,6 @@
 """bench/turn_profile.py on the CPU: the calculator example's rollouts through the rollout's own engine and
-tool loop, one side per read-back interval, each task's decode figures recorded (a smoke test of the script:
-a tiny random model, so no figure here means anything)."""
+tool loop, one side per read-back interval and thread switch interval, each task's decode figures recorded
+(a smoke test of the script: a tiny random model, so no figure here means anything)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_each_read_back_interval_is_a_side_with_its_tasks_decode_figures(monkeyp
 
     model = make_tiny_model(tmp_path / "model")
     out = tmp_path / "out.json"
-    argv = ["turn_profile.py", "--model", str(model), "--cpu", "--warm-start", "0", "--tasks", "2"]
+    argv = ["turn_profile.py", "--model", str(model), "--cpu", "--warm-start", "0", "--tasks", "1"]
     argv += [
         "--prompts",
         "1",
@@ -32,6 +32,9 @@ def test_each_read_back_interval_is_a_side_with_its_tasks_decode_figures(monkeyp
         "--sync-every",
         "2",
         "8",
+        "--switch-interval",
+        "0.005",
+        "0.0005",
         "--dtype",
         "float32",
         "--json",
@@ -40,8 +43,14 @@ def test_each_read_back_interval_is_a_side_with_its_tasks_decode_figures(monkeyp
     monkeypatch.setattr(sys, "argv", argv)
     turn_profile.main()
     result = json.loads(out.read_text())
-    assert sorted(result["sides"]) == ["sync_every_2", "sync_every_8"]
+    assert sorted(result["sides"]) == [
+        "sync_every_2_switch_0.0005",
+        "sync_every_2_switch_0.005",
+        "sync_every_8_switch_0.0005",
+        "sync_every_8_switch_0.005",
+    ]
+    assert sys.getswitchinterval() == 0.005, "Python's own interval is put back"
     for side in result["sides"].values():
-        assert len(side["tasks"]) == 2
+        assert len(side["tasks"]) == 1
         assert all(task["decode_steps"] > 0 and task["seconds"] > 0 for task in side["tasks"])
         assert side["medians"]["rows"] == 2
