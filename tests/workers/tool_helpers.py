@@ -14,6 +14,7 @@ from typing import Any
 
 from rollout_helpers import assets_dir
 
+from mortal.workers.rollout.builtin_tools import ArithEnvironment
 from mortal.workers.rollout.engines import Completion, Engine, GenerationParams
 
 MAX_MODEL_LEN = 2048
@@ -156,3 +157,19 @@ class ArithScript(ScriptedEngine):
             a, b = re.search(r"What is (\d+) \+ (\d+)\?", text).groups()
             said = tool_call("calculator", expression=f"{a} + {b}")
         return scripted_turn(self.tokenizer, said, limit)
+
+
+class HintingArith(ArithEnvironment):
+    """ArithEnvironment whose `reset` returns a hint, which the tool loop appends to the rollout's prompt
+    (TRL's environment_factory contract)."""
+
+    HINT = " (Use the calculator.)"
+
+    def reset(self, answer: Any = None, **row: Any) -> str:
+        super().reset(answer, **row)
+        return self.HINT
+
+
+def saw_the_hint(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """1.0 for each completion whose prompt, as the reward got it, ends its last message with the hint."""
+    return [float(str(p[-1]["content"]).endswith(HintingArith.HINT)) for p in prompts]

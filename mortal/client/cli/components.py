@@ -310,12 +310,12 @@ def generate(
         ids = [r.completion_ids for r in rollouts]
         messages = [r.messages for r in rollouts]
         texts = [as_text(m) for m in messages]
-        environments = [r.environment for r in rollouts] if run.spec.rollout.environment else None
+        scoring = tool_scoring(run, rollouts)
     else:
         ids = [c.ids for c in outs]
         texts = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
         messages = [completion_message(tokenizer, the_prompt, i) for i in ids]
-        environments = None
+        scoring = {}
     result: dict[str, Any] = {
         "prompt": the_prompt,
         "engine": engine.name,
@@ -330,7 +330,7 @@ def generate(
             "messages": messages,
         }
     if row is not None:
-        scores = run_rewards(run).score(the_prompt, messages, ids, columns, environments=environments)
+        scores = run_rewards(run).score(the_prompt, messages, ids, columns, **scoring)
         result["rewards"] = scores
         result["weightedSums"] = weighted_sums(run, scores, len(ids))
     return result
@@ -346,6 +346,15 @@ def tool_rollouts(
 
     toolbox = Toolbox.from_spec(run.spec.rollout)
     return MultiTurn(engine, tokenizer, toolbox, params, run.spec.rollout.chat_template).rollouts(requests)
+
+
+def tool_scoring(run: TrainingRun, rollouts: list[Any]) -> dict[str, list[Any]]:
+    """What a rollout worker passes its rewards beside one prompt's tool-calling rollouts: with an
+    environment, each rollout's environment and its own prompt (the row's, with what the environment's
+    `reset` returned appended), as TRL passes them; without one, nothing more."""
+    if run.spec.rollout.environment is None:
+        return {}
+    return {"environments": [r.environment for r in rollouts], "prompts": [r.prompt for r in rollouts]}
 
 
 def device_for(device: str) -> str:

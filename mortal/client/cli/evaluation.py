@@ -30,6 +30,7 @@ from mortal.client.cli.components import (
     run_rewards,
     test_app,
     tool_rollouts,
+    tool_scoring,
     weighted_sums,
 )
 from mortal.client.cli.context import CliError
@@ -165,15 +166,13 @@ def _generated_and_scored(
         RolloutRequest(prompt=row["prompt"], row=row, num_generations=n, seed=s)
         for row, s in zip(rows, seeds, strict=True)
     ]
-    with_environments = spec.rollout.environment is not None
     return [
         rewards.score(
             row["prompt"],
             [r.messages for r in group],
             [r.completion_ids for r in group],
             row,
-            environments=[r.environment for r in group] if with_environments else None,
-            prompts=[r.prompt for r in group] if with_environments else None,
+            **tool_scoring(run, group),
         )
         for row, group in zip(rows, tool_rollouts(run, engine, tokenizer, params, requests), strict=True)
     ]
