@@ -45,8 +45,8 @@ from multiturn_gpu import bench_spec, warm_start  # noqa: E402
 from tool_loop_paths import timed  # noqa: E402
 
 
-def build(model: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, list[dict[str, Any]]]:
-    """(run, engine, tokenizer, multiturn, rows): what a rollout worker of the example holds."""
+def build(model: Path, args: argparse.Namespace) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """(engine, multiturn, rows): what a rollout worker of the example holds, and the rows of a task."""
     from mortal.specs import TrainingRun
     from mortal.workers.data import load_rows
     from mortal.workers.models import load_tokenizer
@@ -64,7 +64,7 @@ def build(model: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, li
         engine, tokenizer, Toolbox.from_spec(spec.rollout), params, spec.rollout.chat_template
     )
     rows = load_rows(spec.dataset)[: args.prompts]
-    return run, engine, tokenizer, multiturn, rows
+    return engine, multiturn, rows
 
 
 def one_task(multiturn: Any, engine: Any, rows: list[dict[str, Any]], gens: int, seed: int) -> dict[str, Any]:
@@ -162,7 +162,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mortal-turns-") as tmp:
         if args.warm_start:
             model = warm_start(model, bench_spec(model, args), args, Path(tmp))
-        _, engine, _, multiturn, rows = build(model, args)
+        engine, multiturn, rows = build(model, args)
         try:
             python_default = sys.getswitchinterval()
             for sync_every, switch in itertools.product(args.sync_every, args.switch_interval):

@@ -277,7 +277,7 @@ class ActorSpec(SpecModel):
         "bfloat16: one actor autocasts (TRL's bf16 over float32 weights); with count > 1 FSDP2's "
         "MixedPrecisionPolicy over float32 shards (TRL's FSDP with bf16). Rollouts generate in bfloat16. "
         "Needs model.dtype float32. Where bfloat16 weights would lose small updates (an AdamW step below "
-        "their precision), this learns as float32 does at nearly bfloat16's speed.",
+        "their precision), float32 weights keep them.",
     )
     compile: bool = Field(
         False,

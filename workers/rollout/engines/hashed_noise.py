@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mortal.workers.rollout.engines.static_decode import COMPILED_SHAPES, Sampling, processed_logprobs
+from mortal.workers.rollout.engines.static_decode import Sampling, compiled_model, processed_logprobs
 
 MASK32 = 0xFFFFFFFF
 
@@ -56,15 +56,14 @@ def conversation_key(seed: int) -> int:
 def compiled_sample(
     logits: torch.Tensor, sampling: Sampling, keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hashed_sample compiled (fixed shapes, one compilation per rows x vocab and sampling), for a compiled
-    decode step. Why: run as written, the noise is a chain of elementwise kernels over [rows, vocab] int64
-    tensors, each reading and writing the whole of one, every decode step; compiled, a few fused kernels
-    read the logits once. The hash is exact either way; the log and exp may round differently, so a near tie
-    may go to another token."""
-    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
-        return _compiled_sample()(logits, sampling, keys, t, vocab_hash)
+    """hashed_sample compiled as a decode step's forward is (static_decode.compiled_model: fixed shapes, one
+    compilation per rows x vocab and sampling), for a compiled decode step. Why: run as written, the noise
+    is a chain of elementwise kernels over [rows, vocab] int64 tensors, each reading and writing the whole
+    of one, every decode step; compiled, a few fused kernels read the logits once. The hash is exact either
+    way; the log and exp may round differently, so a near tie may go to another token."""
+    return _compiled_sample()(logits=logits, sampling=sampling, keys=keys, t=t, vocab_hash=vocab_hash)
 
 
 @functools.cache
 def _compiled_sample() -> Any:
-    return torch.compile(hashed_sample, dynamic=False)
+    return compiled_model(hashed_sample)

@@ -96,8 +96,12 @@ class TurnAppender:
         self.record = record
         self.inputs: dict[Bucket, AppendInputs] = {}
         self.graphs: dict[Bucket, Callable[[], None]] = {}
-        self.recorded = 0  # graphs recorded, for tests and the log
         self._pool: Any = None
+
+    @property
+    def recorded(self) -> int:
+        """Graphs recorded so far, one a bucket (for tests and the log)."""
+        return len(self.graphs)
 
     @torch.no_grad()
     def append(self, resumed: list[tuple[int, int, list[int]]]) -> None:
@@ -124,7 +128,6 @@ class TurnAppender:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._run(inputs)
-        self.recorded += 1
         return graph.replay
 
     def _run(self, inputs: AppendInputs) -> None:

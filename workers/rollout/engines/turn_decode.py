@@ -118,7 +118,7 @@ class TurnStats:
     decode_steps: int = 0
     checks: int = 0  # read-backs of the rows' ends
     turns: int = 0
-    appends: int = 0  # eager forwards that appended tokens
+    appends: int = 0  # forwards (or their graphs' replays) that appended tokens
     appended_tokens: int = 0
     waits: int = 0  # times every row waited on tools at once
     prefills: int = 0  # eager prefills of prompts into rows
@@ -266,7 +266,6 @@ class TurnDecoder:
                     stats.decode_steps += self.sync_every
                     taken = ReadBack(state, readings)
                     readings += 1
-                    stats.checks += 1
                     if pending is not None:  # the one before: read while the steps just queued run
                         self._hand_over(pending, state, schedule, on_turn_end, stats)
                     pending = taken
@@ -283,6 +282,7 @@ class TurnDecoder:
         finally:
             for future in schedule.waiting:
                 future.cancel()
+        stats.checks = readings
         self.last_stats = stats
 
     def _hand_over(
