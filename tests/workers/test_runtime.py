@@ -249,7 +249,11 @@ STACKS = "--- stacks of every thread: the controller asked for them"
 
 
 def stuck_in_a_task(store: Store, worker_id: int) -> None:
-    """The workload's thread, stuck (until the heartbeat thread answered the request for its stacks)."""
+    """The workload's thread asks for its stacks (as the controller would) and stays stuck here until the
+    heartbeat thread answered. Asked from inside, so that whenever the heartbeat writes the stacks this frame
+    is on the thread's stack (asked from outside, an answer written while the request's own call was still
+    returning showed the store client's frames instead)."""
+    store.request_stacks(worker_id)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if next(w for w in store.list_workers("asked") if w.id == worker_id).stacks_written_at is not None:
@@ -270,7 +274,6 @@ def test_the_heartbeat_thread_answers_the_controllers_request_for_stacks_once(st
         with ctx.activity("task 2.0"):
             time.sleep(0.2)
             assert STACKS not in capfd.readouterr().err  # not asked: nothing written
-            store.request_stacks(row.id)
             stuck_in_a_task(store, row.id)
         answered = next(w for w in store.list_workers("asked") if w.id == row.id)
         err = capfd.readouterr().err
@@ -280,8 +283,7 @@ def test_the_heartbeat_thread_answers_the_controllers_request_for_stacks_once(st
         assert "in stuck_in_a_task" in err  # the stuck thread's frame, named
         time.sleep(0.3)  # more heartbeats read the same, answered request
         assert STACKS not in capfd.readouterr().err
-        store.request_stacks(row.id)  # a new request is answered again
-        stuck_in_a_task(store, row.id)
+        stuck_in_a_task(store, row.id)  # a new request is answered again
         assert f"{STACKS} (this worker was doing nothing)" in capfd.readouterr().err
     finally:
         ctx.close()
