@@ -437,16 +437,8 @@ class Stepper(Protocol):
     ) -> DecodeState: ...
 
     def step_function(
-        self,
-        forward: Callable[..., Any],
-        cache: RowCache,
-        state: Any,
-        sampling: Sampling,
-        compiled: bool = False,
-    ) -> Callable[[], None]:
-        """The step over `state`; `compiled`: the decoder compiles (its forward is compiled, and the step may
-        compile what it does around it)."""
-        ...
+        self, forward: Callable[..., Any], cache: RowCache, state: Any, sampling: Sampling
+    ) -> Callable[[], None]: ...
 
 
 @dataclass
@@ -602,7 +594,7 @@ class StaticDecoder:
         if stepper is None:
             step = self._step_function(cache, state, sampling)
         else:
-            step = stepper.step_function(self._forward(), cache, state, sampling, compiled=self.compile)
+            step = stepper.step_function(self._forward(), cache, state, sampling)
         prepared = PreparedShape(cache, state, self._capture(cache, step) if self.compile else step)
         self._shapes[key] = prepared
         self.preparations += 1
