@@ -433,6 +433,7 @@ GROUPS: dict[str, Group] = {
                     "tests/workers/actor/test_padding_shift.py",
                     "tests/workers/rollout/engines/test_static_decode.py",
                     "tests/workers/rollout/engines/test_turn_decode.py",
+                    "tests/workers/rollout/engines/test_hashed_noise.py",
                     "tests/workers/rollout/engines/test_prefix_cache.py",
                 ),
                 560,

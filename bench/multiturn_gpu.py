@@ -416,6 +416,24 @@ def learning(trl: list[dict[str, Any]], mortal: list[dict[str, Any]], window: in
     }
 
 
+def first_rollouts(trl: list[dict[str, Any]], mortal: list[dict[str, Any]], window: int) -> dict[str, Any]:
+    """Each side's mean reward and tool calls a completion over its first `window` steps, whose rollouts
+    come from (nearly) the warm-started model on both sides. Why: a tokens-a-second ratio compares like
+    rollouts only; a side whose rollouts call fewer tools or score lower from the start generates something
+    else (a sampler drawing unlikely tokens did, once), and its speed is no claim until that is mended."""
+
+    def means(curve: list[dict[str, Any]]) -> dict[str, float | None]:
+        first = curve[:window]
+        rewards = [p[CURVE_REWARD] for p in first if p.get(CURVE_REWARD) is not None]
+        calls = [p["tools/call_frequency"] for p in first if "tools/call_frequency" in p]
+        return {
+            "reward": round(statistics.mean(rewards), 4) if rewards else None,
+            "tool_calls_per_completion": round(statistics.mean(calls), 3) if calls else None,
+        }
+
+    return {"window": window, "trl": means(trl), "mortal": means(mortal)}
+
+
 def summary(curve: list[dict[str, Any]], completions: int) -> dict[str, Any]:
     """Median step seconds and tokens per second from step SKIP+1 on (all steps when there are too few)."""
     every = [(b["seconds"] - a["seconds"], b) for a, b in zip(curve, curve[1:], strict=False)]
@@ -542,7 +560,10 @@ def main() -> None:
         out["ratio"] = round(out["mortal"]["tokens_per_second"] / out["trl"]["tokens_per_second"], 2)
         print(f"mortal / TRL, completion tokens per second: {out['ratio']}x", flush=True)
     if finished == ["trl", "mortal"]:
-        out["learning"] = learning(out["trl"]["curve"], out["mortal"]["curve"], args.reward_window)
+        curves = out["trl"]["curve"], out["mortal"]["curve"]
+        out["first_rollouts"] = first_rollouts(*curves, args.reward_window)
+        print(f"first rollouts (compare before the ratio): {json.dumps(out['first_rollouts'])}", flush=True)
+        out["learning"] = learning(*curves, args.reward_window)
         print(f"learning: {json.dumps(out['learning'])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))

@@ -1,5 +1,5 @@
 """bench/multiturn_gpu.py's learning block: TRL's final reward (its last steps' mean) and when each side's
-trailing mean first reaches it, in wall seconds from its own launch."""
+trailing mean first reaches it, in wall seconds from its own launch; its first rollouts, side by side."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def test_each_side_is_timed_to_trls_final_reward_by_its_trailing_mean() -> None:
     assert block["trl_final_reward"] == 0.6 and block["mortal_final_reward"] == 0.75
     assert (block["trl_seconds"], block["mortal_seconds"]) == (50.0, 6.0)
     assert block["seconds_fraction"] == 0.12
+
+
+def test_each_sides_first_rollouts_are_set_beside_the_others_reward_and_tool_calls() -> None:
+    """What the speed ratio needs alike: rollouts of (nearly) the warm-started model, on both sides."""
+    trl = _curve([2.0, 2.0, 1.0], seconds_a_step=10.0)
+    mortal = _curve([1.5, 1.7, 2.0], seconds_a_step=2.0)
+    for point, calls in zip(mortal, [1.8, 1.9, 2.0], strict=True):
+        point["tools/call_frequency"] = calls
+    block = multiturn_gpu.first_rollouts(trl, mortal, window=2)
+    assert block["trl"] == {"reward": 2.0, "tool_calls_per_completion": None}
+    assert block["mortal"] == {"reward": 1.6, "tool_calls_per_completion": 1.85}
 
 
 def test_a_side_that_never_reaches_trls_final_reward_has_no_fraction() -> None:
