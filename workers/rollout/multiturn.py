@@ -23,6 +23,7 @@ and seeds (exact resume), retry a tool, or swallow a broken environment (FatalWo
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutco
 
 SUFFIXES_KEPT = 4096  # rendered tool answers remembered (MultiTurn._suffix); past it, forgotten at once
 PARSES_KEPT = 4096  # parsed turns remembered (MultiTurn._parsed), likewise
+PROMPTS_KEPT = 4096  # rendered prompts remembered (MultiTurn._rendered), likewise
 
 
 class ToolTemplateError(FatalWorkerError):
@@ -157,6 +159,8 @@ class MultiTurn:
         self.continuous = engine.continues_turns() if continuous is None else continuous
         self._suffixes: dict[tuple[tuple[str, str], ...], list[int]] = {}
         self._parses: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._prompts: dict[tuple[Any, ...], list[int]] = {}
+        self._tool_schemas: dict[Any, dict[str, Any]] = {}
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
         limit = toolbox.max_iterations
@@ -275,17 +279,12 @@ class MultiTurn:
                         {**prompt[-1], "content": str(prompt[-1]["content"]) + observation},
                     ]
             tools = self.toolbox.tools_for(environment)
-            ids = self.tokenizer.apply_chat_template(
-                prompt,
-                tools=tools or None,
-                chat_template=self.template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )
             group.append(
                 Rollout(
-                    prompt=prompt, prompt_ids=list(ids["input_ids"]), tools=tools, environment=environment
+                    prompt=prompt,
+                    prompt_ids=self._rendered(prompt, tools),
+                    tools=tools,
+                    environment=environment,
                 )
             )
         return group
@@ -336,6 +335,46 @@ class MultiTurn:
         rollout.mask += [0] * len(suffix)
         return True
 
+    def _rendered(self, prompt: list[dict[str, Any]], tools: list[Any]) -> list[int]:
+        """The prompt's ids with its tools (the chat template's generation prompt after), remembered by the
+        messages and the tools' functions: a request's rollouts mostly share them, and each render runs the
+        template and tokenizes the whole prompt, the largest part of the tool loop's own host work
+        (bench/tool_loop_host.py). Messages that are not JSON are rendered every time."""
+        try:
+            messages = json.dumps(prompt, sort_keys=True)
+        except (TypeError, ValueError):
+            messages = None
+        key = (messages, tuple(getattr(t, "__func__", t) for t in tools))
+        if messages is None or key not in self._prompts:
+            ids = self.tokenizer.apply_chat_template(
+                prompt,
+                tools=self._schemas(tools) or None,
+                chat_template=self.template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+            if messages is None:
+                return list(ids)
+            if len(self._prompts) >= PROMPTS_KEPT:
+                self._prompts.clear()
+            self._prompts[key] = list(ids)
+        return list(self._prompts[key])
+
+    def _schemas(self, tools: list[Any]) -> list[dict[str, Any]]:
+        """The tools' JSON schemas (transformers' get_json_schema, what the chat template and the turn parser
+        would compute from the functions on every call), remembered by function: a bound method of each
+        rollout's environment has its class's function."""
+        from transformers.utils import get_json_schema
+
+        schemas = []
+        for tool in tools:
+            function = getattr(tool, "__func__", tool)
+            if function not in self._tool_schemas:
+                self._tool_schemas[function] = get_json_schema(tool)
+            schemas.append(self._tool_schemas[function])
+        return schemas
+
     def _parsed(self, ids: list[int], history: list[int], tools: list[Any]) -> dict[str, Any]:
         """TRL's parse_response of a turn after `history`, remembered by (history, turn, tools' functions):
         a task's rollouts of one prompt often say the same turn after the same history, and each parse
@@ -346,7 +385,9 @@ class MultiTurn:
         if key not in self._parses:
             if len(self._parses) >= PARSES_KEPT:
                 self._parses.clear()
-            self._parses[key] = parse_response(self.tokenizer, ids, prefix=history, tools=tools)
+            self._parses[key] = parse_response(
+                self.tokenizer, ids, prefix=history, tools=self._schemas(tools) or None
+            )
         return copy.deepcopy(self._parses[key])
 
     def _suffix(self, tool_messages: list[dict[str, str]]) -> list[int]:

@@ -384,6 +384,52 @@ def test_parsed_tool_calls_are_typed_by_the_tools_schema() -> None:
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     broken = tokenizer("<tool_call>\n{nope</tool_call><|im_end|>", add_special_tokens=False)["input_ids"]
     assert "tool_calls" not in parse_response(tokenizer, broken, prefix=prompt, tools=[env.add])
+    # the loop parses with the tools' schemas, computed once a function: the same typed arguments
+    multiturn = MultiTurn(
+        ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "qwen2_5"
+    )
+    for instance in (env, ArithEnvironment()):
+        assert multiturn._parsed(ids, prompt, [instance.add]) == message
+
+
+def test_a_requests_rollouts_render_their_prompt_once_and_other_prompts_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rendering a prompt with its tools is most of the loop's own host work: a request's rollouts share
+    one render; a prompt an environment's observation changed is rendered on its own; the ids are what the
+    chat template gives the functions themselves."""
+    tokenizer = smollm2_tokenizer()
+    renders = []
+    render = tokenizer.apply_chat_template
+
+    def counted(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        renders.append(messages[-1]["content"])
+        return render(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counted)
+    box = Toolbox(tools=[calculator], environments={None: _Counter}, max_iterations=0)
+    params = GenerationParams(max_tokens=8)
+    multiturn = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, params, "qwen2_5")
+    renders.clear()  # the template's own checks, as the loop is made
+    requests = [
+        RolloutRequest(
+            prompt=[{"role": "user", "content": "Task: plain."}], row={"i": i}, num_generations=3, seed=i
+        )
+        for i in (7, 8)
+    ]
+    groups = multiturn.rollouts(requests)
+    assert renders == ["Task: plain. (row 7)", "Task: plain. (row 8)"]
+    for group in groups:
+        rollout = group[0]
+        expected = render(
+            rollout.prompt,
+            tools=rollout.tools,
+            chat_template=multiturn.template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        assert [r.prompt_ids for r in group] == [list(expected)] * 3
 
 
 # -- environments ------------------------------------------------------------------------------------
