@@ -57,7 +57,7 @@ class Bench:
     logs: bool = False  # the script copies mortal's logs with --logs: kept when the step fails
 
     def command(self, out: Path, logs: Path, gguf: Path, work: Path) -> list[str]:
-        args = [arg.format(gguf=gguf, work=work) for arg in self.args]
+        args = [arg.format(gguf=gguf, work=work, out=out) for arg in self.args]
         command = [sys.executable, str(BENCH / self.script), *args, "--json", str(out / f"{self.name}.json")]
         return command + (["--logs", str(logs / self.name)] if self.logs else [])
 
@@ -417,6 +417,8 @@ GROUPS: dict[str, Group] = {
                     "0.005",
                     "0.0005",
                     "--profile",
+                    "--trace",
+                    "{out}/turn_profile_trace.json.gz",
                 ),
                 300,
             ),

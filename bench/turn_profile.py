@@ -2,7 +2,8 @@
 engine and tool loop, in this process, timed per read-back interval and profiled.
 
     python bench/turn_profile.py --model PATH.gguf [--warm-start 60] [--tasks 4] [--sync-every 2 8]
-                                 [--switch-interval S ...] [--profile] [--top 15] [--json out.json]
+                                 [--switch-interval S ...] [--profile [--trace T.json.gz]] [--top 15]
+                                 [--json out.json]
     # a smoke test, no figures:
     python bench/turn_profile.py --model FOLDER --cpu --warm-start 0 --tasks 1 --prompts 1 --gens 2
 
@@ -22,7 +23,7 @@ The steps:
      task, and their medians.
   4. --profile (CUDA): one more task of the first --sync-every, Python's own switch interval, under torch's
      profiler: GPU kernel time against the task's wall time (the rest is the GPU idle), kernels a decode
-     step, and the kernels by name.
+     step, and the kernels by name; --trace writes its timeline.
 Medians are over the timed tasks; compare sides within one invocation only.
 """
 
@@ -86,6 +87,8 @@ def profiled_task(multiturn: Any, engine: Any, rows: list[dict[str, Any]], args:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         task = one_task(multiturn, engine, rows, args.gens, seed=10_000)
+    if args.trace is not None:
+        write_trace(prof, args.trace)
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -103,6 +106,20 @@ def profiled_task(multiturn: Any, engine: Any, rows: list[dict[str, Any]], args:
             for name, us, n in by_time[: args.top]
         ],
     }
+
+
+def write_trace(prof: Any, path: Path) -> None:
+    """The profile's Chrome trace, gzipped at `path` (the JSON is many times larger than what a device call
+    brings back)."""
+    import gzip
+    import shutil
+
+    with tempfile.TemporaryDirectory(prefix="mortal-trace-") as tmp:
+        plain = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(plain))
+        with plain.open("rb") as source, gzip.open(path, "wb", compresslevel=9) as target:
+            shutil.copyfileobj(source, target)
+    print(f"trace: {path} ({path.stat().st_size / 2**20:.1f} MiB)", flush=True)
 
 
 def medians(tasks: list[dict[str, Any]]) -> dict[str, float]:
@@ -141,6 +158,12 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="one more task under torch's profiler (CUDA)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by the profile")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="with --profile: the profiled task's timeline (host calls and GPU kernels), a gzipped Chrome "
+        "trace for chrome://tracing or Perfetto: where the GPU sits idle and what the host did meanwhile",
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -54,3 +54,17 @@ def test_each_read_back_interval_is_a_side_with_its_tasks_decode_figures(monkeyp
         assert len(side["tasks"]) == 1
         assert all(task["decode_steps"] > 0 and task["seconds"] > 0 for task in side["tasks"])
         assert side["medians"]["rows"] == 2
+
+
+def test_a_profiles_timeline_is_written_as_gzipped_chrome_trace_json(tmp_path: Path) -> None:
+    import gzip
+
+    import torch
+    import turn_profile
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    turn_profile.write_trace(prof, tmp_path / "trace.json.gz")
+    events = json.loads(gzip.decompress((tmp_path / "trace.json.gz").read_bytes()))["traceEvents"]
+    assert any("mm" in event.get("name", "") for event in events)

@@ -224,6 +224,8 @@ class TransformersEngine(Engine):
                 "prefill_s": round(stats.prefill_seconds, 3),
                 "tool_waits": stats.waits,
                 "tool_wait_s": round(stats.wait_seconds, 3),
+                "read_wait_s": round(stats.read_wait_seconds, 3),
+                "converse_s": round(stats.seconds, 3),
             }
         if stats is None:
             return {}

@@ -111,7 +111,9 @@ TURNS = TurnStepper()
 class TurnStats:
     """What one converse did, for the worker's log: rows, decode steps, read-backs, turns, tokens appended to
     rows (tool answers), prompts prefilled, and the seconds this thread spent appending, prefilling and
-    waiting with every row on a future (host seconds: a read-back waits for the GPU work queued before it)."""
+    waiting with every row on a future (host seconds: a read-back waits for the GPU work queued before it).
+    `read_wait_seconds` against `seconds` says which side waits: the host on the GPU (most of the call in
+    read-back waits) or the GPU on the host (little: the steps ran ahead of nothing)."""
 
     rows: int
     conversations: int
@@ -125,6 +127,8 @@ class TurnStats:
     append_seconds: float = 0.0
     prefill_seconds: float = 0.0
     wait_seconds: float = 0.0
+    read_wait_seconds: float = 0.0  # blocked in read-backs' waits: the GPU had not reached them yet
+    seconds: float = 0.0  # the whole call
 
 
 class TurnSchedule:
@@ -243,6 +247,7 @@ class TurnDecoder:
         """Run every conversation (left-padded prompts [C, P], one noise key each) to its end; what each
         turn said reaches the caller through `on_turn_end` only. `max_tokens`: each conversation's whole
         budget, model and fed-in tokens together (T columns of its row)."""
+        started = time.perf_counter()
         decoder = self.decoder
         conversations, width = input_ids.shape
         shape = decoder.prepare(conversations, width, max_tokens, sampling, min_rows, stepper=TURNS)
@@ -283,6 +288,7 @@ class TurnDecoder:
             for future in schedule.waiting:
                 future.cancel()
         stats.checks = readings
+        stats.seconds = time.perf_counter() - started
         self.last_stats = stats
 
     def _hand_over(
@@ -295,7 +301,9 @@ class TurnDecoder:
     ) -> None:
         """Step 3: each live row whose turn `reading` shows over hands the turn over (its tokens from the
         read-back's copy: reading the rows themselves would wait for the steps queued since)."""
+        started = time.perf_counter()
         reading.wait()
+        stats.read_wait_seconds += time.perf_counter() - started
         for row in [r for r in range(state.rows) if schedule.turn_ended(r, reading)]:
             start, stop = schedule.turn_start[row], reading.t[row]
             stats.turns += 1

@@ -281,6 +281,9 @@ def test_shorter_intervals_between_read_backs_take_fewer_decode_steps_for_the_sa
         keys = [conversation_key(i) for i in range(len(prompts))]
         turns.converse(ids, mask, keys, 40, PLAIN, FREQUENT_EOS, script.on_turn_end)
         steps[sync_every], said[sync_every] = turns.last_stats.decode_steps, script.ids
+        stats = turns.last_stats
+        assert stats.checks * sync_every == stats.decode_steps
+        assert 0 <= stats.read_wait_seconds < stats.seconds, "the waits are part of the call"
     assert said[2] == said[8]
     assert steps[2] < steps[8], steps
 
