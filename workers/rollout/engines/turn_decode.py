@@ -112,8 +112,8 @@ class TurnStats:
     """What one converse did, for the worker's log: rows, decode steps, read-backs, turns, tokens appended to
     rows (tool answers), prompts prefilled, and the seconds this thread spent appending, prefilling and
     waiting with every row on a future (host seconds: a read-back waits for the GPU work queued before it).
-    `read_wait_seconds` against `seconds` says which side waits: the host on the GPU (most of the call in
-    read-back waits) or the GPU on the host (little: the steps ran ahead of nothing)."""
+    `read_wait_seconds` against `seconds` says which side waits: the host on the GPU (much of the call spent
+    in read-back waits) or the GPU on the host (little: the GPU had run out of queued steps by then)."""
 
     rows: int
     conversations: int
