@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,6 +41,30 @@ from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutco
 SUFFIXES_KEPT = 4096  # rendered tool answers remembered (MultiTurn._suffix); past it, forgotten at once
 PARSES_KEPT = 4096  # parsed turns remembered (MultiTurn._parsed), likewise
 PROMPTS_KEPT = 4096  # rendered prompts remembered (MultiTurn._rendered), likewise
+
+
+class Remembered:
+    """Values computed once a key, at most `limit` kept: past it every one is forgotten at once (a task's keys
+    repeat within the task, seldom across tasks, so no order of use is worth tracking). Why not
+    functools.lru_cache: the keys are what a caller builds from unhashable arguments (token lists, message
+    dicts), and the values come from the MultiTurn's own tokenizer and template."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._values: dict[Any, Any] = {}
+
+    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
+        if key not in self._values:
+            if len(self._values) >= self.limit:
+                self._values.clear()
+            self._values[key] = compute()
+        return self._values[key]
+
+
+def tool_functions(tools: list[Any]) -> tuple[Any, ...]:
+    """The functions behind `tools`: a bound method of each rollout's environment has its class's function,
+    which is what its schema depends on."""
+    return tuple(getattr(tool, "__func__", tool) for tool in tools)
 
 
 class ToolTemplateError(FatalWorkerError):
@@ -157,10 +182,10 @@ class MultiTurn:
         batch, nothing re-prefilled); None: wherever the engine can, False: the lock-step rounds."""
         self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
         self.continuous = engine.continues_turns() if continuous is None else continuous
-        self._suffixes: dict[tuple[tuple[str, str], ...], list[int]] = {}
-        self._parses: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self._prompts: dict[tuple[Any, ...], list[int]] = {}
-        self._tool_schemas: dict[Any, dict[str, Any]] = {}
+        self._suffixes = Remembered(SUFFIXES_KEPT)
+        self._parses = Remembered(PARSES_KEPT)
+        self._prompts = Remembered(PROMPTS_KEPT)
+        self._tool_schemas: dict[Any, dict[str, Any]] = {}  # by function: a run has a handful
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
         limit = toolbox.max_iterations
@@ -340,36 +365,32 @@ class MultiTurn:
         messages and the tools' functions: a request's rollouts mostly share them, and each render runs the
         template and tokenizes the whole prompt, the largest part of the tool loop's own host work
         (bench/tool_loop_host.py). Messages that are not JSON are rendered every time."""
+
+        def render() -> list[int]:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    prompt,
+                    tools=self._schemas(tools) or None,
+                    chat_template=self.template,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+            )
+
         try:
             messages = json.dumps(prompt, sort_keys=True)
         except (TypeError, ValueError):
-            messages = None
-        key = (messages, tuple(getattr(t, "__func__", t) for t in tools))
-        if messages is None or key not in self._prompts:
-            ids = self.tokenizer.apply_chat_template(
-                prompt,
-                tools=self._schemas(tools) or None,
-                chat_template=self.template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-            if messages is None:
-                return list(ids)
-            if len(self._prompts) >= PROMPTS_KEPT:
-                self._prompts.clear()
-            self._prompts[key] = list(ids)
-        return list(self._prompts[key])
+            return render()
+        return list(self._prompts.get((messages, tool_functions(tools)), render))
 
     def _schemas(self, tools: list[Any]) -> list[dict[str, Any]]:
         """The tools' JSON schemas (transformers' get_json_schema, what the chat template and the turn parser
-        would compute from the functions on every call), remembered by function: a bound method of each
-        rollout's environment has its class's function."""
+        would compute from the functions on every call), remembered by function (tool_functions)."""
         from transformers.utils import get_json_schema
 
         schemas = []
-        for tool in tools:
-            function = getattr(tool, "__func__", tool)
+        for tool, function in zip(tools, tool_functions(tools), strict=True):
             if function not in self._tool_schemas:
                 self._tool_schemas[function] = get_json_schema(tool)
             schemas.append(self._tool_schemas[function])
@@ -381,24 +402,20 @@ class MultiTurn:
         decodes and matches the whole response in Python. A copy is returned (the caller keeps it)."""
         from trl.chat_template_utils import parse_response
 
-        key = (tuple(history), tuple(ids), tuple(getattr(t, "__func__", t) for t in tools))
-        if key not in self._parses:
-            if len(self._parses) >= PARSES_KEPT:
-                self._parses.clear()
-            self._parses[key] = parse_response(
-                self.tokenizer, ids, prefix=history, tools=self._schemas(tools) or None
-            )
-        return copy.deepcopy(self._parses[key])
+        key = (tuple(history), tuple(ids), tool_functions(tools))
+        parsed = self._parses.get(
+            key,
+            lambda: parse_response(self.tokenizer, ids, prefix=history, tools=self._schemas(tools) or None),
+        )
+        return copy.deepcopy(parsed)
 
     def _suffix(self, tool_messages: list[dict[str, str]]) -> list[int]:
         """tool_suffix_ids, remembered by the messages' names and contents: a task's rollouts of one prompt
         mostly get the same answers, and each render costs two chat-template passes."""
         key = tuple((m["name"], m["content"]) for m in tool_messages)
-        if key not in self._suffixes:
-            if len(self._suffixes) >= SUFFIXES_KEPT:
-                self._suffixes.clear()
-            self._suffixes[key] = tool_suffix_ids(self.tokenizer, self.template, tool_messages)
-        return list(self._suffixes[key])
+        return list(
+            self._suffixes.get(key, lambda: tool_suffix_ids(self.tokenizer, self.template, tool_messages))
+        )
 
     def _next_turn(
         self, rollouts: list[Rollout], seeds: list[tuple[int, int]], turn: int, params: GenerationParams
