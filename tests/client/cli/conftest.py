@@ -4,7 +4,8 @@
                                   postgres via tests/conftest.py's store_url); returns the Result
     spec_file(name=..., **edits)  a copy of specs/examples/quickstart.yaml with edits, as a Path
     tiny_model                    a tiny random-init model of SmolLM2's vocabulary (built once a module)
-    scripted_calculator           the calculator's spec on a scripted model that calls the tool, as a Path
+    calculator_spec(name, **edits)  the calculator's spec on a scripted model that calls the tool, with edits
+    scripted_calculator           calculator_spec() unedited, as a Path
 
 Every test runs with MORTAL_NO_CONTROLLER=1 (no background controller) and its env restored.
 """
@@ -81,25 +82,34 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def scripted_calculator(
+def calculator_spec(
     spec_file: Callable[..., Path], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> Path:
-    """The calculator run (builtin:arith, the calculator tool, correct_answer) whose model is scripted
-    (tool_helpers.ArithScript: it calls the calculator, then answers with its result), since a random tiny
-    model never calls a tool; the loop, the tool, parsing and scoring stay the worker's own."""
+) -> Callable[..., Path]:
+    """Writes the calculator run (builtin:arith, the calculator tool, correct_answer) with `changes` over it
+    (spec_file's dotted paths), whose model is scripted (tool_helpers.ArithScript: it calls the calculator,
+    then answers with its result), since a random tiny model never calls a tool; the loop, the tool, parsing
+    and scoring stay the worker's own."""
     from tool_helpers import ArithScript
 
     import mortal.workers.rollout.engines as engines
 
     monkeypatch.setattr(engines, "select_engine", lambda *args, **kwargs: ArithScript)
-    return spec_file(
-        "calc",
-        **{
+
+    def write(name: str = "calc", **changes: object) -> Path:
+        calculator = {
             "spec.model": {"name": str(tiny_model), "dtype": "float32"},
             "spec.dataset": {"name": "builtin:arith"},
             "spec.rewards": [{"function": "mortal.workers.rewards.builtin:correct_answer"}],
             "spec.generation.maxTokens": 96,
             "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
             "spec.rollout.chatTemplate": "qwen2_5",
-        },
-    )
+        }
+        return spec_file(name, **{**calculator, **changes})
+
+    return write
+
+
+@pytest.fixture
+def scripted_calculator(calculator_spec: Callable[..., Path]) -> Path:
+    """The calculator run on the scripted model, as calculator_spec writes it unchanged."""
+    return calculator_spec()

@@ -233,21 +233,14 @@ def test_test_rollout_shows_each_turn_of_a_tool_calling_rollout(cli, scripted_ca
     assert "  -> calculator(expression='13 + 14')" in text and "tool calculator: 27" in text
 
 
-def test_test_rollout_gives_rewards_each_rollouts_own_prompt_as_the_worker_does(
-    cli, scripted_calculator, spec_file, tiny_model
-) -> None:
+def test_test_rollout_gives_rewards_each_rollouts_own_prompt_as_the_worker_does(cli, calculator_spec) -> None:
     """With an environment, a reward receives each rollout's prompt after its environment's reset appended
     what it returned (the worker's and TRL's contract), not the dataset row's prompt."""
-    path = spec_file(
+    path = calculator_spec(
         "hinted",
         **{
-            "spec.model": {"name": str(tiny_model), "dtype": "float32"},
-            "spec.dataset": {"name": "builtin:arith"},
             "spec.rewards": [{"function": "tool_helpers:saw_the_hint"}],
-            "spec.generation.maxTokens": 96,
-            "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
             "spec.rollout.environment": "tool_helpers:HintingArith",
-            "spec.rollout.chatTemplate": "qwen2_5",
         },
     )
     doc = json.loads(cli("test", "rollout", "-f", str(path), "--row", "0", "-n", "2", "-o", "json").stdout)
