@@ -118,16 +118,20 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def demonstration(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]:
-    """One builtin:arith row solved with the example's tools, as TRL's conversational messages."""
+def arith_expression(row: dict[str, Any]) -> str:
+    """The expression a builtin:arith row asks for ("What is 13 + 14? ...": "13 + 14")."""
     import re
 
     question = row["prompt"][-1]["content"]
     expression = re.search(r"What is (.+?)\?", question)
     if expression is None:
-        raise SystemExit(
-            f"--warm-start: cannot find the expression in {question!r} (builtin:arith rows only)"
-        )
+        raise SystemExit(f"cannot find the expression in {question!r} (builtin:arith rows only)")
+    return expression.group(1)
+
+
+def demonstration(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]:
+    """One builtin:arith row solved with the example's tools, as TRL's conversational messages."""
+    expression = arith_expression(row)
     answer = str(row["answer"])
 
     def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +144,7 @@ def demonstration(row: dict[str, Any], environment: Any) -> list[dict[str, Any]]
     environment.reset(**row)
     return [
         *row["prompt"],
-        call("calculator", {"expression": expression.group(1)}),
+        call("calculator", {"expression": expression}),
         {"role": "tool", "name": "calculator", "content": answer},
         call("submit", {"answer": answer}),
         {"role": "tool", "name": "submit", "content": environment.submit(answer)},

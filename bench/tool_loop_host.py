@@ -26,14 +26,18 @@ import cProfile
 import io
 import json
 import pstats
-import re
 import statistics
+import sys
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multiturn_gpu import arith_expression  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
@@ -41,10 +45,7 @@ EXAMPLE = ROOT / "specs" / "examples" / "calculator-tools.yaml"
 
 def replayed_turns(tokenizer: Any, row: dict[str, Any]) -> list[list[int]]:
     """What a warm-started model says for a builtin:arith row, turn by turn, as the qwen2_5 template's ids."""
-    question = row["prompt"][-1]["content"]
-    found = re.search(r"What is (.+?)\?", question)
-    expression = found.group(1) if found else "1 + 1"
-    answer = str(row["answer"])
+    expression, answer = arith_expression(row), str(row["answer"])
 
     def call(name: str, arguments: dict[str, str]) -> str:
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
@@ -57,10 +58,11 @@ def replayed_turns(tokenizer: Any, row: dict[str, Any]) -> list[list[int]]:
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
+@dataclass
 class Replayed:
     """What each conversation of the task now running says (set per task), for the replay engine."""
 
-    turns_of: list[list[list[int]]] = []
+    turns_of: list[list[list[int]]] = field(default_factory=list)
 
 
 def replay_engine(replayed: Replayed) -> Any:
