@@ -3,8 +3,8 @@
     python bench/tool_loop_host.py [--tokenizer FOLDER] [--prompts 8] [--gens 8] [--tasks 5] [--profile N]
                                    [--json out.json]
 
-Why: on a GPU a tool-calling task's decode steps take about half its wall time (docs/benchmarks.md, the turn
-profile); the rest is the host. Part of that host work is the tool loop's own (multiturn.MultiTurn): each
+Why: on a GPU a tool-calling task's decode steps fill only part of its wall time (docs/benchmarks.md, the
+turn profile); the rest is the host. Part of that host work is the tool loop's own (multiturn.MultiTurn): each
 rollout's prompt rendered with its tools, each turn parsed with TRL's parse_response, the tools called, their
 answers rendered. This times that part alone, on any machine, so that changes to it can be measured where no
 GPU is.

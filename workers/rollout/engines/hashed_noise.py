@@ -32,7 +32,7 @@ def row_noise(keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor) -> 
     eagerly: a token whose uniform is near 1 gets noise near 0 and wins the race whatever its probability, as
     it should at exactly that rate, so the log there must be exact to rounding (torch's is; an approximate
     one, as Triton's under torch.compile on CUDA, is suspected of drawing such tokens far too often: the
-    hazard torch's own exponential_ guards against on CUDA, pytorch/pytorch#16706)."""
+    hazard torch's own exponential_ guards against on CUDA; docs/benchmarks.md cites it)."""
     step = mix32((keys + t * 0x9E3779B9) & MASK32)
     bits = mix32(step[:, None] ^ vocab_hash[None, :]) >> 8
     uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))
