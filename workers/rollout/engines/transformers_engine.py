@@ -225,6 +225,8 @@ class TransformersEngine(Engine):
                 "tool_waits": stats.waits,
                 "tool_wait_s": round(stats.wait_seconds, 3),
                 "read_wait_s": round(stats.read_wait_seconds, 3),
+                "queue_s": round(stats.queue_seconds, 3),
+                "hand_over_s": round(stats.hand_over_seconds, 3),
                 "converse_s": round(stats.seconds, 3),
             }
         if stats is None:

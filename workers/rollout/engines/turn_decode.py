@@ -113,7 +113,8 @@ class TurnStats:
     rows (tool answers), prompts prefilled, and the seconds this thread spent appending, prefilling and
     waiting with every row on a future (host seconds: a read-back waits for the GPU work queued before it).
     `read_wait_seconds` against `seconds` says which side waits: the host on the GPU (much of the call spent
-    in read-back waits) or the GPU on the host (little: the GPU had run out of queued steps by then)."""
+    in read-back waits) or the GPU on the host (little: the GPU had run out of queued steps by then); the
+    host's own parts (queueing steps, handing turns over, appends, prefills) say where its time went."""
 
     rows: int
     conversations: int
@@ -128,6 +129,8 @@ class TurnStats:
     prefill_seconds: float = 0.0
     wait_seconds: float = 0.0
     read_wait_seconds: float = 0.0  # blocked in read-backs' waits: the GPU had not reached them yet
+    queue_seconds: float = 0.0  # queueing decode steps and their read-backs (graph replays, async copies)
+    hand_over_seconds: float = 0.0  # handing ended turns to on_turn_end (after the read-back's wait)
     seconds: float = 0.0  # the whole call
 
 
@@ -266,10 +269,12 @@ class TurnDecoder:
         try:
             while not schedule.done:
                 if schedule.any_live:
+                    queued = time.perf_counter()
                     for _ in range(self.sync_every):
                         shape.advance()
                     stats.decode_steps += self.sync_every
                     taken = ReadBack(state, readings)
+                    stats.queue_seconds += time.perf_counter() - queued
                     readings += 1
                     if pending is not None:  # the one before: read while the steps just queued run
                         self._hand_over(pending, state, schedule, on_turn_end, stats)
@@ -279,9 +284,9 @@ class TurnDecoder:
                     pending = None
                 elif schedule.waiting:
                     stats.waits += 1
-                    started = time.perf_counter()
+                    waited = time.perf_counter()
                     concurrent.futures.wait(schedule.waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-                    stats.wait_seconds += time.perf_counter() - started
+                    stats.wait_seconds += time.perf_counter() - waited
                 self._take_answers(shape, schedule, stats, sampling, readings)
                 self._fill(shape, prompts, key_of, schedule.assign(readings), sampling, stats)
         finally:
@@ -303,7 +308,8 @@ class TurnDecoder:
         read-back's copy: reading the rows themselves would wait for the steps queued since)."""
         started = time.perf_counter()
         reading.wait()
-        stats.read_wait_seconds += time.perf_counter() - started
+        handing = time.perf_counter()
+        stats.read_wait_seconds += handing - started
         for row in [r for r in range(state.rows) if schedule.turn_ended(r, reading)]:
             start, stop = schedule.turn_start[row], reading.t[row]
             stats.turns += 1
@@ -316,6 +322,7 @@ class TurnDecoder:
                 schedule.release(row)
             else:  # even at the budget's end: the caller decides (its tools run, as TRL's loop runs them)
                 schedule.park(row, future, stop)
+        stats.hand_over_seconds += time.perf_counter() - handing
 
     def _take_answers(
         self,

@@ -288,6 +288,31 @@ def test_shorter_intervals_between_read_backs_take_fewer_decode_steps_for_the_sa
     assert steps[2] < steps[8], steps
 
 
+def test_the_call_s_timed_parts_add_up_to_no_more_than_the_call(model) -> None:
+    """Where a call's wall time went (the worker's task line: waits on tools and on read-backs, queueing
+    steps, handing turns over, appends, prefills) are parts of its seconds, waits on slow tools included."""
+    prompts = random_prompts([5, 11, 3, 8])
+    decoder = StaticDecoder(model, compile=False, max_rows=2)
+    turns = TurnDecoder(decoder)
+    ids, mask = left_padded(prompts)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        script = Scripted(len(prompts), turns=3, pool=pool, delay=lambda c, t: 0.05, max_tokens=40)
+        keys = [conversation_key(i) for i in range(len(prompts))]
+        turns.converse(ids, mask, keys, 40, PLAIN, FREQUENT_EOS, script.on_turn_end)
+    stats = turns.last_stats
+    assert stats.waits > 0 and stats.wait_seconds >= 0.05, "every row waited on the slow tools at times"
+    parts = (
+        stats.wait_seconds,
+        stats.read_wait_seconds,
+        stats.queue_seconds,
+        stats.hand_over_seconds,
+        stats.append_seconds,
+        stats.prefill_seconds,
+    )
+    assert all(part > 0 for part in parts[1:]), parts
+    assert sum(parts) <= stats.seconds, (parts, stats.seconds)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_compiled_graph_says_what_the_eager_step_says(model) -> None:
