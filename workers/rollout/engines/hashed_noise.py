@@ -8,9 +8,12 @@ is shared by every row of a step. A counter-based hash gives each row its own no
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
-from mortal.workers.rollout.engines.static_decode import Sampling, processed_logprobs
+from mortal.workers.rollout.engines.static_decode import Sampling, compiled_model, processed_logprobs
 
 MASK32 = 0xFFFFFFFF
 
@@ -28,15 +31,16 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def row_noise(keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """[R, V] exponential noise for the exponential race, a pure function of each row's key, its token index
-    t and the token id (vocab_hash: mix32 of the ids). Uniforms of 24 bits, the float32 mantissa. Run
-    eagerly: a token whose uniform is near 1 gets noise near 0 and wins the race whatever its probability, as
-    it should at exactly that rate, so the log there must be exact to rounding (torch's is; an approximate
-    one, as Triton's under torch.compile on CUDA, is suspected of drawing such tokens far too often: the
-    hazard torch's own exponential_ guards against on CUDA; docs/benchmarks.md cites it)."""
+    t and the token id (vocab_hash: mix32 of the ids). Uniforms u of 24 bits (the float32 mantissa), noise
+    -log(1 - u), written as -log1p(-u). Why log1p: a token whose noise is near 0 wins the race whatever its
+    probability, as it should at exactly that rate, so the noise must be exact to rounding where it is
+    small. Compiled on CUDA, torch.log runs on an approximate log whose error near 1 is as large as the noise
+    there (it drew such tokens far too often: docs/benchmarks.md), while log1p runs on the exact libdevice
+    one, so the eager and the compiled step draw alike."""
     step = mix32((keys + t * 0x9E3779B9) & MASK32)
     bits = mix32(step[:, None] ^ vocab_hash[None, :]) >> 8
     uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    return -torch.log1p(-uniform)
 
 
 def hashed_sample(
@@ -52,3 +56,20 @@ def conversation_key(seed: int) -> int:
     """A conversation's 32-bit noise key from its seed (any int)."""
     folded = torch.tensor([(seed & MASK32) ^ ((seed >> 32) & MASK32)], dtype=torch.long)
     return int(mix32(mix32(folded) ^ 0x5BD1E995)[0])
+
+
+def compiled_sample(
+    logits: torch.Tensor, sampling: Sampling, keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hashed_sample compiled as a decode step's forward is (static_decode.compiled_model: fixed shapes, one
+    compilation per rows x vocab and sampling), for a compiled decode step. Why: run as written, the noise
+    is a chain of elementwise kernels over [rows, vocab] int64 tensors, each reading and writing the whole
+    of one, every decode step; compiled, a few fused kernels read the logits once. The hash is exact either
+    way and the noise's log1p exact to rounding; the softmax's exp and log may round differently, so a near
+    tie may go to another token."""
+    return _compiled_sample()(logits=logits, sampling=sampling, keys=keys, t=t, vocab_hash=vocab_hash)
+
+
+@functools.cache
+def _compiled_sample() -> Any:
+    return compiled_model(hashed_sample)

@@ -437,8 +437,16 @@ class Stepper(Protocol):
     ) -> DecodeState: ...
 
     def step_function(
-        self, forward: Callable[..., Any], cache: RowCache, state: Any, sampling: Sampling
-    ) -> Callable[[], None]: ...
+        self,
+        forward: Callable[..., Any],
+        cache: RowCache,
+        state: Any,
+        sampling: Sampling,
+        compiled: bool = False,
+    ) -> Callable[[], None]:
+        """The step over `state`; `compiled`: the decoder compiles (its forward is compiled, and the step may
+        compile what it does around it)."""
+        ...
 
 
 @dataclass
@@ -594,7 +602,7 @@ class StaticDecoder:
         if stepper is None:
             step = self._step_function(cache, state, sampling)
         else:
-            step = stepper.step_function(self._forward(), cache, state, sampling)
+            step = stepper.step_function(self._forward(), cache, state, sampling, compiled=self.compile)
         prepared = PreparedShape(cache, state, self._capture(cache, step) if self.compile else step)
         self._shapes[key] = prepared
         self.preparations += 1

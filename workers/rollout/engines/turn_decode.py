@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from mortal.workers.rollout.engines.base import OnTurnEnd
-from mortal.workers.rollout.engines.hashed_noise import hashed_sample
+from mortal.workers.rollout.engines.hashed_noise import compiled_sample, hashed_sample
 from mortal.workers.rollout.engines.static_decode import (
     PreparedShape,
     Prompts,
@@ -69,13 +69,13 @@ class TurnStepper:
         cache: RowCache,
         state: TurnState,
         sampling: Sampling,
+        compiled: bool = False,
     ) -> Callable[[], None]:
         """One decode step over every row: fixed-shape tensor ops only (it is recorded as a CUDA graph).
-        The sampling stays eager in a compiled step: compiled on CUDA, it drew rollouts that called fewer
-        tools (docs/benchmarks.md; the suspect is Triton's approximate log, whose error near 1 is the
-        exponential noise's size there)."""
+        `compiled`: the sampling is compiled too (hashed_noise.compiled_sample says why)."""
         last_column = state.prompt_len - 1
         max_tokens = state.max_tokens
+        sample = compiled_sample if compiled else hashed_sample
 
         def step() -> None:
             # 1. a row decodes while below T and not ended; a frozen row rewrites its last token's K/V at the
@@ -90,7 +90,7 @@ class TurnStepper:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
-            token, logprob = hashed_sample(logits, sampling, state.keys, state.t, state.vocab_hash)
+            token, logprob = sample(logits, sampling, state.keys, state.t, state.vocab_hash)
             # 2. recorded at each row's t (a frozen row's lands past its conversation, never kept)
             at = state.t.clamp(max=max_tokens)[:, None]
             state.tokens.scatter_(1, at, token[:, None])
