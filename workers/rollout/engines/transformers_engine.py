@@ -19,6 +19,7 @@ What it must not do: pick up new weights mid-task (the worker calls load_weights
 from __future__ import annotations
 
 import logging
+import statistics
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -228,6 +229,8 @@ class TransformersEngine(Engine):
                 "queue_s": round(stats.queue_seconds, 3),
                 "hand_over_s": round(stats.hand_over_seconds, 3),
                 "converse_s": round(stats.seconds, 3),
+                "longest_tokens": max(stats.model_tokens, default=0),
+                "median_tokens": statistics.median(stats.model_tokens) if stats.model_tokens else 0,
             }
         if stats is None:
             return {}

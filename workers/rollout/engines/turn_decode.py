@@ -33,7 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -132,6 +132,9 @@ class TurnStats:
     queue_seconds: float = 0.0  # queueing decode steps and their read-backs (graph replays, async copies)
     hand_over_seconds: float = 0.0  # handing ended turns to on_turn_end (after the read-back's wait)
     seconds: float = 0.0  # the whole call
+    # each conversation's model tokens over its turns (fed tokens not counted): the call lasts as long as the
+    # longest conversation, so the longest against the median says how much of it was one straggler
+    model_tokens: list[int] = field(default_factory=list)
 
 
 class TurnSchedule:
@@ -262,7 +265,7 @@ class TurnDecoder:
         prompts = decoder.prompts(input_ids, attention_mask, max_tokens, eos_ids)
         key_of = torch.tensor(keys, dtype=torch.long, device=decoder.device)
         schedule = TurnSchedule(state.rows, conversations)
-        stats = TurnStats(rows=state.rows, conversations=conversations)
+        stats = TurnStats(rows=state.rows, conversations=conversations, model_tokens=[0] * conversations)
         readings = 0  # read-backs taken so far; the next one's number
         self._fill(shape, prompts, key_of, schedule.assign(readings), sampling, stats)
         pending: ReadBack | None = None
@@ -315,6 +318,7 @@ class TurnDecoder:
             stats.turns += 1
             conversation = schedule.held[row]
             assert conversation is not None
+            stats.model_tokens[conversation] += stop - start
             ids = reading.tokens[row, start:stop].tolist()
             logprobs = reading.logprobs[row, start:stop].tolist()
             future = on_turn_end(conversation, ids, logprobs)

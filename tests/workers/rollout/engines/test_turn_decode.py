@@ -288,6 +288,18 @@ def test_shorter_intervals_between_read_backs_take_fewer_decode_steps_for_the_sa
     assert steps[2] < steps[8], steps
 
 
+def test_the_stats_count_each_conversation_s_model_tokens(model) -> None:
+    """Its turns' tokens, fed tokens not counted: the longest against the median shows a straggler."""
+    prompts = random_prompts([5, 11, 3, 8, 13, 6])
+    turns = TurnDecoder(StaticDecoder(model, compile=False, max_rows=4))
+    ids, mask = left_padded(prompts)
+    script = Scripted(len(prompts), turns=3, max_tokens=40)
+    keys = [conversation_key(i) for i in range(len(prompts))]
+    turns.converse(ids, mask, keys, 40, PLAIN, FREQUENT_EOS, script.on_turn_end)
+    assert turns.last_stats.model_tokens == [sum(m) for m in script.mask]
+    assert any(0 in m for m in script.mask), "some tokens were fed"
+
+
 def test_the_call_s_timed_parts_add_up_to_no_more_than_the_call(model) -> None:
     """Where a call's wall time went (the worker's task line: waits on tools and on read-backs, queueing
     steps, handing turns over, appends, prefills) are parts of its seconds, waits on slow tools included."""
