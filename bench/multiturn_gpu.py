@@ -392,7 +392,9 @@ def timed_window(result: dict[str, Any]) -> tuple[float, float]:
 def learning(trl: list[dict[str, Any]], mortal: list[dict[str, Any]], window: int) -> dict[str, Any]:
     """The learning figure: TRL's final reward (the mean of its last `window` steps) and the wall
     seconds (from each side's launch, start-up included) at which each side's trailing `window`-step mean
-    reward first reaches it; `seconds_fraction`: mortal's over TRL's (None where mortal never reached it)."""
+    reward first reaches it; `seconds_fraction`: mortal's over TRL's (None where mortal never reached it);
+    `of_trl_run`: mortal's over TRL's whole run (its last step's end), the measure issue 14's learning target
+    used, which a longer TRL run makes smaller, so `seconds_fraction` is the figure."""
 
     def rewards(curve: list[dict[str, Any]]) -> list[tuple[float, float]]:
         return [(p["seconds"], p[CURVE_REWARD]) for p in curve if p.get(CURVE_REWARD) is not None]
@@ -417,6 +419,7 @@ def learning(trl: list[dict[str, Any]], mortal: list[dict[str, Any]], window: in
         "seconds_fraction": (
             round(mortal_seconds / trl_seconds, 3) if mortal_seconds is not None and trl_seconds else None
         ),
+        "of_trl_run": round(mortal_seconds / theirs[-1][0], 3) if mortal_seconds is not None else None,
     }
 
 

@@ -21,12 +21,13 @@ def _curve(rewards: list[float], seconds_a_step: float) -> list[dict]:
 
 
 def test_each_side_is_timed_to_trls_final_reward_by_its_trailing_mean() -> None:
-    trl = _curve([0.0, 0.2, 0.4, 0.6, 0.6], seconds_a_step=10.0)  # final (window 2): 0.6, reached at step 5
+    trl = _curve([0.0, 0.2, 0.4, 0.6, 0.6, 0.6], seconds_a_step=10.0)  # final (window 2): 0.6, at step 5
     mortal = _curve([0.0, 0.5, 0.7, 0.7, 0.8], seconds_a_step=2.0)  # trailing mean 0.6 at step 3
     block = multiturn_gpu.learning(trl, mortal, window=2)
     assert block["trl_final_reward"] == 0.6 and block["mortal_final_reward"] == 0.75
     assert (block["trl_seconds"], block["mortal_seconds"]) == (50.0, 6.0)
-    assert block["seconds_fraction"] == 0.12
+    assert block["seconds_fraction"] == 0.12  # of TRL's time to its final reward
+    assert block["of_trl_run"] == 0.1  # of TRL's whole run (60 s)
 
 
 def test_each_sides_first_rollouts_are_set_beside_the_others_reward_and_tool_calls() -> None:
