@@ -34,9 +34,8 @@ def row_noise(keys: torch.Tensor, t: torch.Tensor, vocab_hash: torch.Tensor) -> 
     t and the token id (vocab_hash: mix32 of the ids). Uniforms u of 24 bits (the float32 mantissa), noise
     -log(1 - u), written as -log1p(-u). Why log1p: a token whose noise is near 0 wins the race whatever its
     probability, as it should at exactly that rate, so the noise must be exact to rounding where it is
-    small. Compiled on CUDA, torch.log runs on an approximate log whose error near 1 is as large as the noise
-    there (it drew such tokens far too often: docs/benchmarks.md), while log1p runs on the exact libdevice
-    one, so the eager and the compiled step draw alike."""
+    small, and Inductor lowers log1p to libdevice's on CUDA (log to Triton's own). With -log(u) the compiled
+    step once drew rollouts that called fewer tools, for a cause not established (docs/benchmarks.md)."""
     step = mix32((keys + t * 0x9E3779B9) & MASK32)
     bits = mix32(step[:, None] ^ vocab_hash[None, :]) >> 8
     uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))

@@ -101,8 +101,8 @@ def test_the_smallest_noises_are_exact_to_rounding(device: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_on_cuda_the_smallest_noises_are_exact_to_rounding_too() -> None:
-    """What the compiled decode step draws: Triton's approximate log would be off by more than the noise
-    itself here (the reason the noise is a log1p)."""
+    """What the compiled decode step draws, where a log less exact than rounding would hand unlikely
+    tokens the race."""
     noise, exact = smallest_noises(torch.compile(row_noise, dynamic=False), "cuda")
     assert (noise > 0).all()
     torch.testing.assert_close(noise, exact, rtol=1e-6, atol=0)
