@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,35 +35,13 @@ from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.engines import Engine, GenerationParams
 from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
+from mortal.workers.rollout.remembered import Remembered, tool_functions
 from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome
+from mortal.workers.rollout.turn_parser import TurnParser
 
 SUFFIXES_KEPT = 4096  # rendered tool answers remembered (MultiTurn._suffix); past it, forgotten at once
-PARSES_KEPT = 4096  # parsed turns remembered (MultiTurn._parsed), likewise
+PARSES_KEPT = 4096  # parsed turns remembered (turn_parser.TurnParser), likewise
 PROMPTS_KEPT = 4096  # rendered prompts remembered (MultiTurn._rendered), likewise
-
-
-class Remembered:
-    """Values computed once a key, at most `limit` kept: past it every one is forgotten at once (a task's keys
-    repeat within the task, seldom across tasks, so no order of use is worth tracking). Why not
-    functools.lru_cache: the keys are what a caller builds from unhashable arguments (token lists, message
-    dicts), and the values come from the MultiTurn's own tokenizer and template."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._values: dict[Any, Any] = {}
-
-    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
-        if key not in self._values:
-            if len(self._values) >= self.limit:
-                self._values.clear()
-            self._values[key] = compute()
-        return self._values[key]
-
-
-def tool_functions(tools: list[Any]) -> tuple[Any, ...]:
-    """The functions behind `tools`: a bound method of each rollout's environment has its class's function,
-    which is what its schema depends on."""
-    return tuple(getattr(tool, "__func__", tool) for tool in tools)
 
 
 class ToolTemplateError(FatalWorkerError):
@@ -183,7 +160,7 @@ class MultiTurn:
         self.engine, self.tokenizer, self.toolbox, self.params = engine, tokenizer, toolbox, params
         self.continuous = engine.continues_turns() if continuous is None else continuous
         self._suffixes = Remembered(SUFFIXES_KEPT)
-        self._parses = Remembered(PARSES_KEPT)
+        self._turns = TurnParser(tokenizer, self._schemas, PARSES_KEPT)
         self._prompts = Remembered(PROMPTS_KEPT)
         self._tool_schemas: dict[Any, dict[str, Any]] = {}  # by function: a run has a handful
         self.template = resolve_chat_template(tokenizer, chat_template)
@@ -397,17 +374,9 @@ class MultiTurn:
         return schemas
 
     def _parsed(self, ids: list[int], history: list[int], tools: list[Any]) -> dict[str, Any]:
-        """TRL's parse_response of a turn after `history`, remembered by (history, turn, tools' functions):
-        a task's rollouts of one prompt often say the same turn after the same history, and each parse
-        decodes and matches the whole response in Python. A copy is returned (the caller keeps it)."""
-        from trl.chat_template_utils import parse_response
-
-        key = (tuple(history), tuple(ids), tool_functions(tools))
-        parsed = self._parses.get(
-            key,
-            lambda: parse_response(self.tokenizer, ids, prefix=history, tools=self._schemas(tools) or None),
-        )
-        return copy.deepcopy(parsed)
+        """TRL's parse_response of a turn after `history` (turn_parser.TurnParser: remembered, the history cut
+        to the turn's message). A copy is returned (the caller keeps it)."""
+        return self._turns.parse(ids, history, tools)
 
     def _suffix(self, tool_messages: list[dict[str, str]]) -> list[int]:
         """tool_suffix_ids, remembered by the messages' names and contents: a task's rollouts of one prompt
