@@ -393,8 +393,9 @@ def learning(trl: list[dict[str, Any]], mortal: list[dict[str, Any]], window: in
     """The learning figure: TRL's final reward (the mean of its last `window` steps) and the wall
     seconds (from each side's launch, start-up included) at which each side's trailing `window`-step mean
     reward first reaches it; `seconds_fraction`: mortal's over TRL's (None where mortal never reached it);
-    `of_trl_run`: mortal's over TRL's whole run (its last step's end), the measure issue 14's learning target
-    used, which a longer TRL run makes smaller, so `seconds_fraction` is the figure."""
+    `of_trl_run`: mortal's over TRL's whole run (its last step's end), the measure the single-turn learning
+    target used (docs/benchmarks.md), which a longer TRL run makes smaller, so `seconds_fraction` is the
+    figure."""
 
     def rewards(curve: list[dict[str, Any]]) -> list[tuple[float, float]]:
         return [(p["seconds"], p[CURVE_REWARD]) for p in curve if p.get(CURVE_REWARD) is not None]
