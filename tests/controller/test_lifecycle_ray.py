@@ -79,9 +79,10 @@ def live_ids(h, run: str) -> list[str]:
 
 def test_a_run_succeeds_with_rollouts_on_both_worker_nodes(ray_cluster, harness):  # noqa: F811
     h, name = harness, "ray-e2e"
-    h.apply(ray_run(name, max_steps=30, rollout_replicas=2, step_seconds=0.1))
+    h.apply(ray_run(name, max_steps=30, rollout_replicas=2, step_seconds=0.3))
     h.start()
-    # Each worker's process appears once its Ray actor has started (seconds apart on a busy machine).
+    # Each worker's process appears once its Ray actor has started (seconds apart on a busy machine): the
+    # run lasts long enough that both rollouts are up before it ends.
     wait_for(
         lambda: placed(h, ray_cluster, name) == {"actor": ["node_head"], "rollout": ["node_a", "node_b"]},
         60,
@@ -120,22 +121,28 @@ def test_rollouts_on_worker_nodes_import_the_reward_from_the_runs_code_snapshot(
         "    (home / ('imported-' + os.environ['MORTAL_REPLICA'])).write_text(__file__)\n"
         "def correct(completions, **kwargs):\n    return [1.0 for _ in completions]\n"
     )
-    run = ray_run(
-        name, max_steps=4, rollout_replicas=2, step_seconds=0.1, annotations={"mortal.dev/rewards": "call"}
-    )
+    # Long enough that both rollouts start before it ends: a rollout imports the reward as it starts, and
+    # on a busy machine one Ray actor may start seconds after the other.
+    calls_rewards = {"mortal.dev/rewards": "call"}
+    run = ray_run(name, max_steps=100_000, rollout_replicas=2, step_seconds=0.1, annotations=calls_rewards)
     run.spec.rewards[0].function = "ray_rewards:correct"
     with admit_runs([(run, "test")], [user]):  # what `mortalctl apply` does from the user's folder
         pass
     h.apply(run)
     h.start()  # started in the test's folder, where ray_rewards is not
-    h.wait_phase(name, "Succeeded", timeout=120)
-    snapshot = paths.code_dir(name, run.metadata.annotations[CODE_ANNOTATION])
-    assert [(h.home / f"imported-{i}").read_text() for i in (0, 1)] == [str(snapshot / "ray_rewards.py")] * 2
+    imported = [h.home / f"imported-{i}" for i in (0, 1)]
     wait_for(
-        lambda: not worker_processes(h.home, run=name) and not named_actors(name),
-        30,
-        "no worker process and no actor left in the cluster",
+        lambda: all(f.exists() for f in imported) and (h.status(name).get("step") or 0) >= 2,
+        120,
+        "both rollouts imported the reward, and the run trained with their scores",
+        details=lambda: run_state(h, ray_cluster, name),
     )
+    snapshot = paths.code_dir(name, run.metadata.annotations[CODE_ANNOTATION])
+    assert [f.read_text() for f in imported] == [str(snapshot / "ray_rewards.py")] * 2
+    status = h.status(name)
+    assert (status["phase"], status.get("restarts", 0)) == ("Running", 0)  # no rollout failed to import it
+    delete_and_wait(h, name)
+    assert named_actors(name) == []
 
 
 def test_a_killed_worker_node_is_recovered_from_on_the_nodes_left(ray_cluster, harness):  # noqa: F811
