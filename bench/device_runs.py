@@ -332,6 +332,55 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "multiturn-train": Group(
+        "where mortal's training of the calculator example goes: a profiled optimizer step (its tables and "
+        "mortal's logs in multiturn_train_profile_logs/), then the actor compiled, then Liger's kernels "
+        "(mortal's side only)",
+        (
+            Bench(
+                "multiturn_train_profile",
+                "multiturn_gpu.py",
+                (
+                    "--model",
+                    "{gguf}",
+                    "--steps",
+                    "8",
+                    "--warm-start",
+                    "60",
+                    "--only",
+                    "mortal",
+                    "--profile-step",
+                    "6",
+                    "--logs",
+                    "{out}/multiturn_train_profile_logs",
+                ),
+                200,
+            ),
+            Bench(
+                "multiturn_train_compile",
+                "multiturn_gpu.py",
+                (
+                    "--model",
+                    "{gguf}",
+                    "--steps",
+                    "12",
+                    "--warm-start",
+                    "60",
+                    "--only",
+                    "mortal",
+                    "--actor-compile",
+                ),
+                200,
+            ),
+            Bench(
+                "multiturn_train_liger",
+                "multiturn_gpu.py",
+                ("--model", "{gguf}", "--steps", "12", "--warm-start", "60", "--only", "mortal", "--liger"),
+                180,
+            ),
+        ),
+        gguf=True,
+    ),
     "multiturn-learning": Group(
         "the calculator example learning beside TRL's tool loop: reward against wall-clock, time to TRL's "
         "final reward (the learning block); a short warm start, so that the reward starts below its ceiling",

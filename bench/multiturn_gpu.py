@@ -33,6 +33,10 @@ mixed: float32 weights computing in bf16, TRL's bf16 over a float32 model and mo
 sets both sides' weights and training precision. --tool-delay S makes the environment's tools (add, submit)
 wait S seconds a call on both sides (bench/slow_tools.py), a slow tool such as a sandbox; the calculator stays
 fast. Each side's GPU busy fraction (nvidia-smi's utilization, sampled over the timed steps) is reported.
+Where mortal's training goes: --actor-compile and --liger turn on the actor's torch.compile and Liger's
+kernels (mortal's side only: a figure with them says so), and --profile-step N with --logs DIR leaves
+torch.profiler's tables of optimizer step N in DIR (mortal.workers.actor.step_profile; a profiled step is
+slower, so the bench's figures of that run are not a claim).
 
 Time is wall clock between step ends on both sides (TRL: a callback's on_step_end; mortal: the store's
 record of each step's end). Reported per side: the median step seconds from the third step on (the
@@ -111,7 +115,12 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
     }
     spec["generation"] = {**spec.get("generation", {}), "engine": "transformers"}
-    spec["actor"] = {"gpu": gpu, "mixedPrecision": args.dtype == "mixed"}
+    spec["actor"] = {
+        "gpu": gpu,
+        "mixedPrecision": args.dtype == "mixed",
+        "compile": args.actor_compile,
+        "liger": args.liger,
+    }
     spec["rollout"] = {**spec["rollout"], "gpu": gpu, "replicas": 1, "colocate": not args.cpu}
     spec["checkpoint"] = {"every": args.steps, "keep": 1}
     spec["logging"] = {"wandb": {"mode": "disabled"}}
@@ -517,9 +526,21 @@ def main() -> None:
         default=5,
         help="steps in TRL's final reward and in the trailing mean that must reach it (the learning block)",
     )
+    parser.add_argument(
+        "--actor-compile", action="store_true", help="mortal's actor.compile (TRL's side as it is)"
+    )
+    parser.add_argument("--liger", action="store_true", help="mortal's actor.liger (TRL's side as it is)")
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        metavar="N",
+        help="profile mortal's optimizer step N (MORTAL_PROFILE_STEPS); its tables come with --logs",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="copy mortal's controller and worker logs into this folder")
     args = parser.parse_args()
+    if args.profile_step is not None:  # read by the controller, which passes it on to the actor
+        os.environ["MORTAL_PROFILE_STEPS"] = str(args.profile_step)
     if args.tool_delay:  # read by slow_tools in this process and, through the environment, in the workers
         os.environ[DELAY_ENV] = str(args.tool_delay)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))

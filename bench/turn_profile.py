@@ -173,6 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     # what bench_spec and warm_start read, as bench/multiturn_gpu.py's defaults
     args.tool_delay, args.lr, args.steps, args.staleness = 0.0, 2e-5, 1, 0
+    args.actor_compile, args.liger = False, False
 
     import torch
 

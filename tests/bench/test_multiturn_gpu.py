@@ -102,3 +102,28 @@ def test_mortals_generation_is_split_by_its_rollouts_task_lines(tmp_path: Path) 
     assert decode["medians"]["decode_steps"] == 92.0
     assert decode["medians"]["append_s"] == pytest.approx(0.15)
     assert decode["medians"]["generate_s"] == pytest.approx(0.55)
+
+
+def test_the_training_flags_reach_mortals_actor_and_the_profiler_only_when_asked(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """--actor-compile and --liger set mortal's actor.compile and actor.liger (the spec the controller gets),
+    --profile-step N sets MORTAL_PROFILE_STEPS for the controller to pass on; without them neither is on."""
+    import os
+
+    specs: list[dict] = []
+
+    def mortal_runs(model, spec, args, work):
+        specs.append({**spec["actor"], "profile": os.environ.get("MORTAL_PROFILE_STEPS")})
+        return {"curve": _curve([0.5, 0.6, 0.8], 1.0), "wall_seconds": 3.0, "started_at": 0.0}
+
+    monkeypatch.setattr(multiturn_gpu, "run_mortal", mortal_runs)
+    monkeypatch.setenv("MORTAL_PROFILE_STEPS", "")  # restored (unset) after the test: main() sets it
+    monkeypatch.delenv("MORTAL_PROFILE_STEPS")
+    base = ["multiturn_gpu.py", "--model", str(tmp_path), "--cpu", "--warm-start", "0", "--only", "mortal"]
+    for extra in ([], ["--actor-compile", "--liger", "--profile-step", "6"]):
+        monkeypatch.setattr(sys, "argv", base + extra)
+        multiturn_gpu.main()
+    plain, asked = [{k: s[k] for k in ("compile", "liger", "profile")} for s in specs]
+    assert plain == {"compile": False, "liger": False, "profile": None}
+    assert asked == {"compile": True, "liger": True, "profile": "6"}

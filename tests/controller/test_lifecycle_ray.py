@@ -232,7 +232,11 @@ def test_a_killed_controller_is_replaced_without_twins_or_orphans(ray_cluster, h
     h, name = harness, "ray-controller-kill"
     h.apply(ray_run(name, max_steps=60, rollout_replicas=2, step_seconds=0.1))
     first = h.spawn()
-    wait_for(lambda: (h.status(name).get("step") or 0) >= 3, 60, "training under the first controller")
+    wait_for(
+        lambda: (h.status(name).get("step") or 0) >= 3 and len(worker_processes(h.home, run=name)) == 3,
+        60,
+        "training under the first controller, its three workers started",  # one Ray actor may start late
+    )
     before = {p.pid for p in worker_processes(h.home, run=name)}
     rows_before = len(h.store.list_workers(name))
     actors_before = named_actors(name)
