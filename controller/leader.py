@@ -28,6 +28,22 @@ def new_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def holder_gone_here(holder: str) -> bool:
+    """Whether `holder` (new_holder's host:pid:random) names a process of this host that no longer runs: its
+    lease, unexpired for a few seconds more, then stands for no controller (one killed with SIGKILL)."""
+    host, _, rest = holder.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 class LeaderElector:
     """Acquire and renew the `controller` lease; know at every moment whether we may still write."""
 

@@ -31,7 +31,7 @@ import watchfiles
 
 from mortal.controller import wake
 from mortal.controller.backends import Backend, select_backend
-from mortal.controller.leader import LEASE_NAME, LeaderElector
+from mortal.controller.leader import LEASE_NAME, LeaderElector, holder_gone_here
 from mortal.controller.lockwatch import FrozenLockHolderWatch
 from mortal.controller.outcome import Retry
 from mortal.controller.reconciler import ControllerConfig, Reconciler
@@ -284,8 +284,10 @@ def _write_pid_file(pid: int) -> None:
 
 
 def _leader_elsewhere(store: Store) -> bool:
+    """An unexpired leader lease held by a live controller (elsewhere, or here outside the pid file); a
+    lease left by a controller of this host that died is none."""
     lease = store.get_lease(LEASE_NAME)
-    if lease is None:
+    if lease is None or holder_gone_here(lease.holder):
         return False
     expires = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=UTC)
     return expires > datetime.now(UTC)

@@ -8,6 +8,7 @@ before anything is written, a model that certainly cannot fit the GPU it names (
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mortal.client.errors import ClientError
@@ -116,10 +117,13 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
     return results
 
 
-def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
+def wait_until_deleted(
+    store, name: str, timeout: float | None = None, on_wait: Callable[[], None] | None = None
+) -> None:
     """A run of this name being deleted: wait until the controller has purged it (and set its folder aside),
     so that `delete` then `apply` at once creates the new run (a new uid) with a folder of its own instead of
-    failing; ClientError after `timeout`."""
+    failing; ClientError after `timeout`. `on_wait` runs once, when there is something to wait for: the
+    caller starts a controller there (the purge is the controller's, and none may run)."""
     import time
 
     from mortal.controller.snapshot import being_deleted
@@ -135,6 +139,8 @@ def wait_until_deleted(store, name: str, timeout: float | None = None) -> None:
                 flush=True,
             )
             said = True
+            if on_wait is not None:
+                on_wait()
         if time.monotonic() >= deadline:
             raise ClientError(
                 f"trainingrun/{name} is still being deleted after {timeout:g}s; is a "

@@ -375,7 +375,7 @@ class MortalTrainer:
         store = open_store(self.state_url)
         try:
             # before the snapshot is installed in the run's folder, which a deleted run's purge sets aside
-            wait_until_deleted(store, self.name)
+            wait_until_deleted(store, self.name, on_wait=self._purge_started)
             with admit_runs(
                 [(self.run, f"MortalTrainer({self.name})")], importing_folders(self.run.spec, Path.cwd())
             ) as admitted:
@@ -427,6 +427,13 @@ class MortalTrainer:
             return status
         finally:
             store.close()
+
+    def _purge_started(self) -> None:
+        """A run of this name is being deleted: a controller must run to finish it; woken for it."""
+        from mortal.client.local_controller import ensure_controller, wake_controller
+
+        ensure_controller(self.state_url, not self.start_controller, announce=not self.quiet)
+        wake_controller(self.name)
 
     def _say(self, line: str) -> None:
         if not self.quiet:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -61,6 +62,56 @@ def test_a_live_lease_elsewhere_means_no_new_controller(harness):  # noqa: F811
     h.store.acquire_lease(LEASE_NAME, "elsewhere:1:x", 30)
     assert manager.ensure_background_controller(h.url) is None
     assert not manager.pid_file().exists()
+
+
+@sqlite_only
+def test_a_controller_killed_with_sigkill_is_replaced_at_once_though_its_lease_has_not_expired(
+    harness,  # noqa: F811
+):
+    """The lease of a controller of this host whose process is gone stands for no controller: the next
+    `apply` starts one (which leads once the lease expires) instead of leaving the run unsupervised."""
+    h = harness
+    h.apply(simulated_run("bg-kill", max_steps=100_000, rollout_replicas=1, step_seconds=0.1))
+    pids = []
+    try:
+        first, _ = manager.ensure_background_controller(h.url)
+        pids.append(first)
+        wait_for(
+            lambda: (lease := h.store.get_lease(LEASE_NAME)) and lease.holder.split(":")[1] == str(first),
+            30,
+            "the first controller to lead",
+        )
+        os.kill(first, signal.SIGKILL)
+        psutil.Process(first).wait(10)
+        started = manager.ensure_background_controller(h.url)  # the lease is still unexpired
+        assert started is not None, "no controller started after the last one was killed"
+        pids.append(started[0])
+        wait_for(
+            lambda: h.store.get_lease(LEASE_NAME).holder.split(":")[1] == str(started[0]),
+            30,
+            "the new controller to lead",
+        )
+    finally:
+        for pid in pids:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    h.start()  # the next controller adopts and cleans up
+    h.store.mark_deleted("bg-kill")
+    wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")
+
+
+def test_a_lease_of_a_process_of_this_host_that_is_gone_is_no_controller():
+    """holder_gone_here: only this host's holders whose pid runs no process; another host's or a live
+    process's lease stands."""
+    from mortal.controller.leader import holder_gone_here, new_holder
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here = socket.gethostname()
+    assert holder_gone_here(f"{here}:{gone.pid}:abc")
+    assert not holder_gone_here(new_holder())  # this process
+    assert not holder_gone_here(f"elsewhere-{here}:{gone.pid}:abc")
+    assert not holder_gone_here("garbage")
 
 
 def test_python_m_mortal_controller_help():

@@ -84,7 +84,11 @@ def apply_command(
     apply.refuse_what_cannot_fit(runs)
     if not dry_run:  # before admission installs the code snapshot in the run's folder, which the purge moves
         for run in runs:
-            apply.wait_until_deleted(cli.store, run.name)
+            apply.wait_until_deleted(
+                cli.store,
+                run.name,
+                on_wait=lambda name=run.name: _purge_started(cli.state_url, name, no_controller),
+            )
     with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
         for admission in admitted:
             for check in admission.checks if dry_run else admission.deferred:
@@ -105,6 +109,13 @@ def apply_command(
         names = [name for name, _ in results]
         ok = follow.follow_runs(cli.store, names, quiet=wait and not follow_, timeout=timeout or None)
         raise typer.Exit(0 if ok else 1)
+
+
+def _purge_started(state_url: str | None, name: str, no_controller: bool) -> None:
+    """A run of this name is being deleted: a controller must run to finish it (one killed meanwhile, or
+    `delete --no-controller`, left it Terminating), and is woken for it."""
+    ensure_controller(state_url, no_controller)
+    wake_controller(name)
 
 
 def register(app: typer.Typer) -> None:

@@ -56,6 +56,37 @@ def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli,
     assert store.get_run("quickstart").uid != old
 
 
+def test_apply_of_a_run_left_terminating_with_no_controller_starts_one_to_finish_the_purge(
+    cli, store, monkeypatch, mortal_home, store_url
+):
+    """`delete --no-controller` (or a controller killed mid-delete) leaves the run Terminating with nobody to
+    purge it: the next `apply` of that name starts a controller before it waits, not waiting for none."""
+    import mortal.controller.manager as manager
+
+    cli("apply", "-f", str(QUICKSTART))
+    old = store.get_run("quickstart").uid
+    assert cli("delete", "run", "quickstart", "--no-controller").exit_code == 0
+    started, purges = [], []
+
+    def controller_that_purges(state_url=None, **kwargs):
+        if started:  # apply's own start at its end: the controller runs already
+            return None
+        started.append(state_url)
+        purges.append(threading.Timer(0.2, store.purge_run, args=("quickstart",)))
+        purges[0].start()
+        return 4242, mortal_home / "controller.log"
+
+    monkeypatch.setattr(manager, "ensure_background_controller", controller_that_purges)
+    monkeypatch.delenv("MORTAL_NO_CONTROLLER")
+    out = cli("apply", "-f", str(QUICKSTART))
+    for purge in purges:
+        purge.join()
+    assert out.exit_code == 0, out.output
+    assert started == [store_url], "no controller was started to finish the deletion"
+    assert "controller started (pid 4242" in out.stderr
+    assert store.get_run("quickstart").uid != old
+
+
 def test_apply_right_after_delete_installs_the_new_runs_code_in_a_folder_of_its_own(
     cli, store, spec_file, tmp_path, monkeypatch
 ):
