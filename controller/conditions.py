@@ -183,6 +183,13 @@ def progress_deadline(
     return max(minimum, factor * median_step_seconds)
 
 
+def generation_paused() -> Condition:
+    """Progressing while rollout.replicas is 0: the actor waits for generation by the user's choice."""
+    return Condition(
+        PROGRESSING, None, "GenerationPaused", "rollout.replicas is 0: the actor waits for generation"
+    )
+
+
 def progressing(
     suspended: bool, last_step_time: datetime | None, deadline: float, now: datetime
 ) -> Condition:

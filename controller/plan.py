@@ -356,6 +356,18 @@ class _Pass:
                 if verdict.kill and proc is not None:
                     self.actions.append(Stop(proc.handle, 0.0, None))
 
+    def _deadline_counts_from(self, w: _W) -> datetime | None:
+        """When `w`'s activity began to count against its deadline (None: it has none now). An actor's step
+        waits for generation: with no rollout running (rollout.replicas 0 pauses generation, or every rollout
+        is being relaunched) it cannot end, so it has no deadline; when the rollouts running now all started
+        after the step began, it counts from the first of them."""
+        if w.role != ACTOR or not (w.activity or "").startswith("step") or w.activity_since is None:
+            return w.activity_since
+        running = [r.started_at for r in self.rows if r.role == ROLLOUT and r.state == "Running"]
+        if self.d.rollout_replicas == 0 or not running:
+            return None
+        return max(w.activity_since, min(running))
+
     def _stalled(self, w: _W, proc: ProcessView) -> bool:
         """Whether `w` ran past the deadline of what it reports doing; if so: ask for its stacks, then (a
         later pass, once it wrote them or `stacks_answer_seconds` went by without) end it (Failed, the
@@ -367,9 +379,10 @@ class _Pass:
             self.cfg.progress_deadline_factor,
             self.cfg.stall_deadline_default_seconds,
         )
-        stall = dl.stalled(w.activity, w.activity_since, self.now, self.d.deadlines, step_seconds, derived)
+        since = self._deadline_counts_from(w)
+        stall = dl.stalled(w.activity, since, self.now, self.d.deadlines, step_seconds, derived)
         if stall is None:
-            due = dl.due_in(w.activity, w.activity_since, self.now, self.d.deadlines, step_seconds, derived)
+            due = dl.due_in(w.activity, since, self.now, self.d.deadlines, step_seconds, derived)
             if due is not None:
                 self.wake.append(due)
             return False
@@ -739,7 +752,11 @@ class _Pass:
             weights,
             reward,
             rl.checkpoint_fresh(step, ckpt, d.checkpoint_every, cfg.checkpoint_slack_steps),
-            rl.progressing(suspended, aware(last_time), deadline, self.now),
+            (
+                rl.progressing(suspended, aware(last_time), deadline, self.now)
+                if self.d.rollout_replicas > 0 or suspended
+                else rl.generation_paused()
+            ),
             self._deadlines_met(),
             rl.memory_fits(self._oom_exits(), self._memory_knobs()),
         ]

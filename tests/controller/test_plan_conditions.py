@@ -272,6 +272,17 @@ def test_no_step_past_the_deadline_is_progress_deadline_exceeded_then_a_step_mak
     assert ("Normal", "StepsAdvancing") in reasons(moved)
 
 
+def test_with_generation_paused_no_step_for_long_is_not_a_missed_deadline():
+    """`scale RUN rollout=0` pauses generation (the actor waits): Progressing is Unknown, GenerationPaused,
+    and no warning comes however long no step ends."""
+    rows, procs = running(rollouts=0, step=5)
+    prev = status("Running", step=5, lastStepTime=iso(ago(100)), stepSeconds=2.0)
+    paused = run_plan(rows, procs, prev=prev, weights=5, rollout_replicas=0)
+    c = cond(paused, "Progressing")
+    assert (c["status"], c["reason"]) == ("Unknown", "GenerationPaused")
+    assert ("Warning", "ProgressDeadlineExceeded") not in reasons(paused)
+
+
 def test_before_the_first_step_progressing_is_unknown_and_a_resumed_actor_at_its_checkpoint_step_is_no_step():
     rows, procs = running(rollouts=1, step=0)
     assert (

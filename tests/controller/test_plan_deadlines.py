@@ -168,6 +168,38 @@ def test_the_actor_past_an_explicit_step_deadline_is_relaunched_after_the_backof
     assert "StepDeadlineExceeded" in launch.event.message
 
 
+@pytest.mark.parametrize(
+    "rollouts, rollout_started, step_began, stalled",
+    [
+        (1, 400.0, 31.0, True),  # a rollout ran through the step: the deadline (30 s) counts from the step
+        (0, None, 1000.0, False),  # rollout.replicas 0 pauses generation: the actor waits, with no deadline
+        (1, None, 1000.0, False),  # the one rollout is being relaunched (its row ended): nothing to wait for
+        (1, 20.0, 1000.0, False),  # it came back 20 s ago: the step's 30 s count from then
+        (1, 31.0, 1000.0, True),  # and end 30 s after it came back
+    ],
+)
+def test_an_actors_step_has_a_deadline_only_while_a_rollout_runs_to_feed_it(
+    rollouts, rollout_started, step_began, stalled
+):
+    """The actor's step waits for generation: `scale RUN rollout=0` (which pauses generation), or every
+    rollout down, must not make it a stall, and it is timed from the rollouts' return."""
+    actor = doing(row("actor", 0, 1, step=5), "step 5", since=step_began)
+    rows = [actor]
+    if rollouts and rollout_started is not None:
+        rows.append(row("rollout", 0, 2, started=rollout_started))
+    elif rollouts:
+        rows.append(row("rollout", 0, 2, "Failed", ended=5.0, started=900.0))
+    p = run_plan(
+        rows,
+        [proc(w) for w in rows if w.state == "Running"],
+        prev=status("Running"),
+        deadlines=dl.Deadlines(step_seconds=30.0),
+        rollout_replicas=rollouts,
+        backoff_seconds=1000.0,
+    )
+    assert ("DumpStacks" in kinds(p)) == stalled, kinds(p)
+
+
 def _stalled_history(times: int, reason: str = "TaskDeadlineExceeded") -> list[WorkerRow]:
     """rollout-0's last `times` incarnations each ended for the same stall; the actor runs."""
     rows = [row("actor", 0, 1, step=5)]
