@@ -384,7 +384,8 @@ class Backend(abc.ABC):
         from 1 again, so its logs, checkpoints and weights would take the old run's file names). Here: this
         machine's $MORTAL_HOME; a folder already moved or never made is no error."""
         folder = inside(paths.runs_dir(), paths.run_dir(run))  # PathOutside for a name that would leave runs/
-        kept = inside(paths.kept_runs_dir(), paths.kept_run_dir(run, uid))
+        # inside MORTAL_HOME itself: a `deleted` folder that is a link elsewhere is refused, not followed
+        kept = inside(paths.mortal_home(), paths.kept_run_dir(run, uid))
         if not folder.exists() or kept.exists():
             return
         try:

@@ -49,6 +49,20 @@ class RolledBack:
     resumed: bool
 
 
+def _kept_in(run: str) -> Path:
+    """The folder the later checkpoints are moved to, checked to lie in the run's folder once resolved: a
+    `rolled-back` that is a link elsewhere (a worker writes the run's folder) is refused, before anything
+    changed, rather than followed."""
+    from mortal.state import paths
+    from mortal.state.containment import PathOutside, inside
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    try:
+        return inside(paths.run_dir(run), Path(ROLLED_BACK) / stamp)
+    except PathOutside as exc:
+        raise RollbackRefused(f"cannot keep the later checkpoints: {exc}; nothing was changed") from None
+
+
 def rollback_run(
     store: Store,
     run: str,
@@ -61,7 +75,7 @@ def rollback_run(
 ) -> RolledBack:
     """Roll `run` back to its checkpoint of `step` (the module's docstring says how); `on_suspend` runs once
     the run was suspended by this call (the CLI makes sure a controller runs there, to stop the workers)."""
-    from mortal.state import NotFound, paths
+    from mortal.state import NotFound
 
     row = store.get_run(run)
     if row.deleted_at is not None:
@@ -73,6 +87,7 @@ def rollback_run(
         )
     refuse_files_elsewhere(run, row.spec.get("backend", "local"), "rolling back moves", RollbackRefused)
     complete_checkpoint(store, run, step)
+    kept_in = None if drop_later else _kept_in(run)
     was_suspended = bool(row.spec.get("suspend"))
     if not was_suspended:
         _set_suspend(store, run, True)
@@ -84,9 +99,9 @@ def rollback_run(
         raise RollbackRefused(
             f"{exc} any more (pruned while the run stopped?); trainingrun {run!r} stays suspended"
         ) from None
-    kept_in = None
-    if later and not drop_later:
-        kept_in = paths.run_dir(run) / ROLLED_BACK / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    if not later:
+        kept_in = None
+    elif kept_in is not None:
         kept_in.mkdir(parents=True, exist_ok=True)
     uri = row.spec.get("checkpoint", {}).get("uri")
     for ckpt in later:

@@ -117,6 +117,22 @@ def test_rollback_forgets_later_checkpoints_and_keeps_or_drops_their_files(
     assert event.message.startswith("rolled back to step 10 (later checkpoints step-20 ")
 
 
+def test_rollback_refuses_to_keep_later_checkpoints_through_a_link_out_of_the_run(
+    cli, checkpointed, tmp_path
+) -> None:
+    """A `rolled-back` folder that is a link elsewhere (a worker writes the run's folder) is refused before
+    anything changes: the run is neither suspended nor rolled back, and nothing is moved out."""
+    store = checkpointed
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (paths.run_dir("quickstart") / "rolled-back").symlink_to(outside)
+    fails(cli("rollback", "quickstart", "--to", "step-10"), "cannot keep the later checkpoints")
+    assert list(outside.iterdir()) == []
+    assert [c.step for c in store.list_checkpoints("quickstart")] == [10, 20]
+    assert not store.get_run("quickstart").spec.get("suspend")
+    assert cli("rollback", "quickstart", "--to", "step-10", "--drop-later").exit_code == 0  # nothing kept
+
+
 def test_rollback_refuses_finished_runs_missing_steps_and_runs_whose_workers_do_not_stop(
     cli, checkpointed
 ) -> None:

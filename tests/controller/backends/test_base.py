@@ -11,6 +11,7 @@ from mortal.controller.backends import WorkerLaunch
 from mortal.controller.backends.base import torch_default_cache_dir
 from mortal.controller.backends.local import LocalBackend
 from mortal.state import paths
+from mortal.state.containment import PathOutside
 
 
 def launch(**kw: object) -> WorkerLaunch:
@@ -146,3 +147,19 @@ def test_a_deleted_runs_kept_folder_is_moved_aside_by_its_uid(mortal_home: Path)
     assert (paths.kept_run_dir("r", "uid-1") / "logs" / log.name).read_text() == "the old run's line\n"
     backend.set_aside_run_folder("r", "uid-1")  # a pass retried after the move: nothing left to move
     assert paths.kept_run_dir("r", "uid-1").is_dir()
+
+
+def test_a_deleted_runs_folder_is_not_moved_through_a_link_out_of_mortal_home(
+    mortal_home: Path, tmp_path
+) -> None:
+    """$MORTAL_HOME/deleted that is a link elsewhere is refused (PathOutside: the run's rows are purged and
+    its files left where they are, with a warning), never followed."""
+    log = paths.worker_log("r", "actor", 0, 1)
+    log.parent.mkdir(parents=True)
+    log.write_text("the old run's line\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    paths.kept_runs_dir().symlink_to(outside)
+    with pytest.raises(PathOutside):
+        LocalBackend(mortal_home).set_aside_run_folder("r", "uid-1")
+    assert list(outside.iterdir()) == [] and log.is_file()
