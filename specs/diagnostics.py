@@ -26,6 +26,9 @@ from mortal.specs.errors import SpecIssue
 Path = tuple[str | int, ...]
 
 
+SHOWN_ISSUES = 50  # problems listed per document; the rest are counted
+
+
 def issues_from_errors(
     errors: Sequence[ErrorDetails],
     root: type[BaseModel],
@@ -34,8 +37,10 @@ def issues_from_errors(
     source: str,
     prefix: Path = (),
 ) -> list[SpecIssue]:
-    """One issue per pydantic error (exact repeats dropped), in document order."""
-    issues: list[SpecIssue] = []
+    """One issue per pydantic error (exact repeats dropped), in document order; past SHOWN_ISSUES, one more
+    that says how many were left out (a file of thousands of unknown keys is refused at once, and the
+    terminal gets a readable answer)."""
+    issues: dict[SpecIssue, None] = {}  # a dict: order kept, repeats found at once
     for err in errors:
         loc = tuple(err["loc"])
         field = (err.get("ctx") or {}).get("field") if err["type"] == RULE_ERROR else None
@@ -45,9 +50,12 @@ def issues_from_errors(
         issue = SpecIssue(
             source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc)
         )
-        if issue not in issues:
-            issues.append(issue)
-    return sorted(issues, key=lambda i: i.line or 0)
+        issues[issue] = None
+    ordered = sorted(issues, key=lambda i: i.line or 0)
+    if len(ordered) <= SHOWN_ISSUES:
+        return ordered
+    left_out = len(ordered) - SHOWN_ISSUES
+    return [*ordered[:SHOWN_ISSUES], SpecIssue(source, None, "", f"and {left_out} more problems not shown")]
 
 
 def locate(loc: tuple[Any, ...], data: Any) -> Path:

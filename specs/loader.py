@@ -78,8 +78,11 @@ def load_path(path: str | Path, recursive: bool = False) -> list[TrainingRun]:
 
 
 def _read(path: Path) -> tuple[str, SpecIssue | None]:
+    """The file's text, read no further than one character past what a text may hold (a larger one is
+    refused by parse_limits without being read whole)."""
     try:
-        return path.read_text(encoding="utf-8"), None
+        with path.open(encoding="utf-8") as file:
+            return file.read(parse_limits.MAX_TEXT_CHARS + 1), None
     except FileNotFoundError:
         return "", SpecIssue(str(path), None, "", "no such file or directory")
     except (OSError, UnicodeDecodeError) as exc:

@@ -24,6 +24,10 @@ from mortal.specs.errors import SpecError, SpecIssue
 MAX_ALIASES = 32  # alias uses (*name, <<: *name) in one text, all its documents together
 MAX_ALIASED_SIZE = 100_000  # nodes plus scalar characters that those aliases repeat, in total
 MAX_DEPTH = 64  # mappings and lists nested in one another
+# What one text may hold at all: a spec file is a few kilobytes (Kubernetes caps an object near this size),
+# and without a bound a file of millions of documents or keys takes minutes and gigabytes to refuse.
+MAX_TEXT_CHARS = 2 * 1024 * 1024
+MAX_DOCUMENTS = 1000  # documents ('---') in one text
 
 
 class ParseLimitExceeded(MarkedYAMLError):
@@ -130,8 +134,23 @@ def limited_yaml(typ: str = "rt") -> YAML:
 
 def load_documents(text: str, source: str, typ: str = "rt") -> list[Any]:
     """Every YAML document in `text`, within the limits; SpecError naming `source`, the line and the limit."""
+    if len(text) > MAX_TEXT_CHARS:
+        raise SpecError(
+            [
+                SpecIssue(
+                    source, None, "", f"larger than {MAX_TEXT_CHARS} characters (MAX_TEXT_CHARS): not a spec"
+                )
+            ]
+        )
     try:
-        return list(limited_yaml(typ).load_all(text))
+        documents = []
+        for document in limited_yaml(typ).load_all(text):
+            if len(documents) == MAX_DOCUMENTS:
+                raise SpecError(
+                    [SpecIssue(source, None, "", f"more than {MAX_DOCUMENTS} documents (MAX_DOCUMENTS)")]
+                )
+            documents.append(document)
+        return documents
     except ParseLimitExceeded as exc:
         raise SpecError([_issue(source, exc, f"{exc.problem} ({exc.limit})")]) from None
     except MaxDepthExceededError as exc:

@@ -14,7 +14,7 @@ from test_spec_loader import DOC
 
 from mortal.specs import SpecError, load_file, load_path, load_text
 from mortal.specs.fork import load_fragment, parse_set
-from mortal.specs.parse_limits import MAX_ALIASED_SIZE, MAX_ALIASES, MAX_DEPTH
+from mortal.specs.parse_limits import MAX_ALIASED_SIZE, MAX_ALIASES, MAX_DEPTH, MAX_DOCUMENTS, MAX_TEXT_CHARS
 
 RUN = DOC  # a valid run, as the loader's own tests write it
 
@@ -103,3 +103,30 @@ def test_fork_fragments_and_set_values_are_held_to_the_same_limits():
     error = refused_fast(lambda: parse_set(f"spec.model.name={value}"))
     assert "MAX_" in str(error)
     assert parse_set("spec.algorithm.learningRate=1e-6")[1] == 1e-6
+
+
+def test_a_text_past_the_size_limit_is_refused_without_reading_the_file_whole(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text(RUN + "# " + "x" * MAX_TEXT_CHARS + "\n")
+    [issue] = refused_fast(lambda: load_file(big)).issues
+    assert issue.source == str(big) and "MAX_TEXT_CHARS" in issue.message
+
+
+def test_more_documents_than_the_limit_are_refused_naming_it():
+    [issue] = refused_fast(lambda: load_text("---\n{}\n" * (MAX_DOCUMENTS + 1), "many.yaml")).issues
+    assert issue.source == "many.yaml" and "MAX_DOCUMENTS" in issue.message
+
+
+def test_hundreds_of_unknown_keys_list_the_first_problems_and_count_the_rest():
+    """At most SHOWN_ISSUES problems a document, in document order, then one line that counts the others."""
+    from mortal.specs.diagnostics import SHOWN_ISSUES
+
+    keys = ", ".join(f"k{i}: {i}" for i in range(300))
+    text = f"apiVersion: mortal/v1\nkind: TrainingRun\nmetadata: {{name: mk}}\nspec: {{{keys}}}\n"
+    with pytest.raises(SpecError) as refused:
+        load_text(text, "keys.yaml")
+    issues = refused.value.issues
+    assert len(issues) == SHOWN_ISSUES + 1
+    assert any(i.path == "spec.k0" and "unknown field" in i.message for i in issues)
+    left_out = int(issues[-1].message.split()[1])
+    assert issues[-1].message == f"and {left_out} more problems not shown" and left_out >= 300 - SHOWN_ISSUES
