@@ -143,7 +143,7 @@ def load_documents(text: str, source: str, typ: str = "rt") -> list[Any]:
             ]
         )
     try:
-        documents = []
+        documents: list[Any] = []
         for document in limited_yaml(typ).load_all(text):
             if len(documents) == MAX_DOCUMENTS:
                 raise SpecError(
