@@ -51,6 +51,10 @@ PREVIOUS_TOKENS_ENV = "MORTAL_STATE_PREVIOUS_TOKENS"  # admin tokens still accep
 ACCESS_LOG = "access.log"  # under the server's $MORTAL_HOME
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64  # a store call's body is a few levels deep; json and pydantic recurse once per level
+# Objects and lists in one body (counted as its '{' and '[' bytes, strings' included: an overcount): a call's
+# bulk is numbers and text, while each empty object costs Python about fifty times its two bytes, so a body
+# of nothing else would make the server hold gigabytes for one call of any token.
+MAX_JSON_CONTAINERS = 1_000_000
 READ_TIMEOUT_SECONDS = 30.0  # the server drops a connection silent this long (mid-request, or idle)
 log = logging.getLogger("mortal.state.http")
 _REASONS = {
@@ -187,7 +191,7 @@ class _Request:
 
 
 class _TooLarge(Exception):
-    """The body is over MAX_BODY_BYTES (413)."""
+    """The body is over MAX_BODY_BYTES, or holds more than MAX_JSON_CONTAINERS objects and lists (413)."""
 
 
 class _Stalled(Exception):
@@ -226,6 +230,8 @@ def _read_body(environ: dict[str, Any]) -> bytes:
 
 
 def _parse(raw: bytes) -> Any:
+    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS:
+        raise _TooLarge(f"the body holds more than {MAX_JSON_CONTAINERS} objects and lists")
     try:
         body = json.loads(raw or b"{}")
     except RecursionError:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mortal.state import wire
-from mortal.state.http_server import MAX_BODY_BYTES, MAX_JSON_DEPTH, Served, serve
+from mortal.state.http_server import MAX_BODY_BYTES, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, Served, serve
 from mortal.state.http_store import HttpStore
 
 TOKEN = "fuzz-t0ken"
@@ -156,6 +156,17 @@ def test_deeply_nested_json_is_a_400_not_a_recursion_error(served: Served, depth
     status, answer = post(served, "update_spec", body)
     assert_refused(status, answer, 400)
     assert "nests deeper" in answer["error"]["message"]
+    assert snapshot(served) == before
+
+
+def test_a_body_of_more_objects_than_the_limit_is_a_413_before_it_is_parsed(served: Served) -> None:
+    """Empty objects cost Python far more than their bytes: a body of little else is refused by count, with
+    any token (here the admin's), so that one call cannot make the server hold gigabytes."""
+    before = snapshot(served)
+    body = b'{"args": {"name": "r", "x": [' + b"{}," * MAX_JSON_CONTAINERS + b"{}]}}"
+    status, answer = post(served, "get_run", body)
+    assert_refused(status, answer, 413)
+    assert f"more than {MAX_JSON_CONTAINERS} objects and lists" in answer["error"]["message"]
     assert snapshot(served) == before
 
 
