@@ -52,8 +52,8 @@ ACCESS_LOG = "access.log"  # under the server's $MORTAL_HOME
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64  # a store call's body is a few levels deep; json and pydantic recurse once per level
 # Objects and lists in one body (counted as its '{' and '[' bytes, strings' included: an overcount): a call's
-# bulk is numbers and text, while each empty object costs Python about fifty times its two bytes, so a body
-# of nothing else would make the server hold gigabytes for one call of any token.
+# bulk is numbers and text, while each empty object costs Python many times its two bytes, so a body of
+# nothing else would make the server hold gigabytes for one call of any token.
 MAX_JSON_CONTAINERS = 1_000_000
 READ_TIMEOUT_SECONDS = 30.0  # the server drops a connection silent this long (mid-request, or idle)
 log = logging.getLogger("mortal.state.http")
