@@ -13,6 +13,7 @@ from __future__ import annotations
 from mortal.state.engine import sqlite_path
 from mortal.state.errors import (
     AlreadyExists,
+    ChangeRefused,
     Conflict,
     Fenced,
     InvalidName,
@@ -45,6 +46,7 @@ from mortal.state.tables import (
 __all__ = [
     "AlreadyExists",
     "ApplyOutcome",
+    "ChangeRefused",
     "CheckpointRow",
     "CompletionOrder",
     "CompletionRow",

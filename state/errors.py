@@ -24,6 +24,11 @@ class Conflict(StoreError):
     """
 
 
+class ChangeRefused(Conflict):
+    """A spec change the run cannot take, whoever writes it (state.spec_changes): a finished run's, or a
+    maxSteps below the step the run reached. Not a race: re-reading does not help (HTTP 409)."""
+
+
 class Fenced(StoreError):
     """A write came from a superseded incarnation (a zombie worker) or a leader that lost its lease."""
 

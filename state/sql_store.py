@@ -41,9 +41,10 @@ from mortal.state.engine import (
     open_connections,
     transaction,
 )
-from mortal.state.errors import Conflict, ConnectionLost, InvalidValue, NotFound
+from mortal.state.errors import ChangeRefused, Conflict, ConnectionLost, InvalidValue, NotFound
 from mortal.state.fencing import CHECK_STATEMENTS, TERMINAL_WORKER_STATES, check_leader, check_worker
 from mortal.state.names import check_metadata, check_role, check_run_name
+from mortal.state.spec_changes import refused_change
 from mortal.state.store import ApplyOutcome, LeaderFence, Store, WorkerRef, activity_age, check_activity
 from mortal.state.tables import (
     CheckpointRow,
@@ -242,6 +243,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                 raise Conflict(f"trainingrun {name!r} is being deleted")
             if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
                 return row, ApplyOutcome.unchanged
+            if (refusal := refused_change(row, spec)) is not None:
+                raise ChangeRefused(refusal)
             generation = row.generation + (row.spec != spec)
             row = self._update_run(
                 s, row, spec=spec, labels=labels, annotations=annotations, generation=generation
@@ -353,6 +356,8 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                 )
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
+            if (refusal := refused_change(row, spec)) is not None:
+                raise ChangeRefused(refusal)
             return self._update_run(s, row, spec=spec, generation=row.generation + (row.spec != spec))
 
     def write_status(

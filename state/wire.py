@@ -26,6 +26,7 @@ from sqlmodel import SQLModel
 
 from mortal.state.errors import (
     AlreadyExists,
+    ChangeRefused,
     Conflict,
     Fenced,
     Forbidden,
@@ -96,6 +97,7 @@ STATUS: dict[str, int] = {
     "NotFound": 404,
     "AlreadyExists": 409,
     "Conflict": 409,
+    "ChangeRefused": 409,
     "Fenced": 412,  # the fencing token is the request's precondition, and it no longer holds
     "ValueError": 422,
     "InvalidValue": 422,  # a value the database cannot hold (a NUL in a text)
@@ -111,6 +113,7 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     "NotFound": NotFound,
     "AlreadyExists": AlreadyExists,
     "Conflict": Conflict,
+    "ChangeRefused": ChangeRefused,
     "Fenced": Fenced,
     "ValueError": ValueError,
     "InvalidValue": InvalidValue,

@@ -11,7 +11,17 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from store_kinds import caller_clock
 
-from mortal.state import ApplyOutcome, Conflict, Fenced, LeaderFence, NewTask, NotFound, Store, WorkerRef
+from mortal.state import (
+    ApplyOutcome,
+    ChangeRefused,
+    Conflict,
+    Fenced,
+    LeaderFence,
+    NewTask,
+    NotFound,
+    Store,
+    WorkerRef,
+)
 from mortal.state.store import STALE_ROLLOUTS, TaskTally
 
 SPEC = {"model": {"name": "tiny"}, "rollout": {"replicas": 1}, "algorithm": {"learningRate": 5e-6}}
@@ -33,6 +43,33 @@ def run(store: Store) -> str:
 
 
 # -- runs ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("write", ["apply_run", "update_spec"])
+def test_a_finished_run_takes_no_spec_change_and_max_steps_never_goes_below_the_step_reached(
+    store: Store, run: str, write: str
+) -> None:
+    """ChangeRefused, whoever writes (apply, scale): a finished run is forked, not changed; maxSteps below
+    the run's step would leave the actor training past it. What changes nothing, and labels, still pass."""
+
+    def change(spec: dict) -> object:
+        if write == "apply_run":
+            return store.apply_run(run, spec)
+        return store.update_spec(run, spec, store.get_run(run).resource_version)
+
+    def max_steps(n: int) -> dict:
+        return {**SPEC, "algorithm": {**SPEC["algorithm"], "maxSteps": n}}
+
+    store.write_status(run, {"phase": "Running", "step": 40})
+    with pytest.raises(ChangeRefused, match="maxSteps 30 is below step 40"):
+        change(max_steps(30))
+    change(max_steps(40))
+    store.write_status(run, {"phase": "Succeeded", "step": 40})
+    with pytest.raises(ChangeRefused, match="is Succeeded; a finished run cannot be changed: fork it"):
+        change(max_steps(80))
+    assert store.get_run(run).spec == max_steps(40)
+    change(max_steps(40))  # the same spec again: nothing to refuse
+    assert store.apply_run(run, max_steps(40), {"team": "rl"})[1] is ApplyOutcome.configured
+
+
 def test_apply_created_unchanged_configured(store: Store) -> None:
     row, outcome = store.apply_run("r", SPEC, {"team": "rl"})
     assert outcome is ApplyOutcome.created

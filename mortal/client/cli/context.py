@@ -85,7 +85,7 @@ def modify_spec(
     The write is a compare-and-swap on resource_version; on Conflict the run is read again and
     `change` re-applied, a few times. Returns (before, after); after is before when nothing changed.
     """
-    from mortal.state import Conflict
+    from mortal.state import ChangeRefused, Conflict
 
     for attempt in range(retries):
         row = store.get_run(name)
@@ -96,6 +96,8 @@ def modify_spec(
             return row, row
         try:
             return row, store.update_spec(name, spec, row.resource_version)
+        except ChangeRefused as exc:  # not a race: reading again would not help
+            raise CliError(str(exc)) from None
         except Conflict:
             if attempt == retries - 1:
                 raise

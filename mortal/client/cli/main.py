@@ -103,14 +103,14 @@ class MortalGroup(TyperGroup):
 def error_message(exc: BaseException, debug: bool = False) -> str:
     """The paragraph a user sees for `exc` (kubectl style: 'error: ...')."""
     from mortal.specs import SpecError
-    from mortal.state import Conflict, Fenced, NotFound, StoreError
+    from mortal.state import ChangeRefused, Conflict, Fenced, NotFound, StoreError
 
     if isinstance(exc, SpecError):
         if len(exc.issues) == 1:
             return f"error: {exc.issues[0]}"
         listed = "\n".join(f"  {issue}" for issue in exc.issues)
         return f"error: {len(exc.issues)} problems in the TrainingRun documents:\n{listed}"
-    if isinstance(exc, NotFound):
+    if isinstance(exc, NotFound | ChangeRefused):
         return f"error: {exc}"
     if isinstance(exc, Conflict):
         return f"error: conflict: {exc}; read the run again and retry"

@@ -197,3 +197,26 @@ def test_a_model_that_cannot_fit_its_gpu_is_refused_naming_the_field(cli, spec_f
         }
     )
     assert cli("apply", "-f", str(lora)).stdout == "trainingrun/quickstart created\n"
+
+
+def test_apply_and_scale_refuse_to_change_a_finished_run_and_say_to_fork_it(cli, store_url, spec_file):
+    """A Succeeded run would not restart for a new spec: apply and scale refuse (exit 1) instead of
+    answering `configured` for a change that never takes effect."""
+    from clihelpers import set_status
+
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    store = open_store(store_url)
+    try:
+        set_status(store, "quickstart", phase="Succeeded", step=30)
+        longer = spec_file("quickstart", **{"spec.algorithm.maxSteps": 60})
+        out = cli("apply", "-f", str(longer))
+        assert out.exit_code == 1
+        assert (
+            "a finished run cannot be changed: fork it instead (mortalctl fork quickstart:step-30 NEW)"
+            in (out.stderr)
+        )
+        out = cli("scale", "quickstart", "rollout=3")
+        assert out.exit_code == 1 and "a finished run cannot be changed" in out.stderr
+        assert store.get_run("quickstart").spec["algorithm"].get("maxSteps") != 60
+    finally:
+        store.close()
