@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mortal.client.errors import ClientError
 
@@ -96,6 +96,55 @@ def fit_micro_batches(runs: list[TrainingRun]) -> list[TrainingRun]:
             run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"annotations": notes})})
         fitted.append(run)
     return fitted
+
+
+# What a running run takes without its workers starting again: read by the controller each pass.
+LIVE_FIELDS = frozenset({"suspend", "restartPolicy", "deadlines", "limits"})
+LIVE_SUBFIELDS = {"rollout": frozenset({"replicas"}), "algorithm": frozenset({"maxSteps"})}
+RUNNING_PHASES = frozenset({"Starting", "Running", "Recovering"})
+
+
+def fields_read_at_launch(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The spec fields (camelCase, dotted) that differ between `before` and `after` and that workers read
+    only when they are launched: a running run takes them when its workers next start."""
+    changed = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if old == new or key in LIVE_FIELDS:
+            continue
+        live = LIVE_SUBFIELDS.get(key)
+        if live is not None and isinstance(old, dict) and isinstance(new, dict):
+            changed += [
+                f"spec.{key}.{sub}"
+                for sub in sorted(set(old) | set(new))
+                if sub not in live and old.get(sub) != new.get(sub)
+            ]
+        else:
+            changed.append(f"spec.{key}")
+    return changed
+
+
+def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
+    """For each run that exists and runs: a note naming the fields its change would reach only at the
+    workers' next start, and how to get there (suspend, then resume)."""
+    from mortal.state import NotFound
+
+    notes = []
+    for run in runs:
+        try:
+            row = store.get_run(run.name)
+        except NotFound:
+            continue
+        if row.phase not in RUNNING_PHASES or row.spec.get("suspend"):
+            continue
+        fields = fields_read_at_launch(row.spec, run.spec_dict())
+        if fields:
+            notes.append(
+                f"trainingrun/{run.name} is {row.phase}: its workers read {', '.join(fields)} when they "
+                f"start, so the change takes effect when they next do (mortalctl suspend {run.name}, "
+                "then resume: from the newest checkpoint)"
+            )
+    return notes
 
 
 DELETION_WAIT_SECONDS = 120.0  # how long apply waits for a run of the same name to finish deleting

@@ -95,7 +95,10 @@ def apply_command(
                 typer.echo(
                     plain(("check: " if dry_run else "note: ") + check.line(admission.run.name)), err=True
                 )
-        results = apply.apply_runs(cli.store, apply.fit_micro_batches(runs), dry_run)
+        fitted = apply.fit_micro_batches(runs)
+        for note in apply.launch_notes(cli.store, fitted):
+            typer.echo(plain(f"note: {note}"), err=True)
+        results = apply.apply_runs(cli.store, fitted, dry_run)
     suffix = " (dry run)" if dry_run else ""
     for name, outcome in results:
         typer.echo(plain(f"trainingrun/{name} {outcome}{suffix}"))

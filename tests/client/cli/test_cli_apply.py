@@ -220,3 +220,48 @@ def test_apply_and_scale_refuse_to_change_a_finished_run_and_say_to_fork_it(cli,
         assert store.get_run("quickstart").spec["algorithm"].get("maxSteps") != 60
     finally:
         store.close()
+
+
+def test_a_change_the_workers_read_at_launch_says_when_it_takes_effect(cli, store_url, spec_file):
+    """Workers read the model, algorithm, generation and rewards when they start: applying a change to a
+    running run says which fields wait for their next start and how to get there; a scale (replicas) or a
+    raised maxSteps is taken at once and says nothing."""
+    from clihelpers import set_status
+
+    assert cli("apply", "-f", str(QUICKSTART)).exit_code == 0
+    store = open_store(store_url)
+    try:
+        set_status(store, "quickstart", phase="Running", step=3)
+    finally:
+        store.close()
+    out = cli("apply", "-f", str(spec_file("quickstart", **{"spec.algorithm.learningRate": 1e-4})))
+    assert out.exit_code == 0 and out.stdout == "trainingrun/quickstart configured\n"
+    assert (
+        "note: trainingrun/quickstart is Running: its workers read spec.algorithm.learningRate when "
+        "they start" in out.stderr
+    )
+    assert "mortalctl suspend quickstart, then resume" in out.stderr
+    out = cli(
+        "apply",
+        "-f",
+        str(spec_file("quickstart", **{"spec.rollout.replicas": 3, "spec.algorithm.learningRate": 1e-4})),
+    )
+    assert out.exit_code == 0 and "its workers read" not in out.stderr
+
+
+def test_only_fields_the_workers_read_at_launch_are_named() -> None:
+    before = {
+        "model": {"name": "a"},
+        "rollout": {"replicas": 1, "maxToolCallingIterations": 3},
+        "suspend": False,
+    }
+    after = {
+        "model": {"name": "b"},
+        "rollout": {"replicas": 4, "maxToolCallingIterations": 5},
+        "suspend": True,
+        "deadlines": {"stepSeconds": 60},
+    }
+    assert apply.fields_read_at_launch(before, after) == [
+        "spec.model",
+        "spec.rollout.maxToolCallingIterations",
+    ]
