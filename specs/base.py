@@ -8,7 +8,11 @@ line rather than at the enclosing block. It must stay free of I/O and of the res
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -26,8 +30,28 @@ class SpecModel(BaseModel):
         validate_assignment=True,
     )
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """`maxSteps: true` is a mistake, not the number 1, which pydantic's lax mode would make of it (a
+        whole model in strict mode would refuse more than that: "5m" durations, ints for floats)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _number_not_bool(field.annotation):
+                raise rule_error("must be a number, not true or false")
+        return value
+
 
 def rule_error(message: str, field: str | None = None) -> PydanticCustomError:
     """An error for a broken spec rule; `message` says the fix, `field` is the camelCase key it blames
     (dotted for a key below the validated model, e.g. "rollout.colocate")."""
     return PydanticCustomError(RULE_ERROR, "{message}", {"message": message, "field": field})
+
+
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether `annotation` takes numbers (int, float, in a union too) and no boolean."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = typing.get_args(annotation)
+    else:
+        members = (annotation,)
+    return bool not in members and any(m in (int, float) for m in members)

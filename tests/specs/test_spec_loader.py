@@ -141,6 +141,20 @@ def test_wrong_type_errors_say_what_was_given():
     assert issue.message == "must be a mapping of key: value (got 3)"
 
 
+@pytest.mark.parametrize(
+    "block, path",
+    [
+        ("  algorithm: {maxSteps: true}\n", "spec.algorithm.maxSteps"),
+        ("  generation: {temperature: false}\n", "spec.generation.temperature"),
+        ("  rollout: {replicas: false}\n", "spec.rollout.replicas"),
+    ],
+)
+def test_true_or_false_where_a_number_goes_is_refused_not_read_as_one_or_zero(block, path):
+    [issue] = errors_of(doc() + block)
+    assert (issue.line, issue.path) == (10, path)
+    assert issue.message == "must be a number, not true or false"
+
+
 def test_label_values_must_be_strings_and_the_hint_says_quote_them():
     [issue] = errors_of(doc().replace("  name: demo\n", "  name: demo\n  labels: {version: 2}\n"))
     assert (issue.line, issue.path) == (5, "metadata.labels.version")
