@@ -44,6 +44,16 @@ class TrainingRun(SpecModel):
         """The spec's normal form (camelCase, JSON-able, defaults filled): what the store keeps."""
         return self.spec.model_dump(by_alias=True, mode="json")
 
+    def applied_spec(self, live: dict[str, Any] | None) -> dict[str, Any]:
+        """What applying this document writes over a run whose spec is `live` (None: a new run): the spec's
+        normal form, with `suspend` left as the run has it when the document does not set it, as `kubectl
+        apply` leaves a field the file never set (re-applying the file a run was suspended from must not
+        resume it)."""
+        spec = self.spec_dict()
+        if live is not None and "suspend" not in self.spec.model_fields_set and "suspend" in live:
+            spec["suspend"] = live["suspend"]
+        return spec
+
     def status_dict(self) -> dict[str, Any]:
         """The status block as the store keeps it (camelCase, JSON-able)."""
         return self.status.model_dump(by_alias=True, mode="json")

@@ -137,7 +137,7 @@ def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
             continue
         if row.phase not in RUNNING_PHASES or row.spec.get("suspend"):
             continue
-        fields = fields_read_at_launch(row.spec, run.spec_dict())
+        fields = fields_read_at_launch(row.spec, run.applied_spec(row.spec))
         if fields:
             notes.append(
                 f"trainingrun/{run.name} is {row.phase}: its workers read {', '.join(fields)} when they "
@@ -160,10 +160,22 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tu
             results.append((run.name, _dry_outcome(store, run)))
             continue
         _, outcome = store.apply_run(
-            run.name, run.spec_dict(), labels=meta.labels, annotations=meta.annotations
+            run.name,
+            run.applied_spec(_live_spec(store, run.name)),
+            labels=meta.labels,
+            annotations=meta.annotations,
         )
         results.append((run.name, str(outcome)))
     return results
+
+
+def _live_spec(store, name: str) -> dict[str, Any] | None:
+    from mortal.state import NotFound
+
+    try:
+        return store.get_run(name).spec
+    except NotFound:
+        return None
 
 
 def wait_until_deleted(
@@ -207,7 +219,7 @@ def _dry_outcome(store, run: TrainingRun) -> str:
     except NotFound:
         return "created"
     same = (row.spec, row.labels, row.annotations) == (
-        run.spec_dict(),
+        run.applied_spec(row.spec),
         run.metadata.labels,
         run.metadata.annotations,
     )

@@ -405,8 +405,9 @@ class MortalTrainer:
                         f"trainingrun {self.name!r} already exists and was not forked from "
                         f"{source[0]!r}; pick another name"
                     )
+                live = existing.spec if existing is not None else None
                 _, outcome = store.apply_run(
-                    self.name, self.run.spec_dict(), labels=meta.labels, annotations=meta.annotations
+                    self.name, self.run.applied_spec(live), labels=meta.labels, annotations=meta.annotations
                 )
             self._say(f"trainingrun/{self.name} {outcome}")
             if str(outcome) != "unchanged":

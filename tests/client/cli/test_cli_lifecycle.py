@@ -160,8 +160,21 @@ def test_suspend_and_resume(cli, store):
     assert out.stdout == "trainingrun/quickstart resumed\n"
     row = store.get_run("quickstart")
     assert row.spec["suspend"] is False and row.generation == 3
-    # the applied file says suspend: false too, so applying it again changes nothing
+    # the applied file does not set suspend, so applying it again changes nothing
     assert cli("apply", "-f", str(QUICKSTART)).stdout == "trainingrun/quickstart unchanged\n"
+
+
+def test_applying_again_the_file_a_run_was_suspended_from_keeps_it_suspended(cli, store, spec_file):
+    """As `kubectl apply` leaves a field the file never set: a file without `suspend` leaves the run's
+    own (re-applying it does not resume the run); a file that sets it decides."""
+    cli("apply", "-f", str(QUICKSTART))
+    assert cli("suspend", "run", "quickstart").exit_code == 0
+    out = cli("apply", "-f", str(QUICKSTART))
+    assert out.stdout == "trainingrun/quickstart unchanged\n"
+    assert store.get_run("quickstart").spec["suspend"] is True
+    out = cli("apply", "-f", str(spec_file("quickstart", **{"spec.suspend": False})))
+    assert out.stdout == "trainingrun/quickstart configured\n"
+    assert store.get_run("quickstart").spec["suspend"] is False
 
 
 def test_a_finished_run_cannot_be_suspended(cli, store):
