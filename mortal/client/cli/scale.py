@@ -3,7 +3,8 @@
 A read-modify-write of the spec (`context.modify_spec`: compare-and-swap on resource_version,
 re-read and retried on Conflict); `--current-replicas` is kubectl's precondition. Without NAME the
 one active run is scaled; with several active runs it is an error that lists them. The new spec is
-validated (e.g. actor=2 is refused with the spec's own message) before it is written.
+validated (a count the spec refuses, with the spec's own message) before it is written. Rollouts are
+scaled live; the actor's ranks (actor.count) are read when the actor starts, which the command says.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ ROLES = {"rollout": ("rollout", "replicas"), "actor": ("actor", "count")}
 
 HELP = """Set the number of workers of a run's roles.
 
-ROLE=N sets rollout (generation workers; 0 pauses generation) or actor (must stay 1 for now).
+ROLE=N sets rollout (generation workers, scaled live; 0 pauses generation) or actor (its ranks,
+actor.count: taken when the actor next starts, e.g. after suspend and resume).
 Without NAME, the only active (not Succeeded/Failed) run is scaled.
 
 \b
@@ -136,6 +138,15 @@ def scale_command(
         typer.echo(plain(f"trainingrun/{name} unchanged ({change})"))
         return
     typer.echo(plain(f"trainingrun/{name} scaled ({change})"))
+    if "actor" in counts and current_count(before, "actor") != current_count(after, "actor"):
+        typer.echo(
+            plain(
+                f"note: the actor reads actor.count when it starts: trainingrun/{name} trains with "
+                f"{current_count(after, 'actor')} ranks from its next start (mortalctl suspend {name}, "
+                "then resume: from the newest checkpoint)"
+            ),
+            err=True,
+        )
     wake_controller(name)
     ensure_controller(state(ctx).state_url, no_controller)
 

@@ -79,6 +79,15 @@ def test_actor_count_is_validated_by_the_spec(cli, store):
     assert cli("scale", "quickstart", "actor=1").stdout.startswith("trainingrun/quickstart unchanged")
 
 
+def test_scaling_the_actor_says_its_ranks_change_at_its_next_start(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    out = cli("scale", "quickstart", "actor=2")
+    assert out.exit_code == 0 and out.stdout == "trainingrun/quickstart scaled (actor: 1 -> 2)\n"
+    assert "trains with 2 ranks from its next start (mortalctl suspend quickstart, then resume" in out.stderr
+    assert store.get_run("quickstart").spec["actor"]["count"] == 2
+    assert "note:" not in cli("scale", "quickstart", "rollout=3").stderr  # rollouts are scaled live
+
+
 @pytest.mark.parametrize(
     "args",
     [
