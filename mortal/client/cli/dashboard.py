@@ -84,8 +84,16 @@ def _static(name: str) -> bytes:
 class DashboardApp:
     """The WSGI application: pages, JSON endpoints and two static files, all answered from a ReadOnlyStore."""
 
-    def __init__(self, store: data.ReadOnlyStore, refresh_seconds: float = DEFAULT_REFRESH_SECONDS) -> None:
-        self.store, self.refresh_seconds = store, refresh_seconds
+    def __init__(
+        self,
+        store: data.ReadOnlyStore,
+        refresh_seconds: float = DEFAULT_REFRESH_SECONDS,
+        loopback_only: bool = True,
+    ) -> None:
+        """`loopback_only`: answer only requests whose Host names this machine's loopback (the server listens
+        there): a web page's script, whose DNS name was made to point at 127.0.0.1 ("DNS rebinding"), sends
+        its own name and is refused, so it cannot read the runs through the user's browser."""
+        self.store, self.refresh_seconds, self.loopback_only = store, refresh_seconds, loopback_only
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         try:
@@ -104,6 +112,12 @@ class DashboardApp:
         from mortal.state import NotFound
 
         path = environ.get("PATH_INFO", "/")
+        if self.loopback_only and _host_name(environ.get("HTTP_HOST", "")) not in LOOPBACK_NAMES:
+            return (
+                403,
+                "text/plain; charset=utf-8",
+                b"this dashboard answers to localhost and 127.0.0.1 only\n",
+            )
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"the dashboard only reads: GET\n"
         query = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
@@ -155,6 +169,26 @@ class DashboardApp:
             "application/json",
             _json_body(view if sections is None else {**view, "sections": sections}),
         )
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def _host_name(header: str) -> str:
+    """The Host header's name without its port ("[::1]:8765" -> "[::1]")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header.partition("]")[0] + "]"
+    return header.partition(":")[0]
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _int(query: dict[str, str], key: str, default: int | None) -> int | None:
@@ -217,7 +251,7 @@ def serve(
     sockets: dict[int, Any] = {}
     try:
         server = create_server(
-            DashboardApp(store, refresh_seconds),
+            DashboardApp(store, refresh_seconds, loopback_only=_is_loopback(host)),
             map=sockets,
             host=host,
             port=port,

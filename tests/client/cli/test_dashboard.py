@@ -260,6 +260,17 @@ def test_bad_requests_answer_without_a_trace(populated: str) -> None:
         assert requests.post(url + "/api/runs", timeout=10).status_code == 405
 
 
+def test_on_loopback_only_requests_naming_localhost_are_answered(populated: str) -> None:
+    """DNS rebinding: a web page whose own name was made to resolve to 127.0.0.1 sends that name as Host;
+    the dashboard, listening on loopback, answers only to localhost and loopback addresses."""
+    with dashboard(populated) as (url, _):
+        port = url.rsplit(":", 1)[1]
+        evil = requests.get(url + "/api/runs", headers={"Host": f"evil.example.com:{port}"}, timeout=10)
+        assert evil.status_code == 403 and "quickstart" not in evil.text
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+            assert requests.get(url + "/api/runs", headers={"Host": host}, timeout=10).status_code == 200
+
+
 @pytest.mark.parametrize(
     "store_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
