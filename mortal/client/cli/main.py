@@ -89,6 +89,9 @@ class MortalGroup(TyperGroup):
     def invoke(self, ctx: typer.Context) -> object:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # `mortalctl ... | head`: the reader has what it wanted; no error, as cat
+            _quiet_stdout()
+            raise typer.Exit(141) from None
         except Exception as exc:
             if _is_typer_signal(exc):
                 raise
@@ -98,6 +101,13 @@ class MortalGroup(TyperGroup):
                 traceback.print_exc(file=sys.stderr)
             typer.echo(plain(error_message(exc, debug), multiline=True), err=True)
             raise typer.Exit(1) from None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not raise BrokenPipeError again
+    (Python's documented way: docs.python.org, signal, "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def error_message(exc: BaseException, debug: bool = False) -> str:

@@ -150,3 +150,24 @@ def test_fork_and_rollback_exit_codes_and_no_ml_library(mortalctl, mortal_home):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_reader_that_stops_early_is_no_error(mortal_home, store_url):
+    """`mortalctl ... | head`: the pipe closes before the output is written; the command ends as `cat`
+    would (exit 141, SIGPIPE's) with nothing on stderr, not "unexpected BrokenPipeError"."""
+    env = {**os.environ, "MORTAL_HOME": str(mortal_home), "MORTAL_STATE_URL": store_url}
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "mortal.client.cli.main", "controller", "status"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
