@@ -79,14 +79,23 @@ def label_value_problem(value: str) -> str | None:
     )
 
 
+# Annotations of one run together, keys and values (Kubernetes' own limit): they are stored with the run
+# and read on every pass; a larger note belongs in a file the spec names.
+MAX_ANNOTATIONS_BYTES = 256 * 1024
+
+
 def labels_problem(labels: dict[str, str], values: bool = True) -> str | None:
-    """The first problem of a labels (or, `values` False, annotations) mapping: its keys, and its values."""
+    """The first problem of a labels (or, `values` False, annotations) mapping: its keys, and its values
+    (an annotations mapping's size too)."""
     for key, value in labels.items():
         if not isinstance(key, str) or not isinstance(value, str):
             return f"{key!r}: {value!r}: keys and values must be strings"
         problem = label_key_problem(key) or (label_value_problem(value) if values else None)
         if problem:
             return problem
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in labels.items())
+    if not values and size > MAX_ANNOTATIONS_BYTES:
+        return f"annotations take {size} bytes, over the limit of {MAX_ANNOTATIONS_BYTES} (keys and values)"
     return None
 
 

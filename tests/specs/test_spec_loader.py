@@ -155,6 +155,15 @@ def test_true_or_false_where_a_number_goes_is_refused_not_read_as_one_or_zero(bl
     assert issue.message == "must be a number, not true or false"
 
 
+def test_annotations_past_their_size_limit_are_refused_at_their_line():
+    from mortal.specs.metadata import MAX_ANNOTATIONS_BYTES
+
+    note = "x" * MAX_ANNOTATIONS_BYTES
+    [issue] = errors_of(doc().replace("  name: demo\n", f"  name: demo\n  annotations: {{note: {note}}}\n"))
+    assert (issue.line, issue.path) == (5, "metadata.annotations")
+    assert issue.message.endswith(f"over the limit of {MAX_ANNOTATIONS_BYTES} (keys and values)")
+
+
 def test_label_values_must_be_strings_and_the_hint_says_quote_them():
     [issue] = errors_of(doc().replace("  name: demo\n", "  name: demo\n  labels: {version: 2}\n"))
     assert (issue.line, issue.path) == (5, "metadata.labels.version")
