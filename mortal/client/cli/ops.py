@@ -74,6 +74,14 @@ NAME` or `mortalctl delete run NAME` first.
 """
 
 
+def _replicas(spec: dict, role: str) -> int | None:
+    """How many workers of `role` the spec asks for (the actor's ranks: actor.count), None if it does not
+    say."""
+    block, key = ("actor", "count") if role == "actor" else ("rollout", "replicas")
+    value = (spec.get(block) or {}).get(key)
+    return value if isinstance(value, int) else None
+
+
 def _stop_when_finished(
     store, name: str, stop: threading.Event, every: float = 2.0, linger: float = 2.0
 ) -> None:
@@ -123,6 +131,12 @@ def logs_command(
         if backend is None:
             raise missing
         which = " ".join(filter(None, [role, None if replica is None else f"replica {replica}"]))
+        replicas = _replicas(spec, role or "rollout")
+        if replica is not None and replicas is not None and replica >= replicas:
+            raise CliError(
+                f"trainingrun/{name} has no {role or 'rollout'} replica {replica}: its replicas are "
+                f"0..{replicas - 1}"
+            )
         if not follow:
             raise CliError(
                 f"no logs of trainingrun/{name}{' ' + which if which else ''} yet; is a controller running?"

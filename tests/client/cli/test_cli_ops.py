@@ -113,6 +113,9 @@ def test_logs_errors(cli):
     empty = cli("logs", "quickstart")
     assert empty.exit_code == 1 and "no logs of trainingrun/quickstart yet" in empty.stderr
     assert cli("logs", "quickstart", "--role", "critic").exit_code == 2
+    beyond = cli("logs", "quickstart", "--role", "rollout", "--replica", "7")  # the quickstart has 2
+    assert beyond.exit_code == 1
+    assert "trainingrun/quickstart has no rollout replica 7: its replicas are 0..1" in beyond.stderr
 
 
 @sqlite_only  # seconds of following log files; the store only tells the phase
