@@ -293,6 +293,11 @@ def _leader_elsewhere(store: Store) -> bool:
     return expires > datetime.now(UTC)
 
 
+def controller_running(store: Store) -> bool:
+    """Whether a controller runs for this store: this home's (its pid file), or one holding the lease."""
+    return running_controller_pid() is not None or _leader_elsewhere(store)
+
+
 def ensure_background_controller(
     state_url: str | None = None, idle_exit_seconds: float = 600.0
 ) -> tuple[int, Path] | None:

@@ -16,7 +16,7 @@ import typer
 from rich.cells import cell_len
 
 from mortal.client.cli import completions, metrics
-from mortal.client.cli.context import parse_selector, run_document, state
+from mortal.client.cli.context import TERMINAL_PHASES, parse_selector, run_document, state
 from mortal.client.cli.output import (
     OUTPUT_FORMATS,
     age,
@@ -175,6 +175,21 @@ def print_runs(store: Store, rows: list[RunRow], output: str | None, single: boo
     wide = output == "wide"
     headers = RUN_HEADERS + (WIDE_HEADERS if wide else ())
     print_table(headers, run_rows(store, rows, wide), "No resources found.")
+    _say_if_unsupervised(store, rows)
+
+
+def _say_if_unsupervised(store: Store, rows: list[RunRow]) -> None:
+    """A note on stderr when runs are active and no controller runs: their phases are what the last one
+    wrote (a run shown Running may have stopped since), and nothing heals them until one starts."""
+    from mortal.controller.manager import controller_running
+
+    active = [r for r in rows if r.phase not in TERMINAL_PHASES and not r.spec.get("suspend")]
+    if active and not controller_running(store):
+        typer.echo(
+            "note: no controller is running: the phases above are as one last wrote them; "
+            "`mortalctl controller` runs one (any apply, scale or resume starts one in the background)",
+            err=True,
+        )
 
 
 class RowWatch:

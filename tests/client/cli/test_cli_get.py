@@ -368,3 +368,27 @@ def test_a_stored_spec_that_no_longer_validates_is_still_listed(cli, store_of):
     assert out.stdout.splitlines()[1].split()[:3] == ["quickstart", "Pending", "?"]
     described = cli("describe", "run", "quickstart")
     assert described.exit_code == 1 and "retired" in described.stderr
+
+
+def test_with_no_controller_running_get_runs_says_the_phases_may_be_stale(cli, mortal_home, store_url):
+    """A run shown Running while nothing supervises it: a note on stderr (the table on stdout is the same);
+    none once a controller holds the lease, and none for a finished run."""
+    from clihelpers import QUICKSTART, set_status
+
+    from mortal.controller.leader import LEASE_NAME
+    from mortal.state import open_store
+
+    cli("apply", "-f", str(QUICKSTART))
+    store = open_store(store_url)
+    try:
+        set_status(store, "quickstart", phase="Running", step=3)
+        out = cli("get", "runs")
+        assert out.exit_code == 0 and "quickstart" in out.stdout
+        assert "note: no controller is running: the phases above are as one last wrote them" in out.stderr
+        store.acquire_lease(LEASE_NAME, "elsewhere:1:x", 30)
+        assert cli("get", "runs").stderr == ""
+        store.release_lease(LEASE_NAME, "elsewhere:1:x")
+        set_status(store, "quickstart", phase="Succeeded")
+        assert cli("get", "runs").stderr == ""
+    finally:
+        store.close()
