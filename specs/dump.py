@@ -40,10 +40,28 @@ def dump_runs(
     return dump_yaml(docs)
 
 
+# Bidirectional marks: they reorder what follows them on a terminal. YAML's emitters escape control
+# characters but count these printable.
+BIDI_MARKS = frozenset((*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+
+
+def holds_bidi(value: Any) -> bool:
+    """Whether a string anywhere in `value` (mapping keys too) holds a bidirectional mark."""
+    if isinstance(value, str):
+        return any(ord(ch) in BIDI_MARKS for ch in value)
+    if isinstance(value, dict):
+        return any(holds_bidi(k) or holds_bidi(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(holds_bidi(v) for v in value)
+    return False
+
+
 def dump_yaml(docs: list[Any]) -> str:
-    """Plain data as '---'-separated YAML documents (block style, lists indented under their key)."""
+    """Plain data as '---'-separated YAML documents (block style, lists indented under their key); where a
+    string holds a bidirectional mark, with every non-ASCII character escaped (the same data once read)."""
     yaml = YAML(typ="rt")
     yaml.default_flow_style = False
+    yaml.allow_unicode = not holds_bidi(docs)
     yaml.indent(mapping=2, sequence=4, offset=2)
     out = io.StringIO()
     if len(docs) == 1:

@@ -21,6 +21,7 @@ from rich.table import Table
 from ruamel.yaml import YAML
 
 from mortal.client.cli.text import JSON_ESCAPES, cell, plain
+from mortal.specs.dump import holds_bidi
 
 OUTPUT_FORMATS = ("wide", "yaml", "json", "name")
 UNBOUNDED_WIDTH = 100_000  # what a table is measured in when it is not printed to a terminal
@@ -102,10 +103,13 @@ def print_renderable(renderable: Any, indent: int = 0) -> None:
 
 
 def to_yaml(doc: Any) -> str:
-    """Block-style YAML with keys in the order given (what `get -o yaml` prints)."""
+    """Block-style YAML with keys in the order given (what `get -o yaml` prints). The emitter escapes control
+    characters but counts bidirectional marks printable: a document holding one is written with every
+    non-ASCII character escaped (the same data, read back alike), so that none reorders the terminal."""
     yaml = YAML(typ="safe", pure=True)
     yaml.default_flow_style = False
     yaml.sort_base_mapping_type_on_output = False
+    yaml.allow_unicode = not holds_bidi(doc)
     buf = io.StringIO()
     yaml.dump(doc, buf)
     return buf.getvalue()

@@ -14,7 +14,9 @@ from typing import Any
 
 from rich.text import Text
 
-_BIDI = (*range(0x202A, 0x202F), *range(0x2066, 0x206A))  # reorder what follows them on screen
+from mortal.specs.dump import BIDI_MARKS
+
+_BIDI = tuple(sorted(BIDI_MARKS))  # reorder what follows them on screen
 
 
 def _shown(code: int) -> str:

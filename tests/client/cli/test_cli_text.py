@@ -131,7 +131,9 @@ def test_json_and_yaml_carry_the_exact_text(cli, hostile_run):
     events = cli("get", "events", "evil", "-o", "json").stdout
     assert all(raw not in events for raw in RAW)  # escaped by JSON itself (\u001b, \u009b, ...)
     assert json.loads(events)["items"][-1]["message"] == HOSTILE_LINES
-    run = YAML(typ="safe").load(cli("get", "run", "evil", "-o", "yaml").stdout)
+    text = cli("get", "run", "evil", "-o", "yaml").stdout
+    assert [raw for raw in RAW if raw in text] == [], text  # bidirectional marks escaped too
+    run = YAML(typ="safe").load(text)
     assert (
         run["metadata"]["annotations"]["note"] == HOSTILE_LINES and run["status"]["message"] == HOSTILE_LINES
     )
