@@ -232,8 +232,31 @@ def check_dataset(spec: TrainingSpec) -> Check:
                 field,
                 f"{dataset.name!r}: no such file (relative names are read from the folder you applied from)",
             )
+        problem = first_jsonl_row_problem(path, dataset.prompt_column) if path.endswith(".jsonl") else None
+        if problem is not None:
+            return failed(field, f"{dataset.name!r}: {problem}")
         return ok(field, f"{dataset.name!r}: a local file")
     return deferred(field, f"{dataset.name!r}: a hub dataset, read by the actor when it starts")
+
+
+def first_jsonl_row_problem(path: str, prompt_column: str) -> str | None:
+    """What is wrong with a JSON-lines file's first row (None: it is an object with the prompt column): the
+    actor would otherwise find out as it starts. Only the first line is read (a file may be large)."""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                return f"line {number} is not JSON ({exc})"
+            if not isinstance(row, dict):
+                return f"line {number} is not a JSON object"
+            if prompt_column not in row:
+                columns = ", ".join(map(str, row)) or "none"
+                return f"line {number} has no {prompt_column!r} column (spec.dataset.promptColumn): {columns}"
+            return None
+    return "the file has no rows"
 
 
 def check_chat_template(spec: TrainingSpec) -> list[Check]:

@@ -51,6 +51,8 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (folder / "data").mkdir(parents=True)
     (folder / "myrewards.py").write_text(REWARDS)
     (folder / "data" / "train.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    (folder / "data" / "cut.jsonl").write_text('\n{"prompt": "What is 1')
+    (folder / "data" / "questions.jsonl").write_text('{"question": "What is 1 + 1?"}\n')
     (folder / ".git").mkdir()
     (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     monkeypatch.chdir(folder)
@@ -119,6 +121,12 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
         ({"spec.model": {"name": "./models/tiny"}}, "spec.model.name", "no such file or folder"),
         ({"spec.model": {"name": "absent.gguf"}}, "spec.model.name", "no such file or folder"),
         ({"spec.dataset": {"name": "data/missing.jsonl"}}, "spec.dataset.name", "no such file"),
+        ({"spec.dataset": {"name": "data/cut.jsonl"}}, "spec.dataset.name", "line 2 is not JSON"),
+        (
+            {"spec.dataset": {"name": "data/questions.jsonl"}},
+            "spec.dataset.name",
+            "line 1 has no 'prompt' column (spec.dataset.promptColumn): question",
+        ),
         ({"spec.rollout.tools": ["myrewards:VALUE"]}, "spec.rollout.tools[0]", "a tool must be a function"),
         ({"spec.rollout.environment": "myrewards:correct"}, "spec.rollout.environment", "must be a class"),
         (
