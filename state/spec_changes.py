@@ -3,17 +3,18 @@ store): the store refuses them in the transaction that would write them (ChangeR
 
 Who calls it: SqlStore.apply_run and SqlStore.update_spec, with the run's row as the transaction read it.
 Why in the store: the same rule for every client, and checked against the row the write replaces, not one
-read earlier. What it must not do: refuse what changes nothing, or a suspend/resume (lifecycle commands
-say themselves what a finished run allows).
+read earlier. What it must not do: refuse what changes nothing. (A finished run's suspend or resume is
+refused here too; `mortalctl suspend/resume` refuse it first with their own message.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mortal.specs.status import Phase
 from mortal.state.tables import RunRow
 
-FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+FINISHED_PHASES = frozenset(p.value for p in Phase if p.is_terminal())
 
 
 def refused_change(row: RunRow, spec: dict[str, Any]) -> str | None:

@@ -37,3 +37,11 @@ def ensure_controller(state_url: str | None, disabled: bool, announce: bool = Tr
     if started is not None and announce:
         pid, log = started
         print(f"controller started (pid {pid}, log: {log})", file=sys.stderr, flush=True)
+
+
+def finish_deletion(state_url: str | None, disabled: bool, name: str, announce: bool = True) -> None:
+    """A run of this name is being deleted and a caller waits for its purge, which is a controller's: start
+    one unless one runs (one killed meanwhile, or `delete --no-controller`, left it Terminating), and wake
+    it for the run."""
+    ensure_controller(state_url, disabled, announce)
+    wake_controller(name)

@@ -367,7 +367,7 @@ class MortalTrainer:
 
         from mortal.client.apply import wait_until_deleted
         from mortal.client.cli import follow
-        from mortal.client.local_controller import ensure_controller, wake_controller
+        from mortal.client.local_controller import ensure_controller, finish_deletion, wake_controller
         from mortal.controller.admission import admit_runs
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
@@ -375,7 +375,13 @@ class MortalTrainer:
         store = open_store(self.state_url)
         try:
             # before the snapshot is installed in the run's folder, which a deleted run's purge sets aside
-            wait_until_deleted(store, self.name, on_wait=self._purge_started)
+            wait_until_deleted(
+                store,
+                self.name,
+                on_wait=lambda: finish_deletion(
+                    self.state_url, not self.start_controller, self.name, announce=not self.quiet
+                ),
+            )
             with admit_runs(
                 [(self.run, f"MortalTrainer({self.name})")], importing_folders(self.run.spec, Path.cwd())
             ) as admitted:
@@ -428,13 +434,6 @@ class MortalTrainer:
             return status
         finally:
             store.close()
-
-    def _purge_started(self) -> None:
-        """A run of this name is being deleted: a controller must run to finish it; woken for it."""
-        from mortal.client.local_controller import ensure_controller, wake_controller
-
-        ensure_controller(self.state_url, not self.start_controller, announce=not self.quiet)
-        wake_controller(self.name)
 
     def _say(self, line: str) -> None:
         if not self.quiet:

@@ -16,7 +16,7 @@ from mortal.client import apply
 from mortal.client.cli import follow
 from mortal.client.cli.context import CliError, state
 from mortal.client.cli.text import plain
-from mortal.client.local_controller import ensure_controller, wake_controller
+from mortal.client.local_controller import ensure_controller, finish_deletion, wake_controller
 
 HELP = """Create or update TrainingRuns from YAML or JSON files.
 
@@ -87,7 +87,7 @@ def apply_command(
             apply.wait_until_deleted(
                 cli.store,
                 run.name,
-                on_wait=lambda name=run.name: _purge_started(cli.state_url, name, no_controller),
+                on_wait=lambda name=run.name: finish_deletion(cli.state_url, no_controller, name),
             )
     with admit_runs(sourced, [Path.cwd()], dry_run) as admitted:
         for admission in admitted:
@@ -112,13 +112,6 @@ def apply_command(
         names = [name for name, _ in results]
         ok = follow.follow_runs(cli.store, names, quiet=wait and not follow_, timeout=timeout or None)
         raise typer.Exit(0 if ok else 1)
-
-
-def _purge_started(state_url: str | None, name: str, no_controller: bool) -> None:
-    """A run of this name is being deleted: a controller must run to finish it (one killed meanwhile, or
-    `delete --no-controller`, left it Terminating), and is woken for it."""
-    ensure_controller(state_url, no_controller)
-    wake_controller(name)
 
 
 def register(app: typer.Typer) -> None:
