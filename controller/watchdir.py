@@ -24,7 +24,8 @@ import watchfiles
 from mortal.controller.admission import AdmissionRefused, admit_runs
 from mortal.controller.snapshot import being_deleted
 from mortal.specs import SpecError, TrainingRun, load_file
-from mortal.state.errors import Conflict, NotFound
+from mortal.state.apply_document import apply_document
+from mortal.state.errors import Conflict
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -78,12 +79,7 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
             continue
         annotations = {**run.metadata.annotations, SOURCE_ANNOTATION: str(folder.resolve())}
         try:
-            try:
-                live: dict | None = store.get_run(run.name).spec
-            except NotFound:
-                live = None
-            spec = run.applied_spec(live)
-            _, outcome = store.apply_run(run.name, spec, labels=labels, annotations=annotations)
+            _, outcome = apply_document(store, run, labels=labels, annotations=annotations)
             result.applied[run.name] = str(outcome)
         except Conflict as exc:  # being deleted: applied again once it is gone
             result.errors.append(str(exc))

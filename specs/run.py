@@ -18,6 +18,7 @@ from mortal.specs.diagnostics import issues_from_errors
 from mortal.specs.errors import SpecError
 from mortal.specs.metadata import Metadata
 from mortal.specs.status import RunStatus
+from mortal.specs.three_way_merge import merge_applied
 from mortal.specs.training import TrainingSpec
 
 API_VERSION: Final = "mortal/v1"
@@ -44,15 +45,26 @@ class TrainingRun(SpecModel):
         """The spec's normal form (camelCase, JSON-able, defaults filled): what the store keeps."""
         return self.spec.model_dump(by_alias=True, mode="json")
 
-    def applied_spec(self, live: dict[str, Any] | None) -> dict[str, Any]:
-        """What applying this document writes over a run whose spec is `live` (None: a new run): the spec's
-        normal form, with `suspend` left as the run has it when the document does not set it, as `kubectl
-        apply` leaves a field the file never set (re-applying the file a run was suspended from must not
-        resume it)."""
-        spec = self.spec_dict()
-        if live is not None and "suspend" not in self.spec.model_fields_set and "suspend" in live:
-            spec["suspend"] = live["suspend"]
-        return spec
+    def applied_config(self) -> dict[str, Any]:
+        """The spec fields this document sets (camelCase, JSON-able, no defaults): what the store keeps as
+        the run's last-applied configuration, so that the next apply knows which fields a file dropped."""
+        return self.spec.model_dump(by_alias=True, mode="json", exclude_unset=True)
+
+    def applied_spec(
+        self, live: dict[str, Any] | None, last_applied: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """What applying this document writes over a run whose spec is `live` (None: a new run) and whose
+        previous apply set `last_applied`: kubectl apply's three-way merge (mortal.specs.three_way_merge),
+        in normal form. SpecError when a field kept from the live run no longer fits the document's."""
+        if live is None:
+            return self.spec_dict()
+        merged = merge_applied(live, last_applied, self.applied_config(), self.spec_dict())
+        try:
+            spec = TrainingSpec.model_validate(merged)
+        except ValidationError as exc:
+            source = f"<apply: run {self.name} with the fields kept from its live spec>"
+            raise SpecError(issues_from_errors(exc.errors(), TrainingSpec, merged, {}, source)) from exc
+        return spec.model_dump(by_alias=True, mode="json")
 
     def status_dict(self) -> dict[str, Any]:
         """The status block as the store keeps it (camelCase, JSON-able)."""

@@ -230,26 +230,47 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         spec: dict[str, Any],
         labels: dict[str, str] | None = None,
         annotations: dict[str, str] | None = None,
+        applied: dict[str, Any] | None = None,
+        resource_version: int | None = None,
     ) -> tuple[RunRow, ApplyOutcome]:
         check_run_name(name)
         check_metadata(labels or {}, annotations or {})
         spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
+        applied = _json(applied) if applied is not None else None
         with self._tx() as s:
-            new = RunRow(name=name, uid=str(uuid.uuid4()), spec=spec, labels=labels, annotations=annotations)
+            new = RunRow(
+                name=name,
+                uid=str(uuid.uuid4()),
+                spec=spec,
+                labels=labels,
+                annotations=annotations,
+                applied=applied,
+            )
             if self._insert_ignore(s, RunRow, new.model_dump()):
                 return self._run(s, name), ApplyOutcome.created
             row = self._run(s, name, lock=True)
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
-            if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
+            if resource_version not in (None, row.resource_version):
+                raise Conflict(
+                    f"trainingrun {name!r} is at resource_version {row.resource_version}, "
+                    f"not {resource_version}"
+                )
+            if (row.spec, row.labels, row.annotations, row.applied) == (spec, labels, annotations, applied):
                 return row, ApplyOutcome.unchanged
             if (refusal := refused_change(row, spec)) is not None:
                 raise ChangeRefused(refusal)
-            generation = row.generation + (row.spec != spec)
+            changed = (row.spec, row.labels, row.annotations) != (spec, labels, annotations)
             row = self._update_run(
-                s, row, spec=spec, labels=labels, annotations=annotations, generation=generation
+                s,
+                row,
+                spec=spec,
+                labels=labels,
+                annotations=annotations,
+                applied=applied,
+                generation=row.generation + (row.spec != spec),
             )
-            return row, ApplyOutcome.configured
+            return row, ApplyOutcome.configured if changed else ApplyOutcome.unchanged
 
     def fork_run(
         self,

@@ -178,13 +178,19 @@ class Store(abc.ABC):
         spec: dict[str, Any],
         labels: dict[str, str] | None = None,
         annotations: dict[str, str] | None = None,
+        applied: dict[str, Any] | None = None,
+        resource_version: int | None = None,
     ) -> tuple[RunRow, ApplyOutcome]:
-        """Create the run, or replace its spec/labels/annotations. All equal -> unchanged (no write).
+        """Create the run, or replace its spec/labels/annotations and the fields its document set
+        (`applied`, kept for the next apply's three-way merge). All equal -> unchanged (no write).
 
-        A changed spec bumps generation and resource_version; labels or annotations alone bump
-        resource_version. Equality is JSON equality of the normalized dicts. Applying to a run
-        that is being deleted raises Conflict. InvalidName for a name, label or annotation key the spec
-        would refuse (mortal.state.names): names become folders and process names.
+        A changed spec bumps generation and resource_version; labels, annotations or `applied` alone
+        bump resource_version (`applied` alone answers unchanged). Equality is JSON equality of the
+        normalized dicts. `resource_version`: the version the caller merged against, 0 for "no such run",
+        None for no precondition; Conflict if the run moved or was created since, and whenever it is
+        being deleted (mortal.state.apply_document re-reads and merges again).
+        InvalidName for a name, label or annotation key the spec would refuse (mortal.state.names):
+        names become folders and process names.
         """
 
     @abc.abstractmethod

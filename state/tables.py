@@ -69,6 +69,12 @@ class RunRow(SQLModel, table=True):
         sa_column=Column(JSON, nullable=False),
         description="the normalized spec (camelCase keys, defaults filled) as `TrainingRun.spec` dumps it",
     )
+    applied: dict[str, Any] | None = Field(
+        default=None,
+        sa_column=Column(JSON, nullable=True),
+        description="the spec fields the last apply's document set (TrainingRun.applied_config), which the "
+        "next apply merges against; None for a run never applied (forked) (added in migration 0011)",
+    )
     generation: int = Field(default=1, description="+1 on every change of spec; status writes leave it")
     resource_version: int = Field(default=1, description="+1 on every write of this row, spec or status")
     phase: str = Field(default="Pending", index=True, description="copy of status.phase, for queries")
@@ -86,7 +92,7 @@ class RunRow(SQLModel, table=True):
     forked_from: str | None = Field(
         default=None,
         description="lineage: the run this one was forked from (its name then; it may be gone "
-        "since); None for a run applied from scratch (added in migration 0004)",
+        "since); None for a run applied from scratch (added in migration 0005)",
     )
     forked_from_step: int | None = Field(
         default=None, description="lineage: the step of forked_from's checkpoint this run started from"

@@ -128,6 +128,7 @@ def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
     """For each run that exists and runs: a note naming the fields its change would reach only at the
     workers' next start, and how to get there (suspend, then resume)."""
     from mortal.state import NotFound
+    from mortal.state.apply_document import merged_spec
 
     notes = []
     for run in runs:
@@ -137,7 +138,7 @@ def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
             continue
         if row.phase not in RUNNING_PHASES or row.spec.get("suspend"):
             continue
-        fields = fields_read_at_launch(row.spec, run.applied_spec(row.spec))
+        fields = fields_read_at_launch(row.spec, merged_spec(run, row))
         if fields:
             notes.append(
                 f"trainingrun/{run.name} is {row.phase}: its workers read {', '.join(fields)} when they "
@@ -153,29 +154,16 @@ DELETION_POLL_SECONDS = 0.1
 
 def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
     """Write each run's desired state; returns (name, outcome) pairs in the order given."""
+    from mortal.state.apply_document import apply_document
+
     results = []
     for run in runs:
-        meta = run.metadata
         if dry_run:
             results.append((run.name, _dry_outcome(store, run)))
             continue
-        _, outcome = store.apply_run(
-            run.name,
-            run.applied_spec(_live_spec(store, run.name)),
-            labels=meta.labels,
-            annotations=meta.annotations,
-        )
+        _, outcome = apply_document(store, run)
         results.append((run.name, str(outcome)))
     return results
-
-
-def _live_spec(store, name: str) -> dict[str, Any] | None:
-    from mortal.state import NotFound
-
-    try:
-        return store.get_run(name).spec
-    except NotFound:
-        return None
 
 
 def wait_until_deleted(
@@ -213,13 +201,14 @@ def wait_until_deleted(
 def _dry_outcome(store, run: TrainingRun) -> str:
     """What apply would say, computed without writing."""
     from mortal.state import NotFound
+    from mortal.state.apply_document import merged_spec
 
     try:
         row = store.get_run(run.name)
     except NotFound:
         return "created"
     same = (row.spec, row.labels, row.annotations) == (
-        run.applied_spec(row.spec),
+        merged_spec(run, row),
         run.metadata.labels,
         run.metadata.annotations,
     )

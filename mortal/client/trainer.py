@@ -371,6 +371,7 @@ class MortalTrainer:
         from mortal.controller.admission import admit_runs
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
+        from mortal.state.apply_document import apply_document
 
         store = open_store(self.state_url)
         try:
@@ -392,7 +393,6 @@ class MortalTrainer:
             store.close()
             raise
         try:
-            meta = self.run.metadata
             source = _checkpoint_source(resume_from_checkpoint)
             try:
                 existing = store.get_run(self.name)
@@ -411,10 +411,7 @@ class MortalTrainer:
                         f"trainingrun {self.name!r} already exists and was not forked from "
                         f"{source[0]!r}; pick another name"
                     )
-                live = existing.spec if existing is not None else None
-                _, outcome = store.apply_run(
-                    self.name, self.run.applied_spec(live), labels=meta.labels, annotations=meta.annotations
-                )
+                _, outcome = apply_document(store, self.run)
             self._say(f"trainingrun/{self.name} {outcome}")
             if str(outcome) != "unchanged":
                 wake_controller(self.name)

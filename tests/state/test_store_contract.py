@@ -95,6 +95,35 @@ def test_apply_created_unchanged_configured(store: Store) -> None:
     assert store.get_run("r") == row
 
 
+def test_apply_keeps_the_fields_its_document_set_and_an_applied_change_alone_answers_unchanged(
+    store: Store,
+) -> None:
+    """`applied` (the fields the document set) is kept for the next apply's three-way merge; a change of it
+    alone is written (resource_version + 1) but is no change of the run."""
+    row, _ = store.apply_run("r", SPEC, applied={"model": {"name": "tiny"}})
+    assert row.applied == {"model": {"name": "tiny"}}
+    row, outcome = store.apply_run("r", SPEC, applied={"model": {"name": "tiny"}, "rollout": {"replicas": 1}})
+    assert outcome is ApplyOutcome.unchanged and (row.generation, row.resource_version) == (1, 2)
+    assert store.get_run("r").applied == {"model": {"name": "tiny"}, "rollout": {"replicas": 1}}
+    forked = store.fork_run("f", SPEC, {}, {}, "r", 0, "/nowhere", 0)
+    assert forked.applied is None, "a fork was never applied"
+
+
+def test_apply_with_a_resource_version_writes_only_over_that_version(store: Store) -> None:
+    """The read-merge-write of mortal.state.apply_document: 0 means "no such run"; a version the run has
+    moved past (a scale landed between the read and the write) is a Conflict and writes nothing."""
+    row, outcome = store.apply_run("r", SPEC, resource_version=0)
+    assert outcome is ApplyOutcome.created
+    with pytest.raises(Conflict):
+        store.apply_run("r", _spec(replicas=2), resource_version=0)
+    store.update_spec("r", _spec(replicas=4), row.resource_version)
+    with pytest.raises(Conflict):
+        store.apply_run("r", _spec(replicas=2), resource_version=row.resource_version)
+    assert store.get_run("r").spec["rollout"]["replicas"] == 4
+    row, outcome = store.apply_run("r", _spec(replicas=2), resource_version=row.resource_version + 1)
+    assert outcome is ApplyOutcome.configured and row.spec["rollout"]["replicas"] == 2
+
+
 def test_timestamps_are_utc_aware(store: Store, run: str) -> None:
     row = store.get_run(run)
     assert row.created_at.tzinfo is not None and row.created_at.utcoffset() == timedelta(0)

@@ -10,6 +10,7 @@ from mortal.specs import EXAMPLES_DIR
 from mortal.state import Store, WorkerRef
 
 QUICKSTART = EXAMPLES_DIR / "quickstart.yaml"
+DROP = object()  # spec_file(**{"spec.rollout.replicas": DROP}): the file leaves that field out
 CHECKPOINT_FILES = (
     "model.safetensors",
     "optimizer.pt",

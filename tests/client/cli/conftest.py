@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clihelpers import QUICKSTART
+from clihelpers import DROP, QUICKSTART
 from ruamel.yaml import YAML
 from typer.testing import CliRunner
 
@@ -53,7 +53,10 @@ def set_path(doc: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for key in parents:
         doc = doc.setdefault(key, {})
-    doc[last] = value
+    if value is DROP:
+        doc.pop(last, None)
+    else:
+        doc[last] = value
 
 
 @pytest.fixture

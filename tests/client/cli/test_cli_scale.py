@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from clihelpers import QUICKSTART, set_status
+from clihelpers import DROP, QUICKSTART, set_status
 
 from mortal.client.cli.context import modify_spec
 from mortal.client.cli.scale import scaled_spec
@@ -35,6 +35,21 @@ def test_scale_to_zero_and_replicas_shorthand(cli, store):
     assert store.get_run("quickstart").spec["rollout"]["replicas"] == 0
     assert cli("scale", "quickstart", "--replicas", "3").exit_code == 0
     assert store.get_run("quickstart").spec["rollout"]["replicas"] == 3
+
+
+def test_re_applying_a_file_keeps_the_scale_of_a_field_it_leaves_out(cli, spec_file, store):
+    """kubectl apply's three-way merge: a scale of a field the file does not set survives re-applying the
+    file; a file that sets the field decides (leave replicas out of a file whose run you scale by hand);
+    a field dropped from the file since its last apply goes back to its default."""
+    without = spec_file("quickstart", **{"spec.rollout.replicas": DROP})
+    assert cli("apply", "-f", str(without)).stdout == "trainingrun/quickstart created\n"
+    assert cli("scale", "quickstart", "rollout=3").exit_code == 0
+    assert cli("apply", "-f", str(without)).stdout == "trainingrun/quickstart unchanged\n"
+    assert store.get_run("quickstart").spec["rollout"]["replicas"] == 3
+    assert cli("apply", "-f", str(QUICKSTART)).stdout == "trainingrun/quickstart configured\n"
+    assert store.get_run("quickstart").spec["rollout"]["replicas"] == 2, "the file sets 2"
+    assert cli("apply", "-f", str(without)).stdout == "trainingrun/quickstart configured\n"
+    assert store.get_run("quickstart").spec["rollout"]["replicas"] == 1, "dropped from the file: the default"
 
 
 def test_scale_without_name_picks_the_one_active_run(cli, spec_file, store):

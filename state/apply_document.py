@@ -1,0 +1,71 @@
+"""Apply a TrainingRun document to the store: read the live run, merge three ways, write if it has not moved.
+
+Who calls it: `mortalctl apply` (mortal.client.apply), the watched folder (mortal.controller.watchdir) and
+MortalTrainer. The merge is mortal.specs.three_way_merge's; this is its read-merge-write against the store,
+as a Kubernetes client's update is:
+1. read the run (none: it is created),
+2. merge the document over its spec (the fields the document sets win; a scale or suspend made since the
+   last apply stays),
+3. write, carrying the resource_version merged against; a Conflict means something wrote in between (a
+   scale, a suspend, the controller's status), so read and merge again, a few times at most.
+
+It must not retry a refusal (ChangeRefused: a finished run, a maxSteps below the step reached) or a run
+being deleted: those are the caller's to report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mortal.specs.run import TrainingRun
+from mortal.state.errors import ChangeRefused, Conflict, NotFound
+from mortal.state.store import ApplyOutcome, Store
+from mortal.state.tables import RunRow
+
+# Writes that may land between a read and a write are a person's scale or suspend and the controller's
+# status writes; each retry re-reads, so only a store written without pause exhausts these.
+MERGE_ATTEMPTS = 8
+
+
+def merged_spec(run: TrainingRun, live: RunRow | None) -> dict[str, Any]:
+    """The spec applying `run` writes over `live` (None: no such run), in normal form."""
+    if live is None:
+        return run.spec_dict()
+    return run.applied_spec(live.spec, live.applied)
+
+
+def apply_document(
+    store: Store,
+    run: TrainingRun,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> tuple[RunRow, ApplyOutcome]:
+    """Create or update `run` (its own labels and annotations unless given); SpecError when a field kept
+    from the live run does not fit the document's, Conflict when the run is being deleted."""
+    labels = run.metadata.labels if labels is None else labels
+    annotations = run.metadata.annotations if annotations is None else annotations
+    for attempt in range(1, MERGE_ATTEMPTS + 1):
+        live = _live_row(store, run.name)
+        try:
+            return store.apply_run(
+                run.name,
+                merged_spec(run, live),
+                labels=labels,
+                annotations=annotations,
+                applied=run.applied_config(),
+                resource_version=0 if live is None else live.resource_version,
+            )
+        except ChangeRefused:
+            raise
+        except Conflict:
+            moved = _live_row(store, run.name)
+            if attempt == MERGE_ATTEMPTS or (moved is not None and moved.deleted_at is not None):
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _live_row(store: Store, name: str) -> RunRow | None:
+    try:
+        return store.get_run(name)
+    except NotFound:
+        return None
