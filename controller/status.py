@@ -14,11 +14,10 @@ from datetime import datetime
 from typing import Any
 
 from mortal.controller.actions import NORMAL, WARNING, Event
-from mortal.specs import TRANSITIONS, Phase
+from mortal.specs import TERMINAL_PHASES, TRANSITIONS, Phase
 
 PENDING, STARTING, RUNNING, RECOVERING = "Pending", "Starting", "Running", "Recovering"
 SUSPENDED, SUCCEEDED, FAILED = "Suspended", "Succeeded", "Failed"
-TERMINAL_PHASES = frozenset({SUCCEEDED, FAILED})
 EVENTED = (
     "WeightsInSync",
     "RewardHealthy",

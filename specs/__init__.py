@@ -23,6 +23,7 @@ from mortal.specs.rewards import BUILTIN_ENVS, RewardSpec, SandboxSpec
 from mortal.specs.run import API_VERSION, KIND, TrainingRun
 from mortal.specs.schema import json_schema
 from mortal.specs.status import (
+    TERMINAL_PHASES,
     TRANSITIONS,
     CheckpointRef,
     Condition,
@@ -58,6 +59,7 @@ __all__ = [
     "EXAMPLES_DIR",
     "KIND",
     "LOSS_TYPES",
+    "TERMINAL_PHASES",
     "TRANSITIONS",
     "ActorSpec",
     "AlgorithmSpec",

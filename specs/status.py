@@ -60,6 +60,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.FAILED: frozenset(),
 }
 """phase -> phases it may move to. Resume goes Suspended -> Starting (or Pending when nothing ran)."""
+TERMINAL_PHASES: frozenset[str] = frozenset(p.value for p in Phase if p.is_terminal())
+"""The phases of a finished run (Succeeded, Failed), as the store's phase column holds them."""
 
 
 class Condition(SpecModel):

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mortal.specs.status import Phase
+from mortal.specs.status import TERMINAL_PHASES
 from mortal.state.tables import RunRow
-
-FINISHED_PHASES = frozenset(p.value for p in Phase if p.is_terminal())
 
 
 def refused_change(row: RunRow, spec: dict[str, Any]) -> str | None:
@@ -25,7 +23,7 @@ def refused_change(row: RunRow, spec: dict[str, Any]) -> str | None:
         return None
     name = row.name
     step = int((row.status or {}).get("step") or 0)
-    if row.phase in FINISHED_PHASES:
+    if row.phase in TERMINAL_PHASES:
         return (
             f"trainingrun {name!r} is {row.phase}; a finished run cannot be changed: fork it instead "
             f"(mortalctl fork {name}:step-{step} NEW)"

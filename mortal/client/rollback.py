@@ -27,13 +27,12 @@ from mortal.client.fork import (
     refuse_files_elsewhere,
 )
 from mortal.client.local_controller import wake_controller
-from mortal.specs.status import Phase
+from mortal.specs.status import TERMINAL_PHASES
 
 if TYPE_CHECKING:
     from mortal.state import Store
 
 ROLLED_BACK = "rolled-back"
-TERMINAL_PHASES = (Phase.SUCCEEDED, Phase.FAILED)
 
 
 class RollbackRefused(ForkError):

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from mortal.specs import TrainingRun
     from mortal.state import RunRow, Store
 
-TERMINAL_PHASES = ("Succeeded", "Failed")
+# mortal.specs.TERMINAL_PHASES, spelled out: this module imports mortal.specs (pydantic) only lazily, so
+# that --help starts fast; tests/client/cli/test_cli_context.py holds the two equal.
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 class CliError(ClientError):
