@@ -156,9 +156,26 @@ def load_documents(text: str, source: str, typ: str = "rt") -> list[Any]:
     except MaxDepthExceededError as exc:
         raise SpecError([_issue(source, exc, f"nested deeper than {MAX_DEPTH} levels (MAX_DEPTH)")]) from None
     except MarkedYAMLError as exc:
-        raise SpecError([_issue(source, exc, f"invalid YAML: {exc.problem or exc.context}")]) from None
+        raise SpecError([_syntax_issue(source, exc)]) from None
     except YAMLError as exc:
         raise SpecError([SpecIssue(source, None, "", f"invalid YAML: {exc}")]) from None
+
+
+# Mistakes the YAML reader notices only on a later line than the one holding them (an unclosed quote or
+# bracket, a key without its colon): the context is the token that began there, and its line is the one
+# to fix. A block's context ("while parsing a block mapping") is where the block began, not the mistake.
+_CONTEXTS_HOLDING_THE_MISTAKE = ("while scanning", "while parsing a flow")
+
+
+def _syntax_issue(source: str, exc: MarkedYAMLError) -> SpecIssue:
+    problem, context = exc.problem or exc.context, exc.context or ""
+    began, noticed = exc.context_mark, exc.problem_mark
+    same_line = began is None or noticed is None or began.line == noticed.line
+    if same_line or not context.startswith(_CONTEXTS_HOLDING_THE_MISTAKE):
+        return _issue(source, exc, f"invalid YAML: {problem}")
+    thing = context.removeprefix("while scanning ").removeprefix("while parsing ")
+    where = f"in {thing} that starts on this line; seen on line {noticed.line + 1}"
+    return SpecIssue(source, began.line + 1, "", f"invalid YAML: {problem} ({where})")
 
 
 def _issue(source: str, exc: MarkedYAMLError, message: str) -> SpecIssue:

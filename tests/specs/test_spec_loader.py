@@ -107,6 +107,26 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     assert issue.message.startswith("invalid YAML: ")
 
 
+# The mistake is on the doc's line 10 (the indentation's on 12); the reader sees three of them only later.
+SYNTAX_MISTAKES = {
+    "a key without its colon": ("  backend local\n  actor: {}\n", "simple key"),
+    "an unclosed quote": ('  backend: "local\n  actor: {}\n', "quoted scalar"),
+    "an unclosed flow mapping": ("  actor: {gpu: none\n  backend: local\n", "flow mapping"),
+    "a line indented one space short": ("  actor:\n    gpu: none\n   backend: local\n", None),
+}
+
+
+@pytest.mark.parametrize(("tail", "context"), SYNTAX_MISTAKES.values(), ids=SYNTAX_MISTAKES.keys())
+def test_a_yaml_syntax_error_names_the_line_holding_the_mistake(tail, context):
+    [issue] = errors_of(doc() + tail)
+    if context is None:
+        assert issue.line == 12 and "seen on line" not in issue.message
+    else:
+        assert (
+            issue.line == 10 and f"(in a {context} that starts on this line; seen on line 1" in issue.message
+        )
+
+
 def test_duplicate_key_is_a_yaml_error_with_a_line():
     [issue] = errors_of(doc() + "  backend: local\n  backend: modal\n")
     assert issue.line in (10, 11) and "invalid YAML" in issue.message and "backend" in issue.message
