@@ -16,7 +16,7 @@ import typer
 from rich.cells import cell_len
 
 from mortal.client.cli import completions, metrics
-from mortal.client.cli.context import TERMINAL_PHASES, parse_selector, run_document, state
+from mortal.client.cli.context import TERMINAL_PHASES, CliError, parse_selector, run_document, state
 from mortal.client.cli.output import (
     OUTPUT_FORMATS,
     age,
@@ -52,10 +52,11 @@ Examples:
   # List all runs
   mortalctl get runs
 \b
-  # One run, with more columns, as YAML, or selected by label
+  # One run, with more columns, as YAML; runs by label, or several by name
   mortalctl get run quickstart -o wide
   mortalctl get run quickstart -o yaml
   mortalctl get runs -l team=rl
+  mortalctl get runs quickstart code-agent
 \b
   # Watch runs change until Ctrl-C
   mortalctl get runs -w
@@ -128,13 +129,36 @@ def check_format(output: str | None, allowed: tuple[str, ...] = OUTPUT_FORMATS) 
     return output
 
 
-def select_runs(store: Store, name: str | None, selector: str | None) -> list[RunRow]:
-    """The named run (NotFound if absent) or every run matching the label selector."""
+class RunsNotFound(CliError):
+    """Names given to `get runs` that name no run; `found` holds the rows of the others."""
+
+    def __init__(self, found: list[RunRow], missing: list[str]) -> None:
+        self.found, self.missing = found, missing
+        names = ", ".join(repr(plain(name)) for name in missing)
+        super().__init__(f"trainingrun{'s' if len(missing) > 1 else ''} {names} not found")
+
+
+def select_runs(store: Store, names: list[str] | None, selector: str | None) -> list[RunRow]:
+    """The named runs, in the order named, that match the label selector; every matching run when no
+    name is given. NotFound names every missing run, after the lookups (kubectl prints what it found
+    first: print_found_runs does)."""
+    from mortal.state import NotFound
+
     labels = parse_selector(selector)
-    if name:
-        row = store.get_run(name)
-        return [row] if labels.items() <= row.labels.items() else []
-    return store.list_runs(labels=labels or None)
+    if not names:
+        return store.list_runs(labels=labels or None)
+    rows, missing = [], []
+    for name in dict.fromkeys(names):
+        try:
+            row = store.get_run(name)
+        except NotFound:
+            missing.append(name)
+            continue
+        if labels.items() <= row.labels.items():
+            rows.append(row)
+    if missing:
+        raise RunsNotFound(rows, missing)
+    return rows
 
 
 def render_runs(rows: list[RunRow], output: str | None, single: bool) -> str | None:
@@ -232,7 +256,7 @@ def _without(cells: list[str] | None, column: int) -> list[str] | None:
 
 
 def watch_runs(
-    store: Store, name: str | None, selector: str | None, output: str | None, timeout: float
+    store: Store, names: list[str] | None, selector: str | None, output: str | None, timeout: float
 ) -> None:
     """Until Ctrl-C (or `timeout` seconds): kubectl's watch, the listing then each change (a row or a
     document)."""
@@ -243,7 +267,7 @@ def watch_runs(
     said_empty = False
     try:
         while deadline is None or time.monotonic() < deadline:
-            rows = select_runs(store, name, selector)
+            rows = select_runs(store, names, selector)
             if not rows and not seen and not watch.widths and not said_empty:
                 say("No resources found.", stderr=True)
                 said_empty = True
@@ -268,7 +292,9 @@ def watch_runs(
 
 def get_runs(
     ctx: typer.Context,
-    name: str | None = typer.Argument(None, metavar="NAME", help="A run name; all runs when omitted."),
+    names: list[str] | None = typer.Argument(
+        None, metavar="[NAME]...", help="Run names; all runs when omitted."
+    ),
     output: str | None = OutputOpt,
     selector: str | None = typer.Option(
         None, "-l", "--selector", metavar="KEY=VALUE", help="Label selector, e.g. -l team=rl,tier=a."
@@ -284,9 +310,16 @@ def get_runs(
     check_format(output)
     store = state(ctx).store
     if watch:
-        watch_runs(store, name, selector, output, timeout)
+        watch_runs(store, names, selector, output, timeout)
         return
-    print_runs(store, select_runs(store, name, selector), output, single=name is not None)
+    single = names is not None and len(set(names)) == 1
+    try:
+        rows = select_runs(store, names, selector)
+    except RunsNotFound as missing:  # as kubectl: the runs found, then the error naming the others
+        if missing.found:
+            print_runs(store, missing.found, output, single=False)
+        raise
+    print_runs(store, rows, output, single=single)
 
 
 def event_dict(event) -> dict[str, Any]:

@@ -226,6 +226,19 @@ def test_get_missing_run_is_exit_1(cli):
     assert out.stderr == "error: trainingrun 'nope' not found\n"
 
 
+def test_get_several_runs_by_name_lists_them_in_the_order_named(cli, spec_file):
+    """As `kubectl get pods a b`: the runs named, in that order; JSON of several is a TrainingRunList; a
+    name that is no run is an error naming it, after the runs that were found are printed."""
+    for name in ("a", "b", "c"):
+        cli("apply", "-f", str(spec_file(name)))
+    assert cli("get", "runs", "c", "a", "-o", "name").stdout == "trainingrun/c\ntrainingrun/a\n"
+    doc = json.loads(cli("get", "runs", "a", "b", "-o", "json").stdout)
+    assert doc["kind"] == "TrainingRunList" and [i["metadata"]["name"] for i in doc["items"]] == ["a", "b"]
+    out = cli("get", "runs", "a", "nope", "b", "gone", "-o", "name")
+    assert out.exit_code == 1 and out.stdout == "trainingrun/a\ntrainingrun/b\n"
+    assert out.stderr == "error: trainingruns 'nope', 'gone' not found\n"
+
+
 def test_bad_output_format_is_usage_error(cli):
     out = cli("get", "runs", "-o", "xml")
     assert out.exit_code == 2 and "xml" in out.stderr
