@@ -530,7 +530,7 @@ class _Pass:
                 continue
             last = hist[-1] if hist else None
             if last is None or not last.failed:
-                self._launch(slot, restart=False, why="")
+                self._launch(slot, restart=False, why=self._went_on(last))
                 continue
             stalls = self._same_stalls(hist)
             if self.d.same_failure_limit and stalls >= self.d.same_failure_limit:
@@ -562,6 +562,14 @@ class _Pass:
             self.restarts += 1
             self._launch(slot, restart=True, why=f"{last.state.lower()}: {last.message or 'no message'}")
         return None
+
+    def _went_on(self, last: _W | None) -> str:
+        """Why a slot whose worker ended without failing is launched again, for its event: an actor that
+        finished the old maxSteps goes on to a raised one (no other event says so)."""
+        if last is None or last.role != ACTOR or last.state != "Succeeded":
+            return ""
+        ended = f"step {last.step}" if last.step is not None else "its maxSteps"
+        return f"to train on from {ended} to maxSteps {self.d.max_steps}"
 
     def _backoff(self, hist: list[_W]) -> float:
         """backoffSeconds * 2^k for the slot's k-th consecutive failure; a long-lived worker resets k."""
@@ -618,7 +626,7 @@ class _Pass:
             text = f"restarting {role}-{replica} (restart {self.restarts}/{self.d.max_restarts}) after {why}"
             event = Event(WARNING, "Restarted", text)
         else:
-            event = Event(NORMAL, "Launched", f"launched {role}-{replica}")
+            event = Event(NORMAL, "Launched", f"launched {role}-{replica}" + (f" {why}" if why else ""))
         launch = Launch(role, replica, restart, event, env=memory.environ(self.effective, role))
         self.actions.append(launch)
         self.launched.append(launch)

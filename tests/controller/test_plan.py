@@ -445,6 +445,8 @@ def test_actor_that_exited_0_early_is_relaunched_not_succeeded():
     ckpt = CheckpointRow(run="r", step=40, path="p", weight_version=40, complete=True, created_at=ago(5))
     p = run_plan(rows, [], prev=status("Running"), ckpt=ckpt, max_steps=100, rollout_replicas=0)
     assert launches(p) == [("actor", 0, False)]
+    [launch] = p.actions
+    assert launch.event.message == "launched actor-0 to train on from step 40 to maxSteps 100", "says why"
 
 
 def test_terminal_phase_is_sticky_and_only_stops_leftovers():
