@@ -65,10 +65,12 @@ def delete_names(
                 continue
             raise
         deleted.append(name)
+        # Deletion is asynchronous, as kubectl's: the controller stops the workers, then purges or moves.
         kept = (
-            "checkpoints purged"
+            "the controller stops its workers, then purges its checkpoints"
             if purge
-            else f"checkpoints kept in {paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
+            else "the controller stops its workers, then moves its checkpoints to "
+            f"{paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
         )
         typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
     if deleted:

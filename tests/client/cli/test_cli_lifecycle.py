@@ -24,8 +24,9 @@ def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
     cli("apply", "-f", str(QUICKSTART))
     out = cli("delete", "run", "quickstart")
     assert out.exit_code == 0, out.output
-    assert out.stdout.startswith("trainingrun/quickstart deleted (checkpoints kept in ")
-    assert str(mortal_home) in out.stdout
+    said = "trainingrun/quickstart deleted (the controller stops its workers, then moves its checkpoints to "
+    assert out.stdout.startswith(said), "the move is the controller's, later: it is not said to be done"
+    assert str(mortal_home / "deleted") in out.stdout
     row = store.get_run("quickstart")
     assert row.deleted_at is not None and not row.purge_requested
     assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
@@ -122,7 +123,8 @@ def test_apply_right_after_delete_installs_the_new_runs_code_in_a_folder_of_its_
 def test_delete_purge(cli, store):
     cli("apply", "-f", str(QUICKSTART))
     out = cli("delete", "tr", "quickstart", "--purge")
-    assert out.stdout == "trainingrun/quickstart deleted (checkpoints purged)\n"
+    said = "trainingrun/quickstart deleted (the controller stops its workers, then purges its checkpoints)\n"
+    assert out.stdout == said
     assert store.get_run("quickstart").purge_requested
 
 
