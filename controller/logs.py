@@ -210,7 +210,7 @@ def read_logs(
     for log in files:
         start = 0 if tail is None else source.tail_offset(log.path, tail, partial=not follow)
         text, offsets[log.path] = _lines(source.read(log.path, start), start, partial=not follow)
-        for line in text.splitlines():
+        for line in _split_lines(text):
             yield _prefix(log, line, prefixed)
     tracked = {log.path: log for log in files}
     while follow and not (stop is not None and stop.is_set()):
@@ -221,8 +221,18 @@ def read_logs(
         for log in sorted(tracked.values(), key=_order):
             offset = offsets.get(log.path, 0)
             text, offsets[log.path] = _lines(source.read(log.path, offset), offset)
-            for line in text.splitlines():
+            for line in _split_lines(text):
                 yield _prefix(log, line, prefixed)
+
+
+def _split_lines(text: str) -> list[str]:
+    """Lines as the log's writer ended them, at newlines only (str.splitlines also splits at a carriage
+    return, a form feed and Unicode separators, so a progress bar's \r updates became lines of their own
+    and the tail count drifted from the byte offsets, which count newlines). A CRLF's CR is dropped."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def _lines(data: bytes, offset: int, partial: bool = False) -> tuple[str, int]:

@@ -53,6 +53,15 @@ def test_lines_are_prefixed_only_when_several_slots(mortal_home: Path) -> None:
     assert list(read_logs("r", tail=0)) == []
 
 
+def test_a_line_ends_only_at_a_newline(mortal_home: Path) -> None:
+    """A progress bar's carriage returns, a form feed or a Unicode line separator stay inside their line (the
+    CLI shows them escaped); a CRLF ends a line as LF does; --tail counts the same lines."""
+    write("r", "actor", 0, 1, "start\r\n 10%\r 50%\r100%\npage\x0cbreak\u2028same\nend\n")
+    lines = ["start", " 10%\r 50%\r100%", "page\x0cbreak\u2028same", "end"]
+    assert list(read_logs("r")) == lines
+    assert list(read_logs("r", tail=3)) == lines[1:]
+
+
 def test_tail_of_a_large_file_reads_backwards(mortal_home: Path) -> None:
     write("big", "actor", 0, 1, "".join(f"line {i}\n" for i in range(50_000)))
     assert list(read_logs("big", tail=3)) == ["line 49997", "line 49998", "line 49999"]
