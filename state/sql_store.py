@@ -656,10 +656,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             s.flush()
             return row
 
-    def list_events(self, run: str | None = None, limit: int = 50) -> list[EventRow]:
+    def list_events(
+        self, run: str | None = None, limit: int = 50, before_id: int | None = None
+    ) -> list[EventRow]:
         query = select(EventRow).order_by(col(EventRow.time).desc(), col(EventRow.id).desc()).limit(limit)
         if run is not None:
             query = query.where(EventRow.run == run)
+        if before_id is not None:
+            query = query.where(col(EventRow.id) < before_id)
         with self._tx(write=False) as s:
             return list(reversed(s.exec(query).all()))
 

@@ -396,8 +396,10 @@ class Store(abc.ABC):
     def add_event(self, run: str, type: str, reason: str, message: str) -> EventRow: ...
 
     @abc.abstractmethod
-    def list_events(self, run: str | None = None, limit: int = 50) -> list[EventRow]:
-        """Newest `limit` events, returned oldest first."""
+    def list_events(
+        self, run: str | None = None, limit: int = 50, before_id: int | None = None
+    ) -> list[EventRow]:
+        """Newest `limit` events (older than the event `before_id`, to page back), returned oldest first."""
 
     @abc.abstractmethod
     def add_metrics(self, worker: WorkerRef, step: int, values: dict[str, float]) -> None:

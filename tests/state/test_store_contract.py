@@ -649,6 +649,10 @@ def test_events_newest_limit_oldest_first(store: Store, run: str) -> None:
     assert [e.message for e in store.list_events(run)] == ["m0", "m1", "m2", "m3", "m4"]
     assert store.list_events(run)[0].type == "Warning"
     assert [e.message for e in store.list_events(limit=2)] == ["m4", "o"]
+    m3 = store.list_events(run)[3]
+    assert [e.message for e in store.list_events(run, limit=2, before_id=m3.id)] == ["m1", "m2"], (
+        "a page back"
+    )
 
 
 def test_metrics(store: Store, run: str) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from mortal.client.cli import events
 from mortal.client.cli.context import run_document, state
 from mortal.client.cli.output import age, console, fmt_float, print_renderable, table
 from mortal.client.cli.text import plain
@@ -20,6 +21,8 @@ from mortal.controller.ledger import run_ledger
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun, TrainingSpec
     from mortal.state import RunRow, Store
+
+EVENT_LINES = 15  # the newest event lines shown (repeats of a reason in a row are one)
 
 HELP = """Show details of a run: spec summary, status, conditions, workers, checkpoints and recent events.
 
@@ -279,11 +282,11 @@ def describe_run(store: Store, row: RunRow) -> None:
             f"Made by (step {checkpoints[-1].step})", provenance_lines(checkpoints[-1].provenance), indent=2
         )
     print_fields("Ledger", run_ledger(store, row).lines())
-    events = store.list_events(row.name, limit=15)
+    lines = events.newest_lines(store, row.name, EVENT_LINES)
     print_section(
         "Events",
         ("TYPE", "REASON", "AGE", "MESSAGE"),
-        [(e.type, e.reason, age(e.time), e.message) for e in events],
+        [(e.type, e.reason, e.last_seen(), e.message) for e in lines],
     )
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.cells import cell_len
 
-from mortal.client.cli import completions, metrics
+from mortal.client.cli import completions, events, metrics
 from mortal.client.cli.context import TERMINAL_PHASES, CliError, parse_selector, run_document, state
 from mortal.client.cli.output import (
     OUTPUT_FORMATS,
@@ -338,19 +338,25 @@ def get_events(
         None, metavar="NAME", help="A run name; events of all runs when omitted."
     ),
     output: str | None = OutputOpt,
-    limit: int = typer.Option(50, "--limit", min=1, help="Show at most this many of the newest events."),
+    limit: int = typer.Option(
+        50,
+        "--limit",
+        min=1,
+        help="Show at most this many of the newest events (a table line of repeats counts once).",
+    ),
 ) -> None:
-    """List events (what happened to runs), oldest first: LAST SEEN TYPE REASON OBJECT MESSAGE."""
+    """List events (what happened to runs), oldest first: LAST SEEN TYPE REASON OBJECT MESSAGE. A reason
+    repeated in a row is one line, its LAST SEEN saying how often: 3m (x12 over 10m)."""
     check_format(output, ("yaml", "json"))
     store = state(ctx).store
     if name:
         store.get_run(name)
-    events = store.list_events(name, limit=limit)
     if output:
-        doc = {"kind": "EventList", "items": [event_dict(e) for e in events]}
+        doc = {"kind": "EventList", "items": [event_dict(e) for e in store.list_events(name, limit=limit)]}
         typer.echo(to_yaml(doc) if output == "yaml" else to_json(doc), nl=False)
         return
-    rows = [(age(e.time), e.type, e.reason, f"trainingrun/{e.run}", e.message) for e in events]
+    lines = events.newest_lines(store, name, limit)
+    rows = [(e.last_seen(), e.type, e.reason, f"trainingrun/{e.run}", e.message) for e in lines]
     print_table(("LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"), rows, "No events found.")
 
 
