@@ -184,7 +184,12 @@ def fork_run(
         pass
     if document is None:
         child = forked_document(
-            parent_doc.to_dict(include_status=False), name, fragment, sets, fragment_source, fragment_lines
+            _inherited(parent_doc.to_dict(include_status=False)),
+            name,
+            fragment,
+            sets,
+            fragment_source,
+            fragment_lines,
         )
     else:
         child = document
@@ -235,6 +240,19 @@ def fork_run(
     store.add_event(source, "Normal", "ForkCreated", f"trainingrun {name} forked from step {checkpoint.step}")
     wake_controller(name)
     return Forked(row.document(), source, checkpoint.step, dest, linked)
+
+
+def _inherited(parent: dict[str, Any]) -> dict[str, Any]:
+    """What a fork takes from its parent's document: not the watched folder's marks (the fork has no file
+    there, and the folder deletes the runs it marked whose files are gone), and not `suspend` (a fork of a
+    suspended run trains; `--set spec.suspend=true` forks it suspended)."""
+    from mortal.controller.watchdir import SOURCE_ANNOTATION, SOURCE_LABEL
+
+    meta = parent.get("metadata", {})
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k != SOURCE_LABEL}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != SOURCE_ANNOTATION}
+    spec = {k: v for k, v in parent["spec"].items() if k != "suspend"}
+    return {**parent, "metadata": {**meta, "labels": labels, "annotations": annotations}, "spec": spec}
 
 
 def _upload_for_nodes(child: TrainingRun, dest: Path, step: int) -> str:

@@ -72,6 +72,27 @@ def test_fork_links_the_checkpoint_records_lineage_and_applies_overrides(cli, ch
     assert newest.exit_code == 0 and store.get_run("newest").forked_from_step == 20
 
 
+def test_a_fork_is_not_the_watched_folder_s_and_trains_though_its_parent_is_suspended(
+    cli, checkpointed
+) -> None:
+    """The parent came from a watched folder and is suspended: the fork carries neither the folder's marks
+    (the folder would delete it, its file being "gone") nor `suspend`, unless --set asks for it."""
+    from mortal.controller.watchdir import SOURCE_ANNOTATION, SOURCE_LABEL
+
+    store = checkpointed
+    row = store.get_run("quickstart")
+    labels = {**row.labels, SOURCE_LABEL: "abc123"}
+    annotations = {**row.annotations, SOURCE_ANNOTATION: "/somewhere/watched"}
+    store.apply_run("quickstart", {**row.spec, "suspend": True}, labels=labels, annotations=annotations)
+    assert cli("fork", "quickstart", "child").exit_code == 0
+    child = store.get_run("child")
+    assert SOURCE_LABEL not in child.labels and SOURCE_ANNOTATION not in child.annotations
+    assert child.labels["example"] == "quickstart", "the user's own labels are inherited"
+    assert child.spec["suspend"] is False
+    assert cli("fork", "quickstart", "held", "--set", "spec.suspend=true").exit_code == 0
+    assert store.get_run("held").spec["suspend"] is True
+
+
 def test_fork_refuses_with_the_run_and_step_named(cli, checkpointed) -> None:
     fails(cli("fork", "nope:step-10", "x"), "trainingrun 'nope' not found")
     fails(
