@@ -25,7 +25,7 @@ from mortal.controller.admission import AdmissionRefused, admit_runs
 from mortal.controller.snapshot import being_deleted
 from mortal.specs import SpecError, TrainingRun, load_file
 from mortal.state.apply_document import apply_document
-from mortal.state.errors import Conflict
+from mortal.state.errors import Conflict, InvalidValue
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -61,7 +61,8 @@ def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
 
 
 def sync_folder(store: Store, folder: Path) -> SyncResult:
-    """Apply the folder's runs; delete this folder's runs whose files are gone (only if all files read)."""
+    """Apply the folder's runs (one refused does not stop the others); delete this folder's runs whose files
+    are gone (only when every file read and every run applied)."""
     result = SyncResult()
     runs, result.errors = read_folder(folder)
     label = {SOURCE_LABEL: source_id(folder)}
@@ -81,9 +82,13 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
         try:
             _, outcome = apply_document(store, run, labels=labels, annotations=annotations)
             result.applied[run.name] = str(outcome)
-        except Conflict as exc:  # being deleted: applied again once it is gone
+        except (Conflict, InvalidValue) as exc:  # refused (a finished run), or being deleted: not applied
             result.errors.append(str(exc))
-    if result.errors:
+        except SpecError as exc:  # the three-way merge does not fit; the folder's other runs go on
+            result.errors.append(
+                f"trainingrun/{run.name} in {folder}, with the fields kept from its live spec: {exc}"
+            )
+    if result.errors:  # a file that did not read, or a run refused: the folder is mid-edit, delete nothing
         return result
     present = {r.name for r in runs}
     for row in store.list_runs(labels=label, include_deleted=False):

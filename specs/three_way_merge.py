@@ -9,7 +9,8 @@ Three inputs besides the document's normal form:
 3. config        the fields this document sets (pydantic's exclude_unset dump).
 
 A field this document sets takes its value; a field the previous document set and this one no longer
-does goes back to its default; any other field keeps the live value, so re-applying the file a run was
+does goes back to its default (a mapping dropped whole: the fields in it the previous document set); any
+other field keeps the live value, so re-applying the file a run was
 scaled or suspended from does not undo the scale or resume the run. As with kubectl, a field the file
 does set wins over a scale: leave `replicas` out of a file whose run is scaled by hand.
 
@@ -34,17 +35,22 @@ def merge_applied(live: Spec, last_applied: Spec | None, config: Spec, normalize
 def _merge_level(live: Spec, last: Spec, config: Spec, normalized: Spec) -> Spec:
     merged: Spec = {}
     for key, default in normalized.items():
-        if key in config:
-            merged[key] = _set_by_document(live.get(key), last.get(key), config[key], default)
-        elif key in last or key not in live:  # the previous document set it and this one not, or new
-            merged[key] = default
-        else:  # never a document's: whoever set it (scale, suspend) or the default it had keeps it
+        if key in config:  # the document's; a mapping it sets part of merges below it
+            merged[key] = _below(live.get(key), last.get(key), config[key], default)
+        elif key in last:  # the previous document set it and this one not: below it, what that one set
+            merged[key] = _below(live.get(key), last[key], {}, default)
+        elif (
+            key in live
+        ):  # never a document's: whoever set it (scale, suspend) or the default it had keeps it
             merged[key] = live[key]
+        else:  # new to the schema
+            merged[key] = default
     return merged
 
 
-def _set_by_document(live: Any, last: Any, config: Any, normalized: Any) -> Any:
-    """A key the document sets: a mapping the document sets part of merges below it."""
+def _below(live: Any, last: Any, config: Any, normalized: Any) -> Any:
+    """A key the document sets (or the previous one did): its mapping merged key by key, anything else
+    the document's normal form."""
     if all(isinstance(v, dict) for v in (live, config, normalized)):
         return _merge_level(live, last if isinstance(last, dict) else {}, config, normalized)
     return normalized

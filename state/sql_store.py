@@ -256,11 +256,12 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                     f"trainingrun {name!r} is at resource_version {row.resource_version}, "
                     f"not {resource_version}"
                 )
-            if (row.spec, row.labels, row.annotations, row.applied) == (spec, labels, annotations, applied):
+            if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
+                if row.applied is None and applied is not None:  # a fork's first apply: record its fields
+                    row = self._update_run(s, row, applied=applied)
                 return row, ApplyOutcome.unchanged
             if (refusal := refused_change(row, spec)) is not None:
                 raise ChangeRefused(refusal)
-            changed = (row.spec, row.labels, row.annotations) != (spec, labels, annotations)
             row = self._update_run(
                 s,
                 row,
@@ -270,7 +271,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
                 applied=applied,
                 generation=row.generation + (row.spec != spec),
             )
-            return row, ApplyOutcome.configured if changed else ApplyOutcome.unchanged
+            return row, ApplyOutcome.configured
 
     def fork_run(
         self,

@@ -182,10 +182,12 @@ class Store(abc.ABC):
         resource_version: int | None = None,
     ) -> tuple[RunRow, ApplyOutcome]:
         """Create the run, or replace its spec/labels/annotations and the fields its document set
-        (`applied`, kept for the next apply's three-way merge). All equal -> unchanged (no write).
+        (`applied`, kept for the next apply's three-way merge). Spec, labels and annotations all equal
+        -> unchanged, and `applied` is kept as it was (a document that spells out what the run already
+        has, such as `get -o yaml`'s, does not take over its fields), unless the run had none (a fork).
 
-        A changed spec bumps generation and resource_version; labels, annotations or `applied` alone
-        bump resource_version (`applied` alone answers unchanged). Equality is JSON equality of the
+        A changed spec bumps generation and resource_version; labels or annotations alone bump
+        resource_version. Equality is JSON equality of the
         normalized dicts. `resource_version`: the version the caller merged against, 0 for "no such run",
         None for no precondition; Conflict if the run moved or was created since, and whenever it is
         being deleted (mortal.state.apply_document re-reads and merges again).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mortal.client.errors import ClientError
@@ -127,6 +128,7 @@ def fields_read_at_launch(before: dict[str, Any], after: dict[str, Any]) -> list
 def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
     """For each run that exists and runs: a note naming the fields its change would reach only at the
     workers' next start, and how to get there (suspend, then resume)."""
+    from mortal.specs import SpecError
     from mortal.state import NotFound
     from mortal.state.apply_document import merged_spec
 
@@ -138,7 +140,10 @@ def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
             continue
         if row.phase not in RUNNING_PHASES or row.spec.get("suspend"):
             continue
-        fields = fields_read_at_launch(row.spec, merged_spec(run, row))
+        try:
+            fields = fields_read_at_launch(row.spec, merged_spec(run, row))
+        except SpecError:  # the merge does not fit: apply_runs reports it for this run
+            continue
         if fields:
             notes.append(
                 f"trainingrun/{run.name} is {row.phase}: its workers read {', '.join(fields)} when they "
@@ -152,18 +157,53 @@ DELETION_WAIT_SECONDS = 120.0  # how long apply waits for a run of the same name
 DELETION_POLL_SECONDS = 0.1
 
 
-def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[tuple[str, str]]:
-    """Write each run's desired state; returns (name, outcome) pairs in the order given."""
+@dataclass
+class Applied:
+    """What applying one run did: its outcome (created, configured, unchanged), or what refused it."""
+
+    name: str
+    outcome: str | None = None
+    error: Exception | None = None
+
+
+def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[Applied]:
+    """Write each run's desired state, in the order given. As `kubectl apply -f DIR`, a run refused (its
+    merge does not fit, the store refuses the change, it is being deleted) does not stop the others: its
+    error is in its result, for the caller to report after the rest are written."""
+    from mortal.specs import SpecError
+    from mortal.state import Conflict, InvalidValue
     from mortal.state.apply_document import apply_document
 
     results = []
     for run in runs:
-        if dry_run:
-            results.append((run.name, _dry_outcome(store, run)))
+        try:
+            outcome = _dry_outcome(store, run) if dry_run else str(apply_document(store, run)[1])
+        except (SpecError, Conflict, InvalidValue) as exc:  # ChangeRefused and InvalidName are among them
+            results.append(Applied(run.name, error=exc))
             continue
-        _, outcome = apply_document(store, run)
-        results.append((run.name, str(outcome)))
+        results.append(Applied(run.name, outcome))
     return results
+
+
+def unapplied_notes(store, runs: list[TrainingRun]) -> list[str]:
+    """For each existing run the store keeps no last-applied configuration of (a fork, or one applied before
+    mortal kept one): this apply keeps every field the file leaves out, as kubectl warns of an object
+    without its last-applied annotation."""
+    from mortal.state import NotFound
+
+    notes = []
+    for run in runs:
+        try:
+            row = store.get_run(run.name)
+        except NotFound:
+            continue
+        if row.applied is None and row.deleted_at is None:
+            notes.append(
+                f"trainingrun/{run.name} has no last-applied configuration (a fork, or applied before "
+                "mortal kept one): this apply keeps every field the file leaves out, and records the "
+                "file's fields, so the next apply resets those it drops"
+            )
+    return notes
 
 
 def wait_until_deleted(
@@ -199,17 +239,20 @@ def wait_until_deleted(
 
 
 def _dry_outcome(store, run: TrainingRun) -> str:
-    """What apply would say, computed without writing."""
-    from mortal.state import NotFound
+    """What apply would say, computed without writing; what it would refuse, raised as apply raises it."""
+    from mortal.state import ChangeRefused, NotFound
     from mortal.state.apply_document import merged_spec
+    from mortal.state.spec_changes import refused_change
 
     try:
         row = store.get_run(run.name)
     except NotFound:
         return "created"
-    same = (row.spec, row.labels, row.annotations) == (
-        merged_spec(run, row),
-        run.metadata.labels,
-        run.metadata.annotations,
-    )
-    return "unchanged" if same else "configured"
+    if row.deleted_at is not None:  # apply waits for the purge, then creates it anew
+        return "created (once the deletion in progress ends)"
+    spec = merged_spec(run, row)
+    if (row.spec, row.labels, row.annotations) == (spec, run.metadata.labels, run.metadata.annotations):
+        return "unchanged"
+    if (refusal := refused_change(row, spec)) is not None:
+        raise ChangeRefused(refusal)
+    return "configured"

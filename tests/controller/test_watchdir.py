@@ -56,6 +56,40 @@ def test_an_unreadable_file_deletes_nothing(store, tmp_path):
     assert store.get_run("a").deleted_at is None
 
 
+SHORT = """\
+apiVersion: mortal/v1
+kind: TrainingRun
+metadata: {{name: {name}, annotations: {{mortal.dev/workload: simulated}}}}
+spec:
+  model: {{name: simulated}}
+  algorithm: {{numGenerations: {n}, batchSize: {batch}, maxSteps: 5}}
+"""
+
+
+def test_a_run_the_merge_refuses_is_reported_and_the_folder_s_other_runs_go_on(store, tmp_path):
+    """A scale (actor.count 2, which a's file leaves out) makes a's edited file not fit, batchSize 3 not
+    dividing by it: a is reported by name and b's change is applied; c, whose file went, is deleted only
+    once the folder has no refused run (it may be mid-edit)."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "a.yaml").write_text(SHORT.format(name="a", n=2, batch=4))
+    for name in ("b", "c"):
+        write(folder, name)
+    sync_folder(store, folder)
+    row = store.get_run("a")
+    store.update_spec("a", {**row.spec, "actor": {**row.spec["actor"], "count": 2}}, row.resource_version)
+    (folder / "a.yaml").write_text(SHORT.format(name="a", n=3, batch=3))
+    write(folder, "b", max_steps=9)
+    (folder / "c.yaml").unlink()
+    result = sync_folder(store, folder)
+    [error] = result.errors
+    assert error.startswith(f"trainingrun/a in {folder}, with the fields kept from its live spec: ")
+    assert "actor.count" in error
+    assert result.applied == {"b": "configured"} and result.deleted == []
+    (folder / "a.yaml").write_text(SHORT.format(name="a", n=2, batch=4))
+    assert sync_folder(store, folder).deleted == ["c"]
+
+
 @sqlite_only  # the subject is how the folder is read, not the store
 def test_a_billion_laughs_file_is_refused_fast_and_deletes_nothing(store, tmp_path):
     folder = tmp_path / "runs"

@@ -42,6 +42,13 @@ CASES = {
         {"rollout": {"gpu": "none", "replicas": 1, "engine": "transformers"}},
         {"rollout": {"gpu": "none", "replicas": 3, "engine": "transformers"}},
     ),
+    "a mapping dropped whole resets only the fields the previous document set in it": (
+        {"rollout": {"gpu": "a100", "replicas": 3}},
+        {"rollout": {"gpu": "a100"}},
+        {},
+        {"rollout": {"gpu": "none", "replicas": 1}},
+        {"rollout": {"gpu": "none", "replicas": 3}},
+    ),
     "a list is replaced whole": (
         {"rewards": [{"f": "a"}, {"f": "b"}]},
         {"rewards": [{"f": "a"}, {"f": "b"}]},

@@ -95,18 +95,24 @@ def test_apply_created_unchanged_configured(store: Store) -> None:
     assert store.get_run("r") == row
 
 
-def test_apply_keeps_the_fields_its_document_set_and_an_applied_change_alone_answers_unchanged(
-    store: Store,
-) -> None:
-    """`applied` (the fields the document set) is kept for the next apply's three-way merge; a change of it
-    alone is written (resource_version + 1) but is no change of the run."""
+def test_apply_keeps_the_fields_its_document_set_when_it_changes_the_run(store: Store) -> None:
+    """`applied` (the fields the document set) is kept for the next apply's three-way merge. A document that
+    changes nothing keeps the run's as it was (spelling out what the run has does not take its fields
+    over), unless the run had none: a fork's first apply records them."""
     row, _ = store.apply_run("r", SPEC, applied={"model": {"name": "tiny"}})
     assert row.applied == {"model": {"name": "tiny"}}
-    row, outcome = store.apply_run("r", SPEC, applied={"model": {"name": "tiny"}, "rollout": {"replicas": 1}})
-    assert outcome is ApplyOutcome.unchanged and (row.generation, row.resource_version) == (1, 2)
-    assert store.get_run("r").applied == {"model": {"name": "tiny"}, "rollout": {"replicas": 1}}
+    row, outcome = store.apply_run("r", SPEC, applied=SPEC)
+    assert (
+        outcome is ApplyOutcome.unchanged
+        and row.resource_version == 1
+        and row.applied == {"model": {"name": "tiny"}}
+    )
+    row, outcome = store.apply_run("r", _spec(replicas=2), applied={"rollout": {"replicas": 2}})
+    assert outcome is ApplyOutcome.configured and row.applied == {"rollout": {"replicas": 2}}
     forked = store.fork_run("f", SPEC, {}, {}, "r", 0, "/nowhere", 0)
     assert forked.applied is None, "a fork was never applied"
+    row, outcome = store.apply_run("f", SPEC, applied={"model": {"name": "tiny"}})
+    assert outcome is ApplyOutcome.unchanged and row.applied == {"model": {"name": "tiny"}}
 
 
 def test_apply_with_a_resource_version_writes_only_over_that_version(store: Store) -> None:

@@ -8,6 +8,7 @@ mortal.controller.admission's.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -15,6 +16,7 @@ import typer
 from mortal.client import apply
 from mortal.client.cli import follow
 from mortal.client.cli.context import CliError, state
+from mortal.client.cli.error_messages import error_message
 from mortal.client.cli.text import plain
 from mortal.client.local_controller import ensure_controller, finish_deletion, wake_controller
 
@@ -96,22 +98,41 @@ def apply_command(
                     plain(("check: " if dry_run else "note: ") + check.line(admission.run.name)), err=True
                 )
         fitted = apply.fit_micro_batches(runs)
-        for note in apply.launch_notes(cli.store, fitted):
+        for note in apply.launch_notes(cli.store, fitted) + apply.unapplied_notes(cli.store, fitted):
             typer.echo(plain(f"note: {note}"), err=True)
         results = apply.apply_runs(cli.store, fitted, dry_run)
     suffix = " (dry run)" if dry_run else ""
-    for name, outcome in results:
-        typer.echo(plain(f"trainingrun/{name} {outcome}{suffix}"))
-    if dry_run:
-        return
-    changed = [name for name, outcome in results if outcome != "unchanged"]
-    if changed:
-        wake_controller(*changed)
-    ensure_controller(cli.state_url, no_controller)
-    if follow_ or wait:
-        names = [name for name, _ in results]
+    applied = [r for r in results if r.error is None]
+    for result in applied:
+        typer.echo(plain(f"trainingrun/{result.name} {result.outcome}{suffix}"))
+    if not dry_run:
+        changed = [r.name for r in applied if r.outcome != "unchanged"]
+        if changed:
+            wake_controller(*changed)
+        ensure_controller(cli.state_url, no_controller)
+    refused = [r for r in results if r.error is not None]
+    if refused:  # as kubectl apply: each run's error after the others are applied, then exit 1
+        sources = {run.name: source for run, source in sourced}
+        for result in refused:
+            typer.echo(plain(refusal_message(result, sources[result.name]), multiline=True), err=True)
+        raise typer.Exit(1)
+    if not dry_run and (follow_ or wait):
+        names = [r.name for r in results]
         ok = follow.follow_runs(cli.store, names, quiet=wait and not follow_, timeout=timeout or None)
         raise typer.Exit(0 if ok else 1)
+
+
+def refusal_message(result: apply.Applied, source: str) -> str:
+    """The error line of one run apply refused, naming the file it came from; a spec the three-way merge
+    made invalid names the fields, as kept from the live run."""
+    from mortal.specs import SpecError
+
+    error = result.error
+    if isinstance(error, SpecError):
+        kept = f"{source} with the fields trainingrun/{result.name} keeps from its live spec"
+        error = SpecError([replace(issue, source=kept) for issue in error.issues])
+        return error_message(error)
+    return f"{error_message(error)} ({source})"
 
 
 def register(app: typer.Typer) -> None:

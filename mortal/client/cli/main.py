@@ -35,8 +35,8 @@ from mortal.client.cli import (
     scale,
 )
 from mortal.client.cli.context import CliState
+from mortal.client.cli.error_messages import error_message
 from mortal.client.cli.text import plain
-from mortal.client.errors import ClientError
 
 HELP = """mortalctl controls mortal, an operator for reinforcement-learning training of language models.
 
@@ -110,39 +110,9 @@ def _quiet_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
-def error_message(exc: BaseException, debug: bool = False) -> str:
-    """The paragraph a user sees for `exc` (kubectl style: 'error: ...')."""
-    from mortal.specs import SpecError
-    from mortal.state import ChangeRefused, Conflict, Fenced, NotFound, StoreError
-
-    if isinstance(exc, SpecError):
-        if len(exc.issues) == 1:
-            return f"error: {exc.issues[0]}"
-        listed = "\n".join(f"  {issue}" for issue in exc.issues)
-        return f"error: {len(exc.issues)} problems in the TrainingRun documents:\n{listed}"
-    if isinstance(exc, NotFound | ChangeRefused):
-        return f"error: {exc}"
-    if isinstance(exc, Conflict):
-        return f"error: conflict: {exc}; read the run again and retry"
-    if isinstance(exc, Fenced):
-        return f"error: refused: {exc}"
-    if isinstance(exc, (StoreError, ClientError)):
-        return f"error: {exc}"
-    if type(exc).__module__.startswith("sqlalchemy"):
-        url = os.environ.get("MORTAL_STATE_URL") or "the default SQLite store"
-        return f"error: cannot use the state store ({url}): {_first_line(exc)}"
-    hint = "" if debug else " (run again with --debug for the traceback)"
-    return f"error: unexpected {type(exc).__name__}: {_first_line(exc)}{hint}"
-
-
 def _is_typer_signal(exc: BaseException) -> bool:
     """typer's (vendored click's) own exits, aborts and usage errors: left for typer to handle."""
     return isinstance(exc, (typer.Exit, typer.Abort)) or type(exc).__module__.startswith("typer")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _env_debug() -> bool:

@@ -69,7 +69,9 @@ def test_get_json_round_trips_through_apply(cli, spec_file):
     assert json.loads(dumped.stdout)["kind"] in ("List", "TrainingRunList")
     again = cli("apply", "-f", "-", input=dumped.stdout)
     assert again.exit_code == 0, again.output
+    # Nothing is written: the documents spell out what the runs have, without taking their fields over.
     assert again.stdout.splitlines() == ["trainingrun/other unchanged", "trainingrun/quickstart unchanged"]
+    assert cli("get", "runs", "-o", "json").stdout == dumped.stdout
 
 
 def test_get_yaml_of_one_run_round_trips_through_apply(cli):
@@ -131,6 +133,58 @@ def test_dry_run_writes_nothing(cli, spec_file):
         cli("apply", "-f", str(QUICKSTART), "--dry-run").stdout
         == "trainingrun/quickstart unchanged (dry run)\n"
     )
+
+
+def test_a_run_refused_does_not_stop_the_others_and_is_named_with_its_file(
+    cli, store_url, spec_file, tmp_path
+):
+    """As `kubectl apply -f DIR`: every run is applied that can be, each refused one is an error naming
+    its file, and the exit is 1; --dry-run says the same, writing nothing."""
+    from clihelpers import set_status
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for name in ("a", "b", "c"):
+        cli("apply", "-f", str(spec_file(name)))
+    store = open_store(store_url)
+    try:
+        set_status(store, "b", phase="Succeeded", step=30)
+    finally:
+        store.close()
+    for name in ("a", "b", "c"):
+        spec_file(name, **{"spec.algorithm.maxSteps": 40}).rename(folder / f"{name}.yaml")
+    for dry in (True, False):
+        out = cli("apply", "-f", str(folder), *(["--dry-run"] if dry else []))
+        suffix = " (dry run)" if dry else ""
+        assert out.exit_code == 1
+        assert out.stdout.splitlines() == [
+            f"trainingrun/a configured{suffix}",
+            f"trainingrun/c configured{suffix}",
+        ]
+        assert "trainingrun 'b' is Succeeded; a finished run cannot be changed" in out.stderr
+        assert f"({folder})" in out.stderr
+    store = open_store(store_url)
+    try:
+        maxima = [store.get_run(n).spec["algorithm"]["maxSteps"] for n in ("a", "b", "c")]
+    finally:
+        store.close()
+    assert maxima == [40, 30, 40]
+
+
+def test_a_fork_s_first_apply_says_that_it_keeps_what_the_file_leaves_out(cli, store_url, spec_file):
+    """A run without a last-applied configuration (a fork, or one applied before mortal kept it) keeps
+    every field the file leaves out this once; apply says so, as kubectl warns of a missing annotation."""
+    cli("apply", "-f", str(QUICKSTART))
+    store = open_store(store_url)
+    try:
+        row = store.get_run("quickstart")
+        store.fork_run("child", row.spec, row.labels, row.annotations, "quickstart", 0, "/nowhere", 0)
+    finally:
+        store.close()
+    child = spec_file("child")
+    out = cli("apply", "-f", str(child))
+    assert "note: trainingrun/child has no last-applied configuration" in out.stderr
+    assert "note:" not in cli("apply", "-f", str(child)).stderr, "that apply recorded the file's fields"
 
 
 def test_applying_to_a_run_still_being_deleted_gives_up_naming_it(cli, monkeypatch):
