@@ -16,6 +16,7 @@ and ask to be looked at again when something is due.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -179,7 +180,7 @@ class _Pass:
         self.notes: list[str] = []
         self.launched: list[Launch] = []
         self.ending_stalled: list[dl.StalledWorker] = []  # past a deadline, asked for their stacks this pass
-        self.restarts = _count_restarts(self.rows)
+        self.restarts = _count_restarts(self.rows, self._ended_badly)
         self.timing: tuple[str | None, float | None] = (
             self.prev.get("lastStepTime"),
             self.prev.get("stepSeconds"),
@@ -529,7 +530,7 @@ class _Pass:
             if live:
                 continue
             last = hist[-1] if hist else None
-            if last is None or not last.failed:
+            if last is None or not self._ended_badly(last):
                 self._launch(slot, restart=False, why=self._went_on(last))
                 continue
             stalls = self._same_stalls(hist)
@@ -563,6 +564,17 @@ class _Pass:
             self._launch(slot, restart=True, why=f"{last.state.lower()}: {last.message or 'no message'}")
         return None
 
+    def _ended_badly(self, w: _W) -> bool:
+        """Failed or lost, or a rollout that exited 0 while the actor trains on: a rollout ends on its own
+        only after the actor's last step, so such an exit (user code calling os._exit(0)) is counted as
+        a restart, with its backoff and limit, as Kubernetes counts a container's exit 0 under Always."""
+        if w.failed:
+            return True
+        actors = [a for a in self.rows if a.role == ACTOR]
+        return (
+            w.role == ROLLOUT and w.state == "Succeeded" and not (actors and actors[-1].state == "Succeeded")
+        )
+
     def _went_on(self, last: _W | None) -> str:
         """Why a slot whose worker ended without failing is launched again, for its event: an actor that
         finished the old maxSteps goes on to a raised one (no other event says so)."""
@@ -575,7 +587,7 @@ class _Pass:
         """backoffSeconds * 2^k for the slot's k-th consecutive failure; a long-lived worker resets k."""
         k = 0
         for w in reversed(hist):
-            if not w.failed:
+            if not self._ended_badly(w):
                 break
             k += 1
             if self._lived_long(w):
@@ -849,13 +861,14 @@ class _Pass:
         self.rows = [ended if r.id == w.id else r for r in self.rows]
 
 
-def _count_restarts(rows: list[_W]) -> int:
-    """Relaunches recorded in the rows: a row whose predecessor in the same slot failed or was lost."""
+def _count_restarts(rows: list[_W], ended_badly: Callable[[_W], bool]) -> int:
+    """Relaunches recorded in the rows: a row whose predecessor in the same slot ended badly (failed, lost,
+    or a rollout's early exit: _Pass._ended_badly)."""
     last: dict[tuple[str, int], _W] = {}
     count = 0
     for w in rows:
         before = last.get(w.slot)
-        if before is not None and before.failed:
+        if before is not None and ended_badly(before):
             count += 1
         last[w.slot] = w
     return count

@@ -10,7 +10,8 @@ trainer state, log callbacks) and may keep state between calls, which a subproce
 cannot stop a thread, so a call past its deadline is abandoned (a daemon thread, left to finish or die
 with the process), and `Abandoner` bounds how many may pile up: past `limit` still running, the worker
 raises `TooManyAbandonedCalls` (exit 75), and the controller relaunches it with a fresh process.
-What it must not do: swallow what the call raises (the caller decides what an exception means).
+What it must not do: swallow what the call raises (the caller decides what an exception means), or let the
+call's own SystemExit or KeyboardInterrupt end the worker (they reach the caller as CallExited).
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class CallTimedOut(Exception):
         super().__init__(f"{what} did not return within {seconds:g} s")
         self.what = what
         self.seconds = seconds
+
+
+class CallExited(Exception):
+    """The call itself raised SystemExit or KeyboardInterrupt (user code calling sys.exit, or raising
+    either): an error of the call's, not a request to end this worker. Left as they are, the worker would
+    exit with the user's code (0: a rollout relaunched in a loop that looks healthy) without naming the
+    reward or tool; as an Exception, the caller reports it as it reports anything else the call raised."""
+
+    def __init__(self, what: str, raised: SystemExit | KeyboardInterrupt) -> None:
+        said = f": {raised}" if str(raised) else ""
+        super().__init__(f"{what} raised {type(raised).__name__}{said}")
+        self.raised = raised
 
 
 class TooManyAbandonedCalls(RuntimeError):
@@ -106,5 +119,8 @@ class Abandoner:
             )
             raise CallTimedOut(what, seconds)
         if "error" in box:
-            raise box["error"]
+            error = box["error"]
+            if isinstance(error, SystemExit | KeyboardInterrupt):
+                raise CallExited(what, error) from error
+            raise error
         return box.get("value")

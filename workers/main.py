@@ -11,7 +11,8 @@ into the worker's last report and exit code:
     out of GPU memory        report Failed 4 "OutOfMemory: tried to allocate ... on GPU 0 (...)", exit 4
                              (torch.cuda.OutOfMemoryError, CUDA's or NCCL's out-of-memory: mortal.workers.oom)
     Fenced anywhere          no report, exit 76 at once
-    any other exception      traceback to the log, report Failed 75, exit 75
+    any other exception      traceback to the log, report Failed 75, exit 75 (SystemExit and KeyboardInterrupt
+                             too: user code calling sys.exit does not end a worker as if it had finished)
 
 What it must not do: decide about the run. The controller reads the report and the exit code.
 """
@@ -158,6 +159,10 @@ def run_worker(environ: Mapping[str, str] | None = None) -> int:
             log.error("out of GPU memory: %s", oom.describe())
             return _finish(store, worker, ctx, EXIT_OUT_OF_MEMORY, f"{OUT_OF_MEMORY}: {oom.describe()}")
         return _finish(store, worker, ctx, EXIT_RETRYABLE, f"{type(exc).__name__}: {exc}"[:500])
+    except (SystemExit, KeyboardInterrupt) as exc:  # user code run on this thread (an environment built here)
+        log.error("crashed:\n%s", traceback.format_exc())
+        said = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return _finish(store, worker, ctx, EXIT_RETRYABLE, f"{said} raised inside the workload"[:500])
     stopped = ctx.stopping.is_set()
     return _finish(store, worker, ctx, code, None if code == 0 else f"exited with code {code}", stopped)
 

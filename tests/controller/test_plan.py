@@ -148,6 +148,21 @@ def test_self_reported_retryable_failure_relaunches():
     assert "boom" in p.actions[0].event.message
 
 
+def test_a_rollout_that_exits_0_while_the_actor_trains_is_a_restart_with_backoff_and_limit():
+    """A rollout ends on its own only after the actor's last step; user code calling os._exit(0) would
+    otherwise relaunch it in a loop that looks healthy. After the actor's success it is no restart."""
+    rows, procs = running()
+    rows[1] = row("rollout", 0, 2, "Succeeded", code=0, ended=60)
+    p = run_plan(rows, procs[:1], prev=status("Running"))
+    assert launches(p) == [("rollout", 0, True)] and p.actions[-1].event.reason == "Restarted"
+    again = [*rows, row("rollout", 0, 3, "Succeeded", code=0, ended=90)]
+    p = run_plan(again, procs[:1], prev=status("Running"), max_restarts=1)
+    assert cond(p, "Failed")["reason"] == "RestartLimitReached"
+    done = [row("actor", 0, 1, "Succeeded", code=0, step=5), rows[1]]
+    p = run_plan(done, [], prev=status("Running"), max_steps=5)
+    assert p.status["phase"] == "Succeeded"
+
+
 def test_restart_limit_fails_the_run_with_the_last_message_and_stops_the_rest():
     rows = [
         row("actor", 0, 1, "Lost", ended=60),

@@ -98,3 +98,17 @@ def numpy_scores(completions, **kwargs):
 
 def infinite(completions, **kwargs):
     return [float("inf")] * len(completions)
+
+
+def too_big(completions, **kwargs):
+    return [10**400] * len(completions)
+
+
+def exits(completions, **kwargs):
+    import sys
+
+    sys.exit(0)
+
+
+def interrupts(completions, **kwargs):
+    raise KeyboardInterrupt("user ctrl-c")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
+from mortal.workers.deadline import Abandoner, CallExited, CallTimedOut, TooManyAbandonedCalls
 
 
 def _blocks_until(event: threading.Event) -> None:
@@ -26,6 +26,20 @@ def test_a_call_within_its_deadline_returns_its_value_or_raises_its_exception() 
     with pytest.raises(ZeroDivisionError):
         calls.call(lambda: 1 / 0, 5.0, "divide")
     assert calls.abandoned == 0
+
+
+@pytest.mark.parametrize("raised", [SystemExit(0), KeyboardInterrupt("ctrl-c")])
+def test_a_call_s_own_exit_comes_back_as_an_error_naming_it_not_as_the_worker_s_end(raised) -> None:
+    """User code calling sys.exit (or raising KeyboardInterrupt) must not end the worker as if it finished."""
+
+    def leaves() -> None:
+        raise raised
+
+    with pytest.raises(CallExited) as caught:
+        Abandoner().call(leaves, 5.0, "reward r")
+    assert caught.value.raised is raised and str(caught.value).startswith(
+        f"reward r raised {type(raised).__name__}"
+    )
 
 
 def test_a_call_past_its_deadline_is_abandoned_and_every_stack_goes_to_the_log(capfd) -> None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
 from mortal.workers import references
-from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
+from mortal.workers.deadline import Abandoner, CallExited, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
 from mortal.workers.rewards.environment import RewardEnvironment
@@ -188,6 +188,8 @@ def load_reward(
 
 
 def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
+    if isinstance(exc, CallExited):  # the reward's own sys.exit or KeyboardInterrupt, named as raised
+        exc = exc.raised
     frames = traceback.extract_tb(exc.__traceback__)
     at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     return FatalWorkerError(
@@ -222,7 +224,10 @@ def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float
                 f"{bad} returned {value!r} ({type(value).__name__}) at position {i}; "
                 "return a float, or None when the reward does not apply",
             )
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # a Python int beyond any float
+            number = math.inf
         if math.isinf(number):
             raise FatalWorkerError(
                 "RewardBadOutput", f"{bad} returned {number} at position {i}; rewards must be finite"

@@ -10,6 +10,7 @@ reported next to the others (`RewardSet.report`), with what it printed, and the 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,9 +55,14 @@ DEVICE = typer.Option("auto", "--device", help="auto (a GPU when there is one), 
 
 
 def load_run(filename: str, name: str | None) -> TrainingRun:
-    """The one run in `filename`, or the one called `name`."""
+    """The one run in `filename`, or the one called `name`. Its modules import from this folder, as they
+    do when it is applied from here (admission and the code snapshot take them from the applying folder;
+    a console script does not put that folder on sys.path itself)."""
     from mortal.client.apply import read_documents
 
+    here = str(Path.cwd())
+    if here not in sys.path:
+        sys.path.insert(0, here)
     runs = read_documents([filename])
     if name is not None:
         runs = [run for run in runs if run.name == name] or _no_run(filename, name, runs)

@@ -83,6 +83,28 @@ def test_test_reward_reports_a_reward_that_raises_and_exits_1(cli, spec_file) ->
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_test_reward_imports_the_run_s_module_from_this_folder_and_reports_its_sys_exit(
+    cli, spec_file, tmp_path, monkeypatch
+) -> None:
+    """As apply does, `test reward` takes the run's modules from the folder it runs in; a reward that calls
+    sys.exit(0) is an error of that reward (exit 1), not a silent success."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "leaving_rewards.py").write_text(
+        "import sys\n\ndef stays(completions, **kw):\n    return [1.0]\n\n"
+        "def leaves(completions, **kw):\n    sys.exit(0)\n"
+    )
+    monkeypatch.chdir(project)
+    rewards = [{"function": "leaving_rewards:stays"}, {"function": "leaving_rewards:leaves"}]
+    path = spec_file("here", **{"spec.rewards": rewards, "spec.model": UNCACHED})
+    result = cli("test", "reward", "-f", str(path), "--completion", "27", "-o", "json")
+    assert result.exit_code == 1, result.output
+    stays, leaves = json.loads(result.stdout)["rewards"]
+    assert (stays["score"], stays["error"]) == (1.0, None)
+    assert "reward 'leaves'" in leaves["error"] and "raised SystemExit: 0" in leaves["error"]
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -123,6 +123,14 @@ def test_loading_errors_are_fatal_and_name_the_entry(entry: dict, message: str) 
         ("not_a_list", "RewardBadOutput", "returned a float; return a list"),
         ("strings", "RewardBadOutput", "returned 'good' (str) at position 0"),
         ("infinite", "RewardBadOutput", "returned inf at position 0; rewards must be finite"),
+        ("too_big", "RewardBadOutput", "returned inf at position 0; rewards must be finite"),
+        # A reward's own sys.exit(0) once ended the rollout as if it had finished: relaunched in a loop.
+        (
+            "exits",
+            "RewardFailed",
+            "reward 'exits' (spec.rewards[0].function 'reward_fixtures:exits') raised SystemExit: 0 at ",
+        ),
+        ("interrupts", "RewardFailed", "raised KeyboardInterrupt: user ctrl-c at "),
     ],
 )
 def test_scoring_errors_are_fatal_with_a_clear_reason(function: str, reason: str, message: str) -> None:
