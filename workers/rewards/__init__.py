@@ -249,8 +249,8 @@ class RewardTimeout:
         """The Warning event's message: the worker, what it was doing and for how long."""
         return (
             f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
-            f"scoring {self.completions} completions for step {self.step + 1}; they score None "
-            "(not applicable), the run goes on; its stacks are in the worker's log"
+            f"scoring {self.completions} completions for step {self.step + 1}; they score None (not applicable), "
+            "the run goes on; its stacks are in the worker's log"
         )
 
 
