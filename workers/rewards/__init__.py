@@ -243,13 +243,13 @@ class RewardTimeout:
     name: str
     seconds: float
     completions: int
-    step: int  # TRL's global_step when they were generated: the steps trained before them
+    step: int
 
     def describe(self, worker: str) -> str:
         """The Warning event's message: the worker, what it was doing and for how long."""
         return (
             f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
-            f"scoring {self.completions} completions for step {self.step + 1}; they score None (not applicable), "
+            f"scoring {self.completions} completions of step {self.step}; they score None (not applicable), "
             "the run goes on; its stacks are in the worker's log"
         )
 

@@ -185,6 +185,6 @@ def test_a_reward_past_its_timeout_scores_none_and_is_told_once_a_step() -> None
         .describe("rollout-0 #4")
         .startswith(
             "rollout-0 #4: reward 'never_returns' did not return within its timeoutSeconds (0.1 s) scoring 2 "
-            "completions for step 8; they score None"
+            "completions of step 7; they score None"
         )
     )
