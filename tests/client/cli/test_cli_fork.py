@@ -138,6 +138,28 @@ def test_rollback_forgets_later_checkpoints_and_keeps_or_drops_their_files(
     assert event.message.startswith("rolled back to step 10 (later checkpoints step-20 ")
 
 
+def test_a_rollback_whose_step_the_stopping_workers_prune_changes_nothing_and_resumes_the_run(
+    checkpointed,
+) -> None:
+    """The actor's checkpoint as it stops may prune the step asked for (checkpoint.keep): nothing is rolled
+    back, and the run this call suspended is resumed as it was, not left suspended."""
+    from mortal.client.rollback import RollbackRefused, rollback_run
+
+    store = checkpointed
+    ref = actor(store, "quickstart")
+
+    def stopping_prunes_step_10() -> None:
+        store.delete_checkpoint(ref, 10)
+        store.end_worker(next(w.id for w in store.list_workers("quickstart", live_only=True)), "Stopped")
+
+    with pytest.raises(
+        RollbackRefused, match="nothing was rolled back and trainingrun 'quickstart' was resumed"
+    ):
+        rollback_run(store, "quickstart", 10, on_suspend=stopping_prunes_step_10, stop_timeout=5)
+    assert store.get_run("quickstart").spec["suspend"] is False
+    assert [c.step for c in store.list_checkpoints("quickstart")] == [20]
+
+
 def test_rollback_refuses_to_keep_later_checkpoints_through_a_link_out_of_the_run(
     cli, checkpointed, tmp_path
 ) -> None:
