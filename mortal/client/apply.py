@@ -8,7 +8,7 @@ before anything is written, a model that certainly cannot fit the GPU it names (
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,15 +129,10 @@ def launch_notes(store, runs: list[TrainingRun]) -> list[str]:
     """For each run that exists and runs: a note naming the fields its change would reach only at the
     workers' next start, and how to get there (suspend, then resume)."""
     from mortal.specs import SpecError
-    from mortal.state import NotFound
     from mortal.state.apply_document import merged_spec
 
     notes = []
-    for run in runs:
-        try:
-            row = store.get_run(run.name)
-        except NotFound:
-            continue
+    for run, row in _existing(store, runs):
         if row.phase not in RUNNING_PHASES or row.spec.get("suspend"):
             continue
         try:
@@ -189,14 +184,8 @@ def unapplied_notes(store, runs: list[TrainingRun]) -> list[str]:
     """For each existing run the store keeps no last-applied configuration of (a fork, or one applied before
     mortal kept one): this apply keeps every field the file leaves out, as kubectl warns of an object
     without its last-applied annotation."""
-    from mortal.state import NotFound
-
     notes = []
-    for run in runs:
-        try:
-            row = store.get_run(run.name)
-        except NotFound:
-            continue
+    for run, row in _existing(store, runs):
         if row.applied is None and row.deleted_at is None:
             notes.append(
                 f"trainingrun/{run.name} has no last-applied configuration (a fork, or applied before "
@@ -204,6 +193,18 @@ def unapplied_notes(store, runs: list[TrainingRun]) -> list[str]:
                 "file's fields, so the next apply resets those it drops"
             )
     return notes
+
+
+def _existing(store, runs: list[TrainingRun]) -> Iterator[tuple[TrainingRun, Any]]:
+    """Each run the store holds, with its row (the others are skipped)."""
+    from mortal.state import NotFound
+
+    for run in runs:
+        try:
+            row = store.get_run(run.name)
+        except NotFound:
+            continue
+        yield run, row
 
 
 def wait_until_deleted(
