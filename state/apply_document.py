@@ -44,8 +44,8 @@ def apply_document(
     from the live run does not fit the document's, Conflict when the run is being deleted."""
     labels = run.metadata.labels if labels is None else labels
     annotations = run.metadata.annotations if annotations is None else annotations
+    live = _live_row(store, run.name)
     for attempt in range(1, MERGE_ATTEMPTS + 1):
-        live = _live_row(store, run.name)
         try:
             return store.apply_run(
                 run.name,
@@ -57,9 +57,9 @@ def apply_document(
             )
         except ChangeRefused:
             raise
-        except Conflict:
-            moved = _live_row(store, run.name)
-            if attempt == MERGE_ATTEMPTS or (moved is not None and moved.deleted_at is not None):
+        except Conflict:  # the run as it is now: merged against on the next attempt
+            live = _live_row(store, run.name)
+            if attempt == MERGE_ATTEMPTS or (live is not None and live.deleted_at is not None):
                 raise
     raise AssertionError("unreachable: the last attempt returns or raises")
 

@@ -151,6 +151,14 @@ def _calls_tried_twice(cls: type[SqlStore]) -> type[SqlStore]:
     return cls
 
 
+def _check_version(row: RunRow, resource_version: int | None) -> None:
+    """The caller's precondition on a run row (None: none): Conflict when the row moved past it."""
+    if resource_version is not None and row.resource_version != resource_version:
+        raise Conflict(
+            f"trainingrun {row.name!r} is at resource_version {row.resource_version}, not {resource_version}"
+        )
+
+
 def _json(value: Any) -> Any:
     """The value as JSON will store it (tuples -> lists, ...), so equality means 'stores the same'."""
     return json_value(value)
@@ -251,11 +259,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
             row = self._run(s, name, lock=True)
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
-            if resource_version not in (None, row.resource_version):
-                raise Conflict(
-                    f"trainingrun {name!r} is at resource_version {row.resource_version}, "
-                    f"not {resource_version}"
-                )
+            _check_version(row, resource_version)
             if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
                 if row.applied is None and applied is not None:  # a fork's first apply: record its fields
                     row = self._update_run(s, row, applied=applied)
@@ -371,11 +375,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         spec = _json(spec)
         with self._tx() as s:
             row = self._run(s, name)
-            if row.resource_version != resource_version:
-                raise Conflict(
-                    f"trainingrun {name!r} is at resource_version {row.resource_version}, "
-                    f"not {resource_version}"
-                )
+            _check_version(row, resource_version)
             if row.deleted_at is not None:
                 raise Conflict(f"trainingrun {name!r} is being deleted")
             if (refusal := refused_change(row, spec)) is not None:
@@ -394,11 +394,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         with self._tx() as s:
             check_leader(s, fence)
             row = self._run(s, name, lock=True)
-            if resource_version is not None and row.resource_version != resource_version:
-                raise Conflict(
-                    f"trainingrun {name!r} is at resource_version {row.resource_version}, "
-                    f"not {resource_version}"
-                )
+            _check_version(row, resource_version)
             for type_, reason, message in events:
                 s.add(EventRow(run=name, type=type_, reason=reason, message=message))
             return self._update_run(s, row, status=status, phase=status.get("phase", row.phase))
