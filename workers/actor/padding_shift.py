@@ -14,7 +14,8 @@ untouched, and the values equal the masked forward's up to the kernel's rounding
 (tests/workers/actor/test_padding_shift.py). MORTAL_PADDING_SHIFT=0 in the worker's environment leaves it
 out (bench/gpu_step.py --no-padding-shift), the way back should a model or kernel disagree with it.
 Rows that share a long prompt prefix (a tool-calling run's system prompt and tool schemas) have it computed
-once (shared_prefix.py); their remaining tokens then attend with a mask over the shared cache.
+once, laid end to end with every row's remaining tokens in one row (shared_prefix.py), whose attention
+the function registered here hands to shared_prefix.packed_attention.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def unroll_rows(values: torch.Tensor, shifts: torch.Tensor, keep: torch.Tensor) 
 def trailing_padding_attention(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> Any:
-    """transformers' sdpa attention, without the mask in a call whose rows' padding trails (FLAG)."""
+    """transformers' sdpa attention, without the mask in a call whose rows' padding trails (FLAG); a packed
+    row of shared_prefix's (its LAYOUT) attends as its layout says."""
+    layout = kwargs.pop(shared_prefix.LAYOUT, None)
+    if layout is not None:
+        return shared_prefix.packed_attention(module, query, key, value, layout, **kwargs)
     trails = kwargs.pop(FLAG, False)
     window = getattr(module, "sliding_window", None)
     if trails and (window is None or key.shape[-2] <= window):
@@ -89,9 +94,7 @@ def shifted_call(
         else 0
     )
     if prefix:  # the rows' common prompt prefix computed once (shared_prefix.py)
-        outputs = shared_prefix.shared_call(
-            forward, model, rolled_ids, rolled_mask, rolled_labels, prefix, PER_TOKEN_OUTPUTS
-        )
+        outputs = shared_prefix.shared_call(forward, rolled_ids, rolled_labels, prefix, PER_TOKEN_OUTPUTS)
     else:
         positions = torch.arange(input_ids.size(1), device=input_ids.device)[None] + shifts[:, None]
         outputs = forward(

@@ -137,18 +137,24 @@ def test_the_loss_values_and_gradients_equal_the_masked_forwards(tiny_dir, tmp_p
     assert_same_gradients(grads, want_grads)
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize(("lora", "checkpointing"), [(False, False), (True, False), (False, True)])
 def test_a_prompt_prefix_every_row_shares_is_computed_once_with_the_masked_forwards_values(
-    tiny_dir, tmp_path, monkeypatch, lora
+    tiny_dir, tmp_path, monkeypatch, lora, checkpointing
 ) -> None:
     """Prompts of 48 tokens whose first 40 are the same in every row (a system prompt and tool schemas),
-    each padded differently: the prefix runs once, as one row, and the logprobs, entropies and gradients
-    are the masked forward's (rotary positions: each row numbered from 0 instead of from its padding)."""
+    each padded differently: the prefix runs once, in one row with every row's other 14 tokens after it,
+    and the logprobs, entropies and gradients are the masked forward's (rotary positions: each row
+    numbered from 0 instead of from its padding); with activation checkpointing too, whose layers run
+    again in backward."""
     batch = _batch(prompt=48, shared=40)
     plain, shifted = (
         _trainer(tiny_dir, tmp_path / "plain", lora),
         _trainer(tiny_dir, tmp_path / "shifted", lora),
     )
+    if checkpointing:  # as the Trainer turns it on when training begins
+        for trainer in (plain, shifted):
+            trl_seam.patched_model(trainer).gradient_checkpointing_enable({"use_reentrant": False})
+            trainer.model.train()
     assert padding_shift.install(trl_seam.patched_model(shifted))
     backbone_rows: list[int] = []
     backbone = trl_seam.patched_model(shifted).get_decoder()
@@ -159,7 +165,7 @@ def test_a_prompt_prefix_every_row_shares_is_computed_once_with_the_masked_forwa
     )
     want_logps, want_entropies, want_grads = _loss_values(plain, batch)
     logps, entropies, grads = _loss_values(shifted, batch)
-    assert backbone_rows == [torch.Size([1, 40]), torch.Size([4, 48 + COMPLETION - 40])]
+    assert backbone_rows == [torch.Size([1, 40 + 4 * (48 + COMPLETION - 40)])]
     torch.testing.assert_close(logps, want_logps, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(entropies, want_entropies, rtol=1e-4, atol=1e-4)
     assert_same_gradients(grads, want_grads, tolerance=1e-3)
@@ -259,6 +265,34 @@ def test_under_regional_compilation_the_shifted_loss_runs_the_compiled_layers(
         want, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask, COMPLETION)
     assert counters["frames"]["ok"] > 0, dict(counters["frames"])
     torch.testing.assert_close(logps, want, rtol=1e-5, atol=1e-5)
+
+
+def test_under_regional_compilation_a_shared_prefix_compiles_each_layer_once(
+    tiny_dir, tmp_path, monkeypatch
+) -> None:
+    """The shared-prefix path under accelerate's regional compilation: every layer runs the one compiled
+    code with its values (a path whose inputs differ per layer would recompile per layer until torch's
+    limit and run the rest eager), and the loss's values and gradients are the plain model's."""
+    for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    plain = _trainer(tiny_dir, tmp_path / "plain", lora=False)
+    with trl_seam.compile_settings(True, "layer"):
+        trainer = _trainer(
+            tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True, torch_compile_backend="aot_eager"
+        )
+    padding_shift.install(trl_seam.patched_model(trainer))
+    compiled = trainer.accelerator.prepare_model(trainer.model)
+    torch._dynamo.reset()
+    batch = _batch(prompt=48, shared=40)
+    want_logps, _, want_grads = _loss_values(plain, batch)
+    trainer.model = compiled
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        logps, _, grads = _loss_values(trainer, batch)
+    torch.testing.assert_close(logps, want_logps, rtol=1e-4, atol=1e-4)
+    # a compiled layer's weights are named under its wrapper's _orig_mod
+    assert_same_gradients(
+        {n.replace("._orig_mod", ""): g for n, g in grads.items()}, want_grads, tolerance=1e-3
+    )
 
 
 def test_a_sliding_window_layer_keeps_its_mask() -> None:
