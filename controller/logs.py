@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from mortal.state import paths
+from mortal.state import log_rotation, paths
 
 _LOG_NAME = re.compile(r"^(?P<role>[a-z]+)-(?P<replica>\d+)-(?P<incarnation>\d+)\.log$")
 _ROLE_ORDER = {"actor": 0, "rollout": 1}
@@ -49,6 +49,10 @@ class LogSource(Protocol):
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:
         """Where the file's last `n` lines begin (see _tail_start)."""
 
+    def rotation(self, path: PurePosixPath | Path) -> object:
+        """What changes each time the file is rotated (state/log_rotation.py replaces <log>.1): None
+        while it never was."""
+
 
 class LocalLogs:
     """The log files under this machine's MORTAL_HOME (the local backend's workers write them)."""
@@ -64,6 +68,13 @@ class LocalLogs:
                 return fh.read()
         except FileNotFoundError:
             return b""
+
+    def rotation(self, path: PurePosixPath | Path) -> object:
+        try:
+            rotated = Path(log_rotation.rotated_path(path)).stat()
+        except FileNotFoundError:
+            return None
+        return rotated.st_ino, rotated.st_mtime_ns
 
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool, block: int = 65536) -> int:
         """Reads backwards, a growing block at a time, so the tail of a huge log costs little."""
@@ -113,6 +124,9 @@ class VolumeLogs:
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:
         return _tail_start(self.read(path, 0), n, partial) or 0
 
+    def rotation(self, path: PurePosixPath | Path) -> object:
+        return self._sizes.get(str(log_rotation.rotated_path(path)))  # the listing's: a new copy's size
+
 
 LOG_UPLOAD_SECONDS = 5.0  # how often a Ray worker's actor uploads its log to the run's storage (StorageLogs)
 
@@ -152,6 +166,9 @@ class StorageLogs:
 
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool) -> int:
         return _tail_start(self.read(path, 0), n, partial) or 0
+
+    def rotation(self, path: PurePosixPath | Path) -> object:
+        return self._sizes.get(str(log_rotation.rotated_path(path)))  # the listing's: a new copy's size
 
 
 def worker_logs(
@@ -207,6 +224,7 @@ def read_logs(
     files = worker_logs(run, role, replica, source=source)
     prefixed = len(files) > 1
     offsets: dict[PurePosixPath | Path, int] = {}
+    rotations = {log.path: source.rotation(log.path) for log in files}
     for log in files:
         start = 0 if tail is None else source.tail_offset(log.path, tail, partial=not follow)
         text, offsets[log.path] = _lines(source.read(log.path, start), start, partial=not follow)
@@ -220,6 +238,17 @@ def read_logs(
         tracked.update((log.path, log) for log in current)  # an old incarnation's last lines still come
         for log in sorted(tracked.values(), key=_order):
             offset = offsets.get(log.path, 0)
+            rotation = source.rotation(log.path)
+            if rotation != rotations.setdefault(
+                log.path, rotation
+            ):  # the rest of what was read is in <log>.1
+                rotations[log.path] = rotation
+                text, _ = _lines(
+                    source.read(log_rotation.rotated_path(log.path), offset), offset, partial=True
+                )
+                for line in _split_lines(text):
+                    yield _prefix(log, line, prefixed)
+                offset = 0
             text, offsets[log.path] = _lines(source.read(log.path, offset), offset)
             for line in _split_lines(text):
                 yield _prefix(log, line, prefixed)

@@ -31,6 +31,7 @@ from types import ModuleType
 
 from mortal.state import open_store, paths
 from mortal.state.errors import Fenced
+from mortal.state.log_rotation import LogCap
 from mortal.state.store import Store, WorkerRef
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
@@ -192,6 +193,7 @@ def _finish(
 
 
 def main() -> None:
+    LogCap().start()  # the log file the backend gave stdout and stderr (state/log_rotation.py)
     try:
         code = run_worker()
     except Exception:  # before the store was open (bad environment, database unreachable): nothing to report

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from mortal.controller.backends.base import WORKER_MODULE, WorkerLaunch, signal_group
-from mortal.state import paths
+from mortal.state import log_rotation, paths
 
 STOP_GRACE_SECONDS = 10.0
 LOG_COMMIT_SECONDS = 10.0  # how stale `mortalctl logs` may be for a worker on Modal
@@ -58,7 +58,8 @@ def run_logged(
 ) -> int:
     """Run `command` in a process group of its own, its output teed to stdout and appended to `log`,
     `commit` called while output grows and at the end; its exit code. Stopped as the module says."""
-    tee = _Tee(log, commit, commit_every)  # the log opens first: a volume that refuses it starts nothing
+    # the log opens first: a volume that refuses it starts nothing; capped as the worker's environment says
+    tee = _Tee(log, commit, commit_every, log_rotation.max_bytes(env))
     try:
         proc = subprocess.Popen(
             list(command),
@@ -94,9 +95,10 @@ def stop_worker(proc: subprocess.Popen[bytes], grace: float) -> None:
 class _Tee:
     """Copies a pipe to stdout and a log file (thread `copy`); commits the file's volume (thread `sync`)."""
 
-    def __init__(self, log: Path, commit: Callable[[], None] | None, every: float) -> None:
+    def __init__(self, log: Path, commit: Callable[[], None] | None, every: float, limit: int) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(log, "ab")  # noqa: SIM115 - closed in close(), after the copy thread
+        self._path, self._limit = log, limit  # the file's size cap in bytes, 0: none (state/log_rotation.py)
         self._commit, self._every = commit, every
         self._pipe: IO[bytes] | None = None
         self._written, self._committed = 0, 0
@@ -117,10 +119,22 @@ class _Tee:
         assert self._pipe is not None
         while chunk := os.read(self._pipe.fileno(), 65536):
             with self._lock:
+                self._cap(len(chunk))
                 self._file.write(chunk)
                 self._file.flush()
                 self._written += len(chunk)
             _echo(chunk)
+
+    def _cap(self, coming: int) -> None:
+        """Rotate the file before `coming` bytes would take it past its cap (so the newest output is in the
+        log itself); a failure only leaves it growing."""
+        try:
+            size = os.fstat(self._file.fileno()).st_size
+            if self._limit and size and size + coming > self._limit:
+                log_rotation.rotate(self._file.fileno(), self._path)
+        except OSError as exc:
+            self._limit = 0
+            print(f"mortal: the log's size cap stops: {exc}", file=sys.stderr, flush=True)
 
     def _sync_while_running(self) -> None:
         while not self._closed.wait(self._every):

@@ -89,6 +89,34 @@ def test_follow_yields_new_lines_and_moves_to_a_relaunched_worker(mortal_home: P
     assert seen == ["start", "more", "partial", "relaunched", "done"]
 
 
+def test_follow_goes_on_through_a_rotation_without_losing_lines(mortal_home: Path) -> None:
+    """The worker's log cap (state/log_rotation.py) copies the log to <log>.1 and empties it: a follower
+    reads what it had not yet read from <log>.1, then the emptied log from its start."""
+    from mortal.state import log_rotation
+
+    path = write("r", "rollout", 0, 1, "one\n")
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def reader() -> None:
+        for line in read_logs("r", follow=True, poll_seconds=0.05, stop=stop):
+            seen.append(line)
+            if line == "done":
+                stop.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    wait_until(lambda: seen == ["one"])
+    with open(path, "ab") as log:
+        log.write(b"two\nthree\n")
+        log.flush()
+        log_rotation.rotate(log.fileno(), path)
+        log.write(b"four\ndone\n")
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert seen == ["one", "two", "three", "four", "done"]
+
+
 class Volume:
     """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts
     reads."""

@@ -51,6 +51,20 @@ def test_a_failing_commit_costs_only_freshness(tmp_path: Path) -> None:
     assert log.read_text() == "ok\n"
 
 
+def test_the_log_on_the_volume_is_capped_as_a_local_workers_is(tmp_path: Path) -> None:
+    """The cap the worker's environment sets (state/log_rotation.py); the newest output is in the log."""
+    script = (
+        "import time\nfor i in range(400):\n    print(f'debug line {i:04d}', flush=True)\n"
+        "    if i % 100 == 99: time.sleep(0.1)\nprint('last', flush=True)"
+    )
+    log = tmp_path / "w.log"
+    env = {**os.environ, "MORTAL_WORKER_LOG_MAX_BYTES": "2000"}
+    assert run_logged([sys.executable, "-c", script], env, log) == 0
+    rotated = tmp_path / "w.log.1"
+    assert rotated.exists() and 0 < log.stat().st_size <= 2000 + 65536
+    assert log.read_text().splitlines()[-1] == "last"
+
+
 @pytest.fixture
 def fake(tmp_path: Path) -> Iterator[FakeModal]:
     modal = FakeModal(volume=tmp_path, functions={"worker": "modal_fake:logged"})
