@@ -11,19 +11,21 @@ cannot stop a thread, so a call past its deadline is abandoned (a daemon thread,
 with the process), and `Abandoner` bounds how many may pile up: past `limit` still running, the worker
 raises `TooManyAbandonedCalls` (exit 75), and the controller relaunches it with a fresh process.
 What it must not do: swallow what the call raises (the caller decides what an exception means), or let the
-call's own SystemExit or KeyboardInterrupt end the worker (they reach the caller as CallExited).
+call's own SystemExit or KeyboardInterrupt end the worker (they reach the caller as CallExited), nor its
+os._exit (guard_process_exit: raised in the call as ExitCalled, a SystemExit, which then does the same).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger("mortal.worker")
 
@@ -40,6 +42,13 @@ class CallTimedOut(Exception):
         self.seconds = seconds
 
 
+class ExitCalled(SystemExit):
+    """os._exit(code) called by user code inside a call (guard_process_exit): raised in its place."""
+
+    def __str__(self) -> str:
+        return f"os._exit({self.code})"
+
+
 class CallExited(Exception):
     """The call itself raised SystemExit or KeyboardInterrupt (user code calling sys.exit, or raising
     either): an error of the call's, not a request to end this worker. Left as they are, the worker would
@@ -48,8 +57,30 @@ class CallExited(Exception):
 
     def __init__(self, what: str, raised: SystemExit | KeyboardInterrupt) -> None:
         said = f": {raised}" if str(raised) else ""
-        super().__init__(f"{what} raised {type(raised).__name__}{said}")
+        if isinstance(raised, ExitCalled):
+            super().__init__(f"{what} called {raised}")
+        else:
+            super().__init__(f"{what} raised {type(raised).__name__}{said}")
         self.raised = raised
+
+
+_in_call = threading.local()  # `pid`: set on a call's thread while user code runs there
+_process_exit = os._exit  # the real one
+
+
+def _guarded_exit(code: int) -> NoReturn:
+    if getattr(_in_call, "pid", None) == os.getpid():  # a forked child's own exit is not the call's
+        raise ExitCalled(code)
+    _process_exit(code)
+
+
+def guard_process_exit() -> None:
+    """Make os._exit called by user code on a call's thread raise ExitCalled there instead of ending the
+    process. Why a patch: os._exit ends the process at once (no exception, no `finally`, not a line in the
+    log), so a reward that called it killed the rollout without a word naming it. Elsewhere (the worker's
+    own threads, a child forked inside a call, whose exit multiprocessing makes with os._exit) it is the real
+    one."""
+    os._exit = _guarded_exit
 
 
 class TooManyAbandonedCalls(RuntimeError):
@@ -79,6 +110,7 @@ class Abandoner:
     """Runs calls on daemon threads with a deadline; counts the abandoned ones that still run."""
 
     def __init__(self, limit: int = DEFAULT_ABANDONED_LIMIT) -> None:
+        guard_process_exit()
         self.limit = limit
         self._abandoned: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -101,6 +133,7 @@ class Abandoner:
         box: dict[str, Any] = {}
 
         def target() -> None:
+            _in_call.pid = os.getpid()
             try:
                 box["value"] = fn(*args, **kwargs)
             except BaseException as exc:  # handed back to the caller's thread as it is

@@ -4,6 +4,7 @@ SIGUSR1 makes a worker write its stacks."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -40,6 +41,31 @@ def test_a_call_s_own_exit_comes_back_as_an_error_naming_it_not_as_the_worker_s_
     assert caught.value.raised is raised and str(caught.value).startswith(
         f"reward r raised {type(raised).__name__}"
     )
+
+
+def test_a_call_s_os_exit_comes_back_as_an_error_and_the_worker_lives() -> None:
+    with pytest.raises(CallExited, match=r"^reward r called os._exit\(3\)$") as caught:
+        Abandoner().call(lambda: os._exit(3), 5.0, "reward r")
+    assert isinstance(caught.value.raised, SystemExit) and caught.value.raised.code == 3
+
+
+def test_a_child_forked_inside_a_call_still_exits_with_os_exit() -> None:
+    """multiprocessing's forked child ends with os._exit: in the child it must be the real one."""
+    import multiprocessing
+
+    def forks() -> int | None:
+        child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+        child.start()
+        child.join(30)
+        return child.exitcode
+
+    assert Abandoner().call(forks, 60.0, "reward forks") == 0
+
+
+def test_os_exit_outside_a_call_is_the_real_one() -> None:
+    """The worker's own end (workers/main.py) still exits: only a call's thread is guarded."""
+    script = "from mortal.workers.deadline import Abandoner\nimport os\nAbandoner()\nos._exit(7)"
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 7
 
 
 def test_a_call_past_its_deadline_is_abandoned_and_every_stack_goes_to_the_log(capfd) -> None:

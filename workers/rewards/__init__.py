@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
 from mortal.workers import references
-from mortal.workers.deadline import Abandoner, CallExited, CallTimedOut, TooManyAbandonedCalls
+from mortal.workers.deadline import Abandoner, CallExited, CallTimedOut, ExitCalled, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import reward_names
 from mortal.workers.rewards.environment import RewardEnvironment
@@ -188,13 +188,14 @@ def load_reward(
 
 
 def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
-    if isinstance(exc, CallExited):  # the reward's own sys.exit or KeyboardInterrupt, named as raised
+    if isinstance(exc, CallExited):  # the reward's own sys.exit, os._exit or KeyboardInterrupt
         exc = exc.raised
     frames = traceback.extract_tb(exc.__traceback__)
+    said = f"raised {type(exc).__name__}: {exc}"
+    if isinstance(exc, ExitCalled):  # the last frame is the guard's; the one before called os._exit
+        frames, said = frames[:-1], f"called {exc}"
     at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-    return FatalWorkerError(
-        "RewardFailed", f"reward {reward.name!r} ({reward.ref}) raised {type(exc).__name__}: {exc}{at}"
-    )
+    return FatalWorkerError("RewardFailed", f"reward {reward.name!r} ({reward.ref}) {said}{at}")
 
 
 def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float | None]:

@@ -131,6 +131,13 @@ def test_loading_errors_are_fatal_and_name_the_entry(entry: dict, message: str) 
             "reward 'exits' (spec.rewards[0].function 'reward_fixtures:exits') raised SystemExit: 0 at ",
         ),
         ("interrupts", "RewardFailed", "raised KeyboardInterrupt: user ctrl-c at "),
+        # os._exit ended the rollout at once, nothing naming the reward
+        (
+            "exits_at_once",
+            "RewardFailed",
+            "(spec.rewards[0].function 'reward_fixtures:exits_at_once') called os._exit(3) at "
+            f"{reward_fixtures.__file__}:",
+        ),
     ],
 )
 def test_scoring_errors_are_fatal_with_a_clear_reason(function: str, reason: str, message: str) -> None:

@@ -11,6 +11,7 @@ The scripted "model" answers from the conversation's text, so both loops see exa
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -358,16 +359,21 @@ def test_tool_errors_become_the_answer() -> None:
 
 
 def test_a_tool_that_calls_sys_exit_or_raises_keyboard_interrupt_gives_the_model_an_error() -> None:
-    """Neither ends the rollout: the model reads what the tool did, as for any other exception."""
+    """None ends the rollout (os._exit ended the process at once): the model reads what the tool did, as
+    for any other exception."""
 
     def leaves(code: int) -> None:
         sys.exit(code)
+
+    def ends_the_process() -> None:
+        os._exit(1)
 
     def interrupted() -> None:
         raise KeyboardInterrupt("stop")
 
     assert run_with_timeout(leaves, {"code": 0}, 1.0) == (None, "tool leaves raised SystemExit: 0")
     assert run_with_timeout(interrupted, {}, 1.0) == (None, "tool interrupted raised KeyboardInterrupt: stop")
+    assert run_with_timeout(ends_the_process, {}, 1.0) == (None, "tool ends_the_process called os._exit(1)")
 
 
 def test_calculator_parses_and_never_evaluates_code() -> None:
