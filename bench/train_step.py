@@ -6,6 +6,8 @@ fixed rollout, once per precision, in one process.
                                [--micro-batch N] [--profile] [--json out.json]
     python bench/train_step.py --shape 1.5b [--vocab 151936] ...   # Qwen2.5's shape, random weights
     python bench/train_step.py --cpu --model PATH.gguf     # a smoke test of the script, tiny sizes
+    python bench/train_step.py --model ASSETS/smollm2-cfg --precision bf16 --kernels eager compile \
+        --prompt-len 417 --shared-prefix 397 --completion-len 115 --actor-forward   # a tool-calling step
 
 Why: on the learning bench (bench/learning_gpu.py) mortal's step on an H100 is bounded by the
 actor's training step (TRL's loss, backward and optimizer step, about 0.97 s in float32 for 64
@@ -96,7 +98,9 @@ def fixed_rollout(args: argparse.Namespace, vocab: int):
     """rollout_func for TRL: the same completions and scores every step (module docstring)."""
     draw = random.Random(args.seed)
     n = args.prompts * args.gens
-    prompt_ids = [[draw.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    shared = [draw.randrange(3, vocab) for _ in range(args.shared_prefix)]  # a system prompt and tool schemas
+    own = args.prompt_len - args.shared_prefix
+    prompt_ids = [shared + [draw.randrange(3, vocab) for _ in range(own)] for _ in range(args.prompts)]
     shortest = args.completion_len if args.fixed_lengths else max(1, args.completion_len // 4)
     lengths = [draw.randint(shortest, args.completion_len) for _ in range(n)]
     completions = [[draw.randrange(3, vocab) for _ in range(k)] for k in lengths]
@@ -274,6 +278,10 @@ def train_variant(
     )
     if loss == "full":
         use_full_logits(trainer)
+    if args.actor_forward:  # as mortal.workers.actor.training does on a CUDA actor
+        from mortal.workers.actor import padding_shift, trl_seam
+
+        padding_shift.install(trl_seam.patched_model(trainer))
     trainer.train()
     step_seconds = [b - a for a, b in zip(ends[args.warmup :], ends[args.warmup + 1 :], strict=False)]
     out = {
@@ -447,6 +455,19 @@ def main() -> None:
         action="store_true",
         help="every completion --completion-len tokens (bench/gpu_step.py's forced lengths)",
     )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="the first N tokens of every prompt the same (a tool-calling run's system prompt and schemas)",
+    )
+    parser.add_argument(
+        "--actor-forward",
+        action="store_true",
+        help="the loss's forward as mortal's actor runs it on a GPU: padding moved to each row's end, a "
+        "shared prompt prefix computed once (workers/actor/padding_shift.py; MORTAL_SHARED_PREFIX=0 "
+        "leaves the prefix per row)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--gradient-checkpointing",
@@ -466,6 +487,7 @@ def main() -> None:
     device = "cpu" if args.cpu else "cuda"
     if args.cpu:
         args.prompts, args.gens, args.prompt_len, args.completion_len, args.steps = 2, 2, 8, 8, 4
+        args.shared_prefix = min(args.shared_prefix, args.prompt_len)
         args.precision, args.loss = ["fp32"], list(LOSSES)
     if args.micro_batch and (args.prompts * args.gens) % args.micro_batch:
         parser.error(
@@ -474,6 +496,8 @@ def main() -> None:
         )
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("bench/train_step.py needs a CUDA GPU (or --cpu for a smoke test)")
+    if not 0 <= args.shared_prefix <= args.prompt_len:
+        parser.error(f"--shared-prefix {args.shared_prefix} must be within --prompt-len ({args.prompt_len})")
     if args.steps < args.warmup + 2:
         sys.exit(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + 2 to time a step")
     with tempfile.TemporaryDirectory() as tmp:
