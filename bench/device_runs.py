@@ -55,9 +55,11 @@ class Bench:
     args: tuple[str, ...]
     limit_s: int
     logs: bool = False  # the script copies mortal's logs with --logs: kept when the step fails
+    env: tuple[tuple[str, str], ...] = ()  # variables set for this step alone
 
     def command(self, out: Path, logs: Path, gguf: Path, work: Path) -> list[str]:
-        args = [arg.format(gguf=gguf, work=work, out=out) for arg in self.args]
+        assets = os.environ.get("MORTAL_TEST_ASSETS", "$MORTAL_TEST_ASSETS")
+        args = [arg.format(gguf=gguf, work=work, out=out, assets=assets) for arg in self.args]
         command = [sys.executable, str(BENCH / self.script), *args, "--json", str(out / f"{self.name}.json")]
         return command + (["--logs", str(logs / self.name)] if self.logs else [])
 
@@ -114,6 +116,20 @@ TWO_GPUS = ("--steps", "6", "--gpus", "2", "--actor-gpus", "2", "--rollouts", "2
 MORTAL = ("--only", "mortal")
 SEVEN_B = ("--shape", "7b", "--micro-batch", "8", "--steps", "4")
 SEVEN_B_LORA = ("--shape", "7b", "--lora", "16", "--micro-batch", "8", "--steps", "4")
+# a tool-calling step's training (the calculator example's shape, bench/multiturn_gpu.py)
+TOOL_STEP = (
+    "--precision",
+    "bf16",
+    "--prompt-len",
+    "417",
+    "--shared-prefix",
+    "397",
+    "--completion-len",
+    "115",
+    "--actor-forward",
+    "--steps",
+    "8",
+)
 FUSED_LOSS = (
     "--precision",
     "bf16",
@@ -381,6 +397,30 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "multiturn-train-step": Group(
+        "the actor's training step alone on the calculator example's shape (SmolLM2's, random weights, 8 x 8 "
+        "rows of a 417-token prompt whose first 397 tokens every row shares, 115-token completions): the "
+        "shared prefix as one packed row eager and compiled, then every row's whole prompt, twice",
+        tuple(
+            step
+            for run in (1, 2)
+            for step in (
+                Bench(
+                    f"train_step_packed_run{run}",
+                    "train_step.py",
+                    ("--model", "{assets}/smollm2-cfg", *TOOL_STEP, "--kernels", "eager", "compile"),
+                    200,
+                ),
+                Bench(
+                    f"train_step_rows_run{run}",
+                    "train_step.py",
+                    ("--model", "{assets}/smollm2-cfg", *TOOL_STEP, "--kernels", "eager"),
+                    90,
+                    env=(("MORTAL_SHARED_PREFIX", "0"),),
+                ),
+            )
+        ),
+    ),
     "multiturn-learning": Group(
         "the calculator example learning beside TRL's tool loop: reward against wall-clock, time to TRL's "
         "final reward (the learning block); a short warm start, so that the reward starts below its ceiling",
@@ -601,7 +641,13 @@ def run_step(step: Step, command: list[str], out: Path, logs: Path) -> int:
     """Runs one step under its limit: SIGTERM at the limit (the benches save and clean up), SIGKILL after."""
     log = logs / f"{step.name}.log"
     with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **dict(getattr(step, "env", ()))},
+        )
         try:
             code = process.wait(timeout=step.limit_s)
         except subprocess.TimeoutExpired:
@@ -645,7 +691,11 @@ def run_group(name: str, only: list[str], call_seconds: int, dry_run: bool) -> i
     if dry_run:
         for step in steps:
             print(f"# {step.name} (limit {step.limit_s} s)")
-            print(" ".join(step.command(out, logs, gguf, work)))
+            print(
+                " ".join(
+                    [*(f"{k}={v}" for k, v in getattr(step, "env", ())), *step.command(out, logs, gguf, work)]
+                )
+            )
         return 0
     try:
         check_needs(group, gguf)
