@@ -27,6 +27,22 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def follow_until_done(run: str) -> tuple[threading.Thread, list[str]]:
+    """`logs -f` of the run on a thread, each line it yields appended to the list, until a line "done"."""
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def reader() -> None:
+        for line in read_logs(run, follow=True, poll_seconds=0.02, stop=stop):
+            seen.append(line)
+            if line == "done":
+                stop.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    return thread, seen
+
+
 def test_newest_incarnation_per_slot_actor_first(mortal_home: Path) -> None:
     old = write("r", "actor", 0, 1, "old\n")
     new = write("r", "actor", 0, 4, "new\n")
@@ -69,17 +85,7 @@ def test_tail_of_a_large_file_reads_backwards(mortal_home: Path) -> None:
 
 def test_follow_yields_new_lines_and_moves_to_a_relaunched_worker(mortal_home: Path) -> None:
     write("f", "actor", 0, 1, "start\n")
-    stop = threading.Event()
-    seen: list[str] = []
-
-    def reader() -> None:
-        for line in read_logs("f", follow=True, poll_seconds=0.02, stop=stop):
-            seen.append(line)
-            if line == "done":
-                stop.set()
-
-    thread = threading.Thread(target=reader)
-    thread.start()
+    thread, seen = follow_until_done("f")
     wait_until(lambda: seen == ["start"])
     write("f", "actor", 0, 1, "more\npart")
     write("f", "actor", 0, 1, "ial\n")
@@ -95,17 +101,7 @@ def test_follow_goes_on_through_a_rotation_without_losing_lines(mortal_home: Pat
     from mortal.state import log_rotation
 
     path = write("r", "rollout", 0, 1, "one\n")
-    stop = threading.Event()
-    seen: list[str] = []
-
-    def reader() -> None:
-        for line in read_logs("r", follow=True, poll_seconds=0.05, stop=stop):
-            seen.append(line)
-            if line == "done":
-                stop.set()
-
-    thread = threading.Thread(target=reader)
-    thread.start()
+    thread, seen = follow_until_done("r")
     wait_until(lambda: seen == ["one"])
     with open(path, "ab") as log:
         log.write(b"two\nthree\n")

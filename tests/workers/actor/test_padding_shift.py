@@ -121,6 +121,20 @@ def _attention_masks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, bool]]:
     return calls
 
 
+def _plain_and_regionally_compiled(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A plain trainer; one as the actor builds it with actor.compile (scope layer, the shift installed); and
+    the copy of its model whose layers accelerate compiled (aot_eager: no code generated, the same graphs)."""
+    for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    plain = _trainer(tiny_dir, tmp_path / "plain", lora=False)
+    with trl_seam.compile_settings(True, "layer"):
+        trainer = _trainer(
+            tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True, torch_compile_backend="aot_eager"
+        )
+    padding_shift.install(trl_seam.patched_model(trainer))
+    return plain, trainer, trainer.accelerator.prepare_model(trainer.model)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_loss_values_and_gradients_equal_the_masked_forwards(tiny_dir, tmp_path, lora) -> None:
     plain, shifted = (
@@ -247,15 +261,7 @@ def test_under_regional_compilation_the_shifted_loss_runs_the_compiled_layers(
     the uncompiled model's values."""
     from torch._dynamo.utils import counters
 
-    for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
-        monkeypatch.delenv(name, raising=False)
-    plain = _trainer(tiny_dir, tmp_path / "plain", lora=False)
-    with trl_seam.compile_settings(True, "layer"):
-        trainer = _trainer(
-            tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True, torch_compile_backend="aot_eager"
-        )
-    padding_shift.install(trl_seam.patched_model(trainer))
-    compiled = trainer.accelerator.prepare_model(trainer.model)
+    plain, trainer, compiled = _plain_and_regionally_compiled(tiny_dir, tmp_path, monkeypatch)
     assert compiled is not trainer.model  # the copy whose layers are compiled
     torch._dynamo.reset()
     counters.clear()
@@ -273,15 +279,7 @@ def test_under_regional_compilation_a_shared_prefix_compiles_each_layer_once(
     """The shared-prefix path under accelerate's regional compilation: every layer runs the one compiled
     code with its values (a path whose inputs differ per layer would recompile per layer until torch's
     limit and run the rest eager), and the loss's values and gradients are the plain model's."""
-    for name in (trl_seam.DYNAMIC_SHAPES_ENV, trl_seam.REGIONAL_ENV):
-        monkeypatch.delenv(name, raising=False)
-    plain = _trainer(tiny_dir, tmp_path / "plain", lora=False)
-    with trl_seam.compile_settings(True, "layer"):
-        trainer = _trainer(
-            tiny_dir, tmp_path / "compiled", lora=False, torch_compile=True, torch_compile_backend="aot_eager"
-        )
-    padding_shift.install(trl_seam.patched_model(trainer))
-    compiled = trainer.accelerator.prepare_model(trainer.model)
+    plain, trainer, compiled = _plain_and_regionally_compiled(tiny_dir, tmp_path, monkeypatch)
     torch._dynamo.reset()
     batch = _batch(prompt=48, shared=40)
     want_logps, _, want_grads = _loss_values(plain, batch)
