@@ -228,7 +228,8 @@ def read_logs(
     for log in files:
         start = 0 if tail is None else source.tail_offset(log.path, tail, partial=not follow)
         text, offsets[log.path] = _lines(source.read(log.path, start), start, partial=not follow)
-        for line in _split_lines(text):
+        lines = _split_lines(text)
+        for line in _rotated_lines(source, log.path, None if tail is None else tail - len(lines)) + lines:
             yield _prefix(log, line, prefixed)
     tracked = {log.path: log for log in files}
     while follow and not (stop is not None and stop.is_set()):
@@ -252,6 +253,17 @@ def read_logs(
             text, offsets[log.path] = _lines(source.read(log.path, offset), offset)
             for line in _split_lines(text):
                 yield _prefix(log, line, prefixed)
+
+
+def _rotated_lines(source: LogSource, path: PurePosixPath | Path, wanted: int | None) -> list[str]:
+    """The last `wanted` lines (all when None) of what the log held before its last rotation (<log>.1), which
+    come before its own lines: a log just rotated still shows its tail."""
+    if wanted is not None and wanted <= 0:
+        return []
+    rotated = log_rotation.rotated_path(path)
+    start = 0 if wanted is None else source.tail_offset(rotated, wanted, partial=True)
+    text, _ = _lines(source.read(rotated, start), start, partial=True)
+    return _split_lines(text)
 
 
 def _split_lines(text: str) -> list[str]:

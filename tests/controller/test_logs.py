@@ -113,6 +113,18 @@ def test_follow_goes_on_through_a_rotation_without_losing_lines(mortal_home: Pat
     assert seen == ["one", "two", "three", "four", "done"]
 
 
+def test_a_rotated_logs_older_lines_come_first_and_fill_its_tail(mortal_home: Path) -> None:
+    from mortal.state import log_rotation
+
+    path = write("t", "actor", 0, 1, "".join(f"old {i}\n" for i in range(5)))
+    with open(path, "ab") as log:
+        log_rotation.rotate(log.fileno(), path)
+        log.write(b"new 0\nnew 1\n")
+    assert list(read_logs("t")) == [*(f"old {i}" for i in range(5)), "new 0", "new 1"]
+    assert list(read_logs("t", tail=4)) == ["old 3", "old 4", "new 0", "new 1"]
+    assert list(read_logs("t", tail=2)) == ["new 0", "new 1"]
+
+
 class Volume:
     """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts
     reads."""
