@@ -104,6 +104,7 @@ class VolumeLogs:
     def __init__(self, volume: Any, missing: tuple[type[BaseException], ...] = (FileNotFoundError,)) -> None:
         self._volume, self._missing = volume, missing
         self._sizes: dict[str, int] = {}
+        self._stamps: dict[str, object] = {}  # each listed file's size and time: a rotated file's changes
 
     def names(self, run: str) -> list[PurePosixPath | Path]:
         try:
@@ -111,6 +112,7 @@ class VolumeLogs:
         except self._missing:
             return []
         self._sizes.update((entry.path, entry.size) for entry in entries)
+        self._stamps.update((entry.path, (entry.size, getattr(entry, "mtime", None))) for entry in entries)
         return [PurePosixPath(entry.path) for entry in entries]
 
     def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
@@ -125,10 +127,17 @@ class VolumeLogs:
         return _tail_start(self.read(path, 0), n, partial) or 0
 
     def rotation(self, path: PurePosixPath | Path) -> object:
-        return self._sizes.get(str(log_rotation.rotated_path(path)))  # the listing's: a new copy's size
+        return self._stamps.get(str(log_rotation.rotated_path(path)))
 
 
 LOG_UPLOAD_SECONDS = 5.0  # how often a Ray worker's actor uploads its log to the run's storage (StorageLogs)
+
+
+def _modified(entry: dict[str, Any]) -> object:
+    """A listed file's modification time, under the name its fsspec filesystem gives it."""
+    return next(
+        (entry[key] for key in ("mtime", "LastModified", "updated", "last_modified") if key in entry), None
+    )
 
 
 def storage_log_url(uri: str, run: str, name: str) -> str:
@@ -147,6 +156,7 @@ class StorageLogs:
         self._uri = uri.rstrip("/")
         self._fs, self._root = fsspec.core.url_to_fs(self._uri)
         self._sizes: dict[str, int] = {}
+        self._stamps: dict[str, object] = {}  # each listed file's size and time: a rotated file's changes
 
     def names(self, run: str) -> list[PurePosixPath | Path]:
         try:
@@ -154,6 +164,7 @@ class StorageLogs:
         except FileNotFoundError:
             return []
         self._sizes.update((entry["name"], entry.get("size") or 0) for entry in entries)
+        self._stamps.update((entry["name"], (entry.get("size"), _modified(entry))) for entry in entries)
         return [PurePosixPath(entry["name"]) for entry in entries if entry.get("type") == "file"]
 
     def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
@@ -168,7 +179,7 @@ class StorageLogs:
         return _tail_start(self.read(path, 0), n, partial) or 0
 
     def rotation(self, path: PurePosixPath | Path) -> object:
-        return self._sizes.get(str(log_rotation.rotated_path(path)))  # the listing's: a new copy's size
+        return self._stamps.get(str(log_rotation.rotated_path(path)))
 
 
 def worker_logs(

@@ -48,14 +48,15 @@ def rotated_path(log_path: LogPath) -> LogPath:
 
 
 def rotate(fd: int, log_path: Path) -> None:
-    """Copy the file `fd` appends to (named `log_path`) to rotated_path, whole before it replaces the
-    previous one, then truncate the file."""
+    """Copy the file `fd` appends to (named `log_path`), truncate it, then put the copy in rotated_path's
+    place. In that order a reader (mortal.controller.logs) that sees a new rotated file also sees the log
+    already emptied, so it never reads the old content twice."""
     target = rotated_path(log_path)
     partial = target.with_name(target.name + ".partial")
     with open(log_path, "rb") as source, open(partial, "wb") as copy:
         shutil.copyfileobj(source, copy)
-    os.replace(partial, target)
     os.ftruncate(fd, 0)
+    os.replace(partial, target)
 
 
 def appended_file(fd: int) -> Path | None:

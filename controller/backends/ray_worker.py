@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mortal.controller.backends.base import (
@@ -33,7 +33,7 @@ from mortal.controller.backends.base import (
 from mortal.controller.backends.gpus import wants_gpu
 from mortal.controller.logs import LOG_UPLOAD_SECONDS, storage_log_url
 from mortal.controller.snapshot import unpack
-from mortal.state import paths
+from mortal.state import log_rotation, paths
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -71,7 +71,7 @@ class WorkerHost:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         self._log_url = storage_log_url(spec.log_uri, spec.run, log.name) if spec.log_uri else None
-        self._uploaded = -1  # the log's size when last uploaded
+        self._uploaded: tuple[int, object] = (-1, None)  # the log's size and its rotated file's when uploaded
         self._exit_code: int | None = None
         self._lock = threading.Lock()
         started = threading.Event()
@@ -133,12 +133,18 @@ class WorkerHost:
 
         try:
             size = self.log.stat().st_size
-            if size == self._uploaded:
+            rotated = log_rotation.rotated_path(self.log)
+            stamp = (rotated.stat().st_ino, rotated.stat().st_mtime_ns) if rotated.exists() else None
+            if (size, stamp) == self._uploaded:
                 return
             fs, path = fsspec.core.url_to_fs(self._log_url)
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(self.log), path)
-            self._uploaded = size
+            fs.put_file(
+                str(self.log), path
+            )  # the log first: a reader that sees a new <log>.1 sees it emptied
+            if stamp is not None and stamp != self._uploaded[1]:
+                fs.put_file(str(rotated), str(log_rotation.rotated_path(PurePosixPath(path))))
+            self._uploaded = (size, stamp)
         except (OSError, ValueError, ImportError) as exc:
             print(
                 f"mortal: could not upload {self.log} to {self._log_url}: {exc}", file=sys.stderr, flush=True

@@ -125,6 +125,23 @@ def test_a_rotated_logs_older_lines_come_first_and_fill_its_tail(mortal_home: Pa
     assert list(read_logs("t", tail=2)) == ["new 0", "new 1"]
 
 
+def test_a_ray_runs_log_in_storage_is_followed_across_a_rotation(tmp_path: Path) -> None:
+    """StorageLogs (a Ray run's nodes upload their logs): the rotated file is uploaded after the emptied log,
+    and a follower reads the rest from it, then the log from its start."""
+    from mortal.controller.logs import StorageLogs
+
+    logs = tmp_path / "bucket" / "s" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "actor-0-1.log").write_text("one\n")
+    follow = read_logs(
+        "s", follow=True, poll_seconds=0.01, source=StorageLogs(f"file://{tmp_path / 'bucket'}")
+    )
+    assert next(follow) == "one"
+    (logs / "actor-0-1.log").write_text("four\ndone\n")  # as ray_worker uploads them: the log, then <log>.1
+    (logs / "actor-0-1.log.1").write_text("one\ntwo\nthree\n")
+    assert [next(follow) for _ in range(4)] == ["two", "three", "four", "done"]
+
+
 class Volume:
     """A modal.Volume as a client outside the containers sees it (listdir, read_file) over a folder; counts
     reads."""
