@@ -202,19 +202,18 @@ def judge(row: LiveRow, proc: ProcessView | None, now: datetime, cfg: PlanConfig
 
 
 def _exited(row: LiveRow, code: int | None) -> Verdict:
-    """A process that exited without its row saying so (killed, crashed, or its last write lost)."""
+    """A process that exited without its row saying so (killed, crashed, or its last write lost).
+
+    Codes 3 (fatal) and 4 (out of GPU memory) are the worker's verdicts only with the message it writes
+    before exiting with them: the same codes from the run's own code (os._exit(4) on a thread a reward
+    started) once failed a CPU run as out of GPU memory, or at once as fatal. Without it the process is lost,
+    and relaunched as any crash is."""
     if code == EXIT_SUCCEEDED:
         return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")
-    if code == EXIT_FATAL:
-        return Verdict(
-            "end", state="Failed", exit_code=code, message=row.message or "exited with code 3 (fatal)"
-        )
-    if code == EXIT_OUT_OF_MEMORY:
-        return Verdict(
-            "end",
-            state="Failed",
-            exit_code=code,
-            message=row.message or "exited with code 4 (out of GPU memory)",
-        )
+    if code in (EXIT_FATAL, EXIT_OUT_OF_MEMORY) and row.message:
+        return Verdict("end", state="Failed", exit_code=code, message=row.message)
     shown = "an unknown code" if code is None else f"code {code}"
-    return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}")
+    unsaid = (
+        " without the report the worker writes with it" if code in (EXIT_FATAL, EXIT_OUT_OF_MEMORY) else ""
+    )
+    return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}{unsaid}")

@@ -132,6 +132,11 @@ class _W:
         return self.state in FAILED_STATES
 
     @property
+    def out_of_memory(self) -> bool:
+        """Ended by its own out-of-memory report (observed._exited: exit 4 alone is a lost process)."""
+        return self.state == "Failed" and self.exit_code == EXIT_OUT_OF_MEMORY
+
+    @property
     def stall(self) -> str | None:
         """The stall this row was ended for (the plan ends it Failed with no exit code and the stall's reason
         first in its message), else None."""
@@ -435,7 +440,7 @@ class _Pass:
         newest = {w.slot: w for w in self.rows}
         for e in exits:
             last = newest[(e.role, e.replica)]
-            pending_relaunch = last.exit_code == EXIT_OUT_OF_MEMORY and last.failed
+            pending_relaunch = last.out_of_memory
             if e.count > rl.OOM_RELAUNCHES or (pending_relaunch and self.restarts >= self.d.max_restarts):
                 return condition.message
         return None
@@ -461,7 +466,7 @@ class _Pass:
             if not w.live:
                 newest[w.slot] = w
         for w in newest.values():
-            if not (w.failed and w.exit_code == EXIT_OUT_OF_MEMORY):
+            if not w.out_of_memory:
                 continue
             reduction = heal.reduce_after(self.effective, self.d, w.role, w.name, w.incarnation)
             if reduction is not None:
@@ -477,14 +482,12 @@ class _Pass:
         for slot in sorted(history):
             hist = history[slot]
             ended = [w for w in hist if not w.live]
-            if not ended or not (ended[-1].failed and ended[-1].exit_code == EXIT_OUT_OF_MEMORY):
+            if not ended or not ended[-1].out_of_memory:
                 continue
             last = ended[-1]
             details = (last.message or "no figures reported").removeprefix(f"{rl.OUT_OF_MEMORY}: ")
             answered = self.effective.reduced_after.get(last.name, 0) if self.effective else 0
-            count = sum(
-                1 for w in hist if w.failed and w.exit_code == EXIT_OUT_OF_MEMORY and w.incarnation > answered
-            )
+            count = sum(1 for w in hist if w.out_of_memory and w.incarnation > answered)
             healed = self.effective.reason if answered == last.incarnation and self.effective else None
             exits.append(
                 rl.OomExit(last.name, last.role, last.replica, last.incarnation, details, count, healed)

@@ -34,9 +34,10 @@ CHECK_SECONDS = 2.0
 
 
 def max_bytes(environ: Mapping[str, str] = os.environ) -> int:
-    """The cap in bytes from MAX_BYTES_ENV (0: no cap), DEFAULT_MAX_BYTES when unset or not a count."""
+    """The cap in bytes from MAX_BYTES_ENV (0: no cap), DEFAULT_MAX_BYTES when unset or not a count of bytes
+    in digits (said once in the worker's log: LogCap.start)."""
     value = environ.get(MAX_BYTES_ENV, "").strip()
-    return int(value) if value.isdigit() else DEFAULT_MAX_BYTES
+    return int(value) if value.isascii() and value.isdigit() else DEFAULT_MAX_BYTES
 
 
 LogPath = TypeVar("LogPath", bound=PurePath)  # a file here, or one on a volume or in storage
@@ -82,6 +83,11 @@ class LogCap:
 
     def start(self) -> bool:
         """Start watching; False (nothing started) when there is no cap or nothing to rotate."""
+        given = os.environ.get(MAX_BYTES_ENV, "").strip()
+        if given and not (given.isascii() and given.isdigit()):
+            log.warning(
+                "%s=%r is not a count of bytes: the log's cap is %d bytes", MAX_BYTES_ENV, given, self._limit
+            )
         path = appended_file(self._fd)
         if not self._limit or path is None:
             return False

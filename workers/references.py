@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from mortal.workers.deadline import guard_process_exit
+
 
 class MissingAttribute(AttributeError):
     """The module imported, but has no such attribute (not an AttributeError raised while importing it)."""
@@ -21,7 +23,9 @@ class MissingAttribute(AttributeError):
 
 
 def resolve(ref: str) -> Any:
-    """The object `ref` names: its module imported, then each dotted attribute in turn."""
+    """The object `ref` names: its module imported, then each dotted attribute in turn. The guard on os._exit
+    goes in first, so a module that binds it at import (`from os import _exit`) binds the guarded one."""
+    guard_process_exit()
     module_name, _, attr_path = ref.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in attr_path.split("."):

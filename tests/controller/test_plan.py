@@ -293,10 +293,16 @@ def test_a_refused_resume_fails_the_run_with_its_own_reason_and_is_not_relaunche
     assert launches(p) == []
 
 
-def test_process_exit_code_3_without_report_is_fatal():
+def test_process_exit_code_3_is_fatal_only_with_the_workers_message():
+    """A worker writes its reason, then exits 3; the same code from the run's own code (os._exit(3) on a
+    thread of its own) is a crash like any other: relaunched, not the run failed at once without a word."""
     rows, procs = running()
     procs[0] = proc(rows[0], alive=False, code=3)
     p = run_plan(rows, procs, prev=status("Running"))
+    assert ends(p)[0] == (rows[0].id, "Lost")
+    assert p.status["phase"] != "Failed"
+    rows[0] = row("actor", 0, 1, "Running", message="BadDataset: no rows")
+    p = run_plan(rows, [proc(rows[0], alive=False, code=3), procs[1]], prev=status("Running"))
     assert ends(p)[0] == (rows[0].id, "Failed")
     assert p.status["phase"] == "Failed"
 

@@ -21,7 +21,11 @@ def test_the_cap_comes_from_the_environment_with_kubelets_default_otherwise() ->
     assert log_rotation.max_bytes({}) == log_rotation.DEFAULT_MAX_BYTES
     assert log_rotation.max_bytes({log_rotation.MAX_BYTES_ENV: "4096"}) == 4096
     assert log_rotation.max_bytes({log_rotation.MAX_BYTES_ENV: "0"}) == 0, "no cap"
-    assert log_rotation.max_bytes({log_rotation.MAX_BYTES_ENV: "10M"}) == log_rotation.DEFAULT_MAX_BYTES
+    for unit_or_sign in ("10M", "10Mi", "-5", "²"):  # "²" is a digit to str.isdigit, not to int()
+        assert (
+            log_rotation.max_bytes({log_rotation.MAX_BYTES_ENV: unit_or_sign})
+            == log_rotation.DEFAULT_MAX_BYTES
+        )
 
 
 def test_a_rotated_log_keeps_its_content_and_the_next_writes_start_over(tmp_path: Path) -> None:

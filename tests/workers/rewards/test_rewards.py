@@ -110,6 +110,12 @@ def test_loading_errors_are_fatal_and_name_the_entry(entry: dict, message: str) 
     assert "spec.rewards[1]" in caught.value.message
 
 
+def test_a_reward_module_that_bound_os_exit_at_import_is_named_when_it_calls_it() -> None:
+    rewards = reward_set({"function": "reward_binds_exit:exits"})
+    with pytest.raises(FatalWorkerError, match=r"reward_binds_exit:exits'\) called os._exit\(4\) at .*:9$"):
+        rewards.score("p", ["a", "b"], [[1], [2]], {})
+
+
 @pytest.mark.parametrize(
     ("function", "reason", "message"),
     [
