@@ -187,6 +187,13 @@ def load_reward(
     )
 
 
+def _shown(filename: str) -> str:
+    """A file of the run's code as its author knows it: relative to the working folder (a worker's is the
+    run's code snapshot, the copy of the folder the run was applied from); elsewhere as it is."""
+    path = Path(filename)
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else filename
+
+
 def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
     if isinstance(exc, CallExited):  # the reward's own sys.exit, os._exit or KeyboardInterrupt
         exc = exc.raised
@@ -194,7 +201,7 @@ def _fatal_raise(reward: LoadedReward, exc: BaseException) -> FatalWorkerError:
     said = f"raised {type(exc).__name__}: {exc}"
     if isinstance(exc, ExitCalled):  # the last frame is the guard's; the one before called os._exit
         frames, said = frames[:-1], f"called {exc}"
-    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    at = f" at {_shown(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
     return FatalWorkerError("RewardFailed", f"reward {reward.name!r} ({reward.ref}) {said}{at}")
 
 
