@@ -278,16 +278,20 @@ def train_variant(
     )
     if loss == "full":
         use_full_logits(trainer)
+    installed = False
     if args.actor_forward:  # as mortal.workers.actor.training does on a CUDA actor
         from mortal.workers.actor import padding_shift, trl_seam
 
-        padding_shift.install(trl_seam.patched_model(trainer))
+        installed = padding_shift.install(trl_seam.patched_model(trainer))
+        if not installed:
+            print("--actor-forward: the model does not run sdpa; the loss's forward is TRL's own", flush=True)
     trainer.train()
     step_seconds = [b - a for a, b in zip(ends[args.warmup :], ends[args.warmup + 1 :], strict=False)]
     out = {
         "precision": precision,
         "loss": loss,
         "kernels": kernels,
+        "actor_forward": installed,
         "micro_batch": micro,
         "step_seconds": step_seconds,
         "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
