@@ -70,11 +70,7 @@ class LocalLogs:
             return b""
 
     def rotation(self, path: PurePosixPath | Path) -> object:
-        try:
-            rotated = Path(log_rotation.rotated_path(path)).stat()
-        except FileNotFoundError:
-            return None
-        return rotated.st_ino, rotated.st_mtime_ns
+        return log_rotation.rotation_stamp(Path(path))
 
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool, block: int = 65536) -> int:
         """Reads backwards, a growing block at a time, so the tail of a huge log costs little."""
@@ -240,7 +236,8 @@ def read_logs(
         start = 0 if tail is None else source.tail_offset(log.path, tail, partial=not follow)
         text, offsets[log.path] = _lines(source.read(log.path, start), start, partial=not follow)
         lines = _split_lines(text)
-        for line in _rotated_lines(source, log.path, None if tail is None else tail - len(lines)) + lines:
+        older = _rotated_lines(source, log.path, last=None if tail is None else tail - len(lines))
+        for line in older + lines:
             yield _prefix(log, line, prefixed)
     tracked = {log.path: log for log in files}
     while follow and not (stop is not None and stop.is_set()):
@@ -251,14 +248,9 @@ def read_logs(
         for log in sorted(tracked.values(), key=_order):
             offset = offsets.get(log.path, 0)
             rotation = source.rotation(log.path)
-            if rotation != rotations.setdefault(
-                log.path, rotation
-            ):  # the rest of what was read is in <log>.1
+            if rotation != rotations.setdefault(log.path, rotation):  # what was not read yet is in <log>.1
                 rotations[log.path] = rotation
-                text, _ = _lines(
-                    source.read(log_rotation.rotated_path(log.path), offset), offset, partial=True
-                )
-                for line in _split_lines(text):
+                for line in _rotated_lines(source, log.path, after=offset):
                     yield _prefix(log, line, prefixed)
                 offset = 0
             text, offsets[log.path] = _lines(source.read(log.path, offset), offset)
@@ -266,13 +258,15 @@ def read_logs(
                 yield _prefix(log, line, prefixed)
 
 
-def _rotated_lines(source: LogSource, path: PurePosixPath | Path, wanted: int | None) -> list[str]:
-    """The last `wanted` lines (all when None) of what the log held before its last rotation (<log>.1), which
-    come before its own lines: a log just rotated still shows its tail."""
-    if wanted is not None and wanted <= 0:
+def _rotated_lines(
+    source: LogSource, path: PurePosixPath | Path, after: int = 0, last: int | None = None
+) -> list[str]:
+    """The lines of what the log held before its last rotation (<log>.1), from byte `after`, or its `last`
+    lines: they come before the log's own (a log just rotated still shows its tail)."""
+    if last is not None and last <= 0:
         return []
     rotated = log_rotation.rotated_path(path)
-    start = 0 if wanted is None else source.tail_offset(rotated, wanted, partial=True)
+    start = after if last is None else source.tail_offset(rotated, last, partial=True)
     text, _ = _lines(source.read(rotated, start), start, partial=True)
     return _split_lines(text)
 

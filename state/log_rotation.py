@@ -22,6 +22,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import TypeVar
@@ -33,19 +34,35 @@ DEFAULT_MAX_BYTES = 10 * 1024 * 1024  # kubelet's default containerLogMaxSize
 CHECK_SECONDS = 2.0
 
 
+def _given(environ: Mapping[str, str]) -> tuple[str, int | None]:
+    """MAX_BYTES_ENV as set, and its count of bytes (None unless ASCII digits: not "10Mi", "-5" or "²")."""
+    value = environ.get(MAX_BYTES_ENV, "").strip()
+    return value, int(value) if value.isascii() and value.isdigit() else None
+
+
 def max_bytes(environ: Mapping[str, str] = os.environ) -> int:
     """The cap in bytes from MAX_BYTES_ENV (0: no cap), DEFAULT_MAX_BYTES when unset or not a count of bytes
-    in digits (said once in the worker's log: LogCap.start)."""
-    value = environ.get(MAX_BYTES_ENV, "").strip()
-    return int(value) if value.isascii() and value.isdigit() else DEFAULT_MAX_BYTES
+    (said once in the worker's log: LogCap.start)."""
+    _, count = _given(environ)
+    return DEFAULT_MAX_BYTES if count is None else count
 
 
 LogPath = TypeVar("LogPath", bound=PurePath)  # a file here, or one on a volume or in storage
 
 
 def rotated_path(log_path: LogPath) -> LogPath:
-    """Where the content before the last rotation is: `<log>.1` (mortalctl logs reads `<log>` alone)."""
+    """Where the content before the last rotation is: `<log>.1` (mortalctl logs reads it before `<log>`)."""
     return log_path.with_name(log_path.name + ".1")
+
+
+def rotation_stamp(log_path: Path) -> tuple[int, int] | None:
+    """What changes each time `log_path` is rotated on this machine (rotate replaces `<log>.1`: a new inode
+    and time); None while it never was."""
+    try:
+        rotated = rotated_path(log_path).stat()
+    except FileNotFoundError:
+        return None
+    return rotated.st_ino, rotated.st_mtime_ns
 
 
 def rotate(fd: int, log_path: Path) -> None:
@@ -78,30 +95,24 @@ class LogCap:
 
     def __init__(self, fd: int = 1, limit: int | None = None, every: float = CHECK_SECONDS) -> None:
         self._fd, self._limit, self._every = fd, max_bytes() if limit is None else limit, every
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> bool:
-        """Start watching; False (nothing started) when there is no cap or nothing to rotate."""
-        given = os.environ.get(MAX_BYTES_ENV, "").strip()
-        if given and not (given.isascii() and given.isdigit()):
+        """Start watching (a daemon thread: it ends with the process); False (nothing started) when there is
+        no cap or nothing to rotate."""
+        given, count = _given(os.environ)
+        if given and count is None:
             log.warning(
                 "%s=%r is not a count of bytes: the log's cap is %d bytes", MAX_BYTES_ENV, given, self._limit
             )
         path = appended_file(self._fd)
         if not self._limit or path is None:
             return False
-        self._thread = threading.Thread(target=self._watch, args=(path,), name="mortal-log-cap", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, args=(path,), name="mortal-log-cap", daemon=True).start()
         return True
 
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
-
     def _watch(self, path: Path) -> None:
-        while not self._stopped.wait(self._every):
+        while True:
+            time.sleep(self._every)
             try:
                 if os.fstat(self._fd).st_size > self._limit:
                     rotate(self._fd, path)

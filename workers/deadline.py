@@ -56,10 +56,10 @@ class CallExited(Exception):
     reward or tool; as an Exception, the caller reports it as it reports anything else the call raised."""
 
     def __init__(self, what: str, raised: SystemExit | KeyboardInterrupt) -> None:
-        said = f": {raised}" if str(raised) else ""
         if isinstance(raised, ExitCalled):
             super().__init__(f"{what} called {raised}")
         else:
+            said = f": {raised}" if str(raised) else ""
             super().__init__(f"{what} raised {type(raised).__name__}{said}")
         self.raised = raised
 

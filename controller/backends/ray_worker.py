@@ -132,17 +132,14 @@ class WorkerHost:
         import fsspec
 
         try:
-            size = self.log.stat().st_size
-            rotated = log_rotation.rotated_path(self.log)
-            stamp = (rotated.stat().st_ino, rotated.stat().st_mtime_ns) if rotated.exists() else None
+            size, stamp = self.log.stat().st_size, log_rotation.rotation_stamp(self.log)
             if (size, stamp) == self._uploaded:
                 return
             fs, path = fsspec.core.url_to_fs(self._log_url)
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(
-                str(self.log), path
-            )  # the log first: a reader that sees a new <log>.1 sees it emptied
+            fs.put_file(str(self.log), path)  # first: a reader that sees a new <log>.1 sees the log emptied
             if stamp is not None and stamp != self._uploaded[1]:
+                rotated = log_rotation.rotated_path(self.log)
                 fs.put_file(str(rotated), str(log_rotation.rotated_path(PurePosixPath(path))))
             self._uploaded = (size, stamp)
         except (OSError, ValueError, ImportError) as exc:
