@@ -348,6 +348,28 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "multiturn-overlap-compile": Group(
+        "the same with the actor compiled (actor.compile: its shared prompt prefix trains as one packed row)",
+        (
+            Bench(
+                "multiturn_overlap_compile",
+                "multiturn_gpu.py",
+                (
+                    "--model",
+                    "{gguf}",
+                    "--steps",
+                    "20",
+                    "--warm-start",
+                    "60",
+                    "--staleness",
+                    "1",
+                    "--actor-compile",
+                ),
+                590,
+            ),
+        ),
+        gguf=True,
+    ),
     "multiturn-train": Group(
         "where mortal's training of the calculator example goes: a profiled optimizer step (its tables and "
         "mortal's logs in multiturn_train_profile_logs/), then the actor compiled, then Liger's kernels "

@@ -395,7 +395,8 @@ def simulated_result(
     completion_ids = [[task.step, task.slot, g] for g in range(n)]
     completions = [f"simulated completion {task.step}.{task.slot}.{g}" for g in range(n)]
     if rewards is not None:
-        scores = rewards.score(request.prompt, completions, completion_ids, request.row, step=task.step)
+        # the simulated steps count from 1; a reward sees TRL's global_step, the steps trained before
+        scores = rewards.score(request.prompt, completions, completion_ids, request.row, step=task.step - 1)
     else:
         scores = {name: [simulated_reward(task.step)] * n for name in reward_names(run.spec.rewards)}
     result = RolloutResult(

@@ -246,18 +246,20 @@ def check_scores(reward: LoadedReward, scores: Any, expected: int) -> list[float
 
 @dataclass(frozen=True)
 class RewardTimeout:
-    """A reward call abandoned past its deadline: its completions scored None."""
+    """A reward call abandoned past its deadline: its completions scored None. `global_step` is TRL's: the
+    steps trained before the batch, so the batch trains step global_step + 1, the number `get` shows."""
 
     name: str
     seconds: float
     completions: int
-    step: int
+    global_step: int
 
     def describe(self, worker: str) -> str:
         """The Warning event's message: the worker, what it was doing and for how long."""
         return (
             f"{worker}: reward {self.name!r} did not return within its timeoutSeconds ({self.seconds:g} s) "
-            f"scoring {self.completions} completions of step {self.step}; they score None (not applicable), "
+            f"scoring {self.completions} completions of step {self.global_step + 1}; they score None "
+            "(not applicable), "
             "the run goes on; its stacks are in the worker's log"
         )
 
@@ -335,15 +337,15 @@ class RewardSet:
             raise _fatal_raise(reward, exc) from exc
 
     def _scores(
-        self, reward: LoadedReward, kwargs: dict[str, Any], expected: int, step: int
+        self, reward: LoadedReward, kwargs: dict[str, Any], expected: int, global_step: int
     ) -> list[float | None]:
         """One reward's checked scores, or None for each completion when its call ran past its deadline."""
         try:
             return check_scores(reward, self._call(reward, kwargs), expected)
         except CallTimedOut as exc:
-            if self.on_timeout is not None and (reward.name, step) not in self._told:
-                self._told.add((reward.name, step))
-                self.on_timeout(RewardTimeout(reward.name, exc.seconds, expected, step))
+            if self.on_timeout is not None and (reward.name, global_step) not in self._told:
+                self._told.add((reward.name, global_step))
+                self.on_timeout(RewardTimeout(reward.name, exc.seconds, expected, global_step))
             return [None] * expected
 
     def report(
@@ -375,7 +377,8 @@ class RewardSet:
         environments: list[Any] | None = None,
         prompts: list[Any] | None = None,
     ) -> dict[str, list[float | None]]:
-        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. Tool-calling runs
+        """Every reward's scores for one prompt's completions: {name: [score or None, ...]}. `step` is TRL's
+        trainer_state.global_step (the steps trained before this batch, 0 for the first). Tool-calling runs
         with spec.rollout.environment pass, as TRL does, `environments` (one per completion) and `prompts`
         (each completion's prompt after its environment's reset appended what it returned)."""
         self.logs = RewardLogs()

@@ -199,7 +199,7 @@ def test_a_rollout_worker_scores_with_the_sandbox(sqlite_store, mortal_home: Pat
         only_result,
         training_spec,
     )
-    from test_rollout import Serving, wait_done
+    from rollout_serving import Serving, wait_done
 
     from mortal.workers.rewards.environments import CodeExecutionEnvironment, extract_code
 

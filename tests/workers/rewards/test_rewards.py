@@ -195,12 +195,12 @@ def test_a_reward_past_its_timeout_scores_none_and_is_told_once_a_step() -> None
             "never_returns": [None, None],
             "length_of_answer": [2.0, 2.0],
         }  # the others still score
-    assert [(t.name, t.seconds, t.completions, t.step) for t in told] == [("never_returns", 0.1, 2, 7)]
+    assert [(t.name, t.seconds, t.completions, t.global_step) for t in told] == [("never_returns", 0.1, 2, 7)]
     assert (
         told[0]
         .describe("rollout-0 #4")
         .startswith(
             "rollout-0 #4: reward 'never_returns' did not return within its timeoutSeconds (0.1 s) scoring 2 "
-            "completions of step 7; they score None"
+            "completions of step 8; they score None"  # TRL's global_step 7: the eighth step's batch
         )
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from rollout_helpers import (
     task_seeds,
     training_spec,
 )
+from rollout_serving import Serving, wait_done
 
 from mortal.specs.training import ModelSpec
 from mortal.state import Store
@@ -43,46 +43,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "other", seed=1)
-
-
-class Serving:
-    """A RolloutWorker's loop in a thread, stopped (and its error raised) on exit."""
-
-    def __init__(self, store: Store, run) -> None:
-        self.ctx = WorkerContext(store, new_worker(store, run, "rollout"), run, heartbeat_seconds=0.5)
-        self.ctx.check_fence()
-        self.worker = rollout.build(self.ctx)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.worker.run()
-        except BaseException as exc:
-            self.error = exc
-
-    def __enter__(self) -> Serving:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.ctx.stopping.set()
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive()
-        if self.error is not None and exc[0] is None:
-            raise self.error
-
-
-def wait_done(store: Store, run: str, step: int, count: int, timeout: float = 60.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = store.step_results(run, step)
-        if len(rows) == count and all(r.state == "done" for r in rows):
-            return rows
-        time.sleep(0.05)
-    raise AssertionError(
-        f"step {step}: tasks not done in {timeout} s: {[r.state for r in store.step_results(run, step)]}"
-    )
 
 
 def test_tasks_are_answered_with_ids_logprobs_and_rewards(store: Store, tiny_dir: Path) -> None:
