@@ -354,17 +354,24 @@ class RewardSet:
         """Each reward on one completion on its own, output captured: where `score` stops at the first
         broken reward (as a run must), this says what every one of them did."""
         kwargs = self._kwargs(prompt, [completion], [completion_ids], row, step=0)
+        # wurlitzer captures the file descriptors, where a child process or C code writes: Python's own
+        # redirection alone let them print over the report (and into `-o json`'s document). Imported here:
+        # only the CLI's `test reward` reports, and workers need not carry it.
+        from wurlitzer import pipes
+
         reports = []
         for reward in self.rewards:
             self.logs = RewardLogs()
             out, err = io.StringIO(), io.StringIO()
             score, error = None, None
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    [score] = check_scores(reward, self._call(reward, kwargs), 1)
-                except (FatalWorkerError, CallTimedOut) as exc:
-                    error = str(exc)
-            reports.append(RewardReport(reward.name, score, error, out.getvalue(), err.getvalue(), self.logs))
+            with pipes() as (fd_out, fd_err):
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    try:
+                        [score] = check_scores(reward, self._call(reward, kwargs), 1)
+                    except (FatalWorkerError, CallTimedOut) as exc:
+                        error = str(exc)
+            stdout, stderr = out.getvalue() + fd_out.read(), err.getvalue() + fd_err.read()
+            reports.append(RewardReport(reward.name, score, error, stdout, stderr, self.logs))
         return reports
 
     def score(

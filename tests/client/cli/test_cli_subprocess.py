@@ -171,3 +171,37 @@ def test_a_reader_that_stops_early_is_no_error(mortal_home, store_url):
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_test_reward_keeps_what_a_reward_s_child_process_prints_inside_its_report(
+    mortalctl, spec_file, tmp_path
+):
+    """A reward that runs a program (or C code writing to the file descriptor) prints where Python's own
+    redirection does not reach: it is captured as the reward's output, and `-o json` stays one document."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "chatty_rewards.py").write_text(
+        "import os, subprocess, sys\n\n"
+        "def chatty(completions, **kw):\n"
+        "    subprocess.run([sys.executable, '-c', 'print(\"from a child\")'], check=True)\n"
+        "    os.write(2, b'straight to fd 2\\n')\n"
+        "    print('from python')\n"
+        "    return [1.0]\n"
+    )
+    rewards = [{"function": "chatty_rewards:chatty"}]
+    path = spec_file("chatty", **{"spec.rewards": rewards, "spec.model": {"name": "example-org/absent"}})
+    done = subprocess.run(
+        [sys.executable, "-m", "mortal.client.cli.main", "test", "reward", "-f", str(path)]
+        + ["--completion", "27", "-o", "json"],
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env={**os.environ, "MORTAL_NO_CONTROLLER": "1"},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    [report] = json.loads(done.stdout)["rewards"]
+    assert sorted(report["stdout"].splitlines()) == ["from a child", "from python"]
+    assert report["stderr"] == "straight to fd 2\n"
+    assert "straight to fd 2" not in done.stderr
