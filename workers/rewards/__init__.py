@@ -364,12 +364,11 @@ class RewardSet:
             self.logs = RewardLogs()
             out, err = io.StringIO(), io.StringIO()
             score, error = None, None
-            with pipes() as (fd_out, fd_err):
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    try:
-                        [score] = check_scores(reward, self._call(reward, kwargs), 1)
-                    except (FatalWorkerError, CallTimedOut) as exc:
-                        error = str(exc)
+            with pipes() as (fd_out, fd_err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    [score] = check_scores(reward, self._call(reward, kwargs), 1)
+                except (FatalWorkerError, CallTimedOut) as exc:
+                    error = str(exc)
             stdout, stderr = out.getvalue() + fd_out.read(), err.getvalue() + fd_err.read()
             reports.append(RewardReport(reward.name, score, error, stdout, stderr, self.logs))
         return reports
