@@ -364,7 +364,11 @@ class RewardSet:
             self.logs = RewardLogs()
             out, err = io.StringIO(), io.StringIO()
             score, error = None, None
-            with pipes() as (fd_out, fd_err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            with (
+                pipes() as (fd_out, fd_err),
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(err),
+            ):
                 try:
                     [score] = check_scores(reward, self._call(reward, kwargs), 1)
                 except (FatalWorkerError, CallTimedOut) as exc:
