@@ -349,8 +349,8 @@ GROUPS: dict[str, Group] = {
         gguf=True,
     ),
     "multiturn-overlap-compile": Group(
-        "the same with the actor compiled (actor.compile: its shared prompt prefix trains as one packed row); "
-        "mortal's logs (where its start-up goes) in multiturn_overlap_compile_logs/",
+        "the same with the actor compiled (actor.compile: its shared prompt prefix trains as one packed "
+        "row); mortal's logs (where its start-up goes) in multiturn_overlap_compile_logs/",
         (
             Bench(
                 "multiturn_overlap_compile",
