@@ -39,9 +39,11 @@ def apply_document(
     run: TrainingRun,
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
+    dry_run: bool = False,
 ) -> tuple[RunRow, ApplyOutcome]:
     """Create or update `run` (its own labels and annotations unless given); SpecError when a field kept
-    from the live run does not fit the document's, Conflict when the run is being deleted."""
+    from the live run does not fit the document's, Conflict when the run is being deleted. `dry_run`: the
+    store decides and checks everything and writes nothing (Store.apply_run)."""
     labels = run.metadata.labels if labels is None else labels
     annotations = run.metadata.annotations if annotations is None else annotations
     live = _live_row(store, run.name)
@@ -54,6 +56,7 @@ def apply_document(
                 annotations=annotations,
                 applied=run.applied_config(),
                 resource_version=0 if live is None else live.resource_version,
+                dry_run=dry_run,
             )
         except ChangeRefused:
             raise

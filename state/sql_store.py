@@ -240,42 +240,63 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         annotations: dict[str, str] | None = None,
         applied: dict[str, Any] | None = None,
         resource_version: int | None = None,
+        dry_run: bool = False,
     ) -> tuple[RunRow, ApplyOutcome]:
         check_run_name(name)
         check_metadata(labels or {}, annotations or {})
         spec, labels, annotations = _json(spec), _json(labels or {}), _json(annotations or {})
         applied = _json(applied) if applied is not None else None
-        with self._tx() as s:
-            new = RunRow(
-                name=name,
-                uid=str(uuid.uuid4()),
-                spec=spec,
-                labels=labels,
-                annotations=annotations,
-                applied=applied,
-            )
-            if self._insert_ignore(s, RunRow, new.model_dump()):
-                return self._run(s, name), ApplyOutcome.created
-            row = self._run(s, name, lock=True)
-            if row.deleted_at is not None:
-                raise Conflict(f"trainingrun {name!r} is being deleted")
-            _check_version(row, resource_version)
-            if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
-                if row.applied is None and applied is not None:  # a fork's first apply: record its fields
-                    row = self._update_run(s, row, applied=applied)
-                return row, ApplyOutcome.unchanged
-            if (refusal := refused_change(row, spec)) is not None:
-                raise ChangeRefused(refusal)
-            row = self._update_run(
-                s,
-                row,
-                spec=spec,
-                labels=labels,
-                annotations=annotations,
-                applied=applied,
-                generation=row.generation + (row.spec != spec),
-            )
-            return row, ApplyOutcome.configured
+        try:
+            with self._tx() as s:
+                decided = self._apply_run(s, name, spec, labels, annotations, applied, resource_version)
+                if dry_run:  # a copy: rolling back expires the session's instances
+                    row, outcome = decided
+                    raise _RolledBack((RunRow(**row.model_dump()), outcome))
+                return decided
+        except _RolledBack as dry:
+            return dry.decided
+
+    def _apply_run(
+        self,
+        s: Session,
+        name: str,
+        spec: dict[str, Any],
+        labels: dict[str, str],
+        annotations: dict[str, str],
+        applied: dict[str, Any] | None,
+        resource_version: int | None,
+    ) -> tuple[RunRow, ApplyOutcome]:
+        """apply_run's decision and writes inside its transaction."""
+        new = RunRow(
+            name=name,
+            uid=str(uuid.uuid4()),
+            spec=spec,
+            labels=labels,
+            annotations=annotations,
+            applied=applied,
+        )
+        if self._insert_ignore(s, RunRow, new.model_dump()):
+            return self._run(s, name), ApplyOutcome.created
+        row = self._run(s, name, lock=True)
+        if row.deleted_at is not None:
+            raise Conflict(f"trainingrun {name!r} is being deleted")
+        _check_version(row, resource_version)
+        if (row.spec, row.labels, row.annotations) == (spec, labels, annotations):
+            if row.applied is None and applied is not None:  # a fork's first apply: record its fields
+                row = self._update_run(s, row, applied=applied)
+            return row, ApplyOutcome.unchanged
+        if (refusal := refused_change(row, spec)) is not None:
+            raise ChangeRefused(refusal)
+        row = self._update_run(
+            s,
+            row,
+            spec=spec,
+            labels=labels,
+            annotations=annotations,
+            applied=applied,
+            generation=row.generation + (row.spec != spec),
+        )
+        return row, ApplyOutcome.configured
 
     def fork_run(
         self,
@@ -724,6 +745,14 @@ class SqlStore(TaskQueue, CompletionLog, Store):
     def get_lease(self, name: str) -> LeaseRow | None:
         with self._tx(write=False) as s:
             return s.get(LeaseRow, name)
+
+
+class _RolledBack(Exception):  # noqa: N818 (not an error: how a dry run leaves its transaction)
+    """Raised inside a transaction to roll it back, carrying what the call decided (apply_run's dry run)."""
+
+    def __init__(self, decided: tuple[RunRow, ApplyOutcome]) -> None:
+        super().__init__("dry run: rolled back")
+        self.decided = decided
 
 
 @contextmanager

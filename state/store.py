@@ -180,6 +180,7 @@ class Store(abc.ABC):
         annotations: dict[str, str] | None = None,
         applied: dict[str, Any] | None = None,
         resource_version: int | None = None,
+        dry_run: bool = False,
     ) -> tuple[RunRow, ApplyOutcome]:
         """Create the run, or replace its spec/labels/annotations and the fields its document set
         (`applied`, kept for the next apply's three-way merge). Spec, labels and annotations all equal
@@ -193,6 +194,8 @@ class Store(abc.ABC):
         being deleted (mortal.state.apply_document re-reads and merges again).
         InvalidName for a name, label or annotation key the spec would refuse (mortal.state.names):
         names become folders and process names.
+        `dry_run`: every check and the outcome, the row as it would be, nothing written (the transaction is
+        rolled back), as kubectl's --dry-run=server: `mortalctl apply --dry-run` asks the store itself.
         """
 
     @abc.abstractmethod

@@ -165,6 +165,7 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[Ap
     """Write each run's desired state, in the order given. As `kubectl apply -f DIR`, a run refused (its
     merge does not fit, the store refuses the change, it is being deleted) does not stop the others: its
     error is in its result, for the caller to report after the rest are written."""
+    from mortal.controller.snapshot import being_deleted
     from mortal.specs import SpecError
     from mortal.state import Conflict, InvalidValue
     from mortal.state.apply_document import apply_document
@@ -172,8 +173,14 @@ def apply_runs(store, runs: list[TrainingRun], dry_run: bool = False) -> list[Ap
     results = []
     for run in runs:
         try:
-            outcome = _dry_outcome(store, run) if dry_run else str(apply_document(store, run)[1])
-        except (SpecError, Conflict, InvalidValue) as exc:  # ChangeRefused and InvalidName are among them
+            outcome = str(apply_document(store, run, dry_run=dry_run)[1])
+        except Conflict as exc:
+            if dry_run and being_deleted(store, run.name):  # apply waits for the purge, then creates it
+                results.append(Applied(run.name, "created (once the deletion in progress ends)"))
+            else:
+                results.append(Applied(run.name, error=exc))
+            continue
+        except (SpecError, InvalidValue) as exc:  # ChangeRefused and InvalidName are among them
             results.append(Applied(run.name, error=exc))
             continue
         results.append(Applied(run.name, outcome))
@@ -237,23 +244,3 @@ def wait_until_deleted(
                 "controller running? (mortalctl get runs shows it Terminating)"
             )
         time.sleep(DELETION_POLL_SECONDS)
-
-
-def _dry_outcome(store, run: TrainingRun) -> str:
-    """What apply would say, computed without writing; what it would refuse, raised as apply raises it."""
-    from mortal.state import ChangeRefused, NotFound
-    from mortal.state.apply_document import merged_spec
-    from mortal.state.spec_changes import refused_change
-
-    try:
-        row = store.get_run(run.name)
-    except NotFound:
-        return "created"
-    if row.deleted_at is not None:  # apply waits for the purge, then creates it anew
-        return "created (once the deletion in progress ends)"
-    spec = merged_spec(run, row)
-    if (row.spec, row.labels, row.annotations) == (spec, run.metadata.labels, run.metadata.annotations):
-        return "unchanged"
-    if (refusal := refused_change(row, spec)) is not None:
-        raise ChangeRefused(refusal)
-    return "configured"

@@ -77,3 +77,24 @@ def test_a_run_being_deleted_and_a_refused_change_are_raised_at_once(store: Stor
     store.write_status("done", {**row.status, "phase": "Succeeded"}, row.resource_version)
     with pytest.raises(ChangeRefused):
         apply_document(store, run_of(done.replace("maxSteps: 5", "maxSteps: 6")))
+
+
+def test_a_dry_run_is_decided_by_the_store_and_writes_nothing(store: Store) -> None:
+    """As kubectl's --dry-run=server: the store's own checks and outcome, its transaction rolled back."""
+    row, outcome = apply_document(store, run_of(), dry_run=True)
+    assert (outcome, row.name, row.spec["algorithm"]["maxSteps"]) == (ApplyOutcome.created, "r", 5)
+    assert store.list_runs() == []
+    live, _ = apply_document(store, run_of())
+    changed = run_of(DOC.replace("maxSteps: 5", "maxSteps: 9"))
+    row, outcome = apply_document(store, changed, dry_run=True)
+    assert (outcome, row.spec["algorithm"]["maxSteps"], row.generation) == (ApplyOutcome.configured, 9, 2)
+    after = store.get_run("r")
+    assert (after.resource_version, after.spec) == (live.resource_version, live.spec)
+    assert apply_document(store, run_of(), dry_run=True)[1] is ApplyOutcome.unchanged
+    row = store.get_run("r")
+    store.write_status("r", {**row.status, "phase": "Succeeded"}, row.resource_version)
+    with pytest.raises(ChangeRefused):
+        apply_document(store, changed, dry_run=True)
+    store.mark_deleted("r")
+    with pytest.raises(Conflict, match="being deleted"):
+        apply_document(store, run_of(), dry_run=True)

@@ -135,6 +135,14 @@ def test_dry_run_writes_nothing(cli, spec_file):
     )
 
 
+def test_a_dry_run_over_a_run_being_deleted_says_apply_would_create_it_once_the_deletion_ends(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    store.mark_deleted("quickstart")
+    out = cli("apply", "-f", str(QUICKSTART), "--dry-run")
+    assert out.stdout == "trainingrun/quickstart created (once the deletion in progress ends) (dry run)\n"
+    assert store.get_run("quickstart").deleted_at is not None  # still being deleted: nothing written
+
+
 def test_a_run_refused_does_not_stop_the_others_and_is_named_with_its_file(
     cli, store_url, spec_file, tmp_path
 ):
