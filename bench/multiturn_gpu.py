@@ -72,7 +72,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_step import BREAKDOWN  # noqa: E402
-from learning_gpu import local_model  # noqa: E402
+from learning_gpu import local_model, log_lines, start_timeline  # noqa: E402
 from slow_tools import DELAY_ENV  # noqa: E402
 from through_controller import copy_logs, local_gpu, run_through_controller  # noqa: E402
 
@@ -326,7 +326,14 @@ def run_mortal(model: Path, spec: dict[str, Any], args: argparse.Namespace, work
         for s, v in sorted(by_step.items())
         if "ended_at" in v
     ]
-    return {"curve": curve, "wall_seconds": wall, "started_at": launched, "decode": rollout_decode(work)}
+    logs = log_lines([work / "controller.log", *sorted(work.glob("mortal-home/runs/*/logs/*.log"))])
+    return {
+        "curve": curve,
+        "wall_seconds": wall,
+        "started_at": launched,
+        "decode": rollout_decode(work),
+        "start_timeline": start_timeline(logs, launched),
+    }
 
 
 # the rollout's line per task (mortal.workers.rollout.loop): "task STEP.SLOT: ... [decode key=value ...]"
