@@ -19,3 +19,12 @@ class FatalWorkerError(Exception):
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
+
+
+def exception_text(exc: BaseException) -> str:
+    """What the model reads of an exception a user's tool or environment raised: its message, else its type's
+    name; an exception whose own __str__ raises (the user's code too) is named by its type."""
+    try:
+        return str(exc) or type(exc).__name__
+    except Exception:
+        return f"{type(exc).__name__} (its message could not be made: its __str__ raised)"

@@ -25,16 +25,13 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mortal.workers.errors import exception_text
+
 PARENT_CHECK_SECONDS = 1.0
 
 
 def _awaited(value: Any) -> Any:
     return asyncio.run(value) if inspect.iscoroutine(value) else value
-
-
-def _error_text(exc: BaseException) -> str:
-    """What the model reads when a tool raised (as mortal.workers.rollout.tools.run_with_timeout has it)."""
-    return str(exc) or type(exc).__name__
 
 
 class Host:
@@ -82,7 +79,7 @@ class Host:
         try:
             answer = self.answer(request)
         except BaseException as exc:  # the environment's code: whatever it raises is answered, not fatal here
-            answer = ("raised", type(exc).__name__, _error_text(exc))
+            answer = ("raised", type(exc).__name__, exception_text(exc))
         try:
             data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # an unpicklable value (an attribute holding a lock, a generator)

@@ -32,7 +32,7 @@ from typing import Any
 
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
-from mortal.workers.errors import FatalWorkerError
+from mortal.workers.errors import FatalWorkerError, exception_text
 from mortal.workers.rollout.environment_proxy import (
     EnvironmentProxy,
     ProxySettings,
@@ -241,8 +241,13 @@ class Toolbox:
         if error is not None:
             return ToolOutcome(name, arguments, str({"error": error}), True)
         # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
-        # rollouts are text only)
-        return ToolOutcome(name, arguments, str(result), False)
+        # rollouts are text only); the result's own __str__ is the user's code, and may raise
+        try:
+            return ToolOutcome(name, arguments, str(result), False)
+        except Exception as exc:
+            kind = type(result).__name__
+            refused = f"tool {name} returned a {kind} that str() fails on: {exception_text(exc)}"
+            return ToolOutcome(name, arguments, str({"error": refused}), True)
 
     def _timed_out(self, name: str, seconds: float) -> None:
         now = time.monotonic()
@@ -275,7 +280,7 @@ def run_with_timeout(
         except FatalWorkerError:  # the service refuses the worker (a wrong token): not the model's doing
             raise
         except Exception as exc:  # what the environment raised, or EnvironmentLost: the model reads it
-            return None, str(exc) or type(exc).__name__
+            return None, exception_text(exc)
 
     def invoke() -> Any:
         value = tool(**arguments)
@@ -290,7 +295,7 @@ def run_with_timeout(
     except (TooManyAbandonedCalls, KeyboardInterrupt):
         raise
     except BaseException as exc:  # a user's tool: whatever it raises becomes the model's error message
-        return None, str(exc) or type(exc).__name__
+        return None, exception_text(exc)
 
 
 class EnvironmentReward:

@@ -376,6 +376,43 @@ def test_a_tool_that_calls_sys_exit_or_raises_keyboard_interrupt_gives_the_model
     assert run_with_timeout(ends_the_process, {}, 1.0) == (None, "tool ends_the_process called os._exit(1)")
 
 
+class _Unprintable:
+    def __str__(self) -> str:
+        raise ValueError("__str__ exploded")
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise ValueError("__str__ exploded")
+
+
+def unprintable_result(n: int) -> _Unprintable:
+    """A tool whose result's str() raises.
+
+    Args:
+        n: anything
+    """
+    return _Unprintable()
+
+
+def unprintable_error(n: int) -> None:
+    """A tool that raises an exception whose str() raises.
+
+    Args:
+        n: anything
+    """
+    raise _UnprintableError()
+
+
+def test_a_tool_whose_result_or_exception_cannot_be_made_text_gives_the_model_an_error() -> None:
+    """The user's __str__ runs as the answer is made: its failure is the model's error, not the worker's."""
+    box = Toolbox(tools=[unprintable_result, unprintable_error])
+    result = box.call(box.tools, _call("unprintable_result", n=1))
+    assert result.failed and "returned a _Unprintable that str() fails on: __str__ exploded" in result.content
+    error = box.call(box.tools, _call("unprintable_error", n=1))
+    assert error.failed and "_UnprintableError (its message could not be made" in error.content
+
+
 def test_calculator_parses_and_never_evaluates_code() -> None:
     assert calculator("13 + 14") == "27"
     assert calculator("(2 + 3) * 4 / 8") == "2.5"
