@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 import typer
 
@@ -79,6 +81,10 @@ def serve_command(
             raise CliError(f"{flag} {value}: must be at least 1")
     if processes < 0 or session_idle_seconds <= 0:
         raise CliError("--processes must be >= 0 and --session-idle-seconds > 0")
+    # the classes import from this folder, as `apply` and `test` take a run's modules (a console script does
+    # not put it on sys.path); the environment processes inherit sys.path (environment_pool)
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = serve(

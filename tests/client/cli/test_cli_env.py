@@ -32,15 +32,13 @@ def test_serve_refuses_without_a_token_or_a_servable_class(monkeypatch: pytest.M
 
 
 def test_serve_answers_with_the_token_until_interrupted(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "MORTAL_ENV_TOKEN": "s" * 32,
-        "PYTHONPATH": str(FIXTURES),
-        "MORTAL_HOME": str(tmp_path),
-    }
-    command = [sys.executable, "-m", "mortal.client.cli.main", "env", "serve", LEDGER, "--port", "0"]
-    command += ["--processes", "1"]
-    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    """Run from the folder that holds the class's module, as a user runs it: no PYTHONPATH needed."""
+    env = {**os.environ, "MORTAL_ENV_TOKEN": "s" * 32, "MORTAL_HOME": str(tmp_path)}
+    env.pop("PYTHONPATH", None)
+    # the console script, as installed: `python -m` would put the folder on sys.path itself
+    mortalctl = str(Path(sys.executable).with_name("mortalctl"))
+    command = [mortalctl, "env", "serve", LEDGER, "--port", "0", "--processes", "1"]
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=FIXTURES)
     try:
         assert server.stderr is not None
         line = server.stderr.readline()
