@@ -159,12 +159,15 @@ class HttpEnvironments:
 
     # -- the proxies' backend -------------------------------------------------------------------------
     def describe(self) -> dict[str, dict[str, Any]]:
-        """{reference: description} of every class the server serves; EnvironmentServiceError when it cannot
-        be asked."""
+        """{reference: description} of every class the server serves; EnvironmentUnreachable while nothing
+        answers at its address (an outage: worth waiting for), EnvironmentServiceError when it answers but
+        cannot be asked (its token, its protocol)."""
         try:
             document = self._send(
                 "GET", "/v1/environments", None, CONNECT_SECONDS + self.grace_seconds, "describe"
             )
+        except EnvironmentUnreachable:
+            raise
         except (EnvironmentLost, EnvironmentRaised, EnvironmentTimedOut) as exc:
             raise EnvironmentServiceError(
                 f"cannot ask the environment server at {self.url} what it serves: {exc}"

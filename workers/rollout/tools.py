@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import threading
 import time
@@ -30,11 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError, exception_text
 from mortal.workers.rollout.environment_proxy import (
     EnvironmentProxy,
+    EnvironmentUnreachable,
     ProxySettings,
     own_deadline,
     proxy_class_of,
@@ -45,6 +49,9 @@ from mortal.workers.rollout.environment_schema import NOT_TOOLS
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
 CONCURRENT_ROLLOUTS = 16
 TOLD_EVERY_SECONDS = 60.0  # a tool that keeps timing out makes one Warning event a minute, not one a call
+log = logging.getLogger(__name__)
+# How long a starting worker waits for an environment server that does not answer before it ends (relaunched)
+UNREACHABLE_WAIT_SECONDS = 60.0
 
 
 class ToolLoadError(FatalWorkerError):
@@ -362,6 +369,32 @@ def _pooled_environments(
     }
 
 
+def _described_once_reachable(client: Any, url: str) -> dict[str, dict[str, Any]]:
+    """The server's description, asked again while nothing answers at its address, for up to
+    UNREACHABLE_WAIT_SECONDS: a server restarting or briefly down is an outage, not the run's fault. Past
+    that EnvironmentUnreachable ends this worker as a crash (relaunched under restartPolicy, which fails the
+    run only after sameFailureLimit such ends), never at once as a fatal error."""
+
+    def said(state: RetryCallState) -> None:
+        log.warning(
+            "the environment server at %s cannot be reached (%s); asking again in %.1f s",
+            url,
+            state.outcome.exception() if state.outcome else "?",
+            state.upcoming_sleep,
+        )
+
+    for attempt in Retrying(
+        retry=retry_if_exception_type(EnvironmentUnreachable),
+        stop=stop_after_delay(UNREACHABLE_WAIT_SECONDS),
+        wait=wait_exponential(multiplier=0.5, max=5.0),
+        before_sleep=said,
+        reraise=True,
+    ):
+        with attempt:
+            return client.describe()
+    raise AssertionError("unreachable: tenacity reraises the last failure")
+
+
 def _served_environments(rollout: Any, named: dict[str | None, str]) -> tuple[Any, dict[str | None, type]]:
     """environmentService http: the server's client, and a proxy class per environment class, built from the
     server's description (the class need not be importable here)."""
@@ -378,7 +411,7 @@ def _served_environments(rollout: Any, named: dict[str | None, str]) -> tuple[An
         )
     client = HttpEnvironments(service.url, token)
     try:
-        served = client.describe()
+        served = _described_once_reachable(client, service.url)
         out = {}
         for name, ref in named.items():
             if ref not in served:

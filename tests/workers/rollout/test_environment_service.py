@@ -233,8 +233,8 @@ def test_a_dict_of_pooled_environments_shares_one_pool_and_each_reward_scores_it
 class _Served:
     """An environment server on a thread of the test; `stop` ends it (as a crashed server host would)."""
 
-    def __init__(self) -> None:
-        self.server = serve([LEDGER], "127.0.0.1", 0, TOKEN, processes=1, max_body_bytes=64 * 1024)
+    def __init__(self, port: int = 0) -> None:
+        self.server = serve([LEDGER], "127.0.0.1", port, TOKEN, processes=1, max_body_bytes=64 * 1024)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.stopped = False
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -356,6 +356,39 @@ def test_a_server_that_is_gone_fails_tool_calls_and_makes_a_reset_relaunch_the_w
             environment.reset(owner="bob")
     finally:
         box.close()
+
+
+def test_a_worker_starting_while_the_server_is_down_waits_for_it_then_ends_to_be_relaunched_not_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An outage is not the run's fault: the start asks again while nothing answers, and past its wait ends
+    the worker with EnvironmentUnreachable (a crash, relaunched under restartPolicy), not a fatal error."""
+    import socket
+
+    from mortal.workers.rollout import tools
+
+    with socket.socket() as probe:  # a port where nothing listens yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("ENV_TOKEN", TOKEN)
+    spec = _rollout("http", url=f"http://127.0.0.1:{port}", tokenEnv="ENV_TOKEN")
+    monkeypatch.setattr(tools, "UNREACHABLE_WAIT_SECONDS", 0.5)
+    with pytest.raises(EnvironmentUnreachable) as raised:
+        Toolbox.from_spec(spec)
+    assert not isinstance(raised.value, ToolLoadError)
+
+    monkeypatch.setattr(tools, "UNREACHABLE_WAIT_SECONDS", 60.0)
+    back: list[_Served] = []
+    starter = threading.Timer(1.0, lambda: back.append(_Served(port)))  # the server is back meanwhile
+    starter.start()
+    try:
+        box = Toolbox.from_spec(spec)
+        assert back, "the worker started before the server was back"
+        box.close()
+    finally:
+        starter.join()
+        for running in back:
+            running.stop()
 
 
 # -- through the tool loop -------------------------------------------------------------------------------
