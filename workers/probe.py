@@ -24,6 +24,13 @@ from typing import Any
 from mortal.specs.training import TrainingSpec
 from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rollout.environment_schema import schema_problem, tool_problems
+
+# a tool the model cannot be told of: TRL describes each from its signature, type hints and docstring
+SCHEMA_HINT = (
+    "TRL cannot describe it to the model (transformers' get_json_schema needs a docstring with an Args: "
+    "section and JSON-typed hints)"
+)
 
 # What TRL's GRPOTrainer (and mortal's RewardSet) pass a reward function by name, besides dataset columns.
 TRL_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -140,7 +147,9 @@ def check_tool(field: str, ref: str) -> Check:
         return failed(field, f"{ref!r}: {why}")
     if not callable(obj) or inspect.isclass(obj):
         return failed(field, f"{ref!r}: a tool must be a function (it is a {type(obj).__name__})")
-    return ok(field, f"{ref!r}: a function")
+    if (problem := schema_problem(obj)) is not None:
+        return failed(field, f"{ref!r}: {SCHEMA_HINT}: {problem}")
+    return ok(field, f"{ref!r}: a function" if inspect.isfunction(obj) else f"{ref!r}: a callable")
 
 
 def check_environment(field: str, ref: str) -> Check:
@@ -167,6 +176,9 @@ def check_environment(field: str, ref: str) -> Check:
             f"{ref!r}: has no reset() method; TRL's environment_factory needs one (it is "
             "called before each generation)",
         )
+    if problems := tool_problems(obj):
+        named = "; ".join(f"{obj.__name__}.{name}: {problem}" for name, problem in problems)
+        return failed(field, f"{ref!r}: {SCHEMA_HINT}: {named}")
     return ok(field, f"{ref!r}: a class built with no arguments, with reset()")
 
 

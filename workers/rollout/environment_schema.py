@@ -72,6 +72,34 @@ def public_functions(cls: type) -> list[tuple[str, Callable[..., Any], bool]]:
     return out
 
 
+def schema_problem(function: Callable[..., Any]) -> str | None:
+    """Why TRL cannot tell the model of this tool (transformers' get_json_schema, built from its signature,
+    type hints and docstring, fails on it), or None. None too where transformers is not installed (the CLI's
+    machine): the rollout worker checks again at its start."""
+    try:
+        from transformers.utils import get_json_schema
+    except ImportError:
+        return None
+    try:
+        get_json_schema(function)
+    except Exception as exc:  # noqa: BLE001 - whatever it raises on the user's function is the finding
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def tool_problems(cls: type) -> list[tuple[str, str]]:
+    """(method name, schema_problem) of each of an environment class's tools whose schema cannot be built;
+    a method is bound to a placeholder instance, as TRL describes a bound method (no `self`)."""
+    out = []
+    for name, function, static in public_functions(cls):
+        if name in NOT_TOOLS:
+            continue
+        problem = schema_problem(function if static else types.MethodType(function, object()))
+        if problem is not None:
+            out.append((name, problem))
+    return out
+
+
 def method_doc(cls: type, name: str) -> str | None:
     """The method's docstring as TRL reads it (inspect.getdoc: inherited from a base when it has none)."""
     return inspect.getdoc(getattr(cls, name))

@@ -43,7 +43,7 @@ from mortal.workers.rollout.environment_proxy import (
     own_deadline,
     proxy_class_of,
 )
-from mortal.workers.rollout.environment_schema import NOT_TOOLS
+from mortal.workers.rollout.environment_schema import NOT_TOOLS, schema_problem
 
 # Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
@@ -69,6 +69,18 @@ class ToolOutcome:
     arguments: Any
     content: str
     failed: bool
+
+
+def _check_methods(methods: list[Callable[..., Any]], tools: list[Callable[..., Any]], ref: str) -> None:
+    """An environment's tools must be describable, and none may take a standalone tool's name (the model
+    would be offered two tools of one name, and one of them would answer every call)."""
+    standalone = {tool.__name__ for tool in tools}
+    for method in methods:
+        where = f"spec.rollout.environment: {ref!r}: method {method.__name__}"
+        if method.__name__ in standalone:
+            raise ToolLoadError(f"{where} has the name of a tool of spec.rollout.tools; rename one of them")
+        if (problem := schema_problem(method)) is not None:
+            raise ToolLoadError(f"{where}: TRL cannot describe it: {problem}")
 
 
 def _import(ref: str, where: str) -> Any:
@@ -111,11 +123,13 @@ class Toolbox:
     def from_spec(cls, rollout: Any) -> Toolbox:
         """spec.rollout's tools and environment, imported and each environment built once (TRL probes one)."""
         tools = [_import(ref, "spec.rollout.tools:") for ref in rollout.tools]
-        for ref, tool in zip(rollout.tools, tools, strict=True):
+        for i, (ref, tool) in enumerate(zip(rollout.tools, tools, strict=True)):
             if not callable(tool):
                 raise ToolLoadError(
                     f"spec.rollout.tools: {ref!r} is not callable (it is a {type(tool).__name__})"
                 )
+            if (problem := schema_problem(tool)) is not None:
+                raise ToolLoadError(f"spec.rollout.tools[{i}]: {ref!r}: TRL cannot describe it: {problem}")
         refs = rollout.environment
         named = {} if refs is None else {None: refs} if isinstance(refs, str) else dict(refs)
         mode = rollout.environment_service.mode
@@ -141,6 +155,7 @@ class Toolbox:
                     "environment_factory needs one (it is called before each generation)"
                 )
             box._pool[name] = [probe]
+            _check_methods(environment_methods(probe), tools, named[name])
         return box
 
     def close(self) -> None:

@@ -41,6 +41,18 @@ class NeedsArgs:
 
     def reset(self, **row):
         return None
+
+
+def undocumented(x: int) -> int:
+    return x
+
+
+class UndocumentedTool:
+    def reset(self, **row):
+        return None
+
+    def look(self, x: int) -> int:
+        return x
 '''
 
 
@@ -138,6 +150,16 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
             {"spec.rollout.environment": {"a": "myrewards:NeedsArgs"}},
             "spec.rollout.environment.a",
             "TRL builds it with no arguments",
+        ),
+        (
+            {"spec.rollout.tools": ["myrewards:undocumented"]},
+            "spec.rollout.tools[0]",
+            "TRL cannot describe it to the model",
+        ),
+        (
+            {"spec.rollout.environment": "myrewards:UndocumentedTool"},
+            "spec.rollout.environment",
+            "UndocumentedTool.look: DocstringParsingException",
         ),
     ],
 )

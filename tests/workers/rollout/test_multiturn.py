@@ -23,12 +23,13 @@ import pytest
 from rollout_helpers import assets_available
 from tool_helpers import MAX_MODEL_LEN, SCRIPTS, ArithScript, ScriptedEngine, smollm2_tokenizer, tool_call
 
+from mortal.specs.training import RolloutSpec
 from mortal.workers.deadline import Abandoner, TooManyAbandonedCalls
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.builtin_tools import ArithEnvironment, CalculatorError, calculator
 from mortal.workers.rollout.engines import GenerationParams
 from mortal.workers.rollout.multiturn import MultiTurn, ToolTemplateError, tool_suffix_ids
-from mortal.workers.rollout.tools import EnvironmentReward, Toolbox, run_with_timeout
+from mortal.workers.rollout.tools import EnvironmentReward, Toolbox, ToolLoadError, run_with_timeout
 
 pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets missing")
 
@@ -411,6 +412,30 @@ def test_a_tool_whose_result_or_exception_cannot_be_made_text_gives_the_model_an
     assert result.failed and "returned a _Unprintable that str() fails on: __str__ exploded" in result.content
     error = box.call(box.tools, _call("unprintable_error", n=1))
     assert error.failed and "_UnprintableError (its message could not be made" in error.content
+
+
+def test_a_tool_trl_cannot_describe_or_an_environment_method_named_as_a_tool_fails_the_worker_at_start() -> (
+    None
+):
+    """Refused before any rollout (naming the field), not when the chat template first needs the schema."""
+    with pytest.raises(ToolLoadError, match=r"spec.rollout.tools\[0\]: .*TRL cannot describe it"):
+        Toolbox.from_spec(RolloutSpec(tools=["test_multiturn:undescribed_tool"]))
+    clash = RolloutSpec(tools=["test_multiturn:meet"], environment="test_multiturn:_Meeting")
+    with pytest.raises(ToolLoadError, match="method meet has the name of a tool of spec.rollout.tools"):
+        Toolbox.from_spec(clash)
+
+
+def undescribed_tool(x: int) -> int:
+    return x
+
+
+def meet(n: int) -> int:
+    """A standalone tool of the name of an environment's method.
+
+    Args:
+        n: anything
+    """
+    return n
 
 
 def test_calculator_parses_and_never_evaluates_code() -> None:
