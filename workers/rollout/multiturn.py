@@ -162,6 +162,7 @@ class MultiTurn:
         self._suffixes = Remembered(SUFFIXES_KEPT)
         self._turns = TurnParser(tokenizer, self._schemas, PARSES_KEPT)
         self._prompts = Remembered(PROMPTS_KEPT)
+        self._token_chars: int | None = None  # _longest_token's, computed at the first tool answer
         self._tool_schemas: dict[Any, dict[str, Any]] = {}  # by function: a run has a handful
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.max_model_len = engine.max_model_len()
@@ -325,6 +326,9 @@ class MultiTurn:
         rollout.tool_calls += len(outcomes)
         rollout.tool_failures += sum(o.failed for o in outcomes)
         tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
+        room = self.params.max_tokens - len(rollout.completion_ids)
+        if sum(len(o.content) for o in outcomes) > room * self._longest_token():
+            return False  # more characters than `room` tokens can hold: not rendered, not tokenized
         suffix = self._suffix(tool_messages)
         length = len(rollout.completion_ids) + len(suffix)
         if length > self.params.max_tokens or (
@@ -336,6 +340,15 @@ class MultiTurn:
         rollout.logprobs += [0.0] * len(suffix)
         rollout.mask += [0] * len(suffix)
         return True
+
+    def _longest_token(self) -> int:
+        """The most characters one token of the vocabulary stands for (its string's length: a byte-level or
+        SentencePiece token's string has a character per byte or more), so a text of n characters needs at
+        least n / this many tokens. Why: a tool may answer megabytes, which the template would render and
+        the tokenizer encode only for the answer to be dropped as too long (memory and seconds)."""
+        if self._token_chars is None:
+            self._token_chars = max((len(token) for token in self.tokenizer.get_vocab()), default=1) or 1
+        return self._token_chars
 
     def _rendered(self, prompt: list[dict[str, Any]], tools: list[Any]) -> list[int]:
         """The prompt's ids with its tools (the chat template's generation prompt after), remembered by the

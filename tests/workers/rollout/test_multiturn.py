@@ -156,6 +156,47 @@ class _ShapeRecorder(ScriptedEngine):
         return super().generate(prompts, n, seeds, params)
 
 
+def test_a_tool_answer_longer_than_the_room_left_is_dropped_as_trl_drops_it_without_being_rendered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tool may answer megabytes: more characters than the budget's tokens could hold is dropped before the
+    template renders it and the tokenizer encodes it (memory and seconds), with TRL's outcome."""
+    from mortal.workers.rollout import multiturn as module
+
+    def huge(expression: str) -> str:
+        return "7" * 200_000
+
+    huge.__name__, huge.__doc__ = "calculator", calculator.__doc__
+    rendered: list[int] = []
+
+    def measured(tokenizer: Any, template: Any, messages: list[dict[str, Any]]) -> list[int]:
+        rendered.append(max(len(m["content"]) for m in messages))
+        return tool_suffix_ids(tokenizer, template, messages)
+
+    monkeypatch.setattr(module, "tool_suffix_ids", measured)
+    tokenizer = smollm2_tokenizer()
+    multiturn = MultiTurn(
+        ScriptedEngine(tokenizer),
+        tokenizer,
+        Toolbox(tools=[huge], max_iterations=5),
+        GenerationParams(max_tokens=160),
+        chat_template="qwen2_5",
+        continuous=False,
+    )
+    requests = [
+        RolloutRequest(prompt=[{"role": "user", "content": f"Task: {t}."}], row={}, num_generations=2, seed=i)
+        for i, t in enumerate(SCRIPTS)
+    ]
+    ours = [r for group in multiturn.rollouts(requests) for r in group]
+    prompts = [r.prompt for r in requests for _ in range(2)]
+    mask, completions, ids, _, calls, _, _ = _trl_loop(
+        tokenizer, ScriptedEngine(tokenizer), prompts, [huge], 160, 5
+    )
+    assert [r.completion_ids for r in ours] == ids and [r.mask for r in ours] == mask
+    assert calls > 0 and sum(r.tool_calls for r in ours) == calls
+    assert all(length < 200_000 for length in rendered)  # never rendered
+
+
 def test_every_turn_of_a_task_asks_for_one_shape_that_every_history_and_rollout_fits_in() -> None:
     """So that the GPU decoder replays one captured shape for all turns (GenerationParams.min_prompt_width
     and min_rows): the longest prompt + maxTokens, and the first turn's rollouts."""
