@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from mortal.client.cli.context import CliError
-from mortal.client.cli.output import console, say, table, to_json, to_yaml
+from mortal.client.cli.output import console, say, table, to_json, to_yaml, user_output_to_stderr
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -268,7 +268,8 @@ def test_rollout(
         if value is not None and value < 1:
             raise CliError(f"{flag} {value}: must be at least 1")
     run = load_run(filename, name)
-    result = generate(run, prompt, row, n or run.spec.algorithm.num_generations, max_tokens, seed, device)
+    with user_output_to_stderr():
+        result = generate(run, prompt, row, n or run.spec.algorithm.num_generations, max_tokens, seed, device)
     if output:
         typer.echo(dump(result, output), nl=False)
         return

@@ -34,7 +34,7 @@ from mortal.client.cli.components import (
     weighted_sums,
 )
 from mortal.client.cli.context import CliError
-from mortal.client.cli.output import console, say, table
+from mortal.client.cli.output import console, say, table, user_output_to_stderr
 from mortal.workers.errors import FatalWorkerError
 
 if TYPE_CHECKING:
@@ -76,7 +76,10 @@ def test_eval(
         run = with_model(run, model)
     selected = row_range(run, rows)
     try:
-        result = evaluate(run, selected, n or run.spec.algorithm.num_generations, seed, device_for(device))
+        with user_output_to_stderr():
+            result = evaluate(
+                run, selected, n or run.spec.algorithm.num_generations, seed, device_for(device)
+            )
     except FatalWorkerError as exc:  # what a worker would fail the run with: a model or reward that fails
         raise CliError(f"{f'--model {model}: ' if model is not None else ''}{exc.message}") from None
     if output:

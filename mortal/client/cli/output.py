@@ -7,11 +7,12 @@ yaml` prints can be edited and applied again, like kubectl's.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,6 +45,23 @@ def console(stderr: bool = False) -> Console:
         emoji=False,
         force_terminal=tty,
     )
+
+
+@contextlib.contextmanager
+def user_output_to_stderr() -> Iterator[None]:
+    """While the user's code runs in this process (a run's tools, environments, rewards), what it prints goes
+    to stderr, its child processes' and C code's too (file descriptor 1 points at 2): stdout keeps only
+    mortalctl's own output, so `-o json` stays one document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def age(since: datetime | None, now: datetime | None = None) -> str:

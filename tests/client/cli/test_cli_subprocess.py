@@ -205,3 +205,45 @@ def test_test_reward_keeps_what_a_reward_s_child_process_prints_inside_its_repor
     assert sorted(report["stdout"].splitlines()) == ["from a child", "from python"]
     assert report["stderr"] == "straight to fd 2\n"
     assert "straight to fd 2" not in done.stderr
+
+
+def test_test_rollout_sends_what_a_tool_prints_to_stderr_so_json_stays_one_document(tmp_path):
+    """The run's tools print (and run programs that print) while it generates: stdout is kept for the
+    document, and their output goes to stderr, where the user still sees it."""
+    from rollout_helpers import assets_available, make_tiny_model
+
+    if not assets_available():
+        pytest.skip("needs the test assets (SmolLM2's tokenizer and config)")
+    project = tmp_path / "project"
+    project.mkdir()
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    (project / "loud_tools.py").write_text(
+        "import subprocess, sys\n\n"
+        "class Loud:\n"
+        "    def reset(self, **row):\n"
+        "        print('reset from python')\n"
+        "        subprocess.run([sys.executable, '-c', 'print(\"reset from a child\")'], check=True)\n\n"
+        "    def shout(self, word: str) -> str:\n"
+        '        """Shout.\n\n        Args:\n            word: what to shout\n        """\n'
+        "        return word.upper()\n"
+    )
+    spec = project / "loud.yaml"
+    spec.write_text(
+        "apiVersion: mortal/v1\nkind: TrainingRun\nmetadata: {name: loud}\nspec:\n"
+        f"  model: {{name: {model}}}\n  dataset: {{name: 'builtin:arith'}}\n"
+        "  rewards: [{function: 'mortal.workers.rewards.builtin:correct_answer'}]\n"
+        "  rollout: {environment: 'loud_tools:Loud', chatTemplate: qwen2_5}\n"
+        "  generation: {maxTokens: 8}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mortal.client.cli.main", "test", "rollout", "-f", str(spec)]
+        + ["--row", "0", "-n", "1", "--device", "cpu", "-o", "json"],
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env={**os.environ, "MORTAL_NO_CONTROLLER": "1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["completions"]
+    assert "reset from python" in done.stderr and "reset from a child" in done.stderr
