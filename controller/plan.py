@@ -359,7 +359,7 @@ class _Pass:
                 )
                 event = Event(kind, reason, f"{w.name} #{w.incarnation}: {verdict.message}")
                 self._end(w, state, verdict.exit_code, verdict.message, event)
-                if verdict.kill and proc is not None:
+                if proc is not None:  # hung: kill it; exited: what it left (its group, children that left it)
                     self.actions.append(Stop(proc.handle, 0.0, None))
 
     def _deadline_counts_from(self, w: _W) -> datetime | None:

@@ -32,7 +32,7 @@ from types import ModuleType
 from mortal.state import open_store, paths
 from mortal.state.errors import Fenced
 from mortal.state.log_rotation import LogCap
-from mortal.state.store import Store, WorkerRef
+from mortal.state.store import WORKER_LEADER_ENV, Store, WorkerRef
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.oom import REASON as OUT_OF_MEMORY
 from mortal.workers.oom import out_of_memory, with_device_state
@@ -193,6 +193,7 @@ def _finish(
 
 
 def main() -> None:
+    os.environ.pop(WORKER_LEADER_ENV, None)  # this process is the worker; its children are not (state.store)
     LogCap().start()  # the log file the backend gave stdout and stderr (state/log_rotation.py)
     try:
         code = run_worker()

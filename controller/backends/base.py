@@ -31,6 +31,7 @@ from pathlib import Path
 from mortal.specs.memory import MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV
 from mortal.state import paths, wire
 from mortal.state.containment import inside, url_inside
+from mortal.state.store import WORKER_LEADER_ENV
 
 WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
 EXITED_TTL_SECONDS = 600.0  # how long list() keeps reporting a worker that ended and was not stop()ped
@@ -52,6 +53,7 @@ WORKER_IDENTITY_ENV = (
     "MORTAL_REPLICA",
     "MORTAL_INCARNATION",
     "MORTAL_WORKER_ID",
+    WORKER_LEADER_ENV,
     "MORTAL_RUN_UID",
     "MORTAL_HEARTBEAT_SECONDS",
     "MORTAL_HOME",
@@ -262,6 +264,7 @@ class WorkerLaunch:
             MORTAL_INCARNATION=str(self.incarnation),
             MORTAL_WORKER_ID=self.worker_id,
             MORTAL_RUN_UID=self.run_uid,
+            **{WORKER_LEADER_ENV: "1"},
             MORTAL_HOME=str(mortal_home or self.mortal_home),
             MORTAL_STATE_URL=self.state_url,
             PYTHONUNBUFFERED="1",

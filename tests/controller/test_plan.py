@@ -104,6 +104,16 @@ def test_actor_killed_is_lost_and_relaunch_waits_for_backoff():
     assert p.actions[0].event.reason == "WorkerLost"
 
 
+@pytest.mark.parametrize("code", [-9, 0, 1])
+def test_a_worker_whose_process_exited_is_stopped_too_so_what_it_left_running_is_killed(code):
+    """A process killed with SIGKILL leaves its children (an environment's, a tool's programs) running: the
+    backend's stop of its handle kills its process group and what carries its worker id."""
+    rows, procs = running()
+    procs[0] = proc(rows[0], alive=False, code=code)
+    p = run_plan(rows, procs, prev=status("Running"), backoff_seconds=5)
+    assert stops(p) == [(procs[0].handle, 0.0)]
+
+
 def test_lost_actor_is_relaunched_after_backoff_and_counted():
     rows, procs = running()
     rows[0] = row("actor", 0, 1, "Lost", ended=6, message="process exited with code -9")

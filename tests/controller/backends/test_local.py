@@ -45,11 +45,13 @@ STUBBORN = [
 ]
 
 
-# Starts a descendant in a session of its own (out of the worker's process group); prints its pid.
+# Starts a descendant in a session of its own (out of the worker's process group); prints its pid. As the
+# worker does first thing (mortal.workers.main), it drops the leader mark its children must not inherit.
 ESCAPER = [
     sys.executable,
     "-c",
-    "import subprocess, sys, time\n"
+    "import os, subprocess, sys, time\n"
+    "os.environ.pop('MORTAL_WORKER_LEADER', None)\n"
     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
     "start_new_session=True)\n"
     "print('escaped', child.pid, flush=True)\n"
@@ -248,6 +250,23 @@ def test_descendants_that_left_the_group_are_neither_listed_nor_left_behind(
     assert [w.handle for w in backend.list()] == [handle], "a descendant is not another worker"
     backend.stop(handle, grace_seconds=1.0)
     assert gone(pid_of(handle)) and gone(escaped)
+
+
+def test_stopping_a_worker_killed_outright_kills_what_it_left(mortal_home: Path, cleanup: None) -> None:
+    """A worker killed with SIGKILL (or crashed) leaves its children: its group and the descendants that left
+    it. Once it is listed as exited the controller stops its handle (plan: every ended process), which
+    kills them."""
+    backend = LocalBackend(mortal_home, command=ESCAPER)
+    handle = backend.launch(launch_spec(mortal_home))
+    log = paths.worker_log("r", "rollout", 0, 1)
+    escaped = int(str(wait_for(lambda: log.exists() and log.read_text().strip(), what="pid")).split()[1])
+    wait_for(lambda: psutil.Process(escaped).environ(), what="the descendant's environment")
+    backend.list()  # seen alive (the controller's pass lists before it judges)
+    os.kill(pid_of(handle), signal.SIGKILL)
+    wait_for(lambda: [w.alive for w in backend.list()] == [False], what="listed as exited")
+    assert not gone(escaped)
+    backend.stop(handle, grace_seconds=0.0)
+    assert gone(escaped)
 
 
 def test_launch_is_idempotent_per_worker_id(mortal_home: Path, cleanup: None) -> None:
