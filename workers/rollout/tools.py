@@ -55,10 +55,12 @@ UNREACHABLE_WAIT_SECONDS = 60.0
 
 
 class ToolLoadError(FatalWorkerError):
-    """A tool or environment reference cannot be imported or built (the run fails with the reason)."""
+    """A tool or environment reference cannot be imported or built (the run fails with the reason):
+    ToolNotFound (it cannot be imported or is not served), ToolInvalid (not a tool TRL can offer),
+    EnvironmentFailed (building an instance raised), SecretMissing (the service's token is not set)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__("ToolNotFound", message)
+    def __init__(self, message: str, reason: str = "ToolNotFound") -> None:
+        super().__init__(reason, message)
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,11 @@ def _check_methods(methods: list[Callable[..., Any]], tools: list[Callable[..., 
     for method in methods:
         where = f"spec.rollout.environment: {ref!r}: method {method.__name__}"
         if method.__name__ in standalone:
-            raise ToolLoadError(f"{where} has the name of a tool of spec.rollout.tools; rename one of them")
+            raise ToolLoadError(
+                f"{where} has the name of a tool of spec.rollout.tools; rename one", "ToolInvalid"
+            )
         if (problem := schema_problem(method)) is not None:
-            raise ToolLoadError(f"{where}: TRL cannot describe it: {problem}")
+            raise ToolLoadError(f"{where}: TRL cannot describe it: {problem}", "ToolInvalid")
 
 
 def _import(ref: str, where: str) -> Any:
@@ -126,10 +130,13 @@ class Toolbox:
         for i, (ref, tool) in enumerate(zip(rollout.tools, tools, strict=True)):
             if not callable(tool):
                 raise ToolLoadError(
-                    f"spec.rollout.tools: {ref!r} is not callable (it is a {type(tool).__name__})"
+                    f"spec.rollout.tools: {ref!r} is not callable (it is a {type(tool).__name__})",
+                    "ToolInvalid",
                 )
             if (problem := schema_problem(tool)) is not None:
-                raise ToolLoadError(f"spec.rollout.tools[{i}]: {ref!r}: TRL cannot describe it: {problem}")
+                raise ToolLoadError(
+                    f"spec.rollout.tools[{i}]: {ref!r}: TRL cannot describe it: {problem}", "ToolInvalid"
+                )
         refs = rollout.environment
         named = {} if refs is None else {None: refs} if isinstance(refs, str) else dict(refs)
         mode = rollout.environment_service.mode
@@ -152,7 +159,8 @@ class Toolbox:
             if not callable(getattr(probe, "reset", None)):
                 raise ToolLoadError(
                     f"spec.rollout.environment: {named[name]!r} has no reset() method; TRL's "
-                    "environment_factory needs one (it is called before each generation)"
+                    "environment_factory needs one (it is called before each generation)",
+                    "ToolInvalid",
                 )
             box._pool[name] = [probe]
             _check_methods(environment_methods(probe), tools, named[name])
@@ -180,7 +188,8 @@ class Toolbox:
         except Exception as exc:
             raise ToolLoadError(
                 f"spec.rollout.environment {name or ''}: building {factory.__name__}() failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}",
+                "EnvironmentFailed",
             ) from exc
 
     def environment_name(self, row: dict[str, Any]) -> str | None:
@@ -336,7 +345,9 @@ class EnvironmentReward:
         self.only_ref = class_ref
         self.only = _import(class_ref, "spec.rewards[].args.class") if class_ref and importable else None
         if self.only is not None and not callable(getattr(self.only, "get_reward", None)):
-            raise ToolLoadError(f"spec.rewards {name!r}: {class_ref!r} has no get_reward() method")
+            raise ToolLoadError(
+                f"spec.rewards {name!r}: {class_ref!r} has no get_reward() method", "ToolInvalid"
+            )
 
     def __call__(
         self, completions: list[Any], environments: list[Any] | None = None, **kwargs: Any
@@ -422,7 +433,8 @@ def _served_environments(rollout: Any, named: dict[str | None, str]) -> tuple[An
     if not token:
         raise ToolLoadError(
             f"spec.rollout.environmentService.tokenEnv: ${service.token_env} is not set on the rollout "
-            "worker; list it in spec.secrets and set it where the controller runs"
+            "worker; list it in spec.secrets and set it where the controller runs",
+            "SecretMissing",
         )
     client = HttpEnvironments(service.url, token)
     try:
@@ -440,7 +452,7 @@ def _served_environments(rollout: Any, named: dict[str | None, str]) -> tuple[An
             out[name] = proxy_class_described(served[ref], settings)
     except (EnvironmentServiceError, DescriptionError) as exc:
         client.close()
-        raise ToolLoadError(f"spec.rollout.environmentService: {exc}") from exc
+        raise ToolLoadError(f"spec.rollout.environmentService: {exc}", "EnvironmentServiceFailed") from exc
     except ToolLoadError:
         client.close()
         raise

@@ -196,8 +196,9 @@ def test_a_class_that_cannot_be_built_fails_the_run_at_start() -> None:
         {"environment": "service_environments:Broken", "environmentService": {"mode": "processPool"}}
     )
     assert Broken.__name__ == "Broken"
-    with pytest.raises(ToolLoadError, match="no licence for the simulator"):
+    with pytest.raises(ToolLoadError, match="no licence for the simulator") as failed:
         Toolbox.from_spec(spec)
+    assert failed.value.reason == "EnvironmentFailed"
 
 
 def test_the_environment_reward_scores_proxies_of_its_class(pooled: Toolbox) -> None:
@@ -328,8 +329,9 @@ def test_a_wrong_token_or_a_class_not_served_fails_the_run_at_start(
     with pytest.raises(ToolLoadError, match="refused the token"):
         Toolbox.from_spec(_rollout("http", url=server, tokenEnv="ENV_TOKEN"))
     monkeypatch.delenv("ENV_TOKEN")
-    with pytest.raises(ToolLoadError, match=r"\$ENV_TOKEN is not set"):
+    with pytest.raises(ToolLoadError, match=r"\$ENV_TOKEN is not set") as unset:
         Toolbox.from_spec(_rollout("http", url=server, tokenEnv="ENV_TOKEN"))
+    assert unset.value.reason == "SecretMissing"  # the run's reason says what to fix
     monkeypatch.setenv("ENV_TOKEN", TOKEN)
     spec = RolloutSpec.model_validate(
         {
