@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from mortal.controller.backends.base import inheritable
 from mortal.controller.snapshot import CODE_ANNOTATION, Snapshot, SnapshotRefused, build
 from mortal.specs import SpecError, SpecIssue
+from mortal.specs.loader import field_lines, line_in
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -132,7 +133,8 @@ def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission
     try:
         snapshot = build(run.spec, [Path(f) for f in folders])
     except SnapshotRefused as exc:
-        raise AdmissionRefused([SpecIssue(source, None, exc.field, str(exc))]) from None
+        line = line_in(field_lines(source, run.name), exc.field)
+        raise AdmissionRefused([SpecIssue(source, line, exc.field, str(exc))]) from None
     carried = run.metadata.annotations.get(CODE_ANNOTATION)
     if snapshot.digest is None and carried and (kept := Snapshot.kept(run.name, carried)) is not None:
         snapshot.close()
@@ -141,7 +143,10 @@ def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission
     failed = [c for c in checks if c.state == "failed"]
     if failed:
         snapshot.close()
-        raise AdmissionRefused([SpecIssue(source, None, c.field, c.message) for c in failed])
+        lines = field_lines(source, run.name)  # the file read again: the checks name fields, not lines
+        raise AdmissionRefused(
+            [SpecIssue(source, line_in(lines, c.field), c.field, c.message) for c in failed]
+        )
     if snapshot.digest is not None:
         what = ", ".join(p.rel for p in snapshot.parts) or "kept: this folder has none of the run's code"
         checks.append(

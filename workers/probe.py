@@ -272,13 +272,24 @@ def first_jsonl_row_problem(path: str, prompt_column: str) -> str | None:
 
 
 def check_chat_template(spec: TrainingSpec) -> list[Check]:
+    """A .jinja file must exist; another name must be one of TRL's templates (where TRL is installed: the
+    rollout worker resolves it so, mortal.workers.rollout.multiturn.resolve_chat_template)."""
     template = spec.rollout.chat_template
-    if not template or not template.endswith(".jinja"):
+    if not template:
         return []
     field = "spec.rollout.chatTemplate"
-    if not os.path.isfile(os.path.expanduser(template)):
-        return [failed(field, f"{template!r}: no such file")]
-    return [ok(field, f"{template!r}: a local file")]
+    if template.endswith(".jinja"):
+        if not os.path.isfile(os.path.expanduser(template)):
+            return [failed(field, f"{template!r}: no such file")]
+        return [ok(field, f"{template!r}: a local file")]
+    try:
+        from trl.chat_template_utils import _CHAT_TEMPLATES_DIR
+    except ImportError:  # TRL is not installed where apply runs: the worker checks the name at its start
+        return []
+    known = sorted(path.stem for path in _CHAT_TEMPLATES_DIR.glob("*.jinja"))
+    if template not in known:
+        return [failed(field, f"{template!r}: neither a .jinja file nor a TRL template ({', '.join(known)})")]
+    return [ok(field, f"{template!r}: TRL's template")]
 
 
 def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:

@@ -152,6 +152,14 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
             "TRL builds it with no arguments",
         ),
         (
+            {
+                "spec.rollout.chatTemplate": "nosuch",
+                "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
+            },
+            "spec.rollout.chatTemplate",
+            "'nosuch': neither a .jinja file nor a TRL template (",
+        ),
+        (
             {"spec.rollout.tools": ["myrewards:undocumented"]},
             "spec.rollout.tools[0]",
             "TRL cannot describe it to the model",
@@ -169,7 +177,9 @@ def test_what_cannot_work_is_refused_naming_file_and_field_and_nothing_is_writte
     path = spec_file("bad", **edits)
     out = cli("apply", "-f", str(path))
     assert out.exit_code == 1, out.output
-    assert f"{path}: {field}: " in out.output and says in out.output
+    assert f"{path}:" in out.output and f": {field}: " in out.output and says in out.output
+    line = out.output.split(f"{path}:", 1)[1].split(":", 1)[0]
+    assert line.isdigit(), f"no line number: {out.output}"  # the field's line in the file
     assert runs(store_url) == []
     assert not paths.run_dir("bad").exists()
 
