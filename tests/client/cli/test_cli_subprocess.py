@@ -191,15 +191,7 @@ def test_test_reward_keeps_what_a_reward_s_child_process_prints_inside_its_repor
     )
     rewards = [{"function": "chatty_rewards:chatty"}]
     path = spec_file("chatty", **{"spec.rewards": rewards, "spec.model": {"name": "example-org/absent"}})
-    done = subprocess.run(
-        [sys.executable, "-m", "mortal.client.cli.main", "test", "reward", "-f", str(path)]
-        + ["--completion", "27", "-o", "json"],
-        capture_output=True,
-        text=True,
-        cwd=project,
-        env={**os.environ, "MORTAL_NO_CONTROLLER": "1"},
-        timeout=120,
-    )
+    done = mortalctl_in(project, "test", "reward", "-f", str(path), "--completion", "27", "-o", "json")
     assert done.returncode == 0, done.stderr
     [report] = json.loads(done.stdout)["rewards"]
     assert sorted(report["stdout"].splitlines()) == ["from a child", "from python"]
@@ -235,15 +227,21 @@ def test_test_rollout_sends_what_a_tool_prints_to_stderr_so_json_stays_one_docum
         "  rollout: {environment: 'loud_tools:Loud', chatTemplate: qwen2_5}\n"
         "  generation: {maxTokens: 8}\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "mortal.client.cli.main", "test", "rollout", "-f", str(spec)]
-        + ["--row", "0", "-n", "1", "--device", "cpu", "-o", "json"],
-        capture_output=True,
-        text=True,
-        cwd=project,
-        env={**os.environ, "MORTAL_NO_CONTROLLER": "1"},
-        timeout=300,
+    done = mortalctl_in(
+        project, "test", "rollout", "-f", str(spec), "--row", "0", "-n", "1", "--device", "cpu", "-o", "json"
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["completions"]
     assert "reset from python" in done.stderr and "reset from a child" in done.stderr
+
+
+def mortalctl_in(folder, *args: str) -> subprocess.CompletedProcess:
+    """mortalctl run from `folder` (the run's modules import from there), no store involved."""
+    return subprocess.run(
+        [sys.executable, "-m", "mortal.client.cli.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        env={**os.environ, "MORTAL_NO_CONTROLLER": "1"},
+        timeout=300,
+    )
