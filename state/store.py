@@ -105,10 +105,11 @@ class WorkerRef:
         return f"{self.id}@{self.run_uid}" if self.run_uid else self.id
 
 
-# "1" in the environment a backend launches a worker process with, and in no other: the worker removes it
-# from its own environment first thing (mortal.workers.main), so its children, which inherit
-# MORTAL_WORKER_ID, are never taken for the worker (a child that left the worker's process group led a
-# group carrying its id once the worker was killed: LocalBackend listed it as the live worker).
+# "1" in the environment a backend launches a worker process with; the worker sets it to "0" in its own
+# environment first thing (mortal.workers.main), so its children, which inherit MORTAL_WORKER_ID, are never
+# taken for the worker (a child that left the worker's process group led a group carrying its id once the
+# worker was killed: LocalBackend listed it as the live worker). Absent: a worker an earlier controller
+# launched, still found as it was then.
 WORKER_LEADER_ENV = "MORTAL_WORKER_LEADER"
 
 

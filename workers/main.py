@@ -193,7 +193,7 @@ def _finish(
 
 
 def main() -> None:
-    os.environ.pop(WORKER_LEADER_ENV, None)  # this process is the worker; its children are not (state.store)
+    os.environ[WORKER_LEADER_ENV] = "0"  # this process is the worker; its children are not (state.store)
     LogCap().start()  # the log file the backend gave stdout and stderr (state/log_rotation.py)
     try:
         code = run_worker()

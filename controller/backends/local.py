@@ -3,10 +3,10 @@
 Who calls it: the controller, through the `Backend` contract. A worker is
 `python -m mortal.workers.main` with the protocol's MORTAL_* environment; its output is appended to
 mortal.state.paths.worker_log. The handle is "PID:CREATE_TIME" so a reused pid is never mistaken
-for the worker. `list()` finds workers by scanning processes for MORTAL_WORKER_ID, the leader mark
-(state.store.WORKER_LEADER_ENV: the launched process, never its children) and this MORTAL_HOME in their
-environment, so a restarted controller re-adopts workers an earlier one launched (even ones it launched and
-never recorded). GPUs go out with CUDA_VISIBLE_DEVICES.
+for the worker. `list()` finds workers by scanning processes for MORTAL_WORKER_ID and this MORTAL_HOME in
+their environment, less those the leader mark says are a worker's children (state.store.WORKER_LEADER_ENV),
+so a restarted controller re-adopts workers an earlier one launched (even ones it launched and never
+recorded). GPUs go out with CUDA_VISIBLE_DEVICES.
 What it must not do: touch the store, or leave a process behind: `stop` kills the whole group and what
 carries the worker's id; the controller stops every ended worker's handle, one that died included.
 """
@@ -223,9 +223,9 @@ class LocalBackend(Backend):
         return live
 
     def _scan(self) -> builtins.list[_Found]:
-        """Live worker processes of this home: the processes carrying MORTAL_WORKER_ID and WORKER_LEADER_ENV
-        that lead their process group and whose parent is not the same worker (its descendants inherit the
-        id, not the leader mark)."""
+        """Live worker processes of this home: the processes carrying MORTAL_WORKER_ID, not marked as a
+        worker's descendant (WORKER_LEADER_ENV "0"), that lead their process group and whose parent is not the
+        same worker (its descendants inherit the id)."""
         candidates: dict[int, tuple[psutil.Process, dict[str, str]]] = {}
         for proc in psutil.process_iter(["environ", "ppid"]):
             env = proc.info.get("environ")
@@ -240,7 +240,7 @@ class LocalBackend(Backend):
             parent = candidates.get(proc.info.get("ppid") or 0)
             if parent is not None and parent[1]["MORTAL_WORKER_ID"] == env["MORTAL_WORKER_ID"]:
                 continue
-            if env.get(WORKER_LEADER_ENV) != "1":  # a descendant: only the launched process carries it
+            if env.get(WORKER_LEADER_ENV) == "0":  # a worker's descendant (absent: an earlier controller's)
                 continue
             worker = _inspect(proc, env)
             if worker is not None:

@@ -46,12 +46,12 @@ STUBBORN = [
 
 
 # Starts a descendant in a session of its own (out of the worker's process group); prints its pid. As the
-# worker does first thing (mortal.workers.main), it drops the leader mark its children must not inherit.
+# worker does first thing (mortal.workers.main), it marks what its children inherit as not the worker.
 ESCAPER = [
     sys.executable,
     "-c",
     "import os, subprocess, sys, time\n"
-    "os.environ.pop('MORTAL_WORKER_LEADER', None)\n"
+    "os.environ['MORTAL_WORKER_LEADER'] = '0'\n"
     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
     "start_new_session=True)\n"
     "print('escaped', child.pid, flush=True)\n"
