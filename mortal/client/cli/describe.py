@@ -286,7 +286,7 @@ def describe_run(store: Store, row: RunRow) -> None:
     print_section(
         "Events",
         ("TYPE", "REASON", "AGE", "MESSAGE"),
-        [(e.type, e.reason, e.last_seen(), e.message) for e in lines],
+        [(e.type, e.reason, e.last_seen(), e.shown_message) for e in lines],
     )
 
 

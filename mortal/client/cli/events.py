@@ -3,7 +3,9 @@
 Who calls it: mortal/client/cli/get.py and describe.py, on the events the store returns (oldest first).
 Why: a fast run saves a checkpoint or lags a rollout every few seconds, and those events pushed the rare
 ones (Launched, Scaled, Restarted) out of the newest few that a listing shows. kubectl shows such repeats
-as one line, "3m (x12 over 10m)"; so do we. -o yaml/json lists the events themselves, unfolded.
+as one line, "3m (x12 over 10m)"; so do we. A line whose repeats said different things shows the newest
+message after kubectl's "(combined from similar events): ", so that a user knows older ones differ;
+-o yaml/json lists the events themselves, unfolded.
 `fold` is pure; `newest_lines` reads the store's events page by page, back only as far as it must.
 """
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 
 EVENT_PAGE = 500  # events read from the store at a time, newest first, until the lines shown are whole
 EVENTS_READ_AT_MOST = 20_000  # beyond it, the oldest line's count is a lower bound ("x500+")
+COMBINED_PREFIX = "(combined from similar events): "  # kubectl's words, so that users know them
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,12 @@ class FoldedEvent:
     time: datetime | None
     count: int
     at_least: bool = False  # reading stopped inside this line's repeats: `count` is a lower bound
+    combined: bool = False  # the repeats' messages were not all the same: `message` is the newest's
+
+    @property
+    def shown_message(self) -> str:
+        """The message a listing prints: kubectl's prefix when older repeats said something else."""
+        return f"{COMBINED_PREFIX}{self.message}" if self.combined else self.message
 
     def last_seen(self, now: datetime | None = None) -> str:
         """kubectl's LAST SEEN: the newest event's age, and for a repeat "(xN over AGE)" of the first."""
@@ -51,7 +60,13 @@ def fold(events: Sequence[Any], shown: int) -> list[FoldedEvent]:
     for event in events:
         last = lines[-1] if lines else None
         if last is not None and (last.run, last.type, last.reason) == (event.run, event.type, event.reason):
-            lines[-1] = replace(last, message=event.message, time=event.time, count=last.count + 1)
+            lines[-1] = replace(
+                last,
+                message=event.message,
+                time=event.time,
+                count=last.count + 1,
+                combined=last.combined or event.message != last.message,
+            )
         else:
             lines.append(
                 FoldedEvent(event.run, event.type, event.reason, event.message, event.time, event.time, 1)

@@ -356,7 +356,7 @@ def get_events(
         typer.echo(to_yaml(doc) if output == "yaml" else to_json(doc), nl=False)
         return
     lines = events.newest_lines(store, name, limit)
-    rows = [(e.last_seen(), e.type, e.reason, f"trainingrun/{e.run}", e.message) for e in lines]
+    rows = [(e.last_seen(), e.type, e.reason, f"trainingrun/{e.run}", e.shown_message) for e in lines]
     print_table(("LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"), rows, "No events found.")
 
 

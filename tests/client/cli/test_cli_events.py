@@ -41,6 +41,16 @@ def test_repeats_in_a_row_fold_into_their_newest_with_a_count() -> None:
     assert lines[0].last_seen(now=T0 + timedelta(minutes=12)) == "12m"
 
 
+def test_a_line_whose_repeats_said_different_things_says_so_as_kubectl_does() -> None:
+    same = [event("RewardFailed", m, type="Warning", message="accuracy raised KeyError") for m in range(3)]
+    differing = [*same, event("RewardFailed", 3, type="Warning", message="length raised ValueError")]
+    [alike] = fold(same, shown=50)
+    assert (alike.count, alike.shown_message) == (3, "accuracy raised KeyError")
+    [mixed] = fold(differing, shown=50)
+    assert mixed.count == 4
+    assert mixed.shown_message == "(combined from similar events): length raised ValueError"
+
+
 def test_only_the_same_run_type_and_reason_in_a_row_fold() -> None:
     stored = [
         event("Restarted", 0, type="Warning"),
