@@ -24,6 +24,7 @@ from typing import Any
 from mortal.specs.training import TrainingSpec
 from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
+from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
 from mortal.workers.rollout.environment_schema import schema_problem, tool_problems
 
 # a tool the model cannot be told of: TRL describes each from its signature, type hints and docstring
@@ -278,18 +279,14 @@ def check_chat_template(spec: TrainingSpec) -> list[Check]:
     if not template:
         return []
     field = "spec.rollout.chatTemplate"
-    if template.endswith(".jinja"):
-        if not os.path.isfile(os.path.expanduser(template)):
-            return [failed(field, f"{template!r}: no such file")]
-        return [ok(field, f"{template!r}: a local file")]
     try:
-        from trl.chat_template_utils import _CHAT_TEMPLATES_DIR
+        template_file(template)
     except ImportError:  # TRL is not installed where apply runs: the worker checks the name at its start
         return []
-    known = sorted(path.stem for path in _CHAT_TEMPLATES_DIR.glob("*.jinja"))
-    if template not in known:
-        return [failed(field, f"{template!r}: neither a .jinja file nor a TRL template ({', '.join(known)})")]
-    return [ok(field, f"{template!r}: TRL's template")]
+    except UnknownChatTemplate as exc:
+        return [failed(field, str(exc))]
+    kind = "a local file" if template.endswith(".jinja") else "TRL's template"
+    return [ok(field, f"{template!r}: {kind}")]
 
 
 def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:

@@ -27,12 +27,12 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from mortal.workers import schedule
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.messages import RolloutRequest
+from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
 from mortal.workers.rollout.engines import Engine, GenerationParams
 from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
 from mortal.workers.rollout.remembered import Remembered, tool_functions
@@ -78,7 +78,6 @@ def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
 
     `name`: spec.rollout.chatTemplate (a TRL template name or a .jinja file), None for the model's own."""
     from trl.chat_template_utils import (
-        _CHAT_TEMPLATES_DIR,
         add_response_schema,
         get_training_chat_template,
         is_chat_template_prefix_preserving,
@@ -86,13 +85,10 @@ def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
     )
 
     if name is not None:
-        path = Path(name) if name.endswith(".jinja") else _CHAT_TEMPLATES_DIR / f"{name}.jinja"
-        if not path.is_file():
-            known = sorted(p.stem for p in _CHAT_TEMPLATES_DIR.glob("*.jinja"))
-            raise ToolTemplateError(
-                f"spec.rollout.chatTemplate {name!r}: no such file or TRL template; TRL ships "
-                f"{', '.join(known)}"
-            )
+        try:
+            path = template_file(name)
+        except UnknownChatTemplate as exc:
+            raise ToolTemplateError(f"spec.rollout.chatTemplate {exc}") from exc
         tokenizer.chat_template = path.read_text(encoding="utf-8")
     if not supports_tool_calling(tokenizer):
         raise ToolTemplateError(

@@ -252,7 +252,7 @@ def test_a_model_template_without_tools_is_refused_with_the_fix() -> None:
     tokenizer = smollm2_tokenizer()  # SmolLM2's own template drops tool calls
     with pytest.raises(ToolTemplateError, match="chatTemplate"):
         MultiTurn(ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams())
-    with pytest.raises(ToolTemplateError, match="no such file or TRL template"):
+    with pytest.raises(ToolTemplateError, match="neither a .jinja file nor a TRL template"):
         MultiTurn(
             ScriptedEngine(tokenizer), tokenizer, Toolbox(tools=[calculator]), GenerationParams(), "nope"
         )
