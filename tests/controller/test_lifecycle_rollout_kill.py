@@ -1,7 +1,8 @@
 """kill -9 of a rollout worker: it is replaced, training continues, and nothing it had claimed is lost;
 the only rollout killed while it holds a task: training goes on well within the task lease (the
 controller releases the dead worker's task when it marks it Lost); a frozen one is lost after its
-lease, killed and replaced."""
+lease, killed and replaced; what a killed rollout's reward had started outside its process group is
+killed with it and not taken for the worker."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 import signal
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
+import psutil
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sql_stores, sqlite_only
 
@@ -18,6 +21,28 @@ from mortal.workers.simulated import simulated_run
 
 NAME = "kill-rollout"
 STEPS = 24
+
+# The user's reward: once per worker process it starts a "sandbox" in a session of its own (out of the
+# worker's process group) that ignores SIGTERM, and writes its pid where the test finds it.
+SANDBOXING_REWARD = """
+import os, pathlib, subprocess, sys
+
+def sandboxed(completions, **kwargs):
+    marker = pathlib.Path(os.environ["MORTAL_HOME"], "sandbox-" + os.environ["MORTAL_INCARNATION"])
+    if not marker.exists():
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        marker.write_text(str(child.pid))
+    return [1.0 for _ in completions]
+"""
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie that its new parent has yet to reap."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @sqlite_only  # replacing the worker is the controller's; re-leasing its tasks is in the store contract
@@ -157,3 +182,63 @@ def test_a_frozen_rollout_is_lost_after_its_lease_killed_and_replaced(harness): 
     assert len(worker_processes(h.home, role="rollout")) == 1
     h.store.mark_deleted("frozen")
     wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")
+
+
+@sqlite_only  # stopping what a worker left is the controller's and its backend's
+def test_a_killed_rollouts_escaped_sandbox_is_killed_and_not_taken_for_the_worker(
+    harness,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch,
+):
+    """kill -9 of the worker alone (as the OOM killer does): its reward's sandbox, in a session of its own and
+    deaf to SIGTERM, outlives it still carrying the worker's identity. The controller kills it, launches a
+    replacement (the sandbox is not mistaken for a live worker), and the run's deletion kills the
+    replacement's sandbox too."""
+    h = harness
+    (tmp_path / "sandboxing.py").write_text(SANDBOXING_REWARD)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )
+    h.apply(
+        simulated_run(
+            "leftover",
+            max_steps=100_000,
+            rollout_replicas=1,
+            step_seconds=0.1,
+            annotations={"mortal.dev/rewards": "call", "mortal.dev/task-lease-seconds": "2"},
+            spec={
+                "rewards": [{"function": "sandboxing:sandboxed"}],
+                "restartPolicy": {"backoffSeconds": 0.5},
+            },
+        )
+    )
+    h.start()
+    wait_for(lambda: (h.status("leftover").get("step") or 0) >= 2, 60, "a few steps")
+    [first] = h.live_rows("leftover", "rollout")
+    sandbox = int(wait_for(lambda: _marker(h.home, first.incarnation), 20, "the first sandbox"))
+    [victim] = [
+        p for p in worker_processes(h.home, role="rollout") if p.environ().get("MORTAL_WORKER_LEADER") == "1"
+    ]
+    assert victim.pid != sandbox
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(lambda: gone(sandbox), 30, "the killed rollout's sandbox to be killed")
+
+    def replaced():
+        rows = h.live_rows("leftover", "rollout")
+        ready = rows and rows[0].incarnation > first.incarnation and rows[0].state == "Running"
+        return rows[0] if ready else None
+
+    second = wait_for(replaced, 30, "a replacement rollout")
+    step = h.status("leftover")["step"]
+    wait_for(lambda: h.status("leftover")["step"] > step + 2, 30, "training with the replacement")
+    rollouts = {w.incarnation: w.state for w in h.store.list_workers("leftover") if w.role == "rollout"}
+    assert rollouts[first.incarnation] == "Lost", rollouts
+    replacement_sandbox = int(wait_for(lambda: _marker(h.home, second.incarnation), 20, "the second sandbox"))
+    h.store.mark_deleted("leftover")
+    wait_for(lambda: not h.store.list_runs(), 30, "the run to be purged")
+    wait_for(lambda: gone(replacement_sandbox), 20, "the replacement's sandbox to be killed with its run")
+
+
+def _marker(home: Path, incarnation: int) -> str | None:
+    path = home / f"sandbox-{incarnation}"
+    return path.read_text() or None if path.exists() else None
