@@ -19,6 +19,7 @@ from mortal.controller.status import Condition
 
 WEIGHTS, REWARD, CHECKPOINT, PROGRESSING = "WeightsInSync", "RewardHealthy", "CheckpointFresh", "Progressing"
 MEMORY, OUT_OF_MEMORY = "MemoryFits", "OutOfMemory"
+RUN_ENDED = "RunEnded"  # the reason of a condition not evaluated once the run Succeeded or Failed
 TYPES = (WEIGHTS, REWARD, CHECKPOINT, PROGRESSING, MEMORY)
 OOM_RELAUNCHES = 1  # relaunches of a slot after an out-of-memory exit; the next one fails the run (see plan)
 # mortal.workers.rewards' fatal reasons.

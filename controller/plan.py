@@ -275,7 +275,7 @@ class _Pass:
             Condition("Suspended", False, "NotSuspended"),
             Condition(phase, True, reason, message),
         ]
-        return self._plan(phase, conditions + self._final_conditions(), message)
+        return self._plan(phase, conditions + self._final_conditions(phase), message)
 
     def _suspend(self) -> Plan:
         for w in self._live():
@@ -804,21 +804,41 @@ class _Pass:
             last = aware(datetime.fromisoformat(self.timing[0])) if self.timing[0] else None
         return dl.deadlines_met(stalls + self.ending_stalled, last)
 
-    def _final_conditions(self) -> list[Condition]:
-        """A finished run keeps its training conditions as they were, but a reward that failed it says so."""
-        carried = [
-            c
-            for c in self._carried_conditions()
-            if c.type in rl.TYPES and c.type not in (rl.MEMORY, dl.DEADLINES)
+    def _final_conditions(self, phase: str) -> list[Condition]:
+        """A finished run's training conditions, from what it left rather than as the last pass before its end
+        saw them (a fast run ends between passes: they said step 1 of 3): CheckpointFresh and RewardHealthy
+        judge the final step and metrics; WeightsInSync and Progressing are not evaluated once no worker
+        runs (Unknown, so that nothing alerting on False mistakes an end for a stall); a reward that failed
+        the run says so."""
+        o = self.o
+        step = self._progress().step
+        reward = (
+            rl.reward_healthy(o.metrics, self.cfg.reward_stuck_steps)
+            if o.metrics is not None
+            else self._prev_condition(rl.REWARD) or rl.reward_healthy({}, self.cfg.reward_stuck_steps)
+        )
+        newest = f"newest v{o.weight_version}" if o.weight_version is not None else "none published"
+        ended = f"the run {phase.lower()} at step {step or 0}"
+        final = [
+            Condition(rl.WEIGHTS, None, rl.RUN_ENDED, f"{ended} ({newest}): no rollout runs"),
+            reward,
+            rl.checkpoint_fresh(
+                step,
+                o.checkpoint.step if o.checkpoint else None,
+                self.d.checkpoint_every,
+                self.cfg.checkpoint_slack_steps,
+            ),
+            Condition(rl.PROGRESSING, None, rl.RUN_ENDED, ended),
+            self._deadlines_met(),
+            rl.memory_fits(self._oom_exits(), self._memory_knobs()),
         ]
-        carried += [self._deadlines_met(), rl.memory_fits(self._oom_exits(), self._memory_knobs())]
         fatal = next(
             (w for w in reversed(self.rows) if w.state == "Failed" and w.exit_code == EXIT_FATAL), None
         )
         failure = rl.reward_failure(fatal.message) if fatal is not None else None
         if failure is None:
-            return carried
-        return [c for c in carried if c.type != rl.REWARD] + [failure]
+            return final
+        return [c for c in final if c.type != rl.REWARD] + [failure]
 
     def _prev_condition(self, type_: str) -> Condition | None:
         return next((c for c in self._carried_conditions() if c.type == type_), None)

@@ -21,6 +21,13 @@ class FatalWorkerError(Exception):
         self.message = message
 
 
+class ServiceOutage(Exception):
+    """A service the worker needs cannot be reached (an environment server down): neither the user's code
+    failing nor the model's doing. Raised through rewards and tools alike, it ends the worker as a crash:
+    relaunched under restartPolicy and its task done again by the next worker, never the run failed at once
+    (FatalWorkerError) nor an error message the model would be trained on."""
+
+
 def exception_text(exc: BaseException) -> str:
     """What the model reads of an exception a user's tool or environment raised: its message, else its type's
     name; an exception whose own __str__ raises (the user's code too) is named by its type."""

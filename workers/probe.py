@@ -25,7 +25,12 @@ from mortal.specs.training import TrainingSpec
 from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
-from mortal.workers.rollout.environment_schema import schema_problem, tool_problems
+from mortal.workers.rollout.environment_schema import (
+    methods_named_as,
+    repeated_tool_name,
+    schema_problem,
+    tool_problems,
+)
 
 # a tool the model cannot be told of: TRL describes each from its signature, type hints and docstring
 SCHEMA_HINT = (
@@ -183,6 +188,31 @@ def check_environment(field: str, ref: str) -> Check:
     return ok(field, f"{ref!r}: a class built with no arguments, with reset()")
 
 
+def check_tool_names(tools: list[str], environments: dict[str, str]) -> list[Check]:
+    """The model calls a tool by its name: two standalone tools must not share one (an alias of a function
+    included), nor an environment's method a standalone tool's (the worker refuses both at its start:
+    mortal.workers.rollout.tools). References that do not resolve are the other checks' to report."""
+    resolved = []
+    for ref in tools:
+        obj, why = _resolve(ref)
+        if why is None and callable(obj):
+            resolved.append((ref, obj))
+    found = []
+    if (clash := repeated_tool_name(resolved)) is not None:
+        found.append(failed("spec.rollout.tools", clash))
+    names = {getattr(tool, "__name__", "") for _, tool in resolved}
+    for key, ref in environments.items():
+        cls, why = _resolve(ref)
+        if why is None and inspect.isclass(cls) and (taken := methods_named_as(cls, names)):
+            found.append(
+                failed(
+                    "spec.rollout.environment" + (f".{key}" if key else ""),
+                    f"{ref!r}: method {taken[0]} has the name of a tool of spec.rollout.tools; rename one",
+                )
+            )
+    return found
+
+
 def check_model(spec: TrainingSpec, simulated: bool) -> Check:
     field, name = "spec.model.name", spec.model.name
     if simulated:
@@ -303,6 +333,7 @@ def checks(spec: TrainingSpec, simulated: bool) -> list[Check]:
         check_environment("spec.rollout.environment" + (f".{k}" if k else ""), ref)
         for k, ref in named.items()
     ]
+    found += check_tool_names(list(spec.rollout.tools), named)
     found += check_chat_template(spec)
     return found
 

@@ -12,7 +12,7 @@ import pytest
 
 from mortal.client.modes import Distributed, GPUConfig, SingleNode
 from mortal.client.trainer import MortalTrainer, RewardNotImportable, TrainerError, TrainingFailed
-from mortal.state import open_store
+from mortal.state import NotFound, open_store
 from mortal.workers.rewards import RewardEnvironment
 from mortal.workers.rewards.builtin import correct_answer
 
@@ -353,13 +353,18 @@ def test_train_follows_to_the_end(store_url, phase):
     store = open_store(store_url)
 
     def controller():
-        for _ in range(100):
+        # train() applies t1 after admission's probe (a subprocess importing this module: no test helper
+        # imports here); on a loaded CI machine that took more than the 5 s this wait once gave it, and
+        # train() then followed forever.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
             try:
                 row = store.get_run("t1")
-                break
-            except Exception:
+            except NotFound:
                 time.sleep(0.05)
-        store.write_status("t1", {**row.status, "phase": phase, "step": 3, "message": "it broke"})
+                continue
+            store.write_status("t1", {**row.status, "phase": phase, "step": 3, "message": "it broke"})
+            return
 
     thread = threading.Thread(target=controller)
     thread.start()

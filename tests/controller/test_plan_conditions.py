@@ -342,3 +342,35 @@ def test_a_reward_that_raised_fails_the_run_with_reward_healthy_false_naming_it(
     again = run_plan(rows, [], prev=p.status)  # finished: it stays, no second event
     assert cond(again, "RewardHealthy")["reason"] == "RewardFailed"
     assert not [e for e in again.events if e.reason == "RewardFailed"]
+
+
+def test_a_run_that_ends_between_passes_says_what_it_left_not_what_the_last_pass_before_saw():
+    """A fast run's last pass before its end saw step 1: the finished run's conditions judge its final step
+    and checkpoint, and those about workers (sync, progress) are not evaluated once none runs."""
+    seen_at_step_1 = status(
+        "Running",
+        step=1,
+        conditions=[
+            {"type": "WeightsInSync", "status": "Unknown", "reason": "NoRolloutReporting", "message": "v1"},
+            {"type": "CheckpointFresh", "status": "True", "reason": "CheckpointRecent", "message": "step 1"},
+            {"type": "Progressing", "status": "True", "reason": "StepsAdvancing", "message": "0s ago"},
+        ],
+    )
+    rows = [row("actor", 0, 1, "Succeeded", code=0, step=3), row("rollout", 0, 2, version=2)]
+    ckpt = CheckpointRow(run="r", step=3, path="/c/3", weight_version=3, complete=True, created_at=ago(1))
+    p = run_plan(
+        rows, [proc(rows[1])], prev=seen_at_step_1, weights=3, ckpt=ckpt, checkpoint_every=1, max_steps=3
+    )
+    assert p.status["phase"] == "Succeeded"
+    fresh = cond(p, "CheckpointFresh")
+    assert (fresh["status"], fresh["message"]) == (
+        "True",
+        "newest checkpoint step 3, step 3, every 1 step(s)",
+    )
+    for type_ in ("WeightsInSync", "Progressing"):
+        c = cond(p, type_)
+        assert (c["status"], c["reason"]) == ("Unknown", "RunEnded"), c
+        assert "the run succeeded at step 3" in c["message"]
+    assert "newest v3" in cond(p, "WeightsInSync")["message"]
+    assert not [e for e in p.events if e.reason in ("CheckpointRecent", "RunEnded")]
+    RunStatus.model_validate(p.status)

@@ -118,3 +118,10 @@ def exits_at_once(completions, **kwargs):
 
 def interrupts(completions, **kwargs):
     raise KeyboardInterrupt("user ctrl-c")
+
+
+def server_down(completions, **kwargs):
+    """What an environment's get_reward() raises through its proxy while the environment server is down."""
+    from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
+
+    raise EnvironmentUnreachable("the environment server at http://envs is unreachable")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallExited, CallTimedOut, ExitCalled, TooManyAbandonedCalls
-from mortal.workers.errors import FatalWorkerError
+from mortal.workers.errors import FatalWorkerError, ServiceOutage
 from mortal.workers.messages import reward_names
 from mortal.workers.rewards.environment import RewardEnvironment
 
@@ -331,7 +331,7 @@ class RewardSet:
 
         try:
             return self.abandoner.call(invoke, reward.timeout_seconds, f"reward {reward.name}")
-        except (FatalWorkerError, CallTimedOut, TooManyAbandonedCalls):
+        except (FatalWorkerError, CallTimedOut, TooManyAbandonedCalls, ServiceOutage):
             raise
         except Exception as exc:
             raise _fatal_raise(reward, exc) from exc

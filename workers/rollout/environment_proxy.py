@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from mortal.workers.deadline import CallTimedOut
+from mortal.workers.errors import ServiceOutage
 from mortal.workers.rollout.environment_schema import (
     NOT_TOOLS,
     DescriptionError,
@@ -51,9 +52,9 @@ class EnvironmentLost(Exception):
     """The instance is gone: its process died or was killed, or the server does not know its session."""
 
 
-class EnvironmentUnreachable(EnvironmentLost):
-    """The environment server cannot be reached (refused, reset, no route): the worker is relaunched when a
-    reset meets it twice, rather than the run failed (mortal.workers.rollout.multiturn lets it through)."""
+class EnvironmentUnreachable(EnvironmentLost, ServiceOutage):
+    """The environment server cannot be reached (refused, reset, no route), even after the instance was
+    rebuilt: a reset, tool call or get_reward that meets it relaunches the worker (ServiceOutage)."""
 
 
 class EnvironmentTimedOut(CallTimedOut):

@@ -100,6 +100,26 @@ def tool_problems(cls: type) -> list[tuple[str, str]]:
     return out
 
 
+def repeated_tool_name(tools: list[tuple[str, Callable[..., Any]]]) -> str | None:
+    """Why two of spec.rollout.tools, as (reference, function), would reach the model under one name, or None.
+    The model calls a tool by its function's __name__, so one of the two would answer every call: an alias
+    (`calc2 = calculator`) counts, which the spec's own check of the references' last parts cannot see."""
+    first: dict[str, str] = {}
+    for ref, tool in tools:
+        name = getattr(tool, "__name__", None)
+        if name is None:
+            continue
+        if name in first:
+            return f"{first[name]!r} and {ref!r} are both the function {name!r} to the model; rename one"
+        first[name] = ref
+    return None
+
+
+def methods_named_as(cls: type, names: set[str]) -> list[str]:
+    """The tools of environment class `cls` that take one of `names` (the standalone tools')."""
+    return [name for name, _, _ in public_functions(cls) if name not in NOT_TOOLS and name in names]
+
+
 def method_doc(cls: type, name: str) -> str | None:
     """The method's docstring as TRL reads it (inspect.getdoc: inherited from a base when it has none)."""
     return inspect.getdoc(getattr(cls, name))

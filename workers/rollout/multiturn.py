@@ -30,13 +30,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mortal.workers import schedule
-from mortal.workers.errors import FatalWorkerError
+from mortal.workers.errors import FatalWorkerError, ServiceOutage
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
 from mortal.workers.rollout.engines import Engine, GenerationParams
-from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
 from mortal.workers.rollout.remembered import Remembered, tool_functions
-from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome
+from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome, tokenizable
 from mortal.workers.rollout.turn_parser import TurnParser
 
 SUFFIXES_KEPT = 4096  # rendered tool answers remembered (MultiTurn._suffix); past it, forgotten at once
@@ -265,7 +264,7 @@ class MultiTurn:
             if environment is not None:
                 try:
                     observation = environment.reset(**reset_row)
-                except EnvironmentUnreachable:  # environmentService http: its server is down: relaunch
+                except ServiceOutage:  # environmentService http: its server is down: relaunch
                     raise
                 except Exception as exc:  # the user's environment is broken: fail the run with its reason
                     raise FatalWorkerError(
@@ -275,7 +274,7 @@ class MultiTurn:
                 if isinstance(observation, str) and prompt:
                     prompt = [
                         *prompt[:-1],
-                        {**prompt[-1], "content": str(prompt[-1]["content"]) + observation},
+                        {**prompt[-1], "content": str(prompt[-1]["content"]) + tokenizable(observation)},
                     ]
             tools = self.toolbox.tools_for(environment)
             group.append(

@@ -35,7 +35,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
-from mortal.workers.errors import FatalWorkerError, exception_text
+from mortal.workers.errors import FatalWorkerError, ServiceOutage, exception_text
 from mortal.workers.rollout.environment_proxy import (
     EnvironmentProxy,
     EnvironmentUnreachable,
@@ -43,7 +43,7 @@ from mortal.workers.rollout.environment_proxy import (
     own_deadline,
     proxy_class_of,
 )
-from mortal.workers.rollout.environment_schema import NOT_TOOLS, schema_problem
+from mortal.workers.rollout.environment_schema import NOT_TOOLS, repeated_tool_name, schema_problem
 
 # Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
@@ -71,6 +71,13 @@ class ToolOutcome:
     arguments: Any
     content: str
     failed: bool
+
+
+def tokenizable(text: str) -> str:
+    """`text` with each lone surrogate written as its escape (\\udcff): what bytes decoded with
+    surrogateescape (os.fsdecode of a program's output) hold, and what the tokenizer refuses outright (a
+    TypeError that would end the worker, not the tool call). Valid text comes back unchanged."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _check_methods(methods: list[Callable[..., Any]], tools: list[Callable[..., Any]], ref: str) -> None:
@@ -137,6 +144,8 @@ class Toolbox:
                 raise ToolLoadError(
                     f"spec.rollout.tools[{i}]: {ref!r}: TRL cannot describe it: {problem}", "ToolInvalid"
                 )
+        if (clash := repeated_tool_name(list(zip(rollout.tools, tools, strict=True)))) is not None:
+            raise ToolLoadError(f"spec.rollout.tools: {clash}", "ToolInvalid")
         refs = rollout.environment
         named = {} if refs is None else {None: refs} if isinstance(refs, str) else dict(refs)
         mode = rollout.environment_service.mode
@@ -274,7 +283,7 @@ class Toolbox:
         # str(result), as TRL makes a tool message's content (TRL passes a list through for images; mortal's
         # rollouts are text only); the result's own __str__ is the user's code, and may raise
         try:
-            return ToolOutcome(name, arguments, str(result), False)
+            return ToolOutcome(name, arguments, tokenizable(str(result)), False)
         except Exception as exc:
             kind = type(result).__name__
             refused = f"tool {name} returned a {kind} that str() fails on: {exception_text(exc)}"
@@ -308,7 +317,7 @@ def run_with_timeout(
             if on_timeout is not None:
                 on_timeout(name, seconds)
             return None, f"tool {name} timed out after {seconds:g} s"
-        except FatalWorkerError:  # the service refuses the worker (a wrong token): not the model's doing
+        except (FatalWorkerError, ServiceOutage):  # a wrong token, a server down: not the model's doing
             raise
         except Exception as exc:  # what the environment raised, or EnvironmentLost: the model reads it
             return None, exception_text(exc)

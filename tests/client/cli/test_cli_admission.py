@@ -53,6 +53,31 @@ class UndocumentedTool:
 
     def look(self, x: int) -> int:
         return x
+
+
+def calculator(expression: str) -> str:
+    """The user's own calculator, of the name of mortal's.
+
+    Args:
+        expression: what to compute
+    """
+    return expression
+
+
+my_calculator = calculator  # an alias: to the model, the function's own name
+
+
+class Calculating:
+    def reset(self, **row):
+        return None
+
+    def calculator(self, expression: str) -> str:
+        """A method of a standalone tool's name.
+
+        Args:
+            expression: what to compute
+        """
+        return expression
 '''
 
 
@@ -168,6 +193,25 @@ def test_editing_the_reward_module_makes_a_re_apply_configured(cli, spec_file, u
             {"spec.rollout.environment": "myrewards:UndocumentedTool"},
             "spec.rollout.environment",
             "UndocumentedTool.look: DocstringParsingException",
+        ),
+        (
+            {
+                "spec.rollout.tools": [
+                    "myrewards:my_calculator",
+                    "mortal.workers.rollout.builtin_tools:calculator",
+                ]
+            },
+            "spec.rollout.tools",
+            "'myrewards:my_calculator' and 'mortal.workers.rollout.builtin_tools:calculator' are both the "
+            "function 'calculator' to the model",
+        ),
+        (
+            {
+                "spec.rollout.tools": ["mortal.workers.rollout.builtin_tools:calculator"],
+                "spec.rollout.environment": "myrewards:Calculating",
+            },
+            "spec.rollout.environment",
+            "method calculator has the name of a tool of spec.rollout.tools",
         ),
     ],
 )

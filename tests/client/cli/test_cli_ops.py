@@ -155,6 +155,18 @@ def test_unexpected_errors_are_one_line_unless_debug(cli, monkeypatch):
     assert out.exit_code == 1 and "Traceback" in out.stderr and "RuntimeError" in out.stderr
 
 
+def test_what_a_worker_would_fail_the_run_with_is_a_user_error_not_an_unexpected_one() -> None:
+    """`test rollout` runs a worker's code in the CLI: a spec mistake reads there as the run's reason."""
+    from mortal.client.cli.error_messages import error_message
+    from mortal.workers.rollout.tools import ToolLoadError
+
+    refused = ToolLoadError("spec.rollout.tools: 'a:f' and 'b:f' are both the function 'f'", "ToolInvalid")
+    assert (
+        error_message(refused)
+        == "error: ToolInvalid: spec.rollout.tools: 'a:f' and 'b:f' are both the function 'f'"
+    )
+
+
 def test_a_broken_state_url_is_a_user_error():
     out = CliRunner().invoke(app, ["--state-url", "postgresql://nobody@127.0.0.1:1/none", "get", "runs"])
     assert out.exit_code == 1

@@ -8,7 +8,7 @@ import pytest
 import reward_fixtures
 
 from mortal.specs.rewards import RewardSpec
-from mortal.workers.errors import FatalWorkerError
+from mortal.workers.errors import FatalWorkerError, ServiceOutage
 from mortal.workers.rewards import RewardEnvironment, RewardSet
 from mortal.workers.rewards import builtin as br
 
@@ -155,6 +155,15 @@ def test_scoring_errors_are_fatal_with_a_clear_reason(function: str, reason: str
         rewards.score("p", ["a", "b"], [[1], [2]], {})
     assert caught.value.reason == reason
     assert message in caught.value.message
+
+
+def test_a_service_outage_in_a_reward_relaunches_the_worker_instead_of_failing_the_run() -> None:
+    """A server down is not the reward's fault: ServiceOutage passes through as itself (the worker ends as a
+    crash, its task redone), where whatever else a reward raises is fatal."""
+    rewards = reward_set({"function": "reward_fixtures:server_down"})
+    with pytest.raises(ServiceOutage, match="is unreachable") as caught:
+        rewards.score("p", ["a", "b"], [[1], [2]], {})
+    assert not isinstance(caught.value, FatalWorkerError)
 
 
 def test_an_empty_reward_list_is_fatal() -> None:

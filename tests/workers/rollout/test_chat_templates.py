@@ -1,4 +1,4 @@
-"""spec.rollout.chatTemplate's name (mortal.workers.rollout.chat_templates): one reading for apply and worker."""
+"""spec.rollout.chatTemplate (mortal.workers.rollout.chat_templates): one reading for apply and worker."""
 
 from __future__ import annotations
 

@@ -343,17 +343,21 @@ def test_a_wrong_token_or_a_class_not_served_fails_the_run_at_start(
         Toolbox.from_spec(spec)
 
 
-def test_a_server_that_is_gone_fails_tool_calls_and_makes_a_reset_relaunch_the_worker(
+def test_a_server_that_is_gone_makes_a_tool_call_a_reward_or_a_reset_relaunch_the_worker(
     served: _Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An outage is neither the model's doing (its tool call is not answered with it) nor the user's code
+    failing (get_reward does not fail the run): each raises EnvironmentUnreachable, a ServiceOutage."""
     monkeypatch.setenv("ENV_TOKEN", TOKEN)
     box = Toolbox.from_spec(_rollout("http", url=served.url, tokenEnv="ENV_TOKEN"))
     try:
         [environment] = box.environments_for([None])
         environment.reset(owner="ann")
         served.stop()
-        outcome = box.call(box.tools_for(environment), _call("balance"))
-        assert outcome.failed and "is unreachable" in outcome.content
+        with pytest.raises(EnvironmentUnreachable, match="is unreachable"):
+            box.call(box.tools_for(environment), _call("balance"))
+        with pytest.raises(EnvironmentUnreachable, match="is unreachable"):
+            EnvironmentReward("Ledger")(["done"], [environment])
         with pytest.raises(EnvironmentUnreachable, match="lost again"):
             environment.reset(owner="bob")
     finally:

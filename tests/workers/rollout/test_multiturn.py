@@ -455,6 +455,24 @@ def test_a_tool_whose_result_or_exception_cannot_be_made_text_gives_the_model_an
     assert error.failed and "_UnprintableError (its message could not be made" in error.content
 
 
+def undecodable_output(n: int) -> str:
+    """A tool answering with a program's output decoded as os.fsdecode does (a lone surrogate per bad byte).
+
+    Args:
+        n: anything
+    """
+    return b"bad \xff byte".decode("utf-8", "surrogateescape")
+
+
+def test_a_tool_answer_holding_a_lone_surrogate_reaches_the_model_escaped() -> None:
+    """The tokenizer refuses a lone surrogate outright (a TypeError that ended the worker); the answer keeps
+    everything else and shows the bad byte as its escape."""
+    box = Toolbox(tools=[undecodable_output])
+    outcome = box.call(box.tools, _call("undecodable_output", n=1))
+    assert not outcome.failed and outcome.content == "bad \\udcff byte"
+    outcome.content.encode("utf-8")  # what the tokenizer needs
+
+
 def test_a_tool_trl_cannot_describe_or_an_environment_method_named_as_a_tool_fails_the_worker_at_start() -> (
     None
 ):
@@ -464,6 +482,9 @@ def test_a_tool_trl_cannot_describe_or_an_environment_method_named_as_a_tool_fai
     clash = RolloutSpec(tools=["test_multiturn:meet"], environment="test_multiturn:_Meeting")
     with pytest.raises(ToolLoadError, match="method meet has the name of a tool of spec.rollout.tools"):
         Toolbox.from_spec(clash)
+    alias = RolloutSpec(tools=["test_multiturn:meet_again", "test_multiturn:meet"])
+    with pytest.raises(ToolLoadError, match="'test_multiturn:meet_again' and 'test_multiturn:meet' are both"):
+        Toolbox.from_spec(alias)
 
 
 def undescribed_tool(x: int) -> int:
@@ -477,6 +498,9 @@ def meet(n: int) -> int:
         n: anything
     """
     return n
+
+
+meet_again = meet  # an alias: the model would see two tools named meet
 
 
 def test_calculator_parses_and_never_evaluates_code() -> None:
