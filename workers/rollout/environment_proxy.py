@@ -69,6 +69,12 @@ class EnvironmentRaised(Exception):
         self.kind = kind
 
 
+def raised_kind(exc: BaseException) -> str:
+    """The name of the exception type the environment's own code raised, where it ran: a pooled or served
+    environment's comes back as EnvironmentRaised, which names it."""
+    return exc.kind if isinstance(exc, EnvironmentRaised) else type(exc).__name__
+
+
 class EnvironmentBuildFailed(Exception):
     """The environment's class cannot be imported where it runs, or its constructor raised there."""
 

@@ -52,7 +52,7 @@ from mortal.workers.rollout.environment_proxy import (
     ProxySettings,
     proxy_class_of,
 )
-from mortal.workers.rollout.environment_schema import NOT_TOOLS, describe_class
+from mortal.workers.rollout.environment_schema import NOT_TOOLS, describe_class, tool_problems
 
 log = logging.getLogger("mortal.environment_server")
 
@@ -113,6 +113,9 @@ class EnvironmentService:
                 raise ServeError(f"{ref!r} cannot be imported here: {type(exc).__name__}: {exc}") from exc
             if not isinstance(cls, type):
                 raise ServeError(f"{ref!r} is not a class (it is a {type(cls).__name__})")
+            if problems := tool_problems(cls):  # a worker would refuse to offer them (ToolInvalid)
+                named = "; ".join(f"{cls.__name__}.{name}: {problem}" for name, problem in problems)
+                raise ServeError(f"TRL cannot describe the tools of {ref!r} to a model: {named}")
             try:
                 self.descriptions[ref] = describe_class(cls, ref)
             except Exception as exc:  # an unresolvable type hint: TRL could not build its schema either

@@ -34,6 +34,7 @@ from mortal.workers.errors import FatalWorkerError, ServiceOutage
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
 from mortal.workers.rollout.engines import Engine, GenerationParams
+from mortal.workers.rollout.environment_proxy import raised_kind
 from mortal.workers.rollout.remembered import Remembered, tool_functions
 from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome, tokenizable
 from mortal.workers.rollout.turn_parser import TurnParser
@@ -269,7 +270,7 @@ class MultiTurn:
                 except Exception as exc:  # the user's environment is broken: fail the run with its reason
                     raise FatalWorkerError(
                         "EnvironmentFailed",
-                        f"{type(environment).__name__}.reset(**row) raised {type(exc).__name__}: {exc}",
+                        f"{type(environment).__name__}.reset(**row) raised {raised_kind(exc)}: {exc}",
                     ) from exc
                 if isinstance(observation, str) and prompt:
                     prompt = [

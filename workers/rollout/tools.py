@@ -289,14 +289,19 @@ class Toolbox:
             refused = f"tool {name} returned a {kind} that str() fails on: {exception_text(exc)}"
             return ToolOutcome(name, arguments, str({"error": refused}), True)
 
-    def _timed_out(self, name: str, seconds: float) -> None:
+    def _timed_out(self, name: str, seconds: float, killed: bool) -> None:
         now = time.monotonic()
         if self.on_timeout is None or now - self._told.get(name, -TOLD_EVERY_SECONDS) < TOLD_EVERY_SECONDS:
             return
         self._told[name] = now
+        left = (
+            "its environment's process was killed (the instances it held are rebuilt when next used)"
+            if killed
+            else "its stacks are in the worker's log"
+        )
         self.on_timeout(
             f"tool {name} did not return within rollout.toolTimeoutSeconds ({seconds:g} s); the model "
-            "was told it timed out and the rollout went on; its stacks are in the worker's log"
+            f"was told it timed out and the rollout went on; {left}"
         )
 
 
@@ -305,7 +310,7 @@ def run_with_timeout(
     arguments: dict[str, Any],
     seconds: float,
     abandoner: Abandoner | None = None,
-    on_timeout: Callable[[str, float], None] | None = None,
+    on_timeout: Callable[[str, float, bool], None] | None = None,
 ) -> tuple[Any, str | None]:
     """(result, None), or (None, the error message) when the tool raised or ran past `seconds` (then its
     stacks are in the log). TooManyAbandonedCalls passes through: the worker is to be relaunched."""
@@ -315,7 +320,7 @@ def run_with_timeout(
             return tool(**arguments), None
         except CallTimedOut:
             if on_timeout is not None:
-                on_timeout(name, seconds)
+                on_timeout(name, seconds, True)  # the backend killed the instance's process
             return None, f"tool {name} timed out after {seconds:g} s"
         except (FatalWorkerError, ServiceOutage):  # a wrong token, a server down: not the model's doing
             raise
@@ -330,7 +335,7 @@ def run_with_timeout(
         return (abandoner or Abandoner()).call(invoke, seconds, f"tool {name}"), None
     except CallTimedOut:
         if on_timeout is not None:
-            on_timeout(name, seconds)
+            on_timeout(name, seconds, False)  # abandoned: the Abandoner logged its stacks
         return None, f"tool {name} timed out after {seconds:g} s"
     except (TooManyAbandonedCalls, KeyboardInterrupt):
         raise

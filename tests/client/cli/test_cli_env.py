@@ -29,6 +29,11 @@ def test_serve_refuses_without_a_token_or_a_servable_class(monkeypatch: pytest.M
     assert malformed.exit_code == 1 and "is named 'module:Class'" in malformed.output
     absent = CliRunner().invoke(app, ["env", "serve", "no_such_module_here:Env", "--port", "0"])
     assert absent.exit_code == 1 and "cannot be imported here: ModuleNotFoundError" in absent.output
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    undescribed = CliRunner().invoke(app, ["env", "serve", "service_environments:Undescribed", "--port", "0"])
+    assert undescribed.exit_code == 1, undescribed.output  # every worker would refuse it (ToolInvalid)
+    assert "TRL cannot describe the tools of 'service_environments:Undescribed'" in undescribed.output
+    assert "Undescribed.look:" in undescribed.output
 
 
 def test_serve_answers_with_the_token_until_interrupted(tmp_path: Path) -> None:

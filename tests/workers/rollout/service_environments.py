@@ -140,6 +140,16 @@ class Broken:
         return None
 
 
+class Undescribed:
+    """A tool with neither docstring nor type hints: TRL cannot tell a model of it."""
+
+    def reset(self, **row: Any) -> None:
+        return None
+
+    def look(self, where):  # undescribable on purpose
+        return where
+
+
 def served_elsewhere(
     completions: list[Any], environments: list[Any] | None = None, **kwargs: Any
 ) -> list[float]:

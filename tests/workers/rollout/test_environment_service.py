@@ -28,6 +28,7 @@ from mortal.specs.training import RolloutSpec
 from mortal.workers.rollout.environment_proxy import (
     EnvironmentLost,
     EnvironmentProxy,
+    EnvironmentRaised,
     EnvironmentUnreachable,
     ProxySettings,
     proxy_class_described,
@@ -171,6 +172,7 @@ def test_a_call_past_the_deadline_kills_its_process_and_is_answered_as_failed() 
         assert outcome.failed and outcome.content == str({"error": "tool hang timed out after 1 s"})
         assert time.monotonic() - started < 10
         assert len(told) == 1 and "toolTimeoutSeconds" in told[0]
+        assert "its environment's process was killed" in told[0] and "stacks" not in told[0]
         with pytest.raises(ProcessLookupError):
             os.kill(before, 0)  # killed (and reaped), not left running
         assert box.call(tools, _call("balance")).content == "7"  # rebuilt: reset replayed, the hang not
@@ -468,10 +470,20 @@ def test_the_tool_loop_lets_an_unreachable_server_relaunch_the_worker_but_fails_
     request = RolloutRequest(
         prompt=[{"role": "user", "content": "Task: plain."}], row={}, num_generations=1, seed=0
     )
-    for environment, error in ((Unreachable, EnvironmentUnreachable), (Broken, FatalWorkerError)):
+
+    class RaisedElsewhere(Unreachable):  # a pooled or served environment's own exception, as it comes back
+        def reset(self, **row: Any) -> None:
+            raise EnvironmentRaised("ConnectionError", "the database is down")
+
+    cases = (
+        (Unreachable, EnvironmentUnreachable, "unreachable"),
+        (Broken, FatalWorkerError, "raised EnvironmentLost: its process died again"),
+        (RaisedElsewhere, FatalWorkerError, "raised ConnectionError: the database is down"),
+    )
+    for environment, error, says in cases:
         box = Toolbox(environments={None: environment})
         loop = MultiTurn(ScriptedEngine(tokenizer), tokenizer, box, GenerationParams(max_tokens=8), "qwen2_5")
-        with pytest.raises(error):
+        with pytest.raises(error, match=says):
             loop.rollouts([request])
 
 
