@@ -15,7 +15,7 @@ def error_message(exc: BaseException, debug: bool = False) -> str:
     """The paragraph a user sees for `exc` (kubectl style: 'error: ...')."""
     from mortal.specs import SpecError
     from mortal.state import ChangeRefused, Conflict, Fenced, NotFound, StoreError
-    from mortal.workers.errors import FatalWorkerError
+    from mortal.workers.errors import FatalWorkerError, ServiceOutage
 
     if isinstance(exc, SpecError):
         if len(exc.issues) == 1:
@@ -30,8 +30,8 @@ def error_message(exc: BaseException, debug: bool = False) -> str:
         return f"error: refused: {exc}"
     if isinstance(exc, (StoreError, ClientError)):
         return f"error: {exc}"
-    if isinstance(exc, FatalWorkerError):  # what a worker would fail the run with (`test rollout` runs one's
-        return f"error: {exc}"  # code here): its reason and message say what to fix
+    if isinstance(exc, FatalWorkerError | ServiceOutage):  # what would end a worker (`test rollout` runs a
+        return f"error: {exc}"  # worker's code here): its message says what to fix or what is down
     if type(exc).__module__.startswith("sqlalchemy"):
         url = os.environ.get("MORTAL_STATE_URL") or "the default SQLite store"
         return f"error: cannot use the state store ({url}): {_first_line(exc)}"

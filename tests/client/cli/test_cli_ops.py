@@ -156,8 +156,10 @@ def test_unexpected_errors_are_one_line_unless_debug(cli, monkeypatch):
 
 
 def test_what_a_worker_would_fail_the_run_with_is_a_user_error_not_an_unexpected_one() -> None:
-    """`test rollout` runs a worker's code in the CLI: a spec mistake reads there as the run's reason."""
+    """`test rollout` runs a worker's code in the CLI: a spec mistake reads there as the run's reason, and a
+    server that is down as itself."""
     from mortal.client.cli.error_messages import error_message
+    from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
     from mortal.workers.rollout.tools import ToolLoadError
 
     refused = ToolLoadError("spec.rollout.tools: 'a:f' and 'b:f' are both the function 'f'", "ToolInvalid")
@@ -165,6 +167,8 @@ def test_what_a_worker_would_fail_the_run_with_is_a_user_error_not_an_unexpected
         error_message(refused)
         == "error: ToolInvalid: spec.rollout.tools: 'a:f' and 'b:f' are both the function 'f'"
     )
+    down = EnvironmentUnreachable("the environment server at http://envs:8000 is unreachable (refused)")
+    assert error_message(down) == "error: the environment server at http://envs:8000 is unreachable (refused)"
 
 
 def test_a_broken_state_url_is_a_user_error():
