@@ -20,6 +20,7 @@ from mortal.client.modes import Distributed, GPUConfig, SingleNode
 from mortal.client.trainer_inputs import (
     RewardNotImportable,
     TrainerError,
+    dataset_file,
     dataset_name,
     dataset_rows,
     default_run_name,
@@ -27,7 +28,6 @@ from mortal.client.trainer_inputs import (
     is_code_execution,
     reward_entries,
     tool_fields,
-    write_dataset,
 )
 from mortal.specs import RunStatus, TrainingRun, epochs, to_yaml
 from mortal.specs.base import RULE_ERROR
@@ -203,6 +203,7 @@ class MortalTrainer:
             )
         column = prompt_column or "prompt"
         rows = dataset_rows(train_dataset) if train_dataset is not None else None
+        written = None
         if rows is not None:
             funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
             needed = (
@@ -216,7 +217,8 @@ class MortalTrainer:
                     f"code-execution rewards ('sandbox') run each row's {missing[0]!r} column (a list "
                     "of assert statements), and train_dataset has none; add it, or pass reward_funcs"
                 )
-            dataset = str(write_dataset(rows, name, column, paths.mortal_home()))
+            written = dataset_file(rows, name, column, paths.mortal_home())
+            dataset = str(written.path)
         elif train_dataset is not None:
             dataset = dataset_name(train_dataset)
         else:
@@ -302,6 +304,8 @@ class MortalTrainer:
             spec[block] = {**spec.get(block, {}), **values}
         self.run = self._validate(name, labels or {}, spec)
         self._set_max_steps(max_steps, num_epochs, rows)
+        if written is not None:  # only now: a refused construction leaves no file behind
+            written.write()
 
     @staticmethod
     def _validate(name: str, labels: dict[str, str], spec: dict[str, Any]) -> TrainingRun:

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -236,8 +237,27 @@ def dataset_rows(dataset: Any) -> list[dict[str, Any]] | None:
     )
 
 
-def write_dataset(rows: list[dict[str, Any]], name: str, prompt_column: str, home: Path) -> Path:
-    """rows -> $MORTAL_HOME/datasets/<name>-<hash>.jsonl (same rows, same file), where workers read it."""
+@dataclass(frozen=True)
+class DatasetFile:
+    """In-memory rows as the file workers will read: where it goes and what it holds (written only once the
+    run it belongs to validated, so a refused construction writes nothing)."""
+
+    path: Path
+    text: str
+
+    def write(self) -> Path:
+        """Write the file unless it exists (same rows, same name), atomically."""
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{uuid.uuid4().hex[:6]}")
+            tmp.write_text(self.text, encoding="utf-8")
+            tmp.replace(self.path)
+        return self.path
+
+
+def dataset_file(rows: list[dict[str, Any]], name: str, prompt_column: str, home: Path) -> DatasetFile:
+    """rows -> $MORTAL_HOME/datasets/<name>-<hash>.jsonl (same rows, same file), where workers read it; a
+    name that would lead out of that folder is refused here too, whatever validates it later."""
     if not rows:
         raise TrainerError("train_dataset is empty")
     if prompt_column not in rows[0]:
@@ -250,13 +270,11 @@ def write_dataset(rows: list[dict[str, Any]], name: str, prompt_column: str, hom
     except TypeError as exc:
         raise TrainerError(f"train_dataset rows must be JSON-serializable ({exc})") from None
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    path = home / "datasets" / f"{name}-{digest}.jsonl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{uuid.uuid4().hex[:6]}")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    return path
+    folder = home / "datasets"
+    path = folder / f"{name}-{digest}.jsonl"
+    if path.parent != folder or name in ("", ".", ".."):
+        raise TrainerError(f"name {name!r}: a run name holds no '/' (it names the dataset file it writes)")
+    return DatasetFile(path, text)
 
 
 def dataset_name(dataset: str | Path) -> str:

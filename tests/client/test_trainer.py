@@ -308,6 +308,18 @@ def test_hf_dataset_and_names(tmp_path):
     assert trainer(train_dataset="openai/gsm8k").run.spec.dataset.name == "openai/gsm8k"
 
 
+@pytest.mark.parametrize("name", ["../../evil", "{tmp}/absolute", "team/run", "MyRun"])
+def test_a_refused_name_writes_no_dataset_file_anywhere(name, mortal_home, tmp_path):
+    """The in-memory rows become a file only once the run validated: a name that leads out of
+    $MORTAL_HOME/datasets, or any refused construction, leaves nothing behind."""
+    before = set(tmp_path.rglob("*"))
+    with pytest.raises(TrainerError, match="name"):
+        trainer(name=name.format(tmp=tmp_path))
+    assert set(tmp_path.rglob("*")) == before  # mortal_home is inside tmp_path
+    trainer(name="fine")
+    assert [p.name.split("-")[0] for p in (mortal_home / "datasets").iterdir()] == ["fine"]
+
+
 def test_num_epochs_sets_max_steps():
     # 12 rows, 8 completions / 4 generations = 2 prompts per step: 2 epochs = 12 steps
     assert trainer(num_epochs=2, num_generations=4, batch_size=8).run.spec.algorithm.max_steps == 12
