@@ -111,8 +111,8 @@ class MortalTrainer:
                       num_generations)
       micro_batch_size completions per forward/backward pass (gradient accumulation up to batch_size;
                       TRL's per_device_train_batch_size): lower it when the actor runs out of GPU memory
-      max_steps       optimizer steps; None with num_epochs: computed from the dataset's rows (an in-memory,
-                      builtin or local-file dataset)
+      max_steps       optimizer steps; None (or 0 or less, TRL's -1) with num_epochs: computed from the
+                      dataset's rows (an in-memory, builtin or local-file dataset); without: the default
       tools, environment_factory, max_tool_calling_iterations
                       as in TRL's GRPOTrainer: multi-turn, tool-calling rollouts (spec.rollout.tools /
                       environment / maxToolCallingIterations); functions and classes must be importable, as
@@ -300,6 +300,11 @@ class MortalTrainer:
         }
         if wandb_project:
             spec["logging"] = {"wandb": {"project": wandb_project}}
+        if mode is not None and not isinstance(mode, SingleNode | Distributed):
+            raise TrainerError(
+                "mode: expected mortal's SingleNode(...) or Distributed(...), "
+                f"got {type(mode).__name__} {mode!r}"
+            )
         for block, values in (mode.spec_fields() if mode is not None else {}).items():
             spec[block] = {**spec.get(block, {}), **values}
         self.run = self._validate(name, labels or {}, spec)
@@ -319,6 +324,8 @@ class MortalTrainer:
     def _set_max_steps(self, max_steps: int | None, num_epochs: float | None, rows: list | None) -> None:
         """max_steps as given; else num_epochs over the dataset's rows (specs/epochs.py); else the default."""
         algorithm = self.run.spec.algorithm
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)):
+            raise TrainerError(f"max_steps: expected an int, got {type(max_steps).__name__} {max_steps!r}")
         try:
             if num_epochs is not None:
                 algorithm.num_epochs = num_epochs

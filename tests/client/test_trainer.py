@@ -320,6 +320,13 @@ def test_a_refused_name_writes_no_dataset_file_anywhere(name, mortal_home, tmp_p
     assert [p.name.split("-")[0] for p in (mortal_home / "datasets").iterdir()] == ["fine"]
 
 
+def test_arguments_of_the_wrong_type_are_refused_naming_them(mortal_home):
+    with pytest.raises(TrainerError, match="max_steps: expected an int, got str '10'"):
+        trainer(max_steps="10")
+    with pytest.raises(TrainerError, match="mode: expected mortal's SingleNode"):
+        trainer(mode="cpu")
+
+
 def test_num_epochs_sets_max_steps():
     # 12 rows, 8 completions / 4 generations = 2 prompts per step: 2 epochs = 12 steps
     assert trainer(num_epochs=2, num_generations=4, batch_size=8).run.spec.algorithm.max_steps == 12
