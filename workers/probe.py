@@ -26,9 +26,9 @@ from mortal.workers import references
 from mortal.workers.errors import FatalWorkerError
 from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
 from mortal.workers.rollout.environment_schema import (
-    methods_named_as,
     repeated_tool_name,
     schema_problem,
+    tool_name_clash,
     tool_problems,
 )
 
@@ -203,13 +203,8 @@ def check_tool_names(tools: list[str], environments: dict[str, str]) -> list[Che
     names = {getattr(tool, "__name__", "") for _, tool in resolved}
     for key, ref in environments.items():
         cls, why = _resolve(ref)
-        if why is None and inspect.isclass(cls) and (taken := methods_named_as(cls, names)):
-            found.append(
-                failed(
-                    "spec.rollout.environment" + (f".{key}" if key else ""),
-                    f"{ref!r}: method {taken[0]} has the name of a tool of spec.rollout.tools; rename one",
-                )
-            )
+        if why is None and inspect.isclass(cls) and (clash := tool_name_clash(cls, names)):
+            found.append(failed("spec.rollout.environment" + (f".{key}" if key else ""), f"{ref!r}: {clash}"))
     return found
 
 

@@ -31,8 +31,6 @@ def template_file(name: str) -> Path:
         return path
     from trl.chat_template_utils import _CHAT_TEMPLATES_DIR
 
-    if name not in trl_template_names():
-        raise UnknownChatTemplate(
-            f"{name!r}: neither a .jinja file nor a TRL template ({', '.join(trl_template_names())})"
-        )
+    if name not in (known := trl_template_names()):
+        raise UnknownChatTemplate(f"{name!r}: neither a .jinja file nor a TRL template ({', '.join(known)})")
     return _CHAT_TEMPLATES_DIR / f"{name}.jinja"

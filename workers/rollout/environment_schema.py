@@ -115,9 +115,13 @@ def repeated_tool_name(tools: list[tuple[str, Callable[..., Any]]]) -> str | Non
     return None
 
 
-def methods_named_as(cls: type, names: set[str]) -> list[str]:
-    """The tools of environment class `cls` that take one of `names` (the standalone tools')."""
-    return [name for name, _, _ in public_functions(cls) if name not in NOT_TOOLS and name in names]
+def tool_name_clash(cls: type, standalone: set[str]) -> str | None:
+    """Why environment class `cls` cannot sit beside the standalone tools named `standalone`, or None: a
+    method of one of their names would offer the model two tools of one name, one answering every call."""
+    for name, _, _ in public_functions(cls):
+        if name not in NOT_TOOLS and name in standalone:
+            return f"method {name} has the name of a tool of spec.rollout.tools; rename one"
+    return None
 
 
 def method_doc(cls: type, name: str) -> str | None:

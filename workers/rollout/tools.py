@@ -43,7 +43,12 @@ from mortal.workers.rollout.environment_proxy import (
     own_deadline,
     proxy_class_of,
 )
-from mortal.workers.rollout.environment_schema import NOT_TOOLS, repeated_tool_name, schema_problem
+from mortal.workers.rollout.environment_schema import (
+    NOT_TOOLS,
+    repeated_tool_name,
+    schema_problem,
+    tool_name_clash,
+)
 
 # Rollouts whose tool calls run at once. Tools mostly wait (a sandbox process, a web request), so more
 # than the cores; bounded so a task of hundreds of rollouts does not start hundreds of sandboxes together.
@@ -80,18 +85,18 @@ def tokenizable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _check_methods(methods: list[Callable[..., Any]], tools: list[Callable[..., Any]], ref: str) -> None:
-    """An environment's tools must be describable, and none may take a standalone tool's name (the model
-    would be offered two tools of one name, and one of them would answer every call)."""
-    standalone = {tool.__name__ for tool in tools}
-    for method in methods:
-        where = f"spec.rollout.environment: {ref!r}: method {method.__name__}"
-        if method.__name__ in standalone:
-            raise ToolLoadError(
-                f"{where} has the name of a tool of spec.rollout.tools; rename one", "ToolInvalid"
-            )
+def _check_methods(environment: Any, tools: list[Callable[..., Any]], ref: str) -> None:
+    """An environment's tools must be describable, and none may take a standalone tool's name
+    (environment_schema.tool_name_clash, which apply's probe asks too)."""
+    if (clash := tool_name_clash(type(environment), {tool.__name__ for tool in tools})) is not None:
+        raise ToolLoadError(f"spec.rollout.environment: {ref!r}: {clash}", "ToolInvalid")
+    for method in environment_methods(environment):
         if (problem := schema_problem(method)) is not None:
-            raise ToolLoadError(f"{where}: TRL cannot describe it: {problem}", "ToolInvalid")
+            raise ToolLoadError(
+                f"spec.rollout.environment: {ref!r}: method {method.__name__}: TRL cannot describe it: "
+                f"{problem}",
+                "ToolInvalid",
+            )
 
 
 def _import(ref: str, where: str) -> Any:
@@ -172,7 +177,7 @@ class Toolbox:
                     "ToolInvalid",
                 )
             box._pool[name] = [probe]
-            _check_methods(environment_methods(probe), tools, named[name])
+            _check_methods(probe, tools, named[name])
         return box
 
     def close(self) -> None:
