@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from mortal.controller.backends.base import inheritable
 from mortal.controller.snapshot import CODE_ANNOTATION, Snapshot, SnapshotRefused, build
 from mortal.specs import SpecError, SpecIssue
 from mortal.specs.loader import field_lines, line_in
+from mortal.state import paths
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
@@ -62,10 +64,27 @@ class Admission:
     source: str
     checks: list[Check] = field(default_factory=list)
     snapshot: Snapshot | None = None
+    created: Path | None = None  # the outermost folder `install` made (see withdraw)
 
     @property
     def deferred(self) -> list[Check]:
         return [c for c in self.checks if c.state == "deferred"]
+
+    def install(self) -> None:
+        """Install the snapshot in the run's folder, noting what this made for `withdraw`."""
+        if self.snapshot is None or self.snapshot.digest is None:
+            return
+        final = paths.code_dir(self.run.name, self.snapshot.digest)
+        missing = [f for f in (paths.run_dir(self.run.name), final.parent, final) if not f.exists()]
+        self.snapshot.install(self.run.name)
+        self.created = missing[0] if missing else None
+
+    def withdraw(self) -> None:
+        """Remove what `install` made: the store refused to create the run, so nothing is left under its
+        name (a later run of that name would find another's files)."""
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+            self.created = None
 
 
 def _probe(run: TrainingRun, folder: Path) -> list[Check]:
@@ -128,15 +147,20 @@ def _remote_checks(run: TrainingRun) -> list[Check]:
     ]
 
 
-def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission:
-    """Snapshot and check one run; AdmissionRefused on a failed check (its temporary snapshot removed)."""
+def prepare(
+    run: TrainingRun, folders: Sequence[Path], source: str, keep_from: str | None = None
+) -> Admission:
+    """Snapshot and check one run; AdmissionRefused on a failed check (its temporary snapshot removed).
+    When `folders` hold none of its code, the run keeps the snapshot its annotation names, installed for
+    run `keep_from` (its own by default; a fork's parent)."""
     try:
         snapshot = build(run.spec, [Path(f) for f in folders])
     except SnapshotRefused as exc:
         line = line_in(field_lines(source, run.name), exc.field)
         raise AdmissionRefused([SpecIssue(source, line, exc.field, str(exc))]) from None
     carried = run.metadata.annotations.get(CODE_ANNOTATION)
-    if snapshot.digest is None and carried and (kept := Snapshot.kept(run.name, carried)) is not None:
+    owner = keep_from or run.name
+    if snapshot.digest is None and carried and (kept := Snapshot.kept(owner, carried)) is not None:
         snapshot.close()
         snapshot = kept  # this folder has none of the run's code: the run keeps the snapshot it has
     checks = _probe(run, snapshot.folder) + _remote_checks(run)
@@ -157,16 +181,20 @@ def prepare(run: TrainingRun, folders: Sequence[Path], source: str) -> Admission
 
 @contextlib.contextmanager
 def admit_runs(
-    runs: Sequence[tuple[TrainingRun, str]], folders: Sequence[Path], dry_run: bool = False
+    runs: Sequence[tuple[TrainingRun, str]],
+    folders: Sequence[Path],
+    dry_run: bool = False,
+    keep_from: str | None = None,
 ) -> Iterator[list[Admission]]:
     """Admit every (run, source file) or none: all refusals raised together; then, unless `dry_run`,
-    install each snapshot and set the run's code annotation (dropping one the document carried)."""
+    install each snapshot and set the run's code annotation (dropping one the document carried).
+    A caller whose store then refuses to create a run calls that admission's `withdraw`."""
     admitted: list[Admission] = []
     issues: list[SpecIssue] = []
     try:
         for run, source in runs:
             try:
-                admitted.append(prepare(run, folders, source))
+                admitted.append(prepare(run, folders, source, keep_from))
             except AdmissionRefused as exc:
                 issues += exc.issues
         if issues:
@@ -178,7 +206,7 @@ def admit_runs(
             if snapshot is not None and snapshot.digest is not None:
                 annotations[CODE_ANNOTATION] = snapshot.digest
                 if not dry_run:
-                    snapshot.install(admission.run.name)
+                    admission.install()
         yield admitted
     finally:
         for admission in admitted:

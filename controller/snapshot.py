@@ -306,17 +306,6 @@ def build(spec: TrainingSpec, folders: list[Path]) -> Snapshot:
     return snapshot
 
 
-def carry_snapshot(annotations: Mapping[str, str], parent: str, child: str) -> None:
-    """A fork keeps its parent's code: the parent's snapshot copied into the child's folder (when the
-    child has none of that digest yet: MortalTrainer's admission installed its own)."""
-    digest = annotations.get(CODE_ANNOTATION)
-    if not digest or not DIGEST.match(digest) or paths.code_dir(child, digest).is_dir():
-        return
-    source = paths.code_dir(parent, digest)
-    if source.is_dir():
-        Snapshot(source, digest=digest).install(child)
-
-
 def archive(run: str, env: Mapping[str, str], home: str | Path) -> bytes | None:
     """The run's snapshot as a gzipped tar, for a worker on a node that does not share this MORTAL_HOME
     (Ray with spec.ray.sharedFilesystem false: it travels with the worker's creation call). Linked model

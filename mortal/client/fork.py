@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,9 @@ from mortal.client.errors import ClientError
 from mortal.client.local_controller import wake_controller
 
 if TYPE_CHECKING:
+    from mortal.controller.admission import Admission
     from mortal.specs import TrainingRun
-    from mortal.state import CheckpointRow, Store
+    from mortal.state import CheckpointRow, RunRow, Store
 
 SOURCE = re.compile(r"^(?P<run>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(:step-(?P<step>\d+))?$")
 
@@ -169,9 +170,8 @@ def fork_run(
 ) -> Forked:
     """Create run `name` from `source`'s checkpoint of `step` (newest when None). Its spec is `document`'s
     when given (MortalTrainer), else the parent's with `fragment` and `sets` merged over it."""
-    from mortal.controller.snapshot import carry_snapshot
     from mortal.specs.fork import carry_over_problems, forked_document
-    from mortal.state import Conflict, NotFound, paths
+    from mortal.state import NotFound, paths
 
     parent = store.get_run(source)  # NotFound: "trainingrun 'x' not found"
     parent_doc = parent.document()
@@ -205,6 +205,43 @@ def fork_run(
         raise RunExists(
             f"{dest} already exists (left by an earlier run named {name!r}); remove it or pick another name"
         )
+    admission = _admit(child, source, fragment_source) if document is None else None
+    try:
+        return _create(store, source, name, parent, checkpoint, child, dest)
+    except RunExists:  # created meanwhile under that name: the folder is that run's now
+        raise
+    except BaseException:
+        if admission is not None:
+            admission.withdraw()
+        raise
+
+
+def _admit(child: TrainingRun, parent: str, fragment_source: str) -> Admission:
+    """Admission for a fork made from overrides (MortalTrainer's document was admitted by the trainer): its
+    spec checked in the parent's code snapshot, which the fork runs, then that snapshot installed as the
+    fork's. A bad reward, tool or dataset the overrides name is refused here, not by a failing worker."""
+    from mortal.controller.admission import AdmissionRefused, admit_runs
+
+    try:
+        with admit_runs([(child, fragment_source)], [], keep_from=parent) as admitted:
+            return admitted[0]
+    except AdmissionRefused as exc:
+        where = f"{fragment_source} (the fork runs trainingrun {parent!r}'s code)"
+        raise AdmissionRefused([replace(issue, source=where) for issue in exc.issues]) from None
+
+
+def _create(
+    store: Store,
+    source: str,
+    name: str,
+    parent: RunRow,
+    checkpoint: CheckpointRow,
+    child: TrainingRun,
+    dest: Path,
+) -> Forked:
+    """Copy the checkpoint into NEW's folder and create NEW with it recorded in one store transaction."""
+    from mortal.state import Conflict
+
     linked = _copy_checkpoint(
         owned_folder(store, source, checkpoint, parent.spec.get("checkpoint", {}).get("uri"), "forking"),
         dest,
@@ -212,8 +249,6 @@ def fork_run(
     )
     recorded = _upload_for_nodes(child, dest, checkpoint.step)
     meta = child.metadata
-    # the workers import the parent's code from their own folder
-    carry_snapshot(meta.annotations, source, name)
     try:
         row = store.fork_run(
             name,

@@ -14,7 +14,7 @@ status; it never trains in this process and never imports torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mortal.client.modes import Distributed, GPUConfig, SingleNode
 from mortal.client.trainer_inputs import (
@@ -32,6 +32,9 @@ from mortal.client.trainer_inputs import (
 from mortal.specs import RunStatus, TrainingRun, epochs, to_yaml
 from mortal.specs.base import RULE_ERROR
 from mortal.specs.training import CODE_DATASET, CODE_SYSTEM_PROMPT
+
+if TYPE_CHECKING:
+    from mortal.state import RunRow, Store
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -359,6 +362,23 @@ class MortalTrainer:
         finally:
             store.close()
 
+    def _write(self, store: Store, existing: RunRow | None, source: tuple[str, int | None] | None) -> str:
+        """Create or update the run in the store: forked from `source`'s checkpoint when it does not exist
+        yet, else applied. The outcome's words, as `mortalctl apply` prints them."""
+        from mortal.client.fork import RunExists, fork_run
+        from mortal.state.apply_document import apply_document
+
+        if source is not None and existing is None:
+            forked = fork_run(store, source[0], source[1], self.name, document=self.run)
+            return f"created, forked from {forked.parent} at step {forked.step}"
+        if source is not None and existing is not None and existing.forked_from != source[0]:
+            raise RunExists(
+                f"trainingrun {self.name!r} already exists and was not forked from "
+                f"{source[0]!r}; pick another name"
+            )
+        _, outcome = apply_document(store, self.run)
+        return str(outcome)
+
     def train(self, resume_from_checkpoint: str | bool | None = None) -> RunStatus:
         """Apply the run, make sure a controller runs, and follow it to the end (unless detach).
 
@@ -382,7 +402,6 @@ class MortalTrainer:
         from mortal.controller.admission import admit_runs
         from mortal.controller.snapshot import importing_folders
         from mortal.state import NotFound, open_store
-        from mortal.state.apply_document import apply_document
 
         store = open_store(self.state_url)
         try:
@@ -398,33 +417,25 @@ class MortalTrainer:
                 [(self.run, f"MortalTrainer({self.name})")], importing_folders(self.run.spec, Path.cwd())
             ) as admitted:
                 # admitted (else AdmissionRefused named the field): the snapshot is installed
-                for check in admitted[0].deferred:
+                admission = admitted[0]
+                for check in admission.deferred:
                     self._say(f"note: {check.line(self.name)}")
         except BaseException:
             store.close()
             raise
         try:
-            source = _checkpoint_source(resume_from_checkpoint)
             try:
                 existing = store.get_run(self.name)
             except NotFound:
                 existing = None
-            if source is not None and existing is None:
-                from mortal.client.fork import fork_run
-
-                forked = fork_run(store, source[0], source[1], self.name, document=self.run)
-                outcome = f"created, forked from {forked.parent} at step {forked.step}"
-            else:
-                if source is not None and existing is not None and existing.forked_from != source[0]:
-                    from mortal.client.fork import RunExists
-
-                    raise RunExists(
-                        f"trainingrun {self.name!r} already exists and was not forked from "
-                        f"{source[0]!r}; pick another name"
-                    )
-                _, outcome = apply_document(store, self.run)
+            try:
+                outcome = self._write(store, existing, _checkpoint_source(resume_from_checkpoint))
+            except BaseException:
+                if existing is None:  # a run never created leaves no code folder under its name
+                    admission.withdraw()
+                raise
             self._say(f"trainingrun/{self.name} {outcome}")
-            if str(outcome) != "unchanged":
+            if outcome != "unchanged":
                 wake_controller(self.name)
             ensure_controller(self.state_url, not self.start_controller, announce=not self.quiet)
             if self.detach:

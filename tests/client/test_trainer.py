@@ -477,6 +477,7 @@ def _checkpointed_parent(store, spec: dict, step: int) -> None:
 
 def test_resume_from_checkpoint_forks_another_runs_checkpoint_with_this_trainers_spec(store_url):
     from mortal.client.fork import CannotCarryOver, CheckpointNotFound, RunExists
+    from mortal.controller.snapshot import CODE_ANNOTATION
     from mortal.state import paths
 
     store = open_store(store_url)
@@ -503,5 +504,7 @@ def test_resume_from_checkpoint_forks_another_runs_checkpoint_with_this_trainers
             trainer(name="parent", detach=True, state_url=store_url).train(resume_from_checkpoint="t1")
         with pytest.raises(TrainerError, match="resume_from_checkpoint"):
             trainer(name="t3", detach=True, state_url=store_url).train(resume_from_checkpoint="Not A Run")
+        assert not paths.run_dir("t3").exists()  # refused: no code snapshot left under a name never created
+        assert paths.code_dir("t1", row.annotations[CODE_ANNOTATION]).is_dir()  # the run made keeps its own
     finally:
         store.close()

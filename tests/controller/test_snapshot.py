@@ -10,9 +10,9 @@ import pytest
 
 from mortal.controller.snapshot import (
     CODE_ANNOTATION,
+    Snapshot,
     SnapshotRefused,
     build,
-    carry_snapshot,
     code_environ,
     importing_folders,
 )
@@ -128,14 +128,17 @@ def test_a_reference_without_a_module_name_copies_nothing(folder):
         snapshot.close()
 
 
-def test_install_is_content_addressed_and_a_fork_carries_it(folder, mortal_home):
+def test_install_is_content_addressed_and_a_fork_keeps_its_parents(folder, mortal_home):
     snapshot = build(spec(), [folder])
     installed = snapshot.install("parent")
     snapshot.close()
     assert installed == paths.code_dir("parent", snapshot.digest)
     assert (installed / "pkg" / "scoring.py").is_file()
     assert code_environ({CODE_ANNOTATION: snapshot.digest}) == {paths.CODE_SNAPSHOT_ENV: snapshot.digest}
-    carry_snapshot({CODE_ANNOTATION: snapshot.digest}, "parent", "child")
+    kept = Snapshot.kept("parent", snapshot.digest)  # what a fork's admission checks and installs
+    assert kept is not None and kept.digest == snapshot.digest
+    kept.install("child")
+    kept.close()
     assert (paths.code_dir("child", snapshot.digest) / "pkg" / "scoring.py").is_file()
     assert installed.is_dir()  # the parent keeps its own
 

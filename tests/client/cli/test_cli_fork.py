@@ -286,3 +286,19 @@ def test_a_fork_carries_its_parent_s_code_snapshot(cli, store, tmp_path, monkeyp
     digest = store.get_run("arm-b").annotations[CODE_ANNOTATION]
     assert digest == store.get_run("quickstart").annotations[CODE_ANNOTATION]
     assert (paths.code_dir("arm-b", digest) / "myrewards.py").is_file()
+
+
+def test_a_fork_is_admitted_in_its_parent_s_code_and_a_refused_one_leaves_nothing(
+    cli, checkpointed, tmp_path
+) -> None:
+    """A fork's overrides are checked as `apply` checks a run, in the code the fork runs (its parent's):
+    a reward the code lacks or a dataset file that is not there is refused naming the field, and no run,
+    checkpoint copy or code folder is left under the new name."""
+    result = cli("fork", "quickstart:step-20", "x", "--set", "spec.rewards[0].function=myrewards:missing")
+    fails(result, "(the fork runs trainingrun 'quickstart''s code): spec.rewards[0].function: ")
+    over = tmp_path / "over.yaml"
+    over.write_text("spec:\n  dataset:\n    name: null\n    path: /nowhere/prompts.jsonl\n")
+    fails(cli("fork", "quickstart:step-20", "x", "-f", str(over)), "spec.dataset.path: ")
+    assert [r.name for r in checkpointed.list_runs()] == ["quickstart"]
+    assert not paths.run_dir("x").exists()
+    assert cli("fork", "quickstart:step-20", "x", "--set", "spec.algorithm.beta=0.1").exit_code == 0
