@@ -94,12 +94,13 @@ def rollback_run(
     _wait_stopped(store, run, stop_timeout, poll_seconds)
     try:
         later = store.rollback_run(run, step)
-    except NotFound as exc:  # the checkpoint the workers wrote as they stopped pruned it (checkpoint.keep)
+    except NotFound as exc:  # a checkpoint written before the workers stopped pruned it (checkpoint.keep)
         if not was_suspended:  # nothing was rolled back: the run goes on as before the command
             _set_suspend(store, run, False)
         state = "stays suspended" if was_suspended else "was resumed as it was"
         raise RollbackRefused(
-            f"{exc} any more: the checkpoint written as the run stopped pruned it (spec.checkpoint.keep); "
+            f"{exc} any more: a checkpoint the run wrote before its workers stopped pruned it "
+            "(spec.checkpoint.keep keeps the newest); "
             f"nothing was rolled back and trainingrun {run!r} {state}"
         ) from None
     if not later:

@@ -34,6 +34,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cli(sqlite_store, mortal_home: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("MORTAL_NO_CONTROLLER", "1")
     monkeypatch.setenv("COLUMNS", "250")
+    # the runs' reward (actor_helpers) is importable where mortal runs, as an installed package's would be:
+    # a fork's admission imports it in a child process
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     runner = CliRunner()
 
     def invoke(*args: str):

@@ -47,6 +47,7 @@ log = logging.getLogger("mortal.worker")
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # one pickled request or answer; a tool's text is far smaller
 START_SECONDS = 60.0  # a child's start: Python, mortal's few modules; the environment's import is in `create`
 DROP_SECONDS = 5.0
+EXIT_READ_SECONDS = 2.0  # how long a child whose pipe closed is given to exit, so its exit code can be told
 
 
 @dataclass(frozen=True)
@@ -172,10 +173,19 @@ class Host:
         raise EnvironmentLost(str(answer[1]))
 
     def _died(self, what: str, exc: BaseException) -> Any:
-        pid = self.process.pid if self.process is not None else None
-        code = self.process.poll() if self.process is not None else None
+        """The child closed its end: EnvironmentLost saying how it ended. Its exit is waited for a moment:
+        the pipe closes as the process dies, a little before its exit code can be read."""
+        process = self.process
+        pid = process.pid if process is not None else None
+        code = None
+        if process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = process.wait(timeout=EXIT_READ_SECONDS)
         self.stop()
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if code is None:
+            how = "it closed its end while running and was killed"
+        else:
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         raise EnvironmentLost(
             f"environment process {self.index} (pid {pid}) died during {what} ({how}; {type(exc).__name__})"
         ) from exc

@@ -59,6 +59,9 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         patch.setenv("MORTAL_HOME", str(folder / "home"))
         patch.setenv("WANDB_MODE", "disabled")
         patch.delenv("MORTAL_STATE_URL", raising=False)
+        # the helpers importable where mortal runs, as an installed package is: a fork's admission imports
+        # the runs' reward in a child process
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         yield folder / "home"
 
 
@@ -115,7 +118,6 @@ def launch_actor(store: Store, run, home: Path) -> tuple[WorkerRef, subprocess.P
         "MORTAL_STATE_URL": f"sqlite:///{home / 'state.db'}",
         "MORTAL_WORKER_ID": ref.id,
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
     log = open(home / f"{run.name}-actor-{row.incarnation}.log", "ab")  # noqa: SIM115 - closed with the process
     return ref, subprocess.Popen(

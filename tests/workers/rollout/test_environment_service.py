@@ -186,6 +186,7 @@ def test_a_process_that_dies_again_fails_the_call_and_raises_for_a_reset(pooled:
     environment.reset(owner="ann", opening=2)
     outcome = pooled.call(pooled.tools_for(environment), _call("crash"))
     assert outcome.failed and "lost again after it was rebuilt and replayed" in outcome.content
+    assert "(killed by signal 9; EOFError)" in outcome.content  # how it ended, read as it died
     assert (
         pooled.call(pooled.tools_for(environment), _call("balance")).content == "2"
     )  # the crash not replayed
