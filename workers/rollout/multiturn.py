@@ -73,6 +73,19 @@ class Rollout:
         return self.prompt_ids + self.completion_ids
 
 
+ROW_SHOWN_CHARS = 80  # of a prompt quoted in an error, which should say which row and not fill a screen
+
+
+def row_named(request: RolloutRequest) -> str:
+    """Which dataset row a request holds, for an error about it: its prompt's last message (the request has no
+    row number: rows come shuffled) and its columns."""
+    last = request.prompt if isinstance(request.prompt, str) else (request.prompt or [{}])[-1].get("content")
+    text = " ".join(str(last or "").split())
+    quoted = text if len(text) <= ROW_SHOWN_CHARS else text[: ROW_SHOWN_CHARS - 3] + "..."
+    columns = ", ".join(sorted(map(str, request.row))) or "none"
+    return f"whose prompt's last message is {quoted!r}, columns {columns}"
+
+
 def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
     """Make `tokenizer` render and parse tool calls; returns the template to render with (None: its own).
 
@@ -270,7 +283,8 @@ class MultiTurn:
                 except Exception as exc:  # the user's environment is broken: fail the run with its reason
                     raise FatalWorkerError(
                         "EnvironmentFailed",
-                        f"{type(environment).__name__}.reset(**row) raised {raised_kind(exc)}: {exc}",
+                        f"{type(environment).__name__}.reset(**row) raised {raised_kind(exc)}: {exc} "
+                        f"(the row {row_named(request)})",
                     ) from exc
                 if isinstance(observation, str) and prompt:
                     prompt = [

@@ -873,11 +873,17 @@ def test_an_environment_whose_reset_raises_fails_the_run_with_the_reason() -> No
         "qwen2_5",
     )
     request = RolloutRequest(
-        prompt=[{"role": "user", "content": "Task: plain."}], row={}, num_generations=1, seed=0
+        prompt=[{"role": "user", "content": "Task: plain.\n" + "x" * 200}],
+        row={"task": "plain", "level": 2},
+        num_generations=1,
+        seed=0,
     )
     with pytest.raises(FatalWorkerError, match="_BrokenReset.reset.*KeyError") as caught:
         multiturn.rollouts([request])
     assert caught.value.reason == "EnvironmentFailed"
+    # which row: its prompt, on one line and cut short, and its columns
+    assert "(the row whose prompt's last message is 'Task: plain. xxx" in str(caught.value)
+    assert "...', columns level, task)" in str(caught.value)
 
 
 def test_the_batched_engine_continues_conversations_and_repeats_them(tiny_dir: Path) -> None:
