@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 from mortal.controller.backends.base import inheritable
 from mortal.controller.snapshot import CODE_ANNOTATION, Snapshot, SnapshotRefused, build
 from mortal.specs import SpecError, SpecIssue
-from mortal.specs.loader import field_lines, line_in
+from mortal.specs.diagnostics import line_of, undotted
+from mortal.specs.loader import field_lines
 from mortal.state import paths
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ def prepare(
     try:
         snapshot = build(run.spec, [Path(f) for f in folders])
     except SnapshotRefused as exc:
-        line = line_in(field_lines(source, run.name), exc.field)
+        line = line_of(undotted(exc.field), field_lines(source, run.name))
         raise AdmissionRefused([SpecIssue(source, line, exc.field, str(exc))]) from None
     carried = run.metadata.annotations.get(CODE_ANNOTATION)
     owner = keep_from or run.name
@@ -169,7 +170,7 @@ def prepare(
         snapshot.close()
         lines = field_lines(source, run.name)  # the file read again: the checks name fields, not lines
         raise AdmissionRefused(
-            [SpecIssue(source, line_in(lines, c.field), c.field, c.message) for c in failed]
+            [SpecIssue(source, line_of(undotted(c.field), lines), c.field, c.message) for c in failed]
         )
     if snapshot.digest is not None:
         what = ", ".join(p.rel for p in snapshot.parts) or "kept: this folder has none of the run's code"

@@ -93,6 +93,15 @@ def dotted(path: Path) -> str:
     return out
 
 
+_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")  # a key, or a list index in brackets
+
+
+def undotted(field: str) -> Path:
+    """'spec.rewards[0].env' -> ('spec', 'rewards', 0, 'env'): `dotted` read back, for a check that names
+    a field (admission's) to find its line."""
+    return tuple(int(index) if index else key for key, index in _PART.findall(field))
+
+
 def message(err: ErrorDetails, root: type[BaseModel], loc: tuple[Any, ...]) -> str:
     """pydantic's error in our words: what is wrong, what was given, and the fix when we know it."""
     kind, ctx, got = err["type"], err.get("ctx") or {}, show(err.get("input"))

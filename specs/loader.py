@@ -77,10 +77,10 @@ def load_path(path: str | Path, recursive: bool = False) -> list[TrainingRun]:
     return [run for run, _ in runs]
 
 
-def field_lines(source: str, name: str) -> dict[str, int]:
-    """{field: line} of run `name`'s document in file `source` (fields dotted as a SpecIssue names them), read
-    again for a check made after loading (admission's): empty when the file cannot be read again (stdin, it
-    changed) or holds no such run."""
+def field_lines(source: str, name: str) -> Lines:
+    """{path: line} of run `name`'s document in file `source` (paths from the document's root), read again
+    for a check made after loading (admission's, whose fields find their lines with `line_of(undotted(field),
+    lines)`): empty when the file cannot be read again (stdin, it changed) or holds no such run."""
     path = Path(source)
     if not path.is_file():
         return {}
@@ -98,17 +98,8 @@ def field_lines(source: str, name: str) -> dict[str, int]:
             metadata = item.get("metadata") if isinstance(item, dict) else None
             if isinstance(metadata, dict) and metadata.get("name") == name:
                 cut = len(prefix)
-                return {dotted(at[cut:]): line for at, line in lines.items() if at[:cut] == prefix}
+                return {at[cut:]: line for at, line in lines.items() if at[:cut] == prefix}
     return {}
-
-
-def line_in(lines: dict[str, int], field: str) -> int | None:
-    """The line of `field` in field_lines' map, else of the nearest enclosing field it has."""
-    while field:
-        if field in lines:
-            return lines[field]
-        field = field[: max(field.rfind("."), field.rfind("["), 0)]
-    return None
 
 
 def _read(path: Path) -> tuple[str, SpecIssue | None]:

@@ -294,3 +294,23 @@ def test_generation_max_num_seqs_is_a_positive_count_named_at_its_line():
     )
     [issue] = errors_of(doc() + "  generation: {maxNumSeqs: 0}\n")
     assert (issue.line, issue.path) == (10, "spec.generation.maxNumSeqs")
+
+
+def test_a_field_a_later_check_names_finds_its_line_or_its_nearest_parents(tmp_path):
+    """Admission names fields ('spec.rewards[1].function') after loading; the file read again gives their
+    lines, and a field the file does not spell out (a default) the line of the nearest enclosing one."""
+    from mortal.specs.diagnostics import dotted, line_of, undotted
+    from mortal.specs.loader import field_lines
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "apiVersion: mortal/v1\nkind: TrainingRun\nmetadata:\n  name: other\nspec: {model: {name: x}}\n---\n"
+        "apiVersion: mortal/v1\nkind: TrainingRun\nmetadata:\n  name: mine\nspec:\n  model:\n    name: m\n"
+        "  rewards:\n    - function: a:b\n    - function: c:d\n"
+    )
+    lines = field_lines(str(path), "mine")
+    assert line_of(undotted("spec.rewards[1].function"), lines) == 16
+    assert line_of(undotted("spec.rewards[1].weight"), lines) == 16  # not written: its item's line
+    assert line_of(undotted("spec.dataset.path"), lines) == 11  # no dataset: the spec's line
+    assert field_lines(str(path), "absent") == {} and field_lines(str(tmp_path / "gone.yaml"), "mine") == {}
+    assert dotted(undotted("spec.rewards[12].args.x[3]")) == "spec.rewards[12].args.x[3]"
