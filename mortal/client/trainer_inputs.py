@@ -260,10 +260,16 @@ def dataset_file(rows: list[dict[str, Any]], name: str, prompt_column: str, home
     name that would lead out of that folder is refused here too, whatever validates it later."""
     if not rows:
         raise TrainerError("train_dataset is empty")
-    if prompt_column not in rows[0]:
+    lacking = next((i for i, row in enumerate(rows) if prompt_column not in row), None)
+    if lacking == 0:
         raise TrainerError(
             f"train_dataset has no {prompt_column!r} column (columns: {', '.join(map(str, rows[0]))}); "
             "rename it or pass prompt_column=..."
+        )
+    if lacking is not None:  # a list of dicts need not have the same keys in every row, as a Dataset does
+        raise TrainerError(
+            f"train_dataset row {lacking} has no {prompt_column!r} (its keys: "
+            f"{', '.join(map(str, rows[lacking])) or 'none'}); every row needs its prompt"
         )
     try:
         text = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)

@@ -283,6 +283,8 @@ def test_argument_mistakes_are_clear():
         MortalTrainer(reward_funcs=[format_reward])
     with pytest.raises(TrainerError, match="no 'question' column"):
         trainer(prompt_column="question")
+    with pytest.raises(TrainerError, match="train_dataset row 1 has no 'prompt' \\(its keys: question\\)"):
+        trainer(train_dataset=[{"prompt": "a"}, {"question": "b"}])
     with pytest.raises(TypeError):
         trainer(max_model_len=4096)
 
