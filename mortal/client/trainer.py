@@ -125,6 +125,8 @@ class MortalTrainer:
                       TRL's names for spec.actor.compile and spec.actor.liger (Liger's layer kernels)
       detach          train() returns right after applying; the controller keeps training
       name            the run's name (default: '<model>-<5 random chars>')
+      labels, annotations
+                      the run's metadata, as a TrainingRun document's (`get runs -l`, `describe`)
     Without reward_funcs and train_dataset, the seeds' default: sandboxed code execution on
     builtin:mbpp-mini (as a spec that names only its model).
     """
@@ -178,6 +180,7 @@ class MortalTrainer:
         max_restarts: int | None = None,
         secrets: list[str] | None = None,
         labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
         wandb_project: str | None = None,
         name: str | None = None,
         backend: str | None = None,
@@ -310,17 +313,19 @@ class MortalTrainer:
             )
         for block, values in (mode.spec_fields() if mode is not None else {}).items():
             spec[block] = {**spec.get(block, {}), **values}
-        self.run = self._validate(name, labels or {}, spec)
+        self.run = self._validate(
+            {"name": name, "labels": labels or {}, "annotations": annotations or {}}, spec
+        )
         self._set_max_steps(max_steps, num_epochs, rows)
         if written is not None:  # only now: a refused construction leaves no file behind
             written.write()
 
     @staticmethod
-    def _validate(name: str, labels: dict[str, str], spec: dict[str, Any]) -> TrainingRun:
+    def _validate(metadata: dict[str, Any], spec: dict[str, Any]) -> TrainingRun:
         from pydantic import ValidationError
 
         try:
-            return TrainingRun.model_validate({"metadata": {"name": name, "labels": labels}, "spec": spec})
+            return TrainingRun.model_validate({"metadata": metadata, "spec": spec})
         except ValidationError as exc:
             raise _validation_error(exc) from None
 

@@ -95,6 +95,7 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
         use_liger_kernel=True,
         seed=3,
         labels={"team": "rl"},
+        annotations={"example.com/ticket": "RL-7"},
     )
     spec = t.run.spec_dict()
     assert spec["actor"] == {
@@ -134,6 +135,7 @@ def test_seed_style_single_node_arguments_become_the_spec(mortal_home):
         ("mortal.workers.rewards.builtin:correct_answer", 1.0),
     ]
     assert t.run.metadata.labels == {"team": "rl"} and t.name == "t1"
+    assert t.run.metadata.annotations == {"example.com/ticket": "RL-7"}
     assert "kind: TrainingRun" in t.to_yaml()
 
 
@@ -287,6 +289,8 @@ def test_argument_mistakes_are_clear():
         trainer(train_dataset=[{"prompt": "a"}, {"question": "b"}])
     with pytest.raises(TypeError):
         trainer(max_model_len=4096)
+    with pytest.raises(TrainerError, match="metadata.labels"):
+        trainer(labels={"bad key!": "x"})
 
 
 def test_in_memory_dataset_is_written_once_under_mortal_home(mortal_home):
