@@ -25,7 +25,7 @@ from mortal.controller.admission import AdmissionRefused, admit_runs
 from mortal.controller.snapshot import being_deleted
 from mortal.specs import SpecError, TrainingRun, load_file
 from mortal.state.apply_document import apply_document
-from mortal.state.errors import Conflict, InvalidValue
+from mortal.state.errors import Conflict, InvalidValue, NotFound
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -43,6 +43,14 @@ class SyncResult:
 
 def source_id(folder: Path) -> str:
     return hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+
+
+def _exists(store: Store, name: str) -> bool:
+    try:
+        store.get_run(name)
+    except NotFound:
+        return False
+    return True
 
 
 def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
@@ -73,8 +81,8 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
             result.errors.append(f"trainingrun/{run.name} is being deleted: applied again once it is gone")
             continue
         try:
-            with admit_runs([(run, str(folder))], [Path.cwd()]):
-                pass  # checked, snapshot installed, its digest in run.metadata.annotations
+            with admit_runs([(run, str(folder))], [Path.cwd()]) as admitted:
+                admission = admitted[0]  # checked, snapshot installed, its digest in the run's annotations
         except AdmissionRefused as exc:  # not applied; the next change of the folder tries again
             result.errors.append(str(exc))
             continue
@@ -82,12 +90,15 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
         try:
             _, outcome = apply_document(store, run, labels=labels, annotations=annotations)
             result.applied[run.name] = str(outcome)
+            continue
         except (Conflict, InvalidValue) as exc:  # refused (a finished run), or being deleted: not applied
             result.errors.append(str(exc))
         except SpecError as exc:  # the three-way merge does not fit; the folder's other runs go on
             result.errors.append(
                 f"trainingrun/{run.name} in {folder}, with the fields kept from its live spec: {exc}"
             )
+        if not _exists(store, run.name):  # a run never created leaves no code folder under its name
+            admission.withdraw()
     if result.errors:  # a file that did not read, or a run refused: the folder is mid-edit, delete nothing
         return result
     present = {r.name for r in runs}

@@ -163,3 +163,27 @@ def test_a_run_being_deleted_is_not_admitted_into_the_folder_its_purge_sets_asid
     result = sync_folder(store, folder)
     assert "going" not in result.applied and [e for e in result.errors if "being deleted" in e]
     assert not run_folder.exists()
+
+
+def test_a_new_run_the_store_refuses_leaves_no_code_folder_under_its_name(
+    store, tmp_path, mortal_home, monkeypatch
+):
+    """Admitted, its snapshot installed, then refused by the store (a value the database cannot hold, a
+    creation race): the run was never created, so its name keeps no folder another run would find."""
+    import mortal.controller.watchdir as watchdir
+    from mortal.state import paths
+    from mortal.state.errors import InvalidValue
+
+    project, folder = tmp_path / "project", tmp_path / "project" / "runs"
+    folder.mkdir(parents=True)
+    (project / "myrewards.py").write_text("def correct(completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.chdir(project)
+    write(folder, "refused", spec={"rewards": [{"function": "myrewards:correct"}]})
+
+    def refuse(*args, **kwargs):
+        raise InvalidValue("the database refused a value")
+
+    monkeypatch.setattr(watchdir, "apply_document", refuse)
+    result = sync_folder(store, folder)
+    assert result.applied == {} and result.errors == ["the database refused a value"]
+    assert not paths.run_dir("refused").exists()
