@@ -29,10 +29,11 @@ from mortal.controller.snapshot import CODE_ANNOTATION, Snapshot, SnapshotRefuse
 from mortal.specs import SpecError, SpecIssue
 from mortal.specs.diagnostics import line_of, undotted
 from mortal.specs.loader import field_lines
-from mortal.state import paths
+from mortal.state import NotFound, paths
 
 if TYPE_CHECKING:
     from mortal.specs import TrainingRun
+    from mortal.state import Store
 
 PROBE_MODULE = "mortal.workers.probe"
 PROBE_TIMEOUT_ENV = "MORTAL_ADMISSION_TIMEOUT"
@@ -80,12 +81,17 @@ class Admission:
         self.snapshot.install(self.run.name)
         self.created = missing[0] if missing else None
 
-    def withdraw(self) -> None:
-        """Remove what `install` made: the store refused to create the run, so nothing is left under its
+    def withdraw(self, store: Store) -> None:
+        """After the store refused the run: remove what `install` made, unless the store holds a run of that
+        name (created meanwhile, or one that was there), so a run never created leaves nothing under its
         name (a later run of that name would find another's files)."""
-        if self.created is not None:
+        if self.created is None:
+            return
+        try:
+            store.get_run(self.run.name)
+        except NotFound:
             shutil.rmtree(self.created, ignore_errors=True)
-            self.created = None
+        self.created = None
 
 
 def _probe(run: TrainingRun, folder: Path) -> list[Check]:
@@ -189,7 +195,7 @@ def admit_runs(
 ) -> Iterator[list[Admission]]:
     """Admit every (run, source file) or none: all refusals raised together; then, unless `dry_run`,
     install each snapshot and set the run's code annotation (dropping one the document carried).
-    A caller whose store then refuses to create a run calls that admission's `withdraw`."""
+    A caller whose store then refuses a run calls that admission's `withdraw`."""
     admitted: list[Admission] = []
     issues: list[SpecIssue] = []
     try:

@@ -25,7 +25,7 @@ from mortal.controller.admission import AdmissionRefused, admit_runs
 from mortal.controller.snapshot import being_deleted
 from mortal.specs import SpecError, TrainingRun, load_file
 from mortal.state.apply_document import apply_document
-from mortal.state.errors import Conflict, InvalidValue, NotFound
+from mortal.state.errors import Conflict, InvalidValue
 from mortal.state.store import Store
 
 log = logging.getLogger("mortal.controller")
@@ -43,14 +43,6 @@ class SyncResult:
 
 def source_id(folder: Path) -> str:
     return hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-
-
-def _exists(store: Store, name: str) -> bool:
-    try:
-        store.get_run(name)
-    except NotFound:
-        return False
-    return True
 
 
 def read_folder(folder: Path) -> tuple[list[TrainingRun], list[str]]:
@@ -97,8 +89,7 @@ def sync_folder(store: Store, folder: Path) -> SyncResult:
             result.errors.append(
                 f"trainingrun/{run.name} in {folder}, with the fields kept from its live spec: {exc}"
             )
-        if not _exists(store, run.name):  # a run never created leaves no code folder under its name
-            admission.withdraw()
+        admission.withdraw(store)  # a run never created leaves no code folder under its name
     if result.errors:  # a file that did not read, or a run refused: the folder is mid-edit, delete nothing
         return result
     present = {r.name for r in runs}

@@ -208,11 +208,9 @@ def fork_run(
     admission = _admit(child, source, fragment_source) if document is None else None
     try:
         return _create(store, source, name, parent, checkpoint, child, dest)
-    except RunExists:  # created meanwhile under that name: the folder is that run's now
-        raise
     except BaseException:
         if admission is not None:
-            admission.withdraw()
+            admission.withdraw(store)
         raise
 
 

@@ -436,8 +436,7 @@ class MortalTrainer:
             try:
                 outcome = self._write(store, existing, _checkpoint_source(resume_from_checkpoint))
             except BaseException:
-                if existing is None:  # a run never created leaves no code folder under its name
-                    admission.withdraw()
+                admission.withdraw(store)  # a run never created leaves no code folder under its name
                 raise
             self._say(f"trainingrun/{self.name} {outcome}")
             if outcome != "unchanged":

@@ -101,6 +101,10 @@ def apply_command(
         for note in apply.launch_notes(cli.store, fitted) + apply.unapplied_notes(cli.store, fitted):
             typer.echo(plain(f"note: {note}"), err=True)
         results = apply.apply_runs(cli.store, fitted, dry_run)
+        admissions = {admission.run.name: admission for admission in admitted}
+        for result in results:  # a run never created leaves no code folder under its name
+            if result.error is not None:
+                admissions[result.name].withdraw(cli.store)
     suffix = " (dry run)" if dry_run else ""
     applied = [r for r in results if r.error is None]
     for result in applied:

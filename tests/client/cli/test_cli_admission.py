@@ -292,3 +292,31 @@ def test_the_output_of_get_applied_from_another_folder_keeps_the_run_s_snapshot(
     missing = spec_file("other", **{"spec.rewards": [{"function": "myrewards:correct"}]})
     refused = cli("apply", "-f", str(missing))  # a new run has no snapshot to keep: its code must be here
     assert refused.exit_code == 1 and "cannot import module 'myrewards'" in refused.output
+
+
+@sqlite_only
+def test_a_new_run_the_store_refuses_leaves_no_code_folder_under_its_name(
+    cli, spec_file, store_url, user_folder, monkeypatch
+):
+    """Admitted with its code installed, then refused by the store (here a value it cannot hold; a
+    creation race does the same): the run was never created, so nothing of it stays under its name, while
+    the other run of the same apply is written with its code."""
+    import mortal.state.apply_document as apply_document
+    from mortal.state import InvalidValue
+
+    write = apply_document.apply_document
+
+    def refusing(store, run, **kwargs):
+        if run.name == "refused":
+            raise InvalidValue("the database refused a value")
+        return write(store, run, **kwargs)
+
+    monkeypatch.setattr(apply_document, "apply_document", refusing)
+    rewards = {"spec.rewards": [{"function": "myrewards:correct"}]}
+    out = cli("apply", "-f", str(spec_file("refused", **rewards)), "-f", str(spec_file("kept", **rewards)))
+    assert out.exit_code == 1 and "the database refused a value" in out.output, out.output
+    assert runs(store_url) == ["kept"] and not paths.run_dir("refused").exists()
+    store = open_store(store_url)
+    digest = store.get_run("kept").annotations[CODE_ANNOTATION]
+    store.close()
+    assert (paths.code_dir("kept", digest) / "myrewards.py").is_file()
