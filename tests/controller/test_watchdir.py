@@ -52,8 +52,11 @@ def test_an_unreadable_file_deletes_nothing(store, tmp_path):
     b.write_text("apiVersion: mortal/v1\nkind: TrainingRun\nmetadata: {name: b}\nspec: {model: {}}\n")
     (folder / "a.yaml").unlink()
     result = sync_folder(store, folder)
-    assert result.errors and result.deleted == []
+    assert result.errors and result.deleted == [] and result.kept == ["a", "b"]  # said, not done
     assert store.get_run("a").deleted_at is None
+    (folder / "twice.yaml").write_text(write(folder, "c").read_text())
+    errors = sync_folder(store, folder).errors
+    assert f"run 'c' is defined more than once in {folder}: in c.yaml, twice.yaml" in errors
 
 
 SHORT = """\
@@ -187,3 +190,67 @@ def test_a_new_run_the_store_refuses_leaves_no_code_folder_under_its_name(
     result = sync_folder(store, folder)
     assert result.applied == {} and result.errors == ["the database refused a value"]
     assert not paths.run_dir("refused").exists()
+
+
+def _watching(store, folder: Path):
+    """watch_folder in a thread, its syncs' results in a list; stopped by the returned callable."""
+    import threading
+
+    from mortal.controller.watchdir import watch_folder
+
+    results: list = []
+    stop = threading.Event()
+    thread = threading.Thread(target=watch_folder, args=(store, folder, stop, results.append), daemon=True)
+    thread.start()
+
+    def stopped() -> None:
+        stop.set()
+        thread.join(15)
+
+    return results, stopped
+
+
+@sqlite_only
+def test_a_run_re_added_while_its_deletion_is_in_flight_is_applied_once_the_purge_ends(
+    store, tmp_path, monkeypatch
+):
+    """The file came back before the controller purged the deleted run: the sync says it applies the run
+    once the deletion is done, and does so without waiting for another change in the folder."""
+    import mortal.controller.watchdir as watchdir
+
+    monkeypatch.setattr(watchdir, "RETRY_SECONDS", 0.5)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    write(folder, "again")
+    assert sync_folder(store, folder).applied == {"again": "created"}
+    first = store.get_run("again").uid
+    store.mark_deleted("again")
+    results, stopped = _watching(store, folder)
+    try:
+        wait_for(lambda: results and results[0].retry, 15, "the first sync to meet the deletion")
+        assert "trainingrun/again is being deleted: applied again once it is gone" in results[0].errors
+        store.purge_run("again")
+        wait_for(
+            lambda: [r.uid for r in store.list_runs() if r.uid != first], 15, "the run to be created again"
+        )
+    finally:
+        stopped()
+
+
+@sqlite_only
+def test_an_edit_of_the_file_a_link_in_the_folder_points_to_is_applied(store, tmp_path):
+    folder, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    target = write(elsewhere, "linked", max_steps=400)
+    (folder / "linked.yaml").symlink_to(target)
+    results, stopped = _watching(store, folder)
+    try:
+        wait_for(lambda: results and results[0].applied == {"linked": "created"}, 15, "the first sync")
+        write(elsewhere, "linked", max_steps=500)
+        (elsewhere / "notes.yaml").write_text("not watched: no link points here")
+        wait_for(
+            lambda: store.get_run("linked").spec["algorithm"]["maxSteps"] == 500, 15, "the edit to apply"
+        )
+    finally:
+        stopped()

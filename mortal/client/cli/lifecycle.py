@@ -53,6 +53,7 @@ Examples:
 def delete_names(
     ctx: typer.Context, names: list[str], purge: bool, ignore_not_found: bool, no_controller: bool
 ) -> None:
+    from mortal.controller.watchdir import SOURCE_ANNOTATION
     from mortal.state import NotFound, paths
 
     cli = state(ctx)
@@ -73,6 +74,15 @@ def delete_names(
             f"{paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
         )
         typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
+        if folder := row.annotations.get(SOURCE_ANNOTATION):
+            typer.echo(
+                plain(
+                    f"note: trainingrun/{name} came from the watched folder {folder}: the controller "
+                    "watching it applies its file again at the folder's next change; remove the file to "
+                    "delete it for good"
+                ),
+                err=True,
+            )
     if deleted:
         wake_controller(*deleted)
         ensure_controller(cli.state_url, no_controller)
