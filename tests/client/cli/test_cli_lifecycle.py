@@ -27,6 +27,7 @@ def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
     said = "trainingrun/quickstart deleted (the controller stops its workers, then moves its checkpoints to "
     assert out.stdout.startswith(said), "the move is the controller's, later: it is not said to be done"
     assert str(mortal_home / "deleted") in out.stdout
+    assert "watched folder" not in out.stderr  # applied by hand: nothing brings it back
     row = store.get_run("quickstart")
     assert row.deleted_at is not None and not row.purge_requested
     assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
@@ -126,6 +127,19 @@ def test_delete_purge(cli, store):
     said = "trainingrun/quickstart deleted (the controller stops its workers, then purges its checkpoints)\n"
     assert out.stdout == said
     assert store.get_run("quickstart").purge_requested
+
+
+def test_deleting_a_run_of_a_watched_folder_says_its_file_brings_it_back(cli, store, tmp_path):
+    from mortal.controller.watchdir import sync_folder
+
+    folder = tmp_path / "live"
+    folder.mkdir()
+    (folder / "quickstart.yaml").write_text(QUICKSTART.read_text())
+    assert sync_folder(store, folder).applied == {"quickstart": "created"}
+    out = cli("delete", "run", "quickstart")
+    assert out.exit_code == 0, out.output
+    assert f"note: trainingrun/quickstart came from the watched folder {folder.resolve()}: " in out.stderr
+    assert "remove the file to delete it for good" in out.stderr
 
 
 def test_delete_missing_run(cli):
