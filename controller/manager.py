@@ -349,18 +349,24 @@ def run_controller(
     controller = Controller(
         store, url, config, Path(watch) if watch else None, idle_exit_seconds=idle_exit_seconds
     )
-    own_pid_file = running_controller_pid() in (None, os.getpid())
+    other = running_controller_pid()
+    own_pid_file = other in (None, os.getpid())
     if own_pid_file:
         _write_pid_file(os.getpid())
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: controller.stopped.set())
     log.info("controller %s started on %s", controller.leader.holder, store)
+    if not own_pid_file:
+        log.info("this home's controller (pid %s) runs: this one stands by and leads once it stops", other)
     controller.start()
     try:
         while not controller.stopped.wait(0.2):
             if stop_event is not None and stop_event.is_set():
                 break
+            if not own_pid_file and controller.leader.is_leader and running_controller_pid() is None:
+                _write_pid_file(os.getpid())  # the one it stood by for stopped: `controller stop` finds this
+                own_pid_file = True
     finally:
         controller.stop()
         store.close()

@@ -81,3 +81,25 @@ def test_a_leader_whose_lease_moved_on_is_fenced(harness):  # noqa: F811
     assert h.store.list_workers(NAME) == []
     assert h.store.get_run(NAME).resource_version == before.resource_version
     assert worker_processes(h.home) == []
+
+
+@sql_stores
+def test_the_standby_that_leads_once_the_controller_stops_is_the_one_controller_stop_finds(
+    harness,  # noqa: F811
+    monkeypatch,
+):
+    """`controller stop` stops this home's controller (its pid file); a second one started beside it stood
+    by, leads once it stops, and takes the pid file: status and the next stop find it, not "none runs"."""
+    from mortal.controller.manager import running_controller_pid, stop_controller
+
+    h = harness
+    monkeypatch.setenv("MORTAL_HOME", str(h.home))
+    first = h.spawn(log="controller-a")
+    wait_for(lambda: holder_pid(h) == first.pid and running_controller_pid() == first.pid, 30, "a to lead")
+    second = h.spawn(log="controller-b")
+    wait_for(lambda: "stands by" in (h.home / "controller-b.log").read_text(), 30, "b to stand by")
+    assert stop_controller(20) == (first.pid, False)
+    wait_for(lambda: holder_pid(h) == second.pid, 20, "b to lead")
+    wait_for(lambda: running_controller_pid() == second.pid, 10, "b to take the pid file")
+    assert stop_controller(20) == (second.pid, False)
+    assert running_controller_pid() is None
