@@ -19,6 +19,7 @@ from mortal.state.errors import (
     InvalidName,
     InvalidValue,
     NotFound,
+    StaleDocument,
     StoreError,
 )
 from mortal.state.paths import default_state_url
@@ -62,6 +63,7 @@ __all__ = [
     "NewTask",
     "NotFound",
     "RunRow",
+    "StaleDocument",
     "Store",
     "StoreError",
     "TaskRow",

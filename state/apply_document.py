@@ -9,7 +9,8 @@ as a Kubernetes client's update is:
 3. write, carrying the resource_version merged against; a Conflict means something wrote in between (a
    scale, a suspend, the controller's status), so read and merge again, a few times at most.
 
-It must not retry a refusal (ChangeRefused: a finished run, a maxSteps below the step reached) or a run
+It must not retry a refusal (ChangeRefused: a finished run, a maxSteps below the step reached), a document
+read from an earlier state of the run (StaleDocument: `get -o yaml` kept while the run was scaled), or a run
 being deleted: those are the caller's to report.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from mortal.specs.run import TrainingRun
-from mortal.state.errors import ChangeRefused, Conflict, NotFound
+from mortal.state.errors import ChangeRefused, Conflict, NotFound, StaleDocument
 from mortal.state.store import ApplyOutcome, Store
 from mortal.state.tables import RunRow
 
@@ -47,6 +48,8 @@ def apply_document(
     labels = run.metadata.labels if labels is None else labels
     annotations = run.metadata.annotations if annotations is None else annotations
     live = _live_row(store, run.name)
+    if live is not None:
+        refuse_stale(run, live, merged_spec(run, live))
     for attempt in range(1, MERGE_ATTEMPTS + 1):
         try:
             return store.apply_run(
@@ -65,6 +68,27 @@ def apply_document(
             if attempt == MERGE_ATTEMPTS or (live is not None and live.deleted_at is not None):
                 raise
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def refuse_stale(run: TrainingRun, live: RunRow, merged: dict[str, Any]) -> None:
+    """StaleDocument when the document would change the run's spec and says which run and spec it was read
+    from (the uid and generation `get -o yaml` writes) while the live run is another or its spec changed
+    since, as kubectl refuses an object modified since it was read. A document that does not say (a file
+    written by hand) is merged, and one that changes nothing (applied again) is let be."""
+    meta = run.metadata
+    if merged == live.spec:
+        return
+    if meta.uid is not None and meta.uid != live.uid:
+        raise StaleDocument(
+            f"trainingrun/{run.name}: the document is of an earlier run of this name (metadata.uid "
+            f"{meta.uid}; the run now is {live.uid}): remove metadata.uid to apply it to this run"
+        )
+    if meta.generation is not None and meta.generation != live.generation:
+        raise StaleDocument(
+            f"trainingrun/{run.name} has changed since the document was read (metadata.generation "
+            f"{meta.generation}, now {live.generation}: a scale, suspend or apply since): get it again "
+            "(`mortalctl get runs NAME -o yaml`), or remove metadata.generation to apply over the changes"
+        )
 
 
 def _live_row(store: Store, name: str) -> RunRow | None:

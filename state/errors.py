@@ -29,6 +29,12 @@ class ChangeRefused(Conflict):
     maxSteps below the step the run reached. Not a race: re-reading does not help (HTTP 409)."""
 
 
+class StaleDocument(Conflict):
+    """An applied document carries the generation or uid it was read at (`get -o yaml`), and the run has
+    moved on since: its spec changed (a scale, a suspend, another apply) or it is another run of that name.
+    Applying it would undo those changes silently; re-reading does not help: the user gets it again."""
+
+
 class Fenced(StoreError):
     """A write came from a superseded incarnation (a zombie worker) or a leader that lost its lease."""
 

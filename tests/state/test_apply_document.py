@@ -98,3 +98,24 @@ def test_a_dry_run_is_decided_by_the_store_and_writes_nothing(store: Store) -> N
     store.mark_deleted("r")
     with pytest.raises(Conflict, match="being deleted"):
         apply_document(store, run_of(), dry_run=True)
+
+
+def test_a_document_of_another_run_of_the_name_or_an_older_spec_is_refused_when_it_would_change_it(
+    store: Store,
+) -> None:
+    """The uid and generation a document was read at (`get -o yaml` writes them) are checked only when
+    applying it would change the run: a stale document applied again unchanged is let be."""
+    from mortal.state import StaleDocument
+
+    row, _ = apply_document(store, run_of())
+    read = DOC.replace("metadata: {name: r,", f"metadata: {{name: r, uid: {row.uid}, generation: 1,")
+    apply_document(store, run_of(read.replace("maxSteps: 5", "maxSteps: 6")))  # generation 1 -> 2
+    with pytest.raises(StaleDocument, match=r"metadata.generation 1, now 2"):
+        apply_document(store, run_of(read.replace("maxSteps: 5", "maxSteps: 7")))
+    assert (
+        apply_document(store, run_of(read.replace("maxSteps: 5", "maxSteps: 6")))[1] is ApplyOutcome.unchanged
+    )
+    other = read.replace(row.uid, "0" * 8 + row.uid[8:]).replace("generation: 1", "generation: 2")
+    with pytest.raises(StaleDocument, match="an earlier run of this name"):
+        apply_document(store, run_of(other.replace("maxSteps: 5", "maxSteps: 8")))
+    assert store.get_run("r").spec["algorithm"]["maxSteps"] == 6

@@ -81,6 +81,25 @@ def test_get_yaml_of_one_run_round_trips_through_apply(cli):
     assert cli("apply", "-f", "-", input=dumped).stdout == "trainingrun/quickstart unchanged\n"
     edited = dumped.replace("maxSteps: 30", "maxSteps: 31")
     assert cli("apply", "-f", "-", input=edited).stdout == "trainingrun/quickstart configured\n"
+    assert cli("apply", "-f", "-", input=edited).stdout == "trainingrun/quickstart unchanged\n"  # again
+
+
+def test_a_document_read_before_a_scale_does_not_undo_it(cli):
+    """`get -o yaml` writes the generation it read; applying it after a scale would set the old replicas
+    back, so it is refused, as kubectl refuses an object modified since it was read. Got again, it applies;
+    without metadata.generation it is merged as a file written by hand."""
+    cli("apply", "-f", str(QUICKSTART))
+    dumped = cli("get", "run", "quickstart", "-o", "yaml").stdout
+    assert cli("scale", "quickstart", "rollout=3").exit_code == 0
+    out = cli("apply", "-f", "-", input=dumped.replace("maxSteps: 30", "maxSteps: 31"))
+    assert out.exit_code == 1
+    assert "trainingrun/quickstart has changed since the document was read (metadata.generation 1, now 2" in (
+        out.stderr
+    )
+    assert '"replicas": 3' in cli("get", "run", "quickstart", "-o", "json").stdout  # the scale stands
+    fresh = cli("get", "run", "quickstart", "-o", "yaml").stdout.replace("maxSteps: 30", "maxSteps: 31")
+    assert cli("apply", "-f", "-", input=fresh).stdout == "trainingrun/quickstart configured\n"
+    assert '"replicas": 3' in cli("get", "run", "quickstart", "-o", "json").stdout
 
 
 def test_bad_spec_is_exit_1_with_file_and_line_and_no_traceback(cli, spec_file):
