@@ -20,6 +20,7 @@ from pathlib import Path
 import typer
 
 from mortal.client.cli.context import CliError
+from mortal.client.cli.text import log_to_terminal
 
 HELP = "Serve environment classes to rollout workers over HTTP."
 SERVE_HELP = """Serve environment classes (TRL's environment_factory shape) over HTTP.
@@ -85,7 +86,7 @@ def serve_command(
     # not put it on sys.path); the environment processes inherit sys.path (environment_pool)
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_terminal(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = serve(
             references,

@@ -21,7 +21,7 @@ from typing import Any
 import typer
 
 from mortal.client.cli.context import TERMINAL_PHASES, CliError, state
-from mortal.client.cli.text import plain
+from mortal.client.cli.text import log_to_terminal, plain
 
 LOGS_HELP = """Print the logs of a run's workers (the newest incarnation of each).
 
@@ -227,9 +227,9 @@ def controller_command(
     cli = state(ctx)
     if watch is not None and not watch.is_dir():
         raise CliError(f"--watch {watch}: no such directory")
-    logging.basicConfig(
-        level=logging.DEBUG if verbose or cli.debug else logging.INFO,
-        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+    log_to_terminal(
+        logging.DEBUG if verbose or cli.debug else logging.INFO,
+        "%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
     )
     logging.getLogger("alembic").setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):  # SIGINT stops the controller; workers keep running

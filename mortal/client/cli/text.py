@@ -10,6 +10,7 @@ not come here (JSON escapes control characters itself; YAML quotes them).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from rich.text import Text
@@ -43,6 +44,21 @@ def plain(value: Any, multiline: bool = False) -> str:
 
     Print it with markup off (`say`, `markup=False`, or as a rich `Text`): brackets stay brackets."""
     return ("" if value is None else str(value)).translate(_MULTILINE if multiline else _ONE_LINE)
+
+
+class PlainFormatter(logging.Formatter):
+    """Log records on a terminal (a foreground `mortalctl controller`, `env serve`) as `plain` text: a
+    record may quote a file name or a user's error, and a name can hold ESC."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return plain(super().format(record), multiline=True)
+
+
+def log_to_terminal(level: int, fmt: str) -> None:
+    """logging.basicConfig for a command that logs to the terminal, through PlainFormatter."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(PlainFormatter(fmt))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def cell(value: Any) -> Text:

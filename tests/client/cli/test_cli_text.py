@@ -155,3 +155,22 @@ def test_controller_status_prints_the_stored_lease_holder_as_text(cli, store_url
     assert out.exit_code == 0, out.output
     shown_as_text(out.stdout + out.stderr, shows_hostile=False)
     assert "held by host-1 ^[[2J" in out.stdout
+
+
+def test_a_foreground_controller_logs_a_file_name_s_escape_as_text(tmp_path, capsys):
+    """A watched folder's file may be named with ESC: the foreground controller's log (on the terminal)
+    shows it as `^[`, as every verb shows stored text."""
+    import logging
+
+    from mortal.client.cli.text import PlainFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(PlainFormatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger("mortal.test.plain")
+    logger.addHandler(handler)
+    try:
+        logger.error("%s: invalid YAML\n  at line 2", tmp_path / "w\x1b[2J.yaml")
+    finally:
+        logger.removeHandler(handler)
+    said = capsys.readouterr().err
+    assert "\x1b" not in said and f"ERROR {tmp_path}/w^[[2J.yaml: invalid YAML\n  at line 2" in said
