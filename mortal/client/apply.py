@@ -37,11 +37,14 @@ def read_sourced_documents(filenames: list[str], recursive: bool = False) -> lis
             ]
         except SpecError as err:
             issues += err.issues
-    seen: set[str] = set()
-    for run, _ in runs:
-        if run.name in seen:
-            issues.append(SpecIssue("<arguments>", None, "metadata.name", f"run {run.name!r} is given twice"))
-        seen.add(run.name)
+    sources: dict[str, list[str]] = {}
+    for run, source in runs:
+        sources.setdefault(run.name, []).append(source)
+    for name, where in sources.items():
+        if len(where) > 1:
+            given = "in " + ", ".join(where) if len(set(where)) > 1 else f"{len(where)} times in {where[0]}"
+            message = f"run {name!r} is given more than once ({given})"
+            issues.append(SpecIssue("<arguments>", None, "metadata.name", message))
     if issues:
         raise SpecError(issues)
     return runs

@@ -128,9 +128,14 @@ def test_missing_file_and_empty_folder_are_user_errors(cli, tmp_path):
     assert empty.exit_code == 1 and "no TrainingRun documents" in empty.stderr
 
 
-def test_same_run_twice_in_the_arguments_is_an_error(cli):
+def test_same_run_twice_in_the_arguments_is_an_error_naming_where(cli, tmp_path):
     out = cli("apply", "-f", str(QUICKSTART), "-f", str(QUICKSTART))
-    assert out.exit_code == 1 and "quickstart" in out.stderr
+    assert out.exit_code == 1
+    assert f"run 'quickstart' is given more than once (2 times in {QUICKSTART})" in out.stderr
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(QUICKSTART.read_text())
+    out = cli("apply", "-f", str(QUICKSTART), "-f", str(copy))
+    assert f"run 'quickstart' is given more than once (in {QUICKSTART}, {copy})" in out.stderr
 
 
 def test_usage_errors_exit_2(cli):
