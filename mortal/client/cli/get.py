@@ -108,15 +108,16 @@ def run_row(row: RunRow, wide: bool = False, loss: float | None = None) -> list[
             spec.algorithm.loss_type,
             spec.backend,
             spec.model.name,
-            training_conditions(s.conditions),
+            training_conditions(s.conditions, failed=phase == "Failed"),
         ]
     return cells
 
 
-def training_conditions(conditions: list) -> str:
+def training_conditions(conditions: list, failed: bool = False) -> str:
     """The training conditions that are False (`WeightsInSync=False,...`); `ok` when none is, `-` before
-    any."""
-    known = [c for c in conditions if c.type in TRAINING_CONDITIONS]
+    any. Ready is left out (READY and PHASE say it) but for a Failed run, which must not read `ok`."""
+    types = (*TRAINING_CONDITIONS, "Ready") if failed else TRAINING_CONDITIONS
+    known = [c for c in conditions if c.type in types]
     failing = [f"{c.type}=False" for c in known if c.status == "False"]
     if failing:
         return ",".join(failing)

@@ -200,6 +200,14 @@ def test_wide_conditions_column_names_the_false_training_conditions(statuses, sh
     assert training_conditions(conditions) == shown
 
 
+def test_a_failed_run_s_conditions_column_says_ready_is_false_never_ok():
+    from mortal.specs.status import Condition
+
+    conditions = [Condition(type="Ready", status="False"), Condition(type="CheckpointFresh", status="True")]
+    assert training_conditions(conditions) == "ok"  # a running run: READY and PHASE say the rest
+    assert training_conditions(conditions, failed=True) == "Ready=False"
+
+
 def test_get_run_documents(cli, store_of):
     running_quickstart(cli, store_of())
     doc = json.loads(cli("get", "run", "quickstart", "-o", "json").stdout)
