@@ -34,6 +34,10 @@ def cp_command(
     ),
     dest: Path = typer.Argument(..., metavar="DIR", help="A new (or empty) local folder."),
 ) -> None:
+    if str(dest) == "-":  # docker cp's stdout; a checkpoint is a folder of files, not one stream
+        raise typer.BadParameter(
+            "'-' (stdout) is not a folder: give the folder to copy into", param_hint="DIR"
+        )
     run, step = parse_source(source)
     copied = copy_checkpoint(state(ctx).store, run, step, dest)
     typer.echo(

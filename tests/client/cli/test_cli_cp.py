@@ -88,6 +88,13 @@ def test_cp_never_writes_into_a_folder_that_holds_files(cli, checkpointed) -> No
     assert files(busy) == {"mine.txt": b"keep me"}
 
 
+def test_cp_to_stdout_is_a_usage_error_not_a_folder_named_dash(cli, checkpointed, monkeypatch) -> None:
+    monkeypatch.chdir(checkpointed)
+    result = cli("cp", "quickstart", "-")
+    assert result.exit_code == 2 and "'-' (stdout) is not a folder" in result.output
+    assert not (checkpointed / "-").exists()
+
+
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 def test_a_copy_that_fails_midway_leaves_nothing_at_the_destination(cli, checkpointed, monkeypatch) -> None:
     def copy_then_fail(source: Path, into: Path) -> None:
