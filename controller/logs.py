@@ -10,6 +10,8 @@ What it must not do: open the store or touch the files.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import threading
 import time
@@ -58,16 +60,24 @@ class LocalLogs:
     """The log files under this machine's MORTAL_HOME (the local backend's workers write them)."""
 
     def names(self, run: str) -> list[PurePosixPath | Path]:
+        """The regular files of the run's own logs folder: a link (to a file outside, to /dev/zero) or a
+        logs folder that links out is not the run's log and is never read."""
         folder = paths.logs_dir(run)
-        return list(folder.iterdir()) if folder.is_dir() else []
+        if folder.is_symlink() or not folder.is_dir():
+            return []
+        return [p for p in folder.iterdir() if not p.is_symlink() and p.is_file()]
 
     def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
         try:
-            with open(path, "rb") as fh:
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
                 fh.seek(offset)
                 return fh.read()
         except FileNotFoundError:
             return b""
+        except OSError as exc:  # ELOOP: a link put in the log's place since it was listed
+            if exc.errno == errno.ELOOP:
+                return b""
+            raise
 
     def rotation(self, path: PurePosixPath | Path) -> object:
         return log_rotation.rotation_stamp(Path(path))

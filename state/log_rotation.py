@@ -16,7 +16,9 @@ where the old content was), or fail the worker (an error is logged once and the 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import io
 import logging
 import os
 import shutil
@@ -71,10 +73,18 @@ def rotate(fd: int, log_path: Path) -> None:
     already emptied, so it never reads the old content twice."""
     target = rotated_path(log_path)
     partial = target.with_name(target.name + ".partial")
-    with open(log_path, "rb") as source, open(partial, "wb") as copy:
+    with contextlib.suppress(FileNotFoundError):  # a link planted there is replaced, never followed
+        partial.unlink()
+    with open(log_path, "rb") as source, open_new_file(partial) as copy:
         shutil.copyfileobj(source, copy)
     os.ftruncate(fd, 0)
     os.replace(partial, target)
+
+
+def open_new_file(path: Path, mode: int = 0o644) -> io.BufferedWriter:
+    """`path` created for writing, refused (FileExistsError) when anything is there, a symlink included:
+    what a worker's code planted in its run's folder is never written through."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode), "wb")
 
 
 def appended_file(fd: int) -> Path | None:

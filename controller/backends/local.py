@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from mortal.controller.backends.base import (
     signal_group,
 )
 from mortal.state import paths
+from mortal.state.containment import PathOutside, inside
 from mortal.state.store import WORKER_LEADER_ENV
 
 
@@ -179,7 +181,7 @@ class LocalBackend(Backend):
             env[GPU_PEERS_ENV] = ",".join(peers)
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as log:
+            with _open_log(launch, log_path) as log:
                 return subprocess.Popen(
                     self._command,
                     env=env,
@@ -189,7 +191,7 @@ class LocalBackend(Backend):
                     start_new_session=True,
                     close_fds=True,
                 )
-        except OSError as exc:
+        except (OSError, PathOutside) as exc:
             raise LaunchFailed(f"could not start {launch.worker_id}: {exc}") from exc
 
     # -- list --------------------------------------------------------------------------------
@@ -378,6 +380,15 @@ def _group_alive(pgid: int) -> bool:
         except (psutil.Error, ProcessLookupError):
             continue
     return False
+
+
+def _open_log(launch: WorkerLaunch, log_path: Path) -> io.BufferedWriter:
+    """The worker's log opened for appending, kept inside the run's folder: a logs folder or a log file that
+    links elsewhere (planted by the run's own code for a later incarnation) is refused, never written
+    through (PathOutside, or ELOOP from O_NOFOLLOW should a link appear after the check)."""
+    inside(paths.run_dir(launch.run, launch.mortal_home), log_path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+    return os.fdopen(os.open(log_path, flags, 0o644), "ab")
 
 
 def _log_path(launch: WorkerLaunch) -> Path:

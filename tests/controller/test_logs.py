@@ -55,6 +55,17 @@ def test_newest_incarnation_per_slot_actor_first(mortal_home: Path) -> None:
     assert log_files("missing") == []
 
 
+def test_a_link_in_the_logs_folder_is_not_read(mortal_home: Path, tmp_path: Path) -> None:
+    """A file outside the run, or /dev/zero, linked in as a later incarnation's log: never printed."""
+    kept = write("r", "rollout", 0, 2, "mine\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET\n")
+    (paths.logs_dir("r") / "rollout-0-9.log").symlink_to(secret)
+    (paths.logs_dir("r") / "actor-0-3.log").symlink_to("/dev/zero")
+    assert log_files("r") == [kept]
+    assert list(read_logs("r")) == ["mine"]
+
+
 def test_lines_are_prefixed_only_when_several_slots(mortal_home: Path) -> None:
     write("r", "actor", 0, 1, "a1\na2\n")
     write("r", "rollout", 0, 2, "b1\nhalf-written")

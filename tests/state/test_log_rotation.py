@@ -42,6 +42,24 @@ def test_a_rotated_log_keeps_its_content_and_the_next_writes_start_over(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["actor-0-1.log", "actor-0-1.log.1"]
 
 
+def test_a_link_planted_where_the_copy_goes_is_replaced_not_written_through(tmp_path: Path) -> None:
+    logs, outside = tmp_path / "logs", tmp_path / "outside"
+    logs.mkdir()
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("ORIGINAL\n")
+    log = logs / "actor-0-1.log"
+    (logs / "actor-0-1.log.1.partial").symlink_to(victim)
+    (logs / "actor-0-1.log.1").symlink_to(victim)
+    with open(log, "ab") as out:
+        out.write(b"old line\n")
+        out.flush()
+        log_rotation.rotate(out.fileno(), log)
+    assert victim.read_text() == "ORIGINAL\n"
+    rotated = logs / "actor-0-1.log.1"
+    assert not rotated.is_symlink() and rotated.read_bytes() == b"old line\n"
+
+
 def test_only_a_regular_file_opened_for_appending_is_rotated(tmp_path: Path) -> None:
     with open(tmp_path / "w.log", "wb") as written:
         assert log_rotation.appended_file(written.fileno()) is None, "its next write would leave a hole"

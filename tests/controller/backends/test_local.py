@@ -171,6 +171,31 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     backend.stop(handle)
 
 
+def test_a_log_path_linked_outside_the_run_is_refused_never_written_through(
+    mortal_home: Path, cleanup: None, tmp_path: Path
+) -> None:
+    """The run's own code can plant links at the log paths of its later incarnations: the launch fails
+    (LaunchFailed, the controller's backoff and events as for any failed start) and the file they point
+    to is untouched."""
+    from mortal.controller.backends.base import LaunchFailed
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("ORIGINAL\n")
+    backend = LocalBackend(mortal_home, command=[sys.executable, "-c", "print('written')"])
+    log = paths.worker_log("linked", "actor", 0, 5)
+    log.parent.mkdir(parents=True)
+    log.symlink_to(victim)
+    with pytest.raises(LaunchFailed, match="linked/actor-0#5"):
+        backend.launch(launch_spec(mortal_home, "linked", role="actor", incarnation=5))
+    paths.logs_dir("moved").parent.mkdir(parents=True)
+    paths.logs_dir("moved").symlink_to(outside, target_is_directory=True)  # the whole folder
+    with pytest.raises(LaunchFailed):
+        backend.launch(launch_spec(mortal_home, "moved", role="actor", incarnation=1))
+    assert victim.read_text() == "ORIGINAL\n" and sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+
+
 CONTROLLERS_OWN = {
     "MODAL_TOKEN_ID": "ak-1",
     "MODAL_TOKEN_SECRET": "as-1",
