@@ -42,7 +42,7 @@ from tenacity import Retrying as TenacityRetrying
 from tenacity import retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential, wait_random
 from urllib3.exceptions import ConnectTimeoutError, HTTPError
 
-from mortal.state import wire
+from mortal.state import paths, wire
 from mortal.state.errors import Unavailable
 from mortal.state.store import Store
 
@@ -107,7 +107,7 @@ class HttpStore(Store):
         self._local = threading.local()  # one connection pool per thread, of one connection
 
     def __repr__(self) -> str:
-        return f"HttpStore({self.url!r})"
+        return f"HttpStore({paths.shown_url(self.url)!r})"
 
     def close(self) -> None:
         connections = getattr(self._local, "connections", None)
@@ -167,7 +167,8 @@ class HttpStore(Store):
         except HTTPError as exc:
             # Refused, unreachable, no connection made: nothing was sent.
             sent = not isinstance(exc, ConnectTimeoutError)
-            raise _Transient(f"state store at {self.url} unreachable ({name}): {exc}", sent=sent) from exc
+            where = paths.shown_url(self.url)
+            raise _Transient(f"state store at {where} unreachable ({name}): {exc}", sent=sent) from exc
         answer = _json(response.data)
         if response.status == 200 and isinstance(answer, dict) and "result" in answer:
             return answer["result"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 
 def mortal_home() -> Path:
@@ -30,6 +31,17 @@ STATE_URL_ENV = "MORTAL_STATE_URL"
 
 def default_state_url() -> str:
     return os.environ.get(STATE_URL_ENV) or f"sqlite:///{mortal_home() / 'state.db'}"
+
+
+def shown_url(url: str) -> str:
+    """A state URL as it may be printed or logged: a password in it (postgresql://user:pw@host/db,
+    https://user:pw@host) replaced by ***. urllib rather than SQLAlchemy's URL: the HTTP store's URLs too."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def runs_dir(home: str | Path | None = None) -> Path:

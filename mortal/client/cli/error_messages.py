@@ -14,7 +14,8 @@ from mortal.client.errors import ClientError
 def error_message(exc: BaseException, debug: bool = False) -> str:
     """The paragraph a user sees for `exc` (kubectl style: 'error: ...')."""
     from mortal.specs import SpecError
-    from mortal.state import ChangeRefused, Conflict, Fenced, NotFound, StoreError
+    from mortal.state import ChangeRefused, Conflict, Fenced, NotFound, StaleDocument, StoreError
+    from mortal.state.paths import shown_url
     from mortal.workers.errors import FatalWorkerError, ServiceOutage
 
     if isinstance(exc, SpecError):
@@ -22,7 +23,7 @@ def error_message(exc: BaseException, debug: bool = False) -> str:
             return f"error: {exc.issues[0]}"
         listed = "\n".join(f"  {issue}" for issue in exc.issues)
         return f"error: {len(exc.issues)} problems in the TrainingRun documents:\n{listed}"
-    if isinstance(exc, NotFound | ChangeRefused):
+    if isinstance(exc, NotFound | ChangeRefused | StaleDocument):
         return f"error: {exc}"
     if isinstance(exc, Conflict):
         return f"error: conflict: {exc}; read the run again and retry"
@@ -33,8 +34,9 @@ def error_message(exc: BaseException, debug: bool = False) -> str:
     if isinstance(exc, FatalWorkerError | ServiceOutage):  # what would end a worker (`test rollout` runs a
         return f"error: {exc}"  # worker's code here): its message says what to fix or what is down
     if type(exc).__module__.startswith("sqlalchemy"):
-        url = os.environ.get("MORTAL_STATE_URL") or "the default SQLite store"
-        return f"error: cannot use the state store ({url}): {_first_line(exc)}"
+        url = os.environ.get("MORTAL_STATE_URL")
+        where = shown_url(url) if url else "the default SQLite store"
+        return f"error: cannot use the state store ({where}): {_first_line(exc)}"
     hint = "" if debug else " (run again with --debug for the traceback)"
     return f"error: unexpected {type(exc).__name__}: {_first_line(exc)}{hint}"
 

@@ -177,6 +177,25 @@ def test_a_broken_state_url_is_a_user_error():
     assert out.stderr.startswith("error: cannot use the state store") and "Traceback" not in out.stderr
 
 
+def test_a_password_in_the_state_url_is_never_printed():
+    from mortal.client.cli.error_messages import error_message
+    from mortal.state import StoreError
+    from mortal.state.http_store import HttpStore
+
+    url = "postgresql://u:SECRETPW@127.0.0.1:1/none"
+    out = CliRunner().invoke(app, ["--state-url", url, "get", "runs"])
+    assert out.exit_code == 1 and "SECRETPW" not in out.output, out.output
+    assert "(postgresql://u:***@127.0.0.1:1/none)" in out.stderr
+    store = HttpStore("http://u:SECRETPW@127.0.0.1:1", retry_seconds=0.1, retry_attempts=1)  # type: ignore[abstract]
+    assert "SECRETPW" not in repr(store)
+    with pytest.raises(StoreError) as down:
+        store.list_runs()
+    said = error_message(down.value)
+    assert "SECRETPW" not in said and said.startswith(
+        "error: state store at http://u:***@127.0.0.1:1 unreachable"
+    )
+
+
 def test_home_option_puts_the_default_store_there(tmp_path, monkeypatch):
     monkeypatch.delenv("MORTAL_STATE_URL", raising=False)
     home = tmp_path / "elsewhere"
