@@ -55,6 +55,10 @@ MAX_JSON_DEPTH = 64  # a store call's body is a few levels deep; json and pydant
 # bulk is numbers and text, while each empty object costs Python many times its two bytes, so a body of
 # nothing else would make the server hold gigabytes for one call of any token.
 MAX_JSON_CONTAINERS = 1_000_000
+# Values of any kind (counted as its ',' bytes plus its containers: an overcount, strings' commas included):
+# a short string or number costs Python tens of times its few bytes too. A rollout chunk's token ids and
+# logprobs are far fewer; the body limit already stops values written wide.
+MAX_JSON_VALUES = 4_000_000
 READ_TIMEOUT_SECONDS = 30.0  # the server drops a connection silent this long (mid-request, or idle)
 log = logging.getLogger("mortal.state.http")
 _REASONS = {
@@ -191,7 +195,8 @@ class _Request:
 
 
 class _TooLarge(Exception):
-    """The body is over MAX_BODY_BYTES, or holds more than MAX_JSON_CONTAINERS objects and lists (413)."""
+    """The body is over MAX_BODY_BYTES, or holds more than MAX_JSON_CONTAINERS objects and lists or
+    MAX_JSON_VALUES values (413)."""
 
 
 class _Stalled(Exception):
@@ -230,8 +235,11 @@ def _read_body(environ: dict[str, Any]) -> bytes:
 
 
 def _parse(raw: bytes) -> Any:
-    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS:
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > MAX_JSON_CONTAINERS:
         raise _TooLarge(f"the body holds more than {MAX_JSON_CONTAINERS} objects and lists")
+    if containers + raw.count(b",") > MAX_JSON_VALUES:
+        raise _TooLarge(f"the body holds more than {MAX_JSON_VALUES} values")
     try:
         body = json.loads(raw or b"{}")
     except RecursionError:

@@ -20,7 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mortal.state import wire
-from mortal.state.http_server import MAX_BODY_BYTES, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, Served, serve
+from mortal.state.http_server import (
+    MAX_BODY_BYTES,
+    MAX_JSON_CONTAINERS,
+    MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
+    Served,
+    serve,
+)
 from mortal.state.http_store import HttpStore
 
 TOKEN = "fuzz-t0ken"
@@ -167,6 +174,16 @@ def test_a_body_of_more_objects_than_the_limit_is_a_413_before_it_is_parsed(serv
     status, answer = post(served, "get_run", body)
     assert_refused(status, answer, 413)
     assert f"more than {MAX_JSON_CONTAINERS} objects and lists" in answer["error"]["message"]
+    assert snapshot(served) == before
+
+
+def test_a_body_of_more_short_values_than_the_limit_is_a_413_before_it_is_parsed(served: Served) -> None:
+    """Short strings and numbers cost Python tens of times their bytes as well: counted, not parsed."""
+    before = snapshot(served)
+    body = b'{"args": {"name": "r", "x": [' + b'"ab",' * MAX_JSON_VALUES + b'"ab"]}}'
+    status, answer = post(served, "get_run", body)
+    assert_refused(status, answer, 413)
+    assert f"more than {MAX_JSON_VALUES} values" in answer["error"]["message"]
     assert snapshot(served) == before
 
 
