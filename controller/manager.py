@@ -322,7 +322,8 @@ def ensure_background_controller(
         env = dict(os.environ, MORTAL_HOME=str(home))
         if state_url:
             env["MORTAL_STATE_URL"] = state_url
-        with open(log_file(), "ab") as out:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        with os.fdopen(os.open(log_file(), flags, 0o600), "ab") as out:  # its owner's, as the store is
             proc = subprocess.Popen(
                 [sys.executable, "-m", "mortal.controller", "--idle-exit", str(idle_exit_seconds)],
                 env=env,

@@ -10,6 +10,9 @@ Importing this package connects to nothing; `open_store` connects and migrates.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from mortal.state.engine import sqlite_path
 from mortal.state.errors import (
     AlreadyExists,
@@ -96,6 +99,10 @@ def open_store(url: str | None = None, connections: int | None = None) -> Store:
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # created readable by its owner only (SQLite gives its -wal and -shm files the same mode): the
+        # store holds every run's spec, events and worker records, which the HTTP store guards by token
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     store = SqlStore(url, pool_size=connections)
     store.migrate()
     if connections is not None:

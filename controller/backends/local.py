@@ -388,7 +388,7 @@ def _open_log(launch: WorkerLaunch, log_path: Path) -> io.BufferedWriter:
     through (PathOutside, or ELOOP from O_NOFOLLOW should a link appear after the check)."""
     inside(paths.run_dir(launch.run, launch.mortal_home), log_path)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-    return os.fdopen(os.open(log_path, flags, 0o644), "ab")
+    return os.fdopen(os.open(log_path, flags, 0o600), "ab")  # its owner's: user code may print secrets
 
 
 def _log_path(launch: WorkerLaunch) -> Path:

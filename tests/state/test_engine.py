@@ -83,3 +83,18 @@ def test_readers_and_postgresql_take_no_lock(tmp_path: Path) -> None:
     assert isinstance(
         _writer_lock(make_engine("postgresql://u@127.0.0.1:1/none"), True), contextlib.nullcontext
     )
+
+
+def test_a_sqlite_store_and_its_journal_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    """The store holds every run's spec, events and workers: another local user must not read it."""
+    from mortal.state import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'home' / 'state.db'}")
+    try:
+        store.list_runs()
+    finally:
+        store.close()
+    made = sorted(tmp_path.joinpath("home").iterdir())
+    assert made and all(p.stat().st_mode & 0o777 == 0o600 for p in made), [
+        (p.name, oct(p.stat().st_mode)) for p in made
+    ]

@@ -161,6 +161,7 @@ def test_worker_environment_and_log_file(mortal_home: Path, cleanup: None) -> No
     spec = launch_spec(mortal_home, "envrun", role="actor", incarnation=4, env={"SECRET_TOKEN": "s3"})
     handle = backend.launch(spec)
     wait_for(lambda: not backend.list("envrun")[0].alive, what="exit")
+    assert paths.worker_log("envrun", "actor", 0, 4).stat().st_mode & 0o777 == 0o600  # its owner's only
     env = eval(paths.worker_log("envrun", "actor", 0, 4).read_text())
     assert env["MORTAL_WORKER_ID"] == "envrun/actor-0#4" and env["MORTAL_INCARNATION"] == "4"
     assert env["MORTAL_HOME"] == str(mortal_home) and env["SECRET_TOKEN"] == "s3"
