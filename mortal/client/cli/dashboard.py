@@ -295,11 +295,23 @@ def dashboard(
     try:
         with serve(store, host, port, refresh) as url:
             typer.echo(f"mortal dashboard at {url}/ (read-only; Ctrl-C to stop)", err=True)
-            threading.Event().wait()
+            if not _is_loopback(host):
+                typer.echo(
+                    f"warning: --host {host}: anyone who reaches this address reads every run's specs, "
+                    "events and completions (the dashboard asks no token); put it behind a proxy that "
+                    "authenticates, or keep the default 127.0.0.1",
+                    err=True,
+                )
+            wait_for_ctrl_c()
     except KeyboardInterrupt:
         pass
     finally:
         store.close()
+
+
+def wait_for_ctrl_c() -> None:
+    """Block until KeyboardInterrupt: the dashboard serves from its thread meanwhile."""
+    threading.Event().wait()
 
 
 def register(app: typer.Typer) -> None:

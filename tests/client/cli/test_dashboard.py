@@ -379,6 +379,28 @@ def test_a_port_in_use_is_a_clear_error_naming_the_flag(populated: str) -> None:
     )
 
 
+def test_listening_beyond_loopback_warns_that_anyone_reaching_it_reads_the_store(
+    populated: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from mortal.client.cli import dashboard as command
+    from mortal.client.cli.main import app
+
+    def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "wait_for_ctrl_c", ctrl_c)
+    wide = CliRunner().invoke(
+        app, ["--state-url", populated, "dashboard", "--host", "0.0.0.0", "--port", "0"]
+    )
+    assert (
+        wide.exit_code == 0 and "warning: --host 0.0.0.0: anyone who reaches this address" in wide.stderr
+    ), (wide.output, wide.exception)
+    here = CliRunner().invoke(app, ["--state-url", populated, "dashboard", "--port", "0"])
+    assert here.exit_code == 0 and "warning" not in here.stderr
+
+
 def test_as_a_process_on_the_port_it_was_given(populated: str, mortal_home: Path) -> None:
     """`mortalctl dashboard --port P` as a user starts it: it serves the store until it is stopped."""
     import socket
