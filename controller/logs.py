@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from mortal.state import log_rotation, paths
 
@@ -68,36 +68,45 @@ class LocalLogs:
         return [p for p in folder.iterdir() if not p.is_symlink() and p.is_file()]
 
     def read(self, path: PurePosixPath | Path, offset: int) -> bytes:
-        try:
-            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
-                fh.seek(offset)
-                return fh.read()
-        except FileNotFoundError:
+        fh = _open_own(path)
+        if fh is None:
             return b""
-        except OSError as exc:  # ELOOP: a link put in the log's place since it was listed
-            if exc.errno == errno.ELOOP:
-                return b""
-            raise
+        with fh:
+            fh.seek(offset)
+            return fh.read()
 
     def rotation(self, path: PurePosixPath | Path) -> object:
         return log_rotation.rotation_stamp(Path(path))
 
     def tail_offset(self, path: PurePosixPath | Path, n: int, partial: bool, block: int = 65536) -> int:
         """Reads backwards, a growing block at a time, so the tail of a huge log costs little."""
-        try:
-            with open(path, "rb") as fh:
-                size = fh.seek(0, 2)
-                while True:
-                    start = max(0, size - block)
-                    fh.seek(start)
-                    found = _tail_start(fh.read(size - start), n, partial)
-                    if found is not None:
-                        return start + found
-                    if start == 0:
-                        return 0
-                    block *= 4
-        except FileNotFoundError:
+        fh = _open_own(path)
+        if fh is None:
             return 0
+        with fh:
+            size = fh.seek(0, 2)
+            while True:
+                start = max(0, size - block)
+                fh.seek(start)
+                found = _tail_start(fh.read(size - start), n, partial)
+                if found is not None:
+                    return start + found
+                if start == 0:
+                    return 0
+                block *= 4
+
+
+def _open_own(path: PurePosixPath | Path) -> BinaryIO | None:
+    """The log file opened for reading, never through a link: None when it is gone, or when a link was put
+    in its place since it was listed (ELOOP from O_NOFOLLOW)."""
+    try:
+        return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
 
 
 class VolumeLogs:

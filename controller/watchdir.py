@@ -159,7 +159,8 @@ def _link_targets(folder: Path) -> set[Path]:
         links = [p for p in folder.iterdir() if p.suffix in SUFFIXES and p.is_symlink()]
     except OSError:
         return set()
-    return {Path(os.path.realpath(link)) for link in links if Path(os.path.realpath(link)).parent.is_dir()}
+    targets = {Path(os.path.realpath(link)) for link in links}
+    return {target for target in targets if target.parent.is_dir()}
 
 
 def _sync_logged(store: Store, folder: Path, last: SyncResult) -> SyncResult:

@@ -48,13 +48,14 @@ def apply_document(
     labels = run.metadata.labels if labels is None else labels
     annotations = run.metadata.annotations if annotations is None else annotations
     live = _live_row(store, run.name)
+    merged = merged_spec(run, live)
     if live is not None:
-        refuse_stale(run, live, merged_spec(run, live))
+        refuse_stale(run, live, merged)
     for attempt in range(1, MERGE_ATTEMPTS + 1):
         try:
             return store.apply_run(
                 run.name,
-                merged_spec(run, live),
+                merged,
                 labels=labels,
                 annotations=annotations,
                 applied=run.applied_config(),
@@ -67,6 +68,7 @@ def apply_document(
             live = _live_row(store, run.name)
             if attempt == MERGE_ATTEMPTS or (live is not None and live.deleted_at is not None):
                 raise
+            merged = merged_spec(run, live)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
