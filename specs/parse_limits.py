@@ -1,15 +1,19 @@
-"""Limits on what one spec text may make the YAML reader build: alias uses, what they repeat, and nesting.
+"""Limits on what one spec text may make the YAML reader build: alias uses, what they repeat, nesting,
+values and comment lengths.
 
 Who calls it: mortal.specs.loader (every `apply -f` input, the watched folder, JSON included, which is
 YAML) and mortal.specs.fork (override fragments and `--set` values). ruamel.yaml shares an aliased
 node instead of copying it, so a few hundred bytes of nested aliases ("billion laughs") stand for
 billions of nodes, which turning them into plain data would build. The limits are checked while
 the text is composed, event by event, before anything is expanded; a spec needs few or no aliases.
+The reader is pure Python and slow for each value it composes, so a text within MAX_TEXT_CHARS made of
+tiny values (`[{},{},...]`) is refused by their count before the rest of it is read.
 What it must not do: expand an alias to measure it (sizes are memoized per node, so counting is linear).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -24,6 +28,8 @@ from mortal.specs.errors import SpecError, SpecIssue
 MAX_ALIASES = 32  # alias uses (*name, <<: *name) in one text, all its documents together
 MAX_ALIASED_SIZE = 100_000  # nodes plus scalar characters that those aliases repeat, in total
 MAX_DEPTH = 64  # mappings and lists nested in one another
+MAX_NODES = 50_000  # mappings, lists, keys and scalars in one text, all its documents together
+MAX_COMMENT_CHARS = 64 * 1024  # characters in one comment
 # What one text may hold at all: a spec file is a few kilobytes (Kubernetes caps an object near this size),
 # and without a bound a file of millions of documents or keys takes minutes and gigabytes to refuse.
 MAX_TEXT_CHARS = 2 * 1024 * 1024
@@ -44,6 +50,7 @@ class LimitedComposer(Composer):
     def __init__(self, loader: Any = None) -> None:
         super().__init__(loader)
         self.aliases_used = 0
+        self.nodes = 0
         self.aliased_size = 0
         self._sizes: dict[int, int] = {}
         self._open: set[str] = set()  # anchors whose node is being composed: an alias to one is a cycle
@@ -54,6 +61,7 @@ class LimitedComposer(Composer):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.parser.peek_event()
+        self._count_node(event)
         if isinstance(event, AliasEvent):
             self._count_alias(event)
             return super().compose_node(parent, index)
@@ -64,6 +72,15 @@ class LimitedComposer(Composer):
             return super().compose_node(parent, index)
         finally:
             self._open.discard(event.anchor)
+
+    def _count_node(self, event: Any) -> None:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise ParseLimitExceeded(
+                "MAX_NODES",
+                f"more than {MAX_NODES} values (mappings, lists, keys, scalars); a spec holds a few hundred",
+                event.start_mark,
+            )
 
     def _count_alias(self, event: AliasEvent) -> None:
         self.aliases_used += 1
@@ -107,13 +124,30 @@ class LimitedComposer(Composer):
         return self._sizes[id(node)]
 
 
-class FlowDepthLimit(Scanner):
-    """Mixed in before the reader's own Scanner: refuses the flow collection ('[' or '{') that opens past
-    MAX_DEPTH.
+# What the scanner skips before its next token (blanks, line breaks), then a comment past MAX_COMMENT_CHARS.
+_LONG_COMMENT = re.compile(rf"[ \t\r\n\x85\u2028\u2029]*(#[^\r\n\0\x85\u2028\u2029]{{{MAX_COMMENT_CHARS}}})")
 
-    Why in the scanner too: it looks ahead for a possible mapping key at every open bracket, work that
-    grows with the open brackets, before the composer (which checks block nesting) sees a node.
+
+class ScannerLimits(Scanner):
+    """Mixed in before the reader's own Scanner: refuses the flow collection ('[' or '{') that opens past
+    MAX_DEPTH, and a comment longer than MAX_COMMENT_CHARS.
+
+    Why in the scanner: it looks ahead for a possible mapping key at every open bracket, work that
+    grows with the open brackets, before the composer (which checks block nesting) sees a node; and the
+    round-trip scanner builds a comment one character at a time, in time quadratic in its length, with
+    no setting to bound it. Hand-written for want of one: a look at the text where the scanner is about
+    to skip to its next token, with a regular expression that stops after MAX_COMMENT_CHARS.
     """
+
+    def scan_to_next_token(self) -> Any:
+        reader = self.reader
+        long_comment = _LONG_COMMENT.match(reader.buffer, reader.pointer)
+        if long_comment is not None:
+            reader.forward(long_comment.start(1) - reader.pointer)
+            mark = reader.get_mark()
+            message = f"a comment longer than {MAX_COMMENT_CHARS} characters"
+            raise ParseLimitExceeded("MAX_COMMENT_CHARS", message, mark)
+        return super().scan_to_next_token()
 
     def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
         if self.flow_level >= MAX_DEPTH:
@@ -123,10 +157,11 @@ class FlowDepthLimit(Scanner):
 
 
 def limited_yaml(typ: str = "rt") -> YAML:
-    """A ruamel YAML reader of type `typ` that enforces MAX_ALIASES, MAX_ALIASED_SIZE and MAX_DEPTH."""
+    """A ruamel YAML reader of type `typ` that enforces the limits above, all but the text's size and
+    documents (load_documents checks those)."""
     yaml = YAML(typ=typ, pure=True)
     scanner = yaml.Scanner or Scanner  # 'safe' leaves it None until the first load
-    yaml.Scanner = type("LimitedScanner", (FlowDepthLimit, scanner), {})
+    yaml.Scanner = type("LimitedScanner", (ScannerLimits, scanner), {})
     yaml.Composer = LimitedComposer
     yaml.max_depth = MAX_DEPTH
     return yaml

@@ -10,6 +10,7 @@ from store_kinds import sqlite_only
 
 from mortal.controller.watchdir import SOURCE_ANNOTATION, SOURCE_LABEL, source_id, sync_folder
 from mortal.specs import to_yaml
+from mortal.specs.parse_limits import MAX_NODES
 from mortal.workers.simulated import simulated_run
 
 
@@ -105,6 +106,19 @@ def test_a_billion_laughs_file_is_refused_fast_and_deletes_nothing(store, tmp_pa
     assert seconds - without_bomb < FAST_SECONDS and peak < SMALL_BYTES, (seconds, without_bomb, peak)
     [error] = result.errors
     assert error.startswith(f"{folder / 'lol.yaml'}:") and "(MAX_ALIAS" in error
+    assert result.applied == {"a": "unchanged"} and result.deleted == []
+
+
+@sqlite_only  # the subject is how the folder is read, not the store
+def test_a_file_of_more_values_than_the_limit_is_refused_naming_it_and_deletes_nothing(store, tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    write(folder, "a")
+    sync_folder(store, folder)
+    (folder / "wide.yaml").write_text("[" + ",".join(["{}"] * MAX_NODES) + "]\n")
+    result = sync_folder(store, folder)
+    [error] = result.errors
+    assert error.startswith(f"{folder / 'wide.yaml'}:1: ") and error.endswith("(MAX_NODES)")
     assert result.applied == {"a": "unchanged"} and result.deleted == []
 
 

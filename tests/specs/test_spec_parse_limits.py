@@ -1,7 +1,9 @@
-"""The YAML reader's limits (mortal.specs.parse_limits): alias uses, what they repeat, nesting depth.
+"""The YAML reader's limits (mortal.specs.parse_limits): alias uses, what they repeat, nesting depth,
+values and comment lengths.
 
 Each is refused while the text is composed, before an alias is expanded, as a SpecError naming the
-file, the line and the limit; specs with a few legitimate aliases and merge keys still load.
+file, the line and the limit; specs with a few legitimate aliases and merge keys still load, and so
+does a text just under each limit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from test_spec_loader import DOC
 
 from mortal.specs import SpecError, load_file, load_path, load_text
 from mortal.specs.fork import load_fragment, parse_set
-from mortal.specs.parse_limits import MAX_ALIASED_SIZE, MAX_ALIASES, MAX_DEPTH, MAX_DOCUMENTS, MAX_TEXT_CHARS
+from mortal.specs.parse_limits import (
+    MAX_ALIASED_SIZE,
+    MAX_ALIASES,
+    MAX_COMMENT_CHARS,
+    MAX_DEPTH,
+    MAX_DOCUMENTS,
+    MAX_NODES,
+    MAX_TEXT_CHARS,
+    load_documents,
+)
 
 RUN = DOC  # a valid run, as the loader's own tests write it
 
@@ -130,3 +141,46 @@ def test_hundreds_of_unknown_keys_list_the_first_problems_and_count_the_rest():
     assert any(i.path == "spec.k0" and "unknown field" in i.message for i in issues)
     left_out = int(issues[-1].message.split()[1])
     assert issues[-1].message == f"and {left_out} more problems not shown" and left_out >= 300 - SHOWN_ISSUES
+
+
+def flow_list(values: int) -> str:
+    """One list holding values - 1 scalars: `values` values in all, on one line."""
+    return "[" + ",".join(["1"] * (values - 1)) + "]\n"
+
+
+def test_a_text_of_more_values_than_the_limit_is_refused_naming_the_file_line_and_limit(tmp_path):
+    path = tmp_path / "wide.yaml"
+    path.write_text(flow_list(MAX_NODES + 1))
+    with pytest.raises(SpecError) as refused:
+        load_file(path)
+    [issue] = refused.value.issues
+    assert (issue.source, issue.line) == (str(path), 1)
+    assert f"more than {MAX_NODES} values" in issue.message and issue.message.endswith("(MAX_NODES)")
+
+
+def test_a_text_of_as_many_values_as_the_limit_still_loads():
+    [values] = load_documents(flow_list(MAX_NODES), "wide.yaml")
+    assert len(values) == MAX_NODES - 1
+
+
+def test_the_values_of_every_document_of_a_text_count_together():
+    half = flow_list(MAX_NODES // 2 + 1)
+    with pytest.raises(SpecError) as refused:
+        load_documents(half + "---\n" + half, "two.yaml")
+    [issue] = refused.value.issues
+    assert (issue.source, issue.line) == ("two.yaml", 3) and "(MAX_NODES)" in issue.message
+
+
+def test_a_comment_longer_than_the_limit_is_refused_at_its_line(tmp_path):
+    path = tmp_path / "long.yaml"
+    path.write_text(RUN.format(name="long") + "  # " + "x" * MAX_COMMENT_CHARS + "\n")
+    with pytest.raises(SpecError) as refused:
+        load_file(path)
+    [issue] = refused.value.issues
+    assert (issue.source, issue.line) == (str(path), RUN.count("\n") + 1)
+    assert issue.message == f"a comment longer than {MAX_COMMENT_CHARS} characters (MAX_COMMENT_CHARS)"
+
+
+def test_a_comment_as_long_as_the_limit_still_loads():
+    [run] = load_text(RUN.format(name="long") + "#" + "x" * (MAX_COMMENT_CHARS - 1) + "\n", "long.yaml")
+    assert run.name == "long"
