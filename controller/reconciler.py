@@ -334,9 +334,9 @@ class Reconciler:
         checkpoint storage (spec.checkpoint.uri: checkpoints and uploaded logs), rows last: the row going
         away is what says the deletion is complete. A run whose backend or storage cannot be reached from
         here keeps its rows (BackendError: the pass is retried) rather than leave files no one will remove.
-        A run whose folder would lie outside MORTAL_HOME/runs (PathOutside) has its rows purged, its files
-        left alone, and a Warning event that stays after it. Files kept (no --purge) are moved to a folder
-        named by the run's uid (Backend.set_aside_run_folder)."""
+        A run whose folder would lie outside MORTAL_HOME/runs or is a link (PathOutside) has its rows purged,
+        its files left alone, and a Warning event that says so and stays after it. Files kept (no --purge)
+        are moved to a folder named by the run's uid (Backend.set_aside_run_folder)."""
         name = run.name
         refused: PathOutside | None = None
         backend, why = self.backend(backend_name)
@@ -356,8 +356,9 @@ class Reconciler:
         self.store.purge_run(name, fence)
         self.written.pop(name, None)
         if refused is not None:  # after the purge, so that it outlives the run's own events (`get events`)
-            what = f"purged without {'removing' if remove_files else 'setting aside'} its files"
-            log.warning("%s %r: %s", what, name, refused)
+            kept = "not removed" if remove_files else "not moved aside"
+            what = f"deleted with its files left where they are, {kept}"
+            log.warning("run %r %s: %s", name, what, refused)
             report_refused(self.store, name, what, refused)
         log.info("purged run %s%s", name, " and its files" if remove_files and refused is None else "")
         return Done()

@@ -42,10 +42,20 @@ class SpecModel(BaseModel):
         return value
 
 
-def rule_error(message: str, field: str | None = None) -> PydanticCustomError:
+def rule_error(message: str, field: str | None = None, key: str | None = None) -> PydanticCustomError:
     """An error for a broken spec rule; `message` says the fix, `field` is the camelCase key it blames
-    (dotted for a key below the validated model, e.g. "rollout.colocate")."""
-    return PydanticCustomError(RULE_ERROR, "{message}", {"message": message, "field": field})
+    (dotted for a key below the validated model, e.g. "rollout.colocate"). `key`: the key of a mapping
+    field it blames (a label's), kept whole: dots and slashes are part of such a key, never a path."""
+    return PydanticCustomError(RULE_ERROR, "{message}", {"message": message, "field": field, "key": key})
+
+
+def blamed(error: Any) -> tuple[Any, ...]:
+    """The path of what a pydantic error blames: its loc, and for a spec rule the field or mapping key it
+    names below it (rule_error), so that the error points at that key's own line."""
+    ctx = (error.get("ctx") or {}) if error["type"] == RULE_ERROR else {}
+    field, key = ctx.get("field"), ctx.get("key")
+    below = [*(field.split(".") if field else ()), *(() if key is None else (key,))]
+    return (*error["loc"], *below)
 
 
 def _number_not_bool(annotation: Any) -> bool:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.alias_generators import to_camel, to_snake
 from pydantic_core import ErrorDetails
 
-from mortal.specs.base import RULE_ERROR
+from mortal.specs.base import RULE_ERROR, blamed
 from mortal.specs.errors import SpecIssue
 
 Path = tuple[str | int, ...]
@@ -42,10 +42,7 @@ def issues_from_errors(
     terminal gets a readable answer)."""
     issues: dict[SpecIssue, None] = {}  # a dict: order kept, repeats found at once
     for err in errors:
-        loc = tuple(err["loc"])
-        field = (err.get("ctx") or {}).get("field") if err["type"] == RULE_ERROR else None
-        if field:
-            loc += tuple(field.split("."))
+        loc = blamed(err)
         path = locate(loc, data)
         issue = SpecIssue(
             source, line_of(prefix + path, lines), dotted(prefix + path), message(err, root, loc)

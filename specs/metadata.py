@@ -87,15 +87,25 @@ MAX_ANNOTATIONS_BYTES = 256 * 1024
 def labels_problem(labels: dict[str, str], values: bool = True) -> str | None:
     """The first problem of a labels (or, `values` False, annotations) mapping: its keys, and its values
     (an annotations mapping's size too)."""
+    found = labels_problem_at(labels, values)
+    return None if found is None else found[1]
+
+
+def labels_problem_at(labels: dict[str, str], values: bool = True) -> tuple[str | None, str] | None:
+    """`labels_problem` with the key it is at (None for the mapping as a whole), so that a spec's error
+    points at that key's line rather than at `labels:`."""
     for key, value in labels.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            return f"{key!r}: {value!r}: keys and values must be strings"
+            return None, f"{key!r}: {value!r}: keys and values must be strings"
         problem = label_key_problem(key) or (label_value_problem(value) if values else None)
         if problem:
-            return problem
+            return key, problem
     size = sum(len(k.encode()) + len(v.encode()) for k, v in labels.items())
     if not values and size > MAX_ANNOTATIONS_BYTES:
-        return f"annotations take {size} bytes, over the limit of {MAX_ANNOTATIONS_BYTES} (keys and values)"
+        return (
+            None,
+            f"annotations take {size} bytes, over the limit of {MAX_ANNOTATIONS_BYTES} (keys and values)",
+        )
     return None
 
 
@@ -134,15 +144,15 @@ class Metadata(SpecModel):
     @field_validator("labels")
     @classmethod
     def _labels_are_kubernetes_labels(cls, value: dict[str, str]) -> dict[str, str]:
-        problem = labels_problem(value)
-        if problem:
-            raise rule_error(problem)
+        found = labels_problem_at(value)
+        if found:
+            raise rule_error(found[1], key=found[0])
         return value
 
     @field_validator("annotations")
     @classmethod
     def _annotation_keys_are_label_keys(cls, value: dict[str, str]) -> dict[str, str]:
-        problem = labels_problem(value, values=False)
-        if problem:
-            raise rule_error(problem)
+        found = labels_problem_at(value, values=False)
+        if found:
+            raise rule_error(found[1], key=found[0])
         return value

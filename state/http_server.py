@@ -16,6 +16,7 @@ The endpoint is public on Modal, so whatever reaches it gets a JSON answer: no v
 the body is read, bad input a 4xx before the store sees it (a body over MAX_BODY_BYTES, nested deeper
 than MAX_JSON_DEPTH, or not JSON), a client that stalls mid-request is dropped after READ_TIMEOUT_SECONDS
 (here; on Modal its web proxy times requests). Every request goes to the access log (mortal.state.access_log).
+The server does not start with an admin token shorter than MIN_TOKEN_CHARS.
 What it must not do: decide anything, keep state between requests, answer without a token, or log one.
 """
 
@@ -60,6 +61,10 @@ MAX_JSON_CONTAINERS = 1_000_000
 # logprobs are far fewer; the body limit already stops values written wide.
 MAX_JSON_VALUES = 4_000_000
 READ_TIMEOUT_SECONDS = 30.0  # the server drops a connection silent this long (mid-request, or idle)
+MIN_TOKEN_CHARS = 16
+"""The shortest admin token the server takes. Why: the endpoint is public on Modal and an admin token can
+make every call (and signs every worker token), so it must be out of reach of guessing; a short one is a
+password a person typed, not a secret. `openssl rand -hex 32` makes a good one."""
 log = logging.getLogger("mortal.state.http")
 _REASONS = {
     200: "OK",
@@ -78,6 +83,24 @@ _REASONS = {
 }
 
 
+class WeakToken(ValueError):
+    """No admin token, or one (current or previous) shorter than MIN_TOKEN_CHARS: the server refuses to
+    start rather than serve a store anyone could guess their way into."""
+
+
+def check_tokens(token: str, previous_tokens: Sequence[str] = ()) -> None:
+    """Raise WeakToken, naming the variable to fix, unless every admin token is long enough to be secret."""
+    if not token:
+        raise WeakToken(f"the HTTP store needs a token: set {TOKEN_ENV} (e.g. `openssl rand -hex 32`)")
+    named = [(TOKEN_ENV, token), *((PREVIOUS_TOKENS_ENV, t) for t in previous_tokens)]
+    for variable, value in named:
+        if len(value) < MIN_TOKEN_CHARS:
+            raise WeakToken(
+                f"{variable} holds a token too short to be secret ({len(value)} characters, at least "
+                f"{MIN_TOKEN_CHARS} needed): generate one, e.g. `openssl rand -hex 32`"
+            )
+
+
 class StoreApp:
     """The WSGI application: routes /v1/<method> to `store` for whoever the bearer token says
     (mortal.state.auth).
@@ -92,8 +115,7 @@ class StoreApp:
         access_log: AccessLog | None = None,
         previous_tokens: Sequence[str] = (),
     ) -> None:
-        if not token:
-            raise ValueError(f"the HTTP store needs a token: set {TOKEN_ENV} (e.g. `openssl rand -hex 32`)")
+        check_tokens(token, previous_tokens)
         self.store = store
         self.authority = Authority([token, *previous_tokens])
         self.access_log = access_log
@@ -553,8 +575,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--processes must be at least 1, got {args.processes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(TOKEN_ENV, "")
-    if not token:
-        parser.error(f"set {TOKEN_ENV} to the token clients must send")
+    try:
+        check_tokens(token, previous_tokens_from(os.environ))
+    except WeakToken as exc:
+        parser.error(str(exc))
     shared = args.reuse_port or args.processes > 1
     access_log = args.access_log or default_access_log()
     siblings: list[subprocess.Popen] = []

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mortal.specs.memory import MICRO_BATCH_ENV, ROLLOUT_SHARE_ENV
 from mortal.state import paths, wire
-from mortal.state.containment import inside, url_inside
+from mortal.state.containment import PathOutside, inside, url_inside
 from mortal.state.store import WORKER_LEADER_ENV
 
 WORKER_MODULE = "mortal.workers.main"  # what every backend runs: `python -m WORKER_MODULE`
@@ -386,9 +386,7 @@ class Backend(abc.ABC):
         gone: a run applied again under the name then writes a folder of its own (its incarnations count
         from 1 again, so its logs, checkpoints and weights would take the old run's file names). Here: this
         machine's $MORTAL_HOME; a folder already moved or never made is no error."""
-        folder = inside(paths.runs_dir(), paths.run_dir(run))  # PathOutside for a name that would leave runs/
-        # inside MORTAL_HOME itself: a `deleted` folder that is a link elsewhere is refused, not followed
-        kept = inside(paths.mortal_home(), paths.kept_run_dir(run, uid))
+        folder, kept = set_aside_paths(run, uid)
         if not folder.exists() or kept.exists():
             return
         try:
@@ -399,8 +397,28 @@ class Backend(abc.ABC):
 
     def remove_run_folder(self, run: str) -> None:
         """The run's folder (checkpoints, weights, logs, compile caches): here, this machine's
-        $MORTAL_HOME/runs/<run>, once checked to lie inside $MORTAL_HOME/runs (PathOutside otherwise)."""
-        shutil.rmtree(inside(paths.runs_dir(), paths.run_dir(run)), ignore_errors=True)
+        $MORTAL_HOME/runs/<run>, once checked to be the run's own (`own_run_folder`)."""
+        shutil.rmtree(own_run_folder(run), ignore_errors=True)
+
+
+def set_aside_paths(run: str, uid: str) -> tuple[Path, Path]:
+    """(the run's own folder, where a delete without --purge keeps it), resolved; PathOutside when either is
+    not mortal's to move: the folder is not the run's own (`own_run_folder`), or MORTAL_HOME/deleted is a
+    link elsewhere. The CLI asks too, to say what the delete will do with the files."""
+    return own_run_folder(run), inside(paths.mortal_home(), paths.kept_run_dir(run, uid))
+
+
+def own_run_folder(run: str) -> Path:
+    """$MORTAL_HOME/runs/<run> resolved, when it is the run's own folder there; PathOutside for a name that
+    would leave runs/ or a folder that is a link (out of MORTAL_HOME, or to another run's folder): a move
+    or a removal through it would take files the run does not own."""
+    folder = inside(paths.runs_dir(), paths.run_dir(run))
+    own = Path(os.path.realpath(paths.runs_dir())) / run
+    if folder != own:
+        raise PathOutside(
+            paths.run_dir(run), paths.runs_dir(), f" as a folder of its own (a link to {folder})"
+        )
+    return folder
 
 
 def remove_from_storage(run: str, uri: str) -> None:

@@ -30,7 +30,7 @@ from mortal.client.trainer_inputs import (
     tool_fields,
 )
 from mortal.specs import RunStatus, TrainingRun, epochs, to_yaml
-from mortal.specs.base import RULE_ERROR
+from mortal.specs.base import blamed
 from mortal.specs.training import CODE_DATASET, CODE_SYSTEM_PROMPT
 
 if TYPE_CHECKING:
@@ -90,13 +90,8 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
 def _validation_error(exc: Exception) -> TrainerError:
     """A pydantic ValidationError as one readable TrainerError (field path: message, per problem);
     a spec rule's path ends at the field it blames (spec.sync.method, not spec), as in a YAML error."""
-    problems = [f"{'.'.join(str(p) for p in _blamed(e))}: {e['msg']}" for e in exc.errors()]  # type: ignore[attr-defined]
+    problems = [f"{'.'.join(str(p) for p in blamed(e))}: {e['msg']}" for e in exc.errors()]  # type: ignore[attr-defined]
     return TrainerError("the arguments do not make a valid TrainingRun:\n  " + "\n  ".join(problems))
-
-
-def _blamed(error: dict[str, Any]) -> tuple[Any, ...]:
-    field = (error.get("ctx") or {}).get("field") if error["type"] == RULE_ERROR else None
-    return tuple(error["loc"]) + (tuple(field.split(".")) if field else ())
 
 
 class MortalTrainer:

@@ -202,7 +202,7 @@ def test_the_images_are_this_checkout_on_the_deployers_python(built: Any) -> Non
 def test_the_store_endpoint_serves_the_store(
     built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MORTAL_STATE_TOKEN", "tok")
+    monkeypatch.setenv("MORTAL_STATE_TOKEN", "modal-app-admin-token")
     monkeypatch.setenv("MORTAL_STORE_BACKING_URL", f"sqlite:///{tmp_path / 'state.db'}")
     with pytest.warns(UserWarning, match="will not have access to the mounted Volume"):
         wsgi = built.store.local()  # the library's own local call of the function's body
@@ -216,7 +216,7 @@ def _apply_run(wsgi: Any) -> tuple[str, Any]:
     environ = {
         "PATH_INFO": "/v1/apply_run",
         "REQUEST_METHOD": "POST",
-        "HTTP_AUTHORIZATION": "Bearer tok",
+        "HTTP_AUTHORIZATION": "Bearer modal-app-admin-token",
         "CONTENT_LENGTH": str(len(body)),
         "wsgi.input": io.BytesIO(body),
     }
@@ -242,7 +242,8 @@ class Load(pickle.Unpickler):
 functions = {name: Load(open(path, "rb")).load()
              for name, path in zip(("worker", "rollout_vllm", "store", "controller"), sys.argv[1:])}
 body = json.dumps({"args": {"name": "r", "spec": {"model": {"name": "m"}}}}).encode()
-environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST", "HTTP_AUTHORIZATION": "Bearer tok",
+environ = {"PATH_INFO": "/v1/apply_run", "REQUEST_METHOD": "POST",
+           "HTTP_AUTHORIZATION": "Bearer modal-app-admin-token",
            "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
 seen = []
 answer = json.loads(b"".join(functions["store"]()(environ, lambda status, headers: seen.append(status))))
@@ -273,7 +274,7 @@ def test_functions_ship_by_value_and_run_without_the_app_module(built: Any, tmp_
     ]
     env = {
         **os.environ,
-        "MORTAL_STATE_TOKEN": "tok",
+        "MORTAL_STATE_TOKEN": "modal-app-admin-token",
         "MORTAL_STORE_BACKING_URL": f"sqlite:///{tmp_path / 's.db'}",
     }
     out = subprocess.run(

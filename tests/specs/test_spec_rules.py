@@ -330,6 +330,27 @@ def test_names_that_are_not_labels_are_refused(name):
     assert issue.path == "metadata.name"
 
 
+@pytest.mark.parametrize(
+    ("entry", "path", "said"),
+    [
+        ("    mortal.dev/arm: 'not a value!'", "metadata.labels.mortal.dev/arm", "value 'not a value!'"),
+        ("    -arm: b", "metadata.labels.-arm", "key '-arm'"),
+    ],
+    ids=["value", "key"],
+)
+def test_a_bad_label_points_at_its_own_key_not_at_labels(entry, path, said):
+    """The label's own line (7), below good ones, with its key whole: a key's dots and '/' are its own."""
+    text = HEAD.replace("  name: demo\n", f"  name: demo\n  labels:\n    team: rl\n{entry}\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.path) == (7, path) and issue.message.startswith(said)
+
+
+def test_a_bad_annotation_key_points_at_its_own_line():
+    text = HEAD.replace("  name: demo\n", "  name: demo\n  annotations:\n    note: fine\n    a b: c\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.path) == (7, "metadata.annotations.a b")
+
+
 def test_reward_with_both_function_and_env_points_at_the_entry():
     text = HEAD + "    - {function: a:b, env: code-execution}\n"
     issue = only_issue(text)

@@ -87,7 +87,7 @@ def test_without_a_size_the_pool_reopens_what_a_burst_needed(sql_store_url: str)
 
 
 def test_the_server_opens_a_connection_per_thread(sql_store_url: str) -> None:
-    app = make_app(sql_store_url, "admin-token", threads=3)
+    app = make_app(sql_store_url, "pool-test-admin-token", threads=3)
     try:
         assert isinstance(app.store, SqlStore)
         assert app.store._engine.pool.checkedin() == 3

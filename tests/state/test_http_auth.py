@@ -32,7 +32,7 @@ from mortal.state.errors import Fenced, Forbidden, NotFound, Unauthorized
 from mortal.state.http_server import Served, make_app, previous_tokens_from, serve
 from mortal.state.http_store import HttpStore
 
-ADMIN = "admin-t0ken"
+ADMIN = "auth-test-admin-t0ken"
 SPEC = {"model": {"name": "tiny"}}
 
 
@@ -227,13 +227,13 @@ def test_forged_expired_and_rotated_tokens(
     # rotation: the new admin token, the old one still accepted, its workers' tokens too
     assert previous_tokens_from({"MORTAL_STATE_PREVIOUS_TOKENS": f" {ADMIN}, ,older "}) == [ADMIN, "older"]
     with serve(
-        sql_store_url, "new-admin", access_log=tmp_path / "rotated.log", previous_tokens=[ADMIN]
+        sql_store_url, "rotated-admin-t0ken", access_log=tmp_path / "rotated.log", previous_tokens=[ADMIN]
     ) as rotated:
         assert HttpStore(rotated.url, token=token).step_states("a", 0) == ["queued"]
         assert HttpStore(rotated.url, token=ADMIN).get_run("b").name == "b"
-        assert as_worker(rotated, refs["a/rollout"], "new-admin").step_states("a", 0) == ["queued"]
+        assert as_worker(rotated, refs["a/rollout"], "rotated-admin-t0ken").step_states("a", 0) == ["queued"]
     with (
-        serve(sql_store_url, "new-admin", access_log=tmp_path / "rotated.log") as done,
+        serve(sql_store_url, "rotated-admin-t0ken", access_log=tmp_path / "rotated.log") as done,
         pytest.raises(Unauthorized),
     ):
         HttpStore(done.url, token=token, retry_seconds=2).step_states("a", 0)

@@ -30,7 +30,7 @@ from mortal.state.http_server import (
 )
 from mortal.state.http_store import HttpStore
 
-TOKEN = "fuzz-t0ken"
+TOKEN = "fuzz-test-admin-t0ken"
 READ_TIMEOUT = 0.5  # the server's, for this test: a stalled client is dropped after it
 FUZZ = settings(
     max_examples=60,

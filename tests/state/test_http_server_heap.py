@@ -14,7 +14,7 @@ import pytest
 PROBE = """
 import gc, sys
 from mortal.state.http_server import serve
-with serve(sys.argv[1], "token", freeze_heap=sys.argv[2] == "1"):
+with serve(sys.argv[1], "heap-test-admin-token", freeze_heap=sys.argv[2] == "1"):
     print(gc.get_freeze_count())
 """
 
@@ -50,7 +50,7 @@ def test_the_server_command_freezes_its_heap(monkeypatch: pytest.MonkeyPatch, tm
         raise Stop
 
     monkeypatch.setattr(http_server, "serve", fake_serve)
-    monkeypatch.setenv(http_server.TOKEN_ENV, "token")
+    monkeypatch.setenv(http_server.TOKEN_ENV, "heap-test-admin-token")
     with pytest.raises(Stop):
         http_server.main(["--backing-url", f"sqlite:///{tmp_path / 'state.db'}", "--port", "0"])
     assert seen["freeze_heap"] is True

@@ -17,7 +17,7 @@ import requests
 
 from tests.polling import wait_for
 
-TOKEN = "processes-token"
+TOKEN = "processes-admin-token"
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from mortal.state import Conflict, Fenced, NotFound, Store, WorkerRef, open_store, wire
+from mortal.state import Conflict, Fenced, NotFound, Store, WorkerRef, http_server, open_store, wire
 from mortal.state.errors import Unauthorized, Unavailable
-from mortal.state.http_server import Served, StoreApp, make_app, serve
+from mortal.state.http_server import MIN_TOKEN_CHARS, Served, StoreApp, WeakToken, make_app, serve
 from mortal.state.http_store import HttpStore
 
-TOKEN = "t0ken"
+TOKEN = "http-store-t0ken"
 SPEC = {"model": {"name": "tiny"}}
 
 
@@ -58,6 +58,26 @@ def test_the_token_guards_every_method_but_health(served: Served) -> None:
         HttpStore(served.url, token="wrong").get_run("r")
     with pytest.raises(ValueError, match="MORTAL_STATE_TOKEN"):
         StoreApp(served.app.store, token="")
+
+
+def test_the_server_refuses_an_admin_token_too_short_to_be_secret(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The endpoint may be public and the admin token makes every call: a guessable one is refused at start,
+    current or still accepted from a rotation, with the variable to fix named; the token itself never is."""
+    short, strong = "x" * (MIN_TOKEN_CHARS - 1), "s" * MIN_TOKEN_CHARS
+    with pytest.raises(WeakToken, match=f"MORTAL_STATE_TOKEN.*at least {MIN_TOKEN_CHARS}") as weak:
+        StoreApp(served.app.store, token=short)
+    assert short not in str(weak.value)
+    with pytest.raises(WeakToken, match="MORTAL_STATE_PREVIOUS_TOKENS"):
+        StoreApp(served.app.store, token=strong, previous_tokens=[strong, "old"])
+    assert StoreApp(served.app.store, token=strong).identify(f"Bearer {strong}") is not None
+    monkeypatch.setenv("MORTAL_STATE_TOKEN", "x")
+    with pytest.raises(SystemExit) as refused:
+        http_server.main(["--backing-url", f"sqlite:///{tmp_path / 'other.db'}", "--port", "0"])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and "MORTAL_STATE_TOKEN holds a token too short" in error
+    assert not (tmp_path / "other.db").exists(), "refused before the database is opened"
 
 
 def test_typed_errors_travel_as_status_codes_and_come_back_as_their_class(served: Served) -> None:

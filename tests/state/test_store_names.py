@@ -27,7 +27,7 @@ BAD_RUN_NAMES = [
     "a_b",
     "x" * 64,
 ]
-TOKEN = "t0ken"
+TOKEN = "store-names-t0ken"
 
 
 @pytest.mark.parametrize("name", BAD_RUN_NAMES, ids=lambda n: repr(n[:12]) + f"-{len(n)}")

@@ -54,7 +54,7 @@ def delete_names(
     ctx: typer.Context, names: list[str], purge: bool, ignore_not_found: bool, no_controller: bool
 ) -> None:
     from mortal.controller.watchdir import SOURCE_ANNOTATION
-    from mortal.state import NotFound, paths
+    from mortal.state import NotFound
 
     cli = state(ctx)
     deleted: list[str] = []
@@ -67,13 +67,7 @@ def delete_names(
             raise
         deleted.append(name)
         # Deletion is asynchronous, as kubectl's: the controller stops the workers, then purges or moves.
-        kept = (
-            "the controller stops its workers, then purges its checkpoints"
-            if purge
-            else "the controller stops its workers, then moves its checkpoints to "
-            f"{paths.kept_run_dir(name, row.uid) / 'checkpoints'}"
-        )
-        typer.echo(plain(f"trainingrun/{name} deleted ({kept})"))
+        typer.echo(plain(f"trainingrun/{name} deleted ({what_happens_to_files(name, row.uid, purge)})"))
         if folder := row.annotations.get(SOURCE_ANNOTATION):
             typer.echo(
                 plain(
@@ -86,6 +80,27 @@ def delete_names(
     if deleted:
         wake_controller(*deleted)
         ensure_controller(cli.state_url, no_controller)
+
+
+def what_happens_to_files(name: str, uid: str, purge: bool) -> str:
+    """What the controller's purge will do with the run's folder, asked as the purge asks it
+    (controller.backends.base): a folder that is a link, or a `deleted` folder that is one, is left where
+    it is, never followed, so the answer must not promise a move or a removal."""
+    from mortal.controller.backends.base import own_run_folder, set_aside_paths
+    from mortal.state import paths
+    from mortal.state.containment import PathOutside
+
+    try:
+        if purge:
+            own_run_folder(name)
+        else:
+            set_aside_paths(name, uid)
+    except PathOutside as exc:
+        return f"the controller stops its workers and leaves its files where they are: {exc}"
+    if purge:
+        return "the controller stops its workers, then purges its checkpoints"
+    kept = paths.kept_run_dir(name, uid) / "checkpoints"
+    return f"the controller stops its workers, then moves its checkpoints to {kept}"
 
 
 def delete_run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -31,6 +32,29 @@ def test_delete_run_keeps_checkpoints_by_default(cli, store, mortal_home):
     row = store.get_run("quickstart")
     assert row.deleted_at is not None and not row.purge_requested
     assert cli("get", "runs").stdout.splitlines()[1].split()[1] == "Terminating"
+
+
+@pytest.mark.parametrize("purge", [[], ["--purge"]], ids=["kept", "purged"])
+def test_delete_of_a_run_whose_folder_is_a_link_says_its_files_stay_where_they_are(
+    cli, store, mortal_home, tmp_path, purge
+):
+    """The controller never follows a run's folder that is a link (out of MORTAL_HOME, or to another run's
+    folder): it neither moves nor removes it. Delete says so, as the Warning event will, rather than
+    promise a move or a purge that will not happen."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "checkpoints").mkdir(parents=True)
+    cli("apply", "-f", str(QUICKSTART))
+    shutil.rmtree(paths.run_dir("quickstart"), ignore_errors=True)
+    paths.runs_dir().mkdir(parents=True, exist_ok=True)
+    paths.run_dir("quickstart").symlink_to(elsewhere)
+    out = cli("delete", "run", "quickstart", *purge)
+    assert out.exit_code == 0, out.output
+    said = (
+        "trainingrun/quickstart deleted (the controller stops its workers and leaves its files where they are"
+    )
+    assert out.stdout.startswith(said) and str(elsewhere.resolve()) in out.stdout
+    assert "moves" not in out.stdout and "purges" not in out.stdout
+    assert str(mortal_home / "deleted") not in out.stdout
 
 
 def test_apply_right_after_delete_waits_for_the_purge_and_creates_a_new_run(cli, store, monkeypatch):

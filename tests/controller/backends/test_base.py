@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mortal.controller.backends import WorkerLaunch
-from mortal.controller.backends.base import torch_default_cache_dir
+from mortal.controller.backends.base import own_run_folder, torch_default_cache_dir
 from mortal.controller.backends.local import LocalBackend
 from mortal.state import paths
 from mortal.state.containment import PathOutside
@@ -163,3 +163,20 @@ def test_a_deleted_runs_folder_is_not_moved_through_a_link_out_of_mortal_home(
     with pytest.raises(PathOutside):
         LocalBackend(mortal_home).set_aside_run_folder("r", "uid-1")
     assert list(outside.iterdir()) == [] and log.is_file()
+
+
+def test_a_runs_folder_that_links_to_another_runs_folder_is_not_its_own(mortal_home: Path) -> None:
+    """Inside runs/ but not the run's own: moving or removing it would take the other run's files."""
+    other = paths.checkpoints_dir("other")
+    other.mkdir(parents=True)
+    paths.run_dir("r").symlink_to(paths.run_dir("other"))
+    backend = LocalBackend(mortal_home)
+    for refused in (
+        own_run_folder,
+        backend.remove_run_folder,
+        lambda run: backend.set_aside_run_folder(run, "u"),
+    ):
+        with pytest.raises(PathOutside, match="as a folder of its own"):
+            refused("r")
+    assert other.is_dir() and paths.run_dir("r").is_symlink()
+    assert own_run_folder("other") == paths.run_dir("other").resolve()
