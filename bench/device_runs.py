@@ -461,7 +461,8 @@ GROUPS: dict[str, Group] = {
     ),
     "multiturn-learning-mixed": Group(
         "the same learning in mixed precision on both sides (float32 weights, bf16 compute: TRL's bf16 "
-        "over a float32 model, mortal's actor.mixedPrecision), where bf16 weights lost the updates",
+        "over a float32 model, mortal's actor.mixedPrecision), where bf16 weights lost the updates; mortal "
+        "with maxStaleness 1 (generation beside training)",
         (
             Bench(
                 "multiturn_learning_mixed",
@@ -477,6 +478,8 @@ GROUPS: dict[str, Group] = {
                     "10",
                     "--dtype",
                     "mixed",
+                    "--staleness",
+                    "1",
                 ),
                 590,
             ),
