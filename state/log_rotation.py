@@ -81,10 +81,11 @@ def rotate(fd: int, log_path: Path) -> None:
     os.replace(partial, target)
 
 
-def open_new_file(path: Path, mode: int = 0o644) -> io.BufferedWriter:
-    """`path` created for writing, refused (FileExistsError) when anything is there, a symlink included:
-    what a worker's code planted in its run's folder is never written through."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode), "wb")
+def open_new_file(path: Path) -> io.BufferedWriter:
+    """`path` created for writing, its owner's alone as the log it copies is, refused (FileExistsError) when
+    anything is there, a symlink included: what a worker's code planted in its run's folder is never written
+    through."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
 
 
 def appended_file(fd: int) -> Path | None:

@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlmodel import Session, SQLModel, col, select
 
-from mortal.state import migrate
+from mortal.state import migrate, paths
 from mortal.state.completions import CompletionLog
 from mortal.state.engine import (
     connection,
@@ -174,7 +174,7 @@ class SqlStore(TaskQueue, CompletionLog, Store):
         self._engine = make_engine(url, pool_size)
 
     def __repr__(self) -> str:
-        return f"SqlStore({self._engine.url.render_as_string(hide_password=True)!r})"
+        return f"SqlStore({paths.shown_url(self.url)!r})"
 
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Session]:

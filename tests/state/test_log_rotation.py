@@ -8,6 +8,7 @@ rotated; a worker process's own prints (the run's code) are capped, its last lin
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ def test_a_rotated_log_keeps_its_content_and_the_next_writes_start_over(tmp_path
     assert (tmp_path / "actor-0-1.log.1").read_bytes() == b"old line\n" * 100
     assert log.read_bytes() == b"new line\n", "appended at the new start, no zeros before it"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["actor-0-1.log", "actor-0-1.log.1"]
+    assert stat.S_IMODE((tmp_path / "actor-0-1.log.1").stat().st_mode) == 0o600, "its owner's, as the log is"
 
 
 def test_a_link_planted_where_the_copy_goes_is_replaced_not_written_through(tmp_path: Path) -> None:
