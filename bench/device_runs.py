@@ -542,6 +542,22 @@ GROUPS: dict[str, Group] = {
         ),
         gguf=True,
     ),
+    "turn-profile-scope": Group(
+        "a tool-calling task's generation with the decode step compiled one layer for all against the "
+        "whole model (generation.compileScope), each in its own process: read-backs every 2 decode steps, "
+        "8 timed tasks each",
+        tuple(
+            Bench(
+                f"turn_profile_scope_{scope}",
+                "turn_profile.py",
+                ("--model", "{gguf}", "--warm-start", "60", "--tasks", "8", "--sync-every", "2")
+                + ("--compile-scope", scope),
+                200,
+            )
+            for scope in ("layer", "model")
+        ),
+        gguf=True,
+    ),
     "gpu-tests": Group(
         "the GPU-marked tests of one GPU: runs through the controller, the decoder, the loss's padding shift",
         (

@@ -115,6 +115,8 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
     }
     spec["generation"] = {**spec.get("generation", {}), "engine": "transformers"}
+    if args.compile_scope:
+        spec["generation"]["compileScope"] = args.compile_scope
     spec["actor"] = {
         "gpu": gpu,
         "mixedPrecision": args.dtype == "mixed",
@@ -125,6 +127,16 @@ def bench_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec["checkpoint"] = {"every": args.steps, "keep": 1}
     spec["logging"] = {"wandb": {"mode": "disabled"}}
     return spec
+
+
+def add_compile_scope(parser: argparse.ArgumentParser) -> None:
+    """--compile-scope: mortal's generation.compileScope (what the decode step's torch.compile covers);
+    absent, the example's (auto)."""
+    parser.add_argument(
+        "--compile-scope",
+        choices=["auto", "layer", "model"],
+        help="mortal's generation.compileScope (absent: the example's, auto)",
+    )
 
 
 def arith_expression(row: dict[str, Any]) -> str:
@@ -537,6 +549,7 @@ def main() -> None:
         "--actor-compile", action="store_true", help="mortal's actor.compile (TRL's side as it is)"
     )
     parser.add_argument("--liger", action="store_true", help="mortal's actor.liger (TRL's side as it is)")
+    add_compile_scope(parser)
     parser.add_argument(
         "--profile-step",
         type=int,

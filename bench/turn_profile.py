@@ -3,7 +3,7 @@ engine and tool loop, in this process, timed per read-back interval and profiled
 
     python bench/turn_profile.py --model PATH.gguf [--warm-start 60] [--tasks 4] [--sync-every 2 8]
                                  [--switch-interval S ...] [--profile [--trace T.json.gz]] [--top 15]
-                                 [--json out.json]
+                                 [--compile-scope layer|model] [--json out.json]
     # a smoke test, no figures:
     python bench/turn_profile.py --model FOLDER --cpu --warm-start 0 --tasks 1 --prompts 1 --gens 2
 
@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from learning_gpu import local_model  # noqa: E402
-from multiturn_gpu import bench_spec, warm_start  # noqa: E402
+from multiturn_gpu import add_compile_scope, bench_spec, warm_start  # noqa: E402
 from tool_loop_paths import timed  # noqa: E402
 
 
@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument(
         "--cpu", action="store_true", help="a smoke test of the script on the CPU (no figures)"
     )
+    add_compile_scope(parser)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     # what bench_spec and warm_start read, as bench/multiturn_gpu.py's defaults
