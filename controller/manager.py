@@ -1,12 +1,13 @@
 """The controller process: leader election, wake-ups, the work queue and its reconcile threads.
 
 Who calls it: `mortalctl controller` and `python -m mortal.controller` (`run_controller`, in the
-foreground), `mortalctl apply` (`ensure_background_controller`: starts one detached when none runs),
-tests (`Controller` in a thread). Wake-ups, so a change is acted on at once and failures within
-seconds: the wake folder (the CLI's `wake.notify`) and a poll of run resource versions every
-`poll_seconds` enqueue runs that changed; a run with live workers asks to be looked at again every
-`plan.active_resync_seconds`; every run is resynced every `resync_seconds`. Stopping a controller
-(SIGTERM, SIGINT) leaves workers running: the next controller adopts them.
+foreground), `mortalctl apply` (`ensure_background_controller`: starts one detached when none runs and
+waits until it says, through a pipe, that it started), tests (`Controller` in a thread). Wake-ups, so a
+change is acted on at once and failures within seconds: the wake folder (the CLI's `wake.notify`) and a
+poll of run resource versions every `poll_seconds` enqueue runs that changed; a run with live workers
+asks to be looked at again every `plan.active_resync_seconds`; every run is resynced every
+`resync_seconds`. Stopping a controller (SIGTERM, SIGINT) leaves workers running: the next controller
+adopts them.
 What it must not do: reconcile itself (the Reconciler does) or block a reconcile thread on a timer.
 """
 
@@ -16,7 +17,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -25,12 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 import watchfiles
 
-from mortal.controller import wake
+from mortal.controller import failpoints, wake
 from mortal.controller.backends import Backend, select_backend
+from mortal.controller.errors import ControllerStartFailed
 from mortal.controller.leader import LEASE_NAME, LeaderElector, holder_gone_here
 from mortal.controller.lockwatch import FrozenLockHolderWatch
 from mortal.controller.outcome import Retry
@@ -298,14 +303,38 @@ def controller_running(store: Store) -> bool:
     return running_controller_pid() is not None or _leader_elsewhere(store)
 
 
+READY_FD_ENV = "MORTAL_CONTROLLER_READY_FD"
+"""Names the pipe a background controller writes one byte to once it has started (its store open, its
+threads running); `ensure_background_controller` reads the other end. Unset, a controller tells no one."""
+
+START_TIMEOUT_SECONDS = 30.0
+"""How long `ensure_background_controller` waits for that byte. A start (imports, opening and migrating the
+store) takes seconds; one slower than this is reported as still starting rather than holding the verb,
+and the lock every other verb's start waits on, any longer."""
+
+LOG_TAIL_LINES = 20
+"""How many of its last log lines a failed start shows: about a Python traceback's length."""
+LOG_TAIL_BYTES = 64 * 1024  # read no more of the log than those lines can take up, however much it wrote
+
+
+@dataclass(frozen=True)
+class StartedController:
+    """A controller `ensure_background_controller` started: `ready` once it said so, else still starting."""
+
+    pid: int
+    log: Path
+    ready: bool = True
+
+
 def ensure_background_controller(
     state_url: str | None = None, idle_exit_seconds: float = 600.0
-) -> tuple[int, Path] | None:
-    """Start `python -m mortal.controller` detached unless a controller runs; (pid, log) if started.
+) -> StartedController | None:
+    """Start `python -m mortal.controller` detached unless a controller runs; what was started, if any.
 
     "Runs" means: the pid file names a live process, or the store's leader lease is unexpired (a
-    controller elsewhere). A lock file keeps two `apply`s from starting two at once. The controller
-    exits by itself after `idle_exit_seconds` with no work.
+    controller elsewhere). A lock file keeps two `apply`s from starting two at once; it is held until the
+    new controller is ready, so the second sees it. Raises ControllerStartFailed when it exits first. The
+    controller exits by itself after `idle_exit_seconds` with no work.
     """
     home = paths.mortal_home()
     home.mkdir(parents=True, exist_ok=True)
@@ -319,22 +348,93 @@ def ensure_background_controller(
                 return None
         finally:
             store.close()
-        env = dict(os.environ, MORTAL_HOME=str(home))
-        if state_url:
-            env["MORTAL_STATE_URL"] = state_url
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
-        with os.fdopen(os.open(log_file(), flags, 0o600), "ab") as out:  # its owner's, as the store is
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "mortal.controller", "--idle-exit", str(idle_exit_seconds)],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
-        _write_pid_file(proc.pid)
-        return proc.pid, log_file()
+        return _start_and_await(home, state_url, idle_exit_seconds)
+
+
+def _start_and_await(home: Path, state_url: str | None, idle_exit_seconds: float) -> StartedController:
+    """Start the controller with a pipe's write end and wait on the read end: its byte, or its exit (EOF)."""
+    offset = log_file().stat().st_size if log_file().exists() else 0
+    read_end, write_end = os.pipe()
+    try:
+        proc = _spawn(home, state_url, idle_exit_seconds, write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # the child's copy is the only one left: its exit is EOF here
+    _write_pid_file(proc.pid)
+    with os.fdopen(read_end, "rb", buffering=0) as ready:
+        outcome = _await_ready(proc, ready, START_TIMEOUT_SECONDS)
+    if outcome is False:
+        _remove_pid_file_of(proc.pid)
+        raise ControllerStartFailed(proc.pid, proc.returncode, log_file(), _log_tail(offset))
+    return StartedController(proc.pid, log_file(), ready=outcome is True)
+
+
+def _spawn(home: Path, state_url: str | None, idle_exit_seconds: float, ready_fd: int) -> subprocess.Popen:
+    env = dict(os.environ, MORTAL_HOME=str(home), **{READY_FD_ENV: str(ready_fd)})
+    if state_url:
+        env["MORTAL_STATE_URL"] = state_url
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    with os.fdopen(os.open(log_file(), flags, 0o600), "ab") as out:  # its owner's, as the store is
+        return subprocess.Popen(
+            [sys.executable, "-m", "mortal.controller", "--idle-exit", str(idle_exit_seconds)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(ready_fd,),
+        )
+
+
+def _await_ready(proc: subprocess.Popen, ready: BinaryIO, timeout: float) -> bool | None:
+    """True once the controller wrote its byte, False once it exited without one, None while it starts."""
+    deadline = time.monotonic() + timeout
+    readable, _, _ = select.select([ready], [], [], timeout)
+    if not readable:
+        return None
+    if ready.read(1):
+        return True
+    try:  # EOF: it is exiting
+        proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None  # it closed the pipe yet lives on: no verdict
+    return False
+
+
+def _remove_pid_file_of(pid: int) -> None:
+    """Remove the pid file if it names `pid` (a later controller's is left alone)."""
+    with contextlib.suppress(OSError):
+        if pid_file().read_text().split(" ", 1)[0].strip() == str(pid):
+            pid_file().unlink()
+
+
+def _log_tail(offset: int) -> list[str]:
+    """The last LOG_TAIL_LINES lines written to the controller log past `offset` (this start's)."""
+    try:
+        with open(log_file(), "rb") as log_:
+            size = log_.seek(0, os.SEEK_END)
+            log_.seek(max(offset, size - LOG_TAIL_BYTES))
+            text = log_.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-LOG_TAIL_LINES:]
+
+
+def _signal_ready(ready_fd: str | None) -> None:
+    """Tell the `ensure_background_controller` that started this process that it has started. Only a pipe
+    is written to: a variable inherited from elsewhere may name any file this process opened since."""
+    if ready_fd is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        fd = int(ready_fd)
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            try:
+                os.write(fd, b"\x01")
+            finally:
+                os.close(fd)
 
 
 def run_controller(
@@ -344,7 +444,9 @@ def run_controller(
     config: ControllerConfig | None = None,
     idle_exit_seconds: float | None = None,
 ) -> None:
-    """Run a controller in this process until SIGTERM/SIGINT, `stop_event`, or idleness."""
+    """Run a controller in this process until SIGTERM/SIGINT, `stop_event`, or idleness; once its store is
+    open and its threads run, tell the client that started it in the background (READY_FD_ENV)."""
+    ready_fd = os.environ.pop(READY_FD_ENV, None)  # not for the workers it starts
     url = state_url or paths.default_state_url()
     store = open_store(url)
     controller = Controller(
@@ -361,6 +463,8 @@ def run_controller(
     if not own_pid_file:
         log.info("this home's controller (pid %s) runs: this one stands by and leads once it stops", other)
     controller.start()
+    failpoints.hit("controller:before-ready")
+    _signal_ready(ready_fd)
     try:
         while not controller.stopped.wait(0.2):
             if stop_event is not None and stop_event.is_set():

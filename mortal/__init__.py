@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mortal.client.modes import Distributed, GPUConfig, SingleNode
-    from mortal.client.trainer import MortalTrainer, TrainingFailed
+    from mortal.client.trainer import ControllerStartFailed, MortalTrainer, TrainingFailed
     from mortal.specs import TrainingRun
     from mortal.workers.rewards import RewardEnvironment
 
 _EXPORTS = {
     "MortalTrainer": "mortal.client.trainer",
     "TrainingFailed": "mortal.client.trainer",
+    "ControllerStartFailed": "mortal.client.trainer",
     "SingleNode": "mortal.client.modes",
     "Distributed": "mortal.client.modes",
     "GPUConfig": "mortal.client.modes",
@@ -29,6 +30,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ControllerStartFailed",
     "Distributed",
     "GPUConfig",
     "MortalTrainer",

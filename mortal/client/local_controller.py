@@ -28,15 +28,25 @@ def wake_controller(*names: str) -> None:
 
 def ensure_controller(state_url: str | None, disabled: bool, announce: bool = True) -> None:
     """Start a background controller on `state_url`'s store unless one runs (or the user said not to); say so
-    on stderr when one was started."""
+    on stderr when one was started, or is still starting. Raises ControllerStartFailed when the one started
+    exited during its start: what the caller wrote stays, with nothing to act on it."""
     if controller_disabled(disabled):
         return
-    from mortal.controller.manager import ensure_background_controller
+    from mortal.controller.manager import START_TIMEOUT_SECONDS, ensure_background_controller
 
     started = ensure_background_controller(state_url)
-    if started is not None and announce:
-        pid, log = started
-        print(f"controller started (pid {pid}, log: {log})", file=sys.stderr, flush=True)
+    if started is None or not announce:
+        return
+    where = f"pid {started.pid}, log: {started.log}"
+    if started.ready:
+        print(f"controller started ({where})", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"controller still starting after {START_TIMEOUT_SECONDS:g}s ({where}); "
+            "`mortalctl controller status` says whether it runs",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def finish_deletion(state_url: str | None, disabled: bool, name: str, announce: bool = True) -> None:

@@ -29,6 +29,7 @@ from mortal.client.trainer_inputs import (
     reward_entries,
     tool_fields,
 )
+from mortal.controller.errors import ControllerStartFailed
 from mortal.specs import RunStatus, TrainingRun, epochs, to_yaml
 from mortal.specs.base import blamed
 from mortal.specs.training import CODE_DATASET, CODE_SYSTEM_PROMPT
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
 __all__ = [
+    "ControllerStartFailed",
     "Distributed",
     "GPUConfig",
     "MortalTrainer",
@@ -392,7 +394,9 @@ class MortalTrainer:
         always resumes from its own newest checkpoint, so nothing more is done.
 
         Returns the final status (the current one with detach); raises TrainingFailed when the run
-        fails. Ctrl-C stops following only: the run keeps training under the controller.
+        fails, ControllerStartFailed when the background controller it started exits while starting
+        (the run stays applied; its log's last lines say why). Ctrl-C stops following only: the run keeps
+        training under the controller.
         """
         from pathlib import Path
 

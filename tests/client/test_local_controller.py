@@ -10,15 +10,25 @@ import pytest
 
 import mortal.controller.manager as manager
 from mortal.client.local_controller import ensure_controller, wake_controller
+from mortal.controller.errors import ControllerStartFailed
 
 
 @pytest.fixture
-def starts(monkeypatch, mortal_home):
+def outcomes():
+    """What the next starts come to, in order: True (ready), False (still starting) or an error raised."""
+    return []
+
+
+@pytest.fixture
+def starts(monkeypatch, mortal_home, outcomes):
     started = []
 
     def start(state_url=None, **kwargs):
         started.append(state_url)
-        return 4242, mortal_home / "controller.log"
+        outcome = outcomes.pop(0) if outcomes else True
+        if isinstance(outcome, Exception):
+            raise outcome
+        return manager.StartedController(4242, mortal_home / "controller.log", ready=outcome)
 
     monkeypatch.setattr(manager, "ensure_background_controller", start)
     monkeypatch.delenv("MORTAL_NO_CONTROLLER", raising=False)
@@ -33,6 +43,23 @@ def test_a_controller_is_started_on_the_clients_store_and_announced(starts, mort
     )
     ensure_controller(None, disabled=False, announce=False)
     assert starts[-1] is None and capsys.readouterr().err == ""
+
+
+def test_a_controller_still_starting_is_announced_as_such(starts, outcomes, mortal_home, capsys):
+    outcomes.append(False)
+    ensure_controller(None, disabled=False)
+    assert capsys.readouterr().err == (
+        f"controller still starting after {manager.START_TIMEOUT_SECONDS:g}s (pid 4242, log: "
+        f"{mortal_home / 'controller.log'}); `mortalctl controller status` says whether it runs\n"
+    )
+
+
+def test_a_controller_that_died_starting_is_raised_even_unannounced(starts, outcomes, mortal_home, capsys):
+    died = ControllerStartFailed(4242, 1, mortal_home / "controller.log", ["Traceback", "ImportError: x"])
+    outcomes.append(died)
+    with pytest.raises(ControllerStartFailed) as raised:
+        ensure_controller(None, disabled=False, announce=False)
+    assert raised.value is died and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("flag, env", [(True, None), (False, "1"), (False, "true")])

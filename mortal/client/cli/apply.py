@@ -109,16 +109,17 @@ def apply_command(
     applied = [r for r in results if r.error is None]
     for result in applied:
         typer.echo(plain(f"trainingrun/{result.name} {result.outcome}{suffix}"))
-    if not dry_run:
-        changed = [r.name for r in applied if r.outcome != "unchanged"]
-        if changed:
-            wake_controller(*changed)
-        ensure_controller(cli.state_url, no_controller)
     refused = [r for r in results if r.error is not None]
     if refused:  # as kubectl apply: each run's error after the others are applied, then exit 1
         sources = {run.name: source for run, source in sourced}
         for result in refused:
             typer.echo(plain(refusal_message(result, sources[result.name]), multiline=True), err=True)
+    if not dry_run:  # a controller that dies starting raises: its error is the last word
+        changed = [r.name for r in applied if r.outcome != "unchanged"]
+        if changed:
+            wake_controller(*changed)
+        ensure_controller(cli.state_url, no_controller)
+    if refused:
         raise typer.Exit(1)
     if not dry_run and (follow_ or wait):
         names = [r.name for r in results]

@@ -10,9 +10,17 @@ import os
 
 from mortal.client.errors import ClientError
 
+NO_CONTROLLER_YET = (
+    "What this command wrote stays in the store (an applied run stays applied), but no controller acts on "
+    "it until one runs: fix what the log says, then run this command again, or start one in the "
+    "foreground with `mortalctl controller`."
+)
+"""What a failed controller start leaves: said after it, by every verb that starts one."""
+
 
 def error_message(exc: BaseException, debug: bool = False) -> str:
     """The paragraph a user sees for `exc` (kubectl style: 'error: ...')."""
+    from mortal.controller.errors import ControllerStartFailed
     from mortal.specs import SpecError
     from mortal.state import ChangeRefused, Conflict, Fenced, NotFound, StaleDocument, StoreError
     from mortal.state.paths import shown_url
@@ -29,6 +37,8 @@ def error_message(exc: BaseException, debug: bool = False) -> str:
         return f"error: conflict: {exc}; read the run again and retry"
     if isinstance(exc, Fenced):
         return f"error: refused: {exc}"
+    if isinstance(exc, ControllerStartFailed):
+        return f"error: {exc}\n{NO_CONTROLLER_YET}"
     if isinstance(exc, (StoreError, ClientError)):
         return f"error: {exc}"
     if isinstance(exc, FatalWorkerError | ServiceOutage):  # what would end a worker (`test rollout` runs a

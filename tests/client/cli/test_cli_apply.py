@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 from clihelpers import QUICKSTART
+from store_kinds import sqlite_only
 
 from mortal.client import apply
+from mortal.controller import manager
 from mortal.state import open_store
 
 
@@ -233,13 +236,11 @@ def test_applying_to_a_run_still_being_deleted_gives_up_naming_it(cli, monkeypat
 
 
 def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home, store_url):
-    import mortal.controller.manager as manager
-
     started = []
 
     def fake_start(state_url=None, **kwargs):
         started.append(state_url)
-        return 4242, mortal_home / "controller.log"
+        return manager.StartedController(4242, mortal_home / "controller.log")
 
     monkeypatch.setattr(manager, "ensure_background_controller", fake_start)
     monkeypatch.delenv("MORTAL_NO_CONTROLLER")
@@ -253,6 +254,41 @@ def test_apply_wakes_the_controller_and_starts_one(cli, monkeypatch, mortal_home
     monkeypatch.setattr(manager, "ensure_background_controller", lambda *a, **k: None)  # one runs already
     out = cli("apply", "-f", str(QUICKSTART))
     assert out.exit_code == 0 and out.stderr == ""
+
+
+@sqlite_only
+def test_apply_says_controller_started_once_the_controller_it_started_is_up(cli, spec_file, monkeypatch):
+    monkeypatch.delenv("MORTAL_NO_CONTROLLER")
+    out = cli("apply", "-f", str(spec_file(**{"spec.suspend": True})))  # suspended: it launches nothing
+    try:
+        assert out.exit_code == 0, out.output
+        started = re.search(r"controller started \(pid (\d+), log: (.+)\)", out.stderr)
+        assert started is not None, out.stderr
+        assert started[2] == str(manager.log_file())
+        assert manager.running_controller_pid() == int(started[1])
+    finally:
+        assert manager.stop_controller() is not None
+
+
+@sqlite_only
+def test_apply_whose_controller_dies_while_starting_fails_naming_its_log_and_keeps_the_run(
+    cli, monkeypatch, mortal_home
+):
+    """The controller started dies before it says it started (here: killed there by a failpoint): apply
+    says so after what it applied, with the end of the controller's log, and exits 1; the run stays."""
+    monkeypatch.delenv("MORTAL_NO_CONTROLLER")
+    monkeypatch.setenv("MORTAL_FAILPOINT", "controller:before-ready")
+    out = cli("apply", "-f", str(QUICKSTART))
+    assert out.exit_code == 1
+    assert out.stdout == "trainingrun/quickstart created\n"
+    assert "controller started" not in out.stderr
+    error = out.stderr[out.stderr.index("error: ") :]
+    assert error.startswith("error: the background controller (pid ")
+    assert f"was killed by SIGKILL while starting; the end of its log {manager.log_file()}:\n" in error
+    assert manager.log_file().read_text().splitlines()[-1] in error  # its last line, as it is
+    assert "an applied run stays applied" in error and "`mortalctl controller`" in error
+    assert not manager.pid_file().exists()
+    assert "quickstart" in cli("get", "runs").stdout
 
 
 def test_a_model_that_cannot_fit_its_gpu_is_refused_naming_the_field(cli, spec_file, tmp_path):

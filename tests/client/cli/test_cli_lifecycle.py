@@ -100,7 +100,7 @@ def test_apply_of_a_run_left_terminating_with_no_controller_starts_one_to_finish
         started.append(state_url)
         purges.append(threading.Timer(0.2, store.purge_run, args=("quickstart",)))
         purges[0].start()
-        return 4242, mortal_home / "controller.log"
+        return manager.StartedController(4242, mortal_home / "controller.log")
 
     monkeypatch.setattr(manager, "ensure_background_controller", controller_that_purges)
     monkeypatch.delenv("MORTAL_NO_CONTROLLER")
