@@ -429,10 +429,10 @@ class ActorLoop(TrainerCallback):
         self._rollout_metrics["actor/train_seconds"] = ended - self._step_started - elsewhere
         if self._rollout_returned is not None and self._loss_began is not None:
             # train = TRL's step before rollout_func + its preparation of the batch (prepare: padding, texts,
-            # rewards, advantages, metrics; with maxStaleness or sync.every > 1 also its forward pass for the
-            # current policy's log-probabilities, with beta > 0 the reference model's) + the update (forward,
-            # loss, backward, clipping, optimizer step). Host clocks, the GPU's queue drained only at the end:
-            # on a host-bound step, where the host is.
+            # rewards, advantages, metrics; with beta > 0 the reference model's forward pass) + the update
+            # (forward, loss with the importance ratio where samples may be stale (trl_seam.correct_in_loss),
+            # backward, clipping, optimizer step). Host clocks, the GPU's queue drained only at the end: on a
+            # host-bound step, where the host is.
             self._rollout_metrics["actor/prepare_seconds"] = self._loss_began - self._rollout_returned
             self._rollout_metrics["actor/update_seconds"] = ended - self._loss_began
         self._rollout_metrics["weights/publish_seconds"] = 0.0

@@ -181,6 +181,7 @@ def make_trainer(
         padding_shift.install(trl_seam.patched_model(trainer))
     if spec.algorithm.max_staleness > 0 or spec.sync.every > 1:  # samples may come from older weights
         trl_seam.enable_sampling_correction(trainer, clip_max=STALENESS_CLIP)
+        trl_seam.correct_in_loss(trainer)  # the ratio from the loss's forward, not one more forward
     return trainer
 
 

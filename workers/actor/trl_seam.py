@@ -41,6 +41,10 @@ What mortal relies on (TRL 1.16):
    no Triton (the CPU), and only the labelled ones where it has (CUDA), as `trl.trainer.utils._use_triton`
    of the device says; `score_labelled_positions_only` makes a model's fused calls score only those on the
    CPU too: the same log-probabilities, gradients within float32 sums in another order.
+14. `vllm_importance_sampling_correction` is read by `_generate_and_score_completions` (a forward pass for the
+   current policy's log-probabilities, the importance ratio and its metrics) and by `_compute_loss` (the loss
+   times `inputs["importance_sampling_ratio"]`, read after the one `_get_per_token_logps_and_entropies` call
+   of the policy), besides __init__; `correct_in_loss` turns it off for the first and on around the second.
 """
 
 from __future__ import annotations
@@ -157,7 +161,9 @@ def enable_sampling_correction(
 ) -> None:
     """Correct the loss for samples drawn from other weights (staleness > 0), with TRL's own code.
 
-    token_truncate: per-token ratio exp(logp_current - logp_sampling), clipped at `clip_max` (TIS).
+    token_truncate: per-token ratio exp(logp_current - logp_sampling), clipped at `clip_max` (TIS). TRL
+    takes logp_current from a forward pass of its own while it prepares the batch; `correct_in_loss` then
+    moves the ratio into the loss, from the loss's own forward.
     """
     for attr in ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode"):
         if not hasattr(trainer, attr):
@@ -169,6 +175,120 @@ def enable_sampling_correction(
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_max = clip_max
     trainer.vllm_importance_sampling_clip_min = None
+
+
+# what correct_in_loss reports, in the order of its metric vectors
+_RATIO_METRICS = (
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+)
+
+
+class _RatioInLoss:
+    """correct_in_loss's state: the micro-batch whose loss is running, and metric vectors not yet read."""
+
+    def __init__(self, trainer: GRPOTrainer) -> None:
+        self.trainer = trainer
+        self.inputs: dict[str, Any] | None = None
+        self.pending: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
+
+    def weigh(self, per_token_logps: torch.Tensor) -> None:
+        """The ratio of the running micro-batch from its policy log-probabilities, as TRL computes it while
+        preparing (token_truncate), put where the loss reads it; its metrics kept on the device."""
+        import torch
+
+        inputs, trainer = self.inputs, self.trainer
+        self.inputs = None  # the loss's first call is the policy's; nothing after it is weighed
+        if inputs is None or inputs.get("sampling_per_token_logps") is None:
+            return
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        current, sampling = per_token_logps.detach(), inputs["sampling_per_token_logps"]
+        difference = torch.nan_to_num((current - sampling) * mask, nan=0.0)
+        ratio = torch.exp(difference).clamp(max=trainer.vllm_importance_sampling_clip_max)
+        inputs["importance_sampling_ratio"] = ratio
+        seen = mask.bool()
+        delta = (current - sampling).abs()
+        scored = seen & ~torch.isnan(delta)
+        inf = torch.tensor(float("inf"), device=ratio.device)
+        metrics = torch.stack(
+            [
+                torch.where(seen, ratio, inf).amin(),
+                (ratio * seen).sum() / seen.sum().clamp(min=1),
+                torch.where(seen, ratio, -inf).amax(),
+                torch.where(scored, delta, 0.0).sum() / scored.sum().clamp(min=1),
+                torch.where(scored, delta, 0.0).amax(),
+            ]
+        )
+        self.pending["train" if trainer.model.training else "eval"].append(metrics.float())
+
+    def flush(self) -> None:
+        """Metric vectors read (one copy a log, not a sync a micro-batch), gathered over ranks as TRL's
+        are."""
+        import torch
+
+        for mode, vectors in self.pending.items():
+            if not vectors:
+                continue
+            gathered = self.trainer.accelerator.gather(torch.stack(vectors)).view(-1, len(_RATIO_METRICS))
+            for name, column in zip(_RATIO_METRICS, gathered.T.tolist(), strict=True):
+                finite = [v for v in column if v not in (float("inf"), float("-inf"))] or [0.0]
+                combine = min if name.endswith("/min") else max if name.endswith("/max") else _mean
+                self.trainer._metrics[mode][name].append(combine(finite))
+            vectors.clear()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def correct_in_loss(trainer: GRPOTrainer) -> None:
+    """After enable_sampling_correction: compute the importance ratio in the loss, from the log-probabilities
+    the loss's forward computes anyway, instead of a forward pass of its own while TRL prepares the batch
+    (assumption 14). Why it is the same ratio: with one iteration per generation batch (num_iterations 1)
+    and the optimizer stepping after the batch's last micro-batch, the weights at every micro-batch's loss
+    are those TRL's preparation saw; TRL takes those log-probabilities as the loss's old ones too. Why: that
+    forward is a quarter of the actor's GPU work, and with maxStaleness the actor shares the GPU with
+    generation. The metrics TRL logged while preparing are logged from the loss (one read a log).
+    Instance attributes only, so other trainers of the process are untouched."""
+    args = trainer.args
+    if trainer.num_iterations != 1 or args.gradient_accumulation_steps % args.steps_per_generation:
+        raise TrlSeamError(
+            "correct_in_loss needs one iteration per generation batch, trained within one optimizer step "
+            f"(num_iterations {trainer.num_iterations}, steps_per_generation {args.steps_per_generation}, "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps})"
+        )
+    mode = trainer.vllm_importance_sampling_mode
+    if mode != "token_truncate":
+        raise TrlSeamError(f"correct_in_loss computes token_truncate, not {mode}")
+    state = _RatioInLoss(trainer)
+    compute_loss, log = trainer.compute_loss, trainer.log
+    log_probs = trainer._get_per_token_logps_and_entropies
+    trainer.vllm_importance_sampling_correction = False  # TRL's preparation: no forward, no ratio
+
+    def loss(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        state.inputs = inputs
+        trainer.vllm_importance_sampling_correction = True  # the loss multiplies by the ratio
+        try:
+            return compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            trainer.vllm_importance_sampling_correction = False
+            state.inputs = None
+
+    def policy_log_probs(*args: Any, **kwargs: Any) -> Any:
+        out = log_probs(*args, **kwargs)
+        state.weigh(out[0])
+        return out
+
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        state.flush()
+        return log(*args, **kwargs)
+
+    trainer.compute_loss = loss
+    trainer._get_per_token_logps_and_entropies = policy_log_probs
+    trainer.log = logged
 
 
 def patched_model(trainer: GRPOTrainer) -> torch.nn.Module:

@@ -195,6 +195,84 @@ def test_the_sampling_correction_weights_the_loss_by_the_rollout_logprobs(tiny_d
     assert logs.steps[0]["sampling/importance_sampling_ratio/max"] <= 2.0
 
 
+class _Forwards:
+    """Counts the model's forward passes (rollout_func's scoring, TRL's preparation, the loss's)."""
+
+    def __init__(self, model: Any) -> None:
+        self.count = 0
+        model.register_forward_pre_hook(self._seen)
+
+    def _seen(self, *_: Any) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-micro-batch", "two-accumulated"])
+def test_the_ratio_computed_in_the_loss_trains_as_trls_correction_with_no_forward_of_its_own(
+    tiny_dir, tmp_path, micro_batches
+) -> None:
+    """Assumption 14: correct_in_loss takes the ratio from the loss's own forward; the weights, the loss and
+    the ratio's metrics are TRL's, and TRL's preparation runs no forward of its own."""
+    config = dict(
+        per_device_train_batch_size=BATCH // micro_batches,
+        steps_per_generation=micro_batches,
+        gradient_accumulation_steps=micro_batches,
+    )
+    runs = {}
+    for name, in_loss in (("trl", False), ("in_loss", True)):
+        logs = Logs()
+        trainer = _trainer(tiny_dir, tmp_path / name, FakeRollouts(offset=0.25), logs, max_steps=2, **config)
+        trl_seam.enable_sampling_correction(trainer, clip_max=2.0)
+        if in_loss:
+            trl_seam.correct_in_loss(trainer)
+        forwards = _Forwards(trainer.model)
+        trainer.train()
+        runs[name] = (trainer.model.state_dict(), logs.steps, forwards.count)
+    (trl_weights, trl_logs, trl_forwards), (weights, steps, count) = runs["trl"], runs["in_loss"]
+    # TRL's preparation scores the batch a micro-batch at a time: that many forwards a step fewer
+    assert count == trl_forwards - 2 * micro_batches, "TRL's preparation ran no forward"
+    assert_same_gradients(weights, trl_weights, tolerance=1e-5)
+    for ours, theirs in zip(steps, trl_logs, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4, abs=1e-6)
+        for metric in ("mean", "min", "max"):
+            key = f"sampling/importance_sampling_ratio/{metric}"
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
+        assert ours["sampling/sampling_logp_difference/mean"] == pytest.approx(0.25, rel=1e-3)
+    assert steps[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(0.25), rel=1e-4)
+
+
+def test_the_ratio_is_not_moved_into_the_loss_where_the_weights_change_between_its_micro_batches(
+    tiny_dir, tmp_path
+) -> None:
+    trainer = _trainer(tiny_dir, tmp_path, FakeRollouts(), num_iterations=2)
+    trl_seam.enable_sampling_correction(trainer, clip_max=2.0)
+    with pytest.raises(trl_seam.TrlSeamError, match="num_iterations 2"):
+        trl_seam.correct_in_loss(trainer)
+
+
+def test_the_correction_flag_is_read_only_where_correct_in_loss_expects() -> None:
+    """Assumption 14: the flag gates TRL's preparation and the loss, nothing else after __init__; the loss
+    computes the policy's log-probabilities once, before it reads the ratio."""
+    from trl import GRPOTrainer
+
+    tree = ast.parse(inspect.getsource(GRPOTrainer).lstrip())
+    functions = {fn.name: fn for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)}
+    readers = {
+        name
+        for name, fn in functions.items()
+        for node in ast.walk(fn)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "vllm_importance_sampling_correction"
+        and isinstance(node.ctx, ast.Load)
+    }
+    assert readers == {"__init__", "_generate_and_score_completions", "_compute_loss"}
+    calls = [
+        node
+        for node in ast.walk(functions["_compute_loss"])
+        if isinstance(node, ast.Attribute) and node.attr == "_get_per_token_logps_and_entropies"
+    ]
+    assert len(calls) == 1
+
+
 def test_use_vllm_is_read_only_where_the_seam_expects() -> None:
     """enable_sampling_correction sets `use_vllm` after __init__; it must gate nothing else."""
     from trl import GRPOTrainer
