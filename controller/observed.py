@@ -7,6 +7,7 @@ because it is the part of observation that needs the clock. No I/O, no store, no
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -50,6 +51,8 @@ class LiveRow(Protocol):
     def lease_seconds(self) -> float: ...
     @property
     def message(self) -> str | None: ...
+    @property
+    def activity(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,8 @@ def _exited(row: LiveRow, code: int | None) -> Verdict:
     Codes 3 (fatal) and 4 (out of GPU memory) are the worker's verdicts only with the message it writes
     before exiting with them: the same codes from the run's own code (os._exit(4) on a thread a reward
     started) once failed a CPU run as out of GPU memory, or at once as fatal. Without it the process is lost,
-    and relaunched as any crash is."""
+    and relaunched as any crash is. Its message names the signal that killed it, and what it was doing
+    when it last said (its activity), when known."""
     if code == EXIT_SUCCEEDED:
         return Verdict("end", state="Succeeded", exit_code=code, message="exited with code 0")
     if code in (EXIT_FATAL, EXIT_OUT_OF_MEMORY) and row.message:
@@ -216,4 +220,21 @@ def _exited(row: LiveRow, code: int | None) -> Verdict:
     unsaid = (
         " without the report the worker writes with it" if code in (EXIT_FATAL, EXIT_OUT_OF_MEMORY) else ""
     )
-    return Verdict("end", state="Lost", exit_code=code, message=f"process exited with {shown}{unsaid}")
+    last = f"; last activity: {row.activity}" if row.activity else ""
+    message = f"process exited with {shown}{unsaid}{killed_by(code)}{last}"
+    return Verdict("end", state="Lost", exit_code=code, message=message)
+
+
+def killed_by(code: int | None) -> str:
+    """The signal a negative exit code names (a child's status, as subprocess gives it), said after the
+    code; "" for any other code. SIGKILL cannot be caught, so the worker could not say why it ended: the
+    kernel's out-of-memory killer is a common sender, named so that the reader knows where to look."""
+    if code is None or code >= 0:
+        return ""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f" (killed by signal {-code})"
+    if -code == signal.SIGKILL:
+        return f" (killed by {name}: the kernel's out-of-memory killer is a common cause)"
+    return f" (killed by {name})"

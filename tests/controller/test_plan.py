@@ -104,6 +104,42 @@ def test_actor_killed_is_lost_and_relaunch_waits_for_backoff():
     assert p.actions[0].event.reason == "WorkerLost"
 
 
+@pytest.mark.parametrize(
+    ("code", "activity", "said"),
+    [
+        (
+            -9,
+            "task 3.1",
+            "process exited with code -9 (killed by SIGKILL: the kernel's out-of-memory killer is a common "
+            "cause); last activity: task 3.1",
+        ),
+        (-11, None, "process exited with code -11 (killed by SIGSEGV)"),
+        (1, "step 7", "process exited with code 1; last activity: step 7"),
+        (None, None, "process exited with an unknown code"),
+    ],
+)
+def test_a_lost_workers_reason_names_the_signal_that_killed_it_and_its_last_activity(code, activity, said):
+    rows, procs = running()
+    rows[1].activity = activity
+    procs[1] = proc(rows[1], alive=False, code=code)
+    p = run_plan(rows, procs, prev=status("Running"), backoff_seconds=5)
+    end = next(a for a in p.actions if isinstance(a, EndWorker))
+    assert (end.state, end.message) == ("Lost", said)
+    assert end.event.message == f"rollout-0 #2: {said}"
+
+
+def test_the_restart_limit_reason_of_a_worker_killed_by_sigkill_says_so():
+    rows, procs = running()
+    rows[1].activity = "task 3.1"
+    procs[1] = proc(rows[1], alive=False, code=-9)
+    p = run_plan(rows, procs, prev=status("Running"), max_restarts=0)
+    assert p.status["phase"] == "Failed"
+    assert (
+        "restart limit reached: rollout-0: process exited with code -9 (killed by SIGKILL: the kernel's "
+        "out-of-memory killer is a common cause); last activity: task 3.1"
+    ) in p.status["message"]
+
+
 @pytest.mark.parametrize("code", [-9, 0, 1])
 def test_a_worker_whose_process_exited_is_stopped_too_so_what_it_left_running_is_killed(code):
     """A process killed with SIGKILL leaves its children (an environment's, a tool's programs) running: the

@@ -212,14 +212,14 @@ def load_snippet(checkpoint: str) -> str:
 
 
 def print_outcome(store: Store, snap: Snapshot, quiet: bool) -> None:
-    """Succeeded: where the final checkpoint is and how to load it. Failed: the reason, on stderr."""
+    """Succeeded: where the final checkpoint is and how to load it. Failed: the reason, on stderr.
+
+    Each is one line, store text escaped as events show it: a message a user's reward raised can hold a
+    newline, and a script reading the last line must not be handed a line that code wrote."""
     s = snap.status
     if str(s.phase) == "Failed":
-        say(
-            f"trainingrun/{snap.name} Failed: "
-            f"{s.message or 'see `mortalctl describe run ' + snap.name + '`'}",
-            stderr=True,
-        )
+        reason = plain(s.message) if s.message else f"see `mortalctl describe run {snap.name}`"
+        say(f"trainingrun/{snap.name} Failed: {reason}", stderr=True)
         return
     out = console()
     out.print(
@@ -228,6 +228,6 @@ def print_outcome(store: Store, snap: Snapshot, quiet: bool) -> None:
     )
     checkpoint = final_checkpoint(store, snap.name, s)
     if checkpoint and not quiet:
-        say(f"final checkpoint: {checkpoint}")
+        say(f"final checkpoint: {plain(checkpoint)}")
         out.print("load it in Python:", markup=False)
         say("\n".join("    " + line for line in load_snippet(checkpoint).splitlines()))

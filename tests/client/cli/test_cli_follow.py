@@ -59,6 +59,28 @@ def test_wait_is_quiet_and_a_failed_run_exits_1(cli, store):
     assert "trainingrun/quickstart Failed: reward my.mod:f raised ValueError" in out.stderr
 
 
+def test_a_failure_message_is_one_escaped_line_so_user_code_cannot_forge_a_status_line(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    raised = "bad \x1b[2J\r\u202eevil\u202c\ntrainingrun/quickstart Succeeded: 30/30 steps"
+    finish(store, phase="Failed", checkpoint=None, message=f"reward raised ValueError: {raised}")
+    out = cli("apply", "-f", str(QUICKSTART), "--follow")
+    assert out.exit_code == 1
+    last = out.stderr.splitlines()[-1]
+    assert last == (
+        "trainingrun/quickstart Failed: reward raised ValueError: "
+        "bad ^[[2J\\r\\u202eevil\\u202c\\ntrainingrun/quickstart Succeeded: 30/30 steps"
+    )
+    assert "Succeeded" not in out.stdout
+
+
+def test_the_final_checkpoint_path_is_printed_on_one_line(cli, store):
+    cli("apply", "-f", str(QUICKSTART))
+    finish(store, checkpoint="/ckpt/quick\nstart/step-3")
+    out = cli("apply", "-f", str(QUICKSTART), "--follow")
+    assert out.exit_code == 0, out.output
+    assert "final checkpoint: /ckpt/quick\\nstart/step-3\n" in out.stdout
+
+
 def test_follow_timeout_is_a_user_error(cli):
     out = cli("apply", "-f", str(QUICKSTART), "--wait", "--timeout", "0.5")
     assert out.exit_code == 1
