@@ -23,7 +23,7 @@ RUN_ENDED = "RunEnded"  # the reason of a condition not evaluated once the run S
 TYPES = (WEIGHTS, REWARD, CHECKPOINT, PROGRESSING, MEMORY)
 OOM_RELAUNCHES = 1  # relaunches of a slot after an out-of-memory exit; the next one fails the run (see plan)
 # mortal.workers.rewards' fatal reasons.
-REWARD_FATAL_REASONS = ("RewardFailed", "RewardBadOutput", "RewardNotFound")
+REWARD_FATAL_REASONS = ("RewardFailed", "RewardBadOutput", "RewardNotFound", "RewardTimedOut")
 STD_METRIC, SCORED_METRIC, STEP_SECONDS_METRIC = "std", "scored", "step_seconds"
 
 

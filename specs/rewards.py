@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
-from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
+from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS, REWARD_SILENT_STEPS
 
 BUILTIN_ENVS = ("code-execution", "llm-judge", "math-answer", "environment")
 FUNCTION_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -67,7 +67,8 @@ class RewardSpec(SpecModel):
         DEFAULT_REWARD_TIMEOUT_SECONDS,
         gt=0,
         description="Wall-clock limit of one call of this reward (one prompt's completions), in seconds; "
-        "past it the call is abandoned, its completions score None and a Warning event names it.",
+        "past it the call is abandoned, its completions score None and a Warning event names it. Rewards "
+        f"none of whose calls return for {REWARD_SILENT_STEPS} steps in a row fail the run (RewardTimedOut).",
     )
     model: str | None = Field(None, description="Judge model name (llm-judge), e.g. gpt-4o-mini.")
     base_url: str | None = Field(

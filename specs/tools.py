@@ -90,9 +90,11 @@ class EnvironmentServiceSpec(SpecModel):
     reset_timeout_seconds: float = Field(
         300.0,
         gt=0,
-        description="processPool and http: wall-clock limit of building an instance, of its reset(**row) "
-        "and of get_reward(), in seconds; past it the instance's process is killed. Tool calls keep "
-        "rollout.toolTimeoutSeconds.",
+        description="Wall-clock limit of an instance's reset(**row), and with processPool and http of "
+        "building it and of its get_reward(), in seconds; past it the instance's process is killed "
+        "(inProcess: the reset is abandoned on its thread) and the run fails (EnvironmentTimedOut) when a "
+        "reset timed out. Tool calls keep rollout.toolTimeoutSeconds; an inProcess get_reward() keeps "
+        "its reward's timeoutSeconds.",
     )
 
     @field_validator("token_env")

@@ -7,14 +7,17 @@ hub id read with `datasets.load_dataset(name, split=...)`. Every row comes back 
 travels through the task queue) with the prompt under "prompt" (text, or chat messages), the
 system prompt prepended, and at most `maxSamples` rows.
 What it must not do: let a bad dataset look like a crash to retry. A missing or unreadable file,
-an unknown builtin, a missing prompt column or a malformed prompt is a FatalWorkerError naming
-spec.dataset.name (or promptColumn) and the file.
+an unknown builtin, a missing prompt column, a malformed or oversized prompt is a FatalWorkerError naming
+spec.dataset.name (or promptColumn), the file and the 1-based line (row, where a file has no lines).
+Admission (mortal.workers.probe) checks a JSON-lines file's lines with the same `jsonl_rows`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from importlib import resources
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,19 @@ if TYPE_CHECKING:
     from mortal.specs.training import DatasetSpec
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+MAX_PROMPT_CHARS = 1 << 20
+"""The most characters one prompt may hold (a chat prompt's contents together): more text than the contexts
+RL trains in hold, so a real prompt never meets it. A prompt past it is a broken row, which every rollout
+would otherwise tokenize and carry in its task, its worker's memory growing, before the model refused it."""
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+class RowProblem(ValueError):
+    """A dataset row that cannot be used: where it is (`line N` of a JSON-lines file, `row N` of another) and
+    what is wrong, in the words both the worker and admission print."""
+
+    def __init__(self, where: str, what: str) -> None:
+        super().__init__(f"{where} {what}")
 
 
 def _fatal(spec: DatasetSpec, message: str) -> FatalWorkerError:
@@ -35,27 +51,74 @@ def builtin_names() -> list[str]:
     return sorted(p.name.removesuffix(".jsonl") for p in folder.iterdir() if p.name.endswith(".jsonl"))
 
 
+def _json_kind(value: Any) -> str:
+    return next((name for kind, name in JSON_KINDS.items() if isinstance(value, kind)), "a number")
+
+
+def prompt_problem(row: dict[str, Any], column: str) -> str | None:
+    """What keeps a row's `column` from being a prompt (None: nothing), to follow `line N` or `row N`."""
+    if column not in row:
+        columns = ", ".join(map(str, row)) or "none"
+        return f"has no {column!r} column (spec.dataset.promptColumn): {columns}"
+    prompt = row[column]
+    if normalize_prompt(prompt, None) is None:
+        got = "an empty array" if prompt == [] else _json_kind(prompt)
+        return (
+            f"has a {column!r} that is {got}: a prompt must be text or a list of {{role, content}} messages"
+        )
+    size = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+    if size > MAX_PROMPT_CHARS:
+        return (
+            f"has a prompt of {size:,} characters; a prompt may hold {MAX_PROMPT_CHARS:,} "
+            "(MAX_PROMPT_CHARS): shorten the row or drop it"
+        )
+    return None
+
+
+def jsonl_rows(lines: Iterable[bytes], column: str) -> Iterator[dict[str, Any]]:
+    """The rows of a JSON-lines file's `lines` (blank ones skipped), each checked as it is read: RowProblem
+    naming the first line that is not UTF-8, not JSON, not an object or has no usable prompt."""
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RowProblem(
+                f"line {number}", f"is not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RowProblem(f"line {number}", f"is not JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise RowProblem(f"line {number}", f"is {_json_kind(row)}, not a JSON object")
+        problem = prompt_problem(row, column)
+        if problem is not None:
+            raise RowProblem(f"line {number}", problem)
+        yield row
+
+
 def _read_jsonl(path: Path, spec: DatasetSpec) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _fatal(spec, f"{path} line {number} is not JSON: {exc}") from exc
-            if not isinstance(row, dict):
-                raise _fatal(spec, f"{path} line {number} is a {type(row).__name__}, expected a JSON object")
-            rows.append(row)
-    return rows
+    """The file's rows, read no further than maxSamples of them."""
+    with path.open("rb") as handle:
+        try:
+            return list(islice(jsonl_rows(handle, spec.prompt_column), spec.max_samples))
+        except RowProblem as exc:
+            raise _fatal(spec, f"{path} {exc}") from None
 
 
 def _read_json(path: Path, spec: DatasetSpec) -> list[dict[str, Any]]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise _fatal(spec, f"{path} line {line} is not UTF-8 text (byte {raw[exc.start]:#04x})") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _fatal(spec, f"{path} is not JSON: {exc}") from exc
+        raise _fatal(spec, f"{path} line {exc.lineno} is not JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise _fatal(spec, f"{path} must hold a JSON list of objects (or use .jsonl, one object per line)")
     return data
@@ -79,7 +142,7 @@ def _read_file(path: Path, spec: DatasetSpec) -> list[dict[str, Any]]:
         if path.suffix == ".json":
             return _read_json(path, spec)
         return _read_jsonl(path, spec)
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise _fatal(spec, f"cannot read {path}: {exc}") from exc
 
 
@@ -99,7 +162,8 @@ def _read_hub(spec: DatasetSpec) -> list[dict[str, Any]]:
 
 
 def read_raw_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
-    """The rows as stored, before normalization (a local file has one split: `split` is not used)."""
+    """The rows as stored, before normalization (a local file has one split: `split` is not used); a
+    JSON-lines file's are checked as they are read (jsonl_rows), up to maxSamples of them."""
     if spec.name.startswith("builtin:"):
         name = spec.name.removeprefix("builtin:")
         available = builtin_names()
@@ -147,23 +211,12 @@ def load_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
         raw = raw[: spec.max_samples]
     if not raw:
         raise _fatal(spec, "the dataset has no rows")
-    column = spec.prompt_column
-    if column not in raw[0]:
-        raise FatalWorkerError(
-            "DatasetUnreadable",
-            f"spec.dataset.promptColumn {column!r} is not a column of {spec.name!r}; "
-            f"columns: {', '.join(map(str, raw[0]))}",
-        )
     rows = []
-    for index, source in enumerate(raw):
-        row = {k: v for k, v in source.items() if k != column}
-        prompt = normalize_prompt(source.get(column), spec.system_prompt)
-        if prompt is None:
-            raise FatalWorkerError(
-                "DatasetUnreadable",
-                f"spec.dataset.promptColumn {column!r} of {spec.name!r}, row {index}: a prompt must be text "
-                f"or a list of {{role, content}} messages (got {type(source.get(column)).__name__})",
-            )
-        row["prompt"] = prompt
+    for number, source in enumerate(raw, 1):
+        problem = prompt_problem(source, spec.prompt_column)
+        if problem is not None:
+            raise _fatal(spec, str(RowProblem(f"row {number}", problem)))
+        row = {k: v for k, v in source.items() if k != spec.prompt_column}
+        row["prompt"] = normalize_prompt(source[spec.prompt_column], spec.system_prompt)
         rows.append(_json_safe(row))
     return rows

@@ -6,7 +6,8 @@ prints one JSON list of checks {field, state: ok | failed | deferred, message}. 
 the user's modules are imported fresh (a long-lived controller or a MortalTrainer script would reuse
 stale ones) and never into the caller. Rewards, tools and environments are resolved with the
 workers' own resolvers and their signatures compared with how TRL calls them; the model and the
-dataset file are looked for as the workers look for them (nothing is downloaded).
+dataset file are looked for as the workers look for them (nothing is downloaded), and a JSON-lines
+dataset's lines are checked as the actor reads them (mortal.workers.data.jsonl_rows).
 What it must not do: construct a reward, a tool or an environment (that may load a model), or decide
 anything: admission refuses or accepts.
 """
@@ -14,12 +15,16 @@ anything: admission refuses or accepts.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
+import itertools
 import json
 import os
 import sys
+import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from mortal.specs.training import TrainingSpec
 from mortal.workers import references
@@ -72,12 +77,47 @@ def _resolve(ref: str) -> tuple[Any, str | None]:
     except references.MissingAttribute as exc:
         return None, str(exc)
     except ModuleNotFoundError as exc:
+        if exc.name is not None and not _names_module(exc.name, module):
+            return None, _missing_dependency(module, exc.name, exc)
         return None, (
             f"cannot import module {module!r} ({exc}): it is neither in the folder you applied "
             "from nor installed where mortal runs"
         )
     except BaseException as exc:  # noqa: BLE001 - what the user's module raises on import is the finding
         return None, f"importing module {module!r} failed: {type(exc).__name__}: {exc}"
+
+
+def _names_module(missing: str, module: str) -> bool:
+    """Whether the module Python could not find is `module` itself or a package holding it."""
+    return module == missing or module.startswith(missing + ".")
+
+
+def _shown_path(path: str) -> tuple[str, bool]:
+    """A file as its path in the snapshot (the working folder, a copy of the folder applied from) when it
+    is one of its files, else as it is; and whether it is."""
+    relative = os.path.relpath(path)
+    return (path, False) if relative.startswith(os.pardir) else (relative, True)
+
+
+def _missing_dependency(module: str, missing: str, exc: ModuleNotFoundError) -> str:
+    """Why `module`, which was found, failed to import: something it imports is not there. Says where the
+    module is and which import statement failed, when they are known."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except BaseException:  # noqa: BLE001 - a package above it that fails again: its place stays unsaid
+        spec = None
+    failed = f"importing module {module!r} failed"
+    if spec is not None and spec.origin:
+        path, applied = _shown_path(spec.origin)
+        where = f"{path}, in the folder you applied from" if applied else path
+        failed = f"module {module!r} was found ({where}) but importing it failed"
+    lines = [(f.f_code.co_filename, n) for f, n in traceback.walk_tb(exc.__traceback__)]
+    files = [(name, line) for name, line in lines if not name.startswith("<")]  # not importlib's own
+    importer = f"{_shown_path(files[-1][0])[0]}:{files[-1][1]}" if files else "it"
+    return (
+        f"{failed}: {importer} imports {missing!r}, "
+        "which is neither in the folder you applied from nor installed where mortal runs"
+    )
 
 
 def _signature(obj: Any) -> inspect.Signature | None:
@@ -251,6 +291,12 @@ def _hub_model(field: str, name: str) -> Check:
     )
 
 
+ADMISSION_READ_BYTES = 64 << 20
+"""How much of a local JSON-lines dataset admission reads, every line checked as the actor would check it: any
+prompt set written by hand or by a script is read whole in about a second. Of a larger file the lines past it
+are checked by the actor as it reads them, and the check says so."""
+
+
 def check_dataset(spec: TrainingSpec) -> Check:
     field, dataset = "spec.dataset.name", spec.dataset
     from mortal.workers.data import FILE_SUFFIXES, builtin_names
@@ -270,31 +316,47 @@ def check_dataset(spec: TrainingSpec) -> Check:
                 field,
                 f"{dataset.name!r}: no such file (relative names are read from the folder you applied from)",
             )
-        problem = first_jsonl_row_problem(path, dataset.prompt_column) if path.endswith(".jsonl") else None
+        if not path.endswith(".jsonl"):
+            return ok(field, f"{dataset.name!r}: a local file")
+        problem, note = jsonl_problem(path, dataset.prompt_column, dataset.max_samples)
         if problem is not None:
             return failed(field, f"{dataset.name!r}: {problem}")
-        return ok(field, f"{dataset.name!r}: a local file")
+        return ok(field, f"{dataset.name!r}: a local file{note}")
     return deferred(field, f"{dataset.name!r}: a hub dataset, read by the actor when it starts")
 
 
-def first_jsonl_row_problem(path: str, prompt_column: str) -> str | None:
-    """What is wrong with a JSON-lines file's first row (None: it is an object with the prompt column): the
-    actor would otherwise find out as it starts. Only the first line is read (a file may be large)."""
-    with open(path, encoding="utf-8", errors="replace") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                return f"line {number} is not JSON ({exc})"
-            if not isinstance(row, dict):
-                return f"line {number} is not a JSON object"
-            if prompt_column not in row:
-                columns = ", ".join(map(str, row)) or "none"
-                return f"line {number} has no {prompt_column!r} column (spec.dataset.promptColumn): {columns}"
-            return None
-    return "the file has no rows"
+def jsonl_problem(path: str, prompt_column: str, max_rows: int | None) -> tuple[str | None, str]:
+    """The first bad line of a JSON-lines file, as the actor would name it (None: none), and a note when
+    lines past ADMISSION_READ_BYTES were left to the actor. Reading stops after `max_rows` rows (maxSamples),
+    where the actor stops."""
+    from mortal.workers.data import RowProblem, jsonl_rows
+
+    cut: list[int] = []
+
+    def lines(handle: BinaryIO) -> Iterator[bytes]:
+        left = ADMISSION_READ_BYTES
+        for number in itertools.count(1):
+            line = handle.readline(left + 1)
+            if len(line) > left:
+                cut.append(number)  # this line runs past the budget: neither it nor the rest is read
+                return
+            if not line:
+                return
+            left -= len(line)
+            yield line
+
+    with open(path, "rb") as handle:
+        try:
+            rows = sum(1 for _ in itertools.islice(jsonl_rows(lines(handle), prompt_column), max_rows))
+        except RowProblem as exc:
+            return str(exc), ""
+    if cut:
+        checked = f"lines 1-{cut[0] - 1}" if cut[0] > 1 else "no line"
+        return None, (
+            f"; {checked} checked, the rest (past {ADMISSION_READ_BYTES >> 20} MiB, ADMISSION_READ_BYTES) "
+            "is checked by the actor as it reads it"
+        )
+    return ("the file has no rows", "") if rows == 0 else (None, "")
 
 
 def check_chat_template(spec: TrainingSpec) -> list[Check]:

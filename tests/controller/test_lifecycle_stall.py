@@ -1,12 +1,15 @@
 """No silent stall: real worker processes (the simulated workload) that block forever are healed.
 
-A reward function that never returns scores None past its timeout and the run trains on; a rollout stuck in a
+A reward function that never returns scores None past its timeout and the run trains on the others; rewards
+none of whose calls return fail the run; a rollout stuck in a
 task is relaunched (its stacks in its log) and its task given to the next; an actor stuck in a step is
 relaunched from its checkpoint; the same stall on every launch ends the run Failed with the stall as its
 reason. Deadlines of seconds, so each test takes seconds. On SQLite only: the watchdog is the controller's
 (tests/store_kinds.py)."""
 
 from __future__ import annotations
+
+import re
 
 from realproc import harness, wait_for, worker_processes  # noqa: F401 - harness is a fixture
 from store_kinds import sqlite_only
@@ -40,7 +43,12 @@ def test_a_reward_that_never_returns_scores_none_and_the_run_trains_on(harness):
             max_steps=3,
             rollout_replicas=1,
             annotations={"mortal.dev/rewards": "call"},
-            spec={"rewards": [{"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.5}]},
+            spec={
+                "rewards": [
+                    {"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.5},
+                    {"function": "mortal.workers.rewards.builtin:format_number"},
+                ]
+            },
         )
     )
     h.start()
@@ -56,6 +64,31 @@ def test_a_reward_that_never_returns_scores_none_and_the_run_trains_on(harness):
     rollout = [w for w in h.store.list_workers("judge") if w.role == "rollout"][0]
     assert STACKS in log_of("judge", "rollout", rollout.incarnation)
     assert "never_returns" in log_of("judge", "rollout", rollout.incarnation)  # the stuck frame is named
+
+
+def test_rewards_none_of_whose_calls_return_fail_the_run_with_the_reason(harness):  # noqa: F811
+    h = harness
+    h.apply(
+        simulated_run(
+            "silent",
+            max_steps=6,
+            rollout_replicas=1,
+            annotations={"mortal.dev/rewards": "call"},
+            spec={"rewards": [{"function": "mortal.workers.simulated:never_returns", "timeoutSeconds": 0.2}]},
+        )
+    )
+    h.start()
+    final = h.wait_phase("silent", "Failed", timeout=90)
+    failed = condition(final, "Failed")
+    assert re.match(
+        r"rollout-0 failed: RewardTimedOut: reward 'never_returns' \(0.2 s\) did not return within its "
+        r"timeoutSeconds on any of \d+ calls for 3 steps in a row \(steps \d+-\d+\): every completion "
+        "scored None",
+        failed["message"],
+    )
+    reward = condition(final, "RewardHealthy")
+    assert (reward["status"], reward["reason"]) == ("False", "RewardTimedOut")
+    assert final["restarts"] == 0  # relaunching would not make it answer
 
 
 def test_a_rollout_stuck_in_a_task_is_relaunched_and_the_run_completes(harness):  # noqa: F811

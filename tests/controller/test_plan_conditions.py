@@ -129,6 +129,11 @@ def test_reward_healthy(metrics, want, reason, says):
             "RewardFailed",
         ),
         ("RewardBadOutput: reward 'acc' returned 3 scores for 4 completions", "RewardBadOutput"),
+        (
+            "RewardTimedOut: reward 'acc' (2 s) did not return within its timeoutSeconds on any of 5 calls "
+            "for 3 steps in a row (steps 1-3)",
+            "RewardTimedOut",
+        ),
         ("ModelNotFound: no such model", None),
         (None, None),
     ],

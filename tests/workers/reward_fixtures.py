@@ -7,6 +7,7 @@ the rollout worker processes the tests launch.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from mortal.workers.rewards import RewardEnvironment
@@ -125,3 +126,17 @@ def server_down(completions, **kwargs):
     from mortal.workers.rollout.environment_proxy import EnvironmentUnreachable
 
     raise EnvironmentUnreachable("the environment server at http://envs is unreachable")
+
+
+def answers_only_step_0(completions, trainer_state, **kwargs):
+    """Scores the first step's batch, then answers each call too late for a short timeoutSeconds (its
+    abandoned thread ends soon after)."""
+    if trainer_state.global_step == 0:
+        return [1.0] * len(completions)
+    time.sleep(0.5)
+    return [1.0] * len(completions)
+
+
+def not_applicable(completions, **kwargs):
+    """Applies to no completion: None for each (TRL's 'not applicable'), at once."""
+    return [None] * len(completions)

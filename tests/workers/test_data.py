@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mortal.specs.training import DatasetSpec
-from mortal.workers.data import builtin_names, load_rows
+from mortal.workers.data import MAX_PROMPT_CHARS, builtin_names, load_rows
 from mortal.workers.errors import FatalWorkerError
 
 BUILTIN = Path(__file__).resolve().parents[2] / "workers" / "builtin_data"
@@ -74,23 +74,78 @@ def test_parquet(tmp_path: Path) -> None:
     assert load_rows(spec(str(path))) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
 
+GOOD = b'{"prompt": "What is 1 + 1?"}\n'
+
+
 @pytest.mark.parametrize(
-    ("make", "kwargs", "message"),
+    ("make", "message"),
     [
-        (None, {}, "no such file"),
-        ("{not json\n", {}, "line 1 is not JSON"),
-        ('{"question": "x"}\n', {}, "spec.dataset.promptColumn 'prompt' is not a column of"),
-        ('{"prompt": 5}\n', {}, "a prompt must be text or a list of {role, content} messages"),
-        ("", {}, "the dataset has no rows"),
+        (None, "no such file"),
+        (b"{not json\n", "line 1 is not JSON: Expecting property name enclosed in double quotes (column 2)"),
+        (GOOD * 5 + b'{"prompt": "cut\n', "line 6 is not JSON"),
+        (GOOD * 2 + b"\n" + b'{"prompt": "caf\xe9"}\n', "line 4 is not UTF-8 text (byte 0xe9 at column 16)"),
+        (
+            GOOD + b'{"question": "x"}\n',
+            "line 2 has no 'prompt' column (spec.dataset.promptColumn): question",
+        ),
+        (GOOD + b'["a prompt"]\n', "line 2 is an array, not a JSON object"),
+        (
+            GOOD + b'{"prompt": 5}\n',
+            "line 2 has a 'prompt' that is a number: a prompt must be text or a list",
+        ),
+        (b'{"prompt": []}\n', "line 1 has a 'prompt' that is an empty array"),
+        (b"", "the dataset has no rows"),
     ],
 )
-def test_unreadable_datasets_are_fatal(tmp_path: Path, make: str | None, kwargs: dict, message: str) -> None:
+def test_a_bad_line_is_fatal_naming_the_file_and_its_line(
+    tmp_path: Path, make: bytes | None, message: str
+) -> None:
     path = tmp_path / "d.jsonl"
     if make is not None:
-        path.write_text(make)
+        path.write_bytes(make)
     with pytest.raises(FatalWorkerError) as caught:
-        load_rows(spec(str(path), **kwargs))
+        load_rows(spec(str(path)))
     assert caught.value.reason == "DatasetUnreadable"
+    assert message in caught.value.message
+    if "line" in message:
+        assert f"{path} {message}" in caught.value.message
+
+
+def test_a_prompt_over_the_bound_is_refused_and_one_at_it_is_read(tmp_path: Path) -> None:
+    """MAX_PROMPT_CHARS counts a text prompt's characters, a chat prompt's contents together."""
+    path = tmp_path / "d.jsonl"
+    half = "x" * (MAX_PROMPT_CHARS // 2)
+    at_bound = {"prompt": [{"role": "system", "content": half}, {"role": "user", "content": half}]}
+    path.write_text(json.dumps(at_bound) + "\n" + json.dumps({"prompt": "é" * (MAX_PROMPT_CHARS + 1)}) + "\n")
+    with pytest.raises(
+        FatalWorkerError, match=r"line 2 has a prompt of 1,048,577 characters; .*MAX_PROMPT_CHARS"
+    ):
+        load_rows(spec(str(path)))
+    assert len(load_rows(spec(str(path), max_samples=1))[0]["prompt"]) == 2
+
+
+def test_lines_past_max_samples_are_not_read(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(GOOD * 2 + b"{not json\n")
+    assert len(load_rows(spec(str(path), max_samples=2))) == 2
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (b'[{"prompt": "a"},\n {"prompt": "\xff"}]', "line 2 is not UTF-8 text (byte 0xff)"),
+        (b'[{"prompt": "a"},\n {"prompt": }]', "line 2 is not JSON: Expecting value (column 13)"),
+        (b'[{"prompt": "a"}, {"question": "b"}]', "row 2 has no 'prompt' column (spec.dataset.promptColumn)"),
+        (b'[{"prompt": "a"}, {"prompt": null}]', "row 2 has a 'prompt' that is null"),
+    ],
+)
+def test_a_json_file_s_bad_row_is_named_by_its_line_or_its_place(
+    tmp_path: Path, make: bytes, message: str
+) -> None:
+    path = tmp_path / "d.json"
+    path.write_bytes(make)
+    with pytest.raises(FatalWorkerError, match="DatasetUnreadable") as caught:
+        load_rows(spec(str(path)))
     assert message in caught.value.message
 
 

@@ -10,7 +10,9 @@ weights (TRL's reward_weights) and logs `rewards/<name>/mean` as TRL does.
 Each call has a deadline (`rewards[].timeoutSeconds`): it runs on a thread of its own
 (mortal.workers.deadline says why not a subprocess) and past the deadline is abandoned, its completions
 score None (counted as not applicable, the run goes on) and `on_timeout` is told (the rollout records a
-Warning event naming the reward, the worker and the seconds).
+Warning event naming the reward, the worker and the seconds). Rewards that give no score at all (no call
+returned: each timed out) for REWARD_SILENT_STEPS steps in a row, or since the worker started when its
+abandoned calls fill it, fail the run (RewardTimedOut: `silence_failure`): nothing would be trained on.
 What it must not do: let a broken reward look like a crash to retry. A wrong path, a function that
 raises, or one that returns the wrong length or a non-number is a FatalWorkerError that names the
 reward and says what to fix, so the run fails at once with that reason.
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS
+from mortal.specs.deadlines import DEFAULT_REWARD_TIMEOUT_SECONDS, REWARD_SILENT_STEPS
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallExited, CallTimedOut, ExitCalled, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError, ServiceOutage
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 
 # Dataset columns TRL never forwards to reward functions (they are passed under their own names).
 RESERVED_COLUMNS = ("prompt", "completion", "completion_ids")
+REWARD_TIMED_OUT = "RewardTimedOut"  # the fatal reason of rewards that give no score at all
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,51 @@ class RewardTimeout:
         )
 
 
+@dataclass
+class Silence:
+    """The reward calls that timed out since one last returned (a score or None: an answer either way)."""
+
+    steps: set[int] = field(default_factory=set)  # TRL's global_step of the tasks they scored
+    calls: int = 0
+    timeouts: dict[str, float] = field(default_factory=dict)  # reward -> its timeoutSeconds
+
+    def add(self, step: int, timed_out: dict[str, float]) -> None:
+        """One task's calls, none of which returned."""
+        self.steps.add(step)
+        self.calls += len(timed_out)
+        self.timeouts.update(timed_out)
+
+
+def silence_failure(
+    silence: Silence, answered: bool, abandoned_full: bool, limit: int = REWARD_SILENT_STEPS
+) -> str | None:
+    """Why the run fails for rewards that give no score at all, else None: no reward call returned for
+    `limit` steps in a row, or none since the worker started and its abandoned calls fill it (a fresh
+    worker would begin the same way). `answered`: a reward call returned in this worker. A reward that
+    returns None answers: TRL reads it as not applicable, which a reward may say of every row."""
+    if not silence.calls:
+        return None
+    if limit and len(silence.steps) >= limit:
+        why = f"for {len(silence.steps)} steps in a row"
+    elif abandoned_full and not answered:
+        why = (
+            "since this worker started, and its calls past their deadline fill it (a fresh worker would "
+            "start the same way)"
+        )
+    else:
+        return None
+    first, last = min(silence.steps) + 1, max(silence.steps) + 1  # TRL's global_step trains the next step
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    several = len(silence.timeouts) > 1
+    named = ", ".join(f"{name!r} ({seconds:g} s)" for name, seconds in silence.timeouts.items())
+    return (
+        f"{'rewards' if several else 'reward'} {named} did not return within "
+        f"{'their' if several else 'its'} timeoutSeconds on any of {silence.calls} calls {why} ({steps}): "
+        "every completion scored None, so nothing was trained on; make "
+        f"{'them' if several else 'it'} return sooner or raise rewards[].timeoutSeconds"
+    )
+
+
 class RewardSet:
     """The spec's rewards, loaded once per worker and called for every task."""
 
@@ -276,6 +324,8 @@ class RewardSet:
         self.abandoner = abandoner or Abandoner()
         self.on_timeout: Callable[[RewardTimeout], None] | None = None  # the rollout records an event
         self._told: set[tuple[str, int]] = set()  # (reward, step) timeouts already told: one event each
+        self.silence = Silence()  # calls timed out since a reward call last returned
+        self.answered = False  # a reward call returned in this worker
 
     @property
     def names(self) -> list[str]:
@@ -338,15 +388,35 @@ class RewardSet:
 
     def _scores(
         self, reward: LoadedReward, kwargs: dict[str, Any], expected: int, global_step: int
-    ) -> list[float | None]:
-        """One reward's checked scores, or None for each completion when its call ran past its deadline."""
+    ) -> tuple[list[float | None], float | None]:
+        """One reward's checked scores and None, or None for each completion and the deadline when its call
+        ran past it. The worker's abandoned calls filling it while no reward call ever returned here fail
+        the run (`silence_failure`) rather than relaunch it."""
         try:
-            return check_scores(reward, self._call(reward, kwargs), expected)
+            return check_scores(reward, self._call(reward, kwargs), expected), None
         except CallTimedOut as exc:
             if self.on_timeout is not None and (reward.name, global_step) not in self._told:
                 self._told.add((reward.name, global_step))
                 self.on_timeout(RewardTimeout(reward.name, exc.seconds, expected, global_step))
-            return [None] * expected
+            return [None] * expected, exc.seconds
+        except TooManyAbandonedCalls:
+            failure = silence_failure(self.silence, self.answered, abandoned_full=True)
+            if failure is not None:
+                raise FatalWorkerError(REWARD_TIMED_OUT, failure) from None
+            raise
+
+    def _heard(self, global_step: int, timed_out: dict[str, float], answered: bool) -> None:
+        """Count a task whose reward calls all timed out (none answered); fail the run once
+        `silence_failure` says so."""
+        if answered:
+            self.answered, self.silence = True, Silence()
+            return
+        if not timed_out:
+            return
+        self.silence.add(global_step, timed_out)
+        failure = silence_failure(self.silence, self.answered, abandoned_full=False)
+        if failure is not None:
+            raise FatalWorkerError(REWARD_TIMED_OUT, failure)
 
     def report(
         self, prompt: Any, completion: Any, completion_ids: list[int], row: dict[str, Any]
@@ -397,4 +467,11 @@ class RewardSet:
             kwargs["environments"] = environments
         if prompts is not None:
             kwargs["prompts"] = prompts
-        return {r.name: self._scores(r, kwargs, len(completions), step) for r in self.rewards}
+        scores: dict[str, list[float | None]] = {}
+        timed_out: dict[str, float] = {}
+        for reward in self.rewards:
+            scores[reward.name], seconds = self._scores(reward, kwargs, len(completions), step)
+            if seconds is not None:
+                timed_out[reward.name] = seconds
+        self._heard(step, timed_out, answered=len(timed_out) < len(self.rewards))
+        return scores

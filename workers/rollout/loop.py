@@ -10,7 +10,7 @@ is renewed while it is worked on; a worker that dies loses nothing (its tasks ar
 with the same seeds). It also ends by itself when idle and the run's newest actor Succeeded at maxSteps, so
 nothing is left running if the controller is gone.
 What it must not do: write anything but its tasks' results and its heartbeat, or swallow a broken reward,
-dataset or model (FatalWorkerError: the run fails with the reason).
+dataset or model, or a prompt longer than the model takes (FatalWorkerError: the run fails with the reason).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mortal.workers.models import (
 )
 from mortal.workers.rewards import RewardSet
 from mortal.workers.rollout.engines import Engine, GenerationParams, select_engine
-from mortal.workers.rollout.multiturn import MultiTurn, Rollout
+from mortal.workers.rollout.multiturn import MultiTurn, Rollout, fitting
 from mortal.workers.rollout.tools import Toolbox
 from mortal.workers.runtime import EXIT_SUCCEEDED, WorkerContext, startup_objects_frozen
 from mortal.workers.sync import UnknownSyncMethod, transport_for
@@ -197,7 +197,11 @@ class RolloutWorker:
                 for request, group in zip(requests, conversations, strict=True)
             ]
         else:
-            prompts = [encode_prompt(self.tokenizer, r.prompt) for r in requests]
+            limit = self.engine.max_model_len()
+            prompts = [
+                fitting(r, encode_prompt(self.tokenizer, r.prompt), self.params.max_tokens, limit)
+                for r in requests
+            ]
             groups = self.engine.generate(
                 prompts, requests[0].num_generations, [r.seed for r in requests], self.params
             )

@@ -30,11 +30,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mortal.workers import schedule
+from mortal.workers.deadline import CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError, ServiceOutage
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.chat_templates import UnknownChatTemplate, template_file
 from mortal.workers.rollout.engines import Engine, GenerationParams
-from mortal.workers.rollout.environment_proxy import raised_kind
+from mortal.workers.rollout.environment_proxy import EnvironmentProxy, raised_kind
 from mortal.workers.rollout.remembered import Remembered, tool_functions
 from mortal.workers.rollout.tools import CONCURRENT_ROLLOUTS, Toolbox, ToolOutcome, tokenizable
 from mortal.workers.rollout.turn_parser import TurnParser
@@ -84,6 +85,29 @@ def row_named(request: RolloutRequest) -> str:
     quoted = text if len(text) <= ROW_SHOWN_CHARS else text[: ROW_SHOWN_CHARS - 3] + "..."
     columns = ", ".join(sorted(map(str, request.row))) or "none"
     return f"whose prompt's last message is {quoted!r}, columns {columns}"
+
+
+class PromptTooLong(FatalWorkerError):
+    """A prompt that, with generation.maxTokens, is longer than the model takes: the run fails naming the row,
+    since no spec field asks for prompts to be cut (generating past the model's positions trains on noise)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("PromptTooLong", message)
+
+
+def fitting(
+    request: RolloutRequest, prompt_ids: list[int], max_tokens: int, max_model_len: int | None
+) -> list[int]:
+    """`prompt_ids`, when they and `max_tokens` fit in `max_model_len` (None: no known limit); else
+    PromptTooLong with the numbers and the row."""
+    if max_model_len is None or len(prompt_ids) + max_tokens <= max_model_len:
+        return prompt_ids
+    fix = "lower generation.maxTokens, or " if len(prompt_ids) < max_model_len else ""
+    raise PromptTooLong(
+        f"a prompt of {len(prompt_ids)} tokens and generation.maxTokens {max_tokens} exceed the "
+        f"{max_model_len} tokens the model takes (the dataset row {row_named(request)}); {fix}shorten "
+        "or drop the row"
+    )
 
 
 def resolve_chat_template(tokenizer: Any, name: str | None) -> str | None:
@@ -277,9 +301,21 @@ class MultiTurn:
             prompt = copy.deepcopy(request.prompt)
             if environment is not None:
                 try:
-                    observation = environment.reset(**reset_row)
-                except ServiceOutage:  # environmentService http: its server is down: relaunch
+                    observation = self.toolbox.reset(environment, reset_row)
+                except (ServiceOutage, TooManyAbandonedCalls):  # a server down, hung calls piled up: relaunch
                     raise
+                except CallTimedOut as exc:
+                    left = (
+                        "its process was killed"
+                        if isinstance(environment, EnvironmentProxy)
+                        else "its thread was abandoned, its stacks are in the worker's log"
+                    )
+                    raise FatalWorkerError(
+                        "EnvironmentTimedOut",
+                        f"{type(environment).__name__}.reset(**row) did not return within "
+                        f"rollout.environmentService.resetTimeoutSeconds ({exc.seconds:g} s) for the row "
+                        f"{row_named(request)}; {left}",
+                    ) from exc
                 except Exception as exc:  # the user's environment is broken: fail the run with its reason
                     raise FatalWorkerError(
                         "EnvironmentFailed",
@@ -295,7 +331,9 @@ class MultiTurn:
             group.append(
                 Rollout(
                     prompt=prompt,
-                    prompt_ids=self._rendered(prompt, tools),
+                    prompt_ids=fitting(
+                        request, self._rendered(prompt, tools), self.params.max_tokens, self.max_model_len
+                    ),
                     tools=tools,
                     environment=environment,
                 )

@@ -134,6 +134,7 @@ class Toolbox:
     _told: dict[str, float] = field(default_factory=dict)
     # where proxied instances live (environment_pool.ProcessPool, environment_client.HttpEnvironments)
     service: Any = None
+    reset_seconds: float = 300.0  # rollout.environmentService.resetTimeoutSeconds
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
@@ -167,6 +168,7 @@ class Toolbox:
             timeout_seconds=rollout.tool_timeout_seconds,
             max_iterations=rollout.max_tool_calling_iterations,
             service=service,
+            reset_seconds=rollout.environment_service.reset_timeout_seconds,
         )
         for name, factory in environments.items():
             probe = box._build(name, factory)
@@ -235,6 +237,15 @@ class Toolbox:
             taken[name] = index + 1
             out.append(pool[index])
         return out
+
+    def reset(self, environment: Any, row: dict[str, Any]) -> Any:
+        """environment.reset(**row)'s observation; CallTimedOut past environmentService.resetTimeoutSeconds.
+        An instance in this process resets on a thread abandoned past the deadline, as a hung tool's is
+        (TooManyAbandonedCalls passes through); a proxy's reset keeps its own (its process is killed)."""
+        if isinstance(environment, EnvironmentProxy):
+            return environment.reset(**row)
+        what = f"{type(environment).__name__}.reset"
+        return self.abandoner.call(lambda: environment.reset(**row), self.reset_seconds, what)
 
     def tools_for(self, environment: Any) -> list[Callable[..., Any]]:
         """The tools a rollout may call: the standalone ones, then its environment's methods."""

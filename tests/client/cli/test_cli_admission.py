@@ -320,3 +320,53 @@ def test_a_new_run_the_store_refuses_leaves_no_code_folder_under_its_name(
     digest = store.get_run("kept").annotations[CODE_ANNOTATION]
     store.close()
     assert (paths.code_dir("kept", digest) / "myrewards.py").is_file()
+
+
+@sqlite_only
+def test_a_reward_module_in_the_folder_that_imports_a_missing_package_is_found_and_names_the_package(
+    cli, spec_file, user_folder
+):
+    (user_folder / "needsdeps.py").write_text("import no_such_package_here\n")
+    path = spec_file("deps", **{"spec.rewards": [{"function": "needsdeps:f"}]})
+    out = cli("apply", "-f", str(path), "--dry-run")
+    assert out.exit_code == 1, out.output
+    assert (
+        "'needsdeps:f': module 'needsdeps' was found (needsdeps.py, in the folder you applied from) but "
+        "importing it failed: needsdeps.py:1 imports 'no_such_package_here', which is neither in the folder "
+        "you applied from nor installed where mortal runs"
+    ) in out.output
+
+
+GOOD_ROW = b'{"prompt": "What is 1 + 1?"}\n'
+
+
+@sqlite_only
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (
+            GOOD_ROW * 5 + b'{"prompt": "cut',
+            "line 6 is not JSON: Unterminated string starting at (column 12)",
+        ),
+        (GOOD_ROW * 2 + b'{"prompt": "\xff"}\n', "line 3 is not UTF-8 text (byte 0xff at column 13)"),
+        (
+            GOOD_ROW + b'{"question": "x"}\n',
+            "line 2 has no 'prompt' column (spec.dataset.promptColumn): question",
+        ),
+        (GOOD_ROW + b'"What is 1 + 1?"\n', "line 2 is a string, not a JSON object"),
+        (GOOD_ROW + b'{"prompt": 7}\n', "line 2 has a 'prompt' that is a number"),
+        (
+            GOOD_ROW + b'{"prompt": "' + b"x" * (1 << 20) + b'x"}\n',
+            "line 2 has a prompt of 1,048,577 characters",
+        ),
+    ],
+)
+def test_dry_run_refuses_a_dataset_naming_its_bad_line(
+    cli, spec_file, store_url, user_folder, content: bytes, says: str
+):
+    (user_folder / "data" / "bad.jsonl").write_bytes(content)
+    path = spec_file("bad", **{"spec.dataset": {"name": "data/bad.jsonl"}})
+    out = cli("apply", "-f", str(path), "--dry-run")
+    assert out.exit_code == 1, out.output
+    assert f"{path}:" in out.output and f": spec.dataset.name: 'data/bad.jsonl': {says}" in out.output
+    assert runs(store_url) == []

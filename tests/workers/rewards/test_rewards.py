@@ -8,8 +8,9 @@ import pytest
 import reward_fixtures
 
 from mortal.specs.rewards import RewardSpec
+from mortal.workers.deadline import Abandoner, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError, ServiceOutage
-from mortal.workers.rewards import RewardEnvironment, RewardSet
+from mortal.workers.rewards import RewardEnvironment, RewardSet, Silence, silence_failure
 from mortal.workers.rewards import builtin as br
 
 CHAT = [{"role": "user", "content": "What is 1 + 2?"}]
@@ -213,3 +214,88 @@ def test_a_reward_past_its_timeout_scores_none_and_is_told_once_a_step() -> None
             "completions of step 8; they score None"  # TRL's global_step 7: the eighth step's batch
         )
     )
+
+
+def _silence(steps: set[int], calls: int, **timeouts: float) -> Silence:
+    return Silence(steps, calls, dict(timeouts) or {"judge": 2.0})
+
+
+@pytest.mark.parametrize(
+    "silence, answered, abandoned_full, says",
+    [
+        (Silence(), False, True, None),  # nothing timed out
+        (_silence({0, 1}, 4), False, False, None),  # two steps without a score: the run trains on
+        (
+            _silence({0, 1, 2}, 5),
+            True,
+            False,
+            "reward 'judge' (2 s) did not return within its timeoutSeconds on any of 5 calls for 3 steps "
+            "in a row (steps 1-3): every completion scored None",
+        ),
+        (
+            _silence({4, 5, 6}, 3, a=1.0, b=5.0),
+            True,
+            False,
+            "rewards 'a' (1 s), 'b' (5 s) did not return within their timeoutSeconds on any of 3 calls",
+        ),
+        (
+            _silence({0}, 8),
+            False,
+            True,
+            "on any of 8 calls since this worker started, and its calls past their deadline fill it (a "
+            "fresh worker would start the same way) (step 1)",
+        ),
+        (_silence({3}, 8), True, True, None),  # a reward answered in this worker: a relaunch may heal it
+    ],
+)
+def test_rewards_that_give_no_score_at_all_fail_the_run(silence, answered, abandoned_full, says) -> None:
+    failure = silence_failure(silence, answered, abandoned_full, limit=3)
+    assert (failure is None) == (says is None)
+    if says is not None:
+        assert says in failure and failure.endswith("raise rewards[].timeoutSeconds")
+
+
+def test_a_reward_that_times_out_on_every_call_fails_the_run_after_steps_in_a_row() -> None:
+    rewards = reward_set({"function": "reward_fixtures:answers_only_step_0", "timeoutSeconds": 0.02})
+    assert rewards.score("p", ["3", "4"], [[1], [2]], ROW, step=0) == {"answers_only_step_0": [1.0, 1.0]}
+    for step in (1, 1, 2):  # two tasks of step 2, one of step 3: scored None, the run trains on
+        assert rewards.score("p", ["3", "4"], [[1], [2]], ROW, step=step) == {
+            "answers_only_step_0": [None, None]
+        }
+    with pytest.raises(FatalWorkerError) as caught:
+        rewards.score("p", ["3", "4"], [[1], [2]], ROW, step=3)
+    assert caught.value.reason == "RewardTimedOut"
+    assert (
+        "reward 'answers_only_step_0' (0.02 s) did not return within its timeoutSeconds on any of 4 "
+        in str(caught.value)
+    )
+    assert "calls for 3 steps in a row (steps 2-4)" in str(caught.value)
+
+
+def test_a_reward_that_answers_none_or_another_that_scores_keeps_the_run_training() -> None:
+    for other in ("reward_fixtures:not_applicable", "reward_fixtures:length_of_answer"):
+        rewards = reward_set(
+            {"function": "reward_fixtures:answers_only_step_0", "timeoutSeconds": 0.02}, {"function": other}
+        )
+        for step in range(1, 5):
+            scores = rewards.score("p", ["3"], [[1]], ROW, step=step)
+            assert scores["answers_only_step_0"] == [None]
+
+
+def test_abandoned_calls_filling_a_worker_no_reward_call_ever_answered_in_fail_the_run() -> None:
+    rewards = reward_set({"function": "reward_fixtures:answers_only_step_0", "timeoutSeconds": 0.02})
+    rewards.abandoner = Abandoner(limit=2)
+    for step in (1, 2):
+        rewards.score("p", ["3"], [[1]], ROW, step=step)
+    with pytest.raises(FatalWorkerError, match="since this worker started") as caught:
+        rewards.score("p", ["3"], [[1]], ROW, step=2)
+    assert caught.value.reason == "RewardTimedOut"
+
+
+def test_abandoned_calls_filling_a_worker_whose_reward_answered_before_relaunch_it() -> None:
+    rewards = reward_set({"function": "reward_fixtures:answers_only_step_0", "timeoutSeconds": 0.02})
+    rewards.abandoner = Abandoner(limit=2)
+    for step in (0, 1, 2):
+        rewards.score("p", ["3"], [[1]], ROW, step=step)
+    with pytest.raises(TooManyAbandonedCalls):  # a fresh worker, as for a reward that hangs now and then
+        rewards.score("p", ["3"], [[1]], ROW, step=2)

@@ -24,7 +24,7 @@ from rollout_helpers import assets_available
 from tool_helpers import MAX_MODEL_LEN, SCRIPTS, ArithScript, ScriptedEngine, smollm2_tokenizer, tool_call
 
 from mortal.specs.training import RolloutSpec
-from mortal.workers.deadline import Abandoner, TooManyAbandonedCalls
+from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.messages import RolloutRequest
 from mortal.workers.rollout.builtin_tools import ArithEnvironment, CalculatorError, calculator
 from mortal.workers.rollout.engines import GenerationParams
@@ -886,6 +886,47 @@ def test_an_environment_whose_reset_raises_fails_the_run_with_the_reason() -> No
     assert "...', columns level, task)" in str(caught.value)
 
 
+class _HungReset:
+    """An environment whose reset answers long after a short resetTimeoutSeconds (its thread ends soon)."""
+
+    def reset(self, **row: Any) -> None:
+        time.sleep(1)
+
+
+def test_an_environment_whose_reset_hangs_in_process_fails_the_run_past_its_deadline() -> None:
+    from mortal.workers.errors import FatalWorkerError
+
+    tokenizer = smollm2_tokenizer()
+    multiturn = MultiTurn(
+        ScriptedEngine(tokenizer),
+        tokenizer,
+        Toolbox(environments={None: _HungReset}, reset_seconds=0.05),
+        GenerationParams(max_tokens=8),
+        "qwen2_5",
+    )
+    request = RolloutRequest(
+        prompt=[{"role": "user", "content": "Task: plain."}], row={"task": "plain"}, num_generations=1, seed=0
+    )
+    started = time.monotonic()
+    with pytest.raises(FatalWorkerError) as caught:
+        multiturn.rollouts([request])
+    assert time.monotonic() - started < 1  # the deadline, not the reset, ended it
+    assert caught.value.reason == "EnvironmentTimedOut"
+    assert str(caught.value) == (
+        "EnvironmentTimedOut: _HungReset.reset(**row) did not return within "
+        "rollout.environmentService.resetTimeoutSeconds (0.05 s) for the row whose prompt's last message is "
+        "'Task: plain.', columns task; its thread was abandoned, its stacks are in the worker's log"
+    )
+
+
+def test_hung_resets_count_as_abandoned_calls_and_too_many_relaunch_the_worker() -> None:
+    box = Toolbox(environments={None: _HungReset}, reset_seconds=0.02, abandoner=Abandoner(limit=1))
+    with pytest.raises(CallTimedOut, match="_HungReset.reset did not return within 0.02 s"):
+        box.reset(_HungReset(), {"task": "plain"})
+    with pytest.raises(TooManyAbandonedCalls):
+        box.reset(_HungReset(), {"task": "plain"})
+
+
 def test_the_batched_engine_continues_conversations_and_repeats_them(tiny_dir: Path) -> None:
     """The transformers engine's batched path (eager on the CPU) runs the loop as conversations it keeps in
     its rows; the same weights and seeds give the same trajectories."""
@@ -913,3 +954,34 @@ def test_the_batched_engine_continues_conversations_and_repeats_them(tiny_dir: P
         assert all(0 < len(r.completion_ids) <= 12 for group in groups for r in group)
         assert engine.generation_stats()["turns"] >= 6
     assert runs[0] == runs[1]
+
+
+def test_a_prompt_that_leaves_no_room_for_max_tokens_fails_the_run_naming_its_row() -> None:
+    """The first turn alone may take maxTokens: a prompt whose tokens and maxTokens exceed what the model
+    takes is refused before any engine call (no spec field asks for prompts to be cut)."""
+    from mortal.workers.rollout.multiturn import PromptTooLong
+
+    tokenizer = smollm2_tokenizer()
+    engine = ScriptedEngine(tokenizer)
+    multiturn = MultiTurn(
+        engine,
+        tokenizer,
+        Toolbox(tools=[calculator]),
+        GenerationParams(max_tokens=160),
+        chat_template="qwen2_5",
+    )
+    request = RolloutRequest(
+        prompt=[{"role": "user", "content": "Add these: " + "1 + " * (MAX_MODEL_LEN // 2)}],
+        row={"answer": "1"},
+        num_generations=2,
+        seed=0,
+    )
+    with pytest.raises(PromptTooLong) as caught:
+        multiturn.rollouts([request])
+    assert caught.value.reason == "PromptTooLong"
+    assert f"tokens and generation.maxTokens 160 exceed the {MAX_MODEL_LEN} tokens the model takes" in str(
+        caught.value
+    )
+    assert "(the dataset row whose prompt's last message is 'Add these: 1 + 1 + " in str(caught.value)
+    assert "columns answer); shorten or drop the row" in str(caught.value)
+    assert engine.calls == []

@@ -293,3 +293,28 @@ def test_phases_are_consecutive_parts_each_from_the_end_of_the_one_before(
     phases = rollout.Phases()
     assert phases.end("tokenizer") == 0.5 and phases.end("engine") == 2.5
     assert str(phases) == "tokenizer 0.5 s, engine 2.5 s"
+
+
+def test_a_prompt_longer_than_the_model_takes_fails_the_task_naming_the_row_and_the_numbers(
+    sqlite_store: Store, tiny_dir: Path
+) -> None:
+    """The tiny model takes 512 positions: a prompt of more tokens is refused with PromptTooLong before the
+    engine sees it, never generated past the model's positions (which trains on noise, silently)."""
+    from mortal.workers.rollout.multiturn import PromptTooLong
+
+    store = sqlite_store
+    run = create_run(store, "long", training_spec(str(tiny_dir)))
+    actor = new_worker(store, run, "actor")
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "one " * 600, "answer": "0"}]
+    store.enqueue_tasks(actor, [chunk_task(1, 0, rows)])
+    ctx = WorkerContext(store, new_worker(store, run, "rollout"), run)
+    worker = rollout.build(ctx)
+    task = store.lease_task(ctx.worker, worker.lease_seconds, max_weight_version=0)
+    with pytest.raises(PromptTooLong) as caught:
+        worker.answer(task)
+    message = caught.value.message
+    assert (
+        "a prompt of 60" in message and "tokens and generation.maxTokens 8 exceed the 512 tokens" in message
+    )
+    assert "(the dataset row whose prompt's last message is 'one one one" in message
+    assert message.endswith("columns answer, prompt); shorten or drop the row")
