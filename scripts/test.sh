@@ -19,9 +19,9 @@ if [ "$#" -eq 0 ]; then
   unshare -rn sh -c 'ip link set lo up && exec python -m pytest -q -p no:cacheprovider "$@"' sh "${RAY_TESTS[@]}"
   set -- "${RAY_TESTS[@]/#/--ignore=}"
 fi
-# Three workers (pytest-xdist), even on CI's two cores: the end-to-end tests spend much of their time
-# waiting on worker processes, polls and leases, so two at once took the rest from 17 min to 9 (when it was
-# smaller), and a third from 15.2-17.6 to 12.1 min. Every test makes its own store, database, home and ports,
+# Four workers (pytest-xdist), even on CI's two cores: the end-to-end tests spend much of their time
+# waiting on worker processes, polls and leases, so each worker added up to four shortened the run (the
+# timings: docs/benchmarks.md, "The test suite"). Every test makes its own store, database, home and ports,
 # so none shares state with another worker's.
 # pytest exits 5 when it collected no test: that is a failure here, as every non-zero exit is.
-exec python -m pytest -q -p no:cacheprovider -n 3 --durations=15 "$@"
+exec python -m pytest -q -p no:cacheprovider -n 4 --durations=15 "$@"

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not assets_available(), reason="SmolLM2 assets m
 def test_each_read_back_interval_is_a_side_with_its_tasks_decode_figures(monkeypatch, tmp_path: Path) -> None:
     import turn_profile
 
-    model = make_tiny_model(tmp_path / "model")
+    # the calculator example's prompt (its tools' schemas) and its conversation budget take more positions
+    # than TINY's: a model that cannot hold them is refused (PromptTooLong)
+    model = make_tiny_model(tmp_path / "model", max_position_embeddings=1024)
     out = tmp_path / "out.json"
     argv = ["turn_profile.py", "--model", str(model), "--cpu", "--warm-start", "0", "--tasks", "1"]
     argv += [
