@@ -292,6 +292,7 @@ def generate(
     from mortal.workers.messages import RolloutRequest
     from mortal.workers.models import completion_message, encode_prompt, load_tokenizer
     from mortal.workers.rollout.engines import GenerationParams, select_engine
+    from mortal.workers.rollout.multiturn import fitting
 
     columns = dataset_row(run, row) if row is not None else {}
     the_prompt = (
@@ -309,8 +310,14 @@ def generate(
                 prompt=the_prompt, row=columns or {"prompt": the_prompt}, num_generations=n, seed=seed
             )
             [rollouts] = tool_rollouts(run, engine, tokenizer, params, [request])
-        else:
-            [outs] = engine.generate([encode_prompt(tokenizer, the_prompt)], n, [seed], params)
+        else:  # a prompt longer than the model takes fails here as it would fail the run (PromptTooLong)
+            request = RolloutRequest(
+                prompt=the_prompt, row=columns or {"prompt": the_prompt}, num_generations=n, seed=seed
+            )
+            prompt_ids = fitting(
+                request, encode_prompt(tokenizer, the_prompt), params.max_tokens, engine.max_model_len()
+            )
+            [outs] = engine.generate([prompt_ids], n, [seed], params)
     finally:
         engine.close()
     if run.spec.rollout.uses_tools:

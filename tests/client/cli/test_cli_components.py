@@ -168,6 +168,18 @@ def test_test_rollout_samples_n_completions_of_a_dataset_row_and_scores_them(
     assert text.exit_code == 0 and "--- completion 0 ---" in text.output
 
 
+@needs_assets
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_test_rollout_refuses_a_prompt_longer_than_the_model_takes_as_the_run_would(
+    cli, spec_file, tiny_model
+) -> None:
+    path = spec_file("tiny", **{"spec.model": {"name": str(tiny_model), "dtype": "float32"}})
+    long_prompt = "hello " * 600  # past the tiny model's positions
+    result = cli("test", "rollout", "-f", str(path), "--prompt", long_prompt, "-n", "1", "--max-tokens", "3")
+    assert result.exit_code == 1, result.output
+    assert "PromptTooLong" in result.output and "exceed the 512 tokens the model takes" in result.output
+
+
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize(
     ("args", "message"),
