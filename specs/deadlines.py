@@ -59,5 +59,6 @@ class DeadlinesSpec(SpecModel):
 DEFAULT_COLLECTIVE_SECONDS = 300.0
 DEFAULT_WEIGHT_LOAD_SECONDS = 600.0
 DEFAULT_REWARD_TIMEOUT_SECONDS = 300.0
+DEFAULT_RESET_TIMEOUT_SECONDS = 300.0  # environmentService.resetTimeoutSeconds: an instance's reset(**row)
 # Steps in a row in which no reward call returned (each timed out) before the run fails: nothing trains.
 REWARD_SILENT_STEPS = 3

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from mortal.specs.base import SpecModel, rule_error
+from mortal.specs.deadlines import DEFAULT_RESET_TIMEOUT_SECONDS
 from mortal.specs.rewards import ENV_VAR, FUNCTION_REF, _suggest_ref
 
 ENVIRONMENT_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -88,7 +89,7 @@ class EnvironmentServiceSpec(SpecModel):
         "spec.secrets; never the token itself).",
     )
     reset_timeout_seconds: float = Field(
-        300.0,
+        DEFAULT_RESET_TIMEOUT_SECONDS,
         gt=0,
         description="Wall-clock limit of an instance's reset(**row), and with processPool and http of "
         "building it and of its get_reward(), in seconds; past it the instance's process is killed "

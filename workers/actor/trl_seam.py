@@ -55,6 +55,7 @@ import importlib.metadata
 import inspect
 import os
 import shutil
+import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import MethodType
@@ -235,13 +236,9 @@ class _RatioInLoss:
             gathered = self.trainer.accelerator.gather(torch.stack(vectors)).view(-1, len(_RATIO_METRICS))
             for name, column in zip(_RATIO_METRICS, gathered.T.tolist(), strict=True):
                 finite = [v for v in column if v not in (float("inf"), float("-inf"))] or [0.0]
-                combine = min if name.endswith("/min") else max if name.endswith("/max") else _mean
+                combine = min if name.endswith("/min") else max if name.endswith("/max") else statistics.fmean
                 self.trainer._metrics[mode][name].append(combine(finite))
             vectors.clear()
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def correct_in_loss(trainer: GRPOTrainer) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from mortal.specs.deadlines import DEFAULT_RESET_TIMEOUT_SECONDS
 from mortal.workers import references
 from mortal.workers.deadline import Abandoner, CallTimedOut, TooManyAbandonedCalls
 from mortal.workers.errors import FatalWorkerError, ServiceOutage, exception_text
@@ -134,7 +135,7 @@ class Toolbox:
     _told: dict[str, float] = field(default_factory=dict)
     # where proxied instances live (environment_pool.ProcessPool, environment_client.HttpEnvironments)
     service: Any = None
-    reset_seconds: float = 300.0  # rollout.environmentService.resetTimeoutSeconds
+    reset_seconds: float = DEFAULT_RESET_TIMEOUT_SECONDS  # rollout.environmentService.resetTimeoutSeconds
 
     @classmethod
     def from_spec(cls, rollout: Any) -> Toolbox:
